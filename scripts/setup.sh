@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Create or update the project's virtual environment at <repo>/.venv.
+#
+# Idempotent: a stamp file records a hash of the install recipe (this script and
+# setup.py); when it matches and the key imports work, the script exits in
+# about a second.  Every README command and .ci/run call it first.
+#
+# What it installs, in order:
+#   1. torch==2.14.1 / torchvision==0.29.1 (pinned: unpinned torch pulls a
+#      multi-GB CUDA build from the network; these two are served locally here)
+#   2. this project in editable mode with its test extra (`pip install -e .[test]`)
+#   3. learn2learn 0.2.0, built from its PyPI sdist after regenerating the
+#      Cython sources, because the shipped C files do not compile on
+#      Python >= 3.11 (learn2learn issue #413).  Nothing of learn2learn is
+#      kept in this repository.
+#
+# Environment: PYTHON (interpreter used to create the venv, default python3),
+# GRAM_VENV (venv path, default <repo>/.venv).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${GRAM_VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+TORCH_PIN="torch==2.14.1"
+TORCHVISION_PIN="torchvision==0.29.1"
+L2L_VERSION="0.2.0"
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+recipe_hash() {
+  cat "$ROOT/scripts/setup.sh" "$ROOT/setup.py" | sha256sum | cut -d' ' -f1
+}
+
+imports_ok() {
+  "$VENV/bin/python" - <<'PY' >/dev/null 2>&1
+import torch, torchvision, open_clip, learn2learn, yacs, safetensors, meta  # noqa: F401
+assert torch.__version__.startswith("2.14.1"), torch.__version__
+PY
+}
+
+STAMP="$VENV/.gram-setup-stamp"
+WANT="$(recipe_hash)"
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]] && imports_ok; then
+  log "environment at $VENV is up to date"
+  exit 0
+fi
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+  log "creating virtual environment at $VENV with $($PYTHON --version 2>&1)"
+  "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+PIP=("$PY" -m pip --disable-pip-version-check)
+
+log "build tools (setuptools, wheel, cython)"
+"${PIP[@]}" install -q "setuptools>=68" wheel "cython>=3.0"
+
+if ! "$PY" -c 'import torch, torchvision, sys; sys.exit(0 if torch.__version__.startswith("2.14.1") else 1)' 2>/dev/null; then
+  log "installing $TORCH_PIN $TORCHVISION_PIN"
+  "${PIP[@]}" install -q "$TORCH_PIN" "$TORCHVISION_PIN"
+fi
+
+log "installing the project (editable) and its dependencies"
+# The constraint keeps a dependency from replacing the pinned torch.
+CONSTRAINTS="$(mktemp)"
+trap 'rm -f "$CONSTRAINTS"' EXIT
+printf '%s\n%s\n' "$TORCH_PIN" "$TORCHVISION_PIN" >"$CONSTRAINTS"
+"${PIP[@]}" install -q -c "$CONSTRAINTS" -e "$ROOT[test]"
+
+if ! "$PY" -c 'import learn2learn' 2>/dev/null; then
+  log "building learn2learn $L2L_VERSION from its sdist (regenerating Cython sources for Python >= 3.11)"
+  BUILD="$(mktemp -d)"
+  "${PIP[@]}" download -q --no-deps --no-binary :all: "learn2learn==$L2L_VERSION" -d "$BUILD"
+  tar -xzf "$BUILD/learn2learn-$L2L_VERSION.tar.gz" -C "$BUILD"
+  SRC="$BUILD/learn2learn-$L2L_VERSION"
+  # The sdist's generated C files include a CPython header removed in 3.11.
+  rm -f "$SRC"/learn2learn/data/*.c
+  (cd "$SRC" && "$PY" -m cython -3 learn2learn/data/*.pyx)
+  "${PIP[@]}" install -q --no-deps --no-build-isolation "$SRC"
+  rm -rf "$BUILD"
+fi
+
+if ! imports_ok; then
+  log "ERROR: the environment at $VENV was built but a key import fails; run:"
+  log "  $PY -c 'import torch, open_clip, learn2learn, meta'"
+  exit 1
+fi
+echo "$WANT" >"$STAMP"
+log "environment ready: $VENV"

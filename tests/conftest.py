@@ -1,0 +1,32 @@
+"""Shared pytest fixtures.  Tests run on CPU with one OpenMP thread."""
+import os
+import sys
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # trainers/ and datasets/ import from the repo root, CoOp style
+    sys.path.insert(0, str(ROOT))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+TINY_MODEL = "GRAM-Test-Tiny"
+
+
+@pytest.fixture(scope="session")
+def tiny_clip():
+    """A frozen 3.4 M-parameter open_clip CLIP (random weights), built once per session."""
+    from meta.backbone import load_clip
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        clip, dims = load_clip(TINY_MODEL, pretrained=None)
+    return clip, dims
