@@ -1,0 +1,10 @@
+"""The one place ``datasets/`` imports Dassl; without it, a one-line ImportError says what to do."""
+try:
+    from dassl.data.datasets import DATASET_REGISTRY, Datum, DatasetBase
+except ImportError as err:  # ModuleNotFoundError included
+    raise ImportError(
+        f"Dassl is not installed ({err}): install Dassl.pytorch (github.com/KaiyangZhou/Dassl.pytorch) "
+        "to use datasets/; meta.coop_data reads the same CoOp data without Dassl"
+    ) from None
+
+__all__ = ["DATASET_REGISTRY", "Datum", "DatasetBase"]
