@@ -1,0 +1,236 @@
+"""GRAM's bi-level meta-learner (paper Algorithm 1) on top of ``learn2learn.algorithms.GBML``.
+
+Per task t (inner loop, Eq. 7)::
+
+    θ'_t = θ − α · R_φ(∇_θ L(θ, D_support_t))        (``inner_steps`` times)
+
+then the outer loop (Eqs. 8-9) updates θ with lr λ1 and φ with lr λ2 from
+``Σ_t L(θ'_t, D_query_t)``, second order by default.
+
+GBML wraps only the prompt module θ (:class:`meta.prompts.PromptParams`); the
+regulators R_φ are its per-parameter transforms.  The frozen CLIP lives outside
+and is never cloned: ``GBML.clone()`` copies θ (and the small φ) per task.
+
+Memory: one backward per task (``loss_q / B``), so a task's graph is freed before
+the next is built.  Second order through ``nn.MultiheadAttention`` needs a
+double-differentiable attention kernel; the support forward therefore runs
+under the MATH SDPA backend (fused CPU / flash / memory-efficient kernels have
+no double backward; reference/open_clip_notes.md).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ._l2l import l2l
+from .prompts import PromptParams
+from .regulator import GradientRegulator, RegulatorFactory, RegulatorSpec
+
+log = logging.getLogger(__name__)
+
+# loss_fn(prompt_module, batch) -> (loss scalar, logits [n, K])
+LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class MetaSpec:
+    """Hyper-parameters of the bi-level loop (values the paper does not give are ours)."""
+
+    inner_steps: int = 1
+    inner_lr: float = 0.1          # α
+    outer_lr_prompt: float = 2e-3  # λ1 (θ)
+    outer_lr_regulator: float = 1e-3  # λ2 (φ)
+    optimizer: str = "adam"        # "adam" | "sgd"
+    first_order: bool = False
+    grad_clip: float = 1.0         # max global norm over θ and φ; 0 = off
+    regulate: bool = True          # False = "w/o gradient regulating" ablation (raw inner gradient)
+    regulator: RegulatorSpec = field(default_factory=RegulatorSpec)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["regulator"] = self.regulator.as_dict()
+        return d
+
+
+@dataclass
+class TaskBatch:
+    """One task's support and query data in whatever form ``loss_fn`` understands."""
+
+    support: Any
+    query: Any
+
+
+@contextmanager
+def double_backward_attention() -> Iterator[None]:
+    """Run attention with the MATH SDPA kernel (the one with a double backward)."""
+    with sdpa_kernel(SDPBackend.MATH):
+        yield
+
+
+def _accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    return float((logits.argmax(dim=-1) == labels).float().mean())
+
+
+class GRAMMetaLearner(nn.Module):
+    """θ (prompts) + φ (regulators) and their outer optimiser.
+
+    Args:
+        prompts: θ, a :class:`PromptParams` (moved into the GBML wrapper).
+        spec: loop hyper-parameters.
+        labels_of: ``labels_of(batch) -> [n]`` int labels, used for accuracies.
+    """
+
+    def __init__(self, prompts: PromptParams, spec: Optional[MetaSpec] = None,
+                 labels_of: Callable[[Any], torch.Tensor] = lambda b: b["label"]):
+        super().__init__()
+        self.spec = spec or MetaSpec()
+        self.labels_of = labels_of
+        factory = RegulatorFactory(self.spec.regulator, enabled=self.spec.regulate)
+        self.gbml = l2l.algorithms.GBML(
+            module=prompts, transform=factory, lr=self.spec.inner_lr,
+            adapt_transform=False, first_order=self.spec.first_order)
+        groups = [{"params": list(self.prompt_module.parameters()), "lr": self.spec.outer_lr_prompt,
+                   "name": "prompt"}]
+        reg_params = list(self.gbml.compute_update.parameters())
+        if reg_params:
+            groups.append({"params": reg_params, "lr": self.spec.outer_lr_regulator, "name": "regulator"})
+        if self.spec.optimizer == "adam":
+            self.optimizer = torch.optim.Adam(groups)
+        elif self.spec.optimizer == "sgd":
+            self.optimizer = torch.optim.SGD(groups, momentum=0.9)
+        else:
+            raise ValueError(f"optimizer must be adam|sgd, got {self.spec.optimizer!r}")
+        self.skipped_steps = 0
+
+    # ----- views -------------------------------------------------------------------
+    @property
+    def prompt_module(self) -> PromptParams:
+        """θ (the live meta-parameters)."""
+        return self.gbml.module
+
+    def regulators(self) -> dict[str, GradientRegulator]:
+        """``{prompt parameter name: R_φ}`` (empty when regulation is off)."""
+        update = self.gbml.compute_update
+        names = [n for n, _ in self.prompt_module.named_parameters()]
+        out = {}
+        for name, idx in zip(names, update.transforms_indices):
+            if idx is not None:
+                out[name] = update.transforms_modules[idx]
+        return out
+
+    # ----- inner loop --------------------------------------------------------------
+    def adapt(self, loss_fn: LossFn, support: Any, first_order: Optional[bool] = None,
+              steps: Optional[int] = None) -> tuple[l2l.algorithms.GBML, list[float], list[float]]:
+        """Clone θ and take ``inner_steps`` regulated steps on ``support``.
+
+        Returns ``(learner, support losses, support accuracies)``; the losses/accuracies are those
+        computed *before* each step.  ``learner.module`` holds θ' (connected to θ and φ).
+        """
+        first_order = self.spec.first_order if first_order is None else first_order
+        learner = self.gbml.clone(first_order=first_order)
+        losses, accs = [], []
+        labels = self.labels_of(support)
+        for _ in range(self.spec.inner_steps if steps is None else steps):
+            with double_backward_attention():
+                loss, logits = loss_fn(learner.module, support)
+            learner.adapt(loss, first_order=first_order)
+            losses.append(float(loss.detach()))
+            accs.append(_accuracy(logits.detach(), labels))
+        return learner, losses, accs
+
+    # ----- outer loop --------------------------------------------------------------
+    def meta_step(self, tasks: Sequence[TaskBatch], loss_fn: LossFn, detailed: bool = False) -> dict[str, float]:
+        """One outer update from a meta-batch of ``B`` tasks: :meth:`accumulate` then :meth:`step`."""
+        metrics = self.accumulate(tasks, loss_fn, detailed=detailed)
+        metrics.update(self.step(metrics["query_loss_after"]))
+        return metrics
+
+    def accumulate(self, tasks: Sequence[TaskBatch], loss_fn: LossFn, detailed: bool = False) -> dict[str, float]:
+        """Leave ``∇_{θ,φ} (1/B) Σ_t L(θ'_t, D_query_t)`` in ``.grad`` (one backward per task).
+
+        Returns task-averaged metrics.  With ``detailed``, also computes (at extra cost)
+        the query loss/accuracy at θ (before adaptation), the support loss/accuracy at θ'
+        and the normalised inner product between the regulated support update
+        (θ − θ')/α and the query gradient ∇_θ L(θ, D_query) (the paper's Fig. 3b).
+        """
+        self.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        n_tasks = len(tasks)
+        if n_tasks == 0:
+            raise ValueError("meta-batch is empty")
+        sums: dict[str, float] = {}
+
+        def add(key: str, value: float) -> None:
+            sums[key] = sums.get(key, 0.0) + value / n_tasks
+
+        for task in tasks:
+            learner, s_losses, s_accs = self.adapt(loss_fn, task.support)
+            q_loss, q_logits = loss_fn(learner.module, task.query)
+            (q_loss / n_tasks).backward()
+            add("support_loss_before", s_losses[0])
+            add("support_acc_before", s_accs[0])
+            add("query_loss_after", float(q_loss.detach()))
+            add("query_acc_after", _accuracy(q_logits.detach(), self.labels_of(task.query)))
+            if detailed:
+                for key, value in self._diagnostics(learner, loss_fn, task).items():
+                    add(key, value)
+            del learner, q_loss, q_logits
+        return sums
+
+    def step(self, loss_value: float = 0.0) -> dict[str, float]:
+        """Clip, check finiteness, and apply the outer update to θ (λ1) and φ (λ2).
+
+        A non-finite gradient or loss skips the update (counted in ``skipped_steps`` and logged).
+        """
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        finite = math.isfinite(loss_value) and all(bool(torch.isfinite(g).all()) for g in grads)
+        out: dict[str, float] = {}
+        if self.spec.grad_clip > 0 and finite:
+            out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, self.spec.grad_clip))
+        if finite:
+            self.optimizer.step()
+        else:
+            self.skipped_steps += 1
+            log.warning("non-finite meta-gradient or loss: outer step skipped (%d so far)", self.skipped_steps)
+        self.optimizer.zero_grad(set_to_none=True)
+        out["skipped"] = float(not finite)
+        return out
+
+    def _diagnostics(self, learner: l2l.algorithms.GBML, loss_fn: LossFn, task: TaskBatch) -> dict[str, float]:
+        theta = dict(self.prompt_module.named_parameters())
+        adapted = dict(learner.module.named_parameters())
+        step = self.spec.inner_lr * self.spec.inner_steps
+        update = torch.cat([((theta[n] - adapted[n]) / step).detach().flatten() for n in theta])
+        probe = self.gbml.clone(first_order=True)
+        q_loss, q_logits = loss_fn(probe.module, task.query)
+        q_grad = torch.autograd.grad(q_loss, list(probe.module.parameters()))
+        q_grad = torch.cat([g.flatten() for g in q_grad])
+        cos = torch.nn.functional.cosine_similarity(update, q_grad, dim=0)
+        with torch.no_grad():
+            s_loss, s_logits = loss_fn(learner.module, task.support)
+        return {
+            "query_loss_before": float(q_loss.detach()),
+            "query_acc_before": _accuracy(q_logits.detach(), self.labels_of(task.query)),
+            "support_loss_after": float(s_loss),
+            "support_acc_after": _accuracy(s_logits, self.labels_of(task.support)),
+            "grad_cosine": float(cos),
+        }
+
+    # ----- state -------------------------------------------------------------------
+    def state(self) -> dict:
+        """Everything needed to resume: θ, φ, optimiser, counters."""
+        return {"gbml": self.gbml.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "skipped_steps": self.skipped_steps}
+
+    def load_state(self, state: dict) -> None:
+        self.gbml.load_state_dict(state["gbml"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))

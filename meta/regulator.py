@@ -1,0 +1,124 @@
+"""The gradient-regulating function R_φ (GRAM paper, Eqs. 5-7), as a learn2learn transform.
+
+For a prompt gradient ``g`` of shape ``[..., d]`` (the linear maps act on the
+feature dimension d, shared over the leading token/layer dimensions)::
+
+    paper form:     γ = tanh(W_γ u + b_γ)         β = s · tanh(W_β u + b_β)     ĝ = γ ⊙ g + β
+    residual form:  γ = 1 + tanh(W_γ u + b_γ)     (β as above)
+
+where ``u`` is the input fed to the linear maps and ``s`` the scale of the
+offset β.  Design choices (all switchable; defaults in brackets):
+
+* ``form`` [residual].  With the paper's literal form and W = b = 0, γ = β = 0
+  and the regulated gradient is exactly zero, so early meta-steps adapt
+  nothing; the residual form with all-zero init starts as plain MAML (ĝ = g) at
+  any gradient scale.  ``form="paper"`` gives the literal Eq. 5.
+* ``input_norm`` [True]: ``u = g / rms(g)``.  Pretrained-CLIP prompt gradients can be
+  ~1e-4, where ``W g`` is too small for the maps to act; normalising the input
+  makes R_φ scale-free.  ``False`` gives the paper's ``u = g``.
+* ``beta_scale`` ["grad_rms"]: β is an absolute offset in (-1, 1) in the paper,
+  which would swamp tiny gradients; by default it is scaled by ``rms(g)`` so it is
+  measured in units of the gradient.  A float gives a fixed scale (1.0 = paper).
+* ``init`` ["zero"]: W = b = 0 (identity start in the residual form), or
+  "normal": W ~ N(0, init_std²), b = 0.
+
+Deep VPT keeps one ``[D, n, d_v]`` tensor, so one regulator (over d_v) serves all
+its layers: the per-tensor rule of the paper ("one regulator per prompt tensor").
+
+learn2learn's ``GBML`` calls the transform factory once per parameter of the
+wrapped module at construction; :class:`RegulatorFactory` is a plain callable
+(not an ``nn.Module``) and returns ``None`` for tensors that do not require
+gradients, so no regulator is ever built for frozen weights.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+_EPS = 1e-12
+
+
+@dataclass
+class RegulatorSpec:
+    """Hyper-parameters of R_φ (see module docstring)."""
+
+    form: str = "residual"                 # "residual" | "paper"
+    input_norm: bool = True
+    beta_scale: Union[str, float] = "grad_rms"  # "grad_rms" or a float
+    init: str = "zero"                     # "zero" | "normal"
+    init_std: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.form not in ("residual", "paper"):
+            raise ValueError(f"regulator form must be 'residual' or 'paper', got {self.form!r}")
+        if self.init not in ("zero", "normal"):
+            raise ValueError(f"regulator init must be 'zero' or 'normal', got {self.init!r}")
+        if isinstance(self.beta_scale, str):
+            if self.beta_scale != "grad_rms":
+                try:
+                    self.beta_scale = float(self.beta_scale)
+                except ValueError:
+                    raise ValueError(f"beta_scale must be 'grad_rms' or a number, got {self.beta_scale!r}") from None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class GradientRegulator(nn.Module):
+    """R_φ for one prompt tensor whose last dimension is ``dim``.
+
+    Input and output: a gradient ``[..., dim]``.  Parameters: ``gamma`` and ``beta``
+    (each an ``nn.Linear(dim, dim)``: W ``[dim, dim]``, b ``[dim]``).
+    """
+
+    def __init__(self, dim: int, spec: Optional[RegulatorSpec] = None):
+        super().__init__()
+        self.spec = spec or RegulatorSpec()
+        self.dim = dim
+        self.gamma = nn.Linear(dim, dim)
+        self.beta = nn.Linear(dim, dim)
+        with torch.no_grad():
+            for lin in (self.gamma, self.beta):
+                lin.bias.zero_()
+                if self.spec.init == "zero":
+                    lin.weight.zero_()
+                else:
+                    lin.weight.normal_(0.0, self.spec.init_std)
+
+    def modulation(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(γ, β)``, each shaped like ``grad``."""
+        rms = grad.pow(2).mean().add(_EPS).sqrt()
+        u = grad / rms if self.spec.input_norm else grad
+        gamma = torch.tanh(self.gamma(u))
+        if self.spec.form == "residual":
+            gamma = 1.0 + gamma
+        scale = rms if self.spec.beta_scale == "grad_rms" else float(self.spec.beta_scale)
+        beta = scale * torch.tanh(self.beta(u))
+        return gamma, beta
+
+    def forward(self, grad: torch.Tensor) -> torch.Tensor:
+        if grad.shape[-1] != self.dim:
+            raise ValueError(f"regulator built for last dim {self.dim}, got gradient {tuple(grad.shape)}")
+        gamma, beta = self.modulation(grad)
+        return gamma * grad + beta
+
+
+class RegulatorFactory:
+    """learn2learn transform factory: ``factory(param) -> GradientRegulator | None``.
+
+    Returns ``None`` (raw gradient) for parameters that do not require grad, or
+    for every parameter when ``enabled`` is False (the "w/o gradient regulating"
+    ablation).
+    """
+
+    def __init__(self, spec: Optional[RegulatorSpec] = None, enabled: bool = True):
+        self.spec = spec or RegulatorSpec()
+        self.enabled = enabled
+
+    def __call__(self, param: torch.Tensor) -> Optional[GradientRegulator]:
+        if not self.enabled or not param.requires_grad:
+            return None
+        return GradientRegulator(param.shape[-1], self.spec).to(device=param.device, dtype=param.dtype)

@@ -1,0 +1,147 @@
+"""CoOp-style text prompts run through a frozen open_clip text tower.
+
+A prompt for class ``c`` is ``[SOT] t_1 ... t_M <tokens of c> . [EOT] [PAD]...``
+where ``t_1..t_M`` are learnable context vectors (Zhou et al., CoOp, IJCV 2022,
+Eq. 2 of the GRAM paper).  The token embeddings of everything but the context
+are computed once per class name and cached (:class:`ClassTokenCache`).
+
+Exact truncation: CLIP's text transformer uses a causal mask and pools the
+feature at the EOT position, so no token after the EOT can change that
+feature.  A batch of classes therefore only needs the first ``max(eot) + 1``
+positions instead of 77 (``tests/test_text_encoder.py`` checks the equality).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import open_clip
+import torch
+from torch import nn
+
+_PLACEHOLDER = "X"  # one BPE token; its embedding is replaced by the context vectors
+
+
+@dataclass
+class ClassTokens:
+    """Frozen token embeddings for a list of classes, with room for M context vectors.
+
+    Attributes:
+        prefix: ``[C, 1, d_t]`` embedding of the start token.
+        suffix: ``[C, T - 1 - M, d_t]`` embeddings of class-name tokens, ``.``, EOT (and padding up to T).
+        eot_index: ``[C]`` position of the EOT token in the assembled sequence of length T.
+        n_ctx: M, the number of context slots between prefix and suffix.
+    """
+
+    prefix: torch.Tensor
+    suffix: torch.Tensor
+    eot_index: torch.Tensor
+    n_ctx: int
+
+    @property
+    def length(self) -> int:
+        """T, the number of token positions the text transformer runs over."""
+        return 1 + self.n_ctx + self.suffix.shape[1]
+
+    def __len__(self) -> int:
+        return self.prefix.shape[0]
+
+
+class ClassTokenCache:
+    """Per-class-name cache of frozen token embeddings for a fixed context length M.
+
+    Class names are tokenised once (``"X X X X <name>."``, CoOp's recipe) and their
+    embeddings kept at full context length; :meth:`tokens` stacks the requested
+    classes and truncates them to ``max(eot) + 1`` positions when ``truncate``.
+    """
+
+    def __init__(self, clip: nn.Module, n_ctx: int, template: str = "{}.", truncate: bool = True):
+        self.clip = clip
+        self.n_ctx = n_ctx
+        self.template = template
+        self.truncate = truncate
+        self.tokenizer = open_clip.get_tokenizer("ViT-B-16")  # OpenAI BPE, shared by all CLIP text towers here
+        self._cache: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+    def _encode_names(self, names: Sequence[str]) -> None:
+        missing = [n for n in dict.fromkeys(names) if n not in self._cache]
+        if not missing:
+            return
+        ctx_words = " ".join([_PLACEHOLDER] * self.n_ctx)
+        texts = [(ctx_words + " " if self.n_ctx else "") + self.template.format(n.replace("_", " ")) for n in missing]
+        context_length = self.clip.positional_embedding.shape[0]
+        tokens = self.tokenizer(texts, context_length=context_length).to(self.clip.token_embedding.weight.device)
+        eot = tokens.argmax(dim=-1)  # EOT has the largest id in CLIP's vocabulary
+        if bool((eot >= context_length - 1).any()):
+            too_long = [n for n, e in zip(missing, eot.tolist()) if e >= context_length - 1]
+            raise ValueError(f"class names too long for {context_length} text tokens with {self.n_ctx} "
+                             f"context tokens: {too_long[:3]}")
+        with torch.no_grad():
+            emb = self.clip.token_embedding(tokens)  # [n, 77, d_t]
+        for i, name in enumerate(missing):
+            self._cache[name] = (emb[i, :1], emb[i, 1 + self.n_ctx:], int(eot[i]))
+
+    def tokens(self, classnames: Sequence[str]) -> ClassTokens:
+        """Stacked frozen embeddings for ``classnames`` (order kept): see :class:`ClassTokens`."""
+        if len(classnames) == 0:
+            raise ValueError("need at least one class name")
+        self._encode_names(classnames)
+        entries = [self._cache[n] for n in classnames]
+        eot = torch.tensor([e[2] for e in entries], device=entries[0][0].device)
+        full = entries[0][1].shape[0] + 1 + self.n_ctx
+        length = int(eot.max()) + 1 if self.truncate else full
+        n_suffix = length - 1 - self.n_ctx
+        prefix = torch.stack([e[0] for e in entries])
+        suffix = torch.stack([e[1][:n_suffix] for e in entries])
+        return ClassTokens(prefix=prefix, suffix=suffix, eot_index=eot, n_ctx=self.n_ctx)
+
+
+def encode_text_with_context(clip: nn.Module, tokens: ClassTokens, ctx: Optional[torch.Tensor]) -> torch.Tensor:
+    """Run the frozen text tower on ``[SOT, ctx, class tokens]``.
+
+    Args:
+        clip: frozen open_clip ``CLIP``.
+        tokens: class token embeddings for C classes (``tokens.n_ctx`` must equal M).
+        ctx: ``[M, d_t]`` shared or ``[C, M, d_t]`` class-specific context; ``None`` when M = 0.
+
+    Returns:
+        ``[C, E]`` text features (not normalised), differentiable w.r.t. ``ctx``.
+    """
+    n_cls = len(tokens)
+    parts = [tokens.prefix]
+    if tokens.n_ctx:
+        if ctx is None:
+            raise ValueError(f"class tokens were built for {tokens.n_ctx} context vectors but ctx is None")
+        if ctx.shape[-2] != tokens.n_ctx:
+            raise ValueError(f"ctx has {ctx.shape[-2]} vectors, class tokens expect {tokens.n_ctx}")
+        if ctx.dim() == 2:
+            ctx = ctx.unsqueeze(0).expand(n_cls, -1, -1)
+        parts.append(ctx.to(tokens.prefix.dtype))
+    parts.append(tokens.suffix)
+    x = torch.cat(parts, dim=1)  # [C, T, d_t]
+    length = x.shape[1]
+    x = x + clip.positional_embedding[:length].to(x.dtype)
+    mask = clip.attn_mask[:length, :length] if clip.attn_mask is not None else None
+    transformer = clip.transformer
+    if getattr(transformer, "batch_first", True):
+        x = transformer(x, attn_mask=mask)
+    else:  # older open_clip: LND inside the transformer
+        x = transformer(x.transpose(0, 1), attn_mask=mask).transpose(0, 1)
+    x = clip.ln_final(x)
+    x = x[torch.arange(n_cls, device=x.device), tokens.eot_index]  # [C, d_t]
+    proj = clip.text_projection
+    if isinstance(proj, nn.Linear):
+        return proj(x)
+    return x @ proj
+
+
+def context_from_words(clip: nn.Module, words: str) -> torch.Tensor:
+    """Embeddings ``[M, d_t]`` of the BPE tokens of ``words`` (e.g. "a photo of a" gives M = 4)."""
+    tokenizer = open_clip.get_tokenizer("ViT-B-16")
+    tokens = tokenizer([words.replace("_", " ")], context_length=clip.positional_embedding.shape[0])
+    n = int(tokens.argmax(dim=-1)) - 1
+    if n <= 0:
+        raise ValueError(f"context init {words!r} has no tokens")
+    with torch.no_grad():
+        emb = clip.token_embedding(tokens.to(clip.token_embedding.weight.device))
+    return emb[0, 1:1 + n].clone()

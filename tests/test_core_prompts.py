@@ -1,0 +1,99 @@
+"""Prompt learners over open_clip: truncation, VPT shapes/gradients, no frozen-weight cloning."""
+import pytest
+import torch
+
+from meta.gram import GRAMMetaLearner, MetaSpec
+from meta.profiling import bytes_copied
+from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+from meta.text_encoder import ClassTokenCache, context_from_words, encode_text_with_context
+from meta.visual_encoder import encode_image_with_prompts
+
+NAMES = ["red circle", "square", "a very long class name with many words", "x"]
+
+
+def test_truncated_text_features_equal_full_77_token_features(tiny_clip):
+    clip, dims = tiny_clip
+    ctx = torch.randn(4, dims.text_width) * 0.02
+    short = ClassTokenCache(clip, 4, truncate=True).tokens(NAMES)
+    full = ClassTokenCache(clip, 4, truncate=False).tokens(NAMES)
+    assert full.length == dims.context_length
+    assert short.length == int(short.eot_index.max()) + 1 < full.length
+    torch.testing.assert_close(encode_text_with_context(clip, short, ctx),
+                               encode_text_with_context(clip, full, ctx), rtol=1e-5, atol=1e-6)
+
+
+def test_context_from_words_reproduces_clip_text_encoding(tiny_clip):
+    """ctx initialised from "a photo of a" + class tokens == open_clip's encode_text of the full sentence."""
+    import open_clip
+    clip, dims = tiny_clip
+    ctx = context_from_words(clip, "a photo of a")
+    assert ctx.shape == (4, dims.text_width)
+    tokens = ClassTokenCache(clip, 4).tokens(["dog", "traffic light"])
+    ours = encode_text_with_context(clip, tokens, ctx)
+    ref = clip.encode_text(open_clip.get_tokenizer("ViT-B-16")(["a photo of a dog.", "a photo of a traffic light."]))
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_image_encoder_without_prompts_equals_open_clip(tiny_clip):
+    clip, dims = tiny_clip
+    images = torch.randn(3, 3, dims.image_size, dims.image_size)
+    empty = torch.zeros(1, 0, dims.vision_width)
+    torch.testing.assert_close(encode_image_with_prompts(clip, images, empty), clip.encode_image(images))
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_vpt_shapes_and_only_prompts_get_gradients(tiny_clip, depth):
+    clip, dims = tiny_clip
+    spec = PromptSpec(n_ctx_text=0, n_ctx_vision=3, vision_depth=depth)
+    prompts = PromptParams.from_spec(spec, clip, dims)
+    assert prompts.ctx is None and prompts.vpt.shape == (depth, 3, dims.vision_width)
+    images = torch.randn(2, 3, dims.image_size, dims.image_size)
+    feats = encode_image_with_prompts(clip, images, prompts.vpt)
+    assert feats.shape == (2, dims.embed_dim)
+    assert not torch.allclose(feats, clip.encode_image(images))  # prompts change the features
+    pclip = PromptedCLIP(clip, dims, 0)
+    loss, logits = classification_loss(pclip)(prompts, {"classnames": NAMES[:2], "images": images,
+                                                         "label": torch.tensor([0, 1])})
+    assert logits.shape == (2, 2)
+    loss.backward()
+    assert prompts.vpt.grad is not None and prompts.vpt.grad.abs().sum() > 0
+    if depth == 2:  # the deep layer's prompts matter too
+        assert prompts.vpt.grad[1].abs().sum() > 0
+    assert all(p.grad is None for p in clip.parameters()), "frozen CLIP received gradients"
+    assert not any(p.requires_grad for p in clip.parameters())
+
+
+def test_deep_prompts_replace_previous_layer_outputs(tiny_clip):
+    """Changing layer-1 prompts must not matter when depth is 1 (they are never used)."""
+    clip, dims = tiny_clip
+    images = torch.randn(2, 3, dims.image_size, dims.image_size)
+    vpt = torch.randn(2, 2, dims.vision_width) * 0.02
+    a = encode_image_with_prompts(clip, images, vpt[:1])
+    b = encode_image_with_prompts(clip, images, vpt)
+    c = encode_image_with_prompts(clip, images, torch.stack([vpt[0], vpt[1] * 5]))
+    assert not torch.allclose(a, b) and not torch.allclose(b, c)
+
+
+def test_gbml_clone_copies_only_prompts_and_regulators(tiny_clip):
+    clip, dims = tiny_clip
+    prompts = PromptParams.from_spec(PromptSpec(n_ctx_text=2, n_ctx_vision=2), clip, dims)
+    ml = GRAMMetaLearner(prompts, MetaSpec())
+    theta_phi = sum(p.numel() * p.element_size() for p in ml.gbml.parameters())
+    clip_bytes = sum(p.numel() * p.element_size() for p in clip.parameters())
+    _, copied = bytes_copied(lambda: ml.gbml.clone())
+    assert copied == theta_phi, (copied, theta_phi)
+    assert copied < clip_bytes / 100
+
+
+def test_prompt_module_holds_no_clip_weights(tiny_clip):
+    clip, dims = tiny_clip
+    prompts = PromptParams.from_spec(PromptSpec(n_ctx_text=4, n_ctx_vision=2), clip, dims)
+    assert {n for n, _ in prompts.named_parameters()} == {"ctx", "vpt"}
+    assert sum(p.numel() for p in prompts.parameters()) == 4 * dims.text_width + 2 * dims.vision_width
+
+
+def test_cached_features_refused_with_visual_prompts(tiny_clip):
+    clip, dims = tiny_clip
+    prompts = PromptParams.from_spec(PromptSpec(n_ctx_text=0, n_ctx_vision=2), clip, dims)
+    with pytest.raises(ValueError, match="visual prompts"):
+        PromptedCLIP(clip, dims, 0).logits(prompts, ["a"], image_features=torch.randn(1, dims.embed_dim))

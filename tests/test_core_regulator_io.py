@@ -1,0 +1,124 @@
+"""R_φ initialisation and forms, the GBML transform factory, test-time regulation, init file I/O."""
+import json
+
+import pytest
+import torch
+
+from meta.backbone import ClipDims
+from meta.finetune import GradientRegulation
+from meta.gram import GRAMMetaLearner, MetaSpec
+from meta.init_io import InitMismatchError, export_coop_context, export_gram_init, load_gram_init
+from meta.prompts import PromptParams, PromptSpec
+from meta.regulator import GradientRegulator, RegulatorFactory, RegulatorSpec
+
+
+@pytest.mark.parametrize("scale", [1e-6, 1e-2, 10.0])
+def test_residual_zero_init_is_identity_at_any_scale(scale):
+    reg = GradientRegulator(8, RegulatorSpec(form="residual", init="zero"))
+    g = torch.randn(4, 8) * scale
+    torch.testing.assert_close(reg(g), g)
+
+
+def test_paper_form_zero_init_gives_zero_update():
+    reg = GradientRegulator(8, RegulatorSpec(form="paper", init="zero", input_norm=False, beta_scale=1.0))
+    assert torch.count_nonzero(reg(torch.randn(4, 8))) == 0
+
+
+def test_regulator_matches_the_formula():
+    spec = RegulatorSpec(form="paper", input_norm=False, beta_scale=0.5, init="normal", init_std=0.3)
+    reg = GradientRegulator(5, spec)
+    with torch.no_grad():
+        reg.gamma.bias.normal_()
+        reg.beta.bias.normal_()
+    g = torch.randn(3, 5)
+    gamma = torch.tanh(g @ reg.gamma.weight.T + reg.gamma.bias)
+    beta = 0.5 * torch.tanh(g @ reg.beta.weight.T + reg.beta.bias)
+    torch.testing.assert_close(reg(g), gamma * g + beta)
+    # input normalisation + relative beta make R_φ scale-equivariant: R(c g) = c R(g)
+    reg2 = GradientRegulator(5, RegulatorSpec(init="normal", init_std=0.3))
+    torch.testing.assert_close(reg2(g * 1e-4), reg2(g) * 1e-4, rtol=1e-4, atol=1e-10)
+
+
+def test_factory_is_plain_callable_and_skips_frozen_tensors():
+    factory = RegulatorFactory(RegulatorSpec())
+    assert not isinstance(factory, torch.nn.Module)
+    frozen = torch.zeros(3, 7)
+    live = torch.zeros(3, 7, requires_grad=True)
+    assert factory(frozen) is None
+    assert isinstance(factory(live), GradientRegulator) and factory(live).dim == 7
+    assert RegulatorFactory(enabled=False)(live) is None
+
+
+def test_bad_regulator_settings_are_rejected():
+    with pytest.raises(ValueError, match="form"):
+        RegulatorSpec(form="affine")
+    with pytest.raises(ValueError, match="beta_scale"):
+        RegulatorSpec(beta_scale="big")
+
+
+def test_test_time_regulation_rewrites_grads_in_place():
+    reg = GradientRegulator(4, RegulatorSpec(init="normal", init_std=0.5))
+    regulation = GradientRegulation({"ctx": reg})
+    p = torch.nn.Parameter(torch.zeros(2, 4))
+    p.grad = torch.randn(2, 4)
+    expected = reg(p.grad).detach()
+    other = torch.nn.Parameter(torch.zeros(3))
+    other.grad = torch.ones(3)
+    n = regulation.apply_([("prompt_learner.ctx", p), ("bias", other)])
+    assert n == 1
+    torch.testing.assert_close(p.grad, expected)
+    assert torch.equal(other.grad, torch.ones(3))
+    assert not any(q.requires_grad for q in regulation.parameters())
+
+
+def _dims(model_name="GRAM-Test-Tiny"):
+    return ClipDims(model_name=model_name, text_width=64, vision_width=64, embed_dim=64, context_length=77,
+                    text_layers=2, vision_layers=2, image_size=32, num_patches=16)
+
+
+def _trained_learner(tiny_clip):
+    clip, dims = tiny_clip
+    prompts = PromptParams.from_spec(PromptSpec(n_ctx_text=2, n_ctx_vision=2, vision_depth=2), clip, dims)
+    ml = GRAMMetaLearner(prompts, MetaSpec(regulator=RegulatorSpec(init="normal")))
+    return ml, dims
+
+
+def test_init_export_import_round_trip(tiny_clip, tmp_path):
+    ml, dims = _trained_learner(tiny_clip)
+    path = export_gram_init(tmp_path / "init.safetensors", ml.prompt_module, ml.regulators(), dims,
+                            provenance={"steps": 3})
+    loaded = load_gram_init(path, expect={"text_width": 64, "vision_width": 64, "n_ctx_text": 2,
+                                          "n_ctx_vision": 2, "vision_depth": 2, "model_name": "GRAM-Test-Tiny"})
+    module = loaded.prompt_module()
+    torch.testing.assert_close(module.ctx, ml.prompt_module.ctx.detach())
+    torch.testing.assert_close(module.vpt, ml.prompt_module.vpt.detach())
+    regs = loaded.regulator_modules()
+    assert set(regs) == {"ctx", "vpt"}
+    g = torch.randn(2, 2, 64)
+    torch.testing.assert_close(regs["vpt"](g), ml.regulators()["vpt"](g))
+    assert loaded.metadata["provenance"] == {"steps": 3}
+    assert loaded.metadata["regulator"]["init"] == "normal"
+
+
+def test_init_mismatch_names_every_field(tiny_clip, tmp_path):
+    ml, dims = _trained_learner(tiny_clip)
+    path = export_gram_init(tmp_path / "init.safetensors", ml.prompt_module, ml.regulators(), dims)
+    with pytest.raises(InitMismatchError) as err:
+        load_gram_init(path, expect={"text_width": 512, "n_ctx_text": 4}, config_key="TRAINER.GRAM.INIT")
+    msg = str(err.value)
+    assert "TRAINER.GRAM.INIT" in msg and "text_width: file has 64, model expects 512" in msg
+    assert "n_ctx_text: file has 2, model expects 4" in msg
+    with pytest.raises(FileNotFoundError, match="nope.safetensors"):
+        load_gram_init(tmp_path / "nope.safetensors")
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    with pytest.raises(InitMismatchError, match="not a readable safetensors"):
+        load_gram_init(bad)
+
+
+def test_coop_context_export_loads_with_weights_only(tmp_path):
+    ctx = torch.randn(4, 512)
+    path = export_coop_context(tmp_path / "ctx.pth", ctx, epoch=0)
+    state = torch.load(path, weights_only=True)
+    assert set(state["state_dict"]) == {"ctx"}
+    torch.testing.assert_close(state["state_dict"]["ctx"], ctx)
