@@ -1,0 +1,382 @@
+#!/usr/bin/env python
+"""Paper-style result tables from the logs the benchmark scripts write.
+
+    python scripts/parse_results.py OUTPUT_ROOT [--out DIR] [--strict]
+
+Reads (layout of scripts/base2new.sh, xd.sh, xdomain.sh):
+  OUTPUT_ROOT/base2new/train_base/<dataset>/shots_<K>/<method>/seed<S>/log.txt   base accuracy
+  OUTPUT_ROOT/base2new/test_new/<dataset>/shots_<K>/<method>/seed<S>/log.txt     new accuracy
+  OUTPUT_ROOT/xd/train_imagenet/shots_<K>/<method>/seed<S>/log.txt                source (ImageNet)
+  OUTPUT_ROOT/{xd,xdomain}/test/<target>/shots_<K>/<method>/seed<S>/log.txt       targets
+
+The accuracy of a log is the last ``* accuracy: X%`` line after its end signal, as CoOp's
+``parse_test_res.py`` does: Dassl's ``Finish training`` for training logs and ``=> result`` for
+``--eval-only`` logs (MaPLe's copy waits for "Finished training", which Dassl >= 0.6.1 no longer
+prints; reference dassl_coop_protocol.md §4).  Whether a folder is a training or an eval-only run
+is read from the ``mode`` line of its ``gram_run.txt`` (written by the scripts; zsclip's base runs
+are eval-only) and otherwise inferred from the folder (``train_*`` = training).  Only ``log.txt``
+is read, not Dassl's timestamped ``log.txt-<time>`` re-run logs.
+
+Per dataset: mean +- std over seeds (population std, ``np.std`` as CoOp) of base and new, and
+H = harmonic mean of the *averaged* base and new; the Average row averages the per-dataset means
+over the datasets that have both, and its H is the harmonic mean of those two averages (the
+convention of CoCoOp's Table 1).  Writes markdown, CSV and a bar plot of H to ``--out``
+(default OUTPUT_ROOT/tables) and prints the markdown.  Missing or unfinished runs are listed on
+stderr, naming the file; ``--strict`` then exits with status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import re
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from meta.coop_data import harmonic_mean  # noqa: E402
+
+ACCURACY = re.compile(r"\* accuracy: ([\.\deE+-]+)%")  # CoOp parse_test_res.py L127-130
+END_SIGNAL = {"train": "Finish training", "eval": "=> result"}
+# Paper / CoOp order; other names follow alphabetically.
+DATASET_ORDER = [
+    "imagenet", "caltech101", "oxford_pets", "stanford_cars", "oxford_flowers", "food101",
+    "fgvc_aircraft", "sun397", "dtd", "eurosat", "ucf101",
+    "imagenetv2", "imagenet_sketch", "imagenet_a", "imagenet_r",
+]
+METHOD_ORDER = ["zsclip", "coop", "gram_coop", "vpt", "gram_vpt", "joint", "unigram"]
+METHOD_LABEL = {  # row names of the paper's tables; unknown keys print as themselves
+    "zsclip": "CLIP (zero-shot)", "coop": "CoOp", "gram_coop": "CoOp + GRAM", "vpt": "VPT",
+    "gram_vpt": "VPT + GRAM", "joint": "Joint text+visual", "unigram": "UNIGRAM",
+}
+DATASET_LABEL = {
+    "imagenet": "ImageNet", "caltech101": "Caltech101", "oxford_pets": "OxfordPets", "stanford_cars": "StanfordCars",
+    "oxford_flowers": "Flowers102", "food101": "Food101", "fgvc_aircraft": "FGVCAircraft", "sun397": "SUN397",
+    "dtd": "DTD", "eurosat": "EuroSAT", "ucf101": "UCF101", "imagenetv2": "ImageNetV2",
+    "imagenet_sketch": "ImageNet-Sketch", "imagenet_a": "ImageNet-A", "imagenet_r": "ImageNet-R",
+}
+SEED_DIR = re.compile(r"^seed(-?\d+)$")
+SHOTS_DIR = re.compile(r"^shots_(-?\d+)$")
+
+
+class LogProblem(Exception):
+    """A run whose log is missing or has no result after its end signal."""
+
+
+@dataclass(frozen=True)
+class RunKey:
+    """One (table, shots, method, dataset, side) cell; ``side`` is base/new/source/target."""
+
+    table: str
+    shots: int
+    method: str
+    dataset: str
+    side: str
+
+
+def _order(name: str, order: list[str]) -> tuple[int, str]:
+    return (order.index(name), name) if name in order else (len(order), name)
+
+
+def run_mode(run_dir: Path, default: str) -> str:
+    """``train`` or ``eval``: the ``mode`` line of ``gram_run.txt``, else ``default``."""
+    info = run_dir / "gram_run.txt"
+    if info.is_file():
+        for line in info.read_text().splitlines():
+            if line.startswith("mode "):
+                mode = line.split(" ", 1)[1].strip()
+                if mode in END_SIGNAL:
+                    return mode
+    return default
+
+
+def read_accuracy(log_path: Path, mode: str) -> float:
+    """Accuracy in % of one log: the last ``* accuracy:`` after the first end-signal line."""
+    if not log_path.is_file():
+        raise LogProblem(f"missing log {log_path}")
+    signal = END_SIGNAL[mode]
+    seen_end, value = False, None
+    with open(log_path, "r", errors="replace") as f:
+        for line in f:
+            line = line.strip()
+            if line == signal:
+                seen_end = True
+            match = ACCURACY.search(line)
+            if match and seen_end:
+                value = float(match.group(1))
+    if not seen_end:
+        raise LogProblem(f"unfinished run: {log_path} has no '{signal}' line ({mode} log)")
+    if value is None:
+        raise LogProblem(f"no result: {log_path} has '{signal}' but no '* accuracy:' line after it")
+    return value
+
+
+def _seed_dirs(method_dir: Path):
+    for d in sorted(method_dir.iterdir()):
+        m = SEED_DIR.match(d.name)
+        if d.is_dir() and m:
+            yield int(m.group(1)), d
+
+
+def _shots_method_dirs(parent: Path):
+    """Yield (shots, method, method_dir) under ``parent/shots_<K>/<method>/``."""
+    if not parent.is_dir():
+        return
+    for shots_dir in sorted(parent.iterdir()):
+        m = SHOTS_DIR.match(shots_dir.name)
+        if not (shots_dir.is_dir() and m):
+            continue
+        for method_dir in sorted(shots_dir.iterdir()):
+            if method_dir.is_dir():
+                yield int(m.group(1)), method_dir.name, method_dir
+
+
+def collect(root: Path) -> tuple[dict[RunKey, dict[int, float]], list[str]]:
+    """Accuracies ``{RunKey: {seed: acc%}}`` under ``root`` and the list of problems found."""
+    results: dict[RunKey, dict[int, float]] = defaultdict(dict)
+    problems: list[str] = []
+    seeds_seen: dict[tuple, dict[str, dict[int, Path]]] = defaultdict(lambda: defaultdict(dict))
+
+    def visit(key: RunKey, method_dir: Path, default_mode: str) -> None:
+        for seed, run_dir in _seed_dirs(method_dir):
+            seeds_seen[(key.table, key.shots, key.method, key.dataset)][key.side][seed] = run_dir
+            try:
+                results[key][seed] = read_accuracy(run_dir / "log.txt", run_mode(run_dir, default_mode))
+            except LogProblem as err:
+                problems.append(str(err))
+
+    for side, sub, mode in (("base", "train_base", "train"), ("new", "test_new", "eval")):
+        parent = root / "base2new" / sub
+        if parent.is_dir():
+            for ds_dir in sorted(p for p in parent.iterdir() if p.is_dir()):
+                for shots, method, method_dir in _shots_method_dirs(ds_dir):
+                    visit(RunKey("base2new", shots, method, ds_dir.name, side), method_dir, mode)
+    for shots, method, method_dir in _shots_method_dirs(root / "xd" / "train_imagenet"):
+        for table in ("xd", "xdomain"):
+            if (root / table / "test").is_dir():
+                visit(RunKey(table, shots, method, "imagenet", "source"), method_dir, "train")
+    for table in ("xd", "xdomain"):
+        parent = root / table / "test"
+        if parent.is_dir():
+            for ds_dir in sorted(p for p in parent.iterdir() if p.is_dir()):
+                for shots, method, method_dir in _shots_method_dirs(ds_dir):
+                    visit(RunKey(table, shots, method, ds_dir.name, "target"), method_dir, "eval")
+    # A base run without its new run (or the reverse) is reported, naming the expected file.
+    for (table, shots, method, dataset), sides in seeds_seen.items():
+        if table != "base2new":
+            continue
+        for have, lack, sub in (("base", "new", "test_new"), ("new", "base", "train_base")):
+            for seed in sorted(set(sides[have]) - set(sides[lack])):
+                expected = root / "base2new" / sub / dataset / f"shots_{shots}" / method / f"seed{seed}" / "log.txt"
+                problems.append(f"missing {lack} run: {expected}")
+    # A source (ImageNet) run without one of its target runs is reported the same way.
+    expected_targets = {"xd": DATASET_ORDER[1:11], "xdomain": DATASET_ORDER[11:]}
+    for (table, shots, method, dataset), sides in seeds_seen.items():
+        if table not in expected_targets or dataset != "imagenet":
+            continue
+        for seed in sorted(sides["source"]):
+            for target in expected_targets[table]:
+                if seed not in seeds_seen.get((table, shots, method, target), {}).get("target", {}):
+                    expected = root / table / "test" / target / f"shots_{shots}" / method / f"seed{seed}" / "log.txt"
+                    problems.append(f"missing target run: {expected}")
+    return dict(results), problems
+
+
+@dataclass
+class Stat:
+    """Mean and population std (%) over ``n`` seeds."""
+
+    mean: float
+    std: float
+    n: int
+
+    def fmt(self) -> str:
+        return f"{self.mean:.2f} ± {self.std:.2f}"
+
+
+def stat(values_by_seed: dict[int, float] | None) -> Stat | None:
+    if not values_by_seed:
+        return None
+    v = np.array([values_by_seed[s] for s in sorted(values_by_seed)], dtype=float)
+    return Stat(float(v.mean()), float(v.std()), len(v))
+
+
+def base2new_rows(results: dict[RunKey, dict[int, float]], shots: int, method: str) -> list[dict]:
+    """Rows ``{dataset, base, new, H}`` (Average first) for one method and shot count."""
+    datasets = sorted(
+        {k.dataset for k in results if k.table == "base2new" and k.shots == shots and k.method == method},
+        key=lambda d: _order(d, DATASET_ORDER),
+    )
+    rows = []
+    for ds in datasets:
+        base = stat(results.get(RunKey("base2new", shots, method, ds, "base")))
+        new = stat(results.get(RunKey("base2new", shots, method, ds, "new")))
+        h = harmonic_mean(base.mean, new.mean) if base and new else None
+        rows.append({"dataset": ds, "base": base, "new": new, "H": h})
+    complete = [r for r in rows if r["H"] is not None]
+    if complete:
+        b = float(np.mean([r["base"].mean for r in complete]))
+        n = float(np.mean([r["new"].mean for r in complete]))
+        label = f"Average ({len(complete)} datasets)"
+        rows.insert(0, {"dataset": label, "base": Stat(b, float("nan"), len(complete)),
+                        "new": Stat(n, float("nan"), len(complete)), "H": harmonic_mean(b, n), "average": True})
+    return rows
+
+
+def _cell(s: Stat | None, average: bool = False) -> str:
+    if s is None:
+        return "–"
+    return f"{s.mean:.2f}" if average else s.fmt()
+
+
+def write_base2new(results, out: Path, stem_prefix: str = "base2new") -> list[Path]:
+    """Markdown, CSV and H bar plot per shot count; returns the files written."""
+    written: list[Path] = []
+    shot_counts = sorted({k.shots for k in results if k.table == "base2new"})
+    for shots in shot_counts:
+        methods = sorted({k.method for k in results if k.table == "base2new" and k.shots == shots},
+                         key=lambda m: _order(m, METHOD_ORDER))
+        per_method = {m: base2new_rows(results, shots, m) for m in methods}
+        # markdown: one table per dataset (Average first), methods as rows - the layout of Table 1
+        by_dataset: dict[str, list[tuple[str, dict]]] = defaultdict(list)
+        for m in methods:
+            for row in per_method[m]:
+                key = "Average" if row.get("average") else row["dataset"]
+                by_dataset[key].append((m, row))
+        order = sorted(by_dataset, key=lambda d: (-1, d) if d == "Average" else _order(d, DATASET_ORDER))
+        lines = [f"# Base-to-new generalisation, {shots} shots", "",
+                 "Base/New: mean ± std over seeds (%); H: harmonic mean of the mean Base and New.", ""]
+        for ds in order:
+            title = next((r["dataset"] for _, r in by_dataset[ds] if r.get("average")), ds)
+            lines += [f"## {title if ds == 'Average' else DATASET_LABEL.get(ds, ds)}", "",
+                      "| Method | Base | New | H | seeds (base/new) |", "|---|---|---|---|---|"]
+            for m, r in by_dataset[ds]:
+                avg = bool(r.get("average"))
+                h = f"{r['H']:.2f}" if r["H"] is not None else "–"
+                seeds = f"{r['base'].n if r['base'] else 0}/{r['new'].n if r['new'] else 0}"
+                if avg:
+                    seeds = f"{r['base'].n} datasets"
+                lines.append(f"| {METHOD_LABEL.get(m, m)} | {_cell(r['base'], avg)} | {_cell(r['new'], avg)} | {h} | {seeds} |")
+            lines.append("")
+        md = out / f"{stem_prefix}_shots{shots}.md"
+        md.write_text("\n".join(lines))
+        csv_path = out / f"{stem_prefix}_shots{shots}.csv"
+        with open(csv_path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["shots", "method", "dataset", "base_mean", "base_std", "base_seeds",
+                        "new_mean", "new_std", "new_seeds", "H"])
+            for m in methods:
+                for r in per_method[m]:
+                    b, n = r["base"], r["new"]
+                    w.writerow([shots, m, "average" if r.get("average") else r["dataset"],
+                                _num(b and b.mean), _num(b and b.std), b.n if b else 0,
+                                _num(n and n.mean), _num(n and n.std), n.n if n else 0, _num(r["H"])])
+        png = out / f"{stem_prefix}_shots{shots}_H.png"
+        _bar_plot(per_method, png, f"Base-to-new H, {shots} shots")
+        written += [md, csv_path, png]
+    return written
+
+
+def _num(x) -> str:
+    if x is None or (isinstance(x, float) and np.isnan(x)):
+        return ""
+    return f"{x:.4f}"
+
+
+def _bar_plot(per_method: dict[str, list[dict]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels: list[str] = []
+    for rows in per_method.values():
+        for r in rows:
+            name = "Average" if r.get("average") else r["dataset"]
+            if r["H"] is not None and name not in labels:
+                labels.append(name)
+    labels.sort(key=lambda d: (-1, d) if d == "Average" else _order(d, DATASET_ORDER))
+    x = np.arange(len(labels))
+    width = 0.8 / max(1, len(per_method))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(labels) + 2), 4.0))
+    for i, (method, rows) in enumerate(per_method.items()):
+        h = {("Average" if r.get("average") else r["dataset"]): r["H"] for r in rows}
+        ax.bar(x + i * width - 0.4 + width / 2, [h.get(lbl) or 0.0 for lbl in labels], width, label=method)
+    ax.set_xticks(x)
+    ax.set_xticklabels(labels, rotation=30, ha="right")
+    ax.set_ylabel("H (%)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_transfer(results, table: str, out: Path) -> list[Path]:
+    """Cross-dataset / cross-domain tables: methods as rows, source then targets then target average."""
+    written: list[Path] = []
+    for shots in sorted({k.shots for k in results if k.table == table}):
+        keys = [k for k in results if k.table == table and k.shots == shots]
+        methods = sorted({k.method for k in keys}, key=lambda m: _order(m, METHOD_ORDER))
+        targets = sorted({k.dataset for k in keys if k.side == "target"}, key=lambda d: _order(d, DATASET_ORDER))
+        cols = ["ImageNet (source)", *[DATASET_LABEL.get(t, t) for t in targets], "Average (targets)"]
+        title = "Cross-dataset transfer" if table == "xd" else "Cross-domain generalisation"
+        lines = [f"# {title}, ImageNet {shots} shots", "", "Accuracy (%): mean ± std over seeds.", "",
+                 "| Method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        csv_rows = []
+        for m in methods:
+            src = stat(results.get(RunKey(table, shots, m, "imagenet", "source")))
+            tgt = [stat(results.get(RunKey(table, shots, m, t, "target"))) for t in targets]
+            avg = float(np.mean([s.mean for s in tgt])) if tgt and all(tgt) else None
+            cells = [_cell(src), *[_cell(s) for s in tgt], f"{avg:.2f}" if avg is not None else "–"]
+            lines.append(f"| {METHOD_LABEL.get(m, m)} | " + " | ".join(cells) + " |")
+            for name, s in [("imagenet", src), *zip(targets, tgt)]:
+                csv_rows.append([shots, m, name, _num(s and s.mean), _num(s and s.std), s.n if s else 0])
+            csv_rows.append([shots, m, "target_average", _num(avg), "", len(tgt)])
+        md = out / f"{table}_shots{shots}.md"
+        md.write_text("\n".join(lines) + "\n")
+        csv_path = out / f"{table}_shots{shots}.csv"
+        with open(csv_path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["shots", "method", "dataset", "mean", "std", "seeds"])
+            w.writerows(csv_rows)
+        written += [md, csv_path]
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("output_root", type=Path, help="the OUTPUT root the scripts wrote to")
+    parser.add_argument("--out", type=Path, default=None, help="where tables go (default OUTPUT_ROOT/tables)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a run is missing or unfinished")
+    args = parser.parse_args(argv)
+    root = args.output_root
+    if not root.is_dir():
+        print(f"output root not found: {root}", file=sys.stderr)
+        return 2
+    results, problems = collect(root)
+    for p in problems:
+        print(f"WARNING: {p}", file=sys.stderr)
+    if not results:
+        print(f"no finished runs under {root} (expected base2new/, xd/ or xdomain/ as the scripts write them)",
+              file=sys.stderr)
+        return 1
+    out = args.out or (root / "tables")
+    os.makedirs(out, exist_ok=True)
+    written = write_base2new(results, out) + write_transfer(results, "xd", out) + write_transfer(results, "xdomain", out)
+    for path in written:
+        if path.suffix == ".md":
+            print(path.read_text())
+    print("Wrote: " + ", ".join(str(p) for p in written))
+    return 1 if (args.strict and problems) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""Dispatch logic of scripts/base2new.sh, xd.sh and xdomain.sh against a fake train.py (no Dassl)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+FAKE_TRAIN = r'''
+import argparse, json, os, sys
+p = argparse.ArgumentParser()
+for a in ("--root", "--seed", "--trainer", "--dataset-config-file", "--config-file", "--output-dir",
+          "--model-dir", "--load-epoch"):
+    p.add_argument(a, default="")
+p.add_argument("--eval-only", action="store_true")
+p.add_argument("opts", nargs=argparse.REMAINDER)
+args = p.parse_args()
+with open(os.environ["FAKE_RECORD"], "a") as f:
+    f.write(json.dumps({"cwd": os.getcwd(), "argv": sys.argv[1:]}) + "\n")
+os.makedirs(args.output_dir, exist_ok=True)
+opts = dict(zip(args.opts[::2], args.opts[1::2]))
+acc = float(os.environ.get("FAKE_ACC", "50")) + int(args.seed)
+log = open(os.path.join(args.output_dir, "log.txt"), "w")
+if os.environ.get("FAKE_CRASH"):
+    log.write("epoch [1/5]\n")
+    sys.exit(3)
+if not args.eval_only:
+    ep = opts.get("OPTIM.MAX_EPOCH", "7")
+    os.makedirs(os.path.join(args.output_dir, "prompt_learner"), exist_ok=True)
+    open(os.path.join(args.output_dir, "prompt_learner", "checkpoint"), "w").write(f"model.pth.tar-{ep}\n")
+    log.write("Finish training\n")
+log.write(f"=> result\n* total: 10\n* accuracy: {acc}%\n")
+'''
+
+
+@pytest.fixture()
+def env(tmp_path):
+    fake = tmp_path / "fake" / "train.py"
+    fake.parent.mkdir()
+    fake.write_text(FAKE_TRAIN)
+    configs = tmp_path / "configs"
+    shutil.copytree(REPO / "configs" / "datasets", configs / "datasets")
+    (configs / "trainers").mkdir()
+    for key in ("coop", "gram_coop", "vpt", "gram_vpt", "joint", "unigram", "zsclip"):
+        (configs / "trainers" / f"{key}.yaml").write_text(f"# {key}\nOPTIM:\n  MAX_EPOCH: 5\n")
+    return {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path),
+        "PYTHON": sys.executable,
+        "TRAIN_PY": str(fake),
+        "CONFIGS": str(configs),
+        "DATA": str(tmp_path / "data"),
+        "OUTPUT": str(tmp_path / "out"),
+        "FAKE_RECORD": str(tmp_path / "calls.jsonl"),
+    }
+
+
+def run(script, args, env, **extra):
+    e = dict(env, **{k: str(v) for k, v in extra.items()})
+    return subprocess.run(["bash", str(REPO / "scripts" / script), *args], env=e, capture_output=True, text=True,
+                          timeout=120)
+
+
+def calls(env):
+    path = Path(env["FAKE_RECORD"])
+    if not path.exists():
+        return []
+    out = [json.loads(line) for line in path.read_text().splitlines()]
+    path.unlink()
+    return out
+
+
+def test_base2new_argument_lists(env):
+    r = run("base2new.sh", ["gram_coop", "dtd", "1", "2", "TRAINER.GRAM.N_CTX", "4"], env, EPOCHS=3)
+    assert r.returncode == 0, r.stderr
+    got = calls(env)
+    assert [c["cwd"] for c in got] == [str(REPO)] * 4
+    out, cfg = env["OUTPUT"], env["CONFIGS"]
+    common = ["--root", env["DATA"], "--seed", "1", "--trainer", "GRAM_CoOp",
+              "--dataset-config-file", f"{cfg}/datasets/dtd.yaml", "--config-file", f"{cfg}/trainers/gram_coop.yaml"]
+    train_dir = f"{out}/base2new/train_base/dtd/shots_16/gram_coop/seed1"
+    assert got[0]["argv"] == common + ["--output-dir", train_dir, "DATASET.NUM_SHOTS", "16",
+                                       "DATASET.SUBSAMPLE_CLASSES", "base", "OPTIM.MAX_EPOCH", "3",
+                                       "TRAINER.GRAM.N_CTX", "4"]
+    assert got[1]["argv"] == common + ["--output-dir", f"{out}/base2new/test_new/dtd/shots_16/gram_coop/seed1",
+                                       "--model-dir", train_dir, "--load-epoch", "3", "--eval-only",
+                                       "DATASET.NUM_SHOTS", "16", "DATASET.SUBSAMPLE_CLASSES", "new",
+                                       "TRAINER.GRAM.N_CTX", "4"]
+    assert got[2]["argv"][3] == "2" and got[3]["argv"][3] == "2"
+    info = Path(train_dir, "gram_run.txt").read_text()
+    assert "mode train" in info and "arg OPTIM.MAX_EPOCH" in info
+
+
+def test_load_epoch_from_checkpoint_shots_and_default_seeds(env):
+    r = run("base2new.sh", ["vpt", "eurosat"], env, SHOTS=4)
+    assert r.returncode == 0, r.stderr
+    got = calls(env)
+    assert [c["argv"][3] for c in got] == ["1", "1", "2", "2", "3", "3"]
+    ev = got[1]["argv"]
+    assert ev[ev.index("--load-epoch") + 1] == "7"  # from prompt_learner/checkpoint written by training
+    assert ev[ev.index("--trainer") + 1] == "GRAM_VPT"
+    assert ev[ev.index("DATASET.NUM_SHOTS") + 1] == "4"
+    assert "/base2new/test_new/eurosat/shots_4/vpt/seed1" in ev[ev.index("--output-dir") + 1]
+
+
+def test_identical_rerun_is_skipped_and_changed_config_is_refused(env):
+    assert run("base2new.sh", ["coop", "dtd", "1"], env).returncode == 0
+    assert len(calls(env)) == 2
+    again = run("base2new.sh", ["coop", "dtd", "1"], env)
+    assert again.returncode == 0 and calls(env) == []
+    assert again.stdout.count("same configuration, so skip") == 2
+    # different yacs options -> refused, nothing run
+    diff = run("base2new.sh", ["coop", "dtd", "1", "OPTIM.LR", "0.01"], env)
+    assert diff.returncode != 0 and calls(env) == []
+    assert "Refusing to reuse" in diff.stderr and "different arguments" in diff.stderr
+    # changed config file content -> refused too
+    cfg = Path(env["CONFIGS"], "trainers", "coop.yaml")
+    cfg.write_text(cfg.read_text() + "  LR: 0.5\n")
+    assert run("base2new.sh", ["coop", "dtd", "1"], env).returncode != 0 and calls(env) == []
+    # REDO=1 moves both folders aside (eval depends on the retrained model) and reruns
+    redo = run("base2new.sh", ["coop", "dtd", "1"], env, REDO=1)
+    assert redo.returncode == 0, redo.stderr
+    assert len(calls(env)) == 2
+    parent = Path(env["OUTPUT"], "base2new", "train_base", "dtd", "shots_16", "coop")
+    assert sorted(p.name.split(".old-")[0] for p in parent.iterdir()) == ["seed1", "seed1"]
+
+
+def test_unfinished_and_unknown_runs_are_not_reused(env):
+    crash = run("base2new.sh", ["joint", "dtd", "1"], env, FAKE_CRASH=1)
+    assert crash.returncode != 0 and "FAILED (train)" in crash.stderr
+    assert len(calls(env)) == 1  # no evaluation after a failed training
+    again = run("base2new.sh", ["joint", "dtd", "1"], env)
+    assert again.returncode != 0 and "unfinished" in again.stderr and calls(env) == []
+    foreign = Path(env["OUTPUT"], "base2new", "train_base", "food101", "shots_16", "joint", "seed1")
+    foreign.mkdir(parents=True)
+    (foreign / "log.txt").write_text("Finish training\n=> result\n* accuracy: 99.0%\n")
+    r = run("base2new.sh", ["joint", "food101", "1"], env)
+    assert r.returncode != 0 and "configuration is unknown" in r.stderr and calls(env) == []
+
+
+def test_zero_shot_evaluates_both_halves_without_training(env):
+    r = run("base2new.sh", ["zsclip", "dtd,eurosat", "1"], env)
+    assert r.returncode == 0, r.stderr
+    got = [c["argv"] for c in calls(env)]
+    assert len(got) == 4
+    for argv, sub in zip(got, ("base", "new", "base", "new")):
+        assert "--eval-only" in argv and "--model-dir" not in argv
+        assert argv[argv.index("DATASET.SUBSAMPLE_CLASSES") + 1] == sub
+    assert "mode eval" in Path(env["OUTPUT"], "base2new/train_base/dtd/shots_16/zsclip/seed1/gram_run.txt").read_text()
+
+
+def test_xd_then_xdomain_share_the_imagenet_model(env):
+    r = run("xd.sh", ["unigram", "1"], env, EPOCHS=2)
+    assert r.returncode == 0, r.stderr
+    got = [c["argv"] for c in calls(env)]
+    assert len(got) == 11
+    train = got[0]
+    assert train[train.index("--dataset-config-file") + 1].endswith("/datasets/imagenet.yaml")
+    assert "DATASET.SUBSAMPLE_CLASSES" not in train and train[train.index("DATASET.NUM_SHOTS") + 1] == "16"
+    targets = [Path(a[a.index("--dataset-config-file") + 1]).stem for a in got[1:]]
+    assert targets == ["caltech101", "oxford_pets", "stanford_cars", "oxford_flowers", "food101",
+                       "fgvc_aircraft", "sun397", "dtd", "eurosat", "ucf101"]
+    for a in got[1:]:
+        assert a[a.index("--model-dir") + 1].endswith("/xd/train_imagenet/shots_16/unigram/seed1")
+        assert a[a.index("--load-epoch") + 1] == "2" and "--eval-only" in a
+    r2 = run("xdomain.sh", ["unigram", "1"], env, EPOCHS=2)
+    assert r2.returncode == 0, r2.stderr
+    got2 = [c["argv"] for c in calls(env)]
+    assert [Path(a[a.index("--dataset-config-file") + 1]).stem for a in got2] == [
+        "imagenetv2", "imagenet_sketch", "imagenet_a", "imagenet_r"]
+    assert "same configuration, so skip" in r2.stdout
+
+
+def test_bad_method_and_missing_config_are_one_line_errors(env):
+    r = run("base2new.sh", ["cocoop", "dtd"], env)
+    assert r.returncode == 2 and "unknown method 'cocoop'" in r.stderr
+    os.remove(Path(env["CONFIGS"], "trainers", "vpt.yaml"))
+    r = run("xd.sh", ["vpt"], env)
+    assert r.returncode == 2 and f"missing trainer config {env['CONFIGS']}/trainers/vpt.yaml" in r.stderr
+    r = run("base2new.sh", ["coop", "nosuchset", "1"], env)
+    assert r.returncode != 0 and "unknown dataset 'nosuchset'" in r.stderr and calls(env) == []
+
+
+def test_scripts_then_parser_end_to_end(env, tmp_path):
+    assert run("base2new.sh", ["gram_coop", "dtd,eurosat", "1", "2"], env, FAKE_ACC=60).returncode == 0
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "parse_results.py"), env["OUTPUT"]],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = (Path(env["OUTPUT"]) / "tables" / "base2new_shots16.csv").read_text().splitlines()
+    dtd = next(line.split(",") for line in rows if ",dtd," in line)
+    assert float(dtd[3]) == pytest.approx(61.5) and float(dtd[6]) == pytest.approx(61.5)  # seeds 1,2 -> 61, 62
