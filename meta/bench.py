@@ -1,0 +1,142 @@
+"""Benchmark of one GRAM meta-step against a plain CoOp step: ``python -m meta.bench``.
+
+Prints human-readable lines, then ONE JSON line (the last line) with:
+
+* ``second_order_s`` / ``first_order_s``: wall time of one meta-task (clone θ, regulated inner step on
+  the support, query loss at θ', backward to θ and φ), second / first order;
+* ``plain_step_s``: one CoOp step (forward + backward of the same support + query images, same prompts);
+* ``ratio_second_to_plain``;
+* ``truncation_speedup``: second-order meta-task time with 77 text positions / with ``max(eot)+1``;
+* ``frozen_bytes_cloned_per_task``: bytes copied by ``GBML.clone()`` beyond θ and φ (target 0);
+* ``peak_rss_mb``: peak resident memory of the process;
+* ``settings``: everything the numbers depend on.
+
+Defaults: ViT-B-16 architecture with random weights (no download), CoOp text prompts (M = 4),
+K = 8-way, 1-shot support, 4-shot query, cached image features, one CPU thread.  Times are the
+median of ``--repeats`` after ``--warmup`` runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+import warnings
+from typing import Callable
+
+import torch
+
+
+def _median_time(fn: Callable[[], None], warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _class_names(k: int) -> list[str]:
+    pool = ["golden retriever", "fire truck", "sunflower", "grand piano", "tabby cat", "sports car",
+            "oak tree", "coffee mug", "mountain bike", "lighthouse", "jellyfish", "hot air balloon"]
+    return [pool[i % len(pool)] + ("" if i < len(pool) else f" {i}") for i in range(k)]
+
+
+def run(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    from .backbone import load_clip
+    from .gram import GRAMMetaLearner, MetaSpec, TaskBatch
+    from .profiling import bytes_copied
+    from .prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        clip, dims = load_clip(args.model, pretrained=args.pretrained)
+    names = _class_names(args.way)
+    gen = torch.Generator().manual_seed(0)
+
+    def features(shots: int) -> dict:
+        feats = torch.nn.functional.normalize(torch.randn(args.way * shots, dims.embed_dim, generator=gen), dim=-1)
+        return {"classnames": names, "features": feats, "label": torch.arange(args.way).repeat(shots)}
+
+    support, query = features(args.support_shots), features(args.query_shots)
+    spec = PromptSpec(n_ctx_text=args.n_ctx)
+
+    def meta_task_time(first_order: bool, truncate: bool) -> float:
+        prompts = PromptParams.from_spec(spec, clip, dims, generator=torch.Generator().manual_seed(1))
+        ml = GRAMMetaLearner(prompts, MetaSpec(first_order=first_order))
+        loss_fn = classification_loss(PromptedCLIP(clip, dims, args.n_ctx, truncate=truncate))
+        return _median_time(lambda: ml.accumulate([TaskBatch(support, query)], loss_fn),
+                            args.warmup, args.repeats)
+
+    second = meta_task_time(first_order=False, truncate=True)
+    print(f"second-order meta-task: {second:.4f} s", flush=True)
+    first = meta_task_time(first_order=True, truncate=True)
+    print(f"first-order meta-task:  {first:.4f} s", flush=True)
+    full = meta_task_time(first_order=False, truncate=False)
+    print(f"second-order, 77 text positions: {full:.4f} s", flush=True)
+
+    prompts = PromptParams.from_spec(spec, clip, dims, generator=torch.Generator().manual_seed(1))
+    loss_fn = classification_loss(PromptedCLIP(clip, dims, args.n_ctx, truncate=True))
+    both = {"classnames": names, "features": torch.cat([support["features"], query["features"]]),
+            "label": torch.cat([support["label"], query["label"]])}
+    optim = torch.optim.SGD(prompts.parameters(), lr=0.002)
+
+    def plain_step() -> None:
+        optim.zero_grad()
+        loss_fn(prompts, both)[0].backward()
+        optim.step()
+
+    plain = _median_time(plain_step, args.warmup, args.repeats)
+    print(f"plain CoOp step:        {plain:.4f} s", flush=True)
+
+    ml = GRAMMetaLearner(PromptParams.from_spec(spec, clip, dims), MetaSpec())
+    own = sum(p.numel() * p.element_size() for p in ml.gbml.parameters())
+    _, copied = bytes_copied(lambda: ml.gbml.clone())
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {
+        "second_order_s": round(second, 5),
+        "first_order_s": round(first, 5),
+        "plain_step_s": round(plain, 5),
+        "ratio_second_to_plain": round(second / plain, 3),
+        "truncation_speedup": round(full / second, 3),
+        "frozen_bytes_cloned_per_task": int(copied - own),
+        "theta_phi_bytes_cloned_per_task": int(own),
+        "peak_rss_mb": round(peak_kb / 1024, 1),
+        "settings": {
+            "model": args.model, "pretrained": args.pretrained, "way": args.way,
+            "support_shots": args.support_shots, "query_shots": args.query_shots, "n_ctx": args.n_ctx,
+            "inner_steps": 1, "image_side": "cached features", "threads": torch.get_num_threads(),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "warmup": args.warmup,
+            "repeats": args.repeats, "torch": torch.__version__, "python": platform.python_version(),
+            "cpu": platform.processor() or platform.machine(),
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m meta.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="ViT-B-16", help="open_clip architecture")
+    parser.add_argument("--pretrained", default=None, help="local weights file (default: random weights)")
+    parser.add_argument("--way", type=int, default=8)
+    parser.add_argument("--support-shots", type=int, default=1)
+    parser.add_argument("--query-shots", type=int, default=4)
+    parser.add_argument("--n-ctx", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+    result = run(args)
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
