@@ -1,0 +1,167 @@
+"""scripts/parse_results.py on synthetic log trees with known numbers."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("parse_results", REPO / "scripts" / "parse_results.py")
+pr = importlib.util.module_from_spec(_spec)
+sys.modules["parse_results"] = pr  # dataclasses look their module up while the file executes
+_spec.loader.exec_module(pr)
+
+TRAIN_LOG = """Loading trainer: GRAM_CoOp
+epoch [1/2] batch [1/1] loss 1.0
+Finish training
+Deploy the last-epoch model
+Evaluate on the *test* set
+=> result
+* total: 100
+* correct: {c}
+* accuracy: {acc}%
+* error: {err}%
+* macro_f1: 10.0%
+Elapsed: 0:00:01
+"""
+EVAL_LOG = """Loading weights to prompt_learner from "x/prompt_learner/model.pth.tar-2"
+Evaluate on the *test* set
+=> result
+* total: 100
+* accuracy: {acc}%
+* macro_f1: 10.0%
+"""
+
+
+def write_run(root: Path, rel: str, text: str, mode: str | None = None) -> Path:
+    d = root / rel
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "log.txt").write_text(text)
+    if mode:
+        (d / "gram_run.txt").write_text(f"hash abc\nmode {mode}\narg --seed\n")
+    return d
+
+
+def train_log(acc: float) -> str:
+    return TRAIN_LOG.format(acc=acc, c=int(acc), err=100 - acc)
+
+
+def make_tree(root: Path, numbers: dict) -> None:
+    """numbers[(method, dataset)] = (base accs by seed, new accs by seed)."""
+    for (method, ds), (base, new) in numbers.items():
+        for seed, acc in enumerate(base, 1):
+            write_run(root, f"base2new/train_base/{ds}/shots_16/{method}/seed{seed}", train_log(acc))
+        for seed, acc in enumerate(new, 1):
+            write_run(root, f"base2new/test_new/{ds}/shots_16/{method}/seed{seed}", EVAL_LOG.format(acc=acc))
+
+
+NUMBERS = {
+    ("coop", "dtd"): ([80.0, 82.0, 84.0], [50.0, 55.0, 60.0]),
+    ("coop", "eurosat"): ([90.5, 91.5, 92.5], [70.0, 66.0, 68.0]),
+    ("gram_coop", "dtd"): ([81.0, 81.0, 84.0], [58.0, 59.0, 63.0]),
+    ("gram_coop", "eurosat"): ([92.0, 93.0, 91.0], [71.0, 73.0, 69.0]),
+}
+
+
+def read_csv(path: Path) -> dict[tuple[str, str], dict]:
+    with open(path) as f:
+        return {(r["method"], r["dataset"]): r for r in csv.DictReader(f)}
+
+
+def test_base_new_h_tables_match_independent_numbers(tmp_path):
+    make_tree(tmp_path, NUMBERS)
+    assert pr.main([str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "tables" / "base2new_shots16.csv")
+    for (method, ds), (base, new) in NUMBERS.items():
+        r = rows[(method, ds)]
+        assert float(r["base_mean"]) == pytest.approx(np.mean(base), abs=1e-4)
+        assert float(r["base_std"]) == pytest.approx(statistics.pstdev(base), abs=1e-4)
+        assert float(r["new_mean"]) == pytest.approx(np.mean(new), abs=1e-4)
+        assert float(r["H"]) == pytest.approx(statistics.harmonic_mean([np.mean(base), np.mean(new)]), abs=1e-4)
+        assert r["base_seeds"] == "3" and r["new_seeds"] == "3"
+    for method in ("coop", "gram_coop"):
+        b = np.mean([np.mean(NUMBERS[(method, d)][0]) for d in ("dtd", "eurosat")])
+        n = np.mean([np.mean(NUMBERS[(method, d)][1]) for d in ("dtd", "eurosat")])
+        avg = rows[(method, "average")]
+        assert float(avg["base_mean"]) == pytest.approx(b, abs=1e-4)
+        assert float(avg["H"]) == pytest.approx(statistics.harmonic_mean([b, n]), abs=1e-4)
+    md = (tmp_path / "tables" / "base2new_shots16.md").read_text()
+    b, n = NUMBERS[("coop", "dtd")]
+    dtd_row = (f"| CoOp | {np.mean(b):.2f} ± {statistics.pstdev(b):.2f} | {np.mean(n):.2f} ± {statistics.pstdev(n):.2f}"
+               f" | {2 * np.mean(b) * np.mean(n) / (np.mean(b) + np.mean(n)):.2f} | 3/3 |")
+    assert dtd_row in md.split("## DTD")[1]
+    png = tmp_path / "tables" / "base2new_shots16_H.png"
+    with Image.open(png) as im:
+        assert im.format == "PNG" and im.size[0] > 100
+
+
+def test_paper_average_convention():
+    """CLIP's Table 1 average row: H(69.34, 74.22) = 71.70, the H of the averaged Base and New."""
+    assert pr.harmonic_mean(69.34, 74.22) == pytest.approx(71.70, abs=0.005)
+
+
+def test_end_signals_and_last_match(tmp_path):
+    d = write_run(tmp_path, "a", "* accuracy: 10.0%\nFinish training\n* accuracy: 20.0%\n* accuracy: 30.5%\n")
+    assert pr.read_accuracy(d / "log.txt", "train") == 30.5  # before the end signal ignored, last one wins
+    d = write_run(tmp_path, "b", "Finished training\n=> result\n* accuracy: 70.0%\n")  # MaPLe's old string
+    with pytest.raises(pr.LogProblem, match=r"unfinished run: .*b/log.txt has no 'Finish training'"):
+        pr.read_accuracy(d / "log.txt", "train")
+    assert pr.read_accuracy(d / "log.txt", "eval") == 70.0
+    d = write_run(tmp_path, "c", "Finish training\n")
+    with pytest.raises(pr.LogProblem, match="no result"):
+        pr.read_accuracy(d / "log.txt", "train")
+    with pytest.raises(pr.LogProblem, match="missing log"):
+        pr.read_accuracy(tmp_path / "nowhere" / "log.txt", "eval")
+
+
+def test_missing_and_unfinished_runs_are_named(tmp_path, capsys):
+    make_tree(tmp_path, {("coop", "dtd"): ([80.0, 82.0], [50.0, 55.0])})
+    write_run(tmp_path, "base2new/train_base/dtd/shots_16/coop/seed3", "epoch [3/10]\n")  # crashed, no new run
+    # an older re-run log next to log.txt is ignored, as in CoOp's parser
+    (tmp_path / "base2new/train_base/dtd/shots_16/coop/seed1/log.txt-2024-01-01-00-00-00").write_text(train_log(1.0))
+    assert pr.main([str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "unfinished run: " + str(tmp_path / "base2new/train_base/dtd/shots_16/coop/seed3/log.txt") in err
+    assert "missing new run: " + str(tmp_path / "base2new/test_new/dtd/shots_16/coop/seed3/log.txt") in err
+    rows = read_csv(tmp_path / "tables" / "base2new_shots16.csv")
+    assert float(rows[("coop", "dtd")]["base_mean"]) == pytest.approx(81.0)
+    assert rows[("coop", "dtd")]["base_seeds"] == "2"
+    assert pr.main([str(tmp_path), "--strict"]) == 1
+
+
+def test_zero_shot_base_runs_are_read_as_eval_logs(tmp_path):
+    write_run(tmp_path, "base2new/train_base/dtd/shots_16/zsclip/seed1", EVAL_LOG.format(acc=53.0), mode="eval")
+    write_run(tmp_path, "base2new/test_new/dtd/shots_16/zsclip/seed1", EVAL_LOG.format(acc=58.0), mode="eval")
+    assert pr.main([str(tmp_path)]) == 0
+    r = read_csv(tmp_path / "tables" / "base2new_shots16.csv")[("zsclip", "dtd")]
+    assert float(r["H"]) == pytest.approx(2 * 53 * 58 / 111, abs=1e-4)
+
+
+def test_cross_domain_table_four_shots(tmp_path):
+    accs = {"imagenetv2": [60.0, 62.0], "imagenet_sketch": [46.0, 47.0], "imagenet_a": [47.0, 49.0],
+            "imagenet_r": [73.0, 75.0]}
+    for seed, src in ((1, 70.0), (2, 71.0)):
+        write_run(tmp_path, f"xd/train_imagenet/shots_4/unigram/seed{seed}", train_log(src), mode="train")
+        for target, values in accs.items():
+            write_run(tmp_path, f"xdomain/test/{target}/shots_4/unigram/seed{seed}",
+                      EVAL_LOG.format(acc=values[seed - 1]), mode="eval")
+    assert pr.main([str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "tables" / "xdomain_shots4.csv")
+    assert float(rows[("unigram", "imagenet")]["mean"]) == pytest.approx(70.5)
+    assert float(rows[("unigram", "imagenet_a")]["std"]) == pytest.approx(1.0)
+    expected_avg = np.mean([np.mean(v) for v in accs.values()])
+    assert float(rows[("unigram", "target_average")]["mean"]) == pytest.approx(expected_avg, abs=1e-4)
+    assert "| UNIGRAM | 70.50 ± 0.50 | 61.00 ± 1.00 |" in (tmp_path / "tables" / "xdomain_shots4.md").read_text()
+    assert not (tmp_path / "tables" / "xd_shots4.csv").exists()  # no cross-dataset runs, no table
+
+
+def test_empty_root_is_an_error(tmp_path, capsys):
+    assert pr.main([str(tmp_path)]) == 1
+    assert "no finished runs under" in capsys.readouterr().err
+    assert pr.main([str(tmp_path / "absent")]) == 2
