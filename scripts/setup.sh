@@ -50,7 +50,11 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-PIP=("$PY" -m pip --disable-pip-version-check)
+# pip here warns once per package about local index folders it does not have; drop that noise only.
+pip_() {
+  "$PY" -m pip --disable-pip-version-check "$@" 2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
+}
+PIP=(pip_)
 
 log "build tools (setuptools, wheel, cython)"
 "${PIP[@]}" install -q "setuptools>=68" wheel "cython>=3.0"
