@@ -1,0 +1,201 @@
+"""Standalone few-shot evaluation: ``python -m meta.evaluate {base2new,transfer} ...``.
+
+The library lives in :mod:`meta.evaluation`; this module re-exports its API and adds the CLI.
+
+Examples::
+
+    # base-to-new, 3 seeds, zero-shot CLIP + CoOp + CoOp+GRAM on two world datasets
+    python -m meta.evaluate base2new --dataset .cache/world/<hash>/downstream/world_curves \\
+        --dataset .cache/world/<hash>/downstream/world_icons --model GRAM-World-ViT-T \\
+        --pretrained .cache/world/<hash>/clip/clip.safetensors \\
+        --methods zsclip coop coop_gram --init coop_gram=output/gram_text.safetensors \\
+        --seeds 1 2 3 --shots 16 --output output/eval/b2n.jsonl
+
+    # cross-dataset: train on one dataset (all classes), test on others
+    python -m meta.evaluate transfer --source DIR --targets DIR2 DIR3 --methods coop ...
+
+Each (dataset, method, seed) record is appended as one JSON line to ``--output`` and a
+summary line is printed; a mean ± std table over seeds closes the run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from typing import Optional, Sequence
+
+from .evaluation import (PRESET_NAMES, DatasetRef, EvaluationSession, MethodSpec, TrainSpec,
+                         evaluate_base_to_new, evaluate_transfer, method_preset)
+
+__all__ = ["DatasetRef", "EvaluationSession", "MethodSpec", "TrainSpec", "evaluate_base_to_new",
+           "evaluate_transfer", "method_preset", "PRESET_NAMES", "main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m meta.evaluate", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--root", default="", help="CoOp DATASET.ROOT, for registered dataset names")
+    common.add_argument("--model", default="ViT-B-16", help="open_clip architecture (e.g. GRAM-World-ViT-T)")
+    common.add_argument("--pretrained", default="", help="local CLIP weights file or cached open_clip tag")
+    common.add_argument("--quick-gelu", choices=("auto", "on", "off"), default="auto")
+    common.add_argument("--device", default="cpu")
+    common.add_argument("--methods", nargs="+", default=["zsclip", "coop"], choices=PRESET_NAMES)
+    common.add_argument("--init", nargs="*", default=[], metavar="[PRESET=]PATH",
+                        help="GRAM init file for the *_gram / unigram presets (PATH for all, or PRESET=PATH)")
+    common.add_argument("--ctx-init", default="", help="initialise CoOp-style text context from these words")
+    common.add_argument("--vision-depth", type=int, default=1, help="layers with visual prompts (1 = shallow VPT)")
+    common.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    common.add_argument("--shots", type=int, default=16)
+    d = TrainSpec()
+    common.add_argument("--epochs", type=int, default=d.epochs)
+    common.add_argument("--batch-size", type=int, default=d.batch_size)
+    common.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default=d.optimizer)
+    common.add_argument("--lr", type=float, default=d.lr)
+    common.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    common.add_argument("--warmup-epochs", type=int, default=d.warmup_epochs)
+    common.add_argument("--warmup-lr", type=float, default=d.warmup_lr)
+    common.add_argument("--aug-views", type=int, default=d.aug_views,
+                        help="pre-computed augmented views per train image when the image tower is frozen")
+    common.add_argument("--no-augment", action="store_true", help="train on test-transformed images")
+    common.add_argument("--final-eval-only", action="store_true", help="skip the per-epoch test curves")
+    common.add_argument("--cache-dir", default="", help="on-disk frozen-feature cache (e.g. .cache/features)")
+    common.add_argument("--no-split-cache", action="store_true", help="do not read/write few-shot split caches")
+    common.add_argument("--output", default="", help="append one JSON line per run to this file")
+    common.add_argument("--no-progress", action="store_true")
+    b2n = sub.add_parser("base2new", parents=[common], help="CoCoOp base-to-new protocol")
+    b2n.add_argument("--dataset", action="append", required=True,
+                     help="dataset folder in CoOp/DTD layout, or a registered name with --root (repeatable)")
+    tr = sub.add_parser("transfer", parents=[common], help="train on a source dataset, test on targets")
+    tr.add_argument("--source", required=True)
+    tr.add_argument("--targets", nargs="+", required=True)
+    tr.add_argument("--protocol", default="transfer", help="label of the records (cross_dataset, cross_domain)")
+    return p
+
+
+def _init_paths(values: Sequence[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for v in values:
+        key, sep, path = v.partition("=")
+        if sep and key in PRESET_NAMES:
+            out[key] = path
+        else:
+            out["*"] = v
+    return out
+
+
+def _methods(args: argparse.Namespace) -> list[MethodSpec]:
+    inits = _init_paths(args.init)
+    methods = []
+    for key in args.methods:
+        overrides = {}
+        if args.vision_depth != 1:
+            overrides["vision_depth"] = args.vision_depth
+        if args.ctx_init and key in ("coop", "joint"):
+            overrides["ctx_init"] = args.ctx_init
+        gram = key.endswith("_gram") or key == "unigram"
+        path = inits.get(key, inits.get("*", "")) if gram else ""
+        methods.append(method_preset(key, init_path=path, **overrides))
+    return methods
+
+
+def _train_spec(args: argparse.Namespace) -> TrainSpec:
+    return TrainSpec(epochs=args.epochs, batch_size=args.batch_size, optimizer=args.optimizer, lr=args.lr,
+                     weight_decay=args.weight_decay, warmup_epochs=args.warmup_epochs, warmup_lr=args.warmup_lr,
+                     augment="none" if args.no_augment else "coop", aug_views=args.aug_views,
+                     eval_every_epoch=not args.final_eval_only)
+
+
+def _summary(record: dict) -> str:
+    if record["protocol"] == "base2new":
+        nums = f"base {record['base']:.2f}  new {record['new']:.2f}  H {record['H']:.2f}"
+    else:
+        targets = "  ".join(f"{k} {v:.2f}" for k, v in record["targets"].items())
+        nums = f"source {record['source']:.2f}  {targets}  mean {record['target_mean']:.2f}"
+    return f"{record['dataset']:<20} {record['method']:<12} seed {record['seed']}: {nums}  ({record['seconds']:.1f} s)"
+
+
+def _mean_std(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
+
+
+def _table(records: list[dict]) -> str:
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["dataset"], r["method"]), []).append(r)
+    lines = []
+    for (ds, method), rows in groups.items():
+        if rows[0]["protocol"] == "base2new":
+            from .coop_data import harmonic_mean
+            b = [r["base"] for r in rows]
+            n = [r["new"] for r in rows]
+            h = harmonic_mean(statistics.mean(b), statistics.mean(n))  # H of the means, as the paper's tables
+            lines.append(f"{ds:<20} {method:<12} base {_mean_std(b)}  new {_mean_std(n)}  H {h:.2f}  "
+                         f"(seeds {len(rows)})")
+        else:
+            s = [r["source"] for r in rows]
+            t = [r["target_mean"] for r in rows]
+            lines.append(f"{ds:<20} {method:<12} source {_mean_std(s)}  target mean {_mean_std(t)}  "
+                         f"(seeds {len(rows)})")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        methods = _methods(args)
+        spec = _train_spec(args)
+        if args.command == "base2new":
+            datasets = [DatasetRef.parse(d, args.root) for d in args.dataset]
+        else:
+            source = DatasetRef.parse(args.source, args.root)
+            targets = [DatasetRef.parse(t, args.root) for t in args.targets]
+    except (ValueError, KeyError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    import warnings
+
+    from .backbone import load_clip
+    from .config import quick_gelu_flag
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore" if not args.pretrained else "default")
+        clip, dims = load_clip(args.model, args.pretrained or None, device=args.device,
+                               quick_gelu=quick_gelu_flag(args.quick_gelu), config_key="--pretrained")
+    if not args.pretrained:
+        print("warning: --pretrained not given: CLIP has RANDOM weights, numbers are meaningless", file=sys.stderr)
+    session = EvaluationSession(clip, dims, cache_dir=args.cache_dir or None, progress=not args.no_progress,
+                                clip_info={"pretrained": os.path.abspath(args.pretrained) if args.pretrained else ""})
+    if args.output:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    out = open(args.output, "a", encoding="utf-8") if args.output else None
+    records = []
+    try:
+        for method in methods:
+            for seed in args.seeds:
+                if args.command == "base2new":
+                    runs = [evaluate_base_to_new(ds, clip, dims, method, seed, args.shots, spec, session=session,
+                                                 use_split_cache=not args.no_split_cache) for ds in datasets]
+                else:
+                    runs = [evaluate_transfer(source, targets, clip, dims, method, seed, args.shots, spec,
+                                              session=session, use_split_cache=not args.no_split_cache,
+                                              protocol=args.protocol)]
+                for record in runs:
+                    records.append(record)
+                    print(_summary(record), flush=True)
+                    if out is not None:
+                        out.write(json.dumps(record) + "\n")
+                        out.flush()
+    finally:
+        if out is not None:
+            out.close()
+    print(_table(records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""Dassl-free few-shot adaptation and evaluation (CoOp's base-to-new and transfer protocols).
+
+Public API (``meta.evaluate`` re-exports it and adds the CLI):
+
+* :class:`MethodSpec`, :func:`method_preset` - what to fine-tune (zero-shot CLIP, CoOp, VPT,
+  UNIGRAM, with or without a GRAM init file and its gradient regulator);
+* :class:`TrainSpec` - CoCoOp's schedule by default (SGD 0.002, 10 epochs, batch 1, cosine with
+  one constant warm-up epoch), augmentation and evaluation cadence;
+* :class:`DatasetRef` - a CoOp-layout dataset (read through ``meta.coop_data``);
+* :func:`evaluate_base_to_new`, :func:`evaluate_transfer` -> JSON-able result records;
+* :class:`EvaluationSession` - shares frozen image features between runs.
+"""
+from .datasets import DatasetRef
+from .images import FeatureCache, ImageLoader, clip_fingerprint
+from .protocol import EvaluationSession, evaluate_base_to_new, evaluate_transfer
+from .spec import PRESET_NAMES, MethodSpec, TrainSpec, method_preset
+from .training import LabelledSet, PromptTuner, build_prompts, make_optimizer, make_scheduler, prompt_digest
+
+__all__ = [
+    "DatasetRef", "FeatureCache", "ImageLoader", "clip_fingerprint", "EvaluationSession",
+    "evaluate_base_to_new", "evaluate_transfer", "PRESET_NAMES", "MethodSpec", "TrainSpec",
+    "method_preset", "LabelledSet", "PromptTuner", "build_prompts", "make_optimizer", "make_scheduler",
+    "prompt_digest",
+]

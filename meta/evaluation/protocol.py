@@ -1,0 +1,262 @@
+"""CoOp's evaluation protocols without Dassl: base-to-new, and cross-dataset / cross-domain transfer.
+
+Base-to-new (CoCoOp, ``scripts/cocoop/base2new_{train,test}.sh``; reference
+``dassl_coop_protocol.md`` §3-4): draw K shots per class from train with the run's seed, keep
+the base classes (first ceil(n/2) sorted labels, relabelled 0..m-1), fine-tune on them, then
+test on the base classes' test images and on the new classes' test images with the text side
+rebuilt for the new class names.  H = 2BN/(B+N) of the two accuracies.
+
+Transfer (CoOp's cross-dataset / cross-domain runs): fine-tune on all classes of a source
+dataset (K shots), test on its test split and on the full test split of every target.
+
+Accuracies are in percent.  Every result is a JSON-able dict holding all hyper-parameters.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional, Sequence
+
+import open_clip
+import torch
+from torch import nn
+
+from .. import __version__ as gram_version
+from ..backbone import ClipDims
+from ..coop_data import Record, harmonic_mean
+from ..prompts import PromptedCLIP
+from .datasets import DatasetRef
+from .images import FeatureCache, ImageLoader, test_transform_key, train_transform_key
+from .spec import MethodSpec, TrainSpec
+from .training import LabelledSet, PromptTuner, build_prompts, prompt_digest
+
+
+class EvaluationSession:
+    """What many runs on one frozen CLIP share: the feature cache, image loaders, text caches.
+
+    Args:
+        clip, dims: from ``meta.backbone.load_clip``.
+        cache_dir: optional folder for frozen image features on disk (keyed by the CLIP weights'
+            fingerprint, image path and transform); "" / None keeps them in memory only.
+        clip_info: extra JSON-able facts for result records (e.g. ``{"pretrained": path}``).
+        log: where messages go (``print`` by default).
+        progress: show tqdm bars while encoding images and fine-tuning.
+    """
+
+    def __init__(self, clip: nn.Module, dims: ClipDims, cache_dir: Optional[str] = None,
+                 clip_info: Optional[dict] = None, log: Callable[[str], None] = print,
+                 progress: bool = False, encode_batch_size: int = 64):
+        self.clip = clip
+        self.dims = dims
+        self.cache = FeatureCache(clip, cache_dir, batch_size=encode_batch_size)
+        self.clip_info = {"model_name": dims.model_name, "weights_fingerprint": self.cache.fingerprint,
+                          "dims": dims.as_dict(), **(clip_info or {})}
+        self.log = log
+        self.progress = progress
+        self._loaders: dict[tuple, ImageLoader] = {}
+        self._pclips: dict[tuple, PromptedCLIP] = {}
+
+    def loader(self, scale: tuple[float, float]) -> ImageLoader:
+        key = tuple(scale)
+        if key not in self._loaders:
+            self._loaders[key] = ImageLoader(self.dims.image_size, key)
+        return self._loaders[key]
+
+    def prompted_clip(self, n_ctx_text: int, template: str) -> PromptedCLIP:
+        key = (n_ctx_text, template)
+        if key not in self._pclips:
+            self._pclips[key] = PromptedCLIP(self.clip, self.dims, n_ctx_text, template=template)
+        return self._pclips[key]
+
+    def _encode(self, items: list[tuple[str, str]], make: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        if not self.progress:
+            return self.cache.features(items, make)
+        from tqdm import tqdm
+        with tqdm(desc="encode images", unit="img", leave=False) as bar:
+            return self.cache.features(items, make, progress=bar.update)
+
+    def labelled_set(self, records: Sequence[Record], classnames: Sequence[str], method: MethodSpec,
+                     spec: TrainSpec, seed: int, train: bool) -> LabelledSet:
+        """Records -> :class:`LabelledSet`; frozen features are attached when the tower has no prompts."""
+        impaths = [r.impath for r in records]
+        labels = torch.tensor([r.label for r in records], dtype=torch.long)
+        data = LabelledSet(impaths=impaths, labels=labels, classnames=list(classnames))
+        if method.visual_prompts or not records:
+            return data
+        loader = self.loader(spec.rrcrop_scale)
+        size = self.dims.image_size
+        if train and spec.augment == "coop":
+            views = spec.aug_views
+            items = [(p, train_transform_key(size, spec.rrcrop_scale, seed, v)) for p in impaths for v in range(views)]
+            feats = self._encode(items, lambda i: loader.train_view(impaths[i // views], seed, i % views))
+            data.features = feats.view(len(impaths), views, -1)
+        else:
+            key = test_transform_key(size)
+            feats = self._encode([(p, key) for p in impaths], lambda i: loader.test_view(impaths[i]))
+            data.features = feats.unsqueeze(1) if train else feats
+        return data
+
+    def tuner(self, method: MethodSpec, spec: TrainSpec, seed: int) -> tuple[PromptTuner, dict]:
+        """A :class:`PromptTuner` holding the method's initial θ (and R_φ), plus the init description."""
+        prompts, regulation, init_info = build_prompts(method, self.clip, self.dims, seed)
+        n_ctx = prompts.n_ctx_text if prompts is not None else 0
+        pclip = self.prompted_clip(n_ctx, method.template)
+        loader = self.loader(spec.rrcrop_scale)
+        if spec.augment == "coop":
+            def train_images(impath: str, epoch: int) -> torch.Tensor:
+                return loader.train_view(impath, seed, epoch)
+        else:
+            def train_images(impath: str, epoch: int) -> torch.Tensor:
+                return loader.test_view(impath)
+        tuner = PromptTuner(pclip, prompts, regulation, spec, seed, train_images, loader.test_view)
+        return tuner, init_info
+
+
+def _record_head(protocol: str, session: EvaluationSession, method: MethodSpec, spec: TrainSpec,
+                 seed: int, shots: int, init_info: dict) -> dict:
+    return {
+        "protocol": protocol,
+        "method": method.name,
+        "method_spec": method.as_dict(),
+        "seed": seed,
+        "shots": shots,
+        "train_spec": spec.as_dict(),
+        "trained": not method.zero_shot and spec.epochs > 0,
+        "clip": session.clip_info,
+        "init": init_info,
+        "accuracy_unit": "percent",
+        "versions": {"gram": gram_version, "torch": torch.__version__, "open_clip": open_clip.__version__},
+    }
+
+
+def _run(session: EvaluationSession, method: MethodSpec, spec: TrainSpec, seed: int,
+         train_records: Sequence[Record], train_classnames: Sequence[str],
+         tests: dict[str, tuple[Sequence[Record], Sequence[str]]],
+         summarise: Callable[[dict], dict]) -> tuple[list[dict], dict, dict, PromptTuner]:
+    """Fine-tune on the train records and test on every named test set.
+
+    Returns ``(history, final accuracies, init info, tuner)``; ``summarise(accs)`` adds derived
+    numbers (H, target mean) to every accuracy row.
+    """
+    tuner, init_info = session.tuner(method, spec, seed)
+    test_sets = {name: session.labelled_set(recs, names, method, spec, seed, train=False)
+                 for name, (recs, names) in tests.items()}
+
+    def measure(epoch: int) -> dict:
+        accs = {name: tuner.accuracy(data) for name, data in test_sets.items()}
+        return {**accs, **summarise(accs)}
+
+    history: list[dict] = []
+    trains = tuner.prompts is not None and spec.epochs > 0
+    if trains:
+        train_set = session.labelled_set(train_records, train_classnames, method, spec, seed, train=True)
+        if spec.eval_every_epoch:
+            history.append({"epoch": 0, **measure(0)})
+        history += tuner.fit(train_set, on_epoch=measure, progress=session.progress)
+    final_row = history[-1] if history and all(k in history[-1] for k in test_sets) else None
+    final = {k: final_row[k] for k in test_sets} if final_row else {}
+    if not final:
+        final = {name: tuner.accuracy(data) for name, data in test_sets.items()}
+    final.update(summarise(final))
+    return history, final, init_info, tuner
+
+
+def evaluate_base_to_new(dataset: DatasetRef, clip: nn.Module, dims: ClipDims, method: MethodSpec,
+                         seed: int, shots: int = 16, train: Optional[TrainSpec] = None,
+                         session: Optional[EvaluationSession] = None, cache_dir: Optional[str] = None,
+                         use_split_cache: bool = True, log: Callable[[str], None] = print) -> dict:
+    """One (dataset, method, seed) run of CoCoOp's base-to-new protocol.
+
+    Args:
+        dataset: the CoOp-layout dataset (:class:`DatasetRef`).
+        clip, dims: frozen CLIP from ``meta.backbone.load_clip``.
+        method: what to fine-tune (zero-shot CLIP when it has no prompts: nothing is trained).
+        seed: few-shot sample, scratch prompts, batch order and augmentation all follow it.
+        shots: K images per base class.
+        train: schedule (default: CoCoOp's, :class:`TrainSpec`).
+        session: share feature caches across runs; a new one is made if ``None``.
+        cache_dir: feature-cache folder for a new session.
+        use_split_cache: read/write the few-shot sample cache of ``meta.coop_data``.
+
+    Returns:
+        a JSON-able record: ``base``, ``new``, ``H`` (percent), class names and split sizes,
+        ``history`` (one row per epoch with ``lr``, ``train_loss``, ``train_acc`` and - every
+        epoch when ``train.eval_every_epoch``, including epoch 0 - ``base``, ``new``, ``H``),
+        the initial and final prompt digests, and every hyper-parameter.
+    """
+    start = time.perf_counter()
+    spec = train or TrainSpec()
+    session = session or EvaluationSession(clip, dims, cache_dir, log=log)
+    stats_before = dict(session.cache.stats)
+    base = dataset.load(shots, seed, "base", use_split_cache, log)
+    new = dataset.load(shots, seed, "new", use_split_cache, log)
+    tests = {"base": (base.test, base.classnames), "new": (new.test, new.classnames)}
+    history, final, init_info, tuner = _run(
+        session, method, spec, seed, base.train, base.classnames, tests,
+        lambda a: {"H": harmonic_mean(a["base"], a["new"])})
+    record = _record_head("base2new", session, method, spec, seed, shots, init_info)
+    record.update({
+        "dataset": dataset.name,
+        "dataset_ref": dataset.as_dict(),
+        "base_classnames": base.classnames,
+        "new_classnames": new.classnames,
+        "n_train": len(base.train),
+        "n_test_base": len(base.test),
+        "n_test_new": len(new.test),
+        "base": final["base"],
+        "new": final["new"],
+        "H": final["H"],
+        "history": history,
+        "final_prompt_sha256": prompt_digest(tuner.prompts),
+        "feature_cache": {k: session.cache.stats[k] - stats_before[k] for k in stats_before},
+        "seconds": time.perf_counter() - start,
+    })
+    return record
+
+
+def evaluate_transfer(source: DatasetRef, targets: Sequence[DatasetRef], clip: nn.Module, dims: ClipDims,
+                      method: MethodSpec, seed: int, shots: int = 16, train: Optional[TrainSpec] = None,
+                      session: Optional[EvaluationSession] = None, cache_dir: Optional[str] = None,
+                      use_split_cache: bool = True, protocol: str = "transfer",
+                      log: Callable[[str], None] = print) -> dict:
+    """Cross-dataset / cross-domain run: fine-tune on all classes of ``source``, test on ``targets``.
+
+    The targets' full test splits are used (CoOp never few-shot samples test sets) with each
+    target's own class names.  ``protocol`` labels the record (``"cross_dataset"``,
+    ``"cross_domain"``).  Returns a JSON-able record with ``source`` accuracy, ``targets``
+    ``{name: accuracy}``, ``target_mean`` (percent) and per-epoch ``history``.
+    """
+    start = time.perf_counter()
+    spec = train or TrainSpec()
+    session = session or EvaluationSession(clip, dims, cache_dir, log=log)
+    stats_before = dict(session.cache.stats)
+    src = source.load(shots, seed, "all", use_split_cache, log)
+    tests: dict[str, tuple[Sequence[Record], Sequence[str]]] = {"source": (src.test, src.classnames)}
+    target_names = []
+    for ref in targets:
+        splits = ref.load(-1, seed, "all", use_split_cache, log)
+        name = ref.name if ref.name not in tests else f"{ref.name}#{len(tests)}"
+        tests[name] = (splits.test, splits.classnames)
+        target_names.append(name)
+
+    def summarise(accs: dict) -> dict:
+        vals = [accs[n] for n in target_names]
+        return {"target_mean": sum(vals) / len(vals)} if vals else {}
+
+    history, final, init_info, tuner = _run(session, method, spec, seed, src.train, src.classnames, tests, summarise)
+    record = _record_head(protocol, session, method, spec, seed, shots, init_info)
+    record.update({
+        "dataset": source.name,
+        "dataset_ref": source.as_dict(),
+        "target_refs": [t.as_dict() for t in targets],
+        "classnames": src.classnames,
+        "n_train": len(src.train),
+        "n_test": {name: len(recs) for name, (recs, _) in tests.items()},
+        "source": final["source"],
+        "targets": {n: final[n] for n in target_names},
+        "target_mean": final.get("target_mean"),
+        "history": history,
+        "final_prompt_sha256": prompt_digest(tuner.prompts),
+        "feature_cache": {k: session.cache.stats[k] - stats_before[k] for k in stats_before},
+        "seconds": time.perf_counter() - start,
+    })
+    return record

@@ -1,0 +1,197 @@
+"""What to evaluate: the method (:class:`MethodSpec`) and how it is fine-tuned (:class:`TrainSpec`).
+
+Defaults follow the paper's fine-tuning protocol, "the same training epochs (i.e. 10 epochs),
+training schedule, and data augmentation settings in CoCoOp" (GRAM paper, Training Details),
+i.e. CoOp's ``configs/trainers/CoCoOp/vit_b16_c4_ep10_batch1_ctxv1.yaml`` (KaiyangZhou/CoOp):
+SGD, LR 0.002, 10 epochs, batch 1, cosine schedule with one constant warm-up epoch at 1e-5,
+``random_resized_crop`` + ``random_flip``; momentum 0.9 and weight decay 5e-4 are Dassl's
+``OPTIM`` defaults, the crop scale (0.08, 1.0) is Dassl's ``INPUT.RRCROP_SCALE`` default
+(Dassl.pytorch ``dassl/config/defaults.py``).  Token counts: 4 per method, UNIGRAM 2 + 2
+(paper, Training Details).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Optional
+
+from ..prompts import PromptSpec
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULERS = ("cosine", "constant")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One prompt-learning method.
+
+    Attributes:
+        name: label used in result records and tables (e.g. ``"CoOp+GRAM"``).
+        n_ctx_text: M, learnable text context vectors (CoOp); 0 = fixed text ``template``.
+        n_ctx_vision: n, learnable visual prompt tokens (VPT); 0 = plain image tower.
+        vision_depth: D, layers receiving visual prompts (1 = shallow VPT).
+        ctx_init: initialise the text context from these words (CoOp's ``CTX_INIT``); M is then
+            their token count.  "" = N(0, ``init_std``²) drawn from the run's seed.
+        init_path: a GRAM initialisation file (``meta.init_io.export_gram_init``); its θ* replaces
+            the scratch / word initialisation and its shapes must match the counts above.
+        regulate: replace every prompt gradient by R_φ(gradient) before the optimiser step
+            (paper Eq. 7), with φ read from ``init_path``.
+        template: the fixed text prompt when ``n_ctx_text == 0`` (zero-shot CLIP, VPT).
+        init_std: standard deviation of scratch prompts (CoOp: 0.02).
+
+    With no prompt at all (``n_ctx_text == n_ctx_vision == 0``) the method is zero-shot CLIP
+    and nothing is trained.
+    """
+
+    name: str
+    n_ctx_text: int = 4
+    n_ctx_vision: int = 0
+    vision_depth: int = 1
+    ctx_init: str = ""
+    init_path: str = ""
+    regulate: bool = False
+    template: str = "a photo of a {}."
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for key in ("n_ctx_text", "n_ctx_vision"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"MethodSpec {self.name!r}: {key} must be >= 0, got {getattr(self, key)}")
+        if self.vision_depth < 1:
+            raise ValueError(f"MethodSpec {self.name!r}: vision_depth must be >= 1, got {self.vision_depth}")
+        if self.regulate and not self.init_path:
+            raise ValueError(f"MethodSpec {self.name!r}: regulate=True needs init_path (a GRAM init file holding φ)")
+        if self.ctx_init and self.init_path:
+            raise ValueError(f"MethodSpec {self.name!r}: give ctx_init (words) or init_path (GRAM file), not both")
+        if self.init_path and self.zero_shot:
+            raise ValueError(f"MethodSpec {self.name!r}: init_path given but the method has no prompts")
+        if "{}" not in self.template:
+            raise ValueError(f"MethodSpec {self.name!r}: template must contain '{{}}', got {self.template!r}")
+
+    @property
+    def zero_shot(self) -> bool:
+        """True when the method has no learnable prompts (hand-made template, no training)."""
+        return self.n_ctx_text == 0 and self.n_ctx_vision == 0 and not self.ctx_init
+
+    @property
+    def visual_prompts(self) -> bool:
+        """True when the image tower carries prompts (image features cannot be cached)."""
+        return self.n_ctx_vision > 0
+
+    def prompt_spec(self) -> PromptSpec:
+        """The :class:`meta.prompts.PromptSpec` of a scratch / word initialisation."""
+        return PromptSpec(n_ctx_text=self.n_ctx_text, ctx_init=self.ctx_init, n_ctx_vision=self.n_ctx_vision,
+                          vision_depth=self.vision_depth, init_std=self.init_std, template=self.template)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """Few-shot fine-tuning schedule, augmentation and evaluation cadence.
+
+    Attributes:
+        epochs: passes over the few-shot train set (CoCoOp: 10).
+        batch_size: images per step (CoCoOp: 1).  As Dassl, the last incomplete batch is dropped
+            when the train set holds at least one full batch.
+        optimizer: ``sgd`` (CoOp) | ``adam`` | ``adamw``.
+        lr, momentum, weight_decay: optimiser settings (SGD momentum; Adam ignores momentum).
+        scheduler: ``cosine`` (CosineAnnealingLR, T_max = epochs, stepped per epoch) | ``constant``.
+        warmup_epochs, warmup_lr: constant warm-up at ``warmup_lr`` before the schedule starts
+            (Dassl's ConstantWarmupScheduler with WARMUP_RECOUNT, built from torch's own
+            ``SequentialLR(ConstantLR, CosineAnnealingLR)``: epoch lrs 1e-5, 0.002, η(1), ...).
+        augment: ``coop`` = random resized crop (``rrcrop_scale``, bicubic) + horizontal flip, as
+            CoOp's ``["random_resized_crop", "random_flip", "normalize"]``; ``none`` = test transform.
+        aug_views: with a frozen image tower, this many augmented views per train image are
+            encoded once (and cached); image i uses view ``(offset_i + epoch) % aug_views`` with a
+            random ``offset_i``, so no view repeats before ``aug_views`` epochs.  The default (10)
+            equals CoCoOp's epoch count: every epoch sees a fresh crop, as online augmentation would.
+            Ignored with visual prompts, where crops are drawn online.
+        rrcrop_scale: area range of the random resized crop (Dassl default (0.08, 1.0)).
+        eval_every_epoch: test after every epoch (and before the first) for accuracy-vs-epoch
+            curves (paper Fig. 3a); otherwise only after the last epoch.
+        test_batch_size: images per forward at test time (CoCoOp: 100).
+        encode_batch_size: images per forward when pre-computing frozen features.
+    """
+
+    epochs: int = 10
+    batch_size: int = 1
+    optimizer: str = "sgd"
+    lr: float = 0.002
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    scheduler: str = "cosine"
+    warmup_epochs: int = 1
+    warmup_lr: float = 1e-5
+    augment: str = "coop"
+    aug_views: int = 10
+    rrcrop_scale: tuple = (0.08, 1.0)
+    eval_every_epoch: bool = True
+    test_batch_size: int = 100
+    encode_batch_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.epochs < 0:
+            raise ValueError(f"TrainSpec.epochs must be >= 0, got {self.epochs}")
+        if self.batch_size < 1:
+            raise ValueError(f"TrainSpec.batch_size must be >= 1, got {self.batch_size}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"TrainSpec.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"TrainSpec.scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
+        if self.augment not in ("coop", "none"):
+            raise ValueError(f"TrainSpec.augment must be 'coop' or 'none', got {self.augment!r}")
+        if self.augment == "coop" and self.aug_views < 1:
+            raise ValueError(f"TrainSpec.aug_views must be >= 1 with augment='coop', got {self.aug_views}")
+        if self.warmup_epochs < 0 or self.lr < 0 or self.warmup_lr < 0:
+            raise ValueError("TrainSpec: warmup_epochs, lr and warmup_lr must be >= 0")
+        lo, hi = self.rrcrop_scale
+        if not 0 < lo <= hi <= 1:
+            raise ValueError(f"TrainSpec.rrcrop_scale must satisfy 0 < lo <= hi <= 1, got {self.rrcrop_scale}")
+        object.__setattr__(self, "rrcrop_scale", (float(lo), float(hi)))
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["rrcrop_scale"] = list(self.rrcrop_scale)
+        return d
+
+    def replace(self, **changes) -> "TrainSpec":
+        return replace(self, **changes)
+
+
+# Preset methods of the paper's Tables 1 and 4 (names as in the paper).
+_PRESETS: dict[str, dict] = {
+    "zsclip": dict(name="ZS-CLIP", n_ctx_text=0),
+    "coop": dict(name="CoOp", n_ctx_text=4),
+    "coop_gram": dict(name="CoOp+GRAM", n_ctx_text=4, regulate=True),
+    "vpt": dict(name="VPT", n_ctx_text=0, n_ctx_vision=4),
+    "vpt_gram": dict(name="VPT+GRAM", n_ctx_text=0, n_ctx_vision=4, regulate=True),
+    "joint": dict(name="CoOp+VPT", n_ctx_text=2, n_ctx_vision=2),          # Table 4 row 5: no GRAM
+    "unigram": dict(name="UNIGRAM", n_ctx_text=2, n_ctx_vision=2, regulate=True),
+}
+PRESET_NAMES = tuple(_PRESETS)
+
+
+def method_preset(key: str, init_path: str = "", **overrides) -> MethodSpec:
+    """A named method: ``zsclip``, ``coop``, ``coop_gram``, ``vpt``, ``vpt_gram``, ``joint``, ``unigram``.
+
+    GRAM presets (``*_gram``, ``unigram``) need ``init_path``; ``overrides`` replace any field
+    (e.g. ``regulate=False`` for the "w/o regulator" ablation, ``vision_depth=12`` for deep VPT).
+    """
+    if key not in _PRESETS:
+        raise KeyError(f"unknown method preset {key!r}; known: {', '.join(PRESET_NAMES)}")
+    fields = dict(_PRESETS[key])
+    if init_path:
+        fields["init_path"] = init_path
+    fields.update(overrides)
+    if fields.get("regulate") and not fields.get("init_path"):
+        raise ValueError(f"method preset {key!r} needs a GRAM init file (init_path / --init)")
+    return MethodSpec(**fields)
+
+
+def default_train_spec(**changes) -> TrainSpec:
+    """CoCoOp's schedule (see module docstring) with ``changes`` applied."""
+    return TrainSpec(**changes)
+
+
+__all__ = ["MethodSpec", "TrainSpec", "method_preset", "PRESET_NAMES", "default_train_spec"]

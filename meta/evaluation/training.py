@@ -1,0 +1,244 @@
+"""Few-shot prompt tuning with (optionally regulated) gradients, and accuracy on labelled sets.
+
+The update is the Dassl trainers' (and paper Eq. 7 at test time)::
+
+    loss = CE(prompted-CLIP logits, labels)          # over a batch of the few-shot train set
+    loss.backward()
+    p.grad <- R_φ(p.grad)                            # only with MethodSpec.regulate
+    optimizer.step()                                 # SGD + momentum + weight decay (Dassl OPTIM)
+    ... after the epoch's last batch: scheduler.step()   (Dassl: update_lr per epoch)
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.optim import lr_scheduler as sched
+
+from ..backbone import ClipDims
+from ..finetune import GradientRegulation
+from ..init_io import load_gram_init
+from ..prompts import PromptedCLIP, PromptParams, classification_loss
+from .spec import MethodSpec, TrainSpec
+
+
+@dataclass
+class LabelledSet:
+    """One split ready for the model.
+
+    Attributes:
+        impaths: N image paths.
+        labels: ``[N]`` int64 labels in ``0..C-1``.
+        classnames: C names, index = label.
+        features: frozen-tower features when the image side has no prompts: ``[N, E]`` for a
+            test set, ``[N, V, E]`` (V augmented views) for a train set; ``None`` with visual prompts.
+    """
+
+    impaths: list[str]
+    labels: torch.Tensor
+    classnames: list[str]
+    features: Optional[torch.Tensor] = None
+
+    def __len__(self) -> int:
+        return len(self.impaths)
+
+
+def prompt_digest(prompts: Optional[nn.Module]) -> str:
+    """SHA-256 (hex) of the prompt tensors' fp32 bytes, in parameter-name order ("" for no prompts)."""
+    if prompts is None:
+        return ""
+    h = hashlib.sha256()
+    for name, p in sorted(prompts.named_parameters()):
+        t = p.detach().float().cpu().contiguous()
+        h.update(f"{name}|{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).numpy().tobytes())
+    return h.hexdigest()
+
+
+def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int
+                  ) -> tuple[Optional[PromptParams], Optional[GradientRegulation], dict]:
+    """θ (and R_φ) at the start of fine-tuning, plus a JSON-able description of where they came from.
+
+    Scratch prompts are drawn from ``torch.Generator().manual_seed(seed)``; word init embeds
+    ``method.ctx_init``; a GRAM file is validated against the method's token counts and widths
+    (``meta.init_io.load_gram_init``).  Returns ``(None, None, info)`` for zero-shot CLIP.
+    """
+    if method.zero_shot:
+        return None, None, {"source": "none"}
+    device = clip.token_embedding.weight.device
+    regulation = None
+    if method.init_path:
+        expect = {"text_width": dims.text_width, "vision_width": dims.vision_width,
+                  "n_ctx_text": method.n_ctx_text, "n_ctx_vision": method.n_ctx_vision,
+                  "vision_depth": method.vision_depth if method.n_ctx_vision else 0,
+                  "model_name": dims.model_name}
+        init = load_gram_init(method.init_path, expect=expect, config_key=f"method {method.name!r} init_path")
+        prompts = init.prompt_module().to(device)
+        if method.regulate:
+            regulators = init.regulator_modules()
+            if not regulators:
+                raise ValueError(f"method {method.name!r}: regulate=True but {method.init_path} holds no regulator φ")
+            regulation = GradientRegulation(regulators).to(device)
+        info = {"source": "gram_file", "path": str(method.init_path),
+                "provenance": init.metadata.get("provenance", {}), "regulator": init.metadata.get("regulator")}
+    else:
+        generator = torch.Generator().manual_seed(seed)
+        prompts = PromptParams.from_spec(method.prompt_spec(), clip, dims, generator=generator)
+        info = {"source": "words" if method.ctx_init else "scratch", "ctx_init": method.ctx_init,
+                "init_std": method.init_std}
+    info["prompt_sha256"] = prompt_digest(prompts)
+    return prompts, regulation, info
+
+
+def make_optimizer(params: Sequence[torch.Tensor], spec: TrainSpec) -> torch.optim.Optimizer:
+    """The optimiser of Dassl's ``build_optimizer`` for ``spec.optimizer`` (torch classes)."""
+    params = list(params)
+    if spec.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
+    if spec.optimizer == "adam":
+        return torch.optim.Adam(params, lr=spec.lr, weight_decay=spec.weight_decay)
+    return torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, spec: TrainSpec) -> sched.LRScheduler:
+    """Per-epoch schedule: ``warmup_epochs`` at ``warmup_lr``, then cosine over ``epochs`` (or constant).
+
+    Equals Dassl's ``ConstantWarmupScheduler(CosineAnnealingLR(T_max=MAX_EPOCH))`` with
+    WARMUP_RECOUNT: for CoCoOp's settings the epoch lrs are 1e-5, 0.002, 0.00195, ..., 0.00019.
+    """
+    if spec.scheduler == "cosine":
+        main: sched.LRScheduler = sched.CosineAnnealingLR(optimizer, T_max=max(spec.epochs, 1))
+    else:
+        main = sched.ConstantLR(optimizer, factor=1.0, total_iters=0)
+    if spec.warmup_epochs <= 0:
+        return main
+    if spec.lr == 0:
+        factor = 1.0
+    else:
+        factor = spec.warmup_lr / spec.lr
+        if factor > 1:
+            raise ValueError(f"TrainSpec.warmup_lr ({spec.warmup_lr}) must not exceed lr ({spec.lr})")
+    warmup = sched.ConstantLR(optimizer, factor=factor, total_iters=spec.warmup_epochs)
+    return sched.SequentialLR(optimizer, [warmup, main], milestones=[spec.warmup_epochs])
+
+
+class PromptTuner:
+    """Fine-tunes θ of one method on a :class:`LabelledSet` and measures accuracy.
+
+    Args:
+        pclip: the frozen CLIP wrapper matching the prompts' text context length.
+        prompts: θ (``None`` for zero-shot CLIP).
+        regulation: R_φ applied to every prompt gradient, or ``None`` for raw gradients.
+        spec: schedule and batch settings.
+        seed: seeds batch order and the view offsets (``torch.Generator``, no global state).
+        train_images: ``(impath, epoch) -> [3, S, S]`` augmented image, used with visual prompts.
+        test_images: ``impath -> [3, S, S]`` test-transformed image, used with visual prompts.
+    """
+
+    def __init__(self, pclip: PromptedCLIP, prompts: Optional[PromptParams],
+                 regulation: Optional[GradientRegulation], spec: TrainSpec, seed: int,
+                 train_images: Callable[[str, int], torch.Tensor],
+                 test_images: Callable[[str], torch.Tensor]):
+        self.pclip = pclip
+        self.prompts = prompts
+        self.regulation = regulation
+        self.spec = spec
+        self.seed = seed
+        self.train_images = train_images
+        self.test_images = test_images
+        self.loss_fn = classification_loss(pclip)
+        self.device = pclip.clip.token_embedding.weight.device
+
+    # ---------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def accuracy(self, data: LabelledSet) -> float:
+        """Top-1 accuracy in percent on ``data`` with the current prompts."""
+        if len(data) == 0:
+            raise ValueError("cannot measure accuracy on an empty split")
+        text = self.pclip.text_features(self.prompts, data.classnames)          # [C, E]
+        correct = 0
+        step = self.spec.test_batch_size
+        for start in range(0, len(data), step):
+            if data.features is not None:
+                image = data.features[start:start + step].to(self.device)
+            else:
+                x = torch.stack([self.test_images(p) for p in data.impaths[start:start + step]]).to(self.device)
+                image = self.pclip.image_features(self.prompts, x)
+            logits = image @ text.t()                                             # [b, C]
+            correct += int((logits.argmax(dim=1).cpu() == data.labels[start:start + step]).sum())
+        return 100.0 * correct / len(data)
+
+    # ---------------------------------------------------------------- training
+    def _batches(self, n: int, generator: torch.Generator) -> list[torch.Tensor]:
+        order = torch.randperm(n, generator=generator)
+        size = self.spec.batch_size
+        batches = list(order.split(size))
+        if n >= size and len(batches[-1]) < size:  # Dassl: drop_last = is_train and len(data) >= batch_size
+            batches.pop()
+        return batches
+
+    def fit(self, data: LabelledSet, on_epoch: Optional[Callable[[int], dict]] = None,
+            progress: bool = False) -> list[dict]:
+        """Train for ``spec.epochs``; returns one row per epoch.
+
+        Each row: ``epoch`` (1-based), ``lr`` used, ``train_loss`` (mean), ``train_acc`` (%),
+        ``seconds``, plus whatever ``on_epoch(epoch)`` returns (called after every epoch when
+        ``spec.eval_every_epoch``, else after the last one only).
+        """
+        if self.prompts is None or self.spec.epochs == 0:
+            return []
+        if len(data) == 0:
+            raise ValueError("the few-shot train split is empty")
+        optimizer = make_optimizer([p for p in self.prompts.parameters() if p.requires_grad], self.spec)
+        scheduler = make_scheduler(optimizer, self.spec)
+        generator = torch.Generator().manual_seed(self.seed)
+        views = data.features.shape[1] if data.features is not None else 0
+        offsets = torch.randint(views, (len(data),), generator=generator) if views else None
+        history = []
+        epochs = range(self.spec.epochs)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=self.spec.epochs, desc="fine-tune", unit="ep", leave=False)
+        for epoch in epochs:
+            start = time.perf_counter()
+            lr = optimizer.param_groups[0]["lr"]
+            loss_sum, correct, seen = 0.0, 0, 0
+            for idx in self._batches(len(data), generator):
+                labels = data.labels[idx].to(self.device)
+                batch = {"classnames": data.classnames, "label": labels}
+                if offsets is not None:
+                    view = (offsets[idx] + epoch) % views
+                    batch["features"] = data.features[idx, view].to(self.device)
+                else:
+                    batch["images"] = torch.stack([self.train_images(data.impaths[i], epoch)
+                                                   for i in idx.tolist()]).to(self.device)
+                loss, logits = self.loss_fn(self.prompts, batch)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if self.regulation is not None:
+                    self.regulation.apply_(self.prompts.named_parameters())
+                optimizer.step()
+                loss_sum += float(loss) * len(idx)
+                correct += int((logits.detach().argmax(dim=1) == labels).sum())
+                seen += len(idx)
+            scheduler.step()
+            row = {"epoch": epoch + 1, "lr": lr, "train_loss": loss_sum / max(seen, 1),
+                   "train_acc": 100.0 * correct / max(seen, 1), "seconds": time.perf_counter() - start}
+            if on_epoch is not None and (self.spec.eval_every_epoch or epoch + 1 == self.spec.epochs):
+                row.update(on_epoch(epoch + 1))
+            history.append(row)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{row['train_loss']:.3f}", acc=f"{row['train_acc']:.1f}")
+            if not torch.isfinite(torch.tensor(row["train_loss"])):
+                raise FloatingPointError(f"training loss became {row['train_loss']} at epoch {epoch + 1}; "
+                                         f"lower TrainSpec.lr ({self.spec.lr})")
+        if bar is not None:
+            bar.close()
+        return history
+
