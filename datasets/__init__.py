@@ -1,24 +1,47 @@
-"""Dassl datasets for the CoOp benchmarks (``DATASET.NAME`` as in CoOp), registered on import.
+"""Dassl datasets for the CoOp benchmarks (``DATASET.NAME`` as in CoOp).
 
-``import datasets`` registers ImageNet, Caltech101, OxfordPets, StanfordCars, OxfordFlowers,
-Food101, FGVCAircraft, SUN397, DescribableTextures, EuroSAT, UCF101, ImageNetV2, ImageNetSketch,
-ImageNetA and ImageNetR in Dassl's ``DATASET_REGISTRY``; ``register_coop_layout_dataset`` adds a
-new CoOp-layout dataset in one call.  All reading, sampling and base/new logic lives in the
-Dassl-free ``meta.coop_data``.  Without Dassl, importing this package raises a one-line
-ImportError.
+``datasets.register_all()`` (or ``import datasets.coop_layout``) registers ImageNet, Caltech101,
+OxfordPets, StanfordCars, OxfordFlowers, Food101, FGVCAircraft, SUN397, DescribableTextures,
+EuroSAT, UCF101, ImageNetV2, ImageNetSketch, ImageNetA and ImageNetR in Dassl's
+``DATASET_REGISTRY``; ``datasets.register_coop_layout_dataset(...)`` adds a new CoOp-layout
+dataset in one call.  All reading, sampling and base/new logic lives in the Dassl-free
+``meta.coop_data``.
+
+Importing this package is free of side effects and works without Dassl: Dassl is imported only
+when one of the names above is first used (PEP 562 ``__getattr__``), and without Dassl that use
+raises a one-line ImportError.  This matters because of the name clash below.
 
 Name clash with Hugging Face ``datasets`` (reference dassl_coop_protocol.md §8 item 17): like every
 CoOp fork, this repository has a top-level ``datasets/`` package, and the repository root comes
-first on ``sys.path`` when running ``python train.py`` (or ``python -c``/pytest) there.  If the
-Hugging Face ``datasets`` distribution is *installed*, ``import sentence_transformers`` from the
-repo root fails with ``ImportError: cannot import name 'Dataset' from 'datasets'``, because it
-sees the installed distribution but imports this package.  Our environment therefore does not
-install Hugging Face ``datasets`` (nothing here needs it).  If you must have it, compute text
-embeddings in a process started outside the repository root, or uninstall it
-(``pip uninstall datasets``).
+first on ``sys.path`` when running ``python train.py`` (or ``python -c``/pytest) there.
+- transformers 5.x probes for Hugging Face ``datasets`` by *importing* whatever ``datasets``
+  resolves to when no distribution metadata is found, so ``import sentence_transformers`` from the
+  repo root imports this package.  That is why its import must stay cheap and must not fail.
+- If the Hugging Face ``datasets`` distribution is *installed*, ``import sentence_transformers``
+  from the repo root fails with ``ImportError: cannot import name 'Dataset' from 'datasets'``.
+  Our environment therefore does not install Hugging Face ``datasets`` (nothing here needs it).
+  If you must have it, compute text embeddings in a process started outside the repository root,
+  or ``pip uninstall datasets``.
 """
-from .coop_layout import STANDARD_DATASETS, CoopLayoutDataset, register_coop_layout_dataset, to_datums
+from __future__ import annotations
 
-globals().update(STANDARD_DATASETS)
+from typing import Any
 
-__all__ = ["CoopLayoutDataset", "register_coop_layout_dataset", "STANDARD_DATASETS", "to_datums", *STANDARD_DATASETS]
+# Kept in step with meta.coop_data.COOP_LAYOUTS (tests/test_datasets_import.py checks it).
+STANDARD_NAMES = (
+    "ImageNet", "Caltech101", "OxfordPets", "StanfordCars", "OxfordFlowers", "Food101", "FGVCAircraft",
+    "SUN397", "DescribableTextures", "EuroSAT", "UCF101", "ImageNetV2", "ImageNetSketch", "ImageNetA", "ImageNetR",
+)
+_LAZY = {"CoopLayoutDataset", "register_coop_layout_dataset", "register_all", "STANDARD_DATASETS", "to_datums",
+         *STANDARD_NAMES}
+
+__all__ = sorted(_LAZY) + ["STANDARD_NAMES"]
+
+
+def __getattr__(name: str) -> Any:
+    """Load the Dassl side on first use of one of its names (one-line ImportError without Dassl)."""
+    if name in _LAZY:
+        from . import coop_layout
+
+        return getattr(coop_layout, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,7 +24,7 @@ from meta.coop_data import (
 
 from ._dassl import DATASET_REGISTRY, Datum, DatasetBase
 
-__all__ = ["CoopLayoutDataset", "register_coop_layout_dataset", "STANDARD_DATASETS", "to_datums"]
+__all__ = ["CoopLayoutDataset", "register_coop_layout_dataset", "register_all", "STANDARD_DATASETS", "to_datums"]
 
 
 def to_datums(records: Sequence[Record] | None, split: str, dataset: str) -> list[Datum] | None:
@@ -115,3 +115,8 @@ for _layout in list(COOP_LAYOUTS.values()):
     STANDARD_DATASETS[_layout.name] = _make_class(_layout)
     _register(STANDARD_DATASETS[_layout.name])
 globals().update(STANDARD_DATASETS)
+
+
+def register_all() -> dict[str, type]:
+    """The 15 CoOp benchmark classes by ``DATASET.NAME``; they were registered when this module loaded."""
+    return dict(STANDARD_DATASETS)

@@ -24,6 +24,8 @@ from dassl.data.datasets import DATASET_REGISTRY, DatasetBase, Datum, build_data
 from dassl.utils import set_random_seed  # noqa: E402
 
 import datasets as gram_datasets  # noqa: E402
+
+gram_datasets.register_all()
 from meta import coop_data as cd  # noqa: E402
 
 
