@@ -1,0 +1,144 @@
+"""CoOp-style entry point: ``python train.py --root DATA --trainer GRAM_CoOp --config-file ... [KEY VALUE ...]``.
+
+Same flags and the same set-up order as CoOp's ``train.py`` (KaiyangZhou/CoOp @ ff61507, L105-150;
+reference dassl_coop_protocol.md §0): Dassl defaults, ``extend_cfg``, dataset config, method
+config, command-line flags, ``KEY VALUE`` options, freeze; then seed, logger (``OUTPUT_DIR/log.txt``),
+environment, trainer, and ``--eval-only`` (load + test) or training.
+
+Differences from CoOp's file:
+
+* ``--seed 0`` is honoured (CoOp tests ``if args.seed:``, so seed 0 silently meant "no seed");
+* the datasets and trainers come from this repository's ``datasets`` and ``trainers`` packages;
+* Python warnings are printed into the log as well, so CPU precision fallbacks, random weights and
+  similar notes are on record next to the numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from typing import Optional, Sequence
+
+import torch
+from dassl.config import get_cfg_default
+from dassl.engine import build_trainer
+from dassl.utils import collect_env_info, set_random_seed, setup_logger
+
+import datasets.coop_layout  # noqa: F401  (registers the CoOp benchmark datasets)
+import trainers  # noqa: F401  (registers GRAM_CoOp, GRAM_VPT, UNIGRAM)
+from trainers import extend_cfg as extend_gram_cfg
+
+
+def print_args(args: argparse.Namespace, cfg) -> None:
+    print("***************")
+    print("** Arguments **")
+    print("***************")
+    for key in sorted(vars(args)):
+        print(f"{key}: {getattr(args, key)}")
+    print("************")
+    print("** Config **")
+    print("************")
+    print(cfg)
+
+
+def reset_cfg(cfg, args: argparse.Namespace) -> None:
+    """Command-line flags into cfg (CoOp's ``reset_cfg``, with ``--seed 0`` honoured)."""
+    if args.root:
+        cfg.DATASET.ROOT = args.root
+    if args.output_dir:
+        cfg.OUTPUT_DIR = args.output_dir
+    if args.resume:
+        cfg.RESUME = args.resume
+    if args.seed is not None:
+        cfg.SEED = args.seed
+    if args.source_domains:
+        cfg.DATASET.SOURCE_DOMAINS = args.source_domains
+    if args.target_domains:
+        cfg.DATASET.TARGET_DOMAINS = args.target_domains
+    if args.transforms:
+        cfg.INPUT.TRANSFORMS = args.transforms
+    if args.trainer:
+        cfg.TRAINER.NAME = args.trainer
+    if args.backbone:
+        cfg.MODEL.BACKBONE.NAME = args.backbone
+    if args.head:
+        cfg.MODEL.HEAD.NAME = args.head
+
+
+def extend_cfg(cfg) -> None:
+    """Add every key the trainers and datasets of this repository read (``TRAINER.GRAM.*``, ``DATASET.SUBSAMPLE_CLASSES``)."""
+    extend_gram_cfg(cfg)
+
+
+def setup_cfg(args: argparse.Namespace):
+    cfg = get_cfg_default()
+    extend_cfg(cfg)
+    if args.dataset_config_file:
+        cfg.merge_from_file(args.dataset_config_file)
+    if args.config_file:
+        cfg.merge_from_file(args.config_file)
+    reset_cfg(cfg, args)
+    cfg.merge_from_list(args.opts)
+    cfg.freeze()
+    return cfg
+
+
+def _warnings_to_log(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"WARNING ({category.__name__}): {message}")
+
+
+def main(args: argparse.Namespace) -> None:
+    cfg = setup_cfg(args)
+    if cfg.SEED >= 0:
+        print(f"Setting fixed seed: {cfg.SEED}")
+        set_random_seed(cfg.SEED)
+    setup_logger(cfg.OUTPUT_DIR)
+    warnings.showwarning = _warnings_to_log
+
+    if torch.cuda.is_available() and cfg.USE_CUDA:
+        torch.backends.cudnn.benchmark = True
+
+    print_args(args, cfg)
+    print(f"Seed: {cfg.SEED}" + ("" if cfg.SEED >= 0 else " (no fixed seed)"))
+    print("Collecting env info ...")
+    print(f"** System info **\n{collect_env_info()}\n")
+
+    trainer = build_trainer(cfg)
+    if args.eval_only:
+        trainer.load_model(args.model_dir, epoch=args.load_epoch)
+        trainer.test()
+        return
+    if not args.no_train:
+        trainer.train()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", type=str, default="", help="path to dataset")
+    parser.add_argument("--output-dir", type=str, default="", help="output directory")
+    parser.add_argument("--resume", type=str, default="", help="checkpoint directory (from which the training resumes)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="fixed seed (0 included); a negative value disables seeding; default: the config's SEED")
+    parser.add_argument("--source-domains", type=str, nargs="+", help="source domains for DA/DG")
+    parser.add_argument("--target-domains", type=str, nargs="+", help="target domains for DA/DG")
+    parser.add_argument("--transforms", type=str, nargs="+", help="data augmentation methods")
+    parser.add_argument("--config-file", type=str, default="", help="path to config file")
+    parser.add_argument("--dataset-config-file", type=str, default="", help="path to config file for dataset setup")
+    parser.add_argument("--trainer", type=str, default="", help="name of trainer")
+    parser.add_argument("--backbone", type=str, default="", help="name of CNN backbone")
+    parser.add_argument("--head", type=str, default="", help="name of head")
+    parser.add_argument("--eval-only", action="store_true", help="evaluation only")
+    parser.add_argument("--model-dir", type=str, default="", help="load model from this directory for eval-only mode")
+    parser.add_argument("--load-epoch", type=int, help="load model weights at this epoch for evaluation")
+    parser.add_argument("--no-train", action="store_true", help="do not call trainer.train()")
+    parser.add_argument("opts", default=None, nargs=argparse.REMAINDER,
+                        help="modify config options using the command-line")
+    return parser
+
+
+def cli(argv: Optional[Sequence[str]] = None) -> None:
+    main(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])

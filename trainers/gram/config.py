@@ -1,0 +1,204 @@
+"""Config keys of the GRAM Dassl trainers (``TRAINER.GRAM.*``) and their resolved view.
+
+:func:`extend_cfg` is what a CoOp fork calls from its own ``extend_cfg`` (CoOp ``train.py``
+L77-102 adds ``TRAINER.COOP`` etc. the same way, before any yaml is merged: yacs refuses keys that
+do not exist yet; reference dassl_coop_protocol.md §0).  It only *adds* missing keys, so keys a
+fork already defined keep their values.
+
+Which prompts a trainer learns is fixed by its name; the token counts come from the keys:
+
+=============  ==========================  ===============================================
+trainer        text context ``ctx``        visual prompts ``vpt``
+=============  ==========================  ===============================================
+GRAM_CoOp      ``N_CTX_TEXT`` vectors      none (image tower untouched)
+GRAM_VPT       none (fixed ``TEMPLATE``)   ``N_CTX_VISION`` tokens, shallow or deep
+UNIGRAM        ``N_CTX_TEXT`` vectors      ``N_CTX_VISION`` tokens
+=============  ==========================  ===============================================
+
+``ENABLED False`` gives the plain baselines (CoOp, VPT, joint text+visual tuning: paper Table 4
+row 5) with the very same code: no meta-initialisation, no gradient regulation.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from yacs.config import CfgNode as CN
+
+# Trainer name -> (learns text context, learns visual prompts).
+TRAINER_PROMPTS: dict[str, tuple[bool, bool]] = {
+    "GRAM_CoOp": (True, False),
+    "GRAM_VPT": (False, True),
+    "UNIGRAM": (True, True),
+}
+PRECISIONS = ("fp16", "fp32", "amp")
+RANDOM_WEIGHTS = ("none", "random")  # TRAINER.GRAM.WEIGHTS values that mean "no pretrained weights"
+OPENAI_CACHE_DIR = "~/.cache/clip"   # where OpenAI's clip package (CoOp's load_clip_to_cpu) keeps its .pt files
+
+
+def _gram_defaults() -> CN:
+    node = CN()
+    # --- GRAM on/off ------------------------------------------------------------------------
+    node.ENABLED = False       # False = plain baseline (CoOp / VPT / joint); True needs INIT
+    node.INIT = ""             # meta-learned θ* (+ φ) from meta.init_io.export_gram_init (.safetensors)
+    node.REGULATE = True       # with ENABLED: apply R_φ to every prompt gradient (paper Eq. 7); False = ablation
+    # --- prompts (paper §4 "Training Details": 4 tokens; UNIGRAM 2 text + 2 visual) ------------
+    node.N_CTX_TEXT = 4        # M text context vectors (GRAM_CoOp, UNIGRAM)
+    node.N_CTX_VISION = 4      # n visual prompt tokens per prompted layer (GRAM_VPT, UNIGRAM)
+    node.VPT_DEEP = False      # False = shallow VPT (prompts at the input only)
+    node.VPT_DEPTH = 0         # with VPT_DEEP: prompted layers; 0 = every layer of the vision tower
+    node.CTX_INIT = ""         # words to initialise the text context (e.g. "a photo of a"); "" = N(0, 0.02²)
+    node.TEMPLATE = "a photo of a {}."  # fixed text prompt when there is no text context (GRAM_VPT)
+    # --- backbone ------------------------------------------------------------------------------
+    node.MODEL_NAME = ""       # open_clip architecture; "" = from MODEL.BACKBONE.NAME ("ViT-B/16" -> "ViT-B-16")
+    node.WEIGHTS = ""          # "" = ~/.cache/clip/<ViT-B-16>.pt (OpenAI TorchScript, as CoOp uses);
+    #                            a local file; a cached open_clip tag; "none" = random weights (tests only)
+    node.QUICK_GELU = "auto"   # auto | on | off  (auto: on for OpenAI weights, which were trained with it)
+    node.PREC = "fp16"         # fp16 | fp32 | amp, as CoOp's PREC; CPU always runs fp32 (with a warning)
+    return node
+
+
+def _merge_missing(node: CN, defaults: CN) -> None:
+    """Add every key of ``defaults`` that ``node`` lacks (recursively); existing values stay."""
+    for key, value in defaults.items():
+        if key not in node:
+            node[key] = value
+        elif isinstance(value, CN) and isinstance(node[key], CN):
+            _merge_missing(node[key], value)
+
+
+def extend_cfg(cfg: CN) -> CN:
+    """Add ``TRAINER.GRAM.*`` and ``DATASET.SUBSAMPLE_CLASSES`` to a Dassl config (idempotent).
+
+    Call it after ``get_cfg_default()`` and before merging yaml files, like CoOp's
+    ``extend_cfg``.  Keys that already exist (added by a fork or an earlier call) keep their values.
+    """
+    if cfg.is_frozen():
+        raise RuntimeError("extend_cfg(cfg): cfg is frozen; call it before cfg.freeze() (and before merging yaml)")
+    if "TRAINER" not in cfg:
+        cfg.TRAINER = CN()
+    if "GRAM" not in cfg.TRAINER:
+        cfg.TRAINER.GRAM = CN()
+    _merge_missing(cfg.TRAINER.GRAM, _gram_defaults())
+    if "DATASET" not in cfg:
+        cfg.DATASET = CN()
+    if "SUBSAMPLE_CLASSES" not in cfg.DATASET:
+        cfg.DATASET.SUBSAMPLE_CLASSES = "all"  # all | base | new (CoOp train.py L102)
+    return cfg
+
+
+def open_clip_name(backbone_name: str) -> str:
+    """OpenAI/CoOp backbone name -> open_clip architecture name ("ViT-B/16" -> "ViT-B-16")."""
+    return backbone_name.strip().replace("/", "-")
+
+
+def default_weights_path(backbone_name: str) -> str:
+    """Where OpenAI's clip package caches ``backbone_name``: ``~/.cache/clip/ViT-B-16.pt`` for "ViT-B/16"."""
+    return os.path.join(os.path.expanduser(OPENAI_CACHE_DIR), open_clip_name(backbone_name) + ".pt")
+
+
+def resolve_precision(prec: str, device_type: str) -> str:
+    """``TRAINER.GRAM.PREC`` for this device: CPU always gets fp32 (fp16 there is 5-7x slower, amp a no-op)."""
+    if prec not in PRECISIONS:
+        raise ValueError(f"TRAINER.GRAM.PREC: expected one of {'|'.join(PRECISIONS)}, got {prec!r}")
+    if device_type != "cuda" and prec != "fp32":
+        warnings.warn(f"TRAINER.GRAM.PREC={prec} on {device_type}: running fp32 instead", stacklevel=2)
+        return "fp32"
+    return prec
+
+
+@dataclass(frozen=True)
+class GramSettings:
+    """``TRAINER.GRAM`` resolved for one trainer: what to build, from which files."""
+
+    trainer: str
+    enabled: bool
+    init_path: str
+    regulate: bool
+    n_ctx_text: int       # 0 when the trainer learns no text context
+    n_ctx_vision: int     # 0 when the trainer learns no visual prompts
+    vpt_deep: bool
+    vpt_depth: int        # requested deep depth (0 = all layers); see vision_depth()
+    ctx_init: str
+    template: str
+    model_name: str
+    weights: Optional[str]  # None = random weights
+    quick_gelu: Optional[bool]
+    precision: str        # as requested; resolve_precision() gives what runs
+
+    def vision_depth(self, vision_layers: int) -> int:
+        """D, prompted vision layers: 0 without visual prompts, 1 shallow, else VPT_DEPTH (0 = all)."""
+        if self.n_ctx_vision == 0:
+            return 0
+        if not self.vpt_deep:
+            return 1
+        depth = self.vpt_depth or vision_layers
+        if not 1 <= depth <= vision_layers:
+            raise ValueError(f"TRAINER.GRAM.VPT_DEPTH: expected 0 (all) or 1..{vision_layers}, got {self.vpt_depth}")
+        return depth
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _as_bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise TypeError(f"{key}: expected True or False, got {value!r}")
+
+
+def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
+    """Read and check ``cfg.TRAINER.GRAM`` for ``trainer`` (default ``cfg.TRAINER.NAME``)."""
+    trainer = trainer or cfg.TRAINER.NAME
+    if trainer not in TRAINER_PROMPTS:
+        raise KeyError(f"TRAINER.NAME: {trainer!r} is not a GRAM trainer ({', '.join(TRAINER_PROMPTS)})")
+    if "GRAM" not in cfg.TRAINER:
+        raise KeyError("TRAINER.GRAM is missing: call trainers.gram.extend_cfg(cfg) in your train.py's extend_cfg")
+    g = cfg.TRAINER.GRAM
+    text, vision = TRAINER_PROMPTS[trainer]
+    n_text = int(g.N_CTX_TEXT) if text else 0
+    n_vision = int(g.N_CTX_VISION) if vision else 0
+    if text and n_text < 1 and not g.CTX_INIT:
+        raise ValueError(f"TRAINER.GRAM.N_CTX_TEXT: {trainer} needs at least 1 text context vector, got {n_text}")
+    if vision and n_vision < 1:
+        raise ValueError(f"TRAINER.GRAM.N_CTX_VISION: {trainer} needs at least 1 visual prompt token, got {n_vision}")
+    enabled = _as_bool(g.ENABLED, "TRAINER.GRAM.ENABLED")
+    regulate = _as_bool(g.REGULATE, "TRAINER.GRAM.REGULATE")
+    init_path = os.path.expanduser(str(g.INIT)) if g.INIT else ""
+    if enabled and not init_path:
+        raise ValueError("TRAINER.GRAM.INIT: GRAM is enabled (TRAINER.GRAM.ENABLED True) but no meta-learned "
+                         "init file is given; set TRAINER.GRAM.INIT path/to/init.safetensors")
+    if not enabled and init_path:
+        raise ValueError(f"TRAINER.GRAM.INIT is set ({init_path}) but TRAINER.GRAM.ENABLED is False; "
+                         "set ENABLED True to use it, or clear INIT for the plain baseline")
+    if enabled and g.CTX_INIT and text:
+        raise ValueError("TRAINER.GRAM.CTX_INIT and TRAINER.GRAM.INIT both initialise the text context; set only one")
+    if not (text or "{}" in g.TEMPLATE):
+        raise ValueError(f"TRAINER.GRAM.TEMPLATE: needs a '{{}}' for the class name, got {g.TEMPLATE!r}")
+    backbone = cfg.MODEL.BACKBONE.NAME
+    model_name = g.MODEL_NAME or open_clip_name(backbone)
+    if not model_name:
+        raise ValueError("TRAINER.GRAM.MODEL_NAME: empty, and MODEL.BACKBONE.NAME is empty too (expected e.g. ViT-B/16)")
+    weights_key = str(g.WEIGHTS).strip()
+    if weights_key.lower() in RANDOM_WEIGHTS:
+        weights = None
+    elif weights_key:
+        weights = os.path.expanduser(weights_key)
+    else:
+        weights = default_weights_path(backbone or model_name)
+    from meta.config import quick_gelu_flag
+
+    try:
+        quick_gelu = quick_gelu_flag(g.QUICK_GELU)
+    except ValueError:
+        raise ValueError(f"TRAINER.GRAM.QUICK_GELU: expected auto|on|off, got {g.QUICK_GELU!r}") from None
+    if g.PREC not in PRECISIONS:
+        raise ValueError(f"TRAINER.GRAM.PREC: expected one of {'|'.join(PRECISIONS)}, got {g.PREC!r}")
+    return GramSettings(
+        trainer=trainer, enabled=enabled, init_path=init_path, regulate=regulate and enabled,
+        n_ctx_text=n_text, n_ctx_vision=n_vision, vpt_deep=_as_bool(g.VPT_DEEP, "TRAINER.GRAM.VPT_DEEP"),
+        vpt_depth=int(g.VPT_DEPTH), ctx_init=str(g.CTX_INIT) if text else "", template=str(g.TEMPLATE),
+        model_name=model_name, weights=weights, quick_gelu=quick_gelu, precision=str(g.PREC),
+    )

@@ -1,0 +1,257 @@
+"""Dassl trainers ``GRAM_CoOp``, ``GRAM_VPT`` and ``UNIGRAM`` (registered in ``TRAINER_REGISTRY`` on import).
+
+They follow the CoOp trainer pattern (CoOp ``trainers/coop.py`` L222-325; reference
+dassl_coop_protocol.md §1-2) over the Dassl-free GRAM core in ``meta``:
+
+* ``build_model``: a frozen open_clip CLIP (``meta.backbone.load_clip``; OpenAI's TorchScript
+  ``~/.cache/clip/ViT-B-16.pt`` by default), θ from the GRAM init file (``TRAINER.GRAM.INIT``,
+  validated against the model) or fresh (baselines), R_φ from the same file when
+  ``TRAINER.GRAM.REGULATE``; only θ is registered (``"prompt_learner"``), optimised and saved.
+* ``forward_backward``: cross-entropy, backward, R_φ applied to the prompt gradients
+  (``meta.finetune.GradientRegulation``, paper Eq. 7), optimiser step; the LR steps at the last
+  batch of every epoch, as CoOp does (coop.py L281-282).
+* Stock Dassl HEAD on torch >= 2.7: schedulers from torch's own classes
+  (:mod:`trainers.gram.schedule`), checkpoints that load with ``weights_only=True``
+  (:mod:`trainers.gram.checkpoint`), ``load_model``/resume overridden (Dassl's crash on
+  ``val_result`` None), no ``.cuda()``/``.half()``: the device is Dassl's ``self.device``.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from dassl.engine import TRAINER_REGISTRY, TrainerX
+from dassl.metrics import compute_accuracy
+from dassl.optim import build_optimizer
+
+from meta.backbone import load_clip
+from meta.finetune import GradientRegulation
+from meta.init_io import load_gram_init
+from meta.prompts import PromptParams, PromptSpec
+
+from .checkpoint import checkpoint_file, load_checkpoint, prompt_state, save_checkpoint
+from .config import GramSettings, gram_settings, resolve_precision
+from .model import GramCLIP
+from .provenance import environment_summary, file_sha256, sample_digest
+from .schedule import build_lr_scheduler
+
+MODEL_NAME = "prompt_learner"  # the one registered module (same name as CoOp's, so its scripts' paths fit)
+
+
+class _GramTrainer(TrainerX):
+    """Shared implementation; subclasses differ only by name (see ``config.TRAINER_PROMPTS``)."""
+
+    gram_trainer = True  # marks our classes in the registry (re-registration check)
+
+    # ------------------------------------------------------------------------------ building
+    def check_cfg(self, cfg) -> None:
+        gram_settings(cfg, type(self).__name__)  # every TRAINER.GRAM key checked before data loading
+
+    def build_model(self) -> None:
+        cfg = self.cfg
+        settings = gram_settings(cfg, type(self).__name__)
+        self.gram = settings
+        self.precision = resolve_precision(settings.precision, self.device.type)
+        clip, dims = load_clip(settings.model_name, settings.weights, device=self.device,
+                               precision="fp16" if self.precision == "fp16" else "fp32",
+                               quick_gelu=settings.quick_gelu, config_key="TRAINER.GRAM.WEIGHTS")
+        size = tuple(cfg.INPUT.SIZE)
+        if size != (dims.image_size, dims.image_size):
+            raise ValueError(f"INPUT.SIZE: {settings.model_name} takes {dims.image_size}x{dims.image_size} "
+                             f"images, config says {size[0]}x{size[1]}")
+        self.clip_dims = dims
+        prompts, regulators = self._initial_prompts(settings, clip, dims)
+        classnames = self.dm.dataset.classnames
+        self.model = GramCLIP(clip, dims, prompts.to(self.device), classnames, template=settings.template)
+        if cfg.MODEL.INIT_WEIGHTS:
+            self._load_init_weights(cfg.MODEL.INIT_WEIGHTS)
+        self.optim = build_optimizer(self.model.prompt_learner, cfg.OPTIM)
+        self.sched = build_lr_scheduler(self.optim, cfg.OPTIM)
+        self.register_model(MODEL_NAME, self.model.prompt_learner, self.optim, self.sched)
+        self.regulation = GradientRegulation(regulators).to(self.device) if regulators else None
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "amp" else None
+        self._log_setup(settings, dims, classnames)
+
+    def _initial_prompts(self, s: GramSettings, clip, dims) -> tuple[PromptParams, dict]:
+        """θ from the GRAM init file (and φ when regulating), or fresh θ for the baselines."""
+        depth = s.vision_depth(dims.vision_layers)
+        if s.enabled:
+            init = load_gram_init(s.init_path, config_key="TRAINER.GRAM.INIT", expect={
+                "text_width": dims.text_width, "vision_width": dims.vision_width, "model_name": dims.model_name,
+                "n_ctx_text": s.n_ctx_text, "n_ctx_vision": s.n_ctx_vision, "vision_depth": depth})
+            regulators = init.regulator_modules() if s.regulate else {}
+            if s.regulate and not regulators:
+                raise ValueError(f"TRAINER.GRAM.REGULATE is True but {s.init_path} holds no regulator φ; "
+                                 "set TRAINER.GRAM.REGULATE False (init only)")
+            return init.prompt_module(), regulators
+        spec = PromptSpec(n_ctx_text=s.n_ctx_text, ctx_init=s.ctx_init, n_ctx_vision=s.n_ctx_vision,
+                          vision_depth=max(depth, 1), template=s.template)
+        prompts = PromptParams.from_spec(spec, clip, dims)
+        if s.ctx_init and prompts.n_ctx_text != s.n_ctx_text:
+            raise ValueError(f"TRAINER.GRAM.CTX_INIT {s.ctx_init!r} is {prompts.n_ctx_text} tokens but "
+                             f"TRAINER.GRAM.N_CTX_TEXT is {s.n_ctx_text}; make them agree")
+        return prompts, {}
+
+    def _load_init_weights(self, path: str) -> None:
+        """``MODEL.INIT_WEIGHTS`` as CoOp honours it: θ tensors from a checkpoint, matched by name and shape."""
+        state = prompt_state(load_checkpoint(path)["state_dict"], self.model.prompt_learner,
+                             source=f"MODEL.INIT_WEIGHTS {path}")
+        self.model.prompt_learner.load_state_dict(state)
+        print(f"Loaded prompt weights from MODEL.INIT_WEIGHTS {path}: {sorted(state)}")
+
+    def _log_setup(self, s: GramSettings, dims, classnames) -> None:
+        cfg = self.cfg
+        print(f"GRAM trainer {s.trainer}: GRAM {'on' if s.enabled else 'off (baseline)'}, "
+              f"text ctx {s.n_ctx_text}, visual prompts {s.n_ctx_vision} x depth {s.vision_depth(dims.vision_layers)}, "
+              f"regulated tensors {sorted(self.regulation.regulators) if self.regulation else []}")
+        print(f"GRAM backbone: {dims.model_name} weights={s.weights or 'RANDOM'} quick_gelu={s.quick_gelu} "
+              f"precision={self.precision} (asked {s.precision}) device={self.device} widths text={dims.text_width} "
+              f"vision={dims.vision_width} image={dims.image_size}px")
+        if s.enabled:
+            print(f"GRAM init: {s.init_path} sha256={file_sha256(s.init_path)}")
+        root = cfg.DATASET.ROOT
+        n, digest = sample_digest(self.dm.dataset.train_x, root)
+        print(f"GRAM data: {cfg.DATASET.NAME} subsample={cfg.DATASET.SUBSAMPLE_CLASSES} shots={cfg.DATASET.NUM_SHOTS} "
+              f"seed={cfg.SEED} classes={len(classnames)} train_x={n} sha256={digest}")
+        print(f"GRAM environment: {environment_summary()}")
+
+    # ------------------------------------------------------------------------------ training
+    def _autocast(self):
+        if self.precision == "amp":
+            return torch.autocast(device_type=self.device.type, dtype=torch.float16)
+        return contextlib.nullcontext()
+
+    def parse_batch_train(self, batch):
+        return batch["img"].to(self.device), batch["label"].to(self.device)
+
+    def forward_backward(self, batch) -> dict:
+        images, labels = self.parse_batch_train(batch)
+        self.optim.zero_grad(set_to_none=True)
+        with self._autocast():
+            logits = self.model(images).float()
+        loss = F.cross_entropy(logits, labels)
+        self.detect_anomaly(loss)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.unscale_(self.optim)  # R_φ must see the true gradient
+            self._regulate()
+            self.scaler.step(self.optim)
+            self.scaler.update()
+        else:
+            loss.backward()
+            self._regulate()
+            self.optim.step()
+        if (self.batch_idx + 1) == self.num_batches:
+            self.update_lr()
+        return {"loss": loss.item(), "acc": compute_accuracy(logits, labels)[0].item()}
+
+    def _regulate(self) -> None:
+        if self.regulation is not None:
+            self.regulation.apply_(self.model.prompt_learner.named_parameters())
+
+    def set_model_mode(self, mode: str = "train", names=None) -> None:
+        super().set_model_mode(mode, names)
+        self.model.train(mode == "train")  # the wrapper too; GramCLIP keeps its CLIP in eval
+
+    # ------------------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def test(self, split: Optional[str] = None):
+        self.model.reset_cache()
+        return super().test(split)
+
+    def model_inference(self, input):
+        with self._autocast():
+            return self.model.predict(input).float()
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def _checkpoint_meta(self) -> dict:
+        s, d = self.gram, self.clip_dims
+        return {"trainer": s.trainer, "enabled": s.enabled, "regulate": s.regulate, "model_name": d.model_name,
+                "text_width": d.text_width, "vision_width": d.vision_width, "n_ctx_text": s.n_ctx_text,
+                "n_ctx_vision": s.n_ctx_vision, "vision_depth": s.vision_depth(d.vision_layers)}
+
+    def save_model(self, epoch, directory, is_best=False, val_result=None, model_name="") -> None:
+        for name in self.get_model_names():
+            path = save_checkpoint(directory, name, epoch + 1, self._models[name], self._optims[name],
+                                   self._scheds[name], val_result=val_result, extra=self._checkpoint_meta(),
+                                   filename=model_name)
+            print(f"Checkpoint saved to {path}")
+            if is_best and path.name != "model-best.pth.tar":
+                save_checkpoint(directory, name, epoch + 1, self._models[name], self._optims[name],
+                                self._scheds[name], val_result=val_result, extra=self._checkpoint_meta(),
+                                filename="model-best.pth.tar")
+
+    def load_model(self, directory, epoch=None) -> None:
+        """Load θ for evaluation (weights_only; works for other classes than the ones trained on)."""
+        if not directory:
+            print("Note that load_model() is skipped as no pretrained model is given (ignore this if it's done on purpose)")
+            return
+        for name in self.get_model_names():
+            if epoch is not None:
+                path = checkpoint_file(directory, name, epoch)
+            else:
+                path = Path(directory) / name / "model-best.pth.tar"
+                if not path.is_file():
+                    path = checkpoint_file(directory, name)
+                    print(f"No model-best.pth.tar in {path.parent}: loading the last checkpoint {path.name}")
+            ckpt = load_checkpoint(path)
+            state = prompt_state(ckpt["state_dict"], self._models[name], source=str(path))
+            self._models[name].load_state_dict(state)
+            val = ckpt.get("val_result")
+            print(f"Load {path} to {name} (epoch={ckpt.get('epoch')}, "
+                  f"val_result={'-' if val is None else f'{val:.1f}'})")
+        self.model.reset_cache()
+
+    def resume_model_if_exist(self, directory) -> int:
+        names = self.get_model_names()
+        if not all(os.path.isfile(os.path.join(directory, n, "checkpoint")) for n in names):
+            print("No checkpoint found, train from scratch")
+            return 0
+        print(f"Found checkpoint at {directory} (will resume training)")
+        start_epoch = 0
+        for name in names:
+            path = checkpoint_file(directory, name)
+            ckpt = load_checkpoint(path)
+            self._models[name].load_state_dict(prompt_state(ckpt["state_dict"], self._models[name], source=str(path)))
+            if self._optims[name] is not None and ckpt.get("optimizer"):
+                self._optims[name].load_state_dict(ckpt["optimizer"])
+            if self._scheds[name] is not None and ckpt.get("scheduler"):
+                self._scheds[name].load_state_dict(ckpt["scheduler"])
+            start_epoch = int(ckpt["epoch"])
+            print(f"Resumed {name} from {path} (epochs done: {start_epoch})")
+        self.model.reset_cache()
+        return start_epoch
+
+
+class GRAM_CoOp(_GramTrainer):
+    """CoOp text context; with GRAM on: meta-learned init + regulated gradients (paper Table 1 "CoOp + GRAM")."""
+
+
+class GRAM_VPT(_GramTrainer):
+    """Visual prompt tokens (shallow or deep VPT), fixed text template; "VPT + GRAM" with GRAM on."""
+
+
+class UNIGRAM(_GramTrainer):
+    """Text context and visual prompts together (paper: 2 + 2 tokens); the joint baseline with GRAM off."""
+
+
+GRAM_TRAINERS = (GRAM_CoOp, GRAM_VPT, UNIGRAM)
+
+
+def register_trainers() -> None:
+    """Put the three trainers into Dassl's registry; re-registering GRAM's own classes is allowed."""
+    for cls in GRAM_TRAINERS:
+        name = cls.__name__
+        if name in TRAINER_REGISTRY.registered_names():
+            old = TRAINER_REGISTRY.get(name)
+            if not getattr(old, "gram_trainer", False):
+                raise KeyError(f"Dassl TRAINER_REGISTRY already holds a different {name!r} "
+                               f"(from {old.__module__}); GRAM will not replace it")
+        TRAINER_REGISTRY.register(cls, force=True)
+
+
+register_trainers()

@@ -1,0 +1,62 @@
+"""The model a GRAM trainer registers with Dassl: learnable prompts θ over a frozen open_clip CLIP.
+
+``GramCLIP.prompt_learner`` is θ (:class:`meta.prompts.PromptParams`, parameters ``ctx`` ``[M, d_t]``
+and/or ``vpt`` ``[D, n, d_v]``): the only registered, saved and optimised module, so checkpoints
+hold nothing class-dependent.  ``GramCLIP.clip`` is frozen and *stays in eval mode* whatever mode
+the wrapper is switched to (Dassl's ``set_model_mode`` only reaches registered modules;
+reference dassl_coop_protocol.md §8 item 11).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from meta.backbone import ClipDims
+from meta.prompts import PromptedCLIP, PromptParams
+
+
+class GramCLIP(nn.Module):
+    """Classify images into ``classnames`` with prompted CLIP: ``forward(images [B,3,H,W]) -> logits [B, C]``."""
+
+    def __init__(self, clip: nn.Module, dims: ClipDims, prompts: PromptParams, classnames: Sequence[str],
+                 template: str = "a photo of a {}."):
+        super().__init__()
+        if len(classnames) == 0:
+            raise ValueError("GramCLIP needs at least one class name")
+        self.prompt_learner = prompts
+        self.clip = clip
+        for p in self.clip.parameters():
+            p.requires_grad_(False)
+        self.dims = dims
+        self.classnames = list(classnames)
+        self.pclip = PromptedCLIP(clip, dims, prompts.n_ctx_text, template=template)
+        self._text_cache: Optional[torch.Tensor] = None
+        self.clip.eval()
+
+    def train(self, mode: bool = True) -> "GramCLIP":
+        super().train(mode)
+        self.clip.eval()  # frozen CLIP: never in train mode
+        return self
+
+    def text_features(self) -> torch.Tensor:
+        """``[C, E]`` normalised class embeddings for the current θ."""
+        return self.pclip.text_features(self.prompt_learner, self.classnames)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        image = self.pclip.image_features(self.prompt_learner, images)
+        return self.pclip.logit_scale * image @ self.text_features().to(image.dtype).t()
+
+    # ---------------------------------------------------------------- inference with cached text side
+    def reset_cache(self) -> None:
+        """Forget cached text features (call whenever θ may have changed)."""
+        self._text_cache = None
+
+    @torch.no_grad()
+    def predict(self, images: torch.Tensor) -> torch.Tensor:
+        """``forward`` without gradients, computing the text side once until :meth:`reset_cache`."""
+        if self._text_cache is None:
+            self._text_cache = self.text_features()
+        image = self.pclip.image_features(self.prompt_learner, images)
+        return self.pclip.logit_scale * image @ self._text_cache.to(image.dtype).t()
