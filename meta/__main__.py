@@ -1,0 +1,49 @@
+"""``python -m meta <command> --config-file F [KEY VALUE ...]``.
+
+Commands:
+  cluster   Cross-modal Hierarchical Clustering of image-text pairs (``meta.chc``).
+  train     meta-training (``meta.metatrain.main``).
+  export    export the meta-learned initialisation (``meta.metatrain.main``).
+
+``train`` and ``export`` live in ``meta.metatrain``, imported only when asked for.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence
+
+COMMANDS = ("cluster", "train", "export")
+USAGE = "usage: python -m meta {cluster,train,export} --config-file FILE [KEY VALUE ...]"
+
+
+def _run_metatrain(argv: list[str]) -> int:
+    try:
+        import meta.metatrain as metatrain
+    except ModuleNotFoundError as err:
+        if err.name in ("meta.metatrain",):
+            print(f"error: `{argv[0]}` needs meta/metatrain.py, which is not in this checkout yet", file=sys.stderr)
+            return 2
+        raise
+    result = metatrain.main(argv)
+    return int(result or 0)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        print(__doc__.split("Commands:")[1].rstrip())
+        return 0 if argv else 2
+    command = argv[0]
+    if command not in COMMANDS:
+        print(f"error: unknown command {command!r}; expected one of {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    if command == "cluster":
+        from meta.chc.cli import main as cluster_main
+
+        return cluster_main(argv[1:])
+    return _run_metatrain(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""The CHC result the meta-trainer consumes: topics -> domains -> items.
+
+See the contract in :mod:`meta.chc`.  Files in a CHC output directory:
+
+  hierarchy.json                    topic names, meta, counts
+  item_topic.npy / item_domain.npy  int64 [N]
+  item_status.npy                   int8  [N] (see ``STATUS``)
+  image_features/image_features.npy float32 [N, D] (L2-normalised; zeros where unreadable)
+  image_features/images_u8.npy      uint8 [N, H, W, 3] (optional cache)
+  index/                            where each pair's image bytes live + captions
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from meta.chc.imaging import decode_batch
+
+# item_status codes
+STATUS = {0: "clustered", 1: "unreadable image", 2: "filtered (image-text cosine)", 3: "topic noise",
+          4: "topic too small (excluded)"}
+CLUSTERED, UNREADABLE, FILTERED, NOISE, SMALL_TOPIC = 0, 1, 2, 3, 4
+
+
+class PairIndexImages:
+    """``images(indices)`` decoded lazily from the pair index (tar byte ranges or files)."""
+
+    def __init__(self, index, image_size: int):
+        self.index = index
+        self.image_size = int(image_size)
+
+    def __call__(self, indices: Sequence[int]) -> np.ndarray:
+        pixels, _ = decode_batch(self.index.read_image_bytes(indices), self.image_size)
+        return pixels
+
+
+@dataclass
+class Hierarchy:
+    """Topics (classes) -> visual domains -> items (image-text pairs).
+
+    Attributes:
+        topic_names: [L] class name of each topic (unique).
+        item_topic: int64 [N], topic id or -1 (excluded: unreadable, filtered, noise, small topic).
+        item_domain: int64 [N], domain id within the item's topic or -1.
+        image_features: float32 [N, D], L2-normalised CLIP image features (from ``meta['backbone']``).
+        meta: backbone name, weights file + sha256, image size, mean/std, settings, counts.
+        image_loader: ``indices -> uint8 [n, H, W, 3]`` at the CLIP input size.
+        captions: [N] captions when known (None for image-folder hierarchies).
+    """
+
+    topic_names: list
+    item_topic: np.ndarray
+    item_domain: np.ndarray
+    image_features: np.ndarray
+    meta: dict
+    image_loader: Callable[[Sequence[int]], np.ndarray]
+    captions: Optional[list] = None
+    _members: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        self.item_topic = np.asarray(self.item_topic, dtype=np.int64)
+        self.item_domain = np.asarray(self.item_domain, dtype=np.int64)
+        n = len(self.item_topic)
+        if len(self.item_domain) != n or len(self.image_features) != n:
+            raise ValueError(f"Hierarchy: item_topic [{n}], item_domain [{len(self.item_domain)}] and "
+                             f"image_features [{len(self.image_features)}] must have the same length")
+        if len(set(self.topic_names)) != len(self.topic_names):
+            raise ValueError("Hierarchy: topic_names must be unique (merge clusters that share a word)")
+        if n and self.item_topic.max(initial=-1) >= len(self.topic_names):
+            raise ValueError("Hierarchy: item_topic refers to a topic id beyond topic_names")
+
+    @property
+    def num_topics(self) -> int:
+        return len(self.topic_names)
+
+    def images(self, indices: Sequence[int]) -> np.ndarray:
+        """uint8 ``[n, H, W, 3]`` images of ``indices`` at the CLIP input size."""
+        return self.image_loader(np.asarray(indices, dtype=np.int64))
+
+    def _index_members(self) -> None:
+        order = np.lexsort((np.arange(len(self.item_topic)), self.item_domain, self.item_topic))
+        order = order[self.item_topic[order] >= 0]
+        topics, domains = self.item_topic[order], self.item_domain[order]
+        for t in range(self.num_topics):
+            sel = order[topics == t]
+            doms = domains[topics == t]
+            self._members[t] = {int(u): sel[doms == u] for u in np.unique(doms)}
+
+    def domain_members(self, topic: int) -> dict:
+        """``{domain id: int64 item indices}`` of ``topic`` (sorted, cached)."""
+        if not self._members:
+            self._index_members()
+        return self._members.get(int(topic), {})
+
+    def topic_members(self, topic: int) -> np.ndarray:
+        parts = list(self.domain_members(topic).values())
+        return np.sort(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+
+    def topic_sizes(self) -> np.ndarray:
+        return np.bincount(self.item_topic[self.item_topic >= 0], minlength=self.num_topics)
+
+
+def load_hierarchy(out_dir) -> Hierarchy:
+    """Open a finished ``python -m meta cluster`` output directory (arrays memory-mapped)."""
+    from meta.chc.sources import PairIndex
+
+    out = Path(out_dir)
+    head_path = out / "hierarchy.json"
+    if not head_path.is_file():
+        raise FileNotFoundError(f"{head_path}: not found; run `python -m meta cluster` to completion first")
+    head = json.loads(head_path.read_text())
+    feats = np.load(out / "image_features" / "image_features.npy", mmap_mode="r")
+    cache = out / "image_features" / "images_u8.npy"
+    index = PairIndex.load(out / "index")
+    if cache.is_file():
+        pixels = np.load(cache, mmap_mode="r")
+        loader = lambda idx: np.asarray(pixels[np.asarray(idx, dtype=np.int64)])  # noqa: E731
+    else:
+        loader = PairIndexImages(index, head["meta"]["image_size"])
+    return Hierarchy(topic_names=list(head["topic_names"]), item_topic=np.load(out / "item_topic.npy"),
+                     item_domain=np.load(out / "item_domain.npy"), image_features=feats, meta=head["meta"],
+                     image_loader=loader, captions=index.captions)

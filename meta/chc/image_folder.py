@@ -1,0 +1,88 @@
+"""A :class:`Hierarchy` from a labelled ``root/<class>/<image>`` folder (paper Table 4 row 4).
+
+Supervised meta-learning replaces CHC's topics with the folder classes; visual domains
+are still found by k-means on the frozen CLIP's image features inside each class.
+Unreadable images are skipped and counted in ``meta['counts']``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from meta.chc.domains import split_domains
+from meta.chc.hierarchy import Hierarchy
+from meta.chc.imaging import clip_norm_stats, decode_batch, encode_images
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
+
+
+class _FileImages:
+    def __init__(self, paths: list, image_size: int):
+        self.paths, self.image_size = paths, image_size
+
+    def __call__(self, indices) -> np.ndarray:
+        blobs = []
+        for i in indices:
+            try:
+                blobs.append(Path(self.paths[int(i)]).read_bytes())
+            except OSError:
+                blobs.append(None)
+        return decode_batch(blobs, self.image_size)[0]
+
+
+def build_image_folder_hierarchy(root, clip, num_domains: int = 3, min_per_domain: int = 8, batch_size: int = 64,
+                                 seed: int = 0, device="cpu", model_name: str = "", pretrained: str = "",
+                                 show_progress: bool = True) -> Hierarchy:
+    """Classes = sub-folder names (sorted); features and domains as in CHC."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"TASKS.IMAGE_FOLDER: not a directory: {root}")
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir())
+    paths, labels = [], []
+    for c, name in enumerate(classes):
+        for f in sorted((root / name).rglob("*")):
+            if f.suffix.lower() in IMAGE_SUFFIXES and f.is_file():
+                paths.append(str(f)), labels.append(c)
+    if not paths:
+        raise FileNotFoundError(f"TASKS.IMAGE_FOLDER: no images under {root}/<class>/ (expected {sorted(IMAGE_SUFFIXES)})")
+    image_size = int(clip.visual.image_size[0] if isinstance(clip.visual.image_size, (tuple, list))
+                     else clip.visual.image_size)
+    mean, std = clip_norm_stats(clip)
+    loader = _FileImages(paths, image_size)
+    feats = np.zeros((len(paths), int(clip.visual.output_dim)), dtype=np.float32)
+    ok = np.zeros(len(paths), dtype=bool)
+    step = max(1, batch_size) * 8
+    for start in tqdm(range(0, len(paths), step), desc="image-folder features", disable=not show_progress):
+        idx = np.arange(start, min(start + step, len(paths)))
+        blobs = []
+        for i in idx:
+            try:
+                blobs.append(Path(paths[i]).read_bytes())
+            except OSError:
+                blobs.append(None)
+        pixels, good = decode_batch(blobs, image_size)
+        if good.any():
+            feats[idx[good]] = encode_images(clip, pixels[good], mean, std, batch_size, device)
+        ok[idx] = good
+    labels = np.asarray(labels, dtype=np.int64)
+    item_topic = np.full(len(paths), -1, dtype=np.int64)
+    item_domain = np.full(len(paths), -1, dtype=np.int64)
+    names, per_class = [], {}
+    for c, name in enumerate(classes):
+        members = np.flatnonzero((labels == c) & ok)
+        split = split_domains(feats[members], num_domains, min_per_domain, seed=seed)
+        per_class[name] = split.num_domains
+        if split.excluded:
+            continue
+        item_topic[members] = len(names)
+        item_domain[members] = split.labels
+        names.append(name)
+    meta = {"source": "image_folder", "root": str(root), "backbone": model_name, "pretrained": pretrained or None,
+            "image_size": image_size, "mean": list(mean), "std": list(std),
+            "counts": {"images": len(paths), "unreadable_images": int((~ok).sum()), "classes": len(classes),
+                       "classes_excluded_small": len(classes) - len(names)},
+            "domains_per_class": per_class}
+    return Hierarchy(topic_names=names, item_topic=item_topic, item_domain=item_domain, image_features=feats,
+                     meta=meta, image_loader=loader, captions=None)

@@ -1,0 +1,94 @@
+"""Image decoding to CLIP's input geometry, as uint8, and CLIP normalisation.
+
+Every image that reaches a CLIP tower in GRAM goes through :func:`to_clip_uint8`
+(resize the shorter side to ``size`` with bicubic filtering, centre-crop to
+``size x size``; open_clip's default ``resize_mode='shortest'`` transform) and then
+:func:`normalize_uint8` with the model's mean/std.  Keeping the uint8 step explicit
+lets the hierarchy hand out images as ``[n, H, W, 3]`` uint8 and lets the
+meta-trainer apply the same normalisation (or its own augmentation) later.
+"""
+from __future__ import annotations
+
+import io
+import warnings
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+# open_clip / OpenAI CLIP normalisation (open_clip.constants OPENAI_DATASET_MEAN/STD).
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def decode_image(data: Optional[bytes]) -> Optional[Image.Image]:
+    """Decode bytes to an RGB PIL image; ``None`` for missing, corrupt or truncated data."""
+    if not data:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # PIL DecompressionBombWarning, palette warnings
+            img = Image.open(io.BytesIO(data))
+            img.load()
+            return img.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        return None
+
+
+def to_clip_uint8(img: Image.Image, size: int) -> np.ndarray:
+    """Shorter side to ``size`` (bicubic), centre crop -> uint8 ``[size, size, 3]``."""
+    w, h = img.size
+    scale = size / min(w, h)
+    new_w, new_h = max(size, round(w * scale)), max(size, round(h * scale))
+    if (new_w, new_h) != (w, h):
+        img = img.resize((new_w, new_h), Image.BICUBIC)
+    left, top = (new_w - size) // 2, (new_h - size) // 2
+    img = img.crop((left, top, left + size, top + size))
+    return np.asarray(img, dtype=np.uint8)
+
+
+def decode_batch(blobs: Sequence[Optional[bytes]], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Decode a list of image byte strings.
+
+    Returns:
+        ``(pixels, ok)``: uint8 ``[n, size, size, 3]`` (zeros where unreadable) and
+        bool ``[n]`` telling which images decoded.
+    """
+    pixels = np.zeros((len(blobs), size, size, 3), dtype=np.uint8)
+    ok = np.zeros(len(blobs), dtype=bool)
+    for i, data in enumerate(blobs):
+        img = decode_image(data)
+        if img is not None and min(img.size) > 0:
+            pixels[i] = to_clip_uint8(img, size)
+            ok[i] = True
+    return pixels, ok
+
+
+def normalize_uint8(pixels: np.ndarray, mean: Sequence[float] = CLIP_MEAN, std: Sequence[float] = CLIP_STD,
+                    dtype: torch.dtype = torch.float32, device="cpu") -> torch.Tensor:
+    """uint8 ``[n, H, W, 3]`` -> normalised float ``[n, 3, H, W]`` for a CLIP image tower."""
+    x = torch.from_numpy(np.ascontiguousarray(pixels)).to(device).permute(0, 3, 1, 2).to(torch.float32) / 255.0
+    m = torch.tensor(mean, device=device).view(1, 3, 1, 1)
+    s = torch.tensor(std, device=device).view(1, 3, 1, 1)
+    return ((x - m) / s).to(dtype)
+
+
+def clip_norm_stats(clip) -> tuple[tuple, tuple]:
+    """(mean, std) from an open_clip model's ``visual.preprocess_cfg``, OpenAI's if absent."""
+    cfg = getattr(getattr(clip, "visual", None), "preprocess_cfg", None) or {}
+    return tuple(cfg.get("mean", CLIP_MEAN)), tuple(cfg.get("std", CLIP_STD))
+
+
+@torch.no_grad()
+def encode_images(clip, pixels: np.ndarray, mean, std, batch_size: int = 64, device="cpu") -> np.ndarray:
+    """L2-normalised CLIP image features float32 ``[n, D]`` of uint8 ``[n, H, W, 3]``."""
+    dtype = next(clip.parameters()).dtype
+    out = []
+    for start in range(0, len(pixels), batch_size):
+        x = normalize_uint8(pixels[start:start + batch_size], mean, std, dtype=dtype, device=device)
+        f = clip.encode_image(x).float()
+        out.append(torch.nn.functional.normalize(f, dim=-1).cpu().numpy())
+    if not out:
+        return np.zeros((0, int(clip.visual.output_dim)), dtype=np.float32)
+    return np.concatenate(out).astype(np.float32, copy=False)

@@ -1,0 +1,387 @@
+"""The CHC pipeline: stages, their caches, and their order.
+
+Stages (each cached under ``CHC.OUTPUT_DIR`` and skipped when its fingerprint matches):
+
+1. ``index``           scan shards / manifest                       -> ``index/``
+2. ``image_features``  CLIP image tower, sharded over ranks          -> ``image_features/``
+3. ``filter``          optional CLIP image-text cosine filter        -> ``filter/``
+4. ``text``            sentence embeddings of unique kept captions   -> ``text/``
+5. ``topics``          UMAP -> HDBSCAN (sample) -> nearest centroid -> TF-IDF words -> merge -> ``topics/``
+6. ``domains``         k-means per topic                             -> ``item_topic.npy`` ...
+7. report              ``chc_report.md``, ``chc_report.json``, ``umap_topics.png``, ``hierarchy.json``
+
+Under ``torchrun`` every rank runs stage 2 on its own shards; rank 0 builds the index
+first and does everything after the merge.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from meta.chc import domains as domains_mod
+from meta.chc import topics as topics_mod
+from meta.chc.hierarchy import CLUSTERED, FILTERED, NOISE, SMALL_TOPIC, STATUS, UNREADABLE
+from meta.chc.sources import PairIndex, build_index
+from meta.chc.stages import ChunkedArray, StageMarker, fingerprint, save_npy_atomic, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+
+def _node(cfg_node) -> dict:
+    """A yacs node as a plain dict (for fingerprints and metadata)."""
+    return json.loads(json.dumps(cfg_node, default=list))
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def resolve_device(name: str) -> str:
+    if name and name != "auto":
+        return name
+    if torch.cuda.is_available():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    return "cpu"
+
+
+class ChcRun:
+    """One CHC run over ``cfg`` (see :func:`meta.config.get_meta_cfg_default`).
+
+    Args:
+        cfg: the full meta config (uses ``MODEL``, ``CHC``, ``SEED``).
+        rank / world_size: this process's place among ``torchrun`` processes.
+        barrier: called where ranks must wait for each other (``None`` = single process).
+        show_progress: tqdm bars on/off.
+    """
+
+    def __init__(self, cfg, rank: int = 0, world_size: int = 1, barrier: Optional[Callable[[], None]] = None,
+                 show_progress: bool = True):
+        self.cfg = cfg
+        self.chc = cfg.CHC
+        self.out = Path(cfg.CHC.OUTPUT_DIR)
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.barrier = barrier or (lambda: None)
+        self.show_progress = show_progress and rank == 0
+        self.device = resolve_device(cfg.MODEL.DEVICE)
+        self.timings: dict = {}
+        self._clip = None
+
+    # ------------------------------------------------------------------ helpers
+    def _timed(self, name: str, seconds: float, items: int) -> None:
+        self.timings[name] = {"seconds": round(seconds, 3), "items": int(items),
+                              "items_per_second": round(items / seconds, 1) if seconds > 0 else None}
+
+    def clip(self):
+        """The frozen CLIP (random weights seeded by ``SEED`` when ``MODEL.PRETRAINED`` is empty)."""
+        if self._clip is None:
+            from meta.backbone import load_clip
+            from meta.config import quick_gelu_flag
+
+            torch.manual_seed(self.cfg.SEED)  # identical random towers across resumed runs and ranks
+            with warnings.catch_warnings():
+                if not self.cfg.MODEL.PRETRAINED:
+                    warnings.simplefilter("ignore")
+                clip, dims = load_clip(self.cfg.MODEL.BACKBONE, self.cfg.MODEL.PRETRAINED or None, self.device,
+                                       self.cfg.MODEL.PRECISION, quick_gelu_flag(self.cfg.MODEL.QUICK_GELU),
+                                       config_key="MODEL.PRETRAINED")
+            self._clip = (clip, dims)
+        return self._clip
+
+    def backbone_meta(self) -> dict:
+        if getattr(self, "_backbone_meta", None) is not None:
+            return dict(self._backbone_meta)
+        from meta.chc.imaging import clip_norm_stats
+
+        clip, dims = self.clip()
+        mean, std = clip_norm_stats(clip)
+        weights = self.cfg.MODEL.PRETRAINED
+        sha = file_sha256(weights) if weights and os.path.isfile(weights) else None
+        self._backbone_meta = {"backbone": self.cfg.MODEL.BACKBONE, "pretrained": weights or None, "weights_sha256": sha,
+                "precision": self.cfg.MODEL.PRECISION, "quick_gelu": self.cfg.MODEL.QUICK_GELU,
+                "image_size": dims.image_size, "embed_dim": dims.embed_dim, "mean": list(mean), "std": list(std)}
+        return dict(self._backbone_meta)
+
+    # ------------------------------------------------------------------ stage 1
+    def stage_index(self) -> tuple[PairIndex, str]:
+        inp = self.chc.INPUT
+        stamps = []
+        for pattern in list(inp.SHARDS) + ([inp.MANIFEST] if inp.MANIFEST else []):
+            import glob
+
+            for p in sorted(glob.glob(os.path.expanduser(pattern))):
+                st = os.stat(p)
+                stamps.append([os.path.abspath(p), st.st_size, int(st.st_mtime)])
+        fp = fingerprint("index", _node(inp), stamps)
+        marker = StageMarker(self.out, "index", fp)
+        if self.rank == 0 and not marker.is_done():
+            t0 = time.time()
+            index = build_index(list(inp.SHARDS), inp.MANIFEST, inp.IMAGE_COLUMN, inp.CAPTION_COLUMN,
+                                inp.IMAGE_ROOT, inp.MAX_PAIRS, show_progress=self.show_progress)
+            index.save(self.out / "index")
+            self._timed("index", time.time() - t0, index.counts.get("pairs_seen", 0))
+            marker.mark({"pairs": len(index)})
+        self.barrier()
+        if not marker.is_done():
+            raise RuntimeError(f"rank {self.rank}: the index stage of {self.out} is not finished")
+        return PairIndex.load(self.out / "index"), fp
+
+    # ------------------------------------------------------------------ stage 2
+    def image_cache_wanted(self, n: int) -> bool:
+        size = self.backbone_meta()["image_size"]
+        return n * size * size * 3 <= float(self.chc.IMAGES.CACHE_MAX_GB) * 1e9
+
+    def stage_image_features(self, index: PairIndex, index_fp: str) -> str:
+        from meta.chc.image_features import encode_rank, merge_ranks
+        from meta.chc.imaging import clip_norm_stats
+
+        imgs = self.chc.IMAGES
+        bmeta = self.backbone_meta()
+        cache = self.image_cache_wanted(len(index))
+        fp = fingerprint("image_features", index_fp, bmeta, imgs.CHUNK_SIZE, imgs.BATCH_SIZE, cache, self.cfg.SEED)
+        marker = StageMarker(self.out, "image_features", fp)
+        stage_dir = self.out / "image_features"
+        if marker.is_done():
+            return fp
+        clip, dims = self.clip()
+        mean, std = clip_norm_stats(clip)
+        t0 = time.time()
+        stats = encode_rank(index, clip, self.rank, self.world_size, stage_dir,
+                            fingerprint(fp, self.world_size), dims.image_size, mean, std, imgs.BATCH_SIZE,
+                            imgs.CHUNK_SIZE, cache, self.device, self.show_progress)
+        self._timed("image_features", time.time() - t0, stats["items"])
+        self.barrier()
+        if self.rank == 0:
+            merged = merge_ranks(index, self.world_size, stage_dir, cache)
+            marker.mark(merged)
+        return fp
+
+    # ------------------------------------------------------------------ stage 3
+    def stage_filter(self, index: PairIndex, image_fp: str) -> tuple[np.ndarray, np.ndarray, str]:
+        """Returns ``(ok [N] bool, keep [N] bool, fp)``."""
+        filt = self.chc.FILTER
+        fp = fingerprint("filter", image_fp, _node(filt))
+        stage_dir = self.out / "filter"
+        marker = StageMarker(self.out, "filter", fp)
+        ok = np.load(self.out / "image_features" / "image_ok.npy")
+        if not marker.is_done():
+            from meta.chc.pair_filter import keep_mask, pair_cosines
+
+            stage_dir.mkdir(parents=True, exist_ok=True)
+            if filt.MODE == "none":
+                cos = np.where(ok, 0.0, np.nan).astype(np.float32)
+            else:
+                import open_clip
+
+                clip, _ = self.clip()
+                feats = np.load(self.out / "image_features" / "image_features.npy", mmap_mode="r")
+                t0 = time.time()
+                cos = pair_cosines(clip, open_clip.get_tokenizer(self.cfg.MODEL.BACKBONE), index.captions, feats,
+                                   ok, stage_dir, fp, filt.TEMPLATE, device=self.device,
+                                   show_progress=self.show_progress)
+                self._timed("filter", time.time() - t0, len(index))
+            keep = keep_mask(cos, filt.MODE, filt.THRESHOLD, filt.QUANTILE)
+            save_npy_atomic(stage_dir / "pair_cosine.npy", cos)
+            save_npy_atomic(stage_dir / "keep.npy", keep)
+            marker.mark({"filtered": int((ok & ~keep).sum())})
+        return ok, np.load(stage_dir / "keep.npy"), fp
+
+    # ------------------------------------------------------------------ stage 4
+    def stage_text(self, index: PairIndex, keep: np.ndarray, filter_fp: str) -> tuple[list, np.ndarray, str]:
+        """Returns ``(unique_captions [U], item_unique [N] (-1 = not kept), fp)``; embeddings on disk."""
+        from meta.chc.text_embed import model_digest, resolve_model_path
+
+        text = self.chc.TEXT
+        model_path = resolve_model_path(text.MODEL)
+        fp = fingerprint("text", filter_fp, _node(text), model_digest(model_path))
+        stage_dir = self.out / "text"
+        marker = StageMarker(self.out, "text", fp)
+        if not marker.is_done():
+            stage_dir.mkdir(parents=True, exist_ok=True)
+            kept = np.flatnonzero(keep)
+            caps = np.asarray(index.captions, dtype=object)[kept].astype(str)
+            uniq, inverse = np.unique(caps, return_inverse=True)     # dedupe identical captions
+            item_unique = np.full(len(index), -1, dtype=np.int64)
+            item_unique[kept] = inverse
+            write_json_atomic(stage_dir / "unique_captions.json", uniq.tolist())
+            save_npy_atomic(stage_dir / "item_unique.npy", item_unique)
+
+            from meta.chc.text_embed import embed_texts, load_sentence_model
+
+            model = load_sentence_model(model_path, text.DTYPE, self.device)
+            dim_fn = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
+            dim = int(dim_fn())
+            store = ChunkedArray(stage_dir / "embeddings.npy", len(uniq), (dim,), np.float32, fp)
+            t0, before = time.time(), store.rows_done()
+            store.fill(lambda s, e: embed_texts(model, uniq[s:e].tolist(), text.BATCH_SIZE), text.CHUNK_SIZE,
+                       desc="sentence embeddings", disable_progress=not self.show_progress)
+            self._timed("text_embeddings", time.time() - t0, len(uniq) - before)
+            marker.mark({"unique_captions": int(len(uniq)), "model": model_path})
+        uniq = json.loads((stage_dir / "unique_captions.json").read_text())
+        return uniq, np.load(stage_dir / "item_unique.npy"), fp
+
+    # ------------------------------------------------------------------ stage 5
+    def stage_topics(self, uniq: list, item_unique: np.ndarray, text_fp: str) -> tuple[dict, str]:
+        tc = self.chc.TOPICS
+        fp = fingerprint("topics", text_fp, _node(tc), self.cfg.SEED)
+        stage_dir = self.out / "topics"
+        marker = StageMarker(self.out, "topics", fp)
+        if not marker.is_done():
+            stage_dir.mkdir(parents=True, exist_ok=True)
+            emb = np.load(self.out / "text" / "embeddings.npy", mmap_mode="r")
+            n_unique = len(uniq)
+            rng = np.random.default_rng(self.cfg.SEED)
+            sample = np.sort(rng.choice(n_unique, size=min(int(tc.FIT_SAMPLE), n_unique), replace=False))
+            sample_emb = np.asarray(emb[sample])
+            t0 = time.time()
+            sample_labels = topics_mod.fit_sample_clusters(
+                sample_emb, tc.UMAP_DIM, tc.UMAP_NEIGHBORS, tc.UMAP_MIN_DIST, tc.UMAP_METRIC, tc.UMAP_INIT,
+                tc.MIN_CLUSTER_SIZE, tc.MIN_SAMPLES, self.cfg.SEED)
+            self._timed("umap_hdbscan_fit", time.time() - t0, len(sample))
+            n_clusters = int(sample_labels.max()) + 1
+            if n_clusters < 1:
+                raise RuntimeError(f"HDBSCAN found no cluster among {len(sample)} captions; lower "
+                                   f"CHC.TOPICS.MIN_CLUSTER_SIZE (now {tc.MIN_CLUSTER_SIZE})")
+            cents = topics_mod.centroids(sample_emb, sample_labels, n_clusters)
+            cut = topics_mod.member_similarity_cut(sample_emb, sample_labels, cents, tc.ASSIGN_QUANTILE)
+            t0 = time.time()
+            unique_cluster = topics_mod.assign_nearest(emb, cents, cut)
+            unique_cluster[sample] = sample_labels        # fitted captions keep their HDBSCAN label
+            self._timed("assign_nearest_centroid", time.time() - t0, n_unique)
+
+            weights = np.bincount(item_unique[item_unique >= 0], minlength=n_unique)
+            t0 = time.time()
+            words = topics_mod.cluster_tfidf_words(uniq, unique_cluster, n_clusters, weights,
+                                                   tc.PRESENCE_MIN_FRACTION, tc.MIN_WORD_LEN, tc.EXTRA_STOP_WORDS)
+            cluster_sizes = np.bincount(unique_cluster[unique_cluster >= 0], weights=weights[unique_cluster >= 0],
+                                        minlength=n_clusters).astype(np.int64)
+            names, cluster_to_topic = topics_mod.merge_clusters_by_word(words.top_word, cluster_sizes)
+            self._timed("topic_words", time.time() - t0, n_unique)
+            unique_topic = np.where(unique_cluster >= 0, cluster_to_topic[np.maximum(unique_cluster, 0)], -1)
+
+            plot = {}
+            if tc.PLOT_POINTS > 0:
+                pick = np.sort(rng.choice(len(sample), size=min(int(tc.PLOT_POINTS), len(sample)), replace=False))
+                xy = topics_mod.project_2d(sample_emb[pick], tc.UMAP_NEIGHBORS, tc.UMAP_METRIC, self.cfg.SEED)
+                np.savez(stage_dir / "plot.npz", xy=xy, topic=unique_topic[sample[pick]])
+                plot = {"points": int(len(pick))}
+            save_npy_atomic(stage_dir / "unique_cluster.npy", unique_cluster)
+            save_npy_atomic(stage_dir / "unique_topic.npy", unique_topic)
+            info = {"fit_sample": int(len(sample)), "clusters": n_clusters, "similarity_cut": cut,
+                    "sample_noise": int((sample_labels < 0).sum()),
+                    "assigned_noise": int((unique_cluster < 0).sum() - (sample_labels < 0).sum()),
+                    "cluster_top_word": words.top_word, "cluster_top_words": words.top_words,
+                    "cluster_sizes": cluster_sizes.tolist(), "cluster_to_topic": cluster_to_topic.tolist(),
+                    "topic_names": names, "vocabulary_size": words.vocabulary_size, "plot": plot,
+                    "timings": {k: v for k, v in self.timings.items() if k in
+                                ("umap_hdbscan_fit", "assign_nearest_centroid", "topic_words")}}
+            write_json_atomic(stage_dir / "topics.json", info)
+            marker.mark({"topics": len(names)})
+        return json.loads((stage_dir / "topics.json").read_text()), fp
+
+    # ------------------------------------------------------------------ stage 6
+    def stage_domains(self, ok: np.ndarray, keep: np.ndarray, item_unique: np.ndarray, topic_info: dict,
+                      topics_fp: str, image_fp: str) -> tuple[dict, str]:
+        dc = self.chc.DOMAINS
+        fp = fingerprint("domains", topics_fp, image_fp, _node(dc), self.cfg.SEED)
+        marker = StageMarker(self.out, "domains", fp)
+        if not marker.is_done():
+            unique_topic = np.load(self.out / "topics" / "unique_topic.npy")
+            feats = np.load(self.out / "image_features" / "image_features.npy", mmap_mode="r")
+            n = len(ok)
+            pre_topic = np.where(item_unique >= 0, unique_topic[np.maximum(item_unique, 0)], -1)
+            status = np.full(n, CLUSTERED, dtype=np.int8)
+            status[~ok] = UNREADABLE
+            status[ok & ~keep] = FILTERED
+            status[keep & (pre_topic < 0)] = NOISE
+            names = topic_info["topic_names"]
+            new_names, per_topic = [], []
+            item_topic = np.full(n, -1, dtype=np.int64)
+            item_domain = np.full(n, -1, dtype=np.int64)
+            t0 = time.time()
+            for t, name in enumerate(names):
+                members = np.flatnonzero(pre_topic == t)
+                split = domains_mod.split_domains(np.asarray(feats[members]), dc.NUM, dc.MIN_PER_DOMAIN,
+                                                  dc.MINIBATCH_ABOVE, dc.N_INIT, self.cfg.SEED)
+                entry = {"name": name, "images": int(len(members)), "domains": split.num_domains}
+                if split.excluded:
+                    status[members] = SMALL_TOPIC
+                    entry["excluded"] = True
+                else:
+                    new_id = len(new_names)
+                    new_names.append(name)
+                    item_topic[members] = new_id
+                    item_domain[members] = split.labels
+                    entry["domain_sizes"] = np.bincount(split.labels, minlength=split.num_domains).tolist()
+                per_topic.append(entry)
+            self._timed("domain_kmeans", time.time() - t0, int((pre_topic >= 0).sum()))
+            save_npy_atomic(self.out / "item_topic.npy", item_topic)
+            save_npy_atomic(self.out / "item_domain.npy", item_domain)
+            save_npy_atomic(self.out / "item_status.npy", status)
+            write_json_atomic(self.out / "domains.json", {"topic_names": new_names, "per_topic": per_topic})
+            marker.mark({"topics": len(new_names)})
+        return json.loads((self.out / "domains.json").read_text()), fp
+
+    # ------------------------------------------------------------------ all
+    def run(self) -> Optional[Path]:
+        """Run (or resume) every stage; returns the output dir on rank 0, ``None`` on other ranks."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        index, index_fp = self.stage_index()
+        image_fp = self.stage_image_features(index, index_fp)
+        if self.rank != 0:
+            return None
+        ok, keep, filter_fp = self.stage_filter(index, image_fp)
+        uniq, item_unique, text_fp = self.stage_text(index, keep, filter_fp)
+        topic_info, topics_fp = self.stage_topics(uniq, item_unique, text_fp)
+        domain_info, _ = self.stage_domains(ok, keep, item_unique, topic_info, topics_fp, image_fp)
+        self.write_outputs(index, ok, keep, uniq, item_unique, topic_info, domain_info)
+        return self.out
+
+    def write_outputs(self, index, ok, keep, uniq, item_unique, topic_info, domain_info) -> None:
+        from meta.chc.report import write_report
+
+        status = np.load(self.out / "item_status.npy")
+        counts = dict(index.counts)
+        counts.update({
+            "pairs_indexed": len(index), "unreadable_images": int((~ok).sum()),
+            "filtered": int((ok & ~keep).sum()), "kept_after_filter": int(keep.sum()),
+            "unique_captions": len(uniq), "fit_sample": topic_info["fit_sample"],
+            "hdbscan_clusters": topic_info["clusters"], "noise_in_fit_sample": topic_info["sample_noise"],
+            "noise_assigned": topic_info["assigned_noise"],
+            "noise_pairs": int((status == NOISE).sum()),
+            "topics_after_merge": len(topic_info["topic_names"]),
+            "clusters_merged_away": topic_info["clusters"] - len(topic_info["topic_names"]),
+            "topics_excluded_small": sum(1 for e in domain_info["per_topic"] if e.get("excluded")),
+            "pairs_in_excluded_topics": int((status == SMALL_TOPIC).sum()),
+            "topics_with_fewer_domains": sum(1 for e in domain_info["per_topic"]
+                                             if 0 < e["domains"] < self.chc.DOMAINS.NUM),
+            "topics": len(domain_info["topic_names"]), "pairs_clustered": int((status == CLUSTERED).sum()),
+        })
+        meta = self.backbone_meta()
+        meta.update({"settings": {"CHC": _node(self.chc), "SEED": self.cfg.SEED},
+                     "status_codes": STATUS, "counts": counts, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                        time.gmtime())})
+        write_json_atomic(self.out / "hierarchy.json", {"topic_names": domain_info["topic_names"], "meta": meta})
+        old = self.out / "timings.json"
+        timings = json.loads(old.read_text()) if old.is_file() else {}
+        timings.update(self.timings)
+        write_json_atomic(old, timings)
+        write_report(self.out, index.captions, counts, topic_info, domain_info, timings, self.cfg.SEED)
+
+
+def run_chc(cfg, rank: int = 0, world_size: int = 1, barrier: Optional[Callable[[], None]] = None,
+            show_progress: bool = True) -> Optional[Path]:
+    """Run or resume CHC for ``cfg``; returns ``CHC.OUTPUT_DIR`` on rank 0."""
+    return ChcRun(cfg, rank, world_size, barrier, show_progress).run()

