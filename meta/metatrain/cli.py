@@ -1,0 +1,99 @@
+"""``python -m meta train|export`` (dispatched here by ``meta/__main__.py``).
+
+    python -m meta train --config-file configs/meta/train_unigram.yaml [--resume] [--output-dir D] [KEY VALUE ...]
+    python -m meta export --run-dir D [--out F]
+
+``KEY VALUE`` pairs override the config CoOp style (``META.STEPS 200 TASKS.K_WAY 10``).
+Errors in the inputs (config keys and values, missing hierarchy, unusable checkpoint,
+mismatching CLIP features) print one ``error: ...`` line and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from yacs.config import CfgNode as CN
+
+from .checkpoint import CheckpointError
+from .data import FeatureMismatchError
+from .settings import add_metatrain_cfg
+from .trainer import RunExistsError
+
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError, NotADirectoryError, CheckpointError, FeatureMismatchError,
+               RunExistsError)
+
+
+def default_cfg() -> CN:
+    """The meta defaults (``meta.config``) with the ``META`` node."""
+    from meta.config import get_meta_cfg_default
+
+    cfg = get_meta_cfg_default()
+    if "META" not in cfg:  # meta.config adds it itself once wired; keep working either way
+        add_metatrain_cfg(cfg)
+    return cfg
+
+
+def build_cfg(config_file: str = "", opts: Sequence[str] = (), output_dir: str = "") -> CN:
+    """Defaults <- ``config_file`` <- ``KEY VALUE`` overrides <- ``--output-dir``; frozen."""
+    import os
+
+    cfg = default_cfg()
+    if config_file:
+        if not os.path.isfile(config_file):
+            raise FileNotFoundError(f"--config-file: no such file: {config_file}")
+        try:
+            cfg.merge_from_file(config_file)
+        except (KeyError, AssertionError, ValueError) as err:
+            raise ValueError(f"{config_file}: {_one_line(err)}") from None
+    opts = list(opts)
+    if opts:
+        if len(opts) % 2:
+            raise ValueError(f"overrides must be KEY VALUE pairs, got an odd number: {opts}")
+        try:
+            cfg.merge_from_list(opts)
+        except (KeyError, AssertionError, ValueError) as err:
+            raise ValueError(f"command-line override: {_one_line(err)}") from None
+    if output_dir:
+        cfg.OUTPUT_DIR = output_dir
+    cfg.freeze()
+    return cfg
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
+    return " ".join(text.split())
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m meta", description="GRAM meta-training")
+    sub = parser.add_subparsers(dest="command", required=True)
+    tr = sub.add_parser("train", help="meta-train (or pre-train) prompts; resumable; exports at the end")
+    tr.add_argument("--config-file", default="", help="yaml with MODEL / CHC / TASKS / META settings")
+    tr.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
+    tr.add_argument("--output-dir", default="", help="run directory (overrides OUTPUT_DIR)")
+    tr.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE overrides")
+    ex = sub.add_parser("export", help="write the init file (and CoOp ctx) from a run's checkpoint")
+    ex.add_argument("--run-dir", required=True)
+    ex.add_argument("--out", default="", help="init file path (default RUN_DIR/gram_init.safetensors)")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point; ``argv`` starts with the command (``train`` or ``export``)."""
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        if args.command == "train":
+            from .trainer import train
+
+            cfg = build_cfg(args.config_file, args.opts, args.output_dir)
+            train(cfg, resume=args.resume)
+        else:
+            from .export import export_run
+
+            paths = export_run(args.run_dir, args.out or None)
+            print(f"exported {paths['init']}" + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else ""))
+    except USER_ERRORS as err:
+        print(f"error: {_one_line(err)}", file=sys.stderr)
+        return 2
+    return 0

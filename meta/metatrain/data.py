@@ -1,0 +1,256 @@
+"""From a hierarchy (CHC output or a labelled image folder) to tensors for the meta-learner.
+
+* :func:`load_task_hierarchy` opens the configured source and names the config key in errors.
+* :func:`check_cached_features` refuses cached image features that do not come from the CLIP
+  being trained with (metadata check, then re-encoding a few images).
+* :class:`TaskBatcher` turns a :class:`meta.tasks.Task` (item indices) into a
+  :class:`meta.gram.TaskBatch` of ``{"classnames", "label", "features" | "images"}`` dicts.
+* :class:`TaskStream` draws meta-batches of tasks and can save/restore its position exactly.
+* :class:`ClassBatchStream` draws plain classification batches (prompt pre-training baseline).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from meta.gram import TaskBatch
+
+
+class FeatureMismatchError(ValueError):
+    """Cached image features were computed with a different CLIP than the one configured."""
+
+
+# ----------------------------------------------------------------------------- sources
+def load_task_hierarchy(cfg, clip, dims, device: str = "cpu"):
+    """The hierarchy named by ``TASKS.SOURCE``: a CHC output dir or a labelled image folder."""
+    if cfg.TASKS.SOURCE == "image_folder":
+        root = cfg.TASKS.IMAGE_FOLDER
+        if not root or not os.path.isdir(root):
+            raise FileNotFoundError(f"TASKS.IMAGE_FOLDER: not a directory: {root!r} (expected root/<class>/<images>)")
+        from meta.tasks import hierarchy_from_image_folder
+
+        return hierarchy_from_image_folder(root, clip, num_domains=int(cfg.CHC.DOMAINS.NUM),
+                                           min_per_domain=int(cfg.CHC.DOMAINS.MIN_PER_DOMAIN),
+                                           batch_size=int(cfg.CHC.IMAGES.BATCH_SIZE), seed=int(cfg.SEED), device=device,
+                                           model_name=cfg.MODEL.BACKBONE, pretrained=cfg.MODEL.PRETRAINED,
+                                           show_progress=bool(cfg.META.PROGRESS))
+    out_dir = cfg.META.HIERARCHY or cfg.CHC.OUTPUT_DIR
+    key = "META.HIERARCHY" if cfg.META.HIERARCHY else "CHC.OUTPUT_DIR"
+    if not (Path(out_dir) / "hierarchy.json").is_file():
+        raise FileNotFoundError(f"{key}: no finished CHC output at {out_dir!r} (hierarchy.json missing); "
+                                f"run `python -m meta cluster` first or point {key} at its output dir")
+    from meta.chc import load_hierarchy
+
+    return load_hierarchy(out_dir)
+
+
+def hierarchy_fingerprint(h) -> str:
+    """sha256 (16 hex) over topic names, item topics/domains and the backbone metadata."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps(list(h.topic_names)).encode())
+    digest.update(np.ascontiguousarray(h.item_topic, dtype=np.int64).tobytes())
+    digest.update(np.ascontiguousarray(h.item_domain, dtype=np.int64).tobytes())
+    meta = {k: h.meta.get(k) for k in ("backbone", "pretrained", "weights_sha256", "image_size")}
+    digest.update(json.dumps(meta, sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:16]
+
+
+def hierarchy_summary(h) -> dict:
+    """Provenance of the task source: sizes and the CLIP its features came from."""
+    sizes = h.topic_sizes()
+    return {"fingerprint": hierarchy_fingerprint(h), "num_topics": int(h.num_topics),
+            "num_items": int(len(h.item_topic)), "items_in_topics": int(sizes.sum()),
+            "backbone": h.meta.get("backbone"), "pretrained": h.meta.get("pretrained"),
+            "weights_sha256": h.meta.get("weights_sha256"), "source": h.meta.get("source", "chc")}
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def norm_stats(h, clip) -> tuple[tuple, tuple]:
+    """CLIP pixel mean/std: the hierarchy's record, else the model's own."""
+    if h.meta.get("mean") and h.meta.get("std"):
+        return tuple(h.meta["mean"]), tuple(h.meta["std"])
+    from meta.chc.imaging import clip_norm_stats
+
+    return clip_norm_stats(clip)
+
+
+def check_cached_features(h, clip, dims, model_name: str, pretrained: str, n_check: int = 8,
+                          min_cosine: float = 0.99, device: str = "cpu") -> dict:
+    """Refuse ``h.image_features`` unless they come from this CLIP; returns what was checked.
+
+    1. metadata: backbone name, weights sha256 (when either side has a weights file), width;
+    2. re-encode ``n_check`` images (evenly spread over the clustered items) and require a
+       cosine >= ``min_cosine`` to the cached rows (catches different random seeds, QuickGELU
+       on/off, precision or preprocessing changes that metadata does not show).
+    """
+    meta = h.meta
+    hint = "re-run `python -m meta cluster` with this MODEL, or set MODEL.* to the clustering CLIP"
+    if meta.get("backbone") and meta["backbone"] != model_name:
+        raise FeatureMismatchError(f"MODEL.BACKBONE: cached image features come from {meta['backbone']!r}, "
+                                   f"not {model_name!r}; {hint}")
+    feats = h.image_features
+    if feats.shape[1] != dims.embed_dim:
+        raise FeatureMismatchError(f"MODEL.BACKBONE: cached image features are {feats.shape[1]}-d, "
+                                   f"this CLIP embeds in {dims.embed_dim}-d; {hint}")
+    theirs = meta.get("weights_sha256")
+    mine = file_sha256(pretrained) if pretrained and os.path.isfile(pretrained) else None
+    if (theirs or mine) and theirs != mine:
+        raise FeatureMismatchError(f"MODEL.PRETRAINED: cached image features come from weights "
+                                   f"{meta.get('pretrained') or 'random'} (sha256 {str(theirs)[:12]}), this run "
+                                   f"uses {pretrained or 'random'} (sha256 {str(mine)[:12]}); {hint}")
+    result = {"metadata": True, "images_checked": 0, "min_cosine": None}
+    if n_check <= 0:
+        return result
+    members = np.flatnonzero(np.asarray(h.item_topic) >= 0)
+    if len(members) == 0:
+        return result
+    pick = members[np.linspace(0, len(members) - 1, num=min(n_check, len(members))).round().astype(np.int64)]
+    pick = np.unique(pick)
+    mean, std = norm_stats(h, clip)
+    from meta.chc.imaging import normalize_uint8
+
+    dtype = next(clip.parameters()).dtype
+    with torch.no_grad():
+        x = normalize_uint8(h.images(pick), mean, std, dtype=dtype, device=device)
+        fresh = F.normalize(clip.encode_image(x).float(), dim=-1).cpu()
+    cached = torch.from_numpy(np.asarray(h.image_features[pick], dtype=np.float32))
+    cos = (fresh * F.normalize(cached, dim=-1)).sum(-1)
+    worst = float(cos.min())
+    if worst < min_cosine:
+        raise FeatureMismatchError(f"MODEL: cached image features do not match this CLIP (cosine {worst:.3f} < "
+                                   f"{min_cosine} on {len(pick)} re-encoded images; different weights, seed, "
+                                   f"QuickGELU or preprocessing); {hint}")
+    result.update(images_checked=int(len(pick)), min_cosine=worst)
+    return result
+
+
+# ----------------------------------------------------------------------------- batches
+class TaskBatcher:
+    """Item indices -> loss-function batches.
+
+    Args:
+        hierarchy: the task source.
+        use_images: True when θ has visual prompts (images go through the prompted image tower);
+            False = cached L2-normalised ``image_features``.
+        mean, std: CLIP pixel normalisation.
+        dtype: floating dtype of the CLIP.
+    """
+
+    def __init__(self, hierarchy, use_images: bool, mean: Sequence[float], std: Sequence[float],
+                 device: str = "cpu", dtype: torch.dtype = torch.float32):
+        self.h = hierarchy
+        self.use_images = use_images
+        self.mean, self.std = tuple(mean), tuple(std)
+        self.device = device
+        self.dtype = dtype
+
+    def part(self, classnames: Sequence[str], index: np.ndarray, label: np.ndarray) -> dict:
+        """``{"classnames": [K], "label": [n] int64, "features": [n, E] | "images": [n, 3, H, W]}``."""
+        index = np.asarray(index, dtype=np.int64)
+        batch: dict[str, Any] = {"classnames": list(classnames),
+                                 "label": torch.as_tensor(np.asarray(label), dtype=torch.long, device=self.device)}
+        if self.use_images:
+            from meta.chc.imaging import normalize_uint8
+
+            batch["images"] = normalize_uint8(self.h.images(index), self.mean, self.std, dtype=self.dtype,
+                                              device=self.device)
+        else:
+            feats = np.asarray(self.h.image_features[index], dtype=np.float32)
+            batch["features"] = torch.from_numpy(feats).to(device=self.device, dtype=self.dtype)
+        return batch
+
+    def __call__(self, task) -> TaskBatch:
+        return TaskBatch(support=self.part(task.classnames, task.support_index, task.support_label),
+                         query=self.part(task.classnames, task.query_index, task.query_label))
+
+
+class TaskStream:
+    """Meta-batches from a :class:`meta.tasks.TaskSampler`, with an exact, resumable position.
+
+    The position is the number of tasks drawn plus the sampler's own ``state_dict()`` (its numpy
+    generator).  A sampler without one is restored by re-drawing the same number of tasks from a
+    fresh sampler with the same seed (samplers are deterministic under their seed; this costs only
+    index arithmetic).
+    """
+
+    def __init__(self, make_sampler):
+        self._make = make_sampler
+        self.sampler = make_sampler()
+        self.drawn = 0
+
+    def next(self, n: int) -> list:
+        tasks = [self.sampler.sample() for _ in range(n)]
+        self.drawn += n
+        return tasks
+
+    def state(self) -> dict:
+        has_state = hasattr(self.sampler, "state_dict")
+        return {"drawn": int(self.drawn), "sampler": self.sampler.state_dict() if has_state else None}
+
+    def load_state(self, state: dict) -> None:
+        self.sampler = self._make()
+        if state.get("sampler") is not None and hasattr(self.sampler, "load_state_dict"):
+            self.sampler.load_state_dict(state["sampler"])
+        else:
+            for _ in range(int(state["drawn"])):
+                self.sampler.sample()
+        self.drawn = int(state["drawn"])
+
+
+@dataclass
+class ClassBatch:
+    """One plain classification batch over ``classnames``: items and labels (0..C-1)."""
+
+    classnames: list
+    index: np.ndarray
+    label: np.ndarray
+
+
+class ClassBatchStream:
+    """Batches for prompt pre-training (Table 4 row 3): classify images among the training topics.
+
+    Each step takes ``ways`` topics (all training topics when 0), then ``batch_size`` items, each
+    from a uniformly drawn topic of the step and uniformly among that topic's items (all domains).
+    """
+
+    def __init__(self, hierarchy, topics: Sequence[int], ways: int, batch_size: int, seed: int):
+        self.h = hierarchy
+        self.topics = np.asarray(sorted(int(t) for t in topics), dtype=np.int64)
+        self.members = {int(t): hierarchy.topic_members(int(t)) for t in self.topics}
+        empty = [hierarchy.topic_names[t] for t, m in self.members.items() if len(m) == 0]
+        if empty:
+            raise ValueError(f"topics without items cannot be classified: {empty[:5]}")
+        self.ways = len(self.topics) if ways <= 0 else min(int(ways), len(self.topics))
+        self.batch_size = int(batch_size)
+        self.rng = np.random.default_rng([int(seed), 0x9E37])
+
+    def next(self) -> ClassBatch:
+        if self.ways == len(self.topics):
+            chosen = self.topics
+        else:
+            chosen = np.sort(self.rng.choice(self.topics, size=self.ways, replace=False))
+        label = self.rng.integers(0, len(chosen), size=self.batch_size)
+        index = np.array([self.members[int(chosen[c])][self.rng.integers(0, len(self.members[int(chosen[c])]))]
+                          for c in label], dtype=np.int64)
+        return ClassBatch([self.h.topic_names[int(t)] for t in chosen], index, label)
+
+    def state(self) -> dict:
+        return {"rng": self.rng.bit_generator.state}
+
+    def load_state(self, state: dict) -> None:
+        self.rng.bit_generator.state = state["rng"]

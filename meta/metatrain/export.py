@@ -1,0 +1,78 @@
+"""Export a run's θ* (and φ) in the forms the trainers load.
+
+* ``gram_init.safetensors`` via :func:`meta.init_io.export_gram_init`, with provenance
+  (config hash, step, mode, prompt/loop settings, the hierarchy's fingerprint and sizes and
+  the CLIP its features came from);
+* ``coop_ctx.pth`` via :func:`meta.init_io.export_coop_context` when θ has text context
+  (stock CoOp/CoCoOp ``MODEL.INIT_WEIGHTS``).
+
+Everything is rebuilt from the checkpoint alone (no CLIP, no hierarchy needed).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from yacs.config import CfgNode as CN
+
+from meta.backbone import ClipDims
+from meta.gram import GRAMMetaLearner
+from meta.init_io import export_coop_context, export_gram_init
+from meta.prompts import PromptParams
+
+from . import settings
+from .checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint
+
+
+def learner_from_state(state: dict) -> tuple[GRAMMetaLearner, CN]:
+    """Rebuild θ and φ (with the optimiser) from a checkpoint; returns ``(learner, cfg)``."""
+    cfg = CN.load_cfg(state["config_yaml"])
+    gbml = state["learner"]["gbml"]
+    ctx, vpt = gbml.get("module.ctx"), gbml.get("module.vpt")
+    if ctx is None and vpt is None:
+        raise CheckpointError("checkpoint holds no prompt tensors (module.ctx / module.vpt)")
+    theta = PromptParams(ctx=None if ctx is None else torch.zeros_like(ctx),
+                         vpt=None if vpt is None else torch.zeros_like(vpt))
+    learner = GRAMMetaLearner(theta, settings.meta_spec(cfg))
+    learner.load_state(state["learner"])
+    return learner, cfg
+
+
+def provenance(state: dict, cfg: CN) -> dict:
+    return {"tool": "python -m meta train", "mode": state.get("mode", cfg.META.MODE),
+            "config_hash": state["config_hash"], "step": int(state["step"]),
+            "steps_total": int(state.get("steps_total", cfg.META.STEPS)),
+            "finished": int(state["step"]) >= int(state.get("steps_total", cfg.META.STEPS)),
+            "seed": int(cfg.SEED), "prompt": settings.prompt_spec(cfg).as_dict(),
+            "meta": settings.meta_spec(cfg).as_dict(),
+            "tasks": {"k_way": int(cfg.TASKS.K_WAY), "n_support": int(cfg.TASKS.N_SUPPORT),
+                      "n_query": int(cfg.TASKS.N_QUERY), "domain_shift": bool(cfg.TASKS.DOMAIN_SHIFT),
+                      "source": cfg.TASKS.SOURCE, "meta_batch": int(cfg.META.META_BATCH)},
+            "hierarchy": state.get("hierarchy", {})}
+
+
+def export_state(state: dict, run_dir: Union[str, Path], out: Optional[Union[str, Path]] = None) -> dict:
+    """Write the init file (and the CoOp ctx file when there is text context); returns their paths."""
+    from .trainer import export_paths
+
+    learner, cfg = learner_from_state(state)
+    dims = ClipDims(**state["dims"])
+    init_path, coop_path = export_paths(Path(run_dir), cfg, str(out) if out else None)
+    theta = learner.prompt_module
+    export_gram_init(init_path, theta, learner.regulators(), dims, provenance=provenance(state, cfg),
+                     weights=cfg.MODEL.PRETRAINED)
+    paths = {"init": init_path, "coop_ctx": None}
+    if theta.ctx is not None:
+        paths["coop_ctx"] = export_coop_context(coop_path, theta.ctx, epoch=0)
+    return paths
+
+
+def export_run(run_dir: Union[str, Path], out: Optional[Union[str, Path]] = None) -> dict:
+    """``python -m meta export``: export from ``run_dir/checkpoint.pt``."""
+    run_dir = Path(run_dir)
+    ckpt = run_dir / CHECKPOINT_NAME
+    if not ckpt.is_file():
+        raise FileNotFoundError(f"--run-dir: no {CHECKPOINT_NAME} in {run_dir} (not a `python -m meta train` run "
+                                f"dir, or killed before its first checkpoint)")
+    return export_state(load_checkpoint(ckpt), run_dir, out)

@@ -1,0 +1,340 @@
+"""The meta-training run: GRAM's bi-level loop (paper Algorithm 1) or the prompt pre-training baseline.
+
+One call of :func:`train` runs (or resumes) ``META.STEPS`` outer steps in ``OUTPUT_DIR``:
+
+* ``gram``: each step samples ``B = META.META_BATCH`` K-way tasks from the training topics
+  (support from one domain per topic; ``TASKS.DOMAIN_SHIFT False`` = from all domains, Table 4
+  row 1), adapts θ on each support set with the regulated gradient (``META.REGULATE False`` =
+  raw gradient, Table 4 row 2) and updates θ (λ1) and φ (λ2) from the query losses
+  (:meth:`meta.gram.GRAMMetaLearner.meta_step`).
+* ``pretrain`` (Table 4 row 3): plain cross-entropy over the training topics' names, one
+  optimiser step on θ per batch; no inner loop, no regulator.
+
+Every ``META.VAL_EVERY`` steps (and at step 0) θ is evaluated on fixed tasks over held-out
+topics: query loss/accuracy at θ, then after adapting on the support set as at test time
+(regulated when a regulator is learned).
+
+Run directory::
+
+    config.yaml           resolved config        run.json        hashes, hierarchy, CLIP dims, versions
+    log.jsonl             metrics (runlog.py)    tensorboard/    the same scalars
+    checkpoint.pt         latest state (checkpoint.py), every META.CHECKPOINT_EVERY steps and at the end
+    gram_init.safetensors θ* (+ φ) for the trainers    coop_ctx.pth   θ*_T for stock CoOp (text prompts only)
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from meta.backbone import ClipDims, load_clip
+from meta.gram import GRAMMetaLearner
+from meta.prompts import PromptedCLIP, PromptParams, classification_loss
+
+from . import settings
+from .checkpoint import CHECKPOINT_NAME, CheckpointError, capture_rng, load_checkpoint, restore_rng, save_checkpoint
+from .data import (ClassBatchStream, TaskBatcher, TaskStream, check_cached_features, hierarchy_fingerprint,
+                   hierarchy_summary, load_task_hierarchy, norm_stats)
+from .runlog import RunLog, postfix, progress_bar
+
+CONFIG_NAME = "config.yaml"
+RUN_INFO_NAME = "run.json"
+
+
+class RunExistsError(RuntimeError):
+    """OUTPUT_DIR already holds a run and ``--resume`` was not given."""
+
+
+@dataclass
+class RunSetup:
+    """Everything a run needs besides its loop state."""
+
+    cfg: Any
+    device: str
+    clip: torch.nn.Module
+    dims: ClipDims
+    hierarchy: Any
+    train_topics: list
+    val_topics: list
+    learner: GRAMMetaLearner
+    loss_fn: Callable
+    batcher: TaskBatcher
+    stream: Any                 # TaskStream (gram) | ClassBatchStream (pretrain)
+    val_tasks: list
+    feature_check: Optional[dict]
+
+
+def resolve_device(name: str) -> str:
+    if name and name != "auto":
+        return name
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+
+
+def build_clip(cfg, device: str):
+    """The frozen CLIP; random weights are seeded by ``SEED`` exactly as ``python -m meta cluster`` does."""
+    from meta.config import quick_gelu_flag
+
+    torch.manual_seed(int(cfg.SEED))
+    with warnings.catch_warnings():
+        if not cfg.MODEL.PRETRAINED:
+            warnings.simplefilter("ignore")
+        return load_clip(cfg.MODEL.BACKBONE, cfg.MODEL.PRETRAINED or None, device, cfg.MODEL.PRECISION,
+                         quick_gelu_flag(cfg.MODEL.QUICK_GELU), config_key="MODEL.PRETRAINED")
+
+
+def setup_run(cfg, hierarchy=None) -> RunSetup:
+    """Build the CLIP, open and check the task source, split topics, create θ, φ and the streams."""
+    from meta.tasks import TaskSampler, split_topics
+
+    device = resolve_device(cfg.MODEL.DEVICE)
+    clip, dims = build_clip(cfg, device)
+    h = hierarchy if hierarchy is not None else load_task_hierarchy(cfg, clip, dims, device)
+    pspec = settings.prompt_spec(cfg)
+    use_images = pspec.n_ctx_vision > 0
+    feature_check = None
+    if use_images:
+        size = h.meta.get("image_size")
+        if size and int(size) != dims.image_size:
+            raise ValueError(f"MODEL.BACKBONE: the hierarchy's images are {size} px, {cfg.MODEL.BACKBONE} takes "
+                             f"{dims.image_size} px; re-run `python -m meta cluster` with this model")
+    else:
+        feature_check = check_cached_features(h, clip, dims, cfg.MODEL.BACKBONE, cfg.MODEL.PRETRAINED,
+                                              n_check=int(cfg.META.FEATURE_CHECK), device=device)
+    train_topics, val_topics = split_topics(h, float(cfg.TASKS.VAL_FRACTION), int(cfg.SEED))
+    train_topics, val_topics = [int(t) for t in train_topics], [int(t) for t in val_topics]
+    k_way = int(cfg.TASKS.K_WAY)
+    if cfg.META.MODE == "gram" and len(train_topics) < k_way:
+        raise ValueError(f"TASKS.K_WAY: {k_way}-way tasks need >= {k_way} training topics; the hierarchy has "
+                         f"{len(train_topics)} after holding out {len(val_topics)} (TASKS.VAL_FRACTION) "
+                         f"of {h.num_topics}")
+    if cfg.META.MODE == "pretrain" and len(train_topics) < 2:
+        raise ValueError(f"TASKS.VAL_FRACTION: pre-training needs >= 2 training topics, has {len(train_topics)}")
+
+    theta = PromptParams.from_spec(pspec, clip, dims, generator=torch.Generator().manual_seed(int(cfg.SEED)))
+    learner = GRAMMetaLearner(theta, settings.meta_spec(cfg))
+    pclip = PromptedCLIP(clip, dims, theta.n_ctx_text, template=pspec.template)
+    mean, std = norm_stats(h, clip)
+    batcher = TaskBatcher(h, use_images, mean, std, device=device, dtype=next(clip.parameters()).dtype)
+
+    n_s, n_q, shift = int(cfg.TASKS.N_SUPPORT), int(cfg.TASKS.N_QUERY), bool(cfg.TASKS.DOMAIN_SHIFT)
+    if cfg.META.MODE == "gram":
+        stream = TaskStream(lambda: TaskSampler(h, k_way, n_s, n_q, domain_shift=shift, topics=train_topics,
+                                                seed=int(cfg.SEED)))
+    else:
+        stream = ClassBatchStream(h, train_topics, int(cfg.META.PRETRAIN.WAYS), int(cfg.META.PRETRAIN.BATCH_SIZE),
+                                  int(cfg.SEED))
+    val_tasks: list = []
+    if len(val_topics) >= 2 and int(cfg.META.VAL_TASKS) > 0:
+        # fixed tasks (own seed) so every validation measures the same thing; never touches the train stream
+        val_sampler = TaskSampler(h, min(k_way, len(val_topics)), n_s, n_q, domain_shift=shift, topics=val_topics,
+                                  seed=int(cfg.SEED) + 1)
+        val_tasks = [val_sampler.sample() for _ in range(int(cfg.META.VAL_TASKS))]
+    return RunSetup(cfg, device, clip, dims, h, train_topics, val_topics, learner, classification_loss(pclip),
+                    batcher, stream, val_tasks, feature_check)
+
+
+# ----------------------------------------------------------------------------- steps
+def _acc(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    return float((logits.argmax(-1) == labels).float().mean())
+
+
+def gram_step(run: RunSetup, step: int) -> dict:
+    """One outer update from ``META.META_BATCH`` tasks."""
+    tasks = run.stream.next(int(run.cfg.META.META_BATCH))
+    every = int(run.cfg.META.LOG_DETAIL_EVERY)
+    detailed = every > 0 and step % every == 0
+    return run.learner.meta_step([run.batcher(t) for t in tasks], run.loss_fn, detailed=detailed)
+
+
+def pretrain_step(run: RunSetup, step: int) -> dict:
+    """One classification step on θ over the step's topics (Table 4 row 3)."""
+    cb = run.stream.next()
+    batch = run.batcher.part(cb.classnames, cb.index, cb.label)
+    learner = run.learner
+    learner.train()
+    learner.optimizer.zero_grad(set_to_none=True)
+    loss, logits = run.loss_fn(learner.prompt_module, batch)
+    loss.backward()
+    out = learner.step(float(loss.detach()))
+    return {"loss": float(loss.detach()), "acc": _acc(logits.detach(), batch["label"]),
+            "classes": len(cb.classnames), **out}
+
+
+def validate(run: RunSetup) -> dict:
+    """Mean query loss/accuracy on the held-out tasks before and after adapting on their supports."""
+    learner, loss_fn = run.learner, run.loss_fn
+    sums: dict[str, float] = {}
+    for task in run.val_tasks:
+        batch = run.batcher(task)
+        with torch.no_grad():
+            q_loss0, q_logits0 = loss_fn(learner.prompt_module, batch.query)
+        adapted, s_losses, s_accs = learner.adapt(loss_fn, batch.support, first_order=True)
+        with torch.no_grad():
+            q_loss1, q_logits1 = loss_fn(adapted.module, batch.query)
+        labels = batch.query["label"]
+        for key, value in (("query_loss_before", float(q_loss0)), ("query_acc_before", _acc(q_logits0, labels)),
+                           ("query_loss_after", float(q_loss1)), ("query_acc_after", _acc(q_logits1, labels)),
+                           ("support_loss_before", s_losses[0]), ("support_acc_before", s_accs[0])):
+            sums[key] = sums.get(key, 0.0) + value / len(run.val_tasks)
+        del adapted
+    learner.optimizer.zero_grad(set_to_none=True)
+    sums["tasks"] = len(run.val_tasks)
+    return sums
+
+
+# ----------------------------------------------------------------------------- files
+def _write_json_atomic(path: Path, payload: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _versions() -> dict:
+    import open_clip
+
+    return {"torch": torch.__version__, "open_clip": open_clip.__version__, "numpy": np.__version__}
+
+
+def _checkpoint_payload(run: RunSetup, step: int) -> dict:
+    cfg = run.cfg
+    return {"step": int(step), "steps_total": int(cfg.META.STEPS), "mode": cfg.META.MODE,
+            "learner": run.learner.state(), "rng": capture_rng(), "stream": run.stream.state(),
+            "config": settings.result_defining_cfg(cfg), "config_hash": settings.config_hash(cfg),
+            "config_yaml": cfg.dump(), "dims": run.dims.as_dict(),
+            "hierarchy": hierarchy_summary(run.hierarchy)}
+
+
+def export_paths(run_dir: Path, cfg, out: Optional[str] = None) -> tuple[Path, Path]:
+    """(init file, stock-CoOp ctx file): ``run_dir/META.EXPORT_NAME`` or ``out`` and its sibling."""
+    if out:
+        init = Path(out)
+        return init, init.with_name(init.name.split(".")[0] + "_" + cfg.META.COOP_CTX_NAME)
+    return run_dir / cfg.META.EXPORT_NAME, run_dir / cfg.META.COOP_CTX_NAME
+
+
+# ----------------------------------------------------------------------------- the run
+def train(cfg, resume: bool = False, hierarchy=None, on_step: Optional[Callable[[int, dict], None]] = None,
+          echo: Callable[[str], None] = print) -> dict:
+    """Run or resume meta-training (or pre-training) as configured; export at the end.
+
+    Args:
+        cfg: full meta config (``meta.config.get_meta_cfg_default`` + ``META``), frozen or not.
+        resume: continue from ``OUTPUT_DIR/checkpoint.pt`` (start afresh when there is none).
+            Without it, an ``OUTPUT_DIR`` holding a checkpoint or an export is refused.
+        hierarchy: an already-built hierarchy (tests, notebooks); default = the configured source.
+        on_step: called as ``on_step(step, metrics)`` after each finished step (and its checkpoint).
+        echo: where one-line status messages go.
+
+    Returns:
+        ``{"run_dir", "step", "export": {"init", "coop_ctx"} | None, "resumed_from", "noop"}``.
+    """
+    from .export import export_state
+
+    settings.check_meta_cfg(cfg)
+    run_dir = Path(cfg.OUTPUT_DIR)
+    ckpt_path = run_dir / CHECKPOINT_NAME
+    init_path, _ = export_paths(run_dir, cfg)
+    steps_total = int(cfg.META.STEPS)
+    state = None
+    if ckpt_path.exists():
+        if not resume:
+            raise RunExistsError(f"OUTPUT_DIR: {run_dir} already holds a run ({ckpt_path.name}); pass --resume to "
+                                 f"continue it or choose another --output-dir")
+        state = load_checkpoint(ckpt_path)
+        diffs = settings.cfg_differences(state["config"], settings.result_defining_cfg(cfg))
+        if diffs:
+            more = f" (+{len(diffs) - 4} more)" if len(diffs) > 4 else ""
+            raise CheckpointError(f"{ckpt_path}: this config differs from the checkpointed run: "
+                                  f"{'; '.join(diffs[:4])}{more}; resume with the same settings or use another "
+                                  f"--output-dir")
+        if int(state["step"]) >= steps_total:
+            done = {"run_dir": run_dir, "step": int(state["step"]), "resumed_from": int(state["step"])}
+            if init_path.exists():
+                echo(f"{run_dir}: finished at step {state['step']} (META.STEPS {steps_total}); nothing to do")
+                return {**done, "export": None, "noop": True}
+            paths = export_state(state, run_dir)
+            echo(f"{run_dir}: finished at step {state['step']}; exported {paths['init']}")
+            return {**done, "export": paths, "noop": False}
+    elif init_path.exists():
+        raise RunExistsError(f"OUTPUT_DIR: {run_dir} holds {init_path.name} but no checkpoint; choose another "
+                             f"--output-dir")
+    elif resume:
+        echo(f"--resume: no checkpoint in {run_dir}; starting from step 0")
+
+    run = setup_run(cfg, hierarchy)
+    start = 0
+    if state is not None:
+        fp = hierarchy_fingerprint(run.hierarchy)
+        if state["hierarchy"].get("fingerprint") != fp:
+            raise CheckpointError(f"{ckpt_path}: the task hierarchy changed since this run started (fingerprint "
+                                  f"{state['hierarchy'].get('fingerprint')} -> {fp}); use another --output-dir")
+        try:
+            run.learner.load_state(state["learner"])
+        except (RuntimeError, KeyError, ValueError) as err:
+            raise CheckpointError(f"{ckpt_path}: θ/φ/optimiser state does not fit this model "
+                                  f"({str(err).splitlines()[0][:200]})") from None
+        run.stream.load_state(state["stream"])
+        restore_rng(state["rng"])
+        start = int(state["step"])
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _write_text_atomic(run_dir / CONFIG_NAME, cfg.dump())
+    info_path = run_dir / RUN_INFO_NAME
+    info = json.loads(info_path.read_text()) if (state is not None and info_path.is_file()) else {}
+    info.update({"config_hash": settings.config_hash(cfg), "mode": cfg.META.MODE, "steps_total": steps_total,
+                 "hierarchy": hierarchy_summary(run.hierarchy), "feature_check": run.feature_check,
+                 "dims": run.dims.as_dict(), "train_topics": len(run.train_topics),
+                 "val_topics": [run.hierarchy.topic_names[t] for t in run.val_topics],
+                 "versions": _versions(), "device": run.device})
+    if state is not None:
+        info.setdefault("resumed_at_steps", []).append(start)
+    _write_json_atomic(info_path, info)
+
+    log = RunLog(run_dir, start_step=start, tensorboard=bool(cfg.META.TENSORBOARD))
+    step_fn = gram_step if cfg.META.MODE == "gram" else pretrain_step
+    val_every = int(cfg.META.VAL_EVERY)
+    ckpt_every = int(cfg.META.CHECKPOINT_EVERY)
+    saved_at = start if state is not None else -1
+    bar = progress_bar(steps_total, start, bool(cfg.META.PROGRESS), f"{cfg.META.MODE} {run_dir.name}")
+    try:
+        if start == 0 and run.val_tasks and val_every > 0:
+            log.write("val", 0, validate(run))
+        for step in range(start + 1, steps_total + 1):
+            t0 = time.perf_counter()
+            metrics = step_fn(run, step)
+            metrics["time_per_step"] = time.perf_counter() - t0
+            log.write("train", step, metrics)
+            bar.update(1)
+            bar.set_postfix(postfix(metrics), refresh=False)
+            if run.val_tasks and val_every > 0 and step % val_every == 0:
+                log.write("val", step, validate(run))
+            if step % ckpt_every == 0 or step == steps_total:
+                log.flush()
+                save_checkpoint(ckpt_path, _checkpoint_payload(run, step))
+                saved_at = step
+            if on_step is not None:
+                on_step(step, metrics)
+        if saved_at < steps_total:  # e.g. META.STEPS 0: still leave a checkpoint to export from
+            save_checkpoint(ckpt_path, _checkpoint_payload(run, max(start, steps_total)))
+    finally:
+        bar.close()
+        log.close()
+    final = load_checkpoint(ckpt_path)
+    paths = export_state(final, run_dir)
+    echo(f"{run_dir}: {cfg.META.MODE} finished at step {final['step']}; exported {paths['init']}"
+         + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else ""))
+    return {"run_dir": run_dir, "step": int(final["step"]), "export": paths,
+            "resumed_from": start if state is not None else None, "noop": False}

@@ -1,0 +1,310 @@
+"""Meta-training run: resume exactness, no-op resume, export round trip, baselines, one-line errors, logs."""
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from meta.backbone import load_clip
+from meta.chc.hierarchy import Hierarchy
+from meta.chc.imaging import CLIP_MEAN, CLIP_STD, normalize_uint8
+from meta.init_io import load_gram_init
+from meta.metatrain import build_cfg, main
+from meta.metatrain.checkpoint import CheckpointError, load_checkpoint
+from meta.metatrain.data import FeatureMismatchError
+from meta.metatrain.runlog import read_log
+from meta.metatrain.trainer import RunExistsError, setup_run, train
+
+MODEL = "GRAM-Test-Tiny"
+ROOT = Path(__file__).resolve().parents[1]
+N_TOPICS, N_DOMAINS, PER_DOMAIN = 8, 3, 6
+NAMES = ["apple", "bridge", "cactus", "drum", "eagle", "fern", "glove", "harbor"]
+
+
+def _pixels(n_topics=N_TOPICS, seed=0):
+    """uint8 [N, 32, 32, 3]: topic = colour, domain = style (flat / stripes / noise); labels."""
+    rng = np.random.default_rng(seed)
+    images, topic, domain = [], [], []
+    for t in range(n_topics):
+        colour = np.array([(37 * t) % 256, (91 * t + 60) % 256, (151 * t + 120) % 256], dtype=np.float64)
+        for u in range(N_DOMAINS):
+            for _ in range(PER_DOMAIN):
+                img = np.tile(colour, (32, 32, 1))
+                if u == 1:
+                    img[::4] = 255 - img[::4]
+                elif u == 2:
+                    img = img + rng.normal(0, 60, img.shape)
+                img = img + rng.normal(0, 8, img.shape)
+                images.append(np.clip(img, 0, 255).astype(np.uint8))
+                topic.append(t), domain.append(u)
+    return np.stack(images), np.array(topic), np.array(domain)
+
+
+def _clip(seed=0):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(seed)  # what the trainer does for random weights with SEED = seed
+        return load_clip(MODEL, None)
+
+
+def _hierarchy(clip_seed=0, backbone=MODEL):
+    pixels, topic, domain = _pixels()
+    clip, _ = _clip(clip_seed)
+    with torch.no_grad():
+        feats = torch.nn.functional.normalize(clip.encode_image(normalize_uint8(pixels)), dim=-1).numpy()
+    meta = {"backbone": backbone, "pretrained": None, "weights_sha256": None, "image_size": 32,
+            "mean": list(CLIP_MEAN), "std": list(CLIP_STD)}
+    return Hierarchy(topic_names=NAMES[:N_TOPICS], item_topic=topic, item_domain=domain, image_features=feats,
+                     meta=meta, image_loader=lambda idx: pixels[np.asarray(idx)])
+
+
+@pytest.fixture(scope="module")
+def hier():
+    return _hierarchy()
+
+
+BASE = ["MODEL.BACKBONE", MODEL, "MODEL.DEVICE", "cpu", "META.STEPS", "6", "META.CHECKPOINT_EVERY", "2",
+        "META.META_BATCH", "2", "TASKS.K_WAY", "3", "TASKS.N_SUPPORT", "2", "TASKS.N_QUERY", "3",
+        "TASKS.VAL_FRACTION", "0.25", "META.VAL_EVERY", "3", "META.VAL_TASKS", "2", "META.LOG_DETAIL_EVERY", "2",
+        "META.PROGRESS", "False", "META.FEATURE_CHECK", "4", "META.INNER_LR", "0.5"]
+PROMPTS = {"coop": ["META.PROMPT.N_CTX_TEXT", "4"],
+           "unigram": ["META.PROMPT.N_CTX_TEXT", "2", "META.PROMPT.N_CTX_VISION", "2"]}
+
+
+def _cfg(out, *extra):
+    return build_cfg(opts=BASE + list(extra), output_dir=str(out))
+
+
+def _quiet(_msg):
+    pass
+
+
+class Killed(Exception):
+    pass
+
+
+def _kill_at(step):
+    def hook(s, _metrics):
+        if s == step:
+            raise Killed(f"simulated kill after step {s}")
+    return hook
+
+
+def _tensors(obj, prefix=""):
+    """Flatten nested state dicts into {path: tensor}."""
+    out = {}
+    if isinstance(obj, torch.Tensor):
+        out[prefix] = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(_tensors(v, f"{prefix}/{k}"))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(_tensors(v, f"{prefix}/{i}"))
+    return out
+
+
+def _train_records(run_dir):
+    return [{k: v for k, v in r.items() if k != "time_per_step"} for r in read_log(Path(run_dir) / "log.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, hier):
+    """An uninterrupted 6-step CoOp run (shared by several tests)."""
+    out = tmp_path_factory.mktemp("run") / "coop"
+    result = train(_cfg(out, *PROMPTS["coop"]), hierarchy=hier, echo=_quiet)
+    return out, result
+
+
+@pytest.mark.parametrize("kind", ["coop", "unigram"])
+def test_resume_after_kill_reproduces_uninterrupted_run(tmp_path, hier, kind, finished):
+    if kind == "coop":
+        full_dir = finished[0]
+    else:
+        full_dir = tmp_path / "full"
+        train(_cfg(full_dir, *PROMPTS[kind]), hierarchy=hier, echo=_quiet)
+    cut = tmp_path / "cut"
+    with pytest.raises(Killed):
+        train(_cfg(cut, *PROMPTS[kind]), hierarchy=hier, on_step=_kill_at(3), echo=_quiet)
+    assert load_checkpoint(cut / "checkpoint.pt")["step"] == 2          # step 3 is lost, at most CHECKPOINT_EVERY
+    assert max(r["step"] for r in read_log(cut / "log.jsonl")) == 3
+    assert not (cut / "gram_init.safetensors").exists()
+
+    result = train(_cfg(cut, *PROMPTS[kind]), resume=True, hierarchy=hier, echo=_quiet)
+    assert result["resumed_from"] == 2 and result["step"] == 6
+
+    full, resumed = load_checkpoint(full_dir / "checkpoint.pt"), load_checkpoint(cut / "checkpoint.pt")
+    a, b = _tensors(full["learner"]), _tensors(resumed["learner"])
+    assert a.keys() == b.keys() and any("module.ctx" in k for k in a)
+    for key in a:  # θ, φ and every Adam moment: bit-identical
+        assert torch.equal(a[key], b[key]), key
+    assert full["stream"] == resumed["stream"]
+    # the log reads like one uninterrupted run: same records, no duplicated steps
+    assert _train_records(full_dir) == _train_records(cut)
+
+
+def test_finished_run_resume_is_noop(finished, hier):
+    out, _ = finished
+    files = sorted(p for p in out.rglob("*") if p.is_file())
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in files}
+    result = train(_cfg(out, *PROMPTS["coop"]), resume=True, hierarchy=hier, echo=_quiet)
+    assert result["noop"] and result["step"] == 6
+    assert sorted(p for p in out.rglob("*") if p.is_file()) == files
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in files} == before
+
+
+def test_export_round_trips_through_load_gram_init(finished, tmp_path, tiny_clip):
+    out, result = finished
+    _, dims = tiny_clip
+    state = load_checkpoint(out / "checkpoint.pt")
+    gbml = state["learner"]["gbml"]
+    init = load_gram_init(result["export"]["init"], expect={
+        "text_width": dims.text_width, "vision_width": dims.vision_width, "n_ctx_text": 4, "n_ctx_vision": 0,
+        "model_name": MODEL})
+    assert torch.equal(init.prompt["ctx"], gbml["module.ctx"]) and "vpt" not in init.prompt
+    regs = init.regulator_modules()
+    assert list(regs) == ["ctx"]
+    for k, v in regs["ctx"].state_dict().items():
+        assert torch.equal(v, gbml[f"compute_update.transforms_modules.0.{k}"])
+    # meta-training moved θ away from its seeded init and φ away from the identity (zero) init
+    fresh = torch.randn(4, dims.text_width, generator=torch.Generator().manual_seed(0)) * 0.02
+    assert not torch.allclose(init.prompt["ctx"], fresh)
+    assert regs["ctx"].gamma.weight.abs().max() > 0
+    prov = init.metadata["provenance"]
+    assert prov["step"] == 6 and prov["finished"] and prov["config_hash"] == state["config_hash"]
+    assert prov["hierarchy"]["num_topics"] == N_TOPICS and prov["hierarchy"]["backbone"] == MODEL
+    coop = torch.load(result["export"]["coop_ctx"], weights_only=True)
+    assert torch.equal(coop["state_dict"]["ctx"], gbml["module.ctx"])
+
+    # `python -m meta export --run-dir D --out F` writes the same tensors elsewhere
+    target = tmp_path / "exported" / "init.safetensors"
+    assert main(["export", "--run-dir", str(out), "--out", str(target)]) == 0
+    again = load_gram_init(target)
+    assert torch.equal(again.prompt["ctx"], init.prompt["ctx"])
+    assert (tmp_path / "exported" / "init_coop_ctx.pth").is_file()
+
+
+def test_metric_keys_in_json_log(finished):
+    out, _ = finished
+    records = read_log(out / "log.jsonl")
+    train_recs = [r for r in records if r["kind"] == "train"]
+    val_recs = [r for r in records if r["kind"] == "val"]
+    assert [r["step"] for r in train_recs] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in val_recs] == [0, 3, 6]
+    for r in train_recs:
+        for key in ("support_loss_before", "support_acc_before", "query_loss_after", "query_acc_after",
+                    "grad_norm", "time_per_step"):
+            assert np.isfinite(r[key]), key
+        assert 0.0 <= r["query_acc_after"] <= 1.0 and r["time_per_step"] > 0
+        detailed = r["step"] % 2 == 0  # META.LOG_DETAIL_EVERY 2
+        assert ("grad_cosine" in r) == detailed
+        if detailed:
+            assert -1.0 <= r["grad_cosine"] <= 1.0
+            assert {"query_loss_before", "query_acc_before", "support_loss_after", "support_acc_after"} <= r.keys()
+    for r in val_recs:
+        assert {"query_acc_before", "query_acc_after", "query_loss_before", "query_loss_after"} <= r.keys()
+        assert r["tasks"] == 2
+    # resolved config saved and re-loadable; run.json records hash, hierarchy and the feature check
+    import yaml
+
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["META"]["STEPS"] == 6 and saved["TASKS"]["K_WAY"] == 3 and saved["OUTPUT_DIR"] == str(out)
+    info = json.loads((out / "run.json").read_text())
+    assert info["config_hash"] == load_checkpoint(out / "checkpoint.pt")["config_hash"]
+    assert info["feature_check"]["images_checked"] == 4 and info["feature_check"]["min_cosine"] > 0.999
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_pretrain_baseline_exports_without_regulator(tmp_path, hier):
+    out = tmp_path / "pre"
+    result = train(_cfg(out, "META.MODE", "pretrain", "META.PRETRAIN.BATCH_SIZE", "8", *PROMPTS["coop"]),
+                   hierarchy=hier, echo=_quiet)
+    init = load_gram_init(result["export"]["init"])
+    assert init.regulators == {} and init.metadata["regulator"] is None
+    assert init.metadata["provenance"]["mode"] == "pretrain"
+    recs = [r for r in read_log(out / "log.jsonl") if r["kind"] == "train"]
+    assert len(recs) == 6 and all(np.isfinite(r["loss"]) and r["classes"] == 6 for r in recs)
+    fresh = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 0.02
+    assert not torch.allclose(init.prompt["ctx"], fresh)
+
+
+def test_switches_reach_the_loop(tmp_path, hier):
+    run = setup_run(_cfg(tmp_path, "TASKS.DOMAIN_SHIFT", "False", "META.REGULATE", "False"), hierarchy=hier)
+    assert run.stream.sampler.domain_shift is False and run.learner.regulators() == {}
+    assert len(run.train_topics) == 6 and len(run.val_topics) == 2
+    assert not set(run.train_topics) & set(run.val_topics)
+    assert all(set(t.topics) <= set(run.val_topics) for t in run.val_tasks)
+    tasks = run.stream.next(3)
+    assert all(set(t.topics) <= set(run.train_topics) for t in tasks)
+    batch = run.batcher(tasks[0])
+    assert batch.support["features"].shape == (3 * 2, 64) and batch.query["label"].tolist() == [0] * 3 + [1] * 3 + [2] * 3
+    vis = setup_run(_cfg(tmp_path, *PROMPTS["unigram"]), hierarchy=hier)
+    assert vis.batcher(vis.stream.next(1)[0]).support["images"].shape == (6, 3, 32, 32)
+
+
+def test_features_from_another_clip_are_refused(tmp_path):
+    with pytest.raises(FeatureMismatchError, match="cosine"):
+        setup_run(_cfg(tmp_path), hierarchy=_hierarchy(clip_seed=1))
+    with pytest.raises(FeatureMismatchError, match="MODEL.BACKBONE"):
+        setup_run(_cfg(tmp_path), hierarchy=_hierarchy(backbone="ViT-B-16"))
+
+
+def test_existing_or_corrupt_or_mismatching_checkpoint_never_overwritten(finished, tmp_path, hier):
+    out, _ = finished
+    with pytest.raises(RunExistsError, match="--resume"):
+        train(_cfg(out, *PROMPTS["coop"]), hierarchy=hier, echo=_quiet)
+    with pytest.raises(CheckpointError, match="META.INNER_LR"):
+        train(_cfg(out, *PROMPTS["coop"], "META.INNER_LR", "0.3", "META.STEPS", "8"), resume=True, hierarchy=hier,
+              echo=_quiet)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    blob = (out / "checkpoint.pt").read_bytes()[:300]
+    (bad / "checkpoint.pt").write_bytes(blob)
+    with pytest.raises(CheckpointError, match="unreadable checkpoint"):
+        train(_cfg(bad, *PROMPTS["coop"]), resume=True, hierarchy=hier, echo=_quiet)
+    assert (bad / "checkpoint.pt").read_bytes() == blob and sorted(p.name for p in bad.iterdir()) == ["checkpoint.pt"]
+
+
+def _one_error_line(capsys, argv):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
+    return err
+
+
+def test_bad_config_and_missing_hierarchy_give_one_line_errors(tmp_path, capsys):
+    out = str(tmp_path / "r")
+    assert "META.NO_SUCH_KEY" in _one_error_line(capsys, ["train", "--output-dir", out, "META.NO_SUCH_KEY", "1"])
+    assert "META.MODE" in _one_error_line(capsys, ["train", "--output-dir", out, "META.MODE", "finetune"])
+    assert "--config-file" in _one_error_line(capsys, ["train", "--config-file", str(tmp_path / "nope.yaml")])
+    msg = _one_error_line(capsys, ["train", "--output-dir", out, *BASE, "META.HIERARCHY", str(tmp_path / "no_chc")])
+    assert "META.HIERARCHY" in msg and "no_chc" in msg
+    msg = _one_error_line(capsys, ["train", "--output-dir", out, *BASE, "TASKS.SOURCE", "image_folder",
+                                   "TASKS.IMAGE_FOLDER", str(tmp_path / "missing")])
+    assert "TASKS.IMAGE_FOLDER" in msg
+    assert "--run-dir" in _one_error_line(capsys, ["export", "--run-dir", str(tmp_path)])
+    assert not (tmp_path / "r").exists()
+
+
+def test_cli_trains_from_an_image_folder(tmp_path):
+    """`python -m meta train` end to end (Table 4 row 4 source), in a fresh process from the repo root."""
+    from PIL import Image
+
+    pixels, topic, _ = _pixels(n_topics=6)
+    root = tmp_path / "folder"
+    for i, (img, t) in enumerate(zip(pixels, topic)):
+        (root / NAMES[t]).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(img).save(root / NAMES[t] / f"{i:03d}.png")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "meta", "train", "--config-file", str(ROOT / "configs/meta/train_supervised.yaml"),
+           "--output-dir", str(out), *BASE, "META.STEPS", "2", "TASKS.IMAGE_FOLDER", str(root),
+           "CHC.DOMAINS.MIN_PER_DOMAIN", "4", "META.TENSORBOARD", "False"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    init = load_gram_init(out / "gram_init.safetensors")
+    assert init.metadata["provenance"]["tasks"]["source"] == "image_folder"
+    assert init.metadata["provenance"]["hierarchy"]["num_topics"] == 6
