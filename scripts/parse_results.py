@@ -224,7 +224,7 @@ def base2new_rows(results: dict[RunKey, dict[int, float]], shots: int, method: s
     if complete:
         b = float(np.mean([r["base"].mean for r in complete]))
         n = float(np.mean([r["new"].mean for r in complete]))
-        label = f"Average ({len(complete)} datasets)"
+        label = f"Average over {len(complete)} dataset{'s' if len(complete) > 1 else ''}"
         rows.insert(0, {"dataset": label, "base": Stat(b, float("nan"), len(complete)),
                         "new": Stat(n, float("nan"), len(complete)), "H": harmonic_mean(b, n), "average": True})
     return rows
@@ -262,7 +262,7 @@ def write_base2new(results, out: Path, stem_prefix: str = "base2new") -> list[Pa
                 h = f"{r['H']:.2f}" if r["H"] is not None else "–"
                 seeds = f"{r['base'].n if r['base'] else 0}/{r['new'].n if r['new'] else 0}"
                 if avg:
-                    seeds = f"{r['base'].n} datasets"
+                    seeds = f"{r['base'].n} dataset{'s' if r['base'].n > 1 else ''}"
                 lines.append(f"| {METHOD_LABEL.get(m, m)} | {_cell(r['base'], avg)} | {_cell(r['new'], avg)} | {h} | {seeds} |")
             lines.append("")
         md = out / f"{stem_prefix}_shots{shots}.md"
@@ -308,9 +308,10 @@ def _bar_plot(per_method: dict[str, list[dict]], path: Path, title: str) -> None
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(labels) + 2), 4.0))
     for i, (method, rows) in enumerate(per_method.items()):
         h = {("Average" if r.get("average") else r["dataset"]): r["H"] for r in rows}
-        ax.bar(x + i * width - 0.4 + width / 2, [h.get(lbl) or 0.0 for lbl in labels], width, label=method)
+        ax.bar(x + i * width - 0.4 + width / 2, [h.get(lbl) or 0.0 for lbl in labels], width,
+               label=METHOD_LABEL.get(method, method))
     ax.set_xticks(x)
-    ax.set_xticklabels(labels, rotation=30, ha="right")
+    ax.set_xticklabels([DATASET_LABEL.get(lbl, lbl) for lbl in labels], rotation=30, ha="right")
     ax.set_ylabel("H (%)")
     ax.set_title(title)
     ax.legend(fontsize=8)
