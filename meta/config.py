@@ -105,6 +105,7 @@ def get_meta_cfg_default() -> CN:
     cfg.MODEL = _model_node()
     cfg.CHC = _chc_node()
     cfg.TASKS = _tasks_node()
+    from meta.metatrain.settings import add_metatrain_cfg; add_metatrain_cfg(cfg)  # noqa: E702  META node (meta-training)
     return cfg
 
 
