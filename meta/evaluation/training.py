@@ -223,7 +223,7 @@ class PromptTuner:
                 if self.regulation is not None:
                     self.regulation.apply_(self.prompts.named_parameters())
                 optimizer.step()
-                loss_sum += float(loss) * len(idx)
+                loss_sum += float(loss.detach()) * len(idx)
                 correct += int((logits.detach().argmax(dim=1) == labels).sum())
                 seen += len(idx)
             scheduler.step()
