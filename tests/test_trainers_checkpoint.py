@@ -1,0 +1,126 @@
+"""Dassl-free tests: weights_only checkpoints, class-independent loading, CoOp export, the GramCLIP wrapper."""
+from __future__ import annotations
+
+
+import pytest
+import torch
+from torch import nn
+
+from meta.init_io import export_gram_init
+from meta.prompts import PromptParams
+from meta.regulator import GradientRegulator
+from trainers.gram.checkpoint import checkpoint_file, load_checkpoint, prompt_state, save_checkpoint
+from trainers.gram.export import export_for_coop, main as export_main
+from trainers.gram.model import GramCLIP
+from trainers.gram.provenance import sample_digest
+from trainers.gram.schedule import build_lr_scheduler
+from test_trainers_schedule import optim_cfg
+
+
+def _trained_prompts(seed: int = 0) -> tuple[PromptParams, torch.optim.Optimizer, object]:
+    g = torch.Generator().manual_seed(seed)
+    prompts = PromptParams(ctx=torch.randn(4, 64, generator=g), vpt=torch.randn(1, 2, 64, generator=g))
+    opt = torch.optim.SGD(prompts.parameters(), lr=0.002, momentum=0.9, weight_decay=5e-4)
+    sched = build_lr_scheduler(opt, optim_cfg())
+    (prompts.ctx.sum() + prompts.vpt.pow(2).sum()).backward()
+    opt.step()
+    sched.step()
+    return prompts, opt, sched
+
+
+def test_checkpoint_layout_and_weights_only_content(tmp_path):
+    prompts, opt, sched = _trained_prompts()
+    path = save_checkpoint(tmp_path, "prompt_learner", 3, prompts, opt, sched, extra={"trainer": "UNIGRAM"})
+    assert path == tmp_path / "prompt_learner" / "model.pth.tar-3"
+    assert (tmp_path / "prompt_learner" / "checkpoint").read_text().strip() == "model.pth.tar-3"
+    assert checkpoint_file(tmp_path, "prompt_learner") == path == checkpoint_file(tmp_path, "prompt_learner", 3)
+    raw = torch.load(path, weights_only=True)  # the torch >= 2.6 default must accept it
+    assert set(raw) == {"state_dict", "epoch", "optimizer", "scheduler", "val_result", "gram"}
+    assert raw["epoch"] == 3 and raw["val_result"] is None and raw["gram"] == {"trainer": "UNIGRAM"}
+    assert set(raw["state_dict"]) == {"ctx", "vpt"}
+    assert torch.equal(raw["state_dict"]["ctx"], prompts.ctx.detach())
+    assert torch.equal(raw["optimizer"]["state"][0]["momentum_buffer"], opt.state_dict()["state"][0]["momentum_buffer"])
+    assert raw["scheduler"]["last_epoch"] == 1
+    assert load_checkpoint(path)["epoch"] == 3
+
+
+def test_unsafe_or_missing_checkpoints_give_one_line_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no model checkpoint at"):
+        load_checkpoint(tmp_path / "nope.pth.tar")
+    bad = tmp_path / "pickled.pth.tar"
+    torch.save({"state_dict": {}, "scheduler": nn.Linear(1, 1)}, bad)  # an object, as Dassl's schedulers pickle
+    with pytest.raises(RuntimeError, match="not a weights-only checkpoint") as err:
+        load_checkpoint(bad)
+    assert "\n" not in str(err.value)
+    with pytest.raises(FileNotFoundError, match="checkpoint pointer"):
+        checkpoint_file(tmp_path, "prompt_learner")
+
+
+def test_prompt_state_drops_class_buffers_and_names_mismatches():
+    prompts = PromptParams(ctx=torch.zeros(4, 64))
+    coop_like = {"ctx": torch.ones(4, 64), "token_prefix": torch.zeros(10, 1, 64), "token_suffix": torch.zeros(10, 72, 64)}
+    kept = prompt_state(coop_like, prompts)
+    assert set(kept) == {"ctx"} and torch.equal(kept["ctx"], torch.ones(4, 64))
+    assert set(prompt_state({"module.ctx": torch.ones(4, 64)}, prompts)) == {"ctx"}
+    with pytest.raises(RuntimeError, match=r"ctx: checkpoint \(2, 64\), model \(4, 64\)"):
+        prompt_state({"ctx": torch.ones(2, 64)}, prompts, source="x")
+    with pytest.raises(RuntimeError, match="missing key ctx"):
+        prompt_state({"token_prefix": torch.zeros(1)}, prompts)
+    with pytest.raises(RuntimeError, match="unexpected key vpt"):
+        prompt_state({"ctx": torch.ones(4, 64), "vpt": torch.ones(1, 2, 64)}, prompts)
+
+
+def test_export_for_stock_coop_from_init_file_and_from_checkpoint(tmp_path, tiny_clip):
+    _, dims = tiny_clip
+    prompts, opt, sched = _trained_prompts(1)
+    init = export_gram_init(tmp_path / "init.safetensors", prompts, {"ctx": GradientRegulator(64)}, dims)
+    dst = export_for_coop(init, tmp_path / "coop_ctx.pth")
+    loaded = torch.load(dst, weights_only=True)
+    assert set(loaded["state_dict"]) == {"ctx"}
+    assert torch.equal(loaded["state_dict"]["ctx"], prompts.ctx.detach())
+    save_checkpoint(tmp_path / "run", "prompt_learner", 1, prompts, opt, sched)
+    assert export_main([str(tmp_path / "run"), str(tmp_path / "from_run.pth"), "--epoch", "1"]) == 0
+    again = torch.load(tmp_path / "from_run.pth", weights_only=True)["state_dict"]["ctx"]
+    assert torch.equal(again, prompts.ctx.detach())
+    vpt_only = export_gram_init(tmp_path / "vpt.safetensors", PromptParams(vpt=torch.zeros(1, 2, 64)), None, dims)
+    with pytest.raises(ValueError, match="no text context"):
+        export_for_coop(vpt_only, tmp_path / "x.pth")
+
+
+def test_gramclip_keeps_clip_in_eval_and_predict_equals_forward(tiny_clip):
+    clip, dims = tiny_clip
+    g = torch.Generator().manual_seed(3)
+    prompts = PromptParams(ctx=torch.randn(2, 64, generator=g) * 0.02, vpt=torch.randn(1, 2, 64, generator=g) * 0.02)
+    model = GramCLIP(clip, dims, prompts, ["cat", "dog", "red car"])
+    model.train()
+    assert model.training and model.prompt_learner.training
+    assert not any(m.training for m in model.clip.modules())
+    images = torch.randn(5, 3, 32, 32, generator=g)
+    logits = model(images)
+    assert logits.shape == (5, 3)
+    (logits.logsumexp(-1).sum()).backward()
+    assert prompts.ctx.grad is not None and prompts.vpt.grad is not None
+    assert all(p.grad is None for p in model.clip.parameters())
+    model.eval()
+    assert torch.allclose(model.predict(images), logits.detach(), atol=1e-5)
+    with torch.no_grad():
+        prompts.ctx.add_(torch.randn(2, 64, generator=g))  # (a constant shift would be LayerNorm-invariant)
+    stale = model.predict(images)  # cached text side until reset
+    model.reset_cache()
+    fresh = model.predict(images)
+    assert torch.allclose(fresh, model(images).detach(), atol=1e-5)
+    assert not torch.allclose(stale, fresh, atol=1e-4)
+
+
+class _Datum:
+    def __init__(self, impath, label, classname):
+        self.impath, self.label, self.classname = impath, label, classname
+
+
+def test_sample_digest_is_root_relative_and_order_free(tmp_path):
+    a = [_Datum(str(tmp_path / "r1" / "x" / f"{i}.jpg"), i % 2, f"c{i % 2}") for i in range(4)]
+    b = [_Datum(str(tmp_path / "r2" / "x" / f"{i}.jpg"), i % 2, f"c{i % 2}") for i in reversed(range(4))]
+    assert sample_digest(a, str(tmp_path / "r1")) == sample_digest(b, str(tmp_path / "r2"))
+    assert sample_digest(a, str(tmp_path / "r1"))[0] == 4
+    c = a[:3] + [_Datum(a[3].impath, 0, "c0")]
+    assert sample_digest(c, str(tmp_path / "r1")) != sample_digest(a, str(tmp_path / "r1"))

@@ -1,0 +1,185 @@
+"""Dassl-free tests of the GRAM trainer config: extend_cfg defaults, resolution, method configs."""
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+from yacs.config import CfgNode as CN
+
+from trainers.gram.config import (
+    TRAINER_PROMPTS,
+    default_weights_path,
+    extend_cfg,
+    gram_settings,
+    open_clip_name,
+    resolve_precision,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+METHOD_TRAINER = {"coop": "GRAM_CoOp", "gram_coop": "GRAM_CoOp", "zsclip": "GRAM_CoOp", "vpt": "GRAM_VPT",
+                  "gram_vpt": "GRAM_VPT", "joint": "UNIGRAM", "unigram": "UNIGRAM"}  # scripts/methods.sh
+
+
+def minimal_cfg(trainer: str = "GRAM_CoOp", backbone: str = "ViT-B/16") -> CN:
+    """The few Dassl default keys gram_settings reads, without Dassl."""
+    cfg = CN()
+    cfg.TRAINER = CN()
+    cfg.TRAINER.NAME = trainer
+    cfg.MODEL = CN()
+    cfg.MODEL.BACKBONE = CN()
+    cfg.MODEL.BACKBONE.NAME = backbone
+    return extend_cfg(cfg)
+
+
+def test_extend_cfg_adds_every_key_with_paper_defaults():
+    cfg = minimal_cfg()
+    g = cfg.TRAINER.GRAM
+    assert set(g.keys()) == {"ENABLED", "INIT", "REGULATE", "N_CTX_TEXT", "N_CTX_VISION", "VPT_DEEP", "VPT_DEPTH",
+                             "CTX_INIT", "TEMPLATE", "MODEL_NAME", "WEIGHTS", "QUICK_GELU", "PREC"}
+    assert (g.N_CTX_TEXT, g.N_CTX_VISION, g.VPT_DEEP, g.ENABLED, g.REGULATE) == (4, 4, False, False, True)
+    assert cfg.DATASET.SUBSAMPLE_CLASSES == "all"
+
+
+def test_extend_cfg_keeps_keys_a_fork_already_added_and_is_idempotent():
+    cfg = CN()
+    cfg.TRAINER = CN()
+    cfg.TRAINER.NAME = "GRAM_CoOp"
+    cfg.TRAINER.GRAM = CN()
+    cfg.TRAINER.GRAM.N_CTX_TEXT = 8          # fork's own value
+    cfg.TRAINER.GRAM.FORK_ONLY = "x"         # a key we do not know
+    cfg.DATASET = CN()
+    cfg.DATASET.SUBSAMPLE_CLASSES = "base"   # CoOp's extend_cfg ran first
+    extend_cfg(cfg)
+    extend_cfg(cfg)
+    assert cfg.TRAINER.GRAM.N_CTX_TEXT == 8
+    assert cfg.TRAINER.GRAM.FORK_ONLY == "x"
+    assert cfg.TRAINER.GRAM.N_CTX_VISION == 4
+    assert cfg.DATASET.SUBSAMPLE_CLASSES == "base"
+    cfg.freeze()
+    with pytest.raises(RuntimeError, match="frozen"):
+        extend_cfg(cfg)
+
+
+def test_backbone_name_and_default_weights_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert open_clip_name("ViT-B/16") == "ViT-B-16"
+    assert default_weights_path("ViT-B/16") == str(tmp_path / ".cache" / "clip" / "ViT-B-16.pt")
+    s = gram_settings(minimal_cfg())
+    assert s.model_name == "ViT-B-16"
+    assert s.weights == str(tmp_path / ".cache" / "clip" / "ViT-B-16.pt")
+    assert s.quick_gelu is None  # auto: load_clip turns QuickGELU on for OpenAI TorchScript files
+
+
+def test_explicit_model_name_weights_and_random():
+    cfg = minimal_cfg()
+    cfg.TRAINER.GRAM.MODEL_NAME = "GRAM-Test-Tiny"
+    cfg.TRAINER.GRAM.WEIGHTS = "none"
+    cfg.TRAINER.GRAM.QUICK_GELU = "on"
+    s = gram_settings(cfg)
+    assert (s.model_name, s.weights, s.quick_gelu) == ("GRAM-Test-Tiny", None, True)
+    cfg.TRAINER.GRAM.WEIGHTS = "~/w/model.pt"
+    assert gram_settings(cfg).weights == os.path.expanduser("~/w/model.pt")
+    cfg.TRAINER.GRAM.WEIGHTS = "laion2b_s34b_b88k"  # an open_clip tag passes through
+    assert gram_settings(cfg).weights == "laion2b_s34b_b88k"
+
+
+@pytest.mark.parametrize("trainer,text,vision", [("GRAM_CoOp", 4, 0), ("GRAM_VPT", 0, 3), ("UNIGRAM", 4, 3)])
+def test_trainer_decides_which_prompts_are_learned(trainer, text, vision):
+    cfg = minimal_cfg(trainer)
+    cfg.TRAINER.GRAM.N_CTX_VISION = 3
+    s = gram_settings(cfg)
+    assert (s.n_ctx_text, s.n_ctx_vision) == (text, vision)
+    assert TRAINER_PROMPTS[trainer] == (text > 0, vision > 0)
+
+
+def test_vision_depth_shallow_deep_and_all_layers():
+    cfg = minimal_cfg("GRAM_VPT")
+    assert gram_settings(cfg).vision_depth(12) == 1
+    cfg.TRAINER.GRAM.VPT_DEEP = True
+    assert gram_settings(cfg).vision_depth(12) == 12
+    cfg.TRAINER.GRAM.VPT_DEPTH = 9
+    assert gram_settings(cfg).vision_depth(12) == 9
+    cfg.TRAINER.GRAM.VPT_DEPTH = 13
+    with pytest.raises(ValueError, match="TRAINER.GRAM.VPT_DEPTH"):
+        gram_settings(cfg).vision_depth(12)
+    assert gram_settings(minimal_cfg("GRAM_CoOp")).vision_depth(12) == 0
+
+
+def test_gram_on_needs_init_and_off_refuses_one():
+    cfg = minimal_cfg()
+    cfg.TRAINER.GRAM.ENABLED = True
+    with pytest.raises(ValueError, match="TRAINER.GRAM.INIT"):
+        gram_settings(cfg)
+    cfg.TRAINER.GRAM.INIT = "/some/init.safetensors"
+    s = gram_settings(cfg)
+    assert s.enabled and s.regulate and s.init_path == "/some/init.safetensors"
+    cfg.TRAINER.GRAM.CTX_INIT = "a photo of a"
+    with pytest.raises(ValueError, match="CTX_INIT"):
+        gram_settings(cfg)
+    cfg.TRAINER.GRAM.CTX_INIT = ""
+    cfg.TRAINER.GRAM.ENABLED = False
+    with pytest.raises(ValueError, match="ENABLED is False"):
+        gram_settings(cfg)
+    cfg.TRAINER.GRAM.INIT = ""
+    assert gram_settings(cfg).regulate is False  # baselines never regulate
+
+
+def test_bad_values_name_the_key():
+    cfg = minimal_cfg()
+    cfg.TRAINER.GRAM.PREC = "bf8"
+    with pytest.raises(ValueError, match="TRAINER.GRAM.PREC"):
+        gram_settings(cfg)
+    cfg = minimal_cfg()
+    cfg.TRAINER.GRAM.QUICK_GELU = "maybe"
+    with pytest.raises(ValueError, match="TRAINER.GRAM.QUICK_GELU"):
+        gram_settings(cfg)
+    with pytest.raises(KeyError, match="not a GRAM trainer"):
+        gram_settings(minimal_cfg("CoOp"))
+    bare = CN()
+    bare.TRAINER = CN()
+    bare.TRAINER.NAME = "UNIGRAM"
+    with pytest.raises(KeyError, match="extend_cfg"):
+        gram_settings(bare)
+
+
+def test_cpu_forces_fp32_with_a_warning():
+    with pytest.warns(UserWarning, match="fp16 on cpu"):
+        assert resolve_precision("fp16", "cpu") == "fp32"
+    with pytest.warns(UserWarning, match="amp on cpu"):
+        assert resolve_precision("amp", "cpu") == "fp32"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_precision("fp32", "cpu") == "fp32"
+        assert resolve_precision("fp16", "cuda") == "fp16"
+        assert resolve_precision("amp", "cuda") == "amp"
+
+
+def _method_yaml(key: str) -> dict:
+    return yaml.safe_load((REPO / "configs" / "trainers" / f"{key}.yaml").read_text())
+
+
+@pytest.mark.parametrize("key", sorted(METHOD_TRAINER))
+def test_method_configs_follow_the_paper_and_only_use_known_gram_keys(key):
+    """Paper §4: ViT-B/16, CoCoOp schedule (SGD 0.002, cosine, 10 epochs, 1 warm-up epoch at 1e-5, batch 1)."""
+    doc = _method_yaml(key)
+    known = set(minimal_cfg().TRAINER.GRAM.keys())
+    assert set(doc["TRAINER"]["GRAM"]) <= known
+    assert doc["MODEL"]["BACKBONE"]["NAME"] == "ViT-B/16"
+    optim = doc["OPTIM"]
+    assert (optim["NAME"], optim["LR"], optim["MAX_EPOCH"], optim["LR_SCHEDULER"]) == ("sgd", 0.002, 10, "cosine")
+    assert (optim["WARMUP_EPOCH"], optim["WARMUP_TYPE"], float(optim["WARMUP_CONS_LR"])) == (1, "constant", 1e-5)
+    assert doc["DATALOADER"]["TRAIN_X"]["BATCH_SIZE"] == 1
+    cfg = minimal_cfg(METHOD_TRAINER[key])
+    for k, v in doc["TRAINER"]["GRAM"].items():
+        cfg.TRAINER.GRAM[k] = v
+    if cfg.TRAINER.GRAM.ENABLED:
+        cfg.TRAINER.GRAM.INIT = "/given/on/the/command/line.safetensors"
+    s = gram_settings(cfg)
+    assert s.enabled == key.startswith(("gram_", "unigram"))
+    expected = {"GRAM_CoOp": (4, 0), "GRAM_VPT": (0, 4), "UNIGRAM": (2, 2)}[METHOD_TRAINER[key]]
+    assert (s.n_ctx_text, s.n_ctx_vision) == expected
+    if key == "zsclip":
+        assert s.ctx_init == "a photo of a"

@@ -1,0 +1,128 @@
+"""Dassl-free tests of the per-epoch LR schedule against closed forms (and Dassl's own, when present)."""
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+from yacs.config import CfgNode as CN
+
+from trainers.gram.schedule import build_lr_scheduler
+
+
+def optim_cfg(**overrides) -> CN:
+    """Dassl's OPTIM defaults for the keys schedules read, with CoCoOp's schedule on top."""
+    cfg = CN()
+    cfg.LR = 0.002
+    cfg.LR_SCHEDULER = "cosine"
+    cfg.MAX_EPOCH = 10
+    cfg.STEPSIZE = (-1,)
+    cfg.GAMMA = 0.1
+    cfg.WARMUP_EPOCH = 1
+    cfg.WARMUP_TYPE = "constant"
+    cfg.WARMUP_CONS_LR = 1e-5
+    cfg.WARMUP_MIN_LR = 1e-5
+    cfg.WARMUP_RECOUNT = True
+    for k, v in overrides.items():
+        cfg[k] = v
+    return cfg
+
+
+def lrs_per_epoch(cfg: CN, epochs: int) -> list[float]:
+    """LR used during each epoch when stepping once per epoch (what the trainers do)."""
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([param], lr=cfg.LR, momentum=0.9)
+    sched = build_lr_scheduler(opt, cfg)
+    out = []
+    for _ in range(epochs):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
+
+def cosine(base: float, t: float, t_max: float) -> float:
+    return base * (1 + math.cos(math.pi * t / t_max)) / 2
+
+
+def test_constant_warmup_then_cosine_matches_closed_form():
+    got = lrs_per_epoch(optim_cfg(), 10)
+    want = [1e-5] + [cosine(0.002, e - 1, 10) for e in range(1, 10)]
+    assert got == pytest.approx(want, rel=1e-9, abs=1e-15)
+    assert got[1] == pytest.approx(0.002) and got[9] < got[2] < got[1]
+
+
+def test_longer_warmup_linear_warmup_and_no_warmup():
+    got = lrs_per_epoch(optim_cfg(WARMUP_EPOCH=3, MAX_EPOCH=8), 8)
+    assert got == pytest.approx([1e-5] * 3 + [cosine(0.002, e - 3, 8) for e in range(3, 8)], rel=1e-9)
+    got = lrs_per_epoch(optim_cfg(WARMUP_EPOCH=4, WARMUP_TYPE="linear", MAX_EPOCH=8), 8)
+    assert got == pytest.approx([1e-5, 0.0005, 0.001, 0.0015] + [cosine(0.002, e - 4, 8) for e in range(4, 8)],
+                                rel=1e-9)
+    got = lrs_per_epoch(optim_cfg(WARMUP_EPOCH=0, MAX_EPOCH=5), 5)
+    assert got == pytest.approx([cosine(0.002, e, 5) for e in range(5)], rel=1e-9)
+
+
+def test_step_schedules():
+    got = lrs_per_epoch(optim_cfg(LR_SCHEDULER="single_step", STEPSIZE=(3,), WARMUP_EPOCH=0), 7)
+    assert got == pytest.approx([0.002] * 3 + [0.0002] * 3 + [0.00002], rel=1e-9)
+    got = lrs_per_epoch(optim_cfg(LR_SCHEDULER="multi_step", STEPSIZE=(2, 5), WARMUP_EPOCH=1), 7)
+    # after the warm-up the main schedule restarts: milestones count from epoch W = 1
+    assert got == pytest.approx([1e-5, 0.002, 0.002, 0.0002, 0.0002, 0.0002, 0.00002], rel=1e-9)
+
+
+def test_bad_schedule_settings_name_the_key():
+    with pytest.raises(ValueError, match="OPTIM.LR_SCHEDULER"):
+        lrs_per_epoch(optim_cfg(LR_SCHEDULER="poly"), 1)
+    with pytest.raises(ValueError, match="OPTIM.WARMUP_TYPE"):
+        lrs_per_epoch(optim_cfg(WARMUP_TYPE="exp"), 1)
+    with pytest.raises(ValueError, match="OPTIM.WARMUP_RECOUNT"):
+        lrs_per_epoch(optim_cfg(WARMUP_RECOUNT=False), 1)
+
+
+def test_state_is_weights_only_and_resumes_the_same_sequence():
+    cfg = optim_cfg()
+    full = lrs_per_epoch(cfg, 10)
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([param], lr=cfg.LR, momentum=0.9)
+    sched = build_lr_scheduler(opt, cfg)
+    for _ in range(4):
+        opt.step()
+        sched.step()
+    buf = io.BytesIO()
+    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    param2 = torch.nn.Parameter(torch.zeros(2))
+    opt2 = torch.optim.SGD([param2], lr=cfg.LR, momentum=0.9)
+    sched2 = build_lr_scheduler(opt2, cfg)
+    opt2.load_state_dict(state["optimizer"])
+    sched2.load_state_dict(state["scheduler"])
+    resumed = []
+    for _ in range(4, 10):
+        resumed.append(opt2.param_groups[0]["lr"])
+        opt2.step()
+        sched2.step()
+    assert resumed == pytest.approx(full[4:], rel=1e-12)
+
+
+def test_same_values_as_dassls_own_scheduler(monkeypatch):
+    """Dassl's warm-up classes crash on torch >= 2.7 (``verbose``); with that argument dropped they give our values."""
+    lr_scheduler = pytest.importorskip("dassl.optim.lr_scheduler", reason="Dassl not installed")
+    from torch.optim.lr_scheduler import LRScheduler, _LRScheduler
+
+    def init_without_verbose(self, optimizer, last_epoch=-1, verbose=None):
+        LRScheduler.__init__(self, optimizer, last_epoch)
+
+    monkeypatch.setattr(_LRScheduler, "__init__", init_without_verbose)
+    for cfg in (optim_cfg(), optim_cfg(WARMUP_EPOCH=2, MAX_EPOCH=6), optim_cfg(WARMUP_TYPE="linear", WARMUP_EPOCH=3),
+                optim_cfg(LR_SCHEDULER="multi_step", STEPSIZE=(2, 5), MAX_EPOCH=7)):
+        param = torch.nn.Parameter(torch.zeros(2))
+        opt = torch.optim.SGD([param], lr=cfg.LR)
+        sched = lr_scheduler.build_lr_scheduler(opt, cfg)
+        theirs = []
+        for _ in range(cfg.MAX_EPOCH):
+            theirs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        assert lrs_per_epoch(cfg, cfg.MAX_EPOCH) == pytest.approx(theirs, rel=1e-9)
