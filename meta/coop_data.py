@@ -380,7 +380,12 @@ def read_full_splits(root: str, layout: CoopLayout) -> dict[str, list[Record]]:
     _require_dir(dataset_dir, f"{layout.name} dataset folder")
     image_dir = os.path.join(dataset_dir, layout.image_dir) if layout.image_dir else dataset_dir
     if layout.reader == "split":
-        return read_split_file(os.path.join(dataset_dir, str(layout.split_file)), image_dir)
+        split_path = os.path.join(dataset_dir, str(layout.split_file))
+        if not os.path.isfile(split_path):  # CoOp would draw a new random split here; we refuse (comparability)
+            raise FileNotFoundError(
+                f"split file not found: expected the file {split_path} (CoOp's DATASETS.md links each split_zhou_*.json)"
+            )
+        return read_split_file(split_path, image_dir)
     if layout.reader == "fgvc":
         return read_fgvc_aircraft(dataset_dir, image_dir)
     if layout.reader == "imagenet":
