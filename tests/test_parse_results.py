@@ -165,3 +165,14 @@ def test_empty_root_is_an_error(tmp_path, capsys):
     assert pr.main([str(tmp_path)]) == 1
     assert "no finished runs under" in capsys.readouterr().err
     assert pr.main([str(tmp_path / "absent")]) == 2
+
+
+def test_cross_dataset_missing_targets_are_named(tmp_path, capsys):
+    write_run(tmp_path, "xd/train_imagenet/shots_16/coop/seed1", train_log(71.0), mode="train")
+    write_run(tmp_path, "xd/test/dtd/shots_16/coop/seed1", EVAL_LOG.format(acc=44.0), mode="eval")
+    assert pr.main([str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    missing = [line for line in err.splitlines() if "missing target run" in line]
+    assert len(missing) == 9 and str(tmp_path / "xd/test/eurosat/shots_16/coop/seed1/log.txt") in err
+    rows = read_csv(tmp_path / "tables" / "xd_shots16.csv")
+    assert float(rows[("coop", "imagenet")]["mean"]) == 71.0 and float(rows[("coop", "dtd")]["mean"]) == 44.0
