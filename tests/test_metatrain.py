@@ -308,3 +308,19 @@ def test_cli_trains_from_an_image_folder(tmp_path):
     init = load_gram_init(out / "gram_init.safetensors")
     assert init.metadata["provenance"]["tasks"]["source"] == "image_folder"
     assert init.metadata["provenance"]["hierarchy"]["num_topics"] == 6
+
+
+def test_resume_with_more_steps_continues_exactly(finished, tmp_path, hier):
+    """A finished 6-step run extended to 8 steps equals an uninterrupted 8-step run."""
+    import shutil
+
+    extended = tmp_path / "extended"
+    shutil.copytree(finished[0], extended)
+    result = train(_cfg(extended, *PROMPTS["coop"], "META.STEPS", "8"), resume=True, hierarchy=hier, echo=_quiet)
+    assert result["resumed_from"] == 6 and result["step"] == 8
+    straight = tmp_path / "straight"
+    train(_cfg(straight, *PROMPTS["coop"], "META.STEPS", "8"), hierarchy=hier, echo=_quiet)
+    a = _tensors(load_checkpoint(extended / "checkpoint.pt")["learner"])
+    b = _tensors(load_checkpoint(straight / "checkpoint.pt")["learner"])
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert load_gram_init(extended / "gram_init.safetensors").metadata["provenance"]["step"] == 8

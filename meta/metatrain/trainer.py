@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -78,15 +77,15 @@ def resolve_device(name: str) -> str:
 
 
 def build_clip(cfg, device: str):
-    """The frozen CLIP; random weights are seeded by ``SEED`` exactly as ``python -m meta cluster`` does."""
+    """The frozen CLIP; random weights are seeded by ``SEED`` exactly as ``python -m meta cluster`` does.
+
+    With ``MODEL.PRETRAINED`` empty the CLIP is random (``load_clip`` warns): only useful for smoke runs.
+    """
     from meta.config import quick_gelu_flag
 
     torch.manual_seed(int(cfg.SEED))
-    with warnings.catch_warnings():
-        if not cfg.MODEL.PRETRAINED:
-            warnings.simplefilter("ignore")
-        return load_clip(cfg.MODEL.BACKBONE, cfg.MODEL.PRETRAINED or None, device, cfg.MODEL.PRECISION,
-                         quick_gelu_flag(cfg.MODEL.QUICK_GELU), config_key="MODEL.PRETRAINED")
+    return load_clip(cfg.MODEL.BACKBONE, cfg.MODEL.PRETRAINED or None, device, cfg.MODEL.PRECISION,
+                     quick_gelu_flag(cfg.MODEL.QUICK_GELU), config_key="MODEL.PRETRAINED")
 
 
 def setup_run(cfg, hierarchy=None) -> RunSetup:
