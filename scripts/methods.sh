@@ -86,10 +86,6 @@ gram_parse_args() {
         shift
     done
     [[ ${#SEEDS[@]} -eq 0 ]] && SEEDS=(1 2 3)
-    local s
-    for s in "${SEEDS[@]}"; do # CoOp's reset_cfg sets cfg.SEED only `if args.seed` (reference §0)
-        [[ "$s" =~ ^0+$ ]] && echo "Warning: a CoOp-style train.py ignores --seed 0 (cfg.SEED stays -1, unseeded); use seeds >= 1" >&2
-    done
     [[ $# -gt 0 && "$1" == "--" ]] && shift
     OPTS=("$@")
     if (( ${#OPTS[@]} % 2 != 0 )); then
