@@ -24,6 +24,7 @@
 # $REPO/output), SHOTS (default 16), EPOCHS (sets OPTIM.MAX_EPOCH and the epoch loaded for
 # evaluation), LOAD_EPOCH (epoch to evaluate; default EPOCHS, else read from the checkpoints),
 # PYTHON (default python), TRAIN_PY (default $REPO/train.py), CONFIGS (default $REPO/configs),
+# INIT (meta-learned init file for gram_coop/gram_vpt/unigram: adds TRAINER.GRAM.INIT <abs path>),
 # REDO=1 (redo refused jobs), DRY_RUN=1 (print commands only).
 
 GRAM_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -49,6 +50,9 @@ method_trainer() {
 
 # method_is_zero_shot KEY -> status 0 when the method is evaluated without training
 method_is_zero_shot() { [[ "$1" == zsclip ]]; }
+
+# method_uses_init KEY -> status 0 for the GRAM methods, which start from a meta-learned init
+method_uses_init() { [[ "$1" == gram_coop || "$1" == gram_vpt || "$1" == unigram ]]; }
 
 gram_setup_env() {
     DATA="${DATA:-$GRAM_REPO/data}"
@@ -91,6 +95,16 @@ gram_parse_args() {
     if (( ${#OPTS[@]} % 2 != 0 )); then
         echo "extra options must be yacs KEY VALUE pairs, got an odd count: ${OPTS[*]}" >&2
         return 1
+    fi
+    if [[ -n "${INIT:-}" ]]; then # the init file's content enters the run hash (gram_run_hash hashes file args)
+        if ! method_uses_init "$METHOD"; then
+            echo "Warning: INIT is ignored for method '$METHOD' (GRAM off)" >&2
+        elif [[ ! -f "$INIT" ]]; then
+            echo "INIT file not found: $INIT" >&2
+            return 1
+        else
+            OPTS+=(TRAINER.GRAM.INIT "$(cd "$(dirname "$INIT")" && pwd)/$(basename "$INIT")")
+        fi
     fi
 }
 

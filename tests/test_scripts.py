@@ -195,3 +195,20 @@ def test_scripts_then_parser_end_to_end(env, tmp_path):
     rows = (Path(env["OUTPUT"]) / "tables" / "base2new_shots16.csv").read_text().splitlines()
     dtd = next(line.split(",") for line in rows if ",dtd," in line)
     assert float(dtd[3]) == pytest.approx(61.5) and float(dtd[6]) == pytest.approx(61.5)  # seeds 1,2 -> 61, 62
+
+
+def test_init_file_is_passed_and_its_content_hashed(env, tmp_path):
+    init = tmp_path / "inits" / "gram_init.safetensors"
+    init.parent.mkdir()
+    init.write_bytes(b"first")
+    r = run("base2new.sh", ["gram_coop", "dtd", "1"], env, INIT=init)
+    assert r.returncode == 0, r.stderr
+    for c in calls(env):
+        argv = c["argv"]
+        assert argv[argv.index("TRAINER.GRAM.INIT") + 1] == str(init)
+    init.write_bytes(b"second")  # a new meta-learned init must not reuse the old results
+    r = run("base2new.sh", ["gram_coop", "dtd", "1"], env, INIT=init)
+    assert r.returncode != 0 and "Refusing to reuse" in r.stderr and calls(env) == []
+    r = run("base2new.sh", ["coop", "dtd", "1"], env, INIT=init)  # GRAM off: ignored with a warning
+    assert r.returncode == 0 and "INIT is ignored" in r.stderr
+    assert all("TRAINER.GRAM.INIT" not in c["argv"] for c in calls(env))
