@@ -42,7 +42,7 @@ def fit_sample_clusters(embeddings: np.ndarray, umap_dim: int = 5, n_neighbors: 
         raise ValueError(f"CHC.TOPICS: only {n} unique captions to fit on; need at least "
                          f"max(MIN_CLUSTER_SIZE={min_cluster_size}, UMAP_NEIGHBORS+2={n_neighbors + 2})")
     reducer = umap.UMAP(n_components=umap_dim, n_neighbors=n_neighbors, min_dist=min_dist, metric=metric,
-                        init=init, random_state=seed, low_memory=True)
+                        init=init, random_state=seed, low_memory=True, n_jobs=1)
     reduced = reducer.fit_transform(np.asarray(embeddings, dtype=np.float32))
     clusterer = hdbscan.HDBSCAN(min_cluster_size=int(min_cluster_size),
                                 min_samples=int(min_samples) if min_samples else None, core_dist_n_jobs=1)
@@ -54,7 +54,7 @@ def project_2d(embeddings: np.ndarray, n_neighbors: int = 15, metric: str = "cos
     import umap
 
     reducer = umap.UMAP(n_components=2, n_neighbors=min(n_neighbors, max(2, len(embeddings) - 1)),
-                        min_dist=0.1, metric=metric, init="random", random_state=seed)
+                        min_dist=0.1, metric=metric, init="random", random_state=seed, n_jobs=1)
     return reducer.fit_transform(np.asarray(embeddings, dtype=np.float32)).astype(np.float32)
 
 
