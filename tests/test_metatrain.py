@@ -324,3 +324,14 @@ def test_resume_with_more_steps_continues_exactly(finished, tmp_path, hier):
     b = _tensors(load_checkpoint(straight / "checkpoint.pt")["learner"])
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert load_gram_init(extended / "gram_init.safetensors").metadata["provenance"]["step"] == 8
+
+
+def test_kill_before_first_checkpoint_then_resume_starts_over(tmp_path, hier, finished):
+    out = tmp_path / "early"
+    with pytest.raises(Killed):
+        train(_cfg(out, *PROMPTS["coop"]), hierarchy=hier, on_step=_kill_at(1), echo=_quiet)
+    assert not (out / "checkpoint.pt").exists() and read_log(out / "log.jsonl")
+    messages = []
+    result = train(_cfg(out, *PROMPTS["coop"]), resume=True, hierarchy=hier, echo=messages.append)
+    assert result["resumed_from"] is None and "starting from step 0" in messages[0]
+    assert _train_records(out) == _train_records(finished[0])  # the stale records are gone

@@ -57,16 +57,18 @@ def _clean(value):
 class RunLog:
     """Write metrics to ``run_dir/log.jsonl`` and (optionally) ``run_dir/tensorboard``."""
 
-    def __init__(self, run_dir, start_step: int = 0, tensorboard: bool = True):
+    def __init__(self, run_dir, start_step: int = 0, tensorboard: bool = True, fresh: bool = False):
+        """``fresh``: a new run (drop everything a run killed before its first checkpoint logged)."""
         self.path = Path(run_dir) / LOG_NAME
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        truncate_log(self.path, start_step)
+        truncate_log(self.path, -1 if fresh else start_step)
         self._fh = open(self.path, "a", encoding="utf-8")
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
+            purge = 0 if fresh else start_step + 1
+            self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=purge)
 
     def write(self, kind: str, step: int, metrics: dict) -> dict:
         record = {"kind": kind, "step": int(step), **{k: _clean(v) for k, v in metrics.items()}}

@@ -27,10 +27,14 @@ MODES = ("gram", "pretrain")
 
 # Keys that steer how a run is executed/observed but not the numbers it produces; they may
 # change between a run and its ``--resume`` (e.g. extend META.STEPS, checkpoint more often).
+# Where the task source lives (META.HIERARCHY, TASKS.IMAGE_FOLDER, CHC.*) may change too: a resume
+# compares the hierarchy's content fingerprint instead (data.hierarchy_fingerprint).
 RUN_CONTROL_KEYS = frozenset({
     "OUTPUT_DIR", "MODEL.DEVICE", "META.STEPS", "META.CHECKPOINT_EVERY", "META.LOG_DETAIL_EVERY",
     "META.VAL_EVERY", "META.VAL_TASKS", "META.FEATURE_CHECK", "META.PROGRESS", "META.TENSORBOARD",
+    "META.EXPORT_NAME", "META.COOP_CTX_NAME", "META.HIERARCHY", "TASKS.IMAGE_FOLDER",
 })
+RUN_CONTROL_PREFIXES = ("CHC.",)
 
 
 def add_metatrain_cfg(cfg: CN) -> CN:
@@ -153,8 +157,9 @@ def flatten_cfg(node: CN, prefix: str = "") -> dict[str, Any]:
 
 
 def result_defining_cfg(cfg: CN) -> dict[str, Any]:
-    """The flattened config without :data:`RUN_CONTROL_KEYS` (what a resume must agree on)."""
-    return {k: v for k, v in sorted(flatten_cfg(cfg).items()) if k not in RUN_CONTROL_KEYS}
+    """The flattened config without :data:`RUN_CONTROL_KEYS` / ``CHC.*`` (what a resume must agree on)."""
+    return {k: v for k, v in sorted(flatten_cfg(cfg).items())
+            if k not in RUN_CONTROL_KEYS and not k.startswith(RUN_CONTROL_PREFIXES)}
 
 
 def config_hash(cfg: CN) -> str:

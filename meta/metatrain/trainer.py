@@ -124,16 +124,23 @@ def setup_run(cfg, hierarchy=None) -> RunSetup:
 
     n_s, n_q, shift = int(cfg.TASKS.N_SUPPORT), int(cfg.TASKS.N_QUERY), bool(cfg.TASKS.DOMAIN_SHIFT)
     if cfg.META.MODE == "gram":
-        stream = TaskStream(lambda: TaskSampler(h, k_way, n_s, n_q, domain_shift=shift, topics=train_topics,
-                                                seed=int(cfg.SEED)))
+        try:
+            stream = TaskStream(lambda: TaskSampler(h, k_way, n_s, n_q, domain_shift=shift, topics=train_topics,
+                                                    seed=int(cfg.SEED)))
+        except ValueError as err:
+            raise ValueError(f"TASKS (training topics): {err}") from None
     else:
         stream = ClassBatchStream(h, train_topics, int(cfg.META.PRETRAIN.WAYS), int(cfg.META.PRETRAIN.BATCH_SIZE),
                                   int(cfg.SEED))
     val_tasks: list = []
     if len(val_topics) >= 2 and int(cfg.META.VAL_TASKS) > 0:
         # fixed tasks (own seed) so every validation measures the same thing; never touches the train stream
-        val_sampler = TaskSampler(h, min(k_way, len(val_topics)), n_s, n_q, domain_shift=shift, topics=val_topics,
-                                  seed=int(cfg.SEED) + 1)
+        try:
+            val_sampler = TaskSampler(h, min(k_way, len(val_topics)), n_s, n_q, domain_shift=shift,
+                                      topics=val_topics, seed=int(cfg.SEED) + 1)
+        except ValueError as err:
+            raise ValueError(f"TASKS.VAL_FRACTION: the held-out topics cannot form tasks ({err}); hold out more "
+                             f"topics or set META.VAL_TASKS 0") from None
         val_tasks = [val_sampler.sample() for _ in range(int(cfg.META.VAL_TASKS))]
     return RunSetup(cfg, device, clip, dims, h, train_topics, val_topics, learner, classification_loss(pclip),
                     batcher, stream, val_tasks, feature_check)
@@ -302,7 +309,7 @@ def train(cfg, resume: bool = False, hierarchy=None, on_step: Optional[Callable[
         info.setdefault("resumed_at_steps", []).append(start)
     _write_json_atomic(info_path, info)
 
-    log = RunLog(run_dir, start_step=start, tensorboard=bool(cfg.META.TENSORBOARD))
+    log = RunLog(run_dir, start_step=start, tensorboard=bool(cfg.META.TENSORBOARD), fresh=state is None)
     step_fn = gram_step if cfg.META.MODE == "gram" else pretrain_step
     val_every = int(cfg.META.VAL_EVERY)
     ckpt_every = int(cfg.META.CHECKPOINT_EVERY)
