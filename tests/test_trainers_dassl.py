@@ -1,0 +1,367 @@
+"""The GRAM Dassl trainers end to end on a tiny synthetic DTD (needs Dassl; skipped without it).
+
+One module-scoped base-to-new experiment (``train.py`` in process, output laid out as
+``scripts/base2new.sh`` writes it) for GRAM_CoOp / GRAM_VPT / UNIGRAM with GRAM on and off plus
+zero-shot CLIP, then checks of its logs, checkpoints and the results parser; and direct checks of
+the regulated update, eval-only loading for new classes, resume, registration and errors.
+"""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import io
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("dassl", reason="Dassl not installed: the Dassl trainer tests need Dassl.pytorch")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from dassl.engine import TRAINER_REGISTRY, build_trainer  # noqa: E402
+from dassl.utils import Logger, load_checkpoint as dassl_load_checkpoint, load_pretrained_weights  # noqa: E402
+from torch import nn  # noqa: E402
+
+import train  # noqa: E402
+from meta.init_io import InitMismatchError, export_gram_init, load_gram_init  # noqa: E402
+from meta.prompts import PromptParams  # noqa: E402
+from meta.regulator import GradientRegulator, RegulatorSpec  # noqa: E402
+from test_coop_data_fixtures import make_dtd  # noqa: E402
+from trainers.gram.export import export_for_coop  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+N_CLASSES, COUNTS, SHOTS = 4, {"train": 3, "val": 2, "test": 2}, 2  # make_dtd: class c has COUNTS[s] + c images
+BASE, NEW = [0, 1], [2, 3]  # CoOp's split of 4 sorted labels: first ceil(4/2) are base
+TINY = ["TRAINER.GRAM.MODEL_NAME", "GRAM-Test-Tiny", "TRAINER.GRAM.WEIGHTS", "none", "INPUT.SIZE", "(32, 32)",
+        "DATALOADER.NUM_WORKERS", "0", "DATALOADER.TRAIN_X.BATCH_SIZE", "2", "OPTIM.MAX_EPOCH", "1",
+        "DATASET.NUM_SHOTS", str(SHOTS)]
+METHODS = {  # scripts/methods.sh: key -> (trainer, GRAM on)
+    "coop": ("GRAM_CoOp", False), "gram_coop": ("GRAM_CoOp", True), "vpt": ("GRAM_VPT", False),
+    "gram_vpt": ("GRAM_VPT", True), "joint": ("UNIGRAM", False), "unigram": ("UNIGRAM", True),
+}
+PROMPT_SHAPES = {"GRAM_CoOp": {"ctx": (4, 64)}, "GRAM_VPT": {"vpt": (1, 4, 64)},
+                 "UNIGRAM": {"ctx": (2, 64), "vpt": (1, 2, 64)}}  # configs: 4 tokens; UNIGRAM 2 + 2
+ACCURACY = re.compile(r"^\* accuracy: ([\d.]+)%", re.M)
+TOTAL = re.compile(r"^\* total: (\d+)", re.M)
+
+
+def run_train_py(argv: list[str]) -> None:
+    """``python train.py argv`` in this process; undo Dassl's stdout tee afterwards."""
+    saved = sys.stdout
+    try:
+        train.cli(argv)
+    finally:
+        tee, sys.stdout = sys.stdout, saved
+        while isinstance(tee, Logger):
+            if tee.file is not None:
+                tee.file.close()
+                tee.file = None
+            tee.console, tee = io.StringIO(), tee.console  # its __del__ must not close the real stdout
+
+
+def images_per_class(split: str, labels: list[int]) -> int:
+    return sum(COUNTS[split] + c for c in labels)
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("data")
+    make_dtd(root, n_classes=N_CLASSES, counts=COUNTS)
+    return root
+
+
+@pytest.fixture(scope="module")
+def init_files(tmp_path_factory, tiny_clip) -> dict[str, Path]:
+    """A GRAM init per trainer (θ* and a non-identity φ), exported as the meta side does."""
+    _, dims = tiny_clip
+    folder = tmp_path_factory.mktemp("inits")
+    g = torch.Generator().manual_seed(7)
+    spec = RegulatorSpec(init="normal", init_std=0.2)
+    out = {}
+    for trainer, shapes in PROMPT_SHAPES.items():
+        tensors = {k: torch.randn(*s, generator=g) * 0.02 for k, s in shapes.items()}
+        torch.manual_seed(11)
+        regs = {k: GradientRegulator(64, spec) for k in shapes}
+        out[trainer] = export_gram_init(folder / f"{trainer}.safetensors", PromptParams(**tensors), regs, dims)
+    return out
+
+
+def common_args(data_root: Path, method: str, seed: int = 1) -> list[str]:
+    return ["--root", str(data_root), "--seed", str(seed), "--trainer", METHODS.get(method, ("GRAM_CoOp",))[0],
+            "--dataset-config-file", str(REPO / "configs/datasets/dtd.yaml"),
+            "--config-file", str(REPO / f"configs/trainers/{method}.yaml")]
+
+
+def gram_opts(method: str, init_files) -> list[str]:
+    trainer, on = METHODS[method]
+    return ["TRAINER.GRAM.INIT", str(init_files[trainer])] if on else []
+
+
+def write_run_info(run_dir: Path, mode: str) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "gram_run.txt").write_text(f"hash test\nmode {mode}\n")  # as scripts/methods.sh gram_run writes
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory, data_root, init_files) -> Path:
+    """Base-to-new for every method key (seed 1, 1 epoch), laid out as scripts/base2new.sh writes it."""
+    out = tmp_path_factory.mktemp("output")
+    for method in METHODS:
+        train_dir = out / f"base2new/train_base/dtd/shots_{SHOTS}/{method}/seed1"
+        test_dir = out / f"base2new/test_new/dtd/shots_{SHOTS}/{method}/seed1"
+        write_run_info(train_dir, "train")
+        run_train_py(common_args(data_root, method) + ["--output-dir", str(train_dir)] + TINY
+                     + gram_opts(method, init_files) + ["DATASET.SUBSAMPLE_CLASSES", "base"])
+        write_run_info(test_dir, "eval")
+        run_train_py(common_args(data_root, method) + ["--output-dir", str(test_dir), "--model-dir", str(train_dir),
+                                                       "--load-epoch", "1", "--eval-only"] + TINY
+                     + gram_opts(method, init_files) + ["DATASET.SUBSAMPLE_CLASSES", "new"])
+    for side, sub in (("base", "train_base"), ("new", "test_new")):  # zero-shot CLIP: eval-only both halves
+        run_dir = out / f"base2new/{sub}/dtd/shots_{SHOTS}/zsclip/seed1"
+        write_run_info(run_dir, "eval")
+        run_train_py(common_args(data_root, "zsclip") + ["--output-dir", str(run_dir), "--eval-only"] + TINY
+                     + ["DATASET.SUBSAMPLE_CLASSES", side])
+    return out
+
+
+def run_dirs(out: Path, method: str) -> tuple[Path, Path]:
+    return (out / f"base2new/train_base/dtd/shots_{SHOTS}/{method}/seed1",
+            out / f"base2new/test_new/dtd/shots_{SHOTS}/{method}/seed1")
+
+
+# ------------------------------------------------------------------------------------------ registry / cfg
+def test_one_import_registers_all_three_and_a_second_import_path_does_not_crash(monkeypatch):
+    import trainers  # noqa: F401
+
+    for name in ("GRAM_CoOp", "GRAM_VPT", "UNIGRAM"):
+        assert getattr(TRAINER_REGISTRY.get(name), "gram_trainer", False)
+    monkeypatch.setattr(TRAINER_REGISTRY, "_obj_map", dict(TRAINER_REGISTRY._obj_map))
+    spec = importlib.util.spec_from_file_location("copied_gram", REPO / "trainers/gram/__init__.py",
+                                                  submodule_search_locations=[str(REPO / "trainers/gram")])
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "copied_gram", module)
+    spec.loader.exec_module(module)  # the same package under a second name, as in a fork's copy
+    assert TRAINER_REGISTRY.get("UNIGRAM") is module.UNIGRAM
+    module.register_trainers()  # and again
+
+    class UNIGRAM:  # a fork's unrelated trainer of the same name is never replaced silently
+        pass
+
+    TRAINER_REGISTRY._obj_map["UNIGRAM"] = UNIGRAM
+    with pytest.raises(KeyError, match="already holds a different 'UNIGRAM'"):
+        module.register_trainers()
+
+
+@pytest.mark.parametrize("method", sorted(METHODS) + ["zsclip"])
+def test_method_configs_merge_into_dassls_defaults(method):
+    args = train.build_parser().parse_args(common_args(Path("/data"), method))
+    cfg = train.setup_cfg(args)
+    assert cfg.OPTIM.MAX_EPOCH == 10 and cfg.DATALOADER.TRAIN_X.BATCH_SIZE == 1
+    assert cfg.DATASET.NAME == "DescribableTextures" and cfg.SEED == 1
+
+
+def test_train_py_honours_seed_zero():
+    parser = train.build_parser()
+    assert train.setup_cfg(parser.parse_args(["--seed", "0"])).SEED == 0  # CoOp's `if args.seed:` dropped it
+    assert train.setup_cfg(parser.parse_args([])).SEED == -1  # Dassl's default stays without --seed
+    assert train.setup_cfg(parser.parse_args(["--seed", "3", "SEED", "5"])).SEED == 5  # KEY VALUE last, as CoOp
+
+
+# ------------------------------------------------------------------------------------------ the experiment
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_base_to_new_logs_and_checkpoints(experiment, method, init_files):
+    trainer, on = METHODS[method]
+    train_dir, test_dir = run_dirs(experiment, method)
+    train_log = (train_dir / "log.txt").read_text()
+    assert "Finish training" in train_log
+    assert f"GRAM trainer {trainer}: GRAM {'on' if on else 'off (baseline)'}" in train_log
+    assert "precision=fp32 (asked fp16)" in train_log  # the configs ask fp16; CPU runs fp32
+    assert re.search(r"GRAM data: DescribableTextures subsample=base shots=2 seed=1 classes=2 train_x=4 "
+                     r"sha256=[0-9a-f]{64}", train_log)
+    regulated = sorted(PROMPT_SHAPES[trainer]) if on else []
+    assert f"regulated tensors {regulated}" in train_log
+    # 2 classes x 2 shots in batches of 2: the LR steps once, at the last batch (warm-up 1e-5 -> 0.002)
+    assert "batch [1/2]" in train_log and "lr 1.0000e-05" in train_log and "lr 2.0000e-03" in train_log
+    assert int(TOTAL.findall(train_log)[-1]) == images_per_class("test", BASE)
+
+    ckpt_path = train_dir / "prompt_learner" / "model.pth.tar-1"
+    ckpt = torch.load(ckpt_path, weights_only=True)
+    assert {k: tuple(v.shape) for k, v in ckpt["state_dict"].items()} == PROMPT_SHAPES[trainer]
+    assert ckpt["epoch"] == 1 and ckpt["gram"]["trainer"] == trainer
+    assert dassl_load_checkpoint(str(ckpt_path))["epoch"] == 1  # stock Dassl's loader reads it too (torch 2.14)
+    if on:  # one epoch at the warm-up LR (1e-5) barely moves θ away from θ*
+        init = load_gram_init(init_files[trainer]).prompt
+        for k, v in ckpt["state_dict"].items():  # (θ* entries are ~N(0, 0.02²): a fresh θ would be far off)
+            assert (v - init[k]).abs().max() < 1e-3
+            assert not torch.equal(v, init[k])
+
+    test_log = (test_dir / "log.txt").read_text()
+    assert f"Load {ckpt_path} to prompt_learner (epoch=1, val_result=-)" in test_log
+    assert "subsample=new" in test_log and "Finish training" not in test_log
+    assert int(TOTAL.findall(test_log)[-1]) == images_per_class("test", NEW)
+    assert ACCURACY.search(test_log.split("=> result")[-1])
+
+
+def test_zero_shot_runs_without_a_model_dir(experiment):
+    for run_dir in run_dirs(experiment, "zsclip"):
+        log = (run_dir / "log.txt").read_text()
+        assert "load_model() is skipped" in log and "=> result" in log
+        assert not (run_dir / "prompt_learner").exists()
+
+
+def test_results_parser_on_the_produced_logs(experiment, tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("parse_results", REPO / "scripts/parse_results.py")
+    parser = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "parse_results", parser)  # its dataclasses look their module up
+    spec.loader.exec_module(parser)
+    assert parser.main([str(experiment), "--out", str(tmp_path), "--strict"]) == 0
+    rows = {r["method"]: r for r in csv.DictReader(open(tmp_path / f"base2new_shots{SHOTS}.csv"))
+            if r["dataset"] == "dtd"}
+    assert set(rows) == set(METHODS) | {"zsclip"}
+    for method, row in rows.items():
+        train_dir, test_dir = run_dirs(experiment, method)
+        base = float(ACCURACY.findall((train_dir / "log.txt").read_text())[-1])
+        new = float(ACCURACY.findall((test_dir / "log.txt").read_text())[-1])
+        assert float(row["base_mean"]) == pytest.approx(base, abs=1e-4)
+        assert float(row["new_mean"]) == pytest.approx(new, abs=1e-4)
+        expected_h = 0.0 if base + new == 0 else 2 * base * new / (base + new)
+        assert float(row["H"]) == pytest.approx(expected_h, abs=1e-3)
+    assert (tmp_path / f"base2new_shots{SHOTS}_H.png").stat().st_size > 0
+
+
+# ------------------------------------------------------------------------------------------ direct checks
+def build(data_root: Path, method: str, *opts: str, init_files=None, subsample: str = "base"):
+    args = train.build_parser().parse_args(common_args(data_root, method) + TINY
+                                           + (gram_opts(method, init_files) if init_files else [])
+                                           + ["DATASET.SUBSAMPLE_CLASSES", subsample, *opts])
+    torch.manual_seed(0)
+    return build_trainer(train.setup_cfg(args))
+
+
+@pytest.mark.parametrize("method", ["gram_coop", "gram_vpt", "unigram"])
+def test_training_step_applies_r_phi_to_the_gradient(data_root, init_files, method):
+    """θ' = θ - lr · R_φ(∇θ L) with θ, φ from the init file (paper Eq. 7 at test time)."""
+    trainer_name, _ = METHODS[method]
+    trainer = build(data_root, method, "OPTIM.WARMUP_EPOCH", "0", "OPTIM.LR", "0.5", "OPTIM.MOMENTUM", "0.0",
+                    "OPTIM.WEIGHT_DECAY", "0.0", init_files=init_files)
+    init = load_gram_init(init_files[trainer_name])
+    theta = dict(trainer.model.prompt_learner.named_parameters())
+    for k, v in init.prompt.items():  # θ starts exactly at θ*
+        assert torch.equal(theta[k].detach(), v)
+    batch = next(iter(trainer.train_loader_x))
+    images, labels = batch["img"], batch["label"]
+    names = sorted(theta)
+    grads = torch.autograd.grad(F.cross_entropy(trainer.model(images), labels), [theta[k] for k in names])
+    regs = init.regulator_modules()
+    before = {k: theta[k].detach().clone() for k in names}
+    trainer.set_model_mode("train")
+    trainer.batch_idx, trainer.num_batches = 0, 2  # not the last batch: no LR step in between
+    trainer.forward_backward(batch)
+    for k, g in zip(names, grads):
+        with torch.no_grad():
+            regulated = regs[k](g)
+        assert (regulated - g).abs().max() > 0.05 * g.abs().max()  # φ is far from the identity
+        assert torch.allclose(theta[k].detach(), before[k] - 0.5 * regulated, atol=1e-6, rtol=1e-5)
+        assert not torch.allclose(theta[k].detach(), before[k] - 0.5 * g, atol=1e-6, rtol=1e-5)
+
+
+def test_baseline_step_is_plain_sgd(data_root):
+    trainer = build(data_root, "coop", "OPTIM.WARMUP_EPOCH", "0", "OPTIM.LR", "0.5", "OPTIM.MOMENTUM", "0.0",
+                    "OPTIM.WEIGHT_DECAY", "0.0")
+    assert trainer.regulation is None
+    ctx = trainer.model.prompt_learner.ctx
+    batch = next(iter(trainer.train_loader_x))
+    (g,) = torch.autograd.grad(F.cross_entropy(trainer.model(batch["img"]), batch["label"]), [ctx])
+    before = ctx.detach().clone()
+    trainer.batch_idx, trainer.num_batches = 0, 2
+    trainer.forward_backward(batch)
+    assert torch.allclose(ctx.detach(), before - 0.5 * g, atol=1e-7)
+
+
+def test_eval_only_loads_theta_for_new_classes_and_keeps_clip_in_eval(experiment, data_root):
+    train_dir, _ = run_dirs(experiment, "unigram")
+    trainer = build(data_root, "joint", subsample="new")  # same shapes; GRAM off: no init needed to evaluate
+    assert trainer.dm.dataset.classnames == [f"texture_{c}" for c in NEW]
+    trainer.load_model(str(train_dir))  # no epoch: no model-best (last_step), so the last checkpoint
+    saved = torch.load(train_dir / "prompt_learner/model.pth.tar-1", weights_only=True)["state_dict"]
+    for k, v in trainer.model.prompt_learner.state_dict().items():
+        assert torch.equal(v, saved[k])
+    seen = []
+    trainer.model.clip.visual.conv1.register_forward_pre_hook(lambda m, inp: seen.append(m.training))
+    trainer.set_model_mode("train")
+    assert not any(m.training for m in trainer.model.clip.modules())
+    accuracy = trainer.test()
+    assert seen and not any(seen)
+    assert not trainer.model.prompt_learner.training
+    assert 0.0 <= accuracy <= 100.0
+
+
+def test_resume_continues_epochs_and_schedule(tmp_path, data_root):
+    out = tmp_path / "run"
+    args = common_args(data_root, "coop") + ["--output-dir", str(out)] + TINY + ["OPTIM.MAX_EPOCH", "2",
+                                                                               "TRAIN.CHECKPOINT_FREQ", "1"]
+    run_train_py(args)
+    first_log = (out / "log.txt").read_text()
+    full = torch.load(out / "prompt_learner/model.pth.tar-2", weights_only=True)
+    (out / "prompt_learner/model.pth.tar-2").unlink()  # as if the run had stopped after epoch 1
+    (out / "prompt_learner/checkpoint").write_text("model.pth.tar-1\n")
+    run_train_py(args)  # same folder: Dassl's before_train resumes
+    log = next(p for p in out.iterdir() if p.name.startswith("log.txt-")).read_text()  # log.txt is never overwritten
+    assert "Resumed prompt_learner from" in log and "(epochs done: 1)" in log
+    assert "epoch [1/2]" not in log
+
+    def lr_of_epoch2(text: str) -> str:
+        return re.search(r"epoch \[2/2\] batch \[1/\d+\].* lr (\S+)", text).group(1)
+
+    assert lr_of_epoch2(log) == lr_of_epoch2(first_log) == f"{0.002:.4e}"  # optimizer + schedule restored
+    resumed = torch.load(out / "prompt_learner/model.pth.tar-2", weights_only=True)
+    assert resumed["epoch"] == 2 and resumed["scheduler"] == full["scheduler"]
+
+
+def test_stock_coop_loads_the_exported_context(experiment, init_files, tmp_path):
+    """Dassl's load_pretrained_weights (what MODEL.INIT_WEIGHTS runs) into a CoOp-shaped prompt learner."""
+
+    class CoOpPromptLearner(nn.Module):  # CoOp trainers/coop.py PromptLearner: ctx [n_ctx, d] + class buffers
+        def __init__(self, n_ctx: int, n_cls: int = 3):
+            super().__init__()
+            self.ctx = nn.Parameter(torch.empty(n_ctx, 64).normal_(std=0.02))
+            self.register_buffer("token_prefix", torch.ones(n_cls, 1, 64))
+            self.register_buffer("token_suffix", torch.ones(n_cls, 72, 64))
+
+    sources = {"init": init_files["GRAM_CoOp"], "run": run_dirs(experiment, "gram_coop")[0]}
+    for label, source in sources.items():
+        dst = export_for_coop(source, tmp_path / f"{label}.pth")
+        learner = CoOpPromptLearner(4)
+        load_pretrained_weights(learner, str(dst))
+        exported = torch.load(dst, weights_only=True)["state_dict"]["ctx"]
+        assert torch.equal(learner.ctx.detach(), exported)
+        assert torch.equal(learner.token_prefix, torch.ones(3, 1, 64))
+    init_ctx = load_gram_init(init_files["GRAM_CoOp"]).prompt["ctx"]
+    assert torch.equal(torch.load(tmp_path / "init.pth", weights_only=True)["state_dict"]["ctx"], init_ctx)
+
+
+# ------------------------------------------------------------------------------------------ errors
+def test_missing_weights_file_is_a_one_line_error_naming_path_and_key(data_root, tmp_path, monkeypatch):
+    missing = tmp_path / "nowhere" / "ViT-B-16.pt"
+    with pytest.raises(FileNotFoundError) as err:
+        build(data_root, "coop", "TRAINER.GRAM.WEIGHTS", str(missing))
+    assert "TRAINER.GRAM.WEIGHTS" in str(err.value) and str(missing) in str(err.value)
+    assert "\n" not in str(err.value)
+    monkeypatch.setenv("HOME", str(tmp_path))  # default: OpenAI's cache file for MODEL.BACKBONE.NAME ViT-B/16
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / ".cache/clip/ViT-B-16.pt"))):
+        build(data_root, "coop", "TRAINER.GRAM.WEIGHTS", "")
+
+
+def test_init_that_does_not_fit_names_the_key_and_fields(data_root, init_files):
+    with pytest.raises(InitMismatchError, match=r"TRAINER.GRAM.INIT: .*n_ctx_text: file has 4, model expects 2"):
+        build(data_root, "gram_coop", "TRAINER.GRAM.N_CTX_TEXT", "2", init_files=init_files)
+    with pytest.raises(InitMismatchError, match="n_ctx_vision: file has 2, model expects 0"):
+        build(data_root, "gram_coop", "TRAINER.GRAM.INIT", str(init_files["UNIGRAM"]),
+              "TRAINER.GRAM.N_CTX_TEXT", "2")
+
+
+def test_input_size_must_match_the_backbone(data_root):
+    with pytest.raises(ValueError, match="INPUT.SIZE: GRAM-Test-Tiny takes 32x32"):
+        build(data_root, "vpt", "INPUT.SIZE", "(224, 224)")
