@@ -16,9 +16,10 @@ from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from PIL import Image
 
 from meta.coop_data import harmonic_mean, load_coop_splits
-from meta.evaluation import (DatasetRef, EvaluationSession, ImageLoader, MethodSpec, TrainSpec, build_prompts,
-                             evaluate_base_to_new, evaluate_transfer, make_optimizer, make_scheduler,
-                             method_preset, prompt_digest)
+from meta.evaluation import (DatasetRef, EvaluationSession, ImageLoader, MethodSpec, StartPoint, TrainSpec,
+                             build_prompts, evaluate_base_to_new, evaluate_transfer, make_optimizer,
+                             make_scheduler, method_preset, prompt_digest)
+from meta.gram import GRAMMetaLearner, MetaSpec
 from meta.init_io import InitMismatchError, export_gram_init
 from meta.prompts import PromptedCLIP, PromptParams
 from meta.regulator import GradientRegulator, RegulatorSpec
@@ -183,6 +184,28 @@ def test_training_starts_from_the_gram_init_ctx(ds_a, data_root, tiny_clip, sess
     assert frozen["base"] == pytest.approx(expected, abs=1e-9)
 
 
+def test_in_memory_start_point_equals_its_exported_file_and_is_not_modified(ds_a, tiny_clip, session, tmp_path):
+    clip, dims = tiny_clip
+    ctx = torch.randn(4, dims.text_width, generator=torch.Generator().manual_seed(11)) * 0.1
+    learner = GRAMMetaLearner(PromptParams(ctx=ctx), MetaSpec(regulator=RegulatorSpec(init="normal", init_std=0.3)))
+    theta, regs = learner.prompt_module, learner.regulators()
+    path = export_gram_init(tmp_path / "live.safetensors", theta, regs, dims)
+    before = {k: v.detach().clone() for k, v in learner.state_dict().items()}
+    spec = TrainSpec(epochs=2, batch_size=4)
+    live = b2n(ds_a, tiny_clip, session, method_preset("coop_gram", in_memory=True), spec=spec,
+               start=StartPoint(theta, regs, label="meta-val"))
+    filed = b2n(ds_a, tiny_clip, session, method_preset("coop_gram", init_path=str(path)), spec=spec)
+    assert live["init"]["source"] == "in_memory" and live["init"]["label"] == "meta-val"
+    assert live["final_prompt_sha256"] == filed["final_prompt_sha256"] != filed["init"]["prompt_sha256"]
+    assert strip_timing(live)["history"] == strip_timing(filed)["history"]
+    after = learner.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)                  # θ, φ untouched ...
+    assert all(p.requires_grad for p in learner.parameters())                      # ... and still trainable
+    with pytest.raises(ValueError, match="does not fit"):
+        b2n(ds_a, tiny_clip, session, method_preset("unigram", in_memory=True), spec=spec,
+            start=StartPoint(theta, regs))
+
+
 def test_same_seed_same_numbers_other_seed_differs(ds_a, tiny_clip, tmp_path):
     clip, dims = tiny_clip
     spec = TrainSpec(epochs=2, batch_size=2)
@@ -263,8 +286,8 @@ def test_augmented_views_are_seeded_and_leave_global_rng_alone(ds_a, data_root):
 
 def test_bad_inputs_give_one_line_errors(tmp_path, tiny_clip):
     clip, dims = tiny_clip
-    with pytest.raises(ValueError, match="regulate=True needs init_path"):
-        MethodSpec("x", regulate=True)
+    with pytest.raises(ValueError, match="regulate=True needs φ"):
+        build_prompts(MethodSpec("x", regulate=True), clip, dims, seed=1)
     with pytest.raises(KeyError, match="unknown method preset"):
         method_preset("cocoop")
     with pytest.raises(ValueError, match="needs a GRAM init file"):

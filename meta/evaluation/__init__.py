@@ -8,17 +8,19 @@ Public API (``meta.evaluate`` re-exports it and adds the CLI):
   one constant warm-up epoch), augmentation and evaluation cadence;
 * :class:`DatasetRef` - a CoOp-layout dataset (read through ``meta.coop_data``);
 * :func:`evaluate_base_to_new`, :func:`evaluate_transfer` -> JSON-able result records;
-* :class:`EvaluationSession` - shares frozen image features between runs.
+* :class:`EvaluationSession` - shares frozen image features between runs;
+* :class:`StartPoint` - fine-tune from in-memory θ/φ (meta-validation of live meta-parameters).
 """
 from .datasets import DatasetRef
 from .images import FeatureCache, ImageLoader, clip_fingerprint
 from .protocol import EvaluationSession, evaluate_base_to_new, evaluate_transfer
 from .spec import PRESET_NAMES, MethodSpec, TrainSpec, method_preset
-from .training import LabelledSet, PromptTuner, build_prompts, make_optimizer, make_scheduler, prompt_digest
+from .training import (LabelledSet, PromptTuner, StartPoint, build_prompts, make_optimizer, make_scheduler,
+                       prompt_digest)
 
 __all__ = [
     "DatasetRef", "FeatureCache", "ImageLoader", "clip_fingerprint", "EvaluationSession",
     "evaluate_base_to_new", "evaluate_transfer", "PRESET_NAMES", "MethodSpec", "TrainSpec",
-    "method_preset", "LabelledSet", "PromptTuner", "build_prompts", "make_optimizer", "make_scheduler",
-    "prompt_digest",
+    "method_preset", "LabelledSet", "PromptTuner", "StartPoint", "build_prompts", "make_optimizer",
+    "make_scheduler", "prompt_digest",
 ]

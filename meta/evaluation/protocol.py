@@ -27,7 +27,7 @@ from ..prompts import PromptedCLIP
 from .datasets import DatasetRef
 from .images import FeatureCache, ImageLoader, test_transform_key, train_transform_key
 from .spec import MethodSpec, TrainSpec
-from .training import LabelledSet, PromptTuner, build_prompts, prompt_digest
+from .training import LabelledSet, PromptTuner, StartPoint, build_prompts, prompt_digest
 
 
 class EvaluationSession:
@@ -95,9 +95,10 @@ class EvaluationSession:
             data.features = feats.unsqueeze(1) if train else feats
         return data
 
-    def tuner(self, method: MethodSpec, spec: TrainSpec, seed: int) -> tuple[PromptTuner, dict]:
+    def tuner(self, method: MethodSpec, spec: TrainSpec, seed: int,
+              start: Optional[StartPoint] = None) -> tuple[PromptTuner, dict]:
         """A :class:`PromptTuner` holding the method's initial θ (and R_φ), plus the init description."""
-        prompts, regulation, init_info = build_prompts(method, self.clip, self.dims, seed)
+        prompts, regulation, init_info = build_prompts(method, self.clip, self.dims, seed, start)
         n_ctx = prompts.n_ctx_text if prompts is not None else 0
         pclip = self.prompted_clip(n_ctx, method.template)
         loader = self.loader(spec.rrcrop_scale)
@@ -131,13 +132,14 @@ def _record_head(protocol: str, session: EvaluationSession, method: MethodSpec, 
 def _run(session: EvaluationSession, method: MethodSpec, spec: TrainSpec, seed: int,
          train_records: Sequence[Record], train_classnames: Sequence[str],
          tests: dict[str, tuple[Sequence[Record], Sequence[str]]],
-         summarise: Callable[[dict], dict]) -> tuple[list[dict], dict, dict, PromptTuner]:
+         summarise: Callable[[dict], dict], start: Optional[StartPoint] = None
+         ) -> tuple[list[dict], dict, dict, PromptTuner]:
     """Fine-tune on the train records and test on every named test set.
 
     Returns ``(history, final accuracies, init info, tuner)``; ``summarise(accs)`` adds derived
     numbers (H, target mean) to every accuracy row.
     """
-    tuner, init_info = session.tuner(method, spec, seed)
+    tuner, init_info = session.tuner(method, spec, seed, start)
     test_sets = {name: session.labelled_set(recs, names, method, spec, seed, train=False)
                  for name, (recs, names) in tests.items()}
 
@@ -163,7 +165,8 @@ def _run(session: EvaluationSession, method: MethodSpec, spec: TrainSpec, seed: 
 def evaluate_base_to_new(dataset: DatasetRef, clip: nn.Module, dims: ClipDims, method: MethodSpec,
                          seed: int, shots: int = 16, train: Optional[TrainSpec] = None,
                          session: Optional[EvaluationSession] = None, cache_dir: Optional[str] = None,
-                         use_split_cache: bool = True, log: Callable[[str], None] = print) -> dict:
+                         use_split_cache: bool = True, start: Optional[StartPoint] = None,
+                         log: Callable[[str], None] = print) -> dict:
     """One (dataset, method, seed) run of CoCoOp's base-to-new protocol.
 
     Args:
@@ -176,6 +179,8 @@ def evaluate_base_to_new(dataset: DatasetRef, clip: nn.Module, dims: ClipDims, m
         session: share feature caches across runs; a new one is made if ``None``.
         cache_dir: feature-cache folder for a new session.
         use_split_cache: read/write the few-shot sample cache of ``meta.coop_data``.
+        start: fine-tune from this in-memory θ (and φ) instead of the method's own init
+            (meta-validation of the live meta-parameters; they are copied, never modified).
 
     Returns:
         a JSON-able record: ``base``, ``new``, ``H`` (percent), class names and split sizes,
@@ -183,7 +188,7 @@ def evaluate_base_to_new(dataset: DatasetRef, clip: nn.Module, dims: ClipDims, m
         epoch when ``train.eval_every_epoch``, including epoch 0 - ``base``, ``new``, ``H``),
         the initial and final prompt digests, and every hyper-parameter.
     """
-    start = time.perf_counter()
+    t_start = time.perf_counter()
     spec = train or TrainSpec()
     session = session or EvaluationSession(clip, dims, cache_dir, log=log)
     stats_before = dict(session.cache.stats)
@@ -192,7 +197,7 @@ def evaluate_base_to_new(dataset: DatasetRef, clip: nn.Module, dims: ClipDims, m
     tests = {"base": (base.test, base.classnames), "new": (new.test, new.classnames)}
     history, final, init_info, tuner = _run(
         session, method, spec, seed, base.train, base.classnames, tests,
-        lambda a: {"H": harmonic_mean(a["base"], a["new"])})
+        lambda a: {"H": harmonic_mean(a["base"], a["new"])}, start)
     record = _record_head("base2new", session, method, spec, seed, shots, init_info)
     record.update({
         "dataset": dataset.name,
@@ -208,7 +213,7 @@ def evaluate_base_to_new(dataset: DatasetRef, clip: nn.Module, dims: ClipDims, m
         "history": history,
         "final_prompt_sha256": prompt_digest(tuner.prompts),
         "feature_cache": {k: session.cache.stats[k] - stats_before[k] for k in stats_before},
-        "seconds": time.perf_counter() - start,
+        "seconds": time.perf_counter() - t_start,
     })
     return record
 
@@ -217,15 +222,16 @@ def evaluate_transfer(source: DatasetRef, targets: Sequence[DatasetRef], clip: n
                       method: MethodSpec, seed: int, shots: int = 16, train: Optional[TrainSpec] = None,
                       session: Optional[EvaluationSession] = None, cache_dir: Optional[str] = None,
                       use_split_cache: bool = True, protocol: str = "transfer",
-                      log: Callable[[str], None] = print) -> dict:
+                      start: Optional[StartPoint] = None, log: Callable[[str], None] = print) -> dict:
     """Cross-dataset / cross-domain run: fine-tune on all classes of ``source``, test on ``targets``.
 
     The targets' full test splits are used (CoOp never few-shot samples test sets) with each
     target's own class names.  ``protocol`` labels the record (``"cross_dataset"``,
     ``"cross_domain"``).  Returns a JSON-able record with ``source`` accuracy, ``targets``
-    ``{name: accuracy}``, ``target_mean`` (percent) and per-epoch ``history``.
+    ``{name: accuracy}``, ``target_mean`` (percent) and per-epoch ``history``.  ``start`` as in
+    :func:`evaluate_base_to_new`.
     """
-    start = time.perf_counter()
+    t_start = time.perf_counter()
     spec = train or TrainSpec()
     session = session or EvaluationSession(clip, dims, cache_dir, log=log)
     stats_before = dict(session.cache.stats)
@@ -242,7 +248,8 @@ def evaluate_transfer(source: DatasetRef, targets: Sequence[DatasetRef], clip: n
         vals = [accs[n] for n in target_names]
         return {"target_mean": sum(vals) / len(vals)} if vals else {}
 
-    history, final, init_info, tuner = _run(session, method, spec, seed, src.train, src.classnames, tests, summarise)
+    history, final, init_info, tuner = _run(session, method, spec, seed, src.train, src.classnames, tests, summarise,
+                                              start)
     record = _record_head(protocol, session, method, spec, seed, shots, init_info)
     record.update({
         "dataset": source.name,
@@ -257,6 +264,6 @@ def evaluate_transfer(source: DatasetRef, targets: Sequence[DatasetRef], clip: n
         "history": history,
         "final_prompt_sha256": prompt_digest(tuner.prompts),
         "feature_cache": {k: session.cache.stats[k] - stats_before[k] for k in stats_before},
-        "seconds": time.perf_counter() - start,
+        "seconds": time.perf_counter() - t_start,
     })
     return record

@@ -34,7 +34,8 @@ class MethodSpec:
         init_path: a GRAM initialisation file (``meta.init_io.export_gram_init``); its θ* replaces
             the scratch / word initialisation and its shapes must match the counts above.
         regulate: replace every prompt gradient by R_φ(gradient) before the optimiser step
-            (paper Eq. 7), with φ read from ``init_path``.
+            (paper Eq. 7), with φ read from ``init_path`` (or from an in-memory
+            ``StartPoint`` passed to the evaluation; checked when the run starts).
         template: the fixed text prompt when ``n_ctx_text == 0`` (zero-shot CLIP, VPT).
         init_std: standard deviation of scratch prompts (CoOp: 0.02).
 
@@ -58,8 +59,6 @@ class MethodSpec:
                 raise ValueError(f"MethodSpec {self.name!r}: {key} must be >= 0, got {getattr(self, key)}")
         if self.vision_depth < 1:
             raise ValueError(f"MethodSpec {self.name!r}: vision_depth must be >= 1, got {self.vision_depth}")
-        if self.regulate and not self.init_path:
-            raise ValueError(f"MethodSpec {self.name!r}: regulate=True needs init_path (a GRAM init file holding φ)")
         if self.ctx_init and self.init_path:
             raise ValueError(f"MethodSpec {self.name!r}: give ctx_init (words) or init_path (GRAM file), not both")
         if self.init_path and self.zero_shot:
@@ -172,10 +171,11 @@ _PRESETS: dict[str, dict] = {
 PRESET_NAMES = tuple(_PRESETS)
 
 
-def method_preset(key: str, init_path: str = "", **overrides) -> MethodSpec:
+def method_preset(key: str, init_path: str = "", in_memory: bool = False, **overrides) -> MethodSpec:
     """A named method: ``zsclip``, ``coop``, ``coop_gram``, ``vpt``, ``vpt_gram``, ``joint``, ``unigram``.
 
-    GRAM presets (``*_gram``, ``unigram``) need ``init_path``; ``overrides`` replace any field
+    GRAM presets (``*_gram``, ``unigram``) need ``init_path`` unless the run gets an in-memory
+    ``StartPoint`` (meta-validation; pass ``in_memory=True``); ``overrides`` replace any field
     (e.g. ``regulate=False`` for the "w/o regulator" ablation, ``vision_depth=12`` for deep VPT).
     """
     if key not in _PRESETS:
@@ -184,7 +184,7 @@ def method_preset(key: str, init_path: str = "", **overrides) -> MethodSpec:
     if init_path:
         fields["init_path"] = init_path
     fields.update(overrides)
-    if fields.get("regulate") and not fields.get("init_path"):
+    if fields.get("regulate") and not fields.get("init_path") and not in_memory:
         raise ValueError(f"method preset {key!r} needs a GRAM init file (init_path / --init)")
     return MethodSpec(**fields)
 

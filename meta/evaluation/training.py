@@ -10,10 +10,11 @@ The update is the Dassl trainers' (and paper Eq. 7 at test time)::
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import time
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from ..backbone import ClipDims
 from ..finetune import GradientRegulation
 from ..init_io import load_gram_init
 from ..prompts import PromptedCLIP, PromptParams, classification_loss
+from ..regulator import GradientRegulator
 from .spec import MethodSpec, TrainSpec
 
 
@@ -59,19 +61,60 @@ def prompt_digest(prompts: Optional[nn.Module]) -> str:
     return h.hexdigest()
 
 
-def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int
+@dataclass
+class StartPoint:
+    """An in-memory θ (and φ) to fine-tune from, e.g. the live meta-parameters during meta-validation.
+
+    ``prompts`` and ``regulators`` are deep-copied before use, so the caller's tensors are never
+    modified nor frozen.  ``regulators``: ``{"ctx"|"vpt": R_φ}`` as ``GRAMMetaLearner.regulators()``.
+    """
+
+    prompts: PromptParams
+    regulators: Mapping[str, GradientRegulator] = field(default_factory=dict)
+    label: str = "in_memory"
+
+
+def _check_start(method: MethodSpec, dims: ClipDims, prompts: PromptParams) -> None:
+    problems = []
+    ctx, vpt = prompts.ctx, prompts.vpt
+    want_text = method.n_ctx_text
+    if (ctx is None) != (want_text == 0) or (ctx is not None and tuple(ctx.shape) != (want_text, dims.text_width)):
+        problems.append(f"ctx is {None if ctx is None else tuple(ctx.shape)}, method expects "
+                        f"{(want_text, dims.text_width) if want_text else None}")
+    want_vis = (method.vision_depth, method.n_ctx_vision, dims.vision_width) if method.n_ctx_vision else None
+    if (None if vpt is None else tuple(vpt.shape)) != want_vis:
+        problems.append(f"vpt is {None if vpt is None else tuple(vpt.shape)}, method expects {want_vis}")
+    if problems:
+        raise ValueError(f"method {method.name!r}: start point does not fit: " + "; ".join(problems))
+
+
+def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int,
+                  start: Optional[StartPoint] = None
                   ) -> tuple[Optional[PromptParams], Optional[GradientRegulation], dict]:
     """θ (and R_φ) at the start of fine-tuning, plus a JSON-able description of where they came from.
 
     Scratch prompts are drawn from ``torch.Generator().manual_seed(seed)``; word init embeds
     ``method.ctx_init``; a GRAM file is validated against the method's token counts and widths
-    (``meta.init_io.load_gram_init``).  Returns ``(None, None, info)`` for zero-shot CLIP.
+    (``meta.init_io.load_gram_init``); an in-memory ``start`` is copied and shape-checked.
+    Returns ``(None, None, info)`` for zero-shot CLIP.
     """
     if method.zero_shot:
         return None, None, {"source": "none"}
     device = clip.token_embedding.weight.device
     regulation = None
-    if method.init_path:
+    if start is not None:
+        if method.init_path or method.ctx_init:
+            raise ValueError(f"method {method.name!r}: a start point replaces init_path/ctx_init; give one of them")
+        prompts = copy.deepcopy(start.prompts).to(device)
+        for p in prompts.parameters():
+            p.requires_grad_(True)
+        _check_start(method, dims, prompts)
+        if method.regulate:
+            if not start.regulators:
+                raise ValueError(f"method {method.name!r}: regulate=True but the start point has no regulators")
+            regulation = GradientRegulation({k: copy.deepcopy(v) for k, v in start.regulators.items()}).to(device)
+        info = {"source": "in_memory", "label": start.label}
+    elif method.init_path:
         expect = {"text_width": dims.text_width, "vision_width": dims.vision_width,
                   "n_ctx_text": method.n_ctx_text, "n_ctx_vision": method.n_ctx_vision,
                   "vision_depth": method.vision_depth if method.n_ctx_vision else 0,
@@ -86,6 +129,9 @@ def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int
         info = {"source": "gram_file", "path": str(method.init_path),
                 "provenance": init.metadata.get("provenance", {}), "regulator": init.metadata.get("regulator")}
     else:
+        if method.regulate:
+            raise ValueError(f"method {method.name!r}: regulate=True needs φ: set init_path (a GRAM init file) "
+                             f"or pass a StartPoint")
         generator = torch.Generator().manual_seed(seed)
         prompts = PromptParams.from_spec(method.prompt_spec(), clip, dims, generator=generator)
         info = {"source": "words" if method.ctx_init else "scratch", "ctx_init": method.ctx_init,
