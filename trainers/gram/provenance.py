@@ -39,7 +39,7 @@ def environment_summary() -> str:
     """One line: python, platform, package versions, and this code's git commit."""
     parts = [f"python {platform.python_version()}", platform.platform(terse=True)]
     parts += [f"{p} {_version(p)}" for p in PACKAGES]
-    parts.append(f"gram commit {git_commit(Path(__file__).resolve().parent)}")
+    parts.append(f"code commit {git_commit(Path(__file__).resolve().parent)}")
     return ", ".join(parts)
 
 
