@@ -42,7 +42,7 @@ def _distributed():
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     from meta.config import load_meta_cfg
 
     try:
