@@ -81,7 +81,8 @@ def b2n(ds, tiny_clip, session, method, seed=1, spec=None, **kw):
 def strip_timing(record):
     out = dict(record)
     out.pop("seconds")
-    out["history"] = [{k: v for k, v in row.items() if k != "seconds"} for row in record["history"]]
+    out["history"] = [{k: v for k, v in row.items() if k not in ("seconds", "eval_seconds")}
+                      for row in record["history"]]
     return out
 
 

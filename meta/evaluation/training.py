@@ -232,8 +232,8 @@ class PromptTuner:
         """Train for ``spec.epochs``; returns one row per epoch.
 
         Each row: ``epoch`` (1-based), ``lr`` used, ``train_loss`` (mean), ``train_acc`` (%),
-        ``seconds``, plus whatever ``on_epoch(epoch)`` returns (called after every epoch when
-        ``spec.eval_every_epoch``, else after the last one only).
+        ``seconds`` (training), plus whatever ``on_epoch(epoch)`` returns and ``eval_seconds``
+        (called after every epoch when ``spec.eval_every_epoch``, else after the last one only).
         """
         if self.prompts is None or self.spec.epochs == 0:
             return []
@@ -276,7 +276,9 @@ class PromptTuner:
             row = {"epoch": epoch + 1, "lr": lr, "train_loss": loss_sum / max(seen, 1),
                    "train_acc": 100.0 * correct / max(seen, 1), "seconds": time.perf_counter() - start}
             if on_epoch is not None and (self.spec.eval_every_epoch or epoch + 1 == self.spec.epochs):
+                t_eval = time.perf_counter()
                 row.update(on_epoch(epoch + 1))
+                row["eval_seconds"] = time.perf_counter() - t_eval
             history.append(row)
             if bar is not None:
                 bar.update(1)
