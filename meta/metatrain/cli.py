@@ -68,11 +68,11 @@ def _one_line(err: BaseException) -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m meta", description="GRAM meta-training")
     sub = parser.add_subparsers(dest="command", required=True)
-    tr = sub.add_parser("train", help="meta-train (or pre-train) prompts; resumable; exports at the end")
+    tr = sub.add_parser("train", help="meta-train (or pre-train) prompts; resumable; exports at the end",
+                        usage="python -m meta train [--config-file F] [--resume] [--output-dir D] [KEY VALUE ...]")
     tr.add_argument("--config-file", default="", help="yaml with MODEL / CHC / TASKS / META settings")
     tr.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
     tr.add_argument("--output-dir", default="", help="run directory (overrides OUTPUT_DIR)")
-    tr.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE overrides")
     ex = sub.add_parser("export", help="write the init file (and CoOp ctx) from a run's checkpoint")
     ex.add_argument("--run-dir", required=True)
     ex.add_argument("--out", default="", help="init file path (default RUN_DIR/gram_init.safetensors)")
@@ -81,7 +81,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point; ``argv`` starts with the command (``train`` or ``export``)."""
-    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    parser = _parser()
+    args, opts = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    flags = [o for o in opts if o.startswith("--")]
+    if flags or (opts and args.command != "train"):
+        parser.error(f"unrecognized arguments: {' '.join(flags or opts)}")
+    args.opts = opts  # KEY VALUE overrides, anywhere on the line
     try:
         if args.command == "train":
             from .trainer import train
