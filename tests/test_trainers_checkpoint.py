@@ -112,6 +112,26 @@ def test_gramclip_keeps_clip_in_eval_and_predict_equals_forward(tiny_clip):
     assert not torch.allclose(stale, fresh, atol=1e-4)
 
 
+@pytest.mark.parametrize("with_vpt", [False, True])
+def test_gramclip_runs_a_half_precision_clip_with_fp32_prompts(tiny_clip, with_vpt):
+    """PREC fp16 (GPU): the CLIP is fp16, θ and its gradient stay fp32 (checked on CPU, where fp16 also runs)."""
+    import copy
+
+    clip, dims = tiny_clip
+    half = copy.deepcopy(clip).half()
+    g = torch.Generator().manual_seed(5)
+    prompts = PromptParams(ctx=torch.randn(2, 64, generator=g) * 0.02,
+                           vpt=torch.randn(1, 2, 64, generator=g) * 0.02 if with_vpt else None)
+    model = GramCLIP(half, dims, prompts, ["cat", "dog"])
+    images = torch.randn(3, 3, 32, 32, generator=g)  # the loader gives fp32 images
+    logits = model(images)
+    assert logits.dtype == torch.float16 and logits.shape == (3, 2)
+    logits.float().sum().backward()
+    assert prompts.ctx.grad.dtype == torch.float32 and torch.isfinite(prompts.ctx.grad).all()
+    full = GramCLIP(clip, dims, prompts, ["cat", "dog"])
+    assert torch.allclose(logits.float(), full(images).detach(), atol=0.1)
+
+
 class _Datum:
     def __init__(self, impath, label, classname):
         self.impath, self.label, self.classname = impath, label, classname

@@ -342,6 +342,44 @@ def test_stock_coop_loads_the_exported_context(experiment, init_files, tmp_path)
     assert torch.equal(torch.load(tmp_path / "init.pth", weights_only=True)["state_dict"]["ctx"], init_ctx)
 
 
+class _TensorNode(nn.Module):
+    """One level of a state-dict key hierarchy, holding only tensors (for a TorchScript archive)."""
+
+
+class _ArchiveRoot(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def write_openai_style_archive(state_dict: dict, path: Path) -> None:
+    """A TorchScript ``.pt`` whose state dict is ``state_dict``: the form of OpenAI's released CLIP files."""
+    root = _ArchiveRoot()
+    for key, value in state_dict.items():
+        *parents, leaf = key.split(".")
+        module = root
+        for name in parents:
+            if not hasattr(module, name):
+                module.add_module(name, _TensorNode())
+            module = getattr(module, name)
+        module.register_buffer(leaf, value.detach().clone())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.jit.script(root).save(str(path))
+
+
+def test_default_weights_are_openais_torchscript_file_in_the_clip_cache(data_root, tiny_clip, tmp_path, monkeypatch):
+    """WEIGHTS "" reads ~/.cache/clip/ViT-B-16.pt (what CoOp users have) through open_clip, with QuickGELU."""
+    clip, _ = tiny_clip
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write_openai_style_archive(clip.state_dict(), tmp_path / ".cache/clip/ViT-B-16.pt")
+    trainer = build(data_root, "coop", "TRAINER.GRAM.WEIGHTS", "")
+    assert "QuickGELU" in type(trainer.model.clip.transformer.resblocks[0].mlp.gelu).__name__
+    loaded, original = trainer.model.clip.state_dict(), clip.state_dict()
+    assert set(loaded) == set(original)
+    for key, value in original.items():  # OpenAI's loader stores linear/conv weights through fp16
+        assert torch.equal(loaded[key], value) or torch.equal(loaded[key], value.half().float()), key
+    assert torch.equal(loaded["token_embedding.weight"], original["token_embedding.weight"])
+
+
 # ------------------------------------------------------------------------------------------ errors
 def test_missing_weights_file_is_a_one_line_error_naming_path_and_key(data_root, tmp_path, monkeypatch):
     missing = tmp_path / "nowhere" / "ViT-B-16.pt"

@@ -44,8 +44,13 @@ class GramCLIP(nn.Module):
         """``[C, E]`` normalised class embeddings for the current θ."""
         return self.pclip.text_features(self.prompt_learner, self.classnames)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """dtype of the frozen CLIP (fp16 under PREC fp16); θ itself stays fp32."""
+        return self.clip.visual.conv1.weight.dtype
+
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        image = self.pclip.image_features(self.prompt_learner, images)
+        image = self.pclip.image_features(self.prompt_learner, images.to(self.dtype))
         return self.pclip.logit_scale * image @ self.text_features().to(image.dtype).t()
 
     # ---------------------------------------------------------------- inference with cached text side
@@ -58,5 +63,5 @@ class GramCLIP(nn.Module):
         """``forward`` without gradients, computing the text side once until :meth:`reset_cache`."""
         if self._text_cache is None:
             self._text_cache = self.text_features()
-        image = self.pclip.image_features(self.prompt_learner, images)
+        image = self.pclip.image_features(self.prompt_learner, images.to(self.dtype))
         return self.pclip.logit_scale * image @ self._text_cache.to(image.dtype).t()
