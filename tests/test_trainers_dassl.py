@@ -320,6 +320,16 @@ def test_resume_continues_epochs_and_schedule(tmp_path, data_root):
     assert resumed["epoch"] == 2 and resumed["scheduler"] == full["scheduler"]
 
 
+def test_best_val_model_is_saved_and_deployed(tmp_path, data_root):
+    out = tmp_path / "run"
+    run_train_py(common_args(data_root, "vpt") + ["--output-dir", str(out)] + TINY + ["TEST.FINAL_MODEL", "best_val"])
+    best = torch.load(out / "prompt_learner/model-best.pth.tar", weights_only=True)
+    assert isinstance(best["val_result"], float) and best["epoch"] == 1
+    log = (out / "log.txt").read_text()
+    assert "Evaluate on the *val* set" in log
+    assert f"Load {out / 'prompt_learner/model-best.pth.tar'} to prompt_learner (epoch=1, val_result={best['val_result']:.1f})" in log
+
+
 def test_stock_coop_loads_the_exported_context(experiment, init_files, tmp_path):
     """Dassl's load_pretrained_weights (what MODEL.INIT_WEIGHTS runs) into a CoOp-shaped prompt learner."""
 
