@@ -335,3 +335,14 @@ def test_kill_before_first_checkpoint_then_resume_starts_over(tmp_path, hier, fi
     result = train(_cfg(out, *PROMPTS["coop"]), resume=True, hierarchy=hier, echo=messages.append)
     assert result["resumed_from"] is None and "starting from step 0" in messages[0]
     assert _train_records(out) == _train_records(finished[0])  # the stale records are gone
+
+
+def test_meta_training_lowers_the_query_loss(tmp_path, hier):
+    """The outer loop descends: post-adaptation query loss falls well below its start (chance = ln 3)."""
+    out = tmp_path / "learn"
+    train(_cfg(out, *PROMPTS["coop"], "META.STEPS", "80", "META.CHECKPOINT_EVERY", "80", "META.VAL_TASKS", "0",
+               "META.LOG_DETAIL_EVERY", "0", "META.TENSORBOARD", "False"), hierarchy=hier, echo=_quiet)
+    losses = [r["query_loss_after"] for r in read_log(out / "log.jsonl") if r["kind"] == "train"]
+    first, last = float(np.mean(losses[:15])), float(np.mean(losses[-15:]))
+    print(f"query_loss_after first15 {first:.3f} last15 {last:.3f}")
+    assert len(losses) == 80 and first > 0.9 and last < 0.85 * first, (first, last)
