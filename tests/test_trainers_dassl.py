@@ -267,6 +267,14 @@ def test_training_step_applies_r_phi_to_the_gradient(data_root, init_files, meth
         assert not torch.allclose(theta[k].detach(), before[k] - 0.5 * g, atol=1e-6, rtol=1e-5)
 
 
+def test_regulate_off_keeps_the_init_but_not_the_regulator(data_root, init_files):
+    trainer = build(data_root, "unigram", "TRAINER.GRAM.REGULATE", "False", init_files=init_files)
+    assert trainer.regulation is None
+    init = load_gram_init(init_files["UNIGRAM"]).prompt
+    for k, v in trainer.model.prompt_learner.state_dict().items():
+        assert torch.equal(v, init[k])
+
+
 def test_baseline_step_is_plain_sgd(data_root):
     trainer = build(data_root, "coop", "OPTIM.WARMUP_EPOCH", "0", "OPTIM.LR", "0.5", "OPTIM.MOMENTUM", "0.0",
                     "OPTIM.WEIGHT_DECAY", "0.0")
