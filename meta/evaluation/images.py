@@ -91,15 +91,20 @@ class ImageLoader:
         self._cached_bytes += nbytes
         return True
 
+    @staticmethod
+    def decode(impath: str) -> Image.Image:
+        """Read ``impath`` as RGB; a missing or corrupt file raises ``OSError`` naming it."""
+        try:
+            with Image.open(impath) as f:
+                return f.convert("RGB")
+        except (OSError, ValueError) as err:
+            raise OSError(f"cannot read image {impath}: {err}") from None
+
     def pil(self, impath: str) -> Image.Image:
         """The RGB image at ``impath`` (decoded once while the memory budget lasts)."""
         img = self._pil.get(impath)
         if img is None:
-            try:
-                with Image.open(impath) as f:
-                    img = f.convert("RGB")
-            except (OSError, ValueError) as err:
-                raise OSError(f"cannot read image {impath}: {err}") from None
+            img = self.decode(impath)
             if self._room(img.width * img.height * 3):
                 self._pil[impath] = img
         return img
@@ -108,8 +113,7 @@ class ImageLoader:
         """``[3, S, S]`` test-transformed image."""
         x = self._test.get(impath)
         if x is None:
-            with Image.open(impath) as f:
-                x = self.test_tf(f.convert("RGB"))
+            x = self.test_tf(self.decode(impath))
             if self._room(x.numel() * x.element_size()):
                 self._test[impath] = x
         return x

@@ -40,6 +40,7 @@ class EvaluationSession:
         clip_info: extra JSON-able facts for result records (e.g. ``{"pretrained": path}``).
         log: where messages go (``print`` by default).
         progress: show tqdm bars while encoding images and fine-tuning.
+        encode_batch_size: images per forward when pre-computing frozen features.
     """
 
     def __init__(self, clip: nn.Module, dims: ClipDims, cache_dir: Optional[str] = None,

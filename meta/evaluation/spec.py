@@ -12,7 +12,6 @@ SGD, LR 0.002, 10 epochs, batch 1, cosine schedule with one constant warm-up epo
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Optional
 
 from ..prompts import PromptSpec
 
@@ -110,7 +109,6 @@ class TrainSpec:
         eval_every_epoch: test after every epoch (and before the first) for accuracy-vs-epoch
             curves (paper Fig. 3a); otherwise only after the last epoch.
         test_batch_size: images per forward at test time (CoCoOp: 100).
-        encode_batch_size: images per forward when pre-computing frozen features.
     """
 
     epochs: int = 10
@@ -127,7 +125,6 @@ class TrainSpec:
     rrcrop_scale: tuple = (0.08, 1.0)
     eval_every_epoch: bool = True
     test_batch_size: int = 100
-    encode_batch_size: int = 64
 
     def __post_init__(self) -> None:
         if self.epochs < 0:
