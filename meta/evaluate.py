@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from typing import Optional, Sequence
 
 from .evaluation import (PRESET_NAMES, DatasetRef, EvaluationSession, MethodSpec, TrainSpec,
                          evaluate_base_to_new, evaluate_transfer, method_preset)
+from .evaluation.summary import average_over_datasets, format_row, summarise
 
 __all__ = ["DatasetRef", "EvaluationSession", "MethodSpec", "TrainSpec", "evaluate_base_to_new",
            "evaluate_transfer", "method_preset", "PRESET_NAMES", "main"]
@@ -117,31 +117,10 @@ def _summary(record: dict) -> str:
     return f"{record['dataset']:<20} {record['method']:<12} seed {record['seed']}: {nums}  ({record['seconds']:.1f} s)"
 
 
-def _mean_std(values: list[float]) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.2f}"
-    return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
-
-
 def _table(records: list[dict]) -> str:
-    groups: dict[tuple, list[dict]] = {}
-    for r in records:
-        groups.setdefault((r["dataset"], r["method"]), []).append(r)
-    lines = []
-    for (ds, method), rows in groups.items():
-        if rows[0]["protocol"] == "base2new":
-            from .coop_data import harmonic_mean
-            b = [r["base"] for r in rows]
-            n = [r["new"] for r in rows]
-            h = harmonic_mean(statistics.mean(b), statistics.mean(n))  # H of the means, as the paper's tables
-            lines.append(f"{ds:<20} {method:<12} base {_mean_std(b)}  new {_mean_std(n)}  H {h:.2f}  "
-                         f"(seeds {len(rows)})")
-        else:
-            s = [r["source"] for r in rows]
-            t = [r["target_mean"] for r in rows]
-            lines.append(f"{ds:<20} {method:<12} source {_mean_std(s)}  target mean {_mean_std(t)}  "
-                         f"(seeds {len(rows)})")
-    return "\n".join(lines)
+    rows = summarise(records)
+    rows += average_over_datasets(rows) if len({r["dataset"] for r in rows}) > 1 else []
+    return "\n".join(format_row(r) for r in rows)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

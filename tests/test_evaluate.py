@@ -323,3 +323,29 @@ def test_cli_writes_one_json_line_per_run(ds_a, data_root, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "SynthA" in printed and "CoOp" in printed
     assert main(["base2new", "--dataset", str(tmp_path / "missing")]) == 2
+
+
+def test_summaries_average_seeds_like_coop_parser_and_take_h_of_the_means():
+    from meta.evaluation import average_over_datasets, epoch_curves, summarise
+
+    def rec(ds, seed, base, new, hist):
+        return {"protocol": "base2new", "dataset": ds, "method": "CoOp", "seed": seed, "base": base, "new": new,
+                "history": [{"epoch": e, "base": b, "new": n, "H": harmonic_mean(b, n)} for e, b, n in hist]}
+
+    records = [rec("A", 1, 80.0, 60.0, [(0, 50.0, 50.0), (1, 80.0, 60.0)]),
+               rec("A", 2, 90.0, 40.0, [(0, 30.0, 70.0), (1, 90.0, 40.0)]),
+               rec("A", 3, 70.0, 50.0, [(0, 40.0, 60.0)]),          # this seed has no epoch-1 row
+               rec("B", 1, 20.0, 10.0, [])]
+    rows = summarise(records)
+    a = rows[0]
+    assert (a["dataset"], a["seeds"]) == ("A", [1, 2, 3])
+    assert a["base_mean"] == pytest.approx(np.mean([80, 90, 70])) and a["base_std"] == pytest.approx(np.std([80, 90, 70]))
+    assert a["new_std"] == pytest.approx(np.std([60, 40, 50]))
+    assert a["H"] == pytest.approx(2 * 80 * 50 / 130)                # H of the means, not mean of the Hs
+    assert a["H"] != pytest.approx(np.mean([harmonic_mean(r["base"], r["new"]) for r in records[:3]]))
+    avg = average_over_datasets(rows)[0]
+    assert avg["base_mean"] == pytest.approx((80 + 20) / 2) and avg["new_mean"] == pytest.approx((50 + 10) / 2)
+    assert avg["H"] == pytest.approx(harmonic_mean(50.0, 30.0))
+    curve = epoch_curves(records)[0]
+    assert curve["epochs"] == [0]                                    # epoch 1 is missing for seed 3
+    assert curve["base"] == [pytest.approx(40.0)] and curve["new"] == [pytest.approx(60.0)]
