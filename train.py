@@ -66,7 +66,7 @@ def reset_cfg(cfg, args: argparse.Namespace) -> None:
 
 
 def extend_cfg(cfg) -> None:
-    """Add every key the trainers and datasets of this repository read (``TRAINER.GRAM.*``, ``DATASET.SUBSAMPLE_CLASSES``)."""
+    """Add every key our trainers and datasets read (``TRAINER.GRAM.*``, ``DATASET.SUBSAMPLE_CLASSES``)."""
     extend_gram_cfg(cfg)
 
 

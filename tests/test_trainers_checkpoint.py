@@ -58,7 +58,8 @@ def test_unsafe_or_missing_checkpoints_give_one_line_errors(tmp_path):
 
 def test_prompt_state_drops_class_buffers_and_names_mismatches():
     prompts = PromptParams(ctx=torch.zeros(4, 64))
-    coop_like = {"ctx": torch.ones(4, 64), "token_prefix": torch.zeros(10, 1, 64), "token_suffix": torch.zeros(10, 72, 64)}
+    coop_like = {"ctx": torch.ones(4, 64), "token_prefix": torch.zeros(10, 1, 64),
+                 "token_suffix": torch.zeros(10, 72, 64)}
     kept = prompt_state(coop_like, prompts)
     assert set(kept) == {"ctx"} and torch.equal(kept["ctx"], torch.ones(4, 64))
     assert set(prompt_state({"module.ctx": torch.ones(4, 64)}, prompts)) == {"ctx"}

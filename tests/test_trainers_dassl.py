@@ -335,7 +335,8 @@ def test_best_val_model_is_saved_and_deployed(tmp_path, data_root):
     assert isinstance(best["val_result"], float) and best["epoch"] == 1
     log = (out / "log.txt").read_text()
     assert "Evaluate on the *val* set" in log
-    assert f"Load {out / 'prompt_learner/model-best.pth.tar'} to prompt_learner (epoch=1, val_result={best['val_result']:.1f})" in log
+    best_path = out / "prompt_learner/model-best.pth.tar"
+    assert f"Load {best_path} to prompt_learner (epoch=1, val_result={best['val_result']:.1f})" in log
 
 
 def test_stock_coop_loads_the_exported_context(experiment, init_files, tmp_path):

@@ -180,7 +180,8 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
     backbone = cfg.MODEL.BACKBONE.NAME
     model_name = g.MODEL_NAME or open_clip_name(backbone)
     if not model_name:
-        raise ValueError("TRAINER.GRAM.MODEL_NAME: empty, and MODEL.BACKBONE.NAME is empty too (expected e.g. ViT-B/16)")
+        raise ValueError("TRAINER.GRAM.MODEL_NAME: empty, and MODEL.BACKBONE.NAME is empty too "
+                         "(expected e.g. ViT-B/16)")
     weights_key = str(g.WEIGHTS).strip()
     if weights_key.lower() in RANDOM_WEIGHTS:
         weights = None

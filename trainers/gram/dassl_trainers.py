@@ -83,6 +83,7 @@ class _GramTrainer(TrainerX):
             init = load_gram_init(s.init_path, config_key="TRAINER.GRAM.INIT", expect={
                 "text_width": dims.text_width, "vision_width": dims.vision_width, "model_name": dims.model_name,
                 "n_ctx_text": s.n_ctx_text, "n_ctx_vision": s.n_ctx_vision, "vision_depth": depth})
+            self.gram_init_metadata = init.metadata
             regulators = init.regulator_modules() if s.regulate else {}
             if s.regulate and not regulators:
                 raise ValueError(f"TRAINER.GRAM.REGULATE is True but {s.init_path} holds no regulator φ; "
@@ -108,11 +109,14 @@ class _GramTrainer(TrainerX):
         print(f"GRAM trainer {s.trainer}: GRAM {'on' if s.enabled else 'off (baseline)'}, "
               f"text ctx {s.n_ctx_text}, visual prompts {s.n_ctx_vision} x depth {s.vision_depth(dims.vision_layers)}, "
               f"regulated tensors {sorted(self.regulation.regulators) if self.regulation else []}")
-        print(f"GRAM backbone: {dims.model_name} weights={s.weights or 'RANDOM'} quick_gelu={s.quick_gelu} "
+        quick_gelu = "auto" if s.quick_gelu is None else s.quick_gelu
+        print(f"GRAM backbone: {dims.model_name} weights={s.weights or 'RANDOM'} quick_gelu={quick_gelu} "
               f"precision={self.precision} (asked {s.precision}) device={self.device} widths text={dims.text_width} "
               f"vision={dims.vision_width} image={dims.image_size}px")
         if s.enabled:
-            print(f"GRAM init: {s.init_path} sha256={file_sha256(s.init_path)}")
+            meta = self.gram_init_metadata
+            print(f"GRAM init: {s.init_path} sha256={file_sha256(s.init_path)} regulator={meta.get('regulator')} "
+                  f"provenance={meta.get('provenance')}")
         root = cfg.DATASET.ROOT
         n, digest = sample_digest(self.dm.dataset.train_x, root)
         print(f"GRAM data: {cfg.DATASET.NAME} subsample={cfg.DATASET.SUBSAMPLE_CLASSES} shots={cfg.DATASET.NUM_SHOTS} "
@@ -188,7 +192,8 @@ class _GramTrainer(TrainerX):
     def load_model(self, directory, epoch=None) -> None:
         """Load θ for evaluation (weights_only; works for other classes than the ones trained on)."""
         if not directory:
-            print("Note that load_model() is skipped as no pretrained model is given (ignore this if it's done on purpose)")
+            print("Note that load_model() is skipped as no pretrained model is given "
+                  "(ignore this if it's done on purpose)")
             return
         for name in self.get_model_names():
             if epoch is not None:
