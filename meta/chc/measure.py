@@ -40,8 +40,65 @@ def word_recovery(captions, true_topic, labels, fractions, weights=None) -> list
     return rows
 
 
+def model_throughput(n_captions: int = 2000, n_images: int = 48, backbone: str = "ViT-B-16") -> dict:
+    """Items per second of the heavy models at their real size (random CLIP weights, same cost).
+
+    Sentence embeddings fp32 vs bf16 (+ their cosine agreement), CLIP image tower on
+    decoded 224 px images (JPEG decode + resize included), CLIP text tower (pair filter).
+    """
+    import io
+    import warnings
+
+    import open_clip
+    import torch
+    from PIL import Image
+
+    from meta.backbone import load_clip
+    from meta.chc.imaging import clip_norm_stats, decode_batch, encode_images
+    from meta.chc.pair_filter import clip_text_features
+    from meta.chc.synthetic import TOPICS, make_caption
+    from meta.chc.text_embed import embed_texts, load_sentence_model
+
+    rng = np.random.default_rng(0)
+    caps = [make_caption(str(rng.choice(list(TOPICS))), rng, list(TOPICS), 0.1) + f" {i}" for i in range(n_captions)]
+    res = {}
+    embs = {}
+    for dtype in ("fp32", "bf16"):
+        model = load_sentence_model("", dtype, "cpu")
+        embed_texts(model, caps[:64])                        # warm-up
+        t0 = time.time()
+        embs[dtype] = embed_texts(model, caps, 128)
+        res[f"sentence_embeddings_{dtype}"] = n_captions / (time.time() - t0)
+    agreement = (embs["fp32"] * embs["bf16"]).sum(1)          # both unit-norm
+    res["bf16_vs_fp32_min_cosine"] = float(agreement.min())
+    res["bf16_vs_fp32_mean_cosine"] = float(agreement.mean())
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        clip, dims = load_clip(backbone, None)
+    mean, std = clip_norm_stats(clip)
+    blobs = []
+    for _ in range(n_images):                               # CC3M-like 500 x 375 JPEGs
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (375, 500, 3), dtype=np.uint8)).save(buf, "JPEG", quality=90)
+        blobs.append(buf.getvalue())
+    t0 = time.time()
+    pixels, _ = decode_batch(blobs, dims.image_size)
+    res["jpeg_decode_resize"] = n_images / (time.time() - t0)
+    encode_images(clip, pixels[:4], mean, std)             # warm-up
+    t0 = time.time()
+    encode_images(clip, pixels, mean, std, batch_size=16)
+    res[f"clip_image_tower_{backbone}"] = n_images / (time.time() - t0)
+    tok = open_clip.get_tokenizer(backbone)
+    t0 = time.time()
+    clip_text_features(clip, tok, caps[:256], batch_size=64)
+    res[f"clip_text_tower_{backbone}"] = 256 / (time.time() - t0)
+    return {k: round(v, 5 if "cosine" in k else 1) for k, v in res.items()}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", action="store_true", help="only measure model throughput at real size")
     p.add_argument("--pairs", type=int, default=10000)
     p.add_argument("--min-cluster-size", type=int, default=20)
     p.add_argument("--mention-rate", type=float, default=0.1)
@@ -49,6 +106,10 @@ def main(argv=None) -> int:
     p.add_argument("--text-dtype", default="fp32")
     p.add_argument("--out", default=".cache/chc_measure")
     args = p.parse_args(argv)
+    if args.models:
+        for name, value in model_throughput().items():
+            print(f"  {name:40s} {value}" + ("" if "cosine" in name else " items/s"))
+        return 0
 
     from meta.chc import run_chc
     from meta.chc.synthetic import write_synthetic_shards

@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from meta.chc.stages import ChunkedArray
+from meta.chc.stages import ChunkedArray, dedupe
 
 
 @torch.no_grad()
@@ -37,10 +37,10 @@ def pair_cosines(clip, tokenizer, captions: Sequence[str], image_features: np.nd
 
     Captions are deduplicated and encoded in cached, resumable chunks.
     """
-    uniq, inverse = np.unique(np.asarray(captions, dtype=object).astype(str), return_inverse=True)
+    uniq, inverse = dedupe(captions)
     store = ChunkedArray(Path(stage_dir) / "clip_text_features.npy", len(uniq), (image_features.shape[1],),
                          np.float32, fp)
-    text = store.fill(lambda s, e: clip_text_features(clip, tokenizer, list(uniq[s:e]), template,
+    text = store.fill(lambda s, e: clip_text_features(clip, tokenizer, uniq[s:e], template,
                                                       batch_size, device),
                       chunk_size, desc="CLIP caption features", disable_progress=not show_progress)
     cos = np.full(len(captions), np.nan, dtype=np.float32)

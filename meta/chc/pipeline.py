@@ -31,7 +31,8 @@ from meta.chc import domains as domains_mod
 from meta.chc import topics as topics_mod
 from meta.chc.hierarchy import CLUSTERED, FILTERED, NOISE, SMALL_TOPIC, STATUS, UNREADABLE
 from meta.chc.sources import PairIndex, build_index
-from meta.chc.stages import ChunkedArray, StageMarker, fingerprint, save_npy_atomic, write_json_atomic
+from meta.chc.stages import (ChunkedArray, StageMarker, dedupe, fingerprint, groups, save_npy_atomic,
+                             write_json_atomic)
 
 log = logging.getLogger(__name__)
 
@@ -211,11 +212,10 @@ class ChcRun:
         if not marker.is_done():
             stage_dir.mkdir(parents=True, exist_ok=True)
             kept = np.flatnonzero(keep)
-            caps = np.asarray(index.captions, dtype=object)[kept].astype(str)
-            uniq, inverse = np.unique(caps, return_inverse=True)     # dedupe identical captions
+            uniq, inverse = dedupe([index.captions[i] for i in kept])   # identical captions embedded once
             item_unique = np.full(len(index), -1, dtype=np.int64)
             item_unique[kept] = inverse
-            write_json_atomic(stage_dir / "unique_captions.json", uniq.tolist())
+            write_json_atomic(stage_dir / "unique_captions.json", uniq)
             save_npy_atomic(stage_dir / "item_unique.npy", item_unique)
 
             from meta.chc.text_embed import embed_texts, load_sentence_model
@@ -225,7 +225,7 @@ class ChcRun:
             dim = int(dim_fn())
             store = ChunkedArray(stage_dir / "embeddings.npy", len(uniq), (dim,), np.float32, fp)
             t0, before = time.time(), store.rows_done()
-            store.fill(lambda s, e: embed_texts(model, uniq[s:e].tolist(), text.BATCH_SIZE), text.CHUNK_SIZE,
+            store.fill(lambda s, e: embed_texts(model, uniq[s:e], text.BATCH_SIZE), text.CHUNK_SIZE,
                        desc="sentence embeddings", disable_progress=not self.show_progress)
             self._timed("text_embeddings", time.time() - t0, len(uniq) - before)
             marker.mark({"unique_captions": int(len(uniq)), "model": model_path})
@@ -311,8 +311,9 @@ class ChcRun:
             item_topic = np.full(n, -1, dtype=np.int64)
             item_domain = np.full(n, -1, dtype=np.int64)
             t0 = time.time()
+            members_of = groups(pre_topic)
             for t, name in enumerate(names):
-                members = np.flatnonzero(pre_topic == t)
+                members = members_of.get(t, np.zeros(0, dtype=np.int64))
                 split = domains_mod.split_domains(np.asarray(feats[members]), dc.NUM, dc.MIN_PER_DOMAIN,
                                                   dc.MINIBATCH_ABOVE, dc.N_INIT, self.cfg.SEED)
                 entry = {"name": name, "images": int(len(members)), "domains": split.num_domains}

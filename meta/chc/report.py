@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meta.chc.stages import write_json_atomic
+from meta.chc.stages import groups, write_json_atomic
 
 MERGE_RULE = ("HDBSCAN clusters whose cluster-TF-IDF top word is identical are merged into one topic "
               "(same name = same class), so no K-way task holds two classes with one name.")
@@ -55,8 +55,9 @@ def write_report(out_dir: Path, captions: list, counts: dict, topic_info: dict, 
     rng = np.random.default_rng(seed)
     topics = []
     final_names = domain_info["topic_names"]
+    members_of = groups(item_topic)
     for t, name in enumerate(final_names):
-        members = np.flatnonzero(item_topic == t)
+        members = members_of.get(t, np.zeros(0, dtype=np.int64))
         entry = next(e for e in domain_info["per_topic"] if e["name"] == name)
         merged_from = [c for c, tt in enumerate(topic_info["cluster_to_topic"])
                        if tt >= 0 and topic_info["topic_names"][tt] == name]

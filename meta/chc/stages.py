@@ -34,6 +34,24 @@ def fingerprint(*parts) -> str:
     return h.hexdigest()[:16]
 
 
+def dedupe(strings: Sequence[str]) -> tuple[list, np.ndarray]:
+    """Unique strings in first-seen order and int64 ``[n]`` positions into them (dict-based:
+    memory grows with the unique strings, not with ``n x longest string`` as numpy unicode would)."""
+    first: dict = {}
+    inverse = np.fromiter((first.setdefault(s, len(first)) for s in strings), dtype=np.int64, count=len(strings))
+    return list(first), inverse
+
+
+def groups(labels: np.ndarray) -> dict:
+    """``{label: sorted int64 indices}`` for labels >= 0, in one sort (not one pass per label)."""
+    labels = np.asarray(labels)
+    order = np.argsort(labels, kind="stable")
+    sorted_labels = labels[order]
+    values, starts = np.unique(sorted_labels, return_index=True)
+    ends = np.append(starts[1:], len(order))
+    return {int(v): order[a:b] for v, a, b in zip(values, starts, ends) if v >= 0}
+
+
 def write_json_atomic(path: Path, payload) -> None:
     """Write JSON to ``path`` via a temporary file and ``os.replace`` (no half-written files)."""
     path = Path(path)

@@ -132,4 +132,5 @@ def embed_texts(model, texts: Sequence[str], batch_size: int = 128) -> np.ndarra
     """L2-normalised float32 embeddings ``[n, d]`` (d = 384 for all-MiniLM-L6-v2)."""
     emb = model.encode(list(texts), batch_size=batch_size, convert_to_numpy=False, convert_to_tensor=True,
                        normalize_embeddings=True, show_progress_bar=False)
-    return emb.float().cpu().numpy()
+    emb = emb.float().cpu().numpy()                       # re-normalise: bf16 rounding leaves |e| != 1
+    return emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
