@@ -7,7 +7,7 @@ Examples::
     # base-to-new, 3 seeds, zero-shot CLIP + CoOp + CoOp+GRAM on two world datasets
     python -m meta.evaluate base2new --dataset .cache/world/<hash>/downstream/world_curves \\
         --dataset .cache/world/<hash>/downstream/world_icons --model GRAM-World-ViT-T \\
-        --pretrained .cache/world/<hash>/clip/clip.safetensors \\
+        --pretrained .cache/world/<hash>/clip/<weights>.safetensors \\
         --methods zsclip coop coop_gram --init coop_gram=output/gram_text.safetensors \\
         --seeds 1 2 3 --shots 16 --output output/eval/b2n.jsonl
 

@@ -325,6 +325,17 @@ def test_cli_writes_one_json_line_per_run(ds_a, data_root, tmp_path, capsys):
     assert main(["base2new", "--dataset", str(tmp_path / "missing")]) == 2
 
 
+def test_cli_maps_init_files_to_gram_presets():
+    from meta.evaluate import _methods, _parser
+
+    args = _parser().parse_args(["base2new", "--dataset", "x", "--methods", "coop", "coop_gram", "vpt_gram",
+                                 "--init", "coop_gram=/t.safetensors", "/both.safetensors", "--vision-depth", "3"])
+    coop, coop_gram, vpt_gram = _methods(args)
+    assert (coop.init_path, coop.regulate) == ("", False)
+    assert (coop_gram.init_path, coop_gram.regulate) == ("/t.safetensors", True)
+    assert (vpt_gram.init_path, vpt_gram.n_ctx_vision, vpt_gram.vision_depth) == ("/both.safetensors", 4, 3)
+
+
 def test_summaries_average_seeds_like_coop_parser_and_take_h_of_the_means():
     from meta.evaluation import average_over_datasets, epoch_curves, summarise
 
