@@ -260,6 +260,11 @@ def test_existing_or_corrupt_or_mismatching_checkpoint_never_overwritten(finishe
     with pytest.raises(CheckpointError, match="META.INNER_LR"):
         train(_cfg(out, *PROMPTS["coop"], "META.INNER_LR", "0.3", "META.STEPS", "8"), resume=True, hierarchy=hier,
               echo=_quiet)
+    moved = _hierarchy()
+    moved.item_domain = (moved.item_domain + 1) % N_DOMAINS  # same images and features, other domains
+    with pytest.raises(CheckpointError, match="hierarchy changed"):
+        train(_cfg(out, *PROMPTS["coop"], "META.STEPS", "8"), resume=True, hierarchy=moved, echo=_quiet)
+    assert load_checkpoint(out / "checkpoint.pt")["step"] == 6
     bad = tmp_path / "bad"
     bad.mkdir()
     blob = (out / "checkpoint.pt").read_bytes()[:300]
