@@ -271,3 +271,45 @@ def test_rank_sharding_matches_single_process(chc_run, tmp_path):
     np.testing.assert_array_equal(np.load(tmp_path / "images_u8.npy"), np.load(out / "image_features" / "images_u8.npy"))
     assert stats["unreadable_images"] == (~np.load(tmp_path / "image_ok.npy")).sum()
     assert not list(tmp_path.glob("*.rank*"))
+
+
+def test_quantile_filter_and_sample_fit_reuse_cached_stages(chc_run, tmp_path, monkeypatch):
+    """Changing FILTER / FIT_SAMPLE reruns only the stages after image features."""
+    import shutil
+
+    import meta.chc.image_features as imf
+    from meta.chc.hierarchy import FILTERED
+
+    out_ref, cfg_ref, truth = chc_run
+    shutil.copytree(out_ref, tmp_path / "out")
+    cfg = cfg_ref.clone()
+    cfg.CHC.OUTPUT_DIR = str(tmp_path / "out")
+    cfg.CHC.FILTER.MODE = "quantile"
+    cfg.CHC.FILTER.QUANTILE = 0.2
+    cfg.CHC.TOPICS.FIT_SAMPLE = 500          # the rest goes to the nearest centroid
+    cfg.CHC.TOPICS.MIN_CLUSTER_SIZE = 15
+    cfg.CHC.TOPICS.PLOT_POINTS = 0
+
+    def no_encoding(*a, **k):
+        raise AssertionError("image features were recomputed")
+
+    monkeypatch.setattr(imf, "encode_images", no_encoding)
+    out = run_chc(cfg, show_progress=False)
+    counts = json.loads((out / "chc_report.json").read_text())["counts"]
+    ok = np.load(out / "image_features" / "image_ok.npy")
+    status = np.load(out / "item_status.npy")
+    assert abs(counts["filtered"] - 0.2 * ok.sum()) <= 2 and counts["filtered"] == (status == FILTERED).sum()
+    cos = np.load(out / "filter" / "pair_cosine.npy")
+    assert np.nanmin(cos[status != FILTERED]) >= np.nanmax(cos[status == FILTERED])
+    assert counts["fit_sample"] == 500 < counts["unique_captions"]
+    assert not (out / "umap_topics.png").exists()       # PLOT_POINTS 0: no (stale) picture
+    h = load_hierarchy(out)
+    from meta.chc.sources import PairIndex
+
+    keys = PairIndex.load(out / "index").item_key
+    pos = _truth_by_key(truth)
+    item_truth = np.array([truth["topic"][pos[k]] for k in keys])
+    named = [(t, n) for t, n in enumerate(h.topic_names) if n in set(truth["topic"])]
+    assert len(named) >= 0.75 * len(set(truth["topic"]))
+    right = sum((item_truth[h.item_topic == t] == n).sum() for t, n in named)
+    assert right / sum((h.item_topic == t).sum() for t, _ in named) > 0.85

@@ -272,6 +272,7 @@ class ChcRun:
             unique_topic = np.where(unique_cluster >= 0, cluster_to_topic[np.maximum(unique_cluster, 0)], -1)
 
             plot = {}
+            (stage_dir / "plot.npz").unlink(missing_ok=True)   # never draw a previous run's points
             if tc.PLOT_POINTS > 0:
                 pick = np.sort(rng.choice(len(sample), size=min(int(tc.PLOT_POINTS), len(sample)), replace=False))
                 xy = topics_mod.project_2d(sample_emb[pick], tc.UMAP_NEIGHBORS, tc.UMAP_METRIC, self.cfg.SEED)

@@ -21,6 +21,7 @@ def plot_topics(out_dir: Path, names: list) -> bool:
     """PNG of the 2-D UMAP coloured by topic (noise grey); False when no plot data exists."""
     path = Path(out_dir) / "topics" / "plot.npz"
     if not path.is_file():
+        (Path(out_dir) / "umap_topics.png").unlink(missing_ok=True)
         return False
     import matplotlib
 
