@@ -351,3 +351,23 @@ def test_meta_training_lowers_the_query_loss(tmp_path, hier):
     first, last = float(np.mean(losses[:15])), float(np.mean(losses[-15:]))
     print(f"query_loss_after first15 {first:.3f} last15 {last:.3f}")
     assert len(losses) == 80 and first > 0.9 and last < 0.85 * first, (first, last)
+
+
+def test_sigterm_checkpoints_the_current_step_and_resume_matches(tmp_path, hier, finished):
+    import os
+    import signal
+
+    out = tmp_path / "term"
+
+    def term_at_3(step, _metrics):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    result = train(_cfg(out, *PROMPTS["coop"]), hierarchy=hier, on_step=term_at_3, echo=_quiet)
+    assert result["stopped"] and result["step"] == 3 and signal.getsignal(signal.SIGTERM) == previous
+    assert load_checkpoint(out / "checkpoint.pt")["step"] == 3  # nothing lost, although 3 % CHECKPOINT_EVERY != 0
+    train(_cfg(out, *PROMPTS["coop"]), resume=True, hierarchy=hier, echo=_quiet)
+    a = _tensors(load_checkpoint(out / "checkpoint.pt")["learner"])
+    b = _tensors(load_checkpoint(finished[0] / "checkpoint.pt")["learner"])
+    assert all(torch.equal(a[k], b[k]) for k in a)

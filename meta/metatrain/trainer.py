@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +51,37 @@ RUN_INFO_NAME = "run.json"
 
 class RunExistsError(RuntimeError):
     """OUTPUT_DIR already holds a run and ``--resume`` was not given."""
+
+
+class StopRequest:
+    """SIGTERM / first Ctrl-C ask the loop to checkpoint after the current step and return.
+
+    A second Ctrl-C interrupts at once (the last periodic checkpoint still holds).  Handlers are
+    only installed from the main thread and are restored on exit.
+    """
+
+    SIGNALS = ("SIGTERM", "SIGINT")
+
+    def __init__(self):
+        self.requested: Optional[str] = None
+        self._previous: dict = {}
+
+    def _handle(self, signum, _frame) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                sig = getattr(signal, name)
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
 
 
 @dataclass
@@ -231,6 +264,42 @@ def export_paths(run_dir: Path, cfg, out: Optional[str] = None) -> tuple[Path, P
     return run_dir / cfg.META.EXPORT_NAME, run_dir / cfg.META.COOP_CTX_NAME
 
 
+def _loop(run: RunSetup, log: RunLog, bar, stop: StopRequest, start: int, saved_at: int, ckpt_path: Path,
+          on_step: Optional[Callable[[int, dict], None]]) -> Optional[int]:
+    """Steps ``start+1 .. META.STEPS`` with logging, validation and checkpoints.
+
+    Returns ``None`` when all steps ran (a checkpoint at the last step exists), or the step after
+    which a stop was requested (checkpointed too).
+    """
+    cfg = run.cfg
+    steps_total, val_every, ckpt_every = int(cfg.META.STEPS), int(cfg.META.VAL_EVERY), int(cfg.META.CHECKPOINT_EVERY)
+    step_fn = gram_step if cfg.META.MODE == "gram" else pretrain_step
+    if start == 0 and run.val_tasks and val_every > 0:
+        log.write("val", 0, validate(run))
+    for step in range(start + 1, steps_total + 1):
+        t0 = time.perf_counter()
+        metrics = step_fn(run, step)
+        metrics["time_per_step"] = time.perf_counter() - t0
+        log.write("train", step, metrics)
+        bar.update(1)
+        bar.set_postfix(postfix(metrics), refresh=False)
+        if run.val_tasks and val_every > 0 and step % val_every == 0:
+            log.write("val", step, validate(run))
+        if step % ckpt_every == 0 or step == steps_total or stop.requested:
+            log.flush()
+            save_checkpoint(ckpt_path, _checkpoint_payload(run, step))
+            saved_at = step
+        if on_step is not None:
+            on_step(step, metrics)
+        if stop.requested:
+            if saved_at < step:  # the request arrived during on_step
+                save_checkpoint(ckpt_path, _checkpoint_payload(run, step))
+            return step
+    if saved_at < steps_total:  # e.g. META.STEPS 0: still leave a checkpoint to export from
+        save_checkpoint(ckpt_path, _checkpoint_payload(run, max(start, steps_total)))
+    return None
+
+
 # ----------------------------------------------------------------------------- the run
 def train(cfg, resume: bool = False, hierarchy=None, on_step: Optional[Callable[[int, dict], None]] = None,
           echo: Callable[[str], None] = print) -> dict:
@@ -245,7 +314,8 @@ def train(cfg, resume: bool = False, hierarchy=None, on_step: Optional[Callable[
         echo: where one-line status messages go.
 
     Returns:
-        ``{"run_dir", "step", "export": {"init", "coop_ctx"} | None, "resumed_from", "noop"}``.
+        ``{"run_dir", "step", "export": {"init", "coop_ctx"} | None, "resumed_from", "noop"}`` (+ ``"stopped":
+        True`` when SIGTERM / Ctrl-C ended the run early, after checkpointing the step it was in).
     """
     from .export import export_state
 
@@ -310,37 +380,23 @@ def train(cfg, resume: bool = False, hierarchy=None, on_step: Optional[Callable[
     _write_json_atomic(info_path, info)
 
     log = RunLog(run_dir, start_step=start, tensorboard=bool(cfg.META.TENSORBOARD), fresh=state is None)
-    step_fn = gram_step if cfg.META.MODE == "gram" else pretrain_step
-    val_every = int(cfg.META.VAL_EVERY)
-    ckpt_every = int(cfg.META.CHECKPOINT_EVERY)
-    saved_at = start if state is not None else -1
     bar = progress_bar(steps_total, start, bool(cfg.META.PROGRESS), f"{cfg.META.MODE} {run_dir.name}")
-    try:
-        if start == 0 and run.val_tasks and val_every > 0:
-            log.write("val", 0, validate(run))
-        for step in range(start + 1, steps_total + 1):
-            t0 = time.perf_counter()
-            metrics = step_fn(run, step)
-            metrics["time_per_step"] = time.perf_counter() - t0
-            log.write("train", step, metrics)
-            bar.update(1)
-            bar.set_postfix(postfix(metrics), refresh=False)
-            if run.val_tasks and val_every > 0 and step % val_every == 0:
-                log.write("val", step, validate(run))
-            if step % ckpt_every == 0 or step == steps_total:
-                log.flush()
-                save_checkpoint(ckpt_path, _checkpoint_payload(run, step))
-                saved_at = step
-            if on_step is not None:
-                on_step(step, metrics)
-        if saved_at < steps_total:  # e.g. META.STEPS 0: still leave a checkpoint to export from
-            save_checkpoint(ckpt_path, _checkpoint_payload(run, max(start, steps_total)))
-    finally:
-        bar.close()
-        log.close()
+    resumed_from = start if state is not None else None
+    with StopRequest() as stop:
+        try:
+            stopped_at = _loop(run, log, bar, stop, start, saved_at=start if state is not None else -1,
+                               ckpt_path=ckpt_path, on_step=on_step)
+        finally:
+            bar.close()
+            log.close()
+    if stopped_at is not None:
+        echo(f"{run_dir}: {stop.requested} - checkpoint saved at step {stopped_at} of {steps_total}; "
+             f"continue with --resume")
+        return {"run_dir": run_dir, "step": stopped_at, "export": None, "resumed_from": resumed_from,
+                "noop": False, "stopped": True}
     final = load_checkpoint(ckpt_path)
     paths = export_state(final, run_dir)
     echo(f"{run_dir}: {cfg.META.MODE} finished at step {final['step']}; exported {paths['init']}"
          + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else ""))
-    return {"run_dir": run_dir, "step": int(final["step"]), "export": paths,
-            "resumed_from": start if state is not None else None, "noop": False}
+    return {"run_dir": run_dir, "step": int(final["step"]), "export": paths, "resumed_from": resumed_from,
+            "noop": False}
