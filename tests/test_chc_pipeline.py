@@ -131,6 +131,7 @@ def test_hierarchy_contract_and_images(chc_run):
     assert (norms[~ok] == 0).all()
     assert ((h.item_domain >= 0) == (h.item_topic >= 0)).all()
     assert h.meta["backbone"] == "GRAM-Test-Tiny" and h.meta["image_size"] == 32
+    assert not list((out / "image_features").glob("*.rank*"))   # rank files removed once merged + marked
     # images(): cache and lazy decoding agree with an independent read of the tar member
     from meta.chc.hierarchy import PairIndexImages
     from meta.chc.sources import PairIndex
@@ -261,10 +262,10 @@ def test_rank_sharding_matches_single_process(chc_run, tmp_path):
         warnings.simplefilter("ignore")
         clip, dims = load_clip("GRAM-Test-Tiny", None)
     mean, std = clip_norm_stats(clip)
-    for rank in (1, 0):  # as two torchrun processes would, in either order
+    for rank in (1, 0):  # as two torchrun processes would, in either order (rank 1 decodes with threads)
         encode_rank(index, clip, rank, 2, tmp_path, "fp", 32, mean, std, batch_size=64, chunk_size=200,
-                    cache_images=True, show_progress=False)
-    stats = merge_ranks(index, 2, tmp_path, cache_images=True)
+                    cache_images=True, show_progress=False, decode_workers=2 * rank)
+    stats = merge_ranks(index, 2, tmp_path, cache_images=True, remove_rank_files=True)
     ref = np.load(out / "image_features" / "image_features.npy")
     np.testing.assert_allclose(np.load(tmp_path / "image_features.npy"), ref, atol=1e-5)
     np.testing.assert_array_equal(np.load(tmp_path / "image_ok.npy"), np.load(out / "image_features" / "image_ok.npy"))

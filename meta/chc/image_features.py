@@ -33,7 +33,8 @@ def rank_paths(stage_dir: Path, rank: int) -> tuple[Path, Path]:
 
 def encode_rank(index: PairIndex, clip, rank: int, world_size: int, stage_dir: Path, fp: str,
                 image_size: int, mean, std, batch_size: int = 64, chunk_size: int = 2048,
-                cache_images: bool = False, device="cpu", show_progress: bool = True) -> dict:
+                cache_images: bool = False, device="cpu", show_progress: bool = True,
+                decode_workers: int = 0) -> dict:
     """Encode this rank's items; resumes from the last finished chunk.
 
     Returns ``{"items": n_r, "unreadable": count}`` for the rank.
@@ -55,7 +56,7 @@ def encode_rank(index: PairIndex, clip, rank: int, world_size: int, stage_dir: P
 
     def compute(start: int, end: int) -> np.ndarray:
         blobs = index.read_image_bytes(items[start:end])
-        pixels, ok = decode_batch(blobs, image_size)
+        pixels, ok = decode_batch(blobs, image_size, decode_workers)
         rows = np.zeros((end - start, dim + 1), dtype=np.float32)
         if ok.any():
             rows[ok, :dim] = encode_images(clip, pixels[ok], mean, std, batch_size=batch_size, device=device)
@@ -71,7 +72,7 @@ def encode_rank(index: PairIndex, clip, rank: int, world_size: int, stage_dir: P
 
 
 def merge_ranks(index: PairIndex, world_size: int, stage_dir: Path, cache_images: bool,
-                remove_rank_files: bool = True) -> dict:
+                remove_rank_files: bool = False) -> dict:
     """Assemble the per-rank files into ``image_features.npy``, ``image_ok.npy`` (+ ``images_u8.npy``)."""
     stage_dir = Path(stage_dir)
     n = len(index)
@@ -107,9 +108,13 @@ def merge_ranks(index: PairIndex, world_size: int, stage_dir: Path, cache_images
         del pixels
         os.replace(stage_dir / "images_u8.tmp.npy", stage_dir / "images_u8.npy")
     if remove_rank_files:
-        for rank in range(world_size):
-            for p in rank_paths(stage_dir, rank):
-                for q in (p, p.with_name(p.name + ".progress.json")):
-                    if q.exists():
-                        q.unlink()
+        remove_rank_files_of(stage_dir, world_size)
     return {"pairs": n, "unreadable_images": int((~ok).sum())}
+
+
+def remove_rank_files_of(stage_dir: Path, world_size: int) -> None:
+    """Delete the per-rank arrays once the merged files are marked done."""
+    for rank in range(world_size):
+        for p in rank_paths(stage_dir, rank):
+            for q in (p, p.with_name(p.name + ".progress.json")):
+                q.unlink(missing_ok=True)

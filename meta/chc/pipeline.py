@@ -145,7 +145,7 @@ class ChcRun:
         return n * size * size * 3 <= float(self.chc.IMAGES.CACHE_MAX_GB) * 1e9
 
     def stage_image_features(self, index: PairIndex, index_fp: str) -> str:
-        from meta.chc.image_features import encode_rank, merge_ranks
+        from meta.chc.image_features import encode_rank, merge_ranks, remove_rank_files_of
         from meta.chc.imaging import clip_norm_stats
 
         imgs = self.chc.IMAGES
@@ -161,12 +161,13 @@ class ChcRun:
         t0 = time.time()
         stats = encode_rank(index, clip, self.rank, self.world_size, stage_dir,
                             fingerprint(fp, self.world_size), dims.image_size, mean, std, imgs.BATCH_SIZE,
-                            imgs.CHUNK_SIZE, cache, self.device, self.show_progress)
+                            imgs.CHUNK_SIZE, cache, self.device, self.show_progress, imgs.DECODE_WORKERS)
         self._timed("image_features", time.time() - t0, stats["items"])
         self.barrier()
         if self.rank == 0:
             merged = merge_ranks(index, self.world_size, stage_dir, cache)
             marker.mark(merged)
+            remove_rank_files_of(stage_dir, self.world_size)  # only after the mark: a crash never loses work
         return fp
 
     # ------------------------------------------------------------------ stage 3
