@@ -283,7 +283,7 @@ def load_world(root: Path) -> WorldPaths:
 def _write_world(s: WorldSettings, tmp: Path, workers: int) -> None:
     corpora = {"pretrain": write_pretrain(s, tmp, workers), "chc": write_chc_corpus(s, tmp, workers),
                "labelled_meta": write_labelled_meta(s, tmp)}
-    datasets = [write_dataset(s, tmp, i, p) for i, p in enumerate(tqdm(s.datasets, desc="downstream datasets",
+    datasets = [write_dataset(s, tmp, i, p) for i, p in enumerate(tqdm(s.plans, desc="downstream datasets",
                                                                         leave=False))]
     manifest = {
         "hash": s.checksum(), "settings": s.as_dict(), "corpora": corpora, "datasets": datasets,

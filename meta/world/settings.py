@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 from .items import STYLES
 from .shapes import FAMILIES, categories_in
@@ -81,7 +81,7 @@ class WorldSettings:
     train_per_class: int = 32
     val_per_class: int = 8
     test_per_class: int = 40
-    datasets: tuple[DatasetPlan, ...] = field(default=())
+    datasets: tuple[DatasetPlan, ...] = ()   # empty = default_dataset_plans(styles, holdout_style)
 
     def __post_init__(self):
         unknown = [s for s in self.styles if s not in STYLES]
@@ -94,8 +94,11 @@ class WorldSettings:
                 raise ValueError(f"WorldSettings.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.train_per_class < 16:
             raise ValueError(f"WorldSettings.train_per_class must be >= 16 for 16-shot sampling, got {self.train_per_class}")
-        if not self.datasets:
-            object.__setattr__(self, "datasets", default_dataset_plans(self.styles, self.holdout_style))
+
+    @property
+    def plans(self) -> tuple[DatasetPlan, ...]:
+        """The downstream datasets: ``datasets`` if given, else the default six."""
+        return self.datasets or default_dataset_plans(self.styles, self.holdout_style)
 
     @property
     def seen_styles(self) -> tuple[str, ...]:
@@ -103,6 +106,7 @@ class WorldSettings:
 
     def as_dict(self) -> dict:
         d = asdict(self)
+        d["datasets"] = [asdict(p) for p in self.plans]
         d["generator_version"] = GENERATOR_VERSION
         return d
 

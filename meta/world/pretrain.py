@@ -1,0 +1,163 @@
+"""Contrastive pretraining of the tiny world CLIP on the pretraining corpus, on CPU.
+
+The model is open_clip's own ``CLIP`` built from ``meta/model_configs/GRAM-World-ViT-T.json``
+and trained with open_clip's ``ClipLoss`` (symmetric InfoNCE with a learnable
+temperature, clamped at 100 as in open_clip's training script).  The weights
+are saved as a plain safetensors state dict and reloaded through
+``meta.backbone.load_clip(WORLD_MODEL, pretrained=<file>)``.
+
+Hyperparameters are ours (no paper gives them for this world): AdamW,
+lr 1e-3 with linear warm-up over 5 % of the steps then cosine decay, weight
+decay 0.1 (0 for gains, biases, embeddings and the temperature, as in
+open_clip's training script), batch 256; augmentation is a random shift of
+up to 2 px (no flips: captions name positions).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import open_clip
+import torch
+import torch.nn.functional as F
+from open_clip.loss import ClipLoss
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from meta.backbone import register_model_configs
+
+from .build import WorldPaths
+from .clip_io import WORLD_MODEL, encode_text_trimmed, to_model_input
+
+
+@dataclass(frozen=True)
+class PretrainSettings:
+    """Everything that changes the pretrained weights (besides the world itself)."""
+
+    model_name: str = WORLD_MODEL
+    epochs: int = 8
+    batch_size: int = 256
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    warmup_fraction: float = 0.05
+    max_shift: int = 2
+    seed: int = 0
+    max_images: int = 0      # 0 = the whole corpus; >0 trains on the first N pairs (tests)
+    text_frozen_fraction: float = 0.3   # first part of training with the text tower locked at init
+
+    def checksum(self, world_hash: str) -> str:
+        blob = json.dumps({**asdict(self), "world": world_hash}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def pretrain_settings(quick: bool = False, seed: int = 0) -> PretrainSettings:
+    """Default (about 10 min here) or ``quick`` (about 1.5 min here) schedule."""
+    base = PretrainSettings(seed=seed)
+    return replace(base, epochs=6) if quick else base
+
+
+def _shift(images: torch.Tensor, max_shift: int, gen: torch.Generator) -> torch.Tensor:
+    """Random translation by up to ``max_shift`` px with edge padding; ``[B, 3, S, S]`` float."""
+    if max_shift <= 0:
+        return images
+    b, _, s, _ = images.shape
+    padded = F.pad(images, (max_shift,) * 4, mode="replicate")
+    dx, dy = (torch.randint(0, 2 * max_shift + 1, (b,), generator=gen) for _ in range(2))
+    rows = (dy.view(b, 1) + torch.arange(s).view(1, s))                      # [B, S]
+    cols = (dx.view(b, 1) + torch.arange(s).view(1, s))
+    idx_b = torch.arange(b).view(b, 1, 1)
+    return padded.permute(0, 2, 3, 1)[idx_b, rows.view(b, s, 1), cols.view(b, 1, s)].permute(0, 3, 1, 2)
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        exclude = p.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name \
+            or "embedding" in name
+        (no_decay if exclude else decay).append(p)
+    return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
+
+
+def weights_path(world: WorldPaths, settings: PretrainSettings) -> Path:
+    """Where the weights of ``settings`` trained on ``world`` live (``.safetensors``)."""
+    return world.clip_dir / f"{settings.model_name}-{settings.checksum(world.settings_hash)}.safetensors"
+
+
+def load_pretrain_corpus(world: WorldPaths, max_images: int = 0) -> tuple[torch.Tensor, list[str]]:
+    """Images ``[N, S, S, 3]`` uint8 and their captions, in corpus order."""
+    images = np.load(world.pretrain_images, mmap_mode="r")
+    with open(world.pretrain_pairs) as f:
+        captions = [json.loads(line)["caption"] for line in f]
+    if len(captions) != len(images):
+        raise ValueError(f"{world.pretrain_pairs}: {len(captions)} captions for {len(images)} images")
+    n = len(images) if max_images <= 0 else min(max_images, len(images))
+    return torch.from_numpy(np.ascontiguousarray(images[:n])), captions[:n]
+
+
+def pretrain_clip(world: WorldPaths, quick: bool = False, settings: PretrainSettings | None = None,
+                  force: bool = False) -> Path:
+    """Train the tiny CLIP on ``world``'s pretraining corpus (cached) and return the weights file.
+
+    A JSON sidecar (same stem) records the settings, loss curve and wall time.
+    """
+    s = settings if settings is not None else pretrain_settings(quick, seed=int(world.settings.get("seed", 0)))
+    out = weights_path(world, s)
+    if out.is_file() and not force:
+        return out
+    register_model_configs()
+    torch.manual_seed(s.seed)
+    gen = torch.Generator().manual_seed(s.seed)
+    model = open_clip.create_model(s.model_name, pretrained=None)
+    model.train()
+    tokenizer = open_clip.get_tokenizer(s.model_name)
+    images, captions = load_pretrain_corpus(world, s.max_images)
+    tokens = tokenizer(captions)                                         # [N, 77]
+    n = len(images)
+    steps_per_epoch = max(1, n // s.batch_size)                          # drop the last partial batch
+    total = steps_per_epoch * s.epochs
+    warmup = max(1, int(s.warmup_fraction * total))
+    opt = torch.optim.AdamW(_param_groups(model, s.weight_decay), lr=s.lr, betas=(0.9, 0.98), eps=1e-6)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda k: (k + 1) / warmup if k < warmup else 0.5 * (1 + math.cos(math.pi * (k - warmup) / max(1, total - warmup))))
+    loss_fn = ClipLoss()
+    losses: list[float] = []
+    frozen_steps = int(s.text_frozen_fraction * total)
+    step = 0
+    t0 = time.time()
+    bar = tqdm(total=total, desc=f"pretrain {s.model_name}", unit="step", leave=False)
+    for _epoch in range(s.epochs):
+        order = torch.randperm(n, generator=gen)
+        for k in range(steps_per_epoch):
+            idx = order[k * s.batch_size:(k + 1) * s.batch_size]
+            x = _shift(to_model_input(images[idx]), s.max_shift, gen)
+            img_f = F.normalize(model.encode_image(x), dim=-1)
+            with torch.set_grad_enabled(step >= frozen_steps):
+                txt_f = F.normalize(encode_text_trimmed(model, tokens[idx]), dim=-1)
+            loss = loss_fn(img_f, txt_f, model.logit_scale.exp())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            with torch.no_grad():
+                model.logit_scale.clamp_(0, math.log(100))
+            losses.append(loss.item())
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}")
+    bar.close()
+    seconds = time.time() - t0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(tmp))
+    tmp.rename(out)
+    log = {"settings": asdict(s), "world_hash": world.settings_hash, "images": n, "steps": total,
+           "seconds": round(seconds, 1), "loss_first": losses[0], "loss_last_20": float(np.mean(losses[-20:])),
+           "loss_curve": [round(v, 4) for v in losses[:: max(1, total // 200)]],
+           "logit_scale": float(model.logit_scale.exp())}
+    out.with_suffix(".json").write_text(json.dumps(log, indent=1))
+    return out
