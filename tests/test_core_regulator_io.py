@@ -36,7 +36,7 @@ def test_regulator_matches_the_formula():
     torch.testing.assert_close(reg(g), gamma * g + beta)
     # input normalisation + relative beta make R_φ scale-equivariant: R(c g) = c R(g)
     reg2 = GradientRegulator(5, RegulatorSpec(init="normal", init_std=0.3))
-    torch.testing.assert_close(reg2(g * 1e-4), reg2(g) * 1e-4, rtol=1e-4, atol=1e-10)
+    torch.testing.assert_close(reg2(g * 1e-4) / 1e-4, reg2(g), rtol=1e-4, atol=1e-5)
 
 
 def test_factory_is_plain_callable_and_skips_frozen_tensors():
