@@ -96,9 +96,27 @@ def model_throughput(n_captions: int = 2000, n_images: int = 48, backbone: str =
     return {k: round(v, 5 if "cosine" in k else 1) for k, v in res.items()}
 
 
+def umap_fit_scaling(sizes, n_clusters: int = 50, dim: int = 384, seed: int = 0) -> list:
+    """Seconds to fit UMAP (5-d) + HDBSCAN on ``n`` unit vectors from ``n_clusters`` Gaussian blobs."""
+    from meta.chc.topics import fit_sample_clusters
+
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(n_clusters, dim)).astype(np.float32)
+    rows = []
+    for n in sizes:
+        x = centres[rng.integers(n_clusters, size=n)] + rng.normal(scale=0.9, size=(n, dim)).astype(np.float32)
+        x /= np.linalg.norm(x, axis=1, keepdims=True)
+        t0 = time.time()
+        labels = fit_sample_clusters(x, 5, 15, 0.0, "cosine", "random", 50, 0, seed)
+        rows.append({"n": int(n), "seconds": round(time.time() - t0, 1), "clusters": int(labels.max()) + 1})
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", action="store_true", help="only measure model throughput at real size")
+    p.add_argument("--umap-scale", type=int, nargs="*", default=None,
+                   help="only time UMAP+HDBSCAN fits on these sample sizes (first size pays numba compilation)")
     p.add_argument("--pairs", type=int, default=10000)
     p.add_argument("--min-cluster-size", type=int, default=20)
     p.add_argument("--mention-rate", type=float, default=0.1)
@@ -106,6 +124,10 @@ def main(argv=None) -> int:
     p.add_argument("--text-dtype", default="fp32")
     p.add_argument("--out", default=".cache/chc_measure")
     args = p.parse_args(argv)
+    if args.umap_scale:
+        for row in umap_fit_scaling(args.umap_scale):
+            print(f"  UMAP+HDBSCAN fit on {row['n']:7d} vectors: {row['seconds']:7.1f} s, {row['clusters']} clusters")
+        return 0
     if args.models:
         for name, value in model_throughput().items():
             print(f"  {name:40s} {value}" + ("" if "cosine" in name else " items/s"))
