@@ -312,3 +312,36 @@ def test_quantile_filter_and_sample_fit_reuse_cached_stages(chc_run, tmp_path, m
     assert len(named) >= 0.75 * len(set(truth["topic"]))
     right = sum((item_truth[h.item_topic == t] == n).sum() for t, n in named)
     assert right / sum((h.item_topic == t).sum() for t, _ in named) > 0.85
+
+
+def _gloo_rank(rank, world, init_file, cfg_dump):
+    """One torchrun-like process: index (rank 0) + its share of image features, gloo barriers."""
+    import os
+
+    import torch.distributed as dist
+    from yacs.config import CfgNode
+
+    from meta.chc.pipeline import ChcRun
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        run = ChcRun(CfgNode.load_cfg(cfg_dump), rank, world, dist.barrier, show_progress=False)
+        index, fp = run.stage_index()
+        run.stage_image_features(index, fp)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_processes_shard_image_features(chc_run, tmp_path):
+    import torch.multiprocessing as mp
+
+    out_ref, cfg_ref, _ = chc_run
+    cfg = cfg_ref.clone()
+    cfg.CHC.OUTPUT_DIR = str(tmp_path / "out")
+    mp.spawn(_gloo_rank, args=(2, str(tmp_path / "pg_init"), cfg.dump()), nprocs=2, join=True)
+    stage = tmp_path / "out" / "image_features"
+    assert (tmp_path / "out" / "image_features.done.json").is_file() and not list(stage.glob("*.rank*"))
+    np.testing.assert_allclose(np.load(stage / "image_features.npy"),
+                               np.load(out_ref / "image_features" / "image_features.npy"), atol=1e-5)
+    np.testing.assert_array_equal(np.load(stage / "image_ok.npy"), np.load(out_ref / "image_features" / "image_ok.npy"))
