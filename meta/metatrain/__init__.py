@@ -11,10 +11,23 @@ feature check, task streams), :mod:`.trainer` (the loop, validation, resume),
 tensorboard, tqdm), :mod:`.export` (``gram_init.safetensors`` + ``coop_ctx.pth``),
 :mod:`.cli` (argument parsing).
 """
-from .cli import build_cfg, main
 from .settings import add_metatrain_cfg
 
 __all__ = ["main", "build_cfg", "add_metatrain_cfg", "train", "export_run"]
+
+
+def main(argv=None) -> int:
+    """See :func:`meta.metatrain.cli.main` (imported lazily: config-only users need no learn2learn)."""
+    from .cli import main as _main
+
+    return _main(argv)
+
+
+def build_cfg(config_file: str = "", opts=(), output_dir: str = ""):
+    """See :func:`meta.metatrain.cli.build_cfg`."""
+    from .cli import build_cfg as _build
+
+    return _build(config_file, opts, output_dir)
 
 
 def train(cfg, resume: bool = False, hierarchy=None, on_step=None, echo=print) -> dict:

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from yacs.config import CfgNode as CN
 
-from meta.gram import MetaSpec
+if TYPE_CHECKING:
+    from meta.gram import MetaSpec
 from meta.prompts import PromptSpec
 from meta.regulator import RegulatorSpec
 
@@ -127,8 +128,10 @@ def regulator_spec(cfg: CN) -> RegulatorSpec:
         raise ValueError(f"META.REGULATOR: {err}") from None
 
 
-def meta_spec(cfg: CN) -> MetaSpec:
+def meta_spec(cfg: CN) -> "MetaSpec":
     """The bi-level loop's hyper-parameters; ``pretrain`` mode reuses it with regulation off."""
+    from meta.gram import MetaSpec  # lazy: keeps learn2learn out of config-only imports
+
     m = cfg.META
     pretrain = m.MODE == "pretrain"
     return MetaSpec(inner_steps=int(m.INNER_STEPS), inner_lr=float(m.INNER_LR),
