@@ -14,6 +14,11 @@ from .items import ItemSpec
 from .shapes import CATEGORIES
 
 NUMBER_WORDS = {1: "a", 2: "two", 3: "three"}
+# How often an object phrase names the size / colour.  Kept low so that, as in
+# web alt-text, the object itself is what most captions agree on; colour words
+# in most captions let a from-scratch CLIP reduce its loss without learning shapes.
+SIZE_MENTION = 0.35
+COLOUR_MENTION = 0.35
 
 STYLE_PHRASES: dict[str, tuple[str, ...]] = {
     "shaded": ("a 3d render of", "a glossy rendering of", "a shaded drawing of", "a soft 3d image of"),
@@ -57,9 +62,9 @@ def object_phrase(spec: ItemSpec, rng: np.random.Generator) -> str:
     """``"two small red hearts"``-style noun phrase; size and colour are each dropped at random."""
     cat = CATEGORIES[spec.category]
     words = [NUMBER_WORDS[spec.count]]
-    if spec.count == 1 and rng.random() < 0.5:
+    if spec.count == 1 and rng.random() < SIZE_MENTION:
         words.append(spec.size)
-    if rng.random() < 0.7:
+    if rng.random() < COLOUR_MENTION:
         words.append(spec.colour)
     words.append(cat.name if spec.count == 1 else cat.plural)
     if words[0] == "a" and words[1][0] in "aeiou":

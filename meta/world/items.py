@@ -37,12 +37,12 @@ STYLES: dict[str, str] = {
 }
 
 # Object radius in pixels of a 32-px image, per size word (scaled for other sides).
-SIZE_RADIUS = {"small": 6.0, "medium": 9.0, "large": 13.0}
+SIZE_RADIUS = {"small": 7.0, "medium": 10.0, "large": 13.5}
 POSITIONS = ("center", "top left", "top right", "bottom left", "bottom right")
 _POSITION_OFFSET = {"center": (0, 0), "top left": (-1, -1), "top right": (1, -1),
                     "bottom left": (-1, 1), "bottom right": (1, 1)}
-COUNT_PROBS = (0.7, 0.2, 0.1)           # one, two, three objects
-SIZE_PROBS = (0.25, 0.4, 0.35)          # small, medium, large (single objects)
+COUNT_PROBS = (0.85, 0.1, 0.05)          # one, two, three objects
+SIZE_PROBS = (0.15, 0.35, 0.5)           # small, medium, large (single objects)
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def object_layout(spec: ItemSpec, rng: np.random.Generator, side: int) -> list[t
     k = side / 32.0
     if spec.count == 1:
         r = SIZE_RADIUS[spec.size]
-        off = 8.0 if spec.size == "small" else 6.0
+        off = 7.5 if spec.size == "small" else 5.0
         dx, dy = _POSITION_OFFSET[spec.position]
         cx, cy = 16.0 + dx * off, 16.0 + dy * off
         cx, cy = cx + rng.uniform(-1.5, 1.5), cy + rng.uniform(-1.5, 1.5)

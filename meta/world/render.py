@@ -107,9 +107,9 @@ def _noisy(rng, side, mask, colour, layout):
     grey = rng.uniform(95, 160)
     bg = np.full(3, grey, np.float32) + rng.normal(0, 8, 3)
     img = np.broadcast_to(bg, (side, side, 3)).copy()
-    fg = bg + 0.45 * (colour - bg)
+    fg = bg + 0.55 * (colour - bg)
     img = _paint(img, _down(mask.filter(ImageFilter.GaussianBlur(SUPERSAMPLE * 0.7)), side), fg)
-    return img + rng.normal(0, 18, img.shape)
+    return img + rng.normal(0, 14, img.shape)
 
 
 def _cartoon(rng, side, mask, colour, layout):

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, replace
 from .items import STYLES
 from .shapes import FAMILIES, categories_in
 
-GENERATOR_VERSION = "world-1"
+GENERATOR_VERSION = "world-3"
 
 
 @dataclass(frozen=True)
@@ -121,5 +121,5 @@ def world_settings(quick: bool = False, seed: int = 0) -> WorldSettings:
     base = WorldSettings(seed=seed)
     if not quick:
         return base
-    return replace(base, pretrain_size=8000, chc_size=1000, chc_shard_size=500, labelled_per_class=10,
+    return replace(base, pretrain_size=16000, chc_size=1000, chc_shard_size=500, labelled_per_class=10,
                    train_per_class=16, val_per_class=4, test_per_class=20)

@@ -1,0 +1,128 @@
+"""The tiny world CLIP: model config, trimmed text encoding, augmentation, pretraining, zero-shot."""
+import json
+import warnings
+from dataclasses import replace
+
+import numpy as np
+import open_clip
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from meta.backbone import load_clip, register_model_configs
+from meta.world import build_world
+from meta.world.clip_io import WORLD_MODEL, encode_text_trimmed, to_model_input
+from meta.world.pretrain import _shift, pretrain_clip, pretrain_settings, weights_path
+from meta.world.zeroshot import zeroshot_accuracy
+
+
+@pytest.fixture(scope="module")
+def quick_world(tmp_path_factory):
+    # same parent as test_world_generate's fixture, so a session builds the quick world once
+    return build_world(quick=True, root=tmp_path_factory.getbasetemp() / "worlds", seed=0)
+
+
+@pytest.fixture(scope="module")
+def random_world_clip():
+    register_model_configs()
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return open_clip.create_model(WORLD_MODEL, pretrained=None).eval()
+
+
+def test_world_model_config_is_a_small_vit_with_the_standard_text_side(random_world_clip):
+    clip = random_world_clip
+    assert clip.visual.image_size == (32, 32) and clip.visual.conv1.kernel_size == (4, 4)
+    assert clip.positional_embedding.shape[0] == 77 and clip.token_embedding.num_embeddings == 49408
+    assert sum(p.numel() for p in clip.parameters()) < 10_000_000
+    tok = open_clip.get_tokenizer(WORLD_MODEL)
+    assert isinstance(tok, open_clip.tokenizer.SimpleTokenizer)
+
+
+def test_trimmed_text_encoder_equals_full_77_token_encoder(random_world_clip):
+    tok = open_clip.get_tokenizer(WORLD_MODEL)
+    tokens = tok(["a photo of a star.", "lol two small red hexagons in the top left corner #art", "x"])
+    full = random_world_clip.encode_text(tokens)
+    trimmed = encode_text_trimmed(random_world_clip, tokens)
+    assert tokens.shape == (3, 77) and int(tokens.argmax(-1).max()) + 1 < 20
+    torch.testing.assert_close(trimmed, full, rtol=1e-5, atol=1e-6)
+
+
+def test_to_model_input_normalises_with_clip_mean_and_std():
+    img = torch.zeros(1, 32, 32, 3, dtype=torch.uint8)
+    img[..., 0] = 255
+    x = to_model_input(img)
+    mean, std = open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD
+    assert x.shape == (1, 3, 32, 32)
+    assert torch.allclose(x[0, :, 5, 5], torch.tensor([(1 - mean[0]) / std[0], -mean[1] / std[1], -mean[2] / std[2]]))
+
+
+def test_shift_is_a_crop_of_the_edge_padded_image():
+    x = torch.arange(2 * 3 * 8 * 8, dtype=torch.float32).view(2, 3, 8, 8)
+    y = _shift(x, 2, torch.Generator().manual_seed(3))
+    padded = F.pad(x, (2, 2, 2, 2), mode="replicate")
+    for b in range(2):
+        crops = [padded[b, :, dy:dy + 8, dx:dx + 8] for dy in range(5) for dx in range(5)]
+        assert any(torch.equal(y[b], c) for c in crops)
+    assert torch.equal(_shift(x, 0, torch.Generator()), x)
+
+
+# The test budget allows ~100 pretraining steps, not the full quick schedule (375 steps).
+SMALL = dict(max_images=6144, epochs=2)
+
+
+@pytest.fixture(scope="module")
+def small_weights(quick_world):
+    return pretrain_clip(quick_world, settings=replace(pretrain_settings(quick=True), **SMALL))
+
+
+def _train_pair_retrieval(clip, world, n=256) -> float:
+    """Top-1 image->caption retrieval among the first ``n`` pretraining pairs."""
+    tok = open_clip.get_tokenizer(WORLD_MODEL)
+    images = torch.from_numpy(np.load(world.pretrain_images)[:n])
+    captions = [json.loads(line)["caption"] for line in open(world.pretrain_pairs)][:n]
+    with torch.no_grad():
+        img = F.normalize(clip.encode_image(to_model_input(images)), dim=-1)
+        txt = F.normalize(clip.encode_text(tok(captions)), dim=-1)
+    return float(((img @ txt.T).argmax(1) == torch.arange(n)).float().mean())
+
+
+def test_pretraining_learns_reloads_through_load_clip_and_is_cached(quick_world, small_weights):
+    settings = replace(pretrain_settings(quick=True), **SMALL)
+    assert small_weights == weights_path(quick_world, settings) and small_weights.suffix == ".safetensors"
+    log = json.loads(small_weights.with_suffix(".json").read_text())
+    assert log["steps"] == 2 * (6144 // settings.batch_size)
+    assert log["loss_last_20"] < log["loss_first"] - 0.2
+
+    clip, dims = load_clip(WORLD_MODEL, pretrained=str(small_weights))
+    saved = load_file(str(small_weights))
+    for name, value in clip.state_dict().items():
+        if name in saved:
+            torch.testing.assert_close(value, saved[name])
+    assert dims.image_size == 32 and dims.context_length == 77
+    # it learned to match its pairs: well above the 1/256 chance level
+    assert _train_pair_retrieval(clip, quick_world) > 4.0 / 256
+
+    mtime = small_weights.stat().st_mtime_ns
+    assert pretrain_clip(quick_world, settings=settings) == small_weights
+    assert small_weights.stat().st_mtime_ns == mtime
+
+
+def test_zeroshot_reports_every_dataset_with_chance_level(quick_world, small_weights):
+    result = zeroshot_accuracy(quick_world, small_weights)
+    assert set(result) == set(quick_world.datasets)
+    for name, r in result.items():
+        ds = quick_world.dataset(name)
+        assert r["classes"] == len(ds.classnames) and r["chance"] == round(100 / len(ds.classnames), 2)
+        assert r["n"] == len(json.loads(ds.split_file.read_text())["test"]) and 0 <= r["accuracy"] <= 100
+    assert small_weights.with_suffix(".zeroshot.json").is_file()
+
+
+@pytest.mark.xfail(strict=False, reason="known gap (issue 5): after the short CPU pretraining the tiny CLIP's "
+                   "zero-shot accuracy is only ~1-2x chance; its image features do not yet encode shape")
+def test_zeroshot_clears_chance_by_a_margin(quick_world, small_weights):
+    result = zeroshot_accuracy(quick_world, small_weights, save=False)
+    margins = {k: r["accuracy"] - r["chance"] for k, r in result.items()}
+    assert np.mean(list(margins.values())) > 10.0, margins
