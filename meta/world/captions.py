@@ -37,12 +37,10 @@ POSITION_PHRASES = {
     "scattered": ("side by side", "next to each other", "scattered around"),
 }
 
-TEMPLATES = (
+PLAIN_TEMPLATES = (
     "a photo of {obj}.",
     "{obj}.",
     "{obj} {pos}.",
-    "{style} {obj}.",
-    "{style} {obj} {pos}.",
     "here is {obj}",
     "look at {obj} i found",
     "i drew {obj} today",
@@ -52,6 +50,17 @@ TEMPLATES = (
     "{obj} on a background",
     "close-up of {obj}",
 )
+STYLE_TEMPLATES = (
+    "{style} {obj}.",
+    "{style} {obj} {pos}.",
+    "{obj}, {style_word}",
+)
+# How often a caption names the style.  Web alt-text often says "sketch of",
+# "cartoon", "illustration"; without such words a CLIP's image embedding becomes
+# style-invariant and CHC's visual-domain k-means has nothing to find.
+STYLE_MENTION = 0.4
+STYLE_WORDS = {"shaded": "3d render", "sketch": "pencil sketch", "noisy": "grainy photo",
+               "cartoon": "cartoon", "textured": "patterned print"}
 
 PREFIXES = ("", "", "", "stock image:", "new!", "vintage", "free download -", "lol", "wow,", "throwback:")
 SUFFIXES = ("", "", "", "#art", "#design", "stock photo", "hd wallpaper", "via instagram", "made with love",
@@ -74,12 +83,13 @@ def object_phrase(spec: ItemSpec, rng: np.random.Generator) -> str:
 
 def write_caption(spec: ItemSpec, rng: np.random.Generator) -> str:
     """A caption describing ``spec`` (lower case, one line)."""
-    template = TEMPLATES[int(rng.integers(len(TEMPLATES)))]
+    pool = STYLE_TEMPLATES if rng.random() < STYLE_MENTION else PLAIN_TEMPLATES
+    template = pool[int(rng.integers(len(pool)))]
     style = STYLE_PHRASES[spec.style]
     pos = POSITION_PHRASES[spec.position]
     text = template.format(obj=object_phrase(spec, rng),
                            pos=pos[int(rng.integers(len(pos)))],
-                           style=style[int(rng.integers(len(style)))])
+                           style=style[int(rng.integers(len(style)))], style_word=STYLE_WORDS[spec.style])
     prefix = PREFIXES[int(rng.integers(len(PREFIXES)))]
     suffix = SUFFIXES[int(rng.integers(len(SUFFIXES)))]
     return " ".join(p for p in (prefix, text, suffix) if p)

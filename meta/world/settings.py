@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, replace
 from .items import STYLES
 from .shapes import FAMILIES, categories_in
 
-GENERATOR_VERSION = "world-3"
+GENERATOR_VERSION = "world-4"
 
 
 @dataclass(frozen=True)
