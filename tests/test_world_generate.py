@@ -1,6 +1,5 @@
 """The procedural world on disk: consistency of images, captions, ground truth and CoOp splits."""
 import hashlib
-import io
 import json
 import tarfile
 from dataclasses import replace
