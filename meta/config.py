@@ -122,6 +122,11 @@ def quick_gelu_flag(value: str):
     return table[v]
 
 
+def _one_line(err: BaseException) -> str:
+    text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
+    return " ".join(text.split())
+
+
 def load_meta_cfg(config_file: str = "", opts: Sequence[str] = ()) -> CN:
     """Defaults, then ``config_file`` (yaml), then ``KEY VALUE`` overrides, CoOp style."""
     import os
@@ -133,12 +138,12 @@ def load_meta_cfg(config_file: str = "", opts: Sequence[str] = ()) -> CN:
         try:
             cfg.merge_from_file(config_file)
         except (KeyError, AssertionError, ValueError) as err:
-            raise ValueError(f"{config_file}: {err}") from None
+            raise ValueError(f"{config_file}: {_one_line(err)}") from None
     if opts:
         if len(opts) % 2:
             raise ValueError(f"overrides must be KEY VALUE pairs, got an odd list: {list(opts)}")
         try:
             cfg.merge_from_list(list(opts))
         except (KeyError, AssertionError, ValueError) as err:
-            raise ValueError(f"command-line override: {err}") from None
+            raise ValueError(f"command-line override: {_one_line(err)}") from None
     return cfg

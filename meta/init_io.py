@@ -19,7 +19,7 @@ as a plain tensor dict that ``torch.load(weights_only=True)`` accepts.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 

@@ -15,7 +15,6 @@ first and does everything after the merge.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -33,6 +32,7 @@ from meta.chc.hierarchy import CLUSTERED, FILTERED, NOISE, SMALL_TOPIC, STATUS, 
 from meta.chc.sources import PairIndex, build_index
 from meta.chc.stages import (ChunkedArray, StageMarker, dedupe, fingerprint, groups, save_npy_atomic,
                              write_json_atomic)
+from meta.hashing import file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +40,6 @@ log = logging.getLogger(__name__)
 def _node(cfg_node) -> dict:
     """A yacs node as a plain dict (for fingerprints and metadata)."""
     return json.loads(json.dumps(cfg_node, default=list))
-
-
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def resolve_device(name: str) -> str:

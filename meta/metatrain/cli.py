@@ -36,24 +36,11 @@ def default_cfg() -> CN:
 
 def build_cfg(config_file: str = "", opts: Sequence[str] = (), output_dir: str = "") -> CN:
     """Defaults <- ``config_file`` <- ``KEY VALUE`` overrides <- ``--output-dir``; frozen."""
-    import os
+    from meta.config import load_meta_cfg
 
-    cfg = default_cfg()
-    if config_file:
-        if not os.path.isfile(config_file):
-            raise FileNotFoundError(f"--config-file: no such file: {config_file}")
-        try:
-            cfg.merge_from_file(config_file)
-        except (KeyError, AssertionError, ValueError) as err:
-            raise ValueError(f"{config_file}: {_one_line(err)}") from None
-    opts = list(opts)
-    if opts:
-        if len(opts) % 2:
-            raise ValueError(f"overrides must be KEY VALUE pairs, got an odd number: {opts}")
-        try:
-            cfg.merge_from_list(opts)
-        except (KeyError, AssertionError, ValueError) as err:
-            raise ValueError(f"command-line override: {_one_line(err)}") from None
+    cfg = load_meta_cfg(config_file, opts)
+    if "META" not in cfg:
+        add_metatrain_cfg(cfg)
     if output_dir:
         cfg.OUTPUT_DIR = output_dir
     cfg.freeze()

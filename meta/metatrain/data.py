@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from meta.gram import TaskBatch
+from meta.hashing import file_sha256
 
 
 class FeatureMismatchError(ValueError):
@@ -70,14 +71,6 @@ def hierarchy_summary(h) -> dict:
             "num_items": int(len(h.item_topic)), "items_in_topics": int(sizes.sum()),
             "backbone": h.meta.get("backbone"), "pretrained": h.meta.get("pretrained"),
             "weights_sha256": h.meta.get("weights_sha256"), "source": h.meta.get("source", "chc")}
-
-
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def norm_stats(h, clip) -> tuple[tuple, tuple]:

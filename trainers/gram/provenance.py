@@ -12,6 +12,7 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 from typing import Iterable, Optional
+from meta.hashing import file_sha256  # noqa: F401  (dassl_trainers imports it from here)
 
 PACKAGES = ("torch", "torchvision", "open_clip_torch", "dassl", "gram-prompt", "numpy", "yacs")
 
@@ -59,9 +60,3 @@ def sample_digest(items: Iterable, root: Optional[str] = None) -> tuple[int, str
     return len(rows), hashlib.sha256("\n".join(rows).encode()).hexdigest()
 
 
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
