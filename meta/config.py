@@ -45,7 +45,8 @@ def _chc_node() -> CN:
     chc.FILTER.MODE = "none"       # none | threshold | quantile
     chc.FILTER.THRESHOLD = 0.2     # MODE threshold: drop pairs with cosine < THRESHOLD
     chc.FILTER.QUANTILE = 0.1      # MODE quantile: drop the lowest QUANTILE fraction
-    chc.FILTER.TEMPLATE = "{}"     # caption wrapped into this template for the CLIP text tower
+    chc.FILTER.TEMPLATE = ""       # caption wrapped into this "{}" template for the CLIP text tower; "" = as is
+    #                                (not "{}" itself: yaml would read a dumped {} back as a dict)
 
     # ---- sentence embeddings ----------------------------------------------------------------
     chc.TEXT = CN()

@@ -58,3 +58,12 @@ def test_changed_settings_are_refused(tmp_path):
     with pytest.raises(SystemExit, match="other settings"):
         _check_settings(DemoSettings.preset(quick=False), tmp_path)
     assert json.loads((tmp_path / "demo_settings.json").read_text())["quick"] is True
+
+
+def test_dumped_meta_config_reloads(tmp_path):
+    """A run's saved config.yaml must merge back (yacs dumps "{}" as a yaml dict)."""
+    from meta.config import get_meta_cfg_default, load_meta_cfg
+
+    path = tmp_path / "config.yaml"
+    path.write_text(get_meta_cfg_default().dump())
+    assert load_meta_cfg(str(path)) == get_meta_cfg_default()

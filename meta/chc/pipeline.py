@@ -183,7 +183,7 @@ class ChcRun:
                 feats = np.load(self.out / "image_features" / "image_features.npy", mmap_mode="r")
                 t0 = time.time()
                 cos = pair_cosines(clip, open_clip.get_tokenizer(self.cfg.MODEL.BACKBONE), index.captions, feats,
-                                   ok, stage_dir, fp, filt.TEMPLATE, device=self.device,
+                                   ok, stage_dir, fp, filt.TEMPLATE or "{}", device=self.device,
                                    show_progress=self.show_progress)
                 self._timed("filter", time.time() - t0, len(index))
             keep = keep_mask(cos, filt.MODE, filt.THRESHOLD, filt.QUANTILE)
