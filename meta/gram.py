@@ -74,8 +74,13 @@ def double_backward_attention() -> Iterator[None]:
         yield
 
 
+def _accuracy_t(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Fraction correct as a 0-d tensor (no host sync)."""
+    return (logits.argmax(dim=-1) == labels).float().mean()
+
+
 def _accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
-    return float((logits.argmax(dim=-1) == labels).float().mean())
+    return float(_accuracy_t(logits, labels))
 
 
 class GRAMMetaLearner(nn.Module):
@@ -133,6 +138,12 @@ class GRAMMetaLearner(nn.Module):
         Returns ``(learner, support losses, support accuracies)``; the losses/accuracies are those
         computed *before* each step.  ``learner.module`` holds θ' (connected to θ and φ).
         """
+        learner, losses, accs = self._adapt(loss_fn, support, first_order, steps)
+        return learner, [float(x) for x in losses], [float(x) for x in accs]
+
+    def _adapt(self, loss_fn: LossFn, support: Any, first_order: Optional[bool],
+               steps: Optional[int]) -> tuple[l2l.algorithms.GBML, list[torch.Tensor], list[torch.Tensor]]:
+        """:meth:`adapt` with metrics kept as 0-d tensors (no host sync inside the loop)."""
         first_order = self.spec.first_order if first_order is None else first_order
         learner = self.gbml.clone(first_order=first_order)
         losses, accs = [], []
@@ -141,8 +152,8 @@ class GRAMMetaLearner(nn.Module):
             with double_backward_attention():
                 loss, logits = loss_fn(learner.module, support)
             learner.adapt(loss, first_order=first_order)
-            losses.append(float(loss.detach()))
-            accs.append(_accuracy(logits.detach(), labels))
+            losses.append(loss.detach())
+            accs.append(_accuracy_t(logits.detach(), labels))
         return learner, losses, accs
 
     # ----- outer loop --------------------------------------------------------------
@@ -165,24 +176,23 @@ class GRAMMetaLearner(nn.Module):
         n_tasks = len(tasks)
         if n_tasks == 0:
             raise ValueError("meta-batch is empty")
-        sums: dict[str, float] = {}
-
-        def add(key: str, value: float) -> None:
-            sums[key] = sums.get(key, 0.0) + value / n_tasks
-
+        # metrics stay on the device as 0-d tensors; one host transfer at the end of the meta-batch
+        per_task: dict[str, list] = {}
         for task in tasks:
-            learner, s_losses, s_accs = self.adapt(loss_fn, task.support)
+            learner, s_losses, s_accs = self._adapt(loss_fn, task.support, None, None)
             q_loss, q_logits = loss_fn(learner.module, task.query)
             (q_loss / n_tasks).backward()
-            add("support_loss_before", s_losses[0])
-            add("support_acc_before", s_accs[0])
-            add("query_loss_after", float(q_loss.detach()))
-            add("query_acc_after", _accuracy(q_logits.detach(), self.labels_of(task.query)))
+            values = {"support_loss_before": s_losses[0], "support_acc_before": s_accs[0],
+                      "query_loss_after": q_loss.detach(),
+                      "query_acc_after": _accuracy_t(q_logits.detach(), self.labels_of(task.query))}
             if detailed:
-                for key, value in self._diagnostics(learner, loss_fn, task).items():
-                    add(key, value)
+                values.update(self._diagnostics(learner, loss_fn, task))
+            for key, value in values.items():
+                per_task.setdefault(key, []).append(torch.as_tensor(value, dtype=torch.float32))
             del learner, q_loss, q_logits
-        return sums
+        keys = list(per_task)
+        means = torch.stack([torch.stack([v.to("cpu") for v in per_task[k]]).mean() for k in keys]).tolist()
+        return dict(zip(keys, means))
 
     def step(self, loss_value: float = 0.0) -> dict[str, float]:
         """Clip, check finiteness, and apply the outer update to θ (λ1) and φ (λ2).
@@ -191,7 +201,8 @@ class GRAMMetaLearner(nn.Module):
         """
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         grads = [p.grad for p in params if p.grad is not None]
-        finite = math.isfinite(loss_value) and all(bool(torch.isfinite(g).all()) for g in grads)
+        finite = math.isfinite(loss_value) and (
+            not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()))  # one sync
         out: dict[str, float] = {}
         if self.spec.grad_clip > 0 and finite:
             out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, self.spec.grad_clip))
