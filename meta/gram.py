@@ -14,11 +14,12 @@ and is never cloned: ``GBML.clone()`` copies θ (and the small φ) per task.
 Memory: one backward per task (``loss_q / B``), so a task's graph is freed before
 the next is built.  Second order through ``nn.MultiheadAttention`` needs a
 double-differentiable attention kernel; the support forward therefore runs
-under the MATH SDPA backend (fused CPU / flash / memory-efficient kernels have
+under the MATH SDPA backend when second order (fused CPU / flash / memory-efficient kernels have
 no double backward; reference/open_clip_notes.md).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from contextlib import contextmanager
@@ -149,7 +150,8 @@ class GRAMMetaLearner(nn.Module):
         losses, accs = [], []
         labels = self.labels_of(support)
         for _ in range(self.spec.inner_steps if steps is None else steps):
-            with double_backward_attention():
+            # only a second-order step differentiates the support gradient again
+            with contextlib.nullcontext() if first_order else double_backward_attention():
                 loss, logits = loss_fn(learner.module, support)
             learner.adapt(loss, first_order=first_order)
             losses.append(loss.detach())
