@@ -13,7 +13,8 @@ Prints human-readable lines, then ONE JSON line (the last line) with:
 
 Defaults: ViT-B-16 architecture with random weights (no download), CoOp text prompts (M = 4),
 K = 8-way, 1-shot support, 4-shot query, cached image features, one CPU thread.  Times are the
-median of ``--repeats`` after ``--warmup`` runs.
+median of ``--repeats`` rounds after ``--warmup`` rounds; a round times the four steps one after
+another, so drifting machine speed hits all of them alike.
 """
 from __future__ import annotations
 
@@ -31,15 +32,23 @@ from typing import Callable
 import torch
 
 
-def _median_time(fn: Callable[[], None], warmup: int, repeats: int) -> float:
+def _interleaved_medians(fns: dict[str, Callable[[], None]], warmup: int, repeats: int) -> dict[str, float]:
+    """Median wall time (s) of each function, timed round-robin.
+
+    On a shared VM the speed drifts by tens of percent within a minute (measured: the same
+    plain step at 0.14 and 0.21 s in two runs); timing the functions in alternation exposes
+    each to the same drift, so their ratios are stable even when absolute times are not.
+    """
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _class_names(k: int) -> list[str]:
@@ -69,19 +78,11 @@ def run(args: argparse.Namespace) -> dict:
     support, query = features(args.support_shots), features(args.query_shots)
     spec = PromptSpec(n_ctx_text=args.n_ctx)
 
-    def meta_task_time(first_order: bool, truncate: bool) -> float:
+    def meta_task(first_order: bool, truncate: bool) -> Callable[[], None]:
         prompts = PromptParams.from_spec(spec, clip, dims, generator=torch.Generator().manual_seed(1))
         ml = GRAMMetaLearner(prompts, MetaSpec(first_order=first_order))
         loss_fn = classification_loss(PromptedCLIP(clip, dims, args.n_ctx, truncate=truncate))
-        return _median_time(lambda: ml.accumulate([TaskBatch(support, query)], loss_fn),
-                            args.warmup, args.repeats)
-
-    second = meta_task_time(first_order=False, truncate=True)
-    print(f"second-order meta-task: {second:.4f} s", flush=True)
-    first = meta_task_time(first_order=True, truncate=True)
-    print(f"first-order meta-task:  {first:.4f} s", flush=True)
-    full = meta_task_time(first_order=False, truncate=False)
-    print(f"second-order, 77 text positions: {full:.4f} s", flush=True)
+        return lambda: ml.accumulate([TaskBatch(support, query)], loss_fn)
 
     prompts = PromptParams.from_spec(spec, clip, dims, generator=torch.Generator().manual_seed(1))
     loss_fn = classification_loss(PromptedCLIP(clip, dims, args.n_ctx, truncate=True))
@@ -94,7 +95,16 @@ def run(args: argparse.Namespace) -> dict:
         loss_fn(prompts, both)[0].backward()
         optim.step()
 
-    plain = _median_time(plain_step, args.warmup, args.repeats)
+    times = _interleaved_medians({
+        "second": meta_task(first_order=False, truncate=True),
+        "plain": plain_step,
+        "first": meta_task(first_order=True, truncate=True),
+        "full": meta_task(first_order=False, truncate=False),
+    }, args.warmup, args.repeats)
+    second, first, full, plain = times["second"], times["first"], times["full"], times["plain"]
+    print(f"second-order meta-task: {second:.4f} s", flush=True)
+    print(f"first-order meta-task:  {first:.4f} s", flush=True)
+    print(f"second-order, 77 text positions: {full:.4f} s", flush=True)
     print(f"plain CoOp step:        {plain:.4f} s", flush=True)
 
     ml = GRAMMetaLearner(PromptParams.from_spec(spec, clip, dims), MetaSpec())
@@ -115,7 +125,7 @@ def run(args: argparse.Namespace) -> dict:
             "support_shots": args.support_shots, "query_shots": args.query_shots, "n_ctx": args.n_ctx,
             "inner_steps": 1, "image_side": "cached features", "threads": torch.get_num_threads(),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "warmup": args.warmup,
-            "repeats": args.repeats, "torch": torch.__version__, "python": platform.python_version(),
+            "repeats": args.repeats, "timing": "round-robin medians", "torch": torch.__version__, "python": platform.python_version(),
             "cpu": platform.processor() or platform.machine(),
         },
     }

@@ -19,6 +19,8 @@ import open_clip
 import torch
 from torch import nn
 
+from .blocks import transformer_forward
+
 _PLACEHOLDER = "X"  # one BPE token; its embedding is replaced by the context vectors
 
 
@@ -122,13 +124,9 @@ def encode_text_with_context(clip: nn.Module, tokens: ClassTokens, ctx: Optional
     length = x.shape[1]
     x = x + clip.positional_embedding[:length].to(x.dtype)
     mask = clip.attn_mask[:length, :length] if clip.attn_mask is not None else None
-    transformer = clip.transformer
-    if getattr(transformer, "batch_first", True):
-        x = transformer(x, attn_mask=mask)
-    else:  # older open_clip: LND inside the transformer
-        x = transformer(x.transpose(0, 1), attn_mask=mask).transpose(0, 1)
-    x = clip.ln_final(x)
-    x = x[torch.arange(n_cls, device=x.device), tokens.eot_index]  # [C, d_t]
+    # only the EOT outputs of the last block are read (meta.blocks: exact, skips the other rows' MLP)
+    x = transformer_forward(clip.transformer, x, attn_mask=mask, last_rows=tokens.eot_index)  # [C, 1, d_t]
+    x = clip.ln_final(x[:, 0])                                                                 # [C, d_t]
     proj = clip.text_projection
     if isinstance(proj, nn.Linear):
         return proj(x)

@@ -24,6 +24,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .blocks import block_forward
+
 
 def _check_supported(visual: nn.Module) -> None:
     if getattr(visual, "attn_pool", None) is not None:
@@ -32,13 +34,6 @@ def _check_supported(visual: nn.Module) -> None:
         raise NotImplementedError("visual prompts need ln_post before pooling (final_ln_after_pool=False)")
     if getattr(visual, "pool_type", "tok") != "tok":
         raise NotImplementedError(f"visual prompts need CLS-token pooling, tower uses {visual.pool_type!r}")
-
-
-def _blocks_forward(transformer: nn.Module, x: torch.Tensor, block_index: int) -> torch.Tensor:
-    block = transformer.resblocks[block_index]
-    if getattr(transformer, "batch_first", True):
-        return block(x)
-    return block(x.transpose(0, 1)).transpose(0, 1)
 
 
 def encode_image_with_prompts(
@@ -74,12 +69,14 @@ def encode_image_with_prompts(
     x = torch.cat([x, prompts[0].unsqueeze(0).expand(batch, -1, -1)], dim=1)  # [B, 1+g*g+n, d_v]
     x = visual.ln_pre(x)
     n_keep = x.shape[1] - n_prompt
+    blocks = visual.transformer.resblocks
+    cls_row = torch.zeros(batch, dtype=torch.long, device=x.device)
     for i in range(n_layers):
         if 0 < i < depth:
             x = torch.cat([x[:, :n_keep], prompts[i].unsqueeze(0).expand(batch, -1, -1)], dim=1)
-        x = _blocks_forward(visual.transformer, x, i)
-    x = visual.ln_post(x)
-    pooled = x[:, 0]
+        # the last block computes the CLS output only (the only one pooled; meta.blocks)
+        x = block_forward(blocks[i], x, rows=cls_row if i == n_layers - 1 else None)
+    pooled = visual.ln_post(x[:, 0])
     if visual.proj is not None:
         pooled = pooled @ visual.proj
     return pooled

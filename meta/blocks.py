@@ -1,0 +1,101 @@
+"""Our own forward through a frozen open_clip residual attention block.
+
+open_clip's ``ResidualAttentionBlock`` calls ``nn.MultiheadAttention``, which with
+``batch_first=True`` transposes its input to ``[L, N, E]`` and runs the fused
+input projection on that non-contiguous view; on CPU this becomes a batched
+matmul over an expanded weight, and every backward (and, for second-order
+meta-learning, every double backward) pays for the transposes and copies.
+:func:`block_forward` computes exactly the same function from the block's own
+frozen weights with the tokens kept in ``[N, L, E]`` layout, so each projection
+is one plain matrix product, and attention goes through
+``F.scaled_dot_product_attention`` (which honours ``sdpa_kernel`` contexts, e.g. the
+MATH kernel the meta-learner selects for double-differentiable support passes).
+
+Measured with ``python -m meta.bench`` (ViT-B/16 text tower, 8 classes, 1 thread):
+see README "Benchmark".
+
+``rows`` computes the block's output for selected positions only (the EOT token of
+each class prompt, or the CLS token of an image): every position still serves as key
+and value, so the selected outputs are exact, and the last block of a tower need not
+run its MLP on positions nobody reads.
+
+Blocks we do not recognise (other attention modules, ``ln_1_kv``, ``ln_attn`` ...)
+fall back to the block's own ``forward`` (``rows`` then selects after the block).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def is_plain_block(block: nn.Module) -> bool:
+    """Whether :func:`block_forward` can run ``block`` from its weights (open_clip's default block)."""
+    attn = getattr(block, "attn", None)
+    return (isinstance(attn, nn.MultiheadAttention) and attn._qkv_same_embed_dim and attn.in_proj_bias is not None
+            and attn.batch_first and not hasattr(block, "ln_1_kv")
+            and isinstance(getattr(block, "ln_attn", nn.Identity()), nn.Identity)
+            and all(hasattr(block, name) for name in ("ln_1", "ln_2", "mlp", "ls_1", "ls_2")))
+
+
+def _select_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x[n, rows[n]]`` kept as ``[N, 1, E]``."""
+    return x[torch.arange(x.shape[0], device=x.device), rows].unsqueeze(1)
+
+
+def block_forward(block: nn.Module, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                  rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Output of one residual attention block on batch-first tokens.
+
+    Args:
+        block: an open_clip ``ResidualAttentionBlock`` (frozen or not).
+        x: ``[N, L, E]`` tokens.
+        attn_mask: ``[L, L]`` additive float mask (``-inf`` = blocked) or ``None``.
+        rows: optional ``[N]`` long positions; when given only those positions' outputs are computed.
+
+    Returns:
+        ``[N, L, E]``, or ``[N, 1, E]`` when ``rows`` is given.
+    """
+    if not is_plain_block(block):
+        attn = getattr(block, "attn", None)
+        if not isinstance(attn, nn.MultiheadAttention) or attn.batch_first:
+            out = block(x, attn_mask=attn_mask)
+        else:  # an old sequence-first block
+            out = block(x.transpose(0, 1), attn_mask=attn_mask).transpose(0, 1)
+        return out if rows is None else _select_rows(out, rows)
+    n, length, width = x.shape
+    attn = block.attn
+    heads = attn.num_heads
+    y = block.ln_1(x)
+    w_q, w_kv = attn.in_proj_weight[:width], attn.in_proj_weight[width:]
+    b_q, b_kv = attn.in_proj_bias[:width], attn.in_proj_bias[width:]
+    if rows is None:
+        qkv = F.linear(y, attn.in_proj_weight, attn.in_proj_bias)             # [N, L, 3E]
+        q, k, v = qkv.view(n, length, 3, heads, width // heads).permute(2, 0, 3, 1, 4)  # each [N, H, L, hd]
+        mask, residual = attn_mask, x
+    else:
+        kv = F.linear(y, w_kv, b_kv).view(n, length, 2, heads, width // heads).permute(2, 0, 3, 1, 4)
+        k, v = kv[0], kv[1]                                                     # [N, H, L, hd]
+        q = F.linear(_select_rows(y, rows), w_q, b_q).view(n, 1, heads, width // heads).transpose(1, 2)
+        mask = attn_mask[rows].unsqueeze(1).unsqueeze(1) if attn_mask is not None else None  # [N, 1, 1, L]
+        residual = _select_rows(x, rows)
+    if mask is not None:
+        mask = mask.to(q.dtype)
+    a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)                  # [N, H, Lq, hd]
+    a = a.transpose(1, 2).reshape(n, q.shape[2], width)
+    x = residual + block.ls_1(attn.out_proj(a))
+    return x + block.ls_2(block.mlp(block.ln_2(x)))
+
+
+def transformer_forward(transformer: nn.Module, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                        last_rows: Optional[torch.Tensor] = None, start: int = 0) -> torch.Tensor:
+    """Run blocks ``start..end`` of an open_clip ``Transformer`` on batch-first ``[N, L, E]`` tokens.
+
+    With ``last_rows`` (``[N]`` positions) the last block returns only those positions: ``[N, 1, E]``.
+    """
+    blocks = transformer.resblocks
+    for i in range(start, len(blocks)):
+        x = block_forward(blocks[i], x, attn_mask, last_rows if i == len(blocks) - 1 else None)
+    return x
