@@ -93,8 +93,8 @@ class DemoSettings:
     min_cluster_size: int = 40            # HDBSCAN: smallest topic wanted (corpus ~ 6000 / 40 categories)
     val_tasks: int = 20                   # held-out meta-validation tasks (evaluated at step 0 and at the end)
     # Random-resized-crop area range for fine-tuning.  CoOp/Dassl use (0.08, 1) on 224-px photos; on
-    # 32-px world images an 8 % crop is ~9 px and often misses the object.  Measured on the default
-    # world (CoOp, 16 shots, seeds 1-2, H): (0.08, 1) 30.8 / 30.3 / 36.0 on Mixed / Polygons / Icons,
+    # 32-px world images an 8 % crop is ~9 px and often misses the object.  Measured with the earlier
+    # patch-4 world CLIP (zero-shot 18-34 %; CoOp, 16 shots, seeds 1-2, H): (0.08, 1) 30.8 / 30.3 / 36.0 on Mixed / Polygons / Icons,
     # (0.5, 1) 34.2 / 32.7 / 41.9, no augmentation 34.7 / 37.6 / 41.6.  Same setting for every method.
     rrcrop_scale: tuple = (0.5, 1.0)
     jobs: int = 2                         # worker processes for meta-training and evaluation (2 cores)
@@ -164,9 +164,10 @@ def stage_chc(world, weights: Path, model: str, out: Path, settings: DemoSetting
 
 
 # ------------------------------------------------------------------ stage 4: meta-training
-# Rough relative cost of one step per variant (measured: a UNIGRAM step ~3x a CoOp step), used only to
-# hand the expensive runs out first so two workers finish close together.
-_META_COST = {"gram_coop": 1, "gram_vpt": 2, "unigram_pretrain": 1}
+# Rough relative cost of a variant, used only to hand the expensive runs out first so two workers
+# finish close together (default demo, 300 steps: UNIGRAM variants and VPT 45-58 s, CoOp 9 s,
+# prompt pre-training 5 s).  Unlisted variants cost 3.
+_META_COST = {"gram_coop": 1, "unigram_pretrain": 1}
 
 
 def _variant_cfg(variant: MetaVariant, model: str, weights: str, out: Path, settings: DemoSettings,
@@ -195,7 +196,7 @@ def _variant_cfg(variant: MetaVariant, model: str, weights: str, out: Path, sett
 
 
 def _meta_worker(args: tuple) -> tuple:
-    """Meta-train one variant in a worker process; returns ``(name, export path, last step, seconds)``."""
+    """Meta-train one variant in a worker process; returns ``(name, export path)``."""
     import torch
 
     torch.set_num_threads(1)
@@ -209,7 +210,7 @@ def _meta_worker(args: tuple) -> tuple:
     result = train(cfg, resume=True, echo=_log)
     seconds = time.time() - t
     _log(f"meta-trained {name}: step {result['step']} ({seconds:.0f} s)")
-    return name, str(Path(cfg.OUTPUT_DIR) / cfg.META.EXPORT_NAME), int(result["step"]), seconds
+    return name, str(Path(cfg.OUTPUT_DIR) / cfg.META.EXPORT_NAME)
 
 
 def _steps_logged(run_dir: Path) -> int:
@@ -257,7 +258,7 @@ def stage_meta(world, weights: Path, model: str, out: Path, settings: DemoSettin
     results = _run_with_progress(_meta_worker, tasks, jobs, total=settings.meta_steps * len(tasks),
                                  done=lambda: sum(min(_steps_logged(r), settings.meta_steps) for r in runs),
                                  desc="meta-training", unit="step")
-    return {name: path for name, path, _, _ in results}
+    return dict(results)
 
 
 # ------------------------------------------------------------------ stage 5: evaluation
