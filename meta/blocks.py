@@ -69,16 +69,15 @@ def block_forward(block: nn.Module, x: torch.Tensor, attn_mask: Optional[torch.T
     attn = block.attn
     heads = attn.num_heads
     y = block.ln_1(x)
-    w_q, w_kv = attn.in_proj_weight[:width], attn.in_proj_weight[width:]
-    b_q, b_kv = attn.in_proj_bias[:width], attn.in_proj_bias[width:]
     if rows is None:
         qkv = F.linear(y, attn.in_proj_weight, attn.in_proj_bias)             # [N, L, 3E]
         q, k, v = qkv.view(n, length, 3, heads, width // heads).permute(2, 0, 3, 1, 4)  # each [N, H, L, hd]
         mask, residual = attn_mask, x
     else:
-        kv = F.linear(y, w_kv, b_kv).view(n, length, 2, heads, width // heads).permute(2, 0, 3, 1, 4)
+        w, b = attn.in_proj_weight, attn.in_proj_bias                      # rows [q; k; v]
+        kv = F.linear(y, w[width:], b[width:]).view(n, length, 2, heads, width // heads).permute(2, 0, 3, 1, 4)
         k, v = kv[0], kv[1]                                                     # [N, H, L, hd]
-        q = F.linear(_select_rows(y, rows), w_q, b_q).view(n, 1, heads, width // heads).transpose(1, 2)
+        q = F.linear(_select_rows(y, rows), w[:width], b[:width]).view(n, 1, heads, width // heads).transpose(1, 2)
         mask = attn_mask[rows].unsqueeze(1).unsqueeze(1) if attn_mask is not None else None  # [N, 1, 1, L]
         residual = _select_rows(x, rows)
     if mask is not None:

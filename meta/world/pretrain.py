@@ -12,7 +12,7 @@ AdamW, lr 1e-3 with linear warm-up over 5 % of the steps then cosine decay,
 weight decay 0.1 (0 for gains, biases, embeddings and the temperature, as in
 open_clip's training script), batch 128, 10 epochs over the default world's
 40k pairs (3120 steps, 408 s measured here) or, ``quick``, 6 epochs over the
-quick world's 16k pairs (750 steps, about 1.5 min); augmentation is a random
+quick world's 16k pairs (750 steps, 97-129 s); augmentation is a random
 shift of up to 2 px (no flips: captions name positions).  The image tower is
 a 4-layer, width-64 ViT with 8-px patches (16 tokens + CLS), five times
 cheaper per image than 4-px patches (64 tokens): 56 vs 283 ms per
@@ -123,7 +123,7 @@ class PretrainSettings:
 
 
 def pretrain_settings(quick: bool = False, seed: int = 0) -> PretrainSettings:
-    """Default (about 7.5 min here) or ``quick`` (about 1.5 min here) schedule."""
+    """Default (about 7 min here: 370-408 s measured) or ``quick`` (about 1.5-2 min) schedule."""
     base = PretrainSettings(seed=seed)
     return replace(base, epochs=6) if quick else base
 
