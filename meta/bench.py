@@ -9,12 +9,20 @@ Prints human-readable lines, then ONE JSON line (the last line) with:
 * ``truncation_speedup``: second-order meta-task time with 77 text positions / with ``max(eot)+1``;
 * ``frozen_bytes_cloned_per_task``: bytes copied by ``GBML.clone()`` beyond θ and φ (target 0);
 * ``peak_rss_mb``: peak resident memory of the process;
+* ``linear_forward_s`` / ``linear_backward_s``: the frozen text tower's linear-layer matrix products
+  alone (no attention, no elementwise ops, no autograd), as one forward sweep (activations times Wᵀ)
+  and one backward sweep (gradients times W) at the step's shapes; ``null`` for block types
+  :mod:`meta.blocks` does not run itself;
+* ``plain_other_s`` / ``second_order_other_s``: each step minus its linear products (the plain step
+  has one forward and one backward sweep, the exact second-order task three of each), i.e. the time of
+  everything else.  ``ratio_second_to_plain`` <= 3 exactly when ``second_order_other_s`` <=
+  3 x ``plain_other_s`` (README "Benchmark");
 * ``settings``: everything the numbers depend on.
 
 Defaults: ViT-B-16 architecture with random weights (no download), CoOp text prompts (M = 4),
 K = 8-way, 1-shot support, 4-shot query, cached image features, one CPU thread.  Times are the
-median of ``--repeats`` rounds after ``--warmup`` rounds; a round times the four steps one after
-another, so drifting machine speed hits all of them alike.
+median of ``--repeats`` rounds after ``--warmup`` rounds; a round times the four steps and the two
+linear-product sweeps one after another, so drifting machine speed hits all of them alike.
 """
 from __future__ import annotations
 
@@ -27,7 +35,7 @@ import statistics
 import sys
 import time
 import warnings
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -51,6 +59,48 @@ def _interleaved_medians(fns: dict[str, Callable[[], None]], warmup: int, repeat
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def linear_products(transformer: torch.nn.Module, n_seq: int, length: int) -> Optional[tuple[Callable[[], None], Callable[[], None]]]:
+    """One forward and one backward sweep of ``transformer``'s linear-layer products, nothing else.
+
+    Mirrors :func:`meta.blocks.transformer_forward` with ``last_rows``: every block multiplies
+    ``[n_seq * length, ·]`` activations by its fused q/k/v input projection, attention output
+    projection, MLP ``c_fc`` and ``c_proj``; the last block projects keys and values for all rows and
+    everything else for the ``n_seq`` pooled rows only.  With frozen weights a forward pass multiplies by
+    Wᵀ and a backward pass (input gradients only) by W, once per layer.  Returns ``(forward, backward)``
+    callables, or ``None`` when a block is not one :func:`meta.blocks.is_plain_block` accepts.
+    """
+    from .blocks import is_plain_block
+
+    blocks = list(transformer.resblocks)
+    if not all(is_plain_block(b) for b in blocks):
+        return None
+    rows = n_seq * length
+    products: list[tuple[int, torch.Tensor]] = []          # (rows, weight [out, in]) in forward order
+    for i, block in enumerate(blocks):
+        w_in = block.attn.in_proj_weight.detach()
+        width = w_in.shape[1]
+        pooled = n_seq if i == len(blocks) - 1 else rows
+        if pooled == rows:
+            products.append((rows, w_in))
+        else:
+            products += [(rows, w_in[width:]), (pooled, w_in[:width])]
+        products += [(pooled, block.attn.out_proj.weight.detach()), (pooled, block.mlp.c_fc.weight.detach()),
+                     (pooled, block.mlp.c_proj.weight.detach())]
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(r, w.shape[1], generator=gen, dtype=w.dtype).to(w.device) for r, w in products]
+    grads = [torch.randn(r, w.shape[0], generator=gen, dtype=w.dtype).to(w.device) for r, w in products]
+
+    def forward() -> None:
+        for x, (_, w) in zip(inputs, products):
+            torch.mm(x, w.t())
+
+    def backward() -> None:
+        for g, (_, w) in zip(reversed(grads), reversed(products)):
+            torch.mm(g, w)
+
+    return forward, backward
+
+
 def _class_names(k: int) -> list[str]:
     pool = ["golden retriever", "fire truck", "sunflower", "grand piano", "tabby cat", "sports car",
             "oak tree", "coffee mug", "mountain bike", "lighthouse", "jellyfish", "hot air balloon"]
@@ -63,6 +113,7 @@ def run(args: argparse.Namespace) -> dict:
     from .gram import GRAMMetaLearner, MetaSpec, TaskBatch
     from .profiling import bytes_copied
     from .prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+    from .text_encoder import ClassTokenCache
 
     torch.manual_seed(0)
     with warnings.catch_warnings():
@@ -95,17 +146,26 @@ def run(args: argparse.Namespace) -> dict:
         loss_fn(prompts, both)[0].backward()
         optim.step()
 
-    times = _interleaved_medians({
+    steps = {
         "second": meta_task(first_order=False, truncate=True),
         "plain": plain_step,
         "first": meta_task(first_order=True, truncate=True),
         "full": meta_task(first_order=False, truncate=False),
-    }, args.warmup, args.repeats)
+    }
+    sweeps = linear_products(clip.transformer, args.way, ClassTokenCache(clip, args.n_ctx).tokens(names).length)
+    if sweeps is not None:
+        steps["linear_forward"], steps["linear_backward"] = sweeps
+    times = _interleaved_medians(steps, args.warmup, args.repeats)
     second, first, full, plain = times["second"], times["first"], times["full"], times["plain"]
     print(f"second-order meta-task: {second:.4f} s", flush=True)
     print(f"first-order meta-task:  {first:.4f} s", flush=True)
     print(f"second-order, 77 text positions: {full:.4f} s", flush=True)
     print(f"plain CoOp step:        {plain:.4f} s", flush=True)
+    linear = None
+    if sweeps is not None:
+        linear = times["linear_forward"] + times["linear_backward"]
+        print(f"linear products, one forward + one backward sweep: {linear:.4f} s; everything else: "
+              f"plain {plain - linear:.4f} s, second order {second - 3 * linear:.4f} s", flush=True)
 
     ml = GRAMMetaLearner(PromptParams.from_spec(spec, clip, dims), MetaSpec())
     own = sum(p.numel() * p.element_size() for p in ml.gbml.parameters())
@@ -120,6 +180,10 @@ def run(args: argparse.Namespace) -> dict:
         "frozen_bytes_cloned_per_task": int(copied - own),
         "theta_phi_bytes_cloned_per_task": int(own),
         "peak_rss_mb": round(peak_kb / 1024, 1),
+        "linear_forward_s": None if linear is None else round(times["linear_forward"], 5),
+        "linear_backward_s": None if linear is None else round(times["linear_backward"], 5),
+        "plain_other_s": None if linear is None else round(plain - linear, 5),
+        "second_order_other_s": None if linear is None else round(second - 3 * linear, 5),
         "settings": {
             "model": args.model, "pretrained": args.pretrained, "way": args.way,
             "support_shots": args.support_shots, "query_shots": args.query_shots, "n_ctx": args.n_ctx,

@@ -15,3 +15,44 @@ def test_bench_prints_one_json_line_with_required_keys(capsys):
     assert result["theta_phi_bytes_cloned_per_task"] > 0
     assert result["settings"]["way"] == 3 and result["settings"]["model"] == "GRAM-Test-Tiny"
     assert result["ratio_second_to_plain"] > 0
+    for key in ("linear_forward_s", "linear_backward_s"):
+        assert result[key] > 0, key
+    linear = result["linear_forward_s"] + result["linear_backward_s"]
+    assert abs(result["plain_other_s"] - (result["plain_step_s"] - linear)) < 2e-5
+    assert abs(result["second_order_other_s"] - (result["second_order_s"] - 3 * linear)) < 4e-5
+
+
+def _matmul_flops(fn) -> int:
+    """Multiply-add FLOPs of the aten.mm / aten.addmm calls ``fn`` makes (torch's own flop counter)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    ops = counter.get_flop_counts()["Global"]
+    return sum(v for k, v in ops.items() if str(k).split(".")[-1] in ("mm", "addmm"))
+
+
+def test_linear_products_are_the_text_towers_own_matmuls(tiny_clip):
+    """The bench's matmul-only sweeps do exactly the matrix products of a real text forward / backward."""
+    import torch
+
+    from meta.blocks import transformer_forward
+    from meta.text_encoder import ClassTokenCache
+
+    clip, _ = tiny_clip
+    names = ["golden retriever", "fire truck", "tabby cat"]
+    tokens = ClassTokenCache(clip, 4).tokens(names)
+    length, width = tokens.length, clip.transformer.resblocks[0].ln_1.normalized_shape[0]
+    x = torch.randn(len(names), length, width, requires_grad=True)
+    mask = clip.attn_mask[:length, :length]
+    real_forward = _matmul_flops(lambda: transformer_forward(clip.transformer, x, mask, last_rows=tokens.eot_index))
+    out = transformer_forward(clip.transformer, x, mask, last_rows=tokens.eot_index)
+    real_backward = _matmul_flops(lambda: torch.autograd.grad(out.sum(), x))
+    forward, backward = bench.linear_products(clip.transformer, len(names), length)
+    assert real_forward > 0 and real_backward > 0
+    assert _matmul_flops(forward) == real_forward
+    assert _matmul_flops(backward) == real_backward
+    # one row more per sequence is a different count: the comparison can tell shapes apart
+    longer, _ = bench.linear_products(clip.transformer, len(names), length + 1)
+    assert _matmul_flops(longer) != real_forward
