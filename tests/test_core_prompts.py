@@ -13,13 +13,16 @@ NAMES = ["red circle", "square", "a very long class name with many words", "x"]
 
 def test_truncated_text_features_equal_full_77_token_features(tiny_clip):
     clip, dims = tiny_clip
-    ctx = torch.randn(4, dims.text_width) * 0.02
+    ctx = torch.randn(4, dims.text_width, generator=torch.Generator().manual_seed(0)) * 0.02
     short = ClassTokenCache(clip, 4, truncate=True).tokens(NAMES)
     full = ClassTokenCache(clip, 4, truncate=False).tokens(NAMES)
     assert full.length == dims.context_length
     assert short.length == int(short.eot_index.max()) + 1 < full.length
-    torch.testing.assert_close(encode_text_with_context(clip, short, ctx),
-                               encode_text_with_context(clip, full, ctx), rtol=1e-5, atol=1e-6)
+    expected = encode_text_with_context(clip, full, ctx)
+    # float32 rounding only: over 200 seeds the largest difference was 6.7e-7 x max|feature|
+    # (different matmul blocking for 20 vs 77 rows); attending to padding would differ by ~1e-1
+    torch.testing.assert_close(encode_text_with_context(clip, short, ctx), expected,
+                               rtol=0, atol=2e-6 * float(expected.abs().max()))
 
 
 def test_context_from_words_reproduces_clip_text_encoding(tiny_clip):

@@ -36,7 +36,11 @@ def test_regulator_matches_the_formula():
     torch.testing.assert_close(reg(g), gamma * g + beta)
     # input normalisation + relative beta make R_φ scale-equivariant: R(c g) = c R(g)
     reg2 = GradientRegulator(5, RegulatorSpec(init="normal", init_std=0.3))
-    torch.testing.assert_close(reg2(g * 1e-4) / 1e-4, reg2(g), rtol=1e-4, atol=1e-5)
+    reference = reg2(g)
+    # exact but for the ε = 1e-12 under the rms square root: relative effect ~ ε / mean((c g)²),
+    # about 1e-4 at c = 1e-4 (amplified where γ g and β nearly cancel), below float32 rounding at c >= 1e-2
+    for c, tol in ((1e-4, 2e-3), (1e-2, 1e-5), (1e3, 1e-5)):
+        torch.testing.assert_close(reg2(g * c) / c, reference, rtol=tol, atol=tol * float(reference.abs().max()))
 
 
 def test_factory_is_plain_callable_and_skips_frozen_tensors():
