@@ -126,7 +126,16 @@ def encode_text_with_context(clip: nn.Module, tokens: ClassTokens, ctx: Optional
     mask = clip.attn_mask[:length, :length] if clip.attn_mask is not None else None
     # only the EOT outputs of the last block are read (meta.blocks: exact, skips the other rows' MLP)
     x = transformer_forward(clip.transformer, x, attn_mask=mask, last_rows=tokens.eot_index)  # [C, 1, d_t]
-    x = clip.ln_final(x[:, 0])                                                                 # [C, d_t]
+    return text_head(clip, x[:, 0])
+
+
+def text_head(clip: nn.Module, pooled: torch.Tensor) -> torch.Tensor:
+    """CLIP's text head on the pooled (EOT) outputs of the text transformer: ``ln_final`` then the projection.
+
+    ``pooled``: ``[C, d_t]`` -> ``[C, E]`` (not normalised).  ``ln_final`` acts per row, so applying it
+    to the pooled rows only gives the same numbers as open_clip, which normalises every position first.
+    """
+    x = clip.ln_final(pooled)
     proj = clip.text_projection
     if isinstance(proj, nn.Linear):
         return proj(x)

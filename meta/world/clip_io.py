@@ -17,6 +17,8 @@ from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from PIL import Image
 from torch import nn
 
+from ..text_encoder import text_head
+
 WORLD_MODEL = "GRAM-World-ViT-T"
 
 _MEAN = torch.tensor(OPENAI_DATASET_MEAN).view(1, 3, 1, 1)
@@ -56,10 +58,7 @@ def encode_text_trimmed(clip: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     cast = clip.transformer.get_cast_dtype()
     x = clip.token_embedding(t).to(cast) + clip.positional_embedding[:length].to(cast)
     x = clip.transformer(x, attn_mask=clip.attn_mask[:length, :length])
-    x = clip.ln_final(x)
-    x = x[torch.arange(x.shape[0]), eot_pos]
-    proj = clip.text_projection
-    return proj(x) if isinstance(proj, nn.Linear) else x @ proj
+    return text_head(clip, x[torch.arange(x.shape[0]), eot_pos])
 
 
 @torch.no_grad()
