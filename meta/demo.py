@@ -202,9 +202,8 @@ def _meta_worker(args: tuple) -> tuple:
     torch.set_num_threads(1)
     from .metatrain import train
 
-    name, model, weights, out, settings_d, labelled_dir = args
+    name, model, weights, out, settings, labelled_dir = args
     variant = next(v for v in META_VARIANTS if v.name == name)
-    settings = DemoSettings(**{k: tuple(v) if isinstance(v, list) else v for k, v in settings_d.items()})
     cfg = _variant_cfg(variant, model, weights, Path(out), settings, labelled_dir)
     t = time.time()
     result = train(cfg, resume=True, echo=_log)
@@ -251,7 +250,7 @@ def _run_with_progress(fn, tasks: list, jobs: int, total: int, done, desc: str, 
 
 def stage_meta(world, weights: Path, model: str, out: Path, settings: DemoSettings) -> dict:
     order = sorted(META_VARIANTS, key=lambda v: -_META_COST.get(v.name, 3))
-    tasks = [(v.name, model, str(weights), str(out), asdict(settings), str(world.labelled_meta_dir)) for v in order]
+    tasks = [(v.name, model, str(weights), str(out), settings, str(world.labelled_meta_dir)) for v in order]
     runs = [out / "meta" / v.name for v in order]
     jobs = max(1, min(settings.jobs, len(tasks)))
     _log(f"meta-training {len(tasks)} variants x {settings.meta_steps} steps in {jobs} process(es)")
@@ -267,7 +266,7 @@ def _job_path(out: Path, dataset: str, label: str, seed: int) -> Path:
     return out / "runs" / dataset / slug / f"seed{seed}.json"
 
 
-def _eval_worker(jobs: list, model: str, weights: str, settings_d: dict, out: str) -> None:
+def _eval_worker(jobs: list, model: str, weights: str, settings: DemoSettings, out: str) -> None:
     """Run ``(dataset name, dataset dir, row label, preset, init file, regulated, seed)`` jobs; one JSON each."""
     import torch
 
@@ -279,9 +278,8 @@ def _eval_worker(jobs: list, model: str, weights: str, settings_d: dict, out: st
         warnings.simplefilter("ignore")
         clip, dims = load_clip(model, pretrained=weights)
     session = EvaluationSession(clip, dims, cache_dir=str(Path(out) / "feature_cache"), log=lambda m: None)
-    train = TrainSpec(epochs=settings_d["epochs"], batch_size=settings_d["batch_size"],
-                      rrcrop_scale=tuple(settings_d["rrcrop_scale"]),
-                      eval_every_epoch=settings_d["eval_every_epoch"])
+    train = TrainSpec(epochs=settings.epochs, batch_size=settings.batch_size, rrcrop_scale=settings.rrcrop_scale,
+                      eval_every_epoch=settings.eval_every_epoch)
     for name, dataset_dir, label, preset, init, regulated, seed in jobs:
         path = _job_path(Path(out), name, label, seed)
         if path.is_file():
@@ -292,7 +290,7 @@ def _eval_worker(jobs: list, model: str, weights: str, settings_d: dict, out: st
         method = method_preset(preset, init_path=init, **overrides)
         t = time.time()
         record = evaluate_base_to_new(DatasetRef.from_dir(dataset_dir, name=name), clip, dims, method, seed,
-                                      shots=settings_d["shots"], train=train, session=session, log=lambda m: None)
+                                      shots=settings.shots, train=train, session=session, log=lambda m: None)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record, default=str))
@@ -316,7 +314,7 @@ def stage_eval(world, weights: Path, model: str, inits: dict, out: Path, setting
     _log(f"evaluating {len(jobs)} runs ({len(names)} datasets x {len(settings.seeds)} seeds x "
          f"{len(EVAL_METHODS)} methods; {len(jobs) - len(todo)} cached) in {n_jobs} process(es)")
     t = time.time()
-    args = (model, str(weights), asdict(settings), str(out))
+    args = (model, str(weights), settings, str(out))
     if todo:
         chunks = [todo[i::n_jobs] for i in range(n_jobs)]
         _run_with_progress(_eval_chunk, [(chunk, *args) for chunk in chunks], n_jobs, total=len(jobs),

@@ -28,7 +28,6 @@ def _same_global_rng_for_every_test():
     numbers in a full run as alone; a tolerance that held alone once failed in a full run.
     """
     torch.manual_seed(0)
-    yield
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,9 @@
 """The benchmark runs end to end and reports what it promises (on the tiny model)."""
 import json
 
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
 from meta import bench
 
 
@@ -24,9 +27,6 @@ def test_bench_prints_one_json_line_with_required_keys(capsys):
 
 def _matmul_flops(fn) -> int:
     """Multiply-add FLOPs of the aten.mm / aten.addmm calls ``fn`` makes (torch's own flop counter)."""
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
     with FlopCounterMode(display=False) as counter:
         fn()
     ops = counter.get_flop_counts()["Global"]
@@ -35,8 +35,6 @@ def _matmul_flops(fn) -> int:
 
 def test_linear_products_are_the_text_towers_own_matmuls(tiny_clip):
     """The bench's matmul-only sweeps do exactly the matrix products of a real text forward / backward."""
-    import torch
-
     from meta.blocks import transformer_forward
     from meta.text_encoder import ClassTokenCache
 

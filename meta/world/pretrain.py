@@ -224,13 +224,12 @@ def pretrain_clip(world: WorldPaths, quick: bool = False, settings: PretrainSett
     # thrown away).  It uses captions only - no ground truth - and gives the image tower fixed,
     # distinct targets per word from step one, which a from-scratch CLIP lacks.
     groups = _param_groups(model, s.weight_decay)
+    vocab: list[str] = []
     if s.bow_weight > 0:
         vocab = caption_vocabulary(captions, s.bow_min_count)
         bow = bag_of_words(captions, vocab)
         bow_head = torch.nn.Linear(model.text_projection.shape[1], max(1, len(vocab)))
         groups.append({"params": list(bow_head.parameters()), "weight_decay": 0.0})
-    else:
-        vocab = []
     opt = torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, 0.98), eps=1e-6)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda k: (k + 1) / warmup if k < warmup else 0.5 * (1 + math.cos(math.pi * (k - warmup) / max(1, total - warmup))))
