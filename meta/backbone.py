@@ -53,6 +53,48 @@ class ClipDims:
         return dict(self.__dict__)
 
 
+class WeightsError(RuntimeError, ValueError):
+    """CLIP weights that cannot be loaded (a ``RuntimeError`` as before; a ``ValueError`` for CLIs)."""
+
+
+def check_model_name(model_name: str, key: str = "MODEL.BACKBONE") -> None:
+    """Raise a one-line ``ValueError`` naming ``key`` if open_clip has no architecture ``model_name``."""
+    register_model_configs()
+    known = open_clip.list_models()
+    if model_name not in known:
+        import difflib
+
+        close = difflib.get_close_matches(str(model_name), known, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else " (see open_clip.list_models())"
+        raise ValueError(f"{key}: unknown open_clip architecture {model_name!r}{hint}")
+
+
+def check_precision(precision: str, key: str = "MODEL.PRECISION") -> None:
+    if precision not in ("fp32", "fp16", "bf16", "amp"):
+        raise ValueError(f"{key}: expected fp32 | fp16 | bf16 | amp, got {precision!r}")
+
+
+def resolve_device(name: str, key: str = "MODEL.DEVICE") -> str:
+    """``auto`` -> ``cuda:<LOCAL_RANK>`` when CUDA is available, else ``cpu``; other names are checked.
+
+    A malformed name (``gpu``) or a CUDA device this machine lacks raises a one-line
+    ``ValueError`` naming ``key``.
+    """
+    if not name or name == "auto":
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{key}: expected auto, cpu, cuda or cuda:<index>, got {name!r}") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"{key}: {name!r} asked for, but no CUDA GPU is available here; use cpu or auto")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"{key}: {name!r} asked for, but this machine has {count} CUDA device(s)")
+    return name
+
+
 def clip_dims(clip: nn.Module, model_name: str = "") -> ClipDims:
     """Read the dimensions of an open_clip ``CLIP`` with a ViT image tower."""
     visual = clip.visual
@@ -119,8 +161,7 @@ def load_clip(
         ``(clip, dims)`` with every CLIP parameter frozen and the model in eval mode.
     """
     register_model_configs()
-    if precision not in ("fp32", "fp16", "bf16", "amp"):
-        raise ValueError(f"precision must be fp32|fp16|bf16|amp, got {precision!r}")
+    check_precision(precision, "precision")
     oc_precision = "fp32" if precision == "amp" else precision
     if pretrained in ("", "none", "None"):
         pretrained = None
@@ -150,6 +191,7 @@ def load_clip(
                 clip = open_clip.create_model(model_name, pretrained=pretrained, precision=oc_precision,
                                               device=device, force_quick_gelu=bool(quick_gelu))
             except RuntimeError as err:
-                raise RuntimeError(f"{config_key}={pretrained!r} could not be loaded for {model_name}: {err}") from err
+                raise WeightsError(f"{config_key}: {pretrained!r} could not be loaded for {model_name}: "
+                                   f"{' '.join(str(err).split())}") from err
     clip = freeze(clip)
     return clip, clip_dims(clip, model_name)

@@ -129,22 +129,37 @@ def _one_line(err: BaseException) -> str:
 
 
 def load_meta_cfg(config_file: str = "", opts: Sequence[str] = ()) -> CN:
-    """Defaults, then ``config_file`` (yaml), then ``KEY VALUE`` overrides, CoOp style."""
+    """Defaults, then ``config_file`` (yaml), then ``KEY VALUE`` overrides, CoOp style.
+
+    Only ``.yaml`` / ``.yml`` files are read (yacs would execute a ``.py`` file).  Every problem is
+    a :class:`meta.cli_errors.UserError` naming the file or the key.
+    """
     import os
+
+    import yaml
+
+    from meta.cli_errors import UserError
 
     cfg = get_meta_cfg_default()
     if config_file:
+        if not config_file.lower().endswith((".yaml", ".yml")):
+            raise UserError("--config-file", f"expected a .yaml or .yml file, got {config_file}")
         if not os.path.isfile(config_file):
-            raise FileNotFoundError(f"--config-file: no such file: {config_file}")
+            raise UserError("--config-file", f"no such file: {config_file}")
         try:
             cfg.merge_from_file(config_file)
-        except (KeyError, AssertionError, ValueError) as err:
-            raise ValueError(f"{config_file}: {_one_line(err)}") from None
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+            problem = getattr(err, "problem", None) or type(err).__name__
+            raise UserError(config_file, f"not valid YAML ({where}{problem})") from None
+        except (KeyError, AssertionError, ValueError, TypeError, AttributeError) as err:
+            raise UserError(config_file, _one_line(err) or "expected a mapping of config keys") from None
     if opts:
         if len(opts) % 2:
-            raise ValueError(f"overrides must be KEY VALUE pairs, got an odd list: {list(opts)}")
+            raise UserError("command line", f"overrides must be KEY VALUE pairs, got an odd list: {list(opts)}")
         try:
             cfg.merge_from_list(list(opts))
-        except (KeyError, AssertionError, ValueError) as err:
-            raise ValueError(f"command-line override: {_one_line(err)}") from None
+        except (KeyError, AssertionError, ValueError, TypeError) as err:
+            raise UserError("command-line override", _one_line(err)) from None
     return cfg

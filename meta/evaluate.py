@@ -15,7 +15,10 @@ Examples::
     python -m meta.evaluate transfer --source DIR --targets DIR2 DIR3 --methods coop ...
 
 Each (dataset, method, seed) record is appended as one JSON line to ``--output`` and a
-summary line is printed; a mean ± std table over seeds closes the run.
+summary line is printed; a mean ± std table over seeds closes the run.  Bad input (a missing
+or mismatching init file, CLIP weights, image or split file) ends the run with one
+``error: <file or flag>: ...`` line and exit status 2 (:mod:`meta.cli_errors`; ``--debug`` or
+``GRAM_DEBUG=1`` shows the traceback).
 """
 from __future__ import annotations
 
@@ -65,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--no-split-cache", action="store_true", help="do not read/write few-shot split caches")
     common.add_argument("--output", default="", help="append one JSON line per run to this file")
     common.add_argument("--no-progress", action="store_true")
+    common.add_argument("--debug", action="store_true", help="show tracebacks (also GRAM_DEBUG=1)")
     b2n = sub.add_parser("base2new", parents=[common], help="CoCoOp base-to-new protocol")
     b2n.add_argument("--dataset", action="append", required=True,
                      help="dataset folder in CoOp/DTD layout, or a registered name with --root (repeatable)")
@@ -124,22 +128,28 @@ def _table(records: list[dict]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point: 0, or 2 with one ``error:`` line on stderr for bad input."""
+    from .cli_errors import run_cli
+
+    return run_cli(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    try:
-        methods = _methods(args)
-        spec = _train_spec(args)
-        if args.command == "base2new":
-            datasets = [DatasetRef.parse(d, args.root) for d in args.dataset]
-        else:
-            source = DatasetRef.parse(args.source, args.root)
-            targets = [DatasetRef.parse(t, args.root) for t in args.targets]
-    except (ValueError, KeyError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    methods = _methods(args)
+    spec = _train_spec(args)
+    if args.command == "base2new":
+        datasets = [DatasetRef.parse(d, args.root) for d in args.dataset]
+    else:
+        source = DatasetRef.parse(args.source, args.root)
+        targets = [DatasetRef.parse(t, args.root) for t in args.targets]
     import warnings
 
-    from .backbone import load_clip
+    from .backbone import check_model_name, load_clip, resolve_device
     from .config import quick_gelu_flag
+
+    check_model_name(args.model, "--model")
+    args.device = resolve_device(args.device, "--device")
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore" if not args.pretrained else "default")

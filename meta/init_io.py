@@ -8,8 +8,12 @@ File format (one ``.safetensors`` file, nothing is unpickled on load):
   (model name, weights file name, widths), ``prompt`` (token counts, depth),
   ``regulator`` (spec or null), ``shapes`` and free-form ``provenance``.
 
-Loading validates the file against what the caller is about to build and
-names every mismatching field in one error.
+Loading validates everything the file says before anything is built: the metadata's
+fields and types (``format_version`` is the integer 1; regulator fields are those of
+:class:`meta.regulator.RegulatorSpec`, older files may omit newer ones), each tensor's
+shape against the recorded ``shapes`` and against the widths and token counts in the
+metadata, and then the metadata against what the caller is about to build.  Every failure
+is one :class:`InitMismatchError` line naming the file and the field.
 
 Also: :func:`export_coop_context` writes θ*_T in the form stock CoOp/CoCoOp
 trainers load through ``MODEL.INIT_WEIGHTS`` (Dassl's ``load_pretrained_weights``
@@ -18,6 +22,8 @@ as a plain tensor dict that ``torch.load(weights_only=True)`` accepts.
 """
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +31,12 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from safetensors import safe_open
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 
 from .backbone import ClipDims
+from .fileio import write_bytes_atomic
 from .prompts import PromptParams
 from .regulator import GradientRegulator, RegulatorSpec
 
@@ -68,9 +76,8 @@ class GramInit:
 def export_gram_init(path: Union[str, Path], prompts: PromptParams,
                      regulators: Optional[Mapping[str, GradientRegulator]], dims: ClipDims,
                      provenance: Optional[dict] = None, weights: str = "") -> Path:
-    """Write θ* (and φ) with metadata; returns the path written."""
+    """Write θ* (and φ) with metadata, atomically (:mod:`meta.fileio`); returns the path written."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     for name, p in prompts.named_parameters():
         tensors[f"prompt.{name}"] = p.detach().float().cpu().contiguous()
@@ -91,35 +98,195 @@ def export_gram_init(path: Union[str, Path], prompts: PromptParams,
         "shapes": {k: list(v.shape) for k, v in tensors.items()},
         "provenance": provenance or {},
     }
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    save_file(tensors, str(tmp), metadata={"gram": json.dumps(meta, sort_keys=True)})
-    tmp.replace(path)
-    return path
+    return write_bytes_atomic(path, safetensors_bytes(tensors, metadata={"gram": json.dumps(meta, sort_keys=True)}))
+
+
+_MISSING = object()
+_PROMPT_TENSORS = ("ctx", "vpt")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _describe(value: Any) -> str:
+    text = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+class _Checker:
+    """Raises :class:`InitMismatchError` as ``<key>: <file>: <field>: <what>``."""
+
+    def __init__(self, config_key: str, path: Path):
+        self.prefix = f"{config_key}: {path}"
+
+    def fail(self, field: str, what: str) -> None:
+        raise InitMismatchError(f"{self.prefix}: {field}: {what}")
+
+    def need(self, cond: bool, field: str, what: str) -> None:
+        if not cond:
+            self.fail(field, what)
+
+
+def _regulator_field_types() -> dict[str, tuple]:
+    """``{field: accepted python types}`` from :class:`RegulatorSpec`'s fields (new fields included)."""
+    out = {}
+    for f in dataclasses.fields(RegulatorSpec):
+        default = f.default
+        annotation = str(f.type)
+        if isinstance(default, bool):
+            types: tuple = (bool,)
+        elif isinstance(default, int):
+            types = (int,)
+        elif isinstance(default, float):
+            types = (int, float)
+        elif isinstance(default, str):
+            types = (str, int, float) if "float" in annotation or "int" in annotation else (str,)
+        else:
+            types = ()
+        out[f.name] = types
+    return out
+
+
+def check_metadata(raw: Any, check: _Checker) -> dict:
+    """Parse and validate the ``"gram"`` header metadata (see module docstring); returns it as a dict."""
+    if not isinstance(raw, str):
+        check.fail("metadata 'gram'", "missing; was the file written by export_gram_init?")
+    try:
+        meta = json.loads(raw)
+    except json.JSONDecodeError as err:
+        check.fail("metadata 'gram'", f"not valid JSON ({err.msg} at character {err.pos})")
+    check.need(isinstance(meta, dict), "metadata 'gram'", f"expected a JSON object, got {_describe(meta)}")
+    version = meta.get("format_version", _MISSING)
+    check.need(version is not _MISSING, "format_version", f"missing (expected the integer {FORMAT_VERSION})")
+    check.need(_is_int(version) and version == FORMAT_VERSION, "format_version",
+               f"expected the integer {FORMAT_VERSION}, got {_describe(version)}")
+    sections = {"backbone": (("text_width", 1), ("vision_width", 1), ("vision_layers", 1)),
+                "prompt": (("n_ctx_text", 0), ("n_ctx_vision", 0), ("vision_depth", 0))}
+    for section, fields in sections.items():
+        node = meta.get(section, _MISSING)
+        check.need(node is not _MISSING, section, "missing")
+        check.need(isinstance(node, dict), section, f"expected an object with {', '.join(f for f, _ in fields)}, "
+                                                    f"got {_describe(node)}")
+        for name, minimum in fields:
+            value = node.get(name, _MISSING)
+            check.need(value is not _MISSING, f"{section}.{name}", "missing")
+            check.need(_is_int(value) and value >= minimum, f"{section}.{name}",
+                       f"expected an integer >= {minimum}, got {_describe(value)}")
+    backbone, prompt = meta["backbone"], meta["prompt"]
+    for name in ("model_name", "weights"):
+        value = backbone.get(name, "")
+        check.need(isinstance(value, str), f"backbone.{name}", f"expected a string, got {_describe(value)}")
+    check.need((prompt["n_ctx_vision"] == 0) == (prompt["vision_depth"] == 0), "prompt.vision_depth",
+               f"{prompt['vision_depth']} does not go with prompt.n_ctx_vision {prompt['n_ctx_vision']} "
+               f"(both 0, or both > 0)")
+    check.need(prompt["vision_depth"] <= backbone["vision_layers"], "prompt.vision_depth",
+               f"{prompt['vision_depth']} exceeds backbone.vision_layers {backbone['vision_layers']}")
+    check.need(prompt["n_ctx_text"] > 0 or prompt["n_ctx_vision"] > 0, "prompt",
+               "holds no prompt (n_ctx_text and n_ctx_vision are both 0)")
+
+    reg = meta.get("regulator", None)
+    if reg is not None:
+        check.need(isinstance(reg, dict), "regulator", f"expected null or an object, got {_describe(reg)}")
+        types = _regulator_field_types()
+        for name, value in reg.items():
+            check.need(name in types, f"regulator.{name}", f"unknown field (this code reads {', '.join(types)})")
+            ok = not types[name] or (isinstance(value, types[name])
+                                     and (bool not in types[name]) == (not isinstance(value, bool)))
+            check.need(ok, f"regulator.{name}", f"expected {' or '.join(t.__name__ for t in types[name])}, "
+                                                f"got {_describe(value)}")
+        try:
+            RegulatorSpec(**reg)
+        except (TypeError, ValueError) as err:
+            check.fail("regulator", str(err))
+    shapes = meta.get("shapes", _MISSING)
+    check.need(shapes is not _MISSING, "shapes", "missing")
+    check.need(isinstance(shapes, dict), "shapes", f"expected an object {{tensor: [dims]}}, got {_describe(shapes)}")
+    for name, dims in shapes.items():
+        check.need(isinstance(dims, list) and all(_is_int(d) and d >= 0 for d in dims), f"shapes.{name}",
+                   f"expected a list of non-negative integers, got {_describe(dims)}")
+    provenance = meta.get("provenance", {})
+    check.need(isinstance(provenance, dict), "provenance", f"expected an object, got {_describe(provenance)}")
+    return meta
+
+
+def check_tensors(tensors: Mapping[str, torch.Tensor], meta: dict, check: _Checker) -> None:
+    """Each tensor against ``meta["shapes"]`` and against the widths / token counts the metadata records."""
+    shapes = meta["shapes"]
+    extra, missing = sorted(set(tensors) - set(shapes)), sorted(set(shapes) - set(tensors))
+    check.need(not extra, "shapes", f"does not list tensor(s) {', '.join(extra)} that the file holds")
+    check.need(not missing, "shapes", f"lists tensor(s) {', '.join(missing)} that the file does not hold")
+    for name, t in tensors.items():
+        check.need(list(t.shape) == shapes[name], f"tensor {name}",
+                   f"has shape {list(t.shape)}, but shapes.{name} records {shapes[name]}")
+        check.need(t.is_floating_point(), f"tensor {name}", f"expected floating point values, got {t.dtype}")
+        check.need(bool(torch.isfinite(t).all()), f"tensor {name}", "holds NaN or infinite values")
+    bb, pr = meta["backbone"], meta["prompt"]
+    want = {"ctx": [pr["n_ctx_text"], bb["text_width"]] if pr["n_ctx_text"] else None,
+            "vpt": [pr["vision_depth"], pr["n_ctx_vision"], bb["vision_width"]] if pr["n_ctx_vision"] else None}
+    why = {"ctx": "[prompt.n_ctx_text, backbone.text_width]",
+           "vpt": "[prompt.vision_depth, prompt.n_ctx_vision, backbone.vision_width]"}
+    for name in _PROMPT_TENSORS:
+        t = tensors.get(f"prompt.{name}")
+        have = None if t is None else list(t.shape)
+        if want[name] is None:
+            check.need(have is None, f"tensor prompt.{name}", f"present ({have}) but the metadata records no such prompt")
+        else:
+            check.need(have is not None, f"tensor prompt.{name}", f"missing; the metadata records {why[name]} = "
+                                                                 f"{want[name]}")
+            check.need(have == want[name], f"tensor prompt.{name}",
+                       f"has shape {have}, but the metadata's {why[name]} is {want[name]}")
+    for name in tensors:
+        head = name.split(".", 2)
+        ok = (head[0] == "prompt" and len(head) == 2 and head[1] in _PROMPT_TENSORS) or \
+             (head[0] == "regulator" and len(head) == 3 and head[1] in _PROMPT_TENSORS)
+        check.need(ok, f"tensor {name}", "unexpected tensor (this code reads prompt.<ctx|vpt> and "
+                                         "regulator.<ctx|vpt>.<parameter>)")
+    reg_names = sorted({n.split(".")[1] for n in tensors if n.startswith("regulator.")})
+    spec = meta.get("regulator")
+    check.need(spec is not None or not reg_names, "regulator",
+               f"null, but the file holds regulator tensors for {', '.join(reg_names)}")
+    check.need(spec is None or bool(reg_names), "regulator", "set, but the file holds no regulator tensors")
+    for rname in reg_names:
+        prompt_t = tensors.get(f"prompt.{rname}")
+        check.need(prompt_t is not None, f"tensor regulator.{rname}", f"regulates prompt.{rname}, which the file "
+                                                                      f"does not hold")
+        with torch.device("meta"):  # shapes only: no memory, no draw from the global RNG
+            shell = GradientRegulator(int(prompt_t.shape[-1]), RegulatorSpec(**spec))
+        expected = {f"regulator.{rname}.{k}": list(v.shape) for k, v in shell.state_dict().items()}
+        found = {n: list(t.shape) for n, t in tensors.items() if n.startswith(f"regulator.{rname}.")}
+        for n in sorted(set(expected) | set(found)):
+            check.need(n in found, f"tensor {n}", f"missing (expected shape {expected.get(n)})")
+            check.need(n in expected, f"tensor {n}", "unexpected regulator tensor")
+            check.need(found[n] == expected[n], f"tensor {n}",
+                       f"has shape {found[n]}, expected {expected[n]} for prompt.{rname}'s width "
+                       f"{int(prompt_t.shape[-1])}")
 
 
 def load_gram_init(path: Union[str, Path], expect: Optional[Mapping[str, Any]] = None,
                    config_key: str = "init") -> GramInit:
-    """Read an initialisation file and check it against ``expect``.
+    """Read an initialisation file, validate it, and check it against ``expect``.
 
     ``expect`` may hold any of ``text_width``, ``vision_width``, ``n_ctx_text``,
     ``n_ctx_vision``, ``vision_depth``, ``model_name``; each given value must match
     (``model_name`` only warns: the same widths can come from differently named configs).
+    Every problem raises :class:`InitMismatchError` (one line, naming ``config_key``, the
+    file and the field); a missing file raises ``FileNotFoundError``.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{config_key}: GRAM initialisation file not found: {path}")
+    check = _Checker(config_key, path)
     try:
         with safe_open(str(path), framework="pt") as f:
             header = f.metadata() or {}
         tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise InitMismatchError(f"{config_key}: {path} is not a readable safetensors file ({err})") from err
-    if "gram" not in header:
-        raise InitMismatchError(f"{config_key}: {path} has no 'gram' metadata; was it written by export_gram_init?")
-    meta = json.loads(header["gram"])
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise InitMismatchError(f"{config_key}: {path} has format_version {meta.get('format_version')}, "
-                                f"this code reads {FORMAT_VERSION}")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        first = " ".join(str(err).split())[:200]
+        raise InitMismatchError(f"{config_key}: {path}: not a readable safetensors file ({first})") from None
+    meta = check_metadata(header.get("gram"), check)
+    check_tensors(tensors, meta, check)
     prompt = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("prompt.")}
     regs: dict[str, dict[str, torch.Tensor]] = {}
     for k, v in tensors.items():
@@ -147,9 +314,9 @@ def load_gram_init(path: Union[str, Path], expect: Optional[Mapping[str, Any]] =
 def export_coop_context(path: Union[str, Path], ctx: torch.Tensor, epoch: int = 0) -> Path:
     """Write ``{"state_dict": {"ctx": [M, d_t]}, "epoch": epoch}`` for stock CoOp/CoCoOp ``MODEL.INIT_WEIGHTS``.
 
-    Only plain tensors and ints: loadable with ``torch.load(..., weights_only=True)``.
+    Only plain tensors and ints: loadable with ``torch.load(..., weights_only=True)``.  Written
+    atomically (:mod:`meta.fileio`): a kill or a full disk leaves the old file or none, never a torn one.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"state_dict": {"ctx": ctx.detach().float().cpu().clone()}, "epoch": int(epoch)}, str(path))
-    return path
+    buffer = io.BytesIO()
+    torch.save({"state_dict": {"ctx": ctx.detach().float().cpu().clone()}, "epoch": int(epoch)}, buffer)
+    return write_bytes_atomic(path, buffer.getvalue())

@@ -19,6 +19,7 @@ def _parser() -> argparse.ArgumentParser:
                                 description="Cross-modal Hierarchical Clustering of image-text pairs")
     p.add_argument("--config-file", default="", help="yaml config (configs/meta/*.yaml)")
     p.add_argument("--no-progress", action="store_true", help="disable progress bars")
+    p.add_argument("--debug", action="store_true", help="show tracebacks (also GRAM_DEBUG=1)")
     p.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE overrides, e.g. CHC.OUTPUT_DIR out/chc")
     return p
 
@@ -40,27 +41,18 @@ def _distributed():
     return dist.get_rank(), dist.get_world_size(), dist.barrier
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+def _main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     from meta.config import load_meta_cfg
 
-    try:
-        cfg = load_meta_cfg(args.config_file, args.opts)
-    except (FileNotFoundError, ValueError, KeyError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    cfg = load_meta_cfg(args.config_file, args.opts)
     cfg.freeze()
     rank, world, barrier = _distributed()
     from meta.chc.pipeline import run_chc
-    from meta.chc.text_embed import DatasetsShadowError
 
     try:
         out = run_chc(cfg, rank, world, barrier, show_progress=not args.no_progress)
-    except (FileNotFoundError, KeyError, ValueError, OSError, DatasetsShadowError) as err:
-        msg = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"error: {msg}", file=sys.stderr)
-        return 2
     finally:
         if world > 1:
             import torch.distributed as dist
@@ -69,3 +61,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if out is not None:
         print(f"CHC done: {out}/hierarchy.json, report {out}/chc_report.md")
     return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point.  Bad input: one ``error: <file or KEY>: ...`` line, exit 2 (``--debug``: traceback)."""
+    from meta.cli_errors import run_cli
+
+    return run_cli(_main, argv)

@@ -43,11 +43,10 @@ def _node(cfg_node) -> dict:
 
 
 def resolve_device(name: str) -> str:
-    if name and name != "auto":
-        return name
-    if torch.cuda.is_available():
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-    return "cpu"
+    """``MODEL.DEVICE`` resolved and checked (:func:`meta.backbone.resolve_device`)."""
+    from meta.backbone import resolve_device as _resolve
+
+    return _resolve(name, "MODEL.DEVICE")
 
 
 class ChcRun:
@@ -80,9 +79,11 @@ class ChcRun:
     def clip(self):
         """The frozen CLIP (random weights seeded by ``SEED`` when ``MODEL.PRETRAINED`` is empty)."""
         if self._clip is None:
-            from meta.backbone import load_clip
+            from meta.backbone import check_model_name, check_precision, load_clip
             from meta.config import quick_gelu_flag
 
+            check_model_name(self.cfg.MODEL.BACKBONE, "MODEL.BACKBONE")
+            check_precision(self.cfg.MODEL.PRECISION, "MODEL.PRECISION")
             torch.manual_seed(self.cfg.SEED)  # identical random towers across resumed runs and ranks
             with warnings.catch_warnings():
                 if not self.cfg.MODEL.PRETRAINED:
@@ -378,5 +379,23 @@ class ChcRun:
 
 def run_chc(cfg, rank: int = 0, world_size: int = 1, barrier: Optional[Callable[[], None]] = None,
             show_progress: bool = True) -> Optional[Path]:
-    """Run or resume CHC for ``cfg``; returns ``CHC.OUTPUT_DIR`` on rank 0."""
-    return ChcRun(cfg, rank, world_size, barrier, show_progress).run()
+    """Run or resume CHC for ``cfg``; returns ``CHC.OUTPUT_DIR`` on rank 0.
+
+    Rank 0 holds ``CHC.OUTPUT_DIR``'s :class:`meta.runlock.RunLock` for the whole run (a second
+    writer fails at once) and removes temporary files a killed run left there.
+    """
+    from meta.fileio import clean_stale_temps
+    from meta.runlock import RunLock
+
+    lock = RunLock(cfg.CHC.OUTPUT_DIR, key="CHC.OUTPUT_DIR", enabled=int(rank) == 0)
+    with lock:
+        if lock.held:
+            out = Path(cfg.CHC.OUTPUT_DIR)
+            for folder in [out] + [p for p in out.iterdir() if p.is_dir()]:
+                clean_stale_temps(folder, all_pids=True)
+        try:
+            return ChcRun(cfg, rank, world_size, barrier, show_progress).run()
+        except BaseException:
+            lock.release()
+            lock.remove_folder_if_unused()
+            raise

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -53,20 +52,19 @@ def groups(labels: np.ndarray) -> dict:
 
 
 def write_json_atomic(path: Path, payload) -> None:
-    """Write JSON to ``path`` via a temporary file and ``os.replace`` (no half-written files)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
-        json.dump(payload, fh, indent=1, sort_keys=True, default=str)
-    os.replace(tmp, path)
+    """Write JSON to ``path`` atomically (:func:`meta.fileio.atomic_path`: no half-written files)."""
+    from meta.fileio import write_json_atomic as _write
+
+    _write(path, payload, indent=1)
 
 
 def save_npy_atomic(path: Path, array: np.ndarray) -> None:
-    """``np.save`` through a temporary file, so a crash never leaves a truncated array."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp.npy")
-    np.save(tmp, array)
-    os.replace(tmp, path)
+    """``np.save`` through :func:`meta.fileio.atomic_path`, so a crash never leaves a truncated array."""
+    from meta.fileio import atomic_path
+
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as fh:
+            np.save(fh, array)
 
 
 class StageMarker:

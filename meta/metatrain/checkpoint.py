@@ -11,11 +11,11 @@ numbers, strings and tensors:
 * ``hierarchy``: the fingerprint of the task source, checked again on resume.
 
 Writes go to a temporary file in the same directory, are fsync'ed, then renamed over the old
-file, so a kill at any moment leaves either the previous or the new checkpoint.
+file (:mod:`meta.fileio`), so a kill at any moment leaves either the previous or the new checkpoint.
 """
 from __future__ import annotations
 
-import os
+import io
 import pickle
 import random
 import zipfile
@@ -24,6 +24,8 @@ from typing import Any, Union
 
 import numpy as np
 import torch
+
+from meta.fileio import write_bytes_atomic
 
 FORMAT = "gram-metatrain-checkpoint/1"
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -74,28 +76,14 @@ def restore_rng(state: dict) -> None:
 
 # ----------------------------------------------------------------------------- files
 def save_checkpoint(path: Union[str, Path], payload: dict) -> Path:
-    """Write ``payload`` atomically (temp file + fsync + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as fh:
-            torch.save({"format": FORMAT, **payload}, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    try:  # make the rename durable too
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError:
-        pass
-    return path
+    """Write ``payload`` atomically (:func:`meta.fileio.write_bytes_atomic`: temp file, fsync, rename).
+
+    The archive is built in memory first (a few MB: prompts, regulators, optimiser moments), so a
+    full disk surfaces as one ``OSError`` naming the checkpoint, not as a torch writer error.
+    """
+    buffer = io.BytesIO()
+    torch.save({"format": FORMAT, **payload}, buffer)
+    return write_bytes_atomic(path, buffer.getvalue())
 
 
 def load_checkpoint(path: Union[str, Path]) -> dict:

@@ -5,7 +5,10 @@
 
 ``KEY VALUE`` pairs override the config CoOp style (``META.STEPS 200 TASKS.K_WAY 10``).
 Errors in the inputs (config keys and values, missing hierarchy, unusable checkpoint,
-mismatching CLIP features) print one ``error: ...`` line and exit with status 2.
+mismatching CLIP features, a busy or full output folder) print one
+``error: <file or KEY>: ...`` line and exit with status 2 (:mod:`meta.cli_errors`; ``--debug``
+shows the traceback).  A run stopped by SIGTERM / Ctrl-C before its last step exits with
+:data:`EXIT_STOPPED` (143, as a process killed by SIGTERM) after checkpointing.
 """
 from __future__ import annotations
 
@@ -15,13 +18,11 @@ from typing import Optional, Sequence
 
 from yacs.config import CfgNode as CN
 
-from .checkpoint import CheckpointError
-from .data import FeatureMismatchError
-from .settings import add_metatrain_cfg
-from .trainer import RunExistsError
+from meta.cli_errors import run_cli
 
-USER_ERRORS = (ValueError, KeyError, FileNotFoundError, NotADirectoryError, CheckpointError, FeatureMismatchError,
-               RunExistsError)
+from .settings import add_metatrain_cfg
+
+EXIT_STOPPED = 128 + 15  # 143: stopped before the last step (a scheduler must not read it as finished)
 
 
 def default_cfg() -> CN:
@@ -47,11 +48,6 @@ def build_cfg(config_file: str = "", opts: Sequence[str] = (), output_dir: str =
     return cfg
 
 
-def _one_line(err: BaseException) -> str:
-    text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
-    return " ".join(text.split())
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m meta", description="GRAM meta-training")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -60,32 +56,35 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--config-file", default="", help="yaml with MODEL / CHC / TASKS / META settings")
     tr.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
     tr.add_argument("--output-dir", default="", help="run directory (overrides OUTPUT_DIR)")
+    tr.add_argument("--debug", action="store_true", help="show tracebacks (also GRAM_DEBUG=1)")
     ex = sub.add_parser("export", help="write the init file (and CoOp ctx) from a run's checkpoint")
     ex.add_argument("--run-dir", required=True)
     ex.add_argument("--out", default="", help="init file path (default RUN_DIR/gram_init.safetensors)")
+    ex.add_argument("--debug", action="store_true", help="show tracebacks (also GRAM_DEBUG=1)")
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point; ``argv`` starts with the command (``train`` or ``export``)."""
+def _main(argv: list[str]) -> int:
     parser = _parser()
-    args, opts = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    args, opts = parser.parse_known_args(argv)
     flags = [o for o in opts if o.startswith("--")]
     if flags or (opts and args.command != "train"):
         parser.error(f"unrecognized arguments: {' '.join(flags or opts)}")
     args.opts = opts  # KEY VALUE overrides, anywhere on the line
-    try:
-        if args.command == "train":
-            from .trainer import train
+    if args.command == "train":
+        from .trainer import train
 
-            cfg = build_cfg(args.config_file, args.opts, args.output_dir)
-            train(cfg, resume=args.resume)
-        else:
-            from .export import export_run
+        cfg = build_cfg(args.config_file, args.opts, args.output_dir)
+        result = train(cfg, resume=args.resume)
+        return EXIT_STOPPED if result.get("stopped") else 0
+    from .export import export_run
 
-            paths = export_run(args.run_dir, args.out or None)
-            print(f"exported {paths['init']}" + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else ""))
-    except USER_ERRORS as err:
-        print(f"error: {_one_line(err)}", file=sys.stderr)
-        return 2
+    paths = export_run(args.run_dir, args.out or None)
+    print(f"exported {paths['init']}" + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else ""))
     return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point; ``argv`` starts with the command (``train`` or ``export``); ``--debug`` anywhere
+    shows tracebacks.  Returns 0, 2 (user error, one line on stderr) or 143 (stopped early)."""
+    return run_cli(_main, argv)

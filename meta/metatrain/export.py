@@ -6,7 +6,9 @@
 * ``coop_ctx.pth`` via :func:`meta.init_io.export_coop_context` when θ has text context
   (stock CoOp/CoCoOp ``MODEL.INIT_WEIGHTS``).
 
-Everything is rebuilt from the checkpoint alone (no CLIP, no hierarchy needed).
+Everything is rebuilt from the checkpoint alone (no CLIP, no hierarchy needed).  Both files are
+written atomically (:mod:`meta.fileio`); :func:`verify_exports` checks that a finished run's
+files exist, load, and hold the checkpoint's θ, so a resume can rewrite any that do not.
 """
 from __future__ import annotations
 
@@ -68,11 +70,53 @@ def export_state(state: dict, run_dir: Union[str, Path], out: Optional[Union[str
     return paths
 
 
+def verify_exports(state: dict, run_dir: Union[str, Path]) -> list[str]:
+    """Problems with a run's exports for checkpoint ``state`` (empty list = both files are good).
+
+    The init file must load (:func:`meta.init_io.load_gram_init`) and record the checkpoint's
+    step and config hash; the CoOp ctx file (text prompts only) must load with
+    ``weights_only=True`` and hold the same context tensor as the checkpoint.
+    """
+    from meta.init_io import load_gram_init
+
+    from .trainer import export_paths
+
+    cfg = CN.load_cfg(state["config_yaml"])
+    init_path, coop_path = export_paths(Path(run_dir), cfg)
+    problems = []
+    try:
+        init = load_gram_init(init_path, config_key="export")
+        prov = init.metadata.get("provenance", {})
+        if prov.get("step") != int(state["step"]) or prov.get("config_hash") != state["config_hash"]:
+            problems.append(f"{init_path.name} is from step {prov.get('step')}, the checkpoint is at {state['step']}")
+    except (FileNotFoundError, ValueError) as err:
+        problems.append(f"{init_path.name} missing or unreadable ({' '.join(str(err).split())[:160]})")
+    ctx = state["learner"]["gbml"].get("module.ctx")
+    if ctx is not None:
+        try:
+            saved = torch.load(str(coop_path), map_location="cpu", weights_only=True)["state_dict"]["ctx"]
+            if not torch.equal(saved, ctx.detach().float().cpu()):
+                problems.append(f"{coop_path.name} does not hold the checkpoint's context")
+        except Exception as err:  # noqa: BLE001 - any failure to read it means: rewrite it
+            problems.append(f"{coop_path.name} missing or unreadable ({type(err).__name__})")
+    return problems
+
+
 def export_run(run_dir: Union[str, Path], out: Optional[Union[str, Path]] = None) -> dict:
     """``python -m meta export``: export from ``run_dir/checkpoint.pt``."""
+    from meta.cli_errors import UserError
+    from meta.runlock import RunLock
+
     run_dir = Path(run_dir)
     ckpt = run_dir / CHECKPOINT_NAME
     if not ckpt.is_file():
         raise FileNotFoundError(f"--run-dir: no {CHECKPOINT_NAME} in {run_dir} (not a `python -m meta train` run "
                                 f"dir, or killed before its first checkpoint)")
-    return export_state(load_checkpoint(ckpt), run_dir, out)
+    if out is not None and Path(out).is_dir():
+        raise UserError("--out", f"{out} is a folder; expected the init file's path, e.g. "
+                                 f"{Path(out) / 'gram_init.safetensors'}")
+    state = load_checkpoint(ckpt)
+    if out is not None:
+        return export_state(state, run_dir, out)
+    with RunLock(run_dir, key="--run-dir"):  # writing into the run folder: not while a run owns it
+        return export_state(state, run_dir, out)

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Optional
+
+from meta.fileio import write_text_atomic
 
 LOG_NAME = "log.jsonl"
 
@@ -42,9 +43,7 @@ def truncate_log(path, last_step: int) -> int:
         return 0
     records = read_log(p)
     kept = [r for r in records if int(r.get("step", 0)) <= last_step]
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
-    os.replace(tmp, p)
+    write_text_atomic(p, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
     return len(records) - len(kept)
 
 

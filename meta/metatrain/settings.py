@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import TYPE_CHECKING, Any
 
 from yacs.config import CfgNode as CN
@@ -106,6 +107,13 @@ def check_meta_cfg(cfg: CN) -> None:
     need(m.INNER_STEPS >= 1, "META.INNER_STEPS", "an integer >= 1", m.INNER_STEPS)
     need(m.CHECKPOINT_EVERY >= 1, "META.CHECKPOINT_EVERY", "an integer >= 1", m.CHECKPOINT_EVERY)
     need(m.OPTIMIZER in ("adam", "sgd"), "META.OPTIMIZER", "adam | sgd", m.OPTIMIZER)
+    for key in ("INNER_LR", "OUTER_LR_PROMPT", "OUTER_LR_REGULATOR", "GRAD_CLIP", "PRETRAIN.LR", "PROMPT.INIT_STD",
+                "REGULATOR.INIT_STD"):
+        node, leaf = (m, key) if "." not in key else (m[key.split(".")[0]], key.split(".")[1])
+        value = node[leaf]
+        need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+             and value >= 0, f"META.{key}", "a finite number >= 0" + (" (0 = off)" if leaf == "GRAD_CLIP" else ""),
+             value)
     need(m.PROMPT.N_CTX_TEXT > 0 or m.PROMPT.N_CTX_VISION > 0 or bool(m.PROMPT.CTX_INIT),
          "META.PROMPT", "N_CTX_TEXT > 0, N_CTX_VISION > 0 or CTX_INIT (no prompt to learn)",
          (m.PROMPT.N_CTX_TEXT, m.PROMPT.N_CTX_VISION))

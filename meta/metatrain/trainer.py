@@ -24,7 +24,6 @@ Run directory::
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 import time
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 
 from meta.backbone import ClipDims, load_clip
+from meta.fileio import clean_stale_temps, write_json_atomic, write_text_atomic
 from meta.gram import GRAMMetaLearner
 from meta.prompts import PromptedCLIP, PromptParams, classification_loss
 
@@ -104,9 +104,10 @@ class RunSetup:
 
 
 def resolve_device(name: str) -> str:
-    if name and name != "auto":
-        return name
-    return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+    """``MODEL.DEVICE`` resolved and checked (:func:`meta.backbone.resolve_device`)."""
+    from meta.backbone import resolve_device as _resolve
+
+    return _resolve(name, "MODEL.DEVICE")
 
 
 def build_clip(cfg, device: str):
@@ -114,8 +115,11 @@ def build_clip(cfg, device: str):
 
     With ``MODEL.PRETRAINED`` empty the CLIP is random (``load_clip`` warns): only useful for smoke runs.
     """
+    from meta.backbone import check_model_name, check_precision
     from meta.config import quick_gelu_flag
 
+    check_model_name(cfg.MODEL.BACKBONE, "MODEL.BACKBONE")
+    check_precision(cfg.MODEL.PRECISION, "MODEL.PRECISION")
     torch.manual_seed(int(cfg.SEED))
     return load_clip(cfg.MODEL.BACKBONE, cfg.MODEL.PRETRAINED or None, device, cfg.MODEL.PRECISION,
                      quick_gelu_flag(cfg.MODEL.QUICK_GELU), config_key="MODEL.PRETRAINED")
@@ -229,18 +233,6 @@ def validate(run: RunSetup) -> dict:
 
 
 # ----------------------------------------------------------------------------- files
-def _write_json_atomic(path: Path, payload: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _versions() -> dict:
     import open_clip
 
@@ -305,6 +297,11 @@ def train(cfg, resume: bool = False, hierarchy=None, on_step: Optional[Callable[
           echo: Callable[[str], None] = print) -> dict:
     """Run or resume meta-training (or pre-training) as configured; export at the end.
 
+    The run holds ``OUTPUT_DIR``'s :class:`meta.runlock.RunLock` throughout (a second writer gets
+    a one-line :class:`meta.cli_errors.UserError`) and first removes temporary files a killed
+    writer left there.  A resumed finished run checks its exports and rewrites missing,
+    unreadable or stale ones.
+
     Args:
         cfg: full meta config (``meta.config.get_meta_cfg_default`` + ``META``), frozen or not.
         resume: continue from ``OUTPUT_DIR/checkpoint.pt`` (start afresh when there is none).
@@ -317,9 +314,26 @@ def train(cfg, resume: bool = False, hierarchy=None, on_step: Optional[Callable[
         ``{"run_dir", "step", "export": {"init", "coop_ctx"} | None, "resumed_from", "noop"}`` (+ ``"stopped":
         True`` when SIGTERM / Ctrl-C ended the run early, after checkpointing the step it was in).
     """
-    from .export import export_state
+    from meta.runlock import RunLock, is_rank0
 
     settings.check_meta_cfg(cfg)
+    lock = RunLock(cfg.OUTPUT_DIR, key="OUTPUT_DIR", enabled=is_rank0())
+    with lock:
+        if lock.held:
+            clean_stale_temps(cfg.OUTPUT_DIR, all_pids=True)
+        try:
+            return _train_locked(cfg, resume, hierarchy, on_step, echo)
+        except BaseException:
+            lock.release()
+            lock.remove_folder_if_unused()  # a run refused before writing anything leaves no empty folder
+            raise
+
+
+def _train_locked(cfg, resume: bool, hierarchy, on_step: Optional[Callable[[int, dict], None]],
+                  echo: Callable[[str], None]) -> dict:
+    """:func:`train` once the output folder is locked."""
+    from .export import export_state, verify_exports
+
     run_dir = Path(cfg.OUTPUT_DIR)
     ckpt_path = run_dir / CHECKPOINT_NAME
     init_path, _ = export_paths(run_dir, cfg)
@@ -338,11 +352,14 @@ def train(cfg, resume: bool = False, hierarchy=None, on_step: Optional[Callable[
                                   f"--output-dir")
         if int(state["step"]) >= steps_total:
             done = {"run_dir": run_dir, "step": int(state["step"]), "resumed_from": int(state["step"])}
-            if init_path.exists():
-                echo(f"{run_dir}: finished at step {state['step']} (META.STEPS {steps_total}); nothing to do")
+            problems = verify_exports(state, run_dir)
+            if not problems:
+                echo(f"{run_dir}: finished at step {state['step']} (META.STEPS {steps_total}); exports verified; "
+                     f"nothing to do")
                 return {**done, "export": None, "noop": True}
             paths = export_state(state, run_dir)
-            echo(f"{run_dir}: finished at step {state['step']}; exported {paths['init']}")
+            echo(f"{run_dir}: finished at step {state['step']}; {'; '.join(problems)}; re-exported {paths['init']}"
+                 + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else ""))
             return {**done, "export": paths, "noop": False}
     elif init_path.exists():
         raise RunExistsError(f"OUTPUT_DIR: {run_dir} holds {init_path.name} but no checkpoint; choose another "
@@ -367,7 +384,7 @@ def train(cfg, resume: bool = False, hierarchy=None, on_step: Optional[Callable[
         start = int(state["step"])
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    _write_text_atomic(run_dir / CONFIG_NAME, cfg.dump())
+    write_text_atomic(run_dir / CONFIG_NAME, cfg.dump())
     info_path = run_dir / RUN_INFO_NAME
     info = json.loads(info_path.read_text()) if (state is not None and info_path.is_file()) else {}
     info.update({"config_hash": settings.config_hash(cfg), "mode": cfg.META.MODE, "steps_total": steps_total,
@@ -377,7 +394,7 @@ def train(cfg, resume: bool = False, hierarchy=None, on_step: Optional[Callable[
                  "versions": _versions(), "device": run.device})
     if state is not None:
         info.setdefault("resumed_at_steps", []).append(start)
-    _write_json_atomic(info_path, info)
+    write_json_atomic(info_path, info)
 
     log = RunLog(run_dir, start_step=start, tensorboard=bool(cfg.META.TENSORBOARD), fresh=state is None)
     bar = progress_bar(steps_total, start, bool(cfg.META.PROGRESS), f"{cfg.META.MODE} {run_dir.name}")
