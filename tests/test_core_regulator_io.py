@@ -126,3 +126,118 @@ def test_coop_context_export_loads_with_weights_only(tmp_path):
     state = torch.load(path, weights_only=True)
     assert set(state["state_dict"]) == {"ctx"}
     torch.testing.assert_close(state["state_dict"]["ctx"], ctx)
+
+
+def _rewrite(path, tensors=None, meta=None, raw=None):
+    """Re-save ``path`` with other tensors and/or another 'gram' header (a tampered file)."""
+    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        header = f.metadata()
+    tensors = load_file(str(path)) if tensors is None else tensors
+    text = raw if raw is not None else json.dumps(meta if meta is not None else json.loads(header["gram"]))
+    out = path.with_name("tampered.safetensors")
+    save_file(tensors, str(out), metadata={"gram": text})
+    return out
+
+
+@pytest.mark.parametrize("change, field", [
+    ("bad_json", "metadata 'gram': not valid JSON"),
+    ("list", "metadata 'gram': expected a JSON object"),
+    ("no_backbone", "backbone: missing"),
+    ("string_version", "format_version: expected the integer 1, got '1' (str)"),
+    ("unknown_regulator_field", "regulator.gain: unknown field"),
+    ("regulator_list", "regulator: expected null or an object"),
+    ("width_string", "backbone.text_width: expected an integer >= 1"),
+    ("shape_vs_metadata", "tensor prompt.ctx: has shape [2, 128], but the metadata's"),
+    ("shape_vs_shapes", "tensor prompt.ctx: has shape [3, 64], but shapes.prompt.ctx records [2, 64]"),
+    ("regulator_shape", "tensor regulator.ctx.gamma.weight: has shape [64, 32]"),
+    ("nan", "tensor prompt.vpt: holds NaN"),
+])
+def test_tampered_init_files_fail_in_one_line_naming_file_and_field(tiny_clip, tmp_path, change, field):
+    ml, dims = _trained_learner(tiny_clip)
+    path = export_gram_init(tmp_path / "init.safetensors", ml.prompt_module, ml.regulators(), dims)
+    from safetensors.torch import load_file
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["gram"])
+    tensors = load_file(str(path))
+    if change == "bad_json":
+        bad = _rewrite(path, raw="{not json")
+    elif change == "list":
+        bad = _rewrite(path, raw="[1, 2]")
+    elif change == "no_backbone":
+        del meta["backbone"]
+        bad = _rewrite(path, meta=meta)
+    elif change == "string_version":
+        meta["format_version"] = "1"
+        bad = _rewrite(path, meta=meta)
+    elif change == "unknown_regulator_field":
+        meta["regulator"]["gain"] = 2.0
+        bad = _rewrite(path, meta=meta)
+    elif change == "regulator_list":
+        meta["regulator"] = ["residual"]
+        bad = _rewrite(path, meta=meta)
+    elif change == "width_string":
+        meta["backbone"]["text_width"] = "64"
+        bad = _rewrite(path, meta=meta)
+    elif change == "shape_vs_metadata":  # a [2, 128] context labelled width 64, shapes table consistent
+        tensors["prompt.ctx"] = torch.zeros(2, 128)
+        meta["shapes"]["prompt.ctx"] = [2, 128]
+        bad = _rewrite(path, tensors=tensors, meta=meta)
+    elif change == "shape_vs_shapes":
+        tensors["prompt.ctx"] = torch.zeros(3, 64)
+        bad = _rewrite(path, tensors=tensors, meta=meta)
+    elif change == "regulator_shape":
+        tensors["regulator.ctx.gamma.weight"] = torch.zeros(64, 32)
+        meta["shapes"]["regulator.ctx.gamma.weight"] = [64, 32]
+        bad = _rewrite(path, tensors=tensors, meta=meta)
+    else:
+        tensors["prompt.vpt"] = tensors["prompt.vpt"].clone()
+        tensors["prompt.vpt"][0, 0, 0] = float("nan")
+        bad = _rewrite(path, tensors=tensors, meta=meta)
+    with pytest.raises(InitMismatchError) as err:
+        load_gram_init(bad, config_key="TRAINER.GRAM.INIT")
+    msg = str(err.value)
+    assert msg.startswith(f"TRAINER.GRAM.INIT: {bad}: ") and "\n" not in msg, msg
+    assert field in msg, msg
+
+
+def test_init_accepts_files_without_newer_regulator_fields(tiny_clip, tmp_path):
+    """Regulator fields are checked against RegulatorSpec; a file may omit fields (their defaults apply)."""
+    ml, dims = _trained_learner(tiny_clip)
+    path = export_gram_init(tmp_path / "init.safetensors", ml.prompt_module, ml.regulators(), dims)
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["gram"])
+    del meta["regulator"]["init_std"]
+    loaded = load_gram_init(_rewrite(path, meta=meta))
+    assert loaded.regulator_modules()["ctx"].spec.init_std == RegulatorSpec().init_std
+
+
+def test_exports_are_atomic_with_plain_file_mode(tmp_path, monkeypatch):
+    """A failed write leaves the previous file and no temporary; new files get 0666 & ~umask like open()."""
+    import errno
+    import os
+
+    import meta.fileio as fileio
+
+    ctx = torch.randn(4, 64)
+    path = export_coop_context(tmp_path / "ctx.pth", ctx)
+    before = path.read_bytes()
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    assert path.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777
+
+    def full(_fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fileio.os, "fsync", full)
+    with pytest.raises(OSError) as err:
+        export_coop_context(path, torch.zeros(4, 64))
+    assert err.value.errno == errno.ENOSPC and err.value.filename == str(path)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ctx.pth", "plain"]

@@ -371,3 +371,185 @@ def test_sigterm_checkpoints_the_current_step_and_resume_matches(tmp_path, hier,
     a = _tensors(load_checkpoint(out / "checkpoint.pt")["learner"])
     b = _tensors(load_checkpoint(finished[0] / "checkpoint.pt")["learner"])
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ----------------------------------------------------------------------------- run safety
+def _dead_pid() -> int:
+    """The id of a process that has exited."""
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(proc.stdout)
+
+
+def test_second_writer_gets_one_line_error_naming_folder_and_holder_pid(tmp_path, capsys):
+    """Two runs in one folder: the second (train or cluster) stops at once, naming the folder and PID."""
+    import os
+
+    from meta.__main__ import main as meta_main
+    from meta.runlock import RunLock
+
+    out = tmp_path / "busy"
+    code = "import sys, time; from meta.runlock import RunLock; RunLock(sys.argv[1]).acquire(); " \
+           "print('locked', flush=True); time.sleep(300)"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    holder = subprocess.Popen([sys.executable, "-c", code, str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        msg = _one_error_line(capsys, ["train", "--output-dir", str(out), *BASE])
+        assert msg.startswith(f"error: {out}: already in use by PID {holder.pid} "), msg
+        assert meta_main(["cluster", "CHC.OUTPUT_DIR", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: {out}: already in use by PID {holder.pid} ") and "\n" not in err, err
+        assert sorted(p.name for p in out.iterdir()) == [".lock"]  # nothing of the second writer's
+    finally:
+        holder.kill()  # SIGKILL: the kernel releases the lock with the process
+        holder.wait()
+    with RunLock(out) as lock:
+        assert lock.held and (out / ".lock").read_text().strip() == str(os.getpid())
+    assert not (out / ".lock").exists()
+
+
+def test_kill_between_the_two_exports_is_repaired_by_resume(tmp_path, hier, monkeypatch):
+    import meta.metatrain.export as export_mod
+
+    out = tmp_path / "cut"
+    cfg = _cfg(out, *PROMPTS["coop"], "META.STEPS", "2", "META.VAL_TASKS", "0", "META.TENSORBOARD", "False")
+
+    def killed(*_args, **_kwargs):
+        raise Killed("kill after gram_init.safetensors, before coop_ctx.pth")
+
+    monkeypatch.setattr(export_mod, "export_coop_context", killed)
+    with pytest.raises(Killed):
+        train(cfg, hierarchy=hier, echo=_quiet)
+    monkeypatch.undo()
+    assert (out / "gram_init.safetensors").is_file() and not (out / "coop_ctx.pth").exists()
+    assert not [p.name for p in out.iterdir() if ".tmp" in p.name]
+    ctx = load_checkpoint(out / "checkpoint.pt")["learner"]["gbml"]["module.ctx"]
+
+    messages = []
+    result = train(cfg, resume=True, hierarchy=hier, echo=messages.append)
+    assert not result["noop"] and "coop_ctx.pth missing or unreadable" in messages[0]
+    assert torch.equal(torch.load(out / "coop_ctx.pth", weights_only=True)["state_dict"]["ctx"], ctx)
+    (out / "coop_ctx.pth").write_bytes(b"")  # what a full disk left with the old, non-atomic writer
+    assert not train(cfg, resume=True, hierarchy=hier, echo=_quiet)["noop"]
+    assert torch.equal(torch.load(out / "coop_ctx.pth", weights_only=True)["state_dict"]["ctx"], ctx)
+    assert train(cfg, resume=True, hierarchy=hier, echo=_quiet)["noop"]  # now verified: nothing to do
+
+
+def test_leftover_temp_files_are_removed_and_outputs_get_plain_file_mode(finished, tmp_path, hier):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished[0], run)
+    dead = _dead_pid()
+    stale = [run / f".checkpoint.pt.tmp-{dead}", run / f".gram_init.safetensors.tmp-{dead}-0badc0de",
+             run / ".coop_ctx.pth.tmp-1-00000000"]  # PID 1 is alive, but the folder's lock is ours
+    for path in stale:
+        path.write_bytes(b"partial")
+    assert train(_cfg(run, *PROMPTS["coop"]), resume=True, hierarchy=hier, echo=_quiet)["noop"]
+    assert not [p.name for p in stale if p.exists()]
+    plain = (finished[0] / "log.jsonl").stat().st_mode & 0o777  # created by open(): 0666 & ~umask
+    for name in ("gram_init.safetensors", "coop_ctx.pth", "checkpoint.pt", "run.json", "config.yaml"):
+        assert (finished[0] / name).stat().st_mode & 0o777 == plain, name
+
+
+def test_bad_values_are_refused_naming_their_key(tmp_path, capsys):
+    out = tmp_path / "r"
+    for key, value in (("META.INNER_LR", "-0.1"), ("META.OUTER_LR_PROMPT", "-0.002"),
+                       ("META.OUTER_LR_REGULATOR", "-0.001"), ("META.GRAD_CLIP", "-1.0"), ("MODEL.PRECISION", "fp8"),
+                       ("MODEL.BACKBONE", "NoSuchModel"), ("MODEL.DEVICE", "gpu")):
+        msg = _one_error_line(capsys, ["train", "--output-dir", str(out), *BASE, key, value])
+        assert msg.startswith(f"error: {key}: "), msg
+    if not torch.cuda.is_available():
+        msg = _one_error_line(capsys, ["train", "--output-dir", str(out), *BASE, "MODEL.DEVICE", "cuda:0"])
+        assert msg.startswith("error: MODEL.DEVICE: 'cuda:0' asked for, but no CUDA GPU"), msg
+    assert not out.exists()  # refused runs leave no folder behind
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    msg = _one_error_line(capsys, ["train", "--output-dir", str(a_file), *BASE])
+    assert msg.startswith(f"error: OUTPUT_DIR: {a_file} is a file"), msg
+    from meta.__main__ import main as meta_main
+
+    assert meta_main(["cluster", "CHC.OUTPUT_DIR", str(a_file)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: CHC.OUTPUT_DIR: {a_file} is a file, expected a folder"
+
+
+def test_cli_errors_are_one_line_exit_2_and_debug_shows_the_traceback(finished, tmp_path, capsys, monkeypatch):
+    import errno
+
+    import meta.fileio as fileio
+    from meta.__main__ import main as meta_main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("META:\n  STEPS: [1,\n")
+    assert _one_error_line(capsys, ["train", "--config-file", str(bad)]).startswith(
+        f"error: {bad}: not valid YAML (line 3")
+    assert meta_main(["cluster", "--config-file", str(bad)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {bad}: not valid YAML")
+    script = tmp_path / "cfg.py"
+    script.write_text("open(__file__ + '.ran', 'w').close()\n")
+    assert "--config-file: expected a .yaml or .yml file" in _one_error_line(
+        capsys, ["train", "--config-file", str(script)])
+    assert not (tmp_path / "cfg.py.ran").exists()  # never executed
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    assert _one_error_line(capsys, ["export", "--run-dir", str(finished[0]), "--out", str(folder)]).startswith(
+        f"error: --out: {folder} is a folder")
+
+    def full(_fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fileio.os, "fsync", full)
+    target = tmp_path / "disk" / "init.safetensors"
+    msg = _one_error_line(capsys, ["export", "--run-dir", str(finished[0]), "--out", str(target)])
+    assert msg.startswith(f"error: {target.parent}: no space left on device (writing init.safetensors)"), msg
+    assert list(target.parent.iterdir()) == []
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="not valid YAML"):
+        main(["train", "--config-file", str(bad), "--debug"])
+    monkeypatch.setenv("GRAM_DEBUG", "1")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        main(["train", "--config-file", str(bad)])
+
+
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory):
+    from PIL import Image
+
+    pixels, topic, _ = _pixels(n_topics=6)
+    root = tmp_path_factory.mktemp("folder")
+    for i, (img, t) in enumerate(zip(pixels, topic)):
+        (root / NAMES[t]).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(img).save(root / NAMES[t] / f"{i:03d}.png")
+    return root
+
+
+def test_sigterm_stops_the_cli_with_exit_143_and_a_resumable_checkpoint(image_folder, tmp_path):
+    import os
+    import signal
+    import threading
+    import time
+
+    out = tmp_path / "term"
+
+    def term_after_first_step():
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            if any(r.get("kind") == "train" for r in read_log(out / "log.jsonl")):
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.05)
+
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)  # a stray late signal must not end pytest
+    try:
+        thread = threading.Thread(target=term_after_first_step, daemon=True)
+        thread.start()
+        code = main(["train", "--config-file", str(ROOT / "configs/meta/train_supervised.yaml"), "--output-dir",
+                     str(out), *BASE, "META.STEPS", "1000", "META.VAL_TASKS", "0", "TASKS.IMAGE_FOLDER",
+                     str(image_folder), "CHC.DOMAINS.MIN_PER_DOMAIN", "4", "META.TENSORBOARD", "False"])
+        thread.join()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 143
+    assert 1 <= load_checkpoint(out / "checkpoint.pt")["step"] < 1000
+    assert not (out / "gram_init.safetensors").exists() and not (out / ".lock").exists()
