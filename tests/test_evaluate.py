@@ -361,3 +361,46 @@ def test_summaries_average_seeds_like_coop_parser_and_take_h_of_the_means():
     curve = epoch_curves(records)[0]
     assert curve["epochs"] == [0]                                    # epoch 1 is missing for seed 3
     assert curve["base"] == [pytest.approx(40.0)] and curve["new"] == [pytest.approx(60.0)]
+
+
+def test_cli_input_errors_are_one_line_with_exit_2(data_root, tmp_path, tiny_clip, capsys):
+    """Errors found after argument parsing (init, weights, device, images, split file): no traceback."""
+    import shutil
+
+    from meta.evaluate import main
+
+    _, dims = tiny_clip
+    copy = tmp_path / "synth_a"
+    shutil.copytree(data_root / "synth_a", copy)
+    base = ["base2new", "--dataset", str(copy), "--model", "GRAM-Test-Tiny", "--seeds", "1", "--shots", "2",
+            "--epochs", "1", "--final-eval-only", "--no-progress", "--no-split-cache", "--methods", "zsclip"]
+
+    def one_line(argv):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            code = main(argv)
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+        return lines[0]
+
+    missing_init = tmp_path / "none.safetensors"
+    assert one_line(base[:-1] + ["coop_gram", "--init", str(missing_init)]).startswith(
+        "error: method 'CoOp+GRAM' init_path: GRAM initialisation file not found")
+    vis = export_gram_init(tmp_path / "vis.safetensors", PromptParams(vpt=torch.zeros(1, 2, dims.vision_width)),
+                           None, dims)
+    msg = one_line(base[:-1] + ["coop", "coop_gram", "--init", str(vis)])
+    assert "n_ctx_text: file has 0, model expects 4" in msg and str(vis) in msg
+    assert one_line(base + ["--pretrained", str(tmp_path / "clip.pt")]).startswith(
+        "error: --pretrained: CLIP weights file not found")
+    assert one_line(base + ["--device", "gpu"]).startswith("error: --device: expected auto, cpu, cuda")
+    assert one_line(base[:3] + ["--model", "NoSuchModel"] + base[5:]).startswith(
+        "error: --model: unknown open_clip architecture 'NoSuchModel'")
+    test_image = sorted((copy / "images" / "apple").glob("test_*.png"))[0]
+    test_image.write_bytes(b"not a png")
+    assert str(test_image) in one_line(base)
+    test_image.unlink()
+    assert str(test_image) in one_line(base)
+    split = copy / "split_zhou_SynthA.json"
+    split.write_text("{\"train\": [")
+    assert one_line(base).startswith(f"error: {split}: not valid JSON")
