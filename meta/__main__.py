@@ -5,7 +5,9 @@ Commands:
   train     meta-training (``meta.metatrain.main``).
   export    export the meta-learned initialisation (``meta.metatrain.main``).
 
-``train`` and ``export`` live in ``meta.metatrain``, imported only when asked for.
+``train`` and ``export`` live in ``meta.metatrain``, imported only when asked for.  Bad input ends
+every command with one ``error: <file or KEY>: ...`` line and exit status 2 (``meta.cli_errors``);
+``--debug`` or ``GRAM_DEBUG=1`` shows the traceback instead.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ def _run_metatrain(argv: list[str]) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = ["--debug"] if "--debug" in argv else []  # accepted anywhere; handed to the command after its name
+    argv = [a for a in argv if a != "--debug"]
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         print(__doc__.split("Commands:")[1].rstrip())
@@ -41,8 +45,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if command == "cluster":
         from meta.chc.cli import main as cluster_main
 
-        return cluster_main(argv[1:])
-    return _run_metatrain(argv)
+        return cluster_main(argv[1:] + debug)
+    return _run_metatrain(argv + debug)
 
 
 if __name__ == "__main__":

@@ -474,8 +474,10 @@ def _check_settings(settings: DemoSettings, out: Path) -> None:
         previous = json.loads(path.read_text())
         if previous != current:
             diff = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
-            raise SystemExit(f"error: {out} holds a demo run with other settings ({', '.join(diff)}); "
-                             f"use --out DIR or delete that folder")
+            from meta.cli_errors import UserError
+
+            raise UserError(str(out), f"holds a demo run with other settings ({', '.join(diff)}); "
+                                      f"use --out DIR or delete that folder")
     else:
         path.write_text(json.dumps(current, indent=1))
 
@@ -504,11 +506,19 @@ def run(settings: DemoSettings, out: Path, world_root: Optional[Path] = None) ->
 
 
 def main(argv: Optional[list] = None) -> int:
+    """Entry point; bad input: one ``error: <file or folder>: ...`` line and exit 2 (``--debug``: traceback)."""
+    from meta.cli_errors import run_cli
+
+    return run_cli(_main, argv)
+
+
+def _main(argv: list) -> int:
     parser = argparse.ArgumentParser(prog="python -m meta.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny everything (<= 5 minutes)")
     parser.add_argument("--out", default="", help="output folder (default output/demo or output/demo_quick)")
     parser.add_argument("--seeds", type=int, nargs="+", help="override the seeds")
     parser.add_argument("--jobs", type=int, help="worker processes for meta-training and evaluation")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks (also GRAM_DEBUG=1)")
     args = parser.parse_args(argv)
     settings = DemoSettings.preset(args.quick)
     if args.seeds:

@@ -55,7 +55,9 @@ def test_every_gram_row_has_a_meta_variant_and_presets_exist():
 def test_changed_settings_are_refused(tmp_path):
     _check_settings(DemoSettings.preset(quick=True), tmp_path)
     _check_settings(DemoSettings.preset(quick=True), tmp_path)  # same settings: fine
-    with pytest.raises(SystemExit, match="other settings"):
+    from meta.cli_errors import UserError
+
+    with pytest.raises(UserError, match="other settings"):
         _check_settings(DemoSettings.preset(quick=False), tmp_path)
     assert json.loads((tmp_path / "demo_settings.json").read_text())["quick"] is True
 

@@ -43,7 +43,10 @@ def plot_topics(out_dir: Path, names: list) -> bool:
     ax.set_title(f"CHC topics: 2-D UMAP of {len(xy)} sampled captions")
     ax.set_xticks([]), ax.set_yticks([])
     fig.tight_layout()
-    fig.savefig(Path(out_dir) / "umap_topics.png")
+    from meta.fileio import atomic_path
+
+    with atomic_path(Path(out_dir) / "umap_topics.png") as tmp:
+        fig.savefig(tmp, format="png")
     plt.close(fig)
     return True
 
@@ -91,5 +94,7 @@ def write_report(out_dir: Path, captions: list, counts: dict, topic_info: dict, 
     lines += [f"| {k} | {v['items']} | {v['seconds']} | {v['items_per_second']} |" for k, v in timings.items()]
     if drew:
         lines += ["", "![2-D UMAP by topic](umap_topics.png)"]
-    (out_dir / "chc_report.md").write_text("\n".join(lines) + "\n")
+    from meta.fileio import write_text_atomic
+
+    write_text_atomic(out_dir / "chc_report.md", "\n".join(lines) + "\n")
     return json.loads(json.dumps(payload))

@@ -115,8 +115,12 @@ def export_run(run_dir: Union[str, Path], out: Optional[Union[str, Path]] = None
     if out is not None and Path(out).is_dir():
         raise UserError("--out", f"{out} is a folder; expected the init file's path, e.g. "
                                  f"{Path(out) / 'gram_init.safetensors'}")
+    from meta.fileio import clean_stale_temps
+
     state = load_checkpoint(ckpt)
     if out is not None:
+        clean_stale_temps(Path(out).parent)  # temp files of killed exports (their writers are gone)
         return export_state(state, run_dir, out)
     with RunLock(run_dir, key="--run-dir"):  # writing into the run folder: not while a run owns it
+        clean_stale_temps(run_dir, all_pids=True)
         return export_state(state, run_dir, out)
