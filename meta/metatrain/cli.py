@@ -4,6 +4,8 @@
     python -m meta export --run-dir D [--out F]
 
 ``KEY VALUE`` pairs override the config CoOp style (``META.STEPS 200 TASKS.K_WAY 10``).
+``torchrun --nproc_per_node N -m meta train ...`` splits each meta-batch over N processes
+(:mod:`meta.distributed`); rank 0 alone prints and writes files.
 Errors in the inputs (config keys and values, missing hierarchy, unusable checkpoint,
 mismatching CLIP features) print one ``error: ...`` line and exit with status 2.
 """
@@ -74,6 +76,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if flags or (opts and args.command != "train"):
         parser.error(f"unrecognized arguments: {' '.join(flags or opts)}")
     args.opts = opts  # KEY VALUE overrides, anywhere on the line
+    from meta import distributed
+
+    created = distributed.init_from_env() if args.command == "train" else False
     try:
         if args.command == "train":
             from .trainer import train
@@ -86,6 +91,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             paths = export_run(args.run_dir, args.out or None)
             print(f"exported {paths['init']}" + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else ""))
     except USER_ERRORS as err:
-        print(f"error: {_one_line(err)}", file=sys.stderr)
+        if distributed.is_main():  # every rank meets the same config and files; one line is enough
+            print(f"error: {_one_line(err)}", file=sys.stderr)
         return 2
+    finally:
+        distributed.shutdown(created)
     return 0
