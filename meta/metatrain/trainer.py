@@ -116,9 +116,11 @@ def build_clip(cfg, device: str):
     With ``MODEL.PRETRAINED`` empty the CLIP is random (``load_clip`` warns): only useful for smoke runs.
     """
     from meta.config import quick_gelu_flag
+    from meta.precision import resolve_weights
 
     torch.manual_seed(int(cfg.SEED))
-    return load_clip(cfg.MODEL.BACKBONE, cfg.MODEL.PRETRAINED or None, device, cfg.MODEL.PRECISION,
+    return load_clip(cfg.MODEL.BACKBONE, cfg.MODEL.PRETRAINED or None, device,
+                     resolve_weights(cfg.MODEL.PRECISION, device),
                      quick_gelu_flag(cfg.MODEL.QUICK_GELU), config_key="MODEL.PRETRAINED")
 
 
@@ -151,7 +153,7 @@ def setup_run(cfg, hierarchy=None) -> RunSetup:
         raise ValueError(f"TASKS.VAL_FRACTION: pre-training needs >= 2 training topics, has {len(train_topics)}")
 
     theta = PromptParams.from_spec(pspec, clip, dims, generator=torch.Generator().manual_seed(int(cfg.SEED)))
-    learner = GRAMMetaLearner(theta, settings.meta_spec(cfg))
+    learner = GRAMMetaLearner(theta, settings.meta_spec(cfg, device))
     pclip = PromptedCLIP(clip, dims, theta.n_ctx_text, template=pspec.template)
     mean, std = norm_stats(h, clip)
     batcher = TaskBatcher(h, use_images, mean, std, device=device, dtype=next(clip.parameters()).dtype)
@@ -217,8 +219,9 @@ def pretrain_step(run: RunSetup, step: int) -> dict:
     learner = run.learner
     learner.train()
     learner.optimizer.zero_grad(set_to_none=True)
-    loss, logits = run.loss_fn(learner.prompt_module, batch)
-    loss.backward()
+    with learner.cast():
+        loss, logits = run.loss_fn(learner.prompt_module, batch)
+    learner.backward(loss.float())
     values = dist_.mean_over_ranks({"loss": float(loss.detach()), "acc": _acc(logits.detach(), batch["label"])})
     dist_.average_gradients(p for g in learner.optimizer.param_groups for p in g["params"])
     out = learner.step(values["loss"])
