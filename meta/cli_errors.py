@@ -93,5 +93,6 @@ def run_cli(main: Callable[[list[str]], Optional[int]], argv: Optional[Sequence[
     except user_error_types() as err:
         if debug:
             raise
-        print(f"error: {one_line(err)}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0") or 0) == 0:  # under torchrun every rank meets the same error
+            print(f"error: {one_line(err)}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -21,7 +21,7 @@ def _model_node() -> CN:
     node = CN()
     node.BACKBONE = "ViT-B-16"      # open_clip architecture name (paper: CLIP ViT-B/16)
     node.PRETRAINED = ""           # local weights file or cached open_clip tag; "" = random (warns)
-    node.PRECISION = "fp32"        # fp32 | fp16 | bf16 (CPU: fp32)
+    node.PRECISION = "fp32"        # fp32 | fp16 | bf16 weights (fp16 on a CPU runs fp32, one log line)
     node.QUICK_GELU = "auto"       # auto | on | off  (OpenAI weights need QuickGELU)
     node.DEVICE = "auto"           # auto = cuda if available (per local rank), else cpu
     return node
@@ -82,6 +82,7 @@ def _chc_node() -> CN:
     chc.IMAGES.CHUNK_SIZE = 2048   # images per cached chunk (resume granularity)
     chc.IMAGES.CACHE_MAX_GB = 2.0  # keep decoded uint8 [N, H, W, 3] on disk if it fits; 0 = never
     chc.IMAGES.DECODE_WORKERS = 0  # decoding threads per rank (JPEG decode ~100-140/s per core here)
+    chc.IMAGES.AUTOCAST = "none"   # none | bf16 | fp16 autocast of the image tower on CUDA (CPU: fp32, one log line)
     chc.DOMAINS = CN()
     chc.DOMAINS.NUM = 3            # U domains per topic (the paper does not state U)
     chc.DOMAINS.MIN_PER_DOMAIN = 8  # fewer images per domain -> fewer domains; < 1 domain -> topic excluded

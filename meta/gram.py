@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from . import precision
 from ._l2l import l2l
 from .prompts import PromptParams
 from .regulator import GradientRegulator, RegulatorFactory, RegulatorSpec
@@ -53,6 +54,7 @@ class MetaSpec:
     grad_clip: float = 1.0         # max global norm over θ and φ; 0 = off
     regulate: bool = True          # False = "w/o gradient regulating" ablation (raw inner gradient)
     regulator: RegulatorSpec = field(default_factory=RegulatorSpec)
+    autocast: str = "none"         # none | bf16 | fp16 forward passes (CUDA; meta.precision); fp16 adds a GradScaler
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -114,6 +116,21 @@ class GRAMMetaLearner(nn.Module):
         else:
             raise ValueError(f"optimizer must be adam|sgd, got {self.spec.optimizer!r}")
         self.skipped_steps = 0
+        precision.check_autocast(self.spec.autocast, "autocast")
+        # fp16 scales the outer loss (the inner support gradient is taken unscaled: prefer bf16)
+        self.scaler = (torch.amp.GradScaler("cuda", enabled=torch.cuda.is_available())
+                       if self.spec.autocast == "fp16" else None)
+
+    # ----- precision ---------------------------------------------------------------
+    def cast(self):
+        """Autocast context of the forward passes (``spec.autocast`` on θ's device; a no-op for ``none``)."""
+        if self.spec.autocast == "none":
+            return contextlib.nullcontext()
+        return precision.autocast(self.spec.autocast, next(self.prompt_module.parameters()).device)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, through the GradScaler under fp16."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     # ----- views -------------------------------------------------------------------
     @property
@@ -151,7 +168,7 @@ class GRAMMetaLearner(nn.Module):
         labels = self.labels_of(support)
         for _ in range(self.spec.inner_steps if steps is None else steps):
             # only a second-order step differentiates the support gradient again
-            with contextlib.nullcontext() if first_order else double_backward_attention():
+            with self.cast(), contextlib.nullcontext() if first_order else double_backward_attention():
                 loss, logits = loss_fn(learner.module, support)
             learner.adapt(loss, first_order=first_order)
             losses.append(loss.detach())
@@ -182,8 +199,9 @@ class GRAMMetaLearner(nn.Module):
         per_task: dict[str, list] = {}
         for task in tasks:
             learner, s_losses, s_accs = self._adapt(loss_fn, task.support, None, None)
-            q_loss, q_logits = loss_fn(learner.module, task.query)
-            (q_loss / n_tasks).backward()
+            with self.cast():
+                q_loss, q_logits = loss_fn(learner.module, task.query)
+            self.backward(q_loss.float() / n_tasks)
             values = {"support_loss_before": s_losses[0], "support_acc_before": s_accs[0],
                       "query_loss_after": q_loss.detach(),
                       "query_acc_after": _accuracy_t(q_logits.detach(), self.labels_of(task.query))}
@@ -202,6 +220,8 @@ class GRAMMetaLearner(nn.Module):
         A non-finite gradient or loss skips the update (counted in ``skipped_steps`` and logged).
         """
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip and check the true gradient
         grads = [p.grad for p in params if p.grad is not None]
         finite = math.isfinite(loss_value) and (
             not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()))  # one sync
@@ -209,10 +229,12 @@ class GRAMMetaLearner(nn.Module):
         if self.spec.grad_clip > 0 and finite:
             out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, self.spec.grad_clip))
         if finite:
-            self.optimizer.step()
+            (self.scaler.step if self.scaler is not None else lambda opt: opt.step())(self.optimizer)
         else:
             self.skipped_steps += 1
             log.warning("non-finite meta-gradient or loss: outer step skipped (%d so far)", self.skipped_steps)
+        if self.scaler is not None:
+            self.scaler.update()  # an overflow lowers the scale for the next step
         self.optimizer.zero_grad(set_to_none=True)
         out["skipped"] = float(not finite)
         return out
@@ -240,10 +262,15 @@ class GRAMMetaLearner(nn.Module):
     # ----- state -------------------------------------------------------------------
     def state(self) -> dict:
         """Everything needed to resume: θ, φ, optimiser, counters."""
-        return {"gbml": self.gbml.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "skipped_steps": self.skipped_steps}
+        out = {"gbml": self.gbml.state_dict(), "optimizer": self.optimizer.state_dict(),
+               "skipped_steps": self.skipped_steps}
+        if self.scaler is not None:
+            out["scaler"] = self.scaler.state_dict()
+        return out
 
     def load_state(self, state: dict) -> None:
         self.gbml.load_state_dict(state["gbml"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])

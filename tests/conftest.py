@@ -20,6 +20,16 @@ torch.set_num_threads(1)
 TINY_MODEL = "GRAM-Test-Tiny"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip on a machine without CUDA (one line each in ``-rs``)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="CUDA not available")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _same_global_rng_for_every_test():
     """Every test starts from torch's global RNG at seed 0, whatever ran before it.

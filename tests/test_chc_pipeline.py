@@ -345,3 +345,50 @@ def test_two_gloo_processes_shard_image_features(chc_run, tmp_path):
     np.testing.assert_allclose(np.load(stage / "image_features.npy"),
                                np.load(out_ref / "image_features" / "image_features.npy"), atol=1e-5)
     np.testing.assert_array_equal(np.load(stage / "image_ok.npy"), np.load(out_ref / "image_features" / "image_ok.npy"))
+
+
+def _gloo_full_run(rank, world, init_file, cfg_dump):
+    """One torchrun-like process running the whole ``python -m meta cluster`` pipeline."""
+    import os
+
+    import torch.distributed as dist
+    from yacs.config import CfgNode
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        out = run_chc(CfgNode.load_cfg(cfg_dump), rank, world, dist.barrier, show_progress=False)
+        assert (out is None) == (rank != 0)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_processes_run_the_whole_pipeline(chc_run, tmp_path):
+    """Image features and sentence embeddings sharded, fitting on rank 0: the 1-process hierarchy."""
+    import torch.multiprocessing as mp
+
+    out_ref, cfg_ref, _ = chc_run
+    cfg = cfg_ref.clone()
+    cfg.CHC.OUTPUT_DIR = str(tmp_path / "out")
+    n_unique = len(json.loads((out_ref / "text" / "unique_captions.json").read_text()))
+    assert n_unique > 2 * cfg.CHC.TEXT.CHUNK_SIZE  # both ranks embed whole chunks of their own
+    mp.spawn(_gloo_full_run, args=(2, str(tmp_path / "pg_init"), cfg.dump()), nprocs=2, join=True)
+    out = tmp_path / "out"
+    assert not list(out.rglob("*.rank*"))
+    # same chunks -> same batches -> the same embeddings bit for bit
+    np.testing.assert_array_equal(np.load(out / "text" / "embeddings.npy"), np.load(out_ref / "text" / "embeddings.npy"))
+    ref, res = load_hierarchy(out_ref), load_hierarchy(out)
+    assert res.topic_names == ref.topic_names
+    np.testing.assert_array_equal(res.item_topic, ref.item_topic)
+    np.testing.assert_array_equal(res.item_domain, ref.item_domain)
+    np.testing.assert_allclose(np.asarray(res.image_features), np.asarray(ref.image_features), atol=1e-5)
+
+
+def test_text_rank_rows_are_whole_chunks_covering_all_rows():
+    from meta.chc.pipeline import text_rank_rows
+
+    for n, chunk, world in [(0, 4, 2), (5, 4, 2), (1000, 400, 2), (1000, 400, 3), (7, 1, 4), (3, 400, 2)]:
+        rows = [text_rank_rows(n, chunk, r, world) for r in range(world)]
+        assert rows[0][0] == 0 and rows[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))      # contiguous, disjoint, in rank order
+        assert all(lo % chunk == 0 for lo, _ in rows)                  # every block starts on a chunk boundary

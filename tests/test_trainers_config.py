@@ -145,11 +145,16 @@ def test_bad_values_name_the_key():
         gram_settings(bare)
 
 
-def test_cpu_forces_fp32_with_a_warning():
-    with pytest.warns(UserWarning, match="fp16 on cpu"):
-        assert resolve_precision("fp16", "cpu") == "fp32"
-    with pytest.warns(UserWarning, match="amp on cpu"):
+def test_cpu_forces_fp32_with_one_log_line(caplog):
+    import meta.precision
+
+    meta.precision._said.clear()
+    with caplog.at_level("WARNING", logger="meta.precision"):
+        for _ in range(3):  # asked again (every build_model): still one line
+            assert resolve_precision("fp16", "cpu") == "fp32"
         assert resolve_precision("amp", "cpu") == "fp32"
+    lines = [r.getMessage() for r in caplog.records if r.name == "meta.precision"]
+    assert len(lines) == 2 and "fp16 on cpu" in lines[0] and "amp on cpu" in lines[1]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert resolve_precision("fp32", "cpu") == "fp32"

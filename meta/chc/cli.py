@@ -1,15 +1,15 @@
 """``python -m meta cluster --config-file F [KEY VALUE ...]`` (also under ``torchrun``).
 
 Under ``torchrun --nproc_per_node G -m meta cluster ...`` the image-feature stage is
-sharded over the G processes (each takes a disjoint set of tar shards); rank 0 does
-the rest.  Re-running the same command resumes from the last finished stage / chunk.
+sharded over the G processes (each takes a disjoint set of tar shards), and so is the
+sentence-embedding stage (each takes a block of caption chunks); rank 0 runs the filter
+and the fitting stages while the others wait at a barrier.  Re-running the same command
+resumes from the last finished stage / chunk.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
-import os
 import sys
 from typing import Optional, Sequence
 
@@ -25,20 +25,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _distributed():
-    """(rank, world_size, barrier) from torchrun's environment; a gloo/nccl group when world > 1."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return 0, 1, None
-    import torch
-    import torch.distributed as dist
+    """(rank, world_size, barrier, created) from torchrun's environment (:mod:`meta.distributed`)."""
+    from meta import distributed
 
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        # Ranks wait for each other after the feature stage, which can take hours.
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(hours=48))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    return dist.get_rank(), dist.get_world_size(), dist.barrier
+    created = distributed.init_from_env()
+    if not distributed.is_distributed():
+        return 0, 1, None, created
+    return distributed.rank(), distributed.world_size(), distributed.barrier, created
 
 
 def _main(argv: list[str]) -> int:
@@ -48,16 +41,15 @@ def _main(argv: list[str]) -> int:
 
     cfg = load_meta_cfg(args.config_file, args.opts)
     cfg.freeze()
-    rank, world, barrier = _distributed()
+    rank, world, barrier, created = _distributed()
     from meta.chc.pipeline import run_chc
 
     try:
         out = run_chc(cfg, rank, world, barrier, show_progress=not args.no_progress)
     finally:
-        if world > 1:
-            import torch.distributed as dist
+        from meta import distributed
 
-            dist.destroy_process_group()
+        distributed.shutdown(created)
     if out is not None:
         print(f"CHC done: {out}/hierarchy.json, report {out}/chc_report.md")
     return 0

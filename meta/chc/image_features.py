@@ -19,6 +19,8 @@ from typing import Optional
 
 import numpy as np
 
+from meta import precision
+
 from meta.chc.imaging import decode_batch, encode_images
 from meta.chc.sources import PairIndex, rank_items
 from meta.chc.stages import ChunkedArray, save_npy_atomic
@@ -34,8 +36,10 @@ def rank_paths(stage_dir: Path, rank: int) -> tuple[Path, Path]:
 def encode_rank(index: PairIndex, clip, rank: int, world_size: int, stage_dir: Path, fp: str,
                 image_size: int, mean, std, batch_size: int = 64, chunk_size: int = 2048,
                 cache_images: bool = False, device="cpu", show_progress: bool = True,
-                decode_workers: int = 0) -> dict:
+                decode_workers: int = 0, autocast: str = "none") -> dict:
     """Encode this rank's items; resumes from the last finished chunk.
+
+    ``autocast``: a mode resolved by :func:`meta.precision.resolve_autocast` (``none`` = the CLIP's dtype).
 
     Returns ``{"items": n_r, "unreadable": count}`` for the rank.
     """
@@ -59,7 +63,8 @@ def encode_rank(index: PairIndex, clip, rank: int, world_size: int, stage_dir: P
         pixels, ok = decode_batch(blobs, image_size, decode_workers)
         rows = np.zeros((end - start, dim + 1), dtype=np.float32)
         if ok.any():
-            rows[ok, :dim] = encode_images(clip, pixels[ok], mean, std, batch_size=batch_size, device=device)
+            with precision.autocast(autocast, device):
+                rows[ok, :dim] = encode_images(clip, pixels[ok], mean, std, batch_size=batch_size, device=device)
         rows[:, dim] = ok
         if pixel_cache is not None:
             pixel_cache[start:end] = pixels

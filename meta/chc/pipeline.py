@@ -10,8 +10,9 @@ Stages (each cached under ``CHC.OUTPUT_DIR`` and skipped when its fingerprint ma
 6. ``domains``         k-means per topic                             -> ``item_topic.npy`` ...
 7. report              ``chc_report.md``, ``chc_report.json``, ``umap_topics.png``, ``hierarchy.json``
 
-Under ``torchrun`` every rank runs stage 2 on its own shards; rank 0 builds the index
-first and does everything after the merge.
+Under ``torchrun`` every rank runs stage 2 on its own shards and stage 4 on its own block of
+caption chunks; rank 0 builds the index first, merges each sharded stage and runs the filter and
+the fitting stages alone while the other ranks wait at a barrier.
 """
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ class ChcRun:
         if self._clip is None:
             from meta.backbone import check_model_name, check_precision, load_clip
             from meta.config import quick_gelu_flag
+            from meta.precision import resolve_weights
 
             check_model_name(self.cfg.MODEL.BACKBONE, "MODEL.BACKBONE")
             check_precision(self.cfg.MODEL.PRECISION, "MODEL.PRECISION")
@@ -89,7 +91,8 @@ class ChcRun:
                 if not self.cfg.MODEL.PRETRAINED:
                     warnings.simplefilter("ignore")
                 clip, dims = load_clip(self.cfg.MODEL.BACKBONE, self.cfg.MODEL.PRETRAINED or None, self.device,
-                                       self.cfg.MODEL.PRECISION, quick_gelu_flag(self.cfg.MODEL.QUICK_GELU),
+                                       resolve_weights(self.cfg.MODEL.PRECISION, self.device),
+                                       quick_gelu_flag(self.cfg.MODEL.QUICK_GELU),
                                        config_key="MODEL.PRETRAINED")
             self._clip = (clip, dims)
         return self._clip
@@ -141,10 +144,15 @@ class ChcRun:
         from meta.chc.image_features import encode_rank, merge_ranks, remove_rank_files_of
         from meta.chc.imaging import clip_norm_stats
 
+        from meta.precision import resolve_autocast
+
         imgs = self.chc.IMAGES
         bmeta = self.backbone_meta()
         cache = self.image_cache_wanted(len(index))
-        fp = fingerprint("image_features", index_fp, bmeta, imgs.CHUNK_SIZE, imgs.BATCH_SIZE, cache, self.cfg.SEED)
+        autocast = resolve_autocast(imgs.AUTOCAST, self.device, "CHC.IMAGES.AUTOCAST")
+        # fp32 (the default) keeps the fingerprint features computed before the key existed had
+        fp = fingerprint("image_features", index_fp, bmeta, imgs.CHUNK_SIZE, imgs.BATCH_SIZE, cache, self.cfg.SEED,
+                         *(() if autocast == "none" else (autocast,)))
         marker = StageMarker(self.out, "image_features", fp)
         stage_dir = self.out / "image_features"
         if marker.is_done():
@@ -154,7 +162,8 @@ class ChcRun:
         t0 = time.time()
         stats = encode_rank(index, clip, self.rank, self.world_size, stage_dir,
                             fingerprint(fp, self.world_size), dims.image_size, mean, std, imgs.BATCH_SIZE,
-                            imgs.CHUNK_SIZE, cache, self.device, self.show_progress, imgs.DECODE_WORKERS)
+                            imgs.CHUNK_SIZE, cache, self.device, self.show_progress, imgs.DECODE_WORKERS,
+                            autocast=autocast)
         self._timed("image_features", time.time() - t0, stats["items"])
         self.barrier()
         if self.rank == 0:
@@ -164,10 +173,13 @@ class ChcRun:
         return fp
 
     # ------------------------------------------------------------------ stage 3
+    def filter_fingerprint(self, image_fp: str) -> str:
+        return fingerprint("filter", image_fp, _node(self.chc.FILTER))
+
     def stage_filter(self, index: PairIndex, image_fp: str) -> tuple[np.ndarray, np.ndarray, str]:
         """Returns ``(ok [N] bool, keep [N] bool, fp)``."""
         filt = self.chc.FILTER
-        fp = fingerprint("filter", image_fp, _node(filt))
+        fp = self.filter_fingerprint(image_fp)
         stage_dir = self.out / "filter"
         marker = StageMarker(self.out, "filter", fp)
         ok = np.load(self.out / "image_features" / "image_ok.npy")
@@ -194,8 +206,15 @@ class ChcRun:
         return ok, np.load(stage_dir / "keep.npy"), fp
 
     # ------------------------------------------------------------------ stage 4
-    def stage_text(self, index: PairIndex, keep: np.ndarray, filter_fp: str) -> tuple[list, np.ndarray, str]:
-        """Returns ``(unique_captions [U], item_unique [N] (-1 = not kept), fp)``; embeddings on disk."""
+    def stage_text(self, index: Optional[PairIndex], keep: Optional[np.ndarray],
+                   filter_fp: str) -> tuple[list, np.ndarray, str]:
+        """Returns ``(unique_captions [U], item_unique [N] (-1 = not kept), fp)``; embeddings on disk.
+
+        Rank 0 deduplicates the kept captions (``index`` and ``keep`` are only needed there); under
+        torchrun rank ``r`` embeds its contiguous block of ``CHC.TEXT.CHUNK_SIZE`` chunks into
+        ``text/embeddings.rank{r}.npy`` and rank 0 merges them.  Chunks are the single-process ones,
+        so every caption is embedded in the same batch as without torchrun.
+        """
         from meta.chc.text_embed import model_digest, resolve_model_path
 
         text = self.chc.TEXT
@@ -204,25 +223,41 @@ class ChcRun:
         stage_dir = self.out / "text"
         marker = StageMarker(self.out, "text", fp)
         if not marker.is_done():
-            stage_dir.mkdir(parents=True, exist_ok=True)
-            kept = np.flatnonzero(keep)
-            uniq, inverse = dedupe([index.captions[i] for i in kept])   # identical captions embedded once
-            item_unique = np.full(len(index), -1, dtype=np.int64)
-            item_unique[kept] = inverse
-            write_json_atomic(stage_dir / "unique_captions.json", uniq)
-            save_npy_atomic(stage_dir / "item_unique.npy", item_unique)
+            if self.rank == 0:
+                stage_dir.mkdir(parents=True, exist_ok=True)
+                kept = np.flatnonzero(keep)
+                uniq, inverse = dedupe([index.captions[i] for i in kept])   # identical captions embedded once
+                item_unique = np.full(len(index), -1, dtype=np.int64)
+                item_unique[kept] = inverse
+                write_json_atomic(stage_dir / "unique_captions.json", uniq)
+                save_npy_atomic(stage_dir / "item_unique.npy", item_unique)
+            self.barrier()
+            uniq = json.loads((stage_dir / "unique_captions.json").read_text())
 
             from meta.chc.text_embed import embed_texts, load_sentence_model
 
             model = load_sentence_model(model_path, text.DTYPE, self.device)
             dim_fn = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
             dim = int(dim_fn())
-            store = ChunkedArray(stage_dir / "embeddings.npy", len(uniq), (dim,), np.float32, fp)
+            lo, hi = text_rank_rows(len(uniq), int(text.CHUNK_SIZE), self.rank, self.world_size)
+            path = stage_dir / ("embeddings.npy" if self.world_size == 1 else f"embeddings.rank{self.rank}.npy")
+            store = ChunkedArray(path, hi - lo, (dim,), np.float32,
+                                 fp if self.world_size == 1 else fingerprint(fp, self.world_size))
             t0, before = time.time(), store.rows_done()
-            store.fill(lambda s, e: embed_texts(model, uniq[s:e], text.BATCH_SIZE), text.CHUNK_SIZE,
-                       desc="sentence embeddings", disable_progress=not self.show_progress)
-            self._timed("text_embeddings", time.time() - t0, len(uniq) - before)
-            marker.mark({"unique_captions": int(len(uniq)), "model": model_path})
+            store.fill(lambda s, e: embed_texts(model, uniq[lo + s:lo + e], text.BATCH_SIZE), text.CHUNK_SIZE,
+                       desc=f"sentence embeddings (rank {self.rank}/{self.world_size})",
+                       disable_progress=not self.show_progress)
+            self._timed("text_embeddings", time.time() - t0, hi - lo - before)
+            self.barrier()
+            if self.rank == 0:
+                if self.world_size > 1:
+                    merge_text_ranks(stage_dir, len(uniq), dim, int(text.CHUNK_SIZE), self.world_size)
+                marker.mark({"unique_captions": int(len(uniq)), "model": model_path})
+                if self.world_size > 1:
+                    for r in range(self.world_size):  # only after the mark: a crash never loses work
+                        for q in (stage_dir / f"embeddings.rank{r}.npy",
+                                  stage_dir / f"embeddings.rank{r}.npy.progress.json"):
+                            q.unlink(missing_ok=True)
         uniq = json.loads((stage_dir / "unique_captions.json").read_text())
         return uniq, np.load(stage_dir / "item_unique.npy"), fp
 
@@ -336,13 +371,19 @@ class ChcRun:
         self.out.mkdir(parents=True, exist_ok=True)
         index, index_fp = self.stage_index()
         image_fp = self.stage_image_features(index, index_fp)
-        if self.rank != 0:
-            return None
-        ok, keep, filter_fp = self.stage_filter(index, image_fp)
+        if self.rank == 0:
+            ok, keep, filter_fp = self.stage_filter(index, image_fp)
+        else:  # the filter runs on rank 0; its fingerprint depends on settings only
+            ok = keep = None
+            filter_fp = self.filter_fingerprint(image_fp)
         uniq, item_unique, text_fp = self.stage_text(index, keep, filter_fp)
+        if self.rank != 0:
+            self.barrier()  # wait while rank 0 fits topics and domains and writes the outputs
+            return None
         topic_info, topics_fp = self.stage_topics(uniq, item_unique, text_fp)
         domain_info, _ = self.stage_domains(ok, keep, item_unique, topic_info, topics_fp, image_fp)
         self.write_outputs(index, ok, keep, uniq, item_unique, topic_info, domain_info)
+        self.barrier()
         return self.out
 
     def write_outputs(self, index, ok, keep, uniq, item_unique, topic_info, domain_info) -> None:
@@ -375,6 +416,29 @@ class ChcRun:
         timings.update(self.timings)
         write_json_atomic(old, timings)
         write_report(self.out, index.captions, counts, topic_info, domain_info, timings, self.cfg.SEED)
+
+
+def text_rank_rows(n: int, chunk_size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of the ``n`` unique captions that ``rank`` embeds: a contiguous block of whole chunks."""
+    n_chunks = -(-n // max(1, chunk_size))
+    first, last = (n_chunks * rank) // world_size, (n_chunks * (rank + 1)) // world_size
+    return min(n, first * chunk_size), min(n, last * chunk_size)
+
+
+def merge_text_ranks(stage_dir: Path, n: int, dim: int, chunk_size: int, world_size: int) -> None:
+    """``embeddings.rank{r}.npy`` -> ``embeddings.npy`` float32 ``[n, dim]`` (atomic)."""
+    tmp = stage_dir / "embeddings.tmp.npy"
+    merged = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(n, dim))
+    for r in range(world_size):
+        lo, hi = text_rank_rows(n, chunk_size, r, world_size)
+        part = np.load(stage_dir / f"embeddings.rank{r}.npy", mmap_mode="r")
+        if part.shape != (hi - lo, dim):
+            raise RuntimeError(f"{stage_dir}/embeddings.rank{r}.npy: shape {part.shape}, rank {r} owns "
+                               f"{(hi - lo, dim)}")
+        merged[lo:hi] = part
+    merged.flush()
+    del merged
+    os.replace(tmp, stage_dir / "embeddings.npy")
 
 
 def run_chc(cfg, rank: int = 0, world_size: int = 1, barrier: Optional[Callable[[], None]] = None,

@@ -4,6 +4,8 @@
     python -m meta export --run-dir D [--out F]
 
 ``KEY VALUE`` pairs override the config CoOp style (``META.STEPS 200 TASKS.K_WAY 10``).
+``torchrun --nproc_per_node N -m meta train ...`` splits each meta-batch over N processes
+(:mod:`meta.distributed`); rank 0 alone prints and writes files.
 Errors in the inputs (config keys and values, missing hierarchy, unusable checkpoint,
 mismatching CLIP features, a busy or full output folder) print one
 ``error: <file or KEY>: ...`` line and exit with status 2 (:mod:`meta.cli_errors`; ``--debug``
@@ -71,16 +73,22 @@ def _main(argv: list[str]) -> int:
     if flags or (opts and args.command != "train"):
         parser.error(f"unrecognized arguments: {' '.join(flags or opts)}")
     args.opts = opts  # KEY VALUE overrides, anywhere on the line
-    if args.command == "train":
-        from .trainer import train
+    from meta import distributed
 
-        cfg = build_cfg(args.config_file, args.opts, args.output_dir)
-        result = train(cfg, resume=args.resume)
-        return EXIT_STOPPED if result.get("stopped") else 0
-    from .export import export_run
+    created = distributed.init_from_env() if args.command == "train" else False
+    try:
+        if args.command == "train":
+            from .trainer import train
 
-    paths = export_run(args.run_dir, args.out or None)
-    print(f"exported {paths['init']}" + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else ""))
+            cfg = build_cfg(args.config_file, args.opts, args.output_dir)
+            result = train(cfg, resume=args.resume)
+            return EXIT_STOPPED if result.get("stopped") else 0
+        from .export import export_run
+
+        paths = export_run(args.run_dir, args.out or None)
+        print(f"exported {paths['init']}" + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else ""))
+    finally:
+        distributed.shutdown(created)
     return 0
 
 

@@ -56,6 +56,8 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.FIRST_ORDER = False        # True drops the second-order term (cheaper, not the paper's Eq. 10)
     m.GRAD_CLIP = 1.0            # max global norm over theta and phi; 0 = off [core]
     m.REGULATE = True            # False = "w/o gradient regulating" (Table 4 row 2)
+    m.AUTOCAST = "none"          # none | bf16 | fp16 autocast of the CLIP passes on CUDA (CPU: fp32, one log line);
+    #                              bf16 is the safer choice: fp16 scales only the outer loss (meta.precision)
 
     m.REGULATOR = CN()           # R_phi (meta.regulator.RegulatorSpec) [core]
     m.REGULATOR.FORM = "residual"   # residual | paper (literal Eq. 5)
@@ -114,6 +116,7 @@ def check_meta_cfg(cfg: CN) -> None:
         need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
              and value >= 0, f"META.{key}", "a finite number >= 0" + (" (0 = off)" if leaf == "GRAD_CLIP" else ""),
              value)
+    need(m.AUTOCAST in ("none", "bf16", "fp16"), "META.AUTOCAST", "none | bf16 | fp16", m.AUTOCAST)
     need(m.PROMPT.N_CTX_TEXT > 0 or m.PROMPT.N_CTX_VISION > 0 or bool(m.PROMPT.CTX_INIT),
          "META.PROMPT", "N_CTX_TEXT > 0, N_CTX_VISION > 0 or CTX_INIT (no prompt to learn)",
          (m.PROMPT.N_CTX_TEXT, m.PROMPT.N_CTX_VISION))
@@ -136,17 +139,22 @@ def regulator_spec(cfg: CN) -> RegulatorSpec:
         raise ValueError(f"META.REGULATOR: {err}") from None
 
 
-def meta_spec(cfg: CN) -> "MetaSpec":
-    """The bi-level loop's hyper-parameters; ``pretrain`` mode reuses it with regulation off."""
+def meta_spec(cfg: CN, device=None) -> "MetaSpec":
+    """The bi-level loop's hyper-parameters; ``pretrain`` mode reuses it with regulation off.
+
+    With ``device``, ``META.AUTOCAST`` is what runs there (``none`` off CUDA, logged once).
+    """
     from meta.gram import MetaSpec  # lazy: keeps learn2learn out of config-only imports
+    from meta.precision import resolve_autocast
 
     m = cfg.META
+    autocast = m.AUTOCAST if device is None else resolve_autocast(m.AUTOCAST, device, "META.AUTOCAST")
     pretrain = m.MODE == "pretrain"
     return MetaSpec(inner_steps=int(m.INNER_STEPS), inner_lr=float(m.INNER_LR),
                     outer_lr_prompt=float(m.PRETRAIN.LR if pretrain else m.OUTER_LR_PROMPT),
                     outer_lr_regulator=float(m.OUTER_LR_REGULATOR), optimizer=m.OPTIMIZER,
                     first_order=bool(m.FIRST_ORDER), grad_clip=float(m.GRAD_CLIP),
-                    regulate=bool(m.REGULATE) and not pretrain, regulator=regulator_spec(cfg))
+                    regulate=bool(m.REGULATE) and not pretrain, regulator=regulator_spec(cfg), autocast=autocast)
 
 
 def prompt_spec(cfg: CN) -> PromptSpec:

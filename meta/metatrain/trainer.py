@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from meta import distributed as dist_
 from meta.backbone import ClipDims, load_clip
 from meta.fileio import clean_stale_temps, write_json_atomic, write_text_atomic
 from meta.gram import GRAMMetaLearner
@@ -117,11 +118,13 @@ def build_clip(cfg, device: str):
     """
     from meta.backbone import check_model_name, check_precision
     from meta.config import quick_gelu_flag
+    from meta.precision import resolve_weights
 
     check_model_name(cfg.MODEL.BACKBONE, "MODEL.BACKBONE")
     check_precision(cfg.MODEL.PRECISION, "MODEL.PRECISION")
     torch.manual_seed(int(cfg.SEED))
-    return load_clip(cfg.MODEL.BACKBONE, cfg.MODEL.PRETRAINED or None, device, cfg.MODEL.PRECISION,
+    return load_clip(cfg.MODEL.BACKBONE, cfg.MODEL.PRETRAINED or None, device,
+                     resolve_weights(cfg.MODEL.PRECISION, device),
                      quick_gelu_flag(cfg.MODEL.QUICK_GELU), config_key="MODEL.PRETRAINED")
 
 
@@ -154,7 +157,7 @@ def setup_run(cfg, hierarchy=None) -> RunSetup:
         raise ValueError(f"TASKS.VAL_FRACTION: pre-training needs >= 2 training topics, has {len(train_topics)}")
 
     theta = PromptParams.from_spec(pspec, clip, dims, generator=torch.Generator().manual_seed(int(cfg.SEED)))
-    learner = GRAMMetaLearner(theta, settings.meta_spec(cfg))
+    learner = GRAMMetaLearner(theta, settings.meta_spec(cfg, device))
     pclip = PromptedCLIP(clip, dims, theta.n_ctx_text, template=pspec.template)
     mean, std = norm_stats(h, clip)
     batcher = TaskBatcher(h, use_images, mean, std, device=device, dtype=next(clip.parameters()).dtype)
@@ -189,32 +192,56 @@ def _acc(logits: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 def gram_step(run: RunSetup, step: int) -> dict:
-    """One outer update from ``META.META_BATCH`` tasks."""
+    """One outer update from ``META.META_BATCH`` tasks.
+
+    Under torchrun every rank draws the whole meta-batch from the same stream (index arithmetic only)
+    and takes its contiguous block of ``B / W`` tasks; the ranks' mean gradients are averaged before
+    the one clipped optimiser step, so the update is the single-process one up to float summation order.
+    """
     tasks = run.stream.next(int(run.cfg.META.META_BATCH))
     every = int(run.cfg.META.LOG_DETAIL_EVERY)
     detailed = every > 0 and step % every == 0
-    return run.learner.meta_step([run.batcher(t) for t in tasks], run.loss_fn, detailed=detailed)
+    learner = run.learner
+    if not dist_.is_distributed():
+        return learner.meta_step([run.batcher(t) for t in tasks], run.loss_fn, detailed=detailed)
+    mine = dist_.shard(tasks, dist_.world_size(), dist_.rank())
+    metrics = dist_.mean_over_ranks(learner.accumulate([run.batcher(t) for t in mine], run.loss_fn,
+                                                       detailed=detailed))
+    dist_.average_gradients(p for g in learner.optimizer.param_groups for p in g["params"])
+    metrics.update(learner.step(metrics["query_loss_after"]))
+    return metrics
 
 
 def pretrain_step(run: RunSetup, step: int) -> dict:
     """One classification step on θ over the step's topics (Table 4 row 3)."""
     cb = run.stream.next()
-    batch = run.batcher.part(cb.classnames, cb.index, cb.label)
+    index, label = cb.index, cb.label
+    if dist_.is_distributed():  # each rank takes its block of the batch's images; gradients are averaged
+        index = np.asarray(dist_.shard(index, dist_.world_size(), dist_.rank()))
+        label = np.asarray(dist_.shard(label, dist_.world_size(), dist_.rank()))
+    batch = run.batcher.part(cb.classnames, index, label)
     learner = run.learner
     learner.train()
     learner.optimizer.zero_grad(set_to_none=True)
-    loss, logits = run.loss_fn(learner.prompt_module, batch)
-    loss.backward()
-    out = learner.step(float(loss.detach()))
-    return {"loss": float(loss.detach()), "acc": _acc(logits.detach(), batch["label"]),
-            "classes": len(cb.classnames), **out}
+    with learner.cast():
+        loss, logits = run.loss_fn(learner.prompt_module, batch)
+    learner.backward(loss.float())
+    values = dist_.mean_over_ranks({"loss": float(loss.detach()), "acc": _acc(logits.detach(), batch["label"])})
+    dist_.average_gradients(p for g in learner.optimizer.param_groups for p in g["params"])
+    out = learner.step(values["loss"])
+    return {**values, "classes": len(cb.classnames), **out}
 
 
 def validate(run: RunSetup) -> dict:
-    """Mean query loss/accuracy on the held-out tasks before and after adapting on their supports."""
+    """Mean query loss/accuracy on the held-out tasks before and after adapting on their supports.
+
+    Under torchrun rank ``r`` evaluates tasks ``r, r + W, ...`` and the sums are reduced.
+    """
     learner, loss_fn = run.learner, run.loss_fn
-    sums: dict[str, float] = {}
-    for task in run.val_tasks:
+    keys = ("query_loss_before", "query_acc_before", "query_loss_after", "query_acc_after",
+            "support_loss_before", "support_acc_before")
+    sums: dict[str, float] = dict.fromkeys(keys, 0.0)
+    for task in run.val_tasks[dist_.rank()::dist_.world_size()]:
         batch = run.batcher(task)
         with torch.no_grad():
             q_loss0, q_logits0 = loss_fn(learner.prompt_module, batch.query)
@@ -228,6 +255,7 @@ def validate(run: RunSetup) -> dict:
             sums[key] = sums.get(key, 0.0) + value / len(run.val_tasks)
         del adapted
     learner.optimizer.zero_grad(set_to_none=True)
+    sums = dist_.sum_over_ranks(sums)
     sums["tasks"] = len(run.val_tasks)
     return sums
 
@@ -246,6 +274,36 @@ def _checkpoint_payload(run: RunSetup, step: int) -> dict:
             "config": settings.result_defining_cfg(cfg), "config_hash": settings.config_hash(cfg),
             "config_yaml": cfg.dump(), "dims": run.dims.as_dict(),
             "hierarchy": hierarchy_summary(run.hierarchy)}
+
+
+def _save(run: RunSetup, path: Path, step: int) -> None:
+    """Checkpoint ``step`` (collective under torchrun: every rank's RNG states go in, rank 0 writes)."""
+    payload = _checkpoint_payload(run, step)
+    rng_ranks = dist_.gather_objects(payload["rng"])
+    if dist_.is_distributed():
+        payload["rng_ranks"] = rng_ranks
+        payload["world_size"] = len(rng_ranks)
+    if dist_.is_main():
+        save_checkpoint(path, payload)
+
+
+def _rank_rng(state: dict) -> dict:
+    """This rank's RNG states from a checkpoint (rank 0's when it was written by another world size)."""
+    ranks = state.get("rng_ranks") or []
+    return ranks[dist_.rank()] if len(ranks) == dist_.world_size() else state["rng"]
+
+
+class _NoLog:
+    """What ranks other than 0 log to: nothing."""
+
+    def write(self, kind: str, step: int, metrics: dict) -> dict:
+        return metrics
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def export_paths(run_dir: Path, cfg, out: Optional[str] = None) -> tuple[Path, Path]:
@@ -277,18 +335,19 @@ def _loop(run: RunSetup, log: RunLog, bar, stop: StopRequest, start: int, saved_
         bar.set_postfix(postfix(metrics), refresh=False)
         if run.val_tasks and val_every > 0 and step % val_every == 0:
             log.write("val", step, validate(run))
-        if step % ckpt_every == 0 or step == steps_total or stop.requested:
+        # under torchrun a SIGTERM reaching any rank stops all of them after the same step
+        if step % ckpt_every == 0 or step == steps_total or dist_.any_rank(stop.requested is not None):
             log.flush()
-            save_checkpoint(ckpt_path, _checkpoint_payload(run, step))
+            _save(run, ckpt_path, step)
             saved_at = step
         if on_step is not None:
             on_step(step, metrics)
-        if stop.requested:
+        if dist_.any_rank(stop.requested is not None):
             if saved_at < step:  # the request arrived during on_step
-                save_checkpoint(ckpt_path, _checkpoint_payload(run, step))
+                _save(run, ckpt_path, step)
             return step
     if saved_at < steps_total:  # e.g. META.STEPS 0: still leave a checkpoint to export from
-        save_checkpoint(ckpt_path, _checkpoint_payload(run, max(start, steps_total)))
+        _save(run, ckpt_path, max(start, steps_total))
     return None
 
 
@@ -317,12 +376,18 @@ def train(cfg, resume: bool = False, hierarchy=None, on_step: Optional[Callable[
     from meta.runlock import RunLock, is_rank0
 
     settings.check_meta_cfg(cfg)
+    world = dist_.world_size()
+    split_key, split_n = (("META.META_BATCH", int(cfg.META.META_BATCH)) if cfg.META.MODE == "gram"
+                          else ("META.PRETRAIN.BATCH_SIZE", int(cfg.META.PRETRAIN.BATCH_SIZE)))
+    if split_n % world:
+        raise ValueError(f"{split_key}: {split_n} cannot be split evenly over {world} processes (torchrun "
+                         f"--nproc_per_node); use a multiple of {world}")
     lock = RunLock(cfg.OUTPUT_DIR, key="OUTPUT_DIR", enabled=is_rank0())
     with lock:
         if lock.held:
             clean_stale_temps(cfg.OUTPUT_DIR, all_pids=True)
         try:
-            return _train_locked(cfg, resume, hierarchy, on_step, echo)
+            return _train_locked(cfg, resume, hierarchy, on_step, echo, world)
         except BaseException:
             lock.release()
             lock.remove_folder_if_unused()  # a run refused before writing anything leaves no empty folder
@@ -330,10 +395,13 @@ def train(cfg, resume: bool = False, hierarchy=None, on_step: Optional[Callable[
 
 
 def _train_locked(cfg, resume: bool, hierarchy, on_step: Optional[Callable[[int, dict], None]],
-                  echo: Callable[[str], None]) -> dict:
-    """:func:`train` once the output folder is locked."""
+                  echo: Callable[[str], None], world: int) -> dict:
+    """:func:`train` once the output folder is locked (by rank 0)."""
     from .export import export_state, verify_exports
 
+    main = dist_.is_main()
+    if not main:  # rank 0 alone talks and writes files
+        echo = _silent
     run_dir = Path(cfg.OUTPUT_DIR)
     ckpt_path = run_dir / CHECKPOINT_NAME
     init_path, _ = export_paths(run_dir, cfg)
@@ -357,9 +425,11 @@ def _train_locked(cfg, resume: bool, hierarchy, on_step: Optional[Callable[[int,
                 echo(f"{run_dir}: finished at step {state['step']} (META.STEPS {steps_total}); exports verified; "
                      f"nothing to do")
                 return {**done, "export": None, "noop": True}
-            paths = export_state(state, run_dir)
-            echo(f"{run_dir}: finished at step {state['step']}; {'; '.join(problems)}; re-exported {paths['init']}"
-                 + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else ""))
+            paths = export_state(state, run_dir) if main else None
+            dist_.barrier()
+            if paths is not None:
+                echo(f"{run_dir}: finished at step {state['step']}; {'; '.join(problems)}; re-exported "
+                     f"{paths['init']}" + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else ""))
             return {**done, "export": paths, "noop": False}
     elif init_path.exists():
         raise RunExistsError(f"OUTPUT_DIR: {run_dir} holds {init_path.name} but no checkpoint; choose another "
@@ -380,25 +450,12 @@ def _train_locked(cfg, resume: bool, hierarchy, on_step: Optional[Callable[[int,
             raise CheckpointError(f"{ckpt_path}: θ/φ/optimiser state does not fit this model "
                                   f"({str(err).splitlines()[0][:200]})") from None
         run.stream.load_state(state["stream"])
-        restore_rng(state["rng"])
+        restore_rng(_rank_rng(state))
         start = int(state["step"])
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(run_dir / CONFIG_NAME, cfg.dump())
-    info_path = run_dir / RUN_INFO_NAME
-    info = json.loads(info_path.read_text()) if (state is not None and info_path.is_file()) else {}
-    info.update({"config_hash": settings.config_hash(cfg), "mode": cfg.META.MODE, "steps_total": steps_total,
-                 "hierarchy": hierarchy_summary(run.hierarchy), "feature_check": run.feature_check,
-                 "dims": run.dims.as_dict(), "train_topics": len(run.train_topics),
-                 "val_topics": [run.hierarchy.topic_names[t] for t in run.val_topics],
-                 "versions": _versions(), "device": run.device})
-    if state is not None:
-        info.setdefault("resumed_at_steps", []).append(start)
-    write_json_atomic(info_path, info)
-
-    log = RunLog(run_dir, start_step=start, tensorboard=bool(cfg.META.TENSORBOARD), fresh=state is None)
-    bar = progress_bar(steps_total, start, bool(cfg.META.PROGRESS), f"{cfg.META.MODE} {run_dir.name}")
     resumed_from = start if state is not None else None
+    log = _write_run_files(run, run_dir, state, start, world) if main else _NoLog()
+    bar = progress_bar(steps_total, start, bool(cfg.META.PROGRESS) and main, f"{cfg.META.MODE} {run_dir.name}")
     with StopRequest() as stop:
         try:
             stopped_at = _loop(run, log, bar, stop, start, saved_at=start if state is not None else -1,
@@ -407,13 +464,42 @@ def _train_locked(cfg, resume: bool, hierarchy, on_step: Optional[Callable[[int,
             bar.close()
             log.close()
     if stopped_at is not None:
-        echo(f"{run_dir}: {stop.requested} - checkpoint saved at step {stopped_at} of {steps_total}; "
-             f"continue with --resume")
+        echo(f"{run_dir}: {stop.requested or 'stop requested on another rank'} - checkpoint saved at step "
+             f"{stopped_at} of {steps_total}; continue with --resume")
         return {"run_dir": run_dir, "step": stopped_at, "export": None, "resumed_from": resumed_from,
                 "noop": False, "stopped": True}
+    if not main:
+        dist_.barrier()  # rank 0 exports meanwhile
+        return {"run_dir": run_dir, "step": max(start, steps_total), "export": None, "resumed_from": resumed_from,
+                "noop": False}
     final = load_checkpoint(ckpt_path)
     paths = export_state(final, run_dir)
+    dist_.barrier()  # the other ranks return once the export exists
     echo(f"{run_dir}: {cfg.META.MODE} finished at step {final['step']}; exported {paths['init']}"
          + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else ""))
     return {"run_dir": run_dir, "step": int(final["step"]), "export": paths, "resumed_from": resumed_from,
             "noop": False}
+
+
+def _write_run_files(run: RunSetup, run_dir: Path, state: Optional[dict], start: int, world: int) -> RunLog:
+    """Rank 0: ``config.yaml``, ``run.json`` and the opened log."""
+    cfg = run.cfg
+    steps_total = int(cfg.META.STEPS)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(run_dir / CONFIG_NAME, cfg.dump())
+    info_path = run_dir / RUN_INFO_NAME
+    info = json.loads(info_path.read_text()) if (state is not None and info_path.is_file()) else {}
+    info.update({"config_hash": settings.config_hash(cfg), "mode": cfg.META.MODE, "steps_total": steps_total,
+                 "hierarchy": hierarchy_summary(run.hierarchy), "feature_check": run.feature_check,
+                 "dims": run.dims.as_dict(), "train_topics": len(run.train_topics),
+                 "val_topics": [run.hierarchy.topic_names[t] for t in run.val_topics],
+                 "versions": _versions(), "device": run.device, "world_size": world})
+    if state is not None:
+        info.setdefault("resumed_at_steps", []).append(start)
+    write_json_atomic(info_path, info)
+    return RunLog(run_dir, start_step=start, tensorboard=bool(cfg.META.TENSORBOARD), fresh=state is None)
+
+
+def _silent(_msg: str) -> None:
+    pass
+

