@@ -15,7 +15,6 @@ shows the traceback).  A run stopped by SIGTERM / Ctrl-C before its last step ex
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Optional, Sequence
 
 from yacs.config import CfgNode as CN
