@@ -185,7 +185,8 @@ def test_export_round_trips_through_load_gram_init(finished, tmp_path, tiny_clip
     assert main(["export", "--run-dir", str(out), "--out", str(target)]) == 0
     again = load_gram_init(target)
     assert torch.equal(again.prompt["ctx"], init.prompt["ctx"])
-    assert (tmp_path / "exported" / "init_coop_ctx.pth").is_file()
+    assert (tmp_path / "exported" / "init_coop_ctx_nctx4.pth").is_file()  # N_CTX stock CoOp needs, in the name
+    assert Path(result["export"]["coop_ctx"]).name == "coop_ctx_nctx4.pth" and coop["n_ctx"] == 4
 
 
 def test_metric_keys_in_json_log(finished):

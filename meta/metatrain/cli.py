@@ -85,6 +85,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             paths = export_run(args.run_dir, args.out or None)
             print(f"exported {paths['init']}" + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else ""))
+            if paths.get("coop_usage"):
+                print(paths["coop_usage"])
     except USER_ERRORS as err:
         print(f"error: {_one_line(err)}", file=sys.stderr)
         return 2
