@@ -39,5 +39,12 @@ setup(
         "gym>=0.26",
         "scipy",
     ],
-    extras_require={"test": ["pytest>=8"]},
+    extras_require={
+        "test": ["pytest>=8"],
+        # Runtime needs of Dassl.pytorch (installed itself by `scripts/setup.sh --with-dassl`, it is not on
+        # PyPI): what `import dassl` and CoOp-family trainers import.  Dassl's own install_requires also pins
+        # flake8/yapf/isort, which are never imported, so Dassl is installed with --no-deps plus this list.
+        "dassl": ["yacs", "gdown", "tabulate", "wilds==1.2.2", "tensorboard", "scipy", "scikit-learn", "tqdm",
+                  "ftfy", "regex"],
+    },
 )

@@ -311,12 +311,29 @@ def load_gram_init(path: Union[str, Path], expect: Optional[Mapping[str, Any]] =
     return GramInit(prompt=prompt, regulators=regs, metadata=meta, path=path)
 
 
-def export_coop_context(path: Union[str, Path], ctx: torch.Tensor, epoch: int = 0) -> Path:
-    """Write ``{"state_dict": {"ctx": [M, d_t]}, "epoch": epoch}`` for stock CoOp/CoCoOp ``MODEL.INIT_WEIGHTS``.
+def coop_context_name(n_ctx: int, stem: str = "coop_ctx") -> str:
+    """File name of a stock-CoOp context file: ``coop_ctx_nctx4.pth`` (the N_CTX it needs is in the name)."""
+    return f"{stem}_nctx{int(n_ctx)}.pth"
 
-    Only plain tensors and ints: loadable with ``torch.load(..., weights_only=True)``.  Written
-    atomically (:mod:`meta.fileio`): a kill or a full disk leaves the old file or none, never a torn one.
+
+def coop_context_usage(path: Union[str, Path], n_ctx: int) -> str:
+    """The options that load a context file into stock CoOp and CoCoOp (two lines, one per trainer).
+
+    Their ``N_CTX`` defaults to 16 and Dassl's ``load_pretrained_weights`` only *warns* about a shape
+    mismatch, so without ``N_CTX n_ctx`` a random context would be trained.
+    """
+    return "\n".join(f"{name}: MODEL.INIT_WEIGHTS {path} TRAINER.{node}.N_CTX {int(n_ctx)} TRAINER.{node}.CTX_INIT \"\""
+                     for name, node in (("stock CoOp", "COOP"), ("stock CoCoOp", "COCOOP")))
+
+
+def export_coop_context(path: Union[str, Path], ctx: torch.Tensor, epoch: int = 0) -> Path:
+    """Write ``{"state_dict": {"ctx": [M, d_t]}, "epoch": epoch, "n_ctx": M}`` for stock CoOp/CoCoOp ``MODEL.INIT_WEIGHTS``.
+
+    Only plain tensors and ints: loadable with ``torch.load(..., weights_only=True)``.  Name it with
+    :func:`coop_context_name` so that the ``N_CTX`` it needs cannot be missed.  Written atomically
+    (:mod:`meta.fileio`): a kill or a full disk leaves the old file or none, never a torn one.
     """
     buffer = io.BytesIO()
-    torch.save({"state_dict": {"ctx": ctx.detach().float().cpu().clone()}, "epoch": int(epoch)}, buffer)
+    torch.save({"state_dict": {"ctx": ctx.detach().float().cpu().clone()}, "epoch": int(epoch),
+                "n_ctx": int(ctx.shape[0])}, buffer)
     return write_bytes_atomic(path, buffer.getvalue())

@@ -16,14 +16,16 @@
 # --root --seed --trainer --dataset-config-file --config-file --output-dir [--model-dir
 # --load-epoch --eval-only] KEY VALUE...`, one output folder per seed, and an existing result is
 # skipped.  Unlike CoOp, every output folder gets `gram_run.txt` holding a SHA-256 of the resolved
-# arguments and config contents; a folder is skipped only when that hash matches and its log is
-# finished.  Otherwise the job is refused with a message (REDO=1 moves the old folder aside to
-# `<dir>.old-<time>` and runs again).
+# arguments and config contents and the id of the process running it; a folder is skipped only when
+# that hash matches and its log is finished.  A run with the same hash whose process is gone without
+# a finished log (it crashed or was killed) is moved aside to `<dir>.crashed-<time>` and run again.
+# A folder with another hash or no gram_run.txt is refused with a message (REDO=1 moves it aside to
+# `<dir>.old-<time>` and runs again).  train.py's stderr is kept in `<dir>/stderr.txt`.
 #
 # Environment: DATA (dataset root, default $REPO/data), OUTPUT (output root, default
 # $REPO/output), SHOTS (default 16), EPOCHS (sets OPTIM.MAX_EPOCH and the epoch loaded for
 # evaluation), LOAD_EPOCH (epoch to evaluate; default EPOCHS, else read from the checkpoints),
-# PYTHON (default python), TRAIN_PY (default $REPO/train.py), CONFIGS (default $REPO/configs),
+# PYTHON (default: the project's .venv/bin/python when it exists, else python3), TRAIN_PY (default $REPO/train.py), CONFIGS (default $REPO/configs),
 # INIT (meta-learned init file for gram_coop/gram_vpt/unigram: adds TRAINER.GRAM.INIT <abs path>),
 # REDO=1 (redo refused jobs), DRY_RUN=1 (print commands only).
 
@@ -58,7 +60,9 @@ gram_setup_env() {
     DATA="${DATA:-$GRAM_REPO/data}"
     OUTPUT="${OUTPUT:-$GRAM_REPO/output}"
     SHOTS="${SHOTS:-16}"
-    PYTHON="${PYTHON:-python}"
+    if [[ -z "${PYTHON:-}" ]]; then # the interpreter scripts/setup.sh built (torch, meta, Dassl), not PATH's
+        if [[ -x "$GRAM_REPO/.venv/bin/python" ]]; then PYTHON="$GRAM_REPO/.venv/bin/python"; else PYTHON=python3; fi
+    fi
     TRAIN_PY="${TRAIN_PY:-$GRAM_REPO/train.py}"
     CONFIGS="${CONFIGS:-$GRAM_REPO/configs}"
     GRAM_FAILED=0
@@ -241,27 +245,40 @@ gram_imagenet_transfer() {
     done
 }
 
+# gram_pid_alive PID -> status 0 when PID is a live benchmark script (the one that wrote gram_run.txt)
+gram_pid_alive() {
+    [[ -n "$1" ]] && kill -0 "$1" 2>/dev/null && ps -o args= -p "$1" 2>/dev/null | grep -q 'scripts/'
+}
+
 # gram_run MODE DIR ARGS... : run `$PYTHON $TRAIN_PY ARGS...` into DIR unless an identical finished
 # run is there.  MODE is train or eval.  Returns 0 when the result is (now) present.
 gram_run() {
     local mode="$1" dir="$2"
     shift 2
-    local hash
+    local hash why=""
     hash="$(gram_run_hash "$mode" "$@")"
     if [[ -e "$dir" ]]; then
         local old=""
         [[ -f "$dir/gram_run.txt" ]] && old="$(sed -n 's/^hash //p' "$dir/gram_run.txt")"
-        local why=""
-        if [[ -z "$old" ]]; then
+        local oldpid=""
+        [[ -f "$dir/gram_run.txt" ]] && oldpid="$(sed -n 's/^pid //p' "$dir/gram_run.txt")"
+        if [[ -n "$old" && "$old" == "$hash" ]] && ! gram_log_finished "$dir" "$mode" && ! gram_pid_alive "$oldpid"; then
+            local crashed
+            crashed="$dir.crashed-$(date +%Y%m%d-%H%M%S)"
+            echo "Rerunning $dir: its earlier run did not finish and its process is gone (moved to $crashed)"
+            [[ "${DRY_RUN:-0}" == 1 ]] || mv "$dir" "$crashed"
+        elif [[ -z "$old" ]]; then
             why="it has no gram_run.txt, so its configuration is unknown"
         elif [[ "$old" != "$hash" ]]; then
             why="it was run with different arguments or configs (hash ${old:0:12} != ${hash:0:12}; see $dir/gram_run.txt)"
         elif ! gram_log_finished "$dir" "$mode"; then
-            why="its log.txt is unfinished (still running, or crashed)"
+            why="it is still running (process $oldpid)"
         else
             echo "The results exist at $dir (same configuration, so skip this job)"
             return 0
         fi
+    fi
+    if [[ -n "$why" ]]; then
         if [[ "${REDO:-0}" != 1 ]]; then
             echo "Refusing to reuse $dir: $why. Rerun with REDO=1 to move it aside and redo the job." >&2
             GRAM_FAILED=1
@@ -278,11 +295,15 @@ gram_run() {
     {
         echo "hash $hash"
         echo "mode $mode"
+        echo "pid $BASHPID"
+        echo "python $PYTHON"
         echo "date $(date -u +%Y-%m-%dT%H:%M:%SZ)"
         printf 'arg %s\n' "$@"
     } > "$dir/gram_run.txt"
-    if ! (cd "$GRAM_REPO" && "$PYTHON" "$TRAIN_PY" "$@"); then
-        echo "FAILED ($mode): $dir (see $dir/log.txt)" >&2
+    if ! (cd "$GRAM_REPO" && "$PYTHON" "$TRAIN_PY" "$@" 2> >(tee "$dir/stderr.txt" >&2)); then
+        local see="$dir/stderr.txt"
+        [[ -s "$dir/log.txt" ]] && see="$dir/log.txt and $see"
+        echo "FAILED ($mode): $dir (see $see)" >&2
         GRAM_FAILED=1
         return 1
     fi

@@ -8,6 +8,9 @@ Reads (layout of scripts/base2new.sh, xd.sh, xdomain.sh):
   OUTPUT_ROOT/base2new/test_new/<dataset>/shots_<K>/<method>/seed<S>/log.txt     new accuracy
   OUTPUT_ROOT/xd/train_imagenet/shots_<K>/<method>/seed<S>/log.txt                source (ImageNet)
   OUTPUT_ROOT/{xd,xdomain}/test/<target>/shots_<K>/<method>/seed<S>/log.txt       targets
+and the base-to-new layout of CoOp's and MaPLe's own scripts (scripts/cocoop/base2new_*.sh,
+scripts/maple/base2new_*.sh), whose runs are grouped by trainer + config as method ``<TRAINER>/<CFG>``:
+  OUTPUT_ROOT/base2new/{train_base,test_new}/<dataset>/shots_<K>/<TRAINER>/<CFG>/seed<S>/log.txt
 
 The accuracy of a log is the last ``* accuracy: X%`` line after its end signal, as CoOp's
 ``parse_test_res.py`` does: Dassl's ``Finish training`` for training logs and ``=> result`` for
@@ -125,17 +128,29 @@ def _seed_dirs(method_dir: Path):
             yield int(m.group(1)), d
 
 
+def _has_seed_dirs(folder: Path) -> bool:
+    return any(SEED_DIR.match(d.name) and d.is_dir() for d in folder.iterdir())
+
+
 def _shots_method_dirs(parent: Path):
-    """Yield (shots, method, method_dir) under ``parent/shots_<K>/<method>/``."""
+    """Yield (shots, method, method_dir) for every folder holding ``seed<S>/`` runs under ``parent/shots_<K>/``.
+
+    Our scripts write ``shots_<K>/<method>/seed<S>``; CoOp's and MaPLe's write
+    ``shots_<K>/<TRAINER>/<CFG>/seed<S>``, reported as method ``<TRAINER>/<CFG>``.
+    """
     if not parent.is_dir():
         return
     for shots_dir in sorted(parent.iterdir()):
         m = SHOTS_DIR.match(shots_dir.name)
         if not (shots_dir.is_dir() and m):
             continue
-        for method_dir in sorted(shots_dir.iterdir()):
-            if method_dir.is_dir():
+        for method_dir in sorted(d for d in shots_dir.iterdir() if d.is_dir()):
+            if _has_seed_dirs(method_dir):
                 yield int(m.group(1)), method_dir.name, method_dir
+                continue
+            for cfg_dir in sorted(d for d in method_dir.iterdir() if d.is_dir()):
+                if _has_seed_dirs(cfg_dir):
+                    yield int(m.group(1)), f"{method_dir.name}/{cfg_dir.name}", cfg_dir
 
 
 def collect(root: Path) -> tuple[dict[RunKey, dict[int, float]], list[str]]:
@@ -366,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     for p in problems:
         print(f"WARNING: {p}", file=sys.stderr)
     if not results:
-        print(f"no finished runs under {root} (expected base2new/, xd/ or xdomain/ as the scripts write them)",
+        print(f"no finished runs under {root} (expected base2new/, xd/ or xdomain/ as this repository's or "
+              f"CoOp's/MaPLe's scripts write them)",
               file=sys.stderr)
         return 1
     out = args.out or (root / "tables")

@@ -17,6 +17,7 @@ from meta.metatrain import build_cfg, main
 from meta.metatrain.checkpoint import CheckpointError, load_checkpoint
 from meta.metatrain.data import FeatureMismatchError
 from meta.metatrain.runlog import read_log
+from meta.hashing import file_sha256
 from meta.metatrain.trainer import RunExistsError, setup_run, train
 
 MODEL = "GRAM-Test-Tiny"
@@ -185,7 +186,8 @@ def test_export_round_trips_through_load_gram_init(finished, tmp_path, tiny_clip
     assert main(["export", "--run-dir", str(out), "--out", str(target)]) == 0
     again = load_gram_init(target)
     assert torch.equal(again.prompt["ctx"], init.prompt["ctx"])
-    assert (tmp_path / "exported" / "init_coop_ctx.pth").is_file()
+    assert (tmp_path / "exported" / "init_coop_ctx_nctx4.pth").is_file()  # N_CTX stock CoOp needs, in the name
+    assert Path(result["export"]["coop_ctx"]).name == "coop_ctx_nctx4.pth" and coop["n_ctx"] == 4
 
 
 def test_metric_keys_in_json_log(finished):
@@ -304,15 +306,20 @@ def test_cli_trains_from_an_image_folder(tmp_path):
     for i, (img, t) in enumerate(zip(pixels, topic)):
         (root / NAMES[t]).mkdir(parents=True, exist_ok=True)
         Image.fromarray(img).save(root / NAMES[t] / f"{i:03d}.png")
+    weights = tmp_path / "tiny_clip.pt"  # a weights file: its sha256 must be recorded and checked
+    torch.save(_clip(3)[0].state_dict(), weights)
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "meta", "train", "--config-file", str(ROOT / "configs/meta/train_supervised.yaml"),
-           "--output-dir", str(out), *BASE, "META.STEPS", "2", "TASKS.IMAGE_FOLDER", str(root),
+    # text prompts (train_coop.yaml): the cached image features are used, so they are checked
+    cmd = [sys.executable, "-m", "meta", "train", "--config-file", str(ROOT / "configs/meta/train_coop.yaml"),
+           "--output-dir", str(out), *BASE, "META.STEPS", "2", "TASKS.SOURCE", "image_folder",
+           "TASKS.IMAGE_FOLDER", str(root), "MODEL.PRETRAINED", str(weights),
            "CHC.DOMAINS.MIN_PER_DOMAIN", "4", "META.TENSORBOARD", "False"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     init = load_gram_init(out / "gram_init.safetensors")
     assert init.metadata["provenance"]["tasks"]["source"] == "image_folder"
     assert init.metadata["provenance"]["hierarchy"]["num_topics"] == 6
+    assert init.metadata["provenance"]["hierarchy"]["weights_sha256"] == file_sha256(weights)
 
 
 def test_resume_with_more_steps_continues_exactly(finished, tmp_path, hier):

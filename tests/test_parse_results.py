@@ -176,3 +176,27 @@ def test_cross_dataset_missing_targets_are_named(tmp_path, capsys):
     assert len(missing) == 9 and str(tmp_path / "xd/test/eurosat/shots_16/coop/seed1/log.txt") in err
     rows = read_csv(tmp_path / "tables" / "xd_shots16.csv")
     assert float(rows[("coop", "imagenet")]["mean"]) == 71.0 and float(rows[("coop", "dtd")]["mean"]) == 44.0
+
+
+def test_coop_and_maple_layout_grouped_by_trainer_and_config(tmp_path):
+    """CoOp's/MaPLe's scripts write shots_<K>/<TRAINER>/<CFG>/seed<S>; one row per trainer + config."""
+    runs = {("CoOp", "vit_b16_ep50"): ([70.0, 72.0], [60.0, 64.0]),
+            ("CoCoOp", "vit_b16_c4_ep10_batch1_ctxv1"): ([80.0, 81.0], [70.0, 73.0]),
+            ("CoOp", "vit_b16_ep50_ctxv1"): ([75.0, 75.0], [65.0, 65.0])}
+    for (trainer, cfg), (base, new) in runs.items():  # no gram_run.txt: the fork's scripts write none
+        for seed, (b, n) in enumerate(zip(base, new), 1):
+            write_run(tmp_path, f"base2new/train_base/dtd/shots_16/{trainer}/{cfg}/seed{seed}", train_log(b))
+            write_run(tmp_path, f"base2new/test_new/dtd/shots_16/{trainer}/{cfg}/seed{seed}", EVAL_LOG.format(acc=n))
+    write_run(tmp_path, "base2new/train_base/dtd/shots_16/gram_coop/seed1", train_log(90.0))  # ours beside them
+    write_run(tmp_path, "base2new/test_new/dtd/shots_16/gram_coop/seed1", EVAL_LOG.format(acc=80.0))
+    assert pr.main([str(tmp_path), "--strict"]) == 0
+    with open(tmp_path / "tables" / "base2new_shots16.csv") as f:
+        rows = {r["method"]: r for r in csv.DictReader(f) if r["dataset"] == "dtd"}
+    assert set(rows) == {f"{t}/{c}" for t, c in runs} | {"gram_coop"}
+    for (trainer, cfg), (base, new) in runs.items():
+        row = rows[f"{trainer}/{cfg}"]
+        assert float(row["base_mean"]) == pytest.approx(np.mean(base)) and row["base_seeds"] == "2"
+        assert float(row["new_mean"]) == pytest.approx(np.mean(new))
+        assert float(row["H"]) == pytest.approx(2 * np.mean(base) * np.mean(new) / (np.mean(base) + np.mean(new)),
+                                                abs=1e-3)
+    assert float(rows["gram_coop"]["H"]) == pytest.approx(2 * 90 * 80 / 170, abs=1e-3)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,6 +30,7 @@ acc = float(os.environ.get("FAKE_ACC", "50")) + int(args.seed)
 log = open(os.path.join(args.output_dir, "log.txt"), "w")
 if os.environ.get("FAKE_CRASH"):
     log.write("epoch [1/5]\n")
+    print("fake crash", file=sys.stderr)
     sys.exit(3)
 if not args.eval_only:
     ep = opts.get("OPTIM.MAX_EPOCH", "7")
@@ -131,12 +133,22 @@ def test_identical_rerun_is_skipped_and_changed_config_is_refused(env):
     assert sorted(p.name.split(".old-")[0] for p in parent.iterdir()) == ["seed1", "seed1"]
 
 
-def test_unfinished_and_unknown_runs_are_not_reused(env):
+def test_crashed_run_is_rerun_and_unknown_runs_are_not_reused(env):
     crash = run("base2new.sh", ["joint", "dtd", "1"], env, FAKE_CRASH=1)
-    assert crash.returncode != 0 and "FAILED (train)" in crash.stderr
+    assert crash.returncode != 0
+    train_dir = Path(env["OUTPUT"], "base2new", "train_base", "dtd", "shots_16", "joint", "seed1")
+    # the hint names files that exist: the fake wrote log.txt, and stderr is kept
+    assert f"FAILED (train): {train_dir} (see {train_dir}/log.txt and {train_dir}/stderr.txt)" in crash.stderr
+    assert "fake crash" in (train_dir / "stderr.txt").read_text()
     assert len(calls(env)) == 1  # no evaluation after a failed training
-    again = run("base2new.sh", ["joint", "dtd", "1"], env)
-    assert again.returncode != 0 and "unfinished" in again.stderr and calls(env) == []
+    again = run("base2new.sh", ["joint", "dtd", "1"], env)  # same configuration, crashed: simply rerun
+    assert again.returncode == 0, again.stderr
+    assert "did not finish and its process is gone" in again.stdout and len(calls(env)) == 2
+    aside = [p.name for p in train_dir.parent.iterdir() if ".crashed-" in p.name]
+    assert len(aside) == 1 and (train_dir.parent / aside[0] / "log.txt").read_text() == "epoch [1/5]\n"
+    assert "Finish training" in (train_dir / "log.txt").read_text()
+    third = run("base2new.sh", ["joint", "dtd", "1"], env)
+    assert third.returncode == 0 and third.stdout.count("so skip this job") == 2 and calls(env) == []
     foreign = Path(env["OUTPUT"], "base2new", "train_base", "food101", "shots_16", "joint", "seed1")
     foreign.mkdir(parents=True)
     (foreign / "log.txt").write_text("Finish training\n=> result\n* accuracy: 99.0%\n")
@@ -212,3 +224,45 @@ def test_init_file_is_passed_and_its_content_hashed(env, tmp_path):
     r = run("base2new.sh", ["coop", "dtd", "1"], env, INIT=init)  # GRAM off: ignored with a warning
     assert r.returncode == 0 and "INIT is ignored" in r.stderr
     assert all("TRAINER.GRAM.INIT" not in c["argv"] for c in calls(env))
+
+
+def test_crash_before_any_log_names_stderr_and_a_running_job_is_not_touched(env, tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("import sys\nprint(\"ModuleNotFoundError: No module named 'torch'\", file=sys.stderr)\nsys.exit(1)\n")
+    r = run("base2new.sh", ["coop", "dtd", "1"], env, TRAIN_PY=broken)
+    run_dir = Path(env["OUTPUT"], "base2new", "train_base", "dtd", "shots_16", "coop", "seed1")
+    assert r.returncode != 0 and f"(see {run_dir}/stderr.txt)" in r.stderr and not (run_dir / "log.txt").exists()
+    assert "No module named 'torch'" in (run_dir / "stderr.txt").read_text()
+    info = run_dir / "gram_run.txt"  # pretend a live benchmark script owns the folder
+    sleeper = subprocess.Popen(["bash", "-c", "sleep 60; true", "scripts/base2new.sh"])
+    try:
+        info.write_text(re.sub(r"(?m)^pid .*$", f"pid {sleeper.pid}", info.read_text()))
+        r = run("base2new.sh", ["coop", "dtd", "1"], env)
+        assert r.returncode != 0 and f"still running (process {sleeper.pid})" in r.stderr and calls(env) == []
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def _methods_python(env, tmp_path, repo_has_venv: bool, **extra) -> tuple[str, Path]:
+    """PYTHON as scripts/methods.sh resolves it, in a copy of scripts/ whose repo may have a .venv."""
+    repo = tmp_path / f"repo{len(list(tmp_path.iterdir()))}"
+    shutil.copytree(REPO / "scripts", repo / "scripts")
+    if repo_has_venv:
+        (repo / ".venv" / "bin").mkdir(parents=True)
+        os.symlink(sys.executable, repo / ".venv" / "bin" / "python")
+    e = {k: v for k, v in env.items() if k != "PYTHON"}
+    e.update(extra)
+    out = subprocess.run(["bash", "-c", f"source {repo}/scripts/methods.sh && gram_setup_env && echo $PYTHON"],
+                         env=e, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip(), repo
+
+
+def test_scripts_use_the_project_venv_python_unless_python_is_set(env, tmp_path):
+    got, repo = _methods_python(env, tmp_path, True)
+    assert got == f"{repo}/.venv/bin/python"  # not PATH's python, which may lack torch
+    got, _ = _methods_python(env, tmp_path, False)
+    assert got == "python3"
+    got, _ = _methods_python(env, tmp_path, True, PYTHON="/opt/other/python")
+    assert got == "/opt/other/python"

@@ -32,3 +32,23 @@ def test_image_folder_hierarchy_classes_domains_and_tasks(tiny_clip, tmp_path):
     assert len(set(task.classnames)) == 3 and set(task.classnames) <= set(classes)
     with pytest.raises(FileNotFoundError, match="TASKS.IMAGE_FOLDER"):
         hierarchy_from_image_folder(tmp_path / "nope", clip)
+
+
+def test_image_folder_records_its_weights_and_a_mismatch_hint_fits_the_source(tiny_clip, tmp_path):
+    import torch
+
+    from meta.hashing import file_sha256
+    from meta.metatrain.data import FeatureMismatchError, check_cached_features
+
+    clip, dims = tiny_clip
+    write_synthetic_image_folder(tmp_path / "data", ["apple", "bridge"], per_class=12, seed=0)
+    weights, other = tmp_path / "clip.pt", tmp_path / "other.pt"
+    torch.save(clip.state_dict(), weights)
+    other.write_bytes(b"other weights")
+    h = hierarchy_from_image_folder(tmp_path / "data", clip, num_domains=2, min_per_domain=3, seed=0,
+                                    model_name="GRAM-Test-Tiny", pretrained=str(weights), show_progress=False)
+    assert h.meta["weights_sha256"] == file_sha256(weights)  # as CHC records it; None made the check fail
+    assert check_cached_features(h, clip, dims, "GRAM-Test-Tiny", str(weights), n_check=2)["metadata"]
+    with pytest.raises(FeatureMismatchError) as err:
+        check_cached_features(h, clip, dims, "GRAM-Test-Tiny", str(other), n_check=0)
+    assert "rebuild the image-folder hierarchy" in str(err.value) and "meta cluster" not in str(err.value)

@@ -71,7 +71,7 @@ def test_prompt_state_drops_class_buffers_and_names_mismatches():
         prompt_state({"ctx": torch.ones(4, 64), "vpt": torch.ones(1, 2, 64)}, prompts)
 
 
-def test_export_for_stock_coop_from_init_file_and_from_checkpoint(tmp_path, tiny_clip):
+def test_export_for_stock_coop_from_init_file_and_from_checkpoint(tmp_path, tiny_clip, capsys):
     _, dims = tiny_clip
     prompts, opt, sched = _trained_prompts(1)
     init = export_gram_init(tmp_path / "init.safetensors", prompts, {"ctx": GradientRegulator(64)}, dims)
@@ -79,9 +79,15 @@ def test_export_for_stock_coop_from_init_file_and_from_checkpoint(tmp_path, tiny
     loaded = torch.load(dst, weights_only=True)
     assert set(loaded["state_dict"]) == {"ctx"}
     assert torch.equal(loaded["state_dict"]["ctx"], prompts.ctx.detach())
+    assert dst == tmp_path / "coop_ctx_nctx4.pth" and loaded["n_ctx"] == 4  # the N_CTX to set is in the name
+    assert export_for_coop(init) == tmp_path / "coop_ctx_nctx4.pth"  # default: beside the init file
     save_checkpoint(tmp_path / "run", "prompt_learner", 1, prompts, opt, sched)
     assert export_main([str(tmp_path / "run"), str(tmp_path / "from_run.pth"), "--epoch", "1"]) == 0
-    again = torch.load(tmp_path / "from_run.pth", weights_only=True)["state_dict"]["ctx"]
+    printed = capsys.readouterr().out
+    written = tmp_path / "from_run_nctx4.pth"
+    assert f'stock CoOp: MODEL.INIT_WEIGHTS {written} TRAINER.COOP.N_CTX 4 TRAINER.COOP.CTX_INIT ""' in printed
+    assert f'stock CoCoOp: MODEL.INIT_WEIGHTS {written} TRAINER.COCOOP.N_CTX 4 TRAINER.COCOOP.CTX_INIT ""' in printed
+    again = torch.load(written, weights_only=True)["state_dict"]["ctx"]
     assert torch.equal(again, prompts.ctx.detach())
     vpt_only = export_gram_init(tmp_path / "vpt.safetensors", PromptParams(vpt=torch.zeros(1, 2, 64)), None, dims)
     with pytest.raises(ValueError, match="no text context"):

@@ -358,7 +358,7 @@ def test_stock_coop_loads_the_exported_context(experiment, init_files, tmp_path)
         assert torch.equal(learner.ctx.detach(), exported)
         assert torch.equal(learner.token_prefix, torch.ones(3, 1, 64))
     init_ctx = load_gram_init(init_files["GRAM_CoOp"]).prompt["ctx"]
-    assert torch.equal(torch.load(tmp_path / "init.pth", weights_only=True)["state_dict"]["ctx"], init_ctx)
+    assert torch.equal(torch.load(tmp_path / "init_nctx4.pth", weights_only=True)["state_dict"]["ctx"], init_ctx)
 
 
 class _TensorNode(nn.Module):

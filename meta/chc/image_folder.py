@@ -14,6 +14,7 @@ from tqdm import tqdm
 from meta.chc.domains import split_domains
 from meta.chc.hierarchy import Hierarchy
 from meta.chc.imaging import clip_norm_stats, decode_batch, encode_images
+from meta.hashing import file_sha256
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
 
@@ -79,7 +80,9 @@ def build_image_folder_hierarchy(root, clip, num_domains: int = 3, min_per_domai
         item_topic[members] = len(names)
         item_domain[members] = split.labels
         names.append(name)
+    weights = pretrained if pretrained and Path(pretrained).is_file() else None
     meta = {"source": "image_folder", "root": str(root), "backbone": model_name, "pretrained": pretrained or None,
+            "weights_sha256": file_sha256(weights) if weights else None,  # as CHC records it (meta.chc.pipeline)
             "image_size": image_size, "mean": list(mean), "std": list(std),
             "counts": {"images": len(paths), "unreadable_images": int((~ok).sum()), "classes": len(classes),
                        "classes_excluded_small": len(classes) - len(names)},

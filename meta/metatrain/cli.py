@@ -86,6 +86,8 @@ def _main(argv: list[str]) -> int:
 
         paths = export_run(args.run_dir, args.out or None)
         print(f"exported {paths['init']}" + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else ""))
+        if paths.get("coop_usage"):
+            print(paths["coop_usage"])
     finally:
         distributed.shutdown(created)
     return 0

@@ -92,7 +92,11 @@ def check_cached_features(h, clip, dims, model_name: str, pretrained: str, n_che
        on/off, precision or preprocessing changes that metadata does not show).
     """
     meta = h.meta
-    hint = "re-run `python -m meta cluster` with this MODEL, or set MODEL.* to the clustering CLIP"
+    if meta.get("source") == "image_folder":  # built from TASKS.IMAGE_FOLDER by a run, not by `meta cluster`
+        hint = (f"rebuild the image-folder hierarchy of {meta.get('root')} with this MODEL "
+                "(a `meta train` with TASKS.SOURCE image_folder does so itself)")
+    else:
+        hint = "re-run `python -m meta cluster` with this MODEL, or set MODEL.* to the clustering CLIP"
     if meta.get("backbone") and meta["backbone"] != model_name:
         raise FeatureMismatchError(f"MODEL.BACKBONE: cached image features come from {meta['backbone']!r}, "
                                    f"not {model_name!r}; {hint}")

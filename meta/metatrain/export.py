@@ -3,8 +3,9 @@
 * ``gram_init.safetensors`` via :func:`meta.init_io.export_gram_init`, with provenance
   (config hash, step, mode, prompt/loop settings, the hierarchy's fingerprint and sizes and
   the CLIP its features came from);
-* ``coop_ctx.pth`` via :func:`meta.init_io.export_coop_context` when θ has text context
-  (stock CoOp/CoCoOp ``MODEL.INIT_WEIGHTS``).
+* ``coop_ctx_nctx<M>.pth`` via :func:`meta.init_io.export_coop_context` when θ has M text context
+  vectors (stock CoOp/CoCoOp ``MODEL.INIT_WEIGHTS``, with ``N_CTX M``: the name says it,
+  :func:`meta.init_io.coop_context_usage` prints the options).
 
 Everything is rebuilt from the checkpoint alone (no CLIP, no hierarchy needed).  Both files are
 written atomically (:mod:`meta.fileio`); :func:`verify_exports` checks that a finished run's
@@ -20,7 +21,7 @@ from yacs.config import CfgNode as CN
 
 from meta.backbone import ClipDims
 from meta.gram import GRAMMetaLearner
-from meta.init_io import export_coop_context, export_gram_init
+from meta.init_io import coop_context_usage, export_coop_context, export_gram_init
 from meta.prompts import PromptParams
 
 from . import settings
@@ -66,8 +67,16 @@ def export_state(state: dict, run_dir: Union[str, Path], out: Optional[Union[str
                      weights=cfg.MODEL.PRETRAINED)
     paths = {"init": init_path, "coop_ctx": None}
     if theta.ctx is not None:
+        n_ctx = int(theta.ctx.shape[0])
+        coop_path = _with_n_ctx(coop_path, n_ctx)
         paths["coop_ctx"] = export_coop_context(coop_path, theta.ctx, epoch=0)
+        paths["coop_usage"] = coop_context_usage(paths["coop_ctx"], n_ctx)
     return paths
+
+
+def _with_n_ctx(coop_path: Path, n_ctx: int) -> Path:
+    """Fill META.COOP_CTX_NAME's ``{n_ctx}`` placeholder."""
+    return coop_path.with_name(coop_path.name.format(n_ctx=n_ctx))
 
 
 def verify_exports(state: dict, run_dir: Union[str, Path]) -> list[str]:
@@ -93,6 +102,7 @@ def verify_exports(state: dict, run_dir: Union[str, Path]) -> list[str]:
         problems.append(f"{init_path.name} missing or unreadable ({' '.join(str(err).split())[:160]})")
     ctx = state["learner"]["gbml"].get("module.ctx")
     if ctx is not None:
+        coop_path = _with_n_ctx(coop_path, int(ctx.shape[0]))
         try:
             saved = torch.load(str(coop_path), map_location="cpu", weights_only=True)["state_dict"]["ctx"]
             if not torch.equal(saved, ctx.detach().float().cpu()):

@@ -90,7 +90,7 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.PROGRESS = True            # tqdm bar
     m.TENSORBOARD = True
     m.EXPORT_NAME = "gram_init.safetensors"
-    m.COOP_CTX_NAME = "coop_ctx.pth"
+    m.COOP_CTX_NAME = "coop_ctx_nctx{n_ctx}.pth"  # {n_ctx}: the text context length stock CoOp must be given
     cfg.META = m
     return cfg
 

@@ -19,7 +19,7 @@ Run directory::
     config.yaml           resolved config        run.json        hashes, hierarchy, CLIP dims, versions
     log.jsonl             metrics (runlog.py)    tensorboard/    the same scalars
     checkpoint.pt         latest state (checkpoint.py), every META.CHECKPOINT_EVERY steps and at the end
-    gram_init.safetensors θ* (+ φ) for the trainers    coop_ctx.pth   θ*_T for stock CoOp (text prompts only)
+    gram_init.safetensors θ* (+ φ) for the trainers    coop_ctx_nctx<M>.pth   θ*_T for stock CoOp (text prompts)
 """
 from __future__ import annotations
 
@@ -476,7 +476,8 @@ def _train_locked(cfg, resume: bool, hierarchy, on_step: Optional[Callable[[int,
     paths = export_state(final, run_dir)
     dist_.barrier()  # the other ranks return once the export exists
     echo(f"{run_dir}: {cfg.META.MODE} finished at step {final['step']}; exported {paths['init']}"
-         + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else ""))
+         + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else "")
+         + (f"\n{paths['coop_usage']}" if paths.get("coop_usage") else ""))
     return {"run_dir": run_dir, "step": int(final["step"]), "export": paths, "resumed_from": resumed_from,
             "noop": False}
 
