@@ -8,22 +8,32 @@ at least ``W`` shards) into its own files, and :func:`merge_ranks` assembles the
 Per-rank files in ``<stage_dir>``:
   ``feats.rank{r}.npy``   float32 ``[n_r, D + 1]`` - L2-normalised features, last column 1 = image decoded
   ``images.rank{r}.npy``  uint8 ``[n_r, H, W, 3]`` - optional decoded-image cache
+  ``unreadable.rank{r}.json`` unreadable images per chunk, by reason (exception type)
 Merged files: ``image_features.npy`` float32 ``[N, D]`` (zeros for unreadable images),
-``image_ok.npy`` bool ``[N]``, ``images_u8.npy`` uint8 ``[N, H, W, 3]`` (optional).
+``image_ok.npy`` bool ``[N]``, ``images_u8.npy`` uint8 ``[N, H, W, 3]`` (optional),
+``unreadable.json`` ``{reason: count}``.
+
+Any failure to read or decode one image makes that image unreadable (counted by
+reason), never stops the run.  The exception: when more than ``max_unreadable_fraction``
+of a rank's first chunk is unreadable, the inputs point at the wrong place (a wrong
+``CHC.INPUT.IMAGE_ROOT``, relative base or shard set), and the run stops with one line
+naming the path tried and the key that sets it.
 """
 from __future__ import annotations
 
+import json
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
 from meta import precision
-
+from meta.chc.errors import InputError
 from meta.chc.imaging import decode_batch, encode_images
-from meta.chc.sources import PairIndex, rank_items
-from meta.chc.stages import ChunkedArray, save_npy_atomic
+from meta.chc.sources import KIND_TAR, PairIndex, rank_items
+from meta.chc.stages import ChunkedArray, create_memmap, save_npy_atomic, write_json_atomic
 
 MERGE_BLOCK = 65536  # rows copied at a time when merging rank files
 
@@ -33,15 +43,49 @@ def rank_paths(stage_dir: Path, rank: int) -> tuple[Path, Path]:
     return stage_dir / f"feats.rank{rank}.npy", stage_dir / f"images.rank{rank}.npy"
 
 
+def reasons_path(stage_dir: Path, rank: int) -> Path:
+    return Path(stage_dir) / f"unreadable.rank{rank}.json"
+
+
+def _load_reasons(path: Path, fp: str) -> dict:
+    """``{chunk start: {reason: count}}`` saved by a run with fingerprint ``fp`` (empty otherwise)."""
+    try:
+        saved = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return saved.get("chunks", {}) if saved.get("fingerprint") == fp else {}
+
+
+def first_chunk_error(index: PairIndex, items: np.ndarray, reasons: list, image_root: Optional[str]) -> str:
+    """One line naming the path tried and the key that sets it, for a first chunk that is mostly unreadable."""
+    bad = [k for k, why in enumerate(reasons) if why]
+    summary = ", ".join(f"{why} {n}" for why, n in Counter(r for r in reasons if r).most_common())
+    first = int(items[bad[0]])
+    src = int(index.item_source[first])
+    head = f"{len(bad)} of {len(reasons)} images of the first chunk are unreadable ({summary}); tried "
+    tail = "; fix the path, or set CHC.INPUT.MAX_UNREADABLE_FRACTION 1.0 to go on"
+    if index.source_kind[src] == KIND_TAR:
+        return f"CHC.INPUT.SHARDS: {head}{index.image_location(first)}{tail}"
+    root = image_root or ""
+    base = f"CHC.INPUT.IMAGE_ROOT {root!r}" if root else \
+        f"CHC.INPUT.IMAGE_ROOT '' = the manifest's folder {os.path.dirname(index.sources[src])}"
+    return f"CHC.INPUT.IMAGE_ROOT: {head}{index.image_location(first)} ({base}){tail}"
+
+
 def encode_rank(index: PairIndex, clip, rank: int, world_size: int, stage_dir: Path, fp: str,
                 image_size: int, mean, std, batch_size: int = 64, chunk_size: int = 2048,
                 cache_images: bool = False, device="cpu", show_progress: bool = True,
-                decode_workers: int = 0, autocast: str = "none") -> dict:
+                decode_workers: int = 0, autocast: str = "none", max_unreadable_fraction: float = 1.0,
+                image_root: Optional[str] = None) -> dict:
     """Encode this rank's items; resumes from the last finished chunk.
 
-    ``autocast``: a mode resolved by :func:`meta.precision.resolve_autocast` (``none`` = the CLIP's dtype).
+    Args:
+        autocast: a mode resolved by :func:`meta.precision.resolve_autocast` (``none`` = the CLIP's dtype).
+        max_unreadable_fraction: stop with :class:`~meta.chc.errors.InputError` when more
+            than this fraction of the rank's first chunk is unreadable (1.0 = never).
+        image_root: ``CHC.INPUT.IMAGE_ROOT``, named in that error.
 
-    Returns ``{"items": n_r, "unreadable": count}`` for the rank.
+    Returns ``{"items": n_r, "unreadable": count, "unreadable_by_reason": {reason: count}}`` for the rank.
     """
     items = rank_items(index, rank, world_size)
     dim = int(clip.visual.output_dim)
@@ -56,11 +100,21 @@ def encode_rank(index: PairIndex, clip, rank: int, world_size: int, stage_dir: P
             fresh = pixel_cache.shape != shape
         if fresh:
             Path(stage_dir).mkdir(parents=True, exist_ok=True)
-            pixel_cache = np.lib.format.open_memmap(images_path, mode="w+", dtype=np.uint8, shape=shape)
+            pixel_cache = create_memmap(images_path, np.uint8, shape)
+    rpath = reasons_path(stage_dir, rank)
+    chunk_reasons = _load_reasons(rpath, fp) if store.rows_done() else {}
 
     def compute(start: int, end: int) -> np.ndarray:
-        blobs = index.read_image_bytes(items[start:end])
-        pixels, ok = decode_batch(blobs, image_size, decode_workers)
+        read_why: list = []
+        decode_why: list = []
+        blobs = index.read_image_bytes(items[start:end], read_why)
+        pixels, ok = decode_batch(blobs, image_size, decode_workers, decode_why)
+        reasons = [r or d for r, d in zip(read_why, decode_why)]
+        if start == 0 and end > start and (~ok).sum() > max_unreadable_fraction * (end - start):
+            raise InputError(first_chunk_error(index, items[start:end], reasons, image_root))
+        chunk_reasons[str(start)] = dict(Counter(r for r in reasons if r))
+        Path(stage_dir).mkdir(parents=True, exist_ok=True)
+        write_json_atomic(rpath, {"fingerprint": fp, "chunks": chunk_reasons})   # before the rows: resume-safe
         rows = np.zeros((end - start, dim + 1), dtype=np.float32)
         if ok.any():
             with precision.autocast(autocast, device):
@@ -73,12 +127,25 @@ def encode_rank(index: PairIndex, clip, rank: int, world_size: int, stage_dir: P
 
     done = store.fill(compute, chunk_size, desc=f"image features (rank {rank}/{world_size})",
                       disable_progress=not show_progress)
-    return {"items": int(len(items)), "unreadable": int((done[:, dim] == 0).sum())}
+    return {"items": int(len(items)), "unreadable": int((done[:, dim] < 0.5).sum()),
+            "unreadable_by_reason": rank_reasons(stage_dir, rank, fp)}
+
+
+def rank_reasons(stage_dir: Path, rank: int, fp: str) -> dict:
+    """``{reason: count}`` of unreadable images over the rank's chunks."""
+    total: Counter = Counter()
+    for per_chunk in _load_reasons(reasons_path(stage_dir, rank), fp).values():
+        total.update(per_chunk)
+    return dict(total.most_common())
 
 
 def merge_ranks(index: PairIndex, world_size: int, stage_dir: Path, cache_images: bool,
-                remove_rank_files: bool = False) -> dict:
-    """Assemble the per-rank files into ``image_features.npy``, ``image_ok.npy`` (+ ``images_u8.npy``)."""
+                remove_rank_files: bool = False, fp: Optional[str] = None) -> dict:
+    """Assemble the per-rank files into ``image_features.npy``, ``image_ok.npy`` (+ ``images_u8.npy``).
+
+    ``fp`` (the ranks' chunk fingerprint) selects the per-rank reason files merged into
+    ``unreadable.json``; without it the unreadable images are counted under one reason.
+    """
     stage_dir = Path(stage_dir)
     n = len(index)
     feats = ok = pixels = None
@@ -90,13 +157,11 @@ def merge_ranks(index: PairIndex, world_size: int, stage_dir: Path, cache_images
             raise RuntimeError(f"{feats_path}: {part.shape[0]} rows, rank {rank} owns {len(items)} items")
         if feats is None:
             dim = part.shape[1] - 1
-            feats = np.lib.format.open_memmap(stage_dir / "image_features.tmp.npy", mode="w+",
-                                              dtype=np.float32, shape=(n, dim))
+            feats = create_memmap(stage_dir / "image_features.tmp.npy", np.float32, (n, dim))
             ok = np.zeros(n, dtype=bool)
         img_part = np.load(images_path, mmap_mode="r") if cache_images else None
         if img_part is not None and pixels is None:
-            pixels = np.lib.format.open_memmap(stage_dir / "images_u8.tmp.npy", mode="w+", dtype=np.uint8,
-                                               shape=(n, *img_part.shape[1:]))
+            pixels = create_memmap(stage_dir / "images_u8.tmp.npy", np.uint8, (n, *img_part.shape[1:]))
         for start in range(0, len(items), MERGE_BLOCK):  # bounded memory at any N
             block = slice(start, start + MERGE_BLOCK)
             rows = np.asarray(part[block])
@@ -112,6 +177,13 @@ def merge_ranks(index: PairIndex, world_size: int, stage_dir: Path, cache_images
         pixels.flush()
         del pixels
         os.replace(stage_dir / "images_u8.tmp.npy", stage_dir / "images_u8.npy")
+    by_reason: Counter = Counter()
+    for rank in range(world_size):
+        by_reason.update(rank_reasons(stage_dir, rank, fp) if fp is not None else {})
+    missing = int((~ok).sum()) - sum(by_reason.values())
+    if missing > 0:  # rank files from before reasons were recorded
+        by_reason["unreadable (reason not recorded)"] += missing
+    write_json_atomic(stage_dir / "unreadable.json", dict(by_reason.most_common()))
     if remove_rank_files:
         remove_rank_files_of(stage_dir, world_size)
     return {"pairs": n, "unreadable_images": int((~ok).sum())}
@@ -123,3 +195,4 @@ def remove_rank_files_of(stage_dir: Path, world_size: int) -> None:
         for p in rank_paths(stage_dir, rank):
             for q in (p, p.with_name(p.name + ".progress.json")):
                 q.unlink(missing_ok=True)
+        reasons_path(stage_dir, rank).unlink(missing_ok=True)

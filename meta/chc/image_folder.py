@@ -2,10 +2,12 @@
 
 Supervised meta-learning replaces CHC's topics with the folder classes; visual domains
 are still found by k-means on the frozen CLIP's image features inside each class.
-Unreadable images are skipped and counted in ``meta['counts']``.
+Unreadable images (any failure to read or decode one file) are skipped and counted in
+``meta['counts']``, by reason (exception type) in ``meta['unreadable_by_reason']``.
 """
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +57,7 @@ def build_image_folder_hierarchy(root, clip, num_domains: int = 3, min_per_domai
     feats = np.zeros((len(paths), int(clip.visual.output_dim)), dtype=np.float32)
     ok = np.zeros(len(paths), dtype=bool)
     step = max(1, batch_size) * 8
+    reasons: list = []
     for start in tqdm(range(0, len(paths), step), desc="image-folder features", disable=not show_progress):
         idx = np.arange(start, min(start + step, len(paths)))
         blobs = []
@@ -63,7 +66,7 @@ def build_image_folder_hierarchy(root, clip, num_domains: int = 3, min_per_domai
                 blobs.append(Path(paths[i]).read_bytes())
             except OSError:
                 blobs.append(None)
-        pixels, good = decode_batch(blobs, image_size)
+        pixels, good = decode_batch(blobs, image_size, reasons=reasons)
         if good.any():
             feats[idx[good]] = encode_images(clip, pixels[good], mean, std, batch_size, device)
         ok[idx] = good
@@ -86,6 +89,7 @@ def build_image_folder_hierarchy(root, clip, num_domains: int = 3, min_per_domai
             "image_size": image_size, "mean": list(mean), "std": list(std),
             "counts": {"images": len(paths), "unreadable_images": int((~ok).sum()), "classes": len(classes),
                        "classes_excluded_small": len(classes) - len(names)},
-            "domains_per_class": per_class}
+            "domains_per_class": per_class,
+            "unreadable_by_reason": dict(Counter(r for r in reasons if r).most_common())}
     return Hierarchy(topic_names=names, item_topic=item_topic, item_domain=item_domain, image_features=feats,
                      meta=meta, image_loader=loader, captions=None)

@@ -15,25 +15,46 @@ from typing import Optional, Sequence
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 # open_clip / OpenAI CLIP normalisation (open_clip.constants OPENAI_DATASET_MEAN/STD).
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
-def decode_image(data: Optional[bytes]) -> Optional[Image.Image]:
-    """Decode bytes to an RGB PIL image; ``None`` for missing, corrupt or truncated data."""
+# Reason recorded when an image has no bytes to decode (missing file, short read of a tar member).
+NO_BYTES = "no image bytes"
+
+
+def decode_image_why(data: Optional[bytes]) -> tuple[Optional[Image.Image], str]:
+    """Decode bytes to an RGB PIL image, or say why not.
+
+    Any exception raised while decoding one image is that image's problem (a fuzz of
+    mutated images found Pillow raising NotImplementedError, RuntimeError, struct.error,
+    IndexError, ... besides its documented errors), so every ``Exception`` is caught.
+
+    Returns:
+        ``(image, "")`` on success, ``(None, reason)`` otherwise; ``reason`` is the
+        exception's type name, or :data:`NO_BYTES` for missing/empty data.
+    """
     if not data:
-        return None
+        return None, NO_BYTES
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # PIL DecompressionBombWarning, palette warnings
             img = Image.open(io.BytesIO(data))
             img.load()
-            return img.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError):
-        return None
+            img = img.convert("RGB")
+        if min(img.size) == 0:
+            return None, "empty image (0 pixels)"
+        return img, ""
+    except Exception as err:  # noqa: BLE001 - see docstring
+        return None, type(err).__name__
+
+
+def decode_image(data: Optional[bytes]) -> Optional[Image.Image]:
+    """Decode bytes to an RGB PIL image; ``None`` for missing, corrupt or undecodable data."""
+    return decode_image_why(data)[0]
 
 
 def to_clip_uint8(img: Image.Image, size: int) -> np.ndarray:
@@ -48,19 +69,25 @@ def to_clip_uint8(img: Image.Image, size: int) -> np.ndarray:
     return np.asarray(img, dtype=np.uint8)
 
 
-def _decode_one(data: Optional[bytes], size: int) -> Optional[np.ndarray]:
-    img = decode_image(data)
-    if img is None or min(img.size) == 0:
-        return None
-    return to_clip_uint8(img, size)
+def _decode_one(data: Optional[bytes], size: int) -> tuple[Optional[np.ndarray], str]:
+    img, why = decode_image_why(data)
+    if img is None:
+        return None, why
+    try:
+        return to_clip_uint8(img, size), ""
+    except Exception as err:  # noqa: BLE001 - a resize failure is still this image's problem
+        return None, type(err).__name__
 
 
-def decode_batch(blobs: Sequence[Optional[bytes]], size: int, workers: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def decode_batch(blobs: Sequence[Optional[bytes]], size: int, workers: int = 0,
+                 reasons: Optional[list] = None) -> tuple[np.ndarray, np.ndarray]:
     """Decode a list of image byte strings.
 
     Args:
         workers: threads decoding in parallel (Pillow releases the GIL while decoding and
             resizing); 0 = in the calling thread.  The result does not depend on it.
+        reasons: if given, a list that receives one string per blob: ``""`` for a decoded
+            image, else why it is unreadable (exception type name or :data:`NO_BYTES`).
 
     Returns:
         ``(pixels, ok)``: uint8 ``[n, size, size, 3]`` (zeros where unreadable) and
@@ -75,10 +102,12 @@ def decode_batch(blobs: Sequence[Optional[bytes]], size: int, workers: int = 0) 
             decoded = list(pool.map(lambda b: _decode_one(b, size), blobs))
     else:
         decoded = [_decode_one(b, size) for b in blobs]
-    for i, arr in enumerate(decoded):
+    for i, (arr, why) in enumerate(decoded):
         if arr is not None:
             pixels[i] = arr
             ok[i] = True
+        if reasons is not None:
+            reasons.append(why)
     return pixels, ok
 
 

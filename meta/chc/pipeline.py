@@ -29,9 +29,10 @@ import torch
 
 from meta.chc import domains as domains_mod
 from meta.chc import topics as topics_mod
+from meta.chc.errors import InputError
 from meta.chc.hierarchy import CLUSTERED, FILTERED, NOISE, SMALL_TOPIC, STATUS, UNREADABLE
 from meta.chc.sources import PairIndex, build_index
-from meta.chc.stages import (ChunkedArray, StageMarker, dedupe, fingerprint, groups, save_npy_atomic,
+from meta.chc.stages import (ChunkedArray, StageMarker, create_memmap, dedupe, fingerprint, groups, save_npy_atomic,
                              write_json_atomic)
 from meta.hashing import file_sha256
 
@@ -41,6 +42,20 @@ log = logging.getLogger(__name__)
 def _node(cfg_node) -> dict:
     """A yacs node as a plain dict (for fingerprints and metadata)."""
     return json.loads(json.dumps(cfg_node, default=list))
+
+
+# CHC.INPUT keys that do not change what the index holds (checks made later) ...
+_INDEX_FP_IGNORED = ("MAX_UNREADABLE_FRACTION",)
+# ... and keys added after runs were cached: they enter the fingerprint only when set away from their
+# default, so an index (and the image features after it) cached before the key existed stays valid.
+_INDEX_FP_IF_CHANGED = {"MAX_FIELD_CHARS": 10_000_000}
+
+
+def index_settings(inp) -> dict:
+    """The ``CHC.INPUT`` settings the index stage's fingerprint covers."""
+    node = _node(inp)
+    return {k: v for k, v in node.items()
+            if k not in _INDEX_FP_IGNORED and not (k in _INDEX_FP_IF_CHANGED and v == _INDEX_FP_IF_CHANGED[k])}
 
 
 def resolve_device(name: str) -> str:
@@ -111,6 +126,14 @@ class ChcRun:
                 "image_size": dims.image_size, "embed_dim": dims.embed_dim, "mean": list(mean), "std": list(std)}
         return dict(self._backbone_meta)
 
+    def unreadable_by_reason(self) -> dict:
+        """``{reason: count}`` of unreadable images (``image_features/unreadable.json``)."""
+        path = self.out / "image_features" / "unreadable.json"
+        if path.is_file():
+            return json.loads(path.read_text())
+        ok = np.load(self.out / "image_features" / "image_ok.npy")
+        return {"unreadable (reason not recorded)": int((~ok).sum())} if (~ok).any() else {}
+
     # ------------------------------------------------------------------ stage 1
     def stage_index(self) -> tuple[PairIndex, str]:
         inp = self.chc.INPUT
@@ -121,12 +144,13 @@ class ChcRun:
             for p in sorted(glob.glob(os.path.expanduser(pattern))):
                 st = os.stat(p)
                 stamps.append([os.path.abspath(p), st.st_size, int(st.st_mtime)])
-        fp = fingerprint("index", _node(inp), stamps)
+        fp = fingerprint("index", index_settings(inp), stamps)
         marker = StageMarker(self.out, "index", fp)
         if self.rank == 0 and not marker.is_done():
             t0 = time.time()
             index = build_index(list(inp.SHARDS), inp.MANIFEST, inp.IMAGE_COLUMN, inp.CAPTION_COLUMN,
-                                inp.IMAGE_ROOT, inp.MAX_PAIRS, show_progress=self.show_progress)
+                                inp.IMAGE_ROOT, inp.MAX_PAIRS, show_progress=self.show_progress,
+                                max_field_chars=inp.MAX_FIELD_CHARS)
             index.save(self.out / "index")
             self._timed("index", time.time() - t0, index.counts.get("pairs_seen", 0))
             marker.mark({"pairs": len(index)})
@@ -160,14 +184,16 @@ class ChcRun:
         clip, dims = self.clip()
         mean, std = clip_norm_stats(clip)
         t0 = time.time()
-        stats = encode_rank(index, clip, self.rank, self.world_size, stage_dir,
-                            fingerprint(fp, self.world_size), dims.image_size, mean, std, imgs.BATCH_SIZE,
-                            imgs.CHUNK_SIZE, cache, self.device, self.show_progress, imgs.DECODE_WORKERS,
-                            autocast=autocast)
+        rank_fp = fingerprint(fp, self.world_size)
+        stats = encode_rank(index, clip, self.rank, self.world_size, stage_dir, rank_fp, dims.image_size, mean, std,
+                            imgs.BATCH_SIZE, imgs.CHUNK_SIZE, cache, self.device, self.show_progress,
+                            imgs.DECODE_WORKERS, autocast=autocast,
+                            max_unreadable_fraction=float(self.chc.INPUT.MAX_UNREADABLE_FRACTION),
+                            image_root=self.chc.INPUT.IMAGE_ROOT)
         self._timed("image_features", time.time() - t0, stats["items"])
         self.barrier()
         if self.rank == 0:
-            merged = merge_ranks(index, self.world_size, stage_dir, cache)
+            merged = merge_ranks(index, self.world_size, stage_dir, cache, fp=rank_fp)
             marker.mark(merged)
             remove_rank_files_of(stage_dir, self.world_size)  # only after the mark: a crash never loses work
         return fp
@@ -183,6 +209,11 @@ class ChcRun:
         stage_dir = self.out / "filter"
         marker = StageMarker(self.out, "filter", fp)
         ok = np.load(self.out / "image_features" / "image_ok.npy")
+        if not ok.any():
+            reasons = self.unreadable_by_reason()
+            key = "CHC.INPUT.IMAGE_ROOT" if self.chc.INPUT.MANIFEST else "CHC.INPUT.SHARDS"
+            raise InputError(f"{key}: none of the {len(ok)} images could be read ("
+                             + ", ".join(f"{k} {v}" for k, v in reasons.items()) + ")")
         if not marker.is_done():
             from meta.chc.pair_filter import keep_mask, pair_cosines
 
@@ -215,7 +246,7 @@ class ChcRun:
         ``text/embeddings.rank{r}.npy`` and rank 0 merges them.  Chunks are the single-process ones,
         so every caption is embedded in the same batch as without torchrun.
         """
-        from meta.chc.text_embed import model_digest, resolve_model_path
+        from meta.chc.text_embed import cap_caption, model_digest, resolve_model_path
 
         text = self.chc.TEXT
         model_path = resolve_model_path(text.MODEL)
@@ -226,7 +257,8 @@ class ChcRun:
             if self.rank == 0:
                 stage_dir.mkdir(parents=True, exist_ok=True)
                 kept = np.flatnonzero(keep)
-                uniq, inverse = dedupe([index.captions[i] for i in kept])   # identical captions embedded once
+                uniq, inverse = dedupe([cap_caption(index.captions[i], int(text.MAX_CAPTION_CHARS)) for i in kept])
+                # identical captions are embedded once
                 item_unique = np.full(len(index), -1, dtype=np.int64)
                 item_unique[kept] = inverse
                 write_json_atomic(stage_dir / "unique_captions.json", uniq)
@@ -387,10 +419,14 @@ class ChcRun:
         return self.out
 
     def write_outputs(self, index, ok, keep, uniq, item_unique, topic_info, domain_info) -> None:
-        from meta.chc.report import write_report
+        from meta.chc.report import skipped_input_rows, write_report
+        from meta.chc.text_embed import caption_over_cap
 
         status = np.load(self.out / "item_status.npy")
         counts = dict(index.counts)
+        limit = int(self.chc.TEXT.MAX_CAPTION_CHARS)
+        counts["captions_cut_to_max_chars"] = sum(caption_over_cap(index.captions[i], limit)
+                                                  for i in np.flatnonzero(keep))
         counts.update({
             "pairs_indexed": len(index), "unreadable_images": int((~ok).sum()),
             "filtered": int((ok & ~keep).sum()), "kept_after_filter": int(keep.sum()),
@@ -415,7 +451,9 @@ class ChcRun:
         timings = json.loads(old.read_text()) if old.is_file() else {}
         timings.update(self.timings)
         write_json_atomic(old, timings)
-        write_report(self.out, index.captions, counts, topic_info, domain_info, timings, self.cfg.SEED)
+        skipped = skipped_input_rows(counts, index.issues, self.unreadable_by_reason(), limit)
+        write_report(self.out, index.captions, counts, topic_info, domain_info, timings, self.cfg.SEED, skipped,
+                     index.issues)
 
 
 def text_rank_rows(n: int, chunk_size: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -428,7 +466,7 @@ def text_rank_rows(n: int, chunk_size: int, rank: int, world_size: int) -> tuple
 def merge_text_ranks(stage_dir: Path, n: int, dim: int, chunk_size: int, world_size: int) -> None:
     """``embeddings.rank{r}.npy`` -> ``embeddings.npy`` float32 ``[n, dim]`` (atomic)."""
     tmp = stage_dir / "embeddings.tmp.npy"
-    merged = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(n, dim))
+    merged = create_memmap(tmp, np.float32, (n, dim))
     for r in range(world_size):
         lo, hi = text_rank_rows(n, chunk_size, r, world_size)
         part = np.load(stage_dir / f"embeddings.rank{r}.npy", mmap_mode="r")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -10,6 +11,52 @@ from meta.chc.stages import groups, write_json_atomic
 
 MERGE_RULE = ("HDBSCAN clusters whose cluster-TF-IDF top word is identical are merged into one topic "
               "(same name = same class), so no K-way task holds two classes with one name.")
+
+
+# index counts that are skips or changes of input, with what happened to the pairs
+_INDEX_REASONS = (
+    ("skipped_no_image", "pair without an image member / image value", "pair skipped"),
+    ("skipped_empty_caption", "empty caption", "pair skipped"),
+    ("skipped_lost_in_corrupt_shard", "pair cut by the damage in a corrupt shard", "pair skipped"),
+    ("pairs_lost_in_corrupt_shards_estimate", "pairs in the unread part of corrupt shards (estimate: bytes unread "
+                                              "/ mean bytes per pair read)", "not read"),
+    ("skipped_invalid_row", "manifest line that is not a JSON object", "row skipped"),
+    ("skipped_non_text_caption", "caption is not text (number, list, ...)", "pair skipped"),
+    ("skipped_non_text_image", "image value is not text", "pair skipped"),
+    ("skipped_duplicate_pair", "exact repeat of an earlier (image, caption) row", "pair skipped"),
+    ("dropped_by_max_pairs", "beyond CHC.INPUT.MAX_PAIRS", "pair skipped"),
+    ("invalid_utf8_replaced", "text not valid UTF-8 (caption or manifest line)", "kept, bad bytes -> U+FFFD"),
+)
+MAX_LISTED_ISSUES = 20
+
+
+def skipped_input_rows(counts: dict, issues: list, unreadable_by_reason: dict, max_caption_chars: int) -> list:
+    """Rows ``{stage, reason, count, action}`` of the report's "Skipped input" table (non-zero counts only)."""
+    rows = []
+    if counts.get("corrupt_shards"):
+        rows.append({"stage": "index", "reason": "corrupt shard (listed below)", "count": counts["corrupt_shards"],
+                     "action": f"pairs before the damage kept; {counts.get('corrupt_shard_bytes_unread', 0)} "
+                               f"bytes after it not read; {counts.get('corrupt_shards_cut_short', 0)} file(s) cut "
+                               f"short (what followed the cut is unknown)"})
+    for key, reason, action in _INDEX_REASONS:
+        if counts.get(key):
+            rows.append({"stage": "index", "reason": reason, "count": int(counts[key]), "action": action})
+    for why, n in unreadable_by_reason.items():
+        rows.append({"stage": "image_features", "reason": f"unreadable image: {why}", "count": int(n),
+                     "action": "pair not clustered"})
+    if counts.get("captions_cut_to_max_chars"):
+        rows.append({"stage": "text", "reason": f"caption longer than CHC.TEXT.MAX_CAPTION_CHARS={max_caption_chars}",
+                     "count": int(counts["captions_cut_to_max_chars"]),
+                     "action": "cut for embeddings and topic words"})
+    return rows
+
+
+def _issue_line(e: dict) -> str:
+    if "offset" in e:
+        cut = "; the file is cut short" if e.get("cut_short") else ""
+        return (f"- {e['source']}: {e['problem']}; stopped at byte {e['offset']}, {e['bytes_unread']} bytes not read, "
+                f"{e['pairs_read']} pairs read{cut}")
+    return f"- {e['source']}: {e['problem']}: {e['rows']} row(s), line(s) {', '.join(map(str, e['lines']))}"
 
 
 def _samples(captions, members: np.ndarray, k: int, rng) -> list:
@@ -52,8 +99,12 @@ def plot_topics(out_dir: Path, names: list) -> bool:
 
 
 def write_report(out_dir: Path, captions: list, counts: dict, topic_info: dict, domain_info: dict,
-                 timings: dict, seed: int = 0) -> dict:
-    """Write the three report files; returns the JSON payload."""
+                 timings: dict, seed: int = 0, skipped: Optional[list] = None, issues: Optional[list] = None) -> dict:
+    """Write the three report files; returns the JSON payload.
+
+    ``skipped``: rows of :func:`skipped_input_rows`; ``issues``: damaged inputs
+    (:attr:`meta.chc.sources.PairIndex.issues`), both shown in a "Skipped input" section.
+    """
     out_dir = Path(out_dir)
     item_topic = np.load(out_dir / "item_topic.npy")
     rng = np.random.default_rng(seed)
@@ -71,13 +122,25 @@ def write_report(out_dir: Path, captions: list, counts: dict, topic_info: dict, 
                        "samples": _samples(captions, members, 3, rng)})
     excluded = [e for e in domain_info["per_topic"] if e.get("excluded")]
     drew = plot_topics(out_dir, topic_info["topic_names"])
-    payload = {"counts": counts, "merge_rule": MERGE_RULE, "topics": topics,
+    payload = {"counts": counts, "skipped_input": skipped or [], "damaged_inputs": issues or [],
+               "merge_rule": MERGE_RULE, "topics": topics,
                "excluded_topics": [{"name": e["name"], "images": e["images"]} for e in excluded],
                "timings": timings, "plot": "umap_topics.png" if drew else None}
     write_json_atomic(out_dir / "chc_report.json", payload)
 
     lines = ["# CHC report", "", "## Counts per stage", "", "| stage | count |", "|---|---:|"]
     lines += [f"| {k} | {v} |" for k, v in counts.items()]
+    lines += ["", "## Skipped input", ""]
+    if skipped:
+        lines += ["| stage | reason | count | what happened |", "|---|---|---:|---|"]
+        lines += [f"| {r['stage']} | {r['reason'].replace('|', '/')} | {r['count']} | {r['action']} |" for r in skipped]
+    else:
+        lines += ["Nothing was skipped."]
+    if issues:
+        lines += ["", f"Damaged inputs ({len(issues)}):", ""]
+        lines += [_issue_line(e) for e in issues[:MAX_LISTED_ISSUES]]
+        if len(issues) > MAX_LISTED_ISSUES:
+            lines.append(f"- ... {len(issues) - MAX_LISTED_ISSUES} more in chc_report.json")
     lines += ["", "## Rules", "", f"- {MERGE_RULE}",
               "- Domains: k-means per topic; topics too small for all domains get fewer, "
               "topics with fewer than MIN_PER_DOMAIN images are excluded.", ""]

@@ -9,6 +9,28 @@ without an image are skipped and counted in :attr:`PairIndex.counts`.
 Shard layout (webdataset convention): members ``<key>.<ext>`` where ``key`` is the
 member path up to the first dot of its file name; images are ``jpg|jpeg|png|webp``,
 captions ``txt``, optional metadata ``json`` (kept verbatim, never used for clustering).
+
+Bad input never stops the scan; every skip is counted by reason (``counts``) and the
+damaged files are listed in ``issues``:
+
+* a shard that cannot be opened (0 bytes, cut in its first header, not a tar), that is
+  cut inside a member, or whose member iteration ends before its end-of-archive marker
+  (cut in a later header, overwritten bytes; Python's ``tarfile`` stops there without an
+  exception) is counted in ``corrupt_shards``; the pairs read before the damage are
+  kept, a pair left incomplete by the damage is counted as ``skipped_lost_in_corrupt_shard``
+  (not as an empty caption), and the bytes present but not read are reported with an
+  estimate of the pairs they held (bytes / mean bytes per pair read); a shard whose file
+  ends inside the archive (no end-of-archive marker) is also counted as
+  ``corrupt_shards_cut_short``: what followed the cut is unknown;
+* text that is not valid UTF-8 (tar captions, manifest lines) is decoded with
+  replacement characters and counted (``invalid_utf8_replaced``); a UTF-8 byte-order mark
+  starting a manifest is dropped;
+* a manifest row that is not a JSON object (or not JSON) is ``skipped_invalid_row``; a
+  caption or image value that is not text (a number, a list) is ``skipped_non_text_caption``
+  / ``skipped_non_text_image``; a row repeating an earlier (image, caption) pair exactly
+  is ``skipped_duplicate_pair``;
+* a CSV field longer than ``CHC.INPUT.MAX_FIELD_CHARS`` stops with a one-line error
+  naming the file and line (usually an unbalanced quote swallowing the rest of the file).
 """
 from __future__ import annotations
 
@@ -19,9 +41,11 @@ import os
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import numpy as np
+
+from meta.chc.errors import InputError
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 KIND_TAR, KIND_FILE = 0, 1
@@ -42,6 +66,8 @@ class PairIndex:
         captions: [N] stripped caption strings.
         meta_json: [N] raw ``<key>.json`` text ("" if absent).
         counts: pairs seen / skipped, by reason.
+        issues: damaged inputs, one dict each (``source``, ``problem``, and for shards
+            ``offset`` where reading stopped, ``bytes_unread``, ``pairs_read``).
     """
 
     sources: list
@@ -54,6 +80,7 @@ class PairIndex:
     captions: list
     meta_json: list
     counts: dict = field(default_factory=dict)
+    issues: list = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.captions)
@@ -72,7 +99,8 @@ class PairIndex:
                  item_offset=self.item_offset, item_size=self.item_size)
         os.replace(tmp, directory / "items.npz")
         tmp = directory / "sources.json.tmp"
-        tmp.write_text(json.dumps({"sources": self.sources, "counts": self.counts}, indent=1))
+        tmp.write_text(json.dumps({"sources": self.sources, "counts": self.counts, "issues": self.issues},
+                                  indent=1))
         os.replace(tmp, directory / "sources.json")
 
     @classmethod
@@ -87,17 +115,23 @@ class PairIndex:
                 keys.append(k), paths.append(p), caps.append(c), metas.append(m)
         return cls(sources=head["sources"], source_kind=arrays["source_kind"], item_source=arrays["item_source"],
                    item_offset=arrays["item_offset"], item_size=arrays["item_size"], item_key=keys,
-                   item_path=paths, captions=caps, meta_json=metas, counts=head["counts"])
+                   item_path=paths, captions=caps, meta_json=metas, counts=head["counts"],
+                   issues=head.get("issues", []))
 
     # ---------------------------------------------------------------- reading bytes
-    def read_image_bytes(self, indices: Iterable[int]) -> list:
-        """Raw image bytes of ``indices`` in order; ``None`` where the file cannot be read."""
+    def read_image_bytes(self, indices: Iterable[int], reasons: Optional[list] = None) -> list:
+        """Raw image bytes of ``indices`` in order; ``None`` where the file cannot be read.
+
+        ``reasons``, if given, receives one string per index: ``""`` when bytes were read,
+        else why not (``FileNotFoundError``, ``PermissionError``, ``short read`` ...).
+        """
         out = []
         handles: dict = {}
         try:
             for i in indices:
                 i = int(i)
                 src = int(self.item_source[i])
+                why = ""
                 try:
                     if self.source_kind[src] == KIND_TAR:
                         fh = handles.get(src)
@@ -105,16 +139,27 @@ class PairIndex:
                             fh = handles[src] = open(self.sources[src], "rb")
                         fh.seek(int(self.item_offset[i]))
                         data = fh.read(int(self.item_size[i]))
-                        out.append(data if len(data) == int(self.item_size[i]) else None)
+                        if len(data) != int(self.item_size[i]):
+                            data, why = None, "short read (shard changed or cut)"
                     else:
                         with open(self.item_path[i], "rb") as fh:
-                            out.append(fh.read())
-                except OSError:
-                    out.append(None)
+                            data = fh.read()
+                except OSError as err:
+                    data, why = None, type(err).__name__
+                out.append(data)
+                if reasons is not None:
+                    reasons.append(why)
         finally:
             for fh in handles.values():
                 fh.close()
         return out
+
+    def image_location(self, i: int) -> str:
+        """Where pair ``i``'s image is read from: its file path, or ``shard.tar:<key>``."""
+        src = int(self.item_source[int(i)])
+        if self.source_kind[src] == KIND_TAR:
+            return f"{self.sources[src]}:{self.item_key[int(i)]}"
+        return self.item_path[int(i)]
 
 
 # ------------------------------------------------------------------------ tar shards
@@ -138,23 +183,79 @@ def _split_member(name: str):
     return (os.path.join(head, stem) if head else stem), ext.lower()
 
 
-def scan_tar(path: str, counts: dict) -> list:
+def _bump(counts: dict, key: str, n: int = 1) -> None:
+    counts[key] = counts.get(key, 0) + n
+
+
+def _clean_end(path: str, offset: int, size: int) -> bool:
+    """True when bytes ``[offset, size)`` hold the end-of-archive marker (>= 2 zero blocks) and only zeros."""
+    if size - offset < 2 * tarfile.BLOCKSIZE:
+        return False
+    with open(path, "rb") as fh:
+        fh.seek(offset)
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            if block.strip(b"\0"):
+                return False
+    return True
+
+
+def _trailing_zeros(path: str, size: int) -> int:
+    """Zero bytes at the end of the file (end-of-archive marker + record padding), up to 1 MiB."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, size - (1 << 20)))
+            tail = fh.read()
+    except OSError:
+        return 0
+    return len(tail) - len(tail.rstrip(b"\0"))
+
+
+def _decode_text(data: bytes, counts: dict) -> str:
+    """UTF-8 text; invalid bytes become U+FFFD and are counted in ``invalid_utf8_replaced``."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        _bump(counts, "invalid_utf8_replaced")
+        return data.decode("utf-8", errors="replace")
+
+
+def scan_tar(path: str, counts: dict, issues: Optional[list] = None) -> list:
     """Records ``(key, offset, size, caption, meta_json)`` of one shard, in member order.
 
-    A truncated or corrupt shard keeps the pairs read before the damage and counts
-    ``corrupt_shards``; a pair missing its image or caption is counted and dropped.
+    A damaged shard (see the module docstring) keeps the pairs read before the damage,
+    counts ``corrupt_shards`` and, when ``issues`` is given, appends
+    ``{"source", "problem", "offset", "bytes_unread", "pairs_read"}`` to it.  A pair
+    missing its image or caption is counted and dropped.
     """
     groups: dict = {}
     order: list = []
+    damage = None                       # (byte offset where reading stopped, what was found there)
+    end = 0                             # offset of the end-of-archive marker, when reached
     try:
-        with tarfile.open(path, mode="r:") as tar:
+        file_size = os.path.getsize(path)
+    except OSError:
+        file_size = 0
+    try:
+        tar = tarfile.open(path, mode="r:")
+    except Exception as err:  # noqa: BLE001 - any failure to open is this shard's problem
+        damage = (0, f"cannot open as a tar file ({type(err).__name__}: {err})")
+        tar = None
+    if tar is not None:
+        with tar:
             while True:
                 try:
                     member = tar.next()
-                except (tarfile.TarError, OSError, EOFError):
-                    counts["corrupt_shards"] = counts.get("corrupt_shards", 0) + 1
+                except Exception as err:  # noqa: BLE001
+                    damage = (tar.offset, f"unreadable tar header ({type(err).__name__}: {err})")
                     break
-                if member is None:
+                if member is None:      # tarfile also stops silently at a bad header after the first
+                    end = tar.offset
+                    if not _clean_end(path, tar.offset, file_size):
+                        damage = (tar.offset, "member iteration ended before the end-of-archive marker "
+                                              "(cut or overwritten header)")
+                    break
+                if member.offset_data + member.size > file_size:
+                    damage = (member.offset, f"member {member.name} is cut short")
                     break
                 if not member.isfile():
                     continue
@@ -168,94 +269,206 @@ def scan_tar(path: str, counts: dict) -> list:
                 if ext in IMAGE_EXTS and "image" not in g:
                     g["image"] = (member.offset_data, member.size)
                 elif ext in ("txt", "json"):
-                    fh = tar.extractfile(member)
-                    g[ext] = fh.read().decode("utf-8", errors="replace") if fh is not None else ""
-    except (tarfile.TarError, OSError) as err:
-        raise OSError(f"CHC.INPUT.SHARDS: cannot open {path} as a tar file ({err})") from None
+                    try:
+                        fh = tar.extractfile(member)
+                        data = fh.read() if fh is not None else b""
+                    except Exception as err:  # noqa: BLE001
+                        damage = (member.offset, f"member {member.name} unreadable ({type(err).__name__}: {err})")
+                        break
+                    g[ext] = _decode_text(data, counts) if ext == "txt" else data.decode("utf-8", errors="replace")
+    _bump(counts, "shard_bytes_read", damage[0] if damage is not None else end)
+    lost_key = None
+    if damage is not None:
+        zeros = _trailing_zeros(path, file_size)
+        cut = zeros < 2 * tarfile.BLOCKSIZE          # no end-of-archive marker: the file itself was cut
+        unread = max(0, file_size - zeros - damage[0])  # archive bytes after the damage, end padding excluded
+        _bump(counts, "corrupt_shards")
+        _bump(counts, "corrupt_shards_cut_short", int(cut))
+        _bump(counts, "corrupt_shard_bytes_unread", unread)
+        if order and ("image" not in groups[order[-1]] or "txt" not in groups[order[-1]]):
+            lost_key = order[-1]        # its other member sat in the damaged part
+        if issues is not None:
+            issues.append({"source": os.path.abspath(path), "problem": damage[1], "offset": int(damage[0]),
+                           "bytes_unread": int(unread), "cut_short": bool(cut),
+                           "pairs_read": len(order) - (lost_key is not None)})
     records = []
     for key in order:
         g = groups[key]
-        counts["pairs_seen"] = counts.get("pairs_seen", 0) + 1
+        _bump(counts, "pairs_seen")
+        if key == lost_key:
+            _bump(counts, "skipped_lost_in_corrupt_shard")
+            continue
         caption = " ".join(g.get("txt", "").split())
         if "image" not in g:
-            counts["skipped_no_image"] = counts.get("skipped_no_image", 0) + 1
+            _bump(counts, "skipped_no_image")
             continue
         if not caption:
-            counts["skipped_empty_caption"] = counts.get("skipped_empty_caption", 0) + 1
+            _bump(counts, "skipped_empty_caption")
             continue
         records.append((key, g["image"][0], g["image"][1], caption, g.get("json", "")))
     return records
 
 
 # ------------------------------------------------------------------------ manifests
-def _manifest_rows(path: str):
+MAX_ISSUE_LINES = 5  # line numbers kept per manifest problem in ``issues``
+
+
+def _note(issues: Optional[list], path: str, problem: str, line: int) -> None:
+    """Record ``problem`` at ``line`` of ``path`` (first few line numbers per problem)."""
+    if issues is None:
+        return
+    for entry in issues:
+        if entry["source"] == path and entry["problem"] == problem:
+            entry["rows"] += 1
+            if len(entry["lines"]) < MAX_ISSUE_LINES:
+                entry["lines"].append(line)
+            return
+    issues.append({"source": path, "problem": problem, "rows": 1, "lines": [line]})
+
+
+def _text_lines(fh, path: str, counts: dict, issues: Optional[list]) -> Iterator[str]:
+    """Decoded lines of a binary file: BOM dropped, invalid UTF-8 replaced and counted."""
+    for lineno, raw in enumerate(fh, 1):
+        if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]
+        try:
+            yield raw.decode("utf-8")
+        except UnicodeDecodeError:
+            _bump(counts, "invalid_utf8_replaced")
+            _note(issues, path, "invalid UTF-8 (decoded with replacement characters)", lineno)
+            yield raw.decode("utf-8", errors="replace")
+
+
+def _manifest_rows(path: str, counts: dict, issues: Optional[list], max_field_chars: int):
+    """``(line, row)`` per data row; ``row`` is a dict, or ``None`` for a line that is not a JSON object."""
     ext = Path(path).suffix.lower()
     if ext in (".jsonl", ".json", ".ndjson"):
-        with open(path, encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if line.strip():
-                    try:
-                        yield json.loads(line)
-                    except json.JSONDecodeError as err:
-                        raise ValueError(f"{path}:{lineno}: not a JSON object per line ({err.msg})") from None
+        with open(path, "rb") as fh:
+            for lineno, line in enumerate(_text_lines(fh, path, counts, issues), 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    _note(issues, path, f"not JSON ({err.msg})", lineno)
+                    yield lineno, None
+                    continue
+                if not isinstance(row, dict):
+                    _note(issues, path, f"a JSON {type(row).__name__}, not an object", lineno)
+                    row = None
+                yield lineno, row
         return
     if ext not in (".csv", ".tsv", ".txt"):
-        raise ValueError(f"CHC.INPUT.MANIFEST: {path}: expected a .csv, .tsv or .jsonl file")
+        raise InputError(f"CHC.INPUT.MANIFEST: {path}: expected a .csv, .tsv or .jsonl file")
     delimiter = "\t" if ext in (".tsv", ".txt") else ","
-    with open(path, encoding="utf-8", newline="") as fh:
-        yield from csv.DictReader(fh, delimiter=delimiter)
+    old_limit = csv.field_size_limit()
+    csv.field_size_limit(max(int(max_field_chars), 1))     # process-wide: restored below
+    try:
+        with open(path, "rb") as fh:
+            reader = csv.DictReader(_text_lines(fh, path, counts, issues), delimiter=delimiter)
+            try:
+                for row in reader:
+                    yield reader.line_num, row
+            except csv.Error as err:
+                what = (f"a field longer than CHC.INPUT.MAX_FIELD_CHARS={max_field_chars} characters "
+                        f"(an unbalanced quote?)" if "field limit" in str(err) else str(err))
+                raise InputError(f"{path}:{reader.line_num + 1}: {what}") from None
+    finally:
+        csv.field_size_limit(old_limit)
 
 
-def scan_manifest(path: str, image_column: str, caption_column: str, image_root: str, counts: dict) -> list:
-    """Records ``(key, path, caption)`` of a manifest; a missing column is a one-line error."""
+def scan_manifest(path: str, image_column: str, caption_column: str, image_root: str, counts: dict,
+                  issues: Optional[list] = None, max_field_chars: int = 10_000_000) -> list:
+    """Records ``(key, path, caption)`` of a manifest; a missing column is a one-line error.
+
+    Policies (each skip counted in ``counts``, problem lines in ``issues``): see the module docstring.
+    """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"CHC.INPUT.MANIFEST: no such file: {path}")
     root = image_root or os.path.dirname(os.path.abspath(path))
     records = []
-    for row_no, row in enumerate(_manifest_rows(path)):
-        if row_no == 0:
+    seen: set = set()
+    checked = False
+    for row_no, (lineno, row) in enumerate(_manifest_rows(path, counts, issues, max_field_chars)):
+        _bump(counts, "pairs_seen")
+        if row is None:
+            _bump(counts, "skipped_invalid_row")
+            continue
+        if not checked:
             for col, key in ((image_column, "IMAGE_COLUMN"), (caption_column, "CAPTION_COLUMN")):
                 if col not in row:
                     raise KeyError(f"CHC.INPUT.{key}: column {col!r} not in {path} "
                                    f"(columns: {', '.join(map(str, row.keys()))})")
-        counts["pairs_seen"] = counts.get("pairs_seen", 0) + 1
-        caption = " ".join(str(row.get(caption_column) or "").split())
-        image = str(row.get(image_column) or "").strip()
+            checked = True
+        caption, image = row.get(caption_column), row.get(image_column)
+        if caption is not None and not isinstance(caption, str):
+            _bump(counts, "skipped_non_text_caption")
+            _note(issues, path, f"caption is a {type(caption).__name__}, not text", lineno)
+            continue
+        if image is not None and not isinstance(image, str):
+            _bump(counts, "skipped_non_text_image")
+            _note(issues, path, f"image is a {type(image).__name__}, not text", lineno)
+            continue
+        caption = " ".join((caption or "").split())
+        image = (image or "").strip()
         if not image:
-            counts["skipped_no_image"] = counts.get("skipped_no_image", 0) + 1
+            _bump(counts, "skipped_no_image")
             continue
         if not caption:
-            counts["skipped_empty_caption"] = counts.get("skipped_empty_caption", 0) + 1
+            _bump(counts, "skipped_empty_caption")
             continue
-        records.append((str(row_no), image if os.path.isabs(image) else os.path.join(root, image), caption))
+        image = image if os.path.isabs(image) else os.path.join(root, image)
+        if (image, caption) in seen:
+            _bump(counts, "skipped_duplicate_pair")
+            _note(issues, path, "repeats an earlier (image, caption) row", lineno)
+            continue
+        seen.add((image, caption))
+        records.append((str(row_no), image, caption))
     return records
 
 
 # ------------------------------------------------------------------------ build
 def build_index(shards: Sequence[str] = (), manifest: str = "", image_column: str = "image",
                 caption_column: str = "caption", image_root: str = "", max_pairs: int = 0,
-                show_progress: bool = True) -> PairIndex:
-    """Scan the inputs into a :class:`PairIndex` (no image decoding)."""
+                show_progress: bool = True, max_field_chars: int = 10_000_000) -> PairIndex:
+    """Scan the inputs into a :class:`PairIndex` (no image decoding).
+
+    Raises :class:`~meta.chc.errors.InputError` when not one usable pair was found.
+    """
     from tqdm import tqdm
 
     if not shards and not manifest:
         raise ValueError("CHC.INPUT: set SHARDS (webdataset .tar files) or MANIFEST (csv/tsv/jsonl)")
     counts: dict = {"pairs_seen": 0, "skipped_no_image": 0, "skipped_empty_caption": 0, "corrupt_shards": 0}
+    issues: list = []
     sources, kinds = [], []
     src_ids, offsets, sizes, keys, paths, caps, metas = [], [], [], [], [], [], []
-    for path in tqdm(expand_shards(shards) if shards else [], desc="index shards", unit="shard",
-                     disable=not show_progress, dynamic_ncols=True):
+    shard_paths = expand_shards(shards) if shards else []
+    for path in tqdm(shard_paths, desc="index shards", unit="shard", disable=not show_progress, dynamic_ncols=True):
         sid = len(sources)
         sources.append(os.path.abspath(path)), kinds.append(KIND_TAR)
-        for key, off, size, cap, mj in scan_tar(path, counts):
+        for key, off, size, cap, mj in scan_tar(path, counts, issues):
             src_ids.append(sid), offsets.append(off), sizes.append(size)
             keys.append(key), paths.append(""), caps.append(cap), metas.append(mj)
+    if counts["corrupt_shards"]:
+        # pairs the damaged parts held: bytes not read / mean bytes per pair in what was read (a shard cut
+        # short lost an unknown tail on top: counted in corrupt_shards_cut_short)
+        read_bytes, pairs_read = counts.get("shard_bytes_read", 0), counts["pairs_seen"]
+        counts["pairs_lost_in_corrupt_shards_estimate"] = (
+            int(round(counts["corrupt_shard_bytes_unread"] * pairs_read / read_bytes)) if pairs_read and read_bytes > 0 else 0)
     if manifest:
         sid = len(sources)
         sources.append(os.path.abspath(manifest)), kinds.append(KIND_FILE)
-        for key, path, cap in scan_manifest(manifest, image_column, caption_column, image_root, counts):
+        for key, path, cap in scan_manifest(manifest, image_column, caption_column, image_root, counts, issues,
+                                            max_field_chars):
             src_ids.append(sid), offsets.append(-1), sizes.append(-1)
             keys.append(key), paths.append(path), caps.append(cap), metas.append("")
+    if not caps:
+        skipped = ", ".join(f"{k} {v}" for k, v in counts.items() if v and k != "pairs_seen") or "nothing read"
+        where = (f"CHC.INPUT.SHARDS: {len(shard_paths)} shard(s)" if shard_paths else "") + \
+                (" and " if shard_paths and manifest else "") + (f"CHC.INPUT.MANIFEST: {manifest}" if manifest else "")
+        first = f"; first problem: {issues[0]['source']}: {issues[0]['problem']}" if issues else ""
+        raise InputError(f"{where}: no usable image-text pair ({counts['pairs_seen']} seen; {skipped}){first}")
     if max_pairs and len(caps) > max_pairs:
         counts["dropped_by_max_pairs"] = len(caps) - max_pairs
         del src_ids[max_pairs:], offsets[max_pairs:], sizes[max_pairs:]
@@ -264,7 +477,7 @@ def build_index(shards: Sequence[str] = (), manifest: str = "", image_column: st
     return PairIndex(sources=sources, source_kind=np.asarray(kinds, dtype=np.int8),
                      item_source=np.asarray(src_ids, dtype=np.int32), item_offset=np.asarray(offsets, dtype=np.int64),
                      item_size=np.asarray(sizes, dtype=np.int64), item_key=keys, item_path=paths,
-                     captions=caps, meta_json=metas, counts=counts)
+                     captions=caps, meta_json=metas, counts=counts, issues=issues)
 
 
 def rank_items(index: PairIndex, rank: int, world_size: int) -> np.ndarray:

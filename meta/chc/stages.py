@@ -11,13 +11,18 @@ Two mechanisms:
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 from tqdm import tqdm
+
+from meta.chc.errors import DiskSpaceError
 
 
 def fingerprint(*parts) -> str:
@@ -65,6 +70,39 @@ def save_npy_atomic(path: Path, array: np.ndarray) -> None:
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as fh:
             np.save(fh, array)
+
+
+def create_memmap(path: Path, dtype, shape: Sequence[int]) -> np.memmap:
+    """A new ``.npy`` memmap whose disk blocks are reserved before any write.
+
+    A memory-mapped write into a sparse file on a full disk kills the process with
+    SIGBUS (exit 135, no message).  So the free space of the folder is checked first,
+    then the file is preallocated (``posix_fallocate``); either failing raises
+    :class:`~meta.chc.errors.DiskSpaceError` with one line: ``<folder>: needs N bytes, M free``.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dtype = np.dtype(dtype)
+    shape = tuple(int(s) for s in shape)
+    header = 128   # .npy v1 header of a plain array (format.open_memmap pads it to a multiple of 64)
+    needed = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize + header
+    old = path.stat().st_size if path.is_file() else 0
+    free = shutil.disk_usage(path.parent).free
+    if needed > free + old:
+        raise DiskSpaceError(f"{path.parent}: needs {needed} bytes for {path.name}, {free + old} free")
+    arr = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+    if hasattr(os, "posix_fallocate"):
+        try:
+            with open(path, "r+b") as fh:
+                os.posix_fallocate(fh.fileno(), 0, os.fstat(fh.fileno()).st_size)
+        except OSError as err:
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT):   # others: a filesystem without fallocate
+                return arr
+            del arr
+            path.unlink(missing_ok=True)
+            raise DiskSpaceError(f"{path.parent}: needs {needed} bytes for {path.name}, "
+                                 f"{shutil.disk_usage(path.parent).free} free") from None
+    return arr
 
 
 class StageMarker:
@@ -143,8 +181,7 @@ class ChunkedArray:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         done = self.rows_done()
         if done == 0 or not self.path.is_file():
-            arr = np.lib.format.open_memmap(self.path, mode="w+", dtype=self.dtype,
-                                            shape=(self.n_rows, *self.row_shape))
+            arr = create_memmap(self.path, self.dtype, (self.n_rows, *self.row_shape))
             self._progress(0)
             done = 0
         else:

@@ -128,6 +128,26 @@ def load_sentence_model(model: str = "", dtype: str = "fp32", device: str = "cpu
     return _MODELS[key]
 
 
+def caption_over_cap(caption: str, max_chars: int) -> bool:
+    """True when :func:`cap_caption` cuts ``caption``."""
+    return 0 < int(max_chars) < len(caption)
+
+
+def cap_caption(caption: str, max_chars: int) -> str:
+    """The first ``max_chars`` characters of a caption, cut back to a word boundary (0 = no cap).
+
+    Applied before deduplication, sentence embeddings and topic words (``CHC.TEXT.MAX_CAPTION_CHARS``):
+    the sentence model reads 256 word pieces at most anyway, and cluster TF-IDF pools a cluster's
+    captions, so one runaway caption would otherwise outweigh the rest of its topic.
+    """
+    if not caption_over_cap(caption, max_chars):
+        return caption
+    cut = caption[:max_chars]
+    if not caption[max_chars].isspace() and " " in cut:
+        cut = cut.rsplit(" ", 1)[0]
+    return cut.rstrip()
+
+
 def embed_texts(model, texts: Sequence[str], batch_size: int = 128) -> np.ndarray:
     """L2-normalised float32 embeddings ``[n, d]`` (d = 384 for all-MiniLM-L6-v2)."""
     emb = model.encode(list(texts), batch_size=batch_size, convert_to_numpy=False, convert_to_tensor=True,
