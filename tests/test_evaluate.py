@@ -19,6 +19,7 @@ from meta.coop_data import harmonic_mean, load_coop_splits
 from meta.evaluation import (DatasetRef, EvaluationSession, ImageLoader, MethodSpec, StartPoint, TrainSpec,
                              build_prompts, evaluate_base_to_new, evaluate_transfer, make_optimizer,
                              make_scheduler, method_preset, prompt_digest)
+from meta.evaluation.images import view_key
 from meta.gram import GRAMMetaLearner, MetaSpec
 from meta.init_io import InitMismatchError, export_gram_init
 from meta.prompts import PromptedCLIP, PromptParams
@@ -113,7 +114,8 @@ def test_base_new_split_and_relabelling_match_coop_data(ds_a, data_root, tiny_cl
     assert rec["n_test_new"] == len(new.test) and {r.label for r in new.test} == {0, 1, 2, 3}
     # the evaluator's new-class labels are coop_data's relabelled ones: test set built from them
     clip, dims = tiny_clip
-    data = session.labelled_set(new.test, new.classnames, method_preset("zsclip"), TrainSpec(), 2, train=False)
+    data = session.labelled_set(new.test, new.classnames, method_preset("zsclip"), TrainSpec(), 2, train=False,
+                                root=str(data_root))
     assert data.labels.tolist() == [r.label for r in new.test]
     assert data.classnames == ["eagle", "fork", "grape", "house"]
     assert rec["trained"] is False and rec["history"] == []
@@ -277,12 +279,46 @@ def test_augmented_views_are_seeded_and_leave_global_rng_alone(ds_a, data_root):
     path = str(data_root / "synth_a" / "images" / "apple" / "train_000.png")
     loader = ImageLoader(32)
     state = torch.get_rng_state()
-    v0 = loader.train_view(path, seed=1, view=0)
+    key = view_key(path, str(data_root))
+    assert key == "synth_a/images/apple/train_000.png"
+    v0 = loader.train_view(path, seed=1, view=0, key=key)
     assert torch.equal(torch.get_rng_state(), state)
-    assert torch.equal(v0, ImageLoader(32).train_view(path, seed=1, view=0))
-    assert not torch.equal(v0, loader.train_view(path, seed=1, view=1))
-    assert not torch.equal(v0, loader.train_view(path, seed=2, view=0))
+    assert torch.equal(v0, ImageLoader(32).train_view(path, seed=1, view=0, key=key))
+    assert not torch.equal(v0, loader.train_view(path, seed=1, view=1, key=key))
+    assert not torch.equal(v0, loader.train_view(path, seed=2, view=0, key=key))
     assert v0.shape == (3, 32, 32) and loader.test_view(path).shape == (3, 32, 32)
+    with pytest.raises(ValueError, match="not under the dataset root"):
+        view_key(path, str(data_root / "synth_b"))
+
+
+def test_augmented_views_do_not_depend_on_where_the_data_lives(data_root, tiny_clip, tmp_path):
+    # the same dataset through a copy and through a symlink: same crops, same cached features, same run
+    import shutil
+    copy_root = tmp_path / "elsewhere" / "deeper"
+    shutil.copytree(data_root / "synth_a", copy_root / "synth_a")
+    (tmp_path / "link").symlink_to(data_root, target_is_directory=True)
+    refs = [DatasetRef.from_dir(d) for d in (data_root / "synth_a", copy_root / "synth_a", tmp_path / "link" / "synth_a")]
+    assert len({r.root for r in refs}) == 3
+    clip, dims = tiny_clip
+    spec = TrainSpec(epochs=2, batch_size=4, aug_views=3)
+    records, feats = [], []
+    for ref in refs:
+        splits = ref.load(SHOTS, 1, "base", use_cache=False, log=quiet)
+        sess = EvaluationSession(clip, dims, log=quiet)
+        data = sess.labelled_set(splits.train, splits.classnames, method_preset("coop"), spec, 1, train=True,
+                                 root=ref.root)
+        feats.append(data.features)
+        online, _ = sess.tuner(method_preset("vpt"), spec, 1, ref.root)
+        feats.append(torch.stack([online.train_images(r.impath, 1) for r in splits.train[:5]]))
+        rec = evaluate_base_to_new(ref, clip, dims, method_preset("vpt"), 1, SHOTS, spec, session=sess,
+                                   use_split_cache=False, log=quiet)
+        records.append((rec["base"], rec["new"], rec["final_prompt_sha256"]))
+    assert feats[0].shape == (4 * SHOTS, 3, dims.embed_dim)
+    for a, b in zip(feats[:2], feats[2:4]):
+        assert torch.equal(a, b)
+    for a, b in zip(feats[:2], feats[4:]):
+        assert torch.equal(a, b)
+    assert records[0] == records[1] == records[2]
 
 
 def test_bad_inputs_give_one_line_errors(tmp_path, tiny_clip):

@@ -9,9 +9,10 @@ Transforms (Dassl.pytorch ``dassl/data/transforms/transforms.py``, as configured
   tensor, normalise.
 
 Augmentation is deterministic: view ``v`` of image ``p`` under run seed ``s`` is drawn with
-torch's generator seeded from ``(s, p, v)`` inside ``torch.random.fork_rng`` (global RNG state
-untouched), so a view is the same whether it is computed online (visual prompts: epoch e uses
-view e) or pre-computed and cached (frozen image tower).
+torch's generator seeded from ``(s, k, v)`` inside ``torch.random.fork_rng`` (global RNG state
+untouched), where ``k`` is ``p`` relative to the dataset root (CoOp's ``DATASET.ROOT``), so a view
+is the same wherever the data lives (a clone, a copy, a symlink) and whether it is computed
+online (visual prompts: epoch e uses view e) or pre-computed and cached (frozen image tower).
 
 :class:`FeatureCache` keeps L2-normalised image features ``[E]`` of the frozen tower in memory
 and optionally on disk under ``<cache_dir>/<CLIP weights fingerprint>/shard-*.safetensors``,
@@ -61,9 +62,21 @@ def train_transform_key(size: int, scale: tuple[float, float], seed: int, view: 
     return f"train:rrcrop{size}-scale{scale[0]:g},{scale[1]:g}-bicubic-hflip-openai_norm-seed{seed}-view{view}"
 
 
-def view_seed(seed: int, impath: str, view: int) -> int:
-    """A 63-bit torch seed for view ``view`` of ``impath`` under run seed ``seed``."""
-    digest = hashlib.blake2b(f"{seed}|{impath}|{view}".encode(), digest_size=8).digest()
+def view_key(impath: str, root: str) -> str:
+    """``impath`` relative to the dataset root ``root``, with "/" separators: the image's name in
+    every random stream (never the absolute path, which depends on where the data lives).
+
+    Raises ``ValueError`` naming both paths when ``impath`` is not under ``root``.
+    """
+    rel = os.path.relpath(os.path.abspath(impath), os.path.abspath(root))
+    if rel == os.curdir or rel.split(os.sep, 1)[0] == os.pardir:
+        raise ValueError(f"image {impath} is not under the dataset root {root}")
+    return rel.replace(os.sep, "/")
+
+
+def view_seed(seed: int, key: str, view: int) -> int:
+    """A 63-bit torch seed for view ``view`` of the image named ``key`` (:func:`view_key`) under run seed ``seed``."""
+    digest = hashlib.blake2b(f"{seed}|{key}|{view}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
@@ -118,13 +131,14 @@ class ImageLoader:
                 self._test[impath] = x
         return x
 
-    def train_view(self, impath: str, seed: int, view: int) -> torch.Tensor:
-        """``[3, S, S]`` augmented view ``view`` of ``impath`` (deterministic in ``seed``)."""
+    def train_view(self, impath: str, seed: int, view: int, key: str) -> torch.Tensor:
+        """``[3, S, S]`` augmented view ``view`` of ``impath``, deterministic in ``seed`` and ``key``
+        (the image's path relative to its dataset root, :func:`view_key`)."""
         img = self.pil(impath)
         with torch.random.fork_rng(devices=[]):
             # the CPU generator only: torch.manual_seed would also queue lazy CUDA/XPU/MTIA
             # seeding, which formats a stack trace per call (~1.5 ms each, measured)
-            torch.default_generator.manual_seed(view_seed(seed, impath, view))
+            torch.default_generator.manual_seed(view_seed(seed, key, view))
             return self.train_tf(img)
 
 

@@ -25,7 +25,7 @@ from ..backbone import ClipDims
 from ..coop_data import Record, harmonic_mean
 from ..prompts import PromptedCLIP
 from .datasets import DatasetRef
-from .images import FeatureCache, ImageLoader, test_transform_key, train_transform_key
+from .images import FeatureCache, ImageLoader, test_transform_key, train_transform_key, view_key
 from .spec import MethodSpec, TrainSpec
 from .training import LabelledSet, PromptTuner, StartPoint, build_prompts, prompt_digest
 
@@ -76,8 +76,12 @@ class EvaluationSession:
             return self.cache.features(items, make, progress=bar.update)
 
     def labelled_set(self, records: Sequence[Record], classnames: Sequence[str], method: MethodSpec,
-                     spec: TrainSpec, seed: int, train: bool) -> LabelledSet:
-        """Records -> :class:`LabelledSet`; frozen features are attached when the tower has no prompts."""
+                     spec: TrainSpec, seed: int, train: bool, root: str) -> LabelledSet:
+        """Records -> :class:`LabelledSet`; frozen features are attached when the tower has no prompts.
+
+        ``root`` is the dataset root the records' paths lie under; augmented views are keyed by
+        the path relative to it (:func:`meta.evaluation.images.view_key`).
+        """
         impaths = [r.impath for r in records]
         labels = torch.tensor([r.label for r in records], dtype=torch.long)
         data = LabelledSet(impaths=impaths, labels=labels, classnames=list(classnames))
@@ -88,7 +92,9 @@ class EvaluationSession:
         if train and spec.augment == "coop":
             views = spec.aug_views
             items = [(p, train_transform_key(size, spec.rrcrop_scale, seed, v)) for p in impaths for v in range(views)]
-            feats = self._encode(items, lambda i: loader.train_view(impaths[i // views], seed, i % views))
+            keys = [view_key(p, root) for p in impaths]
+            feats = self._encode(items, lambda i: loader.train_view(impaths[i // views], seed, i % views,
+                                                                    keys[i // views]))
             data.features = feats.view(len(impaths), views, -1)
         else:
             key = test_transform_key(size)
@@ -96,16 +102,19 @@ class EvaluationSession:
             data.features = feats.unsqueeze(1) if train else feats
         return data
 
-    def tuner(self, method: MethodSpec, spec: TrainSpec, seed: int,
+    def tuner(self, method: MethodSpec, spec: TrainSpec, seed: int, root: str,
               start: Optional[StartPoint] = None) -> tuple[PromptTuner, dict]:
-        """A :class:`PromptTuner` holding the method's initial θ (and R_φ), plus the init description."""
+        """A :class:`PromptTuner` holding the method's initial θ (and R_φ), plus the init description.
+
+        ``root``: the train images' dataset root (online augmented views are keyed relative to it).
+        """
         prompts, regulation, init_info = build_prompts(method, self.clip, self.dims, seed, start)
         n_ctx = prompts.n_ctx_text if prompts is not None else 0
         pclip = self.prompted_clip(n_ctx, method.template)
         loader = self.loader(spec.rrcrop_scale)
         if spec.augment == "coop":
             def train_images(impath: str, epoch: int) -> torch.Tensor:
-                return loader.train_view(impath, seed, epoch)
+                return loader.train_view(impath, seed, epoch, view_key(impath, root))
         else:
             def train_images(impath: str, epoch: int) -> torch.Tensor:
                 return loader.test_view(impath)
@@ -130,7 +139,7 @@ def _record_head(protocol: str, session: EvaluationSession, method: MethodSpec, 
     }
 
 
-def _run(session: EvaluationSession, method: MethodSpec, spec: TrainSpec, seed: int,
+def _run(session: EvaluationSession, method: MethodSpec, spec: TrainSpec, seed: int, root: str,
          train_records: Sequence[Record], train_classnames: Sequence[str],
          tests: dict[str, tuple[Sequence[Record], Sequence[str]]],
          summarise: Callable[[dict], dict], start: Optional[StartPoint] = None
@@ -140,8 +149,8 @@ def _run(session: EvaluationSession, method: MethodSpec, spec: TrainSpec, seed: 
     Returns ``(history, final accuracies, init info, tuner)``; ``summarise(accs)`` adds derived
     numbers (H, target mean) to every accuracy row.
     """
-    tuner, init_info = session.tuner(method, spec, seed, start)
-    test_sets = {name: session.labelled_set(recs, names, method, spec, seed, train=False)
+    tuner, init_info = session.tuner(method, spec, seed, root, start)
+    test_sets = {name: session.labelled_set(recs, names, method, spec, seed, train=False, root=root)
                  for name, (recs, names) in tests.items()}
 
     def measure(epoch: int) -> dict:
@@ -151,7 +160,7 @@ def _run(session: EvaluationSession, method: MethodSpec, spec: TrainSpec, seed: 
     history: list[dict] = []
     trains = tuner.prompts is not None and spec.epochs > 0
     if trains:
-        train_set = session.labelled_set(train_records, train_classnames, method, spec, seed, train=True)
+        train_set = session.labelled_set(train_records, train_classnames, method, spec, seed, train=True, root=root)
         if spec.eval_every_epoch:
             history.append({"epoch": 0, **measure(0)})
         history += tuner.fit(train_set, on_epoch=measure, progress=session.progress)
@@ -197,7 +206,7 @@ def evaluate_base_to_new(dataset: DatasetRef, clip: nn.Module, dims: ClipDims, m
     new = dataset.load(shots, seed, "new", use_split_cache, log)
     tests = {"base": (base.test, base.classnames), "new": (new.test, new.classnames)}
     history, final, init_info, tuner = _run(
-        session, method, spec, seed, base.train, base.classnames, tests,
+        session, method, spec, seed, dataset.root, base.train, base.classnames, tests,
         lambda a: {"H": harmonic_mean(a["base"], a["new"])}, start)
     record = _record_head("base2new", session, method, spec, seed, shots, init_info)
     record.update({
@@ -249,8 +258,8 @@ def evaluate_transfer(source: DatasetRef, targets: Sequence[DatasetRef], clip: n
         vals = [accs[n] for n in target_names]
         return {"target_mean": sum(vals) / len(vals)} if vals else {}
 
-    history, final, init_info, tuner = _run(session, method, spec, seed, src.train, src.classnames, tests, summarise,
-                                              start)
+    history, final, init_info, tuner = _run(session, method, spec, seed, source.root, src.train, src.classnames,
+                                              tests, summarise, start)
     record = _record_head(protocol, session, method, spec, seed, shots, init_info)
     record.update({
         "dataset": source.name,

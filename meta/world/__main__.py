@@ -1,8 +1,10 @@
-"""``python -m meta.world generate|pretrain|zeroshot [--quick] [--root DIR] [--seed N]``.
+"""``python -m meta.world generate|pretrain|zeroshot|probe [--quick] [--root DIR] [--seed N]``.
 
 Each stage runs the stages before it when their outputs are missing and skips
 itself when its own output is cached.  ``--root`` is the parent directory of
 worlds (default ``<repo>/.cache/world``); each world lives in ``<root>/<settings hash>``.
+``probe`` reports, per base-to-new dataset, zero-shot against linear probes on the frozen image
+features (``meta.world.probe``); ``--weights`` probes another weights file of the world CLIP.
 """
 from __future__ import annotations
 
@@ -24,10 +26,13 @@ from .zeroshot import style_clustering, zeroshot_accuracy  # noqa: E402
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m meta.world", description=__doc__.splitlines()[0])
-    p.add_argument("stage", choices=("generate", "pretrain", "zeroshot"))
+    p.add_argument("stage", choices=("generate", "pretrain", "zeroshot", "probe"))
     p.add_argument("--quick", action="store_true", help="the small world and short pretraining used by tests")
     p.add_argument("--root", type=Path, default=None, help="parent directory of worlds")
     p.add_argument("--seed", type=int, default=0, help="world and pretraining seed")
+    p.add_argument("--weights", type=Path, default=None, help="probe: CLIP weights (default: the pretrained ones)")
+    p.add_argument("--coop", action="store_true", help="probe: also fit CoOp's context on all train images")
+    p.add_argument("--out", type=Path, default=None, help="probe: write the result as JSON here")
     return p
 
 
@@ -39,12 +44,19 @@ def main(argv=None) -> int:
     print(f"world {world.settings_hash}: {world.root} ({time.time() - t0:.1f} s)")
     if args.stage == "generate":
         return 0
+    if args.stage == "probe" and args.weights is not None:
+        if not args.weights.is_file():
+            print(f"error: --weights {args.weights}: no such file", file=sys.stderr)
+            return 2
+        return _probe(world, args.weights, args)
     cached = weights_path(world, pretrain_settings(args.quick, args.seed)).is_file()
     t1 = time.time()
     weights = pretrain_clip(world, quick=args.quick)
     print(f"tiny CLIP weights: {weights} ({'cached' if cached else f'{time.time() - t1:.1f} s'})")
     if args.stage == "pretrain":
         return 0
+    if args.stage == "probe":
+        return _probe(world, weights, args)
     result = zeroshot_accuracy(world, weights)
     print("zero-shot accuracy (%), prompt 'a photo of a {}.':")
     for name, r in result.items():
@@ -53,6 +65,20 @@ def main(argv=None) -> int:
     print(f"k-means (k={styles['k']}) on image features of {styles['n']} CHC images vs true style: "
           f"ARI {styles['ari']:.3f}, NMI {styles['nmi']:.3f}")
     print(json.dumps({"zeroshot": result, "style_clustering": styles}))
+    return 0
+
+
+def _probe(world, weights: Path, args) -> int:
+    from .probe import probe_table, probe_world
+
+    seeds = (1,) if args.quick else (1, 2, 3)
+    shots = 4 if args.quick else 16      # the quick world has 16 train images per class
+    result = probe_world(world, weights, seeds=seeds, shots=shots, with_coop=args.coop)
+    print(probe_table(result, shots))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"weights": str(weights), "shots": shots, "seeds": list(seeds),
+                                        "datasets": result}, indent=1))
     return 0
 
 
