@@ -49,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--init", nargs="*", default=[], metavar="[PRESET=]PATH",
                         help="GRAM init file for the *_gram / unigram presets (PATH for all, or PRESET=PATH)")
     common.add_argument("--ctx-init", default="", help="initialise CoOp-style text context from these words")
+    common.add_argument("--norm-preserve", choices=("auto", "on", "off"), default="auto",
+                        help="GRAM presets: rescale the regulated gradient to the raw norm (auto = as meta-trained)")
     common.add_argument("--vision-depth", type=int, default=1, help="layers with visual prompts (1 = shallow VPT)")
     common.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     common.add_argument("--shots", type=int, default=16)
@@ -70,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--no-progress", action="store_true")
     common.add_argument("--debug", action="store_true", help="show tracebacks (also GRAM_DEBUG=1)")
     b2n = sub.add_parser("base2new", parents=[common], help="CoCoOp base-to-new protocol")
+    b2n.add_argument("--eval-split", choices=("test", "val"), default="test",
+                     help="score the base/new test splits (the protocol) or their few-shot val splits (model selection)")
     b2n.add_argument("--dataset", action="append", required=True,
                      help="dataset folder in CoOp/DTD layout, or a registered name with --root (repeatable)")
     tr = sub.add_parser("transfer", parents=[common], help="train on a source dataset, test on targets")
@@ -101,6 +105,8 @@ def _methods(args: argparse.Namespace) -> list[MethodSpec]:
             overrides["ctx_init"] = args.ctx_init
         gram = key.endswith("_gram") or key == "unigram"
         path = inits.get(key, inits.get("*", "")) if gram else ""
+        if gram and args.norm_preserve != "auto":
+            overrides["norm_preserve"] = args.norm_preserve == "on"
         methods.append(method_preset(key, init_path=path, **overrides))
     return methods
 
@@ -168,7 +174,8 @@ def _main(argv: list[str]) -> int:
             for seed in args.seeds:
                 if args.command == "base2new":
                     runs = [evaluate_base_to_new(ds, clip, dims, method, seed, args.shots, spec, session=session,
-                                                 use_split_cache=not args.no_split_cache) for ds in datasets]
+                                                 use_split_cache=not args.no_split_cache,
+                                                 eval_split=args.eval_split) for ds in datasets]
                 else:
                     runs = [evaluate_transfer(source, targets, clip, dims, method, seed, args.shots, spec,
                                               session=session, use_split_cache=not args.no_split_cache,

@@ -4,6 +4,10 @@ Per task t (inner loop, Eq. 7)::
 
     θ'_t = θ − α · R_φ(∇_θ L(θ, D_support_t))        (``inner_steps`` times)
 
+With ``inner_momentum`` μ > 0 the inner steps are heavy-ball SGD on the regulated
+gradient, as the test-time optimiser (torch SGD: v ← μ v + ĝ, θ ← θ − α v, v = 0 at
+the start of every task); with one inner step μ has no effect.
+
 then the outer loop (Eqs. 8-9) updates θ with lr λ1 and φ with lr λ2 from
 ``Σ_t L(θ'_t, D_query_t)``, second order by default.
 
@@ -55,6 +59,14 @@ class MetaSpec:
     regulate: bool = True          # False = "w/o gradient regulating" ablation (raw inner gradient)
     regulator: RegulatorSpec = field(default_factory=RegulatorSpec)
     autocast: str = "none"         # none | bf16 | fp16 forward passes (CUDA; meta.precision); fp16 adds a GradScaler
+    inner_momentum: float = 0.0    # μ of heavy-ball inner SGD (test-time SGD uses 0.9); 0 = plain steps
+    regulator_weight_decay: float = 0.0  # L2 on φ in the outer optimiser: pulls φ to 0 = identity R_φ (residual form)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.inner_momentum < 1.0:
+            raise ValueError(f"MetaSpec.inner_momentum must be in [0, 1), got {self.inner_momentum}")
+        if self.regulator_weight_decay < 0:
+            raise ValueError(f"MetaSpec.regulator_weight_decay must be >= 0, got {self.regulator_weight_decay}")
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -108,7 +120,8 @@ class GRAMMetaLearner(nn.Module):
                    "name": "prompt"}]
         reg_params = list(self.gbml.compute_update.parameters())
         if reg_params:
-            groups.append({"params": reg_params, "lr": self.spec.outer_lr_regulator, "name": "regulator"})
+            groups.append({"params": reg_params, "lr": self.spec.outer_lr_regulator, "name": "regulator",
+                           "weight_decay": self.spec.regulator_weight_decay})
         if self.spec.optimizer == "adam":
             self.optimizer = torch.optim.Adam(groups)
         elif self.spec.optimizer == "sgd":
@@ -166,11 +179,22 @@ class GRAMMetaLearner(nn.Module):
         learner = self.gbml.clone(first_order=first_order)
         losses, accs = [], []
         labels = self.labels_of(support)
+        mu = self.spec.inner_momentum
+        velocity: Optional[list] = None
         for _ in range(self.spec.inner_steps if steps is None else steps):
             # only a second-order step differentiates the support gradient again
             with self.cast(), contextlib.nullcontext() if first_order else double_backward_attention():
                 loss, logits = loss_fn(learner.module, support)
-            learner.adapt(loss, first_order=first_order)
+            if mu > 0:
+                # GBML.adapt's own update, with a velocity in between: v <- mu v + R_phi(g); theta <- theta - alpha v
+                updates = learner.compute_update(loss, learner.module.parameters(), create_graph=not first_order,
+                                                 retain_graph=not first_order, allow_unused=learner.allow_unused,
+                                                 allow_nograd=learner.allow_nograd)
+                velocity = list(updates) if velocity is None else [
+                    u if v is None or u is None else mu * v + u for v, u in zip(velocity, updates)]
+                learner.diff_sgd(learner.module, velocity)
+            else:
+                learner.adapt(loss, first_order=first_order)
             losses.append(loss.detach())
             accs.append(_accuracy_t(logits.detach(), labels))
         return learner, losses, accs

@@ -3,7 +3,10 @@
 File format (one ``.safetensors`` file, nothing is unpickled on load):
 
 * tensors ``prompt.ctx`` ``[M, d_t]`` and/or ``prompt.vpt`` ``[D, n, d_v]``;
-  ``regulator.<ctx|vpt>.{gamma,beta}.{weight,bias}`` when φ was learned;
+  ``regulator.<ctx|vpt>.{gamma,beta}.{weight,bias}`` when φ was learned (plus the 0-d
+  ``regulator.<name>.mix_logit`` with ``RegulatorSpec.mix``; the spec in the header carries every
+  option the test-time regulator needs, and files written before an option existed load with its
+  "off" default);
 * header metadata key ``"gram"``: JSON with ``format_version``, ``backbone``
   (model name, weights file name, widths), ``prompt`` (token counts, depth),
   ``regulator`` (spec or null), ``shapes`` and free-form ``provenance``.

@@ -21,6 +21,19 @@ offset β.  Design choices (all switchable; defaults in brackets):
   measured in units of the gradient.  A float gives a fixed scale (1.0 = paper).
 * ``init`` ["zero"]: W = b = 0 (identity start in the residual form), or
   "normal": W ~ N(0, init_std²), b = 0.
+* ``gamma_bound`` [1.0]: residual form only, γ = 1 + gamma_bound · tanh(·), so each
+  coordinate's gain stays in (1 - bound, 1 + bound); a small bound keeps R_φ near
+  the identity.
+* ``norm_preserve`` [False]: rescale ĝ to the Frobenius norm of the raw gradient of
+  the whole prompt tensor, ĝ ← ĝ · ‖g‖ / ‖ĝ‖, so R_φ changes only the direction and
+  an optimiser's lr keeps its meaning over many steps.
+* ``mix`` [False]: a learned scalar c = sigmoid(m) (m starts at ``mix_init``) mixes
+  the regulated and the raw gradient, ĝ ← (1 - c) · ĝ + c · g, applied after
+  ``norm_preserve``.  Facts behind both options: the same authors' regulator for
+  language-model prompts (beepkh/SUPMER, ``model/grad_trans.py``) rescales its
+  transformed gradient to the raw gradient's norm and then mixes it with the raw
+  gradient by a learned coefficient in (0, 1) (there input-dependent; here one
+  scalar per prompt tensor).
 
 Deep VPT keeps one ``[D, n, d_v]`` tensor, so one regulator (over d_v) serves all
 its layers: the per-tensor rule of the paper ("one regulator per prompt tensor").
@@ -39,6 +52,7 @@ import torch
 from torch import nn
 
 _EPS = 1e-12
+_TINY = 1e-30   # guards the norm-preserving rescale against a zero regulated gradient
 
 
 @dataclass
@@ -50,12 +64,22 @@ class RegulatorSpec:
     beta_scale: Union[str, float] = "grad_rms"  # "grad_rms" or a float
     init: str = "zero"                     # "zero" | "normal"
     init_std: float = 0.01
+    gamma_bound: float = 1.0               # residual form: γ ∈ (1 - bound, 1 + bound)
+    norm_preserve: bool = False            # ĝ rescaled to ‖g‖ (per prompt tensor)
+    mix: bool = False                      # learned raw/regulated mixing coefficient c = sigmoid(m)
+    mix_init: float = 0.0                  # initial m (0 -> c = 0.5)
 
     def __post_init__(self) -> None:
         if self.form not in ("residual", "paper"):
             raise ValueError(f"regulator form must be 'residual' or 'paper', got {self.form!r}")
         if self.init not in ("zero", "normal"):
             raise ValueError(f"regulator init must be 'zero' or 'normal', got {self.init!r}")
+        if not 0.0 < float(self.gamma_bound) <= 1.0:
+            raise ValueError(f"regulator gamma_bound must be in (0, 1], got {self.gamma_bound!r}")
+        self.gamma_bound = float(self.gamma_bound)
+        self.norm_preserve = bool(self.norm_preserve)
+        self.mix = bool(self.mix)
+        self.mix_init = float(self.mix_init)
         if isinstance(self.beta_scale, str):
             if self.beta_scale != "grad_rms":
                 try:
@@ -71,7 +95,8 @@ class GradientRegulator(nn.Module):
     """R_φ for one prompt tensor whose last dimension is ``dim``.
 
     Input and output: a gradient ``[..., dim]``.  Parameters: ``gamma`` and ``beta``
-    (each an ``nn.Linear(dim, dim)``: W ``[dim, dim]``, b ``[dim]``).
+    (each an ``nn.Linear(dim, dim)``: W ``[dim, dim]``, b ``[dim]``), plus the 0-d
+    ``mix_logit`` m when ``spec.mix`` (absent otherwise, so files written without it load).
     """
 
     def __init__(self, dim: int, spec: Optional[RegulatorSpec] = None):
@@ -87,6 +112,12 @@ class GradientRegulator(nn.Module):
                     lin.weight.zero_()
                 else:
                     lin.weight.normal_(0.0, self.spec.init_std)
+        if self.spec.mix:
+            self.mix_logit = nn.Parameter(torch.tensor(self.spec.mix_init))
+
+    def mix_coefficient(self) -> Optional[torch.Tensor]:
+        """c = sigmoid(m), the raw gradient's share (0-d), or ``None`` without ``spec.mix``."""
+        return torch.sigmoid(self.mix_logit) if self.spec.mix else None
 
     def modulation(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(γ, β)``, each shaped like ``grad``."""
@@ -94,7 +125,7 @@ class GradientRegulator(nn.Module):
         u = grad / rms if self.spec.input_norm else grad
         gamma = torch.tanh(self.gamma(u))
         if self.spec.form == "residual":
-            gamma = 1.0 + gamma
+            gamma = 1.0 + self.spec.gamma_bound * gamma
         scale = rms if self.spec.beta_scale == "grad_rms" else float(self.spec.beta_scale)
         beta = scale * torch.tanh(self.beta(u))
         return gamma, beta
@@ -103,7 +134,13 @@ class GradientRegulator(nn.Module):
         if grad.shape[-1] != self.dim:
             raise ValueError(f"regulator built for last dim {self.dim}, got gradient {tuple(grad.shape)}")
         gamma, beta = self.modulation(grad)
-        return gamma * grad + beta
+        out = gamma * grad + beta
+        if self.spec.norm_preserve:
+            out = out * (grad.norm() / out.norm().clamp_min(_TINY))
+        if self.spec.mix:
+            c = self.mix_coefficient()
+            out = (1.0 - c) * out + c * grad
+        return out
 
 
 class RegulatorFactory:

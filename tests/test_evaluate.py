@@ -440,3 +440,16 @@ def test_cli_input_errors_are_one_line_with_exit_2(data_root, tmp_path, tiny_cli
     split = copy / "split_zhou_SynthA.json"
     split.write_text("{\"train\": [")
     assert one_line(base).startswith(f"error: {split}: not valid JSON")
+
+
+def test_val_split_scores_the_few_shot_validation_images(ds_a, data_root, tiny_clip, session):
+    rec = b2n(ds_a, tiny_clip, session, method_preset("zsclip"), seed=1, eval_split="val")
+    base = load_coop_splits(str(data_root), ds_a.layout, SHOTS, 1, "base", log=quiet)
+    new = load_coop_splits(str(data_root), ds_a.layout, SHOTS, 1, "new", log=quiet)
+    assert rec["eval_split"] == "val"
+    assert (rec["n_test_base"], rec["n_test_new"]) == (len(base.val), len(new.val)) == (8, 8)
+    assert {r.impath for r in base.val}.isdisjoint(r.impath for r in base.test)
+    for key in ("base", "new"):  # a count of 8 images
+        assert rec[key] * 8 / 100 == pytest.approx(round(rec[key] * 8 / 100))
+    with pytest.raises(ValueError, match="eval_split"):
+        b2n(ds_a, tiny_clip, session, method_preset("zsclip"), eval_split="train")

@@ -37,7 +37,7 @@ def minimal_cfg(trainer: str = "GRAM_CoOp", backbone: str = "ViT-B/16") -> CN:
 def test_extend_cfg_adds_every_key_with_paper_defaults():
     cfg = minimal_cfg()
     g = cfg.TRAINER.GRAM
-    assert set(g.keys()) == {"ENABLED", "INIT", "REGULATE", "N_CTX_TEXT", "N_CTX_VISION", "VPT_DEEP", "VPT_DEPTH",
+    assert set(g.keys()) == {"ENABLED", "INIT", "REGULATE", "NORM_PRESERVE", "N_CTX_TEXT", "N_CTX_VISION", "VPT_DEEP", "VPT_DEPTH",
                              "CTX_INIT", "TEMPLATE", "MODEL_NAME", "WEIGHTS", "QUICK_GELU", "PREC"}
     assert (g.N_CTX_TEXT, g.N_CTX_VISION, g.VPT_DEEP, g.ENABLED, g.REGULATE) == (4, 4, False, False, True)
     assert cfg.DATASET.SUBSAMPLE_CLASSES == "all"
@@ -188,3 +188,17 @@ def test_method_configs_follow_the_paper_and_only_use_known_gram_keys(key):
     assert (s.n_ctx_text, s.n_ctx_vision) == expected
     if key == "zsclip":
         assert s.ctx_init == "a photo of a"
+
+
+@pytest.mark.parametrize("value, expected", [("auto", None), ("on", True), ("off", False)])
+def test_norm_preserve_key_resolves_to_a_test_time_override(value, expected):
+    cfg = minimal_cfg()
+    cfg.TRAINER.GRAM.NORM_PRESERVE = value
+    assert gram_settings(cfg, "GRAM_VPT").norm_preserve is expected
+
+
+def test_bad_norm_preserve_value_names_the_key():
+    cfg = minimal_cfg()
+    cfg.TRAINER.GRAM.NORM_PRESERVE = "sometimes"
+    with pytest.raises(ValueError, match="TRAINER.GRAM.NORM_PRESERVE"):
+        gram_settings(cfg, "GRAM_VPT")

@@ -176,7 +176,7 @@ def evaluate_base_to_new(dataset: DatasetRef, clip: nn.Module, dims: ClipDims, m
                          seed: int, shots: int = 16, train: Optional[TrainSpec] = None,
                          session: Optional[EvaluationSession] = None, cache_dir: Optional[str] = None,
                          use_split_cache: bool = True, start: Optional[StartPoint] = None,
-                         log: Callable[[str], None] = print) -> dict:
+                         log: Callable[[str], None] = print, eval_split: str = "test") -> dict:
     """One (dataset, method, seed) run of CoCoOp's base-to-new protocol.
 
     Args:
@@ -191,6 +191,8 @@ def evaluate_base_to_new(dataset: DatasetRef, clip: nn.Module, dims: ClipDims, m
         use_split_cache: read/write the few-shot sample cache of ``meta.coop_data``.
         start: fine-tune from this in-memory θ (and φ) instead of the method's own init
             (meta-validation of the live meta-parameters; they are copied, never modified).
+        eval_split: ``test`` (the protocol) or ``val``: score the few-shot validation split of the base
+            and new classes instead (CoOp's min(K, 4) per class), for choosing settings without test data.
 
     Returns:
         a JSON-able record: ``base``, ``new``, ``H`` (percent), class names and split sizes,
@@ -204,7 +206,12 @@ def evaluate_base_to_new(dataset: DatasetRef, clip: nn.Module, dims: ClipDims, m
     stats_before = dict(session.cache.stats)
     base = dataset.load(shots, seed, "base", use_split_cache, log)
     new = dataset.load(shots, seed, "new", use_split_cache, log)
-    tests = {"base": (base.test, base.classnames), "new": (new.test, new.classnames)}
+    if eval_split not in ("test", "val"):
+        raise ValueError(f"eval_split must be 'test' or 'val', got {eval_split!r}")
+    if eval_split == "val" and (not base.val or not new.val):
+        raise ValueError(f"{dataset.name}: eval_split='val' but the dataset has no validation split")
+    pick = (lambda sp: sp.test) if eval_split == "test" else (lambda sp: sp.val)
+    tests = {"base": (pick(base), base.classnames), "new": (pick(new), new.classnames)}
     history, final, init_info, tuner = _run(
         session, method, spec, seed, dataset.root, base.train, base.classnames, tests,
         lambda a: {"H": harmonic_mean(a["base"], a["new"])}, start)
@@ -215,13 +222,15 @@ def evaluate_base_to_new(dataset: DatasetRef, clip: nn.Module, dims: ClipDims, m
         "base_classnames": base.classnames,
         "new_classnames": new.classnames,
         "n_train": len(base.train),
-        "n_test_base": len(base.test),
-        "n_test_new": len(new.test),
+        "eval_split": eval_split,
+        "n_test_base": len(pick(base)),
+        "n_test_new": len(pick(new)),
         "base": final["base"],
         "new": final["new"],
         "H": final["H"],
         "history": history,
         "final_prompt_sha256": prompt_digest(tuner.prompts),
+        "regulation": tuner.regulation.summary() if tuner.regulation is not None else {},
         "feature_cache": {k: session.cache.stats[k] - stats_before[k] for k in stats_before},
         "seconds": time.perf_counter() - t_start,
     })

@@ -12,6 +12,7 @@ SGD, LR 0.002, 10 epochs, batch 1, cosine schedule with one constant warm-up epo
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from typing import Optional
 
 from ..prompts import PromptSpec
 
@@ -35,6 +36,8 @@ class MethodSpec:
         regulate: replace every prompt gradient by R_φ(gradient) before the optimiser step
             (paper Eq. 7), with φ read from ``init_path`` (or from an in-memory
             ``StartPoint`` passed to the evaluation; checked when the run starts).
+        norm_preserve: test-time override of R_φ's ``norm_preserve`` (ĝ rescaled to ‖g‖ per tensor):
+            ``None`` = as meta-trained (the init file's regulator spec); only with ``regulate``.
         template: the fixed text prompt when ``n_ctx_text == 0`` (zero-shot CLIP, VPT).
         init_std: standard deviation of scratch prompts (CoOp: 0.02).
 
@@ -49,6 +52,7 @@ class MethodSpec:
     ctx_init: str = ""
     init_path: str = ""
     regulate: bool = False
+    norm_preserve: Optional[bool] = None
     template: str = "a photo of a {}."
     init_std: float = 0.02
 

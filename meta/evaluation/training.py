@@ -112,7 +112,7 @@ def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int
         if method.regulate:
             if not start.regulators:
                 raise ValueError(f"method {method.name!r}: regulate=True but the start point has no regulators")
-            regulation = GradientRegulation({k: copy.deepcopy(v) for k, v in start.regulators.items()}).to(device)
+            regulation = GradientRegulation(dict(start.regulators), norm_preserve=method.norm_preserve).to(device)
         info = {"source": "in_memory", "label": start.label}
     elif method.init_path:
         expect = {"text_width": dims.text_width, "vision_width": dims.vision_width,
@@ -125,7 +125,7 @@ def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int
             regulators = init.regulator_modules()
             if not regulators:
                 raise ValueError(f"method {method.name!r}: regulate=True but {method.init_path} holds no regulator φ")
-            regulation = GradientRegulation(regulators).to(device)
+            regulation = GradientRegulation(regulators, norm_preserve=method.norm_preserve).to(device)
         info = {"source": "gram_file", "path": str(method.init_path),
                 "provenance": init.metadata.get("provenance", {}), "regulator": init.metadata.get("regulator")}
     else:

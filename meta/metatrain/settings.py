@@ -33,7 +33,7 @@ MODES = ("gram", "pretrain")
 # compares the hierarchy's content fingerprint instead (data.hierarchy_fingerprint).
 RUN_CONTROL_KEYS = frozenset({
     "OUTPUT_DIR", "MODEL.DEVICE", "META.STEPS", "META.CHECKPOINT_EVERY", "META.LOG_DETAIL_EVERY",
-    "META.VAL_EVERY", "META.VAL_TASKS", "META.FEATURE_CHECK", "META.PROGRESS", "META.TENSORBOARD",
+    "META.VAL_EVERY", "META.VAL_TASKS", "META.VAL_FT_STEPS", "META.VAL_FT_LR", "META.VAL_FT_MOMENTUM", "META.FEATURE_CHECK", "META.PROGRESS", "META.TENSORBOARD",
     "META.EXPORT_NAME", "META.COOP_CTX_NAME", "META.HIERARCHY", "TASKS.IMAGE_FOLDER",
 })
 RUN_CONTROL_PREFIXES = ("CHC.",)
@@ -58,6 +58,7 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.REGULATE = True            # False = "w/o gradient regulating" (Table 4 row 2)
     m.AUTOCAST = "none"          # none | bf16 | fp16 autocast of the CLIP passes on CUDA (CPU: fp32, one log line);
     #                              bf16 is the safer choice: fp16 scales only the outer loss (meta.precision)
+    m.INNER_MOMENTUM = 0.0       # heavy-ball inner SGD as the test-time optimiser (0.9 there); needs INNER_STEPS > 1
 
     m.REGULATOR = CN()           # R_phi (meta.regulator.RegulatorSpec) [core]
     m.REGULATOR.FORM = "residual"   # residual | paper (literal Eq. 5)
@@ -65,6 +66,11 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.REGULATOR.BETA_SCALE = 0.0    # 0 = beta in units of rms(g) (core default); > 0 = fixed scale (1.0 = paper)
     m.REGULATOR.INIT = "zero"       # zero | normal
     m.REGULATOR.INIT_STD = 0.01
+    m.REGULATOR.GAMMA_BOUND = 1.0   # residual form: gamma in (1 - bound, 1 + bound); 1.0 = unbounded tanh
+    m.REGULATOR.NORM_PRESERVE = False  # rescale the regulated gradient to the raw one's norm (per tensor)
+    m.REGULATOR.MIX = False         # learned c = sigmoid(m): (1 - c) * regulated + c * raw
+    m.REGULATOR.MIX_INIT = 0.0      # initial m (0 -> c = 0.5)
+    m.REGULATOR.WEIGHT_DECAY = 0.0  # L2 on phi in the outer step: keeps R_phi near the identity (residual form)
 
     # ---- theta (meta.prompts.PromptSpec): CoOp = text only, VPT = vision only, UNIGRAM = both
     m.PROMPT = CN()
@@ -86,6 +92,11 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.LOG_DETAIL_EVERY = 50      # grad cosine (Fig. 3b) + before/after on both sets: ~1.5x a step's cost
     m.VAL_EVERY = 1000           # [SUPMER] TEST_STEP=1000
     m.VAL_TASKS = 50             # fixed held-out tasks per validation (same tasks every time)
+    # validation as test-time use: query accuracy after VAL_FT_STEPS regulated SGD steps (lr VAL_FT_LR,
+    # momentum VAL_FT_MOMENTUM: CoCoOp's 0.002 / 0.9) on the support set; 0 = off
+    m.VAL_FT_STEPS = 0
+    m.VAL_FT_LR = 0.002
+    m.VAL_FT_MOMENTUM = 0.9
     m.FEATURE_CHECK = 8          # images re-encoded to prove cached features match this CLIP (0 = skip)
     m.PROGRESS = True            # tqdm bar
     m.TENSORBOARD = True
@@ -107,6 +118,9 @@ def check_meta_cfg(cfg: CN) -> None:
     need(m.STEPS >= 0, "META.STEPS", "an integer >= 0", m.STEPS)
     need(m.META_BATCH >= 1, "META.META_BATCH", "an integer >= 1", m.META_BATCH)
     need(m.INNER_STEPS >= 1, "META.INNER_STEPS", "an integer >= 1", m.INNER_STEPS)
+    need(0.0 <= m.INNER_MOMENTUM < 1.0, "META.INNER_MOMENTUM", "a number in [0, 1)", m.INNER_MOMENTUM)
+    need(m.REGULATOR.WEIGHT_DECAY >= 0, "META.REGULATOR.WEIGHT_DECAY", "a number >= 0", m.REGULATOR.WEIGHT_DECAY)
+    need(m.VAL_FT_STEPS >= 0, "META.VAL_FT_STEPS", "an integer >= 0", m.VAL_FT_STEPS)
     need(m.CHECKPOINT_EVERY >= 1, "META.CHECKPOINT_EVERY", "an integer >= 1", m.CHECKPOINT_EVERY)
     need(m.OPTIMIZER in ("adam", "sgd"), "META.OPTIMIZER", "adam | sgd", m.OPTIMIZER)
     for key in ("INNER_LR", "OUTER_LR_PROMPT", "OUTER_LR_REGULATOR", "GRAD_CLIP", "PRETRAIN.LR", "PROMPT.INIT_STD",
@@ -134,7 +148,8 @@ def regulator_spec(cfg: CN) -> RegulatorSpec:
     try:
         return RegulatorSpec(form=r.FORM, input_norm=bool(r.INPUT_NORM),
                              beta_scale="grad_rms" if float(r.BETA_SCALE) <= 0 else float(r.BETA_SCALE),
-                             init=r.INIT, init_std=float(r.INIT_STD))
+                             init=r.INIT, init_std=float(r.INIT_STD), gamma_bound=float(r.GAMMA_BOUND),
+                             norm_preserve=bool(r.NORM_PRESERVE), mix=bool(r.MIX), mix_init=float(r.MIX_INIT))
     except ValueError as err:
         raise ValueError(f"META.REGULATOR: {err}") from None
 
@@ -154,7 +169,9 @@ def meta_spec(cfg: CN, device=None) -> "MetaSpec":
                     outer_lr_prompt=float(m.PRETRAIN.LR if pretrain else m.OUTER_LR_PROMPT),
                     outer_lr_regulator=float(m.OUTER_LR_REGULATOR), optimizer=m.OPTIMIZER,
                     first_order=bool(m.FIRST_ORDER), grad_clip=float(m.GRAD_CLIP),
-                    regulate=bool(m.REGULATE) and not pretrain, regulator=regulator_spec(cfg), autocast=autocast)
+                    regulate=bool(m.REGULATE) and not pretrain, regulator=regulator_spec(cfg), autocast=autocast,
+                    inner_momentum=float(m.INNER_MOMENTUM),
+                    regulator_weight_decay=float(m.REGULATOR.WEIGHT_DECAY))
 
 
 def prompt_spec(cfg: CN) -> PromptSpec:

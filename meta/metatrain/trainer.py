@@ -37,6 +37,7 @@ import torch
 from meta import distributed as dist_
 from meta.backbone import ClipDims, load_clip
 from meta.fileio import clean_stale_temps, write_json_atomic, write_text_atomic
+from meta.finetune import GradientRegulation, finetune_and_score
 from meta.gram import GRAMMetaLearner
 from meta.prompts import PromptedCLIP, PromptParams, classification_loss
 
@@ -254,6 +255,14 @@ def validate(run: RunSetup) -> dict:
                            ("support_loss_before", s_losses[0]), ("support_acc_before", s_accs[0])):
             sums[key] = sums.get(key, 0.0) + value / len(run.val_tasks)
         del adapted
+        ft_steps = int(run.cfg.META.VAL_FT_STEPS)
+        if ft_steps > 0:  # as at test time: many small momentum-SGD steps, regulated and raw
+            regs = learner.regulators()
+            ft = {"query_acc_ft": GradientRegulation(regs) if regs else None, "query_acc_ft_raw": None}
+            for key, regulation in ft.items():
+                acc = finetune_and_score(learner.prompt_module, regulation, loss_fn, batch.support, batch.query,
+                                         ft_steps, float(run.cfg.META.VAL_FT_LR), float(run.cfg.META.VAL_FT_MOMENTUM))
+                sums[key] = sums.get(key, 0.0) + acc / len(run.val_tasks)
     learner.optimizer.zero_grad(set_to_none=True)
     sums = dist_.sum_over_ranks(sums)
     sums["tasks"] = len(run.val_tasks)

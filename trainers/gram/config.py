@@ -43,6 +43,7 @@ def _gram_defaults() -> CN:
     node.ENABLED = False       # False = plain baseline (CoOp / VPT / joint); True needs INIT
     node.INIT = ""             # meta-learned θ* (+ φ) from meta.init_io.export_gram_init (.safetensors)
     node.REGULATE = True       # with ENABLED: apply R_φ to every prompt gradient (paper Eq. 7); False = ablation
+    node.NORM_PRESERVE = "auto"  # auto = as meta-trained (init file) | on = rescale ĝ to ‖g‖ per tensor | off
     # --- prompts (paper §4 "Training Details": 4 tokens; UNIGRAM 2 text + 2 visual) ------------
     node.N_CTX_TEXT = 4        # M text context vectors (GRAM_CoOp, UNIGRAM)
     node.N_CTX_VISION = 4      # n visual prompt tokens per prompted layer (GRAM_VPT, UNIGRAM)
@@ -118,6 +119,7 @@ class GramSettings:
     enabled: bool
     init_path: str
     regulate: bool
+    norm_preserve: Optional[bool]  # None = as the init file's regulator was meta-trained
     n_ctx_text: int       # 0 when the trainer learns no text context
     n_ctx_vision: int     # 0 when the trainer learns no visual prompts
     vpt_deep: bool
@@ -196,10 +198,15 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
         quick_gelu = quick_gelu_flag(g.QUICK_GELU)
     except ValueError:
         raise ValueError(f"TRAINER.GRAM.QUICK_GELU: expected auto|on|off, got {g.QUICK_GELU!r}") from None
+    norm_key = str(g.get("NORM_PRESERVE", "auto")).strip().lower()
+    norm_table = {"auto": None, "on": True, "true": True, "off": False, "false": False}
+    if norm_key not in norm_table:
+        raise ValueError(f"TRAINER.GRAM.NORM_PRESERVE: expected auto|on|off, got {g.NORM_PRESERVE!r}")
     if g.PREC not in PRECISIONS:
         raise ValueError(f"TRAINER.GRAM.PREC: expected one of {'|'.join(PRECISIONS)}, got {g.PREC!r}")
     return GramSettings(
         trainer=trainer, enabled=enabled, init_path=init_path, regulate=regulate and enabled,
+        norm_preserve=norm_table[norm_key],
         n_ctx_text=n_text, n_ctx_vision=n_vision, vpt_deep=_as_bool(g.VPT_DEEP, "TRAINER.GRAM.VPT_DEEP"),
         vpt_depth=int(g.VPT_DEPTH), ctx_init=str(g.CTX_INIT) if text else "", template=str(g.TEMPLATE),
         model_name=model_name, weights=weights, quick_gelu=quick_gelu, precision=str(g.PREC),

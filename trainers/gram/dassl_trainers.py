@@ -72,7 +72,8 @@ class _GramTrainer(TrainerX):
         self.optim = build_optimizer(self.model.prompt_learner, cfg.OPTIM)
         self.sched = build_lr_scheduler(self.optim, cfg.OPTIM)
         self.register_model(MODEL_NAME, self.model.prompt_learner, self.optim, self.sched)
-        self.regulation = GradientRegulation(regulators).to(self.device) if regulators else None
+        self.regulation = (GradientRegulation(regulators, norm_preserve=settings.norm_preserve).to(self.device)
+                           if regulators else None)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "amp" else None
         self._log_setup(settings, dims, classnames)
 
