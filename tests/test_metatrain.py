@@ -423,23 +423,23 @@ def test_kill_between_the_two_exports_is_repaired_by_resume(tmp_path, hier, monk
     cfg = _cfg(out, *PROMPTS["coop"], "META.STEPS", "2", "META.VAL_TASKS", "0", "META.TENSORBOARD", "False")
 
     def killed(*_args, **_kwargs):
-        raise Killed("kill after gram_init.safetensors, before coop_ctx.pth")
+        raise Killed("kill after gram_init.safetensors, before coop_ctx_nctx4.pth")
 
     monkeypatch.setattr(export_mod, "export_coop_context", killed)
     with pytest.raises(Killed):
         train(cfg, hierarchy=hier, echo=_quiet)
     monkeypatch.undo()
-    assert (out / "gram_init.safetensors").is_file() and not (out / "coop_ctx.pth").exists()
+    assert (out / "gram_init.safetensors").is_file() and not (out / "coop_ctx_nctx4.pth").exists()
     assert not [p.name for p in out.iterdir() if ".tmp" in p.name]
     ctx = load_checkpoint(out / "checkpoint.pt")["learner"]["gbml"]["module.ctx"]
 
     messages = []
     result = train(cfg, resume=True, hierarchy=hier, echo=messages.append)
-    assert not result["noop"] and "coop_ctx.pth missing or unreadable" in messages[0]
-    assert torch.equal(torch.load(out / "coop_ctx.pth", weights_only=True)["state_dict"]["ctx"], ctx)
-    (out / "coop_ctx.pth").write_bytes(b"")  # what a full disk left with the old, non-atomic writer
+    assert not result["noop"] and "coop_ctx_nctx4.pth missing or unreadable" in messages[0]
+    assert torch.equal(torch.load(out / "coop_ctx_nctx4.pth", weights_only=True)["state_dict"]["ctx"], ctx)
+    (out / "coop_ctx_nctx4.pth").write_bytes(b"")  # what a full disk left with the old, non-atomic writer
     assert not train(cfg, resume=True, hierarchy=hier, echo=_quiet)["noop"]
-    assert torch.equal(torch.load(out / "coop_ctx.pth", weights_only=True)["state_dict"]["ctx"], ctx)
+    assert torch.equal(torch.load(out / "coop_ctx_nctx4.pth", weights_only=True)["state_dict"]["ctx"], ctx)
     assert train(cfg, resume=True, hierarchy=hier, echo=_quiet)["noop"]  # now verified: nothing to do
 
 
@@ -450,13 +450,13 @@ def test_leftover_temp_files_are_removed_and_outputs_get_plain_file_mode(finishe
     shutil.copytree(finished[0], run)
     dead = _dead_pid()
     stale = [run / f".checkpoint.pt.tmp-{dead}", run / f".gram_init.safetensors.tmp-{dead}-0badc0de",
-             run / ".coop_ctx.pth.tmp-1-00000000"]  # PID 1 is alive, but the folder's lock is ours
+             run / ".coop_ctx_nctx4.pth.tmp-1-00000000"]  # PID 1 is alive, but the folder's lock is ours
     for path in stale:
         path.write_bytes(b"partial")
     assert train(_cfg(run, *PROMPTS["coop"]), resume=True, hierarchy=hier, echo=_quiet)["noop"]
     assert not [p.name for p in stale if p.exists()]
     plain = (finished[0] / "log.jsonl").stat().st_mode & 0o777  # created by open(): 0666 & ~umask
-    for name in ("gram_init.safetensors", "coop_ctx.pth", "checkpoint.pt", "run.json", "config.yaml"):
+    for name in ("gram_init.safetensors", "coop_ctx_nctx4.pth", "checkpoint.pt", "run.json", "config.yaml"):
         assert (finished[0] / name).stat().st_mode & 0o777 == plain, name
 
 
