@@ -241,3 +241,22 @@ def test_exports_are_atomic_with_plain_file_mode(tmp_path, monkeypatch):
     assert err.value.errno == errno.ENOSPC and err.value.filename == str(path)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ctx.pth", "plain"]
+
+
+def test_stale_temp_files_of_dead_writers_are_cleaned(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from meta.fileio import clean_stale_temps
+
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    names = [f".a.pth.tmp-{dead}-0123abcd", f".b.pt.tmp-{dead}", ".c.pth.tmp-1-0123abcd",
+             f".d.pth.tmp-{os.getpid()}-0123abcd", "e.tmp", "f.safetensors"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    clean_stale_temps(tmp_path)  # without the folder's lock: only files whose writer is gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])
+    clean_stale_temps(tmp_path, all_pids=True)  # with it: every writer's but this process's own
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[3:])
