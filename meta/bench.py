@@ -5,7 +5,9 @@ Prints human-readable lines, then ONE JSON line (the last line) with:
 * ``second_order_s`` / ``first_order_s``: wall time of one meta-task (clone θ, regulated inner step on
   the support, query loss at θ', backward to θ and φ), second / first order;
 * ``plain_step_s``: one CoOp step (forward + backward of the same support + query images, same prompts);
-* ``ratio_second_to_plain``;
+* ``ratio_second_to_plain``; ``ratio_floor`` = 3.0, the lower bound of an exact second-order step with
+  frozen weights (6 linear-product sweeps against the plain step's 2), ``ratio_guard`` = 3.3 (10 % above
+  it) and ``ratio_guard_pass``: the regression guard, meaningful on an idle machine;
 * ``truncation_speedup``: second-order meta-task time with 77 text positions / with ``max(eot)+1``;
 * ``frozen_bytes_cloned_per_task``: bytes copied by ``GBML.clone()`` beyond θ and φ (target 0);
 * ``peak_rss_mb``: peak resident memory of the process;
@@ -19,7 +21,11 @@ Prints human-readable lines, then ONE JSON line (the last line) with:
   3 x ``plain_other_s`` (README "Benchmark");
 * ``settings``: everything the numbers depend on.
 
-Defaults: ViT-B-16 architecture with random weights (no download), CoOp text prompts (M = 4),
+``--device cuda`` runs the accelerator benchmark instead (:mod:`meta.bench_gpu`: whole meta-steps of
+CoOp, VPT and UNIGRAM at the meta-training task size, peak GPU memory, CHC images per second, and
+their cost in GPU-hours); without CUDA it stops with a one-line error.
+
+Defaults (CPU): ViT-B-16 architecture with random weights (no download), CoOp text prompts (M = 4),
 K = 8-way, 1-shot support, 4-shot query, cached image features, one CPU thread.  Times are the
 median of ``--repeats`` rounds after ``--warmup`` rounds; a round times the four steps and the two
 linear-product sweeps one after another, so drifting machine speed hits all of them alike.
@@ -38,6 +44,9 @@ import warnings
 from typing import Callable, Optional
 
 import torch
+
+RATIO_FLOOR = 3.0   # exact second order, frozen weights: 3 forward + 3 backward linear sweeps vs 1 + 1
+RATIO_GUARD = 3.3   # within 10 % of the floor (README "Benchmark")
 
 
 def _interleaved_medians(fns: dict[str, Callable[[], None]], warmup: int, repeats: int) -> dict[str, float]:
@@ -161,6 +170,9 @@ def run(args: argparse.Namespace) -> dict:
     print(f"first-order meta-task:  {first:.4f} s", flush=True)
     print(f"second-order, 77 text positions: {full:.4f} s", flush=True)
     print(f"plain CoOp step:        {plain:.4f} s", flush=True)
+    verdict = "within" if second / plain <= RATIO_GUARD else "ABOVE"
+    print(f"second-order / plain: {second / plain:.3f} ({verdict} the guard {RATIO_GUARD}; floor {RATIO_FLOOR})",
+          flush=True)
     linear = None
     if sweeps is not None:
         linear = times["linear_forward"] + times["linear_backward"]
@@ -176,6 +188,9 @@ def run(args: argparse.Namespace) -> dict:
         "first_order_s": round(first, 5),
         "plain_step_s": round(plain, 5),
         "ratio_second_to_plain": round(second / plain, 3),
+        "ratio_floor": RATIO_FLOOR,
+        "ratio_guard": RATIO_GUARD,
+        "ratio_guard_pass": bool(second / plain <= RATIO_GUARD),
         "truncation_speedup": round(full / second, 3),
         "frozen_bytes_cloned_per_task": int(copied - own),
         "theta_phi_bytes_cloned_per_task": int(own),
@@ -206,7 +221,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--device", default="cpu", help="cpu (default: this benchmark) | cuda[:i] (meta.bench_gpu)")
+    parser.add_argument("--autocast", default="none", choices=("none", "bf16", "fp16"),
+                        help="--device cuda only: autocast of the forward passes")
     args = parser.parse_args(argv)
+    if args.device != "cpu":
+        if not args.device.startswith("cuda") or not torch.cuda.is_available():
+            print(f"error: --device {args.device}: " + ("CUDA is not available on this machine"
+                  if args.device.startswith("cuda") else "expected cpu or cuda[:index]"), file=sys.stderr)
+            return 2
+        from . import bench_gpu
+
+        result = bench_gpu.run(args.model, args.device, args.autocast, warmup=args.warmup, repeats=args.repeats,
+                               pretrained=args.pretrained)
+        for name, row in result["variants"].items():
+            print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+        print(f"CHC image features: {result['chc_images_per_s']} images/s", flush=True)
+        print(json.dumps(result, sort_keys=True))
+        return 0
     result = run(args)
     print(json.dumps(result, sort_keys=True))
     return 0

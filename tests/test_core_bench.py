@@ -54,3 +54,37 @@ def test_linear_products_are_the_text_towers_own_matmuls(tiny_clip):
     # one row more per sequence is a different count: the comparison can tell shapes apart
     longer, _ = bench.linear_products(clip.transformer, len(names), length + 1)
     assert _matmul_flops(longer) != real_forward
+
+
+def test_bench_reports_the_ratio_guard(capsys):
+    bench.main(["--model", "GRAM-Test-Tiny", "--way", "3", "--warmup", "0", "--repeats", "1"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["ratio_floor"] == 3.0 and result["ratio_guard"] == 3.3
+    assert result["ratio_guard_pass"] == (result["ratio_second_to_plain"] <= 3.3)
+
+
+def test_bench_device_cuda_without_cuda_is_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --device cuda: CUDA is not available on this machine"
+    assert bench.main(["--device", "tpu"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --device tpu: expected cpu or cuda[:index]"
+
+
+def test_device_bench_measures_every_variant_and_its_cost():
+    """meta.bench_gpu's code path on CPU with the tiny CLIP and a tiny task (the GPU run adds only sync/memory)."""
+    from meta import bench_gpu
+
+    size = {"way": 3, "support_shots": 1, "query_shots": 2, "meta_batch": 2, "steps": 100, "chc_batch": 8}
+    result = bench_gpu.run("GRAM-Test-Tiny", "cpu", warmup=0, repeats=1, size=size, chc_images=16)
+    assert set(result["variants"]) == {"coop", "vpt", "unigram"}
+    for name, row in result["variants"].items():
+        assert row["second_order_step_s"] > 0 and row["first_order_step_s"] > 0
+        assert row["second_order_peak_mb"] is None  # device memory is only counted on CUDA
+        hours = result["cost"]["meta_train_gpu_hours"][name]
+        assert abs(hours - round(100 * row["second_order_step_s"] / 3600, 3)) < 1e-9
+    assert result["chc_images_per_s"] > 0
+    assert abs(result["cost"]["chc_gpu_hours_cc3m"] - round(3.1e6 / result["chc_images_per_s"] / 3600, 3)) < 2e-3
+    assert result["settings"]["meta_batch"] == 2 and result["settings"]["gpu"] is None
+    assert bench_gpu.task_size()["way"] == 5  # the defaults come from the meta-training config

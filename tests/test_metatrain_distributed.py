@@ -154,3 +154,52 @@ def test_meta_batch_not_divisible_is_one_line(folder, tmp_path):
     assert len(lines) == 1, proc.stderr[-2000:]
     assert "META.META_BATCH: 3" in lines[0] and "2 processes" in lines[0]
     assert not (tmp_path / "bad").exists()
+
+
+def _worker_pids(launcher_pid: int) -> dict:
+    """{rank: pid} of torchrun's worker processes (children of the launcher, RANK from their environment)."""
+    out = {}
+    children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
+    for pid in children:
+        try:
+            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+        except OSError:
+            continue
+        if "RANK" in env:
+            out[int(env["RANK"])] = int(pid)
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc to find torchrun's workers")
+def test_sigterm_to_one_rank_stops_all_after_the_same_step(folder, tmp_path):
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "term"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+              "--master_port", str(_free_port()), "-m", "meta", "train", *ARGS, "--output-dir", str(out),
+              "TASKS.IMAGE_FOLDER", str(folder), "META.STEPS", "400", "META.CHECKPOINT_EVERY", "1000",
+              "META.VAL_TASKS", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(launch, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and len(read_log(out / "log.jsonl")) < 2:
+            time.sleep(0.5)
+        assert len(read_log(out / "log.jsonl")) >= 2, "training did not start"
+        os.kill(_worker_pids(proc.pid)[1], signal.SIGTERM)  # rank 1 only: rank 0 must stop with it
+        proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    steps = [r["step"] for r in read_log(out / "log.jsonl") if r["kind"] == "train"]
+    stopped = load_checkpoint(out / "checkpoint.pt")
+    assert 2 <= stopped["step"] == steps[-1] < 400          # nothing lost, though CHECKPOINT_EVERY is 1000
+    assert steps == list(range(1, stopped["step"] + 1))
+    assert not (out / "gram_init.safetensors").exists()
+    more = stopped["step"] + 2
+    _ok(_train(out, "TASKS.IMAGE_FOLDER", str(folder), "META.STEPS", str(more), "META.CHECKPOINT_EVERY", "1000",
+               "META.VAL_TASKS", "0", nproc=2, resume=True))
+    assert [r["step"] for r in read_log(out / "log.jsonl") if r["kind"] == "train"] == list(range(1, more + 1))
+    assert load_gram_init(out / "gram_init.safetensors").metadata["provenance"]["step"] == more

@@ -151,3 +151,14 @@ def test_cuda_chc_image_features_under_autocast(cuda_clip, mode):
         got = encode_images(clip, pixels, CLIP_MEAN, CLIP_STD, device="cuda")
     assert got.dtype == np.float32 and np.isfinite(got).all()
     assert (ref * got).sum(-1).min() >= 0.99  # both L2-normalised
+
+
+def test_run_checkpointed_before_the_key_existed_still_resumes():
+    from meta.metatrain import build_cfg
+    from meta.metatrain.settings import cfg_differences, result_defining_cfg
+
+    old = result_defining_cfg(build_cfg())
+    del old["META.AUTOCAST"]  # a checkpoint written before the key existed
+    assert cfg_differences(old, result_defining_cfg(build_cfg())) == []
+    assert cfg_differences(old, result_defining_cfg(build_cfg(opts=["META.AUTOCAST", "bf16"]))) == [
+        "META.AUTOCAST: '<absent>' -> 'bf16'"]

@@ -288,6 +288,38 @@ def test_baseline_step_is_plain_sgd(data_root):
     assert torch.allclose(ctx.detach(), before - 0.5 * g, atol=1e-7)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("prec", ["fp16", "amp"])
+def test_cuda_precision_paths_regulate_the_true_gradient(data_root, init_files, prec):
+    """PREC fp16 (fp16 CLIP) and amp (autocast + GradScaler: scale, unscale, regulate, step) on CUDA."""
+    trainer = build(data_root, "unigram", "OPTIM.WARMUP_EPOCH", "0", "OPTIM.LR", "0.5", "OPTIM.MOMENTUM", "0.0",
+                    "OPTIM.WEIGHT_DECAY", "0.0", "TRAINER.GRAM.PREC", prec, init_files=init_files)
+    assert trainer.device.type == "cuda" and trainer.precision == prec
+    assert (trainer.scaler is not None) == (prec == "amp")
+    if prec == "amp":  # a moderate scale: the default 2^16 may overflow on the first step and skip it
+        trainer.scaler = torch.amp.GradScaler("cuda", init_scale=1024.0)
+    theta = dict(trainer.model.prompt_learner.named_parameters())
+    names = sorted(theta)
+    assert all(theta[k].dtype == torch.float32 for k in names)  # θ stays fp32 under both
+    batch = next(iter(trainer.train_loader_x))
+    images, labels = trainer.parse_batch_train(batch)
+    with trainer._autocast():
+        logits = trainer.model(images).float()
+    grads = torch.autograd.grad(F.cross_entropy(logits, labels), [theta[k] for k in names])  # unscaled
+    regs = {k: m.to(trainer.device) for k, m in load_gram_init(init_files["UNIGRAM"]).regulator_modules().items()}
+    before = {k: theta[k].detach().clone() for k in names}
+    trainer.set_model_mode("train")
+    trainer.batch_idx, trainer.num_batches = 0, 2
+    trainer.forward_backward(batch)
+    for k, g in zip(names, grads):
+        with torch.no_grad():
+            expected = before[k] - 0.5 * regs[k](g)
+        assert torch.isfinite(theta[k]).all()
+        assert torch.allclose(theta[k].detach(), expected, atol=1e-4, rtol=1e-3), k  # R_φ saw the unscaled gradient
+    if prec == "amp":
+        assert trainer.scaler.get_scale() == 1024.0  # no overflow: the step was taken at this scale
+
+
 def test_eval_only_loads_theta_for_new_classes_and_keeps_clip_in_eval(experiment, data_root):
     train_dir, _ = run_dirs(experiment, "unigram")
     trainer = build(data_root, "joint", subsample="new")  # same shapes; GRAM off: no init needed to evaluate

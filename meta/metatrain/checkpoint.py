@@ -7,6 +7,8 @@ numbers, strings and tensors:
 * ``learner``: :meth:`meta.gram.GRAMMetaLearner.state` (θ and φ state dicts, optimiser state, counters);
 * ``rng``: python ``random``, numpy's global generator, torch CPU (and CUDA) generators
   (see :func:`capture_rng`); ``stream``: the task/batch stream's position and generator state;
+* under torchrun also ``rng_ranks`` (every rank's :func:`capture_rng`, ``rng`` = rank 0's) and
+  ``world_size``; rank 0 writes the file;
 * ``config``: the result-defining flattened config (``settings.result_defining_cfg``) and its hash;
 * ``hierarchy``: the fingerprint of the task source, checked again on resume.
 

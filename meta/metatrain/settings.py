@@ -205,7 +205,25 @@ def config_hash(cfg: CN) -> str:
 
 
 def cfg_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """``["META.INNER_LR: 0.1 -> 0.2", ...]`` between two :func:`result_defining_cfg` dicts."""
+    """``["META.INNER_LR: 0.1 -> 0.2", ...]`` between two :func:`result_defining_cfg` dicts.
+
+    A key the saved run did not have yet (added to the defaults later, e.g. ``META.AUTOCAST``) is no
+    difference while the current value is its default: the old run ran with that behaviour.
+    """
+    absent = "<absent>"
     keys = sorted(set(saved) | set(current))
-    return [f"{k}: {saved.get(k, '<absent>')!r} -> {current.get(k, '<absent>')!r}"
-            for k in keys if saved.get(k, "<absent>") != current.get(k, "<absent>")]
+    defaults: dict[str, Any] = {}
+    out = []
+    for k in keys:
+        old, new = saved.get(k, absent), current.get(k, absent)
+        if old == new:
+            continue
+        if old == absent:
+            if not defaults:
+                from meta.config import get_meta_cfg_default
+
+                defaults = result_defining_cfg(get_meta_cfg_default())
+            if defaults.get(k, absent) == new:
+                continue
+        out.append(f"{k}: {old!r} -> {new!r}")
+    return out

@@ -1,0 +1,151 @@
+"""The accelerator benchmark behind ``python -m meta.bench --device cuda``.
+
+For one CLIP (default ViT-B-16 with random weights: the timings do not depend on the weights) and the
+meta-training config's task size (``TASKS.K_WAY`` classes, ``TASKS.N_SUPPORT`` + ``TASKS.N_QUERY``
+images per class, ``META.META_BATCH`` tasks per outer step), it reports for each prompt variant of the
+paper - CoOp (M = 4 text tokens, cached image features), VPT (4 visual tokens, images through the
+prompted image tower) and UNIGRAM (2 text + 2 visual tokens) -
+
+* ``second_order_step_s`` / ``first_order_step_s``: one whole outer step (B inner loops, query losses,
+  backward, clipped Adam step), median over ``--repeats``, in seconds;
+* ``second_order_peak_mb`` / ``first_order_peak_mb``: peak allocated device memory during one step (MiB);
+
+and for CHC ``chc_images_per_s``: CLIP image features per second from decoded uint8 images (pixel
+normalisation, host-to-device copy and the image tower; JPEG decoding is not included).
+
+``cost`` turns them into device-hours: meta-training = ``META.STEPS`` x step seconds / 3600 per
+variant (second order, the paper's method), CHC = 3.1 M images (CC3M) / images per second / 3600.
+
+Everything runs on any device (the tests run it on CPU with a tiny CLIP); ``--device cuda`` only adds
+the CUDA synchronisation and memory counters.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from typing import Callable
+
+import numpy as np
+import torch
+
+CC3M_PAIRS = 3.1e6
+VARIANTS = {"coop": {"n_ctx_text": 4, "n_ctx_vision": 0}, "vpt": {"n_ctx_text": 0, "n_ctx_vision": 4},
+            "unigram": {"n_ctx_text": 2, "n_ctx_vision": 2}}
+
+
+def gpu_hours(count: float, seconds_each: float) -> float:
+    """Device-hours for ``count`` repetitions of something that takes ``seconds_each`` seconds."""
+    return count * seconds_each / 3600.0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn: Callable[[], None], device: torch.device, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _peak_mb(fn: Callable[[], None], device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    _sync(device)
+    return torch.cuda.max_memory_allocated(device) / 2**20
+
+
+def task_size() -> dict:
+    """K, support and query shots, meta-batch and outer steps of the default meta-training config."""
+    from meta.config import get_meta_cfg_default
+
+    cfg = get_meta_cfg_default()
+    return {"way": int(cfg.TASKS.K_WAY), "support_shots": int(cfg.TASKS.N_SUPPORT),
+            "query_shots": int(cfg.TASKS.N_QUERY), "meta_batch": int(cfg.META.META_BATCH),
+            "steps": int(cfg.META.STEPS), "chc_batch": int(cfg.CHC.IMAGES.BATCH_SIZE)}
+
+
+def run(model: str = "ViT-B-16", device: str = "cuda", autocast: str = "none", warmup: int = 2, repeats: int = 5,
+        size: dict | None = None, chc_images: int = 1024, variants=tuple(VARIANTS), pretrained=None) -> dict:
+    """Measure the figures listed in the module docstring; returns the JSON-ready result."""
+    from meta.backbone import load_clip
+    from meta.chc.imaging import clip_norm_stats, encode_images
+    from meta.gram import GRAMMetaLearner, MetaSpec, TaskBatch
+    from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+
+    size = {**task_size(), **(size or {})}
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        clip, dims = load_clip(model, pretrained=pretrained, device=dev)
+    k, b = size["way"], size["meta_batch"]
+    names = [f"class {i}" for i in range(k)]
+    gen = torch.Generator().manual_seed(0)
+
+    def part(shots: int, images: bool) -> dict:
+        out = {"classnames": names, "label": torch.arange(k).repeat(shots).to(dev)}
+        if images:
+            out["images"] = torch.randn(k * shots, 3, dims.image_size, dims.image_size, generator=gen).to(dev)
+        else:
+            out["features"] = torch.nn.functional.normalize(torch.randn(k * shots, dims.embed_dim, generator=gen),
+                                                            dim=-1).to(dev)
+        return out
+
+    result: dict = {"variants": {}}
+    for name in variants:
+        spec = PromptSpec(**VARIANTS[name])
+        images = spec.n_ctx_vision > 0
+        tasks = [TaskBatch(part(size["support_shots"], images), part(size["query_shots"], images)) for _ in range(b)]
+        row = {}
+        for order in ("second", "first"):
+            theta = PromptParams.from_spec(spec, clip, dims, generator=torch.Generator().manual_seed(1))
+            ml = GRAMMetaLearner(theta, MetaSpec(first_order=order == "first", autocast=autocast)).to(dev)
+            loss_fn = classification_loss(PromptedCLIP(clip, dims, theta.n_ctx_text, template=spec.template))
+
+            def step(ml=ml, loss_fn=loss_fn) -> None:
+                ml.meta_step(tasks, loss_fn)
+
+            row[f"{order}_order_step_s"] = round(_median_time(step, dev, warmup, repeats), 5)
+            peak = _peak_mb(step, dev)
+            row[f"{order}_order_peak_mb"] = None if peak is None else round(peak, 1)
+            del ml
+        result["variants"][name] = row
+
+    pixels = np.random.default_rng(0).integers(0, 256, (chc_images, dims.image_size, dims.image_size, 3),
+                                               dtype=np.uint8)
+    mean, std = clip_norm_stats(clip)
+    from meta.precision import autocast as autocast_ctx
+
+    def encode() -> None:
+        with autocast_ctx(autocast, dev):
+            encode_images(clip, pixels, mean, std, batch_size=size["chc_batch"], device=dev)
+
+    seconds = _median_time(encode, dev, 1, max(1, repeats // 2))
+    result["chc_images_per_s"] = round(chc_images / seconds, 1)
+    result["cost"] = {
+        "meta_train_gpu_hours": {name: round(gpu_hours(size["steps"], row["second_order_step_s"]), 3)
+                                 for name, row in result["variants"].items()},
+        "meta_train_gpu_hours_first_order": {name: round(gpu_hours(size["steps"], row["first_order_step_s"]), 3)
+                                             for name, row in result["variants"].items()},
+        "chc_gpu_hours_cc3m": round(gpu_hours(CC3M_PAIRS, 1.0 / result["chc_images_per_s"]), 3),
+        "formula": "meta-train: META.STEPS x step_s / 3600; CHC: 3.1e6 / images_per_s / 3600",
+    }
+    result["settings"] = {
+        "model": model, "pretrained": pretrained, "device": str(dev), "autocast": autocast, **size,
+        "chc_images": chc_images, "warmup": warmup, "repeats": repeats, "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+    }
+    return result
