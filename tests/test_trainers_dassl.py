@@ -328,6 +328,30 @@ def test_resume_continues_epochs_and_schedule(tmp_path, data_root):
     assert resumed["epoch"] == 2 and resumed["scheduler"] == full["scheduler"]
 
 
+def test_resume_with_a_longer_schedule_follows_the_new_max_epoch(tmp_path, data_root):
+    """1 epoch, then resumed with OPTIM.MAX_EPOCH 3: epochs 2-3 get the LRs of an uninterrupted 3-epoch run."""
+    def run(out, epochs):
+        run_train_py(common_args(data_root, "coop") + ["--output-dir", str(out)] + TINY
+                     + ["OPTIM.MAX_EPOCH", str(epochs), "OPTIM.WARMUP_EPOCH", "0"])
+
+    def lrs(text):
+        return {int(e): float(lr) for e, lr in re.findall(r"epoch \[(\d+)/3\] batch \[1/\d+\].* lr (\S+)", text)}
+
+    run(tmp_path / "straight", 3)
+    straight = lrs((tmp_path / "straight" / "log.txt").read_text())
+    assert straight[3] > 0  # cosine with T_max 3: 0.002, 0.0015, 0.0005
+    run(tmp_path / "resumed", 1)
+    run(tmp_path / "resumed", 3)
+    log = next(p for p in (tmp_path / "resumed").iterdir() if p.name.startswith("log.txt-")).read_text()
+    assert "(epochs done: 1)" in log and "follows the current OPTIM settings (OPTIM.MAX_EPOCH 3" in log
+    assert set(lrs(log)) == {2, 3}
+    for epoch in (2, 3):
+        assert lrs(log)[epoch] == pytest.approx(straight[epoch], rel=1e-6)
+    final = {k: torch.load(tmp_path / k / "prompt_learner/model.pth.tar-3", weights_only=True)["scheduler"]
+             for k in ("straight", "resumed")}
+    assert final["resumed"] == final["straight"]
+
+
 def test_best_val_model_is_saved_and_deployed(tmp_path, data_root):
     out = tmp_path / "run"
     run_train_py(common_args(data_root, "vpt") + ["--output-dir", str(out)] + TINY + ["TEST.FINAL_MODEL", "best_val"])
