@@ -12,6 +12,7 @@ import importlib.util
 import io
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -441,6 +442,22 @@ def test_init_that_does_not_fit_names_the_key_and_fields(data_root, init_files):
     with pytest.raises(InitMismatchError, match="n_ctx_vision: file has 2, model expects 0"):
         build(data_root, "gram_coop", "TRAINER.GRAM.INIT", str(init_files["UNIGRAM"]),
               "TRAINER.GRAM.N_CTX_TEXT", "2")
+
+
+def test_configs_num_workers_and_fp16_become_cpu_values_with_one_log_line(data_root, capsys, monkeypatch):
+    import trainers.gram.dassl_trainers as dt
+
+    monkeypatch.setattr(dt, "available_cpus", lambda: 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither torch's DataLoader nor the precision fallback may warn
+        warnings.filterwarnings("ignore", message=".*RANDOM weights")  # the tiny test CLIP's own note
+        trainer = build(data_root, "coop", "DATALOADER.NUM_WORKERS", "8")
+        next(iter(trainer.train_loader_x))
+    assert trainer.train_loader_x.num_workers == 1 and trainer.cfg.DATALOADER.NUM_WORKERS == 1
+    out = capsys.readouterr().out
+    assert out.count("GRAM effective settings on cpu:") == 1
+    assert ("GRAM effective settings on cpu: TRAINER.GRAM.PREC fp32 (config fp16); "
+            "DATALOADER.NUM_WORKERS 1 (config 8, 2 CPUs)") in out
 
 
 def test_input_size_must_match_the_backbone(data_root):

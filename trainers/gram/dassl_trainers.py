@@ -34,7 +34,8 @@ from meta.init_io import load_gram_init
 from meta.prompts import PromptParams, PromptSpec
 
 from .checkpoint import checkpoint_file, load_checkpoint, prompt_state, save_checkpoint
-from .config import GramSettings, gram_settings, resolve_precision
+from .config import (GramSettings, available_cpus, effective_num_workers, effective_settings_line, gram_settings,
+                     resolve_precision)
 from .model import GramCLIP
 from .provenance import environment_summary, file_sha256, sample_digest
 from .schedule import build_lr_scheduler
@@ -50,6 +51,21 @@ class _GramTrainer(TrainerX):
     # ------------------------------------------------------------------------------ building
     def check_cfg(self, cfg) -> None:
         gram_settings(cfg, type(self).__name__)  # every TRAINER.GRAM key checked before data loading
+
+    def build_data_loader(self) -> None:
+        """Dassl's loaders, with ``DATALOADER.NUM_WORKERS`` capped to this machine (logged with the precision)."""
+        cfg = self.cfg
+        cpus = available_cpus()
+        wanted = int(cfg.DATALOADER.NUM_WORKERS)
+        workers = effective_num_workers(wanted, self.device.type, cpus)
+        if workers != wanted:
+            cfg.defrost()
+            cfg.DATALOADER.NUM_WORKERS = workers
+            cfg.freeze()
+        asked = cfg.TRAINER.GRAM.PREC
+        print(effective_settings_line(self.device.type, (asked, resolve_precision(asked, self.device.type)),
+                                      (wanted, workers), cpus))
+        super().build_data_loader()
 
     def build_model(self) -> None:
         cfg = self.cfg
