@@ -13,7 +13,7 @@ import pytest
 from test_coop_data_fixtures import make_dtd, make_imagenet_tree, write_classnames
 
 REPO = Path(__file__).resolve().parents[1]
-COOP_SRC = Path(os.environ.get("GRAM_COOP_SRC", "/work/ext/CoOp"))
+COOP_SRC = os.environ.get("GRAM_COOP_SRC", "")  # a KaiyangZhou/CoOp checkout (README, "Tests")
 
 
 dassl = pytest.importorskip("dassl", reason="Dassl is not installed (these tests compare against Dassl)")
@@ -109,15 +109,18 @@ def test_missing_image_is_named(tmp_path):
 @pytest.fixture()
 def coop_classes():
     """CoOp's own dataset classes, imported under another package name, registry restored after."""
-    if not (COOP_SRC / "datasets" / "dtd.py").is_file():
-        pytest.skip(f"CoOp source not found at {COOP_SRC} (set GRAM_COOP_SRC)")
+    if not COOP_SRC:
+        pytest.skip("set GRAM_COOP_SRC to a KaiyangZhou/CoOp checkout to compare with CoOp's dataset classes")
+    coop = Path(COOP_SRC)
+    if not (coop / "datasets" / "dtd.py").is_file():
+        pytest.skip(f"GRAM_COOP_SRC={coop} holds no datasets/dtd.py (expected a KaiyangZhou/CoOp checkout)")
     saved = dict(DATASET_REGISTRY._obj_map)
     pkg = "coop_upstream_datasets"
     try:
         for name in gram_datasets.STANDARD_DATASETS:
             DATASET_REGISTRY._obj_map.pop(name, None)
         spec = importlib.util.spec_from_file_location(
-            pkg, COOP_SRC / "datasets" / "__init__.py", submodule_search_locations=[str(COOP_SRC / "datasets")]
+            pkg, coop / "datasets" / "__init__.py", submodule_search_locations=[str(coop / "datasets")]
         )
         module = importlib.util.module_from_spec(spec)
         sys.modules[pkg] = module

@@ -12,6 +12,8 @@ from yacs.config import CfgNode as CN
 from trainers.gram.config import (
     TRAINER_PROMPTS,
     default_weights_path,
+    effective_num_workers,
+    effective_settings_line,
     extend_cfg,
     gram_settings,
     open_clip_name,
@@ -145,21 +147,21 @@ def test_bad_values_name_the_key():
         gram_settings(bare)
 
 
-def test_cpu_forces_fp32_with_one_log_line(caplog):
-    import meta.precision
-
-    meta.precision._said.clear()
-    with caplog.at_level("WARNING", logger="meta.precision"):
-        for _ in range(3):  # asked again (every build_model): still one line
-            assert resolve_precision("fp16", "cpu") == "fp32"
-        assert resolve_precision("amp", "cpu") == "fp32"
-    lines = [r.getMessage() for r in caplog.records if r.name == "meta.precision"]
-    assert len(lines) == 2 and "fp16 on cpu" in lines[0] and "amp on cpu" in lines[1]
+def test_cpu_forces_fp32_and_caps_workers_without_warnings():
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.simplefilter("error")  # one log line instead (effective_settings_line), no warning per run
+        assert resolve_precision("fp16", "cpu") == "fp32"
+        assert resolve_precision("amp", "cpu") == "fp32"
         assert resolve_precision("fp32", "cpu") == "fp32"
         assert resolve_precision("fp16", "cuda") == "fp16"
         assert resolve_precision("amp", "cuda") == "amp"
+    assert effective_num_workers(8, "cpu", 2) == 1 and effective_num_workers(8, "cuda", 2) == 2
+    assert effective_num_workers(8, "cuda", 16) == 8 and effective_num_workers(0, "cpu", 1) == 0
+    assert effective_num_workers(8, "cpu", 1) == 0
+    line = effective_settings_line("cpu", ("fp16", "fp32"), (8, 1), 2)
+    assert line == ("GRAM effective settings on cpu: TRAINER.GRAM.PREC fp32 (config fp16); "
+                    "DATALOADER.NUM_WORKERS 1 (config 8, 2 CPUs)")
+    assert effective_settings_line("cuda", ("fp16", "fp16"), (8, 8), 16).endswith(": as configured")
 
 
 def _method_yaml(key: str) -> dict:

@@ -12,6 +12,7 @@ import importlib.util
 import io
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -360,6 +361,30 @@ def test_resume_continues_epochs_and_schedule(tmp_path, data_root):
     assert resumed["epoch"] == 2 and resumed["scheduler"] == full["scheduler"]
 
 
+def test_resume_with_a_longer_schedule_follows_the_new_max_epoch(tmp_path, data_root):
+    """1 epoch, then resumed with OPTIM.MAX_EPOCH 3: epochs 2-3 get the LRs of an uninterrupted 3-epoch run."""
+    def run(out, epochs):
+        run_train_py(common_args(data_root, "coop") + ["--output-dir", str(out)] + TINY
+                     + ["OPTIM.MAX_EPOCH", str(epochs), "OPTIM.WARMUP_EPOCH", "0"])
+
+    def lrs(text):
+        return {int(e): float(lr) for e, lr in re.findall(r"epoch \[(\d+)/3\] batch \[1/\d+\].* lr (\S+)", text)}
+
+    run(tmp_path / "straight", 3)
+    straight = lrs((tmp_path / "straight" / "log.txt").read_text())
+    assert straight[3] > 0  # cosine with T_max 3: 0.002, 0.0015, 0.0005
+    run(tmp_path / "resumed", 1)
+    run(tmp_path / "resumed", 3)
+    log = next(p for p in (tmp_path / "resumed").iterdir() if p.name.startswith("log.txt-")).read_text()
+    assert "(epochs done: 1)" in log and "follows the current OPTIM settings (OPTIM.MAX_EPOCH 3" in log
+    assert set(lrs(log)) == {2, 3}
+    for epoch in (2, 3):
+        assert lrs(log)[epoch] == pytest.approx(straight[epoch], rel=1e-6)
+    final = {k: torch.load(tmp_path / k / "prompt_learner/model.pth.tar-3", weights_only=True)["scheduler"]
+             for k in ("straight", "resumed")}
+    assert final["resumed"] == final["straight"]
+
+
 def test_best_val_model_is_saved_and_deployed(tmp_path, data_root):
     out = tmp_path / "run"
     run_train_py(common_args(data_root, "vpt") + ["--output-dir", str(out)] + TINY + ["TEST.FINAL_MODEL", "best_val"])
@@ -449,6 +474,22 @@ def test_init_that_does_not_fit_names_the_key_and_fields(data_root, init_files):
     with pytest.raises(InitMismatchError, match="n_ctx_vision: file has 2, model expects 0"):
         build(data_root, "gram_coop", "TRAINER.GRAM.INIT", str(init_files["UNIGRAM"]),
               "TRAINER.GRAM.N_CTX_TEXT", "2")
+
+
+def test_configs_num_workers_and_fp16_become_cpu_values_with_one_log_line(data_root, capsys, monkeypatch):
+    import trainers.gram.dassl_trainers as dt
+
+    monkeypatch.setattr(dt, "available_cpus", lambda: 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither torch's DataLoader nor the precision fallback may warn
+        warnings.filterwarnings("ignore", message=".*RANDOM weights")  # the tiny test CLIP's own note
+        trainer = build(data_root, "coop", "DATALOADER.NUM_WORKERS", "8")
+        next(iter(trainer.train_loader_x))
+    assert trainer.train_loader_x.num_workers == 1 and trainer.cfg.DATALOADER.NUM_WORKERS == 1
+    out = capsys.readouterr().out
+    assert out.count("GRAM effective settings on cpu:") == 1
+    assert ("GRAM effective settings on cpu: TRAINER.GRAM.PREC fp32 (config fp16); "
+            "DATALOADER.NUM_WORKERS 1 (config 8, 2 CPUs)") in out
 
 
 def test_input_size_must_match_the_backbone(data_root):

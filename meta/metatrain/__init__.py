@@ -8,7 +8,7 @@ Command line (through ``python -m meta``)::
 Modules: :mod:`.settings` (``META`` config node, specs), :mod:`.data` (hierarchy -> tensors,
 feature check, task streams), :mod:`.trainer` (the loop, validation, resume),
 :mod:`.checkpoint` (atomic, ``weights_only``-loadable state), :mod:`.runlog` (JSON lines,
-tensorboard, tqdm), :mod:`.export` (``gram_init.safetensors`` + ``coop_ctx.pth``),
+tensorboard, tqdm), :mod:`.export` (``gram_init.safetensors`` + ``coop_ctx_nctx<M>.pth``),
 :mod:`.cli` (argument parsing).
 """
 from .settings import add_metatrain_cfg

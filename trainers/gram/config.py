@@ -100,15 +100,43 @@ def default_weights_path(backbone_name: str) -> str:
 
 
 def resolve_precision(prec: str, device_type: str) -> str:
-    """``TRAINER.GRAM.PREC`` for this device: CPU always gets fp32 (fp16 there is 5-7x slower, amp a no-op)."""
+    """``TRAINER.GRAM.PREC`` for this device: CPU always gets fp32 (fp16 there is 5-7x slower, amp a no-op).
+
+    No warning: the trainer prints the effective values in one line (:func:`effective_settings_line`).
+    """
     if prec not in PRECISIONS:
         raise ValueError(f"TRAINER.GRAM.PREC: expected one of {'|'.join(PRECISIONS)}, got {prec!r}")
     if device_type != "cuda" and prec != "fp32":
-        from meta.precision import say_once
-
-        say_once(f"TRAINER.GRAM.PREC={prec} on {device_type}: running fp32 instead")  # one log line, not a warning
         return "fp32"
     return prec
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (the count torch's DataLoader compares ``num_workers`` with)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def effective_num_workers(wanted: int, device_type: str, cpus: int) -> int:
+    """``DATALOADER.NUM_WORKERS`` for this machine: the configs' 8 exceed small machines' cores.
+
+    At most ``cpus`` (torch's DataLoader warns above that); on CPU at most ``cpus - 1``, leaving one
+    core to the model, which computes on the same cores.
+    """
+    limit = cpus if device_type == "cuda" else cpus - 1
+    return max(0, min(int(wanted), limit))
+
+
+def effective_settings_line(device_type: str, prec: tuple[str, str], workers: tuple[int, int], cpus: int) -> str:
+    """One log line with the values that run where they differ from the config: ``(config, effective)`` pairs."""
+    changes = []
+    if prec[0] != prec[1]:
+        changes.append(f"TRAINER.GRAM.PREC {prec[1]} (config {prec[0]})")
+    if workers[0] != workers[1]:
+        changes.append(f"DATALOADER.NUM_WORKERS {workers[1]} (config {workers[0]}, {cpus} CPUs)")
+    return f"GRAM effective settings on {device_type}: " + ("; ".join(changes) if changes else "as configured")
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ from meta.init_io import load_gram_init
 from meta.prompts import PromptParams, PromptSpec
 
 from .checkpoint import checkpoint_file, load_checkpoint, prompt_state, save_checkpoint
-from .config import GramSettings, gram_settings, resolve_precision
+from .config import (GramSettings, available_cpus, effective_num_workers, effective_settings_line, gram_settings,
+                     resolve_precision)
 from .model import GramCLIP
 from .provenance import environment_summary, file_sha256, sample_digest
 from .schedule import build_lr_scheduler
@@ -50,6 +51,21 @@ class _GramTrainer(TrainerX):
     # ------------------------------------------------------------------------------ building
     def check_cfg(self, cfg) -> None:
         gram_settings(cfg, type(self).__name__)  # every TRAINER.GRAM key checked before data loading
+
+    def build_data_loader(self) -> None:
+        """Dassl's loaders, with ``DATALOADER.NUM_WORKERS`` capped to this machine (logged with the precision)."""
+        cfg = self.cfg
+        cpus = available_cpus()
+        wanted = int(cfg.DATALOADER.NUM_WORKERS)
+        workers = effective_num_workers(wanted, self.device.type, cpus)
+        if workers != wanted:
+            cfg.defrost()
+            cfg.DATALOADER.NUM_WORKERS = workers
+            cfg.freeze()
+        asked = cfg.TRAINER.GRAM.PREC
+        print(effective_settings_line(self.device.type, (asked, resolve_precision(asked, self.device.type)),
+                                      (wanted, workers), cpus))
+        super().build_data_loader()
 
     def build_model(self) -> None:
         cfg = self.cfg
@@ -223,14 +239,34 @@ class _GramTrainer(TrainerX):
             path = checkpoint_file(directory, name)
             ckpt = load_checkpoint(path)
             self._models[name].load_state_dict(prompt_state(ckpt["state_dict"], self._models[name], source=str(path)))
-            if self._optims[name] is not None and ckpt.get("optimizer"):
-                self._optims[name].load_state_dict(ckpt["optimizer"])
-            if self._scheds[name] is not None and ckpt.get("scheduler"):
-                self._scheds[name].load_state_dict(ckpt["scheduler"])
             start_epoch = int(ckpt["epoch"])
+            optim, sched = self._optims[name], self._scheds[name]
+            if optim is not None and ckpt.get("optimizer"):
+                # optimiser state (momentum) from the file; its hyper-parameters (LR, ...) from the current config
+                hyper = [{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups]
+                optim.load_state_dict(ckpt["optimizer"])
+                for group, values in zip(optim.param_groups, hyper):
+                    group.update(values)
+            if sched is not None:
+                self._replay_schedule(sched, start_epoch, ckpt.get("scheduler"))
             print(f"Resumed {name} from {path} (epochs done: {start_epoch})")
         self.model.reset_cache()
         return start_epoch
+
+
+    def _replay_schedule(self, sched, epochs_done: int, saved: Optional[dict]) -> None:
+        """Bring the (freshly built) schedule to ``epochs_done`` under the *current* ``OPTIM`` settings.
+
+        The saved schedule encodes the old settings (cosine ``T_max`` = the old ``MAX_EPOCH``), so a run
+        resumed with a larger ``OPTIM.MAX_EPOCH`` would continue at the old schedule's end (LR 0).
+        Replaying the per-epoch steps gives exactly the LRs of an uninterrupted run with the new settings.
+        """
+        for _ in range(epochs_done):
+            sched.step()
+        if saved is not None and saved != sched.state_dict():
+            print(f"Note: the LR schedule follows the current OPTIM settings (OPTIM.MAX_EPOCH {self.max_epoch}, "
+                  f"LR {self.cfg.OPTIM.LR}), not the checkpoint's; LR at epoch {epochs_done + 1}: "
+                  f"{sched.get_last_lr()[0]:.4e}")
 
 
 class GRAM_CoOp(_GramTrainer):

@@ -1,0 +1,65 @@
+"""docs/dassl_plugin.md's commands against what the code and CoOp's scripts expect (no Dassl needed)."""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = (REPO / "docs" / "dassl_plugin.md").read_text()
+
+
+def blocks_after(heading: str) -> list[str]:
+    part = DOC[DOC.index(heading):]
+    part = part[:part.index("\n## ", 1)] if "\n## " in part[1:] else part
+    return re.findall(r"```(?:bash|python)?\n(.*?)```", part, re.S)
+
+
+def method_trainers() -> dict[str, str]:
+    """key -> trainer, as `bash scripts/methods.sh` prints it."""
+    out = subprocess.run(["bash", str(REPO / "scripts" / "methods.sh")], capture_output=True, text=True,
+                         check=True).stdout.splitlines()[1:]
+    return {line.split()[0]: line.split()[1] for line in out}
+
+
+def test_config_copy_commands_give_the_layout_fork_scripts_read(tmp_path):
+    """CoOp's scripts read configs/trainers/${TRAINER}/${CFG}.yaml: the doc's copy commands must produce it."""
+    os.symlink(REPO, tmp_path / "gram")
+    (tmp_path / "my-coop-fork").mkdir()
+    script = blocks_after("## 4. Add the configs")[0]
+    r = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    for key, trainer in method_trainers().items():
+        copied = tmp_path / "my-coop-fork" / "configs" / "trainers" / trainer / f"{key}.yaml"
+        assert copied.is_file(), f"method {key}: {copied} missing"
+        assert copied.read_text() == (REPO / "configs" / "trainers" / f"{key}.yaml").read_text()
+
+
+def test_documented_train_commands_use_that_layout_and_pass_the_init():
+    commands = [shlex.split(b.replace("\\\n", " ")) for block in blocks_after("## 4. Add the configs")[1:]
+                for b in block.split("\n\n") if "train.py" in b]
+    assert len(commands) == 2
+    for argv in commands:
+        trainer = argv[argv.index("--trainer") + 1]
+        cfg = argv[argv.index("--config-file") + 1]
+        assert re.fullmatch(rf"configs/trainers/{trainer}/(\w+)\.yaml", cfg), cfg
+        key = Path(cfg).stem
+        assert method_trainers()[key] == trainer
+        assert argv[-2] == "TRAINER.GRAM.INIT"  # yacs options last, as a fork script appends them
+        out = argv[argv.index("--output-dir") + 1]
+        assert f"/{trainer}/{key}/seed1" in out  # the fork scripts' layout, which parse_results.py reads
+
+
+def test_install_section_uses_the_tested_setup_command():
+    install = "\n".join(blocks_after("## 1. Install"))
+    setup_lines = [ln for ln in install.splitlines() if "setup.sh" in ln]
+    assert setup_lines and all(shlex.split(ln, comments=True)[:3] == ["bash", "scripts/setup.sh", "--with-dassl"]
+                               for ln in setup_lines)
+    assert "pip install" not in install  # one documented way
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "scripts/setup.sh --with-dassl" in ci  # CI runs the same command with the shared wheel
+    r = subprocess.run(["bash", str(REPO / "scripts" / "setup.sh"), "--no-such-flag"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: scripts/setup.sh: unknown argument '--no-such-flag' (expected: [--with-dassl [SRC]])"]
