@@ -177,6 +177,15 @@ def test_memmap_on_a_full_disk_is_a_one_line_error(tmp_path, monkeypatch):
         store.fill(lambda s, e: np.zeros((e - s, 4), np.float32), 10, disable_progress=True)
     assert not (tmp_path / "sub" / "x.npy").exists()
     monkeypatch.setattr(stages.shutil, "disk_usage", real)
+    half = ChunkedArray(tmp_path / "z.npy", 10, (2,), np.float32, "fp")    # a run killed after one chunk
+
+    def first_chunk_only(s, e):
+        if s:
+            raise KeyboardInterrupt
+        return np.ones((e - s, 2), np.float32)
+
+    with pytest.raises(KeyboardInterrupt):
+        half.fill(first_chunk_only, 5, disable_progress=True)
 
     def no_space(fd, off, n):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -185,6 +194,9 @@ def test_memmap_on_a_full_disk_is_a_one_line_error(tmp_path, monkeypatch):
     with pytest.raises(DiskSpaceError, match=r"needs 528 bytes for y.npy"):
         create_memmap(tmp_path / "y.npy", np.uint8, (20, 20))
     assert not (tmp_path / "y.npy").exists()
+    with pytest.raises(DiskSpaceError, match=r"needs 208 bytes for z.npy"):              # resuming maps it too
+        half.fill(first_chunk_only, 5, disable_progress=True)
+    assert half.rows_done() == 5                                                        # work kept
 
 
 # ---------------------------------------------------------------- wrong image paths (CLI)
@@ -238,3 +250,63 @@ def test_caption_cap_keeps_a_runaway_caption_from_renaming_its_topic():
     capped = [cap_caption(c, limit) for c in caps]
     assert cluster_tfidf_words(capped, labels, 3, None, 0.1).top_word == ["pizza", "dog", "car"]
     assert [caption_over_cap(c, limit) for c in caps].count(True) == 1 and len(capped[-1]) <= limit
+
+
+# ---------------------------------------------------------------- end to end
+def test_run_with_bad_input_finishes_reports_and_resumes(tmp_path):
+    """A DDS .jpg, a shard with a damaged header and a runaway caption: the run finishes, the report
+    says what was skipped and why, and a re-launch is a no-op."""
+    from meta.chc import load_hierarchy, run_chc
+    from meta.chc.synthetic import write_synthetic_shards
+    from meta.config import get_meta_cfg_default
+
+    data = tmp_path / "data"
+    write_synthetic_shards(data, n_pairs=240, topics=["pizza", "dog", "car"], n_shards=2, corrupt_fraction=0.0,
+                           empty_caption_fraction=0.0, seed=0)
+    members = member_offsets(data / "shard-00001.tar")
+    head = members[3 * 40][1]                        # the 41st pair's first header: 80 pairs sit behind it
+    overwrite_at(data / "shard-00001.tar", data / "shard-00001.tar", head + 20, b"\xff" * 100)
+    long_caption = "a cheesy pizza with " + "melted cheese and more cheese " * 40
+    write_shard(data / "shard-00002.tar", ["homemade pizza in a box", long_caption, "a sliced pizza on a board"],
+                images=[dds_bytes(), png_bytes((200, 100, 0)), png_bytes((190, 90, 10))], ext="jpg")
+    cfg = get_meta_cfg_default()
+    cfg.MODEL.BACKBONE, cfg.MODEL.DEVICE = "GRAM-Test-Tiny", "cpu"
+    cfg.CHC.OUTPUT_DIR = str(tmp_path / "out")
+    cfg.CHC.INPUT.SHARDS = [str(data / "shard-*.tar")]
+    cfg.CHC.TOPICS.MIN_CLUSTER_SIZE, cfg.CHC.TOPICS.PLOT_POINTS = 10, 0
+    cfg.CHC.DOMAINS.MIN_PER_DOMAIN = 3
+    out = run_chc(cfg, show_progress=False)
+    report = json.loads((out / "chc_report.json").read_text())
+    c = report["counts"]
+    assert c["pairs_seen"] == 120 + 40 + 3 and c["corrupt_shards"] == 1 and c["corrupt_shards_cut_short"] == 0
+    assert abs(c["pairs_lost_in_corrupt_shards_estimate"] - 80) <= 8     # estimated from the bytes not read
+    assert c["unreadable_images"] == 1 and c["captions_cut_to_max_chars"] == 1
+    rows = {(r["stage"], r["reason"]): r["count"] for r in report["skipped_input"]}
+    assert rows[("image_features", "unreadable image: NotImplementedError")] == 1
+    assert rows[("index", "corrupt shard (listed below)")] == 1
+    assert report["damaged_inputs"][0]["source"].endswith("shard-00001.tar")
+    assert report["damaged_inputs"][0]["offset"] == head
+    md = (out / "chc_report.md").read_text()
+    assert "## Skipped input" in md and "| image_features | unreadable image: NotImplementedError | 1 |" in md
+    assert "shard-00001.tar: member iteration ended before the end-of-archive marker" in md
+    uniq = json.loads((out / "text" / "unique_captions.json").read_text())
+    assert max(map(len, uniq)) <= cfg.CHC.TEXT.MAX_CAPTION_CHARS
+    h = load_hierarchy(out)
+    assert len(h.topic_names) >= 2 and (h.item_topic >= 0).sum() > 100
+    before = (out / "item_topic.npy").stat().st_mtime_ns
+    run_chc(cfg, show_progress=False)
+    assert (out / "item_topic.npy").stat().st_mtime_ns == before
+
+
+def test_new_input_keys_keep_cached_index_fingerprints():
+    """MAX_UNREADABLE_FRACTION is a check, MAX_FIELD_CHARS at its default was the old behaviour: neither
+    may invalidate an index cached before they existed (the image features, weeks of CPU, hang on it)."""
+    from meta.chc.pipeline import index_settings
+    from meta.config import get_meta_cfg_default
+
+    inp = get_meta_cfg_default().CHC.INPUT
+    assert "MAX_UNREADABLE_FRACTION" not in index_settings(inp) and "MAX_FIELD_CHARS" not in index_settings(inp)
+    inp.MAX_UNREADABLE_FRACTION = 1.0
+    assert "MAX_UNREADABLE_FRACTION" not in index_settings(inp)
+    inp.MAX_FIELD_CHARS = 500
+    assert index_settings(inp)["MAX_FIELD_CHARS"] == 500

@@ -64,6 +64,11 @@ def test_counts_skipped_and_unreadable(chc_run):
     assert counts["skipped_empty_caption"] == empty.sum() > 0
     assert counts["unreadable_images"] == corrupt.sum() > 0
     assert counts["pairs_indexed"] == N_PAIRS - missing.sum() - empty.sum()
+    # every unreadable image is in the report's skipped-input table under its exception type
+    image_rows = {r["reason"]: r["count"] for r in report["skipped_input"] if r["stage"] == "image_features"}
+    assert sum(image_rows.values()) == counts["unreadable_images"]
+    assert all(k.startswith("unreadable image: ") and "not recorded" not in k for k in image_rows)
+    assert "## Skipped input" in (out / "chc_report.md").read_text()
     h = load_hierarchy(out)
     status = np.load(out / "item_status.npy")
     pos = _truth_by_key(truth)
@@ -232,6 +237,8 @@ def test_interrupted_run_resumes_to_identical_result(chc_run, corpus, monkeypatc
     np.testing.assert_array_equal(res.item_topic, ref.item_topic)
     np.testing.assert_array_equal(res.item_domain, ref.item_domain)
     np.testing.assert_array_equal(np.asarray(res.image_features), np.asarray(ref.image_features))
+    reasons = [json.loads((o / "image_features" / "unreadable.json").read_text()) for o in (out, out_ref)]
+    assert reasons[0] == reasons[1] and sum(reasons[0].values()) > 0   # per-chunk reasons survive the crash
     # a finished run resumed is a no-op that changes nothing
     before = (out / "item_topic.npy").stat().st_mtime_ns
     run_chc(cfg, show_progress=False)

@@ -33,7 +33,7 @@ from meta import precision
 from meta.chc.errors import InputError
 from meta.chc.imaging import decode_batch, encode_images
 from meta.chc.sources import KIND_TAR, PairIndex, rank_items
-from meta.chc.stages import ChunkedArray, create_memmap, save_npy_atomic, write_json_atomic
+from meta.chc.stages import ChunkedArray, create_memmap, open_memmap_rw, save_npy_atomic, write_json_atomic
 
 MERGE_BLOCK = 65536  # rows copied at a time when merging rank files
 
@@ -96,7 +96,7 @@ def encode_rank(index: PairIndex, clip, rank: int, world_size: int, stage_dir: P
         shape = (len(items), image_size, image_size, 3)
         fresh = store.rows_done() == 0 or not images_path.is_file()
         if not fresh:
-            pixel_cache = np.load(images_path, mmap_mode="r+")
+            pixel_cache = open_memmap_rw(images_path)
             fresh = pixel_cache.shape != shape
         if fresh:
             Path(stage_dir).mkdir(parents=True, exist_ok=True)

@@ -48,14 +48,16 @@ def _node(cfg_node) -> dict:
 _INDEX_FP_IGNORED = ("MAX_UNREADABLE_FRACTION",)
 # ... and keys added after runs were cached: they enter the fingerprint only when set away from their
 # default, so an index (and the image features after it) cached before the key existed stays valid.
-_INDEX_FP_IF_CHANGED = {"MAX_FIELD_CHARS": 10_000_000}
+_INDEX_FP_IF_CHANGED = ("MAX_FIELD_CHARS",)
 
 
 def index_settings(inp) -> dict:
     """The ``CHC.INPUT`` settings the index stage's fingerprint covers."""
-    node = _node(inp)
-    return {k: v for k, v in node.items()
-            if k not in _INDEX_FP_IGNORED and not (k in _INDEX_FP_IF_CHANGED and v == _INDEX_FP_IF_CHANGED[k])}
+    from meta.config import get_meta_cfg_default
+
+    default = get_meta_cfg_default().CHC.INPUT
+    return {k: v for k, v in _node(inp).items()
+            if k not in _INDEX_FP_IGNORED and not (k in _INDEX_FP_IF_CHANGED and v == default[k])}
 
 
 def resolve_device(name: str) -> str:

@@ -38,6 +38,7 @@ import csv
 import glob
 import json
 import os
+import re
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -332,11 +333,15 @@ def _text_lines(fh, path: str, counts: dict, issues: Optional[list]) -> Iterator
         if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
             raw = raw[3:]
         try:
-            yield raw.decode("utf-8")
+            text = raw.decode("utf-8")
         except UnicodeDecodeError:
             _bump(counts, "invalid_utf8_replaced")
             _note(issues, path, "invalid UTF-8 (decoded with replacement characters)", lineno)
-            yield raw.decode("utf-8", errors="replace")
+            text = raw.decode("utf-8", errors="replace")
+        if "\r" in text.rstrip("\r\n"):              # old Mac line ends: split after a lone CR, as newline="" does
+            yield from re.split(r"(?<=\r)(?!\n)", text)
+        else:
+            yield text
 
 
 def _manifest_rows(path: str, counts: dict, issues: Optional[list], max_field_chars: int):
@@ -385,7 +390,8 @@ def scan_manifest(path: str, image_column: str, caption_column: str, image_root:
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"CHC.INPUT.MANIFEST: no such file: {path}")
-    root = image_root or os.path.dirname(os.path.abspath(path))
+    path = os.path.abspath(path)
+    root = image_root or os.path.dirname(path)
     records = []
     seen: set = set()
     checked = False

@@ -72,6 +72,19 @@ def save_npy_atomic(path: Path, array: np.ndarray) -> None:
             np.save(fh, array)
 
 
+def _reserve(path: Path, needed: int) -> None:
+    """Allocate every block of ``path`` (``posix_fallocate``); ENOSPC/EDQUOT -> :class:`DiskSpaceError`."""
+    if not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        with open(path, "r+b") as fh:
+            os.posix_fallocate(fh.fileno(), 0, os.fstat(fh.fileno()).st_size)
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):   # other errors: a filesystem without fallocate
+            raise DiskSpaceError(f"{path.parent}: needs {needed} bytes for {path.name}, "
+                                 f"{shutil.disk_usage(path.parent).free} free") from None
+
+
 def create_memmap(path: Path, dtype, shape: Sequence[int]) -> np.memmap:
     """A new ``.npy`` memmap whose disk blocks are reserved before any write.
 
@@ -91,18 +104,21 @@ def create_memmap(path: Path, dtype, shape: Sequence[int]) -> np.memmap:
     if needed > free + old:
         raise DiskSpaceError(f"{path.parent}: needs {needed} bytes for {path.name}, {free + old} free")
     arr = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
-    if hasattr(os, "posix_fallocate"):
-        try:
-            with open(path, "r+b") as fh:
-                os.posix_fallocate(fh.fileno(), 0, os.fstat(fh.fileno()).st_size)
-        except OSError as err:
-            if err.errno not in (errno.ENOSPC, errno.EDQUOT):   # others: a filesystem without fallocate
-                return arr
-            del arr
-            path.unlink(missing_ok=True)
-            raise DiskSpaceError(f"{path.parent}: needs {needed} bytes for {path.name}, "
-                                 f"{shutil.disk_usage(path.parent).free} free") from None
+    try:
+        _reserve(path, needed)
+    except DiskSpaceError:
+        del arr
+        path.unlink(missing_ok=True)
+        raise
     return arr
+
+
+def open_memmap_rw(path: Path) -> np.memmap:
+    """An existing ``.npy`` as a read-write memmap, its blocks reserved first (a file written sparse
+    by an older run would otherwise still SIGBUS on a full disk)."""
+    path = Path(path)
+    _reserve(path, path.stat().st_size)
+    return np.load(path, mmap_mode="r+")
 
 
 class StageMarker:
@@ -185,7 +201,7 @@ class ChunkedArray:
             self._progress(0)
             done = 0
         else:
-            arr = np.load(self.path, mmap_mode="r+")
+            arr = open_memmap_rw(self.path)
         chunk_size = max(1, int(chunk_size))
         done -= done % chunk_size if done < self.n_rows else 0
         with tqdm(total=self.n_rows, initial=done, desc=desc, unit="row", disable=disable_progress,
