@@ -77,7 +77,7 @@ class DemoSettings:
     datasets: tuple = ()                  # () = every world dataset with the base2new role
     shots: int = 16                       # paper: 16 shots
     epochs: int = 10                      # paper section 4.1: 10 epochs, CoCoOp's schedule
-    batch_size: int = 4                   # ours: CoCoOp uses 1; 4 keeps the demo inside 30 min (measured)
+    batch_size: int = 1                   # CoCoOp's (paper: CoCoOp's schedule); batch 4 gave the same CoOp base (docs/world_baseline.md)
     eval_every_epoch: bool = True         # needed for the accuracy-vs-epoch plot
     # meta-training (values the paper does not give; ours, chosen for the CPU budget)
     meta_steps: int = 300

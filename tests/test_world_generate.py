@@ -12,6 +12,7 @@ from PIL import Image
 from meta.world import build_world, load_world, read_chc_shards, world_settings
 from meta.world.captions import named_category
 from meta.world.items import STYLES
+from meta.world.render import CAPTURES, capture
 from meta.world.shapes import CATEGORIES, FAMILIES
 
 
@@ -180,3 +181,34 @@ def test_bad_settings_and_missing_manifest_give_one_line_errors(tmp_path):
         replace(world_settings(), train_per_class=8)
     with pytest.raises(FileNotFoundError, match="world.json"):
         load_world(tmp_path)
+    bad = replace(world_settings().plans[0], capture="infrared")
+    with pytest.raises(ValueError, match="unknown capture conditions.*infrared"):
+        replace(world_settings(), datasets=(bad,))
+
+
+def test_capture_conditions_transform_the_rendered_image():
+    rng = np.random.default_rng(0)
+    img = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    assert np.array_equal(capture(img, "none"), img)
+    grey = capture(img, "grayscale")
+    assert grey.dtype == np.uint8 and (grey[..., 0] == grey[..., 1]).all() and (grey[..., 1] == grey[..., 2]).all()
+    assert np.abs(grey[..., 0].astype(float) - img.mean(-1)).max() <= 0.5
+    assert np.array_equal(capture(img, "rotated")[0, :, :], img[:, -1, :])   # quarter turn anticlockwise
+    assert np.array_equal(capture(img, "negative").astype(int) + img, np.full(img.shape, 255))
+    with pytest.raises(KeyError, match="unknown capture condition"):
+        capture(img, "infrared")
+
+
+def test_family_datasets_are_captured_differently_from_pretraining(quick_world):
+    # the mixed source set keeps the web look; each family set has its own capture condition,
+    # applied to every image of every split (the generator's spec and random stream are unchanged)
+    s = world_settings(quick=True)
+    plans = {p.name: p for p in s.plans}
+    assert plans["WorldMixed"].capture == plans["WorldMixedSketch"].capture == "none"
+    assert {plans[n].capture for n in ("WorldPolygons", "WorldCurves", "WorldSymbols", "WorldIcons")} <= set(CAPTURES) - {"none"}
+    manifest = json.loads(quick_world.manifest.read_text())
+    assert {d["name"]: d["capture"] for d in manifest["datasets"]} == {n: p.capture for n, p in plans.items()}
+    ds = quick_world.dataset("WorldPolygons")
+    for rel, _, _ in json.loads(ds.split_file.read_text())["train"][:20]:
+        a = np.asarray(Image.open(ds.image_dir / rel).convert("RGB")).astype(int)
+        assert np.abs(a[..., 0] - a[..., 1]).max() <= 2 and np.abs(a[..., 1] - a[..., 2]).max() <= 2   # JPEG

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from .captions import write_caption
 from .items import item_rng, sample_spec
-from .render import render
+from .render import capture, render
 from .settings import DatasetPlan, WorldSettings, world_settings
 from .shapes import CATEGORIES
 
@@ -225,6 +225,7 @@ def write_dataset(s: WorldSettings, root: Path, index: int, plan: DatasetPlan) -
             for k in range(counts[name]):
                 item = label * counts[name] + k
                 img, _ = make_labelled(s, corpus_id, item, cls, plan.styles)
+                img = capture(img, plan.capture)
                 rel = f"{cls}/{cls}_{name}_{k:04d}.jpg"
                 _save_jpeg(img, ddir / "images" / rel, s.jpeg_quality)
                 rows.append([rel, label, cls])
@@ -233,7 +234,7 @@ def write_dataset(s: WorldSettings, root: Path, index: int, plan: DatasetPlan) -
     split_file.write_text(json.dumps(split, indent=1))
     return {"name": plan.name, "dir": f"downstream/{plan.dirname}", "split_file":
             f"downstream/{plan.dirname}/{split_file.name}", "classnames": classnames,
-            "styles": list(plan.styles), "roles": list(plan.roles),
+            "styles": list(plan.styles), "roles": list(plan.roles), "capture": plan.capture,
             "sizes": {k: len(v) for k, v in split.items()}}
 
 

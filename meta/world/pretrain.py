@@ -58,6 +58,9 @@ Quick schedule on the quick world (10e8520f76d4), pretraining seeds 0/1/2:
 mean 19.1 / 14.5 / 17.8 % = 2.15 / 1.63 / 2.00 x mean chance (8.89 %) in
 129 / 103 / 97 s; random weights 8.4 % (0.94 x).  The test asserts >= 1.4 x.
 
+Whether the features leave room for prompt tuning (linear probes against zero-shot; a width-128
+tower: higher zero-shot, same gap) is measured in ``docs/world_baseline.md``.
+
 Also tried earlier and not adopted (no gain on the quick world): locking the
 text tower at its random init for the first 30-100 % of steps
 (``text_frozen_fraction``); an auxiliary caption bag-of-words loss on the

@@ -99,13 +99,19 @@ def probe_world(world: WorldPaths, weights: Optional[Path], model_name: str = WO
 
     ``weights=None`` probes random weights.  Accuracies in percent on the base test split.
     """
-    from meta.evaluation import DatasetRef
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         clip, dims = load_clip(model_name, pretrained=str(weights) if weights is not None else None)
     clip.eval()
-    tokenizer = open_clip.get_tokenizer(model_name)
+    return probe_model(world, clip, dims, open_clip.get_tokenizer(model_name), seeds, shots, with_coop, datasets, log)
+
+
+def probe_model(world: WorldPaths, clip, dims, tokenizer, seeds: Sequence[int] = (1, 2, 3), shots: int = 16,
+                with_coop: bool = False, datasets: Sequence[str] = (),
+                log: Callable[[str], None] = print) -> dict:
+    """:func:`probe_world` for an in-memory CLIP in eval mode (e.g. during pretraining trials)."""
+    from meta.evaluation import DatasetRef
+
     names = list(datasets) or [d.name for d in world.with_role("base2new")]
     out: dict = {}
     for name in names:

@@ -182,3 +182,21 @@ def _shaded(rng, side, mask, colour, layout):
 
 _STYLE_PAINTERS = {"shaded": _shaded, "sketch": _sketch, "noisy": _noisy,
                    "cartoon": _cartoon, "textured": _textured}
+
+
+# Capture conditions of downstream datasets (none of them occurs in the pretraining corpus):
+# how a specialised benchmark's images differ from web images (satellite views, scans, ...),
+# applied to the rendered image ``[S, S, 3]`` uint8.
+CAPTURES = {
+    "none": lambda img: img,
+    "grayscale": lambda img: np.repeat(np.rint(img.mean(axis=-1, keepdims=True)), 3, axis=-1).astype(np.uint8),
+    "rotated": lambda img: np.ascontiguousarray(np.rot90(img)),     # a quarter turn anticlockwise
+    "negative": lambda img: 255 - img,
+}
+
+
+def capture(img: np.ndarray, condition: str) -> np.ndarray:
+    """``img`` ``[S, S, 3]`` uint8 as seen under a downstream capture ``condition`` (:data:`CAPTURES`)."""
+    if condition not in CAPTURES:
+        raise KeyError(f"unknown capture condition {condition!r}; known: {sorted(CAPTURES)}")
+    return CAPTURES[condition](img)
