@@ -25,7 +25,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 
 from .items import STYLES
-from .shapes import FAMILIES, categories_in
+from .shapes import CATEGORIES, FAMILIES, categories_in
 
 GENERATOR_VERSION = "world-4"
 
@@ -47,15 +47,20 @@ MIXED_CLASSES = ("triangle", "square", "hexagon", "diamond", "rectangle",
                  "star", "cross", "arrow", "bolt", "hourglass")
 
 
-def default_dataset_plans(styles: tuple[str, ...], holdout_style: str) -> tuple[DatasetPlan, ...]:
-    """Six datasets: four one-family sets, a mixed source set and its held-out-style twin."""
+def default_dataset_plans(styles: tuple[str, ...], holdout_style: str,
+                          mixed_classes: tuple[str, ...] = MIXED_CLASSES) -> tuple[DatasetPlan, ...]:
+    """Six datasets: four one-family sets, a mixed source set and its held-out-style twin.
+
+    The twin is named after the held-out style (``WorldMixedSketch`` for ``sketch``).
+    """
     seen = tuple(s for s in styles if s != holdout_style)
     fam = {f: tuple(categories_in([f])) for f in FAMILIES}
+    mixed = tuple(sorted(mixed_classes))
     return (
-        DatasetPlan("WorldMixed", "world_mixed", tuple(sorted(MIXED_CLASSES)), seen,
+        DatasetPlan("WorldMixed", "world_mixed", mixed, seen,
                     ("base2new", "cross_domain_source", "cross_dataset_source")),
-        DatasetPlan("WorldMixedSketch", "world_mixed_sketch", tuple(sorted(MIXED_CLASSES)), (holdout_style,),
-                    ("cross_domain_target",)),
+        DatasetPlan(f"WorldMixed{holdout_style.capitalize()}", f"world_mixed_{holdout_style}", mixed,
+                    (holdout_style,), ("cross_domain_target",)),
         DatasetPlan("WorldPolygons", "world_polygons", fam["polygons"], seen, ("base2new", "cross_dataset_target")),
         DatasetPlan("WorldCurves", "world_curves", fam["curves"], seen, ("base2new", "cross_dataset_target")),
         DatasetPlan("WorldSymbols", "world_symbols", fam["symbols"], seen, ("base2new", "cross_dataset_target")),
@@ -81,7 +86,10 @@ class WorldSettings:
     train_per_class: int = 32
     val_per_class: int = 8
     test_per_class: int = 40
-    datasets: tuple[DatasetPlan, ...] = ()   # empty = default_dataset_plans(styles, holdout_style)
+    datasets: tuple[DatasetPlan, ...] = ()   # empty = default_dataset_plans(styles, holdout_style, mixed_classes)
+    # Classes of the mixed source dataset and its twin; empty = MIXED_CLASSES.  Hashed through the
+    # dataset plans it shapes (``as_dict``), so the default world's hash does not depend on the field.
+    mixed_classes: tuple[str, ...] = ()
 
     def __post_init__(self):
         unknown = [s for s in self.styles if s not in STYLES]
@@ -92,13 +100,24 @@ class WorldSettings:
         for name in ("pretrain_mismatch", "chc_mismatch"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"WorldSettings.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.mixed_classes:
+            if self.datasets:
+                raise ValueError("WorldSettings: give mixed_classes or explicit datasets, not both")
+            unknown = sorted(set(self.mixed_classes) - set(CATEGORIES))
+            if unknown:
+                raise ValueError(f"WorldSettings.mixed_classes: unknown categories {unknown}; "
+                                 f"known: {sorted(CATEGORIES)}")
+            if len(set(self.mixed_classes)) != len(self.mixed_classes) or len(self.mixed_classes) < 2:
+                raise ValueError(f"WorldSettings.mixed_classes must be >= 2 distinct categories, "
+                                 f"got {self.mixed_classes}")
         if self.train_per_class < 16:
             raise ValueError(f"WorldSettings.train_per_class must be >= 16 for 16-shot sampling, got {self.train_per_class}")
 
     @property
     def plans(self) -> tuple[DatasetPlan, ...]:
         """The downstream datasets: ``datasets`` if given, else the default six."""
-        return self.datasets or default_dataset_plans(self.styles, self.holdout_style)
+        return self.datasets or default_dataset_plans(self.styles, self.holdout_style,
+                                                      self.mixed_classes or MIXED_CLASSES)
 
     @property
     def seen_styles(self) -> tuple[str, ...]:
@@ -106,6 +125,7 @@ class WorldSettings:
 
     def as_dict(self) -> dict:
         d = asdict(self)
+        del d["mixed_classes"]                       # its effect is in the plans below
         d["datasets"] = [asdict(p) for p in self.plans]
         d["generator_version"] = GENERATOR_VERSION
         return d
