@@ -261,7 +261,11 @@ def stage_chc(world, weights: Path, model: str, out: Path, settings: DemoSetting
     cfg.CHC.INPUT.SHARDS = [str(p) for p in world.chc_shards]
     cfg.freeze()
     t = time.time()
-    chc.run_chc(cfg, show_progress=True)
+    done = Path(cfg.CHC.OUTPUT_DIR)
+    # CHC resumes stage by stage but always rewrites its final files; the folder's settings are
+    # checked (_check_settings), so a finished hierarchy (report written last) is reused as it is
+    if not ((done / "hierarchy.json").is_file() and (done / "chc_report.md").is_file()):
+        chc.run_chc(cfg, show_progress=True)
     hierarchy = chc.load_hierarchy(cfg.CHC.OUTPUT_DIR)
     kept = int((hierarchy.item_topic >= 0).sum())
     _log(f"CHC: {len(hierarchy.topic_names)} topics, {kept}/{len(hierarchy.item_topic)} pairs kept "
@@ -553,6 +557,21 @@ def _check_settings(settings: DemoSettings, out: Path) -> None:
         path.write_text(json.dumps(current, indent=1))
 
 
+def _check_world(out: Path, world, weights: Path) -> None:
+    """The world and CLIP a folder's cached stages were computed with must be this run's too (their
+    defaults live in ``meta.world``, outside DemoSettings); refuse a mix."""
+    path = out / "demo_world.json"
+    current = {"world_settings_hash": world.settings_hash, "clip_weights": weights.name}
+    if path.is_file():
+        previous = json.loads(path.read_text())
+        if previous != current:
+            raise SystemExit(f"error: {out} holds a demo run on world {previous.get('world_settings_hash')} / "
+                             f"CLIP {previous.get('clip_weights')}, this run uses {current['world_settings_hash']} / "
+                             f"{current['clip_weights']}; use --out DIR or delete that folder")
+    else:
+        path.write_text(json.dumps(current, indent=1))
+
+
 def run(settings: DemoSettings, out: Path, world_root: Optional[Path] = None) -> Path:
     """All stages into ``out``; worlds (and their CLIP weights) are cached under ``world_root``
     (default ``.cache/world``).  Returns the path of ``results.md``."""
@@ -567,6 +586,7 @@ def run(settings: DemoSettings, out: Path, world_root: Optional[Path] = None) ->
     t = time.time()
     world, weights, model, zeroshot = stage_world(settings, out, world_root)
     timings["world + tiny CLIP"] = time.time() - t
+    _check_world(out, world, weights)
     t = time.time()
     stage_chc(world, weights, model, out, settings)
     timings["CHC"] = time.time() - t

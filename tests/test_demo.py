@@ -206,3 +206,16 @@ def test_dumped_meta_config_reloads(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text(get_meta_cfg_default().dump())
     assert load_meta_cfg(str(path)) == get_meta_cfg_default()
+
+
+def test_a_folder_of_another_world_or_clip_is_refused(tmp_path):
+    from meta.demo import _check_world
+
+    world = SimpleNamespace(settings_hash="aaaaaaaaaaaa")
+    _check_world(tmp_path, world, tmp_path / "clip-1.safetensors")
+    _check_world(tmp_path, world, tmp_path / "clip-1.safetensors")
+    with pytest.raises(SystemExit, match="world aaaaaaaaaaaa / CLIP clip-1.safetensors, this run uses "
+                                         "bbbbbbbbbbbb / clip-1.safetensors"):
+        _check_world(tmp_path, SimpleNamespace(settings_hash="bbbbbbbbbbbb"), tmp_path / "clip-1.safetensors")
+    with pytest.raises(SystemExit, match="clip-2"):
+        _check_world(tmp_path, world, tmp_path / "clip-2.safetensors")
