@@ -8,7 +8,7 @@ Examples::
     python -m meta.evaluate base2new --dataset .cache/world/<hash>/downstream/world_curves \\
         --dataset .cache/world/<hash>/downstream/world_icons --model GRAM-World-ViT-T \\
         --pretrained .cache/world/<hash>/clip/<weights>.safetensors \\
-        --methods zsclip coop coop_gram --init coop_gram=output/gram_text.safetensors \\
+        --methods zsclip coop gram_coop --init gram_coop=output/gram_text.safetensors \\
         --seeds 1 2 3 --shots 16 --output output/eval/b2n.jsonl
 
     # cross-dataset: train on one dataset (all classes), test on others
@@ -28,8 +28,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from .evaluation import (PRESET_NAMES, DatasetRef, EvaluationSession, MethodSpec, TrainSpec,
-                         evaluate_base_to_new, evaluate_transfer, method_preset)
+from .evaluation import (PRESET_ALIASES, PRESET_NAMES, DatasetRef, EvaluationSession, MethodSpec, TrainSpec,
+                         evaluate_base_to_new, evaluate_transfer, is_gram_preset, method_preset, preset_key)
 from .evaluation.summary import average_over_datasets, format_row, summarise
 
 __all__ = ["DatasetRef", "EvaluationSession", "MethodSpec", "TrainSpec", "evaluate_base_to_new",
@@ -45,9 +45,10 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--pretrained", default="", help="local CLIP weights file or cached open_clip tag")
     common.add_argument("--quick-gelu", choices=("auto", "on", "off"), default="auto")
     common.add_argument("--device", default="cpu")
-    common.add_argument("--methods", nargs="+", default=["zsclip", "coop"], choices=PRESET_NAMES)
+    common.add_argument("--methods", nargs="+", default=["zsclip", "coop"],
+                        choices=PRESET_NAMES + tuple(PRESET_ALIASES))
     common.add_argument("--init", nargs="*", default=[], metavar="[PRESET=]PATH",
-                        help="GRAM init file for the *_gram / unigram presets (PATH for all, or PRESET=PATH)")
+                        help="GRAM init file for the gram_* / unigram presets (PATH for all, or PRESET=PATH)")
     common.add_argument("--ctx-init", default="", help="initialise CoOp-style text context from these words")
     common.add_argument("--norm-preserve", choices=("auto", "on", "off"), default="auto",
                         help="GRAM presets: rescale the regulated gradient to the raw norm (auto = as meta-trained)")
@@ -87,8 +88,8 @@ def _init_paths(values: Sequence[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for v in values:
         key, sep, path = v.partition("=")
-        if sep and key in PRESET_NAMES:
-            out[key] = path
+        if sep and (key in PRESET_NAMES or key in PRESET_ALIASES):
+            out[preset_key(key)] = path
         else:
             out["*"] = v
     return out
@@ -97,13 +98,13 @@ def _init_paths(values: Sequence[str]) -> dict[str, str]:
 def _methods(args: argparse.Namespace) -> list[MethodSpec]:
     inits = _init_paths(args.init)
     methods = []
-    for key in args.methods:
+    for key in map(preset_key, args.methods):
         overrides = {}
         if args.vision_depth != 1:
             overrides["vision_depth"] = args.vision_depth
         if args.ctx_init and key in ("coop", "joint"):
             overrides["ctx_init"] = args.ctx_init
-        gram = key.endswith("_gram") or key == "unigram"
+        gram = is_gram_preset(key)
         path = inits.get(key, inits.get("*", "")) if gram else ""
         if gram and args.norm_preserve != "auto":
             overrides["norm_preserve"] = args.norm_preserve == "on"

@@ -1,65 +1,204 @@
-"""The demo's table logic: every paper row present, mean ± std over seeds, H of the means."""
+"""The demo's tables, method rows, settings and world selection (no training; seconds)."""
 import json
 import statistics
+import warnings
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
+from meta.cli_errors import UserError
+
 from meta.coop_data import harmonic_mean
-from meta.demo import EVAL_METHODS, META_VARIANTS, DemoSettings, _check_settings, markdown_table, table_rows
+from meta.demo import (METHOD_BY_KEY, METHODS, META_VARIANTS, TABLE1_KEYS, TABLE4_KEYS, TABLE_GROUPS, TOKEN_KEYS,
+                       VARIANT_BY_NAME, DemoSettings, _check_settings, _parser, default_out, demo_world_settings,
+                       main, method_spec, settings_from_args)
+from meta.demo_report import build_tables, markdown_table, tokens_markdown, transfer_markdown
+from meta.evaluation import summarise
+
+DATASETS = ("WorldA", "WorldB")
+FAMILY = ("WorldP", "WorldQ")
+SKETCH = "WorldASketch"
 
 
-def _records():
+def _b2n_records():
     out = []
-    for d_i, dataset in enumerate(("WorldA", "WorldB")):
-        for m_i, (label, _, _) in enumerate(EVAL_METHODS):
+    for d_i, dataset in enumerate(DATASETS):
+        for m_i, m in enumerate(METHODS):
             for seed in (1, 2, 3):
-                base = 40 + m_i + 3 * seed + d_i
+                base = 40 + m_i + (3 * seed if d_i == 0 else -2 * seed)     # opposite seed effects
                 new = 30 + 0.5 * m_i - seed + 2 * d_i
-                out.append({"protocol": "base2new", "dataset": dataset, "method": label, "seed": seed,
-                            "base": base, "new": new, "H": harmonic_mean(base, new), "history": []})
+                out.append({"protocol": "base2new", "dataset": dataset, "key": m.key, "method": m.label,
+                            "seed": seed, "base": base, "new": new, "H": harmonic_mean(base, new), "history": []})
     return out
 
 
-def test_table_has_every_paper_row_with_independent_statistics():
-    rows = table_rows(_records())
-    labels = [label for label, _, _ in EVAL_METHODS]
-    for required in ("CLIP (zero-shot)", "CoOp", "CoOp + GRAM", "VPT", "VPT + GRAM", "UNIGRAM",
-                     "- domain shift simulating", "- gradient regulating", "- meta-learning = prompt pre-training",
-                     "- CHC = supervised meta-learning", "joint textual & visual tuning"):
-        assert required in labels
-        for dataset in ("WorldA", "WorldB", "Average"):
-            assert any(r["method"] == required and r["dataset"] == dataset for r in rows), (required, dataset)
-    recs = _records()
+def _transfer_records(shots):
+    out = []
+    for m_i, m in enumerate(METHODS):
+        for seed in (1, 2, 3):
+            targets = {SKETCH: 20 + m_i + seed, FAMILY[0]: 50 + seed, FAMILY[1]: 60 - 2 * seed + m_i}
+            out.append({"protocol": "transfer", "dataset": "WorldA", "key": m.key, "method": m.label, "seed": seed,
+                        "shots": shots, "source": 70 + m_i - seed, "targets": targets,
+                        "target_mean": statistics.fmean(targets.values()), "history": []})
+    return out
+
+
+def _fake_world():
+    roles = {"cross_domain_target": [SKETCH], "cross_dataset_target": list(FAMILY)}
+    return SimpleNamespace(with_role=lambda role: [SimpleNamespace(name=n) for n in roles.get(role, [])])
+
+
+def test_average_rows_average_datasets_per_seed_first_then_take_h_of_the_means():
+    records = _b2n_records()
+    rows = summarise(records, average="Average")
     for row in rows:
-        if row["dataset"] == "Average":
-            per_seed = [statistics.fmean(r["base"] for r in recs if r["method"] == row["method"] and r["seed"] == s)
-                        for s in (1, 2, 3)]
-        else:
-            per_seed = [r["base"] for r in recs if r["method"] == row["method"] and r["dataset"] == row["dataset"]]
-        assert row["base_mean"] == pytest.approx(statistics.fmean(per_seed))
-        assert row["base_std"] == pytest.approx(statistics.pstdev(per_seed))
-        assert row["H"] == pytest.approx(2 * row["base_mean"] * row["new_mean"] / (row["base_mean"] + row["new_mean"]))
-    md = markdown_table(rows, "Average")
-    assert md.count("\n") == len(EVAL_METHODS) + 1 and "± " in md
+        runs = [r for r in records if r["key"] == row["key"] and (row["dataset"] == "Average" or
+                                                                     r["dataset"] == row["dataset"])]
+        per_seed = {s: statistics.fmean(r["base"] for r in runs if r["seed"] == s) for s in (1, 2, 3)}
+        assert row["base_mean"] == pytest.approx(statistics.fmean(per_seed.values()))
+        assert row["base_std"] == pytest.approx(statistics.pstdev(per_seed.values()))
+        assert row["H"] == pytest.approx(harmonic_mean(row["base_mean"], row["new_mean"]))
+    avg = next(r for r in rows if r["dataset"] == "Average" and r["key"] == "coop")
+    per_dataset = [r["base_std"] for r in rows if r["dataset"] in DATASETS and r["key"] == "coop"]
+    # per-seed averaging is not the average of the per-dataset spreads (opposite seed effects cancel)
+    assert avg["base_std"] == pytest.approx(statistics.pstdev([0.5, 1.0, 1.5])) and min(per_dataset) > 1.5
+    assert avg["datasets"] == list(DATASETS)
 
 
-def test_every_gram_row_has_a_meta_variant_and_presets_exist():
+def test_every_table_holds_its_paper_rows_under_stable_keys():
+    settings = replace(DemoSettings(), tables=tuple(TABLE_GROUPS))
+    records = _b2n_records() + _transfer_records(16) + _transfer_records(4)
+    tables = build_tables(records, settings, _fake_world())
+    assert set(tables) == {"table1", "table2", "table3", "table4", "tableA1", "tableA2", "tableA3"}
+    for tid, keys in (("table1", TABLE1_KEYS), ("table4", TABLE4_KEYS)):
+        for dataset in DATASETS + ("Average",):
+            assert [r["key"] for r in tables[tid]["rows"] if r["dataset"] == dataset] == list(keys)
+    assert [METHOD_BY_KEY[k].label for k in TABLE1_KEYS] == ["CLIP", "CoOp", "CoOp + GRAM", "VPT", "VPT + GRAM",
+                                                            "UNIGRAM"]
+    assert [r["method"] for r in tables["table4"]["rows"][:6]] == [
+        "UNIGRAM", "- domain shift simulating", "- gradient regulating", "- meta-learning = prompt pre-training",
+        "- CHC = supervised meta-learning", "joint textual & visual prompt tuning"]
+    # Table 2: the held-out-style twin only; Table 3: the family datasets and their per-seed average
+    t2, t3, a2 = tables["table2"], tables["table3"], tables["tableA2"]
+    assert (t2["targets"], t3["targets"], t2["shots"], a2["shots"]) == ([SKETCH], list(FAMILY), 16, 4)
+    assert [r["key"] for r in t3["rows"]] == list(TABLE1_KEYS)
+    coop = next(r for r in t3["rows"] if r["key"] == "coop")
+    per_seed = [statistics.fmean(r["targets"][f] for f in FAMILY) for r in _transfer_records(16) if r["key"] == "coop"]
+    assert (coop["target_mean"], coop["target_std"]) == (pytest.approx(statistics.fmean(per_seed)),
+                                                         pytest.approx(statistics.pstdev(per_seed)))
+    assert list(next(r for r in t2["rows"] if r["key"] == "coop")["targets"]) == [SKETCH]
+    # Table A3: 2 / 4 / 6 / 8 tokens, half text, half visual; 4 is UNIGRAM itself
+    a3 = tables["tableA3"]["rows"]
+    assert [(r["tokens"], r["text_tokens"], r["visual_tokens"], r["key"]) for r in a3] == [
+        (2, 1, 1, "unigram_2tok"), (4, 2, 2, "unigram"), (6, 3, 3, "unigram_6tok"), (8, 4, 4, "unigram_8tok")]
+    # markdown: one line per row plus header and rule
+    assert markdown_table(tables["table1"]["rows"], "Average").count("\n") == len(TABLE1_KEYS) + 1
+    assert transfer_markdown(t3).splitlines()[0].endswith("| target average |")
+    assert "| target average" not in transfer_markdown(t2)
+    assert tokens_markdown(tables["tableA3"]).count("\n") == 5
+
+
+def test_only_the_requested_table_groups_are_built():
+    tables = build_tables(_b2n_records(), DemoSettings(), _fake_world())
+    assert set(tables) == {"table1", "table4"}
+
+
+def test_method_rows_have_unique_keys_existing_presets_and_variants():
     from meta.evaluation import PRESET_NAMES
 
-    variants = {v.name for v in META_VARIANTS}
-    for _, preset, variant in EVAL_METHODS:
-        assert preset in PRESET_NAMES
-        assert variant is None or variant in variants
+    assert len({m.key for m in METHODS}) == len(METHODS) and len({m.label for m in METHODS}) == len(METHODS)
+    assert {"zsclip", "coop", "gram_coop", "vpt", "gram_vpt", "joint", "unigram", "unigram_no_shift",
+            "unigram_no_reg", "unigram_pretrain", "unigram_supervised"} <= set(METHOD_BY_KEY)
+    for m in METHODS:
+        assert m.preset in PRESET_NAMES
+        assert m.variant == "" or m.variant in VARIANT_BY_NAME
+    # the GRAM rows start from the variant of the same name (Tables 1 and 4)
+    for v in META_VARIANTS:
+        assert METHOD_BY_KEY[v.name].variant == v.name
+    assert set(TOKEN_KEYS) == {2, 4, 6, 8}
+    spec = method_spec(METHOD_BY_KEY["unigram_8tok"], init="/x.safetensors")
+    assert (spec.n_ctx_text, spec.n_ctx_vision, spec.regulate, spec.name) == (4, 4, True, "UNIGRAM, 8 prompt tokens")
+    assert method_spec(METHOD_BY_KEY["unigram_no_reg"], init="/x.safetensors").regulate is False
 
 
-def test_changed_settings_are_refused(tmp_path):
-    _check_settings(DemoSettings.preset(quick=True), tmp_path)
-    _check_settings(DemoSettings.preset(quick=True), tmp_path)  # same settings: fine
-    from meta.cli_errors import UserError
+def test_old_preset_names_are_silent_aliases_of_the_stable_keys():
+    from meta.evaluation import method_preset
 
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert method_preset("coop_gram", in_memory=True) == method_preset("gram_coop", in_memory=True)
+        assert method_preset("vpt_gram", in_memory=True) == method_preset("gram_vpt", in_memory=True)
+    with pytest.raises(KeyError, match="unknown method preset 'cocoop'"):
+        method_preset("cocoop")
+
+
+def test_changed_settings_are_refused_but_jobs_and_tables_are_not_results(tmp_path):
+    quick = DemoSettings.preset(quick=True)
+    _check_settings(quick, tmp_path)
+    _check_settings(replace(quick, jobs=1, tables=tuple(TABLE_GROUPS)), tmp_path)   # same results: fine
     with pytest.raises(UserError, match="other settings"):
         _check_settings(DemoSettings.preset(quick=False), tmp_path)
-    assert json.loads((tmp_path / "demo_settings.json").read_text())["quick"] is True
+    with pytest.raises(UserError, match=r"\(world_seed\)"):
+        _check_settings(replace(quick, world_seed=1), tmp_path)
+    saved = json.loads((tmp_path / "demo_settings.json").read_text())
+    assert saved["quick"] is True and "jobs" not in saved and "tables" not in saved
+    # a folder written before the world fields existed is read with their preset values
+    for key in ("world_seed", "world", "clip", "transfer_shots"):
+        saved.pop(key)
+    (tmp_path / "demo_settings.json").write_text(json.dumps(saved))
+    _check_settings(quick, tmp_path)
+
+
+def test_world_seed_and_world_options_change_the_world_hash_and_output_folder():
+    quick = DemoSettings.preset(quick=True)
+    args = _parser().parse_args(["--quick", "--world-seed", "3", "--holdout-style", "cartoon", "--mixed-classes",
+                                 "circle", "star", "square", "heart", "--tables", "all"])
+    other = settings_from_args(args)
+    assert other.world_seed == 3 and other.tables == tuple(TABLE_GROUPS)
+    ws = demo_world_settings(other)
+    assert (ws.seed, ws.holdout_style) == (3, "cartoon")
+    twin = next(p for p in ws.plans if "cross_domain_target" in p.roles)
+    assert (twin.name, twin.styles, twin.classnames) == ("WorldMixedCartoon", ("cartoon",),
+                                                         ("circle", "heart", "square", "star"))
+    seed_only = replace(quick, world_seed=3)
+    hashes = {demo_world_settings(s).checksum() for s in (quick, seed_only, other)}
+    assert len(hashes) == 3
+    assert default_out(quick).name == "demo_quick" and default_out(seed_only).name == "demo_quick_world3"
+    assert default_out(other).name == f"demo_quick_world-{ws.checksum()}"
+    # the default world's hash does not depend on the new field
+    assert demo_world_settings(replace(quick, world=(("mixed_classes", ()),))).checksum() == \
+        demo_world_settings(quick).checksum()
+
+
+def test_bad_world_options_give_one_line_errors(capsys):
+    with pytest.raises(ValueError, match="WorldSettings has no field colour"):
+        demo_world_settings(replace(DemoSettings(), world=(("colour", "red"),)))
+    assert main(["--quick", "--mixed-classes", "circle", "--out", "/nonexistent/never"]) == 2
+    assert "mixed_classes must be >= 2 distinct" in capsys.readouterr().err
+
+
+def test_stage_world_builds_another_world_per_seed_and_reuses_it(tmp_path):
+    """--world-seed: its own cache key, other images, its own CLIP; a rerun rebuilds nothing."""
+    import numpy as np
+
+    from meta.demo import stage_world
+
+    tiny_world = (("pretrain_size", 128), ("chc_size", 60), ("chc_shard_size", 30), ("labelled_per_class", 1),
+                  ("val_per_class", 1), ("test_per_class", 1))
+    tiny_clip = (("epochs", 1), ("batch_size", 64))
+    base = replace(DemoSettings.preset(quick=True), world=tiny_world, clip=tiny_clip)
+    w0, weights0, _, _ = stage_world(base, tmp_path, tmp_path / "worlds")
+    w1, weights1, _, zeroshot1 = stage_world(replace(base, world_seed=1), tmp_path, tmp_path / "worlds")
+    assert w0.settings_hash != w1.settings_hash and w0.root != w1.root
+    assert w1.settings["seed"] == 1
+    assert not np.array_equal(np.load(w0.pretrain_images), np.load(w1.pretrain_images))
+    assert weights0 != weights1 and weights1.parent == w1.root / "clip"
+    assert set(zeroshot1) == set(w1.datasets)
+    stamps = {p: p.stat().st_mtime_ns for p in w1.root.rglob("*") if p.is_file()}
+    again, weights_again, _, zeroshot_again = stage_world(replace(base, world_seed=1), tmp_path, tmp_path / "worlds")
+    assert (again.root, weights_again, zeroshot_again) == (w1.root, weights1, zeroshot1)
+    assert {p: p.stat().st_mtime_ns for p in w1.root.rglob("*") if p.is_file()} == stamps
 
 
 def test_dumped_meta_config_reloads(tmp_path):
@@ -69,3 +208,16 @@ def test_dumped_meta_config_reloads(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text(get_meta_cfg_default().dump())
     assert load_meta_cfg(str(path)) == get_meta_cfg_default()
+
+
+def test_a_folder_of_another_world_or_clip_is_refused(tmp_path):
+    from meta.demo import _check_world
+
+    world = SimpleNamespace(settings_hash="aaaaaaaaaaaa")
+    _check_world(tmp_path, world, tmp_path / "clip-1.safetensors")
+    _check_world(tmp_path, world, tmp_path / "clip-1.safetensors")
+    with pytest.raises(UserError, match="world aaaaaaaaaaaa / CLIP clip-1.safetensors, this run uses "
+                                         "bbbbbbbbbbbb / clip-1.safetensors"):
+        _check_world(tmp_path, SimpleNamespace(settings_hash="bbbbbbbbbbbb"), tmp_path / "clip-1.safetensors")
+    with pytest.raises(UserError, match="clip-2"):
+        _check_world(tmp_path, world, tmp_path / "clip-2.safetensors")

@@ -1,4 +1,4 @@
-"""The main job end to end on the quick world: world -> tiny CLIP -> CHC -> meta-training -> table.
+"""The main job end to end on the quick world: world -> tiny CLIP -> CHC -> meta-training -> every table.
 
 Shares the session's quick world (and its quick CLIP weights, cached by settings hash) with
 tests/test_world_*.py; meta-training and fine-tuning are cut to a few steps so that the whole
@@ -6,60 +6,92 @@ chain, not the numbers, is what this test checks.
 """
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from meta.coop_data import harmonic_mean
-from meta.demo import EVAL_METHODS, META_VARIANTS, DemoSettings, run
+from meta.demo import (ALL_VARIANTS, METHOD_BY_KEY, TABLE1_KEYS, TABLE4_KEYS, TABLE_GROUPS, TOKEN_KEYS,
+                       TRANSFER_KEYS, DemoSettings, b2n_keys, run)
 
 
 @pytest.fixture(scope="module")
 def demo_out(tmp_path_factory):
     settings = replace(DemoSettings.preset(quick=True), meta_steps=2, checkpoint_every=1, log_detail_every=1,
-                       epochs=1, val_tasks=2, jobs=1, seeds=(1, 2))
+                       epochs=1, val_tasks=2, jobs=1, seeds=(1, 2), tables=tuple(TABLE_GROUPS))
     out = tmp_path_factory.mktemp("demo")
     md = run(settings, out, world_root=tmp_path_factory.getbasetemp() / "worlds")
     return out, md, settings
 
 
-def test_results_table_has_every_row_and_h_of_the_means(demo_out):
+def test_every_table_is_present_with_stable_keys_and_h_of_the_means(demo_out):
     out, md, settings = demo_out
     text = md.read_text()
     result = json.loads((out / "results.json").read_text())
-    labels = [label for label, _, _ in EVAL_METHODS]
-    for dataset in ("WorldMixed", "Average"):
-        rows = [r for r in result["rows"] if r["dataset"] == dataset]
-        assert [r["method"] for r in rows] == labels
-        for r in rows:
-            assert 0.0 <= r["base_mean"] <= 100.0 and 0.0 <= r["new_mean"] <= 100.0
-            assert r["H"] == pytest.approx(harmonic_mean(r["base_mean"], r["new_mean"]))
-            assert f"| {r['method']} | {r['base_mean']:.2f} ± " in text
-    # one run record per (dataset, method, seed), each with its per-epoch history
-    runs = sorted((out / "runs").rglob("seed*.json"))
-    assert len(runs) == len(EVAL_METHODS) * len(settings.seeds)
-    # zero-shot CLIP trains nothing, so its accuracy cannot depend on the seed
-    zero_shot = [r for r in result["rows"] if r["method"] == "CLIP (zero-shot)" and r["dataset"] == "WorldMixed"][0]
-    assert zero_shot["base_std"] == 0.0 and zero_shot["new_std"] == 0.0
-    assert set(result["zeroshot"]) >= {"WorldMixed"}
+    tables = result["tables"]
+    assert set(tables) == {"table1", "table2", "table3", "table4", "tableA1", "tableA2", "tableA3"}
+    for tid, keys in (("table1", TABLE1_KEYS), ("table4", TABLE4_KEYS)):
+        for dataset in ("WorldMixed", "Average"):
+            rows = [r for r in tables[tid]["rows"] if r["dataset"] == dataset]
+            assert [r["key"] for r in rows] == list(keys)
+            assert [r["method"] for r in rows] == [METHOD_BY_KEY[k].label for k in keys]
+            for r in rows:
+                assert r["seeds"] == [1, 2]
+                assert r["H"] == pytest.approx(harmonic_mean(r["base_mean"], r["new_mean"]))
+                assert f"| {r['method']} | {r['base_mean']:.2f} ± {r['base_std']:.2f} | " in text
+    # one dataset: its average row is that dataset's row
+    t1 = {(r["dataset"], r["key"]): r for r in tables["table1"]["rows"]}
+    assert t1[("Average", "unigram")]["new_mean"] == pytest.approx(t1[("WorldMixed", "unigram")]["new_mean"])
+    # zero-shot CLIP trains nothing: identical across seeds, in every table
+    assert t1[("WorldMixed", "zsclip")]["base_std"] == 0.0 == t1[("WorldMixed", "zsclip")]["new_std"]
+    shots = settings.transfer_shot_counts
+    twin, families = ["WorldMixedSketch"], ["WorldPolygons", "WorldCurves", "WorldSymbols", "WorldIcons"]
+    for tid, n_shots, targets in (("table2", shots[0], twin), ("tableA1", shots[1], twin),
+                                  ("table3", shots[0], families), ("tableA2", shots[1], families)):
+        t = tables[tid]
+        assert (t["source"], t["shots"], sorted(t["targets"])) == ("WorldMixed", n_shots, sorted(targets))
+        assert [r["key"] for r in t["rows"]] == list(TRANSFER_KEYS)
+        for r in t["rows"]:
+            assert sorted(r["targets"]) == sorted(targets)
+            assert r["target_mean"] == pytest.approx(sum(m for m, _ in r["targets"].values()) / len(targets))
+        zs = t["rows"][0]
+        assert zs["key"] == "zsclip" and zs["source_std"] == 0.0 and zs["target_std"] == 0.0
+        assert t["title"] in text
+    # the zero-shot row of the transfer tables does not depend on the shots either
+    assert tables["table2"]["rows"][0]["targets"] == tables["tableA1"]["rows"][0]["targets"]
+    a3 = tables["tableA3"]["rows"]
+    assert [(r["tokens"], r["key"]) for r in a3] == list(TOKEN_KEYS.items())
+    assert a3[1]["H"] == t1[("Average", "unigram")]["H"]                      # 4 tokens is UNIGRAM itself
+    # every base-to-new row of results.json carries its key; provenance names world, hash, commit, machine
+    assert {r["key"] for r in result["rows"]} == set(b2n_keys(settings.tables))
+    prov = result["provenance"]
+    assert prov["world_seed"] == 0 and len(prov["world_settings_hash"]) == 12 and prov["commit"] and prov["machine"]
+    assert f"world seed **0**, world settings hash `{prov['world_settings_hash']}`" in text
+    # one run record per (protocol, dataset, method, seed[, shots])
+    n_b2n = len(b2n_keys(settings.tables)) * len(settings.seeds)
+    n_transfer = len(TRANSFER_KEYS) * len(settings.seeds) * len(shots)
+    assert len(list((out / "runs").rglob("seed*.json"))) == n_b2n + n_transfer
 
 
 def test_every_meta_variant_exported_and_plots_written(demo_out):
     out, _, settings = demo_out
-    for variant in META_VARIANTS:
+    for variant in ALL_VARIANTS:
         run_dir = out / "meta" / variant.name
         assert (run_dir / "gram_init.safetensors").is_file(), variant.name
         logged = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
         assert max(r["step"] for r in logged if r.get("kind") == "train") == settings.meta_steps
-    for name in ("accuracy_bars.png", "grad_cosine.png", "accuracy_vs_epoch.png"):
+    for name in ("accuracy_bars.png", "grad_cosine.png", "accuracy_vs_epoch.png", "transfer_bars.png"):
         png = out / name
         assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    fig3b = json.loads((out / "results.json").read_text())["fig3b"]
+    assert "unigram_pretrain" not in fig3b["series"] and fig3b["not_shown"] == ["- meta-learning = prompt pre-training"]
+    assert {"gram_coop", "gram_vpt", "unigram"} <= set(fig3b["series"])
 
 
-def test_rerun_reuses_every_stage_and_gives_the_same_table(demo_out, tmp_path_factory):
+def test_rerun_reuses_every_stage_and_gives_the_same_tables(demo_out, tmp_path_factory):
     out, md, settings = demo_out
-    before = json.loads((out / "results.json").read_text())["rows"]
-    mtimes = {p: p.stat().st_mtime for p in (out / "runs").rglob("seed*.json")}
+    before = json.loads((out / "results.json").read_text())["tables"]
+    stamps = {p: p.stat().st_mtime_ns for p in list((out / "runs").rglob("seed*.json")) +
+              list((out / "meta").rglob("gram_init.safetensors")) + list((out / "chc").rglob("*")) if p.is_file()}
     run(settings, out, world_root=tmp_path_factory.getbasetemp() / "worlds")
-    assert json.loads((out / "results.json").read_text())["rows"] == before
-    assert all(p.stat().st_mtime == t for p, t in mtimes.items())
+    assert json.loads((out / "results.json").read_text())["tables"] == before
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps

@@ -17,13 +17,13 @@ from .datasets import DatasetRef
 from .images import FeatureCache, ImageLoader, clip_fingerprint
 from .protocol import EvaluationSession, evaluate_base_to_new, evaluate_transfer
 from .summary import average_over_datasets, epoch_curves, format_row, summarise
-from .spec import PRESET_NAMES, MethodSpec, TrainSpec, method_preset
+from .spec import PRESET_ALIASES, PRESET_NAMES, MethodSpec, TrainSpec, is_gram_preset, method_preset, preset_key
 from .training import (LabelledSet, PromptTuner, StartPoint, build_prompts, make_optimizer, make_scheduler,
                        prompt_digest)
 
 __all__ = [
     "DatasetRef", "FeatureCache", "ImageLoader", "clip_fingerprint", "EvaluationSession",
-    "evaluate_base_to_new", "evaluate_transfer", "PRESET_NAMES", "MethodSpec", "TrainSpec",
-    "method_preset", "LabelledSet", "PromptTuner", "StartPoint", "build_prompts", "make_optimizer",
+    "evaluate_base_to_new", "evaluate_transfer", "PRESET_NAMES", "PRESET_ALIASES", "preset_key", "is_gram_preset",
+    "MethodSpec", "TrainSpec", "method_preset", "LabelledSet", "PromptTuner", "StartPoint", "build_prompts", "make_optimizer",
     "make_scheduler", "prompt_digest", "summarise", "average_over_datasets", "epoch_curves", "format_row",
 ]

@@ -163,24 +163,40 @@ class TrainSpec:
 _PRESETS: dict[str, dict] = {
     "zsclip": dict(name="ZS-CLIP", n_ctx_text=0),
     "coop": dict(name="CoOp", n_ctx_text=4),
-    "coop_gram": dict(name="CoOp+GRAM", n_ctx_text=4, regulate=True),
+    "gram_coop": dict(name="CoOp+GRAM", n_ctx_text=4, regulate=True),
     "vpt": dict(name="VPT", n_ctx_text=0, n_ctx_vision=4),
-    "vpt_gram": dict(name="VPT+GRAM", n_ctx_text=0, n_ctx_vision=4, regulate=True),
+    "gram_vpt": dict(name="VPT+GRAM", n_ctx_text=0, n_ctx_vision=4, regulate=True),
     "joint": dict(name="CoOp+VPT", n_ctx_text=2, n_ctx_vision=2),          # Table 4 row 5: no GRAM
     "unigram": dict(name="UNIGRAM", n_ctx_text=2, n_ctx_vision=2, regulate=True),
 }
 PRESET_NAMES = tuple(_PRESETS)
+# Earlier names of two presets, still accepted everywhere a preset key is (silently: they name the
+# same method).  The stable keys above are the ones results files and the demo use.
+PRESET_ALIASES: dict[str, str] = {"coop_gram": "gram_coop", "vpt_gram": "gram_vpt"}
+
+
+def preset_key(key: str) -> str:
+    """The stable preset key for ``key`` (an alias is mapped to its key); KeyError if unknown."""
+    key = PRESET_ALIASES.get(key, key)
+    if key not in _PRESETS:
+        raise KeyError(f"unknown method preset {key!r}; known: {', '.join(PRESET_NAMES)}")
+    return key
+
+
+def is_gram_preset(key: str) -> bool:
+    """True for the presets that start from a GRAM init file and regulate gradients."""
+    return bool(_PRESETS[preset_key(key)].get("regulate"))
 
 
 def method_preset(key: str, init_path: str = "", in_memory: bool = False, **overrides) -> MethodSpec:
-    """A named method: ``zsclip``, ``coop``, ``coop_gram``, ``vpt``, ``vpt_gram``, ``joint``, ``unigram``.
+    """A named method: ``zsclip``, ``coop``, ``gram_coop``, ``vpt``, ``gram_vpt``, ``joint``, ``unigram``
+    (``coop_gram`` / ``vpt_gram`` are accepted aliases, :data:`PRESET_ALIASES`).
 
-    GRAM presets (``*_gram``, ``unigram``) need ``init_path`` unless the run gets an in-memory
+    GRAM presets (``gram_*``, ``unigram``) need ``init_path`` unless the run gets an in-memory
     ``StartPoint`` (meta-validation; pass ``in_memory=True``); ``overrides`` replace any field
     (e.g. ``regulate=False`` for the "w/o regulator" ablation, ``vision_depth=12`` for deep VPT).
     """
-    if key not in _PRESETS:
-        raise KeyError(f"unknown method preset {key!r}; known: {', '.join(PRESET_NAMES)}")
+    key = preset_key(key)
     fields = dict(_PRESETS[key])
     if init_path:
         fields["init_path"] = init_path
@@ -195,4 +211,5 @@ def default_train_spec(**changes) -> TrainSpec:
     return TrainSpec(**changes)
 
 
-__all__ = ["MethodSpec", "TrainSpec", "method_preset", "PRESET_NAMES", "default_train_spec"]
+__all__ = ["MethodSpec", "TrainSpec", "method_preset", "PRESET_NAMES", "PRESET_ALIASES", "preset_key",
+           "is_gram_preset", "default_train_spec"]

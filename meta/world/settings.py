@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, replace
 
 from .items import STYLES
 from .render import CAPTURES
-from .shapes import FAMILIES, categories_in
+from .shapes import CATEGORIES, FAMILIES, categories_in
 
 GENERATOR_VERSION = "world-5"
 
@@ -57,16 +57,18 @@ MIXED_CLASSES = ("triangle", "square", "hexagon", "diamond", "rectangle",
 FAMILY_CAPTURES = {"polygons": "grayscale", "curves": "rotated", "symbols": "negative", "icons": "rotated"}
 
 
-def default_dataset_plans(styles: tuple[str, ...], holdout_style: str) -> tuple[DatasetPlan, ...]:
+def default_dataset_plans(styles: tuple[str, ...], holdout_style: str,
+                          mixed_classes: tuple[str, ...] = MIXED_CLASSES) -> tuple[DatasetPlan, ...]:
     """Six datasets: four one-family sets (each with its capture condition), a mixed source set and
-    its held-out-style twin."""
+    its held-out-style twin, named after the held-out style (``WorldMixedSketch`` for ``sketch``)."""
     seen = tuple(s for s in styles if s != holdout_style)
     fam = {f: tuple(categories_in([f])) for f in FAMILIES}
+    mixed = tuple(sorted(mixed_classes))
     return (
-        DatasetPlan("WorldMixed", "world_mixed", tuple(sorted(MIXED_CLASSES)), seen,
+        DatasetPlan("WorldMixed", "world_mixed", mixed, seen,
                     ("base2new", "cross_domain_source", "cross_dataset_source")),
-        DatasetPlan("WorldMixedSketch", "world_mixed_sketch", tuple(sorted(MIXED_CLASSES)), (holdout_style,),
-                    ("cross_domain_target",)),
+        DatasetPlan(f"WorldMixed{holdout_style.capitalize()}", f"world_mixed_{holdout_style}", mixed,
+                    (holdout_style,), ("cross_domain_target",)),
         DatasetPlan("WorldPolygons", "world_polygons", fam["polygons"], seen, ("base2new", "cross_dataset_target"),
                     FAMILY_CAPTURES["polygons"]),
         DatasetPlan("WorldCurves", "world_curves", fam["curves"], seen, ("base2new", "cross_dataset_target"),
@@ -96,7 +98,10 @@ class WorldSettings:
     train_per_class: int = 32
     val_per_class: int = 8
     test_per_class: int = 40
-    datasets: tuple[DatasetPlan, ...] = ()   # empty = default_dataset_plans(styles, holdout_style)
+    datasets: tuple[DatasetPlan, ...] = ()   # empty = default_dataset_plans(styles, holdout_style, mixed_classes)
+    # Classes of the mixed source dataset and its twin; empty = MIXED_CLASSES.  Hashed through the
+    # dataset plans it shapes (``as_dict``), so the default world's hash does not depend on the field.
+    mixed_classes: tuple[str, ...] = ()
 
     def __post_init__(self):
         unknown = [s for s in self.styles if s not in STYLES]
@@ -110,13 +115,24 @@ class WorldSettings:
         bad = [f"{p.name}: {p.capture!r}" for p in self.datasets if p.capture not in CAPTURES]
         if bad:
             raise ValueError(f"WorldSettings.datasets: unknown capture conditions {bad}; known: {sorted(CAPTURES)}")
+        if self.mixed_classes:
+            if self.datasets:
+                raise ValueError("WorldSettings: give mixed_classes or explicit datasets, not both")
+            unknown = sorted(set(self.mixed_classes) - set(CATEGORIES))
+            if unknown:
+                raise ValueError(f"WorldSettings.mixed_classes: unknown categories {unknown}; "
+                                 f"known: {sorted(CATEGORIES)}")
+            if len(set(self.mixed_classes)) != len(self.mixed_classes) or len(self.mixed_classes) < 2:
+                raise ValueError(f"WorldSettings.mixed_classes must be >= 2 distinct categories, "
+                                 f"got {self.mixed_classes}")
         if self.train_per_class < 16:
             raise ValueError(f"WorldSettings.train_per_class must be >= 16 for 16-shot sampling, got {self.train_per_class}")
 
     @property
     def plans(self) -> tuple[DatasetPlan, ...]:
         """The downstream datasets: ``datasets`` if given, else the default six."""
-        return self.datasets or default_dataset_plans(self.styles, self.holdout_style)
+        return self.datasets or default_dataset_plans(self.styles, self.holdout_style,
+                                                      self.mixed_classes or MIXED_CLASSES)
 
     @property
     def seen_styles(self) -> tuple[str, ...]:
@@ -124,6 +140,7 @@ class WorldSettings:
 
     def as_dict(self) -> dict:
         d = asdict(self)
+        del d["mixed_classes"]                       # its effect is in the plans below
         d["datasets"] = [asdict(p) for p in self.plans]
         d["generator_version"] = GENERATOR_VERSION
         return d
