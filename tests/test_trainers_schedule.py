@@ -9,24 +9,7 @@ import torch
 from yacs.config import CfgNode as CN
 
 from trainers.gram.schedule import build_lr_scheduler
-
-
-def optim_cfg(**overrides) -> CN:
-    """Dassl's OPTIM defaults for the keys schedules read, with CoCoOp's schedule on top."""
-    cfg = CN()
-    cfg.LR = 0.002
-    cfg.LR_SCHEDULER = "cosine"
-    cfg.MAX_EPOCH = 10
-    cfg.STEPSIZE = (-1,)
-    cfg.GAMMA = 0.1
-    cfg.WARMUP_EPOCH = 1
-    cfg.WARMUP_TYPE = "constant"
-    cfg.WARMUP_CONS_LR = 1e-5
-    cfg.WARMUP_MIN_LR = 1e-5
-    cfg.WARMUP_RECOUNT = True
-    for k, v in overrides.items():
-        cfg[k] = v
-    return cfg
+from helpers_core import optim_cfg
 
 
 def lrs_per_epoch(cfg: CN, epochs: int) -> list[float]:
