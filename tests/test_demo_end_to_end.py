@@ -13,6 +13,8 @@ import pytest
 from meta.coop_data import harmonic_mean
 from meta.demo import EVAL_METHODS, META_VARIANTS, DemoSettings, run
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def demo_out(tmp_path_factory):

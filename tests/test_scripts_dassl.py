@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.dassl
 pytest.importorskip("dassl", reason="Dassl is not installed (end-to-end run through real Dassl)")
 
-from test_coop_data_fixtures import make_dtd  # noqa: E402
+from helpers import make_dtd  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

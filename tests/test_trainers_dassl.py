@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.dassl
 pytest.importorskip("dassl", reason="Dassl not installed: the Dassl trainer tests need Dassl.pytorch")
 
 import torch  # noqa: E402
@@ -28,7 +29,7 @@ import train  # noqa: E402
 from meta.init_io import InitMismatchError, export_gram_init, load_gram_init  # noqa: E402
 from meta.prompts import PromptParams  # noqa: E402
 from meta.regulator import GradientRegulator, RegulatorSpec  # noqa: E402
-from test_coop_data_fixtures import make_dtd  # noqa: E402
+from helpers import make_dtd  # noqa: E402
 from trainers.gram.export import export_for_coop  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

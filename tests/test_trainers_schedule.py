@@ -9,7 +9,7 @@ import torch
 from yacs.config import CfgNode as CN
 
 from trainers.gram.schedule import build_lr_scheduler
-from helpers_core import optim_cfg
+from helpers import optim_cfg
 
 
 def lrs_per_epoch(cfg: CN, epochs: int) -> list[float]:
@@ -89,6 +89,7 @@ def test_state_is_weights_only_and_resumes_the_same_sequence():
     assert resumed == pytest.approx(full[4:], rel=1e-12)
 
 
+@pytest.mark.dassl
 def test_same_values_as_dassls_own_scheduler(monkeypatch):
     """Dassl's warm-up classes crash on torch >= 2.7 (``verbose``); with that argument dropped they give our values."""
     lr_scheduler = pytest.importorskip("dassl.optim.lr_scheduler", reason="Dassl not installed")

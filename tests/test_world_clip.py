@@ -118,6 +118,7 @@ def test_zeroshot_reports_every_dataset_with_chance_level(quick_world, quick_wei
     assert quick_weights.with_suffix(".zeroshot.json").is_file()
 
 
+@pytest.mark.statistical
 def test_zeroshot_clears_chance_by_a_margin(quick_world, quick_weights):
     # Quick pretraining seeds 0/1/2 on this world measured 2.15x / 1.63x / 2.00x mean chance
     # (pretrain.py's docstring); random weights 0.94x.  1.4x leaves room for seed noise, not
