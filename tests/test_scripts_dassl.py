@@ -91,6 +91,7 @@ OPTIM:
 """
 
 
+@pytest.mark.slow
 def test_base2new_through_dassl_then_parser(tmp_path):
     make_dtd(tmp_path / "data", n_classes=4, counts={"train": 6, "val": 2, "test": 3}, real_images=True)
     (tmp_path / "train.py").write_text(STAND_IN_TRAIN.format(repo=str(REPO)))

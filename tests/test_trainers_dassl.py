@@ -171,6 +171,7 @@ def test_train_py_honours_seed_zero():
 
 
 # ------------------------------------------------------------------------------------------ the experiment
+@pytest.mark.slow
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_base_to_new_logs_and_checkpoints(experiment, method, init_files):
     trainer, on = METHODS[method]
@@ -205,6 +206,7 @@ def test_base_to_new_logs_and_checkpoints(experiment, method, init_files):
     assert ACCURACY.search(test_log.split("=> result")[-1])
 
 
+@pytest.mark.slow
 def test_zero_shot_runs_without_a_model_dir(experiment):
     for run_dir in run_dirs(experiment, "zsclip"):
         log = (run_dir / "log.txt").read_text()
@@ -212,6 +214,7 @@ def test_zero_shot_runs_without_a_model_dir(experiment):
         assert not (run_dir / "prompt_learner").exists()
 
 
+@pytest.mark.slow
 def test_results_parser_on_the_produced_logs(experiment, tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("parse_results", REPO / "scripts/parse_results.py")
     parser = importlib.util.module_from_spec(spec)
@@ -289,6 +292,7 @@ def test_baseline_step_is_plain_sgd(data_root):
     assert torch.allclose(ctx.detach(), before - 0.5 * g, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_eval_only_loads_theta_for_new_classes_and_keeps_clip_in_eval(experiment, data_root):
     train_dir, _ = run_dirs(experiment, "unigram")
     trainer = build(data_root, "joint", subsample="new")  # same shapes; GRAM off: no init needed to evaluate
@@ -340,6 +344,7 @@ def test_best_val_model_is_saved_and_deployed(tmp_path, data_root):
     assert f"Load {best_path} to prompt_learner (epoch=1, val_result={best['val_result']:.1f})" in log
 
 
+@pytest.mark.slow
 def test_stock_coop_loads_the_exported_context(experiment, init_files, tmp_path):
     """Dassl's load_pretrained_weights (what MODEL.INIT_WEIGHTS runs) into a CoOp-shaped prompt learner."""
 
