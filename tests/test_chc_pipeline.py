@@ -52,6 +52,7 @@ def _truth_by_key(truth):
     return {k: i for i, k in enumerate(truth["key"])}
 
 
+@pytest.mark.slow
 def test_counts_skipped_and_unreadable(chc_run):
     out, _, truth = chc_run
     report = json.loads((out / "chc_report.json").read_text())
@@ -82,6 +83,7 @@ def test_counts_skipped_and_unreadable(chc_run):
     assert counts["noise_pairs"] == (status == NOISE).sum()
 
 
+@pytest.mark.slow
 def test_topic_words_recover_true_topics(chc_run):
     out, _, truth = chc_run
     h = load_hierarchy(out)
@@ -104,6 +106,8 @@ def test_topic_words_recover_true_topics(chc_run):
     assert right / total > 0.9
 
 
+@pytest.mark.statistical
+@pytest.mark.slow
 def test_domains_recover_styles_above_chance(chc_run):
     from sklearn.metrics import adjusted_rand_score
 
@@ -124,6 +128,7 @@ def test_domains_recover_styles_above_chance(chc_run):
     assert np.mean(scores) > np.mean(shuffled) + 0.4
 
 
+@pytest.mark.slow
 def test_hierarchy_contract_and_images(chc_run):
     out, cfg, truth = chc_run
     h = load_hierarchy(out)
@@ -154,6 +159,7 @@ def test_hierarchy_contract_and_images(chc_run):
     np.testing.assert_array_equal(cached[1], to_clip_uint8(img, 32))
 
 
+@pytest.mark.slow
 def test_report_files(chc_run):
     out, _, _ = chc_run
     report = json.loads((out / "chc_report.json").read_text())
@@ -169,6 +175,7 @@ def test_report_files(chc_run):
         assert report["timings"][stage]["items"] > 0
 
 
+@pytest.mark.slow
 def test_tasks_from_chc_hierarchy(chc_run):
     from meta.tasks import TaskSampler
 
@@ -185,6 +192,7 @@ def test_tasks_from_chc_hierarchy(chc_run):
         assert h.images(task.query_index[:4]).shape == (4, 32, 32, 3)
 
 
+@pytest.mark.slow
 def test_interrupted_run_resumes_to_identical_result(chc_run, corpus, monkeypatch):
     import meta.chc.image_features as imf
     import meta.chc.text_embed as te
@@ -245,6 +253,7 @@ def test_interrupted_run_resumes_to_identical_result(chc_run, corpus, monkeypatc
     assert (out / "item_topic.npy").stat().st_mtime_ns == before
 
 
+@pytest.mark.slow
 def test_rank_sharding_matches_single_process(chc_run, tmp_path):
     import warnings
 
@@ -279,6 +288,7 @@ def test_rank_sharding_matches_single_process(chc_run, tmp_path):
     assert not list(tmp_path.glob("*.rank*"))
 
 
+@pytest.mark.slow
 def test_quantile_filter_and_sample_fit_reuse_cached_stages(chc_run, tmp_path, monkeypatch):
     """Changing FILTER / FIT_SAMPLE reruns only the stages after image features."""
     import shutil
@@ -340,6 +350,7 @@ def _gloo_rank(rank, world, init_file, cfg_dump):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_gloo_processes_shard_image_features(chc_run, tmp_path):
     import torch.multiprocessing as mp
 
@@ -370,6 +381,7 @@ def _gloo_full_run(rank, world, init_file, cfg_dump):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_gloo_processes_run_the_whole_pipeline(chc_run, tmp_path):
     """Image features and sentence embeddings sharded, fitting on rank 0: the 1-process hierarchy."""
     import torch.multiprocessing as mp

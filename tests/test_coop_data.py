@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from meta import coop_data as cd
-from test_coop_data_fixtures import make_dtd, make_imagenet_tree, relpaths, write_classnames
+from helpers import make_dtd, make_imagenet_tree, relpaths, write_classnames
 
 
 class NoDraws:

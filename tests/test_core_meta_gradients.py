@@ -31,8 +31,11 @@ def _learner(clip, dims, spec, meta_spec, seed=0, dtype=torch.float32):
     return ml
 
 
-def _reference_meta_grads(pclip, ml, support, query, alpha):
-    """Hand-written: θ' = θ − α R_φ(∇θ L_s), grads of L_q(θ') w.r.t. θ and φ."""
+def _reference_meta_grads(pclip, ml, support, query, alpha, steps=1):
+    """Hand-written: ``steps`` times θ ← θ − α R_φ(∇θ L_s(θ)); grads of L_q(θ') w.r.t. θ and φ.
+
+    Returns ``(g_theta, g_phi, adapted)`` with ``adapted`` the detached θ' (one tensor per name).
+    """
     names = [n for n, _ in ml.prompt_module.named_parameters()]
     theta = {n: p.detach().clone().requires_grad_(True) for n, p in ml.prompt_module.named_parameters()}
     regs = ml.regulators()
@@ -47,16 +50,18 @@ def _reference_meta_grads(pclip, ml, support, query, alpha):
         logits = pclip.logits(View(params), batch["classnames"], images=batch["images"])
         return F.cross_entropy(logits, batch["label"])
 
-    with double_backward_attention():
-        l_s = loss(theta, support)
-    grads = torch.autograd.grad(l_s, [theta[n] for n in names], create_graph=True)
-    adapted = {n: theta[n] - alpha * functional_call(regs[n], phi[n], (g,)) for n, g in zip(names, grads)}
+    adapted = dict(theta)
+    for _ in range(steps):
+        with double_backward_attention():
+            l_s = loss(adapted, support)
+        grads = torch.autograd.grad(l_s, [adapted[n] for n in names], create_graph=True)
+        adapted = {n: adapted[n] - alpha * functional_call(regs[n], phi[n], (g,)) for n, g in zip(names, grads)}
     l_q = loss(adapted, query)
     flat_phi = [(n, k, v) for n in names for k, v in phi[n].items()]
     out = torch.autograd.grad(l_q, [theta[n] for n in names] + [v for _, _, v in flat_phi])
     g_theta = dict(zip(names, out[:len(names)]))
     g_phi = {(n, k): g for (n, k, _), g in zip(flat_phi, out[len(names):])}
-    return g_theta, g_phi
+    return g_theta, g_phi, {n: t.detach() for n, t in adapted.items()}
 
 
 @pytest.mark.parametrize("spec", [PromptSpec(n_ctx_text=4),
@@ -72,7 +77,7 @@ def test_gbml_meta_gradients_match_hand_written_second_order(tiny_clip, spec):
     support, query = _batch(1, dims.image_size, gen), _batch(2, dims.image_size, gen)
 
     ml.accumulate([TaskBatch(support, query)], classification_loss(pclip))
-    ref_theta, ref_phi = _reference_meta_grads(pclip, ml, support, query, meta_spec.inner_lr)
+    ref_theta, ref_phi, _ = _reference_meta_grads(pclip, ml, support, query, meta_spec.inner_lr)
 
     for name, p in ml.prompt_module.named_parameters():
         torch.testing.assert_close(p.grad, ref_theta[name], rtol=1e-5, atol=1e-8)
@@ -84,10 +89,45 @@ def test_gbml_meta_gradients_match_hand_written_second_order(tiny_clip, spec):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-8)
 
 
-def test_directional_derivative_matches_finite_difference_float64(tiny_clip):
+def test_two_inner_steps_match_hand_written_second_order_float64(tiny_clip):
+    """inner_steps = 2: θ' and the meta-gradients equal two hand-unrolled regulated steps."""
     clip64 = copy.deepcopy(tiny_clip[0]).double()
     dims = tiny_clip[1]
-    meta_spec = MetaSpec(inner_lr=0.5)
+    spec = PromptSpec(n_ctx_text=2, n_ctx_vision=2)
+    meta_spec = MetaSpec(inner_lr=0.5, inner_steps=2, regulator=RegulatorSpec(form="residual"))
+    ml = _learner(clip64, dims, spec, meta_spec, dtype=torch.float64)
+    pclip = PromptedCLIP(clip64, dims, ml.prompt_module.n_ctx_text)
+    loss_fn = classification_loss(pclip)
+    gen = torch.Generator().manual_seed(11)
+    support = _batch(1, dims.image_size, gen, torch.float64)
+    query = _batch(2, dims.image_size, gen, torch.float64)
+
+    learner, losses, _ = ml.adapt(loss_fn, support)
+    assert len(losses) == 2 and losses[1] != losses[0]  # two steps taken, the second from the moved θ
+    _, _, ref_adapted = _reference_meta_grads(pclip, ml, support, query, meta_spec.inner_lr, steps=2)
+    _, _, one_step = _reference_meta_grads(pclip, ml, support, query, meta_spec.inner_lr, steps=1)
+    got = dict(learner.module.named_parameters())
+    for name, ref in ref_adapted.items():
+        torch.testing.assert_close(got[name].detach(), ref, rtol=1e-10, atol=1e-12)
+        assert (ref - one_step[name]).abs().max() > 1e-6, f"{name}: the second step did not move θ'"
+
+    ml.accumulate([TaskBatch(support, query)], loss_fn)
+    ref_theta, ref_phi, _ = _reference_meta_grads(pclip, ml, support, query, meta_spec.inner_lr, steps=2)
+    for name, p in ml.prompt_module.named_parameters():
+        assert p.grad.abs().sum() > 0
+        torch.testing.assert_close(p.grad, ref_theta[name], rtol=1e-9, atol=1e-12)
+    regs = ml.regulators()
+    for (name, key), ref in ref_phi.items():
+        grad = dict(regs[name].named_parameters())[key].grad
+        assert grad is not None and grad.abs().sum() > 0, f"φ {name}.{key} received no gradient"
+        torch.testing.assert_close(grad, ref, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("inner_steps", [1, 2])
+def test_directional_derivative_matches_finite_difference_float64(tiny_clip, inner_steps):
+    clip64 = copy.deepcopy(tiny_clip[0]).double()
+    dims = tiny_clip[1]
+    meta_spec = MetaSpec(inner_lr=0.5, inner_steps=inner_steps)
     ml = _learner(clip64, dims, PromptSpec(n_ctx_text=2, n_ctx_vision=2), meta_spec, dtype=torch.float64)
     pclip = PromptedCLIP(clip64, dims, 2)
     loss_fn = classification_loss(pclip)
@@ -96,17 +136,19 @@ def test_directional_derivative_matches_finite_difference_float64(tiny_clip):
     query = _batch(2, dims.image_size, gen, torch.float64)
     task = TaskBatch(support, query)
 
-    params = [p for g in ml.optimizer.param_groups for p in g["params"]]
+    groups = {g["name"]: list(g["params"]) for g in ml.optimizer.param_groups}
+    assert set(groups) == {"prompt", "regulator"}
+    params = [p for ps in groups.values() for p in ps]
     ml.accumulate([task], loss_fn)
     analytic_dirs = [p.grad.clone() for p in params]
-    direction = [torch.randn(p.shape, generator=gen, dtype=torch.float64) for p in params]
-    analytic = sum((g * d).sum() for g, d in zip(analytic_dirs, direction))
+    for name, ps in groups.items():  # θ and φ are both connected to the query loss
+        assert all(p.grad.abs().sum() > 0 for p in ps), f"{name}: zero meta-gradient"
 
     def objective():
         learner, _, _ = ml.adapt(loss_fn, support)
         return float(loss_fn(learner.module, query)[0].detach())
 
-    def shifted(eps):
+    def shifted(eps, direction):
         with torch.no_grad():
             for p, d in zip(params, direction):
                 p.add_(eps * d)
@@ -116,10 +158,16 @@ def test_directional_derivative_matches_finite_difference_float64(tiny_clip):
                 p.sub_(eps * d)
         return value
 
-    # central differences converge as eps^2 here (measured: error 4e-5, 4e-7, 4e-9 at eps 1e-5, 1e-6, 1e-7)
+    # directions along θ only, φ only, and both; central differences converge as eps^2 here
+    # (measured, one step, both: error 4e-5, 4e-7, 4e-9 at eps 1e-5, 1e-6, 1e-7)
     eps = 1e-6
-    numeric = (shifted(eps) - shifted(-eps)) / (2 * eps)
-    assert abs(numeric - float(analytic)) <= 1e-6 * max(1.0, abs(numeric)), (numeric, float(analytic))
+    for part in ("prompt", "regulator", "both"):
+        direction = [torch.randn(p.shape, generator=gen, dtype=torch.float64)
+                     * float(part == "both" or any(p is q for q in groups[part])) for p in params]
+        analytic = float(sum((g * d).sum() for g, d in zip(analytic_dirs, direction)))
+        numeric = (shifted(eps, direction) - shifted(-eps, direction)) / (2 * eps)
+        assert abs(analytic) > 1e-8, part
+        assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(numeric)), (part, numeric, analytic)
 
 
 def test_first_order_differs_from_second_order(tiny_clip):

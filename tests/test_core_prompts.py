@@ -100,3 +100,43 @@ def test_cached_features_refused_with_visual_prompts(tiny_clip):
     prompts = PromptParams.from_spec(PromptSpec(n_ctx_text=0, n_ctx_vision=2), clip, dims)
     with pytest.raises(ValueError, match="visual prompts"):
         PromptedCLIP(clip, dims, 0).logits(prompts, ["a"], image_features=torch.randn(1, dims.embed_dim))
+
+
+def test_class_specific_context_shapes_and_per_class_independence(tiny_clip):
+    """CSC ``[C, M, d_t]`` -> ``[C, E]``; identical rows reproduce the shared ``[M, d_t]`` context,
+    and class j's context reaches class j's feature only (values and gradients)."""
+    clip, dims = tiny_clip
+    gen = torch.Generator().manual_seed(4)
+    tokens = ClassTokenCache(clip, 4).tokens(NAMES)
+    shared = torch.randn(4, dims.text_width, generator=gen) * 0.02
+    csc = shared.expand(len(NAMES), -1, -1).clone().requires_grad_(True)
+    out = encode_text_with_context(clip, tokens, csc)
+    assert csc.shape == (len(NAMES), 4, dims.text_width) and out.shape == (len(NAMES), dims.embed_dim)
+    expected = encode_text_with_context(clip, tokens, shared)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6 * float(expected.abs().max()))
+
+    grad = torch.autograd.grad(out[2].sum(), csc)[0]
+    assert grad[2].abs().sum() > 0
+    assert torch.equal(grad[[0, 1, 3]], torch.zeros_like(grad[[0, 1, 3]]))
+
+    moved = csc.detach().clone()
+    moved[1] += 0.5 * torch.randn(4, dims.text_width, generator=gen)
+    new = encode_text_with_context(clip, tokens, moved)
+    assert not torch.allclose(new[1], out[1].detach())
+    torch.testing.assert_close(new[[0, 2, 3]], out[[0, 2, 3]].detach(), rtol=0, atol=1e-6 * float(expected.abs().max()))
+
+
+def test_class_names_too_long_error_names_the_class_and_the_limit(tiny_clip):
+    """``[SOT] X*M <name> . [EOT]`` must fit the text context: the longest name that fits passes,
+    one word more is refused with an error naming the class, the token limit and M."""
+    clip, dims = tiny_clip
+    n_ctx, limit = 4, dims.context_length
+    fits = " ".join(["cat"] * (limit - n_ctx - 4))         # SOT + M + words + "." + EOT = limit - 1 tokens
+    too_long = fits + " dog"
+    assert ClassTokenCache(clip, n_ctx).tokens([fits, "x"]).eot_index.tolist()[0] == limit - 2
+    with pytest.raises(ValueError) as err:
+        ClassTokenCache(clip, n_ctx).tokens(["x", too_long])
+    message = str(err.value)
+    assert "class names too long" in message and repr(too_long) in message
+    assert f"{limit} text tokens" in message and f"{n_ctx} context tokens" in message
+    assert "'x'" not in message                             # only the offending class is listed

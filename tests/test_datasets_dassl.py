@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from test_coop_data_fixtures import make_dtd, make_imagenet_tree, write_classnames
+from helpers import make_dtd, make_imagenet_tree, write_classnames
 
 REPO = Path(__file__).resolve().parents[1]
 COOP_SRC = os.environ.get("GRAM_COOP_SRC", "")  # a KaiyangZhou/CoOp checkout (README, "Tests")
 
 
+pytestmark = pytest.mark.dassl
 dassl = pytest.importorskip("dassl", reason="Dassl is not installed (these tests compare against Dassl)")
 
 from dassl.config import get_cfg_default  # noqa: E402

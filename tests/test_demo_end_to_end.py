@@ -13,6 +13,8 @@ from meta.coop_data import harmonic_mean
 from meta.demo import (ALL_VARIANTS, METHOD_BY_KEY, TABLE1_KEYS, TABLE4_KEYS, TABLE_GROUPS, TOKEN_KEYS,
                        TRANSFER_KEYS, DemoSettings, b2n_keys, run)
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def demo_out(tmp_path_factory):

@@ -122,6 +122,8 @@ def test_base_new_split_and_relabelling_match_coop_data(ds_a, data_root, tiny_cl
     assert rec["H"] == pytest.approx(2 * rec["base"] * rec["new"] / (rec["base"] + rec["new"]))
 
 
+@pytest.mark.slow
+@pytest.mark.statistical
 def test_zero_shot_near_chance_and_coop_beats_it_on_base(ds_a, tiny_clip, session):
     # CoCoOp schedule (10 epochs, batch 1, lr 0.002) over three seeds; random text weights make single
     # runs init-sensitive (measured here: seeds 1-6 reach 100 % base except one), so judge the mean.
@@ -145,6 +147,7 @@ def test_zero_shot_near_chance_and_coop_beats_it_on_base(ds_a, tiny_clip, sessio
     assert coop["final_prompt_sha256"] != coop["init"]["prompt_sha256"]
 
 
+@pytest.mark.slow
 def test_identity_regulator_equals_raw_training_exactly(ds_a, tiny_clip, session, tmp_path):
     clip, dims = tiny_clip
     ctx = torch.randn(4, dims.text_width, generator=torch.Generator().manual_seed(5)) * 0.02
@@ -161,6 +164,7 @@ def test_identity_regulator_equals_raw_training_exactly(ds_a, tiny_clip, session
     assert moved["final_prompt_sha256"] != raw["final_prompt_sha256"]
 
 
+@pytest.mark.slow
 def test_training_starts_from_the_gram_init_ctx(ds_a, data_root, tiny_clip, session, tmp_path):
     clip, dims = tiny_clip
     ctx = torch.randn(4, dims.text_width, generator=torch.Generator().manual_seed(7)) * 0.5
@@ -209,6 +213,7 @@ def test_in_memory_start_point_equals_its_exported_file_and_is_not_modified(ds_a
             start=StartPoint(theta, regs))
 
 
+@pytest.mark.slow
 def test_same_seed_same_numbers_other_seed_differs(ds_a, tiny_clip, tmp_path):
     clip, dims = tiny_clip
     spec = TrainSpec(epochs=2, batch_size=2)
@@ -220,6 +225,7 @@ def test_same_seed_same_numbers_other_seed_differs(ds_a, tiny_clip, tmp_path):
     assert strip_timing(runs[0])["history"] != strip_timing(runs[2])["history"]
 
 
+@pytest.mark.slow
 def test_disk_feature_cache_is_reused_with_identical_numbers(ds_a, tiny_clip, tmp_path):
     clip, dims = tiny_clip
     spec = TrainSpec(epochs=1, aug_views=2)
@@ -291,6 +297,7 @@ def test_augmented_views_are_seeded_and_leave_global_rng_alone(ds_a, data_root):
         view_key(path, str(data_root / "synth_b"))
 
 
+@pytest.mark.slow
 def test_augmented_views_do_not_depend_on_where_the_data_lives(data_root, tiny_clip, tmp_path):
     # the same dataset through a copy and through a symlink: same crops, same cached features, same run
     import shutil

@@ -19,6 +19,7 @@ from meta.metatrain.data import FeatureMismatchError
 from meta.metatrain.runlog import read_log
 from meta.hashing import file_sha256
 from meta.metatrain.trainer import RunExistsError, setup_run, train
+from helpers import assert_same_tensors, flat_tensors
 
 MODEL = "GRAM-Test-Tiny"
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,20 +96,6 @@ def _kill_at(step):
     return hook
 
 
-def _tensors(obj, prefix=""):
-    """Flatten nested state dicts into {path: tensor}."""
-    out = {}
-    if isinstance(obj, torch.Tensor):
-        out[prefix] = obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(_tensors(v, f"{prefix}/{k}"))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            out.update(_tensors(v, f"{prefix}/{i}"))
-    return out
-
-
 def _train_records(run_dir):
     return [{k: v for k, v in r.items() if k != "time_per_step"} for r in read_log(Path(run_dir) / "log.jsonl")]
 
@@ -121,6 +108,7 @@ def finished(tmp_path_factory, hier):
     return out, result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["coop", "unigram"])
 def test_resume_after_kill_reproduces_uninterrupted_run(tmp_path, hier, kind, finished):
     if kind == "coop":
@@ -139,7 +127,7 @@ def test_resume_after_kill_reproduces_uninterrupted_run(tmp_path, hier, kind, fi
     assert result["resumed_from"] == 2 and result["step"] == 6
 
     full, resumed = load_checkpoint(full_dir / "checkpoint.pt"), load_checkpoint(cut / "checkpoint.pt")
-    a, b = _tensors(full["learner"]), _tensors(resumed["learner"])
+    a, b = flat_tensors(full["learner"]), flat_tensors(resumed["learner"])
     assert a.keys() == b.keys() and any("module.ctx" in k for k in a)
     for key in a:  # θ, φ and every Adam moment: bit-identical
         assert torch.equal(a[key], b[key]), key
@@ -148,6 +136,7 @@ def test_resume_after_kill_reproduces_uninterrupted_run(tmp_path, hier, kind, fi
     assert _train_records(full_dir) == _train_records(cut)
 
 
+@pytest.mark.slow
 def test_finished_run_resume_is_noop(finished, hier):
     out, _ = finished
     files = sorted(p for p in out.rglob("*") if p.is_file())
@@ -158,6 +147,7 @@ def test_finished_run_resume_is_noop(finished, hier):
     assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in files} == before
 
 
+@pytest.mark.slow
 def test_export_round_trips_through_load_gram_init(finished, tmp_path, tiny_clip):
     out, result = finished
     _, dims = tiny_clip
@@ -190,6 +180,7 @@ def test_export_round_trips_through_load_gram_init(finished, tmp_path, tiny_clip
     assert Path(result["export"]["coop_ctx"]).name == "coop_ctx_nctx4.pth" and coop["n_ctx"] == 4
 
 
+@pytest.mark.slow
 def test_metric_keys_in_json_log(finished):
     out, _ = finished
     records = read_log(out / "log.jsonl")
@@ -255,6 +246,7 @@ def test_features_from_another_clip_are_refused(tmp_path):
         setup_run(_cfg(tmp_path), hierarchy=_hierarchy(backbone="ViT-B-16"))
 
 
+@pytest.mark.slow
 def test_existing_or_corrupt_or_mismatching_checkpoint_never_overwritten(finished, tmp_path, hier):
     out, _ = finished
     with pytest.raises(RunExistsError, match="--resume"):
@@ -297,6 +289,7 @@ def test_bad_config_and_missing_hierarchy_give_one_line_errors(tmp_path, capsys)
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow
 def test_cli_trains_from_an_image_folder(tmp_path):
     """`python -m meta train` end to end (Table 4 row 4 source), in a fresh process from the repo root."""
     from PIL import Image
@@ -322,6 +315,7 @@ def test_cli_trains_from_an_image_folder(tmp_path):
     assert init.metadata["provenance"]["hierarchy"]["weights_sha256"] == file_sha256(weights)
 
 
+@pytest.mark.slow
 def test_resume_with_more_steps_continues_exactly(finished, tmp_path, hier):
     """A finished 6-step run extended to 8 steps equals an uninterrupted 8-step run."""
     import shutil
@@ -332,12 +326,13 @@ def test_resume_with_more_steps_continues_exactly(finished, tmp_path, hier):
     assert result["resumed_from"] == 6 and result["step"] == 8
     straight = tmp_path / "straight"
     train(_cfg(straight, *PROMPTS["coop"], "META.STEPS", "8"), hierarchy=hier, echo=_quiet)
-    a = _tensors(load_checkpoint(extended / "checkpoint.pt")["learner"])
-    b = _tensors(load_checkpoint(straight / "checkpoint.pt")["learner"])
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    a = flat_tensors(load_checkpoint(extended / "checkpoint.pt")["learner"])
+    b = flat_tensors(load_checkpoint(straight / "checkpoint.pt")["learner"])
+    assert_same_tensors(a, b)
     assert load_gram_init(extended / "gram_init.safetensors").metadata["provenance"]["step"] == 8
 
 
+@pytest.mark.slow
 def test_kill_before_first_checkpoint_then_resume_starts_over(tmp_path, hier, finished):
     out = tmp_path / "early"
     with pytest.raises(Killed):
@@ -349,6 +344,8 @@ def test_kill_before_first_checkpoint_then_resume_starts_over(tmp_path, hier, fi
     assert _train_records(out) == _train_records(finished[0])  # the stale records are gone
 
 
+@pytest.mark.slow
+@pytest.mark.statistical
 def test_meta_training_lowers_the_query_loss(tmp_path, hier):
     """The outer loop descends: post-adaptation query loss falls well below its start (chance = ln 3)."""
     out = tmp_path / "learn"
@@ -360,6 +357,7 @@ def test_meta_training_lowers_the_query_loss(tmp_path, hier):
     assert len(losses) == 80 and first > 0.9 and last < 0.85 * first, (first, last)
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_the_current_step_and_resume_matches(tmp_path, hier, finished):
     import os
     import signal
@@ -375,9 +373,65 @@ def test_sigterm_checkpoints_the_current_step_and_resume_matches(tmp_path, hier,
     assert result["stopped"] and result["step"] == 3 and signal.getsignal(signal.SIGTERM) == previous
     assert load_checkpoint(out / "checkpoint.pt")["step"] == 3  # nothing lost, although 3 % CHECKPOINT_EVERY != 0
     train(_cfg(out, *PROMPTS["coop"]), resume=True, hierarchy=hier, echo=_quiet)
-    a = _tensors(load_checkpoint(out / "checkpoint.pt")["learner"])
-    b = _tensors(load_checkpoint(finished[0] / "checkpoint.pt")["learner"])
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    a = flat_tensors(load_checkpoint(out / "checkpoint.pt")["learner"])
+    b = flat_tensors(load_checkpoint(finished[0] / "checkpoint.pt")["learner"])
+    assert_same_tensors(a, b)
+
+
+@pytest.mark.slow
+def test_second_ctrl_c_interrupts_at_once_keeping_the_last_periodic_checkpoint(tmp_path, hier, finished):
+    """Ctrl-C twice within step 3: KeyboardInterrupt right away (no stop checkpoint at step 3); the periodic
+    checkpoint of step 2 holds, the handlers are restored, and --resume reproduces the uninterrupted run."""
+    import os
+    import signal
+
+    out = tmp_path / "int2"
+
+    def two_ctrl_c_at_3(step, _metrics):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # first: stop after this step
+            os.kill(os.getpid(), signal.SIGINT)  # second: interrupt now
+
+    previous = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        train(_cfg(out, *PROMPTS["coop"]), hierarchy=hier, on_step=two_ctrl_c_at_3, echo=_quiet)
+    assert signal.getsignal(signal.SIGINT) == previous
+    assert load_checkpoint(out / "checkpoint.pt")["step"] == 2  # CHECKPOINT_EVERY 2: step 3 is lost
+    assert not (out / "gram_init.safetensors").exists()
+    result = train(_cfg(out, *PROMPTS["coop"]), resume=True, hierarchy=hier, echo=_quiet)
+    assert result["resumed_from"] == 2 and result["step"] == 6
+    assert_same_tensors(flat_tensors(load_checkpoint(out / "checkpoint.pt")["learner"]),
+                        flat_tensors(load_checkpoint(finished[0] / "checkpoint.pt")["learner"]))
+    assert _train_records(out) == _train_records(finished[0])
+
+
+def test_second_ctrl_c_while_the_stop_checkpoint_is_written_keeps_the_previous_one(tmp_path, hier, monkeypatch):
+    """The second Ctrl-C lands after the stop checkpoint's bytes are on disk but before the rename:
+    the previous checkpoint (step 2) stays intact and readable, and no temporary file is left behind."""
+    import os
+    import signal
+
+    out = tmp_path / "int2save"
+    armed = []
+    real_replace = os.replace
+
+    def replace(src, dst, *args, **kwargs):
+        if armed and str(dst).endswith("checkpoint.pt"):
+            armed.clear()
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_replace(src, dst, *args, **kwargs)
+
+    def ctrl_c_at_3(step, _metrics):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+            armed.append(True)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        train(_cfg(out, *PROMPTS["coop"]), hierarchy=hier, on_step=ctrl_c_at_3, echo=_quiet)
+    assert not armed  # the interrupt did hit the checkpoint write
+    assert load_checkpoint(out / "checkpoint.pt")["step"] == 2
+    assert [p.name for p in out.iterdir() if "checkpoint" in p.name] == ["checkpoint.pt"]
 
 
 # ----------------------------------------------------------------------------- run safety
@@ -443,6 +497,7 @@ def test_kill_between_the_two_exports_is_repaired_by_resume(tmp_path, hier, monk
     assert train(cfg, resume=True, hierarchy=hier, echo=_quiet)["noop"]  # now verified: nothing to do
 
 
+@pytest.mark.slow
 def test_leftover_temp_files_are_removed_and_outputs_get_plain_file_mode(finished, tmp_path, hier):
     import shutil
 
@@ -481,6 +536,7 @@ def test_bad_values_are_refused_naming_their_key(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == f"error: CHC.OUTPUT_DIR: {a_file} is a file, expected a folder"
 
 
+@pytest.mark.slow
 def test_cli_errors_are_one_line_exit_2_and_debug_shows_the_traceback(finished, tmp_path, capsys, monkeypatch):
     import errno
 
@@ -531,6 +587,7 @@ def image_folder(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_cli_with_exit_143_and_a_resumable_checkpoint(image_folder, tmp_path):
     import os
     import signal

@@ -13,6 +13,9 @@ from PIL import Image
 from meta.init_io import load_gram_init
 from meta.metatrain.checkpoint import load_checkpoint
 from meta.metatrain.runlog import read_log
+from helpers import assert_same_tensors, flat_tensors
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ["apple", "bridge", "cactus", "drum", "eagle", "fern"]
@@ -45,19 +48,6 @@ def _train(out, *extra, nproc=1, resume=False):
 def _ok(proc):
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
-
-
-def _tensors(obj, prefix=""):
-    out = {}
-    if isinstance(obj, torch.Tensor):
-        out[prefix] = obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(_tensors(v, f"{prefix}/{k}"))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            out.update(_tensors(v, f"{prefix}/{i}"))
-    return out
 
 
 def _files(run_dir):
@@ -97,7 +87,7 @@ def test_two_processes_equal_one(runs):
     one, two, _ = runs
     a, b = load_checkpoint(one / "checkpoint.pt"), load_checkpoint(two / "checkpoint.pt")
     assert a["step"] == b["step"] == 4 and a["stream"] == b["stream"]
-    ta, tb = _tensors(a["learner"]), _tensors(b["learner"])
+    ta, tb = flat_tensors(a["learner"]), flat_tensors(b["learner"])
     assert ta.keys() == tb.keys()
     assert any("module.ctx" in k for k in ta) and any("module.vpt" in k for k in ta)
     assert any("optimizer/state" in k and k.endswith("exp_avg_sq") for k in ta)
@@ -140,9 +130,8 @@ def test_resume_under_torchrun_continues_exactly(runs, folder, tmp_path):
     assert load_checkpoint(out / "checkpoint.pt")["step"] == 2
     proc = _ok(_train(out, "TASKS.IMAGE_FOLDER", str(folder), nproc=2, resume=True))
     assert "finished at step 4" in proc.stdout
-    a, b = _tensors(load_checkpoint(two / "checkpoint.pt")["learner"]), _tensors(load_checkpoint(out / "checkpoint.pt")["learner"])
-    for key in a:  # same processes, same order of sums: bit-identical
-        assert torch.equal(a[key], b[key]), key
+    a, b = flat_tensors(load_checkpoint(two / "checkpoint.pt")["learner"]), flat_tensors(load_checkpoint(out / "checkpoint.pt")["learner"])
+    assert_same_tensors(a, b)  # same processes, same order of sums: bit-identical
     assert [r["step"] for r in read_log(out / "log.jsonl") if r["kind"] == "train"] == [1, 2, 3, 4]
     assert json.loads((out / "run.json").read_text())["resumed_at_steps"] == [2]
 

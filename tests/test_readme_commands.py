@@ -39,6 +39,7 @@ def block_after(heading: str) -> list[str]:
     return [ln for ln in body.group(1).splitlines() if ln.strip()]
 
 
+@pytest.mark.slow
 def test_readme_meta_training_commands_chain(tmp_path):
     lines = block_after("## Meta-training from image-text pairs")
     commands = [shlex.split(ln, comments=True) for ln in lines]

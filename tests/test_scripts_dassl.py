@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.dassl
 pytest.importorskip("dassl", reason="Dassl is not installed (end-to-end run through real Dassl)")
 
-from test_coop_data_fixtures import make_dtd  # noqa: E402
+from helpers import make_dtd  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,6 +91,7 @@ OPTIM:
 """
 
 
+@pytest.mark.slow
 def test_base2new_through_dassl_then_parser(tmp_path):
     make_dtd(tmp_path / "data", n_classes=4, counts={"train": 6, "val": 2, "test": 3}, real_images=True)
     (tmp_path / "train.py").write_text(STAND_IN_TRAIN.format(repo=str(REPO)))

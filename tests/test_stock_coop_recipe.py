@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.dassl
 pytest.importorskip("dassl", reason="Dassl is not installed (scripts/setup.sh --with-dassl)")
 COOP_SRC = os.environ.get("GRAM_COOP_SRC", "")
 if not COOP_SRC or not (Path(COOP_SRC) / "trainers" / "coop.py").is_file():
@@ -28,7 +29,7 @@ import torch  # noqa: E402
 
 from meta.init_io import export_gram_init  # noqa: E402
 from meta.prompts import PromptParams  # noqa: E402
-from test_coop_data_fixtures import make_dtd  # noqa: E402
+from helpers import make_dtd  # noqa: E402
 from trainers.gram.export import main as export_main  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

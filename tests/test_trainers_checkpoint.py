@@ -14,7 +14,7 @@ from trainers.gram.export import export_for_coop, main as export_main
 from trainers.gram.model import GramCLIP
 from trainers.gram.provenance import sample_digest
 from trainers.gram.schedule import build_lr_scheduler
-from test_trainers_schedule import optim_cfg
+from helpers import optim_cfg
 
 
 def _trained_prompts(seed: int = 0) -> tuple[PromptParams, torch.optim.Optimizer, object]:

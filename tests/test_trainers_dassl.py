@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.dassl
 pytest.importorskip("dassl", reason="Dassl not installed: the Dassl trainer tests need Dassl.pytorch")
 
 import torch  # noqa: E402
@@ -29,7 +30,7 @@ import train  # noqa: E402
 from meta.init_io import InitMismatchError, export_gram_init, load_gram_init  # noqa: E402
 from meta.prompts import PromptParams  # noqa: E402
 from meta.regulator import GradientRegulator, RegulatorSpec  # noqa: E402
-from test_coop_data_fixtures import make_dtd  # noqa: E402
+from helpers import make_dtd  # noqa: E402
 from trainers.gram.export import export_for_coop  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -171,6 +172,7 @@ def test_train_py_honours_seed_zero():
 
 
 # ------------------------------------------------------------------------------------------ the experiment
+@pytest.mark.slow
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_base_to_new_logs_and_checkpoints(experiment, method, init_files):
     trainer, on = METHODS[method]
@@ -205,6 +207,7 @@ def test_base_to_new_logs_and_checkpoints(experiment, method, init_files):
     assert ACCURACY.search(test_log.split("=> result")[-1])
 
 
+@pytest.mark.slow
 def test_zero_shot_runs_without_a_model_dir(experiment):
     for run_dir in run_dirs(experiment, "zsclip"):
         log = (run_dir / "log.txt").read_text()
@@ -212,6 +215,7 @@ def test_zero_shot_runs_without_a_model_dir(experiment):
         assert not (run_dir / "prompt_learner").exists()
 
 
+@pytest.mark.slow
 def test_results_parser_on_the_produced_logs(experiment, tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("parse_results", REPO / "scripts/parse_results.py")
     parser = importlib.util.module_from_spec(spec)
@@ -321,6 +325,7 @@ def test_cuda_precision_paths_regulate_the_true_gradient(data_root, init_files, 
         assert trainer.scaler.get_scale() == 1024.0  # no overflow: the step was taken at this scale
 
 
+@pytest.mark.slow
 def test_eval_only_loads_theta_for_new_classes_and_keeps_clip_in_eval(experiment, data_root):
     train_dir, _ = run_dirs(experiment, "unigram")
     trainer = build(data_root, "joint", subsample="new")  # same shapes; GRAM off: no init needed to evaluate
@@ -396,6 +401,7 @@ def test_best_val_model_is_saved_and_deployed(tmp_path, data_root):
     assert f"Load {best_path} to prompt_learner (epoch=1, val_result={best['val_result']:.1f})" in log
 
 
+@pytest.mark.slow
 def test_stock_coop_loads_the_exported_context(experiment, init_files, tmp_path):
     """Dassl's load_pretrained_weights (what MODEL.INIT_WEIGHTS runs) into a CoOp-shaped prompt learner."""
 

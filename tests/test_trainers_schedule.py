@@ -9,24 +9,7 @@ import torch
 from yacs.config import CfgNode as CN
 
 from trainers.gram.schedule import build_lr_scheduler
-
-
-def optim_cfg(**overrides) -> CN:
-    """Dassl's OPTIM defaults for the keys schedules read, with CoCoOp's schedule on top."""
-    cfg = CN()
-    cfg.LR = 0.002
-    cfg.LR_SCHEDULER = "cosine"
-    cfg.MAX_EPOCH = 10
-    cfg.STEPSIZE = (-1,)
-    cfg.GAMMA = 0.1
-    cfg.WARMUP_EPOCH = 1
-    cfg.WARMUP_TYPE = "constant"
-    cfg.WARMUP_CONS_LR = 1e-5
-    cfg.WARMUP_MIN_LR = 1e-5
-    cfg.WARMUP_RECOUNT = True
-    for k, v in overrides.items():
-        cfg[k] = v
-    return cfg
+from helpers import optim_cfg
 
 
 def lrs_per_epoch(cfg: CN, epochs: int) -> list[float]:
@@ -106,6 +89,7 @@ def test_state_is_weights_only_and_resumes_the_same_sequence():
     assert resumed == pytest.approx(full[4:], rel=1e-12)
 
 
+@pytest.mark.dassl
 def test_same_values_as_dassls_own_scheduler(monkeypatch):
     """Dassl's warm-up classes crash on torch >= 2.7 (``verbose``); with that argument dropped they give our values."""
     lr_scheduler = pytest.importorskip("dassl.optim.lr_scheduler", reason="Dassl not installed")

@@ -86,6 +86,7 @@ def _train_pair_retrieval(clip, world, n=256) -> float:
     return float(((img @ txt.T).argmax(1) == torch.arange(n)).float().mean())
 
 
+@pytest.mark.slow
 def test_pretraining_learns_reloads_through_load_clip_and_is_cached(quick_world, quick_weights):
     settings = pretrain_settings(quick=True, seed=0)
     assert quick_weights == weights_path(quick_world, settings) and quick_weights.suffix == ".safetensors"
@@ -108,6 +109,7 @@ def test_pretraining_learns_reloads_through_load_clip_and_is_cached(quick_world,
     assert quick_weights.stat().st_mtime_ns == mtime
 
 
+@pytest.mark.slow
 def test_zeroshot_reports_every_dataset_with_chance_level(quick_world, quick_weights):
     result = zeroshot_accuracy(quick_world, quick_weights)
     assert set(result) == set(quick_world.datasets)
@@ -118,6 +120,8 @@ def test_zeroshot_reports_every_dataset_with_chance_level(quick_world, quick_wei
     assert quick_weights.with_suffix(".zeroshot.json").is_file()
 
 
+@pytest.mark.slow
+@pytest.mark.statistical
 def test_zeroshot_clears_chance_by_a_margin(quick_world, quick_weights):
     # Quick pretraining seeds 0/1/2 on this world measured 2.15x / 1.63x / 2.00x mean chance
     # (pretrain.py's docstring); random weights 0.94x.  1.4x leaves room for seed noise, not

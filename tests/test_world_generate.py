@@ -163,6 +163,7 @@ def test_no_downstream_test_image_appears_in_a_training_corpus(quick_world):
     assert len(set(test)) == len(test) and not (set(test) & train)
 
 
+@pytest.mark.slow
 def test_same_seed_same_bytes_different_seed_different(tmp_path):
     a = build_world(root=tmp_path / "a", settings=_tiny(0), workers=1)
     b = build_world(root=tmp_path / "b", settings=_tiny(0), workers=2)

@@ -1,0 +1,103 @@
+"""Helpers shared by several test files (import them from here, never from a test file)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+from yacs.config import CfgNode as CN
+
+
+def flat_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Flatten nested dicts / lists / tuples (state dicts, checkpoints) into ``{path: tensor}``."""
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(obj, torch.Tensor):
+        out[prefix] = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(flat_tensors(v, f"{prefix}/{k}"))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(flat_tensors(v, f"{prefix}/{i}"))
+    return out
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """``a`` and ``b`` hold the same, non-empty set of keys and bit-identical tensors under each."""
+    assert a, "nothing to compare: the first state holds no tensors"
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def optim_cfg(**overrides) -> CN:
+    """Dassl's OPTIM defaults for the keys schedules read, with CoCoOp's schedule on top."""
+    cfg = CN()
+    cfg.LR = 0.002
+    cfg.LR_SCHEDULER = "cosine"
+    cfg.MAX_EPOCH = 10
+    cfg.STEPSIZE = (-1,)
+    cfg.GAMMA = 0.1
+    cfg.WARMUP_EPOCH = 1
+    cfg.WARMUP_TYPE = "constant"
+    cfg.WARMUP_CONS_LR = 1e-5
+    cfg.WARMUP_MIN_LR = 1e-5
+    cfg.WARMUP_RECOUNT = True
+    for k, v in overrides.items():
+        cfg[k] = v
+    return cfg
+
+
+# ------------------------------------------------------------------ tiny CoOp-layout datasets
+def write_image(path: Path, value: int = 0, size: int = 8) -> None:
+    """A ``size``x``size`` RGB PNG/JPEG whose pixels all equal ``value`` (mod 256)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (size, size), (value % 256, (3 * value) % 256, (7 * value) % 256)).save(path)
+
+
+def make_dtd(root: Path, n_classes: int = 5, counts: dict[str, int] | None = None, real_images: bool = True) -> dict:
+    """Write ``root/dtd/images/<class>/*.jpg`` and ``split_zhou_DescribableTextures.json``.
+
+    Class ``c`` (0-based) is named ``texture_<c>``; split ``s`` gets ``counts[s] + c`` images of
+    class ``c`` so the classes have different sizes.  Returns the split dict as written.
+    """
+    counts = counts or {"train": 6, "val": 3, "test": 2}
+    image_dir = root / "dtd" / "images"
+    split: dict[str, list] = {}
+    k = 0
+    for s, n in counts.items():
+        rows = []
+        for c in range(n_classes):
+            for i in range(n + c):
+                rel = f"texture_{c}/{s}_{i:03d}.jpg"
+                if real_images:
+                    write_image(image_dir / rel, k)
+                else:
+                    (image_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+                    (image_dir / rel).touch()
+                rows.append([rel, c, f"texture_{c}"])
+                k += 1
+        split[s] = rows
+    with open(root / "dtd" / "split_zhou_DescribableTextures.json", "w") as f:
+        json.dump(split, f)
+    return split
+
+
+def make_imagenet_tree(image_dir: Path, folders: list[str], per_class: int) -> None:
+    """``image_dir/<folder>/img_<i>.jpg`` for every folder (empty files)."""
+    for folder in folders:
+        (image_dir / folder).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            (image_dir / folder / f"img_{i}.jpg").touch()
+
+
+def write_classnames(path: Path, mapping: dict[str, str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f"{k} {v}\n" for k, v in mapping.items()))
+
+
+def relpaths(records, base: Path) -> list[str]:
+    return [os.path.relpath(r.impath, base) for r in records]
