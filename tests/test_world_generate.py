@@ -44,6 +44,7 @@ def test_categories_and_styles_are_organised_in_families():
     assert set(STYLES) == {"shaded", "sketch", "noisy", "cartoon", "textured"}
 
 
+@pytest.mark.slow
 def test_manifest_lists_every_dataset_and_the_settings_hash(quick_world):
     m = json.loads(quick_world.manifest.read_text())
     s = world_settings(quick=True, seed=0)
@@ -61,6 +62,7 @@ def test_manifest_lists_every_dataset_and_the_settings_hash(quick_world):
     assert again.root == quick_world.root and quick_world.manifest.stat().st_mtime_ns == before
 
 
+@pytest.mark.slow
 def test_coop_split_files_are_well_formed_and_every_file_opens(quick_world):
     s = world_settings(quick=True)
     for ds in quick_world.datasets.values():
@@ -84,6 +86,7 @@ def test_coop_split_files_are_well_formed_and_every_file_opens(quick_world):
         assert len(list(ds.image_dir.rglob("*.jpg"))) == len(seen)   # no unlisted file
 
 
+@pytest.mark.slow
 def test_chc_shards_hold_consistent_jpg_txt_json_triples(quick_world):
     s = world_settings(quick=True)
     assert [p.name for p in quick_world.chc_shards] == [f"shard-{i:05d}.tar" for i in range(s.chc_size // s.chc_shard_size)]
@@ -102,6 +105,7 @@ def test_chc_shards_hold_consistent_jpg_txt_json_triples(quick_world):
         assert p["image"].shape == (32, 32, 3)
 
 
+@pytest.mark.slow
 def test_pretrain_corpus_captions_name_the_drawn_category_when_matched(quick_world):
     s = world_settings(quick=True)
     images = np.load(quick_world.pretrain_images)
@@ -116,6 +120,7 @@ def test_pretrain_corpus_captions_name_the_drawn_category_when_matched(quick_wor
     assert len({r["caption"] for r in rows}) > 0.5 * len(rows)       # varied wording
 
 
+@pytest.mark.slow
 def test_styles_change_image_statistics(quick_world):
     images = np.load(quick_world.pretrain_images).astype(np.float32)
     styles = np.array([json.loads(line)["style"] for line in open(quick_world.pretrain_pairs)])
@@ -137,6 +142,7 @@ def test_styles_change_image_statistics(quick_world):
     assert (pred == styles).mean() > 0.6
 
 
+@pytest.mark.slow
 def test_downstream_roles_follow_the_protocol(quick_world):
     s = world_settings(quick=True)
     src = quick_world.with_role("cross_domain_source")[0]
@@ -151,6 +157,7 @@ def test_downstream_roles_follow_the_protocol(quick_world):
     assert sorted(p.name for p in quick_world.labelled_meta_dir.iterdir()) == sorted(CATEGORIES)
 
 
+@pytest.mark.slow
 def test_no_downstream_test_image_appears_in_a_training_corpus(quick_world):
     def digest(a: np.ndarray) -> str:
         return hashlib.md5(a.tobytes()).hexdigest()

@@ -34,6 +34,7 @@ def quick_world(tmp_path_factory):
     return build_world(quick=True, root=tmp_path_factory.getbasetemp() / "worlds", seed=0)
 
 
+@pytest.mark.slow
 def test_probe_world_on_random_weights_reports_base_classes(quick_world):
     result = probe_world(quick_world, None, seeds=(1, 2), shots=4, with_coop=True, datasets=("WorldMixed",),
                          log=lambda m: None)
@@ -51,6 +52,7 @@ def test_probe_world_on_random_weights_reports_base_classes(quick_world):
     assert "| WorldMixed |" in table and "| average |" in table and "4 shots" in table
 
 
+@pytest.mark.slow
 def test_probe_cli_refuses_a_missing_weights_file(tmp_path, quick_world, capsys):
     root = quick_world.root.parent
     assert world_main(["probe", "--quick", "--root", str(root), "--weights", str(tmp_path / "none.safetensors")]) == 2
