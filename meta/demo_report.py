@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import time
 from pathlib import Path
 
 from .demo import (DemoSettings, METHOD_BY_KEY, META_VARIANTS, REPO, TABLE1_KEYS, TABLE4_KEYS, TOKEN_KEYS,
                    TRANSFER_KEYS, VARIANT_BY_NAME, settings_hash, settings_record)
 from .evaluation.summary import epoch_curves, summarise
+from .provenance import git_commit
 
 AVERAGE = "Average"
 # Fig. 3a's methods, as in the paper's figure
@@ -27,18 +27,6 @@ COLOURS = {"zsclip": "0.4", "coop": "tab:blue", "gram_coop": "tab:cyan", "vpt": 
 
 
 # ------------------------------------------------------------------ provenance
-def _commit() -> str:
-    """``git rev-parse HEAD`` of the checkout (``-dirty`` when tracked files differ), or ``unknown``."""
-    try:
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return head + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def _machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -61,7 +49,7 @@ def provenance(settings: DemoSettings, world, weights: Path) -> dict:
             "world_root": str(world.root), "holdout_style": world.settings.get("holdout_style"),
             "mixed_classes": list(source[0].classnames) if source else [],
             "clip_weights": weights.name, "demo_settings_hash": settings_hash(settings),
-            "commit": _commit(), "machine": _machine(), "finished_utc": time.strftime("%Y-%m-%d %H:%M:%S",
+            "commit": git_commit(REPO), "machine": _machine(), "finished_utc": time.strftime("%Y-%m-%d %H:%M:%S",
                                                                                       time.gmtime()),
             "tables": list(settings.tables)}
 

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from helpers_chc import (add_member, dds_bytes, member_offsets, overwrite_at, png_bytes, truncate_at,
+from helpers_chc import (dds_bytes, member_offsets, overwrite_at, png_bytes, truncate_at,
                          write_shard)
 from meta.chc.errors import DiskSpaceError, InputError
 from meta.chc.imaging import NO_BYTES, decode_batch, decode_image_why

@@ -221,7 +221,6 @@ def test_init_accepts_files_without_newer_regulator_fields(tiny_clip, tmp_path):
 def test_exports_are_atomic_with_plain_file_mode(tmp_path, monkeypatch):
     """A failed write leaves the previous file and no temporary; new files get 0666 & ~umask like open()."""
     import errno
-    import os
 
     import meta.fileio as fileio
 

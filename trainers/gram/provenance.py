@@ -8,11 +8,11 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
-import subprocess
 from importlib import metadata
 from pathlib import Path
 from typing import Iterable, Optional
 from meta.hashing import file_sha256  # noqa: F401  (dassl_trainers imports it from here)
+from meta.provenance import git_commit
 
 PACKAGES = ("torch", "torchvision", "open_clip_torch", "dassl", "gram-prompt", "numpy", "yacs")
 
@@ -21,18 +21,6 @@ def _version(dist: str) -> str:
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
-        return "-"
-
-
-def git_commit(path: Path) -> str:
-    """Short commit (``+dirty`` when the tree has changes) of the repository holding ``path``, or "-"."""
-    try:
-        out = subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=5, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(path), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5).stdout.strip()
-        return out + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
         return "-"
 
 
