@@ -1,7 +1,7 @@
 """CoOp-style entry point: ``python train.py --root DATA --trainer GRAM_CoOp --config-file ... [KEY VALUE ...]``.
 
-Same flags and the same set-up order as CoOp's ``train.py`` (KaiyangZhou/CoOp @ ff61507, L105-150;
-reference dassl_coop_protocol.md §0): Dassl defaults, ``extend_cfg``, dataset config, method
+Same flags and the same set-up order as CoOp's ``train.py`` (KaiyangZhou/CoOp @ ff61507, L105-150):
+Dassl defaults, ``extend_cfg``, dataset config, method
 config, command-line flags, ``KEY VALUE`` options, freeze; then seed, logger (``OUTPUT_DIR/log.txt``),
 environment, trainer, and ``--eval-only`` (load + test) or training.
 

@@ -11,7 +11,7 @@ Importing this package is free of side effects and works without Dassl: Dassl is
 when one of the names above is first used (PEP 562 ``__getattr__``), and without Dassl that use
 raises a one-line ImportError.  This matters because of the name clash below.
 
-Name clash with Hugging Face ``datasets`` (reference dassl_coop_protocol.md §8 item 17): like every
+Name clash with Hugging Face ``datasets``: like every
 CoOp fork, this repository has a top-level ``datasets/`` package, and the repository root comes
 first on ``sys.path`` when running ``python train.py`` (or ``python -c``/pytest) there.
 - transformers 5.x probes for Hugging Face ``datasets`` by *importing* whatever ``datasets``

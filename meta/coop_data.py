@@ -4,7 +4,7 @@ This module is the single place that knows how the CoOp benchmarks lie on disk a
 CoOp/CoCoOp sample them, so the Dassl datasets in ``datasets/`` and a standalone
 evaluator read exactly the same images.  Facts follow KaiyangZhou/CoOp @ ff61507
 (``datasets/*.py``, ``DATASETS.md``) and Dassl.pytorch @ c61a1b5
-(``dassl/data/datasets/base_dataset.py``); see ``shared/reference/dassl_coop_protocol.md`` §3.
+(``dassl/data/datasets/base_dataset.py``).
 
 Pipeline (``load_coop_splits``), in CoOp's order:
 

@@ -19,7 +19,7 @@ Memory: one backward per task (``loss_q / B``), so a task's graph is freed befor
 the next is built.  Second order through ``nn.MultiheadAttention`` needs a
 double-differentiable attention kernel; the support forward therefore runs
 under the MATH SDPA backend when second order (fused CPU / flash / memory-efficient kernels have
-no double backward; reference/open_clip_notes.md).
+no double backward in PyTorch's ``scaled_dot_product_attention``).
 """
 from __future__ import annotations
 

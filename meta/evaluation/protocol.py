@@ -1,7 +1,7 @@
 """CoOp's evaluation protocols without Dassl: base-to-new, and cross-dataset / cross-domain transfer.
 
-Base-to-new (CoCoOp, ``scripts/cocoop/base2new_{train,test}.sh``; reference
-``dassl_coop_protocol.md`` §3-4): draw K shots per class from train with the run's seed, keep
+Base-to-new (CoCoOp, ``scripts/cocoop/base2new_{train,test}.sh`` in
+KaiyangZhou/CoOp; ``dassl/data/datasets/base_dataset.py`` in KaiyangZhou/Dassl.pytorch): draw K shots per class from train with the run's seed, keep
 the base classes (first ceil(n/2) sorted labels, relabelled 0..m-1), fine-tune on them, then
 test on the base classes' test images and on the new classes' test images with the text side
 rebuilt for the new class names.  H = 2BN/(B+N) of the two accuracies.

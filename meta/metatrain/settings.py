@@ -4,11 +4,13 @@
 calls it).  Values the paper does not give carry a comment naming where they come from.
 
 Sources cited below:
-  [GRAM]    the paper, /work/shared/paper/gram_iccv2023.tex (section 4 "Training Details").
+  [GRAM]    the paper (Li et al., "Gradient-Regulated Meta-Prompt Learning for Generalizable
+            Vision-Language Models", ICCV 2023), section 4 "Training Details".
   [SUPMER]  beepkh/SUPMER ``scripts/meta-train.sh`` - the same group's meta-prompt learner for NLP
             (OUTER_BATCH_SIZE=4, SAVE_STEP=100, TEST_STEP=1000, TOTAL_STEPS=100000).
   [MAML]    Finn et al. 2017, miniImageNet: meta-batch 4 tasks, 5-way.
-  [CoCoOp]  KaiyangZhou/CoOp CoCoOp ViT-B/16 schedule: lr 0.002, N_CTX 4 (reference/ecosystem_notes.md).
+  [CoCoOp]  KaiyangZhou/CoOp CoCoOp ViT-B/16 schedule: lr 0.002, N_CTX 4
+            (``configs/trainers/CoCoOp/vit_b16_c4_ep10_batch1_ctxv1.yaml``).
   [core]    meta.gram.MetaSpec / meta.regulator.RegulatorSpec defaults chosen by the core's author.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ the last file.  Content::
      "val_result": float | None, "gram": {...} (trainer, token counts, widths: plain values)}
 
 Only tensors, numbers, strings, lists and dicts: ``torch.load(weights_only=True)`` (torch >= 2.6
-default) reads it, unlike Dassl's own checkpoints (reference dassl_coop_protocol.md §8 item 2).
+default) reads it, unlike Dassl's own checkpoints (``dassl/utils/torchtools.py:load_checkpoint``).
 Nothing in ``state_dict`` depends on the class names, so loading a base-class checkpoint for new
 classes needs no surgery; keys of CoOp-style class buffers (``token_prefix``/``token_suffix``)
 found in foreign checkpoints are dropped.

@@ -2,7 +2,7 @@
 
 :func:`extend_cfg` is what a CoOp fork calls from its own ``extend_cfg`` (CoOp ``train.py``
 L77-102 adds ``TRAINER.COOP`` etc. the same way, before any yaml is merged: yacs refuses keys that
-do not exist yet; reference dassl_coop_protocol.md §0).  It only *adds* missing keys, so keys a
+do not exist yet).  It only *adds* missing keys, so keys a
 fork already defined keep their values.
 
 Which prompts a trainer learns is fixed by its name; the token counts come from the keys:

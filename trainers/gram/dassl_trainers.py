@@ -1,7 +1,7 @@
 """Dassl trainers ``GRAM_CoOp``, ``GRAM_VPT`` and ``UNIGRAM`` (registered in ``TRAINER_REGISTRY`` on import).
 
-They follow the CoOp trainer pattern (CoOp ``trainers/coop.py`` L222-325; reference
-dassl_coop_protocol.md §1-2) over the Dassl-free GRAM core in ``meta``:
+They follow the CoOp trainer pattern (CoOp ``trainers/coop.py`` L222-325, on KaiyangZhou/Dassl.pytorch
+``dassl/engine/trainer.py``) over the Dassl-free GRAM core in ``meta``:
 
 * ``build_model``: a frozen open_clip CLIP (``meta.backbone.load_clip``; OpenAI's TorchScript
   ``~/.cache/clip/ViT-B-16.pt`` by default), θ from the GRAM init file (``TRAINER.GRAM.INIT``,

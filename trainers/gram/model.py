@@ -4,7 +4,7 @@
 and/or ``vpt`` ``[D, n, d_v]``): the only registered, saved and optimised module, so checkpoints
 hold nothing class-dependent.  ``GramCLIP.clip`` is frozen and *stays in eval mode* whatever mode
 the wrapper is switched to (Dassl's ``set_model_mode`` only reaches registered modules;
-reference dassl_coop_protocol.md §8 item 11).
+KaiyangZhou/Dassl.pytorch ``dassl/engine/trainer.py``).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What a run logs so its numbers can be traced: environment versions and a hash of the data sample.
 
 Users who cannot reproduce CoOp-family numbers usually differ in versions, transforms, seeds or
-the few-shot draw (reference ecosystem_notes.md item 1), so every GRAM run prints these.
+the few-shot draw (the recurring answer in KaiyangZhou/CoOp's and MaPLe's GitHub issue threads), so every GRAM run prints these.
 """
 from __future__ import annotations
 

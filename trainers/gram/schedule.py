@@ -4,7 +4,7 @@ Why not Dassl's ``build_lr_scheduler``: its warm-up wrappers pass ``verbose`` to
 ``LRScheduler.__init__`` (TypeError on torch >= 2.7, raised while building the model, even for
 ``--eval-only``), and their ``state_dict`` pickles the successor scheduler *object*, which
 ``torch.load(weights_only=True)`` (the torch >= 2.6 default) refuses
-(reference dassl_coop_protocol.md §8 items 1-2).
+(KaiyangZhou/Dassl.pytorch ``dassl/optim/lr_scheduler.py`` and ``dassl/utils/torchtools.py``).
 
 Semantics reproduced (Dassl.pytorch @ c61a1b5, ``dassl/optim/lr_scheduler.py``, with the default
 ``OPTIM.WARMUP_RECOUNT True``), for epoch ``e = 0, 1, ...`` (the trainer steps once per epoch, at
