@@ -16,7 +16,7 @@ setup(
     version="0.1.0",
     description="Gradient-Regulated Meta-prompt learning (GRAM) for CLIP prompt tuning",
     packages=find_packages(include=["meta", "meta.*"]),
-    package_data={"meta": ["model_configs/*.json"]},
+    package_data={"meta": ["model_configs/*.json", "methods.yaml"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6",
@@ -25,6 +25,7 @@ setup(
         "numpy>=1.24",
         "pillow>=10",
         "yacs>=0.1.8",
+        "pyyaml>=6.0",  # the method table meta/methods.yaml
         "safetensors>=0.4",
         "tqdm>=4.60",
         "tensorboard>=2.14",

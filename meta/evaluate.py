@@ -4,7 +4,7 @@ The library lives in :mod:`meta.evaluation`; this module re-exports its API and 
 
 Examples::
 
-    # base-to-new, 3 seeds, zero-shot CLIP + CoOp + CoOp+GRAM on two world datasets
+    # base-to-new, 3 seeds, zero-shot CLIP + CoOp + CoOp + GRAM on two world datasets
     python -m meta.evaluate base2new --dataset .cache/world/<hash>/downstream/world_curves \\
         --dataset .cache/world/<hash>/downstream/world_icons --model GRAM-World-ViT-T \\
         --pretrained .cache/world/<hash>/clip/<weights>.safetensors \\

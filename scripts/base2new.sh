@@ -5,7 +5,7 @@
 #
 #   bash scripts/base2new.sh METHOD [DATASET|all|a,b,c] [SEEDS...] [--] [KEY VALUE ...]
 #
-# METHOD is a key of scripts/methods.sh (coop gram_coop vpt gram_vpt joint unigram zsclip); seeds
+# METHOD is a key of meta/methods.yaml with a trainer (zsclip coop gram_coop vpt gram_vpt unigram joint); seeds
 # default to 1 2 3; trailing KEY VALUE pairs are passed to train.py as yacs options.  Output:
 #   $OUTPUT/base2new/train_base/<dataset>/shots_<K>/<METHOD>/seed<S>/   (log gives the base accuracy)
 #   $OUTPUT/base2new/test_new/<dataset>/shots_<K>/<METHOD>/seed<S>/     (log gives the new accuracy)
@@ -29,7 +29,7 @@ for DATASET in "${DATASETS[@]}"; do
         TEST_DIR="$OUTPUT/base2new/test_new/$COMMON"
         BASE_ARGS=(--root "$DATA" --seed "$SEED" --trainer "$TRAINER"
             --dataset-config-file "$DS_CFG" --config-file "$CFG_FILE")
-        if method_is_zero_shot "$METHOD"; then
+        if method_is_zero_shot; then
             gram_run eval "$TRAIN_DIR" "${BASE_ARGS[@]}" --output-dir "$TRAIN_DIR" --eval-only \
                 DATASET.NUM_SHOTS "$SHOTS" DATASET.SUBSAMPLE_CLASSES base "${OPTS[@]}"
             gram_run eval "$TEST_DIR" "${BASE_ARGS[@]}" --output-dir "$TEST_DIR" --eval-only \

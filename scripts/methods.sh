@@ -2,15 +2,9 @@
 # Method table and shared run helpers of the benchmark scripts (sourced by base2new.sh, xd.sh,
 # xdomain.sh).  `bash scripts/methods.sh` prints the table.
 #
-# A method key names a Dassl trainer and the config `configs/trainers/<key>.yaml`:
-#   key        trainer      what
-#   coop       GRAM_CoOp    plain CoOp (GRAM off)
-#   gram_coop  GRAM_CoOp    GRAM meta-init + regulated gradient, text prompts
-#   vpt        GRAM_VPT     plain VPT (GRAM off)
-#   gram_vpt   GRAM_VPT     GRAM, visual prompts
-#   joint      UNIGRAM      plain joint text+visual tuning (paper Table 4 row 5)
-#   unigram    UNIGRAM      GRAM, text+visual prompts
-#   zsclip     GRAM_CoOp    zero-shot CLIP: evaluation only, no training
+# A method key names a row of the method table meta/methods.yaml (`python -m meta.methods` prints it):
+# its Dassl trainer, its config (configs/trainers/<key>.yaml), whether it starts from a meta-learned
+# init and whether it is zero-shot (evaluation only).
 #
 # Conventions follow CoOp's scripts/cocoop/*.sh (KaiyangZhou/CoOp @ ff61507): `python train.py
 # --root --seed --trainer --dataset-config-file --config-file --output-dir [--model-dir
@@ -35,26 +29,29 @@ GRAM_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BENCH_DATASETS=(imagenet caltech101 oxford_pets stanford_cars oxford_flowers food101 fgvc_aircraft sun397 dtd eurosat ucf101)
 XD_TARGETS=(caltech101 oxford_pets stanford_cars oxford_flowers food101 fgvc_aircraft sun397 dtd eurosat ucf101)
 XDOMAIN_TARGETS=(imagenetv2 imagenet_sketch imagenet_a imagenet_r)
-METHOD_KEYS=(coop gram_coop vpt gram_vpt joint unigram zsclip)
 
-# method_trainer KEY -> Dassl trainer name (exit 1 with a message for an unknown key)
-method_trainer() {
-    case "$1" in
-        coop | gram_coop | zsclip) echo GRAM_CoOp ;;
-        vpt | gram_vpt) echo GRAM_VPT ;;
-        joint | unigram) echo UNIGRAM ;;
-        *)
-            echo "unknown method '$1': expected one of ${METHOD_KEYS[*]}" >&2
-            return 1
-            ;;
-    esac
+# gram_method_table ARGS... : `python -m meta.methods ARGS...` (the method table) from the repository root
+gram_method_table() { (cd "$GRAM_REPO" && "$PYTHON" -m meta.methods "$@"); }
+
+# method_row KEY -> sets TRAINER, METHOD_INIT, METHOD_ZERO_SHOT from the table (status 1 with its
+# one-line message for an unknown key or a method without a Dassl trainer)
+method_row() {
+    local trainer init zs
+    trainer="$(gram_method_table get "$1" trainer)" || return 1
+    if [[ -z "$trainer" ]]; then
+        echo "method '$1' has no Dassl trainer: expected one of $(gram_method_table keys --dassl)" >&2
+        return 1
+    fi
+    init="$(gram_method_table get "$1" init)" || return 1
+    zs="$(gram_method_table get "$1" zero_shot)" || return 1
+    TRAINER="$trainer" METHOD_INIT="$init" METHOD_ZERO_SHOT="$zs"
 }
 
-# method_is_zero_shot KEY -> status 0 when the method is evaluated without training
-method_is_zero_shot() { [[ "$1" == zsclip ]]; }
+# method_is_zero_shot -> status 0 when the current METHOD is evaluated without training
+method_is_zero_shot() { [[ "$METHOD_ZERO_SHOT" == true ]]; }
 
-# method_uses_init KEY -> status 0 for the GRAM methods, which start from a meta-learned init
-method_uses_init() { [[ "$1" == gram_coop || "$1" == gram_vpt || "$1" == unigram ]]; }
+# method_uses_init -> status 0 when the current METHOD starts from a meta-learned init
+method_uses_init() { [[ "$METHOD_INIT" == true ]]; }
 
 gram_setup_env() {
     DATA="${DATA:-$GRAM_REPO/data}"
@@ -82,7 +79,7 @@ gram_parse_args() {
     fi
     METHOD="$1"
     shift
-    TRAINER="$(method_trainer "$METHOD")" || return 1
+    method_row "$METHOD" || return 1
     DATASET_ARG=""
     if [[ "$want_dataset" == yes && $# -gt 0 && "$1" != "--" && ! "$1" =~ ^[0-9]+$ && ! "$1" =~ ^[A-Z_]+\. ]]; then
         DATASET_ARG="$1"
@@ -101,7 +98,7 @@ gram_parse_args() {
         return 1
     fi
     if [[ -n "${INIT:-}" ]]; then # the init file's content enters the run hash (gram_run_hash hashes file args)
-        if ! method_uses_init "$METHOD"; then
+        if ! method_uses_init; then
             echo "Warning: INIT is ignored for method '$METHOD' (GRAM off)" >&2
         elif [[ ! -f "$INIT" ]]; then
             echo "INIT file not found: $INIT" >&2
@@ -224,7 +221,7 @@ gram_imagenet_transfer() {
         train_dir="$OUTPUT/xd/train_imagenet/shots_$SHOTS/$METHOD/seed$seed"
         local base_args=(--root "$DATA" --seed "$seed" --trainer "$TRAINER" --config-file "$CFG_FILE")
         local model_args=()
-        if method_is_zero_shot "$METHOD"; then
+        if method_is_zero_shot; then
             gram_run eval "$train_dir" "${base_args[@]}" --dataset-config-file "$src_cfg" \
                 --output-dir "$train_dir" --eval-only "${OPTS[@]}"
         else
@@ -321,8 +318,5 @@ gram_expand_datasets() {
 }
 
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
-    printf '%-10s %s  %s\n' key trainer config
-    for key in "${METHOD_KEYS[@]}"; do
-        printf '%-10s %-10s configs/trainers/%s.yaml\n' "$key" "$(method_trainer "$key")" "$key"
-    done
+    gram_setup_env && gram_method_table
 fi

@@ -44,6 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from meta import methods as method_table  # noqa: E402
 from meta.coop_data import harmonic_mean  # noqa: E402
 
 ACCURACY = re.compile(r"\* accuracy: ([\.\deE+-]+)%")  # CoOp parse_test_res.py L127-130
@@ -54,11 +55,7 @@ DATASET_ORDER = [
     "fgvc_aircraft", "sun397", "dtd", "eurosat", "ucf101",
     "imagenetv2", "imagenet_sketch", "imagenet_a", "imagenet_r",
 ]
-METHOD_ORDER = ["zsclip", "coop", "gram_coop", "vpt", "gram_vpt", "joint", "unigram"]
-METHOD_LABEL = {  # row names of the paper's tables; unknown keys print as themselves
-    "zsclip": "CLIP (zero-shot)", "coop": "CoOp", "gram_coop": "CoOp + GRAM", "vpt": "VPT",
-    "gram_vpt": "VPT + GRAM", "joint": "Joint text+visual", "unigram": "UNIGRAM",
-}
+METHOD_ORDER = list(method_table.methods())  # the method table's order; row names: method_table.label (paper's rows)
 DATASET_LABEL = {
     "imagenet": "ImageNet", "caltech101": "Caltech101", "oxford_pets": "OxfordPets", "stanford_cars": "StanfordCars",
     "oxford_flowers": "Flowers102", "food101": "Food101", "fgvc_aircraft": "FGVCAircraft", "sun397": "SUN397",
@@ -278,7 +275,7 @@ def write_base2new(results, out: Path, stem_prefix: str = "base2new") -> list[Pa
                 seeds = f"{r['base'].n if r['base'] else 0}/{r['new'].n if r['new'] else 0}"
                 if avg:
                     seeds = f"{r['base'].n} dataset{'s' if r['base'].n > 1 else ''}"
-                lines.append(f"| {METHOD_LABEL.get(m, m)} | {_cell(r['base'], avg)} | {_cell(r['new'], avg)} | {h} | {seeds} |")
+                lines.append(f"| {method_table.label(m)} | {_cell(r['base'], avg)} | {_cell(r['new'], avg)} | {h} | {seeds} |")
             lines.append("")
         md = out / f"{stem_prefix}_shots{shots}.md"
         md.write_text("\n".join(lines))
@@ -324,7 +321,7 @@ def _bar_plot(per_method: dict[str, list[dict]], path: Path, title: str) -> None
     for i, (method, rows) in enumerate(per_method.items()):
         h = {("Average" if r.get("average") else r["dataset"]): r["H"] for r in rows}
         ax.bar(x + i * width - 0.4 + width / 2, [h.get(lbl) or 0.0 for lbl in labels], width,
-               label=METHOD_LABEL.get(method, method))
+               label=method_table.label(method))
     ax.set_xticks(x)
     ax.set_xticklabels([DATASET_LABEL.get(lbl, lbl) for lbl in labels], rotation=30, ha="right")
     ax.set_ylabel("H (%)")
@@ -352,7 +349,7 @@ def write_transfer(results, table: str, out: Path) -> list[Path]:
             tgt = [stat(results.get(RunKey(table, shots, m, t, "target"))) for t in targets]
             avg = float(np.mean([s.mean for s in tgt])) if tgt and all(tgt) else None
             cells = [_cell(src), *[_cell(s) for s in tgt], f"{avg:.2f}" if avg is not None else "–"]
-            lines.append(f"| {METHOD_LABEL.get(m, m)} | " + " | ".join(cells) + " |")
+            lines.append(f"| {method_table.label(m)} | " + " | ".join(cells) + " |")
             for name, s in [("imagenet", src), *zip(targets, tgt)]:
                 csv_rows.append([shots, m, name, _num(s and s.mean), _num(s and s.std), s.n if s else 0])
             csv_rows.append([shots, m, "target_average", _num(avg), "", len(tgt)])

@@ -7,6 +7,8 @@ import shlex
 import subprocess
 from pathlib import Path
 
+from meta import methods
+
 REPO = Path(__file__).resolve().parents[1]
 DOC = (REPO / "docs" / "dassl_plugin.md").read_text()
 
@@ -18,10 +20,8 @@ def blocks_after(heading: str) -> list[str]:
 
 
 def method_trainers() -> dict[str, str]:
-    """key -> trainer, as `bash scripts/methods.sh` prints it."""
-    out = subprocess.run(["bash", str(REPO / "scripts" / "methods.sh")], capture_output=True, text=True,
-                         check=True).stdout.splitlines()[1:]
-    return {line.split()[0]: line.split()[1] for line in out}
+    """key -> trainer of the methods with a Dassl trainer, as the method table (meta/methods.yaml) gives it."""
+    return {key: methods.get(key).trainer for key in methods.dassl_keys()}
 
 
 def test_config_copy_commands_give_the_layout_fork_scripts_read(tmp_path):

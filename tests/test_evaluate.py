@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from PIL import Image
 
+from meta import methods
 from meta.coop_data import harmonic_mean, load_coop_splits
 from meta.evaluation import (DatasetRef, EvaluationSession, ImageLoader, MethodSpec, StartPoint, TrainSpec,
                              build_prompts, evaluate_base_to_new, evaluate_transfer, make_optimizer,
@@ -360,7 +361,7 @@ def test_cli_writes_one_json_line_per_run(ds_a, data_root, tmp_path, capsys):
                      "--final-eval-only", "--no-progress", "--output", str(out)])
     assert code == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["method"] for r in rows] == ["ZS-CLIP", "CoOp"]
+    assert [r["method"] for r in rows] == [methods.label("zsclip"), methods.label("coop")] == ["CLIP", "CoOp"]
     assert all(r["dataset"] == "SynthA" and r["shots"] == 4 and r["train_spec"]["epochs"] == 1 for r in rows)
     assert rows[1]["H"] == pytest.approx(harmonic_mean(rows[1]["base"], rows[1]["new"]))
     printed = capsys.readouterr().out
@@ -429,7 +430,7 @@ def test_cli_input_errors_are_one_line_with_exit_2(data_root, tmp_path, tiny_cli
 
     missing_init = tmp_path / "none.safetensors"
     assert one_line(base[:-1] + ["coop_gram", "--init", str(missing_init)]).startswith(
-        "error: method 'CoOp+GRAM' init_path: GRAM initialisation file not found")
+        "error: method 'CoOp + GRAM' init_path: GRAM initialisation file not found")
     vis = export_gram_init(tmp_path / "vis.safetensors", PromptParams(vpt=torch.zeros(1, 2, dims.vision_width)),
                            None, dims)
     msg = one_line(base[:-1] + ["coop", "coop_gram", "--init", str(vis)])

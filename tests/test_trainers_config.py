@@ -9,6 +9,7 @@ import pytest
 import yaml
 from yacs.config import CfgNode as CN
 
+from meta import methods
 from trainers.gram.config import (
     TRAINER_PROMPTS,
     default_weights_path,
@@ -21,8 +22,7 @@ from trainers.gram.config import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-METHOD_TRAINER = {"coop": "GRAM_CoOp", "gram_coop": "GRAM_CoOp", "zsclip": "GRAM_CoOp", "vpt": "GRAM_VPT",
-                  "gram_vpt": "GRAM_VPT", "joint": "UNIGRAM", "unigram": "UNIGRAM"}  # scripts/methods.sh
+METHOD_TRAINER = {k: methods.get(k).trainer for k in methods.dassl_keys()}
 
 
 def minimal_cfg(trainer: str = "GRAM_CoOp", backbone: str = "ViT-B/16") -> CN:
@@ -165,7 +165,7 @@ def test_cpu_forces_fp32_and_caps_workers_without_warnings():
 
 
 def _method_yaml(key: str) -> dict:
-    return yaml.safe_load((REPO / "configs" / "trainers" / f"{key}.yaml").read_text())
+    return yaml.safe_load((REPO / methods.get(key).config).read_text())
 
 
 @pytest.mark.parametrize("key", sorted(METHOD_TRAINER))
@@ -185,11 +185,15 @@ def test_method_configs_follow_the_paper_and_only_use_known_gram_keys(key):
     if cfg.TRAINER.GRAM.ENABLED:
         cfg.TRAINER.GRAM.INIT = "/given/on/the/command/line.safetensors"
     s = gram_settings(cfg)
-    assert s.enabled == key.startswith(("gram_", "unigram"))
-    expected = {"GRAM_CoOp": (4, 0), "GRAM_VPT": (0, 4), "UNIGRAM": (2, 2)}[METHOD_TRAINER[key]]
-    assert (s.n_ctx_text, s.n_ctx_vision) == expected
-    if key == "zsclip":
-        assert s.ctx_init == "a photo of a"
+    row = methods.get(key)
+    assert s.enabled == row.init and bool(doc["TRAINER"]["GRAM"].get("REGULATE", False)) == row.regulate
+    if row.zero_shot:  # Dassl's zero-shot CLIP: 4 word-initialised tokens, never trained
+        assert (s.n_ctx_text, s.n_ctx_vision, s.ctx_init) == (4, 0, "a photo of a")
+    else:
+        assert (s.n_ctx_text, s.n_ctx_vision) == (row.text_tokens, row.visual_tokens)
+    # the header names the trainer the table gives (the comment is read by people choosing a config)
+    header = (REPO / row.config).read_text()
+    assert f"# Trainer: {row.trainer} (row \"{key}\" of the method table meta/methods.yaml)." in header
 
 
 @pytest.mark.parametrize("value, expected", [("auto", None), ("on", True), ("off", False)])

@@ -27,6 +27,7 @@ from dassl.utils import Logger, load_checkpoint as dassl_load_checkpoint, load_p
 from torch import nn  # noqa: E402
 
 import train  # noqa: E402
+from meta import methods  # noqa: E402
 from meta.init_io import InitMismatchError, export_gram_init, load_gram_init  # noqa: E402
 from meta.prompts import PromptParams  # noqa: E402
 from meta.regulator import GradientRegulator, RegulatorSpec  # noqa: E402
@@ -39,10 +40,8 @@ BASE, NEW = [0, 1], [2, 3]  # CoOp's split of 4 sorted labels: first ceil(4/2) a
 TINY = ["TRAINER.GRAM.MODEL_NAME", "GRAM-Test-Tiny", "TRAINER.GRAM.WEIGHTS", "none", "INPUT.SIZE", "(32, 32)",
         "DATALOADER.NUM_WORKERS", "0", "DATALOADER.TRAIN_X.BATCH_SIZE", "2", "OPTIM.MAX_EPOCH", "1",
         "DATASET.NUM_SHOTS", str(SHOTS)]
-METHODS = {  # scripts/methods.sh: key -> (trainer, GRAM on)
-    "coop": ("GRAM_CoOp", False), "gram_coop": ("GRAM_CoOp", True), "vpt": ("GRAM_VPT", False),
-    "gram_vpt": ("GRAM_VPT", True), "joint": ("UNIGRAM", False), "unigram": ("UNIGRAM", True),
-}
+METHODS = {k: (methods.get(k).trainer, methods.get(k).init)  # key -> (trainer, GRAM on), trained ones
+           for k in methods.dassl_keys() if not methods.get(k).zero_shot}
 PROMPT_SHAPES = {"GRAM_CoOp": {"ctx": (4, 64)}, "GRAM_VPT": {"vpt": (1, 4, 64)},
                  "UNIGRAM": {"ctx": (2, 64), "vpt": (1, 2, 64)}}  # configs: 4 tokens; UNIGRAM 2 + 2
 ACCURACY = re.compile(r"^\* accuracy: ([\d.]+)%", re.M)
@@ -91,9 +90,9 @@ def init_files(tmp_path_factory, tiny_clip) -> dict[str, Path]:
 
 
 def common_args(data_root: Path, method: str, seed: int = 1) -> list[str]:
-    return ["--root", str(data_root), "--seed", str(seed), "--trainer", METHODS.get(method, ("GRAM_CoOp",))[0],
-            "--dataset-config-file", str(REPO / "configs/datasets/dtd.yaml"),
-            "--config-file", str(REPO / f"configs/trainers/{method}.yaml")]
+    row = methods.get(method)
+    return ["--root", str(data_root), "--seed", str(seed), "--trainer", row.trainer,
+            "--dataset-config-file", str(REPO / "configs/datasets/dtd.yaml"), "--config-file", str(REPO / row.config)]
 
 
 def gram_opts(method: str, init_files) -> list[str]:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
+from .. import methods
+from ..methods import Method
 from ..prompts import PromptSpec
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -25,7 +27,8 @@ class MethodSpec:
     """One prompt-learning method.
 
     Attributes:
-        name: label used in result records and tables (e.g. ``"CoOp+GRAM"``).
+        name: label used in result records and tables (presets: the paper's row name from
+            ``meta/methods.yaml``, e.g. ``"CoOp + GRAM"``).
         n_ctx_text: M, learnable text context vectors (CoOp); 0 = fixed text ``template``.
         n_ctx_vision: n, learnable visual prompt tokens (VPT); 0 = plain image tower.
         vision_depth: D, layers receiving visual prompts (1 = shallow VPT).
@@ -159,20 +162,19 @@ class TrainSpec:
         return replace(self, **changes)
 
 
-# Preset methods of the paper's Tables 1 and 4 (names as in the paper).
-_PRESETS: dict[str, dict] = {
-    "zsclip": dict(name="ZS-CLIP", n_ctx_text=0),
-    "coop": dict(name="CoOp", n_ctx_text=4),
-    "gram_coop": dict(name="CoOp+GRAM", n_ctx_text=4, regulate=True),
-    "vpt": dict(name="VPT", n_ctx_text=0, n_ctx_vision=4),
-    "gram_vpt": dict(name="VPT+GRAM", n_ctx_text=0, n_ctx_vision=4, regulate=True),
-    "joint": dict(name="CoOp+VPT", n_ctx_text=2, n_ctx_vision=2),          # Table 4 row 5: no GRAM
-    "unigram": dict(name="UNIGRAM", n_ctx_text=2, n_ctx_vision=2, regulate=True),
-}
+def _preset_fields(method: Method) -> dict:
+    fields = dict(name=method.label, n_ctx_text=method.text_tokens, n_ctx_vision=method.visual_tokens)
+    if method.regulate:
+        fields["regulate"] = True
+    return fields
+
+
+# Preset methods (paper Tables 1 and 4): the rows of the method table (meta/methods.yaml) that define
+# their own preset, named by the paper's row label.
+_PRESETS: dict[str, dict] = {key: _preset_fields(methods.get(key)) for key in methods.preset_keys()}
 PRESET_NAMES = tuple(_PRESETS)
-# Earlier names of two presets, still accepted everywhere a preset key is (silently: they name the
-# same method).  The stable keys above are the ones results files and the demo use.
-PRESET_ALIASES: dict[str, str] = {"coop_gram": "gram_coop", "vpt_gram": "gram_vpt"}
+# Earlier names of presets (the table's ``aliases``), still accepted everywhere a preset key is.
+PRESET_ALIASES: dict[str, str] = {alias: key for key in PRESET_NAMES for alias in methods.get(key).aliases}
 
 
 def preset_key(key: str) -> str:

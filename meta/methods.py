@@ -1,0 +1,207 @@
+"""The method table (``meta/methods.yaml``, shipped with the package): one row per method.
+
+Every consumer reads it from here: the evaluator presets (``meta.evaluation.spec``), the benchmark
+scripts (``scripts/run_methods.py``), the results parser, the demo and the tests.  A malformed file
+or an unknown key raises :class:`MethodTableError` with a one-line message naming the file / key.
+
+Command line (for shell scripts)::
+
+    python -m meta.methods                    # the table
+    python -m meta.methods keys [--dassl]     # keys in table order (--dassl: those with a trainer)
+    python -m meta.methods get KEY FIELD      # one field, e.g. `get gram_coop trainer`
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import MISSING, dataclass, fields
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional, Union
+
+import yaml
+
+TABLE_FILE = Path(__file__).with_name("methods.yaml")
+
+
+class MethodTableError(ValueError):
+    """A malformed method table or an unknown method key (one-line message)."""
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row of the method table (field meanings: the comment block of ``meta/methods.yaml``).
+
+    ``text_tokens`` / ``visual_tokens`` are prompt-token counts; ``trainer`` / ``config`` are ""
+    for rows that have no Dassl trainer config (demo-only ablations).
+    """
+
+    key: str
+    label: str
+    preset: str
+    text_tokens: int
+    visual_tokens: int
+    init: bool
+    regulate: bool
+    zero_shot: bool
+    trainer: str = ""
+    config: str = ""
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def dassl(self) -> bool:
+        """True when the method has a Dassl trainer and config (the benchmark scripts can run it)."""
+        return bool(self.trainer)
+
+
+_TYPES = {f.name: f.type for f in fields(Method)}
+_REQUIRED = [f.name for f in fields(Method) if f.default is MISSING]
+
+
+def _row(raw: object, index: int, path: Path) -> Method:
+    where = f"{path}: methods[{index}]"
+    if not isinstance(raw, dict):
+        raise MethodTableError(f"{where}: expected a mapping of fields, got {type(raw).__name__}")
+    key = raw.get("key", "?")
+    where = f"{path}: method {key!r}"
+    unknown = sorted(set(raw) - set(_TYPES))
+    if unknown:
+        raise MethodTableError(f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(_TYPES)}")
+    missing = [name for name in _REQUIRED if name not in raw]
+    if missing:
+        raise MethodTableError(f"{where}: missing field(s) {', '.join(missing)}")
+    values = {}
+    for name, value in raw.items():
+        want = _TYPES[name]
+        if want == "bool":
+            ok = isinstance(value, bool)
+        elif want == "int":
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        elif want == "str":
+            ok = isinstance(value, str) and (bool(value) or name in ("trainer", "config"))
+        else:  # aliases
+            ok = isinstance(value, list) and all(isinstance(v, str) and v for v in value)
+            value = tuple(value) if ok else value
+        if not ok:
+            expected = {"bool": "true or false", "int": "an integer >= 0", "str": "a non-empty string"}.get(
+                want, "a list of strings")
+            raise MethodTableError(f"{where}: field {name!r} must be {expected}, got {value!r}")
+        values[name] = value
+    method = Method(**values)
+    if bool(method.trainer) != bool(method.config):
+        raise MethodTableError(f"{where}: give both 'trainer' and 'config' or neither")
+    return method
+
+
+def load_methods(path: Union[str, Path, None] = None) -> dict[str, Method]:
+    """``{key: Method}`` in table order from ``path`` (default: the packaged ``methods.yaml``)."""
+    path = Path(path) if path is not None else TABLE_FILE
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise MethodTableError(f"cannot read the method table {path}: {err.strerror or err}") from None
+    except yaml.YAMLError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise MethodTableError(f"{path} is not valid YAML: {first}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("methods"), list) or not doc["methods"]:
+        raise MethodTableError(f"{path}: expected a top-level 'methods:' list of rows")
+    table: dict[str, Method] = {}
+    names: set[str] = set()
+    for i, raw in enumerate(doc["methods"]):
+        m = _row(raw, i, path)
+        for name in (m.key, *m.aliases):
+            if name in names:
+                raise MethodTableError(f"{path}: method key or alias {name!r} appears twice")
+            names.add(name)
+        table[m.key] = m
+    labels = [m.label for m in table.values()]
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        raise MethodTableError(f"{path}: label(s) {', '.join(map(repr, dup))} used by more than one method")
+    for m in table.values():
+        own = table.get(m.preset)
+        if own is None or own.preset != own.key:
+            raise MethodTableError(f"{path}: method {m.key!r}: preset {m.preset!r} is not a row whose preset is itself")
+        if m.zero_shot and (m.init or m.regulate or m.text_tokens or m.visual_tokens):
+            raise MethodTableError(f"{path}: method {m.key!r}: a zero-shot method has no tokens, init or regulator")
+        if m.regulate and not m.init:
+            raise MethodTableError(f"{path}: method {m.key!r}: regulate needs init (R_phi comes from the init file)")
+    return table
+
+
+@lru_cache(maxsize=None)
+def _packaged() -> dict[str, Method]:
+    return load_methods()
+
+
+def methods() -> dict[str, Method]:
+    """The packaged table ``{key: Method}`` in table order (read once)."""
+    return dict(_packaged())
+
+
+def canonical_key(key: str) -> str:
+    """``key`` itself or the key an alias names; :class:`MethodTableError` if unknown."""
+    table = _packaged()
+    if key in table:
+        return key
+    for m in table.values():
+        if key in m.aliases:
+            return m.key
+    raise MethodTableError(f"unknown method {key!r}: expected one of {' '.join(table)} ({TABLE_FILE.name})")
+
+
+def get(key: str) -> Method:
+    """The row of ``key`` (or of the method an alias names)."""
+    return _packaged()[canonical_key(key)]
+
+
+def label(key: str) -> str:
+    """The paper's row name of ``key``; a key not in the table (e.g. a foreign ``TRAINER/CFG``) is its own label."""
+    try:
+        return get(key).label
+    except MethodTableError:
+        return key
+
+
+def preset_keys() -> tuple[str, ...]:
+    """Keys of the rows that define an evaluator preset (``preset == key``), in table order."""
+    return tuple(m.key for m in _packaged().values() if m.preset == m.key)
+
+
+def dassl_keys() -> tuple[str, ...]:
+    """Keys of the methods with a Dassl trainer and config, in table order."""
+    return tuple(m.key for m in _packaged().values() if m.dassl)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if not args:
+            table = _packaged()
+            print(f"{'key':<19} {'trainer':<10} {'init':<5} {'reg':<5} {'zs':<5} tokens  label")
+            for m in table.values():
+                print(f"{m.key:<19} {m.trainer or '-':<10} {str(m.init).lower():<5} {str(m.regulate).lower():<5} "
+                      f"{str(m.zero_shot).lower():<5} {m.text_tokens}+{m.visual_tokens}     {m.label}")
+            return 0
+        if args[0] == "keys" and args[1:] in ([], ["--dassl"]):
+            print(" ".join(dassl_keys() if args[1:] else tuple(_packaged())))
+            return 0
+        if args[0] == "get" and len(args) == 3:
+            m = get(args[1])
+            if args[2] not in _TYPES:
+                raise MethodTableError(f"unknown field {args[2]!r}: expected one of {', '.join(_TYPES)}")
+            value = getattr(m, args[2])
+            print(str(value).lower() if isinstance(value, bool) else " ".join(value) if isinstance(value, tuple)
+                  else value)
+            return 0
+    except MethodTableError as err:
+        print(err, file=sys.stderr)
+        return 1
+    print("usage: python -m meta.methods [keys [--dassl] | get KEY FIELD]", file=sys.stderr)
+    return 2
+
+
+__all__ = ["Method", "MethodTableError", "TABLE_FILE", "load_methods", "methods", "get", "label", "canonical_key",
+           "preset_keys", "dassl_keys"]
+
+if __name__ == "__main__":
+    sys.exit(main())
