@@ -27,20 +27,25 @@ from __future__ import annotations
 
 from typing import Any
 
-# Kept in step with meta.coop_data.COOP_LAYOUTS (tests/test_datasets_import.py checks it).
-STANDARD_NAMES = (
-    "ImageNet", "Caltech101", "OxfordPets", "StanfordCars", "OxfordFlowers", "Food101", "FGVCAircraft",
-    "SUN397", "DescribableTextures", "EuroSAT", "UCF101", "ImageNetV2", "ImageNetSketch", "ImageNetA", "ImageNetR",
-)
-_LAZY = {"CoopLayoutDataset", "register_coop_layout_dataset", "register_all", "STANDARD_DATASETS", "to_datums",
-         *STANDARD_NAMES}
+_API = {"CoopLayoutDataset", "register_coop_layout_dataset", "register_all", "STANDARD_DATASETS", "to_datums"}
 
-__all__ = sorted(_LAZY) + ["STANDARD_NAMES"]
+__all__ = sorted(_API) + ["STANDARD_NAMES"]
+
+
+def _standard_names() -> tuple:
+    """``DATASET.NAME`` of the 15 benchmarks, from meta.coop_data's dataset list (read on first use)."""
+    from meta.coop_data import STANDARD_LAYOUTS
+
+    return tuple(layout.name for layout in STANDARD_LAYOUTS)
 
 
 def __getattr__(name: str) -> Any:
     """Load the Dassl side on first use of one of its names (one-line ImportError without Dassl)."""
-    if name in _LAZY:
+    if name.startswith("__"):  # probes such as __version__ or __path__ lookups stay free
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name == "STANDARD_NAMES":
+        return _standard_names()
+    if name in _API or name in _standard_names():
         from . import coop_layout
 
         return getattr(coop_layout, name)

@@ -13,7 +13,7 @@ import warnings
 from typing import Any, Sequence
 
 from meta.coop_data import (
-    COOP_LAYOUTS,
+    STANDARD_LAYOUTS,
     CoopLayout,
     Record,
     fewshot_cache_path,
@@ -111,7 +111,7 @@ def register_coop_layout_dataset(
 
 
 STANDARD_DATASETS: dict[str, type] = {}
-for _layout in list(COOP_LAYOUTS.values()):
+for _layout in STANDARD_LAYOUTS:  # meta.coop_data's dataset list
     STANDARD_DATASETS[_layout.name] = _make_class(_layout)
     _register(STANDARD_DATASETS[_layout.name])
 globals().update(STANDARD_DATASETS)

@@ -38,6 +38,12 @@ __all__ = [
     "CoopSplits",
     "CoopLayout",
     "COOP_LAYOUTS",
+    "STANDARD_LAYOUTS",
+    "BENCHMARK_KEYS",
+    "TRANSFER_SOURCE",
+    "CROSS_DATASET_TARGETS",
+    "CROSS_DOMAIN_TARGETS",
+    "STANDARD_KEYS",
     "register_layout",
     "get_layout",
     "read_split_file",
@@ -103,7 +109,9 @@ class CoopLayout:
     ``"imagenet_folders"`` (test-only; sorted class folders named by WordNet id) and
     ``"imagenetv2"`` (test-only; folders ``0..999`` in ``classnames.txt`` order).
     ``image_dir`` is relative to ``dataset_dir``; ``""`` means the dataset folder itself
-    (StanfordCars).  ``config_key`` names ``configs/datasets/<config_key>.yaml``.
+    (StanfordCars).  ``config_key`` names ``configs/datasets/<config_key>.yaml`` (and is the name
+    the benchmark scripts and the results parser use); ``label`` is the paper's column name
+    (``""``: ``name``).
     """
 
     name: str
@@ -113,6 +121,12 @@ class CoopLayout:
     split_file: str | None = None
     config_key: str = ""
     ignored_folders: tuple[str, ...] = ()
+    label: str = ""
+
+    @property
+    def title(self) -> str:
+        """The name tables print: ``label``, else ``name``."""
+        return self.label or self.name
 
     @property
     def test_only(self) -> bool:
@@ -143,24 +157,45 @@ def register_layout(layout: CoopLayout, replace: bool = True) -> CoopLayout:
     return layout
 
 
-for _layout in (
-    CoopLayout("ImageNet", "imagenet", "images", "imagenet", None, "imagenet"),
-    CoopLayout("Caltech101", "caltech-101", "101_ObjectCategories", "split", "split_zhou_Caltech101.json", "caltech101"),
-    CoopLayout("OxfordPets", "oxford_pets", "images", "split", "split_zhou_OxfordPets.json", "oxford_pets"),
-    CoopLayout("StanfordCars", "stanford_cars", "", "split", "split_zhou_StanfordCars.json", "stanford_cars"),
-    CoopLayout("OxfordFlowers", "oxford_flowers", "jpg", "split", "split_zhou_OxfordFlowers.json", "oxford_flowers"),
-    CoopLayout("Food101", "food-101", "images", "split", "split_zhou_Food101.json", "food101"),
-    CoopLayout("FGVCAircraft", "fgvc_aircraft", "images", "fgvc", None, "fgvc_aircraft"),
-    CoopLayout("SUN397", "sun397", "SUN397", "split", "split_zhou_SUN397.json", "sun397"),
-    CoopLayout("DescribableTextures", "dtd", "images", "split", "split_zhou_DescribableTextures.json", "dtd"),
-    CoopLayout("EuroSAT", "eurosat", "2750", "split", "split_zhou_EuroSAT.json", "eurosat"),
-    CoopLayout("UCF101", "ucf101", "UCF-101-midframes", "split", "split_zhou_UCF101.json", "ucf101"),
-    CoopLayout("ImageNetV2", "imagenetv2", "imagenetv2-matched-frequency-format-val", "imagenetv2", None, "imagenetv2"),
-    CoopLayout("ImageNetSketch", "imagenet-sketch", "images", "imagenet_folders", None, "imagenet_sketch"),
-    CoopLayout("ImageNetA", "imagenet-adversarial", "imagenet-a", "imagenet_folders", None, "imagenet_a", ("README.txt",)),
-    CoopLayout("ImageNetR", "imagenet-rendition", "imagenet-r", "imagenet_folders", None, "imagenet_r", ("README.txt",)),
-):
+# The 15 benchmarks of CoOp / CoCoOp / the GRAM paper, in the paper's order: the 11 base-to-new and
+# cross-dataset datasets (ImageNet first: the transfer source), then the 4 ImageNet variants of the
+# cross-domain table.  This is the one dataset list: the Dassl datasets (``datasets/``), the benchmark
+# scripts, the results parser and ``configs/datasets/<config_key>.yaml`` (tests check them) follow it.
+STANDARD_LAYOUTS: tuple[CoopLayout, ...] = (
+    CoopLayout("ImageNet", "imagenet", "images", "imagenet", None, "imagenet", label="ImageNet"),
+    CoopLayout("Caltech101", "caltech-101", "101_ObjectCategories", "split", "split_zhou_Caltech101.json", "caltech101",
+               label="Caltech101"),
+    CoopLayout("OxfordPets", "oxford_pets", "images", "split", "split_zhou_OxfordPets.json", "oxford_pets",
+               label="OxfordPets"),
+    CoopLayout("StanfordCars", "stanford_cars", "", "split", "split_zhou_StanfordCars.json", "stanford_cars",
+               label="StanfordCars"),
+    CoopLayout("OxfordFlowers", "oxford_flowers", "jpg", "split", "split_zhou_OxfordFlowers.json", "oxford_flowers",
+               label="Flowers102"),
+    CoopLayout("Food101", "food-101", "images", "split", "split_zhou_Food101.json", "food101", label="Food101"),
+    CoopLayout("FGVCAircraft", "fgvc_aircraft", "images", "fgvc", None, "fgvc_aircraft", label="FGVCAircraft"),
+    CoopLayout("SUN397", "sun397", "SUN397", "split", "split_zhou_SUN397.json", "sun397", label="SUN397"),
+    CoopLayout("DescribableTextures", "dtd", "images", "split", "split_zhou_DescribableTextures.json", "dtd",
+               label="DTD"),
+    CoopLayout("EuroSAT", "eurosat", "2750", "split", "split_zhou_EuroSAT.json", "eurosat", label="EuroSAT"),
+    CoopLayout("UCF101", "ucf101", "UCF-101-midframes", "split", "split_zhou_UCF101.json", "ucf101", label="UCF101"),
+    CoopLayout("ImageNetV2", "imagenetv2", "imagenetv2-matched-frequency-format-val", "imagenetv2", None, "imagenetv2",
+               label="ImageNetV2"),
+    CoopLayout("ImageNetSketch", "imagenet-sketch", "images", "imagenet_folders", None, "imagenet_sketch",
+               label="ImageNet-Sketch"),
+    CoopLayout("ImageNetA", "imagenet-adversarial", "imagenet-a", "imagenet_folders", None, "imagenet_a",
+               ("README.txt",), label="ImageNet-A"),
+    CoopLayout("ImageNetR", "imagenet-rendition", "imagenet-r", "imagenet_folders", None, "imagenet_r",
+               ("README.txt",), label="ImageNet-R"),
+)
+for _layout in STANDARD_LAYOUTS:
     register_layout(_layout)
+
+# Dataset groups of the benchmark protocols, as config keys (paper order).
+BENCHMARK_KEYS: tuple[str, ...] = tuple(x.config_key for x in STANDARD_LAYOUTS if not x.test_only)
+TRANSFER_SOURCE: str = BENCHMARK_KEYS[0]                       # ImageNet, all classes, few shots
+CROSS_DATASET_TARGETS: tuple[str, ...] = BENCHMARK_KEYS[1:]     # the other 10 benchmarks
+CROSS_DOMAIN_TARGETS: tuple[str, ...] = tuple(x.config_key for x in STANDARD_LAYOUTS if x.test_only)
+STANDARD_KEYS: tuple[str, ...] = BENCHMARK_KEYS + CROSS_DOMAIN_TARGETS
 
 
 def get_layout(name: str) -> CoopLayout:
@@ -619,3 +654,4 @@ def load_coop_splits(
         return CoopSplits(train=train, val=test, test=test)
     train, val, test = subsample_classes(train, val, test, subsample=subsample)
     return CoopSplits(train=train, val=val, test=test)
+

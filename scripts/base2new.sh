@@ -19,7 +19,8 @@ gram_setup_env || exit 2
 gram_parse_args yes "$@" || usage
 cd "$GRAM_REPO" || exit 2
 CFG_FILE="$(gram_config_file "$METHOD")" || exit 2
-mapfile -t DATASETS < <(gram_expand_datasets "$DATASET_ARG" "${BENCH_DATASETS[@]}")
+mapfile -t BENCHMARKS < <(gram_dataset_group BENCHMARK_KEYS) && [[ ${#BENCHMARKS[@]} -gt 0 ]] || exit 2
+mapfile -t DATASETS < <(gram_expand_datasets "$DATASET_ARG" "${BENCHMARKS[@]}")
 
 for DATASET in "${DATASETS[@]}"; do
     DS_CFG="$(gram_dataset_config "$DATASET")" || { GRAM_FAILED=1; continue; }

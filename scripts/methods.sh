@@ -25,10 +25,11 @@
 
 GRAM_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
-# Paper/CoOp order of the 11 benchmarks (configs/datasets/<name>.yaml).
-BENCH_DATASETS=(imagenet caltech101 oxford_pets stanford_cars oxford_flowers food101 fgvc_aircraft sun397 dtd eurosat ucf101)
-XD_TARGETS=(caltech101 oxford_pets stanford_cars oxford_flowers food101 fgvc_aircraft sun397 dtd eurosat ucf101)
-XDOMAIN_TARGETS=(imagenetv2 imagenet_sketch imagenet_a imagenet_r)
+# gram_dataset_group NAME -> config keys of a dataset group of meta.coop_data (the one dataset list),
+# one per line: BENCHMARK_KEYS (base-to-new), CROSS_DATASET_TARGETS (xd.sh), CROSS_DOMAIN_TARGETS (xdomain.sh)
+gram_dataset_group() {
+    (cd "$GRAM_REPO" && "$PYTHON" -c "import sys; from meta import coop_data; print('\n'.join(getattr(coop_data, sys.argv[1])))" "$1")
+}
 
 # gram_method_table ARGS... : `python -m meta.methods ARGS...` (the method table) from the repository root
 gram_method_table() { (cd "$GRAM_REPO" && "$PYTHON" -m meta.methods "$@"); }

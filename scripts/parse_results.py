@@ -45,23 +45,15 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from meta import methods as method_table  # noqa: E402
+from meta import coop_data  # noqa: E402
 from meta.coop_data import harmonic_mean  # noqa: E402
 
 ACCURACY = re.compile(r"\* accuracy: ([\.\deE+-]+)%")  # CoOp parse_test_res.py L127-130
 END_SIGNAL = {"train": "Finish training", "eval": "=> result"}
-# Paper / CoOp order; other names follow alphabetically.
-DATASET_ORDER = [
-    "imagenet", "caltech101", "oxford_pets", "stanford_cars", "oxford_flowers", "food101",
-    "fgvc_aircraft", "sun397", "dtd", "eurosat", "ucf101",
-    "imagenetv2", "imagenet_sketch", "imagenet_a", "imagenet_r",
-]
+# Paper / CoOp order (meta.coop_data's dataset list); other names follow alphabetically.
+DATASET_ORDER = list(coop_data.STANDARD_KEYS)
 METHOD_ORDER = list(method_table.methods())  # the method table's order; row names: method_table.label (paper's rows)
-DATASET_LABEL = {
-    "imagenet": "ImageNet", "caltech101": "Caltech101", "oxford_pets": "OxfordPets", "stanford_cars": "StanfordCars",
-    "oxford_flowers": "Flowers102", "food101": "Food101", "fgvc_aircraft": "FGVCAircraft", "sun397": "SUN397",
-    "dtd": "DTD", "eurosat": "EuroSAT", "ucf101": "UCF101", "imagenetv2": "ImageNetV2",
-    "imagenet_sketch": "ImageNet-Sketch", "imagenet_a": "ImageNet-A", "imagenet_r": "ImageNet-R",
-}
+DATASET_LABEL = {x.config_key: x.title for x in coop_data.STANDARD_LAYOUTS}  # the paper's column names
 SEED_DIR = re.compile(r"^seed(-?\d+)$")
 SHOTS_DIR = re.compile(r"^shots_(-?\d+)$")
 
@@ -189,9 +181,9 @@ def collect(root: Path) -> tuple[dict[RunKey, dict[int, float]], list[str]]:
                 expected = root / "base2new" / sub / dataset / f"shots_{shots}" / method / f"seed{seed}" / "log.txt"
                 problems.append(f"missing {lack} run: {expected}")
     # A source (ImageNet) run without one of its target runs is reported the same way.
-    expected_targets = {"xd": DATASET_ORDER[1:11], "xdomain": DATASET_ORDER[11:]}
+    expected_targets = {"xd": coop_data.CROSS_DATASET_TARGETS, "xdomain": coop_data.CROSS_DOMAIN_TARGETS}
     for (table, shots, method, dataset), sides in seeds_seen.items():
-        if table not in expected_targets or dataset != "imagenet":
+        if table not in expected_targets or dataset != coop_data.TRANSFER_SOURCE:
             continue
         for seed in sorted(sides["source"]):
             for target in expected_targets[table]:

@@ -15,5 +15,6 @@ gram_setup_env || exit 2
 gram_parse_args no "$@" || usage
 cd "$GRAM_REPO" || exit 2
 CFG_FILE="$(gram_config_file "$METHOD")" || exit 2
-gram_imagenet_transfer xdomain/test "${XDOMAIN_TARGETS[@]}"
+mapfile -t TARGETS < <(gram_dataset_group CROSS_DOMAIN_TARGETS) && [[ ${#TARGETS[@]} -gt 0 ]] || exit 2
+gram_imagenet_transfer xdomain/test "${TARGETS[@]}"
 exit "$GRAM_FAILED"

@@ -55,3 +55,20 @@ def test_standard_names_match_the_layout_table():
     # the built-in layouts are registered first, in table order; tests may append custom ones after them
     assert len(datasets.STANDARD_NAMES) == 15
     assert tuple(COOP_LAYOUTS)[:15] == datasets.STANDARD_NAMES
+
+
+def test_dataset_configs_and_groups_follow_the_one_dataset_list():
+    """configs/datasets/<key>.yaml exist for exactly the standard layouts and name their DATASET.NAME;
+    the protocol groups are the paper's (11 base-to-new benchmarks, ImageNet source, 4 ImageNet variants)."""
+    import yaml
+
+    from meta import coop_data
+
+    on_disk = {p.stem: yaml.safe_load(p.read_text())["DATASET"]["NAME"] for p in (REPO / "configs" / "datasets").glob("*.yaml")}
+    assert on_disk == {x.config_key: x.name for x in coop_data.STANDARD_LAYOUTS}
+    assert len(coop_data.BENCHMARK_KEYS) == 11 and coop_data.TRANSFER_SOURCE == "imagenet"
+    assert coop_data.CROSS_DATASET_TARGETS == coop_data.BENCHMARK_KEYS[1:]
+    assert coop_data.CROSS_DOMAIN_TARGETS == ("imagenetv2", "imagenet_sketch", "imagenet_a", "imagenet_r")
+    assert [coop_data.get_layout(k).title for k in ("oxford_flowers", "dtd", "imagenet_sketch")] == [
+        "Flowers102", "DTD", "ImageNet-Sketch"]  # the paper's column names
+    assert all(coop_data.COOP_LAYOUTS[x.name] == x for x in coop_data.STANDARD_LAYOUTS)
