@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 from .evaluation import (PRESET_ALIASES, PRESET_NAMES, DatasetRef, EvaluationSession, MethodSpec, TrainSpec,
                          evaluate_base_to_new, evaluate_transfer, is_gram_preset, method_preset, preset_key)
-from .evaluation.summary import average_over_datasets, format_row, summarise
+from .evaluation.summary import format_row, summarise
 
 __all__ = ["DatasetRef", "EvaluationSession", "MethodSpec", "TrainSpec", "evaluate_base_to_new",
            "evaluate_transfer", "method_preset", "PRESET_NAMES", "main"]
@@ -129,8 +129,8 @@ def _summary(record: dict) -> str:
 
 
 def _table(records: list[dict]) -> str:
-    rows = summarise(records)
-    rows += average_over_datasets(rows) if len({r["dataset"] for r in rows}) > 1 else []
+    several = len({r["dataset"] for r in records if r["protocol"] == "base2new"}) > 1
+    rows = summarise(records, average="Average" if several else "")
     return "\n".join(format_row(r) for r in rows)
 
 

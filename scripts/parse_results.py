@@ -20,10 +20,11 @@ is read from the ``mode`` line of its ``gram_run.txt`` (written by the scripts; 
 are eval-only) and otherwise inferred from the folder (``train_*`` = training).  Only ``log.txt``
 is read, not Dassl's timestamped ``log.txt-<time>`` re-run logs.
 
-Per dataset: mean +- std over seeds (population std, ``np.std`` as CoOp) of base and new, and
-H = harmonic mean of the *averaged* base and new; the Average row averages the per-dataset means
-over the datasets that have both, and its H is the harmonic mean of those two averages (the
-convention of CoCoOp's Table 1).  Writes markdown, CSV and a bar plot of H to ``--out``
+Statistics are those of ``meta.evaluation.summary`` (the demo's too), over the seeds that have
+both a base and a new run: per dataset, mean +- std over seeds (population std, ``np.std`` as
+CoOp) of base and new, and H = harmonic mean of the *averaged* base and new; the Average row
+averages each seed's accuracies over the datasets (seeds every dataset has), then mean +- std over
+seeds, and its H is the harmonic mean of the two means (the convention of CoCoOp's Table 1).  Writes markdown, CSV and a bar plot of H to ``--out``
 (default OUTPUT_ROOT/tables) and prints the markdown.  Missing or unfinished runs are listed on
 stderr, naming the file; ``--strict`` then exits with status 1.
 """
@@ -46,7 +47,7 @@ if str(REPO) not in sys.path:
 
 from meta import methods as method_table  # noqa: E402
 from meta import coop_data  # noqa: E402
-from meta.coop_data import harmonic_mean  # noqa: E402
+from meta.evaluation.summary import summarise  # noqa: E402
 
 ACCURACY = re.compile(r"\* accuracy: ([\.\deE+-]+)%")  # CoOp parse_test_res.py L127-130
 END_SIGNAL = {"train": "Finish training", "eval": "=> result"}
@@ -54,6 +55,7 @@ END_SIGNAL = {"train": "Finish training", "eval": "=> result"}
 DATASET_ORDER = list(coop_data.STANDARD_KEYS)
 METHOD_ORDER = list(method_table.methods())  # the method table's order; row names: method_table.label (paper's rows)
 DATASET_LABEL = {x.config_key: x.title for x in coop_data.STANDARD_LAYOUTS}  # the paper's column names
+AVERAGE = "Average"
 SEED_DIR = re.compile(r"^seed(-?\d+)$")
 SHOTS_DIR = re.compile(r"^shots_(-?\d+)$")
 
@@ -212,32 +214,42 @@ def stat(values_by_seed: dict[int, float] | None) -> Stat | None:
     return Stat(float(v.mean()), float(v.std()), len(v))
 
 
+def base2new_records(results: dict[RunKey, dict[int, float]], shots: int) -> list[dict]:
+    """One ``meta.evaluation.summary`` record per (method, dataset, seed) with both a base and a new run."""
+    records = []
+    for k in results:
+        if k.table != "base2new" or k.shots != shots or k.side != "base":
+            continue
+        base, new = results[k], results.get(RunKey("base2new", shots, k.method, k.dataset, "new"), {})
+        records += [{"protocol": "base2new", "dataset": k.dataset, "key": k.method,
+                     "method": method_table.label(k.method), "seed": seed, "base": base[seed], "new": new[seed]}
+                    for seed in sorted(set(base) & set(new))]
+    return records
+
+
 def base2new_rows(results: dict[RunKey, dict[int, float]], shots: int, method: str) -> list[dict]:
-    """Rows ``{dataset, base, new, H}`` (Average first) for one method and shot count."""
-    datasets = sorted(
-        {k.dataset for k in results if k.table == "base2new" and k.shots == shots and k.method == method},
-        key=lambda d: _order(d, DATASET_ORDER),
-    )
-    rows = []
-    for ds in datasets:
-        base = stat(results.get(RunKey("base2new", shots, method, ds, "base")))
-        new = stat(results.get(RunKey("base2new", shots, method, ds, "new")))
-        h = harmonic_mean(base.mean, new.mean) if base and new else None
-        rows.append({"dataset": ds, "base": base, "new": new, "H": h})
-    complete = [r for r in rows if r["H"] is not None]
-    if complete:
-        b = float(np.mean([r["base"].mean for r in complete]))
-        n = float(np.mean([r["new"].mean for r in complete]))
-        label = f"Average over {len(complete)} dataset{'s' if len(complete) > 1 else ''}"
-        rows.insert(0, {"dataset": label, "base": Stat(b, float("nan"), len(complete)),
-                        "new": Stat(n, float("nan"), len(complete)), "H": harmonic_mean(b, n), "average": True})
-    return rows
+    """Rows ``{dataset, base, new, H}`` (Average first) for one method and shot count.
+
+    Statistics are ``meta.evaluation.summary.summarise``'s over the seeds that have both runs
+    (an unpaired run is reported by :func:`collect`); the Average row is its "Average over datasets".
+    """
+    records = [r for r in base2new_records(results, shots) if r["key"] == method]
+    averages, rows = [], []
+    for row in summarise(records, average=AVERAGE):
+        n = len(row["seeds"])
+        out = {"dataset": row["dataset"], "base": Stat(row["base_mean"], row["base_std"], n),
+               "new": Stat(row["new_mean"], row["new_std"], n), "H": row["H"]}
+        if "datasets" in row:  # the average row
+            k = len(row["datasets"])
+            averages.append(out | {"dataset": f"Average over {k} dataset{'s' if k > 1 else ''}", "average": True,
+                                   "datasets": k})
+        else:
+            rows.append(out)
+    return averages + sorted(rows, key=lambda r: _order(r["dataset"], DATASET_ORDER))
 
 
-def _cell(s: Stat | None, average: bool = False) -> str:
-    if s is None:
-        return "–"
-    return f"{s.mean:.2f}" if average else s.fmt()
+def _cell(s: Stat | None) -> str:
+    return "–" if s is None else s.fmt()
 
 
 def write_base2new(results, out: Path, stem_prefix: str = "base2new") -> list[Path]:
@@ -266,8 +278,8 @@ def write_base2new(results, out: Path, stem_prefix: str = "base2new") -> list[Pa
                 h = f"{r['H']:.2f}" if r["H"] is not None else "–"
                 seeds = f"{r['base'].n if r['base'] else 0}/{r['new'].n if r['new'] else 0}"
                 if avg:
-                    seeds = f"{r['base'].n} dataset{'s' if r['base'].n > 1 else ''}"
-                lines.append(f"| {method_table.label(m)} | {_cell(r['base'], avg)} | {_cell(r['new'], avg)} | {h} | {seeds} |")
+                    seeds = f"{r['base'].n} (on all {r['datasets']} dataset{'s' if r['datasets'] > 1 else ''})"
+                lines.append(f"| {method_table.label(m)} | {_cell(r['base'])} | {_cell(r['new'])} | {h} | {seeds} |")
             lines.append("")
         md = out / f"{stem_prefix}_shots{shots}.md"
         md.write_text("\n".join(lines))

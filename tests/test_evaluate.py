@@ -381,7 +381,7 @@ def test_cli_maps_init_files_to_gram_presets():
 
 
 def test_summaries_average_seeds_like_coop_parser_and_take_h_of_the_means():
-    from meta.evaluation import average_over_datasets, epoch_curves, summarise
+    from meta.evaluation import epoch_curves, summarise
 
     def rec(ds, seed, base, new, hist):
         return {"protocol": "base2new", "dataset": ds, "method": "CoOp", "seed": seed, "base": base, "new": new,
@@ -399,9 +399,11 @@ def test_summaries_average_seeds_like_coop_parser_and_take_h_of_the_means():
     assert a["new_std"] == pytest.approx(np.std([60, 40, 50]))
     assert a["H"] == pytest.approx(2 * 80 * 50 / 130)                # H of the means, not mean of the Hs
     assert a["H"] != pytest.approx(np.mean([harmonic_mean(r["base"], r["new"]) for r in records[:3]]))
-    avg = average_over_datasets(rows)[0]
-    assert avg["base_mean"] == pytest.approx((80 + 20) / 2) and avg["new_mean"] == pytest.approx((50 + 10) / 2)
-    assert avg["H"] == pytest.approx(harmonic_mean(50.0, 30.0))
+    avg = summarise(records, average="Average")[-1]
+    # only seed 1 is on both datasets: the average over datasets uses that seed alone
+    assert (avg["dataset"], avg["seeds"], avg["datasets"]) == ("Average", [1], ["A", "B"])
+    assert avg["base_mean"] == pytest.approx((80 + 20) / 2) and avg["new_mean"] == pytest.approx((60 + 10) / 2)
+    assert avg["H"] == pytest.approx(harmonic_mean(50.0, 35.0)) and avg["base_std"] == 0.0
     curve = epoch_curves(records)[0]
     assert curve["epochs"] == [0]                                    # epoch 1 is missing for seed 3
     assert curve["base"] == [pytest.approx(40.0)] and curve["new"] == [pytest.approx(60.0)]

@@ -103,7 +103,9 @@ def test_base_new_h_tables_match_independent_numbers(tmp_path):
 
 def test_paper_average_convention():
     """CLIP's Table 1 average row: H(69.34, 74.22) = 71.70, the H of the averaged Base and New."""
-    assert pr.harmonic_mean(69.34, 74.22) == pytest.approx(71.70, abs=0.005)
+    from meta.coop_data import harmonic_mean
+
+    assert harmonic_mean(69.34, 74.22) == pytest.approx(71.70, abs=0.005)
 
 
 def test_end_signals_and_last_match(tmp_path):
@@ -200,3 +202,29 @@ def test_coop_and_maple_layout_grouped_by_trainer_and_config(tmp_path):
         assert float(row["H"]) == pytest.approx(2 * np.mean(base) * np.mean(new) / (np.mean(base) + np.mean(new)),
                                                 abs=1e-3)
     assert float(rows["gram_coop"]["H"]) == pytest.approx(2 * 90 * 80 / 170, abs=1e-3)
+
+
+def test_average_row_is_the_summary_modules_with_seeds_every_dataset_has(tmp_path):
+    """parse_results' Average row = meta.evaluation.summary's (the demo's): each seed averaged over the
+    datasets first (seed 3 is only on dtd, so it is left out), mean ± population std over seeds, H of the means."""
+    from meta.evaluation.summary import summarise
+
+    numbers = {("coop", "dtd"): ([80.0, 82.0, 90.0], [50.0, 56.0, 40.0]),
+               ("coop", "eurosat"): ([60.0, 66.0], [70.0, 62.0])}
+    make_tree(tmp_path, numbers)
+    assert pr.main([str(tmp_path), "--out", str(tmp_path / "t")]) == 0
+    avg = read_csv(tmp_path / "t" / "base2new_shots16.csv")[("coop", "average")]
+    base = [(80.0 + 60.0) / 2, (82.0 + 66.0) / 2]   # seeds 1 and 2: 70, 74
+    new = [(50.0 + 70.0) / 2, (56.0 + 62.0) / 2]    # 60, 59
+    assert float(avg["base_mean"]) == pytest.approx(72.0, abs=1e-4) == pytest.approx(np.mean(base))
+    assert float(avg["base_std"]) == pytest.approx(2.0, abs=1e-4) == pytest.approx(np.std(base))
+    assert float(avg["new_mean"]) == pytest.approx(59.5, abs=1e-4)
+    assert float(avg["new_std"]) == pytest.approx(0.5, abs=1e-4)
+    assert float(avg["H"]) == pytest.approx(2 * 72.0 * 59.5 / (72.0 + 59.5), abs=1e-4)
+    assert avg["base_seeds"] == "2"
+    records = pr.base2new_records(pr.collect(tmp_path)[0], 16)
+    ref = next(r for r in summarise(records, average="Average") if r["dataset"] == "Average")
+    assert (ref["base_mean"], ref["new_std"], ref["H"]) == pytest.approx(
+        (float(avg["base_mean"]), float(avg["new_std"]), float(avg["H"])), abs=1e-4)
+    md = (tmp_path / "t" / "base2new_shots16.md").read_text()
+    assert "| CoOp | 72.00 ± 2.00 | 59.50 ± 0.50 | 65.16 | 2 (on all 2 datasets) |" in md

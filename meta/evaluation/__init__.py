@@ -9,14 +9,14 @@ Public API (``meta.evaluate`` re-exports it and adds the CLI):
 * :class:`DatasetRef` - a CoOp-layout dataset (read through ``meta.coop_data``);
 * :func:`evaluate_base_to_new`, :func:`evaluate_transfer` -> JSON-able result records;
 * :class:`EvaluationSession` - shares frozen image features between runs;
-* :func:`summarise`, :func:`average_over_datasets`, :func:`epoch_curves` - seed means (± population
+* :func:`summarise`, :func:`epoch_curves` - seed means (± population
   std, as CoOp's parser), H of the means, accuracy-vs-epoch curves;
 * :class:`StartPoint` - fine-tune from in-memory θ/φ (meta-validation of live meta-parameters).
 """
 from .datasets import DatasetRef
 from .images import FeatureCache, ImageLoader, clip_fingerprint
 from .protocol import EvaluationSession, evaluate_base_to_new, evaluate_transfer
-from .summary import average_over_datasets, epoch_curves, format_row, summarise
+from .summary import epoch_curves, format_row, summarise
 from .spec import PRESET_ALIASES, PRESET_NAMES, MethodSpec, TrainSpec, is_gram_preset, method_preset, preset_key
 from .training import (LabelledSet, PromptTuner, StartPoint, build_prompts, make_optimizer, make_scheduler,
                        prompt_digest)
@@ -25,5 +25,5 @@ __all__ = [
     "DatasetRef", "FeatureCache", "ImageLoader", "clip_fingerprint", "EvaluationSession",
     "evaluate_base_to_new", "evaluate_transfer", "PRESET_NAMES", "PRESET_ALIASES", "preset_key", "is_gram_preset",
     "MethodSpec", "TrainSpec", "method_preset", "LabelledSet", "PromptTuner", "StartPoint", "build_prompts", "make_optimizer",
-    "make_scheduler", "prompt_digest", "summarise", "average_over_datasets", "epoch_curves", "format_row",
+    "make_scheduler", "prompt_digest", "summarise", "epoch_curves", "format_row",
 ]

@@ -2,7 +2,11 @@
 
 Conventions (CoOp ``parse_test_res.py``: ``np.mean`` and ``np.std`` over seeds, i.e. the
 population standard deviation; H is the harmonic mean of the *averaged* base and new accuracies,
-as the paper's Table 1 reports it).  All numbers in percent.
+as the paper's Table 1 reports it).  The "Average over datasets" row averages each seed's
+accuracies over the datasets first (only seeds every dataset has), then takes mean ± std over
+seeds and H of the two means; with the same seeds everywhere its means equal the mean of the
+per-dataset means.  All numbers in percent.  The demo, ``python -m meta.evaluate`` and
+``scripts/parse_results.py`` all summarise with this module.
 """
 from __future__ import annotations
 
@@ -69,6 +73,8 @@ def summarise(records: Iterable[dict], average: str = "") -> list[dict]:
     ``average`` (e.g. ``"Average"``): also one row per (base-to-new method) under that dataset
     name, after the per-dataset rows - the paper's Table 1a: each seed's base and new accuracies
     are first averaged over the datasets, then mean ± std over seeds, and H of the two means.
+    Only the seeds that every dataset of the method has enter it (its ``seeds``; ``datasets``
+    lists the datasets); a method whose datasets share no seed gets no average row.
     """
     records = list(records)
     rows = [_row(protocol, dataset, runs) for (protocol, dataset, _), runs in _groups(records).items()]
@@ -77,26 +83,13 @@ def summarise(records: Iterable[dict], average: str = "") -> list[dict]:
         for r in records:
             if r["protocol"] == "base2new":
                 by_method.setdefault(method_key(r), []).append(r)
-        rows += [_row("base2new", average, runs) | {"datasets": list(dict.fromkeys(r["dataset"] for r in runs))}
-                 for runs in by_method.values()]
+        for runs in by_method.values():
+            datasets = list(dict.fromkeys(r["dataset"] for r in runs))
+            common = set.intersection(*({r["seed"] for r in runs if r["dataset"] == d} for d in datasets))
+            kept = [r for r in runs if r["seed"] in common]
+            if kept:
+                rows.append(_row("base2new", average, kept) | {"datasets": datasets})
     return rows
-
-
-def average_over_datasets(rows: Iterable[dict]) -> list[dict]:
-    """The paper's "Average over datasets" rows for base-to-new summaries: per method, the mean
-    of the dataset means of base and new, and H of those two averages."""
-    by_method: dict[str, list[dict]] = {}
-    for row in rows:
-        if row["protocol"] == "base2new":
-            by_method.setdefault(row["method"], []).append(row)
-    out = []
-    for method, group in by_method.items():
-        base = statistics.fmean(r["base_mean"] for r in group)
-        new = statistics.fmean(r["new_mean"] for r in group)
-        out.append({"protocol": "base2new", "dataset": "Average", "method": method,
-                    "datasets": [r["dataset"] for r in group], "base_mean": base, "new_mean": new,
-                    "H": harmonic_mean(base, new)})
-    return out
 
 
 def epoch_curves(records: Iterable[dict], keys: Sequence[str] = ("base", "new", "H"), average: str = "") -> list[dict]:
@@ -139,13 +132,11 @@ def epoch_curves(records: Iterable[dict], keys: Sequence[str] = ("base", "new", 
 
 
 def format_row(row: dict) -> str:
-    """A one-line text rendering of a :func:`summarise` / :func:`average_over_datasets` row."""
+    """A one-line text rendering of a :func:`summarise` row."""
     head = f"{row['dataset']:<20} {row['method']:<12}"
     if row["protocol"] == "base2new":
-        if "base_std" in row:
-            return (f"{head} base {row['base_mean']:.2f} ± {row['base_std']:.2f}  "
-                    f"new {row['new_mean']:.2f} ± {row['new_std']:.2f}  H {row['H']:.2f}  (seeds {len(row['seeds'])})")
-        return f"{head} base {row['base_mean']:.2f}  new {row['new_mean']:.2f}  H {row['H']:.2f}"
+        return (f"{head} base {row['base_mean']:.2f} ± {row['base_std']:.2f}  "
+                f"new {row['new_mean']:.2f} ± {row['new_std']:.2f}  H {row['H']:.2f}  (seeds {len(row['seeds'])})")
     targets = "  ".join(f"{n} {m:.2f}" for n, (m, _) in row["targets"].items())
     return (f"{head} source {row['source_mean']:.2f} ± {row['source_std']:.2f}  {targets}  "
             f"target mean {row['target_mean']:.2f}  (seeds {len(row['seeds'])})")
