@@ -89,6 +89,40 @@ def test_state_is_weights_only_and_resumes_the_same_sequence():
     assert resumed == pytest.approx(full[4:], rel=1e-12)
 
 
+def evaluator_lrs(spec) -> list[float]:
+    from meta.evaluation import make_optimizer, make_scheduler
+
+    opt = make_optimizer([torch.nn.Parameter(torch.zeros(2))], spec)
+    sched = make_scheduler(opt, spec)
+    out = []
+    for _ in range(spec.epochs):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
+
+EVALUATOR_CASES = [  # (TrainSpec changes, the same schedule as Dassl OPTIM overrides)
+    ({}, {}),
+    (dict(epochs=6, warmup_epochs=2, warmup_lr=1e-4), dict(MAX_EPOCH=6, WARMUP_EPOCH=2, WARMUP_CONS_LR=1e-4)),
+    (dict(epochs=5, warmup_epochs=0, lr=0.01), dict(MAX_EPOCH=5, WARMUP_EPOCH=0, LR=0.01)),
+]
+
+
+@pytest.mark.parametrize("spec_changes, optim_changes", EVALUATOR_CASES)
+def test_evaluator_and_trainers_share_one_schedule(spec_changes, optim_changes):
+    """meta.evaluation's TrainSpec schedule and the trainers' OPTIM schedule are one implementation (meta.schedule)."""
+    from meta.evaluation import TrainSpec
+
+    spec = TrainSpec(**spec_changes)
+    assert evaluator_lrs(spec) == pytest.approx(lrs_per_epoch(optim_cfg(**optim_changes), spec.epochs), rel=1e-12)
+    assert evaluator_lrs(TrainSpec(epochs=3, scheduler="constant", warmup_epochs=1)) == pytest.approx(
+        [1e-5, 0.002, 0.002], rel=1e-12)
+    assert evaluator_lrs(TrainSpec(epochs=2, lr=0.0, warmup_lr=0.0)) == [0.0, 0.0]
+    with pytest.raises(ValueError, match="OPTIM.LR: a warm-up to 1e-05 needs a positive learning rate"):
+        evaluator_lrs(TrainSpec(epochs=2, lr=0.0))
+
+
 @pytest.mark.dassl
 def test_same_values_as_dassls_own_scheduler(monkeypatch):
     """Dassl's warm-up classes crash on torch >= 2.7 (``verbose``); with that argument dropped they give our values."""
@@ -110,3 +144,15 @@ def test_same_values_as_dassls_own_scheduler(monkeypatch):
             opt.step()
             sched.step()
         assert lrs_per_epoch(cfg, cfg.MAX_EPOCH) == pytest.approx(theirs, rel=1e-9)
+    for spec_changes, optim_changes in EVALUATOR_CASES:  # the evaluator's schedule is Dassl's too
+        cfg = optim_cfg(**optim_changes)
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=cfg.LR)
+        sched = lr_scheduler.build_lr_scheduler(opt, cfg)
+        theirs = []
+        for _ in range(cfg.MAX_EPOCH):
+            theirs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        from meta.evaluation import TrainSpec
+
+        assert evaluator_lrs(TrainSpec(**spec_changes)) == pytest.approx(theirs, rel=1e-9)

@@ -103,8 +103,8 @@ class TrainSpec:
         lr, momentum, weight_decay: optimiser settings (SGD momentum; Adam ignores momentum).
         scheduler: ``cosine`` (CosineAnnealingLR, T_max = epochs, stepped per epoch) | ``constant``.
         warmup_epochs, warmup_lr: constant warm-up at ``warmup_lr`` before the schedule starts
-            (Dassl's ConstantWarmupScheduler with WARMUP_RECOUNT, built from torch's own
-            ``SequentialLR(ConstantLR, CosineAnnealingLR)``: epoch lrs 1e-5, 0.002, η(1), ...).
+            (Dassl's ConstantWarmupScheduler with WARMUP_RECOUNT, the trainers' schedule
+            ``meta.schedule.epoch_scheduler``: epoch lrs 1e-5, 0.002, η(1), ...).
         augment: ``coop`` = random resized crop (``rrcrop_scale``, bicubic) + horizontal flip, as
             CoOp's ``["random_resized_crop", "random_flip", "normalize"]``; ``none`` = test transform.
         aug_views: with a frozen image tower, this many augmented views per train image are

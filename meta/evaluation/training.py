@@ -25,6 +25,7 @@ from ..finetune import GradientRegulation
 from ..init_io import load_gram_init
 from ..prompts import PromptedCLIP, PromptParams, classification_loss
 from ..regulator import GradientRegulator
+from ..schedule import epoch_scheduler
 from .spec import MethodSpec, TrainSpec
 
 
@@ -153,23 +154,12 @@ def make_optimizer(params: Sequence[torch.Tensor], spec: TrainSpec) -> torch.opt
 def make_scheduler(optimizer: torch.optim.Optimizer, spec: TrainSpec) -> sched.LRScheduler:
     """Per-epoch schedule: ``warmup_epochs`` at ``warmup_lr``, then cosine over ``epochs`` (or constant).
 
-    Equals Dassl's ``ConstantWarmupScheduler(CosineAnnealingLR(T_max=MAX_EPOCH))`` with
-    WARMUP_RECOUNT: for CoCoOp's settings the epoch lrs are 1e-5, 0.002, 0.00195, ..., 0.00019.
+    The Dassl trainers' schedule (:func:`meta.schedule.epoch_scheduler`): Dassl's
+    ``ConstantWarmupScheduler(CosineAnnealingLR(T_max=MAX_EPOCH))`` with WARMUP_RECOUNT; for
+    CoCoOp's settings the epoch lrs are 1e-5, 0.002, 0.00195, ..., 0.00019.
     """
-    if spec.scheduler == "cosine":
-        main: sched.LRScheduler = sched.CosineAnnealingLR(optimizer, T_max=max(spec.epochs, 1))
-    else:
-        main = sched.ConstantLR(optimizer, factor=1.0, total_iters=0)
-    if spec.warmup_epochs <= 0:
-        return main
-    if spec.lr == 0:
-        factor = 1.0
-    else:
-        factor = spec.warmup_lr / spec.lr
-        if factor > 1:
-            raise ValueError(f"TrainSpec.warmup_lr ({spec.warmup_lr}) must not exceed lr ({spec.lr})")
-    warmup = sched.ConstantLR(optimizer, factor=factor, total_iters=spec.warmup_epochs)
-    return sched.SequentialLR(optimizer, [warmup, main], milestones=[spec.warmup_epochs])
+    return epoch_scheduler(optimizer, schedule=spec.scheduler, max_epoch=max(spec.epochs, 1),
+                           warmup_epochs=spec.warmup_epochs, warmup_type="constant", warmup_cons_lr=spec.warmup_lr)
 
 
 class PromptTuner:
