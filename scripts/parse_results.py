@@ -47,10 +47,9 @@ if str(REPO) not in sys.path:
 
 from meta import methods as method_table  # noqa: E402
 from meta import coop_data  # noqa: E402
+from meta.dassl_runs import LogProblem, read_accuracy, run_mode  # noqa: E402  (the runner's reader too)
 from meta.evaluation.summary import summarise  # noqa: E402
 
-ACCURACY = re.compile(r"\* accuracy: ([\.\deE+-]+)%")  # CoOp parse_test_res.py L127-130
-END_SIGNAL = {"train": "Finish training", "eval": "=> result"}
 # Paper / CoOp order (meta.coop_data's dataset list); other names follow alphabetically.
 DATASET_ORDER = list(coop_data.STANDARD_KEYS)
 METHOD_ORDER = list(method_table.methods())  # the method table's order; row names: method_table.label (paper's rows)
@@ -58,10 +57,6 @@ DATASET_LABEL = {x.config_key: x.title for x in coop_data.STANDARD_LAYOUTS}  # t
 AVERAGE = "Average"
 SEED_DIR = re.compile(r"^seed(-?\d+)$")
 SHOTS_DIR = re.compile(r"^shots_(-?\d+)$")
-
-
-class LogProblem(Exception):
-    """A run whose log is missing or has no result after its end signal."""
 
 
 @dataclass(frozen=True)
@@ -77,39 +72,6 @@ class RunKey:
 
 def _order(name: str, order: list[str]) -> tuple[int, str]:
     return (order.index(name), name) if name in order else (len(order), name)
-
-
-def run_mode(run_dir: Path, default: str) -> str:
-    """``train`` or ``eval``: the ``mode`` line of ``gram_run.txt``, else ``default``."""
-    info = run_dir / "gram_run.txt"
-    if info.is_file():
-        for line in info.read_text().splitlines():
-            if line.startswith("mode "):
-                mode = line.split(" ", 1)[1].strip()
-                if mode in END_SIGNAL:
-                    return mode
-    return default
-
-
-def read_accuracy(log_path: Path, mode: str) -> float:
-    """Accuracy in % of one log: the last ``* accuracy:`` after the first end-signal line."""
-    if not log_path.is_file():
-        raise LogProblem(f"missing log {log_path}")
-    signal = END_SIGNAL[mode]
-    seen_end, value = False, None
-    with open(log_path, "r", errors="replace") as f:
-        for line in f:
-            line = line.strip()
-            if line == signal:
-                seen_end = True
-            match = ACCURACY.search(line)
-            if match and seen_end:
-                value = float(match.group(1))
-    if not seen_end:
-        raise LogProblem(f"unfinished run: {log_path} has no '{signal}' line ({mode} log)")
-    if value is None:
-        raise LogProblem(f"no result: {log_path} has '{signal}' but no '* accuracy:' line after it")
-    return value
 
 
 def _seed_dirs(method_dir: Path):

@@ -6,15 +6,7 @@
 #
 # Output: $OUTPUT/xd/train_imagenet/shots_<K>/<METHOD>/seed<S>/ (shared with xdomain.sh) and
 #         $OUTPUT/xd/test/<target>/shots_<K>/<METHOD>/seed<S>/.
-# SHOTS=4 gives the 4-shot variant (paper Table A2, label ap_t2).  Environment: see scripts/methods.sh.
+# SHOTS=4 gives the 4-shot variant (paper Table A2, label ap_t2).  Environment: see scripts/run_methods.py.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/methods.sh"
-
-usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}" >&2; exit 2; }
-gram_setup_env || exit 2
-gram_parse_args no "$@" || usage
-cd "$GRAM_REPO" || exit 2
-CFG_FILE="$(gram_config_file "$METHOD")" || exit 2
-mapfile -t TARGETS < <(gram_dataset_group CROSS_DATASET_TARGETS) && [[ ${#TARGETS[@]} -gt 0 ]] || exit 2
-gram_imagenet_transfer xd/test "${TARGETS[@]}"
-exit "$GRAM_FAILED"
+gram_exec_runner xd "$@"

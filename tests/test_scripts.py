@@ -266,3 +266,96 @@ def test_scripts_use_the_project_venv_python_unless_python_is_set(env, tmp_path)
     assert got == "python3"
     got, _ = _methods_python(env, tmp_path, True, PYTHON="/opt/other/python")
     assert got == "/opt/other/python"
+
+
+# ------------------------------------------------------------------ the Python runner behind the scripts
+def _runner():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import run_methods
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    return run_methods
+
+
+# The hash function of the former bash runner (scripts/methods.sh before the port), kept here so
+# that folders it wrote keep being skipped rather than refused.
+BASH_RUN_HASH = r'''
+h() {
+    local mode="$1"; shift
+    { echo "mode $mode"; local skip="" a
+      for a in "$@"; do
+        if [[ -n "$skip" ]]; then skip=""; continue; fi
+        case "$a" in --root | --output-dir) skip=1; continue ;; esac
+        echo "arg $a"
+        if [[ -f "$a" ]]; then echo "file-sha256 $(sha256sum "$a" | cut -d' ' -f1)"
+        elif [[ -f "$a/gram_run.txt" ]]; then echo "model-run $(sed -n 's/^hash //p' "$a/gram_run.txt")"; fi
+      done; } | sha256sum | cut -d' ' -f1
+}
+h "$@"
+'''
+
+
+def test_run_hash_equals_the_former_bash_runners(tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("OPTIM:\n  LR: 0.1\n")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "gram_run.txt").write_text("hash 0123abcd\nmode train\npid 1\n")
+    args = ["--root", "/data", "--seed", "2", "--trainer", "GRAM_CoOp", "--config-file", str(cfg), "--output-dir",
+            str(tmp_path / "out"), "--model-dir", str(model), "--load-epoch", "3", "--eval-only", "configs/trainers/coop.yaml",
+            "DATASET.SUBSAMPLE_CLASSES", "new"]
+    for mode in ("train", "eval"):
+        bash = subprocess.run(["bash", "-c", BASH_RUN_HASH, "h", mode, *args], cwd=REPO, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        assert _runner().run_hash(mode, args) == bash and len(bash) == 64
+    assert _runner().run_hash("train", args) != _runner().run_hash("train", args[:-1] + ["base"])
+
+
+def test_runner_reads_logs_as_the_parser_does(env):
+    """A log with Dassl's end markers but no accuracy line is unfinished for both the runner and the parser
+    (the bash runner only looked for the markers): the run is redone, not skipped."""
+    assert run("base2new.sh", ["coop", "dtd", "1"], env).returncode == 0 and len(calls(env)) == 2
+    train_dir = Path(env["OUTPUT"], "base2new", "train_base", "dtd", "shots_16", "coop", "seed1")
+    (train_dir / "log.txt").write_text("Finish training\n=> result\n* total: 10\n")
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "parse_results.py"), env["OUTPUT"]],
+                       capture_output=True, text=True, timeout=120)
+    assert f"no result: {train_dir}/log.txt" in r.stderr
+    again = run("base2new.sh", ["coop", "dtd", "1"], env)
+    assert again.returncode == 0, again.stderr
+    assert "did not finish and its process is gone" in again.stdout
+    # only training reruns: its arguments (so the eval's model-run hash) are unchanged, the eval is skipped
+    assert [c["argv"][c["argv"].index("--output-dir") + 1] for c in calls(env)] == [str(train_dir)]
+    assert again.stdout.count("so skip this job") == 1
+
+
+def test_bad_input_is_exit_2_with_one_error_line_and_usage(env):
+    for args, extra, message in (
+            (["unigram_no_shift", "dtd"], {}, "method 'unigram_no_shift' has no Dassl trainer: expected one of zsclip"),
+            (["coop", "dtd", "1", "OPTIM.LR"], {}, "extra options must be yacs KEY VALUE pairs, got an odd count: OPTIM.LR"),
+            (["coop", "dtd"], {"EPOCHS": "ten"}, "EPOCHS must be a positive integer, got 'ten'"),
+            (["gram_coop", "dtd"], {"INIT": "/no/such.safetensors"}, "INIT file not found: /no/such.safetensors"),
+            ([], {}, "missing METHOD")):
+        r = run("base2new.sh", args, env, **extra)
+        lines = r.stderr.splitlines()
+        assert r.returncode == 2 and len(lines) == 2 and lines[0].startswith(message), r.stderr
+        assert lines[1] == "usage: bash scripts/base2new.sh METHOD [DATASET|all|a,b,c] [SEEDS...] [--] [KEY VALUE ...]"
+    assert calls(env) == []
+    help_text = run("xd.sh", ["--help"], env)
+    assert help_text.returncode == 0 and help_text.stdout.startswith("usage: bash scripts/xd.sh METHOD")
+
+
+def test_dry_run_prints_the_commands_and_writes_nothing(env):
+    r = run("xdomain.sh", ["gram_vpt", "4"], env, DRY_RUN=1)
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if line.startswith("+ ")]
+    assert len(lines) == 5 and calls(env) == [] and not Path(env["OUTPUT"]).exists()
+    assert "--load-epoch LAST" in lines[1] and lines[1].endswith("--eval-only")
+    assert [line.split("--dataset-config-file ")[1].split()[0].rsplit("/", 1)[1] for line in lines] == [
+        "imagenet.yaml", "imagenetv2.yaml", "imagenet_sketch.yaml", "imagenet_a.yaml", "imagenet_r.yaml"]
+
+
+def test_methods_sh_prints_the_method_table(env):
+    r = subprocess.run(["bash", str(REPO / "scripts" / "methods.sh")], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "gram_coop           GRAM_CoOp" in r.stdout and "CoOp + GRAM" in r.stdout

@@ -102,7 +102,7 @@ def gram_opts(method: str, init_files) -> list[str]:
 
 def write_run_info(run_dir: Path, mode: str) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "gram_run.txt").write_text(f"hash test\nmode {mode}\n")  # as scripts/methods.sh gram_run writes
+    (run_dir / "gram_run.txt").write_text(f"hash test\nmode {mode}\n")  # as scripts/run_methods.py writes it
 
 
 @pytest.fixture(scope="module")

@@ -24,15 +24,16 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import nn
 
+from meta.dassl_runs import LAST_POINTER, checkpoint_name  # Dassl's names, read by the runner too
+
 CLASS_DEPENDENT_KEYS = ("token_prefix", "token_suffix")  # CoOp coop.py L316-321, MaPLe maple.py L325-329
-LAST_POINTER = "checkpoint"
 
 
 def checkpoint_file(directory: Union[str, Path], name: str, epoch: Optional[int] = None) -> Path:
     """``<directory>/<name>/model.pth.tar-<epoch>``; without ``epoch`` the file named by the ``checkpoint`` pointer."""
     folder = Path(directory) / name
     if epoch is not None:
-        return folder / f"model.pth.tar-{int(epoch)}"
+        return folder / checkpoint_name(epoch)
     pointer = folder / LAST_POINTER
     if not pointer.is_file():
         raise FileNotFoundError(f"no checkpoint pointer at {pointer} (expected a Dassl-layout output folder)")
@@ -56,7 +57,7 @@ def save_checkpoint(directory: Union[str, Path], name: str, epoch: int, model: n
         "val_result": None if val_result is None else float(val_result),
         "gram": dict(extra or {}),
     }
-    path = folder / (filename or f"model.pth.tar-{int(epoch)}")
+    path = folder / (filename or checkpoint_name(epoch))
     tmp = path.with_name(path.name + ".tmp")
     torch.save(payload, str(tmp))
     os.replace(tmp, path)

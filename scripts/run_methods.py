@@ -1,0 +1,376 @@
+#!/usr/bin/env python
+"""Benchmark runner behind scripts/base2new.sh, xd.sh and xdomain.sh (they exec it with $PYTHON).
+
+    python scripts/run_methods.py {base2new|xd|xdomain} METHOD [DATASETS] [SEEDS...] [--] [KEY VALUE...]
+
+METHOD is a key of the method table ``meta/methods.yaml`` that has a Dassl trainer; DATASETS
+(base2new only) is ``all`` (default: the 11 benchmarks), one name or ``a,b,c``; SEEDS default to
+1 2 3; trailing ``KEY VALUE`` pairs go to ``train.py`` as yacs options.  Dataset lists come from
+``meta.coop_data``; log markers and checkpoint names from ``meta.dassl_runs`` (the parser's reader).
+
+Conventions follow CoOp's ``scripts/cocoop/*.sh`` (KaiyangZhou/CoOp @ ff61507): ``python train.py
+--root --seed --trainer --dataset-config-file --config-file --output-dir [--model-dir --load-epoch
+--eval-only] KEY VALUE...``, one output folder per seed, and an existing result is skipped.  Unlike
+CoOp, every output folder gets ``gram_run.txt`` holding a SHA-256 of the resolved arguments and
+config contents and the id of the process running it; a folder is skipped only when that hash
+matches and its log is finished.  A run with the same hash whose process is gone without a finished
+log (it crashed or was killed) is moved aside to ``<dir>.crashed-<time>`` and run again.  A folder
+with another hash or no ``gram_run.txt`` is refused with a message (``REDO=1`` moves it aside to
+``<dir>.old-<time>`` and runs again).  ``train.py``'s stderr is kept in ``<dir>/stderr.txt``.
+
+Environment: DATA (dataset root, default <repo>/data), OUTPUT (output root, default <repo>/output),
+SHOTS (default 16), EPOCHS (sets OPTIM.MAX_EPOCH and the epoch loaded for evaluation), LOAD_EPOCH
+(epoch to evaluate; default EPOCHS, else read from the checkpoints), PYTHON (interpreter of
+train.py; default this one), TRAIN_PY (default <repo>/train.py), CONFIGS (default <repo>/configs),
+INIT (meta-learned init file for the methods that start from one: adds TRAINER.GRAM.INIT <abs
+path>), REDO=1 (redo refused jobs), DRY_RUN=1 (print commands only).
+
+Exit status: 0 when every result is present, 1 when a job failed or was refused, 2 for bad input.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from meta import coop_data, methods  # noqa: E402
+from meta.dassl_runs import LOG, RUN_INFO, last_checkpoint_epoch, log_finished, read_run_info  # noqa: E402
+
+USAGE = {
+    "base2new": "bash scripts/base2new.sh METHOD [DATASET|all|a,b,c] [SEEDS...] [--] [KEY VALUE ...]",
+    "xd": "bash scripts/xd.sh METHOD [SEEDS...] [--] [KEY VALUE ...]",
+    "xdomain": "bash scripts/xdomain.sh METHOD [SEEDS...] [--] [KEY VALUE ...]",
+}
+TARGETS = {"xd": ("xd/test", coop_data.CROSS_DATASET_TARGETS), "xdomain": ("xdomain/test", coop_data.CROSS_DOMAIN_TARGETS)}
+_SEED = re.compile(r"^[0-9]+$")
+_YACS_KEY = re.compile(r"^[A-Z_]+\.")
+
+
+class InputError(Exception):
+    """Bad command line or environment (exit 2, one line)."""
+
+
+@dataclass
+class Job:
+    """The parsed command line: method row, dataset argument, seeds and extra yacs options."""
+
+    protocol: str
+    method: methods.Method
+    dataset_arg: str = ""
+    seeds: list[str] = field(default_factory=lambda: ["1", "2", "3"])
+    opts: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Env:
+    """The environment variables of the module docstring, resolved."""
+
+    data: str
+    output: Path
+    shots: str
+    epochs: str
+    load_epoch: str
+    python: str
+    train_py: str
+    configs: Path
+    init: str
+    redo: bool
+    dry_run: bool
+
+    @classmethod
+    def from_environ(cls, environ: Optional[dict] = None) -> "Env":
+        e = os.environ if environ is None else environ
+        epochs = e.get("EPOCHS", "")
+        if epochs and not _SEED.match(epochs):
+            raise InputError(f"EPOCHS must be a positive integer, got '{epochs}'")
+        return cls(data=e.get("DATA") or str(REPO / "data"), output=Path(e.get("OUTPUT") or REPO / "output"),
+                   shots=e.get("SHOTS") or "16", epochs=epochs, load_epoch=e.get("LOAD_EPOCH", ""),
+                   python=e.get("PYTHON") or sys.executable, train_py=e.get("TRAIN_PY") or str(REPO / "train.py"),
+                   configs=Path(e.get("CONFIGS") or REPO / "configs"), init=e.get("INIT", ""),
+                   redo=e.get("REDO", "0") == "1", dry_run=e.get("DRY_RUN", "0") == "1")
+
+
+def parse_args(protocol: str, argv: Sequence[str], env: Env) -> Job:
+    """METHOD [DATASETS] [SEEDS...] [--] [KEY VALUE...] as the scripts have always read it."""
+    args = list(argv)
+    if not args:
+        raise InputError("missing METHOD")
+    try:
+        row = methods.get(args.pop(0))
+    except methods.MethodTableError as err:
+        raise InputError(str(err)) from None
+    if not row.dassl:
+        raise InputError(f"method '{row.key}' has no Dassl trainer: expected one of {' '.join(methods.dassl_keys())}")
+    job = Job(protocol, row)
+    if protocol == "base2new" and args and args[0] != "--" and not _SEED.match(args[0]) and not _YACS_KEY.match(args[0]):
+        job.dataset_arg = args.pop(0)
+    seeds = []
+    while args and _SEED.match(args[0]):
+        seeds.append(args.pop(0))
+    job.seeds = seeds or job.seeds
+    if args and args[0] == "--":
+        args.pop(0)
+    if len(args) % 2:
+        raise InputError(f"extra options must be yacs KEY VALUE pairs, got an odd count: {' '.join(args)}")
+    job.opts = args
+    if env.init:  # the init file's content enters the run hash (run_hash hashes file arguments)
+        if not row.init:
+            print(f"Warning: INIT is ignored for method '{row.key}' (GRAM off)", file=sys.stderr)
+        elif not Path(env.init).is_file():
+            raise InputError(f"INIT file not found: {env.init}")
+        else:
+            job.opts += ["TRAINER.GRAM.INIT", str(Path(env.init).resolve())]
+    return job
+
+
+def config_file(env: Env, row: methods.Method) -> Path:
+    """The method's trainer config under CONFIGS (the table names it relative to the repository)."""
+    path = env.configs / Path(row.config).relative_to("configs")
+    if not path.is_file():
+        raise InputError(f"missing trainer config {path} (method '{row.key}')")
+    return path
+
+
+def run_hash(mode: str, args: Sequence[str]) -> str:
+    """SHA-256 over what defines a result: every argument but --root/--output-dir and their values,
+    the contents of file arguments and the run hash of a ``--model-dir``.
+
+    Byte for byte the stream the former bash runner hashed, so its finished folders are still reused.
+    """
+    lines = [f"mode {mode}"]
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a in ("--root", "--output-dir"):
+            skip = True
+            continue
+        lines.append(f"arg {a}")
+        path = REPO / a  # relative paths are relative to the repository root, where train.py runs
+        if path.is_file():
+            lines.append(f"file-sha256 {hashlib.sha256(path.read_bytes()).hexdigest()}")
+        elif (path / RUN_INFO).is_file():
+            lines.append(f"model-run {read_run_info(path).get('hash', '')}")
+    return hashlib.sha256("".join(line + "\n" for line in lines).encode()).hexdigest()
+
+
+def pid_alive(pid: str) -> bool:
+    """True when ``pid`` is a live benchmark runner (its command line mentions ``scripts/``)."""
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except (OSError, OverflowError):
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:  # no /proc (macOS): ask ps
+        cmdline = subprocess.run(["ps", "-o", "args=", "-p", pid], capture_output=True, text=True).stdout
+    return "scripts/" in cmdline
+
+
+def _stamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+class Runner:
+    """Runs ``train.py`` jobs into output folders with the skip / refuse / crashed-rerun rules."""
+
+    def __init__(self, env: Env, job: Job):
+        self.env, self.job = env, job
+        self.failed = False
+
+    def fail(self, message: str) -> None:
+        print(message, file=sys.stderr)
+        self.failed = True
+
+    def run(self, mode: str, run_dir: Path, args: list[str]) -> bool:
+        """Run ``$PYTHON $TRAIN_PY args`` into ``run_dir`` (mode train|eval) unless an identical
+        finished run is there; True when the result is (now) present."""
+        env = self.env
+        digest = run_hash(mode, args)
+        why = ""
+        if run_dir.exists():
+            info = read_run_info(run_dir)
+            old, old_pid = info.get("hash", ""), info.get("pid", "")
+            finished = log_finished(run_dir, mode)
+            if old and old == digest and not finished and not pid_alive(old_pid):
+                crashed = Path(f"{run_dir}.crashed-{_stamp()}")
+                print(f"Rerunning {run_dir}: its earlier run did not finish and its process is gone (moved to {crashed})")
+                if not env.dry_run:
+                    run_dir.rename(crashed)
+            elif not old:
+                why = "it has no gram_run.txt, so its configuration is unknown"
+            elif old != digest:
+                why = (f"it was run with different arguments or configs (hash {old[:12]} != {digest[:12]}; "
+                       f"see {run_dir / RUN_INFO})")
+            elif not finished:
+                why = f"it is still running (process {old_pid})"
+            else:
+                print(f"The results exist at {run_dir} (same configuration, so skip this job)")
+                return True
+        if why:
+            if not env.redo:
+                self.fail(f"Refusing to reuse {run_dir}: {why}. Rerun with REDO=1 to move it aside and redo the job.")
+                return False
+            aside = Path(f"{run_dir}.old-{_stamp()}")
+            print(f"REDO=1: moving {run_dir} to {aside} ({why})")
+            if not env.dry_run:
+                run_dir.rename(aside)
+        print(f"+ {env.python} {env.train_py} {' '.join(args)}", flush=True)
+        if env.dry_run:
+            return True
+        run_dir.mkdir(parents=True, exist_ok=True)
+        info_lines = [f"hash {digest}", f"mode {mode}", f"pid {os.getpid()}", f"python {env.python}",
+                      f"date {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"] + [f"arg {a}" for a in args]
+        (run_dir / RUN_INFO).write_text("".join(line + "\n" for line in info_lines))
+        stderr_path = run_dir / "stderr.txt"
+        with open(stderr_path, "w", errors="replace") as kept:  # train.py's stderr: on the terminal and kept in the folder
+            proc = subprocess.Popen([env.python, env.train_py, *args], cwd=REPO, stderr=subprocess.PIPE)
+            for chunk in iter(lambda: proc.stderr.read1(65536), b""):  # read1: progress bars pass at once
+                sys.stderr.buffer.write(chunk)
+                sys.stderr.flush()
+                kept.write(chunk.decode(errors="replace"))
+                kept.flush()
+            code = proc.wait()
+        if code != 0:
+            log = run_dir / LOG
+            see = f"{log} and {stderr_path}" if log.is_file() and log.stat().st_size > 0 else str(stderr_path)
+            self.fail(f"FAILED ({mode}): {run_dir} (see {see})")
+            return False
+        return True
+
+    def load_epoch(self, train_dir: Path) -> Optional[str]:
+        """Epoch to evaluate: LOAD_EPOCH, EPOCHS, else the last checkpoint (a placeholder under DRY_RUN)."""
+        env = self.env
+        if env.load_epoch or env.epochs:
+            return env.load_epoch or env.epochs
+        if env.dry_run:  # nothing was trained, so there is no checkpoint to read
+            return "LAST"
+        epoch = last_checkpoint_epoch(train_dir)
+        if epoch is None:
+            self.fail(f"no checkpoint found under {train_dir} and neither LOAD_EPOCH nor EPOCHS is set")
+            return None
+        return str(epoch)
+
+    def dataset_config(self, name: str) -> Optional[Path]:
+        path = self.env.configs / "datasets" / f"{name}.yaml"
+        if not path.is_file():
+            self.fail(f"unknown dataset '{name}': missing {path}")
+            return None
+        return path
+
+    def epoch_opts(self) -> list[str]:
+        return ["OPTIM.MAX_EPOCH", self.env.epochs] if self.env.epochs else []
+
+    def base_args(self, seed: str, cfg: Path) -> list[str]:
+        return ["--root", self.env.data, "--seed", seed, "--trainer", self.job.method.trainer, "--config-file", str(cfg)]
+
+    def base2new(self, cfg: Path) -> None:
+        """CoCoOp's base-to-new protocol (CoOp scripts/cocoop/base2new_{train,test}.sh): train on the base
+        half with SHOTS shots, evaluate the last checkpoint on the new half (zero-shot: both halves)."""
+        job, env = self.job, self.env
+        arg = job.dataset_arg
+        names = list(coop_data.BENCHMARK_KEYS) if arg in ("", "all") else arg.split(",")
+        for name in names:
+            ds_cfg = self.dataset_config(name)
+            if ds_cfg is None:
+                continue
+            for seed in job.seeds:
+                common = f"{name}/shots_{env.shots}/{job.method.key}/seed{seed}"
+                train_dir = env.output / "base2new" / "train_base" / common
+                test_dir = env.output / "base2new" / "test_new" / common
+                base = self.base_args(seed, cfg)
+                base[6:6] = ["--dataset-config-file", str(ds_cfg)]  # CoOp's argument order (run hashes rely on it)
+
+                def half(sub: str) -> list[str]:
+                    return ["DATASET.NUM_SHOTS", env.shots, "DATASET.SUBSAMPLE_CLASSES", sub]
+
+                if job.method.zero_shot:
+                    self.run("eval", train_dir, base + ["--output-dir", str(train_dir), "--eval-only"] + half("base")
+                             + job.opts)
+                    self.run("eval", test_dir, base + ["--output-dir", str(test_dir), "--eval-only"] + half("new")
+                             + job.opts)
+                    continue
+                if not self.run("train", train_dir, base + ["--output-dir", str(train_dir)] + half("base")
+                                + self.epoch_opts() + job.opts):
+                    continue
+                epoch = self.load_epoch(train_dir)
+                if epoch is None:
+                    continue
+                self.run("eval", test_dir, base + ["--output-dir", str(test_dir), "--model-dir", str(train_dir),
+                                                   "--load-epoch", epoch, "--eval-only"] + half("new") + job.opts)
+
+    def transfer(self, cfg: Path) -> None:
+        """Train on all ImageNet classes with SHOTS shots (into $OUTPUT/xd/train_imagenet/..., shared by
+        xd and xdomain), then evaluate on every target (CoOp scripts/cocoop/xd_{train,test}.sh)."""
+        job, env = self.job, self.env
+        subdir, targets = TARGETS[job.protocol]
+        source = coop_data.TRANSFER_SOURCE
+        src_cfg = self.dataset_config(source)
+        if src_cfg is None:
+            return
+        for seed in job.seeds:
+            train_dir = env.output / "xd" / f"train_{source}" / f"shots_{env.shots}" / job.method.key / f"seed{seed}"
+            base = self.base_args(seed, cfg)
+            if job.method.zero_shot:
+                self.run("eval", train_dir, base + ["--dataset-config-file", str(src_cfg), "--output-dir",
+                                                    str(train_dir), "--eval-only"] + job.opts)
+                model_args: list[str] = []
+            else:
+                if not self.run("train", train_dir, base + ["--dataset-config-file", str(src_cfg), "--output-dir",
+                                                            str(train_dir), "DATASET.NUM_SHOTS", env.shots]
+                                + self.epoch_opts() + job.opts):
+                    continue
+                epoch = self.load_epoch(train_dir)
+                if epoch is None:
+                    continue
+                model_args = ["--model-dir", str(train_dir), "--load-epoch", epoch]
+            for target in targets:
+                ds_cfg = self.dataset_config(target)
+                if ds_cfg is None:
+                    continue
+                test_dir = env.output / subdir / target / f"shots_{env.shots}" / job.method.key / f"seed{seed}"
+                self.run("eval", test_dir, base + ["--dataset-config-file", str(ds_cfg), "--output-dir", str(test_dir)]
+                         + model_args + ["--eval-only"] + job.opts)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    sys.stdout.reconfigure(line_buffering=True)  # our lines and train.py's stay in order
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] not in USAGE:
+        print(f"usage: python scripts/run_methods.py {{{'|'.join(USAGE)}}} METHOD ...", file=sys.stderr)
+        return 2
+    protocol, rest = args[0], args[1:]
+    if rest[:1] in (["-h"], ["--help"]):
+        print(f"usage: {USAGE[protocol]}\n\n{__doc__.split(chr(10) * 2, 2)[2]}")
+        return 0
+    try:
+        env = Env.from_environ()
+        job = parse_args(protocol, rest, env)
+        cfg = config_file(env, job.method)
+    except InputError as err:
+        print(err, file=sys.stderr)
+        print(f"usage: {USAGE[protocol]}", file=sys.stderr)
+        return 2
+    runner = Runner(env, job)
+    if protocol == "base2new":
+        runner.base2new(cfg)
+    else:
+        runner.transfer(cfg)
+    return 1 if runner.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
