@@ -169,13 +169,6 @@ class Stat:
         return f"{self.mean:.2f} ± {self.std:.2f}"
 
 
-def stat(values_by_seed: dict[int, float] | None) -> Stat | None:
-    if not values_by_seed:
-        return None
-    v = np.array([values_by_seed[s] for s in sorted(values_by_seed)], dtype=float)
-    return Stat(float(v.mean()), float(v.std()), len(v))
-
-
 def base2new_records(results: dict[RunKey, dict[int, float]], shots: int) -> list[dict]:
     """One ``meta.evaluation.summary`` record per (method, dataset, seed) with both a base and a new run."""
     records = []
@@ -298,6 +291,21 @@ def _bar_plot(per_method: dict[str, list[dict]], path: Path, title: str) -> None
     plt.close(fig)
 
 
+def transfer_row(results: dict[RunKey, dict[int, float]], table: str, shots: int, method: str) -> dict | None:
+    """``meta.evaluation.summary``'s row of one method's transfer runs: source and per-target mean ± std
+    and the target average (each seed's targets averaged first), over the seeds that have the source
+    run and every target run the method has (a seed missing one is reported by :func:`collect`)."""
+    source = results.get(RunKey(table, shots, method, "imagenet", "source"), {})
+    targets = {k.dataset: v for k, v in results.items()
+               if (k.table, k.shots, k.method, k.side) == (table, shots, method, "target")}
+    names = sorted(targets, key=lambda d: _order(d, DATASET_ORDER))
+    seeds = set(source).intersection(*(set(v) for v in targets.values()))
+    records = [{"protocol": table, "dataset": "imagenet", "key": method, "method": method_table.label(method),
+                "seed": seed, "source": source[seed], "targets": {t: targets[t][seed] for t in names}}
+               for seed in sorted(seeds)]
+    return summarise(records)[0] if records else None
+
+
 def write_transfer(results, table: str, out: Path) -> list[Path]:
     """Cross-dataset / cross-domain tables: methods as rows, source then targets then target average."""
     written: list[Path] = []
@@ -307,18 +315,20 @@ def write_transfer(results, table: str, out: Path) -> list[Path]:
         targets = sorted({k.dataset for k in keys if k.side == "target"}, key=lambda d: _order(d, DATASET_ORDER))
         cols = ["ImageNet (source)", *[DATASET_LABEL.get(t, t) for t in targets], "Average (targets)"]
         title = "Cross-dataset transfer" if table == "xd" else "Cross-domain generalisation"
-        lines = [f"# {title}, ImageNet {shots} shots", "", "Accuracy (%): mean ± std over seeds.", "",
+        lines = [f"# {title}, ImageNet {shots} shots", "", "Accuracy (%): mean ± std over seeds (those with the source and every target run).", "",
                  "| Method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
         csv_rows = []
         for m in methods:
-            src = stat(results.get(RunKey(table, shots, m, "imagenet", "source")))
-            tgt = [stat(results.get(RunKey(table, shots, m, t, "target"))) for t in targets]
-            avg = float(np.mean([s.mean for s in tgt])) if tgt and all(tgt) else None
-            cells = [_cell(src), *[_cell(s) for s in tgt], f"{avg:.2f}" if avg is not None else "–"]
+            row = transfer_row(results, table, shots, m)
+            src = Stat(row["source_mean"], row["source_std"], len(row["seeds"])) if row else None
+            tgt = [Stat(*row["targets"][t], len(row["seeds"])) if row and t in row["targets"] else None
+                   for t in targets]
+            avg = (Stat(row["target_mean"], row["target_std"], len(row["seeds"]))
+                   if row and list(row["targets"]) == targets else None)  # only over every target
+            cells = [_cell(src), *[_cell(s) for s in tgt], _cell(avg)]
             lines.append(f"| {method_table.label(m)} | " + " | ".join(cells) + " |")
-            for name, s in [("imagenet", src), *zip(targets, tgt)]:
+            for name, s in [("imagenet", src), *zip(targets, tgt), ("target_average", avg)]:
                 csv_rows.append([shots, m, name, _num(s and s.mean), _num(s and s.std), s.n if s else 0])
-            csv_rows.append([shots, m, "target_average", _num(avg), "", len(tgt)])
         md = out / f"{table}_shots{shots}.md"
         md.write_text("\n".join(lines) + "\n")
         csv_path = out / f"{table}_shots{shots}.csv"

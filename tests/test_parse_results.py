@@ -228,3 +228,25 @@ def test_average_row_is_the_summary_modules_with_seeds_every_dataset_has(tmp_pat
         (float(avg["base_mean"]), float(avg["new_std"]), float(avg["H"])), abs=1e-4)
     md = (tmp_path / "t" / "base2new_shots16.md").read_text()
     assert "| CoOp | 72.00 ± 2.00 | 59.50 ± 0.50 | 65.16 | 2 (on all 2 datasets) |" in md
+
+
+def test_transfer_target_average_is_the_summary_modules_over_complete_seeds(tmp_path, capsys):
+    """Seed 2 lacks one target: it is named on stderr and left out of every cell; the target average
+    is each seed's mean over the targets, then mean ± std over seeds (numbers by hand)."""
+    targets = {"imagenetv2": [60.0, 61.0, 64.0], "imagenet_sketch": [40.0, None, 44.0], "imagenet_a": [50.0, 52.0, 46.0],
+               "imagenet_r": [70.0, 71.0, 78.0]}
+    for seed, src in ((1, 70.0), (2, 71.0), (3, 74.0)):
+        write_run(tmp_path, f"xd/train_imagenet/shots_16/coop/seed{seed}", train_log(src), mode="train")
+        for target, values in targets.items():
+            if values[seed - 1] is not None:
+                write_run(tmp_path, f"xdomain/test/{target}/shots_16/coop/seed{seed}",
+                          EVAL_LOG.format(acc=values[seed - 1]), mode="eval")
+    assert pr.main([str(tmp_path)]) == 0
+    assert "missing target run: " + str(tmp_path / "xdomain/test/imagenet_sketch/shots_16/coop/seed2/log.txt") in \
+        capsys.readouterr().err
+    rows = read_csv(tmp_path / "tables" / "xdomain_shots16.csv")
+    # seeds 1 and 3: per-seed target means (60+40+50+70)/4 = 55 and (64+44+46+78)/4 = 58
+    assert float(rows[("coop", "target_average")]["mean"]) == pytest.approx(56.5, abs=1e-4)
+    assert float(rows[("coop", "target_average")]["std"]) == pytest.approx(1.5, abs=1e-4)
+    assert float(rows[("coop", "imagenet")]["mean"]) == pytest.approx(72.0, abs=1e-4)
+    assert rows[("coop", "imagenet_a")]["seeds"] == "2" and float(rows[("coop", "imagenet_a")]["std"]) == pytest.approx(2.0)
