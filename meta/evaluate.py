@@ -31,6 +31,7 @@ from typing import Optional, Sequence
 from .evaluation import (PRESET_ALIASES, PRESET_NAMES, DatasetRef, EvaluationSession, MethodSpec, TrainSpec,
                          evaluate_base_to_new, evaluate_transfer, is_gram_preset, method_preset, preset_key)
 from .evaluation.summary import format_row, summarise
+from .prompts import VPT_INITS, PromptSpec
 
 __all__ = ["DatasetRef", "EvaluationSession", "MethodSpec", "TrainSpec", "evaluate_base_to_new",
            "evaluate_transfer", "method_preset", "PRESET_NAMES", "main"]
@@ -52,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--ctx-init", default="", help="initialise CoOp-style text context from these words")
     common.add_argument("--norm-preserve", choices=("auto", "on", "off"), default="auto",
                         help="GRAM presets: rescale the regulated gradient to the raw norm (auto = as meta-trained)")
+    common.add_argument("--vpt-init", choices=VPT_INITS, default=PromptSpec.vpt_init,
+                        help="how scratch visual prompt tokens start (vpt, joint); GRAM presets use their init file")
     common.add_argument("--vision-depth", type=int, default=1, help="layers with visual prompts (1 = shallow VPT)")
     common.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     common.add_argument("--shots", type=int, default=16)
@@ -102,6 +105,8 @@ def _methods(args: argparse.Namespace) -> list[MethodSpec]:
         overrides = {}
         if args.vision_depth != 1:
             overrides["vision_depth"] = args.vision_depth
+        if args.vpt_init != PromptSpec.vpt_init:
+            overrides["vpt_init"] = args.vpt_init
         if args.ctx_init and key in ("coop", "joint"):
             overrides["ctx_init"] = args.ctx_init
         gram = is_gram_preset(key)

@@ -27,6 +27,54 @@ from .text_encoder import ClassTokenCache, context_from_words, encode_text_with_
 from .visual_encoder import encode_image_with_prompts
 
 
+# Initialisations of the visual prompt tokens (PromptSpec.vpt_init).
+VPT_INITS = ("normal", "zeros", "cls", "patch_mean")
+
+
+@torch.no_grad()
+def initial_visual_prompts(clip: nn.Module, how: str, depth: int, n: int, init_std: float,
+                           generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """``[depth, n, d_v]`` initial visual prompt tokens (float32, on the CPU).
+
+    The shallow tokens (layer 0) live where :func:`meta.visual_encoder.encode_image_with_prompts`
+    appends them: after the positional embedding, before ``ln_pre``, which rescales every token to
+    unit variance.  A random token therefore enters the tower at full scale whatever ``init_std``
+    is.  The other rules start from a token built from the frozen tower (no data):
+
+    * ``normal``: N(0, init_std²) (CoOp's context init; MaPLe's VPT / IVLP prompts);
+    * ``zeros``: all zero; ``ln_pre`` maps it to its bias (deterministic; the n tokens stay equal
+      under any gradient step, so they act as one);
+    * ``cls``: the CLS input token (``class_embedding + positional_embedding[0]``) plus
+      N(0, init_std²) so the tokens differ;
+    * ``patch_mean``: the mean of the patch positional embeddings (plus ``conv1``'s bias when it
+      has one), i.e. a patch of no content at no particular place, plus N(0, init_std²).
+
+    Deep layers (``1 <= i < depth``) replace hidden states after ``ln_pre``, so for the rules other
+    than ``normal`` they start from ``ln_pre`` of the layer-0 base token (plus the same noise).
+    """
+    if how not in VPT_INITS:
+        raise ValueError(f"vpt_init must be one of {', '.join(VPT_INITS)}, got {how!r}")
+    visual = clip.visual
+    width = visual.conv1.weight.shape[0]
+    noise = torch.randn(depth, n, width, generator=generator) * init_std
+    if how == "normal":
+        return noise
+    pos = visual.positional_embedding.detach().float().cpu()              # [1 + g*g, d_v]
+    if how == "zeros":
+        base = torch.zeros(width)
+        noise = torch.zeros_like(noise)
+    elif how == "cls":
+        base = visual.class_embedding.detach().float().cpu() + pos[0]
+    else:
+        base = pos[1:].mean(dim=0)
+        if visual.conv1.bias is not None:
+            base = base + visual.conv1.bias.detach().float().cpu()
+    ref = visual.conv1.weight
+    deep = visual.ln_pre(base.to(ref.device, ref.dtype)).float().cpu()
+    bases = torch.stack([base] + [deep] * (depth - 1)).unsqueeze(1)          # [depth, 1, d_v]
+    return bases + noise
+
+
 @dataclass
 class PromptSpec:
     """Shape and initialisation of θ.
@@ -39,6 +87,9 @@ class PromptSpec:
         vision_depth: D, layers that receive visual prompts (1 = shallow VPT).
         init_std: standard deviation of random prompt initialisation (CoOp uses 0.02).
         template: fixed text prompt when there is no text context.
+        vpt_init: how the visual tokens start (:data:`VPT_INITS`, :func:`initial_visual_prompts`):
+            ``normal`` = N(0, init_std²) (CoOp / MaPLe); ``zeros``; ``cls`` = the frozen CLS input
+            token + N(0, init_std²); ``patch_mean`` = the mean patch position code + N(0, init_std²).
     """
 
     n_ctx_text: int = 4
@@ -47,6 +98,11 @@ class PromptSpec:
     vision_depth: int = 1
     init_std: float = 0.02
     template: str = "a photo of a {}."
+    vpt_init: str = "patch_mean"   # chosen on the val splits (docs/world_baseline.md)
+
+    def __post_init__(self) -> None:
+        if self.vpt_init not in VPT_INITS:
+            raise ValueError(f"vpt_init must be one of {', '.join(VPT_INITS)}, got {self.vpt_init!r}")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -89,8 +145,8 @@ class PromptParams(nn.Module):
         if spec.n_ctx_vision > 0:
             if not 1 <= spec.vision_depth <= dims.vision_layers:
                 raise ValueError(f"vision_depth must be in 1..{dims.vision_layers}, got {spec.vision_depth}")
-            vpt = torch.randn(spec.vision_depth, spec.n_ctx_vision, dims.vision_width, generator=generator)
-            vpt = vpt * spec.init_std
+            vpt = initial_visual_prompts(clip, spec.vpt_init, spec.vision_depth, spec.n_ctx_vision,
+                                         spec.init_std, generator)
         module = cls(ctx=ctx, vpt=vpt)
         return module.to(device)
 

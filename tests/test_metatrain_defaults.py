@@ -11,7 +11,7 @@ import pytest
 from meta.config import get_meta_cfg_default
 from meta.gram import MetaSpec
 from meta.metatrain.settings import add_metatrain_cfg, meta_spec, prompt_spec, regulator_spec
-from meta.prompts import PromptSpec
+from meta.prompts import VPT_INITS, PromptSpec
 from meta.regulator import RegulatorSpec
 
 # dataclass field -> META key, where it is not simply the upper-cased field name in the spec's node
@@ -20,7 +20,8 @@ NODE_OF = {MetaSpec: "", RegulatorSpec: "REGULATOR.", PromptSpec: "PROMPT."}
 BUILD = {MetaSpec: meta_spec, RegulatorSpec: regulator_spec, PromptSpec: prompt_spec}
 # a valid non-default value for each string field (a new string field must be added here)
 OTHER_STR = {"optimizer": "sgd", "autocast": "bf16", "form": "paper", "init": "normal",
-             "ctx_init": "a photo of a", "template": "itap of a {}."}
+             "ctx_init": "a photo of a", "template": "itap of a {}.",
+             "vpt_init": next(v for v in VPT_INITS if v != PromptSpec.vpt_init)}
 
 
 def _cfg():

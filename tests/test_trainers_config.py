@@ -40,7 +40,7 @@ def test_extend_cfg_adds_every_key_with_paper_defaults():
     cfg = minimal_cfg()
     g = cfg.TRAINER.GRAM
     assert set(g.keys()) == {"ENABLED", "INIT", "REGULATE", "NORM_PRESERVE", "N_CTX_TEXT", "N_CTX_VISION", "VPT_DEEP", "VPT_DEPTH",
-                             "CTX_INIT", "TEMPLATE", "MODEL_NAME", "WEIGHTS", "QUICK_GELU", "PREC"}
+                             "CTX_INIT", "TEMPLATE", "VPT_INIT", "MODEL_NAME", "WEIGHTS", "QUICK_GELU", "PREC"}
     assert (g.N_CTX_TEXT, g.N_CTX_VISION, g.VPT_DEEP, g.ENABLED, g.REGULATE) == (4, 4, False, False, True)
     assert cfg.DATASET.SUBSAMPLE_CLASSES == "all"
 

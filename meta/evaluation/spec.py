@@ -16,7 +16,7 @@ from typing import Optional
 
 from .. import methods
 from ..methods import Method
-from ..prompts import PromptSpec
+from ..prompts import VPT_INITS, PromptSpec
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULERS = ("cosine", "constant")
@@ -43,6 +43,8 @@ class MethodSpec:
             ``None`` = as meta-trained (the init file's regulator spec); only with ``regulate``.
         template: the fixed text prompt when ``n_ctx_text == 0`` (zero-shot CLIP, VPT).
         init_std: standard deviation of scratch prompts (CoOp: 0.02).
+        vpt_init: how scratch visual prompt tokens start (``meta.prompts.VPT_INITS``; see
+            :func:`meta.prompts.initial_visual_prompts`); a GRAM init file's θ* replaces it.
 
     With no prompt at all (``n_ctx_text == n_ctx_vision == 0``) the method is zero-shot CLIP
     and nothing is trained.
@@ -58,8 +60,12 @@ class MethodSpec:
     norm_preserve: Optional[bool] = None
     template: str = "a photo of a {}."
     init_std: float = 0.02
+    vpt_init: str = PromptSpec.vpt_init
 
     def __post_init__(self) -> None:
+        if self.vpt_init not in VPT_INITS:
+            raise ValueError(f"MethodSpec {self.name!r}: vpt_init must be one of {', '.join(VPT_INITS)}, "
+                             f"got {self.vpt_init!r}")
         for key in ("n_ctx_text", "n_ctx_vision"):
             if getattr(self, key) < 0:
                 raise ValueError(f"MethodSpec {self.name!r}: {key} must be >= 0, got {getattr(self, key)}")
@@ -85,7 +91,8 @@ class MethodSpec:
     def prompt_spec(self) -> PromptSpec:
         """The :class:`meta.prompts.PromptSpec` of a scratch / word initialisation."""
         return PromptSpec(n_ctx_text=self.n_ctx_text, ctx_init=self.ctx_init, n_ctx_vision=self.n_ctx_vision,
-                          vision_depth=self.vision_depth, init_std=self.init_std, template=self.template)
+                          vision_depth=self.vision_depth, init_std=self.init_std, template=self.template,
+                          vpt_init=self.vpt_init)
 
     def as_dict(self) -> dict:
         return asdict(self)

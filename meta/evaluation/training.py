@@ -136,7 +136,7 @@ def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int
         generator = torch.Generator().manual_seed(seed)
         prompts = PromptParams.from_spec(method.prompt_spec(), clip, dims, generator=generator)
         info = {"source": "words" if method.ctx_init else "scratch", "ctx_init": method.ctx_init,
-                "init_std": method.init_std}
+                "init_std": method.init_std, "vpt_init": method.vpt_init if method.n_ctx_vision else ""}
     info["prompt_sha256"] = prompt_digest(prompts)
     return prompts, regulation, info
 

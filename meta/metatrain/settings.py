@@ -24,7 +24,7 @@ from yacs.config import CfgNode as CN
 
 if TYPE_CHECKING:
     from meta.gram import MetaSpec
-from meta.prompts import PromptSpec
+from meta.prompts import VPT_INITS, PromptSpec
 from meta.regulator import RegulatorSpec
 
 MODES = ("gram", "pretrain")
@@ -39,6 +39,12 @@ RUN_CONTROL_KEYS = frozenset({
     "META.EXPORT_NAME", "META.COOP_CTX_NAME", "META.HIERARCHY", "TASKS.IMAGE_FOLDER",
 })
 RUN_CONTROL_PREFIXES = ("CHC.",)
+
+# Keys added after runs were saved without them, with the behaviour those runs had (the value the key
+# would have held then), when that differs from today's default: a resume compares against it.
+BEHAVIOUR_BEFORE_KEY: dict[str, Any] = {"META.PROMPT.VPT_INIT": "normal"}
+# Keys that change nothing while the count named here is 0 in both runs (no visual tokens to initialise).
+UNUSED_WHILE_ZERO: dict[str, str] = {"META.PROMPT.VPT_INIT": "META.PROMPT.N_CTX_VISION"}
 
 
 def add_metatrain_cfg(cfg: CN) -> CN:
@@ -82,6 +88,7 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.PROMPT.VISION_DEPTH = 1    # 1 = shallow VPT
     m.PROMPT.INIT_STD = 0.02     # CoOp's N(0, 0.02^2) context init
     m.PROMPT.TEMPLATE = "a photo of a {}."  # text side when N_CTX_TEXT == 0 (paper's VPT baseline)
+    m.PROMPT.VPT_INIT = PromptSpec.vpt_init  # visual tokens' start: normal | zeros | cls | patch_mean (meta.prompts)
 
     # ---- Table 4 row 3: plain classification over the topics --------------------------------
     m.PRETRAIN = CN()
@@ -136,6 +143,7 @@ def check_meta_cfg(cfg: CN) -> None:
     need(m.PROMPT.N_CTX_TEXT > 0 or m.PROMPT.N_CTX_VISION > 0 or bool(m.PROMPT.CTX_INIT),
          "META.PROMPT", "N_CTX_TEXT > 0, N_CTX_VISION > 0 or CTX_INIT (no prompt to learn)",
          (m.PROMPT.N_CTX_TEXT, m.PROMPT.N_CTX_VISION))
+    need(m.PROMPT.VPT_INIT in VPT_INITS, "META.PROMPT.VPT_INIT", " | ".join(VPT_INITS), m.PROMPT.VPT_INIT)
     need(m.PRETRAIN.BATCH_SIZE >= 1, "META.PRETRAIN.BATCH_SIZE", "an integer >= 1", m.PRETRAIN.BATCH_SIZE)
     need(m.PRETRAIN.WAYS == 0 or m.PRETRAIN.WAYS >= 2, "META.PRETRAIN.WAYS", "0 (all) or >= 2", m.PRETRAIN.WAYS)
     need(cfg.TASKS.K_WAY >= 2, "TASKS.K_WAY", "an integer >= 2", cfg.TASKS.K_WAY)
@@ -179,7 +187,8 @@ def meta_spec(cfg: CN, device=None) -> "MetaSpec":
 def prompt_spec(cfg: CN) -> PromptSpec:
     p = cfg.META.PROMPT
     return PromptSpec(n_ctx_text=int(p.N_CTX_TEXT), ctx_init=p.CTX_INIT, n_ctx_vision=int(p.N_CTX_VISION),
-                      vision_depth=int(p.VISION_DEPTH), init_std=float(p.INIT_STD), template=p.TEMPLATE)
+                      vision_depth=int(p.VISION_DEPTH), init_std=float(p.INIT_STD), template=p.TEMPLATE,
+                      vpt_init=str(p.VPT_INIT))
 
 
 def flatten_cfg(node: CN, prefix: str = "") -> dict[str, Any]:
@@ -210,7 +219,8 @@ def cfg_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]
     """``["META.INNER_LR: 0.1 -> 0.2", ...]`` between two :func:`result_defining_cfg` dicts.
 
     A key the saved run did not have yet (added to the defaults later, e.g. ``META.AUTOCAST``) is no
-    difference while the current value is its default: the old run ran with that behaviour.
+    difference while the current value is the behaviour the old run had: the key's
+    :data:`BEHAVIOUR_BEFORE_KEY` entry, else its default.
     """
     absent = "<absent>"
     keys = sorted(set(saved) | set(current))
@@ -220,7 +230,13 @@ def cfg_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]
         old, new = saved.get(k, absent), current.get(k, absent)
         if old == new:
             continue
-        if old == absent:
+        count = UNUSED_WHILE_ZERO.get(k)
+        if count is not None and not saved.get(count, 0) and not current.get(count, 0):
+            continue
+        if old == absent and k in BEHAVIOUR_BEFORE_KEY:
+            if BEHAVIOUR_BEFORE_KEY[k] == new:
+                continue
+        elif old == absent:
             if not defaults:
                 from meta.config import get_meta_cfg_default
 

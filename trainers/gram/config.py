@@ -26,6 +26,8 @@ from typing import Any, Optional
 
 from yacs.config import CfgNode as CN
 
+from meta.prompts import VPT_INITS, PromptSpec
+
 # Trainer name -> (learns text context, learns visual prompts).
 TRAINER_PROMPTS: dict[str, tuple[bool, bool]] = {
     "GRAM_CoOp": (True, False),
@@ -51,6 +53,7 @@ def _gram_defaults() -> CN:
     node.VPT_DEPTH = 0         # with VPT_DEEP: prompted layers; 0 = every layer of the vision tower
     node.CTX_INIT = ""         # words to initialise the text context (e.g. "a photo of a"); "" = N(0, 0.02²)
     node.TEMPLATE = "a photo of a {}."  # fixed text prompt when there is no text context (GRAM_VPT)
+    node.VPT_INIT = PromptSpec.vpt_init  # baselines' visual tokens: normal | zeros | cls | patch_mean (meta.prompts)
     # --- backbone ------------------------------------------------------------------------------
     node.MODEL_NAME = ""       # open_clip architecture; "" = from MODEL.BACKBONE.NAME ("ViT-B/16" -> "ViT-B-16")
     node.WEIGHTS = ""          # "" = ~/.cache/clip/<ViT-B-16>.pt (OpenAI TorchScript, as CoOp uses);
@@ -158,6 +161,7 @@ class GramSettings:
     weights: Optional[str]  # None = random weights
     quick_gelu: Optional[bool]
     precision: str        # as requested; resolve_precision() gives what runs
+    vpt_init: str = PromptSpec.vpt_init  # start of scratch visual prompts (meta.prompts.VPT_INITS)
 
     def vision_depth(self, vision_layers: int) -> int:
         """D, prompted vision layers: 0 without visual prompts, 1 shallow, else VPT_DEPTH (0 = all)."""
@@ -230,6 +234,9 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
     norm_table = {"auto": None, "on": True, "true": True, "off": False, "false": False}
     if norm_key not in norm_table:
         raise ValueError(f"TRAINER.GRAM.NORM_PRESERVE: expected auto|on|off, got {g.NORM_PRESERVE!r}")
+    vpt_init = str(g.get("VPT_INIT", PromptSpec.vpt_init))
+    if vpt_init not in VPT_INITS:
+        raise ValueError(f"TRAINER.GRAM.VPT_INIT: expected one of {'|'.join(VPT_INITS)}, got {vpt_init!r}")
     if g.PREC not in PRECISIONS:
         raise ValueError(f"TRAINER.GRAM.PREC: expected one of {'|'.join(PRECISIONS)}, got {g.PREC!r}")
     return GramSettings(
@@ -237,5 +244,5 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
         norm_preserve=norm_table[norm_key],
         n_ctx_text=n_text, n_ctx_vision=n_vision, vpt_deep=_as_bool(g.VPT_DEEP, "TRAINER.GRAM.VPT_DEEP"),
         vpt_depth=int(g.VPT_DEPTH), ctx_init=str(g.CTX_INIT) if text else "", template=str(g.TEMPLATE),
-        model_name=model_name, weights=weights, quick_gelu=quick_gelu, precision=str(g.PREC),
+        model_name=model_name, weights=weights, quick_gelu=quick_gelu, precision=str(g.PREC), vpt_init=vpt_init,
     )

@@ -107,7 +107,7 @@ class _GramTrainer(TrainerX):
                                  "set TRAINER.GRAM.REGULATE False (init only)")
             return init.prompt_module(), regulators
         spec = PromptSpec(n_ctx_text=s.n_ctx_text, ctx_init=s.ctx_init, n_ctx_vision=s.n_ctx_vision,
-                          vision_depth=max(depth, 1), template=s.template)
+                          vision_depth=max(depth, 1), template=s.template, vpt_init=s.vpt_init)
         prompts = PromptParams.from_spec(spec, clip, dims)
         if s.ctx_init and prompts.n_ctx_text != s.n_ctx_text:
             raise ValueError(f"TRAINER.GRAM.CTX_INIT {s.ctx_init!r} is {prompts.n_ctx_text} tokens but "
