@@ -77,7 +77,7 @@ def _chc_node() -> CN:
     chc.TOPICS.ASSIGN_QUANTILE = 0.05  # non-sample captions less similar to their nearest centroid than
     #                                    this quantile of the fitted members' similarities become noise
     # L_w counts cluster l only if w is in >= this fraction of its captions; 0 = the paper's literal
-    # "occurs once".  Chosen by `python -m meta.chc.measure` (10k generated captions, 12 topics split into
+    # "occurs once".  Chosen by `python -m gram_tools.chc_measure` (10k generated captions, 12 topics split into
     # 99 HDBSCAN clusters): topic recovery 0.00 at 0 and 0.01, 0.42 at 0.03, 0.50 at 0.05, 0.58 on the
     # plateau 0.075-0.15, falling to 0.50 at 0.3 and 0.33 at 0.5 -> 0.1, the middle of the plateau.
     chc.TOPICS.PRESENCE_MIN_FRACTION = 0.1

@@ -10,7 +10,7 @@ from PIL import Image
 from meta.chc import load_hierarchy, run_chc
 from meta.chc.hierarchy import CLUSTERED, NOISE, UNREADABLE
 from meta.chc.imaging import to_clip_uint8
-from meta.chc.synthetic import write_synthetic_shards
+from gram_tools.synthetic import write_synthetic_shards
 from meta.config import get_meta_cfg_default
 
 N_PAIRS = 1200

@@ -10,10 +10,10 @@ import pytest
 from meta.cli_errors import UserError
 
 from meta.coop_data import harmonic_mean
-from meta.demo import (METHOD_BY_KEY, METHODS, META_VARIANTS, TABLE1_KEYS, TABLE4_KEYS, TABLE_GROUPS, TOKEN_KEYS,
+from gram_world.demo import (METHOD_BY_KEY, METHODS, META_VARIANTS, TABLE1_KEYS, TABLE4_KEYS, TABLE_GROUPS, TOKEN_KEYS,
                        VARIANT_BY_NAME, DemoSettings, _check_settings, _parser, default_out, demo_world_settings,
                        main, method_spec, settings_from_args)
-from meta.demo_report import build_tables, markdown_table, tokens_markdown, transfer_markdown
+from gram_world.demo_report import build_tables, markdown_table, tokens_markdown, transfer_markdown
 from meta.evaluation import summarise
 
 DATASETS = ("WorldA", "WorldB")
@@ -182,7 +182,7 @@ def test_stage_world_builds_another_world_per_seed_and_reuses_it(tmp_path):
     """--world-seed: its own cache key, other images, its own CLIP; a rerun rebuilds nothing."""
     import numpy as np
 
-    from meta.demo import stage_world
+    from gram_world.demo import stage_world
 
     tiny_world = (("pretrain_size", 128), ("chc_size", 60), ("chc_shard_size", 30), ("labelled_per_class", 1),
                   ("val_per_class", 1), ("test_per_class", 1))
@@ -211,7 +211,7 @@ def test_dumped_meta_config_reloads(tmp_path):
 
 
 def test_a_folder_of_another_world_or_clip_is_refused(tmp_path):
-    from meta.demo import _check_world
+    from gram_world.demo import _check_world
 
     world = SimpleNamespace(settings_hash="aaaaaaaaaaaa")
     _check_world(tmp_path, world, tmp_path / "clip-1.safetensors")

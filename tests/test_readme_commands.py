@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from meta.chc.synthetic import write_synthetic_shards
+from gram_tools.synthetic import write_synthetic_shards
 from meta.init_io import load_gram_init
 
 REPO = Path(__file__).resolve().parents[1]

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from meta.chc.synthetic import write_synthetic_image_folder
+from gram_tools.synthetic import write_synthetic_image_folder
 from meta.tasks import TaskSampler, hierarchy_from_image_folder
 
 

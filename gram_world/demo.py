@@ -1,8 +1,8 @@
-"""The main job: GRAM end to end in the CPU-sized world, ``python -m meta.demo [--quick]``.
+"""The main job: GRAM end to end in the CPU-sized world, ``python -m gram_world.demo [--quick]``.
 
 Stages (each cached on disk, so a rerun or an interrupted run redoes only what is missing):
 
-1. generate the procedural world (``meta.world.build_world``) from ``--world-seed`` (and optionally
+1. generate the procedural world (``gram_world.build_world``) from ``--world-seed`` (and optionally
    another held-out style / mixed-dataset classes), each world in its own cache folder;
 2. pretrain the world's tiny open_clip CLIP on its pretraining corpus and measure zero-shot accuracy;
 3. Cross-modal Hierarchical Clustering of the unlabelled image-text corpus (``meta.chc``);
@@ -14,7 +14,7 @@ Stages (each cached on disk, so a rerun or an interrupted run redoes only what i
    transfer - fine-tune on all classes of the mixed source, test on its held-out-style twin and
    on the four family datasets (Tables 2, 3 and, at fewer shots, A1, A2);
 6. ``results.md`` / ``results.json`` (every table with the paper's row names, mean ± std over seeds)
-   and PNG plots (``meta.demo_report``).
+   and PNG plots (``gram_world.demo_report``).
 
 ``--tables`` picks the table groups (:data:`TABLE_GROUPS`); the method rows of every table are
 defined once, in :data:`METHODS` (stable key, paper label, evaluator preset, meta variant).
@@ -33,7 +33,6 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Optional
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -160,9 +159,9 @@ class DemoSettings:
     # (0.5, 1) 34.2 / 32.7 / 41.9, no augmentation 34.7 / 37.6 / 41.6.  Same setting for every method.
     rrcrop_scale: tuple = (0.5, 1.0)
     jobs: int = 2                         # worker processes for meta-training and evaluation (2 cores)
-    # which world: its seed, and (field, value) pairs replacing fields of meta.world.world_settings(quick,
+    # which world: its seed, and (field, value) pairs replacing fields of gram_world.world_settings(quick,
     # world_seed) - e.g. (("holdout_style", "cartoon"), ("mixed_classes", (...))) - or of the tiny CLIP's
-    # meta.world.pretrain_settings(quick, world_seed).  All of them change the world's (or the CLIP's)
+    # gram_world.pretrain_settings(quick, world_seed).  All of them change the world's (or the CLIP's)
     # settings hash, hence its cache folder.
     world_seed: int = 0
     world: tuple = ()
@@ -207,23 +206,23 @@ def _override(base, pairs: tuple, what: str):
 
 
 def demo_world_settings(settings: DemoSettings):
-    """The :class:`meta.world.WorldSettings` of this demo: seed ``world_seed`` plus the ``world`` overrides."""
-    from .world import world_settings
+    """The :class:`gram_world.WorldSettings` of this demo: seed ``world_seed`` plus the ``world`` overrides."""
+    from .settings import world_settings
 
     return _override(world_settings(quick=settings.quick, seed=settings.world_seed), settings.world, "world")
 
 
 def demo_pretrain_settings(settings: DemoSettings):
-    """The tiny CLIP's :class:`meta.world.PretrainSettings` (seeded by the world seed) plus ``clip`` overrides."""
-    from .world import pretrain_settings
+    """The tiny CLIP's :class:`gram_world.PretrainSettings` (seeded by the world seed) plus ``clip`` overrides."""
+    from .pretrain import pretrain_settings
 
     return _override(pretrain_settings(settings.quick, seed=settings.world_seed), settings.clip, "clip")
 
 
 def stage_world(settings: DemoSettings, out: Path, world_root: Optional[Path] = None):
-    from .world import build_world
-    from .world.pretrain import pretrain_clip
-    from .world.zeroshot import zeroshot_accuracy
+    from .build import build_world
+    from .pretrain import pretrain_clip
+    from .zeroshot import zeroshot_accuracy
 
     t = time.time()
     world = build_world(root=world_root, settings=demo_world_settings(settings))
@@ -241,7 +240,7 @@ def stage_world(settings: DemoSettings, out: Path, world_root: Optional[Path] = 
 
 # ------------------------------------------------------------------ stage 3: CHC
 def _base_cfg(model: str, weights: Path, out: Path, settings: DemoSettings):
-    from .metatrain.cli import default_cfg
+    from meta.metatrain.cli import default_cfg
 
     cfg = default_cfg()
     cfg.MODEL.BACKBONE = model
@@ -255,7 +254,7 @@ def _base_cfg(model: str, weights: Path, out: Path, settings: DemoSettings):
 
 
 def stage_chc(world, weights: Path, model: str, out: Path, settings: DemoSettings):
-    from . import chc
+    from meta import chc
 
     cfg = _base_cfg(model, weights, out, settings)
     cfg.CHC.INPUT.SHARDS = [str(p) for p in world.chc_shards]
@@ -310,7 +309,7 @@ def _meta_worker(args: tuple) -> tuple:
     import torch
 
     torch.set_num_threads(1)
-    from .metatrain import train
+    from meta.metatrain import train
 
     name, model, weights, out, settings, labelled_dir = args
     variant = VARIANT_BY_NAME[name]
@@ -324,7 +323,7 @@ def _meta_worker(args: tuple) -> tuple:
 
 def _steps_logged(run_dir: Path) -> int:
     """Last finished outer step recorded in a run's ``log.jsonl`` (0 when none)."""
-    from .metatrain.runlog import read_log
+    from meta.metatrain.runlog import read_log
 
     steps = [int(r["step"]) for r in read_log(run_dir / "log.jsonl") if r.get("kind") == "train"]
     return max(steps, default=0)
@@ -412,7 +411,7 @@ class EvalJob:
 
 def method_spec(row: MethodRow, init: str = ""):
     """The evaluator's :class:`meta.evaluation.MethodSpec` of a table row (named by its paper label)."""
-    from .evaluation import method_preset
+    from meta.evaluation import method_preset
 
     overrides: dict = {"name": row.label}
     variant = VARIANT_BY_NAME.get(row.variant)
@@ -431,8 +430,8 @@ def _eval_init(model: str, weights: str, settings: DemoSettings, out: str) -> No
     import torch
 
     torch.set_num_threads(1)
-    from .backbone import load_clip
-    from .evaluation import EvaluationSession
+    from meta.backbone import load_clip
+    from meta.evaluation import EvaluationSession
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -443,7 +442,7 @@ def _eval_init(model: str, weights: str, settings: DemoSettings, out: str) -> No
 
 def _eval_job(job: EvalJob) -> None:
     """Run one job in a worker prepared by :func:`_eval_init`; its record goes to ``job.path(out)``."""
-    from .evaluation import DatasetRef, TrainSpec, evaluate_base_to_new, evaluate_transfer
+    from meta.evaluation import DatasetRef, TrainSpec, evaluate_base_to_new, evaluate_transfer
 
     settings, out, session = _WORKER["settings"], _WORKER["out"], _WORKER["session"]
     path = job.path(out)
@@ -561,7 +560,7 @@ def _check_settings(settings: DemoSettings, out: Path) -> None:
 
 def _check_world(out: Path, world, weights: Path) -> None:
     """The world and CLIP a folder's cached stages were computed with must be this run's too (their
-    defaults live in ``meta.world``, outside DemoSettings); refuse a mix."""
+    defaults live in ``gram_world``, outside DemoSettings); refuse a mix."""
     path = out / "demo_world.json"
     current = {"world_settings_hash": world.settings_hash, "clip_weights": weights.name}
     if path.is_file():
@@ -579,7 +578,7 @@ def _check_world(out: Path, world, weights: Path) -> None:
 
 def run(settings: DemoSettings, out: Path, world_root: Optional[Path] = None) -> Path:
     """All stages into ``out``; worlds (and their CLIP weights) are cached under ``world_root``
-    (default ``.cache/world``).  Returns the path of ``results.md``."""
+    (default :func:`gram_world.build.default_world_parent`).  Returns the path of ``results.md``."""
     from .demo_report import stage_report
 
     unknown = sorted(set(settings.tables) - set(TABLE_GROUPS))
@@ -607,21 +606,21 @@ def run(settings: DemoSettings, out: Path, world_root: Optional[Path] = None) ->
 
 
 def default_out(settings: DemoSettings) -> Path:
-    """``output/demo`` (``demo_quick``), with ``_world<seed>`` for another world seed, or
+    """``output/demo`` (``demo_quick``) under the current working directory, with ``_world<seed>`` for another world seed, or
     ``_world-<settings hash>`` when world settings are overridden."""
     name = "demo_quick" if settings.quick else "demo"
     if settings.world:
         name += f"_world-{demo_world_settings(settings).checksum()}"
     elif settings.world_seed:
         name += f"_world{settings.world_seed}"
-    return REPO / "output" / name
+    return Path.cwd() / "output" / name
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .world.items import STYLES
-    from .world.shapes import CATEGORIES
+    from .items import STYLES
+    from .shapes import CATEGORIES
 
-    parser = argparse.ArgumentParser(prog="python -m meta.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m gram_world.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny everything (<= 5 minutes)")
     parser.add_argument("--out", default="", help="output folder (default output/demo or output/demo_quick, "
                         "with _world<N> or _world-<hash> for another world)")
