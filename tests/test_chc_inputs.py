@@ -40,12 +40,12 @@ def test_any_decoding_exception_is_that_images_problem():
 
 def test_image_folder_counts_odd_image_by_exception_type(tiny_clip, tmp_path):
     from gram_tools.synthetic import write_synthetic_image_folder
-    from meta.tasks import hierarchy_from_image_folder
+    from meta.chc.image_folder import build_image_folder_hierarchy
 
     clip, _ = tiny_clip
     write_synthetic_image_folder(tmp_path / "d", ["apple", "bridge"], per_class=8, seed=0)
     (tmp_path / "d" / "apple" / "evil.jpg").write_bytes(dds_bytes())
-    h = hierarchy_from_image_folder(tmp_path / "d", clip, num_domains=2, min_per_domain=2, seed=0,
+    h = build_image_folder_hierarchy(tmp_path / "d", clip, num_domains=2, min_per_domain=2, seed=0,
                                     show_progress=False)
     assert h.meta["counts"]["unreadable_images"] == 1 and h.meta["counts"]["images"] == 17
     assert h.meta["unreadable_by_reason"] == {"NotImplementedError": 1}
