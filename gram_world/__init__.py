@@ -1,4 +1,4 @@
-"""The CPU-sized procedural image-text world and the tiny CLIP pretrained on it (issue 5).
+"""The CPU-sized procedural image-text world and the tiny CLIP pretrained on it.
 
 * ``build_world(quick, root, seed) -> WorldPaths`` writes (or finds cached) the
   pretraining corpus, the CHC corpus (webdataset tar shards), six CoOp-layout

