@@ -136,7 +136,7 @@ class DemoSettings:
     min_cluster_size: int = 40            # HDBSCAN: smallest topic wanted (corpus ~ 6000 / 40 categories)
     val_tasks: int = 20                   # held-out meta-validation tasks (evaluated at step 0 and at the end)
     # Random-resized-crop area range for fine-tuning.  CoOp/Dassl use (0.08, 1) on 224-px photos; on
-    # 32-px world images an 8 % crop is ~9 px and often misses the object.  Measured with the earlier
+    # 32-px world images an 8 % crop is ~9 px and often misses the object.  Measured with a
     # patch-4 world CLIP (zero-shot 18-34 %; CoOp, 16 shots, seeds 1-2, H): (0.08, 1) 30.8 / 30.3 / 36.0 on Mixed / Polygons / Icons,
     # (0.5, 1) 34.2 / 32.7 / 41.9, no augmentation 34.7 / 37.6 / 41.6.  Same setting for every method.
     rrcrop_scale: tuple = (0.5, 1.0)
