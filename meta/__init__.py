@@ -37,7 +37,10 @@ _EXPORTS = {
     "load_gram_init": "meta.init_io", "export_coop_context": "meta.init_io",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+__all__ = ["ClipDims", "GRAMMetaLearner", "GradientRegulation", "GradientRegulator", "GramInit", "InitMismatchError",
+           "MetaSpec", "PromptParams", "PromptSpec", "PromptedCLIP", "RegulatorFactory", "RegulatorSpec",
+           "TaskBatch", "classification_loss", "export_coop_context", "export_gram_init", "finetune_and_score",
+           "load_clip", "load_gram_init", "__version__"]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names come from __getattr__
     from meta.backbone import ClipDims, load_clip

@@ -91,6 +91,7 @@ def test_import_meta_is_lazy_and_exports_the_core():
     code = ("import sys, meta; assert 'torch' not in sys.modules, 'torch imported'; "
             "import importlib; bad = [n for n, m in meta._EXPORTS.items() "
             "if getattr(meta, n) is not getattr(importlib.import_module(m), n)]; assert not bad, bad; "
+            "assert sorted(meta.__all__) == sorted([*meta._EXPORTS, '__version__']), 'meta.__all__'; "
             "print(len(meta._EXPORTS))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
