@@ -222,3 +222,21 @@ def test_a_folder_of_another_world_or_clip_is_refused(tmp_path):
         check_world(tmp_path, SimpleNamespace(settings_hash="bbbbbbbbbbbb"), tmp_path / "clip-1.safetensors")
     with pytest.raises(UserError, match="clip-2"):
         check_world(tmp_path, world, tmp_path / "clip-2.safetensors")
+
+
+def test_demo_script_runs_the_demo_module():
+    """``scripts/demo.sh`` execs ``python -m <module>`` from the checkout; that module's command line answers."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    script = (repo / "scripts" / "demo.sh").read_text()
+    module = re.search(r'^exec "\$ROOT/\.venv/bin/python" -m (\S+) "\$@"$', script, re.M).group(1)
+    assert module == "gram_world.demo"
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=repo, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage: python -m gram_world.demo") and "--world-seed" in proc.stdout
+
