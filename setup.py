@@ -1,4 +1,6 @@
-"""Installs the Dassl-free GRAM core (`meta`).
+"""Installs the Dassl-free GRAM library (`meta`) and its two applications: `gram_world` (the CPU world,
+its tiny CLIP and the demo) and `gram_tools` (benchmarks, measurement studies, synthetic test data).
+`meta` imports neither.
 
 `trainers/` and `datasets/` are not installed: like every CoOp fork they are
 imported from the repository root (``python train.py ...``).
@@ -15,7 +17,7 @@ setup(
     name="gram-prompt",
     version="0.1.0",
     description="Gradient-Regulated Meta-prompt learning (GRAM) for CLIP prompt tuning",
-    packages=find_packages(include=["meta", "meta.*"]),
+    packages=find_packages(include=["meta", "meta.*", "gram_world", "gram_world.*", "gram_tools", "gram_tools.*"]),
     package_data={"meta": ["model_configs/*.json", "methods.yaml"]},
     python_requires=">=3.10",
     install_requires=[

@@ -1,2 +1,64 @@
-"""GRAM core: prompt learners over open_clip, the gradient regulator, meta-learning."""
+"""GRAM core: prompt learners over open_clip, the gradient regulator, meta-learning.
+
+The public API, what README's "core in five lines" uses::
+
+    import meta
+    clip, dims = meta.load_clip("ViT-B-16", pretrained=None)
+    theta = meta.PromptParams.from_spec(meta.PromptSpec(n_ctx_text=4), clip, dims)
+    learner = meta.GRAMMetaLearner(theta, meta.MetaSpec(inner_lr=0.1))
+
+Names are resolved on first use (PEP 562 module ``__getattr__``), so ``import meta`` stays as cheap as
+before and does not import torch, open_clip or learn2learn; each name lives in the module listed in
+:data:`_EXPORTS`.  Sub-packages (``meta.chc``, ``meta.metatrain``, ``meta.evaluation``) are imported by
+their own names.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    # frozen CLIP (open_clip)
+    "load_clip": "meta.backbone", "ClipDims": "meta.backbone",
+    # θ: prompt learners
+    "PromptSpec": "meta.prompts", "PromptParams": "meta.prompts", "PromptedCLIP": "meta.prompts",
+    "classification_loss": "meta.prompts",
+    # φ: the gradient regulator
+    "RegulatorSpec": "meta.regulator", "GradientRegulator": "meta.regulator", "RegulatorFactory": "meta.regulator",
+    # the bi-level meta-learner
+    "GRAMMetaLearner": "meta.gram", "MetaSpec": "meta.gram", "TaskBatch": "meta.gram",
+    # test-time use of φ
+    "GradientRegulation": "meta.finetune", "finetune_and_score": "meta.finetune",
+    # init files (θ*, φ) for the trainers and stock CoOp
+    "GramInit": "meta.init_io", "InitMismatchError": "meta.init_io", "export_gram_init": "meta.init_io",
+    "load_gram_init": "meta.init_io", "export_coop_context": "meta.init_io",
+}
+
+__all__ = ["ClipDims", "GRAMMetaLearner", "GradientRegulation", "GradientRegulator", "GramInit", "InitMismatchError",
+           "MetaSpec", "PromptParams", "PromptSpec", "PromptedCLIP", "RegulatorFactory", "RegulatorSpec",
+           "TaskBatch", "classification_loss", "export_coop_context", "export_gram_init", "finetune_and_score",
+           "load_clip", "load_gram_init", "__version__"]
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names come from __getattr__
+    from meta.backbone import ClipDims, load_clip
+    from meta.finetune import GradientRegulation, finetune_and_score
+    from meta.gram import GRAMMetaLearner, MetaSpec, TaskBatch
+    from meta.init_io import GramInit, InitMismatchError, export_coop_context, export_gram_init, load_gram_init
+    from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+    from meta.regulator import GradientRegulator, RegulatorFactory, RegulatorSpec
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'meta' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value          # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -2,10 +2,10 @@
 
 Commands:
   cluster   Cross-modal Hierarchical Clustering of image-text pairs (``meta.chc``).
-  train     meta-training (``meta.metatrain.main``).
-  export    export the meta-learned initialisation (``meta.metatrain.main``).
+  train     meta-training (``meta.metatrain.cli``).
+  export    export the meta-learned initialisation (``meta.metatrain.cli``).
 
-``train`` and ``export`` live in ``meta.metatrain``, imported only when asked for.  Bad input ends
+Each command imports only its own modules (``meta.chc.cli``, ``meta.metatrain.cli``).  Bad input ends
 every command with one ``error: <file or KEY>: ...`` line and exit status 2 (``meta.cli_errors``);
 ``--debug`` or ``GRAM_DEBUG=1`` shows the traceback instead.
 """
@@ -16,18 +16,6 @@ from typing import Optional, Sequence
 
 COMMANDS = ("cluster", "train", "export")
 USAGE = "usage: python -m meta {cluster,train,export} --config-file FILE [KEY VALUE ...]"
-
-
-def _run_metatrain(argv: list[str]) -> int:
-    try:
-        import meta.metatrain as metatrain
-    except ModuleNotFoundError as err:
-        if err.name in ("meta.metatrain",):
-            print(f"error: `{argv[0]}` needs meta/metatrain.py, which is not in this checkout yet", file=sys.stderr)
-            return 2
-        raise
-    result = metatrain.main(argv)
-    return int(result or 0)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -43,10 +31,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: unknown command {command!r}; expected one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     if command == "cluster":
-        from meta.chc.cli import main as cluster_main
+        from meta.chc.cli import main as cluster_main  # lazy: each command imports only what it runs
 
         return cluster_main(argv[1:] + debug)
-    return _run_metatrain(argv + debug)
+    from meta.metatrain.cli import main as metatrain_main
+
+    return int(metatrain_main(argv + debug) or 0)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ is one plain matrix product, and attention goes through
 ``F.scaled_dot_product_attention`` (which honours ``sdpa_kernel`` contexts, e.g. the
 MATH kernel the meta-learner selects for double-differentiable support passes).
 
-Measured with ``python -m meta.bench`` (ViT-B/16 text tower, 8 classes, 1 thread):
+Measured with ``python -m gram_tools.bench`` (ViT-B/16 text tower, 8 classes, 1 thread):
 see README "Benchmark".
 
 ``rows`` computes the block's output for selected positions only (the EOT token of

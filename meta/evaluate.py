@@ -26,8 +26,12 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from typing import Optional, Sequence
 
+from .backbone import check_model_name, load_clip, resolve_device
+from .cli_errors import run_cli
+from .config import quick_gelu_flag
 from .evaluation import (PRESET_ALIASES, PRESET_NAMES, DatasetRef, EvaluationSession, MethodSpec, TrainSpec,
                          evaluate_base_to_new, evaluate_transfer, is_gram_preset, method_preset, preset_key)
 from .evaluation.summary import format_row, summarise
@@ -141,8 +145,6 @@ def _table(records: list[dict]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point: 0, or 2 with one ``error:`` line on stderr for bad input."""
-    from .cli_errors import run_cli
-
     return run_cli(_main, argv)
 
 
@@ -155,11 +157,6 @@ def _main(argv: list[str]) -> int:
     else:
         source = DatasetRef.parse(args.source, args.root)
         targets = [DatasetRef.parse(t, args.root) for t in args.targets]
-    import warnings
-
-    from .backbone import check_model_name, load_clip, resolve_device
-    from .config import quick_gelu_flag
-
     check_model_name(args.model, "--model")
     args.device = resolve_device(args.device, "--device")
 

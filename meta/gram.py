@@ -16,10 +16,10 @@ regulators R_φ are its per-parameter transforms.  The frozen CLIP lives outside
 and is never cloned: ``GBML.clone()`` copies θ (and the small φ) per task.
 
 Memory: one backward per task (``loss_q / B``), so a task's graph is freed before
-the next is built.  Second order through ``nn.MultiheadAttention`` needs a
-double-differentiable attention kernel; the support forward therefore runs
-under the MATH SDPA backend when second order (fused CPU / flash / memory-efficient kernels have
-no double backward in PyTorch's ``scaled_dot_product_attention``).
+the next is built.  Second order needs a double-differentiable attention kernel:
+the CLIP blocks attend through ``F.scaled_dot_product_attention`` (:mod:`meta.blocks`), and
+the support forward runs under its MATH backend when second order (the fused CPU / flash /
+memory-efficient kernels have no double backward).
 """
 from __future__ import annotations
 

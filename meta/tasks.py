@@ -13,15 +13,22 @@ from all domains of the topic.
 Everything is driven by one ``numpy.random.Generator`` seeded with ``seed``: the same
 seed gives the same task sequence, and :meth:`TaskSampler.state_dict` /
 :meth:`TaskSampler.load_state_dict` let a resumed meta-training run continue it.
+:class:`TaskStream` draws meta-batches of tasks with an exact, resumable position;
+:class:`ClassBatchStream` draws plain classification batches (the prompt pre-training baseline).
+
+Everything here works on item indices (numpy only); :mod:`meta.metatrain.data` turns them into
+tensors.  The hierarchy is :class:`meta.chc.hierarchy.Hierarchy` or anything with its accessors
+(``num_topics``, ``topic_names``, ``domain_members``, ``topic_members``, ``topic_sizes``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 
-from meta.chc.hierarchy import Hierarchy
+if TYPE_CHECKING:  # any object with the same topic / domain accessors serves
+    from meta.chc.hierarchy import Hierarchy
 
 
 @dataclass
@@ -63,7 +70,7 @@ class TaskSampler:
         seed: seed of the task stream.
     """
 
-    def __init__(self, hierarchy: Hierarchy, k_way: int, n_support: int, n_query: int, domain_shift: bool = True,
+    def __init__(self, hierarchy: "Hierarchy", k_way: int, n_support: int, n_query: int, domain_shift: bool = True,
                  topics: Optional[Sequence[int]] = None, seed: int = 0):
         if k_way < 1 or n_support < 1 or n_query < 1:
             raise ValueError(f"TASKS: K_WAY, N_SUPPORT and N_QUERY must be >= 1, got {k_way}, {n_support}, {n_query}")
@@ -146,7 +153,7 @@ class TaskSampler:
             yield self.sample()
 
 
-def split_topics(hierarchy: Hierarchy, val_fraction: float, seed: int = 0) -> tuple[list, list]:
+def split_topics(hierarchy: "Hierarchy", val_fraction: float, seed: int = 0) -> tuple[list, list]:
     """Hold out topics for meta-validation: ``(train_topics, val_topics)``, disjoint, sorted.
 
     Only topics with at least one clustered item take part; ``round(val_fraction * L)``
@@ -163,16 +170,78 @@ def split_topics(hierarchy: Hierarchy, val_fraction: float, seed: int = 0) -> tu
     return sorted(int(t) for t in perm[n_val:]), sorted(int(t) for t in perm[:n_val])
 
 
-def hierarchy_from_image_folder(root, clip, num_domains: int = 3, min_per_domain: int = 8, batch_size: int = 64,
-                                seed: int = 0, device="cpu", model_name: str = "", pretrained: str = "",
-                                show_progress: bool = True) -> Hierarchy:
-    """Supervised meta-learning source (paper Table 4 row 4): ``root/<class>/<image>``.
+class TaskStream:
+    """Meta-batches from a :class:`meta.tasks.TaskSampler`, with an exact, resumable position.
 
-    Folder names are the classes; visual domains come from k-means on the CLIP image
-    features of each class, as in CHC.  See :func:`meta.chc.image_folder.build_image_folder_hierarchy`.
+    The position is the number of tasks drawn plus the sampler's own ``state_dict()`` (its numpy
+    generator).  A sampler without one is restored by re-drawing the same number of tasks from a
+    fresh sampler with the same seed (samplers are deterministic under their seed; this costs only
+    index arithmetic).
     """
-    from meta.chc.image_folder import build_image_folder_hierarchy
 
-    return build_image_folder_hierarchy(root, clip, num_domains=num_domains, min_per_domain=min_per_domain,
-                                        batch_size=batch_size, seed=seed, device=device, model_name=model_name,
-                                        pretrained=pretrained, show_progress=show_progress)
+    def __init__(self, make_sampler):
+        self._make = make_sampler
+        self.sampler = make_sampler()
+        self.drawn = 0
+
+    def next(self, n: int) -> list:
+        tasks = [self.sampler.sample() for _ in range(n)]
+        self.drawn += n
+        return tasks
+
+    def state(self) -> dict:
+        has_state = hasattr(self.sampler, "state_dict")
+        return {"drawn": int(self.drawn), "sampler": self.sampler.state_dict() if has_state else None}
+
+    def load_state(self, state: dict) -> None:
+        self.sampler = self._make()
+        if state.get("sampler") is not None and hasattr(self.sampler, "load_state_dict"):
+            self.sampler.load_state_dict(state["sampler"])
+        else:
+            for _ in range(int(state["drawn"])):
+                self.sampler.sample()
+        self.drawn = int(state["drawn"])
+
+
+@dataclass
+class ClassBatch:
+    """One plain classification batch over ``classnames``: items and labels (0..C-1)."""
+
+    classnames: list
+    index: np.ndarray
+    label: np.ndarray
+
+
+class ClassBatchStream:
+    """Batches for prompt pre-training (Table 4 row 3): classify images among the training topics.
+
+    Each step takes ``ways`` topics (all training topics when 0), then ``batch_size`` items, each
+    from a uniformly drawn topic of the step and uniformly among that topic's items (all domains).
+    """
+
+    def __init__(self, hierarchy, topics: Sequence[int], ways: int, batch_size: int, seed: int):
+        self.h = hierarchy
+        self.topics = np.asarray(sorted(int(t) for t in topics), dtype=np.int64)
+        self.members = {int(t): hierarchy.topic_members(int(t)) for t in self.topics}
+        empty = [hierarchy.topic_names[t] for t, m in self.members.items() if len(m) == 0]
+        if empty:
+            raise ValueError(f"topics without items cannot be classified: {empty[:5]}")
+        self.ways = len(self.topics) if ways <= 0 else min(int(ways), len(self.topics))
+        self.batch_size = int(batch_size)
+        self.rng = np.random.default_rng([int(seed), 0x9E37])
+
+    def next(self) -> ClassBatch:
+        if self.ways == len(self.topics):
+            chosen = self.topics
+        else:
+            chosen = np.sort(self.rng.choice(self.topics, size=self.ways, replace=False))
+        label = self.rng.integers(0, len(chosen), size=self.batch_size)
+        index = np.array([self.members[int(chosen[c])][self.rng.integers(0, len(self.members[int(chosen[c])]))]
+                          for c in label], dtype=np.int64)
+        return ClassBatch([self.h.topic_names[int(t)] for t in chosen], index, label)
+
+    def state(self) -> dict:
+        return {"rng": self.rng.bit_generator.state}
+
+    def load_state(self, state: dict) -> None:
+        self.rng.bit_generator.state = state["rng"]

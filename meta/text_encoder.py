@@ -8,7 +8,7 @@ are computed once per class name and cached (:class:`ClassTokenCache`).
 Exact truncation: CLIP's text transformer uses a causal mask and pools the
 feature at the EOT position, so no token after the EOT can change that
 feature.  A batch of classes therefore only needs the first ``max(eot) + 1``
-positions instead of 77 (``tests/test_text_encoder.py`` checks the equality).
+positions instead of 77 (``tests/test_core_prompts.py`` checks the equality).
 """
 from __future__ import annotations
 

@@ -10,4 +10,4 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-exec "$ROOT/.venv/bin/python" -m meta.demo "$@"
+exec "$ROOT/.venv/bin/python" -m gram_world.demo "$@"

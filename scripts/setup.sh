@@ -61,7 +61,7 @@ recipe_hash() {
 
 imports_ok() {
   "$VENV/bin/python" - <<'PY' >/dev/null 2>&1
-import torch, torchvision, open_clip, learn2learn, yacs, safetensors, meta  # noqa: F401
+import torch, torchvision, open_clip, learn2learn, yacs, safetensors, meta, gram_world, gram_tools  # noqa: F401
 assert torch.__version__.startswith("2.14.1"), torch.__version__
 PY
 }
@@ -154,7 +154,7 @@ fi
 
 if ! imports_ok; then
   log "ERROR: the environment at $VENV was built but a key import fails; run:"
-  log "  $PY -c 'import torch, open_clip, learn2learn, meta'"
+  log "  $PY -c 'import torch, open_clip, learn2learn, meta, gram_world, gram_tools'"
   exit 1
 fi
 echo "$WANT" >"$STAMP"

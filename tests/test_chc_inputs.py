@@ -39,13 +39,13 @@ def test_any_decoding_exception_is_that_images_problem():
 
 
 def test_image_folder_counts_odd_image_by_exception_type(tiny_clip, tmp_path):
-    from meta.chc.synthetic import write_synthetic_image_folder
-    from meta.tasks import hierarchy_from_image_folder
+    from gram_tools.synthetic import write_synthetic_image_folder
+    from meta.chc.image_folder import build_image_folder_hierarchy
 
     clip, _ = tiny_clip
     write_synthetic_image_folder(tmp_path / "d", ["apple", "bridge"], per_class=8, seed=0)
     (tmp_path / "d" / "apple" / "evil.jpg").write_bytes(dds_bytes())
-    h = hierarchy_from_image_folder(tmp_path / "d", clip, num_domains=2, min_per_domain=2, seed=0,
+    h = build_image_folder_hierarchy(tmp_path / "d", clip, num_domains=2, min_per_domain=2, seed=0,
                                     show_progress=False)
     assert h.meta["counts"]["unreadable_images"] == 1 and h.meta["counts"]["images"] == 17
     assert h.meta["unreadable_by_reason"] == {"NotImplementedError": 1}
@@ -229,7 +229,7 @@ def test_wrong_image_root_stops_early_naming_path_and_key(tmp_path, capsys):
 
 # ---------------------------------------------------------------- caption length
 def test_caption_cap_keeps_a_runaway_caption_from_renaming_its_topic():
-    from meta.chc.synthetic import TOPICS, make_caption
+    from gram_tools.synthetic import TOPICS, make_caption
     from meta.chc.text_embed import cap_caption, caption_over_cap
     from meta.chc.topics import cluster_tfidf_words
     from meta.config import get_meta_cfg_default
@@ -257,7 +257,7 @@ def test_run_with_bad_input_finishes_reports_and_resumes(tmp_path):
     """A DDS .jpg, a shard with a damaged header and a runaway caption: the run finishes, the report
     says what was skipped and why, and a re-launch is a no-op."""
     from meta.chc import load_hierarchy, run_chc
-    from meta.chc.synthetic import write_synthetic_shards
+    from gram_tools.synthetic import write_synthetic_shards
     from meta.config import get_meta_cfg_default
 
     data = tmp_path / "data"

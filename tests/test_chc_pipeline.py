@@ -10,7 +10,7 @@ from PIL import Image
 from meta.chc import load_hierarchy, run_chc
 from meta.chc.hierarchy import CLUSTERED, NOISE, UNREADABLE
 from meta.chc.imaging import to_clip_uint8
-from meta.chc.synthetic import write_synthetic_shards
+from gram_tools.synthetic import write_synthetic_shards
 from meta.config import get_meta_cfg_default
 
 N_PAIRS = 1200
@@ -331,40 +331,6 @@ def test_quantile_filter_and_sample_fit_reuse_cached_stages(chc_run, tmp_path, m
     assert right / sum((h.item_topic == t).sum() for t, _ in named) > 0.85
 
 
-def _gloo_rank(rank, world, init_file, cfg_dump):
-    """One torchrun-like process: index (rank 0) + its share of image features, gloo barriers."""
-    import os
-
-    import torch.distributed as dist
-    from yacs.config import CfgNode
-
-    from meta.chc.pipeline import ChcRun
-
-    os.environ["OMP_NUM_THREADS"] = "1"
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        run = ChcRun(CfgNode.load_cfg(cfg_dump), rank, world, dist.barrier, show_progress=False)
-        index, fp = run.stage_index()
-        run.stage_image_features(index, fp)
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.slow
-def test_two_gloo_processes_shard_image_features(chc_run, tmp_path):
-    import torch.multiprocessing as mp
-
-    out_ref, cfg_ref, _ = chc_run
-    cfg = cfg_ref.clone()
-    cfg.CHC.OUTPUT_DIR = str(tmp_path / "out")
-    mp.spawn(_gloo_rank, args=(2, str(tmp_path / "pg_init"), cfg.dump()), nprocs=2, join=True)
-    stage = tmp_path / "out" / "image_features"
-    assert (tmp_path / "out" / "image_features.done.json").is_file() and not list(stage.glob("*.rank*"))
-    np.testing.assert_allclose(np.load(stage / "image_features.npy"),
-                               np.load(out_ref / "image_features" / "image_features.npy"), atol=1e-5)
-    np.testing.assert_array_equal(np.load(stage / "image_ok.npy"), np.load(out_ref / "image_features" / "image_ok.npy"))
-
-
 def _gloo_full_run(rank, world, init_file, cfg_dump):
     """One torchrun-like process running the whole ``python -m meta cluster`` pipeline."""
     import os
@@ -381,18 +347,37 @@ def _gloo_full_run(rank, world, init_file, cfg_dump):
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
-def test_two_gloo_processes_run_the_whole_pipeline(chc_run, tmp_path):
-    """Image features and sentence embeddings sharded, fitting on rank 0: the 1-process hierarchy."""
+@pytest.fixture(scope="module")
+def gloo_run(chc_run, tmp_path_factory):
+    """The whole pipeline in two gloo processes (as ``torchrun --nproc_per_node 2``), once for the tests below;
+    returns ``(its output folder, the 1-process output folder, the config)``."""
     import torch.multiprocessing as mp
 
     out_ref, cfg_ref, _ = chc_run
+    tmp = tmp_path_factory.mktemp("gloo")
     cfg = cfg_ref.clone()
-    cfg.CHC.OUTPUT_DIR = str(tmp_path / "out")
+    cfg.CHC.OUTPUT_DIR = str(tmp / "out")
+    mp.spawn(_gloo_full_run, args=(2, str(tmp / "pg_init"), cfg.dump()), nprocs=2, join=True)
+    return tmp / "out", out_ref, cfg
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_shard_image_features(gloo_run):
+    """Each rank encodes its share of the images; the merged features equal the 1-process ones."""
+    out, out_ref, _ = gloo_run
+    stage = out / "image_features"
+    assert (out / "image_features.done.json").is_file() and not list(stage.glob("*.rank*"))
+    np.testing.assert_allclose(np.load(stage / "image_features.npy"),
+                               np.load(out_ref / "image_features" / "image_features.npy"), atol=1e-5)
+    np.testing.assert_array_equal(np.load(stage / "image_ok.npy"), np.load(out_ref / "image_features" / "image_ok.npy"))
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_run_the_whole_pipeline(gloo_run):
+    """Image features and sentence embeddings sharded, fitting on rank 0: the 1-process hierarchy."""
+    out, out_ref, cfg = gloo_run
     n_unique = len(json.loads((out_ref / "text" / "unique_captions.json").read_text()))
     assert n_unique > 2 * cfg.CHC.TEXT.CHUNK_SIZE  # both ranks embed whole chunks of their own
-    mp.spawn(_gloo_full_run, args=(2, str(tmp_path / "pg_init"), cfg.dump()), nprocs=2, join=True)
-    out = tmp_path / "out"
     assert not list(out.rglob("*.rank*"))
     # same chunks -> same batches -> the same embeddings bit for bit
     np.testing.assert_array_equal(np.load(out / "text" / "embeddings.npy"), np.load(out_ref / "text" / "embeddings.npy"))

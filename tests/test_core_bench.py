@@ -4,7 +4,7 @@ import json
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from meta import bench
+from gram_tools import bench
 
 
 def test_bench_prints_one_json_line_with_required_keys(capsys):
@@ -94,8 +94,8 @@ def test_bench_device_cuda_without_cuda_is_one_line(capsys, monkeypatch):
 
 
 def test_device_bench_measures_every_variant_and_its_cost():
-    """meta.bench_gpu's code path on CPU with the tiny CLIP and a tiny task (the GPU run adds only sync/memory)."""
-    from meta import bench_gpu
+    """gram_tools.bench_gpu's code path on CPU with the tiny CLIP and a tiny task (the GPU run adds only sync/memory)."""
+    from gram_tools import bench_gpu
 
     size = {"way": 3, "support_shots": 1, "query_shots": 2, "meta_batch": 2, "steps": 100, "chc_batch": 8}
     result = bench_gpu.run("GRAM-Test-Tiny", "cpu", warmup=0, repeats=1, size=size, chc_images=16)

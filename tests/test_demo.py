@@ -7,13 +7,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from gram_world.demo import (METHOD_BY_KEY, METHODS, META_VARIANTS, TABLE1_KEYS, TABLE4_KEYS, TABLE_GROUPS, TOKEN_KEYS,
+                             VARIANT_BY_NAME, DemoSettings, default_out, demo_world_settings, main, method_spec,
+                             settings_from_args)
+from gram_world.demo.cli import _parser
+from gram_world.demo.report import build_tables, markdown_table, tokens_markdown, transfer_markdown
+from gram_world.demo.stages import check_settings
 from meta.cli_errors import UserError
-
 from meta.coop_data import harmonic_mean
-from meta.demo import (METHOD_BY_KEY, METHODS, META_VARIANTS, TABLE1_KEYS, TABLE4_KEYS, TABLE_GROUPS, TOKEN_KEYS,
-                       VARIANT_BY_NAME, DemoSettings, _check_settings, _parser, default_out, demo_world_settings,
-                       main, method_spec, settings_from_args)
-from meta.demo_report import build_tables, markdown_table, tokens_markdown, transfer_markdown
 from meta.evaluation import summarise
 
 DATASETS = ("WorldA", "WorldB")
@@ -135,19 +136,19 @@ def test_old_preset_names_are_silent_aliases_of_the_stable_keys():
 
 def test_changed_settings_are_refused_but_jobs_and_tables_are_not_results(tmp_path):
     quick = DemoSettings.preset(quick=True)
-    _check_settings(quick, tmp_path)
-    _check_settings(replace(quick, jobs=1, tables=tuple(TABLE_GROUPS)), tmp_path)   # same results: fine
+    check_settings(quick, tmp_path)
+    check_settings(replace(quick, jobs=1, tables=tuple(TABLE_GROUPS)), tmp_path)   # same results: fine
     with pytest.raises(UserError, match="other settings"):
-        _check_settings(DemoSettings.preset(quick=False), tmp_path)
+        check_settings(DemoSettings.preset(quick=False), tmp_path)
     with pytest.raises(UserError, match=r"\(world_seed\)"):
-        _check_settings(replace(quick, world_seed=1), tmp_path)
+        check_settings(replace(quick, world_seed=1), tmp_path)
     saved = json.loads((tmp_path / "demo_settings.json").read_text())
     assert saved["quick"] is True and "jobs" not in saved and "tables" not in saved
     # a folder written before the world fields existed is read with their preset values
     for key in ("world_seed", "world", "clip", "transfer_shots"):
         saved.pop(key)
     (tmp_path / "demo_settings.json").write_text(json.dumps(saved))
-    _check_settings(quick, tmp_path)
+    check_settings(quick, tmp_path)
 
 
 def test_world_seed_and_world_options_change_the_world_hash_and_output_folder():
@@ -182,7 +183,7 @@ def test_stage_world_builds_another_world_per_seed_and_reuses_it(tmp_path):
     """--world-seed: its own cache key, other images, its own CLIP; a rerun rebuilds nothing."""
     import numpy as np
 
-    from meta.demo import stage_world
+    from gram_world.demo import stage_world
 
     tiny_world = (("pretrain_size", 128), ("chc_size", 60), ("chc_shard_size", 30), ("labelled_per_class", 1),
                   ("val_per_class", 1), ("test_per_class", 1))
@@ -211,13 +212,31 @@ def test_dumped_meta_config_reloads(tmp_path):
 
 
 def test_a_folder_of_another_world_or_clip_is_refused(tmp_path):
-    from meta.demo import _check_world
+    from gram_world.demo.stages import check_world
 
     world = SimpleNamespace(settings_hash="aaaaaaaaaaaa")
-    _check_world(tmp_path, world, tmp_path / "clip-1.safetensors")
-    _check_world(tmp_path, world, tmp_path / "clip-1.safetensors")
+    check_world(tmp_path, world, tmp_path / "clip-1.safetensors")
+    check_world(tmp_path, world, tmp_path / "clip-1.safetensors")
     with pytest.raises(UserError, match="world aaaaaaaaaaaa / CLIP clip-1.safetensors, this run uses "
                                          "bbbbbbbbbbbb / clip-1.safetensors"):
-        _check_world(tmp_path, SimpleNamespace(settings_hash="bbbbbbbbbbbb"), tmp_path / "clip-1.safetensors")
+        check_world(tmp_path, SimpleNamespace(settings_hash="bbbbbbbbbbbb"), tmp_path / "clip-1.safetensors")
     with pytest.raises(UserError, match="clip-2"):
-        _check_world(tmp_path, world, tmp_path / "clip-2.safetensors")
+        check_world(tmp_path, world, tmp_path / "clip-2.safetensors")
+
+
+def test_demo_script_runs_the_demo_module():
+    """``scripts/demo.sh`` execs ``python -m <module>`` from the checkout; that module's command line answers."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    script = (repo / "scripts" / "demo.sh").read_text()
+    module = re.search(r'^exec "\$ROOT/\.venv/bin/python" -m (\S+) "\$@"$', script, re.M).group(1)
+    assert module == "gram_world.demo"
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=repo, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage: python -m gram_world.demo") and "--world-seed" in proc.stdout
+

@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 
 from meta.coop_data import harmonic_mean
-from meta.demo import (ALL_VARIANTS, METHOD_BY_KEY, TABLE1_KEYS, TABLE4_KEYS, TABLE_GROUPS, TOKEN_KEYS,
-                       TRANSFER_KEYS, DemoSettings, b2n_keys, run)
+from gram_world.demo import (ALL_VARIANTS, METHOD_BY_KEY, TABLE1_KEYS, TABLE4_KEYS, TABLE_GROUPS, TOKEN_KEYS,
+                             TRANSFER_KEYS, DemoSettings, b2n_keys, run)
 
 pytestmark = pytest.mark.slow
 

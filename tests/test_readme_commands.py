@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from meta.chc.synthetic import write_synthetic_shards
+from gram_tools.synthetic import write_synthetic_shards
 from meta.init_io import load_gram_init
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,7 +34,7 @@ TINY = {  # appended to each command: the README's configs with a tiny random CL
 def block_after(heading: str) -> list[str]:
     """Lines of the first fenced code block after ``heading`` in the README."""
     part = README[README.index(heading):]
-    body = re.search(r"```(?:bash)?\n(.*?)```", part, re.S)
+    body = re.search(r"```(?:bash|python)?\n(.*?)```", part, re.S)
     assert body, f"no code block after {heading!r}"
     return [ln for ln in body.group(1).splitlines() if ln.strip()]
 
@@ -59,3 +59,40 @@ def test_readme_meta_training_commands_chain(tmp_path):
     assert load_gram_init(tmp_path / init).prompt["ctx"].shape[0] == 4  # train_coop.yaml: 4 context vectors
     assert (tmp_path / init).with_name("coop_ctx_nctx4.pth").is_file()
     assert "MODEL.INIT_WEIGHTS" in proc.stdout and "TRAINER.COOP.N_CTX 4" in proc.stdout  # export prints the options
+
+
+def test_readme_core_in_five_lines_runs(tiny_clip):
+    """The README's core example as written, with the tiny test CLIP instead of ViT-B-16's weights and a
+    3-way task of cached image features for its ``support`` / ``query``; one meta-step changes θ."""
+    import torch
+
+    code = "\n".join(block_after("## The core in five lines"))
+    weights = 'load_clip("ViT-B-16", pretrained="~/.cache/clip/ViT-B-16.pt")'
+    assert code.startswith("from meta import ") and weights in code
+    clip, dims = tiny_clip
+    g = torch.Generator().manual_seed(0)
+
+    def part(n):
+        feats = torch.nn.functional.normalize(torch.randn(3 * n, dims.embed_dim, generator=g), dim=-1)
+        return {"classnames": ["cat", "dog", "car"], "label": torch.arange(3).repeat_interleave(n), "features": feats}
+
+    scope = {"support": part(2), "query": part(2), "_tiny": (clip, dims)}
+    *setup, step = code.replace(weights, "_tiny").splitlines()
+    exec(compile("\n".join(setup), "README.md", "exec"), scope)
+    before = scope["learner"].prompt_module.ctx.detach().clone()
+    assert before.shape == (4, dims.text_width)
+    exec(compile(step, "README.md", "exec"), scope)
+    assert not torch.equal(scope["learner"].prompt_module.ctx.detach(), before)  # the outer step moved θ
+    assert scope["metrics"], "meta_step returned no metrics"
+
+
+def test_import_meta_is_lazy_and_exports_the_core():
+    """``import meta`` loads no torch; each public name resolves to the object of its defining module."""
+    code = ("import sys, meta; assert 'torch' not in sys.modules, 'torch imported'; "
+            "import importlib; bad = [n for n, m in meta._EXPORTS.items() "
+            "if getattr(meta, n) is not getattr(importlib.import_module(m), n)]; assert not bad, bad; "
+            "assert sorted(meta.__all__) == sorted([*meta._EXPORTS, '__version__']), 'meta.__all__'; "
+            "print(len(meta._EXPORTS))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert int(proc.stdout.split()[-1]) >= 15

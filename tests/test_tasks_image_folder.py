@@ -2,8 +2,9 @@
 import numpy as np
 import pytest
 
-from meta.chc.synthetic import write_synthetic_image_folder
-from meta.tasks import TaskSampler, hierarchy_from_image_folder
+from gram_tools.synthetic import write_synthetic_image_folder
+from meta.chc.image_folder import build_image_folder_hierarchy
+from meta.tasks import TaskSampler
 
 
 def test_image_folder_hierarchy_classes_domains_and_tasks(tiny_clip, tmp_path):
@@ -13,7 +14,7 @@ def test_image_folder_hierarchy_classes_domains_and_tasks(tiny_clip, tmp_path):
     classes = ["apple", "bridge", "clock", "drum"]
     styles = write_synthetic_image_folder(tmp_path / "data", classes, per_class=30, seed=0)
     (tmp_path / "data" / "clock" / "broken.png").write_bytes(b"\x89PNG garbage")
-    h = hierarchy_from_image_folder(tmp_path / "data", clip, num_domains=3, min_per_domain=4, seed=0,
+    h = build_image_folder_hierarchy(tmp_path / "data", clip, num_domains=3, min_per_domain=4, seed=0,
                                     model_name="GRAM-Test-Tiny", show_progress=False)
     assert h.topic_names == classes
     assert h.meta["counts"]["unreadable_images"] == 1 and h.meta["counts"]["images"] == 121
@@ -31,7 +32,7 @@ def test_image_folder_hierarchy_classes_domains_and_tasks(tiny_clip, tmp_path):
     task = TaskSampler(h, k_way=3, n_support=2, n_query=3, seed=0).sample()
     assert len(set(task.classnames)) == 3 and set(task.classnames) <= set(classes)
     with pytest.raises(FileNotFoundError, match="TASKS.IMAGE_FOLDER"):
-        hierarchy_from_image_folder(tmp_path / "nope", clip)
+        build_image_folder_hierarchy(tmp_path / "nope", clip)
 
 
 def test_image_folder_records_its_weights_and_a_mismatch_hint_fits_the_source(tiny_clip, tmp_path):
@@ -45,7 +46,7 @@ def test_image_folder_records_its_weights_and_a_mismatch_hint_fits_the_source(ti
     weights, other = tmp_path / "clip.pt", tmp_path / "other.pt"
     torch.save(clip.state_dict(), weights)
     other.write_bytes(b"other weights")
-    h = hierarchy_from_image_folder(tmp_path / "data", clip, num_domains=2, min_per_domain=3, seed=0,
+    h = build_image_folder_hierarchy(tmp_path / "data", clip, num_domains=2, min_per_domain=3, seed=0,
                                     model_name="GRAM-Test-Tiny", pretrained=str(weights), show_progress=False)
     assert h.meta["weights_sha256"] == file_sha256(weights)  # as CHC records it; None made the check fail
     assert check_cached_features(h, clip, dims, "GRAM-Test-Tiny", str(weights), n_check=2)["metadata"]

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from meta.backbone import load_clip, register_model_configs
-from meta.world import build_world
-from meta.world.clip_io import WORLD_MODEL, encode_text_trimmed, to_model_input
-from meta.world.pretrain import _shift, pretrain_clip, pretrain_settings, weights_path
-from meta.world.zeroshot import zeroshot_accuracy
+from gram_world import build_world
+from gram_world.clip_io import WORLD_MODEL, encode_text_trimmed, to_model_input
+from gram_world.pretrain import _shift, pretrain_clip, pretrain_settings, weights_path
+from gram_world.zeroshot import zeroshot_accuracy
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from meta.world import build_world, load_world, read_chc_shards, world_settings
-from meta.world.captions import named_category
-from meta.world.items import STYLES
-from meta.world.render import CAPTURES, capture
-from meta.world.shapes import CATEGORIES, FAMILIES
+from gram_world import build_world, load_world, read_chc_shards, world_settings
+from gram_world.captions import named_category
+from gram_world.items import STYLES
+from gram_world.render import CAPTURES, capture
+from gram_world.shapes import CATEGORIES, FAMILIES
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,13 @@
-"""The ceiling probe (meta.world.probe): linear probes on frozen world-CLIP image features vs zero-shot."""
+"""The ceiling probe (gram_world.probe): linear probes on frozen world-CLIP image features vs zero-shot."""
 import json
 import math
 
 import numpy as np
 import pytest
 
-from meta.world import build_world
-from meta.world.__main__ import main as world_main
-from meta.world.probe import C_GRID, linear_probe, probe_table, probe_world
+from gram_world import build_world
+from gram_world.__main__ import main as world_main
+from gram_world.probe import C_GRID, linear_probe, probe_table, probe_world
 
 
 def _blobs(rng, n_per_class, centres, noise):

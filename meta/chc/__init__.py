@@ -29,12 +29,6 @@ while reading are only counted.  Normalise images for CLIP with
 :func:`meta.chc.imaging.normalize_uint8` and ``meta['mean']`` / ``meta['std']``.
 """
 from meta.chc.hierarchy import STATUS, Hierarchy, load_hierarchy
+from meta.chc.pipeline import run_chc
 
 __all__ = ["Hierarchy", "load_hierarchy", "run_chc", "STATUS"]
-
-
-def run_chc(cfg, rank: int = 0, world_size: int = 1, barrier=None, show_progress: bool = True):
-    """Run or resume the CHC pipeline for a meta config (see :mod:`meta.chc.pipeline`)."""
-    from meta.chc.pipeline import run_chc as _run
-
-    return _run(cfg, rank, world_size, barrier, show_progress)

@@ -12,6 +12,11 @@ import argparse
 import logging
 from typing import Optional, Sequence
 
+from meta import distributed
+from meta.chc.pipeline import run_chc
+from meta.cli_errors import run_cli
+from meta.config import load_meta_cfg
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m meta cluster",
@@ -25,8 +30,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _distributed():
     """(rank, world_size, barrier, created) from torchrun's environment (:mod:`meta.distributed`)."""
-    from meta import distributed
-
     created = distributed.init_from_env()
     if not distributed.is_distributed():
         return 0, 1, None, created
@@ -36,18 +39,12 @@ def _distributed():
 def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
-    from meta.config import load_meta_cfg
-
     cfg = load_meta_cfg(args.config_file, args.opts)
     cfg.freeze()
     rank, world, barrier, created = _distributed()
-    from meta.chc.pipeline import run_chc
-
     try:
         out = run_chc(cfg, rank, world, barrier, show_progress=not args.no_progress)
     finally:
-        from meta import distributed
-
         distributed.shutdown(created)
     if out is not None:
         print(f"CHC done: {out}/hierarchy.json, report {out}/chc_report.md")
@@ -56,6 +53,4 @@ def _main(argv: list[str]) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point.  Bad input: one ``error: <file or KEY>: ...`` line, exit 2 (``--debug``: traceback)."""
-    from meta.cli_errors import run_cli
-
     return run_cli(_main, argv)

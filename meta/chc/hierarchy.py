@@ -19,6 +19,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from meta.chc.imaging import decode_batch
+from meta.chc.sources import PairIndex
 
 # item_status codes
 STATUS = {0: "clustered", 1: "unreadable image", 2: "filtered (image-text cosine)", 3: "topic noise",
@@ -106,8 +107,6 @@ class Hierarchy:
 
 def load_hierarchy(out_dir) -> Hierarchy:
     """Open a finished ``python -m meta cluster`` output directory (arrays memory-mapped)."""
-    from meta.chc.sources import PairIndex
-
     out = Path(out_dir)
     head_path = out / "hierarchy.json"
     if not head_path.is_file():

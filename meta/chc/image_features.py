@@ -1,6 +1,6 @@
 """CLIP image features of every pair, sharded across processes, cached and resumable.
 
-This is the dominant cost at scale (issue #3: ViT-B/32 ran ~11 images per CPU-second,
+This is the dominant cost at scale (meta/chc/README.md: ViT-B/32 ran ~11 images per CPU-second,
 ~40 h for 3.1 M images on one CPU), so it runs per *rank*: rank ``r`` of ``W`` encodes
 the items :func:`meta.chc.sources.rank_items` gives it (whole tar shards when there are
 at least ``W`` shards) into its own files, and :func:`merge_ranks` assembles them.

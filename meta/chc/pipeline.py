@@ -16,6 +16,7 @@ the fitting stages alone while the other ranks wait at a barrier.
 """
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -25,16 +26,29 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
+import open_clip
 import torch
 
+from meta.backbone import check_model_name, check_precision, load_clip
+from meta.backbone import resolve_device as backbone_resolve_device
 from meta.chc import domains as domains_mod
+from meta.chc import text_embed
 from meta.chc import topics as topics_mod
 from meta.chc.errors import InputError
 from meta.chc.hierarchy import CLUSTERED, FILTERED, NOISE, SMALL_TOPIC, STATUS, UNREADABLE
+from meta.chc.image_features import encode_rank, merge_ranks, remove_rank_files_of
+from meta.chc.imaging import clip_norm_stats
+from meta.chc.pair_filter import keep_mask, pair_cosines
+from meta.chc.report import skipped_input_rows, write_report
 from meta.chc.sources import PairIndex, build_index
 from meta.chc.stages import (ChunkedArray, StageMarker, create_memmap, dedupe, fingerprint, groups, save_npy_atomic,
                              write_json_atomic)
+from meta.chc.text_embed import cap_caption, caption_over_cap, model_digest, resolve_model_path
+from meta.config import get_meta_cfg_default, quick_gelu_flag
+from meta.fileio import clean_stale_temps
 from meta.hashing import file_sha256
+from meta.precision import resolve_autocast, resolve_weights
+from meta.runlock import RunLock
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +67,6 @@ _INDEX_FP_IF_CHANGED = ("MAX_FIELD_CHARS",)
 
 def index_settings(inp) -> dict:
     """The ``CHC.INPUT`` settings the index stage's fingerprint covers."""
-    from meta.config import get_meta_cfg_default
-
     default = get_meta_cfg_default().CHC.INPUT
     return {k: v for k, v in _node(inp).items()
             if k not in _INDEX_FP_IGNORED and not (k in _INDEX_FP_IF_CHANGED and v == default[k])}
@@ -62,9 +74,7 @@ def index_settings(inp) -> dict:
 
 def resolve_device(name: str) -> str:
     """``MODEL.DEVICE`` resolved and checked (:func:`meta.backbone.resolve_device`)."""
-    from meta.backbone import resolve_device as _resolve
-
-    return _resolve(name, "MODEL.DEVICE")
+    return backbone_resolve_device(name, "MODEL.DEVICE")
 
 
 class ChcRun:
@@ -97,10 +107,6 @@ class ChcRun:
     def clip(self):
         """The frozen CLIP (random weights seeded by ``SEED`` when ``MODEL.PRETRAINED`` is empty)."""
         if self._clip is None:
-            from meta.backbone import check_model_name, check_precision, load_clip
-            from meta.config import quick_gelu_flag
-            from meta.precision import resolve_weights
-
             check_model_name(self.cfg.MODEL.BACKBONE, "MODEL.BACKBONE")
             check_precision(self.cfg.MODEL.PRECISION, "MODEL.PRECISION")
             torch.manual_seed(self.cfg.SEED)  # identical random towers across resumed runs and ranks
@@ -117,8 +123,6 @@ class ChcRun:
     def backbone_meta(self) -> dict:
         if getattr(self, "_backbone_meta", None) is not None:
             return dict(self._backbone_meta)
-        from meta.chc.imaging import clip_norm_stats
-
         clip, dims = self.clip()
         mean, std = clip_norm_stats(clip)
         weights = self.cfg.MODEL.PRETRAINED
@@ -141,8 +145,6 @@ class ChcRun:
         inp = self.chc.INPUT
         stamps = []
         for pattern in list(inp.SHARDS) + ([inp.MANIFEST] if inp.MANIFEST else []):
-            import glob
-
             for p in sorted(glob.glob(os.path.expanduser(pattern))):
                 st = os.stat(p)
                 stamps.append([os.path.abspath(p), st.st_size, int(st.st_mtime)])
@@ -167,11 +169,6 @@ class ChcRun:
         return n * size * size * 3 <= float(self.chc.IMAGES.CACHE_MAX_GB) * 1e9
 
     def stage_image_features(self, index: PairIndex, index_fp: str) -> str:
-        from meta.chc.image_features import encode_rank, merge_ranks, remove_rank_files_of
-        from meta.chc.imaging import clip_norm_stats
-
-        from meta.precision import resolve_autocast
-
         imgs = self.chc.IMAGES
         bmeta = self.backbone_meta()
         cache = self.image_cache_wanted(len(index))
@@ -217,14 +214,10 @@ class ChcRun:
             raise InputError(f"{key}: none of the {len(ok)} images could be read ("
                              + ", ".join(f"{k} {v}" for k, v in reasons.items()) + ")")
         if not marker.is_done():
-            from meta.chc.pair_filter import keep_mask, pair_cosines
-
             stage_dir.mkdir(parents=True, exist_ok=True)
             if filt.MODE == "none":
                 cos = np.where(ok, 0.0, np.nan).astype(np.float32)
             else:
-                import open_clip
-
                 clip, _ = self.clip()
                 feats = np.load(self.out / "image_features" / "image_features.npy", mmap_mode="r")
                 t0 = time.time()
@@ -248,8 +241,6 @@ class ChcRun:
         ``text/embeddings.rank{r}.npy`` and rank 0 merges them.  Chunks are the single-process ones,
         so every caption is embedded in the same batch as without torchrun.
         """
-        from meta.chc.text_embed import cap_caption, model_digest, resolve_model_path
-
         text = self.chc.TEXT
         model_path = resolve_model_path(text.MODEL)
         fp = fingerprint("text", filter_fp, _node(text), model_digest(model_path))
@@ -268,9 +259,7 @@ class ChcRun:
             self.barrier()
             uniq = json.loads((stage_dir / "unique_captions.json").read_text())
 
-            from meta.chc.text_embed import embed_texts, load_sentence_model
-
-            model = load_sentence_model(model_path, text.DTYPE, self.device)
+            model = text_embed.load_sentence_model(model_path, text.DTYPE, self.device)
             dim_fn = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
             dim = int(dim_fn())
             lo, hi = text_rank_rows(len(uniq), int(text.CHUNK_SIZE), self.rank, self.world_size)
@@ -278,7 +267,8 @@ class ChcRun:
             store = ChunkedArray(path, hi - lo, (dim,), np.float32,
                                  fp if self.world_size == 1 else fingerprint(fp, self.world_size))
             t0, before = time.time(), store.rows_done()
-            store.fill(lambda s, e: embed_texts(model, uniq[lo + s:lo + e], text.BATCH_SIZE), text.CHUNK_SIZE,
+            store.fill(lambda s, e: text_embed.embed_texts(model, uniq[lo + s:lo + e], text.BATCH_SIZE),
+                       text.CHUNK_SIZE,
                        desc=f"sentence embeddings (rank {self.rank}/{self.world_size})",
                        disable_progress=not self.show_progress)
             self._timed("text_embeddings", time.time() - t0, hi - lo - before)
@@ -421,9 +411,6 @@ class ChcRun:
         return self.out
 
     def write_outputs(self, index, ok, keep, uniq, item_unique, topic_info, domain_info) -> None:
-        from meta.chc.report import skipped_input_rows, write_report
-        from meta.chc.text_embed import caption_over_cap
-
         status = np.load(self.out / "item_status.npy")
         counts = dict(index.counts)
         limit = int(self.chc.TEXT.MAX_CAPTION_CHARS)
@@ -488,9 +475,6 @@ def run_chc(cfg, rank: int = 0, world_size: int = 1, barrier: Optional[Callable[
     Rank 0 holds ``CHC.OUTPUT_DIR``'s :class:`meta.runlock.RunLock` for the whole run (a second
     writer fails at once) and removes temporary files a killed run left there.
     """
-    from meta.fileio import clean_stale_temps
-    from meta.runlock import RunLock
-
     lock = RunLock(cfg.CHC.OUTPUT_DIR, key="CHC.OUTPUT_DIR", enabled=int(rank) == 0)
     with lock:
         if lock.held:

@@ -8,6 +8,7 @@ from typing import Optional
 import numpy as np
 
 from meta.chc.stages import groups, write_json_atomic
+from meta.fileio import atomic_path, write_text_atomic
 
 MERGE_RULE = ("HDBSCAN clusters whose cluster-TF-IDF top word is identical are merged into one topic "
               "(same name = same class), so no K-way task holds two classes with one name.")
@@ -90,8 +91,6 @@ def plot_topics(out_dir: Path, names: list) -> bool:
     ax.set_title(f"CHC topics: 2-D UMAP of {len(xy)} sampled captions")
     ax.set_xticks([]), ax.set_yticks([])
     fig.tight_layout()
-    from meta.fileio import atomic_path
-
     with atomic_path(Path(out_dir) / "umap_topics.png") as tmp:
         fig.savefig(tmp, format="png")
     plt.close(fig)
@@ -157,7 +156,5 @@ def write_report(out_dir: Path, captions: list, counts: dict, topic_info: dict, 
     lines += [f"| {k} | {v['items']} | {v['seconds']} | {v['items_per_second']} |" for k, v in timings.items()]
     if drew:
         lines += ["", "![2-D UMAP by topic](umap_topics.png)"]
-    from meta.fileio import write_text_atomic
-
     write_text_atomic(out_dir / "chc_report.md", "\n".join(lines) + "\n")
     return json.loads(json.dumps(payload))

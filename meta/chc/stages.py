@@ -23,6 +23,8 @@ import numpy as np
 from tqdm import tqdm
 
 from meta.chc.errors import DiskSpaceError
+from meta.fileio import atomic_path
+from meta.fileio import write_json_atomic as _write
 
 
 def fingerprint(*parts) -> str:
@@ -58,15 +60,11 @@ def groups(labels: np.ndarray) -> dict:
 
 def write_json_atomic(path: Path, payload) -> None:
     """Write JSON to ``path`` atomically (:func:`meta.fileio.atomic_path`: no half-written files)."""
-    from meta.fileio import write_json_atomic as _write
-
     _write(path, payload, indent=1)
 
 
 def save_npy_atomic(path: Path, array: np.ndarray) -> None:
     """``np.save`` through :func:`meta.fileio.atomic_path`, so a crash never leaves a truncated array."""
-    from meta.fileio import atomic_path
-
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as fh:
             np.save(fh, array)

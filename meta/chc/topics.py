@@ -1,6 +1,6 @@
 """Semantic topic clustering (paper section 3.2): UMAP -> HDBSCAN -> cluster TF-IDF words.
 
-Scale rule (issue #3 measurements): UMAP + HDBSCAN are fitted on a sample of at most
+Scale rule (measurements in meta/chc/README.md): UMAP + HDBSCAN are fitted on a sample of at most
 ``CHC.TOPICS.FIT_SAMPLE`` unique captions; every other caption goes to the nearest
 cluster centroid in the sentence-embedding space (cosine, cost linear in N), or to
 noise when it is less similar than the ``ASSIGN_QUANTILE`` quantile of the fitted

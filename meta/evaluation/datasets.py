@@ -2,7 +2,7 @@
 
 The benchmarks keep their CoOp names (``DatasetRef.named(root, "dtd")``); any other folder in
 DTD's layout - ``<dataset_dir>/images/<class>/*`` plus one ``split_zhou_<Name>.json``, which is
-how ``meta.world`` writes its downstream datasets - is read with ``DatasetRef.from_dir``.
+how ``gram_world`` writes its downstream datasets - is read with ``DatasetRef.from_dir``.
 All reading, few-shot sampling and base/new subsampling is ``meta.coop_data``'s.
 """
 from __future__ import annotations

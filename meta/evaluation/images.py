@@ -42,7 +42,7 @@ from ..visual_encoder import encode_image_with_prompts
 _BICUBIC = T.InterpolationMode.BICUBIC
 
 
-def test_transform(size: int) -> T.Compose:
+def eval_transform(size: int) -> T.Compose:
     """Dassl's test transform: shorter side -> ``size`` (bicubic), centre crop, CLIP normalisation."""
     return T.Compose([T.Resize(size, interpolation=_BICUBIC), T.CenterCrop(size), T.ToTensor(),
                       T.Normalize(OPENAI_DATASET_MEAN, OPENAI_DATASET_STD)])
@@ -54,7 +54,7 @@ def train_transform(size: int, scale: tuple[float, float] = (0.08, 1.0)) -> T.Co
                       T.ToTensor(), T.Normalize(OPENAI_DATASET_MEAN, OPENAI_DATASET_STD)])
 
 
-def test_transform_key(size: int) -> str:
+def eval_transform_key(size: int) -> str:
     return f"test:resize{size}-bicubic-center{size}-openai_norm"
 
 
@@ -91,7 +91,7 @@ class ImageLoader:
                  max_cached_bytes: int = 2 << 30):
         self.size = size
         self.scale = tuple(rrcrop_scale)
-        self.test_tf = test_transform(size)
+        self.test_tf = eval_transform(size)
         self.train_tf = train_transform(size, self.scale)
         self.max_cached_bytes = max_cached_bytes
         self._cached_bytes = 0

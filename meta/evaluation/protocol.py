@@ -25,7 +25,7 @@ from ..backbone import ClipDims
 from ..coop_data import Record, harmonic_mean
 from ..prompts import PromptedCLIP
 from .datasets import DatasetRef
-from .images import FeatureCache, ImageLoader, test_transform_key, train_transform_key, view_key
+from .images import FeatureCache, ImageLoader, eval_transform_key, train_transform_key, view_key
 from .spec import MethodSpec, TrainSpec
 from .training import LabelledSet, PromptTuner, StartPoint, build_prompts, prompt_digest
 
@@ -97,7 +97,7 @@ class EvaluationSession:
                                                                     keys[i // views]))
             data.features = feats.view(len(impaths), views, -1)
         else:
-            key = test_transform_key(size)
+            key = eval_transform_key(size)
             feats = self._encode([(p, key) for p in impaths], lambda i: loader.test_view(impaths[i]))
             data.features = feats.unsqueeze(1) if train else feats
         return data

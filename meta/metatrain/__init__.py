@@ -11,13 +11,16 @@ feature check, task streams), :mod:`.trainer` (the loop, validation, resume),
 tensorboard, tqdm), :mod:`.export` (``gram_init.safetensors`` + ``coop_ctx_nctx<M>.pth``),
 :mod:`.cli` (argument parsing).
 """
-from .settings import add_metatrain_cfg
+from meta.config import add_metatrain_cfg
 
 __all__ = ["main", "build_cfg", "add_metatrain_cfg", "train", "export_run"]
 
 
 def main(argv=None) -> int:
-    """See :func:`meta.metatrain.cli.main` (imported lazily: config-only users need no learn2learn)."""
+    """See :func:`meta.metatrain.cli.main`.
+
+    The submodules are imported when called: the trainer and the export import learn2learn (through
+    :mod:`meta.gram`), which config-only users of this package do not need."""
     from .cli import main as _main
 
     return _main(argv)

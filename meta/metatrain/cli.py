@@ -19,30 +19,21 @@ from typing import Optional, Sequence
 
 from yacs.config import CfgNode as CN
 
+from meta import distributed
 from meta.cli_errors import run_cli
-
-from .settings import add_metatrain_cfg
+from meta.config import get_meta_cfg_default, load_meta_cfg
 
 EXIT_STOPPED = 128 + 15  # 143: stopped before the last step (a scheduler must not read it as finished)
 
 
 def default_cfg() -> CN:
-    """The meta defaults (``meta.config``) with the ``META`` node."""
-    from meta.config import get_meta_cfg_default
-
-    cfg = get_meta_cfg_default()
-    if "META" not in cfg:  # meta.config adds it itself once wired; keep working either way
-        add_metatrain_cfg(cfg)
-    return cfg
+    """Every meta default (``meta.config``), the ``META`` node included."""
+    return get_meta_cfg_default()
 
 
 def build_cfg(config_file: str = "", opts: Sequence[str] = (), output_dir: str = "") -> CN:
     """Defaults <- ``config_file`` <- ``KEY VALUE`` overrides <- ``--output-dir``; frozen."""
-    from meta.config import load_meta_cfg
-
     cfg = load_meta_cfg(config_file, opts)
-    if "META" not in cfg:
-        add_metatrain_cfg(cfg)
     if output_dir:
         cfg.OUTPUT_DIR = output_dir
     cfg.freeze()
@@ -72,12 +63,10 @@ def _main(argv: list[str]) -> int:
     if flags or (opts and args.command != "train"):
         parser.error(f"unrecognized arguments: {' '.join(flags or opts)}")
     args.opts = opts  # KEY VALUE overrides, anywhere on the line
-    from meta import distributed
-
     created = distributed.init_from_env() if args.command == "train" else False
     try:
         if args.command == "train":
-            from .trainer import train
+            from .trainer import train  # lazy, as export below: learn2learn and the model code, only for the command
 
             cfg = build_cfg(args.config_file, args.opts, args.output_dir)
             result = train(cfg, resume=args.resume)

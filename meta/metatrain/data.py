@@ -5,15 +5,14 @@
   being trained with (metadata check, then re-encoding a few images).
 * :class:`TaskBatcher` turns a :class:`meta.tasks.Task` (item indices) into a
   :class:`meta.gram.TaskBatch` of ``{"classnames", "label", "features" | "images"}`` dicts.
-* :class:`TaskStream` draws meta-batches of tasks and can save/restore its position exactly.
-* :class:`ClassBatchStream` draws plain classification batches (prompt pre-training baseline).
+
+Which items a task or a batch holds (index level, numpy only) is :mod:`meta.tasks`'s job.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -21,6 +20,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from meta.chc import load_hierarchy
+from meta.chc.image_folder import build_image_folder_hierarchy
+from meta.chc.imaging import clip_norm_stats, normalize_uint8
 from meta.gram import TaskBatch
 from meta.hashing import file_sha256
 
@@ -36,9 +38,7 @@ def load_task_hierarchy(cfg, clip, dims, device: str = "cpu"):
         root = cfg.TASKS.IMAGE_FOLDER
         if not root or not os.path.isdir(root):
             raise FileNotFoundError(f"TASKS.IMAGE_FOLDER: not a directory: {root!r} (expected root/<class>/<images>)")
-        from meta.tasks import hierarchy_from_image_folder
-
-        return hierarchy_from_image_folder(root, clip, num_domains=int(cfg.CHC.DOMAINS.NUM),
+        return build_image_folder_hierarchy(root, clip, num_domains=int(cfg.CHC.DOMAINS.NUM),
                                            min_per_domain=int(cfg.CHC.DOMAINS.MIN_PER_DOMAIN),
                                            batch_size=int(cfg.CHC.IMAGES.BATCH_SIZE), seed=int(cfg.SEED), device=device,
                                            model_name=cfg.MODEL.BACKBONE, pretrained=cfg.MODEL.PRETRAINED,
@@ -48,8 +48,6 @@ def load_task_hierarchy(cfg, clip, dims, device: str = "cpu"):
     if not (Path(out_dir) / "hierarchy.json").is_file():
         raise FileNotFoundError(f"{key}: no finished CHC output at {out_dir!r} (hierarchy.json missing); "
                                 f"run `python -m meta cluster` first or point {key} at its output dir")
-    from meta.chc import load_hierarchy
-
     return load_hierarchy(out_dir)
 
 
@@ -77,8 +75,6 @@ def norm_stats(h, clip) -> tuple[tuple, tuple]:
     """CLIP pixel mean/std: the hierarchy's record, else the model's own."""
     if h.meta.get("mean") and h.meta.get("std"):
         return tuple(h.meta["mean"]), tuple(h.meta["std"])
-    from meta.chc.imaging import clip_norm_stats
-
     return clip_norm_stats(clip)
 
 
@@ -119,8 +115,6 @@ def check_cached_features(h, clip, dims, model_name: str, pretrained: str, n_che
     pick = members[np.linspace(0, len(members) - 1, num=min(n_check, len(members))).round().astype(np.int64)]
     pick = np.unique(pick)
     mean, std = norm_stats(h, clip)
-    from meta.chc.imaging import normalize_uint8
-
     dtype = next(clip.parameters()).dtype
     with torch.no_grad():
         x = normalize_uint8(h.images(pick), mean, std, dtype=dtype, device=device)
@@ -162,8 +156,6 @@ class TaskBatcher:
         batch: dict[str, Any] = {"classnames": list(classnames),
                                  "label": torch.as_tensor(np.asarray(label), dtype=torch.long, device=self.device)}
         if self.use_images:
-            from meta.chc.imaging import normalize_uint8
-
             batch["images"] = normalize_uint8(self.h.images(index), self.mean, self.std, dtype=self.dtype,
                                               device=self.device)
         else:
@@ -174,80 +166,3 @@ class TaskBatcher:
     def __call__(self, task) -> TaskBatch:
         return TaskBatch(support=self.part(task.classnames, task.support_index, task.support_label),
                          query=self.part(task.classnames, task.query_index, task.query_label))
-
-
-class TaskStream:
-    """Meta-batches from a :class:`meta.tasks.TaskSampler`, with an exact, resumable position.
-
-    The position is the number of tasks drawn plus the sampler's own ``state_dict()`` (its numpy
-    generator).  A sampler without one is restored by re-drawing the same number of tasks from a
-    fresh sampler with the same seed (samplers are deterministic under their seed; this costs only
-    index arithmetic).
-    """
-
-    def __init__(self, make_sampler):
-        self._make = make_sampler
-        self.sampler = make_sampler()
-        self.drawn = 0
-
-    def next(self, n: int) -> list:
-        tasks = [self.sampler.sample() for _ in range(n)]
-        self.drawn += n
-        return tasks
-
-    def state(self) -> dict:
-        has_state = hasattr(self.sampler, "state_dict")
-        return {"drawn": int(self.drawn), "sampler": self.sampler.state_dict() if has_state else None}
-
-    def load_state(self, state: dict) -> None:
-        self.sampler = self._make()
-        if state.get("sampler") is not None and hasattr(self.sampler, "load_state_dict"):
-            self.sampler.load_state_dict(state["sampler"])
-        else:
-            for _ in range(int(state["drawn"])):
-                self.sampler.sample()
-        self.drawn = int(state["drawn"])
-
-
-@dataclass
-class ClassBatch:
-    """One plain classification batch over ``classnames``: items and labels (0..C-1)."""
-
-    classnames: list
-    index: np.ndarray
-    label: np.ndarray
-
-
-class ClassBatchStream:
-    """Batches for prompt pre-training (Table 4 row 3): classify images among the training topics.
-
-    Each step takes ``ways`` topics (all training topics when 0), then ``batch_size`` items, each
-    from a uniformly drawn topic of the step and uniformly among that topic's items (all domains).
-    """
-
-    def __init__(self, hierarchy, topics: Sequence[int], ways: int, batch_size: int, seed: int):
-        self.h = hierarchy
-        self.topics = np.asarray(sorted(int(t) for t in topics), dtype=np.int64)
-        self.members = {int(t): hierarchy.topic_members(int(t)) for t in self.topics}
-        empty = [hierarchy.topic_names[t] for t, m in self.members.items() if len(m) == 0]
-        if empty:
-            raise ValueError(f"topics without items cannot be classified: {empty[:5]}")
-        self.ways = len(self.topics) if ways <= 0 else min(int(ways), len(self.topics))
-        self.batch_size = int(batch_size)
-        self.rng = np.random.default_rng([int(seed), 0x9E37])
-
-    def next(self) -> ClassBatch:
-        if self.ways == len(self.topics):
-            chosen = self.topics
-        else:
-            chosen = np.sort(self.rng.choice(self.topics, size=self.ways, replace=False))
-        label = self.rng.integers(0, len(chosen), size=self.batch_size)
-        index = np.array([self.members[int(chosen[c])][self.rng.integers(0, len(self.members[int(chosen[c])]))]
-                          for c in label], dtype=np.int64)
-        return ClassBatch([self.h.topic_names[int(t)] for t in chosen], index, label)
-
-    def state(self) -> dict:
-        return {"rng": self.rng.bit_generator.state}
-
-    def load_state(self, state: dict) -> None:
-        self.rng.bit_generator.state = state["rng"]

@@ -20,9 +20,12 @@ import torch
 from yacs.config import CfgNode as CN
 
 from meta.backbone import ClipDims
+from meta.cli_errors import UserError
+from meta.fileio import clean_stale_temps
 from meta.gram import GRAMMetaLearner
-from meta.init_io import coop_context_usage, export_coop_context, export_gram_init
+from meta.init_io import coop_context_usage, export_coop_context, export_gram_init, load_gram_init
 from meta.prompts import PromptParams
+from meta.runlock import RunLock
 
 from . import settings
 from .checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint
@@ -55,10 +58,16 @@ def provenance(state: dict, cfg: CN) -> dict:
             "hierarchy": state.get("hierarchy", {})}
 
 
+def export_paths(run_dir: Path, cfg, out: Optional[str] = None) -> tuple[Path, Path]:
+    """(init file, stock-CoOp ctx file): ``run_dir/META.EXPORT_NAME`` or ``out`` and its sibling."""
+    if out:
+        init = Path(out)
+        return init, init.with_name(init.name.split(".")[0] + "_" + cfg.META.COOP_CTX_NAME)
+    return run_dir / cfg.META.EXPORT_NAME, run_dir / cfg.META.COOP_CTX_NAME
+
+
 def export_state(state: dict, run_dir: Union[str, Path], out: Optional[Union[str, Path]] = None) -> dict:
     """Write the init file (and the CoOp ctx file when there is text context); returns their paths."""
-    from .trainer import export_paths
-
     learner, cfg = learner_from_state(state)
     dims = ClipDims(**state["dims"])
     init_path, coop_path = export_paths(Path(run_dir), cfg, str(out) if out else None)
@@ -86,10 +95,6 @@ def verify_exports(state: dict, run_dir: Union[str, Path]) -> list[str]:
     step and config hash; the CoOp ctx file (text prompts only) must load with
     ``weights_only=True`` and hold the same context tensor as the checkpoint.
     """
-    from meta.init_io import load_gram_init
-
-    from .trainer import export_paths
-
     cfg = CN.load_cfg(state["config_yaml"])
     init_path, coop_path = export_paths(Path(run_dir), cfg)
     problems = []
@@ -114,9 +119,6 @@ def verify_exports(state: dict, run_dir: Union[str, Path]) -> list[str]:
 
 def export_run(run_dir: Union[str, Path], out: Optional[Union[str, Path]] = None) -> dict:
     """``python -m meta export``: export from ``run_dir/checkpoint.pt``."""
-    from meta.cli_errors import UserError
-    from meta.runlock import RunLock
-
     run_dir = Path(run_dir)
     ckpt = run_dir / CHECKPOINT_NAME
     if not ckpt.is_file():
@@ -125,8 +127,6 @@ def export_run(run_dir: Union[str, Path], out: Optional[Union[str, Path]] = None
     if out is not None and Path(out).is_dir():
         raise UserError("--out", f"{out} is a folder; expected the init file's path, e.g. "
                                  f"{Path(out) / 'gram_init.safetensors'}")
-    from meta.fileio import clean_stale_temps
-
     state = load_checkpoint(ckpt)
     if out is not None:
         clean_stale_temps(Path(out).parent)  # temp files of killed exports (their writers are gone)

@@ -1,17 +1,6 @@
-"""The ``META`` config node (meta-training / prompt pre-training) and what is built from it.
-
-:func:`add_metatrain_cfg` adds the node to a meta config (``meta.config.get_meta_cfg_default``
-calls it).  Values the paper does not give carry a comment naming where they come from.
-
-Sources cited below:
-  [GRAM]    the paper (Li et al., "Gradient-Regulated Meta-Prompt Learning for Generalizable
-            Vision-Language Models", ICCV 2023), section 4 "Training Details".
-  [SUPMER]  beepkh/SUPMER ``scripts/meta-train.sh`` - the same group's meta-prompt learner for NLP
-            (OUTER_BATCH_SIZE=4, SAVE_STEP=100, TEST_STEP=1000, TOTAL_STEPS=100000).
-  [MAML]    Finn et al. 2017, miniImageNet: meta-batch 4 tasks, 5-way.
-  [CoCoOp]  KaiyangZhou/CoOp CoCoOp ViT-B/16 schedule: lr 0.002, N_CTX 4
-            (``configs/trainers/CoCoOp/vit_b16_c4_ep10_batch1_ctxv1.yaml``).
-  [core]    meta.gram.MetaSpec / meta.regulator.RegulatorSpec defaults chosen by the core's author.
+"""What is built from the ``META`` config node (meta-training / prompt pre-training): the loop's, the
+regulator's and the prompts' specs, the checks yacs cannot do, and the config hash a resume compares.
+The node's defaults, each with where it came from, are in :func:`meta.config.add_metatrain_cfg`.
 """
 from __future__ import annotations
 
@@ -22,10 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 from yacs.config import CfgNode as CN
 
-if TYPE_CHECKING:
-    from meta.gram import MetaSpec
+from meta.config import add_metatrain_cfg, get_meta_cfg_default
+from meta.precision import resolve_autocast
 from meta.prompts import VPT_INITS, PromptSpec
 from meta.regulator import RegulatorSpec
+
+if TYPE_CHECKING:
+    from meta.gram import MetaSpec
+
+__all__ = ["MODES", "RUN_CONTROL_KEYS", "add_metatrain_cfg", "cfg_differences", "check_meta_cfg", "config_hash",
+           "flatten_cfg", "meta_spec", "prompt_spec", "regulator_spec", "result_defining_cfg"]
 
 MODES = ("gram", "pretrain")
 
@@ -45,74 +40,6 @@ RUN_CONTROL_PREFIXES = ("CHC.",)
 BEHAVIOUR_BEFORE_KEY: dict[str, Any] = {"META.PROMPT.VPT_INIT": "normal"}
 # Keys that change nothing while the count named here is 0 in both runs (no visual tokens to initialise).
 UNUSED_WHILE_ZERO: dict[str, str] = {"META.PROMPT.VPT_INIT": "META.PROMPT.N_CTX_VISION"}
-
-
-def add_metatrain_cfg(cfg: CN) -> CN:
-    """Add the ``META`` node to ``cfg`` (in place) and return ``cfg``."""
-    m = CN()
-    m.MODE = "gram"              # gram = bi-level GRAM (Alg. 1) | pretrain = Table 4 row 3 baseline
-    m.HIERARCHY = ""             # CHC output dir ("" = CHC.OUTPUT_DIR); unused for TASKS.SOURCE image_folder
-    m.STEPS = 10000              # outer steps; [SUPMER] uses 100k at B=4 - we default to a 10x shorter run
-    m.META_BATCH = 4             # B tasks per outer step: [SUPMER] OUTER_BATCH_SIZE=4, [MAML] miniImageNet 4
-
-    # ---- the bi-level loop (meta.gram.MetaSpec) -------------------------------------------
-    m.INNER_STEPS = 1            # Alg. 1 shows one regulated step per task [GRAM]
-    m.INNER_LR = 0.1             # alpha [core]
-    m.OUTER_LR_PROMPT = 2e-3     # lambda_1 [core]; same value as CoOp/CoCoOp's prompt lr [CoCoOp]
-    m.OUTER_LR_REGULATOR = 1e-3  # lambda_2 [core]
-    m.OPTIMIZER = "adam"         # adam | sgd [core]
-    m.FIRST_ORDER = False        # True drops the second-order term (cheaper, not the paper's Eq. 10)
-    m.GRAD_CLIP = 1.0            # max global norm over theta and phi; 0 = off [core]
-    m.REGULATE = True            # False = "w/o gradient regulating" (Table 4 row 2)
-    m.AUTOCAST = "none"          # none | bf16 | fp16 autocast of the CLIP passes on CUDA (CPU: fp32, one log line);
-    #                              bf16 is the safer choice: fp16 scales only the outer loss (meta.precision)
-    m.INNER_MOMENTUM = 0.0       # heavy-ball inner SGD as the test-time optimiser (0.9 there); needs INNER_STEPS > 1
-
-    m.REGULATOR = CN()           # R_phi (meta.regulator.RegulatorSpec) [core]
-    m.REGULATOR.FORM = "residual"   # residual | paper (literal Eq. 5)
-    m.REGULATOR.INPUT_NORM = True
-    m.REGULATOR.BETA_SCALE = 0.0    # 0 = beta in units of rms(g) (core default); > 0 = fixed scale (1.0 = paper)
-    m.REGULATOR.INIT = "zero"       # zero | normal
-    m.REGULATOR.INIT_STD = 0.01
-    m.REGULATOR.GAMMA_BOUND = 1.0   # residual form: gamma in (1 - bound, 1 + bound); 1.0 = unbounded tanh
-    m.REGULATOR.NORM_PRESERVE = False  # rescale the regulated gradient to the raw one's norm (per tensor)
-    m.REGULATOR.MIX = False         # learned c = sigmoid(m): (1 - c) * regulated + c * raw
-    m.REGULATOR.MIX_INIT = 0.0      # initial m (0 -> c = 0.5)
-    m.REGULATOR.WEIGHT_DECAY = 0.0  # L2 on phi in the outer step: keeps R_phi near the identity (residual form)
-
-    # ---- theta (meta.prompts.PromptSpec): CoOp = text only, VPT = vision only, UNIGRAM = both
-    m.PROMPT = CN()
-    m.PROMPT.N_CTX_TEXT = 4      # [GRAM] 4 prompt tokens for CoOp/VPT; UNIGRAM 2 text + 2 visual
-    m.PROMPT.CTX_INIT = ""       # e.g. "a photo of a" (then M = its token count)
-    m.PROMPT.N_CTX_VISION = 0
-    m.PROMPT.VISION_DEPTH = 1    # 1 = shallow VPT
-    m.PROMPT.INIT_STD = 0.02     # CoOp's N(0, 0.02^2) context init
-    m.PROMPT.TEMPLATE = "a photo of a {}."  # text side when N_CTX_TEXT == 0 (paper's VPT baseline)
-    m.PROMPT.VPT_INIT = PromptSpec.vpt_init  # visual tokens' start: normal | zeros | cls | patch_mean (meta.prompts)
-
-    # ---- Table 4 row 3: plain classification over the topics --------------------------------
-    m.PRETRAIN = CN()
-    m.PRETRAIN.WAYS = 0          # classes per step (0 = all training topics)
-    m.PRETRAIN.BATCH_SIZE = 32   # images per step (uniform over the step's classes, all domains)
-    m.PRETRAIN.LR = 2e-3         # Adam/SGD lr on theta, = OUTER_LR_PROMPT so both baselines share lambda_1
-
-    # ---- bookkeeping ---------------------------------------------------------------------------
-    m.CHECKPOINT_EVERY = 100     # [SUPMER] SAVE_STEP=100; a killed run loses at most this many steps
-    m.LOG_DETAIL_EVERY = 50      # grad cosine (Fig. 3b) + before/after on both sets: ~1.5x a step's cost
-    m.VAL_EVERY = 1000           # [SUPMER] TEST_STEP=1000
-    m.VAL_TASKS = 50             # fixed held-out tasks per validation (same tasks every time)
-    # validation as test-time use: query accuracy after VAL_FT_STEPS regulated SGD steps (lr VAL_FT_LR,
-    # momentum VAL_FT_MOMENTUM: CoCoOp's 0.002 / 0.9) on the support set; 0 = off
-    m.VAL_FT_STEPS = 0
-    m.VAL_FT_LR = 0.002
-    m.VAL_FT_MOMENTUM = 0.9
-    m.FEATURE_CHECK = 8          # images re-encoded to prove cached features match this CLIP (0 = skip)
-    m.PROGRESS = True            # tqdm bar
-    m.TENSORBOARD = True
-    m.EXPORT_NAME = "gram_init.safetensors"
-    m.COOP_CTX_NAME = "coop_ctx_nctx{n_ctx}.pth"  # {n_ctx}: the text context length stock CoOp must be given
-    cfg.META = m
-    return cfg
 
 
 def check_meta_cfg(cfg: CN) -> None:
@@ -169,8 +96,7 @@ def meta_spec(cfg: CN, device=None) -> "MetaSpec":
 
     With ``device``, ``META.AUTOCAST`` is what runs there (``none`` off CUDA, logged once).
     """
-    from meta.gram import MetaSpec  # lazy: keeps learn2learn out of config-only imports
-    from meta.precision import resolve_autocast
+    from meta.gram import MetaSpec  # lazy: meta.gram imports learn2learn, which config-only users do not need
 
     m = cfg.META
     autocast = m.AUTOCAST if device is None else resolve_autocast(m.AUTOCAST, device, "META.AUTOCAST")
@@ -238,8 +164,6 @@ def cfg_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]
                 continue
         elif old == absent:
             if not defaults:
-                from meta.config import get_meta_cfg_default
-
                 defaults = result_defining_cfg(get_meta_cfg_default())
             if defaults.get(k, absent) == new:
                 continue

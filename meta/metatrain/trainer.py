@@ -35,16 +35,22 @@ import numpy as np
 import torch
 
 from meta import distributed as dist_
-from meta.backbone import ClipDims, load_clip
+from meta.backbone import ClipDims, check_model_name, check_precision, load_clip
+from meta.backbone import resolve_device as backbone_resolve_device
+from meta.config import quick_gelu_flag
 from meta.fileio import clean_stale_temps, write_json_atomic, write_text_atomic
 from meta.finetune import GradientRegulation, finetune_and_score
 from meta.gram import GRAMMetaLearner
+from meta.precision import resolve_weights
 from meta.prompts import PromptedCLIP, PromptParams, classification_loss
+from meta.runlock import RunLock, is_rank0
+from meta.tasks import ClassBatchStream, TaskSampler, TaskStream, split_topics
 
 from . import settings
 from .checkpoint import CHECKPOINT_NAME, CheckpointError, capture_rng, load_checkpoint, restore_rng, save_checkpoint
-from .data import (ClassBatchStream, TaskBatcher, TaskStream, check_cached_features, hierarchy_fingerprint,
-                   hierarchy_summary, load_task_hierarchy, norm_stats)
+from .export import export_paths, export_state, verify_exports
+from .data import (TaskBatcher, check_cached_features, hierarchy_fingerprint, hierarchy_summary, load_task_hierarchy,
+                   norm_stats)
 from .runlog import RunLog, postfix, progress_bar
 
 CONFIG_NAME = "config.yaml"
@@ -107,9 +113,7 @@ class RunSetup:
 
 def resolve_device(name: str) -> str:
     """``MODEL.DEVICE`` resolved and checked (:func:`meta.backbone.resolve_device`)."""
-    from meta.backbone import resolve_device as _resolve
-
-    return _resolve(name, "MODEL.DEVICE")
+    return backbone_resolve_device(name, "MODEL.DEVICE")
 
 
 def build_clip(cfg, device: str):
@@ -117,10 +121,6 @@ def build_clip(cfg, device: str):
 
     With ``MODEL.PRETRAINED`` empty the CLIP is random (``load_clip`` warns): only useful for smoke runs.
     """
-    from meta.backbone import check_model_name, check_precision
-    from meta.config import quick_gelu_flag
-    from meta.precision import resolve_weights
-
     check_model_name(cfg.MODEL.BACKBONE, "MODEL.BACKBONE")
     check_precision(cfg.MODEL.PRECISION, "MODEL.PRECISION")
     torch.manual_seed(int(cfg.SEED))
@@ -131,8 +131,6 @@ def build_clip(cfg, device: str):
 
 def setup_run(cfg, hierarchy=None) -> RunSetup:
     """Build the CLIP, open and check the task source, split topics, create θ, φ and the streams."""
-    from meta.tasks import TaskSampler, split_topics
-
     device = resolve_device(cfg.MODEL.DEVICE)
     clip, dims = build_clip(cfg, device)
     h = hierarchy if hierarchy is not None else load_task_hierarchy(cfg, clip, dims, device)
@@ -315,14 +313,6 @@ class _NoLog:
         pass
 
 
-def export_paths(run_dir: Path, cfg, out: Optional[str] = None) -> tuple[Path, Path]:
-    """(init file, stock-CoOp ctx file): ``run_dir/META.EXPORT_NAME`` or ``out`` and its sibling."""
-    if out:
-        init = Path(out)
-        return init, init.with_name(init.name.split(".")[0] + "_" + cfg.META.COOP_CTX_NAME)
-    return run_dir / cfg.META.EXPORT_NAME, run_dir / cfg.META.COOP_CTX_NAME
-
-
 def _loop(run: RunSetup, log: RunLog, bar, stop: StopRequest, start: int, saved_at: int, ckpt_path: Path,
           on_step: Optional[Callable[[int, dict], None]]) -> Optional[int]:
     """Steps ``start+1 .. META.STEPS`` with logging, validation and checkpoints.
@@ -382,8 +372,6 @@ def train(cfg, resume: bool = False, hierarchy=None, on_step: Optional[Callable[
         ``{"run_dir", "step", "export": {"init", "coop_ctx"} | None, "resumed_from", "noop"}`` (+ ``"stopped":
         True`` when SIGTERM / Ctrl-C ended the run early, after checkpointing the step it was in).
     """
-    from meta.runlock import RunLock, is_rank0
-
     settings.check_meta_cfg(cfg)
     world = dist_.world_size()
     split_key, split_n = (("META.META_BATCH", int(cfg.META.META_BATCH)) if cfg.META.MODE == "gram"
@@ -406,8 +394,6 @@ def train(cfg, resume: bool = False, hierarchy=None, on_step: Optional[Callable[
 def _train_locked(cfg, resume: bool, hierarchy, on_step: Optional[Callable[[int, dict], None]],
                   echo: Callable[[str], None], world: int) -> dict:
     """:func:`train` once the output folder is locked (by rank 0)."""
-    from .export import export_state, verify_exports
-
     main = dist_.is_main()
     if not main:  # rank 0 alone talks and writes files
         echo = _silent

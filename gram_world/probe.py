@@ -14,7 +14,7 @@ sorted labels), on the frozen, L2-normalised image features of a (pretrained) wo
 The probe's inverse regularisation C is picked on the base classes' *val* split (never the test
 split) from ``C_GRID``.  If ``probe_*`` is near ``zeroshot``, no prompt can gain on base: the image
 features are the limit.  All accuracies are top-1 percent on the base classes' test split.
-Run with ``python -m meta.world probe [--quick] [--seed N] [--weights FILE]``.
+Run with ``python -m gram_world probe [--quick] [--seed N] [--weights FILE]``.
 """
 from __future__ import annotations
 

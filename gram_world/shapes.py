@@ -4,7 +4,7 @@ Every category is a function ``draw(jitter) -> list[Primitive]`` in a
 normalised object frame: x to the right, y downwards, the object fits in the
 disc of radius 1 around the origin.  A primitive either adds area to the
 object's silhouette or cuts area out of it (holes: ring, key, house door).
-Rendering (``meta.world.render``) rotates, scales and rasterises them.
+Rendering (``gram_world.render``) rotates, scales and rasterises them.
 
 Categories are grouped in four families so that downstream datasets can own
 a family each and one family can serve as the cross-dataset target.

@@ -18,7 +18,7 @@ import torch
 
 from meta.backbone import load_clip
 
-from .build import DatasetPaths, WorldPaths
+from .build import DatasetPaths, WorldPaths, read_chc_shards
 from .clip_io import WORLD_MODEL, class_text_features, image_features, load_images
 
 TEMPLATE = "a photo of a {}."
@@ -73,8 +73,6 @@ def style_clustering(world: WorldPaths, weights: Optional[Path], model_name: str
     """
     from sklearn.cluster import KMeans
     from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score
-
-    from .build import read_chc_shards
 
     pairs = read_chc_shards(world)[:max_items]
     with warnings.catch_warnings():

@@ -1,9 +1,9 @@
 """Stage 6 of the demo: every table of the paper (``results.md`` / ``results.json``) and the plots.
 
-Tables are built from the run records of ``meta.demo`` with ``meta.evaluation.summarise``: mean ±
+Tables are built from the run records of :mod:`.stages` with ``meta.evaluation.summarise``: mean ±
 population std over seeds; for "Average" each seed's accuracies are averaged over the datasets first,
 H is the harmonic mean of the mean base and new accuracies.  Rows carry the stable method key
-(``meta.demo.METHODS``) and the paper's row name.
+(:data:`.settings.METHODS`) and the paper's row name.
 """
 from __future__ import annotations
 
@@ -13,10 +13,14 @@ import platform
 import time
 from pathlib import Path
 
-from .demo import (DemoSettings, METHOD_BY_KEY, META_VARIANTS, REPO, TABLE1_KEYS, TABLE4_KEYS, TOKEN_KEYS,
-                   TRANSFER_KEYS, VARIANT_BY_NAME, settings_hash, settings_record)
-from .evaluation.summary import epoch_curves, summarise
-from .provenance import git_commit
+import torch
+
+from meta.evaluation.summary import epoch_curves, summarise
+from meta.metatrain.runlog import read_log
+from meta.provenance import git_commit
+
+from .settings import (METHOD_BY_KEY, META_VARIANTS, TABLE1_KEYS, TABLE4_KEYS, TOKEN_KEYS, TRANSFER_KEYS,
+                       VARIANT_BY_NAME, DemoSettings, settings_hash, settings_record)
 
 AVERAGE = "Average"
 # Fig. 3a's methods, as in the paper's figure
@@ -36,8 +40,6 @@ def _machine() -> str:
                 break
     except OSError:
         pass
-    import torch
-
     return (f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU core(s) ({cpu}), python "
             f"{platform.python_version()}, torch {torch.__version__}, 1 thread per worker, CPU only")
 
@@ -49,7 +51,7 @@ def provenance(settings: DemoSettings, world, weights: Path) -> dict:
             "world_root": str(world.root), "holdout_style": world.settings.get("holdout_style"),
             "mixed_classes": list(source[0].classnames) if source else [],
             "clip_weights": weights.name, "demo_settings_hash": settings_hash(settings),
-            "commit": git_commit(REPO), "machine": _machine(), "finished_utc": time.strftime("%Y-%m-%d %H:%M:%S",
+            "commit": git_commit(Path(__file__).resolve().parent), "machine": _machine(), "finished_utc": time.strftime("%Y-%m-%d %H:%M:%S",
                                                                                       time.gmtime()),
             "tables": list(settings.tables)}
 
@@ -237,8 +239,6 @@ def _epochs(records: list, settings: DemoSettings, world, path: Path, plt) -> No
 
 
 def _grad_cosine(out: Path, settings: DemoSettings, world, path: Path, plt) -> dict:
-    from .metatrain.runlog import read_log
-
     labels = {m.variant: m.label for m in METHOD_BY_KEY.values() if m.variant}
     fig, ax = plt.subplots(figsize=(10, 4.6))
     series, missing = {}, []
@@ -303,7 +303,7 @@ def _transfer_bars(tables: dict, settings: DemoSettings, world, path: Path, plt)
 
 def plots(tables: dict, records: list, settings: DemoSettings, world, out: Path) -> dict:
     """Write the PNGs of the requested tables; returns ``{name: path}`` (and Fig. 3b's data under "fig3b")."""
-    import matplotlib
+    import matplotlib  # lazy: plotting only here, and matplotlib is slow to import
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

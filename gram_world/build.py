@@ -38,7 +38,15 @@ from .render import capture, render
 from .settings import DatasetPlan, WorldSettings, world_settings
 from .shapes import CATEGORIES
 
-DEFAULT_PARENT = Path(__file__).resolve().parents[2] / ".cache" / "world"
+WORLD_CACHE_ENV = "GRAM_WORLD_CACHE"
+
+
+def default_world_parent() -> Path:
+    """Parent directory of cached worlds: ``$GRAM_WORLD_CACHE`` when set, else ``.cache/world`` under the
+    current working directory (the checkout, for ``scripts/demo.sh`` and commands run from its root)."""
+    env = os.environ.get(WORLD_CACHE_ENV, "")
+    return Path(env) if env else Path.cwd() / ".cache" / "world"
+
 MANIFEST = "world.json"
 
 # Random-stream ids of the corpora; downstream split ids are 100 * (dataset index + 1) + split index.
@@ -263,7 +271,7 @@ def load_world(root: Path) -> WorldPaths:
     root = Path(root)
     manifest = root / MANIFEST
     if not manifest.is_file():
-        raise FileNotFoundError(f"{manifest}: no world manifest (run `python -m meta.world generate`)")
+        raise FileNotFoundError(f"{manifest}: no world manifest (run `python -m gram_world generate`)")
     m = json.loads(manifest.read_text())
     try:
         datasets = {d["name"]: DatasetPaths(d["name"], root / d["dir"], root / d["dir"] / "images",
@@ -278,7 +286,7 @@ def load_world(root: Path) -> WorldPaths:
             labelled_meta_dir=root / "labelled_meta", labelled_meta_truth=root / "labelled_meta_truth.jsonl",
             clip_dir=root / "clip")
     except KeyError as err:
-        raise KeyError(f"{manifest}: missing key {err}; expected a manifest written by meta.world") from None
+        raise KeyError(f"{manifest}: missing key {err}; expected a manifest written by gram_world") from None
 
 
 def _write_world(s: WorldSettings, tmp: Path, workers: int) -> None:
@@ -304,13 +312,13 @@ def build_world(quick: bool = False, root: Optional[Path] = None, seed: int = 0,
     Args:
         quick: the small world of tests / ``--quick`` (ignored when ``settings`` is given).
         root: parent directory; the world goes to ``root / <settings checksum>``
-            (default ``<repo>/.cache/world``).
+            (default :func:`default_world_parent`).
         seed: world seed (ignored when ``settings`` is given).
         settings: explicit settings instead of ``world_settings(quick, seed)``.
         workers: rendering processes for the two corpora (default: min(2, CPUs)).
     """
     s = settings if settings is not None else world_settings(quick=quick, seed=seed)
-    parent = Path(root) if root is not None else DEFAULT_PARENT
+    parent = Path(root) if root is not None else default_world_parent()
     final = parent / s.checksum()
     if (final / MANIFEST).is_file():
         return load_world(final)

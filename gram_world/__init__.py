@@ -1,4 +1,4 @@
-"""The CPU-sized procedural image-text world and the tiny CLIP pretrained on it (issue 5).
+"""The CPU-sized procedural image-text world and the tiny CLIP pretrained on it.
 
 * ``build_world(quick, root, seed) -> WorldPaths`` writes (or finds cached) the
   pretraining corpus, the CHC corpus (webdataset tar shards), six CoOp-layout
@@ -9,12 +9,12 @@
 * ``zeroshot_accuracy(world, weights) -> dict`` evaluates it with the prompt
   ``"a photo of a {}."`` on every downstream test split.
 
-What goes where (see ``meta.world.settings`` for the full statement): all 40
+What goes where (see ``gram_world.settings`` for the full statement): all 40
 categories (4 families x 10) appear in every training corpus; the held-out
 style (``sketch``) appears only in the pretraining corpus and in the
 cross-domain target dataset; no image is shared between corpora or splits.
 
-CLI: ``python -m meta.world generate|pretrain|zeroshot [--quick] [--root DIR] [--seed N]``.
+CLI: ``python -m gram_world generate|pretrain|zeroshot [--quick] [--root DIR] [--seed N]``.
 """
 from .build import DatasetPaths, WorldPaths, build_world, load_world, read_chc_shards
 from .clip_io import WORLD_MODEL

@@ -1,10 +1,10 @@
-"""``python -m meta.world generate|pretrain|zeroshot|probe [--quick] [--root DIR] [--seed N]``.
+"""``python -m gram_world generate|pretrain|zeroshot|probe [--quick] [--root DIR] [--seed N]``.
 
 Each stage runs the stages before it when their outputs are missing and skips
 itself when its own output is cached.  ``--root`` is the parent directory of
-worlds (default ``<repo>/.cache/world``); each world lives in ``<root>/<settings hash>``.
+worlds (default ``$GRAM_WORLD_CACHE``, else ``./.cache/world``); each world lives in ``<root>/<settings hash>``.
 ``probe`` reports, per base-to-new dataset, zero-shot against linear probes on the frozen image
-features (``meta.world.probe``); ``--weights`` probes another weights file of the world CLIP.
+features (``gram_world.probe``); ``--weights`` probes another weights file of the world CLIP.
 """
 from __future__ import annotations
 
@@ -25,10 +25,11 @@ from .zeroshot import style_clustering, zeroshot_accuracy  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m meta.world", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m gram_world", description=__doc__.splitlines()[0])
     p.add_argument("stage", choices=("generate", "pretrain", "zeroshot", "probe"))
     p.add_argument("--quick", action="store_true", help="the small world and short pretraining used by tests")
-    p.add_argument("--root", type=Path, default=None, help="parent directory of worlds")
+    p.add_argument("--root", type=Path, default=None,
+                   help="parent directory of worlds (default: $GRAM_WORLD_CACHE, else ./.cache/world)")
     p.add_argument("--seed", type=int, default=0, help="world and pretraining seed")
     p.add_argument("--weights", type=Path, default=None, help="probe: CLIP weights (default: the pretrained ones)")
     p.add_argument("--coop", action="store_true", help="probe: also fit CoOp's context on all train images")

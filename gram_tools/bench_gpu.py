@@ -1,4 +1,4 @@
-"""The accelerator benchmark behind ``python -m meta.bench --device cuda``.
+"""The accelerator benchmark behind ``python -m gram_tools.bench --device cuda``.
 
 For one CLIP (default ViT-B-16 with random weights: the timings do not depend on the weights) and the
 meta-training config's task size (``TASKS.K_WAY`` classes, ``TASKS.N_SUPPORT`` + ``TASKS.N_QUERY``

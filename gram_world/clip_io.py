@@ -17,7 +17,7 @@ from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from PIL import Image
 from torch import nn
 
-from ..text_encoder import text_head
+from meta.text_encoder import text_head
 
 WORLD_MODEL = "GRAM-World-ViT-T"
 

@@ -1,6 +1,6 @@
 """Benchmark + study on a generated corpus: throughput per CHC stage and topic-word recovery.
 
-``python -m meta.chc.measure --pairs 10000 --min-cluster-size 20 --out .cache/chc_measure``
+``python -m gram_tools.chc_measure --pairs 10000 --min-cluster-size 20 --out .cache/chc_measure``
 
 Prints (1) items per second of every stage on this machine and (2) for several
 ``PRESENCE_MIN_FRACTION`` values, how often the cluster TF-IDF top word equals the
@@ -56,7 +56,7 @@ def model_throughput(n_captions: int = 2000, n_images: int = 48, backbone: str =
     from meta.backbone import load_clip
     from meta.chc.imaging import clip_norm_stats, decode_batch, encode_images
     from meta.chc.pair_filter import clip_text_features
-    from meta.chc.synthetic import TOPICS, make_caption
+    from gram_tools.synthetic import TOPICS, make_caption
     from meta.chc.text_embed import embed_texts, load_sentence_model
 
     rng = np.random.default_rng(0)
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
         return 0
 
     from meta.chc import run_chc
-    from meta.chc.synthetic import write_synthetic_shards
+    from gram_tools.synthetic import write_synthetic_shards
     from meta.config import get_meta_cfg_default
 
     out = Path(args.out)

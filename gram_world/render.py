@@ -1,4 +1,4 @@
-"""Rasterise an :class:`~meta.world.items.ItemSpec` into a small RGB image (numpy + PIL).
+"""Rasterise an :class:`~gram_world.items.ItemSpec` into a small RGB image (numpy + PIL).
 
 Silhouettes are drawn with PIL at ``SUPERSAMPLE`` times the output side and
 box-filtered down, which gives anti-aliased edges at 32 px.  Each style then

@@ -1,10 +1,9 @@
-"""Tests of the CoOp layout table (its dataset writers moved to ``helpers.py``)."""
+"""The CoOp layout table (``meta.coop_data.COOP_LAYOUTS``): every dataset config names a layout, and an
+unknown name lists the known ones."""
 from __future__ import annotations
 
 from pathlib import Path
 
-
-# ------------------------------------------------------------------ tests of the layout table
 REPO = Path(__file__).resolve().parents[1]
 
 

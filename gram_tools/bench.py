@@ -1,4 +1,4 @@
-"""Benchmark of one GRAM meta-step against a plain CoOp step: ``python -m meta.bench``.
+"""Benchmark of one GRAM meta-step against a plain CoOp step: ``python -m gram_tools.bench``.
 
 Prints human-readable lines, then ONE JSON line (the last line) with:
 
@@ -21,7 +21,7 @@ Prints human-readable lines, then ONE JSON line (the last line) with:
   3 x ``plain_other_s`` (README "Benchmark");
 * ``settings``: everything the numbers depend on.
 
-``--device cuda`` runs the accelerator benchmark instead (:mod:`meta.bench_gpu`: whole meta-steps of
+``--device cuda`` runs the accelerator benchmark instead (:mod:`gram_tools.bench_gpu`: whole meta-steps of
 CoOp, VPT and UNIGRAM at the meta-training task size, peak GPU memory, CHC images per second, and
 their cost in GPU-hours); without CUDA it stops with a one-line error.
 
@@ -78,7 +78,7 @@ def linear_products(transformer: torch.nn.Module, n_seq: int, length: int) -> Op
     Wᵀ and a backward pass (input gradients only) by W, once per layer.  Returns ``(forward, backward)``
     callables, or ``None`` when a block is not one :func:`meta.blocks.is_plain_block` accepts.
     """
-    from .blocks import is_plain_block
+    from meta.blocks import is_plain_block
 
     blocks = list(transformer.resblocks)
     if not all(is_plain_block(b) for b in blocks):
@@ -118,11 +118,11 @@ def _class_names(k: int) -> list[str]:
 
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
-    from .backbone import load_clip
-    from .gram import GRAMMetaLearner, MetaSpec, TaskBatch
-    from .profiling import bytes_copied
-    from .prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
-    from .text_encoder import ClassTokenCache
+    from meta.backbone import load_clip
+    from meta.gram import GRAMMetaLearner, MetaSpec, TaskBatch
+    from meta.profiling import bytes_copied
+    from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+    from meta.text_encoder import ClassTokenCache
 
     torch.manual_seed(0)
     with warnings.catch_warnings():
@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m meta.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m gram_tools.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="ViT-B-16", help="open_clip architecture")
     parser.add_argument("--pretrained", default=None, help="local weights file (default: random weights)")
     parser.add_argument("--way", type=int, default=8)
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--device", default="cpu", help="cpu (default: this benchmark) | cuda[:i] (meta.bench_gpu)")
+    parser.add_argument("--device", default="cpu", help="cpu (default: this benchmark) | cuda[:i] (gram_tools.bench_gpu)")
     parser.add_argument("--autocast", default="none", choices=("none", "bf16", "fp16"),
                         help="--device cuda only: autocast of the forward passes")
     args = parser.parse_args(argv)

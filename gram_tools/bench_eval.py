@@ -1,4 +1,4 @@
-"""Timing of the standalone evaluator: ``python -m meta.evaluation.bench --dataset DIR [...]``.
+"""Timing of the standalone evaluator: ``python -m gram_tools.bench_eval --dataset DIR [...]``.
 
 Runs one base-to-new evaluation per method on one dataset and prints, per method: seconds to
 encode frozen image features (first run; cached afterwards), training seconds per epoch, test
@@ -12,13 +12,13 @@ import time
 import warnings
 from typing import Optional, Sequence
 
-from .datasets import DatasetRef
-from .protocol import EvaluationSession, evaluate_base_to_new
-from .spec import PRESET_NAMES, TrainSpec, method_preset
+from meta.evaluation.datasets import DatasetRef
+from meta.evaluation.protocol import EvaluationSession, evaluate_base_to_new
+from meta.evaluation.spec import PRESET_NAMES, TrainSpec, method_preset
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m meta.evaluation.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m gram_tools.bench_eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", required=True, help="dataset folder in CoOp/DTD layout")
     p.add_argument("--model", default="GRAM-Test-Tiny")
     p.add_argument("--pretrained", default="")
@@ -32,7 +32,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     import torch
 
-    from ..backbone import load_clip
+    from meta.backbone import load_clip
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -7,11 +7,11 @@ are saved as a plain safetensors state dict and reloaded through
 ``meta.backbone.load_clip(WORLD_MODEL, pretrained=<file>)``.
 
 Hyperparameters are ours (no paper gives them for this world), picked by the
-trials below on this 2-core machine (one core each, shared with other work):
+trials in ``docs/world_pretraining.md`` on a 2-core CPU machine (one core each):
 AdamW, lr 1e-3 with linear warm-up over 5 % of the steps then cosine decay,
 weight decay 0.1 (0 for gains, biases, embeddings and the temperature, as in
 open_clip's training script), batch 128, 10 epochs over the default world's
-40k pairs (3120 steps, 408 s measured here) or, ``quick``, 6 epochs over the
+40k pairs (3120 steps, 408 s on that machine) or, ``quick``, 6 epochs over the
 quick world's 16k pairs (750 steps, 97-129 s); augmentation is a random
 shift of up to 2 px (no flips: captions name positions).  The image tower is
 a 4-layer, width-64 ViT with 8-px patches (16 tokens + CLS), five times
@@ -20,59 +20,7 @@ forward+backward of 128 images, 7200 vs 1400 images/s inference.  Every later
 stage (CHC features, VPT meta-training through the tower, evaluation) pays
 that price, and per second of pretraining 8-px patches learn shape faster.
 
-Trials (zero-shot top-1 %, prompt "a photo of a {}.", on the default world's
-six test splits, n = 600/600/400/400/400/400; "16k" = its first 16k pairs,
-like the quick world; p = patch, l = ViT layers, b = batch; seconds of
-training (trial rows include ~1 s of zero-shot probing per 250 steps) on a
-machine shared with another session; one seed each, so differences under
-~2 points are noise)::
-
-  setting                     steps     s  Mixed MixSk  Poly Curve  Symb  Icon  mean  x chance
-  p4 l4 b128 2e-3  3 x 16k      375   117    7.5   6.7  11.2  14.0  10.5   8.8   9.8  1.10
-  p8 l4 b128 2e-3  3 x 16k      375    46    7.3  10.0  13.0  10.5   8.0   9.8   9.8  1.10
-  p8 l4 b64  2e-3  3 x 16k      750    54    7.2   7.3  10.5  14.8  12.2  12.8  10.8  1.21
-  p8 l4 b32  1e-3  3 x 16k     1500    76    6.8   5.3  10.8  13.8  15.0  12.5  10.7  1.20
-  p8 l4 w128 b64 2e-3 3 x 16k   750    98    8.2   9.5  11.0  13.0  11.0  12.0  10.8  1.21
-  p8 l4 b128 2e-3  6 x 16k      750    85   13.7  12.2  12.0  20.0  15.8  15.8  14.9  1.67
-  p8 l4 b128 4e-3  6 x 16k      750    96    8.3   6.2  12.8  17.5  13.2  14.0  12.0  1.35
-  p8 l4 b128 1e-3  6 x 16k      750   101   14.8  15.2  15.0  25.5  17.0  18.5  17.7  1.99
-  p8 l4 b128 5e-4  6 x 16k      750    85   13.0  21.8  15.8  20.0  19.8  16.2  17.8  2.00
-  p8 l4 b64  2e-3  5 x 16k     1250    89   10.5   6.3  11.8  17.8  13.2  14.8  12.4  1.39
-  p8 l4 b256 2e-3  6 x 16k      372    85   11.2   9.2  13.2  18.0  13.0  12.8  12.9  1.45
-  p8 l6 b128 2e-3  6 x 16k      750   130   12.2   6.0  10.8  20.2  13.0  13.8  12.7  1.42
-  p8 l4 b128 2e-3  6 x 40k     1872   224   17.5  20.0  14.0  31.8  23.8  24.0  21.8  2.46
-  p8 l4 b128 1e-3  6 x 40k     1872   219   35.5  43.5  29.5  45.8  38.8  40.2  38.9  4.37
-  p4 l4 b128 2e-3  6 x 40k     1872   517   23.8  28.8  17.2  32.8  29.5  31.2  27.2  3.06
-  p8 l4 b128 5e-4 10 x 40k     3120   374   50.2  56.0  40.5  53.5  52.2  48.0  50.1  5.63
-  p8 l4 b128 1e-3 10 x 40k     3120   408   54.7  55.0  42.2  56.8  54.0  54.5  52.9  5.95  <- default
-
-(width 64 unless stated.  The p4 6 x 40k row is the previous default; its
-517 s were measured by another session's run on the same world.)
-What mattered: enough steps (the loss sits near log(128) for the first
-~100-200 steps whatever the setting; accuracy still rises at 3120 steps) and
-an lr of 1e-3 or lower (on 750 steps: 4e-3 12.0, 2e-3 14.9, 1e-3 17.7,
-5e-4 17.8 % mean; on 1872 steps: 2e-3 21.8, 1e-3 38.9 %; on 3120 steps:
-1e-3 52.9, 5e-4 50.1 %).  Smaller batches,
-bigger batches, a wider or deeper tower did not help at equal time.
-Quick schedule on the quick world (10e8520f76d4), pretraining seeds 0/1/2:
-mean 19.1 / 14.5 / 17.8 % = 2.15 / 1.63 / 2.00 x mean chance (8.89 %) in
-129 / 103 / 97 s; random weights 8.4 % (0.94 x).  The test asserts >= 1.4 x.
-
-Whether the features leave room for prompt tuning (linear probes against zero-shot; a width-128
-tower: higher zero-shot, same gap) is measured in ``docs/world_baseline.md``.
-
-Also tried earlier and not adopted (no gain on the quick world): locking the
-text tower at its random init for the first 30-100 % of steps
-(``text_frozen_fraction``); an auxiliary caption bag-of-words loss on the
-image embedding (``bow_weight``).
-
-Style in the image features, for CHC: a logistic-regression probe on the
-default CLIP's features of 2000 CHC images predicts the style of 1000 others
-at 99 % (random weights 62 %), yet k-means with k = 4 on the same features
-no longer finds the styles (``zeroshot.style_clustering``: ARI 0.00, against
-0.21 for the previous p4 default and 0.10 for random weights) - its clusters
-follow other factors.  Anything that clusters domains on these features
-should not rely on plain k-means picking style.
+The trials behind these values, and what was tried and dropped: ``docs/world_pretraining.md``.
 """
 from __future__ import annotations
 

@@ -1,0 +1,43 @@
+"""The demo's process pool: a function over tasks in spawned worker processes with one progress bar
+fed by what the workers write, and the demo's log line."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from typing import Callable, Optional
+
+from tqdm import tqdm
+
+
+def log(msg: str) -> None:
+    print(f"[demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run_with_progress(fn: Callable, tasks: list, jobs: int, total: int, done: Callable[[], int], desc: str,
+                     unit: str, initializer: Optional[Callable] = None, initargs: tuple = ()) -> list:
+    """``fn`` over ``tasks`` in ``jobs`` spawned processes (in-process when 1) with one tqdm bar.
+
+    ``done()`` counts finished work (polled every 2 s from files the workers write);
+    ``initializer(*initargs)`` prepares each process once (in-process too).
+    """
+    bar = tqdm(total=total, initial=done(), desc=desc, unit=unit, dynamic_ncols=True)
+    try:
+        if jobs <= 1:
+            if initializer is not None:
+                initializer(*initargs)
+            results = []
+            for task in tasks:
+                results.append(fn(task))
+                bar.n = done()
+                bar.refresh()
+            return results
+        with mp.get_context("spawn").Pool(jobs, initializer=initializer, initargs=initargs) as pool:
+            pending = pool.map_async(fn, tasks, chunksize=1)
+            while not pending.ready():
+                pending.wait(2.0)
+                bar.n = done()
+                bar.refresh()
+            return pending.get()
+    finally:
+        bar.n = done()
+        bar.close()

@@ -1,0 +1,209 @@
+"""What the demo computes and with which settings: the meta-training variants, the method rows of
+every table (:data:`METHODS`: stable key, paper label, evaluator preset, meta variant), the table groups
+of ``--tables`` and :class:`DemoSettings` (every hyper-parameter the paper does not give, with where it
+came from), plus the world / tiny-CLIP settings a demo runs on and the settings hash of its folder.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, fields, replace
+
+from ..pretrain import PretrainSettings, pretrain_settings
+from ..settings import WorldSettings, world_settings
+
+
+@dataclass(frozen=True)
+class MetaVariant:
+    """One meta-training run: its name, prompt shape and META/TASKS overrides."""
+
+    name: str
+    n_ctx_text: int
+    n_ctx_vision: int
+    overrides: tuple = ()        # extra KEY, VALUE, ... for the meta config
+    regulated: bool = True       # whether the exported file carries φ
+
+
+# θ shapes follow the paper (section 4.1): 4 tokens for CoOp / VPT, 2 + 2 for UNIGRAM.
+META_VARIANTS = (
+    MetaVariant("gram_coop", 4, 0),
+    MetaVariant("gram_vpt", 0, 4),
+    MetaVariant("unigram", 2, 2),
+    MetaVariant("unigram_no_shift", 2, 2, ("TASKS.DOMAIN_SHIFT", False)),                  # Table 4 row 1
+    MetaVariant("unigram_no_reg", 2, 2, ("META.REGULATE", False), regulated=False),         # Table 4 row 2
+    MetaVariant("unigram_pretrain", 2, 2, ("META.MODE", "pretrain"), regulated=False),      # Table 4 row 3
+    MetaVariant("unigram_supervised", 2, 2, ("TASKS.SOURCE", "image_folder")),              # Table 4 row 4
+)
+
+# Table A3 varies UNIGRAM's total prompt-token count over 2 / 4 / 6 / 8.  The paper does not say how
+# a count is split between the towers; ours: half text, half visual (n // 2 + n - n // 2), so 4 is
+# UNIGRAM's own 2 + 2 and needs no extra run.
+TOKEN_COUNTS = (2, 4, 6, 8)
+TOKEN_VARIANTS = tuple(MetaVariant(f"unigram_{n}tok", n // 2, n - n // 2) for n in TOKEN_COUNTS if n != 4)
+ALL_VARIANTS = META_VARIANTS + TOKEN_VARIANTS
+VARIANT_BY_NAME = {v.name: v for v in ALL_VARIANTS}
+
+
+@dataclass(frozen=True)
+class MethodRow:
+    """One row of the paper's tables: stable key (results.json, run folders), paper label,
+    evaluator preset and the meta variant whose θ*/φ it starts from ("" = none)."""
+
+    key: str
+    label: str
+    preset: str
+    variant: str = ""
+
+
+METHODS = (
+    MethodRow("zsclip", "CLIP", "zsclip"),
+    MethodRow("coop", "CoOp", "coop"),
+    MethodRow("gram_coop", "CoOp + GRAM", "gram_coop", "gram_coop"),
+    MethodRow("vpt", "VPT", "vpt"),
+    MethodRow("gram_vpt", "VPT + GRAM", "gram_vpt", "gram_vpt"),
+    MethodRow("unigram", "UNIGRAM", "unigram", "unigram"),
+    MethodRow("unigram_no_shift", "- domain shift simulating", "unigram", "unigram_no_shift"),
+    MethodRow("unigram_no_reg", "- gradient regulating", "unigram", "unigram_no_reg"),
+    MethodRow("unigram_pretrain", "- meta-learning = prompt pre-training", "unigram", "unigram_pretrain"),
+    MethodRow("unigram_supervised", "- CHC = supervised meta-learning", "unigram", "unigram_supervised"),
+    MethodRow("joint", "joint textual & visual prompt tuning", "joint"),
+) + tuple(MethodRow(v.name, f"UNIGRAM, {v.n_ctx_text + v.n_ctx_vision} prompt tokens", "unigram", v.name)
+          for v in TOKEN_VARIANTS)
+METHOD_BY_KEY = {m.key: m for m in METHODS}
+
+# Which rows each table holds (keys of METHODS), in the paper's order.  CoCoOp, a row of the
+# paper's Tables 1-3, is not implemented here.
+TABLE1_KEYS = ("zsclip", "coop", "gram_coop", "vpt", "gram_vpt", "unigram")
+TABLE4_KEYS = ("unigram", "unigram_no_shift", "unigram_no_reg", "unigram_pretrain", "unigram_supervised", "joint")
+TRANSFER_KEYS = TABLE1_KEYS
+TOKEN_KEYS = {n: ("unigram" if n == 4 else f"unigram_{n}tok") for n in TOKEN_COUNTS}
+
+# Table groups of ``--tables``: what each one evaluates and which meta variants it needs.
+TABLE_GROUPS = {
+    "base2new": "Table 1 (base-to-new), Table 4 (ablations), Fig. 3a, Fig. 3b",
+    "transfer": "Tables 2 and 3 (cross-domain, cross-dataset) and A1 / A2 (the same at fewer shots)",
+    "tokens": "Table A3 (UNIGRAM with 2 / 4 / 6 / 8 prompt tokens)",
+}
+DEFAULT_TABLES = ("base2new",)
+
+
+
+
+def b2n_keys(tables: tuple) -> tuple:
+    """Method keys evaluated base-to-new for the table groups ``tables``."""
+    keys: tuple = ()
+    if "base2new" in tables:
+        keys += TABLE1_KEYS + TABLE4_KEYS
+    if "tokens" in tables:
+        keys += tuple(TOKEN_KEYS.values())
+    return tuple(dict.fromkeys(keys))
+
+
+def transfer_keys(tables: tuple) -> tuple:
+    return TRANSFER_KEYS if "transfer" in tables else ()
+
+
+def variants_needed(tables: tuple) -> tuple:
+    """Meta variants the table groups start from, in :data:`ALL_VARIANTS` order."""
+    names = {METHOD_BY_KEY[k].variant for k in b2n_keys(tables) + transfer_keys(tables)} - {""}
+    if "base2new" in tables:
+        names |= {v.name for v in META_VARIANTS}      # Fig. 3b plots every Table 1 / 4 variant
+    return tuple(v for v in ALL_VARIANTS if v.name in names)
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """Everything the demo's numbers depend on (besides the world and the CLIP settings)."""
+
+    quick: bool = False
+    seeds: tuple = (1, 2, 3)              # CoOp / CoCoOp report the mean of seeds 1, 2, 3
+    datasets: tuple = ()                  # () = every world dataset with the base2new role
+    shots: int = 16                       # paper: 16 shots
+    epochs: int = 10                      # paper section 4.1: 10 epochs, CoCoOp's schedule
+    batch_size: int = 1                   # CoCoOp's (paper: CoCoOp's schedule); batch 4 gave the same CoOp base (docs/world_baseline.md)
+    eval_every_epoch: bool = True         # needed for the accuracy-vs-epoch plot
+    # meta-training (values the paper does not give; ours, chosen for the CPU budget)
+    meta_steps: int = 300
+    meta_batch: int = 4                   # [SUPMER] / MAML miniImageNet: 4 tasks per outer step
+    k_way: int = 5
+    n_support: int = 4
+    n_query: int = 8
+    inner_lr: float = 0.1                 # core default
+    checkpoint_every: int = 50
+    log_detail_every: int = 25            # grad cosine (Fig. 3b) sampled every 25 steps (a detailed step costs ~1.5x a plain one)
+    domains: int = 4                      # U visual domains per topic (world has 4 seen styles)
+    min_per_domain: int = 8               # CHC default: fewer images per domain -> fewer domains
+    min_cluster_size: int = 40            # HDBSCAN: smallest topic wanted (corpus ~ 6000 / 40 categories)
+    val_tasks: int = 20                   # held-out meta-validation tasks (evaluated at step 0 and at the end)
+    # Random-resized-crop area range for fine-tuning.  CoOp/Dassl use (0.08, 1) on 224-px photos; on
+    # 32-px world images an 8 % crop is ~9 px and often misses the object.  Measured with a
+    # patch-4 world CLIP (zero-shot 18-34 %; CoOp, 16 shots, seeds 1-2, H): (0.08, 1) 30.8 / 30.3 / 36.0 on Mixed / Polygons / Icons,
+    # (0.5, 1) 34.2 / 32.7 / 41.9, no augmentation 34.7 / 37.6 / 41.6.  Same setting for every method.
+    rrcrop_scale: tuple = (0.5, 1.0)
+    jobs: int = 2                         # worker processes for meta-training and evaluation (2 cores)
+    # which world: its seed, and (field, value) pairs replacing fields of gram_world.world_settings(quick,
+    # world_seed) - e.g. (("holdout_style", "cartoon"), ("mixed_classes", (...))) - or of the tiny CLIP's
+    # gram_world.pretrain_settings(quick, world_seed).  All of them change the world's (or the CLIP's)
+    # settings hash, hence its cache folder.
+    world_seed: int = 0
+    world: tuple = ()
+    clip: tuple = ()
+    tables: tuple = DEFAULT_TABLES        # table groups to compute (TABLE_GROUPS); results do not depend on it
+    # shots of Tables 2 / 3 and of Tables A1 / A2; () = (shots, 4) (paper: 16 and 4), or (shots, shots // 2)
+    # when shots <= 4 (the quick demo's 4 and 2)
+    transfer_shots: tuple = ()
+
+    @property
+    def transfer_shot_counts(self) -> tuple:
+        if self.transfer_shots:
+            return tuple(self.transfer_shots)
+        return (self.shots, 4) if self.shots > 4 else (self.shots, max(1, self.shots // 2))
+
+    @classmethod
+    def preset(cls, quick: bool) -> "DemoSettings":
+        if not quick:
+            return cls()
+        # the quick world has 10 labelled images per class: small tasks, small domains
+        return cls(quick=True, seeds=(1,), datasets=("WorldMixed",), shots=4, epochs=2, meta_steps=10,
+                   meta_batch=2, n_support=2, n_query=4, checkpoint_every=5, log_detail_every=5,
+                   min_cluster_size=15, domains=2, min_per_domain=4, val_tasks=4)
+
+
+def _override(base, pairs: tuple, what: str):
+    """``dataclasses.replace(base, **dict(pairs))`` with a one-line error naming an unknown field."""
+    if not pairs:
+        return base
+    changes = dict(pairs)
+    known = {f.name for f in fields(base)}
+    unknown = sorted(set(changes) - known)
+    if unknown:
+        raise ValueError(f"DemoSettings.{what}: {type(base).__name__} has no field {', '.join(unknown)}; "
+                         f"known: {', '.join(sorted(known))}")
+    return replace(base, **{k: tuple(v) if isinstance(v, list) else v for k, v in changes.items()})
+
+
+def demo_world_settings(settings: DemoSettings) -> WorldSettings:
+    """The :class:`gram_world.WorldSettings` of this demo: seed ``world_seed`` plus the ``world`` overrides."""
+    return _override(world_settings(quick=settings.quick, seed=settings.world_seed), settings.world, "world")
+
+
+def demo_pretrain_settings(settings: DemoSettings) -> PretrainSettings:
+    """The tiny CLIP's :class:`gram_world.PretrainSettings` (seeded by the world seed) plus ``clip`` overrides."""
+    return _override(pretrain_settings(settings.quick, seed=settings.world_seed), settings.clip, "clip")
+
+
+_NOT_RESULTS = ("jobs", "tables")     # settings that change what is computed or how fast, never a number
+
+
+def settings_record(settings: DemoSettings) -> dict:
+    """The settings every cached result depends on, as JSON (what ``demo_settings.json`` holds)."""
+    current = json.loads(json.dumps(asdict(settings)))
+    for key in _NOT_RESULTS:
+        current.pop(key)
+    return current
+
+
+def settings_hash(settings: DemoSettings) -> str:
+    """First 12 hex digits of the SHA-256 of :func:`settings_record` (canonical JSON)."""
+    blob = json.dumps(settings_record(settings), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
