@@ -121,6 +121,8 @@ def test_method_rows_have_unique_keys_existing_presets_and_variants():
     spec = method_spec(METHOD_BY_KEY["unigram_8tok"], init="/x.safetensors")
     assert (spec.n_ctx_text, spec.n_ctx_vision, spec.regulate, spec.name) == (4, 4, True, "UNIGRAM, 8 prompt tokens")
     assert method_spec(METHOD_BY_KEY["unigram_no_reg"], init="/x.safetensors").regulate is False
+    assert method_spec(METHOD_BY_KEY["vpt"]).vpt_init == DemoSettings().vpt_init
+    assert method_spec(METHOD_BY_KEY["vpt"], vpt_init="cls").prompt_spec().vpt_init == "cls"
 
 
 def test_old_preset_names_are_silent_aliases_of_the_stable_keys():
@@ -149,6 +151,14 @@ def test_changed_settings_are_refused_but_jobs_and_tables_are_not_results(tmp_pa
         saved.pop(key)
     (tmp_path / "demo_settings.json").write_text(json.dumps(saved))
     check_settings(quick, tmp_path)
+    # ... except a setting whose behaviour before the key differs from today's default: a folder
+    # without vpt_init started its visual prompts from N(0, 0.02^2) and is not reused
+    assert quick.vpt_init != "normal"
+    saved.pop("vpt_init")
+    (tmp_path / "demo_settings.json").write_text(json.dumps(saved))
+    with pytest.raises(UserError, match=r"\(vpt_init\)"):
+        check_settings(quick, tmp_path)
+    check_settings(replace(quick, vpt_init="normal"), tmp_path)
 
 
 def test_world_seed_and_world_options_change_the_world_hash_and_output_folder():

@@ -9,6 +9,8 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, fields, replace
 
+from meta.prompts import PromptSpec
+
 from ..pretrain import PretrainSettings, pretrain_settings
 from ..settings import WorldSettings, world_settings
 
@@ -140,6 +142,9 @@ class DemoSettings:
     # patch-4 world CLIP (zero-shot 18-34 %; CoOp, 16 shots, seeds 1-2, H): (0.08, 1) 30.8 / 30.3 / 36.0 on Mixed / Polygons / Icons,
     # (0.5, 1) 34.2 / 32.7 / 41.9, no augmentation 34.7 / 37.6 / 41.6.  Same setting for every method.
     rrcrop_scale: tuple = (0.5, 1.0)
+    # start of scratch visual prompt tokens for every method with visual prompts (meta-training and
+    # fine-tuning alike): the library default, chosen on the val splits with VPT alone (docs/world_baseline.md)
+    vpt_init: str = PromptSpec.vpt_init
     jobs: int = 2                         # worker processes for meta-training and evaluation (2 cores)
     # which world: its seed, and (field, value) pairs replacing fields of gram_world.world_settings(quick,
     # world_seed) - e.g. (("holdout_style", "cartoon"), ("mixed_classes", (...))) - or of the tiny CLIP's
@@ -191,6 +196,10 @@ def demo_pretrain_settings(settings: DemoSettings) -> PretrainSettings:
     """The tiny CLIP's :class:`gram_world.PretrainSettings` (seeded by the world seed) plus ``clip`` overrides."""
     return _override(pretrain_settings(settings.quick, seed=settings.world_seed), settings.clip, "clip")
 
+
+# Settings added after demo folders were written without them, with the behaviour those folders had:
+# a folder without ``vpt_init`` started its visual prompts from N(0, 0.02^2) and must not be reused.
+VALUE_BEFORE_SETTING = {"vpt_init": "normal"}
 
 _NOT_RESULTS = ("jobs", "tables")     # settings that change what is computed or how fast, never a number
 

@@ -26,8 +26,9 @@ from ..build import build_world
 from ..pretrain import pretrain_clip
 from ..zeroshot import zeroshot_accuracy
 from .pool import log, run_with_progress
-from .settings import (METHOD_BY_KEY, METHODS, VARIANT_BY_NAME, DemoSettings, MethodRow, MetaVariant, b2n_keys,
-                       demo_pretrain_settings, demo_world_settings, settings_record, transfer_keys, variants_needed)
+from .settings import (METHOD_BY_KEY, METHODS, VALUE_BEFORE_SETTING, VARIANT_BY_NAME, DemoSettings, MethodRow,
+                       MetaVariant, b2n_keys, demo_pretrain_settings, demo_world_settings, settings_record,
+                       transfer_keys, variants_needed)
 
 
 def stage_world(settings: DemoSettings, out: Path, world_root: Optional[Path] = None):
@@ -96,6 +97,7 @@ def _variant_cfg(variant: MetaVariant, model: str, weights: str, out: Path, sett
     cfg.META.VAL_TASKS = settings.val_tasks
     cfg.META.PROMPT.N_CTX_TEXT = variant.n_ctx_text
     cfg.META.PROMPT.N_CTX_VISION = variant.n_ctx_vision
+    cfg.META.PROMPT.VPT_INIT = settings.vpt_init
     cfg.META.TENSORBOARD = False
     cfg.META.PROGRESS = False            # the parent process shows one bar over all variants
     cfg.TASKS.K_WAY = settings.k_way
@@ -185,9 +187,10 @@ class EvalJob:
         return (4 if visual else 1) * (1 + len(self.targets))
 
 
-def method_spec(row: MethodRow, init: str = ""):
-    """The evaluator's :class:`meta.evaluation.MethodSpec` of a table row (named by its paper label)."""
-    overrides: dict = {"name": row.label}
+def method_spec(row: MethodRow, init: str = "", vpt_init: str = DemoSettings.vpt_init):
+    """The evaluator's :class:`meta.evaluation.MethodSpec` of a table row (named by its paper label);
+    ``vpt_init`` starts its scratch visual tokens (a GRAM init file's θ* replaces them)."""
+    overrides: dict = {"name": row.label, "vpt_init": vpt_init}
     variant = VARIANT_BY_NAME.get(row.variant)
     if variant is not None:
         overrides.update(n_ctx_text=variant.n_ctx_text, n_ctx_vision=variant.n_ctx_vision)
@@ -216,7 +219,7 @@ def _eval_job(job: EvalJob) -> None:
     if path.is_file():
         return
     row = METHOD_BY_KEY[job.key]
-    method = method_spec(row, job.init)
+    method = method_spec(row, job.init, settings.vpt_init)
     train = TrainSpec(epochs=settings.epochs, batch_size=settings.batch_size, rrcrop_scale=settings.rrcrop_scale,
                       eval_every_epoch=settings.eval_every_epoch and job.protocol == "base2new")
     source = DatasetRef.from_dir(job.dataset_dir, name=job.dataset)
@@ -290,13 +293,15 @@ def stage_eval(world, weights: Path, model: str, inits: dict, out: Path, setting
 def check_settings(settings: DemoSettings, out: Path) -> None:
     """Cached stages are only reused under the same settings; refuse a mix with a clear message.
 
-    A folder written before a setting existed is read with that setting's preset value."""
+    A folder written before a setting existed is read with the value that setting's behaviour had
+    then (:data:`VALUE_BEFORE_SETTING`), else with its preset value."""
     path = out / "demo_settings.json"
     current = settings_record(settings)
     if path.is_file():
         previous = json.loads(path.read_text())
         defaults = settings_record(DemoSettings.preset(bool(previous.get("quick", False))))
-        previous = {**{k: v for k, v in defaults.items() if k not in previous}, **previous}
+        previous = {**{k: v for k, v in defaults.items() if k not in previous},
+                    **{k: v for k, v in VALUE_BEFORE_SETTING.items() if k not in previous}, **previous}
         if previous != current:
             diff = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
             raise UserError(str(out), f"holds a demo run with other settings ({', '.join(diff)}); "
