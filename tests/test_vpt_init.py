@@ -90,7 +90,8 @@ def test_a_run_saved_before_the_switch_resumes_only_with_the_init_it_used():
 
 
 def test_the_dassl_keys_and_the_evaluator_flag_reach_the_prompt_spec():
-    from meta.evaluate import _methods, _parser
+    from meta.evaluate import _methods, _parser, _train_spec
+    from meta.evaluation import TrainSpec
     from trainers.gram.config import gram_settings
     from test_trainers_config import minimal_cfg
 
@@ -105,3 +106,6 @@ def test_the_dassl_keys_and_the_evaluator_flag_reach_the_prompt_spec():
     assert [m.vpt_init for m in _methods(args)] == ["zeros", "zeros"]
     args = _parser().parse_args(["base2new", "--dataset", "d", "--methods", "vpt"])
     assert _methods(args)[0].vpt_init == PromptSpec.vpt_init
+    assert _train_spec(args).rrcrop_scale == TrainSpec().rrcrop_scale
+    args = _parser().parse_args(["base2new", "--dataset", "d", "--rrcrop-scale", "0.5", "1"])
+    assert _train_spec(args).rrcrop_scale == (0.5, 1.0)          # the demo's crop, for reproducing its runs
