@@ -73,6 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--aug-views", type=int, default=d.aug_views,
                         help="pre-computed augmented views per train image when the image tower is frozen")
     common.add_argument("--no-augment", action="store_true", help="train on test-transformed images")
+    common.add_argument("--rrcrop-scale", nargs=2, type=float, default=list(d.rrcrop_scale), metavar=("LO", "HI"),
+                        help="area range of the random resized crop (the demo uses 0.5 1 on its 32-px images)")
     common.add_argument("--final-eval-only", action="store_true", help="skip the per-epoch test curves")
     common.add_argument("--cache-dir", default="", help="on-disk frozen-feature cache (e.g. .cache/features)")
     common.add_argument("--no-split-cache", action="store_true", help="do not read/write few-shot split caches")
@@ -125,6 +127,7 @@ def _train_spec(args: argparse.Namespace) -> TrainSpec:
     return TrainSpec(epochs=args.epochs, batch_size=args.batch_size, optimizer=args.optimizer, lr=args.lr,
                      weight_decay=args.weight_decay, warmup_epochs=args.warmup_epochs, warmup_lr=args.warmup_lr,
                      augment="none" if args.no_augment else "coop", aug_views=args.aug_views,
+                     rrcrop_scale=tuple(args.rrcrop_scale),
                      eval_every_epoch=not args.final_eval_only)
 
 

@@ -87,3 +87,25 @@ def test_a_run_saved_before_the_switch_resumes_only_with_the_init_it_used():
         cfg.defrost()
         cfg.META.PROMPT.VPT_INIT = "xavier"
         check_meta_cfg(cfg)
+
+
+def test_the_dassl_keys_and_the_evaluator_flag_reach_the_prompt_spec():
+    from meta.evaluate import _methods, _parser, _train_spec
+    from meta.evaluation import TrainSpec
+    from trainers.gram.config import gram_settings
+    from test_trainers_config import minimal_cfg
+
+    cfg = minimal_cfg("GRAM_VPT")
+    assert gram_settings(cfg).vpt_init == PromptSpec.vpt_init
+    cfg.TRAINER.GRAM.VPT_INIT = "cls"
+    assert gram_settings(cfg).vpt_init == "cls"
+    cfg.TRAINER.GRAM.VPT_INIT = "xavier"
+    with pytest.raises(ValueError, match="TRAINER.GRAM.VPT_INIT"):
+        gram_settings(cfg)
+    args = _parser().parse_args(["base2new", "--dataset", "d", "--methods", "vpt", "joint", "--vpt-init", "zeros"])
+    assert [m.vpt_init for m in _methods(args)] == ["zeros", "zeros"]
+    args = _parser().parse_args(["base2new", "--dataset", "d", "--methods", "vpt"])
+    assert _methods(args)[0].vpt_init == PromptSpec.vpt_init
+    assert _train_spec(args).rrcrop_scale == TrainSpec().rrcrop_scale
+    args = _parser().parse_args(["base2new", "--dataset", "d", "--rrcrop-scale", "0.5", "1"])
+    assert _train_spec(args).rrcrop_scale == (0.5, 1.0)          # the demo's crop, for reproducing its runs
