@@ -9,6 +9,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, fields, replace
 
+from meta import methods
 from meta.prompts import PromptSpec
 
 from ..pretrain import PretrainSettings, pretrain_settings
@@ -57,20 +58,27 @@ class MethodRow:
     variant: str = ""
 
 
+def _method_row(key: str, variant: str = "") -> MethodRow:
+    """A table row whose label and evaluator preset come from the method table (``meta/methods.yaml``);
+    the demo adds only which meta variant it starts from."""
+    method = methods.get(key)
+    return MethodRow(key, method.label, method.preset, variant)
+
+
+# Every row the demo evaluates; the table's key order is the paper's row order.
 METHODS = (
-    MethodRow("zsclip", "CLIP", "zsclip"),
-    MethodRow("coop", "CoOp", "coop"),
-    MethodRow("gram_coop", "CoOp + GRAM", "gram_coop", "gram_coop"),
-    MethodRow("vpt", "VPT", "vpt"),
-    MethodRow("gram_vpt", "VPT + GRAM", "gram_vpt", "gram_vpt"),
-    MethodRow("unigram", "UNIGRAM", "unigram", "unigram"),
-    MethodRow("unigram_no_shift", "- domain shift simulating", "unigram", "unigram_no_shift"),
-    MethodRow("unigram_no_reg", "- gradient regulating", "unigram", "unigram_no_reg"),
-    MethodRow("unigram_pretrain", "- meta-learning = prompt pre-training", "unigram", "unigram_pretrain"),
-    MethodRow("unigram_supervised", "- CHC = supervised meta-learning", "unigram", "unigram_supervised"),
-    MethodRow("joint", "joint textual & visual prompt tuning", "joint"),
-) + tuple(MethodRow(v.name, f"UNIGRAM, {v.n_ctx_text + v.n_ctx_vision} prompt tokens", "unigram", v.name)
-          for v in TOKEN_VARIANTS)
+    _method_row("zsclip"),
+    _method_row("coop"),
+    _method_row("gram_coop", "gram_coop"),
+    _method_row("vpt"),
+    _method_row("gram_vpt", "gram_vpt"),
+    _method_row("unigram", "unigram"),
+    _method_row("unigram_no_shift", "unigram_no_shift"),
+    _method_row("unigram_no_reg", "unigram_no_reg"),
+    _method_row("unigram_pretrain", "unigram_pretrain"),
+    _method_row("unigram_supervised", "unigram_supervised"),
+    _method_row("joint"),
+) + tuple(_method_row(v.name, v.name) for v in TOKEN_VARIANTS)
 METHOD_BY_KEY = {m.key: m for m in METHODS}
 
 # Which rows each table holds (keys of METHODS), in the paper's order.  CoCoOp, a row of the
