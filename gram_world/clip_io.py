@@ -17,6 +17,7 @@ from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from PIL import Image
 from torch import nn
 
+from meta.prompts import DEFAULT_TEMPLATE
 from meta.text_encoder import text_head
 
 WORLD_MODEL = "GRAM-World-ViT-T"
@@ -63,7 +64,7 @@ def encode_text_trimmed(clip: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def class_text_features(clip: nn.Module, tokenizer, classnames: Sequence[str],
-                        template: str = "a photo of a {}.") -> torch.Tensor:
+                        template: str = DEFAULT_TEMPLATE) -> torch.Tensor:
     """L2-normalised text features ``[C, embed_dim]`` of one prompt per class."""
     tokens = tokenizer([template.format(c) for c in classnames])
     return F.normalize(clip.encode_text(tokens), dim=-1)

@@ -27,13 +27,14 @@ import open_clip
 import torch
 
 from meta.backbone import load_clip
+from meta.prompts import DEFAULT_TEMPLATE
 from meta.coop_data import Record
 
 from .build import WorldPaths
 from .clip_io import WORLD_MODEL, class_text_features, image_features, load_images
 
 C_GRID = (0.01, 0.1, 1.0, 10.0, 100.0, 1000.0)
-TEMPLATE = "a photo of a {}."
+TEMPLATE = DEFAULT_TEMPLATE
 
 
 def _features(clip, records: Sequence[Record], cache: dict) -> tuple[np.ndarray, np.ndarray]:

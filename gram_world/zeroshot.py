@@ -17,11 +17,12 @@ import open_clip
 import torch
 
 from meta.backbone import load_clip
+from meta.prompts import DEFAULT_TEMPLATE
 
 from .build import DatasetPaths, WorldPaths, read_chc_shards
 from .clip_io import WORLD_MODEL, class_text_features, image_features, load_images
 
-TEMPLATE = "a photo of a {}."
+TEMPLATE = DEFAULT_TEMPLATE
 
 
 def read_split(ds: DatasetPaths, split: str = "test") -> tuple[list[Path], torch.Tensor]:

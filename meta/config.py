@@ -168,7 +168,7 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.PROMPT.N_CTX_VISION = 0
     m.PROMPT.VISION_DEPTH = 1    # 1 = shallow VPT
     m.PROMPT.INIT_STD = 0.02     # CoOp's N(0, 0.02^2) context init
-    m.PROMPT.TEMPLATE = "a photo of a {}."  # text side when N_CTX_TEXT == 0 (paper's VPT baseline)
+    m.PROMPT.TEMPLATE = "a photo of a {}."  # = meta.prompts.DEFAULT_TEMPLATE (tested); text side when N_CTX_TEXT == 0 (paper's VPT baseline)
     m.PROMPT.VPT_INIT = "patch_mean"  # = PromptSpec.vpt_init (tested); visual tokens' start: normal | zeros | cls | patch_mean (meta.prompts)
 
     # ---- Table 4 row 3: plain classification over the topics --------------------------------

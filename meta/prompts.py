@@ -27,6 +27,9 @@ from .text_encoder import ClassTokenCache, context_from_words, encode_text_with_
 from .visual_encoder import encode_image_with_prompts
 
 
+# CoOp's hand-made prompt: zero-shot CLIP's text and the fixed text side of VPT (CoOp paper, section 4.1).
+DEFAULT_TEMPLATE = "a photo of a {}."
+
 # Initialisations of the visual prompt tokens (PromptSpec.vpt_init).
 VPT_INITS = ("normal", "zeros", "cls", "patch_mean")
 
@@ -97,7 +100,7 @@ class PromptSpec:
     n_ctx_vision: int = 0
     vision_depth: int = 1
     init_std: float = 0.02
-    template: str = "a photo of a {}."
+    template: str = DEFAULT_TEMPLATE
     vpt_init: str = "patch_mean"   # chosen on the val splits (docs/world_baseline.md)
 
     def __post_init__(self) -> None:
@@ -159,7 +162,7 @@ class PromptedCLIP:
     """
 
     def __init__(self, clip: nn.Module, dims: ClipDims, n_ctx_text: int,
-                 template: str = "a photo of a {}.", truncate: bool = True):
+                 template: str = DEFAULT_TEMPLATE, truncate: bool = True):
         self.clip = clip
         self.dims = dims
         self.n_ctx_text = n_ctx_text

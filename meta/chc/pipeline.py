@@ -21,16 +21,14 @@ import json
 import logging
 import os
 import time
-import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 import open_clip
-import torch
 
-from meta.backbone import check_model_name, check_precision, load_clip
-from meta.backbone import resolve_device as backbone_resolve_device
+from meta.backbone import resolve_device
+from meta.clip_config import clip_from_cfg
 from meta.chc import domains as domains_mod
 from meta.chc import text_embed
 from meta.chc import topics as topics_mod
@@ -44,10 +42,10 @@ from meta.chc.sources import PairIndex, build_index
 from meta.chc.stages import (ChunkedArray, StageMarker, create_memmap, dedupe, fingerprint, groups, save_npy_atomic,
                              write_json_atomic)
 from meta.chc.text_embed import cap_caption, caption_over_cap, model_digest, resolve_model_path
-from meta.config import get_meta_cfg_default, quick_gelu_flag
+from meta.config import get_meta_cfg_default
 from meta.fileio import clean_stale_temps
 from meta.hashing import file_sha256
-from meta.precision import resolve_autocast, resolve_weights
+from meta.precision import resolve_autocast
 from meta.runlock import RunLock
 
 log = logging.getLogger(__name__)
@@ -70,11 +68,6 @@ def index_settings(inp) -> dict:
     default = get_meta_cfg_default().CHC.INPUT
     return {k: v for k, v in _node(inp).items()
             if k not in _INDEX_FP_IGNORED and not (k in _INDEX_FP_IF_CHANGED and v == default[k])}
-
-
-def resolve_device(name: str) -> str:
-    """``MODEL.DEVICE`` resolved and checked (:func:`meta.backbone.resolve_device`)."""
-    return backbone_resolve_device(name, "MODEL.DEVICE")
 
 
 class ChcRun:
@@ -107,16 +100,7 @@ class ChcRun:
     def clip(self):
         """The frozen CLIP (random weights seeded by ``SEED`` when ``MODEL.PRETRAINED`` is empty)."""
         if self._clip is None:
-            check_model_name(self.cfg.MODEL.BACKBONE, "MODEL.BACKBONE")
-            check_precision(self.cfg.MODEL.PRECISION, "MODEL.PRECISION")
-            torch.manual_seed(self.cfg.SEED)  # identical random towers across resumed runs and ranks
-            with warnings.catch_warnings():
-                if not self.cfg.MODEL.PRETRAINED:
-                    warnings.simplefilter("ignore")
-                clip, dims = load_clip(self.cfg.MODEL.BACKBONE, self.cfg.MODEL.PRETRAINED or None, self.device,
-                                       resolve_weights(self.cfg.MODEL.PRECISION, self.device),
-                                       quick_gelu_flag(self.cfg.MODEL.QUICK_GELU),
-                                       config_key="MODEL.PRETRAINED")
+            clip, dims = clip_from_cfg(self.cfg, self.device, warn_random=False)
             self._clip = (clip, dims)
         return self._clip
 

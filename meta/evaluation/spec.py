@@ -16,7 +16,7 @@ from typing import Optional
 
 from .. import methods
 from ..methods import Method
-from ..prompts import VPT_INITS, PromptSpec
+from ..prompts import DEFAULT_TEMPLATE, VPT_INITS, PromptSpec
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULERS = ("cosine", "constant")
@@ -58,7 +58,7 @@ class MethodSpec:
     init_path: str = ""
     regulate: bool = False
     norm_preserve: Optional[bool] = None
-    template: str = "a photo of a {}."
+    template: str = DEFAULT_TEMPLATE
     init_std: float = 0.02
     vpt_init: str = PromptSpec.vpt_init
 

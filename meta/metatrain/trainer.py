@@ -35,13 +35,11 @@ import numpy as np
 import torch
 
 from meta import distributed as dist_
-from meta.backbone import ClipDims, check_model_name, check_precision, load_clip
-from meta.backbone import resolve_device as backbone_resolve_device
-from meta.config import quick_gelu_flag
+from meta.backbone import ClipDims, resolve_device
+from meta.clip_config import clip_from_cfg
 from meta.fileio import clean_stale_temps, write_json_atomic, write_text_atomic
 from meta.finetune import GradientRegulation, finetune_and_score
 from meta.gram import GRAMMetaLearner
-from meta.precision import resolve_weights
 from meta.prompts import PromptedCLIP, PromptParams, classification_loss
 from meta.runlock import RunLock, is_rank0
 from meta.tasks import ClassBatchStream, TaskSampler, TaskStream, split_topics
@@ -111,22 +109,9 @@ class RunSetup:
     feature_check: Optional[dict]
 
 
-def resolve_device(name: str) -> str:
-    """``MODEL.DEVICE`` resolved and checked (:func:`meta.backbone.resolve_device`)."""
-    return backbone_resolve_device(name, "MODEL.DEVICE")
-
-
 def build_clip(cfg, device: str):
-    """The frozen CLIP; random weights are seeded by ``SEED`` exactly as ``python -m meta cluster`` does.
-
-    With ``MODEL.PRETRAINED`` empty the CLIP is random (``load_clip`` warns): only useful for smoke runs.
-    """
-    check_model_name(cfg.MODEL.BACKBONE, "MODEL.BACKBONE")
-    check_precision(cfg.MODEL.PRECISION, "MODEL.PRECISION")
-    torch.manual_seed(int(cfg.SEED))
-    return load_clip(cfg.MODEL.BACKBONE, cfg.MODEL.PRETRAINED or None, device,
-                     resolve_weights(cfg.MODEL.PRECISION, device),
-                     quick_gelu_flag(cfg.MODEL.QUICK_GELU), config_key="MODEL.PRETRAINED")
+    """The frozen CLIP of ``cfg.MODEL`` (:func:`meta.clip_config.clip_from_cfg`, as ``python -m meta cluster``)."""
+    return clip_from_cfg(cfg, device)
 
 
 def setup_run(cfg, hierarchy=None) -> RunSetup:

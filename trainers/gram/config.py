@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from yacs.config import CfgNode as CN
 
-from meta.prompts import VPT_INITS, PromptSpec
+from meta.prompts import DEFAULT_TEMPLATE, VPT_INITS, PromptSpec
 
 # Trainer name -> (learns text context, learns visual prompts).
 TRAINER_PROMPTS: dict[str, tuple[bool, bool]] = {
@@ -52,7 +52,7 @@ def _gram_defaults() -> CN:
     node.VPT_DEEP = False      # False = shallow VPT (prompts at the input only)
     node.VPT_DEPTH = 0         # with VPT_DEEP: prompted layers; 0 = every layer of the vision tower
     node.CTX_INIT = ""         # words to initialise the text context (e.g. "a photo of a"); "" = N(0, 0.02²)
-    node.TEMPLATE = "a photo of a {}."  # fixed text prompt when there is no text context (GRAM_VPT)
+    node.TEMPLATE = DEFAULT_TEMPLATE  # fixed text prompt when there is no text context (GRAM_VPT)
     node.VPT_INIT = PromptSpec.vpt_init  # baselines' visual tokens: normal | zeros | cls | patch_mean (meta.prompts)
     # --- backbone ------------------------------------------------------------------------------
     node.MODEL_NAME = ""       # open_clip architecture; "" = from MODEL.BACKBONE.NAME ("ViT-B/16" -> "ViT-B-16")

@@ -14,14 +14,14 @@ import torch
 from torch import nn
 
 from meta.backbone import ClipDims
-from meta.prompts import PromptedCLIP, PromptParams
+from meta.prompts import DEFAULT_TEMPLATE, PromptedCLIP, PromptParams
 
 
 class GramCLIP(nn.Module):
     """Classify images into ``classnames`` with prompted CLIP: ``forward(images [B,3,H,W]) -> logits [B, C]``."""
 
     def __init__(self, clip: nn.Module, dims: ClipDims, prompts: PromptParams, classnames: Sequence[str],
-                 template: str = "a photo of a {}."):
+                 template: str = DEFAULT_TEMPLATE):
         super().__init__()
         if len(classnames) == 0:
             raise ValueError("GramCLIP needs at least one class name")
