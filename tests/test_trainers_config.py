@@ -208,3 +208,14 @@ def test_bad_norm_preserve_value_names_the_key():
     cfg.TRAINER.GRAM.NORM_PRESERVE = "sometimes"
     with pytest.raises(ValueError, match="TRAINER.GRAM.NORM_PRESERVE"):
         gram_settings(cfg, "GRAM_VPT")
+
+
+def test_method_configs_share_one_protocol_block():
+    """Dassl's yacs has no base-file include and CoOp users copy single YAMLs into their fork, so each
+    trainer config repeats the protocol; every block other than TRAINER must be the same in all of them."""
+    keys = sorted(METHOD_TRAINER)
+    docs = {k: _method_yaml(k) for k in keys}
+    reference = {s: v for s, v in docs[keys[0]].items() if s != "TRAINER"}
+    assert set(reference) >= {"DATALOADER", "INPUT", "OPTIM", "MODEL"}
+    for key, doc in docs.items():
+        assert {s: v for s, v in doc.items() if s != "TRAINER"} == reference, methods.get(key).config
