@@ -133,19 +133,8 @@ def test_same_values_as_dassls_own_scheduler(monkeypatch):
         LRScheduler.__init__(self, optimizer, last_epoch)
 
     monkeypatch.setattr(_LRScheduler, "__init__", init_without_verbose)
-    for cfg in (optim_cfg(), optim_cfg(WARMUP_EPOCH=2, MAX_EPOCH=6), optim_cfg(WARMUP_TYPE="linear", WARMUP_EPOCH=3),
-                optim_cfg(LR_SCHEDULER="multi_step", STEPSIZE=(2, 5), MAX_EPOCH=7)):
-        param = torch.nn.Parameter(torch.zeros(2))
-        opt = torch.optim.SGD([param], lr=cfg.LR)
-        sched = lr_scheduler.build_lr_scheduler(opt, cfg)
-        theirs = []
-        for _ in range(cfg.MAX_EPOCH):
-            theirs.append(opt.param_groups[0]["lr"])
-            opt.step()
-            sched.step()
-        assert lrs_per_epoch(cfg, cfg.MAX_EPOCH) == pytest.approx(theirs, rel=1e-9)
-    for spec_changes, optim_changes in EVALUATOR_CASES:  # the evaluator's schedule is Dassl's too
-        cfg = optim_cfg(**optim_changes)
+    def dassl_lrs(cfg) -> list:
+        """The lr of each epoch under Dassl's own scheduler."""
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=cfg.LR)
         sched = lr_scheduler.build_lr_scheduler(opt, cfg)
         theirs = []
@@ -153,6 +142,13 @@ def test_same_values_as_dassls_own_scheduler(monkeypatch):
             theirs.append(opt.param_groups[0]["lr"])
             opt.step()
             sched.step()
-        from meta.evaluation import TrainSpec
+        return theirs
 
-        assert evaluator_lrs(TrainSpec(**spec_changes)) == pytest.approx(theirs, rel=1e-9)
+    for cfg in (optim_cfg(), optim_cfg(WARMUP_EPOCH=2, MAX_EPOCH=6), optim_cfg(WARMUP_TYPE="linear", WARMUP_EPOCH=3),
+                optim_cfg(LR_SCHEDULER="multi_step", STEPSIZE=(2, 5), MAX_EPOCH=7)):
+        assert lrs_per_epoch(cfg, cfg.MAX_EPOCH) == pytest.approx(dassl_lrs(cfg), rel=1e-9)
+    from meta.evaluation import TrainSpec
+
+    for spec_changes, optim_changes in EVALUATOR_CASES:  # the evaluator's schedule is Dassl's too
+        assert evaluator_lrs(TrainSpec(**spec_changes)) == pytest.approx(dassl_lrs(optim_cfg(**optim_changes)),
+                                                                        rel=1e-9)
