@@ -101,3 +101,13 @@ def write_classnames(path: Path, mapping: dict[str, str]) -> None:
 
 def relpaths(records, base: Path) -> list[str]:
     return [os.path.relpath(r.impath, base) for r in records]
+
+
+def lr_per_epoch(opt, sched, epochs: int) -> list[float]:
+    """The learning rate of each of ``epochs`` epochs: read it, then take one optimiser and one scheduler step."""
+    lrs = []
+    for _ in range(epochs):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return lrs

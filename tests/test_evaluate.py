@@ -26,6 +26,8 @@ from meta.init_io import InitMismatchError, export_gram_init
 from meta.prompts import PromptedCLIP, PromptParams
 from meta.regulator import GradientRegulator, RegulatorSpec
 
+from helpers import lr_per_epoch
+
 NAMES_A = ["apple", "boat", "cat", "drum", "eagle", "fork", "grape", "house"]
 NAMES_B = ["island", "jacket", "kite", "lemon"]
 SHOTS = 8
@@ -271,12 +273,7 @@ def test_schedule_matches_dassl_constant_warmup_cosine():
     opt = make_optimizer([torch.nn.Parameter(torch.zeros(3))], spec)
     assert isinstance(opt, torch.optim.SGD)
     assert opt.defaults["momentum"] == 0.9 and opt.defaults["weight_decay"] == 5e-4
-    sch = make_scheduler(opt, spec)
-    got = []
-    for _ in range(spec.epochs):
-        got.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sch.step()
+    got = lr_per_epoch(opt, make_scheduler(opt, spec), spec.epochs)
     # Dassl ConstantWarmupScheduler + CosineAnnealingLR(T_max=10), successor recounted after warm-up
     want = [1e-5] + [0.5 * 0.002 * (1 + math.cos(math.pi * t / 10)) for t in range(9)]
     assert got == pytest.approx(want, rel=1e-9)

@@ -9,7 +9,7 @@ import torch
 from yacs.config import CfgNode as CN
 
 from trainers.gram.schedule import build_lr_scheduler
-from helpers import optim_cfg
+from helpers import lr_per_epoch, optim_cfg
 
 
 def lrs_per_epoch(cfg: CN, epochs: int) -> list[float]:
@@ -81,25 +81,14 @@ def test_state_is_weights_only_and_resumes_the_same_sequence():
     sched2 = build_lr_scheduler(opt2, cfg)
     opt2.load_state_dict(state["optimizer"])
     sched2.load_state_dict(state["scheduler"])
-    resumed = []
-    for _ in range(4, 10):
-        resumed.append(opt2.param_groups[0]["lr"])
-        opt2.step()
-        sched2.step()
-    assert resumed == pytest.approx(full[4:], rel=1e-12)
+    assert lr_per_epoch(opt2, sched2, 6) == pytest.approx(full[4:], rel=1e-12)
 
 
 def evaluator_lrs(spec) -> list[float]:
     from meta.evaluation import make_optimizer, make_scheduler
 
     opt = make_optimizer([torch.nn.Parameter(torch.zeros(2))], spec)
-    sched = make_scheduler(opt, spec)
-    out = []
-    for _ in range(spec.epochs):
-        out.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    return out
+    return lr_per_epoch(opt, make_scheduler(opt, spec), spec.epochs)
 
 
 EVALUATOR_CASES = [  # (TrainSpec changes, the same schedule as Dassl OPTIM overrides)
@@ -136,13 +125,7 @@ def test_same_values_as_dassls_own_scheduler(monkeypatch):
     def dassl_lrs(cfg) -> list:
         """The lr of each epoch under Dassl's own scheduler."""
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=cfg.LR)
-        sched = lr_scheduler.build_lr_scheduler(opt, cfg)
-        theirs = []
-        for _ in range(cfg.MAX_EPOCH):
-            theirs.append(opt.param_groups[0]["lr"])
-            opt.step()
-            sched.step()
-        return theirs
+        return lr_per_epoch(opt, lr_scheduler.build_lr_scheduler(opt, cfg), cfg.MAX_EPOCH)
 
     for cfg in (optim_cfg(), optim_cfg(WARMUP_EPOCH=2, MAX_EPOCH=6), optim_cfg(WARMUP_TYPE="linear", WARMUP_EPOCH=3),
                 optim_cfg(LR_SCHEDULER="multi_step", STEPSIZE=(2, 5), MAX_EPOCH=7)):

@@ -208,13 +208,13 @@ def _eval_init(model: str, weights: str, settings: DemoSettings, out: str) -> No
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         clip, dims = load_clip(model, pretrained=weights)
-    session = EvaluationSession(clip, dims, cache_dir=str(Path(out) / "feature_cache"), log=lambda m: None)
-    _WORKER.update(clip=clip, dims=dims, session=session, settings=settings, out=Path(out))
+    evaluation = EvaluationSession(clip, dims, cache_dir=str(Path(out) / "feature_cache"), log=lambda m: None)
+    _WORKER.update(clip=clip, dims=dims, evaluation=evaluation, settings=settings, out=Path(out))
 
 
 def _eval_job(job: EvalJob) -> None:
     """Run one job in a worker prepared by :func:`_eval_init`; its record goes to ``job.path(out)``."""
-    settings, out, session = _WORKER["settings"], _WORKER["out"], _WORKER["session"]
+    settings, out, evaluation = _WORKER["settings"], _WORKER["out"], _WORKER["evaluation"]
     path = job.path(out)
     if path.is_file():
         return
@@ -225,7 +225,7 @@ def _eval_job(job: EvalJob) -> None:
     source = DatasetRef.from_dir(job.dataset_dir, name=job.dataset)
     t = time.time()
     common = dict(clip=_WORKER["clip"], dims=_WORKER["dims"], method=method, seed=job.seed, shots=job.shots,
-                  train=train, session=session, log=lambda m: None)
+                  train=train, session=evaluation, log=lambda m: None)
     if job.protocol == "base2new":
         record = evaluate_base_to_new(source, **common)
         numbers = f"base {record['base']:5.1f}  new {record['new']:5.1f}  H {record['H']:5.1f}"
