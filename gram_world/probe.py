@@ -93,6 +93,44 @@ def coop_fit(clip, dims, classnames: Sequence[str], train: tuple[np.ndarray, np.
     return {"accuracy": acc["test"], "train_accuracy": acc["train"], "epochs": epochs, "lr": lr}
 
 
+def vpt_fit(clip, dims, classnames: Sequence[str], train: tuple[torch.Tensor, np.ndarray],
+            test: tuple[torch.Tensor, np.ndarray], n_tokens: int = 4, vpt_init: str = "patch_mean",
+            epochs: int = 30, lr: float = 0.01, batch_size: int = 32, seed: int = 1) -> dict:
+    """VPT's shallow visual tokens fitted with Adam on every train image (no augmentation), the text
+    side fixed to :data:`TEMPLATE`: the reach of a visual prompt through this image tower.
+
+    ``train`` / ``test`` are ``(uint8 images [N, S, S, 3], labels [N])``.  Returns train and test
+    accuracy (%) at the end and the best train accuracy over epochs (an optimisation check).
+    """
+    from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+
+    from .clip_io import to_model_input
+
+    gen = torch.Generator().manual_seed(seed)
+    spec = PromptSpec(n_ctx_text=0, n_ctx_vision=n_tokens, vpt_init=vpt_init, template=TEMPLATE)
+    prompts = PromptParams.from_spec(spec, clip, dims, generator=gen)
+    pclip = PromptedCLIP(clip, dims, 0, template=TEMPLATE)
+    loss_fn = classification_loss(pclip)
+    opt = torch.optim.Adam([prompts.vpt], lr=lr)
+    x, y = to_model_input(train[0]), torch.from_numpy(train[1])
+
+    def accuracy(images: torch.Tensor, labels: np.ndarray) -> float:
+        with torch.no_grad():
+            logits = pclip.logits(prompts, list(classnames), images=to_model_input(images))
+        return 100.0 * float((logits.argmax(1).numpy() == labels).mean())
+
+    best_train = accuracy(train[0], train[1])
+    for _ in range(epochs):
+        for idx in torch.randperm(len(y), generator=gen).split(batch_size):
+            loss, _ = loss_fn(prompts, {"classnames": list(classnames), "label": y[idx], "images": x[idx]})
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        best_train = max(best_train, accuracy(train[0], train[1]))
+    return {"accuracy": accuracy(*test), "train_accuracy": accuracy(*train), "best_train_accuracy": best_train,
+            "epochs": epochs, "lr": lr, "n_tokens": n_tokens, "vpt_init": vpt_init}
+
+
 def probe_world(world: WorldPaths, weights: Optional[Path], model_name: str = WORLD_MODEL,
                 seeds: Sequence[int] = (1, 2, 3), shots: int = 16, with_coop: bool = False,
                 datasets: Sequence[str] = (), log: Callable[[str], None] = print) -> dict:

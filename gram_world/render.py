@@ -186,12 +186,53 @@ _STYLE_PAINTERS = {"shaded": _shaded, "sketch": _sketch, "noisy": _noisy,
 
 # Capture conditions of downstream datasets (none of them occurs in the pretraining corpus):
 # how a specialised benchmark's images differ from web images (satellite views, scans, ...),
-# applied to the rendered image ``[S, S, 3]`` uint8.
+# applied to the rendered image ``[S, S, 3]`` uint8.  Every condition measured when the world's
+# conditions were chosen is kept here, so the scan (``python -m gram_tools.capture_scan``) can be
+# rerun; ``settings.FAMILY_CAPTURES`` says which four the world uses (docs/world_baseline.md).
+SEPIA = np.array([[0.393, 0.349, 0.272], [0.769, 0.686, 0.534], [0.189, 0.168, 0.131]], dtype=np.float32)
+FRAME_COLOUR = (40, 90, 160)
+
+
+def _resized(img: np.ndarray, side: int) -> np.ndarray:
+    return np.asarray(Image.fromarray(img).resize((side, side), Image.BILINEAR))
+
+
+def _zoomed(img: np.ndarray, keep: float = 0.6) -> np.ndarray:
+    """Close-up: the centre ``keep`` of the side, scaled back to the full side (bilinear)."""
+    side = img.shape[0]
+    crop = int(round(side * keep))
+    off = (side - crop) // 2
+    return _resized(np.ascontiguousarray(img[off:off + crop, off:off + crop]), side)
+
+
+def _framed(img: np.ndarray, keep: float = 0.7) -> np.ndarray:
+    """Mounted: the whole image shrunk to ``keep`` of the side inside a flat :data:`FRAME_COLOUR` border."""
+    side = img.shape[0]
+    inner = int(round(side * keep))
+    off = (side - inner) // 2
+    out = np.empty_like(img)
+    out[:] = FRAME_COLOUR
+    out[off:off + inner, off:off + inner] = _resized(img, inner)
+    return out
+
+
+def _scaled(img: np.ndarray, gain: float, offset: float = 0.0) -> np.ndarray:
+    return np.clip(img.astype(np.float32) * gain + offset, 0, 255).astype(np.uint8)
+
+
 CAPTURES = {
     "none": lambda img: img,
     "grayscale": lambda img: np.repeat(np.rint(img.mean(axis=-1, keepdims=True)), 3, axis=-1).astype(np.uint8),
     "rotated": lambda img: np.ascontiguousarray(np.rot90(img)),     # a quarter turn anticlockwise
     "negative": lambda img: 255 - img,
+    "dark": lambda img: _scaled(img, 0.35),                          # under-exposed: 35 % of the light
+    "low_contrast": lambda img: _scaled(img, 0.3, 0.7 * 128),        # 30 % contrast around mid-grey
+    "sepia": lambda img: np.clip(img.astype(np.float32) @ SEPIA, 0, 255).astype(np.uint8),
+    "solarized": lambda img: np.where(img > 128, 255 - img, img).astype(np.uint8),
+    "posterized": lambda img: (img & 0xC0) + 32,                     # 2 bits per channel
+    "blurred": lambda img: np.asarray(Image.fromarray(img).filter(ImageFilter.GaussianBlur(1.2))),
+    "zoomed": _zoomed,
+    "framed": _framed,
 }
 
 
