@@ -93,6 +93,11 @@ def coop_fit(clip, dims, classnames: Sequence[str], train: tuple[np.ndarray, np.
     return {"accuracy": acc["test"], "train_accuracy": acc["train"], "epochs": epochs, "lr": lr}
 
 
+def _images(records: Sequence[Record]) -> tuple[torch.Tensor, np.ndarray]:
+    """``(uint8 images [N, S, S, 3], labels [N])`` of records, read from their files."""
+    return load_images([Path(r.impath) for r in records]), np.array([r.label for r in records], dtype=np.int64)
+
+
 def vpt_fit(clip, dims, classnames: Sequence[str], train: tuple[torch.Tensor, np.ndarray],
             test: tuple[torch.Tensor, np.ndarray], n_tokens: int = 4, vpt_init: str = "patch_mean",
             epochs: int = 30, lr: float = 0.01, batch_size: int = 32, seed: int = 1) -> dict:
@@ -133,8 +138,8 @@ def vpt_fit(clip, dims, classnames: Sequence[str], train: tuple[torch.Tensor, np
 
 def probe_world(world: WorldPaths, weights: Optional[Path], model_name: str = WORLD_MODEL,
                 seeds: Sequence[int] = (1, 2, 3), shots: int = 16, with_coop: bool = False,
-                datasets: Sequence[str] = (), log: Callable[[str], None] = print) -> dict:
-    """``{dataset: {"zeroshot", "probe_all", "probe_16", ["coop_fit"], "n_base", "n_train", ...}}``.
+                datasets: Sequence[str] = (), log: Callable[[str], None] = print, with_vpt: bool = False) -> dict:
+    """``{dataset: {"zeroshot", "probe_all", "probe_16", ["coop_fit"], ["vpt_fit"], "n_base", ...}}``.
 
     ``weights=None`` probes random weights.  Accuracies in percent on the base test split.
     """
@@ -142,12 +147,13 @@ def probe_world(world: WorldPaths, weights: Optional[Path], model_name: str = WO
         warnings.simplefilter("ignore")
         clip, dims = load_clip(model_name, pretrained=str(weights) if weights is not None else None)
     clip.eval()
-    return probe_model(world, clip, dims, open_clip.get_tokenizer(model_name), seeds, shots, with_coop, datasets, log)
+    return probe_model(world, clip, dims, open_clip.get_tokenizer(model_name), seeds, shots, with_coop, datasets, log,
+                       with_vpt)
 
 
 def probe_model(world: WorldPaths, clip, dims, tokenizer, seeds: Sequence[int] = (1, 2, 3), shots: int = 16,
                 with_coop: bool = False, datasets: Sequence[str] = (),
-                log: Callable[[str], None] = print) -> dict:
+                log: Callable[[str], None] = print, with_vpt: bool = False) -> dict:
     """:func:`probe_world` for an in-memory CLIP in eval mode (e.g. during pretraining trials)."""
     from meta.evaluation import DatasetRef
 
@@ -172,22 +178,27 @@ def probe_model(world: WorldPaths, clip, dims, tokenizer, seeds: Sequence[int] =
                            "per_seed": [f["accuracy"] for f in few], "C": [f["C"] for f in few]}
         if with_coop:
             row["coop_fit"] = coop_fit(clip, dims, full.classnames, train, test)
+        if with_vpt:
+            row["vpt_fit"] = vpt_fit(clip, dims, full.classnames, _images(full.train), _images(full.test))
         out[name] = row
         log(f"{name:14s} zero-shot {row['zeroshot']:5.1f}  probe all {row['probe_all']['accuracy']:5.1f}  "
             f"probe {shots}-shot {row['probe_16']['accuracy']:5.1f}"
             + (f"  CoOp fit {row['coop_fit']['accuracy']:5.1f} (train {row['coop_fit']['train_accuracy']:5.1f})"
-               if with_coop else ""))
+               if with_coop else "")
+            + (f"  VPT fit {row['vpt_fit']['accuracy']:5.1f} (train {row['vpt_fit']['train_accuracy']:5.1f})"
+               if with_vpt else ""))
     return out
 
 
 def probe_table(result: dict, shots: int = 16) -> str:
     """Markdown table of :func:`probe_world`'s result, with the dataset average."""
-    coop = all("coop_fit" in r for r in result.values())
-    cols = ["zero-shot", "probe, all train", f"probe, {shots} shots"] + (["CoOp fit, all train"] if coop else [])
+    fits = [(key, label) for key, label in (("coop_fit", "CoOp fit, all train"), ("vpt_fit", "VPT fit, all train"))
+            if all(key in r for r in result.values())]
+    cols = ["zero-shot", "probe, all train", f"probe, {shots} shots"] + [label for _, label in fits]
     rows = []
     for name, r in result.items():
         vals = [r["zeroshot"], r["probe_all"]["accuracy"], r["probe_16"]["accuracy"]]
-        rows.append((name, vals + ([r["coop_fit"]["accuracy"]] if coop else [])))
+        rows.append((name, vals + [r[key]["accuracy"] for key, _ in fits]))
     mean = [float(np.mean([v[i] for _, v in rows])) for i in range(len(cols))]
     lines = ["| dataset (base classes) | " + " | ".join(cols) + " |", "| --- |" + " --- |" * len(cols)]
     lines += [f"| {n} | " + " | ".join(f"{v:.1f}" for v in vals) + " |" for n, vals in rows + [("average", mean)]]

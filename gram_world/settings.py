@@ -54,7 +54,7 @@ MIXED_CLASSES = ("triangle", "square", "hexagon", "diamond", "rectangle",
 # the pretraining corpus, as EuroSAT, DTD or FGVC differ from CLIP's web data.  Without it the
 # world has no baseline regime: on the same images as pretraining, zero-shot is as good as a linear
 # probe on 32 images per class and 16-shot CoOp does not gain on base.  The four were chosen by
-# the scan of every ``render.CAPTURES`` entry (``gram_tools.capture_scan``): a condition must leave
+# the scan of every ``render.CAPTURES`` entry (``python -m gram_world captures``, ``gram_world/capture_scan.py``): a condition must leave
 # both a text prompt (CoOp) and a visual prompt (VPT) room to fit well above zero-shot, one per kind
 # of change (colour, exposure, scale, layout); the rotations and negatives of ``world-5`` failed the
 # visual side (docs/world_baseline.md).

@@ -12,7 +12,7 @@ from PIL import Image
 from gram_world import build_world, load_world, read_chc_shards, world_settings
 from gram_world.captions import named_category
 from gram_world.items import STYLES
-from gram_world.render import CAPTURES, capture
+from gram_world.render import CAPTURES, FRAME_COLOUR, capture
 from gram_world.shapes import CATEGORIES, FAMILIES
 
 
@@ -205,6 +205,32 @@ def test_capture_conditions_transform_the_rendered_image():
     assert np.array_equal(capture(img, "negative").astype(int) + img, np.full(img.shape, 255))
     with pytest.raises(KeyError, match="unknown capture condition"):
         capture(img, "infrared")
+
+
+def test_exposure_scale_and_layout_captures_against_their_definitions():
+    rng = np.random.default_rng(1)
+    img = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    dark = capture(img, "dark").astype(float)
+    assert np.abs(dark - 0.35 * img).max() < 1.0 and dark.max() <= 0.35 * 255
+    low = capture(img, "low_contrast").astype(float)
+    assert np.abs(low - (128 + 0.3 * (img.astype(float) - 128))).max() <= 1.0 and np.ptp(low) <= 0.3 * 255 + 1
+    sepia = capture(img, "sepia").astype(float)
+    r = np.clip(0.393 * img[..., 0] + 0.769 * img[..., 1] + 0.189 * img[..., 2], 0, 255)
+    assert np.abs(sepia[..., 0] - r).max() <= 1.0
+    # zoomed: the centre 60 % (19 px of 32, offset 6) scaled back up - a flat image stays flat, and the
+    # centre pixel of an image with a bright centre block stays bright while its corners do not
+    block = np.zeros((32, 32, 3), np.uint8)
+    block[6:25, 6:25] = 200
+    zoomed = capture(block, "zoomed")
+    assert zoomed.shape == img.shape and (zoomed == 200).all()
+    assert np.array_equal(capture(np.full_like(img, 77), "zoomed"), np.full_like(img, 77))
+    # framed: a 5-px border of the frame colour around the whole image shrunk to 22 px
+    framed = capture(np.full_like(img, 250), "framed")
+    frame = np.array(FRAME_COLOUR, np.uint8)
+    assert (framed[:5] == frame).all() and (framed[-5:] == frame).all() and (framed[:, :5] == frame).all()
+    assert (framed[5:27, 5:27] == 250).all()
+    assert (capture(img, "solarized") <= 128).all() and np.array_equal(capture(img, "posterized") & 0x3F,
+                                                                       np.full_like(img, 32))
 
 
 def test_family_datasets_are_captured_differently_from_pretraining(quick_world):
