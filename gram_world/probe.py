@@ -10,11 +10,13 @@ sorted labels), on the frozen, L2-normalised image features of a (pretrained) wo
   mean over seeds);
 * ``coop_fit`` (optional): CoOp's 4 context vectors fitted with Adam on every train image
   (no augmentation) - the reach of a text prompt through this text tower.
+* ``vpt_fit`` (optional): VPT's 4 shallow visual tokens fitted the same way, the text prompt fixed -
+  the reach of a visual prompt through this image tower.
 
 The probe's inverse regularisation C is picked on the base classes' *val* split (never the test
 split) from ``C_GRID``.  If ``probe_*`` is near ``zeroshot``, no prompt can gain on base: the image
 features are the limit.  All accuracies are top-1 percent on the base classes' test split.
-Run with ``python -m gram_world probe [--quick] [--seed N] [--weights FILE]``.
+Run with ``python -m gram_world probe [--coop] [--vpt] [--quick] [--seed N] [--weights FILE]``.
 """
 from __future__ import annotations
 
@@ -68,6 +70,22 @@ def linear_probe(train: tuple[np.ndarray, np.ndarray], val: tuple[np.ndarray, np
             "val_accuracy": val_acc}
 
 
+def _adam_fit(prompts, loss_fn, classnames: Sequence[str], input_key: str, x: torch.Tensor, y: torch.Tensor,
+              epochs: int, lr: float, batch_size: int, gen: torch.Generator,
+              after_epoch: Optional[Callable[[], None]] = None) -> None:
+    """Fit the trainable tensors of ``prompts`` with Adam: ``epochs`` shuffled passes over ``x``
+    (``[N, ...]`` cached ``features`` or model-input ``images``, as ``input_key`` says) in batches."""
+    opt = torch.optim.Adam([p for p in prompts.parameters() if p.requires_grad], lr=lr)
+    for _ in range(epochs):
+        for idx in torch.randperm(len(y), generator=gen).split(batch_size):
+            loss, _ = loss_fn(prompts, {"classnames": list(classnames), "label": y[idx], input_key: x[idx]})
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        if after_epoch is not None:
+            after_epoch()
+
+
 def coop_fit(clip, dims, classnames: Sequence[str], train: tuple[np.ndarray, np.ndarray],
              test: tuple[np.ndarray, np.ndarray], epochs: int = 50, lr: float = 0.01, batch_size: int = 32,
              seed: int = 1) -> dict:
@@ -78,14 +96,8 @@ def coop_fit(clip, dims, classnames: Sequence[str], train: tuple[np.ndarray, np.
     prompts = PromptParams.from_spec(PromptSpec(n_ctx_text=4), clip, dims, generator=gen)
     pclip = PromptedCLIP(clip, dims, 4)
     loss_fn = classification_loss(pclip)
-    opt = torch.optim.Adam([p for p in prompts.parameters() if p.requires_grad], lr=lr)
-    x, y = torch.from_numpy(train[0]), torch.from_numpy(train[1])
-    for _ in range(epochs):
-        for idx in torch.randperm(len(y), generator=gen).split(batch_size):
-            loss, _ = loss_fn(prompts, {"classnames": list(classnames), "label": y[idx], "features": x[idx]})
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+    _adam_fit(prompts, loss_fn, classnames, "features", torch.from_numpy(train[0]), torch.from_numpy(train[1]),
+              epochs, lr, batch_size, gen)
     with torch.no_grad():
         text = pclip.text_features(prompts, list(classnames))
         acc = {name: 100.0 * float(((torch.from_numpy(f) @ text.T).argmax(1).numpy() == lab).mean())
@@ -116,22 +128,16 @@ def vpt_fit(clip, dims, classnames: Sequence[str], train: tuple[torch.Tensor, np
     prompts = PromptParams.from_spec(spec, clip, dims, generator=gen)
     pclip = PromptedCLIP(clip, dims, 0, template=TEMPLATE)
     loss_fn = classification_loss(pclip)
-    opt = torch.optim.Adam([prompts.vpt], lr=lr)
-    x, y = to_model_input(train[0]), torch.from_numpy(train[1])
 
     def accuracy(images: torch.Tensor, labels: np.ndarray) -> float:
         with torch.no_grad():
             logits = pclip.logits(prompts, list(classnames), images=to_model_input(images))
         return 100.0 * float((logits.argmax(1).numpy() == labels).mean())
 
-    best_train = accuracy(train[0], train[1])
-    for _ in range(epochs):
-        for idx in torch.randperm(len(y), generator=gen).split(batch_size):
-            loss, _ = loss_fn(prompts, {"classnames": list(classnames), "label": y[idx], "images": x[idx]})
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        best_train = max(best_train, accuracy(train[0], train[1]))
+    train_curve = [accuracy(*train)]
+    _adam_fit(prompts, loss_fn, classnames, "images", to_model_input(train[0]), torch.from_numpy(train[1]),
+              epochs, lr, batch_size, gen, after_epoch=lambda: train_curve.append(accuracy(*train)))
+    best_train = max(train_curve)
     return {"accuracy": accuracy(*test), "train_accuracy": accuracy(*train), "best_train_accuracy": best_train,
             "epochs": epochs, "lr": lr, "n_tokens": n_tokens, "vpt_init": vpt_init}
 
