@@ -16,13 +16,7 @@ def lrs_per_epoch(cfg: CN, epochs: int) -> list[float]:
     """LR used during each epoch when stepping once per epoch (what the trainers do)."""
     param = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([param], lr=cfg.LR, momentum=0.9)
-    sched = build_lr_scheduler(opt, cfg)
-    out = []
-    for _ in range(epochs):
-        out.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    return out
+    return lr_per_epoch(opt, build_lr_scheduler(opt, cfg), epochs)
 
 
 def cosine(base: float, t: float, t_max: float) -> float:
