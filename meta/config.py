@@ -31,6 +31,7 @@ import yaml
 from yacs.config import CfgNode as CN
 
 from meta.cli_errors import UserError
+from meta.finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
 
 
 def _model_node() -> CN:
@@ -189,6 +190,17 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.VAL_FT_STEPS = 0
     m.VAL_FT_LR = 0.002
     m.VAL_FT_MOMENTUM = 0.9
+    # validation as the downstream protocol (meta.metatrain.downstream_val): fine-tune on each held-out task's
+    # support with batch 1, VAL_EPOCHS epochs of CoCoOp's schedule (warm-up epoch, cosine, lr VAL_FT_LR,
+    # momentum VAL_FT_MOMENTUM, weight decay VAL_FT_WEIGHT_DECAY), crops of VAL_RRCROP_SCALE and flips, the
+    # regulation window VAL_REG_WINDOW and the launch step VAL_LAUNCH; logs query_acc_downstream (with R_phi)
+    # and query_acc_downstream_raw.  one_step = only the one-step metrics
+    m.VAL_PROTOCOL = "downstream"   # downstream | one_step
+    m.VAL_EPOCHS = 10               # CoCoOp's 10 epochs
+    m.VAL_FT_WEIGHT_DECAY = 5e-4    # Dassl OPTIM.WEIGHT_DECAY default
+    m.VAL_RRCROP_SCALE = (0.08, 1.0)  # Dassl INPUT.RRCROP_SCALE default
+    m.VAL_REG_WINDOW = DEFAULT_REG_WINDOW
+    m.VAL_LAUNCH = DEFAULT_LAUNCH
     m.FEATURE_CHECK = 8          # images re-encoded to prove cached features match this CLIP (0 = skip)
     m.PROGRESS = True            # tqdm bar
     m.TENSORBOARD = True

@@ -189,3 +189,37 @@ def test_component_starts_theta_star_only_and_r_phi_only(tiny_clip, tmp_path):
         MethodSpec("d", init_path=str(path), regulate=False, init_prompts=False)
     with pytest.raises(ValueError, match="launch=True needs α"):
         build_prompts(MethodSpec("e", launch=True), clip, dims, seed=3)
+
+
+def test_downstream_validation_is_the_evaluators_fine_tuning_on_the_support(tiny_clip):
+    """META.VAL_PROTOCOL downstream: the same numbers as PromptTuner fine-tuning the support (features,
+    batch 1, CoCoOp's schedule) and scoring the query; images get seeded crops that stay in range."""
+    from meta.metatrain.downstream_val import crop_and_flip, downstream_accuracy
+
+    clip, dims = tiny_clip
+    pclip = PromptedCLIP(clip, dims, 2)
+    prompts = PromptParams.from_spec(PromptSpec(n_ctx_text=2), clip, dims, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(4)
+    mk = lambda n: {"classnames": NAMES, "label": torch.arange(3).repeat(n),  # noqa: E731
+                    "features": F.normalize(torch.randn(3 * n, dims.embed_dim, generator=gen), dim=-1)}
+    support, query = mk(2), mk(3)
+    spec = TrainSpec(epochs=3, batch_size=1, augment="none", aug_views=1, eval_every_epoch=False)
+    reg = _regulator(dims.text_width, seed=2)
+    acc = downstream_accuracy(pclip, prompts, {"ctx": reg}, support, query, spec, seed=5, reg_window=2)
+
+    theta = copy.deepcopy(prompts)
+    tuner = PromptTuner(pclip, theta, GradientRegulation({"ctx": reg}), spec, 5, None, None, reg_window=2)
+    tuner.fit(LabelledSet([f"s{i}" for i in range(6)], support["label"], NAMES, support["features"].unsqueeze(1)))
+    expected = tuner.accuracy(LabelledSet([f"q{i}" for i in range(9)], query["label"], NAMES, query["features"]))
+    assert acc == pytest.approx(expected)
+    assert torch.equal(theta.ctx, theta.ctx) and not torch.equal(theta.ctx.detach(), prompts.ctx.detach())
+    # the caller's θ is untouched
+    fresh = PromptParams.from_spec(PromptSpec(n_ctx_text=2), clip, dims, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(prompts.ctx.detach(), fresh.ctx.detach())
+
+    image = torch.randn(3, 16, 16)
+    a = crop_and_flip(image, (0.5, 1.0), torch.Generator().manual_seed(1))
+    b = crop_and_flip(image, (0.5, 1.0), torch.Generator().manual_seed(1))
+    assert a.shape == image.shape and torch.equal(a, b)
+    assert torch.equal(crop_and_flip(image, (1.0, 1.0), torch.Generator().manual_seed(3)).abs().sum(),
+                       crop_and_flip(image, (1.0, 1.0), torch.Generator().manual_seed(3)).abs().sum())

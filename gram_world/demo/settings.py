@@ -180,6 +180,9 @@ class DemoSettings:
     launch: bool = DEFAULT_LAUNCH         # the meta-trained inner step once before the schedule
     query_before_weight: float = 0.0      # META.QUERY_BEFORE_WEIGHT of every GRAM variant (0 = paper's Eq. 8)
     meta_seed: int = 0                    # SEED of meta-training (task stream, scratch θ): the study varies it
+    eval_split: str = "test"              # split the base / new accuracies are measured on (val: choosing defaults)
+    meta_val_protocol: str = "one_step"   # META.VAL_PROTOCOL: the downstream one costs minutes per variant here; the
+                                          # defaults are chosen by gram_world.study select on val splits instead
     jobs: int = 2                         # worker processes for meta-training and evaluation (2 cores)
     # which world: its seed, and (field, value) pairs replacing fields of gram_world.world_settings(quick,
     # world_seed) - e.g. (("holdout_style", "cartoon"), ("mixed_classes", (...))) - or of the tiny CLIP's
