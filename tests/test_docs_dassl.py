@@ -88,11 +88,14 @@ def test_fork_sections_commands_fit_the_configs_and_the_parsers():
             runs.setdefault(trainer, {})[side] = out
             if side == "test_new":
                 assert arg_value(argv, "--model-dir") == runs[trainer]["train_base"]
-            if trainer in method_trainers().values():  # one of ours: the method table's config, with the init
-                assert methods.get(stem).trainer == trainer and argv[-2:] == ["TRAINER.GRAM.INIT", "init.safetensors"]
+            if trainer in method_trainers().values():  # one of ours: a method table config, with the init
+                keys = [k for k, tr in method_trainers().items()
+                        if tr == trainer and Path(methods.get(k).config).name == f"{stem}.yaml"]
+                assert len(keys) == 1, f"{cfg}: not one method of the table (meta/methods.yaml)"
+                assert argv[-2:] == ["TRAINER.GRAM.INIT", "init.safetensors"]
                 if side == "test_new":
-                    epochs = yaml.safe_load((REPO / "configs" / "trainers" / f"{stem}.yaml").read_text())["OPTIM"]
-                    assert arg_value(argv, "--load-epoch") == str(epochs["MAX_EPOCH"])
+                    optim = yaml.safe_load((REPO / methods.get(keys[0]).config).read_text())["OPTIM"]
+                    assert arg_value(argv, "--load-epoch") == str(optim["MAX_EPOCH"])
         assert runs and all(set(r) == {"train_base", "test_new"} for r in runs.values()), key
         folders = {str(Path(out).parent) for r in runs.values() for out in r.values()}
         parsed = {expand(c, {})[0] for c in recipe.parser_commands}

@@ -31,8 +31,9 @@ from meta.regulator import GradientRegulator, RegulatorSpec  # noqa: E402
 N_CLASSES, COUNTS = 4, {"train": 3, "val": 2, "test": 2}  # make_dtd: class c has COUNTS[split] + c images
 BASE, NEW = [0, 1], [2, 3]  # CoOp's base/new split of 4 sorted labels
 TINY_EPOCHS = 1
-PROMPT_TOKENS = {"GRAM_CoOp": {"ctx": (4,)}, "GRAM_VPT": {"vpt": (1, 4)},
-                 "UNIGRAM": {"ctx": (2,), "vpt": (1, 2)}}  # the configs' token counts (UNIGRAM 2 + 2), shallow
+WIDTH = 64  # the tiny CLIP's text and vision widths
+PROMPT_SHAPES = {"GRAM_CoOp": {"ctx": (4, WIDTH)}, "GRAM_VPT": {"vpt": (1, 4, WIDTH)},
+                 "UNIGRAM": {"ctx": (2, WIDTH), "vpt": (1, 2, WIDTH)}}  # the configs' token counts (UNIGRAM 2 + 2)
 ACCURACY = re.compile(r"^\* accuracy: ([\d.]+)%", re.M)
 TOTAL = re.compile(r"^\* total: (\d+)", re.M)
 
@@ -45,11 +46,11 @@ def tiny_options(clip_file: Path) -> list[str]:
 
 def make_init(path: Path, trainer: str, dims) -> dict[str, torch.Tensor]:
     """θ* for ``trainer`` (small random prompts) and a non-identity φ per tensor, exported as meta does."""
+    assert dims.text_width == dims.vision_width == WIDTH
     g = torch.Generator().manual_seed(7)
-    width = {"ctx": dims.text_width, "vpt": dims.vision_width}
-    theta = {k: torch.randn(*shape, width[k], generator=g) * 0.02 for k, shape in PROMPT_TOKENS[trainer].items()}
+    theta = {k: torch.randn(*shape, generator=g) * 0.02 for k, shape in PROMPT_SHAPES[trainer].items()}
     torch.manual_seed(11)
-    regs = {k: GradientRegulator(width[k], RegulatorSpec(init="normal", init_std=0.2)) for k in theta}
+    regs = {k: GradientRegulator(WIDTH, RegulatorSpec(init="normal", init_std=0.2)) for k in theta}
     export_gram_init(path, PromptParams(**theta), regs, dims)
     return theta
 
