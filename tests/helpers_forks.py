@@ -11,6 +11,7 @@ step 4's config copies) and nothing else; :func:`run_train` runs the fork's own 
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
@@ -205,6 +206,17 @@ def run_script(fork: Path, script: str, argv: list[str]) -> subprocess.Completed
     """``python <script> argv`` in the fork's root (its ``parse_test_res.py``, or ours by absolute path)."""
     return subprocess.run([sys.executable, script, *argv], capture_output=True, text=True,
                           timeout=FORK_TIMEOUT_S, cwd=fork, env=fork_env())
+
+
+def parse_results(argv: list[str]) -> int:
+    """``python scripts/parse_results.py argv``, in this process (the subprocess spends ~6 s importing open_clip)."""
+    module = sys.modules.get("parse_results")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("parse_results", REPO / "scripts" / "parse_results.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["parse_results"] = module  # its dataclasses look the module up while the file executes
+        spec.loader.exec_module(module)
+    return module.main(argv)
 
 
 def failure(r: subprocess.CompletedProcess) -> str:

@@ -23,7 +23,8 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from helpers import make_dtd  # noqa: E402
-from helpers_forks import REPO, add_gram, arg_value, doc_recipe, expand, failure, run_script, run_train  # noqa: E402
+from helpers_forks import (add_gram, arg_value, doc_recipe, expand, failure, parse_results,  # noqa: E402
+                           run_script, run_train)
 from meta.init_io import export_gram_init  # noqa: E402
 from meta.prompts import PromptParams  # noqa: E402
 from meta.regulator import GradientRegulator, RegulatorSpec  # noqa: E402
@@ -113,8 +114,7 @@ def test_trains_from_the_init_on_base_and_evaluates_that_checkpoint_on_new(fork_
 
 def test_our_parser_reads_the_forks_layout(fork_run):
     out = fork_run["tmp"] / "tables"
-    r = run_script(fork_run["fork"], str(REPO / "scripts" / "parse_results.py"), ["output", "--out", str(out)])
-    assert r.returncode == 0, failure(r)
+    assert parse_results([str(fork_run["fork"] / "output"), "--out", str(out), "--strict"]) == 0
     rows = [row for path in out.glob("base2new_shots*.csv") for row in csv.DictReader(path.open())]
     for trainer, run in fork_run["runs"].items():
         method = f"{trainer}/{run['config'].stem}"

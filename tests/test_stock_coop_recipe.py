@@ -26,7 +26,8 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from helpers import make_dtd  # noqa: E402
-from helpers_forks import REPO, add_gram, arg_value, doc_recipe, expand, failure, run_script, run_train  # noqa: E402
+from helpers_forks import (add_gram, arg_value, doc_recipe, expand, failure, parse_results,  # noqa: E402
+                           run_script, run_train)
 from meta.init_io import export_gram_init  # noqa: E402
 from meta.prompts import PromptParams  # noqa: E402
 from trainers.gram.export import main as export_main  # noqa: E402
@@ -128,8 +129,7 @@ def test_the_forks_parser_and_ours_read_the_logs(setup, runs):
         assert r.returncode == 0, failure(r)
         assert f"* accuracy: {accuracy[kind]:.2f}% +- 0.00%" in r.stdout, r.stdout
     out = setup["tmp"] / "tables"
-    r = run_script(fork, str(REPO / "scripts" / "parse_results.py"), ["output", "--out", str(out)])
-    assert r.returncode == 0, failure(r)
+    assert parse_results([str(fork / "output"), "--out", str(out), "--strict"]) == 0
     method = f"CoCoOp/{folders['train'].parent.name}"
     row = next(row for path in out.glob("base2new_shots*.csv") for row in csv.DictReader(path.open())
                if row["method"] == method and row["dataset"] == "dtd")
