@@ -73,7 +73,7 @@ def test_fork_sections_commands_fit_the_configs_and_the_parsers():
 
     for key in FORKS:
         recipe = doc_recipe(key)
-        assert recipe.import_lines[0].startswith("import trainers.gram") and len(recipe.scripts) == 2, key
+        assert recipe.import_lines[0].startswith("import trainers.gram") and len(recipe.scripts) % 2 == 0, key
         assert all(line.startswith("    ") for line in recipe.extend_lines), "extend_cfg lines go inside the function"
         runs = {}
         for command in recipe.commands:
@@ -83,7 +83,7 @@ def test_fork_sections_commands_fit_the_configs_and_the_parsers():
             stem = Path(cfg).stem
             assert cfg == f"configs/trainers/{trainer}/{stem}.yaml", cfg  # the forks' scripts' layout
             side = "test_new" if "--eval-only" in argv else "train_base"
-            assert re.fullmatch(rf"output/base2new/{side}/dtd/shots_16/{trainer}/{stem}/seed1", out), out
+            assert out == f"output/base2new/{side}/dtd/shots_16/{trainer}/{stem}/seed1", out
             assert argv[argv.index("DATASET.SUBSAMPLE_CLASSES") + 1] == ("new" if side == "test_new" else "base")
             runs.setdefault(trainer, {})[side] = out
             if side == "test_new":
