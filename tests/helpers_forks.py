@@ -187,6 +187,13 @@ def arg_value(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
 
+def script_variables(script: Path) -> dict[str, str]:
+    """``NAME=value`` lines of a fork's shell script (TRAINER, CFG, LOADEP, ...), after checking it runs train.py."""
+    text = script.read_text()
+    assert "python train.py" in text and "DATASET.SUBSAMPLE_CLASSES" in text, f"{script}: not a base-to-new script"
+    return dict(re.findall(r"^([A-Z_]+)=(\S*)$", text, re.M))
+
+
 # ------------------------------------------------------------------------------ running the fork
 def fork_env() -> dict[str, str]:
     """This checkout's ``meta`` first on the path (as ``scripts/setup.sh`` installs it), one thread."""

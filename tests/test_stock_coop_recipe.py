@@ -27,7 +27,7 @@ import yaml  # noqa: E402
 
 from helpers import make_dtd  # noqa: E402
 from helpers_forks import (add_gram, arg_value, doc_recipe, expand, failure, parse_results,  # noqa: E402
-                           run_script, run_train)
+                           run_script, run_train, script_variables)
 from meta.init_io import export_gram_init  # noqa: E402
 from meta.prompts import PromptParams  # noqa: E402
 from trainers.gram.export import main as export_main  # noqa: E402
@@ -146,3 +146,13 @@ def test_forgotten_n_ctx_stops_with_one_line(setup):
     assert r.returncode != 0
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("ValueError: MODEL.INIT_WEIGHTS") and "set TRAINER.COOP.N_CTX 4" in last, last
+
+
+def test_the_scripts_the_doc_names_load_the_epoch_it_says(setup):
+    """The doc: CoCoOp's scripts run these commands once the options are appended; their LOADEP=10 fits."""
+    scripts = doc_recipe("CoOp").scripts
+    assert len(scripts) == 2
+    found = {script: script_variables(setup["fork"] / script) for script in scripts}
+    assert all(v["TRAINER"] == "CoCoOp" and v["CFG"] == "vit_b16_c4_ep10_batch1_ctxv1" for v in found.values())
+    load_epoch = arg_value(expand(doc_recipe("CoOp").commands[1], {"DATA": "d", "CTX": "c"}), "--load-epoch")
+    assert [v.get("LOADEP") for v in found.values()].count(load_epoch) == 1, found
