@@ -199,7 +199,7 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.VAL_EPOCHS = 10               # CoCoOp's 10 epochs
     m.VAL_FT_WEIGHT_DECAY = 5e-4    # Dassl OPTIM.WEIGHT_DECAY default
     m.VAL_RRCROP_SCALE = (0.08, 1.0)  # Dassl INPUT.RRCROP_SCALE default
-    m.VAL_REG_WINDOW = DEFAULT_REG_WINDOW
+    m.VAL_REG_WINDOW = DEFAULT_REG_WINDOW   # 0 = the task's support size
     m.VAL_LAUNCH = DEFAULT_LAUNCH
     m.FEATURE_CHECK = 8          # images re-encoded to prove cached features match this CLIP (0 = skip)
     m.PROGRESS = True            # tqdm bar

@@ -272,6 +272,60 @@ def test_training_step_applies_r_phi_to_the_gradient(data_root, init_files, meth
         assert not torch.allclose(theta[k].detach(), before[k] - 0.5 * g, atol=1e-6, rtol=1e-5)
 
 
+def test_window_and_launch_in_the_trainer(data_root, init_files, tiny_clip, tmp_path):
+    """TRAINER.GRAM.REG_WINDOW 2: no step after the first batch, then θ -= lr · 2 R_φ(mean of the two
+    gradients); REG_WINDOW 0 = the init file's k_way × n_support; LAUNCH: θ* − α R_φ(mean train gradient)."""
+    plain = load_gram_init(init_files["GRAM_CoOp"])
+    path = tmp_path / "with_provenance.safetensors"
+    export_gram_init(path, PromptParams(**plain.prompt), plain.regulator_modules(), tiny_clip[1],
+                     provenance={"tasks": {"k_way": 3, "n_support": 2}, "meta": {"inner_lr": 0.3, "inner_steps": 1}})
+    opts = ("OPTIM.WARMUP_EPOCH", "0", "OPTIM.LR", "0.5", "OPTIM.MOMENTUM", "0.0", "OPTIM.WEIGHT_DECAY", "0.0")
+    trainer = build(data_root, "gram_coop", *opts, "TRAINER.GRAM.REG_WINDOW", "2", init_files=init_files)
+    assert trainer.window.size == 2
+    ctx, reg = trainer.model.prompt_learner.ctx, plain.regulator_modules()["ctx"]
+    batches = iter(trainer.train_loader_x)
+    b1, b2 = next(batches), next(batches)
+    grads = [torch.autograd.grad(F.cross_entropy(trainer.model(b["img"]), b["label"]), [ctx])[0] for b in (b1, b2)]
+    before = ctx.detach().clone()
+    trainer.set_model_mode("train")
+    trainer.batch_idx, trainer.num_batches = 0, 4
+    trainer.forward_backward(b1)
+    assert torch.equal(ctx.detach(), before)                       # window still open
+    trainer.batch_idx = 1
+    trainer.forward_backward(b2)
+    with torch.no_grad():
+        expected = before - 0.5 * 2 * reg((grads[0] + grads[1]) / 2)
+    torch.testing.assert_close(ctx.detach(), expected, atol=1e-6, rtol=1e-5)
+
+    gram = ["TRAINER.GRAM.INIT", str(path), "TRAINER.GRAM.ENABLED", "True"]
+    trainer = build(data_root, "gram_coop", *opts, "TRAINER.GRAM.REG_WINDOW", "0", "TRAINER.GRAM.LAUNCH", "True",
+                    *gram)
+    assert trainer.window.size == 6 and trainer.launch_step.alpha == 0.3
+    ctx = trainer.model.prompt_learner.ctx
+    start = ctx.detach().clone()
+    loss = trainer._launch()
+    trainer.model.reset_cache()
+    # independent: the mean cross-entropy over every train image (test transform), one regulated α-step
+    from dassl.data.data_manager import build_data_loader
+    from dassl.data.transforms import build_transform
+    with torch.no_grad():
+        ctx.copy_(start)
+    loader = build_data_loader(trainer.cfg, sampler_type="SequentialSampler", data_source=trainer.dm.dataset.train_x,
+                               batch_size=1000, tfm=build_transform(trainer.cfg, is_train=False), is_train=False)
+    (batch,) = list(loader)
+    mean_ce = F.cross_entropy(trainer.model(batch["img"]), batch["label"])
+    (g,) = torch.autograd.grad(mean_ce, [ctx])
+    assert loss == pytest.approx(float(mean_ce.detach()), rel=1e-5)
+    with torch.no_grad():
+        expected = start - 0.3 * reg(g)
+    trainer.model.reset_cache()
+    trainer._launch()
+    torch.testing.assert_close(ctx.detach(), expected, atol=1e-6, rtol=1e-5)
+
+    with pytest.raises(ValueError, match="TRAINER.GRAM.INIT .*provenance.tasks"):
+        build(data_root, "gram_coop", "TRAINER.GRAM.REG_WINDOW", "0", init_files=init_files)
+
+
 def test_regulate_off_keeps_the_init_but_not_the_regulator(data_root, init_files):
     trainer = build(data_root, "unigram", "TRAINER.GRAM.REGULATE", "False", init_files=init_files)
     assert trainer.regulation is None

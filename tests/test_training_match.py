@@ -223,3 +223,35 @@ def test_downstream_validation_is_the_evaluators_fine_tuning_on_the_support(tiny
     assert a.shape == image.shape and torch.equal(a, b)
     assert torch.equal(crop_and_flip(image, (1.0, 1.0), torch.Generator().manual_seed(3)).abs().sum(),
                        crop_and_flip(image, (1.0, 1.0), torch.Generator().manual_seed(3)).abs().sum())
+
+
+def test_window_zero_is_the_meta_training_support_size(tiny_clip, tmp_path):
+    """reg_window 0 resolves to k_way × n_support of the init file's tasks (evaluator, start point, Dassl key)."""
+    from meta.finetune import resolve_window, support_size
+
+    clip, dims = tiny_clip
+    star = PromptParams(ctx=torch.randn(4, dims.text_width, generator=torch.Generator().manual_seed(2)))
+    reg = _regulator(dims.text_width, seed=4)
+    path = tmp_path / "init.safetensors"
+    export_gram_init(path, star, {"ctx": reg}, dims,
+                     provenance={"tasks": {"k_way": 5, "n_support": 4}, "meta": {"inner_lr": 0.1}})
+    assert support_size({"provenance": {"tasks": {"k_way": 3, "n_support": 7}}}) == 21
+    assert resolve_window(6, None) == 6
+    with pytest.raises(ValueError, match="old.safetensors: provenance.tasks.k_way / n_support are missing"):
+        resolve_window(0, {"provenance": {}}, source="old.safetensors")
+    with pytest.raises(ValueError, match="must be >= 0"):
+        resolve_window(-1, None)
+
+    _, _, info = build_prompts(MethodSpec("w0", init_path=str(path), regulate=True, reg_window=0), clip, dims, 1)
+    assert info["reg_window"] == 20
+    _, _, info = build_prompts(MethodSpec("w3", init_path=str(path), regulate=True, reg_window=3), clip, dims, 1)
+    assert info["reg_window"] == 3
+    _, reg_none, info = build_prompts(MethodSpec("raw", init_path=str(path), regulate=False, reg_window=0), clip, dims, 1)
+    assert reg_none is None and "reg_window" not in info
+    point = StartPoint(star, {"ctx": reg}, support_size=12)
+    _, _, info = build_prompts(MethodSpec("m", regulate=True, reg_window=0), clip, dims, 1, start=point)
+    assert info["reg_window"] == 12
+    with pytest.raises(ValueError, match="needs StartPoint.support_size"):
+        build_prompts(MethodSpec("m", regulate=True, reg_window=0), clip, dims, 1, start=StartPoint(star, {"ctx": reg}))
+    with pytest.raises(ValueError, match="reg_window must be >= 0"):
+        MethodSpec("bad", init_path=str(path), regulate=True, reg_window=-2)

@@ -50,7 +50,8 @@ class MethodSpec:
             start while R_φ still comes from the file (False: the "R_φ only" component rows).
         reg_window: regulation window W (:class:`meta.finetune.UpdateWindow`): R_φ is applied once to
             the mean gradient of W images and one optimiser step with W times that is taken; 1 = R_φ on
-            every image's gradient (the paper's literal Eq. 7 under batch 1).  Only with ``regulate``.
+            every image's gradient (the paper's literal Eq. 7 under batch 1); 0 = the meta-training
+            support size recorded in the init file (k_way × n_support).  Only with ``regulate``.
         launch: before the schedule, take the meta-trained inner step θ <- θ − α R_φ(mean gradient over
             the train set) once (:func:`meta.finetune.launch_`; α and the step count from the init file;
             raw gradient without ``regulate``).  Needs ``init_path`` (or an in-memory start point).
@@ -89,8 +90,9 @@ class MethodSpec:
             raise ValueError(f"MethodSpec {self.name!r}: init_path given but the method has no prompts")
         if "{}" not in self.template:
             raise ValueError(f"MethodSpec {self.name!r}: template must contain '{{}}', got {self.template!r}")
-        if self.reg_window < 1:
-            raise ValueError(f"MethodSpec {self.name!r}: reg_window must be >= 1 image, got {self.reg_window}")
+        if self.reg_window < 0:
+            raise ValueError(f"MethodSpec {self.name!r}: reg_window must be >= 0 images (0 = the meta-training "
+                             f"support size), got {self.reg_window}")
         if self.init_path and not (self.init_prompts or self.regulate):
             raise ValueError(f"MethodSpec {self.name!r}: init_path given but neither θ* (init_prompts) nor R_φ "
                              f"(regulate) is taken from it")

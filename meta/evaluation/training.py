@@ -21,7 +21,7 @@ from torch import nn
 from torch.optim import lr_scheduler as sched
 
 from ..backbone import ClipDims
-from ..finetune import GradientRegulation, LaunchStep, UpdateWindow, launch_
+from ..finetune import GradientRegulation, LaunchStep, UpdateWindow, launch_, resolve_window
 from ..init_io import load_gram_init
 from ..prompts import PromptedCLIP, PromptParams, classification_loss
 from ..regulator import GradientRegulator
@@ -74,6 +74,7 @@ class StartPoint:
     regulators: Mapping[str, GradientRegulator] = field(default_factory=dict)
     label: str = "in_memory"
     launch: Optional[LaunchStep] = None   # the meta-trained inner step (needed by MethodSpec.launch)
+    support_size: int = 0                 # images per meta-training support set (for MethodSpec.reg_window 0)
 
 
 def _check_start(method: MethodSpec, dims: ClipDims, prompts: PromptParams) -> None:
@@ -105,7 +106,9 @@ def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int
     ``method.ctx_init``; a GRAM file is validated against the method's token counts and widths
     (``meta.init_io.load_gram_init``); an in-memory ``start`` is copied and shape-checked.  With
     ``method.init_prompts`` False, θ is the scratch start and only R_φ comes from the file / start.
-    With ``method.launch`` the description holds ``"launch"`` (:class:`meta.finetune.LaunchStep` fields).
+    With ``method.launch`` the description holds ``"launch"`` (:class:`meta.finetune.LaunchStep` fields);
+    with a regulator, ``"reg_window"``: images per regulated step, ``method.reg_window`` or, for 0, the
+    meta-training support size of the file / start point (:func:`meta.finetune.resolve_window`).
     Returns ``(None, None, info)`` for zero-shot CLIP.
     """
     if method.zero_shot:
@@ -113,6 +116,7 @@ def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int
     device = clip.token_embedding.weight.device
     regulation = None
     launch: Optional[LaunchStep] = None
+    window = 1
     if start is not None:
         if method.init_path or method.ctx_init:
             raise ValueError(f"method {method.name!r}: a start point replaces init_path/ctx_init; give one of them")
@@ -127,6 +131,10 @@ def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int
             if not start.regulators:
                 raise ValueError(f"method {method.name!r}: regulate=True but the start point has no regulators")
             regulation = GradientRegulation(dict(start.regulators), norm_preserve=method.norm_preserve).to(device)
+            if method.reg_window == 0 and start.support_size < 1:
+                raise ValueError(f"method {method.name!r}: reg_window 0 (the meta-training support size) needs "
+                                 f"StartPoint.support_size")
+            window = method.reg_window or start.support_size
         if method.launch:
             if start.launch is None:
                 raise ValueError(f"method {method.name!r}: launch=True but the start point has no LaunchStep")
@@ -145,6 +153,8 @@ def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int
             if not regulators:
                 raise ValueError(f"method {method.name!r}: regulate=True but {method.init_path} holds no regulator φ")
             regulation = GradientRegulation(regulators, norm_preserve=method.norm_preserve).to(device)
+            window = resolve_window(method.reg_window, init.metadata,
+                                    source=f"method {method.name!r} init_path {method.init_path}")
         if method.launch:
             launch = LaunchStep.from_metadata(init.metadata, source=f"method {method.name!r} init_path {method.init_path}")
         info = {"source": "gram_file" if method.init_prompts else "scratch", "path": str(method.init_path),
@@ -161,6 +171,8 @@ def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int
                 "init_std": method.init_std, "vpt_init": method.vpt_init if method.n_ctx_vision else ""}
     if launch is not None:
         info["launch"] = {"alpha": launch.alpha, "steps": launch.steps, "momentum": launch.momentum}
+    if regulation is not None:
+        info["reg_window"] = window   # images per regulated step, resolved
     info["prompt_sha256"] = prompt_digest(prompts)
     return prompts, regulation, info
 

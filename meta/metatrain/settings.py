@@ -62,7 +62,7 @@ def check_meta_cfg(cfg: CN) -> None:
     need(m.VAL_FT_STEPS >= 0, "META.VAL_FT_STEPS", "an integer >= 0", m.VAL_FT_STEPS)
     need(m.VAL_PROTOCOL in ("downstream", "one_step"), "META.VAL_PROTOCOL", "downstream | one_step", m.VAL_PROTOCOL)
     need(m.VAL_EPOCHS >= 1, "META.VAL_EPOCHS", "an integer >= 1", m.VAL_EPOCHS)
-    need(m.VAL_REG_WINDOW >= 1, "META.VAL_REG_WINDOW", "an integer >= 1", m.VAL_REG_WINDOW)
+    need(m.VAL_REG_WINDOW >= 0, "META.VAL_REG_WINDOW", "an integer >= 0 (0 = the support size)", m.VAL_REG_WINDOW)
     need(len(m.VAL_RRCROP_SCALE) == 2 and 0 < m.VAL_RRCROP_SCALE[0] <= m.VAL_RRCROP_SCALE[1] <= 1,
          "META.VAL_RRCROP_SCALE", "(lo, hi) with 0 < lo <= hi <= 1", m.VAL_RRCROP_SCALE)
     need(m.CHECKPOINT_EVERY >= 1, "META.CHECKPOINT_EVERY", "an integer >= 1", m.CHECKPOINT_EVERY)

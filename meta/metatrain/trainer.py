@@ -273,7 +273,8 @@ def _downstream_scores(run: RunSetup, batch, seed: int) -> dict:
         with torch.random.fork_rng(devices=[]):   # validation never moves meta-training's random stream
             acc = downstream_accuracy(pclip, learner.prompt_module, regulators, batch.support, batch.query,
                                       val_train_spec(cfg), seed=int(cfg.SEED) * 1000 + seed,
-                                      reg_window=int(cfg.META.VAL_REG_WINDOW), launch=launch)
+                                      reg_window=int(cfg.META.VAL_REG_WINDOW) or len(batch.support["label"]),
+                                      launch=launch)
         out[key] = acc / 100.0
     return out
 

@@ -48,7 +48,8 @@ def _gram_defaults() -> CN:
     node.REGULATE = True       # with ENABLED: apply R_φ to every prompt gradient (paper Eq. 7); False = ablation
     node.NORM_PRESERVE = "auto"  # auto = as meta-trained (init file) | on = rescale ĝ to ‖g‖ per tensor | off
     node.INIT_PROMPTS = True   # with ENABLED: θ starts from the file's θ*; False = scratch θ, R_φ from the file
-    node.REG_WINDOW = DEFAULT_REG_WINDOW  # R_φ on the mean gradient of this many batches, one step per window
+    node.REG_WINDOW = DEFAULT_REG_WINDOW  # R_φ on the mean gradient of this many batches, one step per window;
+    # 0 = the init file's meta-training support size (k_way x n_support)
     node.LAUNCH = DEFAULT_LAUNCH  # take the meta-trained step θ − α R_φ(mean train gradient) once before epoch 1
     # --- prompts (paper §4 "Training Details": 4 tokens; UNIGRAM 2 text + 2 visual) ------------
     node.N_CTX_TEXT = 4        # M text context vectors (GRAM_CoOp, UNIGRAM)
@@ -249,8 +250,9 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
     init_prompts = _as_bool(g.get("INIT_PROMPTS", True), "TRAINER.GRAM.INIT_PROMPTS")
     launch = _as_bool(g.get("LAUNCH", DEFAULT_LAUNCH), "TRAINER.GRAM.LAUNCH")
     window = g.get("REG_WINDOW", DEFAULT_REG_WINDOW)
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"TRAINER.GRAM.REG_WINDOW: expected an integer >= 1 (batches per regulated step), got {window!r}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"TRAINER.GRAM.REG_WINDOW: expected an integer >= 0 (batches per regulated step; 0 = the "
+                         f"init file's meta-training support size), got {window!r}")
     if enabled and not (init_prompts or regulate):
         raise ValueError("TRAINER.GRAM.INIT_PROMPTS and TRAINER.GRAM.REGULATE are both False: nothing is taken from "
                          "TRAINER.GRAM.INIT; set ENABLED False for the plain baseline")

@@ -33,7 +33,7 @@ from dassl.metrics import compute_accuracy
 from dassl.optim import build_optimizer
 
 from meta.backbone import load_clip
-from meta.finetune import GradientRegulation, LaunchStep, UpdateWindow, launch_
+from meta.finetune import GradientRegulation, LaunchStep, UpdateWindow, launch_, resolve_window
 from meta.init_io import load_gram_init
 from meta.prompts import PromptParams, PromptSpec
 
@@ -94,7 +94,9 @@ class _GramTrainer(TrainerX):
         self.register_model(MODEL_NAME, self.model.prompt_learner, self.optim, self.sched)
         self.regulation = (GradientRegulation(regulators, norm_preserve=settings.norm_preserve).to(self.device)
                            if regulators else None)
-        self.window = UpdateWindow(settings.reg_window if self.regulation is not None else 1)
+        self.window = UpdateWindow(resolve_window(settings.reg_window, self.gram_init_metadata,
+                                                  source=f"TRAINER.GRAM.INIT {settings.init_path}")
+                                   if self.regulation is not None else 1)
         self.launch_step = (LaunchStep.from_metadata(self.gram_init_metadata, source=f"TRAINER.GRAM.INIT {settings.init_path}")
                             if settings.launch else None)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "amp" else None
@@ -139,7 +141,8 @@ class _GramTrainer(TrainerX):
         cfg = self.cfg
         print(f"GRAM trainer {s.trainer}: GRAM {'on' if s.enabled else 'off (baseline)'}, "
               f"text ctx {s.n_ctx_text}, visual prompts {s.n_ctx_vision} x depth {s.vision_depth(dims.vision_layers)}, "
-              f"regulated tensors {sorted(self.regulation.regulators) if self.regulation else []}")
+              f"regulated tensors {sorted(self.regulation.regulators) if self.regulation else []}, "
+              f"regulation window {self.window.size}, launch step {'on' if self.launch_step else 'off'}")
         quick_gelu = "auto" if s.quick_gelu is None else s.quick_gelu
         print(f"GRAM backbone: {dims.model_name} weights={s.weights or 'RANDOM'} quick_gelu={quick_gelu} "
               f"precision={self.precision} (asked {s.precision}) device={self.device} widths text={dims.text_width} "
