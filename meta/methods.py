@@ -46,6 +46,9 @@ class Method:
     trainer: str = ""
     config: str = ""
     aliases: tuple[str, ...] = ()
+    text_depth: int = 1
+    vision_depth: int = 1
+    coupling: str = "none"
 
     @property
     def dassl(self) -> bool:
@@ -123,6 +126,8 @@ def load_methods(path: Union[str, Path, None] = None) -> dict[str, Method]:
             raise MethodTableError(f"{path}: method {m.key!r}: preset {m.preset!r} is not a row whose preset is itself")
         if m.zero_shot and (m.init or m.regulate or m.text_tokens or m.visual_tokens):
             raise MethodTableError(f"{path}: method {m.key!r}: a zero-shot method has no tokens, init or regulator")
+        if m.coupling not in ("none", "maple"):
+            raise MethodTableError(f"{path}: method {m.key!r}: coupling must be none or maple, got {m.coupling!r}")
         if m.regulate and not m.init:
             raise MethodTableError(f"{path}: method {m.key!r}: regulate needs init (R_phi comes from the init file)")
     return table

@@ -30,7 +30,7 @@ prompts plus coupled visual prompts (``coupling="maple"``).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -116,7 +116,9 @@ class PromptSpec:
             ``normal`` = N(0, init_std²) (CoOp / MaPLe); ``zeros``; ``cls`` = the frozen CLS input
             token + N(0, init_std²); ``patch_mean`` = the mean patch position code + N(0, init_std²).
         text_depth: J, text layers that receive learnable context (1 = CoOp; J > 1 adds ``ctx_deep``
-            for layers 1..J-1, started from N(0, init_std²) as IVLP and MaPLe do).
+            for layers 1..J-1, started from N(0, init_std²) as IVLP and MaPLe do; 0 = every text layer,
+            with ``maple`` every layer both towers have; see :meth:`resolved`).  ``vision_depth`` 0 = every
+            vision layer likewise.
         coupling: ``none`` (visual prompts, if any, are their own tensor ``vpt``) or ``maple`` (the
             visual prompts of the first J vision layers are projections of the J text prompts; then
             ``n_ctx_vision`` must be 0: MaPLe has no independent visual prompts).
@@ -137,15 +139,26 @@ class PromptSpec:
             raise ValueError(f"vpt_init must be one of {', '.join(VPT_INITS)}, got {self.vpt_init!r}")
         if self.coupling not in COUPLINGS:
             raise ValueError(f"coupling must be one of {', '.join(COUPLINGS)}, got {self.coupling!r}")
-        if int(self.text_depth) < 1:
-            raise ValueError(f"text_depth must be >= 1, got {self.text_depth}")
+        if int(self.text_depth) < 0 or int(self.vision_depth) < 0:
+            raise ValueError(f"text_depth and vision_depth must be >= 0 (0 = all layers), got "
+                             f"{self.text_depth} and {self.vision_depth}")
         has_text = self.n_ctx_text > 0 or bool(self.ctx_init)
-        if (self.text_depth > 1 or self.coupling != "none") and not has_text:
+        if (self.text_depth != 1 or self.coupling != "none") and not has_text:
             raise ValueError("deep text prompts (text_depth > 1) and the MaPLe coupling need text context "
                              "(n_ctx_text > 0 or ctx_init)")
         if self.coupling == "maple" and self.n_ctx_vision > 0:
             raise ValueError(f"coupling 'maple' derives the visual prompts from the text prompts; "
                              f"n_ctx_vision must be 0, got {self.n_ctx_vision}")
+
+    def resolved(self, dims: ClipDims) -> "PromptSpec":
+        """This spec with depth 0 ("all layers") replaced by the layer count of the CLIP of ``dims``."""
+        text_all = min(dims.text_layers, dims.vision_layers) if self.coupling == "maple" else dims.text_layers
+        return replace(self, text_depth=self.text_depth or text_all, vision_depth=self.vision_depth or dims.vision_layers)
+
+    @property
+    def has_visual_prompts(self) -> bool:
+        """True when the image tower carries prompts (free tokens or MaPLe's coupled ones)."""
+        return self.n_ctx_vision > 0 or self.coupling != "none"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -214,6 +227,7 @@ class PromptParams(nn.Module):
     def from_spec(cls, spec: PromptSpec, clip: nn.Module, dims: ClipDims,
                   generator: Optional[torch.Generator] = None) -> "PromptParams":
         """Fresh θ for ``spec`` on a CLIP of widths ``dims`` (random or word init)."""
+        spec = spec.resolved(dims)
         device = clip.token_embedding.weight.device
         ctx = vpt = None
         if spec.ctx_init:
