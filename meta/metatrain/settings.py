@@ -71,7 +71,9 @@ def check_meta_cfg(cfg: CN) -> None:
          "META.PROMPT", "N_CTX_TEXT > 0, N_CTX_VISION > 0 or CTX_INIT (no prompt to learn)",
          (m.PROMPT.N_CTX_TEXT, m.PROMPT.N_CTX_VISION))
     need(m.PROMPT.VPT_INIT in VPT_INITS, "META.PROMPT.VPT_INIT", " | ".join(VPT_INITS), m.PROMPT.VPT_INIT)
-    need(m.PROMPT.TEXT_DEPTH >= 1, "META.PROMPT.TEXT_DEPTH", "an integer >= 1", m.PROMPT.TEXT_DEPTH)
+    need(m.PROMPT.TEXT_DEPTH >= 0, "META.PROMPT.TEXT_DEPTH", "an integer >= 0 (0 = every layer)", m.PROMPT.TEXT_DEPTH)
+    need(m.PROMPT.VISION_DEPTH >= 0, "META.PROMPT.VISION_DEPTH", "an integer >= 0 (0 = every layer)",
+         m.PROMPT.VISION_DEPTH)
     need(m.PROMPT.COUPLING in COUPLINGS, "META.PROMPT.COUPLING", " | ".join(COUPLINGS), m.PROMPT.COUPLING)
     try:
         prompt_spec(cfg)
