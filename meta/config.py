@@ -31,6 +31,7 @@ import yaml
 from yacs.config import CfgNode as CN
 
 from meta.cli_errors import UserError
+from meta.finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
 
 
 def _model_node() -> CN:
@@ -148,6 +149,8 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.AUTOCAST = "none"          # none | bf16 | fp16 autocast of the CLIP passes on CUDA (CPU: fp32, one log line);
     #                              bf16 is the safer choice: fp16 scales only the outer loss (meta.precision)
     m.INNER_MOMENTUM = 0.0       # heavy-ball inner SGD as the test-time optimiser (0.9 there); needs INNER_STEPS > 1
+    m.QUERY_BEFORE_WEIGHT = 0.0  # w: outer loss L_q(theta') + w L_q(theta), so theta* is also good where the
+    #                              downstream schedule starts (0 = the paper's one-step objective, Eq. 8)
 
     m.REGULATOR = CN()           # R_phi (meta.regulator.RegulatorSpec) [core]
     m.REGULATOR.FORM = "residual"   # residual | paper (literal Eq. 5)
@@ -189,6 +192,17 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.VAL_FT_STEPS = 0
     m.VAL_FT_LR = 0.002
     m.VAL_FT_MOMENTUM = 0.9
+    # validation as the downstream protocol (meta.metatrain.downstream_val): fine-tune on each held-out task's
+    # support with batch 1, VAL_EPOCHS epochs of CoCoOp's schedule (warm-up epoch, cosine, lr VAL_FT_LR,
+    # momentum VAL_FT_MOMENTUM, weight decay VAL_FT_WEIGHT_DECAY), crops of VAL_RRCROP_SCALE and flips, the
+    # regulation window VAL_REG_WINDOW and the launch step VAL_LAUNCH; logs query_acc_downstream (with R_phi)
+    # and query_acc_downstream_raw.  one_step = only the one-step metrics
+    m.VAL_PROTOCOL = "downstream"   # downstream | one_step
+    m.VAL_EPOCHS = 10               # CoCoOp's 10 epochs
+    m.VAL_FT_WEIGHT_DECAY = 5e-4    # Dassl OPTIM.WEIGHT_DECAY default
+    m.VAL_RRCROP_SCALE = (0.08, 1.0)  # Dassl INPUT.RRCROP_SCALE default
+    m.VAL_REG_WINDOW = DEFAULT_REG_WINDOW
+    m.VAL_LAUNCH = DEFAULT_LAUNCH
     m.FEATURE_CHECK = 8          # images re-encoded to prove cached features match this CLIP (0 = skip)
     m.PROGRESS = True            # tqdm bar
     m.TENSORBOARD = True

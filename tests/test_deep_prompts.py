@@ -141,7 +141,7 @@ def test_shallow_draws_unchanged_by_deep_options(deep_clip):
     (dict(n_ctx_text=0, n_ctx_vision=2, text_depth=2), "need text context"),
     (dict(n_ctx_text=2, n_ctx_vision=2, coupling="maple"), "n_ctx_vision must be 0"),
     (dict(n_ctx_text=2, coupling="deep"), "coupling must be one of"),
-    (dict(n_ctx_text=2, text_depth=0), "text_depth must be >= 1"),
+    (dict(n_ctx_text=2, text_depth=-1), "text_depth and vision_depth must be >= 0"),
 ])
 def test_bad_specs_raise(spec, why):
     with pytest.raises(ValueError, match=why):

@@ -18,6 +18,7 @@ from meta.backbone import load_clip
 from meta.cli_errors import UserError
 from meta.evaluation import (DatasetRef, EvaluationSession, TrainSpec, evaluate_base_to_new, evaluate_transfer,
                              method_preset)
+from meta.evaluation.spec import table_fields
 from meta.metatrain import train
 from meta.metatrain.cli import default_cfg
 from meta.metatrain.runlog import read_log
@@ -26,7 +27,7 @@ from ..build import build_world
 from ..pretrain import pretrain_clip
 from ..zeroshot import zeroshot_accuracy
 from .pool import log, run_with_progress
-from .settings import (METHOD_BY_KEY, METHODS, VALUE_BEFORE_SETTING, VARIANT_BY_NAME, DemoSettings, MethodRow,
+from .settings import (ALL_VARIANTS, METHOD_BY_KEY, METHODS, VALUE_BEFORE_SETTING, VARIANT_BY_NAME, DemoSettings, MethodRow,
                        MetaVariant, b2n_keys, demo_pretrain_settings, demo_world_settings, settings_record,
                        transfer_keys, variants_needed)
 
@@ -98,6 +99,12 @@ def _variant_cfg(variant: MetaVariant, model: str, weights: str, out: Path, sett
     cfg.META.PROMPT.N_CTX_TEXT = variant.n_ctx_text
     cfg.META.PROMPT.N_CTX_VISION = variant.n_ctx_vision
     cfg.META.PROMPT.VPT_INIT = settings.vpt_init
+    cfg.META.QUERY_BEFORE_WEIGHT = settings.query_before_weight
+    cfg.META.VAL_PROTOCOL = settings.meta_val_protocol
+    cfg.META.VAL_RRCROP_SCALE = tuple(settings.rrcrop_scale)
+    cfg.META.VAL_REG_WINDOW = settings.reg_window
+    cfg.META.VAL_LAUNCH = settings.launch
+    cfg.SEED = settings.meta_seed
     cfg.META.TENSORBOARD = False
     cfg.META.PROGRESS = False            # the parent process shows one bar over all variants
     cfg.TASKS.K_WAY = settings.k_way
@@ -139,11 +146,13 @@ def _steps_logged(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
-def stage_meta(world, weights: Path, model: str, out: Path, settings: DemoSettings) -> dict:
-    """Meta-train every variant the requested tables need; returns ``{variant name: init file}``.
+def stage_meta(world, weights: Path, model: str, out: Path, settings: DemoSettings,
+               names: Optional[tuple] = None) -> dict:
+    """Meta-train every variant the requested tables need (or the variants ``names``); returns
+    ``{variant name: init file}``.
 
     A variant whose log reached ``meta_steps`` and whose init file exists is not started again."""
-    needed = variants_needed(settings.tables)
+    needed = variants_needed(settings.tables) if names is None else tuple(v for v in ALL_VARIANTS if v.name in names)
     exports = {v.name: Path(cfg.OUTPUT_DIR) / cfg.META.EXPORT_NAME for v in needed
                for cfg in [_variant_cfg(v, model, str(weights), out, settings, str(world.labelled_meta_dir))]}
     finished = {v.name for v in needed
@@ -188,15 +197,20 @@ class EvalJob:
         return (4 if visual else 1) * (1 + len(self.targets))
 
 
-def method_spec(row: MethodRow, init: str = "", vpt_init: str = DemoSettings.vpt_init):
-    """The evaluator's :class:`meta.evaluation.MethodSpec` of a table row (named by its paper label);
-    ``vpt_init`` starts its scratch visual tokens (a GRAM init file's θ* replaces them)."""
-    overrides: dict = {"name": row.label, "vpt_init": vpt_init}
+def method_spec(row: MethodRow, init: str = "", settings: DemoSettings = DemoSettings()):
+    """The evaluator's :class:`meta.evaluation.MethodSpec` of a table row (named by its paper label):
+    its preset plus what the method table fixes for the row (θ* and / or R_φ from the init file),
+    the settings' ``vpt_init`` for scratch visual tokens and the test-time switches for rows with an
+    init file (``reg_window`` when regulated, ``launch``)."""
+    overrides: dict = {**table_fields(row.key), "name": row.label, "vpt_init": settings.vpt_init}
     variant = VARIANT_BY_NAME.get(row.variant)
     if variant is not None:
-        overrides.update(n_ctx_text=variant.n_ctx_text, n_ctx_vision=variant.n_ctx_vision)
-        if not variant.regulated:
-            overrides["regulate"] = False     # the ablation's init file carries no φ
+        overrides.update(n_ctx_text=variant.n_ctx_text, n_ctx_vision=variant.n_ctx_vision,
+                         launch=settings.launch and variant.meta_learned)
+        if overrides["regulate"]:
+            overrides["reg_window"] = settings.reg_window
+        if not variant.regulated and overrides["regulate"]:
+            raise ValueError(f"demo row {row.key!r}: regulated, but meta variant {variant.name!r} exports no φ")
     return method_preset(row.preset, init_path=init, **overrides)
 
 
@@ -220,15 +234,16 @@ def _eval_job(job: EvalJob) -> None:
     if path.is_file():
         return
     row = METHOD_BY_KEY[job.key]
-    method = method_spec(row, job.init, settings.vpt_init)
+    method = method_spec(row, job.init, settings)
     train = TrainSpec(epochs=settings.epochs, batch_size=settings.batch_size, rrcrop_scale=settings.rrcrop_scale,
                       eval_every_epoch=settings.eval_every_epoch and job.protocol == "base2new")
+    split = {"eval_split": settings.eval_split} if job.protocol == "base2new" else {}
     source = DatasetRef.from_dir(job.dataset_dir, name=job.dataset)
     t = time.time()
     common = dict(clip=_WORKER["clip"], dims=_WORKER["dims"], method=method, seed=job.seed, shots=job.shots,
                   train=train, session=evaluation, log=lambda m: None)
     if job.protocol == "base2new":
-        record = evaluate_base_to_new(source, **common)
+        record = evaluate_base_to_new(source, **common, **split)
         numbers = f"base {record['base']:5.1f}  new {record['new']:5.1f}  H {record['H']:5.1f}"
     else:
         targets = [DatasetRef.from_dir(d, name=n) for n, d in job.targets]
@@ -258,13 +273,13 @@ def transfer_plan(world) -> dict:
     return plan
 
 
-def eval_jobs(world, inits: dict, settings: DemoSettings) -> list:
-    """Every evaluation run the requested tables need."""
+def eval_jobs(world, inits: dict, settings: DemoSettings, keys: Optional[tuple] = None) -> list:
+    """Every evaluation run the requested tables need (or base-to-new runs of the rows ``keys`` only)."""
     names = settings.datasets or tuple(d.name for d in world.with_role("base2new"))
     init = {m.key: inits.get(m.variant, "") for m in METHODS}
     jobs = [EvalJob("base2new", n, str(world.dataset(n).dataset_dir), k, seed, settings.shots, init[k])
-            for n in names for seed in settings.seeds for k in b2n_keys(settings.tables)]
-    if transfer_keys(settings.tables):
+            for n in names for seed in settings.seeds for k in (b2n_keys(settings.tables) if keys is None else keys)]
+    if keys is None and transfer_keys(settings.tables):
         for source, targets in transfer_plan(world).items():
             target_dirs = tuple((t, str(world.dataset(t).dataset_dir)) for t in targets)
             jobs += [EvalJob("transfer", source, str(world.dataset(source).dataset_dir), k, seed, shots, init[k],
@@ -274,9 +289,11 @@ def eval_jobs(world, inits: dict, settings: DemoSettings) -> list:
     return jobs
 
 
-def stage_eval(world, weights: Path, model: str, inits: dict, out: Path, settings: DemoSettings) -> list:
-    """Run (or find cached) every evaluation job; returns their records (``key`` and ``label`` added)."""
-    jobs = eval_jobs(world, inits, settings)
+def stage_eval(world, weights: Path, model: str, inits: dict, out: Path, settings: DemoSettings,
+               keys: Optional[tuple] = None) -> list:
+    """Run (or find cached) every evaluation job (or the base-to-new runs of rows ``keys``); returns their
+    records (``key`` and ``label`` added)."""
+    jobs = eval_jobs(world, inits, settings, keys)
     todo = sorted((j for j in jobs if not j.path(out).is_file()), key=lambda j: -j.cost)
     n_jobs = max(1, min(settings.jobs, len(todo)))
     counts = {p: sum(j.protocol == p for j in jobs) for p in ("base2new", "transfer")}

@@ -30,7 +30,9 @@ MODES = ("gram", "pretrain")
 # compares the hierarchy's content fingerprint instead (data.hierarchy_fingerprint).
 RUN_CONTROL_KEYS = frozenset({
     "OUTPUT_DIR", "MODEL.DEVICE", "META.STEPS", "META.CHECKPOINT_EVERY", "META.LOG_DETAIL_EVERY",
-    "META.VAL_EVERY", "META.VAL_TASKS", "META.VAL_FT_STEPS", "META.VAL_FT_LR", "META.VAL_FT_MOMENTUM", "META.FEATURE_CHECK", "META.PROGRESS", "META.TENSORBOARD",
+    "META.VAL_EVERY", "META.VAL_TASKS", "META.VAL_FT_STEPS", "META.VAL_FT_LR", "META.VAL_FT_MOMENTUM",
+    "META.VAL_PROTOCOL", "META.VAL_EPOCHS", "META.VAL_FT_WEIGHT_DECAY", "META.VAL_RRCROP_SCALE", "META.VAL_REG_WINDOW",
+    "META.VAL_LAUNCH", "META.FEATURE_CHECK", "META.PROGRESS", "META.TENSORBOARD",
     "META.EXPORT_NAME", "META.COOP_CTX_NAME", "META.HIERARCHY", "TASKS.IMAGE_FOLDER",
 })
 RUN_CONTROL_PREFIXES = ("CHC.",)
@@ -55,8 +57,14 @@ def check_meta_cfg(cfg: CN) -> None:
     need(m.META_BATCH >= 1, "META.META_BATCH", "an integer >= 1", m.META_BATCH)
     need(m.INNER_STEPS >= 1, "META.INNER_STEPS", "an integer >= 1", m.INNER_STEPS)
     need(0.0 <= m.INNER_MOMENTUM < 1.0, "META.INNER_MOMENTUM", "a number in [0, 1)", m.INNER_MOMENTUM)
+    need(m.QUERY_BEFORE_WEIGHT >= 0, "META.QUERY_BEFORE_WEIGHT", "a number >= 0", m.QUERY_BEFORE_WEIGHT)
     need(m.REGULATOR.WEIGHT_DECAY >= 0, "META.REGULATOR.WEIGHT_DECAY", "a number >= 0", m.REGULATOR.WEIGHT_DECAY)
     need(m.VAL_FT_STEPS >= 0, "META.VAL_FT_STEPS", "an integer >= 0", m.VAL_FT_STEPS)
+    need(m.VAL_PROTOCOL in ("downstream", "one_step"), "META.VAL_PROTOCOL", "downstream | one_step", m.VAL_PROTOCOL)
+    need(m.VAL_EPOCHS >= 1, "META.VAL_EPOCHS", "an integer >= 1", m.VAL_EPOCHS)
+    need(m.VAL_REG_WINDOW >= 1, "META.VAL_REG_WINDOW", "an integer >= 1", m.VAL_REG_WINDOW)
+    need(len(m.VAL_RRCROP_SCALE) == 2 and 0 < m.VAL_RRCROP_SCALE[0] <= m.VAL_RRCROP_SCALE[1] <= 1,
+         "META.VAL_RRCROP_SCALE", "(lo, hi) with 0 < lo <= hi <= 1", m.VAL_RRCROP_SCALE)
     need(m.CHECKPOINT_EVERY >= 1, "META.CHECKPOINT_EVERY", "an integer >= 1", m.CHECKPOINT_EVERY)
     need(m.OPTIMIZER in ("adam", "sgd"), "META.OPTIMIZER", "adam | sgd", m.OPTIMIZER)
     for key in ("INNER_LR", "OUTER_LR_PROMPT", "OUTER_LR_REGULATOR", "GRAD_CLIP", "PRETRAIN.LR", "PROMPT.INIT_STD",
@@ -115,7 +123,8 @@ def meta_spec(cfg: CN, device=None) -> "MetaSpec":
                     first_order=bool(m.FIRST_ORDER), grad_clip=float(m.GRAD_CLIP),
                     regulate=bool(m.REGULATE) and not pretrain, regulator=regulator_spec(cfg), autocast=autocast,
                     inner_momentum=float(m.INNER_MOMENTUM),
-                    regulator_weight_decay=float(m.REGULATOR.WEIGHT_DECAY))
+                    regulator_weight_decay=float(m.REGULATOR.WEIGHT_DECAY),
+                    query_before_weight=float(m.QUERY_BEFORE_WEIGHT))
 
 
 def prompt_spec(cfg: CN) -> PromptSpec:
