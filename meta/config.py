@@ -169,10 +169,12 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.PROMPT.N_CTX_TEXT = 4      # [GRAM] 4 prompt tokens for CoOp/VPT; UNIGRAM 2 text + 2 visual
     m.PROMPT.CTX_INIT = ""       # e.g. "a photo of a" (then M = its token count)
     m.PROMPT.N_CTX_VISION = 0
-    m.PROMPT.VISION_DEPTH = 1    # 1 = shallow VPT
+    m.PROMPT.VISION_DEPTH = 1    # 1 = shallow VPT; 0 = every layer
     m.PROMPT.INIT_STD = 0.02     # CoOp's N(0, 0.02^2) context init
     m.PROMPT.TEMPLATE = "a photo of a {}."  # = meta.prompts.DEFAULT_TEMPLATE (tested); text side when N_CTX_TEXT == 0 (paper's VPT baseline)
     m.PROMPT.VPT_INIT = "patch_mean"  # = PromptSpec.vpt_init (tested); visual tokens' start: normal | zeros | cls | patch_mean (meta.prompts)
+    m.PROMPT.TEXT_DEPTH = 1      # J text layers with learnable context (1 = CoOp; IVLP / MaPLe PROMPT_DEPTH > 1: deep text prompts; 0 = every layer)
+    m.PROMPT.COUPLING = "none"   # none | maple (visual prompts of the first TEXT_DEPTH vision layers projected from the text prompts; N_CTX_VISION 0)
 
     # ---- Table 4 row 3: plain classification over the topics --------------------------------
     m.PRETRAIN = CN()

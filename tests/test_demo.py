@@ -69,7 +69,7 @@ def test_average_rows_average_datasets_per_seed_first_then_take_h_of_the_means()
 
 
 def test_every_table_holds_its_paper_rows_under_stable_keys():
-    settings = replace(DemoSettings(), tables=tuple(TABLE_GROUPS))
+    settings = replace(DemoSettings(), tables=tuple(g for g in TABLE_GROUPS if g != "deep"))
     records = _b2n_records() + _transfer_records(16) + _transfer_records(4)
     tables = build_tables(records, settings, _fake_world())
     assert set(tables) == {"table1", "table2", "table3", "table4", "tableA1", "tableA2", "tableA3"}
@@ -104,6 +104,24 @@ def test_every_table_holds_its_paper_rows_under_stable_keys():
 def test_only_the_requested_table_groups_are_built():
     tables = build_tables(_b2n_records(), DemoSettings(), _fake_world())
     assert set(tables) == {"table1", "table4"}
+
+
+def test_deep_group_is_opt_in_and_holds_ivlp_and_maple_with_their_variants():
+    from gram_world.demo.settings import DEEP_KEYS, DEEP_VARIANTS, variants_needed
+
+    assert "deep" not in settings_from_args(_parser().parse_args(["--tables", "all"])).tables
+    assert settings_from_args(_parser().parse_args(["--tables", "base2new", "deep"])).tables == ("base2new", "deep")
+    assert "deep" not in DemoSettings().tables
+    tables = build_tables(_b2n_records(), replace(DemoSettings(), tables=("deep",)), _fake_world())
+    assert set(tables) == {"deep"}
+    for dataset in DATASETS + ("Average",):
+        assert [r["key"] for r in tables["deep"]["rows"] if r["dataset"] == dataset] == list(DEEP_KEYS)
+    assert variants_needed(("deep",)) == DEEP_VARIANTS
+    maple = method_spec(METHOD_BY_KEY["gram_maple"], init="/x.safetensors")
+    assert (maple.coupling, maple.text_depth, maple.n_ctx_text, maple.n_ctx_vision, maple.regulate) == (
+        "maple", 0, 2, 0, True)
+    ivlp = method_spec(METHOD_BY_KEY["ivlp"])
+    assert (ivlp.text_depth, ivlp.vision_depth, ivlp.n_ctx_text, ivlp.n_ctx_vision) == (0, 0, 2, 2)
 
 
 def test_method_rows_have_unique_keys_existing_presets_and_variants():
@@ -178,7 +196,7 @@ def test_world_seed_and_world_options_change_the_world_hash_and_output_folder():
     args = _parser().parse_args(["--quick", "--world-seed", "3", "--holdout-style", "cartoon", "--mixed-classes",
                                  "circle", "star", "square", "heart", "--tables", "all"])
     other = settings_from_args(args)
-    assert other.world_seed == 3 and other.tables == tuple(TABLE_GROUPS)
+    assert other.world_seed == 3 and other.tables == tuple(g for g in TABLE_GROUPS if g != "deep")  # deep: opt-in
     ws = demo_world_settings(other)
     assert (ws.seed, ws.holdout_style) == (3, "cartoon")
     twin = next(p for p in ws.plans if "cross_domain_target" in p.roles)

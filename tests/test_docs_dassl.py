@@ -34,9 +34,10 @@ def test_config_copy_commands_give_the_layout_fork_scripts_read(tmp_path):
     r = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     for key, trainer in method_trainers().items():
-        copied = tmp_path / "my-coop-fork" / "configs" / "trainers" / trainer / f"{key}.yaml"
+        config = Path(methods.get(key).config)  # configs/trainers/<key>.yaml, or a fork's name in <trainer>/
+        copied = tmp_path / "my-coop-fork" / "configs" / "trainers" / trainer / config.name
         assert copied.is_file(), f"method {key}: {copied} missing"
-        assert copied.read_text() == (REPO / "configs" / "trainers" / f"{key}.yaml").read_text()
+        assert copied.read_text() == (REPO / config).read_text()
 
 
 def test_documented_train_commands_use_that_layout_and_pass_the_init():

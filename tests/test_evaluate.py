@@ -460,3 +460,38 @@ def test_val_split_scores_the_few_shot_validation_images(ds_a, data_root, tiny_c
         assert rec[key] * 8 / 100 == pytest.approx(round(rec[key] * 8 / 100))
     with pytest.raises(ValueError, match="eval_split"):
         b2n(ds_a, tiny_clip, session, method_preset("zsclip"), eval_split="train")
+
+
+# ------------------------------------------------------------------------------------ deep prompts (IVLP, MaPLe)
+DEEP_TENSORS = {"ivlp": ["ctx", "ctx_deep", "vpt"], "maple": ["ctx", "ctx_deep", "proj_bias", "proj_weight"]}
+
+
+@pytest.mark.parametrize("key", sorted(DEEP_TENSORS))
+def test_deep_presets_train_every_prompt_tensor_through_both_towers(ds_a, tiny_clip, session, key):
+    clip, dims = tiny_clip
+    prompts, _, _ = build_prompts(method_preset(key), clip, dims, seed=1)
+    assert sorted(n for n, _ in prompts.named_parameters()) == DEEP_TENSORS[key]
+    assert prompts.text_depth == dims.text_layers  # depth 0 in the table = every layer
+    rec = b2n(ds_a, tiny_clip, session, method_preset(key), spec=TrainSpec(epochs=1, batch_size=4, lr=0.01))
+    assert rec["feature_cache"]["computed"] == 0  # visual prompts: no cached image features
+    assert rec["final_prompt_sha256"] != rec["init"]["prompt_sha256"]
+    for side in ("base", "new", "H"):
+        assert 0.0 <= rec[side] <= 100.0
+
+
+def test_gram_deep_presets_start_from_their_file_and_refuse_another_structure(tiny_clip, tmp_path):
+    clip, dims = tiny_clip
+    paths = {}
+    for key in DEEP_TENSORS:
+        theta = PromptParams.from_spec(method_preset(key).prompt_spec(), clip, dims,
+                                       generator=torch.Generator().manual_seed(5))
+        learner = GRAMMetaLearner(theta, MetaSpec(regulator=RegulatorSpec(init="normal", init_std=0.3)))
+        paths[key] = export_gram_init(tmp_path / f"{key}.safetensors", learner.prompt_module, learner.regulators(),
+                                      dims)
+        prompts, regulation, info = build_prompts(method_preset(f"gram_{key}", init_path=str(paths[key])), clip,
+                                                  dims, seed=1)
+        assert info["source"] == "gram_file" and len(regulation) == len(DEEP_TENSORS[key])
+        for name, p in learner.prompt_module.named_parameters():
+            assert torch.equal(getattr(prompts, name).detach(), p.detach()), name
+    with pytest.raises(InitMismatchError, match="coupling: file has none, model expects maple"):
+        build_prompts(method_preset("gram_maple", init_path=str(paths["ivlp"])), clip, dims, seed=1)

@@ -43,7 +43,24 @@ TINY = ["TRAINER.GRAM.MODEL_NAME", "GRAM-Test-Tiny", "TRAINER.GRAM.WEIGHTS", "no
 METHODS = {k: (methods.get(k).trainer, methods.get(k).gram_file)  # key -> (trainer, GRAM on), trained ones
            for k in methods.dassl_keys() if not methods.get(k).zero_shot}
 PROMPT_SHAPES = {"GRAM_CoOp": {"ctx": (4, 64)}, "GRAM_VPT": {"vpt": (1, 4, 64)},
-                 "UNIGRAM": {"ctx": (2, 64), "vpt": (1, 2, 64)}}  # configs: 4 tokens; UNIGRAM 2 + 2
+                 "UNIGRAM": {"ctx": (2, 64), "vpt": (1, 2, 64)},  # configs: 4 tokens; UNIGRAM 2 + 2
+                 # IVLP 2 + 2 in every layer of the tiny CLIP's 2-layer towers; MaPLe 2 tokens at depth 2
+                 "GRAM_IVLP": {"ctx": (2, 64), "vpt": (2, 2, 64), "ctx_deep": (1, 2, 64)},
+                 "GRAM_MaPLe": {"ctx": (2, 64), "ctx_deep": (1, 2, 64), "proj_weight": (2, 64, 64),
+                                "proj_bias": (2, 64)}}
+# the MaPLe configs' PROMPT_DEPTH 9 does not fit the tiny CLIP's 2 text layers
+TINY_EXTRA = {"GRAM_MaPLe": ["TRAINER.GRAM.TEXT_DEPTH", "2"]}
+
+
+def tiny(method: str) -> list[str]:
+    """The tiny-model options for ``method`` (TINY plus what its trainer's config needs on the tiny CLIP)."""
+    return TINY + TINY_EXTRA.get(methods.get(method).trainer, [])
+
+
+def config_lr(method: str) -> float:
+    import yaml
+
+    return float(yaml.safe_load((REPO / methods.get(method).config).read_text())["OPTIM"]["LR"])
 ACCURACY = re.compile(r"^\* accuracy: ([\d.]+)%", re.M)
 TOTAL = re.compile(r"^\* total: (\d+)", re.M)
 
@@ -113,11 +130,11 @@ def experiment(tmp_path_factory, data_root, init_files) -> Path:
         train_dir = out / f"base2new/train_base/dtd/shots_{SHOTS}/{method}/seed1"
         test_dir = out / f"base2new/test_new/dtd/shots_{SHOTS}/{method}/seed1"
         write_run_info(train_dir, "train")
-        run_train_py(common_args(data_root, method) + ["--output-dir", str(train_dir)] + TINY
+        run_train_py(common_args(data_root, method) + ["--output-dir", str(train_dir)] + tiny(method)
                      + gram_opts(method, init_files) + ["DATASET.SUBSAMPLE_CLASSES", "base"])
         write_run_info(test_dir, "eval")
         run_train_py(common_args(data_root, method) + ["--output-dir", str(test_dir), "--model-dir", str(train_dir),
-                                                       "--load-epoch", "1", "--eval-only"] + TINY
+                                                       "--load-epoch", "1", "--eval-only"] + tiny(method)
                      + gram_opts(method, init_files) + ["DATASET.SUBSAMPLE_CLASSES", "new"])
     for side, sub in (("base", "train_base"), ("new", "test_new")):  # zero-shot CLIP: eval-only both halves
         run_dir = out / f"base2new/{sub}/dtd/shots_{SHOTS}/zsclip/seed1"
@@ -136,7 +153,7 @@ def run_dirs(out: Path, method: str) -> tuple[Path, Path]:
 def test_one_import_registers_all_three_and_a_second_import_path_does_not_crash(monkeypatch):
     import trainers  # noqa: F401
 
-    for name in ("GRAM_CoOp", "GRAM_VPT", "UNIGRAM"):
+    for name in ("GRAM_CoOp", "GRAM_VPT", "UNIGRAM", "GRAM_IVLP", "GRAM_MaPLe"):
         assert getattr(TRAINER_REGISTRY.get(name), "gram_trainer", False)
     monkeypatch.setattr(TRAINER_REGISTRY, "_obj_map", dict(TRAINER_REGISTRY._obj_map))
     spec = importlib.util.spec_from_file_location("copied_gram", REPO / "trainers/gram/__init__.py",
@@ -159,7 +176,8 @@ def test_one_import_registers_all_three_and_a_second_import_path_does_not_crash(
 def test_method_configs_merge_into_dassls_defaults(method):
     args = train.build_parser().parse_args(common_args(Path("/data"), method))
     cfg = train.setup_cfg(args)
-    assert cfg.OPTIM.MAX_EPOCH == 10 and cfg.DATALOADER.TRAIN_X.BATCH_SIZE == 1
+    fork = "/GRAM_" in methods.get(method).config  # the MaPLe repository's protocol: 5 epochs, batch 4
+    assert (cfg.OPTIM.MAX_EPOCH, cfg.DATALOADER.TRAIN_X.BATCH_SIZE) == ((5, 4) if fork else (10, 1))
     assert cfg.DATASET.NAME == "DescribableTextures" and cfg.SEED == 1
 
 
@@ -184,8 +202,8 @@ def test_base_to_new_logs_and_checkpoints(experiment, method, init_files):
                      r"sha256=[0-9a-f]{64}", train_log)
     regulated = sorted(PROMPT_SHAPES[trainer]) if methods.get(method).regulate else []
     assert f"regulated tensors {regulated}" in train_log
-    # 2 classes x 2 shots in batches of 2: the LR steps once, at the last batch (warm-up 1e-5 -> 0.002)
-    assert "batch [1/2]" in train_log and "lr 1.0000e-05" in train_log and "lr 2.0000e-03" in train_log
+    # 2 classes x 2 shots in batches of 2: the LR steps once, at the last batch (warm-up 1e-5 -> the config's LR)
+    assert "batch [1/2]" in train_log and "lr 1.0000e-05" in train_log and f"lr {config_lr(method):.4e}" in train_log
     assert int(TOTAL.findall(train_log)[-1]) == images_per_class("test", BASE)
 
     ckpt_path = train_dir / "prompt_learner" / "model.pth.tar-1"
@@ -238,14 +256,14 @@ def test_results_parser_on_the_produced_logs(experiment, tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------------ direct checks
 def build(data_root: Path, method: str, *opts: str, init_files=None, subsample: str = "base"):
-    args = train.build_parser().parse_args(common_args(data_root, method) + TINY
+    args = train.build_parser().parse_args(common_args(data_root, method) + tiny(method)
                                            + (gram_opts(method, init_files) if init_files else [])
                                            + ["DATASET.SUBSAMPLE_CLASSES", subsample, *opts])
     torch.manual_seed(0)
     return build_trainer(train.setup_cfg(args))
 
 
-@pytest.mark.parametrize("method", ["gram_coop", "gram_vpt", "unigram"])
+@pytest.mark.parametrize("method", ["gram_coop", "gram_vpt", "unigram", "gram_ivlp", "gram_maple"])
 def test_training_step_applies_r_phi_to_the_gradient(data_root, init_files, method):
     """θ' = θ - lr · R_φ(∇θ L) with θ, φ from the init file (paper Eq. 7 at test time)."""
     trainer_name, _ = METHODS[method]

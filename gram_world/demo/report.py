@@ -19,8 +19,8 @@ from meta.evaluation.summary import epoch_curves, summarise
 from meta.metatrain.runlog import read_log
 from meta.provenance import git_commit
 
-from .settings import (METHOD_BY_KEY, META_VARIANTS, TABLE1_KEYS, TABLE4_KEYS, TOKEN_KEYS, TRANSFER_KEYS,
-                       VARIANT_BY_NAME, DemoSettings, settings_hash, settings_record)
+from .settings import (DEEP_KEYS, METHOD_BY_KEY, META_VARIANTS, TABLE1_KEYS, TABLE4_KEYS, TOKEN_KEYS,
+                       TRANSFER_KEYS, VARIANT_BY_NAME, DemoSettings, settings_hash, settings_record)
 
 AVERAGE = "Average"
 # Fig. 3a's methods, as in the paper's figure
@@ -91,6 +91,9 @@ def build_tables(records: list, settings: DemoSettings, world) -> dict:
                 tables[tid] = {"title": f"Table {tid[5:]}: {kind} generalization ({shots} shots)",
                                "kind": "transfer", "shots": shots, "source": runs[0]["dataset"] if runs else "",
                                "targets": targets, "rows": _ordered(rows, TRANSFER_KEYS)}
+    if "deep" in settings.tables:
+        tables["deep"] = {"title": f"Deep prompts: IVLP and MaPLe with and without GRAM (base-to-new, "
+                                   f"{settings.shots} shots)", "kind": "base2new", "rows": _ordered(b2n, DEEP_KEYS)}
     if "tokens" in settings.tables:
         rows = []
         for n, key in TOKEN_KEYS.items():
@@ -368,6 +371,14 @@ def stage_report(records: list, zeroshot: dict, settings: DemoSettings, out: Pat
                       f"Prompts are tuned on all classes of {t['source']} ({t['shots']} shots per class) and "
                       f"tested on the full test split of every target with the target's class names.", "",
                       transfer_markdown(t), ""]
+    if "deep" in tables:
+        t = tables["deep"]
+        parts += [f"## {t['title']}", "", "IVLP: 2 text + 2 visual prompt tokens in every layer of both towers; "
+                  "MaPLe: 2 text tokens in every layer, the visual prompts their learned linear maps "
+                  "(docs/deep_prompts.md). Same fine-tuning protocol as Table 1.", "",
+                  f"### Average over {len(datasets)} dataset(s)", "", markdown_table(t["rows"], AVERAGE), ""]
+        for d in datasets:
+            parts += [f"### {d}", "", markdown_table(t["rows"], d), ""]
     if "tableA3" in tables:
         parts += [f"## {tables['tableA3']['title']}", "",
                   "Total prompt tokens, split half text / half visual (the paper does not give the split); "

@@ -50,7 +50,14 @@ META_VARIANTS = (
 # UNIGRAM's own 2 + 2 and needs no extra run.
 TOKEN_COUNTS = (2, 4, 6, 8)
 TOKEN_VARIANTS = tuple(MetaVariant(f"unigram_{n}tok", n // 2, n - n // 2) for n in TOKEN_COUNTS if n != 4)
-ALL_VARIANTS = META_VARIANTS + TOKEN_VARIANTS
+# Deep prompt learners (opt-in table group "deep", docs/deep_prompts.md): 2 + 2 IVLP tokens in every layer of
+# both towers, and MaPLe's 2 text tokens in every layer with their coupled visual prompts; the presets'
+# depth 0 (meta/methods.yaml) is every layer of the world's tiny CLIP.
+DEEP_VARIANTS = (
+    MetaVariant("gram_ivlp", 2, 2, ("META.PROMPT.TEXT_DEPTH", 0, "META.PROMPT.VISION_DEPTH", 0)),
+    MetaVariant("gram_maple", 2, 0, ("META.PROMPT.TEXT_DEPTH", 0, "META.PROMPT.COUPLING", "maple")),
+)
+ALL_VARIANTS = META_VARIANTS + TOKEN_VARIANTS + DEEP_VARIANTS
 VARIANT_BY_NAME = {v.name: v for v in ALL_VARIANTS}
 
 
@@ -90,7 +97,8 @@ METHODS = (
     _method_row("unigram_pretrain", "unigram_pretrain"),
     _method_row("unigram_supervised", "unigram_supervised"),
     _method_row("joint"),
-) + tuple(_method_row(v.name, v.name) for v in TOKEN_VARIANTS)
+) + tuple(_method_row(v.name, v.name) for v in TOKEN_VARIANTS) + (
+    _method_row("ivlp"), _method_row("gram_ivlp", "gram_ivlp"), _method_row("maple"), _method_row("gram_maple", "gram_maple"))
 METHOD_BY_KEY = {m.key: m for m in METHODS}
 
 # Which rows each table holds (keys of METHODS), in the paper's order.  CoCoOp, a row of the
@@ -109,13 +117,16 @@ PAIRS = (("gram_coop", "coop"), ("gram_coop_init_only", "coop"), ("gram_coop_reg
 TABLE4_KEYS = ("unigram", "unigram_no_shift", "unigram_no_reg", "unigram_pretrain", "unigram_supervised", "joint")
 TRANSFER_KEYS = TABLE1_KEYS
 TOKEN_KEYS = {n: ("unigram" if n == 4 else f"unigram_{n}tok") for n in TOKEN_COUNTS}
+DEEP_KEYS = ("ivlp", "gram_ivlp", "maple", "gram_maple")
 
 # Table groups of ``--tables``: what each one evaluates and which meta variants it needs.
 TABLE_GROUPS = {
     "base2new": "Table 1 (base-to-new), Table 4 (ablations), Fig. 3a, Fig. 3b",
     "transfer": "Tables 2 and 3 (cross-domain, cross-dataset) and A1 / A2 (the same at fewer shots)",
     "tokens": "Table A3 (UNIGRAM with 2 / 4 / 6 / 8 prompt tokens)",
+    "deep": "deep prompts: IVLP and MaPLe, each without and with GRAM (base-to-new; opt-in, not in 'all')",
 }
+OPT_IN_TABLES = ("deep",)   # groups that `--tables all` leaves out
 DEFAULT_TABLES = ("base2new",)
 
 
@@ -128,6 +139,8 @@ def b2n_keys(tables: tuple) -> tuple:
         keys += TABLE1_KEYS + COMPONENT_KEYS + TABLE4_KEYS
     if "tokens" in tables:
         keys += tuple(TOKEN_KEYS.values())
+    if "deep" in tables:
+        keys += DEEP_KEYS
     return tuple(dict.fromkeys(keys))
 
 

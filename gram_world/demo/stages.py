@@ -192,7 +192,8 @@ class EvalJob:
     def cost(self) -> int:
         """Rough relative run time (visual prompts cannot use cached image features)."""
         variant = VARIANT_BY_NAME.get(METHOD_BY_KEY[self.key].variant)
-        visual = (variant.n_ctx_vision if variant else {"vpt": 4, "joint": 2}.get(self.key, 0)) > 0
+        visual = (variant.n_ctx_vision if variant else {"vpt": 4, "joint": 2, "ivlp": 2}.get(self.key, 0)) > 0 \
+            or self.key in ("maple", "gram_maple")
         return (4 if visual else 1) * (1 + len(self.targets))
 
 

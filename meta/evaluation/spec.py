@@ -32,7 +32,7 @@ class MethodSpec:
             ``meta/methods.yaml``, e.g. ``"CoOp + GRAM"``).
         n_ctx_text: M, learnable text context vectors (CoOp); 0 = fixed text ``template``.
         n_ctx_vision: n, learnable visual prompt tokens (VPT); 0 = plain image tower.
-        vision_depth: D, layers receiving visual prompts (1 = shallow VPT).
+        vision_depth: D, layers receiving visual prompts (1 = shallow VPT, 0 = all layers).
         ctx_init: initialise the text context from these words (CoOp's ``CTX_INIT``); M is then
             their token count.  "" = N(0, ``init_std``²) drawn from the run's seed.
         init_path: a GRAM initialisation file (``meta.init_io.export_gram_init``); its θ* replaces
@@ -46,6 +46,8 @@ class MethodSpec:
         init_std: standard deviation of scratch prompts (CoOp: 0.02).
         vpt_init: how scratch visual prompt tokens start (``meta.prompts.VPT_INITS``; see
             :func:`meta.prompts.initial_visual_prompts`); a GRAM init file's θ* replaces it.
+        text_depth: J, text layers with learnable context (1 = CoOp; IVLP / MaPLe: deep text prompts; 0 = all).
+        coupling: ``none`` | ``maple`` (visual prompts projected from the text prompts; ``n_ctx_vision`` 0).
         init_prompts: with ``init_path``, start θ from the file's θ* (True) or from the scratch / word
             start while R_φ still comes from the file (False: the "R_φ only" component rows).
         reg_window: regulation window W (:class:`meta.finetune.UpdateWindow`): R_φ is applied once to
@@ -71,6 +73,8 @@ class MethodSpec:
     template: str = DEFAULT_TEMPLATE
     init_std: float = 0.02
     vpt_init: str = PromptSpec.vpt_init
+    text_depth: int = 1
+    coupling: str = "none"
     init_prompts: bool = True
     reg_window: int = DEFAULT_REG_WINDOW
     launch: bool = DEFAULT_LAUNCH
@@ -82,8 +86,9 @@ class MethodSpec:
         for key in ("n_ctx_text", "n_ctx_vision"):
             if getattr(self, key) < 0:
                 raise ValueError(f"MethodSpec {self.name!r}: {key} must be >= 0, got {getattr(self, key)}")
-        if self.vision_depth < 1:
-            raise ValueError(f"MethodSpec {self.name!r}: vision_depth must be >= 1, got {self.vision_depth}")
+        if self.vision_depth < 0 or self.text_depth < 0:
+            raise ValueError(f"MethodSpec {self.name!r}: vision_depth and text_depth must be >= 0 (0 = all layers), "
+                             f"got {self.vision_depth} and {self.text_depth}")
         if self.ctx_init and self.init_path:
             raise ValueError(f"MethodSpec {self.name!r}: give ctx_init (words) or init_path (GRAM file), not both")
         if self.init_path and self.zero_shot:
@@ -105,13 +110,13 @@ class MethodSpec:
     @property
     def visual_prompts(self) -> bool:
         """True when the image tower carries prompts (image features cannot be cached)."""
-        return self.n_ctx_vision > 0
+        return self.n_ctx_vision > 0 or self.coupling != "none"
 
     def prompt_spec(self) -> PromptSpec:
         """The :class:`meta.prompts.PromptSpec` of a scratch / word initialisation."""
         return PromptSpec(n_ctx_text=self.n_ctx_text, ctx_init=self.ctx_init, n_ctx_vision=self.n_ctx_vision,
                           vision_depth=self.vision_depth, init_std=self.init_std, template=self.template,
-                          vpt_init=self.vpt_init)
+                          vpt_init=self.vpt_init, text_depth=self.text_depth, coupling=self.coupling)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -190,6 +195,9 @@ class TrainSpec:
 
 def _preset_fields(method: Method) -> dict:
     fields = dict(name=method.label, n_ctx_text=method.text_tokens, n_ctx_vision=method.visual_tokens)
+    for name, default in (("text_depth", 1), ("vision_depth", 1), ("coupling", "none")):
+        if getattr(method, name) != default:
+            fields[name] = getattr(method, name)
     if method.regulate:
         fields["regulate"] = True
     return fields

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
@@ -78,6 +78,7 @@ class StartPoint:
 
 
 def _check_start(method: MethodSpec, dims: ClipDims, prompts: PromptParams) -> None:
+    method = replace(method, **_depths(method, dims))
     problems = []
     ctx, vpt = prompts.ctx, prompts.vpt
     want_text = method.n_ctx_text
@@ -87,10 +88,20 @@ def _check_start(method: MethodSpec, dims: ClipDims, prompts: PromptParams) -> N
     want_vis = (method.vision_depth, method.n_ctx_vision, dims.vision_width) if method.n_ctx_vision else None
     if (None if vpt is None else tuple(vpt.shape)) != want_vis:
         problems.append(f"vpt is {None if vpt is None else tuple(vpt.shape)}, method expects {want_vis}")
+    have = (prompts.text_depth, prompts.coupling)
+    want = (method.text_depth if want_text else 0, method.coupling)
+    if have != want:
+        problems.append(f"(text_depth, coupling) is {have}, method expects {want}")
     if problems:
         raise ValueError(f"method {method.name!r}: start point does not fit: " + "; ".join(problems))
 
 
+def _depths(method: MethodSpec, dims: ClipDims) -> dict:
+    """``text_depth`` / ``vision_depth`` of ``method`` on this CLIP (0 = all layers resolved)."""
+    if method.zero_shot:
+        return {}
+    spec = method.prompt_spec().resolved(dims)
+    return {"text_depth": spec.text_depth, "vision_depth": spec.vision_depth}
 def _scratch_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int) -> PromptParams:
     """Scratch / word-initialised θ drawn from ``torch.Generator().manual_seed(seed)``."""
     generator = torch.Generator().manual_seed(seed)
@@ -141,9 +152,11 @@ def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int
             launch = start.launch
         info = {"source": "in_memory" if method.init_prompts else "scratch", "label": start.label}
     elif method.init_path:
+        method = replace(method, **_depths(method, dims))
         expect = {"text_width": dims.text_width, "vision_width": dims.vision_width,
                   "n_ctx_text": method.n_ctx_text, "n_ctx_vision": method.n_ctx_vision,
                   "vision_depth": method.vision_depth if method.n_ctx_vision else 0,
+                  "text_depth": method.text_depth if method.n_ctx_text else 0, "coupling": method.coupling,
                   "model_name": dims.model_name}
         init = load_gram_init(method.init_path, expect=expect, config_key=f"method {method.name!r} init_path")
         prompts = (init.prompt_module() if method.init_prompts

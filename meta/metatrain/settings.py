@@ -13,7 +13,7 @@ from yacs.config import CfgNode as CN
 
 from meta.config import add_metatrain_cfg, get_meta_cfg_default
 from meta.precision import resolve_autocast
-from meta.prompts import VPT_INITS, PromptSpec
+from meta.prompts import COUPLINGS, VPT_INITS, PromptSpec
 from meta.regulator import RegulatorSpec
 
 if TYPE_CHECKING:
@@ -79,6 +79,14 @@ def check_meta_cfg(cfg: CN) -> None:
          "META.PROMPT", "N_CTX_TEXT > 0, N_CTX_VISION > 0 or CTX_INIT (no prompt to learn)",
          (m.PROMPT.N_CTX_TEXT, m.PROMPT.N_CTX_VISION))
     need(m.PROMPT.VPT_INIT in VPT_INITS, "META.PROMPT.VPT_INIT", " | ".join(VPT_INITS), m.PROMPT.VPT_INIT)
+    need(m.PROMPT.TEXT_DEPTH >= 0, "META.PROMPT.TEXT_DEPTH", "an integer >= 0 (0 = every layer)", m.PROMPT.TEXT_DEPTH)
+    need(m.PROMPT.VISION_DEPTH >= 0, "META.PROMPT.VISION_DEPTH", "an integer >= 0 (0 = every layer)",
+         m.PROMPT.VISION_DEPTH)
+    need(m.PROMPT.COUPLING in COUPLINGS, "META.PROMPT.COUPLING", " | ".join(COUPLINGS), m.PROMPT.COUPLING)
+    try:
+        prompt_spec(cfg)
+    except ValueError as err:
+        raise ValueError(f"META.PROMPT: {err}") from None
     need(m.PRETRAIN.BATCH_SIZE >= 1, "META.PRETRAIN.BATCH_SIZE", "an integer >= 1", m.PRETRAIN.BATCH_SIZE)
     need(m.PRETRAIN.WAYS == 0 or m.PRETRAIN.WAYS >= 2, "META.PRETRAIN.WAYS", "0 (all) or >= 2", m.PRETRAIN.WAYS)
     need(cfg.TASKS.K_WAY >= 2, "TASKS.K_WAY", "an integer >= 2", cfg.TASKS.K_WAY)
@@ -123,7 +131,8 @@ def prompt_spec(cfg: CN) -> PromptSpec:
     p = cfg.META.PROMPT
     return PromptSpec(n_ctx_text=int(p.N_CTX_TEXT), ctx_init=p.CTX_INIT, n_ctx_vision=int(p.N_CTX_VISION),
                       vision_depth=int(p.VISION_DEPTH), init_std=float(p.INIT_STD), template=p.TEMPLATE,
-                      vpt_init=str(p.VPT_INIT))
+                      vpt_init=str(p.VPT_INIT), text_depth=int(p.get("TEXT_DEPTH", 1)),
+                      coupling=str(p.get("COUPLING", "none")))
 
 
 def flatten_cfg(node: CN, prefix: str = "") -> dict[str, Any]:

@@ -120,7 +120,7 @@ def setup_run(cfg, hierarchy=None) -> RunSetup:
     clip, dims = build_clip(cfg, device)
     h = hierarchy if hierarchy is not None else load_task_hierarchy(cfg, clip, dims, device)
     pspec = settings.prompt_spec(cfg)
-    use_images = pspec.n_ctx_vision > 0
+    use_images = pspec.has_visual_prompts
     feature_check = None
     if use_images:
         size = h.meta.get("image_size")

@@ -13,7 +13,13 @@ trainer        text context ``ctx``        visual prompts ``vpt``
 GRAM_CoOp      ``N_CTX_TEXT`` vectors      none (image tower untouched)
 GRAM_VPT       none (fixed ``TEMPLATE``)   ``N_CTX_VISION`` tokens, shallow or deep
 UNIGRAM        ``N_CTX_TEXT`` vectors      ``N_CTX_VISION`` tokens
+GRAM_IVLP      ``N_CTX_TEXT`` vectors in   ``N_CTX_VISION`` tokens in ``VPT_DEPTH`` layers
+               ``TEXT_DEPTH`` layers       (``VPT_DEEP``), independent of the text prompts
+GRAM_MaPLe     ``N_CTX_TEXT`` vectors in   none of its own: layer i < ``TEXT_DEPTH`` gets a learned
+               ``TEXT_DEPTH`` layers       linear map of the text prompts of layer i (MaPLe)
 =============  ==========================  ===============================================
+
+``TEXT_DEPTH`` is IVLP's ``PROMPT_DEPTH_TEXT`` / MaPLe's ``PROMPT_DEPTH`` (0 = every layer).
 
 ``ENABLED False`` gives the plain baselines (CoOp, VPT, joint text+visual tuning: paper Table 4
 row 5) with the very same code: no meta-initialisation, no gradient regulation.
@@ -34,7 +40,11 @@ TRAINER_PROMPTS: dict[str, tuple[bool, bool]] = {
     "GRAM_CoOp": (True, False),
     "GRAM_VPT": (False, True),
     "UNIGRAM": (True, True),
+    "GRAM_IVLP": (True, True),
+    "GRAM_MaPLe": (True, False),
 }
+# Trainers whose visual prompts are produced from the text prompts (meta.prompts.PromptSpec.coupling).
+TRAINER_COUPLING: dict[str, str] = {"GRAM_MaPLe": "maple"}
 PRECISIONS = ("fp16", "fp32", "amp")
 RANDOM_WEIGHTS = ("none", "random")  # TRAINER.GRAM.WEIGHTS values that mean "no pretrained weights"
 OPENAI_CACHE_DIR = "~/.cache/clip"   # where OpenAI's clip package (CoOp's load_clip_to_cpu) keeps its .pt files
@@ -56,6 +66,7 @@ def _gram_defaults() -> CN:
     node.N_CTX_VISION = 4      # n visual prompt tokens per prompted layer (GRAM_VPT, UNIGRAM)
     node.VPT_DEEP = False      # False = shallow VPT (prompts at the input only)
     node.VPT_DEPTH = 0         # with VPT_DEEP: prompted layers; 0 = every layer of the vision tower
+    node.TEXT_DEPTH = 1        # J text layers with learnable context (IVLP / MaPLe PROMPT_DEPTH); 0 = every layer
     node.CTX_INIT = ""         # words to initialise the text context (e.g. "a photo of a"); "" = N(0, 0.02²)
     node.TEMPLATE = DEFAULT_TEMPLATE  # fixed text prompt when there is no text context (GRAM_VPT)
     node.VPT_INIT = PromptSpec.vpt_init  # baselines' visual tokens: normal | zeros | cls | patch_mean (meta.prompts)
@@ -167,6 +178,8 @@ class GramSettings:
     quick_gelu: Optional[bool]
     precision: str        # as requested; resolve_precision() gives what runs
     vpt_init: str = PromptSpec.vpt_init  # start of scratch visual prompts (meta.prompts.VPT_INITS)
+    text_depth: int = 1   # J (0 = every layer); 0 without text context
+    coupling: str = "none"  # "maple" for GRAM_MaPLe
     init_prompts: bool = True  # θ from the init file's θ* (False: scratch θ, R_φ only)
     reg_window: int = DEFAULT_REG_WINDOW  # batches per regulated step (meta.finetune.UpdateWindow)
     launch: bool = DEFAULT_LAUNCH  # meta-trained step once before training (meta.finetune.launch_)
@@ -247,6 +260,10 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
         raise ValueError(f"TRAINER.GRAM.VPT_INIT: expected one of {'|'.join(VPT_INITS)}, got {vpt_init!r}")
     if g.PREC not in PRECISIONS:
         raise ValueError(f"TRAINER.GRAM.PREC: expected one of {'|'.join(PRECISIONS)}, got {g.PREC!r}")
+    text_depth = int(g.get("TEXT_DEPTH", 1))
+    if text_depth < 0 or (text_depth != 1 and not text):
+        raise ValueError(f"TRAINER.GRAM.TEXT_DEPTH: expected 0 (all layers) or >= 1 "
+                         f"{'' if text else '(1 for ' + trainer + ', which learns no text context) '}got {text_depth}")
     init_prompts = _as_bool(g.get("INIT_PROMPTS", True), "TRAINER.GRAM.INIT_PROMPTS")
     launch = _as_bool(g.get("LAUNCH", DEFAULT_LAUNCH), "TRAINER.GRAM.LAUNCH")
     window = g.get("REG_WINDOW", DEFAULT_REG_WINDOW)
@@ -262,5 +279,6 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
         n_ctx_text=n_text, n_ctx_vision=n_vision, vpt_deep=_as_bool(g.VPT_DEEP, "TRAINER.GRAM.VPT_DEEP"),
         vpt_depth=int(g.VPT_DEPTH), ctx_init=str(g.CTX_INIT) if text else "", template=str(g.TEMPLATE),
         model_name=model_name, weights=weights, quick_gelu=quick_gelu, precision=str(g.PREC), vpt_init=vpt_init,
+        text_depth=text_depth if text else 0, coupling=TRAINER_COUPLING.get(trainer, "none"),
         init_prompts=init_prompts or not enabled, reg_window=int(window), launch=launch and enabled,
     )
