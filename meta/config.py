@@ -32,6 +32,7 @@ from yacs.config import CfgNode as CN
 
 from meta.cli_errors import UserError
 from meta.finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
+from meta.gram import DEFAULT_QUERY_BEFORE_WEIGHT
 
 
 def _model_node() -> CN:
@@ -149,7 +150,7 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.AUTOCAST = "none"          # none | bf16 | fp16 autocast of the CLIP passes on CUDA (CPU: fp32, one log line);
     #                              bf16 is the safer choice: fp16 scales only the outer loss (meta.precision)
     m.INNER_MOMENTUM = 0.0       # heavy-ball inner SGD as the test-time optimiser (0.9 there); needs INNER_STEPS > 1
-    m.QUERY_BEFORE_WEIGHT = 0.0  # w: outer loss L_q(theta') + w L_q(theta), so theta* is also good where the
+    m.QUERY_BEFORE_WEIGHT = DEFAULT_QUERY_BEFORE_WEIGHT  # w: outer loss L_q(theta') + w L_q(theta), so theta* is also good where the
     #                              downstream schedule starts (0 = the paper's one-step objective, Eq. 8)
 
     m.REGULATOR = CN()           # R_phi (meta.regulator.RegulatorSpec) [core]

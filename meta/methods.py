@@ -49,6 +49,7 @@ class Method:
     text_depth: int = 1
     vision_depth: int = 1
     coupling: str = "none"
+    one_step: bool = False
 
     @property
     def gram_file(self) -> bool:
@@ -133,6 +134,9 @@ def load_methods(path: Union[str, Path, None] = None) -> dict[str, Method]:
             raise MethodTableError(f"{path}: method {m.key!r}: a zero-shot method has no tokens, init or regulator")
         if m.coupling not in ("none", "maple"):
             raise MethodTableError(f"{path}: method {m.key!r}: coupling must be none or maple, got {m.coupling!r}")
+        if m.one_step and not m.regulate:
+            raise MethodTableError(f"{path}: method {m.key!r}: one_step (the paper-literal regulated fine-tuning) "
+                                   f"needs regulate true")
         if (m.init or m.regulate) and not table[m.preset].init:
             raise MethodTableError(f"{path}: method {m.key!r}: init/regulate need a GRAM init file, but its preset "
                                    f"{m.preset!r} does not start from one")

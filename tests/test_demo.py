@@ -12,7 +12,7 @@ from gram_world.demo import (METHOD_BY_KEY, METHODS, META_VARIANTS, TABLE1_KEYS,
                              settings_from_args)
 from gram_world.demo.cli import _parser
 from gram_world.demo.report import build_tables, markdown_table, tokens_markdown, transfer_markdown
-from gram_world.demo.settings import COMPONENT_KEYS, TABLE1_ROWS, b2n_keys
+from gram_world.demo.settings import COMPONENT_KEYS, ONE_STEP_KEYS, TABLE1_ROWS, VARIANT_BY_NAME, b2n_keys
 from gram_world.demo.stages import check_settings
 from meta.cli_errors import UserError
 from meta.coop_data import harmonic_mean
@@ -73,7 +73,7 @@ def test_every_table_holds_its_paper_rows_under_stable_keys():
     records = _b2n_records() + _transfer_records(16) + _transfer_records(4)
     tables = build_tables(records, settings, _fake_world())
     assert set(tables) == {"table1", "table2", "table3", "table4", "tableA1", "tableA2", "tableA3"}
-    for tid, keys in (("table1", TABLE1_KEYS), ("table4", TABLE4_KEYS)):
+    for tid, keys in (("table1", TABLE1_ROWS), ("table4", TABLE4_KEYS)):
         for dataset in DATASETS + ("Average",):
             assert [r["key"] for r in tables[tid]["rows"] if r["dataset"] == dataset] == list(keys)
     assert [METHOD_BY_KEY[k].label for k in TABLE1_KEYS] == ["CLIP", "CoOp", "CoOp + GRAM", "VPT", "VPT + GRAM",
@@ -95,7 +95,7 @@ def test_every_table_holds_its_paper_rows_under_stable_keys():
     assert [(r["tokens"], r["text_tokens"], r["visual_tokens"], r["key"]) for r in a3] == [
         (2, 1, 1, "unigram_2tok"), (4, 2, 2, "unigram"), (6, 3, 3, "unigram_6tok"), (8, 4, 4, "unigram_8tok")]
     # markdown: one line per row plus header and rule
-    assert markdown_table(tables["table1"]["rows"], "Average").count("\n") == len(TABLE1_KEYS) + 1
+    assert markdown_table(tables["table1"]["rows"], "Average").count("\n") == len(TABLE1_ROWS) + 1
     assert transfer_markdown(t3).splitlines()[0].endswith("| target average |")
     assert "| target average" not in transfer_markdown(t2)
     assert tokens_markdown(tables["tableA3"]).count("\n") == 5
@@ -153,6 +153,14 @@ def test_method_rows_have_unique_keys_existing_presets_and_variants():
                        settings=DemoSettings(launch=True)).launch is False     # nothing to launch
     assert set(COMPONENT_KEYS) <= set(b2n_keys(("base2new",)))
     assert set(COMPONENT_KEYS) <= set(TABLE1_ROWS)
+    # the paper-literal rows keep the per-image rule and no launch step whatever the settings say, and start
+    # from a variant meta-trained on the one-step objective
+    literal = method_spec(METHOD_BY_KEY["unigram_one_step"], init="/x.safetensors",
+                          settings=DemoSettings(reg_window=20, launch=True, query_before_weight=1.0))
+    assert (literal.init_prompts, literal.regulate, literal.reg_window, literal.launch) == (True, True, 1, False)
+    variant = VARIANT_BY_NAME[METHOD_BY_KEY["unigram_one_step"].variant]
+    assert dict(zip(variant.overrides[::2], variant.overrides[1::2]))["META.QUERY_BEFORE_WEIGHT"] == 0.0
+    assert set(ONE_STEP_KEYS) <= set(b2n_keys(("base2new",))) and set(ONE_STEP_KEYS) <= set(TABLE1_ROWS)
 
 
 def test_old_preset_names_are_silent_aliases_of_the_stable_keys():

@@ -18,6 +18,7 @@ from meta.backbone import load_clip
 from meta.cli_errors import UserError
 from meta.evaluation import (DatasetRef, EvaluationSession, TrainSpec, evaluate_base_to_new, evaluate_transfer,
                              method_preset)
+from meta import methods as method_table
 from meta.evaluation.spec import table_fields
 from meta.metatrain import train
 from meta.metatrain.cli import default_cfg
@@ -205,10 +206,11 @@ def method_spec(row: MethodRow, init: str = "", settings: DemoSettings = DemoSet
     overrides: dict = {**table_fields(row.key), "name": row.label, "vpt_init": settings.vpt_init}
     variant = VARIANT_BY_NAME.get(row.variant)
     if variant is not None:
-        overrides.update(n_ctx_text=variant.n_ctx_text, n_ctx_vision=variant.n_ctx_vision,
-                         launch=settings.launch and variant.meta_learned)
-        if overrides["regulate"]:
-            overrides["reg_window"] = settings.reg_window
+        overrides.update(n_ctx_text=variant.n_ctx_text, n_ctx_vision=variant.n_ctx_vision)
+        if not method_table.get(row.key).one_step:   # one-step rows keep the table's per-image rule, no launch
+            overrides["launch"] = settings.launch and variant.meta_learned
+            if overrides["regulate"]:
+                overrides["reg_window"] = settings.reg_window
         if not variant.regulated and overrides["regulate"]:
             raise ValueError(f"demo row {row.key!r}: regulated, but meta variant {variant.name!r} exports no φ")
     return method_preset(row.preset, init_path=init, **overrides)

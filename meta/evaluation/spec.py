@@ -205,12 +205,14 @@ def _preset_fields(method: Method) -> dict:
 
 def table_fields(key: str) -> dict:
     """MethodSpec fields that the method table (``meta/methods.yaml``) fixes for row ``key`` beyond its
-    preset: its label, token counts, whether θ* starts the prompts (``init``) and whether R_φ regulates
-    (``regulate``).  A component row (e.g. ``gram_coop_reg_only``) is its preset plus these."""
+    preset: its label, token counts, whether θ* starts the prompts (``init``), whether R_φ regulates
+    (``regulate``) and, for the paper-literal ``one_step`` rows, regulation window 1 without launch step.  A component row (e.g. ``gram_coop_reg_only``) is its preset plus these."""
     method = methods.get(key)
     out = _preset_fields(method)
     out["regulate"] = method.regulate
     out["init_prompts"] = method.init
+    if method.one_step:   # the paper-literal test time: R_φ on every image's gradient, no launch step
+        out.update(reg_window=1, launch=False)
     return out
 
 
