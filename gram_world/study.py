@@ -229,7 +229,10 @@ def select(root: Path, worlds: Sequence[str], base: DemoSettings, world_root: Op
         cells = {w: t for w, (_, t) in by_world.items()}
         diffs = paired_differences(cells, tuple(BASELINE_OF.items()))
         means = {m: float(np.mean([d for v in g.values() for d in v])) for (m, _), g in diffs.items()}
+        per_world = {w: {m: round(float(np.mean(g[w])), 3) for (m, _), g in diffs.items() if w in g}
+                     for w in sorted({w for g in diffs.values() for w in g})}
         rows.append({**combo, "name": name, "val_diff_H": {k: round(v, 3) for k, v in means.items()},
+                     "val_diff_H_per_world": per_world,
                      "mean_val_diff_H": round(float(np.mean(list(means.values()))), 3)})
     rows.sort(key=lambda r: -r["mean_val_diff_H"])
     chosen = {k: rows[0][k] for k in SWEEP}
@@ -242,6 +245,15 @@ def select(root: Path, worlds: Sequence[str], base: DemoSettings, world_root: Op
         lines.append(f"| {r['reg_window']} | {'on' if r['launch'] else 'off'} | {r['query_before_weight']:g} | "
                      f"{d.get('gram_coop', float('nan')):+.2f} | {d.get('gram_vpt', float('nan')):+.2f} | "
                      f"{d.get('unigram', float('nan')):+.2f} | {r['mean_val_diff_H']:+.2f} |")
+    worlds_seen = sorted({w for r in rows for w in r["val_diff_H_per_world"]})
+    lines += ["", "Per world (mean of the three paired differences):", "",
+              "| window | launch | query weight | " + " | ".join(f"world {w}" for w in worlds_seen) + " |",
+              "| --- | --- | --- | " + " | ".join("---" for _ in worlds_seen) + " |"]
+    for r in rows:
+        per = r["val_diff_H_per_world"]
+        cells = [f"{np.mean(list(per[w].values())):+.2f}" if w in per else "-" for w in worlds_seen]
+        lines.append(f"| {r['reg_window']} | {'on' if r['launch'] else 'off'} | {r['query_before_weight']:g} | "
+                     + " | ".join(cells) + " |")
     (root / "selection.md").write_text("\n".join(lines) + "\n")
     return chosen
 

@@ -146,7 +146,7 @@ def test_method_rows_have_unique_keys_existing_presets_and_variants():
     init_only = method_spec(METHOD_BY_KEY["gram_coop_init_only"], init="/x.safetensors")
     reg_only = method_spec(METHOD_BY_KEY["gram_vpt_reg_only"], init="/x.safetensors",
                            settings=DemoSettings(reg_window=20, launch=True))
-    assert (init_only.init_prompts, init_only.regulate, init_only.reg_window) == (True, False, 1)
+    assert (init_only.init_prompts, init_only.regulate, init_only.launch) == (True, False, DemoSettings().launch)
     assert (reg_only.init_prompts, reg_only.regulate, reg_only.reg_window, reg_only.launch) == (False, True, 20, True)
     assert (reg_only.n_ctx_text, reg_only.n_ctx_vision) == (0, 4)
     assert method_spec(METHOD_BY_KEY["unigram_pretrain"], init="/x.safetensors",

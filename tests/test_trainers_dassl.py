@@ -90,6 +90,12 @@ def data_root(tmp_path_factory) -> Path:
     return root
 
 
+# what `python -m meta export` records and the default test-time switches read: the support size (regulation
+# window 0 = 2 ways x 2 shots) and the inner step (launch)
+PROVENANCE = {"mode": "gram", "tasks": {"k_way": 2, "n_support": 2}, "meta": {"inner_lr": 0.1, "inner_steps": 1}}
+PER_IMAGE = ("TRAINER.GRAM.REG_WINDOW", "1", "TRAINER.GRAM.LAUNCH", "False")   # the paper-literal test time
+
+
 @pytest.fixture(scope="module")
 def init_files(tmp_path_factory, tiny_clip) -> dict[str, Path]:
     """A GRAM init per trainer (θ* and a non-identity φ), exported as the meta side does."""
@@ -102,7 +108,8 @@ def init_files(tmp_path_factory, tiny_clip) -> dict[str, Path]:
         tensors = {k: torch.randn(*s, generator=g) * 0.02 for k, s in shapes.items()}
         torch.manual_seed(11)
         regs = {k: GradientRegulator(64, spec) for k in shapes}
-        out[trainer] = export_gram_init(folder / f"{trainer}.safetensors", PromptParams(**tensors), regs, dims)
+        out[trainer] = export_gram_init(folder / f"{trainer}.safetensors", PromptParams(**tensors), regs, dims,
+                                        provenance=PROVENANCE)
     return out
 
 
@@ -201,7 +208,7 @@ def test_base_to_new_logs_and_checkpoints(experiment, method, init_files):
     assert re.search(r"GRAM data: DescribableTextures subsample=base shots=2 seed=1 classes=2 train_x=4 "
                      r"sha256=[0-9a-f]{64}", train_log)
     regulated = sorted(PROMPT_SHAPES[trainer]) if methods.get(method).regulate else []
-    assert f"regulated tensors {regulated}" in train_log
+    assert f"regulated tensors {regulated}, " in train_log
     # 2 classes x 2 shots in batches of 2: the LR steps once, at the last batch (warm-up 1e-5 -> the config's LR)
     assert "batch [1/2]" in train_log and "lr 1.0000e-05" in train_log and f"lr {config_lr(method):.4e}" in train_log
     assert int(TOTAL.findall(train_log)[-1]) == images_per_class("test", BASE)
@@ -211,12 +218,15 @@ def test_base_to_new_logs_and_checkpoints(experiment, method, init_files):
     assert {k: tuple(v.shape) for k, v in ckpt["state_dict"].items()} == PROMPT_SHAPES[trainer]
     assert ckpt["epoch"] == 1 and ckpt["gram"]["trainer"] == trainer
     assert dassl_load_checkpoint(str(ckpt_path))["epoch"] == 1  # stock Dassl's loader reads it too (torch 2.14)
-    if on:  # one epoch at the warm-up LR (1e-5) barely moves θ away from its start
+    row = methods.get(method)
+    launched = on and not row.one_step   # the default launch step; one-step rows keep the paper's start
+    assert ("GRAM launch: θ <- θ − α R_φ(mean train gradient), α=0.1" in train_log) == launched
+    window = (1 if row.one_step else PROVENANCE["tasks"]["k_way"] * PROVENANCE["tasks"]["n_support"]) if row.regulate else 1
+    assert f"regulation window {window}, launch step {'on' if launched else 'off'}" in train_log
+    if on and not launched:  # one epoch at the warm-up LR (1e-5) barely moves θ away from θ*
         init = load_gram_init(init_files[trainer]).prompt
         for k, v in ckpt["state_dict"].items():  # (θ* entries are ~N(0, 0.02²): a fresh θ would be far off)
-            near_star = (v - init[k]).abs().max() < 1e-3
-            assert near_star == methods.get(method).init   # "R_φ only" rows start from scratch, not θ*
-            assert not torch.equal(v, init[k])
+            assert (v - init[k]).abs().max() < 1e-3 and not torch.equal(v, init[k])
 
     test_log = (test_dir / "log.txt").read_text()
     assert f"Load {ckpt_path} to prompt_learner (epoch=1, val_result=-)" in test_log
@@ -268,7 +278,7 @@ def test_training_step_applies_r_phi_to_the_gradient(data_root, init_files, meth
     """θ' = θ - lr · R_φ(∇θ L) with θ, φ from the init file (paper Eq. 7 at test time)."""
     trainer_name, _ = METHODS[method]
     trainer = build(data_root, method, "OPTIM.WARMUP_EPOCH", "0", "OPTIM.LR", "0.5", "OPTIM.MOMENTUM", "0.0",
-                    "OPTIM.WEIGHT_DECAY", "0.0", init_files=init_files)
+                    "OPTIM.WEIGHT_DECAY", "0.0", *PER_IMAGE, init_files=init_files)
     init = load_gram_init(init_files[trainer_name])
     theta = dict(trainer.model.prompt_learner.named_parameters())
     for k, v in init.prompt.items():  # θ starts exactly at θ*
@@ -298,7 +308,8 @@ def test_window_and_launch_in_the_trainer(data_root, init_files, tiny_clip, tmp_
     export_gram_init(path, PromptParams(**plain.prompt), plain.regulator_modules(), tiny_clip[1],
                      provenance={"tasks": {"k_way": 3, "n_support": 2}, "meta": {"inner_lr": 0.3, "inner_steps": 1}})
     opts = ("OPTIM.WARMUP_EPOCH", "0", "OPTIM.LR", "0.5", "OPTIM.MOMENTUM", "0.0", "OPTIM.WEIGHT_DECAY", "0.0")
-    trainer = build(data_root, "gram_coop", *opts, "TRAINER.GRAM.REG_WINDOW", "2", init_files=init_files)
+    trainer = build(data_root, "gram_coop", *opts, "TRAINER.GRAM.REG_WINDOW", "2", "TRAINER.GRAM.LAUNCH", "False",
+                    init_files=init_files)
     assert trainer.window.size == 2
     ctx, reg = trainer.model.prompt_learner.ctx, plain.regulator_modules()["ctx"]
     batches = iter(trainer.train_loader_x)
@@ -340,8 +351,21 @@ def test_window_and_launch_in_the_trainer(data_root, init_files, tiny_clip, tmp_
     trainer._launch()
     torch.testing.assert_close(ctx.detach(), expected, atol=1e-6, rtol=1e-5)
 
+    bare = tmp_path / "bare.safetensors"
+    export_gram_init(bare, PromptParams(**plain.prompt), plain.regulator_modules(), tiny_clip[1])
     with pytest.raises(ValueError, match="TRAINER.GRAM.INIT .*provenance.tasks"):
-        build(data_root, "gram_coop", "TRAINER.GRAM.REG_WINDOW", "0", init_files=init_files)
+        build(data_root, "gram_coop", "TRAINER.GRAM.REG_WINDOW", "0", "TRAINER.GRAM.LAUNCH", "False",
+              "TRAINER.GRAM.INIT", str(bare))
+
+
+def test_r_phi_only_starts_from_the_baselines_theta(data_root, init_files):
+    """TRAINER.GRAM.INIT_PROMPTS False: θ is the baseline's scratch start (same seed), R_φ the file's."""
+    reg_only = build(data_root, "gram_coop_reg_only", *PER_IMAGE, init_files=init_files)
+    baseline = build(data_root, "coop")
+    assert reg_only.regulation is not None and baseline.regulation is None
+    torch.testing.assert_close(reg_only.model.prompt_learner.ctx.detach(), baseline.model.prompt_learner.ctx.detach())
+    star = load_gram_init(init_files["GRAM_CoOp"]).prompt["ctx"]
+    assert (reg_only.model.prompt_learner.ctx.detach() - star).abs().max() > 1e-2
 
 
 def test_regulate_off_keeps_the_init_but_not_the_regulator(data_root, init_files):
@@ -370,7 +394,7 @@ def test_baseline_step_is_plain_sgd(data_root):
 def test_cuda_precision_paths_regulate_the_true_gradient(data_root, init_files, prec):
     """PREC fp16 (fp16 CLIP) and amp (autocast + GradScaler: scale, unscale, regulate, step) on CUDA."""
     trainer = build(data_root, "unigram", "OPTIM.WARMUP_EPOCH", "0", "OPTIM.LR", "0.5", "OPTIM.MOMENTUM", "0.0",
-                    "OPTIM.WEIGHT_DECAY", "0.0", "TRAINER.GRAM.PREC", prec, init_files=init_files)
+                    "OPTIM.WEIGHT_DECAY", "0.0", "TRAINER.GRAM.PREC", prec, *PER_IMAGE, init_files=init_files)
     assert trainer.device.type == "cuda" and trainer.precision == prec
     assert (trainer.scaler is not None) == (prec == "amp")
     if prec == "amp":  # a moderate scale: the default 2^16 may overflow on the first step and skip it

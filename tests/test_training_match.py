@@ -168,8 +168,10 @@ def test_component_starts_theta_star_only_and_r_phi_only(tiny_clip, tmp_path):
     reg = _regulator(dims.text_width, seed=1)
     path = tmp_path / "init.safetensors"
     export_gram_init(path, star, {"ctx": reg}, dims,
-                     provenance={"meta": {"inner_lr": 0.1, "inner_steps": 1, "inner_momentum": 0.0}})
-    scratch, _, _ = build_prompts(MethodSpec("CoOp", n_ctx_text=4), clip, dims, seed=3)
+                     provenance={"meta": {"inner_lr": 0.1, "inner_steps": 1, "inner_momentum": 0.0},
+                                 "tasks": {"k_way": 5, "n_support": 4}})
+    scratch, _, info_b = build_prompts(MethodSpec("CoOp", n_ctx_text=4), clip, dims, seed=3)
+    assert "launch" not in info_b and "reg_window" not in info_b     # the defaults touch only GRAM starts
 
     init_only, reg0, info0 = build_prompts(MethodSpec("a", init_path=str(path), regulate=False), clip, dims, seed=3)
     assert reg0 is None and info0["source"] == "gram_file"
@@ -182,7 +184,7 @@ def test_component_starts_theta_star_only_and_r_phi_only(tiny_clip, tmp_path):
     g = torch.randn(4, dims.text_width)
     torch.testing.assert_close(reg1.regulators["ctx"](g), reg(g))
     # in memory (meta-validation): the same two starts
-    point = StartPoint(star, {"ctx": reg}, launch=LaunchStep(0.1))
+    point = StartPoint(star, {"ctx": reg}, launch=LaunchStep(0.1), support_size=20)
     p2, _, _ = build_prompts(MethodSpec("c", regulate=True, init_prompts=False), clip, dims, seed=3, start=point)
     torch.testing.assert_close(p2.ctx.detach(), scratch.ctx.detach())
     with pytest.raises(ValueError, match="neither θ\\* \\(init_prompts\\) nor R_φ"):

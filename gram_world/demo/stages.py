@@ -152,10 +152,18 @@ def stage_meta(world, weights: Path, model: str, out: Path, settings: DemoSettin
     """Meta-train every variant the requested tables need (or the variants ``names``); returns
     ``{variant name: init file}``.
 
-    A variant whose log reached ``meta_steps`` and whose init file exists is not started again."""
+    A variant whose log reached ``meta_steps`` and whose init file exists is not started again.  A variant
+    whose meta-training config equals an earlier one's (e.g. a one-step row's when the settings' query weight
+    is the one-step objective's 0) is not trained: it gets that variant's init file."""
     needed = variants_needed(settings.tables) if names is None else tuple(v for v in ALL_VARIANTS if v.name in names)
-    exports = {v.name: Path(cfg.OUTPUT_DIR) / cfg.META.EXPORT_NAME for v in needed
-               for cfg in [_variant_cfg(v, model, str(weights), out, settings, str(world.labelled_meta_dir))]}
+    cfgs = {v.name: _variant_cfg(v, model, str(weights), out, settings, str(world.labelled_meta_dir)) for v in needed}
+    first_with: dict = {}
+    same_as = {v.name: first_with.setdefault(_config_identity(cfgs[v.name]), v.name) for v in needed}
+    shared = sorted(n for n, rep in same_as.items() if n != rep)
+    if shared:
+        log("meta-training: " + ", ".join(f"{n} = {same_as[n]}" for n in shared) + " (same config; trained once)")
+    needed = tuple(v for v in needed if same_as[v.name] == v.name)
+    exports = {v.name: Path(cfgs[v.name].OUTPUT_DIR) / cfgs[v.name].META.EXPORT_NAME for v in needed}
     finished = {v.name for v in needed
                 if exports[v.name].is_file() and _steps_logged(out / "meta" / v.name) >= settings.meta_steps}
     order = sorted((v for v in needed if v.name not in finished), key=lambda v: -_META_COST.get(v.name, 3))
@@ -168,7 +176,15 @@ def stage_meta(world, weights: Path, model: str, out: Path, settings: DemoSettin
         run_with_progress(_meta_worker, tasks, jobs, total=settings.meta_steps * len(tasks),
                           done=lambda: sum(min(_steps_logged(r), settings.meta_steps) for r in runs),
                           desc="meta-training", unit="step")
-    return {name: str(path) for name, path in exports.items()}
+    return {name: str(exports[rep]) for name, rep in same_as.items()}
+
+
+def _config_identity(cfg) -> str:
+    """A meta-training config without its output folder (two equal identities train the same θ*, φ)."""
+    clone = cfg.clone()
+    clone.defrost()
+    clone.OUTPUT_DIR = ""
+    return clone.dump()
 
 
 # ------------------------------------------------------------------ stage 5: evaluation

@@ -56,7 +56,9 @@ class MethodSpec:
             support size recorded in the init file (k_way × n_support).  Only with ``regulate``.
         launch: before the schedule, take the meta-trained inner step θ <- θ − α R_φ(mean gradient over
             the train set) once (:func:`meta.finetune.launch_`; α and the step count from the init file;
-            raw gradient without ``regulate``).  Needs ``init_path`` (or an in-memory start point).
+            raw gradient without ``regulate``).  True needs ``init_path`` (or an in-memory start point);
+            None (default) = :data:`meta.finetune.DEFAULT_LAUNCH` for methods that start from an init file
+            or start point, off otherwise (:meth:`launch_on`).
 
     With no prompt at all (``n_ctx_text == n_ctx_vision == 0``) the method is zero-shot CLIP
     and nothing is trained.
@@ -77,7 +79,12 @@ class MethodSpec:
     coupling: str = "none"
     init_prompts: bool = True
     reg_window: int = DEFAULT_REG_WINDOW
-    launch: bool = DEFAULT_LAUNCH
+    launch: Optional[bool] = None
+
+    def launch_on(self, has_start: bool) -> bool:
+        """Whether the launch step runs: ``launch`` when given, else the default where θ / φ come from an
+        init file or start point (``has_start``)."""
+        return bool(self.launch) if self.launch is not None else (DEFAULT_LAUNCH and has_start)
 
     def __post_init__(self) -> None:
         if self.vpt_init not in VPT_INITS:
@@ -250,7 +257,7 @@ def method_preset(key: str, init_path: str = "", in_memory: bool = False, **over
     if init_path:
         fields["init_path"] = init_path
     fields.update(overrides)
-    if (fields.get("regulate") or fields.get("launch")) and not fields.get("init_path") and not in_memory:
+    if (fields.get("regulate") or fields.get("launch") is True) and not fields.get("init_path") and not in_memory:
         what = "regulate" if fields.get("regulate") else "launch"
         raise ValueError(f"method preset {key!r} needs a GRAM init file (init_path / --init) for {what}")
     return MethodSpec(**fields)

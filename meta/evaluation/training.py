@@ -21,7 +21,7 @@ from torch import nn
 from torch.optim import lr_scheduler as sched
 
 from ..backbone import ClipDims
-from ..finetune import GradientRegulation, LaunchStep, UpdateWindow, launch_, resolve_window
+from ..finetune import GradientRegulation, LaunchStep, UpdateWindow, launch_, launch_step_of, resolve_window
 from ..init_io import load_gram_init
 from ..prompts import PromptedCLIP, PromptParams, classification_loss
 from ..regulator import GradientRegulator
@@ -146,7 +146,7 @@ def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int
                 raise ValueError(f"method {method.name!r}: reg_window 0 (the meta-training support size) needs "
                                  f"StartPoint.support_size")
             window = method.reg_window or start.support_size
-        if method.launch:
+        if method.launch is True or (method.launch_on(True) and start.launch is not None):
             if start.launch is None:
                 raise ValueError(f"method {method.name!r}: launch=True but the start point has no LaunchStep")
             launch = start.launch
@@ -168,15 +168,16 @@ def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int
             regulation = GradientRegulation(regulators, norm_preserve=method.norm_preserve).to(device)
             window = resolve_window(method.reg_window, init.metadata,
                                     source=f"method {method.name!r} init_path {method.init_path}")
-        if method.launch:
-            launch = LaunchStep.from_metadata(init.metadata, source=f"method {method.name!r} init_path {method.init_path}")
+        if method.launch_on(True):
+            launch = launch_step_of(init.metadata, source=f"method {method.name!r} init_path {method.init_path}",
+                                    explicit=method.launch is True)
         info = {"source": "gram_file" if method.init_prompts else "scratch", "path": str(method.init_path),
                 "provenance": init.metadata.get("provenance", {}), "regulator": init.metadata.get("regulator")}
         if not method.init_prompts:
             info.update(ctx_init=method.ctx_init, init_std=method.init_std,
                         vpt_init=method.vpt_init if method.n_ctx_vision else "")
     else:
-        if method.regulate or method.launch:
+        if method.regulate or method.launch is True:
             what = "regulate=True needs φ" if method.regulate else "launch=True needs α"
             raise ValueError(f"method {method.name!r}: {what}: set init_path (a GRAM init file) or pass a StartPoint")
         prompts = _scratch_prompts(method, clip, dims, seed)

@@ -33,7 +33,7 @@ from dassl.metrics import compute_accuracy
 from dassl.optim import build_optimizer
 
 from meta.backbone import load_clip
-from meta.finetune import GradientRegulation, LaunchStep, UpdateWindow, launch_, resolve_window
+from meta.finetune import GradientRegulation, UpdateWindow, launch_, launch_step_of, resolve_window
 from meta.init_io import load_gram_init
 from meta.prompts import PromptParams, PromptSpec
 
@@ -97,8 +97,8 @@ class _GramTrainer(TrainerX):
         self.window = UpdateWindow(resolve_window(settings.reg_window, self.gram_init_metadata,
                                                   source=f"TRAINER.GRAM.INIT {settings.init_path}")
                                    if self.regulation is not None else 1)
-        self.launch_step = (LaunchStep.from_metadata(self.gram_init_metadata, source=f"TRAINER.GRAM.INIT {settings.init_path}")
-                            if settings.launch else None)
+        self.launch_step = (launch_step_of(self.gram_init_metadata, source=f"TRAINER.GRAM.INIT {settings.init_path}")
+                            if settings.launch else None)   # None for a prompt pre-training file
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "amp" else None
         self._log_setup(settings, dims, classnames)
 
@@ -109,6 +109,9 @@ class _GramTrainer(TrainerX):
                           vision_depth=max(depth, 1), template=s.template, vpt_init=s.vpt_init,
                           text_depth=s.text_depth if (s.n_ctx_text or s.ctx_init) else 1,
                           coupling=s.coupling).resolved(dims)
+        # scratch θ is drawn before anything else touches the RNG, so that an "R_φ only" run starts exactly
+        # where the baseline with the same seed starts
+        scratch = self._scratch_prompts(s, spec, clip, dims) if not (s.enabled and s.init_prompts) else None
         if s.enabled:
             init = load_gram_init(s.init_path, config_key="TRAINER.GRAM.INIT", expect={
                 "text_width": dims.text_width, "vision_width": dims.vision_width, "model_name": dims.model_name,
@@ -121,8 +124,8 @@ class _GramTrainer(TrainerX):
                                  "set TRAINER.GRAM.REGULATE False (init only)")
             if s.init_prompts:
                 return init.prompt_module(), regulators
-            return self._scratch_prompts(s, spec, clip, dims), regulators
-        return self._scratch_prompts(s, spec, clip, dims), {}
+            return scratch, regulators
+        return scratch, {}
 
     @staticmethod
     def _scratch_prompts(s: GramSettings, spec: PromptSpec, clip, dims) -> PromptParams:
