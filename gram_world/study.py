@@ -37,6 +37,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from meta.cli_errors import run_cli
+from meta.fileio import write_json_atomic, write_text_atomic
 
 from .demo.pool import log
 from .demo.settings import METHOD_BY_KEY, PAIRS, DemoSettings
@@ -188,16 +189,25 @@ def markdown(rows: Sequence[dict]) -> str:
 # ------------------------------------------------------------------------------ commands
 def study(root: Path, worlds: Sequence[str], meta_seeds: Sequence[int], base: DemoSettings,
           world_root: Optional[Path] = None) -> dict:
-    """The default pipeline on test splits for every (world, meta seed); writes ``results.json`` / ``.md``."""
+    """The default pipeline on test splits for every (world, meta seed), meta seed by meta seed (every
+    world's first seed before any second one); ``results.json`` / ``.md`` are rewritten after every cell,
+    so a stopped study leaves the summary of the cells it finished."""
     cells: dict = {}
     seconds: dict = {}
-    for world in worlds:
-        for seed in meta_seeds:
+    result: dict = {}
+    for seed in meta_seeds:
+        for world in worlds:
             t = time.time()
             cell = Cell(world, replace(world_settings(world, base), meta_seed=seed, eval_split="test"))
             log(f"study cell world {world}, meta seed {seed}: {cell.name}")
             cells[(world, seed)] = cell_h(run_cell(cell, root, STUDY_KEYS, world_root))
             seconds[f"{world}/{seed}"] = round(time.time() - t, 1)
+            result = _write_results(root, cells, seconds, base)
+    return result
+
+
+def _write_results(root: Path, cells: dict, seconds: dict, base: DemoSettings) -> dict:
+    """``results.json`` and ``results.md`` for the finished ``cells``."""
     rows = summarise(cells)
     result = {"pairs": rows, "cells": {f"{w}/{s}": {f"{k}/{fs}": v for (k, fs), v in t.items()}
                                        for (w, s), t in cells.items()},
@@ -205,8 +215,8 @@ def study(root: Path, worlds: Sequence[str], meta_seeds: Sequence[int], base: De
               "settings": {"reg_window": base.reg_window, "launch": base.launch,
                            "query_before_weight": base.query_before_weight, "fine_tuning_seeds": list(base.seeds)},
               "bootstrap": {"draws": BOOTSTRAP_DRAWS, "levels": ["world", "meta seed x fine-tuning seed"]}}
-    (root / "results.json").write_text(json.dumps(result, indent=1))
-    (root / "results.md").write_text(markdown(rows))
+    write_json_atomic(root / "results.json", result)
+    write_text_atomic(root / "results.md", markdown(rows))
     return result
 
 

@@ -87,3 +87,13 @@ def test_cells_name_their_switches_and_unknown_worlds_are_refused(tmp_path):
     (tmp_path / "cell2" / "chc").mkdir(parents=True)
     with pytest.raises(ValueError, match="expected a link"):
         study._link(tmp_path / "cell2" / "chc", tmp_path / "shared_chc")
+
+
+def test_results_files_are_written_from_the_finished_cells(tmp_path):
+    cells = {("0", 0): {("gram_coop", 1): (50.0, 40.0, 44.4), ("coop", 1): (50.0, 38.0, 43.2)}}
+    result = study._write_results(tmp_path, cells, {"0/0": 12.0}, DemoSettings.preset(True))
+    import json
+    again = json.loads((tmp_path / "results.json").read_text())
+    assert again["pairs"] == result["pairs"] and again["pairs"][0]["mean_diff_H"] == pytest.approx(1.2)
+    assert again["cells"] == {"0/0": {"gram_coop/1": [50.0, 40.0, 44.4], "coop/1": [50.0, 38.0, 43.2]}}
+    assert (tmp_path / "results.md").read_text().count("\n") == 3
