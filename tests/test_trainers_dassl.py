@@ -221,7 +221,8 @@ def test_base_to_new_logs_and_checkpoints(experiment, method, init_files):
     row = methods.get(method)
     launched = on and not row.one_step   # the default launch step; one-step rows keep the paper's start
     assert ("GRAM launch: θ <- θ − α R_φ(mean train gradient), α=0.1" in train_log) == launched
-    window = (1 if row.one_step else PROVENANCE["tasks"]["k_way"] * PROVENANCE["tasks"]["n_support"]) if row.regulate else 1
+    support = PROVENANCE["tasks"]["k_way"] * PROVENANCE["tasks"]["n_support"]       # images; batches of 2 here
+    window = (1 if row.one_step else support // 2) if row.regulate else 1
     assert f"regulation window {window}, launch step {'on' if launched else 'off'}" in train_log
     if on and not launched:  # one epoch at the warm-up LR (1e-5) barely moves θ away from θ*
         init = load_gram_init(init_files[trainer]).prompt
@@ -302,7 +303,8 @@ def test_training_step_applies_r_phi_to_the_gradient(data_root, init_files, meth
 
 def test_window_and_launch_in_the_trainer(data_root, init_files, tiny_clip, tmp_path):
     """TRAINER.GRAM.REG_WINDOW 2: no step after the first batch, then θ -= lr · 2 R_φ(mean of the two
-    gradients); REG_WINDOW 0 = the init file's k_way × n_support; LAUNCH: θ* − α R_φ(mean train gradient)."""
+    gradients); REG_WINDOW 0 = the init file's k_way × n_support images in batches; LAUNCH: θ* − α R_φ(mean
+    train gradient)."""
     plain = load_gram_init(init_files["GRAM_CoOp"])
     path = tmp_path / "with_provenance.safetensors"
     export_gram_init(path, PromptParams(**plain.prompt), plain.regulator_modules(), tiny_clip[1],
@@ -329,7 +331,7 @@ def test_window_and_launch_in_the_trainer(data_root, init_files, tiny_clip, tmp_
     gram = ["TRAINER.GRAM.INIT", str(path), "TRAINER.GRAM.ENABLED", "True"]
     trainer = build(data_root, "gram_coop", *opts, "TRAINER.GRAM.REG_WINDOW", "0", "TRAINER.GRAM.LAUNCH", "True",
                     *gram)
-    assert trainer.window.size == 6 and trainer.launch_step.alpha == 0.3
+    assert trainer.window.size == 3 and trainer.launch_step.alpha == 0.3     # 3 x 2 support images, batches of 2
     ctx = trainer.model.prompt_learner.ctx
     start = ctx.detach().clone()
     loss = trainer._launch()

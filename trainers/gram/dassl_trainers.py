@@ -94,13 +94,19 @@ class _GramTrainer(TrainerX):
         self.register_model(MODEL_NAME, self.model.prompt_learner, self.optim, self.sched)
         self.regulation = (GradientRegulation(regulators, norm_preserve=settings.norm_preserve).to(self.device)
                            if regulators else None)
-        self.window = UpdateWindow(resolve_window(settings.reg_window, self.gram_init_metadata,
-                                                  source=f"TRAINER.GRAM.INIT {settings.init_path}")
-                                   if self.regulation is not None else 1)
+        self.window = UpdateWindow(self._window_batches(settings) if self.regulation is not None else 1)
         self.launch_step = (launch_step_of(self.gram_init_metadata, source=f"TRAINER.GRAM.INIT {settings.init_path}")
                             if settings.launch else None)   # None for a prompt pre-training file
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "amp" else None
         self._log_setup(settings, dims, classnames)
+
+    def _window_batches(self, s: GramSettings) -> int:
+        """``REG_WINDOW`` in batches; 0 = the init file's support size in images over the batch size (rounded,
+        >= 1), so that R_φ sees a mean over as many images as in meta-training."""
+        if s.reg_window >= 1:
+            return s.reg_window
+        images = resolve_window(0, self.gram_init_metadata, source=f"TRAINER.GRAM.INIT {s.init_path}")
+        return max(1, round(images / int(self.cfg.DATALOADER.TRAIN_X.BATCH_SIZE)))
 
     def _initial_prompts(self, s: GramSettings, clip, dims) -> tuple[PromptParams, dict]:
         """θ from the GRAM init file (and φ when regulating), or fresh θ for the baselines."""
