@@ -1,0 +1,188 @@
+"""How each CHC stage grows with the corpus: ``python -m gram_tools.chc_growth --pairs 10000 100000``.
+
+For every size ``N`` a fresh subprocess generates ``N`` synthetic pairs (:mod:`gram_tools.synthetic`) and
+runs CHC with ``configs/meta/chc_cc3m.yaml`` (the CC3M settings: ``FIT_SAMPLE`` 200 k, 5-d UMAP,
+``MIN_CLUSTER_SIZE`` 100, 3 domains) on the tiny test CLIP, so the CLIP stages (image features, pair
+filter) are NOT at real size here: their real-size cost per image is linear by construction (batched
+forward passes) and is given from ViT-B/16 FLOPs by :mod:`gram_tools.plan`.  Per stage it records the
+seconds and items of the pipeline's own ``timings.json`` and the process's peak resident memory inside
+the stage's time window (``VmRSS`` sampled every 50 ms; numba's compilation of UMAP / HDBSCAN is paid
+before the run, untimed), then fits ``cost = c * N^p`` in log-log space
+for every stage and extrapolates to CC3M's 3.1 M pairs.  ``umap_hdbscan_fit`` runs on
+``min(N_unique, FIT_SAMPLE)`` captions, so its extrapolation uses the fitted law at ``FIT_SAMPLE``.
+JSON last; ``--out`` writes it for the planner.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+CC3M_PAIRS = 3.1e6
+DEFAULT_OUT = "docs/chc_growth_cpu.json"
+CONFIG = "configs/meta/chc_cc3m.yaml"
+# Stages whose input is capped by CHC.TOPICS.FIT_SAMPLE.
+SAMPLED_STAGES = ("umap_hdbscan_fit",)
+
+
+def _rss_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def measure_size(n_pairs: int, work: Path, text_dtype: str, seed: int = 0) -> dict:
+    """Run CHC on ``n_pairs`` generated pairs; per-stage seconds, items and peak RSS (MiB)."""
+    import torch
+
+    from gram_tools.synthetic import write_synthetic_shards
+    from meta.chc import pipeline
+    from meta.config import load_meta_cfg
+
+    torch.set_num_threads(1)
+    from meta.chc.topics import fit_sample_clusters
+
+    warm = np.random.default_rng(1).normal(size=(600, 384)).astype(np.float32)   # numba compiles here, untimed
+    fit_sample_clusters(warm / np.linalg.norm(warm, axis=1, keepdims=True), 5, 15, 0.0, "cosine", "random", 20, 0, 0)
+    data = work / f"data_{n_pairs}"
+    write_synthetic_shards(data, n_pairs=n_pairs, seed=seed)
+    cfg = load_meta_cfg(CONFIG, ["MODEL.BACKBONE", "GRAM-Test-Tiny", "CHC.OUTPUT_DIR", str(work / f"chc_{n_pairs}"),
+                                 "CHC.INPUT.SHARDS", str([str(data / "shard-*.tar")]), "CHC.TEXT.DTYPE", text_dtype,
+                                 "MODEL.DEVICE", "cpu"])
+    samples: list[tuple[float, int]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append((time.time(), _rss_kib()))
+            time.sleep(0.05)
+
+    ends: dict[str, float] = {}
+    original = pipeline.ChcRun._timed
+
+    def timed(self, name: str, seconds: float, items: int) -> None:   # measurement hook, this process only
+        ends[name] = time.time()
+        original(self, name, seconds, items)
+
+    pipeline.ChcRun._timed = timed
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        pipeline.run_chc(cfg, show_progress=False)
+    finally:
+        stop.set()
+        thread.join()
+        pipeline.ChcRun._timed = original
+    timings = json.loads((Path(cfg.CHC.OUTPUT_DIR) / "timings.json").read_text())
+    stages = {}
+    for name, t in timings.items():
+        if name not in ends:
+            continue
+        lo, hi = ends[name] - t["seconds"] - 0.05, ends[name] + 0.05
+        inside = [kib for ts, kib in samples if lo <= ts <= hi] or [0]
+        before = [kib for ts, kib in samples if ts < lo]
+        stages[name] = {"seconds": t["seconds"], "items": t["items"], "peak_rss_mib": round(max(inside) / 1024, 1),
+                        "rss_before_mib": round((before[-1] if before else 0) / 1024, 1)}
+    return {"pairs": n_pairs, "stages": stages, "load_avg_1min": round(os.getloadavg()[0], 2),
+            "text_dtype": text_dtype}
+
+
+def power_law(ns: list[float], ys: list[float]) -> Optional[dict]:
+    """Least squares ``log y = log c + p log n``; ``None`` with fewer than two positive points."""
+    pts = [(n, y) for n, y in zip(ns, ys) if n > 0 and y > 0]
+    if len(pts) < 2 or len({n for n, _ in pts}) < 2:
+        return None
+    x = np.log([n for n, _ in pts])
+    y = np.log([v for _, v in pts])
+    p, logc = np.polyfit(x, y, 1)
+    return {"c": float(math.exp(logc)), "p": float(p)}
+
+
+def predict(law: dict, n: float) -> float:
+    """``c * n^p``."""
+    return law["c"] * n ** law["p"]
+
+
+def fit_growth(runs: list[dict], fit_sample: int, target: float = CC3M_PAIRS) -> dict:
+    """Per stage: growth exponent of seconds and peak RSS against items, and the value at ``target`` pairs.
+
+    Items of a stage scale with pairs by the ratio measured at the largest run (unique captions per pair
+    for the text stages); the fitting stage's items stop at ``fit_sample``.
+    """
+    out = {}
+    names = dict.fromkeys(name for r in runs for name in r["stages"])
+    for name in names:
+        rows = [r for r in runs if name in r["stages"]]
+        items = [r["stages"][name]["items"] for r in rows]
+        secs = [r["stages"][name]["seconds"] for r in rows]
+        mem = [r["stages"][name]["peak_rss_mib"] for r in rows]
+        t_law, m_law = power_law(items, secs), power_law(items, mem)
+        per_pair = items[-1] / rows[-1]["pairs"]
+        target_items = target * per_pair
+        if name in SAMPLED_STAGES:
+            target_items = min(target_items, fit_sample)
+        entry = {"items": items, "seconds": secs, "peak_rss_mib": mem, "items_per_pair": round(per_pair, 4),
+                 "target_pairs": target, "target_items": round(target_items),
+                 "seconds_law": t_law, "rss_law": m_law}
+        entry["target_seconds"] = None if t_law is None else round(predict(t_law, target_items), 1)
+        entry["target_peak_rss_mib"] = None if m_law is None else round(predict(m_law, target_items), 1)
+        out[name] = entry
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gram_tools.chc_growth", description=__doc__.splitlines()[0])
+    p.add_argument("--pairs", type=int, nargs="+", default=[10000, 100000])
+    p.add_argument("--text-dtype", default="bf16", choices=("fp32", "bf16"))
+    p.add_argument("--work", default=".cache/chc_growth")
+    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--one", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    work = Path(args.work)
+    if args.one:
+        print(json.dumps(measure_size(args.one, work, args.text_dtype)))
+        return 0
+    runs = []
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    for n in sorted(args.pairs):
+        proc = subprocess.run([sys.executable, "-m", "gram_tools.chc_growth", "--one", str(n), "--work", str(work),
+                               "--text-dtype", args.text_dtype], capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            print(f"error: CHC on {n} pairs failed: {proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+            return 1
+        run = json.loads(proc.stdout.strip().splitlines()[-1])
+        runs.append(run)
+        for name, s in run["stages"].items():
+            print(f"N={n:8d} {name:26s} {s['items']:8d} items {s['seconds']:9.2f} s  peak RSS {s['peak_rss_mib']} MiB"
+                  f" (load {run['load_avg_1min']})", flush=True)
+    from meta.config import load_meta_cfg
+
+    fit_sample = int(load_meta_cfg(CONFIG).CHC.TOPICS.FIT_SAMPLE)
+    result = {"runs": runs, "growth": fit_growth(runs, fit_sample),
+              "settings": {"config": CONFIG, "backbone": "GRAM-Test-Tiny (CLIP stages not at real size)",
+                           "text_dtype": args.text_dtype, "threads": 1, "fit_sample": fit_sample,
+                           "timing": "measured on a shared 2-core VM, one run per size",
+                           "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}
+    for name, g in result["growth"].items():
+        law = g["seconds_law"]
+        print(f"{name:26s} time ~ items^{law['p']:.2f} -> {g['target_seconds']} s at {g['target_items']} items"
+              if law else f"{name:26s} (no fit)", flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""The planner's arithmetic (gram_tools.plan) against hand-computed cases on small fake figures files."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from gram_tools import plan
+from gram_tools.realsize import fit_line, fit_points, learner_of, tensor_kind
+
+
+def _line(a, *b):
+    return {"intercept": a, "slopes": list(b)}
+
+
+def _figures(tmp_path, meta_batch_gpu=4):
+    figures = {
+        "settings": {"model": "fake", "model_mib": 512.0},
+        "fits": {"unigram": {"second": {"variables": ["support", "query"], "points": 4,
+                                        "peak_mib": _line(1000.0, 100.0, 50.0), "gflops": _line(10.0, 2.0, 1.0),
+                                        "seconds": _line(1.0, 0.5, 0.25), "load_avg_1min_range": [1, 2]}},
+                 "coop": {"encode": {"variables": ["batch"], "points": 2, "peak_mib": _line(0.0, 1.0),
+                                     "gflops": _line(0.0, 35.0), "seconds": _line(0.0, 1.0)}}},
+    }
+    gpu = {"settings": {"way": 5, "support_shots": 4, "query_shots": 8, "meta_batch": meta_batch_gpu, "gpu": "fake",
+                        "autocast": "none"},
+           "variants": {"unigram": {"second_order_step_s": 0.9}}, "chc_images_per_s": 1000.0}
+    chc = {"growth": {"text_embeddings": {"items": [1, 2], "items_per_pair": 0.5, "seconds_law": {"c": 0.01, "p": 1.0},
+                                          "rss_law": {"c": 1024.0, "p": 0.0}},
+                      "umap_hdbscan_fit": {"items": [1, 2], "items_per_pair": 1.0, "seconds_law": {"c": 0.002, "p": 1.0},
+                                           "rss_law": None}}}
+    paths = {}
+    for name, obj in (("figures", figures), ("gpu", gpu), ("chc", chc)):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(obj))
+    return paths
+
+
+def _run(capsys, paths, *extra, gpu=False):
+    argv = ["--config-file", "configs/meta/train_unigram.yaml", "--figures", str(paths["figures"]),
+            "--gpu-figures", str(paths["gpu"]) if gpu else str(paths["gpu"]) + ".absent",
+            "--chc-figures", str(paths["chc"]), *extra]
+    assert plan.main(argv) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_memory_fit_and_largest_sizes(tmp_path, capsys):
+    # train_unigram: K 5, N_SUPPORT 4, N_QUERY 8 -> s = 20, q = 40 images
+    out = _run(capsys, _figures(tmp_path), "--gpu-memory-gib", "8", "--margin", "0.1")["meta_training"]
+    assert out["learner"] == "unigram" and out["mode"] == "second"
+    assert out["images"] == {"support": 20.0, "query": 40.0}
+    assert out["task_peak_gib"]["value"] == round(5000 / 1024, 3)             # 1000 + 100*20 + 50*40
+    assert out["peak_gib"]["value"] == round(5512 / 1024, 3)                  # + 512 MiB weights
+    assert out["fits"] is True
+    # budget 8 * 1024 * 0.9 - 512 = 6860.8 MiB; support: (6860.8 - 3000) / (100 * 5) -> 7; query: / (50 * 5) -> 15
+    assert out["largest_n_support"] == 7 and out["largest_n_query"] == 15
+    assert out["task_peak_gib"]["how"].startswith("estimated") and "measured" in out["weights_gib"]["how"]
+
+
+def test_does_not_fit(tmp_path, capsys):
+    out = _run(capsys, _figures(tmp_path), "--gpu-memory-gib", "4", "--margin", "0")["meta_training"]
+    # budget 4096 - 512 = 3584 < 5000; support alone (1000 + 2000 + 0) fits -> (3584 - 3000) / 500 = 1; query (3584 - 3000) / 250 = 2
+    assert out["fits"] is False and out["largest_n_support"] == 1 and out["largest_n_query"] == 2
+
+
+def test_hours_from_flops_and_from_gpu_figures(tmp_path, capsys):
+    paths = _figures(tmp_path)
+    out = _run(capsys, paths, "--gpus", "2", "--gpu-tflops", "100")["meta_training"]
+    # 4 tasks x (10 + 2*20 + 1*40) GFLOP = 360 GFLOP per step; 10,000 steps / (100 TFLOP/s x 2) = 18 s
+    assert out["step_gflop"]["value"] == 360.0
+    assert out["hours"]["value"] == round(18 / 3600, 3)
+    assert "assumed" in out["hours"]["how"]
+    assert out["cpu_step_seconds"]["value"] == 4 * (1 + 0.5 * 20 + 0.25 * 40)
+    out = _run(capsys, paths, "--gpus", "2", gpu=True)["meta_training"]
+    assert out["hours"]["value"] == 1.25 and out["hours"]["how"].startswith("measured")   # 10,000 x 0.9 s / 2
+    # GPU figures for another task size are not used
+    paths = _figures(tmp_path, meta_batch_gpu=8)
+    out = _run(capsys, paths, "--gpus", "2", "--gpu-tflops", "100", gpu=True)["meta_training"]
+    assert out["hours"]["how"].startswith("estimated")
+
+
+def test_chc_stages(tmp_path, capsys):
+    paths = _figures(tmp_path)
+    chc = _run(capsys, paths, "--pairs", "1e6", "--gpus", "2", "--gpu-tflops", "100")["chc"]
+    assert chc["text_embeddings"]["items"] == 500000 and chc["text_embeddings"]["cpu_hours"] == round(5000 / 3600, 3)
+    assert chc["text_embeddings"]["peak_rss_gib"] == 1.0
+    # the fitting stage stops at FIT_SAMPLE (200 k in the defaults): 0.002 x 2e5 = 400 s
+    assert chc["umap_hdbscan_fit"]["items"] == 200000 and chc["umap_hdbscan_fit"]["cpu_hours"] == round(400 / 3600, 3)
+    # 1e6 images x 35 GFLOP / (100 TFLOP/s x 2) = 175 s
+    assert chc["image_features"]["gpu_hours"] == round(175 / 3600, 3)
+    chc = _run(capsys, paths, "--pairs", "1e6", "--gpus", "2", gpu=True)["chc"]
+    assert chc["image_features"]["gpu_hours"] == round(1e6 / 1000 / 3600 / 2, 3)
+
+
+def test_errors_are_one_line(tmp_path, capsys):
+    paths = _figures(tmp_path)
+    argv = ["--config-file", "configs/meta/train_vpt.yaml", "--figures", str(paths["figures"]),
+            "--gpu-figures", "absent.json", "--chc-figures", "absent.json"]
+    assert plan.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(paths["figures"]) in err and "'vpt'" in err
+    assert plan.main(argv[:2] + ["--figures", str(tmp_path / "none.json")]) == 2
+    assert "none.json: no such file" in capsys.readouterr().err
+
+
+def test_realsize_fits_and_learner_table():
+    xs = np.array([[1, 1], [3, 1], [1, 3], [2, 2]], dtype=float)
+    y = 7.0 + 3.0 * xs[:, 0] + 0.5 * xs[:, 1]
+    fit = fit_line(xs, y)
+    assert fit["intercept"] == pytest.approx(7.0) and fit["slopes"] == pytest.approx([3.0, 0.5])
+    points = [{"learner": "vpt", "mode": "second", "support": s, "query": q, "peak_mib": 10 + 2 * s + q,
+               "flops": int(1e9 * (5 * s + 4 * q)), "seconds": 1.0 + s, "load_avg_1min": [1.0], "repeats": 1}
+              for s, q in [(1, 1), (3, 1), (1, 3)]]
+    f = fit_points(points)["vpt"]["second"]
+    assert f["peak_mib"]["slopes"] == pytest.approx([2.0, 1.0]) and f["gflops"]["slopes"] == pytest.approx([5.0, 4.0])
+    assert [learner_of(4, 0, 1), learner_of(0, 4, 1), learner_of(0, 4, 12), learner_of(2, 2, 1)] == [
+        "coop", "vpt", "vpt_deep", "unigram"]
+    assert tensor_kind((2, 12, 197, 197), 197, 768).startswith("attention")
+    assert tensor_kind((2, 197, 3072), 197, 768).startswith("mlp")
+    assert tensor_kind((2, 197, 768), 197, 768).startswith("tokens")
