@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from gram_tools import plan
 from gram_tools.realsize import fit_line, fit_points, learner_of, tensor_kind
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _line(a, *b):
@@ -119,3 +125,44 @@ def test_realsize_fits_and_learner_table():
     assert tensor_kind((2, 12, 197, 197), 197, 768).startswith("attention")
     assert tensor_kind((2, 197, 3072), 197, 768).startswith("mlp")
     assert tensor_kind((2, 197, 768), 197, 768).startswith("tokens")
+
+
+# ----------------------------------------------------------------------------- scripts/gpu_check.sh
+def _gpu_check(tmp_path, python):
+    env = {**os.environ, "PYTHON": str(python), "FIGURES_DIR": str(tmp_path / "figs")}
+    return subprocess.run(["bash", "scripts/gpu_check.sh", str(tmp_path / "out")], capture_output=True, text=True,
+                          env=env, cwd=REPO)
+
+
+def test_gpu_check_without_cuda_stops_in_one_line(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/bash\ncase \"$*\" in *cuda.is_available*) exit 1;; esac\necho unexpected; exit 0\n")
+    fake.chmod(0o755)
+    proc = _gpu_check(tmp_path, fake)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        f"error: scripts/gpu_check.sh: CUDA is not available on this machine (torch.cuda.is_available() is False "
+        f"with {fake})"]
+
+
+def test_gpu_check_writes_the_planner_figures(tmp_path):
+    """With CUDA (faked), the script runs the gpu tests, both benches, and copies each bench's JSON line."""
+    fake = tmp_path / "python"
+    calls = tmp_path / "calls.txt"
+    fake.write_text("#!/bin/bash\n"
+                    f"echo \"$*\" >> {calls}\n"
+                    "case \"$*\" in\n"
+                    "  *cuda.is_available*) exit 0;;\n"
+                    "  '-m pytest'*) echo '3 passed'; exit 0;;\n"
+                    "  '-m gram_tools.bench'*) echo 'coop: ...'; echo \"{\\\"autocast\\\": \\\"$6\\\"}\"; exit 0;;\n"
+                    f"  *) exec {sys.executable} \"$@\";;\n"
+                    "esac\n")
+    fake.chmod(0o755)
+    proc = _gpu_check(tmp_path, fake)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "figs" / "gpu_figures.json").read_text()) == {"autocast": "none"}
+    assert json.loads((tmp_path / "figs" / "gpu_figures_bf16.json").read_text()) == {"autocast": "bf16"}
+    lines = calls.read_text().splitlines()
+    assert "-m pytest -q -rs -m gpu tests" in lines
+    assert "-m gram_tools.bench --device cuda --autocast none" in lines
+    assert "-m gram_tools.bench --device cuda --autocast bf16" in lines
