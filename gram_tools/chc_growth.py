@@ -7,7 +7,8 @@ filter) are NOT at real size here: their real-size cost per image is linear by c
 forward passes) and is given from ViT-B/16 FLOPs by :mod:`gram_tools.plan`.  Per stage it records the
 seconds and items of the pipeline's own ``timings.json`` and the process's peak resident memory inside
 the stage's time window (``VmRSS`` sampled every 50 ms; numba's compilation of UMAP / HDBSCAN is paid
-before the run, untimed), then fits ``cost = c * N^p`` in log-log space
+before the run, untimed), then fits ``seconds = c * N^p`` in log-log space
+(and ``peak RSS = a + b * N``: the process's fixed base - torch, the sentence model - dominates it)
 for every stage and extrapolates to CC3M's 3.1 M pairs.  ``umap_hdbscan_fit`` runs on
 ``min(N_unique, FIT_SAMPLE)`` captions, so its extrapolation uses the fitted law at ``FIT_SAMPLE``.
 JSON last; ``--out`` writes it for the planner.
@@ -108,13 +109,23 @@ def power_law(ns: list[float], ys: list[float]) -> Optional[dict]:
     return {"c": float(math.exp(logc)), "p": float(p)}
 
 
+def linear_law(ns: list[float], ys: list[float]) -> Optional[dict]:
+    """Least squares ``y = intercept + slope * n`` (resident memory: a fixed base plus what grows)."""
+    if len(set(ns)) < 2:
+        return None
+    slope, intercept = np.polyfit(np.asarray(ns, float), np.asarray(ys, float), 1)
+    return {"intercept": float(intercept), "slope": float(slope)}
+
+
 def predict(law: dict, n: float) -> float:
-    """``c * n^p``."""
+    """``c * n^p`` (a power law) or ``intercept + slope * n`` (a linear law)."""
+    if "slope" in law:
+        return law["intercept"] + law["slope"] * n
     return law["c"] * n ** law["p"]
 
 
 def fit_growth(runs: list[dict], fit_sample: int, target: float = CC3M_PAIRS) -> dict:
-    """Per stage: growth exponent of seconds and peak RSS against items, and the value at ``target`` pairs.
+    """Per stage: growth exponent of seconds, linear law of peak RSS against items, values at ``target`` pairs.
 
     Items of a stage scale with pairs by the ratio measured at the largest run (unique captions per pair
     for the text stages); the fitting stage's items stop at ``fit_sample``.
@@ -126,7 +137,7 @@ def fit_growth(runs: list[dict], fit_sample: int, target: float = CC3M_PAIRS) ->
         items = [r["stages"][name]["items"] for r in rows]
         secs = [r["stages"][name]["seconds"] for r in rows]
         mem = [r["stages"][name]["peak_rss_mib"] for r in rows]
-        t_law, m_law = power_law(items, secs), power_law(items, mem)
+        t_law, m_law = power_law(items, secs), linear_law(items, mem)
         per_pair = items[-1] / rows[-1]["pairs"]
         target_items = target * per_pair
         if name in SAMPLED_STAGES:
@@ -146,6 +157,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--text-dtype", default="bf16", choices=("fp32", "bf16"))
     p.add_argument("--work", default=".cache/chc_growth")
     p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--refit", action="store_true", help="refit the growth laws of the runs stored in --out")
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     work = Path(args.work)
@@ -154,7 +166,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     runs = []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    for n in sorted(args.pairs):
+    if args.refit:
+        if not Path(args.out).is_file():
+            print(f"error: --refit: no such file {args.out}", file=sys.stderr)
+            return 2
+        stored = json.loads(Path(args.out).read_text())
+        runs = stored["runs"]
+        args.text_dtype = stored["settings"]["text_dtype"]
+    for n in [] if args.refit else sorted(args.pairs):
         proc = subprocess.run([sys.executable, "-m", "gram_tools.chc_growth", "--one", str(n), "--work", str(work),
                                "--text-dtype", args.text_dtype], capture_output=True, text=True, env=env)
         if proc.returncode != 0:

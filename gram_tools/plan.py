@@ -165,7 +165,7 @@ def chc_plan(chc: dict, chc_path: str, pairs: float, gpu_figures: Optional[dict]
         seconds = law["c"] * items ** law["p"]
         mem = g.get("rss_law")
         rows[name] = {"items": round(items), "cpu_hours": round(seconds / 3600.0, 3),
-                      "peak_rss_gib": None if mem is None else round(mem["c"] * items ** mem["p"] / GIB_MIB, 2),
+                      "peak_rss_gib": None if mem is None else round((mem["intercept"] + mem["slope"] * items) / GIB_MIB, 2),
                       "how": f"estimated: law seconds = {law['c']:.3g} x items^{law['p']:.2f} measured at "
                              f"{g['items']} items on one CPU thread ({chc_path})"}
     images = pairs

@@ -33,7 +33,7 @@ def _figures(tmp_path, meta_batch_gpu=4):
                         "autocast": "none"},
            "variants": {"unigram": {"second_order_step_s": 0.9}}, "chc_images_per_s": 1000.0}
     chc = {"growth": {"text_embeddings": {"items": [1, 2], "items_per_pair": 0.5, "seconds_law": {"c": 0.01, "p": 1.0},
-                                          "rss_law": {"c": 1024.0, "p": 0.0}},
+                                          "rss_law": {"intercept": 512.0, "slope": 1 / 1024}},
                       "umap_hdbscan_fit": {"items": [1, 2], "items_per_pair": 1.0, "seconds_law": {"c": 0.002, "p": 1.0},
                                            "rss_law": None}}}
     paths = {}
@@ -90,7 +90,7 @@ def test_chc_stages(tmp_path, capsys):
     paths = _figures(tmp_path)
     chc = _run(capsys, paths, "--pairs", "1e6", "--gpus", "2", "--gpu-tflops", "100")["chc"]
     assert chc["text_embeddings"]["items"] == 500000 and chc["text_embeddings"]["cpu_hours"] == round(5000 / 3600, 3)
-    assert chc["text_embeddings"]["peak_rss_gib"] == 1.0
+    assert chc["text_embeddings"]["peak_rss_gib"] == round((512 + 500000 / 1024) / 1024, 2)
     # the fitting stage stops at FIT_SAMPLE (200 k in the defaults): 0.002 x 2e5 = 400 s
     assert chc["umap_hdbscan_fit"]["items"] == 200000 and chc["umap_hdbscan_fit"]["cpu_hours"] == round(400 / 3600, 3)
     # 1e6 images x 35 GFLOP / (100 TFLOP/s x 2) = 175 s
@@ -166,3 +166,21 @@ def test_gpu_check_writes_the_planner_figures(tmp_path):
     assert "-m pytest -q -rs -m gpu tests" in lines
     assert "-m gram_tools.bench --device cuda --autocast none" in lines
     assert "-m gram_tools.bench --device cuda --autocast bf16" in lines
+
+
+def test_chc_growth_laws():
+    from gram_tools.chc_growth import fit_growth, predict
+
+    runs = [{"pairs": n, "stages": {
+        "text_embeddings": {"items": n // 2, "seconds": 0.02 * (n // 2), "peak_rss_mib": 1000 + (n // 2) / 100},
+        "umap_hdbscan_fit": {"items": n, "seconds": 1e-4 * n ** 1.5, "peak_rss_mib": 1200.0}}}
+        for n in (10000, 40000, 100000)]
+    g = fit_growth(runs, fit_sample=200000, target=3.1e6)
+    text, fit = g["text_embeddings"], g["umap_hdbscan_fit"]
+    assert text["seconds_law"]["p"] == pytest.approx(1.0) and text["items_per_pair"] == 0.5
+    assert text["target_items"] == 1550000 and text["target_seconds"] == pytest.approx(0.02 * 1550000, rel=1e-6)
+    assert text["rss_law"]["slope"] == pytest.approx(0.01) and text["rss_law"]["intercept"] == pytest.approx(1000)
+    assert fit["seconds_law"]["p"] == pytest.approx(1.5)
+    assert fit["target_items"] == 200000                       # capped by FIT_SAMPLE
+    assert fit["target_seconds"] == pytest.approx(1e-4 * 200000 ** 1.5, rel=1e-4)
+    assert predict({"c": 2.0, "p": 2.0}, 3.0) == 18.0 and predict({"intercept": 1.0, "slope": 2.0}, 3.0) == 7.0
