@@ -184,3 +184,14 @@ def test_chc_growth_laws():
     assert fit["target_items"] == 200000                       # capped by FIT_SAMPLE
     assert fit["target_seconds"] == pytest.approx(1e-4 * 200000 ** 1.5, rel=1e-4)
     assert predict({"c": 2.0, "p": 2.0}, 3.0) == 18.0 and predict({"intercept": 1.0, "slope": 2.0}, 3.0) == 7.0
+
+
+def test_cost_tables_compute_the_task_total(tmp_path):
+    from gram_tools.cost_tables import realsize_table
+
+    figures = json.loads(_figures(tmp_path)["figures"].read_text())
+    figures["fits"]["unigram"]["second"]["load_avg_1min_range"] = [5.0, 6.0]
+    table = realsize_table(figures, 5, 4, 8).splitlines()
+    assert len(table) == 3                                  # header, rule, the one meta-task row
+    # 1000 + 100*20 + 50*40 = 5000 MiB = 4.88 GiB; 10 + 2*20 + 40 = 90 GFLOP; 1 + 10 + 10 = 21 s
+    assert table[2] == ("| unigram | second order | 1,000 | 100 | 50 | 2.0 / 1.0 | 4.88 GiB, 0.09 TFLOP | 21 (5.0-6.0) |")

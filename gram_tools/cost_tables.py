@@ -1,0 +1,115 @@
+"""Markdown tables of the measured costs: ``python -m gram_tools.cost_tables``.
+
+Reads the files :mod:`gram_tools.realsize` and :mod:`gram_tools.chc_growth` write and prints the tables
+README "Cost at real size" and ``docs/realsize.md`` show, so no number is copied by hand.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+from gram_tools.chc_growth import DEFAULT_OUT as CHC_FIGURES
+from gram_tools.realsize import DEFAULT_OUT as FIGURES
+
+
+def _fmt(v: float, digits: int = 0) -> str:
+    return f"{v:,.{digits}f}"
+
+
+def realsize_table(figures: dict, way: int, n_support: int, n_query: int) -> str:
+    """Per learner and mode: intercept and MiB / GFLOP per support and query image, and one task's total."""
+    rows = ["| learner | step | MiB fixed | MiB per support image | MiB per query image | GFLOP per support / query image "
+            f"| one task ({way * n_support} + {way * n_query} images) | CPU s per task (load) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for learner, modes in figures["fits"].items():
+        for mode in ("second", "first"):
+            f = modes.get(mode)
+            if f is None:
+                continue
+            m, g, t = f["peak_mib"], f["gflops"], f["seconds"]
+            s, q = way * n_support, way * n_query
+            mib = m["intercept"] + m["slopes"][0] * s + m["slopes"][1] * q
+            gflop = g["intercept"] + g["slopes"][0] * s + g["slopes"][1] * q
+            sec = t["intercept"] + t["slopes"][0] * s + t["slopes"][1] * q
+            lo, hi = f["load_avg_1min_range"]
+            rows.append(f"| {learner} | {mode} order | {_fmt(m['intercept'])} | {_fmt(m['slopes'][0])} | "
+                        f"{_fmt(m['slopes'][1])} | {_fmt(g['slopes'][0], 1)} / {_fmt(g['slopes'][1], 1)} | "
+                        f"{_fmt(mib / 1024, 2)} GiB, {_fmt(gflop / 1000, 2)} TFLOP | {_fmt(sec)} ({lo:.1f}-{hi:.1f}) |")
+    return "\n".join(rows)
+
+
+def plain_table(figures: dict) -> str:
+    """Fine-tuning step and image encoding: MiB and GFLOP per image."""
+    rows = ["| learner | step | MiB fixed | MiB per image | GFLOP fixed | GFLOP per image | CPU s per image (load) |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for learner, modes in figures["fits"].items():
+        for mode in ("finetune", "encode"):
+            f = modes.get(mode)
+            if f is None:
+                continue
+            lo, hi = f["load_avg_1min_range"]
+            rows.append(f"| {learner if mode == 'finetune' else 'image tower (CHC)'} | {mode} | "
+                        f"{_fmt(f['peak_mib']['intercept'])} | {_fmt(f['peak_mib']['slopes'][0], 1)} | "
+                        f"{_fmt(f['gflops']['intercept'], 1)} | {_fmt(f['gflops']['slopes'][0], 1)} | "
+                        f"{_fmt(f['seconds']['slopes'][0], 2)} ({lo:.1f}-{hi:.1f}) |")
+    return "\n".join(rows)
+
+
+def saved_table(figures: dict, n_support: int = 3, n_query: int = 1) -> str:
+    """What autograd saved at one measured point, by tensor kind, against the measured resident peak."""
+    rows = ["| learner | step | point | " + "saved MiB by kind | " + "saved total | resident peak |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for p in figures["points"]:
+        if p["mode"] in ("second", "first") and p["support"] == n_support and p["query"] == n_query:
+            kinds = ", ".join(f"{k} {_fmt(v)}" for k, v in sorted(p["saved_mib"].items(), key=lambda kv: -kv[1]))
+            rows.append(f"| {p['learner']} | {p['mode']} | s={n_support}, q={n_query} | {kinds} | "
+                        f"{_fmt(sum(p['saved_mib'].values()))} | {_fmt(p['peak_mib'])} |")
+    return "\n".join(rows)
+
+
+def chc_table(chc: dict) -> str:
+    """Per CHC stage: measured seconds at each size, growth exponent, extrapolation to the target."""
+    sizes = [r["pairs"] for r in chc["runs"]]
+    head = " | ".join(f"s at {n:,} pairs" for n in sizes)
+    rows = [f"| stage | {head} | time ~ items^p | items at 3.1 M pairs | extrapolated | peak RSS at 3.1 M |",
+            "| --- | " + "--- | " * len(sizes) + "--- | --- | --- | --- |"]
+    for name, g in chc["growth"].items():
+        law = g["seconds_law"]
+        secs = []
+        for r in chc["runs"]:
+            st = r["stages"].get(name)
+            secs.append("-" if st is None else f"{st['seconds']:.2f}")
+        ext = "-" if g["target_seconds"] is None else (f"{g['target_seconds'] / 3600:.2f} h" if g["target_seconds"] >= 600
+                                                       else f"{g['target_seconds']:.0f} s")
+        rss = "-" if g["target_peak_rss_mib"] is None else f"{g['target_peak_rss_mib'] / 1024:.1f} GiB"
+        exponent = "-" if law is None else f"{law['p']:.2f}"
+        rows.append(f"| {name} | " + " | ".join(secs) + f" | {exponent} | "
+                    f"{g['target_items']:,} | {ext} | {rss} |")
+    return "\n".join(rows)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gram_tools.cost_tables", description=__doc__.splitlines()[0])
+    ap.add_argument("--figures", default=FIGURES)
+    ap.add_argument("--chc-figures", default=CHC_FIGURES)
+    args = ap.parse_args(argv)
+    from meta.config import get_meta_cfg_default
+
+    t = get_meta_cfg_default().TASKS
+    for path in (args.figures, args.chc_figures):
+        if not Path(path).is_file():
+            print(f"error: {path}: no such file", file=sys.stderr)
+            return 2
+    figures = json.loads(Path(args.figures).read_text())
+    print(realsize_table(figures, int(t.K_WAY), int(t.N_SUPPORT), int(t.N_QUERY)) + "\n")
+    print(plain_table(figures) + "\n")
+    print(saved_table(figures) + "\n")
+    print(chc_table(json.loads(Path(args.chc_figures).read_text())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
