@@ -148,6 +148,8 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.AUTOCAST = "none"          # none | bf16 | fp16 autocast of the CLIP passes on CUDA (CPU: fp32, one log line);
     #                              bf16 is the safer choice: fp16 scales only the outer loss (meta.precision)
     m.INNER_MOMENTUM = 0.0       # heavy-ball inner SGD as the test-time optimiser (0.9 there); needs INNER_STEPS > 1
+    m.QUERY_BEFORE_WEIGHT = 0.0  # w: outer loss L_q(theta') + w L_q(theta), so theta* is also good where the
+    #                              downstream schedule starts (0 = the paper's one-step objective, Eq. 8)
 
     m.REGULATOR = CN()           # R_phi (meta.regulator.RegulatorSpec) [core]
     m.REGULATOR.FORM = "residual"   # residual | paper (literal Eq. 5)

@@ -5,17 +5,35 @@ Usage inside any training loop (a Dassl trainer, the standalone evaluator)::
     loss.backward()
     regulation.apply_(prompt_module.named_parameters())   # p.grad <- R_φ(p.grad)
     optimizer.step()
+
+Two switches make test-time use match what R_φ and θ* were meta-trained for:
+
+* a regulation window (:class:`UpdateWindow`): meta-training applies R_φ once to the *mean* gradient
+  of a support set, while CoCoOp's batch-1 schedule produces one gradient per image.  With a window
+  of W images the raw per-image gradients are summed in ``p.grad`` (no ``zero_grad`` in between),
+  and once per window ``p.grad <- n · R_φ(p.grad / n)`` (n = images in the window) is applied before
+  one optimiser step: R_φ sees the window's mean gradient, and the step keeps the learning-rate budget
+  of n per-image steps (n times the mean).  W = 1 is the per-image rule.
+* a launch step (:class:`LaunchStep`, :func:`launch_`): meta-training optimises the query loss
+  *after* the inner step θ' = θ − α R_φ(∇L_s(θ)), so θ* is a launch point.  Launching applies that
+  same step once, with the mean gradient over the few-shot train set and α, the step count and the
+  inner momentum read from the init file, before the fine-tuning schedule starts.
 """
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Iterable, Mapping, Optional
 
 import torch
 from torch import nn
 
 from .regulator import GradientRegulator
+
+# Test-time defaults of the two switches (module docstring), read by MethodSpec, the Dassl trainers'
+# TRAINER.GRAM keys and the demo.  Chosen on validation splits (docs/gram_training_match.md).
+DEFAULT_REG_WINDOW = 1
+DEFAULT_LAUNCH = False
 
 
 class GradientRegulation(nn.Module):
@@ -52,15 +70,22 @@ class GradientRegulation(nn.Module):
         return len(self.regulators)
 
     @torch.no_grad()
-    def apply_(self, named_parameters: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Replace ``p.grad`` by ``R_φ(p.grad)`` in place; returns how many tensors were regulated."""
+    def apply_(self, named_parameters: Iterable[tuple[str, torch.Tensor]], count: int = 1) -> int:
+        """Replace ``p.grad`` by ``count · R_φ(p.grad / count)`` in place; returns how many tensors were regulated.
+
+        ``count`` is the number of per-image (or per-batch) gradients summed in ``p.grad`` (a
+        regulation window, :class:`UpdateWindow`): R_φ acts on their mean and the result is scaled
+        back to a sum.  ``count = 1``: ``p.grad <- R_φ(p.grad)``.
+        """
+        if count < 1:
+            raise ValueError(f"GradientRegulation.apply_: count must be >= 1, got {count}")
         done = 0
         for name, param in named_parameters:
             key = name.split(".")[-1]  # "prompt_learner.prompts.ctx" -> "ctx"
             if param.grad is None or key not in self.regulators:
                 continue
             raw = param.grad.detach().clone()
-            param.grad.copy_(self.regulators[key](param.grad))
+            param.grad.copy_(self.regulators[key](param.grad / count) * count)
             raw_norm = raw.norm()
             self.stats["tensors"] += 1
             self.stats["cos_sum"] += float(torch.nn.functional.cosine_similarity(
@@ -68,6 +93,94 @@ class GradientRegulation(nn.Module):
             self.stats["norm_ratio_sum"] += float(param.grad.norm() / raw_norm.clamp_min(1e-30))
             done += 1
         return done
+
+
+class UpdateWindow:
+    """When to regulate and step with a regulation window of ``size`` backward passes.
+
+    Loop (gradients accumulate in ``p.grad`` between steps)::
+
+        loss.backward()
+        n = window.push(last=is_last_batch_of_epoch)     # 0 = keep accumulating
+        if n:
+            regulation.apply_(params, count=n)            # n · R_φ(mean of the n gradients)
+            optimizer.step(); optimizer.zero_grad()
+
+    A window never spans two epochs: the epoch's last batch closes it (the LR changes per epoch).
+    ``size = 1`` returns 1 after every backward pass (the per-image rule).
+    """
+
+    def __init__(self, size: int = 1):
+        if int(size) < 1:
+            raise ValueError(f"regulation window must be >= 1 image, got {size}")
+        self.size = int(size)
+        self.pending = 0
+
+    def push(self, last: bool = False) -> int:
+        """Count one backward pass; return the window's pass count when it is closed now, else 0."""
+        self.pending += 1
+        if self.pending >= self.size or last:
+            n, self.pending = self.pending, 0
+            return n
+        return 0
+
+
+@dataclass(frozen=True)
+class LaunchStep:
+    """The meta-trained inner step, applied once at the start of fine-tuning (:func:`launch_`).
+
+    ``alpha`` is the inner learning rate α, ``steps`` the inner step count and ``momentum`` the inner
+    heavy-ball μ, as :class:`meta.gram.MetaSpec` had them when θ* was meta-trained.
+    """
+
+    alpha: float
+    steps: int = 1
+    momentum: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.alpha > 0 or self.steps < 1 or not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"LaunchStep: need alpha > 0, steps >= 1, 0 <= momentum < 1; got {self}")
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping, source: str = "init file") -> "LaunchStep":
+        """From a GRAM init file's metadata (``provenance.meta``, written by ``python -m meta train``)."""
+        meta = (metadata.get("provenance") or {}).get("meta") or {}
+        if "inner_lr" not in meta:
+            raise ValueError(f"{source}: provenance.meta.inner_lr is missing, so the meta-trained step cannot be "
+                             f"launched; turn the launch step off or export the file with `python -m meta export`")
+        return cls(alpha=float(meta["inner_lr"]), steps=int(meta.get("inner_steps", 1)),
+                   momentum=float(meta.get("inner_momentum", 0.0)))
+
+
+def launch_(prompts: nn.Module, regulation: Optional["GradientRegulation"], mean_loss, step: LaunchStep) -> float:
+    """θ <- θ − α · R_φ(∇ mean_loss(θ)) ``step.steps`` times (heavy-ball with ``step.momentum``), in place.
+
+    ``mean_loss(prompts) -> loss`` is the mean loss over the launch data (the few-shot train set), whose
+    gradient is the mean per-image gradient; ``regulation`` None = raw gradient.  Returns the loss before
+    the first step.  This is the meta-training inner loop (:meth:`meta.gram.GRAMMetaLearner.adapt`) run
+    once on the downstream data.
+    """
+    params = [(n, p) for n, p in prompts.named_parameters() if p.requires_grad]
+    velocity: dict[str, torch.Tensor] = {}
+    first = float("nan")
+    for i in range(step.steps):
+        for _, p in params:
+            p.grad = None
+        loss = mean_loss(prompts)
+        loss.backward()
+        if i == 0:
+            first = float(loss.detach())
+        if regulation is not None:
+            regulation.apply_(params)
+        with torch.no_grad():
+            for name, p in params:
+                if p.grad is None:
+                    continue
+                v = p.grad if name not in velocity else step.momentum * velocity[name] + p.grad
+                velocity[name] = v
+                p.sub_(step.alpha * v)
+                p.grad = None
+    return first
 
 
 def finetune_and_score(prompts: nn.Module, regulation: Optional[GradientRegulation], loss_fn, support, query,

@@ -9,7 +9,9 @@ gradient, as the test-time optimiser (torch SGD: v ← μ v + ĝ, θ ← θ − 
 the start of every task); with one inner step μ has no effect.
 
 then the outer loop (Eqs. 8-9) updates θ with lr λ1 and φ with lr λ2 from
-``Σ_t L(θ'_t, D_query_t)``, second order by default.
+``Σ_t L(θ'_t, D_query_t)``, second order by default.  With ``query_before_weight`` w > 0 the outer
+loss is ``Σ_t [L(θ'_t, D_query_t) + w · L(θ, D_query_t)]``: θ is also asked to be good before any
+step, where a downstream schedule that starts with a tiny warm-up lr leaves it.
 
 GBML wraps only the prompt module θ (:class:`meta.prompts.PromptParams`); the
 regulators R_φ are its per-parameter transforms.  The frozen CLIP lives outside
@@ -61,12 +63,15 @@ class MetaSpec:
     autocast: str = "none"         # none | bf16 | fp16 forward passes (CUDA; meta.precision); fp16 adds a GradScaler
     inner_momentum: float = 0.0    # μ of heavy-ball inner SGD (test-time SGD uses 0.9); 0 = plain steps
     regulator_weight_decay: float = 0.0  # L2 on φ in the outer optimiser: pulls φ to 0 = identity R_φ (residual form)
+    query_before_weight: float = 0.0     # w of the before-adaptation query loss in the outer objective (0 = Eq. 8)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.inner_momentum < 1.0:
             raise ValueError(f"MetaSpec.inner_momentum must be in [0, 1), got {self.inner_momentum}")
         if self.regulator_weight_decay < 0:
             raise ValueError(f"MetaSpec.regulator_weight_decay must be >= 0, got {self.regulator_weight_decay}")
+        if self.query_before_weight < 0:
+            raise ValueError(f"MetaSpec.query_before_weight must be >= 0, got {self.query_before_weight}")
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -226,6 +231,11 @@ class GRAMMetaLearner(nn.Module):
             with self.cast():
                 q_loss, q_logits = loss_fn(learner.module, task.query)
             self.backward(q_loss.float() / n_tasks)
+            w = self.spec.query_before_weight
+            if w > 0:   # before-adaptation term: reaches θ only (φ does not act before a step)
+                with self.cast():
+                    q_loss0, _ = loss_fn(self.prompt_module, task.query)
+                self.backward(w * q_loss0.float() / n_tasks)
             values = {"support_loss_before": s_losses[0], "support_acc_before": s_accs[0],
                       "query_loss_after": q_loss.detach(),
                       "query_acc_after": _accuracy_t(q_logits.detach(), self.labels_of(task.query))}

@@ -48,6 +48,11 @@ class Method:
     aliases: tuple[str, ...] = ()
 
     @property
+    def gram_file(self) -> bool:
+        """True when the method reads a GRAM init file (θ*, R_φ or both): GRAM is on."""
+        return self.init or self.regulate
+
+    @property
     def dassl(self) -> bool:
         """True when the method has a Dassl trainer and config (the benchmark scripts can run it)."""
         return bool(self.trainer)
@@ -123,8 +128,9 @@ def load_methods(path: Union[str, Path, None] = None) -> dict[str, Method]:
             raise MethodTableError(f"{path}: method {m.key!r}: preset {m.preset!r} is not a row whose preset is itself")
         if m.zero_shot and (m.init or m.regulate or m.text_tokens or m.visual_tokens):
             raise MethodTableError(f"{path}: method {m.key!r}: a zero-shot method has no tokens, init or regulator")
-        if m.regulate and not m.init:
-            raise MethodTableError(f"{path}: method {m.key!r}: regulate needs init (R_phi comes from the init file)")
+        if (m.init or m.regulate) and not table[m.preset].init:
+            raise MethodTableError(f"{path}: method {m.key!r}: init/regulate need a GRAM init file, but its preset "
+                                   f"{m.preset!r} does not start from one")
     return table
 
 

@@ -124,7 +124,7 @@ def parse_args(protocol: str, argv: Sequence[str], env: Env) -> Job:
         raise InputError(f"extra options must be yacs KEY VALUE pairs, got an odd count: {' '.join(args)}")
     job.opts = args
     if env.init:  # the init file's content enters the run hash (run_hash hashes file arguments)
-        if not row.init:
+        if not row.gram_file:
             print(f"Warning: INIT is ignored for method '{row.key}' (GRAM off)", file=sys.stderr)
         elif not Path(env.init).is_file():
             raise InputError(f"INIT file not found: {env.init}")

@@ -12,6 +12,7 @@ from gram_world.demo import (METHOD_BY_KEY, METHODS, META_VARIANTS, TABLE1_KEYS,
                              settings_from_args)
 from gram_world.demo.cli import _parser
 from gram_world.demo.report import build_tables, markdown_table, tokens_markdown, transfer_markdown
+from gram_world.demo.settings import COMPONENT_KEYS, TABLE1_ROWS, b2n_keys
 from gram_world.demo.stages import check_settings
 from meta.cli_errors import UserError
 from meta.coop_data import harmonic_mean
@@ -122,7 +123,18 @@ def test_method_rows_have_unique_keys_existing_presets_and_variants():
     assert (spec.n_ctx_text, spec.n_ctx_vision, spec.regulate, spec.name) == (4, 4, True, "UNIGRAM, 8 prompt tokens")
     assert method_spec(METHOD_BY_KEY["unigram_no_reg"], init="/x.safetensors").regulate is False
     assert method_spec(METHOD_BY_KEY["vpt"]).vpt_init == DemoSettings().vpt_init
-    assert method_spec(METHOD_BY_KEY["vpt"], vpt_init="cls").prompt_spec().vpt_init == "cls"
+    assert method_spec(METHOD_BY_KEY["vpt"], settings=DemoSettings(vpt_init="cls")).prompt_spec().vpt_init == "cls"
+    # component rows: θ* only = file's θ*, raw gradients; R_φ only = scratch θ, the file's R_φ
+    init_only = method_spec(METHOD_BY_KEY["gram_coop_init_only"], init="/x.safetensors")
+    reg_only = method_spec(METHOD_BY_KEY["gram_vpt_reg_only"], init="/x.safetensors",
+                           settings=DemoSettings(reg_window=20, launch=True))
+    assert (init_only.init_prompts, init_only.regulate, init_only.reg_window) == (True, False, 1)
+    assert (reg_only.init_prompts, reg_only.regulate, reg_only.reg_window, reg_only.launch) == (False, True, 20, True)
+    assert (reg_only.n_ctx_text, reg_only.n_ctx_vision) == (0, 4)
+    assert method_spec(METHOD_BY_KEY["unigram_pretrain"], init="/x.safetensors",
+                       settings=DemoSettings(launch=True)).launch is False     # nothing to launch
+    assert set(COMPONENT_KEYS) <= set(b2n_keys(("base2new",)))
+    assert set(COMPONENT_KEYS) <= set(TABLE1_ROWS)
 
 
 def test_old_preset_names_are_silent_aliases_of_the_stable_keys():

@@ -23,9 +23,36 @@ def test_packaged_table_loads_with_unique_keys_aliases_and_labels():
     # the paper's rows (Tables 1, 4, A3) and the Dassl methods the scripts run
     assert {"zsclip", "coop", "gram_coop", "vpt", "gram_vpt", "joint", "unigram", "unigram_no_shift",
             "unigram_no_reg", "unigram_pretrain", "unigram_supervised", "unigram_2tok", "unigram_6tok",
-            "unigram_8tok"} == set(table)
-    assert methods.dassl_keys() == ("zsclip", "coop", "gram_coop", "vpt", "gram_vpt", "unigram", "joint")
+            "unigram_8tok", "gram_coop_init_only", "gram_coop_reg_only", "gram_vpt_init_only", "gram_vpt_reg_only",
+            "unigram_reg_only"} <= set(table)
+    assert methods.dassl_keys()[:5] == ("zsclip", "coop", "gram_coop", "gram_coop_init_only", "gram_coop_reg_only")
+    assert {"vpt", "gram_vpt", "unigram", "joint", "unigram_reg_only"} <= set(methods.dassl_keys())
     assert methods.canonical_key("coop_gram") == "gram_coop" and methods.get("vpt_gram").key == "gram_vpt"
+
+
+def test_component_rows_take_one_part_of_gram_each():
+    """θ*-only rows: the file's start, raw gradients; R_φ-only rows: the scratch start, the file's R_φ."""
+    from meta.evaluation.spec import table_fields
+
+    for key, (init, regulate) in {"gram_coop_init_only": (True, False), "gram_coop_reg_only": (False, True),
+                                  "gram_vpt_init_only": (True, False), "gram_vpt_reg_only": (False, True),
+                                  "unigram_reg_only": (False, True), "unigram_no_reg": (True, False)}.items():
+        row = methods.get(key)
+        assert (row.init, row.regulate) == (init, regulate)
+        fields = table_fields(key)
+        assert (fields["init_prompts"], fields["regulate"]) == (init, regulate)
+        spec = method_preset(row.preset, init_path="/x.safetensors", **fields)
+        assert (spec.init_prompts, spec.regulate) == (init, regulate)
+
+
+def test_a_component_row_needs_a_gram_preset(tmp_path):
+    bad = [dict(r) for r in RAW]
+    bad.append({"key": "coop_reg", "label": "CoOp, R only", "preset": "coop", "text_tokens": 4, "visual_tokens": 0,
+                "init": False, "regulate": True, "zero_shot": False})
+    path = tmp_path / "methods.yaml"
+    path.write_text(yaml.safe_dump({"methods": bad}, allow_unicode=True))
+    with pytest.raises(methods.MethodTableError, match="'coop_reg': init/regulate need a GRAM init file"):
+        methods.load_methods(path)
 
 
 def test_setup_ships_the_table_as_package_data():
@@ -96,7 +123,7 @@ ROW = dict(key="a", label="A", preset="a", text_tokens=4, visual_tokens=0, init=
     ([dict(ROW, text_tokens=-1)], "method 'a': field 'text_tokens' must be an integer >= 0"),
     ([dict(ROW, preset="zz")], "method 'a': preset 'zz' is not a row whose preset is itself"),
     ([dict(ROW, trainer="GRAM_CoOp")], "method 'a': give both 'trainer' and 'config' or neither"),
-    ([dict(ROW, regulate=True)], "method 'a': regulate needs init"),
+    ([dict(ROW, regulate=True)], "method 'a': init/regulate need a GRAM init file, but its preset 'a'"),
     ([], "expected a top-level 'methods:' list"),
 ])
 def test_bad_tables_are_one_line_errors_naming_file_and_key(tmp_path, rows, message):

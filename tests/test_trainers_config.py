@@ -6,6 +6,8 @@ import warnings
 from pathlib import Path
 
 import pytest
+
+from meta.finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
 import yaml
 from yacs.config import CfgNode as CN
 
@@ -40,8 +42,10 @@ def test_extend_cfg_adds_every_key_with_paper_defaults():
     cfg = minimal_cfg()
     g = cfg.TRAINER.GRAM
     assert set(g.keys()) == {"ENABLED", "INIT", "REGULATE", "NORM_PRESERVE", "N_CTX_TEXT", "N_CTX_VISION", "VPT_DEEP", "VPT_DEPTH",
-                             "CTX_INIT", "TEMPLATE", "VPT_INIT", "MODEL_NAME", "WEIGHTS", "QUICK_GELU", "PREC"}
+                             "CTX_INIT", "TEMPLATE", "VPT_INIT", "MODEL_NAME", "WEIGHTS", "QUICK_GELU", "PREC",
+                             "INIT_PROMPTS", "REG_WINDOW", "LAUNCH"}
     assert (g.N_CTX_TEXT, g.N_CTX_VISION, g.VPT_DEEP, g.ENABLED, g.REGULATE) == (4, 4, False, False, True)
+    assert (g.INIT_PROMPTS, g.REG_WINDOW, g.LAUNCH) == (True, DEFAULT_REG_WINDOW, DEFAULT_LAUNCH)
     assert cfg.DATASET.SUBSAMPLE_CLASSES == "all"
 
 
@@ -186,7 +190,8 @@ def test_method_configs_follow_the_paper_and_only_use_known_gram_keys(key):
         cfg.TRAINER.GRAM.INIT = "/given/on/the/command/line.safetensors"
     s = gram_settings(cfg)
     row = methods.get(key)
-    assert s.enabled == row.init and bool(doc["TRAINER"]["GRAM"].get("REGULATE", False)) == row.regulate
+    assert s.enabled == (row.init or row.regulate)      # the file gives θ* and / or R_φ
+    assert (s.enabled and s.init_prompts) == row.init and s.regulate == row.regulate
     if row.zero_shot:  # Dassl's zero-shot CLIP: 4 word-initialised tokens, never trained
         assert (s.n_ctx_text, s.n_ctx_vision, s.ctx_init) == (4, 0, "a photo of a")
     else:

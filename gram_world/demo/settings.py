@@ -10,6 +10,7 @@ import json
 from dataclasses import asdict, dataclass, fields, replace
 
 from meta import methods
+from meta.finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
 from meta.prompts import PromptSpec
 
 from ..pretrain import PretrainSettings, pretrain_settings
@@ -25,6 +26,12 @@ class MetaVariant:
     n_ctx_vision: int
     overrides: tuple = ()        # extra KEY, VALUE, ... for the meta config
     regulated: bool = True       # whether the exported file carries φ
+
+    @property
+    def meta_learned(self) -> bool:
+        """False for prompt pre-training (Table 4 row 3): its θ* has no inner step to launch."""
+        pairs = dict(zip(self.overrides[::2], self.overrides[1::2]))
+        return pairs.get("META.MODE", "gram") != "pretrain"
 
 
 # θ shapes follow the paper (section 4.1): 4 tokens for CoOp / VPT, 2 + 2 for UNIGRAM.
@@ -70,9 +77,14 @@ METHODS = (
     _method_row("zsclip"),
     _method_row("coop"),
     _method_row("gram_coop", "gram_coop"),
+    _method_row("gram_coop_init_only", "gram_coop"),
+    _method_row("gram_coop_reg_only", "gram_coop"),
     _method_row("vpt"),
     _method_row("gram_vpt", "gram_vpt"),
+    _method_row("gram_vpt_init_only", "gram_vpt"),
+    _method_row("gram_vpt_reg_only", "gram_vpt"),
     _method_row("unigram", "unigram"),
+    _method_row("unigram_reg_only", "unigram"),
     _method_row("unigram_no_shift", "unigram_no_shift"),
     _method_row("unigram_no_reg", "unigram_no_reg"),
     _method_row("unigram_pretrain", "unigram_pretrain"),
@@ -84,6 +96,16 @@ METHOD_BY_KEY = {m.key: m for m in METHODS}
 # Which rows each table holds (keys of METHODS), in the paper's order.  CoCoOp, a row of the
 # paper's Tables 1-3, is not implemented here.
 TABLE1_KEYS = ("zsclip", "coop", "gram_coop", "vpt", "gram_vpt", "unigram")
+# Each GRAM row's components (θ* only: meta-learned start, raw gradients; R_φ only: the baseline's start,
+# regulated gradients) next to it in Table 1; UNIGRAM's θ*-only row is Table 4's "- gradient regulating".
+COMPONENT_KEYS = ("gram_coop_init_only", "gram_coop_reg_only", "gram_vpt_init_only", "gram_vpt_reg_only",
+                  "unigram_reg_only")
+TABLE1_ROWS = ("zsclip", "coop", "gram_coop", "gram_coop_init_only", "gram_coop_reg_only", "vpt", "gram_vpt",
+               "gram_vpt_init_only", "gram_vpt_reg_only", "unigram", "unigram_no_reg", "unigram_reg_only", "joint")
+# (GRAM or component row, its baseline): the paired differences the study reports
+PAIRS = (("gram_coop", "coop"), ("gram_coop_init_only", "coop"), ("gram_coop_reg_only", "coop"),
+         ("gram_vpt", "vpt"), ("gram_vpt_init_only", "vpt"), ("gram_vpt_reg_only", "vpt"),
+         ("unigram", "joint"), ("unigram_no_reg", "joint"), ("unigram_reg_only", "joint"))
 TABLE4_KEYS = ("unigram", "unigram_no_shift", "unigram_no_reg", "unigram_pretrain", "unigram_supervised", "joint")
 TRANSFER_KEYS = TABLE1_KEYS
 TOKEN_KEYS = {n: ("unigram" if n == 4 else f"unigram_{n}tok") for n in TOKEN_COUNTS}
@@ -103,7 +125,7 @@ def b2n_keys(tables: tuple) -> tuple:
     """Method keys evaluated base-to-new for the table groups ``tables``."""
     keys: tuple = ()
     if "base2new" in tables:
-        keys += TABLE1_KEYS + TABLE4_KEYS
+        keys += TABLE1_KEYS + COMPONENT_KEYS + TABLE4_KEYS
     if "tokens" in tables:
         keys += tuple(TOKEN_KEYS.values())
     return tuple(dict.fromkeys(keys))
@@ -153,6 +175,11 @@ class DemoSettings:
     # start of scratch visual prompt tokens for every method with visual prompts (meta-training and
     # fine-tuning alike): the library default, chosen on the val splits with VPT alone (docs/world_baseline.md)
     vpt_init: str = PromptSpec.vpt_init
+    # how θ* and R_φ are used at test time and what they are meta-trained for (docs/gram_training_match.md):
+    reg_window: int = DEFAULT_REG_WINDOW  # R_φ on the mean gradient of this many images, one step per window
+    launch: bool = DEFAULT_LAUNCH         # the meta-trained inner step once before the schedule
+    query_before_weight: float = 0.0      # META.QUERY_BEFORE_WEIGHT of every GRAM variant (0 = paper's Eq. 8)
+    meta_seed: int = 0                    # SEED of meta-training (task stream, scratch θ): the study varies it
     jobs: int = 2                         # worker processes for meta-training and evaluation (2 cores)
     # which world: its seed, and (field, value) pairs replacing fields of gram_world.world_settings(quick,
     # world_seed) - e.g. (("holdout_style", "cartoon"), ("mixed_classes", (...))) - or of the tiny CLIP's

@@ -18,6 +18,7 @@ from meta.backbone import load_clip
 from meta.cli_errors import UserError
 from meta.evaluation import (DatasetRef, EvaluationSession, TrainSpec, evaluate_base_to_new, evaluate_transfer,
                              method_preset)
+from meta.evaluation.spec import table_fields
 from meta.metatrain import train
 from meta.metatrain.cli import default_cfg
 from meta.metatrain.runlog import read_log
@@ -98,6 +99,8 @@ def _variant_cfg(variant: MetaVariant, model: str, weights: str, out: Path, sett
     cfg.META.PROMPT.N_CTX_TEXT = variant.n_ctx_text
     cfg.META.PROMPT.N_CTX_VISION = variant.n_ctx_vision
     cfg.META.PROMPT.VPT_INIT = settings.vpt_init
+    cfg.META.QUERY_BEFORE_WEIGHT = settings.query_before_weight
+    cfg.SEED = settings.meta_seed
     cfg.META.TENSORBOARD = False
     cfg.META.PROGRESS = False            # the parent process shows one bar over all variants
     cfg.TASKS.K_WAY = settings.k_way
@@ -187,15 +190,20 @@ class EvalJob:
         return (4 if visual else 1) * (1 + len(self.targets))
 
 
-def method_spec(row: MethodRow, init: str = "", vpt_init: str = DemoSettings.vpt_init):
-    """The evaluator's :class:`meta.evaluation.MethodSpec` of a table row (named by its paper label);
-    ``vpt_init`` starts its scratch visual tokens (a GRAM init file's θ* replaces them)."""
-    overrides: dict = {"name": row.label, "vpt_init": vpt_init}
+def method_spec(row: MethodRow, init: str = "", settings: DemoSettings = DemoSettings()):
+    """The evaluator's :class:`meta.evaluation.MethodSpec` of a table row (named by its paper label):
+    its preset plus what the method table fixes for the row (θ* and / or R_φ from the init file),
+    the settings' ``vpt_init`` for scratch visual tokens and the test-time switches for rows with an
+    init file (``reg_window`` when regulated, ``launch``)."""
+    overrides: dict = {**table_fields(row.key), "name": row.label, "vpt_init": settings.vpt_init}
     variant = VARIANT_BY_NAME.get(row.variant)
     if variant is not None:
-        overrides.update(n_ctx_text=variant.n_ctx_text, n_ctx_vision=variant.n_ctx_vision)
-        if not variant.regulated:
-            overrides["regulate"] = False     # the ablation's init file carries no φ
+        overrides.update(n_ctx_text=variant.n_ctx_text, n_ctx_vision=variant.n_ctx_vision,
+                         launch=settings.launch and variant.meta_learned)
+        if overrides["regulate"]:
+            overrides["reg_window"] = settings.reg_window
+        if not variant.regulated and overrides["regulate"]:
+            raise ValueError(f"demo row {row.key!r}: regulated, but meta variant {variant.name!r} exports no φ")
     return method_preset(row.preset, init_path=init, **overrides)
 
 
@@ -219,7 +227,7 @@ def _eval_job(job: EvalJob) -> None:
     if path.is_file():
         return
     row = METHOD_BY_KEY[job.key]
-    method = method_spec(row, job.init, settings.vpt_init)
+    method = method_spec(row, job.init, settings)
     train = TrainSpec(epochs=settings.epochs, batch_size=settings.batch_size, rrcrop_scale=settings.rrcrop_scale,
                       eval_every_epoch=settings.eval_every_epoch and job.protocol == "base2new")
     source = DatasetRef.from_dir(job.dataset_dir, name=job.dataset)

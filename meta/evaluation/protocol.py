@@ -23,6 +23,7 @@ from torch import nn
 from .. import __version__ as gram_version
 from ..backbone import ClipDims
 from ..coop_data import Record, harmonic_mean
+from ..finetune import LaunchStep
 from ..prompts import PromptedCLIP
 from .datasets import DatasetRef
 from .images import FeatureCache, ImageLoader, eval_transform_key, train_transform_key, view_key
@@ -118,7 +119,10 @@ class EvaluationSession:
         else:
             def train_images(impath: str, epoch: int) -> torch.Tensor:
                 return loader.test_view(impath)
-        tuner = PromptTuner(pclip, prompts, regulation, spec, seed, train_images, loader.test_view)
+        launch = LaunchStep(**init_info["launch"]) if "launch" in init_info else None
+        window = method.reg_window if regulation is not None else 1
+        tuner = PromptTuner(pclip, prompts, regulation, spec, seed, train_images, loader.test_view,
+                            reg_window=window, launch_step=launch)
         return tuner, init_info
 
 
@@ -161,6 +165,10 @@ def _run(session: EvaluationSession, method: MethodSpec, spec: TrainSpec, seed: 
     trains = tuner.prompts is not None and spec.epochs > 0
     if trains:
         train_set = session.labelled_set(train_records, train_classnames, method, spec, seed, train=True, root=root)
+        if tuner.launch_step is not None:   # the meta-trained inner step on the unaugmented train images
+            launch_set = session.labelled_set(train_records, train_classnames, method, spec, seed, train=False,
+                                              root=root)
+            init_info["launch"]["train_loss_before"] = tuner.launch(launch_set)
         if spec.eval_every_epoch:
             history.append({"epoch": 0, **measure(0)})
         history += tuner.fit(train_set, on_epoch=measure, progress=session.progress)

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from .. import methods
+from ..finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
 from ..methods import Method
 from ..prompts import DEFAULT_TEMPLATE, VPT_INITS, PromptSpec
 
@@ -45,6 +46,14 @@ class MethodSpec:
         init_std: standard deviation of scratch prompts (CoOp: 0.02).
         vpt_init: how scratch visual prompt tokens start (``meta.prompts.VPT_INITS``; see
             :func:`meta.prompts.initial_visual_prompts`); a GRAM init file's θ* replaces it.
+        init_prompts: with ``init_path``, start θ from the file's θ* (True) or from the scratch / word
+            start while R_φ still comes from the file (False: the "R_φ only" component rows).
+        reg_window: regulation window W (:class:`meta.finetune.UpdateWindow`): R_φ is applied once to
+            the mean gradient of W images and one optimiser step with W times that is taken; 1 = R_φ on
+            every image's gradient (the paper's literal Eq. 7 under batch 1).  Only with ``regulate``.
+        launch: before the schedule, take the meta-trained inner step θ <- θ − α R_φ(mean gradient over
+            the train set) once (:func:`meta.finetune.launch_`; α and the step count from the init file;
+            raw gradient without ``regulate``).  Needs ``init_path`` (or an in-memory start point).
 
     With no prompt at all (``n_ctx_text == n_ctx_vision == 0``) the method is zero-shot CLIP
     and nothing is trained.
@@ -61,6 +70,9 @@ class MethodSpec:
     template: str = DEFAULT_TEMPLATE
     init_std: float = 0.02
     vpt_init: str = PromptSpec.vpt_init
+    init_prompts: bool = True
+    reg_window: int = DEFAULT_REG_WINDOW
+    launch: bool = DEFAULT_LAUNCH
 
     def __post_init__(self) -> None:
         if self.vpt_init not in VPT_INITS:
@@ -77,6 +89,11 @@ class MethodSpec:
             raise ValueError(f"MethodSpec {self.name!r}: init_path given but the method has no prompts")
         if "{}" not in self.template:
             raise ValueError(f"MethodSpec {self.name!r}: template must contain '{{}}', got {self.template!r}")
+        if self.reg_window < 1:
+            raise ValueError(f"MethodSpec {self.name!r}: reg_window must be >= 1 image, got {self.reg_window}")
+        if self.init_path and not (self.init_prompts or self.regulate):
+            raise ValueError(f"MethodSpec {self.name!r}: init_path given but neither θ* (init_prompts) nor R_φ "
+                             f"(regulate) is taken from it")
 
     @property
     def zero_shot(self) -> bool:
@@ -176,6 +193,17 @@ def _preset_fields(method: Method) -> dict:
     return fields
 
 
+def table_fields(key: str) -> dict:
+    """MethodSpec fields that the method table (``meta/methods.yaml``) fixes for row ``key`` beyond its
+    preset: its label, token counts, whether θ* starts the prompts (``init``) and whether R_φ regulates
+    (``regulate``).  A component row (e.g. ``gram_coop_reg_only``) is its preset plus these."""
+    method = methods.get(key)
+    out = _preset_fields(method)
+    out["regulate"] = method.regulate
+    out["init_prompts"] = method.init
+    return out
+
+
 # Preset methods (paper Tables 1 and 4): the rows of the method table (meta/methods.yaml) that define
 # their own preset, named by the paper's row label.
 _PRESETS: dict[str, dict] = {key: _preset_fields(methods.get(key)) for key in methods.preset_keys()}
@@ -210,8 +238,9 @@ def method_preset(key: str, init_path: str = "", in_memory: bool = False, **over
     if init_path:
         fields["init_path"] = init_path
     fields.update(overrides)
-    if fields.get("regulate") and not fields.get("init_path") and not in_memory:
-        raise ValueError(f"method preset {key!r} needs a GRAM init file (init_path / --init)")
+    if (fields.get("regulate") or fields.get("launch")) and not fields.get("init_path") and not in_memory:
+        what = "regulate" if fields.get("regulate") else "launch"
+        raise ValueError(f"method preset {key!r} needs a GRAM init file (init_path / --init) for {what}")
     return MethodSpec(**fields)
 
 
@@ -221,4 +250,4 @@ def default_train_spec(**changes) -> TrainSpec:
 
 
 __all__ = ["MethodSpec", "TrainSpec", "method_preset", "PRESET_NAMES", "PRESET_ALIASES", "preset_key",
-           "is_gram_preset", "default_train_spec"]
+           "is_gram_preset", "default_train_spec", "table_fields"]

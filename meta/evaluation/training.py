@@ -21,7 +21,7 @@ from torch import nn
 from torch.optim import lr_scheduler as sched
 
 from ..backbone import ClipDims
-from ..finetune import GradientRegulation
+from ..finetune import GradientRegulation, LaunchStep, UpdateWindow, launch_
 from ..init_io import load_gram_init
 from ..prompts import PromptedCLIP, PromptParams, classification_loss
 from ..regulator import GradientRegulator
@@ -73,6 +73,7 @@ class StartPoint:
     prompts: PromptParams
     regulators: Mapping[str, GradientRegulator] = field(default_factory=dict)
     label: str = "in_memory"
+    launch: Optional[LaunchStep] = None   # the meta-trained inner step (needed by MethodSpec.launch)
 
 
 def _check_start(method: MethodSpec, dims: ClipDims, prompts: PromptParams) -> None:
@@ -89,6 +90,12 @@ def _check_start(method: MethodSpec, dims: ClipDims, prompts: PromptParams) -> N
         raise ValueError(f"method {method.name!r}: start point does not fit: " + "; ".join(problems))
 
 
+def _scratch_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int) -> PromptParams:
+    """Scratch / word-initialised θ drawn from ``torch.Generator().manual_seed(seed)``."""
+    generator = torch.Generator().manual_seed(seed)
+    return PromptParams.from_spec(method.prompt_spec(), clip, dims, generator=generator)
+
+
 def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int,
                   start: Optional[StartPoint] = None
                   ) -> tuple[Optional[PromptParams], Optional[GradientRegulation], dict]:
@@ -96,47 +103,64 @@ def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int
 
     Scratch prompts are drawn from ``torch.Generator().manual_seed(seed)``; word init embeds
     ``method.ctx_init``; a GRAM file is validated against the method's token counts and widths
-    (``meta.init_io.load_gram_init``); an in-memory ``start`` is copied and shape-checked.
+    (``meta.init_io.load_gram_init``); an in-memory ``start`` is copied and shape-checked.  With
+    ``method.init_prompts`` False, θ is the scratch start and only R_φ comes from the file / start.
+    With ``method.launch`` the description holds ``"launch"`` (:class:`meta.finetune.LaunchStep` fields).
     Returns ``(None, None, info)`` for zero-shot CLIP.
     """
     if method.zero_shot:
         return None, None, {"source": "none"}
     device = clip.token_embedding.weight.device
     regulation = None
+    launch: Optional[LaunchStep] = None
     if start is not None:
         if method.init_path or method.ctx_init:
             raise ValueError(f"method {method.name!r}: a start point replaces init_path/ctx_init; give one of them")
-        prompts = copy.deepcopy(start.prompts).to(device)
-        for p in prompts.parameters():
-            p.requires_grad_(True)
+        if method.init_prompts:
+            prompts = copy.deepcopy(start.prompts).to(device)
+            for p in prompts.parameters():
+                p.requires_grad_(True)
+        else:
+            prompts = _scratch_prompts(method, clip, dims, seed).to(device)
         _check_start(method, dims, prompts)
         if method.regulate:
             if not start.regulators:
                 raise ValueError(f"method {method.name!r}: regulate=True but the start point has no regulators")
             regulation = GradientRegulation(dict(start.regulators), norm_preserve=method.norm_preserve).to(device)
-        info = {"source": "in_memory", "label": start.label}
+        if method.launch:
+            if start.launch is None:
+                raise ValueError(f"method {method.name!r}: launch=True but the start point has no LaunchStep")
+            launch = start.launch
+        info = {"source": "in_memory" if method.init_prompts else "scratch", "label": start.label}
     elif method.init_path:
         expect = {"text_width": dims.text_width, "vision_width": dims.vision_width,
                   "n_ctx_text": method.n_ctx_text, "n_ctx_vision": method.n_ctx_vision,
                   "vision_depth": method.vision_depth if method.n_ctx_vision else 0,
                   "model_name": dims.model_name}
         init = load_gram_init(method.init_path, expect=expect, config_key=f"method {method.name!r} init_path")
-        prompts = init.prompt_module().to(device)
+        prompts = (init.prompt_module() if method.init_prompts
+                   else _scratch_prompts(method, clip, dims, seed)).to(device)
         if method.regulate:
             regulators = init.regulator_modules()
             if not regulators:
                 raise ValueError(f"method {method.name!r}: regulate=True but {method.init_path} holds no regulator φ")
             regulation = GradientRegulation(regulators, norm_preserve=method.norm_preserve).to(device)
-        info = {"source": "gram_file", "path": str(method.init_path),
+        if method.launch:
+            launch = LaunchStep.from_metadata(init.metadata, source=f"method {method.name!r} init_path {method.init_path}")
+        info = {"source": "gram_file" if method.init_prompts else "scratch", "path": str(method.init_path),
                 "provenance": init.metadata.get("provenance", {}), "regulator": init.metadata.get("regulator")}
+        if not method.init_prompts:
+            info.update(ctx_init=method.ctx_init, init_std=method.init_std,
+                        vpt_init=method.vpt_init if method.n_ctx_vision else "")
     else:
-        if method.regulate:
-            raise ValueError(f"method {method.name!r}: regulate=True needs φ: set init_path (a GRAM init file) "
-                             f"or pass a StartPoint")
-        generator = torch.Generator().manual_seed(seed)
-        prompts = PromptParams.from_spec(method.prompt_spec(), clip, dims, generator=generator)
+        if method.regulate or method.launch:
+            what = "regulate=True needs φ" if method.regulate else "launch=True needs α"
+            raise ValueError(f"method {method.name!r}: {what}: set init_path (a GRAM init file) or pass a StartPoint")
+        prompts = _scratch_prompts(method, clip, dims, seed)
         info = {"source": "words" if method.ctx_init else "scratch", "ctx_init": method.ctx_init,
                 "init_std": method.init_std, "vpt_init": method.vpt_init if method.n_ctx_vision else ""}
+    if launch is not None:
+        info["launch"] = {"alpha": launch.alpha, "steps": launch.steps, "momentum": launch.momentum}
     info["prompt_sha256"] = prompt_digest(prompts)
     return prompts, regulation, info
 
@@ -173,12 +197,15 @@ class PromptTuner:
         seed: seeds batch order and the view offsets (``torch.Generator``, no global state).
         train_images: ``(impath, epoch) -> [3, S, S]`` augmented image, used with visual prompts.
         test_images: ``impath -> [3, S, S]`` test-transformed image, used with visual prompts.
+        reg_window: regulation window in batches (:class:`meta.finetune.UpdateWindow`; 1 = every batch).
+        launch_step: the meta-trained inner step applied by :meth:`launch` (``None`` = no launch).
     """
 
     def __init__(self, pclip: PromptedCLIP, prompts: Optional[PromptParams],
                  regulation: Optional[GradientRegulation], spec: TrainSpec, seed: int,
                  train_images: Callable[[str, int], torch.Tensor],
-                 test_images: Callable[[str], torch.Tensor]):
+                 test_images: Callable[[str], torch.Tensor], reg_window: int = 1,
+                 launch_step: Optional[LaunchStep] = None):
         self.pclip = pclip
         self.prompts = prompts
         self.regulation = regulation
@@ -188,6 +215,44 @@ class PromptTuner:
         self.test_images = test_images
         self.loss_fn = classification_loss(pclip)
         self.device = pclip.clip.token_embedding.weight.device
+        self.reg_window = int(reg_window)
+        self.launch_step = launch_step
+
+    # ---------------------------------------------------------------- launch
+    def _test_batches(self, data: LabelledSet) -> list[dict]:
+        """``data`` in test-time batches of ``spec.test_batch_size`` as loss-function inputs (no augmentation)."""
+        out = []
+        step = self.spec.test_batch_size
+        for start in range(0, len(data), step):
+            batch = {"classnames": data.classnames, "label": data.labels[start:start + step].to(self.device)}
+            if data.features is not None:
+                feats = data.features[start:start + step]
+                batch["features"] = (feats[:, 0] if feats.dim() == 3 else feats).to(self.device)
+            else:
+                batch["images"] = torch.stack([self.test_images(p) for p in data.impaths[start:start + step]]
+                                              ).to(self.device)
+            out.append(batch)
+        return out
+
+    def launch(self, data: LabelledSet) -> Optional[float]:
+        """Apply :attr:`launch_step` to θ with the mean gradient over ``data`` (test transform); returns the
+        mean train loss before it, or ``None`` when there is no launch step (or no prompts)."""
+        if self.launch_step is None or self.prompts is None:
+            return None
+        if len(data) == 0:
+            raise ValueError("cannot launch on an empty train split")
+        batches = self._test_batches(data)
+        n = len(data)
+
+        def mean_loss(prompts: nn.Module) -> torch.Tensor:
+            total = None
+            for batch in batches:
+                loss, _ = self.loss_fn(prompts, batch)
+                part = loss * (len(batch["label"]) / n)
+                total = part if total is None else total + part
+            return total
+
+        return launch_(self.prompts, self.regulation, mean_loss, self.launch_step)
 
     # ---------------------------------------------------------------- evaluation
     @torch.no_grad()
@@ -231,6 +296,8 @@ class PromptTuner:
             raise ValueError("the few-shot train split is empty")
         optimizer = make_optimizer([p for p in self.prompts.parameters() if p.requires_grad], self.spec)
         scheduler = make_scheduler(optimizer, self.spec)
+        window = UpdateWindow(self.reg_window)
+        optimizer.zero_grad(set_to_none=True)
         generator = torch.Generator().manual_seed(self.seed)
         views = data.features.shape[1] if data.features is not None else 0
         offsets = torch.randint(views, (len(data),), generator=generator) if views else None
@@ -244,7 +311,8 @@ class PromptTuner:
             start = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
             loss_sum, correct, seen = 0.0, 0, 0
-            for idx in self._batches(len(data), generator):
+            batches = self._batches(len(data), generator)
+            for b, idx in enumerate(batches):
                 labels = data.labels[idx].to(self.device)
                 batch = {"classnames": data.classnames, "label": labels}
                 if offsets is not None:
@@ -254,11 +322,13 @@ class PromptTuner:
                     batch["images"] = torch.stack([self.train_images(data.impaths[i], epoch)
                                                    for i in idx.tolist()]).to(self.device)
                 loss, logits = self.loss_fn(self.prompts, batch)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if self.regulation is not None:
-                    self.regulation.apply_(self.prompts.named_parameters())
-                optimizer.step()
+                loss.backward()                      # sums into p.grad until the window closes
+                count = window.push(last=b + 1 == len(batches))
+                if count:
+                    if self.regulation is not None:
+                        self.regulation.apply_(self.prompts.named_parameters(), count=count)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
                 loss_sum += float(loss.detach()) * len(idx)
                 correct += int((logits.detach().argmax(dim=1) == labels).sum())
                 seen += len(idx)

@@ -55,6 +55,7 @@ def check_meta_cfg(cfg: CN) -> None:
     need(m.META_BATCH >= 1, "META.META_BATCH", "an integer >= 1", m.META_BATCH)
     need(m.INNER_STEPS >= 1, "META.INNER_STEPS", "an integer >= 1", m.INNER_STEPS)
     need(0.0 <= m.INNER_MOMENTUM < 1.0, "META.INNER_MOMENTUM", "a number in [0, 1)", m.INNER_MOMENTUM)
+    need(m.QUERY_BEFORE_WEIGHT >= 0, "META.QUERY_BEFORE_WEIGHT", "a number >= 0", m.QUERY_BEFORE_WEIGHT)
     need(m.REGULATOR.WEIGHT_DECAY >= 0, "META.REGULATOR.WEIGHT_DECAY", "a number >= 0", m.REGULATOR.WEIGHT_DECAY)
     need(m.VAL_FT_STEPS >= 0, "META.VAL_FT_STEPS", "an integer >= 0", m.VAL_FT_STEPS)
     need(m.CHECKPOINT_EVERY >= 1, "META.CHECKPOINT_EVERY", "an integer >= 1", m.CHECKPOINT_EVERY)
@@ -107,7 +108,8 @@ def meta_spec(cfg: CN, device=None) -> "MetaSpec":
                     first_order=bool(m.FIRST_ORDER), grad_clip=float(m.GRAD_CLIP),
                     regulate=bool(m.REGULATE) and not pretrain, regulator=regulator_spec(cfg), autocast=autocast,
                     inner_momentum=float(m.INNER_MOMENTUM),
-                    regulator_weight_decay=float(m.REGULATOR.WEIGHT_DECAY))
+                    regulator_weight_decay=float(m.REGULATOR.WEIGHT_DECAY),
+                    query_before_weight=float(m.QUERY_BEFORE_WEIGHT))
 
 
 def prompt_spec(cfg: CN) -> PromptSpec:

@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 from yacs.config import CfgNode as CN
 
+from meta.finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
 from meta.prompts import DEFAULT_TEMPLATE, VPT_INITS, PromptSpec
 
 # Trainer name -> (learns text context, learns visual prompts).
@@ -46,6 +47,9 @@ def _gram_defaults() -> CN:
     node.INIT = ""             # meta-learned θ* (+ φ) from meta.init_io.export_gram_init (.safetensors)
     node.REGULATE = True       # with ENABLED: apply R_φ to every prompt gradient (paper Eq. 7); False = ablation
     node.NORM_PRESERVE = "auto"  # auto = as meta-trained (init file) | on = rescale ĝ to ‖g‖ per tensor | off
+    node.INIT_PROMPTS = True   # with ENABLED: θ starts from the file's θ*; False = scratch θ, R_φ from the file
+    node.REG_WINDOW = DEFAULT_REG_WINDOW  # R_φ on the mean gradient of this many batches, one step per window
+    node.LAUNCH = DEFAULT_LAUNCH  # take the meta-trained step θ − α R_φ(mean train gradient) once before epoch 1
     # --- prompts (paper §4 "Training Details": 4 tokens; UNIGRAM 2 text + 2 visual) ------------
     node.N_CTX_TEXT = 4        # M text context vectors (GRAM_CoOp, UNIGRAM)
     node.N_CTX_VISION = 4      # n visual prompt tokens per prompted layer (GRAM_VPT, UNIGRAM)
@@ -162,6 +166,9 @@ class GramSettings:
     quick_gelu: Optional[bool]
     precision: str        # as requested; resolve_precision() gives what runs
     vpt_init: str = PromptSpec.vpt_init  # start of scratch visual prompts (meta.prompts.VPT_INITS)
+    init_prompts: bool = True  # θ from the init file's θ* (False: scratch θ, R_φ only)
+    reg_window: int = DEFAULT_REG_WINDOW  # batches per regulated step (meta.finetune.UpdateWindow)
+    launch: bool = DEFAULT_LAUNCH  # meta-trained step once before training (meta.finetune.launch_)
 
     def vision_depth(self, vision_layers: int) -> int:
         """D, prompted vision layers: 0 without visual prompts, 1 shallow, else VPT_DEPTH (0 = all)."""
@@ -239,10 +246,19 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
         raise ValueError(f"TRAINER.GRAM.VPT_INIT: expected one of {'|'.join(VPT_INITS)}, got {vpt_init!r}")
     if g.PREC not in PRECISIONS:
         raise ValueError(f"TRAINER.GRAM.PREC: expected one of {'|'.join(PRECISIONS)}, got {g.PREC!r}")
+    init_prompts = _as_bool(g.get("INIT_PROMPTS", True), "TRAINER.GRAM.INIT_PROMPTS")
+    launch = _as_bool(g.get("LAUNCH", DEFAULT_LAUNCH), "TRAINER.GRAM.LAUNCH")
+    window = g.get("REG_WINDOW", DEFAULT_REG_WINDOW)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"TRAINER.GRAM.REG_WINDOW: expected an integer >= 1 (batches per regulated step), got {window!r}")
+    if enabled and not (init_prompts or regulate):
+        raise ValueError("TRAINER.GRAM.INIT_PROMPTS and TRAINER.GRAM.REGULATE are both False: nothing is taken from "
+                         "TRAINER.GRAM.INIT; set ENABLED False for the plain baseline")
     return GramSettings(
         trainer=trainer, enabled=enabled, init_path=init_path, regulate=regulate and enabled,
         norm_preserve=norm_table[norm_key],
         n_ctx_text=n_text, n_ctx_vision=n_vision, vpt_deep=_as_bool(g.VPT_DEEP, "TRAINER.GRAM.VPT_DEEP"),
         vpt_depth=int(g.VPT_DEPTH), ctx_init=str(g.CTX_INIT) if text else "", template=str(g.TEMPLATE),
         model_name=model_name, weights=weights, quick_gelu=quick_gelu, precision=str(g.PREC), vpt_init=vpt_init,
+        init_prompts=init_prompts or not enabled, reg_window=int(window), launch=launch and enabled,
     )

@@ -9,7 +9,11 @@ They follow the CoOp trainer pattern (CoOp ``trainers/coop.py`` L222-325, on Kai
   ``TRAINER.GRAM.REGULATE``; only θ is registered (``"prompt_learner"``), optimised and saved.
 * ``forward_backward``: cross-entropy, backward, R_φ applied to the prompt gradients
   (``meta.finetune.GradientRegulation``, paper Eq. 7), optimiser step; the LR steps at the last
-  batch of every epoch, as CoOp does (coop.py L281-282).
+  batch of every epoch, as CoOp does (coop.py L281-282).  With ``TRAINER.GRAM.REG_WINDOW`` W > 1 the
+  gradients of W batches are summed and regulated as their mean before one step
+  (``meta.finetune.UpdateWindow``); ``TRAINER.GRAM.LAUNCH`` takes the meta-trained inner step once on
+  the train set (test transform) before the first epoch of a fresh run (``meta.finetune.launch_``).
+  ``TRAINER.GRAM.INIT_PROMPTS False`` starts θ from scratch and takes only R_φ from the file.
 * Stock Dassl HEAD on torch >= 2.7: schedulers from torch's own classes
   (:mod:`trainers.gram.schedule`), checkpoints that load with ``weights_only=True``
   (:mod:`trainers.gram.checkpoint`), ``load_model``/resume overridden (Dassl's crash on
@@ -29,7 +33,7 @@ from dassl.metrics import compute_accuracy
 from dassl.optim import build_optimizer
 
 from meta.backbone import load_clip
-from meta.finetune import GradientRegulation
+from meta.finetune import GradientRegulation, LaunchStep, UpdateWindow, launch_
 from meta.init_io import load_gram_init
 from meta.prompts import PromptParams, PromptSpec
 
@@ -90,6 +94,9 @@ class _GramTrainer(TrainerX):
         self.register_model(MODEL_NAME, self.model.prompt_learner, self.optim, self.sched)
         self.regulation = (GradientRegulation(regulators, norm_preserve=settings.norm_preserve).to(self.device)
                            if regulators else None)
+        self.window = UpdateWindow(settings.reg_window if self.regulation is not None else 1)
+        self.launch_step = (LaunchStep.from_metadata(self.gram_init_metadata, source=f"TRAINER.GRAM.INIT {settings.init_path}")
+                            if settings.launch else None)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "amp" else None
         self._log_setup(settings, dims, classnames)
 
@@ -105,14 +112,21 @@ class _GramTrainer(TrainerX):
             if s.regulate and not regulators:
                 raise ValueError(f"TRAINER.GRAM.REGULATE is True but {s.init_path} holds no regulator φ; "
                                  "set TRAINER.GRAM.REGULATE False (init only)")
-            return init.prompt_module(), regulators
+            if s.init_prompts:
+                return init.prompt_module(), regulators
+            return self._scratch_prompts(s, clip, dims, depth), regulators
+        return self._scratch_prompts(s, clip, dims, depth), {}
+
+    @staticmethod
+    def _scratch_prompts(s: GramSettings, clip, dims, depth: int) -> PromptParams:
+        """The baselines' θ: N(0, 0.02²) or word-initialised text context, ``VPT_INIT`` visual tokens."""
         spec = PromptSpec(n_ctx_text=s.n_ctx_text, ctx_init=s.ctx_init, n_ctx_vision=s.n_ctx_vision,
                           vision_depth=max(depth, 1), template=s.template, vpt_init=s.vpt_init)
         prompts = PromptParams.from_spec(spec, clip, dims)
         if s.ctx_init and prompts.n_ctx_text != s.n_ctx_text:
             raise ValueError(f"TRAINER.GRAM.CTX_INIT {s.ctx_init!r} is {prompts.n_ctx_text} tokens but "
                              f"TRAINER.GRAM.N_CTX_TEXT is {s.n_ctx_text}; make them agree")
-        return prompts, {}
+        return prompts
 
     def _load_init_weights(self, path: str) -> None:
         """``MODEL.INIT_WEIGHTS`` as CoOp honours it: θ tensors from a checkpoint, matched by name and shape."""
@@ -149,30 +163,66 @@ class _GramTrainer(TrainerX):
     def parse_batch_train(self, batch):
         return batch["img"].to(self.device), batch["label"].to(self.device)
 
+    def before_train(self) -> None:
+        super().before_train()                      # resumes (sets start_epoch) first
+        if self.launch_step is not None and self.start_epoch == 0:
+            loss = self._launch()
+            print(f"GRAM launch: θ <- θ − α R_φ(mean train gradient), α={self.launch_step.alpha} "
+                  f"steps={self.launch_step.steps} (train loss before {loss:.4f})")
+
+    def _launch(self) -> float:
+        """The meta-trained inner step on the whole train set, test transform (as meta-training's supports)."""
+        from dassl.data.data_manager import build_data_loader
+        from dassl.data.transforms import build_transform
+
+        cfg = self.cfg
+        loader = build_data_loader(cfg, sampler_type="SequentialSampler", data_source=self.dm.dataset.train_x,
+                                   batch_size=cfg.DATALOADER.TEST.BATCH_SIZE,
+                                   tfm=build_transform(cfg, is_train=False), is_train=False)
+        batches = [(b["img"].to(self.device), b["label"].to(self.device)) for b in loader]
+        total = sum(len(y) for _, y in batches)
+        learner = self.model.prompt_learner
+        self.model.train()
+
+        def mean_loss(_prompts) -> torch.Tensor:
+            out = None
+            for images, labels in batches:
+                with self._autocast():
+                    logits = self.model(images).float()
+                part = F.cross_entropy(logits, labels) * (len(labels) / total)
+                out = part if out is None else out + part
+            return out
+
+        loss = launch_(learner, self.regulation, mean_loss, self.launch_step)
+        self.model.reset_cache()
+        return loss
+
     def forward_backward(self, batch) -> dict:
         images, labels = self.parse_batch_train(batch)
-        self.optim.zero_grad(set_to_none=True)
         with self._autocast():
             logits = self.model(images).float()
         loss = F.cross_entropy(logits, labels)
         self.detect_anomaly(loss)
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-            self.scaler.unscale_(self.optim)  # R_φ must see the true gradient
-            self._regulate()
-            self.scaler.step(self.optim)
-            self.scaler.update()
-        else:
-            loss.backward()
-            self._regulate()
-            self.optim.step()
-        if (self.batch_idx + 1) == self.num_batches:
+        last = (self.batch_idx + 1) == self.num_batches
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()   # sums until the window closes
+        count = self.window.push(last=last)
+        if count:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optim)  # R_φ must see the true gradient
+                self._regulate(count)
+                self.scaler.step(self.optim)
+                self.scaler.update()
+            else:
+                self._regulate(count)
+                self.optim.step()
+            self.optim.zero_grad(set_to_none=True)
+        if last:
             self.update_lr()
         return {"loss": loss.item(), "acc": compute_accuracy(logits, labels)[0].item()}
 
-    def _regulate(self) -> None:
+    def _regulate(self, count: int = 1) -> None:
         if self.regulation is not None:
-            self.regulation.apply_(self.model.prompt_learner.named_parameters())
+            self.regulation.apply_(self.model.prompt_learner.named_parameters(), count=count)
 
     def set_model_mode(self, mode: str = "train", names=None) -> None:
         super().set_model_mode(mode, names)
