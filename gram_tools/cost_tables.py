@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from gram_tools.chc_growth import DEFAULT_OUT as CHC_FIGURES
+from gram_tools.plan import line_value
 from gram_tools.realsize import DEFAULT_OUT as FIGURES
 
 
@@ -30,13 +31,15 @@ def realsize_table(figures: dict, way: int, n_support: int, n_query: int) -> str
             if f is None:
                 continue
             m, g, t = f["peak_mib"], f["gflops"], f["seconds"]
-            s, q = way * n_support, way * n_query
-            mib = m["intercept"] + m["slopes"][0] * s + m["slopes"][1] * q
-            gflop = g["intercept"] + g["slopes"][0] * s + g["slopes"][1] * q
-            sec = t["intercept"] + t["slopes"][0] * s + t["slopes"][1] * q
+            xs = [way * n_support, way * n_query]
+            mib, gflop, sec = line_value(m, xs), line_value(g, xs), line_value(t, xs)
             lo, hi = f["load_avg_1min_range"]
-            rows.append(f"| {learner} | {mode} order | {_fmt(m['intercept'])} | {_fmt(m['slopes'][0])} | "
-                        f"{_fmt(m['slopes'][1])} | {_fmt(g['slopes'][0], 1)} / {_fmt(g['slopes'][1], 1)} | "
+            if len(m["slopes"]) == 1:            # first order: per image of the larger pass
+                per_s, per_q = f"{_fmt(m['slopes'][0])} x max(s, q)", "(same)"
+            else:
+                per_s, per_q = _fmt(m["slopes"][0]), _fmt(m["slopes"][1])
+            rows.append(f"| {learner} | {mode} order | {_fmt(m['intercept'])} | {per_s} | "
+                        f"{per_q} | {_fmt(g['slopes'][0], 1)} / {_fmt(g['slopes'][1], 1)} | "
                         f"{_fmt(mib / 1024, 2)} GiB, {_fmt(gflop / 1000, 2)} TFLOP | {_fmt(sec)} ({lo:.1f}-{hi:.1f}) |")
     return "\n".join(rows)
 

@@ -50,7 +50,12 @@ class PlanError(ValueError):
 
 
 def line_value(fit: dict, xs: list[float]) -> float:
-    """``intercept + sum(slopes * xs)`` of one fitted line (``{"intercept", "slopes"}``)."""
+    """``intercept + sum(slopes * xs)`` of one fitted line (``{"intercept", "slopes"}``).
+
+    A line over ``max(support, query)`` (first-order peaks) takes the larger of the two ``xs``.
+    """
+    if fit.get("variables") == ["max(support, query)"]:
+        xs = [max(xs)]
     if len(fit["slopes"]) != len(xs):
         raise PlanError(f"a fitted line has {len(fit['slopes'])} slopes, {len(xs)} variables given")
     return fit["intercept"] + sum(b * x for b, x in zip(fit["slopes"], xs))
@@ -64,9 +69,13 @@ def largest_fitting(fit: dict, xs: list[float], index: int, budget: float, step:
     base = list(xs)
     base[index] = 0.0
     rest = line_value(fit, base)
-    slope = fit["slopes"][index] * step
     if rest > budget:
         return None
+    if fit.get("variables") == ["max(support, query)"]:
+        # the peak follows the larger pass: n may grow until its own pass alone reaches the budget
+        slope = fit["slopes"][0] * step
+        return sys.maxsize if slope <= 0 else int(math.floor((budget - fit["intercept"]) / slope))
+    slope = fit["slopes"][index] * step
     if slope <= 0:
         return sys.maxsize
     return int(math.floor((budget - rest) / slope))

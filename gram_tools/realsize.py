@@ -25,7 +25,8 @@ Every learner runs in a fresh subprocess (one thread, the CLIP built once) and e
   (``os.getloadavg()``) before and after: the machine is shared, so times are inflated and noisy.
 
 Then per learner and mode the least-squares line ``cost = a + b_s * s + b_q * q`` (meta-tasks) or
-``a + b * batch`` (fine-tuning) for memory, FLOPs and seconds, with the largest residual.  Human
+``a + b * batch`` (fine-tuning) for memory, FLOPs and seconds, with the largest residual; the
+first-order peak is fitted as ``a + b * max(s, q)`` (its support graph is freed before the query pass).  Human
 lines first, the JSON last; ``--out`` writes the same JSON (read by :mod:`gram_tools.plan`).
 """
 from __future__ import annotations
@@ -254,8 +255,15 @@ def fit_points(points: list[dict]) -> dict:
             for name, key, scale in (("peak_mib", "peak_mib", 1.0), ("gflops", "flops", 1e-9),
                                      ("seconds", "seconds", 1.0)):
                 ys = np.array([p[key] * scale for p in rows], dtype=float)
-                entry[name] = {k: (round(v, 4) if isinstance(v, float) else [round(s, 4) for s in v])
-                               for k, v in fit_line(xs, ys).items()}
+                x = xs
+                if name == "peak_mib" and mode == "first":
+                    # first order frees the support graph after the inner step: the peak is the larger pass
+                    x = xs.max(axis=1, keepdims=True)
+                line = {k: (round(v, 4) if isinstance(v, float) else [round(s, 4) for s in v])
+                        for k, v in fit_line(x, ys).items()}
+                if x is not xs:
+                    line["variables"] = ["max(support, query)"]
+                entry[name] = line
             loads = [x for p in rows for x in p["load_avg_1min"]]
             entry["load_avg_1min_range"] = [min(loads), max(loads)]
             entry["repeats"] = rows[0]["repeats"]

@@ -195,3 +195,26 @@ def test_cost_tables_compute_the_task_total(tmp_path):
     assert len(table) == 3                                  # header, rule, the one meta-task row
     # 1000 + 100*20 + 50*40 = 5000 MiB = 4.88 GiB; 10 + 2*20 + 40 = 90 GFLOP; 1 + 10 + 10 = 21 s
     assert table[2] == ("| unigram | second order | 1,000 | 100 | 50 | 2.0 / 1.0 | 4.88 GiB, 0.09 TFLOP | 21 (5.0-6.0) |")
+
+
+def test_first_order_peak_follows_the_larger_pass(tmp_path, capsys):
+    paths = _figures(tmp_path)
+    figures = json.loads(paths["figures"].read_text())
+    figures["fits"]["unigram"]["first"] = {
+        "variables": ["support", "query"], "points": 4, "load_avg_1min_range": [1, 2],
+        "peak_mib": {"intercept": 100.0, "slopes": [70.0], "variables": ["max(support, query)"]},
+        "gflops": _line(0.0, 1.0, 1.0), "seconds": _line(0.0, 1.0, 1.0)}
+    paths["figures"].write_text(json.dumps(figures))
+    out = _run(capsys, paths, "--gpu-memory-gib", "4", "--margin", "0", "META.FIRST_ORDER", "True")["meta_training"]
+    assert out["mode"] == "first"
+    assert out["task_peak_gib"]["value"] == round((100 + 70 * 40) / 1024, 3)     # max(20, 40) query images
+    # budget 4096 - 512 = 3584: a pass of n * 5 images fits while 100 + 350 n <= 3584 -> n = 9
+    assert out["largest_n_support"] == 9 and out["largest_n_query"] == 9
+    from gram_tools.realsize import fit_points
+
+    pts = [{"learner": "vpt", "mode": "first", "support": s, "query": q, "peak_mib": 5 + 70 * max(s, q),
+            "flops": int(1e9 * (s + q)), "seconds": 1.0, "load_avg_1min": [1.0], "repeats": 1}
+           for s, q in [(1, 1), (3, 1), (1, 3), (2, 2)]]
+    f = fit_points(pts)["vpt"]["first"]["peak_mib"]
+    assert f["variables"] == ["max(support, query)"] and f["slopes"] == pytest.approx([70.0])
+    assert f["intercept"] == pytest.approx(5.0)
