@@ -175,12 +175,13 @@ def test_chc_growth_laws():
         "text_embeddings": {"items": n // 2, "seconds": 0.02 * (n // 2), "peak_rss_mib": 1000 + (n // 2) / 100},
         "umap_hdbscan_fit": {"items": n, "seconds": 1e-4 * n ** 1.5, "peak_rss_mib": 1200.0}}}
         for n in (10000, 40000, 100000)]
+    runs[0]["stages"]["umap_hdbscan_fit"]["seconds"] = 1e6    # 500 UMAP epochs at <= 10,000 points: not fitted
     g = fit_growth(runs, fit_sample=200000, target=3.1e6)
     text, fit = g["text_embeddings"], g["umap_hdbscan_fit"]
     assert text["seconds_law"]["p"] == pytest.approx(1.0) and text["items_per_pair"] == 0.5
     assert text["target_items"] == 1550000 and text["target_seconds"] == pytest.approx(0.02 * 1550000, rel=1e-6)
     assert text["rss_law"]["slope"] == pytest.approx(0.01) and text["rss_law"]["intercept"] == pytest.approx(1000)
-    assert fit["seconds_law"]["p"] == pytest.approx(1.5)
+    assert fit["seconds_law"]["p"] == pytest.approx(1.5) and fit["items"] == [40000, 100000]
     assert fit["target_items"] == 200000                       # capped by FIT_SAMPLE
     assert fit["target_seconds"] == pytest.approx(1e-4 * 200000 ** 1.5, rel=1e-4)
     assert predict({"c": 2.0, "p": 2.0}, 3.0) == 18.0 and predict({"intercept": 1.0, "slope": 2.0}, 3.0) == 7.0
