@@ -17,22 +17,25 @@ from gram_tools.realsize import DEFAULT_OUT as FIGURES
 
 
 def _fmt(v: float, digits: int = 0) -> str:
+    if abs(v) < 0.5 * 10 ** -digits:
+        v = 0.0                     # no "-0"
     return f"{v:,.{digits}f}"
 
 
 def realsize_table(figures: dict, way: int, n_support: int, n_query: int) -> str:
     """Per learner and mode: intercept and MiB / GFLOP per support and query image, and one task's total."""
     rows = ["| learner | step | MiB fixed | MiB per support image | MiB per query image | GFLOP per support / query image "
-            f"| one task ({way * n_support} + {way * n_query} images) | CPU s per task (load) |",
+            f"| one task ({way * n_support} + {way * n_query} images) | CPU s per task (s/GFLOP x GFLOP; load) |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for learner, modes in figures["fits"].items():
         for mode in ("second", "first"):
             f = modes.get(mode)
             if f is None:
                 continue
-            m, g, t = f["peak_mib"], f["gflops"], f["seconds"]
+            m, g = f["peak_mib"], f["gflops"]
             xs = [way * n_support, way * n_query]
-            mib, gflop, sec = line_value(m, xs), line_value(g, xs), line_value(t, xs)
+            mib, gflop = line_value(m, xs), line_value(g, xs)
+            sec = gflop * f["seconds_per_gflop"]
             lo, hi = f["load_avg_1min_range"]
             if len(m["slopes"]) == 1:            # first order: per image of the larger pass
                 per_s, per_q = f"{_fmt(m['slopes'][0])} x max(s, q)", "(same)"
@@ -57,7 +60,7 @@ def plain_table(figures: dict) -> str:
             rows.append(f"| {learner if mode == 'finetune' else 'image tower (CHC)'} | {mode} | "
                         f"{_fmt(f['peak_mib']['intercept'])} | {_fmt(f['peak_mib']['slopes'][0], 1)} | "
                         f"{_fmt(f['gflops']['intercept'], 1)} | {_fmt(f['gflops']['slopes'][0], 1)} | "
-                        f"{_fmt(f['seconds']['slopes'][0], 2)} ({lo:.1f}-{hi:.1f}) |")
+                        f"{_fmt(f['seconds_per_gflop'] * f['gflops']['slopes'][0], 2)} ({lo:.1f}-{hi:.1f}) |")
     return "\n".join(rows)
 
 

@@ -142,9 +142,10 @@ def meta_plan(cfg, figures: dict, figures_path: str, gpu_figures: Optional[dict]
         hours = steps * step_gflop * 1e9 / (gpu_tflops * 1e12 * gpus) / 3600.0
         out["hours"] = {"value": round(hours, 3),
                         "how": f"estimated: FLOPs x META.STEPS {steps} / ({gpu_tflops:g} TFLOP/s assumed x {gpus} GPU(s))"}
-    cpu_s = tasks_per_step * line_value(fit["seconds"], xs)
-    out["cpu_step_seconds"] = {"value": round(cpu_s, 2), "how": "measured on a shared 2-core VM (one thread), "
-                               f"load {fit.get('load_avg_1min_range')}, fitted line"}
+    if fit.get("seconds_per_gflop"):
+        cpu_s = step_gflop * fit["seconds_per_gflop"]
+        out["cpu_step_seconds"] = {"value": round(cpu_s, 2), "how": "estimated: step FLOPs x CPU seconds per GFLOP "
+                                   f"measured on a shared 2-core VM (one thread, load {fit.get('load_avg_1min_range')})"}
     return out
 
 
@@ -234,6 +235,8 @@ def main(argv: Optional[list[str]] = None) -> int:
           else f"{args.config_file}: learner {m['learner']}, plain steps", flush=True)
     print(f"  images per task: {m['images']}")
     for key in ("task_peak_gib", "weights_gib", "peak_gib", "step_gflop", "hours", "cpu_step_seconds"):
+        if key not in m:
+            continue
         print(f"  {key:18s} {m[key]['value']:>10}   ({m[key]['how']})")
     print(f"  fits {args.gpu_memory_gib:g} GiB with {args.margin:.0%} kept free: {'yes' if m['fits'] else 'NO'}")
     if "largest_n_support" in m:

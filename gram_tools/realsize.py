@@ -22,7 +22,8 @@ Every learner runs in a fresh subprocess (one thread, the CLIP built once) and e
   by tensor kind (tokens ``[n, L, d]``, MLP hidden ``[n, L, 4d]``, attention maps ``[n, H, L, L]``, other),
   the hand count of what dominates, to be read against ``peak_mib``;
 * ``seconds``: median wall time of ``--repeats`` steps after the counted one, with the load average
-  (``os.getloadavg()``) before and after: the machine is shared, so times are inflated and noisy.
+  (``os.getloadavg()``) before and after: the machine is shared, so times are inflated and noisy; the
+  fits therefore also give ``seconds_per_gflop`` (median over the points), the figure the planner uses.
 
 Then per learner and mode the least-squares line ``cost = a + b_s * s + b_q * q`` (meta-tasks) or
 ``a + b * batch`` (fine-tuning) for memory, FLOPs and seconds, with the largest residual; the
@@ -264,6 +265,10 @@ def fit_points(points: list[dict]) -> dict:
                 if x is not xs:
                     line["variables"] = ["max(support, query)"]
                 entry[name] = line
+            # single timings on a loaded machine are too noisy for a line in three variables; time is
+            # proportional to the counted FLOPs, so the time figure is seconds per GFLOP (median of the points)
+            per = [p["seconds"] / (p["flops"] * 1e-9) for p in rows if p["seconds"] and p["flops"]]
+            entry["seconds_per_gflop"] = round(statistics.median(per), 5) if per else None
             loads = [x for p in rows for x in p["load_avg_1min"]]
             entry["load_avg_1min_range"] = [min(loads), max(loads)]
             entry["repeats"] = rows[0]["repeats"]

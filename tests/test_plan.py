@@ -25,7 +25,8 @@ def _figures(tmp_path, meta_batch_gpu=4):
         "settings": {"model": "fake", "model_mib": 512.0},
         "fits": {"unigram": {"second": {"variables": ["support", "query"], "points": 4,
                                         "peak_mib": _line(1000.0, 100.0, 50.0), "gflops": _line(10.0, 2.0, 1.0),
-                                        "seconds": _line(1.0, 0.5, 0.25), "load_avg_1min_range": [1, 2]}},
+                                        "seconds": _line(1.0, 0.5, 0.25), "seconds_per_gflop": 0.5,
+                                        "load_avg_1min_range": [1, 2]}},
                  "coop": {"encode": {"variables": ["batch"], "points": 2, "peak_mib": _line(0.0, 1.0),
                                      "gflops": _line(0.0, 35.0), "seconds": _line(0.0, 1.0)}}},
     }
@@ -77,7 +78,7 @@ def test_hours_from_flops_and_from_gpu_figures(tmp_path, capsys):
     assert out["step_gflop"]["value"] == 360.0
     assert out["hours"]["value"] == round(18 / 3600, 3)
     assert "assumed" in out["hours"]["how"]
-    assert out["cpu_step_seconds"]["value"] == 4 * (1 + 0.5 * 20 + 0.25 * 40)
+    assert out["cpu_step_seconds"]["value"] == 360 * 0.5                         # step GFLOP x s per GFLOP
     out = _run(capsys, paths, "--gpus", "2", gpu=True)["meta_training"]
     assert out["hours"]["value"] == 1.25 and out["hours"]["how"].startswith("measured")   # 10,000 x 0.9 s / 2
     # GPU figures for another task size are not used
@@ -194,8 +195,8 @@ def test_cost_tables_compute_the_task_total(tmp_path):
     figures["fits"]["unigram"]["second"]["load_avg_1min_range"] = [5.0, 6.0]
     table = realsize_table(figures, 5, 4, 8).splitlines()
     assert len(table) == 3                                  # header, rule, the one meta-task row
-    # 1000 + 100*20 + 50*40 = 5000 MiB = 4.88 GiB; 10 + 2*20 + 40 = 90 GFLOP; 1 + 10 + 10 = 21 s
-    assert table[2] == ("| unigram | second order | 1,000 | 100 | 50 | 2.0 / 1.0 | 4.88 GiB, 0.09 TFLOP | 21 (5.0-6.0) |")
+    # 1000 + 100*20 + 50*40 = 5000 MiB = 4.88 GiB; 10 + 2*20 + 40 = 90 GFLOP; x 0.5 s/GFLOP = 45 s
+    assert table[2] == ("| unigram | second order | 1,000 | 100 | 50 | 2.0 / 1.0 | 4.88 GiB, 0.09 TFLOP | 45 (5.0-6.0) |")
 
 
 def test_first_order_peak_follows_the_larger_pass(tmp_path, capsys):
@@ -214,8 +215,9 @@ def test_first_order_peak_follows_the_larger_pass(tmp_path, capsys):
     from gram_tools.realsize import fit_points
 
     pts = [{"learner": "vpt", "mode": "first", "support": s, "query": q, "peak_mib": 5 + 70 * max(s, q),
-            "flops": int(1e9 * (s + q)), "seconds": 1.0, "load_avg_1min": [1.0], "repeats": 1}
+            "flops": int(1e9 * (s + q)), "seconds": 0.1 * (s + q) * (1 + (s == 3)), "load_avg_1min": [1.0], "repeats": 1}
            for s, q in [(1, 1), (3, 1), (1, 3), (2, 2)]]
     f = fit_points(pts)["vpt"]["first"]["peak_mib"]
     assert f["variables"] == ["max(support, query)"] and f["slopes"] == pytest.approx([70.0])
     assert f["intercept"] == pytest.approx(5.0)
+    assert fit_points(pts)["vpt"]["first"]["seconds_per_gflop"] == pytest.approx(0.1)   # median of 0.1, 0.2, 0.1, 0.1
