@@ -39,9 +39,12 @@ from gram_tools.realsize import learner_of
 
 DEFAULT_GPU_FIGURES = "docs/gpu_figures.json"
 DEFAULT_CHC_FIGURES = "docs/chc_growth_cpu.json"
-# Assumed sustained throughput of one GPU on these small second-order steps (TFLOP/s): a quarter of an
-# H100 SXM's dense TF32 peak of 494.7 TFLOP/s (NVIDIA H100 Tensor Core GPU datasheet), a guess, stated.
-DEFAULT_GPU_TFLOPS = 120.0
+# Assumed sustained throughput of one GPU (TFLOP/s) when no GPU figures exist: the meta-training runs fp32
+# by default and PyTorch does not use TF32 for fp32 matmuls unless asked (torch.backends.cuda.matmul.allow_tf32
+# is False by default), so the ceiling is an H100 SXM's FP32 peak of 67 TFLOP/s (NVIDIA H100 Tensor Core GPU
+# datasheet); ~45 % of it sustained is our guess, stated with every figure it produces.
+DEFAULT_GPU_TFLOPS = 30.0
+UNBOUNDED = "unbounded (the peak does not grow with it)"
 GIB_MIB = 1024.0
 
 
@@ -128,8 +131,9 @@ def meta_plan(cfg, figures: dict, figures_path: str, gpu_figures: Optional[dict]
         "fits": bool(task_mib <= budget),
     }
     if not pretrain:
-        out["largest_n_support"] = largest_fitting(fit["peak_mib"], xs, 0, budget, step=k * inner)
-        out["largest_n_query"] = largest_fitting(fit["peak_mib"], xs, 1, budget, step=k)
+        for key, index, step in (("largest_n_support", 0, k * inner), ("largest_n_query", 1, k)):
+            n = largest_fitting(fit["peak_mib"], xs, index, budget, step=step)
+            out[key] = UNBOUNDED if n == sys.maxsize else n
     steps = int(cfg.META.STEPS)
     step_gflop = tasks_per_step * line_value(fit["gflops"], xs)
     out["step_gflop"] = {"value": round(step_gflop, 1), "how": "measured: FlopCounterMode on CPU, fitted line"}
