@@ -17,8 +17,8 @@ Prints, each figure labelled ``measured`` or ``estimated`` with its source:
   the frozen CLIP's weights, whether it fits ``--gpu-memory-gib`` (with ``--margin`` kept free for the CUDA
   allocator and cuBLAS workspaces, which a CPU measurement does not see), and the largest
   ``TASKS.N_SUPPORT`` (query fixed) and ``TASKS.N_QUERY`` (support fixed) that fit;
-* hours for ``META.STEPS`` outer steps of ``META.META_BATCH`` tasks on ``--gpus`` GPUs (tasks split evenly,
-  perfect scaling assumed): from the GPU figures when they exist for this learner and task size, else
+* hours for ``META.STEPS`` outer steps of ``META.META_BATCH`` tasks on ``--gpus`` GPUs (tasks sharded,
+  the slowest rank holds ``ceil(B / GPUs)`` tasks): from the GPU figures when they exist for this learner and task size, else
   FLOPs / (``--gpu-tflops`` x GPUs), an assumed sustained throughput;
 * CHC over ``--pairs`` pairs: CPU hours per stage from the growth laws, the image-feature stage from the
   GPU figures or the image tower's FLOPs.
@@ -108,7 +108,7 @@ def meta_plan(cfg, figures: dict, figures_path: str, gpu_figures: Optional[dict]
     fit = fits[learner][mode]
     k = int(cfg.TASKS.K_WAY)
     inner = int(cfg.META.INNER_STEPS)
-    if pretrain:
+    if pretrain:   # the text side was measured at K_WAY classes; PRETRAIN.WAYS 0 (all topics) costs more
         xs = [float(cfg.META.PRETRAIN.BATCH_SIZE)]
         tasks_per_step = 1
     else:
@@ -135,17 +135,23 @@ def meta_plan(cfg, figures: dict, figures_path: str, gpu_figures: Optional[dict]
             n = largest_fitting(fit["peak_mib"], xs, index, budget, step=step)
             out[key] = UNBOUNDED if n == sys.maxsize else n
     steps = int(cfg.META.STEPS)
-    step_gflop = tasks_per_step * line_value(fit["gflops"], xs)
+    task_gflop = line_value(fit["gflops"], xs)
+    step_gflop = tasks_per_step * task_gflop
+    # torchrun shards the B tasks of a step over the ranks (meta.metatrain.trainer): a step takes as long as
+    # the rank with the most tasks, ceil(B / GPUs); GPUs beyond B wait
+    per_rank = math.ceil(tasks_per_step / gpus)
     out["step_gflop"] = {"value": round(step_gflop, 1), "how": "measured: FlopCounterMode on CPU, fitted line"}
     gpu_row = _gpu_step_seconds(gpu_figures, learner, mode, cfg) if gpu_figures else None
     if gpu_row is not None:
         seconds, how = gpu_row
-        hours = steps * seconds / 3600.0 / gpus
-        out["hours"] = {"value": round(hours, 3), "how": f"{how}; x META.STEPS {steps} / {gpus} GPU(s)"}
+        hours = steps * seconds * per_rank / tasks_per_step / 3600.0
+        out["hours"] = {"value": round(hours, 3), "how": f"{how}; x META.STEPS {steps} x ceil(B / GPUs) / B "
+                                                         f"= {per_rank}/{tasks_per_step} on {gpus} GPU(s)"}
     else:
-        hours = steps * step_gflop * 1e9 / (gpu_tflops * 1e12 * gpus) / 3600.0
+        hours = steps * per_rank * task_gflop * 1e9 / (gpu_tflops * 1e12) / 3600.0
         out["hours"] = {"value": round(hours, 3),
-                        "how": f"estimated: FLOPs x META.STEPS {steps} / ({gpu_tflops:g} TFLOP/s assumed x {gpus} GPU(s))"}
+                        "how": f"estimated: task FLOPs x ceil(B / GPUs) = {per_rank} tasks per GPU x META.STEPS {steps} / "
+                               f"{gpu_tflops:g} TFLOP/s per GPU (assumed)"}
     if fit.get("seconds_per_gflop"):
         cpu_s = step_gflop * fit["seconds_per_gflop"]
         out["cpu_step_seconds"] = {"value": round(cpu_s, 2), "how": "estimated: step FLOPs x CPU seconds per GFLOP "

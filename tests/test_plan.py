@@ -81,6 +81,11 @@ def test_hours_from_flops_and_from_gpu_figures(tmp_path, capsys):
     assert out["cpu_step_seconds"]["value"] == 360 * 0.5                         # step GFLOP x s per GFLOP
     out = _run(capsys, paths, "--gpus", "2", gpu=True)["meta_training"]
     assert out["hours"]["value"] == 1.25 and out["hours"]["how"].startswith("measured")   # 10,000 x 0.9 s / 2
+    # 8 GPUs for 4 tasks: one task per GPU, the other 4 wait -> 10,000 x 90 GFLOP / 100 TFLOP/s = 9 s
+    out = _run(capsys, paths, "--gpus", "8", "--gpu-tflops", "100")["meta_training"]
+    assert out["hours"]["value"] == round(9 / 3600, 3)
+    out = _run(capsys, paths, "--gpus", "3", gpu=True)["meta_training"]
+    assert out["hours"]["value"] == round(10000 * 0.9 * 2 / 4 / 3600, 3)   # ceil(4 / 3) = 2 tasks on the slowest GPU
     # GPU figures for another task size are not used
     paths = _figures(tmp_path, meta_batch_gpu=8)
     out = _run(capsys, paths, "--gpus", "2", "--gpu-tflops", "100", gpu=True)["meta_training"]
