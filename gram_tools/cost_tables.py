@@ -79,7 +79,8 @@ def saved_table(figures: dict, n_support: int = 3, n_query: int = 1) -> str:
 def chc_table(chc: dict) -> str:
     """Per CHC stage: measured seconds at each size, growth exponent, extrapolation to the target."""
     sizes = [r["pairs"] for r in chc["runs"]]
-    head = " | ".join(f"s at {n:,} pairs" for n in sizes)
+    cpu = all(g.get("time") == "cpu_seconds" for g in chc["growth"].values())
+    head = " | ".join(f"{'CPU ' if cpu else ''}s at {n:,} pairs" for n in sizes)
     rows = [f"| stage | {head} | time ~ items^p | items at 3.1 M pairs | extrapolated | peak RSS at 3.1 M |",
             "| --- | " + "--- | " * len(sizes) + "--- | --- | --- | --- |"]
     for name, g in chc["growth"].items():
@@ -87,7 +88,7 @@ def chc_table(chc: dict) -> str:
         secs = []
         for r in chc["runs"]:
             st = r["stages"].get(name)
-            secs.append("-" if st is None else f"{st['seconds']:.2f}")
+            secs.append("-" if st is None else f"{st[g.get('time', 'seconds')]:.2f}")
         ext = "-" if g["target_seconds"] is None else (f"{g['target_seconds'] / 3600:.2f} h" if g["target_seconds"] >= 600
                                                        else f"{g['target_seconds']:.0f} s")
         rss = "-" if g["target_peak_rss_mib"] is None else f"{g['target_peak_rss_mib'] / 1024:.1f} GiB"

@@ -190,6 +190,11 @@ def test_chc_growth_laws():
     assert fit["seconds_law"]["p"] == pytest.approx(1.5) and fit["items"] == [40000, 100000]
     assert fit["target_items"] == 200000                       # capped by FIT_SAMPLE
     assert fit["target_seconds"] == pytest.approx(1e-4 * 200000 ** 1.5, rel=1e-4)
+    assert text["time"] == "seconds"
+    for r in runs:                                   # CPU seconds, when every run has them, are what the law fits
+        r["stages"]["text_embeddings"]["cpu_seconds"] = 1e-3 * r["stages"]["text_embeddings"]["items"] ** 1.1
+    text = fit_growth(runs, fit_sample=200000)["text_embeddings"]
+    assert text["time"] == "cpu_seconds" and text["seconds_law"]["p"] == pytest.approx(1.1)
     assert predict({"c": 2.0, "p": 2.0}, 3.0) == 18.0 and predict({"intercept": 1.0, "slope": 2.0}, 3.0) == 7.0
 
 
