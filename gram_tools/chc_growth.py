@@ -10,9 +10,11 @@ the stage's time window (``VmRSS`` sampled every 50 ms, with the process's CPU s
 laws use: wall time on a shared machine follows the load; numba's compilation of UMAP / HDBSCAN is paid
 before the run, untimed), then fits ``seconds = c * N^p`` in log-log space
 (and ``peak RSS = a + b * N``: the process's fixed base - torch, the sentence model - dominates it)
-for every stage and extrapolates to CC3M's 3.1 M pairs.  ``umap_hdbscan_fit`` runs on
+for every stage and extrapolates to CC3M's 3.1 M pairs (by the law, or by scaling the largest run linearly
+where that gives more: ``extrapolate_seconds``; stages shorter than 1 s keep wall seconds, below the
+sampler's resolution).  ``umap_hdbscan_fit`` runs on
 ``min(N_unique, FIT_SAMPLE)`` captions, so its extrapolation uses the fitted law at ``FIT_SAMPLE``.
-JSON last; ``--out`` writes it for the planner.
+JSON last; ``--out`` writes it for the planner (``--add`` keeps the sizes stored there and measures more).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -37,6 +40,7 @@ SAMPLED_STAGES = ("umap_hdbscan_fit",)
 # umap-learn optimises the embedding for 500 epochs up to 10,000 points and 200 above (umap/umap_.py,
 # simplicial_set_embedding): the fitting stage's law is fitted on the runs above that switch only.
 UMAP_EPOCH_SWITCH = 10000
+CPU_RESOLUTION_S = 1.0
 
 
 def _rss_kib() -> int:
@@ -60,6 +64,7 @@ def measure_size(n_pairs: int, work: Path, text_dtype: str, seed: int = 0) -> di
     warm = np.random.default_rng(1).normal(size=(600, 384)).astype(np.float32)   # numba compiles here, untimed
     fit_sample_clusters(warm / np.linalg.norm(warm, axis=1, keepdims=True), 5, 15, 0.0, "cosine", "random", 20, 0, 0)
     data = work / f"data_{n_pairs}"
+    shutil.rmtree(work / f"chc_{n_pairs}", ignore_errors=True)   # CHC resumes cached stages: start from scratch
     write_synthetic_shards(data, n_pairs=n_pairs, seed=seed)
     cfg = load_meta_cfg(CONFIG, ["MODEL.BACKBONE", "GRAM-Test-Tiny", "CHC.OUTPUT_DIR", str(work / f"chc_{n_pairs}"),
                                  "CHC.INPUT.SHARDS", str([str(data / "shard-*.tar")]), "CHC.TEXT.DTYPE", text_dtype,
@@ -96,11 +101,13 @@ def measure_size(n_pairs: int, work: Path, text_dtype: str, seed: int = 0) -> di
         lo, hi = ends[name] - t["seconds"] - 0.05, ends[name] + 0.05
         inside = [kib for ts, kib, _ in samples if lo <= ts <= hi] or [0]
         before = [kib for ts, kib, _ in samples if ts < lo]
-        cpu_lo = [c for ts, _, c in samples if ts <= lo]
+        # before the first stage's window there is no sample: the sampler's first one (the run's start) is the base,
+        # not 0 (that counted the imports, the numba warm-up and the data generation in the first stage)
+        cpu_lo = [c for ts, _, c in samples if ts <= lo] or [samples[0][2]]
         cpu_hi = [c for ts, _, c in samples if ts <= hi]
         stages[name] = {"seconds": t["seconds"], "items": t["items"], "peak_rss_mib": round(max(inside) / 1024, 1),
                         "rss_before_mib": round((before[-1] if before else 0) / 1024, 1),
-                        "cpu_seconds": round(cpu_hi[-1] - (cpu_lo[-1] if cpu_lo else 0.0), 2) if cpu_hi else None}
+                        "cpu_seconds": round(cpu_hi[-1] - cpu_lo[-1], 2) if cpu_hi else None}
     return {"pairs": n_pairs, "stages": stages, "load_avg_1min": round(os.getloadavg()[0], 2),
             "text_dtype": text_dtype}
 
@@ -131,11 +138,28 @@ def predict(law: dict, n: float) -> float:
     return law["c"] * n ** law["p"]
 
 
+def extrapolate_seconds(law: Optional[dict], items_measured: float, seconds_measured: float, items: float) -> dict:
+    """Seconds at ``items``: the fitted power law, or the largest run scaled linearly when that is more.
+
+    A measured exponent below 1 comes from fixed costs that the small runs still show (model loading, the
+    sampler's resolution), not from a per-item cost that shrinks, so the law would under-predict far
+    beyond the runs; scaling the largest run proportionally is the bound then.  Returns ``target_seconds``
+    and ``extrapolation`` (which rule gave it).
+    """
+    if law is None:
+        return {"target_seconds": None, "extrapolation": None}
+    by_law = predict(law, items)
+    linear = seconds_measured * items / items_measured
+    if by_law >= linear:
+        return {"target_seconds": round(by_law, 1), "extrapolation": "power law"}
+    return {"target_seconds": round(linear, 1), "extrapolation": "largest run x items ratio (fitted p < 1)"}
+
+
 def fit_growth(runs: list[dict], fit_sample: int, target: float = CC3M_PAIRS) -> dict:
     """Per stage: growth exponent of seconds, linear law of peak RSS against items, values at ``target`` pairs.
 
-    Items of a stage scale with pairs by the ratio measured at the largest run (unique captions per pair
-    for the text stages); the fitting stage's items stop at ``fit_sample``.
+    At ``target`` pairs every stage is taken to have one item per pair (the upper bound: the generated
+    captions repeat, ``items_per_pair`` records the measured ratio); the fitting stage's items stop at ``fit_sample``.
     """
     out = {}
     names = dict.fromkeys(name for r in runs for name in r["stages"])
@@ -146,18 +170,22 @@ def fit_growth(runs: list[dict], fit_sample: int, target: float = CC3M_PAIRS) ->
         items = [r["stages"][name]["items"] for r in rows]
         # CPU seconds of the process inside the stage's window when recorded: on a shared machine the wall
         # time follows the load (measured: 10 k / 30 k / 100 k runs at load 6.9 / 4.6 / 3.4), CPU time much less
-        time_key = "cpu_seconds" if all(r["stages"][name].get("cpu_seconds") for r in rows) else "seconds"
+        # (CPU seconds come from 50 ms samples: a stage under CPU_RESOLUTION_S wall seconds keeps its wall time)
+        time_key = "cpu_seconds" if all(r["stages"][name].get("cpu_seconds") and
+                                        r["stages"][name]["seconds"] >= CPU_RESOLUTION_S for r in rows) else "seconds"
         secs = [r["stages"][name][time_key] for r in rows]
         mem = [r["stages"][name]["peak_rss_mib"] for r in rows]
         t_law, m_law = power_law(items, secs), linear_law(items, mem)
         per_pair = items[-1] / rows[-1]["pairs"]
-        target_items = target * per_pair
+        # one item per pair: the generator repeats captions (0.36 unique per pair at 300 k pairs, falling with N),
+        # a web corpus's alt-texts mostly do not, so the measured ratio would under-count; this is the upper bound
+        target_items = target
         if name in SAMPLED_STAGES:
             target_items = min(target_items, fit_sample)
         entry = {"items": items, "seconds": secs, "time": time_key, "peak_rss_mib": mem, "items_per_pair": round(per_pair, 4),
                  "target_pairs": target, "target_items": round(target_items),
                  "seconds_law": t_law, "rss_law": m_law}
-        entry["target_seconds"] = None if t_law is None else round(predict(t_law, target_items), 1)
+        entry.update(extrapolate_seconds(t_law, items[-1], secs[-1], target_items))
         entry["target_peak_rss_mib"] = None if m_law is None else round(predict(m_law, target_items), 1)
         out[name] = entry
     return out
@@ -170,6 +198,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--work", default=".cache/chc_growth")
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--refit", action="store_true", help="refit the growth laws of the runs stored in --out")
+    p.add_argument("--add", action="store_true",
+                   help="keep the runs stored in --out (other sizes), measure --pairs and refit all")
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     work = Path(args.work)
@@ -178,12 +208,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     runs = []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    if args.refit:
+    if args.refit or args.add:
         if not Path(args.out).is_file():
-            print(f"error: --refit: no such file {args.out}", file=sys.stderr)
+            print(f"error: --{'refit' if args.refit else 'add'}: no such file {args.out}", file=sys.stderr)
             return 2
         stored = json.loads(Path(args.out).read_text())
-        runs = stored["runs"]
+        runs = [r for r in stored["runs"] if args.refit or r["pairs"] not in args.pairs]
         args.text_dtype = stored["settings"]["text_dtype"]
     for n in [] if args.refit else sorted(args.pairs):
         proc = subprocess.run([sys.executable, "-m", "gram_tools.chc_growth", "--one", str(n), "--work", str(work),
@@ -196,6 +226,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for name, s in run["stages"].items():
             print(f"N={n:8d} {name:26s} {s['items']:8d} items {s['seconds']:9.2f} s  peak RSS {s['peak_rss_mib']} MiB"
                   f" (load {run['load_avg_1min']})", flush=True)
+    runs.sort(key=lambda r: r["pairs"])
     from meta.config import load_meta_cfg
 
     fit_sample = int(load_meta_cfg(CONFIG).CHC.TOPICS.FIT_SAMPLE)
@@ -207,6 +238,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name, g in result["growth"].items():
         law = g["seconds_law"]
         print(f"{name:26s} time ~ items^{law['p']:.2f} -> {g['target_seconds']} s at {g['target_items']} items"
+              f" ({g['extrapolation']})"
               if law else f"{name:26s} (no fit)", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

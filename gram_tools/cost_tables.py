@@ -76,25 +76,35 @@ def saved_table(figures: dict, n_support: int = 3, n_query: int = 1) -> str:
     return "\n".join(rows)
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.2f} h" if seconds >= 600 else f"{seconds:.0f} s"
+
+
 def chc_table(chc: dict) -> str:
-    """Per CHC stage: measured seconds at each size, growth exponent, extrapolation to the target."""
+    """Per CHC stage: measured time and resident peak at each size, the fitted laws, the extrapolation.
+
+    Time is the process's CPU seconds inside the stage (``time`` = ``cpu_seconds``) when every run has them,
+    else wall seconds; the law ``c * items^p`` is fitted in log-log space, the resident peak as ``a + b * items``.
+    """
     sizes = [r["pairs"] for r in chc["runs"]]
-    cpu = all(g.get("time") == "cpu_seconds" for g in chc["growth"].values())
-    head = " | ".join(f"{'CPU ' if cpu else ''}s at {n:,} pairs" for n in sizes)
-    rows = [f"| stage | {head} | time ~ items^p | items at 3.1 M pairs | extrapolated | peak RSS at 3.1 M |",
-            "| --- | " + "--- | " * len(sizes) + "--- | --- | --- | --- |"]
+    target = next(iter(chc["growth"].values()))["target_pairs"] if chc["growth"] else 3.1e6
+    head = " | ".join(f"{n:,} pairs: s (peak RSS MiB)" for n in sizes)
+    at = f"{target / 1e6:g} M pairs"
+    rows = [f"| stage | {head} | time law (s; items) | peak RSS law (MiB; items) | items at {at} "
+            f"| time at {at} | peak RSS at {at} |",
+            "| --- | " + "--- | " * len(sizes) + "--- | --- | --- | --- | --- |"]
     for name, g in chc["growth"].items():
-        law = g["seconds_law"]
-        secs = []
+        law, mem = g["seconds_law"], g["rss_law"]
+        cells = []
         for r in chc["runs"]:
             st = r["stages"].get(name)
-            secs.append("-" if st is None else f"{st[g.get('time', 'seconds')]:.2f}")
-        ext = "-" if g["target_seconds"] is None else (f"{g['target_seconds'] / 3600:.2f} h" if g["target_seconds"] >= 600
-                                                       else f"{g['target_seconds']:.0f} s")
+            cells.append("-" if st is None else f"{st[g.get('time', 'seconds')]:.2f} ({st['peak_rss_mib']:,.0f})")
+        kind = "CPU s" if g.get("time") == "cpu_seconds" else "wall s"
+        t_law = "-" if law is None else f"{kind} = {law['c']:.3g} x items^{law['p']:.2f}"
+        m_law = "-" if mem is None else f"{mem['intercept']:,.0f} + {mem['slope']:.4f} x items"
+        ext = "-" if g["target_seconds"] is None else _duration(g["target_seconds"])
         rss = "-" if g["target_peak_rss_mib"] is None else f"{g['target_peak_rss_mib'] / 1024:.1f} GiB"
-        exponent = "-" if law is None else f"{law['p']:.2f}"
-        rows.append(f"| {name} | " + " | ".join(secs) + f" | {exponent} | "
-                    f"{g['target_items']:,} | {ext} | {rss} |")
+        rows.append(f"| {name} | " + " | ".join(cells) + f" | {t_law} | {m_law} | {g['target_items']:,} | {ext} | {rss} |")
     return "\n".join(rows)
 
 
@@ -102,19 +112,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gram_tools.cost_tables", description=__doc__.splitlines()[0])
     ap.add_argument("--figures", default=FIGURES)
     ap.add_argument("--chc-figures", default=CHC_FIGURES)
+    ap.add_argument("--only", choices=("realsize", "chc"), help="print only the real-size or only the CHC tables")
     args = ap.parse_args(argv)
     from meta.config import get_meta_cfg_default
 
     t = get_meta_cfg_default().TASKS
-    for path in (args.figures, args.chc_figures):
+    paths = {"realsize": args.figures, "chc": args.chc_figures}
+    wanted = [args.only] if args.only else ["realsize", "chc"]
+    for path in (paths[k] for k in wanted):
         if not Path(path).is_file():
             print(f"error: {path}: no such file", file=sys.stderr)
             return 2
-    figures = json.loads(Path(args.figures).read_text())
-    print(realsize_table(figures, int(t.K_WAY), int(t.N_SUPPORT), int(t.N_QUERY)) + "\n")
-    print(plain_table(figures) + "\n")
-    print(saved_table(figures) + "\n")
-    print(chc_table(json.loads(Path(args.chc_figures).read_text())))
+    if "realsize" in wanted:
+        figures = json.loads(Path(args.figures).read_text())
+        print(realsize_table(figures, int(t.K_WAY), int(t.N_SUPPORT), int(t.N_QUERY)) + "\n")
+        print(plain_table(figures) + "\n")
+        print(saved_table(figures) + "\n")
+    if "chc" in wanted:
+        print(chc_table(json.loads(Path(args.chc_figures).read_text())))
     return 0
 
 

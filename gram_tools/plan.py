@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from gram_tools.chc_growth import extrapolate_seconds
 from gram_tools.realsize import DEFAULT_OUT as DEFAULT_FIGURES
 from gram_tools.realsize import learner_of
 
@@ -179,15 +180,16 @@ def chc_plan(chc: dict, chc_path: str, pairs: float, gpu_figures: Optional[dict]
         law = g.get("seconds_law")
         if law is None or name in ("image_features", "filter"):
             continue
-        items = pairs * g["items_per_pair"]
+        items = pairs                       # one item per pair, the upper bound (gram_tools.chc_growth.fit_growth)
         if name == "umap_hdbscan_fit":
             items = min(items, fit_sample)
-        seconds = law["c"] * items ** law["p"]
+        ext = extrapolate_seconds(law, g["items"][-1], g["seconds"][-1], items)
         mem = g.get("rss_law")
-        rows[name] = {"items": round(items), "cpu_hours": round(seconds / 3600.0, 3),
+        rows[name] = {"items": round(items), "cpu_hours": round(ext["target_seconds"] / 3600.0, 3),
                       "peak_rss_gib": None if mem is None else round((mem["intercept"] + mem["slope"] * items) / GIB_MIB, 2),
-                      "how": f"estimated: law seconds = {law['c']:.3g} x items^{law['p']:.2f} measured at "
-                             f"{g['items']} items on one CPU thread ({chc_path})"}
+                      "how": f"extrapolated: {'CPU' if g.get('time') == 'cpu_seconds' else 'wall'} seconds = "
+                             f"{law['c']:.3g} x items^{law['p']:.2f}, fitted to {g['items']} items measured on one "
+                             f"CPU thread ({chc_path}); {ext['extrapolation']}"}
     images = pairs
     if gpu_figures and gpu_figures.get("chc_images_per_s"):
         rate = float(gpu_figures["chc_images_per_s"])

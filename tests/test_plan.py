@@ -33,9 +33,11 @@ def _figures(tmp_path, meta_batch_gpu=4):
     gpu = {"settings": {"way": 5, "support_shots": 4, "query_shots": 8, "meta_batch": meta_batch_gpu, "gpu": "fake",
                         "autocast": "none"},
            "variants": {"unigram": {"second_order_step_s": 0.9}}, "chc_images_per_s": 1000.0}
-    chc = {"growth": {"text_embeddings": {"items": [1, 2], "items_per_pair": 0.5, "seconds_law": {"c": 0.01, "p": 1.0},
+    chc = {"growth": {"text_embeddings": {"items": [1, 2], "seconds": [0.01, 0.02], "items_per_pair": 0.5,
+                                          "seconds_law": {"c": 0.01, "p": 1.0},
                                           "rss_law": {"intercept": 512.0, "slope": 1 / 1024}},
-                      "umap_hdbscan_fit": {"items": [1, 2], "items_per_pair": 1.0, "seconds_law": {"c": 0.002, "p": 1.0},
+                      "umap_hdbscan_fit": {"items": [1, 2], "seconds": [0.002, 0.004], "items_per_pair": 1.0,
+                                           "seconds_law": {"c": 0.002, "p": 1.0},
                                            "rss_law": None}}}
     paths = {}
     for name, obj in (("figures", figures), ("gpu", gpu), ("chc", chc)):
@@ -95,8 +97,8 @@ def test_hours_from_flops_and_from_gpu_figures(tmp_path, capsys):
 def test_chc_stages(tmp_path, capsys):
     paths = _figures(tmp_path)
     chc = _run(capsys, paths, "--pairs", "1e6", "--gpus", "2", "--gpu-tflops", "100")["chc"]
-    assert chc["text_embeddings"]["items"] == 500000 and chc["text_embeddings"]["cpu_hours"] == round(5000 / 3600, 3)
-    assert chc["text_embeddings"]["peak_rss_gib"] == round((512 + 500000 / 1024) / 1024, 2)
+    assert chc["text_embeddings"]["items"] == 1000000 and chc["text_embeddings"]["cpu_hours"] == round(10000 / 3600, 3)
+    assert chc["text_embeddings"]["peak_rss_gib"] == round((512 + 1000000 / 1024) / 1024, 2)
     # the fitting stage stops at FIT_SAMPLE (200 k in the defaults): 0.002 x 2e5 = 400 s
     assert chc["umap_hdbscan_fit"]["items"] == 200000 and chc["umap_hdbscan_fit"]["cpu_hours"] == round(400 / 3600, 3)
     # 1e6 images x 35 GFLOP / (100 TFLOP/s x 2) = 175 s
@@ -185,7 +187,7 @@ def test_chc_growth_laws():
     g = fit_growth(runs, fit_sample=200000, target=3.1e6)
     text, fit = g["text_embeddings"], g["umap_hdbscan_fit"]
     assert text["seconds_law"]["p"] == pytest.approx(1.0) and text["items_per_pair"] == 0.5
-    assert text["target_items"] == 1550000 and text["target_seconds"] == pytest.approx(0.02 * 1550000, rel=1e-6)
+    assert text["target_items"] == 3100000 and text["target_seconds"] == pytest.approx(0.02 * 3100000, rel=1e-6)
     assert text["rss_law"]["slope"] == pytest.approx(0.01) and text["rss_law"]["intercept"] == pytest.approx(1000)
     assert fit["seconds_law"]["p"] == pytest.approx(1.5) and fit["items"] == [40000, 100000]
     assert fit["target_items"] == 200000                       # capped by FIT_SAMPLE
@@ -231,3 +233,33 @@ def test_first_order_peak_follows_the_larger_pass(tmp_path, capsys):
     assert f["variables"] == ["max(support, query)"] and f["slopes"] == pytest.approx([70.0])
     assert f["intercept"] == pytest.approx(5.0)
     assert fit_points(pts)["vpt"]["first"]["seconds_per_gflop"] == pytest.approx(0.1)   # median of 0.1, 0.2, 0.1, 0.1
+
+
+def test_chc_table_prints_the_measured_file():
+    from gram_tools.chc_growth import fit_growth
+    from gram_tools.cost_tables import chc_table
+
+    runs = [{"pairs": n, "stages": {"index": {"items": n, "seconds": 9.0, "cpu_seconds": 1e-3 * n,
+                                              "peak_rss_mib": 1000 + n / 100}}} for n in (10000, 100000)]
+    table = chc_table({"runs": runs, "growth": fit_growth(runs, fit_sample=200000)}).splitlines()
+    assert table[0].startswith("| stage | 10,000 pairs: s (peak RSS MiB) | 100,000 pairs: s (peak RSS MiB) |")
+    # 1e-3 x 3.1e6 = 3100 s = 0.86 h; 1000 + 31000 MiB = 31.2 GiB
+    assert table[2] == ("| index | 10.00 (1,100) | 100.00 (2,000) | CPU s = 0.001 x items^1.00 | 1,000 + 0.0100 x items "
+                        "| 3,100,000 | 0.86 h | 31.2 GiB |")
+
+
+def test_chc_extrapolation_is_never_below_linear_growth():
+    from gram_tools.chc_growth import fit_growth
+
+    # a fixed cost of 20 s plus 1 ms per item: the fitted exponent is below 1, the largest run scaled linearly wins
+    runs = [{"pairs": n, "stages": {"index": {"items": n, "seconds": 20 + 1e-3 * n, "cpu_seconds": 20 + 1e-3 * n,
+                                              "peak_rss_mib": 1000.0},
+                                    "assign_nearest_centroid": {"items": n, "seconds": 0.5, "cpu_seconds": 9.0,
+                                                                "peak_rss_mib": 1000.0}}}
+            for n in (10000, 100000)]
+    g = fit_growth(runs, fit_sample=200000, target=1e6)
+    index = g["index"]
+    assert index["seconds_law"]["p"] < 1 and index["extrapolation"].startswith("largest run")
+    assert index["target_seconds"] == pytest.approx(120.0 * 10)          # 120 s at 1e5 items, x 10
+    short = g["assign_nearest_centroid"]                                  # under 1 s of wall time: wall seconds
+    assert short["time"] == "seconds" and short["seconds"] == [0.5, 0.5] and short["target_seconds"] == 5.0
