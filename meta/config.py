@@ -31,6 +31,8 @@ import yaml
 from yacs.config import CfgNode as CN
 
 from meta.cli_errors import UserError
+from meta.finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
+from meta.gram import DEFAULT_QUERY_BEFORE_WEIGHT
 
 
 def _model_node() -> CN:
@@ -148,7 +150,7 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.AUTOCAST = "none"          # none | bf16 | fp16 autocast of the CLIP passes on CUDA (CPU: fp32, one log line);
     #                              bf16 is the safer choice: fp16 scales only the outer loss (meta.precision)
     m.INNER_MOMENTUM = 0.0       # heavy-ball inner SGD as the test-time optimiser (0.9 there); needs INNER_STEPS > 1
-    m.QUERY_BEFORE_WEIGHT = 0.0  # w: outer loss L_q(theta') + w L_q(theta), so theta* is also good where the
+    m.QUERY_BEFORE_WEIGHT = DEFAULT_QUERY_BEFORE_WEIGHT  # w: outer loss L_q(theta') + w L_q(theta), so theta* is also good where the
     #                              downstream schedule starts (0 = the paper's one-step objective, Eq. 8)
 
     m.REGULATOR = CN()           # R_phi (meta.regulator.RegulatorSpec) [core]
@@ -168,10 +170,12 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.PROMPT.N_CTX_TEXT = 4      # [GRAM] 4 prompt tokens for CoOp/VPT; UNIGRAM 2 text + 2 visual
     m.PROMPT.CTX_INIT = ""       # e.g. "a photo of a" (then M = its token count)
     m.PROMPT.N_CTX_VISION = 0
-    m.PROMPT.VISION_DEPTH = 1    # 1 = shallow VPT
+    m.PROMPT.VISION_DEPTH = 1    # 1 = shallow VPT; 0 = every layer
     m.PROMPT.INIT_STD = 0.02     # CoOp's N(0, 0.02^2) context init
     m.PROMPT.TEMPLATE = "a photo of a {}."  # = meta.prompts.DEFAULT_TEMPLATE (tested); text side when N_CTX_TEXT == 0 (paper's VPT baseline)
     m.PROMPT.VPT_INIT = "patch_mean"  # = PromptSpec.vpt_init (tested); visual tokens' start: normal | zeros | cls | patch_mean (meta.prompts)
+    m.PROMPT.TEXT_DEPTH = 1      # J text layers with learnable context (1 = CoOp; IVLP / MaPLe PROMPT_DEPTH > 1: deep text prompts; 0 = every layer)
+    m.PROMPT.COUPLING = "none"   # none | maple (visual prompts of the first TEXT_DEPTH vision layers projected from the text prompts; N_CTX_VISION 0)
 
     # ---- Table 4 row 3: plain classification over the topics --------------------------------
     m.PRETRAIN = CN()
@@ -189,6 +193,17 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.VAL_FT_STEPS = 0
     m.VAL_FT_LR = 0.002
     m.VAL_FT_MOMENTUM = 0.9
+    # validation as the downstream protocol (meta.metatrain.downstream_val): fine-tune on each held-out task's
+    # support with batch 1, VAL_EPOCHS epochs of CoCoOp's schedule (warm-up epoch, cosine, lr VAL_FT_LR,
+    # momentum VAL_FT_MOMENTUM, weight decay VAL_FT_WEIGHT_DECAY), crops of VAL_RRCROP_SCALE and flips, the
+    # regulation window VAL_REG_WINDOW and the launch step VAL_LAUNCH; logs query_acc_downstream (with R_phi)
+    # and query_acc_downstream_raw.  one_step = only the one-step metrics
+    m.VAL_PROTOCOL = "downstream"   # downstream | one_step
+    m.VAL_EPOCHS = 10               # CoCoOp's 10 epochs
+    m.VAL_FT_WEIGHT_DECAY = 5e-4    # Dassl OPTIM.WEIGHT_DECAY default
+    m.VAL_RRCROP_SCALE = (0.08, 1.0)  # Dassl INPUT.RRCROP_SCALE default
+    m.VAL_REG_WINDOW = DEFAULT_REG_WINDOW   # 0 = the task's support size
+    m.VAL_LAUNCH = DEFAULT_LAUNCH
     m.FEATURE_CHECK = 8          # images re-encoded to prove cached features match this CLIP (0 = skip)
     m.PROGRESS = True            # tqdm bar
     m.TENSORBOARD = True

@@ -32,8 +32,36 @@ from .regulator import GradientRegulator
 
 # Test-time defaults of the two switches (module docstring), read by MethodSpec, the Dassl trainers'
 # TRAINER.GRAM keys and the demo.  Chosen on validation splits (docs/gram_training_match.md).
-DEFAULT_REG_WINDOW = 1
-DEFAULT_LAUNCH = False
+# A window of 0 means "the meta-training support size" (:func:`resolve_window`): R_φ then sees the mean
+# gradient of as many images as the inner loop's support gave it.
+SUPPORT_WINDOW = 0
+DEFAULT_REG_WINDOW = SUPPORT_WINDOW   # val sweep, worlds 0 + 1: every W = 20 (support) setting beat every W = 1 one
+DEFAULT_LAUNCH = True                 # with W = support size, launch on was best on the mean over both worlds
+
+
+def support_size(metadata: Mapping, source: str = "init file") -> int:
+    """Images per meta-training support set (``k_way × n_support``) from an init file's
+    ``provenance.tasks`` (written by ``python -m meta train`` / ``export``)."""
+    tasks = (metadata.get("provenance") or {}).get("tasks") or {}
+    try:
+        size = int(tasks["k_way"]) * int(tasks["n_support"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{source}: provenance.tasks.k_way / n_support are missing, so the regulation window "
+                         f"'support size' (0) is unknown; give the window in images (>= 1)") from None
+    if size < 1:
+        raise ValueError(f"{source}: provenance.tasks gives a support of {size} images; expected >= 1")
+    return size
+
+
+def resolve_window(window: int, metadata: Optional[Mapping], source: str = "init file") -> int:
+    """The regulation window in images: ``window`` itself when >= 1, the meta-training support size of
+    ``metadata`` (:func:`support_size`) when it is :data:`SUPPORT_WINDOW` (0)."""
+    window = int(window)
+    if window < 0:
+        raise ValueError(f"regulation window must be >= 0 (0 = the meta-training support size), got {window}")
+    if window >= 1:
+        return window
+    return support_size(metadata or {}, source)
 
 
 class GradientRegulation(nn.Module):
@@ -150,6 +178,18 @@ class LaunchStep:
                              f"launched; turn the launch step off or export the file with `python -m meta export`")
         return cls(alpha=float(meta["inner_lr"]), steps=int(meta.get("inner_steps", 1)),
                    momentum=float(meta.get("inner_momentum", 0.0)))
+
+
+def launch_step_of(metadata: Mapping, source: str = "init file", explicit: bool = False) -> Optional[LaunchStep]:
+    """The :class:`LaunchStep` of an init file, or None for a prompt pre-training file (``provenance.mode``
+    ``pretrain``: no inner step was meta-trained), which is an error when the launch was asked for
+    explicitly (``explicit``)."""
+    if (metadata.get("provenance") or {}).get("mode") == "pretrain":
+        if explicit:
+            raise ValueError(f"{source}: made by prompt pre-training (provenance.mode pretrain), which has no "
+                             f"inner step to launch; turn the launch step off")
+        return None
+    return LaunchStep.from_metadata(metadata, source)
 
 
 def launch_(prompts: nn.Module, regulation: Optional["GradientRegulation"], mean_loss, step: LaunchStep) -> float:

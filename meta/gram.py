@@ -47,6 +47,11 @@ log = logging.getLogger(__name__)
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]]
 
 
+# Default weight of the before-adaptation query loss (MetaSpec.query_before_weight, META.QUERY_BEFORE_WEIGHT, the
+# demo): chosen on validation splits with the test-time switches of meta.finetune (docs/gram_training_match.md).
+DEFAULT_QUERY_BEFORE_WEIGHT = 0.0
+
+
 @dataclass
 class MetaSpec:
     """Hyper-parameters of the bi-level loop (values the paper does not give are ours)."""
@@ -63,7 +68,7 @@ class MetaSpec:
     autocast: str = "none"         # none | bf16 | fp16 forward passes (CUDA; meta.precision); fp16 adds a GradScaler
     inner_momentum: float = 0.0    # μ of heavy-ball inner SGD (test-time SGD uses 0.9); 0 = plain steps
     regulator_weight_decay: float = 0.0  # L2 on φ in the outer optimiser: pulls φ to 0 = identity R_φ (residual form)
-    query_before_weight: float = 0.0     # w of the before-adaptation query loss in the outer objective (0 = Eq. 8)
+    query_before_weight: float = DEFAULT_QUERY_BEFORE_WEIGHT  # w of L_q(θ) in the outer objective (0 = Eq. 8)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.inner_momentum < 1.0:

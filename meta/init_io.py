@@ -2,13 +2,16 @@
 
 File format (one ``.safetensors`` file, nothing is unpickled on load):
 
-* tensors ``prompt.ctx`` ``[M, d_t]`` and/or ``prompt.vpt`` ``[D, n, d_v]``;
-  ``regulator.<ctx|vpt>.{gamma,beta}.{weight,bias}`` when φ was learned (plus the 0-d
+* tensors ``prompt.ctx`` ``[M, d_t]`` and/or ``prompt.vpt`` ``[D, n, d_v]``; for deep text prompts
+  ``prompt.ctx_deep`` ``[J-1, M, d_t]``, for MaPLe's coupling ``prompt.proj_weight`` ``[J, d_v, d_t]`` and
+  ``prompt.proj_bias`` ``[J, d_v]`` (:mod:`meta.prompts`);
+  ``regulator.<tensor>.{gamma,beta}.{weight,bias}`` when φ was learned (plus the 0-d
   ``regulator.<name>.mix_logit`` with ``RegulatorSpec.mix``; the spec in the header carries every
   option the test-time regulator needs, and files written before an option existed load with its
   "off" default);
 * header metadata key ``"gram"``: JSON with ``format_version``, ``backbone``
-  (model name, weights file name, widths), ``prompt`` (token counts, depth),
+  (model name, weights file name, widths), ``prompt`` (token counts, depths, coupling; files written
+  before deep text prompts existed lack ``text_depth`` and ``coupling`` and read as 1 / ``none``),
   ``regulator`` (spec or null), ``shapes`` and free-form ``provenance``.
 
 Loading validates everything the file says before anything is built: the metadata's
@@ -40,7 +43,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from .backbone import ClipDims
 from .fileio import write_bytes_atomic
-from .prompts import PromptParams
+from .prompts import COUPLINGS, PROMPT_TENSORS, PromptParams
 from .regulator import GradientRegulator, RegulatorSpec
 
 FORMAT_VERSION = 1
@@ -60,7 +63,7 @@ class GramInit:
     path: Optional[Path] = None
 
     def prompt_module(self) -> PromptParams:
-        return PromptParams(ctx=self.prompt.get("ctx"), vpt=self.prompt.get("vpt"))
+        return PromptParams(**{name: self.prompt.get(name) for name in PROMPT_TENSORS})
 
     def regulator_modules(self) -> dict[str, GradientRegulator]:
         """``{"ctx"|"vpt": R_φ}`` rebuilt from the stored spec and weights."""
@@ -93,10 +96,8 @@ def export_gram_init(path: Union[str, Path], prompts: PromptParams,
         "format_version": FORMAT_VERSION,
         "backbone": {"model_name": dims.model_name, "weights": Path(weights).name if weights else "",
                      "text_width": dims.text_width, "vision_width": dims.vision_width,
-                     "vision_layers": dims.vision_layers},
-        "prompt": {"n_ctx_text": prompts.n_ctx_text,
-                   "n_ctx_vision": 0 if prompts.vpt is None else prompts.vpt.shape[1],
-                   "vision_depth": 0 if prompts.vpt is None else prompts.vpt.shape[0]},
+                     "vision_layers": dims.vision_layers, "text_layers": dims.text_layers},
+        "prompt": prompts.structure(),
         "regulator": reg_spec,
         "shapes": {k: list(v.shape) for k, v in tensors.items()},
         "provenance": provenance or {},
@@ -105,7 +106,7 @@ def export_gram_init(path: Union[str, Path], prompts: PromptParams,
 
 
 _MISSING = object()
-_PROMPT_TENSORS = ("ctx", "vpt")
+_PROMPT_TENSORS = PROMPT_TENSORS
 
 
 def _is_int(value: Any) -> bool:
@@ -188,6 +189,7 @@ def check_metadata(raw: Any, check: _Checker) -> dict:
                f"{prompt['vision_depth']} exceeds backbone.vision_layers {backbone['vision_layers']}")
     check.need(prompt["n_ctx_text"] > 0 or prompt["n_ctx_vision"] > 0, "prompt",
                "holds no prompt (n_ctx_text and n_ctx_vision are both 0)")
+    _check_deep_structure(backbone, prompt, check)
 
     reg = meta.get("regulator", None)
     if reg is not None:
@@ -214,6 +216,29 @@ def check_metadata(raw: Any, check: _Checker) -> dict:
     return meta
 
 
+def _check_deep_structure(backbone: dict, prompt: dict, check: _Checker) -> None:
+    """``prompt.text_depth`` / ``prompt.coupling`` (filled in as 1|0 / ``none`` when an older file lacks them)."""
+    prompt.setdefault("text_depth", 1 if prompt["n_ctx_text"] else 0)
+    prompt.setdefault("coupling", "none")
+    depth, coupling = prompt["text_depth"], prompt["coupling"]
+    check.need(_is_int(depth) and depth >= 0, "prompt.text_depth", f"expected an integer >= 0, got {_describe(depth)}")
+    check.need((depth == 0) == (prompt["n_ctx_text"] == 0), "prompt.text_depth",
+               f"{depth} does not go with prompt.n_ctx_text {prompt['n_ctx_text']} (both 0, or both > 0)")
+    text_layers = backbone.get("text_layers")
+    if text_layers is not None:
+        check.need(_is_int(text_layers) and text_layers >= 1, "backbone.text_layers",
+                   f"expected an integer >= 1, got {_describe(text_layers)}")
+        check.need(depth <= text_layers, "prompt.text_depth", f"{depth} exceeds backbone.text_layers {text_layers}")
+    check.need(coupling in COUPLINGS, "prompt.coupling", f"expected one of {', '.join(COUPLINGS)}, "
+                                                         f"got {_describe(coupling)}")
+    if coupling == "maple":
+        check.need(prompt["n_ctx_text"] > 0 and prompt["n_ctx_vision"] == 0, "prompt.coupling",
+                   f"'maple' derives the visual prompts from the text prompts: needs n_ctx_text > 0 and "
+                   f"n_ctx_vision 0, got {prompt['n_ctx_text']} and {prompt['n_ctx_vision']}")
+        check.need(depth <= backbone["vision_layers"], "prompt.text_depth",
+                   f"{depth} exceeds backbone.vision_layers {backbone['vision_layers']} (coupling 'maple')")
+
+
 def check_tensors(tensors: Mapping[str, torch.Tensor], meta: dict, check: _Checker) -> None:
     """Each tensor against ``meta["shapes"]`` and against the widths / token counts the metadata records."""
     shapes = meta["shapes"]
@@ -226,10 +251,17 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], meta: dict, check: _Check
         check.need(t.is_floating_point(), f"tensor {name}", f"expected floating point values, got {t.dtype}")
         check.need(bool(torch.isfinite(t).all()), f"tensor {name}", "holds NaN or infinite values")
     bb, pr = meta["backbone"], meta["prompt"]
+    deep, maple = pr["text_depth"] > 1, pr["coupling"] == "maple"
     want = {"ctx": [pr["n_ctx_text"], bb["text_width"]] if pr["n_ctx_text"] else None,
-            "vpt": [pr["vision_depth"], pr["n_ctx_vision"], bb["vision_width"]] if pr["n_ctx_vision"] else None}
+            "vpt": [pr["vision_depth"], pr["n_ctx_vision"], bb["vision_width"]] if pr["n_ctx_vision"] else None,
+            "ctx_deep": [pr["text_depth"] - 1, pr["n_ctx_text"], bb["text_width"]] if deep else None,
+            "proj_weight": [pr["text_depth"], bb["vision_width"], bb["text_width"]] if maple else None,
+            "proj_bias": [pr["text_depth"], bb["vision_width"]] if maple else None}
     why = {"ctx": "[prompt.n_ctx_text, backbone.text_width]",
-           "vpt": "[prompt.vision_depth, prompt.n_ctx_vision, backbone.vision_width]"}
+           "vpt": "[prompt.vision_depth, prompt.n_ctx_vision, backbone.vision_width]",
+           "ctx_deep": "[prompt.text_depth - 1, prompt.n_ctx_text, backbone.text_width]",
+           "proj_weight": "[prompt.text_depth, backbone.vision_width, backbone.text_width]",
+           "proj_bias": "[prompt.text_depth, backbone.vision_width]"}
     for name in _PROMPT_TENSORS:
         t = tensors.get(f"prompt.{name}")
         have = None if t is None else list(t.shape)
@@ -244,8 +276,9 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], meta: dict, check: _Check
         head = name.split(".", 2)
         ok = (head[0] == "prompt" and len(head) == 2 and head[1] in _PROMPT_TENSORS) or \
              (head[0] == "regulator" and len(head) == 3 and head[1] in _PROMPT_TENSORS)
-        check.need(ok, f"tensor {name}", "unexpected tensor (this code reads prompt.<ctx|vpt> and "
-                                         "regulator.<ctx|vpt>.<parameter>)")
+        names = "|".join(_PROMPT_TENSORS)
+        check.need(ok, f"tensor {name}", f"unexpected tensor (this code reads prompt.<{names}> and "
+                                         f"regulator.<{names}>.<parameter>)")
     reg_names = sorted({n.split(".")[1] for n in tensors if n.startswith("regulator.")})
     spec = meta.get("regulator")
     check.need(spec is not None or not reg_names, "regulator",
@@ -272,7 +305,7 @@ def load_gram_init(path: Union[str, Path], expect: Optional[Mapping[str, Any]] =
     """Read an initialisation file, validate it, and check it against ``expect``.
 
     ``expect`` may hold any of ``text_width``, ``vision_width``, ``n_ctx_text``,
-    ``n_ctx_vision``, ``vision_depth``, ``model_name``; each given value must match
+    ``n_ctx_vision``, ``vision_depth``, ``text_depth``, ``coupling``, ``model_name``; each given value must match
     (``model_name`` only warns: the same widths can come from differently named configs).
     Every problem raises :class:`InitMismatchError` (one line, naming ``config_key``, the
     file and the field); a missing file raises ``FileNotFoundError``.

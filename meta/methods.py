@@ -46,6 +46,10 @@ class Method:
     trainer: str = ""
     config: str = ""
     aliases: tuple[str, ...] = ()
+    text_depth: int = 1
+    vision_depth: int = 1
+    coupling: str = "none"
+    one_step: bool = False
 
     @property
     def gram_file(self) -> bool:
@@ -128,6 +132,11 @@ def load_methods(path: Union[str, Path, None] = None) -> dict[str, Method]:
             raise MethodTableError(f"{path}: method {m.key!r}: preset {m.preset!r} is not a row whose preset is itself")
         if m.zero_shot and (m.init or m.regulate or m.text_tokens or m.visual_tokens):
             raise MethodTableError(f"{path}: method {m.key!r}: a zero-shot method has no tokens, init or regulator")
+        if m.coupling not in ("none", "maple"):
+            raise MethodTableError(f"{path}: method {m.key!r}: coupling must be none or maple, got {m.coupling!r}")
+        if m.one_step and not m.regulate:
+            raise MethodTableError(f"{path}: method {m.key!r}: one_step (the paper-literal regulated fine-tuning) "
+                                   f"needs regulate true")
         if (m.init or m.regulate) and not table[m.preset].init:
             raise MethodTableError(f"{path}: method {m.key!r}: init/regulate need a GRAM init file, but its preset "
                                    f"{m.preset!r} does not start from one")

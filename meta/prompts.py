@@ -1,21 +1,36 @@
 """Learnable prompts θ and the prompted (frozen) CLIP that consumes them.
 
-θ lives in one small module, :class:`PromptParams`, holding at most two tensors:
+θ lives in one small module, :class:`PromptParams`, holding these tensors (each optional):
 
 * ``ctx``: ``[M, d_t]`` text context vectors (CoOp), present when ``n_ctx_text > 0``;
 * ``vpt``: ``[D, n, d_v]`` visual prompt tokens (VPT), present when ``n_ctx_vision > 0``
-  (``D = 1`` shallow, ``D > 1`` deep).
+  (``D = 1`` shallow, ``D > 1`` deep);
+* ``ctx_deep``: ``[J - 1, M, d_t]`` deep text prompts (IVLP / MaPLe ``PROMPT_DEPTH`` J > 1): before
+  text block ``i`` (``1 <= i < J``) the hidden states at the M context positions are replaced by
+  ``ctx_deep[i - 1]`` (:func:`meta.text_encoder.encode_text_with_context`);
+* ``proj_weight`` ``[J, d_v, d_t]`` and ``proj_bias`` ``[J, d_v]``: MaPLe's coupling.  The visual
+  prompts of vision layer ``i < J`` are not free parameters but ``t_i W_iᵀ + b_i`` with ``t_0 = ctx``
+  and ``t_i = ctx_deep[i - 1]`` (:func:`visual_prompts`); they then enter the vision tower exactly
+  as deep VPT tokens do.  (MaPLe, Khattak et al. CVPR 2023, Eqs. for the V-L coupling function
+  F_i; muzairkhattak/multimodal-prompt-learning ``trainers/maple.py``: ``proj`` for layer 0 and
+  ``compound_prompt_projections`` for layers 1..J-1.)
+
+Every tensor is one θ tensor for the meta-learner: one R_φ each (layers of one tensor share a shape,
+so they share R_φ, as deep VPT does).
 
 The frozen CLIP is *not* a submodule of it; :class:`PromptedCLIP` holds the CLIP
 and takes the prompt module at call time.  That is what lets learn2learn's
 ``GBML`` clone only θ per task (never the CLIP weights).
 
 Methods: CoOp = text only; VPT = vision only, text side the fixed prompt
-``"a photo of a {}."`` (paper's VPT baseline); UNIGRAM = both (paper: 2 + 2).
+``"a photo of a {}."`` (paper's VPT baseline); UNIGRAM = both (paper: 2 + 2); IVLP = deep text
+and deep visual prompts, independent (``text_depth`` J, ``vision_depth`` D); MaPLe = deep text
+prompts plus coupled visual prompts (``coupling="maple"``).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -32,6 +47,13 @@ DEFAULT_TEMPLATE = "a photo of a {}."
 
 # Initialisations of the visual prompt tokens (PromptSpec.vpt_init).
 VPT_INITS = ("normal", "zeros", "cls", "patch_mean")
+
+# How the visual prompts relate to the text prompts (PromptSpec.coupling): independent (VPT / IVLP)
+# or produced from the text prompts by a learned linear map per layer (MaPLe).
+COUPLINGS = ("none", "maple")
+
+# Every θ tensor PromptParams may hold, in the order of its parameters (= the order of R_φ in GBML).
+PROMPT_TENSORS = ("ctx", "vpt", "ctx_deep", "proj_weight", "proj_bias")
 
 
 @torch.no_grad()
@@ -93,6 +115,13 @@ class PromptSpec:
         vpt_init: how the visual tokens start (:data:`VPT_INITS`, :func:`initial_visual_prompts`):
             ``normal`` = N(0, init_std²) (CoOp / MaPLe); ``zeros``; ``cls`` = the frozen CLS input
             token + N(0, init_std²); ``patch_mean`` = the mean patch position code + N(0, init_std²).
+        text_depth: J, text layers that receive learnable context (1 = CoOp; J > 1 adds ``ctx_deep``
+            for layers 1..J-1, started from N(0, init_std²) as IVLP and MaPLe do; 0 = every text layer,
+            with ``maple`` every layer both towers have; see :meth:`resolved`).  ``vision_depth`` 0 = every
+            vision layer likewise.
+        coupling: ``none`` (visual prompts, if any, are their own tensor ``vpt``) or ``maple`` (the
+            visual prompts of the first J vision layers are projections of the J text prompts; then
+            ``n_ctx_vision`` must be 0: MaPLe has no independent visual prompts).
     """
 
     n_ctx_text: int = 4
@@ -102,43 +131,103 @@ class PromptSpec:
     init_std: float = 0.02
     template: str = DEFAULT_TEMPLATE
     vpt_init: str = "patch_mean"   # chosen on the val splits (docs/world_baseline.md)
+    text_depth: int = 1
+    coupling: str = "none"
 
     def __post_init__(self) -> None:
         if self.vpt_init not in VPT_INITS:
             raise ValueError(f"vpt_init must be one of {', '.join(VPT_INITS)}, got {self.vpt_init!r}")
+        if self.coupling not in COUPLINGS:
+            raise ValueError(f"coupling must be one of {', '.join(COUPLINGS)}, got {self.coupling!r}")
+        if int(self.text_depth) < 0 or int(self.vision_depth) < 0:
+            raise ValueError(f"text_depth and vision_depth must be >= 0 (0 = all layers), got "
+                             f"{self.text_depth} and {self.vision_depth}")
+        has_text = self.n_ctx_text > 0 or bool(self.ctx_init)
+        if (self.text_depth != 1 or self.coupling != "none") and not has_text:
+            raise ValueError("deep text prompts (text_depth > 1) and the MaPLe coupling need text context "
+                             "(n_ctx_text > 0 or ctx_init)")
+        if self.coupling == "maple" and self.n_ctx_vision > 0:
+            raise ValueError(f"coupling 'maple' derives the visual prompts from the text prompts; "
+                             f"n_ctx_vision must be 0, got {self.n_ctx_vision}")
+
+    def resolved(self, dims: ClipDims) -> "PromptSpec":
+        """This spec with depth 0 ("all layers") replaced by the layer count of the CLIP of ``dims``."""
+        text_all = min(dims.text_layers, dims.vision_layers) if self.coupling == "maple" else dims.text_layers
+        return replace(self, text_depth=self.text_depth or text_all, vision_depth=self.vision_depth or dims.vision_layers)
+
+    @property
+    def has_visual_prompts(self) -> bool:
+        """True when the image tower carries prompts (free tokens or MaPLe's coupled ones)."""
+        return self.n_ctx_vision > 0 or self.coupling != "none"
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 class PromptParams(nn.Module):
-    """θ: the learnable prompt tensors (see module docstring for shapes)."""
+    """θ: the learnable prompt tensors (see module docstring for names and shapes)."""
 
-    def __init__(self, ctx: Optional[torch.Tensor] = None, vpt: Optional[torch.Tensor] = None):
+    def __init__(self, ctx: Optional[torch.Tensor] = None, vpt: Optional[torch.Tensor] = None,
+                 ctx_deep: Optional[torch.Tensor] = None, proj_weight: Optional[torch.Tensor] = None,
+                 proj_bias: Optional[torch.Tensor] = None):
         super().__init__()
         if ctx is None and vpt is None:
             raise ValueError("a prompt module needs text context (ctx) or visual prompts (vpt)")
-        if ctx is not None:
-            if ctx.dim() != 2:
-                raise ValueError(f"ctx must be [M, d_t], got {tuple(ctx.shape)}")
-            self.ctx = nn.Parameter(ctx.detach().clone())
-        else:
-            self.register_parameter("ctx", None)
-        if vpt is not None:
-            if vpt.dim() != 3:
-                raise ValueError(f"vpt must be [D, n, d_v], got {tuple(vpt.shape)}")
-            self.vpt = nn.Parameter(vpt.detach().clone())
-        else:
-            self.register_parameter("vpt", None)
+        if ctx is not None and ctx.dim() != 2:
+            raise ValueError(f"ctx must be [M, d_t], got {tuple(ctx.shape)}")
+        if vpt is not None and vpt.dim() != 3:
+            raise ValueError(f"vpt must be [D, n, d_v], got {tuple(vpt.shape)}")
+        if ctx_deep is not None:
+            if ctx is None or ctx_deep.dim() != 3 or ctx_deep.shape[1:] != ctx.shape:
+                raise ValueError(f"ctx_deep must be [J-1, M, d_t] with [M, d_t] = ctx's shape "
+                                 f"{None if ctx is None else tuple(ctx.shape)}, got {tuple(ctx_deep.shape)}")
+        if (proj_weight is None) != (proj_bias is None):
+            raise ValueError("the MaPLe coupling needs both proj_weight [J, d_v, d_t] and proj_bias [J, d_v]")
+        if proj_weight is not None:
+            depth = 1 + (0 if ctx_deep is None else ctx_deep.shape[0])
+            if ctx is None or vpt is not None:
+                raise ValueError("the MaPLe coupling (proj_weight) needs ctx and replaces vpt (give no vpt)")
+            if (proj_weight.dim() != 3 or proj_weight.shape[0] != depth or proj_weight.shape[2] != ctx.shape[1]
+                    or tuple(proj_bias.shape) != (depth, proj_weight.shape[1])):
+                raise ValueError(f"proj_weight must be [J={depth}, d_v, d_t={ctx.shape[1]}] and proj_bias "
+                                 f"[J, d_v], got {tuple(proj_weight.shape)} and {tuple(proj_bias.shape)}")
+        given = {"ctx": ctx, "vpt": vpt, "ctx_deep": ctx_deep, "proj_weight": proj_weight, "proj_bias": proj_bias}
+        for name in PROMPT_TENSORS:
+            value = given[name]
+            if value is None:
+                self.register_parameter(name, None)
+            else:
+                setattr(self, name, nn.Parameter(value.detach().clone()))
 
     @property
     def n_ctx_text(self) -> int:
         return 0 if self.ctx is None else self.ctx.shape[0]
 
+    @property
+    def text_depth(self) -> int:
+        """J, text layers with learnable context (0 without text context)."""
+        return 0 if self.ctx is None else 1 + (0 if self.ctx_deep is None else self.ctx_deep.shape[0])
+
+    @property
+    def coupling(self) -> str:
+        return "none" if self.proj_weight is None else "maple"
+
+    def structure(self) -> dict:
+        """The prompt structure as init files record it: token counts, depths, coupling.
+
+        ``n_ctx_vision`` / ``vision_depth`` describe the free visual tokens ``vpt`` only (0 for MaPLe,
+        whose visual prompts follow from ``text_depth`` and ``coupling``).
+        """
+        return {"n_ctx_text": self.n_ctx_text,
+                "n_ctx_vision": 0 if self.vpt is None else self.vpt.shape[1],
+                "vision_depth": 0 if self.vpt is None else self.vpt.shape[0],
+                "text_depth": self.text_depth, "coupling": self.coupling}
+
     @classmethod
     def from_spec(cls, spec: PromptSpec, clip: nn.Module, dims: ClipDims,
                   generator: Optional[torch.Generator] = None) -> "PromptParams":
         """Fresh θ for ``spec`` on a CLIP of widths ``dims`` (random or word init)."""
+        spec = spec.resolved(dims)
         device = clip.token_embedding.weight.device
         ctx = vpt = None
         if spec.ctx_init:
@@ -150,8 +239,66 @@ class PromptParams(nn.Module):
                 raise ValueError(f"vision_depth must be in 1..{dims.vision_layers}, got {spec.vision_depth}")
             vpt = initial_visual_prompts(clip, spec.vpt_init, spec.vision_depth, spec.n_ctx_vision,
                                          spec.init_std, generator)
-        module = cls(ctx=ctx, vpt=vpt)
+        # deep and coupled tensors are drawn after ctx and vpt: the shallow methods' draws are unchanged
+        ctx_deep = weight = bias = None
+        if spec.text_depth > 1:
+            limit = min(dims.text_layers, dims.vision_layers) if spec.coupling == "maple" else dims.text_layers
+            if spec.text_depth > limit:
+                raise ValueError(f"text_depth must be in 1..{limit}, got {spec.text_depth}")
+            ctx_deep = torch.randn(spec.text_depth - 1, ctx.shape[0], ctx.shape[1], generator=generator) * spec.init_std
+        if spec.coupling == "maple":
+            weight, bias = initial_projections(spec.text_depth, dims.text_width, dims.vision_width, generator)
+        module = cls(ctx=ctx, vpt=vpt, ctx_deep=ctx_deep, proj_weight=weight, proj_bias=bias)
         return module.to(device)
+
+
+def initial_projections(depth: int, d_in: int, d_out: int, generator: Optional[torch.Generator] = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MaPLe's coupling maps at their start: ``([J, d_out, d_in], [J, d_out])`` (float32).
+
+    Each is ``nn.Linear(d_in, d_out)``'s default start, U(-1/sqrt(d_in), 1/sqrt(d_in)) for weight and
+    bias.  Layer 0 has its own draw; layers 1..J-1 start as copies of one draw, because MaPLe builds
+    them as deep copies of a single ``nn.Linear`` (multimodal-prompt-learning ``trainers/maple.py``,
+    ``_get_clones``).
+    """
+    bound = 1.0 / math.sqrt(d_in)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return (torch.rand(*shape, generator=generator) * 2.0 - 1.0) * bound
+
+    w0, b0 = draw(d_out, d_in), draw(d_out)
+    weight, bias = [w0], [b0]
+    if depth > 1:
+        w1, b1 = draw(d_out, d_in), draw(d_out)
+        weight += [w1] * (depth - 1)
+        bias += [b1] * (depth - 1)
+    return torch.stack(weight), torch.stack(bias)
+
+
+def text_prompts(prompts: Optional[nn.Module]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(ctx [M, d_t] or None, ctx_deep [J-1, M, d_t] or None)`` of any object with those attributes."""
+    if prompts is None:
+        return None, None
+    return getattr(prompts, "ctx", None), getattr(prompts, "ctx_deep", None)
+
+
+def visual_prompts(prompts: Optional[nn.Module]) -> Optional[torch.Tensor]:
+    """``[D, n, d_v]`` tokens for the vision tower, or ``None``.
+
+    The free tokens ``vpt`` (VPT / IVLP), or MaPLe's coupled ones: layer i gets ``t_i W_iᵀ + b_i``
+    with ``t_0 = ctx``, ``t_i = ctx_deep[i-1]`` (D = J, n = M).  Works on any object with the
+    attributes (l2l clones of :class:`PromptParams`, plain views in tests).
+    """
+    if prompts is None:
+        return None
+    vpt = getattr(prompts, "vpt", None)
+    weight = getattr(prompts, "proj_weight", None)
+    if weight is None:
+        return vpt
+    ctx, deep = text_prompts(prompts)
+    layers = ctx.unsqueeze(0) if deep is None else torch.cat([ctx.unsqueeze(0), deep], dim=0)  # [J, M, d_t]
+    bias = getattr(prompts, "proj_bias")
+    return torch.matmul(layers, weight.transpose(1, 2)) + bias.unsqueeze(1)                 # [J, M, d_v]
 
 
 class PromptedCLIP:
@@ -176,11 +323,11 @@ class PromptedCLIP:
 
     def text_features(self, prompts: Optional[nn.Module], classnames: Sequence[str]) -> torch.Tensor:
         """``[C, E]`` L2-normalised class embeddings for the current prompts."""
-        ctx = getattr(prompts, "ctx", None) if prompts is not None else None
+        ctx, ctx_deep = text_prompts(prompts)
         if self.n_ctx_text > 0:
             if ctx is None:
                 raise ValueError("this PromptedCLIP expects text context vectors (prompts.ctx)")
-            feats = encode_text_with_context(self.clip, self.tokens.tokens(classnames), ctx)
+            feats = encode_text_with_context(self.clip, self.tokens.tokens(classnames), ctx, ctx_deep)
             return F.normalize(feats, dim=-1)
         missing = [c for c in dict.fromkeys(classnames) if c not in self._fixed_text]
         if missing:
@@ -192,8 +339,7 @@ class PromptedCLIP:
 
     def image_features(self, prompts: Optional[nn.Module], images: torch.Tensor) -> torch.Tensor:
         """``[B, E]`` L2-normalised image embeddings (with visual prompts when present)."""
-        vpt = getattr(prompts, "vpt", None) if prompts is not None else None
-        return F.normalize(encode_image_with_prompts(self.clip, images, vpt), dim=-1)
+        return F.normalize(encode_image_with_prompts(self.clip, images, visual_prompts(prompts)), dim=-1)
 
     def logits(self, prompts: Optional[nn.Module], classnames: Sequence[str],
                images: Optional[torch.Tensor] = None,
@@ -207,7 +353,7 @@ class PromptedCLIP:
             if images is None:
                 raise ValueError("need images or image_features")
             image_features = self.image_features(prompts, images)
-        elif getattr(prompts, "vpt", None) is not None:
+        elif getattr(prompts, "vpt", None) is not None or getattr(prompts, "proj_weight", None) is not None:
             raise ValueError("cached image_features cannot be used with visual prompts; pass images")
         text = self.text_features(prompts, classnames)
         return self.logit_scale * image_features @ text.t()

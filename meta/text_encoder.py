@@ -9,6 +9,11 @@ Exact truncation: CLIP's text transformer uses a causal mask and pools the
 feature at the EOT position, so no token after the EOT can change that
 feature.  A batch of classes therefore only needs the first ``max(eot) + 1``
 positions instead of 77 (``tests/test_core_prompts.py`` checks the equality).
+
+Deep text prompts (IVLP / MaPLe, ``ctx_deep`` ``[J-1, M, d_t]``): before block ``i`` (``1 <= i < J``)
+the hidden states at positions ``1..M`` are replaced by ``ctx_deep[i-1]`` (no positional embedding
+is added to them, as in multimodal-prompt-learning ``clip/model.py``).  Those positions lie before
+every EOT, so truncation stays exact (``tests/test_deep_prompts.py`` checks it).
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import open_clip
 import torch
 from torch import nn
 
-from .blocks import transformer_forward
+from .blocks import block_forward, transformer_forward
 
 _PLACEHOLDER = "X"  # one BPE token; its embedding is replaced by the context vectors
 
@@ -98,13 +103,16 @@ class ClassTokenCache:
         return ClassTokens(prefix=prefix, suffix=suffix, eot_index=eot, n_ctx=self.n_ctx)
 
 
-def encode_text_with_context(clip: nn.Module, tokens: ClassTokens, ctx: Optional[torch.Tensor]) -> torch.Tensor:
+def encode_text_with_context(clip: nn.Module, tokens: ClassTokens, ctx: Optional[torch.Tensor],
+                             ctx_deep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Run the frozen text tower on ``[SOT, ctx, class tokens]``.
 
     Args:
         clip: frozen open_clip ``CLIP``.
         tokens: class token embeddings for C classes (``tokens.n_ctx`` must equal M).
         ctx: ``[M, d_t]`` shared or ``[C, M, d_t]`` class-specific context; ``None`` when M = 0.
+        ctx_deep: ``[J-1, M, d_t]`` deep prompts that replace the context positions' hidden states
+            before blocks ``1..J-1`` (shared by all classes); ``None`` = shallow (CoOp).
 
     Returns:
         ``[C, E]`` text features (not normalised), differentiable w.r.t. ``ctx``.
@@ -124,8 +132,20 @@ def encode_text_with_context(clip: nn.Module, tokens: ClassTokens, ctx: Optional
     length = x.shape[1]
     x = x + clip.positional_embedding[:length].to(x.dtype)
     mask = clip.attn_mask[:length, :length] if clip.attn_mask is not None else None
-    # only the EOT outputs of the last block are read (meta.blocks: exact, skips the other rows' MLP)
-    x = transformer_forward(clip.transformer, x, attn_mask=mask, last_rows=tokens.eot_index)  # [C, 1, d_t]
+    if ctx_deep is None or ctx_deep.shape[0] == 0:
+        # only the EOT outputs of the last block are read (meta.blocks: exact, skips the other rows' MLP)
+        x = transformer_forward(clip.transformer, x, attn_mask=mask, last_rows=tokens.eot_index)  # [C, 1, d_t]
+        return text_head(clip, x[:, 0])
+    blocks = clip.transformer.resblocks
+    m = tokens.n_ctx
+    if ctx_deep.dim() != 3 or ctx_deep.shape[1] != m or ctx_deep.shape[0] >= len(blocks):
+        raise ValueError(f"ctx_deep must be [J-1 < {len(blocks)}, {m}, d_t], got {tuple(ctx_deep.shape)}")
+    deep = ctx_deep.to(x.dtype)
+    for i in range(1, 1 + deep.shape[0]):
+        x = block_forward(blocks[i - 1], x, mask)
+        x = torch.cat([x[:, :1], deep[i - 1].unsqueeze(0).expand(n_cls, -1, -1), x[:, 1 + m:]], dim=1)
+    x = transformer_forward(clip.transformer, x, attn_mask=mask, last_rows=tokens.eot_index,
+                            start=deep.shape[0])                                                   # [C, 1, d_t]
     return text_head(clip, x[:, 0])
 
 

@@ -50,3 +50,14 @@ def tiny_clip():
         torch.manual_seed(0)
         clip, dims = load_clip(TINY_MODEL, pretrained=None)
     return clip, dims
+
+
+@pytest.fixture(scope="session")
+def upstream_fork(tmp_path_factory):
+    """``upstream_fork(key)`` -> unchanged source tree of the CoOp, MaPLe or PromptSRC fork, unpacked once.
+
+    Skips the test with a one-line reason when the archive is absent (tests/helpers_forks.py).
+    """
+    from helpers_forks import ForkSources
+
+    return ForkSources(tmp_path_factory.mktemp("upstream"))

@@ -13,7 +13,6 @@ import pytest
 from helpers import make_dtd, make_imagenet_tree, write_classnames
 
 REPO = Path(__file__).resolve().parents[1]
-COOP_SRC = os.environ.get("GRAM_COOP_SRC", "")  # a KaiyangZhou/CoOp checkout (README, "Tests")
 
 
 pytestmark = pytest.mark.dassl
@@ -108,13 +107,9 @@ def test_missing_image_is_named(tmp_path):
 
 # ----------------------------------------------------------------------------- against CoOp's classes
 @pytest.fixture()
-def coop_classes():
-    """CoOp's own dataset classes, imported under another package name, registry restored after."""
-    if not COOP_SRC:
-        pytest.skip("set GRAM_COOP_SRC to a KaiyangZhou/CoOp checkout to compare with CoOp's dataset classes")
-    coop = Path(COOP_SRC)
-    if not (coop / "datasets" / "dtd.py").is_file():
-        pytest.skip(f"GRAM_COOP_SRC={coop} holds no datasets/dtd.py (expected a KaiyangZhou/CoOp checkout)")
+def coop_classes(upstream_fork):
+    """CoOp's own dataset classes (its archive, or GRAM_COOP_SRC), imported under another package name."""
+    coop = upstream_fork("CoOp")
     saved = dict(DATASET_REGISTRY._obj_map)
     pkg = "coop_upstream_datasets"
     try:

@@ -12,7 +12,7 @@ from gram_world.demo import (METHOD_BY_KEY, METHODS, META_VARIANTS, TABLE1_KEYS,
                              settings_from_args)
 from gram_world.demo.cli import _parser
 from gram_world.demo.report import build_tables, markdown_table, tokens_markdown, transfer_markdown
-from gram_world.demo.settings import COMPONENT_KEYS, TABLE1_ROWS, b2n_keys
+from gram_world.demo.settings import COMPONENT_KEYS, ONE_STEP_KEYS, TABLE1_ROWS, VARIANT_BY_NAME, b2n_keys
 from gram_world.demo.stages import check_settings
 from meta.cli_errors import UserError
 from meta.coop_data import harmonic_mean
@@ -69,11 +69,11 @@ def test_average_rows_average_datasets_per_seed_first_then_take_h_of_the_means()
 
 
 def test_every_table_holds_its_paper_rows_under_stable_keys():
-    settings = replace(DemoSettings(), tables=tuple(TABLE_GROUPS))
+    settings = replace(DemoSettings(), tables=tuple(g for g in TABLE_GROUPS if g != "deep"))
     records = _b2n_records() + _transfer_records(16) + _transfer_records(4)
     tables = build_tables(records, settings, _fake_world())
     assert set(tables) == {"table1", "table2", "table3", "table4", "tableA1", "tableA2", "tableA3"}
-    for tid, keys in (("table1", TABLE1_KEYS), ("table4", TABLE4_KEYS)):
+    for tid, keys in (("table1", TABLE1_ROWS), ("table4", TABLE4_KEYS)):
         for dataset in DATASETS + ("Average",):
             assert [r["key"] for r in tables[tid]["rows"] if r["dataset"] == dataset] == list(keys)
     assert [METHOD_BY_KEY[k].label for k in TABLE1_KEYS] == ["CLIP", "CoOp", "CoOp + GRAM", "VPT", "VPT + GRAM",
@@ -95,7 +95,7 @@ def test_every_table_holds_its_paper_rows_under_stable_keys():
     assert [(r["tokens"], r["text_tokens"], r["visual_tokens"], r["key"]) for r in a3] == [
         (2, 1, 1, "unigram_2tok"), (4, 2, 2, "unigram"), (6, 3, 3, "unigram_6tok"), (8, 4, 4, "unigram_8tok")]
     # markdown: one line per row plus header and rule
-    assert markdown_table(tables["table1"]["rows"], "Average").count("\n") == len(TABLE1_KEYS) + 1
+    assert markdown_table(tables["table1"]["rows"], "Average").count("\n") == len(TABLE1_ROWS) + 1
     assert transfer_markdown(t3).splitlines()[0].endswith("| target average |")
     assert "| target average" not in transfer_markdown(t2)
     assert tokens_markdown(tables["tableA3"]).count("\n") == 5
@@ -104,6 +104,24 @@ def test_every_table_holds_its_paper_rows_under_stable_keys():
 def test_only_the_requested_table_groups_are_built():
     tables = build_tables(_b2n_records(), DemoSettings(), _fake_world())
     assert set(tables) == {"table1", "table4"}
+
+
+def test_deep_group_is_opt_in_and_holds_ivlp_and_maple_with_their_variants():
+    from gram_world.demo.settings import DEEP_KEYS, DEEP_VARIANTS, variants_needed
+
+    assert "deep" not in settings_from_args(_parser().parse_args(["--tables", "all"])).tables
+    assert settings_from_args(_parser().parse_args(["--tables", "base2new", "deep"])).tables == ("base2new", "deep")
+    assert "deep" not in DemoSettings().tables
+    tables = build_tables(_b2n_records(), replace(DemoSettings(), tables=("deep",)), _fake_world())
+    assert set(tables) == {"deep"}
+    for dataset in DATASETS + ("Average",):
+        assert [r["key"] for r in tables["deep"]["rows"] if r["dataset"] == dataset] == list(DEEP_KEYS)
+    assert variants_needed(("deep",)) == DEEP_VARIANTS
+    maple = method_spec(METHOD_BY_KEY["gram_maple"], init="/x.safetensors")
+    assert (maple.coupling, maple.text_depth, maple.n_ctx_text, maple.n_ctx_vision, maple.regulate) == (
+        "maple", 0, 2, 0, True)
+    ivlp = method_spec(METHOD_BY_KEY["ivlp"])
+    assert (ivlp.text_depth, ivlp.vision_depth, ivlp.n_ctx_text, ivlp.n_ctx_vision) == (0, 0, 2, 2)
 
 
 def test_method_rows_have_unique_keys_existing_presets_and_variants():
@@ -128,13 +146,21 @@ def test_method_rows_have_unique_keys_existing_presets_and_variants():
     init_only = method_spec(METHOD_BY_KEY["gram_coop_init_only"], init="/x.safetensors")
     reg_only = method_spec(METHOD_BY_KEY["gram_vpt_reg_only"], init="/x.safetensors",
                            settings=DemoSettings(reg_window=20, launch=True))
-    assert (init_only.init_prompts, init_only.regulate, init_only.reg_window) == (True, False, 1)
+    assert (init_only.init_prompts, init_only.regulate, init_only.launch) == (True, False, DemoSettings().launch)
     assert (reg_only.init_prompts, reg_only.regulate, reg_only.reg_window, reg_only.launch) == (False, True, 20, True)
     assert (reg_only.n_ctx_text, reg_only.n_ctx_vision) == (0, 4)
     assert method_spec(METHOD_BY_KEY["unigram_pretrain"], init="/x.safetensors",
                        settings=DemoSettings(launch=True)).launch is False     # nothing to launch
     assert set(COMPONENT_KEYS) <= set(b2n_keys(("base2new",)))
     assert set(COMPONENT_KEYS) <= set(TABLE1_ROWS)
+    # the paper-literal rows keep the per-image rule and no launch step whatever the settings say, and start
+    # from a variant meta-trained on the one-step objective
+    literal = method_spec(METHOD_BY_KEY["unigram_one_step"], init="/x.safetensors",
+                          settings=DemoSettings(reg_window=20, launch=True, query_before_weight=1.0))
+    assert (literal.init_prompts, literal.regulate, literal.reg_window, literal.launch) == (True, True, 1, False)
+    variant = VARIANT_BY_NAME[METHOD_BY_KEY["unigram_one_step"].variant]
+    assert dict(zip(variant.overrides[::2], variant.overrides[1::2]))["META.QUERY_BEFORE_WEIGHT"] == 0.0
+    assert set(ONE_STEP_KEYS) <= set(b2n_keys(("base2new",))) and set(ONE_STEP_KEYS) <= set(TABLE1_ROWS)
 
 
 def test_old_preset_names_are_silent_aliases_of_the_stable_keys():
@@ -178,7 +204,7 @@ def test_world_seed_and_world_options_change_the_world_hash_and_output_folder():
     args = _parser().parse_args(["--quick", "--world-seed", "3", "--holdout-style", "cartoon", "--mixed-classes",
                                  "circle", "star", "square", "heart", "--tables", "all"])
     other = settings_from_args(args)
-    assert other.world_seed == 3 and other.tables == tuple(TABLE_GROUPS)
+    assert other.world_seed == 3 and other.tables == tuple(g for g in TABLE_GROUPS if g != "deep")  # deep: opt-in
     ws = demo_world_settings(other)
     assert (ws.seed, ws.holdout_style) == (3, "cartoon")
     twin = next(p for p in ws.plans if "cross_domain_target" in p.roles)

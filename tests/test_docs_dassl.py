@@ -7,6 +7,8 @@ import shlex
 import subprocess
 from pathlib import Path
 
+import yaml
+
 from meta import methods
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,9 +34,10 @@ def test_config_copy_commands_give_the_layout_fork_scripts_read(tmp_path):
     r = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     for key, trainer in method_trainers().items():
-        copied = tmp_path / "my-coop-fork" / "configs" / "trainers" / trainer / f"{key}.yaml"
+        config = Path(methods.get(key).config)  # configs/trainers/<key>.yaml, or a fork's name in <trainer>/
+        copied = tmp_path / "my-coop-fork" / "configs" / "trainers" / trainer / config.name
         assert copied.is_file(), f"method {key}: {copied} missing"
-        assert copied.read_text() == (REPO / "configs" / "trainers" / f"{key}.yaml").read_text()
+        assert copied.read_text() == (REPO / config).read_text()
 
 
 def test_documented_train_commands_use_that_layout_and_pass_the_init():
@@ -63,3 +66,38 @@ def test_install_section_uses_the_tested_setup_command():
     r = subprocess.run(["bash", str(REPO / "scripts" / "setup.sh"), "--no-such-flag"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "error: scripts/setup.sh: unknown argument '--no-such-flag' (expected: [--with-dassl [SRC]])"]
+
+
+def test_fork_sections_commands_fit_the_configs_and_the_parsers():
+    """Each fork section's commands (run by tests/test_forks.py when the archives exist), checked without them."""
+    from helpers_forks import FORKS, arg_value, doc_recipe, expand
+
+    for key in FORKS:
+        recipe = doc_recipe(key)
+        assert recipe.import_lines[0].startswith("import trainers.gram") and len(recipe.scripts) % 2 == 0, key
+        assert all(line.startswith("    ") for line in recipe.extend_lines), "extend_cfg lines go inside the function"
+        runs = {}
+        for command in recipe.commands:
+            argv = expand(command, {"DATA": "data", "INIT": "init.safetensors", "CTX": "ctx.pth"})
+            trainer, cfg = arg_value(argv, "--trainer"), arg_value(argv, "--config-file")
+            out = arg_value(argv, "--output-dir")
+            stem = Path(cfg).stem
+            assert cfg == f"configs/trainers/{trainer}/{stem}.yaml", cfg  # the forks' scripts' layout
+            side = "test_new" if "--eval-only" in argv else "train_base"
+            assert out == f"output/base2new/{side}/dtd/shots_16/{trainer}/{stem}/seed1", out
+            assert argv[argv.index("DATASET.SUBSAMPLE_CLASSES") + 1] == ("new" if side == "test_new" else "base")
+            runs.setdefault(trainer, {})[side] = out
+            if side == "test_new":
+                assert arg_value(argv, "--model-dir") == runs[trainer]["train_base"]
+            if trainer in method_trainers().values():  # one of ours: a method table config, with the init
+                keys = [k for k, tr in method_trainers().items()
+                        if tr == trainer and Path(methods.get(k).config).name == f"{stem}.yaml"]
+                assert len(keys) == 1, f"{cfg}: not one method of the table (meta/methods.yaml)"
+                assert argv[-2:] == ["TRAINER.GRAM.INIT", "init.safetensors"]
+                if side == "test_new":
+                    optim = yaml.safe_load((REPO / methods.get(keys[0]).config).read_text())["OPTIM"]
+                    assert arg_value(argv, "--load-epoch") == str(optim["MAX_EPOCH"])
+        assert runs and all(set(r) == {"train_base", "test_new"} for r in runs.values()), key
+        folders = {str(Path(out).parent) for r in runs.values() for out in r.values()}
+        parsed = {expand(c, {})[0] for c in recipe.parser_commands}
+        assert parsed == folders, (key, parsed, folders)  # the parser gets each folder of seed runs

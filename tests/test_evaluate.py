@@ -21,6 +21,7 @@ from meta.evaluation import (DatasetRef, EvaluationSession, ImageLoader, MethodS
                              build_prompts, evaluate_base_to_new, evaluate_transfer, make_optimizer,
                              make_scheduler, method_preset, prompt_digest)
 from meta.evaluation.images import view_key
+from meta.finetune import LaunchStep
 from meta.gram import GRAMMetaLearner, MetaSpec
 from meta.init_io import InitMismatchError, export_gram_init
 from meta.prompts import PromptedCLIP, PromptParams
@@ -103,7 +104,11 @@ def make_init_file(path, tiny_clip, ctx, regulator_init="zero"):
     spec = RegulatorSpec(init=regulator_init, init_std=0.5)
     torch.manual_seed(3)
     regs = {"ctx": GradientRegulator(dims.text_width, spec)}
-    return export_gram_init(path, PromptParams(ctx=ctx), regs, dims, provenance={"test": True})
+    return export_gram_init(path, PromptParams(ctx=ctx), regs, dims, provenance=PROVENANCE)
+
+
+# what `python -m meta export` records and the default window / launch step read (support 2 x 2 images, α)
+PROVENANCE = {"test": True, "tasks": {"k_way": 2, "n_support": 2}, "meta": {"inner_lr": 0.1, "inner_steps": 1}}
 
 
 # ------------------------------------------------------------------------------------ protocol
@@ -157,7 +162,10 @@ def test_identity_regulator_equals_raw_training_exactly(ds_a, tiny_clip, session
     ident = make_init_file(tmp_path / "ident.safetensors", tiny_clip, ctx, "zero")
     spec = TrainSpec(epochs=3, batch_size=2)
     raw = b2n(ds_a, tiny_clip, session, MethodSpec("raw", init_path=str(ident), regulate=False), spec=spec)
-    reg = b2n(ds_a, tiny_clip, session, MethodSpec("reg", init_path=str(ident), regulate=True), spec=spec)
+    # window 1: the identity's regulated steps are the raw ones (the launch step too, on by default in both)
+    reg = b2n(ds_a, tiny_clip, session, MethodSpec("reg", init_path=str(ident), regulate=True, reg_window=1), spec=spec)
+    assert raw["init"]["launch"] == reg["init"]["launch"] == {"alpha": 0.1, "steps": 1, "momentum": 0.0,
+                                                             "train_loss_before": raw["init"]["launch"]["train_loss_before"]}
     assert raw["final_prompt_sha256"] == reg["final_prompt_sha256"]
     assert strip_timing(raw)["history"] == strip_timing(reg)["history"]
     # and the regulator really acts: a non-identity φ changes the trajectory
@@ -172,7 +180,7 @@ def test_training_starts_from_the_gram_init_ctx(ds_a, data_root, tiny_clip, sess
     clip, dims = tiny_clip
     ctx = torch.randn(4, dims.text_width, generator=torch.Generator().manual_seed(7)) * 0.5
     path = make_init_file(tmp_path / "init.safetensors", tiny_clip, ctx)
-    method = MethodSpec("CoOp+GRAM", init_path=str(path), regulate=True)
+    method = MethodSpec("CoOp+GRAM", init_path=str(path), regulate=True, launch=False)   # epoch 0 = the file's θ*
     prompts, regulation, info = build_prompts(method, clip, dims, seed=1)
     assert torch.equal(prompts.ctx.detach(), ctx) and prompts.vpt is None
     assert info["source"] == "gram_file" and info["prompt_sha256"] == prompt_digest(PromptParams(ctx=ctx))
@@ -199,13 +207,14 @@ def test_in_memory_start_point_equals_its_exported_file_and_is_not_modified(ds_a
     ctx = torch.randn(4, dims.text_width, generator=torch.Generator().manual_seed(11)) * 0.1
     learner = GRAMMetaLearner(PromptParams(ctx=ctx), MetaSpec(regulator=RegulatorSpec(init="normal", init_std=0.3)))
     theta, regs = learner.prompt_module, learner.regulators()
-    path = export_gram_init(tmp_path / "live.safetensors", theta, regs, dims)
+    path = export_gram_init(tmp_path / "live.safetensors", theta, regs, dims, provenance=PROVENANCE)
     before = {k: v.detach().clone() for k, v in learner.state_dict().items()}
     spec = TrainSpec(epochs=2, batch_size=4)
     live = b2n(ds_a, tiny_clip, session, method_preset("coop_gram", in_memory=True), spec=spec,
-               start=StartPoint(theta, regs, label="meta-val"))
+               start=StartPoint(theta, regs, label="meta-val", launch=LaunchStep(0.1), support_size=4))
     filed = b2n(ds_a, tiny_clip, session, method_preset("coop_gram", init_path=str(path)), spec=spec)
     assert live["init"]["source"] == "in_memory" and live["init"]["label"] == "meta-val"
+    assert live["init"]["reg_window"] == filed["init"]["reg_window"] == 4 and "launch" in live["init"]
     assert live["final_prompt_sha256"] == filed["final_prompt_sha256"] != filed["init"]["prompt_sha256"]
     assert strip_timing(live)["history"] == strip_timing(filed)["history"]
     after = learner.state_dict()
@@ -460,3 +469,38 @@ def test_val_split_scores_the_few_shot_validation_images(ds_a, data_root, tiny_c
         assert rec[key] * 8 / 100 == pytest.approx(round(rec[key] * 8 / 100))
     with pytest.raises(ValueError, match="eval_split"):
         b2n(ds_a, tiny_clip, session, method_preset("zsclip"), eval_split="train")
+
+
+# ------------------------------------------------------------------------------------ deep prompts (IVLP, MaPLe)
+DEEP_TENSORS = {"ivlp": ["ctx", "ctx_deep", "vpt"], "maple": ["ctx", "ctx_deep", "proj_bias", "proj_weight"]}
+
+
+@pytest.mark.parametrize("key", sorted(DEEP_TENSORS))
+def test_deep_presets_train_every_prompt_tensor_through_both_towers(ds_a, tiny_clip, session, key):
+    clip, dims = tiny_clip
+    prompts, _, _ = build_prompts(method_preset(key), clip, dims, seed=1)
+    assert sorted(n for n, _ in prompts.named_parameters()) == DEEP_TENSORS[key]
+    assert prompts.text_depth == dims.text_layers  # depth 0 in the table = every layer
+    rec = b2n(ds_a, tiny_clip, session, method_preset(key), spec=TrainSpec(epochs=1, batch_size=4, lr=0.01))
+    assert rec["feature_cache"]["computed"] == 0  # visual prompts: no cached image features
+    assert rec["final_prompt_sha256"] != rec["init"]["prompt_sha256"]
+    for side in ("base", "new", "H"):
+        assert 0.0 <= rec[side] <= 100.0
+
+
+def test_gram_deep_presets_start_from_their_file_and_refuse_another_structure(tiny_clip, tmp_path):
+    clip, dims = tiny_clip
+    paths = {}
+    for key in DEEP_TENSORS:
+        theta = PromptParams.from_spec(method_preset(key).prompt_spec(), clip, dims,
+                                       generator=torch.Generator().manual_seed(5))
+        learner = GRAMMetaLearner(theta, MetaSpec(regulator=RegulatorSpec(init="normal", init_std=0.3)))
+        paths[key] = export_gram_init(tmp_path / f"{key}.safetensors", learner.prompt_module, learner.regulators(),
+                                      dims, provenance=PROVENANCE)
+        prompts, regulation, info = build_prompts(method_preset(f"gram_{key}", init_path=str(paths[key])), clip,
+                                                  dims, seed=1)
+        assert info["source"] == "gram_file" and len(regulation) == len(DEEP_TENSORS[key])
+        for name, p in learner.prompt_module.named_parameters():
+            assert torch.equal(getattr(prompts, name).detach(), p.detach()), name
+    with pytest.raises(InitMismatchError, match="coupling: file has none, model expects maple"):
+        build_prompts(method_preset("gram_maple", init_path=str(paths["ivlp"])), clip, dims, seed=1)

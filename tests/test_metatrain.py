@@ -12,11 +12,13 @@ import torch
 from meta.backbone import load_clip
 from meta.chc.hierarchy import Hierarchy
 from meta.chc.imaging import CLIP_MEAN, CLIP_STD, normalize_uint8
-from meta.init_io import load_gram_init
+from meta.init_io import InitMismatchError, load_gram_init
 from meta.metatrain import build_cfg, main
 from meta.metatrain.checkpoint import CheckpointError, load_checkpoint
 from meta.metatrain.data import FeatureMismatchError
+from meta.metatrain import settings
 from meta.metatrain.runlog import read_log
+from meta.prompts import PromptParams
 from meta.hashing import file_sha256
 from meta.metatrain.trainer import RunExistsError, setup_run, train
 from helpers import assert_same_tensors, flat_tensors
@@ -617,3 +619,42 @@ def test_sigterm_stops_the_cli_with_exit_143_and_a_resumable_checkpoint(image_fo
     assert code == 143
     assert 1 <= load_checkpoint(out / "checkpoint.pt")["step"] < 1000
     assert not (out / "gram_init.safetensors").exists() and not (out / ".lock").exists()
+
+
+# ---------------------------------------------------------------- deep prompt learners (IVLP, MaPLe)
+DEEP_RUNS = {  # example config, and what the tiny CLIP (2 text and 2 vision blocks) needs on top
+    "ivlp": ("configs/meta/train_ivlp.yaml", [], {"ctx": (2, 64), "ctx_deep": (1, 2, 64), "vpt": (2, 2, 64)}),
+    "maple": ("configs/meta/train_maple.yaml", ["META.PROMPT.TEXT_DEPTH", "0"],
+              {"ctx": (2, 64), "ctx_deep": (1, 2, 64), "proj_weight": (2, 64, 64), "proj_bias": (2, 64)}),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DEEP_RUNS))
+def test_deep_prompt_learners_meta_train_and_export(tmp_path, hier, tiny_clip, kind):
+    """`python -m meta train` with the example config: every θ tensor and its R_φ move, the export records the
+    structure, loads back with the checkpoint's tensors and refuses a shallow model."""
+    config, extra, shapes = DEEP_RUNS[kind]
+    out = tmp_path / kind
+    cfg = build_cfg(str(ROOT / config), BASE + ["META.STEPS", "2", "META.VAL_EVERY", "0", "META.LOG_DETAIL_EVERY", "0"]
+                    + extra, str(out))
+    result = train(cfg, hierarchy=hier, echo=_quiet)
+    gbml = load_checkpoint(out / "checkpoint.pt")["learner"]["gbml"]
+    init = load_gram_init(result["export"]["init"])
+    assert {k: tuple(v.shape) for k, v in init.prompt.items()} == shapes
+    want = {"text_depth": 2, "coupling": "maple" if kind == "maple" else "none"}
+    assert {k: init.metadata["prompt"][k] for k in want} == want
+    clip, dims = tiny_clip  # θ's start is the trainer's draw (seeded by SEED); no tensor here depends on the CLIP
+    fresh = PromptParams.from_spec(settings.prompt_spec(cfg), clip, dims,
+                                   generator=torch.Generator().manual_seed(int(cfg.SEED)))
+    regs = init.regulator_modules()
+    assert sorted(regs) == sorted(shapes)  # one R_φ per prompt tensor
+    for name in shapes:
+        assert torch.equal(init.prompt[name], gbml[f"module.{name}"]), name
+        assert not torch.allclose(init.prompt[name], getattr(fresh, name).detach()), f"{name} did not move"
+        assert regs[name].gamma.weight.abs().max() > 0, f"R_phi of {name} did not move"
+    again = tmp_path / "again.safetensors"
+    assert main(["export", "--run-dir", str(out), "--out", str(again)]) == 0
+    for name, t in load_gram_init(again).prompt.items():
+        assert torch.equal(t, init.prompt[name])
+    with pytest.raises(InitMismatchError, match="text_depth: file has 2, model expects 1"):
+        load_gram_init(again, expect={"text_depth": 1})

@@ -24,9 +24,10 @@ def test_packaged_table_loads_with_unique_keys_aliases_and_labels():
     assert {"zsclip", "coop", "gram_coop", "vpt", "gram_vpt", "joint", "unigram", "unigram_no_shift",
             "unigram_no_reg", "unigram_pretrain", "unigram_supervised", "unigram_2tok", "unigram_6tok",
             "unigram_8tok", "gram_coop_init_only", "gram_coop_reg_only", "gram_vpt_init_only", "gram_vpt_reg_only",
-            "unigram_reg_only"} <= set(table)
+            "unigram_reg_only", "ivlp", "gram_ivlp", "maple", "gram_maple"} <= set(table)
     assert methods.dassl_keys()[:5] == ("zsclip", "coop", "gram_coop", "gram_coop_init_only", "gram_coop_reg_only")
-    assert {"vpt", "gram_vpt", "unigram", "joint", "unigram_reg_only"} <= set(methods.dassl_keys())
+    assert {"vpt", "gram_vpt", "unigram", "joint", "unigram_reg_only", "ivlp", "gram_ivlp", "maple",
+            "gram_maple"} <= set(methods.dassl_keys())
     assert methods.canonical_key("coop_gram") == "gram_coop" and methods.get("vpt_gram").key == "gram_vpt"
 
 
@@ -64,15 +65,19 @@ def test_every_trainer_config_is_named_by_exactly_one_row_and_exists():
     named = {m.config: m.key for m in methods.methods().values() if m.dassl}
     for config in named:
         assert (REPO / config).is_file(), config
-    on_disk = {str(p.relative_to(REPO)) for p in (REPO / "configs" / "trainers").glob("*.yaml")}
+    on_disk = {str(p.relative_to(REPO)) for p in (REPO / "configs" / "trainers").rglob("*.yaml")}
     assert on_disk == set(named)
     for config, key in named.items():
-        assert Path(config).stem == key  # the scripts' output folders and the configs share the key
+        folder = Path(config).parent
+        if folder == Path("configs/trainers"):
+            assert Path(config).stem == key  # the scripts' output folders and the configs share the key
+        else:  # a fork's naming: configs/trainers/<TRAINER>/<CFG>.yaml, as the fork's scripts build the path
+            assert folder.name == methods.get(key).trainer, config
 
 
 def test_evaluator_presets_are_the_table_rows():
     assert PRESET_NAMES == methods.preset_keys() == ("zsclip", "coop", "gram_coop", "vpt", "gram_vpt", "unigram",
-                                                      "joint")
+                                                      "joint", "ivlp", "gram_ivlp", "maple", "gram_maple")
     assert PRESET_ALIASES == {"coop_gram": "gram_coop", "vpt_gram": "gram_vpt"}
     for raw in RAW:
         if raw["preset"] != raw["key"]:
@@ -82,6 +87,8 @@ def test_evaluator_presets_are_the_table_rows():
         assert (spec.n_ctx_text, spec.n_ctx_vision, spec.regulate) == (raw["text_tokens"], raw["visual_tokens"],
                                                                        raw["regulate"])
         assert spec.zero_shot == raw["zero_shot"]
+        assert (spec.text_depth, spec.vision_depth, spec.coupling) == (
+            raw.get("text_depth", 1), raw.get("vision_depth", 1), raw.get("coupling", "none"))
 
 
 def test_parser_labels_are_the_table_labels(tmp_path):

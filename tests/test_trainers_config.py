@@ -43,7 +43,7 @@ def test_extend_cfg_adds_every_key_with_paper_defaults():
     g = cfg.TRAINER.GRAM
     assert set(g.keys()) == {"ENABLED", "INIT", "REGULATE", "NORM_PRESERVE", "N_CTX_TEXT", "N_CTX_VISION", "VPT_DEEP", "VPT_DEPTH",
                              "CTX_INIT", "TEMPLATE", "VPT_INIT", "MODEL_NAME", "WEIGHTS", "QUICK_GELU", "PREC",
-                             "INIT_PROMPTS", "REG_WINDOW", "LAUNCH"}
+                             "TEXT_DEPTH", "INIT_PROMPTS", "REG_WINDOW", "LAUNCH"}
     assert (g.N_CTX_TEXT, g.N_CTX_VISION, g.VPT_DEEP, g.ENABLED, g.REGULATE) == (4, 4, False, False, True)
     assert (g.INIT_PROMPTS, g.REG_WINDOW, g.LAUNCH) == (True, DEFAULT_REG_WINDOW, DEFAULT_LAUNCH)
     assert cfg.DATASET.SUBSAMPLE_CLASSES == "all"
@@ -92,13 +92,29 @@ def test_explicit_model_name_weights_and_random():
     assert gram_settings(cfg).weights == "laion2b_s34b_b88k"
 
 
-@pytest.mark.parametrize("trainer,text,vision", [("GRAM_CoOp", 4, 0), ("GRAM_VPT", 0, 3), ("UNIGRAM", 4, 3)])
+@pytest.mark.parametrize("trainer,text,vision", [("GRAM_CoOp", 4, 0), ("GRAM_VPT", 0, 3), ("UNIGRAM", 4, 3),
+                                                ("GRAM_IVLP", 4, 3), ("GRAM_MaPLe", 4, 0)])
 def test_trainer_decides_which_prompts_are_learned(trainer, text, vision):
     cfg = minimal_cfg(trainer)
     cfg.TRAINER.GRAM.N_CTX_VISION = 3
     s = gram_settings(cfg)
     assert (s.n_ctx_text, s.n_ctx_vision) == (text, vision)
     assert TRAINER_PROMPTS[trainer] == (text > 0, vision > 0)
+
+
+def test_text_depth_and_coupling_follow_the_trainer():
+    cfg = minimal_cfg("GRAM_MaPLe")
+    cfg.TRAINER.GRAM.TEXT_DEPTH = 9
+    s = gram_settings(cfg)
+    assert (s.text_depth, s.coupling, s.n_ctx_vision) == (9, "maple", 0)
+    assert gram_settings(cfg, "GRAM_IVLP").coupling == "none"
+    assert gram_settings(minimal_cfg("GRAM_VPT")).text_depth == 0  # no text context: no depth
+    cfg.TRAINER.GRAM.TEXT_DEPTH = -1
+    with pytest.raises(ValueError, match="TRAINER.GRAM.TEXT_DEPTH"):
+        gram_settings(cfg)
+    cfg.TRAINER.GRAM.TEXT_DEPTH = 3
+    with pytest.raises(ValueError, match="TRAINER.GRAM.TEXT_DEPTH.*GRAM_VPT"):
+        gram_settings(cfg, "GRAM_VPT")
 
 
 def test_vision_depth_shallow_deep_and_all_layers():
@@ -172,17 +188,36 @@ def _method_yaml(key: str) -> dict:
     return yaml.safe_load((REPO / methods.get(key).config).read_text())
 
 
+# Protocols: the GRAM paper's (§4: CoCoOp's ViT-B/16 schedule) for the configs in configs/trainers/, and the
+# fork's own published config for those in a fork-named folder (configs/trainers/<TRAINER>/): the MaPLe
+# repository's IVLP and MaPLe base-to-new configs (muzairkhattak/multimodal-prompt-learning @ 69bce21,
+# configs/trainers/{IVLP/vit_b16_c2_ep5_batch4_2+2ctx,MaPLe/vit_b16_c2_ep5_batch4_2ctx}.yaml).
+PAPER_PROTOCOL = {"lr": 0.002, "epochs": 10, "batch": 1}
+FORK_PROTOCOL = {"GRAM_IVLP": {"lr": 0.0035, "epochs": 5, "batch": 4},
+                 "GRAM_MaPLe": {"lr": 0.0035, "epochs": 5, "batch": 4}}
+
+
+def _protocol_group(key: str) -> str:
+    """"paper" for configs/trainers/*.yaml, else the fork-named folder (= the trainer)."""
+    folder = Path(methods.get(key).config).parent
+    return "paper" if folder == Path("configs/trainers") else folder.name
+
+
 @pytest.mark.parametrize("key", sorted(METHOD_TRAINER))
-def test_method_configs_follow_the_paper_and_only_use_known_gram_keys(key):
-    """Paper §4: ViT-B/16, CoCoOp schedule (SGD 0.002, cosine, 10 epochs, 1 warm-up epoch at 1e-5, batch 1)."""
+def test_method_configs_follow_their_protocol_and_only_use_known_gram_keys(key):
+    """Paper §4: ViT-B/16, CoCoOp schedule (SGD 0.002, cosine, 10 epochs, 1 warm-up epoch at 1e-5, batch 1);
+    fork-named configs: the fork's published schedule (FORK_PROTOCOL)."""
     doc = _method_yaml(key)
     known = set(minimal_cfg().TRAINER.GRAM.keys())
     assert set(doc["TRAINER"]["GRAM"]) <= known
     assert doc["MODEL"]["BACKBONE"]["NAME"] == "ViT-B/16"
+    group = _protocol_group(key)
+    want = PAPER_PROTOCOL if group == "paper" else FORK_PROTOCOL[group]
     optim = doc["OPTIM"]
-    assert (optim["NAME"], optim["LR"], optim["MAX_EPOCH"], optim["LR_SCHEDULER"]) == ("sgd", 0.002, 10, "cosine")
+    assert (optim["NAME"], optim["LR"], optim["MAX_EPOCH"], optim["LR_SCHEDULER"]) == (
+        "sgd", want["lr"], want["epochs"], "cosine")
     assert (optim["WARMUP_EPOCH"], optim["WARMUP_TYPE"], float(optim["WARMUP_CONS_LR"])) == (1, "constant", 1e-5)
-    assert doc["DATALOADER"]["TRAIN_X"]["BATCH_SIZE"] == 1
+    assert doc["DATALOADER"]["TRAIN_X"]["BATCH_SIZE"] == want["batch"]
     cfg = minimal_cfg(METHOD_TRAINER[key])
     for k, v in doc["TRAINER"]["GRAM"].items():
         cfg.TRAINER.GRAM[k] = v
@@ -196,6 +231,13 @@ def test_method_configs_follow_the_paper_and_only_use_known_gram_keys(key):
         assert (s.n_ctx_text, s.n_ctx_vision, s.ctx_init) == (4, 0, "a photo of a")
     else:
         assert (s.n_ctx_text, s.n_ctx_vision) == (row.text_tokens, row.visual_tokens)
+        assert s.coupling == row.coupling
+        if group == "paper":
+            assert (s.text_depth or 1, s.vision_depth(12) or 1) == (row.text_depth or 1, row.vision_depth or 1)
+        elif group == "GRAM_MaPLe":  # the fork's PROMPT_DEPTH 9 (the preset: every layer of a small CLIP)
+            assert s.text_depth == 9 and s.n_ctx_vision == 0
+        else:  # IVLP 2+2: every layer of both towers
+            assert s.text_depth == 0 and s.vision_depth(12) == 12
     # the header names the trainer the table gives (the comment is read by people choosing a config)
     header = (REPO / row.config).read_text()
     assert f"# Trainer: {row.trainer} (row \"{key}\" of the method table meta/methods.yaml)." in header
@@ -217,10 +259,16 @@ def test_bad_norm_preserve_value_names_the_key():
 
 def test_method_configs_share_one_protocol_block():
     """Dassl's yacs has no base-file include and CoOp users copy single YAMLs into their fork, so each
-    trainer config repeats the protocol; every block other than TRAINER must be the same in all of them."""
-    keys = sorted(METHOD_TRAINER)
-    docs = {k: _method_yaml(k) for k in keys}
-    reference = {s: v for s, v in docs[keys[0]].items() if s != "TRAINER"}
-    assert set(reference) >= {"DATALOADER", "INPUT", "OPTIM", "MODEL"}
-    for key, doc in docs.items():
-        assert {s: v for s, v in doc.items() if s != "TRAINER"} == reference, methods.get(key).config
+    trainer config repeats the protocol; every block other than TRAINER must be the same in all configs of
+    one protocol group (the paper's configs/trainers/*.yaml; each fork-named folder follows that fork's own
+    published config, which legitimately differs: batch 4, lr 0.0035, 5 epochs for MaPLe / IVLP)."""
+    groups: dict[str, list[str]] = {}
+    for key in sorted(METHOD_TRAINER):
+        groups.setdefault(_protocol_group(key), []).append(key)
+    assert set(groups) == {"paper", *FORK_PROTOCOL}
+    for keys in groups.values():
+        docs = {k: _method_yaml(k) for k in keys}
+        reference = {s: v for s, v in docs[keys[0]].items() if s != "TRAINER"}
+        assert set(reference) >= {"DATALOADER", "INPUT", "OPTIM", "MODEL"}
+        for key, doc in docs.items():
+            assert {s: v for s, v in doc.items() if s != "TRAINER"} == reference, methods.get(key).config

@@ -43,7 +43,24 @@ TINY = ["TRAINER.GRAM.MODEL_NAME", "GRAM-Test-Tiny", "TRAINER.GRAM.WEIGHTS", "no
 METHODS = {k: (methods.get(k).trainer, methods.get(k).gram_file)  # key -> (trainer, GRAM on), trained ones
            for k in methods.dassl_keys() if not methods.get(k).zero_shot}
 PROMPT_SHAPES = {"GRAM_CoOp": {"ctx": (4, 64)}, "GRAM_VPT": {"vpt": (1, 4, 64)},
-                 "UNIGRAM": {"ctx": (2, 64), "vpt": (1, 2, 64)}}  # configs: 4 tokens; UNIGRAM 2 + 2
+                 "UNIGRAM": {"ctx": (2, 64), "vpt": (1, 2, 64)},  # configs: 4 tokens; UNIGRAM 2 + 2
+                 # IVLP 2 + 2 in every layer of the tiny CLIP's 2-layer towers; MaPLe 2 tokens at depth 2
+                 "GRAM_IVLP": {"ctx": (2, 64), "vpt": (2, 2, 64), "ctx_deep": (1, 2, 64)},
+                 "GRAM_MaPLe": {"ctx": (2, 64), "ctx_deep": (1, 2, 64), "proj_weight": (2, 64, 64),
+                                "proj_bias": (2, 64)}}
+# the MaPLe configs' PROMPT_DEPTH 9 does not fit the tiny CLIP's 2 text layers
+TINY_EXTRA = {"GRAM_MaPLe": ["TRAINER.GRAM.TEXT_DEPTH", "2"]}
+
+
+def tiny(method: str) -> list[str]:
+    """The tiny-model options for ``method`` (TINY plus what its trainer's config needs on the tiny CLIP)."""
+    return TINY + TINY_EXTRA.get(methods.get(method).trainer, [])
+
+
+def config_lr(method: str) -> float:
+    import yaml
+
+    return float(yaml.safe_load((REPO / methods.get(method).config).read_text())["OPTIM"]["LR"])
 ACCURACY = re.compile(r"^\* accuracy: ([\d.]+)%", re.M)
 TOTAL = re.compile(r"^\* total: (\d+)", re.M)
 
@@ -73,6 +90,12 @@ def data_root(tmp_path_factory) -> Path:
     return root
 
 
+# what `python -m meta export` records and the default test-time switches read: the support size (regulation
+# window 0 = 2 ways x 2 shots) and the inner step (launch)
+PROVENANCE = {"mode": "gram", "tasks": {"k_way": 2, "n_support": 2}, "meta": {"inner_lr": 0.1, "inner_steps": 1}}
+PER_IMAGE = ("TRAINER.GRAM.REG_WINDOW", "1", "TRAINER.GRAM.LAUNCH", "False")   # the paper-literal test time
+
+
 @pytest.fixture(scope="module")
 def init_files(tmp_path_factory, tiny_clip) -> dict[str, Path]:
     """A GRAM init per trainer (θ* and a non-identity φ), exported as the meta side does."""
@@ -85,7 +108,8 @@ def init_files(tmp_path_factory, tiny_clip) -> dict[str, Path]:
         tensors = {k: torch.randn(*s, generator=g) * 0.02 for k, s in shapes.items()}
         torch.manual_seed(11)
         regs = {k: GradientRegulator(64, spec) for k in shapes}
-        out[trainer] = export_gram_init(folder / f"{trainer}.safetensors", PromptParams(**tensors), regs, dims)
+        out[trainer] = export_gram_init(folder / f"{trainer}.safetensors", PromptParams(**tensors), regs, dims,
+                                        provenance=PROVENANCE)
     return out
 
 
@@ -113,11 +137,11 @@ def experiment(tmp_path_factory, data_root, init_files) -> Path:
         train_dir = out / f"base2new/train_base/dtd/shots_{SHOTS}/{method}/seed1"
         test_dir = out / f"base2new/test_new/dtd/shots_{SHOTS}/{method}/seed1"
         write_run_info(train_dir, "train")
-        run_train_py(common_args(data_root, method) + ["--output-dir", str(train_dir)] + TINY
+        run_train_py(common_args(data_root, method) + ["--output-dir", str(train_dir)] + tiny(method)
                      + gram_opts(method, init_files) + ["DATASET.SUBSAMPLE_CLASSES", "base"])
         write_run_info(test_dir, "eval")
         run_train_py(common_args(data_root, method) + ["--output-dir", str(test_dir), "--model-dir", str(train_dir),
-                                                       "--load-epoch", "1", "--eval-only"] + TINY
+                                                       "--load-epoch", "1", "--eval-only"] + tiny(method)
                      + gram_opts(method, init_files) + ["DATASET.SUBSAMPLE_CLASSES", "new"])
     for side, sub in (("base", "train_base"), ("new", "test_new")):  # zero-shot CLIP: eval-only both halves
         run_dir = out / f"base2new/{sub}/dtd/shots_{SHOTS}/zsclip/seed1"
@@ -136,7 +160,7 @@ def run_dirs(out: Path, method: str) -> tuple[Path, Path]:
 def test_one_import_registers_all_three_and_a_second_import_path_does_not_crash(monkeypatch):
     import trainers  # noqa: F401
 
-    for name in ("GRAM_CoOp", "GRAM_VPT", "UNIGRAM"):
+    for name in ("GRAM_CoOp", "GRAM_VPT", "UNIGRAM", "GRAM_IVLP", "GRAM_MaPLe"):
         assert getattr(TRAINER_REGISTRY.get(name), "gram_trainer", False)
     monkeypatch.setattr(TRAINER_REGISTRY, "_obj_map", dict(TRAINER_REGISTRY._obj_map))
     spec = importlib.util.spec_from_file_location("copied_gram", REPO / "trainers/gram/__init__.py",
@@ -159,7 +183,8 @@ def test_one_import_registers_all_three_and_a_second_import_path_does_not_crash(
 def test_method_configs_merge_into_dassls_defaults(method):
     args = train.build_parser().parse_args(common_args(Path("/data"), method))
     cfg = train.setup_cfg(args)
-    assert cfg.OPTIM.MAX_EPOCH == 10 and cfg.DATALOADER.TRAIN_X.BATCH_SIZE == 1
+    fork = "/GRAM_" in methods.get(method).config  # the MaPLe repository's protocol: 5 epochs, batch 4
+    assert (cfg.OPTIM.MAX_EPOCH, cfg.DATALOADER.TRAIN_X.BATCH_SIZE) == ((5, 4) if fork else (10, 1))
     assert cfg.DATASET.NAME == "DescribableTextures" and cfg.SEED == 1
 
 
@@ -183,9 +208,9 @@ def test_base_to_new_logs_and_checkpoints(experiment, method, init_files):
     assert re.search(r"GRAM data: DescribableTextures subsample=base shots=2 seed=1 classes=2 train_x=4 "
                      r"sha256=[0-9a-f]{64}", train_log)
     regulated = sorted(PROMPT_SHAPES[trainer]) if methods.get(method).regulate else []
-    assert f"regulated tensors {regulated}" in train_log
-    # 2 classes x 2 shots in batches of 2: the LR steps once, at the last batch (warm-up 1e-5 -> 0.002)
-    assert "batch [1/2]" in train_log and "lr 1.0000e-05" in train_log and "lr 2.0000e-03" in train_log
+    assert f"regulated tensors {regulated}, " in train_log
+    # 2 classes x 2 shots in batches of 2: the LR steps once, at the last batch (warm-up 1e-5 -> the config's LR)
+    assert "batch [1/2]" in train_log and "lr 1.0000e-05" in train_log and f"lr {config_lr(method):.4e}" in train_log
     assert int(TOTAL.findall(train_log)[-1]) == images_per_class("test", BASE)
 
     ckpt_path = train_dir / "prompt_learner" / "model.pth.tar-1"
@@ -193,12 +218,16 @@ def test_base_to_new_logs_and_checkpoints(experiment, method, init_files):
     assert {k: tuple(v.shape) for k, v in ckpt["state_dict"].items()} == PROMPT_SHAPES[trainer]
     assert ckpt["epoch"] == 1 and ckpt["gram"]["trainer"] == trainer
     assert dassl_load_checkpoint(str(ckpt_path))["epoch"] == 1  # stock Dassl's loader reads it too (torch 2.14)
-    if on:  # one epoch at the warm-up LR (1e-5) barely moves θ away from its start
+    row = methods.get(method)
+    launched = on and not row.one_step   # the default launch step; one-step rows keep the paper's start
+    assert ("GRAM launch: θ <- θ − α R_φ(mean train gradient), α=0.1" in train_log) == launched
+    support = PROVENANCE["tasks"]["k_way"] * PROVENANCE["tasks"]["n_support"]       # images; batches of 2 here
+    window = (1 if row.one_step else support // 2) if row.regulate else 1
+    assert f"regulation window {window}, launch step {'on' if launched else 'off'}" in train_log
+    if on and not launched:  # one epoch at the warm-up LR (1e-5) barely moves θ away from θ*
         init = load_gram_init(init_files[trainer]).prompt
         for k, v in ckpt["state_dict"].items():  # (θ* entries are ~N(0, 0.02²): a fresh θ would be far off)
-            near_star = (v - init[k]).abs().max() < 1e-3
-            assert near_star == methods.get(method).init   # "R_φ only" rows start from scratch, not θ*
-            assert not torch.equal(v, init[k])
+            assert (v - init[k]).abs().max() < 1e-3 and not torch.equal(v, init[k])
 
     test_log = (test_dir / "log.txt").read_text()
     assert f"Load {ckpt_path} to prompt_learner (epoch=1, val_result=-)" in test_log
@@ -238,19 +267,19 @@ def test_results_parser_on_the_produced_logs(experiment, tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------------ direct checks
 def build(data_root: Path, method: str, *opts: str, init_files=None, subsample: str = "base"):
-    args = train.build_parser().parse_args(common_args(data_root, method) + TINY
+    args = train.build_parser().parse_args(common_args(data_root, method) + tiny(method)
                                            + (gram_opts(method, init_files) if init_files else [])
                                            + ["DATASET.SUBSAMPLE_CLASSES", subsample, *opts])
     torch.manual_seed(0)
     return build_trainer(train.setup_cfg(args))
 
 
-@pytest.mark.parametrize("method", ["gram_coop", "gram_vpt", "unigram"])
+@pytest.mark.parametrize("method", ["gram_coop", "gram_vpt", "unigram", "gram_ivlp", "gram_maple"])
 def test_training_step_applies_r_phi_to_the_gradient(data_root, init_files, method):
     """θ' = θ - lr · R_φ(∇θ L) with θ, φ from the init file (paper Eq. 7 at test time)."""
     trainer_name, _ = METHODS[method]
     trainer = build(data_root, method, "OPTIM.WARMUP_EPOCH", "0", "OPTIM.LR", "0.5", "OPTIM.MOMENTUM", "0.0",
-                    "OPTIM.WEIGHT_DECAY", "0.0", init_files=init_files)
+                    "OPTIM.WEIGHT_DECAY", "0.0", *PER_IMAGE, init_files=init_files)
     init = load_gram_init(init_files[trainer_name])
     theta = dict(trainer.model.prompt_learner.named_parameters())
     for k, v in init.prompt.items():  # θ starts exactly at θ*
@@ -270,6 +299,75 @@ def test_training_step_applies_r_phi_to_the_gradient(data_root, init_files, meth
         assert (regulated - g).abs().max() > 0.05 * g.abs().max()  # φ is far from the identity
         assert torch.allclose(theta[k].detach(), before[k] - 0.5 * regulated, atol=1e-6, rtol=1e-5)
         assert not torch.allclose(theta[k].detach(), before[k] - 0.5 * g, atol=1e-6, rtol=1e-5)
+
+
+def test_window_and_launch_in_the_trainer(data_root, init_files, tiny_clip, tmp_path):
+    """TRAINER.GRAM.REG_WINDOW 2: no step after the first batch, then θ -= lr · 2 R_φ(mean of the two
+    gradients); REG_WINDOW 0 = the init file's k_way × n_support images in batches; LAUNCH: θ* − α R_φ(mean
+    train gradient)."""
+    plain = load_gram_init(init_files["GRAM_CoOp"])
+    path = tmp_path / "with_provenance.safetensors"
+    export_gram_init(path, PromptParams(**plain.prompt), plain.regulator_modules(), tiny_clip[1],
+                     provenance={"tasks": {"k_way": 3, "n_support": 2}, "meta": {"inner_lr": 0.3, "inner_steps": 1}})
+    opts = ("OPTIM.WARMUP_EPOCH", "0", "OPTIM.LR", "0.5", "OPTIM.MOMENTUM", "0.0", "OPTIM.WEIGHT_DECAY", "0.0")
+    trainer = build(data_root, "gram_coop", *opts, "TRAINER.GRAM.REG_WINDOW", "2", "TRAINER.GRAM.LAUNCH", "False",
+                    init_files=init_files)
+    assert trainer.window.size == 2
+    ctx, reg = trainer.model.prompt_learner.ctx, plain.regulator_modules()["ctx"]
+    batches = iter(trainer.train_loader_x)
+    b1, b2 = next(batches), next(batches)
+    grads = [torch.autograd.grad(F.cross_entropy(trainer.model(b["img"]), b["label"]), [ctx])[0] for b in (b1, b2)]
+    before = ctx.detach().clone()
+    trainer.set_model_mode("train")
+    trainer.batch_idx, trainer.num_batches = 0, 4
+    trainer.forward_backward(b1)
+    assert torch.equal(ctx.detach(), before)                       # window still open
+    trainer.batch_idx = 1
+    trainer.forward_backward(b2)
+    with torch.no_grad():
+        expected = before - 0.5 * 2 * reg((grads[0] + grads[1]) / 2)
+    torch.testing.assert_close(ctx.detach(), expected, atol=1e-6, rtol=1e-5)
+
+    gram = ["TRAINER.GRAM.INIT", str(path), "TRAINER.GRAM.ENABLED", "True"]
+    trainer = build(data_root, "gram_coop", *opts, "TRAINER.GRAM.REG_WINDOW", "0", "TRAINER.GRAM.LAUNCH", "True",
+                    *gram)
+    assert trainer.window.size == 3 and trainer.launch_step.alpha == 0.3     # 3 x 2 support images, batches of 2
+    ctx = trainer.model.prompt_learner.ctx
+    start = ctx.detach().clone()
+    loss = trainer._launch()
+    trainer.model.reset_cache()
+    # independent: the mean cross-entropy over every train image (test transform), one regulated α-step
+    from dassl.data.data_manager import build_data_loader
+    from dassl.data.transforms import build_transform
+    with torch.no_grad():
+        ctx.copy_(start)
+    loader = build_data_loader(trainer.cfg, sampler_type="SequentialSampler", data_source=trainer.dm.dataset.train_x,
+                               batch_size=1000, tfm=build_transform(trainer.cfg, is_train=False), is_train=False)
+    (batch,) = list(loader)
+    mean_ce = F.cross_entropy(trainer.model(batch["img"]), batch["label"])
+    (g,) = torch.autograd.grad(mean_ce, [ctx])
+    assert loss == pytest.approx(float(mean_ce.detach()), rel=1e-5)
+    with torch.no_grad():
+        expected = start - 0.3 * reg(g)
+    trainer.model.reset_cache()
+    trainer._launch()
+    torch.testing.assert_close(ctx.detach(), expected, atol=1e-6, rtol=1e-5)
+
+    bare = tmp_path / "bare.safetensors"
+    export_gram_init(bare, PromptParams(**plain.prompt), plain.regulator_modules(), tiny_clip[1])
+    with pytest.raises(ValueError, match="TRAINER.GRAM.INIT .*provenance.tasks"):
+        build(data_root, "gram_coop", "TRAINER.GRAM.REG_WINDOW", "0", "TRAINER.GRAM.LAUNCH", "False",
+              "TRAINER.GRAM.INIT", str(bare))
+
+
+def test_r_phi_only_starts_from_the_baselines_theta(data_root, init_files):
+    """TRAINER.GRAM.INIT_PROMPTS False: θ is the baseline's scratch start (same seed), R_φ the file's."""
+    reg_only = build(data_root, "gram_coop_reg_only", *PER_IMAGE, init_files=init_files)
+    baseline = build(data_root, "coop")
+    assert reg_only.regulation is not None and baseline.regulation is None
+    torch.testing.assert_close(reg_only.model.prompt_learner.ctx.detach(), baseline.model.prompt_learner.ctx.detach())
+    star = load_gram_init(init_files["GRAM_CoOp"]).prompt["ctx"]
+    assert (reg_only.model.prompt_learner.ctx.detach() - star).abs().max() > 1e-2
 
 
 def test_regulate_off_keeps_the_init_but_not_the_regulator(data_root, init_files):
@@ -298,7 +396,7 @@ def test_baseline_step_is_plain_sgd(data_root):
 def test_cuda_precision_paths_regulate_the_true_gradient(data_root, init_files, prec):
     """PREC fp16 (fp16 CLIP) and amp (autocast + GradScaler: scale, unscale, regulate, step) on CUDA."""
     trainer = build(data_root, "unigram", "OPTIM.WARMUP_EPOCH", "0", "OPTIM.LR", "0.5", "OPTIM.MOMENTUM", "0.0",
-                    "OPTIM.WEIGHT_DECAY", "0.0", "TRAINER.GRAM.PREC", prec, init_files=init_files)
+                    "OPTIM.WEIGHT_DECAY", "0.0", "TRAINER.GRAM.PREC", prec, *PER_IMAGE, init_files=init_files)
     assert trainer.device.type == "cuda" and trainer.precision == prec
     assert (trainer.scaler is not None) == (prec == "amp")
     if prec == "amp":  # a moderate scale: the default 2^16 may overflow on the first step and skip it

@@ -168,8 +168,10 @@ def test_component_starts_theta_star_only_and_r_phi_only(tiny_clip, tmp_path):
     reg = _regulator(dims.text_width, seed=1)
     path = tmp_path / "init.safetensors"
     export_gram_init(path, star, {"ctx": reg}, dims,
-                     provenance={"meta": {"inner_lr": 0.1, "inner_steps": 1, "inner_momentum": 0.0}})
-    scratch, _, _ = build_prompts(MethodSpec("CoOp", n_ctx_text=4), clip, dims, seed=3)
+                     provenance={"meta": {"inner_lr": 0.1, "inner_steps": 1, "inner_momentum": 0.0},
+                                 "tasks": {"k_way": 5, "n_support": 4}})
+    scratch, _, info_b = build_prompts(MethodSpec("CoOp", n_ctx_text=4), clip, dims, seed=3)
+    assert "launch" not in info_b and "reg_window" not in info_b     # the defaults touch only GRAM starts
 
     init_only, reg0, info0 = build_prompts(MethodSpec("a", init_path=str(path), regulate=False), clip, dims, seed=3)
     assert reg0 is None and info0["source"] == "gram_file"
@@ -182,10 +184,76 @@ def test_component_starts_theta_star_only_and_r_phi_only(tiny_clip, tmp_path):
     g = torch.randn(4, dims.text_width)
     torch.testing.assert_close(reg1.regulators["ctx"](g), reg(g))
     # in memory (meta-validation): the same two starts
-    point = StartPoint(star, {"ctx": reg}, launch=LaunchStep(0.1))
+    point = StartPoint(star, {"ctx": reg}, launch=LaunchStep(0.1), support_size=20)
     p2, _, _ = build_prompts(MethodSpec("c", regulate=True, init_prompts=False), clip, dims, seed=3, start=point)
     torch.testing.assert_close(p2.ctx.detach(), scratch.ctx.detach())
     with pytest.raises(ValueError, match="neither θ\\* \\(init_prompts\\) nor R_φ"):
         MethodSpec("d", init_path=str(path), regulate=False, init_prompts=False)
     with pytest.raises(ValueError, match="launch=True needs α"):
         build_prompts(MethodSpec("e", launch=True), clip, dims, seed=3)
+
+
+def test_downstream_validation_is_the_evaluators_fine_tuning_on_the_support(tiny_clip):
+    """META.VAL_PROTOCOL downstream: the same numbers as PromptTuner fine-tuning the support (features,
+    batch 1, CoCoOp's schedule) and scoring the query; images get seeded crops that stay in range."""
+    from meta.metatrain.downstream_val import crop_and_flip, downstream_accuracy
+
+    clip, dims = tiny_clip
+    pclip = PromptedCLIP(clip, dims, 2)
+    prompts = PromptParams.from_spec(PromptSpec(n_ctx_text=2), clip, dims, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(4)
+    mk = lambda n: {"classnames": NAMES, "label": torch.arange(3).repeat(n),  # noqa: E731
+                    "features": F.normalize(torch.randn(3 * n, dims.embed_dim, generator=gen), dim=-1)}
+    support, query = mk(2), mk(3)
+    spec = TrainSpec(epochs=3, batch_size=1, augment="none", aug_views=1, eval_every_epoch=False)
+    reg = _regulator(dims.text_width, seed=2)
+    acc = downstream_accuracy(pclip, prompts, {"ctx": reg}, support, query, spec, seed=5, reg_window=2)
+
+    theta = copy.deepcopy(prompts)
+    tuner = PromptTuner(pclip, theta, GradientRegulation({"ctx": reg}), spec, 5, None, None, reg_window=2)
+    tuner.fit(LabelledSet([f"s{i}" for i in range(6)], support["label"], NAMES, support["features"].unsqueeze(1)))
+    expected = tuner.accuracy(LabelledSet([f"q{i}" for i in range(9)], query["label"], NAMES, query["features"]))
+    assert acc == pytest.approx(expected)
+    assert torch.equal(theta.ctx, theta.ctx) and not torch.equal(theta.ctx.detach(), prompts.ctx.detach())
+    # the caller's θ is untouched
+    fresh = PromptParams.from_spec(PromptSpec(n_ctx_text=2), clip, dims, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(prompts.ctx.detach(), fresh.ctx.detach())
+
+    image = torch.randn(3, 16, 16)
+    a = crop_and_flip(image, (0.5, 1.0), torch.Generator().manual_seed(1))
+    b = crop_and_flip(image, (0.5, 1.0), torch.Generator().manual_seed(1))
+    assert a.shape == image.shape and torch.equal(a, b)
+    assert torch.equal(crop_and_flip(image, (1.0, 1.0), torch.Generator().manual_seed(3)).abs().sum(),
+                       crop_and_flip(image, (1.0, 1.0), torch.Generator().manual_seed(3)).abs().sum())
+
+
+def test_window_zero_is_the_meta_training_support_size(tiny_clip, tmp_path):
+    """reg_window 0 resolves to k_way × n_support of the init file's tasks (evaluator, start point, Dassl key)."""
+    from meta.finetune import resolve_window, support_size
+
+    clip, dims = tiny_clip
+    star = PromptParams(ctx=torch.randn(4, dims.text_width, generator=torch.Generator().manual_seed(2)))
+    reg = _regulator(dims.text_width, seed=4)
+    path = tmp_path / "init.safetensors"
+    export_gram_init(path, star, {"ctx": reg}, dims,
+                     provenance={"tasks": {"k_way": 5, "n_support": 4}, "meta": {"inner_lr": 0.1}})
+    assert support_size({"provenance": {"tasks": {"k_way": 3, "n_support": 7}}}) == 21
+    assert resolve_window(6, None) == 6
+    with pytest.raises(ValueError, match="old.safetensors: provenance.tasks.k_way / n_support are missing"):
+        resolve_window(0, {"provenance": {}}, source="old.safetensors")
+    with pytest.raises(ValueError, match="must be >= 0"):
+        resolve_window(-1, None)
+
+    _, _, info = build_prompts(MethodSpec("w0", init_path=str(path), regulate=True, reg_window=0), clip, dims, 1)
+    assert info["reg_window"] == 20
+    _, _, info = build_prompts(MethodSpec("w3", init_path=str(path), regulate=True, reg_window=3), clip, dims, 1)
+    assert info["reg_window"] == 3
+    _, reg_none, info = build_prompts(MethodSpec("raw", init_path=str(path), regulate=False, reg_window=0), clip, dims, 1)
+    assert reg_none is None and "reg_window" not in info
+    point = StartPoint(star, {"ctx": reg}, support_size=12)
+    _, _, info = build_prompts(MethodSpec("m", regulate=True, reg_window=0), clip, dims, 1, start=point)
+    assert info["reg_window"] == 12
+    with pytest.raises(ValueError, match="needs StartPoint.support_size"):
+        build_prompts(MethodSpec("m", regulate=True, reg_window=0), clip, dims, 1, start=StartPoint(star, {"ctx": reg}))
+    with pytest.raises(ValueError, match="reg_window must be >= 0"):
+        MethodSpec("bad", init_path=str(path), regulate=True, reg_window=-2)

@@ -12,7 +12,7 @@ from meta.cli_errors import run_cli
 from ..items import STYLES
 from ..shapes import CATEGORIES
 from .report import stage_report
-from .settings import DEFAULT_TABLES, TABLE_GROUPS, DemoSettings, demo_world_settings
+from .settings import DEFAULT_TABLES, OPT_IN_TABLES, TABLE_GROUPS, DemoSettings, demo_world_settings
 from .stages import check_settings, check_world, stage_chc, stage_eval, stage_meta, stage_world
 
 
@@ -64,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks (also GRAM_DEBUG=1)")
     parser.add_argument("--tables", nargs="+", choices=tuple(TABLE_GROUPS) + ("all",),
                         help="table groups to compute (default: " + " ".join(DEFAULT_TABLES) + "): "
-                        + "; ".join(f"{k} = {v}" for k, v in TABLE_GROUPS.items()) + "; all = every group")
+                        + "; ".join(f"{k} = {v}" for k, v in TABLE_GROUPS.items())
+                        + "; all = every group but " + ", ".join(OPT_IN_TABLES))
     parser.add_argument("--world-seed", type=int, default=0, help="seed of the world and of its tiny CLIP")
     parser.add_argument("--holdout-style", choices=sorted(STYLES),
                         help="style kept out of everything but the pretraining corpus and the cross-domain "
@@ -83,7 +84,8 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
     if args.jobs:
         settings = replace(settings, jobs=args.jobs)
     if args.tables:
-        tables = tuple(TABLE_GROUPS) if "all" in args.tables else tuple(dict.fromkeys(args.tables))
+        everything = tuple(g for g in TABLE_GROUPS if g not in OPT_IN_TABLES)
+        tables = tuple(dict.fromkeys(a for t in args.tables for a in (everything if t == "all" else (t,))))
         settings = replace(settings, tables=tables)
     world = []
     if args.holdout_style:

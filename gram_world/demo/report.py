@@ -19,8 +19,8 @@ from meta.evaluation.summary import epoch_curves, summarise
 from meta.metatrain.runlog import read_log
 from meta.provenance import git_commit
 
-from .settings import (METHOD_BY_KEY, META_VARIANTS, TABLE1_KEYS, TABLE4_KEYS, TOKEN_KEYS, TRANSFER_KEYS,
-                       VARIANT_BY_NAME, DemoSettings, settings_hash, settings_record)
+from .settings import (DEEP_KEYS, METHOD_BY_KEY, META_VARIANTS, TABLE1_ROWS, TABLE4_KEYS, TOKEN_KEYS,
+                       TRANSFER_KEYS, VARIANT_BY_NAME, DemoSettings, settings_hash, settings_record)
 
 AVERAGE = "Average"
 # Fig. 3a's methods, as in the paper's figure
@@ -77,7 +77,7 @@ def build_tables(records: list, settings: DemoSettings, world) -> dict:
     tables: dict = {}
     if "base2new" in settings.tables:
         tables["table1"] = {"title": f"Table 1: base-to-new generalization ({settings.shots} shots)",
-                            "kind": "base2new", "rows": _ordered(b2n, TABLE1_KEYS)}
+                            "kind": "base2new", "rows": _ordered(b2n, TABLE1_ROWS)}
         tables["table4"] = {"title": f"Table 4: ablations (base-to-new, {settings.shots} shots)",
                             "kind": "base2new", "rows": _ordered(b2n, TABLE4_KEYS)}
     if "transfer" in settings.tables:
@@ -91,6 +91,9 @@ def build_tables(records: list, settings: DemoSettings, world) -> dict:
                 tables[tid] = {"title": f"Table {tid[5:]}: {kind} generalization ({shots} shots)",
                                "kind": "transfer", "shots": shots, "source": runs[0]["dataset"] if runs else "",
                                "targets": targets, "rows": _ordered(rows, TRANSFER_KEYS)}
+    if "deep" in settings.tables:
+        tables["deep"] = {"title": f"Deep prompts: IVLP and MaPLe with and without GRAM (base-to-new, "
+                                   f"{settings.shots} shots)", "kind": "base2new", "rows": _ordered(b2n, DEEP_KEYS)}
     if "tokens" in settings.tables:
         rows = []
         for n, key in TOKEN_KEYS.items():
@@ -169,7 +172,7 @@ def _subtitle(settings: DemoSettings, world, seeds: bool = True) -> str:
 def _bars(tables: dict, settings: DemoSettings, world, path: Path, plt) -> None:
     rows = [r for tid in ("table1", "table4") for r in tables.get(tid, {}).get("rows", []) if r["dataset"] == AVERAGE]
     rows = list({r["key"]: r for r in rows}.values())            # UNIGRAM is in both tables
-    fig, ax = plt.subplots(figsize=(12, 5))
+    fig, ax = plt.subplots(figsize=(max(12, 0.75 * len(rows)), 5))
     width = 0.27
     lows = []
     bars = (("base", "tab:blue", "base classes"), ("new", "tab:orange", "new classes"),
@@ -189,10 +192,12 @@ def _bars(tables: dict, settings: DemoSettings, world, path: Path, plt) -> None:
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([r["method"] for r in rows], rotation=25, ha="right", fontsize=8)
     if "table4" in tables:
-        split = len(TABLE1_KEYS) - 0.5                                # Table 1 rows | Table 4 rows
+        n_table1 = sum(r["dataset"] == AVERAGE for r in tables.get("table1", {}).get("rows", []))
+        split = n_table1 - 0.5                                        # Table 1 rows | the rest of Table 4
         ax.axvline(split, color="0.6", lw=0.8)
-        ax.text(split - 0.1, 0.98, "Table 1", transform=ax.get_xaxis_transform(), ha="right", va="top", fontsize=8)
-        ax.text(split + 0.1, 0.98, "Table 4: UNIGRAM, rows 1-4 without one part; last: joint tuning",
+        ax.text(split - 0.1, 0.98, "Table 1 with GRAM's components", transform=ax.get_xaxis_transform(), ha="right",
+                va="top", fontsize=8)
+        ax.text(split + 0.1, 0.98, "Table 4: UNIGRAM without one part",
                 transform=ax.get_xaxis_transform(), ha="left", va="top", fontsize=8)
     ax.set_ylabel(f"accuracy (%), axis starts at {bottom:.0f} %")
     n = len({r["dataset"] for r in tables.get("table1", tables.get("table4", {"rows": []}))["rows"]}) - 1
@@ -368,6 +373,14 @@ def stage_report(records: list, zeroshot: dict, settings: DemoSettings, out: Pat
                       f"Prompts are tuned on all classes of {t['source']} ({t['shots']} shots per class) and "
                       f"tested on the full test split of every target with the target's class names.", "",
                       transfer_markdown(t), ""]
+    if "deep" in tables:
+        t = tables["deep"]
+        parts += [f"## {t['title']}", "", "IVLP: 2 text + 2 visual prompt tokens in every layer of both towers; "
+                  "MaPLe: 2 text tokens in every layer, the visual prompts their learned linear maps "
+                  "(docs/deep_prompts.md). Same fine-tuning protocol as Table 1.", "",
+                  f"### Average over {len(datasets)} dataset(s)", "", markdown_table(t["rows"], AVERAGE), ""]
+        for d in datasets:
+            parts += [f"### {d}", "", markdown_table(t["rows"], d), ""]
     if "tableA3" in tables:
         parts += [f"## {tables['tableA3']['title']}", "",
                   "Total prompt tokens, split half text / half visual (the paper does not give the split); "

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from meta import methods
 from meta.finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
+from meta.gram import DEFAULT_QUERY_BEFORE_WEIGHT
 from meta.prompts import PromptSpec
 
 from ..pretrain import PretrainSettings, pretrain_settings
@@ -50,7 +51,23 @@ META_VARIANTS = (
 # UNIGRAM's own 2 + 2 and needs no extra run.
 TOKEN_COUNTS = (2, 4, 6, 8)
 TOKEN_VARIANTS = tuple(MetaVariant(f"unigram_{n}tok", n // 2, n - n // 2) for n in TOKEN_COUNTS if n != 4)
-ALL_VARIANTS = META_VARIANTS + TOKEN_VARIANTS
+# Deep prompt learners (opt-in table group "deep", docs/deep_prompts.md): 2 + 2 IVLP tokens in every layer of
+# both towers, and MaPLe's 2 text tokens in every layer with their coupled visual prompts; the presets'
+# depth 0 (meta/methods.yaml) is every layer of the world's tiny CLIP.
+DEEP_VARIANTS = (
+    MetaVariant("gram_ivlp", 2, 2, ("META.PROMPT.TEXT_DEPTH", 0, "META.PROMPT.VISION_DEPTH", 0)),
+    MetaVariant("gram_maple", 2, 0, ("META.PROMPT.TEXT_DEPTH", 0, "META.PROMPT.COUPLING", "maple")),
+)
+# The paper-literal GRAM ("one-step objective" rows): meta-trained on the query loss after one inner step
+# only, whatever the settings' query_before_weight (with the default weight 0 the demo trains each once:
+# stage_meta finds the equal config).
+ONE_STEP = ("META.QUERY_BEFORE_WEIGHT", 0.0)
+ONE_STEP_VARIANTS = (
+    MetaVariant("gram_coop_one_step", 4, 0, ONE_STEP),
+    MetaVariant("gram_vpt_one_step", 0, 4, ONE_STEP),
+    MetaVariant("unigram_one_step", 2, 2, ONE_STEP),
+)
+ALL_VARIANTS = META_VARIANTS + ONE_STEP_VARIANTS + TOKEN_VARIANTS + DEEP_VARIANTS
 VARIANT_BY_NAME = {v.name: v for v in ALL_VARIANTS}
 
 
@@ -79,18 +96,22 @@ METHODS = (
     _method_row("gram_coop", "gram_coop"),
     _method_row("gram_coop_init_only", "gram_coop"),
     _method_row("gram_coop_reg_only", "gram_coop"),
+    _method_row("gram_coop_one_step", "gram_coop_one_step"),
     _method_row("vpt"),
     _method_row("gram_vpt", "gram_vpt"),
     _method_row("gram_vpt_init_only", "gram_vpt"),
     _method_row("gram_vpt_reg_only", "gram_vpt"),
+    _method_row("gram_vpt_one_step", "gram_vpt_one_step"),
     _method_row("unigram", "unigram"),
     _method_row("unigram_reg_only", "unigram"),
+    _method_row("unigram_one_step", "unigram_one_step"),
     _method_row("unigram_no_shift", "unigram_no_shift"),
     _method_row("unigram_no_reg", "unigram_no_reg"),
     _method_row("unigram_pretrain", "unigram_pretrain"),
     _method_row("unigram_supervised", "unigram_supervised"),
     _method_row("joint"),
-) + tuple(_method_row(v.name, v.name) for v in TOKEN_VARIANTS)
+) + tuple(_method_row(v.name, v.name) for v in TOKEN_VARIANTS) + (
+    _method_row("ivlp"), _method_row("gram_ivlp", "gram_ivlp"), _method_row("maple"), _method_row("gram_maple", "gram_maple"))
 METHOD_BY_KEY = {m.key: m for m in METHODS}
 
 # Which rows each table holds (keys of METHODS), in the paper's order.  CoCoOp, a row of the
@@ -100,22 +121,31 @@ TABLE1_KEYS = ("zsclip", "coop", "gram_coop", "vpt", "gram_vpt", "unigram")
 # regulated gradients) next to it in Table 1; UNIGRAM's θ*-only row is Table 4's "- gradient regulating".
 COMPONENT_KEYS = ("gram_coop_init_only", "gram_coop_reg_only", "gram_vpt_init_only", "gram_vpt_reg_only",
                   "unigram_reg_only")
-TABLE1_ROWS = ("zsclip", "coop", "gram_coop", "gram_coop_init_only", "gram_coop_reg_only", "vpt", "gram_vpt",
-               "gram_vpt_init_only", "gram_vpt_reg_only", "unigram", "unigram_no_reg", "unigram_reg_only", "joint")
+# The paper-literal GRAM of each prompt type ("one-step objective": R_φ on every image's gradient, no launch
+# step, θ*/φ meta-trained on the one-step query loss only), beside the GRAM row that follows the defaults.
+ONE_STEP_KEYS = ("gram_coop_one_step", "gram_vpt_one_step", "unigram_one_step")
+TABLE1_ROWS = ("zsclip", "coop", "gram_coop", "gram_coop_init_only", "gram_coop_reg_only", "gram_coop_one_step",
+               "vpt", "gram_vpt", "gram_vpt_init_only", "gram_vpt_reg_only", "gram_vpt_one_step",
+               "unigram", "unigram_no_reg", "unigram_reg_only", "unigram_one_step", "joint")
 # (GRAM or component row, its baseline): the paired differences the study reports
 PAIRS = (("gram_coop", "coop"), ("gram_coop_init_only", "coop"), ("gram_coop_reg_only", "coop"),
          ("gram_vpt", "vpt"), ("gram_vpt_init_only", "vpt"), ("gram_vpt_reg_only", "vpt"),
-         ("unigram", "joint"), ("unigram_no_reg", "joint"), ("unigram_reg_only", "joint"))
+         ("unigram", "joint"), ("unigram_no_reg", "joint"), ("unigram_reg_only", "joint"),
+         ("gram_coop_one_step", "coop"), ("gram_vpt_one_step", "vpt"), ("unigram_one_step", "joint"),
+         ("gram_coop", "gram_coop_one_step"), ("gram_vpt", "gram_vpt_one_step"), ("unigram", "unigram_one_step"))
 TABLE4_KEYS = ("unigram", "unigram_no_shift", "unigram_no_reg", "unigram_pretrain", "unigram_supervised", "joint")
 TRANSFER_KEYS = TABLE1_KEYS
 TOKEN_KEYS = {n: ("unigram" if n == 4 else f"unigram_{n}tok") for n in TOKEN_COUNTS}
+DEEP_KEYS = ("ivlp", "gram_ivlp", "maple", "gram_maple")
 
 # Table groups of ``--tables``: what each one evaluates and which meta variants it needs.
 TABLE_GROUPS = {
     "base2new": "Table 1 (base-to-new), Table 4 (ablations), Fig. 3a, Fig. 3b",
     "transfer": "Tables 2 and 3 (cross-domain, cross-dataset) and A1 / A2 (the same at fewer shots)",
     "tokens": "Table A3 (UNIGRAM with 2 / 4 / 6 / 8 prompt tokens)",
+    "deep": "deep prompts: IVLP and MaPLe, each without and with GRAM (base-to-new; opt-in, not in 'all')",
 }
+OPT_IN_TABLES = ("deep",)   # groups that `--tables all` leaves out
 DEFAULT_TABLES = ("base2new",)
 
 
@@ -125,9 +155,11 @@ def b2n_keys(tables: tuple) -> tuple:
     """Method keys evaluated base-to-new for the table groups ``tables``."""
     keys: tuple = ()
     if "base2new" in tables:
-        keys += TABLE1_KEYS + COMPONENT_KEYS + TABLE4_KEYS
+        keys += TABLE1_KEYS + COMPONENT_KEYS + ONE_STEP_KEYS + TABLE4_KEYS
     if "tokens" in tables:
         keys += tuple(TOKEN_KEYS.values())
+    if "deep" in tables:
+        keys += DEEP_KEYS
     return tuple(dict.fromkeys(keys))
 
 
@@ -178,8 +210,11 @@ class DemoSettings:
     # how θ* and R_φ are used at test time and what they are meta-trained for (docs/gram_training_match.md):
     reg_window: int = DEFAULT_REG_WINDOW  # R_φ on the mean gradient of this many images, one step per window
     launch: bool = DEFAULT_LAUNCH         # the meta-trained inner step once before the schedule
-    query_before_weight: float = 0.0      # META.QUERY_BEFORE_WEIGHT of every GRAM variant (0 = paper's Eq. 8)
+    query_before_weight: float = DEFAULT_QUERY_BEFORE_WEIGHT  # META.QUERY_BEFORE_WEIGHT of every GRAM variant (0 = paper's Eq. 8)
     meta_seed: int = 0                    # SEED of meta-training (task stream, scratch θ): the study varies it
+    eval_split: str = "test"              # split the base / new accuracies are measured on (val: choosing defaults)
+    meta_val_protocol: str = "one_step"   # META.VAL_PROTOCOL: the downstream one costs minutes per variant here; the
+                                          # defaults are chosen by gram_world.study select on val splits instead
     jobs: int = 2                         # worker processes for meta-training and evaluation (2 cores)
     # which world: its seed, and (field, value) pairs replacing fields of gram_world.world_settings(quick,
     # world_seed) - e.g. (("holdout_style", "cartoon"), ("mixed_classes", (...))) - or of the tiny CLIP's
@@ -233,8 +268,11 @@ def demo_pretrain_settings(settings: DemoSettings) -> PretrainSettings:
 
 
 # Settings added after demo folders were written without them, with the behaviour those folders had:
-# a folder without ``vpt_init`` started its visual prompts from N(0, 0.02^2) and must not be reused.
-VALUE_BEFORE_SETTING = {"vpt_init": "normal"}
+# a folder without ``vpt_init`` started its visual prompts from N(0, 0.02^2) and must not be reused; one
+# without the training-match switches ran the paper-literal GRAM (per-image R_φ, no launch, one-step objective),
+# meta-trained with seed 0, measured on test splits, meta-validated after one step.
+VALUE_BEFORE_SETTING = {"vpt_init": "normal", "reg_window": 1, "launch": False, "query_before_weight": 0.0,
+                        "meta_seed": 0, "eval_split": "test", "meta_val_protocol": "one_step"}
 
 _NOT_RESULTS = ("jobs", "tables")     # settings that change what is computed or how fast, never a number
 

@@ -18,6 +18,7 @@ from meta.backbone import load_clip
 from meta.cli_errors import UserError
 from meta.evaluation import (DatasetRef, EvaluationSession, TrainSpec, evaluate_base_to_new, evaluate_transfer,
                              method_preset)
+from meta import methods as method_table
 from meta.evaluation.spec import table_fields
 from meta.metatrain import train
 from meta.metatrain.cli import default_cfg
@@ -27,7 +28,7 @@ from ..build import build_world
 from ..pretrain import pretrain_clip
 from ..zeroshot import zeroshot_accuracy
 from .pool import log, run_with_progress
-from .settings import (METHOD_BY_KEY, METHODS, VALUE_BEFORE_SETTING, VARIANT_BY_NAME, DemoSettings, MethodRow,
+from .settings import (ALL_VARIANTS, METHOD_BY_KEY, METHODS, VALUE_BEFORE_SETTING, VARIANT_BY_NAME, DemoSettings, MethodRow,
                        MetaVariant, b2n_keys, demo_pretrain_settings, demo_world_settings, settings_record,
                        transfer_keys, variants_needed)
 
@@ -100,6 +101,10 @@ def _variant_cfg(variant: MetaVariant, model: str, weights: str, out: Path, sett
     cfg.META.PROMPT.N_CTX_VISION = variant.n_ctx_vision
     cfg.META.PROMPT.VPT_INIT = settings.vpt_init
     cfg.META.QUERY_BEFORE_WEIGHT = settings.query_before_weight
+    cfg.META.VAL_PROTOCOL = settings.meta_val_protocol
+    cfg.META.VAL_RRCROP_SCALE = tuple(settings.rrcrop_scale)
+    cfg.META.VAL_REG_WINDOW = settings.reg_window
+    cfg.META.VAL_LAUNCH = settings.launch
     cfg.SEED = settings.meta_seed
     cfg.META.TENSORBOARD = False
     cfg.META.PROGRESS = False            # the parent process shows one bar over all variants
@@ -142,13 +147,23 @@ def _steps_logged(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
-def stage_meta(world, weights: Path, model: str, out: Path, settings: DemoSettings) -> dict:
-    """Meta-train every variant the requested tables need; returns ``{variant name: init file}``.
+def stage_meta(world, weights: Path, model: str, out: Path, settings: DemoSettings,
+               names: Optional[tuple] = None) -> dict:
+    """Meta-train every variant the requested tables need (or the variants ``names``); returns
+    ``{variant name: init file}``.
 
-    A variant whose log reached ``meta_steps`` and whose init file exists is not started again."""
-    needed = variants_needed(settings.tables)
-    exports = {v.name: Path(cfg.OUTPUT_DIR) / cfg.META.EXPORT_NAME for v in needed
-               for cfg in [_variant_cfg(v, model, str(weights), out, settings, str(world.labelled_meta_dir))]}
+    A variant whose log reached ``meta_steps`` and whose init file exists is not started again.  A variant
+    whose meta-training config equals an earlier one's (e.g. a one-step row's when the settings' query weight
+    is the one-step objective's 0) is not trained: it gets that variant's init file."""
+    needed = variants_needed(settings.tables) if names is None else tuple(v for v in ALL_VARIANTS if v.name in names)
+    cfgs = {v.name: _variant_cfg(v, model, str(weights), out, settings, str(world.labelled_meta_dir)) for v in needed}
+    first_with: dict = {}
+    same_as = {v.name: first_with.setdefault(_config_identity(cfgs[v.name]), v.name) for v in needed}
+    shared = sorted(n for n, rep in same_as.items() if n != rep)
+    if shared:
+        log("meta-training: " + ", ".join(f"{n} = {same_as[n]}" for n in shared) + " (same config; trained once)")
+    needed = tuple(v for v in needed if same_as[v.name] == v.name)
+    exports = {v.name: Path(cfgs[v.name].OUTPUT_DIR) / cfgs[v.name].META.EXPORT_NAME for v in needed}
     finished = {v.name for v in needed
                 if exports[v.name].is_file() and _steps_logged(out / "meta" / v.name) >= settings.meta_steps}
     order = sorted((v for v in needed if v.name not in finished), key=lambda v: -_META_COST.get(v.name, 3))
@@ -161,7 +176,15 @@ def stage_meta(world, weights: Path, model: str, out: Path, settings: DemoSettin
         run_with_progress(_meta_worker, tasks, jobs, total=settings.meta_steps * len(tasks),
                           done=lambda: sum(min(_steps_logged(r), settings.meta_steps) for r in runs),
                           desc="meta-training", unit="step")
-    return {name: str(path) for name, path in exports.items()}
+    return {name: str(exports[rep]) for name, rep in same_as.items()}
+
+
+def _config_identity(cfg) -> str:
+    """A meta-training config without its output folder (two equal identities train the same θ*, φ)."""
+    clone = cfg.clone()
+    clone.defrost()
+    clone.OUTPUT_DIR = ""
+    return clone.dump()
 
 
 # ------------------------------------------------------------------ stage 5: evaluation
@@ -186,7 +209,8 @@ class EvalJob:
     def cost(self) -> int:
         """Rough relative run time (visual prompts cannot use cached image features)."""
         variant = VARIANT_BY_NAME.get(METHOD_BY_KEY[self.key].variant)
-        visual = (variant.n_ctx_vision if variant else {"vpt": 4, "joint": 2}.get(self.key, 0)) > 0
+        visual = (variant.n_ctx_vision if variant else {"vpt": 4, "joint": 2, "ivlp": 2}.get(self.key, 0)) > 0 \
+            or self.key in ("maple", "gram_maple")
         return (4 if visual else 1) * (1 + len(self.targets))
 
 
@@ -198,10 +222,11 @@ def method_spec(row: MethodRow, init: str = "", settings: DemoSettings = DemoSet
     overrides: dict = {**table_fields(row.key), "name": row.label, "vpt_init": settings.vpt_init}
     variant = VARIANT_BY_NAME.get(row.variant)
     if variant is not None:
-        overrides.update(n_ctx_text=variant.n_ctx_text, n_ctx_vision=variant.n_ctx_vision,
-                         launch=settings.launch and variant.meta_learned)
-        if overrides["regulate"]:
-            overrides["reg_window"] = settings.reg_window
+        overrides.update(n_ctx_text=variant.n_ctx_text, n_ctx_vision=variant.n_ctx_vision)
+        if not method_table.get(row.key).one_step:   # one-step rows keep the table's per-image rule, no launch
+            overrides["launch"] = settings.launch and variant.meta_learned
+            if overrides["regulate"]:
+                overrides["reg_window"] = settings.reg_window
         if not variant.regulated and overrides["regulate"]:
             raise ValueError(f"demo row {row.key!r}: regulated, but meta variant {variant.name!r} exports no φ")
     return method_preset(row.preset, init_path=init, **overrides)
@@ -230,12 +255,13 @@ def _eval_job(job: EvalJob) -> None:
     method = method_spec(row, job.init, settings)
     train = TrainSpec(epochs=settings.epochs, batch_size=settings.batch_size, rrcrop_scale=settings.rrcrop_scale,
                       eval_every_epoch=settings.eval_every_epoch and job.protocol == "base2new")
+    split = {"eval_split": settings.eval_split} if job.protocol == "base2new" else {}
     source = DatasetRef.from_dir(job.dataset_dir, name=job.dataset)
     t = time.time()
     common = dict(clip=_WORKER["clip"], dims=_WORKER["dims"], method=method, seed=job.seed, shots=job.shots,
                   train=train, session=evaluation, log=lambda m: None)
     if job.protocol == "base2new":
-        record = evaluate_base_to_new(source, **common)
+        record = evaluate_base_to_new(source, **common, **split)
         numbers = f"base {record['base']:5.1f}  new {record['new']:5.1f}  H {record['H']:5.1f}"
     else:
         targets = [DatasetRef.from_dir(d, name=n) for n, d in job.targets]
@@ -265,13 +291,13 @@ def transfer_plan(world) -> dict:
     return plan
 
 
-def eval_jobs(world, inits: dict, settings: DemoSettings) -> list:
-    """Every evaluation run the requested tables need."""
+def eval_jobs(world, inits: dict, settings: DemoSettings, keys: Optional[tuple] = None) -> list:
+    """Every evaluation run the requested tables need (or base-to-new runs of the rows ``keys`` only)."""
     names = settings.datasets or tuple(d.name for d in world.with_role("base2new"))
     init = {m.key: inits.get(m.variant, "") for m in METHODS}
     jobs = [EvalJob("base2new", n, str(world.dataset(n).dataset_dir), k, seed, settings.shots, init[k])
-            for n in names for seed in settings.seeds for k in b2n_keys(settings.tables)]
-    if transfer_keys(settings.tables):
+            for n in names for seed in settings.seeds for k in (b2n_keys(settings.tables) if keys is None else keys)]
+    if keys is None and transfer_keys(settings.tables):
         for source, targets in transfer_plan(world).items():
             target_dirs = tuple((t, str(world.dataset(t).dataset_dir)) for t in targets)
             jobs += [EvalJob("transfer", source, str(world.dataset(source).dataset_dir), k, seed, shots, init[k],
@@ -281,9 +307,11 @@ def eval_jobs(world, inits: dict, settings: DemoSettings) -> list:
     return jobs
 
 
-def stage_eval(world, weights: Path, model: str, inits: dict, out: Path, settings: DemoSettings) -> list:
-    """Run (or find cached) every evaluation job; returns their records (``key`` and ``label`` added)."""
-    jobs = eval_jobs(world, inits, settings)
+def stage_eval(world, weights: Path, model: str, inits: dict, out: Path, settings: DemoSettings,
+               keys: Optional[tuple] = None) -> list:
+    """Run (or find cached) every evaluation job (or the base-to-new runs of rows ``keys``); returns their
+    records (``key`` and ``label`` added)."""
+    jobs = eval_jobs(world, inits, settings, keys)
     todo = sorted((j for j in jobs if not j.path(out).is_file()), key=lambda j: -j.cost)
     n_jobs = max(1, min(settings.jobs, len(todo)))
     counts = {p: sum(j.protocol == p for j in jobs) for p in ("base2new", "transfer")}

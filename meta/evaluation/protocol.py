@@ -120,7 +120,7 @@ class EvaluationSession:
             def train_images(impath: str, epoch: int) -> torch.Tensor:
                 return loader.test_view(impath)
         launch = LaunchStep(**init_info["launch"]) if "launch" in init_info else None
-        window = method.reg_window if regulation is not None else 1
+        window = init_info.get("reg_window", 1) if regulation is not None else 1
         tuner = PromptTuner(pclip, prompts, regulation, spec, seed, train_images, loader.test_view,
                             reg_window=window, launch_step=launch)
         return tuner, init_info

@@ -32,7 +32,7 @@ class MethodSpec:
             ``meta/methods.yaml``, e.g. ``"CoOp + GRAM"``).
         n_ctx_text: M, learnable text context vectors (CoOp); 0 = fixed text ``template``.
         n_ctx_vision: n, learnable visual prompt tokens (VPT); 0 = plain image tower.
-        vision_depth: D, layers receiving visual prompts (1 = shallow VPT).
+        vision_depth: D, layers receiving visual prompts (1 = shallow VPT, 0 = all layers).
         ctx_init: initialise the text context from these words (CoOp's ``CTX_INIT``); M is then
             their token count.  "" = N(0, ``init_std``²) drawn from the run's seed.
         init_path: a GRAM initialisation file (``meta.init_io.export_gram_init``); its θ* replaces
@@ -46,14 +46,19 @@ class MethodSpec:
         init_std: standard deviation of scratch prompts (CoOp: 0.02).
         vpt_init: how scratch visual prompt tokens start (``meta.prompts.VPT_INITS``; see
             :func:`meta.prompts.initial_visual_prompts`); a GRAM init file's θ* replaces it.
+        text_depth: J, text layers with learnable context (1 = CoOp; IVLP / MaPLe: deep text prompts; 0 = all).
+        coupling: ``none`` | ``maple`` (visual prompts projected from the text prompts; ``n_ctx_vision`` 0).
         init_prompts: with ``init_path``, start θ from the file's θ* (True) or from the scratch / word
             start while R_φ still comes from the file (False: the "R_φ only" component rows).
         reg_window: regulation window W (:class:`meta.finetune.UpdateWindow`): R_φ is applied once to
             the mean gradient of W images and one optimiser step with W times that is taken; 1 = R_φ on
-            every image's gradient (the paper's literal Eq. 7 under batch 1).  Only with ``regulate``.
+            every image's gradient (the paper's literal Eq. 7 under batch 1); 0 = the meta-training
+            support size recorded in the init file (k_way × n_support).  Only with ``regulate``.
         launch: before the schedule, take the meta-trained inner step θ <- θ − α R_φ(mean gradient over
             the train set) once (:func:`meta.finetune.launch_`; α and the step count from the init file;
-            raw gradient without ``regulate``).  Needs ``init_path`` (or an in-memory start point).
+            raw gradient without ``regulate``).  True needs ``init_path`` (or an in-memory start point);
+            None (default) = :data:`meta.finetune.DEFAULT_LAUNCH` for methods that start from an init file
+            or start point, off otherwise (:meth:`launch_on`).
 
     With no prompt at all (``n_ctx_text == n_ctx_vision == 0``) the method is zero-shot CLIP
     and nothing is trained.
@@ -70,9 +75,16 @@ class MethodSpec:
     template: str = DEFAULT_TEMPLATE
     init_std: float = 0.02
     vpt_init: str = PromptSpec.vpt_init
+    text_depth: int = 1
+    coupling: str = "none"
     init_prompts: bool = True
     reg_window: int = DEFAULT_REG_WINDOW
-    launch: bool = DEFAULT_LAUNCH
+    launch: Optional[bool] = None
+
+    def launch_on(self, has_start: bool) -> bool:
+        """Whether the launch step runs: ``launch`` when given, else the default where θ / φ come from an
+        init file or start point (``has_start``)."""
+        return bool(self.launch) if self.launch is not None else (DEFAULT_LAUNCH and has_start)
 
     def __post_init__(self) -> None:
         if self.vpt_init not in VPT_INITS:
@@ -81,16 +93,18 @@ class MethodSpec:
         for key in ("n_ctx_text", "n_ctx_vision"):
             if getattr(self, key) < 0:
                 raise ValueError(f"MethodSpec {self.name!r}: {key} must be >= 0, got {getattr(self, key)}")
-        if self.vision_depth < 1:
-            raise ValueError(f"MethodSpec {self.name!r}: vision_depth must be >= 1, got {self.vision_depth}")
+        if self.vision_depth < 0 or self.text_depth < 0:
+            raise ValueError(f"MethodSpec {self.name!r}: vision_depth and text_depth must be >= 0 (0 = all layers), "
+                             f"got {self.vision_depth} and {self.text_depth}")
         if self.ctx_init and self.init_path:
             raise ValueError(f"MethodSpec {self.name!r}: give ctx_init (words) or init_path (GRAM file), not both")
         if self.init_path and self.zero_shot:
             raise ValueError(f"MethodSpec {self.name!r}: init_path given but the method has no prompts")
         if "{}" not in self.template:
             raise ValueError(f"MethodSpec {self.name!r}: template must contain '{{}}', got {self.template!r}")
-        if self.reg_window < 1:
-            raise ValueError(f"MethodSpec {self.name!r}: reg_window must be >= 1 image, got {self.reg_window}")
+        if self.reg_window < 0:
+            raise ValueError(f"MethodSpec {self.name!r}: reg_window must be >= 0 images (0 = the meta-training "
+                             f"support size), got {self.reg_window}")
         if self.init_path and not (self.init_prompts or self.regulate):
             raise ValueError(f"MethodSpec {self.name!r}: init_path given but neither θ* (init_prompts) nor R_φ "
                              f"(regulate) is taken from it")
@@ -103,13 +117,13 @@ class MethodSpec:
     @property
     def visual_prompts(self) -> bool:
         """True when the image tower carries prompts (image features cannot be cached)."""
-        return self.n_ctx_vision > 0
+        return self.n_ctx_vision > 0 or self.coupling != "none"
 
     def prompt_spec(self) -> PromptSpec:
         """The :class:`meta.prompts.PromptSpec` of a scratch / word initialisation."""
         return PromptSpec(n_ctx_text=self.n_ctx_text, ctx_init=self.ctx_init, n_ctx_vision=self.n_ctx_vision,
                           vision_depth=self.vision_depth, init_std=self.init_std, template=self.template,
-                          vpt_init=self.vpt_init)
+                          vpt_init=self.vpt_init, text_depth=self.text_depth, coupling=self.coupling)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -188,6 +202,9 @@ class TrainSpec:
 
 def _preset_fields(method: Method) -> dict:
     fields = dict(name=method.label, n_ctx_text=method.text_tokens, n_ctx_vision=method.visual_tokens)
+    for name, default in (("text_depth", 1), ("vision_depth", 1), ("coupling", "none")):
+        if getattr(method, name) != default:
+            fields[name] = getattr(method, name)
     if method.regulate:
         fields["regulate"] = True
     return fields
@@ -195,12 +212,14 @@ def _preset_fields(method: Method) -> dict:
 
 def table_fields(key: str) -> dict:
     """MethodSpec fields that the method table (``meta/methods.yaml``) fixes for row ``key`` beyond its
-    preset: its label, token counts, whether θ* starts the prompts (``init``) and whether R_φ regulates
-    (``regulate``).  A component row (e.g. ``gram_coop_reg_only``) is its preset plus these."""
+    preset: its label, token counts, whether θ* starts the prompts (``init``), whether R_φ regulates
+    (``regulate``) and, for the paper-literal ``one_step`` rows, regulation window 1 without launch step.  A component row (e.g. ``gram_coop_reg_only``) is its preset plus these."""
     method = methods.get(key)
     out = _preset_fields(method)
     out["regulate"] = method.regulate
     out["init_prompts"] = method.init
+    if method.one_step:   # the paper-literal test time: R_φ on every image's gradient, no launch step
+        out.update(reg_window=1, launch=False)
     return out
 
 
@@ -238,7 +257,7 @@ def method_preset(key: str, init_path: str = "", in_memory: bool = False, **over
     if init_path:
         fields["init_path"] = init_path
     fields.update(overrides)
-    if (fields.get("regulate") or fields.get("launch")) and not fields.get("init_path") and not in_memory:
+    if (fields.get("regulate") or fields.get("launch") is True) and not fields.get("init_path") and not in_memory:
         what = "regulate" if fields.get("regulate") else "launch"
         raise ValueError(f"method preset {key!r} needs a GRAM init file (init_path / --init) for {what}")
     return MethodSpec(**fields)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
@@ -21,7 +21,7 @@ from torch import nn
 from torch.optim import lr_scheduler as sched
 
 from ..backbone import ClipDims
-from ..finetune import GradientRegulation, LaunchStep, UpdateWindow, launch_
+from ..finetune import GradientRegulation, LaunchStep, UpdateWindow, launch_, launch_step_of, resolve_window
 from ..init_io import load_gram_init
 from ..prompts import PromptedCLIP, PromptParams, classification_loss
 from ..regulator import GradientRegulator
@@ -74,9 +74,11 @@ class StartPoint:
     regulators: Mapping[str, GradientRegulator] = field(default_factory=dict)
     label: str = "in_memory"
     launch: Optional[LaunchStep] = None   # the meta-trained inner step (needed by MethodSpec.launch)
+    support_size: int = 0                 # images per meta-training support set (for MethodSpec.reg_window 0)
 
 
 def _check_start(method: MethodSpec, dims: ClipDims, prompts: PromptParams) -> None:
+    method = replace(method, **_depths(method, dims))
     problems = []
     ctx, vpt = prompts.ctx, prompts.vpt
     want_text = method.n_ctx_text
@@ -86,10 +88,20 @@ def _check_start(method: MethodSpec, dims: ClipDims, prompts: PromptParams) -> N
     want_vis = (method.vision_depth, method.n_ctx_vision, dims.vision_width) if method.n_ctx_vision else None
     if (None if vpt is None else tuple(vpt.shape)) != want_vis:
         problems.append(f"vpt is {None if vpt is None else tuple(vpt.shape)}, method expects {want_vis}")
+    have = (prompts.text_depth, prompts.coupling)
+    want = (method.text_depth if want_text else 0, method.coupling)
+    if have != want:
+        problems.append(f"(text_depth, coupling) is {have}, method expects {want}")
     if problems:
         raise ValueError(f"method {method.name!r}: start point does not fit: " + "; ".join(problems))
 
 
+def _depths(method: MethodSpec, dims: ClipDims) -> dict:
+    """``text_depth`` / ``vision_depth`` of ``method`` on this CLIP (0 = all layers resolved)."""
+    if method.zero_shot:
+        return {}
+    spec = method.prompt_spec().resolved(dims)
+    return {"text_depth": spec.text_depth, "vision_depth": spec.vision_depth}
 def _scratch_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int) -> PromptParams:
     """Scratch / word-initialised θ drawn from ``torch.Generator().manual_seed(seed)``."""
     generator = torch.Generator().manual_seed(seed)
@@ -105,7 +117,9 @@ def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int
     ``method.ctx_init``; a GRAM file is validated against the method's token counts and widths
     (``meta.init_io.load_gram_init``); an in-memory ``start`` is copied and shape-checked.  With
     ``method.init_prompts`` False, θ is the scratch start and only R_φ comes from the file / start.
-    With ``method.launch`` the description holds ``"launch"`` (:class:`meta.finetune.LaunchStep` fields).
+    With ``method.launch`` the description holds ``"launch"`` (:class:`meta.finetune.LaunchStep` fields);
+    with a regulator, ``"reg_window"``: images per regulated step, ``method.reg_window`` or, for 0, the
+    meta-training support size of the file / start point (:func:`meta.finetune.resolve_window`).
     Returns ``(None, None, info)`` for zero-shot CLIP.
     """
     if method.zero_shot:
@@ -113,6 +127,7 @@ def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int
     device = clip.token_embedding.weight.device
     regulation = None
     launch: Optional[LaunchStep] = None
+    window = 1
     if start is not None:
         if method.init_path or method.ctx_init:
             raise ValueError(f"method {method.name!r}: a start point replaces init_path/ctx_init; give one of them")
@@ -127,15 +142,21 @@ def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int
             if not start.regulators:
                 raise ValueError(f"method {method.name!r}: regulate=True but the start point has no regulators")
             regulation = GradientRegulation(dict(start.regulators), norm_preserve=method.norm_preserve).to(device)
-        if method.launch:
+            if method.reg_window == 0 and start.support_size < 1:
+                raise ValueError(f"method {method.name!r}: reg_window 0 (the meta-training support size) needs "
+                                 f"StartPoint.support_size")
+            window = method.reg_window or start.support_size
+        if method.launch is True or (method.launch_on(True) and start.launch is not None):
             if start.launch is None:
                 raise ValueError(f"method {method.name!r}: launch=True but the start point has no LaunchStep")
             launch = start.launch
         info = {"source": "in_memory" if method.init_prompts else "scratch", "label": start.label}
     elif method.init_path:
+        method = replace(method, **_depths(method, dims))
         expect = {"text_width": dims.text_width, "vision_width": dims.vision_width,
                   "n_ctx_text": method.n_ctx_text, "n_ctx_vision": method.n_ctx_vision,
                   "vision_depth": method.vision_depth if method.n_ctx_vision else 0,
+                  "text_depth": method.text_depth if method.n_ctx_text else 0, "coupling": method.coupling,
                   "model_name": dims.model_name}
         init = load_gram_init(method.init_path, expect=expect, config_key=f"method {method.name!r} init_path")
         prompts = (init.prompt_module() if method.init_prompts
@@ -145,15 +166,18 @@ def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int
             if not regulators:
                 raise ValueError(f"method {method.name!r}: regulate=True but {method.init_path} holds no regulator φ")
             regulation = GradientRegulation(regulators, norm_preserve=method.norm_preserve).to(device)
-        if method.launch:
-            launch = LaunchStep.from_metadata(init.metadata, source=f"method {method.name!r} init_path {method.init_path}")
+            window = resolve_window(method.reg_window, init.metadata,
+                                    source=f"method {method.name!r} init_path {method.init_path}")
+        if method.launch_on(True):
+            launch = launch_step_of(init.metadata, source=f"method {method.name!r} init_path {method.init_path}",
+                                    explicit=method.launch is True)
         info = {"source": "gram_file" if method.init_prompts else "scratch", "path": str(method.init_path),
                 "provenance": init.metadata.get("provenance", {}), "regulator": init.metadata.get("regulator")}
         if not method.init_prompts:
             info.update(ctx_init=method.ctx_init, init_std=method.init_std,
                         vpt_init=method.vpt_init if method.n_ctx_vision else "")
     else:
-        if method.regulate or method.launch:
+        if method.regulate or method.launch is True:
             what = "regulate=True needs φ" if method.regulate else "launch=True needs α"
             raise ValueError(f"method {method.name!r}: {what}: set init_path (a GRAM init file) or pass a StartPoint")
         prompts = _scratch_prompts(method, clip, dims, seed)
@@ -161,6 +185,8 @@ def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int
                 "init_std": method.init_std, "vpt_init": method.vpt_init if method.n_ctx_vision else ""}
     if launch is not None:
         info["launch"] = {"alpha": launch.alpha, "steps": launch.steps, "momentum": launch.momentum}
+    if regulation is not None:
+        info["reg_window"] = window   # images per regulated step, resolved
     info["prompt_sha256"] = prompt_digest(prompts)
     return prompts, regulation, info
 

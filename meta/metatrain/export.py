@@ -24,7 +24,7 @@ from meta.cli_errors import UserError
 from meta.fileio import clean_stale_temps
 from meta.gram import GRAMMetaLearner
 from meta.init_io import coop_context_usage, export_coop_context, export_gram_init, load_gram_init
-from meta.prompts import PromptParams
+from meta.prompts import PROMPT_TENSORS, PromptParams
 from meta.runlock import RunLock
 
 from . import settings
@@ -35,11 +35,10 @@ def learner_from_state(state: dict) -> tuple[GRAMMetaLearner, CN]:
     """Rebuild θ and φ (with the optimiser) from a checkpoint; returns ``(learner, cfg)``."""
     cfg = CN.load_cfg(state["config_yaml"])
     gbml = state["learner"]["gbml"]
-    ctx, vpt = gbml.get("module.ctx"), gbml.get("module.vpt")
-    if ctx is None and vpt is None:
+    shapes = {name: gbml[f"module.{name}"] for name in PROMPT_TENSORS if gbml.get(f"module.{name}") is not None}
+    if "ctx" not in shapes and "vpt" not in shapes:
         raise CheckpointError("checkpoint holds no prompt tensors (module.ctx / module.vpt)")
-    theta = PromptParams(ctx=None if ctx is None else torch.zeros_like(ctx),
-                         vpt=None if vpt is None else torch.zeros_like(vpt))
+    theta = PromptParams(**{name: torch.zeros_like(t) for name, t in shapes.items()})
     learner = GRAMMetaLearner(theta, settings.meta_spec(cfg))
     learner.load_state(state["learner"])
     return learner, cfg

@@ -13,7 +13,7 @@ from yacs.config import CfgNode as CN
 
 from meta.config import add_metatrain_cfg, get_meta_cfg_default
 from meta.precision import resolve_autocast
-from meta.prompts import VPT_INITS, PromptSpec
+from meta.prompts import COUPLINGS, VPT_INITS, PromptSpec
 from meta.regulator import RegulatorSpec
 
 if TYPE_CHECKING:
@@ -30,7 +30,9 @@ MODES = ("gram", "pretrain")
 # compares the hierarchy's content fingerprint instead (data.hierarchy_fingerprint).
 RUN_CONTROL_KEYS = frozenset({
     "OUTPUT_DIR", "MODEL.DEVICE", "META.STEPS", "META.CHECKPOINT_EVERY", "META.LOG_DETAIL_EVERY",
-    "META.VAL_EVERY", "META.VAL_TASKS", "META.VAL_FT_STEPS", "META.VAL_FT_LR", "META.VAL_FT_MOMENTUM", "META.FEATURE_CHECK", "META.PROGRESS", "META.TENSORBOARD",
+    "META.VAL_EVERY", "META.VAL_TASKS", "META.VAL_FT_STEPS", "META.VAL_FT_LR", "META.VAL_FT_MOMENTUM",
+    "META.VAL_PROTOCOL", "META.VAL_EPOCHS", "META.VAL_FT_WEIGHT_DECAY", "META.VAL_RRCROP_SCALE", "META.VAL_REG_WINDOW",
+    "META.VAL_LAUNCH", "META.FEATURE_CHECK", "META.PROGRESS", "META.TENSORBOARD",
     "META.EXPORT_NAME", "META.COOP_CTX_NAME", "META.HIERARCHY", "TASKS.IMAGE_FOLDER",
 })
 RUN_CONTROL_PREFIXES = ("CHC.",)
@@ -58,6 +60,11 @@ def check_meta_cfg(cfg: CN) -> None:
     need(m.QUERY_BEFORE_WEIGHT >= 0, "META.QUERY_BEFORE_WEIGHT", "a number >= 0", m.QUERY_BEFORE_WEIGHT)
     need(m.REGULATOR.WEIGHT_DECAY >= 0, "META.REGULATOR.WEIGHT_DECAY", "a number >= 0", m.REGULATOR.WEIGHT_DECAY)
     need(m.VAL_FT_STEPS >= 0, "META.VAL_FT_STEPS", "an integer >= 0", m.VAL_FT_STEPS)
+    need(m.VAL_PROTOCOL in ("downstream", "one_step"), "META.VAL_PROTOCOL", "downstream | one_step", m.VAL_PROTOCOL)
+    need(m.VAL_EPOCHS >= 1, "META.VAL_EPOCHS", "an integer >= 1", m.VAL_EPOCHS)
+    need(m.VAL_REG_WINDOW >= 0, "META.VAL_REG_WINDOW", "an integer >= 0 (0 = the support size)", m.VAL_REG_WINDOW)
+    need(len(m.VAL_RRCROP_SCALE) == 2 and 0 < m.VAL_RRCROP_SCALE[0] <= m.VAL_RRCROP_SCALE[1] <= 1,
+         "META.VAL_RRCROP_SCALE", "(lo, hi) with 0 < lo <= hi <= 1", m.VAL_RRCROP_SCALE)
     need(m.CHECKPOINT_EVERY >= 1, "META.CHECKPOINT_EVERY", "an integer >= 1", m.CHECKPOINT_EVERY)
     need(m.OPTIMIZER in ("adam", "sgd"), "META.OPTIMIZER", "adam | sgd", m.OPTIMIZER)
     for key in ("INNER_LR", "OUTER_LR_PROMPT", "OUTER_LR_REGULATOR", "GRAD_CLIP", "PRETRAIN.LR", "PROMPT.INIT_STD",
@@ -72,6 +79,14 @@ def check_meta_cfg(cfg: CN) -> None:
          "META.PROMPT", "N_CTX_TEXT > 0, N_CTX_VISION > 0 or CTX_INIT (no prompt to learn)",
          (m.PROMPT.N_CTX_TEXT, m.PROMPT.N_CTX_VISION))
     need(m.PROMPT.VPT_INIT in VPT_INITS, "META.PROMPT.VPT_INIT", " | ".join(VPT_INITS), m.PROMPT.VPT_INIT)
+    need(m.PROMPT.TEXT_DEPTH >= 0, "META.PROMPT.TEXT_DEPTH", "an integer >= 0 (0 = every layer)", m.PROMPT.TEXT_DEPTH)
+    need(m.PROMPT.VISION_DEPTH >= 0, "META.PROMPT.VISION_DEPTH", "an integer >= 0 (0 = every layer)",
+         m.PROMPT.VISION_DEPTH)
+    need(m.PROMPT.COUPLING in COUPLINGS, "META.PROMPT.COUPLING", " | ".join(COUPLINGS), m.PROMPT.COUPLING)
+    try:
+        prompt_spec(cfg)
+    except ValueError as err:
+        raise ValueError(f"META.PROMPT: {err}") from None
     need(m.PRETRAIN.BATCH_SIZE >= 1, "META.PRETRAIN.BATCH_SIZE", "an integer >= 1", m.PRETRAIN.BATCH_SIZE)
     need(m.PRETRAIN.WAYS == 0 or m.PRETRAIN.WAYS >= 2, "META.PRETRAIN.WAYS", "0 (all) or >= 2", m.PRETRAIN.WAYS)
     need(cfg.TASKS.K_WAY >= 2, "TASKS.K_WAY", "an integer >= 2", cfg.TASKS.K_WAY)
@@ -116,7 +131,8 @@ def prompt_spec(cfg: CN) -> PromptSpec:
     p = cfg.META.PROMPT
     return PromptSpec(n_ctx_text=int(p.N_CTX_TEXT), ctx_init=p.CTX_INIT, n_ctx_vision=int(p.N_CTX_VISION),
                       vision_depth=int(p.VISION_DEPTH), init_std=float(p.INIT_STD), template=p.TEMPLATE,
-                      vpt_init=str(p.VPT_INIT))
+                      vpt_init=str(p.VPT_INIT), text_depth=int(p.get("TEXT_DEPTH", 1)),
+                      coupling=str(p.get("COUPLING", "none")))
 
 
 def flatten_cfg(node: CN, prefix: str = "") -> dict[str, Any]:

@@ -38,7 +38,7 @@ from meta import distributed as dist_
 from meta.backbone import ClipDims, resolve_device
 from meta.clip_config import clip_from_cfg
 from meta.fileio import clean_stale_temps, write_json_atomic, write_text_atomic
-from meta.finetune import GradientRegulation, finetune_and_score
+from meta.finetune import GradientRegulation, LaunchStep, finetune_and_score
 from meta.gram import GRAMMetaLearner
 from meta.prompts import PromptedCLIP, PromptParams, classification_loss
 from meta.runlock import RunLock, is_rank0
@@ -120,7 +120,7 @@ def setup_run(cfg, hierarchy=None) -> RunSetup:
     clip, dims = build_clip(cfg, device)
     h = hierarchy if hierarchy is not None else load_task_hierarchy(cfg, clip, dims, device)
     pspec = settings.prompt_spec(cfg)
-    use_images = pspec.n_ctx_vision > 0
+    use_images = pspec.has_visual_prompts
     feature_check = None
     if use_images:
         size = h.meta.get("image_size")
@@ -225,7 +225,7 @@ def validate(run: RunSetup) -> dict:
     keys = ("query_loss_before", "query_acc_before", "query_loss_after", "query_acc_after",
             "support_loss_before", "support_acc_before")
     sums: dict[str, float] = dict.fromkeys(keys, 0.0)
-    for task in run.val_tasks[dist_.rank()::dist_.world_size()]:
+    for index, task in list(enumerate(run.val_tasks))[dist_.rank()::dist_.world_size()]:
         batch = run.batcher(task)
         with torch.no_grad():
             q_loss0, q_logits0 = loss_fn(learner.prompt_module, batch.query)
@@ -238,6 +238,9 @@ def validate(run: RunSetup) -> dict:
                            ("support_loss_before", s_losses[0]), ("support_acc_before", s_accs[0])):
             sums[key] = sums.get(key, 0.0) + value / len(run.val_tasks)
         del adapted
+        if run.cfg.META.VAL_PROTOCOL == "downstream":   # what a user gets: the whole fine-tuning protocol
+            for key, value in _downstream_scores(run, batch, index).items():
+                sums[key] = sums.get(key, 0.0) + value / len(run.val_tasks)
         ft_steps = int(run.cfg.META.VAL_FT_STEPS)
         if ft_steps > 0:  # as at test time: many small momentum-SGD steps, regulated and raw
             regs = learner.regulators()
@@ -250,6 +253,30 @@ def validate(run: RunSetup) -> dict:
     sums = dist_.sum_over_ranks(sums)
     sums["tasks"] = len(run.val_tasks)
     return sums
+
+
+def _downstream_scores(run: RunSetup, batch, seed: int) -> dict:
+    """Query accuracy (0-1) after the downstream protocol, with the learner's R_φ and with raw gradients."""
+    from meta.metatrain.downstream_val import downstream_accuracy, val_train_spec
+
+    cfg, learner = run.cfg, run.learner
+    pspec = settings.prompt_spec(cfg)
+    pclip = PromptedCLIP(run.clip, run.dims, learner.prompt_module.n_ctx_text, template=pspec.template)
+    spec = learner.spec
+    launch = (LaunchStep(spec.inner_lr, spec.inner_steps, spec.inner_momentum)
+              if cfg.META.VAL_LAUNCH and cfg.META.MODE == "gram" else None)
+    regs = learner.regulators()
+    out = {}
+    for key, regulators in (("query_acc_downstream", regs), ("query_acc_downstream_raw", {})):
+        if key == "query_acc_downstream" and not regs:
+            continue
+        with torch.random.fork_rng(devices=[]):   # validation never moves meta-training's random stream
+            acc = downstream_accuracy(pclip, learner.prompt_module, regulators, batch.support, batch.query,
+                                      val_train_spec(cfg), seed=int(cfg.SEED) * 1000 + seed,
+                                      reg_window=int(cfg.META.VAL_REG_WINDOW) or len(batch.support["label"]),
+                                      launch=launch)
+        out[key] = acc / 100.0
+    return out
 
 
 # ----------------------------------------------------------------------------- files

@@ -13,7 +13,13 @@ trainer        text context ``ctx``        visual prompts ``vpt``
 GRAM_CoOp      ``N_CTX_TEXT`` vectors      none (image tower untouched)
 GRAM_VPT       none (fixed ``TEMPLATE``)   ``N_CTX_VISION`` tokens, shallow or deep
 UNIGRAM        ``N_CTX_TEXT`` vectors      ``N_CTX_VISION`` tokens
+GRAM_IVLP      ``N_CTX_TEXT`` vectors in   ``N_CTX_VISION`` tokens in ``VPT_DEPTH`` layers
+               ``TEXT_DEPTH`` layers       (``VPT_DEEP``), independent of the text prompts
+GRAM_MaPLe     ``N_CTX_TEXT`` vectors in   none of its own: layer i < ``TEXT_DEPTH`` gets a learned
+               ``TEXT_DEPTH`` layers       linear map of the text prompts of layer i (MaPLe)
 =============  ==========================  ===============================================
+
+``TEXT_DEPTH`` is IVLP's ``PROMPT_DEPTH_TEXT`` / MaPLe's ``PROMPT_DEPTH`` (0 = every layer).
 
 ``ENABLED False`` gives the plain baselines (CoOp, VPT, joint text+visual tuning: paper Table 4
 row 5) with the very same code: no meta-initialisation, no gradient regulation.
@@ -34,7 +40,11 @@ TRAINER_PROMPTS: dict[str, tuple[bool, bool]] = {
     "GRAM_CoOp": (True, False),
     "GRAM_VPT": (False, True),
     "UNIGRAM": (True, True),
+    "GRAM_IVLP": (True, True),
+    "GRAM_MaPLe": (True, False),
 }
+# Trainers whose visual prompts are produced from the text prompts (meta.prompts.PromptSpec.coupling).
+TRAINER_COUPLING: dict[str, str] = {"GRAM_MaPLe": "maple"}
 PRECISIONS = ("fp16", "fp32", "amp")
 RANDOM_WEIGHTS = ("none", "random")  # TRAINER.GRAM.WEIGHTS values that mean "no pretrained weights"
 OPENAI_CACHE_DIR = "~/.cache/clip"   # where OpenAI's clip package (CoOp's load_clip_to_cpu) keeps its .pt files
@@ -48,13 +58,15 @@ def _gram_defaults() -> CN:
     node.REGULATE = True       # with ENABLED: apply R_φ to every prompt gradient (paper Eq. 7); False = ablation
     node.NORM_PRESERVE = "auto"  # auto = as meta-trained (init file) | on = rescale ĝ to ‖g‖ per tensor | off
     node.INIT_PROMPTS = True   # with ENABLED: θ starts from the file's θ*; False = scratch θ, R_φ from the file
-    node.REG_WINDOW = DEFAULT_REG_WINDOW  # R_φ on the mean gradient of this many batches, one step per window
+    node.REG_WINDOW = DEFAULT_REG_WINDOW  # R_φ on the mean gradient of this many batches, one step per window;
+    # 0 = the init file's meta-training support size (k_way x n_support)
     node.LAUNCH = DEFAULT_LAUNCH  # take the meta-trained step θ − α R_φ(mean train gradient) once before epoch 1
     # --- prompts (paper §4 "Training Details": 4 tokens; UNIGRAM 2 text + 2 visual) ------------
     node.N_CTX_TEXT = 4        # M text context vectors (GRAM_CoOp, UNIGRAM)
     node.N_CTX_VISION = 4      # n visual prompt tokens per prompted layer (GRAM_VPT, UNIGRAM)
     node.VPT_DEEP = False      # False = shallow VPT (prompts at the input only)
     node.VPT_DEPTH = 0         # with VPT_DEEP: prompted layers; 0 = every layer of the vision tower
+    node.TEXT_DEPTH = 1        # J text layers with learnable context (IVLP / MaPLe PROMPT_DEPTH); 0 = every layer
     node.CTX_INIT = ""         # words to initialise the text context (e.g. "a photo of a"); "" = N(0, 0.02²)
     node.TEMPLATE = DEFAULT_TEMPLATE  # fixed text prompt when there is no text context (GRAM_VPT)
     node.VPT_INIT = PromptSpec.vpt_init  # baselines' visual tokens: normal | zeros | cls | patch_mean (meta.prompts)
@@ -166,6 +178,8 @@ class GramSettings:
     quick_gelu: Optional[bool]
     precision: str        # as requested; resolve_precision() gives what runs
     vpt_init: str = PromptSpec.vpt_init  # start of scratch visual prompts (meta.prompts.VPT_INITS)
+    text_depth: int = 1   # J (0 = every layer); 0 without text context
+    coupling: str = "none"  # "maple" for GRAM_MaPLe
     init_prompts: bool = True  # θ from the init file's θ* (False: scratch θ, R_φ only)
     reg_window: int = DEFAULT_REG_WINDOW  # batches per regulated step (meta.finetune.UpdateWindow)
     launch: bool = DEFAULT_LAUNCH  # meta-trained step once before training (meta.finetune.launch_)
@@ -246,11 +260,16 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
         raise ValueError(f"TRAINER.GRAM.VPT_INIT: expected one of {'|'.join(VPT_INITS)}, got {vpt_init!r}")
     if g.PREC not in PRECISIONS:
         raise ValueError(f"TRAINER.GRAM.PREC: expected one of {'|'.join(PRECISIONS)}, got {g.PREC!r}")
+    text_depth = int(g.get("TEXT_DEPTH", 1))
+    if text_depth < 0 or (text_depth != 1 and not text):
+        raise ValueError(f"TRAINER.GRAM.TEXT_DEPTH: expected 0 (all layers) or >= 1 "
+                         f"{'' if text else '(1 for ' + trainer + ', which learns no text context) '}got {text_depth}")
     init_prompts = _as_bool(g.get("INIT_PROMPTS", True), "TRAINER.GRAM.INIT_PROMPTS")
     launch = _as_bool(g.get("LAUNCH", DEFAULT_LAUNCH), "TRAINER.GRAM.LAUNCH")
     window = g.get("REG_WINDOW", DEFAULT_REG_WINDOW)
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"TRAINER.GRAM.REG_WINDOW: expected an integer >= 1 (batches per regulated step), got {window!r}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"TRAINER.GRAM.REG_WINDOW: expected an integer >= 0 (batches per regulated step; 0 = the "
+                         f"init file's meta-training support size), got {window!r}")
     if enabled and not (init_prompts or regulate):
         raise ValueError("TRAINER.GRAM.INIT_PROMPTS and TRAINER.GRAM.REGULATE are both False: nothing is taken from "
                          "TRAINER.GRAM.INIT; set ENABLED False for the plain baseline")
@@ -260,5 +279,6 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
         n_ctx_text=n_text, n_ctx_vision=n_vision, vpt_deep=_as_bool(g.VPT_DEEP, "TRAINER.GRAM.VPT_DEEP"),
         vpt_depth=int(g.VPT_DEPTH), ctx_init=str(g.CTX_INIT) if text else "", template=str(g.TEMPLATE),
         model_name=model_name, weights=weights, quick_gelu=quick_gelu, precision=str(g.PREC), vpt_init=vpt_init,
+        text_depth=text_depth if text else 0, coupling=TRAINER_COUPLING.get(trainer, "none"),
         init_prompts=init_prompts or not enabled, reg_window=int(window), launch=launch and enabled,
     )

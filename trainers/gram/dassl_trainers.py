@@ -1,4 +1,4 @@
-"""Dassl trainers ``GRAM_CoOp``, ``GRAM_VPT`` and ``UNIGRAM`` (registered in ``TRAINER_REGISTRY`` on import).
+"""Dassl trainers ``GRAM_CoOp``, ``GRAM_VPT``, ``UNIGRAM``, ``GRAM_IVLP`` and ``GRAM_MaPLe`` (registered in ``TRAINER_REGISTRY`` on import).
 
 They follow the CoOp trainer pattern (CoOp ``trainers/coop.py`` L222-325, on KaiyangZhou/Dassl.pytorch
 ``dassl/engine/trainer.py``) over the Dassl-free GRAM core in ``meta``:
@@ -33,7 +33,7 @@ from dassl.metrics import compute_accuracy
 from dassl.optim import build_optimizer
 
 from meta.backbone import load_clip
-from meta.finetune import GradientRegulation, LaunchStep, UpdateWindow, launch_
+from meta.finetune import GradientRegulation, UpdateWindow, launch_, launch_step_of, resolve_window
 from meta.init_io import load_gram_init
 from meta.prompts import PromptParams, PromptSpec
 
@@ -94,19 +94,35 @@ class _GramTrainer(TrainerX):
         self.register_model(MODEL_NAME, self.model.prompt_learner, self.optim, self.sched)
         self.regulation = (GradientRegulation(regulators, norm_preserve=settings.norm_preserve).to(self.device)
                            if regulators else None)
-        self.window = UpdateWindow(settings.reg_window if self.regulation is not None else 1)
-        self.launch_step = (LaunchStep.from_metadata(self.gram_init_metadata, source=f"TRAINER.GRAM.INIT {settings.init_path}")
-                            if settings.launch else None)
+        self.window = UpdateWindow(self._window_batches(settings) if self.regulation is not None else 1)
+        self.launch_step = (launch_step_of(self.gram_init_metadata, source=f"TRAINER.GRAM.INIT {settings.init_path}")
+                            if settings.launch else None)   # None for a prompt pre-training file
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "amp" else None
         self._log_setup(settings, dims, classnames)
+
+    def _window_batches(self, s: GramSettings) -> int:
+        """``REG_WINDOW`` in batches; 0 = the init file's support size in images over the batch size (rounded,
+        >= 1), so that R_φ sees a mean over as many images as in meta-training."""
+        if s.reg_window >= 1:
+            return s.reg_window
+        images = resolve_window(0, self.gram_init_metadata, source=f"TRAINER.GRAM.INIT {s.init_path}")
+        return max(1, round(images / int(self.cfg.DATALOADER.TRAIN_X.BATCH_SIZE)))
 
     def _initial_prompts(self, s: GramSettings, clip, dims) -> tuple[PromptParams, dict]:
         """θ from the GRAM init file (and φ when regulating), or fresh θ for the baselines."""
         depth = s.vision_depth(dims.vision_layers)
+        spec = PromptSpec(n_ctx_text=s.n_ctx_text, ctx_init=s.ctx_init, n_ctx_vision=s.n_ctx_vision,
+                          vision_depth=max(depth, 1), template=s.template, vpt_init=s.vpt_init,
+                          text_depth=s.text_depth if (s.n_ctx_text or s.ctx_init) else 1,
+                          coupling=s.coupling).resolved(dims)
+        # scratch θ is drawn before anything else touches the RNG, so that an "R_φ only" run starts exactly
+        # where the baseline with the same seed starts
+        scratch = self._scratch_prompts(s, spec, clip, dims) if not (s.enabled and s.init_prompts) else None
         if s.enabled:
             init = load_gram_init(s.init_path, config_key="TRAINER.GRAM.INIT", expect={
                 "text_width": dims.text_width, "vision_width": dims.vision_width, "model_name": dims.model_name,
-                "n_ctx_text": s.n_ctx_text, "n_ctx_vision": s.n_ctx_vision, "vision_depth": depth})
+                "n_ctx_text": s.n_ctx_text, "n_ctx_vision": s.n_ctx_vision, "vision_depth": depth,
+                "text_depth": spec.text_depth if s.n_ctx_text else 0, "coupling": s.coupling})
             self.gram_init_metadata = init.metadata
             regulators = init.regulator_modules() if s.regulate else {}
             if s.regulate and not regulators:
@@ -114,14 +130,13 @@ class _GramTrainer(TrainerX):
                                  "set TRAINER.GRAM.REGULATE False (init only)")
             if s.init_prompts:
                 return init.prompt_module(), regulators
-            return self._scratch_prompts(s, clip, dims, depth), regulators
-        return self._scratch_prompts(s, clip, dims, depth), {}
+            return scratch, regulators
+        return scratch, {}
 
     @staticmethod
-    def _scratch_prompts(s: GramSettings, clip, dims, depth: int) -> PromptParams:
-        """The baselines' θ: N(0, 0.02²) or word-initialised text context, ``VPT_INIT`` visual tokens."""
-        spec = PromptSpec(n_ctx_text=s.n_ctx_text, ctx_init=s.ctx_init, n_ctx_vision=s.n_ctx_vision,
-                          vision_depth=max(depth, 1), template=s.template, vpt_init=s.vpt_init)
+    def _scratch_prompts(s: GramSettings, spec: PromptSpec, clip, dims) -> PromptParams:
+        """The baselines' θ (and the "R_φ only" rows' start): N(0, 0.02²) or word-initialised text context,
+        ``VPT_INIT`` visual tokens, in the structure ``spec`` (deep text prompts, coupling)."""
         prompts = PromptParams.from_spec(spec, clip, dims)
         if s.ctx_init and prompts.n_ctx_text != s.n_ctx_text:
             raise ValueError(f"TRAINER.GRAM.CTX_INIT {s.ctx_init!r} is {prompts.n_ctx_text} tokens but "
@@ -138,8 +153,11 @@ class _GramTrainer(TrainerX):
     def _log_setup(self, s: GramSettings, dims, classnames) -> None:
         cfg = self.cfg
         print(f"GRAM trainer {s.trainer}: GRAM {'on' if s.enabled else 'off (baseline)'}, "
-              f"text ctx {s.n_ctx_text}, visual prompts {s.n_ctx_vision} x depth {s.vision_depth(dims.vision_layers)}, "
-              f"regulated tensors {sorted(self.regulation.regulators) if self.regulation else []}")
+              f"text ctx {s.n_ctx_text} x depth {self.model.prompt_learner.text_depth}, "
+              f"visual prompts {s.n_ctx_vision} x depth {s.vision_depth(dims.vision_layers)}, "
+              f"coupling {s.coupling}, "
+              f"regulated tensors {sorted(self.regulation.regulators) if self.regulation else []}, "
+              f"regulation window {self.window.size}, launch step {'on' if self.launch_step else 'off'}")
         quick_gelu = "auto" if s.quick_gelu is None else s.quick_gelu
         print(f"GRAM backbone: {dims.model_name} weights={s.weights or 'RANDOM'} quick_gelu={quick_gelu} "
               f"precision={self.precision} (asked {s.precision}) device={self.device} widths text={dims.text_width} "
@@ -243,7 +261,8 @@ class _GramTrainer(TrainerX):
         s, d = self.gram, self.clip_dims
         return {"trainer": s.trainer, "enabled": s.enabled, "regulate": s.regulate, "model_name": d.model_name,
                 "text_width": d.text_width, "vision_width": d.vision_width, "n_ctx_text": s.n_ctx_text,
-                "n_ctx_vision": s.n_ctx_vision, "vision_depth": s.vision_depth(d.vision_layers)}
+                "n_ctx_vision": s.n_ctx_vision, "vision_depth": s.vision_depth(d.vision_layers),
+                "text_depth": self.model.prompt_learner.text_depth, "coupling": s.coupling}
 
     def save_model(self, epoch, directory, is_best=False, val_result=None, model_name="") -> None:
         for name in self.get_model_names():
@@ -331,11 +350,21 @@ class UNIGRAM(_GramTrainer):
     """Text context and visual prompts together (paper: 2 + 2 tokens); the joint baseline with GRAM off."""
 
 
-GRAM_TRAINERS = (GRAM_CoOp, GRAM_VPT, UNIGRAM)
+class GRAM_IVLP(_GramTrainer):
+    """Deep independent vision-language prompts (the IVLP baseline of muzairkhattak/multimodal-prompt-learning):
+    text context in ``TEXT_DEPTH`` layers, visual tokens in ``VPT_DEPTH`` layers; "IVLP + GRAM" with GRAM on."""
+
+
+class GRAM_MaPLe(_GramTrainer):
+    """MaPLe: deep text prompts whose per-layer linear projections are the visual prompts (the projections
+    are θ tensors too, meta-initialised and regulated like the prompts); "MaPLe + GRAM" with GRAM on."""
+
+
+GRAM_TRAINERS = (GRAM_CoOp, GRAM_VPT, UNIGRAM, GRAM_IVLP, GRAM_MaPLe)
 
 
 def register_trainers() -> None:
-    """Put the three trainers into Dassl's registry; re-registering GRAM's own classes is allowed."""
+    """Put the GRAM trainers into Dassl's registry; re-registering GRAM's own classes is allowed."""
     for cls in GRAM_TRAINERS:
         name = cls.__name__
         if name in TRAINER_REGISTRY.registered_names():

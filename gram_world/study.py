@@ -1,0 +1,313 @@
+"""``python -m gram_world.study``: how sure each GRAM claim is, over worlds × meta-training seeds ×
+fine-tuning seeds, and the validation sweep that chose the test-time defaults.
+
+Two commands, both resumable cell by cell (a cell is one world, one meta-training seed and one setting
+of the switches; every stage of a cell is the demo's, cached on disk, so a killed run redoes only what
+is missing):
+
+* ``select``: on the **val** splits of the world's base-to-new datasets, the GRAM rows for every
+  combination of the switches in :data:`SWEEP` (regulation window, launch step, before-adaptation query
+  weight) and their baselines.  The default is the combination with the best mean paired H difference
+  (GRAM row − its baseline) over the three prompt types; test splits are never read.
+* ``run``: the default pipeline (the demo's settings) on the **test** splits of every world in
+  :data:`WORLDS` for each meta-training seed; then every pair of :data:`gram_world.demo.settings.PAIRS`
+  as a paired mean difference of H with a 95 % bootstrap interval.
+
+Unit of a difference: one (world, meta seed, fine-tuning seed): H of the method's base and new accuracy,
+each averaged over the five base-to-new datasets, minus the same for its baseline.  Interval: a
+two-level percentile bootstrap (resample worlds, then the cells within each drawn world; 10,000 draws,
+fixed RNG seed), so that cells of one world, which share its CLIP and CHC, are not counted as
+independent.  A claim "holds" when the interval excludes zero.
+
+Cells share what does not depend on their settings: the world cache, the world's CHC folder, the
+meta-training runs of one (meta seed, query weight), and the feature cache (symlinks inside each
+cell folder).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from meta.cli_errors import run_cli
+from meta.fileio import write_json_atomic, write_text_atomic
+
+from .demo.pool import log
+from .demo.settings import METHOD_BY_KEY, PAIRS, DemoSettings
+from .demo.stages import check_settings, check_world, stage_chc, stage_eval, stage_meta, stage_world
+
+# The study's worlds: world seeds 0, 1, 2, 7 and world 13 with the noisy held-out style and the other
+# fifteen mixed classes (the five worlds of README's earlier tables).
+MIXED_13 = ("pentagon", "octagon", "trapezoid", "parallelogram", "kite", "ellipse", "teardrop", "semicircle",
+            "spiral", "flower", "bowtie", "chevron", "asterisk", "checkmark", "zigzag")
+WORLDS: dict[str, dict] = {
+    "0": {"world_seed": 0}, "1": {"world_seed": 1}, "2": {"world_seed": 2}, "7": {"world_seed": 7},
+    "13v": {"world_seed": 13, "world": (("holdout_style", "noisy"), ("mixed_classes", MIXED_13))},
+}
+META_SEEDS = (0, 1)
+BOOTSTRAP_DRAWS = 10_000
+
+# Rows of the study (PAIRS' GRAM rows and baselines) and of the sweep.
+STUDY_KEYS = tuple(dict.fromkeys(k for pair in PAIRS for k in pair))
+SWEEP_GRAM_KEYS = ("gram_coop", "gram_vpt", "unigram")
+BASELINE_OF = {"gram_coop": "coop", "gram_vpt": "vpt", "unigram": "joint"}
+# The switches tried on validation: regulation window (1 = per image; 20 = the meta-training support
+# size, 5 ways x 4 shots), launch step, weight of the before-adaptation query loss.
+SWEEP = {"reg_window": (1, 20), "launch": (False, True), "query_before_weight": (0.0, 1.0)}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One world, one meta-training seed and one setting of the switches."""
+
+    world: str
+    settings: DemoSettings
+
+    @property
+    def name(self) -> str:
+        s = self.settings
+        return (f"{s.eval_split}_seed{s.meta_seed}_w{s.reg_window}_launch{int(s.launch)}"
+                f"_qbw{s.query_before_weight:g}")
+
+
+def world_settings(world: str, base: DemoSettings) -> DemoSettings:
+    """``base`` on the study world ``world`` (a key of :data:`WORLDS`)."""
+    if world not in WORLDS:
+        raise ValueError(f"--worlds: unknown world {world!r}; known: {', '.join(WORLDS)}")
+    return replace(base, **WORLDS[world])
+
+
+def _link(link: Path, target: Path) -> None:
+    """``link`` -> ``target`` (relative symlink), created once; a real folder in its place is an error."""
+    target.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink():
+        return
+    if link.exists():
+        raise ValueError(f"{link}: expected a link to {target}, found a folder; delete it")
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(os.path.relpath(target, link.parent))
+
+
+def run_cell(cell: Cell, root: Path, keys: Sequence[str], world_root: Optional[Path] = None) -> list[dict]:
+    """Every stage of ``cell`` for the rows ``keys`` (cached); returns their base-to-new records."""
+    s = cell.settings
+    world_dir = root / f"world{cell.world}"
+    out = world_dir / cell.name
+    out.mkdir(parents=True, exist_ok=True)
+    check_settings(s, out)
+    world, weights, model, _ = stage_world(s, out, world_root)
+    check_world(out, world, weights)
+    _link(out / "chc", world_dir / "chc")
+    _link(out / "feature_cache", world_dir / "feature_cache")
+    _link(out / "meta", world_dir / f"meta_seed{s.meta_seed}_qbw{s.query_before_weight:g}")
+    stage_chc(world, weights, model, out, s)
+    variants = tuple(v for v in dict.fromkeys(METHOD_BY_KEY[k].variant for k in keys) if v)
+    inits = stage_meta(world, weights, model, out, s, names=variants)
+    return stage_eval(world, weights, model, inits, out, s, keys=tuple(keys))
+
+
+# ------------------------------------------------------------------------------ statistics
+def cell_h(records: Sequence[dict]) -> dict:
+    """``{(key, fine-tuning seed): (base, new, H)}``: base / new averaged over the datasets, then H."""
+    groups: dict = {}
+    for r in records:
+        groups.setdefault((r["key"], int(r["seed"])), []).append((float(r["base"]), float(r["new"])))
+    out = {}
+    for key, values in groups.items():
+        base = float(np.mean([b for b, _ in values]))
+        new = float(np.mean([n for _, n in values]))
+        out[key] = (base, new, 2 * base * new / (base + new) if base + new > 0 else 0.0)
+    return out
+
+
+def paired_differences(cells: dict, pairs: Sequence[tuple] = PAIRS) -> dict:
+    """``{(method, baseline): {world: [H(method) − H(baseline) per (meta seed, fine-tuning seed)]}}``.
+
+    ``cells``: ``{(world, meta seed): cell_h(...)}``; a pair is left out of a cell that lacks either row.
+    """
+    out: dict = {}
+    for (world, _), table in sorted(cells.items()):
+        seeds = sorted({seed for _, seed in table})
+        for method, base in pairs:
+            for seed in seeds:
+                if (method, seed) in table and (base, seed) in table:
+                    diff = table[(method, seed)][2] - table[(base, seed)][2]
+                    out.setdefault((method, base), {}).setdefault(world, []).append(diff)
+    return out
+
+
+def bootstrap_interval(groups: dict, draws: int = BOOTSTRAP_DRAWS, seed: int = 0, level: float = 0.95
+                       ) -> tuple[float, float, float]:
+    """Mean and two-level percentile bootstrap interval of the differences in ``groups`` ({group: [values]}).
+
+    Each draw resamples the groups (worlds) with replacement, then the values within each drawn group,
+    and takes the mean of all drawn values.  With one group only the second level remains.
+    """
+    values = [np.asarray(v, dtype=float) for v in groups.values() if len(v)]
+    if not values:
+        raise ValueError("bootstrap_interval: no values")
+    mean = float(np.mean(np.concatenate(values)))
+    rng = np.random.default_rng(seed)
+    stats = np.empty(draws)
+    n_groups = len(values)
+    for i in range(draws):
+        picked = rng.integers(n_groups, size=n_groups)
+        drawn = [values[g][rng.integers(len(values[g]), size=len(values[g]))] for g in picked]
+        stats[i] = np.mean(np.concatenate(drawn))
+    lo, hi = np.quantile(stats, [(1 - level) / 2, 1 - (1 - level) / 2])
+    return mean, float(lo), float(hi)
+
+
+def summarise(cells: dict, pairs: Sequence[tuple] = PAIRS) -> list[dict]:
+    """One row per pair: mean difference, 95 % interval, n, worlds, and whether the claim holds."""
+    rows = []
+    for (method, base), groups in paired_differences(cells, pairs).items():
+        mean, lo, hi = bootstrap_interval(groups)
+        rows.append({"method": method, "baseline": base, "label": METHOD_BY_KEY[method].label,
+                     "baseline_label": METHOD_BY_KEY[base].label, "mean_diff_H": round(mean, 3),
+                     "ci95": [round(lo, 3), round(hi, 3)], "n": sum(len(v) for v in groups.values()),
+                     "worlds": sorted(groups), "holds": ("better" if lo > 0 else "worse" if hi < 0 else "not shown")})
+    return rows
+
+
+def markdown(rows: Sequence[dict]) -> str:
+    lines = ["| method | baseline | mean ΔH | 95 % interval | n (worlds) | claim |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['label']} | {r['baseline_label']} | {r['mean_diff_H']:+.2f} | "
+                     f"[{r['ci95'][0]:+.2f}, {r['ci95'][1]:+.2f}] | {r['n']} ({', '.join(r['worlds'])}) | "
+                     f"{ {'better': 'holds: better', 'worse': 'holds: worse', 'not shown': 'not shown'}[r['holds']] } |")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------ commands
+def study(root: Path, worlds: Sequence[str], meta_seeds: Sequence[int], base: DemoSettings,
+          world_root: Optional[Path] = None) -> dict:
+    """The default pipeline on test splits for every (world, meta seed), meta seed by meta seed (every
+    world's first seed before any second one); ``results.json`` / ``.md`` are rewritten after every cell,
+    so a stopped study leaves the summary of the cells it finished."""
+    cells: dict = {}
+    seconds: dict = {}
+    result: dict = {}
+    for seed in meta_seeds:
+        for world in worlds:
+            t = time.time()
+            cell = Cell(world, replace(world_settings(world, base), meta_seed=seed, eval_split="test"))
+            log(f"study cell world {world}, meta seed {seed}: {cell.name}")
+            cells[(world, seed)] = cell_h(run_cell(cell, root, STUDY_KEYS, world_root))
+            seconds[f"{world}/{seed}"] = round(time.time() - t, 1)
+            result = _write_results(root, cells, seconds, base)
+    return result
+
+
+def _write_results(root: Path, cells: dict, seconds: dict, base: DemoSettings) -> dict:
+    """``results.json`` and ``results.md`` for the finished ``cells``."""
+    rows = summarise(cells)
+    result = {"pairs": rows, "cells": {f"{w}/{s}": {f"{k}/{fs}": v for (k, fs), v in t.items()}
+                                       for (w, s), t in cells.items()},
+              "seconds_per_cell_this_call": seconds,
+              "settings": {"reg_window": base.reg_window, "launch": base.launch,
+                           "query_before_weight": base.query_before_weight, "fine_tuning_seeds": list(base.seeds)},
+              "bootstrap": {"draws": BOOTSTRAP_DRAWS, "levels": ["world", "meta seed x fine-tuning seed"]}}
+    write_json_atomic(root / "results.json", result)
+    write_text_atomic(root / "results.md", markdown(rows))
+    return result
+
+
+def select(root: Path, worlds: Sequence[str], base: DemoSettings, world_root: Optional[Path] = None) -> dict:
+    """The validation sweep over :data:`SWEEP` (meta seed ``base.meta_seed``, val splits); writes
+    ``selection.json`` / ``selection.md`` and returns the chosen switches."""
+    combos = [dict(zip(SWEEP, values)) for values in itertools.product(*SWEEP.values())]
+    per_combo: dict = {}
+    for world in worlds:
+        ws = replace(world_settings(world, base), eval_split="val")
+        baseline = cell_h(run_cell(Cell(world, ws), root, tuple(BASELINE_OF.values()), world_root))
+        for combo in combos:
+            cell = Cell(world, replace(ws, **combo))
+            log(f"select: world {world} {cell.name}")
+            table = {**baseline, **cell_h(run_cell(cell, root, SWEEP_GRAM_KEYS, world_root))}
+            per_combo.setdefault(cell.name.split("_", 2)[2], {})[(world, ws.meta_seed)] = (combo, table)
+    rows = []
+    for name, by_world in per_combo.items():
+        combo = next(iter(by_world.values()))[0]
+        cells = {w: t for w, (_, t) in by_world.items()}
+        diffs = paired_differences(cells, tuple(BASELINE_OF.items()))
+        means = {m: float(np.mean([d for v in g.values() for d in v])) for (m, _), g in diffs.items()}
+        per_world = {w: {m: round(float(np.mean(g[w])), 3) for (m, _), g in diffs.items() if w in g}
+                     for w in sorted({w for g in diffs.values() for w in g})}
+        rows.append({**combo, "name": name, "val_diff_H": {k: round(v, 3) for k, v in means.items()},
+                     "val_diff_H_per_world": per_world,
+                     "mean_val_diff_H": round(float(np.mean(list(means.values()))), 3)})
+    rows.sort(key=lambda r: -r["mean_val_diff_H"])
+    chosen = {k: rows[0][k] for k in SWEEP}
+    (root / "selection.json").write_text(json.dumps({"rows": rows, "chosen": chosen, "worlds": list(worlds),
+                                                     "split": "val", "seeds": list(base.seeds)}, indent=1))
+    lines = ["| window | launch | query weight | CoOp + GRAM − CoOp | VPT + GRAM − VPT | UNIGRAM − joint | mean |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        d = r["val_diff_H"]
+        lines.append(f"| {r['reg_window']} | {'on' if r['launch'] else 'off'} | {r['query_before_weight']:g} | "
+                     f"{d.get('gram_coop', float('nan')):+.2f} | {d.get('gram_vpt', float('nan')):+.2f} | "
+                     f"{d.get('unigram', float('nan')):+.2f} | {r['mean_val_diff_H']:+.2f} |")
+    worlds_seen = sorted({w for r in rows for w in r["val_diff_H_per_world"]})
+    lines += ["", "Per world (mean of the three paired differences):", "",
+              "| window | launch | query weight | " + " | ".join(f"world {w}" for w in worlds_seen) + " |",
+              "| --- | --- | --- | " + " | ".join("---" for _ in worlds_seen) + " |"]
+    for r in rows:
+        per = r["val_diff_H_per_world"]
+        cells = [f"{np.mean(list(per[w].values())):+.2f}" if w in per else "-" for w in worlds_seen]
+        lines.append(f"| {r['reg_window']} | {'on' if r['launch'] else 'off'} | {r['query_before_weight']:g} | "
+                     + " | ".join(cells) + " |")
+    (root / "selection.md").write_text("\n".join(lines) + "\n")
+    return chosen
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m gram_world.study", description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=("run", "select"))
+    parser.add_argument("--worlds", nargs="+", default=list(WORLDS), help=f"study worlds ({', '.join(WORLDS)})")
+    parser.add_argument("--meta-seeds", type=int, nargs="+", default=list(META_SEEDS))
+    parser.add_argument("--seeds", type=int, nargs="+", help="fine-tuning seeds (default: the demo's 1 2 3; "
+                        "select: 1 2)")
+    parser.add_argument("--out", default="", help="study folder (default output/study or output/select)")
+    parser.add_argument("--jobs", type=int, help="worker processes")
+    parser.add_argument("--quick", action="store_true", help="the demo's --quick settings (a smoke test)")
+    parser.add_argument("--debug", action="store_true")
+    return parser
+
+
+def main(argv: Optional[list] = None) -> int:
+    return run_cli(_main, argv)
+
+
+def _main(argv: list) -> int:
+    args = _parser().parse_args(argv)
+    base = DemoSettings.preset(args.quick)
+    if args.jobs:
+        base = replace(base, jobs=args.jobs)
+    for w in args.worlds:
+        world_settings(w, base)
+    t = time.time()
+    if args.command == "run":
+        base = replace(base, seeds=tuple(args.seeds or base.seeds))
+        root = Path(args.out or "output/study")
+        result = study(root, args.worlds, args.meta_seeds, base)
+        print((root / "results.md").read_text(), end="")
+        print(f"study: {len(result['cells'])} cells in {root}; this call took {time.time() - t:.0f} s")
+    else:
+        base = replace(base, seeds=tuple(args.seeds or base.seeds[:2]))
+        root = Path(args.out or "output/select")
+        chosen = select(root, args.worlds, base)
+        print((root / "selection.md").read_text(), end="")
+        print(f"select: chosen {chosen}; this call took {time.time() - t:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
