@@ -36,7 +36,7 @@ from typing import Optional
 
 from gram_tools.chc_growth import extrapolate_seconds
 from gram_tools.realsize import DEFAULT_OUT as DEFAULT_FIGURES
-from gram_tools.realsize import learner_of
+from gram_tools.realsize import LEARNERS, learner_of
 
 DEFAULT_GPU_FIGURES = "docs/gpu_figures.json"
 DEFAULT_CHC_FIGURES = "docs/chc_growth_cpu.json"
@@ -99,7 +99,11 @@ def meta_plan(cfg, figures: dict, figures_path: str, gpu_figures: Optional[dict]
               gpus: int, gpu_tflops: float, margin: float) -> dict:
     """Memory, fit and hours of ``cfg``'s meta-training (see module docstring); a JSON-ready dict."""
     p = cfg.META.PROMPT
-    learner = learner_of(int(p.N_CTX_TEXT), int(p.N_CTX_VISION), int(p.VISION_DEPTH))
+    learner = learner_of(int(p.N_CTX_TEXT), int(p.N_CTX_VISION), int(p.VISION_DEPTH), int(p.get("TEXT_DEPTH", 1)),
+                         str(p.get("COUPLING", "none")))
+    if learner not in LEARNERS:
+        raise PlanError(f"META.PROMPT: learner {learner!r} (deep text prompts / MaPLe coupling) "
+                        f"has no real-size figures: gram_tools.realsize does not measure it yet")
     pretrain = str(cfg.META.MODE) == "pretrain"
     mode = "finetune" if pretrain else ("first" if cfg.META.FIRST_ORDER else "second")
     fits = figures.get("fits", {})

@@ -67,12 +67,21 @@ MIB = 2 ** 20
 SUBPROCESS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
-def learner_of(n_ctx_text: int, n_ctx_vision: int, vision_depth: int) -> str:
-    """The :data:`LEARNERS` row measuring a prompt shape (depth > 1 is deep VPT, measured at full depth)."""
+def learner_of(n_ctx_text: int, n_ctx_vision: int, vision_depth: int, text_depth: int = 1,
+               coupling: str = "none") -> str:
+    """The :data:`LEARNERS` row measuring a prompt shape (depth 0 or > 1 is deep VPT, measured at full depth).
+
+    Deep text prompts (``TEXT_DEPTH`` != 1: IVLP) and MaPLe coupling have no row (not measured): ``"ivlp"``
+    or ``"maple"``, which the planner refuses in one line rather than answering with another learner's figures.
+    """
+    if coupling != "none":
+        return "maple"
+    if text_depth != 1:
+        return "ivlp"
     if n_ctx_vision <= 0:
         return "coop"
     if n_ctx_text <= 0:
-        return "vpt" if vision_depth <= 1 else "vpt_deep"
+        return "vpt" if vision_depth == 1 else "vpt_deep"     # VISION_DEPTH 0 = every layer (meta/config.py)
     return "unigram"
 
 

@@ -263,3 +263,19 @@ def test_chc_extrapolation_is_never_below_linear_growth():
     assert index["target_seconds"] == pytest.approx(120.0 * 10)          # 120 s at 1e5 items, x 10
     short = g["assign_nearest_centroid"]                                  # under 1 s of wall time: wall seconds
     assert short["time"] == "seconds" and short["seconds"] == [0.5, 0.5] and short["target_seconds"] == 5.0
+
+
+def test_unmeasured_prompt_shapes_are_refused(tmp_path, capsys):
+    # IVLP (deep text and vision prompts) and MaPLe (coupled prompts) have no real-size row: one line, exit 2,
+    # never another learner's figures
+    from gram_tools.realsize import learner_of
+
+    assert learner_of(2, 2, 0, 0, "none") == "ivlp" and learner_of(2, 0, 1, 9, "maple") == "maple"
+    assert learner_of(4, 0, 1) == "coop" and learner_of(2, 2, 1) == "unigram" and learner_of(0, 2, 0) == "vpt_deep"
+    paths = _figures(tmp_path)
+    for config, name in (("configs/meta/train_ivlp.yaml", "'ivlp'"), ("configs/meta/train_maple.yaml", "'maple'")):
+        argv = ["--config-file", config, "--figures", str(paths["figures"]), "--gpu-figures", "absent.json",
+                "--chc-figures", "absent.json"]
+        assert plan.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and name in err and "META.PROMPT" in err
