@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .blocks import block_forward
@@ -34,6 +35,24 @@ def _check_supported(visual: nn.Module) -> None:
         raise NotImplementedError("visual prompts need ln_post before pooling (final_ln_after_pool=False)")
     if getattr(visual, "pool_type", "tok") != "tok":
         raise NotImplementedError(f"visual prompts need CLS-token pooling, tower uses {visual.pool_type!r}")
+
+
+def _ln_pre(ln: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``ln(x)``; under autocast, in float32 with autocast off and the float32 result kept.
+
+    The shallow prompt tokens enter ``ln_pre`` with a small spread (N(0, 0.02²) or the patch-mean
+    token), so its inverse standard deviation is large.  Under fp16 autocast, open_clip's LayerNorm
+    (float32 inside, output cast back to fp16) gave NaN in ``NativeLayerNormBackwardBackward0``, the
+    double backward the second-order meta-gradient takes through it (UNIGRAM, ViT-B/16, CPU; the tiny
+    test CLIP with prompts of std <= 0.02): ``tests/test_precision.py``.
+    """
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type) or not isinstance(ln, nn.LayerNorm):
+        return ln(x)
+    with torch.autocast(device_type=device_type, enabled=False):
+        weight = None if ln.weight is None else ln.weight.float()
+        bias = None if ln.bias is None else ln.bias.float()
+        return F.layer_norm(x.float(), ln.normalized_shape, weight, bias, ln.eps)
 
 
 def encode_image_with_prompts(
@@ -67,7 +86,7 @@ def encode_image_with_prompts(
     x = torch.cat([cls, x], dim=1) + visual.positional_embedding.to(x.dtype)  # [B, 1+g*g, d_v]
     prompts = vpt.to(x.dtype)
     x = torch.cat([x, prompts[0].unsqueeze(0).expand(batch, -1, -1)], dim=1)  # [B, 1+g*g+n, d_v]
-    x = visual.ln_pre(x)
+    x = _ln_pre(visual.ln_pre, x)
     n_keep = x.shape[1] - n_prompt
     blocks = visual.transformer.resblocks
     cls_row = torch.zeros(batch, dtype=torch.long, device=x.device)

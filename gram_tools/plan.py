@@ -1,0 +1,270 @@
+"""What a meta-training config will cost: ``python -m gram_tools.plan --config-file configs/meta/train_vpt.yaml``.
+
+Reads the config (``meta.config.load_meta_cfg``) and the measured figures:
+
+* ``--figures`` (default ``docs/realsize_cpu.json``, written by :mod:`gram_tools.realsize`): per learner
+  the fitted lines ``peak MiB = a + b_s * s + b_q * q`` and ``GFLOP = ...`` of one meta-task on ``s`` support
+  and ``q`` query images (and ``a + b * batch`` for a plain step), measured on a CPU at real size;
+* ``--gpu-figures`` (default ``docs/gpu_figures.json`` when it exists, written by ``scripts/gpu_check.sh``
+  through ``python -m gram_tools.bench --device cuda``): measured GPU seconds per outer step and CHC
+  images per second;
+* ``--chc-figures`` (default ``docs/chc_growth_cpu.json``, :mod:`gram_tools.chc_growth`): each CHC stage's
+  growth law.
+
+Prints, each figure labelled ``measured`` or ``estimated`` with its source:
+
+* peak memory of one task (tasks run one after another, each freed before the next: ``meta.gram``) plus
+  the frozen CLIP's weights, whether it fits ``--gpu-memory-gib`` (with ``--margin`` kept free for the CUDA
+  allocator and cuBLAS workspaces, which a CPU measurement does not see), and the largest
+  ``TASKS.N_SUPPORT`` (query fixed) and ``TASKS.N_QUERY`` (support fixed) that fit;
+* hours for ``META.STEPS`` outer steps of ``META.META_BATCH`` tasks on ``--gpus`` GPUs (tasks sharded,
+  the slowest rank holds ``ceil(B / GPUs)`` tasks): from the GPU figures when they exist for this learner and task size, else
+  FLOPs / (``--gpu-tflops`` x GPUs), an assumed sustained throughput;
+* CHC over ``--pairs`` pairs: CPU hours per stage from the growth laws, the image-feature stage from the
+  GPU figures or the image tower's FLOPs.
+
+The last stdout line is the JSON of everything printed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Optional
+
+from gram_tools.chc_growth import extrapolate_seconds
+from gram_tools.realsize import DEFAULT_OUT as DEFAULT_FIGURES
+from gram_tools.realsize import LEARNERS, learner_of
+
+DEFAULT_GPU_FIGURES = "docs/gpu_figures.json"
+DEFAULT_CHC_FIGURES = "docs/chc_growth_cpu.json"
+# Assumed sustained throughput of one GPU (TFLOP/s) when no GPU figures exist: the meta-training runs fp32
+# by default and PyTorch does not use TF32 for fp32 matmuls unless asked (torch.backends.cuda.matmul.allow_tf32
+# is False by default), so the ceiling is an H100 SXM's FP32 peak of 67 TFLOP/s (NVIDIA H100 Tensor Core GPU
+# datasheet); ~45 % of it sustained is our guess, stated with every figure it produces.
+DEFAULT_GPU_TFLOPS = 30.0
+UNBOUNDED = "unbounded (the peak does not grow with it)"
+GIB_MIB = 1024.0
+
+
+class PlanError(ValueError):
+    """A figures file that cannot answer the question; the message names the file and what is missing."""
+
+
+def line_value(fit: dict, xs: list[float]) -> float:
+    """``intercept + sum(slopes * xs)`` of one fitted line (``{"intercept", "slopes"}``).
+
+    A line over ``max(support, query)`` (first-order peaks) takes the larger of the two ``xs``.
+    """
+    if fit.get("variables") == ["max(support, query)"]:
+        xs = [max(xs)]
+    if len(fit["slopes"]) != len(xs):
+        raise PlanError(f"a fitted line has {len(fit['slopes'])} slopes, {len(xs)} variables given")
+    return fit["intercept"] + sum(b * x for b, x in zip(fit["slopes"], xs))
+
+
+def largest_fitting(fit: dict, xs: list[float], index: int, budget: float, step: float = 1.0) -> Optional[int]:
+    """Largest ``n`` >= 0 with ``line(xs with xs[index] = n * step) <= budget`` (``None`` if even n = 0 fails).
+
+    ``step`` converts the count (shots per class) into the variable (images): ``step = K``.
+    """
+    base = list(xs)
+    base[index] = 0.0
+    rest = line_value(fit, base)
+    if rest > budget:
+        return None
+    if fit.get("variables") == ["max(support, query)"]:
+        # the peak follows the larger pass: n may grow until its own pass alone reaches the budget
+        slope = fit["slopes"][0] * step
+        return sys.maxsize if slope <= 0 else int(math.floor((budget - fit["intercept"]) / slope))
+    slope = fit["slopes"][index] * step
+    if slope <= 0:
+        return sys.maxsize
+    return int(math.floor((budget - rest) / slope))
+
+
+def _read_json(path: str, what: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise PlanError(f"{path}: no such file ({what})")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as err:
+        raise PlanError(f"{path}: not JSON ({err.msg}, line {err.lineno})") from None
+
+
+def meta_plan(cfg, figures: dict, figures_path: str, gpu_figures: Optional[dict], gpu_memory_gib: float,
+              gpus: int, gpu_tflops: float, margin: float) -> dict:
+    """Memory, fit and hours of ``cfg``'s meta-training (see module docstring); a JSON-ready dict."""
+    p = cfg.META.PROMPT
+    learner = learner_of(int(p.N_CTX_TEXT), int(p.N_CTX_VISION), int(p.VISION_DEPTH), int(p.get("TEXT_DEPTH", 1)),
+                         str(p.get("COUPLING", "none")))
+    if learner not in LEARNERS:
+        raise PlanError(f"META.PROMPT: learner {learner!r} (deep text prompts / MaPLe coupling) "
+                        f"has no real-size figures: gram_tools.realsize does not measure it yet")
+    pretrain = str(cfg.META.MODE) == "pretrain"
+    mode = "finetune" if pretrain else ("first" if cfg.META.FIRST_ORDER else "second")
+    fits = figures.get("fits", {})
+    if learner not in fits or mode not in fits[learner]:
+        raise PlanError(f"{figures_path}: no fitted line for learner {learner!r} mode {mode!r} "
+                        f"(run python -m gram_tools.realsize --learners {learner} --modes {mode})")
+    fit = fits[learner][mode]
+    k = int(cfg.TASKS.K_WAY)
+    inner = int(cfg.META.INNER_STEPS)
+    if pretrain:   # the text side was measured at K_WAY classes; PRETRAIN.WAYS 0 (all topics) costs more
+        xs = [float(cfg.META.PRETRAIN.BATCH_SIZE)]
+        tasks_per_step = 1
+    else:
+        xs = [float(k * cfg.TASKS.N_SUPPORT * inner), float(k * cfg.TASKS.N_QUERY)]
+        tasks_per_step = int(cfg.META.META_BATCH)
+    model_mib = float(figures.get("settings", {}).get("model_mib") or 0.0)
+    src = (f"measured on CPU, {figures.get('settings', {}).get('model', '?')} random weights, "
+           f"line fitted to {fit['points']} sizes ({figures_path})")
+    task_mib = line_value(fit["peak_mib"], xs)
+    peak_mib = task_mib + model_mib
+    budget = gpu_memory_gib * GIB_MIB * (1.0 - margin) - model_mib
+    out: dict = {
+        "learner": learner, "mode": mode, "way": k, "inner_steps": inner,
+        "images": dict(zip(fit["variables"], xs)),
+        "task_peak_gib": {"value": round(task_mib / GIB_MIB, 3), "how": "estimated: " + src + (
+            "; support images x INNER_STEPS (measured at one inner step)" if inner > 1 else "")},
+        "weights_gib": {"value": round(model_mib / GIB_MIB, 3), "how": f"measured: parameter bytes ({figures_path})"},
+        "peak_gib": {"value": round(peak_mib / GIB_MIB, 3), "how": "estimated: task peak + weights"},
+        "gpu_memory_gib": gpu_memory_gib, "margin": margin,
+        "fits": bool(task_mib <= budget),
+    }
+    if not pretrain:
+        for key, index, step in (("largest_n_support", 0, k * inner), ("largest_n_query", 1, k)):
+            n = largest_fitting(fit["peak_mib"], xs, index, budget, step=step)
+            out[key] = UNBOUNDED if n == sys.maxsize else n
+    steps = int(cfg.META.STEPS)
+    task_gflop = line_value(fit["gflops"], xs)
+    step_gflop = tasks_per_step * task_gflop
+    # torchrun shards the B tasks of a step over the ranks (meta.metatrain.trainer): a step takes as long as
+    # the rank with the most tasks, ceil(B / GPUs); GPUs beyond B wait
+    per_rank = math.ceil(tasks_per_step / gpus)
+    out["step_gflop"] = {"value": round(step_gflop, 1), "how": "measured: FlopCounterMode on CPU, fitted line"}
+    gpu_row = _gpu_step_seconds(gpu_figures, learner, mode, cfg) if gpu_figures else None
+    if gpu_row is not None:
+        seconds, how = gpu_row
+        hours = steps * seconds * per_rank / tasks_per_step / 3600.0
+        out["hours"] = {"value": round(hours, 3), "how": f"{how}; x META.STEPS {steps} x ceil(B / GPUs) / B "
+                                                         f"= {per_rank}/{tasks_per_step} on {gpus} GPU(s)"}
+    else:
+        hours = steps * per_rank * task_gflop * 1e9 / (gpu_tflops * 1e12) / 3600.0
+        out["hours"] = {"value": round(hours, 3),
+                        "how": f"estimated: task FLOPs x ceil(B / GPUs) = {per_rank} tasks per GPU x META.STEPS {steps} / "
+                               f"{gpu_tflops:g} TFLOP/s per GPU (assumed)"}
+    if fit.get("seconds_per_gflop"):
+        cpu_s = step_gflop * fit["seconds_per_gflop"]
+        out["cpu_step_seconds"] = {"value": round(cpu_s, 2), "how": "estimated: step FLOPs x CPU seconds per GFLOP "
+                                   f"measured on a shared 2-core VM (one thread, load {fit.get('load_avg_1min_range')})"}
+    return out
+
+
+def _gpu_step_seconds(gpu: dict, learner: str, mode: str, cfg) -> Optional[tuple[float, str]]:
+    """Measured seconds per outer step from ``bench --device cuda`` figures, if they match the config's task."""
+    s = gpu.get("settings", {})
+    same = (s.get("way") == int(cfg.TASKS.K_WAY) and s.get("support_shots") == int(cfg.TASKS.N_SUPPORT)
+            and s.get("query_shots") == int(cfg.TASKS.N_QUERY) and s.get("meta_batch") == int(cfg.META.META_BATCH))
+    row = gpu.get("variants", {}).get(learner)
+    key = f"{mode}_order_step_s"
+    if not same or row is None or key not in row:
+        return None
+    return float(row[key]), f"measured: {s.get('gpu')} {s.get('autocast')} (gpu figures)"
+
+
+def chc_plan(chc: dict, chc_path: str, pairs: float, gpu_figures: Optional[dict], image_gflop: Optional[float],
+             gpus: int, gpu_tflops: float, fit_sample: int) -> dict:
+    """Per CHC stage: hours over ``pairs`` pairs, from the growth laws (CPU) and the image tower (GPU)."""
+    rows: dict = {}
+    for name, g in chc.get("growth", {}).items():
+        law = g.get("seconds_law")
+        if law is None or name in ("image_features", "filter"):
+            continue
+        items = pairs                       # one item per pair, the upper bound (gram_tools.chc_growth.fit_growth)
+        if name == "umap_hdbscan_fit":
+            items = min(items, fit_sample)
+        ext = extrapolate_seconds(law, g["items"][-1], g["seconds"][-1], items)
+        mem = g.get("rss_law")
+        rows[name] = {"items": round(items), "cpu_hours": round(ext["target_seconds"] / 3600.0, 3),
+                      "peak_rss_gib": None if mem is None else round((mem["intercept"] + mem["slope"] * items) / GIB_MIB, 2),
+                      "how": f"extrapolated: {'CPU' if g.get('time') == 'cpu_seconds' else 'wall'} seconds = "
+                             f"{law['c']:.3g} x items^{law['p']:.2f}, fitted to {g['items']} items measured on one "
+                             f"CPU thread ({chc_path}); {ext['extrapolation']}"}
+    images = pairs
+    if gpu_figures and gpu_figures.get("chc_images_per_s"):
+        rate = float(gpu_figures["chc_images_per_s"])
+        rows["image_features"] = {"items": round(images), "gpu_hours": round(images / rate / 3600.0 / gpus, 3),
+                                  "how": f"measured: {rate} images/s on {gpu_figures.get('settings', {}).get('gpu')} "
+                                         f"(gpu figures), / {gpus} GPU(s); JPEG decoding not included"}
+    elif image_gflop:
+        hours = images * image_gflop * 1e9 / (gpu_tflops * 1e12 * gpus) / 3600.0
+        rows["image_features"] = {"items": round(images), "gpu_hours": round(hours, 3),
+                                  "how": f"estimated: {image_gflop:.1f} GFLOP per image (FlopCounterMode) / "
+                                         f"({gpu_tflops:g} TFLOP/s assumed x {gpus} GPU(s)); JPEG decoding not included"}
+    return rows
+
+
+def _image_gflop(figures: dict) -> Optional[float]:
+    fit = figures.get("fits", {}).get("coop", {}).get("encode")
+    return None if fit is None else float(fit["gflops"]["slopes"][0])
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from meta.cli_errors import UserError
+    from meta.config import load_meta_cfg
+
+    ap = argparse.ArgumentParser(prog="python -m gram_tools.plan", description=__doc__.splitlines()[0])
+    ap.add_argument("--config-file", required=True, help="a meta-training config (configs/meta/train_*.yaml)")
+    ap.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--gpu-tflops", type=float, default=DEFAULT_GPU_TFLOPS,
+                    help="assumed sustained TFLOP/s per GPU when no GPU figures exist")
+    ap.add_argument("--margin", type=float, default=0.1, help="fraction of GPU memory kept free")
+    ap.add_argument("--pairs", type=float, default=3.1e6, help="CHC corpus size (CC3M: 3.1e6)")
+    ap.add_argument("--figures", default=DEFAULT_FIGURES)
+    ap.add_argument("--gpu-figures", default=DEFAULT_GPU_FIGURES)
+    ap.add_argument("--chc-figures", default=DEFAULT_CHC_FIGURES)
+    ap.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE config overrides")
+    args = ap.parse_args(argv)
+    if args.gpus < 1 or args.gpu_memory_gib <= 0 or args.gpu_tflops <= 0 or not 0 <= args.margin < 1:
+        print("error: --gpus >= 1, --gpu-memory-gib > 0, --gpu-tflops > 0 and 0 <= --margin < 1 expected", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_meta_cfg(args.config_file, args.opts)
+        figures = _read_json(args.figures, "real-size figures: python -m gram_tools.realsize")
+        gpu = _read_json(args.gpu_figures, "") if Path(args.gpu_figures).is_file() else None
+        result = {"config": args.config_file,
+                  "meta_training": meta_plan(cfg, figures, args.figures, gpu, args.gpu_memory_gib, args.gpus,
+                                             args.gpu_tflops, args.margin)}
+        if Path(args.chc_figures).is_file():
+            result["chc"] = chc_plan(_read_json(args.chc_figures, ""), args.chc_figures, args.pairs, gpu,
+                                     _image_gflop(figures), args.gpus, args.gpu_tflops, int(cfg.CHC.TOPICS.FIT_SAMPLE))
+    except (PlanError, UserError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    m = result["meta_training"]
+    print(f"{args.config_file}: learner {m['learner']}, {m['mode']}-order" if m["mode"] != "finetune"
+          else f"{args.config_file}: learner {m['learner']}, plain steps", flush=True)
+    print(f"  images per task: {m['images']}")
+    for key in ("task_peak_gib", "weights_gib", "peak_gib", "step_gflop", "hours", "cpu_step_seconds"):
+        if key not in m:
+            continue
+        print(f"  {key:18s} {m[key]['value']:>10}   ({m[key]['how']})")
+    print(f"  fits {args.gpu_memory_gib:g} GiB with {args.margin:.0%} kept free: {'yes' if m['fits'] else 'NO'}")
+    if "largest_n_support" in m:
+        print(f"  largest TASKS.N_SUPPORT that fits (query fixed): {m['largest_n_support']}; "
+              f"largest TASKS.N_QUERY (support fixed): {m['largest_n_query']}")
+    for name, row in result.get("chc", {}).items():
+        hours = row.get("cpu_hours", row.get("gpu_hours"))
+        unit = "CPU h" if "cpu_hours" in row else "GPU h"
+        print(f"  CHC {name:24s} {row['items']:>9} items {hours:>9} {unit}   ({row['how']})")
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,366 @@
+"""Real-size cost of every learner on this CPU: ``python -m gram_tools.realsize``.
+
+For each learner in :data:`LEARNERS` (CoOp with cached image features, VPT shallow and deep, UNIGRAM;
+a new learner is one more table entry), at the real architecture (default ViT-B-16, 224 px, random
+weights: memory and FLOPs do not depend on the weights) and the default config's ``TASKS.K_WAY``:
+
+* ``second`` / ``first``: one meta-task (clone θ, one regulated inner step on ``s`` support images,
+  query loss on ``q`` query images at θ', backward to θ and φ), second / first order;
+* ``finetune``: one Dassl-style fine-tuning step (forward + backward + SGD step on a batch of ``b``
+  images through the frozen towers; CoOp's image features are recomputed every step, as in CoOp);
+* ``encode``: the frozen image tower on a batch of ``b`` images without gradients (CHC's image-feature
+  stage; measured under the ``coop`` row, the prompts play no part).
+
+Every learner runs in a fresh subprocess (one thread, the CLIP built once) and each point reports
+
+* ``peak_mib``: the process's resident high-water mark during the step minus its resident size just
+  before (``VmHWM`` after resetting it through ``/proc/self/clear_refs``, minus ``VmRSS``), in MiB, the
+  largest over the timed steps (``peak_mib_runs`` lists the counted step first);
+* ``flops``: floating-point operations counted by ``torch.utils.flop_counter.FlopCounterMode``
+  (matrix products, convolutions and attention; elementwise ops are not counted);
+* ``saved_mib``: bytes autograd saved for backward (``saved_tensors_hooks``, each storage once), split
+  by tensor kind (tokens ``[n, L, d]``, MLP hidden ``[n, L, 4d]``, attention maps ``[n, H, L, L]``, other),
+  the hand count of what dominates, to be read against ``peak_mib``;
+* ``seconds``: median wall time of ``--repeats`` steps after the counted one, with the load average
+  (``os.getloadavg()``) before and after: the machine is shared, so times are inflated and noisy; the
+  fits therefore also give ``seconds_per_gflop`` (median over the points), the figure the planner uses.
+
+Then per learner and mode the least-squares line ``cost = a + b_s * s + b_q * q`` (meta-tasks) or
+``a + b * batch`` (fine-tuning) for memory, FLOPs and seconds, with the largest residual; the
+first-order peak is fitted as ``a + b * max(s, q)`` (its support graph is freed before the query pass).  Human
+lines first, the JSON last; ``--out`` writes the same JSON (read by :mod:`gram_tools.plan`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from gram_tools.bench_gpu import VARIANTS
+
+# learner -> PromptSpec keyword arguments; "images" False = cached image features in meta-tasks.
+# VPT deep puts prompts in every block of ViT-B/16 (VPT-deep's layout, Jia et al. ECCV 2022 section 3.2).
+LEARNERS: dict[str, dict] = {
+    "coop": {"spec": VARIANTS["coop"], "images": False},
+    "vpt": {"spec": {**VARIANTS["vpt"], "vision_depth": 1}, "images": True},
+    "vpt_deep": {"spec": {**VARIANTS["vpt"], "vision_depth": 12}, "images": True},
+    "unigram": {"spec": VARIANTS["unigram"], "images": True},
+}
+MODES = ("second", "first", "finetune", "encode")   # encode: CHC's image features (no grad), learner-free
+DEFAULT_META_SIZES = ((1, 1), (2, 1), (1, 2), (2, 2))   # (support images, query images)
+DEFAULT_FT_BATCHES = (1, 2, 4)
+DEFAULT_OUT = "docs/realsize_cpu.json"
+MIB = 2 ** 20
+# One thread; a fixed glibc mmap threshold, so every tensor above 64 KiB is mapped on allocation and
+# unmapped when freed: resident size then follows live tensors (no heap retention between steps).
+SUBPROCESS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+def learner_of(n_ctx_text: int, n_ctx_vision: int, vision_depth: int, text_depth: int = 1,
+               coupling: str = "none") -> str:
+    """The :data:`LEARNERS` row measuring a prompt shape (depth 0 or > 1 is deep VPT, measured at full depth).
+
+    Deep text prompts (``TEXT_DEPTH`` != 1: IVLP) and MaPLe coupling have no row (not measured): ``"ivlp"``
+    or ``"maple"``, which the planner refuses in one line rather than answering with another learner's figures.
+    """
+    if coupling != "none":
+        return "maple"
+    if text_depth != 1:
+        return "ivlp"
+    if n_ctx_vision <= 0:
+        return "coop"
+    if n_ctx_text <= 0:
+        return "vpt" if vision_depth == 1 else "vpt_deep"     # VISION_DEPTH 0 = every layer (meta/config.py)
+    return "unigram"
+
+
+# ----------------------------------------------------------------------------- one point (subprocess)
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_hwm() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_mib(fn: Callable[[], None]) -> float:
+    """Resident high-water mark during ``fn()`` above the resident size before it (MiB; Linux)."""
+    if not _reset_hwm():
+        raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs): Linux >= 4.0 needed")
+    before = _status_kib("VmRSS")
+    fn()
+    return (_status_kib("VmHWM") - before) / 1024
+
+
+def tensor_kind(shape: Sequence[int], length: int, width: int) -> str:
+    """Coarse class of a saved activation of a transformer with ``length`` tokens of ``width``."""
+    if len(shape) >= 2 and shape[-1] == shape[-2] == length:
+        return "attention maps [n,H,L,L]"
+    if len(shape) >= 2 and shape[-2] == length and shape[-1] == 4 * width:
+        return "mlp hidden [n,L,4d]"
+    if len(shape) >= 2 and shape[-2] == length and shape[-1] in (width, 3 * width):
+        return "tokens / qkv [n,L,d|3d]"
+    return "other"
+
+
+class SavedTensors:
+    """``saved_tensors_hooks`` that add up each saved storage once, by :func:`tensor_kind`."""
+
+    def __init__(self, length: int, width: int, frozen: Sequence[torch.Tensor] = ()):
+        self.length, self.width = length, width
+        self.seen: set = {(p.untyped_storage().data_ptr(), p.untyped_storage().nbytes()) for p in frozen}
+        self.bytes: dict[str, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key not in self.seen:
+            self.seen.add(key)
+            kind = tensor_kind(tuple(t.shape), self.length, self.width)
+            self.bytes[kind] = self.bytes.get(kind, 0) + storage.nbytes()
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+def measure_learner(learner: str, grid: Sequence[tuple[str, int, int]], model: str = "ViT-B-16",
+                    way: Optional[int] = None, repeats: int = 2) -> list[dict]:
+    """Cost of one step of ``learner`` for each ``(mode, support, query)`` of ``grid`` (module docstring).
+
+    Run in a fresh process: the frozen CLIP is built once, then every point is measured in turn (the
+    fixed mmap threshold of :data:`SUBPROCESS_ENV` returns each step's memory before the next).
+    """
+    from meta.backbone import load_clip
+    from meta.config import get_meta_cfg_default
+
+    torch.manual_seed(0)
+    way = int(get_meta_cfg_default().TASKS.K_WAY) if way is None else way
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        clip, dims = load_clip(model, pretrained=None)
+    model_mib = sum(t.numel() * t.element_size() for t in [*clip.parameters(), *clip.buffers()]) / MIB
+    out = []
+    for mode, n_support, n_query in grid:
+        row = _measure(clip, dims, learner, mode, n_support, n_query, way, repeats)
+        out.append({**row, "model": model, "way": way, "image_size": dims.image_size,
+                    "model_mib": round(model_mib, 1), "threads": torch.get_num_threads()})
+    return out
+
+
+def _measure(clip, dims, learner: str, mode: str, n_support: int, n_query: int, way: int, repeats: int) -> dict:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from meta.gram import GRAMMetaLearner, MetaSpec, TaskBatch
+    from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+
+    row = LEARNERS[learner]
+    spec = PromptSpec(**row["spec"])
+    names = [f"class {i}" for i in range(way)]
+    gen = torch.Generator().manual_seed(0)
+    cached = mode in ("second", "first") and not row["images"]
+
+    def batch(n: int) -> dict:
+        out = {"classnames": names, "label": torch.arange(n) % way}
+        if cached:
+            out["features"] = torch.nn.functional.normalize(torch.randn(n, dims.embed_dim, generator=gen), dim=-1)
+        else:
+            out["images"] = torch.randn(n, 3, dims.image_size, dims.image_size, generator=gen)
+        return out
+
+    theta = PromptParams.from_spec(spec, clip, dims, generator=torch.Generator().manual_seed(1))
+    loss_fn = classification_loss(PromptedCLIP(clip, dims, theta.n_ctx_text, template=spec.template))
+    if mode == "encode":
+        data = batch(n_support)["images"]
+
+        def step() -> None:
+            with torch.no_grad():
+                clip.encode_image(data)
+    elif mode == "finetune":
+        data = batch(n_support)
+        optim = torch.optim.SGD(theta.parameters(), lr=0.002, momentum=0.9)
+
+        def step() -> None:
+            optim.zero_grad(set_to_none=True)
+            loss_fn(theta, data)[0].backward()
+            optim.step()
+    else:
+        ml = GRAMMetaLearner(theta, MetaSpec(first_order=mode == "first"))
+        task = [TaskBatch(batch(n_support), batch(n_query))]
+
+        def step() -> None:
+            ml.accumulate(task, loss_fn)
+
+    saved = SavedTensors(dims.num_patches + 1 + spec.n_ctx_vision, dims.vision_width,
+                         [*clip.parameters(), *clip.buffers()])
+    counter = FlopCounterMode(display=False)
+
+    def counted() -> None:
+        # nn.MultiheadAttention's fused fast path (frozen weights, eval mode: open_clip's own towers) is an
+        # op FlopCounterMode does not count; the counted step runs the unfused path, the same products
+        fast = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            with counter, saved.hooks():
+                step()
+        finally:
+            torch.backends.mha.set_fastpath_enabled(fast)
+
+    peaks = [peak_mib(counted)]
+    times, loads = [], [os.getloadavg()[0]]
+    for _ in range(repeats):
+        start = time.perf_counter()
+        peaks.append(peak_mib(step))
+        times.append(time.perf_counter() - start)
+    loads.append(os.getloadavg()[0])
+    return {"learner": learner, "mode": mode, "support": n_support, "query": n_query if mode in ("second", "first") else 0,
+            "peak_mib": round(max(peaks[1:] or peaks), 1), "peak_mib_runs": [round(p, 1) for p in peaks],
+            "flops": int(counter.get_total_flops()),
+            "saved_mib": {k: round(v / MIB, 1) for k, v in sorted(saved.bytes.items())},
+            "seconds": round(statistics.median(times), 3) if times else None, "repeats": repeats,
+            "load_avg_1min": [round(x, 2) for x in loads]}
+
+
+# ----------------------------------------------------------------------------- fits
+def fit_line(xs: np.ndarray, y: np.ndarray) -> dict:
+    """Least squares ``y = a + xs @ b``; ``xs`` is ``[n_points, n_vars]``.  Returns a, b, largest residual."""
+    design = np.hstack([np.ones((xs.shape[0], 1)), xs])
+    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+    resid = y - design @ coef
+    return {"intercept": float(coef[0]), "slopes": [float(c) for c in coef[1:]],
+            "max_abs_residual": float(np.abs(resid).max())}
+
+
+def fit_points(points: list[dict]) -> dict:
+    """Per (learner, mode): lines for peak MiB, GFLOPs and seconds against support (and query) images."""
+    fits: dict = {}
+    for learner in dict.fromkeys(p["learner"] for p in points):
+        for mode in MODES:
+            rows = [p for p in points if p["learner"] == learner and p["mode"] == mode]
+            if not rows:
+                continue
+            cols = ["support", "query"] if mode in ("second", "first") else ["support"]
+            xs = np.array([[p[c] for c in cols] for p in rows], dtype=float)
+            if np.linalg.matrix_rank(np.hstack([np.ones((len(rows), 1)), xs])) < len(cols) + 1:
+                continue
+            entry = {"variables": cols if len(cols) == 2 else ["batch"], "points": len(rows)}
+            for name, key, scale in (("peak_mib", "peak_mib", 1.0), ("gflops", "flops", 1e-9),
+                                     ("seconds", "seconds", 1.0)):
+                ys = np.array([p[key] * scale for p in rows], dtype=float)
+                x = xs
+                if name == "peak_mib" and mode == "first":
+                    # first order frees the support graph after the inner step: the peak is the larger pass
+                    x = xs.max(axis=1, keepdims=True)
+                line = {k: (round(v, 4) if isinstance(v, float) else [round(s, 4) for s in v])
+                        for k, v in fit_line(x, ys).items()}
+                if x is not xs:
+                    line["variables"] = ["max(support, query)"]
+                entry[name] = line
+            # single timings on a loaded machine are too noisy for a line in three variables; time is
+            # proportional to the counted FLOPs, so the time figure is seconds per GFLOP (median of the points)
+            per = [p["seconds"] / (p["flops"] * 1e-9) for p in rows if p["seconds"] and p["flops"]]
+            entry["seconds_per_gflop"] = round(statistics.median(per), 5) if per else None
+            loads = [x for p in rows for x in p["load_avg_1min"]]
+            entry["load_avg_1min_range"] = [min(loads), max(loads)]
+            entry["repeats"] = rows[0]["repeats"]
+            fits.setdefault(learner, {})[mode] = entry
+    return fits
+
+
+# ----------------------------------------------------------------------------- driver
+def _run_learner(args: argparse.Namespace, learner: str, grid: list[tuple[str, int, int]]) -> list[dict]:
+    cmd = [sys.executable, "-m", "gram_tools.realsize", "--one", learner, json.dumps(grid),
+           "--model", args.model, "--repeats", str(args.repeats)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **SUBPROCESS_ENV})
+    if proc.returncode != 0:
+        raise RuntimeError(f"{learner}: subprocess failed: {proc.stderr.strip().splitlines()[-1:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gram_tools.realsize", description=__doc__.splitlines()[0])
+    parser.add_argument("--learners", nargs="*", default=list(LEARNERS), choices=list(LEARNERS))
+    parser.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--model", default="ViT-B-16")
+    parser.add_argument("--repeats", type=int, default=2, help="timed steps after the counted one")
+    parser.add_argument("--sizes", default=";".join(f"{s},{q}" for s, q in DEFAULT_META_SIZES),
+                        help="meta-task sizes 's,q;s,q;...' in images")
+    parser.add_argument("--batches", default=",".join(map(str, DEFAULT_FT_BATCHES)), help="fine-tuning batch sizes")
+    parser.add_argument("--out", default=DEFAULT_OUT, help="JSON file the planner reads ('' = none)")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the points of an existing --out file (a point measured again replaces its old one)")
+    parser.add_argument("--one", nargs=2, metavar=("LEARNER", "GRID"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        learner, grid = args.one[0], [tuple(g) for g in json.loads(args.one[1])]
+        if learner not in LEARNERS or any(g[0] not in MODES for g in grid):
+            print(f"error: --one: expected a learner in {list(LEARNERS)} and modes in {list(MODES)}", file=sys.stderr)
+            return 2
+        torch.set_num_threads(1)
+        print(json.dumps(measure_learner(learner, grid, args.model, repeats=args.repeats)))
+        return 0
+    try:
+        sizes = [tuple(int(v) for v in pair.split(",")) for pair in args.sizes.split(";") if pair]
+        batches = [int(v) for v in args.batches.split(",") if v]
+        assert all(len(p) == 2 for p in sizes)
+    except (ValueError, AssertionError):
+        print(f"error: --sizes 's,q;s,q' and --batches 'b,b' expected, got {args.sizes!r} / {args.batches!r}",
+              file=sys.stderr)
+        return 2
+    points = []
+    for learner in args.learners:
+        grid = [(mode, s, q) for mode in args.modes
+                for s, q in (sizes if mode in ("second", "first") else [(b, 0) for b in batches])]
+        if learner != "coop":
+            grid = [g for g in grid if g[0] != "encode"]      # the image tower alone: measured once
+        for p in _run_learner(args, learner, grid):
+            points.append(p)
+            print(f"{learner:9s} {p['mode']:8s} s={p['support']} q={p['query']}: peak {p['peak_mib']:8.1f} MiB  "
+                  f"{p['flops'] / 1e9:8.1f} GFLOP  {p['seconds']} s (load {p['load_avg_1min']})", flush=True)
+    if args.merge and args.out and Path(args.out).is_file():
+        new = {(p["learner"], p["mode"], p["support"], p["query"]) for p in points}
+        old = json.loads(Path(args.out).read_text())["points"]
+        points = [p for p in old if (p["learner"], p["mode"], p["support"], p["query"]) not in new] + points
+    result = {"points": points, "fits": fit_points(points),
+              "settings": {"model": args.model, "pretrained": None, "image_size": points[0]["image_size"] if points else None,
+                           "way": points[0]["way"] if points else None, "threads": 1, "repeats": args.repeats,
+                           "timing": "measured on a shared 2-core VM; median of repeats after one counted step",
+                           "memory": "VmHWM - VmRSS before the step (resident bytes, glibc allocator)",
+                           "flops": "torch.utils.flop_counter.FlopCounterMode (matmul/conv/attention only)",
+                           "model_mib": points[-1].get("model_mib") if points else None,
+                           "torch": torch.__version__, "python": platform.python_version(),
+                           "cpu": platform.processor() or platform.machine(),
+                           "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}
+    for learner, modes in result["fits"].items():
+        for mode, f in modes.items():
+            mem = f["peak_mib"]
+            print(f"fit {learner:9s} {mode:8s} peak MiB = {mem['intercept']:.0f} + "
+                  + " + ".join(f"{b:.0f} x {v}" for b, v in zip(mem["slopes"], f["variables"]))
+                  + f" (max residual {mem['max_abs_residual']:.0f}); GFLOP slopes {f['gflops']['slopes']}", flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The accelerator check, one command on a machine with a CUDA GPU:
+#   bash scripts/gpu_check.sh [output folder, default output/gpu_check]
+# 1. the gpu-marked tests (autocast meta-gradients vs fp32, the fp16 GradScaler step, CHC features under
+#    autocast, the Dassl trainers' PREC fp16 / amp paths);
+# 2. python -m gram_tools.bench --device cuda in fp32 and under bf16 autocast (whole outer steps of CoOp, VPT
+#    and UNIGRAM at the default meta-training task size, peak GPU memory, CHC images per second);
+# 3. the figures file the planner reads: docs/gpu_figures.json (fp32) and docs/gpu_figures_bf16.json
+#    (python -m gram_tools.plan --gpu-figures docs/gpu_figures_bf16.json ...); FIGURES_DIR overrides docs.
+# Without CUDA it stops at once with one line on stderr (exit 2).  PYTHON overrides the interpreter
+# (default: .venv/bin/python when it exists, else python).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-}"
+if [[ -z "$PY" ]]; then
+  if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python; fi
+fi
+OUT="${1:-output/gpu_check}"
+if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "error: scripts/gpu_check.sh: CUDA is not available on this machine (torch.cuda.is_available() is False with $PY)" >&2
+  exit 2
+fi
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+FIG="${FIGURES_DIR:-docs}"
+mkdir -p "$OUT" "$FIG"
+"$PY" -m pytest -q -rs -m gpu tests 2>&1 | tee "$OUT/pytest_gpu.log"
+for mode in none bf16; do
+  "$PY" -m gram_tools.bench --device cuda --autocast "$mode" 2>&1 | tee "$OUT/bench_cuda_$mode.log"
+  tail -n 1 "$OUT/bench_cuda_$mode.log" > "$OUT/bench_cuda_$mode.json"
+  "$PY" -c "import json, sys; json.load(open(sys.argv[1]))" "$OUT/bench_cuda_$mode.json" \
+    || { echo "error: scripts/gpu_check.sh: the bench's last line is not JSON ($OUT/bench_cuda_$mode.log)" >&2; exit 1; }
+done
+cp "$OUT/bench_cuda_none.json" "$FIG/gpu_figures.json"
+cp "$OUT/bench_cuda_bf16.json" "$FIG/gpu_figures_bf16.json"
+echo "wrote $FIG/gpu_figures.json (fp32) and $FIG/gpu_figures_bf16.json (bf16); plan with:"
+echo "  $PY -m gram_tools.plan --config-file configs/meta/train_unigram.yaml --gpus 1"
