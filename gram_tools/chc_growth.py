@@ -32,6 +32,8 @@ from typing import Optional
 
 import numpy as np
 
+from meta.fileio import write_json_atomic
+
 CC3M_PAIRS = 3.1e6
 DEFAULT_OUT = "docs/chc_growth_cpu.json"
 CONFIG = "configs/meta/chc_cc3m.yaml"
@@ -242,7 +244,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               if law else f"{name:26s} (no fit)", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+        write_json_atomic(args.out, result, indent=1)
     print(json.dumps(result, sort_keys=True))
     return 0
 

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from gram_tools.bench_gpu import VARIANTS
+from meta.fileio import write_json_atomic
 
 # learner -> PromptSpec keyword arguments; "images" False = cached image features in meta-tasks.
 # VPT deep puts prompts in every block of ViT-B/16 (VPT-deep's layout, Jia et al. ECCV 2022 section 3.2).
@@ -357,7 +358,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                   + f" (max residual {mem['max_abs_residual']:.0f}); GFLOP slopes {f['gflops']['slopes']}", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+        write_json_atomic(args.out, result, indent=1)
     print(json.dumps(result, sort_keys=True))
     return 0
 
