@@ -4,7 +4,7 @@ For one CLIP (default ViT-B-16 with random weights: the timings do not depend on
 meta-training config's task size (``TASKS.K_WAY`` classes, ``TASKS.N_SUPPORT`` + ``TASKS.N_QUERY``
 images per class, ``META.META_BATCH`` tasks per outer step), it reports for each prompt variant of the
 paper - CoOp (M = 4 text tokens, cached image features), VPT (4 visual tokens, images through the
-prompted image tower) and UNIGRAM (2 text + 2 visual tokens) -
+prompted image tower) and UNIGRAM (2 text + 2 visual tokens) - and the deep learners IVLP and MaPLe -
 
 * ``second_order_step_s`` / ``first_order_step_s``: one whole outer step (B inner loops, query losses,
   backward, clipped Adam step), median over ``--repeats``, in seconds;
@@ -22,6 +22,7 @@ the CUDA synchronisation and memory counters.
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 import time
 import warnings
 from typing import Callable
@@ -31,7 +32,11 @@ import torch
 
 CC3M_PAIRS = 3.1e6
 VARIANTS = {"coop": {"n_ctx_text": 4, "n_ctx_vision": 0}, "vpt": {"n_ctx_text": 0, "n_ctx_vision": 4},
-            "unigram": {"n_ctx_text": 2, "n_ctx_vision": 2}}
+            "unigram": {"n_ctx_text": 2, "n_ctx_vision": 2},
+            # the deep learners as configs/meta/train_ivlp.yaml and train_maple.yaml shape them (IVLP: 2 + 2
+            # tokens in every layer of both towers; MaPLe: 2 text tokens in 9 layers, visual ones projected)
+            "ivlp": {"n_ctx_text": 2, "n_ctx_vision": 2, "text_depth": 0, "vision_depth": 0, "vpt_init": "normal"},
+            "maple": {"n_ctx_text": 2, "n_ctx_vision": 0, "text_depth": 9, "coupling": "maple"}}
 
 
 def gpu_hours(count: float, seconds_each: float) -> float:
@@ -107,7 +112,9 @@ def run(model: str = "ViT-B-16", device: str = "cuda", autocast: str = "none", w
     result: dict = {"variants": {}}
     for name in variants:
         spec = PromptSpec(**VARIANTS[name])
-        images = spec.n_ctx_vision > 0
+        if spec.text_depth > dims.text_layers:   # MaPLe's 9 on a shallower test CLIP: every layer it has
+            spec = replace(spec, text_depth=min(dims.text_layers, dims.vision_layers))
+        images = spec.has_visual_prompts
         tasks = [TaskBatch(part(size["support_shots"], images), part(size["query_shots"], images)) for _ in range(b)]
         row = {}
         for order in ("second", "first"):

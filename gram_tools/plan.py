@@ -101,11 +101,15 @@ def meta_plan(cfg, figures: dict, figures_path: str, gpu_figures: Optional[dict]
     p = cfg.META.PROMPT
     learner = learner_of(int(p.N_CTX_TEXT), int(p.N_CTX_VISION), int(p.VISION_DEPTH), int(p.get("TEXT_DEPTH", 1)),
                          str(p.get("COUPLING", "none")))
-    if learner not in LEARNERS:
-        raise PlanError(f"META.PROMPT: learner {learner!r} (deep text prompts / MaPLe coupling) "
-                        f"has no real-size figures: gram_tools.realsize does not measure it yet")
     pretrain = str(cfg.META.MODE) == "pretrain"
     mode = "finetune" if pretrain else ("first" if cfg.META.FIRST_ORDER else "second")
+    if learner not in LEARNERS:
+        measured = _gpu_only_plan(cfg, gpu_figures, learner, mode, gpu_memory_gib, gpus, margin) if gpu_figures else None
+        if measured is None:
+            raise PlanError(f"META.PROMPT: learner {learner!r} (deep text prompts / MaPLe coupling) has no CPU "
+                            f"real-size line (gram_tools.realsize) and no GPU figures for this task size "
+                            f"(scripts/gpu_check.sh writes them)")
+        return measured
     fits = figures.get("fits", {})
     if learner not in fits or mode not in fits[learner]:
         raise PlanError(f"{figures_path}: no fitted line for learner {learner!r} mode {mode!r} "
@@ -162,6 +166,37 @@ def meta_plan(cfg, figures: dict, figures_path: str, gpu_figures: Optional[dict]
         out["cpu_step_seconds"] = {"value": round(cpu_s, 2), "how": "estimated: step FLOPs x CPU seconds per GFLOP "
                                    f"measured on a shared 2-core VM (one thread, load {fit.get('load_avg_1min_range')})"}
     return out
+
+
+def _gpu_only_plan(cfg, gpu: dict, learner: str, mode: str, gpu_memory_gib: float, gpus: int,
+                   margin: float) -> Optional[dict]:
+    """A plan from GPU figures alone (IVLP, MaPLe: no CPU line), when they were measured at ``cfg``'s task size.
+
+    Memory is the measured peak allocation of one outer step (weights included), so only the measured
+    task size is answered (no largest sizes); hours are measured step seconds as in :func:`meta_plan`.
+    """
+    timing = _gpu_step_seconds(gpu, learner, mode, cfg)
+    peak_mb = gpu.get("variants", {}).get(learner, {}).get(f"{mode}_order_peak_mb")
+    if timing is None or peak_mb is None:
+        return None
+    seconds, how = timing
+    tasks_per_step = int(cfg.META.META_BATCH)
+    per_rank = math.ceil(tasks_per_step / gpus)
+    s = gpu.get("settings", {})
+    peak_gib = float(peak_mb) / GIB_MIB   # tasks are back-propagated one by one: no META_BATCH or GPU factor
+    hours = int(cfg.META.STEPS) * seconds * per_rank / tasks_per_step / 3600.0
+    k = int(cfg.TASKS.K_WAY)
+    return {
+        "learner": learner, "mode": mode, "way": k, "inner_steps": int(cfg.META.INNER_STEPS),
+        "images": {"support": k * int(cfg.TASKS.N_SUPPORT), "query": k * int(cfg.TASKS.N_QUERY)},
+        "peak_gib": {"value": round(peak_gib, 3),
+                     "how": f"measured: peak allocated GPU memory of one outer step on {s.get('gpu')} "
+                            f"({s.get('autocast')}, {s.get('model')}, weights included; one task's graph at a time)"},
+        "gpu_memory_gib": gpu_memory_gib, "margin": margin,
+        "fits": bool(peak_gib <= gpu_memory_gib * (1.0 - margin)),
+        "hours": {"value": round(hours, 3), "how": f"{how}; x META.STEPS {cfg.META.STEPS} x ceil(B / GPUs) / B "
+                                                   f"= {per_rank}/{tasks_per_step} on {gpus} GPU(s)"},
+    }
 
 
 def _gpu_step_seconds(gpu: dict, learner: str, mode: str, cfg) -> Optional[tuple[float, str]]:

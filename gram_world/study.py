@@ -187,16 +187,49 @@ def markdown(rows: Sequence[dict]) -> str:
 
 
 # ------------------------------------------------------------------------------ commands
+def settings_record(base: DemoSettings) -> dict:
+    """The switches and fine-tuning seeds a study's cells were run with (``results.json`` ``settings``)."""
+    return {"reg_window": base.reg_window, "launch": base.launch,
+            "query_before_weight": base.query_before_weight, "fine_tuning_seeds": list(base.seeds)}
+
+
+def load_cells(path: Path, base: DemoSettings) -> tuple[dict, dict]:
+    """Finished cells and their seconds from an earlier ``results.json`` run with ``base``'s settings.
+
+    Returns ``({(world, meta seed): cell_h table}, {"world/seed": seconds})``; a file written with other
+    settings is an error naming the differing keys (its cells are not this study's)."""
+    data = json.loads(path.read_text())
+    theirs = data.get("settings", {})
+    ours = settings_record(base)
+    differ = sorted(k for k in ours if theirs.get(k) != ours[k])
+    if differ:
+        raise ValueError(f"{path}: written with other settings ({', '.join(f'{k} {theirs.get(k)!r} != {ours[k]!r}' for k in differ)}); "
+                         "use another --out or --resume-from")
+    cells = {}
+    for name, table in data.get("cells", {}).items():
+        world, seed = name.rsplit("/", 1)
+        cells[(world, int(seed))] = {(key, int(fs)): tuple(v) for key, fs, v in
+                                     ((*k.rsplit("/", 1), v) for k, v in table.items())}
+    seconds = data.get("seconds_per_cell", data.get("seconds_per_cell_this_call", {}))
+    return cells, {k: v for k, v in seconds.items() if tuple(k.rsplit("/", 1)) in {(w, str(s)) for w, s in cells}}
+
+
 def study(root: Path, worlds: Sequence[str], meta_seeds: Sequence[int], base: DemoSettings,
-          world_root: Optional[Path] = None) -> dict:
+          world_root: Optional[Path] = None, previous: Optional[Path] = None) -> dict:
     """The default pipeline on test splits for every (world, meta seed), meta seed by meta seed (every
     world's first seed before any second one); ``results.json`` / ``.md`` are rewritten after every cell,
-    so a stopped study leaves the summary of the cells it finished."""
-    cells: dict = {}
-    seconds: dict = {}
-    result: dict = {}
+    so a stopped study leaves the summary of the cells it finished.
+
+    Cells already in ``previous`` (an earlier ``results.json`` with the same settings, default
+    ``root/results.json``) are taken from it and not run again; the summary covers them and this call's."""
+    previous = previous or root / "results.json"
+    cells, seconds = load_cells(previous, base) if previous.is_file() else ({}, {})
+    result: dict = _write_results(root, cells, seconds, base) if cells else {}
     for seed in meta_seeds:
         for world in worlds:
+            if (world, seed) in cells:
+                log(f"study cell world {world}, meta seed {seed}: taken from {previous}")
+                continue
             t = time.time()
             cell = Cell(world, replace(world_settings(world, base), meta_seed=seed, eval_split="test"))
             log(f"study cell world {world}, meta seed {seed}: {cell.name}")
@@ -209,11 +242,10 @@ def study(root: Path, worlds: Sequence[str], meta_seeds: Sequence[int], base: De
 def _write_results(root: Path, cells: dict, seconds: dict, base: DemoSettings) -> dict:
     """``results.json`` and ``results.md`` for the finished ``cells``."""
     rows = summarise(cells)
-    result = {"pairs": rows, "cells": {f"{w}/{s}": {f"{k}/{fs}": v for (k, fs), v in t.items()}
-                                       for (w, s), t in cells.items()},
-              "seconds_per_cell_this_call": seconds,
-              "settings": {"reg_window": base.reg_window, "launch": base.launch,
-                           "query_before_weight": base.query_before_weight, "fine_tuning_seeds": list(base.seeds)},
+    result = {"pairs": rows, "cells": {f"{w}/{s}": {f"{k}/{fs}": list(v) for (k, fs), v in t.items()}
+                                       for (w, s), t in sorted(cells.items())},
+              "seconds_per_cell": seconds,
+              "settings": settings_record(base),
               "bootstrap": {"draws": BOOTSTRAP_DRAWS, "levels": ["world", "meta seed x fine-tuning seed"]}}
     write_json_atomic(root / "results.json", result)
     write_text_atomic(root / "results.md", markdown(rows))
@@ -277,6 +309,9 @@ def _parser() -> argparse.ArgumentParser:
                         "select: 1 2)")
     parser.add_argument("--out", default="", help="study folder (default output/study or output/select)")
     parser.add_argument("--jobs", type=int, help="worker processes")
+    parser.add_argument("--resume-from", default="", help="run: an earlier results.json (same settings) whose "
+                        "cells are kept, not rerun (default: <out>/results.json when it exists); e.g. "
+                        "docs/study/results.json, the committed study")
     parser.add_argument("--quick", action="store_true", help="the demo's --quick settings (a smoke test)")
     parser.add_argument("--debug", action="store_true")
     return parser
@@ -297,7 +332,8 @@ def _main(argv: list) -> int:
     if args.command == "run":
         base = replace(base, seeds=tuple(args.seeds or base.seeds))
         root = Path(args.out or "output/study")
-        result = study(root, args.worlds, args.meta_seeds, base)
+        result = study(root, args.worlds, args.meta_seeds, base,
+                       previous=Path(args.resume_from) if args.resume_from else None)
         print((root / "results.md").read_text(), end="")
         print(f"study: {len(result['cells'])} cells in {root}; this call took {time.time() - t:.0f} s")
     else:

@@ -103,6 +103,17 @@ class ClassTokenCache:
         return ClassTokens(prefix=prefix, suffix=suffix, eot_index=eot, n_ctx=self.n_ctx)
 
 
+def tower_dtype(transformer: nn.Module) -> torch.dtype:
+    """The dtype a transformer's blocks compute in (open_clip's ``get_cast_dtype``: its first MLP weight).
+
+    open_clip's fp16 weights (``precision="fp16"``) convert linear and attention weights only; token and
+    position embeddings stay fp32, so a sequence built from them must be cast to this dtype first.
+    """
+    if hasattr(transformer, "get_cast_dtype"):
+        return transformer.get_cast_dtype()
+    return next(p for p in transformer.parameters() if p.dim() > 1).dtype
+
+
 def encode_text_with_context(clip: nn.Module, tokens: ClassTokens, ctx: Optional[torch.Tensor],
                              ctx_deep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Run the frozen text tower on ``[SOT, ctx, class tokens]``.
@@ -118,7 +129,8 @@ def encode_text_with_context(clip: nn.Module, tokens: ClassTokens, ctx: Optional
         ``[C, E]`` text features (not normalised), differentiable w.r.t. ``ctx``.
     """
     n_cls = len(tokens)
-    parts = [tokens.prefix]
+    dtype = tower_dtype(clip.transformer)   # fp16 under open_clip's fp16 weights; embeddings stay fp32 there
+    parts = [tokens.prefix.to(dtype)]
     if tokens.n_ctx:
         if ctx is None:
             raise ValueError(f"class tokens were built for {tokens.n_ctx} context vectors but ctx is None")
@@ -126,8 +138,8 @@ def encode_text_with_context(clip: nn.Module, tokens: ClassTokens, ctx: Optional
             raise ValueError(f"ctx has {ctx.shape[-2]} vectors, class tokens expect {tokens.n_ctx}")
         if ctx.dim() == 2:
             ctx = ctx.unsqueeze(0).expand(n_cls, -1, -1)
-        parts.append(ctx.to(tokens.prefix.dtype))
-    parts.append(tokens.suffix)
+        parts.append(ctx.to(dtype))
+    parts.append(tokens.suffix.to(dtype))
     x = torch.cat(parts, dim=1)  # [C, T, d_t]
     length = x.shape[1]
     x = x + clip.positional_embedding[:length].to(x.dtype)

@@ -99,7 +99,7 @@ def test_device_bench_measures_every_variant_and_its_cost():
 
     size = {"way": 3, "support_shots": 1, "query_shots": 2, "meta_batch": 2, "steps": 100, "chc_batch": 8}
     result = bench_gpu.run("GRAM-Test-Tiny", "cpu", warmup=0, repeats=1, size=size, chc_images=16)
-    assert set(result["variants"]) == {"coop", "vpt", "unigram"}
+    assert set(result["variants"]) == {"coop", "vpt", "unigram", "ivlp", "maple"}
     for name, row in result["variants"].items():
         assert row["second_order_step_s"] > 0 and row["first_order_step_s"] > 0
         assert row["second_order_peak_mb"] is None  # device memory is only counted on CUDA

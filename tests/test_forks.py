@@ -42,7 +42,10 @@ TOTAL = re.compile(r"^\* total: (\d+)", re.M)
 def tiny_options(clip_file: Path) -> list[str]:
     return ["TRAINER.GRAM.MODEL_NAME", "GRAM-Test-Tiny", "TRAINER.GRAM.WEIGHTS", str(clip_file),
             "INPUT.SIZE", "(32, 32)", "DATALOADER.NUM_WORKERS", "0", "OPTIM.MAX_EPOCH", str(TINY_EPOCHS),
-            "DATASET.NUM_SHOTS", "2"]
+            "DATASET.NUM_SHOTS", "2",
+            # θ* must be visible in the checkpoint below; the default launch step is checked against an
+            # independent computation in tests/test_trainers_dassl.py
+            "TRAINER.GRAM.LAUNCH", "False"]
 
 
 def make_init(path: Path, trainer: str, dims) -> dict[str, torch.Tensor]:
@@ -52,7 +55,8 @@ def make_init(path: Path, trainer: str, dims) -> dict[str, torch.Tensor]:
     theta = {k: torch.randn(*shape, generator=g) * 0.02 for k, shape in PROMPT_SHAPES[trainer].items()}
     torch.manual_seed(11)
     regs = {k: GradientRegulator(WIDTH, RegulatorSpec(init="normal", init_std=0.2)) for k in theta}
-    export_gram_init(path, PromptParams(**theta), regs, dims)
+    export_gram_init(path, PromptParams(**theta), regs, dims,   # the provenance `python -m meta export` writes
+                     provenance={"mode": "gram", "tasks": {"k_way": 2, "n_support": 2}, "meta": {"inner_lr": 0.1}})
     return theta
 
 

@@ -279,3 +279,27 @@ def test_unmeasured_prompt_shapes_are_refused(tmp_path, capsys):
         assert plan.main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and name in err and "META.PROMPT" in err
+
+
+def test_deep_learners_are_planned_from_gpu_figures_at_their_task_size(tmp_path, capsys):
+    # with GPU figures measured at the config's task size (bench --device cuda measures ivlp and maple), the
+    # planner answers from them: measured peak and step seconds, no fitted line hence no largest sizes
+    paths = _figures(tmp_path)
+    gpu = json.loads(paths["gpu"].read_text())
+    gpu["variants"]["maple"] = {"second_order_step_s": 0.5, "second_order_peak_mb": 6144.0}
+    paths["gpu"].write_text(json.dumps(gpu))
+    argv = ["--config-file", "configs/meta/train_maple.yaml", "--figures", str(paths["figures"]),
+            "--gpu-figures", str(paths["gpu"]), "--chc-figures", "absent.json", "--gpu-memory-gib", "8",
+            "--margin", "0.2", "--gpus", "2"]
+    assert plan.main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["meta_training"]
+    assert out["learner"] == "maple" and out["peak_gib"]["value"] == 6.0 and out["fits"] is True   # 6 <= 8 x 0.8
+    assert out["hours"]["value"] == round(10000 * 0.5 * 2 / 4 / 3600, 3)   # META.STEPS x s x ceil(4 / 2) / 4
+    assert "largest_n_support" not in out
+    assert plan.main(argv[:-6] + ["--gpu-memory-gib", "6", "--margin", "0.2"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["meta_training"]["fits"] is False
+    for other in ("first", "ivlp"):   # another mode or learner than measured: refused as before
+        argv2 = argv + ["META.FIRST_ORDER", "True"] if other == "first" else \
+            [a.replace("train_maple", "train_ivlp") for a in argv]
+        assert plan.main(argv2) == 2
+        assert "gpu_check.sh" in capsys.readouterr().err

@@ -97,3 +97,30 @@ def test_results_files_are_written_from_the_finished_cells(tmp_path):
     assert again["pairs"] == result["pairs"] and again["pairs"][0]["mean_diff_H"] == pytest.approx(1.2)
     assert again["cells"] == {"0/0": {"gram_coop/1": [50.0, 40.0, 44.4], "coop/1": [50.0, 38.0, 43.2]}}
     assert (tmp_path / "results.md").read_text().count("\n") == 3
+
+
+def test_a_study_resumes_from_an_earlier_results_file_and_runs_only_missing_cells(tmp_path, monkeypatch):
+    import json
+    from dataclasses import replace
+
+    base = DemoSettings.preset(True)
+    earlier = {("0", 0): {("gram_coop", 1): (50.0, 40.0, 44.4), ("coop", 1): (50.0, 38.0, 43.2)}}
+    study._write_results(tmp_path / "old", earlier, {"0/0": 12.0}, base)
+    ran = []
+
+    def fake_run_cell(cell, root, keys, world_root=None):   # stands in for the demo's stages
+        ran.append((cell.world, cell.settings.meta_seed))
+        return [{"key": "gram_coop", "seed": 1, "base": 60.0, "new": 50.0},
+                {"key": "coop", "seed": 1, "base": 60.0, "new": 40.0}]
+
+    monkeypatch.setattr(study, "run_cell", fake_run_cell)
+    result = study.study(tmp_path / "new", ["0", "1"], [0], base, previous=tmp_path / "old" / "results.json")
+    assert ran == [("1", 0)]                                        # world 0, seed 0 came from the file
+    assert set(result["cells"]) == {"0/0", "1/0"} and result["seconds_per_cell"]["0/0"] == 12.0
+    h = {w: result["cells"][f"{w}/0"]["gram_coop/1"][2] - result["cells"][f"{w}/0"]["coop/1"][2] for w in "01"}
+    assert result["pairs"][0]["mean_diff_H"] == pytest.approx((h["0"] + h["1"]) / 2, abs=1e-3)
+    again = study.study(tmp_path / "new", ["0", "1"], [0], base)    # default: <out>/results.json
+    assert ran == [("1", 0)] and again["cells"] == json.loads((tmp_path / "new" / "results.json").read_text())["cells"]
+    with pytest.raises(ValueError, match="launch"):                 # another setting: not this study's cells
+        study.study(tmp_path / "other", ["0"], [0], replace(base, launch=not base.launch),
+                    previous=tmp_path / "old" / "results.json")

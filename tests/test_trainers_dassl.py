@@ -392,10 +392,11 @@ def test_baseline_step_is_plain_sgd(data_root):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("method", ["unigram", "gram_ivlp", "gram_maple"])
 @pytest.mark.parametrize("prec", ["fp16", "amp"])
-def test_cuda_precision_paths_regulate_the_true_gradient(data_root, init_files, prec):
+def test_cuda_precision_paths_regulate_the_true_gradient(data_root, init_files, prec, method):
     """PREC fp16 (fp16 CLIP) and amp (autocast + GradScaler: scale, unscale, regulate, step) on CUDA."""
-    trainer = build(data_root, "unigram", "OPTIM.WARMUP_EPOCH", "0", "OPTIM.LR", "0.5", "OPTIM.MOMENTUM", "0.0",
+    trainer = build(data_root, method, "OPTIM.WARMUP_EPOCH", "0", "OPTIM.LR", "0.5", "OPTIM.MOMENTUM", "0.0",
                     "OPTIM.WEIGHT_DECAY", "0.0", "TRAINER.GRAM.PREC", prec, *PER_IMAGE, init_files=init_files)
     assert trainer.device.type == "cuda" and trainer.precision == prec
     assert (trainer.scaler is not None) == (prec == "amp")
@@ -408,8 +409,13 @@ def test_cuda_precision_paths_regulate_the_true_gradient(data_root, init_files, 
     images, labels = trainer.parse_batch_train(batch)
     with trainer._autocast():
         logits = trainer.model(images).float()
-    grads = torch.autograd.grad(F.cross_entropy(logits, labels), [theta[k] for k in names])  # unscaled
-    regs = {k: m.to(trainer.device) for k, m in load_gram_init(init_files["UNIGRAM"]).regulator_modules().items()}
+    # the true gradient as amp sees it: the loss scaled as the GradScaler does (fp16 gradients below 2^-14
+    # lose bits unscaled), then divided back
+    scale = 1024.0 if prec == "amp" else 1.0
+    grads = [g / scale for g in torch.autograd.grad(F.cross_entropy(logits, labels) * scale,
+                                                    [theta[k] for k in names])]
+    init = load_gram_init(init_files[METHODS[method][0]])
+    regs = {k: m.to(trainer.device) for k, m in init.regulator_modules().items()}
     before = {k: theta[k].detach().clone() for k in names}
     trainer.set_model_mode("train")
     trainer.batch_idx, trainer.num_batches = 0, 2
