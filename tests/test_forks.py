@@ -34,7 +34,12 @@ BASE, NEW = [0, 1], [2, 3]  # CoOp's base/new split of 4 sorted labels
 TINY_EPOCHS = 1
 WIDTH = 64  # the tiny CLIP's text and vision widths
 PROMPT_SHAPES = {"GRAM_CoOp": {"ctx": (4, WIDTH)}, "GRAM_VPT": {"vpt": (1, 4, WIDTH)},
-                 "UNIGRAM": {"ctx": (2, WIDTH), "vpt": (1, 2, WIDTH)}}  # the configs' token counts (UNIGRAM 2 + 2)
+                 "UNIGRAM": {"ctx": (2, WIDTH), "vpt": (1, 2, WIDTH)},  # the configs' token counts (UNIGRAM 2 + 2)
+                 # deep learners on the tiny CLIP's 2 layers: IVLP's depth 0 = every layer; MaPLe's 9 capped to 2
+                 "GRAM_IVLP": {"ctx": (2, WIDTH), "ctx_deep": (1, 2, WIDTH), "vpt": (2, 2, WIDTH)},
+                 "GRAM_MaPLe": {"ctx": (2, WIDTH), "ctx_deep": (1, 2, WIDTH), "proj_weight": (2, WIDTH, WIDTH),
+                                "proj_bias": (2, WIDTH)}}
+TRAINER_OPTIONS = {"GRAM_MaPLe": ["TRAINER.GRAM.TEXT_DEPTH", "2"]}  # the config's 9 > the tiny CLIP's 2 layers
 ACCURACY = re.compile(r"^\* accuracy: ([\d.]+)%", re.M)
 TOTAL = re.compile(r"^\* total: (\d+)", re.M)
 
@@ -93,7 +98,7 @@ def fork_run(request, upstream_fork, tmp_path_factory, tiny_clip) -> dict:
             run["model_dir"] = fork / arg_value(argv, "--model-dir")
         else:
             run["train"] = fork / arg_value(argv, "--output-dir")
-        r = run_train(fork, argv + tiny_options(clip_file))
+        r = run_train(fork, argv + tiny_options(clip_file) + TRAINER_OPTIONS.get(trainer, []))
         assert r.returncode == 0, f"{key}: {command}\n{failure(r)}"
     assert runs, f"docs/dassl_plugin.md section {key}: no 'python train.py' command"
     return {"key": key, "fork": fork, "tmp": tmp, "runs": runs, "recipe": recipe}
