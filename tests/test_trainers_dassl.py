@@ -360,14 +360,20 @@ def test_window_and_launch_in_the_trainer(data_root, init_files, tiny_clip, tmp_
               "TRAINER.GRAM.INIT", str(bare))
 
 
-def test_r_phi_only_starts_from_the_baselines_theta(data_root, init_files):
-    """TRAINER.GRAM.INIT_PROMPTS False: θ is the baseline's scratch start (same seed), R_φ the file's."""
-    reg_only = build(data_root, "gram_coop_reg_only", *PER_IMAGE, init_files=init_files)
-    baseline = build(data_root, "coop")
+@pytest.mark.parametrize("reg_only_key, baseline_key", [("gram_coop_reg_only", "coop"), ("gram_ivlp_reg_only", "ivlp"),
+                                                         ("gram_maple_reg_only", "maple")])
+def test_r_phi_only_starts_from_the_baselines_theta(data_root, init_files, reg_only_key, baseline_key):
+    """TRAINER.GRAM.INIT_PROMPTS False: θ is the baseline's start (same seed; the deep baselines' word-initialised
+    "a photo" context included), R_φ the file's."""
+    reg_only = build(data_root, reg_only_key, *PER_IMAGE, init_files=init_files)
+    baseline = build(data_root, baseline_key)
     assert reg_only.regulation is not None and baseline.regulation is None
-    torch.testing.assert_close(reg_only.model.prompt_learner.ctx.detach(), baseline.model.prompt_learner.ctx.detach())
-    star = load_gram_init(init_files["GRAM_CoOp"]).prompt["ctx"]
-    assert (reg_only.model.prompt_learner.ctx.detach() - star).abs().max() > 1e-2
+    ours, theirs = (dict(t.model.prompt_learner.named_parameters()) for t in (reg_only, baseline))
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        torch.testing.assert_close(ours[name].detach(), theirs[name].detach())
+    star = load_gram_init(init_files[METHODS[reg_only_key.replace("_reg_only", "")][0]]).prompt["ctx"]
+    assert (ours["ctx"].detach() - star).abs().max() > 1e-2
 
 
 def test_regulate_off_keeps_the_init_but_not_the_regulator(data_root, init_files):

@@ -111,7 +111,10 @@ METHODS = (
     _method_row("unigram_supervised", "unigram_supervised"),
     _method_row("joint"),
 ) + tuple(_method_row(v.name, v.name) for v in TOKEN_VARIANTS) + (
-    _method_row("ivlp"), _method_row("gram_ivlp", "gram_ivlp"), _method_row("maple"), _method_row("gram_maple", "gram_maple"))
+    _method_row("ivlp"), _method_row("gram_ivlp", "gram_ivlp"), _method_row("gram_ivlp_init_only", "gram_ivlp"),
+    _method_row("gram_ivlp_reg_only", "gram_ivlp"),
+    _method_row("maple"), _method_row("gram_maple", "gram_maple"), _method_row("gram_maple_init_only", "gram_maple"),
+    _method_row("gram_maple_reg_only", "gram_maple"))
 METHOD_BY_KEY = {m.key: m for m in METHODS}
 
 # Which rows each table holds (keys of METHODS), in the paper's order.  CoCoOp, a row of the
@@ -136,7 +139,8 @@ PAIRS = (("gram_coop", "coop"), ("gram_coop_init_only", "coop"), ("gram_coop_reg
 TABLE4_KEYS = ("unigram", "unigram_no_shift", "unigram_no_reg", "unigram_pretrain", "unigram_supervised", "joint")
 TRANSFER_KEYS = TABLE1_KEYS
 TOKEN_KEYS = {n: ("unigram" if n == 4 else f"unigram_{n}tok") for n in TOKEN_COUNTS}
-DEEP_KEYS = ("ivlp", "gram_ivlp", "maple", "gram_maple")
+DEEP_KEYS = ("ivlp", "gram_ivlp", "gram_ivlp_init_only", "gram_ivlp_reg_only",
+             "maple", "gram_maple", "gram_maple_init_only", "gram_maple_reg_only")
 
 # Table groups of ``--tables``: what each one evaluates and which meta variants it needs.
 TABLE_GROUPS = {

@@ -229,8 +229,6 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
     if not enabled and init_path:
         raise ValueError(f"TRAINER.GRAM.INIT is set ({init_path}) but TRAINER.GRAM.ENABLED is False; "
                          "set ENABLED True to use it, or clear INIT for the plain baseline")
-    if enabled and g.CTX_INIT and text:
-        raise ValueError("TRAINER.GRAM.CTX_INIT and TRAINER.GRAM.INIT both initialise the text context; set only one")
     if not (text or "{}" in g.TEMPLATE):
         raise ValueError(f"TRAINER.GRAM.TEMPLATE: needs a '{{}}' for the class name, got {g.TEMPLATE!r}")
     backbone = cfg.MODEL.BACKBONE.NAME
@@ -265,6 +263,9 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
         raise ValueError(f"TRAINER.GRAM.TEXT_DEPTH: expected 0 (all layers) or >= 1 "
                          f"{'' if text else '(1 for ' + trainer + ', which learns no text context) '}got {text_depth}")
     init_prompts = _as_bool(g.get("INIT_PROMPTS", True), "TRAINER.GRAM.INIT_PROMPTS")
+    if enabled and init_prompts and g.CTX_INIT and text:
+        raise ValueError("TRAINER.GRAM.CTX_INIT and TRAINER.GRAM.INIT both initialise the text context; set only one "
+                         "(or INIT_PROMPTS False: θ from CTX_INIT, R_φ from INIT)")
     launch = _as_bool(g.get("LAUNCH", DEFAULT_LAUNCH), "TRAINER.GRAM.LAUNCH")
     window = g.get("REG_WINDOW", DEFAULT_REG_WINDOW)
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
