@@ -165,22 +165,33 @@ def bootstrap_interval(groups: dict, draws: int = BOOTSTRAP_DRAWS, seed: int = 0
     return mean, float(lo), float(hi)
 
 
+def mean_h(cells: dict, key: str) -> Optional[float]:
+    """H of ``key`` averaged over every (world, meta seed, fine-tuning seed) that has it; None if none does."""
+    values = [h for table in cells.values() for (k, _), (_, _, h) in table.items() if k == key]
+    return round(float(np.mean(values)), 3) if values else None
+
+
 def summarise(cells: dict, pairs: Sequence[tuple] = PAIRS) -> list[dict]:
-    """One row per pair: mean difference, 95 % interval, n, worlds, and whether the claim holds."""
+    """One row per pair: mean H of both rows, mean difference, 95 % interval, n, worlds, and whether the claim
+    holds."""
     rows = []
     for (method, base), groups in paired_differences(cells, pairs).items():
         mean, lo, hi = bootstrap_interval(groups)
         rows.append({"method": method, "baseline": base, "label": METHOD_BY_KEY[method].label,
-                     "baseline_label": METHOD_BY_KEY[base].label, "mean_diff_H": round(mean, 3),
+                     "baseline_label": METHOD_BY_KEY[base].label,
+                     "mean_H": mean_h(cells, method), "baseline_mean_H": mean_h(cells, base),
+                     "mean_diff_H": round(mean, 3),
                      "ci95": [round(lo, 3), round(hi, 3)], "n": sum(len(v) for v in groups.values()),
                      "worlds": sorted(groups), "holds": ("better" if lo > 0 else "worse" if hi < 0 else "not shown")})
     return rows
 
 
 def markdown(rows: Sequence[dict]) -> str:
-    lines = ["| method | baseline | mean ΔH | 95 % interval | n (worlds) | claim |", "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| method | baseline | H method / baseline | mean ΔH | 95 % interval | n (worlds) | claim |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['label']} | {r['baseline_label']} | {r['mean_diff_H']:+.2f} | "
+        lines.append(f"| {r['label']} | {r['baseline_label']} | {r['mean_H']:.2f} / {r['baseline_mean_H']:.2f} | "
+                     f"{r['mean_diff_H']:+.2f} | "
                      f"[{r['ci95'][0]:+.2f}, {r['ci95'][1]:+.2f}] | {r['n']} ({', '.join(r['worlds'])}) | "
                      f"{ {'better': 'holds: better', 'worse': 'holds: worse', 'not shown': 'not shown'}[r['holds']] } |")
     return "\n".join(lines) + "\n"

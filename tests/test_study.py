@@ -70,7 +70,8 @@ def test_summarise_says_which_claims_hold():
     assert rows["gram_vpt"]["holds"] == "worse" and rows["gram_vpt"]["n"] == 4
     assert rows["unigram"]["holds"] == "not shown" and rows["unigram"]["worlds"] == ["0", "1"]
     table = study.markdown(list(rows.values()))
-    assert f"| {rows['gram_coop']['label']} | {rows['gram_coop']['baseline_label']} | +1.50 |" in table
+    assert rows["gram_coop"]["mean_H"] == pytest.approx(51.5) and rows["gram_coop"]["baseline_mean_H"] == 50.0
+    assert f"| {rows['gram_coop']['label']} | {rows['gram_coop']['baseline_label']} | 51.50 / 50.00 | +1.50 |" in table
     assert "holds: worse" in table and "not shown" in table
 
 
