@@ -103,17 +103,14 @@ def meta_plan(cfg, figures: dict, figures_path: str, gpu_figures: Optional[dict]
                          str(p.get("COUPLING", "none")))
     pretrain = str(cfg.META.MODE) == "pretrain"
     mode = "finetune" if pretrain else ("first" if cfg.META.FIRST_ORDER else "second")
-    if learner not in LEARNERS:
+    fits = figures.get("fits", {})
+    if learner not in LEARNERS or learner not in fits or mode not in fits[learner]:
         measured = _gpu_only_plan(cfg, gpu_figures, learner, mode, gpu_memory_gib, gpus, margin) if gpu_figures else None
         if measured is None:
-            raise PlanError(f"META.PROMPT: learner {learner!r} (deep text prompts / MaPLe coupling) has no CPU "
-                            f"real-size line (gram_tools.realsize) and no GPU figures for this task size "
-                            f"(scripts/gpu_check.sh writes them)")
+            raise PlanError(f"META.PROMPT: learner {learner!r} mode {mode!r} has no fitted line in {figures_path} "
+                            f"(python -m gram_tools.realsize --learners {learner} --modes {mode} --merge) and no GPU "
+                            f"figures for this task size (scripts/gpu_check.sh writes them)")
         return measured
-    fits = figures.get("fits", {})
-    if learner not in fits or mode not in fits[learner]:
-        raise PlanError(f"{figures_path}: no fitted line for learner {learner!r} mode {mode!r} "
-                        f"(run python -m gram_tools.realsize --learners {learner} --modes {mode})")
     fit = fits[learner][mode]
     k = int(cfg.TASKS.K_WAY)
     inner = int(cfg.META.INNER_STEPS)

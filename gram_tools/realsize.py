@@ -57,6 +57,9 @@ LEARNERS: dict[str, dict] = {
     "vpt": {"spec": {**VARIANTS["vpt"], "vision_depth": 1}, "images": True},
     "vpt_deep": {"spec": {**VARIANTS["vpt"], "vision_depth": 12}, "images": True},
     "unigram": {"spec": VARIANTS["unigram"], "images": True},
+    # the deep learners as configs/meta/train_ivlp.yaml / train_maple.yaml shape them (gram_tools.bench_gpu)
+    "ivlp": {"spec": VARIANTS["ivlp"], "images": True},
+    "maple": {"spec": VARIANTS["maple"], "images": True},
 }
 MODES = ("second", "first", "finetune", "encode")   # encode: CHC's image features (no grad), learner-free
 DEFAULT_META_SIZES = ((1, 1), (2, 1), (1, 2), (2, 2))   # (support images, query images)
@@ -72,8 +75,9 @@ def learner_of(n_ctx_text: int, n_ctx_vision: int, vision_depth: int, text_depth
                coupling: str = "none") -> str:
     """The :data:`LEARNERS` row measuring a prompt shape (depth 0 or > 1 is deep VPT, measured at full depth).
 
-    Deep text prompts (``TEXT_DEPTH`` != 1: IVLP) and MaPLe coupling have no row (not measured): ``"ivlp"``
-    or ``"maple"``, which the planner refuses in one line rather than answering with another learner's figures.
+    Deep text prompts (``TEXT_DEPTH`` != 1) are the ``"ivlp"`` row (measured with prompts in every layer of both
+    towers) and MaPLe's coupling the ``"maple"`` row (depth 9); a figures file without their lines makes the
+    planner fall back to GPU figures or refuse in one line, never answer with another learner's figures.
     """
     if coupling != "none":
         return "maple"
@@ -210,7 +214,8 @@ def _measure(clip, dims, learner: str, mode: str, n_support: int, n_query: int, 
         def step() -> None:
             ml.accumulate(task, loss_fn)
 
-    saved = SavedTensors(dims.num_patches + 1 + spec.n_ctx_vision, dims.vision_width,
+    visual_tokens = spec.n_ctx_vision or (spec.n_ctx_text if spec.coupling == "maple" else 0)
+    saved = SavedTensors(dims.num_patches + 1 + visual_tokens, dims.vision_width,
                          [*clip.parameters(), *clip.buffers()])
     counter = FlopCounterMode(display=False)
 
