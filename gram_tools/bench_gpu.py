@@ -22,9 +22,9 @@ the CUDA synchronisation and memory counters.
 from __future__ import annotations
 
 import statistics
-from dataclasses import replace
 import time
 import warnings
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np

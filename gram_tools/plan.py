@@ -149,10 +149,7 @@ def meta_plan(cfg, figures: dict, figures_path: str, gpu_figures: Optional[dict]
     out["step_gflop"] = {"value": round(step_gflop, 1), "how": "measured: FlopCounterMode on CPU, fitted line"}
     gpu_row = _gpu_step_seconds(gpu_figures, learner, mode, cfg) if gpu_figures else None
     if gpu_row is not None:
-        seconds, how = gpu_row
-        hours = steps * seconds * per_rank / tasks_per_step / 3600.0
-        out["hours"] = {"value": round(hours, 3), "how": f"{how}; x META.STEPS {steps} x ceil(B / GPUs) / B "
-                                                         f"= {per_rank}/{tasks_per_step} on {gpus} GPU(s)"}
+        out["hours"] = _measured_hours(cfg, *gpu_row, gpus)
     else:
         hours = steps * per_rank * task_gflop * 1e9 / (gpu_tflops * 1e12) / 3600.0
         out["hours"] = {"value": round(hours, 3),
@@ -176,12 +173,8 @@ def _gpu_only_plan(cfg, gpu: dict, learner: str, mode: str, gpu_memory_gib: floa
     peak_mb = gpu.get("variants", {}).get(learner, {}).get(f"{mode}_order_peak_mb")
     if timing is None or peak_mb is None:
         return None
-    seconds, how = timing
-    tasks_per_step = int(cfg.META.META_BATCH)
-    per_rank = math.ceil(tasks_per_step / gpus)
     s = gpu.get("settings", {})
     peak_gib = float(peak_mb) / GIB_MIB   # tasks are back-propagated one by one: no META_BATCH or GPU factor
-    hours = int(cfg.META.STEPS) * seconds * per_rank / tasks_per_step / 3600.0
     k = int(cfg.TASKS.K_WAY)
     return {
         "learner": learner, "mode": mode, "way": k, "inner_steps": int(cfg.META.INNER_STEPS),
@@ -191,9 +184,18 @@ def _gpu_only_plan(cfg, gpu: dict, learner: str, mode: str, gpu_memory_gib: floa
                             f"({s.get('autocast')}, {s.get('model')}, weights included; one task's graph at a time)"},
         "gpu_memory_gib": gpu_memory_gib, "margin": margin,
         "fits": bool(peak_gib <= gpu_memory_gib * (1.0 - margin)),
-        "hours": {"value": round(hours, 3), "how": f"{how}; x META.STEPS {cfg.META.STEPS} x ceil(B / GPUs) / B "
-                                                   f"= {per_rank}/{tasks_per_step} on {gpus} GPU(s)"},
+        "hours": _measured_hours(cfg, *timing, gpus),
     }
+
+
+def _measured_hours(cfg, seconds: float, how: str, gpus: int) -> dict:
+    """Hours of ``META.STEPS`` outer steps from measured seconds per step; torchrun shards the B tasks of a
+    step over the ranks, so a step takes ``ceil(B / GPUs) / B`` of the one-GPU time."""
+    tasks_per_step = int(cfg.META.META_BATCH)
+    per_rank = math.ceil(tasks_per_step / gpus)
+    hours = int(cfg.META.STEPS) * seconds * per_rank / tasks_per_step / 3600.0
+    return {"value": round(hours, 3), "how": f"{how}; x META.STEPS {cfg.META.STEPS} x ceil(B / GPUs) / B "
+                                             f"= {per_rank}/{tasks_per_step} on {gpus} GPU(s)"}
 
 
 def _gpu_step_seconds(gpu: dict, learner: str, mode: str, cfg) -> Optional[tuple[float, str]]:

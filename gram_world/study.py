@@ -222,7 +222,8 @@ def load_cells(path: Path, base: DemoSettings) -> tuple[dict, dict]:
         cells[(world, int(seed))] = {(key, int(fs)): tuple(v) for key, fs, v in
                                      ((*k.rsplit("/", 1), v) for k, v in table.items())}
     seconds = data.get("seconds_per_cell", data.get("seconds_per_cell_this_call", {}))
-    return cells, {k: v for k, v in seconds.items() if tuple(k.rsplit("/", 1)) in {(w, str(s)) for w, s in cells}}
+    kept = {f"{w}/{s}" for w, s in cells}
+    return cells, {k: v for k, v in seconds.items() if k in kept}
 
 
 def study(root: Path, worlds: Sequence[str], meta_seeds: Sequence[int], base: DemoSettings,
