@@ -1,0 +1,64 @@
+"""README's layout table names every module of the installed packages and every Dassl trainer.
+
+A module added without a line in README's "Layout" section (or a trainer added to the method table without
+being named there) fails here, so the front door does not fall behind the code.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from meta.methods import load_methods
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("meta", "gram_world", "gram_tools")
+
+
+def _layout_section() -> str:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    match = re.search(r"^## Layout\n(.*?)(?=^## )", text, flags=re.S | re.M)
+    assert match, "README.md has no '## Layout' section followed by another section"
+    return match.group(1)
+
+
+def _top_level_names(package: str) -> list[str]:
+    """``name.py`` of each top-level module and ``name/`` of each sub-package (private and dunder files aside)."""
+    root = ROOT / package
+    names = [p.name for p in sorted(root.glob("*.py")) if not p.name.startswith("_")]
+    names += [f"{p.name}/" for p in sorted(root.iterdir()) if p.is_dir() and (p / "__init__.py").exists()]
+    return names
+
+
+def _unnamed(row: str, package: str) -> list[str]:
+    """Top-level modules of ``package`` that the layout ``row`` does not name (as `name.py` or `name`)."""
+    return [name for name in _top_level_names(package)
+            if f"`{name}`" not in row and f"`{name.removesuffix('.py')}`" not in row]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_top_level_module_is_named_in_the_layout_table(package: str) -> None:
+    section = _layout_section()
+    rows = [line for line in section.splitlines() if line.startswith(f"| `{package}/`")]
+    assert len(rows) == 1, f"README layout table: expected one row for `{package}/`, found {len(rows)}"
+    missing = _unnamed(rows[0], package)
+    assert not missing, f"README layout row of `{package}/` does not name: {missing}"
+
+
+def test_every_dassl_trainer_is_named_in_the_layout_table() -> None:
+    section = _layout_section()
+    trainers = sorted({m.trainer for m in load_methods().values() if m.trainer})
+    assert len(trainers) >= 5, trainers
+    missing = [t for t in trainers if f"`{t}`" not in section]
+    assert not missing, f"README layout table does not name the trainers {missing}"
+
+
+def test_the_layout_check_sees_a_missing_module() -> None:
+    """The check is not vacuous: a row naming every module but one reports exactly that one."""
+    names = _top_level_names("meta")
+    assert "gram.py" in names and "chc/" in names
+    full = "| `meta/` | " + ", ".join(f"`{n}`" for n in names) + " |"
+    assert _unnamed(full, "meta") == []
+    assert _unnamed(full.replace("`gram.py`", "`x.py`"), "meta") == ["gram.py"]
