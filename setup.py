@@ -43,7 +43,7 @@ setup(
         "scipy",
     ],
     extras_require={
-        "test": ["pytest>=8"],
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "ruff==0.17.6"],  # ruff pinned: its format changes between releases
         # Runtime needs of Dassl.pytorch (installed itself by `scripts/setup.sh --with-dassl`, it is not on
         # PyPI): what `import dassl` and CoOp-family trainers import.  Dassl's own install_requires also pins
         # flake8/yapf/isort, which are never imported, so Dassl is installed with --no-deps plus this list.
