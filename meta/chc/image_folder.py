@@ -16,6 +16,7 @@ from tqdm import tqdm
 from meta.chc.domains import split_domains
 from meta.chc.hierarchy import Hierarchy
 from meta.chc.imaging import clip_norm_stats, decode_batch, encode_images
+from meta.chc.sources import read_regular_file
 from meta.hashing import file_sha256
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
@@ -29,7 +30,7 @@ class _FileImages:
         blobs = []
         for i in indices:
             try:
-                blobs.append(Path(self.paths[int(i)]).read_bytes())
+                blobs.append(read_regular_file(self.paths[int(i)]))
             except OSError:
                 blobs.append(None)
         return decode_batch(blobs, self.image_size)[0]
@@ -63,7 +64,7 @@ def build_image_folder_hierarchy(root, clip, num_domains: int = 3, min_per_domai
         blobs = []
         for i in idx:
             try:
-                blobs.append(Path(paths[i]).read_bytes())
+                blobs.append(read_regular_file(paths[i]))
             except OSError:
                 blobs.append(None)
         pixels, good = decode_batch(blobs, image_size, reasons=reasons)
