@@ -353,6 +353,17 @@ def test_every_numeric_chc_key_has_a_range():
         check_chc_cfg(cfg)
 
 
+def test_image_folder_hierarchy_checks_the_chc_keys_it_uses(tiny_clip, tmp_path):
+    from meta.chc.image_folder import build_image_folder_hierarchy
+
+    (tmp_path / "d" / "apple").mkdir(parents=True)
+    (tmp_path / "d" / "apple" / "0.png").write_bytes(png_bytes())
+    with pytest.raises(ValueError, match=r"^CHC.IMAGES.BATCH_SIZE: expected an integer >= 1, got 0$"):
+        build_image_folder_hierarchy(tmp_path / "d", tiny_clip[0], batch_size=0, show_progress=False)
+    with pytest.raises(ValueError, match=r"^CHC.DOMAINS.NUM: expected an integer >= 1, got 0$"):
+        build_image_folder_hierarchy(tmp_path / "d", tiny_clip[0], num_domains=0, show_progress=False)
+
+
 def test_shipped_chc_configs_pass_the_checks():
     from pathlib import Path
 

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from meta.chc.domains import split_domains
 from meta.chc.hierarchy import Hierarchy
 from meta.chc.imaging import clip_norm_stats, decode_batch, encode_images
+from meta.chc.settings import INT_RANGES, check_int
 from meta.chc.sources import read_regular_file
 from meta.hashing import file_sha256
 
@@ -39,7 +40,15 @@ class _FileImages:
 def build_image_folder_hierarchy(root, clip, num_domains: int = 3, min_per_domain: int = 8, batch_size: int = 64,
                                  seed: int = 0, device="cpu", model_name: str = "", pretrained: str = "",
                                  show_progress: bool = True) -> Hierarchy:
-    """Classes = sub-folder names (sorted); features and domains as in CHC."""
+    """Classes = sub-folder names (sorted); features and domains as in CHC.
+
+    ``num_domains``, ``min_per_domain`` and ``batch_size`` come from ``CHC.DOMAINS.NUM``,
+    ``CHC.DOMAINS.MIN_PER_DOMAIN`` and ``CHC.IMAGES.BATCH_SIZE``; a value those keys do not accept
+    is a :class:`meta.cli_errors.UserError` naming the key, before any image is read.
+    """
+    for key, value in (("DOMAINS.NUM", num_domains), ("DOMAINS.MIN_PER_DOMAIN", min_per_domain),
+                       ("IMAGES.BATCH_SIZE", batch_size)):
+        check_int(f"CHC.{key}", value, *INT_RANGES[key])
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"TASKS.IMAGE_FOLDER: not a directory: {root}")

@@ -21,7 +21,8 @@ _INDEX_REASONS = (
     ("skipped_lost_in_corrupt_shard", "pair cut by the damage in a corrupt shard", "pair skipped"),
     ("pairs_lost_in_corrupt_shards_estimate", "pairs in the unread part of corrupt shards (estimate: bytes unread "
                                               "/ mean bytes per pair read)", "not read"),
-    ("skipped_invalid_row", "manifest line that is not a JSON object", "row skipped"),
+    ("skipped_invalid_row", "manifest line that is not a JSON object (not JSON, nested too deep, a list)",
+     "row skipped"),
     ("skipped_non_text_caption", "caption is not text (number, list, ...)", "pair skipped"),
     ("skipped_non_text_image", "image value is not text", "pair skipped"),
     ("skipped_duplicate_pair", "exact repeat of an earlier (image, caption) row", "pair skipped"),
