@@ -11,7 +11,6 @@ See the contract in :mod:`meta.chc`.  Files in a CHC output directory:
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -19,7 +18,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from meta.chc.imaging import decode_batch
-from meta.chc.sources import PairIndex
+from meta.chc.outputs import OutputError, load_index, load_npy_output, read_json_output
 
 # item_status codes
 STATUS = {0: "clustered", 1: "unreadable image", 2: "filtered (image-text cosine)", 3: "topic noise",
@@ -106,20 +105,40 @@ class Hierarchy:
 
 
 def load_hierarchy(out_dir) -> Hierarchy:
-    """Open a finished ``python -m meta cluster`` output directory (arrays memory-mapped)."""
+    """Open a finished ``python -m meta cluster`` output directory (arrays memory-mapped).
+
+    A file that is garbled, cut or of the wrong shape raises :class:`meta.chc.outputs.OutputError`
+    (a ``ValueError``) naming it and what it should hold.
+    """
     out = Path(out_dir)
     head_path = out / "hierarchy.json"
     if not head_path.is_file():
         raise FileNotFoundError(f"{head_path}: not found; run `python -m meta cluster` to completion first")
-    head = json.loads(head_path.read_text())
-    feats = np.load(out / "image_features" / "image_features.npy", mmap_mode="r")
+    expected = "a JSON object with 'topic_names' (a list of text) and 'meta' (an object with 'image_size')"
+    head = read_json_output(head_path, expected)
+    names = head.get("topic_names") if isinstance(head, dict) else None
+    meta = head.get("meta") if isinstance(head, dict) else None
+    if not (isinstance(names, list) and all(isinstance(t, str) for t in names) and isinstance(meta, dict)
+            and isinstance(meta.get("image_size"), int)):
+        raise OutputError(f"{head_path}: does not hold {expected}; rerun `python -m meta cluster` with the same "
+                          f"config to write it again")
+    item_topic = load_npy_output(out / "item_topic.npy", "int64 [N] topic id per pair", "domains", np.int64, 1)
+    n = len(item_topic)
+    item_domain = load_npy_output(out / "item_domain.npy", f"int64 [{n}] domain id per pair", "domains", np.int64,
+                                  1, n)
+    feats = load_npy_output(out / "image_features" / "image_features.npy", f"float32 [{n}, D] CLIP image features",
+                            "image_features", np.float32, 2, n, mmap=True)
     cache = out / "image_features" / "images_u8.npy"
-    index = PairIndex.load(out / "index")
+    index = load_index(out / "index")
+    if len(index) != n:
+        raise OutputError(f"{out / 'index'}: holds {len(index)} pairs, item_topic.npy {n}; expected the same "
+                          f"number (a partly copied CHC.OUTPUT_DIR?)")
     if cache.is_file():
-        pixels = np.load(cache, mmap_mode="r")
+        size = int(meta["image_size"])
+        pixels = load_npy_output(cache, f"uint8 [{n}, {size}, {size}, 3] decoded images", "image_features",
+                                 np.uint8, 4, n, mmap=True)
         loader = lambda idx: np.asarray(pixels[np.asarray(idx, dtype=np.int64)])  # noqa: E731
     else:
-        loader = PairIndexImages(index, head["meta"]["image_size"])
-    return Hierarchy(topic_names=list(head["topic_names"]), item_topic=np.load(out / "item_topic.npy"),
-                     item_domain=np.load(out / "item_domain.npy"), image_features=feats, meta=head["meta"],
-                     image_loader=loader, captions=index.captions)
+        loader = PairIndexImages(index, meta["image_size"])
+    return Hierarchy(topic_names=list(names), item_topic=item_topic, item_domain=item_domain, image_features=feats,
+                     meta=meta, image_loader=loader, captions=index.captions)

@@ -16,6 +16,8 @@ from tqdm import tqdm
 from meta.chc.domains import split_domains
 from meta.chc.hierarchy import Hierarchy
 from meta.chc.imaging import clip_norm_stats, decode_batch, encode_images
+from meta.chc.settings import INT_RANGES, check_int
+from meta.chc.sources import read_regular_file
 from meta.hashing import file_sha256
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
@@ -29,7 +31,7 @@ class _FileImages:
         blobs = []
         for i in indices:
             try:
-                blobs.append(Path(self.paths[int(i)]).read_bytes())
+                blobs.append(read_regular_file(self.paths[int(i)]))
             except OSError:
                 blobs.append(None)
         return decode_batch(blobs, self.image_size)[0]
@@ -38,7 +40,15 @@ class _FileImages:
 def build_image_folder_hierarchy(root, clip, num_domains: int = 3, min_per_domain: int = 8, batch_size: int = 64,
                                  seed: int = 0, device="cpu", model_name: str = "", pretrained: str = "",
                                  show_progress: bool = True) -> Hierarchy:
-    """Classes = sub-folder names (sorted); features and domains as in CHC."""
+    """Classes = sub-folder names (sorted); features and domains as in CHC.
+
+    ``num_domains``, ``min_per_domain`` and ``batch_size`` come from ``CHC.DOMAINS.NUM``,
+    ``CHC.DOMAINS.MIN_PER_DOMAIN`` and ``CHC.IMAGES.BATCH_SIZE``; a value those keys do not accept
+    is a :class:`meta.cli_errors.UserError` naming the key, before any image is read.
+    """
+    for key, value in (("DOMAINS.NUM", num_domains), ("DOMAINS.MIN_PER_DOMAIN", min_per_domain),
+                       ("IMAGES.BATCH_SIZE", batch_size)):
+        check_int(f"CHC.{key}", value, *INT_RANGES[key])
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"TASKS.IMAGE_FOLDER: not a directory: {root}")
@@ -63,7 +73,7 @@ def build_image_folder_hierarchy(root, clip, num_domains: int = 3, min_per_domai
         blobs = []
         for i in idx:
             try:
-                blobs.append(Path(paths[i]).read_bytes())
+                blobs.append(read_regular_file(paths[i]))
             except OSError:
                 blobs.append(None)
         pixels, good = decode_batch(blobs, image_size, reasons=reasons)

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from meta.image_decode import to_rgb8
+
 # open_clip / OpenAI CLIP normalisation (open_clip.constants OPENAI_DATASET_MEAN/STD).
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -27,7 +29,7 @@ NO_BYTES = "no image bytes"
 
 
 def decode_image_why(data: Optional[bytes]) -> tuple[Optional[Image.Image], str]:
-    """Decode bytes to an RGB PIL image, or say why not.
+    """Decode bytes to an 8-bit RGB PIL image (:func:`meta.image_decode.to_rgb8`), or say why not.
 
     Any exception raised while decoding one image is that image's problem (a fuzz of
     mutated images found Pillow raising NotImplementedError, RuntimeError, struct.error,
@@ -44,7 +46,7 @@ def decode_image_why(data: Optional[bytes]) -> tuple[Optional[Image.Image], str]
             warnings.simplefilter("ignore")  # PIL DecompressionBombWarning, palette warnings
             img = Image.open(io.BytesIO(data))
             img.load()
-            img = img.convert("RGB")
+            img = to_rgb8(img)            # by mode: 16-bit, float, alpha, palette, CMYK (meta.image_decode)
         if min(img.size) == 0:
             return None, "empty image (0 pixels)"
         return img, ""

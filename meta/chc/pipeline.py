@@ -36,8 +36,10 @@ from meta.chc.errors import InputError
 from meta.chc.hierarchy import CLUSTERED, FILTERED, NOISE, SMALL_TOPIC, STATUS, UNREADABLE
 from meta.chc.image_features import encode_rank, merge_ranks, remove_rank_files_of
 from meta.chc.imaging import clip_norm_stats
+from meta.chc.outputs import load_index, load_npy_output, read_json_output
 from meta.chc.pair_filter import keep_mask, pair_cosines
 from meta.chc.report import skipped_input_rows, write_report
+from meta.chc.settings import check_chc_cfg
 from meta.chc.sources import PairIndex, build_index
 from meta.chc.stages import (ChunkedArray, StageMarker, create_memmap, dedupe, fingerprint, groups, save_npy_atomic,
                              write_json_atomic)
@@ -120,32 +122,59 @@ class ChcRun:
         """``{reason: count}`` of unreadable images (``image_features/unreadable.json``)."""
         path = self.out / "image_features" / "unreadable.json"
         if path.is_file():
-            return json.loads(path.read_text())
-        ok = np.load(self.out / "image_features" / "image_ok.npy")
+            return read_json_output(path, "{reason: count} of unreadable images", "image_features")
+        ok = self._image_ok()
         return {"unreadable (reason not recorded)": int((~ok).sum())} if (~ok).any() else {}
+
+    def _image_ok(self) -> np.ndarray:
+        return load_npy_output(self.out / "image_features" / "image_ok.npy", "bool [N] image decoded per pair",
+                               "image_features", bool, 1)
+
+    def _image_features(self, n: int) -> np.ndarray:
+        return load_npy_output(self.out / "image_features" / "image_features.npy",
+                               f"float32 [{n}, D] CLIP image features", "image_features", np.float32, 2, n, mmap=True)
 
     # ------------------------------------------------------------------ stage 1
     def stage_index(self) -> tuple[PairIndex, str]:
+        """Returns ``(index, fp)``.
+
+        The stage is redone when a setting, a shard's or the manifest's size or mtime, or the
+        ``os.stat`` stamp (type, size, mtime in ns) of an image file the manifest names changed
+        since the index was built; those image-file stamps also enter ``fp``, so a file repaired
+        or replaced in place is read again by the image-feature stage.
+        """
         inp = self.chc.INPUT
         stamps = []
         for pattern in list(inp.SHARDS) + ([inp.MANIFEST] if inp.MANIFEST else []):
             for p in sorted(glob.glob(os.path.expanduser(pattern))):
                 st = os.stat(p)
                 stamps.append([os.path.abspath(p), st.st_size, int(st.st_mtime)])
-        fp = fingerprint("index", index_settings(inp), stamps)
-        marker = StageMarker(self.out, "index", fp)
-        if self.rank == 0 and not marker.is_done():
-            t0 = time.time()
-            index = build_index(list(inp.SHARDS), inp.MANIFEST, inp.IMAGE_COLUMN, inp.CAPTION_COLUMN,
-                                inp.IMAGE_ROOT, inp.MAX_PAIRS, show_progress=self.show_progress,
-                                max_field_chars=inp.MAX_FIELD_CHARS)
-            index.save(self.out / "index")
-            self._timed("index", time.time() - t0, index.counts.get("pairs_seen", 0))
-            marker.mark({"pairs": len(index)})
+        base = fingerprint("index", index_settings(inp), stamps)
+        marker = StageMarker(self.out, "index", base)
+        index = None
+        if self.rank == 0:
+            if marker.is_done():
+                index = load_index(self.out / "index")
+                if image_files_changed(index):
+                    log.warning("image files named by CHC.INPUT.MANIFEST changed since the index was built: "
+                                "re-reading them")
+                    index = None
+            if index is None:
+                t0 = time.time()
+                index = build_index(list(inp.SHARDS), inp.MANIFEST, inp.IMAGE_COLUMN, inp.CAPTION_COLUMN,
+                                    inp.IMAGE_ROOT, inp.MAX_PAIRS, show_progress=self.show_progress,
+                                    max_field_chars=inp.MAX_FIELD_CHARS)
+                index.save(self.out / "index")
+                self._timed("index", time.time() - t0, index.counts.get("pairs_seen", 0))
+                marker.mark({"pairs": len(index)})
         self.barrier()
         if not marker.is_done():
             raise RuntimeError(f"rank {self.rank}: the index stage of {self.out} is not finished")
-        return PairIndex.load(self.out / "index"), fp
+        if index is None:
+            index = load_index(self.out / "index")
+        files = index.recorded_file_stamps()
+        # shards only: the fingerprint of runs cached before image-file stamps existed
+        return index, base if files is None or not len(files) else fingerprint(base, files)
 
     # ------------------------------------------------------------------ stage 2
     def image_cache_wanted(self, n: int) -> bool:
@@ -191,7 +220,7 @@ class ChcRun:
         fp = self.filter_fingerprint(image_fp)
         stage_dir = self.out / "filter"
         marker = StageMarker(self.out, "filter", fp)
-        ok = np.load(self.out / "image_features" / "image_ok.npy")
+        ok = self._image_ok()
         if not ok.any():
             reasons = self.unreadable_by_reason()
             key = "CHC.INPUT.IMAGE_ROOT" if self.chc.INPUT.MANIFEST else "CHC.INPUT.SHARDS"
@@ -203,7 +232,7 @@ class ChcRun:
                 cos = np.where(ok, 0.0, np.nan).astype(np.float32)
             else:
                 clip, _ = self.clip()
-                feats = np.load(self.out / "image_features" / "image_features.npy", mmap_mode="r")
+                feats = self._image_features(len(ok))
                 t0 = time.time()
                 cos = pair_cosines(clip, open_clip.get_tokenizer(self.cfg.MODEL.BACKBONE), index.captions, feats,
                                    ok, stage_dir, fp, filt.TEMPLATE or "{}", device=self.device,
@@ -213,7 +242,8 @@ class ChcRun:
             save_npy_atomic(stage_dir / "pair_cosine.npy", cos)
             save_npy_atomic(stage_dir / "keep.npy", keep)
             marker.mark({"filtered": int((ok & ~keep).sum())})
-        return ok, np.load(stage_dir / "keep.npy"), fp
+        return ok, load_npy_output(stage_dir / "keep.npy", f"bool [{len(ok)}] pairs kept by the filter", "filter",
+                                   bool, 1, len(ok)), fp
 
     # ------------------------------------------------------------------ stage 4
     def stage_text(self, index: Optional[PairIndex], keep: Optional[np.ndarray],
@@ -241,7 +271,7 @@ class ChcRun:
                 write_json_atomic(stage_dir / "unique_captions.json", uniq)
                 save_npy_atomic(stage_dir / "item_unique.npy", item_unique)
             self.barrier()
-            uniq = json.loads((stage_dir / "unique_captions.json").read_text())
+            uniq = read_json_output(stage_dir / "unique_captions.json", "the list of unique captions", "text")
 
             model = text_embed.load_sentence_model(model_path, text.DTYPE, self.device)
             dim_fn = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
@@ -266,8 +296,10 @@ class ChcRun:
                         for q in (stage_dir / f"embeddings.rank{r}.npy",
                                   stage_dir / f"embeddings.rank{r}.npy.progress.json"):
                             q.unlink(missing_ok=True)
-        uniq = json.loads((stage_dir / "unique_captions.json").read_text())
-        return uniq, np.load(stage_dir / "item_unique.npy"), fp
+        uniq = read_json_output(stage_dir / "unique_captions.json", "the list of unique captions", "text")
+        item_unique = load_npy_output(stage_dir / "item_unique.npy", "int64 [N] unique-caption id per pair", "text",
+                                      np.int64, 1)
+        return uniq, item_unique, fp
 
     # ------------------------------------------------------------------ stage 5
     def stage_topics(self, uniq: list, item_unique: np.ndarray, text_fp: str) -> tuple[dict, str]:
@@ -277,7 +309,8 @@ class ChcRun:
         marker = StageMarker(self.out, "topics", fp)
         if not marker.is_done():
             stage_dir.mkdir(parents=True, exist_ok=True)
-            emb = np.load(self.out / "text" / "embeddings.npy", mmap_mode="r")
+            emb = load_npy_output(self.out / "text" / "embeddings.npy", f"float32 [{len(uniq)}, d] sentence embeddings",
+                                  "text", np.float32, 2, len(uniq), mmap=True)
             n_unique = len(uniq)
             rng = np.random.default_rng(self.cfg.SEED)
             sample = np.sort(rng.choice(n_unique, size=min(int(tc.FIT_SAMPLE), n_unique), replace=False))
@@ -327,7 +360,7 @@ class ChcRun:
                                 ("umap_hdbscan_fit", "assign_nearest_centroid", "topic_words")}}
             write_json_atomic(stage_dir / "topics.json", info)
             marker.mark({"topics": len(names)})
-        return json.loads((stage_dir / "topics.json").read_text()), fp
+        return read_json_output(stage_dir / "topics.json", "the topic fit's summary", "topics"), fp
 
     # ------------------------------------------------------------------ stage 6
     def stage_domains(self, ok: np.ndarray, keep: np.ndarray, item_unique: np.ndarray, topic_info: dict,
@@ -336,8 +369,9 @@ class ChcRun:
         fp = fingerprint("domains", topics_fp, image_fp, _node(dc), self.cfg.SEED)
         marker = StageMarker(self.out, "domains", fp)
         if not marker.is_done():
-            unique_topic = np.load(self.out / "topics" / "unique_topic.npy")
-            feats = np.load(self.out / "image_features" / "image_features.npy", mmap_mode="r")
+            unique_topic = load_npy_output(self.out / "topics" / "unique_topic.npy",
+                                           "int64 [U] topic id per unique caption", "topics", np.int64, 1)
+            feats = self._image_features(len(ok))
             n = len(ok)
             pre_topic = np.where(item_unique >= 0, unique_topic[np.maximum(item_unique, 0)], -1)
             status = np.full(n, CLUSTERED, dtype=np.int8)
@@ -371,7 +405,7 @@ class ChcRun:
             save_npy_atomic(self.out / "item_status.npy", status)
             write_json_atomic(self.out / "domains.json", {"topic_names": new_names, "per_topic": per_topic})
             marker.mark({"topics": len(new_names)})
-        return json.loads((self.out / "domains.json").read_text()), fp
+        return read_json_output(self.out / "domains.json", "the topic names and domains per topic", "domains"), fp
 
     # ------------------------------------------------------------------ all
     def run(self) -> Optional[Path]:
@@ -395,7 +429,8 @@ class ChcRun:
         return self.out
 
     def write_outputs(self, index, ok, keep, uniq, item_unique, topic_info, domain_info) -> None:
-        status = np.load(self.out / "item_status.npy")
+        status = load_npy_output(self.out / "item_status.npy", f"int8 [{len(ok)}] status per pair", "domains", np.int8,
+                                 1, len(ok))
         counts = dict(index.counts)
         limit = int(self.chc.TEXT.MAX_CAPTION_CHARS)
         counts["captions_cut_to_max_chars"] = sum(caption_over_cap(index.captions[i], limit)
@@ -421,7 +456,11 @@ class ChcRun:
                                                                                         time.gmtime())})
         write_json_atomic(self.out / "hierarchy.json", {"topic_names": domain_info["topic_names"], "meta": meta})
         old = self.out / "timings.json"
-        timings = json.loads(old.read_text()) if old.is_file() else {}
+        try:
+            timings = json.loads(old.read_text()) if old.is_file() else {}
+        except (ValueError, RecursionError):   # a garbled timings file is rewritten, not fatal
+            timings = {}
+        timings = timings if isinstance(timings, dict) else {}
         timings.update(self.timings)
         write_json_atomic(old, timings)
         skipped = skipped_input_rows(counts, index.issues, self.unreadable_by_reason(), limit)
@@ -452,13 +491,23 @@ def merge_text_ranks(stage_dir: Path, n: int, dim: int, chunk_size: int, world_s
     os.replace(tmp, stage_dir / "embeddings.npy")
 
 
+def image_files_changed(index: PairIndex) -> bool:
+    """True when an image file the manifest named (or skipped as special) is not as the index recorded it."""
+    if not len(index.file_items()) and not index.special_files:
+        return False
+    recorded = index.recorded_file_stamps()
+    return recorded is None or not np.array_equal(recorded, index.current_file_stamps())
+
+
 def run_chc(cfg, rank: int = 0, world_size: int = 1, barrier: Optional[Callable[[], None]] = None,
             show_progress: bool = True) -> Optional[Path]:
     """Run or resume CHC for ``cfg``; returns ``CHC.OUTPUT_DIR`` on rank 0.
 
-    Rank 0 holds ``CHC.OUTPUT_DIR``'s :class:`meta.runlock.RunLock` for the whole run (a second
-    writer fails at once) and removes temporary files a killed run left there.
+    Every ``CHC.*`` value is checked first (:func:`meta.chc.settings.check_chc_cfg`: one error naming
+    the key, before any file is touched).  Rank 0 holds ``CHC.OUTPUT_DIR``'s :class:`meta.runlock.RunLock`
+    for the whole run (a second writer fails at once) and removes temporary files a killed run left there.
     """
+    check_chc_cfg(cfg)
     lock = RunLock(cfg.CHC.OUTPUT_DIR, key="CHC.OUTPUT_DIR", enabled=int(rank) == 0)
     with lock:
         if lock.held:

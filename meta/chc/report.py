@@ -21,10 +21,15 @@ _INDEX_REASONS = (
     ("skipped_lost_in_corrupt_shard", "pair cut by the damage in a corrupt shard", "pair skipped"),
     ("pairs_lost_in_corrupt_shards_estimate", "pairs in the unread part of corrupt shards (estimate: bytes unread "
                                               "/ mean bytes per pair read)", "not read"),
-    ("skipped_invalid_row", "manifest line that is not a JSON object", "row skipped"),
+    ("skipped_invalid_row", "manifest line that is not a JSON object (not JSON, nested too deep, a list)",
+     "row skipped"),
     ("skipped_non_text_caption", "caption is not text (number, list, ...)", "pair skipped"),
     ("skipped_non_text_image", "image value is not text", "pair skipped"),
     ("skipped_duplicate_pair", "exact repeat of an earlier (image, caption) row", "pair skipped"),
+    ("skipped_duplicate_key", "key repeated in a shard: a member group after the first complete pair",
+     "group skipped (first complete pair kept)"),
+    ("skipped_not_regular_file", "manifest image path names a FIFO, device, socket or folder",
+     "pair skipped (never opened)"),
     ("dropped_by_max_pairs", "beyond CHC.INPUT.MAX_PAIRS", "pair skipped"),
     ("invalid_utf8_replaced", "text not valid UTF-8 (caption or manifest line)", "kept, bad bytes -> U+FFFD"),
 )
@@ -57,6 +62,8 @@ def _issue_line(e: dict) -> str:
         cut = "; the file is cut short" if e.get("cut_short") else ""
         return (f"- {e['source']}: {e['problem']}; stopped at byte {e['offset']}, {e['bytes_unread']} bytes not read, "
                 f"{e['pairs_read']} pairs read{cut}")
+    if "keys" in e:
+        return f"- {e['source']}: {e['problem']}: {e['rows']} member group(s), key(s) {', '.join(e['keys'])}"
     return f"- {e['source']}: {e['problem']}: {e['rows']} row(s), line(s) {', '.join(map(str, e['lines']))}"
 
 

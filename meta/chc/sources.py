@@ -25,7 +25,17 @@ damaged files are listed in ``issues``:
 * text that is not valid UTF-8 (tar captions, manifest lines) is decoded with
   replacement characters and counted (``invalid_utf8_replaced``); a UTF-8 byte-order mark
   starting a manifest is dropped;
-* a manifest row that is not a JSON object (or not JSON) is ``skipped_invalid_row``; a
+* a key repeated inside one shard (``dup.png dup.txt dup.png dup.txt``): a member joins its
+  key's latest member group unless that group already has a member of its kind (image,
+  caption, metadata), else it opens a new group; the first group with an image and a
+  non-empty caption is the pair, every other group of the key is ``skipped_duplicate_key``
+  (never an image with another group's caption);
+* a manifest row whose image path is not a regular file (a FIFO, a device such as
+  ``/dev/zero``, a socket, a folder; symlinks followed) is ``skipped_not_regular_file``:
+  checked with ``os.stat``, never opened (``open()`` on a FIFO blocks, a device reads
+  forever); image bytes are read only from regular files (:func:`read_regular_file`);
+* a manifest row that is not a JSON object (or not JSON, or nested too deep for the
+  interpreter's JSON parser: ``RecursionError``) is ``skipped_invalid_row``; a
   caption or image value that is not text (a number, a list) is ``skipped_non_text_caption``
   / ``skipped_non_text_image``; a row repeating an earlier (image, caption) pair exactly
   is ``skipped_duplicate_pair``;
@@ -39,6 +49,7 @@ import glob
 import json
 import os
 import re
+import stat
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +60,7 @@ import numpy as np
 from meta.chc.errors import InputError
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+MAX_ISSUE_LINES = 5  # line numbers (manifests) or keys (shards) kept per problem in ``issues``
 KIND_TAR, KIND_FILE = 0, 1
 
 
@@ -69,6 +81,11 @@ class PairIndex:
         counts: pairs seen / skipped, by reason.
         issues: damaged inputs, one dict each (``source``, ``problem``, and for shards
             ``offset`` where reading stopped, ``bytes_unread``, ``pairs_read``).
+        item_file_stamp: [N, 3] int64 :func:`file_stamp` of each manifest image file when the
+            index was built (kind, bytes, mtime ns; zeros for tar pairs); ``None`` without a
+            manifest, and for an index saved before stamps were recorded.
+        special_files: ``[path, kind, bytes, mtime ns]`` of the manifest image paths skipped
+            as not regular files.
     """
 
     sources: list
@@ -82,9 +99,29 @@ class PairIndex:
     meta_json: list
     counts: dict = field(default_factory=dict)
     issues: list = field(default_factory=list)
+    item_file_stamp: Optional[np.ndarray] = None
+    special_files: list = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.captions)
+
+    # ---------------------------------------------------------------- what the index read
+    def file_items(self) -> np.ndarray:
+        """int64 indices of the pairs whose image is a file named by a manifest."""
+        return np.flatnonzero(self.source_kind[self.item_source] == KIND_FILE).astype(np.int64)
+
+    def recorded_file_stamps(self) -> Optional[np.ndarray]:
+        """int64 ``[F + S, 3]``: the stamps of the F manifest image files and S skipped special
+        files as recorded when the index was built; ``None`` for an index without stamps."""
+        if self.item_file_stamp is None:
+            return None
+        special = np.asarray([row[1:] for row in self.special_files], dtype=np.int64).reshape(-1, 3)
+        return np.concatenate([np.asarray(self.item_file_stamp, dtype=np.int64)[self.file_items()], special])
+
+    def current_file_stamps(self) -> np.ndarray:
+        """int64 ``[F + S, 3]``: the same files stamped now (one ``os.stat`` each, none opened)."""
+        paths = [self.item_path[int(i)] for i in self.file_items()] + [row[0] for row in self.special_files]
+        return np.asarray([file_stamp(p) for p in paths], dtype=np.int64).reshape(-1, 3)
 
     # ---------------------------------------------------------------- persistence
     def save(self, directory: Path) -> None:
@@ -96,12 +133,13 @@ class PairIndex:
                 fh.write(json.dumps([key, path, cap, mj], ensure_ascii=False) + "\n")
         os.replace(tmp, directory / "items.jsonl")
         tmp = directory / "items.tmp.npz"
+        stamps = {} if self.item_file_stamp is None else {"item_file_stamp": self.item_file_stamp}
         np.savez(tmp, source_kind=self.source_kind, item_source=self.item_source,
-                 item_offset=self.item_offset, item_size=self.item_size)
+                 item_offset=self.item_offset, item_size=self.item_size, **stamps)
         os.replace(tmp, directory / "items.npz")
         tmp = directory / "sources.json.tmp"
-        tmp.write_text(json.dumps({"sources": self.sources, "counts": self.counts, "issues": self.issues},
-                                  indent=1))
+        tmp.write_text(json.dumps({"sources": self.sources, "counts": self.counts, "issues": self.issues,
+                                   "special_files": self.special_files}, indent=1))
         os.replace(tmp, directory / "sources.json")
 
     @classmethod
@@ -117,7 +155,9 @@ class PairIndex:
         return cls(sources=head["sources"], source_kind=arrays["source_kind"], item_source=arrays["item_source"],
                    item_offset=arrays["item_offset"], item_size=arrays["item_size"], item_key=keys,
                    item_path=paths, captions=caps, meta_json=metas, counts=head["counts"],
-                   issues=head.get("issues", []))
+                   issues=head.get("issues", []),
+                   item_file_stamp=arrays["item_file_stamp"] if "item_file_stamp" in arrays.files else None,
+                   special_files=head.get("special_files", []))
 
     # ---------------------------------------------------------------- reading bytes
     def read_image_bytes(self, indices: Iterable[int], reasons: Optional[list] = None) -> list:
@@ -143,8 +183,9 @@ class PairIndex:
                         if len(data) != int(self.item_size[i]):
                             data, why = None, "short read (shard changed or cut)"
                     else:
-                        with open(self.item_path[i], "rb") as fh:
-                            data = fh.read()
+                        data = read_regular_file(self.item_path[i])
+                except NotRegularFileError:
+                    data, why = None, "not a regular file"
                 except OSError as err:
                     data, why = None, type(err).__name__
                 out.append(data)
@@ -161,6 +202,61 @@ class PairIndex:
         if self.source_kind[src] == KIND_TAR:
             return f"{self.sources[src]}:{self.item_key[int(i)]}"
         return self.item_path[int(i)]
+
+
+# ------------------------------------------------------------------------ image files
+STAMP_MISSING, STAMP_REGULAR, STAMP_SPECIAL = 0, 1, 2
+
+
+def file_type(path: str) -> str:
+    """``'regular file'``, ``'FIFO'``, ``'character device'``, ... of ``path`` (symlinks followed)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as err:
+        return type(err).__name__
+    for test, name in ((stat.S_ISREG, "regular file"), (stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def file_stamp(path: str) -> tuple[int, int, int]:
+    """``(kind, size in bytes, mtime in ns)`` of ``path``, by ``os.stat`` (never opened).
+
+    ``kind``: :data:`STAMP_REGULAR`, :data:`STAMP_SPECIAL` (FIFO, device, socket, folder) or
+    :data:`STAMP_MISSING` (any ``OSError``; size and mtime -1).
+    """
+    try:
+        st = os.stat(path)
+    except OSError:
+        return STAMP_MISSING, -1, -1
+    kind = STAMP_REGULAR if stat.S_ISREG(st.st_mode) else STAMP_SPECIAL
+    return kind, int(st.st_size), int(st.st_mtime_ns)
+
+
+def read_regular_file(path: str) -> bytes:
+    """The bytes of ``path``, refusing anything but a regular file without blocking.
+
+    ``os.stat`` first (a FIFO is never opened: ``open()`` on one blocks until a writer comes,
+    and a device such as ``/dev/zero`` reads until memory runs out), then the file is opened
+    non-blocking and checked again with ``fstat`` (it may have been replaced in between).
+
+    Raises:
+        OSError: the file is missing or unreadable; :class:`NotRegularFileError` for a special file.
+    """
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise NotRegularFileError(f"{path}: not a regular file ({file_type(path)})")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegularFileError(f"{path}: not a regular file ({file_type(path)})")
+        return fh.read()
+
+
+class NotRegularFileError(OSError):
+    """A path names a FIFO, a device, a socket or a folder where an image file was expected."""
 
 
 # ------------------------------------------------------------------------ tar shards
@@ -220,6 +316,27 @@ def _decode_text(data: bytes, counts: dict) -> str:
         return data.decode("utf-8", errors="replace")
 
 
+def _member_group(groups: dict, order: list, key: str, kind: Optional[str]) -> dict:
+    """The member group of ``key`` a member of ``kind`` (image, txt, json or None = other) belongs to.
+
+    A member joins its key's latest group unless that group already holds a member of its kind;
+    then it opens a new group (a repeated key: ``dup.png dup.txt dup.png dup.txt`` is two groups).
+    """
+    found = groups.setdefault(key, [])
+    if not found or (kind is not None and kind in found[-1]):
+        found.append({})
+        order.append((key, len(found) - 1))
+    return found[-1]
+
+
+def _first_complete(found: list) -> int:
+    """Which of a key's member groups is its pair: the first with an image and a non-empty caption (else 0)."""
+    for number, g in enumerate(found):
+        if "image" in g and g.get("txt", "").strip():
+            return number
+    return 0
+
+
 def scan_tar(path: str, counts: dict, issues: Optional[list] = None) -> list:
     """Records ``(key, offset, size, caption, meta_json)`` of one shard, in member order.
 
@@ -228,8 +345,8 @@ def scan_tar(path: str, counts: dict, issues: Optional[list] = None) -> list:
     ``{"source", "problem", "offset", "bytes_unread", "pairs_read"}`` to it.  A pair
     missing its image or caption is counted and dropped.
     """
-    groups: dict = {}
-    order: list = []
+    groups: dict = {}                   # key -> its member groups, in order (more than one: a repeated key)
+    order: list = []                    # (key, group number) in the order groups were opened
     damage = None                       # (byte offset where reading stopped, what was found there)
     end = 0                             # offset of the end-of-archive marker, when reached
     try:
@@ -263,13 +380,11 @@ def scan_tar(path: str, counts: dict, issues: Optional[list] = None) -> list:
                 key, ext = _split_member(member.name)
                 if key is None:
                     continue
-                if key not in groups:
-                    groups[key] = {}
-                    order.append(key)
-                g = groups[key]
-                if ext in IMAGE_EXTS and "image" not in g:
+                kind = "image" if ext in IMAGE_EXTS else ext if ext in ("txt", "json") else None
+                g = _member_group(groups, order, key, kind)
+                if kind == "image":
                     g["image"] = (member.offset_data, member.size)
-                elif ext in ("txt", "json"):
+                elif kind is not None:
                     try:
                         fh = tar.extractfile(member)
                         data = fh.read() if fh is not None else b""
@@ -286,18 +401,24 @@ def scan_tar(path: str, counts: dict, issues: Optional[list] = None) -> list:
         _bump(counts, "corrupt_shards")
         _bump(counts, "corrupt_shards_cut_short", int(cut))
         _bump(counts, "corrupt_shard_bytes_unread", unread)
-        if order and ("image" not in groups[order[-1]] or "txt" not in groups[order[-1]]):
+        if order and not {"image", "txt"} <= groups[order[-1][0]][order[-1][1]].keys():
             lost_key = order[-1]        # its other member sat in the damaged part
         if issues is not None:
             issues.append({"source": os.path.abspath(path), "problem": damage[1], "offset": int(damage[0]),
                            "bytes_unread": int(unread), "cut_short": bool(cut),
                            "pairs_read": len(order) - (lost_key is not None)})
+    chosen = {key: _first_complete(found) for key, found in groups.items()}
+    repeated: list = []
     records = []
-    for key in order:
-        g = groups[key]
+    for key, number in order:
+        g = groups[key][number]
         _bump(counts, "pairs_seen")
-        if key == lost_key:
+        if (key, number) == lost_key:
             _bump(counts, "skipped_lost_in_corrupt_shard")
+            continue
+        if number != chosen[key]:
+            _bump(counts, "skipped_duplicate_key")
+            repeated.append(key)
             continue
         caption = " ".join(g.get("txt", "").split())
         if "image" not in g:
@@ -307,11 +428,14 @@ def scan_tar(path: str, counts: dict, issues: Optional[list] = None) -> list:
             _bump(counts, "skipped_empty_caption")
             continue
         records.append((key, g["image"][0], g["image"][1], caption, g.get("json", "")))
+    if repeated and issues is not None:
+        issues.append({"source": os.path.abspath(path), "problem": "key repeated in the shard (the first complete "
+                       "pair kept, the other member groups skipped)", "rows": len(repeated),
+                       "keys": list(dict.fromkeys(repeated))[:MAX_ISSUE_LINES]})
     return records
 
 
 # ------------------------------------------------------------------------ manifests
-MAX_ISSUE_LINES = 5  # line numbers kept per manifest problem in ``issues``
 
 
 def _note(issues: Optional[list], path: str, problem: str, line: int) -> None:
@@ -358,6 +482,10 @@ def _manifest_rows(path: str, counts: dict, issues: Optional[list], max_field_ch
                     _note(issues, path, f"not JSON ({err.msg})", lineno)
                     yield lineno, None
                     continue
+                except RecursionError:                # nested deeper than the interpreter's stack allows
+                    _note(issues, path, "JSON nested too deep to read", lineno)
+                    yield lineno, None
+                    continue
                 if not isinstance(row, dict):
                     _note(issues, path, f"a JSON {type(row).__name__}, not an object", lineno)
                     row = None
@@ -383,13 +511,18 @@ def _manifest_rows(path: str, counts: dict, issues: Optional[list], max_field_ch
 
 
 def scan_manifest(path: str, image_column: str, caption_column: str, image_root: str, counts: dict,
-                  issues: Optional[list] = None, max_field_chars: int = 10_000_000) -> list:
-    """Records ``(key, path, caption)`` of a manifest; a missing column is a one-line error.
+                  issues: Optional[list] = None, max_field_chars: int = 10_000_000,
+                  special: Optional[list] = None) -> list:
+    """Records ``(key, path, caption, stamp)`` of a manifest; a missing column is a one-line error.
 
+    ``stamp`` is the image file's :func:`file_stamp` when it was read.  A row whose image path is
+    not a regular file (a FIFO, a device, a socket, a folder) is skipped and counted, and
+    ``[path, *stamp]`` appended to ``special`` when given, so a later run notices a replaced file.
     Policies (each skip counted in ``counts``, problem lines in ``issues``): see the module docstring.
     """
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"CHC.INPUT.MANIFEST: no such file: {path}")
+        what = f"not a regular file ({file_type(path)})" if os.path.exists(path) else "no such file"
+        raise FileNotFoundError(f"CHC.INPUT.MANIFEST: {what}: {path}")
     path = os.path.abspath(path)
     root = image_root or os.path.dirname(path)
     records = []
@@ -429,7 +562,14 @@ def scan_manifest(path: str, image_column: str, caption_column: str, image_root:
             _note(issues, path, "repeats an earlier (image, caption) row", lineno)
             continue
         seen.add((image, caption))
-        records.append((str(row_no), image, caption))
+        stamp = file_stamp(image)
+        if stamp[0] == STAMP_SPECIAL:
+            _bump(counts, "skipped_not_regular_file")
+            _note(issues, path, f"image is not a regular file ({file_type(image)}; never opened)", lineno)
+            if special is not None:
+                special.append([image, *stamp])
+            continue
+        records.append((str(row_no), image, caption, stamp))
     return records
 
 
@@ -448,14 +588,15 @@ def build_index(shards: Sequence[str] = (), manifest: str = "", image_column: st
     counts: dict = {"pairs_seen": 0, "skipped_no_image": 0, "skipped_empty_caption": 0, "corrupt_shards": 0}
     issues: list = []
     sources, kinds = [], []
-    src_ids, offsets, sizes, keys, paths, caps, metas = [], [], [], [], [], [], []
+    src_ids, offsets, sizes, keys, paths, caps, metas, stamps = [], [], [], [], [], [], [], []
+    special: list = []
     shard_paths = expand_shards(shards) if shards else []
     for path in tqdm(shard_paths, desc="index shards", unit="shard", disable=not show_progress, dynamic_ncols=True):
         sid = len(sources)
         sources.append(os.path.abspath(path)), kinds.append(KIND_TAR)
         for key, off, size, cap, mj in scan_tar(path, counts, issues):
             src_ids.append(sid), offsets.append(off), sizes.append(size)
-            keys.append(key), paths.append(""), caps.append(cap), metas.append(mj)
+            keys.append(key), paths.append(""), caps.append(cap), metas.append(mj), stamps.append((0, 0, 0))
     if counts["corrupt_shards"]:
         # pairs the damaged parts held: bytes not read / mean bytes per pair in what was read (a shard cut
         # short lost an unknown tail on top: counted in corrupt_shards_cut_short)
@@ -465,10 +606,10 @@ def build_index(shards: Sequence[str] = (), manifest: str = "", image_column: st
     if manifest:
         sid = len(sources)
         sources.append(os.path.abspath(manifest)), kinds.append(KIND_FILE)
-        for key, path, cap in scan_manifest(manifest, image_column, caption_column, image_root, counts, issues,
-                                            max_field_chars):
+        for key, path, cap, stamp in scan_manifest(manifest, image_column, caption_column, image_root, counts,
+                                                   issues, max_field_chars, special):
             src_ids.append(sid), offsets.append(-1), sizes.append(-1)
-            keys.append(key), paths.append(path), caps.append(cap), metas.append("")
+            keys.append(key), paths.append(path), caps.append(cap), metas.append(""), stamps.append(stamp)
     if not caps:
         skipped = ", ".join(f"{k} {v}" for k, v in counts.items() if v and k != "pairs_seen") or "nothing read"
         where = (f"CHC.INPUT.SHARDS: {len(shard_paths)} shard(s)" if shard_paths else "") + \
@@ -478,12 +619,14 @@ def build_index(shards: Sequence[str] = (), manifest: str = "", image_column: st
     if max_pairs and len(caps) > max_pairs:
         counts["dropped_by_max_pairs"] = len(caps) - max_pairs
         del src_ids[max_pairs:], offsets[max_pairs:], sizes[max_pairs:]
-        del keys[max_pairs:], paths[max_pairs:], caps[max_pairs:], metas[max_pairs:]
+        del keys[max_pairs:], paths[max_pairs:], caps[max_pairs:], metas[max_pairs:], stamps[max_pairs:]
     counts["pairs_indexed"] = len(caps)
     return PairIndex(sources=sources, source_kind=np.asarray(kinds, dtype=np.int8),
                      item_source=np.asarray(src_ids, dtype=np.int32), item_offset=np.asarray(offsets, dtype=np.int64),
                      item_size=np.asarray(sizes, dtype=np.int64), item_key=keys, item_path=paths,
-                     captions=caps, meta_json=metas, counts=counts, issues=issues)
+                     captions=caps, meta_json=metas, counts=counts, issues=issues,
+                     item_file_stamp=np.asarray(stamps, dtype=np.int64).reshape(-1, 3) if manifest else None,
+                     special_files=special)
 
 
 def rank_items(index: PairIndex, rank: int, world_size: int) -> np.ndarray:

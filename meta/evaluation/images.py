@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torchvision import transforms as T
 
+from ..image_decode import to_rgb8
 from ..visual_encoder import encode_image_with_prompts
 
 _BICUBIC = T.InterpolationMode.BICUBIC
@@ -109,7 +110,7 @@ class ImageLoader:
         """Read ``impath`` as RGB; a missing or corrupt file raises ``OSError`` naming it."""
         try:
             with Image.open(impath) as f:
-                return f.convert("RGB")
+                return to_rgb8(f)
         except (OSError, ValueError) as err:
             raise OSError(f"cannot read image {impath}: {err}") from None
 

@@ -1,0 +1,107 @@
+"""Reading back what a CHC run wrote, with one-line errors that name the file and what was expected.
+
+A CHC output folder is re-read by later stages of a resumed run, by :func:`meta.chc.load_hierarchy`
+and so by ``python -m meta train``.  A file garbled or cut after it was written (a copy that stopped,
+a disk that filled up outside the run, an edit by hand) would otherwise end in a bare decoder message
+(``Expecting value: line 1 column 1``, ``mmap length is greater than file size``).  The readers here
+raise :class:`OutputError` instead: ``<file>: <what is wrong>; expected <what the file holds>``, plus
+how to get a good copy back (rerun ``python -m meta cluster``; for a stage's cached output, after
+deleting that stage's ``<stage>.done.json``).
+"""
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+
+class OutputError(ValueError):
+    """A CHC output file cannot be read back or does not hold what the run wrote there."""
+
+
+def _fix(path: Path, stage: Optional[str]) -> str:
+    """How to get a good copy back: rerun (files every run rewrites), or rerun the stage that wrote it."""
+    if not stage:
+        return "rerun `python -m meta cluster` with the same config to write it again"
+    out = path.parent.parent if path.parent.name == stage else path.parent
+    return f"delete {out / (stage + '.done.json')} and rerun `python -m meta cluster` to recompute it"
+
+
+def read_json_output(path, expected: str, stage: Optional[str] = None):
+    """The JSON value in ``path``; :class:`OutputError` when it is not valid JSON.
+
+    Args:
+        expected: what the file holds, for the message (``"the topic names and run metadata"``).
+        stage: the stage that wrote it (``None`` = a file every run rewrites).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found; expected {expected}; {_fix(path, stage)}")
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except json.JSONDecodeError as err:
+        what = f"not valid JSON ({err.msg}: line {err.lineno} column {err.colno})"
+    except UnicodeDecodeError:
+        what = "not UTF-8 text"
+    except RecursionError:
+        what = "JSON nested too deep to read"
+    raise OutputError(f"{path}: {what}; expected {expected}; {_fix(path, stage)}")
+
+
+def load_npy_output(path, expected: str, stage: Optional[str] = None, dtype=None, ndim: Optional[int] = None,
+                    rows: Optional[int] = None, mmap: bool = False) -> np.ndarray:
+    """The ``.npy`` array in ``path``, checked; :class:`OutputError` when it is cut, garbled or of another shape.
+
+    Args:
+        expected: what the array holds, e.g. ``"float32 [N, D] CLIP image features"``.
+        dtype / ndim / rows: checks of the array's dtype, number of dimensions, first dimension.
+        mmap: memory-map read-only instead of reading into memory.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found; expected {expected}; {_fix(path, stage)}")
+    try:
+        arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except (ValueError, OSError, EOFError, pickle.UnpicklingError) as err:
+        text = " ".join(str(err).split()) or type(err).__name__
+        raise OutputError(f"{path}: truncated or not a .npy array ({text}); expected {expected}; "
+                          f"{_fix(path, stage)}") from None
+    problems = []
+    if dtype is not None and arr.dtype != np.dtype(dtype):
+        problems.append(f"dtype {arr.dtype}")
+    if ndim is not None and arr.ndim != ndim:
+        problems.append(f"{arr.ndim} dimensions")
+    elif rows is not None and (arr.ndim == 0 or arr.shape[0] != rows):
+        problems.append(f"{arr.shape[0] if arr.ndim else 0} rows, not {rows}")
+    if problems:
+        raise OutputError(f"{path}: holds shape {tuple(arr.shape)}, {', '.join(problems)}; expected {expected}; "
+                          f"{_fix(path, stage)}")
+    return arr
+
+
+def load_index(directory):
+    """:meth:`meta.chc.sources.PairIndex.load` of ``<CHC.OUTPUT_DIR>/index``; :class:`OutputError` when
+    one of its files is garbled, cut or disagrees with the others on the number of pairs."""
+    import zipfile
+
+    from meta.chc.sources import PairIndex
+
+    directory = Path(directory)
+    fix = _fix(directory / "sources.json", "index")
+    try:
+        index = PairIndex.load(directory)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"{err.filename or directory}: not found; expected the pair index; {fix}") from None
+    except (ValueError, OSError, EOFError, KeyError, TypeError, RecursionError, zipfile.BadZipFile) as err:
+        text = " ".join(str(err).split()) or type(err).__name__
+        raise OutputError(f"{directory}: pair index unreadable ({type(err).__name__}: {text}); expected "
+                          f"sources.json, items.npz and items.jsonl as `python -m meta cluster` writes them; "
+                          f"{fix}") from None
+    n = len(index.captions)
+    if not (len(index.item_source) == len(index.item_offset) == len(index.item_size) == n):
+        raise OutputError(f"{directory}: items.jsonl holds {n} pairs, items.npz {len(index.item_source)}; "
+                          f"expected the same number; {fix}")
+    return index

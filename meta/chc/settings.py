@@ -1,0 +1,133 @@
+"""Checks of every ``CHC.*`` setting, made before a CHC run does any work.
+
+The defaults and their meaning live in :func:`meta.config.get_meta_cfg_default` (``_chc_node``); this
+module holds the values each key accepts.  :func:`check_chc_cfg` raises
+:class:`meta.cli_errors.UserError` for the first bad value, so ``python -m meta cluster`` ends in one
+line naming the key: ``error: CHC.IMAGES.BATCH_SIZE: expected an integer >= 1, got 0``.  Without it a
+zero batch size failed with ``range() arg 3 must not be zero``, a negative chunk size with
+``negative dimensions are not allowed`` and ``MIN_CLUSTER_SIZE 1`` with an HDBSCAN message after the
+sentence embeddings (HDBSCAN's minimum cluster size is 2).
+"""
+from __future__ import annotations
+
+import math
+import sys
+from numbers import Integral, Real
+from typing import Optional
+
+from meta.cli_errors import UserError
+
+# key -> (smallest, largest) for integers; None = no bound on that side
+INT_RANGES = {
+    "INPUT.MAX_PAIRS": (0, None),                 # 0 = all pairs
+    "INPUT.MAX_FIELD_CHARS": (1, sys.maxsize),    # csv.field_size_limit takes a C long
+    "TEXT.BATCH_SIZE": (1, None),
+    "TEXT.CHUNK_SIZE": (1, None),
+    "TEXT.MAX_CAPTION_CHARS": (0, None),          # 0 = no cap
+    "TOPICS.FIT_SAMPLE": (2, None),
+    "TOPICS.UMAP_DIM": (1, None),
+    "TOPICS.UMAP_NEIGHBORS": (2, None),           # umap-learn refuses n_neighbors < 2
+    "TOPICS.MIN_CLUSTER_SIZE": (2, None),         # hdbscan refuses min_cluster_size < 2
+    "TOPICS.MIN_SAMPLES": (0, None),              # 0 = hdbscan's default (= MIN_CLUSTER_SIZE)
+    "TOPICS.MIN_WORD_LEN": (1, None),
+    "TOPICS.PLOT_POINTS": (0, None),              # 0 = no picture
+    "IMAGES.BATCH_SIZE": (1, None),
+    "IMAGES.CHUNK_SIZE": (1, None),
+    "IMAGES.DECODE_WORKERS": (0, None),           # 0 = decode in the calling thread
+    "DOMAINS.NUM": (1, None),
+    "DOMAINS.MIN_PER_DOMAIN": (1, None),
+    "DOMAINS.MINIBATCH_ABOVE": (0, None),
+    "DOMAINS.N_INIT": (1, None),
+}
+# key -> (smallest, largest) for real numbers, both included; all must be finite
+REAL_RANGES = {
+    "INPUT.MAX_UNREADABLE_FRACTION": (0.0, 1.0),
+    "FILTER.THRESHOLD": (-1.0, 1.0),              # a cosine
+    "FILTER.QUANTILE": (0.0, 1.0),
+    "TOPICS.UMAP_MIN_DIST": (0.0, 1.0),           # umap-learn: 0 <= min_dist <= spread (1.0)
+    "TOPICS.ASSIGN_QUANTILE": (0.0, 1.0),
+    "TOPICS.PRESENCE_MIN_FRACTION": (0.0, 1.0),
+    "IMAGES.CACHE_MAX_GB": (0.0, None),           # 0 = never cache decoded images
+}
+CHOICES = {
+    "FILTER.MODE": ("none", "threshold", "quantile"),
+    "TEXT.DTYPE": ("fp32", "bf16"),
+    "TOPICS.UMAP_INIT": ("random", "spectral", "pca", "tswspectral"),   # umap-learn's init strings
+    "IMAGES.AUTOCAST": ("none", "bf16", "fp16"),
+}
+TEXT_KEYS = ("INPUT.MANIFEST", "INPUT.IMAGE_COLUMN", "INPUT.CAPTION_COLUMN", "INPUT.IMAGE_ROOT", "FILTER.TEMPLATE",
+             "TEXT.MODEL", "TOPICS.UMAP_METRIC")
+NON_EMPTY_TEXT = ("INPUT.IMAGE_COLUMN", "INPUT.CAPTION_COLUMN", "TOPICS.UMAP_METRIC")
+TEXT_LIST_KEYS = ("INPUT.SHARDS", "TOPICS.EXTRA_STOP_WORDS")
+
+
+def _get(chc, dotted: str):
+    node = chc
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def _bounds(lo, hi) -> str:
+    if hi is None:
+        return f">= {lo}"
+    return f"in [{lo}, {hi}]"
+
+
+def check_int(key: str, value, lo: Optional[int], hi: Optional[int]) -> None:
+    """``value`` is an integer (not a bool) within ``[lo, hi]``; else :class:`UserError` naming ``key``."""
+    if not isinstance(value, Integral) or isinstance(value, bool) or (lo is not None and value < lo) \
+            or (hi is not None and value > hi):
+        raise UserError(key, f"expected an integer {_bounds(lo, hi)}, got {value!r}")
+
+
+def check_real(key: str, value, lo: Optional[float], hi: Optional[float]) -> None:
+    """``value`` is a finite real number within ``[lo, hi]``; else :class:`UserError` naming ``key``."""
+    ok = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(float(value)) \
+        and (lo is None or value >= lo) and (hi is None or value <= hi)
+    if not ok:
+        raise UserError(key, f"expected a finite number {_bounds(lo, hi)}, got {value!r}")
+
+
+def check_chc_cfg(cfg) -> None:
+    """Check every ``CHC.*`` value of ``cfg`` (and ``SEED``, which CHC's sampling uses) before any work.
+
+    Raises:
+        UserError: ``CHC.<KEY>: expected ..., got ...`` for the first bad value.
+    """
+    chc = cfg.CHC
+    out = chc.OUTPUT_DIR
+    if not isinstance(out, str) or not out.strip():
+        raise UserError("CHC.OUTPUT_DIR", f"expected a folder path, got {out!r} (an empty path would write into "
+                                          f"the current folder)")
+    for key, (lo, hi) in INT_RANGES.items():
+        check_int(f"CHC.{key}", _get(chc, key), lo, hi)
+    for key, (lo, hi) in REAL_RANGES.items():
+        check_real(f"CHC.{key}", _get(chc, key), lo, hi)
+    for key, allowed in CHOICES.items():
+        value = _get(chc, key)
+        if value not in allowed:
+            raise UserError(f"CHC.{key}", f"expected one of {'|'.join(allowed)}, got {value!r}")
+    for key in TEXT_KEYS:
+        value = _get(chc, key)
+        if not isinstance(value, str) or (key in NON_EMPTY_TEXT and not value.strip()):
+            raise UserError(f"CHC.{key}", f"expected {'non-empty ' if key in NON_EMPTY_TEXT else ''}text, "
+                                          f"got {value!r}")
+    for key in TEXT_LIST_KEYS:
+        value = _get(chc, key)
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise UserError(f"CHC.{key}", f"expected a list of text, got {value!r}")
+    template = chc.FILTER.TEMPLATE
+    if template:
+        try:
+            filled = template.format("x")
+        except (IndexError, KeyError, ValueError) as err:
+            raise UserError("CHC.FILTER.TEMPLATE", f"expected text with one '{{}}' for the caption, got "
+                                                   f"{template!r} ({type(err).__name__}: {err})") from None
+        if filled == template:
+            raise UserError("CHC.FILTER.TEMPLATE", f"expected text with one '{{}}' for the caption, got {template!r}")
+    topics = chc.TOPICS
+    if topics.FIT_SAMPLE < topics.MIN_CLUSTER_SIZE:
+        raise UserError("CHC.TOPICS.FIT_SAMPLE", f"expected >= CHC.TOPICS.MIN_CLUSTER_SIZE "
+                                                 f"({topics.MIN_CLUSTER_SIZE}), got {topics.FIT_SAMPLE}")
+    check_int("SEED", cfg.SEED, 0, 2 ** 32 - 1)   # numpy's default_rng and umap's random_state take it
