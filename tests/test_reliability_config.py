@@ -273,3 +273,97 @@ def test_run_log_and_run_info_readers_skip_or_name_hostile_lines(tmp_path):
         info.write_text(text)
         with pytest.raises(ValueError, match=re.escape(f"{info}: ") + ".*" + re.escape(expected)):
             _read_run_info(info)
+
+
+# ----------------------------------------------------------------------------- demo workers, partial folders (9)
+def _running(pid: int) -> bool:
+    """A process that exists and is not a zombie (a reparented zombie may wait for a non-reaping init)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        from meta.fileio import pid_alive
+
+        return pid_alive(pid)
+
+
+@pytest.mark.slow   # three interpreters import torch (seconds each, a minute on a loaded 2-core machine)
+def test_demo_pool_workers_die_with_a_killed_parent(tmp_path):
+    (tmp_path / "orphan_job.py").write_text(textwrap.dedent('''
+        import os, time
+        def work(folder):
+            open(os.path.join(folder, f"worker-{os.getpid()}"), "w").close()
+            time.sleep(300)
+    '''))
+    (tmp_path / "parent.py").write_text(textwrap.dedent(f'''
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        import orphan_job
+        from gram_world.demo.pool import run_with_progress
+        if __name__ == "__main__":
+            run_with_progress(orphan_job.work, [{str(tmp_path)!r}] * 2, jobs=2, total=2, done=lambda: 0,
+                              desc="orphans", unit="job")
+    '''))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "parent.py")], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 180
+        while len(list(tmp_path.glob("worker-*"))) < 2:
+            assert proc.poll() is None and time.time() < deadline, "the workers never started"
+            time.sleep(0.2)
+        workers = [int(p.name.split("-")[1]) for p in tmp_path.glob("worker-*")]
+        assert all(_running(pid) for pid in workers)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.time() + 5
+        while any(_running(pid) for pid in workers) and time.time() < deadline:
+            time.sleep(0.1)
+        alive = [pid for pid in workers if _running(pid)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for pid in alive:   # clean up before failing
+        os.kill(pid, signal.SIGKILL)
+    assert alive == [], f"workers {alive} outlived their killed parent"
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_world_build_removes_partial_folders_of_killed_builds_only(tmp_path):
+    from dataclasses import replace
+
+    fcntl = pytest.importorskip("fcntl")
+    from gram_world import build_world, world_settings
+
+    s = replace(world_settings(quick=True, seed=0), pretrain_size=40, chc_size=20, chc_shard_size=25,
+                labelled_per_class=1, val_per_class=1, test_per_class=1)
+    name = s.checksum()
+    dead = tmp_path / f".{name}.partial-{_dead_pid()}-0badf00d"          # its build was killed
+    reused = tmp_path / f".{name}.partial-{os.getpid()}-0000abcd"       # a live id that holds no lock: reused
+    live = tmp_path / f".{name}.partial-{os.getpid()}-1111abcd"         # a live build, lock held
+    creating = tmp_path / f".{name}.partial-{os.getpid()}-2222abcd"     # a live build before its lock exists
+    other = tmp_path / f".{name}.partial-notours"                        # not this naming: left alone
+    for folder in (dead, reused, live, creating, other):
+        (folder / "pretrain").mkdir(parents=True)
+        (folder / "pretrain" / "images.npy").write_bytes(b"x" * 1000)
+    (reused / ".building").write_text("")
+    held = open(live / ".building", "w")   # what a live build holds (gram_world.lifeline.lock_partial)
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        world = build_world(root=tmp_path, settings=s, workers=1)
+    finally:
+        held.close()
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([name, live.name, creating.name, other.name]), left
+    assert not (world.root / ".building").exists() and (world.root / "world.json").is_file()
+    # a cached world: the call that finds it cleans up too
+    dead2 = tmp_path / f".{name}.partial-{_dead_pid()}-0badf00e"
+    dead2.mkdir()
+    assert build_world(root=tmp_path, settings=s, workers=1).root == world.root and not dead2.exists()
