@@ -367,3 +367,21 @@ def test_world_build_removes_partial_folders_of_killed_builds_only(tmp_path):
     dead2 = tmp_path / f".{name}.partial-{_dead_pid()}-0badf00e"
     dead2.mkdir()
     assert build_world(root=tmp_path, settings=s, workers=1).root == world.root and not dead2.exists()
+
+
+def test_support_and_query_sizes_that_only_fail_together_are_named():
+    # topics 0-3: three domains of 2 images (6 in all); topics 4-7: one domain of 4.  With K_WAY 2, N_SUPPORT 3,
+    # N_QUERY 3 the largest totals (6) and the largest domains (4) each suffice, but no topic has both
+    topic = np.concatenate([np.repeat(np.arange(4), 6), np.repeat(np.arange(4, 8), 4)])
+    domain = np.concatenate([np.tile(np.repeat(np.arange(3), 2), 4), np.zeros(16, int)])
+    h = Hierarchy(topic_names=[f"t{i}" for i in range(8)], item_topic=topic, item_domain=domain,
+                  image_features=np.zeros((40, 4), np.float32), meta={"image_size": 32},
+                  image_loader=lambda idx: np.zeros((len(idx), 32, 32, 3), np.uint8))
+    opts = ["TASKS.K_WAY", "2", "TASKS.N_SUPPORT", "3", "TASKS.N_QUERY", "3", "TASKS.VAL_FRACTION", "0.0"]
+    with pytest.raises(ValueError) as info:
+        settings.check_task_sizes(build_cfg(opts=BASE + opts, output_dir="x"), h)
+    msg = str(info.value)
+    assert msg.startswith("TASKS.N_SUPPORT: expected a support size that 2 training topics can supply together "
+                          "with N_QUERY 3 (TaskSampler: only 0 topics") and msg.endswith("got 3"), msg
+    fits = ["TASKS.K_WAY", "2", "TASKS.N_SUPPORT", "2", "TASKS.N_QUERY", "2", "TASKS.VAL_FRACTION", "0.0"]
+    settings.check_task_sizes(build_cfg(opts=BASE + fits, output_dir="x"), h)   # 2 + 2: every topic can

@@ -255,7 +255,7 @@ def check_task_sizes(cfg: CN, hierarchy, device: str = "cpu") -> None:
         _need(k <= len(train), "TASKS.K_WAY", f"at most {len(train)}: {held}", k)
         try:
             TaskSampler(hierarchy, k, n_s, n_q, domain_shift=shift, topics=train, seed=0)
-        except ValueError:
+        except ValueError as err:
             sizes = [sum(len(v) for v in hierarchy.domain_members(tp).values()) for tp in train]
             domains = [max((len(v) for v in hierarchy.domain_members(tp).values()), default=0) for tp in train]
             kth = sorted(sizes, reverse=True)[k - 1]
@@ -264,8 +264,11 @@ def check_task_sizes(cfg: CN, hierarchy, device: str = "cpu") -> None:
                                  f"topics must hold that many images; {k} training topics hold {kth} or more), got "
                                  f"{n_s} + {n_q} = {n_s + n_q}")
             dom_kth = sorted(domains, reverse=True)[k - 1]
-            _need(False, "TASKS.N_SUPPORT", f"at most {dom_kth} (TASKS.DOMAIN_SHIFT takes a class's support from "
-                  f"one domain: {k} training topics have a domain of {dom_kth} or more images; K_WAY {k})", n_s)
+            _need(not shift or n_s <= dom_kth, "TASKS.N_SUPPORT", f"at most {dom_kth} (TASKS.DOMAIN_SHIFT takes a "
+                  f"class's support from one domain: {k} training topics have a domain of {dom_kth} or more images; "
+                  f"K_WAY {k})", n_s)
+            raise ValueError(f"TASKS.N_SUPPORT: expected a support size that {k} training topics can supply together "
+                             f"with N_QUERY {n_q} ({err}), got {n_s}") from None
         if len(val) >= 2 and int(m.VAL_TASKS) > 0:
             try:
                 TaskSampler(hierarchy, min(k, len(val)), n_s, n_q, domain_shift=shift, topics=val, seed=0)

@@ -115,7 +115,9 @@ def build_clip(cfg, device: str):
 
 
 def setup_run(cfg, hierarchy=None) -> RunSetup:
-    """Build the CLIP, open and check the task source, split topics, create θ, φ and the streams."""
+    """Open the task source and check the task sizes against it (:func:`settings.check_task_sizes`; before the
+    CLIP is built when the source is a CHC output), build the CLIP, check cached features, split topics,
+    create θ, φ and the streams."""
     device = resolve_device(cfg.MODEL.DEVICE)
     check_model_name(cfg.MODEL.BACKBONE, "MODEL.BACKBONE")
     check_precision(cfg.MODEL.PRECISION, "MODEL.PRECISION")
