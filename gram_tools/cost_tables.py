@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from gram_tools.chc_growth import DEFAULT_OUT as CHC_FIGURES
-from gram_tools.plan import line_value
+from gram_tools.plan import default_path, line_value
 from gram_tools.realsize import DEFAULT_OUT as FIGURES
 
 
@@ -110,8 +110,8 @@ def chc_table(chc: dict) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gram_tools.cost_tables", description=__doc__.splitlines()[0])
-    ap.add_argument("--figures", default=FIGURES)
-    ap.add_argument("--chc-figures", default=CHC_FIGURES)
+    ap.add_argument("--figures", default=default_path(FIGURES), help=f"default: <checkout>/{FIGURES}")
+    ap.add_argument("--chc-figures", default=default_path(CHC_FIGURES), help=f"default: <checkout>/{CHC_FIGURES}")
     ap.add_argument("--only", choices=("realsize", "chc"), help="print only the real-size or only the CHC tables")
     args = ap.parse_args(argv)
     from meta.config import get_meta_cfg_default

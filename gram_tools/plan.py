@@ -2,6 +2,12 @@
 
 Reads the config (``meta.config.load_meta_cfg``) and the measured figures:
 
+The default figures files are the checkout's ``docs/*.json``, found next to the package
+(``Path(gram_tools.__file__).parents[1] / "docs"``), so the planner runs from any folder; an editable install
+(``pip install -e .``) points there too, a wheel install has no ``docs/`` and needs the ``--*figures`` flags.
+The config is checked by the same function as ``python -m meta train``
+(:func:`meta.metatrain.settings.check_meta_cfg`): what ``train`` refuses is not planned.
+
 * ``--figures`` (default ``docs/realsize_cpu.json``, written by :mod:`gram_tools.realsize`): per learner
   the fitted lines ``peak MiB = a + b_s * s + b_q * q`` and ``GFLOP = ...`` of one meta-task on ``s`` support
   and ``q`` query images (and ``a + b * batch`` for a plain step), measured on a CPU at real size;
@@ -38,6 +44,8 @@ from gram_tools.chc_growth import extrapolate_seconds
 from gram_tools.realsize import DEFAULT_OUT as DEFAULT_FIGURES
 from gram_tools.realsize import LEARNERS, learner_of
 
+# The checkout the package sits in: the docs/*.json figures are read from there whatever the current folder.
+REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_GPU_FIGURES = "docs/gpu_figures.json"
 DEFAULT_CHC_FIGURES = "docs/chc_growth_cpu.json"
 # Assumed sustained throughput of one GPU (TFLOP/s) when no GPU figures exist: the meta-training runs fp32
@@ -85,22 +93,43 @@ def largest_fitting(fit: dict, xs: list[float], index: int, budget: float, step:
     return int(math.floor((budget - rest) / slope))
 
 
-def _read_json(path: str, what: str) -> dict:
+def default_path(relative: str) -> str:
+    """A default figures file (``docs/...``) inside the checkout holding this package."""
+    return str(REPO_ROOT / relative)
+
+
+def _read_json(path: str, what: str, layout: Optional[dict] = None) -> dict:
+    """A figures file as a dict; ``layout`` = ``{top-level key: python type}`` its present keys must have."""
     p = Path(path)
     if not p.is_file():
-        raise PlanError(f"{path}: no such file ({what})")
+        raise PlanError(f"{path}: no such file ({what})" if what else f"{path}: no such file")
     try:
-        return json.loads(p.read_text())
+        obj = json.loads(p.read_text())
     except json.JSONDecodeError as err:
         raise PlanError(f"{path}: not JSON ({err.msg}, line {err.lineno})") from None
+    except (RecursionError, UnicodeDecodeError, OSError) as err:
+        raise PlanError(f"{path}: not a readable JSON file ({type(err).__name__})") from None
+    if not isinstance(obj, dict):
+        raise PlanError(f"{path}: expected a JSON object of figures, got a JSON {type(obj).__name__}")
+    for key, kind in (layout or {}).items():
+        if key in obj and not isinstance(obj[key], kind):
+            raise PlanError(f"{path}: {key}: expected a JSON {_JSON_NAMES.get(kind, kind)}, got "
+                            f"{type(obj[key]).__name__}")
+    return obj
+
+
+_JSON_NAMES = {dict: "object", list: "array", (int, float): "number"}
+FIGURES_LAYOUT = {"fits": dict, "settings": dict}
+GPU_LAYOUT = {"settings": dict, "variants": dict, "chc_images_per_s": (int, float)}
+CHC_LAYOUT = {"growth": dict}
 
 
 def meta_plan(cfg, figures: dict, figures_path: str, gpu_figures: Optional[dict], gpu_memory_gib: float,
               gpus: int, gpu_tflops: float, margin: float) -> dict:
     """Memory, fit and hours of ``cfg``'s meta-training (see module docstring); a JSON-ready dict."""
     p = cfg.META.PROMPT
-    learner = learner_of(int(p.N_CTX_TEXT), int(p.N_CTX_VISION), int(p.VISION_DEPTH), int(p.get("TEXT_DEPTH", 1)),
-                         str(p.get("COUPLING", "none")))
+    learner = learner_of(int(p.N_CTX_TEXT), int(p.N_CTX_VISION), int(p.VISION_DEPTH), int(p.TEXT_DEPTH),
+                         str(p.COUPLING))
     pretrain = str(cfg.META.MODE) == "pretrain"
     mode = "finetune" if pretrain else ("first" if cfg.META.FIRST_ORDER else "second")
     fits = figures.get("fits", {})
@@ -247,9 +276,36 @@ def _image_gflop(figures: dict) -> Optional[float]:
     return None if fit is None else float(fit["gflops"]["slopes"][0])
 
 
+def _flag_problem(args) -> str:
+    """The first numeric flag out of range (one line naming it), or ``""``."""
+    checks = (("--gpus", args.gpus, args.gpus >= 1, "an integer >= 1"),
+              ("--gpu-memory-gib", args.gpu_memory_gib, math.isfinite(args.gpu_memory_gib) and args.gpu_memory_gib > 0,
+               "a finite number > 0"),
+              ("--gpu-tflops", args.gpu_tflops, math.isfinite(args.gpu_tflops) and args.gpu_tflops > 0,
+               "a finite number > 0"),
+              ("--margin", args.margin, 0 <= args.margin < 1, "a fraction 0 <= margin < 1"),
+              ("--pairs", args.pairs, math.isfinite(args.pairs) and args.pairs >= 1, "a finite number of pairs >= 1"))
+    for flag, value, ok, what in checks:
+        if not ok:
+            return f"{flag}: expected {what}, got {value:g}"
+    return ""
+
+
+def _figures_step(path: str, fn, *args):
+    """``fn(*args)``, where a figures file with the right top level but a wrong inner layout ends in one line."""
+    try:
+        return fn(*args)
+    except PlanError:
+        raise
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as err:
+        detail = f"missing key {err}" if isinstance(err, KeyError) else " ".join(str(err).split())[:160]
+        raise PlanError(f"{path}: not the layout this planner reads ({type(err).__name__}: {detail})") from None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     from meta.cli_errors import UserError
     from meta.config import load_meta_cfg
+    from meta.metatrain.settings import check_meta_cfg
 
     ap = argparse.ArgumentParser(prog="python -m gram_tools.plan", description=__doc__.splitlines()[0])
     ap.add_argument("--config-file", required=True, help="a meta-training config (configs/meta/train_*.yaml)")
@@ -259,26 +315,33 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="assumed sustained TFLOP/s per GPU when no GPU figures exist")
     ap.add_argument("--margin", type=float, default=0.1, help="fraction of GPU memory kept free")
     ap.add_argument("--pairs", type=float, default=3.1e6, help="CHC corpus size (CC3M: 3.1e6)")
-    ap.add_argument("--figures", default=DEFAULT_FIGURES)
-    ap.add_argument("--gpu-figures", default=DEFAULT_GPU_FIGURES)
-    ap.add_argument("--chc-figures", default=DEFAULT_CHC_FIGURES)
+    ap.add_argument("--figures", default=default_path(DEFAULT_FIGURES), help=f"default: <checkout>/{DEFAULT_FIGURES}")
+    ap.add_argument("--gpu-figures", default=default_path(DEFAULT_GPU_FIGURES),
+                    help=f"default: <checkout>/{DEFAULT_GPU_FIGURES} when it exists")
+    ap.add_argument("--chc-figures", default=default_path(DEFAULT_CHC_FIGURES),
+                    help=f"default: <checkout>/{DEFAULT_CHC_FIGURES} when it exists")
     ap.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE config overrides")
     args = ap.parse_args(argv)
-    if args.gpus < 1 or args.gpu_memory_gib <= 0 or args.gpu_tflops <= 0 or not 0 <= args.margin < 1:
-        print("error: --gpus >= 1, --gpu-memory-gib > 0, --gpu-tflops > 0 and 0 <= --margin < 1 expected", file=sys.stderr)
+    problem = _flag_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
         cfg = load_meta_cfg(args.config_file, args.opts)
-        figures = _read_json(args.figures, "real-size figures: python -m gram_tools.realsize")
-        gpu = _read_json(args.gpu_figures, "") if Path(args.gpu_figures).is_file() else None
+        check_meta_cfg(cfg)   # the same checks as `python -m meta train`: what it refuses is not planned
+        figures = _read_json(args.figures, "real-size figures: python -m gram_tools.realsize", FIGURES_LAYOUT)
+        gpu = _read_json(args.gpu_figures, "", GPU_LAYOUT) if Path(args.gpu_figures).is_file() else None
         result = {"config": args.config_file,
-                  "meta_training": meta_plan(cfg, figures, args.figures, gpu, args.gpu_memory_gib, args.gpus,
-                                             args.gpu_tflops, args.margin)}
+                  "meta_training": _figures_step(args.figures if gpu is None else f"{args.figures} or "
+                                                 f"{args.gpu_figures}", meta_plan, cfg, figures, args.figures, gpu,
+                                                 args.gpu_memory_gib, args.gpus, args.gpu_tflops, args.margin)}
         if Path(args.chc_figures).is_file():
-            result["chc"] = chc_plan(_read_json(args.chc_figures, ""), args.chc_figures, args.pairs, gpu,
-                                     _image_gflop(figures), args.gpus, args.gpu_tflops, int(cfg.CHC.TOPICS.FIT_SAMPLE))
-    except (PlanError, UserError) as err:
-        print(f"error: {err}", file=sys.stderr)
+            chc = _read_json(args.chc_figures, "", CHC_LAYOUT)
+            result["chc"] = _figures_step(args.chc_figures, chc_plan, chc, args.chc_figures, args.pairs, gpu,
+                                          _image_gflop(figures), args.gpus, args.gpu_tflops,
+                                          int(cfg.CHC.TOPICS.FIT_SAMPLE))
+    except (PlanError, UserError, ValueError) as err:
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     m = result["meta_training"]
     print(f"{args.config_file}: learner {m['learner']}, {m['mode']}-order" if m["mode"] != "finetune"

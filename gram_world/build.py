@@ -11,9 +11,10 @@ Layout under ``<parent>/<settings checksum>/``::
     labelled_meta/<class>/<file>.jpg             image folder for the supervised-meta ablation
     labelled_meta_truth.jsonl                    style etc. of each labelled image (evaluation only)
 
-The world is built in a temporary sibling directory and renamed into place
-when complete, so an interrupted or concurrent build never leaves a
-half-written world that looks finished.
+The world is built in a temporary sibling directory ``.<checksum>.partial-<pid>-<hex>`` and renamed into
+place when complete, so an interrupted or concurrent build never leaves a half-written world that looks
+finished; a build first removes the partial folders of builds that were killed (their process is gone:
+:mod:`gram_world.lifeline`), never one a live build is writing.  Rendering workers die with the build.
 """
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ import json
 import os
 import shutil
 import tarfile
-import uuid
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from .captions import write_caption
 from .items import item_rng, sample_spec
+from .lifeline import clean_stale_partials, die_with_parent, lock_partial, partial_name, release_partial
 from .render import capture, render
 from .settings import DatasetPlan, WorldSettings, world_settings
 from .shapes import CATEGORIES
@@ -153,7 +154,7 @@ def _pairs(settings_: WorldSettings, corpus_id: int, n: int, styles: Sequence[st
             for s in range(0, n, chunk)]
     bar = tqdm(total=n, desc=desc, unit="img", leave=False)
     if workers > 1:
-        with ProcessPoolExecutor(workers) as pool:
+        with ProcessPoolExecutor(workers, initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
             for part in pool.map(_pair_job, jobs):
                 bar.update(len(part))
                 yield from part
@@ -320,18 +321,25 @@ def build_world(quick: bool = False, root: Optional[Path] = None, seed: int = 0,
     s = settings if settings is not None else world_settings(quick=quick, seed=seed)
     parent = Path(root) if root is not None else default_world_parent()
     final = parent / s.checksum()
+    clean_stale_partials(parent)   # left by killed builds; a live build's folder is kept
     if (final / MANIFEST).is_file():
         return load_world(final)
     parent.mkdir(parents=True, exist_ok=True)
-    tmp = parent / f".{s.checksum()}.partial-{uuid.uuid4().hex[:8]}"
+    tmp = parent / partial_name(s.checksum())
+    tmp.mkdir()
+    lock = lock_partial(tmp)
     try:
         _write_world(s, tmp, workers if workers is not None else min(2, os.cpu_count() or 1))
+        release_partial(tmp, lock)
+        lock = None
         try:
             os.rename(tmp, final)
         except OSError:
             if not (final / MANIFEST).is_file():   # not a concurrent winner: a real error
                 raise
     finally:
+        if lock is not None:
+            lock.close()
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return load_world(final)

@@ -116,6 +116,41 @@ def write_json_atomic(path: PathLike, payload: Any, indent: Optional[int] = 2) -
     return write_text_atomic(path, json.dumps(payload, indent=indent, sort_keys=True, default=str) + "\n")
 
 
+# Deepest nesting of JSON or of a loaded checkpoint that readers accept; what this code writes stays under 10.
+MAX_NESTING = 64
+
+
+def nesting_depth_exceeds(obj: Any, limit: int = MAX_NESTING) -> bool:
+    """True when dicts / lists / tuples in ``obj`` nest deeper than ``limit`` (walked without recursion)."""
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children = list(node.values())
+        elif isinstance(node, (list, tuple)):
+            children = list(node)
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def parse_json(text: Union[str, bytes], limit: int = MAX_NESTING) -> Any:
+    """``json.loads`` that refuses nesting deeper than ``limit`` with a ``ValueError``, never a ``RecursionError``.
+
+    Malformed JSON raises ``json.JSONDecodeError`` (a ``ValueError``) as before; callers name the file.
+    """
+    try:
+        obj = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"JSON nested deeper than {limit} levels") from None
+    if nesting_depth_exceeds(obj, limit):
+        raise ValueError(f"JSON nested deeper than {limit} levels")
+    return obj
+
+
 def pid_alive(pid: int) -> bool:
     """True when a process with this id exists (on this machine)."""
     if pid <= 0:

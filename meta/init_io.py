@@ -42,7 +42,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
 from .backbone import ClipDims
-from .fileio import write_bytes_atomic
+from .fileio import parse_json, write_bytes_atomic
 from .prompts import COUPLINGS, PROMPT_TENSORS, PromptParams
 from .regulator import GradientRegulator, RegulatorSpec
 
@@ -158,9 +158,11 @@ def check_metadata(raw: Any, check: _Checker) -> dict:
     if not isinstance(raw, str):
         check.fail("metadata 'gram'", "missing; was the file written by export_gram_init?")
     try:
-        meta = json.loads(raw)
+        meta = parse_json(raw)
     except json.JSONDecodeError as err:
         check.fail("metadata 'gram'", f"not valid JSON ({err.msg} at character {err.pos})")
+    except ValueError as err:   # nested too deeply (parse_json's limit, never a RecursionError)
+        check.fail("metadata 'gram'", str(err))
     check.need(isinstance(meta, dict), "metadata 'gram'", f"expected a JSON object, got {_describe(meta)}")
     version = meta.get("format_version", _MISSING)
     check.need(version is not _MISSING, "format_version", f"missing (expected the integer {FORMAT_VERSION})")

@@ -3,10 +3,13 @@ fed by what the workers write, and the demo's log line."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 from typing import Callable, Optional
 
 from tqdm import tqdm
+
+from ..lifeline import die_with_parent
 
 
 def log(msg: str) -> None:
@@ -16,6 +19,8 @@ def log(msg: str) -> None:
 def run_with_progress(fn: Callable, tasks: list, jobs: int, total: int, done: Callable[[], int], desc: str,
                      unit: str, initializer: Optional[Callable] = None, initargs: tuple = ()) -> list:
     """``fn`` over ``tasks`` in ``jobs`` spawned processes (in-process when 1) with one tqdm bar.
+
+    The workers die with this process, ``kill -9`` included (:func:`gram_world.lifeline.die_with_parent`).
 
     ``done()`` counts finished work (polled every 2 s from files the workers write);
     ``initializer(*initargs)`` prepares each process once (in-process too).
@@ -31,7 +36,9 @@ def run_with_progress(fn: Callable, tasks: list, jobs: int, total: int, done: Ca
                 bar.n = done()
                 bar.refresh()
             return results
-        with mp.get_context("spawn").Pool(jobs, initializer=initializer, initargs=initargs) as pool:
+        # workers end with this process even when it is killed (gram_world.lifeline.die_with_parent)
+        with mp.get_context("spawn").Pool(jobs, initializer=die_with_parent,
+                                          initargs=(os.getpid(), initializer, initargs)) as pool:
             pending = pool.map_async(fn, tasks, chunksize=1)
             while not pending.ready():
                 pending.wait(2.0)

@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     return _main(argv)
 
 
-def build_cfg(config_file: str = "", opts=(), output_dir: str = ""):
+def build_cfg(config_file: str = "", opts=(), output_dir=None):
     """See :func:`meta.metatrain.cli.build_cfg`."""
     from .cli import build_cfg as _build
 

@@ -27,7 +27,7 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from meta.fileio import write_bytes_atomic
+from meta.fileio import MAX_NESTING, nesting_depth_exceeds, write_bytes_atomic
 
 FORMAT = "gram-metatrain-checkpoint/1"
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -99,12 +99,17 @@ def load_checkpoint(path: Union[str, Path]) -> dict:
     try:
         state = torch.load(str(path), map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as err:
+        # RecursionError is a RuntimeError: a pickle nested too deeply for the unpickler lands here too
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"{path}: unreadable checkpoint ({first}); it was left untouched - move it away "
                               f"to start the run over") from None
+    if nesting_depth_exceeds(state, MAX_NESTING):   # what save_checkpoint writes nests < 10 levels
+        raise CheckpointError(f"{path}: not a meta-training checkpoint (containers nested deeper than {MAX_NESTING} "
+                              f"levels); it was left untouched - move it away to start the run over")
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        found = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise CheckpointError(f"{path}: not a meta-training checkpoint (format {found!r}, expected {FORMAT!r})")
+        found = state.get("format") if isinstance(state, dict) else state
+        shown = repr(found) if isinstance(found, str) else f"a {type(found).__name__}"   # never repr a structure
+        raise CheckpointError(f"{path}: not a meta-training checkpoint (format {shown[:80]}, expected {FORMAT!r})")
     for key in ("step", "learner", "rng", "stream", "config", "config_hash"):
         if key not in state:
             raise CheckpointError(f"{path}: checkpoint lacks {key!r} (truncated or from another tool)")

@@ -31,10 +31,11 @@ def default_cfg() -> CN:
     return get_meta_cfg_default()
 
 
-def build_cfg(config_file: str = "", opts: Sequence[str] = (), output_dir: str = "") -> CN:
-    """Defaults <- ``config_file`` <- ``KEY VALUE`` overrides <- ``--output-dir``; frozen."""
+def build_cfg(config_file: str = "", opts: Sequence[str] = (), output_dir: Optional[str] = None) -> CN:
+    """Defaults <- ``config_file`` <- ``KEY VALUE`` overrides <- ``--output-dir`` (when given, even empty:
+    :func:`meta.metatrain.settings.check_meta_cfg` refuses an empty OUTPUT_DIR); frozen."""
     cfg = load_meta_cfg(config_file, opts)
-    if output_dir:
+    if output_dir is not None:
         cfg.OUTPUT_DIR = output_dir
     cfg.freeze()
     return cfg
@@ -47,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
                         usage="python -m meta train [--config-file F] [--resume] [--output-dir D] [KEY VALUE ...]")
     tr.add_argument("--config-file", default="", help="yaml with MODEL / CHC / TASKS / META settings")
     tr.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
-    tr.add_argument("--output-dir", default="", help="run directory (overrides OUTPUT_DIR)")
+    tr.add_argument("--output-dir", default=None, help="run directory (overrides OUTPUT_DIR)")
     tr.add_argument("--debug", action="store_true", help="show tracebacks (also GRAM_DEBUG=1)")
     ex = sub.add_parser("export", help="write the init file (and CoOp ctx) from a run's checkpoint")
     ex.add_argument("--run-dir", required=True)

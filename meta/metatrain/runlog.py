@@ -17,22 +17,25 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from meta.fileio import write_text_atomic
+from meta.fileio import parse_json, write_text_atomic
 
 LOG_NAME = "log.jsonl"
 
 
 def read_log(path) -> list[dict]:
-    """All well-formed records of a JSON-lines log (a torn last line is ignored)."""
+    """All well-formed records of a JSON-lines log: JSON objects with an integer ``step``; a torn last line,
+    other values and lines nested deeper than :data:`meta.fileio.MAX_NESTING` are ignored."""
     out = []
     p = Path(path)
     if not p.is_file():
         return out
-    for line in p.read_text().splitlines():
+    for line in p.read_text(errors="replace").splitlines():
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = parse_json(line)
+        except ValueError:   # malformed (json.JSONDecodeError) or nested too deeply
             continue
+        if isinstance(record, dict) and isinstance(record.get("step", 0), int):
+            out.append(record)
     return out
 
 

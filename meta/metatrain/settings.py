@@ -7,7 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from typing import TYPE_CHECKING, Any
+import os
+from typing import TYPE_CHECKING, Any, Optional
 
 from yacs.config import CfgNode as CN
 
@@ -19,8 +20,9 @@ from meta.regulator import RegulatorSpec
 if TYPE_CHECKING:
     from meta.gram import MetaSpec
 
-__all__ = ["MODES", "RUN_CONTROL_KEYS", "add_metatrain_cfg", "cfg_differences", "check_meta_cfg", "config_hash",
-           "flatten_cfg", "meta_spec", "prompt_spec", "regulator_spec", "result_defining_cfg"]
+__all__ = ["MODES", "RUN_CONTROL_KEYS", "add_metatrain_cfg", "cfg_differences", "check_meta_cfg", "check_step_size",
+           "check_task_sizes", "config_hash", "flatten_cfg", "memory_bytes", "meta_spec", "prompt_spec",
+           "regulator_spec", "result_defining_cfg"]
 
 MODES = ("gram", "pretrain")
 
@@ -44,16 +46,34 @@ BEHAVIOUR_BEFORE_KEY: dict[str, Any] = {"META.PROMPT.VPT_INIT": "normal"}
 UNUSED_WHILE_ZERO: dict[str, str] = {"META.PROMPT.VPT_INIT": "META.PROMPT.N_CTX_VISION"}
 
 
+# Bytes a step holds per image before any tensor exists: its int64 item index and int64 label (meta.tasks.Task).
+INDEX_BYTES = 16
+# CLIP's text sequence for a class with M context tokens: start, M context tokens, the class name (>= 1 token), the
+# full stop, the end token; a sequence reaching the last position reads as truncated (meta.text_encoder), so
+# M <= context length - 5.
+TEXT_TOKENS_BESIDES_CONTEXT = 5
+
+
+def _need(cond: bool, key: str, what: str, value: Any) -> None:
+    """Raise ``ValueError("KEY: expected WHAT, got VALUE")`` unless ``cond``."""
+    if not cond:
+        raise ValueError(f"{key}: expected {what}, got {value!r}")
+
+
 def check_meta_cfg(cfg: CN) -> None:
-    """One-line errors for values yacs cannot type-check."""
+    """One-line errors (``KEY: expected ..., got ...``) for values yacs cannot type-check, before any work.
+
+    ``python -m meta train`` and ``python -m gram_tools.plan`` both call it.  Besides each key's range it
+    refuses a text context longer than the CLIP's token context (:func:`check_text_context`) and steps whose
+    item indices alone exceed this machine's memory (:func:`check_step_size`); what needs the hierarchy is
+    :func:`check_task_sizes`.
+    """
     m = cfg.META
-
-    def need(cond: bool, key: str, what: str, value: Any) -> None:
-        if not cond:
-            raise ValueError(f"{key}: expected {what}, got {value!r}")
-
+    need = _need
+    need(bool(str(cfg.OUTPUT_DIR).strip()), "OUTPUT_DIR", "a folder path (empty would write into the current "
+                                                          "folder)", cfg.OUTPUT_DIR)
     need(m.MODE in MODES, "META.MODE", " | ".join(MODES), m.MODE)
-    need(m.STEPS >= 0, "META.STEPS", "an integer >= 0", m.STEPS)
+    need(m.STEPS >= 1, "META.STEPS", "an integer >= 1 (0 steps would export the untrained prompts)", m.STEPS)
     need(m.META_BATCH >= 1, "META.META_BATCH", "an integer >= 1", m.META_BATCH)
     need(m.INNER_STEPS >= 1, "META.INNER_STEPS", "an integer >= 1", m.INNER_STEPS)
     need(0.0 <= m.INNER_MOMENTUM < 1.0, "META.INNER_MOMENTUM", "a number in [0, 1)", m.INNER_MOMENTUM)
@@ -93,7 +113,178 @@ def check_meta_cfg(cfg: CN) -> None:
     need(cfg.TASKS.N_SUPPORT >= 1, "TASKS.N_SUPPORT", "an integer >= 1", cfg.TASKS.N_SUPPORT)
     need(cfg.TASKS.N_QUERY >= 1, "TASKS.N_QUERY", "an integer >= 1", cfg.TASKS.N_QUERY)
     need(cfg.TASKS.SOURCE in ("chc", "image_folder"), "TASKS.SOURCE", "chc | image_folder", cfg.TASKS.SOURCE)
+    need(m.VAL_TASKS >= 0, "META.VAL_TASKS", "an integer >= 0 (0 = no validation)", m.VAL_TASKS)
     regulator_spec(cfg)  # raises on bad FORM / INIT
+    check_text_context(cfg)
+    check_step_size(cfg)
+
+
+def _model_config(backbone: str) -> Optional[dict]:
+    """open_clip's config of architecture ``backbone`` (no model built); None if unknown (the build names the key)."""
+    import open_clip
+
+    from meta.backbone import register_model_configs
+
+    register_model_configs()
+    return open_clip.get_model_config(backbone) or None
+
+
+def model_context_length(backbone: str) -> Optional[int]:
+    """Text tokens of open_clip architecture ``backbone``; None if unknown."""
+    config = _model_config(backbone)
+    if config is None:
+        return None
+    text = config.get("text_cfg") or {}   # open_clip's CLIPTextCfg defaults the context to 77 tokens
+    return int(text["context_length"]) if "context_length" in text else 77
+
+
+def model_image_size(backbone: str) -> Optional[int]:
+    """Input resolution (pixels) of open_clip architecture ``backbone``; None if unknown."""
+    config = _model_config(backbone)
+    size = None if config is None else (config.get("vision_cfg") or {}).get("image_size")
+    return int(size[0] if isinstance(size, (list, tuple)) else size) if size else None
+
+
+def context_tokens(words: str) -> int:
+    """BPE tokens of ``words`` as :func:`meta.text_encoder.context_from_words` embeds them (no start/end)."""
+    import open_clip
+
+    return len(open_clip.get_tokenizer("ViT-B-16").encode(words.replace("_", " ")))
+
+
+def check_text_context(cfg: CN, context_length: Optional[int] = None) -> None:
+    """Refuse a text context (``META.PROMPT.CTX_INIT`` or ``N_CTX_TEXT``) that leaves no room for a class name.
+
+    ``context_length`` defaults to ``MODEL.BACKBONE``'s (77 for CLIP); unknown backbones are left to the build.
+    """
+    p = cfg.META.PROMPT
+    length = context_length if context_length is not None else model_context_length(cfg.MODEL.BACKBONE)
+    if length is None:
+        return
+    most = length - TEXT_TOKENS_BESIDES_CONTEXT
+    room = (f"CLIP's {length}-token text context also holds the start and end tokens, a class name and its "
+            f"full stop")
+    if p.CTX_INIT:
+        n = context_tokens(p.CTX_INIT)
+        words = p.CTX_INIT if len(p.CTX_INIT) <= 40 else p.CTX_INIT[:37] + "..."
+        _need(n >= 1, "META.PROMPT.CTX_INIT", "words with at least one BPE token", p.CTX_INIT)
+        if n > most:
+            raise ValueError(f"META.PROMPT.CTX_INIT: expected at most {most} BPE tokens ({room}), got {n} tokens "
+                             f"({words!r})")
+    else:
+        _need(p.N_CTX_TEXT <= most, "META.PROMPT.N_CTX_TEXT", f"at most {most} context tokens ({room})",
+              p.N_CTX_TEXT)
+
+
+def memory_bytes(device: str = "cpu") -> Optional[int]:
+    """Total memory of ``device`` in bytes: the GPU's for ``cuda[:i]``, physical RAM otherwise; None if unknown."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):   # no sysconf (Windows): no limit known
+        return None
+
+
+def check_step_size(cfg: CN, item_bytes: int = INDEX_BYTES, device: str = "cpu", what: str = "") -> None:
+    """Refuse a step (or the fixed validation tasks) whose images cannot all be held in ``device``'s memory.
+
+    A GRAM step builds all ``META.META_BATCH`` tasks' batches (``K_WAY x (N_SUPPORT + N_QUERY)`` images each)
+    before the first one is adapted; a pre-training step holds ``META.PRETRAIN.BATCH_SIZE`` images; the
+    ``META.VAL_TASKS`` validation tasks are drawn up front.  ``item_bytes`` is what one image costs:
+    :data:`INDEX_BYTES` (its index and label, all that is known from the config alone), or its cached feature
+    row / pixels once the hierarchy is known (``what`` names that); ``device`` is where it is held.
+    """
+    total = memory_bytes(device)
+    if total is None:
+        return
+    m, t = cfg.META, cfg.TASKS
+    k, n_s, n_q = int(t.K_WAY), int(t.N_SUPPORT), int(t.N_QUERY)
+    per_task = k * (n_s + n_q)
+    unit = f"{item_bytes} bytes per image ({what or 'its int64 index and label'})"
+    where = f"the {_size(total)} of {device}"
+    if per_task * item_bytes > total:   # not even one task fits: the largest of its sizes is the culprit
+        images = total // item_bytes
+        most = {"TASKS.K_WAY": (k, images // (n_s + n_q)), "TASKS.N_SUPPORT": (n_s, images // k - n_q),
+                "TASKS.N_QUERY": (n_q, images // k - n_s)}
+        key = max(most, key=lambda name: most[name][0])
+        _need(False, key, f"at most {max(most[key][1], 0)}: one task of K_WAY x (N_SUPPORT + N_QUERY) images, "
+                          f"{unit}, must fit {where}", most[key][0])
+    if m.MODE == "gram":
+        key, value, per = "META.META_BATCH", int(m.META_BATCH), per_task
+        holds = f"tasks of K_WAY x (N_SUPPORT + N_QUERY) = {per_task} images"
+    else:
+        key, value, per = "META.PRETRAIN.BATCH_SIZE", int(m.PRETRAIN.BATCH_SIZE), 1
+        holds = "images"
+    _need(value * per * item_bytes <= total, key,
+          f"at most {total // (per * item_bytes)} {holds} per step: one step holds them all at once, "
+          f"{unit}, in {where}", value)
+    if item_bytes == INDEX_BYTES and m.MODE == "gram":   # the validation tasks' indices are drawn up front
+        _need(int(m.VAL_TASKS) * per_task * INDEX_BYTES <= total, "META.VAL_TASKS",
+              f"at most {total // (per_task * INDEX_BYTES)} tasks of {per_task} images (drawn up front, "
+              f"{unit}, in {where})", int(m.VAL_TASKS))
+
+
+def _size(n_bytes: int) -> str:
+    return f"{n_bytes / 2**30:.1f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:.1f} MiB"
+
+
+def check_task_sizes(cfg: CN, hierarchy, device: str = "cpu") -> None:
+    """Refuse task sizes the hierarchy cannot supply, before a CLIP is built or a task drawn.
+
+    * ``TASKS.K_WAY`` <= the training topics left after ``TASKS.VAL_FRACTION`` holds some out (gram mode);
+      pre-training needs >= 2 training topics;
+    * ``TASKS.N_SUPPORT`` / ``TASKS.N_QUERY``: at least ``K_WAY`` training topics with ``N_SUPPORT +
+      N_QUERY`` items (and, with ``TASKS.DOMAIN_SHIFT``, one domain of ``N_SUPPORT``) -- the rule of
+      :class:`meta.tasks.TaskSampler`, which is asked; likewise for the held-out topics' validation tasks;
+    * one step's cached features or pixels fit ``device``'s memory (:func:`check_step_size`).
+    """
+    from meta.tasks import TaskSampler, split_topics
+
+    t, m = cfg.TASKS, cfg.META
+    k, n_s, n_q, shift = int(t.K_WAY), int(t.N_SUPPORT), int(t.N_QUERY), bool(t.DOMAIN_SHIFT)
+    train, val = split_topics(hierarchy, float(t.VAL_FRACTION), int(cfg.SEED))
+    held = (f"{len(train)} training topics of the hierarchy's {hierarchy.num_topics} ({len(val)} held out by "
+            f"TASKS.VAL_FRACTION {t.VAL_FRACTION})")
+    if m.MODE == "pretrain":
+        _need(len(train) >= 2, "TASKS.VAL_FRACTION", f"a fraction leaving >= 2 training topics; {held}",
+              t.VAL_FRACTION)
+    else:
+        _need(k <= len(train), "TASKS.K_WAY", f"at most {len(train)}: {held}", k)
+        try:
+            TaskSampler(hierarchy, k, n_s, n_q, domain_shift=shift, topics=train, seed=0)
+        except ValueError as err:
+            sizes = [sum(len(v) for v in hierarchy.domain_members(tp).values()) for tp in train]
+            domains = [max((len(v) for v in hierarchy.domain_members(tp).values()), default=0) for tp in train]
+            kth = sorted(sizes, reverse=True)[k - 1]
+            if n_s + n_q > kth:
+                raise ValueError(f"TASKS.N_QUERY: expected N_SUPPORT + N_QUERY <= {kth} (each of a task's K_WAY {k} "
+                                 f"topics must hold that many images; {k} training topics hold {kth} or more), got "
+                                 f"{n_s} + {n_q} = {n_s + n_q}")
+            dom_kth = sorted(domains, reverse=True)[k - 1]
+            _need(not shift or n_s <= dom_kth, "TASKS.N_SUPPORT", f"at most {dom_kth} (TASKS.DOMAIN_SHIFT takes a "
+                  f"class's support from one domain: {k} training topics have a domain of {dom_kth} or more images; "
+                  f"K_WAY {k})", n_s)
+            raise ValueError(f"TASKS.N_SUPPORT: expected a support size that {k} training topics can supply together "
+                             f"with N_QUERY {n_q} ({err}), got {n_s}") from None
+        if len(val) >= 2 and int(m.VAL_TASKS) > 0:
+            try:
+                TaskSampler(hierarchy, min(k, len(val)), n_s, n_q, domain_shift=shift, topics=val, seed=0)
+            except ValueError as err:
+                raise ValueError(f"TASKS.VAL_FRACTION: expected held-out topics that can form validation tasks "
+                                 f"({err}); hold out more topics or set META.VAL_TASKS 0, got "
+                                 f"{t.VAL_FRACTION!r}") from None
+    use_images = prompt_spec(cfg).has_visual_prompts
+    width = 2 if str(cfg.MODEL.PRECISION) in ("fp16", "bf16") else 4
+    if use_images:
+        size = int(hierarchy.meta.get("image_size") or model_image_size(cfg.MODEL.BACKBONE) or 0)
+        item, what = 3 * size * size * width, f"a {size} x {size} RGB image as {8 * width}-bit floats"
+    else:
+        dim = int(hierarchy.image_features.shape[1])
+        item, what = dim * width, f"a {dim}-d cached image feature as {8 * width}-bit floats"
+    check_step_size(cfg, item_bytes=item + INDEX_BYTES, device=device, what=what + " + index and label")
 
 
 def regulator_spec(cfg: CN) -> RegulatorSpec:

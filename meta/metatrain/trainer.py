@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from meta import distributed as dist_
-from meta.backbone import ClipDims, resolve_device
+from meta.backbone import ClipDims, check_model_name, check_precision, resolve_device
 from meta.clip_config import clip_from_cfg
-from meta.fileio import clean_stale_temps, write_json_atomic, write_text_atomic
+from meta.fileio import clean_stale_temps, parse_json, write_json_atomic, write_text_atomic
 from meta.finetune import GradientRegulation, LaunchStep, finetune_and_score
 from meta.gram import GRAMMetaLearner
 from meta.prompts import PromptedCLIP, PromptParams, classification_loss
@@ -115,10 +115,21 @@ def build_clip(cfg, device: str):
 
 
 def setup_run(cfg, hierarchy=None) -> RunSetup:
-    """Build the CLIP, open and check the task source, split topics, create θ, φ and the streams."""
+    """Open the task source and check the task sizes against it (:func:`settings.check_task_sizes`; before the
+    CLIP is built when the source is a CHC output), build the CLIP, check cached features, split topics,
+    create θ, φ and the streams."""
     device = resolve_device(cfg.MODEL.DEVICE)
+    check_model_name(cfg.MODEL.BACKBONE, "MODEL.BACKBONE")
+    check_precision(cfg.MODEL.PRECISION, "MODEL.PRECISION")
+    h = hierarchy
+    if h is None and cfg.TASKS.SOURCE == "chc":   # a CHC output needs no CLIP to open: check sizes before the build
+        h = load_task_hierarchy(cfg, None, None, device)
+    if h is not None:
+        settings.check_task_sizes(cfg, h, device)
     clip, dims = build_clip(cfg, device)
-    h = hierarchy if hierarchy is not None else load_task_hierarchy(cfg, clip, dims, device)
+    if h is None:   # an image folder is encoded by this CLIP
+        h = load_task_hierarchy(cfg, clip, dims, device)
+        settings.check_task_sizes(cfg, h, device)
     pspec = settings.prompt_spec(cfg)
     use_images = pspec.has_visual_prompts
     feature_check = None
@@ -132,13 +143,7 @@ def setup_run(cfg, hierarchy=None) -> RunSetup:
                                               n_check=int(cfg.META.FEATURE_CHECK), device=device)
     train_topics, val_topics = split_topics(h, float(cfg.TASKS.VAL_FRACTION), int(cfg.SEED))
     train_topics, val_topics = [int(t) for t in train_topics], [int(t) for t in val_topics]
-    k_way = int(cfg.TASKS.K_WAY)
-    if cfg.META.MODE == "gram" and len(train_topics) < k_way:
-        raise ValueError(f"TASKS.K_WAY: {k_way}-way tasks need >= {k_way} training topics; the hierarchy has "
-                         f"{len(train_topics)} after holding out {len(val_topics)} (TASKS.VAL_FRACTION) "
-                         f"of {h.num_topics}")
-    if cfg.META.MODE == "pretrain" and len(train_topics) < 2:
-        raise ValueError(f"TASKS.VAL_FRACTION: pre-training needs >= 2 training topics, has {len(train_topics)}")
+    k_way = int(cfg.TASKS.K_WAY)   # sizes the hierarchy cannot supply were refused by check_task_sizes
 
     theta = PromptParams.from_spec(pspec, clip, dims, generator=torch.Generator().manual_seed(int(cfg.SEED)))
     learner = GRAMMetaLearner(theta, settings.meta_spec(cfg, device))
@@ -357,7 +362,7 @@ def _loop(run: RunSetup, log: RunLog, bar, stop: StopRequest, start: int, saved_
             if saved_at < step:  # the request arrived during on_step
                 _save(run, ckpt_path, step)
             return step
-    if saved_at < steps_total:  # e.g. META.STEPS 0: still leave a checkpoint to export from
+    if saved_at < steps_total:  # not reached (META.STEPS >= 1, the last step checkpoints): never end without one
         _save(run, ckpt_path, max(start, steps_total))
     return None
 
@@ -496,7 +501,7 @@ def _write_run_files(run: RunSetup, run_dir: Path, state: Optional[dict], start:
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(run_dir / CONFIG_NAME, cfg.dump())
     info_path = run_dir / RUN_INFO_NAME
-    info = json.loads(info_path.read_text()) if (state is not None and info_path.is_file()) else {}
+    info = _read_run_info(info_path) if (state is not None and info_path.is_file()) else {}
     info.update({"config_hash": settings.config_hash(cfg), "mode": cfg.META.MODE, "steps_total": steps_total,
                  "hierarchy": hierarchy_summary(run.hierarchy), "feature_check": run.feature_check,
                  "dims": run.dims.as_dict(), "train_topics": len(run.train_topics),
@@ -506,6 +511,18 @@ def _write_run_files(run: RunSetup, run_dir: Path, state: Optional[dict], start:
         info.setdefault("resumed_at_steps", []).append(start)
     write_json_atomic(info_path, info)
     return RunLog(run_dir, start_step=start, tensorboard=bool(cfg.META.TENSORBOARD), fresh=state is None)
+
+
+def _read_run_info(path: Path) -> dict:
+    """A resumed run's ``run.json`` (one-line error naming it when it is not a JSON object)."""
+    try:
+        info = parse_json(path.read_text(errors="replace"))
+    except ValueError as err:
+        raise ValueError(f"{path}: not valid JSON ({' '.join(str(err).split())[:160]}); move it away to resume "
+                         f"(it is rewritten)") from None
+    if not isinstance(info, dict):
+        raise ValueError(f"{path}: expected a JSON object, got a JSON {type(info).__name__}; move it away to resume")
+    return info
 
 
 def _silent(_msg: str) -> None:
