@@ -29,6 +29,7 @@ from torch import nn
 from .backbone import ClipDims
 from .finetune import GradientRegulation, LaunchStep, UpdateWindow, launch_step_of, resolve_window
 from .init_io import load_gram_init
+from .metrics import count_correct  # noqa: F401  (re-exported: the loops count hits with it)
 from .prompts import VPT_INITS, PromptParams, PromptSpec
 from .regulator import GradientRegulator
 
@@ -319,11 +320,6 @@ class RegulatedStepper:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return count
-
-
-def count_correct(logits: torch.Tensor, labels: torch.Tensor) -> int:
-    """Top-1 hits of ``logits`` ``[n, C]`` against ``labels`` ``[n]`` (on ``logits``' device)."""
-    return int((logits.detach().argmax(dim=-1) == labels.to(logits.device)).sum())
 
 
 __all__ = ["StartSpec", "StartPoint", "Start", "Naming", "build_start", "RegulatedStepper", "window_batches",

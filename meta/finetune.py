@@ -28,6 +28,7 @@ from typing import Iterable, Mapping, Optional
 import torch
 from torch import nn
 
+from .metrics import accuracy
 from .regulator import GradientRegulator
 
 # Test-time defaults of the two switches (module docstring), read by MethodSpec, the Dassl trainers'
@@ -245,4 +246,4 @@ def finetune_and_score(prompts: nn.Module, regulation: Optional[GradientRegulati
         optimizer.step()
     with torch.no_grad():
         _, logits = loss_fn(theta, query)
-    return float((logits.argmax(dim=-1) == labels_of(query)).float().mean())
+    return accuracy(logits, labels_of(query))

@@ -21,9 +21,9 @@ from torch import nn
 from torch.optim import lr_scheduler as sched
 
 from ..backbone import ClipDims
-from ..engine import Naming, RegulatedStepper, StartPoint, StartSpec, build_start, count_correct, prompt_digest
-from ..engine import window_batches
+from ..engine import Naming, RegulatedStepper, StartPoint, StartSpec, build_start, prompt_digest, window_batches
 from ..finetune import GradientRegulation, LaunchStep, launch_
+from ..metrics import count_correct
 from ..prompts import PromptedCLIP, PromptParams, classification_loss
 from ..schedule import epoch_scheduler
 from .spec import MethodSpec, TrainSpec
