@@ -6,9 +6,10 @@ One front door for test-time use of GRAM, so that what ``train.py`` runs is what
   a GRAM init file's θ*, or an in-memory :class:`StartPoint`), R_φ (:class:`meta.finetune.GradientRegulation`),
   the regulation window in images (resolved: 0 = the meta-training support size), the launch step
   (:class:`meta.finetune.LaunchStep`) and a JSON-able provenance dict.
-* :class:`RegulatedStepper` is the update of every training batch: backward (gradients sum in ``p.grad``)
-  → when the window closes, R_φ on the window's mean gradient → one optimiser step (with a
-  ``torch.amp.GradScaler`` the gradients are unscaled before R_φ sees them).
+* :class:`RegulatedStepper` (defined in :mod:`meta.finetune` beside the window and R_φ it drives) is the
+  update of every training batch: backward (gradients sum in ``p.grad``) → when the window closes, R_φ on
+  the window's mean gradient → one optimiser step (with a ``torch.amp.GradScaler`` the gradients are
+  unscaled before R_φ sees them).
 * :func:`window_batches` is the one conversion of a window in images into backward passes of a batch size.
 * :func:`start_rule_problems` holds the validation rules that the evaluator's ``MethodSpec`` and the Dassl
   ``TRAINER.GRAM`` keys share; each caller words the key names its own way.
@@ -27,9 +28,9 @@ import torch
 from torch import nn
 
 from .backbone import ClipDims
-from .finetune import GradientRegulation, LaunchStep, UpdateWindow, launch_step_of, resolve_window
+from .finetune import GradientRegulation, LaunchStep, RegulatedStepper, launch_step_of, resolve_window
 from .init_io import load_gram_init
-from .metrics import count_correct  # noqa: F401  (re-exported: the loops count hits with it)
+from .metrics import count_correct  # noqa: F401  (re-exported with RegulatedStepper: the loops use both)
 from .prompts import VPT_INITS, PromptParams, PromptSpec
 from .regulator import GradientRegulator
 
@@ -276,50 +277,6 @@ def _scratch_info(prompt: PromptSpec) -> dict:
             "vpt_init": prompt.vpt_init if prompt.n_ctx_vision else ""}
 
 
-# ------------------------------------------------------------------------------------------------ step
-class RegulatedStepper:
-    """One regulated update per window of backward passes (paper Eq. 7 at test time, windowed).
-
-    Per training batch, :meth:`backward` runs ``loss.backward()`` (gradients sum in ``p.grad`` until the
-    window closes); when :class:`meta.finetune.UpdateWindow` closes it (``window`` passes, or the epoch's
-    last batch) the summed gradient of the n passes becomes ``n · R_φ(mean)``
-    (:meth:`GradientRegulation.apply_`), one optimiser step is taken and the gradients are cleared.
-    With ``scaler`` (a ``torch.amp.GradScaler``) the loss is scaled for backward and the gradients are
-    unscaled before R_φ, which must see the true gradient.
-
-    Args:
-        module: the module whose ``named_parameters()`` are θ (R_φ is keyed by their last name part).
-        optimizer: steps θ.
-        regulation: R_φ, or None for raw gradients (the window is then still honoured).
-        window: backward passes per step (:func:`window_batches` of the window in images).
-        scaler: optional GradScaler (mixed precision).
-    """
-
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
-                 regulation: Optional[GradientRegulation], window: int = 1, scaler=None):
-        self.module = module
-        self.optimizer = optimizer
-        self.regulation = regulation
-        self.window = UpdateWindow(window)
-        self.scaler = scaler
-
-    def backward(self, loss: torch.Tensor, last: bool = False) -> int:
-        """Backward ``loss``; step when the window closes (``last``: the epoch's last batch closes it).
-        Returns the number of passes regulated and stepped now (0 = the window is still open)."""
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-        count = self.window.push(last=last)
-        if count:
-            if self.scaler is not None:
-                self.scaler.unscale_(self.optimizer)
-            if self.regulation is not None:
-                self.regulation.apply_(self.module.named_parameters(), count=count)
-            if self.scaler is not None:
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            else:
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        return count
 
 
 __all__ = ["StartSpec", "StartPoint", "Start", "Naming", "build_start", "RegulatedStepper", "window_batches",

@@ -18,7 +18,7 @@ from .. import methods
 from ..engine import start_rule_problems
 from ..finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
 from ..methods import Method
-from ..prompts import DEFAULT_TEMPLATE, PromptSpec
+from ..prompts import PromptSpec
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULERS = ("cosine", "constant")
@@ -67,18 +67,18 @@ class MethodSpec:
     """
 
     name: str
-    n_ctx_text: int = 4
-    n_ctx_vision: int = 0
-    vision_depth: int = 1
-    ctx_init: str = ""
+    n_ctx_text: int = PromptSpec.n_ctx_text       # the prompt fields' defaults are meta.prompts.PromptSpec's
+    n_ctx_vision: int = PromptSpec.n_ctx_vision
+    vision_depth: int = PromptSpec.vision_depth
+    ctx_init: str = PromptSpec.ctx_init
     init_path: str = ""
     regulate: bool = False
     norm_preserve: Optional[bool] = None
-    template: str = DEFAULT_TEMPLATE
-    init_std: float = 0.02
+    template: str = PromptSpec.template
+    init_std: float = PromptSpec.init_std
     vpt_init: str = PromptSpec.vpt_init
-    text_depth: int = 1
-    coupling: str = "none"
+    text_depth: int = PromptSpec.text_depth
+    coupling: str = PromptSpec.coupling
     init_prompts: bool = True
     reg_window: int = DEFAULT_REG_WINDOW
     launch: Optional[bool] = None
