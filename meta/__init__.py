@@ -32,18 +32,21 @@ _EXPORTS = {
     "GRAMMetaLearner": "meta.gram", "MetaSpec": "meta.gram", "TaskBatch": "meta.gram",
     # test-time use of φ
     "GradientRegulation": "meta.finetune", "finetune_and_score": "meta.finetune",
+    # the fine-tuning engine shared by the Dassl trainers and the evaluator
+    "StartSpec": "meta.engine", "build_start": "meta.engine", "RegulatedStepper": "meta.engine",
     # init files (θ*, φ) for the trainers and stock CoOp
     "GramInit": "meta.init_io", "InitMismatchError": "meta.init_io", "export_gram_init": "meta.init_io",
     "load_gram_init": "meta.init_io", "export_coop_context": "meta.init_io",
 }
 
 __all__ = ["ClipDims", "GRAMMetaLearner", "GradientRegulation", "GradientRegulator", "GramInit", "InitMismatchError",
-           "MetaSpec", "PromptParams", "PromptSpec", "PromptedCLIP", "RegulatorFactory", "RegulatorSpec",
-           "TaskBatch", "classification_loss", "export_coop_context", "export_gram_init", "finetune_and_score",
+           "MetaSpec", "PromptParams", "PromptSpec", "PromptedCLIP", "RegulatedStepper", "RegulatorFactory",
+           "RegulatorSpec", "StartSpec", "TaskBatch", "build_start", "classification_loss", "export_coop_context", "export_gram_init", "finetune_and_score",
            "load_clip", "load_gram_init", "__version__"]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names come from __getattr__
     from meta.backbone import ClipDims, load_clip
+    from meta.engine import RegulatedStepper, StartSpec, build_start
     from meta.finetune import GradientRegulation, finetune_and_score
     from meta.gram import GRAMMetaLearner, MetaSpec, TaskBatch
     from meta.init_io import GramInit, InitMismatchError, export_coop_context, export_gram_init, load_gram_init

@@ -33,6 +33,7 @@ from yacs.config import CfgNode as CN
 from meta.cli_errors import UserError
 from meta.finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
 from meta.gram import DEFAULT_QUERY_BEFORE_WEIGHT
+from meta.prompts import DEFAULT_TEMPLATE, PromptSpec
 
 
 def _model_node() -> CN:
@@ -172,8 +173,8 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.PROMPT.N_CTX_VISION = 0
     m.PROMPT.VISION_DEPTH = 1    # 1 = shallow VPT; 0 = every layer
     m.PROMPT.INIT_STD = 0.02     # CoOp's N(0, 0.02^2) context init
-    m.PROMPT.TEMPLATE = "a photo of a {}."  # = meta.prompts.DEFAULT_TEMPLATE (tested); text side when N_CTX_TEXT == 0 (paper's VPT baseline)
-    m.PROMPT.VPT_INIT = "patch_mean"  # = PromptSpec.vpt_init (tested); visual tokens' start: normal | zeros | cls | patch_mean (meta.prompts)
+    m.PROMPT.TEMPLATE = DEFAULT_TEMPLATE  # text side when N_CTX_TEXT == 0 (paper's VPT baseline)
+    m.PROMPT.VPT_INIT = PromptSpec.vpt_init  # visual tokens' start: normal | zeros | cls | patch_mean (meta.prompts)
     m.PROMPT.TEXT_DEPTH = 1      # J text layers with learnable context (1 = CoOp; IVLP / MaPLe PROMPT_DEPTH > 1: deep text prompts; 0 = every layer)
     m.PROMPT.COUPLING = "none"   # none | maple (visual prompts of the first TEXT_DEPTH vision layers projected from the text prompts; N_CTX_VISION 0)
 

@@ -1,6 +1,7 @@
 """Test-time use of R_φ: regulate prompt gradients before every optimiser step (paper Eq. 7).
 
-Usage inside any training loop (a Dassl trainer, the standalone evaluator)::
+Usage inside any training loop (a Dassl trainer, the standalone evaluator: both through
+:class:`RegulatedStepper`, which adds the window below and mixed precision)::
 
     loss.backward()
     regulation.apply_(prompt_module.named_parameters())   # p.grad <- R_φ(p.grad)
@@ -28,6 +29,7 @@ from typing import Iterable, Mapping, Optional
 import torch
 from torch import nn
 
+from .metrics import accuracy
 from .regulator import GradientRegulator
 
 # Test-time defaults of the two switches (module docstring), read by MethodSpec, the Dassl trainers'
@@ -153,6 +155,51 @@ class UpdateWindow:
         return 0
 
 
+class RegulatedStepper:
+    """One regulated update per window of backward passes (paper Eq. 7 at test time, windowed).
+
+    Per training batch, :meth:`backward` runs ``loss.backward()`` (gradients sum in ``p.grad`` until the
+    window closes); when :class:`meta.finetune.UpdateWindow` closes it (``window`` passes, or the epoch's
+    last batch) the summed gradient of the n passes becomes ``n · R_φ(mean)``
+    (:meth:`GradientRegulation.apply_`), one optimiser step is taken and the gradients are cleared.
+    With ``scaler`` (a ``torch.amp.GradScaler``) the loss is scaled for backward and the gradients are
+    unscaled before R_φ, which must see the true gradient.
+
+    Args:
+        module: the module whose ``named_parameters()`` are θ (R_φ is keyed by their last name part).
+        optimizer: steps θ.
+        regulation: R_φ, or None for raw gradients (the window is then still honoured).
+        window: backward passes per step (:func:`meta.engine.window_batches` of the window in images).
+        scaler: optional GradScaler (mixed precision).
+    """
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
+                 regulation: Optional[GradientRegulation], window: int = 1, scaler=None):
+        self.module = module
+        self.optimizer = optimizer
+        self.regulation = regulation
+        self.window = UpdateWindow(window)
+        self.scaler = scaler
+
+    def backward(self, loss: torch.Tensor, last: bool = False) -> int:
+        """Backward ``loss``; step when the window closes (``last``: the epoch's last batch closes it).
+        Returns the number of passes regulated and stepped now (0 = the window is still open)."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        count = self.window.push(last=last)
+        if count:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+            if self.regulation is not None:
+                self.regulation.apply_(self.module.named_parameters(), count=count)
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return count
+
+
 @dataclass(frozen=True)
 class LaunchStep:
     """The meta-trained inner step, applied once at the start of fine-tuning (:func:`launch_`).
@@ -236,13 +283,11 @@ def finetune_and_score(prompts: nn.Module, regulation: Optional[GradientRegulati
     for p in params:
         p.requires_grad_(True)
     optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum)
+    stepper = RegulatedStepper(theta, optimizer, regulation)   # window 1: R_φ on every step's gradient
+    optimizer.zero_grad(set_to_none=True)                      # (a copied θ may carry its gradient along)
     for _ in range(steps):
         loss, _ = loss_fn(theta, support)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if regulation is not None:
-            regulation.apply_(theta.named_parameters())
-        optimizer.step()
+        stepper.backward(loss)
     with torch.no_grad():
         _, logits = loss_fn(theta, query)
-    return float((logits.argmax(dim=-1) == labels_of(query)).float().mean())
+    return accuracy(logits, labels_of(query))

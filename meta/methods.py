@@ -143,9 +143,65 @@ def load_methods(path: Union[str, Path, None] = None) -> dict[str, Method]:
     return table
 
 
+@dataclass(frozen=True)
+class Learner:
+    """One prompt learner (a Dassl trainer): whether it learns text context, its own visual prompt tokens,
+    and how the towers' prompts are tied (``coupling``, :class:`meta.prompts.PromptSpec`)."""
+
+    trainer: str
+    text: bool
+    vision: bool
+    coupling: str = "none"
+
+
+def load_learners(path: Union[str, Path, None] = None) -> dict[str, Learner]:
+    """``{trainer: Learner}`` in table order from the ``learners:`` list of ``path`` (default: the packaged
+    table), each method row's trainer, tokens and coupling checked against its learner."""
+    path = Path(path) if path is not None else TABLE_FILE
+    table = load_methods(path)
+    doc = yaml.safe_load(path.read_text())
+    rows = doc.get("learners") if isinstance(doc, dict) else None
+    if not isinstance(rows, list) or not rows:
+        raise MethodTableError(f"{path}: expected a top-level 'learners:' list of rows")
+    out: dict[str, Learner] = {}
+    for i, raw in enumerate(rows):
+        if not isinstance(raw, dict) or set(raw) - {"trainer", "text", "vision", "coupling"} or "trainer" not in raw:
+            raise MethodTableError(f"{path}: learners[{i}]: expected trainer, text, vision and coupling, got {raw!r}")
+        if not all(isinstance(raw.get(k), bool) for k in ("text", "vision")):
+            raise MethodTableError(f"{path}: learner {raw['trainer']!r}: text and vision must be true or false")
+        row = Learner(str(raw["trainer"]), raw["text"], raw["vision"], str(raw.get("coupling", "none")))
+        if row.coupling not in ("none", "maple") or (row.coupling == "maple" and (row.vision or not row.text)):
+            raise MethodTableError(f"{path}: learner {row.trainer!r}: coupling must be none, or maple with text "
+                                   f"and no visual tokens of its own")
+        if row.trainer in out:
+            raise MethodTableError(f"{path}: learner {row.trainer!r} appears twice")
+        out[row.trainer] = row
+    for m in table.values():
+        if not m.trainer:
+            continue
+        learner = out.get(m.trainer)
+        if learner is None:
+            raise MethodTableError(f"{path}: method {m.key!r}: trainer {m.trainer!r} is not in 'learners'")
+        if (m.text_tokens and not learner.text) or (m.visual_tokens and not learner.vision) \
+                or (not m.zero_shot and m.coupling != learner.coupling):
+            raise MethodTableError(f"{path}: method {m.key!r}: tokens {m.text_tokens}+{m.visual_tokens} / coupling "
+                                   f"{m.coupling} do not fit learner {m.trainer!r} ({learner})")
+    return out
+
+
 @lru_cache(maxsize=None)
 def _packaged() -> dict[str, Method]:
     return load_methods()
+
+
+@lru_cache(maxsize=None)
+def _packaged_learners() -> dict[str, Learner]:
+    return load_learners()
+
+
+def learners() -> dict[str, Learner]:
+    """The packaged learner table ``{trainer: Learner}`` in table order (read once)."""
+    return dict(_packaged_learners())
 
 
 def methods() -> dict[str, Method]:
@@ -215,8 +271,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 2
 
 
-__all__ = ["Method", "MethodTableError", "TABLE_FILE", "load_methods", "methods", "get", "label", "canonical_key",
-           "preset_keys", "dassl_keys"]
+__all__ = ["Method", "Learner", "MethodTableError", "TABLE_FILE", "load_methods", "load_learners", "methods",
+           "learners", "get", "label", "canonical_key", "preset_keys", "dassl_keys"]
 
 if __name__ == "__main__":
     sys.exit(main())

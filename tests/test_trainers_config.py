@@ -43,9 +43,10 @@ def test_extend_cfg_adds_every_key_with_paper_defaults():
     g = cfg.TRAINER.GRAM
     assert set(g.keys()) == {"ENABLED", "INIT", "REGULATE", "NORM_PRESERVE", "N_CTX_TEXT", "N_CTX_VISION", "VPT_DEEP", "VPT_DEPTH",
                              "CTX_INIT", "TEMPLATE", "VPT_INIT", "MODEL_NAME", "WEIGHTS", "QUICK_GELU", "PREC",
-                             "TEXT_DEPTH", "INIT_PROMPTS", "REG_WINDOW", "LAUNCH"}
+                             "TEXT_DEPTH", "INIT_PROMPTS", "REG_WINDOW_IMAGES", "REG_WINDOW", "LAUNCH"}
     assert (g.N_CTX_TEXT, g.N_CTX_VISION, g.VPT_DEEP, g.ENABLED, g.REGULATE) == (4, 4, False, False, True)
-    assert (g.INIT_PROMPTS, g.REG_WINDOW, g.LAUNCH) == (True, DEFAULT_REG_WINDOW, DEFAULT_LAUNCH)
+    assert (g.INIT_PROMPTS, g.REG_WINDOW_IMAGES, g.LAUNCH) == (True, DEFAULT_REG_WINDOW, DEFAULT_LAUNCH)
+    assert g.REG_WINDOW is None   # the old key (batches) is kept only to refuse it
     assert cfg.DATASET.SUBSAMPLE_CLASSES == "all"
 
 

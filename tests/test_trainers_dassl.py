@@ -93,7 +93,8 @@ def data_root(tmp_path_factory) -> Path:
 # what `python -m meta export` records and the default test-time switches read: the support size (regulation
 # window 0 = 2 ways x 2 shots) and the inner step (launch)
 PROVENANCE = {"mode": "gram", "tasks": {"k_way": 2, "n_support": 2}, "meta": {"inner_lr": 0.1, "inner_steps": 1}}
-PER_IMAGE = ("TRAINER.GRAM.REG_WINDOW", "1", "TRAINER.GRAM.LAUNCH", "False")   # the paper-literal test time
+PER_IMAGE = ("TRAINER.GRAM.REG_WINDOW_IMAGES", "1", "TRAINER.GRAM.LAUNCH", "False")   # the paper-literal test time:
+# R_φ on every batch (a window of 1 image is one whole batch)
 
 
 @pytest.fixture(scope="module")
@@ -302,16 +303,16 @@ def test_training_step_applies_r_phi_to_the_gradient(data_root, init_files, meth
 
 
 def test_window_and_launch_in_the_trainer(data_root, init_files, tiny_clip, tmp_path):
-    """TRAINER.GRAM.REG_WINDOW 2: no step after the first batch, then θ -= lr · 2 R_φ(mean of the two
-    gradients); REG_WINDOW 0 = the init file's k_way × n_support images in batches; LAUNCH: θ* − α R_φ(mean
-    train gradient)."""
+    """TRAINER.GRAM.REG_WINDOW_IMAGES 4 (two batches of 2): no step after the first batch, then
+    θ -= lr · 2 R_φ(mean of the two gradients); 0 = the init file's k_way × n_support images in batches;
+    LAUNCH: θ* − α R_φ(mean train gradient); the old REG_WINDOW (batches) is a one-line error."""
     plain = load_gram_init(init_files["GRAM_CoOp"])
     path = tmp_path / "with_provenance.safetensors"
     export_gram_init(path, PromptParams(**plain.prompt), plain.regulator_modules(), tiny_clip[1],
                      provenance={"tasks": {"k_way": 3, "n_support": 2}, "meta": {"inner_lr": 0.3, "inner_steps": 1}})
     opts = ("OPTIM.WARMUP_EPOCH", "0", "OPTIM.LR", "0.5", "OPTIM.MOMENTUM", "0.0", "OPTIM.WEIGHT_DECAY", "0.0")
-    trainer = build(data_root, "gram_coop", *opts, "TRAINER.GRAM.REG_WINDOW", "2", "TRAINER.GRAM.LAUNCH", "False",
-                    init_files=init_files)
+    trainer = build(data_root, "gram_coop", *opts, "TRAINER.GRAM.REG_WINDOW_IMAGES", "4", "TRAINER.GRAM.LAUNCH",
+                    "False", init_files=init_files)
     assert trainer.window.size == 2
     ctx, reg = trainer.model.prompt_learner.ctx, plain.regulator_modules()["ctx"]
     batches = iter(trainer.train_loader_x)
@@ -329,8 +330,8 @@ def test_window_and_launch_in_the_trainer(data_root, init_files, tiny_clip, tmp_
     torch.testing.assert_close(ctx.detach(), expected, atol=1e-6, rtol=1e-5)
 
     gram = ["TRAINER.GRAM.INIT", str(path), "TRAINER.GRAM.ENABLED", "True"]
-    trainer = build(data_root, "gram_coop", *opts, "TRAINER.GRAM.REG_WINDOW", "0", "TRAINER.GRAM.LAUNCH", "True",
-                    *gram)
+    trainer = build(data_root, "gram_coop", *opts, "TRAINER.GRAM.REG_WINDOW_IMAGES", "0", "TRAINER.GRAM.LAUNCH",
+                    "True", *gram)
     assert trainer.window.size == 3 and trainer.launch_step.alpha == 0.3     # 3 x 2 support images, batches of 2
     ctx = trainer.model.prompt_learner.ctx
     start = ctx.detach().clone()
@@ -356,8 +357,11 @@ def test_window_and_launch_in_the_trainer(data_root, init_files, tiny_clip, tmp_
     bare = tmp_path / "bare.safetensors"
     export_gram_init(bare, PromptParams(**plain.prompt), plain.regulator_modules(), tiny_clip[1])
     with pytest.raises(ValueError, match="TRAINER.GRAM.INIT .*provenance.tasks"):
-        build(data_root, "gram_coop", "TRAINER.GRAM.REG_WINDOW", "0", "TRAINER.GRAM.LAUNCH", "False",
+        build(data_root, "gram_coop", "TRAINER.GRAM.REG_WINDOW_IMAGES", "0", "TRAINER.GRAM.LAUNCH", "False",
               "TRAINER.GRAM.INIT", str(bare))
+    with pytest.raises(ValueError, match=r"TRAINER.GRAM.REG_WINDOW: renamed TRAINER.GRAM.REG_WINDOW_IMAGES, which "
+                                         r"counts images"):
+        build(data_root, "gram_coop", "TRAINER.GRAM.REG_WINDOW", "2", init_files=init_files)
 
 
 @pytest.mark.parametrize("reg_only_key, baseline_key", [("gram_coop_reg_only", "coop"), ("gram_ivlp_reg_only", "ivlp"),

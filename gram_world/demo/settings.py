@@ -20,13 +20,32 @@ from ..settings import WorldSettings, world_settings
 
 @dataclass(frozen=True)
 class MetaVariant:
-    """One meta-training run: its name, prompt shape and META/TASKS overrides."""
+    """One meta-training run: its name (a key of the method table, ``meta/methods.yaml``) and META/TASKS
+    overrides.  θ's shape (token counts, depths, coupling) is the table row's, read from there."""
 
     name: str
-    n_ctx_text: int
-    n_ctx_vision: int
     overrides: tuple = ()        # extra KEY, VALUE, ... for the meta config
     regulated: bool = True       # whether the exported file carries φ
+
+    @property
+    def n_ctx_text(self) -> int:
+        return methods.get(self.name).text_tokens
+
+    @property
+    def n_ctx_vision(self) -> int:
+        return methods.get(self.name).visual_tokens
+
+    @property
+    def prompt_overrides(self) -> tuple:
+        """``META.PROMPT`` keys of the row's structure: token counts, and depths / coupling where they differ
+        from the meta config's defaults (1, 1, none)."""
+        row = methods.get(self.name)
+        out: tuple = ("META.PROMPT.N_CTX_TEXT", row.text_tokens, "META.PROMPT.N_CTX_VISION", row.visual_tokens)
+        for key, value, default in (("TEXT_DEPTH", row.text_depth, 1), ("VISION_DEPTH", row.vision_depth, 1),
+                                    ("COUPLING", row.coupling, "none")):
+            if value != default:
+                out += (f"META.PROMPT.{key}", value)
+        return out
 
     @property
     def meta_learned(self) -> bool:
@@ -35,37 +54,34 @@ class MetaVariant:
         return pairs.get("META.MODE", "gram") != "pretrain"
 
 
-# θ shapes follow the paper (section 4.1): 4 tokens for CoOp / VPT, 2 + 2 for UNIGRAM.
+# θ shapes follow the paper (section 4.1): 4 tokens for CoOp / VPT, 2 + 2 for UNIGRAM (the method table's rows).
 META_VARIANTS = (
-    MetaVariant("gram_coop", 4, 0),
-    MetaVariant("gram_vpt", 0, 4),
-    MetaVariant("unigram", 2, 2),
-    MetaVariant("unigram_no_shift", 2, 2, ("TASKS.DOMAIN_SHIFT", False)),                  # Table 4 row 1
-    MetaVariant("unigram_no_reg", 2, 2, ("META.REGULATE", False), regulated=False),         # Table 4 row 2
-    MetaVariant("unigram_pretrain", 2, 2, ("META.MODE", "pretrain"), regulated=False),      # Table 4 row 3
-    MetaVariant("unigram_supervised", 2, 2, ("TASKS.SOURCE", "image_folder")),              # Table 4 row 4
+    MetaVariant("gram_coop"),
+    MetaVariant("gram_vpt"),
+    MetaVariant("unigram"),
+    MetaVariant("unigram_no_shift", ("TASKS.DOMAIN_SHIFT", False)),                  # Table 4 row 1
+    MetaVariant("unigram_no_reg", ("META.REGULATE", False), regulated=False),         # Table 4 row 2
+    MetaVariant("unigram_pretrain", ("META.MODE", "pretrain"), regulated=False),      # Table 4 row 3
+    MetaVariant("unigram_supervised", ("TASKS.SOURCE", "image_folder")),              # Table 4 row 4
 )
 
 # Table A3 varies UNIGRAM's total prompt-token count over 2 / 4 / 6 / 8.  The paper does not say how
 # a count is split between the towers; ours: half text, half visual (n // 2 + n - n // 2), so 4 is
 # UNIGRAM's own 2 + 2 and needs no extra run.
 TOKEN_COUNTS = (2, 4, 6, 8)
-TOKEN_VARIANTS = tuple(MetaVariant(f"unigram_{n}tok", n // 2, n - n // 2) for n in TOKEN_COUNTS if n != 4)
+TOKEN_VARIANTS = tuple(MetaVariant(f"unigram_{n}tok") for n in TOKEN_COUNTS if n != 4)
 # Deep prompt learners (opt-in table group "deep", docs/deep_prompts.md): 2 + 2 IVLP tokens in every layer of
 # both towers, and MaPLe's 2 text tokens in every layer with their coupled visual prompts; the presets'
 # depth 0 (meta/methods.yaml) is every layer of the world's tiny CLIP.
-DEEP_VARIANTS = (
-    MetaVariant("gram_ivlp", 2, 2, ("META.PROMPT.TEXT_DEPTH", 0, "META.PROMPT.VISION_DEPTH", 0)),
-    MetaVariant("gram_maple", 2, 0, ("META.PROMPT.TEXT_DEPTH", 0, "META.PROMPT.COUPLING", "maple")),
-)
+DEEP_VARIANTS = (MetaVariant("gram_ivlp"), MetaVariant("gram_maple"))
 # The paper-literal GRAM ("one-step objective" rows): meta-trained on the query loss after one inner step
 # only, whatever the settings' query_before_weight (with the default weight 0 the demo trains each once:
 # stage_meta finds the equal config).
 ONE_STEP = ("META.QUERY_BEFORE_WEIGHT", 0.0)
 ONE_STEP_VARIANTS = (
-    MetaVariant("gram_coop_one_step", 4, 0, ONE_STEP),
-    MetaVariant("gram_vpt_one_step", 0, 4, ONE_STEP),
-    MetaVariant("unigram_one_step", 2, 2, ONE_STEP),
+    MetaVariant("gram_coop_one_step", ONE_STEP),
+    MetaVariant("gram_vpt_one_step", ONE_STEP),
+    MetaVariant("unigram_one_step", ONE_STEP),
 )
 ALL_VARIANTS = META_VARIANTS + ONE_STEP_VARIANTS + TOKEN_VARIANTS + DEEP_VARIANTS
 VARIANT_BY_NAME = {v.name: v for v in ALL_VARIANTS}

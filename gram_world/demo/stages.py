@@ -97,8 +97,6 @@ def _variant_cfg(variant: MetaVariant, model: str, weights: str, out: Path, sett
     cfg.META.LOG_DETAIL_EVERY = settings.log_detail_every
     cfg.META.VAL_EVERY = max(settings.meta_steps, 1)
     cfg.META.VAL_TASKS = settings.val_tasks
-    cfg.META.PROMPT.N_CTX_TEXT = variant.n_ctx_text
-    cfg.META.PROMPT.N_CTX_VISION = variant.n_ctx_vision
     cfg.META.PROMPT.VPT_INIT = settings.vpt_init
     cfg.META.QUERY_BEFORE_WEIGHT = settings.query_before_weight
     cfg.META.VAL_PROTOCOL = settings.meta_val_protocol
@@ -112,7 +110,7 @@ def _variant_cfg(variant: MetaVariant, model: str, weights: str, out: Path, sett
     cfg.TASKS.N_SUPPORT = settings.n_support
     cfg.TASKS.N_QUERY = settings.n_query
     cfg.TASKS.IMAGE_FOLDER = labelled_dir
-    cfg.merge_from_list(list(variant.overrides))
+    cfg.merge_from_list(list(variant.prompt_overrides + variant.overrides))
     cfg.freeze()
     return cfg
 
@@ -209,8 +207,8 @@ class EvalJob:
     def cost(self) -> int:
         """Rough relative run time (visual prompts cannot use cached image features)."""
         variant = VARIANT_BY_NAME.get(METHOD_BY_KEY[self.key].variant)
-        visual = (variant.n_ctx_vision if variant else {"vpt": 4, "joint": 2, "ivlp": 2}.get(self.key, 0)) > 0 \
-            or self.key in ("maple", "gram_maple")
+        row = method_table.get(self.key)
+        visual = (variant.n_ctx_vision if variant else row.visual_tokens) > 0 or row.coupling != "none"
         return (4 if visual else 1) * (1 + len(self.targets))
 
 

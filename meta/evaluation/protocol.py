@@ -24,7 +24,7 @@ from .. import __version__ as gram_version
 from ..backbone import ClipDims
 from ..coop_data import Record, harmonic_mean
 from ..finetune import LaunchStep
-from ..prompts import PromptedCLIP
+from ..prompts import PromptedCLIP, PromptParams
 from .datasets import DatasetRef
 from .images import FeatureCache, ImageLoader, eval_transform_key, train_transform_key, view_key
 from .spec import MethodSpec, TrainSpec
@@ -184,7 +184,8 @@ def evaluate_base_to_new(dataset: DatasetRef, clip: nn.Module, dims: ClipDims, m
                          seed: int, shots: int = 16, train: Optional[TrainSpec] = None,
                          session: Optional[EvaluationSession] = None, cache_dir: Optional[str] = None,
                          use_split_cache: bool = True, start: Optional[StartPoint] = None,
-                         log: Callable[[str], None] = print, eval_split: str = "test") -> dict:
+                         log: Callable[[str], None] = print, eval_split: str = "test",
+                         on_trained: Optional[Callable[[Optional[PromptParams]], None]] = None) -> dict:
     """One (dataset, method, seed) run of CoCoOp's base-to-new protocol.
 
     Args:
@@ -201,6 +202,8 @@ def evaluate_base_to_new(dataset: DatasetRef, clip: nn.Module, dims: ClipDims, m
             (meta-validation of the live meta-parameters; they are copied, never modified).
         eval_split: ``test`` (the protocol) or ``val``: score the few-shot validation split of the base
             and new classes instead (CoOp's min(K, 4) per class), for choosing settings without test data.
+        on_trained: called once with the fine-tuned θ (None for zero-shot CLIP) before the record is made,
+            e.g. to save it or to compare it with a Dassl run's (tests/test_engine_agreement.py).
 
     Returns:
         a JSON-able record: ``base``, ``new``, ``H`` (percent), class names and split sizes,
@@ -223,6 +226,8 @@ def evaluate_base_to_new(dataset: DatasetRef, clip: nn.Module, dims: ClipDims, m
     history, final, init_info, tuner = _run(
         session, method, spec, seed, dataset.root, base.train, base.classnames, tests,
         lambda a: {"H": harmonic_mean(a["base"], a["new"])}, start)
+    if on_trained is not None:
+        on_trained(tuner.prompts)
     record = _record_head("base2new", session, method, spec, seed, shots, init_info)
     record.update({
         "dataset": dataset.name,

@@ -15,12 +15,14 @@ from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from .. import methods
+from ..engine import start_rule_problems
 from ..finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
 from ..methods import Method
-from ..prompts import DEFAULT_TEMPLATE, VPT_INITS, PromptSpec
+from ..prompts import PromptSpec
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULERS = ("cosine", "constant")
+ORDERS = ("random", "sequential")
 
 
 @dataclass(frozen=True)
@@ -65,18 +67,18 @@ class MethodSpec:
     """
 
     name: str
-    n_ctx_text: int = 4
-    n_ctx_vision: int = 0
-    vision_depth: int = 1
-    ctx_init: str = ""
+    n_ctx_text: int = PromptSpec.n_ctx_text       # the prompt fields' defaults are meta.prompts.PromptSpec's
+    n_ctx_vision: int = PromptSpec.n_ctx_vision
+    vision_depth: int = PromptSpec.vision_depth
+    ctx_init: str = PromptSpec.ctx_init
     init_path: str = ""
     regulate: bool = False
     norm_preserve: Optional[bool] = None
-    template: str = DEFAULT_TEMPLATE
-    init_std: float = 0.02
+    template: str = PromptSpec.template
+    init_std: float = PromptSpec.init_std
     vpt_init: str = PromptSpec.vpt_init
-    text_depth: int = 1
-    coupling: str = "none"
+    text_depth: int = PromptSpec.text_depth
+    coupling: str = PromptSpec.coupling
     init_prompts: bool = True
     reg_window: int = DEFAULT_REG_WINDOW
     launch: Optional[bool] = None
@@ -87,27 +89,20 @@ class MethodSpec:
         return bool(self.launch) if self.launch is not None else (DEFAULT_LAUNCH and has_start)
 
     def __post_init__(self) -> None:
-        if self.vpt_init not in VPT_INITS:
-            raise ValueError(f"MethodSpec {self.name!r}: vpt_init must be one of {', '.join(VPT_INITS)}, "
-                             f"got {self.vpt_init!r}")
+        problems = start_rule_problems(vpt_init=self.vpt_init, reg_window=self.reg_window, template=self.template,
+                                       has_text=bool(self.n_ctx_text or self.ctx_init), has_init=bool(self.init_path),
+                                       init_prompts=self.init_prompts, regulate=self.regulate, ctx_init=self.ctx_init)
+        if problems:
+            key, what = problems[0]
+            raise ValueError(f"MethodSpec {self.name!r}: {key} {what}")
         for key in ("n_ctx_text", "n_ctx_vision"):
             if getattr(self, key) < 0:
                 raise ValueError(f"MethodSpec {self.name!r}: {key} must be >= 0, got {getattr(self, key)}")
         if self.vision_depth < 0 or self.text_depth < 0:
             raise ValueError(f"MethodSpec {self.name!r}: vision_depth and text_depth must be >= 0 (0 = all layers), "
                              f"got {self.vision_depth} and {self.text_depth}")
-        if self.ctx_init and self.init_path:
-            raise ValueError(f"MethodSpec {self.name!r}: give ctx_init (words) or init_path (GRAM file), not both")
         if self.init_path and self.zero_shot:
             raise ValueError(f"MethodSpec {self.name!r}: init_path given but the method has no prompts")
-        if "{}" not in self.template:
-            raise ValueError(f"MethodSpec {self.name!r}: template must contain '{{}}', got {self.template!r}")
-        if self.reg_window < 0:
-            raise ValueError(f"MethodSpec {self.name!r}: reg_window must be >= 0 images (0 = the meta-training "
-                             f"support size), got {self.reg_window}")
-        if self.init_path and not (self.init_prompts or self.regulate):
-            raise ValueError(f"MethodSpec {self.name!r}: init_path given but neither θ* (init_prompts) nor R_φ "
-                             f"(regulate) is taken from it")
 
     @property
     def zero_shot(self) -> bool:
@@ -154,6 +149,9 @@ class TrainSpec:
         eval_every_epoch: test after every epoch (and before the first) for accuracy-vs-epoch
             curves (paper Fig. 3a); otherwise only after the last epoch.
         test_batch_size: images per forward at test time (CoCoOp: 100).
+        order: batch order of every epoch: ``random`` (a permutation drawn from the run's seed) or
+            ``sequential`` (the train set's own order, Dassl's ``DATALOADER.TRAIN_X.SAMPLER SequentialSampler``:
+            with it and ``augment="none"`` the evaluator replays a Dassl trainer's run, tests/test_engine_agreement.py).
     """
 
     epochs: int = 10
@@ -170,6 +168,7 @@ class TrainSpec:
     rrcrop_scale: tuple = (0.08, 1.0)
     eval_every_epoch: bool = True
     test_batch_size: int = 100
+    order: str = "random"
 
     def __post_init__(self) -> None:
         if self.epochs < 0:
@@ -180,6 +179,8 @@ class TrainSpec:
             raise ValueError(f"TrainSpec.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"TrainSpec.scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
+        if self.order not in ORDERS:
+            raise ValueError(f"TrainSpec.order must be one of {ORDERS}, got {self.order!r}")
         if self.augment not in ("coop", "none"):
             raise ValueError(f"TrainSpec.augment must be 'coop' or 'none', got {self.augment!r}")
         if self.augment == "coop" and self.aug_views < 1:

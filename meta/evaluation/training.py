@@ -1,30 +1,30 @@
 """Few-shot prompt tuning with (optionally regulated) gradients, and accuracy on labelled sets.
 
-The update is the Dassl trainers' (and paper Eq. 7 at test time)::
+The start (θ, R_φ, window, launch step) and the update are the Dassl trainers' own, from :mod:`meta.engine`
+(paper Eq. 7 at test time)::
 
     loss = CE(prompted-CLIP logits, labels)          # over a batch of the few-shot train set
-    loss.backward()
-    p.grad <- R_φ(p.grad)                            # only with MethodSpec.regulate
-    optimizer.step()                                 # SGD + momentum + weight decay (Dassl OPTIM)
+    stepper.backward(loss, last=...)                 # meta.engine.RegulatedStepper: sums the window's gradients,
+                                                     # then p.grad <- n R_φ(mean) and one SGD step (Dassl OPTIM)
     ... after the epoch's last batch: scheduler.step()   (Dassl: update_lr per epoch)
+
+What is the evaluator's own: cached image features, seeded batch order and augmented views.
 """
 from __future__ import annotations
 
-import copy
-import hashlib
 import time
-from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.optim import lr_scheduler as sched
 
 from ..backbone import ClipDims
-from ..finetune import GradientRegulation, LaunchStep, UpdateWindow, launch_, launch_step_of, resolve_window
-from ..init_io import load_gram_init
+from ..engine import Naming, RegulatedStepper, StartPoint, StartSpec, build_start, prompt_digest, window_batches
+from ..finetune import GradientRegulation, LaunchStep, launch_
+from ..metrics import count_correct
 from ..prompts import PromptedCLIP, PromptParams, classification_loss
-from ..regulator import GradientRegulator
 from ..schedule import epoch_scheduler
 from .spec import MethodSpec, TrainSpec
 
@@ -50,62 +50,12 @@ class LabelledSet:
         return len(self.impaths)
 
 
-def prompt_digest(prompts: Optional[nn.Module]) -> str:
-    """SHA-256 (hex) of the prompt tensors' fp32 bytes, in parameter-name order ("" for no prompts)."""
-    if prompts is None:
-        return ""
-    h = hashlib.sha256()
-    for name, p in sorted(prompts.named_parameters()):
-        t = p.detach().float().cpu().contiguous()
-        h.update(f"{name}|{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).numpy().tobytes())
-    return h.hexdigest()
-
-
-@dataclass
-class StartPoint:
-    """An in-memory θ (and φ) to fine-tune from, e.g. the live meta-parameters during meta-validation.
-
-    ``prompts`` and ``regulators`` are deep-copied before use, so the caller's tensors are never
-    modified nor frozen.  ``regulators``: ``{"ctx"|"vpt": R_φ}`` as ``GRAMMetaLearner.regulators()``.
-    """
-
-    prompts: PromptParams
-    regulators: Mapping[str, GradientRegulator] = field(default_factory=dict)
-    label: str = "in_memory"
-    launch: Optional[LaunchStep] = None   # the meta-trained inner step (needed by MethodSpec.launch)
-    support_size: int = 0                 # images per meta-training support set (for MethodSpec.reg_window 0)
-
-
-def _check_start(method: MethodSpec, dims: ClipDims, prompts: PromptParams) -> None:
-    method = replace(method, **_depths(method, dims))
-    problems = []
-    ctx, vpt = prompts.ctx, prompts.vpt
-    want_text = method.n_ctx_text
-    if (ctx is None) != (want_text == 0) or (ctx is not None and tuple(ctx.shape) != (want_text, dims.text_width)):
-        problems.append(f"ctx is {None if ctx is None else tuple(ctx.shape)}, method expects "
-                        f"{(want_text, dims.text_width) if want_text else None}")
-    want_vis = (method.vision_depth, method.n_ctx_vision, dims.vision_width) if method.n_ctx_vision else None
-    if (None if vpt is None else tuple(vpt.shape)) != want_vis:
-        problems.append(f"vpt is {None if vpt is None else tuple(vpt.shape)}, method expects {want_vis}")
-    have = (prompts.text_depth, prompts.coupling)
-    want = (method.text_depth if want_text else 0, method.coupling)
-    if have != want:
-        problems.append(f"(text_depth, coupling) is {have}, method expects {want}")
-    if problems:
-        raise ValueError(f"method {method.name!r}: start point does not fit: " + "; ".join(problems))
-
-
-def _depths(method: MethodSpec, dims: ClipDims) -> dict:
-    """``text_depth`` / ``vision_depth`` of ``method`` on this CLIP (0 = all layers resolved)."""
-    if method.zero_shot:
-        return {}
-    spec = method.prompt_spec().resolved(dims)
-    return {"text_depth": spec.text_depth, "vision_depth": spec.vision_depth}
-def _scratch_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int) -> PromptParams:
-    """Scratch / word-initialised θ drawn from ``torch.Generator().manual_seed(seed)``."""
-    generator = torch.Generator().manual_seed(seed)
-    return PromptParams.from_spec(method.prompt_spec(), clip, dims, generator=generator)
+def start_spec(method: MethodSpec) -> StartSpec:
+    """The engine's :class:`meta.engine.StartSpec` of ``method`` (its prompts, file, R_φ, window, launch)."""
+    return StartSpec(prompt=method.prompt_spec(), init_path=method.init_path, init_prompts=method.init_prompts,
+                     regulate=method.regulate, norm_preserve=method.norm_preserve, reg_window=method.reg_window,
+                     launch=method.launch_on(True), launch_required=method.launch is True,
+                     naming=Naming(f"method {method.name!r}"))
 
 
 def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int,
@@ -113,6 +63,7 @@ def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int
                   ) -> tuple[Optional[PromptParams], Optional[GradientRegulation], dict]:
     """θ (and R_φ) at the start of fine-tuning, plus a JSON-able description of where they came from.
 
+    :func:`meta.engine.build_start` of :func:`start_spec` (the Dassl trainers build theirs there too).
     Scratch prompts are drawn from ``torch.Generator().manual_seed(seed)``; word init embeds
     ``method.ctx_init``; a GRAM file is validated against the method's token counts and widths
     (``meta.init_io.load_gram_init``); an in-memory ``start`` is copied and shape-checked.  With
@@ -124,71 +75,8 @@ def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int
     """
     if method.zero_shot:
         return None, None, {"source": "none"}
-    device = clip.token_embedding.weight.device
-    regulation = None
-    launch: Optional[LaunchStep] = None
-    window = 1
-    if start is not None:
-        if method.init_path or method.ctx_init:
-            raise ValueError(f"method {method.name!r}: a start point replaces init_path/ctx_init; give one of them")
-        if method.init_prompts:
-            prompts = copy.deepcopy(start.prompts).to(device)
-            for p in prompts.parameters():
-                p.requires_grad_(True)
-        else:
-            prompts = _scratch_prompts(method, clip, dims, seed).to(device)
-        _check_start(method, dims, prompts)
-        if method.regulate:
-            if not start.regulators:
-                raise ValueError(f"method {method.name!r}: regulate=True but the start point has no regulators")
-            regulation = GradientRegulation(dict(start.regulators), norm_preserve=method.norm_preserve).to(device)
-            if method.reg_window == 0 and start.support_size < 1:
-                raise ValueError(f"method {method.name!r}: reg_window 0 (the meta-training support size) needs "
-                                 f"StartPoint.support_size")
-            window = method.reg_window or start.support_size
-        if method.launch is True or (method.launch_on(True) and start.launch is not None):
-            if start.launch is None:
-                raise ValueError(f"method {method.name!r}: launch=True but the start point has no LaunchStep")
-            launch = start.launch
-        info = {"source": "in_memory" if method.init_prompts else "scratch", "label": start.label}
-    elif method.init_path:
-        method = replace(method, **_depths(method, dims))
-        expect = {"text_width": dims.text_width, "vision_width": dims.vision_width,
-                  "n_ctx_text": method.n_ctx_text, "n_ctx_vision": method.n_ctx_vision,
-                  "vision_depth": method.vision_depth if method.n_ctx_vision else 0,
-                  "text_depth": method.text_depth if method.n_ctx_text else 0, "coupling": method.coupling,
-                  "model_name": dims.model_name}
-        init = load_gram_init(method.init_path, expect=expect, config_key=f"method {method.name!r} init_path")
-        prompts = (init.prompt_module() if method.init_prompts
-                   else _scratch_prompts(method, clip, dims, seed)).to(device)
-        if method.regulate:
-            regulators = init.regulator_modules()
-            if not regulators:
-                raise ValueError(f"method {method.name!r}: regulate=True but {method.init_path} holds no regulator φ")
-            regulation = GradientRegulation(regulators, norm_preserve=method.norm_preserve).to(device)
-            window = resolve_window(method.reg_window, init.metadata,
-                                    source=f"method {method.name!r} init_path {method.init_path}")
-        if method.launch_on(True):
-            launch = launch_step_of(init.metadata, source=f"method {method.name!r} init_path {method.init_path}",
-                                    explicit=method.launch is True)
-        info = {"source": "gram_file" if method.init_prompts else "scratch", "path": str(method.init_path),
-                "provenance": init.metadata.get("provenance", {}), "regulator": init.metadata.get("regulator")}
-        if not method.init_prompts:
-            info.update(ctx_init=method.ctx_init, init_std=method.init_std,
-                        vpt_init=method.vpt_init if method.n_ctx_vision else "")
-    else:
-        if method.regulate or method.launch is True:
-            what = "regulate=True needs φ" if method.regulate else "launch=True needs α"
-            raise ValueError(f"method {method.name!r}: {what}: set init_path (a GRAM init file) or pass a StartPoint")
-        prompts = _scratch_prompts(method, clip, dims, seed)
-        info = {"source": "words" if method.ctx_init else "scratch", "ctx_init": method.ctx_init,
-                "init_std": method.init_std, "vpt_init": method.vpt_init if method.n_ctx_vision else ""}
-    if launch is not None:
-        info["launch"] = {"alpha": launch.alpha, "steps": launch.steps, "momentum": launch.momentum}
-    if regulation is not None:
-        info["reg_window"] = window   # images per regulated step, resolved
-    info["prompt_sha256"] = prompt_digest(prompts)
-    return prompts, regulation, info
+    built = build_start(start_spec(method), clip, dims, generator=torch.Generator().manual_seed(seed), point=start)
+    return built.prompts, built.regulation, built.info
 
 
 def make_optimizer(params: Sequence[torch.Tensor], spec: TrainSpec) -> torch.optim.Optimizer:
@@ -223,7 +111,8 @@ class PromptTuner:
         seed: seeds batch order and the view offsets (``torch.Generator``, no global state).
         train_images: ``(impath, epoch) -> [3, S, S]`` augmented image, used with visual prompts.
         test_images: ``impath -> [3, S, S]`` test-transformed image, used with visual prompts.
-        reg_window: regulation window in batches (:class:`meta.finetune.UpdateWindow`; 1 = every batch).
+        reg_window: regulation window in images (resolved, >= 1; :func:`meta.engine.window_batches` turns it
+            into batches of ``spec.batch_size``; 1 = every batch).
         launch_step: the meta-trained inner step applied by :meth:`launch` (``None`` = no launch).
     """
 
@@ -296,12 +185,14 @@ class PromptTuner:
                 x = torch.stack([self.test_images(p) for p in data.impaths[start:start + step]]).to(self.device)
                 image = self.pclip.image_features(self.prompts, x)
             logits = image @ text.t()                                             # [b, C]
-            correct += int((logits.argmax(dim=1).cpu() == data.labels[start:start + step]).sum())
+            correct += count_correct(logits, data.labels[start:start + step])
         return 100.0 * correct / len(data)
 
     # ---------------------------------------------------------------- training
     def _batches(self, n: int, generator: torch.Generator) -> list[torch.Tensor]:
-        order = torch.randperm(n, generator=generator)
+        """One epoch's batches of indices: a seeded permutation (``spec.order`` random) or ``0..n-1`` (sequential,
+        Dassl's ``SequentialSampler``: replays a Dassl run's order)."""
+        order = torch.randperm(n, generator=generator) if self.spec.order == "random" else torch.arange(n)
         size = self.spec.batch_size
         batches = list(order.split(size))
         if n >= size and len(batches[-1]) < size:  # Dassl: drop_last = is_train and len(data) >= batch_size
@@ -322,7 +213,8 @@ class PromptTuner:
             raise ValueError("the few-shot train split is empty")
         optimizer = make_optimizer([p for p in self.prompts.parameters() if p.requires_grad], self.spec)
         scheduler = make_scheduler(optimizer, self.spec)
-        window = UpdateWindow(self.reg_window)
+        stepper = RegulatedStepper(self.prompts, optimizer, self.regulation,
+                                   window_batches(self.reg_window, self.spec.batch_size))
         optimizer.zero_grad(set_to_none=True)
         generator = torch.Generator().manual_seed(self.seed)
         views = data.features.shape[1] if data.features is not None else 0
@@ -348,15 +240,9 @@ class PromptTuner:
                     batch["images"] = torch.stack([self.train_images(data.impaths[i], epoch)
                                                    for i in idx.tolist()]).to(self.device)
                 loss, logits = self.loss_fn(self.prompts, batch)
-                loss.backward()                      # sums into p.grad until the window closes
-                count = window.push(last=b + 1 == len(batches))
-                if count:
-                    if self.regulation is not None:
-                        self.regulation.apply_(self.prompts.named_parameters(), count=count)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
+                stepper.backward(loss, last=b + 1 == len(batches))   # regulates and steps when the window closes
                 loss_sum += float(loss.detach()) * len(idx)
-                correct += int((logits.detach().argmax(dim=1) == labels).sum())
+                correct += count_correct(logits, labels)
                 seen += len(idx)
             scheduler.step()
             row = {"epoch": epoch + 1, "lr": lr, "train_loss": loss_sum / max(seen, 1),

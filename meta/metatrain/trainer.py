@@ -40,6 +40,7 @@ from meta.clip_config import clip_from_cfg
 from meta.fileio import clean_stale_temps, parse_json, write_json_atomic, write_text_atomic
 from meta.finetune import GradientRegulation, LaunchStep, finetune_and_score
 from meta.gram import GRAMMetaLearner
+from meta.metrics import accuracy
 from meta.prompts import PromptedCLIP, PromptParams, classification_loss
 from meta.runlock import RunLock, is_rank0
 from meta.tasks import ClassBatchStream, TaskSampler, TaskStream, split_topics
@@ -176,10 +177,6 @@ def setup_run(cfg, hierarchy=None) -> RunSetup:
 
 
 # ----------------------------------------------------------------------------- steps
-def _acc(logits: torch.Tensor, labels: torch.Tensor) -> float:
-    return float((logits.argmax(-1) == labels).float().mean())
-
-
 def gram_step(run: RunSetup, step: int) -> dict:
     """One outer update from ``META.META_BATCH`` tasks.
 
@@ -215,7 +212,7 @@ def pretrain_step(run: RunSetup, step: int) -> dict:
     with learner.cast():
         loss, logits = run.loss_fn(learner.prompt_module, batch)
     learner.backward(loss.float())
-    values = dist_.mean_over_ranks({"loss": float(loss.detach()), "acc": _acc(logits.detach(), batch["label"])})
+    values = dist_.mean_over_ranks({"loss": float(loss.detach()), "acc": accuracy(logits.detach(), batch["label"])})
     dist_.average_gradients(p for g in learner.optimizer.param_groups for p in g["params"])
     out = learner.step(values["loss"])
     return {**values, "classes": len(cb.classnames), **out}
@@ -238,8 +235,8 @@ def validate(run: RunSetup) -> dict:
         with torch.no_grad():
             q_loss1, q_logits1 = loss_fn(adapted.module, batch.query)
         labels = batch.query["label"]
-        for key, value in (("query_loss_before", float(q_loss0)), ("query_acc_before", _acc(q_logits0, labels)),
-                           ("query_loss_after", float(q_loss1)), ("query_acc_after", _acc(q_logits1, labels)),
+        for key, value in (("query_loss_before", float(q_loss0)), ("query_acc_before", accuracy(q_logits0, labels)),
+                           ("query_loss_after", float(q_loss1)), ("query_acc_after", accuracy(q_logits1, labels)),
                            ("support_loss_before", s_losses[0]), ("support_acc_before", s_accs[0])):
             sums[key] = sums.get(key, 0.0) + value / len(run.val_tasks)
         del adapted

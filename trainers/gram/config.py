@@ -32,19 +32,26 @@ from typing import Any, Optional
 
 from yacs.config import CfgNode as CN
 
+from meta import methods
+from meta.engine import Naming, start_rule_problems
 from meta.finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
-from meta.prompts import DEFAULT_TEMPLATE, VPT_INITS, PromptSpec
+from meta.prompts import DEFAULT_TEMPLATE, PromptSpec
 
-# Trainer name -> (learns text context, learns visual prompts).
-TRAINER_PROMPTS: dict[str, tuple[bool, bool]] = {
-    "GRAM_CoOp": (True, False),
-    "GRAM_VPT": (False, True),
-    "UNIGRAM": (True, True),
-    "GRAM_IVLP": (True, True),
-    "GRAM_MaPLe": (True, False),
-}
-# Trainers whose visual prompts are produced from the text prompts (meta.prompts.PromptSpec.coupling).
-TRAINER_COUPLING: dict[str, str] = {"GRAM_MaPLe": "maple"}
+# Trainer name -> (learns text context, learns visual prompts), and the trainers whose visual prompts are
+# produced from the text prompts (meta.prompts.PromptSpec.coupling): read from the learner table of
+# meta/methods.yaml, the one place a prompt learner's structure is written down.
+TRAINER_PROMPTS: dict[str, tuple[bool, bool]] = {name: (row.text, row.vision)
+                                                 for name, row in methods.learners().items()}
+TRAINER_COUPLING: dict[str, str] = {name: row.coupling for name, row in methods.learners().items()
+                                    if row.coupling != "none"}
+# How errors name the engine's start fields (meta.engine.Naming): TRAINER.GRAM.<KEY>.
+GRAM_NAMING = Naming("TRAINER.GRAM", {"init_path": "INIT", "regulate": "REGULATE", "reg_window": "REG_WINDOW_IMAGES",
+                                      "launch": "LAUNCH", "ctx_init": "CTX_INIT", "init_prompts": "INIT_PROMPTS",
+                                      "vpt_init": "VPT_INIT", "template": "TEMPLATE"}, dotted=True)
+# TRAINER.GRAM.REG_WINDOW counted batches until the window was given in images everywhere; it stays in the
+# node (unset) only so that a config that still sets it stops with a one-line error instead of meaning
+# something else (gram_settings).
+RENAMED_KEYS = {"REG_WINDOW": "REG_WINDOW_IMAGES"}
 PRECISIONS = ("fp16", "fp32", "amp")
 RANDOM_WEIGHTS = ("none", "random")  # TRAINER.GRAM.WEIGHTS values that mean "no pretrained weights"
 OPENAI_CACHE_DIR = "~/.cache/clip"   # where OpenAI's clip package (CoOp's load_clip_to_cpu) keeps its .pt files
@@ -58,15 +65,18 @@ def _gram_defaults() -> CN:
     node.REGULATE = True       # with ENABLED: apply R_φ to every prompt gradient (paper Eq. 7); False = ablation
     node.NORM_PRESERVE = "auto"  # auto = as meta-trained (init file) | on = rescale ĝ to ‖g‖ per tensor | off
     node.INIT_PROMPTS = True   # with ENABLED: θ starts from the file's θ*; False = scratch θ, R_φ from the file
-    node.REG_WINDOW = DEFAULT_REG_WINDOW  # R_φ on the mean gradient of this many batches, one step per window;
-    # 0 = the init file's meta-training support size (k_way x n_support)
+    node.REG_WINDOW_IMAGES = DEFAULT_REG_WINDOW  # R_φ on the mean gradient of this many images (whole batches:
+    # W / DATALOADER.TRAIN_X.BATCH_SIZE, rounded, >= 1), one step per window; 0 = the init file's meta-training
+    # support size (k_way x n_support images)
+    node.REG_WINDOW = None     # renamed REG_WINDOW_IMAGES (it counted batches): setting it is an error
     node.LAUNCH = DEFAULT_LAUNCH  # take the meta-trained step θ − α R_φ(mean train gradient) once before epoch 1
     # --- prompts (paper §4 "Training Details": 4 tokens; UNIGRAM 2 text + 2 visual) ------------
-    node.N_CTX_TEXT = 4        # M text context vectors (GRAM_CoOp, UNIGRAM)
+    node.N_CTX_TEXT = PromptSpec.n_ctx_text  # M text context vectors (GRAM_CoOp, UNIGRAM): 4
     node.N_CTX_VISION = 4      # n visual prompt tokens per prompted layer (GRAM_VPT, UNIGRAM)
     node.VPT_DEEP = False      # False = shallow VPT (prompts at the input only)
     node.VPT_DEPTH = 0         # with VPT_DEEP: prompted layers; 0 = every layer of the vision tower
-    node.TEXT_DEPTH = 1        # J text layers with learnable context (IVLP / MaPLe PROMPT_DEPTH); 0 = every layer
+    node.TEXT_DEPTH = PromptSpec.text_depth  # J (1) text layers with learnable context (IVLP / MaPLe
+    # PROMPT_DEPTH); 0 = every layer
     node.CTX_INIT = ""         # words to initialise the text context (e.g. "a photo of a"); "" = N(0, 0.02²)
     node.TEMPLATE = DEFAULT_TEMPLATE  # fixed text prompt when there is no text context (GRAM_VPT)
     node.VPT_INIT = PromptSpec.vpt_init  # baselines' visual tokens: normal | zeros | cls | patch_mean (meta.prompts)
@@ -177,12 +187,12 @@ class GramSettings:
     weights: Optional[str]  # None = random weights
     quick_gelu: Optional[bool]
     precision: str        # as requested; resolve_precision() gives what runs
-    vpt_init: str = PromptSpec.vpt_init  # start of scratch visual prompts (meta.prompts.VPT_INITS)
-    text_depth: int = 1   # J (0 = every layer); 0 without text context
-    coupling: str = "none"  # "maple" for GRAM_MaPLe
-    init_prompts: bool = True  # θ from the init file's θ* (False: scratch θ, R_φ only)
-    reg_window: int = DEFAULT_REG_WINDOW  # batches per regulated step (meta.finetune.UpdateWindow)
-    launch: bool = DEFAULT_LAUNCH  # meta-trained step once before training (meta.finetune.launch_)
+    vpt_init: str         # start of scratch visual prompts (meta.prompts.VPT_INITS)
+    text_depth: int       # J (0 = every layer); 0 without text context
+    coupling: str         # "maple" for GRAM_MaPLe
+    init_prompts: bool    # θ from the init file's θ* (False: scratch θ, R_φ only)
+    reg_window_images: int  # images per regulated step (0 = support size; meta.engine.window_batches)
+    launch: bool          # meta-trained step once before training (meta.finetune.launch_)
 
     def vision_depth(self, vision_layers: int) -> int:
         """D, prompted vision layers: 0 without visual prompts, 1 shallow, else VPT_DEPTH (0 = all)."""
@@ -229,8 +239,6 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
     if not enabled and init_path:
         raise ValueError(f"TRAINER.GRAM.INIT is set ({init_path}) but TRAINER.GRAM.ENABLED is False; "
                          "set ENABLED True to use it, or clear INIT for the plain baseline")
-    if not (text or "{}" in g.TEMPLATE):
-        raise ValueError(f"TRAINER.GRAM.TEMPLATE: needs a '{{}}' for the class name, got {g.TEMPLATE!r}")
     backbone = cfg.MODEL.BACKBONE.NAME
     model_name = g.MODEL_NAME or open_clip_name(backbone)
     if not model_name:
@@ -249,37 +257,35 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
         quick_gelu = quick_gelu_flag(g.QUICK_GELU)
     except ValueError:
         raise ValueError(f"TRAINER.GRAM.QUICK_GELU: expected auto|on|off, got {g.QUICK_GELU!r}") from None
-    norm_key = str(g.get("NORM_PRESERVE", "auto")).strip().lower()
+    for old, new in RENAMED_KEYS.items():
+        if g[old] is not None:
+            raise ValueError(f"TRAINER.GRAM.{old}: renamed TRAINER.GRAM.{new}, which counts images ({old} counted "
+                             f"batches); set {new} to the old value x DATALOADER.TRAIN_X.BATCH_SIZE, or 0 for the "
+                             f"meta-training support size")
+    norm_key = str(g.NORM_PRESERVE).strip().lower()
     norm_table = {"auto": None, "on": True, "true": True, "off": False, "false": False}
     if norm_key not in norm_table:
         raise ValueError(f"TRAINER.GRAM.NORM_PRESERVE: expected auto|on|off, got {g.NORM_PRESERVE!r}")
-    vpt_init = str(g.get("VPT_INIT", PromptSpec.vpt_init))
-    if vpt_init not in VPT_INITS:
-        raise ValueError(f"TRAINER.GRAM.VPT_INIT: expected one of {'|'.join(VPT_INITS)}, got {vpt_init!r}")
     if g.PREC not in PRECISIONS:
         raise ValueError(f"TRAINER.GRAM.PREC: expected one of {'|'.join(PRECISIONS)}, got {g.PREC!r}")
-    text_depth = int(g.get("TEXT_DEPTH", 1))
+    text_depth = int(g.TEXT_DEPTH)
     if text_depth < 0 or (text_depth != 1 and not text):
         raise ValueError(f"TRAINER.GRAM.TEXT_DEPTH: expected 0 (all layers) or >= 1 "
                          f"{'' if text else '(1 for ' + trainer + ', which learns no text context) '}got {text_depth}")
-    init_prompts = _as_bool(g.get("INIT_PROMPTS", True), "TRAINER.GRAM.INIT_PROMPTS")
-    if enabled and init_prompts and g.CTX_INIT and text:
-        raise ValueError("TRAINER.GRAM.CTX_INIT and TRAINER.GRAM.INIT both initialise the text context; set only one "
-                         "(or INIT_PROMPTS False: θ from CTX_INIT, R_φ from INIT)")
-    launch = _as_bool(g.get("LAUNCH", DEFAULT_LAUNCH), "TRAINER.GRAM.LAUNCH")
-    window = g.get("REG_WINDOW", DEFAULT_REG_WINDOW)
-    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-        raise ValueError(f"TRAINER.GRAM.REG_WINDOW: expected an integer >= 0 (batches per regulated step; 0 = the "
-                         f"init file's meta-training support size), got {window!r}")
-    if enabled and not (init_prompts or regulate):
-        raise ValueError("TRAINER.GRAM.INIT_PROMPTS and TRAINER.GRAM.REGULATE are both False: nothing is taken from "
-                         "TRAINER.GRAM.INIT; set ENABLED False for the plain baseline")
+    init_prompts = _as_bool(g.INIT_PROMPTS, "TRAINER.GRAM.INIT_PROMPTS")
+    launch = _as_bool(g.LAUNCH, "TRAINER.GRAM.LAUNCH")
+    problems = start_rule_problems(vpt_init=str(g.VPT_INIT), reg_window=g.REG_WINDOW_IMAGES, template=str(g.TEMPLATE),
+                                   has_text=text, has_init=enabled, init_prompts=init_prompts, regulate=regulate,
+                                   ctx_init=str(g.CTX_INIT))
+    if problems:
+        key, what = problems[0]
+        raise ValueError(f"{GRAM_NAMING.full(key)}: {what}")
     return GramSettings(
         trainer=trainer, enabled=enabled, init_path=init_path, regulate=regulate and enabled,
         norm_preserve=norm_table[norm_key],
         n_ctx_text=n_text, n_ctx_vision=n_vision, vpt_deep=_as_bool(g.VPT_DEEP, "TRAINER.GRAM.VPT_DEEP"),
         vpt_depth=int(g.VPT_DEPTH), ctx_init=str(g.CTX_INIT) if text else "", template=str(g.TEMPLATE),
-        model_name=model_name, weights=weights, quick_gelu=quick_gelu, precision=str(g.PREC), vpt_init=vpt_init,
+        model_name=model_name, weights=weights, quick_gelu=quick_gelu, precision=str(g.PREC), vpt_init=str(g.VPT_INIT),
         text_depth=text_depth if text else 0, coupling=TRAINER_COUPLING.get(trainer, "none"),
-        init_prompts=init_prompts or not enabled, reg_window=int(window), launch=launch and enabled,
+        init_prompts=init_prompts or not enabled, reg_window_images=int(g.REG_WINDOW_IMAGES), launch=launch and enabled,
     )

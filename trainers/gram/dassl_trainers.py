@@ -7,12 +7,16 @@ They follow the CoOp trainer pattern (CoOp ``trainers/coop.py`` L222-325, on Kai
   ``~/.cache/clip/ViT-B-16.pt`` by default), θ from the GRAM init file (``TRAINER.GRAM.INIT``,
   validated against the model) or fresh (baselines), R_φ from the same file when
   ``TRAINER.GRAM.REGULATE``; only θ is registered (``"prompt_learner"``), optimised and saved.
+* θ, R_φ, the window and the launch step come from :func:`meta.engine.build_start`, and every batch is
+  stepped by :class:`meta.engine.RegulatedStepper`: the standalone evaluator (``meta.evaluation``) uses
+  the same two, so ``train.py`` runs what the evaluator measured (tests/test_engine_agreement.py).
 * ``forward_backward``: cross-entropy, backward, R_φ applied to the prompt gradients
   (``meta.finetune.GradientRegulation``, paper Eq. 7), optimiser step; the LR steps at the last
-  batch of every epoch, as CoOp does (coop.py L281-282).  With ``TRAINER.GRAM.REG_WINDOW`` W > 1 the
-  gradients of W batches are summed and regulated as their mean before one step
-  (``meta.finetune.UpdateWindow``); ``TRAINER.GRAM.LAUNCH`` takes the meta-trained inner step once on
-  the train set (test transform) before the first epoch of a fresh run (``meta.finetune.launch_``).
+  batch of every epoch, as CoOp does (coop.py L281-282).  With ``TRAINER.GRAM.REG_WINDOW_IMAGES`` W the
+  gradients of W images (``meta.engine.window_batches``: W / batch size batches, rounded, >= 1) are summed
+  and regulated as their mean before one step (``meta.finetune.UpdateWindow``); ``TRAINER.GRAM.LAUNCH``
+  takes the meta-trained inner step once on the train set (test transform) before the first epoch of a
+  fresh run (``meta.finetune.launch_``).
   ``TRAINER.GRAM.INIT_PROMPTS False`` starts θ from scratch and takes only R_φ from the file.
 * Stock Dassl HEAD on torch >= 2.7: schedulers from torch's own classes
   (:mod:`trainers.gram.schedule`), checkpoints that load with ``weights_only=True``
@@ -32,14 +36,15 @@ from dassl.engine import TRAINER_REGISTRY, TrainerX
 from dassl.metrics import compute_accuracy
 from dassl.optim import build_optimizer
 
+from meta import methods
 from meta.backbone import load_clip
-from meta.finetune import GradientRegulation, UpdateWindow, launch_, launch_step_of, resolve_window
-from meta.init_io import load_gram_init
-from meta.prompts import PromptParams, PromptSpec
+from meta.engine import RegulatedStepper, Start, StartSpec, build_start, window_batches
+from meta.finetune import launch_
+from meta.prompts import PromptSpec
 
 from .checkpoint import checkpoint_file, load_checkpoint, prompt_state, save_checkpoint
-from .config import (GramSettings, available_cpus, effective_num_workers, effective_settings_line, gram_settings,
-                     resolve_precision)
+from .config import (GRAM_NAMING, GramSettings, available_cpus, effective_num_workers, effective_settings_line,
+                     gram_settings, resolve_precision)
 from .model import GramCLIP
 from .provenance import environment_summary, file_sha256, sample_digest
 from .schedule import build_lr_scheduler
@@ -48,7 +53,8 @@ MODEL_NAME = "prompt_learner"  # the one registered module (same name as CoOp's,
 
 
 class _GramTrainer(TrainerX):
-    """Shared implementation; subclasses differ only by name (see ``config.TRAINER_PROMPTS``)."""
+    """Shared implementation; subclasses differ only by name: what each learns is its row in the learner
+    table of ``meta/methods.yaml`` (``config.TRAINER_PROMPTS`` / ``TRAINER_COUPLING``)."""
 
     gram_trainer = True  # marks our classes in the registry (re-registration check)
 
@@ -84,64 +90,55 @@ class _GramTrainer(TrainerX):
             raise ValueError(f"INPUT.SIZE: {settings.model_name} takes {dims.image_size}x{dims.image_size} "
                              f"images, config says {size[0]}x{size[1]}")
         self.clip_dims = dims
-        prompts, regulators = self._initial_prompts(settings, clip, dims)
+        start = self._start(settings, clip, dims)
+        self.gram_init_metadata = start.metadata
         classnames = self.dm.dataset.classnames
-        self.model = GramCLIP(clip, dims, prompts.to(self.device), classnames, template=settings.template)
+        self.model = GramCLIP(clip, dims, start.prompts, classnames, template=settings.template)
         if cfg.MODEL.INIT_WEIGHTS:
             self._load_init_weights(cfg.MODEL.INIT_WEIGHTS)
         self.optim = build_optimizer(self.model.prompt_learner, cfg.OPTIM)
         self.sched = build_lr_scheduler(self.optim, cfg.OPTIM)
         self.register_model(MODEL_NAME, self.model.prompt_learner, self.optim, self.sched)
-        self.regulation = (GradientRegulation(regulators, norm_preserve=settings.norm_preserve).to(self.device)
-                           if regulators else None)
-        self.window = UpdateWindow(self._window_batches(settings) if self.regulation is not None else 1)
-        self.launch_step = (launch_step_of(self.gram_init_metadata, source=f"TRAINER.GRAM.INIT {settings.init_path}")
-                            if settings.launch else None)   # None for a prompt pre-training file
-        self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "amp" else None
+        self.regulation = start.regulation
+        self.window_images = start.window
+        self.launch_step = start.launch   # None for a prompt pre-training file
+        self.stepper = RegulatedStepper(
+            self.model.prompt_learner, self.optim, self.regulation,
+            window_batches(start.window, int(cfg.DATALOADER.TRAIN_X.BATCH_SIZE)),
+            scaler=torch.amp.GradScaler(self.device.type) if self.precision == "amp" else None)
         self._log_setup(settings, dims, classnames)
 
-    def _window_batches(self, s: GramSettings) -> int:
-        """``REG_WINDOW`` in batches; 0 = the init file's support size in images over the batch size (rounded,
-        >= 1), so that R_φ sees a mean over as many images as in meta-training."""
-        if s.reg_window >= 1:
-            return s.reg_window
-        images = resolve_window(0, self.gram_init_metadata, source=f"TRAINER.GRAM.INIT {s.init_path}")
-        return max(1, round(images / int(self.cfg.DATALOADER.TRAIN_X.BATCH_SIZE)))
+    @property
+    def window(self):
+        """The regulation window in backward passes (:class:`meta.finetune.UpdateWindow`)."""
+        return self.stepper.window
 
-    def _initial_prompts(self, s: GramSettings, clip, dims) -> tuple[PromptParams, dict]:
-        """θ from the GRAM init file (and φ when regulating), or fresh θ for the baselines."""
+    @property
+    def scaler(self):
+        """The GradScaler of ``PREC amp`` (None otherwise); replacing it replaces the stepper's."""
+        return self.stepper.scaler
+
+    @scaler.setter
+    def scaler(self, value) -> None:
+        self.stepper.scaler = value
+
+    def _start(self, s: GramSettings, clip, dims) -> Start:
+        """θ from the GRAM init file (and φ when regulating), or fresh θ for the baselines: the engine's
+        :func:`meta.engine.build_start`, the evaluator's own start factory, with Dassl's key names."""
         depth = s.vision_depth(dims.vision_layers)
         spec = PromptSpec(n_ctx_text=s.n_ctx_text, ctx_init=s.ctx_init, n_ctx_vision=s.n_ctx_vision,
                           vision_depth=max(depth, 1), template=s.template, vpt_init=s.vpt_init,
-                          text_depth=s.text_depth if (s.n_ctx_text or s.ctx_init) else 1,
-                          coupling=s.coupling).resolved(dims)
-        # scratch θ is drawn before anything else touches the RNG, so that an "R_φ only" run starts exactly
-        # where the baseline with the same seed starts
-        scratch = self._scratch_prompts(s, spec, clip, dims) if not (s.enabled and s.init_prompts) else None
-        if s.enabled:
-            init = load_gram_init(s.init_path, config_key="TRAINER.GRAM.INIT", expect={
-                "text_width": dims.text_width, "vision_width": dims.vision_width, "model_name": dims.model_name,
-                "n_ctx_text": s.n_ctx_text, "n_ctx_vision": s.n_ctx_vision, "vision_depth": depth,
-                "text_depth": spec.text_depth if s.n_ctx_text else 0, "coupling": s.coupling})
-            self.gram_init_metadata = init.metadata
-            regulators = init.regulator_modules() if s.regulate else {}
-            if s.regulate and not regulators:
-                raise ValueError(f"TRAINER.GRAM.REGULATE is True but {s.init_path} holds no regulator φ; "
-                                 "set TRAINER.GRAM.REGULATE False (init only)")
-            if s.init_prompts:
-                return init.prompt_module(), regulators
-            return scratch, regulators
-        return scratch, {}
-
-    @staticmethod
-    def _scratch_prompts(s: GramSettings, spec: PromptSpec, clip, dims) -> PromptParams:
-        """The baselines' θ (and the "R_φ only" rows' start): N(0, 0.02²) or word-initialised text context,
-        ``VPT_INIT`` visual tokens, in the structure ``spec`` (deep text prompts, coupling)."""
-        prompts = PromptParams.from_spec(spec, clip, dims)
-        if s.ctx_init and prompts.n_ctx_text != s.n_ctx_text:
-            raise ValueError(f"TRAINER.GRAM.CTX_INIT {s.ctx_init!r} is {prompts.n_ctx_text} tokens but "
+                          text_depth=s.text_depth if (s.n_ctx_text or s.ctx_init) else 1, coupling=s.coupling)
+        # scratch θ comes from the global RNG (seeded by Dassl) before anything else touches it, so that an
+        # "R_φ only" run starts exactly where the baseline with the same seed starts
+        start = build_start(StartSpec(prompt=spec, init_path=s.init_path, init_prompts=s.init_prompts,
+                                      regulate=s.regulate, norm_preserve=s.norm_preserve,
+                                      reg_window=s.reg_window_images, launch=s.launch, naming=GRAM_NAMING),
+                            clip, dims, generator=None, device=self.device)
+        if s.ctx_init and start.prompts.n_ctx_text != s.n_ctx_text:
+            raise ValueError(f"TRAINER.GRAM.CTX_INIT {s.ctx_init!r} is {start.prompts.n_ctx_text} tokens but "
                              f"TRAINER.GRAM.N_CTX_TEXT is {s.n_ctx_text}; make them agree")
-        return prompts
+        return start
 
     def _load_init_weights(self, path: str) -> None:
         """``MODEL.INIT_WEIGHTS`` as CoOp honours it: θ tensors from a checkpoint, matched by name and shape."""
@@ -158,6 +155,9 @@ class _GramTrainer(TrainerX):
               f"coupling {s.coupling}, "
               f"regulated tensors {sorted(self.regulation.regulators) if self.regulation else []}, "
               f"regulation window {self.window.size}, launch step {'on' if self.launch_step else 'off'}")
+        if self.regulation is not None:   # the one place the window's unit changes (meta.engine.window_batches)
+            print(f"GRAM regulation window: TRAINER.GRAM.REG_WINDOW_IMAGES {s.reg_window_images} -> "
+                  f"{self.window_images} images -> {self.window.size} batches of {cfg.DATALOADER.TRAIN_X.BATCH_SIZE}")
         quick_gelu = "auto" if s.quick_gelu is None else s.quick_gelu
         print(f"GRAM backbone: {dims.model_name} weights={s.weights or 'RANDOM'} quick_gelu={quick_gelu} "
               f"precision={self.precision} (asked {s.precision}) device={self.device} widths text={dims.text_width} "
@@ -222,25 +222,10 @@ class _GramTrainer(TrainerX):
         loss = F.cross_entropy(logits, labels)
         self.detect_anomaly(loss)
         last = (self.batch_idx + 1) == self.num_batches
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()   # sums until the window closes
-        count = self.window.push(last=last)
-        if count:
-            if self.scaler is not None:
-                self.scaler.unscale_(self.optim)  # R_φ must see the true gradient
-                self._regulate(count)
-                self.scaler.step(self.optim)
-                self.scaler.update()
-            else:
-                self._regulate(count)
-                self.optim.step()
-            self.optim.zero_grad(set_to_none=True)
+        self.stepper.backward(loss, last=last)   # sums until the window closes, then R_φ and one step
         if last:
             self.update_lr()
         return {"loss": loss.item(), "acc": compute_accuracy(logits, labels)[0].item()}
-
-    def _regulate(self, count: int = 1) -> None:
-        if self.regulation is not None:
-            self.regulation.apply_(self.model.prompt_learner.named_parameters(), count=count)
 
     def set_model_mode(self, mode: str = "train", names=None) -> None:
         super().set_model_mode(mode, names)
@@ -360,7 +345,18 @@ class GRAM_MaPLe(_GramTrainer):
     are θ tensors too, meta-initialised and regulated like the prompts); "MaPLe + GRAM" with GRAM on."""
 
 
-GRAM_TRAINERS = (GRAM_CoOp, GRAM_VPT, UNIGRAM, GRAM_IVLP, GRAM_MaPLe)
+def _trainer_classes() -> tuple[type, ...]:
+    """One class per learner of the method table (``meta/methods.yaml`` ``learners``), in table order: the
+    table says what each learns (``config.TRAINER_PROMPTS``), the class above only names it."""
+    classes = {cls.__name__: cls for cls in _GramTrainer.__subclasses__()}
+    missing = [name for name in methods.learners() if name not in classes]
+    if missing:
+        raise KeyError(f"meta/methods.yaml learners {', '.join(missing)} have no class in {__name__}; add "
+                       f"`class <name>(_GramTrainer): ...` for each")
+    return tuple(classes[name] for name in methods.learners())
+
+
+GRAM_TRAINERS = _trainer_classes()
 
 
 def register_trainers() -> None:

@@ -1,0 +1,150 @@
+"""``train.py``'s trainers and the standalone evaluator are one engine: same data, seed, init file and
+transform give the same θ after one epoch and the same base and new accuracy (needs Dassl).
+
+Both paths build θ, R_φ, the window and the launch step with ``meta.engine.build_start`` and step with
+``meta.engine.RegulatedStepper``; what each keeps of its own is aligned here through real options:
+the few-shot sample (Dassl's ``random`` draws = the evaluator's ``random.Random(seed)``), the batch order
+(Dassl's ``SequentialSampler`` = ``TrainSpec(order="sequential")``), the transform (``INPUT.TRANSFORMS
+["normalize"]`` on images already at the model's size = ``TrainSpec(augment="none")``) and the frozen CLIP
+(one weights file).  The baseline starts from words (``CTX_INIT``), the GRAM rows from one init file
+(θ*, R_φ, the support-size window of 4 images = 2 batches, and the launch step).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.dassl
+pytest.importorskip("dassl", reason="Dassl not installed: the agreement test runs the Dassl trainers")
+
+import torch  # noqa: E402
+from dassl.engine import build_trainer  # noqa: E402
+from dassl.utils import Logger, set_random_seed  # noqa: E402
+from PIL import Image  # noqa: E402
+
+import train  # noqa: E402
+from meta import methods  # noqa: E402
+from meta.evaluation import DatasetRef, TrainSpec, evaluate_base_to_new, method_preset  # noqa: E402
+from meta.init_io import export_gram_init  # noqa: E402
+from meta.prompts import PromptParams  # noqa: E402
+from meta.regulator import GradientRegulator, RegulatorSpec  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+CLASSES = ["apple", "boat", "cat", "drum"]     # CoOp's base = the first two, new = the last two
+SIZES = {"train": 5, "val": 2, "test": 10}
+SHOTS, SEED, BATCH = 3, 1, 2
+# one file per learner: θ*, a non-identity R_φ, and the provenance `python -m meta export` writes (the support of
+# 2 ways x 2 shots sets the default window; inner_lr the launch step)
+PROVENANCE = {"mode": "gram", "tasks": {"k_way": 2, "n_support": 2}, "meta": {"inner_lr": 0.1, "inner_steps": 1}}
+SHAPES = {"GRAM_CoOp": {"ctx": (4, 64)}, "UNIGRAM": {"ctx": (2, 64), "vpt": (1, 2, 64)}}
+WORDS = "a photo of a"
+
+
+def write_dtd(root: Path) -> None:
+    """DTD's on-disk layout with 32-px PNGs: one colour per class plus noise (the tiny CLIP tells them apart)."""
+    rng = np.random.default_rng(0)
+    colours = rng.uniform(0, 255, (len(CLASSES), 3))
+    split = {}
+    for name, n in SIZES.items():
+        rows = []
+        for label, cname in enumerate(CLASSES):
+            for k in range(n):
+                rel = f"{cname}/{name}_{k:02d}.png"
+                path = root / "dtd" / "images" / rel
+                path.parent.mkdir(parents=True, exist_ok=True)
+                pixels = np.clip(colours[label] + rng.normal(0, 40, (32, 32, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(path)
+                rows.append([rel, label, cname])
+        split[name] = rows
+    (root / "dtd" / "split_zhou_DescribableTextures.json").write_text(json.dumps(split))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, tiny_clip):
+    """The dataset, the frozen CLIP's weights file and one GRAM init file per learner."""
+    root = tmp_path_factory.mktemp("agreement")
+    write_dtd(root / "data")
+    clip, dims = tiny_clip
+    torch.save(clip.state_dict(), root / "tiny_clip.pt")
+    g = torch.Generator().manual_seed(5)
+    inits = {}
+    for trainer, shapes in SHAPES.items():
+        tensors = {k: torch.randn(*s, generator=g) * 0.02 for k, s in shapes.items()}
+        torch.manual_seed(9)
+        regs = {k: GradientRegulator(dims.text_width, RegulatorSpec(init="normal", init_std=0.2)) for k in shapes}
+        inits[trainer] = export_gram_init(root / f"{trainer}.safetensors", PromptParams(**tensors), regs, dims,
+                                          provenance=PROVENANCE)
+    return root, inits
+
+
+def dassl_run(root: Path, key: str, opts: list[str], subsample: str, output: Path):
+    """A Dassl trainer of method ``key`` as ``train.py`` builds it (seeded, the tiny CLIP's weights file)."""
+    row = methods.get(key)
+    argv = ["--root", str(root / "data"), "--seed", str(SEED), "--trainer", row.trainer, "--output-dir", str(output),
+            "--dataset-config-file", str(REPO / "configs/datasets/dtd.yaml"), "--config-file", str(REPO / row.config),
+            "TRAINER.GRAM.MODEL_NAME", "GRAM-Test-Tiny", "TRAINER.GRAM.WEIGHTS", str(root / "tiny_clip.pt"),
+            "TRAINER.GRAM.QUICK_GELU", "off", "INPUT.SIZE", "(32, 32)", "INPUT.TRANSFORMS", "['normalize']",
+            "DATALOADER.NUM_WORKERS", "0", "DATALOADER.TRAIN_X.BATCH_SIZE", str(BATCH),
+            "DATALOADER.TRAIN_X.SAMPLER", "SequentialSampler", "OPTIM.MAX_EPOCH", "1", "OPTIM.WARMUP_EPOCH", "0",
+            "DATASET.NUM_SHOTS", str(SHOTS), "DATASET.SUBSAMPLE_CLASSES", subsample, *opts]
+    cfg = train.setup_cfg(train.build_parser().parse_args(argv))
+    set_random_seed(cfg.SEED)
+    saved = sys.stdout
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = build_trainer(cfg)
+    finally:
+        tee, sys.stdout = sys.stdout, saved
+        while isinstance(tee, Logger):      # undo Dassl's stdout tee
+            if tee.file is not None:
+                tee.file.close()
+                tee.file = None
+            tee = tee.console
+    return trainer, cfg
+
+
+@pytest.mark.parametrize("key, opts", [("coop", ["TRAINER.GRAM.CTX_INIT", WORDS]), ("gram_coop", []),
+                                       ("unigram", [])])
+def test_train_py_and_the_evaluator_give_the_same_theta_and_accuracies(world, tiny_clip, tmp_path, key, opts):
+    root, inits = world
+    row = methods.get(key)
+    init = str(inits[row.trainer]) if row.gram_file else ""
+    gram = ["TRAINER.GRAM.INIT", init] if init else []
+    trainer, cfg = dassl_run(root, key, opts + gram, "base", tmp_path / "base")
+    trainer.train()                      # one epoch (launch step first for the GRAM rows), then the base test
+    theta_dassl = {k: v.detach().clone() for k, v in trainer.model.prompt_learner.named_parameters()}
+    base_dassl = trainer.test()
+    new_trainer, _ = dassl_run(root, key, opts + gram, "new", tmp_path / "new")
+    new_trainer.model.prompt_learner.load_state_dict(trainer.model.prompt_learner.state_dict())
+    new_trainer.model.reset_cache()
+    new_dassl = new_trainer.test()
+    if row.gram_file:
+        assert trainer.window.size == 2 and trainer.launch_step is not None   # 4 support images, batches of 2
+
+    clip, dims = tiny_clip
+    method = method_preset(row.preset, init_path=init, ctx_init=WORDS if not init else "")
+    spec = TrainSpec(epochs=1, batch_size=BATCH, lr=float(cfg.OPTIM.LR), momentum=float(cfg.OPTIM.MOMENTUM),
+                     weight_decay=float(cfg.OPTIM.WEIGHT_DECAY), warmup_epochs=0, augment="none",
+                     order="sequential", eval_every_epoch=False, test_batch_size=int(cfg.DATALOADER.TEST.BATCH_SIZE))
+    dataset = DatasetRef.from_dir(root / "data" / "dtd")
+    sample = dataset.load(SHOTS, SEED, "base", False, lambda msg: None).train   # the same images, in the same order
+    assert [r.impath for r in sample] == [d.impath for d in trainer.dm.dataset.train_x]
+    assert len(sample) == SHOTS * 2
+    kept = {}
+    record = evaluate_base_to_new(dataset, clip, dims, method, SEED, SHOTS, spec, use_split_cache=False,
+                                  log=lambda msg: None, on_trained=lambda p: kept.update(p.named_parameters()))
+    if row.gram_file:
+        assert record["init"]["reg_window"] == 4 and "launch" in record["init"]
+    assert sorted(kept) == sorted(theta_dassl)
+    start = dict(PromptParams.from_spec(method.prompt_spec(), clip, dims).named_parameters()) if not init else None
+    for name, value in theta_dassl.items():
+        torch.testing.assert_close(kept[name].detach(), value, rtol=1e-4, atol=1e-6)
+        if start is not None:      # θ moved in the epoch: the comparison is not of two untouched starts
+            assert (value - start[name].detach()).abs().max() > 1e-4
+    assert (record["base"], record["new"]) == (pytest.approx(base_dassl), pytest.approx(new_dassl))
