@@ -38,6 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import precision
 from ._l2l import l2l
+from .inner import SUPPORT_MODES, InnerRule, inner_loop, support_windows
 from .prompts import PromptParams
 from .regulator import GradientRegulator, RegulatorFactory, RegulatorSpec
 
@@ -69,12 +70,18 @@ class MetaSpec:
     inner_momentum: float = 0.0    # μ of heavy-ball inner SGD (test-time SGD uses 0.9); 0 = plain steps
     regulator_weight_decay: float = 0.0  # L2 on φ in the outer optimiser: pulls φ to 0 = identity R_φ (residual form)
     query_before_weight: float = DEFAULT_QUERY_BEFORE_WEIGHT  # w of L_q(θ) in the outer objective (0 = Eq. 8)
+    inner_weight_decay: float = 0.0  # λ of the inner SGD (added to R_φ(g), as torch SGD at test time); 0 = none
+    inner_support: str = "repeat"    # data of each inner step: repeat = whole support | split = K class-balanced windows
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.inner_momentum < 1.0:
             raise ValueError(f"MetaSpec.inner_momentum must be in [0, 1), got {self.inner_momentum}")
         if self.regulator_weight_decay < 0:
             raise ValueError(f"MetaSpec.regulator_weight_decay must be >= 0, got {self.regulator_weight_decay}")
+        if self.inner_weight_decay < 0:
+            raise ValueError(f"MetaSpec.inner_weight_decay must be >= 0, got {self.inner_weight_decay}")
+        if self.inner_support not in SUPPORT_MODES:
+            raise ValueError(f"MetaSpec.inner_support must be one of {SUPPORT_MODES}, got {self.inner_support!r}")
         if self.query_before_weight < 0:
             raise ValueError(f"MetaSpec.query_before_weight must be >= 0, got {self.query_before_weight}")
 
@@ -182,31 +189,31 @@ class GRAMMetaLearner(nn.Module):
         learner, losses, accs = self._adapt(loss_fn, support, first_order, steps)
         return learner, [float(x) for x in losses], [float(x) for x in accs]
 
+    def inner_rule(self) -> InnerRule:
+        """The optimiser the inner loop unrolls (:class:`meta.inner.InnerRule`): α, μ and λ of ``spec``."""
+        return InnerRule(lr=self.spec.inner_lr, momentum=self.spec.inner_momentum,
+                         weight_decay=self.spec.inner_weight_decay)
+
+    def support_forward(self, first_order: bool) -> contextlib.AbstractContextManager:
+        """Context of one support forward: autocast, and the MATH attention kernel when second order."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.cast())
+        if not first_order:  # only a second-order step differentiates the support gradient again
+            stack.enter_context(double_backward_attention())
+        return stack
+
     def _adapt(self, loss_fn: LossFn, support: Any, first_order: Optional[bool],
                steps: Optional[int]) -> tuple[l2l.algorithms.GBML, list[torch.Tensor], list[torch.Tensor]]:
-        """:meth:`adapt` with metrics kept as 0-d tensors (no host sync inside the loop)."""
+        """:meth:`adapt` with metrics kept as 0-d tensors (no host sync inside the loop).
+
+        A thin caller of :func:`meta.inner.inner_loop`: clone θ, deal the support into the steps' windows
+        (``spec.inner_support``), unroll ``inner_rule()``.
+        """
         first_order = self.spec.first_order if first_order is None else first_order
         learner = self.gbml.clone(first_order=first_order)
-        losses, accs = [], []
-        labels = self.labels_of(support)
-        mu = self.spec.inner_momentum
-        velocity: Optional[list] = None
-        for _ in range(self.spec.inner_steps if steps is None else steps):
-            # only a second-order step differentiates the support gradient again
-            with self.cast(), contextlib.nullcontext() if first_order else double_backward_attention():
-                loss, logits = loss_fn(learner.module, support)
-            if mu > 0:
-                # GBML.adapt's own update, with a velocity in between: v <- mu v + R_phi(g); theta <- theta - alpha v
-                updates = learner.compute_update(loss, learner.module.parameters(), create_graph=not first_order,
-                                                 retain_graph=not first_order, allow_unused=learner.allow_unused,
-                                                 allow_nograd=learner.allow_nograd)
-                velocity = list(updates) if velocity is None else [
-                    u if v is None or u is None else mu * v + u for v, u in zip(velocity, updates)]
-                learner.diff_sgd(learner.module, velocity)
-            else:
-                learner.adapt(loss, first_order=first_order)
-            losses.append(loss.detach())
-            accs.append(_accuracy_t(logits.detach(), labels))
+        windows = support_windows(support, self.spec.inner_steps if steps is None else steps, self.spec.inner_support)
+        losses, accs = inner_loop(learner, loss_fn, windows, self.inner_rule(), first_order=first_order,
+                                  labels_of=self.labels_of, forward_context=lambda: self.support_forward(first_order))
         return learner, losses, accs
 
     # ----- outer loop --------------------------------------------------------------

@@ -57,6 +57,10 @@ def check_meta_cfg(cfg: CN) -> None:
     need(m.META_BATCH >= 1, "META.META_BATCH", "an integer >= 1", m.META_BATCH)
     need(m.INNER_STEPS >= 1, "META.INNER_STEPS", "an integer >= 1", m.INNER_STEPS)
     need(0.0 <= m.INNER_MOMENTUM < 1.0, "META.INNER_MOMENTUM", "a number in [0, 1)", m.INNER_MOMENTUM)
+    need(m.INNER_WEIGHT_DECAY >= 0, "META.INNER_WEIGHT_DECAY", "a number >= 0", m.INNER_WEIGHT_DECAY)
+    need(m.INNER_SUPPORT in ("repeat", "split"), "META.INNER_SUPPORT", "repeat | split", m.INNER_SUPPORT)
+    need(m.INNER_SUPPORT != "split" or cfg.TASKS.N_SUPPORT >= m.INNER_STEPS, "TASKS.N_SUPPORT",
+         f"an integer >= META.INNER_STEPS ({m.INNER_STEPS}) with META.INNER_SUPPORT split", cfg.TASKS.N_SUPPORT)
     need(m.QUERY_BEFORE_WEIGHT >= 0, "META.QUERY_BEFORE_WEIGHT", "a number >= 0", m.QUERY_BEFORE_WEIGHT)
     need(m.REGULATOR.WEIGHT_DECAY >= 0, "META.REGULATOR.WEIGHT_DECAY", "a number >= 0", m.REGULATOR.WEIGHT_DECAY)
     need(m.VAL_FT_STEPS >= 0, "META.VAL_FT_STEPS", "an integer >= 0", m.VAL_FT_STEPS)
@@ -124,7 +128,8 @@ def meta_spec(cfg: CN, device=None) -> "MetaSpec":
                     regulate=bool(m.REGULATE) and not pretrain, regulator=regulator_spec(cfg), autocast=autocast,
                     inner_momentum=float(m.INNER_MOMENTUM),
                     regulator_weight_decay=float(m.REGULATOR.WEIGHT_DECAY),
-                    query_before_weight=float(m.QUERY_BEFORE_WEIGHT))
+                    query_before_weight=float(m.QUERY_BEFORE_WEIGHT),
+                    inner_weight_decay=float(m.INNER_WEIGHT_DECAY), inner_support=str(m.INNER_SUPPORT))
 
 
 def prompt_spec(cfg: CN) -> PromptSpec:
