@@ -166,6 +166,8 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.REGULATOR.NORM_PRESERVE = False  # rescale the regulated gradient to the raw one's norm (per tensor)
     m.REGULATOR.MIX = False         # learned c = sigmoid(m): (1 - c) * regulated + c * raw
     m.REGULATOR.MIX_INIT = 0.0      # initial m (0 -> c = 0.5)
+    m.REGULATOR.HALVES = "both"     # both | gamma (beta = 0) | beta (gamma = 1): the two halves of R_phi as rows
+    m.REGULATOR.LEARN_LR = False    # Meta-SGD: a learned per-tensor step size exp(l) on the regulated gradient
     m.REGULATOR.WEIGHT_DECAY = 0.0  # L2 on phi in the outer step: keeps R_phi near the identity (residual form)
 
     # ---- theta (meta.prompts.PromptSpec): CoOp = text only, VPT = vision only, UNIGRAM = both

@@ -106,7 +106,8 @@ def regulator_spec(cfg: CN) -> RegulatorSpec:
         return RegulatorSpec(form=r.FORM, input_norm=bool(r.INPUT_NORM),
                              beta_scale="grad_rms" if float(r.BETA_SCALE) <= 0 else float(r.BETA_SCALE),
                              init=r.INIT, init_std=float(r.INIT_STD), gamma_bound=float(r.GAMMA_BOUND),
-                             norm_preserve=bool(r.NORM_PRESERVE), mix=bool(r.MIX), mix_init=float(r.MIX_INIT))
+                             norm_preserve=bool(r.NORM_PRESERVE), mix=bool(r.MIX), mix_init=float(r.MIX_INIT),
+                             halves=str(r.HALVES), learn_lr=bool(r.LEARN_LR))
     except ValueError as err:
         raise ValueError(f"META.REGULATOR: {err}") from None
 
