@@ -61,6 +61,19 @@ BASELINE_OF = {"gram_coop": "coop", "gram_vpt": "vpt", "unigram": "joint"}
 # The switches tried on validation: regulation window (1 = per image; 20 = the meta-training support
 # size, 5 ways x 4 shots), launch step, weight of the before-adaptation query loss.
 SWEEP = {"reg_window": (1, 20), "launch": (False, True), "query_before_weight": (0.0, 1.0)}
+# How R_φ is meta-trained (the second sweep, ``select --sweep regulator``), each a named set of META overrides
+# at the test-time defaults: K = 1 is today's one regulated step on the whole support; K = 4 unrolls the
+# downstream optimiser (4 class-balanced windows of the support, heavy-ball 0.9, weight decay 5e-4 as CoCoOp's
+# SGD, and α = 0.04 per window = CoCoOp's lr 0.002 × the regulation window of 20 images, the step the schedule
+# takes per window in units of the window's mean gradient); γ only and β only are the two halves of R_φ.
+UNROLL_4 = ("META.INNER_STEPS", 4, "META.INNER_SUPPORT", "split", "META.INNER_MOMENTUM", 0.9,
+            "META.INNER_WEIGHT_DECAY", 5e-4, "META.INNER_LR", 0.04)
+REGULATOR_SWEEP: dict[str, tuple] = {
+    "k1": (),
+    "k4": UNROLL_4,
+    "gamma_only": ("META.REGULATOR.HALVES", "gamma"),
+    "beta_only": ("META.REGULATOR.HALVES", "beta"),
+}
 
 
 @dataclass(frozen=True)
@@ -69,12 +82,19 @@ class Cell:
 
     world: str
     settings: DemoSettings
+    variant: str = ""            # name of the settings' meta_overrides (REGULATOR_SWEEP); "" = none
 
     @property
     def name(self) -> str:
         s = self.settings
         return (f"{s.eval_split}_seed{s.meta_seed}_w{s.reg_window}_launch{int(s.launch)}"
-                f"_qbw{s.query_before_weight:g}")
+                f"_qbw{s.query_before_weight:g}" + (f"_{self.variant}" if self.variant else ""))
+
+    @property
+    def meta_folder(self) -> str:
+        """The world's folder of this cell's meta-training runs (shared by cells that train the same)."""
+        s = self.settings
+        return f"meta_seed{s.meta_seed}_qbw{s.query_before_weight:g}" + (f"_{self.variant}" if self.variant else "")
 
 
 def world_settings(world: str, base: DemoSettings) -> DemoSettings:
@@ -106,7 +126,7 @@ def run_cell(cell: Cell, root: Path, keys: Sequence[str], world_root: Optional[P
     check_world(out, world, weights)
     _link(out / "chc", world_dir / "chc")
     _link(out / "feature_cache", world_dir / "feature_cache")
-    _link(out / "meta", world_dir / f"meta_seed{s.meta_seed}_qbw{s.query_before_weight:g}")
+    _link(out / "meta", world_dir / cell.meta_folder)
     stage_chc(world, weights, model, out, s)
     variants = tuple(v for v in dict.fromkeys(METHOD_BY_KEY[k].variant for k in keys) if v)
     inits = stage_meta(world, weights, model, out, s, names=variants)
@@ -312,6 +332,89 @@ def select(root: Path, worlds: Sequence[str], base: DemoSettings, world_root: Op
     return chosen
 
 
+# A variant replaces today's (k1) only when its mean paired difference beats k1's by more than this (H points):
+# the earlier sweep's top three settings were within 0.15 H, two seeds of val splits (docs/gram_training_match.md).
+SELECT_MARGIN_H = 0.5
+
+
+def rank_regulator_variants(per_variant: dict, reference: str = "k1", margin: float = SELECT_MARGIN_H) -> dict:
+    """The written-down rule of ``select --sweep regulator`` applied to finished cells.
+
+    ``per_variant``: ``{variant: {(world, meta seed): cell_h table holding the GRAM rows and their baselines}}``.
+    Score of a variant: the mean over its worlds of the three paired H differences (GRAM row − its baseline,
+    :data:`BASELINE_OF`), each averaged over the world's fine-tuning seeds.  Returns ``{"rows": [...] best
+    first, "chosen": name}``: the best variant when it beats ``reference`` by more than ``margin`` on the worlds
+    both have, else ``reference``."""
+    rows = []
+    for name, cells in per_variant.items():
+        diffs = paired_differences(cells, tuple(BASELINE_OF.items()))
+        per_world = {w: {m: round(float(np.mean(g[w])), 3) for (m, _), g in diffs.items() if w in g}
+                     for w in sorted({w for g in diffs.values() for w in g})}
+        complete = {w: d for w, d in per_world.items() if len(d) == len(BASELINE_OF)}
+        if not complete:
+            continue
+        world_means = {w: float(np.mean(list(d.values()))) for w, d in complete.items()}
+        rows.append({"variant": name, "overrides": list(REGULATOR_SWEEP.get(name, ())),
+                     "val_diff_H_per_world": complete, "mean_per_world": {w: round(v, 3) for w, v in world_means.items()},
+                     "mean_val_diff_H": round(float(np.mean(list(world_means.values()))), 3)})
+    rows.sort(key=lambda r: -r["mean_val_diff_H"])
+    chosen = reference
+    ref = next((r for r in rows if r["variant"] == reference), None)
+    if rows and ref is not None and rows[0]["variant"] != reference:
+        shared = sorted(set(rows[0]["mean_per_world"]) & set(ref["mean_per_world"]))
+        if shared:
+            gain = (np.mean([rows[0]["mean_per_world"][w] for w in shared])
+                    - np.mean([ref["mean_per_world"][w] for w in shared]))
+            if gain > margin:
+                chosen = rows[0]["variant"]
+    return {"rows": rows, "chosen": chosen, "margin_H": margin, "reference": reference}
+
+
+def regulator_markdown(result: dict) -> str:
+    worlds = sorted({w for r in result["rows"] for w in r["val_diff_H_per_world"]})
+    lines = ["| variant | " + " | ".join(f"world {w}: CoOp / VPT / UNIGRAM (mean)" for w in worlds)
+             + " | mean over worlds |", "| --- | " + " | ".join("---" for _ in worlds) + " | --- |"]
+    for r in result["rows"]:
+        cells = []
+        for w in worlds:
+            d = r["val_diff_H_per_world"].get(w)
+            cells.append("-" if d is None else " / ".join(f"{d.get(k, float('nan')):+.2f}" for k in SWEEP_GRAM_KEYS)
+                         + f" ({r['mean_per_world'][w]:+.2f})")
+        lines.append(f"| {r['variant']} | " + " | ".join(cells) + f" | {r['mean_val_diff_H']:+.2f} |")
+    lines += ["", f"Chosen by the rule (beat `{result['reference']}` by more than {result['margin_H']:g} H): "
+                  f"`{result['chosen']}`"]
+    return "\n".join(lines) + "\n"
+
+
+def select_regulator(root: Path, worlds: Sequence[str], base: DemoSettings, variants: Sequence[str] = tuple(REGULATOR_SWEEP),
+                     world_root: Optional[Path] = None) -> dict:
+    """The validation sweep over how R_φ is meta-trained (:data:`REGULATOR_SWEEP`) at the default test-time
+    switches, meta seed ``base.meta_seed``, val splits; world by world, variant by variant, rewriting
+    ``selection_regulator.json`` / ``.md`` after every cell (a stopped sweep leaves what finished, and a
+    rerun takes every cached stage)."""
+    unknown = [v for v in variants if v not in REGULATOR_SWEEP]
+    if unknown:
+        raise ValueError(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(REGULATOR_SWEEP)}")
+    per_variant: dict = {}
+    result: dict = {}
+    for world in worlds:
+        ws = replace(world_settings(world, base), eval_split="val")
+        baseline = cell_h(run_cell(Cell(world, ws), root, tuple(BASELINE_OF.values()) + ("zsclip",), world_root))
+        for name in variants:
+            cell = Cell(world, replace(ws, meta_overrides=REGULATOR_SWEEP[name]), variant=name)
+            log(f"select regulator: world {world} {cell.name}")
+            table = {**baseline, **cell_h(run_cell(cell, root, SWEEP_GRAM_KEYS, world_root))}
+            per_variant.setdefault(name, {})[(world, ws.meta_seed)] = table
+            result = {**rank_regulator_variants(per_variant), "worlds_done": sorted({w for c in per_variant.values()
+                                                                                     for w, _ in c}),
+                      "split": "val", "seeds": list(base.seeds), "meta_seed": base.meta_seed,
+                      "cells": {f"{v}/{w}/{s}": {f"{k}/{fs}": list(x) for (k, fs), x in t.items()}
+                                for v, c in per_variant.items() for (w, s), t in c.items()}}
+            write_json_atomic(root / "selection_regulator.json", result)
+            write_text_atomic(root / "selection_regulator.md", regulator_markdown(result))
+    return result
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gram_world.study", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=("run", "select"))
@@ -324,6 +427,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume-from", default="", help="run: an earlier results.json (same settings) whose "
                         "cells are kept, not rerun (default: <out>/results.json when it exists); e.g. "
                         "docs/study/results.json, the committed study")
+    parser.add_argument("--sweep", choices=("switches", "regulator"), default="switches",
+                        help="select: the test-time switches (window, launch, query weight) or how R_φ is "
+                        "meta-trained (REGULATOR_SWEEP, at the default switches)")
+    parser.add_argument("--variants", nargs="+", help=f"select --sweep regulator: the variants "
+                        f"(default all: {', '.join(REGULATOR_SWEEP)})")
     parser.add_argument("--quick", action="store_true", help="the demo's --quick settings (a smoke test)")
     parser.add_argument("--debug", action="store_true")
     return parser
@@ -348,6 +456,12 @@ def _main(argv: list) -> int:
                        previous=Path(args.resume_from) if args.resume_from else None)
         print((root / "results.md").read_text(), end="")
         print(f"study: {len(result['cells'])} cells in {root}; this call took {time.time() - t:.0f} s")
+    elif args.sweep == "regulator":
+        base = replace(base, seeds=tuple(args.seeds or base.seeds[:2]))
+        root = Path(args.out or "output/select_regulator")
+        result = select_regulator(root, args.worlds, base, tuple(args.variants or REGULATOR_SWEEP))
+        print(regulator_markdown(result), end="")
+        print(f"select --sweep regulator: chosen {result['chosen']}; this call took {time.time() - t:.0f} s")
     else:
         base = replace(base, seeds=tuple(args.seeds or base.seeds[:2]))
         root = Path(args.out or "output/select")

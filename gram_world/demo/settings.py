@@ -216,6 +216,9 @@ class DemoSettings:
     launch: bool = DEFAULT_LAUNCH         # the meta-trained inner step once before the schedule
     query_before_weight: float = DEFAULT_QUERY_BEFORE_WEIGHT  # META.QUERY_BEFORE_WEIGHT of every GRAM variant (0 = paper's Eq. 8)
     meta_seed: int = 0                    # SEED of meta-training (task stream, scratch θ): the study varies it
+    # extra META / TASKS (KEY, VALUE, ...) of every GRAM meta variant except the paper-literal one-step rows: how
+    # R_φ is meta-trained (gram_world.study select --sweep regulator); () = the defaults
+    meta_overrides: tuple = ()
     eval_split: str = "test"              # split the base / new accuracies are measured on (val: choosing defaults)
     meta_val_protocol: str = "one_step"   # META.VAL_PROTOCOL: the downstream one costs minutes per variant here; the
                                           # defaults are chosen by gram_world.study select on val splits instead
@@ -286,6 +289,8 @@ def settings_record(settings: DemoSettings) -> dict:
     current = json.loads(json.dumps(asdict(settings)))
     for key in _NOT_RESULTS:
         current.pop(key)
+    if not current["meta_overrides"]:   # folders and hashes written before the field existed stay valid
+        current.pop("meta_overrides")
     return current
 
 
