@@ -103,9 +103,20 @@ def support_windows(support: Any, steps: int, mode: str = "repeat") -> list:
     return [_take(support, (rank % steps == k).nonzero().flatten()) for k in range(steps)]
 
 
+def set_parameters_(module: nn.Module, tensors: Sequence[torch.Tensor]) -> None:
+    """Put ``tensors`` (in ``module.parameters()`` order) in place of the parameters of a cloned module
+    (as learn2learn's updates do), e.g. detached trajectory states θ_t with ``requires_grad``."""
+    slots = [(mod, key) for mod in module.modules() for key, p in mod._parameters.items() if p is not None]
+    if len(slots) != len(tensors):
+        raise ValueError(f"set_parameters_: {len(tensors)} tensors for {len(slots)} parameters")
+    for (mod, key), t in zip(slots, tensors):
+        mod._parameters[key] = t
+
+
 def inner_loop(learner: "l2l.algorithms.GBML", loss_fn: LossFn, windows: Sequence[Any], rule: InnerRule, *,
                first_order: bool, labels_of: Callable[[Any], torch.Tensor] = lambda b: b["label"],
                forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
+               after_step: Optional[Callable[[int, nn.Module], None]] = None,
                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Take ``len(windows)`` regulated steps of ``rule`` on ``learner.module``, in place (differentiably).
 
@@ -117,6 +128,7 @@ def inner_loop(learner: "l2l.algorithms.GBML", loss_fn: LossFn, windows: Sequenc
         rule: the unrolled optimiser.
         first_order: detach the support gradients (no second-order term).
         forward_context: context of each support forward (autocast, attention kernel); called once per step.
+        after_step: optional ``after_step(k, learner.module)`` after step k (0-based), e.g. to record θ_{k+1}.
 
     Returns ``(losses, accuracies)``: 0-d tensors, one per step, measured at θ_k before its step (no host sync).
     """
@@ -138,6 +150,8 @@ def inner_loop(learner: "l2l.algorithms.GBML", loss_fn: LossFn, windows: Sequenc
         else:
             velocity = [u if v is None or u is None else mu * v + u for v, u in zip(velocity, updates)]
         diff_sgd(learner.module, velocity)
+        if after_step is not None:
+            after_step(len(losses), learner.module)
         losses.append(loss.detach())
         accs.append((logits.detach().argmax(dim=-1) == labels_of(batch)).float().mean())
     return losses, accs

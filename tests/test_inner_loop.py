@@ -114,7 +114,7 @@ def test_k_window_unroll_matches_hand_rolled(tiny_clip, first_order):
     assert len(losses) == 3 and len(set(losses)) == 3
     for name, p in learner.module.named_parameters():
         torch.testing.assert_close(p.detach(), ref_adapted[name], rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(float(loss_fn(learner.module, query)[0]), ref_q, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(float(loss_fn(learner.module, query)[0].detach()), ref_q, rtol=1e-10, atol=1e-12)
     for name, p in ml.prompt_module.named_parameters():
         assert p.grad.abs().sum() > 0
         torch.testing.assert_close(p.grad, ref_theta[name], rtol=1e-8, atol=1e-12)
@@ -227,3 +227,51 @@ def test_learned_step_size_gets_meta_gradient_and_survives_the_init_file(tiny_cl
         torch.testing.assert_close(p.grad, reg.float()(g), rtol=1e-6, atol=1e-8)
         gamma, _ = _by_hand(reg.float(), g)
         torch.testing.assert_close(p.grad, torch.exp(reg.log_lr.detach()) * gamma * g, rtol=1e-5, atol=1e-8)
+
+
+def test_trajectory_states_term_matches_hand_rolled(tiny_clip):
+    """WarpGrad-style term: detached states of a regulated heavy-ball run, one regulated step from each, query
+    loss; it adds exactly the hand-rolled φ gradient and nothing to θ's."""
+    common = dict(inner_lr=0.3, inner_steps=2, inner_momentum=0.9, inner_weight_decay=0.01, inner_support="split")
+    on, pclip, loss_fn, dims = _setup(tiny_clip, MetaSpec(**common, trajectory_states=2, trajectory_windows=3))
+    off, _, _, _ = _setup(tiny_clip, MetaSpec(**common))
+    assert on.trajectory_steps() == [2, 3]
+    gen = torch.Generator().manual_seed(6)
+    support, query = _batch(2, dims.image_size, gen), _batch(2, dims.image_size, gen)
+    on.accumulate([TaskBatch(support, query)], loss_fn)
+    off.accumulate([TaskBatch(support, query)], loss_fn)
+    for (name, a), b in zip(on.prompt_module.named_parameters(), off.prompt_module.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-14)
+
+    names = [n for n, _ in on.prompt_module.named_parameters()]
+    regs = on.regulators()
+    phi = {n: {k: v.detach().clone().requires_grad_(True) for k, v in regs[n].named_parameters()} for n in names}
+    windows = support_windows(support, 2, "split")
+
+    def loss(params, batch):
+        return F.cross_entropy(pclip.logits(_View(params), batch["classnames"], images=batch["images"]),
+                               batch["label"])
+
+    def regulated(params, batch, graph):
+        grads = torch.autograd.grad(loss(params, batch), [params[n] for n in names])
+        return {n: functional_call(regs[n], phi[n] if graph else {k: v.detach() for k, v in phi[n].items()}, (g,))
+                + 0.01 * params[n] for n, g in zip(names, grads)}
+
+    theta = {n: p.detach().clone().requires_grad_(True) for n, p in on.prompt_module.named_parameters()}
+    vel, states = None, {}
+    for t in range(3):
+        d = regulated(theta, windows[t % 2], graph=False)
+        vel = d if vel is None else {n: 0.9 * vel[n] + d[n] for n in names}
+        theta = {n: (theta[n] - 0.3 * vel[n]).detach().requires_grad_(True) for n in names}
+        states[t + 1] = theta
+    total = 0.0
+    for t in (2, 3):
+        d = regulated(states[t], windows[t % 2], graph=True)
+        total = total + loss({n: states[t][n] - 0.3 * d[n] for n in names}, query) / 2
+    flat = [(n, k, v) for n in names for k, v in phi[n].items()]
+    ref = torch.autograd.grad(total, [v for *_, v in flat])
+    off_regs = off.regulators()
+    for (n, k, _), g in zip(flat, ref):
+        got = dict(regs[n].named_parameters())[k].grad - dict(off_regs[n].named_parameters())[k].grad
+        assert g.abs().sum() > 0
+        torch.testing.assert_close(got, g, rtol=1e-7, atol=1e-12)

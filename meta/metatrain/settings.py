@@ -61,6 +61,9 @@ def check_meta_cfg(cfg: CN) -> None:
     need(m.INNER_SUPPORT in ("repeat", "split"), "META.INNER_SUPPORT", "repeat | split", m.INNER_SUPPORT)
     need(m.INNER_SUPPORT != "split" or cfg.TASKS.N_SUPPORT >= m.INNER_STEPS, "TASKS.N_SUPPORT",
          f"an integer >= META.INNER_STEPS ({m.INNER_STEPS}) with META.INNER_SUPPORT split", cfg.TASKS.N_SUPPORT)
+    need(m.TRAJECTORY_STATES >= 0, "META.TRAJECTORY_STATES", "an integer >= 0 (0 = off)", m.TRAJECTORY_STATES)
+    need(m.TRAJECTORY_STATES == 0 or m.TRAJECTORY_WINDOWS >= m.TRAJECTORY_STATES, "META.TRAJECTORY_WINDOWS",
+         f"an integer >= META.TRAJECTORY_STATES ({m.TRAJECTORY_STATES})", m.TRAJECTORY_WINDOWS)
     need(m.QUERY_BEFORE_WEIGHT >= 0, "META.QUERY_BEFORE_WEIGHT", "a number >= 0", m.QUERY_BEFORE_WEIGHT)
     need(m.REGULATOR.WEIGHT_DECAY >= 0, "META.REGULATOR.WEIGHT_DECAY", "a number >= 0", m.REGULATOR.WEIGHT_DECAY)
     need(m.VAL_FT_STEPS >= 0, "META.VAL_FT_STEPS", "an integer >= 0", m.VAL_FT_STEPS)
@@ -130,7 +133,8 @@ def meta_spec(cfg: CN, device=None) -> "MetaSpec":
                     inner_momentum=float(m.INNER_MOMENTUM),
                     regulator_weight_decay=float(m.REGULATOR.WEIGHT_DECAY),
                     query_before_weight=float(m.QUERY_BEFORE_WEIGHT),
-                    inner_weight_decay=float(m.INNER_WEIGHT_DECAY), inner_support=str(m.INNER_SUPPORT))
+                    inner_weight_decay=float(m.INNER_WEIGHT_DECAY), inner_support=str(m.INNER_SUPPORT),
+                    trajectory_states=int(m.TRAJECTORY_STATES), trajectory_windows=int(m.TRAJECTORY_WINDOWS))
 
 
 def prompt_spec(cfg: CN) -> PromptSpec:
