@@ -55,7 +55,11 @@ META_SEEDS = (0, 1)
 BOOTSTRAP_DRAWS = 10_000
 
 # Rows of the study (PAIRS' GRAM rows and baselines) and of the sweep.
-STUDY_KEYS = tuple(dict.fromkeys(k for pair in PAIRS for k in pair))
+STUDY_KEYS = tuple(dict.fromkeys(k for pair in PAIRS for k in pair)) + ("zsclip",)
+# The regime of a world: base and new accuracy of zero-shot CLIP, CoOp and VPT, beside the paper's (GRAM, Table 1a:
+# average over 11 datasets under CoCoOp's base-to-new protocol, 16 shots).
+REGIME_KEYS = ("zsclip", "coop", "vpt")
+PAPER_REGIME = {"zsclip": (69.34, 74.22), "coop": (77.58, 73.11), "vpt": (72.53, 72.34)}
 SWEEP_GRAM_KEYS = ("gram_coop", "gram_vpt", "unigram")
 BASELINE_OF = {"gram_coop": "coop", "gram_vpt": "vpt", "unigram": "joint"}
 # The switches tried on validation: regulation window (1 = per image; 20 = the meta-training support
@@ -115,8 +119,9 @@ def _link(link: Path, target: Path) -> None:
     link.symlink_to(os.path.relpath(target, link.parent))
 
 
-def run_cell(cell: Cell, root: Path, keys: Sequence[str], world_root: Optional[Path] = None) -> list[dict]:
-    """Every stage of ``cell`` for the rows ``keys`` (cached); returns their base-to-new records."""
+def prepare_cell(cell: Cell, root: Path, keys: Sequence[str], world_root: Optional[Path] = None) -> tuple:
+    """The cached stages before evaluation (world, CLIP, CHC, meta-training of the rows ``keys``'s variants);
+    returns ``(world, weights, model, inits, cell folder)``."""
     s = cell.settings
     world_dir = root / f"world{cell.world}"
     out = world_dir / cell.name
@@ -130,7 +135,13 @@ def run_cell(cell: Cell, root: Path, keys: Sequence[str], world_root: Optional[P
     stage_chc(world, weights, model, out, s)
     variants = tuple(v for v in dict.fromkeys(METHOD_BY_KEY[k].variant for k in keys) if v)
     inits = stage_meta(world, weights, model, out, s, names=variants)
-    return stage_eval(world, weights, model, inits, out, s, keys=tuple(keys))
+    return world, weights, model, inits, out
+
+
+def run_cell(cell: Cell, root: Path, keys: Sequence[str], world_root: Optional[Path] = None) -> list[dict]:
+    """Every stage of ``cell`` for the rows ``keys`` (cached); returns their base-to-new records."""
+    world, weights, model, inits, out = prepare_cell(cell, root, keys, world_root)
+    return stage_eval(world, weights, model, inits, out, cell.settings, keys=tuple(keys))
 
 
 # ------------------------------------------------------------------------------ statistics
@@ -206,6 +217,36 @@ def summarise(cells: dict, pairs: Sequence[tuple] = PAIRS) -> list[dict]:
     return rows
 
 
+def regime(cells: dict) -> dict:
+    """``{world: {key: (base, new)}}`` for :data:`REGIME_KEYS`, each averaged over the world's cells and seeds."""
+    out: dict = {}
+    for (world, _), table in cells.items():
+        for (key, _), (base, new, _) in table.items():
+            if key in REGIME_KEYS:
+                out.setdefault(world, {}).setdefault(key, []).append((base, new))
+    return {w: {k: (float(np.mean([b for b, _ in v])), float(np.mean([n for _, n in v]))) for k, v in d.items()}
+            for w, d in sorted(out.items())}
+
+
+def regime_markdown(cells: dict) -> str:
+    """Each world's regime (base / new of zero-shot, CoOp, VPT and the gains over zero-shot) beside the paper's."""
+    def row(name: str, d: dict) -> str:
+        parts = []
+        for k in REGIME_KEYS:
+            parts.append(f"{d[k][0]:.2f} / {d[k][1]:.2f}" if k in d else "-")
+        gains = []
+        for k in ("coop", "vpt"):
+            ok = k in d and "zsclip" in d
+            gains.append(f"{d[k][0] - d['zsclip'][0]:+.2f} / {d[k][1] - d['zsclip'][1]:+.2f}" if ok else "-")
+        return f"| {name} | " + " | ".join(parts + gains) + " |"
+
+    lines = ["| world | zero-shot base / new | CoOp base / new | VPT base / new | CoOp − zero-shot | VPT − zero-shot |",
+             "| --- | --- | --- | --- | --- | --- |",
+             row("paper, Table 1a (11 datasets)", PAPER_REGIME)]
+    lines += [row(f"world {w}", d) for w, d in regime(cells).items()]
+    return "\n".join(lines) + "\n"
+
+
 def markdown(rows: Sequence[dict]) -> str:
     lines = ["| method | baseline | H method / baseline | mean ΔH | 95 % interval | n (worlds) | claim |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -247,23 +288,35 @@ def load_cells(path: Path, base: DemoSettings) -> tuple[dict, dict]:
 
 
 def study(root: Path, worlds: Sequence[str], meta_seeds: Sequence[int], base: DemoSettings,
-          world_root: Optional[Path] = None, previous: Optional[Path] = None) -> dict:
+          world_root: Optional[Path] = None, previous: Optional[Path] = None, add_missing_rows: bool = False) -> dict:
     """The default pipeline on test splits for every (world, meta seed), meta seed by meta seed (every
     world's first seed before any second one); ``results.json`` / ``.md`` are rewritten after every cell,
     so a stopped study leaves the summary of the cells it finished.
 
     Cells already in ``previous`` (an earlier ``results.json`` with the same settings, default
-    ``root/results.json``) are taken from it and not run again; the summary covers them and this call's."""
+    ``root/results.json``) are taken from it and not run again; the summary covers them and this call's.
+    With ``add_missing_rows``, such a cell that lacks rows of :data:`STUDY_KEYS` added since (zero-shot, ...)
+    runs those rows only."""
     previous = previous or root / "results.json"
     cells, seconds = load_cells(previous, base) if previous.is_file() else ({}, {})
     result: dict = _write_results(root, cells, seconds, base) if cells else {}
     for seed in meta_seeds:
         for world in worlds:
+            cell = Cell(world, replace(world_settings(world, base), meta_seed=seed, eval_split="test"))
             if (world, seed) in cells:
-                log(f"study cell world {world}, meta seed {seed}: taken from {previous}")
+                have = {k for k, _ in cells[(world, seed)]}
+                missing = tuple(k for k in STUDY_KEYS if k not in have) if add_missing_rows else ()
+                if not missing:
+                    log(f"study cell world {world}, meta seed {seed}: taken from {previous}")
+                    continue
+                # a cell from an earlier study that lacks rows added since (e.g. zero-shot): only those run
+                log(f"study cell world {world}, meta seed {seed}: adding rows {', '.join(missing)}")
+                t = time.time()
+                cells[(world, seed)].update(cell_h(run_cell(cell, root, missing, world_root)))
+                seconds[f"{world}/{seed}"] = round(seconds.get(f"{world}/{seed}", 0.0) + time.time() - t, 1)
+                result = _write_results(root, cells, seconds, base)
                 continue
             t = time.time()
-            cell = Cell(world, replace(world_settings(world, base), meta_seed=seed, eval_split="test"))
             log(f"study cell world {world}, meta seed {seed}: {cell.name}")
             cells[(world, seed)] = cell_h(run_cell(cell, root, STUDY_KEYS, world_root))
             seconds[f"{world}/{seed}"] = round(time.time() - t, 1)
@@ -280,7 +333,8 @@ def _write_results(root: Path, cells: dict, seconds: dict, base: DemoSettings) -
               "settings": settings_record(base),
               "bootstrap": {"draws": BOOTSTRAP_DRAWS, "levels": ["world", "meta seed x fine-tuning seed"]}}
     write_json_atomic(root / "results.json", result)
-    write_text_atomic(root / "results.md", markdown(rows))
+    write_text_atomic(root / "results.md", markdown(rows) + "\nRegime (base / new accuracy, %; a world's numbers are "
+                      "means over its cells and fine-tuning seeds):\n\n" + regime_markdown(cells))
     return result
 
 
@@ -330,6 +384,46 @@ def select(root: Path, worlds: Sequence[str], base: DemoSettings, world_root: Op
                      + " | ".join(cells) + " |")
     (root / "selection.md").write_text("\n".join(lines) + "\n")
     return chosen
+
+
+# ------------------------------------------------------------------------------ β's share of the travel
+TRAVEL_KEYS = ("gram_coop", "gram_vpt", "unigram", "gram_coop_reg_only", "gram_vpt_reg_only", "unigram_reg_only")
+
+
+def travel_cell(cell: Cell, root: Path, keys: Sequence[str] = TRAVEL_KEYS, seed: int = 1,
+                datasets: Optional[Sequence[str]] = None, world_root: Optional[Path] = None) -> list[dict]:
+    """β's share of θ's travel (:class:`meta.travel.TravelSplit`) over the fine-tuning schedule of the regulated
+    rows ``keys`` of ``cell`` (its cached world, CHC and meta-training; fine-tuning seed ``seed``), one record per
+    (dataset, row) with the row's base / new / H of that run.  In-process, one run at a time."""
+    import warnings
+
+    from meta.backbone import load_clip
+    from meta.evaluation import DatasetRef, EvaluationSession, TrainSpec, evaluate_base_to_new
+    from meta.travel import TravelSplit
+
+    from .demo.stages import method_spec
+
+    s = cell.settings
+    world, weights, model, inits, out = prepare_cell(cell, root, keys, world_root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        clip, dims = load_clip(model, pretrained=str(weights))
+    session = EvaluationSession(clip, dims, cache_dir=str(out / "feature_cache"), log=lambda m: None)
+    train = TrainSpec(epochs=s.epochs, batch_size=s.batch_size, rrcrop_scale=s.rrcrop_scale, eval_every_epoch=False)
+    names = datasets or s.datasets or tuple(d.name for d in world.with_role("base2new"))
+    records = []
+    for name in names:
+        ref = DatasetRef.from_dir(str(world.dataset(name).dataset_dir), name=name)
+        for key in keys:
+            row = METHOD_BY_KEY[key]
+            with TravelSplit() as split:
+                rec = evaluate_base_to_new(ref, clip, dims, method_spec(row, inits.get(row.variant, ""), s),
+                                           seed=seed, shots=s.shots, train=train, session=session,
+                                           log=lambda m: None, eval_split=s.eval_split)
+            records.append({"dataset": name, "key": key, "seed": seed, "base": rec["base"], "new": rec["new"],
+                            "H": rec["H"], **{k: round(v, 6) for k, v in split.summary().items()}})
+            log(f"travel {cell.world} {name} {key}: beta share {records[-1].get('beta_share', float('nan')):.3f}")
+    return records
 
 
 # A variant replaces today's (k1) only when its mean paired difference beats k1's by more than this (H points):
@@ -417,7 +511,7 @@ def select_regulator(root: Path, worlds: Sequence[str], base: DemoSettings, vari
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gram_world.study", description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=("run", "select"))
+    parser.add_argument("command", choices=("run", "select", "travel"))
     parser.add_argument("--worlds", nargs="+", default=list(WORLDS), help=f"study worlds ({', '.join(WORLDS)})")
     parser.add_argument("--meta-seeds", type=int, nargs="+", default=list(META_SEEDS))
     parser.add_argument("--seeds", type=int, nargs="+", help="fine-tuning seeds (default: the demo's 1 2 3; "
@@ -432,6 +526,10 @@ def _parser() -> argparse.ArgumentParser:
                         "meta-trained (REGULATOR_SWEEP, at the default switches)")
     parser.add_argument("--variants", nargs="+", help=f"select --sweep regulator: the variants "
                         f"(default all: {', '.join(REGULATOR_SWEEP)})")
+    parser.add_argument("--add-missing-rows", action="store_true",
+                        help="run: cells kept from --resume-from that lack rows added since (zero-shot) run those rows")
+    parser.add_argument("--split", choices=("test", "val"), default="test",
+                        help="travel: the split of the cells whose schedules are measured (run's cells: test)")
     parser.add_argument("--quick", action="store_true", help="the demo's --quick settings (a smoke test)")
     parser.add_argument("--debug", action="store_true")
     return parser
@@ -453,9 +551,26 @@ def _main(argv: list) -> int:
         base = replace(base, seeds=tuple(args.seeds or base.seeds))
         root = Path(args.out or "output/study")
         result = study(root, args.worlds, args.meta_seeds, base,
-                       previous=Path(args.resume_from) if args.resume_from else None)
+                       previous=Path(args.resume_from) if args.resume_from else None,
+                       add_missing_rows=args.add_missing_rows)
         print((root / "results.md").read_text(), end="")
         print(f"study: {len(result['cells'])} cells in {root}; this call took {time.time() - t:.0f} s")
+    elif args.command == "travel":
+        seed = (args.seeds or [1])[0]
+        root = Path(args.out or "output/study")
+        records = []
+        for world in args.worlds:
+            for meta_seed in args.meta_seeds:
+                settings = replace(world_settings(world, base), meta_seed=meta_seed, eval_split=args.split)
+                for rec in travel_cell(Cell(world, settings), root, seed=seed):
+                    records.append({"world": world, "meta_seed": meta_seed, **rec})
+                write_json_atomic(root / "travel.json", {"records": records, "fine_tuning_seed": seed})
+        for key in TRAVEL_KEYS:
+            shares = [r["beta_share"] for r in records if r["key"] == key and "beta_share" in r]
+            proj = [r["beta_projection"] for r in records if r["key"] == key and "beta_projection" in r]
+            if shares:
+                print(f"{key:<22} beta share of the travel {np.mean(shares):.3f} (projection {np.mean(proj):+.3f}), "
+                      f"{len(shares)} runs")
     elif args.sweep == "regulator":
         base = replace(base, seeds=tuple(args.seeds or base.seeds[:2]))
         root = Path(args.out or "output/select_regulator")

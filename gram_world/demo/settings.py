@@ -135,7 +135,9 @@ PAIRS = (("gram_coop", "coop"), ("gram_coop_init_only", "coop"), ("gram_coop_reg
          ("gram_vpt", "vpt"), ("gram_vpt_init_only", "vpt"), ("gram_vpt_reg_only", "vpt"),
          ("unigram", "joint"), ("unigram_no_reg", "joint"), ("unigram_reg_only", "joint"),
          ("gram_coop_one_step", "coop"), ("gram_vpt_one_step", "vpt"), ("unigram_one_step", "joint"),
-         ("gram_coop", "gram_coop_one_step"), ("gram_vpt", "gram_vpt_one_step"), ("unigram", "unigram_one_step"))
+         ("gram_coop", "gram_coop_one_step"), ("gram_vpt", "gram_vpt_one_step"), ("unigram", "unigram_one_step"),
+         # what R_φ adds to θ*: each GRAM row against its θ*-only row (meta-learned start, raw gradients)
+         ("gram_coop", "gram_coop_init_only"), ("gram_vpt", "gram_vpt_init_only"), ("unigram", "unigram_no_reg"))
 TABLE4_KEYS = ("unigram", "unigram_no_shift", "unigram_no_reg", "unigram_pretrain", "unigram_supervised", "joint")
 TRANSFER_KEYS = TABLE1_KEYS
 TOKEN_KEYS = {n: ("unigram" if n == 4 else f"unigram_{n}tok") for n in TOKEN_COUNTS}
