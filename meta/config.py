@@ -155,7 +155,7 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     #                              class-balanced windows of the support, one per step (raise TASKS.N_SUPPORT to match)
     m.TRAJECTORY_STATES = 0      # S > 0: also the query loss one regulated step from S detached states of a regulated
     #                              run from theta on the support (WarpGrad, arXiv 1909.00025); reaches phi only
-    m.TRAJECTORY_WINDOWS = 0     # T steps of that run (inner rule, support windows cycled); >= TRAJECTORY_STATES
+    m.TRAJECTORY_WINDOWS = 0     # T steps of that run (inner rule, support windows cycled); 0 = TRAJECTORY_STATES
     m.QUERY_BEFORE_WEIGHT = DEFAULT_QUERY_BEFORE_WEIGHT  # w: outer loss L_q(theta') + w L_q(theta), so theta* is also good where the
     #                              downstream schedule starts (0 = the paper's one-step objective, Eq. 8)
 

@@ -73,7 +73,7 @@ class MetaSpec:
     inner_weight_decay: float = 0.0  # λ of the inner SGD (added to R_φ(g), as torch SGD at test time); 0 = none
     inner_support: str = "repeat"    # data of each inner step: repeat = whole support | split = K class-balanced windows
     trajectory_states: int = 0       # S states θ_t per task along a regulated run from θ (WarpGrad-style); 0 = off
-    trajectory_windows: int = 0      # T steps of that run (the states are evenly spaced over it); >= S when on
+    trajectory_windows: int = 0      # T steps of that run (states evenly spaced over it); 0 = S (a state per step)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.inner_momentum < 1.0:
@@ -84,9 +84,9 @@ class MetaSpec:
             raise ValueError(f"MetaSpec.inner_weight_decay must be >= 0, got {self.inner_weight_decay}")
         if self.inner_support not in SUPPORT_MODES:
             raise ValueError(f"MetaSpec.inner_support must be one of {SUPPORT_MODES}, got {self.inner_support!r}")
-        if self.trajectory_states < 0 or (self.trajectory_states > 0 and self.trajectory_windows < self.trajectory_states):
-            raise ValueError(f"MetaSpec: trajectory_windows ({self.trajectory_windows}) must be >= trajectory_states "
-                             f"({self.trajectory_states}) >= 0")
+        if self.trajectory_states < 0 or (self.trajectory_windows and self.trajectory_windows < self.trajectory_states):
+            raise ValueError(f"MetaSpec: trajectory_windows ({self.trajectory_windows}) must be 0 or >= "
+                             f"trajectory_states ({self.trajectory_states}) >= 0")
         if self.query_before_weight < 0:
             raise ValueError(f"MetaSpec.query_before_weight must be >= 0, got {self.query_before_weight}")
 
@@ -223,7 +223,8 @@ class GRAMMetaLearner(nn.Module):
 
     def trajectory_steps(self) -> list[int]:
         """After how many steps of the regulated run the states θ_t are taken: S evenly spaced t in [1, T]."""
-        n_states, length = self.spec.trajectory_states, self.spec.trajectory_windows
+        n_states = self.spec.trajectory_states
+        length = self.spec.trajectory_windows or n_states
         return [round((s + 1) * length / n_states) for s in range(n_states)]
 
     def _trajectory_loss(self, loss_fn: LossFn, task: TaskBatch) -> torch.Tensor:
@@ -245,7 +246,7 @@ class GRAMMetaLearner(nn.Module):
 
         run = self.gbml.clone(first_order=True)
         set_parameters_(run.module, [p.detach().requires_grad_() for p in run.module.parameters()])
-        length = self.spec.trajectory_windows
+        length = self.spec.trajectory_windows or self.spec.trajectory_states
         inner_loop(run, loss_fn, [windows[t % len(windows)] for t in range(length)], self.inner_rule(),
                    first_order=True, labels_of=self.labels_of, forward_context=lambda: self.support_forward(True),
                    after_step=keep)
