@@ -526,6 +526,7 @@ def _parser() -> argparse.ArgumentParser:
                         "meta-trained (REGULATOR_SWEEP, at the default switches)")
     parser.add_argument("--variants", nargs="+", help=f"select --sweep regulator: the variants "
                         f"(default all: {', '.join(REGULATOR_SWEEP)})")
+    parser.add_argument("--datasets", nargs="+", help="travel: base-to-new datasets (default: all of the world's)")
     parser.add_argument("--add-missing-rows", action="store_true",
                         help="run: cells kept from --resume-from that lack rows added since (zero-shot) run those rows")
     parser.add_argument("--split", choices=("test", "val"), default="test",
@@ -562,7 +563,7 @@ def _main(argv: list) -> int:
         for world in args.worlds:
             for meta_seed in args.meta_seeds:
                 settings = replace(world_settings(world, base), meta_seed=meta_seed, eval_split=args.split)
-                for rec in travel_cell(Cell(world, settings), root, seed=seed):
+                for rec in travel_cell(Cell(world, settings), root, seed=seed, datasets=args.datasets):
                     records.append({"world": world, "meta_seed": meta_seed, **rec})
                 write_json_atomic(root / "travel.json", {"records": records, "fine_tuning_seed": seed})
         for key in TRAVEL_KEYS:
