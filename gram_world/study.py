@@ -525,7 +525,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="select: the test-time switches (window, launch, query weight) or how R_φ is "
                         "meta-trained (REGULATOR_SWEEP, at the default switches)")
     parser.add_argument("--variants", nargs="+", help=f"select --sweep regulator: the variants "
-                        f"(default all: {', '.join(REGULATOR_SWEEP)})")
+                        f"(default all: {', '.join(REGULATOR_SWEEP)}); travel: the sweep variant whose cell is measured")
     parser.add_argument("--datasets", nargs="+", help="travel: base-to-new datasets (default: all of the world's)")
     parser.add_argument("--add-missing-rows", action="store_true",
                         help="run: cells kept from --resume-from that lack rows added since (zero-shot) run those rows")
@@ -563,8 +563,14 @@ def _main(argv: list) -> int:
         for world in args.worlds:
             for meta_seed in args.meta_seeds:
                 settings = replace(world_settings(world, base), meta_seed=meta_seed, eval_split=args.split)
-                for rec in travel_cell(Cell(world, settings), root, seed=seed, datasets=args.datasets):
-                    records.append({"world": world, "meta_seed": meta_seed, **rec})
+                variant = args.variants[0] if args.variants else ""
+                if variant:    # a cell of the regulator sweep (its folder and meta-training runs)
+                    if variant not in REGULATOR_SWEEP:
+                        raise ValueError(f"--variants: unknown {variant}; known: {', '.join(REGULATOR_SWEEP)}")
+                    settings = replace(settings, meta_overrides=REGULATOR_SWEEP[variant])
+                cell = Cell(world, settings, variant=variant)
+                for rec in travel_cell(cell, root, seed=seed, datasets=args.datasets):
+                    records.append({"world": world, "meta_seed": meta_seed, "variant": variant, **rec})
                 write_json_atomic(root / "travel.json", {"records": records, "fine_tuning_seed": seed})
         for key in TRAVEL_KEYS:
             shares = [r["beta_share"] for r in records if r["key"] == key and "beta_share" in r]
