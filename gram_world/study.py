@@ -55,12 +55,29 @@ META_SEEDS = (0, 1)
 BOOTSTRAP_DRAWS = 10_000
 
 # Rows of the study (PAIRS' GRAM rows and baselines) and of the sweep.
-STUDY_KEYS = tuple(dict.fromkeys(k for pair in PAIRS for k in pair))
+STUDY_KEYS = tuple(dict.fromkeys(k for pair in PAIRS for k in pair)) + ("zsclip",)
+# The regime of a world: base and new accuracy of zero-shot CLIP, CoOp and VPT, beside the paper's (GRAM, Table 1a:
+# average over 11 datasets under CoCoOp's base-to-new protocol, 16 shots).
+REGIME_KEYS = ("zsclip", "coop", "vpt")
+PAPER_REGIME = {"zsclip": (69.34, 74.22), "coop": (77.58, 73.11), "vpt": (72.53, 72.34)}
 SWEEP_GRAM_KEYS = ("gram_coop", "gram_vpt", "unigram")
 BASELINE_OF = {"gram_coop": "coop", "gram_vpt": "vpt", "unigram": "joint"}
 # The switches tried on validation: regulation window (1 = per image; 20 = the meta-training support
 # size, 5 ways x 4 shots), launch step, weight of the before-adaptation query loss.
 SWEEP = {"reg_window": (1, 20), "launch": (False, True), "query_before_weight": (0.0, 1.0)}
+# How R_φ is meta-trained (the second sweep, ``select --sweep regulator``), each a named set of META overrides
+# at the test-time defaults: K = 1 is today's one regulated step on the whole support; K = 4 unrolls the
+# downstream optimiser (4 class-balanced windows of the support, heavy-ball 0.9, weight decay 5e-4 as CoCoOp's
+# SGD, and α = 0.04 per window = CoCoOp's lr 0.002 × the regulation window of 20 images, the step the schedule
+# takes per window in units of the window's mean gradient); γ only and β only are the two halves of R_φ.
+UNROLL_4 = ("META.INNER_STEPS", 4, "META.INNER_SUPPORT", "split", "META.INNER_MOMENTUM", 0.9,
+            "META.INNER_WEIGHT_DECAY", 5e-4, "META.INNER_LR", 0.04)
+REGULATOR_SWEEP: dict[str, tuple] = {
+    "k1": (),
+    "k4": UNROLL_4,
+    "gamma_only": ("META.REGULATOR.HALVES", "gamma"),
+    "beta_only": ("META.REGULATOR.HALVES", "beta"),
+}
 
 
 @dataclass(frozen=True)
@@ -69,12 +86,19 @@ class Cell:
 
     world: str
     settings: DemoSettings
+    variant: str = ""            # name of the settings' meta_overrides (REGULATOR_SWEEP); "" = none
 
     @property
     def name(self) -> str:
         s = self.settings
         return (f"{s.eval_split}_seed{s.meta_seed}_w{s.reg_window}_launch{int(s.launch)}"
-                f"_qbw{s.query_before_weight:g}")
+                f"_qbw{s.query_before_weight:g}" + (f"_{self.variant}" if self.variant else ""))
+
+    @property
+    def meta_folder(self) -> str:
+        """The world's folder of this cell's meta-training runs (shared by cells that train the same)."""
+        s = self.settings
+        return f"meta_seed{s.meta_seed}_qbw{s.query_before_weight:g}" + (f"_{self.variant}" if self.variant else "")
 
 
 def world_settings(world: str, base: DemoSettings) -> DemoSettings:
@@ -95,8 +119,9 @@ def _link(link: Path, target: Path) -> None:
     link.symlink_to(os.path.relpath(target, link.parent))
 
 
-def run_cell(cell: Cell, root: Path, keys: Sequence[str], world_root: Optional[Path] = None) -> list[dict]:
-    """Every stage of ``cell`` for the rows ``keys`` (cached); returns their base-to-new records."""
+def prepare_cell(cell: Cell, root: Path, keys: Sequence[str], world_root: Optional[Path] = None) -> tuple:
+    """The cached stages before evaluation (world, CLIP, CHC, meta-training of the rows ``keys``'s variants);
+    returns ``(world, weights, model, inits, cell folder)``."""
     s = cell.settings
     world_dir = root / f"world{cell.world}"
     out = world_dir / cell.name
@@ -106,11 +131,17 @@ def run_cell(cell: Cell, root: Path, keys: Sequence[str], world_root: Optional[P
     check_world(out, world, weights)
     _link(out / "chc", world_dir / "chc")
     _link(out / "feature_cache", world_dir / "feature_cache")
-    _link(out / "meta", world_dir / f"meta_seed{s.meta_seed}_qbw{s.query_before_weight:g}")
+    _link(out / "meta", world_dir / cell.meta_folder)
     stage_chc(world, weights, model, out, s)
     variants = tuple(v for v in dict.fromkeys(METHOD_BY_KEY[k].variant for k in keys) if v)
     inits = stage_meta(world, weights, model, out, s, names=variants)
-    return stage_eval(world, weights, model, inits, out, s, keys=tuple(keys))
+    return world, weights, model, inits, out
+
+
+def run_cell(cell: Cell, root: Path, keys: Sequence[str], world_root: Optional[Path] = None) -> list[dict]:
+    """Every stage of ``cell`` for the rows ``keys`` (cached); returns their base-to-new records."""
+    world, weights, model, inits, out = prepare_cell(cell, root, keys, world_root)
+    return stage_eval(world, weights, model, inits, out, cell.settings, keys=tuple(keys))
 
 
 # ------------------------------------------------------------------------------ statistics
@@ -186,6 +217,36 @@ def summarise(cells: dict, pairs: Sequence[tuple] = PAIRS) -> list[dict]:
     return rows
 
 
+def regime(cells: dict) -> dict:
+    """``{world: {key: (base, new)}}`` for :data:`REGIME_KEYS`, each averaged over the world's cells and seeds."""
+    out: dict = {}
+    for (world, _), table in cells.items():
+        for (key, _), (base, new, _) in table.items():
+            if key in REGIME_KEYS:
+                out.setdefault(world, {}).setdefault(key, []).append((base, new))
+    return {w: {k: (float(np.mean([b for b, _ in v])), float(np.mean([n for _, n in v]))) for k, v in d.items()}
+            for w, d in sorted(out.items())}
+
+
+def regime_markdown(cells: dict) -> str:
+    """Each world's regime (base / new of zero-shot, CoOp, VPT and the gains over zero-shot) beside the paper's."""
+    def row(name: str, d: dict) -> str:
+        parts = []
+        for k in REGIME_KEYS:
+            parts.append(f"{d[k][0]:.2f} / {d[k][1]:.2f}" if k in d else "-")
+        gains = []
+        for k in ("coop", "vpt"):
+            ok = k in d and "zsclip" in d
+            gains.append(f"{d[k][0] - d['zsclip'][0]:+.2f} / {d[k][1] - d['zsclip'][1]:+.2f}" if ok else "-")
+        return f"| {name} | " + " | ".join(parts + gains) + " |"
+
+    lines = ["| world | zero-shot base / new | CoOp base / new | VPT base / new | CoOp − zero-shot | VPT − zero-shot |",
+             "| --- | --- | --- | --- | --- | --- |",
+             row("paper, Table 1a (11 datasets)", PAPER_REGIME)]
+    lines += [row(f"world {w}", d) for w, d in regime(cells).items()]
+    return "\n".join(lines) + "\n"
+
+
 def markdown(rows: Sequence[dict]) -> str:
     lines = ["| method | baseline | H method / baseline | mean ΔH | 95 % interval | n (worlds) | claim |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -227,23 +288,35 @@ def load_cells(path: Path, base: DemoSettings) -> tuple[dict, dict]:
 
 
 def study(root: Path, worlds: Sequence[str], meta_seeds: Sequence[int], base: DemoSettings,
-          world_root: Optional[Path] = None, previous: Optional[Path] = None) -> dict:
+          world_root: Optional[Path] = None, previous: Optional[Path] = None, add_missing_rows: bool = False) -> dict:
     """The default pipeline on test splits for every (world, meta seed), meta seed by meta seed (every
     world's first seed before any second one); ``results.json`` / ``.md`` are rewritten after every cell,
     so a stopped study leaves the summary of the cells it finished.
 
     Cells already in ``previous`` (an earlier ``results.json`` with the same settings, default
-    ``root/results.json``) are taken from it and not run again; the summary covers them and this call's."""
+    ``root/results.json``) are taken from it and not run again; the summary covers them and this call's.
+    With ``add_missing_rows``, such a cell that lacks rows of :data:`STUDY_KEYS` added since (zero-shot, ...)
+    runs those rows only."""
     previous = previous or root / "results.json"
     cells, seconds = load_cells(previous, base) if previous.is_file() else ({}, {})
     result: dict = _write_results(root, cells, seconds, base) if cells else {}
     for seed in meta_seeds:
         for world in worlds:
+            cell = Cell(world, replace(world_settings(world, base), meta_seed=seed, eval_split="test"))
             if (world, seed) in cells:
-                log(f"study cell world {world}, meta seed {seed}: taken from {previous}")
+                have = {k for k, _ in cells[(world, seed)]}
+                missing = tuple(k for k in STUDY_KEYS if k not in have) if add_missing_rows else ()
+                if not missing:
+                    log(f"study cell world {world}, meta seed {seed}: taken from {previous}")
+                    continue
+                # a cell from an earlier study that lacks rows added since (e.g. zero-shot): only those run
+                log(f"study cell world {world}, meta seed {seed}: adding rows {', '.join(missing)}")
+                t = time.time()
+                cells[(world, seed)].update(cell_h(run_cell(cell, root, missing, world_root)))
+                seconds[f"{world}/{seed}"] = round(seconds.get(f"{world}/{seed}", 0.0) + time.time() - t, 1)
+                result = _write_results(root, cells, seconds, base)
                 continue
             t = time.time()
-            cell = Cell(world, replace(world_settings(world, base), meta_seed=seed, eval_split="test"))
             log(f"study cell world {world}, meta seed {seed}: {cell.name}")
             cells[(world, seed)] = cell_h(run_cell(cell, root, STUDY_KEYS, world_root))
             seconds[f"{world}/{seed}"] = round(time.time() - t, 1)
@@ -260,7 +333,8 @@ def _write_results(root: Path, cells: dict, seconds: dict, base: DemoSettings) -
               "settings": settings_record(base),
               "bootstrap": {"draws": BOOTSTRAP_DRAWS, "levels": ["world", "meta seed x fine-tuning seed"]}}
     write_json_atomic(root / "results.json", result)
-    write_text_atomic(root / "results.md", markdown(rows))
+    write_text_atomic(root / "results.md", markdown(rows) + "\nRegime (base / new accuracy, %; a world's numbers are "
+                      "means over its cells and fine-tuning seeds):\n\n" + regime_markdown(cells))
     return result
 
 
@@ -312,9 +386,132 @@ def select(root: Path, worlds: Sequence[str], base: DemoSettings, world_root: Op
     return chosen
 
 
+# ------------------------------------------------------------------------------ β's share of the travel
+TRAVEL_KEYS = ("gram_coop", "gram_vpt", "unigram", "gram_coop_reg_only", "gram_vpt_reg_only", "unigram_reg_only")
+
+
+def travel_cell(cell: Cell, root: Path, keys: Sequence[str] = TRAVEL_KEYS, seed: int = 1,
+                datasets: Optional[Sequence[str]] = None, world_root: Optional[Path] = None) -> list[dict]:
+    """β's share of θ's travel (:class:`meta.travel.TravelSplit`) over the fine-tuning schedule of the regulated
+    rows ``keys`` of ``cell`` (its cached world, CHC and meta-training; fine-tuning seed ``seed``), one record per
+    (dataset, row) with the row's base / new / H of that run.  In-process, one run at a time."""
+    import warnings
+
+    from meta.backbone import load_clip
+    from meta.evaluation import DatasetRef, EvaluationSession, TrainSpec, evaluate_base_to_new
+    from meta.travel import TravelSplit
+
+    from .demo.stages import method_spec
+
+    s = cell.settings
+    world, weights, model, inits, out = prepare_cell(cell, root, keys, world_root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        clip, dims = load_clip(model, pretrained=str(weights))
+    session = EvaluationSession(clip, dims, cache_dir=str(out / "feature_cache"), log=lambda m: None)
+    train = TrainSpec(epochs=s.epochs, batch_size=s.batch_size, rrcrop_scale=s.rrcrop_scale, eval_every_epoch=False)
+    names = datasets or s.datasets or tuple(d.name for d in world.with_role("base2new"))
+    records = []
+    for name in names:
+        ref = DatasetRef.from_dir(str(world.dataset(name).dataset_dir), name=name)
+        for key in keys:
+            row = METHOD_BY_KEY[key]
+            with TravelSplit() as split:
+                rec = evaluate_base_to_new(ref, clip, dims, method_spec(row, inits.get(row.variant, ""), s),
+                                           seed=seed, shots=s.shots, train=train, session=session,
+                                           log=lambda m: None, eval_split=s.eval_split)
+            records.append({"dataset": name, "key": key, "seed": seed, "base": rec["base"], "new": rec["new"],
+                            "H": rec["H"], **{k: round(v, 6) for k, v in split.summary().items()}})
+            log(f"travel {cell.world} {name} {key}: beta share {records[-1].get('beta_share', float('nan')):.3f}")
+    return records
+
+
+# A variant replaces today's (k1) only when its mean paired difference beats k1's by more than this (H points):
+# the earlier sweep's top three settings were within 0.15 H, two seeds of val splits (docs/gram_training_match.md).
+SELECT_MARGIN_H = 0.5
+
+
+def rank_regulator_variants(per_variant: dict, reference: str = "k1", margin: float = SELECT_MARGIN_H) -> dict:
+    """The written-down rule of ``select --sweep regulator`` applied to finished cells.
+
+    ``per_variant``: ``{variant: {(world, meta seed): cell_h table holding the GRAM rows and their baselines}}``.
+    Score of a variant: the mean over its worlds of the three paired H differences (GRAM row − its baseline,
+    :data:`BASELINE_OF`), each averaged over the world's fine-tuning seeds.  Returns ``{"rows": [...] best
+    first, "chosen": name}``: the best variant when it beats ``reference`` by more than ``margin`` on the worlds
+    both have, else ``reference``."""
+    rows = []
+    for name, cells in per_variant.items():
+        diffs = paired_differences(cells, tuple(BASELINE_OF.items()))
+        per_world = {w: {m: round(float(np.mean(g[w])), 3) for (m, _), g in diffs.items() if w in g}
+                     for w in sorted({w for g in diffs.values() for w in g})}
+        complete = {w: d for w, d in per_world.items() if len(d) == len(BASELINE_OF)}
+        if not complete:
+            continue
+        world_means = {w: float(np.mean(list(d.values()))) for w, d in complete.items()}
+        rows.append({"variant": name, "overrides": list(REGULATOR_SWEEP.get(name, ())),
+                     "val_diff_H_per_world": complete, "mean_per_world": {w: round(v, 3) for w, v in world_means.items()},
+                     "mean_val_diff_H": round(float(np.mean(list(world_means.values()))), 3)})
+    rows.sort(key=lambda r: -r["mean_val_diff_H"])
+    chosen = reference
+    ref = next((r for r in rows if r["variant"] == reference), None)
+    if rows and ref is not None and rows[0]["variant"] != reference:
+        shared = sorted(set(rows[0]["mean_per_world"]) & set(ref["mean_per_world"]))
+        if shared:
+            gain = (np.mean([rows[0]["mean_per_world"][w] for w in shared])
+                    - np.mean([ref["mean_per_world"][w] for w in shared]))
+            if gain > margin:
+                chosen = rows[0]["variant"]
+    return {"rows": rows, "chosen": chosen, "margin_H": margin, "reference": reference}
+
+
+def regulator_markdown(result: dict) -> str:
+    worlds = sorted({w for r in result["rows"] for w in r["val_diff_H_per_world"]})
+    lines = ["| variant | " + " | ".join(f"world {w}: CoOp / VPT / UNIGRAM (mean)" for w in worlds)
+             + " | mean over worlds |", "| --- | " + " | ".join("---" for _ in worlds) + " | --- |"]
+    for r in result["rows"]:
+        cells = []
+        for w in worlds:
+            d = r["val_diff_H_per_world"].get(w)
+            cells.append("-" if d is None else " / ".join(f"{d.get(k, float('nan')):+.2f}" for k in SWEEP_GRAM_KEYS)
+                         + f" ({r['mean_per_world'][w]:+.2f})")
+        lines.append(f"| {r['variant']} | " + " | ".join(cells) + f" | {r['mean_val_diff_H']:+.2f} |")
+    lines += ["", f"Chosen by the rule (beat `{result['reference']}` by more than {result['margin_H']:g} H): "
+                  f"`{result['chosen']}`"]
+    return "\n".join(lines) + "\n"
+
+
+def select_regulator(root: Path, worlds: Sequence[str], base: DemoSettings, variants: Sequence[str] = tuple(REGULATOR_SWEEP),
+                     world_root: Optional[Path] = None) -> dict:
+    """The validation sweep over how R_φ is meta-trained (:data:`REGULATOR_SWEEP`) at the default test-time
+    switches, meta seed ``base.meta_seed``, val splits; world by world, variant by variant, rewriting
+    ``selection_regulator.json`` / ``.md`` after every cell (a stopped sweep leaves what finished, and a
+    rerun takes every cached stage)."""
+    unknown = [v for v in variants if v not in REGULATOR_SWEEP]
+    if unknown:
+        raise ValueError(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(REGULATOR_SWEEP)}")
+    per_variant: dict = {}
+    result: dict = {}
+    for world in worlds:
+        ws = replace(world_settings(world, base), eval_split="val")
+        baseline = cell_h(run_cell(Cell(world, ws), root, tuple(BASELINE_OF.values()) + ("zsclip",), world_root))
+        for name in variants:
+            cell = Cell(world, replace(ws, meta_overrides=REGULATOR_SWEEP[name]), variant=name)
+            log(f"select regulator: world {world} {cell.name}")
+            table = {**baseline, **cell_h(run_cell(cell, root, SWEEP_GRAM_KEYS, world_root))}
+            per_variant.setdefault(name, {})[(world, ws.meta_seed)] = table
+            result = {**rank_regulator_variants(per_variant), "worlds_done": sorted({w for c in per_variant.values()
+                                                                                     for w, _ in c}),
+                      "split": "val", "seeds": list(base.seeds), "meta_seed": base.meta_seed,
+                      "cells": {f"{v}/{w}/{s}": {f"{k}/{fs}": list(x) for (k, fs), x in t.items()}
+                                for v, c in per_variant.items() for (w, s), t in c.items()}}
+            write_json_atomic(root / "selection_regulator.json", result)
+            write_text_atomic(root / "selection_regulator.md", regulator_markdown(result))
+    return result
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gram_world.study", description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=("run", "select"))
+    parser.add_argument("command", choices=("run", "select", "travel"))
     parser.add_argument("--worlds", nargs="+", default=list(WORLDS), help=f"study worlds ({', '.join(WORLDS)})")
     parser.add_argument("--meta-seeds", type=int, nargs="+", default=list(META_SEEDS))
     parser.add_argument("--seeds", type=int, nargs="+", help="fine-tuning seeds (default: the demo's 1 2 3; "
@@ -324,6 +521,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume-from", default="", help="run: an earlier results.json (same settings) whose "
                         "cells are kept, not rerun (default: <out>/results.json when it exists); e.g. "
                         "docs/study/results.json, the committed study")
+    parser.add_argument("--sweep", choices=("switches", "regulator"), default="switches",
+                        help="select: the test-time switches (window, launch, query weight) or how R_φ is "
+                        "meta-trained (REGULATOR_SWEEP, at the default switches)")
+    parser.add_argument("--variants", nargs="+", help=f"select --sweep regulator: the variants "
+                        f"(default all: {', '.join(REGULATOR_SWEEP)}); travel: the sweep variant whose cell is measured")
+    parser.add_argument("--datasets", nargs="+", help="travel: base-to-new datasets (default: all of the world's)")
+    parser.add_argument("--add-missing-rows", action="store_true",
+                        help="run: cells kept from --resume-from that lack rows added since (zero-shot) run those rows")
+    parser.add_argument("--split", choices=("test", "val"), default="test",
+                        help="travel: the split of the cells whose schedules are measured (run's cells: test)")
     parser.add_argument("--quick", action="store_true", help="the demo's --quick settings (a smoke test)")
     parser.add_argument("--debug", action="store_true")
     return parser
@@ -345,9 +552,38 @@ def _main(argv: list) -> int:
         base = replace(base, seeds=tuple(args.seeds or base.seeds))
         root = Path(args.out or "output/study")
         result = study(root, args.worlds, args.meta_seeds, base,
-                       previous=Path(args.resume_from) if args.resume_from else None)
+                       previous=Path(args.resume_from) if args.resume_from else None,
+                       add_missing_rows=args.add_missing_rows)
         print((root / "results.md").read_text(), end="")
         print(f"study: {len(result['cells'])} cells in {root}; this call took {time.time() - t:.0f} s")
+    elif args.command == "travel":
+        seed = (args.seeds or [1])[0]
+        root = Path(args.out or "output/study")
+        records = []
+        for world in args.worlds:
+            for meta_seed in args.meta_seeds:
+                settings = replace(world_settings(world, base), meta_seed=meta_seed, eval_split=args.split)
+                variant = args.variants[0] if args.variants else ""
+                if variant:    # a cell of the regulator sweep (its folder and meta-training runs)
+                    if variant not in REGULATOR_SWEEP:
+                        raise ValueError(f"--variants: unknown {variant}; known: {', '.join(REGULATOR_SWEEP)}")
+                    settings = replace(settings, meta_overrides=REGULATOR_SWEEP[variant])
+                cell = Cell(world, settings, variant=variant)
+                for rec in travel_cell(cell, root, seed=seed, datasets=args.datasets):
+                    records.append({"world": world, "meta_seed": meta_seed, "variant": variant, **rec})
+                write_json_atomic(root / "travel.json", {"records": records, "fine_tuning_seed": seed})
+        for key in TRAVEL_KEYS:
+            shares = [r["beta_share"] for r in records if r["key"] == key and "beta_share" in r]
+            proj = [r["beta_projection"] for r in records if r["key"] == key and "beta_projection" in r]
+            if shares:
+                print(f"{key:<22} beta share of the travel {np.mean(shares):.3f} (projection {np.mean(proj):+.3f}), "
+                      f"{len(shares)} runs")
+    elif args.sweep == "regulator":
+        base = replace(base, seeds=tuple(args.seeds or base.seeds[:2]))
+        root = Path(args.out or "output/select_regulator")
+        result = select_regulator(root, args.worlds, base, tuple(args.variants or REGULATOR_SWEEP))
+        print(regulator_markdown(result), end="")
+        print(f"select --sweep regulator: chosen {result['chosen']}; this call took {time.time() - t:.0f} s")
     else:
         base = replace(base, seeds=tuple(args.seeds or base.seeds[:2]))
         root = Path(args.out or "output/select")

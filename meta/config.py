@@ -151,6 +151,12 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.AUTOCAST = "none"          # none | bf16 | fp16 autocast of the CLIP passes on CUDA (CPU: fp32, one log line);
     #                              bf16 is the safer choice: fp16 scales only the outer loss (meta.precision)
     m.INNER_MOMENTUM = 0.0       # heavy-ball inner SGD as the test-time optimiser (0.9 there); needs INNER_STEPS > 1
+    m.INNER_WEIGHT_DECAY = 0.0   # lambda of the inner SGD, added to R_phi(g) as torch SGD does at test time (5e-4 there)
+    m.INNER_SUPPORT = "repeat"   # repeat = every inner step on the whole support (Alg. 1) | split = INNER_STEPS
+    #                              class-balanced windows of the support, one per step (raise TASKS.N_SUPPORT to match)
+    m.TRAJECTORY_STATES = 0      # S > 0: also the query loss one regulated step from S detached states of a regulated
+    #                              run from theta on the support (WarpGrad, arXiv 1909.00025); reaches phi only
+    m.TRAJECTORY_WINDOWS = 0     # T steps of that run (inner rule, support windows cycled); 0 = TRAJECTORY_STATES
     m.QUERY_BEFORE_WEIGHT = DEFAULT_QUERY_BEFORE_WEIGHT  # w: outer loss L_q(theta') + w L_q(theta), so theta* is also good where the
     #                              downstream schedule starts (0 = the paper's one-step objective, Eq. 8)
 
@@ -164,6 +170,8 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.REGULATOR.NORM_PRESERVE = False  # rescale the regulated gradient to the raw one's norm (per tensor)
     m.REGULATOR.MIX = False         # learned c = sigmoid(m): (1 - c) * regulated + c * raw
     m.REGULATOR.MIX_INIT = 0.0      # initial m (0 -> c = 0.5)
+    m.REGULATOR.HALVES = "both"     # both | gamma (beta = 0) | beta (gamma = 1): the two halves of R_phi as rows
+    m.REGULATOR.LEARN_LR = False    # Meta-SGD: a learned per-tensor step size exp(l) on the regulated gradient
     m.REGULATOR.WEIGHT_DECAY = 0.0  # L2 on phi in the outer step: keeps R_phi near the identity (residual form)
 
     # ---- theta (meta.prompts.PromptSpec): CoOp = text only, VPT = vision only, UNIGRAM = both

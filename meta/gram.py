@@ -38,6 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import precision
 from ._l2l import l2l
+from .inner import SUPPORT_MODES, InnerRule, inner_loop, set_parameters_, support_windows
 from .prompts import PromptParams
 from .regulator import GradientRegulator, RegulatorFactory, RegulatorSpec
 
@@ -69,12 +70,23 @@ class MetaSpec:
     inner_momentum: float = 0.0    # μ of heavy-ball inner SGD (test-time SGD uses 0.9); 0 = plain steps
     regulator_weight_decay: float = 0.0  # L2 on φ in the outer optimiser: pulls φ to 0 = identity R_φ (residual form)
     query_before_weight: float = DEFAULT_QUERY_BEFORE_WEIGHT  # w of L_q(θ) in the outer objective (0 = Eq. 8)
+    inner_weight_decay: float = 0.0  # λ of the inner SGD (added to R_φ(g), as torch SGD at test time); 0 = none
+    inner_support: str = "repeat"    # data of each inner step: repeat = whole support | split = K class-balanced windows
+    trajectory_states: int = 0       # S states θ_t per task along a regulated run from θ (WarpGrad-style); 0 = off
+    trajectory_windows: int = 0      # T steps of that run (states evenly spaced over it); 0 = S (a state per step)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.inner_momentum < 1.0:
             raise ValueError(f"MetaSpec.inner_momentum must be in [0, 1), got {self.inner_momentum}")
         if self.regulator_weight_decay < 0:
             raise ValueError(f"MetaSpec.regulator_weight_decay must be >= 0, got {self.regulator_weight_decay}")
+        if self.inner_weight_decay < 0:
+            raise ValueError(f"MetaSpec.inner_weight_decay must be >= 0, got {self.inner_weight_decay}")
+        if self.inner_support not in SUPPORT_MODES:
+            raise ValueError(f"MetaSpec.inner_support must be one of {SUPPORT_MODES}, got {self.inner_support!r}")
+        if self.trajectory_states < 0 or (self.trajectory_windows and self.trajectory_windows < self.trajectory_states):
+            raise ValueError(f"MetaSpec: trajectory_windows ({self.trajectory_windows}) must be 0 or >= "
+                             f"trajectory_states ({self.trajectory_states}) >= 0")
         if self.query_before_weight < 0:
             raise ValueError(f"MetaSpec.query_before_weight must be >= 0, got {self.query_before_weight}")
 
@@ -182,32 +194,74 @@ class GRAMMetaLearner(nn.Module):
         learner, losses, accs = self._adapt(loss_fn, support, first_order, steps)
         return learner, [float(x) for x in losses], [float(x) for x in accs]
 
+    def inner_rule(self) -> InnerRule:
+        """The optimiser the inner loop unrolls (:class:`meta.inner.InnerRule`): α, μ and λ of ``spec``."""
+        return InnerRule(lr=self.spec.inner_lr, momentum=self.spec.inner_momentum,
+                         weight_decay=self.spec.inner_weight_decay)
+
+    def support_forward(self, first_order: bool) -> contextlib.AbstractContextManager:
+        """Context of one support forward: autocast, and the MATH attention kernel when second order."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.cast())
+        if not first_order:  # only a second-order step differentiates the support gradient again
+            stack.enter_context(double_backward_attention())
+        return stack
+
     def _adapt(self, loss_fn: LossFn, support: Any, first_order: Optional[bool],
                steps: Optional[int]) -> tuple[l2l.algorithms.GBML, list[torch.Tensor], list[torch.Tensor]]:
-        """:meth:`adapt` with metrics kept as 0-d tensors (no host sync inside the loop)."""
+        """:meth:`adapt` with metrics kept as 0-d tensors (no host sync inside the loop).
+
+        A thin caller of :func:`meta.inner.inner_loop`: clone θ, deal the support into the steps' windows
+        (``spec.inner_support``), unroll ``inner_rule()``.
+        """
         first_order = self.spec.first_order if first_order is None else first_order
         learner = self.gbml.clone(first_order=first_order)
-        losses, accs = [], []
-        labels = self.labels_of(support)
-        mu = self.spec.inner_momentum
-        velocity: Optional[list] = None
-        for _ in range(self.spec.inner_steps if steps is None else steps):
-            # only a second-order step differentiates the support gradient again
-            with self.cast(), contextlib.nullcontext() if first_order else double_backward_attention():
-                loss, logits = loss_fn(learner.module, support)
-            if mu > 0:
-                # GBML.adapt's own update, with a velocity in between: v <- mu v + R_phi(g); theta <- theta - alpha v
-                updates = learner.compute_update(loss, learner.module.parameters(), create_graph=not first_order,
-                                                 retain_graph=not first_order, allow_unused=learner.allow_unused,
-                                                 allow_nograd=learner.allow_nograd)
-                velocity = list(updates) if velocity is None else [
-                    u if v is None or u is None else mu * v + u for v, u in zip(velocity, updates)]
-                learner.diff_sgd(learner.module, velocity)
-            else:
-                learner.adapt(loss, first_order=first_order)
-            losses.append(loss.detach())
-            accs.append(_accuracy_t(logits.detach(), labels))
+        windows = support_windows(support, self.spec.inner_steps if steps is None else steps, self.spec.inner_support)
+        losses, accs = inner_loop(learner, loss_fn, windows, self.inner_rule(), first_order=first_order,
+                                  labels_of=self.labels_of, forward_context=lambda: self.support_forward(first_order))
         return learner, losses, accs
+
+    def trajectory_steps(self) -> list[int]:
+        """After how many steps of the regulated run the states θ_t are taken: S evenly spaced t in [1, T]."""
+        n_states = self.spec.trajectory_states
+        length = self.spec.trajectory_windows or n_states
+        return [round((s + 1) * length / n_states) for s in range(n_states)]
+
+    def _trajectory_loss(self, loss_fn: LossFn, task: TaskBatch) -> torch.Tensor:
+        """(1/S) Σ_t L_q(θ_t − α R_φ(∇L(θ_t, window)) + weight decay), θ_t detached states of a regulated run.
+
+        WarpGrad-style (Flennerhag et al., ICLR 2020, arXiv 1909.00025): the run starts at θ and follows
+        :meth:`inner_rule` (momentum included) over ``trajectory_windows`` steps on the task's support windows
+        (cycled); from each state one regulated step without momentum, then the query loss.  No backprop
+        through the run: the terms reach φ only (first order is exact here, θ_t does not depend on φ)."""
+        windows = support_windows(task.support, self.spec.inner_steps, self.spec.inner_support)
+        wanted = set(self.trajectory_steps())
+        states: dict[int, list[torch.Tensor]] = {}
+
+        def keep(k: int, module: nn.Module) -> None:
+            detached = [p.detach().requires_grad_() for p in module.parameters()]
+            set_parameters_(module, detached)   # cut the run's graph after every step
+            if k + 1 in wanted:
+                states[k + 1] = [p.detach() for p in detached]
+
+        run = self.gbml.clone(first_order=True)
+        set_parameters_(run.module, [p.detach().requires_grad_() for p in run.module.parameters()])
+        length = self.spec.trajectory_windows or self.spec.trajectory_states
+        inner_loop(run, loss_fn, [windows[t % len(windows)] for t in range(length)], self.inner_rule(),
+                   first_order=True, labels_of=self.labels_of, forward_context=lambda: self.support_forward(True),
+                   after_step=keep)
+        del run
+        step_rule = InnerRule(lr=self.spec.inner_lr, weight_decay=self.spec.inner_weight_decay)
+        total = torch.zeros(())
+        for t in sorted(states):
+            learner = self.gbml.clone(first_order=True)
+            set_parameters_(learner.module, [x.clone().requires_grad_() for x in states[t]])
+            inner_loop(learner, loss_fn, [windows[t % len(windows)]], step_rule, first_order=True,
+                       labels_of=self.labels_of, forward_context=lambda: self.support_forward(True))
+            with self.cast():
+                q_loss, _ = loss_fn(learner.module, task.query)
+            total = total + q_loss.float() / len(states)
+        return total
 
     # ----- outer loop --------------------------------------------------------------
     def meta_step(self, tasks: Sequence[TaskBatch], loss_fn: LossFn, detailed: bool = False) -> dict[str, float]:
@@ -241,6 +295,10 @@ class GRAMMetaLearner(nn.Module):
                 with self.cast():
                     q_loss0, _ = loss_fn(self.prompt_module, task.query)
                 self.backward(w * q_loss0.float() / n_tasks)
+            if self.spec.trajectory_states > 0:
+                traj = self._trajectory_loss(loss_fn, task)
+                self.backward(traj.float() / n_tasks)
+                per_task.setdefault("query_loss_trajectory", []).append(traj.detach().float())
             values = {"support_loss_before": s_losses[0], "support_acc_before": s_accs[0],
                       "query_loss_after": q_loss.detach(),
                       "query_acc_after": _accuracy_t(q_logits.detach(), self.labels_of(task.query))}

@@ -35,6 +35,13 @@ offset β.  Design choices (all switchable; defaults in brackets):
   gradient by a learned coefficient in (0, 1) (there input-dependent; here one
   scalar per prompt tensor).
 
+* ``halves`` ["both"]: "gamma" keeps only the gain (β ≡ 0, ĝ = γ ⊙ g), "beta" only the offset (γ ≡ 1,
+  ĝ = g + β); the unused linear map stays in the state (and the file) at its initial value.
+* ``learn_lr`` [False]: a learned per-tensor step size exp(ℓ) (ℓ starts at 0) multiplies ĝ, applied last;
+  Meta-SGD (Li, Zhou, Chen and Li, arXiv 1707.09835) learns step sizes beside the initialisation; here one
+  per prompt tensor.  It lives in R_φ, so the init file carries it and the test-time
+  regulation (``meta.finetune.GradientRegulation``) applies it with the rest of R_φ.
+
 Deep VPT keeps one ``[D, n, d_v]`` tensor, so one regulator (over d_v) serves all
 its layers: the per-tensor rule of the paper ("one regulator per prompt tensor").
 
@@ -53,6 +60,7 @@ from torch import nn
 
 _EPS = 1e-12
 _TINY = 1e-30   # guards the norm-preserving rescale against a zero regulated gradient
+HALVES = ("both", "gamma", "beta")
 
 
 @dataclass
@@ -68,12 +76,17 @@ class RegulatorSpec:
     norm_preserve: bool = False            # ĝ rescaled to ‖g‖ (per prompt tensor)
     mix: bool = False                      # learned raw/regulated mixing coefficient c = sigmoid(m)
     mix_init: float = 0.0                  # initial m (0 -> c = 0.5)
+    halves: str = "both"                   # both | gamma (β ≡ 0: ĝ = γ ⊙ g) | beta (γ ≡ 1: ĝ = g + β)
+    learn_lr: bool = False                 # Meta-SGD: a learned per-tensor step size exp(ℓ) multiplies ĝ
 
     def __post_init__(self) -> None:
         if self.form not in ("residual", "paper"):
             raise ValueError(f"regulator form must be 'residual' or 'paper', got {self.form!r}")
         if self.init not in ("zero", "normal"):
             raise ValueError(f"regulator init must be 'zero' or 'normal', got {self.init!r}")
+        if self.halves not in HALVES:
+            raise ValueError(f"regulator halves must be one of {' | '.join(HALVES)}, got {self.halves!r}")
+        self.learn_lr = bool(self.learn_lr)
         if not 0.0 < float(self.gamma_bound) <= 1.0:
             raise ValueError(f"regulator gamma_bound must be in (0, 1], got {self.gamma_bound!r}")
         self.gamma_bound = float(self.gamma_bound)
@@ -96,7 +109,8 @@ class GradientRegulator(nn.Module):
 
     Input and output: a gradient ``[..., dim]``.  Parameters: ``gamma`` and ``beta``
     (each an ``nn.Linear(dim, dim)``: W ``[dim, dim]``, b ``[dim]``), plus the 0-d
-    ``mix_logit`` m when ``spec.mix`` (absent otherwise, so files written without it load).
+    ``mix_logit`` m when ``spec.mix`` and the 0-d ``log_lr`` ℓ when ``spec.learn_lr`` (each absent otherwise,
+    so files written without them load).
     """
 
     def __init__(self, dim: int, spec: Optional[RegulatorSpec] = None):
@@ -114,6 +128,12 @@ class GradientRegulator(nn.Module):
                     lin.weight.normal_(0.0, self.spec.init_std)
         if self.spec.mix:
             self.mix_logit = nn.Parameter(torch.tensor(self.spec.mix_init))
+        if self.spec.learn_lr:
+            self.log_lr = nn.Parameter(torch.tensor(0.0))
+
+    def step_size(self) -> Optional[torch.Tensor]:
+        """The learned per-tensor step size exp(ℓ) (0-d), or ``None`` without ``spec.learn_lr``."""
+        return torch.exp(self.log_lr) if self.spec.learn_lr else None
 
     def mix_coefficient(self) -> Optional[torch.Tensor]:
         """c = sigmoid(m), the raw gradient's share (0-d), or ``None`` without ``spec.mix``."""
@@ -133,14 +153,35 @@ class GradientRegulator(nn.Module):
     def forward(self, grad: torch.Tensor) -> torch.Tensor:
         if grad.shape[-1] != self.dim:
             raise ValueError(f"regulator built for last dim {self.dim}, got gradient {tuple(grad.shape)}")
-        gamma, beta = self.modulation(grad)
+        return self.parts(grad)[0]
+
+    def parts(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ĝ, b)``: the regulated gradient and the part of it that comes from β (shapes of ``grad``).
+
+        ĝ is linear in (γ ⊙ g, β) given the scalar factors (norm rescale, mix, step size), so ĝ − b is the
+        part from γ ⊙ g (and, with ``mix``, the raw gradient's share).
+        """
+        halves = self.spec.halves
+        if halves == "both":
+            gamma, beta = self.modulation(grad)
+        elif halves == "gamma":
+            gamma, beta = self.modulation(grad)[0], torch.zeros_like(grad)
+        else:
+            gamma, beta = torch.ones_like(grad), self.modulation(grad)[1]
         out = gamma * grad + beta
+        factor = None
         if self.spec.norm_preserve:
-            out = out * (grad.norm() / out.norm().clamp_min(_TINY))
+            factor = grad.norm() / out.norm().clamp_min(_TINY)
+            out = out * factor
+        b = beta if factor is None else beta * factor
         if self.spec.mix:
             c = self.mix_coefficient()
             out = (1.0 - c) * out + c * grad
-        return out
+            b = (1.0 - c) * b
+        if self.spec.learn_lr:
+            lr = self.step_size()
+            out, b = lr * out, lr * b
+        return out, b
 
 
 class RegulatorFactory:

@@ -97,7 +97,10 @@ def test_results_files_are_written_from_the_finished_cells(tmp_path):
     again = json.loads((tmp_path / "results.json").read_text())
     assert again["pairs"] == result["pairs"] and again["pairs"][0]["mean_diff_H"] == pytest.approx(1.2)
     assert again["cells"] == {"0/0": {"gram_coop/1": [50.0, 40.0, 44.4], "coop/1": [50.0, 38.0, 43.2]}}
-    assert (tmp_path / "results.md").read_text().count("\n") == 3
+    text = (tmp_path / "results.md").read_text()
+    assert text.split("\n\nRegime")[0].count("\n") == 2          # header, rule, one pair
+    assert "| paper, Table 1a (11 datasets) | 69.34 / 74.22 | 77.58 / 73.11 | 72.53 / 72.34 | +8.24 / -1.11 |" in text
+    assert "| world 0 | - | 50.00 / 38.00 | - | - | - |" in text   # no zero-shot row in that cell
 
 
 def test_a_study_resumes_from_an_earlier_results_file_and_runs_only_missing_cells(tmp_path, monkeypatch):
@@ -125,3 +128,64 @@ def test_a_study_resumes_from_an_earlier_results_file_and_runs_only_missing_cell
     with pytest.raises(ValueError, match="launch"):                 # another setting: not this study's cells
         study.study(tmp_path / "other", ["0"], [0], replace(base, launch=not base.launch),
                     previous=tmp_path / "old" / "results.json")
+
+
+def test_regime_averages_each_world_and_subtracts_zero_shot():
+    cells = {("0", 0): {("zsclip", 1): (40.0, 50.0, 0.0), ("coop", 1): (50.0, 44.0, 0.0), ("coop", 2): (52.0, 46.0, 0.0),
+                        ("vpt", 1): (45.0, 49.0, 0.0)},
+             ("0", 1): {("zsclip", 1): (40.0, 50.0, 0.0), ("coop", 1): (54.0, 48.0, 0.0)}}
+    reg = study.regime(cells)
+    assert reg["0"]["coop"] == pytest.approx((52.0, 46.0)) and reg["0"]["zsclip"] == (40.0, 50.0)
+    assert "| world 0 | 40.00 / 50.00 | 52.00 / 46.00 | 45.00 / 49.00 | +12.00 / -4.00 | +5.00 / -1.00 |" in \
+        study.regime_markdown(cells)
+
+
+def test_gram_against_theta_only_pairs_and_zero_shot_are_study_rows():
+    assert {("gram_coop", "gram_coop_init_only"), ("gram_vpt", "gram_vpt_init_only"),
+            ("unigram", "unigram_no_reg")} <= set(study.PAIRS)
+    assert "zsclip" in study.STUDY_KEYS
+
+
+def test_add_missing_rows_runs_only_the_rows_a_kept_cell_lacks(tmp_path, monkeypatch):
+    base = DemoSettings.preset(True)
+    earlier = {("0", 0): {(k, 1): (50.0, 40.0, 44.4) for k in study.STUDY_KEYS if k != "zsclip"}}
+    study._write_results(tmp_path / "old", earlier, {"0/0": 12.0}, base)
+    asked = []
+
+    def fake_run_cell(cell, root, keys, world_root=None):
+        asked.append(tuple(keys))
+        return [{"key": k, "seed": 1, "base": 30.0, "new": 60.0} for k in keys]
+
+    monkeypatch.setattr(study, "run_cell", fake_run_cell)
+    kept = study.study(tmp_path / "a", ["0"], [0], base, previous=tmp_path / "old" / "results.json")
+    assert asked == [] and "zsclip/1" not in kept["cells"]["0/0"]
+    result = study.study(tmp_path / "b", ["0"], [0], base, previous=tmp_path / "old" / "results.json",
+                         add_missing_rows=True)
+    assert asked == [("zsclip",)]
+    assert result["cells"]["0/0"]["zsclip/1"] == [30.0, 60.0, 40.0]
+    assert result["cells"]["0/0"]["coop/1"] == [50.0, 40.0, 44.4] and result["seconds_per_cell"]["0/0"] >= 12.0
+
+
+def test_regulator_sweep_cells_and_the_written_rule():
+    base = DemoSettings.preset(True)
+    cell = study.Cell("0", replace(base, meta_overrides=study.REGULATOR_SWEEP["k4"], eval_split="val"), variant="k4")
+    assert cell.name.endswith("_k4") and cell.meta_folder == "meta_seed0_qbw0_k4"
+    assert study.Cell("0", base).meta_folder == "meta_seed0_qbw0"      # the earlier folders keep their names
+
+    def table(gram_minus_base):
+        t = {}
+        for (g, b), d in zip(study.BASELINE_OF.items(), gram_minus_base):
+            t[(b, 1)] = (50.0, 50.0, 50.0)
+            t[(g, 1)] = (50.0 + d, 50.0 + d, 50.0 + d)
+        return t
+    per = {"k1": {("0", 0): table((1.0, -2.0, 0.0)), ("1", 0): table((0.0, 0.0, 0.0))},
+           "k4": {("0", 0): table((1.0, 0.0, 0.0)), ("1", 0): table((0.0, 0.0, 0.0))},       # +0.33 over k1
+           "beta_only": {("0", 0): table((3.0, 0.0, 0.0)), ("1", 0): table((3.0, 0.0, 0.0))}}  # +1.33 over k1
+    ranked = study.rank_regulator_variants(per)
+    assert [r["variant"] for r in ranked["rows"]] == ["beta_only", "k4", "k1"]
+    assert ranked["rows"][0]["mean_val_diff_H"] == pytest.approx(1.0)
+    assert ranked["chosen"] == "beta_only"
+    del per["beta_only"]
+    assert study.rank_regulator_variants(per)["chosen"] == "k1"          # +0.33 H is within the 0.5 H margin
+    assert "| k4 | +1.00 / +0.00 / +0.00 (+0.33) | +0.00 / +0.00 / +0.00 (+0.00) | +0.17 |" in \
+        study.regulator_markdown(study.rank_regulator_variants(per))

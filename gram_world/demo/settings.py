@@ -151,7 +151,9 @@ PAIRS = (("gram_coop", "coop"), ("gram_coop_init_only", "coop"), ("gram_coop_reg
          ("gram_vpt", "vpt"), ("gram_vpt_init_only", "vpt"), ("gram_vpt_reg_only", "vpt"),
          ("unigram", "joint"), ("unigram_no_reg", "joint"), ("unigram_reg_only", "joint"),
          ("gram_coop_one_step", "coop"), ("gram_vpt_one_step", "vpt"), ("unigram_one_step", "joint"),
-         ("gram_coop", "gram_coop_one_step"), ("gram_vpt", "gram_vpt_one_step"), ("unigram", "unigram_one_step"))
+         ("gram_coop", "gram_coop_one_step"), ("gram_vpt", "gram_vpt_one_step"), ("unigram", "unigram_one_step"),
+         # what R_φ adds to θ*: each GRAM row against its θ*-only row (meta-learned start, raw gradients)
+         ("gram_coop", "gram_coop_init_only"), ("gram_vpt", "gram_vpt_init_only"), ("unigram", "unigram_no_reg"))
 TABLE4_KEYS = ("unigram", "unigram_no_shift", "unigram_no_reg", "unigram_pretrain", "unigram_supervised", "joint")
 TRANSFER_KEYS = TABLE1_KEYS
 TOKEN_KEYS = {n: ("unigram" if n == 4 else f"unigram_{n}tok") for n in TOKEN_COUNTS}
@@ -232,6 +234,9 @@ class DemoSettings:
     launch: bool = DEFAULT_LAUNCH         # the meta-trained inner step once before the schedule
     query_before_weight: float = DEFAULT_QUERY_BEFORE_WEIGHT  # META.QUERY_BEFORE_WEIGHT of every GRAM variant (0 = paper's Eq. 8)
     meta_seed: int = 0                    # SEED of meta-training (task stream, scratch θ): the study varies it
+    # extra META / TASKS (KEY, VALUE, ...) of every GRAM meta variant except the paper-literal one-step rows: how
+    # R_φ is meta-trained (gram_world.study select --sweep regulator); () = the defaults
+    meta_overrides: tuple = ()
     eval_split: str = "test"              # split the base / new accuracies are measured on (val: choosing defaults)
     meta_val_protocol: str = "one_step"   # META.VAL_PROTOCOL: the downstream one costs minutes per variant here; the
                                           # defaults are chosen by gram_world.study select on val splits instead
@@ -302,6 +307,8 @@ def settings_record(settings: DemoSettings) -> dict:
     current = json.loads(json.dumps(asdict(settings)))
     for key in _NOT_RESULTS:
         current.pop(key)
+    if not current["meta_overrides"]:   # folders and hashes written before the field existed stay valid
+        current.pop("meta_overrides")
     return current
 
 

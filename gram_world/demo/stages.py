@@ -31,6 +31,7 @@ from .pool import log, run_with_progress
 from .settings import (ALL_VARIANTS, METHOD_BY_KEY, METHODS, VALUE_BEFORE_SETTING, VARIANT_BY_NAME, DemoSettings, MethodRow,
                        MetaVariant, b2n_keys, demo_pretrain_settings, demo_world_settings, settings_record,
                        transfer_keys, variants_needed)
+from .settings import ONE_STEP
 
 
 def stage_world(settings: DemoSettings, out: Path, world_root: Optional[Path] = None):
@@ -110,6 +111,8 @@ def _variant_cfg(variant: MetaVariant, model: str, weights: str, out: Path, sett
     cfg.TASKS.N_SUPPORT = settings.n_support
     cfg.TASKS.N_QUERY = settings.n_query
     cfg.TASKS.IMAGE_FOLDER = labelled_dir
+    if variant.meta_learned and ONE_STEP[0] not in variant.overrides[::2]:   # one-step rows stay paper-literal
+        cfg.merge_from_list(list(settings.meta_overrides))
     cfg.merge_from_list(list(variant.prompt_overrides + variant.overrides))
     cfg.freeze()
     return cfg

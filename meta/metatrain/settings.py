@@ -77,6 +77,14 @@ def check_meta_cfg(cfg: CN) -> None:
     need(m.META_BATCH >= 1, "META.META_BATCH", "an integer >= 1", m.META_BATCH)
     need(m.INNER_STEPS >= 1, "META.INNER_STEPS", "an integer >= 1", m.INNER_STEPS)
     need(0.0 <= m.INNER_MOMENTUM < 1.0, "META.INNER_MOMENTUM", "a number in [0, 1)", m.INNER_MOMENTUM)
+    need(m.INNER_WEIGHT_DECAY >= 0, "META.INNER_WEIGHT_DECAY", "a number >= 0", m.INNER_WEIGHT_DECAY)
+    need(m.INNER_SUPPORT in ("repeat", "split"), "META.INNER_SUPPORT", "repeat | split", m.INNER_SUPPORT)
+    need(m.INNER_SUPPORT != "split" or cfg.TASKS.N_SUPPORT >= m.INNER_STEPS, "TASKS.N_SUPPORT",
+         f"an integer >= META.INNER_STEPS ({m.INNER_STEPS}) with META.INNER_SUPPORT split", cfg.TASKS.N_SUPPORT)
+    need(m.TRAJECTORY_STATES >= 0, "META.TRAJECTORY_STATES", "an integer >= 0 (0 = off)", m.TRAJECTORY_STATES)
+    need(m.TRAJECTORY_WINDOWS == 0 or m.TRAJECTORY_WINDOWS >= m.TRAJECTORY_STATES, "META.TRAJECTORY_WINDOWS",
+         f"0 (= META.TRAJECTORY_STATES) or an integer >= META.TRAJECTORY_STATES ({m.TRAJECTORY_STATES})",
+         m.TRAJECTORY_WINDOWS)
     need(m.QUERY_BEFORE_WEIGHT >= 0, "META.QUERY_BEFORE_WEIGHT", "a number >= 0", m.QUERY_BEFORE_WEIGHT)
     need(m.REGULATOR.WEIGHT_DECAY >= 0, "META.REGULATOR.WEIGHT_DECAY", "a number >= 0", m.REGULATOR.WEIGHT_DECAY)
     need(m.VAL_FT_STEPS >= 0, "META.VAL_FT_STEPS", "an integer >= 0", m.VAL_FT_STEPS)
@@ -293,7 +301,8 @@ def regulator_spec(cfg: CN) -> RegulatorSpec:
         return RegulatorSpec(form=r.FORM, input_norm=bool(r.INPUT_NORM),
                              beta_scale="grad_rms" if float(r.BETA_SCALE) <= 0 else float(r.BETA_SCALE),
                              init=r.INIT, init_std=float(r.INIT_STD), gamma_bound=float(r.GAMMA_BOUND),
-                             norm_preserve=bool(r.NORM_PRESERVE), mix=bool(r.MIX), mix_init=float(r.MIX_INIT))
+                             norm_preserve=bool(r.NORM_PRESERVE), mix=bool(r.MIX), mix_init=float(r.MIX_INIT),
+                             halves=str(r.HALVES), learn_lr=bool(r.LEARN_LR))
     except ValueError as err:
         raise ValueError(f"META.REGULATOR: {err}") from None
 
@@ -315,7 +324,9 @@ def meta_spec(cfg: CN, device=None) -> "MetaSpec":
                     regulate=bool(m.REGULATE) and not pretrain, regulator=regulator_spec(cfg), autocast=autocast,
                     inner_momentum=float(m.INNER_MOMENTUM),
                     regulator_weight_decay=float(m.REGULATOR.WEIGHT_DECAY),
-                    query_before_weight=float(m.QUERY_BEFORE_WEIGHT))
+                    query_before_weight=float(m.QUERY_BEFORE_WEIGHT),
+                    inner_weight_decay=float(m.INNER_WEIGHT_DECAY), inner_support=str(m.INNER_SUPPORT),
+                    trajectory_states=int(m.TRAJECTORY_STATES), trajectory_windows=int(m.TRAJECTORY_WINDOWS))
 
 
 def prompt_spec(cfg: CN) -> PromptSpec:
