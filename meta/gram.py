@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import precision
+from . import batched, precision
 from ._l2l import l2l
 from .prompts import PromptParams
 from .regulator import GradientRegulator, RegulatorFactory, RegulatorSpec
@@ -69,6 +69,7 @@ class MetaSpec:
     inner_momentum: float = 0.0    # μ of heavy-ball inner SGD (test-time SGD uses 0.9); 0 = plain steps
     regulator_weight_decay: float = 0.0  # L2 on φ in the outer optimiser: pulls φ to 0 = identity R_φ (residual form)
     query_before_weight: float = DEFAULT_QUERY_BEFORE_WEIGHT  # w of L_q(θ) in the outer objective (0 = Eq. 8)
+    task_batching: str = "auto"    # auto | on | off: a meta-batch's tasks as one stacked pass (meta.batched)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.inner_momentum < 1.0:
@@ -77,6 +78,9 @@ class MetaSpec:
             raise ValueError(f"MetaSpec.regulator_weight_decay must be >= 0, got {self.regulator_weight_decay}")
         if self.query_before_weight < 0:
             raise ValueError(f"MetaSpec.query_before_weight must be >= 0, got {self.query_before_weight}")
+        if self.task_batching not in batched.TASK_BATCHING:
+            raise ValueError(f"MetaSpec.task_batching must be one of {', '.join(batched.TASK_BATCHING)}, "
+                             f"got {self.task_batching!r}")
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -139,6 +143,7 @@ class GRAMMetaLearner(nn.Module):
         else:
             raise ValueError(f"optimizer must be adam|sgd, got {self.spec.optimizer!r}")
         self.skipped_steps = 0
+        self.task_chunk: Optional[int] = None   # tasks per stacked pass after an out-of-memory fallback (meta.batched)
         precision.check_autocast(self.spec.autocast, "autocast")
         # fp16 scales the outer loss (the inner support gradient is taken unscaled: prefer bf16)
         self.scaler = (torch.amp.GradScaler("cuda", enabled=torch.cuda.is_available())
@@ -182,11 +187,16 @@ class GRAMMetaLearner(nn.Module):
         learner, losses, accs = self._adapt(loss_fn, support, first_order, steps)
         return learner, [float(x) for x in losses], [float(x) for x in accs]
 
-    def _adapt(self, loss_fn: LossFn, support: Any, first_order: Optional[bool],
-               steps: Optional[int]) -> tuple[l2l.algorithms.GBML, list[torch.Tensor], list[torch.Tensor]]:
-        """:meth:`adapt` with metrics kept as 0-d tensors (no host sync inside the loop)."""
+    def _adapt(self, loss_fn: LossFn, support: Any, first_order: Optional[bool], steps: Optional[int],
+               start: Optional[l2l.algorithms.GBML] = None
+               ) -> tuple[l2l.algorithms.GBML, list[torch.Tensor], list[torch.Tensor]]:
+        """:meth:`adapt` with metrics kept as 0-d tensors (no host sync inside the loop).
+
+        ``start``: the clone to adapt (default ``self.gbml.clone()``); :mod:`meta.batched` passes θ stacked
+        for B tasks with a loss summed over them.
+        """
         first_order = self.spec.first_order if first_order is None else first_order
-        learner = self.gbml.clone(first_order=first_order)
+        learner = self.gbml.clone(first_order=first_order) if start is None else start
         losses, accs = [], []
         labels = self.labels_of(support)
         mu = self.spec.inner_momentum
@@ -229,6 +239,10 @@ class GRAMMetaLearner(nn.Module):
         n_tasks = len(tasks)
         if n_tasks == 0:
             raise ValueError("meta-batch is empty")
+        if not detailed:   # all tasks in one stacked pass when spec.task_batching allows (None: one by one)
+            stacked = batched.accumulate(self, tasks, loss_fn)
+            if stacked is not None:
+                return stacked
         # metrics stay on the device as 0-d tensors; one host transfer at the end of the meta-batch
         per_task: dict[str, list] = {}
         for task in tasks:

@@ -99,6 +99,11 @@ class GradientRegulator(nn.Module):
     ``mix_logit`` m when ``spec.mix`` (absent otherwise, so files written without it load).
     """
 
+    #: leading dimensions of a gradient that index tasks (a task-stacked ``[B, ...]`` gradient:
+    #: :mod:`meta.batched` sets 1 on its clones); rms(g) and the norm-preserving rescale then act per task,
+    #: so R_φ of a stacked gradient equals R_φ of each task's gradient.  0 = the whole tensor is one task.
+    task_dims: int = 0
+
     def __init__(self, dim: int, spec: Optional[RegulatorSpec] = None):
         super().__init__()
         self.spec = spec or RegulatorSpec()
@@ -121,7 +126,7 @@ class GradientRegulator(nn.Module):
 
     def modulation(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(γ, β)``, each shaped like ``grad``."""
-        rms = grad.pow(2).mean().add(_EPS).sqrt()
+        rms = _task_mean(grad.pow(2), self.task_dims).add(_EPS).sqrt()
         u = grad / rms if self.spec.input_norm else grad
         gamma = torch.tanh(self.gamma(u))
         if self.spec.form == "residual":
@@ -136,11 +141,21 @@ class GradientRegulator(nn.Module):
         gamma, beta = self.modulation(grad)
         out = gamma * grad + beta
         if self.spec.norm_preserve:
-            out = out * (grad.norm() / out.norm().clamp_min(_TINY))
+            out = out * (_task_norm(grad, self.task_dims) / _task_norm(out, self.task_dims).clamp_min(_TINY))
         if self.spec.mix:
             c = self.mix_coefficient()
             out = (1.0 - c) * out + c * grad
         return out
+
+
+def _task_mean(x: torch.Tensor, task_dims: int) -> torch.Tensor:
+    """Mean of ``x`` over all but its first ``task_dims`` dimensions (kept as size 1; 0-d when 0)."""
+    return x.mean() if task_dims == 0 else x.mean(dim=tuple(range(task_dims, x.dim())), keepdim=True)
+
+
+def _task_norm(x: torch.Tensor, task_dims: int) -> torch.Tensor:
+    """Frobenius norm of ``x`` per task (over all but its first ``task_dims`` dimensions, kept as size 1)."""
+    return x.norm() if task_dims == 0 else x.pow(2).sum(dim=tuple(range(task_dims, x.dim())), keepdim=True).sqrt()
 
 
 class RegulatorFactory:

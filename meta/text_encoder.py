@@ -123,7 +123,8 @@ def encode_text_with_context(clip: nn.Module, tokens: ClassTokens, ctx: Optional
         tokens: class token embeddings for C classes (``tokens.n_ctx`` must equal M).
         ctx: ``[M, d_t]`` shared or ``[C, M, d_t]`` class-specific context; ``None`` when M = 0.
         ctx_deep: ``[J-1, M, d_t]`` deep prompts that replace the context positions' hidden states
-            before blocks ``1..J-1`` (shared by all classes); ``None`` = shallow (CoOp).
+            before blocks ``1..J-1`` (shared by all classes), or ``[C, J-1, M, d_t]`` per class (the
+            task-stacked sequences of :mod:`meta.batched`); ``None`` = shallow (CoOp).
 
     Returns:
         ``[C, E]`` text features (not normalised), differentiable w.r.t. ``ctx``.
@@ -144,18 +145,23 @@ def encode_text_with_context(clip: nn.Module, tokens: ClassTokens, ctx: Optional
     length = x.shape[1]
     x = x + clip.positional_embedding[:length].to(x.dtype)
     mask = clip.attn_mask[:length, :length] if clip.attn_mask is not None else None
+    if ctx_deep is not None and ctx_deep.dim() == 4:   # per class: [C, J-1, M, d_t] -> layer-major [J-1, C, M, d_t]
+        if ctx_deep.shape[0] != n_cls:
+            raise ValueError(f"per-class ctx_deep must be [C={n_cls}, J-1, M, d_t], got {tuple(ctx_deep.shape)}")
+        ctx_deep = ctx_deep.transpose(0, 1)
     if ctx_deep is None or ctx_deep.shape[0] == 0:
         # only the EOT outputs of the last block are read (meta.blocks: exact, skips the other rows' MLP)
         x = transformer_forward(clip.transformer, x, attn_mask=mask, last_rows=tokens.eot_index)  # [C, 1, d_t]
         return text_head(clip, x[:, 0])
     blocks = clip.transformer.resblocks
     m = tokens.n_ctx
-    if ctx_deep.dim() != 3 or ctx_deep.shape[1] != m or ctx_deep.shape[0] >= len(blocks):
+    if ctx_deep.dim() not in (3, 4) or ctx_deep.shape[-2] != m or ctx_deep.shape[0] >= len(blocks):
         raise ValueError(f"ctx_deep must be [J-1 < {len(blocks)}, {m}, d_t], got {tuple(ctx_deep.shape)}")
     deep = ctx_deep.to(x.dtype)
     for i in range(1, 1 + deep.shape[0]):
         x = block_forward(blocks[i - 1], x, mask)
-        x = torch.cat([x[:, :1], deep[i - 1].unsqueeze(0).expand(n_cls, -1, -1), x[:, 1 + m:]], dim=1)
+        layer = deep[i - 1] if deep.dim() == 4 else deep[i - 1].unsqueeze(0).expand(n_cls, -1, -1)  # [C, M, d_t]
+        x = torch.cat([x[:, :1], layer, x[:, 1 + m:]], dim=1)
     x = transformer_forward(clip.transformer, x, attn_mask=mask, last_rows=tokens.eot_index,
                             start=deep.shape[0])                                                   # [C, 1, d_t]
     return text_head(clip, x[:, 0])
