@@ -15,8 +15,8 @@ prompted image tower) and UNIGRAM (2 text + 2 visual tokens) - and the deep lear
   ``..._matmul_fraction`` = achieved / ``matmul_tflops``, a plain square matrix product's TFLOP/s measured in
   the same run (bf16 on CUDA, the CLIP's dtype elsewhere): how far a step is from the card's limit, read off;
 
-``task_scaling``: second-order step seconds (and peak MiB) of CoOp, VPT and UNIGRAM with 1 / 4 / 16 tasks per
-outer step, ``sequential`` (``META.TASK_BATCHING off``: one task after another) against ``batched``
+``task_scaling``: second-order step seconds (median of at most 3 after at most 1 warm-up; and peak MiB) of CoOp,
+VPT and UNIGRAM with 1 / 4 / 16 tasks per outer step, ``sequential`` (``META.TASK_BATCHING off``: one task after another) against ``batched``
 (``auto``: the tasks stacked, :mod:`meta.batched`; ``task_chunk`` is the chunk the out-of-memory fallback
 settled on, ``null`` = all tasks at once);
 
@@ -208,7 +208,7 @@ def run(model: str = "ViT-B-16", device: str = "cuda", autocast: str = "none", w
                 def step(ml=ml, loss_fn=loss_fn, tasks=tasks) -> None:
                     ml.meta_step(tasks, loss_fn)
 
-                seconds = _median_time(step, dev, warmup, repeats)
+                seconds = _median_time(step, dev, min(warmup, 1), max(1, min(repeats, 3)))
                 peak_mb = _peak_mb(step, dev)
                 cell[label] = {"step_s": round(seconds, 5), "peak_mb": None if peak_mb is None else round(peak_mb, 1)}
                 if mode == "auto":

@@ -152,6 +152,8 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.INNER_MOMENTUM = 0.0       # heavy-ball inner SGD as the test-time optimiser (0.9 there); needs INNER_STEPS > 1
     m.QUERY_BEFORE_WEIGHT = DEFAULT_QUERY_BEFORE_WEIGHT  # w: outer loss L_q(theta') + w L_q(theta), so theta* is also good where the
     #                              downstream schedule starts (0 = the paper's one-step objective, Eq. 8)
+    m.TASK_BATCHING = "auto"     # auto | on | off: a meta-batch's tasks as one stacked pass (meta.batched; equal to
+    #                              one task after another to float rounding); auto halves the stack on out-of-memory
 
     m.REGULATOR = CN()           # R_phi (meta.regulator.RegulatorSpec) [core]
     m.REGULATOR.FORM = "residual"   # residual | paper (literal Eq. 5)

@@ -58,6 +58,7 @@ def check_meta_cfg(cfg: CN) -> None:
     need(m.INNER_STEPS >= 1, "META.INNER_STEPS", "an integer >= 1", m.INNER_STEPS)
     need(0.0 <= m.INNER_MOMENTUM < 1.0, "META.INNER_MOMENTUM", "a number in [0, 1)", m.INNER_MOMENTUM)
     need(m.QUERY_BEFORE_WEIGHT >= 0, "META.QUERY_BEFORE_WEIGHT", "a number >= 0", m.QUERY_BEFORE_WEIGHT)
+    need(m.TASK_BATCHING in ("auto", "on", "off"), "META.TASK_BATCHING", "auto | on | off", m.TASK_BATCHING)
     need(m.REGULATOR.WEIGHT_DECAY >= 0, "META.REGULATOR.WEIGHT_DECAY", "a number >= 0", m.REGULATOR.WEIGHT_DECAY)
     need(m.VAL_FT_STEPS >= 0, "META.VAL_FT_STEPS", "an integer >= 0", m.VAL_FT_STEPS)
     need(m.VAL_PROTOCOL in ("downstream", "one_step"), "META.VAL_PROTOCOL", "downstream | one_step", m.VAL_PROTOCOL)
@@ -124,7 +125,7 @@ def meta_spec(cfg: CN, device=None) -> "MetaSpec":
                     regulate=bool(m.REGULATE) and not pretrain, regulator=regulator_spec(cfg), autocast=autocast,
                     inner_momentum=float(m.INNER_MOMENTUM),
                     regulator_weight_decay=float(m.REGULATOR.WEIGHT_DECAY),
-                    query_before_weight=float(m.QUERY_BEFORE_WEIGHT))
+                    query_before_weight=float(m.QUERY_BEFORE_WEIGHT), task_batching=str(m.TASK_BATCHING))
 
 
 def prompt_spec(cfg: CN) -> PromptSpec:
