@@ -14,7 +14,8 @@ Stages (each a subprocess with the user's own command line, from the repository 
 
 Writes ``<out>/rehearsal.json``: per stage ``wall_s``, ``peak_gpu_mib`` (device-wide memory in use, polled
 with ``nvidia-smi`` every 0.2 s, minus what was in use before the stage; ``null`` without CUDA) and
-``peak_rss_mib`` (the stage's main process, polled from ``/proc``; data loader workers not included); per
+``peak_rss_mib`` (the largest process of the stage's process tree, e.g. ``train.py`` under ``base2new.sh``,
+polled from ``/proc``); per
 few-shot method the epoch time (Dassl's mean batch time of the last epoch x batches per epoch, from its
 log) and ``epoch_time_ratio``: GRAM_CoOp / CoOp and UNIGRAM / joint.
 
@@ -86,7 +87,8 @@ def fewshot_opts(size: dict) -> list[str]:
 
 
 class _Poller:
-    """Peak device memory in use (``nvidia-smi``) and peak RSS of one process, polled in a thread."""
+    """Peak device memory in use (``nvidia-smi``) and the peak RSS of the largest process under ``pid``, polled
+    in a thread."""
 
     def __init__(self, pid: int, gpu: bool):
         self.pid, self.gpu = pid, gpu
@@ -114,13 +116,30 @@ class _Poller:
 
 
 def _rss_mib(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return 0.0
+    """RSS of the largest process in the tree under ``pid`` (``/proc``; 0 where there is none)."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        try:
+            ppid = int(fields.get("PPid", "0").strip())
+        except ValueError:
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+        if "VmRSS" in fields:
+            rss[int(entry.name)] = int(fields["VmRSS"].split()[0]) / 1024.0
+    peak, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        peak = max(peak, rss.get(p, 0.0))
+        todo += children.get(p, [])
+    return peak
 
 
 def _gpu_used_mib() -> Optional[float]:
@@ -170,8 +189,9 @@ def epoch_seconds(log_text: str) -> Optional[dict]:
 def _write_shard_slice(job: tuple) -> None:
     from gram_tools.synthetic import write_synthetic_shards
 
-    out, first, n_pairs, size, seed = job
-    write_synthetic_shards(out, n_pairs=n_pairs, n_shards=1, seed=seed, size=(size, size), first_shard=first)
+    out, first, first_key, n_pairs, size, seed = job
+    write_synthetic_shards(out, n_pairs=n_pairs, n_shards=1, seed=seed, size=(size, size), first_shard=first,
+                           first_key=first_key)
 
 
 def write_data(size: dict, data: Path, dataset_root: Path) -> None:
@@ -179,7 +199,7 @@ def write_data(size: dict, data: Path, dataset_root: Path) -> None:
     from gram_tools.synthetic import write_synthetic_dtd
 
     per_shard = -(-size["pairs"] // size["shards"])
-    jobs = [(str(data), s, min(per_shard, size["pairs"] - s * per_shard), size["image"], 1000 + s)
+    jobs = [(str(data), s, s * per_shard, min(per_shard, size["pairs"] - s * per_shard), size["image"], 1000 + s)
             for s in range(size["shards"]) if size["pairs"] > s * per_shard]
     with ProcessPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
         list(pool.map(_write_shard_slice, jobs))

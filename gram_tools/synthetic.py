@@ -99,12 +99,13 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 def write_synthetic_shards(out_dir, n_pairs: int = 1200, topics: Optional[Sequence[str]] = None, n_styles: int = 3,
                            n_shards: int = 4, corrupt_fraction: float = 0.02, empty_caption_fraction: float = 0.02,
                            missing_image_fraction: float = 0.0, mention_rate: float = 0.1,
-                           seed: int = 0, size: tuple[int, int] = (48, 40), first_shard: int = 0) -> dict:
+                           seed: int = 0, size: tuple[int, int] = (48, 40), first_shard: int = 0,
+                           first_key: int = 0) -> dict:
     """Write ``shard-{i:05d}.tar`` files; returns the ground truth.
 
-    ``size``: (width, height) of the images in pixels.  ``first_shard``: number of the first shard written
-    (keys continue from ``first_shard`` x pairs per shard), so several processes can each write a slice of
-    one corpus into the same folder (with different seeds).
+    ``size``: (width, height) of the images in pixels.  ``first_shard`` / ``first_key``: number of the first
+    shard file and of the first key written, so several processes can each write a slice of one corpus
+    into the same folder (with different seeds).
 
     Returns:
         dict with ``shards`` (paths), and per written pair (in shard order) ``key``,
@@ -118,11 +119,11 @@ def write_synthetic_shards(out_dir, n_pairs: int = 1200, topics: Optional[Sequen
     truth = {k: [] for k in ("key", "topic", "style", "corrupt", "empty_caption", "missing_image", "caption")}
     per_shard = int(np.ceil(n_pairs / n_shards))
     shards = []
-    for s in range(first_shard, first_shard + n_shards):
-        path = out_dir / f"shard-{s:05d}.tar"
+    for j in range(n_shards):
+        path = out_dir / f"shard-{first_shard + j:05d}.tar"
         shards.append(str(path))
         with tarfile.open(path, "w") as tar:
-            for i in range(s * per_shard, min(first_shard * per_shard + n_pairs, (s + 1) * per_shard)):
+            for i in range(first_key + j * per_shard, first_key + min(n_pairs, (j + 1) * per_shard)):
                 key = f"{i:08d}"
                 t = int(rng.integers(len(topics)))
                 style = int(rng.integers(n_styles))

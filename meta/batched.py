@@ -227,8 +227,12 @@ def _accumulate_chunks(learner: Any, tasks: Sequence[Any], fn: BatchedLossFn, ch
 
 
 def batched_loss_of(loss_fn: Callable) -> Optional[BatchedLossFn]:
-    """The batched twin a loss function carries (``loss_fn.batched``), or ``None``."""
-    return getattr(loss_fn, "batched", None)
+    """The batched twin of ``loss_fn``, or ``None``: ``loss_fn.batched`` when set, else built (once) from the
+    ``PromptedCLIP`` that :func:`meta.prompts.classification_loss` attaches as ``loss_fn.pclip``."""
+    fn = getattr(loss_fn, "batched", None)
+    if fn is None and isinstance(getattr(loss_fn, "pclip", None), PromptedCLIP):
+        fn = loss_fn.batched = batched_classification_loss(loss_fn.pclip)
+    return fn
 
 
 def chunks(n_tasks: int, size: int) -> list[tuple[int, int]]:

@@ -18,7 +18,8 @@ regulators R_φ are its per-parameter transforms.  The frozen CLIP lives outside
 and is never cloned: ``GBML.clone()`` copies θ (and the small φ) per task.
 
 Memory: one backward per task (``loss_q / B``), so a task's graph is freed before
-the next is built.  Second order needs a double-differentiable attention kernel:
+the next is built; unless ``task_batching`` stacks the tasks into one pass (:mod:`meta.batched`: the same
+gradients, all tasks' graphs alive at once, halved on out-of-memory under ``auto``).  Second order needs a double-differentiable attention kernel:
 the CLIP blocks attend through ``F.scaled_dot_product_attention`` (:mod:`meta.blocks`), and
 the support forward runs under its MATH backend when second order (the fused CPU / flash /
 memory-efficient kernels have no double backward).

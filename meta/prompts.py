@@ -366,15 +366,13 @@ def classification_loss(pclip: PromptedCLIP):
     Returns ``loss_fn(prompts, batch) -> (loss, logits [n, K])`` where ``batch`` is a dict with
     ``classnames`` (K names), ``label`` (``[n]`` in 0..K-1) and either ``images``
     (``[n, 3, H, W]``) or cached, normalised ``features`` (``[n, E]``; text-only prompts).
-    ``loss_fn.batched`` is its task-stacked twin (:func:`meta.batched.batched_classification_loss`).
+    ``loss_fn.pclip`` is ``pclip``, from which :func:`meta.batched.batched_loss_of` builds its task-stacked twin.
     """
-
-    from .batched import batched_classification_loss   # meta.batched builds on this module
 
     def loss_fn(prompts: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         logits = pclip.logits(prompts, batch["classnames"], images=batch.get("images"),
                               image_features=batch.get("features"))
         return F.cross_entropy(logits, batch["label"]), logits
 
-    loss_fn.batched = batched_classification_loss(pclip)   # B tasks in one pass (meta.gram's task batching)
+    loss_fn.pclip = pclip   # meta.batched builds the task-stacked twin from it (meta.gram's task batching)
     return loss_fn

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from meta.batched import StackedPrompts, batched_classification_loss, stack_batches
+from meta.batched import StackedPrompts, batched_classification_loss, batched_loss_of, stack_batches
 from meta.gram import GRAMMetaLearner, MetaSpec, TaskBatch
 from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
 from meta.regulator import GradientRegulator, RegulatorSpec
@@ -177,7 +177,7 @@ def test_auto_halves_the_chunk_on_out_of_memory(tiny_clip):
     m_ref = ref.accumulate(tasks, classification_loss(pclip))
     ml = _learner(clip, dims, spec, MetaSpec(inner_lr=0.5, task_batching="auto"))
     loss_fn = classification_loss(pclip)
-    inner, seen = loss_fn.batched, []
+    inner, seen = batched_loss_of(loss_fn), []
 
     def limited(prompts, batch):   # pretends more than 2 tasks at once do not fit
         seen.append(batch["label"].shape[0])

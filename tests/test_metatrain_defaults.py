@@ -21,7 +21,8 @@ BUILD = {MetaSpec: meta_spec, RegulatorSpec: regulator_spec, PromptSpec: prompt_
 # a valid non-default value for each string field (a new string field must be added here)
 OTHER_STR = {"optimizer": "sgd", "autocast": "bf16", "form": "paper", "init": "normal",
              "ctx_init": "a photo of a", "template": "itap of a {}.",
-             "vpt_init": next(v for v in VPT_INITS if v != PromptSpec.vpt_init), "coupling": "maple"}
+             "vpt_init": next(v for v in VPT_INITS if v != PromptSpec.vpt_init), "coupling": "maple",
+             "task_batching": "off"}
 
 
 def _cfg():

@@ -27,7 +27,7 @@ def test_epoch_seconds_reads_the_last_epochs_mean_batch_time():
 def test_synthetic_slices_and_dtd_layout(tmp_path):
     """Shard slices written apart continue each other's keys; the DTD-layout dataset has its split file."""
     write_synthetic_shards(tmp_path, n_pairs=6, n_shards=1, seed=1, size=(64, 64), first_shard=0)
-    write_synthetic_shards(tmp_path, n_pairs=5, n_shards=1, seed=2, size=(64, 64), first_shard=1)
+    write_synthetic_shards(tmp_path, n_pairs=5, n_shards=1, seed=2, size=(64, 64), first_shard=1, first_key=6)
     keys = []
     for shard in sorted(tmp_path.glob("shard-*.tar")):
         with tarfile.open(shard) as tar:
