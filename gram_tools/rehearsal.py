@@ -74,6 +74,8 @@ def train_args(size: dict, learner: str, chc: Path, run_dir: Path) -> list[str]:
     if size["device"] == "cpu":   # the tiny corpus has few topics: tiny tasks, no validation tasks
         args += ["META.META_BATCH", "2", "TASKS.K_WAY", "3", "TASKS.N_SUPPORT", "2", "TASKS.N_QUERY", "2",
                  "META.VAL_TASKS", "0", "META.FEATURE_CHECK", "2"]
+    else:   # the config's task size; a short validation (its 50 tasks x 10 epochs of fine-tuning would dominate)
+        args += ["META.VAL_TASKS", "8"]
     return args
 
 

@@ -165,11 +165,11 @@ def accumulate(learner: Any, tasks: Sequence[Any], loss_fn: Callable) -> Optiona
     gradients are cleared and the chunk halved (remembered in ``learner.task_chunk`` for later steps) until
     it fits or is one task (sequential).  ``None`` also when ``loss_fn`` has no batched twin, for one task,
     or when the tasks differ in shape.  Leaves ``(1/B) Σ_b ∇ L_q,b(θ'_b)`` in ``.grad`` like the sequential
-    path and returns the same task-averaged metrics.
+    path and returns the same task-averaged metrics.  ``None`` as well where :func:`stacked_objective` is False.
     """
     mode = learner.spec.task_batching
     fn = batched_loss_of(loss_fn)
-    if mode == "off" or fn is None or len(tasks) < 2:
+    if mode == "off" or fn is None or len(tasks) < 2 or not stacked_objective(learner.spec):
         return None
     supports = stack_batches([t.support for t in tasks])
     queries = stack_batches([t.query for t in tasks])
@@ -191,6 +191,14 @@ def accumulate(learner: Any, tasks: Sequence[Any], loss_fn: Callable) -> Optiona
             learner.task_chunk = chunk // 2
             log.warning("task-batched outer step out of memory with %d tasks at once: %s", chunk,
                         f"{chunk // 2} from now on" if chunk // 2 > 1 else "sequential from now on")
+
+
+def stacked_objective(spec: Any) -> bool:
+    """Whether the stacked pass computes ``spec``'s outer objective: the whole support in every inner step and
+    no extra per-task term.  Switches of the regulated inner loop (``inner_support`` other than ``repeat``:
+    a class-balanced split of a stacked batch would mix tasks; ``trajectory_states`` > 0) are read where the
+    spec has them and run sequentially."""
+    return getattr(spec, "inner_support", "repeat") == "repeat" and not getattr(spec, "trajectory_states", 0)
 
 
 def _accumulate_chunks(learner: Any, tasks: Sequence[Any], fn: BatchedLossFn, chunk: int) -> dict[str, float]:

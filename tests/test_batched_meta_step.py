@@ -197,3 +197,21 @@ def test_auto_halves_the_chunk_on_out_of_memory(tiny_clip):
 def test_task_batching_value_checked():
     with pytest.raises(ValueError, match="task_batching"):
         MetaSpec(task_batching="yes")
+
+
+def test_objectives_the_stacked_pass_does_not_compute_run_sequentially(tiny_clip):
+    """Split support windows or trajectory terms (switches of the regulated inner loop) are not stacked."""
+    from meta import batched
+
+    clip, dims = tiny_clip
+    tasks = _tasks(dims)
+    ml = _learner(clip, dims, LEARNERS["coop"], MetaSpec(inner_lr=0.5, task_batching="on"))
+    loss_fn = classification_loss(PromptedCLIP(clip, dims, 4))
+    assert batched.stacked_objective(ml.spec)
+    assert batched.accumulate(ml, tasks, loss_fn) is not None
+    for name, value in (("inner_support", "split"), ("trajectory_states", 2)):
+        spec = MetaSpec(inner_lr=0.5, task_batching="on")
+        setattr(spec, name, value)   # the regulator branch's fields, read where present
+        ml.spec = spec
+        assert not batched.stacked_objective(spec)
+        assert batched.accumulate(ml, tasks, loss_fn) is None
