@@ -9,16 +9,16 @@ prompted image tower) and UNIGRAM (2 text + 2 visual tokens) - and the deep lear
 * ``second_order_step_s`` / ``first_order_step_s``: one whole outer step (B inner loops, query losses,
   backward, clipped Adam step), median over ``--repeats``, in seconds;
 * ``second_order_peak_mb`` / ``first_order_peak_mb``: peak allocated device memory during one step (MiB);
+* ``second_order_tflop`` / ``first_order_tflop``: the step's floating-point work (``FlopCounterMode`` over
+  one step, the counter the planner's figures come from; 4 significant digits), ``..._tflops_achieved`` =
+  that / the step time and ``..._matmul_fraction`` = achieved / ``matmul_tflops``, a plain square matrix
+  product's TFLOP/s measured in the same run (bf16 on CUDA, the CLIP's dtype elsewhere): how far a step
+  is from the card's limit, read off;
 
-* ``second_order_tflop`` / ``first_order_tflop``: the step's floating-point work (``FlopCounterMode`` over one
-  step, the counter the planner's figures come from; 4 significant digits), ``..._tflops_achieved`` = that / the step time and
-  ``..._matmul_fraction`` = achieved / ``matmul_tflops``, a plain square matrix product's TFLOP/s measured in
-  the same run (bf16 on CUDA, the CLIP's dtype elsewhere): how far a step is from the card's limit, read off;
-
-``task_scaling``: second-order step seconds (median of at most 3 after at most 1 warm-up; and peak MiB) of CoOp,
-VPT and UNIGRAM with 1 / 4 / 16 tasks per outer step, ``sequential`` (``META.TASK_BATCHING off``: one task after another) against ``batched``
-(``auto``: the tasks stacked, :mod:`meta.batched`; ``task_chunk`` is the chunk the out-of-memory fallback
-settled on, ``null`` = all tasks at once);
+``task_scaling``: second-order step seconds (median of at most 3 after at most 1 warm-up; and peak MiB) of
+CoOp, VPT and UNIGRAM with 1 / 4 / 16 tasks per outer step, ``sequential`` (``META.TASK_BATCHING off``: one
+task after another) against ``batched`` (``auto``: the tasks stacked, :mod:`meta.batched`; ``task_chunk``
+is the chunk the out-of-memory fallback settled on, ``null`` = all tasks at once);
 
 and for CHC ``chc_images_per_s``: CLIP image features per second from decoded uint8 images (pixel
 normalisation, host-to-device copy and the image tower; JPEG decoding is not included) at the config's

@@ -249,9 +249,9 @@ def rehearse(out: Path, size: dict, python: str = sys.executable) -> dict:
     for key, (num, den) in RATIOS.items():
         a, b = fewshot.get(num), fewshot.get(den)
         ratios[key] = round(a["epoch_s"] / b["epoch_s"], 3) if a and b and b["epoch_s"] > 0 else None
+    tables = sorted(str(p.relative_to(out)) for p in (results / "tables").glob("*"))
     result = {"stages": stages, "total_s": round(time.perf_counter() - start, 1), "fewshot_epoch": fewshot,
-              "epoch_time_ratio": ratios, "tables": sorted(str(p.relative_to(out)) for p in (results / "tables").glob("*"))
-              if (results / "tables").is_dir() else [],
+              "epoch_time_ratio": ratios, "tables": tables,
               "settings": {**size, "python": python, "gpu": _gpu_name() if gpu else None}}
     (out / "rehearsal.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     return result
