@@ -224,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu (default: this benchmark) | cuda[:i] (gram_tools.bench_gpu)")
     parser.add_argument("--autocast", default="none", choices=("none", "bf16", "fp16"),
                         help="--device cuda only: autocast of the forward passes")
+    parser.add_argument("--scaling-tasks", default="1,4,16",
+                        help="--device cuda only: tasks per outer step of the sequential vs batched table ('' = skip)")
+    parser.add_argument("--chc-batches", default="64,128,256,512",
+                        help="--device cuda only: CHC image batch sizes to measure ('' = skip)")
     args = parser.parse_args(argv)
     if args.device != "cpu":
         if not args.device.startswith("cuda") or not torch.cuda.is_available():
@@ -232,11 +236,21 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from . import bench_gpu
 
+        def ints(text: str, key: str) -> tuple[int, ...]:
+            try:
+                return tuple(int(v) for v in text.split(",") if v.strip())
+            except ValueError:
+                raise SystemExit(f"error: {key}: expected comma-separated integers, got {text!r}") from None
+
         result = bench_gpu.run(args.model, args.device, args.autocast, warmup=args.warmup, repeats=args.repeats,
-                               pretrained=args.pretrained)
+                               pretrained=args.pretrained, scaling_tasks=ints(args.scaling_tasks, "--scaling-tasks"),
+                               chc_batches=ints(args.chc_batches, "--chc-batches"))
         for name, row in result["variants"].items():
             print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
-        print(f"CHC image features: {result['chc_images_per_s']} images/s", flush=True)
+        print(f"CHC image features: {result['chc_images_per_s']} images/s; by batch size: "
+              f"{result['chc_batch_sweep']}", flush=True)
+        print(f"bf16 matmul: {result['matmul_tflops']} TFLOP/s; tasks per step, sequential vs batched: "
+              f"{result['task_scaling']}", flush=True)
         print(json.dumps(result, sort_keys=True))
         return 0
     result = run(args)

@@ -99,8 +99,13 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 def write_synthetic_shards(out_dir, n_pairs: int = 1200, topics: Optional[Sequence[str]] = None, n_styles: int = 3,
                            n_shards: int = 4, corrupt_fraction: float = 0.02, empty_caption_fraction: float = 0.02,
                            missing_image_fraction: float = 0.0, mention_rate: float = 0.1,
-                           seed: int = 0) -> dict:
+                           seed: int = 0, size: tuple[int, int] = (48, 40), first_shard: int = 0,
+                           first_key: int = 0) -> dict:
     """Write ``shard-{i:05d}.tar`` files; returns the ground truth.
+
+    ``size``: (width, height) of the images in pixels.  ``first_shard`` / ``first_key``: number of the first
+    shard file and of the first key written, so several processes can each write a slice of one corpus
+    into the same folder (with different seeds).
 
     Returns:
         dict with ``shards`` (paths), and per written pair (in shard order) ``key``,
@@ -114,11 +119,11 @@ def write_synthetic_shards(out_dir, n_pairs: int = 1200, topics: Optional[Sequen
     truth = {k: [] for k in ("key", "topic", "style", "corrupt", "empty_caption", "missing_image", "caption")}
     per_shard = int(np.ceil(n_pairs / n_shards))
     shards = []
-    for s in range(n_shards):
-        path = out_dir / f"shard-{s:05d}.tar"
+    for j in range(n_shards):
+        path = out_dir / f"shard-{first_shard + j:05d}.tar"
         shards.append(str(path))
         with tarfile.open(path, "w") as tar:
-            for i in range(s * per_shard, min(n_pairs, (s + 1) * per_shard)):
+            for i in range(first_key + j * per_shard, first_key + min(n_pairs, (j + 1) * per_shard)):
                 key = f"{i:08d}"
                 t = int(rng.integers(len(topics)))
                 style = int(rng.integers(n_styles))
@@ -128,7 +133,7 @@ def write_synthetic_shards(out_dir, n_pairs: int = 1200, topics: Optional[Sequen
                 missing = bool(rng.random() < missing_image_fraction)
                 if not missing:
                     fmt = "JPEG" if i % 2 else "PNG"
-                    data = _encode(make_image(t, style, rng), fmt)
+                    data = _encode(make_image(t, style, rng, size), fmt)
                     if corrupt:  # truncated file with garbage: PIL cannot decode it
                         data = data[: len(data) // 3] + bytes(rng.integers(0, 256, 64, dtype=np.uint8))
                     _add(tar, f"{key}.{'jpg' if fmt == 'JPEG' else 'png'}", data)
@@ -155,3 +160,31 @@ def write_synthetic_image_folder(root, classes: Sequence[str], per_class: int = 
             make_image(c, style, rng).save(path)
             styles[str(path)] = style
     return styles
+
+
+def write_synthetic_dtd(root, n_classes: int, counts: dict[str, int], size: tuple[int, int] = (224, 224),
+                        n_styles: int = 3, seed: int = 0) -> dict:
+    """A few-shot dataset in CoOp's DTD layout: ``root/dtd/images/<class>/*.jpg`` and
+    ``root/dtd/split_zhou_DescribableTextures.json`` (``{"train"|"val"|"test": [[rel path, label, class]]}``).
+
+    The classes are the first ``n_classes`` generated topics (at most 12), ``counts[split]`` JPEG images of
+    ``size`` pixels per class and split, each in a random style.  Returns the split dict as written.
+    """
+    names = list(TOPICS)[:n_classes]
+    if len(names) < n_classes:
+        raise ValueError(f"at most {len(TOPICS)} classes, got {n_classes}")
+    rng = np.random.default_rng(seed)
+    image_dir = Path(root) / "dtd" / "images"
+    split: dict[str, list] = {}
+    for part, count in counts.items():
+        rows = []
+        for label, name in enumerate(names):
+            (image_dir / name).mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                rel = f"{name}/{part}_{i:04d}.jpg"
+                make_image(label, int(rng.integers(n_styles)), rng, size).save(image_dir / rel, quality=90)
+                rows.append([rel, label, name])
+        split[part] = rows
+    with open(Path(root) / "dtd" / "split_zhou_DescribableTextures.json", "w") as f:
+        json.dump(split, f)
+    return split

@@ -159,6 +159,9 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.TRAJECTORY_WINDOWS = 0     # T steps of that run (inner rule, support windows cycled); 0 = TRAJECTORY_STATES
     m.QUERY_BEFORE_WEIGHT = DEFAULT_QUERY_BEFORE_WEIGHT  # w: outer loss L_q(theta') + w L_q(theta), so theta* is also good where the
     #                              downstream schedule starts (0 = the paper's one-step objective, Eq. 8)
+    m.TASK_BATCHING = "auto"     # auto | on | off: a meta-batch's tasks as one stacked pass (meta.batched; equal to
+    #                              one task after another to float rounding); auto: stacked on a GPU (halved on
+    #                              out-of-memory), sequential on the CPU (CPU results keep their last digit)
 
     m.REGULATOR = CN()           # R_phi (meta.regulator.RegulatorSpec) [core]
     m.REGULATOR.FORM = "residual"   # residual | paper (literal Eq. 5)

@@ -18,7 +18,8 @@ regulators R_φ are its per-parameter transforms.  The frozen CLIP lives outside
 and is never cloned: ``GBML.clone()`` copies θ (and the small φ) per task.
 
 Memory: one backward per task (``loss_q / B``), so a task's graph is freed before
-the next is built.  Second order needs a double-differentiable attention kernel:
+the next is built; unless ``task_batching`` stacks the tasks into one pass (:mod:`meta.batched`: the same
+gradients, all tasks' graphs alive at once, halved on out-of-memory under ``auto``).  Second order needs a double-differentiable attention kernel:
 the CLIP blocks attend through ``F.scaled_dot_product_attention`` (:mod:`meta.blocks`), and
 the support forward runs under its MATH backend when second order (the fused CPU / flash /
 memory-efficient kernels have no double backward).
@@ -36,7 +37,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import precision
+from . import batched, precision
 from ._l2l import l2l
 from .inner import SUPPORT_MODES, InnerRule, inner_loop, set_parameters_, support_windows
 from .prompts import PromptParams
@@ -74,6 +75,7 @@ class MetaSpec:
     inner_support: str = "repeat"    # data of each inner step: repeat = whole support | split = K class-balanced windows
     trajectory_states: int = 0       # S states θ_t per task along a regulated run from θ (WarpGrad-style); 0 = off
     trajectory_windows: int = 0      # T steps of that run (states evenly spaced over it); 0 = S (a state per step)
+    task_batching: str = "auto"    # auto | on | off: a meta-batch's tasks as one stacked pass (meta.batched)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.inner_momentum < 1.0:
@@ -89,6 +91,9 @@ class MetaSpec:
                              f"trajectory_states ({self.trajectory_states}) >= 0")
         if self.query_before_weight < 0:
             raise ValueError(f"MetaSpec.query_before_weight must be >= 0, got {self.query_before_weight}")
+        if self.task_batching not in batched.TASK_BATCHING:
+            raise ValueError(f"MetaSpec.task_batching must be one of {', '.join(batched.TASK_BATCHING)}, "
+                             f"got {self.task_batching!r}")
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -151,6 +156,7 @@ class GRAMMetaLearner(nn.Module):
         else:
             raise ValueError(f"optimizer must be adam|sgd, got {self.spec.optimizer!r}")
         self.skipped_steps = 0
+        self.task_chunk: Optional[int] = None   # tasks per stacked pass after an out-of-memory fallback (meta.batched)
         precision.check_autocast(self.spec.autocast, "autocast")
         # fp16 scales the outer loss (the inner support gradient is taken unscaled: prefer bf16)
         self.scaler = (torch.amp.GradScaler("cuda", enabled=torch.cuda.is_available())
@@ -207,15 +213,17 @@ class GRAMMetaLearner(nn.Module):
             stack.enter_context(double_backward_attention())
         return stack
 
-    def _adapt(self, loss_fn: LossFn, support: Any, first_order: Optional[bool],
-               steps: Optional[int]) -> tuple[l2l.algorithms.GBML, list[torch.Tensor], list[torch.Tensor]]:
+    def _adapt(self, loss_fn: LossFn, support: Any, first_order: Optional[bool], steps: Optional[int],
+               start: Optional[l2l.algorithms.GBML] = None
+               ) -> tuple[l2l.algorithms.GBML, list[torch.Tensor], list[torch.Tensor]]:
         """:meth:`adapt` with metrics kept as 0-d tensors (no host sync inside the loop).
 
         A thin caller of :func:`meta.inner.inner_loop`: clone θ, deal the support into the steps' windows
-        (``spec.inner_support``), unroll ``inner_rule()``.
+        (``spec.inner_support``), unroll ``inner_rule()``.  ``start``: the clone to adapt (default
+        ``self.gbml.clone()``); :mod:`meta.batched` passes θ stacked for B tasks with a loss summed over them.
         """
         first_order = self.spec.first_order if first_order is None else first_order
-        learner = self.gbml.clone(first_order=first_order)
+        learner = self.gbml.clone(first_order=first_order) if start is None else start
         windows = support_windows(support, self.spec.inner_steps if steps is None else steps, self.spec.inner_support)
         losses, accs = inner_loop(learner, loss_fn, windows, self.inner_rule(), first_order=first_order,
                                   labels_of=self.labels_of, forward_context=lambda: self.support_forward(first_order))
@@ -283,6 +291,10 @@ class GRAMMetaLearner(nn.Module):
         n_tasks = len(tasks)
         if n_tasks == 0:
             raise ValueError("meta-batch is empty")
+        if not detailed:   # all tasks in one stacked pass when spec.task_batching allows (None: one by one)
+            stacked = batched.accumulate(self, tasks, loss_fn)
+            if stacked is not None:
+                return stacked
         # metrics stay on the device as 0-d tensors; one host transfer at the end of the meta-batch
         per_task: dict[str, list] = {}
         for task in tasks:

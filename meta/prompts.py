@@ -296,9 +296,10 @@ def visual_prompts(prompts: Optional[nn.Module]) -> Optional[torch.Tensor]:
     if weight is None:
         return vpt
     ctx, deep = text_prompts(prompts)
-    layers = ctx.unsqueeze(0) if deep is None else torch.cat([ctx.unsqueeze(0), deep], dim=0)  # [J, M, d_t]
+    # any leading task dimensions ride along (meta.batched: ctx [B, M, d_t], weight [B, J, d_v, d_t], ...)
+    layers = ctx.unsqueeze(-3) if deep is None else torch.cat([ctx.unsqueeze(-3), deep], dim=-3)  # [J, M, d_t]
     bias = getattr(prompts, "proj_bias")
-    return torch.matmul(layers, weight.transpose(1, 2)) + bias.unsqueeze(1)                 # [J, M, d_v]
+    return torch.matmul(layers, weight.transpose(-1, -2)) + bias.unsqueeze(-2)                # [J, M, d_v]
 
 
 class PromptedCLIP:
@@ -365,6 +366,7 @@ def classification_loss(pclip: PromptedCLIP):
     Returns ``loss_fn(prompts, batch) -> (loss, logits [n, K])`` where ``batch`` is a dict with
     ``classnames`` (K names), ``label`` (``[n]`` in 0..K-1) and either ``images``
     (``[n, 3, H, W]``) or cached, normalised ``features`` (``[n, E]``; text-only prompts).
+    ``loss_fn.pclip`` is ``pclip``, from which :func:`meta.batched.batched_loss_of` builds its task-stacked twin.
     """
 
     def loss_fn(prompts: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -372,4 +374,5 @@ def classification_loss(pclip: PromptedCLIP):
                               image_features=batch.get("features"))
         return F.cross_entropy(logits, batch["label"]), logits
 
+    loss_fn.pclip = pclip   # meta.batched builds the task-stacked twin from it (meta.gram's task batching)
     return loss_fn

@@ -113,6 +113,11 @@ class GradientRegulator(nn.Module):
     so files written without them load).
     """
 
+    #: leading dimensions of a gradient that index tasks (a task-stacked ``[B, ...]`` gradient:
+    #: :mod:`meta.batched` sets 1 on its clones); rms(g) and the norm-preserving rescale then act per task,
+    #: so R_φ of a stacked gradient equals R_φ of each task's gradient.  0 = the whole tensor is one task.
+    task_dims: int = 0
+
     def __init__(self, dim: int, spec: Optional[RegulatorSpec] = None):
         super().__init__()
         self.spec = spec or RegulatorSpec()
@@ -141,7 +146,7 @@ class GradientRegulator(nn.Module):
 
     def modulation(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(γ, β)``, each shaped like ``grad``."""
-        rms = grad.pow(2).mean().add(_EPS).sqrt()
+        rms = _task_mean(grad.pow(2), self.task_dims).add(_EPS).sqrt()
         u = grad / rms if self.spec.input_norm else grad
         gamma = torch.tanh(self.gamma(u))
         if self.spec.form == "residual":
@@ -171,7 +176,7 @@ class GradientRegulator(nn.Module):
         out = gamma * grad + beta
         factor = None
         if self.spec.norm_preserve:
-            factor = grad.norm() / out.norm().clamp_min(_TINY)
+            factor = _task_norm(grad, self.task_dims) / _task_norm(out, self.task_dims).clamp_min(_TINY)
             out = out * factor
         b = beta if factor is None else beta * factor
         if self.spec.mix:
@@ -182,6 +187,16 @@ class GradientRegulator(nn.Module):
             lr = self.step_size()
             out, b = lr * out, lr * b
         return out, b
+
+
+def _task_mean(x: torch.Tensor, task_dims: int) -> torch.Tensor:
+    """Mean of ``x`` over all but its first ``task_dims`` dimensions (kept as size 1; 0-d when 0)."""
+    return x.mean() if task_dims == 0 else x.mean(dim=tuple(range(task_dims, x.dim())), keepdim=True)
+
+
+def _task_norm(x: torch.Tensor, task_dims: int) -> torch.Tensor:
+    """Frobenius norm of ``x`` per task (over all but its first ``task_dims`` dimensions, kept as size 1)."""
+    return x.norm() if task_dims == 0 else x.pow(2).sum(dim=tuple(range(task_dims, x.dim())), keepdim=True).sqrt()
 
 
 class RegulatorFactory:

@@ -38,12 +38,18 @@ class ClassTokens:
         suffix: ``[C, T - 1 - M, d_t]`` embeddings of class-name tokens, ``.``, EOT (and padding up to T).
         eot_index: ``[C]`` position of the EOT token in the assembled sequence of length T.
         n_ctx: M, the number of context slots between prefix and suffix.
+        positional: ``[T, d_t]`` the CLIP's positional embedding for these T positions, or ``None`` (then
+            :func:`encode_text_with_context` slices and casts ``clip.positional_embedding`` itself).
+
+    :class:`ClassTokenCache` keeps prefix, suffix and positional in the text blocks' dtype
+    (:func:`tower_dtype`), so a step casts nothing.
     """
 
     prefix: torch.Tensor
     suffix: torch.Tensor
     eot_index: torch.Tensor
     n_ctx: int
+    positional: Optional[torch.Tensor] = None
 
     @property
     def length(self) -> int:
@@ -58,9 +64,14 @@ class ClassTokenCache:
     """Per-class-name cache of frozen token embeddings for a fixed context length M.
 
     Class names are tokenised once (``"X X X X <name>."``, CoOp's recipe) and their
-    embeddings kept at full context length; :meth:`tokens` stacks the requested
-    classes and truncates them to ``max(eot) + 1`` positions when ``truncate``.
+    embeddings kept at full context length, in the text blocks' dtype; :meth:`tokens` stacks the
+    requested classes and truncates them to ``max(eot) + 1`` positions when ``truncate``.  The last
+    :attr:`STACKED` distinct class lists are kept stacked (a fine-tuning run asks for the same list every
+    step: no stack, no host-to-device copy of the EOT positions).  The CLIP is frozen: its embeddings are
+    read once.
     """
+
+    STACKED = 8
 
     def __init__(self, clip: nn.Module, n_ctx: int, template: str = "{}.", truncate: bool = True):
         self.clip = clip
@@ -69,6 +80,8 @@ class ClassTokenCache:
         self.truncate = truncate
         self.tokenizer = open_clip.get_tokenizer("ViT-B-16")  # OpenAI BPE, shared by all CLIP text towers here
         self._cache: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._stacked: dict[tuple[str, ...], ClassTokens] = {}
+        self._positional: Optional[torch.Tensor] = None
 
     def _encode_names(self, names: Sequence[str]) -> None:
         missing = [n for n in dict.fromkeys(names) if n not in self._cache]
@@ -83,8 +96,8 @@ class ClassTokenCache:
             too_long = [n for n, e in zip(missing, eot.tolist()) if e >= context_length - 1]
             raise ValueError(f"class names too long for {context_length} text tokens with {self.n_ctx} "
                              f"context tokens: {too_long[:3]}")
-        with torch.no_grad():
-            emb = self.clip.token_embedding(tokens)  # [n, 77, d_t]
+        with torch.no_grad():   # cast once to the blocks' dtype (open_clip's fp16 keeps embeddings fp32)
+            emb = self.clip.token_embedding(tokens).to(tower_dtype(self.clip.transformer))  # [n, 77, d_t]
         for i, name in enumerate(missing):
             self._cache[name] = (emb[i, :1], emb[i, 1 + self.n_ctx:], int(eot[i]))
 
@@ -92,15 +105,26 @@ class ClassTokenCache:
         """Stacked frozen embeddings for ``classnames`` (order kept): see :class:`ClassTokens`."""
         if len(classnames) == 0:
             raise ValueError("need at least one class name")
+        key = tuple(classnames)
+        hit = self._stacked.get(key)
+        if hit is not None:
+            return hit
         self._encode_names(classnames)
         entries = [self._cache[n] for n in classnames]
-        eot = torch.tensor([e[2] for e in entries], device=entries[0][0].device)
+        eots = [e[2] for e in entries]
         full = entries[0][1].shape[0] + 1 + self.n_ctx
-        length = int(eot.max()) + 1 if self.truncate else full
+        length = max(eots) + 1 if self.truncate else full   # from the host list: no device sync
         n_suffix = length - 1 - self.n_ctx
         prefix = torch.stack([e[0] for e in entries])
         suffix = torch.stack([e[1][:n_suffix] for e in entries])
-        return ClassTokens(prefix=prefix, suffix=suffix, eot_index=eot, n_ctx=self.n_ctx)
+        if self._positional is None:
+            self._positional = self.clip.positional_embedding.detach().to(prefix.dtype)
+        out = ClassTokens(prefix=prefix, suffix=suffix, eot_index=torch.tensor(eots, device=prefix.device),
+                          n_ctx=self.n_ctx, positional=self._positional[:length])
+        if len(self._stacked) >= self.STACKED:
+            self._stacked.pop(next(iter(self._stacked)))   # the oldest list
+        self._stacked[key] = out
+        return out
 
 
 def tower_dtype(transformer: nn.Module) -> torch.dtype:
@@ -123,7 +147,8 @@ def encode_text_with_context(clip: nn.Module, tokens: ClassTokens, ctx: Optional
         tokens: class token embeddings for C classes (``tokens.n_ctx`` must equal M).
         ctx: ``[M, d_t]`` shared or ``[C, M, d_t]`` class-specific context; ``None`` when M = 0.
         ctx_deep: ``[J-1, M, d_t]`` deep prompts that replace the context positions' hidden states
-            before blocks ``1..J-1`` (shared by all classes); ``None`` = shallow (CoOp).
+            before blocks ``1..J-1`` (shared by all classes), or ``[C, J-1, M, d_t]`` per class (the
+            task-stacked sequences of :mod:`meta.batched`); ``None`` = shallow (CoOp).
 
     Returns:
         ``[C, E]`` text features (not normalised), differentiable w.r.t. ``ctx``.
@@ -142,20 +167,26 @@ def encode_text_with_context(clip: nn.Module, tokens: ClassTokens, ctx: Optional
     parts.append(tokens.suffix.to(dtype))
     x = torch.cat(parts, dim=1)  # [C, T, d_t]
     length = x.shape[1]
-    x = x + clip.positional_embedding[:length].to(x.dtype)
+    pos = tokens.positional if tokens.positional is not None else clip.positional_embedding[:length]
+    x = x + pos.to(x.dtype)
     mask = clip.attn_mask[:length, :length] if clip.attn_mask is not None else None
+    if ctx_deep is not None and ctx_deep.dim() == 4:   # per class: [C, J-1, M, d_t] -> layer-major [J-1, C, M, d_t]
+        if ctx_deep.shape[0] != n_cls:
+            raise ValueError(f"per-class ctx_deep must be [C={n_cls}, J-1, M, d_t], got {tuple(ctx_deep.shape)}")
+        ctx_deep = ctx_deep.transpose(0, 1)
     if ctx_deep is None or ctx_deep.shape[0] == 0:
         # only the EOT outputs of the last block are read (meta.blocks: exact, skips the other rows' MLP)
         x = transformer_forward(clip.transformer, x, attn_mask=mask, last_rows=tokens.eot_index)  # [C, 1, d_t]
         return text_head(clip, x[:, 0])
     blocks = clip.transformer.resblocks
     m = tokens.n_ctx
-    if ctx_deep.dim() != 3 or ctx_deep.shape[1] != m or ctx_deep.shape[0] >= len(blocks):
+    if ctx_deep.dim() not in (3, 4) or ctx_deep.shape[-2] != m or ctx_deep.shape[0] >= len(blocks):
         raise ValueError(f"ctx_deep must be [J-1 < {len(blocks)}, {m}, d_t], got {tuple(ctx_deep.shape)}")
     deep = ctx_deep.to(x.dtype)
     for i in range(1, 1 + deep.shape[0]):
         x = block_forward(blocks[i - 1], x, mask)
-        x = torch.cat([x[:, :1], deep[i - 1].unsqueeze(0).expand(n_cls, -1, -1), x[:, 1 + m:]], dim=1)
+        layer = deep[i - 1] if deep.dim() == 4 else deep[i - 1].unsqueeze(0).expand(n_cls, -1, -1)  # [C, M, d_t]
+        x = torch.cat([x[:, :1], layer, x[:, 1 + m:]], dim=1)
     x = transformer_forward(clip.transformer, x, attn_mask=mask, last_rows=tokens.eot_index,
                             start=deep.shape[0])                                                   # [C, 1, d_t]
     return text_head(clip, x[:, 0])

@@ -67,32 +67,43 @@ def encode_image_with_prompts(
         images: ``[B, 3, H, W]`` normalised pixels.
         vpt: ``[D, n, d_v]`` prompt tokens; ``D == 1`` is shallow VPT, ``D > 1`` deep
             (layer ``i < D`` gets ``vpt[i]``); ``None`` or ``n == 0`` runs the plain tower.
+            ``[G, D, n, d_v]``: G groups of prompts (the tasks of :mod:`meta.batched`), the images
+            split into G equal consecutive groups, group g seeing ``vpt[g]``.
 
     Returns:
         ``[B, E]`` image features (not normalised).
     """
     visual = clip.visual
-    if vpt is None or vpt.shape[1] == 0:
+    if vpt is None or vpt.shape[-2] == 0:
         return visual(images)
     _check_supported(visual)
-    depth, n_prompt, _ = vpt.shape
+    depth, n_prompt, _ = vpt.shape[-3:]
     n_layers = len(visual.transformer.resblocks)
     if depth > n_layers:
         raise ValueError(f"vpt has {depth} prompt layers but the vision tower has {n_layers} blocks")
     batch = images.shape[0]
+    if vpt.dim() == 4 and batch % vpt.shape[0]:
+        raise ValueError(f"{batch} images do not split into {vpt.shape[0]} equal groups of prompts")
+
+    def layer(i: int) -> torch.Tensor:
+        """``[batch, n, d_v]``: layer i's tokens for every image."""
+        if prompts.dim() == 3:
+            return prompts[i].unsqueeze(0).expand(batch, -1, -1)
+        return prompts[:, i].repeat_interleave(batch // prompts.shape[0], dim=0)
+
     x = visual.conv1(images.to(visual.conv1.weight.dtype))          # [B, d_v, g, g]
     x = x.reshape(batch, x.shape[1], -1).permute(0, 2, 1)            # [B, g*g, d_v]
     cls = visual.class_embedding.to(x.dtype).view(1, 1, -1).expand(batch, -1, -1)
     x = torch.cat([cls, x], dim=1) + visual.positional_embedding.to(x.dtype)  # [B, 1+g*g, d_v]
     prompts = vpt.to(x.dtype)
-    x = torch.cat([x, prompts[0].unsqueeze(0).expand(batch, -1, -1)], dim=1)  # [B, 1+g*g+n, d_v]
+    x = torch.cat([x, layer(0)], dim=1)                              # [B, 1+g*g+n, d_v]
     x = _ln_pre(visual.ln_pre, x)
     n_keep = x.shape[1] - n_prompt
     blocks = visual.transformer.resblocks
     cls_row = torch.zeros(batch, dtype=torch.long, device=x.device)
     for i in range(n_layers):
         if 0 < i < depth:
-            x = torch.cat([x[:, :n_keep], prompts[i].unsqueeze(0).expand(batch, -1, -1)], dim=1)
+            x = torch.cat([x[:, :n_keep], layer(i)], dim=1)
         # the last block computes the CLS output only (the only one pooled; meta.blocks)
         x = block_forward(blocks[i], x, rows=cls_row if i == n_layers - 1 else None)
     pooled = visual.ln_post(x[:, 0])

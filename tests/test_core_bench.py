@@ -1,6 +1,7 @@
 """The benchmark runs end to end and reports what it promises (on the tiny model)."""
 import json
 
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -98,14 +99,30 @@ def test_device_bench_measures_every_variant_and_its_cost():
     from gram_tools import bench_gpu
 
     size = {"way": 3, "support_shots": 1, "query_shots": 2, "meta_batch": 2, "steps": 100, "chc_batch": 8}
-    result = bench_gpu.run("GRAM-Test-Tiny", "cpu", warmup=0, repeats=1, size=size, chc_images=16)
+    result = bench_gpu.run("GRAM-Test-Tiny", "cpu", warmup=0, repeats=1, size=size, chc_images=16,
+                           scaling_tasks=(1, 2), scaling_variants=("coop", "vpt"), chc_batches=(4, 16), matmul_n=128)
     assert set(result["variants"]) == {"coop", "vpt", "unigram", "ivlp", "maple"}
+    assert result["matmul_tflops"] > 0 and result["matmul_dtype"] == "float32"
     for name, row in result["variants"].items():
         assert row["second_order_step_s"] > 0 and row["first_order_step_s"] > 0
         assert row["second_order_peak_mb"] is None  # device memory is only counted on CUDA
+        # an exact second-order step does strictly more arithmetic than a first-order one
+        assert row["second_order_tflop"] > row["first_order_tflop"] > 0, name
+        for order in ("second", "first"):
+            achieved = row[f"{order}_order_tflop"] / row[f"{order}_order_step_s"]
+            assert row[f"{order}_order_tflops_achieved"] == pytest.approx(achieved, rel=2e-3)
+            assert row[f"{order}_order_matmul_fraction"] == pytest.approx(
+                row[f"{order}_order_tflops_achieved"] / result["matmul_tflops"], rel=2e-3)
         hours = result["cost"]["meta_train_gpu_hours"][name]
         assert abs(hours - round(100 * row["second_order_step_s"] / 3600, 3)) < 1e-9
     assert result["chc_images_per_s"] > 0
+    assert set(result["chc_batch_sweep"]) == {"4", "16"} and all(v > 0 for v in result["chc_batch_sweep"].values())
+    assert set(result["task_scaling"]) == {"coop", "vpt"}
+    for cells in result["task_scaling"].values():
+        assert set(cells) == {"1", "2"}
+        for cell in cells.values():
+            assert cell["sequential"]["step_s"] > 0 and cell["batched"]["step_s"] > 0
+            assert cell["batched"]["task_chunk"] is None   # nothing ran out of memory
     assert abs(result["cost"]["chc_gpu_hours_cc3m"] - round(3.1e6 / result["chc_images_per_s"] / 3600, 3)) < 2e-3
     assert result["settings"]["meta_batch"] == 2 and result["settings"]["gpu"] is None
     assert bench_gpu.task_size()["way"] == 5  # the defaults come from the meta-training config

@@ -140,3 +140,30 @@ def test_class_names_too_long_error_names_the_class_and_the_limit(tiny_clip):
     assert "class names too long" in message and repr(too_long) in message
     assert f"{limit} text tokens" in message and f"{n_ctx} context tokens" in message
     assert "'x'" not in message                             # only the offending class is listed
+
+
+def test_class_token_cache_keeps_tokens_in_the_blocks_dtype_and_stacks_once():
+    """open_clip's fp16 weights keep token / position embeddings fp32: the cache holds them in the blocks' dtype
+    (the cast happens once, not every step), returns the same stacked tokens for the same class list, and the
+    text features equal those of the per-step cast (the former path: fp32 tokens, no positional given)."""
+    import warnings
+
+    from meta.backbone import load_clip
+    from meta.text_encoder import ClassTokens
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        clip, dims = load_clip("GRAM-Test-Tiny", None, device="cpu", precision="fp16")
+    assert clip.token_embedding.weight.dtype == torch.float32
+    cache = ClassTokenCache(clip, 4)
+    tokens = cache.tokens(NAMES)
+    assert tokens.prefix.dtype == tokens.suffix.dtype == tokens.positional.dtype == torch.float16
+    assert cache.tokens(NAMES) is tokens and cache.tokens(NAMES[::-1]) is not tokens
+    with torch.no_grad():
+        ids = cache.tokenizer([f"X X X X {NAMES[0]}."], context_length=clip.positional_embedding.shape[0])
+        assert torch.equal(tokens.prefix[0, 0], clip.token_embedding(ids)[0, 0].half())
+    fp32 = ClassTokens(prefix=tokens.prefix.float(), suffix=tokens.suffix.float(), eot_index=tokens.eot_index,
+                       n_ctx=4)
+    ctx = torch.randn(4, dims.text_width, generator=torch.Generator().manual_seed(2)) * 0.02
+    assert torch.equal(encode_text_with_context(clip, tokens, ctx), encode_text_with_context(clip, fp32, ctx))

@@ -22,7 +22,7 @@ BUILD = {MetaSpec: meta_spec, RegulatorSpec: regulator_spec, PromptSpec: prompt_
 OTHER_STR = {"optimizer": "sgd", "autocast": "bf16", "form": "paper", "init": "normal",
              "ctx_init": "a photo of a", "template": "itap of a {}.",
              "vpt_init": next(v for v in VPT_INITS if v != PromptSpec.vpt_init), "coupling": "maple",
-             "inner_support": "split", "halves": "gamma"}
+             "inner_support": "split", "halves": "gamma", "task_batching": "off"}
 
 
 def _cfg():

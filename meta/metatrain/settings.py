@@ -86,6 +86,7 @@ def check_meta_cfg(cfg: CN) -> None:
          f"0 (= META.TRAJECTORY_STATES) or an integer >= META.TRAJECTORY_STATES ({m.TRAJECTORY_STATES})",
          m.TRAJECTORY_WINDOWS)
     need(m.QUERY_BEFORE_WEIGHT >= 0, "META.QUERY_BEFORE_WEIGHT", "a number >= 0", m.QUERY_BEFORE_WEIGHT)
+    need(m.TASK_BATCHING in ("auto", "on", "off"), "META.TASK_BATCHING", "auto | on | off", m.TASK_BATCHING)
     need(m.REGULATOR.WEIGHT_DECAY >= 0, "META.REGULATOR.WEIGHT_DECAY", "a number >= 0", m.REGULATOR.WEIGHT_DECAY)
     need(m.VAL_FT_STEPS >= 0, "META.VAL_FT_STEPS", "an integer >= 0", m.VAL_FT_STEPS)
     need(m.VAL_PROTOCOL in ("downstream", "one_step"), "META.VAL_PROTOCOL", "downstream | one_step", m.VAL_PROTOCOL)
@@ -326,7 +327,8 @@ def meta_spec(cfg: CN, device=None) -> "MetaSpec":
                     regulator_weight_decay=float(m.REGULATOR.WEIGHT_DECAY),
                     query_before_weight=float(m.QUERY_BEFORE_WEIGHT),
                     inner_weight_decay=float(m.INNER_WEIGHT_DECAY), inner_support=str(m.INNER_SUPPORT),
-                    trajectory_states=int(m.TRAJECTORY_STATES), trajectory_windows=int(m.TRAJECTORY_WINDOWS))
+                    trajectory_states=int(m.TRAJECTORY_STATES), trajectory_windows=int(m.TRAJECTORY_WINDOWS),
+                    task_batching=str(m.TASK_BATCHING))
 
 
 def prompt_spec(cfg: CN) -> PromptSpec:

@@ -1,0 +1,297 @@
+"""The user's whole path, run as the user runs it and timed: ``python -m gram_tools.rehearsal``.
+
+Stages (each a subprocess with the user's own command line, from the repository root):
+
+1. ``data``: a synthetic web-dataset corpus (:func:`gram_tools.synthetic.write_synthetic_shards`, written by
+   several processes) and a few-shot dataset in CoOp's DTD layout (:func:`~gram_tools.synthetic.write_synthetic_dtd`);
+2. ``cluster``: ``python -m meta cluster`` (CHC) on the corpus;
+3. ``train_coop`` / ``train_unigram``: ``python -m meta train`` with ``configs/meta/train_coop.yaml`` and
+   ``train_unigram.yaml`` for ``--meta-steps`` outer steps;
+4. ``export_coop`` / ``export_unigram``: ``python -m meta export``;
+5. ``fewshot_<method>``: ``bash scripts/base2new.sh <method> dtd 1`` (``train.py`` through Dassl, base-to-new)
+   for CoOp, GRAM_CoOp (``INIT`` = the CoOp export), joint tuning and UNIGRAM (``INIT`` = the UNIGRAM export);
+6. ``parse``: ``python scripts/parse_results.py``.
+
+Writes ``<out>/rehearsal.json``: per stage ``wall_s``, ``peak_gpu_mib`` (device-wide memory in use, polled
+with ``nvidia-smi`` every 0.2 s, minus what was in use before the stage; ``null`` without CUDA) and
+``peak_rss_mib`` (the largest process of the stage's process tree, e.g. ``train.py`` under ``base2new.sh``,
+polled from ``/proc``); per
+few-shot method the epoch time (Dassl's mean batch time of the last epoch x batches per epoch, from its
+log) and ``epoch_time_ratio``: GRAM_CoOp / CoOp and UNIGRAM / joint.
+
+Sizes: the default is the real-size GPU rehearsal (ViT-B/16 with random weights, 224-px images, 20k pairs,
+bf16 autocast); without CUDA it stops with one line (exit 2).  ``--cpu-smoke`` runs the same plumbing on
+the CPU with the 3.4 M-parameter test CLIP and tiny sizes (tests/test_rehearsal.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Optional, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+
+SIZES = {
+    "gpu": {"model": "ViT-B-16", "device": "cuda", "image": 224, "pairs": 20000, "shards": 16,
+            "meta_steps": 300, "classes": 10, "shots": 16, "test_per_class": 20, "epochs": 2, "autocast": "bf16",
+            "workers": 8},
+    "cpu_smoke": {"model": "GRAM-Test-Tiny", "device": "cpu", "image": 32, "pairs": 600, "shards": 2,
+                  "meta_steps": 2, "classes": 4, "shots": 2, "test_per_class": 2, "epochs": 1, "autocast": "none",
+                  "workers": 2},
+}
+# few-shot rows: method key -> the meta-training run whose export it starts from ("" = none)
+FEWSHOT = {"coop": "", "gram_coop": "coop", "joint": "", "unigram": "unigram"}
+RATIOS = {"gram_coop_over_coop": ("gram_coop", "coop"), "unigram_over_joint": ("unigram", "joint")}
+_BATCH_LINE = re.compile(r"epoch \[(\d+)/(\d+)\] batch \[(\d+)/(\d+)\] time [\d.]+ \(([\d.]+)\)")
+
+
+def cluster_args(size: dict, data: Path, chc: Path) -> list[str]:
+    """``python -m meta cluster`` on the corpus (the smoke config's structure, thresholds scaled to the size)."""
+    per_topic = size["pairs"] // 12
+    return ["-m", "meta", "cluster", "--config-file", "configs/meta/chc_smoke.yaml",
+            "CHC.INPUT.SHARDS", str([str(data / "shard-*.tar")]), "CHC.OUTPUT_DIR", str(chc),
+            "MODEL.BACKBONE", size["model"], "MODEL.DEVICE", size["device"],
+            "CHC.TOPICS.MIN_CLUSTER_SIZE", str(max(30, per_topic // 3)), "CHC.TOPICS.PLOT_POINTS", "1000",
+            "CHC.DOMAINS.MIN_PER_DOMAIN", str(max(5, per_topic // 20)), "CHC.IMAGES.AUTOCAST", size["autocast"]]
+
+
+def train_args(size: dict, learner: str, chc: Path, run_dir: Path) -> list[str]:
+    """``python -m meta train`` for ``learner`` (coop | unigram) for ``meta_steps`` outer steps."""
+    args = ["-m", "meta", "train", "--config-file", f"configs/meta/train_{learner}.yaml", "--output-dir", str(run_dir),
+            "META.HIERARCHY", str(chc), "MODEL.BACKBONE", size["model"], "MODEL.PRETRAINED", "",
+            "MODEL.DEVICE", size["device"], "META.STEPS", str(size["meta_steps"]),
+            "META.CHECKPOINT_EVERY", str(size["meta_steps"]), "META.PROGRESS", "False", "META.TENSORBOARD", "False",
+            "META.AUTOCAST", size["autocast"]]
+    if size["device"] == "cpu":   # the tiny corpus has few topics: tiny tasks, no validation tasks
+        args += ["META.META_BATCH", "2", "TASKS.K_WAY", "3", "TASKS.N_SUPPORT", "2", "TASKS.N_QUERY", "2",
+                 "META.VAL_TASKS", "0", "META.FEATURE_CHECK", "2"]
+    else:   # the config's task size; a short validation (its 50 tasks x 10 epochs of fine-tuning would dominate)
+        args += ["META.VAL_TASKS", "8"]
+    return args
+
+
+def fewshot_opts(size: dict) -> list[str]:
+    """``KEY VALUE`` options every ``train.py`` run gets: the backbone with random weights, the loaders."""
+    opts = ["TRAINER.GRAM.MODEL_NAME", size["model"], "TRAINER.GRAM.WEIGHTS", "none",
+            "DATALOADER.NUM_WORKERS", str(size["workers"])]
+    if size["device"] == "cpu":
+        opts += ["INPUT.SIZE", f"({size['image']}, {size['image']})", "DATALOADER.TRAIN_X.BATCH_SIZE", "2"]
+    return opts
+
+
+class _Poller:
+    """Peak device memory in use (``nvidia-smi``) and the peak RSS of the largest process under ``pid``, polled
+    in a thread."""
+
+    def __init__(self, pid: int, gpu: bool):
+        self.pid, self.gpu = pid, gpu
+        self.base_gpu = _gpu_used_mib() if gpu else None
+        self.peak_gpu = self.base_gpu
+        self.peak_rss = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak_rss = max(self.peak_rss, _rss_mib(self.pid))
+            if self.gpu:
+                used = _gpu_used_mib()
+                if used is not None and (self.peak_gpu is None or used > self.peak_gpu):
+                    self.peak_gpu = used
+            self._stop.wait(0.2)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        gpu = None if self.peak_gpu is None or self.base_gpu is None else round(self.peak_gpu - self.base_gpu, 1)
+        return {"peak_gpu_mib": gpu, "peak_rss_mib": round(self.peak_rss, 1)}
+
+
+def _rss_mib(pid: int) -> float:
+    """RSS of the largest process in the tree under ``pid`` (``/proc``; 0 where there is none)."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        try:
+            ppid = int(fields.get("PPid", "0").strip())
+        except ValueError:
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+        if "VmRSS" in fields:
+            rss[int(entry.name)] = int(fields["VmRSS"].split()[0]) / 1024.0
+    peak, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        peak = max(peak, rss.get(p, 0.0))
+        todo += children.get(p, [])
+    return peak
+
+
+def _gpu_used_mib() -> Optional[float]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=10)
+        return float(out.stdout.strip().splitlines()[0])
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
+def run_stage(name: str, argv: Sequence[str], log_dir: Path, env: dict, gpu: bool) -> dict:
+    """Run ``argv`` from the repository root, its output in ``log_dir/<name>.log``; wall time and peaks.
+
+    A failing stage raises ``RuntimeError`` naming the stage and its log.
+    """
+    log = log_dir / f"{name}.log"
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(list(argv), cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+        poller = _Poller(proc.pid, gpu)
+        code = proc.wait()
+        peaks = poller.stop()
+    wall = time.perf_counter() - start
+    if code != 0:
+        tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+        raise RuntimeError(f"stage {name} failed (exit {code}); log {log}: " + " | ".join(tail))
+    print(f"{name}: {wall:.1f} s", flush=True)
+    return {"wall_s": round(wall, 2), **peaks, "log": str(log)}
+
+
+def epoch_seconds(log_text: str) -> Optional[dict]:
+    """``{"epoch_s", "batch_s", "batches"}`` of the last epoch in a Dassl train log, or ``None``.
+
+    Dassl prints ``epoch [e/E] batch [b/B] time val (avg)`` with ``avg`` the mean batch time of the epoch so far;
+    the last such line of the last epoch times ``B`` is that epoch's time.
+    """
+    last = None
+    for m in _BATCH_LINE.finditer(log_text):
+        last = m
+    if last is None:
+        return None
+    batch_s, batches = float(last.group(5)), int(last.group(4))
+    return {"epoch_s": round(batch_s * batches, 3), "batch_s": batch_s, "batches": batches}
+
+
+def _write_shard_slice(job: tuple) -> None:
+    from gram_tools.synthetic import write_synthetic_shards
+
+    out, first, first_key, n_pairs, size, seed = job
+    write_synthetic_shards(out, n_pairs=n_pairs, n_shards=1, seed=seed, size=(size, size), first_shard=first,
+                           first_key=first_key)
+
+
+def write_data(size: dict, data: Path, dataset_root: Path) -> None:
+    """The corpus (one shard per process slice) and the few-shot dataset."""
+    from gram_tools.synthetic import write_synthetic_dtd
+
+    per_shard = -(-size["pairs"] // size["shards"])
+    jobs = [(str(data), s, s * per_shard, min(per_shard, size["pairs"] - s * per_shard), size["image"], 1000 + s)
+            for s in range(size["shards"]) if size["pairs"] > s * per_shard]
+    with ProcessPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        list(pool.map(_write_shard_slice, jobs))
+    write_synthetic_dtd(dataset_root, size["classes"], {"train": size["shots"], "val": min(size["shots"], 4),
+                                                        "test": size["test_per_class"]},
+                        size=(size["image"], size["image"]))
+
+
+def rehearse(out: Path, size: dict, python: str = sys.executable) -> dict:
+    """Run every stage into ``out`` (emptied first) and return the result written to ``out/rehearsal.json``."""
+    if out.exists():
+        shutil.rmtree(out)
+    logs, data, dataset_root = out / "logs", out / "corpus", out / "datasets"
+    chc, runs, results = out / "chc", out / "meta", out / "output"
+    for folder in (logs, data, dataset_root, runs, results):
+        folder.mkdir(parents=True)
+    gpu = size["device"].startswith("cuda")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    stages: dict[str, dict] = {}
+    start = time.perf_counter()
+    t0 = time.perf_counter()
+    write_data(size, data, dataset_root)
+    stages["data"] = {"wall_s": round(time.perf_counter() - t0, 2), "peak_gpu_mib": None, "peak_rss_mib": None}
+    print(f"data: {stages['data']['wall_s']} s", flush=True)
+    stages["cluster"] = run_stage("cluster", [python, *cluster_args(size, data, chc)], logs, env, gpu)
+    inits = {}
+    for learner in ("coop", "unigram"):
+        run_dir = runs / learner
+        stages[f"train_{learner}"] = run_stage(f"train_{learner}", [python, *train_args(size, learner, chc, run_dir)],
+                                               logs, env, gpu)
+        stages[f"export_{learner}"] = run_stage(f"export_{learner}", [python, "-m", "meta", "export", "--run-dir",
+                                                                      str(run_dir)], logs, env, gpu)
+        inits[learner] = run_dir / "gram_init.safetensors"
+    fewshot: dict[str, dict] = {}
+    for method, init in FEWSHOT.items():
+        fenv = dict(env, DATA=str(dataset_root), OUTPUT=str(results), SHOTS=str(size["shots"]),
+                    EPOCHS=str(size["epochs"]), PYTHON=python, INIT=str(inits[init]) if init else "")
+        stages[f"fewshot_{method}"] = run_stage(f"fewshot_{method}", ["bash", "scripts/base2new.sh", method, "dtd", "1",
+                                                                     "--", *fewshot_opts(size)], logs, fenv, gpu)
+        train_log = results / f"base2new/train_base/dtd/shots_{size['shots']}/{method}/seed1/log.txt"
+        fewshot[method] = epoch_seconds(train_log.read_text(errors="replace")) if train_log.is_file() else None
+    stages["parse"] = run_stage("parse", [python, "scripts/parse_results.py", str(results)], logs, env, False)
+    ratios = {}
+    for key, (num, den) in RATIOS.items():
+        a, b = fewshot.get(num), fewshot.get(den)
+        ratios[key] = round(a["epoch_s"] / b["epoch_s"], 3) if a and b and b["epoch_s"] > 0 else None
+    tables = sorted(str(p.relative_to(out)) for p in (results / "tables").glob("*"))
+    result = {"stages": stages, "total_s": round(time.perf_counter() - start, 1), "fewshot_epoch": fewshot,
+              "epoch_time_ratio": ratios, "tables": tables,
+              "settings": {**size, "python": python, "gpu": _gpu_name() if gpu else None}}
+    (out / "rehearsal.json").write_text(json.dumps(result, indent=2) + "\n")   # stages in the order run
+    return result
+
+
+def _gpu_name() -> Optional[str]:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:   # noqa: BLE001 - the name is decoration
+        return None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gram_tools.rehearsal", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="output/rehearsal", help="folder for everything (emptied first)")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny CLIP and sizes on the CPU (checks the plumbing)")
+    for key, kind in (("pairs", int), ("meta-steps", int), ("epochs", int), ("classes", int), ("shots", int)):
+        ap.add_argument(f"--{key}", type=kind, default=None, help="override the size's value")
+    args = ap.parse_args(argv)
+    size = dict(SIZES["cpu_smoke" if args.cpu_smoke else "gpu"])
+    for key in ("pairs", "meta_steps", "epochs", "classes", "shots"):
+        if getattr(args, key) is not None:
+            size[key] = getattr(args, key)
+    if not args.cpu_smoke:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("error: gram_tools.rehearsal: CUDA is not available on this machine (use --cpu-smoke for the "
+                  "CPU plumbing check)", file=sys.stderr)
+            return 2
+    try:
+        result = rehearse(Path(args.out), size)
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps({k: result[k] for k in ("total_s", "epoch_time_ratio")}, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
