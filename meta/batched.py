@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .metrics import accuracy_t
 from .prompts import PROMPT_TENSORS, PromptedCLIP, text_prompts, visual_prompts
 from .regulator import GradientRegulator
 
@@ -229,7 +230,7 @@ def _accumulate_chunks(learner: Any, tasks: Sequence[Any], fn: BatchedLossFn, ch
             with learner.cast():
                 q_loss0, _ = fn(StackedPrompts.expand(learner.prompt_module, size), query)
             learner.backward(w * q_loss0.float() / n_tasks)
-        q_acc = (q_logits.detach().argmax(dim=-1) == learner.labels_of(query)).float().mean()
+        q_acc = accuracy_t(q_logits.detach(), learner.labels_of(query))
         # losses are sums over the chunk's tasks, accuracies means over its (equal-sized) tasks
         values = {"support_loss_before": s_losses[0], "support_acc_before": s_accs[0] * size,
                   "query_loss_after": q_loss.detach(), "query_acc_after": q_acc * size}

@@ -39,6 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import batched, precision
 from ._l2l import l2l
+from .metrics import accuracy, accuracy_t
 from .inner import SUPPORT_MODES, InnerRule, inner_loop, set_parameters_, support_windows
 from .prompts import PromptParams
 from .regulator import GradientRegulator, RegulatorFactory, RegulatorSpec
@@ -116,13 +117,6 @@ def double_backward_attention() -> Iterator[None]:
         yield
 
 
-def _accuracy_t(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Fraction correct as a 0-d tensor (no host sync)."""
-    return (logits.argmax(dim=-1) == labels).float().mean()
-
-
-def _accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
-    return float(_accuracy_t(logits, labels))
 
 
 class GRAMMetaLearner(nn.Module):
@@ -313,7 +307,7 @@ class GRAMMetaLearner(nn.Module):
                 per_task.setdefault("query_loss_trajectory", []).append(traj.detach().float())
             values = {"support_loss_before": s_losses[0], "support_acc_before": s_accs[0],
                       "query_loss_after": q_loss.detach(),
-                      "query_acc_after": _accuracy_t(q_logits.detach(), self.labels_of(task.query))}
+                      "query_acc_after": accuracy_t(q_logits.detach(), self.labels_of(task.query))}
             if detailed:
                 values.update(self._diagnostics(learner, loss_fn, task))
             for key, value in values.items():
@@ -362,9 +356,9 @@ class GRAMMetaLearner(nn.Module):
             s_loss, s_logits = loss_fn(learner.module, task.support)
         return {
             "query_loss_before": float(q_loss.detach()),
-            "query_acc_before": _accuracy(q_logits.detach(), self.labels_of(task.query)),
+            "query_acc_before": accuracy(q_logits.detach(), self.labels_of(task.query)),
             "support_loss_after": float(s_loss),
-            "support_acc_after": _accuracy(s_logits, self.labels_of(task.support)),
+            "support_acc_after": accuracy(s_logits, self.labels_of(task.support)),
             "grad_cosine": float(cos),
         }
 

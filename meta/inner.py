@@ -30,6 +30,7 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 import torch
 from torch import nn
 
+from .metrics import accuracy_t
 from ._l2l import l2l
 
 # loss_fn(prompt_module, batch) -> (loss scalar, logits [n, K])
@@ -153,5 +154,5 @@ def inner_loop(learner: "l2l.algorithms.GBML", loss_fn: LossFn, windows: Sequenc
         if after_step is not None:
             after_step(len(losses), learner.module)
         losses.append(loss.detach())
-        accs.append((logits.detach().argmax(dim=-1) == labels_of(batch)).float().mean())
+        accs.append(accuracy_t(logits.detach(), labels_of(batch)))
     return losses, accs
