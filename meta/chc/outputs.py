@@ -17,6 +17,8 @@ from typing import Optional
 
 import numpy as np
 
+from ..fileio import parse_json
+
 
 class OutputError(ValueError):
     """A CHC output file cannot be read back or does not hold what the run wrote there."""
@@ -41,12 +43,12 @@ def read_json_output(path, expected: str, stage: Optional[str] = None):
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found; expected {expected}; {_fix(path, stage)}")
     try:
-        return json.loads(path.read_bytes().decode("utf-8"))
+        return parse_json(path.read_bytes().decode("utf-8"))
     except json.JSONDecodeError as err:
         what = f"not valid JSON ({err.msg}: line {err.lineno} column {err.colno})"
     except UnicodeDecodeError:
         what = "not UTF-8 text"
-    except RecursionError:
+    except ValueError:   # nested deeper than meta.fileio.MAX_NESTING
         what = "JSON nested too deep to read"
     raise OutputError(f"{path}: {what}; expected {expected}; {_fix(path, stage)}")
 

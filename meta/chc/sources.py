@@ -34,8 +34,8 @@ damaged files are listed in ``issues``:
   ``/dev/zero``, a socket, a folder; symlinks followed) is ``skipped_not_regular_file``:
   checked with ``os.stat``, never opened (``open()`` on a FIFO blocks, a device reads
   forever); image bytes are read only from regular files (:func:`read_regular_file`);
-* a manifest row that is not a JSON object (or not JSON, or nested too deep for the
-  interpreter's JSON parser: ``RecursionError``) is ``skipped_invalid_row``; a
+* a manifest row that is not a JSON object (or not JSON, or nested deeper than
+  ``meta.fileio.MAX_NESTING`` levels: :func:`meta.fileio.parse_json`) is ``skipped_invalid_row``; a
   caption or image value that is not text (a number, a list) is ``skipped_non_text_caption``
   / ``skipped_non_text_image``; a row repeating an earlier (image, caption) pair exactly
   is ``skipped_duplicate_pair``;
@@ -58,6 +58,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 import numpy as np
 
 from meta.chc.errors import InputError
+from meta.fileio import parse_json
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 MAX_ISSUE_LINES = 5  # line numbers (manifests) or keys (shards) kept per problem in ``issues``
@@ -477,12 +478,12 @@ def _manifest_rows(path: str, counts: dict, issues: Optional[list], max_field_ch
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
+                    row = parse_json(line)
                 except json.JSONDecodeError as err:
                     _note(issues, path, f"not JSON ({err.msg})", lineno)
                     yield lineno, None
                     continue
-                except RecursionError:                # nested deeper than the interpreter's stack allows
+                except ValueError:                    # nested deeper than meta.fileio.MAX_NESTING
                     _note(issues, path, "JSON nested too deep to read", lineno)
                     yield lineno, None
                     continue
