@@ -16,17 +16,10 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-PY="${PYTHON:-}"
-if [[ -z "$PY" ]]; then
-  if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python; fi
-fi
 OUT="${1:-output/gpu_check}"
-if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  echo "error: scripts/gpu_check.sh: CUDA is not available on this machine (torch.cuda.is_available() is False with $PY)" >&2
-  exit 2
-fi
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-FIG="${FIGURES_DIR:-docs}"
+SCRIPT=scripts/gpu_check.sh
+# shellcheck source=scripts/gpu_common.sh
+source "$ROOT/scripts/gpu_common.sh"
 mkdir -p "$OUT" "$FIG"
 "$PY" -m pytest -q -rs -m gpu tests 2>&1 | tee "$OUT/pytest_gpu.log"
 for mode in none bf16; do

@@ -14,17 +14,10 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-PY="${PYTHON:-}"
-if [[ -z "$PY" ]]; then
-  if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python; fi
-fi
 OUT="${1:-output/gpu_rehearsal}"
-if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  echo "error: scripts/gpu_rehearsal.sh: CUDA is not available on this machine (torch.cuda.is_available() is False with $PY)" >&2
-  exit 2
-fi
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-FIG="${FIGURES_DIR:-docs}"
+SCRIPT=scripts/gpu_rehearsal.sh
+# shellcheck source=scripts/gpu_common.sh
+source "$ROOT/scripts/gpu_common.sh"
 mkdir -p "$FIG" "$(dirname "$OUT")"
 "$PY" -m gram_tools.rehearsal --out "$OUT" 2>&1 | tee "$OUT.log"
 cp "$OUT/rehearsal.json" "$FIG/gpu_rehearsal.json"

@@ -111,3 +111,16 @@ def lr_per_epoch(opt, sched, epochs: int) -> list[float]:
         opt.step()
         sched.step()
     return lrs
+
+
+SHAPE_NAMES = ["circle", "square", "triangle"]
+
+
+def class_batch(n_per_class: int, image_size: int, gen: torch.Generator, dtype: torch.dtype = torch.float32,
+                names: list[str] = SHAPE_NAMES) -> dict:
+    """A loss-function batch of random images: ``images`` ``[n_per_class * K, 3, S, S]`` drawn from ``gen``,
+    ``label`` ``[n_per_class * K]`` cycling over the K ``names`` (``classnames``)."""
+    k = len(names)
+    return {"classnames": names,
+            "images": torch.randn(n_per_class * k, 3, image_size, image_size, generator=gen, dtype=dtype),
+            "label": torch.arange(k).repeat(n_per_class)}

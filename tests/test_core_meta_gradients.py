@@ -9,15 +9,9 @@ from torch.func import functional_call
 from meta.gram import GRAMMetaLearner, MetaSpec, TaskBatch, double_backward_attention
 from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
 from meta.regulator import RegulatorSpec
+from helpers import class_batch
 
-NAMES = ["circle", "square", "triangle"]
-
-
-def _batch(n_per_class, image_size, gen, dtype=torch.float32):
-    k = len(NAMES)
-    return {"classnames": NAMES,
-            "images": torch.randn(n_per_class * k, 3, image_size, image_size, generator=gen, dtype=dtype),
-            "label": torch.arange(k).repeat(n_per_class)}
+_batch = class_batch
 
 
 def _learner(clip, dims, spec, meta_spec, seed=0, dtype=torch.float32):

@@ -17,15 +17,10 @@ from meta.gram import GRAMMetaLearner, MetaSpec, TaskBatch, double_backward_atte
 from meta.inner import InnerRule, inner_loop, support_windows
 from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
 from meta.regulator import GradientRegulator, RegulatorSpec
+from functools import partial
+from helpers import class_batch
 
-NAMES = ["circle", "square", "triangle"]
-
-
-def _batch(n_per_class, image_size, gen, dtype=torch.float64):
-    k = len(NAMES)
-    return {"classnames": NAMES,
-            "images": torch.randn(n_per_class * k, 3, image_size, image_size, generator=gen, dtype=dtype),
-            "label": torch.arange(k).repeat(n_per_class)}
+_batch = partial(class_batch, dtype=torch.float64)
 
 
 def _setup(tiny_clip, meta_spec, seed=0):
