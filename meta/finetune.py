@@ -67,14 +67,28 @@ def resolve_window(window: int, metadata: Optional[Mapping], source: str = "init
 
 
 class GradientRegulation(nn.Module):
-    """Frozen regulators keyed by prompt-parameter name (``"ctx"``, ``"vpt"``).
+    """
+    **Description**
 
-    Parameters without a regulator keep their raw gradient.  The regulators are
-    frozen (φ is meta-learned, not fine-tuned) and put in eval mode.
+    Test-time R_φ (paper Eq. 7): frozen copies of the meta-learned regulators, keyed by prompt-tensor name
+    (``"ctx"``, ``"vpt"``, ...), that replace each prompt gradient ``p.grad`` by its regulated version before
+    the optimiser step. Tensors without a regulator keep their raw gradient; φ is never fine-tuned. Every
+    :meth:`apply_` adds cos(ĝ, g) and ‖ĝ‖/‖g‖ per tensor to :attr:`stats` (:meth:`summary`).
 
-    The regulators are copied, never modified.  ``norm_preserve`` overrides their own
-    ``spec.norm_preserve`` at test time (``None`` = as meta-trained).  Every call of
-    :meth:`apply_` adds, per tensor, cos(ĝ, g) and ‖ĝ‖/‖g‖ to :attr:`stats` (diagnostics).
+    **Arguments**
+
+    * **regulators** (Mapping[str, GradientRegulator]) - R_φ per prompt tensor (copied, never modified).
+    * **norm_preserve** (bool, *optional*, default=None) - overrides the regulators' own
+      ``spec.norm_preserve`` (``None`` = as meta-trained).
+
+    **Example**
+
+    ~~~python
+    regulation = GradientRegulation(load_gram_init(path).regulator_modules())
+    loss.backward()
+    regulation.apply_(theta.named_parameters(), count=n)   # p.grad <- n * R_phi(p.grad / n)
+    optimizer.step()
+    ~~~
     """
 
     def __init__(self, regulators: Mapping[str, GradientRegulator], norm_preserve: Optional[bool] = None):

@@ -165,7 +165,30 @@ class PromptSpec:
 
 
 class PromptParams(nn.Module):
-    """θ: the learnable prompt tensors (see module docstring for names and shapes)."""
+    """
+    **Description**
+
+    θ, the learnable prompt tensors of one prompt learner, as ``nn.Parameter`` attributes (absent ones are
+    ``None``). The frozen CLIP is not part of this module, so ``GBML.clone()`` copies θ alone.
+
+    **Arguments**
+
+    * **ctx** (Tensor, *optional*) - text context ``[M, d_t]`` (CoOp); layer 0 of deep text prompts.
+    * **vpt** (Tensor, *optional*) - visual prompt tokens ``[D, n, d_v]`` (D = 1 shallow VPT, D > 1 deep).
+    * **ctx_deep** (Tensor, *optional*) - text prompts of layers 1..J-1 ``[J-1, M, d_t]`` (IVLP, MaPLe).
+    * **proj_weight**, **proj_bias** (Tensor, *optional*) - MaPLe's coupling ``[J, d_v, d_t]`` and ``[J, d_v]``:
+      the visual prompts of layer j are ``ctx_j @ W_j.T + b_j`` (``vpt`` is then ``None``).
+
+    At least one of ``ctx`` and ``vpt`` is required; shapes are checked against each other.
+
+    **Example**
+
+    ~~~python
+    clip, dims = load_clip("GRAM-Test-Tiny", pretrained=None)
+    theta = PromptParams.from_spec(PromptSpec(n_ctx_text=2, n_ctx_vision=2), clip, dims)   # UNIGRAM
+    theta.ctx.shape, theta.vpt.shape   # ([2, d_t], [1, 2, d_v])
+    ~~~
+    """
 
     def __init__(self, ctx: Optional[torch.Tensor] = None, vpt: Optional[torch.Tensor] = None,
                  ctx_deep: Optional[torch.Tensor] = None, proj_weight: Optional[torch.Tensor] = None,
