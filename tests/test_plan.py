@@ -172,7 +172,8 @@ def test_gpu_check_writes_the_planner_figures(tmp_path):
     assert json.loads((tmp_path / "figs" / "gpu_figures_bf16.json").read_text()) == {"autocast": "bf16"}
     lines = calls.read_text().splitlines()
     assert "-m pytest -q -rs -m gpu tests" in lines
-    assert "-m gram_tools.bench --device cuda --autocast none" in lines
+    # fp32: no task-scaling table and no CHC batch sweep (empty lists); bf16: both, at the bench's defaults
+    assert "-m gram_tools.bench --device cuda --autocast none --scaling-tasks  --chc-batches " in lines
     assert "-m gram_tools.bench --device cuda --autocast bf16" in lines
 
 
