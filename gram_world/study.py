@@ -240,7 +240,8 @@ def regime_markdown(cells: dict) -> str:
             gains.append(f"{d[k][0] - d['zsclip'][0]:+.2f} / {d[k][1] - d['zsclip'][1]:+.2f}" if ok else "-")
         return f"| {name} | " + " | ".join(parts + gains) + " |"
 
-    lines = ["| world | zero-shot base / new | CoOp base / new | VPT base / new | CoOp − zero-shot | VPT − zero-shot |",
+    lines = ["| world | zero-shot base / new | CoOp base / new | VPT base / new | CoOp − zero-shot "
+             "| VPT − zero-shot |",
              "| --- | --- | --- | --- | --- | --- |",
              row("paper, Table 1a (11 datasets)", PAPER_REGIME)]
     lines += [row(f"world {w}", d) for w, d in regime(cells).items()]
@@ -449,7 +450,8 @@ def rank_regulator_variants(per_variant: dict, reference: str = "k1", margin: fl
             continue
         world_means = {w: float(np.mean(list(d.values()))) for w, d in complete.items()}
         rows.append({"variant": name, "overrides": list(REGULATOR_SWEEP.get(name, ())),
-                     "val_diff_H_per_world": complete, "mean_per_world": {w: round(v, 3) for w, v in world_means.items()},
+                     "val_diff_H_per_world": complete,
+                     "mean_per_world": {w: round(v, 3) for w, v in world_means.items()},
                      "mean_val_diff_H": round(float(np.mean(list(world_means.values()))), 3)})
     rows.sort(key=lambda r: -r["mean_val_diff_H"])
     chosen = reference
@@ -480,8 +482,8 @@ def regulator_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def select_regulator(root: Path, worlds: Sequence[str], base: DemoSettings, variants: Sequence[str] = tuple(REGULATOR_SWEEP),
-                     world_root: Optional[Path] = None) -> dict:
+def select_regulator(root: Path, worlds: Sequence[str], base: DemoSettings,
+                     variants: Sequence[str] = tuple(REGULATOR_SWEEP), world_root: Optional[Path] = None) -> dict:
     """The validation sweep over how R_φ is meta-trained (:data:`REGULATOR_SWEEP`) at the default test-time
     switches, meta seed ``base.meta_seed``, val splits; world by world, variant by variant, rewriting
     ``selection_regulator.json`` / ``.md`` after every cell (a stopped sweep leaves what finished, and a
@@ -525,7 +527,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="select: the test-time switches (window, launch, query weight) or how R_φ is "
                         "meta-trained (REGULATOR_SWEEP, at the default switches)")
     parser.add_argument("--variants", nargs="+", help=f"select --sweep regulator: the variants "
-                        f"(default all: {', '.join(REGULATOR_SWEEP)}); travel: the sweep variant whose cell is measured")
+                        f"(default all: {', '.join(REGULATOR_SWEEP)}); travel: the sweep variant whose cell is "
+                        "measured")
     parser.add_argument("--datasets", nargs="+", help="travel: base-to-new datasets (default: all of the world's)")
     parser.add_argument("--add-missing-rows", action="store_true",
                         help="run: cells kept from --resume-from that lack rows added since (zero-shot) run those rows")

@@ -131,8 +131,8 @@ def test_a_study_resumes_from_an_earlier_results_file_and_runs_only_missing_cell
 
 
 def test_regime_averages_each_world_and_subtracts_zero_shot():
-    cells = {("0", 0): {("zsclip", 1): (40.0, 50.0, 0.0), ("coop", 1): (50.0, 44.0, 0.0), ("coop", 2): (52.0, 46.0, 0.0),
-                        ("vpt", 1): (45.0, 49.0, 0.0)},
+    cells = {("0", 0): {("zsclip", 1): (40.0, 50.0, 0.0), ("coop", 1): (50.0, 44.0, 0.0),
+                        ("coop", 2): (52.0, 46.0, 0.0), ("vpt", 1): (45.0, 49.0, 0.0)},
              ("0", 1): {("zsclip", 1): (40.0, 50.0, 0.0), ("coop", 1): (54.0, 48.0, 0.0)}}
     reg = study.regime(cells)
     assert reg["0"]["coop"] == pytest.approx((52.0, 46.0)) and reg["0"]["zsclip"] == (40.0, 50.0)
