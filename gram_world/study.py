@@ -1,17 +1,22 @@
 """``python -m gram_world.study``: how sure each GRAM claim is, over worlds × meta-training seeds ×
 fine-tuning seeds, and the validation sweep that chose the test-time defaults.
 
-Two commands, both resumable cell by cell (a cell is one world, one meta-training seed and one setting
+Three commands, each resumable cell by cell (a cell is one world, one meta-training seed and one setting
 of the switches; every stage of a cell is the demo's, cached on disk, so a killed run redoes only what
 is missing):
 
 * ``select``: on the **val** splits of the world's base-to-new datasets, the GRAM rows for every
   combination of the switches in :data:`SWEEP` (regulation window, launch step, before-adaptation query
   weight) and their baselines.  The default is the combination with the best mean paired H difference
-  (GRAM row − its baseline) over the three prompt types; test splits are never read.
+  (GRAM row − its baseline) over the three prompt types; test splits are never read.  ``--sweep regulator``
+  sweeps how R_φ is meta-trained instead (:data:`REGULATOR_SWEEP`, at the default switches), ranked by
+  :func:`rank_regulator_variants` (a variant replaces ``k1`` only by more than :data:`SELECT_MARGIN_H`).
 * ``run``: the default pipeline (the demo's settings) on the **test** splits of every world in
   :data:`WORLDS` for each meta-training seed; then every pair of :data:`gram_world.demo.settings.PAIRS`
-  as a paired mean difference of H with a 95 % bootstrap interval.
+  as a paired mean difference of H with a 95 % bootstrap interval, and each world's regime (zero-shot, CoOp,
+  VPT) beside the paper's.
+* ``travel``: β's share of θ's travel over the fine-tuning schedule of a cell's regulated rows
+  (:class:`meta.travel.TravelSplit`).
 
 Unit of a difference: one (world, meta seed, fine-tuning seed): H of the method's base and new accuracy,
 each averaged over the five base-to-new datasets, minus the same for its baseline.  Interval: a
