@@ -437,14 +437,16 @@ def travel_cell(cell: Cell, root: Path, keys: Sequence[str] = TRAVEL_KEYS, seed:
 SELECT_MARGIN_H = 0.5
 
 
-def rank_regulator_variants(per_variant: dict, reference: str = "k1", margin: float = SELECT_MARGIN_H) -> dict:
+def rank_regulator_variants(per_variant: dict, reference: str = "k1", margin: float = SELECT_MARGIN_H,
+                            worlds: Sequence[str] = ()) -> dict:
     """The written-down rule of ``select --sweep regulator`` applied to finished cells.
 
     ``per_variant``: ``{variant: {(world, meta seed): cell_h table holding the GRAM rows and their baselines}}``.
     Score of a variant: the mean over its worlds of the three paired H differences (GRAM row − its baseline,
     :data:`BASELINE_OF`), each averaged over the world's fine-tuning seeds.  Returns ``{"rows": [...] best
     first, "chosen": name}``: the best variant when it beats ``reference`` by more than ``margin`` on the worlds
-    both have, else ``reference``."""
+    both have, else ``reference``.  With ``worlds`` (the worlds the sweep was asked for), a sweep in which any
+    variant lacks one of them is partial (``"partial": True``) and keeps ``reference``, as the written rule says."""
     rows = []
     for name, cells in per_variant.items():
         diffs = paired_differences(cells, tuple(BASELINE_OF.items()))
@@ -468,7 +470,13 @@ def rank_regulator_variants(per_variant: dict, reference: str = "k1", margin: fl
                     - np.mean([ref["mean_per_world"][w] for w in shared]))
             if gain > margin:
                 chosen = rows[0]["variant"]
-    return {"rows": rows, "chosen": chosen, "margin_H": margin, "reference": reference}
+    partial = bool(worlds) and any(set(worlds) - set(r["mean_per_world"]) for r in rows) or (
+        bool(worlds) and len(rows) < len(per_variant))
+    best = chosen
+    if partial:
+        chosen = reference
+    return {"rows": rows, "chosen": chosen, "best_if_complete": best, "partial": partial, "margin_H": margin,
+            "reference": reference}
 
 
 def regulator_markdown(result: dict) -> str:
@@ -483,7 +491,9 @@ def regulator_markdown(result: dict) -> str:
                          + f" ({r['mean_per_world'][w]:+.2f})")
         lines.append(f"| {r['variant']} | " + " | ".join(cells) + f" | {r['mean_val_diff_H']:+.2f} |")
     lines += ["", f"Chosen by the rule (beat `{result['reference']}` by more than {result['margin_H']:g} H): "
-                  f"`{result['chosen']}`"]
+                  f"`{result['chosen']}`" + (f" (partial sweep: no default changes; on the finished worlds the rule "
+                                             f"would pick `{result['best_if_complete']}`)" if result.get("partial")
+                                             else "")]
     return "\n".join(lines) + "\n"
 
 
@@ -506,7 +516,7 @@ def select_regulator(root: Path, worlds: Sequence[str], base: DemoSettings,
             log(f"select regulator: world {world} {cell.name}")
             table = {**baseline, **cell_h(run_cell(cell, root, SWEEP_GRAM_KEYS, world_root))}
             per_variant.setdefault(name, {})[(world, ws.meta_seed)] = table
-            result = {**rank_regulator_variants(per_variant), "worlds_done": sorted({w for c in per_variant.values()
+            result = {**rank_regulator_variants(per_variant, worlds=worlds), "worlds_done": sorted({w for c in per_variant.values()
                                                                                      for w, _ in c}),
                       "split": "val", "seeds": list(base.seeds), "meta_seed": base.meta_seed,
                       "cells": {f"{v}/{w}/{s}": {f"{k}/{fs}": list(x) for (k, fs), x in t.items()}

@@ -185,6 +185,10 @@ def test_regulator_sweep_cells_and_the_written_rule():
     assert [r["variant"] for r in ranked["rows"]] == ["beta_only", "k4", "k1"]
     assert ranked["rows"][0]["mean_val_diff_H"] == pytest.approx(1.0)
     assert ranked["chosen"] == "beta_only"
+    partial = study.rank_regulator_variants(per, worlds=("0", "1", "2"))     # world 2 asked for, not finished
+    assert partial["partial"] and partial["chosen"] == "k1" and partial["best_if_complete"] == "beta_only"
+    assert "partial sweep: no default changes" in study.regulator_markdown(partial)
+    assert not study.rank_regulator_variants(per, worlds=("0", "1"))["partial"]
     del per["beta_only"]
     assert study.rank_regulator_variants(per)["chosen"] == "k1"          # +0.33 H is within the 0.5 H margin
     assert "| k4 | +1.00 / +0.00 / +0.00 (+0.33) | +0.00 / +0.00 / +0.00 (+0.00) | +0.17 |" in \
