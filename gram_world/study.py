@@ -1,17 +1,22 @@
 """``python -m gram_world.study``: how sure each GRAM claim is, over worlds × meta-training seeds ×
 fine-tuning seeds, and the validation sweep that chose the test-time defaults.
 
-Two commands, both resumable cell by cell (a cell is one world, one meta-training seed and one setting
+Three commands, each resumable cell by cell (a cell is one world, one meta-training seed and one setting
 of the switches; every stage of a cell is the demo's, cached on disk, so a killed run redoes only what
 is missing):
 
 * ``select``: on the **val** splits of the world's base-to-new datasets, the GRAM rows for every
   combination of the switches in :data:`SWEEP` (regulation window, launch step, before-adaptation query
   weight) and their baselines.  The default is the combination with the best mean paired H difference
-  (GRAM row − its baseline) over the three prompt types; test splits are never read.
+  (GRAM row − its baseline) over the three prompt types; test splits are never read.  ``--sweep regulator``
+  sweeps how R_φ is meta-trained instead (:data:`REGULATOR_SWEEP`, at the default switches), ranked by
+  :func:`rank_regulator_variants` (a variant replaces ``k1`` only by more than :data:`SELECT_MARGIN_H`).
 * ``run``: the default pipeline (the demo's settings) on the **test** splits of every world in
   :data:`WORLDS` for each meta-training seed; then every pair of :data:`gram_world.demo.settings.PAIRS`
-  as a paired mean difference of H with a 95 % bootstrap interval.
+  as a paired mean difference of H with a 95 % bootstrap interval, and each world's regime (zero-shot, CoOp,
+  VPT) beside the paper's.
+* ``travel``: β's share of θ's travel over the fine-tuning schedule of a cell's regulated rows
+  (:class:`meta.travel.TravelSplit`).
 
 Unit of a difference: one (world, meta seed, fine-tuning seed): H of the method's base and new accuracy,
 each averaged over the five base-to-new datasets, minus the same for its baseline.  Interval: a
@@ -240,7 +245,8 @@ def regime_markdown(cells: dict) -> str:
             gains.append(f"{d[k][0] - d['zsclip'][0]:+.2f} / {d[k][1] - d['zsclip'][1]:+.2f}" if ok else "-")
         return f"| {name} | " + " | ".join(parts + gains) + " |"
 
-    lines = ["| world | zero-shot base / new | CoOp base / new | VPT base / new | CoOp − zero-shot | VPT − zero-shot |",
+    lines = ["| world | zero-shot base / new | CoOp base / new | VPT base / new | CoOp − zero-shot "
+             "| VPT − zero-shot |",
              "| --- | --- | --- | --- | --- | --- |",
              row("paper, Table 1a (11 datasets)", PAPER_REGIME)]
     lines += [row(f"world {w}", d) for w, d in regime(cells).items()]
@@ -431,14 +437,16 @@ def travel_cell(cell: Cell, root: Path, keys: Sequence[str] = TRAVEL_KEYS, seed:
 SELECT_MARGIN_H = 0.5
 
 
-def rank_regulator_variants(per_variant: dict, reference: str = "k1", margin: float = SELECT_MARGIN_H) -> dict:
+def rank_regulator_variants(per_variant: dict, reference: str = "k1", margin: float = SELECT_MARGIN_H,
+                            worlds: Sequence[str] = ()) -> dict:
     """The written-down rule of ``select --sweep regulator`` applied to finished cells.
 
     ``per_variant``: ``{variant: {(world, meta seed): cell_h table holding the GRAM rows and their baselines}}``.
     Score of a variant: the mean over its worlds of the three paired H differences (GRAM row − its baseline,
     :data:`BASELINE_OF`), each averaged over the world's fine-tuning seeds.  Returns ``{"rows": [...] best
     first, "chosen": name}``: the best variant when it beats ``reference`` by more than ``margin`` on the worlds
-    both have, else ``reference``."""
+    both have, else ``reference``.  With ``worlds`` (the worlds the sweep was asked for), a sweep in which any
+    variant lacks one of them is partial (``"partial": True``) and keeps ``reference``, as the written rule says."""
     rows = []
     for name, cells in per_variant.items():
         diffs = paired_differences(cells, tuple(BASELINE_OF.items()))
@@ -449,7 +457,8 @@ def rank_regulator_variants(per_variant: dict, reference: str = "k1", margin: fl
             continue
         world_means = {w: float(np.mean(list(d.values()))) for w, d in complete.items()}
         rows.append({"variant": name, "overrides": list(REGULATOR_SWEEP.get(name, ())),
-                     "val_diff_H_per_world": complete, "mean_per_world": {w: round(v, 3) for w, v in world_means.items()},
+                     "val_diff_H_per_world": complete,
+                     "mean_per_world": {w: round(v, 3) for w, v in world_means.items()},
                      "mean_val_diff_H": round(float(np.mean(list(world_means.values()))), 3)})
     rows.sort(key=lambda r: -r["mean_val_diff_H"])
     chosen = reference
@@ -461,7 +470,13 @@ def rank_regulator_variants(per_variant: dict, reference: str = "k1", margin: fl
                     - np.mean([ref["mean_per_world"][w] for w in shared]))
             if gain > margin:
                 chosen = rows[0]["variant"]
-    return {"rows": rows, "chosen": chosen, "margin_H": margin, "reference": reference}
+    partial = bool(worlds) and any(set(worlds) - set(r["mean_per_world"]) for r in rows) or (
+        bool(worlds) and len(rows) < len(per_variant))
+    best = chosen
+    if partial:
+        chosen = reference
+    return {"rows": rows, "chosen": chosen, "best_if_complete": best, "partial": partial, "margin_H": margin,
+            "reference": reference}
 
 
 def regulator_markdown(result: dict) -> str:
@@ -476,12 +491,14 @@ def regulator_markdown(result: dict) -> str:
                          + f" ({r['mean_per_world'][w]:+.2f})")
         lines.append(f"| {r['variant']} | " + " | ".join(cells) + f" | {r['mean_val_diff_H']:+.2f} |")
     lines += ["", f"Chosen by the rule (beat `{result['reference']}` by more than {result['margin_H']:g} H): "
-                  f"`{result['chosen']}`"]
+                  f"`{result['chosen']}`" + (f" (partial sweep: no default changes; on the finished worlds the rule "
+                                             f"would pick `{result['best_if_complete']}`)" if result.get("partial")
+                                             else "")]
     return "\n".join(lines) + "\n"
 
 
-def select_regulator(root: Path, worlds: Sequence[str], base: DemoSettings, variants: Sequence[str] = tuple(REGULATOR_SWEEP),
-                     world_root: Optional[Path] = None) -> dict:
+def select_regulator(root: Path, worlds: Sequence[str], base: DemoSettings,
+                     variants: Sequence[str] = tuple(REGULATOR_SWEEP), world_root: Optional[Path] = None) -> dict:
     """The validation sweep over how R_φ is meta-trained (:data:`REGULATOR_SWEEP`) at the default test-time
     switches, meta seed ``base.meta_seed``, val splits; world by world, variant by variant, rewriting
     ``selection_regulator.json`` / ``.md`` after every cell (a stopped sweep leaves what finished, and a
@@ -499,7 +516,7 @@ def select_regulator(root: Path, worlds: Sequence[str], base: DemoSettings, vari
             log(f"select regulator: world {world} {cell.name}")
             table = {**baseline, **cell_h(run_cell(cell, root, SWEEP_GRAM_KEYS, world_root))}
             per_variant.setdefault(name, {})[(world, ws.meta_seed)] = table
-            result = {**rank_regulator_variants(per_variant), "worlds_done": sorted({w for c in per_variant.values()
+            result = {**rank_regulator_variants(per_variant, worlds=worlds), "worlds_done": sorted({w for c in per_variant.values()
                                                                                      for w, _ in c}),
                       "split": "val", "seeds": list(base.seeds), "meta_seed": base.meta_seed,
                       "cells": {f"{v}/{w}/{s}": {f"{k}/{fs}": list(x) for (k, fs), x in t.items()}
@@ -525,7 +542,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="select: the test-time switches (window, launch, query weight) or how R_φ is "
                         "meta-trained (REGULATOR_SWEEP, at the default switches)")
     parser.add_argument("--variants", nargs="+", help=f"select --sweep regulator: the variants "
-                        f"(default all: {', '.join(REGULATOR_SWEEP)}); travel: the sweep variant whose cell is measured")
+                        f"(default all: {', '.join(REGULATOR_SWEEP)}); travel: the sweep variant whose cell is "
+                        "measured")
     parser.add_argument("--datasets", nargs="+", help="travel: base-to-new datasets (default: all of the world's)")
     parser.add_argument("--add-missing-rows", action="store_true",
                         help="run: cells kept from --resume-from that lack rows added since (zero-shot) run those rows")

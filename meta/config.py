@@ -151,7 +151,7 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.AUTOCAST = "none"          # none | bf16 | fp16 autocast of the CLIP passes on CUDA (CPU: fp32, one log line);
     #                              bf16 is the safer choice: fp16 scales only the outer loss (meta.precision)
     m.INNER_MOMENTUM = 0.0       # heavy-ball inner SGD as the test-time optimiser (0.9 there); needs INNER_STEPS > 1
-    m.INNER_WEIGHT_DECAY = 0.0   # lambda of the inner SGD, added to R_phi(g) as torch SGD does at test time (5e-4 there)
+    m.INNER_WEIGHT_DECAY = 0.0   # lambda of the inner SGD, added to R_phi(g) as torch SGD does (5e-4 at test time)
     m.INNER_SUPPORT = "repeat"   # repeat = every inner step on the whole support (Alg. 1) | split = INNER_STEPS
     #                              class-balanced windows of the support, one per step (raise TASKS.N_SUPPORT to match)
     m.TRAJECTORY_STATES = 0      # S > 0: also the query loss one regulated step from S detached states of a regulated

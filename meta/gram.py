@@ -73,7 +73,7 @@ class MetaSpec:
     regulator_weight_decay: float = 0.0  # L2 on φ in the outer optimiser: pulls φ to 0 = identity R_φ (residual form)
     query_before_weight: float = DEFAULT_QUERY_BEFORE_WEIGHT  # w of L_q(θ) in the outer objective (0 = Eq. 8)
     inner_weight_decay: float = 0.0  # λ of the inner SGD (added to R_φ(g), as torch SGD at test time); 0 = none
-    inner_support: str = "repeat"    # data of each inner step: repeat = whole support | split = K class-balanced windows
+    inner_support: str = "repeat"    # data per inner step: repeat = whole support | split = K class-balanced windows
     trajectory_states: int = 0       # S states θ_t per task along a regulated run from θ (WarpGrad-style); 0 = off
     trajectory_windows: int = 0      # T steps of that run (states evenly spaced over it); 0 = S (a state per step)
     task_batching: str = "auto"    # auto | on | off: a meta-batch's tasks as one stacked pass (meta.batched)

@@ -43,7 +43,7 @@ class _View:
 
 
 def _reference(pclip, ml, windows, query, rule, first_order):
-    """Hand-rolled: u = R(∇L), d = u + λθ, v = μv + d, θ ← θ − αv per window; grads of L_q(θ_K) w.r.t. θ, φ."""
+    """Hand-rolled: u = R(∇L), d = u + λθ, v = μv + d, θ ← θ − αv per window; grads of L_q(θ_K) (θ, φ)."""
     names = [n for n, _ in ml.prompt_module.named_parameters()]
     theta = {n: p.detach().clone().requires_grad_(True) for n, p in ml.prompt_module.named_parameters()}
     regs = ml.regulators()

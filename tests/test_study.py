@@ -131,8 +131,8 @@ def test_a_study_resumes_from_an_earlier_results_file_and_runs_only_missing_cell
 
 
 def test_regime_averages_each_world_and_subtracts_zero_shot():
-    cells = {("0", 0): {("zsclip", 1): (40.0, 50.0, 0.0), ("coop", 1): (50.0, 44.0, 0.0), ("coop", 2): (52.0, 46.0, 0.0),
-                        ("vpt", 1): (45.0, 49.0, 0.0)},
+    cells = {("0", 0): {("zsclip", 1): (40.0, 50.0, 0.0), ("coop", 1): (50.0, 44.0, 0.0),
+                        ("coop", 2): (52.0, 46.0, 0.0), ("vpt", 1): (45.0, 49.0, 0.0)},
              ("0", 1): {("zsclip", 1): (40.0, 50.0, 0.0), ("coop", 1): (54.0, 48.0, 0.0)}}
     reg = study.regime(cells)
     assert reg["0"]["coop"] == pytest.approx((52.0, 46.0)) and reg["0"]["zsclip"] == (40.0, 50.0)
@@ -185,6 +185,10 @@ def test_regulator_sweep_cells_and_the_written_rule():
     assert [r["variant"] for r in ranked["rows"]] == ["beta_only", "k4", "k1"]
     assert ranked["rows"][0]["mean_val_diff_H"] == pytest.approx(1.0)
     assert ranked["chosen"] == "beta_only"
+    partial = study.rank_regulator_variants(per, worlds=("0", "1", "2"))     # world 2 asked for, not finished
+    assert partial["partial"] and partial["chosen"] == "k1" and partial["best_if_complete"] == "beta_only"
+    assert "partial sweep: no default changes" in study.regulator_markdown(partial)
+    assert not study.rank_regulator_variants(per, worlds=("0", "1"))["partial"]
     del per["beta_only"]
     assert study.rank_regulator_variants(per)["chosen"] == "k1"          # +0.33 H is within the 0.5 H margin
     assert "| k4 | +1.00 / +0.00 / +0.00 (+0.33) | +0.00 / +0.00 / +0.00 (+0.00) | +0.17 |" in \
