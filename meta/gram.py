@@ -120,12 +120,29 @@ def double_backward_attention() -> Iterator[None]:
 
 
 class GRAMMetaLearner(nn.Module):
-    """θ (prompts) + φ (regulators) and their outer optimiser.
+    """
+    **Description**
 
-    Args:
-        prompts: θ, a :class:`PromptParams` (moved into the GBML wrapper).
-        spec: loop hyper-parameters.
-        labels_of: ``labels_of(batch) -> [n]`` int labels, used for accuracies.
+    GRAM's bi-level learner (paper Algorithm 1): θ, the prompts, wrapped in learn2learn's ``GBML`` whose
+    per-tensor transforms are the regulators R_φ, and the outer optimiser of both. Per task, :meth:`adapt`
+    clones θ and unrolls the regulated inner loop (:func:`meta.inner.inner_loop`) on the support;
+    :meth:`meta_step` backpropagates the query loss at θ' into θ (lr λ1) and φ (lr λ2), second order by default.
+
+    **Arguments**
+
+    * **prompts** (PromptParams) - θ (moved into the GBML wrapper; the frozen CLIP stays outside).
+    * **spec** (MetaSpec, *optional*) - inner and outer loop settings (inner lr α, steps, momentum, weight
+      decay, regulator, task batching, ...).
+    * **labels_of** (callable, *optional*) - ``labels_of(batch) -> [n]`` integer labels, for accuracies.
+
+    **Example**
+
+    ~~~python
+    learner = GRAMMetaLearner(theta, MetaSpec(inner_lr=0.1))
+    loss_fn = classification_loss(PromptedCLIP(clip, dims, theta.n_ctx_text))
+    metrics = learner.meta_step([TaskBatch(support, query)], loss_fn)   # one outer update of θ and φ
+    adapted, losses, accs = learner.adapt(loss_fn, support)              # θ' = θ − α R_φ(∇L_s), connected
+    ~~~
     """
 
     def __init__(self, prompts: PromptParams, spec: Optional[MetaSpec] = None,

@@ -105,12 +105,28 @@ class RegulatorSpec:
 
 
 class GradientRegulator(nn.Module):
-    """R_φ for one prompt tensor whose last dimension is ``dim``.
+    """
+    **Description**
 
-    Input and output: a gradient ``[..., dim]``.  Parameters: ``gamma`` and ``beta``
-    (each an ``nn.Linear(dim, dim)``: W ``[dim, dim]``, b ``[dim]``), plus the 0-d
-    ``mix_logit`` m when ``spec.mix`` and the 0-d ``log_lr`` ℓ when ``spec.learn_lr`` (each absent otherwise,
-    so files written without them load).
+    R_φ for one prompt tensor (paper Eqs. 5-7): maps a gradient ``g`` ``[..., dim]`` to ĝ = γ ⊙ g + β of the
+    same shape, with γ = tanh(W_γ u + b_γ) (plus 1 in the residual form) and β = s · tanh(W_β u + b_β), the
+    linear maps acting on the last dimension (``u``, ``s``: module docstring). Parameters: ``gamma`` and
+    ``beta`` (each ``nn.Linear(dim, dim)``: W ``[dim, dim]``, b ``[dim]``), plus the 0-d ``mix_logit`` with
+    ``spec.mix`` and the 0-d ``log_lr`` with ``spec.learn_lr`` (absent otherwise, so older files load).
+
+    **Arguments**
+
+    * **dim** (int) - the prompt tensor's last dimension (d_t or d_v).
+    * **spec** (RegulatorSpec, *optional*) - form, input normalisation, β scale, init, halves, step size.
+
+    **Example**
+
+    ~~~python
+    reg = GradientRegulator(512)              # residual form, zero init: the identity
+    g = torch.randn(4, 512)
+    torch.equal(reg(g), g)                    # True until φ is meta-trained
+    g_hat, beta_part = reg.parts(g)           # ĝ and the share of it that comes from β
+    ~~~
     """
 
     #: leading dimensions of a gradient that index tasks (a task-stacked ``[B, ...]`` gradient:
