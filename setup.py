@@ -11,6 +11,7 @@ sdist does not build on Python >= 3.11 (stale Cython output, learn2learn issue
 Cython sources; ``meta`` raises a one-line error naming that script when it is
 missing.
 """
+
 from setuptools import find_packages, setup
 
 setup(
@@ -47,7 +48,17 @@ setup(
         # Runtime needs of Dassl.pytorch (installed itself by `scripts/setup.sh --with-dassl`, it is not on
         # PyPI): what `import dassl` and CoOp-family trainers import.  Dassl's own install_requires also pins
         # flake8/yapf/isort, which are never imported, so Dassl is installed with --no-deps plus this list.
-        "dassl": ["yacs", "gdown", "tabulate", "wilds==1.2.2", "tensorboard", "scipy", "scikit-learn", "tqdm",
-                  "ftfy", "regex"],
+        "dassl": [
+            "yacs",
+            "gdown",
+            "tabulate",
+            "wilds==1.2.2",
+            "tensorboard",
+            "scipy",
+            "scikit-learn",
+            "tqdm",
+            "ftfy",
+            "regex",
+        ],
     },
 )

@@ -12,6 +12,7 @@ Differences from CoOp's file:
 * Python warnings are printed into the log as well, so CPU precision fallbacks, random weights and
   similar notes are on record next to the numbers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -117,8 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--root", type=str, default="", help="path to dataset")
     parser.add_argument("--output-dir", type=str, default="", help="output directory")
     parser.add_argument("--resume", type=str, default="", help="checkpoint directory (from which the training resumes)")
-    parser.add_argument("--seed", type=int, default=None,
-                        help="fixed seed (0 included); a negative value disables seeding; default: the config's SEED")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="fixed seed (0 included); a negative value disables seeding; default: the config's SEED",
+    )
     parser.add_argument("--source-domains", type=str, nargs="+", help="source domains for DA/DG")
     parser.add_argument("--target-domains", type=str, nargs="+", help="target domains for DA/DG")
     parser.add_argument("--transforms", type=str, nargs="+", help="data augmentation methods")
@@ -131,8 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-dir", type=str, default="", help="load model from this directory for eval-only mode")
     parser.add_argument("--load-epoch", type=int, help="load model weights at this epoch for evaluation")
     parser.add_argument("--no-train", action="store_true", help="do not call trainer.train()")
-    parser.add_argument("opts", default=None, nargs=argparse.REMAINDER,
-                        help="modify config options using the command-line")
+    parser.add_argument(
+        "opts", default=None, nargs=argparse.REMAINDER, help="modify config options using the command-line"
+    )
     return parser
 
 

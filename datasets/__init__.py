@@ -23,6 +23,7 @@ first on ``sys.path`` when running ``python train.py`` (or ``python -c``/pytest)
   If you must have it, compute text embeddings in a process started outside the repository root,
   or ``pip uninstall datasets``.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -1,6 +1,7 @@
 """The one place ``datasets/`` imports Dassl; without it, a one-line ImportError says what to do."""
+
 try:
-    from dassl.data.datasets import DATASET_REGISTRY, Datum, DatasetBase
+    from dassl.data.datasets import DATASET_REGISTRY, DatasetBase, Datum
 except ImportError as err:  # ModuleNotFoundError included
     raise ImportError(
         f"Dassl is not installed ({err}): install Dassl.pytorch (github.com/KaiyangZhou/Dassl.pytorch) "

@@ -5,6 +5,7 @@ Every class here only converts what ``meta.coop_data.load_coop_splits`` returns 
 draws use the global ``random`` module, which Dassl's ``set_random_seed(cfg.SEED)`` seeded: the
 global stream advances exactly as in CoOp's own dataset classes.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,7 +23,7 @@ from meta.coop_data import (
     register_layout,
 )
 
-from ._dassl import DATASET_REGISTRY, Datum, DatasetBase
+from ._dassl import DATASET_REGISTRY, DatasetBase, Datum
 
 __all__ = ["CoopLayoutDataset", "register_coop_layout_dataset", "register_all", "STANDARD_DATASETS", "to_datums"]
 

@@ -30,6 +30,7 @@ K = 8-way, 1-shot support, 4-shot query, cached image features, one CPU thread. 
 median of ``--repeats`` rounds after ``--warmup`` rounds; a round times the four steps and the two
 linear-product sweeps one after another, so drifting machine speed hits all of them alike.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,8 @@ from typing import Callable, Optional
 
 import torch
 
-RATIO_FLOOR = 3.0   # exact second order, frozen weights: 3 forward + 3 backward linear sweeps vs 1 + 1
-RATIO_GUARD = 3.3   # within 10 % of the floor (README "Benchmark")
+RATIO_FLOOR = 3.0  # exact second order, frozen weights: 3 forward + 3 backward linear sweeps vs 1 + 1
+RATIO_GUARD = 3.3  # within 10 % of the floor (README "Benchmark")
 
 
 def _interleaved_medians(fns: dict[str, Callable[[], None]], warmup: int, repeats: int) -> dict[str, float]:
@@ -68,7 +69,9 @@ def _interleaved_medians(fns: dict[str, Callable[[], None]], warmup: int, repeat
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def linear_products(transformer: torch.nn.Module, n_seq: int, length: int) -> Optional[tuple[Callable[[], None], Callable[[], None]]]:
+def linear_products(
+    transformer: torch.nn.Module, n_seq: int, length: int
+) -> Optional[tuple[Callable[[], None], Callable[[], None]]]:
     """One forward and one backward sweep of ``transformer``'s linear-layer products, nothing else.
 
     Mirrors :func:`meta.blocks.transformer_forward` with ``last_rows``: every block multiplies
@@ -84,7 +87,7 @@ def linear_products(transformer: torch.nn.Module, n_seq: int, length: int) -> Op
     if not all(is_plain_block(b) for b in blocks):
         return None
     rows = n_seq * length
-    products: list[tuple[int, torch.Tensor]] = []          # (rows, weight [out, in]) in forward order
+    products: list[tuple[int, torch.Tensor]] = []  # (rows, weight [out, in]) in forward order
     for i, block in enumerate(blocks):
         w_in = block.attn.in_proj_weight.detach()
         width = w_in.shape[1]
@@ -93,8 +96,11 @@ def linear_products(transformer: torch.nn.Module, n_seq: int, length: int) -> Op
             products.append((rows, w_in))
         else:
             products += [(rows, w_in[width:]), (pooled, w_in[:width])]
-        products += [(pooled, block.attn.out_proj.weight.detach()), (pooled, block.mlp.c_fc.weight.detach()),
-                     (pooled, block.mlp.c_proj.weight.detach())]
+        products += [
+            (pooled, block.attn.out_proj.weight.detach()),
+            (pooled, block.mlp.c_fc.weight.detach()),
+            (pooled, block.mlp.c_proj.weight.detach()),
+        ]
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randn(r, w.shape[1], generator=gen, dtype=w.dtype).to(w.device) for r, w in products]
     grads = [torch.randn(r, w.shape[0], generator=gen, dtype=w.dtype).to(w.device) for r, w in products]
@@ -111,8 +117,20 @@ def linear_products(transformer: torch.nn.Module, n_seq: int, length: int) -> Op
 
 
 def _class_names(k: int) -> list[str]:
-    pool = ["golden retriever", "fire truck", "sunflower", "grand piano", "tabby cat", "sports car",
-            "oak tree", "coffee mug", "mountain bike", "lighthouse", "jellyfish", "hot air balloon"]
+    pool = [
+        "golden retriever",
+        "fire truck",
+        "sunflower",
+        "grand piano",
+        "tabby cat",
+        "sports car",
+        "oak tree",
+        "coffee mug",
+        "mountain bike",
+        "lighthouse",
+        "jellyfish",
+        "hot air balloon",
+    ]
     return [pool[i % len(pool)] + ("" if i < len(pool) else f" {i}") for i in range(k)]
 
 
@@ -146,8 +164,11 @@ def run(args: argparse.Namespace) -> dict:
 
     prompts = PromptParams.from_spec(spec, clip, dims, generator=torch.Generator().manual_seed(1))
     loss_fn = classification_loss(PromptedCLIP(clip, dims, args.n_ctx, truncate=True))
-    both = {"classnames": names, "features": torch.cat([support["features"], query["features"]]),
-            "label": torch.cat([support["label"], query["label"]])}
+    both = {
+        "classnames": names,
+        "features": torch.cat([support["features"], query["features"]]),
+        "label": torch.cat([support["label"], query["label"]]),
+    }
     optim = torch.optim.SGD(prompts.parameters(), lr=0.002)
 
     def plain_step() -> None:
@@ -171,13 +192,18 @@ def run(args: argparse.Namespace) -> dict:
     print(f"second-order, 77 text positions: {full:.4f} s", flush=True)
     print(f"plain CoOp step:        {plain:.4f} s", flush=True)
     verdict = "within" if second / plain <= RATIO_GUARD else "ABOVE"
-    print(f"second-order / plain: {second / plain:.3f} ({verdict} the guard {RATIO_GUARD}; floor {RATIO_FLOOR})",
-          flush=True)
+    print(
+        f"second-order / plain: {second / plain:.3f} ({verdict} the guard {RATIO_GUARD}; floor {RATIO_FLOOR})",
+        flush=True,
+    )
     linear = None
     if sweeps is not None:
         linear = times["linear_forward"] + times["linear_backward"]
-        print(f"linear products, one forward + one backward sweep: {linear:.4f} s; everything else: "
-              f"plain {plain - linear:.4f} s, second order {second - 3 * linear:.4f} s", flush=True)
+        print(
+            f"linear products, one forward + one backward sweep: {linear:.4f} s; everything else: "
+            f"plain {plain - linear:.4f} s, second order {second - 3 * linear:.4f} s",
+            flush=True,
+        )
 
     ml = GRAMMetaLearner(PromptParams.from_spec(spec, clip, dims), MetaSpec())
     own = sum(p.numel() * p.element_size() for p in ml.gbml.parameters())
@@ -200,11 +226,21 @@ def run(args: argparse.Namespace) -> dict:
         "plain_other_s": None if linear is None else round(plain - linear, 5),
         "second_order_other_s": None if linear is None else round(second - 3 * linear, 5),
         "settings": {
-            "model": args.model, "pretrained": args.pretrained, "way": args.way,
-            "support_shots": args.support_shots, "query_shots": args.query_shots, "n_ctx": args.n_ctx,
-            "inner_steps": 1, "image_side": "cached features", "threads": torch.get_num_threads(),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "warmup": args.warmup,
-            "repeats": args.repeats, "timing": "round-robin medians", "torch": torch.__version__, "python": platform.python_version(),
+            "model": args.model,
+            "pretrained": args.pretrained,
+            "way": args.way,
+            "support_shots": args.support_shots,
+            "query_shots": args.query_shots,
+            "n_ctx": args.n_ctx,
+            "inner_steps": 1,
+            "image_side": "cached features",
+            "threads": torch.get_num_threads(),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+            "warmup": args.warmup,
+            "repeats": args.repeats,
+            "timing": "round-robin medians",
+            "torch": torch.__version__,
+            "python": platform.python_version(),
             "cpu": platform.processor() or platform.machine(),
         },
     }
@@ -221,18 +257,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--device", default="cpu", help="cpu (default: this benchmark) | cuda[:i] (gram_tools.bench_gpu)")
-    parser.add_argument("--autocast", default="none", choices=("none", "bf16", "fp16"),
-                        help="--device cuda only: autocast of the forward passes")
-    parser.add_argument("--scaling-tasks", default="1,4,16",
-                        help="--device cuda only: tasks per outer step of the sequential vs batched table ('' = skip)")
-    parser.add_argument("--chc-batches", default="64,128,256,512",
-                        help="--device cuda only: CHC image batch sizes to measure ('' = skip)")
+    parser.add_argument(
+        "--device", default="cpu", help="cpu (default: this benchmark) | cuda[:i] (gram_tools.bench_gpu)"
+    )
+    parser.add_argument(
+        "--autocast",
+        default="none",
+        choices=("none", "bf16", "fp16"),
+        help="--device cuda only: autocast of the forward passes",
+    )
+    parser.add_argument(
+        "--scaling-tasks",
+        default="1,4,16",
+        help="--device cuda only: tasks per outer step of the sequential vs batched table ('' = skip)",
+    )
+    parser.add_argument(
+        "--chc-batches",
+        default="64,128,256,512",
+        help="--device cuda only: CHC image batch sizes to measure ('' = skip)",
+    )
     args = parser.parse_args(argv)
     if args.device != "cpu":
         if not args.device.startswith("cuda") or not torch.cuda.is_available():
-            print(f"error: --device {args.device}: " + ("CUDA is not available on this machine"
-                  if args.device.startswith("cuda") else "expected cpu or cuda[:index]"), file=sys.stderr)
+            print(
+                f"error: --device {args.device}: "
+                + (
+                    "CUDA is not available on this machine"
+                    if args.device.startswith("cuda")
+                    else "expected cpu or cuda[:index]"
+                ),
+                file=sys.stderr,
+            )
             return 2
         from . import bench_gpu
 
@@ -242,15 +297,27 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError:
                 raise SystemExit(f"error: {key}: expected comma-separated integers, got {text!r}") from None
 
-        result = bench_gpu.run(args.model, args.device, args.autocast, warmup=args.warmup, repeats=args.repeats,
-                               pretrained=args.pretrained, scaling_tasks=ints(args.scaling_tasks, "--scaling-tasks"),
-                               chc_batches=ints(args.chc_batches, "--chc-batches"))
+        result = bench_gpu.run(
+            args.model,
+            args.device,
+            args.autocast,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            pretrained=args.pretrained,
+            scaling_tasks=ints(args.scaling_tasks, "--scaling-tasks"),
+            chc_batches=ints(args.chc_batches, "--chc-batches"),
+        )
         for name, row in result["variants"].items():
             print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
-        print(f"CHC image features: {result['chc_images_per_s']} images/s; by batch size: "
-              f"{result['chc_batch_sweep']}", flush=True)
-        print(f"bf16 matmul: {result['matmul_tflops']} TFLOP/s; tasks per step, sequential vs batched: "
-              f"{result['task_scaling']}", flush=True)
+        print(
+            f"CHC image features: {result['chc_images_per_s']} images/s; by batch size: {result['chc_batch_sweep']}",
+            flush=True,
+        )
+        print(
+            f"bf16 matmul: {result['matmul_tflops']} TFLOP/s; tasks per step, sequential vs batched: "
+            f"{result['task_scaling']}",
+            flush=True,
+        )
         print(json.dumps(result, sort_keys=True))
         return 0
     result = run(args)

@@ -4,6 +4,7 @@ Runs one base-to-new evaluation per method on one dataset and prints, per method
 encode frozen image features (first run; cached afterwards), training seconds per epoch, test
 seconds per evaluation and the total.  Numbers are printed, never asserted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--dataset", required=True, help="dataset folder in CoOp/DTD layout")
     p.add_argument("--model", default="GRAM-Test-Tiny")
     p.add_argument("--pretrained", default="")
-    p.add_argument("--methods", nargs="+", default=["zsclip", "coop", "vpt", "joint"],
-                   choices=[m for m in PRESET_NAMES if not m.endswith("_gram") and m != "unigram"])
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=["zsclip", "coop", "vpt", "joint"],
+        choices=[m for m in PRESET_NAMES if not m.endswith("_gram") and m != "unigram"],
+    )
     p.add_argument("--shots", type=int, default=16)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=1)
@@ -45,14 +50,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"torch threads {torch.get_num_threads()}  model {args.model}  CLIP fingerprint {fingerprint_s:.2f} s")
     print(f"{'method':<10} {'n_train':>7} {'total s':>8} {'train s/ep':>10} {'eval s/ep':>9} {'encode+rest s':>13}")
     for key in args.methods:
-        rec = evaluate_base_to_new(ds, clip, dims, method_preset(key), 1, args.shots, spec, session=session,
-                                   use_split_cache=False, log=lambda m: None)
+        rec = evaluate_base_to_new(
+            ds,
+            clip,
+            dims,
+            method_preset(key),
+            1,
+            args.shots,
+            spec,
+            session=session,
+            use_split_cache=False,
+            log=lambda m: None,
+        )
         rows = [r for r in rec["history"] if "train_loss" in r]
         train_ep = statistics.mean(r["seconds"] for r in rows) if rows else 0.0
         eval_ep = statistics.mean(r["eval_seconds"] for r in rows) if rows else 0.0
         rest = rec["seconds"] - sum(r["seconds"] + r.get("eval_seconds", 0.0) for r in rows)
-        print(f"{rec['method']:<10} {rec['n_train']:>7} {rec['seconds']:>8.2f} {train_ep:>10.2f} {eval_ep:>9.2f} "
-              f"{rest:>13.2f}   (base {rec['base']:.1f} new {rec['new']:.1f})")
+        print(
+            f"{rec['method']:<10} {rec['n_train']:>7} {rec['seconds']:>8.2f} {train_ep:>10.2f} {eval_ep:>9.2f} "
+            f"{rest:>13.2f}   (base {rec['base']:.1f} new {rec['new']:.1f})"
+        )
     return 0
 
 

@@ -31,6 +31,7 @@ variant (second order, the paper's method), CHC = 3.1 M images (CC3M) / images p
 Everything runs on any device (the tests run it on CPU with a tiny CLIP); ``--device cuda`` only adds
 the CUDA synchronisation and memory counters.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -43,12 +44,15 @@ import numpy as np
 import torch
 
 CC3M_PAIRS = 3.1e6
-VARIANTS = {"coop": {"n_ctx_text": 4, "n_ctx_vision": 0}, "vpt": {"n_ctx_text": 0, "n_ctx_vision": 4},
-            "unigram": {"n_ctx_text": 2, "n_ctx_vision": 2},
-            # the deep learners as configs/meta/train_ivlp.yaml and train_maple.yaml shape them (IVLP: 2 + 2
-            # tokens in every layer of both towers; MaPLe: 2 text tokens in 9 layers, visual ones projected)
-            "ivlp": {"n_ctx_text": 2, "n_ctx_vision": 2, "text_depth": 0, "vision_depth": 0, "vpt_init": "normal"},
-            "maple": {"n_ctx_text": 2, "n_ctx_vision": 0, "text_depth": 9, "coupling": "maple"}}
+VARIANTS = {
+    "coop": {"n_ctx_text": 4, "n_ctx_vision": 0},
+    "vpt": {"n_ctx_text": 0, "n_ctx_vision": 4},
+    "unigram": {"n_ctx_text": 2, "n_ctx_vision": 2},
+    # the deep learners as configs/meta/train_ivlp.yaml and train_maple.yaml shape them (IVLP: 2 + 2
+    # tokens in every layer of both towers; MaPLe: 2 text tokens in 9 layers, visual ones projected)
+    "ivlp": {"n_ctx_text": 2, "n_ctx_vision": 2, "text_depth": 0, "vision_depth": 0, "vpt_init": "normal"},
+    "maple": {"n_ctx_text": 2, "n_ctx_vision": 0, "text_depth": 9, "coupling": "maple"},
+}
 
 
 def gpu_hours(count: float, seconds_each: float) -> float:
@@ -90,7 +94,7 @@ def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, repeats: int
     a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
     b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
     seconds = _median_time(lambda: torch.mm(a, b), device, 3, repeats)
-    return 2.0 * n ** 3 / seconds / 1e12
+    return 2.0 * n**3 / seconds / 1e12
 
 
 def step_tflop(fn: Callable[[], None]) -> float:
@@ -121,9 +125,14 @@ def task_size() -> dict:
     from meta.config import get_meta_cfg_default
 
     cfg = get_meta_cfg_default()
-    return {"way": int(cfg.TASKS.K_WAY), "support_shots": int(cfg.TASKS.N_SUPPORT),
-            "query_shots": int(cfg.TASKS.N_QUERY), "meta_batch": int(cfg.META.META_BATCH),
-            "steps": int(cfg.META.STEPS), "chc_batch": int(cfg.CHC.IMAGES.BATCH_SIZE)}
+    return {
+        "way": int(cfg.TASKS.K_WAY),
+        "support_shots": int(cfg.TASKS.N_SUPPORT),
+        "query_shots": int(cfg.TASKS.N_QUERY),
+        "meta_batch": int(cfg.META.META_BATCH),
+        "steps": int(cfg.META.STEPS),
+        "chc_batch": int(cfg.CHC.IMAGES.BATCH_SIZE),
+    }
 
 
 SCALING_VARIANTS = ("coop", "vpt", "unigram")
@@ -131,10 +140,21 @@ SCALING_TASKS = (1, 4, 16)
 CHC_BATCHES = (64, 128, 256, 512)
 
 
-def run(model: str = "ViT-B-16", device: str = "cuda", autocast: str = "none", warmup: int = 2, repeats: int = 5,
-        size: dict | None = None, chc_images: int = 1024, variants=tuple(VARIANTS), pretrained=None,
-        scaling_tasks=SCALING_TASKS, scaling_variants=SCALING_VARIANTS, chc_batches=CHC_BATCHES,
-        matmul_n: int | None = None) -> dict:
+def run(
+    model: str = "ViT-B-16",
+    device: str = "cuda",
+    autocast: str = "none",
+    warmup: int = 2,
+    repeats: int = 5,
+    size: dict | None = None,
+    chc_images: int = 1024,
+    variants=tuple(VARIANTS),
+    pretrained=None,
+    scaling_tasks=SCALING_TASKS,
+    scaling_variants=SCALING_VARIANTS,
+    chc_batches=CHC_BATCHES,
+    matmul_n: int | None = None,
+) -> dict:
     """Measure the figures listed in the module docstring; returns the JSON-ready result.
 
     ``scaling_tasks`` / ``scaling_variants`` / ``chc_batches``: empty skips that part; ``matmul_n``: side of
@@ -160,8 +180,9 @@ def run(model: str = "ViT-B-16", device: str = "cuda", autocast: str = "none", w
         if images:
             out["images"] = torch.randn(k * shots, 3, dims.image_size, dims.image_size, generator=gen).to(dev)
         else:
-            out["features"] = torch.nn.functional.normalize(torch.randn(k * shots, dims.embed_dim, generator=gen),
-                                                            dim=-1).to(dev)
+            out["features"] = torch.nn.functional.normalize(
+                torch.randn(k * shots, dims.embed_dim, generator=gen), dim=-1
+            ).to(dev)
         return out
 
     result: dict = {"variants": {}}
@@ -171,7 +192,7 @@ def run(model: str = "ViT-B-16", device: str = "cuda", autocast: str = "none", w
     result["matmul_dtype"] = str(mm_dtype).replace("torch.", "")
     for name in variants:
         spec = PromptSpec(**VARIANTS[name])
-        if spec.text_depth > dims.text_layers:   # MaPLe's 9 on a shallower test CLIP: every layer it has
+        if spec.text_depth > dims.text_layers:  # MaPLe's 9 on a shallower test CLIP: every layer it has
             spec = replace(spec, text_depth=min(dims.text_layers, dims.vision_layers))
         images = spec.has_visual_prompts
         tasks = [TaskBatch(part(size["support_shots"], images), part(size["query_shots"], images)) for _ in range(b)]
@@ -197,8 +218,10 @@ def run(model: str = "ViT-B-16", device: str = "cuda", autocast: str = "none", w
         images = spec.has_visual_prompts
         scaling[name] = {}
         for n_tasks in scaling_tasks:
-            tasks = [TaskBatch(part(size["support_shots"], images), part(size["query_shots"], images))
-                     for _ in range(n_tasks)]
+            tasks = [
+                TaskBatch(part(size["support_shots"], images), part(size["query_shots"], images))
+                for _ in range(n_tasks)
+            ]
             cell = {}
             for label, mode in (("sequential", "off"), ("batched", "auto")):
                 theta = PromptParams.from_spec(spec, clip, dims, generator=torch.Generator().manual_seed(1))
@@ -217,8 +240,9 @@ def run(model: str = "ViT-B-16", device: str = "cuda", autocast: str = "none", w
             scaling[name][str(n_tasks)] = cell
     result["task_scaling"] = scaling
 
-    pixels = np.random.default_rng(0).integers(0, 256, (chc_images, dims.image_size, dims.image_size, 3),
-                                               dtype=np.uint8)
+    pixels = np.random.default_rng(0).integers(
+        0, 256, (chc_images, dims.image_size, dims.image_size, 3), dtype=np.uint8
+    )
     mean, std = clip_norm_stats(clip)
     from meta.precision import autocast as autocast_ctx
 
@@ -230,18 +254,30 @@ def run(model: str = "ViT-B-16", device: str = "cuda", autocast: str = "none", w
     result["chc_images_per_s"] = round(chc_images / seconds, 1)
     result["chc_batch_sweep"] = {
         str(batch): round(chc_images / _median_time(lambda b=batch: encode(b), dev, 1, max(1, repeats // 2)), 1)
-        for batch in chc_batches}
+        for batch in chc_batches
+    }
     result["cost"] = {
-        "meta_train_gpu_hours": {name: round(gpu_hours(size["steps"], row["second_order_step_s"]), 3)
-                                 for name, row in result["variants"].items()},
-        "meta_train_gpu_hours_first_order": {name: round(gpu_hours(size["steps"], row["first_order_step_s"]), 3)
-                                             for name, row in result["variants"].items()},
+        "meta_train_gpu_hours": {
+            name: round(gpu_hours(size["steps"], row["second_order_step_s"]), 3)
+            for name, row in result["variants"].items()
+        },
+        "meta_train_gpu_hours_first_order": {
+            name: round(gpu_hours(size["steps"], row["first_order_step_s"]), 3)
+            for name, row in result["variants"].items()
+        },
         "chc_gpu_hours_cc3m": round(gpu_hours(CC3M_PAIRS, 1.0 / result["chc_images_per_s"]), 3),
         "formula": "meta-train: META.STEPS x step_s / 3600; CHC: 3.1e6 / images_per_s / 3600",
     }
     result["settings"] = {
-        "model": model, "pretrained": pretrained, "device": str(dev), "autocast": autocast, **size,
-        "chc_images": chc_images, "warmup": warmup, "repeats": repeats, "torch": torch.__version__,
+        "model": model,
+        "pretrained": pretrained,
+        "device": str(dev),
+        "autocast": autocast,
+        **size,
+        "chc_images": chc_images,
+        "warmup": warmup,
+        "repeats": repeats,
+        "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
     }
     return result

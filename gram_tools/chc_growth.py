@@ -16,6 +16,7 @@ sampler's resolution).  ``umap_hdbscan_fit`` runs on
 ``min(N_unique, FIT_SAMPLE)`` captions, so its extrapolation uses the fitted law at ``FIT_SAMPLE``.
 JSON last; ``--out`` writes it for the planner (``--add`` keeps the sizes stored there and measures more).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,18 +64,30 @@ def measure_size(n_pairs: int, work: Path, text_dtype: str, seed: int = 0) -> di
     torch.set_num_threads(1)
     from meta.chc.topics import fit_sample_clusters
 
-    warm = np.random.default_rng(1).normal(size=(600, 384)).astype(np.float32)   # numba compiles here, untimed
+    warm = np.random.default_rng(1).normal(size=(600, 384)).astype(np.float32)  # numba compiles here, untimed
     fit_sample_clusters(warm / np.linalg.norm(warm, axis=1, keepdims=True), 5, 15, 0.0, "cosine", "random", 20, 0, 0)
     data = work / f"data_{n_pairs}"
-    shutil.rmtree(work / f"chc_{n_pairs}", ignore_errors=True)   # CHC resumes cached stages: start from scratch
+    shutil.rmtree(work / f"chc_{n_pairs}", ignore_errors=True)  # CHC resumes cached stages: start from scratch
     write_synthetic_shards(data, n_pairs=n_pairs, seed=seed)
-    cfg = load_meta_cfg(CONFIG, ["MODEL.BACKBONE", "GRAM-Test-Tiny", "CHC.OUTPUT_DIR", str(work / f"chc_{n_pairs}"),
-                                 "CHC.INPUT.SHARDS", str([str(data / "shard-*.tar")]), "CHC.TEXT.DTYPE", text_dtype,
-                                 "MODEL.DEVICE", "cpu"])
+    cfg = load_meta_cfg(
+        CONFIG,
+        [
+            "MODEL.BACKBONE",
+            "GRAM-Test-Tiny",
+            "CHC.OUTPUT_DIR",
+            str(work / f"chc_{n_pairs}"),
+            "CHC.INPUT.SHARDS",
+            str([str(data / "shard-*.tar")]),
+            "CHC.TEXT.DTYPE",
+            text_dtype,
+            "MODEL.DEVICE",
+            "cpu",
+        ],
+    )
     samples: list[tuple[float, int, float]] = []
     stop = threading.Event()
 
-    def sample() -> None:   # wall clock, resident KiB, CPU seconds of the whole process
+    def sample() -> None:  # wall clock, resident KiB, CPU seconds of the whole process
         while not stop.is_set():
             samples.append((time.time(), _rss_kib(), time.process_time()))
             time.sleep(0.05)
@@ -82,7 +95,7 @@ def measure_size(n_pairs: int, work: Path, text_dtype: str, seed: int = 0) -> di
     ends: dict[str, float] = {}
     original = pipeline.ChcRun._timed
 
-    def timed(self, name: str, seconds: float, items: int) -> None:   # measurement hook, this process only
+    def timed(self, name: str, seconds: float, items: int) -> None:  # measurement hook, this process only
         ends[name] = time.time()
         original(self, name, seconds, items)
 
@@ -107,11 +120,14 @@ def measure_size(n_pairs: int, work: Path, text_dtype: str, seed: int = 0) -> di
         # not 0 (that counted the imports, the numba warm-up and the data generation in the first stage)
         cpu_lo = [c for ts, _, c in samples if ts <= lo] or [samples[0][2]]
         cpu_hi = [c for ts, _, c in samples if ts <= hi]
-        stages[name] = {"seconds": t["seconds"], "items": t["items"], "peak_rss_mib": round(max(inside) / 1024, 1),
-                        "rss_before_mib": round((before[-1] if before else 0) / 1024, 1),
-                        "cpu_seconds": round(cpu_hi[-1] - cpu_lo[-1], 2) if cpu_hi else None}
-    return {"pairs": n_pairs, "stages": stages, "load_avg_1min": round(os.getloadavg()[0], 2),
-            "text_dtype": text_dtype}
+        stages[name] = {
+            "seconds": t["seconds"],
+            "items": t["items"],
+            "peak_rss_mib": round(max(inside) / 1024, 1),
+            "rss_before_mib": round((before[-1] if before else 0) / 1024, 1),
+            "cpu_seconds": round(cpu_hi[-1] - cpu_lo[-1], 2) if cpu_hi else None,
+        }
+    return {"pairs": n_pairs, "stages": stages, "load_avg_1min": round(os.getloadavg()[0], 2), "text_dtype": text_dtype}
 
 
 def power_law(ns: list[float], ys: list[float]) -> Optional[dict]:
@@ -173,8 +189,13 @@ def fit_growth(runs: list[dict], fit_sample: int, target: float = CC3M_PAIRS) ->
         # CPU seconds of the process inside the stage's window when recorded: on a shared machine the wall
         # time follows the load (measured: 10 k / 30 k / 100 k runs at load 6.9 / 4.6 / 3.4), CPU time much less
         # (CPU seconds come from 50 ms samples: a stage under CPU_RESOLUTION_S wall seconds keeps its wall time)
-        time_key = "cpu_seconds" if all(r["stages"][name].get("cpu_seconds") and
-                                        r["stages"][name]["seconds"] >= CPU_RESOLUTION_S for r in rows) else "seconds"
+        time_key = (
+            "cpu_seconds"
+            if all(
+                r["stages"][name].get("cpu_seconds") and r["stages"][name]["seconds"] >= CPU_RESOLUTION_S for r in rows
+            )
+            else "seconds"
+        )
         secs = [r["stages"][name][time_key] for r in rows]
         mem = [r["stages"][name]["peak_rss_mib"] for r in rows]
         t_law, m_law = power_law(items, secs), linear_law(items, mem)
@@ -184,9 +205,17 @@ def fit_growth(runs: list[dict], fit_sample: int, target: float = CC3M_PAIRS) ->
         target_items = target
         if name in SAMPLED_STAGES:
             target_items = min(target_items, fit_sample)
-        entry = {"items": items, "seconds": secs, "time": time_key, "peak_rss_mib": mem, "items_per_pair": round(per_pair, 4),
-                 "target_pairs": target, "target_items": round(target_items),
-                 "seconds_law": t_law, "rss_law": m_law}
+        entry = {
+            "items": items,
+            "seconds": secs,
+            "time": time_key,
+            "peak_rss_mib": mem,
+            "items_per_pair": round(per_pair, 4),
+            "target_pairs": target,
+            "target_items": round(target_items),
+            "seconds_law": t_law,
+            "rss_law": m_law,
+        }
         entry.update(extrapolate_seconds(t_law, items[-1], secs[-1], target_items))
         entry["target_peak_rss_mib"] = None if m_law is None else round(predict(m_law, target_items), 1)
         out[name] = entry
@@ -200,8 +229,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--work", default=".cache/chc_growth")
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--refit", action="store_true", help="refit the growth laws of the runs stored in --out")
-    p.add_argument("--add", action="store_true",
-                   help="keep the runs stored in --out (other sizes), measure --pairs and refit all")
+    p.add_argument(
+        "--add", action="store_true", help="keep the runs stored in --out (other sizes), measure --pairs and refit all"
+    )
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     work = Path(args.work)
@@ -218,30 +248,59 @@ def main(argv: Optional[list[str]] = None) -> int:
         runs = [r for r in stored["runs"] if args.refit or r["pairs"] not in args.pairs]
         args.text_dtype = stored["settings"]["text_dtype"]
     for n in [] if args.refit else sorted(args.pairs):
-        proc = subprocess.run([sys.executable, "-m", "gram_tools.chc_growth", "--one", str(n), "--work", str(work),
-                               "--text-dtype", args.text_dtype], capture_output=True, text=True, env=env)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gram_tools.chc_growth",
+                "--one",
+                str(n),
+                "--work",
+                str(work),
+                "--text-dtype",
+                args.text_dtype,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         if proc.returncode != 0:
             print(f"error: CHC on {n} pairs failed: {proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
             return 1
         run = json.loads(proc.stdout.strip().splitlines()[-1])
         runs.append(run)
         for name, s in run["stages"].items():
-            print(f"N={n:8d} {name:26s} {s['items']:8d} items {s['seconds']:9.2f} s  peak RSS {s['peak_rss_mib']} MiB"
-                  f" (load {run['load_avg_1min']})", flush=True)
+            print(
+                f"N={n:8d} {name:26s} {s['items']:8d} items {s['seconds']:9.2f} s  peak RSS {s['peak_rss_mib']} MiB"
+                f" (load {run['load_avg_1min']})",
+                flush=True,
+            )
     runs.sort(key=lambda r: r["pairs"])
     from meta.config import load_meta_cfg
 
     fit_sample = int(load_meta_cfg(CONFIG).CHC.TOPICS.FIT_SAMPLE)
-    result = {"runs": runs, "growth": fit_growth(runs, fit_sample),
-              "settings": {"config": CONFIG, "backbone": "GRAM-Test-Tiny (CLIP stages not at real size)",
-                           "text_dtype": args.text_dtype, "threads": 1, "fit_sample": fit_sample,
-                           "timing": "measured on a shared 2-core VM, one run per size",
-                           "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}
+    result = {
+        "runs": runs,
+        "growth": fit_growth(runs, fit_sample),
+        "settings": {
+            "config": CONFIG,
+            "backbone": "GRAM-Test-Tiny (CLIP stages not at real size)",
+            "text_dtype": args.text_dtype,
+            "threads": 1,
+            "fit_sample": fit_sample,
+            "timing": "measured on a shared 2-core VM, one run per size",
+            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },
+    }
     for name, g in result["growth"].items():
         law = g["seconds_law"]
-        print(f"{name:26s} time ~ items^{law['p']:.2f} -> {g['target_seconds']} s at {g['target_items']} items"
-              f" ({g['extrapolation']})"
-              if law else f"{name:26s} (no fit)", flush=True)
+        print(
+            f"{name:26s} time ~ items^{law['p']:.2f} -> {g['target_seconds']} s at {g['target_items']} items"
+            f" ({g['extrapolation']})"
+            if law
+            else f"{name:26s} (no fit)",
+            flush=True,
+        )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(args.out, result, indent=1)

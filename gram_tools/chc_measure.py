@@ -8,6 +8,7 @@ true topic of the cluster's majority (cluster accuracy) and how many true topics
 at least one cluster named by their true word (topic recovery).  The default of
 ``CHC.TOPICS.PRESENCE_MIN_FRACTION`` was chosen from this study (see README / report).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,14 @@ def word_recovery(captions, true_topic, labels, fractions, weights=None) -> list
         acc = float(np.mean([w == m for w, m in zip(words, majority)]))
         truths = sorted(set(true_topic.tolist()))
         recovered = float(np.mean([any(w == t for w in words) for t in truths]))
-        rows.append({"presence_min_fraction": frac, "cluster_accuracy": round(acc, 3),
-                     "topic_recovery": round(recovered, 3), "clusters": n_clusters})
+        rows.append(
+            {
+                "presence_min_fraction": frac,
+                "cluster_accuracy": round(acc, 3),
+                "topic_recovery": round(recovered, 3),
+                "clusters": n_clusters,
+            }
+        )
     return rows
 
 
@@ -53,10 +60,10 @@ def model_throughput(n_captions: int = 2000, n_images: int = 48, backbone: str =
     import torch
     from PIL import Image
 
+    from gram_tools.synthetic import TOPICS, make_caption
     from meta.backbone import load_clip
     from meta.chc.imaging import clip_norm_stats, decode_batch, encode_images
     from meta.chc.pair_filter import clip_text_features
-    from gram_tools.synthetic import TOPICS, make_caption
     from meta.chc.text_embed import embed_texts, load_sentence_model
 
     rng = np.random.default_rng(0)
@@ -65,11 +72,11 @@ def model_throughput(n_captions: int = 2000, n_images: int = 48, backbone: str =
     embs = {}
     for dtype in ("fp32", "bf16"):
         model = load_sentence_model("", dtype, "cpu")
-        embed_texts(model, caps[:64])                        # warm-up
+        embed_texts(model, caps[:64])  # warm-up
         t0 = time.time()
         embs[dtype] = embed_texts(model, caps, 128)
         res[f"sentence_embeddings_{dtype}"] = n_captions / (time.time() - t0)
-    agreement = (embs["fp32"] * embs["bf16"]).sum(1)          # both unit-norm
+    agreement = (embs["fp32"] * embs["bf16"]).sum(1)  # both unit-norm
     res["bf16_vs_fp32_min_cosine"] = float(agreement.min())
     res["bf16_vs_fp32_mean_cosine"] = float(agreement.mean())
     torch.manual_seed(0)
@@ -78,14 +85,14 @@ def model_throughput(n_captions: int = 2000, n_images: int = 48, backbone: str =
         clip, dims = load_clip(backbone, None)
     mean, std = clip_norm_stats(clip)
     blobs = []
-    for _ in range(n_images):                               # CC3M-like 500 x 375 JPEGs
+    for _ in range(n_images):  # CC3M-like 500 x 375 JPEGs
         buf = io.BytesIO()
         Image.fromarray(rng.integers(0, 256, (375, 500, 3), dtype=np.uint8)).save(buf, "JPEG", quality=90)
         blobs.append(buf.getvalue())
     t0 = time.time()
     pixels, _ = decode_batch(blobs, dims.image_size)
     res["jpeg_decode_resize"] = n_images / (time.time() - t0)
-    encode_images(clip, pixels[:4], mean, std)             # warm-up
+    encode_images(clip, pixels[:4], mean, std)  # warm-up
     t0 = time.time()
     encode_images(clip, pixels, mean, std, batch_size=16)
     res[f"clip_image_tower_{backbone}"] = n_images / (time.time() - t0)
@@ -115,8 +122,13 @@ def umap_fit_scaling(sizes, n_clusters: int = 50, dim: int = 384, seed: int = 0)
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", action="store_true", help="only measure model throughput at real size")
-    p.add_argument("--umap-scale", type=int, nargs="*", default=None,
-                   help="only time UMAP+HDBSCAN fits on these sample sizes (first size pays numba compilation)")
+    p.add_argument(
+        "--umap-scale",
+        type=int,
+        nargs="*",
+        default=None,
+        help="only time UMAP+HDBSCAN fits on these sample sizes (first size pays numba compilation)",
+    )
     p.add_argument("--pairs", type=int, default=10000)
     p.add_argument("--min-cluster-size", type=int, default=20)
     p.add_argument("--mention-rate", type=float, default=0.1)
@@ -133,8 +145,8 @@ def main(argv=None) -> int:
             print(f"  {name:40s} {value}" + ("" if "cosine" in name else " items/s"))
         return 0
 
-    from meta.chc import run_chc
     from gram_tools.synthetic import write_synthetic_shards
+    from meta.chc import run_chc
     from meta.config import get_meta_cfg_default
 
     out = Path(args.out)
@@ -158,11 +170,15 @@ def main(argv=None) -> int:
     topic_of_caption = {c: t for c, t in zip(truth["caption"], truth["topic"])}
     true_topic = [topic_of_caption.get(c, "?") for c in uniq]
     rows = word_recovery(uniq, true_topic, labels, [0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2])
-    print(f"\ntopic words vs presence threshold ({rows[0]['clusters']} HDBSCAN clusters, "
-          f"{len(set(truth['topic']))} true topics):")
+    print(
+        f"\ntopic words vs presence threshold ({rows[0]['clusters']} HDBSCAN clusters, "
+        f"{len(set(truth['topic']))} true topics):"
+    )
     for r in rows:
-        print(f"  presence >= {r['presence_min_fraction']:<6} cluster accuracy {r['cluster_accuracy']:.3f}   "
-              f"topic recovery {r['topic_recovery']:.3f}")
+        print(
+            f"  presence >= {r['presence_min_fraction']:<6} cluster accuracy {r['cluster_accuracy']:.3f}   "
+            f"topic recovery {r['topic_recovery']:.3f}"
+        )
     return 0
 
 

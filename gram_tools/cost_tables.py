@@ -3,6 +3,7 @@
 Reads the files :mod:`gram_tools.realsize` and :mod:`gram_tools.chc_growth` write and prints the tables
 README "Cost at real size" and ``docs/realsize.md`` show, so no number is copied by hand.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,16 +18,18 @@ from gram_tools.realsize import DEFAULT_OUT as FIGURES
 
 
 def _fmt(v: float, digits: int = 0) -> str:
-    if abs(v) < 0.5 * 10 ** -digits:
-        v = 0.0                     # no "-0"
+    if abs(v) < 0.5 * 10**-digits:
+        v = 0.0  # no "-0"
     return f"{v:,.{digits}f}"
 
 
 def realsize_table(figures: dict, way: int, n_support: int, n_query: int) -> str:
     """Per learner and mode: intercept and MiB / GFLOP per support and query image, and one task's total."""
-    rows = ["| learner | step | MiB fixed | MiB per support image | MiB per query image | GFLOP per support / query image "
-            f"| one task ({way * n_support} + {way * n_query} images) | CPU s per task (s/GFLOP x GFLOP; load) |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| learner | step | MiB fixed | MiB per support image | MiB per query image | GFLOP per support / query image "
+        f"| one task ({way * n_support} + {way * n_query} images) | CPU s per task (s/GFLOP x GFLOP; load) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for learner, modes in figures["fits"].items():
         for mode in ("second", "first"):
             f = modes.get(mode)
@@ -37,42 +40,52 @@ def realsize_table(figures: dict, way: int, n_support: int, n_query: int) -> str
             mib, gflop = line_value(m, xs), line_value(g, xs)
             sec = gflop * f["seconds_per_gflop"]
             lo, hi = f["load_avg_1min_range"]
-            if len(m["slopes"]) == 1:            # first order: per image of the larger pass
+            if len(m["slopes"]) == 1:  # first order: per image of the larger pass
                 per_s, per_q = f"{_fmt(m['slopes'][0])} x max(s, q)", "(same)"
             else:
                 per_s, per_q = _fmt(m["slopes"][0]), _fmt(m["slopes"][1])
-            rows.append(f"| {learner} | {mode} order | {_fmt(m['intercept'])} | {per_s} | "
-                        f"{per_q} | {_fmt(g['slopes'][0], 1)} / {_fmt(g['slopes'][1], 1)} | "
-                        f"{_fmt(mib / 1024, 2)} GiB, {_fmt(gflop / 1000, 2)} TFLOP | {_fmt(sec)} ({lo:.1f}-{hi:.1f}) |")
+            rows.append(
+                f"| {learner} | {mode} order | {_fmt(m['intercept'])} | {per_s} | "
+                f"{per_q} | {_fmt(g['slopes'][0], 1)} / {_fmt(g['slopes'][1], 1)} | "
+                f"{_fmt(mib / 1024, 2)} GiB, {_fmt(gflop / 1000, 2)} TFLOP | {_fmt(sec)} ({lo:.1f}-{hi:.1f}) |"
+            )
     return "\n".join(rows)
 
 
 def plain_table(figures: dict) -> str:
     """Fine-tuning step and image encoding: MiB and GFLOP per image."""
-    rows = ["| learner | step | MiB fixed | MiB per image | GFLOP fixed | GFLOP per image | CPU s per image (load) |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| learner | step | MiB fixed | MiB per image | GFLOP fixed | GFLOP per image | CPU s per image (load) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for learner, modes in figures["fits"].items():
         for mode in ("finetune", "encode"):
             f = modes.get(mode)
             if f is None:
                 continue
             lo, hi = f["load_avg_1min_range"]
-            rows.append(f"| {learner if mode == 'finetune' else 'image tower (CHC)'} | {mode} | "
-                        f"{_fmt(f['peak_mib']['intercept'])} | {_fmt(f['peak_mib']['slopes'][0], 1)} | "
-                        f"{_fmt(f['gflops']['intercept'], 1)} | {_fmt(f['gflops']['slopes'][0], 1)} | "
-                        f"{_fmt(f['seconds_per_gflop'] * f['gflops']['slopes'][0], 2)} ({lo:.1f}-{hi:.1f}) |")
+            rows.append(
+                f"| {learner if mode == 'finetune' else 'image tower (CHC)'} | {mode} | "
+                f"{_fmt(f['peak_mib']['intercept'])} | {_fmt(f['peak_mib']['slopes'][0], 1)} | "
+                f"{_fmt(f['gflops']['intercept'], 1)} | {_fmt(f['gflops']['slopes'][0], 1)} | "
+                f"{_fmt(f['seconds_per_gflop'] * f['gflops']['slopes'][0], 2)} ({lo:.1f}-{hi:.1f}) |"
+            )
     return "\n".join(rows)
 
 
 def saved_table(figures: dict, n_support: int = 3, n_query: int = 1) -> str:
     """What autograd saved at one measured point, by tensor kind, against the measured resident peak."""
-    rows = ["| learner | step | point | " + "saved MiB by kind | " + "saved total | resident peak |",
-            "| --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| learner | step | point | " + "saved MiB by kind | " + "saved total | resident peak |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for p in figures["points"]:
         if p["mode"] in ("second", "first") and p["support"] == n_support and p["query"] == n_query:
             kinds = ", ".join(f"{k} {_fmt(v)}" for k, v in sorted(p["saved_mib"].items(), key=lambda kv: -kv[1]))
-            rows.append(f"| {p['learner']} | {p['mode']} | s={n_support}, q={n_query} | {kinds} | "
-                        f"{_fmt(sum(p['saved_mib'].values()))} | {_fmt(p['peak_mib'])} |")
+            rows.append(
+                f"| {p['learner']} | {p['mode']} | s={n_support}, q={n_query} | {kinds} | "
+                f"{_fmt(sum(p['saved_mib'].values()))} | {_fmt(p['peak_mib'])} |"
+            )
     return "\n".join(rows)
 
 
@@ -90,9 +103,11 @@ def chc_table(chc: dict) -> str:
     target = next(iter(chc["growth"].values()))["target_pairs"] if chc["growth"] else 3.1e6
     head = " | ".join(f"{n:,} pairs: s (peak RSS MiB)" for n in sizes)
     at = f"{target / 1e6:g} M pairs"
-    rows = [f"| stage | {head} | time law (s; items) | peak RSS law (MiB; items) | items at {at} "
-            f"| time at {at} | peak RSS at {at} |",
-            "| --- | " + "--- | " * len(sizes) + "--- | --- | --- | --- | --- |"]
+    rows = [
+        f"| stage | {head} | time law (s; items) | peak RSS law (MiB; items) | items at {at} "
+        f"| time at {at} | peak RSS at {at} |",
+        "| --- | " + "--- | " * len(sizes) + "--- | --- | --- | --- | --- |",
+    ]
     for name, g in chc["growth"].items():
         law, mem = g["seconds_law"], g["rss_law"]
         cells = []
@@ -104,7 +119,9 @@ def chc_table(chc: dict) -> str:
         m_law = "-" if mem is None else f"{mem['intercept']:,.0f} + {mem['slope']:.4f} x items"
         ext = "-" if g["target_seconds"] is None else _duration(g["target_seconds"])
         rss = "-" if g["target_peak_rss_mib"] is None else f"{g['target_peak_rss_mib'] / 1024:.1f} GiB"
-        rows.append(f"| {name} | " + " | ".join(cells) + f" | {t_law} | {m_law} | {g['target_items']:,} | {ext} | {rss} |")
+        rows.append(
+            f"| {name} | " + " | ".join(cells) + f" | {t_law} | {m_law} | {g['target_items']:,} | {ext} | {rss} |"
+        )
     return "\n".join(rows)
 
 

@@ -24,13 +24,15 @@ Prints, each figure labelled ``measured`` or ``estimated`` with its source:
   allocator and cuBLAS workspaces, which a CPU measurement does not see), and the largest
   ``TASKS.N_SUPPORT`` (query fixed) and ``TASKS.N_QUERY`` (support fixed) that fit;
 * hours for ``META.STEPS`` outer steps of ``META.META_BATCH`` tasks on ``--gpus`` GPUs (tasks sharded,
-  the slowest rank holds ``ceil(B / GPUs)`` tasks): from the GPU figures when they exist for this learner and task size, else
+  the slowest rank holds ``ceil(B / GPUs)`` tasks): from the GPU figures when they exist for this learner and task
+  size, else
   FLOPs / (``--gpu-tflops`` x GPUs), an assumed sustained throughput;
 * CHC over ``--pairs`` pairs: CPU hours per stage from the growth laws, the image-feature stage from the
   GPU figures or the image tower's FLOPs.
 
 The last stdout line is the JSON of everything printed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -113,8 +115,9 @@ def _read_json(path: str, what: str, layout: Optional[dict] = None) -> dict:
         raise PlanError(f"{path}: expected a JSON object of figures, got a JSON {type(obj).__name__}")
     for key, kind in (layout or {}).items():
         if key in obj and not isinstance(obj[key], kind):
-            raise PlanError(f"{path}: {key}: expected a JSON {_JSON_NAMES.get(kind, kind)}, got "
-                            f"{type(obj[key]).__name__}")
+            raise PlanError(
+                f"{path}: {key}: expected a JSON {_JSON_NAMES.get(kind, kind)}, got {type(obj[key]).__name__}"
+            )
     return obj
 
 
@@ -124,45 +127,68 @@ GPU_LAYOUT = {"settings": dict, "variants": dict, "chc_images_per_s": (int, floa
 CHC_LAYOUT = {"growth": dict}
 
 
-def meta_plan(cfg, figures: dict, figures_path: str, gpu_figures: Optional[dict], gpu_memory_gib: float,
-              gpus: int, gpu_tflops: float, margin: float) -> dict:
+def meta_plan(
+    cfg,
+    figures: dict,
+    figures_path: str,
+    gpu_figures: Optional[dict],
+    gpu_memory_gib: float,
+    gpus: int,
+    gpu_tflops: float,
+    margin: float,
+) -> dict:
     """Memory, fit and hours of ``cfg``'s meta-training (see module docstring); a JSON-ready dict."""
     p = cfg.META.PROMPT
-    learner = learner_of(int(p.N_CTX_TEXT), int(p.N_CTX_VISION), int(p.VISION_DEPTH), int(p.TEXT_DEPTH),
-                         str(p.COUPLING))
+    learner = learner_of(
+        int(p.N_CTX_TEXT), int(p.N_CTX_VISION), int(p.VISION_DEPTH), int(p.TEXT_DEPTH), str(p.COUPLING)
+    )
     pretrain = str(cfg.META.MODE) == "pretrain"
     mode = "finetune" if pretrain else ("first" if cfg.META.FIRST_ORDER else "second")
     fits = figures.get("fits", {})
     if learner not in LEARNERS or learner not in fits or mode not in fits[learner]:
-        measured = _gpu_only_plan(cfg, gpu_figures, learner, mode, gpu_memory_gib, gpus, margin) if gpu_figures else None
+        measured = (
+            _gpu_only_plan(cfg, gpu_figures, learner, mode, gpu_memory_gib, gpus, margin) if gpu_figures else None
+        )
         if measured is None:
-            raise PlanError(f"META.PROMPT: learner {learner!r} mode {mode!r} has no fitted line in {figures_path} "
-                            f"(python -m gram_tools.realsize --learners {learner} --modes {mode} --merge) and no GPU "
-                            f"figures for this task size (scripts/gpu_check.sh writes them)")
+            raise PlanError(
+                f"META.PROMPT: learner {learner!r} mode {mode!r} has no fitted line in {figures_path} "
+                f"(python -m gram_tools.realsize --learners {learner} --modes {mode} --merge) and no GPU "
+                f"figures for this task size (scripts/gpu_check.sh writes them)"
+            )
         return measured
     fit = fits[learner][mode]
     k = int(cfg.TASKS.K_WAY)
     inner = int(cfg.META.INNER_STEPS)
-    if pretrain:   # the text side was measured at K_WAY classes; PRETRAIN.WAYS 0 (all topics) costs more
+    if pretrain:  # the text side was measured at K_WAY classes; PRETRAIN.WAYS 0 (all topics) costs more
         xs = [float(cfg.META.PRETRAIN.BATCH_SIZE)]
         tasks_per_step = 1
     else:
         xs = [float(k * cfg.TASKS.N_SUPPORT * inner), float(k * cfg.TASKS.N_QUERY)]
         tasks_per_step = int(cfg.META.META_BATCH)
     model_mib = float(figures.get("settings", {}).get("model_mib") or 0.0)
-    src = (f"measured on CPU, {figures.get('settings', {}).get('model', '?')} random weights, "
-           f"line fitted to {fit['points']} sizes ({figures_path})")
+    src = (
+        f"measured on CPU, {figures.get('settings', {}).get('model', '?')} random weights, "
+        f"line fitted to {fit['points']} sizes ({figures_path})"
+    )
     task_mib = line_value(fit["peak_mib"], xs)
     peak_mib = task_mib + model_mib
     budget = gpu_memory_gib * GIB_MIB * (1.0 - margin) - model_mib
     out: dict = {
-        "learner": learner, "mode": mode, "way": k, "inner_steps": inner,
+        "learner": learner,
+        "mode": mode,
+        "way": k,
+        "inner_steps": inner,
         "images": dict(zip(fit["variables"], xs)),
-        "task_peak_gib": {"value": round(task_mib / GIB_MIB, 3), "how": "estimated: " + src + (
-            "; support images x INNER_STEPS (measured at one inner step)" if inner > 1 else "")},
+        "task_peak_gib": {
+            "value": round(task_mib / GIB_MIB, 3),
+            "how": "estimated: "
+            + src
+            + ("; support images x INNER_STEPS (measured at one inner step)" if inner > 1 else ""),
+        },
         "weights_gib": {"value": round(model_mib / GIB_MIB, 3), "how": f"measured: parameter bytes ({figures_path})"},
         "peak_gib": {"value": round(peak_mib / GIB_MIB, 3), "how": "estimated: task peak + weights"},
-        "gpu_memory_gib": gpu_memory_gib, "margin": margin,
+        "gpu_memory_gib": gpu_memory_gib,
+        "margin": margin,
         "fits": bool(task_mib <= budget),
     }
     if not pretrain:
@@ -181,18 +207,24 @@ def meta_plan(cfg, figures: dict, figures_path: str, gpu_figures: Optional[dict]
         out["hours"] = _measured_hours(cfg, *gpu_row, gpus)
     else:
         hours = steps * per_rank * task_gflop * 1e9 / (gpu_tflops * 1e12) / 3600.0
-        out["hours"] = {"value": round(hours, 3),
-                        "how": f"estimated: task FLOPs x ceil(B / GPUs) = {per_rank} tasks per GPU x META.STEPS {steps} / "
-                               f"{gpu_tflops:g} TFLOP/s per GPU (assumed)"}
+        out["hours"] = {
+            "value": round(hours, 3),
+            "how": f"estimated: task FLOPs x ceil(B / GPUs) = {per_rank} tasks per GPU x META.STEPS {steps} / "
+            f"{gpu_tflops:g} TFLOP/s per GPU (assumed)",
+        }
     if fit.get("seconds_per_gflop"):
         cpu_s = step_gflop * fit["seconds_per_gflop"]
-        out["cpu_step_seconds"] = {"value": round(cpu_s, 2), "how": "estimated: step FLOPs x CPU seconds per GFLOP "
-                                   f"measured on a shared 2-core VM (one thread, load {fit.get('load_avg_1min_range')})"}
+        out["cpu_step_seconds"] = {
+            "value": round(cpu_s, 2),
+            "how": "estimated: step FLOPs x CPU seconds per GFLOP "
+            f"measured on a shared 2-core VM (one thread, load {fit.get('load_avg_1min_range')})",
+        }
     return out
 
 
-def _gpu_only_plan(cfg, gpu: dict, learner: str, mode: str, gpu_memory_gib: float, gpus: int,
-                   margin: float) -> Optional[dict]:
+def _gpu_only_plan(
+    cfg, gpu: dict, learner: str, mode: str, gpu_memory_gib: float, gpus: int, margin: float
+) -> Optional[dict]:
     """A plan from GPU figures alone (IVLP, MaPLe: no CPU line), when they were measured at ``cfg``'s task size.
 
     Memory is the measured peak allocation of one outer step (weights included), so only the measured
@@ -203,15 +235,21 @@ def _gpu_only_plan(cfg, gpu: dict, learner: str, mode: str, gpu_memory_gib: floa
     if timing is None or peak_mb is None:
         return None
     s = gpu.get("settings", {})
-    peak_gib = float(peak_mb) / GIB_MIB   # tasks are back-propagated one by one: no META_BATCH or GPU factor
+    peak_gib = float(peak_mb) / GIB_MIB  # tasks are back-propagated one by one: no META_BATCH or GPU factor
     k = int(cfg.TASKS.K_WAY)
     return {
-        "learner": learner, "mode": mode, "way": k, "inner_steps": int(cfg.META.INNER_STEPS),
+        "learner": learner,
+        "mode": mode,
+        "way": k,
+        "inner_steps": int(cfg.META.INNER_STEPS),
         "images": {"support": k * int(cfg.TASKS.N_SUPPORT), "query": k * int(cfg.TASKS.N_QUERY)},
-        "peak_gib": {"value": round(peak_gib, 3),
-                     "how": f"measured: peak allocated GPU memory of one outer step on {s.get('gpu')} "
-                            f"({s.get('autocast')}, {s.get('model')}, weights included; one task's graph at a time)"},
-        "gpu_memory_gib": gpu_memory_gib, "margin": margin,
+        "peak_gib": {
+            "value": round(peak_gib, 3),
+            "how": f"measured: peak allocated GPU memory of one outer step on {s.get('gpu')} "
+            f"({s.get('autocast')}, {s.get('model')}, weights included; one task's graph at a time)",
+        },
+        "gpu_memory_gib": gpu_memory_gib,
+        "margin": margin,
         "fits": bool(peak_gib <= gpu_memory_gib * (1.0 - margin)),
         "hours": _measured_hours(cfg, *timing, gpus),
     }
@@ -223,15 +261,22 @@ def _measured_hours(cfg, seconds: float, how: str, gpus: int) -> dict:
     tasks_per_step = int(cfg.META.META_BATCH)
     per_rank = math.ceil(tasks_per_step / gpus)
     hours = int(cfg.META.STEPS) * seconds * per_rank / tasks_per_step / 3600.0
-    return {"value": round(hours, 3), "how": f"{how}; x META.STEPS {cfg.META.STEPS} x ceil(B / GPUs) / B "
-                                             f"= {per_rank}/{tasks_per_step} on {gpus} GPU(s)"}
+    return {
+        "value": round(hours, 3),
+        "how": f"{how}; x META.STEPS {cfg.META.STEPS} x ceil(B / GPUs) / B "
+        f"= {per_rank}/{tasks_per_step} on {gpus} GPU(s)",
+    }
 
 
 def _gpu_step_seconds(gpu: dict, learner: str, mode: str, cfg) -> Optional[tuple[float, str]]:
     """Measured seconds per outer step from ``bench --device cuda`` figures, if they match the config's task."""
     s = gpu.get("settings", {})
-    same = (s.get("way") == int(cfg.TASKS.K_WAY) and s.get("support_shots") == int(cfg.TASKS.N_SUPPORT)
-            and s.get("query_shots") == int(cfg.TASKS.N_QUERY) and s.get("meta_batch") == int(cfg.META.META_BATCH))
+    same = (
+        s.get("way") == int(cfg.TASKS.K_WAY)
+        and s.get("support_shots") == int(cfg.TASKS.N_SUPPORT)
+        and s.get("query_shots") == int(cfg.TASKS.N_QUERY)
+        and s.get("meta_batch") == int(cfg.META.META_BATCH)
+    )
     row = gpu.get("variants", {}).get(learner)
     key = f"{mode}_order_step_s"
     if not same or row is None or key not in row:
@@ -239,35 +284,52 @@ def _gpu_step_seconds(gpu: dict, learner: str, mode: str, cfg) -> Optional[tuple
     return float(row[key]), f"measured: {s.get('gpu')} {s.get('autocast')} (gpu figures)"
 
 
-def chc_plan(chc: dict, chc_path: str, pairs: float, gpu_figures: Optional[dict], image_gflop: Optional[float],
-             gpus: int, gpu_tflops: float, fit_sample: int) -> dict:
+def chc_plan(
+    chc: dict,
+    chc_path: str,
+    pairs: float,
+    gpu_figures: Optional[dict],
+    image_gflop: Optional[float],
+    gpus: int,
+    gpu_tflops: float,
+    fit_sample: int,
+) -> dict:
     """Per CHC stage: hours over ``pairs`` pairs, from the growth laws (CPU) and the image tower (GPU)."""
     rows: dict = {}
     for name, g in chc.get("growth", {}).items():
         law = g.get("seconds_law")
         if law is None or name in ("image_features", "filter"):
             continue
-        items = pairs                       # one item per pair, the upper bound (gram_tools.chc_growth.fit_growth)
+        items = pairs  # one item per pair, the upper bound (gram_tools.chc_growth.fit_growth)
         if name == "umap_hdbscan_fit":
             items = min(items, fit_sample)
         ext = extrapolate_seconds(law, g["items"][-1], g["seconds"][-1], items)
         mem = g.get("rss_law")
-        rows[name] = {"items": round(items), "cpu_hours": round(ext["target_seconds"] / 3600.0, 3),
-                      "peak_rss_gib": None if mem is None else round((mem["intercept"] + mem["slope"] * items) / GIB_MIB, 2),
-                      "how": f"extrapolated: {'CPU' if g.get('time') == 'cpu_seconds' else 'wall'} seconds = "
-                             f"{law['c']:.3g} x items^{law['p']:.2f}, fitted to {g['items']} items measured on one "
-                             f"CPU thread ({chc_path}); {ext['extrapolation']}"}
+        rows[name] = {
+            "items": round(items),
+            "cpu_hours": round(ext["target_seconds"] / 3600.0, 3),
+            "peak_rss_gib": None if mem is None else round((mem["intercept"] + mem["slope"] * items) / GIB_MIB, 2),
+            "how": f"extrapolated: {'CPU' if g.get('time') == 'cpu_seconds' else 'wall'} seconds = "
+            f"{law['c']:.3g} x items^{law['p']:.2f}, fitted to {g['items']} items measured on one "
+            f"CPU thread ({chc_path}); {ext['extrapolation']}",
+        }
     images = pairs
     if gpu_figures and gpu_figures.get("chc_images_per_s"):
         rate = float(gpu_figures["chc_images_per_s"])
-        rows["image_features"] = {"items": round(images), "gpu_hours": round(images / rate / 3600.0 / gpus, 3),
-                                  "how": f"measured: {rate} images/s on {gpu_figures.get('settings', {}).get('gpu')} "
-                                         f"(gpu figures), / {gpus} GPU(s); JPEG decoding not included"}
+        rows["image_features"] = {
+            "items": round(images),
+            "gpu_hours": round(images / rate / 3600.0 / gpus, 3),
+            "how": f"measured: {rate} images/s on {gpu_figures.get('settings', {}).get('gpu')} "
+            f"(gpu figures), / {gpus} GPU(s); JPEG decoding not included",
+        }
     elif image_gflop:
         hours = images * image_gflop * 1e9 / (gpu_tflops * 1e12 * gpus) / 3600.0
-        rows["image_features"] = {"items": round(images), "gpu_hours": round(hours, 3),
-                                  "how": f"estimated: {image_gflop:.1f} GFLOP per image (FlopCounterMode) / "
-                                         f"({gpu_tflops:g} TFLOP/s assumed x {gpus} GPU(s)); JPEG decoding not included"}
+        rows["image_features"] = {
+            "items": round(images),
+            "gpu_hours": round(hours, 3),
+            "how": f"estimated: {image_gflop:.1f} GFLOP per image (FlopCounterMode) / "
+            f"({gpu_tflops:g} TFLOP/s assumed x {gpus} GPU(s)); JPEG decoding not included",
+        }
     return rows
 
 
@@ -278,13 +340,23 @@ def _image_gflop(figures: dict) -> Optional[float]:
 
 def _flag_problem(args) -> str:
     """The first numeric flag out of range (one line naming it), or ``""``."""
-    checks = (("--gpus", args.gpus, args.gpus >= 1, "an integer >= 1"),
-              ("--gpu-memory-gib", args.gpu_memory_gib, math.isfinite(args.gpu_memory_gib) and args.gpu_memory_gib > 0,
-               "a finite number > 0"),
-              ("--gpu-tflops", args.gpu_tflops, math.isfinite(args.gpu_tflops) and args.gpu_tflops > 0,
-               "a finite number > 0"),
-              ("--margin", args.margin, 0 <= args.margin < 1, "a fraction 0 <= margin < 1"),
-              ("--pairs", args.pairs, math.isfinite(args.pairs) and args.pairs >= 1, "a finite number of pairs >= 1"))
+    checks = (
+        ("--gpus", args.gpus, args.gpus >= 1, "an integer >= 1"),
+        (
+            "--gpu-memory-gib",
+            args.gpu_memory_gib,
+            math.isfinite(args.gpu_memory_gib) and args.gpu_memory_gib > 0,
+            "a finite number > 0",
+        ),
+        (
+            "--gpu-tflops",
+            args.gpu_tflops,
+            math.isfinite(args.gpu_tflops) and args.gpu_tflops > 0,
+            "a finite number > 0",
+        ),
+        ("--margin", args.margin, 0 <= args.margin < 1, "a fraction 0 <= margin < 1"),
+        ("--pairs", args.pairs, math.isfinite(args.pairs) and args.pairs >= 1, "a finite number of pairs >= 1"),
+    )
     for flag, value, ok, what in checks:
         if not ok:
             return f"{flag}: expected {what}, got {value:g}"
@@ -311,15 +383,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--config-file", required=True, help="a meta-training config (configs/meta/train_*.yaml)")
     ap.add_argument("--gpu-memory-gib", type=float, default=80.0)
     ap.add_argument("--gpus", type=int, default=1)
-    ap.add_argument("--gpu-tflops", type=float, default=DEFAULT_GPU_TFLOPS,
-                    help="assumed sustained TFLOP/s per GPU when no GPU figures exist")
+    ap.add_argument(
+        "--gpu-tflops",
+        type=float,
+        default=DEFAULT_GPU_TFLOPS,
+        help="assumed sustained TFLOP/s per GPU when no GPU figures exist",
+    )
     ap.add_argument("--margin", type=float, default=0.1, help="fraction of GPU memory kept free")
     ap.add_argument("--pairs", type=float, default=3.1e6, help="CHC corpus size (CC3M: 3.1e6)")
     ap.add_argument("--figures", default=default_path(DEFAULT_FIGURES), help=f"default: <checkout>/{DEFAULT_FIGURES}")
-    ap.add_argument("--gpu-figures", default=default_path(DEFAULT_GPU_FIGURES),
-                    help=f"default: <checkout>/{DEFAULT_GPU_FIGURES} when it exists")
-    ap.add_argument("--chc-figures", default=default_path(DEFAULT_CHC_FIGURES),
-                    help=f"default: <checkout>/{DEFAULT_CHC_FIGURES} when it exists")
+    ap.add_argument(
+        "--gpu-figures",
+        default=default_path(DEFAULT_GPU_FIGURES),
+        help=f"default: <checkout>/{DEFAULT_GPU_FIGURES} when it exists",
+    )
+    ap.add_argument(
+        "--chc-figures",
+        default=default_path(DEFAULT_CHC_FIGURES),
+        help=f"default: <checkout>/{DEFAULT_CHC_FIGURES} when it exists",
+    )
     ap.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE config overrides")
     args = ap.parse_args(argv)
     problem = _flag_problem(args)
@@ -328,24 +410,48 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     try:
         cfg = load_meta_cfg(args.config_file, args.opts)
-        check_meta_cfg(cfg)   # the same checks as `python -m meta train`: what it refuses is not planned
+        check_meta_cfg(cfg)  # the same checks as `python -m meta train`: what it refuses is not planned
         figures = _read_json(args.figures, "real-size figures: python -m gram_tools.realsize", FIGURES_LAYOUT)
         gpu = _read_json(args.gpu_figures, "", GPU_LAYOUT) if Path(args.gpu_figures).is_file() else None
-        result = {"config": args.config_file,
-                  "meta_training": _figures_step(args.figures if gpu is None else f"{args.figures} or "
-                                                 f"{args.gpu_figures}", meta_plan, cfg, figures, args.figures, gpu,
-                                                 args.gpu_memory_gib, args.gpus, args.gpu_tflops, args.margin)}
+        result = {
+            "config": args.config_file,
+            "meta_training": _figures_step(
+                args.figures if gpu is None else f"{args.figures} or {args.gpu_figures}",
+                meta_plan,
+                cfg,
+                figures,
+                args.figures,
+                gpu,
+                args.gpu_memory_gib,
+                args.gpus,
+                args.gpu_tflops,
+                args.margin,
+            ),
+        }
         if Path(args.chc_figures).is_file():
             chc = _read_json(args.chc_figures, "", CHC_LAYOUT)
-            result["chc"] = _figures_step(args.chc_figures, chc_plan, chc, args.chc_figures, args.pairs, gpu,
-                                          _image_gflop(figures), args.gpus, args.gpu_tflops,
-                                          int(cfg.CHC.TOPICS.FIT_SAMPLE))
+            result["chc"] = _figures_step(
+                args.chc_figures,
+                chc_plan,
+                chc,
+                args.chc_figures,
+                args.pairs,
+                gpu,
+                _image_gflop(figures),
+                args.gpus,
+                args.gpu_tflops,
+                int(cfg.CHC.TOPICS.FIT_SAMPLE),
+            )
     except (PlanError, UserError, ValueError) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     m = result["meta_training"]
-    print(f"{args.config_file}: learner {m['learner']}, {m['mode']}-order" if m["mode"] != "finetune"
-          else f"{args.config_file}: learner {m['learner']}, plain steps", flush=True)
+    print(
+        f"{args.config_file}: learner {m['learner']}, {m['mode']}-order"
+        if m["mode"] != "finetune"
+        else f"{args.config_file}: learner {m['learner']}, plain steps",
+        flush=True,
+    )
     print(f"  images per task: {m['images']}")
     for key in ("task_peak_gib", "weights_gib", "peak_gib", "step_gflop", "hours", "cpu_step_seconds"):
         if key not in m:
@@ -353,8 +459,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"  {key:18s} {m[key]['value']:>10}   ({m[key]['how']})")
     print(f"  fits {args.gpu_memory_gib:g} GiB with {args.margin:.0%} kept free: {'yes' if m['fits'] else 'NO'}")
     if "largest_n_support" in m:
-        print(f"  largest TASKS.N_SUPPORT that fits (query fixed): {m['largest_n_support']}; "
-              f"largest TASKS.N_QUERY (support fixed): {m['largest_n_query']}")
+        print(
+            f"  largest TASKS.N_SUPPORT that fits (query fixed): {m['largest_n_support']}; "
+            f"largest TASKS.N_QUERY (support fixed): {m['largest_n_query']}"
+        )
     for name, row in result.get("chc", {}).items():
         hours = row.get("cpu_hours", row.get("gpu_hours"))
         unit = "CPU h" if "cpu_hours" in row else "GPU h"

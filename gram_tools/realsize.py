@@ -30,6 +30,7 @@ Then per learner and mode the least-squares line ``cost = a + b_s * s + b_q * q`
 first-order peak is fitted as ``a + b * max(s, q)`` (its support graph is freed before the query pass).  Human
 lines first, the JSON last; ``--out`` writes the same JSON (read by :mod:`gram_tools.plan`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,18 +62,19 @@ LEARNERS: dict[str, dict] = {
     "ivlp": {"spec": VARIANTS["ivlp"], "images": True},
     "maple": {"spec": VARIANTS["maple"], "images": True},
 }
-MODES = ("second", "first", "finetune", "encode")   # encode: CHC's image features (no grad), learner-free
-DEFAULT_META_SIZES = ((1, 1), (2, 1), (1, 2), (2, 2))   # (support images, query images)
+MODES = ("second", "first", "finetune", "encode")  # encode: CHC's image features (no grad), learner-free
+DEFAULT_META_SIZES = ((1, 1), (2, 1), (1, 2), (2, 2))  # (support images, query images)
 DEFAULT_FT_BATCHES = (1, 2, 4)
 DEFAULT_OUT = "docs/realsize_cpu.json"
-MIB = 2 ** 20
+MIB = 2**20
 # One thread; a fixed glibc mmap threshold, so every tensor above 64 KiB is mapped on allocation and
 # unmapped when freed: resident size then follows live tensors (no heap retention between steps).
 SUBPROCESS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
-def learner_of(n_ctx_text: int, n_ctx_vision: int, vision_depth: int, text_depth: int = 1,
-               coupling: str = "none") -> str:
+def learner_of(
+    n_ctx_text: int, n_ctx_vision: int, vision_depth: int, text_depth: int = 1, coupling: str = "none"
+) -> str:
     """The :data:`LEARNERS` row measuring a prompt shape (depth 0 or > 1 is deep VPT, measured at full depth).
 
     Deep text prompts (``TEXT_DEPTH`` != 1) are the ``"ivlp"`` row (measured with prompts in every layer of both
@@ -86,7 +88,7 @@ def learner_of(n_ctx_text: int, n_ctx_vision: int, vision_depth: int, text_depth
     if n_ctx_vision <= 0:
         return "coop"
     if n_ctx_text <= 0:
-        return "vpt" if vision_depth == 1 else "vpt_deep"     # VISION_DEPTH 0 = every layer (meta/config.py)
+        return "vpt" if vision_depth == 1 else "vpt_deep"  # VISION_DEPTH 0 = every layer (meta/config.py)
     return "unigram"
 
 
@@ -147,8 +149,13 @@ class SavedTensors:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
-def measure_learner(learner: str, grid: Sequence[tuple[str, int, int]], model: str = "ViT-B-16",
-                    way: Optional[int] = None, repeats: int = 2) -> list[dict]:
+def measure_learner(
+    learner: str,
+    grid: Sequence[tuple[str, int, int]],
+    model: str = "ViT-B-16",
+    way: Optional[int] = None,
+    repeats: int = 2,
+) -> list[dict]:
     """Cost of one step of ``learner`` for each ``(mode, support, query)`` of ``grid`` (module docstring).
 
     Run in a fresh process: the frozen CLIP is built once, then every point is measured in turn (the
@@ -166,8 +173,16 @@ def measure_learner(learner: str, grid: Sequence[tuple[str, int, int]], model: s
     out = []
     for mode, n_support, n_query in grid:
         row = _measure(clip, dims, learner, mode, n_support, n_query, way, repeats)
-        out.append({**row, "model": model, "way": way, "image_size": dims.image_size,
-                    "model_mib": round(model_mib, 1), "threads": torch.get_num_threads()})
+        out.append(
+            {
+                **row,
+                "model": model,
+                "way": way,
+                "image_size": dims.image_size,
+                "model_mib": round(model_mib, 1),
+                "threads": torch.get_num_threads(),
+            }
+        )
     return out
 
 
@@ -215,8 +230,7 @@ def _measure(clip, dims, learner: str, mode: str, n_support: int, n_query: int, 
             ml.accumulate(task, loss_fn)
 
     visual_tokens = spec.n_ctx_vision or (spec.n_ctx_text if spec.coupling == "maple" else 0)
-    saved = SavedTensors(dims.num_patches + 1 + visual_tokens, dims.vision_width,
-                         [*clip.parameters(), *clip.buffers()])
+    saved = SavedTensors(dims.num_patches + 1 + visual_tokens, dims.vision_width, [*clip.parameters(), *clip.buffers()])
     counter = FlopCounterMode(display=False)
 
     def counted() -> None:
@@ -237,12 +251,19 @@ def _measure(clip, dims, learner: str, mode: str, n_support: int, n_query: int, 
         peaks.append(peak_mib(step))
         times.append(time.perf_counter() - start)
     loads.append(os.getloadavg()[0])
-    return {"learner": learner, "mode": mode, "support": n_support, "query": n_query if mode in ("second", "first") else 0,
-            "peak_mib": round(max(peaks[1:] or peaks), 1), "peak_mib_runs": [round(p, 1) for p in peaks],
-            "flops": int(counter.get_total_flops()),
-            "saved_mib": {k: round(v / MIB, 1) for k, v in sorted(saved.bytes.items())},
-            "seconds": round(statistics.median(times), 3) if times else None, "repeats": repeats,
-            "load_avg_1min": [round(x, 2) for x in loads]}
+    return {
+        "learner": learner,
+        "mode": mode,
+        "support": n_support,
+        "query": n_query if mode in ("second", "first") else 0,
+        "peak_mib": round(max(peaks[1:] or peaks), 1),
+        "peak_mib_runs": [round(p, 1) for p in peaks],
+        "flops": int(counter.get_total_flops()),
+        "saved_mib": {k: round(v / MIB, 1) for k, v in sorted(saved.bytes.items())},
+        "seconds": round(statistics.median(times), 3) if times else None,
+        "repeats": repeats,
+        "load_avg_1min": [round(x, 2) for x in loads],
+    }
 
 
 # ----------------------------------------------------------------------------- fits
@@ -251,8 +272,11 @@ def fit_line(xs: np.ndarray, y: np.ndarray) -> dict:
     design = np.hstack([np.ones((xs.shape[0], 1)), xs])
     coef, *_ = np.linalg.lstsq(design, y, rcond=None)
     resid = y - design @ coef
-    return {"intercept": float(coef[0]), "slopes": [float(c) for c in coef[1:]],
-            "max_abs_residual": float(np.abs(resid).max())}
+    return {
+        "intercept": float(coef[0]),
+        "slopes": [float(c) for c in coef[1:]],
+        "max_abs_residual": float(np.abs(resid).max()),
+    }
 
 
 def fit_points(points: list[dict]) -> dict:
@@ -268,15 +292,20 @@ def fit_points(points: list[dict]) -> dict:
             if np.linalg.matrix_rank(np.hstack([np.ones((len(rows), 1)), xs])) < len(cols) + 1:
                 continue
             entry = {"variables": cols if len(cols) == 2 else ["batch"], "points": len(rows)}
-            for name, key, scale in (("peak_mib", "peak_mib", 1.0), ("gflops", "flops", 1e-9),
-                                     ("seconds", "seconds", 1.0)):
+            for name, key, scale in (
+                ("peak_mib", "peak_mib", 1.0),
+                ("gflops", "flops", 1e-9),
+                ("seconds", "seconds", 1.0),
+            ):
                 ys = np.array([p[key] * scale for p in rows], dtype=float)
                 x = xs
                 if name == "peak_mib" and mode == "first":
                     # first order frees the support graph after the inner step: the peak is the larger pass
                     x = xs.max(axis=1, keepdims=True)
-                line = {k: (round(v, 4) if isinstance(v, float) else [round(s, 4) for s in v])
-                        for k, v in fit_line(x, ys).items()}
+                line = {
+                    k: (round(v, 4) if isinstance(v, float) else [round(s, 4) for s in v])
+                    for k, v in fit_line(x, ys).items()
+                }
                 if x is not xs:
                     line["variables"] = ["max(support, query)"]
                 entry[name] = line
@@ -293,8 +322,18 @@ def fit_points(points: list[dict]) -> dict:
 
 # ----------------------------------------------------------------------------- driver
 def _run_learner(args: argparse.Namespace, learner: str, grid: list[tuple[str, int, int]]) -> list[dict]:
-    cmd = [sys.executable, "-m", "gram_tools.realsize", "--one", learner, json.dumps(grid),
-           "--model", args.model, "--repeats", str(args.repeats)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gram_tools.realsize",
+        "--one",
+        learner,
+        json.dumps(grid),
+        "--model",
+        args.model,
+        "--repeats",
+        str(args.repeats),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **SUBPROCESS_ENV})
     if proc.returncode != 0:
         raise RuntimeError(f"{learner}: subprocess failed: {proc.stderr.strip().splitlines()[-1:]}")
@@ -307,12 +346,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
     parser.add_argument("--model", default="ViT-B-16")
     parser.add_argument("--repeats", type=int, default=2, help="timed steps after the counted one")
-    parser.add_argument("--sizes", default=";".join(f"{s},{q}" for s, q in DEFAULT_META_SIZES),
-                        help="meta-task sizes 's,q;s,q;...' in images")
+    parser.add_argument(
+        "--sizes",
+        default=";".join(f"{s},{q}" for s, q in DEFAULT_META_SIZES),
+        help="meta-task sizes 's,q;s,q;...' in images",
+    )
     parser.add_argument("--batches", default=",".join(map(str, DEFAULT_FT_BATCHES)), help="fine-tuning batch sizes")
     parser.add_argument("--out", default=DEFAULT_OUT, help="JSON file the planner reads ('' = none)")
-    parser.add_argument("--merge", action="store_true",
-                        help="keep the points of an existing --out file (a point measured again replaces its old one)")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the points of an existing --out file (a point measured again replaces its old one)",
+    )
     parser.add_argument("--one", nargs=2, metavar=("LEARNER", "GRID"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
@@ -328,39 +373,60 @@ def main(argv: Optional[list[str]] = None) -> int:
         batches = [int(v) for v in args.batches.split(",") if v]
         assert all(len(p) == 2 for p in sizes)
     except (ValueError, AssertionError):
-        print(f"error: --sizes 's,q;s,q' and --batches 'b,b' expected, got {args.sizes!r} / {args.batches!r}",
-              file=sys.stderr)
+        print(
+            f"error: --sizes 's,q;s,q' and --batches 'b,b' expected, got {args.sizes!r} / {args.batches!r}",
+            file=sys.stderr,
+        )
         return 2
     points = []
     for learner in args.learners:
-        grid = [(mode, s, q) for mode in args.modes
-                for s, q in (sizes if mode in ("second", "first") else [(b, 0) for b in batches])]
+        grid = [
+            (mode, s, q)
+            for mode in args.modes
+            for s, q in (sizes if mode in ("second", "first") else [(b, 0) for b in batches])
+        ]
         if learner != "coop":
-            grid = [g for g in grid if g[0] != "encode"]      # the image tower alone: measured once
+            grid = [g for g in grid if g[0] != "encode"]  # the image tower alone: measured once
         for p in _run_learner(args, learner, grid):
             points.append(p)
-            print(f"{learner:9s} {p['mode']:8s} s={p['support']} q={p['query']}: peak {p['peak_mib']:8.1f} MiB  "
-                  f"{p['flops'] / 1e9:8.1f} GFLOP  {p['seconds']} s (load {p['load_avg_1min']})", flush=True)
+            print(
+                f"{learner:9s} {p['mode']:8s} s={p['support']} q={p['query']}: peak {p['peak_mib']:8.1f} MiB  "
+                f"{p['flops'] / 1e9:8.1f} GFLOP  {p['seconds']} s (load {p['load_avg_1min']})",
+                flush=True,
+            )
     if args.merge and args.out and Path(args.out).is_file():
         new = {(p["learner"], p["mode"], p["support"], p["query"]) for p in points}
         old = json.loads(Path(args.out).read_text())["points"]
         points = [p for p in old if (p["learner"], p["mode"], p["support"], p["query"]) not in new] + points
-    result = {"points": points, "fits": fit_points(points),
-              "settings": {"model": args.model, "pretrained": None, "image_size": points[0]["image_size"] if points else None,
-                           "way": points[0]["way"] if points else None, "threads": 1, "repeats": args.repeats,
-                           "timing": "measured on a shared 2-core VM; median of repeats after one counted step",
-                           "memory": "VmHWM - VmRSS before the step (resident bytes, glibc allocator)",
-                           "flops": "torch.utils.flop_counter.FlopCounterMode (matmul/conv/attention only)",
-                           "model_mib": points[-1].get("model_mib") if points else None,
-                           "torch": torch.__version__, "python": platform.python_version(),
-                           "cpu": platform.processor() or platform.machine(),
-                           "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}
+    result = {
+        "points": points,
+        "fits": fit_points(points),
+        "settings": {
+            "model": args.model,
+            "pretrained": None,
+            "image_size": points[0]["image_size"] if points else None,
+            "way": points[0]["way"] if points else None,
+            "threads": 1,
+            "repeats": args.repeats,
+            "timing": "measured on a shared 2-core VM; median of repeats after one counted step",
+            "memory": "VmHWM - VmRSS before the step (resident bytes, glibc allocator)",
+            "flops": "torch.utils.flop_counter.FlopCounterMode (matmul/conv/attention only)",
+            "model_mib": points[-1].get("model_mib") if points else None,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "cpu": platform.processor() or platform.machine(),
+            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },
+    }
     for learner, modes in result["fits"].items():
         for mode, f in modes.items():
             mem = f["peak_mib"]
-            print(f"fit {learner:9s} {mode:8s} peak MiB = {mem['intercept']:.0f} + "
-                  + " + ".join(f"{b:.0f} x {v}" for b, v in zip(mem["slopes"], f["variables"]))
-                  + f" (max residual {mem['max_abs_residual']:.0f}); GFLOP slopes {f['gflops']['slopes']}", flush=True)
+            print(
+                f"fit {learner:9s} {mode:8s} peak MiB = {mem['intercept']:.0f} + "
+                + " + ".join(f"{b:.0f} x {v}" for b, v in zip(mem["slopes"], f["variables"]))
+                + f" (max residual {mem['max_abs_residual']:.0f}); GFLOP slopes {f['gflops']['slopes']}",
+                flush=True,
+            )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(args.out, result, indent=1)

@@ -23,6 +23,7 @@ Sizes: the default is the real-size GPU rehearsal (ViT-B/16 with random weights,
 bf16 autocast); without CUDA it stops with one line (exit 2).  ``--cpu-smoke`` runs the same plumbing on
 the CPU with the 3.4 M-parameter test CLIP and tiny sizes (tests/test_rehearsal.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,12 +42,34 @@ from typing import Optional, Sequence
 REPO = Path(__file__).resolve().parents[1]
 
 SIZES = {
-    "gpu": {"model": "ViT-B-16", "device": "cuda", "image": 224, "pairs": 20000, "shards": 16,
-            "meta_steps": 300, "classes": 10, "shots": 16, "test_per_class": 20, "epochs": 2, "autocast": "bf16",
-            "workers": 8},
-    "cpu_smoke": {"model": "GRAM-Test-Tiny", "device": "cpu", "image": 32, "pairs": 600, "shards": 2,
-                  "meta_steps": 2, "classes": 4, "shots": 2, "test_per_class": 2, "epochs": 1, "autocast": "none",
-                  "workers": 2},
+    "gpu": {
+        "model": "ViT-B-16",
+        "device": "cuda",
+        "image": 224,
+        "pairs": 20000,
+        "shards": 16,
+        "meta_steps": 300,
+        "classes": 10,
+        "shots": 16,
+        "test_per_class": 20,
+        "epochs": 2,
+        "autocast": "bf16",
+        "workers": 8,
+    },
+    "cpu_smoke": {
+        "model": "GRAM-Test-Tiny",
+        "device": "cpu",
+        "image": 32,
+        "pairs": 600,
+        "shards": 2,
+        "meta_steps": 2,
+        "classes": 4,
+        "shots": 2,
+        "test_per_class": 2,
+        "epochs": 1,
+        "autocast": "none",
+        "workers": 2,
+    },
 }
 # few-shot rows: method key -> the meta-training run whose export it starts from ("" = none)
 FEWSHOT = {"coop": "", "gram_coop": "coop", "joint": "", "unigram": "unigram"}
@@ -57,32 +80,90 @@ _BATCH_LINE = re.compile(r"epoch \[(\d+)/(\d+)\] batch \[(\d+)/(\d+)\] time [\d.
 def cluster_args(size: dict, data: Path, chc: Path) -> list[str]:
     """``python -m meta cluster`` on the corpus (the smoke config's structure, thresholds scaled to the size)."""
     per_topic = size["pairs"] // 12
-    return ["-m", "meta", "cluster", "--config-file", "configs/meta/chc_smoke.yaml",
-            "CHC.INPUT.SHARDS", str([str(data / "shard-*.tar")]), "CHC.OUTPUT_DIR", str(chc),
-            "MODEL.BACKBONE", size["model"], "MODEL.DEVICE", size["device"],
-            "CHC.TOPICS.MIN_CLUSTER_SIZE", str(max(30, per_topic // 3)), "CHC.TOPICS.PLOT_POINTS", "1000",
-            "CHC.DOMAINS.MIN_PER_DOMAIN", str(max(5, per_topic // 20)), "CHC.IMAGES.AUTOCAST", size["autocast"]]
+    return [
+        "-m",
+        "meta",
+        "cluster",
+        "--config-file",
+        "configs/meta/chc_smoke.yaml",
+        "CHC.INPUT.SHARDS",
+        str([str(data / "shard-*.tar")]),
+        "CHC.OUTPUT_DIR",
+        str(chc),
+        "MODEL.BACKBONE",
+        size["model"],
+        "MODEL.DEVICE",
+        size["device"],
+        "CHC.TOPICS.MIN_CLUSTER_SIZE",
+        str(max(30, per_topic // 3)),
+        "CHC.TOPICS.PLOT_POINTS",
+        "1000",
+        "CHC.DOMAINS.MIN_PER_DOMAIN",
+        str(max(5, per_topic // 20)),
+        "CHC.IMAGES.AUTOCAST",
+        size["autocast"],
+    ]
 
 
 def train_args(size: dict, learner: str, chc: Path, run_dir: Path) -> list[str]:
     """``python -m meta train`` for ``learner`` (coop | unigram) for ``meta_steps`` outer steps."""
-    args = ["-m", "meta", "train", "--config-file", f"configs/meta/train_{learner}.yaml", "--output-dir", str(run_dir),
-            "META.HIERARCHY", str(chc), "MODEL.BACKBONE", size["model"], "MODEL.PRETRAINED", "",
-            "MODEL.DEVICE", size["device"], "META.STEPS", str(size["meta_steps"]),
-            "META.CHECKPOINT_EVERY", str(size["meta_steps"]), "META.PROGRESS", "False", "META.TENSORBOARD", "False",
-            "META.AUTOCAST", size["autocast"]]
-    if size["device"] == "cpu":   # the tiny corpus has few topics: tiny tasks, no validation tasks
-        args += ["META.META_BATCH", "2", "TASKS.K_WAY", "3", "TASKS.N_SUPPORT", "2", "TASKS.N_QUERY", "2",
-                 "META.VAL_TASKS", "0", "META.FEATURE_CHECK", "2"]
-    else:   # the config's task size; a short validation (its 50 tasks x 10 epochs of fine-tuning would dominate)
+    args = [
+        "-m",
+        "meta",
+        "train",
+        "--config-file",
+        f"configs/meta/train_{learner}.yaml",
+        "--output-dir",
+        str(run_dir),
+        "META.HIERARCHY",
+        str(chc),
+        "MODEL.BACKBONE",
+        size["model"],
+        "MODEL.PRETRAINED",
+        "",
+        "MODEL.DEVICE",
+        size["device"],
+        "META.STEPS",
+        str(size["meta_steps"]),
+        "META.CHECKPOINT_EVERY",
+        str(size["meta_steps"]),
+        "META.PROGRESS",
+        "False",
+        "META.TENSORBOARD",
+        "False",
+        "META.AUTOCAST",
+        size["autocast"],
+    ]
+    if size["device"] == "cpu":  # the tiny corpus has few topics: tiny tasks, no validation tasks
+        args += [
+            "META.META_BATCH",
+            "2",
+            "TASKS.K_WAY",
+            "3",
+            "TASKS.N_SUPPORT",
+            "2",
+            "TASKS.N_QUERY",
+            "2",
+            "META.VAL_TASKS",
+            "0",
+            "META.FEATURE_CHECK",
+            "2",
+        ]
+    else:  # the config's task size; a short validation (its 50 tasks x 10 epochs of fine-tuning would dominate)
         args += ["META.VAL_TASKS", "8"]
     return args
 
 
 def fewshot_opts(size: dict) -> list[str]:
     """``KEY VALUE`` options every ``train.py`` run gets: the backbone with random weights, the loaders."""
-    opts = ["TRAINER.GRAM.MODEL_NAME", size["model"], "TRAINER.GRAM.WEIGHTS", "none",
-            "DATALOADER.NUM_WORKERS", str(size["workers"])]
+    opts = [
+        "TRAINER.GRAM.MODEL_NAME",
+        size["model"],
+        "TRAINER.GRAM.WEIGHTS",
+        "none",
+        "DATALOADER.NUM_WORKERS",
+        str(size["workers"]),
+    ]
     if size["device"] == "cpu":
         opts += ["INPUT.SIZE", f"({size['image']}, {size['image']})", "DATALOADER.TRAIN_X.BATCH_SIZE", "2"]
     return opts
@@ -146,8 +227,12 @@ def _rss_mib(pid: int) -> float:
 
 def _gpu_used_mib() -> Optional[float]:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return float(out.stdout.strip().splitlines()[0])
     except (OSError, ValueError, IndexError, subprocess.SubprocessError):
         return None
@@ -192,8 +277,9 @@ def _write_shard_slice(job: tuple) -> None:
     from gram_tools.synthetic import write_synthetic_shards
 
     out, first, first_key, n_pairs, size, seed = job
-    write_synthetic_shards(out, n_pairs=n_pairs, n_shards=1, seed=seed, size=(size, size), first_shard=first,
-                           first_key=first_key)
+    write_synthetic_shards(
+        out, n_pairs=n_pairs, n_shards=1, seed=seed, size=(size, size), first_shard=first, first_key=first_key
+    )
 
 
 def write_data(size: dict, data: Path, dataset_root: Path) -> None:
@@ -201,13 +287,19 @@ def write_data(size: dict, data: Path, dataset_root: Path) -> None:
     from gram_tools.synthetic import write_synthetic_dtd
 
     per_shard = -(-size["pairs"] // size["shards"])
-    jobs = [(str(data), s, s * per_shard, min(per_shard, size["pairs"] - s * per_shard), size["image"], 1000 + s)
-            for s in range(size["shards"]) if size["pairs"] > s * per_shard]
+    jobs = [
+        (str(data), s, s * per_shard, min(per_shard, size["pairs"] - s * per_shard), size["image"], 1000 + s)
+        for s in range(size["shards"])
+        if size["pairs"] > s * per_shard
+    ]
     with ProcessPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
         list(pool.map(_write_shard_slice, jobs))
-    write_synthetic_dtd(dataset_root, size["classes"], {"train": size["shots"], "val": min(size["shots"], 4),
-                                                        "test": size["test_per_class"]},
-                        size=(size["image"], size["image"]))
+    write_synthetic_dtd(
+        dataset_root,
+        size["classes"],
+        {"train": size["shots"], "val": min(size["shots"], 4), "test": size["test_per_class"]},
+        size=(size["image"], size["image"]),
+    )
 
 
 def rehearse(out: Path, size: dict, python: str = sys.executable) -> dict:
@@ -219,8 +311,13 @@ def rehearse(out: Path, size: dict, python: str = sys.executable) -> dict:
     for folder in (logs, data, dataset_root, runs, results):
         folder.mkdir(parents=True)
     gpu = size["device"].startswith("cuda")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+    )
     stages: dict[str, dict] = {}
     start = time.perf_counter()
     t0 = time.perf_counter()
@@ -231,17 +328,31 @@ def rehearse(out: Path, size: dict, python: str = sys.executable) -> dict:
     inits = {}
     for learner in ("coop", "unigram"):
         run_dir = runs / learner
-        stages[f"train_{learner}"] = run_stage(f"train_{learner}", [python, *train_args(size, learner, chc, run_dir)],
-                                               logs, env, gpu)
-        stages[f"export_{learner}"] = run_stage(f"export_{learner}", [python, "-m", "meta", "export", "--run-dir",
-                                                                      str(run_dir)], logs, env, gpu)
+        stages[f"train_{learner}"] = run_stage(
+            f"train_{learner}", [python, *train_args(size, learner, chc, run_dir)], logs, env, gpu
+        )
+        stages[f"export_{learner}"] = run_stage(
+            f"export_{learner}", [python, "-m", "meta", "export", "--run-dir", str(run_dir)], logs, env, gpu
+        )
         inits[learner] = run_dir / "gram_init.safetensors"
     fewshot: dict[str, dict] = {}
     for method, init in FEWSHOT.items():
-        fenv = dict(env, DATA=str(dataset_root), OUTPUT=str(results), SHOTS=str(size["shots"]),
-                    EPOCHS=str(size["epochs"]), PYTHON=python, INIT=str(inits[init]) if init else "")
-        stages[f"fewshot_{method}"] = run_stage(f"fewshot_{method}", ["bash", "scripts/base2new.sh", method, "dtd", "1",
-                                                                     "--", *fewshot_opts(size)], logs, fenv, gpu)
+        fenv = dict(
+            env,
+            DATA=str(dataset_root),
+            OUTPUT=str(results),
+            SHOTS=str(size["shots"]),
+            EPOCHS=str(size["epochs"]),
+            PYTHON=python,
+            INIT=str(inits[init]) if init else "",
+        )
+        stages[f"fewshot_{method}"] = run_stage(
+            f"fewshot_{method}",
+            ["bash", "scripts/base2new.sh", method, "dtd", "1", "--", *fewshot_opts(size)],
+            logs,
+            fenv,
+            gpu,
+        )
         train_log = results / f"base2new/train_base/dtd/shots_{size['shots']}/{method}/seed1/log.txt"
         fewshot[method] = epoch_seconds(train_log.read_text(errors="replace")) if train_log.is_file() else None
     stages["parse"] = run_stage("parse", [python, "scripts/parse_results.py", str(results)], logs, env, False)
@@ -250,10 +361,15 @@ def rehearse(out: Path, size: dict, python: str = sys.executable) -> dict:
         a, b = fewshot.get(num), fewshot.get(den)
         ratios[key] = round(a["epoch_s"] / b["epoch_s"], 3) if a and b and b["epoch_s"] > 0 else None
     tables = sorted(str(p.relative_to(out)) for p in (results / "tables").glob("*"))
-    result = {"stages": stages, "total_s": round(time.perf_counter() - start, 1), "fewshot_epoch": fewshot,
-              "epoch_time_ratio": ratios, "tables": tables,
-              "settings": {**size, "python": python, "gpu": _gpu_name() if gpu else None}}
-    (out / "rehearsal.json").write_text(json.dumps(result, indent=2) + "\n")   # stages in the order run
+    result = {
+        "stages": stages,
+        "total_s": round(time.perf_counter() - start, 1),
+        "fewshot_epoch": fewshot,
+        "epoch_time_ratio": ratios,
+        "tables": tables,
+        "settings": {**size, "python": python, "gpu": _gpu_name() if gpu else None},
+    }
+    (out / "rehearsal.json").write_text(json.dumps(result, indent=2) + "\n")  # stages in the order run
     return result
 
 
@@ -262,7 +378,7 @@ def _gpu_name() -> Optional[str]:
         import torch
 
         return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    except Exception:   # noqa: BLE001 - the name is decoration
+    except Exception:  # noqa: BLE001 - the name is decoration
         return None
 
 
@@ -281,8 +397,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            print("error: gram_tools.rehearsal: CUDA is not available on this machine (use --cpu-smoke for the "
-                  "CPU plumbing check)", file=sys.stderr)
+            print(
+                "error: gram_tools.rehearsal: CUDA is not available on this machine (use --cpu-smoke for the "
+                "CPU plumbing check)",
+                file=sys.stderr,
+            )
             return 2
     try:
         result = rehearse(Path(args.out), size)

@@ -8,6 +8,7 @@ makes the paper's literal ``L_w`` definition pick poor topic words.  Each image 
 drawn in one of a few styles (line sketch on white, bright blob at night, noisy
 texture), the ground truth for visual domain clustering.
 """
+
 from __future__ import annotations
 
 import io
@@ -20,30 +21,72 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 TOPICS = {
-    "dog": (["playful", "sleepy", "fluffy", "puppy"], ["running on the beach", "playing fetch in the park",
-                                                       "sleeping on the sofa", "chasing a ball", "wagging its tail"]),
-    "car": (["vintage", "sports", "electric", "parked"], ["driving on the highway", "parked on the street",
-                                                          "racing around the track", "in a garage", "with shiny wheels"]),
-    "pizza": (["pepperoni", "cheesy", "homemade", "sliced"], ["fresh from the oven", "served on a wooden board",
-                                                              "with melted mozzarella", "topped with basil", "in a box"]),
-    "guitar": (["acoustic", "electric", "wooden", "bass"], ["played on stage", "leaning against an amplifier",
-                                                            "with steel strings", "at a concert", "being tuned"]),
-    "castle": (["medieval", "ancient", "ruined", "royal"], ["on a hill", "with stone towers", "surrounded by a moat",
-                                                            "in the mountains", "with a drawbridge"]),
-    "bicycle": (["mountain", "folding", "racing", "rusty"], ["locked to a rack", "on a dirt trail",
-                                                             "with a basket", "leaning on a fence", "with flat tyres"]),
-    "flower": (["blooming", "purple", "wild", "fragrant"], ["in the garden", "with dew drops on its petals",
-                                                            "in a glass vase", "in a spring meadow", "attracting bees"]),
-    "airplane": (["jet", "passenger", "cargo", "propeller"], ["taking off from the runway", "flying above the clouds",
-                                                              "landing at the airport", "at the gate", "with its wings"]),
-    "cake": (["chocolate", "birthday", "wedding", "layered"], ["with candles", "decorated with frosting",
-                                                               "on a plate", "with strawberries", "being cut"]),
-    "horse": (["brown", "wild", "racing", "pony"], ["galloping across the field", "grazing in the pasture",
-                                                    "jumping a fence", "in the stable", "with a saddle"]),
-    "boat": (["sailing", "fishing", "wooden", "motor"], ["on the lake", "docked at the harbour", "sailing at sea",
-                                                         "with white sails", "near the pier"]),
-    "laptop": (["open", "new", "gaming", "thin"], ["on a desk", "with a glowing keyboard", "next to a coffee cup",
-                                                   "showing a spreadsheet", "in an office"]),
+    "dog": (
+        ["playful", "sleepy", "fluffy", "puppy"],
+        [
+            "running on the beach",
+            "playing fetch in the park",
+            "sleeping on the sofa",
+            "chasing a ball",
+            "wagging its tail",
+        ],
+    ),
+    "car": (
+        ["vintage", "sports", "electric", "parked"],
+        [
+            "driving on the highway",
+            "parked on the street",
+            "racing around the track",
+            "in a garage",
+            "with shiny wheels",
+        ],
+    ),
+    "pizza": (
+        ["pepperoni", "cheesy", "homemade", "sliced"],
+        ["fresh from the oven", "served on a wooden board", "with melted mozzarella", "topped with basil", "in a box"],
+    ),
+    "guitar": (
+        ["acoustic", "electric", "wooden", "bass"],
+        ["played on stage", "leaning against an amplifier", "with steel strings", "at a concert", "being tuned"],
+    ),
+    "castle": (
+        ["medieval", "ancient", "ruined", "royal"],
+        ["on a hill", "with stone towers", "surrounded by a moat", "in the mountains", "with a drawbridge"],
+    ),
+    "bicycle": (
+        ["mountain", "folding", "racing", "rusty"],
+        ["locked to a rack", "on a dirt trail", "with a basket", "leaning on a fence", "with flat tyres"],
+    ),
+    "flower": (
+        ["blooming", "purple", "wild", "fragrant"],
+        ["in the garden", "with dew drops on its petals", "in a glass vase", "in a spring meadow", "attracting bees"],
+    ),
+    "airplane": (
+        ["jet", "passenger", "cargo", "propeller"],
+        [
+            "taking off from the runway",
+            "flying above the clouds",
+            "landing at the airport",
+            "at the gate",
+            "with its wings",
+        ],
+    ),
+    "cake": (
+        ["chocolate", "birthday", "wedding", "layered"],
+        ["with candles", "decorated with frosting", "on a plate", "with strawberries", "being cut"],
+    ),
+    "horse": (
+        ["brown", "wild", "racing", "pony"],
+        ["galloping across the field", "grazing in the pasture", "jumping a fence", "in the stable", "with a saddle"],
+    ),
+    "boat": (
+        ["sailing", "fishing", "wooden", "motor"],
+        ["on the lake", "docked at the harbour", "sailing at sea", "with white sails", "near the pier"],
+    ),
+    "laptop": (
+        ["open", "new", "gaming", "thin"],
+        ["on a desk", "with a glowing keyboard", "next to a coffee cup", "showing a spreadsheet", "in an office"],
+    ),
 }
 PREFIXES = ["", "a photo of a ", "stock image of a ", "close up of a ", "the ", "an image of a ", "illustration of a "]
 GENERIC = ["beautiful", "old", "small", "big", "white", "red", "lovely", "nice"]
@@ -53,8 +96,10 @@ STYLES = ("sketch", "night", "texture")
 
 def make_caption(topic: str, rng: np.random.Generator, topics: Sequence[str], mention_rate: float) -> str:
     adjectives, scenes = TOPICS[topic]
-    words = [rng.choice(PREFIXES) + str(rng.choice(GENERIC)) + " " + str(rng.choice(adjectives)) + " " + topic,
-             str(rng.choice(scenes)) + str(rng.choice(CONTEXTS))]
+    words = [
+        rng.choice(PREFIXES) + str(rng.choice(GENERIC)) + " " + str(rng.choice(adjectives)) + " " + topic,
+        str(rng.choice(scenes)) + str(rng.choice(CONTEXTS)),
+    ]
     if rng.random() < mention_rate:
         other = str(rng.choice([t for t in topics if t != topic]))
         words.append(f"next to a {other}")
@@ -64,18 +109,18 @@ def make_caption(topic: str, rng: np.random.Generator, topics: Sequence[str], me
 def make_image(topic_id: int, style: int, rng: np.random.Generator, size=(48, 40)) -> Image.Image:
     """A small RGB picture whose *style* (not the topic) dominates its pixel statistics."""
     w, h = size
-    if style == 0:      # sketch: dark strokes on white
+    if style == 0:  # sketch: dark strokes on white
         img = Image.new("RGB", size, (245, 245, 240))
         draw = ImageDraw.Draw(img)
         for _ in range(4):
             pts = [tuple(int(v) for v in rng.integers(0, [w, h])) for _ in range(2)]
             draw.line(pts, fill=(20, 20, 20), width=2)
-    elif style == 1:    # night: deep blue, one bright blob
+    elif style == 1:  # night: deep blue, one bright blob
         img = Image.new("RGB", size, (10, 12, 50))
         draw = ImageDraw.Draw(img)
         cx, cy, r = int(rng.integers(12, w - 12)), int(rng.integers(12, h - 12)), int(rng.integers(5, 10))
         draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=(255, 220, 60))
-    else:               # texture: saturated colour noise
+    else:  # texture: saturated colour noise
         arr = rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)
         arr[..., 1] //= 3
         img = Image.fromarray(arr, "RGB")
@@ -96,11 +141,21 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def write_synthetic_shards(out_dir, n_pairs: int = 1200, topics: Optional[Sequence[str]] = None, n_styles: int = 3,
-                           n_shards: int = 4, corrupt_fraction: float = 0.02, empty_caption_fraction: float = 0.02,
-                           missing_image_fraction: float = 0.0, mention_rate: float = 0.1,
-                           seed: int = 0, size: tuple[int, int] = (48, 40), first_shard: int = 0,
-                           first_key: int = 0) -> dict:
+def write_synthetic_shards(
+    out_dir,
+    n_pairs: int = 1200,
+    topics: Optional[Sequence[str]] = None,
+    n_styles: int = 3,
+    n_shards: int = 4,
+    corrupt_fraction: float = 0.02,
+    empty_caption_fraction: float = 0.02,
+    missing_image_fraction: float = 0.0,
+    mention_rate: float = 0.1,
+    seed: int = 0,
+    size: tuple[int, int] = (48, 40),
+    first_shard: int = 0,
+    first_key: int = 0,
+) -> dict:
     """Write ``shard-{i:05d}.tar`` files; returns the ground truth.
 
     ``size``: (width, height) of the images in pixels.  ``first_shard`` / ``first_key``: number of the first
@@ -139,15 +194,23 @@ def write_synthetic_shards(out_dir, n_pairs: int = 1200, topics: Optional[Sequen
                     _add(tar, f"{key}.{'jpg' if fmt == 'JPEG' else 'png'}", data)
                 _add(tar, f"{key}.txt", (" " if empty else caption).encode())
                 _add(tar, f"{key}.json", json.dumps({"category": topics[t], "style": STYLES[style % 3]}).encode())
-                for name, val in (("key", key), ("topic", topics[t]), ("style", style), ("corrupt", corrupt),
-                                  ("empty_caption", empty), ("missing_image", missing), ("caption", caption)):
+                for name, val in (
+                    ("key", key),
+                    ("topic", topics[t]),
+                    ("style", style),
+                    ("corrupt", corrupt),
+                    ("empty_caption", empty),
+                    ("missing_image", missing),
+                    ("caption", caption),
+                ):
                     truth[name].append(val)
     truth["shards"] = shards
     return truth
 
 
-def write_synthetic_image_folder(root, classes: Sequence[str], per_class: int = 24, n_styles: int = 3,
-                                 seed: int = 0) -> dict:
+def write_synthetic_image_folder(
+    root, classes: Sequence[str], per_class: int = 24, n_styles: int = 3, seed: int = 0
+) -> dict:
     """``root/<class>/<i>.png`` images; returns ``{path: style}`` ground truth."""
     rng = np.random.default_rng(seed)
     root = Path(root)
@@ -162,8 +225,9 @@ def write_synthetic_image_folder(root, classes: Sequence[str], per_class: int = 
     return styles
 
 
-def write_synthetic_dtd(root, n_classes: int, counts: dict[str, int], size: tuple[int, int] = (224, 224),
-                        n_styles: int = 3, seed: int = 0) -> dict:
+def write_synthetic_dtd(
+    root, n_classes: int, counts: dict[str, int], size: tuple[int, int] = (224, 224), n_styles: int = 3, seed: int = 0
+) -> dict:
     """A few-shot dataset in CoOp's DTD layout: ``root/dtd/images/<class>/*.jpg`` and
     ``root/dtd/split_zhou_DescribableTextures.json`` (``{"train"|"val"|"test": [[rel path, label, class]]}``).
 

@@ -16,12 +16,25 @@ cross-domain target dataset; no image is shared between corpora or splits.
 
 CLI: ``python -m gram_world generate|pretrain|zeroshot [--quick] [--root DIR] [--seed N]``.
 """
+
 from .build import DatasetPaths, WorldPaths, build_world, load_world, read_chc_shards
 from .clip_io import WORLD_MODEL
 from .pretrain import PretrainSettings, pretrain_clip, pretrain_settings
 from .settings import WorldSettings, world_settings
 from .zeroshot import style_clustering, zeroshot_accuracy
 
-__all__ = ["DatasetPaths", "PretrainSettings", "WORLD_MODEL", "WorldPaths", "WorldSettings", "build_world",
-           "load_world", "pretrain_clip", "pretrain_settings", "read_chc_shards", "style_clustering",
-           "world_settings", "zeroshot_accuracy"]
+__all__ = [
+    "DatasetPaths",
+    "PretrainSettings",
+    "WORLD_MODEL",
+    "WorldPaths",
+    "WorldSettings",
+    "build_world",
+    "load_world",
+    "pretrain_clip",
+    "pretrain_settings",
+    "read_chc_shards",
+    "style_clustering",
+    "world_settings",
+    "zeroshot_accuracy",
+]

@@ -8,6 +8,7 @@ features (``gram_world.probe``; ``--coop`` / ``--vpt`` add a text / visual promp
 images); ``--weights`` probes another weights file of the world CLIP.  ``captures`` scans every capture
 condition for the room it leaves a text and a visual prompt (``gram_world.capture_scan``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")   # 2 threads on 2 cores are many times slower here
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2 threads on 2 cores are many times slower here
 
 import torch  # noqa: E402
 
@@ -31,14 +32,23 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gram_world", description=__doc__.splitlines()[0])
     p.add_argument("stage", choices=("generate", "pretrain", "zeroshot", "probe", "captures"))
     p.add_argument("--quick", action="store_true", help="the small world and short pretraining used by tests")
-    p.add_argument("--root", type=Path, default=None,
-                   help="parent directory of worlds (default: $GRAM_WORLD_CACHE, else ./.cache/world)")
+    p.add_argument(
+        "--root",
+        type=Path,
+        default=None,
+        help="parent directory of worlds (default: $GRAM_WORLD_CACHE, else ./.cache/world)",
+    )
     p.add_argument("--seed", type=int, default=0, help="world and pretraining seed")
     p.add_argument("--weights", type=Path, default=None, help="probe: CLIP weights (default: the pretrained ones)")
     p.add_argument("--coop", action="store_true", help="probe: also fit CoOp's context on all train images")
     p.add_argument("--vpt", action="store_true", help="probe: also fit VPT's visual tokens on all train images")
-    p.add_argument("--captures", nargs="+", default=(), metavar="CONDITION",
-                   help="captures: the conditions to scan (default: every one in gram_world.render.CAPTURES)")
+    p.add_argument(
+        "--captures",
+        nargs="+",
+        default=(),
+        metavar="CONDITION",
+        help="captures: the conditions to scan (default: every one in gram_world.render.CAPTURES)",
+    )
     p.add_argument("--out", type=Path, default=None, help="probe / captures: write the result as JSON here")
     return p
 
@@ -71,8 +81,10 @@ def main(argv=None) -> int:
     for name, r in result.items():
         print(f"  {name:18s} {r['accuracy']:6.2f}  (chance {r['chance']:.2f}, {r['classes']} classes, n={r['n']})")
     styles = style_clustering(world, weights)
-    print(f"k-means (k={styles['k']}) on image features of {styles['n']} CHC images vs true style: "
-          f"ARI {styles['ari']:.3f}, NMI {styles['nmi']:.3f}")
+    print(
+        f"k-means (k={styles['k']}) on image features of {styles['n']} CHC images vs true style: "
+        f"ARI {styles['ari']:.3f}, NMI {styles['nmi']:.3f}"
+    )
     print(json.dumps({"zeroshot": result, "style_clustering": styles}))
     return 0
 
@@ -81,13 +93,14 @@ def _probe(world, weights: Path, args) -> int:
     from .probe import probe_table, probe_world
 
     seeds = (1,) if args.quick else (1, 2, 3)
-    shots = 4 if args.quick else 16      # the quick world has 16 train images per class
+    shots = 4 if args.quick else 16  # the quick world has 16 train images per class
     result = probe_world(world, weights, seeds=seeds, shots=shots, with_coop=args.coop, with_vpt=args.vpt)
     print(probe_table(result, shots))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"weights": str(weights), "shots": shots, "seeds": list(seeds),
-                                        "datasets": result}, indent=1))
+        args.out.write_text(
+            json.dumps({"weights": str(weights), "shots": shots, "seeds": list(seeds), "datasets": result}, indent=1)
+        )
     return 0
 
 

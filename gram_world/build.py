@@ -16,6 +16,7 @@ place when complete, so an interrupted or concurrent build never leaves a half-w
 finished; a build first removes the partial folders of builds that were killed (their process is gone:
 :mod:`gram_world.lifeline`), never one a live build is writing.  Rendering workers die with the build.
 """
+
 from __future__ import annotations
 
 import io
@@ -48,6 +49,7 @@ def default_world_parent() -> Path:
     env = os.environ.get(WORLD_CACHE_ENV, "")
     return Path(env) if env else Path.cwd() / ".cache" / "world"
 
+
 MANIFEST = "world.json"
 
 # Random-stream ids of the corpora; downstream split ids are 100 * (dataset index + 1) + split index.
@@ -60,9 +62,9 @@ class DatasetPaths:
     """One downstream dataset on disk (CoOp layout)."""
 
     name: str
-    dataset_dir: Path       # <root>/downstream/<dir>; CoOp's DATASET.ROOT is its parent
-    image_dir: Path         # dataset_dir / "images"
-    split_file: Path        # dataset_dir / f"split_zhou_{name}.json"
+    dataset_dir: Path  # <root>/downstream/<dir>; CoOp's DATASET.ROOT is its parent
+    image_dir: Path  # dataset_dir / "images"
+    split_file: Path  # dataset_dir / f"split_zhou_{name}.json"
     classnames: tuple[str, ...]
     styles: tuple[str, ...]
     roles: tuple[str, ...]
@@ -81,10 +83,10 @@ class WorldPaths:
     chc_dir: Path
     chc_shards: tuple[Path, ...]
     downstream_dir: Path
-    datasets: dict = field(default_factory=dict)   # name -> DatasetPaths
+    datasets: dict = field(default_factory=dict)  # name -> DatasetPaths
     labelled_meta_dir: Path = Path()
     labelled_meta_truth: Path = Path()
-    clip_dir: Path = Path()                        # pretrained tiny CLIP weights live here
+    clip_dir: Path = Path()  # pretrained tiny CLIP weights live here
 
     def dataset(self, name: str) -> DatasetPaths:
         if name not in self.datasets:
@@ -97,14 +99,21 @@ class WorldPaths:
 
 # --------------------------------------------------------------------------- items
 
+
 def jpeg_bytes(img: np.ndarray, quality: int) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(img).save(buf, format="JPEG", quality=quality)
     return buf.getvalue()
 
 
-def make_pair(settings_: WorldSettings, corpus_id: int, index: int, categories: Sequence[str],
-              styles: Sequence[str], mismatched: bool) -> tuple[np.ndarray, str, dict]:
+def make_pair(
+    settings_: WorldSettings,
+    corpus_id: int,
+    index: int,
+    categories: Sequence[str],
+    styles: Sequence[str],
+    mismatched: bool,
+) -> tuple[np.ndarray, str, dict]:
     """Render one image-caption pair: ``(image [S,S,3] uint8, caption, ground truth dict)``."""
     rng = item_rng(settings_.seed, corpus_id, index)
     spec = sample_spec(rng, categories, styles)
@@ -118,8 +127,9 @@ def make_pair(settings_: WorldSettings, corpus_id: int, index: int, categories: 
     return img, write_caption(described, rng), truth
 
 
-def make_labelled(settings_: WorldSettings, corpus_id: int, index: int, category: str,
-                  styles: Sequence[str]) -> tuple[np.ndarray, dict]:
+def make_labelled(
+    settings_: WorldSettings, corpus_id: int, index: int, category: str, styles: Sequence[str]
+) -> tuple[np.ndarray, dict]:
     """Render one image of a fixed ``category``: ``(image [S,S,3] uint8, ground truth dict)``."""
     rng = item_rng(settings_.seed, corpus_id, index)
     spec = sample_spec(rng, [category], styles, category=category)
@@ -144,14 +154,17 @@ def _pair_job(args):
     return out
 
 
-def _pairs(settings_: WorldSettings, corpus_id: int, n: int, styles: Sequence[str], fraction: float,
-           workers: int, desc: str) -> Iterable[tuple[bytes, str, dict]]:
+def _pairs(
+    settings_: WorldSettings, corpus_id: int, n: int, styles: Sequence[str], fraction: float, workers: int, desc: str
+) -> Iterable[tuple[bytes, str, dict]]:
     """Yield ``(jpeg bytes, caption, truth)`` for items ``0..n-1`` in order (2 processes by default)."""
     categories = sorted(CATEGORIES)
     mask = mismatch_mask(n, fraction, settings_.seed, corpus_id)
     chunk = 250
-    jobs = [(settings_, corpus_id, s, min(n, s + chunk), categories, tuple(styles), mask[s:s + chunk])
-            for s in range(0, n, chunk)]
+    jobs = [
+        (settings_, corpus_id, s, min(n, s + chunk), categories, tuple(styles), mask[s : s + chunk])
+        for s in range(0, n, chunk)
+    ]
     bar = tqdm(total=n, desc=desc, unit="img", leave=False)
     if workers > 1:
         with ProcessPoolExecutor(workers, initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
@@ -172,19 +185,26 @@ def _decode(data: bytes) -> np.ndarray:
 
 # --------------------------------------------------------------------------- writers
 
+
 def write_pretrain(s: WorldSettings, root: Path, workers: int) -> dict:
     """Corpus (1): all styles, all categories, decoded JPEGs cached as one uint8 array."""
     out = root / "pretrain"
     out.mkdir(parents=True)
     images = np.empty((s.pretrain_size, s.image_size, s.image_size, 3), dtype=np.uint8)
     with open(out / "pairs.jsonl", "w") as f:
-        for i, (data, caption, truth) in enumerate(_pairs(s, PRETRAIN_ID, s.pretrain_size, s.styles,
-                                                          s.pretrain_mismatch, workers, "pretrain corpus")):
+        for i, (data, caption, truth) in enumerate(
+            _pairs(s, PRETRAIN_ID, s.pretrain_size, s.styles, s.pretrain_mismatch, workers, "pretrain corpus")
+        ):
             images[i] = _decode(data)
             f.write(json.dumps({"key": f"{i:07d}", "caption": caption, **truth}) + "\n")
     np.save(out / "images.npy", images)
-    return {"dir": "pretrain", "size": s.pretrain_size, "styles": list(s.styles),
-            "categories": sorted(CATEGORIES), "mismatch_fraction": s.pretrain_mismatch}
+    return {
+        "dir": "pretrain",
+        "size": s.pretrain_size,
+        "styles": list(s.styles),
+        "categories": sorted(CATEGORIES),
+        "mismatch_fraction": s.pretrain_mismatch,
+    }
 
 
 def _tar_add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -199,8 +219,9 @@ def write_chc_corpus(s: WorldSettings, root: Path, workers: int) -> dict:
     out.mkdir(parents=True)
     shards: list[str] = []
     tar = None
-    for i, (data, caption, truth) in enumerate(_pairs(s, CHC_ID, s.chc_size, s.seen_styles,
-                                                      s.chc_mismatch, workers, "CHC corpus")):
+    for i, (data, caption, truth) in enumerate(
+        _pairs(s, CHC_ID, s.chc_size, s.seen_styles, s.chc_mismatch, workers, "CHC corpus")
+    ):
         if i % s.chc_shard_size == 0:
             if tar is not None:
                 tar.close()
@@ -212,8 +233,14 @@ def write_chc_corpus(s: WorldSettings, root: Path, workers: int) -> dict:
         _tar_add(tar, f"{key}.json", json.dumps({"key": key, **truth}, sort_keys=True).encode())
     if tar is not None:
         tar.close()
-    return {"dir": "corpus_chc", "size": s.chc_size, "shards": shards, "styles": list(s.seen_styles),
-            "categories": sorted(CATEGORIES), "mismatch_fraction": s.chc_mismatch}
+    return {
+        "dir": "corpus_chc",
+        "size": s.chc_size,
+        "shards": shards,
+        "styles": list(s.seen_styles),
+        "categories": sorted(CATEGORIES),
+        "mismatch_fraction": s.chc_mismatch,
+    }
 
 
 def _save_jpeg(img: np.ndarray, path: Path, quality: int) -> None:
@@ -241,10 +268,16 @@ def write_dataset(s: WorldSettings, root: Path, index: int, plan: DatasetPlan) -
         split[name] = rows
     split_file = ddir / f"split_zhou_{plan.name}.json"
     split_file.write_text(json.dumps(split, indent=1))
-    return {"name": plan.name, "dir": f"downstream/{plan.dirname}", "split_file":
-            f"downstream/{plan.dirname}/{split_file.name}", "classnames": classnames,
-            "styles": list(plan.styles), "roles": list(plan.roles), "capture": plan.capture,
-            "sizes": {k: len(v) for k, v in split.items()}}
+    return {
+        "name": plan.name,
+        "dir": f"downstream/{plan.dirname}",
+        "split_file": f"downstream/{plan.dirname}/{split_file.name}",
+        "classnames": classnames,
+        "styles": list(plan.styles),
+        "roles": list(plan.roles),
+        "capture": plan.capture,
+        "sizes": {k: len(v) for k, v in split.items()},
+    }
 
 
 def write_labelled_meta(s: WorldSettings, root: Path) -> dict:
@@ -261,11 +294,16 @@ def write_labelled_meta(s: WorldSettings, root: Path) -> dict:
     with open(root / "labelled_meta_truth.jsonl", "w") as f:
         for row in truth_rows:
             f.write(json.dumps(row) + "\n")
-    return {"dir": "labelled_meta", "per_class": s.labelled_per_class, "styles": list(s.seen_styles),
-            "classnames": sorted(CATEGORIES)}
+    return {
+        "dir": "labelled_meta",
+        "per_class": s.labelled_per_class,
+        "styles": list(s.seen_styles),
+        "classnames": sorted(CATEGORIES),
+    }
 
 
 # --------------------------------------------------------------------------- world
+
 
 def load_world(root: Path) -> WorldPaths:
     """Read ``<root>/world.json`` into :class:`WorldPaths`."""
@@ -275,39 +313,70 @@ def load_world(root: Path) -> WorldPaths:
         raise FileNotFoundError(f"{manifest}: no world manifest (run `python -m gram_world generate`)")
     m = json.loads(manifest.read_text())
     try:
-        datasets = {d["name"]: DatasetPaths(d["name"], root / d["dir"], root / d["dir"] / "images",
-                                            root / d["split_file"], tuple(d["classnames"]),
-                                            tuple(d["styles"]), tuple(d["roles"])) for d in m["datasets"]}
+        datasets = {
+            d["name"]: DatasetPaths(
+                d["name"],
+                root / d["dir"],
+                root / d["dir"] / "images",
+                root / d["split_file"],
+                tuple(d["classnames"]),
+                tuple(d["styles"]),
+                tuple(d["roles"]),
+            )
+            for d in m["datasets"]
+        }
         chc = m["corpora"]["chc"]
         return WorldPaths(
-            root=root, manifest=manifest, settings_hash=m["hash"], settings=m["settings"],
-            pretrain_images=root / "pretrain" / "images.npy", pretrain_pairs=root / "pretrain" / "pairs.jsonl",
-            chc_dir=root / chc["dir"], chc_shards=tuple(root / chc["dir"] / s for s in chc["shards"]),
-            downstream_dir=root / "downstream", datasets=datasets,
-            labelled_meta_dir=root / "labelled_meta", labelled_meta_truth=root / "labelled_meta_truth.jsonl",
-            clip_dir=root / "clip")
+            root=root,
+            manifest=manifest,
+            settings_hash=m["hash"],
+            settings=m["settings"],
+            pretrain_images=root / "pretrain" / "images.npy",
+            pretrain_pairs=root / "pretrain" / "pairs.jsonl",
+            chc_dir=root / chc["dir"],
+            chc_shards=tuple(root / chc["dir"] / s for s in chc["shards"]),
+            downstream_dir=root / "downstream",
+            datasets=datasets,
+            labelled_meta_dir=root / "labelled_meta",
+            labelled_meta_truth=root / "labelled_meta_truth.jsonl",
+            clip_dir=root / "clip",
+        )
     except KeyError as err:
         raise KeyError(f"{manifest}: missing key {err}; expected a manifest written by gram_world") from None
 
 
 def _write_world(s: WorldSettings, tmp: Path, workers: int) -> None:
-    corpora = {"pretrain": write_pretrain(s, tmp, workers), "chc": write_chc_corpus(s, tmp, workers),
-               "labelled_meta": write_labelled_meta(s, tmp)}
-    datasets = [write_dataset(s, tmp, i, p) for i, p in enumerate(tqdm(s.plans, desc="downstream datasets",
-                                                                        leave=False))]
+    corpora = {
+        "pretrain": write_pretrain(s, tmp, workers),
+        "chc": write_chc_corpus(s, tmp, workers),
+        "labelled_meta": write_labelled_meta(s, tmp),
+    }
+    datasets = [
+        write_dataset(s, tmp, i, p) for i, p in enumerate(tqdm(s.plans, desc="downstream datasets", leave=False))
+    ]
     manifest = {
-        "hash": s.checksum(), "settings": s.as_dict(), "corpora": corpora, "datasets": datasets,
+        "hash": s.checksum(),
+        "settings": s.as_dict(),
+        "corpora": corpora,
+        "datasets": datasets,
         "holdout_style": s.holdout_style,
-        "protocol": ("All 40 categories appear in every training corpus (as ImageNet classes do in CC3M); "
-                     f"the held-out style {s.holdout_style!r} appears only in the pretraining corpus and the "
-                     "cross-domain target; no image is shared between corpora or splits (per-item random "
-                     "streams keyed by seed, corpus id and index)."),
+        "protocol": (
+            "All 40 categories appear in every training corpus (as ImageNet classes do in CC3M); "
+            f"the held-out style {s.holdout_style!r} appears only in the pretraining corpus and the "
+            "cross-domain target; no image is shared between corpora or splits (per-item random "
+            "streams keyed by seed, corpus id and index)."
+        ),
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
-def build_world(quick: bool = False, root: Optional[Path] = None, seed: int = 0,
-                settings: Optional[WorldSettings] = None, workers: Optional[int] = None) -> WorldPaths:
+def build_world(
+    quick: bool = False,
+    root: Optional[Path] = None,
+    seed: int = 0,
+    settings: Optional[WorldSettings] = None,
+    workers: Optional[int] = None,
+) -> WorldPaths:
     """Generate the world (or find it cached) and return its paths.
 
     Args:
@@ -321,7 +390,7 @@ def build_world(quick: bool = False, root: Optional[Path] = None, seed: int = 0,
     s = settings if settings is not None else world_settings(quick=quick, seed=seed)
     parent = Path(root) if root is not None else default_world_parent()
     final = parent / s.checksum()
-    clean_stale_partials(parent)   # left by killed builds; a live build's folder is kept
+    clean_stale_partials(parent)  # left by killed builds; a live build's folder is kept
     if (final / MANIFEST).is_file():
         return load_world(final)
     parent.mkdir(parents=True, exist_ok=True)
@@ -335,7 +404,7 @@ def build_world(quick: bool = False, root: Optional[Path] = None, seed: int = 0,
         try:
             os.rename(tmp, final)
         except OSError:
-            if not (final / MANIFEST).is_file():   # not a concurrent winner: a real error
+            if not (final / MANIFEST).is_file():  # not a concurrent winner: a real error
                 raise
     finally:
         if lock is not None:

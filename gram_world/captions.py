@@ -6,6 +6,7 @@ usually some attributes (count, size, colour, position), sometimes the style
 ("stock image", "#art", "free download").  For a mismatched pair the caller
 passes the spec of a *different* random item.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -59,12 +60,31 @@ STYLE_TEMPLATES = (
 # "cartoon", "illustration"; without such words a CLIP's image embedding becomes
 # style-invariant and CHC's visual-domain k-means has nothing to find.
 STYLE_MENTION = 0.4
-STYLE_WORDS = {"shaded": "3d render", "sketch": "pencil sketch", "noisy": "grainy photo",
-               "cartoon": "cartoon", "textured": "patterned print"}
+STYLE_WORDS = {
+    "shaded": "3d render",
+    "sketch": "pencil sketch",
+    "noisy": "grainy photo",
+    "cartoon": "cartoon",
+    "textured": "patterned print",
+}
 
 PREFIXES = ("", "", "", "stock image:", "new!", "vintage", "free download -", "lol", "wow,", "throwback:")
-SUFFIXES = ("", "", "", "#art", "#design", "stock photo", "hd wallpaper", "via instagram", "made with love",
-            "illustration", "free vector", "on sale now", "from my collection", "for kids")
+SUFFIXES = (
+    "",
+    "",
+    "",
+    "#art",
+    "#design",
+    "stock photo",
+    "hd wallpaper",
+    "via instagram",
+    "made with love",
+    "illustration",
+    "free vector",
+    "on sale now",
+    "from my collection",
+    "for kids",
+)
 
 
 def object_phrase(spec: ItemSpec, rng: np.random.Generator) -> str:
@@ -87,9 +107,12 @@ def write_caption(spec: ItemSpec, rng: np.random.Generator) -> str:
     template = pool[int(rng.integers(len(pool)))]
     style = STYLE_PHRASES[spec.style]
     pos = POSITION_PHRASES[spec.position]
-    text = template.format(obj=object_phrase(spec, rng),
-                           pos=pos[int(rng.integers(len(pos)))],
-                           style=style[int(rng.integers(len(style)))], style_word=STYLE_WORDS[spec.style])
+    text = template.format(
+        obj=object_phrase(spec, rng),
+        pos=pos[int(rng.integers(len(pos)))],
+        style=style[int(rng.integers(len(style)))],
+        style_word=STYLE_WORDS[spec.style],
+    )
     prefix = PREFIXES[int(rng.integers(len(PREFIXES)))]
     suffix = SUFFIXES[int(rng.integers(len(SUFFIXES)))]
     return " ".join(p for p in (prefix, text, suffix) if p)

@@ -15,6 +15,7 @@ text prompt and a visual prompt can then each gain on base, as CoOp and VPT do o
 All accuracies are top-1 percent on the test images (40 per class).
 Run with ``python -m gram_world captures --weights FILE [--captures c1 c2 ...] [--out FILE]``.
 """
+
 from __future__ import annotations
 
 import time
@@ -34,13 +35,14 @@ from .probe import TEMPLATE, coop_fit, linear_probe, vpt_fit
 from .render import CAPTURES
 from .settings import WorldSettings
 
-SPLIT_SIZES = (("train", 32), ("val", 8), ("test", 40))   # images per base class
-SCAN_STREAM = 900      # random-stream ids 900 + 10 * plan index + split index (never used by the world)
+SPLIT_SIZES = (("train", 32), ("val", 8), ("test", 40))  # images per base class
+SCAN_STREAM = 900  # random-stream ids 900 + 10 * plan index + split index (never used by the world)
 COLUMNS = ("zeroshot", "probe", "coop", "vpt")
 
 
-def render_base_classes(settings: WorldSettings, split_sizes=SPLIT_SIZES
-                        ) -> dict[str, tuple[list[str], dict[str, tuple[np.ndarray, np.ndarray]]]]:
+def render_base_classes(
+    settings: WorldSettings, split_sizes=SPLIT_SIZES
+) -> dict[str, tuple[list[str], dict[str, tuple[np.ndarray, np.ndarray]]]]:
     """``{plan name: (base class names, {split: (uint8 images [N, S, S, 3], labels [N])})}`` for every
     base-to-new plan, rendered without any capture condition (CoOp's base half: the first half of
     the sorted class names)."""
@@ -53,15 +55,19 @@ def render_base_classes(settings: WorldSettings, split_sizes=SPLIT_SIZES
         splits = {}
         for split_index, (split, per_class) in enumerate(split_sizes):
             stream = SCAN_STREAM + 10 * index + split_index
-            images = [make_labelled(settings, stream, label * per_class + k, name, plan.styles)[0]
-                      for label, name in enumerate(base) for k in range(per_class)]
+            images = [
+                make_labelled(settings, stream, label * per_class + k, name, plan.styles)[0]
+                for label, name in enumerate(base)
+                for k in range(per_class)
+            ]
             splits[split] = (np.stack(images), np.repeat(np.arange(len(base)), per_class))
         out[plan.name] = (base, splits)
     return out
 
 
-def scan_condition(clip, dims, tokenizer, rendered: dict, condition: str, vpt_lr: float = 0.01,
-                   vpt_epochs: int = 30) -> dict:
+def scan_condition(
+    clip, dims, tokenizer, rendered: dict, condition: str, vpt_lr: float = 0.01, vpt_epochs: int = 30
+) -> dict:
     """``{plan name: {column: accuracy %}, ..., "average": {...}}`` for one capture ``condition``."""
     apply = CAPTURES[condition]
     rows = {}
@@ -72,17 +78,26 @@ def scan_condition(clip, dims, tokenizer, rendered: dict, condition: str, vpt_lr
         test_x, test_y = feats["test"]
         coop = coop_fit(clip, dims, classes, feats["train"], feats["test"])
         vpt = vpt_fit(clip, dims, classes, images["train"], images["test"], lr=vpt_lr, epochs=vpt_epochs)
-        rows[name] = {"zeroshot": 100.0 * float(((test_x @ text.T).argmax(1) == test_y).mean()),
-                      "probe": linear_probe(feats["train"], feats["val"], feats["test"])["accuracy"],
-                      "coop": coop["accuracy"], "coop_train": coop["train_accuracy"],
-                      "vpt": vpt["accuracy"], "vpt_train": vpt["train_accuracy"]}
+        rows[name] = {
+            "zeroshot": 100.0 * float(((test_x @ text.T).argmax(1) == test_y).mean()),
+            "probe": linear_probe(feats["train"], feats["val"], feats["test"])["accuracy"],
+            "coop": coop["accuracy"],
+            "coop_train": coop["train_accuracy"],
+            "vpt": vpt["accuracy"],
+            "vpt_train": vpt["train_accuracy"],
+        }
     keys = next(iter(rows.values())).keys()
     rows["average"] = {k: float(np.mean([r[k] for r in rows.values()])) for k in keys}
     return rows
 
 
-def scan_captures(weights: Optional[Path], conditions: Sequence[str] = (), settings: Optional[WorldSettings] = None,
-                  model_name: str = WORLD_MODEL, log: Callable[[str], None] = print) -> dict:
+def scan_captures(
+    weights: Optional[Path],
+    conditions: Sequence[str] = (),
+    settings: Optional[WorldSettings] = None,
+    model_name: str = WORLD_MODEL,
+    log: Callable[[str], None] = print,
+) -> dict:
     """:func:`scan_condition` for every condition (default: all of :data:`CAPTURES`).
 
     ``weights=None`` scans a randomly initialised CLIP (tests).  Returns ``{condition: rows}``.
@@ -110,10 +125,14 @@ def scan_captures(weights: Optional[Path], conditions: Sequence[str] = (), setti
 
 def scan_table(result: dict) -> str:
     """Markdown table: average over the datasets per condition, and each fit's gain over zero-shot."""
-    lines = ["| capture | zero-shot | probe, all train | CoOp fit | VPT fit | CoOp - zero-shot | VPT - zero-shot |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| capture | zero-shot | probe, all train | CoOp fit | VPT fit | CoOp - zero-shot | VPT - zero-shot |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for condition, rows in result.items():
         a = rows["average"]
-        lines.append(f"| {condition} | {a['zeroshot']:.1f} | {a['probe']:.1f} | {a['coop']:.1f} | {a['vpt']:.1f} | "
-                     f"{a['coop'] - a['zeroshot']:+.1f} | {a['vpt'] - a['zeroshot']:+.1f} |")
+        lines.append(
+            f"| {condition} | {a['zeroshot']:.1f} | {a['probe']:.1f} | {a['coop']:.1f} | {a['vpt']:.1f} | "
+            f"{a['coop'] - a['zeroshot']:+.1f} | {a['vpt'] - a['zeroshot']:+.1f} |"
+        )
     return "\n".join(lines)

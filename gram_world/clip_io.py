@@ -5,6 +5,7 @@ Images go into the model exactly as open_clip's eval transform would feed a
 ``ToTensor`` then ``Normalize(OPENAI_DATASET_MEAN, OPENAI_DATASET_STD)`` -
 the same mean/std CoOp's Dassl configs use for CLIP.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -53,7 +54,7 @@ def encode_text_trimmed(clip: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     several times cheaper.  ``tokens``: ``[B, 77]`` int -> features ``[B, embed_dim]``
     (unnormalised).  A test checks equality with ``clip.encode_text``.
     """
-    eot_pos = tokens.argmax(dim=-1)                 # EOT has the largest id in CLIP's vocabulary
+    eot_pos = tokens.argmax(dim=-1)  # EOT has the largest id in CLIP's vocabulary
     length = int(eot_pos.max()) + 1
     t = tokens[:, :length]
     cast = clip.transformer.get_cast_dtype()
@@ -63,8 +64,9 @@ def encode_text_trimmed(clip: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def class_text_features(clip: nn.Module, tokenizer, classnames: Sequence[str],
-                        template: str = DEFAULT_TEMPLATE) -> torch.Tensor:
+def class_text_features(
+    clip: nn.Module, tokenizer, classnames: Sequence[str], template: str = DEFAULT_TEMPLATE
+) -> torch.Tensor:
     """L2-normalised text features ``[C, embed_dim]`` of one prompt per class."""
     tokens = tokenizer([template.format(c) for c in classnames])
     return F.normalize(clip.encode_text(tokens), dim=-1)
@@ -73,6 +75,8 @@ def class_text_features(clip: nn.Module, tokenizer, classnames: Sequence[str],
 @torch.no_grad()
 def image_features(clip: nn.Module, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
     """L2-normalised image features ``[N, embed_dim]`` of uint8 images ``[N, S, S, 3]``."""
-    out = [F.normalize(clip.encode_image(to_model_input(images[i:i + batch_size])), dim=-1)
-           for i in range(0, len(images), batch_size)]
+    out = [
+        F.normalize(clip.encode_image(to_model_input(images[i : i + batch_size])), dim=-1)
+        for i in range(0, len(images), batch_size)
+    ]
     return torch.cat(out)

@@ -6,6 +6,7 @@ pair, describes another spec).  Every item has its own numpy generator seeded
 by ``(world seed, corpus id, item index)``, so an item does not depend on how
 many items precede it and corpora drawn from different ids never share a stream.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -39,10 +40,15 @@ STYLES: dict[str, str] = {
 # Object radius in pixels of a 32-px image, per size word (scaled for other sides).
 SIZE_RADIUS = {"small": 7.0, "medium": 10.0, "large": 13.5}
 POSITIONS = ("center", "top left", "top right", "bottom left", "bottom right")
-_POSITION_OFFSET = {"center": (0, 0), "top left": (-1, -1), "top right": (1, -1),
-                    "bottom left": (-1, 1), "bottom right": (1, 1)}
-COUNT_PROBS = (0.85, 0.1, 0.05)          # one, two, three objects
-SIZE_PROBS = (0.15, 0.35, 0.5)           # small, medium, large (single objects)
+_POSITION_OFFSET = {
+    "center": (0, 0),
+    "top left": (-1, -1),
+    "top right": (1, -1),
+    "bottom left": (-1, 1),
+    "bottom right": (1, 1),
+}
+COUNT_PROBS = (0.85, 0.1, 0.05)  # one, two, three objects
+SIZE_PROBS = (0.15, 0.35, 0.5)  # small, medium, large (single objects)
 
 
 @dataclass(frozen=True)
@@ -53,9 +59,9 @@ class ItemSpec:
     family: str
     style: str
     colour: str
-    size: str        # small | medium | large (always "small" when count > 1)
-    count: int       # 1..3 copies of the object
-    position: str    # one of POSITIONS, or "scattered" when count > 1
+    size: str  # small | medium | large (always "small" when count > 1)
+    count: int  # 1..3 copies of the object
+    position: str  # one of POSITIONS, or "scattered" when count > 1
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -66,8 +72,9 @@ def item_rng(seed: int, corpus_id: int, index: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([int(seed), int(corpus_id), int(index)]))
 
 
-def sample_spec(rng: np.random.Generator, categories: Sequence[str], styles: Sequence[str],
-                category: str | None = None) -> ItemSpec:
+def sample_spec(
+    rng: np.random.Generator, categories: Sequence[str], styles: Sequence[str], category: str | None = None
+) -> ItemSpec:
     """Draw category (unless given), style and attributes uniformly / by the fixed priors above."""
     if category is None:
         category = categories[int(rng.integers(len(categories)))]

@@ -10,6 +10,7 @@ Build folders (``.<name>.partial-<pid>-<hex>``) carry their writer's process id 
 ``<folder>/.building`` while the writer lives: :func:`partial_is_stale` says when such a folder's writer is gone
 (no process with that id, or the id reused by a process that does not hold the lock).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -29,7 +30,7 @@ except ImportError:  # pragma: no cover - Windows: liveness by process id only
     fcntl = None
 
 POLL_SECONDS = 0.5
-PR_SET_PDEATHSIG = 1       # linux/prctl.h
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 LOCK_NAME = ".building"
 _PARTIAL_RE = re.compile(r"^\.(?P<name>.+)\.partial-(?P<pid>\d+)-(?P<tag>[0-9a-f]+)$")
 
@@ -45,8 +46,9 @@ def _watch(parent_pid: int, poll_seconds: float) -> None:
             os._exit(1)
 
 
-def die_with_parent(parent_pid: int, initializer: Optional[Callable] = None, initargs: tuple = (),
-                    poll_seconds: float = POLL_SECONDS) -> None:
+def die_with_parent(
+    parent_pid: int, initializer: Optional[Callable] = None, initargs: tuple = (), poll_seconds: float = POLL_SECONDS
+) -> None:
     """Make this (worker) process end when process ``parent_pid`` dies, then run ``initializer(*initargs)``.
 
     Use as a pool's initializer with ``initargs=(os.getpid(), ...)`` taken in the parent.
@@ -57,7 +59,7 @@ def die_with_parent(parent_pid: int, initializer: Optional[Callable] = None, ini
             libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
         except (OSError, AttributeError):  # no libc symbol: the watch thread alone
             pass
-    if _parent_gone(parent_pid):   # the parent died before the request above was in place
+    if _parent_gone(parent_pid):  # the parent died before the request above was in place
         os._exit(1)
     threading.Thread(target=_watch, args=(parent_pid, poll_seconds), name="parent-death-watch", daemon=True).start()
     if initializer is not None:
@@ -99,15 +101,15 @@ def partial_is_stale(folder: Path) -> bool:
     """True when ``folder`` (named by :func:`partial_name`) has no living writer."""
     m = _PARTIAL_RE.match(folder.name)
     if m is None:
-        return False   # not ours to judge (another naming, e.g. an older build): left alone
+        return False  # not ours to judge (another naming, e.g. an older build): left alone
     if not _pid_alive(int(m["pid"])):
         return True
     lock = folder / LOCK_NAME
     if fcntl is None or not lock.is_file():
-        return False   # a live process with that id, still creating the folder (or no locks here)
+        return False  # a live process with that id, still creating the folder (or no locks here)
     try:
         with open(lock, "r") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)   # acquired: nobody holds it, the id was reused
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)  # acquired: nobody holds it, the id was reused
         return True
     except OSError:
         return False

@@ -22,6 +22,7 @@ that price, and per second of pretraining 8-px patches learn shape faster.
 
 The trials behind these values, and what was tried and dropped: ``docs/world_pretraining.md``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -58,10 +59,10 @@ class PretrainSettings:
     warmup_fraction: float = 0.05
     max_shift: int = 2
     seed: int = 0
-    max_images: int = 0      # 0 = the whole corpus; >0 trains on the first N pairs (tests)
-    text_frozen_fraction: float = 0.0   # first part of training with the text tower locked at init
+    max_images: int = 0  # 0 = the whole corpus; >0 trains on the first N pairs (tests)
+    text_frozen_fraction: float = 0.0  # first part of training with the text tower locked at init
     bow_weight: float = 0.0  # weight of the caption bag-of-words auxiliary loss (0 = pure CLIP)
-    bow_min_count: int = 5   # words rarer than this in the corpus are not predicted
+    bow_min_count: int = 5  # words rarer than this in the corpus are not predicted
 
     def checksum(self, world_hash: str, model_config: dict | None = None) -> str:
         """12 hex digits naming the weights: these settings, the world and the model config.
@@ -86,8 +87,8 @@ def _shift(images: torch.Tensor, max_shift: int, gen: torch.Generator) -> torch.
     b, _, s, _ = images.shape
     padded = F.pad(images, (max_shift,) * 4, mode="replicate")
     dx, dy = (torch.randint(0, 2 * max_shift + 1, (b,), generator=gen) for _ in range(2))
-    rows = (dy.view(b, 1) + torch.arange(s).view(1, s))                      # [B, S]
-    cols = (dx.view(b, 1) + torch.arange(s).view(1, s))
+    rows = dy.view(b, 1) + torch.arange(s).view(1, s)  # [B, S]
+    cols = dx.view(b, 1) + torch.arange(s).view(1, s)
     idx_b = torch.arange(b).view(b, 1, 1)
     return padded.permute(0, 2, 3, 1)[idx_b, rows.view(b, s, 1), cols.view(b, 1, s)].permute(0, 3, 1, 2)
 
@@ -95,8 +96,9 @@ def _shift(images: torch.Tensor, max_shift: int, gen: torch.Generator) -> torch.
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        exclude = p.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name \
-            or "embedding" in name
+        exclude = (
+            p.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name or "embedding" in name
+        )
         (no_decay if exclude else decay).append(p)
     return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
 
@@ -146,8 +148,13 @@ def load_pretrain_corpus(world: WorldPaths, max_images: int = 0) -> tuple[torch.
     return torch.from_numpy(np.array(images[:n])), captions[:n]
 
 
-def pretrain_clip(world: WorldPaths, quick: bool = False, settings: PretrainSettings | None = None,
-                  force: bool = False, on_step: Callable[[int, torch.nn.Module], None] | None = None) -> Path:
+def pretrain_clip(
+    world: WorldPaths,
+    quick: bool = False,
+    settings: PretrainSettings | None = None,
+    force: bool = False,
+    on_step: Callable[[int, torch.nn.Module], None] | None = None,
+) -> Path:
     """Train the tiny CLIP on ``world``'s pretraining corpus (cached) and return the weights file.
 
     A JSON sidecar (same stem) records the settings, loss curve and wall time.
@@ -166,9 +173,9 @@ def pretrain_clip(world: WorldPaths, quick: bool = False, settings: PretrainSett
     model.train()
     tokenizer = open_clip.get_tokenizer(s.model_name)
     images, captions = load_pretrain_corpus(world, s.max_images)
-    tokens = tokenizer(captions)                                         # [N, 77]
+    tokens = tokenizer(captions)  # [N, 77]
     n = len(images)
-    steps_per_epoch = max(1, n // s.batch_size)                          # drop the last partial batch
+    steps_per_epoch = max(1, n // s.batch_size)  # drop the last partial batch
     total = steps_per_epoch * s.epochs
     warmup = max(1, int(s.warmup_fraction * total))
     # Auxiliary: predict the caption's words from the image embedding (a linear head that is
@@ -183,7 +190,11 @@ def pretrain_clip(world: WorldPaths, quick: bool = False, settings: PretrainSett
         groups.append({"params": list(bow_head.parameters()), "weight_decay": 0.0})
     opt = torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, 0.98), eps=1e-6)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda k: (k + 1) / warmup if k < warmup else 0.5 * (1 + math.cos(math.pi * (k - warmup) / max(1, total - warmup))))
+        opt,
+        lambda k: (
+            (k + 1) / warmup if k < warmup else 0.5 * (1 + math.cos(math.pi * (k - warmup) / max(1, total - warmup)))
+        ),
+    )
     loss_fn = ClipLoss()
     losses: list[float] = []
     frozen_steps = int(s.text_frozen_fraction * total)
@@ -193,7 +204,7 @@ def pretrain_clip(world: WorldPaths, quick: bool = False, settings: PretrainSett
     for _epoch in range(s.epochs):
         order = torch.randperm(n, generator=gen)
         for k in range(steps_per_epoch):
-            idx = order[k * s.batch_size:(k + 1) * s.batch_size]
+            idx = order[k * s.batch_size : (k + 1) * s.batch_size]
             x = _shift(to_model_input(images[idx]), s.max_shift, gen)
             img_raw = model.encode_image(x)
             img_f = F.normalize(img_raw, dim=-1)
@@ -220,9 +231,17 @@ def pretrain_clip(world: WorldPaths, quick: bool = False, settings: PretrainSett
     tmp = out.with_suffix(".tmp")
     save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(tmp))
     tmp.rename(out)
-    log = {"settings": asdict(s), "world_hash": world.settings_hash, "images": n, "steps": total,
-           "seconds": round(seconds, 1), "bow_vocabulary": len(vocab), "loss_first": losses[0], "loss_last_20": float(np.mean(losses[-20:])),
-           "loss_curve": [round(v, 4) for v in losses[:: max(1, total // 200)]],
-           "logit_scale": float(model.logit_scale.detach().exp())}
+    log = {
+        "settings": asdict(s),
+        "world_hash": world.settings_hash,
+        "images": n,
+        "steps": total,
+        "seconds": round(seconds, 1),
+        "bow_vocabulary": len(vocab),
+        "loss_first": losses[0],
+        "loss_last_20": float(np.mean(losses[-20:])),
+        "loss_curve": [round(v, 4) for v in losses[:: max(1, total // 200)]],
+        "logit_scale": float(model.logit_scale.detach().exp()),
+    }
     out.with_suffix(".json").write_text(json.dumps(log, indent=1))
     return out

@@ -18,6 +18,7 @@ split) from ``C_GRID``.  If ``probe_*`` is near ``zeroshot``, no prompt can gain
 features are the limit.  All accuracies are top-1 percent on the base classes' test split.
 Run with ``python -m gram_world probe [--coop] [--vpt] [--quick] [--seed N] [--weights FILE]``.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -29,8 +30,8 @@ import open_clip
 import torch
 
 from meta.backbone import load_clip
-from meta.prompts import DEFAULT_TEMPLATE
 from meta.coop_data import Record
+from meta.prompts import DEFAULT_TEMPLATE
 
 from .build import WorldPaths
 from .clip_io import WORLD_MODEL, class_text_features, image_features, load_images
@@ -45,12 +46,18 @@ def _features(clip, records: Sequence[Record], cache: dict) -> tuple[np.ndarray,
     if todo:
         feats = image_features(clip, load_images([Path(p) for p in todo])).numpy()
         cache.update(zip(todo, feats))
-    return (np.stack([cache[r.impath] for r in records]).astype(np.float32),
-            np.array([r.label for r in records], dtype=np.int64))
+    return (
+        np.stack([cache[r.impath] for r in records]).astype(np.float32),
+        np.array([r.label for r in records], dtype=np.int64),
+    )
 
 
-def linear_probe(train: tuple[np.ndarray, np.ndarray], val: tuple[np.ndarray, np.ndarray],
-                 test: tuple[np.ndarray, np.ndarray], grid: Sequence[float] = C_GRID) -> dict:
+def linear_probe(
+    train: tuple[np.ndarray, np.ndarray],
+    val: tuple[np.ndarray, np.ndarray],
+    test: tuple[np.ndarray, np.ndarray],
+    grid: Sequence[float] = C_GRID,
+) -> dict:
     """Fit ``LogisticRegression`` for every C in ``grid``, keep the best on ``val``; test accuracy (%).
 
     Each split is ``(features [N, E], labels [N])``.  Returns ``{"accuracy", "C", "val_accuracy"}``.
@@ -66,13 +73,22 @@ def linear_probe(train: tuple[np.ndarray, np.ndarray], val: tuple[np.ndarray, np
         if best is None or val_acc > best[0]:
             best = (val_acc, c, model)
     val_acc, c, model = best
-    return {"accuracy": 100.0 * float((model.predict(test[0]) == test[1]).mean()), "C": c,
-            "val_accuracy": val_acc}
+    return {"accuracy": 100.0 * float((model.predict(test[0]) == test[1]).mean()), "C": c, "val_accuracy": val_acc}
 
 
-def _adam_fit(prompts, loss_fn, classnames: Sequence[str], input_key: str, x: torch.Tensor, y: torch.Tensor,
-              epochs: int, lr: float, batch_size: int, gen: torch.Generator,
-              after_epoch: Optional[Callable[[], None]] = None) -> None:
+def _adam_fit(
+    prompts,
+    loss_fn,
+    classnames: Sequence[str],
+    input_key: str,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    gen: torch.Generator,
+    after_epoch: Optional[Callable[[], None]] = None,
+) -> None:
     """Fit the trainable tensors of ``prompts`` with Adam: ``epochs`` shuffled passes over ``x``
     (``[N, ...]`` cached ``features`` or model-input ``images``, as ``input_key`` says) in batches."""
     opt = torch.optim.Adam([p for p in prompts.parameters() if p.requires_grad], lr=lr)
@@ -86,9 +102,17 @@ def _adam_fit(prompts, loss_fn, classnames: Sequence[str], input_key: str, x: to
             after_epoch()
 
 
-def coop_fit(clip, dims, classnames: Sequence[str], train: tuple[np.ndarray, np.ndarray],
-             test: tuple[np.ndarray, np.ndarray], epochs: int = 50, lr: float = 0.01, batch_size: int = 32,
-             seed: int = 1) -> dict:
+def coop_fit(
+    clip,
+    dims,
+    classnames: Sequence[str],
+    train: tuple[np.ndarray, np.ndarray],
+    test: tuple[np.ndarray, np.ndarray],
+    epochs: int = 50,
+    lr: float = 0.01,
+    batch_size: int = 32,
+    seed: int = 1,
+) -> dict:
     """CoOp's 4 context vectors fitted with Adam on cached features; train and test accuracy (%)."""
     from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
 
@@ -96,12 +120,24 @@ def coop_fit(clip, dims, classnames: Sequence[str], train: tuple[np.ndarray, np.
     prompts = PromptParams.from_spec(PromptSpec(n_ctx_text=4), clip, dims, generator=gen)
     pclip = PromptedCLIP(clip, dims, 4)
     loss_fn = classification_loss(pclip)
-    _adam_fit(prompts, loss_fn, classnames, "features", torch.from_numpy(train[0]), torch.from_numpy(train[1]),
-              epochs, lr, batch_size, gen)
+    _adam_fit(
+        prompts,
+        loss_fn,
+        classnames,
+        "features",
+        torch.from_numpy(train[0]),
+        torch.from_numpy(train[1]),
+        epochs,
+        lr,
+        batch_size,
+        gen,
+    )
     with torch.no_grad():
         text = pclip.text_features(prompts, list(classnames))
-        acc = {name: 100.0 * float(((torch.from_numpy(f) @ text.T).argmax(1).numpy() == lab).mean())
-               for name, (f, lab) in (("train", train), ("test", test))}
+        acc = {
+            name: 100.0 * float(((torch.from_numpy(f) @ text.T).argmax(1).numpy() == lab).mean())
+            for name, (f, lab) in (("train", train), ("test", test))
+        }
     return {"accuracy": acc["test"], "train_accuracy": acc["train"], "epochs": epochs, "lr": lr}
 
 
@@ -110,9 +146,19 @@ def _images(records: Sequence[Record]) -> tuple[torch.Tensor, np.ndarray]:
     return load_images([Path(r.impath) for r in records]), np.array([r.label for r in records], dtype=np.int64)
 
 
-def vpt_fit(clip, dims, classnames: Sequence[str], train: tuple[torch.Tensor, np.ndarray],
-            test: tuple[torch.Tensor, np.ndarray], n_tokens: int = 4, vpt_init: str = "patch_mean",
-            epochs: int = 30, lr: float = 0.01, batch_size: int = 32, seed: int = 1) -> dict:
+def vpt_fit(
+    clip,
+    dims,
+    classnames: Sequence[str],
+    train: tuple[torch.Tensor, np.ndarray],
+    test: tuple[torch.Tensor, np.ndarray],
+    n_tokens: int = 4,
+    vpt_init: str = "patch_mean",
+    epochs: int = 30,
+    lr: float = 0.01,
+    batch_size: int = 32,
+    seed: int = 1,
+) -> dict:
     """VPT's shallow visual tokens fitted with Adam on every train image (no augmentation), the text
     side fixed to :data:`TEMPLATE`: the reach of a visual prompt through this image tower.
 
@@ -135,16 +181,42 @@ def vpt_fit(clip, dims, classnames: Sequence[str], train: tuple[torch.Tensor, np
         return 100.0 * float((logits.argmax(1).numpy() == labels).mean())
 
     train_curve = [accuracy(*train)]
-    _adam_fit(prompts, loss_fn, classnames, "images", to_model_input(train[0]), torch.from_numpy(train[1]),
-              epochs, lr, batch_size, gen, after_epoch=lambda: train_curve.append(accuracy(*train)))
+    _adam_fit(
+        prompts,
+        loss_fn,
+        classnames,
+        "images",
+        to_model_input(train[0]),
+        torch.from_numpy(train[1]),
+        epochs,
+        lr,
+        batch_size,
+        gen,
+        after_epoch=lambda: train_curve.append(accuracy(*train)),
+    )
     best_train = max(train_curve)
-    return {"accuracy": accuracy(*test), "train_accuracy": accuracy(*train), "best_train_accuracy": best_train,
-            "epochs": epochs, "lr": lr, "n_tokens": n_tokens, "vpt_init": vpt_init}
+    return {
+        "accuracy": accuracy(*test),
+        "train_accuracy": accuracy(*train),
+        "best_train_accuracy": best_train,
+        "epochs": epochs,
+        "lr": lr,
+        "n_tokens": n_tokens,
+        "vpt_init": vpt_init,
+    }
 
 
-def probe_world(world: WorldPaths, weights: Optional[Path], model_name: str = WORLD_MODEL,
-                seeds: Sequence[int] = (1, 2, 3), shots: int = 16, with_coop: bool = False,
-                datasets: Sequence[str] = (), log: Callable[[str], None] = print, with_vpt: bool = False) -> dict:
+def probe_world(
+    world: WorldPaths,
+    weights: Optional[Path],
+    model_name: str = WORLD_MODEL,
+    seeds: Sequence[int] = (1, 2, 3),
+    shots: int = 16,
+    with_coop: bool = False,
+    datasets: Sequence[str] = (),
+    log: Callable[[str], None] = print,
+    with_vpt: bool = False,
+) -> dict:
     """``{dataset: {"zeroshot", "probe_all", "probe_16", ["coop_fit"], ["vpt_fit"], "n_base", ...}}``.
 
     ``weights=None`` probes random weights.  Accuracies in percent on the base test split.
@@ -153,13 +225,23 @@ def probe_world(world: WorldPaths, weights: Optional[Path], model_name: str = WO
         warnings.simplefilter("ignore")
         clip, dims = load_clip(model_name, pretrained=str(weights) if weights is not None else None)
     clip.eval()
-    return probe_model(world, clip, dims, open_clip.get_tokenizer(model_name), seeds, shots, with_coop, datasets, log,
-                       with_vpt)
+    return probe_model(
+        world, clip, dims, open_clip.get_tokenizer(model_name), seeds, shots, with_coop, datasets, log, with_vpt
+    )
 
 
-def probe_model(world: WorldPaths, clip, dims, tokenizer, seeds: Sequence[int] = (1, 2, 3), shots: int = 16,
-                with_coop: bool = False, datasets: Sequence[str] = (),
-                log: Callable[[str], None] = print, with_vpt: bool = False) -> dict:
+def probe_model(
+    world: WorldPaths,
+    clip,
+    dims,
+    tokenizer,
+    seeds: Sequence[int] = (1, 2, 3),
+    shots: int = 16,
+    with_coop: bool = False,
+    datasets: Sequence[str] = (),
+    log: Callable[[str], None] = print,
+    with_vpt: bool = False,
+) -> dict:
     """:func:`probe_world` for an in-memory CLIP in eval mode (e.g. during pretraining trials)."""
     from meta.evaluation import DatasetRef
 
@@ -171,35 +253,53 @@ def probe_model(world: WorldPaths, clip, dims, tokenizer, seeds: Sequence[int] =
         cache: dict = {}
         train, val, test = (_features(clip, recs, cache) for recs in (full.train, full.val, full.test))
         text = class_text_features(clip, tokenizer, full.classnames, TEMPLATE).numpy()
-        row = {"n_base": len(full.classnames), "n_train": len(full.train), "n_val": len(full.val),
-               "n_test": len(full.test),
-               "zeroshot": 100.0 * float(((test[0] @ text.T).argmax(1) == test[1]).mean()),
-               "zeroshot_val": 100.0 * float(((val[0] @ text.T).argmax(1) == val[1]).mean()),
-               "probe_all": linear_probe(train, val, test)}
+        row = {
+            "n_base": len(full.classnames),
+            "n_train": len(full.train),
+            "n_val": len(full.val),
+            "n_test": len(full.test),
+            "zeroshot": 100.0 * float(((test[0] @ text.T).argmax(1) == test[1]).mean()),
+            "zeroshot_val": 100.0 * float(((val[0] @ text.T).argmax(1) == val[1]).mean()),
+            "probe_all": linear_probe(train, val, test),
+        }
         few = []
         for seed in seeds:
             sample = ref.load(shots, seed, "base", use_cache=False, log=lambda m: None)
             few.append(linear_probe(_features(clip, sample.train, cache), val, test))
-        row["probe_16"] = {"accuracy": float(np.mean([f["accuracy"] for f in few])),
-                           "per_seed": [f["accuracy"] for f in few], "C": [f["C"] for f in few]}
+        row["probe_16"] = {
+            "accuracy": float(np.mean([f["accuracy"] for f in few])),
+            "per_seed": [f["accuracy"] for f in few],
+            "C": [f["C"] for f in few],
+        }
         if with_coop:
             row["coop_fit"] = coop_fit(clip, dims, full.classnames, train, test)
         if with_vpt:
             row["vpt_fit"] = vpt_fit(clip, dims, full.classnames, _images(full.train), _images(full.test))
         out[name] = row
-        log(f"{name:14s} zero-shot {row['zeroshot']:5.1f}  probe all {row['probe_all']['accuracy']:5.1f}  "
+        log(
+            f"{name:14s} zero-shot {row['zeroshot']:5.1f}  probe all {row['probe_all']['accuracy']:5.1f}  "
             f"probe {shots}-shot {row['probe_16']['accuracy']:5.1f}"
-            + (f"  CoOp fit {row['coop_fit']['accuracy']:5.1f} (train {row['coop_fit']['train_accuracy']:5.1f})"
-               if with_coop else "")
-            + (f"  VPT fit {row['vpt_fit']['accuracy']:5.1f} (train {row['vpt_fit']['train_accuracy']:5.1f})"
-               if with_vpt else ""))
+            + (
+                f"  CoOp fit {row['coop_fit']['accuracy']:5.1f} (train {row['coop_fit']['train_accuracy']:5.1f})"
+                if with_coop
+                else ""
+            )
+            + (
+                f"  VPT fit {row['vpt_fit']['accuracy']:5.1f} (train {row['vpt_fit']['train_accuracy']:5.1f})"
+                if with_vpt
+                else ""
+            )
+        )
     return out
 
 
 def probe_table(result: dict, shots: int = 16) -> str:
     """Markdown table of :func:`probe_world`'s result, with the dataset average."""
-    fits = [(key, label) for key, label in (("coop_fit", "CoOp fit, all train"), ("vpt_fit", "VPT fit, all train"))
-            if all(key in r for r in result.values())]
+    fits = [
+        (key, label)
+        for key, label in (("coop_fit", "CoOp fit, all train"), ("vpt_fit", "VPT fit, all train"))
+        if all(key in r for r in result.values())
+    ]
     cols = ["zero-shot", "probe, all train", f"probe, {shots} shots"] + [label for _, label in fits]
     rows = []
     for name, r in result.items():

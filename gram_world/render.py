@@ -6,6 +6,7 @@ composes background, fill and outline differently and post-processes the
 result (blur, noise), so styles differ in colour statistics, contrast and
 high-frequency energy - the cues k-means on image features can pick up.
 """
+
 from __future__ import annotations
 
 import colorsys
@@ -20,8 +21,9 @@ from .shapes import CATEGORIES, Primitive
 SUPERSAMPLE = 4
 
 
-def _transform(points, cx: float, cy: float, r: float, angle: float, sx: float, sy: float,
-               jitter: np.ndarray) -> list[tuple[float, float]]:
+def _transform(
+    points, cx: float, cy: float, r: float, angle: float, sx: float, sy: float, jitter: np.ndarray
+) -> list[tuple[float, float]]:
     pts = np.asarray(points, dtype=np.float64) * (sx, sy)
     pts = pts + jitter[: len(pts)]
     c, s = math.cos(angle), math.sin(angle)
@@ -30,8 +32,9 @@ def _transform(points, cx: float, cy: float, r: float, angle: float, sx: float, 
     return list(zip((cx + r * x) * SUPERSAMPLE, (cy + r * y) * SUPERSAMPLE))
 
 
-def silhouette(spec: ItemSpec, layout: list[tuple[float, float, float]], rng: np.random.Generator,
-               side: int) -> Image.Image:
+def silhouette(
+    spec: ItemSpec, layout: list[tuple[float, float, float]], rng: np.random.Generator, side: int
+) -> Image.Image:
     """The objects' union as an 8-bit mask of side ``side * SUPERSAMPLE`` (255 = object).
 
     ``layout`` holds one ``(cx, cy, r)`` per object copy, in output pixels.
@@ -53,7 +56,7 @@ def silhouette(spec: ItemSpec, layout: list[tuple[float, float, float]], rng: np
                 width = max(2, int(round(2 * prim.width * r * SUPERSAMPLE)))
                 draw.line(pts, fill=fill, width=width, joint="curve")
                 rad = width / 2.0
-                for px, py in (pts[0], pts[-1]):   # round caps
+                for px, py in (pts[0], pts[-1]):  # round caps
                     draw.ellipse([px - rad, py - rad, px + rad, py + rad], fill=fill)
     return mask
 
@@ -128,11 +131,11 @@ def _texture(rng: np.random.Generator, side: int) -> np.ndarray:
     kind = int(rng.integers(3))
     if kind == 0:
         a = rng.uniform(0, math.pi)
-        t = (np.sin(2 * math.pi * (x * math.cos(a) + y * math.sin(a)) / period) > 0)
+        t = np.sin(2 * math.pi * (x * math.cos(a) + y * math.sin(a)) / period) > 0
     elif kind == 1:
         t = ((np.floor(x / period) + np.floor(y / period)) % 2) > 0
     else:
-        t = (np.hypot((x % period) - period / 2, (y % period) - period / 2) < period / 3.2)
+        t = np.hypot((x % period) - period / 2, (y % period) - period / 2) < period / 3.2
     t = t.astype(np.float32)[..., None]
     return c1 * (1 - t) + c2 * t
 
@@ -180,8 +183,7 @@ def _shaded(rng, side, mask, colour, layout):
     return _paint(img, alpha, fg)
 
 
-_STYLE_PAINTERS = {"shaded": _shaded, "sketch": _sketch, "noisy": _noisy,
-                   "cartoon": _cartoon, "textured": _textured}
+_STYLE_PAINTERS = {"shaded": _shaded, "sketch": _sketch, "noisy": _noisy, "cartoon": _cartoon, "textured": _textured}
 
 
 # Capture conditions of downstream datasets (none of them occurs in the pretraining corpus):
@@ -202,7 +204,7 @@ def _zoomed(img: np.ndarray, keep: float = 0.6) -> np.ndarray:
     side = img.shape[0]
     crop = int(round(side * keep))
     off = (side - crop) // 2
-    return _resized(np.ascontiguousarray(img[off:off + crop, off:off + crop]), side)
+    return _resized(np.ascontiguousarray(img[off : off + crop, off : off + crop]), side)
 
 
 def _framed(img: np.ndarray, keep: float = 0.7) -> np.ndarray:
@@ -212,7 +214,7 @@ def _framed(img: np.ndarray, keep: float = 0.7) -> np.ndarray:
     off = (side - inner) // 2
     out = np.empty_like(img)
     out[:] = FRAME_COLOUR
-    out[off:off + inner, off:off + inner] = _resized(img, inner)
+    out[off : off + inner, off : off + inner] = _resized(img, inner)
     return out
 
 
@@ -223,13 +225,13 @@ def _scaled(img: np.ndarray, gain: float, offset: float = 0.0) -> np.ndarray:
 CAPTURES = {
     "none": lambda img: img,
     "grayscale": lambda img: np.repeat(np.rint(img.mean(axis=-1, keepdims=True)), 3, axis=-1).astype(np.uint8),
-    "rotated": lambda img: np.ascontiguousarray(np.rot90(img)),     # a quarter turn anticlockwise
+    "rotated": lambda img: np.ascontiguousarray(np.rot90(img)),  # a quarter turn anticlockwise
     "negative": lambda img: 255 - img,
-    "dark": lambda img: _scaled(img, 0.35),                          # under-exposed: 35 % of the light
-    "low_contrast": lambda img: _scaled(img, 0.3, 0.7 * 128),        # 30 % contrast around mid-grey
+    "dark": lambda img: _scaled(img, 0.35),  # under-exposed: 35 % of the light
+    "low_contrast": lambda img: _scaled(img, 0.3, 0.7 * 128),  # 30 % contrast around mid-grey
     "sepia": lambda img: np.clip(img.astype(np.float32) @ SEPIA, 0, 255).astype(np.uint8),
     "solarized": lambda img: np.where(img > 128, 255 - img, img).astype(np.uint8),
-    "posterized": lambda img: (img & 0xC0) + 32,                     # 2 bits per channel
+    "posterized": lambda img: (img & 0xC0) + 32,  # 2 bits per channel
     "blurred": lambda img: np.asarray(Image.fromarray(img).filter(ImageFilter.GaussianBlur(1.2))),
     "zoomed": _zoomed,
     "framed": _framed,

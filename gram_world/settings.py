@@ -18,6 +18,7 @@ Which data goes where (the protocol decisions, documented once here):
 * Images are never shared: every item has its own random stream keyed by
   ``(seed, corpus id, index)`` and each corpus / split has its own id.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,18 +36,34 @@ GENERATOR_VERSION = "world-6"
 class DatasetPlan:
     """One downstream dataset in CoOp layout."""
 
-    name: str               # CamelCase, used in ``split_zhou_<name>.json``
-    dirname: str            # directory under ``<root>/downstream``
+    name: str  # CamelCase, used in ``split_zhou_<name>.json``
+    dirname: str  # directory under ``<root>/downstream``
     classnames: tuple[str, ...]
     styles: tuple[str, ...]
-    roles: tuple[str, ...]  # base2new | cross_domain_source | cross_domain_target | cross_dataset_source | cross_dataset_target
-    capture: str = "none"   # capture condition of every image (``render.CAPTURES``); never in pretraining
+    roles: tuple[
+        str, ...
+    ]  # base2new | cross_domain_source | cross_domain_target | cross_dataset_source | cross_dataset_target
+    capture: str = "none"  # capture condition of every image (``render.CAPTURES``); never in pretraining
 
 
 # The mixed source dataset (ImageNet's role): five classes from each of three families.
-MIXED_CLASSES = ("triangle", "square", "hexagon", "diamond", "rectangle",
-                 "circle", "ring", "crescent", "heart", "cloud",
-                 "star", "cross", "arrow", "bolt", "hourglass")
+MIXED_CLASSES = (
+    "triangle",
+    "square",
+    "hexagon",
+    "diamond",
+    "rectangle",
+    "circle",
+    "ring",
+    "crescent",
+    "heart",
+    "cloud",
+    "star",
+    "cross",
+    "arrow",
+    "bolt",
+    "hourglass",
+)
 
 
 # Capture condition of each one-family dataset.  The mixed source set keeps the web look (ImageNet's
@@ -54,33 +71,65 @@ MIXED_CLASSES = ("triangle", "square", "hexagon", "diamond", "rectangle",
 # the pretraining corpus, as EuroSAT, DTD or FGVC differ from CLIP's web data.  Without it the
 # world has no baseline regime: on the same images as pretraining, zero-shot is as good as a linear
 # probe on 32 images per class and 16-shot CoOp does not gain on base.  The four were chosen by
-# the scan of every ``render.CAPTURES`` entry (``python -m gram_world captures``, ``gram_world/capture_scan.py``): a condition must leave
+# the scan of every ``render.CAPTURES`` entry (``python -m gram_world captures``, ``gram_world/capture_scan.py``): a
+# condition must leave
 # both a text prompt (CoOp) and a visual prompt (VPT) room to fit well above zero-shot, one per kind
 # of change (colour, exposure, scale, layout); the rotations and negatives of ``world-5`` failed the
 # visual side (docs/world_baseline.md).
 FAMILY_CAPTURES = {"polygons": "grayscale", "curves": "zoomed", "symbols": "dark", "icons": "framed"}
 
 
-def default_dataset_plans(styles: tuple[str, ...], holdout_style: str,
-                          mixed_classes: tuple[str, ...] = MIXED_CLASSES) -> tuple[DatasetPlan, ...]:
+def default_dataset_plans(
+    styles: tuple[str, ...], holdout_style: str, mixed_classes: tuple[str, ...] = MIXED_CLASSES
+) -> tuple[DatasetPlan, ...]:
     """Six datasets: four one-family sets (each with its capture condition), a mixed source set and
     its held-out-style twin, named after the held-out style (``WorldMixedSketch`` for ``sketch``)."""
     seen = tuple(s for s in styles if s != holdout_style)
     fam = {f: tuple(categories_in([f])) for f in FAMILIES}
     mixed = tuple(sorted(mixed_classes))
     return (
-        DatasetPlan("WorldMixed", "world_mixed", mixed, seen,
-                    ("base2new", "cross_domain_source", "cross_dataset_source")),
-        DatasetPlan(f"WorldMixed{holdout_style.capitalize()}", f"world_mixed_{holdout_style}", mixed,
-                    (holdout_style,), ("cross_domain_target",)),
-        DatasetPlan("WorldPolygons", "world_polygons", fam["polygons"], seen, ("base2new", "cross_dataset_target"),
-                    FAMILY_CAPTURES["polygons"]),
-        DatasetPlan("WorldCurves", "world_curves", fam["curves"], seen, ("base2new", "cross_dataset_target"),
-                    FAMILY_CAPTURES["curves"]),
-        DatasetPlan("WorldSymbols", "world_symbols", fam["symbols"], seen, ("base2new", "cross_dataset_target"),
-                    FAMILY_CAPTURES["symbols"]),
-        DatasetPlan("WorldIcons", "world_icons", fam["icons"], seen, ("base2new", "cross_dataset_target"),
-                    FAMILY_CAPTURES["icons"]),
+        DatasetPlan(
+            "WorldMixed", "world_mixed", mixed, seen, ("base2new", "cross_domain_source", "cross_dataset_source")
+        ),
+        DatasetPlan(
+            f"WorldMixed{holdout_style.capitalize()}",
+            f"world_mixed_{holdout_style}",
+            mixed,
+            (holdout_style,),
+            ("cross_domain_target",),
+        ),
+        DatasetPlan(
+            "WorldPolygons",
+            "world_polygons",
+            fam["polygons"],
+            seen,
+            ("base2new", "cross_dataset_target"),
+            FAMILY_CAPTURES["polygons"],
+        ),
+        DatasetPlan(
+            "WorldCurves",
+            "world_curves",
+            fam["curves"],
+            seen,
+            ("base2new", "cross_dataset_target"),
+            FAMILY_CAPTURES["curves"],
+        ),
+        DatasetPlan(
+            "WorldSymbols",
+            "world_symbols",
+            fam["symbols"],
+            seen,
+            ("base2new", "cross_dataset_target"),
+            FAMILY_CAPTURES["symbols"],
+        ),
+        DatasetPlan(
+            "WorldIcons",
+            "world_icons",
+            fam["icons"],
+            seen,
+            ("base2new", "cross_dataset_target"),
+            FAMILY_CAPTURES["icons"],
+        ),
     )
 
 
@@ -102,7 +151,7 @@ class WorldSettings:
     train_per_class: int = 32
     val_per_class: int = 8
     test_per_class: int = 40
-    datasets: tuple[DatasetPlan, ...] = ()   # empty = default_dataset_plans(styles, holdout_style, mixed_classes)
+    datasets: tuple[DatasetPlan, ...] = ()  # empty = default_dataset_plans(styles, holdout_style, mixed_classes)
     # Classes of the mixed source dataset and its twin; empty = MIXED_CLASSES.  Hashed through the
     # dataset plans it shapes (``as_dict``), so the default world's hash does not depend on the field.
     mixed_classes: tuple[str, ...] = ()
@@ -124,19 +173,24 @@ class WorldSettings:
                 raise ValueError("WorldSettings: give mixed_classes or explicit datasets, not both")
             unknown = sorted(set(self.mixed_classes) - set(CATEGORIES))
             if unknown:
-                raise ValueError(f"WorldSettings.mixed_classes: unknown categories {unknown}; "
-                                 f"known: {sorted(CATEGORIES)}")
+                raise ValueError(
+                    f"WorldSettings.mixed_classes: unknown categories {unknown}; known: {sorted(CATEGORIES)}"
+                )
             if len(set(self.mixed_classes)) != len(self.mixed_classes) or len(self.mixed_classes) < 2:
-                raise ValueError(f"WorldSettings.mixed_classes must be >= 2 distinct categories, "
-                                 f"got {self.mixed_classes}")
+                raise ValueError(
+                    f"WorldSettings.mixed_classes must be >= 2 distinct categories, got {self.mixed_classes}"
+                )
         if self.train_per_class < 16:
-            raise ValueError(f"WorldSettings.train_per_class must be >= 16 for 16-shot sampling, got {self.train_per_class}")
+            raise ValueError(
+                f"WorldSettings.train_per_class must be >= 16 for 16-shot sampling, got {self.train_per_class}"
+            )
 
     @property
     def plans(self) -> tuple[DatasetPlan, ...]:
         """The downstream datasets: ``datasets`` if given, else the default six."""
-        return self.datasets or default_dataset_plans(self.styles, self.holdout_style,
-                                                      self.mixed_classes or MIXED_CLASSES)
+        return self.datasets or default_dataset_plans(
+            self.styles, self.holdout_style, self.mixed_classes or MIXED_CLASSES
+        )
 
     @property
     def seen_styles(self) -> tuple[str, ...]:
@@ -144,7 +198,7 @@ class WorldSettings:
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        del d["mixed_classes"]                       # its effect is in the plans below
+        del d["mixed_classes"]  # its effect is in the plans below
         d["datasets"] = [asdict(p) for p in self.plans]
         d["generator_version"] = GENERATOR_VERSION
         return d
@@ -160,5 +214,13 @@ def world_settings(quick: bool = False, seed: int = 0) -> WorldSettings:
     base = WorldSettings(seed=seed)
     if not quick:
         return base
-    return replace(base, pretrain_size=16000, chc_size=1000, chc_shard_size=500, labelled_per_class=10,
-                   train_per_class=16, val_per_class=4, test_per_class=20)
+    return replace(
+        base,
+        pretrain_size=16000,
+        chc_size=1000,
+        chc_shard_size=500,
+        labelled_per_class=10,
+        train_per_class=16,
+        val_per_class=4,
+        test_per_class=20,
+    )

@@ -9,6 +9,7 @@ Rendering (``gram_world.render``) rotates, scales and rasterises them.
 Categories are grouped in four families so that downstream datasets can own
 a family each and one family can serve as the cross-dataset target.
 """
+
 from __future__ import annotations
 
 import math
@@ -39,7 +40,7 @@ class Primitive:
 class Category:
     """A nameable object class: its caption words and its outline."""
 
-    name: str          # singular, one word, as used in class names and prompts
+    name: str  # singular, one word, as used in class names and prompts
     plural: str
     family: str
     draw: Callable[[], list[Primitive]]
@@ -53,8 +54,9 @@ def _line(points, width: float, add: bool = True) -> Primitive:
     return Primitive("line", tuple((float(x), float(y)) for x, y in points), add, float(width))
 
 
-def _ellipse(cx: float, cy: float, rx: float, ry: float, start: float = 0.0,
-             stop: float = 360.0, n: int = 40) -> list[Point]:
+def _ellipse(
+    cx: float, cy: float, rx: float, ry: float, start: float = 0.0, stop: float = 360.0, n: int = 40
+) -> list[Point]:
     """Points on an elliptic arc, angles in degrees (0 = +x, 90 = +y i.e. down)."""
     t = np.radians(np.linspace(start, stop, n, endpoint=(stop - start) < 360.0))
     return [(cx + rx * math.cos(a), cy + ry * math.sin(a)) for a in t]
@@ -114,10 +116,19 @@ CURVES = {
     "teardrop": lambda: [_poly(_ellipse(0, 0.3, 0.62, 0.62, -25.0, 205.0, 30) + [(0.0, -1.0)])],
     "semicircle": lambda: [_poly(_ellipse(0, 0.35, 1.0, 1.0, 180.0, 360.0, 30))],
     "spiral": lambda: [_line(_spiral(), 0.11)],
-    "cloud": lambda: [_poly(_ellipse(-0.5, 0.12, 0.45, 0.42)), _poly(_ellipse(0.05, -0.18, 0.55, 0.52)),
-                      _poly(_ellipse(0.55, 0.15, 0.42, 0.4)), _poly(_rect(-0.5, 0.1, 0.55, 0.55))],
-    "flower": lambda: [_poly(_ellipse(0.58 * math.cos(a), 0.58 * math.sin(a), 0.38, 0.38))
-                       for a in np.radians(np.arange(5) * 72.0 - 90.0)] + [_poly(_ellipse(0, 0, 0.4, 0.4))],
+    "cloud": lambda: [
+        _poly(_ellipse(-0.5, 0.12, 0.45, 0.42)),
+        _poly(_ellipse(0.05, -0.18, 0.55, 0.52)),
+        _poly(_ellipse(0.55, 0.15, 0.42, 0.4)),
+        _poly(_rect(-0.5, 0.1, 0.55, 0.55)),
+    ],
+    "flower": lambda: (
+        [
+            _poly(_ellipse(0.58 * math.cos(a), 0.58 * math.sin(a), 0.38, 0.38))
+            for a in np.radians(np.arange(5) * 72.0 - 90.0)
+        ]
+        + [_poly(_ellipse(0, 0, 0.4, 0.4))]
+    ),
 }
 
 # --- family: symbols --------------------------------------------------------
@@ -125,41 +136,78 @@ SYMBOLS = {
     "star": lambda: [_poly(_star(5, 0.42))],
     "cross": lambda: [_poly(_rect(-0.2, -0.95, 0.2, 0.95)), _poly(_rect(-0.95, -0.2, 0.95, 0.2))],
     "arrow": lambda: [_poly(_rect(-1.0, -0.18, 0.15, 0.18)), _poly([(0.1, -0.62), (1.0, 0.0), (0.1, 0.62)])],
-    "bolt": lambda: [_poly([(0.15, -1.0), (-0.55, 0.15), (-0.05, 0.15), (-0.3, 1.0), (0.6, -0.25),
-                            (0.1, -0.25), (0.5, -1.0)])],
+    "bolt": lambda: [
+        _poly([(0.15, -1.0), (-0.55, 0.15), (-0.05, 0.15), (-0.3, 1.0), (0.6, -0.25), (0.1, -0.25), (0.5, -1.0)])
+    ],
     "hourglass": lambda: [_poly([(-0.7, -1), (0.7, -1), (0.1, 0), (0.7, 1), (-0.7, 1), (-0.1, 0)])],
     "bowtie": lambda: [_poly([(-1, -0.7), (0, -0.1), (1, -0.7), (1, 0.7), (0, 0.1), (-1, 0.7)])],
     "chevron": lambda: [_line([(-0.85, -0.45), (0.0, 0.45), (0.85, -0.45)], 0.2)],
-    "asterisk": lambda: [_line([(0.95 * math.cos(a), 0.95 * math.sin(a)), (-0.95 * math.cos(a), -0.95 * math.sin(a))], 0.12)
-                         for a in np.radians([90.0, 30.0, 150.0])],
+    "asterisk": lambda: [
+        _line([(0.95 * math.cos(a), 0.95 * math.sin(a)), (-0.95 * math.cos(a), -0.95 * math.sin(a))], 0.12)
+        for a in np.radians([90.0, 30.0, 150.0])
+    ],
     "checkmark": lambda: [_line([(-0.8, 0.0), (-0.25, 0.6), (0.85, -0.7)], 0.17)],
     "zigzag": lambda: [_line([(-1, 0.4), (-0.5, -0.4), (0, 0.4), (0.5, -0.4), (1, 0.4)], 0.13)],
 }
 
 # --- family: icons ----------------------------------------------------------
 ICONS = {
-    "house": lambda: [_poly(_rect(-0.68, -0.1, 0.68, 0.9)), _poly([(-0.95, -0.05), (0, -0.95), (0.95, -0.05)]),
-                      _poly(_rect(-0.16, 0.38, 0.16, 0.9), add=False)],
+    "house": lambda: [
+        _poly(_rect(-0.68, -0.1, 0.68, 0.9)),
+        _poly([(-0.95, -0.05), (0, -0.95), (0.95, -0.05)]),
+        _poly(_rect(-0.16, 0.38, 0.16, 0.9), add=False),
+    ],
     "tree": lambda: [_poly([(0, -1.0), (0.78, 0.45), (-0.78, 0.45)]), _poly(_rect(-0.15, 0.4, 0.15, 1.0))],
-    "key": lambda: [_poly(_ellipse(-0.55, 0, 0.42, 0.42)), _poly(_ellipse(-0.55, 0, 0.2, 0.2), add=False),
-                    _poly(_rect(-0.18, -0.1, 1.0, 0.1)), _poly(_rect(0.58, 0.05, 0.72, 0.38)),
-                    _poly(_rect(0.82, 0.05, 0.96, 0.3))],
-    "umbrella": lambda: [_poly(_ellipse(0, 0.05, 1.0, 0.85, 180.0, 360.0, 30)),
-                         _line([(0, 0.0), (0, 0.75), (-0.12, 0.9), (-0.3, 0.78)], 0.07)],
+    "key": lambda: [
+        _poly(_ellipse(-0.55, 0, 0.42, 0.42)),
+        _poly(_ellipse(-0.55, 0, 0.2, 0.2), add=False),
+        _poly(_rect(-0.18, -0.1, 1.0, 0.1)),
+        _poly(_rect(0.58, 0.05, 0.72, 0.38)),
+        _poly(_rect(0.82, 0.05, 0.96, 0.3)),
+    ],
+    "umbrella": lambda: [
+        _poly(_ellipse(0, 0.05, 1.0, 0.85, 180.0, 360.0, 30)),
+        _line([(0, 0.0), (0, 0.75), (-0.12, 0.9), (-0.3, 0.78)], 0.07),
+    ],
     "mushroom": lambda: [_poly(_ellipse(0, 0.0, 0.95, 0.8, 180.0, 360.0, 30)), _poly(_rect(-0.25, -0.05, 0.25, 0.9))],
-    "bell": lambda: [_poly([(-0.2, -0.85), (0.2, -0.85), (0.5, -0.35), (0.58, 0.35), (0.9, 0.62),
-                            (-0.9, 0.62), (-0.58, 0.35), (-0.5, -0.35)]), _poly(_ellipse(0, 0.8, 0.17, 0.17))],
+    "bell": lambda: [
+        _poly(
+            [
+                (-0.2, -0.85),
+                (0.2, -0.85),
+                (0.5, -0.35),
+                (0.58, 0.35),
+                (0.9, 0.62),
+                (-0.9, 0.62),
+                (-0.58, 0.35),
+                (-0.5, -0.35),
+            ]
+        ),
+        _poly(_ellipse(0, 0.8, 0.17, 0.17)),
+    ],
     "flag": lambda: [_poly(_rect(-0.8, -1.0, -0.64, 1.0)), _poly(_rect(-0.64, -1.0, 0.85, -0.12))],
-    "cup": lambda: [_poly([(-0.62, -0.65), (0.45, -0.65), (0.35, 0.8), (-0.52, 0.8)]),
-                    _poly(_ellipse(0.55, 0.0, 0.36, 0.36)), _poly(_ellipse(0.55, 0.0, 0.18, 0.18), add=False)],
-    "boat": lambda: [_poly([(-1, 0.3), (1, 0.3), (0.65, 0.78), (-0.65, 0.78)]),
-                     _poly([(0.05, -1.0), (0.05, 0.2), (0.75, 0.2)]), _poly(_rect(-0.06, -1.0, 0.05, 0.3))],
-    "fish": lambda: [_poly(_ellipse(-0.15, 0, 0.72, 0.42)), _poly([(0.4, 0), (1.0, -0.5), (1.0, 0.5)]),
-                     _poly(_ellipse(-0.52, -0.1, 0.09, 0.09), add=False)],
+    "cup": lambda: [
+        _poly([(-0.62, -0.65), (0.45, -0.65), (0.35, 0.8), (-0.52, 0.8)]),
+        _poly(_ellipse(0.55, 0.0, 0.36, 0.36)),
+        _poly(_ellipse(0.55, 0.0, 0.18, 0.18), add=False),
+    ],
+    "boat": lambda: [
+        _poly([(-1, 0.3), (1, 0.3), (0.65, 0.78), (-0.65, 0.78)]),
+        _poly([(0.05, -1.0), (0.05, 0.2), (0.75, 0.2)]),
+        _poly(_rect(-0.06, -1.0, 0.05, 0.3)),
+    ],
+    "fish": lambda: [
+        _poly(_ellipse(-0.15, 0, 0.72, 0.42)),
+        _poly([(0.4, 0), (1.0, -0.5), (1.0, 0.5)]),
+        _poly(_ellipse(-0.52, -0.1, 0.09, 0.09), add=False),
+    ],
 }
 
 FAMILIES: dict[str, dict[str, Callable[[], list[Primitive]]]] = {
-    "polygons": POLYGONS, "curves": CURVES, "symbols": SYMBOLS, "icons": ICONS,
+    "polygons": POLYGONS,
+    "curves": CURVES,
+    "symbols": SYMBOLS,
+    "icons": ICONS,
 }
 
 _IRREGULAR_PLURALS = {"cross": "crosses", "fish": "fish"}

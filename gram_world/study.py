@@ -28,6 +28,7 @@ Cells share what does not depend on their settings: the world cache, the world's
 meta-training runs of one (meta seed, query weight), and the feature cache (symlinks inside each
 cell folder).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,10 +51,28 @@ from .demo.stages import check_settings, check_world, stage_chc, stage_eval, sta
 
 # The study's worlds: world seeds 0, 1, 2, 7 and world 13 with the noisy held-out style and the other
 # fifteen mixed classes (the five worlds of README's earlier tables).
-MIXED_13 = ("pentagon", "octagon", "trapezoid", "parallelogram", "kite", "ellipse", "teardrop", "semicircle",
-            "spiral", "flower", "bowtie", "chevron", "asterisk", "checkmark", "zigzag")
+MIXED_13 = (
+    "pentagon",
+    "octagon",
+    "trapezoid",
+    "parallelogram",
+    "kite",
+    "ellipse",
+    "teardrop",
+    "semicircle",
+    "spiral",
+    "flower",
+    "bowtie",
+    "chevron",
+    "asterisk",
+    "checkmark",
+    "zigzag",
+)
 WORLDS: dict[str, dict] = {
-    "0": {"world_seed": 0}, "1": {"world_seed": 1}, "2": {"world_seed": 2}, "7": {"world_seed": 7},
+    "0": {"world_seed": 0},
+    "1": {"world_seed": 1},
+    "2": {"world_seed": 2},
+    "7": {"world_seed": 7},
     "13v": {"world_seed": 13, "world": (("holdout_style", "noisy"), ("mixed_classes", MIXED_13))},
 }
 META_SEEDS = (0, 1)
@@ -75,8 +94,18 @@ SWEEP = {"reg_window": (1, 20), "launch": (False, True), "query_before_weight": 
 # downstream optimiser (4 class-balanced windows of the support, heavy-ball 0.9, weight decay 5e-4 as CoCoOp's
 # SGD, and α = 0.04 per window = CoCoOp's lr 0.002 × the regulation window of 20 images, the step the schedule
 # takes per window in units of the window's mean gradient); γ only and β only are the two halves of R_φ.
-UNROLL_4 = ("META.INNER_STEPS", 4, "META.INNER_SUPPORT", "split", "META.INNER_MOMENTUM", 0.9,
-            "META.INNER_WEIGHT_DECAY", 5e-4, "META.INNER_LR", 0.04)
+UNROLL_4 = (
+    "META.INNER_STEPS",
+    4,
+    "META.INNER_SUPPORT",
+    "split",
+    "META.INNER_MOMENTUM",
+    0.9,
+    "META.INNER_WEIGHT_DECAY",
+    5e-4,
+    "META.INNER_LR",
+    0.04,
+)
 REGULATOR_SWEEP: dict[str, tuple] = {
     "k1": (),
     "k4": UNROLL_4,
@@ -91,13 +120,15 @@ class Cell:
 
     world: str
     settings: DemoSettings
-    variant: str = ""            # name of the settings' meta_overrides (REGULATOR_SWEEP); "" = none
+    variant: str = ""  # name of the settings' meta_overrides (REGULATOR_SWEEP); "" = none
 
     @property
     def name(self) -> str:
         s = self.settings
-        return (f"{s.eval_split}_seed{s.meta_seed}_w{s.reg_window}_launch{int(s.launch)}"
-                f"_qbw{s.query_before_weight:g}" + (f"_{self.variant}" if self.variant else ""))
+        return (
+            f"{s.eval_split}_seed{s.meta_seed}_w{s.reg_window}_launch{int(s.launch)}"
+            f"_qbw{s.query_before_weight:g}" + (f"_{self.variant}" if self.variant else "")
+        )
 
     @property
     def meta_folder(self) -> str:
@@ -179,8 +210,9 @@ def paired_differences(cells: dict, pairs: Sequence[tuple] = PAIRS) -> dict:
     return out
 
 
-def bootstrap_interval(groups: dict, draws: int = BOOTSTRAP_DRAWS, seed: int = 0, level: float = 0.95
-                       ) -> tuple[float, float, float]:
+def bootstrap_interval(
+    groups: dict, draws: int = BOOTSTRAP_DRAWS, seed: int = 0, level: float = 0.95
+) -> tuple[float, float, float]:
     """Mean and two-level percentile bootstrap interval of the differences in ``groups`` ({group: [values]}).
 
     Each draw resamples the groups (worlds) with replacement, then the values within each drawn group,
@@ -213,12 +245,21 @@ def summarise(cells: dict, pairs: Sequence[tuple] = PAIRS) -> list[dict]:
     rows = []
     for (method, base), groups in paired_differences(cells, pairs).items():
         mean, lo, hi = bootstrap_interval(groups)
-        rows.append({"method": method, "baseline": base, "label": METHOD_BY_KEY[method].label,
-                     "baseline_label": METHOD_BY_KEY[base].label,
-                     "mean_H": mean_h(cells, method), "baseline_mean_H": mean_h(cells, base),
-                     "mean_diff_H": round(mean, 3),
-                     "ci95": [round(lo, 3), round(hi, 3)], "n": sum(len(v) for v in groups.values()),
-                     "worlds": sorted(groups), "holds": ("better" if lo > 0 else "worse" if hi < 0 else "not shown")})
+        rows.append(
+            {
+                "method": method,
+                "baseline": base,
+                "label": METHOD_BY_KEY[method].label,
+                "baseline_label": METHOD_BY_KEY[base].label,
+                "mean_H": mean_h(cells, method),
+                "baseline_mean_H": mean_h(cells, base),
+                "mean_diff_H": round(mean, 3),
+                "ci95": [round(lo, 3), round(hi, 3)],
+                "n": sum(len(v) for v in groups.values()),
+                "worlds": sorted(groups),
+                "holds": ("better" if lo > 0 else "worse" if hi < 0 else "not shown"),
+            }
+        )
     return rows
 
 
@@ -229,12 +270,15 @@ def regime(cells: dict) -> dict:
         for (key, _), (base, new, _) in table.items():
             if key in REGIME_KEYS:
                 out.setdefault(world, {}).setdefault(key, []).append((base, new))
-    return {w: {k: (float(np.mean([b for b, _ in v])), float(np.mean([n for _, n in v]))) for k, v in d.items()}
-            for w, d in sorted(out.items())}
+    return {
+        w: {k: (float(np.mean([b for b, _ in v])), float(np.mean([n for _, n in v]))) for k, v in d.items()}
+        for w, d in sorted(out.items())
+    }
 
 
 def regime_markdown(cells: dict) -> str:
     """Each world's regime (base / new of zero-shot, CoOp, VPT and the gains over zero-shot) beside the paper's."""
+
     def row(name: str, d: dict) -> str:
         parts = []
         for k in REGIME_KEYS:
@@ -245,30 +289,39 @@ def regime_markdown(cells: dict) -> str:
             gains.append(f"{d[k][0] - d['zsclip'][0]:+.2f} / {d[k][1] - d['zsclip'][1]:+.2f}" if ok else "-")
         return f"| {name} | " + " | ".join(parts + gains) + " |"
 
-    lines = ["| world | zero-shot base / new | CoOp base / new | VPT base / new | CoOp − zero-shot "
-             "| VPT − zero-shot |",
-             "| --- | --- | --- | --- | --- | --- |",
-             row("paper, Table 1a (11 datasets)", PAPER_REGIME)]
+    lines = [
+        "| world | zero-shot base / new | CoOp base / new | VPT base / new | CoOp − zero-shot | VPT − zero-shot |",
+        "| --- | --- | --- | --- | --- | --- |",
+        row("paper, Table 1a (11 datasets)", PAPER_REGIME),
+    ]
     lines += [row(f"world {w}", d) for w, d in regime(cells).items()]
     return "\n".join(lines) + "\n"
 
 
 def markdown(rows: Sequence[dict]) -> str:
-    lines = ["| method | baseline | H method / baseline | mean ΔH | 95 % interval | n (worlds) | claim |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| method | baseline | H method / baseline | mean ΔH | 95 % interval | n (worlds) | claim |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
-        lines.append(f"| {r['label']} | {r['baseline_label']} | {r['mean_H']:.2f} / {r['baseline_mean_H']:.2f} | "
-                     f"{r['mean_diff_H']:+.2f} | "
-                     f"[{r['ci95'][0]:+.2f}, {r['ci95'][1]:+.2f}] | {r['n']} ({', '.join(r['worlds'])}) | "
-                     f"{ {'better': 'holds: better', 'worse': 'holds: worse', 'not shown': 'not shown'}[r['holds']] } |")
+        lines.append(
+            f"| {r['label']} | {r['baseline_label']} | {r['mean_H']:.2f} / {r['baseline_mean_H']:.2f} | "
+            f"{r['mean_diff_H']:+.2f} | "
+            f"[{r['ci95'][0]:+.2f}, {r['ci95'][1]:+.2f}] | {r['n']} ({', '.join(r['worlds'])}) | "
+            f"{ {'better': 'holds: better', 'worse': 'holds: worse', 'not shown': 'not shown'}[r['holds']] } |"
+        )
     return "\n".join(lines) + "\n"
 
 
 # ------------------------------------------------------------------------------ commands
 def settings_record(base: DemoSettings) -> dict:
     """The switches and fine-tuning seeds a study's cells were run with (``results.json`` ``settings``)."""
-    return {"reg_window": base.reg_window, "launch": base.launch,
-            "query_before_weight": base.query_before_weight, "fine_tuning_seeds": list(base.seeds)}
+    return {
+        "reg_window": base.reg_window,
+        "launch": base.launch,
+        "query_before_weight": base.query_before_weight,
+        "fine_tuning_seeds": list(base.seeds),
+    }
 
 
 def load_cells(path: Path, base: DemoSettings) -> tuple[dict, dict]:
@@ -281,20 +334,31 @@ def load_cells(path: Path, base: DemoSettings) -> tuple[dict, dict]:
     ours = settings_record(base)
     differ = sorted(k for k in ours if theirs.get(k) != ours[k])
     if differ:
-        raise ValueError(f"{path}: written with other settings ({', '.join(f'{k} {theirs.get(k)!r} != {ours[k]!r}' for k in differ)}); "
-                         "use another --out or --resume-from")
+        raise ValueError(
+            f"{path}: written with other settings "
+            f"({', '.join(f'{k} {theirs.get(k)!r} != {ours[k]!r}' for k in differ)}); "
+            "use another --out or --resume-from"
+        )
     cells = {}
     for name, table in data.get("cells", {}).items():
         world, seed = name.rsplit("/", 1)
-        cells[(world, int(seed))] = {(key, int(fs)): tuple(v) for key, fs, v in
-                                     ((*k.rsplit("/", 1), v) for k, v in table.items())}
+        cells[(world, int(seed))] = {
+            (key, int(fs)): tuple(v) for key, fs, v in ((*k.rsplit("/", 1), v) for k, v in table.items())
+        }
     seconds = data.get("seconds_per_cell", data.get("seconds_per_cell_this_call", {}))
     kept = {f"{w}/{s}" for w, s in cells}
     return cells, {k: v for k, v in seconds.items() if k in kept}
 
 
-def study(root: Path, worlds: Sequence[str], meta_seeds: Sequence[int], base: DemoSettings,
-          world_root: Optional[Path] = None, previous: Optional[Path] = None, add_missing_rows: bool = False) -> dict:
+def study(
+    root: Path,
+    worlds: Sequence[str],
+    meta_seeds: Sequence[int],
+    base: DemoSettings,
+    world_root: Optional[Path] = None,
+    previous: Optional[Path] = None,
+    add_missing_rows: bool = False,
+) -> dict:
     """The default pipeline on test splits for every (world, meta seed), meta seed by meta seed (every
     world's first seed before any second one); ``results.json`` / ``.md`` are rewritten after every cell,
     so a stopped study leaves the summary of the cells it finished.
@@ -333,14 +397,21 @@ def study(root: Path, worlds: Sequence[str], meta_seeds: Sequence[int], base: De
 def _write_results(root: Path, cells: dict, seconds: dict, base: DemoSettings) -> dict:
     """``results.json`` and ``results.md`` for the finished ``cells``."""
     rows = summarise(cells)
-    result = {"pairs": rows, "cells": {f"{w}/{s}": {f"{k}/{fs}": list(v) for (k, fs), v in t.items()}
-                                       for (w, s), t in sorted(cells.items())},
-              "seconds_per_cell": seconds,
-              "settings": settings_record(base),
-              "bootstrap": {"draws": BOOTSTRAP_DRAWS, "levels": ["world", "meta seed x fine-tuning seed"]}}
+    result = {
+        "pairs": rows,
+        "cells": {
+            f"{w}/{s}": {f"{k}/{fs}": list(v) for (k, fs), v in t.items()} for (w, s), t in sorted(cells.items())
+        },
+        "seconds_per_cell": seconds,
+        "settings": settings_record(base),
+        "bootstrap": {"draws": BOOTSTRAP_DRAWS, "levels": ["world", "meta seed x fine-tuning seed"]},
+    }
     write_json_atomic(root / "results.json", result)
-    write_text_atomic(root / "results.md", markdown(rows) + "\nRegime (base / new accuracy, %; a world's numbers are "
-                      "means over its cells and fine-tuning seeds):\n\n" + regime_markdown(cells))
+    write_text_atomic(
+        root / "results.md",
+        markdown(rows) + "\nRegime (base / new accuracy, %; a world's numbers are "
+        "means over its cells and fine-tuning seeds):\n\n" + regime_markdown(cells),
+    )
     return result
 
 
@@ -363,31 +434,54 @@ def select(root: Path, worlds: Sequence[str], base: DemoSettings, world_root: Op
         cells = {w: t for w, (_, t) in by_world.items()}
         diffs = paired_differences(cells, tuple(BASELINE_OF.items()))
         means = {m: float(np.mean([d for v in g.values() for d in v])) for (m, _), g in diffs.items()}
-        per_world = {w: {m: round(float(np.mean(g[w])), 3) for (m, _), g in diffs.items() if w in g}
-                     for w in sorted({w for g in diffs.values() for w in g})}
-        rows.append({**combo, "name": name, "val_diff_H": {k: round(v, 3) for k, v in means.items()},
-                     "val_diff_H_per_world": per_world,
-                     "mean_val_diff_H": round(float(np.mean(list(means.values()))), 3)})
+        per_world = {
+            w: {m: round(float(np.mean(g[w])), 3) for (m, _), g in diffs.items() if w in g}
+            for w in sorted({w for g in diffs.values() for w in g})
+        }
+        rows.append(
+            {
+                **combo,
+                "name": name,
+                "val_diff_H": {k: round(v, 3) for k, v in means.items()},
+                "val_diff_H_per_world": per_world,
+                "mean_val_diff_H": round(float(np.mean(list(means.values()))), 3),
+            }
+        )
     rows.sort(key=lambda r: -r["mean_val_diff_H"])
     chosen = {k: rows[0][k] for k in SWEEP}
-    (root / "selection.json").write_text(json.dumps({"rows": rows, "chosen": chosen, "worlds": list(worlds),
-                                                     "split": "val", "seeds": list(base.seeds)}, indent=1))
-    lines = ["| window | launch | query weight | CoOp + GRAM − CoOp | VPT + GRAM − VPT | UNIGRAM − joint | mean |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    (root / "selection.json").write_text(
+        json.dumps(
+            {"rows": rows, "chosen": chosen, "worlds": list(worlds), "split": "val", "seeds": list(base.seeds)},
+            indent=1,
+        )
+    )
+    lines = [
+        "| window | launch | query weight | CoOp + GRAM − CoOp | VPT + GRAM − VPT | UNIGRAM − joint | mean |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
         d = r["val_diff_H"]
-        lines.append(f"| {r['reg_window']} | {'on' if r['launch'] else 'off'} | {r['query_before_weight']:g} | "
-                     f"{d.get('gram_coop', float('nan')):+.2f} | {d.get('gram_vpt', float('nan')):+.2f} | "
-                     f"{d.get('unigram', float('nan')):+.2f} | {r['mean_val_diff_H']:+.2f} |")
+        lines.append(
+            f"| {r['reg_window']} | {'on' if r['launch'] else 'off'} | {r['query_before_weight']:g} | "
+            f"{d.get('gram_coop', float('nan')):+.2f} | {d.get('gram_vpt', float('nan')):+.2f} | "
+            f"{d.get('unigram', float('nan')):+.2f} | {r['mean_val_diff_H']:+.2f} |"
+        )
     worlds_seen = sorted({w for r in rows for w in r["val_diff_H_per_world"]})
-    lines += ["", "Per world (mean of the three paired differences):", "",
-              "| window | launch | query weight | " + " | ".join(f"world {w}" for w in worlds_seen) + " |",
-              "| --- | --- | --- | " + " | ".join("---" for _ in worlds_seen) + " |"]
+    lines += [
+        "",
+        "Per world (mean of the three paired differences):",
+        "",
+        "| window | launch | query weight | " + " | ".join(f"world {w}" for w in worlds_seen) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in worlds_seen) + " |",
+    ]
     for r in rows:
         per = r["val_diff_H_per_world"]
         cells = [f"{np.mean(list(per[w].values())):+.2f}" if w in per else "-" for w in worlds_seen]
-        lines.append(f"| {r['reg_window']} | {'on' if r['launch'] else 'off'} | {r['query_before_weight']:g} | "
-                     + " | ".join(cells) + " |")
+        lines.append(
+            f"| {r['reg_window']} | {'on' if r['launch'] else 'off'} | {r['query_before_weight']:g} | "
+            + " | ".join(cells)
+            + " |"
+        )
     (root / "selection.md").write_text("\n".join(lines) + "\n")
     return chosen
 
@@ -396,8 +490,14 @@ def select(root: Path, worlds: Sequence[str], base: DemoSettings, world_root: Op
 TRAVEL_KEYS = ("gram_coop", "gram_vpt", "unigram", "gram_coop_reg_only", "gram_vpt_reg_only", "unigram_reg_only")
 
 
-def travel_cell(cell: Cell, root: Path, keys: Sequence[str] = TRAVEL_KEYS, seed: int = 1,
-                datasets: Optional[Sequence[str]] = None, world_root: Optional[Path] = None) -> list[dict]:
+def travel_cell(
+    cell: Cell,
+    root: Path,
+    keys: Sequence[str] = TRAVEL_KEYS,
+    seed: int = 1,
+    datasets: Optional[Sequence[str]] = None,
+    world_root: Optional[Path] = None,
+) -> list[dict]:
     """β's share of θ's travel (:class:`meta.travel.TravelSplit`) over the fine-tuning schedule of the regulated
     rows ``keys`` of ``cell`` (its cached world, CHC and meta-training; fine-tuning seed ``seed``), one record per
     (dataset, row) with the row's base / new / H of that run.  In-process, one run at a time."""
@@ -423,11 +523,29 @@ def travel_cell(cell: Cell, root: Path, keys: Sequence[str] = TRAVEL_KEYS, seed:
         for key in keys:
             row = METHOD_BY_KEY[key]
             with TravelSplit() as split:
-                rec = evaluate_base_to_new(ref, clip, dims, method_spec(row, inits.get(row.variant, ""), s),
-                                           seed=seed, shots=s.shots, train=train, session=session,
-                                           log=lambda m: None, eval_split=s.eval_split)
-            records.append({"dataset": name, "key": key, "seed": seed, "base": rec["base"], "new": rec["new"],
-                            "H": rec["H"], **{k: round(v, 6) for k, v in split.summary().items()}})
+                rec = evaluate_base_to_new(
+                    ref,
+                    clip,
+                    dims,
+                    method_spec(row, inits.get(row.variant, ""), s),
+                    seed=seed,
+                    shots=s.shots,
+                    train=train,
+                    session=session,
+                    log=lambda m: None,
+                    eval_split=s.eval_split,
+                )
+            records.append(
+                {
+                    "dataset": name,
+                    "key": key,
+                    "seed": seed,
+                    "base": rec["base"],
+                    "new": rec["new"],
+                    "H": rec["H"],
+                    **{k: round(v, 6) for k, v in split.summary().items()},
+                }
+            )
             log(f"travel {cell.world} {name} {key}: beta share {records[-1].get('beta_share', float('nan')):.3f}")
     return records
 
@@ -437,8 +555,9 @@ def travel_cell(cell: Cell, root: Path, keys: Sequence[str] = TRAVEL_KEYS, seed:
 SELECT_MARGIN_H = 0.5
 
 
-def rank_regulator_variants(per_variant: dict, reference: str = "k1", margin: float = SELECT_MARGIN_H,
-                            worlds: Sequence[str] = ()) -> dict:
+def rank_regulator_variants(
+    per_variant: dict, reference: str = "k1", margin: float = SELECT_MARGIN_H, worlds: Sequence[str] = ()
+) -> dict:
     """The written-down rule of ``select --sweep regulator`` applied to finished cells.
 
     ``per_variant``: ``{variant: {(world, meta seed): cell_h table holding the GRAM rows and their baselines}}``.
@@ -450,55 +569,92 @@ def rank_regulator_variants(per_variant: dict, reference: str = "k1", margin: fl
     rows = []
     for name, cells in per_variant.items():
         diffs = paired_differences(cells, tuple(BASELINE_OF.items()))
-        per_world = {w: {m: round(float(np.mean(g[w])), 3) for (m, _), g in diffs.items() if w in g}
-                     for w in sorted({w for g in diffs.values() for w in g})}
+        per_world = {
+            w: {m: round(float(np.mean(g[w])), 3) for (m, _), g in diffs.items() if w in g}
+            for w in sorted({w for g in diffs.values() for w in g})
+        }
         complete = {w: d for w, d in per_world.items() if len(d) == len(BASELINE_OF)}
         if not complete:
             continue
         world_means = {w: float(np.mean(list(d.values()))) for w, d in complete.items()}
-        rows.append({"variant": name, "overrides": list(REGULATOR_SWEEP.get(name, ())),
-                     "val_diff_H_per_world": complete,
-                     "mean_per_world": {w: round(v, 3) for w, v in world_means.items()},
-                     "mean_val_diff_H": round(float(np.mean(list(world_means.values()))), 3)})
+        rows.append(
+            {
+                "variant": name,
+                "overrides": list(REGULATOR_SWEEP.get(name, ())),
+                "val_diff_H_per_world": complete,
+                "mean_per_world": {w: round(v, 3) for w, v in world_means.items()},
+                "mean_val_diff_H": round(float(np.mean(list(world_means.values()))), 3),
+            }
+        )
     rows.sort(key=lambda r: -r["mean_val_diff_H"])
     chosen = reference
     ref = next((r for r in rows if r["variant"] == reference), None)
     if rows and ref is not None and rows[0]["variant"] != reference:
         shared = sorted(set(rows[0]["mean_per_world"]) & set(ref["mean_per_world"]))
         if shared:
-            gain = (np.mean([rows[0]["mean_per_world"][w] for w in shared])
-                    - np.mean([ref["mean_per_world"][w] for w in shared]))
+            gain = np.mean([rows[0]["mean_per_world"][w] for w in shared]) - np.mean(
+                [ref["mean_per_world"][w] for w in shared]
+            )
             if gain > margin:
                 chosen = rows[0]["variant"]
-    partial = bool(worlds) and any(set(worlds) - set(r["mean_per_world"]) for r in rows) or (
-        bool(worlds) and len(rows) < len(per_variant))
+    partial = (
+        bool(worlds)
+        and any(set(worlds) - set(r["mean_per_world"]) for r in rows)
+        or (bool(worlds) and len(rows) < len(per_variant))
+    )
     best = chosen
     if partial:
         chosen = reference
-    return {"rows": rows, "chosen": chosen, "best_if_complete": best, "partial": partial, "margin_H": margin,
-            "reference": reference}
+    return {
+        "rows": rows,
+        "chosen": chosen,
+        "best_if_complete": best,
+        "partial": partial,
+        "margin_H": margin,
+        "reference": reference,
+    }
 
 
 def regulator_markdown(result: dict) -> str:
     worlds = sorted({w for r in result["rows"] for w in r["val_diff_H_per_world"]})
-    lines = ["| variant | " + " | ".join(f"world {w}: CoOp / VPT / UNIGRAM (mean)" for w in worlds)
-             + " | mean over worlds |", "| --- | " + " | ".join("---" for _ in worlds) + " | --- |"]
+    lines = [
+        "| variant | "
+        + " | ".join(f"world {w}: CoOp / VPT / UNIGRAM (mean)" for w in worlds)
+        + " | mean over worlds |",
+        "| --- | " + " | ".join("---" for _ in worlds) + " | --- |",
+    ]
     for r in result["rows"]:
         cells = []
         for w in worlds:
             d = r["val_diff_H_per_world"].get(w)
-            cells.append("-" if d is None else " / ".join(f"{d.get(k, float('nan')):+.2f}" for k in SWEEP_GRAM_KEYS)
-                         + f" ({r['mean_per_world'][w]:+.2f})")
+            cells.append(
+                "-"
+                if d is None
+                else " / ".join(f"{d.get(k, float('nan')):+.2f}" for k in SWEEP_GRAM_KEYS)
+                + f" ({r['mean_per_world'][w]:+.2f})"
+            )
         lines.append(f"| {r['variant']} | " + " | ".join(cells) + f" | {r['mean_val_diff_H']:+.2f} |")
-    lines += ["", f"Chosen by the rule (beat `{result['reference']}` by more than {result['margin_H']:g} H): "
-                  f"`{result['chosen']}`" + (f" (partial sweep: no default changes; on the finished worlds the rule "
-                                             f"would pick `{result['best_if_complete']}`)" if result.get("partial")
-                                             else "")]
+    lines += [
+        "",
+        f"Chosen by the rule (beat `{result['reference']}` by more than {result['margin_H']:g} H): "
+        f"`{result['chosen']}`"
+        + (
+            f" (partial sweep: no default changes; on the finished worlds the rule "
+            f"would pick `{result['best_if_complete']}`)"
+            if result.get("partial")
+            else ""
+        ),
+    ]
     return "\n".join(lines) + "\n"
 
 
-def select_regulator(root: Path, worlds: Sequence[str], base: DemoSettings,
-                     variants: Sequence[str] = tuple(REGULATOR_SWEEP), world_root: Optional[Path] = None) -> dict:
+def select_regulator(
+    root: Path,
+    worlds: Sequence[str],
+    base: DemoSettings,
+    variants: Sequence[str] = tuple(REGULATOR_SWEEP),
+    world_root: Optional[Path] = None,
+) -> dict:
     """The validation sweep over how R_φ is meta-trained (:data:`REGULATOR_SWEEP`) at the default test-time
     switches, meta seed ``base.meta_seed``, val splits; world by world, variant by variant, rewriting
     ``selection_regulator.json`` / ``.md`` after every cell (a stopped sweep leaves what finished, and a
@@ -516,11 +672,18 @@ def select_regulator(root: Path, worlds: Sequence[str], base: DemoSettings,
             log(f"select regulator: world {world} {cell.name}")
             table = {**baseline, **cell_h(run_cell(cell, root, SWEEP_GRAM_KEYS, world_root))}
             per_variant.setdefault(name, {})[(world, ws.meta_seed)] = table
-            result = {**rank_regulator_variants(per_variant, worlds=worlds), "worlds_done": sorted({w for c in per_variant.values()
-                                                                                     for w, _ in c}),
-                      "split": "val", "seeds": list(base.seeds), "meta_seed": base.meta_seed,
-                      "cells": {f"{v}/{w}/{s}": {f"{k}/{fs}": list(x) for (k, fs), x in t.items()}
-                                for v, c in per_variant.items() for (w, s), t in c.items()}}
+            result = {
+                **rank_regulator_variants(per_variant, worlds=worlds),
+                "worlds_done": sorted({w for c in per_variant.values() for w, _ in c}),
+                "split": "val",
+                "seeds": list(base.seeds),
+                "meta_seed": base.meta_seed,
+                "cells": {
+                    f"{v}/{w}/{s}": {f"{k}/{fs}": list(x) for (k, fs), x in t.items()}
+                    for v, c in per_variant.items()
+                    for (w, s), t in c.items()
+                },
+            }
             write_json_atomic(root / "selection_regulator.json", result)
             write_text_atomic(root / "selection_regulator.md", regulator_markdown(result))
     return result
@@ -531,24 +694,44 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("command", choices=("run", "select", "travel"))
     parser.add_argument("--worlds", nargs="+", default=list(WORLDS), help=f"study worlds ({', '.join(WORLDS)})")
     parser.add_argument("--meta-seeds", type=int, nargs="+", default=list(META_SEEDS))
-    parser.add_argument("--seeds", type=int, nargs="+", help="fine-tuning seeds (default: the demo's 1 2 3; "
-                        "select: 1 2)")
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", help="fine-tuning seeds (default: the demo's 1 2 3; select: 1 2)"
+    )
     parser.add_argument("--out", default="", help="study folder (default output/study or output/select)")
     parser.add_argument("--jobs", type=int, help="worker processes")
-    parser.add_argument("--resume-from", default="", help="run: an earlier results.json (same settings) whose "
-                        "cells are kept, not rerun (default: <out>/results.json when it exists); e.g. "
-                        "docs/study/results.json, the committed study")
-    parser.add_argument("--sweep", choices=("switches", "regulator"), default="switches",
-                        help="select: the test-time switches (window, launch, query weight) or how R_φ is "
-                        "meta-trained (REGULATOR_SWEEP, at the default switches)")
-    parser.add_argument("--variants", nargs="+", help=f"select --sweep regulator: the variants "
-                        f"(default all: {', '.join(REGULATOR_SWEEP)}); travel: the sweep variant whose cell is "
-                        "measured")
+    parser.add_argument(
+        "--resume-from",
+        default="",
+        help="run: an earlier results.json (same settings) whose "
+        "cells are kept, not rerun (default: <out>/results.json when it exists); e.g. "
+        "docs/study/results.json, the committed study",
+    )
+    parser.add_argument(
+        "--sweep",
+        choices=("switches", "regulator"),
+        default="switches",
+        help="select: the test-time switches (window, launch, query weight) or how R_φ is "
+        "meta-trained (REGULATOR_SWEEP, at the default switches)",
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        help=f"select --sweep regulator: the variants "
+        f"(default all: {', '.join(REGULATOR_SWEEP)}); travel: the sweep variant whose cell is "
+        "measured",
+    )
     parser.add_argument("--datasets", nargs="+", help="travel: base-to-new datasets (default: all of the world's)")
-    parser.add_argument("--add-missing-rows", action="store_true",
-                        help="run: cells kept from --resume-from that lack rows added since (zero-shot) run those rows")
-    parser.add_argument("--split", choices=("test", "val"), default="test",
-                        help="travel: the split of the cells whose schedules are measured (run's cells: test)")
+    parser.add_argument(
+        "--add-missing-rows",
+        action="store_true",
+        help="run: cells kept from --resume-from that lack rows added since (zero-shot) run those rows",
+    )
+    parser.add_argument(
+        "--split",
+        choices=("test", "val"),
+        default="test",
+        help="travel: the split of the cells whose schedules are measured (run's cells: test)",
+    )
     parser.add_argument("--quick", action="store_true", help="the demo's --quick settings (a smoke test)")
     parser.add_argument("--debug", action="store_true")
     return parser
@@ -569,9 +752,14 @@ def _main(argv: list) -> int:
     if args.command == "run":
         base = replace(base, seeds=tuple(args.seeds or base.seeds))
         root = Path(args.out or "output/study")
-        result = study(root, args.worlds, args.meta_seeds, base,
-                       previous=Path(args.resume_from) if args.resume_from else None,
-                       add_missing_rows=args.add_missing_rows)
+        result = study(
+            root,
+            args.worlds,
+            args.meta_seeds,
+            base,
+            previous=Path(args.resume_from) if args.resume_from else None,
+            add_missing_rows=args.add_missing_rows,
+        )
         print((root / "results.md").read_text(), end="")
         print(f"study: {len(result['cells'])} cells in {root}; this call took {time.time() - t:.0f} s")
     elif args.command == "travel":
@@ -582,7 +770,7 @@ def _main(argv: list) -> int:
             for meta_seed in args.meta_seeds:
                 settings = replace(world_settings(world, base), meta_seed=meta_seed, eval_split=args.split)
                 variant = args.variants[0] if args.variants else ""
-                if variant:    # a cell of the regulator sweep (its folder and meta-training runs)
+                if variant:  # a cell of the regulator sweep (its folder and meta-training runs)
                     if variant not in REGULATOR_SWEEP:
                         raise ValueError(f"--variants: unknown {variant}; known: {', '.join(REGULATOR_SWEEP)}")
                     settings = replace(settings, meta_overrides=REGULATOR_SWEEP[variant])
@@ -594,8 +782,10 @@ def _main(argv: list) -> int:
             shares = [r["beta_share"] for r in records if r["key"] == key and "beta_share" in r]
             proj = [r["beta_projection"] for r in records if r["key"] == key and "beta_projection" in r]
             if shares:
-                print(f"{key:<22} beta share of the travel {np.mean(shares):.3f} (projection {np.mean(proj):+.3f}), "
-                      f"{len(shares)} runs")
+                print(
+                    f"{key:<22} beta share of the travel {np.mean(shares):.3f} (projection {np.mean(proj):+.3f}), "
+                    f"{len(shares)} runs"
+                )
     elif args.sweep == "regulator":
         base = replace(base, seeds=tuple(args.seeds or base.seeds[:2]))
         root = Path(args.out or "output/select_regulator")

@@ -5,6 +5,7 @@ template CoOp and the GRAM paper use for zero-shot CLIP), cosine similarity,
 arg-max.  Test images are read from the CoOp-layout files the datasets code
 reads, not from any cache.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,19 +36,22 @@ def read_split(ds: DatasetPaths, split: str = "test") -> tuple[list[Path], torch
 
 
 @torch.no_grad()
-def dataset_accuracy(clip, tokenizer, ds: DatasetPaths, split: str = "test",
-                     template: str = TEMPLATE) -> dict:
+def dataset_accuracy(clip, tokenizer, ds: DatasetPaths, split: str = "test", template: str = TEMPLATE) -> dict:
     """Top-1 accuracy (%) of zero-shot ``clip`` on one dataset split, with chance level (%)."""
     paths, labels = read_split(ds, split)
-    text = class_text_features(clip, tokenizer, ds.classnames, template)       # [C, D]
-    pred = (image_features(clip, load_images(paths)) @ text.T).argmax(dim=-1)   # [N]
-    return {"accuracy": round(100.0 * float((pred == labels).float().mean()), 2),
-            "chance": round(100.0 / len(ds.classnames), 2), "n": len(labels),
-            "classes": len(ds.classnames)}
+    text = class_text_features(clip, tokenizer, ds.classnames, template)  # [C, D]
+    pred = (image_features(clip, load_images(paths)) @ text.T).argmax(dim=-1)  # [N]
+    return {
+        "accuracy": round(100.0 * float((pred == labels).float().mean()), 2),
+        "chance": round(100.0 / len(ds.classnames), 2),
+        "n": len(labels),
+        "classes": len(ds.classnames),
+    }
 
 
-def zeroshot_accuracy(world: WorldPaths, weights: Optional[Path], model_name: str = WORLD_MODEL,
-                      split: str = "test", save: bool = True) -> dict:
+def zeroshot_accuracy(
+    world: WorldPaths, weights: Optional[Path], model_name: str = WORLD_MODEL, split: str = "test", save: bool = True
+) -> dict:
     """``{dataset name: {"accuracy", "chance", "n", "classes"}}`` for every downstream dataset.
 
     ``weights=None`` evaluates random weights (the chance baseline).  With
@@ -64,8 +68,9 @@ def zeroshot_accuracy(world: WorldPaths, weights: Optional[Path], model_name: st
 
 
 @torch.no_grad()
-def style_clustering(world: WorldPaths, weights: Optional[Path], model_name: str = WORLD_MODEL,
-                     max_items: int = 2000, seed: int = 0) -> dict:
+def style_clustering(
+    world: WorldPaths, weights: Optional[Path], model_name: str = WORLD_MODEL, max_items: int = 2000, seed: int = 0
+) -> dict:
     """How well k-means (k = number of styles) on CLIP image features of the CHC corpus recovers styles.
 
     This is the signal CHC's visual-domain clustering relies on.  Returns the
@@ -83,5 +88,9 @@ def style_clustering(world: WorldPaths, weights: Optional[Path], model_name: str
     styles = [p["truth"]["style"] for p in pairs]
     k = len(set(styles))
     clusters = KMeans(n_clusters=k, n_init=10, random_state=seed).fit_predict(feats)
-    return {"ari": round(float(adjusted_rand_score(styles, clusters)), 3),
-            "nmi": round(float(normalized_mutual_info_score(styles, clusters)), 3), "k": k, "n": len(pairs)}
+    return {
+        "ari": round(float(adjusted_rand_score(styles, clusters)), 3),
+        "nmi": round(float(normalized_mutual_info_score(styles, clusters)), 3),
+        "k": k,
+        "n": len(pairs),
+    }

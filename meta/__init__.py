@@ -12,6 +12,7 @@ before and does not import torch, open_clip or learn2learn; each name lives in t
 :data:`_EXPORTS`.  Sub-packages (``meta.chc``, ``meta.metatrain``, ``meta.evaluation``) are imported by
 their own names.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -22,27 +23,61 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS = {
     # frozen CLIP (open_clip)
-    "load_clip": "meta.backbone", "ClipDims": "meta.backbone",
+    "load_clip": "meta.backbone",
+    "ClipDims": "meta.backbone",
     # θ: prompt learners
-    "PromptSpec": "meta.prompts", "PromptParams": "meta.prompts", "PromptedCLIP": "meta.prompts",
+    "PromptSpec": "meta.prompts",
+    "PromptParams": "meta.prompts",
+    "PromptedCLIP": "meta.prompts",
     "classification_loss": "meta.prompts",
     # φ: the gradient regulator
-    "RegulatorSpec": "meta.regulator", "GradientRegulator": "meta.regulator", "RegulatorFactory": "meta.regulator",
+    "RegulatorSpec": "meta.regulator",
+    "GradientRegulator": "meta.regulator",
+    "RegulatorFactory": "meta.regulator",
     # the bi-level meta-learner
-    "GRAMMetaLearner": "meta.gram", "MetaSpec": "meta.gram", "TaskBatch": "meta.gram",
+    "GRAMMetaLearner": "meta.gram",
+    "MetaSpec": "meta.gram",
+    "TaskBatch": "meta.gram",
     # test-time use of φ
-    "GradientRegulation": "meta.finetune", "finetune_and_score": "meta.finetune",
+    "GradientRegulation": "meta.finetune",
+    "finetune_and_score": "meta.finetune",
     # the fine-tuning engine shared by the Dassl trainers and the evaluator
-    "StartSpec": "meta.engine", "build_start": "meta.engine", "RegulatedStepper": "meta.engine",
+    "StartSpec": "meta.engine",
+    "build_start": "meta.engine",
+    "RegulatedStepper": "meta.engine",
     # init files (θ*, φ) for the trainers and stock CoOp
-    "GramInit": "meta.init_io", "InitMismatchError": "meta.init_io", "export_gram_init": "meta.init_io",
-    "load_gram_init": "meta.init_io", "export_coop_context": "meta.init_io",
+    "GramInit": "meta.init_io",
+    "InitMismatchError": "meta.init_io",
+    "export_gram_init": "meta.init_io",
+    "load_gram_init": "meta.init_io",
+    "export_coop_context": "meta.init_io",
 }
 
-__all__ = ["ClipDims", "GRAMMetaLearner", "GradientRegulation", "GradientRegulator", "GramInit", "InitMismatchError",
-           "MetaSpec", "PromptParams", "PromptSpec", "PromptedCLIP", "RegulatedStepper", "RegulatorFactory",
-           "RegulatorSpec", "StartSpec", "TaskBatch", "build_start", "classification_loss", "export_coop_context", "export_gram_init", "finetune_and_score",
-           "load_clip", "load_gram_init", "__version__"]
+__all__ = [
+    "ClipDims",
+    "GRAMMetaLearner",
+    "GradientRegulation",
+    "GradientRegulator",
+    "GramInit",
+    "InitMismatchError",
+    "MetaSpec",
+    "PromptParams",
+    "PromptSpec",
+    "PromptedCLIP",
+    "RegulatedStepper",
+    "RegulatorFactory",
+    "RegulatorSpec",
+    "StartSpec",
+    "TaskBatch",
+    "build_start",
+    "classification_loss",
+    "export_coop_context",
+    "export_gram_init",
+    "finetune_and_score",
+    "load_clip",
+    "load_gram_init",
+    "__version__",
+]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names come from __getattr__
     from meta.backbone import ClipDims, load_clip
@@ -59,7 +94,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'meta' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
-    globals()[name] = value          # later lookups skip __getattr__
+    globals()[name] = value  # later lookups skip __getattr__
     return value
 
 

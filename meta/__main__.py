@@ -9,6 +9,7 @@ Each command imports only its own modules (``meta.chc.cli``, ``meta.metatrain.cl
 every command with one ``error: <file or KEY>: ...`` line and exit status 2 (``meta.cli_errors``);
 ``--debug`` or ``GRAM_DEBUG=1`` shows the traceback instead.
 """
+
 from __future__ import annotations
 
 import sys

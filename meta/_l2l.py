@@ -3,6 +3,7 @@
 learn2learn 0.2.0 imports ``gym`` at import time, which prints a multi-line
 deprecation banner to stderr; it carries no information for GRAM users.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,6 +15,7 @@ try:
 except ImportError as err:  # pragma: no cover - exercised only on a broken install
     raise ImportError(
         f"learn2learn is not importable ({err}); run `bash scripts/setup.sh`, which builds "
-        "learn2learn 0.2.0 from its sdist for Python >= 3.11") from err
+        "learn2learn 0.2.0 from its sdist for Python >= 3.11"
+    ) from err
 
 __all__ = ["l2l"]

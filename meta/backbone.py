@@ -7,6 +7,7 @@ configs.  Nothing here ever downloads: ``pretrained`` must be ``None`` (random
 weights, with a warning), a local file, or a tag whose weights already sit in
 open_clip's cache.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,14 +41,14 @@ class ClipDims:
     """Widths and token counts of a CLIP that prompt shapes depend on."""
 
     model_name: str
-    text_width: int        # d_t, width of token embeddings / text transformer
-    vision_width: int      # d_v, width of the vision transformer tokens
-    embed_dim: int         # joint embedding width
-    context_length: int    # text tokens (77 for OpenAI CLIP)
+    text_width: int  # d_t, width of token embeddings / text transformer
+    vision_width: int  # d_v, width of the vision transformer tokens
+    embed_dim: int  # joint embedding width
+    context_length: int  # text tokens (77 for OpenAI CLIP)
     text_layers: int
     vision_layers: int
-    image_size: int        # input resolution in pixels
-    num_patches: int       # patch tokens (without CLS)
+    image_size: int  # input resolution in pixels
+    num_patches: int  # patch tokens (without CLS)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -101,14 +102,16 @@ def clip_dims(clip: nn.Module, model_name: str = "") -> ClipDims:
     if not hasattr(visual, "conv1"):
         raise TypeError(
             f"GRAM needs a CLIP with a ViT image tower (open_clip VisionTransformer); "
-            f"model {model_name!r} has {type(visual).__name__}")
+            f"model {model_name!r} has {type(visual).__name__}"
+        )
     image_size = visual.image_size
     image_size = image_size[0] if isinstance(image_size, (tuple, list)) else int(image_size)
     return ClipDims(
         model_name=model_name,
         text_width=clip.token_embedding.weight.shape[1],
         vision_width=visual.conv1.out_channels,
-        embed_dim=clip.text_projection.shape[1] if isinstance(clip.text_projection, torch.Tensor)
+        embed_dim=clip.text_projection.shape[1]
+        if isinstance(clip.text_projection, torch.Tensor)
         else clip.text_projection.out_features,
         context_length=clip.positional_embedding.shape[0],
         text_layers=len(clip.transformer.resblocks),
@@ -169,29 +172,40 @@ def load_clip(
         warnings.warn(
             f"CLIP {model_name} is built with RANDOM weights (pretrained=None); "
             f"set {config_key} to a local weights file for meaningful numbers.",
-            stacklevel=2)
-        clip = open_clip.create_model(model_name, pretrained=None, precision=oc_precision,
-                                      device=device, force_quick_gelu=bool(quick_gelu))
+            stacklevel=2,
+        )
+        clip = open_clip.create_model(
+            model_name, pretrained=None, precision=oc_precision, device=device, force_quick_gelu=bool(quick_gelu)
+        )
     else:
         looks_like_path = os.sep in pretrained or pretrained.endswith((".pt", ".pth", ".bin", ".safetensors"))
         if looks_like_path and not os.path.isfile(pretrained):
             raise FileNotFoundError(
                 f"{config_key}: CLIP weights file not found: {pretrained} "
-                f"(expected a local open_clip checkpoint or OpenAI's TorchScript .pt)")
+                f"(expected a local open_clip checkpoint or OpenAI's TorchScript .pt)"
+            )
         if looks_like_path and is_torchscript_archive(pretrained):
             if quick_gelu is False:
-                warnings.warn("OpenAI TorchScript weights were trained with QuickGELU; "
-                              "quick_gelu=False is ignored for them", stacklevel=2)
+                warnings.warn(
+                    "OpenAI TorchScript weights were trained with QuickGELU; quick_gelu=False is ignored for them",
+                    stacklevel=2,
+                )
             # open_clip rebuilds the architecture from the state dict, with QuickGELU.
             clip = open_clip.load_openai_model(pretrained, precision=oc_precision, device=device)
         else:
             if quick_gelu is None:
                 quick_gelu = model_name.endswith("-quickgelu") or pretrained == "openai"
             try:
-                clip = open_clip.create_model(model_name, pretrained=pretrained, precision=oc_precision,
-                                              device=device, force_quick_gelu=bool(quick_gelu))
+                clip = open_clip.create_model(
+                    model_name,
+                    pretrained=pretrained,
+                    precision=oc_precision,
+                    device=device,
+                    force_quick_gelu=bool(quick_gelu),
+                )
             except RuntimeError as err:
-                raise WeightsError(f"{config_key}: {pretrained!r} could not be loaded for {model_name}: "
-                                   f"{' '.join(str(err).split())}") from err
+                raise WeightsError(
+                    f"{config_key}: {pretrained!r} could not be loaded for {model_name}: {' '.join(str(err).split())}"
+                ) from err
     clip = freeze(clip)
     return clip, clip_dims(clip, model_name)

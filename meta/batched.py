@@ -21,6 +21,7 @@ Shapes (B tasks, K classes, n images per task):
 
 :func:`stack_batches` returns ``None`` when tasks differ in shape (then the sequential path runs).
 """
+
 from __future__ import annotations
 
 import logging
@@ -64,12 +65,13 @@ class StackedPrompts(nn.Module):
     def expand(cls, prompts: nn.Module, n_tasks: int) -> "StackedPrompts":
         """B views of ``prompts``' tensors (``expand``: no copy; gradients reach them summed over tasks)."""
         tensors = {name: getattr(prompts, name, None) for name in PROMPT_TENSORS}
-        return cls({n: None if t is None else t.unsqueeze(0).expand(n_tasks, *t.shape) for n, t in tensors.items()},
-                   n_tasks)
+        return cls(
+            {n: None if t is None else t.unsqueeze(0).expand(n_tasks, *t.shape) for n, t in tensors.items()}, n_tasks
+        )
 
     def task(self, b: int) -> "StackedPrompts":
         """Task b's tensors as a one-task view (for tests and diagnostics)."""
-        return StackedPrompts({n: None if t is None else t[b:b + 1] for n, t in self._parameters.items()}, 1)
+        return StackedPrompts({n: None if t is None else t[b : b + 1] for n, t in self._parameters.items()}, 1)
 
 
 def stack_batches(batches: Sequence[dict]) -> Optional[dict]:
@@ -84,13 +86,20 @@ def stack_batches(batches: Sequence[dict]) -> Optional[dict]:
     shape = tuple(first[kind].shape)
     n_cls = len(first["classnames"])
     for batch in batches:
-        if (batch.get(kind) is None or tuple(batch[kind].shape) != shape or len(batch["classnames"]) != n_cls
-                or tuple(batch["label"].shape) != tuple(first["label"].shape)):
+        if (
+            batch.get(kind) is None
+            or tuple(batch[kind].shape) != shape
+            or len(batch["classnames"]) != n_cls
+            or tuple(batch["label"].shape) != tuple(first["label"].shape)
+        ):
             return None
     values = [b[kind] for b in batches]
     stacked = torch.cat(values) if kind == "images" else torch.stack(values)
-    return {"classnames": [list(b["classnames"]) for b in batches], kind: stacked,
-            "label": torch.stack([b["label"] for b in batches])}
+    return {
+        "classnames": [list(b["classnames"]) for b in batches],
+        kind: stacked,
+        "label": torch.stack([b["label"] for b in batches]),
+    }
 
 
 def _repeat_tasks(t: Optional[torch.Tensor], times: int) -> Optional[torch.Tensor]:
@@ -102,7 +111,7 @@ def text_features(pclip: PromptedCLIP, prompts: nn.Module, classnames: Sequence[
     """``[B, K, E]`` L2-normalised class embeddings, task b's K classes with task b's text prompts."""
     n_tasks, n_cls = len(classnames), len(classnames[0])
     flat = [c for names in classnames for c in names]
-    if pclip.n_ctx_text == 0:   # the fixed template: cached per class name
+    if pclip.n_ctx_text == 0:  # the fixed template: cached per class name
         return pclip.text_features(None, flat).view(n_tasks, n_cls, -1)
     ctx, ctx_deep = text_prompts(prompts)
     if ctx is None:
@@ -136,9 +145,9 @@ def batched_classification_loss(pclip: PromptedCLIP) -> BatchedLossFn:
     """
 
     def loss_fn(prompts: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        img = image_features(pclip, prompts, batch)                               # [B, n, E]
-        text = text_features(pclip, prompts, batch["classnames"])                 # [B, K, E]
-        logits = pclip.logit_scale * torch.bmm(img, text.transpose(1, 2))         # [B, n, K]
+        img = image_features(pclip, prompts, batch)  # [B, n, E]
+        text = text_features(pclip, prompts, batch["classnames"])  # [B, K, E]
+        logits = pclip.logit_scale * torch.bmm(img, text.transpose(1, 2))  # [B, n, K]
         per_image = F.cross_entropy(logits.transpose(1, 2), batch["label"], reduction="none")  # [B, n]
         return per_image.mean(dim=1).sum(), logits
 
@@ -194,8 +203,11 @@ def accumulate(learner: Any, tasks: Sequence[Any], loss_fn: Callable) -> Optiona
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             learner.task_chunk = chunk // 2
-            log.warning("task-batched outer step out of memory with %d tasks at once: %s", chunk,
-                        f"{chunk // 2} from now on" if chunk // 2 > 1 else "sequential from now on")
+            log.warning(
+                "task-batched outer step out of memory with %d tasks at once: %s",
+                chunk,
+                f"{chunk // 2} from now on" if chunk // 2 > 1 else "sequential from now on",
+            )
 
 
 def on_accelerator(learner: Any) -> bool:
@@ -226,14 +238,18 @@ def _accumulate_chunks(learner: Any, tasks: Sequence[Any], fn: BatchedLossFn, ch
             q_loss, q_logits = fn(adapted.module, query)
         learner.backward(q_loss.float() / n_tasks)
         w = learner.spec.query_before_weight
-        if w > 0:   # before-adaptation term: reaches θ only (φ does not act before a step)
+        if w > 0:  # before-adaptation term: reaches θ only (φ does not act before a step)
             with learner.cast():
                 q_loss0, _ = fn(StackedPrompts.expand(learner.prompt_module, size), query)
             learner.backward(w * q_loss0.float() / n_tasks)
         q_acc = accuracy_t(q_logits.detach(), learner.labels_of(query))
         # losses are sums over the chunk's tasks, accuracies means over its (equal-sized) tasks
-        values = {"support_loss_before": s_losses[0], "support_acc_before": s_accs[0] * size,
-                  "query_loss_after": q_loss.detach(), "query_acc_after": q_acc * size}
+        values = {
+            "support_loss_before": s_losses[0],
+            "support_acc_before": s_accs[0] * size,
+            "query_loss_after": q_loss.detach(),
+            "query_acc_after": q_acc * size,
+        }
         for key, value in values.items():
             value = value.detach().float()
             sums[key] = value if key not in sums else sums[key] + value

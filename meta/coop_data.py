@@ -21,6 +21,7 @@ relative to the dataset folder (moving the data root keeps it valid) and a SHA-2
 records it was drawn from; when the split changed, the sample is redrawn with a message instead of
 being silently reused (CoOp pitfall: reference §8 item 13).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -163,37 +164,90 @@ def register_layout(layout: CoopLayout, replace: bool = True) -> CoopLayout:
 # scripts, the results parser and ``configs/datasets/<config_key>.yaml`` (tests check them) follow it.
 STANDARD_LAYOUTS: tuple[CoopLayout, ...] = (
     CoopLayout("ImageNet", "imagenet", "images", "imagenet", None, "imagenet", label="ImageNet"),
-    CoopLayout("Caltech101", "caltech-101", "101_ObjectCategories", "split", "split_zhou_Caltech101.json", "caltech101",
-               label="Caltech101"),
-    CoopLayout("OxfordPets", "oxford_pets", "images", "split", "split_zhou_OxfordPets.json", "oxford_pets",
-               label="OxfordPets"),
-    CoopLayout("StanfordCars", "stanford_cars", "", "split", "split_zhou_StanfordCars.json", "stanford_cars",
-               label="StanfordCars"),
-    CoopLayout("OxfordFlowers", "oxford_flowers", "jpg", "split", "split_zhou_OxfordFlowers.json", "oxford_flowers",
-               label="Flowers102"),
+    CoopLayout(
+        "Caltech101",
+        "caltech-101",
+        "101_ObjectCategories",
+        "split",
+        "split_zhou_Caltech101.json",
+        "caltech101",
+        label="Caltech101",
+    ),
+    CoopLayout(
+        "OxfordPets", "oxford_pets", "images", "split", "split_zhou_OxfordPets.json", "oxford_pets", label="OxfordPets"
+    ),
+    CoopLayout(
+        "StanfordCars",
+        "stanford_cars",
+        "",
+        "split",
+        "split_zhou_StanfordCars.json",
+        "stanford_cars",
+        label="StanfordCars",
+    ),
+    CoopLayout(
+        "OxfordFlowers",
+        "oxford_flowers",
+        "jpg",
+        "split",
+        "split_zhou_OxfordFlowers.json",
+        "oxford_flowers",
+        label="Flowers102",
+    ),
     CoopLayout("Food101", "food-101", "images", "split", "split_zhou_Food101.json", "food101", label="Food101"),
     CoopLayout("FGVCAircraft", "fgvc_aircraft", "images", "fgvc", None, "fgvc_aircraft", label="FGVCAircraft"),
     CoopLayout("SUN397", "sun397", "SUN397", "split", "split_zhou_SUN397.json", "sun397", label="SUN397"),
-    CoopLayout("DescribableTextures", "dtd", "images", "split", "split_zhou_DescribableTextures.json", "dtd",
-               label="DTD"),
+    CoopLayout(
+        "DescribableTextures", "dtd", "images", "split", "split_zhou_DescribableTextures.json", "dtd", label="DTD"
+    ),
     CoopLayout("EuroSAT", "eurosat", "2750", "split", "split_zhou_EuroSAT.json", "eurosat", label="EuroSAT"),
     CoopLayout("UCF101", "ucf101", "UCF-101-midframes", "split", "split_zhou_UCF101.json", "ucf101", label="UCF101"),
-    CoopLayout("ImageNetV2", "imagenetv2", "imagenetv2-matched-frequency-format-val", "imagenetv2", None, "imagenetv2",
-               label="ImageNetV2"),
-    CoopLayout("ImageNetSketch", "imagenet-sketch", "images", "imagenet_folders", None, "imagenet_sketch",
-               label="ImageNet-Sketch"),
-    CoopLayout("ImageNetA", "imagenet-adversarial", "imagenet-a", "imagenet_folders", None, "imagenet_a",
-               ("README.txt",), label="ImageNet-A"),
-    CoopLayout("ImageNetR", "imagenet-rendition", "imagenet-r", "imagenet_folders", None, "imagenet_r",
-               ("README.txt",), label="ImageNet-R"),
+    CoopLayout(
+        "ImageNetV2",
+        "imagenetv2",
+        "imagenetv2-matched-frequency-format-val",
+        "imagenetv2",
+        None,
+        "imagenetv2",
+        label="ImageNetV2",
+    ),
+    CoopLayout(
+        "ImageNetSketch",
+        "imagenet-sketch",
+        "images",
+        "imagenet_folders",
+        None,
+        "imagenet_sketch",
+        label="ImageNet-Sketch",
+    ),
+    CoopLayout(
+        "ImageNetA",
+        "imagenet-adversarial",
+        "imagenet-a",
+        "imagenet_folders",
+        None,
+        "imagenet_a",
+        ("README.txt",),
+        label="ImageNet-A",
+    ),
+    CoopLayout(
+        "ImageNetR",
+        "imagenet-rendition",
+        "imagenet-r",
+        "imagenet_folders",
+        None,
+        "imagenet_r",
+        ("README.txt",),
+        label="ImageNet-R",
+    ),
 )
 for _layout in STANDARD_LAYOUTS:
     register_layout(_layout)
 
 # Dataset groups of the benchmark protocols, as config keys (paper order).
 BENCHMARK_KEYS: tuple[str, ...] = tuple(x.config_key for x in STANDARD_LAYOUTS if not x.test_only)
-TRANSFER_SOURCE: str = BENCHMARK_KEYS[0]                       # ImageNet, all classes, few shots
-CROSS_DATASET_TARGETS: tuple[str, ...] = BENCHMARK_KEYS[1:]     # the other 10 benchmarks
+TRANSFER_SOURCE: str = BENCHMARK_KEYS[0]  # ImageNet, all classes, few shots
+CROSS_DATASET_TARGETS: tuple[str, ...] = BENCHMARK_KEYS[1:]  # the other 10 benchmarks
 CROSS_DOMAIN_TARGETS: tuple[str, ...] = tuple(x.config_key for x in STANDARD_LAYOUTS if x.test_only)
 STANDARD_KEYS: tuple[str, ...] = BENCHMARK_KEYS + CROSS_DOMAIN_TARGETS
 
@@ -338,7 +392,9 @@ def read_imagenet(dataset_dir: str, image_dir: str) -> dict[str, list[Record]]:
             with open(pkl, "rb") as f:
                 data = _PreprocessedUnpickler(f).load()
         except (pickle.UnpicklingError, EOFError, AttributeError) as err:
-            raise ValueError(f"{pkl}: cannot read CoOp's preprocessed ImageNet file ({err}); delete it to rescan") from None
+            raise ValueError(
+                f"{pkl}: cannot read CoOp's preprocessed ImageNet file ({err}); delete it to rescan"
+            ) from None
         out: dict[str, list[Record]] = {}
         for key in ("train", "test"):
             if key not in data:
@@ -368,9 +424,7 @@ def read_imagenet(dataset_dir: str, image_dir: str) -> dict[str, list[Record]]:
     return out
 
 
-def read_imagenet_folders(
-    dataset_dir: str, image_dir: str, ignored: Sequence[str] = ()
-) -> dict[str, list[Record]]:
+def read_imagenet_folders(dataset_dir: str, image_dir: str, ignored: Sequence[str] = ()) -> dict[str, list[Record]]:
     """ImageNet-Sketch/-A/-R (CoOp ``imagenet_sketch.py``, ``imagenet_a.py``, ``imagenet_r.py``).
 
     Class folders (WordNet ids) are sorted, minus ``ignored``; label = index among them (so A and R
@@ -418,7 +472,8 @@ def read_full_splits(root: str, layout: CoopLayout) -> dict[str, list[Record]]:
         split_path = os.path.join(dataset_dir, str(layout.split_file))
         if not os.path.isfile(split_path):  # CoOp would draw a new random split here; we refuse (comparability)
             raise FileNotFoundError(
-                f"split file not found: expected the file {split_path} (CoOp's DATASETS.md links each split_zhou_*.json)"
+                f"split file not found: expected the file {split_path} "
+                "(CoOp's DATASETS.md links each split_zhou_*.json)"
             )
         return read_split_file(split_path, image_dir)
     if layout.reader == "fgvc":
@@ -654,4 +709,3 @@ def load_coop_splits(
         return CoopSplits(train=train, val=test, test=test)
     train, val, test = subsample_classes(train, val, test, subsample=subsample)
     return CoopSplits(train=train, val=val, test=test)
-

@@ -15,6 +15,7 @@ Facts (KaiyangZhou/Dassl.pytorch ``dassl/engine/trainer.py``, ``dassl/utils/torc
   the last one;
 * the benchmark runner writes ``gram_run.txt`` (``hash``, ``mode`` train|eval, ``pid``, ``arg`` lines).
 """
+
 from __future__ import annotations
 
 import re
@@ -102,11 +103,24 @@ def last_checkpoint_epoch(run_dir: PathLike) -> Optional[int]:
                 epochs.append(int(match.group(1)))
     if not epochs:
         for path in run_dir.glob(f"*/{CHECKPOINT_PREFIX}*"):
-            suffix = path.name[len(CHECKPOINT_PREFIX):]
+            suffix = path.name[len(CHECKPOINT_PREFIX) :]
             if path.is_file() and suffix.isdigit():
                 epochs.append(int(suffix))
     return max(epochs) if epochs else None
 
 
-__all__ = ["END_SIGNAL", "ACCURACY", "CHECKPOINT_PREFIX", "LAST_POINTER", "RUN_INFO", "LOG", "LogProblem",
-           "checkpoint_name", "read_run_info", "run_mode", "read_accuracy", "log_finished", "last_checkpoint_epoch"]
+__all__ = [
+    "END_SIGNAL",
+    "ACCURACY",
+    "CHECKPOINT_PREFIX",
+    "LAST_POINTER",
+    "RUN_INFO",
+    "LOG",
+    "LogProblem",
+    "checkpoint_name",
+    "read_run_info",
+    "run_mode",
+    "read_accuracy",
+    "log_finished",
+    "last_checkpoint_epoch",
+]

@@ -11,6 +11,7 @@ FSDP documentation states the same limit).  Each rank therefore computes the exa
 its own tasks, then :func:`average_gradients` all-reduces ``.grad`` before the single optimiser step,
 as learn2learn's distributed MAML example does.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -95,7 +96,7 @@ def shard(items: Sequence, world: int, r: int) -> list:
     if len(items) % world:
         raise ValueError(f"{len(items)} items cannot be split evenly over {world} processes")
     per = len(items) // world
-    return list(items[r * per:(r + 1) * per])
+    return list(items[r * per : (r + 1) * per])
 
 
 def average_gradients(params: Iterable[torch.nn.Parameter]) -> None:
@@ -110,16 +111,18 @@ def average_gradients(params: Iterable[torch.nn.Parameter]) -> None:
     if not params:
         return
     dev = _device()
-    parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).to(dev, torch.float32)
-             for p in params]
+    parts = [
+        (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).to(dev, torch.float32)
+        for p in params
+    ]
     parts.append(torch.tensor([float(p.grad is not None) for p in params], device=dev))
     flat = torch.cat(parts)
     torch.distributed.all_reduce(flat)
     world = float(world_size())
-    present = flat[flat.numel() - len(params):].tolist()
+    present = flat[flat.numel() - len(params) :].tolist()
     offset = 0
     for p, has in zip(params, present):
-        block = flat[offset:offset + p.numel()]
+        block = flat[offset : offset + p.numel()]
         offset += p.numel()
         if has == 0.0:
             p.grad = None

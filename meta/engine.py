@@ -17,12 +17,13 @@ One front door for test-time use of GRAM, so that what ``train.py`` runs is what
 What stays with each caller: Dassl's loop, loaders and transforms (``trainers/gram``), the evaluator's
 cached features, batch order and augmented views (``meta.evaluation``).
 """
+
 from __future__ import annotations
 
 import copy
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
@@ -36,8 +37,17 @@ from .regulator import GradientRegulator
 
 
 # ------------------------------------------------------------------------------------------------ rules
-def start_rule_problems(*, vpt_init: str, reg_window: Any, template: str, has_text: bool, has_init: bool,
-                        init_prompts: bool, regulate: bool, ctx_init: str) -> list[tuple[str, str]]:
+def start_rule_problems(
+    *,
+    vpt_init: str,
+    reg_window: Any,
+    template: str,
+    has_text: bool,
+    has_init: bool,
+    init_prompts: bool,
+    regulate: bool,
+    ctx_init: str,
+) -> list[tuple[str, str]]:
     """Problems with the fields that say where fine-tuning starts, as ``(field, "must be ...")`` pairs.
 
     ``field`` is one of ``vpt_init``, ``reg_window``, ``template``, ``ctx_init`` and ``init_prompts``; the
@@ -48,16 +58,27 @@ def start_rule_problems(*, vpt_init: str, reg_window: Any, template: str, has_te
     if vpt_init not in VPT_INITS:
         problems.append(("vpt_init", f"must be one of {', '.join(VPT_INITS)}, got {vpt_init!r}"))
     if isinstance(reg_window, bool) or not isinstance(reg_window, int) or reg_window < 0:
-        problems.append(("reg_window", f"must be >= 0 images (an integer; 0 = the meta-training support size), "
-                                       f"got {reg_window!r}"))
+        problems.append(
+            ("reg_window", f"must be >= 0 images (an integer; 0 = the meta-training support size), got {reg_window!r}")
+        )
     if not has_text and "{}" not in template:
         problems.append(("template", f"must contain '{{}}' for the class name, got {template!r}"))
     if has_init and init_prompts and ctx_init and has_text:
-        problems.append(("ctx_init", "must be empty when θ* comes from the init file (both initialise the text "
-                                     "context); give only one, or take only R_φ from the file (init_prompts False)"))
+        problems.append(
+            (
+                "ctx_init",
+                "must be empty when θ* comes from the init file (both initialise the text "
+                "context); give only one, or take only R_φ from the file (init_prompts False)",
+            )
+        )
     if has_init and not (init_prompts or regulate):
-        problems.append(("init_prompts", "or regulate must be on when an init file is given: neither θ* "
-                                         "(init_prompts) nor R_φ (regulate) is taken from it"))
+        problems.append(
+            (
+                "init_prompts",
+                "or regulate must be on when an init file is given: neither θ* "
+                "(init_prompts) nor R_φ (regulate) is taken from it",
+            )
+        )
     return problems
 
 
@@ -84,8 +105,8 @@ class StartPoint:
     prompts: PromptParams
     regulators: Mapping[str, GradientRegulator] = field(default_factory=dict)
     label: str = "in_memory"
-    launch: Optional[LaunchStep] = None   # the meta-trained inner step (needed by a required launch)
-    support_size: int = 0                 # images per meta-training support set (for reg_window 0)
+    launch: Optional[LaunchStep] = None  # the meta-trained inner step (needed by a required launch)
+    support_size: int = 0  # images per meta-training support set (for reg_window 0)
 
 
 @dataclass(frozen=True)
@@ -169,10 +190,16 @@ def init_expectations(prompt: PromptSpec, dims: ClipDims) -> dict:
     """What a GRAM init file must say to fit θ of ``prompt`` on the CLIP of ``dims`` (``load_gram_init``'s
     ``expect``): widths, model, token counts, resolved depths (0 for an absent side) and coupling."""
     r = prompt.resolved(dims)
-    return {"text_width": dims.text_width, "vision_width": dims.vision_width, "model_name": dims.model_name,
-            "n_ctx_text": r.n_ctx_text, "n_ctx_vision": r.n_ctx_vision,
-            "vision_depth": r.vision_depth if r.n_ctx_vision else 0,
-            "text_depth": r.text_depth if r.n_ctx_text else 0, "coupling": r.coupling}
+    return {
+        "text_width": dims.text_width,
+        "vision_width": dims.vision_width,
+        "model_name": dims.model_name,
+        "n_ctx_text": r.n_ctx_text,
+        "n_ctx_vision": r.n_ctx_vision,
+        "vision_depth": r.vision_depth if r.n_ctx_vision else 0,
+        "text_depth": r.text_depth if r.n_ctx_text else 0,
+        "coupling": r.coupling,
+    }
 
 
 def check_start_structure(prompt: PromptSpec, dims: ClipDims, prompts: PromptParams, where: str) -> None:
@@ -182,8 +209,10 @@ def check_start_structure(prompt: PromptSpec, dims: ClipDims, prompts: PromptPar
     ctx, vpt = prompts.ctx, prompts.vpt
     n_text = want["n_ctx_text"]
     if (ctx is None) != (n_text == 0) or (ctx is not None and tuple(ctx.shape) != (n_text, dims.text_width)):
-        problems.append(f"ctx is {None if ctx is None else tuple(ctx.shape)}, method expects "
-                        f"{(n_text, dims.text_width) if n_text else None}")
+        problems.append(
+            f"ctx is {None if ctx is None else tuple(ctx.shape)}, method expects "
+            f"{(n_text, dims.text_width) if n_text else None}"
+        )
     want_vis = (want["vision_depth"], want["n_ctx_vision"], dims.vision_width) if want["n_ctx_vision"] else None
     if (None if vpt is None else tuple(vpt.shape)) != want_vis:
         problems.append(f"vpt is {None if vpt is None else tuple(vpt.shape)}, method expects {want_vis}")
@@ -194,8 +223,14 @@ def check_start_structure(prompt: PromptSpec, dims: ClipDims, prompts: PromptPar
         raise ValueError(f"{where}: start point does not fit: " + "; ".join(problems))
 
 
-def build_start(spec: StartSpec, clip: nn.Module, dims: ClipDims, generator: Optional[torch.Generator] = None,
-                point: Optional[StartPoint] = None, device: Optional[torch.device] = None) -> Start:
+def build_start(
+    spec: StartSpec,
+    clip: nn.Module,
+    dims: ClipDims,
+    generator: Optional[torch.Generator] = None,
+    point: Optional[StartPoint] = None,
+    device: Optional[torch.device] = None,
+) -> Start:
     """θ, R_φ, the window (images), the launch step and provenance at the start of fine-tuning.
 
     Scratch θ (the baselines' start, and the "R_φ only" start) is drawn first, from ``generator`` (None =
@@ -215,8 +250,9 @@ def build_start(spec: StartSpec, clip: nn.Module, dims: ClipDims, generator: Opt
     window = 1
     if point is not None:
         if from_file or spec.prompt.ctx_init:
-            raise ValueError(f"{n.where}: a start point replaces {n.key('init_path')}/{n.key('ctx_init')}; "
-                             f"give one of them")
+            raise ValueError(
+                f"{n.where}: a start point replaces {n.key('init_path')}/{n.key('ctx_init')}; give one of them"
+            )
         if spec.init_prompts:
             prompts = copy.deepcopy(point.prompts)
             for p in prompts.parameters():
@@ -229,8 +265,9 @@ def build_start(spec: StartSpec, clip: nn.Module, dims: ClipDims, generator: Opt
                 raise ValueError(f"{n.where}: {n.key('regulate')}=True but the start point has no regulators")
             regulators = dict(point.regulators)
             if spec.reg_window == 0 and point.support_size < 1:
-                raise ValueError(f"{n.where}: {n.key('reg_window')} 0 (the meta-training support size) needs "
-                                 f"StartPoint.support_size")
+                raise ValueError(
+                    f"{n.where}: {n.key('reg_window')} 0 (the meta-training support size) needs StartPoint.support_size"
+                )
             window = spec.reg_window or point.support_size
         if spec.launch and (spec.launch_required or point.launch is not None):
             if point.launch is None:
@@ -239,20 +276,27 @@ def build_start(spec: StartSpec, clip: nn.Module, dims: ClipDims, generator: Opt
         info = {"source": "in_memory" if spec.init_prompts else "scratch", "label": point.label}
     elif from_file:
         source = f"{n.full('init_path')} {spec.init_path}"
-        init = load_gram_init(spec.init_path, expect=init_expectations(spec.prompt, dims),
-                              config_key=n.full("init_path"))
+        init = load_gram_init(
+            spec.init_path, expect=init_expectations(spec.prompt, dims), config_key=n.full("init_path")
+        )
         metadata = init.metadata
         prompts = init.prompt_module() if spec.init_prompts else scratch
         if spec.regulate:
             regulators = init.regulator_modules()
             if not regulators:
-                raise ValueError(f"{n.where}: {n.key('regulate')}=True but {spec.init_path} holds no regulator φ; "
-                                 f"set {n.key('regulate')} False (θ* only)")
+                raise ValueError(
+                    f"{n.where}: {n.key('regulate')}=True but {spec.init_path} holds no regulator φ; "
+                    f"set {n.key('regulate')} False (θ* only)"
+                )
             window = resolve_window(spec.reg_window, metadata, source=source)
         if spec.launch:
             launch = launch_step_of(metadata, source=source, explicit=spec.launch_required)
-        info = {"source": "gram_file" if spec.init_prompts else "scratch", "path": str(spec.init_path),
-                "provenance": metadata.get("provenance", {}), "regulator": metadata.get("regulator")}
+        info = {
+            "source": "gram_file" if spec.init_prompts else "scratch",
+            "path": str(spec.init_path),
+            "provenance": metadata.get("provenance", {}),
+            "regulator": metadata.get("regulator"),
+        }
         if not spec.init_prompts:
             info.update(_scratch_info(spec.prompt))
     else:
@@ -262,22 +306,34 @@ def build_start(spec: StartSpec, clip: nn.Module, dims: ClipDims, generator: Opt
         prompts = scratch
         info = {"source": "words" if spec.prompt.ctx_init else "scratch", **_scratch_info(spec.prompt)}
     prompts = prompts.to(device)
-    regulation = (GradientRegulation(regulators, norm_preserve=spec.norm_preserve).to(device)
-                  if regulators else None)
+    regulation = GradientRegulation(regulators, norm_preserve=spec.norm_preserve).to(device) if regulators else None
     if launch is not None:
         info["launch"] = {"alpha": launch.alpha, "steps": launch.steps, "momentum": launch.momentum}
     if regulation is not None:
-        info["reg_window"] = window   # images per regulated step, resolved
+        info["reg_window"] = window  # images per regulated step, resolved
     info["prompt_sha256"] = prompt_digest(prompts)
     return Start(prompts, regulation, window if regulation is not None else 1, launch, info, metadata)
 
 
 def _scratch_info(prompt: PromptSpec) -> dict:
-    return {"ctx_init": prompt.ctx_init, "init_std": prompt.init_std,
-            "vpt_init": prompt.vpt_init if prompt.n_ctx_vision else ""}
+    return {
+        "ctx_init": prompt.ctx_init,
+        "init_std": prompt.init_std,
+        "vpt_init": prompt.vpt_init if prompt.n_ctx_vision else "",
+    }
 
 
-
-
-__all__ = ["StartSpec", "StartPoint", "Start", "Naming", "build_start", "RegulatedStepper", "window_batches",
-           "start_rule_problems", "init_expectations", "check_start_structure", "prompt_digest", "count_correct"]
+__all__ = [
+    "StartSpec",
+    "StartPoint",
+    "Start",
+    "Naming",
+    "build_start",
+    "RegulatedStepper",
+    "window_batches",
+    "start_rule_problems",
+    "init_expectations",
+    "check_start_structure",
+    "prompt_digest",
+    "count_correct",
+]

@@ -20,6 +20,7 @@ or mismatching init file, CLIP weights, image or split file) ends the run with o
 ``error: <file or flag>: ...`` line and exit status 2 (:mod:`meta.cli_errors`; ``--debug`` or
 ``GRAM_DEBUG=1`` shows the traceback).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,13 +33,33 @@ from typing import Optional, Sequence
 from .backbone import check_model_name, load_clip, resolve_device
 from .cli_errors import run_cli
 from .config import quick_gelu_flag
-from .evaluation import (PRESET_ALIASES, PRESET_NAMES, DatasetRef, EvaluationSession, MethodSpec, TrainSpec,
-                         evaluate_base_to_new, evaluate_transfer, is_gram_preset, method_preset, preset_key)
+from .evaluation import (
+    PRESET_ALIASES,
+    PRESET_NAMES,
+    DatasetRef,
+    EvaluationSession,
+    MethodSpec,
+    TrainSpec,
+    evaluate_base_to_new,
+    evaluate_transfer,
+    is_gram_preset,
+    method_preset,
+    preset_key,
+)
 from .evaluation.summary import format_row, summarise
 from .prompts import VPT_INITS, PromptSpec
 
-__all__ = ["DatasetRef", "EvaluationSession", "MethodSpec", "TrainSpec", "evaluate_base_to_new",
-           "evaluate_transfer", "method_preset", "PRESET_NAMES", "main"]
+__all__ = [
+    "DatasetRef",
+    "EvaluationSession",
+    "MethodSpec",
+    "TrainSpec",
+    "evaluate_base_to_new",
+    "evaluate_transfer",
+    "method_preset",
+    "PRESET_NAMES",
+    "main",
+]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,15 +71,29 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--pretrained", default="", help="local CLIP weights file or cached open_clip tag")
     common.add_argument("--quick-gelu", choices=("auto", "on", "off"), default="auto")
     common.add_argument("--device", default="cpu")
-    common.add_argument("--methods", nargs="+", default=["zsclip", "coop"],
-                        choices=PRESET_NAMES + tuple(PRESET_ALIASES))
-    common.add_argument("--init", nargs="*", default=[], metavar="[PRESET=]PATH",
-                        help="GRAM init file for the gram_* / unigram presets (PATH for all, or PRESET=PATH)")
+    common.add_argument(
+        "--methods", nargs="+", default=["zsclip", "coop"], choices=PRESET_NAMES + tuple(PRESET_ALIASES)
+    )
+    common.add_argument(
+        "--init",
+        nargs="*",
+        default=[],
+        metavar="[PRESET=]PATH",
+        help="GRAM init file for the gram_* / unigram presets (PATH for all, or PRESET=PATH)",
+    )
     common.add_argument("--ctx-init", default="", help="initialise CoOp-style text context from these words")
-    common.add_argument("--norm-preserve", choices=("auto", "on", "off"), default="auto",
-                        help="GRAM presets: rescale the regulated gradient to the raw norm (auto = as meta-trained)")
-    common.add_argument("--vpt-init", choices=VPT_INITS, default=PromptSpec.vpt_init,
-                        help="how scratch visual prompt tokens start (vpt, joint); GRAM presets use their init file")
+    common.add_argument(
+        "--norm-preserve",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="GRAM presets: rescale the regulated gradient to the raw norm (auto = as meta-trained)",
+    )
+    common.add_argument(
+        "--vpt-init",
+        choices=VPT_INITS,
+        default=PromptSpec.vpt_init,
+        help="how scratch visual prompt tokens start (vpt, joint); GRAM presets use their init file",
+    )
     common.add_argument("--vision-depth", type=int, default=1, help="layers with visual prompts (1 = shallow VPT)")
     common.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     common.add_argument("--shots", type=int, default=16)
@@ -70,11 +105,21 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--weight-decay", type=float, default=d.weight_decay)
     common.add_argument("--warmup-epochs", type=int, default=d.warmup_epochs)
     common.add_argument("--warmup-lr", type=float, default=d.warmup_lr)
-    common.add_argument("--aug-views", type=int, default=d.aug_views,
-                        help="pre-computed augmented views per train image when the image tower is frozen")
+    common.add_argument(
+        "--aug-views",
+        type=int,
+        default=d.aug_views,
+        help="pre-computed augmented views per train image when the image tower is frozen",
+    )
     common.add_argument("--no-augment", action="store_true", help="train on test-transformed images")
-    common.add_argument("--rrcrop-scale", nargs=2, type=float, default=list(d.rrcrop_scale), metavar=("LO", "HI"),
-                        help="area range of the random resized crop (the demo uses 0.5 1 on its 32-px images)")
+    common.add_argument(
+        "--rrcrop-scale",
+        nargs=2,
+        type=float,
+        default=list(d.rrcrop_scale),
+        metavar=("LO", "HI"),
+        help="area range of the random resized crop (the demo uses 0.5 1 on its 32-px images)",
+    )
     common.add_argument("--final-eval-only", action="store_true", help="skip the per-epoch test curves")
     common.add_argument("--cache-dir", default="", help="on-disk frozen-feature cache (e.g. .cache/features)")
     common.add_argument("--no-split-cache", action="store_true", help="do not read/write few-shot split caches")
@@ -82,10 +127,18 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--no-progress", action="store_true")
     common.add_argument("--debug", action="store_true", help="show tracebacks (also GRAM_DEBUG=1)")
     b2n = sub.add_parser("base2new", parents=[common], help="CoCoOp base-to-new protocol")
-    b2n.add_argument("--eval-split", choices=("test", "val"), default="test",
-                     help="score the base/new test splits (the protocol) or their few-shot val splits (model selection)")
-    b2n.add_argument("--dataset", action="append", required=True,
-                     help="dataset folder in CoOp/DTD layout, or a registered name with --root (repeatable)")
+    b2n.add_argument(
+        "--eval-split",
+        choices=("test", "val"),
+        default="test",
+        help="score the base/new test splits (the protocol) or their few-shot val splits (model selection)",
+    )
+    b2n.add_argument(
+        "--dataset",
+        action="append",
+        required=True,
+        help="dataset folder in CoOp/DTD layout, or a registered name with --root (repeatable)",
+    )
     tr = sub.add_parser("transfer", parents=[common], help="train on a source dataset, test on targets")
     tr.add_argument("--source", required=True)
     tr.add_argument("--targets", nargs="+", required=True)
@@ -124,11 +177,19 @@ def _methods(args: argparse.Namespace) -> list[MethodSpec]:
 
 
 def _train_spec(args: argparse.Namespace) -> TrainSpec:
-    return TrainSpec(epochs=args.epochs, batch_size=args.batch_size, optimizer=args.optimizer, lr=args.lr,
-                     weight_decay=args.weight_decay, warmup_epochs=args.warmup_epochs, warmup_lr=args.warmup_lr,
-                     augment="none" if args.no_augment else "coop", aug_views=args.aug_views,
-                     rrcrop_scale=tuple(args.rrcrop_scale),
-                     eval_every_epoch=not args.final_eval_only)
+    return TrainSpec(
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        warmup_epochs=args.warmup_epochs,
+        warmup_lr=args.warmup_lr,
+        augment="none" if args.no_augment else "coop",
+        aug_views=args.aug_views,
+        rrcrop_scale=tuple(args.rrcrop_scale),
+        eval_every_epoch=not args.final_eval_only,
+    )
 
 
 def _summary(record: dict) -> str:
@@ -165,12 +226,22 @@ def _main(argv: list[str]) -> int:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore" if not args.pretrained else "default")
-        clip, dims = load_clip(args.model, args.pretrained or None, device=args.device,
-                               quick_gelu=quick_gelu_flag(args.quick_gelu), config_key="--pretrained")
+        clip, dims = load_clip(
+            args.model,
+            args.pretrained or None,
+            device=args.device,
+            quick_gelu=quick_gelu_flag(args.quick_gelu),
+            config_key="--pretrained",
+        )
     if not args.pretrained:
         print("warning: --pretrained not given: CLIP has RANDOM weights, numbers are meaningless", file=sys.stderr)
-    session = EvaluationSession(clip, dims, cache_dir=args.cache_dir or None, progress=not args.no_progress,
-                                clip_info={"pretrained": os.path.abspath(args.pretrained) if args.pretrained else ""})
+    session = EvaluationSession(
+        clip,
+        dims,
+        cache_dir=args.cache_dir or None,
+        progress=not args.no_progress,
+        clip_info={"pretrained": os.path.abspath(args.pretrained) if args.pretrained else ""},
+    )
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     out = open(args.output, "a", encoding="utf-8") if args.output else None
@@ -179,13 +250,37 @@ def _main(argv: list[str]) -> int:
         for method in methods:
             for seed in args.seeds:
                 if args.command == "base2new":
-                    runs = [evaluate_base_to_new(ds, clip, dims, method, seed, args.shots, spec, session=session,
-                                                 use_split_cache=not args.no_split_cache,
-                                                 eval_split=args.eval_split) for ds in datasets]
+                    runs = [
+                        evaluate_base_to_new(
+                            ds,
+                            clip,
+                            dims,
+                            method,
+                            seed,
+                            args.shots,
+                            spec,
+                            session=session,
+                            use_split_cache=not args.no_split_cache,
+                            eval_split=args.eval_split,
+                        )
+                        for ds in datasets
+                    ]
                 else:
-                    runs = [evaluate_transfer(source, targets, clip, dims, method, seed, args.shots, spec,
-                                              session=session, use_split_cache=not args.no_split_cache,
-                                              protocol=args.protocol)]
+                    runs = [
+                        evaluate_transfer(
+                            source,
+                            targets,
+                            clip,
+                            dims,
+                            method,
+                            seed,
+                            args.shots,
+                            spec,
+                            session=session,
+                            use_split_cache=not args.no_split_cache,
+                            protocol=args.protocol,
+                        )
+                    ]
                 for record in runs:
                     records.append(record)
                     print(_summary(record), flush=True)

@@ -11,6 +11,7 @@ which :func:`clean_stale_temps` removes at the next start.
 Write errors (a full disk, a read-only folder) surface as ``OSError`` carrying the target's
 path, so a command line can report them in one line (:mod:`meta.cli_errors`).
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -20,6 +20,7 @@ Two switches make test-time use match what R_φ and θ* were meta-trained for:
   same step once, with the mean gradient over the few-shot train set and α, the step count and the
   inner momentum read from the init file, before the fine-tuning schedule starts.
 """
+
 from __future__ import annotations
 
 import copy
@@ -37,8 +38,8 @@ from .regulator import GradientRegulator
 # A window of 0 means "the meta-training support size" (:func:`resolve_window`): R_φ then sees the mean
 # gradient of as many images as the inner loop's support gave it.
 SUPPORT_WINDOW = 0
-DEFAULT_REG_WINDOW = SUPPORT_WINDOW   # val sweep, worlds 0 + 1: every W = 20 (support) setting beat every W = 1 one
-DEFAULT_LAUNCH = True                 # with W = support size, launch on was best on the mean over both worlds
+DEFAULT_REG_WINDOW = SUPPORT_WINDOW  # val sweep, worlds 0 + 1: every W = 20 (support) setting beat every W = 1 one
+DEFAULT_LAUNCH = True  # with W = support size, launch on was best on the mean over both worlds
 
 
 def support_size(metadata: Mapping, source: str = "init file") -> int:
@@ -48,8 +49,10 @@ def support_size(metadata: Mapping, source: str = "init file") -> int:
     try:
         size = int(tasks["k_way"]) * int(tasks["n_support"])
     except (KeyError, TypeError, ValueError):
-        raise ValueError(f"{source}: provenance.tasks.k_way / n_support are missing, so the regulation window "
-                         f"'support size' (0) is unknown; give the window in images (>= 1)") from None
+        raise ValueError(
+            f"{source}: provenance.tasks.k_way / n_support are missing, so the regulation window "
+            f"'support size' (0) is unknown; give the window in images (>= 1)"
+        ) from None
     if size < 1:
         raise ValueError(f"{source}: provenance.tasks gives a support of {size} images; expected >= 1")
     return size
@@ -132,8 +135,9 @@ class GradientRegulation(nn.Module):
             param.grad.copy_(self.regulators[key](param.grad / count) * count)
             raw_norm = raw.norm()
             self.stats["tensors"] += 1
-            self.stats["cos_sum"] += float(torch.nn.functional.cosine_similarity(
-                param.grad.flatten(), raw.flatten(), dim=0))
+            self.stats["cos_sum"] += float(
+                torch.nn.functional.cosine_similarity(param.grad.flatten(), raw.flatten(), dim=0)
+            )
             self.stats["norm_ratio_sum"] += float(param.grad.norm() / raw_norm.clamp_min(1e-30))
             done += 1
         return done
@@ -187,8 +191,14 @@ class RegulatedStepper:
         scaler: optional GradScaler (mixed precision).
     """
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
-                 regulation: Optional[GradientRegulation], window: int = 1, scaler=None):
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        regulation: Optional[GradientRegulation],
+        window: int = 1,
+        scaler=None,
+    ):
         self.module = module
         self.optimizer = optimizer
         self.regulation = regulation
@@ -235,10 +245,15 @@ class LaunchStep:
         """From a GRAM init file's metadata (``provenance.meta``, written by ``python -m meta train``)."""
         meta = (metadata.get("provenance") or {}).get("meta") or {}
         if "inner_lr" not in meta:
-            raise ValueError(f"{source}: provenance.meta.inner_lr is missing, so the meta-trained step cannot be "
-                             f"launched; turn the launch step off or export the file with `python -m meta export`")
-        return cls(alpha=float(meta["inner_lr"]), steps=int(meta.get("inner_steps", 1)),
-                   momentum=float(meta.get("inner_momentum", 0.0)))
+            raise ValueError(
+                f"{source}: provenance.meta.inner_lr is missing, so the meta-trained step cannot be "
+                f"launched; turn the launch step off or export the file with `python -m meta export`"
+            )
+        return cls(
+            alpha=float(meta["inner_lr"]),
+            steps=int(meta.get("inner_steps", 1)),
+            momentum=float(meta.get("inner_momentum", 0.0)),
+        )
 
 
 def launch_step_of(metadata: Mapping, source: str = "init file", explicit: bool = False) -> Optional[LaunchStep]:
@@ -247,8 +262,10 @@ def launch_step_of(metadata: Mapping, source: str = "init file", explicit: bool 
     explicitly (``explicit``)."""
     if (metadata.get("provenance") or {}).get("mode") == "pretrain":
         if explicit:
-            raise ValueError(f"{source}: made by prompt pre-training (provenance.mode pretrain), which has no "
-                             f"inner step to launch; turn the launch step off")
+            raise ValueError(
+                f"{source}: made by prompt pre-training (provenance.mode pretrain), which has no "
+                f"inner step to launch; turn the launch step off"
+            )
         return None
     return LaunchStep.from_metadata(metadata, source)
 
@@ -284,8 +301,17 @@ def launch_(prompts: nn.Module, regulation: Optional["GradientRegulation"], mean
     return first
 
 
-def finetune_and_score(prompts: nn.Module, regulation: Optional[GradientRegulation], loss_fn, support, query,
-                       steps: int, lr: float, momentum: float, labels_of=lambda b: b["label"]) -> float:
+def finetune_and_score(
+    prompts: nn.Module,
+    regulation: Optional[GradientRegulation],
+    loss_fn,
+    support,
+    query,
+    steps: int,
+    lr: float,
+    momentum: float,
+    labels_of=lambda b: b["label"],
+) -> float:
     """Query accuracy (0-1) after ``steps`` full-batch SGD steps on ``support`` from a copy of ``prompts``.
 
     Mirrors test-time use: torch SGD with ``lr`` and ``momentum`` on the prompt gradient, regulated by
@@ -297,8 +323,8 @@ def finetune_and_score(prompts: nn.Module, regulation: Optional[GradientRegulati
     for p in params:
         p.requires_grad_(True)
     optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum)
-    stepper = RegulatedStepper(theta, optimizer, regulation)   # window 1: R_φ on every step's gradient
-    optimizer.zero_grad(set_to_none=True)                      # (a copied θ may carry its gradient along)
+    stepper = RegulatedStepper(theta, optimizer, regulation)  # window 1: R_φ on every step's gradient
+    optimizer.zero_grad(set_to_none=True)  # (a copied θ may carry its gradient along)
     for _ in range(steps):
         loss, _ = loss_fn(theta, support)
         stepper.backward(loss)

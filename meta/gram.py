@@ -19,11 +19,13 @@ and is never cloned: ``GBML.clone()`` copies θ (and the small φ) per task.
 
 Memory: one backward per task (``loss_q / B``), so a task's graph is freed before
 the next is built; unless ``task_batching`` stacks the tasks into one pass (:mod:`meta.batched`: the same
-gradients, all tasks' graphs alive at once, halved on out-of-memory under ``auto``).  Second order needs a double-differentiable attention kernel:
+gradients, all tasks' graphs alive at once, halved on out-of-memory under ``auto``).  Second order needs a
+double-differentiable attention kernel:
 the CLIP blocks attend through ``F.scaled_dot_product_attention`` (:mod:`meta.blocks`), and
 the support forward runs under its MATH backend when second order (the fused CPU / flash /
 memory-efficient kernels have no double backward).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,8 +41,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import batched, precision
 from ._l2l import l2l
-from .metrics import accuracy, accuracy_t
 from .inner import SUPPORT_MODES, InnerRule, inner_loop, set_parameters_, support_windows
+from .metrics import accuracy, accuracy_t
 from .prompts import PromptParams
 from .regulator import GradientRegulator, RegulatorFactory, RegulatorSpec
 
@@ -60,23 +62,23 @@ class MetaSpec:
     """Hyper-parameters of the bi-level loop (values the paper does not give are ours)."""
 
     inner_steps: int = 1
-    inner_lr: float = 0.1          # α
+    inner_lr: float = 0.1  # α
     outer_lr_prompt: float = 2e-3  # λ1 (θ)
     outer_lr_regulator: float = 1e-3  # λ2 (φ)
-    optimizer: str = "adam"        # "adam" | "sgd"
+    optimizer: str = "adam"  # "adam" | "sgd"
     first_order: bool = False
-    grad_clip: float = 1.0         # max global norm over θ and φ; 0 = off
-    regulate: bool = True          # False = "w/o gradient regulating" ablation (raw inner gradient)
+    grad_clip: float = 1.0  # max global norm over θ and φ; 0 = off
+    regulate: bool = True  # False = "w/o gradient regulating" ablation (raw inner gradient)
     regulator: RegulatorSpec = field(default_factory=RegulatorSpec)
-    autocast: str = "none"         # none | bf16 | fp16 forward passes (CUDA; meta.precision); fp16 adds a GradScaler
-    inner_momentum: float = 0.0    # μ of heavy-ball inner SGD (test-time SGD uses 0.9); 0 = plain steps
+    autocast: str = "none"  # none | bf16 | fp16 forward passes (CUDA; meta.precision); fp16 adds a GradScaler
+    inner_momentum: float = 0.0  # μ of heavy-ball inner SGD (test-time SGD uses 0.9); 0 = plain steps
     regulator_weight_decay: float = 0.0  # L2 on φ in the outer optimiser: pulls φ to 0 = identity R_φ (residual form)
     query_before_weight: float = DEFAULT_QUERY_BEFORE_WEIGHT  # w of L_q(θ) in the outer objective (0 = Eq. 8)
     inner_weight_decay: float = 0.0  # λ of the inner SGD (added to R_φ(g), as torch SGD at test time); 0 = none
-    inner_support: str = "repeat"    # data per inner step: repeat = whole support | split = K class-balanced windows
-    trajectory_states: int = 0       # S states θ_t per task along a regulated run from θ (WarpGrad-style); 0 = off
-    trajectory_windows: int = 0      # T steps of that run (states evenly spaced over it); 0 = S (a state per step)
-    task_batching: str = "auto"    # auto | on | off: a meta-batch's tasks as one stacked pass (meta.batched)
+    inner_support: str = "repeat"  # data per inner step: repeat = whole support | split = K class-balanced windows
+    trajectory_states: int = 0  # S states θ_t per task along a regulated run from θ (WarpGrad-style); 0 = off
+    trajectory_windows: int = 0  # T steps of that run (states evenly spaced over it); 0 = S (a state per step)
+    task_batching: str = "auto"  # auto | on | off: a meta-batch's tasks as one stacked pass (meta.batched)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.inner_momentum < 1.0:
@@ -88,13 +90,16 @@ class MetaSpec:
         if self.inner_support not in SUPPORT_MODES:
             raise ValueError(f"MetaSpec.inner_support must be one of {SUPPORT_MODES}, got {self.inner_support!r}")
         if self.trajectory_states < 0 or (self.trajectory_windows and self.trajectory_windows < self.trajectory_states):
-            raise ValueError(f"MetaSpec: trajectory_windows ({self.trajectory_windows}) must be 0 or >= "
-                             f"trajectory_states ({self.trajectory_states}) >= 0")
+            raise ValueError(
+                f"MetaSpec: trajectory_windows ({self.trajectory_windows}) must be 0 or >= "
+                f"trajectory_states ({self.trajectory_states}) >= 0"
+            )
         if self.query_before_weight < 0:
             raise ValueError(f"MetaSpec.query_before_weight must be >= 0, got {self.query_before_weight}")
         if self.task_batching not in batched.TASK_BATCHING:
-            raise ValueError(f"MetaSpec.task_batching must be one of {', '.join(batched.TASK_BATCHING)}, "
-                             f"got {self.task_batching!r}")
+            raise ValueError(
+                f"MetaSpec.task_batching must be one of {', '.join(batched.TASK_BATCHING)}, got {self.task_batching!r}"
+            )
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -115,8 +120,6 @@ def double_backward_attention() -> Iterator[None]:
     """Run attention with the MATH SDPA kernel (the one with a double backward)."""
     with sdpa_kernel(SDPBackend.MATH):
         yield
-
-
 
 
 class GRAMMetaLearner(nn.Module):
@@ -145,21 +148,34 @@ class GRAMMetaLearner(nn.Module):
     ~~~
     """
 
-    def __init__(self, prompts: PromptParams, spec: Optional[MetaSpec] = None,
-                 labels_of: Callable[[Any], torch.Tensor] = lambda b: b["label"]):
+    def __init__(
+        self,
+        prompts: PromptParams,
+        spec: Optional[MetaSpec] = None,
+        labels_of: Callable[[Any], torch.Tensor] = lambda b: b["label"],
+    ):
         super().__init__()
         self.spec = spec or MetaSpec()
         self.labels_of = labels_of
         factory = RegulatorFactory(self.spec.regulator, enabled=self.spec.regulate)
         self.gbml = l2l.algorithms.GBML(
-            module=prompts, transform=factory, lr=self.spec.inner_lr,
-            adapt_transform=False, first_order=self.spec.first_order)
-        groups = [{"params": list(self.prompt_module.parameters()), "lr": self.spec.outer_lr_prompt,
-                   "name": "prompt"}]
+            module=prompts,
+            transform=factory,
+            lr=self.spec.inner_lr,
+            adapt_transform=False,
+            first_order=self.spec.first_order,
+        )
+        groups = [{"params": list(self.prompt_module.parameters()), "lr": self.spec.outer_lr_prompt, "name": "prompt"}]
         reg_params = list(self.gbml.compute_update.parameters())
         if reg_params:
-            groups.append({"params": reg_params, "lr": self.spec.outer_lr_regulator, "name": "regulator",
-                           "weight_decay": self.spec.regulator_weight_decay})
+            groups.append(
+                {
+                    "params": reg_params,
+                    "lr": self.spec.outer_lr_regulator,
+                    "name": "regulator",
+                    "weight_decay": self.spec.regulator_weight_decay,
+                }
+            )
         if self.spec.optimizer == "adam":
             self.optimizer = torch.optim.Adam(groups)
         elif self.spec.optimizer == "sgd":
@@ -167,11 +183,12 @@ class GRAMMetaLearner(nn.Module):
         else:
             raise ValueError(f"optimizer must be adam|sgd, got {self.spec.optimizer!r}")
         self.skipped_steps = 0
-        self.task_chunk: Optional[int] = None   # tasks per stacked pass after an out-of-memory fallback (meta.batched)
+        self.task_chunk: Optional[int] = None  # tasks per stacked pass after an out-of-memory fallback (meta.batched)
         precision.check_autocast(self.spec.autocast, "autocast")
         # fp16 scales the outer loss (the inner support gradient is taken unscaled: prefer bf16)
-        self.scaler = (torch.amp.GradScaler("cuda", enabled=torch.cuda.is_available())
-                       if self.spec.autocast == "fp16" else None)
+        self.scaler = (
+            torch.amp.GradScaler("cuda", enabled=torch.cuda.is_available()) if self.spec.autocast == "fp16" else None
+        )
 
     # ----- precision ---------------------------------------------------------------
     def cast(self):
@@ -201,8 +218,9 @@ class GRAMMetaLearner(nn.Module):
         return out
 
     # ----- inner loop --------------------------------------------------------------
-    def adapt(self, loss_fn: LossFn, support: Any, first_order: Optional[bool] = None,
-              steps: Optional[int] = None) -> tuple[l2l.algorithms.GBML, list[float], list[float]]:
+    def adapt(
+        self, loss_fn: LossFn, support: Any, first_order: Optional[bool] = None, steps: Optional[int] = None
+    ) -> tuple[l2l.algorithms.GBML, list[float], list[float]]:
         """Clone θ and take ``inner_steps`` regulated steps on ``support``.
 
         Returns ``(learner, support losses, support accuracies)``; the losses/accuracies are those
@@ -213,8 +231,9 @@ class GRAMMetaLearner(nn.Module):
 
     def inner_rule(self) -> InnerRule:
         """The optimiser the inner loop unrolls (:class:`meta.inner.InnerRule`): α, μ and λ of ``spec``."""
-        return InnerRule(lr=self.spec.inner_lr, momentum=self.spec.inner_momentum,
-                         weight_decay=self.spec.inner_weight_decay)
+        return InnerRule(
+            lr=self.spec.inner_lr, momentum=self.spec.inner_momentum, weight_decay=self.spec.inner_weight_decay
+        )
 
     def support_forward(self, first_order: bool) -> contextlib.AbstractContextManager:
         """Context of one support forward: autocast, and the MATH attention kernel when second order."""
@@ -224,9 +243,14 @@ class GRAMMetaLearner(nn.Module):
             stack.enter_context(double_backward_attention())
         return stack
 
-    def _adapt(self, loss_fn: LossFn, support: Any, first_order: Optional[bool], steps: Optional[int],
-               start: Optional[l2l.algorithms.GBML] = None
-               ) -> tuple[l2l.algorithms.GBML, list[torch.Tensor], list[torch.Tensor]]:
+    def _adapt(
+        self,
+        loss_fn: LossFn,
+        support: Any,
+        first_order: Optional[bool],
+        steps: Optional[int],
+        start: Optional[l2l.algorithms.GBML] = None,
+    ) -> tuple[l2l.algorithms.GBML, list[torch.Tensor], list[torch.Tensor]]:
         """:meth:`adapt` with metrics kept as 0-d tensors (no host sync inside the loop).
 
         A thin caller of :func:`meta.inner.inner_loop`: clone θ, deal the support into the steps' windows
@@ -236,8 +260,15 @@ class GRAMMetaLearner(nn.Module):
         first_order = self.spec.first_order if first_order is None else first_order
         learner = self.gbml.clone(first_order=first_order) if start is None else start
         windows = support_windows(support, self.spec.inner_steps if steps is None else steps, self.spec.inner_support)
-        losses, accs = inner_loop(learner, loss_fn, windows, self.inner_rule(), first_order=first_order,
-                                  labels_of=self.labels_of, forward_context=lambda: self.support_forward(first_order))
+        losses, accs = inner_loop(
+            learner,
+            loss_fn,
+            windows,
+            self.inner_rule(),
+            first_order=first_order,
+            labels_of=self.labels_of,
+            forward_context=lambda: self.support_forward(first_order),
+        )
         return learner, losses, accs
 
     def trajectory_steps(self) -> list[int]:
@@ -259,24 +290,38 @@ class GRAMMetaLearner(nn.Module):
 
         def keep(k: int, module: nn.Module) -> None:
             detached = [p.detach().requires_grad_() for p in module.parameters()]
-            set_parameters_(module, detached)   # cut the run's graph after every step
+            set_parameters_(module, detached)  # cut the run's graph after every step
             if k + 1 in wanted:
                 states[k + 1] = [p.detach() for p in detached]
 
         run = self.gbml.clone(first_order=True)
         set_parameters_(run.module, [p.detach().requires_grad_() for p in run.module.parameters()])
         length = self.spec.trajectory_windows or self.spec.trajectory_states
-        inner_loop(run, loss_fn, [windows[t % len(windows)] for t in range(length)], self.inner_rule(),
-                   first_order=True, labels_of=self.labels_of, forward_context=lambda: self.support_forward(True),
-                   after_step=keep)
+        inner_loop(
+            run,
+            loss_fn,
+            [windows[t % len(windows)] for t in range(length)],
+            self.inner_rule(),
+            first_order=True,
+            labels_of=self.labels_of,
+            forward_context=lambda: self.support_forward(True),
+            after_step=keep,
+        )
         del run
         step_rule = InnerRule(lr=self.spec.inner_lr, weight_decay=self.spec.inner_weight_decay)
         total = torch.zeros(())
         for t in sorted(states):
             learner = self.gbml.clone(first_order=True)
             set_parameters_(learner.module, [x.clone().requires_grad_() for x in states[t]])
-            inner_loop(learner, loss_fn, [windows[t % len(windows)]], step_rule, first_order=True,
-                       labels_of=self.labels_of, forward_context=lambda: self.support_forward(True))
+            inner_loop(
+                learner,
+                loss_fn,
+                [windows[t % len(windows)]],
+                step_rule,
+                first_order=True,
+                labels_of=self.labels_of,
+                forward_context=lambda: self.support_forward(True),
+            )
             with self.cast():
                 q_loss, _ = loss_fn(learner.module, task.query)
             total = total + q_loss.float() / len(states)
@@ -302,7 +347,7 @@ class GRAMMetaLearner(nn.Module):
         n_tasks = len(tasks)
         if n_tasks == 0:
             raise ValueError("meta-batch is empty")
-        if not detailed:   # all tasks in one stacked pass when spec.task_batching allows (None: one by one)
+        if not detailed:  # all tasks in one stacked pass when spec.task_batching allows (None: one by one)
             stacked = batched.accumulate(self, tasks, loss_fn)
             if stacked is not None:
                 return stacked
@@ -314,7 +359,7 @@ class GRAMMetaLearner(nn.Module):
                 q_loss, q_logits = loss_fn(learner.module, task.query)
             self.backward(q_loss.float() / n_tasks)
             w = self.spec.query_before_weight
-            if w > 0:   # before-adaptation term: reaches θ only (φ does not act before a step)
+            if w > 0:  # before-adaptation term: reaches θ only (φ does not act before a step)
                 with self.cast():
                     q_loss0, _ = loss_fn(self.prompt_module, task.query)
                 self.backward(w * q_loss0.float() / n_tasks)
@@ -322,9 +367,12 @@ class GRAMMetaLearner(nn.Module):
                 traj = self._trajectory_loss(loss_fn, task)
                 self.backward(traj.float() / n_tasks)
                 per_task.setdefault("query_loss_trajectory", []).append(traj.detach().float())
-            values = {"support_loss_before": s_losses[0], "support_acc_before": s_accs[0],
-                      "query_loss_after": q_loss.detach(),
-                      "query_acc_after": accuracy_t(q_logits.detach(), self.labels_of(task.query))}
+            values = {
+                "support_loss_before": s_losses[0],
+                "support_acc_before": s_accs[0],
+                "query_loss_after": q_loss.detach(),
+                "query_acc_after": accuracy_t(q_logits.detach(), self.labels_of(task.query)),
+            }
             if detailed:
                 values.update(self._diagnostics(learner, loss_fn, task))
             for key, value in values.items():
@@ -344,7 +392,8 @@ class GRAMMetaLearner(nn.Module):
             self.scaler.unscale_(self.optimizer)  # clip and check the true gradient
         grads = [p.grad for p in params if p.grad is not None]
         finite = math.isfinite(loss_value) and (
-            not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()))  # one sync
+            not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+        )  # one sync
         out: dict[str, float] = {}
         if self.spec.grad_clip > 0 and finite:
             out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, self.spec.grad_clip))
@@ -382,8 +431,11 @@ class GRAMMetaLearner(nn.Module):
     # ----- state -------------------------------------------------------------------
     def state(self) -> dict:
         """Everything needed to resume: θ, φ, optimiser, counters."""
-        out = {"gbml": self.gbml.state_dict(), "optimizer": self.optimizer.state_dict(),
-               "skipped_steps": self.skipped_steps}
+        out = {
+            "gbml": self.gbml.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "skipped_steps": self.skipped_steps,
+        }
         if self.scaler is not None:
             out["scaler"] = self.scaler.state_dict()
         return out

@@ -1,4 +1,5 @@
 """Content hashes shared by CHC, meta-training and the trainers' provenance logs."""
+
 from __future__ import annotations
 
 import hashlib

@@ -29,6 +29,7 @@ anything else (``LAB``,    Pillow's ``convert("RGB")``; a mode it cannot convert
 This module depends on Pillow and numpy only, so every decoding path (CHC, the image-folder
 hierarchy, the evaluation loader) can share it.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -36,7 +37,7 @@ from PIL import Image
 
 SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 ALPHA_MODES = ("LA", "La", "PA", "RGBA", "RGBa")
-BACKGROUND = (255, 255, 255)   # alpha is composited over white (img2dataset's resizer does the same)
+BACKGROUND = (255, 255, 255)  # alpha is composited over white (img2dataset's resizer does the same)
 
 
 def _grey_to_rgb(grey: np.ndarray) -> Image.Image:
@@ -47,7 +48,7 @@ def _grey_to_rgb(grey: np.ndarray) -> Image.Image:
 def _sixteen_bit(img: Image.Image) -> Image.Image:
     values = np.asarray(img).astype(np.int64)
     values = np.clip(values, 0, 65535)
-    return _grey_to_rgb((values * 255 + 32767) // 65535)          # round(v * 255 / 65535)
+    return _grey_to_rgb((values * 255 + 32767) // 65535)  # round(v * 255 / 65535)
 
 
 def _float(img: Image.Image) -> Image.Image:
@@ -59,7 +60,7 @@ def _float(img: Image.Image) -> Image.Image:
 
 
 def _over_white(img: Image.Image) -> Image.Image:
-    rgba = img.convert("RGBA")                 # La / RGBa are un-premultiplied by this conversion
+    rgba = img.convert("RGBA")  # La / RGBa are un-premultiplied by this conversion
     background = Image.new("RGBA", rgba.size, BACKGROUND + (255,))
     return Image.alpha_composite(background, rgba).convert("RGB")
 

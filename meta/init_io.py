@@ -26,6 +26,7 @@ trainers load through ``MODEL.INIT_WEIGHTS`` (Dassl's ``load_pretrained_weights`
 matches state-dict keys by name and shape: ``ctx`` ``[n_ctx, 512]`` for ViT-B/16),
 as a plain tensor dict that ``torch.load(weights_only=True)`` accepts.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,8 +37,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 import torch
-from safetensors import SafetensorError
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
@@ -79,9 +79,14 @@ class GramInit:
         return out
 
 
-def export_gram_init(path: Union[str, Path], prompts: PromptParams,
-                     regulators: Optional[Mapping[str, GradientRegulator]], dims: ClipDims,
-                     provenance: Optional[dict] = None, weights: str = "") -> Path:
+def export_gram_init(
+    path: Union[str, Path],
+    prompts: PromptParams,
+    regulators: Optional[Mapping[str, GradientRegulator]],
+    dims: ClipDims,
+    provenance: Optional[dict] = None,
+    weights: str = "",
+) -> Path:
     """Write θ* (and φ) with metadata, atomically (:mod:`meta.fileio`); returns the path written."""
     path = Path(path)
     tensors: dict[str, torch.Tensor] = {}
@@ -94,9 +99,14 @@ def export_gram_init(path: Union[str, Path], prompts: PromptParams,
             tensors[f"regulator.{name}.{k}"] = v.detach().float().cpu().contiguous()
     meta = {
         "format_version": FORMAT_VERSION,
-        "backbone": {"model_name": dims.model_name, "weights": Path(weights).name if weights else "",
-                     "text_width": dims.text_width, "vision_width": dims.vision_width,
-                     "vision_layers": dims.vision_layers, "text_layers": dims.text_layers},
+        "backbone": {
+            "model_name": dims.model_name,
+            "weights": Path(weights).name if weights else "",
+            "text_width": dims.text_width,
+            "vision_width": dims.vision_width,
+            "vision_layers": dims.vision_layers,
+            "text_layers": dims.text_layers,
+        },
         "prompt": prompts.structure(),
         "regulator": reg_spec,
         "shapes": {k: list(v.shape) for k, v in tensors.items()},
@@ -161,36 +171,55 @@ def check_metadata(raw: Any, check: _Checker) -> dict:
         meta = parse_json(raw)
     except json.JSONDecodeError as err:
         check.fail("metadata 'gram'", f"not valid JSON ({err.msg} at character {err.pos})")
-    except ValueError as err:   # nested too deeply (parse_json's limit, never a RecursionError)
+    except ValueError as err:  # nested too deeply (parse_json's limit, never a RecursionError)
         check.fail("metadata 'gram'", str(err))
     check.need(isinstance(meta, dict), "metadata 'gram'", f"expected a JSON object, got {_describe(meta)}")
     version = meta.get("format_version", _MISSING)
     check.need(version is not _MISSING, "format_version", f"missing (expected the integer {FORMAT_VERSION})")
-    check.need(_is_int(version) and version == FORMAT_VERSION, "format_version",
-               f"expected the integer {FORMAT_VERSION}, got {_describe(version)}")
-    sections = {"backbone": (("text_width", 1), ("vision_width", 1), ("vision_layers", 1)),
-                "prompt": (("n_ctx_text", 0), ("n_ctx_vision", 0), ("vision_depth", 0))}
+    check.need(
+        _is_int(version) and version == FORMAT_VERSION,
+        "format_version",
+        f"expected the integer {FORMAT_VERSION}, got {_describe(version)}",
+    )
+    sections = {
+        "backbone": (("text_width", 1), ("vision_width", 1), ("vision_layers", 1)),
+        "prompt": (("n_ctx_text", 0), ("n_ctx_vision", 0), ("vision_depth", 0)),
+    }
     for section, fields in sections.items():
         node = meta.get(section, _MISSING)
         check.need(node is not _MISSING, section, "missing")
-        check.need(isinstance(node, dict), section, f"expected an object with {', '.join(f for f, _ in fields)}, "
-                                                    f"got {_describe(node)}")
+        check.need(
+            isinstance(node, dict),
+            section,
+            f"expected an object with {', '.join(f for f, _ in fields)}, got {_describe(node)}",
+        )
         for name, minimum in fields:
             value = node.get(name, _MISSING)
             check.need(value is not _MISSING, f"{section}.{name}", "missing")
-            check.need(_is_int(value) and value >= minimum, f"{section}.{name}",
-                       f"expected an integer >= {minimum}, got {_describe(value)}")
+            check.need(
+                _is_int(value) and value >= minimum,
+                f"{section}.{name}",
+                f"expected an integer >= {minimum}, got {_describe(value)}",
+            )
     backbone, prompt = meta["backbone"], meta["prompt"]
     for name in ("model_name", "weights"):
         value = backbone.get(name, "")
         check.need(isinstance(value, str), f"backbone.{name}", f"expected a string, got {_describe(value)}")
-    check.need((prompt["n_ctx_vision"] == 0) == (prompt["vision_depth"] == 0), "prompt.vision_depth",
-               f"{prompt['vision_depth']} does not go with prompt.n_ctx_vision {prompt['n_ctx_vision']} "
-               f"(both 0, or both > 0)")
-    check.need(prompt["vision_depth"] <= backbone["vision_layers"], "prompt.vision_depth",
-               f"{prompt['vision_depth']} exceeds backbone.vision_layers {backbone['vision_layers']}")
-    check.need(prompt["n_ctx_text"] > 0 or prompt["n_ctx_vision"] > 0, "prompt",
-               "holds no prompt (n_ctx_text and n_ctx_vision are both 0)")
+    check.need(
+        (prompt["n_ctx_vision"] == 0) == (prompt["vision_depth"] == 0),
+        "prompt.vision_depth",
+        f"{prompt['vision_depth']} does not go with prompt.n_ctx_vision {prompt['n_ctx_vision']} (both 0, or both > 0)",
+    )
+    check.need(
+        prompt["vision_depth"] <= backbone["vision_layers"],
+        "prompt.vision_depth",
+        f"{prompt['vision_depth']} exceeds backbone.vision_layers {backbone['vision_layers']}",
+    )
+    check.need(
+        prompt["n_ctx_text"] > 0 or prompt["n_ctx_vision"] > 0,
+        "prompt",
+        "holds no prompt (n_ctx_text and n_ctx_vision are both 0)",
+    )
     _check_deep_structure(backbone, prompt, check)
 
     reg = meta.get("regulator", None)
@@ -199,10 +228,14 @@ def check_metadata(raw: Any, check: _Checker) -> dict:
         types = _regulator_field_types()
         for name, value in reg.items():
             check.need(name in types, f"regulator.{name}", f"unknown field (this code reads {', '.join(types)})")
-            ok = not types[name] or (isinstance(value, types[name])
-                                     and (bool not in types[name]) == (not isinstance(value, bool)))
-            check.need(ok, f"regulator.{name}", f"expected {' or '.join(t.__name__ for t in types[name])}, "
-                                                f"got {_describe(value)}")
+            ok = not types[name] or (
+                isinstance(value, types[name]) and (bool not in types[name]) == (not isinstance(value, bool))
+            )
+            check.need(
+                ok,
+                f"regulator.{name}",
+                f"expected {' or '.join(t.__name__ for t in types[name])}, got {_describe(value)}",
+            )
         try:
             RegulatorSpec(**reg)
         except (TypeError, ValueError) as err:
@@ -211,8 +244,11 @@ def check_metadata(raw: Any, check: _Checker) -> dict:
     check.need(shapes is not _MISSING, "shapes", "missing")
     check.need(isinstance(shapes, dict), "shapes", f"expected an object {{tensor: [dims]}}, got {_describe(shapes)}")
     for name, dims in shapes.items():
-        check.need(isinstance(dims, list) and all(_is_int(d) and d >= 0 for d in dims), f"shapes.{name}",
-                   f"expected a list of non-negative integers, got {_describe(dims)}")
+        check.need(
+            isinstance(dims, list) and all(_is_int(d) and d >= 0 for d in dims),
+            f"shapes.{name}",
+            f"expected a list of non-negative integers, got {_describe(dims)}",
+        )
     provenance = meta.get("provenance", {})
     check.need(isinstance(provenance, dict), "provenance", f"expected an object, got {_describe(provenance)}")
     return meta
@@ -224,21 +260,34 @@ def _check_deep_structure(backbone: dict, prompt: dict, check: _Checker) -> None
     prompt.setdefault("coupling", "none")
     depth, coupling = prompt["text_depth"], prompt["coupling"]
     check.need(_is_int(depth) and depth >= 0, "prompt.text_depth", f"expected an integer >= 0, got {_describe(depth)}")
-    check.need((depth == 0) == (prompt["n_ctx_text"] == 0), "prompt.text_depth",
-               f"{depth} does not go with prompt.n_ctx_text {prompt['n_ctx_text']} (both 0, or both > 0)")
+    check.need(
+        (depth == 0) == (prompt["n_ctx_text"] == 0),
+        "prompt.text_depth",
+        f"{depth} does not go with prompt.n_ctx_text {prompt['n_ctx_text']} (both 0, or both > 0)",
+    )
     text_layers = backbone.get("text_layers")
     if text_layers is not None:
-        check.need(_is_int(text_layers) and text_layers >= 1, "backbone.text_layers",
-                   f"expected an integer >= 1, got {_describe(text_layers)}")
+        check.need(
+            _is_int(text_layers) and text_layers >= 1,
+            "backbone.text_layers",
+            f"expected an integer >= 1, got {_describe(text_layers)}",
+        )
         check.need(depth <= text_layers, "prompt.text_depth", f"{depth} exceeds backbone.text_layers {text_layers}")
-    check.need(coupling in COUPLINGS, "prompt.coupling", f"expected one of {', '.join(COUPLINGS)}, "
-                                                         f"got {_describe(coupling)}")
+    check.need(
+        coupling in COUPLINGS, "prompt.coupling", f"expected one of {', '.join(COUPLINGS)}, got {_describe(coupling)}"
+    )
     if coupling == "maple":
-        check.need(prompt["n_ctx_text"] > 0 and prompt["n_ctx_vision"] == 0, "prompt.coupling",
-                   f"'maple' derives the visual prompts from the text prompts: needs n_ctx_text > 0 and "
-                   f"n_ctx_vision 0, got {prompt['n_ctx_text']} and {prompt['n_ctx_vision']}")
-        check.need(depth <= backbone["vision_layers"], "prompt.text_depth",
-                   f"{depth} exceeds backbone.vision_layers {backbone['vision_layers']} (coupling 'maple')")
+        check.need(
+            prompt["n_ctx_text"] > 0 and prompt["n_ctx_vision"] == 0,
+            "prompt.coupling",
+            f"'maple' derives the visual prompts from the text prompts: needs n_ctx_text > 0 and "
+            f"n_ctx_vision 0, got {prompt['n_ctx_text']} and {prompt['n_ctx_vision']}",
+        )
+        check.need(
+            depth <= backbone["vision_layers"],
+            "prompt.text_depth",
+            f"{depth} exceeds backbone.vision_layers {backbone['vision_layers']} (coupling 'maple')",
+        )
 
 
 def check_tensors(tensors: Mapping[str, torch.Tensor], meta: dict, check: _Checker) -> None:
@@ -248,48 +297,69 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], meta: dict, check: _Check
     check.need(not extra, "shapes", f"does not list tensor(s) {', '.join(extra)} that the file holds")
     check.need(not missing, "shapes", f"lists tensor(s) {', '.join(missing)} that the file does not hold")
     for name, t in tensors.items():
-        check.need(list(t.shape) == shapes[name], f"tensor {name}",
-                   f"has shape {list(t.shape)}, but shapes.{name} records {shapes[name]}")
+        check.need(
+            list(t.shape) == shapes[name],
+            f"tensor {name}",
+            f"has shape {list(t.shape)}, but shapes.{name} records {shapes[name]}",
+        )
         check.need(t.is_floating_point(), f"tensor {name}", f"expected floating point values, got {t.dtype}")
         check.need(bool(torch.isfinite(t).all()), f"tensor {name}", "holds NaN or infinite values")
     bb, pr = meta["backbone"], meta["prompt"]
     deep, maple = pr["text_depth"] > 1, pr["coupling"] == "maple"
-    want = {"ctx": [pr["n_ctx_text"], bb["text_width"]] if pr["n_ctx_text"] else None,
-            "vpt": [pr["vision_depth"], pr["n_ctx_vision"], bb["vision_width"]] if pr["n_ctx_vision"] else None,
-            "ctx_deep": [pr["text_depth"] - 1, pr["n_ctx_text"], bb["text_width"]] if deep else None,
-            "proj_weight": [pr["text_depth"], bb["vision_width"], bb["text_width"]] if maple else None,
-            "proj_bias": [pr["text_depth"], bb["vision_width"]] if maple else None}
-    why = {"ctx": "[prompt.n_ctx_text, backbone.text_width]",
-           "vpt": "[prompt.vision_depth, prompt.n_ctx_vision, backbone.vision_width]",
-           "ctx_deep": "[prompt.text_depth - 1, prompt.n_ctx_text, backbone.text_width]",
-           "proj_weight": "[prompt.text_depth, backbone.vision_width, backbone.text_width]",
-           "proj_bias": "[prompt.text_depth, backbone.vision_width]"}
+    want = {
+        "ctx": [pr["n_ctx_text"], bb["text_width"]] if pr["n_ctx_text"] else None,
+        "vpt": [pr["vision_depth"], pr["n_ctx_vision"], bb["vision_width"]] if pr["n_ctx_vision"] else None,
+        "ctx_deep": [pr["text_depth"] - 1, pr["n_ctx_text"], bb["text_width"]] if deep else None,
+        "proj_weight": [pr["text_depth"], bb["vision_width"], bb["text_width"]] if maple else None,
+        "proj_bias": [pr["text_depth"], bb["vision_width"]] if maple else None,
+    }
+    why = {
+        "ctx": "[prompt.n_ctx_text, backbone.text_width]",
+        "vpt": "[prompt.vision_depth, prompt.n_ctx_vision, backbone.vision_width]",
+        "ctx_deep": "[prompt.text_depth - 1, prompt.n_ctx_text, backbone.text_width]",
+        "proj_weight": "[prompt.text_depth, backbone.vision_width, backbone.text_width]",
+        "proj_bias": "[prompt.text_depth, backbone.vision_width]",
+    }
     for name in _PROMPT_TENSORS:
         t = tensors.get(f"prompt.{name}")
         have = None if t is None else list(t.shape)
         if want[name] is None:
-            check.need(have is None, f"tensor prompt.{name}", f"present ({have}) but the metadata records no such prompt")
+            check.need(
+                have is None, f"tensor prompt.{name}", f"present ({have}) but the metadata records no such prompt"
+            )
         else:
-            check.need(have is not None, f"tensor prompt.{name}", f"missing; the metadata records {why[name]} = "
-                                                                 f"{want[name]}")
-            check.need(have == want[name], f"tensor prompt.{name}",
-                       f"has shape {have}, but the metadata's {why[name]} is {want[name]}")
+            check.need(
+                have is not None, f"tensor prompt.{name}", f"missing; the metadata records {why[name]} = {want[name]}"
+            )
+            check.need(
+                have == want[name],
+                f"tensor prompt.{name}",
+                f"has shape {have}, but the metadata's {why[name]} is {want[name]}",
+            )
     for name in tensors:
         head = name.split(".", 2)
-        ok = (head[0] == "prompt" and len(head) == 2 and head[1] in _PROMPT_TENSORS) or \
-             (head[0] == "regulator" and len(head) == 3 and head[1] in _PROMPT_TENSORS)
+        ok = (head[0] == "prompt" and len(head) == 2 and head[1] in _PROMPT_TENSORS) or (
+            head[0] == "regulator" and len(head) == 3 and head[1] in _PROMPT_TENSORS
+        )
         names = "|".join(_PROMPT_TENSORS)
-        check.need(ok, f"tensor {name}", f"unexpected tensor (this code reads prompt.<{names}> and "
-                                         f"regulator.<{names}>.<parameter>)")
+        check.need(
+            ok,
+            f"tensor {name}",
+            f"unexpected tensor (this code reads prompt.<{names}> and regulator.<{names}>.<parameter>)",
+        )
     reg_names = sorted({n.split(".")[1] for n in tensors if n.startswith("regulator.")})
     spec = meta.get("regulator")
-    check.need(spec is not None or not reg_names, "regulator",
-               f"null, but the file holds regulator tensors for {', '.join(reg_names)}")
+    check.need(
+        spec is not None or not reg_names,
+        "regulator",
+        f"null, but the file holds regulator tensors for {', '.join(reg_names)}",
+    )
     check.need(spec is None or bool(reg_names), "regulator", "set, but the file holds no regulator tensors")
     for rname in reg_names:
         prompt_t = tensors.get(f"prompt.{rname}")
-        check.need(prompt_t is not None, f"tensor regulator.{rname}", f"regulates prompt.{rname}, which the file "
-                                                                      f"does not hold")
+        check.need(
+            prompt_t is not None, f"tensor regulator.{rname}", f"regulates prompt.{rname}, which the file does not hold"
+        )
         with torch.device("meta"):  # shapes only: no memory, no draw from the global RNG
             shell = GradientRegulator(int(prompt_t.shape[-1]), RegulatorSpec(**spec))
         expected = {f"regulator.{rname}.{k}": list(v.shape) for k, v in shell.state_dict().items()}
@@ -297,13 +367,16 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], meta: dict, check: _Check
         for n in sorted(set(expected) | set(found)):
             check.need(n in found, f"tensor {n}", f"missing (expected shape {expected.get(n)})")
             check.need(n in expected, f"tensor {n}", "unexpected regulator tensor")
-            check.need(found[n] == expected[n], f"tensor {n}",
-                       f"has shape {found[n]}, expected {expected[n]} for prompt.{rname}'s width "
-                       f"{int(prompt_t.shape[-1])}")
+            check.need(
+                found[n] == expected[n],
+                f"tensor {n}",
+                f"has shape {found[n]}, expected {expected[n]} for prompt.{rname}'s width {int(prompt_t.shape[-1])}",
+            )
 
 
-def load_gram_init(path: Union[str, Path], expect: Optional[Mapping[str, Any]] = None,
-                   config_key: str = "init") -> GramInit:
+def load_gram_init(
+    path: Union[str, Path], expect: Optional[Mapping[str, Any]] = None, config_key: str = "init"
+) -> GramInit:
     """Read an initialisation file, validate it, and check it against ``expect``.
 
     ``expect`` may hold any of ``text_width``, ``vision_width``, ``n_ctx_text``,
@@ -344,8 +417,12 @@ def load_gram_init(path: Union[str, Path], expect: Optional[Mapping[str, Any]] =
         raise InitMismatchError(f"{config_key}: {path} does not fit this model: " + "; ".join(problems))
     if expect and expect.get("model_name") and expect["model_name"] != found.get("model_name"):
         import warnings
-        warnings.warn(f"{config_key}: {path} was meta-trained on {found.get('model_name')}, "
-                      f"loading into {expect['model_name']} (widths match)", stacklevel=2)
+
+        warnings.warn(
+            f"{config_key}: {path} was meta-trained on {found.get('model_name')}, "
+            f"loading into {expect['model_name']} (widths match)",
+            stacklevel=2,
+        )
     return GramInit(prompt=prompt, regulators=regs, metadata=meta, path=path)
 
 
@@ -360,18 +437,23 @@ def coop_context_usage(path: Union[str, Path], n_ctx: int) -> str:
     Their ``N_CTX`` defaults to 16 and Dassl's ``load_pretrained_weights`` only *warns* about a shape
     mismatch, so without ``N_CTX n_ctx`` a random context would be trained.
     """
-    return "\n".join(f"{name}: MODEL.INIT_WEIGHTS {path} TRAINER.{node}.N_CTX {int(n_ctx)} TRAINER.{node}.CTX_INIT \"\""
-                     for name, node in (("stock CoOp", "COOP"), ("stock CoCoOp", "COCOOP")))
+    return "\n".join(
+        f'{name}: MODEL.INIT_WEIGHTS {path} TRAINER.{node}.N_CTX {int(n_ctx)} TRAINER.{node}.CTX_INIT ""'
+        for name, node in (("stock CoOp", "COOP"), ("stock CoCoOp", "COCOOP"))
+    )
 
 
 def export_coop_context(path: Union[str, Path], ctx: torch.Tensor, epoch: int = 0) -> Path:
-    """Write ``{"state_dict": {"ctx": [M, d_t]}, "epoch": epoch, "n_ctx": M}`` for stock CoOp/CoCoOp ``MODEL.INIT_WEIGHTS``.
+    """Write ``{"state_dict": {"ctx": [M, d_t]}, "epoch": epoch, "n_ctx": M}`` for stock CoOp/CoCoOp
+    ``MODEL.INIT_WEIGHTS``.
 
     Only plain tensors and ints: loadable with ``torch.load(..., weights_only=True)``.  Name it with
     :func:`coop_context_name` so that the ``N_CTX`` it needs cannot be missed.  Written atomically
     (:mod:`meta.fileio`): a kill or a full disk leaves the old file or none, never a torn one.
     """
     buffer = io.BytesIO()
-    torch.save({"state_dict": {"ctx": ctx.detach().float().cpu().clone()}, "epoch": int(epoch),
-                "n_ctx": int(ctx.shape[0])}, buffer)
+    torch.save(
+        {"state_dict": {"ctx": ctx.detach().float().cpu().clone()}, "epoch": int(epoch), "n_ctx": int(ctx.shape[0])},
+        buffer,
+    )
     return write_bytes_atomic(path, buffer.getvalue())

@@ -21,6 +21,7 @@ With K = 1 and λ = 0 this is exactly ``GBML.adapt`` (θ' = θ − α R_φ(g)): 
 Second order (``first_order=False``) keeps the graph of every support gradient; first order detaches the
 gradients g_k, but φ still gets its gradient through R_φ(g_k) and θ through the identity path of each step.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,8 +31,8 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 import torch
 from torch import nn
 
-from .metrics import accuracy_t
 from ._l2l import l2l
+from .metrics import accuracy_t
 
 # loss_fn(prompt_module, batch) -> (loss scalar, logits [n, K])
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]]
@@ -98,8 +99,10 @@ def support_windows(support: Any, steps: int, mode: str = "repeat") -> list:
     for c in labels.unique():
         where = (labels == c).nonzero().flatten()
         if len(where) < steps:
-            raise ValueError(f"META.INNER_SUPPORT split: class {int(c)} has {len(where)} support items, fewer than "
-                             f"the {steps} inner steps (raise TASKS.N_SUPPORT to steps x shots per window)")
+            raise ValueError(
+                f"META.INNER_SUPPORT split: class {int(c)} has {len(where)} support items, fewer than "
+                f"the {steps} inner steps (raise TASKS.N_SUPPORT to steps x shots per window)"
+            )
         rank[where] = torch.arange(len(where))
     return [_take(support, (rank % steps == k).nonzero().flatten()) for k in range(steps)]
 
@@ -114,11 +117,17 @@ def set_parameters_(module: nn.Module, tensors: Sequence[torch.Tensor]) -> None:
         mod._parameters[key] = t
 
 
-def inner_loop(learner: "l2l.algorithms.GBML", loss_fn: LossFn, windows: Sequence[Any], rule: InnerRule, *,
-               first_order: bool, labels_of: Callable[[Any], torch.Tensor] = lambda b: b["label"],
-               forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
-               after_step: Optional[Callable[[int, nn.Module], None]] = None,
-               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def inner_loop(
+    learner: "l2l.algorithms.GBML",
+    loss_fn: LossFn,
+    windows: Sequence[Any],
+    rule: InnerRule,
+    *,
+    first_order: bool,
+    labels_of: Callable[[Any], torch.Tensor] = lambda b: b["label"],
+    forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
+    after_step: Optional[Callable[[int, nn.Module], None]] = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Take ``len(windows)`` regulated steps of ``rule`` on ``learner.module``, in place (differentiably).
 
     Args:
@@ -141,8 +150,14 @@ def inner_loop(learner: "l2l.algorithms.GBML", loss_fn: LossFn, windows: Sequenc
         with forward_context():
             loss, logits = loss_fn(learner.module, batch)
         params = list(learner.module.parameters())
-        updates = learner.compute_update(loss, params, create_graph=not first_order, retain_graph=not first_order,
-                                         allow_unused=learner.allow_unused, allow_nograd=learner.allow_nograd)
+        updates = learner.compute_update(
+            loss,
+            params,
+            create_graph=not first_order,
+            retain_graph=not first_order,
+            allow_unused=learner.allow_unused,
+            allow_nograd=learner.allow_nograd,
+        )
         updates = list(updates)
         if wd > 0:
             updates = [u if u is None else u + wd * p for u, p in zip(updates, params)]

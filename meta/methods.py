@@ -10,6 +10,7 @@ Command line (for shell scripts)::
     python -m meta.methods keys [--dassl]     # keys in table order (--dassl: those with a trainer)
     python -m meta.methods get KEY FIELD      # one field, e.g. `get gram_coop trainer`
 """
+
 from __future__ import annotations
 
 import sys
@@ -92,7 +93,8 @@ def _row(raw: object, index: int, path: Path) -> Method:
             value = tuple(value) if ok else value
         if not ok:
             expected = {"bool": "true or false", "int": "an integer >= 0", "str": "a non-empty string"}.get(
-                want, "a list of strings")
+                want, "a list of strings"
+            )
             raise MethodTableError(f"{where}: field {name!r} must be {expected}, got {value!r}")
         values[name] = value
     method = Method(**values)
@@ -135,11 +137,14 @@ def load_methods(path: Union[str, Path, None] = None) -> dict[str, Method]:
         if m.coupling not in ("none", "maple"):
             raise MethodTableError(f"{path}: method {m.key!r}: coupling must be none or maple, got {m.coupling!r}")
         if m.one_step and not m.regulate:
-            raise MethodTableError(f"{path}: method {m.key!r}: one_step (the paper-literal regulated fine-tuning) "
-                                   f"needs regulate true")
+            raise MethodTableError(
+                f"{path}: method {m.key!r}: one_step (the paper-literal regulated fine-tuning) needs regulate true"
+            )
         if (m.init or m.regulate) and not table[m.preset].init:
-            raise MethodTableError(f"{path}: method {m.key!r}: init/regulate need a GRAM init file, but its preset "
-                                   f"{m.preset!r} does not start from one")
+            raise MethodTableError(
+                f"{path}: method {m.key!r}: init/regulate need a GRAM init file, but its preset "
+                f"{m.preset!r} does not start from one"
+            )
     return table
 
 
@@ -171,8 +176,10 @@ def load_learners(path: Union[str, Path, None] = None) -> dict[str, Learner]:
             raise MethodTableError(f"{path}: learner {raw['trainer']!r}: text and vision must be true or false")
         row = Learner(str(raw["trainer"]), raw["text"], raw["vision"], str(raw.get("coupling", "none")))
         if row.coupling not in ("none", "maple") or (row.coupling == "maple" and (row.vision or not row.text)):
-            raise MethodTableError(f"{path}: learner {row.trainer!r}: coupling must be none, or maple with text "
-                                   f"and no visual tokens of its own")
+            raise MethodTableError(
+                f"{path}: learner {row.trainer!r}: coupling must be none, or maple with text "
+                f"and no visual tokens of its own"
+            )
         if row.trainer in out:
             raise MethodTableError(f"{path}: learner {row.trainer!r} appears twice")
         out[row.trainer] = row
@@ -182,10 +189,15 @@ def load_learners(path: Union[str, Path, None] = None) -> dict[str, Learner]:
         learner = out.get(m.trainer)
         if learner is None:
             raise MethodTableError(f"{path}: method {m.key!r}: trainer {m.trainer!r} is not in 'learners'")
-        if (m.text_tokens and not learner.text) or (m.visual_tokens and not learner.vision) \
-                or (not m.zero_shot and m.coupling != learner.coupling):
-            raise MethodTableError(f"{path}: method {m.key!r}: tokens {m.text_tokens}+{m.visual_tokens} / coupling "
-                                   f"{m.coupling} do not fit learner {m.trainer!r} ({learner})")
+        if (
+            (m.text_tokens and not learner.text)
+            or (m.visual_tokens and not learner.vision)
+            or (not m.zero_shot and m.coupling != learner.coupling)
+        ):
+            raise MethodTableError(
+                f"{path}: method {m.key!r}: tokens {m.text_tokens}+{m.visual_tokens} / coupling "
+                f"{m.coupling} do not fit learner {m.trainer!r} ({learner})"
+            )
     return out
 
 
@@ -250,8 +262,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             table = _packaged()
             print(f"{'key':<19} {'trainer':<10} {'init':<5} {'reg':<5} {'zs':<5} tokens  label")
             for m in table.values():
-                print(f"{m.key:<19} {m.trainer or '-':<10} {str(m.init).lower():<5} {str(m.regulate).lower():<5} "
-                      f"{str(m.zero_shot).lower():<5} {m.text_tokens}+{m.visual_tokens}     {m.label}")
+                print(
+                    f"{m.key:<19} {m.trainer or '-':<10} {str(m.init).lower():<5} {str(m.regulate).lower():<5} "
+                    f"{str(m.zero_shot).lower():<5} {m.text_tokens}+{m.visual_tokens}     {m.label}"
+                )
             return 0
         if args[0] == "keys" and args[1:] in ([], ["--dassl"]):
             print(" ".join(dassl_keys() if args[1:] else tuple(_packaged())))
@@ -261,8 +275,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             if args[2] not in _TYPES:
                 raise MethodTableError(f"unknown field {args[2]!r}: expected one of {', '.join(_TYPES)}")
             value = getattr(m, args[2])
-            print(str(value).lower() if isinstance(value, bool) else " ".join(value) if isinstance(value, tuple)
-                  else value)
+            print(
+                str(value).lower()
+                if isinstance(value, bool)
+                else " ".join(value)
+                if isinstance(value, tuple)
+                else value
+            )
             return 0
     except MethodTableError as err:
         print(err, file=sys.stderr)
@@ -271,8 +290,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 2
 
 
-__all__ = ["Method", "Learner", "MethodTableError", "TABLE_FILE", "load_methods", "load_learners", "methods",
-           "learners", "get", "label", "canonical_key", "preset_keys", "dassl_keys"]
+__all__ = [
+    "Method",
+    "Learner",
+    "MethodTableError",
+    "TABLE_FILE",
+    "load_methods",
+    "load_learners",
+    "methods",
+    "learners",
+    "get",
+    "label",
+    "canonical_key",
+    "preset_keys",
+    "dassl_keys",
+]
 
 if __name__ == "__main__":
     sys.exit(main())

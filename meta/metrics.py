@@ -1,5 +1,6 @@
 """Top-1 accuracy of classification logits: the one helper behind the evaluator, the Dassl-free
 test-time scoring (:func:`meta.finetune.finetune_and_score`) and meta-training's logged accuracies."""
+
 from __future__ import annotations
 
 import torch

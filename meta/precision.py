@@ -6,6 +6,7 @@ frozen CLIP's weights.  Autocast is a CUDA feature here: on a CPU the run keeps 
 in one log line per key (never a warning per step), and ``MODEL.PRECISION fp16`` falls back to fp32
 the same way (fp16 matmuls on CPUs are slow or missing).
 """
+
 from __future__ import annotations
 
 import contextlib

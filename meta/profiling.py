@@ -3,6 +3,7 @@
 Used by the benchmark and tests to show that ``GBML.clone()`` copies only θ and
 φ per task, never the frozen CLIP weights.
 """
+
 from __future__ import annotations
 
 from typing import Callable, TypeVar

@@ -27,6 +27,7 @@ Methods: CoOp = text only; VPT = vision only, text side the fixed prompt
 and deep visual prompts, independent (``text_depth`` J, ``vision_depth`` D); MaPLe = deep text
 prompts plus coupled visual prompts (``coupling="maple"``).
 """
+
 from __future__ import annotations
 
 import math
@@ -40,7 +41,6 @@ from torch import nn
 from .backbone import ClipDims
 from .text_encoder import ClassTokenCache, context_from_words, encode_text_with_context
 from .visual_encoder import encode_image_with_prompts
-
 
 # CoOp's hand-made prompt: zero-shot CLIP's text and the fixed text side of VPT (CoOp paper, section 4.1).
 DEFAULT_TEMPLATE = "a photo of a {}."
@@ -57,8 +57,9 @@ PROMPT_TENSORS = ("ctx", "vpt", "ctx_deep", "proj_weight", "proj_bias")
 
 
 @torch.no_grad()
-def initial_visual_prompts(clip: nn.Module, how: str, depth: int, n: int, init_std: float,
-                           generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def initial_visual_prompts(
+    clip: nn.Module, how: str, depth: int, n: int, init_std: float, generator: Optional[torch.Generator] = None
+) -> torch.Tensor:
     """``[depth, n, d_v]`` initial visual prompt tokens (float32, on the CPU).
 
     The shallow tokens (layer 0) live where :func:`meta.visual_encoder.encode_image_with_prompts`
@@ -84,7 +85,7 @@ def initial_visual_prompts(clip: nn.Module, how: str, depth: int, n: int, init_s
     noise = torch.randn(depth, n, width, generator=generator) * init_std
     if how == "normal":
         return noise
-    pos = visual.positional_embedding.detach().float().cpu()              # [1 + g*g, d_v]
+    pos = visual.positional_embedding.detach().float().cpu()  # [1 + g*g, d_v]
     if how == "zeros":
         base = torch.zeros(width)
         noise = torch.zeros_like(noise)
@@ -96,7 +97,7 @@ def initial_visual_prompts(clip: nn.Module, how: str, depth: int, n: int, init_s
             base = base + visual.conv1.bias.detach().float().cpu()
     ref = visual.conv1.weight
     deep = visual.ln_pre(base.to(ref.device, ref.dtype)).float().cpu()
-    bases = torch.stack([base] + [deep] * (depth - 1)).unsqueeze(1)          # [depth, 1, d_v]
+    bases = torch.stack([base] + [deep] * (depth - 1)).unsqueeze(1)  # [depth, 1, d_v]
     return bases + noise
 
 
@@ -130,7 +131,7 @@ class PromptSpec:
     vision_depth: int = 1
     init_std: float = 0.02
     template: str = DEFAULT_TEMPLATE
-    vpt_init: str = "patch_mean"   # chosen on the val splits (docs/world_baseline.md)
+    vpt_init: str = "patch_mean"  # chosen on the val splits (docs/world_baseline.md)
     text_depth: int = 1
     coupling: str = "none"
 
@@ -140,20 +141,28 @@ class PromptSpec:
         if self.coupling not in COUPLINGS:
             raise ValueError(f"coupling must be one of {', '.join(COUPLINGS)}, got {self.coupling!r}")
         if int(self.text_depth) < 0 or int(self.vision_depth) < 0:
-            raise ValueError(f"text_depth and vision_depth must be >= 0 (0 = all layers), got "
-                             f"{self.text_depth} and {self.vision_depth}")
+            raise ValueError(
+                f"text_depth and vision_depth must be >= 0 (0 = all layers), got "
+                f"{self.text_depth} and {self.vision_depth}"
+            )
         has_text = self.n_ctx_text > 0 or bool(self.ctx_init)
         if (self.text_depth != 1 or self.coupling != "none") and not has_text:
-            raise ValueError("deep text prompts (text_depth > 1) and the MaPLe coupling need text context "
-                             "(n_ctx_text > 0 or ctx_init)")
+            raise ValueError(
+                "deep text prompts (text_depth > 1) and the MaPLe coupling need text context "
+                "(n_ctx_text > 0 or ctx_init)"
+            )
         if self.coupling == "maple" and self.n_ctx_vision > 0:
-            raise ValueError(f"coupling 'maple' derives the visual prompts from the text prompts; "
-                             f"n_ctx_vision must be 0, got {self.n_ctx_vision}")
+            raise ValueError(
+                f"coupling 'maple' derives the visual prompts from the text prompts; "
+                f"n_ctx_vision must be 0, got {self.n_ctx_vision}"
+            )
 
     def resolved(self, dims: ClipDims) -> "PromptSpec":
         """This spec with depth 0 ("all layers") replaced by the layer count of the CLIP of ``dims``."""
         text_all = min(dims.text_layers, dims.vision_layers) if self.coupling == "maple" else dims.text_layers
-        return replace(self, text_depth=self.text_depth or text_all, vision_depth=self.vision_depth or dims.vision_layers)
+        return replace(
+            self, text_depth=self.text_depth or text_all, vision_depth=self.vision_depth or dims.vision_layers
+        )
 
     @property
     def has_visual_prompts(self) -> bool:
@@ -190,9 +199,14 @@ class PromptParams(nn.Module):
     ~~~
     """
 
-    def __init__(self, ctx: Optional[torch.Tensor] = None, vpt: Optional[torch.Tensor] = None,
-                 ctx_deep: Optional[torch.Tensor] = None, proj_weight: Optional[torch.Tensor] = None,
-                 proj_bias: Optional[torch.Tensor] = None):
+    def __init__(
+        self,
+        ctx: Optional[torch.Tensor] = None,
+        vpt: Optional[torch.Tensor] = None,
+        ctx_deep: Optional[torch.Tensor] = None,
+        proj_weight: Optional[torch.Tensor] = None,
+        proj_bias: Optional[torch.Tensor] = None,
+    ):
         super().__init__()
         if ctx is None and vpt is None:
             raise ValueError("a prompt module needs text context (ctx) or visual prompts (vpt)")
@@ -202,18 +216,26 @@ class PromptParams(nn.Module):
             raise ValueError(f"vpt must be [D, n, d_v], got {tuple(vpt.shape)}")
         if ctx_deep is not None:
             if ctx is None or ctx_deep.dim() != 3 or ctx_deep.shape[1:] != ctx.shape:
-                raise ValueError(f"ctx_deep must be [J-1, M, d_t] with [M, d_t] = ctx's shape "
-                                 f"{None if ctx is None else tuple(ctx.shape)}, got {tuple(ctx_deep.shape)}")
+                raise ValueError(
+                    f"ctx_deep must be [J-1, M, d_t] with [M, d_t] = ctx's shape "
+                    f"{None if ctx is None else tuple(ctx.shape)}, got {tuple(ctx_deep.shape)}"
+                )
         if (proj_weight is None) != (proj_bias is None):
             raise ValueError("the MaPLe coupling needs both proj_weight [J, d_v, d_t] and proj_bias [J, d_v]")
         if proj_weight is not None:
             depth = 1 + (0 if ctx_deep is None else ctx_deep.shape[0])
             if ctx is None or vpt is not None:
                 raise ValueError("the MaPLe coupling (proj_weight) needs ctx and replaces vpt (give no vpt)")
-            if (proj_weight.dim() != 3 or proj_weight.shape[0] != depth or proj_weight.shape[2] != ctx.shape[1]
-                    or tuple(proj_bias.shape) != (depth, proj_weight.shape[1])):
-                raise ValueError(f"proj_weight must be [J={depth}, d_v, d_t={ctx.shape[1]}] and proj_bias "
-                                 f"[J, d_v], got {tuple(proj_weight.shape)} and {tuple(proj_bias.shape)}")
+            if (
+                proj_weight.dim() != 3
+                or proj_weight.shape[0] != depth
+                or proj_weight.shape[2] != ctx.shape[1]
+                or tuple(proj_bias.shape) != (depth, proj_weight.shape[1])
+            ):
+                raise ValueError(
+                    f"proj_weight must be [J={depth}, d_v, d_t={ctx.shape[1]}] and proj_bias "
+                    f"[J, d_v], got {tuple(proj_weight.shape)} and {tuple(proj_bias.shape)}"
+                )
         given = {"ctx": ctx, "vpt": vpt, "ctx_deep": ctx_deep, "proj_weight": proj_weight, "proj_bias": proj_bias}
         for name in PROMPT_TENSORS:
             value = given[name]
@@ -241,14 +263,18 @@ class PromptParams(nn.Module):
         ``n_ctx_vision`` / ``vision_depth`` describe the free visual tokens ``vpt`` only (0 for MaPLe,
         whose visual prompts follow from ``text_depth`` and ``coupling``).
         """
-        return {"n_ctx_text": self.n_ctx_text,
-                "n_ctx_vision": 0 if self.vpt is None else self.vpt.shape[1],
-                "vision_depth": 0 if self.vpt is None else self.vpt.shape[0],
-                "text_depth": self.text_depth, "coupling": self.coupling}
+        return {
+            "n_ctx_text": self.n_ctx_text,
+            "n_ctx_vision": 0 if self.vpt is None else self.vpt.shape[1],
+            "vision_depth": 0 if self.vpt is None else self.vpt.shape[0],
+            "text_depth": self.text_depth,
+            "coupling": self.coupling,
+        }
 
     @classmethod
-    def from_spec(cls, spec: PromptSpec, clip: nn.Module, dims: ClipDims,
-                  generator: Optional[torch.Generator] = None) -> "PromptParams":
+    def from_spec(
+        cls, spec: PromptSpec, clip: nn.Module, dims: ClipDims, generator: Optional[torch.Generator] = None
+    ) -> "PromptParams":
         """Fresh θ for ``spec`` on a CLIP of widths ``dims`` (random or word init)."""
         spec = spec.resolved(dims)
         device = clip.token_embedding.weight.device
@@ -260,8 +286,9 @@ class PromptParams(nn.Module):
         if spec.n_ctx_vision > 0:
             if not 1 <= spec.vision_depth <= dims.vision_layers:
                 raise ValueError(f"vision_depth must be in 1..{dims.vision_layers}, got {spec.vision_depth}")
-            vpt = initial_visual_prompts(clip, spec.vpt_init, spec.vision_depth, spec.n_ctx_vision,
-                                         spec.init_std, generator)
+            vpt = initial_visual_prompts(
+                clip, spec.vpt_init, spec.vision_depth, spec.n_ctx_vision, spec.init_std, generator
+            )
         # deep and coupled tensors are drawn after ctx and vpt: the shallow methods' draws are unchanged
         ctx_deep = weight = bias = None
         if spec.text_depth > 1:
@@ -275,8 +302,9 @@ class PromptParams(nn.Module):
         return module.to(device)
 
 
-def initial_projections(depth: int, d_in: int, d_out: int, generator: Optional[torch.Generator] = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def initial_projections(
+    depth: int, d_in: int, d_out: int, generator: Optional[torch.Generator] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """MaPLe's coupling maps at their start: ``([J, d_out, d_in], [J, d_out])`` (float32).
 
     Each is ``nn.Linear(d_in, d_out)``'s default start, U(-1/sqrt(d_in), 1/sqrt(d_in)) for weight and
@@ -322,7 +350,7 @@ def visual_prompts(prompts: Optional[nn.Module]) -> Optional[torch.Tensor]:
     # any leading task dimensions ride along (meta.batched: ctx [B, M, d_t], weight [B, J, d_v, d_t], ...)
     layers = ctx.unsqueeze(-3) if deep is None else torch.cat([ctx.unsqueeze(-3), deep], dim=-3)  # [J, M, d_t]
     bias = getattr(prompts, "proj_bias")
-    return torch.matmul(layers, weight.transpose(-1, -2)) + bias.unsqueeze(-2)                # [J, M, d_v]
+    return torch.matmul(layers, weight.transpose(-1, -2)) + bias.unsqueeze(-2)  # [J, M, d_v]
 
 
 class PromptedCLIP:
@@ -332,8 +360,9 @@ class PromptedCLIP:
     name) and, when there is no text context, the fixed-template text features.
     """
 
-    def __init__(self, clip: nn.Module, dims: ClipDims, n_ctx_text: int,
-                 template: str = DEFAULT_TEMPLATE, truncate: bool = True):
+    def __init__(
+        self, clip: nn.Module, dims: ClipDims, n_ctx_text: int, template: str = DEFAULT_TEMPLATE, truncate: bool = True
+    ):
         self.clip = clip
         self.dims = dims
         self.n_ctx_text = n_ctx_text
@@ -365,9 +394,13 @@ class PromptedCLIP:
         """``[B, E]`` L2-normalised image embeddings (with visual prompts when present)."""
         return F.normalize(encode_image_with_prompts(self.clip, images, visual_prompts(prompts)), dim=-1)
 
-    def logits(self, prompts: Optional[nn.Module], classnames: Sequence[str],
-               images: Optional[torch.Tensor] = None,
-               image_features: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def logits(
+        self,
+        prompts: Optional[nn.Module],
+        classnames: Sequence[str],
+        images: Optional[torch.Tensor] = None,
+        image_features: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """``[B, C]`` scaled cosine logits.
 
         Pass ``image_features`` (``[B, E]``, normalised) instead of ``images`` when the
@@ -393,9 +426,10 @@ def classification_loss(pclip: PromptedCLIP):
     """
 
     def loss_fn(prompts: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = pclip.logits(prompts, batch["classnames"], images=batch.get("images"),
-                              image_features=batch.get("features"))
+        logits = pclip.logits(
+            prompts, batch["classnames"], images=batch.get("images"), image_features=batch.get("features")
+        )
         return F.cross_entropy(logits, batch["label"]), logits
 
-    loss_fn.pclip = pclip   # meta.batched builds the task-stacked twin from it (meta.gram's task batching)
+    loss_fn.pclip = pclip  # meta.batched builds the task-stacked twin from it (meta.gram's task batching)
     return loss_fn

@@ -50,6 +50,7 @@ wrapped module at construction; :class:`RegulatorFactory` is a plain callable
 (not an ``nn.Module``) and returns ``None`` for tensors that do not require
 gradients, so no regulator is ever built for frozen weights.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -59,7 +60,7 @@ import torch
 from torch import nn
 
 _EPS = 1e-12
-_TINY = 1e-30   # guards the norm-preserving rescale against a zero regulated gradient
+_TINY = 1e-30  # guards the norm-preserving rescale against a zero regulated gradient
 HALVES = ("both", "gamma", "beta")
 
 
@@ -67,17 +68,17 @@ HALVES = ("both", "gamma", "beta")
 class RegulatorSpec:
     """Hyper-parameters of R_φ (see module docstring)."""
 
-    form: str = "residual"                 # "residual" | "paper"
+    form: str = "residual"  # "residual" | "paper"
     input_norm: bool = True
     beta_scale: Union[str, float] = "grad_rms"  # "grad_rms" or a float
-    init: str = "zero"                     # "zero" | "normal"
+    init: str = "zero"  # "zero" | "normal"
     init_std: float = 0.01
-    gamma_bound: float = 1.0               # residual form: γ ∈ (1 - bound, 1 + bound)
-    norm_preserve: bool = False            # ĝ rescaled to ‖g‖ (per prompt tensor)
-    mix: bool = False                      # learned raw/regulated mixing coefficient c = sigmoid(m)
-    mix_init: float = 0.0                  # initial m (0 -> c = 0.5)
-    halves: str = "both"                   # both | gamma (β ≡ 0: ĝ = γ ⊙ g) | beta (γ ≡ 1: ĝ = g + β)
-    learn_lr: bool = False                 # Meta-SGD: a learned per-tensor step size exp(ℓ) multiplies ĝ
+    gamma_bound: float = 1.0  # residual form: γ ∈ (1 - bound, 1 + bound)
+    norm_preserve: bool = False  # ĝ rescaled to ‖g‖ (per prompt tensor)
+    mix: bool = False  # learned raw/regulated mixing coefficient c = sigmoid(m)
+    mix_init: float = 0.0  # initial m (0 -> c = 0.5)
+    halves: str = "both"  # both | gamma (β ≡ 0: ĝ = γ ⊙ g) | beta (γ ≡ 1: ĝ = g + β)
+    learn_lr: bool = False  # Meta-SGD: a learned per-tensor step size exp(ℓ) multiplies ĝ
 
     def __post_init__(self) -> None:
         if self.form not in ("residual", "paper"):

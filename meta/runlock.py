@@ -9,6 +9,7 @@ after ``SIGKILL``, so a killed run never blocks the next one.
 Under ``torchrun`` only rank 0 takes the lock (``RunLock(folder, enabled=is_rank0())``); the
 other ranks write only what rank 0 coordinates.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -82,8 +83,11 @@ class RunLock:
             except OSError as err:
                 os.close(fd)
                 if err.errno in (errno_mod.EWOULDBLOCK, errno_mod.EAGAIN, errno_mod.EACCES):
-                    raise UserError(str(self.folder), f"already in use by PID {self._holder()} (one run per "
-                                                      f"output folder; wait for it or choose another folder)") from None
+                    raise UserError(
+                        str(self.folder),
+                        f"already in use by PID {self._holder()} (one run per "
+                        f"output folder; wait for it or choose another folder)",
+                    ) from None
                 raise
             try:  # the holder before us may have removed the file between our open and our lock
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino

@@ -20,6 +20,7 @@ not in Dassl, used by the evaluator).  Every state dict holds only numbers and l
 checkpoints stay ``torch.load(weights_only=True)``-loadable (Dassl's own wrappers pickle their
 successor scheduler object).
 """
+
 from __future__ import annotations
 
 from typing import Sequence, Union
@@ -58,9 +59,17 @@ def _factor(target: float, base: float) -> float:
     raise ValueError(f"OPTIM.LR: a warm-up to {target} needs a positive learning rate, got {base}")
 
 
-def epoch_scheduler(optimizer: Optimizer, schedule: str = "cosine", max_epoch: int = 10, warmup_epochs: int = 0,
-                    warmup_type: str = "constant", warmup_cons_lr: float = 1e-5, warmup_min_lr: float = 1e-5,
-                    stepsize: Union[int, Sequence[int], None] = None, gamma: float = 0.1) -> tls.LRScheduler:
+def epoch_scheduler(
+    optimizer: Optimizer,
+    schedule: str = "cosine",
+    max_epoch: int = 10,
+    warmup_epochs: int = 0,
+    warmup_type: str = "constant",
+    warmup_cons_lr: float = 1e-5,
+    warmup_min_lr: float = 1e-5,
+    stepsize: Union[int, Sequence[int], None] = None,
+    gamma: float = 0.1,
+) -> tls.LRScheduler:
     """The per-epoch schedule over ``optimizer``'s groups (their current ``lr`` is the base lr).
 
     Args:

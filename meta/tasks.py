@@ -20,6 +20,7 @@ Everything here works on item indices (numpy only); :mod:`meta.metatrain.data` t
 tensors.  The hierarchy is :class:`meta.chc.hierarchy.Hierarchy` or anything with its accessors
 (``num_topics``, ``topic_names``, ``domain_members``, ``topic_members``, ``topic_sizes``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -70,8 +71,16 @@ class TaskSampler:
         seed: seed of the task stream.
     """
 
-    def __init__(self, hierarchy: "Hierarchy", k_way: int, n_support: int, n_query: int, domain_shift: bool = True,
-                 topics: Optional[Sequence[int]] = None, seed: int = 0):
+    def __init__(
+        self,
+        hierarchy: "Hierarchy",
+        k_way: int,
+        n_support: int,
+        n_query: int,
+        domain_shift: bool = True,
+        topics: Optional[Sequence[int]] = None,
+        seed: int = 0,
+    ):
         if k_way < 1 or n_support < 1 or n_query < 1:
             raise ValueError(f"TASKS: K_WAY, N_SUPPORT and N_QUERY must be >= 1, got {k_way}, {n_support}, {n_query}")
         self.h = hierarchy
@@ -83,8 +92,10 @@ class TaskSampler:
         self.skipped_topics = len(list(candidates)) - len(self.topics)
         names = {hierarchy.topic_names[t] for t in self.topics}
         if len(names) < self.k_way:
-            raise ValueError(f"TaskSampler: only {len(names)} topics have a domain with >= {self.n_support} images "
-                             f"and >= {self.n_support + self.n_query} images in all; K_WAY is {self.k_way}")
+            raise ValueError(
+                f"TaskSampler: only {len(names)} topics have a domain with >= {self.n_support} images "
+                f"and >= {self.n_support + self.n_query} images in all; K_WAY is {self.k_way}"
+            )
         # distinct names -> topic ids (a hierarchy's names are unique, but a topic list may not be)
         self._by_name: dict = {}
         for t in self.topics:
@@ -143,10 +154,15 @@ class TaskSampler:
             topics.append(topic), s_dom.append(dom), s_idx.append(support)
             q_idx.append(self._query(doms, support))
         k = self.k_way
-        return Task(classnames=names, topics=np.asarray(topics, dtype=np.int64),
-                    support_index=np.concatenate(s_idx), support_label=np.repeat(np.arange(k), self.n_support),
-                    query_index=np.concatenate(q_idx), query_label=np.repeat(np.arange(k), self.n_query),
-                    support_domain=np.asarray(s_dom, dtype=np.int64))
+        return Task(
+            classnames=names,
+            topics=np.asarray(topics, dtype=np.int64),
+            support_index=np.concatenate(s_idx),
+            support_label=np.repeat(np.arange(k), self.n_support),
+            query_index=np.concatenate(q_idx),
+            query_label=np.repeat(np.arange(k), self.n_query),
+            support_domain=np.asarray(s_dom, dtype=np.int64),
+        )
 
     def __iter__(self):
         while True:
@@ -236,8 +252,10 @@ class ClassBatchStream:
         else:
             chosen = np.sort(self.rng.choice(self.topics, size=self.ways, replace=False))
         label = self.rng.integers(0, len(chosen), size=self.batch_size)
-        index = np.array([self.members[int(chosen[c])][self.rng.integers(0, len(self.members[int(chosen[c])]))]
-                          for c in label], dtype=np.int64)
+        index = np.array(
+            [self.members[int(chosen[c])][self.rng.integers(0, len(self.members[int(chosen[c])]))] for c in label],
+            dtype=np.int64,
+        )
         return ClassBatch([self.h.topic_names[int(t)] for t in chosen], index, label)
 
     def state(self) -> dict:

@@ -15,6 +15,7 @@ the hidden states at positions ``1..M`` are replaced by ``ctx_deep[i-1]`` (no po
 is added to them, as in multimodal-prompt-learning ``clip/model.py``).  Those positions lie before
 every EOT, so truncation stays exact (``tests/test_deep_prompts.py`` checks it).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -94,12 +95,14 @@ class ClassTokenCache:
         eot = tokens.argmax(dim=-1)  # EOT has the largest id in CLIP's vocabulary
         if bool((eot >= context_length - 1).any()):
             too_long = [n for n, e in zip(missing, eot.tolist()) if e >= context_length - 1]
-            raise ValueError(f"class names too long for {context_length} text tokens with {self.n_ctx} "
-                             f"context tokens: {too_long[:3]}")
-        with torch.no_grad():   # cast once to the blocks' dtype (open_clip's fp16 keeps embeddings fp32)
+            raise ValueError(
+                f"class names too long for {context_length} text tokens with {self.n_ctx} "
+                f"context tokens: {too_long[:3]}"
+            )
+        with torch.no_grad():  # cast once to the blocks' dtype (open_clip's fp16 keeps embeddings fp32)
             emb = self.clip.token_embedding(tokens).to(tower_dtype(self.clip.transformer))  # [n, 77, d_t]
         for i, name in enumerate(missing):
-            self._cache[name] = (emb[i, :1], emb[i, 1 + self.n_ctx:], int(eot[i]))
+            self._cache[name] = (emb[i, :1], emb[i, 1 + self.n_ctx :], int(eot[i]))
 
     def tokens(self, classnames: Sequence[str]) -> ClassTokens:
         """Stacked frozen embeddings for ``classnames`` (order kept): see :class:`ClassTokens`."""
@@ -113,16 +116,21 @@ class ClassTokenCache:
         entries = [self._cache[n] for n in classnames]
         eots = [e[2] for e in entries]
         full = entries[0][1].shape[0] + 1 + self.n_ctx
-        length = max(eots) + 1 if self.truncate else full   # from the host list: no device sync
+        length = max(eots) + 1 if self.truncate else full  # from the host list: no device sync
         n_suffix = length - 1 - self.n_ctx
         prefix = torch.stack([e[0] for e in entries])
         suffix = torch.stack([e[1][:n_suffix] for e in entries])
         if self._positional is None:
             self._positional = self.clip.positional_embedding.detach().to(prefix.dtype)
-        out = ClassTokens(prefix=prefix, suffix=suffix, eot_index=torch.tensor(eots, device=prefix.device),
-                          n_ctx=self.n_ctx, positional=self._positional[:length])
+        out = ClassTokens(
+            prefix=prefix,
+            suffix=suffix,
+            eot_index=torch.tensor(eots, device=prefix.device),
+            n_ctx=self.n_ctx,
+            positional=self._positional[:length],
+        )
         if len(self._stacked) >= self.STACKED:
-            self._stacked.pop(next(iter(self._stacked)))   # the oldest list
+            self._stacked.pop(next(iter(self._stacked)))  # the oldest list
         self._stacked[key] = out
         return out
 
@@ -138,8 +146,9 @@ def tower_dtype(transformer: nn.Module) -> torch.dtype:
     return next(p for p in transformer.parameters() if p.dim() > 1).dtype
 
 
-def encode_text_with_context(clip: nn.Module, tokens: ClassTokens, ctx: Optional[torch.Tensor],
-                             ctx_deep: Optional[torch.Tensor] = None) -> torch.Tensor:
+def encode_text_with_context(
+    clip: nn.Module, tokens: ClassTokens, ctx: Optional[torch.Tensor], ctx_deep: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Run the frozen text tower on ``[SOT, ctx, class tokens]``.
 
     Args:
@@ -154,7 +163,7 @@ def encode_text_with_context(clip: nn.Module, tokens: ClassTokens, ctx: Optional
         ``[C, E]`` text features (not normalised), differentiable w.r.t. ``ctx``.
     """
     n_cls = len(tokens)
-    dtype = tower_dtype(clip.transformer)   # fp16 under open_clip's fp16 weights; embeddings stay fp32 there
+    dtype = tower_dtype(clip.transformer)  # fp16 under open_clip's fp16 weights; embeddings stay fp32 there
     parts = [tokens.prefix.to(dtype)]
     if tokens.n_ctx:
         if ctx is None:
@@ -170,7 +179,7 @@ def encode_text_with_context(clip: nn.Module, tokens: ClassTokens, ctx: Optional
     pos = tokens.positional if tokens.positional is not None else clip.positional_embedding[:length]
     x = x + pos.to(x.dtype)
     mask = clip.attn_mask[:length, :length] if clip.attn_mask is not None else None
-    if ctx_deep is not None and ctx_deep.dim() == 4:   # per class: [C, J-1, M, d_t] -> layer-major [J-1, C, M, d_t]
+    if ctx_deep is not None and ctx_deep.dim() == 4:  # per class: [C, J-1, M, d_t] -> layer-major [J-1, C, M, d_t]
         if ctx_deep.shape[0] != n_cls:
             raise ValueError(f"per-class ctx_deep must be [C={n_cls}, J-1, M, d_t], got {tuple(ctx_deep.shape)}")
         ctx_deep = ctx_deep.transpose(0, 1)
@@ -186,9 +195,10 @@ def encode_text_with_context(clip: nn.Module, tokens: ClassTokens, ctx: Optional
     for i in range(1, 1 + deep.shape[0]):
         x = block_forward(blocks[i - 1], x, mask)
         layer = deep[i - 1] if deep.dim() == 4 else deep[i - 1].unsqueeze(0).expand(n_cls, -1, -1)  # [C, M, d_t]
-        x = torch.cat([x[:, :1], layer, x[:, 1 + m:]], dim=1)
-    x = transformer_forward(clip.transformer, x, attn_mask=mask, last_rows=tokens.eot_index,
-                            start=deep.shape[0])                                                   # [C, 1, d_t]
+        x = torch.cat([x[:, :1], layer, x[:, 1 + m :]], dim=1)
+    x = transformer_forward(
+        clip.transformer, x, attn_mask=mask, last_rows=tokens.eot_index, start=deep.shape[0]
+    )  # [C, 1, d_t]
     return text_head(clip, x[:, 0])
 
 
@@ -214,4 +224,4 @@ def context_from_words(clip: nn.Module, words: str) -> torch.Tensor:
         raise ValueError(f"context init {words!r} has no tokens")
     with torch.no_grad():
         emb = clip.token_embedding(tokens.to(clip.token_embedding.weight.device))
-    return emb[0, 1:1 + n].clone()
+    return emb[0, 1 : 1 + n].clone()

@@ -16,6 +16,7 @@ Steps outside a torch optimiser (the launch step, :func:`meta.finetune.launch_`)
 covers the schedule.  Units: travel in θ's units; ``beta_share`` = ‖travel_β‖ / ‖travel‖, ``beta_projection``
 = ⟨travel_β, travel⟩ / ‖travel‖² (the fraction of the travel along its own direction that β supplies).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -25,7 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .regulator import GradientRegulator
 
-_PAIR_TOL = 1e-4   # relative residual under which p.grad counts as a multiple of a recorded ĝ
+_PAIR_TOL = 1e-4  # relative residual under which p.grad counts as a multiple of a recorded ĝ
 
 
 class TravelSplit:
@@ -96,8 +97,12 @@ class TravelSplit:
                 full = p.grad + wd * p if wd else p.grad.clone()
                 st = self._state.get(id(p))
                 if st is None:
-                    st = self._state[id(p)] = {"v": full.clone(), "vb": beta.clone(),
-                                               "travel": torch.zeros_like(p), "travel_beta": torch.zeros_like(p)}
+                    st = self._state[id(p)] = {
+                        "v": full.clone(),
+                        "vb": beta.clone(),
+                        "travel": torch.zeros_like(p),
+                        "travel_beta": torch.zeros_like(p),
+                    }
                 else:
                     st["v"] = mu * st["v"] + full if mu else full.clone()
                     st["vb"] = mu * st["vb"] + beta if mu else beta.clone()
@@ -119,7 +124,11 @@ class TravelSplit:
         travel = torch.cat([s["travel"].flatten() for s in self._state.values()])
         beta = torch.cat([s["travel_beta"].flatten() for s in self._state.values()])
         norm2 = float(travel.pow(2).sum())
-        return {"steps": float(self.steps), "unpaired": float(self.unpaired), "travel_norm": norm2 ** 0.5,
-                "beta_travel_norm": float(beta.norm()),
-                "beta_share": float(beta.norm()) / max(norm2 ** 0.5, 1e-30),
-                "beta_projection": float((beta * travel).sum()) / max(norm2, 1e-30)}
+        return {
+            "steps": float(self.steps),
+            "unpaired": float(self.unpaired),
+            "travel_norm": norm2**0.5,
+            "beta_travel_norm": float(beta.norm()),
+            "beta_share": float(beta.norm()) / max(norm2**0.5, 1e-30),
+            "beta_projection": float((beta * travel).sum()) / max(norm2, 1e-30),
+        }

@@ -17,6 +17,7 @@ multimodal-prompt-learning ``clip/model.py``; reference section 7):
 The pooled output still comes from the CLS token, so with no prompts this
 forward equals ``clip.encode_image`` (checked in tests).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -91,12 +92,12 @@ def encode_image_with_prompts(
             return prompts[i].unsqueeze(0).expand(batch, -1, -1)
         return prompts[:, i].repeat_interleave(batch // prompts.shape[0], dim=0)
 
-    x = visual.conv1(images.to(visual.conv1.weight.dtype))          # [B, d_v, g, g]
-    x = x.reshape(batch, x.shape[1], -1).permute(0, 2, 1)            # [B, g*g, d_v]
+    x = visual.conv1(images.to(visual.conv1.weight.dtype))  # [B, d_v, g, g]
+    x = x.reshape(batch, x.shape[1], -1).permute(0, 2, 1)  # [B, g*g, d_v]
     cls = visual.class_embedding.to(x.dtype).view(1, 1, -1).expand(batch, -1, -1)
     x = torch.cat([cls, x], dim=1) + visual.positional_embedding.to(x.dtype)  # [B, 1+g*g, d_v]
     prompts = vpt.to(x.dtype)
-    x = torch.cat([x, layer(0)], dim=1)                              # [B, 1+g*g+n, d_v]
+    x = torch.cat([x, layer(0)], dim=1)  # [B, 1+g*g+n, d_v]
     x = _ln_pre(visual.ln_pre, x)
     n_keep = x.shape[1] - n_prompt
     blocks = visual.transformer.resblocks

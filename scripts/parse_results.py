@@ -24,10 +24,12 @@ Statistics are those of ``meta.evaluation.summary`` (the demo's too), over the s
 both a base and a new run: per dataset, mean +- std over seeds (population std, ``np.std`` as
 CoOp) of base and new, and H = harmonic mean of the *averaged* base and new; the Average row
 averages each seed's accuracies over the datasets (seeds every dataset has), then mean +- std over
-seeds, and its H is the harmonic mean of the two means (the convention of CoCoOp's Table 1).  Writes markdown, CSV and a bar plot of H to ``--out``
+seeds, and its H is the harmonic mean of the two means (the convention of CoCoOp's Table 1).  Writes markdown, CSV and
+a bar plot of H to ``--out``
 (default OUTPUT_ROOT/tables) and prints the markdown.  Missing or unfinished runs are listed on
 stderr, naming the file; ``--strict`` then exits with status 1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +47,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from meta import methods as method_table  # noqa: E402
 from meta import coop_data  # noqa: E402
+from meta import methods as method_table  # noqa: E402
 from meta.dassl_runs import LogProblem, read_accuracy, run_mode  # noqa: E402  (the runner's reader too)
 from meta.evaluation.summary import summarise  # noqa: E402
 
@@ -176,9 +178,18 @@ def base2new_records(results: dict[RunKey, dict[int, float]], shots: int) -> lis
         if k.table != "base2new" or k.shots != shots or k.side != "base":
             continue
         base, new = results[k], results.get(RunKey("base2new", shots, k.method, k.dataset, "new"), {})
-        records += [{"protocol": "base2new", "dataset": k.dataset, "key": k.method,
-                     "method": method_table.label(k.method), "seed": seed, "base": base[seed], "new": new[seed]}
-                    for seed in sorted(set(base) & set(new))]
+        records += [
+            {
+                "protocol": "base2new",
+                "dataset": k.dataset,
+                "key": k.method,
+                "method": method_table.label(k.method),
+                "seed": seed,
+                "base": base[seed],
+                "new": new[seed],
+            }
+            for seed in sorted(set(base) & set(new))
+        ]
     return records
 
 
@@ -192,12 +203,17 @@ def base2new_rows(results: dict[RunKey, dict[int, float]], shots: int, method: s
     averages, rows = [], []
     for row in summarise(records, average=AVERAGE):
         n = len(row["seeds"])
-        out = {"dataset": row["dataset"], "base": Stat(row["base_mean"], row["base_std"], n),
-               "new": Stat(row["new_mean"], row["new_std"], n), "H": row["H"]}
+        out = {
+            "dataset": row["dataset"],
+            "base": Stat(row["base_mean"], row["base_std"], n),
+            "new": Stat(row["new_mean"], row["new_std"], n),
+            "H": row["H"],
+        }
         if "datasets" in row:  # the average row
             k = len(row["datasets"])
-            averages.append(out | {"dataset": f"Average over {k} dataset{'s' if k > 1 else ''}", "average": True,
-                                   "datasets": k})
+            averages.append(
+                out | {"dataset": f"Average over {k} dataset{'s' if k > 1 else ''}", "average": True, "datasets": k}
+            )
         else:
             rows.append(out)
     return averages + sorted(rows, key=lambda r: _order(r["dataset"], DATASET_ORDER))
@@ -212,8 +228,10 @@ def write_base2new(results, out: Path, stem_prefix: str = "base2new") -> list[Pa
     written: list[Path] = []
     shot_counts = sorted({k.shots for k in results if k.table == "base2new"})
     for shots in shot_counts:
-        methods = sorted({k.method for k in results if k.table == "base2new" and k.shots == shots},
-                         key=lambda m: _order(m, METHOD_ORDER))
+        methods = sorted(
+            {k.method for k in results if k.table == "base2new" and k.shots == shots},
+            key=lambda m: _order(m, METHOD_ORDER),
+        )
         per_method = {m: base2new_rows(results, shots, m) for m in methods}
         # markdown: one table per dataset (Average first), methods as rows - the layout of Table 1
         by_dataset: dict[str, list[tuple[str, dict]]] = defaultdict(list)
@@ -222,12 +240,20 @@ def write_base2new(results, out: Path, stem_prefix: str = "base2new") -> list[Pa
                 key = "Average" if row.get("average") else row["dataset"]
                 by_dataset[key].append((m, row))
         order = sorted(by_dataset, key=lambda d: (-1, d) if d == "Average" else _order(d, DATASET_ORDER))
-        lines = [f"# Base-to-new generalisation, {shots} shots", "",
-                 "Base/New: mean ± std over seeds (%); H: harmonic mean of the mean Base and New.", ""]
+        lines = [
+            f"# Base-to-new generalisation, {shots} shots",
+            "",
+            "Base/New: mean ± std over seeds (%); H: harmonic mean of the mean Base and New.",
+            "",
+        ]
         for ds in order:
             title = next((r["dataset"] for _, r in by_dataset[ds] if r.get("average")), ds)
-            lines += [f"## {title if ds == 'Average' else DATASET_LABEL.get(ds, ds)}", "",
-                      "| Method | Base | New | H | seeds (base/new) |", "|---|---|---|---|---|"]
+            lines += [
+                f"## {title if ds == 'Average' else DATASET_LABEL.get(ds, ds)}",
+                "",
+                "| Method | Base | New | H | seeds (base/new) |",
+                "|---|---|---|---|---|",
+            ]
             for m, r in by_dataset[ds]:
                 avg = bool(r.get("average"))
                 h = f"{r['H']:.2f}" if r["H"] is not None else "–"
@@ -241,14 +267,37 @@ def write_base2new(results, out: Path, stem_prefix: str = "base2new") -> list[Pa
         csv_path = out / f"{stem_prefix}_shots{shots}.csv"
         with open(csv_path, "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["shots", "method", "dataset", "base_mean", "base_std", "base_seeds",
-                        "new_mean", "new_std", "new_seeds", "H"])
+            w.writerow(
+                [
+                    "shots",
+                    "method",
+                    "dataset",
+                    "base_mean",
+                    "base_std",
+                    "base_seeds",
+                    "new_mean",
+                    "new_std",
+                    "new_seeds",
+                    "H",
+                ]
+            )
             for m in methods:
                 for r in per_method[m]:
                     b, n = r["base"], r["new"]
-                    w.writerow([shots, m, "average" if r.get("average") else r["dataset"],
-                                _num(b and b.mean), _num(b and b.std), b.n if b else 0,
-                                _num(n and n.mean), _num(n and n.std), n.n if n else 0, _num(r["H"])])
+                    w.writerow(
+                        [
+                            shots,
+                            m,
+                            "average" if r.get("average") else r["dataset"],
+                            _num(b and b.mean),
+                            _num(b and b.std),
+                            b.n if b else 0,
+                            _num(n and n.mean),
+                            _num(n and n.std),
+                            n.n if n else 0,
+                            _num(r["H"]),
+                        ]
+                    )
         png = out / f"{stem_prefix}_shots{shots}_H.png"
         _bar_plot(per_method, png, f"Base-to-new H, {shots} shots")
         written += [md, csv_path, png]
@@ -279,8 +328,12 @@ def _bar_plot(per_method: dict[str, list[dict]], path: Path, title: str) -> None
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(labels) + 2), 4.0))
     for i, (method, rows) in enumerate(per_method.items()):
         h = {("Average" if r.get("average") else r["dataset"]): r["H"] for r in rows}
-        ax.bar(x + i * width - 0.4 + width / 2, [h.get(lbl) or 0.0 for lbl in labels], width,
-               label=method_table.label(method))
+        ax.bar(
+            x + i * width - 0.4 + width / 2,
+            [h.get(lbl) or 0.0 for lbl in labels],
+            width,
+            label=method_table.label(method),
+        )
     ax.set_xticks(x)
     ax.set_xticklabels([DATASET_LABEL.get(lbl, lbl) for lbl in labels], rotation=30, ha="right")
     ax.set_ylabel("H (%)")
@@ -296,13 +349,25 @@ def transfer_row(results: dict[RunKey, dict[int, float]], table: str, shots: int
     and the target average (each seed's targets averaged first), over the seeds that have the source
     run and every target run the method has (a seed missing one is reported by :func:`collect`)."""
     source = results.get(RunKey(table, shots, method, "imagenet", "source"), {})
-    targets = {k.dataset: v for k, v in results.items()
-               if (k.table, k.shots, k.method, k.side) == (table, shots, method, "target")}
+    targets = {
+        k.dataset: v
+        for k, v in results.items()
+        if (k.table, k.shots, k.method, k.side) == (table, shots, method, "target")
+    }
     names = sorted(targets, key=lambda d: _order(d, DATASET_ORDER))
     seeds = set(source).intersection(*(set(v) for v in targets.values()))
-    records = [{"protocol": table, "dataset": "imagenet", "key": method, "method": method_table.label(method),
-                "seed": seed, "source": source[seed], "targets": {t: targets[t][seed] for t in names}}
-               for seed in sorted(seeds)]
+    records = [
+        {
+            "protocol": table,
+            "dataset": "imagenet",
+            "key": method,
+            "method": method_table.label(method),
+            "seed": seed,
+            "source": source[seed],
+            "targets": {t: targets[t][seed] for t in names},
+        }
+        for seed in sorted(seeds)
+    ]
     return summarise(records)[0] if records else None
 
 
@@ -315,16 +380,26 @@ def write_transfer(results, table: str, out: Path) -> list[Path]:
         targets = sorted({k.dataset for k in keys if k.side == "target"}, key=lambda d: _order(d, DATASET_ORDER))
         cols = ["ImageNet (source)", *[DATASET_LABEL.get(t, t) for t in targets], "Average (targets)"]
         title = "Cross-dataset transfer" if table == "xd" else "Cross-domain generalisation"
-        lines = [f"# {title}, ImageNet {shots} shots", "", "Accuracy (%): mean ± std over seeds (those with the source and every target run).", "",
-                 "| Method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        lines = [
+            f"# {title}, ImageNet {shots} shots",
+            "",
+            "Accuracy (%): mean ± std over seeds (those with the source and every target run).",
+            "",
+            "| Method | " + " | ".join(cols) + " |",
+            "|---" * (len(cols) + 1) + "|",
+        ]
         csv_rows = []
         for m in methods:
             row = transfer_row(results, table, shots, m)
             src = Stat(row["source_mean"], row["source_std"], len(row["seeds"])) if row else None
-            tgt = [Stat(*row["targets"][t], len(row["seeds"])) if row and t in row["targets"] else None
-                   for t in targets]
-            avg = (Stat(row["target_mean"], row["target_std"], len(row["seeds"]))
-                   if row and list(row["targets"]) == targets else None)  # only over every target
+            tgt = [
+                Stat(*row["targets"][t], len(row["seeds"])) if row and t in row["targets"] else None for t in targets
+            ]
+            avg = (
+                Stat(row["target_mean"], row["target_std"], len(row["seeds"]))
+                if row and list(row["targets"]) == targets
+                else None
+            )  # only over every target
             cells = [_cell(src), *[_cell(s) for s in tgt], _cell(avg)]
             lines.append(f"| {method_table.label(m)} | " + " | ".join(cells) + " |")
             for name, s in [("imagenet", src), *zip(targets, tgt), ("target_average", avg)]:
@@ -354,13 +429,17 @@ def main(argv: list[str] | None = None) -> int:
     for p in problems:
         print(f"WARNING: {p}", file=sys.stderr)
     if not results:
-        print(f"no finished runs under {root} (expected base2new/, xd/ or xdomain/ as this repository's or "
-              f"CoOp's/MaPLe's scripts write them)",
-              file=sys.stderr)
+        print(
+            f"no finished runs under {root} (expected base2new/, xd/ or xdomain/ as this repository's or "
+            f"CoOp's/MaPLe's scripts write them)",
+            file=sys.stderr,
+        )
         return 1
     out = args.out or (root / "tables")
     os.makedirs(out, exist_ok=True)
-    written = write_base2new(results, out) + write_transfer(results, "xd", out) + write_transfer(results, "xdomain", out)
+    written = (
+        write_base2new(results, out) + write_transfer(results, "xd", out) + write_transfer(results, "xdomain", out)
+    )
     for path in written:
         if path.suffix == ".md":
             print(path.read_text())

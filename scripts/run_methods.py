@@ -27,6 +27,7 @@ path>), REDO=1 (redo refused jobs), DRY_RUN=1 (print commands only).
 
 Exit status: 0 when every result is present, 1 when a job failed or was refused, 2 for bad input.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -51,7 +52,10 @@ USAGE = {
     "xd": "bash scripts/xd.sh METHOD [SEEDS...] [--] [KEY VALUE ...]",
     "xdomain": "bash scripts/xdomain.sh METHOD [SEEDS...] [--] [KEY VALUE ...]",
 }
-TARGETS = {"xd": ("xd/test", coop_data.CROSS_DATASET_TARGETS), "xdomain": ("xdomain/test", coop_data.CROSS_DOMAIN_TARGETS)}
+TARGETS = {
+    "xd": ("xd/test", coop_data.CROSS_DATASET_TARGETS),
+    "xdomain": ("xdomain/test", coop_data.CROSS_DOMAIN_TARGETS),
+}
 _SEED = re.compile(r"^[0-9]+$")
 _YACS_KEY = re.compile(r"^[A-Z_]+\.")
 
@@ -93,11 +97,19 @@ class Env:
         epochs = e.get("EPOCHS", "")
         if epochs and not _SEED.match(epochs):
             raise InputError(f"EPOCHS must be a positive integer, got '{epochs}'")
-        return cls(data=e.get("DATA") or str(REPO / "data"), output=Path(e.get("OUTPUT") or REPO / "output"),
-                   shots=e.get("SHOTS") or "16", epochs=epochs, load_epoch=e.get("LOAD_EPOCH", ""),
-                   python=e.get("PYTHON") or sys.executable, train_py=e.get("TRAIN_PY") or str(REPO / "train.py"),
-                   configs=Path(e.get("CONFIGS") or REPO / "configs"), init=e.get("INIT", ""),
-                   redo=e.get("REDO", "0") == "1", dry_run=e.get("DRY_RUN", "0") == "1")
+        return cls(
+            data=e.get("DATA") or str(REPO / "data"),
+            output=Path(e.get("OUTPUT") or REPO / "output"),
+            shots=e.get("SHOTS") or "16",
+            epochs=epochs,
+            load_epoch=e.get("LOAD_EPOCH", ""),
+            python=e.get("PYTHON") or sys.executable,
+            train_py=e.get("TRAIN_PY") or str(REPO / "train.py"),
+            configs=Path(e.get("CONFIGS") or REPO / "configs"),
+            init=e.get("INIT", ""),
+            redo=e.get("REDO", "0") == "1",
+            dry_run=e.get("DRY_RUN", "0") == "1",
+        )
 
 
 def parse_args(protocol: str, argv: Sequence[str], env: Env) -> Job:
@@ -112,7 +124,13 @@ def parse_args(protocol: str, argv: Sequence[str], env: Env) -> Job:
     if not row.dassl:
         raise InputError(f"method '{row.key}' has no Dassl trainer: expected one of {' '.join(methods.dassl_keys())}")
     job = Job(protocol, row)
-    if protocol == "base2new" and args and args[0] != "--" and not _SEED.match(args[0]) and not _YACS_KEY.match(args[0]):
+    if (
+        protocol == "base2new"
+        and args
+        and args[0] != "--"
+        and not _SEED.match(args[0])
+        and not _YACS_KEY.match(args[0])
+    ):
         job.dataset_arg = args.pop(0)
     seeds = []
     while args and _SEED.match(args[0]):
@@ -207,14 +225,18 @@ class Runner:
             finished = log_finished(run_dir, mode)
             if old and old == digest and not finished and not pid_alive(old_pid):
                 crashed = Path(f"{run_dir}.crashed-{_stamp()}")
-                print(f"Rerunning {run_dir}: its earlier run did not finish and its process is gone (moved to {crashed})")
+                print(
+                    f"Rerunning {run_dir}: its earlier run did not finish and its process is gone (moved to {crashed})"
+                )
                 if not env.dry_run:
                     run_dir.rename(crashed)
             elif not old:
                 why = "it has no gram_run.txt, so its configuration is unknown"
             elif old != digest:
-                why = (f"it was run with different arguments or configs (hash {old[:12]} != {digest[:12]}; "
-                       f"see {run_dir / RUN_INFO})")
+                why = (
+                    f"it was run with different arguments or configs (hash {old[:12]} != {digest[:12]}; "
+                    f"see {run_dir / RUN_INFO})"
+                )
             elif not finished:
                 why = f"it is still running (process {old_pid})"
             else:
@@ -232,11 +254,18 @@ class Runner:
         if env.dry_run:
             return True
         run_dir.mkdir(parents=True, exist_ok=True)
-        info_lines = [f"hash {digest}", f"mode {mode}", f"pid {os.getpid()}", f"python {env.python}",
-                      f"date {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"] + [f"arg {a}" for a in args]
+        info_lines = [
+            f"hash {digest}",
+            f"mode {mode}",
+            f"pid {os.getpid()}",
+            f"python {env.python}",
+            f"date {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}",
+        ] + [f"arg {a}" for a in args]
         (run_dir / RUN_INFO).write_text("".join(line + "\n" for line in info_lines))
         stderr_path = run_dir / "stderr.txt"
-        with open(stderr_path, "w", errors="replace") as kept:  # train.py's stderr: on the terminal and kept in the folder
+        with open(
+            stderr_path, "w", errors="replace"
+        ) as kept:  # train.py's stderr: on the terminal and kept in the folder
             proc = subprocess.Popen([env.python, env.train_py, *args], cwd=REPO, stderr=subprocess.PIPE)
             for chunk in iter(lambda: proc.stderr.read1(65536), b""):  # read1: progress bars pass at once
                 sys.stderr.buffer.write(chunk)
@@ -275,7 +304,16 @@ class Runner:
         return ["OPTIM.MAX_EPOCH", self.env.epochs] if self.env.epochs else []
 
     def base_args(self, seed: str, cfg: Path) -> list[str]:
-        return ["--root", self.env.data, "--seed", seed, "--trainer", self.job.method.trainer, "--config-file", str(cfg)]
+        return [
+            "--root",
+            self.env.data,
+            "--seed",
+            seed,
+            "--trainer",
+            self.job.method.trainer,
+            "--config-file",
+            str(cfg),
+        ]
 
     def base2new(self, cfg: Path) -> None:
         """CoCoOp's base-to-new protocol (CoOp scripts/cocoop/base2new_{train,test}.sh): train on the base
@@ -298,19 +336,40 @@ class Runner:
                     return ["DATASET.NUM_SHOTS", env.shots, "DATASET.SUBSAMPLE_CLASSES", sub]
 
                 if job.method.zero_shot:
-                    self.run("eval", train_dir, base + ["--output-dir", str(train_dir), "--eval-only"] + half("base")
-                             + job.opts)
-                    self.run("eval", test_dir, base + ["--output-dir", str(test_dir), "--eval-only"] + half("new")
-                             + job.opts)
+                    self.run(
+                        "eval",
+                        train_dir,
+                        base + ["--output-dir", str(train_dir), "--eval-only"] + half("base") + job.opts,
+                    )
+                    self.run(
+                        "eval", test_dir, base + ["--output-dir", str(test_dir), "--eval-only"] + half("new") + job.opts
+                    )
                     continue
-                if not self.run("train", train_dir, base + ["--output-dir", str(train_dir)] + half("base")
-                                + self.epoch_opts() + job.opts):
+                if not self.run(
+                    "train",
+                    train_dir,
+                    base + ["--output-dir", str(train_dir)] + half("base") + self.epoch_opts() + job.opts,
+                ):
                     continue
                 epoch = self.load_epoch(train_dir)
                 if epoch is None:
                     continue
-                self.run("eval", test_dir, base + ["--output-dir", str(test_dir), "--model-dir", str(train_dir),
-                                                   "--load-epoch", epoch, "--eval-only"] + half("new") + job.opts)
+                self.run(
+                    "eval",
+                    test_dir,
+                    base
+                    + [
+                        "--output-dir",
+                        str(test_dir),
+                        "--model-dir",
+                        str(train_dir),
+                        "--load-epoch",
+                        epoch,
+                        "--eval-only",
+                    ]
+                    + half("new")
+                    + job.opts,
+                )
 
     def transfer(self, cfg: Path) -> None:
         """Train on all ImageNet classes with SHOTS shots (into $OUTPUT/xd/train_imagenet/..., shared by
@@ -325,13 +384,30 @@ class Runner:
             train_dir = env.output / "xd" / f"train_{source}" / f"shots_{env.shots}" / job.method.key / f"seed{seed}"
             base = self.base_args(seed, cfg)
             if job.method.zero_shot:
-                self.run("eval", train_dir, base + ["--dataset-config-file", str(src_cfg), "--output-dir",
-                                                    str(train_dir), "--eval-only"] + job.opts)
+                self.run(
+                    "eval",
+                    train_dir,
+                    base
+                    + ["--dataset-config-file", str(src_cfg), "--output-dir", str(train_dir), "--eval-only"]
+                    + job.opts,
+                )
                 model_args: list[str] = []
             else:
-                if not self.run("train", train_dir, base + ["--dataset-config-file", str(src_cfg), "--output-dir",
-                                                            str(train_dir), "DATASET.NUM_SHOTS", env.shots]
-                                + self.epoch_opts() + job.opts):
+                if not self.run(
+                    "train",
+                    train_dir,
+                    base
+                    + [
+                        "--dataset-config-file",
+                        str(src_cfg),
+                        "--output-dir",
+                        str(train_dir),
+                        "DATASET.NUM_SHOTS",
+                        env.shots,
+                    ]
+                    + self.epoch_opts()
+                    + job.opts,
+                ):
                     continue
                 epoch = self.load_epoch(train_dir)
                 if epoch is None:
@@ -342,8 +418,15 @@ class Runner:
                 if ds_cfg is None:
                     continue
                 test_dir = env.output / subdir / target / f"shots_{env.shots}" / job.method.key / f"seed{seed}"
-                self.run("eval", test_dir, base + ["--dataset-config-file", str(ds_cfg), "--output-dir", str(test_dir)]
-                         + model_args + ["--eval-only"] + job.opts)
+                self.run(
+                    "eval",
+                    test_dir,
+                    base
+                    + ["--dataset-config-file", str(ds_cfg), "--output-dir", str(test_dir)]
+                    + model_args
+                    + ["--eval-only"]
+                    + job.opts,
+                )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,4 +1,5 @@
 """Shared pytest fixtures.  Tests run on CPU with one OpenMP thread."""
+
 import os
 import sys
 import warnings
@@ -26,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="CUDA not available")
     for item in items:
-        if item.get_closest_marker("gpu") is not None:   # not `in item.keywords`: that also holds path names
+        if item.get_closest_marker("gpu") is not None:  # not `in item.keywords`: that also holds path names
             item.add_marker(skip)
 
 

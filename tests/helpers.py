@@ -1,4 +1,5 @@
 """Helpers shared by several test files (import them from here, never from a test file)."""
+
 from __future__ import annotations
 
 import json
@@ -116,11 +117,18 @@ def lr_per_epoch(opt, sched, epochs: int) -> list[float]:
 SHAPE_NAMES = ["circle", "square", "triangle"]
 
 
-def class_batch(n_per_class: int, image_size: int, gen: torch.Generator, dtype: torch.dtype = torch.float32,
-                names: list[str] = SHAPE_NAMES) -> dict:
+def class_batch(
+    n_per_class: int,
+    image_size: int,
+    gen: torch.Generator,
+    dtype: torch.dtype = torch.float32,
+    names: list[str] = SHAPE_NAMES,
+) -> dict:
     """A loss-function batch of random images: ``images`` ``[n_per_class * K, 3, S, S]`` drawn from ``gen``,
     ``label`` ``[n_per_class * K]`` cycling over the K ``names`` (``classnames``)."""
     k = len(names)
-    return {"classnames": names,
-            "images": torch.randn(n_per_class * k, 3, image_size, image_size, generator=gen, dtype=dtype),
-            "label": torch.arange(k).repeat(n_per_class)}
+    return {
+        "classnames": names,
+        "images": torch.randn(n_per_class * k, 3, image_size, image_size, generator=gen, dtype=dtype),
+        "label": torch.arange(k).repeat(n_per_class),
+    }

@@ -1,4 +1,5 @@
 """Small CHC inputs for tests: tar shards of image-caption pairs, damage to them, odd image bytes."""
+
 from __future__ import annotations
 
 import io
@@ -20,8 +21,8 @@ def dds_bytes(pixel_format_flags: int = 6144) -> bytes:
     """150 bytes of a DDS header that makes Pillow raise ``NotImplementedError`` (unknown pixel format)."""
     head = bytearray(128)
     head[0:4] = b"DDS "
-    struct.pack_into("<7I", head, 4, 124, 0x1007, 4, 4, 0, 0, 0)     # size, flags, height, width, ...
-    struct.pack_into("<2I", head, 76, 32, pixel_format_flags)         # DDS_PIXELFORMAT size, flags
+    struct.pack_into("<7I", head, 4, 124, 0x1007, 4, 4, 0, 0, 0)  # size, flags, height, width, ...
+    struct.pack_into("<2I", head, 76, 32, pixel_format_flags)  # DDS_PIXELFORMAT size, flags
     return bytes(head) + bytes(22)
 
 
@@ -31,8 +32,13 @@ def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def write_shard(path, captions: Sequence[str], images: Optional[Sequence[bytes]] = None, ext: str = "png",
-                caption_bytes: Optional[dict] = None) -> Path:
+def write_shard(
+    path,
+    captions: Sequence[str],
+    images: Optional[Sequence[bytes]] = None,
+    ext: str = "png",
+    caption_bytes: Optional[dict] = None,
+) -> Path:
     """``<i:04d>.<ext>`` + ``<i:04d>.txt`` per caption (image first); ``caption_bytes`` {i: raw bytes} overrides."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -59,6 +65,6 @@ def truncate_at(src, dst, offset: int) -> Path:
 def overwrite_at(src, dst, offset: int, data: bytes) -> Path:
     """Copy of ``src`` with ``data`` written over the bytes at ``offset``."""
     raw = bytearray(Path(src).read_bytes())
-    raw[offset:offset + len(data)] = data
+    raw[offset : offset + len(data)] = data
     Path(dst).write_bytes(bytes(raw))
     return Path(dst)

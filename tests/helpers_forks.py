@@ -9,6 +9,7 @@ fixture in ``conftest.py``) and skips the test with a one-line reason when it is
 copy (the two imports after the anchor the doc names, the two lines at the end of ``extend_cfg``,
 step 4's config copies) and nothing else; :func:`run_train` runs the fork's own ``train.py``.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -44,17 +45,20 @@ runpy.run_path("train.py", run_name="__main__")
 class Fork:
     """One upstream fork: its section title in the doc, archive and the folder it unpacks into."""
 
-    key: str            # section "### <key> (<repository>)" of docs/dassl_plugin.md
+    key: str  # section "### <key> (<repository>)" of docs/dassl_plugin.md
     archive: str
     folder: str
     checkout_env: str = ""  # an environment variable naming a checkout that replaces the archive
 
 
-FORKS = {f.key: f for f in (
-    Fork("CoOp", "CoOp-ff61507.tar.gz", "CoOp", checkout_env="GRAM_COOP_SRC"),
-    Fork("MaPLe", "multimodal-prompt-learning-69bce21.tar.gz", "multimodal-prompt-learning"),
-    Fork("PromptSRC", "PromptSRC-bb95c77.tar.gz", "PromptSRC"),
-)}
+FORKS = {
+    f.key: f
+    for f in (
+        Fork("CoOp", "CoOp-ff61507.tar.gz", "CoOp", checkout_env="GRAM_COOP_SRC"),
+        Fork("MaPLe", "multimodal-prompt-learning-69bce21.tar.gz", "multimodal-prompt-learning"),
+        Fork("PromptSRC", "PromptSRC-bb95c77.tar.gz", "PromptSRC"),
+    )
+}
 
 
 def upstream_dir() -> Path:
@@ -98,8 +102,8 @@ def doc_section(key: str) -> str:
     text = DOC.read_text()
     start = re.search(rf"^### {re.escape(key)} \(", text, re.M)
     assert start, f"{DOC.name}: no section '### {key} (...)'"
-    end = re.search(r"^##", text[start.end():], re.M)
-    return text[start.start(): start.end() + end.start() if end else len(text)]
+    end = re.search(r"^##", text[start.end() :], re.M)
+    return text[start.start() : start.end() + end.start() if end else len(text)]
 
 
 def doc_blocks(text: str) -> list[str]:
@@ -110,12 +114,12 @@ def doc_blocks(text: str) -> list[str]:
 class Recipe:
     """What a fork section of the doc tells a user to add and run."""
 
-    anchor: str                  # the train.py line the imports follow
+    anchor: str  # the train.py line the imports follow
     import_lines: list[str]
-    extend_lines: list[str]      # indented: the last lines of extend_cfg(cfg)
-    commands: list[str]          # "python train.py ..." commands, continuation lines joined
-    parser_commands: list[str]   # "python parse_test_res.py ..." commands
-    scripts: list[str]           # the fork's scripts the section names
+    extend_lines: list[str]  # indented: the last lines of extend_cfg(cfg)
+    commands: list[str]  # "python train.py ..." commands, continuation lines joined
+    parser_commands: list[str]  # "python parse_test_res.py ..." commands
+    scripts: list[str]  # the fork's scripts the section names
 
 
 def doc_recipe(key: str) -> Recipe:
@@ -133,14 +137,20 @@ def doc_recipe(key: str) -> Recipe:
                 commands.append(cmd)
             elif cmd.startswith("python parse_test_res.py"):
                 parsers.append(cmd)
-    return Recipe(anchor.group(1), imports[0].strip().splitlines(), extends[0].rstrip().splitlines(), commands,
-                  parsers, re.findall(r"`(scripts/[\w/.+-]+\.sh)`", section))
+    return Recipe(
+        anchor.group(1),
+        imports[0].strip().splitlines(),
+        extends[0].rstrip().splitlines(),
+        commands,
+        parsers,
+        re.findall(r"`(scripts/[\w/.+-]+\.sh)`", section),
+    )
 
 
 def config_copy_script() -> str:
     """Step 4's copy commands (they ``cd my-coop-fork`` and copy from ``../gram``)."""
     text = DOC.read_text()
-    return doc_blocks(text[text.index("## 4. Add the configs"):])[0]
+    return doc_blocks(text[text.index("## 4. Add the configs") :])[0]
 
 
 def _insert_at_end_of_extend_cfg(source: str, lines: list[str]) -> str:
@@ -157,8 +167,9 @@ def add_gram(source: Path, workdir: Path, key: str) -> Path:
     recipe = doc_recipe(key)
     fork = workdir / "my-coop-fork"
     shutil.copytree(source, fork, ignore=shutil.ignore_patterns(".git", "output"))
-    shutil.copytree(REPO / "trainers" / "gram", fork / "trainers" / "gram",
-                    ignore=shutil.ignore_patterns("__pycache__"))  # step 2
+    shutil.copytree(
+        REPO / "trainers" / "gram", fork / "trainers" / "gram", ignore=shutil.ignore_patterns("__pycache__")
+    )  # step 2
     train_py = fork / "train.py"
     text = train_py.read_text()
     anchor = recipe.anchor + "\n"
@@ -166,18 +177,21 @@ def add_gram(source: Path, workdir: Path, key: str) -> Path:
     text = text.replace(anchor, anchor + "\n".join(recipe.import_lines) + "\n")
     train_py.write_text(_insert_at_end_of_extend_cfg(text, recipe.extend_lines))
     (workdir / "gram").symlink_to(REPO)
-    r = subprocess.run(["bash", "-euo", "pipefail", "-c", config_copy_script()], cwd=workdir,
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", config_copy_script()], cwd=workdir, capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr
     return fork
 
 
 def expand(command: str, values: dict[str, str]) -> list[str]:
     """The arguments after ``python <script>`` of a doc command, ``$NAME`` replaced from ``values``."""
+
     def sub(m: re.Match) -> str:
         name = m.group(1) or m.group(2)
         assert name in values, f"doc command uses ${name}, which the test does not provide: {command}"
         return values[name]
+
     argv = shlex.split(re.sub(r"\$\{(\w+)\}|\$(\w+)", sub, command))
     assert argv[0] == "python", command
     return argv[2:]
@@ -203,16 +217,24 @@ def fork_env() -> dict[str, str]:
 
 def run_train(fork: Path, argv: list[str], clip_weights: Path | None = None) -> subprocess.CompletedProcess:
     """``python train.py argv`` in the fork's root; ``clip_weights``: the file its clip loads instead of downloading."""
-    head = [sys.executable, "train.py"] if clip_weights is None else [sys.executable, "-c", _CLIP_RUNNER,
-                                                                      str(clip_weights)]
-    return subprocess.run(head + argv, capture_output=True, text=True, timeout=FORK_TIMEOUT_S, cwd=fork,
-                          env=fork_env())
+    head = (
+        [sys.executable, "train.py"]
+        if clip_weights is None
+        else [sys.executable, "-c", _CLIP_RUNNER, str(clip_weights)]
+    )
+    return subprocess.run(head + argv, capture_output=True, text=True, timeout=FORK_TIMEOUT_S, cwd=fork, env=fork_env())
 
 
 def run_script(fork: Path, script: str, argv: list[str]) -> subprocess.CompletedProcess:
     """``python <script> argv`` in the fork's root (its ``parse_test_res.py``, or ours by absolute path)."""
-    return subprocess.run([sys.executable, script, *argv], capture_output=True, text=True,
-                          timeout=FORK_TIMEOUT_S, cwd=fork, env=fork_env())
+    return subprocess.run(
+        [sys.executable, script, *argv],
+        capture_output=True,
+        text=True,
+        timeout=FORK_TIMEOUT_S,
+        cwd=fork,
+        env=fork_env(),
+    )
 
 
 def parse_results(argv: list[str]) -> int:

@@ -1,4 +1,5 @@
 """The task-batched outer step (meta/batched.py) against the sequential one, task by task."""
+
 import copy
 import dataclasses
 
@@ -12,8 +13,11 @@ from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_
 from meta.regulator import GradientRegulator, RegulatorSpec
 
 # class names of different token counts, so the B·K text sequences have different EOT positions
-TASK_NAMES = [["circle", "square", "triangle"], ["red star", "moon", "long thin arrow"],
-              ["dot", "big wavy line", "cross"]]
+TASK_NAMES = [
+    ["circle", "square", "triangle"],
+    ["red star", "moon", "long thin arrow"],
+    ["dot", "big wavy line", "cross"],
+]
 
 LEARNERS = {
     "coop": PromptSpec(n_ctx_text=4),
@@ -28,8 +32,9 @@ def _part(names, n_per_class, image_size, gen, features_dim=None):
     k = len(names)
     batch = {"classnames": names, "label": torch.randperm(k * n_per_class, generator=gen) % k}
     if features_dim:
-        batch["features"] = torch.nn.functional.normalize(torch.randn(k * n_per_class, features_dim, generator=gen),
-                                                          dim=-1)
+        batch["features"] = torch.nn.functional.normalize(
+            torch.randn(k * n_per_class, features_dim, generator=gen), dim=-1
+        )
     else:
         batch["images"] = torch.randn(k * n_per_class, 3, image_size, image_size, generator=gen)
     return batch
@@ -38,8 +43,13 @@ def _part(names, n_per_class, image_size, gen, features_dim=None):
 def _tasks(dims, seed=1, features=False, n_tasks=3):
     gen = torch.Generator().manual_seed(seed)
     fdim = dims.embed_dim if features else None
-    return [TaskBatch(_part(TASK_NAMES[b % 3], 1, dims.image_size, gen, fdim),
-                      _part(TASK_NAMES[b % 3], 2, dims.image_size, gen, fdim)) for b in range(n_tasks)]
+    return [
+        TaskBatch(
+            _part(TASK_NAMES[b % 3], 1, dims.image_size, gen, fdim),
+            _part(TASK_NAMES[b % 3], 2, dims.image_size, gen, fdim),
+        )
+        for b in range(n_tasks)
+    ]
 
 
 def _learner(clip, dims, spec, meta_spec):
@@ -97,16 +107,23 @@ def test_batched_step_equals_sequential(tiny_clip, learner, first_order):
 def test_batched_step_equals_sequential_float64(tiny_clip, learner):
     """In float64 the two paths agree to 1e-10 of each gradient's scale: the same function, not an approximation."""
     clip64 = copy.deepcopy(tiny_clip[0]).double()
-    tasks = [TaskBatch(*[{k: v.double() if k == "images" else v for k, v in part.items()}
-                         for part in (t.support, t.query)]) for t in _tasks(tiny_clip[1])]
+    tasks = [
+        TaskBatch(*[{k: v.double() if k == "images" else v for k, v in part.items()} for part in (t.support, t.query)])
+        for t in _tasks(tiny_clip[1])
+    ]
     seq, bat = _run_both((clip64, tiny_clip[1]), LEARNERS[learner], MetaSpec(inner_lr=0.5), tasks, torch.float64)
     _assert_equal(seq, bat, tol=1e-10, atol=0.0)
 
 
 def test_batched_step_equals_sequential_two_steps_momentum_regulator_options(tiny_clip):
     """Two inner steps with momentum, a norm-preserving mixed R_φ and the before-adaptation term."""
-    meta_spec = MetaSpec(inner_lr=0.5, inner_steps=2, inner_momentum=0.9, query_before_weight=0.5,
-                         regulator=RegulatorSpec(norm_preserve=True, mix=True))
+    meta_spec = MetaSpec(
+        inner_lr=0.5,
+        inner_steps=2,
+        inner_momentum=0.9,
+        query_before_weight=0.5,
+        regulator=RegulatorSpec(norm_preserve=True, mix=True),
+    )
     seq, bat = _run_both(tiny_clip, LEARNERS["unigram"], meta_spec, _tasks(tiny_clip[1]))
     _assert_equal(seq, bat)
 
@@ -125,8 +142,9 @@ def test_batched_loss_is_the_sum_of_task_losses(tiny_clip):
     tasks = _tasks(dims, seed=4)
     gen = torch.Generator().manual_seed(5)
     stacked = StackedPrompts.expand(theta, 3)
-    stacked = StackedPrompts({n: t + 0.1 * torch.randn(t.shape, generator=gen) for n, t in
-                              stacked.named_parameters()}, 3)
+    stacked = StackedPrompts(
+        {n: t + 0.1 * torch.randn(t.shape, generator=gen) for n, t in stacked.named_parameters()}, 3
+    )
     loss, logits = batched_classification_loss(pclip)(stacked, stack_batches([t.query for t in tasks]))
     per_task = classification_loss(pclip)
     ref = [per_task(_View({n: t[b] for n, t in stacked.named_parameters()}), tasks[b].query) for b in range(3)]
@@ -152,7 +170,7 @@ def test_regulator_task_dims_regulates_each_task_alone():
     reg.task_dims = 0
     for b in range(3):
         torch.testing.assert_close(stacked[b], reg(grads[b]))
-    whole = reg(grads)   # the whole-tensor rms: the small-scale task gets a different answer
+    whole = reg(grads)  # the whole-tensor rms: the small-scale task gets a different answer
     assert not torch.allclose(whole[0], stacked[0], rtol=1e-3, atol=0)
 
 
@@ -198,7 +216,7 @@ def test_auto_halves_the_chunk_on_out_of_memory(tiny_clip, monkeypatch):
     loss_fn = classification_loss(pclip)
     inner, seen = batched_loss_of(loss_fn), []
 
-    def limited(prompts, batch):   # pretends more than 2 tasks at once do not fit
+    def limited(prompts, batch):  # pretends more than 2 tasks at once do not fit
         seen.append(batch["label"].shape[0])
         if batch["label"].shape[0] > 2:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
@@ -208,7 +226,7 @@ def test_auto_halves_the_chunk_on_out_of_memory(tiny_clip, monkeypatch):
     metrics = ml.accumulate(tasks, loss_fn)
     assert ml.task_chunk == 2 and seen[0] == 4 and set(seen[1:]) == {2}
     _assert_equal((m_ref, _grads(ref)), (metrics, _grads(ml)))
-    with pytest.raises(torch.OutOfMemoryError):   # "on" does not hide the error
+    with pytest.raises(torch.OutOfMemoryError):  # "on" does not hide the error
         ml2 = _learner(clip, dims, spec, MetaSpec(inner_lr=0.5, task_batching="on"))
         ml2.accumulate(tasks, loss_fn)
 
@@ -230,7 +248,7 @@ def test_objectives_the_stacked_pass_does_not_compute_run_sequentially(tiny_clip
     assert batched.accumulate(ml, tasks, loss_fn) is not None
     for name, value in (("inner_support", "split"), ("trajectory_states", 2)):
         spec = MetaSpec(inner_lr=0.5, task_batching="on")
-        setattr(spec, name, value)   # the regulator branch's fields, read where present
+        setattr(spec, name, value)  # the regulator branch's fields, read where present
         ml.spec = spec
         assert not batched.stacked_objective(spec)
         assert batched.accumulate(ml, tasks, loss_fn) is None

@@ -1,13 +1,13 @@
 """Bad CHC input never stops or silently shrinks a run: odd images, damaged shards, odd manifests, full disks."""
+
 import csv
 import errno
 import json
 
 import numpy as np
 import pytest
+from helpers_chc import dds_bytes, member_offsets, overwrite_at, png_bytes, truncate_at, write_shard
 
-from helpers_chc import (dds_bytes, member_offsets, overwrite_at, png_bytes, truncate_at,
-                         write_shard)
 from meta.chc.errors import DiskSpaceError, InputError
 from meta.chc.imaging import NO_BYTES, decode_batch, decode_image_why
 from meta.chc.sources import build_index, scan_manifest, scan_tar
@@ -17,7 +17,7 @@ CAPS = [f"a red square number {i}" for i in range(40)]
 
 # ---------------------------------------------------------------- images
 def test_any_decoding_exception_is_that_images_problem():
-    img, why = decode_image_why(dds_bytes())                     # Pillow: NotImplementedError
+    img, why = decode_image_why(dds_bytes())  # Pillow: NotImplementedError
     assert img is None and why == "NotImplementedError"
     reasons = []
     pixels, ok = decode_batch([png_bytes(), dds_bytes(), None, b"garbage"], 16, reasons=reasons)
@@ -45,8 +45,7 @@ def test_image_folder_counts_odd_image_by_exception_type(tiny_clip, tmp_path):
     clip, _ = tiny_clip
     write_synthetic_image_folder(tmp_path / "d", ["apple", "bridge"], per_class=8, seed=0)
     (tmp_path / "d" / "apple" / "evil.jpg").write_bytes(dds_bytes())
-    h = build_image_folder_hierarchy(tmp_path / "d", clip, num_domains=2, min_per_domain=2, seed=0,
-                                    show_progress=False)
+    h = build_image_folder_hierarchy(tmp_path / "d", clip, num_domains=2, min_per_domain=2, seed=0, show_progress=False)
     assert h.meta["counts"]["unreadable_images"] == 1 and h.meta["counts"]["images"] == 17
     assert h.meta["unreadable_by_reason"] == {"NotImplementedError": 1}
     assert (h.item_topic >= 0).sum() == 16
@@ -70,7 +69,7 @@ def test_shard_cut_inside_a_caption_member_keeps_earlier_pairs(shard, tmp_path):
     records, counts, issues = _scan(cut)
     assert [r[3] for r in records] == CAPS[:25]
     assert counts["corrupt_shards"] == 1 and counts["skipped_lost_in_corrupt_shard"] == 1
-    assert counts.get("skipped_empty_caption", 0) == 0          # the lost caption is not an "empty caption"
+    assert counts.get("skipped_empty_caption", 0) == 0  # the lost caption is not an "empty caption"
     assert issues[0]["pairs_read"] == 25 and issues[0]["bytes_unread"] == cut.stat().st_size - issues[0]["offset"]
 
 
@@ -86,7 +85,7 @@ def test_unopenable_shard_is_counted_and_the_others_are_read(shard, tmp_path, wh
 def test_shard_that_ends_early_is_detected(shard, tmp_path, damage):
     """tarfile ends these iterations without an exception; the pairs after the damage must be reported."""
     members = member_offsets(shard)
-    head = next(m for m in members if m[0] == "0010.png")[1]     # header of pair 10's first member
+    head = next(m for m in members if m[0] == "0010.png")[1]  # header of pair 10's first member
     if damage == "cut_in_later_header":
         bad = truncate_at(shard, tmp_path / "bad.tar", head + 200)
     elif damage == "random_bytes_over_header":
@@ -98,10 +97,10 @@ def test_shard_that_ends_early_is_detected(shard, tmp_path, damage):
     assert index.captions == CAPS[:10]
     c, issue = index.counts, index.issues[0]
     assert c["corrupt_shards"] == 1 and issue["offset"] == head and issue["pairs_read"] == 10
-    if damage == "random_bytes_over_header":   # the 30 pairs behind the damaged header are estimated from bytes
+    if damage == "random_bytes_over_header":  # the 30 pairs behind the damaged header are estimated from bytes
         assert not issue["cut_short"] and c["corrupt_shards_cut_short"] == 0
         assert c["pairs_lost_in_corrupt_shards_estimate"] == len(CAPS) - 10
-    else:                                      # the file itself ends early: what followed is unknown, and said so
+    else:  # the file itself ends early: what followed is unknown, and said so
         assert issue["cut_short"] and c["corrupt_shards_cut_short"] == 1
         assert issue["bytes_unread"] <= bad.stat().st_size - head
 
@@ -128,9 +127,10 @@ def _img(tmp_path, name="a.png"):
 
 def test_manifest_long_field_bom_bad_utf8_and_duplicates(tmp_path):
     _img(tmp_path)
-    long_caption = "pizza " * 25_000                              # 150 KB > the csv module's 128 KB default
-    raw = ("\ufeffimage,caption\n" f"a.png,{long_caption}\n" "a.png,a red square\n" "a.png,a red square\n"
-           "a.png,a  red   square\n").encode() + b"a.png,caf\xe9 square\n"
+    long_caption = "pizza " * 25_000  # 150 KB > the csv module's 128 KB default
+    raw = (
+        f"\ufeffimage,caption\na.png,{long_caption}\na.png,a red square\na.png,a red square\na.png,a  red   square\n"
+    ).encode() + b"a.png,caf\xe9 square\n"
     (tmp_path / "m.csv").write_bytes(raw)
     counts, issues = {}, []
     records = scan_manifest(str(tmp_path / "m.csv"), "image", "caption", "", counts, issues)
@@ -140,23 +140,36 @@ def test_manifest_long_field_bom_bad_utf8_and_duplicates(tmp_path):
     assert counts["pairs_seen"] == 5
     assert {e["problem"]: e["lines"] for e in issues} == {
         "repeats an earlier (image, caption) row": [4, 5],
-        "invalid UTF-8 (decoded with replacement characters)": [6]}
+        "invalid UTF-8 (decoded with replacement characters)": [6],
+    }
     with pytest.raises(InputError, match=r"m.csv:2: a field longer than CHC.INPUT.MAX_FIELD_CHARS=1000"):
         scan_manifest(str(tmp_path / "m.csv"), "image", "caption", "", {}, max_field_chars=1000)
-    assert csv.field_size_limit() == 131072                      # the process-wide limit is restored
+    assert csv.field_size_limit() == 131072  # the process-wide limit is restored
 
 
 def test_jsonl_rows_that_are_not_objects_or_not_text(tmp_path):
     _img(tmp_path)
-    lines = ['["a.png", "a list"]', '"just a string"', "{broken", json.dumps({"image": "a.png", "caption": 12345}),
-             json.dumps({"image": "a.png", "caption": ["x", "y"]}), json.dumps({"image": 7, "caption": "seven"}),
-             json.dumps({"image": "a.png", "caption": "a fine pair"}), json.dumps({"image": "a.png", "caption": None})]
+    lines = [
+        '["a.png", "a list"]',
+        '"just a string"',
+        "{broken",
+        json.dumps({"image": "a.png", "caption": 12345}),
+        json.dumps({"image": "a.png", "caption": ["x", "y"]}),
+        json.dumps({"image": 7, "caption": "seven"}),
+        json.dumps({"image": "a.png", "caption": "a fine pair"}),
+        json.dumps({"image": "a.png", "caption": None}),
+    ]
     (tmp_path / "m.jsonl").write_text("\n".join(lines) + "\n")
     index = build_index(manifest=str(tmp_path / "m.jsonl"), show_progress=False)
     assert index.captions == ["a fine pair"]
     c = index.counts
-    assert (c["pairs_seen"], c["skipped_invalid_row"], c["skipped_non_text_caption"], c["skipped_non_text_image"],
-            c["skipped_empty_caption"]) == (8, 3, 2, 1, 1)
+    assert (
+        c["pairs_seen"],
+        c["skipped_invalid_row"],
+        c["skipped_non_text_caption"],
+        c["skipped_non_text_image"],
+        c["skipped_empty_caption"],
+    ) == (8, 3, 2, 1, 1)
     index.save(tmp_path / "idx")
     from meta.chc.sources import PairIndex
 
@@ -177,7 +190,7 @@ def test_memmap_on_a_full_disk_is_a_one_line_error(tmp_path, monkeypatch):
         store.fill(lambda s, e: np.zeros((e - s, 4), np.float32), 10, disable_progress=True)
     assert not (tmp_path / "sub" / "x.npy").exists()
     monkeypatch.setattr(stages.shutil, "disk_usage", real)
-    half = ChunkedArray(tmp_path / "z.npy", 10, (2,), np.float32, "fp")    # a run killed after one chunk
+    half = ChunkedArray(tmp_path / "z.npy", 10, (2,), np.float32, "fp")  # a run killed after one chunk
 
     def first_chunk_only(s, e):
         if s:
@@ -194,17 +207,27 @@ def test_memmap_on_a_full_disk_is_a_one_line_error(tmp_path, monkeypatch):
     with pytest.raises(DiskSpaceError, match=r"needs 528 bytes for y.npy"):
         create_memmap(tmp_path / "y.npy", np.uint8, (20, 20))
     assert not (tmp_path / "y.npy").exists()
-    with pytest.raises(DiskSpaceError, match=r"needs 208 bytes for z.npy"):              # resuming maps it too
+    with pytest.raises(DiskSpaceError, match=r"needs 208 bytes for z.npy"):  # resuming maps it too
         half.fill(first_chunk_only, 5, disable_progress=True)
-    assert half.rows_done() == 5                                                        # work kept
+    assert half.rows_done() == 5  # work kept
 
 
 # ---------------------------------------------------------------- wrong image paths (CLI)
 def _cli(tmp_path, *opts):
     from meta.chc.cli import main
 
-    return main(["--no-progress", "MODEL.BACKBONE", "GRAM-Test-Tiny", "MODEL.DEVICE", "cpu",
-                 "CHC.OUTPUT_DIR", str(tmp_path / "out"), *opts])
+    return main(
+        [
+            "--no-progress",
+            "MODEL.BACKBONE",
+            "GRAM-Test-Tiny",
+            "MODEL.DEVICE",
+            "cpu",
+            "CHC.OUTPUT_DIR",
+            str(tmp_path / "out"),
+            *opts,
+        ]
+    )
 
 
 def test_wrong_image_root_stops_early_naming_path_and_key(tmp_path, capsys):
@@ -215,8 +238,10 @@ def test_wrong_image_root_stops_early_naming_path_and_key(tmp_path, capsys):
     code = _cli(tmp_path, "CHC.INPUT.MANIFEST", str(tmp_path / "m.csv"), "CHC.INPUT.IMAGE_ROOT", str(tmp_path / "imgs"))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
-    assert err[0].startswith("error: CHC.INPUT.IMAGE_ROOT: 30 of 30 images of the first chunk are unreadable "
-                             "(FileNotFoundError 30); tried " + str(tmp_path / "imgs" / "0.png"))
+    assert err[0].startswith(
+        "error: CHC.INPUT.IMAGE_ROOT: 30 of 30 images of the first chunk are unreadable "
+        "(FileNotFoundError 30); tried " + str(tmp_path / "imgs" / "0.png")
+    )
     # relative base: IMAGE_ROOT '' means the manifest's folder, which the message says
     code = _cli(tmp_path, "CHC.INPUT.MANIFEST", str(tmp_path / "m.csv"))
     err = capsys.readouterr().err.strip().splitlines()
@@ -224,7 +249,9 @@ def test_wrong_image_root_stops_early_naming_path_and_key(tmp_path, capsys):
     # told to go on, the run still ends in one line (not 'only 0 unique captions')
     code = _cli(tmp_path, "CHC.INPUT.MANIFEST", str(tmp_path / "m.csv"), "CHC.INPUT.MAX_UNREADABLE_FRACTION", "1.0")
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err == ["error: CHC.INPUT.IMAGE_ROOT: none of the 30 images could be read (FileNotFoundError 30)"]
+    assert code == 2 and err == [
+        "error: CHC.INPUT.IMAGE_ROOT: none of the 30 images could be read (FileNotFoundError 30)"
+    ]
 
 
 # ---------------------------------------------------------------- caption length
@@ -241,11 +268,13 @@ def test_caption_cap_keeps_a_runaway_caption_from_renaming_its_topic():
     for t, name in enumerate(["pizza", "dog", "car"]):
         for _ in range(50):
             caps.append(make_caption(name, rng, list(TOPICS), 0.1)), labels.append(t)
-    rogue = ("this homemade pizza has a crisp crust and a thick layer of melted cheese; the cheese is a blend of "
-             "mozzarella and cheddar cheese, with parmesan cheese grated on top. ") * 700      # 108 KB
+    rogue = (
+        "this homemade pizza has a crisp crust and a thick layer of melted cheese; the cheese is a blend of "
+        "mozzarella and cheddar cheese, with parmesan cheese grated on top. "
+    ) * 700  # 108 KB
     caps.append(rogue), labels.append(0)
     labels = np.array(labels)
-    assert cluster_tfidf_words(caps, labels, 3, None, 0.1).top_word[0] == "cheese"          # uncapped: renamed
+    assert cluster_tfidf_words(caps, labels, 3, None, 0.1).top_word[0] == "cheese"  # uncapped: renamed
     limit = get_meta_cfg_default().CHC.TEXT.MAX_CAPTION_CHARS
     capped = [cap_caption(c, limit) for c in caps]
     assert cluster_tfidf_words(capped, labels, 3, None, 0.1).top_word == ["pizza", "dog", "car"]
@@ -256,19 +285,30 @@ def test_caption_cap_keeps_a_runaway_caption_from_renaming_its_topic():
 def test_run_with_bad_input_finishes_reports_and_resumes(tmp_path):
     """A DDS .jpg, a shard with a damaged header and a runaway caption: the run finishes, the report
     says what was skipped and why, and a re-launch is a no-op."""
-    from meta.chc import load_hierarchy, run_chc
     from gram_tools.synthetic import write_synthetic_shards
+    from meta.chc import load_hierarchy, run_chc
     from meta.config import get_meta_cfg_default
 
     data = tmp_path / "data"
-    write_synthetic_shards(data, n_pairs=240, topics=["pizza", "dog", "car"], n_shards=2, corrupt_fraction=0.0,
-                           empty_caption_fraction=0.0, seed=0)
+    write_synthetic_shards(
+        data,
+        n_pairs=240,
+        topics=["pizza", "dog", "car"],
+        n_shards=2,
+        corrupt_fraction=0.0,
+        empty_caption_fraction=0.0,
+        seed=0,
+    )
     members = member_offsets(data / "shard-00001.tar")
-    head = members[3 * 40][1]                        # the 41st pair's first header: 80 pairs sit behind it
+    head = members[3 * 40][1]  # the 41st pair's first header: 80 pairs sit behind it
     overwrite_at(data / "shard-00001.tar", data / "shard-00001.tar", head + 20, b"\xff" * 100)
     long_caption = "a cheesy pizza with " + "melted cheese and more cheese " * 40
-    write_shard(data / "shard-00002.tar", ["homemade pizza in a box", long_caption, "a sliced pizza on a board"],
-                images=[dds_bytes(), png_bytes((200, 100, 0)), png_bytes((190, 90, 10))], ext="jpg")
+    write_shard(
+        data / "shard-00002.tar",
+        ["homemade pizza in a box", long_caption, "a sliced pizza on a board"],
+        images=[dds_bytes(), png_bytes((200, 100, 0)), png_bytes((190, 90, 10))],
+        ext="jpg",
+    )
     cfg = get_meta_cfg_default()
     cfg.MODEL.BACKBONE, cfg.MODEL.DEVICE = "GRAM-Test-Tiny", "cpu"
     cfg.CHC.OUTPUT_DIR = str(tmp_path / "out")
@@ -279,7 +319,7 @@ def test_run_with_bad_input_finishes_reports_and_resumes(tmp_path):
     report = json.loads((out / "chc_report.json").read_text())
     c = report["counts"]
     assert c["pairs_seen"] == 120 + 40 + 3 and c["corrupt_shards"] == 1 and c["corrupt_shards_cut_short"] == 0
-    assert abs(c["pairs_lost_in_corrupt_shards_estimate"] - 80) <= 8     # estimated from the bytes not read
+    assert abs(c["pairs_lost_in_corrupt_shards_estimate"] - 80) <= 8  # estimated from the bytes not read
     assert c["unreadable_images"] == 1 and c["captions_cut_to_max_chars"] == 1
     rows = {(r["stage"], r["reason"]): r["count"] for r in report["skipped_input"]}
     assert rows[("image_features", "unreadable image: NotImplementedError")] == 1

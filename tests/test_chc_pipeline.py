@@ -1,4 +1,5 @@
 """End-to-end CHC on a generated corpus (12 topics x 3 image styles, ~1.2 k pairs)."""
+
 import io
 import json
 import tarfile
@@ -7,10 +8,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from gram_tools.synthetic import write_synthetic_shards
 from meta.chc import load_hierarchy, run_chc
 from meta.chc.hierarchy import CLUSTERED, NOISE, UNREADABLE
 from meta.chc.imaging import to_clip_uint8
-from gram_tools.synthetic import write_synthetic_shards
 from meta.config import get_meta_cfg_default
 
 N_PAIRS = 1200
@@ -23,9 +24,9 @@ def make_cfg(data_dir, out_dir):
     cfg.MODEL.DEVICE = "cpu"
     cfg.CHC.OUTPUT_DIR = str(out_dir)
     cfg.CHC.INPUT.SHARDS = [str(data_dir / "shard-*.tar")]
-    cfg.CHC.IMAGES.CHUNK_SIZE = 300          # several chunks, so an interruption can land mid-stage
+    cfg.CHC.IMAGES.CHUNK_SIZE = 300  # several chunks, so an interruption can land mid-stage
     cfg.CHC.TEXT.CHUNK_SIZE = 400
-    cfg.CHC.TOPICS.MIN_CLUSTER_SIZE = 30     # ~100 pairs per true topic
+    cfg.CHC.TOPICS.MIN_CLUSTER_SIZE = 30  # ~100 pairs per true topic
     cfg.CHC.TOPICS.PLOT_POINTS = 400
     cfg.CHC.DOMAINS.NUM = 3
     cfg.CHC.DOMAINS.MIN_PER_DOMAIN = 5
@@ -35,8 +36,15 @@ def make_cfg(data_dir, out_dir):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("chc")
-    truth = write_synthetic_shards(root / "data", n_pairs=N_PAIRS, n_shards=4, corrupt_fraction=0.03,
-                                   empty_caption_fraction=0.03, missing_image_fraction=0.01, seed=1)
+    truth = write_synthetic_shards(
+        root / "data",
+        n_pairs=N_PAIRS,
+        n_shards=4,
+        corrupt_fraction=0.03,
+        empty_caption_fraction=0.03,
+        missing_image_fraction=0.01,
+        seed=1,
+    )
     return root, truth
 
 
@@ -124,7 +132,7 @@ def test_domains_recover_styles_above_chance(chc_run):
         members = np.flatnonzero(h.item_topic == t)
         scores.append(adjusted_rand_score(style[members], h.item_domain[members]))
         shuffled.append(adjusted_rand_score(rng.permutation(style[members]), h.item_domain[members]))
-    assert np.mean(scores) > 0.5, scores          # chance is ARI ~ 0
+    assert np.mean(scores) > 0.5, scores  # chance is ARI ~ 0
     assert np.mean(scores) > np.mean(shuffled) + 0.4
 
 
@@ -141,7 +149,7 @@ def test_hierarchy_contract_and_images(chc_run):
     assert (norms[~ok] == 0).all()
     assert ((h.item_domain >= 0) == (h.item_topic >= 0)).all()
     assert h.meta["backbone"] == "GRAM-Test-Tiny" and h.meta["image_size"] == 32
-    assert not list((out / "image_features").glob("*.rank*"))   # rank files removed once merged + marked
+    assert not list((out / "image_features").glob("*.rank*"))  # rank files removed once merged + marked
     # images(): cache and lazy decoding agree with an independent read of the tar member
     from meta.chc.hierarchy import PairIndexImages
     from meta.chc.sources import PairIndex
@@ -154,7 +162,9 @@ def test_hierarchy_contract_and_images(chc_run):
     np.testing.assert_array_equal(cached, lazy)
     i = int(pick[1])
     with tarfile.open(index.sources[index.item_source[i]]) as tar:
-        name = next(m for m in tar.getnames() if m.split(".")[0] == index.item_key[i] and not m.endswith((".txt", ".json")))
+        name = next(
+            m for m in tar.getnames() if m.split(".")[0] == index.item_key[i] and not m.endswith((".txt", ".json"))
+        )
         img = Image.open(io.BytesIO(tar.extractfile(name).read())).convert("RGB")
     np.testing.assert_array_equal(cached[1], to_clip_uint8(img, 32))
 
@@ -167,7 +177,11 @@ def test_report_files(chc_run):
     h = load_hierarchy(out)
     assert [t["name"] for t in report["topics"]] == h.topic_names
     for t in report["topics"]:
-        assert t["name"] in md and 1 <= len(t["samples"]) <= 3 and t["size"] == (h.item_topic == h.topic_names.index(t["name"])).sum()
+        assert (
+            t["name"] in md
+            and 1 <= len(t["samples"]) <= 3
+            and t["size"] == (h.item_topic == h.topic_names.index(t["name"])).sum()
+        )
         assert sum(t["domain_sizes"]) == t["size"]
     with Image.open(out / "umap_topics.png") as png:
         assert png.size[0] > 300 and png.size[1] > 300
@@ -231,12 +245,14 @@ def test_interrupted_run_resumes_to_identical_result(chc_run, corpus, monkeypatc
 
     # the resumed run must not redo finished chunks: count what it still computes
     counted = {"img": 0, "txt": 0}
-    monkeypatch.setattr(imf, "encode_images", lambda *a, **k: (counted.__setitem__("img", counted["img"] + 1),
-                                                               real_encode(*a, **k))[1])
-    monkeypatch.setattr(te, "embed_texts", lambda *a, **k: (counted.__setitem__("txt", counted["txt"] + 1),
-                                                            real_embed(*a, **k))[1])
+    monkeypatch.setattr(
+        imf, "encode_images", lambda *a, **k: (counted.__setitem__("img", counted["img"] + 1), real_encode(*a, **k))[1]
+    )
+    monkeypatch.setattr(
+        te, "embed_texts", lambda *a, **k: (counted.__setitem__("txt", counted["txt"] + 1), real_embed(*a, **k))[1]
+    )
     out = run_chc(cfg, show_progress=False)
-    assert counted["img"] == 0                      # image stage had finished in the second attempt
+    assert counted["img"] == 0  # image stage had finished in the second attempt
     n_unique = len(json.loads((out / "text" / "unique_captions.json").read_text()))
     assert counted["txt"] == -(-n_unique // 400) - 1  # all text chunks but the one already on disk
 
@@ -246,7 +262,7 @@ def test_interrupted_run_resumes_to_identical_result(chc_run, corpus, monkeypatc
     np.testing.assert_array_equal(res.item_domain, ref.item_domain)
     np.testing.assert_array_equal(np.asarray(res.image_features), np.asarray(ref.image_features))
     reasons = [json.loads((o / "image_features" / "unreadable.json").read_text()) for o in (out, out_ref)]
-    assert reasons[0] == reasons[1] and sum(reasons[0].values()) > 0   # per-chunk reasons survive the crash
+    assert reasons[0] == reasons[1] and sum(reasons[0].values()) > 0  # per-chunk reasons survive the crash
     # a finished run resumed is a no-op that changes nothing
     before = (out / "item_topic.npy").stat().st_mtime_ns
     run_chc(cfg, show_progress=False)
@@ -277,13 +293,29 @@ def test_rank_sharding_matches_single_process(chc_run, tmp_path):
         clip, dims = load_clip("GRAM-Test-Tiny", None)
     mean, std = clip_norm_stats(clip)
     for rank in (1, 0):  # as two torchrun processes would, in either order (rank 1 decodes with threads)
-        encode_rank(index, clip, rank, 2, tmp_path, "fp", 32, mean, std, batch_size=64, chunk_size=200,
-                    cache_images=True, show_progress=False, decode_workers=2 * rank)
+        encode_rank(
+            index,
+            clip,
+            rank,
+            2,
+            tmp_path,
+            "fp",
+            32,
+            mean,
+            std,
+            batch_size=64,
+            chunk_size=200,
+            cache_images=True,
+            show_progress=False,
+            decode_workers=2 * rank,
+        )
     stats = merge_ranks(index, 2, tmp_path, cache_images=True, remove_rank_files=True)
     ref = np.load(out / "image_features" / "image_features.npy")
     np.testing.assert_allclose(np.load(tmp_path / "image_features.npy"), ref, atol=1e-5)
     np.testing.assert_array_equal(np.load(tmp_path / "image_ok.npy"), np.load(out / "image_features" / "image_ok.npy"))
-    np.testing.assert_array_equal(np.load(tmp_path / "images_u8.npy"), np.load(out / "image_features" / "images_u8.npy"))
+    np.testing.assert_array_equal(
+        np.load(tmp_path / "images_u8.npy"), np.load(out / "image_features" / "images_u8.npy")
+    )
     assert stats["unreadable_images"] == (~np.load(tmp_path / "image_ok.npy")).sum()
     assert not list(tmp_path.glob("*.rank*"))
 
@@ -302,7 +334,7 @@ def test_quantile_filter_and_sample_fit_reuse_cached_stages(chc_run, tmp_path, m
     cfg.CHC.OUTPUT_DIR = str(tmp_path / "out")
     cfg.CHC.FILTER.MODE = "quantile"
     cfg.CHC.FILTER.QUANTILE = 0.2
-    cfg.CHC.TOPICS.FIT_SAMPLE = 500          # the rest goes to the nearest centroid
+    cfg.CHC.TOPICS.FIT_SAMPLE = 500  # the rest goes to the nearest centroid
     cfg.CHC.TOPICS.MIN_CLUSTER_SIZE = 15
     cfg.CHC.TOPICS.PLOT_POINTS = 0
 
@@ -318,7 +350,7 @@ def test_quantile_filter_and_sample_fit_reuse_cached_stages(chc_run, tmp_path, m
     cos = np.load(out / "filter" / "pair_cosine.npy")
     assert np.nanmin(cos[status != FILTERED]) >= np.nanmax(cos[status == FILTERED])
     assert counts["fit_sample"] == 500 < counts["unique_captions"]
-    assert not (out / "umap_topics.png").exists()       # PLOT_POINTS 0: no (stale) picture
+    assert not (out / "umap_topics.png").exists()  # PLOT_POINTS 0: no (stale) picture
     h = load_hierarchy(out)
     from meta.chc.sources import PairIndex
 
@@ -367,8 +399,9 @@ def test_two_gloo_processes_shard_image_features(gloo_run):
     out, out_ref, _ = gloo_run
     stage = out / "image_features"
     assert (out / "image_features.done.json").is_file() and not list(stage.glob("*.rank*"))
-    np.testing.assert_allclose(np.load(stage / "image_features.npy"),
-                               np.load(out_ref / "image_features" / "image_features.npy"), atol=1e-5)
+    np.testing.assert_allclose(
+        np.load(stage / "image_features.npy"), np.load(out_ref / "image_features" / "image_features.npy"), atol=1e-5
+    )
     np.testing.assert_array_equal(np.load(stage / "image_ok.npy"), np.load(out_ref / "image_features" / "image_ok.npy"))
 
 
@@ -380,7 +413,9 @@ def test_two_gloo_processes_run_the_whole_pipeline(gloo_run):
     assert n_unique > 2 * cfg.CHC.TEXT.CHUNK_SIZE  # both ranks embed whole chunks of their own
     assert not list(out.rglob("*.rank*"))
     # same chunks -> same batches -> the same embeddings bit for bit
-    np.testing.assert_array_equal(np.load(out / "text" / "embeddings.npy"), np.load(out_ref / "text" / "embeddings.npy"))
+    np.testing.assert_array_equal(
+        np.load(out / "text" / "embeddings.npy"), np.load(out_ref / "text" / "embeddings.npy")
+    )
     ref, res = load_hierarchy(out_ref), load_hierarchy(out)
     assert res.topic_names == ref.topic_names
     np.testing.assert_array_equal(res.item_topic, ref.item_topic)
@@ -394,5 +429,5 @@ def test_text_rank_rows_are_whole_chunks_covering_all_rows():
     for n, chunk, world in [(0, 4, 2), (5, 4, 2), (1000, 400, 2), (1000, 400, 3), (7, 1, 4), (3, 400, 2)]:
         rows = [text_rank_rows(n, chunk, r, world) for r in range(world)]
         assert rows[0][0] == 0 and rows[-1][1] == n
-        assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))      # contiguous, disjoint, in rank order
-        assert all(lo % chunk == 0 for lo, _ in rows)                  # every block starts on a chunk boundary
+        assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))  # contiguous, disjoint, in rank order
+        assert all(lo % chunk == 0 for lo, _ in rows)  # every block starts on a chunk boundary

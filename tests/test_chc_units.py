@@ -1,4 +1,5 @@
 """CHC building blocks: readers, caches, TF-IDF, merging, filter, domains, CLI errors."""
+
 import csv
 import io
 import json
@@ -31,7 +32,7 @@ def reference_tfidf(captions, labels, n_clusters, presence_min_fraction, stop):
         if lab >= 0:
             docs[lab].append([w for w in re.findall(r"\b[a-z]{3,}\b", cap.lower()) if w not in stop])
     present_in = {}
-    for l, caps in enumerate(docs):
+    for caps in docs:
         vocab = {w for c in caps for w in c}
         for w in vocab:
             n_caps_with = sum(w in c for c in caps)
@@ -40,8 +41,9 @@ def reference_tfidf(captions, labels, n_clusters, presence_min_fraction, stop):
     best = []
     for caps in docs:
         words = [w for c in caps for w in c]
-        scores = {w: words.count(w) / len(words) * math.log(n_clusters / (present_in.get(w, 0) + 1))
-                  for w in set(words)}
+        scores = {
+            w: words.count(w) / len(words) * math.log(n_clusters / (present_in.get(w, 0) + 1)) for w in set(words)
+        }
         best.append(max(sorted(scores), key=lambda w: scores[w]))
     return best
 
@@ -51,18 +53,22 @@ def test_cluster_tfidf_matches_paper_formula_and_presence_threshold():
 
     rng = np.random.default_rng(0)
     topics = ["dog", "car", "cake", "boat"]
-    scenes = {"dog": ["park", "beach", "sofa"], "car": ["road", "garage", "track"],
-              "cake": ["plate", "candles", "party"], "boat": ["lake", "harbour", "sea"]}
+    scenes = {
+        "dog": ["park", "beach", "sofa"],
+        "car": ["road", "garage", "track"],
+        "cake": ["plate", "candles", "party"],
+        "boat": ["lake", "harbour", "sea"],
+    }
     captions, labels = [], []
     for i in range(400):
         t = i % 4
         cap = f"a photo of a {topics[t]} on the {rng.choice(scenes[topics[t]])}"
-        if rng.random() < 0.15:            # cross-topic mention
+        if rng.random() < 0.15:  # cross-topic mention
             cap += f" near a {topics[(t + 1 + rng.integers(3)) % 4]}"
         captions.append(cap)
         labels.append(t * 2 + int(rng.random() < 0.5))  # 2 clusters per topic (over-segmentation)
     labels = np.array(labels)
-    labels[:5] = -1                                   # noise is ignored
+    labels[:5] = -1  # noise is ignored
     stop = set(ENGLISH_STOP_WORDS) | CAPTION_STOP_WORDS
     for frac in (0.0, 0.1):
         got = cluster_tfidf_words(captions, labels, 8, None, frac).top_word
@@ -87,7 +93,7 @@ def test_tfidf_weights_equal_repeated_captions():
 
 def test_merge_clusters_sharing_a_word():
     names, mapping = merge_clusters_by_word(["dog", "car", "dog", "", "cake"], [10, 30, 25, 5, 1])
-    assert names == ["dog", "car", "cake"]             # by merged size: dog 35, car 30, cake 1
+    assert names == ["dog", "car", "cake"]  # by merged size: dog 35, car 30, cake 1
     assert mapping.tolist() == [0, 1, 0, -1, 2]
 
 
@@ -102,8 +108,12 @@ def test_manifest_reader_counts_and_errors(tmp_path):
     (tmp_path / "img").mkdir()
     (tmp_path / "img" / "a.png").write_bytes(_png_bytes((255, 0, 0)))
     (tmp_path / "img" / "bad.png").write_bytes(b"not an image")
-    rows = [{"path": "img/a.png", "text": "a red square"}, {"path": "img/bad.png", "text": "broken"},
-            {"path": "img/a.png", "text": "   "}, {"path": "img/missing.png", "text": "gone"}]
+    rows = [
+        {"path": "img/a.png", "text": "a red square"},
+        {"path": "img/bad.png", "text": "broken"},
+        {"path": "img/a.png", "text": "   "},
+        {"path": "img/missing.png", "text": "gone"},
+    ]
     manifest = tmp_path / "pairs.tsv"
     with open(manifest, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=["path", "text"], delimiter="\t")
@@ -181,8 +191,19 @@ def test_chunked_array_resumes_after_crash(tmp_path):
 def test_keep_mask_threshold_and_quantile():
     cos = np.array([0.1, 0.5, np.nan, 0.3, 0.2, 0.9, 0.05, 0.4, 0.6, 0.7, 0.8], dtype=np.float32)
     assert keep_mask(cos, "none").sum() == 10
-    assert keep_mask(cos, "threshold", threshold=0.35).tolist() == [False, True, False, False, False, True,
-                                                                   False, True, True, True, True]
+    assert keep_mask(cos, "threshold", threshold=0.35).tolist() == [
+        False,
+        True,
+        False,
+        False,
+        False,
+        True,
+        False,
+        True,
+        True,
+        True,
+        True,
+    ]
     kept = keep_mask(cos, "quantile", quantile=0.2)
     assert kept.sum() == 8 and not kept[[2, 6, 0]].any()
     with pytest.raises(ValueError, match="CHC.FILTER.MODE"):
@@ -213,9 +234,9 @@ def test_split_domains_sizes_and_fallbacks():
     x = np.concatenate([c + rng.normal(scale=0.1, size=(n, 4)) for c, n in zip(centers, (30, 20, 10))])
     split = split_domains(x, num_domains=3, min_per_domain=5)
     assert split.num_domains == 3 and np.bincount(split.labels).tolist() == [30, 20, 10]
-    assert split_domains(x[:12], 3, 5).num_domains == 2               # 12 // 5 = 2 domains
-    assert split_domains(x[:4], 3, 5).excluded                         # fewer than MIN_PER_DOMAIN
-    assert split_domains(x, 3, 15).num_domains == 2                    # 10-image domain too small -> fewer
+    assert split_domains(x[:12], 3, 5).num_domains == 2  # 12 // 5 = 2 domains
+    assert split_domains(x[:4], 3, 5).excluded  # fewer than MIN_PER_DOMAIN
+    assert split_domains(x, 3, 15).num_domains == 2  # 10-image domain too small -> fewer
 
 
 # ---------------------------------------------------------------- CLI
@@ -230,7 +251,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["bogus"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "'bogus'" in err and "cluster, train, export" in err
-    assert main(["train", "--config-file", str(tmp_path / "x.yaml")]) == 2   # dispatched to meta.metatrain
+    assert main(["train", "--config-file", str(tmp_path / "x.yaml")]) == 2  # dispatched to meta.metatrain
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("error: --config-file") and "x.yaml" in err
 
@@ -238,8 +259,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 def test_cli_bad_input_path_one_line(tmp_path, capsys):
     from meta.chc.cli import main
 
-    code = main(["--no-progress", "CHC.OUTPUT_DIR", str(tmp_path / "o"),
-                 "CHC.INPUT.SHARDS", f"['{tmp_path}/x-*.tar']"])
+    code = main(["--no-progress", "CHC.OUTPUT_DIR", str(tmp_path / "o"), "CHC.INPUT.SHARDS", f"['{tmp_path}/x-*.tar']"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "CHC.INPUT.SHARDS" in err[0] and "x-*.tar" in err[0]
 
@@ -251,11 +271,13 @@ def test_shadowed_hf_datasets_is_worked_around(tmp_path):
     (site / "datasets" / "__init__.py").write_text(
         "class Dataset: pass\nclass DatasetDict(dict): pass\nclass IterableDataset: pass\n"
         "class IterableDatasetDict(dict): pass\nclass Value: pass\nclass Sequence: pass\n"
-        "def disable_caching(): pass\ndef enable_caching(): pass\ndef is_caching_enabled(): return True\n")
+        "def disable_caching(): pass\ndef enable_caching(): pass\ndef is_caching_enabled(): return True\n"
+    )
     dist = site / "datasets-9.9.9.dist-info"
     dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: datasets\nVersion: 9.9.9\n"
-                                   "Home-page: https://github.com/huggingface/datasets\n")
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: datasets\nVersion: 9.9.9\nHome-page: https://github.com/huggingface/datasets\n"
+    )
     (dist / "RECORD").write_text("datasets/__init__.py,,\n")
     repo = tmp_path / "repo"
     (repo / "datasets").mkdir(parents=True)
@@ -275,8 +297,7 @@ def test_shadowed_hf_datasets_is_worked_around(tmp_path):
         print("GUARD_OK", hasattr(st, "SentenceTransformer"), datasets.__file__)
     """)
     env = {"PYTHONPATH": str(site), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    res = subprocess.run([sys.executable, "-c", script], cwd=repo, env=env, capture_output=True, text=True,
-                         timeout=300)
+    res = subprocess.run([sys.executable, "-c", script], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
     assert "PLAIN_FAIL" in res.stdout, res.stdout + res.stderr[-2000:]
     assert "GUARD_OK True" in res.stdout, res.stdout + res.stderr[-2000:]
     # after the window the repository's own datasets package is back in place

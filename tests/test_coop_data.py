@@ -1,4 +1,5 @@
 """Dassl-free tests of meta.coop_data: split reading, few-shot sampling and its cache, base/new, H."""
+
 from __future__ import annotations
 
 import json
@@ -13,9 +14,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from helpers import make_dtd, make_imagenet_tree, relpaths, write_classnames
 
 from meta import coop_data as cd
-from helpers import make_dtd, make_imagenet_tree, relpaths, write_classnames
 
 
 class NoDraws:
@@ -86,7 +87,9 @@ def test_fgvc_reader_uses_variant_order(tmp_path):
 # ----------------------------------------------------------------------------- ImageNet family
 def _imagenet(tmp_path, per_class=3):
     wnids = ["n02", "n01", "n03"]
-    write_classnames(tmp_path / "imagenet" / "classnames.txt", {"n01": "tench", "n02": "goldfish", "n03": "great white shark"})
+    write_classnames(
+        tmp_path / "imagenet" / "classnames.txt", {"n01": "tench", "n02": "goldfish", "n03": "great white shark"}
+    )
     make_imagenet_tree(tmp_path / "imagenet" / "images" / "train", wnids, per_class)
     make_imagenet_tree(tmp_path / "imagenet" / "images" / "val", wnids, 2)
     return tmp_path / "imagenet"

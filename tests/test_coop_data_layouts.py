@@ -1,5 +1,6 @@
 """The CoOp layout table (``meta.coop_data.COOP_LAYOUTS``): every dataset config names a layout, and an
 unknown name lists the known ones."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,8 +23,21 @@ def test_every_dataset_config_names_a_registered_layout():
         assert get_layout(f.stem) is layout
         seen.add(name)
     assert seen == {
-        "ImageNet", "Caltech101", "OxfordPets", "StanfordCars", "OxfordFlowers", "Food101", "FGVCAircraft",
-        "SUN397", "DescribableTextures", "EuroSAT", "UCF101", "ImageNetV2", "ImageNetSketch", "ImageNetA", "ImageNetR",
+        "ImageNet",
+        "Caltech101",
+        "OxfordPets",
+        "StanfordCars",
+        "OxfordFlowers",
+        "Food101",
+        "FGVCAircraft",
+        "SUN397",
+        "DescribableTextures",
+        "EuroSAT",
+        "UCF101",
+        "ImageNetV2",
+        "ImageNetSketch",
+        "ImageNetA",
+        "ImageNetR",
     }
     assert seen <= set(COOP_LAYOUTS)
 

@@ -1,4 +1,5 @@
 """meta.blocks: our batch-first block forward equals open_clip's own block, rows and all."""
+
 import pytest
 import torch
 
@@ -71,5 +72,7 @@ def test_unrecognised_block_falls_back_to_its_own_forward():
     x = _tokens(8)
     assert not is_plain_block(Doubler())
     torch.testing.assert_close(block_forward(Doubler(), x), 2 * x)
-    torch.testing.assert_close(block_forward(Doubler(), x, rows=torch.tensor([0, 1, 2])),
-                               2 * x[torch.arange(3), torch.tensor([0, 1, 2])].unsqueeze(1))
+    torch.testing.assert_close(
+        block_forward(Doubler(), x, rows=torch.tensor([0, 1, 2])),
+        2 * x[torch.arange(3), torch.tensor([0, 1, 2])].unsqueeze(1),
+    )

@@ -1,15 +1,16 @@
 """The GBML meta-gradient path against an independent second-order computation."""
+
 import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import class_batch
 from torch.func import functional_call
 
 from meta.gram import GRAMMetaLearner, MetaSpec, TaskBatch, double_backward_attention
 from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
 from meta.regulator import RegulatorSpec
-from helpers import class_batch
 
 _batch = class_batch
 
@@ -53,15 +54,20 @@ def _reference_meta_grads(pclip, ml, support, query, alpha, steps=1):
     l_q = loss(adapted, query)
     flat_phi = [(n, k, v) for n in names for k, v in phi[n].items()]
     out = torch.autograd.grad(l_q, [theta[n] for n in names] + [v for _, _, v in flat_phi])
-    g_theta = dict(zip(names, out[:len(names)]))
-    g_phi = {(n, k): g for (n, k, _), g in zip(flat_phi, out[len(names):])}
+    g_theta = dict(zip(names, out[: len(names)]))
+    g_phi = {(n, k): g for (n, k, _), g in zip(flat_phi, out[len(names) :])}
     return g_theta, g_phi, {n: t.detach() for n, t in adapted.items()}
 
 
-@pytest.mark.parametrize("spec", [PromptSpec(n_ctx_text=4),
-                                  PromptSpec(n_ctx_text=0, n_ctx_vision=2, vision_depth=2),
-                                  PromptSpec(n_ctx_text=2, n_ctx_vision=2)],
-                         ids=["coop", "deep-vpt", "unigram"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        PromptSpec(n_ctx_text=4),
+        PromptSpec(n_ctx_text=0, n_ctx_vision=2, vision_depth=2),
+        PromptSpec(n_ctx_text=2, n_ctx_vision=2),
+    ],
+    ids=["coop", "deep-vpt", "unigram"],
+)
 def test_gbml_meta_gradients_match_hand_written_second_order(tiny_clip, spec):
     clip, dims = tiny_clip
     meta_spec = MetaSpec(inner_lr=0.5, regulator=RegulatorSpec(form="residual"))
@@ -156,8 +162,11 @@ def test_directional_derivative_matches_finite_difference_float64(tiny_clip, inn
     # (measured, one step, both: error 4e-5, 4e-7, 4e-9 at eps 1e-5, 1e-6, 1e-7)
     eps = 1e-6
     for part in ("prompt", "regulator", "both"):
-        direction = [torch.randn(p.shape, generator=gen, dtype=torch.float64)
-                     * float(part == "both" or any(p is q for q in groups[part])) for p in params]
+        direction = [
+            torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            * float(part == "both" or any(p is q for q in groups[part]))
+            for p in params
+        ]
         analytic = float(sum((g * d).sum() for g, d in zip(analytic_dirs, direction)))
         numeric = (shifted(eps, direction) - shifted(-eps, direction)) / (2 * eps)
         assert abs(analytic) > 1e-8, part

@@ -1,4 +1,5 @@
 """Prompt learners over open_clip: truncation, VPT shapes/gradients, no frozen-weight cloning."""
+
 import pytest
 import torch
 
@@ -21,13 +22,15 @@ def test_truncated_text_features_equal_full_77_token_features(tiny_clip):
     expected = encode_text_with_context(clip, full, ctx)
     # float32 rounding only: over 200 seeds the largest difference was 6.7e-7 x max|feature|
     # (different matmul blocking for 20 vs 77 rows); attending to padding would differ by ~1e-1
-    torch.testing.assert_close(encode_text_with_context(clip, short, ctx), expected,
-                               rtol=0, atol=2e-6 * float(expected.abs().max()))
+    torch.testing.assert_close(
+        encode_text_with_context(clip, short, ctx), expected, rtol=0, atol=2e-6 * float(expected.abs().max())
+    )
 
 
 def test_context_from_words_reproduces_clip_text_encoding(tiny_clip):
     """ctx initialised from "a photo of a" + class tokens == open_clip's encode_text of the full sentence."""
     import open_clip
+
     clip, dims = tiny_clip
     ctx = context_from_words(clip, "a photo of a")
     assert ctx.shape == (4, dims.text_width)
@@ -55,8 +58,9 @@ def test_vpt_shapes_and_only_prompts_get_gradients(tiny_clip, depth):
     assert feats.shape == (2, dims.embed_dim)
     assert not torch.allclose(feats, clip.encode_image(images))  # prompts change the features
     pclip = PromptedCLIP(clip, dims, 0)
-    loss, logits = classification_loss(pclip)(prompts, {"classnames": NAMES[:2], "images": images,
-                                                         "label": torch.tensor([0, 1])})
+    loss, logits = classification_loss(pclip)(
+        prompts, {"classnames": NAMES[:2], "images": images, "label": torch.tensor([0, 1])}
+    )
     assert logits.shape == (2, 2)
     loss.backward()
     assert prompts.vpt.grad is not None and prompts.vpt.grad.abs().sum() > 0
@@ -131,7 +135,7 @@ def test_class_names_too_long_error_names_the_class_and_the_limit(tiny_clip):
     one word more is refused with an error naming the class, the token limit and M."""
     clip, dims = tiny_clip
     n_ctx, limit = 4, dims.context_length
-    fits = " ".join(["cat"] * (limit - n_ctx - 4))         # SOT + M + words + "." + EOT = limit - 1 tokens
+    fits = " ".join(["cat"] * (limit - n_ctx - 4))  # SOT + M + words + "." + EOT = limit - 1 tokens
     too_long = fits + " dog"
     assert ClassTokenCache(clip, n_ctx).tokens([fits, "x"]).eot_index.tolist()[0] == limit - 2
     with pytest.raises(ValueError) as err:
@@ -139,7 +143,7 @@ def test_class_names_too_long_error_names_the_class_and_the_limit(tiny_clip):
     message = str(err.value)
     assert "class names too long" in message and repr(too_long) in message
     assert f"{limit} text tokens" in message and f"{n_ctx} context tokens" in message
-    assert "'x'" not in message                             # only the offending class is listed
+    assert "'x'" not in message  # only the offending class is listed
 
 
 def test_class_token_cache_keeps_tokens_in_the_blocks_dtype_and_stacks_once():
@@ -163,7 +167,6 @@ def test_class_token_cache_keeps_tokens_in_the_blocks_dtype_and_stacks_once():
     with torch.no_grad():
         ids = cache.tokenizer([f"X X X X {NAMES[0]}."], context_length=clip.positional_embedding.shape[0])
         assert torch.equal(tokens.prefix[0, 0], clip.token_embedding(ids)[0, 0].half())
-    fp32 = ClassTokens(prefix=tokens.prefix.float(), suffix=tokens.suffix.float(), eot_index=tokens.eot_index,
-                       n_ctx=4)
+    fp32 = ClassTokens(prefix=tokens.prefix.float(), suffix=tokens.suffix.float(), eot_index=tokens.eot_index, n_ctx=4)
     ctx = torch.randn(4, dims.text_width, generator=torch.Generator().manual_seed(2)) * 0.02
     assert torch.equal(encode_text_with_context(clip, tokens, ctx), encode_text_with_context(clip, fp32, ctx))

@@ -1,4 +1,5 @@
 """R_φ initialisation and forms, the GBML transform factory, test-time regulation, init file I/O."""
+
 import json
 
 import pytest
@@ -76,8 +77,17 @@ def test_test_time_regulation_rewrites_grads_in_place():
 
 
 def _dims(model_name="GRAM-Test-Tiny"):
-    return ClipDims(model_name=model_name, text_width=64, vision_width=64, embed_dim=64, context_length=77,
-                    text_layers=2, vision_layers=2, image_size=32, num_patches=16)
+    return ClipDims(
+        model_name=model_name,
+        text_width=64,
+        vision_width=64,
+        embed_dim=64,
+        context_length=77,
+        text_layers=2,
+        vision_layers=2,
+        image_size=32,
+        num_patches=16,
+    )
 
 
 def _trained_learner(tiny_clip):
@@ -89,10 +99,20 @@ def _trained_learner(tiny_clip):
 
 def test_init_export_import_round_trip(tiny_clip, tmp_path):
     ml, dims = _trained_learner(tiny_clip)
-    path = export_gram_init(tmp_path / "init.safetensors", ml.prompt_module, ml.regulators(), dims,
-                            provenance={"steps": 3})
-    loaded = load_gram_init(path, expect={"text_width": 64, "vision_width": 64, "n_ctx_text": 2,
-                                          "n_ctx_vision": 2, "vision_depth": 2, "model_name": "GRAM-Test-Tiny"})
+    path = export_gram_init(
+        tmp_path / "init.safetensors", ml.prompt_module, ml.regulators(), dims, provenance={"steps": 3}
+    )
+    loaded = load_gram_init(
+        path,
+        expect={
+            "text_width": 64,
+            "vision_width": 64,
+            "n_ctx_text": 2,
+            "n_ctx_vision": 2,
+            "vision_depth": 2,
+            "model_name": "GRAM-Test-Tiny",
+        },
+    )
     module = loaded.prompt_module()
     torch.testing.assert_close(module.ctx, ml.prompt_module.ctx.detach())
     torch.testing.assert_close(module.vpt, ml.prompt_module.vpt.detach())
@@ -130,8 +150,8 @@ def test_coop_context_export_loads_with_weights_only(tmp_path):
 
 def _rewrite(path, tensors=None, meta=None, raw=None):
     """Re-save ``path`` with other tensors and/or another 'gram' header (a tampered file)."""
-    from safetensors.torch import load_file, save_file
     from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
 
     with safe_open(str(path), framework="pt") as f:
         header = f.metadata()
@@ -142,24 +162,27 @@ def _rewrite(path, tensors=None, meta=None, raw=None):
     return out
 
 
-@pytest.mark.parametrize("change, field", [
-    ("bad_json", "metadata 'gram': not valid JSON"),
-    ("list", "metadata 'gram': expected a JSON object"),
-    ("no_backbone", "backbone: missing"),
-    ("string_version", "format_version: expected the integer 1, got '1' (str)"),
-    ("unknown_regulator_field", "regulator.gain: unknown field"),
-    ("regulator_list", "regulator: expected null or an object"),
-    ("width_string", "backbone.text_width: expected an integer >= 1"),
-    ("shape_vs_metadata", "tensor prompt.ctx: has shape [2, 128], but the metadata's"),
-    ("shape_vs_shapes", "tensor prompt.ctx: has shape [3, 64], but shapes.prompt.ctx records [2, 64]"),
-    ("regulator_shape", "tensor regulator.ctx.gamma.weight: has shape [64, 32]"),
-    ("nan", "tensor prompt.vpt: holds NaN"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ("bad_json", "metadata 'gram': not valid JSON"),
+        ("list", "metadata 'gram': expected a JSON object"),
+        ("no_backbone", "backbone: missing"),
+        ("string_version", "format_version: expected the integer 1, got '1' (str)"),
+        ("unknown_regulator_field", "regulator.gain: unknown field"),
+        ("regulator_list", "regulator: expected null or an object"),
+        ("width_string", "backbone.text_width: expected an integer >= 1"),
+        ("shape_vs_metadata", "tensor prompt.ctx: has shape [2, 128], but the metadata's"),
+        ("shape_vs_shapes", "tensor prompt.ctx: has shape [3, 64], but shapes.prompt.ctx records [2, 64]"),
+        ("regulator_shape", "tensor regulator.ctx.gamma.weight: has shape [64, 32]"),
+        ("nan", "tensor prompt.vpt: holds NaN"),
+    ],
+)
 def test_tampered_init_files_fail_in_one_line_naming_file_and_field(tiny_clip, tmp_path, change, field):
     ml, dims = _trained_learner(tiny_clip)
     path = export_gram_init(tmp_path / "init.safetensors", ml.prompt_module, ml.regulators(), dims)
-    from safetensors.torch import load_file
     from safetensors import safe_open
+    from safetensors.torch import load_file
 
     with safe_open(str(path), framework="pt") as f:
         meta = json.loads(f.metadata()["gram"])
@@ -249,10 +272,17 @@ def test_stale_temp_files_of_dead_writers_are_cleaned(tmp_path):
 
     from meta.fileio import clean_stale_temps
 
-    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                              text=True).stdout)
-    names = [f".a.pth.tmp-{dead}-0123abcd", f".b.pt.tmp-{dead}", ".c.pth.tmp-1-0123abcd",
-             f".d.pth.tmp-{os.getpid()}-0123abcd", "e.tmp", "f.safetensors"]
+    dead = int(
+        subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout
+    )
+    names = [
+        f".a.pth.tmp-{dead}-0123abcd",
+        f".b.pt.tmp-{dead}",
+        ".c.pth.tmp-1-0123abcd",
+        f".d.pth.tmp-{os.getpid()}-0123abcd",
+        "e.tmp",
+        "f.safetensors",
+    ]
     for name in names:
         (tmp_path / name).write_bytes(b"x")
     clean_stale_temps(tmp_path)  # without the folder's lock: only files whose writer is gone

@@ -2,6 +2,7 @@
 
 Runs in a child process, because the module patches Dassl for the whole interpreter.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 pytest.importorskip("dassl", reason="Dassl is not installed (scripts/setup.sh --with-dassl)")
 
 REPO = Path(__file__).resolve().parents[1]
-CHILD = r'''
+CHILD = r"""
 import sys, warnings
 import torch
 from torch import nn
@@ -24,7 +25,8 @@ from dassl.utils import save_checkpoint
 sys.path.insert(0, sys.argv[2])
 out = sys.argv[1]
 cfg = get_cfg_default().OPTIM
-cfg.defrost(); cfg.LR, cfg.MAX_EPOCH, cfg.LR_SCHEDULER, cfg.WARMUP_EPOCH, cfg.WARMUP_TYPE = 0.002, 3, "cosine", 1, "constant"
+cfg.defrost()
+cfg.LR, cfg.MAX_EPOCH, cfg.LR_SCHEDULER, cfg.WARMUP_EPOCH, cfg.WARMUP_TYPE = 0.002, 3, "cosine", 1, "constant"
 cfg.WARMUP_CONS_LR = 1e-5
 p = nn.Parameter(torch.zeros(4, 8))
 opt = torch.optim.SGD([p], lr=cfg.LR)
@@ -45,7 +47,8 @@ save_checkpoint({"state_dict": {"ctx": p.detach()}, "epoch": 3, "optimizer": opt
 ckpt = load_checkpoint(out + "/model.pth.tar-3")  # torch's weights_only default: Dassl's own file now loads
 sched2 = build_lr_scheduler(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=cfg.LR), cfg)
 sched2.load_state_dict(ckpt["scheduler"])
-print("RESTORED", sched2.last_epoch, sched2.successor.last_epoch, sched2.successor.T_max, sched2.get_last_lr() == sched.get_last_lr())
+print("RESTORED", sched2.last_epoch, sched2.successor.last_epoch, sched2.successor.T_max,
+      sched2.get_last_lr() == sched.get_last_lr())
 class Learner(nn.Module):
     def __init__(self, n):
         super().__init__(); self.ctx = nn.Parameter(torch.zeros(n, 8))
@@ -55,13 +58,18 @@ try:
     load_pretrained_weights(Learner(16), out + "/ctx.pth")
 except ValueError as err:
     print("MISMATCH", err)
-'''
+"""
 
 
 def test_dassl_warmup_checkpoints_and_init_weights_under_compat(tmp_path):
     (tmp_path / "child.py").write_text(CHILD)
-    r = subprocess.run([sys.executable, str(tmp_path / "child.py"), str(tmp_path), str(REPO)], capture_output=True,
-                       text=True, timeout=300, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, str(tmp_path / "child.py"), str(tmp_path), str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in r.stdout.splitlines() if " " in line)
     assert lines["BUILD-TYPEERROR"] == "True"  # stock Dassl on torch >= 2.7, before the import

@@ -1,4 +1,5 @@
 """Our Dassl datasets against real Dassl (and CoOp's own dataset classes when their source is present)."""
+
 from __future__ import annotations
 
 import importlib
@@ -9,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import make_dtd, make_imagenet_tree, write_classnames
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,7 +70,9 @@ def test_all_benchmarks_registered_and_reregistration_is_safe():
 def test_register_coop_layout_dataset_factory(tmp_path):
     make_dtd(tmp_path, n_classes=4, real_images=False)
     os.rename(tmp_path / "dtd", tmp_path / "proc_world")
-    (tmp_path / "proc_world" / "split_zhou_DescribableTextures.json").rename(tmp_path / "proc_world" / "split_proc.json")
+    (tmp_path / "proc_world" / "split_zhou_DescribableTextures.json").rename(
+        tmp_path / "proc_world" / "split_proc.json"
+    )
     for _ in range(2):  # twice: no crash
         cls = gram_datasets.register_coop_layout_dataset("ProcWorldTest", "proc_world", "images", "split_proc.json")
     assert DATASET_REGISTRY.get("ProcWorldTest") is cls
@@ -101,7 +103,9 @@ def test_missing_image_is_named(tmp_path):
     split = make_dtd(tmp_path, n_classes=2, real_images=False)
     gone = tmp_path / "dtd" / "images" / split["test"][1][0]
     gone.unlink()
-    with pytest.raises(FileNotFoundError, match=r"DescribableTextures test: 1 image\(s\) .* missing, e\.g\. .*" + gone.name):
+    with pytest.raises(
+        FileNotFoundError, match=r"DescribableTextures test: 1 image\(s\) .* missing, e\.g\. .*" + gone.name
+    ):
         build_dataset(make_cfg(tmp_path, "DescribableTextures"))
 
 

@@ -5,6 +5,7 @@ text positions, the blocks' own ``forward``), not against ``meta.text_encoder`` 
 nor the MaPLe fork's code.  The tiny model has text width 64 != vision width 96, so a transposed
 projection cannot pass.
 """
+
 import json
 import warnings
 
@@ -18,8 +19,14 @@ from torch.func import functional_call
 
 from meta.gram import GRAMMetaLearner, MetaSpec, double_backward_attention
 from meta.init_io import InitMismatchError, export_gram_init, load_gram_init
-from meta.prompts import (PromptedCLIP, PromptParams, PromptSpec, classification_loss, initial_projections,
-                          visual_prompts)
+from meta.prompts import (
+    PromptedCLIP,
+    PromptParams,
+    PromptSpec,
+    classification_loss,
+    initial_projections,
+    visual_prompts,
+)
 from meta.regulator import RegulatorSpec
 from meta.text_encoder import ClassTokenCache, encode_text_with_context
 
@@ -50,10 +57,10 @@ def _reference_text(clip, names, ctx, deep):
     m = ctx.shape[0]
     ids = open_clip.get_tokenizer("ViT-B-16")([" ".join(["X"] * m) + " " + n + "." for n in names])
     x = clip.token_embedding(ids)
-    x = torch.cat([x[:, :1], ctx.expand(len(names), -1, -1), x[:, 1 + m:]], dim=1) + clip.positional_embedding
+    x = torch.cat([x[:, :1], ctx.expand(len(names), -1, -1), x[:, 1 + m :]], dim=1) + clip.positional_embedding
     for i, block in enumerate(clip.transformer.resblocks):
         if deep is not None and 1 <= i <= deep.shape[0]:
-            x = torch.cat([x[:, :1], deep[i - 1].expand(len(names), -1, -1), x[:, 1 + m:]], dim=1)
+            x = torch.cat([x[:, :1], deep[i - 1].expand(len(names), -1, -1), x[:, 1 + m :]], dim=1)
         x = block(x, attn_mask=clip.attn_mask)
     x = clip.ln_final(x)
     return x[torch.arange(len(names)), ids.argmax(dim=-1)] @ clip.text_projection
@@ -123,7 +130,7 @@ def test_maple_coupled_visual_prompts_match_reference(deep_clip):
 def test_maple_projection_start_follows_nn_linear_and_clones():
     w, b = initial_projections(4, 64, 96, torch.Generator().manual_seed(0))
     assert w.shape == (4, 96, 64) and b.shape == (4, 96)
-    bound = 1 / 64 ** 0.5
+    bound = 1 / 64**0.5
     assert float(w.abs().max()) <= bound and float(b.abs().max()) <= bound and float(w.std()) > bound / 3
     assert torch.equal(w[1], w[2]) and torch.equal(w[1], w[3]) and torch.equal(b[1], b[3])  # deep copies
     assert not torch.equal(w[0], w[1])
@@ -137,12 +144,15 @@ def test_shallow_draws_unchanged_by_deep_options(deep_clip):
     assert float(deep.ctx_deep.detach().std()) == pytest.approx(0.02, rel=0.5)
 
 
-@pytest.mark.parametrize("spec, why", [
-    (dict(n_ctx_text=0, n_ctx_vision=2, text_depth=2), "need text context"),
-    (dict(n_ctx_text=2, n_ctx_vision=2, coupling="maple"), "n_ctx_vision must be 0"),
-    (dict(n_ctx_text=2, coupling="deep"), "coupling must be one of"),
-    (dict(n_ctx_text=2, text_depth=-1), "text_depth and vision_depth must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "spec, why",
+    [
+        (dict(n_ctx_text=0, n_ctx_vision=2, text_depth=2), "need text context"),
+        (dict(n_ctx_text=2, n_ctx_vision=2, coupling="maple"), "n_ctx_vision must be 0"),
+        (dict(n_ctx_text=2, coupling="deep"), "coupling must be one of"),
+        (dict(n_ctx_text=2, text_depth=-1), "text_depth and vision_depth must be >= 0"),
+    ],
+)
 def test_bad_specs_raise(spec, why):
     with pytest.raises(ValueError, match=why):
         PromptSpec(**spec)
@@ -157,8 +167,11 @@ def test_text_depth_beyond_the_tower_raises(deep_clip):
 # ---------------------------------------------------------------- gradients and meta-gradients
 def _batch(seed, per_class=2):
     gen = torch.Generator().manual_seed(seed)
-    return {"classnames": NAMES[:2], "images": torch.randn(2 * per_class, 3, 32, 32, generator=gen),
-            "label": torch.arange(2).repeat(per_class)}
+    return {
+        "classnames": NAMES[:2],
+        "images": torch.randn(2 * per_class, 3, 32, 32, generator=gen),
+        "label": torch.arange(2).repeat(per_class),
+    }
 
 
 @pytest.mark.parametrize("spec", [IVLP, MAPLE], ids=["ivlp", "maple"])
@@ -200,11 +213,11 @@ def test_meta_gradient_matches_hand_written_second_order(deep_clip, spec):
     adapted = {n: th[n] - 0.5 * functional_call(regs[n], phi[n], (g,)) for n, g in zip(names, grads)}
     flat_phi = [(n, k, v) for n in names for k, v in phi[n].items()]
     out = torch.autograd.grad(loss(adapted, query), [th[n] for n in names] + [v for _, _, v in flat_phi])
-    for n, g in zip(names, out[:len(names)]):
+    for n, g in zip(names, out[: len(names)]):
         torch.testing.assert_close(got_theta[n], g, rtol=1e-4, atol=1e-7)
         per_layer = got_theta[n].flatten(1).abs().sum(1) if got_theta[n].dim() == 3 else got_theta[n].abs().sum()[None]
         assert bool((per_layer > 0).all()), f"{n}: a layer gets no meta-gradient"
-    for (n, k, _), g in zip(flat_phi, out[len(names):]):
+    for (n, k, _), g in zip(flat_phi, out[len(names) :]):
         torch.testing.assert_close(got_phi[(n, k)], g, rtol=1e-4, atol=1e-8)
         assert float(g.abs().sum()) > 0, f"regulator of {n}: {k} gets no meta-gradient"
 
@@ -224,9 +237,13 @@ def _export(tmp_path, clip, dims, spec, name="init.safetensors"):
 def test_init_file_round_trip(tmp_path, deep_clip, spec):
     clip, dims = deep_clip
     path, ml = _export(tmp_path, clip, dims, spec)
-    structure = {"text_depth": spec["text_depth"], "coupling": spec.get("coupling", "none"),
-                 "n_ctx_text": 2, "n_ctx_vision": spec.get("n_ctx_vision", 0),
-                 "vision_depth": spec.get("vision_depth", 0) if spec.get("n_ctx_vision") else 0}
+    structure = {
+        "text_depth": spec["text_depth"],
+        "coupling": spec.get("coupling", "none"),
+        "n_ctx_text": 2,
+        "n_ctx_vision": spec.get("n_ctx_vision", 0),
+        "vision_depth": spec.get("vision_depth", 0) if spec.get("n_ctx_vision") else 0,
+    }
     init = load_gram_init(path, expect={"text_width": 64, "vision_width": 96, **structure})
     assert {k: init.metadata["prompt"][k] for k in structure} == structure
     loaded = init.prompt_module()
@@ -265,8 +282,11 @@ def test_init_file_tensor_and_structure_errors(tmp_path, deep_clip):
     path, _ = _export(tmp_path, clip, dims, MAPLE)
     tensors = load_file(str(path))
     short = dict(tensors, **{"prompt.ctx_deep": tensors["prompt.ctx_deep"][:1]})
-    with pytest.raises(InitMismatchError, match=r"tensor prompt.ctx_deep: has shape \[1, 2, 64\], but the "
-                                                r"metadata's \[prompt.text_depth - 1"):
+    with pytest.raises(
+        InitMismatchError,
+        match=r"tensor prompt.ctx_deep: has shape \[1, 2, 64\], but the "
+        r"metadata's \[prompt.text_depth - 1",
+    ):
         load_gram_init(_rewrite(path, tmp_path / "a.safetensors", short))
     no_proj = {k: v for k, v in tensors.items() if "proj_" not in k}
     with pytest.raises(InitMismatchError, match="tensor prompt.proj_weight: missing"):

@@ -1,4 +1,5 @@
 """The demo's tables, method rows, settings and world selection (no training; seconds)."""
+
 import json
 import statistics
 import warnings
@@ -7,12 +8,25 @@ from types import SimpleNamespace
 
 import pytest
 
-from gram_world.demo import (METHOD_BY_KEY, METHODS, META_VARIANTS, TABLE1_KEYS, TABLE4_KEYS, TABLE_GROUPS, TOKEN_KEYS,
-                             VARIANT_BY_NAME, DemoSettings, default_out, demo_world_settings, main, method_spec,
-                             settings_from_args)
+from gram_world.demo import (
+    META_VARIANTS,
+    METHOD_BY_KEY,
+    METHODS,
+    TABLE1_KEYS,
+    TABLE4_KEYS,
+    TABLE_GROUPS,
+    TOKEN_KEYS,
+    VARIANT_BY_NAME,
+    DemoSettings,
+    default_out,
+    demo_world_settings,
+    main,
+    method_spec,
+    settings_from_args,
+)
 from gram_world.demo.cli import _parser
 from gram_world.demo.report import build_tables, markdown_table, tokens_markdown, transfer_markdown
-from gram_world.demo.settings import COMPONENT_KEYS, ONE_STEP_KEYS, TABLE1_ROWS, VARIANT_BY_NAME, b2n_keys
+from gram_world.demo.settings import COMPONENT_KEYS, ONE_STEP_KEYS, TABLE1_ROWS, b2n_keys
 from gram_world.demo.stages import check_settings
 from meta.cli_errors import UserError
 from meta.coop_data import harmonic_mean
@@ -28,10 +42,21 @@ def _b2n_records():
     for d_i, dataset in enumerate(DATASETS):
         for m_i, m in enumerate(METHODS):
             for seed in (1, 2, 3):
-                base = 40 + m_i + (3 * seed if d_i == 0 else -2 * seed)     # opposite seed effects
+                base = 40 + m_i + (3 * seed if d_i == 0 else -2 * seed)  # opposite seed effects
                 new = 30 + 0.5 * m_i - seed + 2 * d_i
-                out.append({"protocol": "base2new", "dataset": dataset, "key": m.key, "method": m.label,
-                            "seed": seed, "base": base, "new": new, "H": harmonic_mean(base, new), "history": []})
+                out.append(
+                    {
+                        "protocol": "base2new",
+                        "dataset": dataset,
+                        "key": m.key,
+                        "method": m.label,
+                        "seed": seed,
+                        "base": base,
+                        "new": new,
+                        "H": harmonic_mean(base, new),
+                        "history": [],
+                    }
+                )
     return out
 
 
@@ -40,9 +65,20 @@ def _transfer_records(shots):
     for m_i, m in enumerate(METHODS):
         for seed in (1, 2, 3):
             targets = {SKETCH: 20 + m_i + seed, FAMILY[0]: 50 + seed, FAMILY[1]: 60 - 2 * seed + m_i}
-            out.append({"protocol": "transfer", "dataset": "WorldA", "key": m.key, "method": m.label, "seed": seed,
-                        "shots": shots, "source": 70 + m_i - seed, "targets": targets,
-                        "target_mean": statistics.fmean(targets.values()), "history": []})
+            out.append(
+                {
+                    "protocol": "transfer",
+                    "dataset": "WorldA",
+                    "key": m.key,
+                    "method": m.label,
+                    "seed": seed,
+                    "shots": shots,
+                    "source": 70 + m_i - seed,
+                    "targets": targets,
+                    "target_mean": statistics.fmean(targets.values()),
+                    "history": [],
+                }
+            )
     return out
 
 
@@ -55,8 +91,11 @@ def test_average_rows_average_datasets_per_seed_first_then_take_h_of_the_means()
     records = _b2n_records()
     rows = summarise(records, average="Average")
     for row in rows:
-        runs = [r for r in records if r["key"] == row["key"] and (row["dataset"] == "Average" or
-                                                                     r["dataset"] == row["dataset"])]
+        runs = [
+            r
+            for r in records
+            if r["key"] == row["key"] and (row["dataset"] == "Average" or r["dataset"] == row["dataset"])
+        ]
         per_seed = {s: statistics.fmean(r["base"] for r in runs if r["seed"] == s) for s in (1, 2, 3)}
         assert row["base_mean"] == pytest.approx(statistics.fmean(per_seed.values()))
         assert row["base_std"] == pytest.approx(statistics.pstdev(per_seed.values()))
@@ -76,24 +115,41 @@ def test_every_table_holds_its_paper_rows_under_stable_keys():
     for tid, keys in (("table1", TABLE1_ROWS), ("table4", TABLE4_KEYS)):
         for dataset in DATASETS + ("Average",):
             assert [r["key"] for r in tables[tid]["rows"] if r["dataset"] == dataset] == list(keys)
-    assert [METHOD_BY_KEY[k].label for k in TABLE1_KEYS] == ["CLIP", "CoOp", "CoOp + GRAM", "VPT", "VPT + GRAM",
-                                                            "UNIGRAM"]
+    assert [METHOD_BY_KEY[k].label for k in TABLE1_KEYS] == [
+        "CLIP",
+        "CoOp",
+        "CoOp + GRAM",
+        "VPT",
+        "VPT + GRAM",
+        "UNIGRAM",
+    ]
     assert [r["method"] for r in tables["table4"]["rows"][:6]] == [
-        "UNIGRAM", "- domain shift simulating", "- gradient regulating", "- meta-learning = prompt pre-training",
-        "- CHC = supervised meta-learning", "joint textual & visual prompt tuning"]
+        "UNIGRAM",
+        "- domain shift simulating",
+        "- gradient regulating",
+        "- meta-learning = prompt pre-training",
+        "- CHC = supervised meta-learning",
+        "joint textual & visual prompt tuning",
+    ]
     # Table 2: the held-out-style twin only; Table 3: the family datasets and their per-seed average
     t2, t3, a2 = tables["table2"], tables["table3"], tables["tableA2"]
     assert (t2["targets"], t3["targets"], t2["shots"], a2["shots"]) == ([SKETCH], list(FAMILY), 16, 4)
     assert [r["key"] for r in t3["rows"]] == list(TABLE1_KEYS)
     coop = next(r for r in t3["rows"] if r["key"] == "coop")
     per_seed = [statistics.fmean(r["targets"][f] for f in FAMILY) for r in _transfer_records(16) if r["key"] == "coop"]
-    assert (coop["target_mean"], coop["target_std"]) == (pytest.approx(statistics.fmean(per_seed)),
-                                                         pytest.approx(statistics.pstdev(per_seed)))
+    assert (coop["target_mean"], coop["target_std"]) == (
+        pytest.approx(statistics.fmean(per_seed)),
+        pytest.approx(statistics.pstdev(per_seed)),
+    )
     assert list(next(r for r in t2["rows"] if r["key"] == "coop")["targets"]) == [SKETCH]
     # Table A3: 2 / 4 / 6 / 8 tokens, half text, half visual; 4 is UNIGRAM itself
     a3 = tables["tableA3"]["rows"]
     assert [(r["tokens"], r["text_tokens"], r["visual_tokens"], r["key"]) for r in a3] == [
-        (2, 1, 1, "unigram_2tok"), (4, 2, 2, "unigram"), (6, 3, 3, "unigram_6tok"), (8, 4, 4, "unigram_8tok")]
+        (2, 1, 1, "unigram_2tok"),
+        (4, 2, 2, "unigram"),
+        (6, 3, 3, "unigram_6tok"),
+        (8, 4, 4, "unigram_8tok"),
+    ]
     # markdown: one line per row plus header and rule
     assert markdown_table(tables["table1"]["rows"], "Average").count("\n") == len(TABLE1_ROWS) + 1
     assert transfer_markdown(t3).splitlines()[0].endswith("| target average |")
@@ -119,7 +175,12 @@ def test_deep_group_is_opt_in_and_holds_ivlp_and_maple_with_their_variants():
     assert variants_needed(("deep",)) == DEEP_VARIANTS
     maple = method_spec(METHOD_BY_KEY["gram_maple"], init="/x.safetensors")
     assert (maple.coupling, maple.text_depth, maple.n_ctx_text, maple.n_ctx_vision, maple.regulate) == (
-        "maple", 0, 2, 0, True)
+        "maple",
+        0,
+        2,
+        0,
+        True,
+    )
     ivlp = method_spec(METHOD_BY_KEY["ivlp"])
     assert (ivlp.text_depth, ivlp.vision_depth, ivlp.n_ctx_text, ivlp.n_ctx_vision) == (0, 0, 2, 2)
 
@@ -128,8 +189,19 @@ def test_method_rows_have_unique_keys_existing_presets_and_variants():
     from meta.evaluation import PRESET_NAMES
 
     assert len({m.key for m in METHODS}) == len(METHODS) and len({m.label for m in METHODS}) == len(METHODS)
-    assert {"zsclip", "coop", "gram_coop", "vpt", "gram_vpt", "joint", "unigram", "unigram_no_shift",
-            "unigram_no_reg", "unigram_pretrain", "unigram_supervised"} <= set(METHOD_BY_KEY)
+    assert {
+        "zsclip",
+        "coop",
+        "gram_coop",
+        "vpt",
+        "gram_vpt",
+        "joint",
+        "unigram",
+        "unigram_no_shift",
+        "unigram_no_reg",
+        "unigram_pretrain",
+        "unigram_supervised",
+    } <= set(METHOD_BY_KEY)
     for m in METHODS:
         assert m.preset in PRESET_NAMES
         assert m.variant == "" or m.variant in VARIANT_BY_NAME
@@ -144,19 +216,25 @@ def test_method_rows_have_unique_keys_existing_presets_and_variants():
     assert method_spec(METHOD_BY_KEY["vpt"], settings=DemoSettings(vpt_init="cls")).prompt_spec().vpt_init == "cls"
     # component rows: θ* only = file's θ*, raw gradients; R_φ only = scratch θ, the file's R_φ
     init_only = method_spec(METHOD_BY_KEY["gram_coop_init_only"], init="/x.safetensors")
-    reg_only = method_spec(METHOD_BY_KEY["gram_vpt_reg_only"], init="/x.safetensors",
-                           settings=DemoSettings(reg_window=20, launch=True))
+    reg_only = method_spec(
+        METHOD_BY_KEY["gram_vpt_reg_only"], init="/x.safetensors", settings=DemoSettings(reg_window=20, launch=True)
+    )
     assert (init_only.init_prompts, init_only.regulate, init_only.launch) == (True, False, DemoSettings().launch)
     assert (reg_only.init_prompts, reg_only.regulate, reg_only.reg_window, reg_only.launch) == (False, True, 20, True)
     assert (reg_only.n_ctx_text, reg_only.n_ctx_vision) == (0, 4)
-    assert method_spec(METHOD_BY_KEY["unigram_pretrain"], init="/x.safetensors",
-                       settings=DemoSettings(launch=True)).launch is False     # nothing to launch
+    assert (
+        method_spec(METHOD_BY_KEY["unigram_pretrain"], init="/x.safetensors", settings=DemoSettings(launch=True)).launch
+        is False
+    )  # nothing to launch
     assert set(COMPONENT_KEYS) <= set(b2n_keys(("base2new",)))
     assert set(COMPONENT_KEYS) <= set(TABLE1_ROWS)
     # the paper-literal rows keep the per-image rule and no launch step whatever the settings say, and start
     # from a variant meta-trained on the one-step objective
-    literal = method_spec(METHOD_BY_KEY["unigram_one_step"], init="/x.safetensors",
-                          settings=DemoSettings(reg_window=20, launch=True, query_before_weight=1.0))
+    literal = method_spec(
+        METHOD_BY_KEY["unigram_one_step"],
+        init="/x.safetensors",
+        settings=DemoSettings(reg_window=20, launch=True, query_before_weight=1.0),
+    )
     assert (literal.init_prompts, literal.regulate, literal.reg_window, literal.launch) == (True, True, 1, False)
     variant = VARIANT_BY_NAME[METHOD_BY_KEY["unigram_one_step"].variant]
     assert dict(zip(variant.overrides[::2], variant.overrides[1::2]))["META.QUERY_BEFORE_WEIGHT"] == 0.0
@@ -177,7 +255,7 @@ def test_old_preset_names_are_silent_aliases_of_the_stable_keys():
 def test_changed_settings_are_refused_but_jobs_and_tables_are_not_results(tmp_path):
     quick = DemoSettings.preset(quick=True)
     check_settings(quick, tmp_path)
-    check_settings(replace(quick, jobs=1, tables=tuple(TABLE_GROUPS)), tmp_path)   # same results: fine
+    check_settings(replace(quick, jobs=1, tables=tuple(TABLE_GROUPS)), tmp_path)  # same results: fine
     with pytest.raises(UserError, match="other settings"):
         check_settings(DemoSettings.preset(quick=False), tmp_path)
     with pytest.raises(UserError, match=r"\(world_seed\)"):
@@ -201,23 +279,42 @@ def test_changed_settings_are_refused_but_jobs_and_tables_are_not_results(tmp_pa
 
 def test_world_seed_and_world_options_change_the_world_hash_and_output_folder():
     quick = DemoSettings.preset(quick=True)
-    args = _parser().parse_args(["--quick", "--world-seed", "3", "--holdout-style", "cartoon", "--mixed-classes",
-                                 "circle", "star", "square", "heart", "--tables", "all"])
+    args = _parser().parse_args(
+        [
+            "--quick",
+            "--world-seed",
+            "3",
+            "--holdout-style",
+            "cartoon",
+            "--mixed-classes",
+            "circle",
+            "star",
+            "square",
+            "heart",
+            "--tables",
+            "all",
+        ]
+    )
     other = settings_from_args(args)
     assert other.world_seed == 3 and other.tables == tuple(g for g in TABLE_GROUPS if g != "deep")  # deep: opt-in
     ws = demo_world_settings(other)
     assert (ws.seed, ws.holdout_style) == (3, "cartoon")
     twin = next(p for p in ws.plans if "cross_domain_target" in p.roles)
-    assert (twin.name, twin.styles, twin.classnames) == ("WorldMixedCartoon", ("cartoon",),
-                                                         ("circle", "heart", "square", "star"))
+    assert (twin.name, twin.styles, twin.classnames) == (
+        "WorldMixedCartoon",
+        ("cartoon",),
+        ("circle", "heart", "square", "star"),
+    )
     seed_only = replace(quick, world_seed=3)
     hashes = {demo_world_settings(s).checksum() for s in (quick, seed_only, other)}
     assert len(hashes) == 3
     assert default_out(quick).name == "demo_quick" and default_out(seed_only).name == "demo_quick_world3"
     assert default_out(other).name == f"demo_quick_world-{ws.checksum()}"
     # the default world's hash does not depend on the new field
-    assert demo_world_settings(replace(quick, world=(("mixed_classes", ()),))).checksum() == \
-        demo_world_settings(quick).checksum()
+    assert (
+        demo_world_settings(replace(quick, world=(("mixed_classes", ()),))).checksum()
+        == demo_world_settings(quick).checksum()
+    )
 
 
 def test_bad_world_options_give_one_line_errors(capsys):
@@ -233,8 +330,14 @@ def test_stage_world_builds_another_world_per_seed_and_reuses_it(tmp_path):
 
     from gram_world.demo import stage_world
 
-    tiny_world = (("pretrain_size", 128), ("chc_size", 60), ("chc_shard_size", 30), ("labelled_per_class", 1),
-                  ("val_per_class", 1), ("test_per_class", 1))
+    tiny_world = (
+        ("pretrain_size", 128),
+        ("chc_size", 60),
+        ("chc_shard_size", 30),
+        ("labelled_per_class", 1),
+        ("val_per_class", 1),
+        ("test_per_class", 1),
+    )
     tiny_clip = (("epochs", 1), ("batch_size", 64))
     base = replace(DemoSettings.preset(quick=True), world=tiny_world, clip=tiny_clip)
     w0, weights0, _, _ = stage_world(base, tmp_path, tmp_path / "worlds")
@@ -265,8 +368,9 @@ def test_a_folder_of_another_world_or_clip_is_refused(tmp_path):
     world = SimpleNamespace(settings_hash="aaaaaaaaaaaa")
     check_world(tmp_path, world, tmp_path / "clip-1.safetensors")
     check_world(tmp_path, world, tmp_path / "clip-1.safetensors")
-    with pytest.raises(UserError, match="world aaaaaaaaaaaa / CLIP clip-1.safetensors, this run uses "
-                                         "bbbbbbbbbbbb / clip-1.safetensors"):
+    with pytest.raises(
+        UserError, match="world aaaaaaaaaaaa / CLIP clip-1.safetensors, this run uses bbbbbbbbbbbb / clip-1.safetensors"
+    ):
         check_world(tmp_path, SimpleNamespace(settings_hash="bbbbbbbbbbbb"), tmp_path / "clip-1.safetensors")
     with pytest.raises(UserError, match="clip-2"):
         check_world(tmp_path, world, tmp_path / "clip-2.safetensors")
@@ -283,8 +387,8 @@ def test_demo_script_runs_the_demo_module():
     script = (repo / "scripts" / "demo.sh").read_text()
     module = re.search(r'^exec "\$ROOT/\.venv/bin/python" -m (\S+) "\$@"$', script, re.M).group(1)
     assert module == "gram_world.demo"
-    proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=repo, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--help"], cwd=repo, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("usage: python -m gram_world.demo") and "--world-seed" in proc.stdout
-

@@ -4,24 +4,42 @@ Shares the session's quick world (and its quick CLIP weights, cached by settings
 tests/test_world_*.py; meta-training and fine-tuning are cut to a few steps so that the whole
 chain, not the numbers, is what this test checks.
 """
+
 import json
 from dataclasses import replace
 
 import pytest
 
-from meta.coop_data import harmonic_mean
-from gram_world.demo import (METHOD_BY_KEY, TABLE4_KEYS, TABLE_GROUPS, TOKEN_KEYS, TRANSFER_KEYS, DemoSettings,
-                             b2n_keys, run, variants_needed)
+from gram_world.demo import (
+    METHOD_BY_KEY,
+    TABLE4_KEYS,
+    TABLE_GROUPS,
+    TOKEN_KEYS,
+    TRANSFER_KEYS,
+    DemoSettings,
+    b2n_keys,
+    run,
+    variants_needed,
+)
 from gram_world.demo.settings import ONE_STEP_VARIANTS, OPT_IN_TABLES, TABLE1_ROWS
+from meta.coop_data import harmonic_mean
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def demo_out(tmp_path_factory):
-    settings = replace(DemoSettings.preset(quick=True), meta_steps=2, checkpoint_every=1, log_detail_every=1,
-                       epochs=1, val_tasks=2, jobs=1, seeds=(1, 2),
-                       tables=tuple(g for g in TABLE_GROUPS if g not in OPT_IN_TABLES))
+    settings = replace(
+        DemoSettings.preset(quick=True),
+        meta_steps=2,
+        checkpoint_every=1,
+        log_detail_every=1,
+        epochs=1,
+        val_tasks=2,
+        jobs=1,
+        seeds=(1, 2),
+        tables=tuple(g for g in TABLE_GROUPS if g not in OPT_IN_TABLES),
+    )
     out = tmp_path_factory.mktemp("demo")
     md = run(settings, out, world_root=tmp_path_factory.getbasetemp() / "worlds")
     return out, md, settings
@@ -49,8 +67,12 @@ def test_every_table_is_present_with_stable_keys_and_h_of_the_means(demo_out):
     assert t1[("WorldMixed", "zsclip")]["base_std"] == 0.0 == t1[("WorldMixed", "zsclip")]["new_std"]
     shots = settings.transfer_shot_counts
     twin, families = ["WorldMixedSketch"], ["WorldPolygons", "WorldCurves", "WorldSymbols", "WorldIcons"]
-    for tid, n_shots, targets in (("table2", shots[0], twin), ("tableA1", shots[1], twin),
-                                  ("table3", shots[0], families), ("tableA2", shots[1], families)):
+    for tid, n_shots, targets in (
+        ("table2", shots[0], twin),
+        ("tableA1", shots[1], twin),
+        ("table3", shots[0], families),
+        ("tableA2", shots[1], families),
+    ):
         t = tables[tid]
         assert (t["source"], t["shots"], sorted(t["targets"])) == ("WorldMixed", n_shots, sorted(targets))
         assert [r["key"] for r in t["rows"]] == list(TRANSFER_KEYS)
@@ -64,7 +86,7 @@ def test_every_table_is_present_with_stable_keys_and_h_of_the_means(demo_out):
     assert tables["table2"]["rows"][0]["targets"] == tables["tableA1"]["rows"][0]["targets"]
     a3 = tables["tableA3"]["rows"]
     assert [(r["tokens"], r["key"]) for r in a3] == list(TOKEN_KEYS.items())
-    assert a3[1]["H"] == t1[("Average", "unigram")]["H"]                      # 4 tokens is UNIGRAM itself
+    assert a3[1]["H"] == t1[("Average", "unigram")]["H"]  # 4 tokens is UNIGRAM itself
     # every base-to-new row of results.json carries its key; provenance names world, hash, commit, machine
     assert {r["key"] for r in result["rows"]} == set(b2n_keys(settings.tables))
     prov = result["provenance"]
@@ -81,7 +103,7 @@ def test_every_meta_variant_exported_and_plots_written(demo_out):
     one_step = {v.name for v in ONE_STEP_VARIANTS}
     for variant in variants_needed(settings.tables):
         run_dir = out / "meta" / variant.name
-        if variant.name in one_step and settings.query_before_weight == 0:   # same config as the GRAM variant
+        if variant.name in one_step and settings.query_before_weight == 0:  # same config as the GRAM variant
             assert not run_dir.exists(), variant.name
             continue
         assert (run_dir / "gram_init.safetensors").is_file(), variant.name
@@ -98,8 +120,13 @@ def test_every_meta_variant_exported_and_plots_written(demo_out):
 def test_rerun_reuses_every_stage_and_gives_the_same_tables(demo_out, tmp_path_factory):
     out, md, settings = demo_out
     before = json.loads((out / "results.json").read_text())["tables"]
-    stamps = {p: p.stat().st_mtime_ns for p in list((out / "runs").rglob("seed*.json")) +
-              list((out / "meta").rglob("gram_init.safetensors")) + list((out / "chc").rglob("*")) if p.is_file()}
+    stamps = {
+        p: p.stat().st_mtime_ns
+        for p in list((out / "runs").rglob("seed*.json"))
+        + list((out / "meta").rglob("gram_init.safetensors"))
+        + list((out / "chc").rglob("*"))
+        if p.is_file()
+    }
     run(settings, out, world_root=tmp_path_factory.getbasetemp() / "worlds")
     assert json.loads((out / "results.json").read_text())["tables"] == before
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps

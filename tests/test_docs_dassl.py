@@ -1,4 +1,5 @@
 """docs/dassl_plugin.md's commands against what the code and CoOp's scripts expect (no Dassl needed)."""
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,8 @@ DOC = (REPO / "docs" / "dassl_plugin.md").read_text()
 
 
 def blocks_after(heading: str) -> list[str]:
-    part = DOC[DOC.index(heading):]
-    part = part[:part.index("\n## ", 1)] if "\n## " in part[1:] else part
+    part = DOC[DOC.index(heading) :]
+    part = part[: part.index("\n## ", 1)] if "\n## " in part[1:] else part
     return re.findall(r"```(?:bash|python)?\n(.*?)```", part, re.S)
 
 
@@ -41,8 +42,12 @@ def test_config_copy_commands_give_the_layout_fork_scripts_read(tmp_path):
 
 
 def test_documented_train_commands_use_that_layout_and_pass_the_init():
-    commands = [shlex.split(b.replace("\\\n", " ")) for block in blocks_after("## 4. Add the configs")[1:]
-                for b in block.split("\n\n") if "train.py" in b]
+    commands = [
+        shlex.split(b.replace("\\\n", " "))
+        for block in blocks_after("## 4. Add the configs")[1:]
+        for b in block.split("\n\n")
+        if "train.py" in b
+    ]
     assert len(commands) == 2
     for argv in commands:
         trainer = argv[argv.index("--trainer") + 1]
@@ -58,14 +63,16 @@ def test_documented_train_commands_use_that_layout_and_pass_the_init():
 def test_install_section_uses_the_tested_setup_command():
     install = "\n".join(blocks_after("## 1. Install"))
     setup_lines = [ln for ln in install.splitlines() if "setup.sh" in ln]
-    assert setup_lines and all(shlex.split(ln, comments=True)[:3] == ["bash", "scripts/setup.sh", "--with-dassl"]
-                               for ln in setup_lines)
+    assert setup_lines and all(
+        shlex.split(ln, comments=True)[:3] == ["bash", "scripts/setup.sh", "--with-dassl"] for ln in setup_lines
+    )
     assert "pip install" not in install  # one documented way
     ci = (REPO / ".ci" / "run").read_text()
     assert "scripts/setup.sh --with-dassl" in ci  # CI runs the same command with the shared wheel
     r = subprocess.run(["bash", str(REPO / "scripts" / "setup.sh"), "--no-such-flag"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "error: scripts/setup.sh: unknown argument '--no-such-flag' (expected: [--with-dassl [SRC]])"]
+        "error: scripts/setup.sh: unknown argument '--no-such-flag' (expected: [--with-dassl [SRC]])"
+    ]
 
 
 def test_fork_sections_commands_fit_the_configs_and_the_parsers():
@@ -90,8 +97,11 @@ def test_fork_sections_commands_fit_the_configs_and_the_parsers():
             if side == "test_new":
                 assert arg_value(argv, "--model-dir") == runs[trainer]["train_base"]
             if trainer in method_trainers().values():  # one of ours: a method table config, with the init
-                keys = [k for k, tr in method_trainers().items()
-                        if tr == trainer and Path(methods.get(k).config).name == f"{stem}.yaml"]
+                keys = [
+                    k
+                    for k, tr in method_trainers().items()
+                    if tr == trainer and Path(methods.get(k).config).name == f"{stem}.yaml"
+                ]
                 assert len(keys) == 1, f"{cfg}: not one method of the table (meta/methods.yaml)"
                 assert argv[-2:] == ["TRAINER.GRAM.INIT", "init.safetensors"]
                 if side == "test_new":

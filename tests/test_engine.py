@@ -1,5 +1,6 @@
 """meta.engine on its own: the window's one unit conversion, the regulated step (with a GradScaler: R_φ sees
 the unscaled gradient) and the start rules that MethodSpec and TRAINER.GRAM share."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,9 @@ from meta.regulator import GradientRegulator, RegulatorSpec
 from trainers.gram.config import extend_cfg, gram_settings
 
 
-@pytest.mark.parametrize("images, batch, batches", [(4, 2, 2), (1, 4, 1), (3, 2, 2), (5, 2, 2), (20, 1, 20),
-                                                    (20, 4, 5), (6, 4, 2)])
+@pytest.mark.parametrize(
+    "images, batch, batches", [(4, 2, 2), (1, 4, 1), (3, 2, 2), (5, 2, 2), (20, 1, 20), (20, 4, 5), (6, 4, 2)]
+)
 def test_window_in_images_becomes_whole_batches_rounded_and_at_least_one(images, batch, batches):
     assert window_batches(images, batch) == batches
 
@@ -32,7 +34,7 @@ class _Theta(nn.Module):
 
 
 def _loss(theta: _Theta, x: torch.Tensor) -> torch.Tensor:
-    return ((theta.ctx * x).sum(-1) ** 2).mean() + (theta.ctx ** 3).sum() * x.mean()
+    return ((theta.ctx * x).sum(-1) ** 2).mean() + (theta.ctx**3).sum() * x.mean()
 
 
 def _regulator() -> GradientRegulator:
@@ -87,16 +89,35 @@ def _cfg(**keys) -> CN:
     return cfg
 
 
-@pytest.mark.parametrize("fields, keys, method_msg, dassl_msg", [
-    (dict(vpt_init="gauss"), dict(VPT_INIT="gauss"), "vpt_init must be one of", "TRAINER.GRAM.VPT_INIT: must be one of"),
-    (dict(reg_window=-1), dict(REG_WINDOW_IMAGES=-1), "reg_window must be >= 0 images",
-     "TRAINER.GRAM.REG_WINDOW_IMAGES: must be >= 0 images"),
-    (dict(template="a photo"), dict(TEMPLATE="a photo"), "template must contain '{}'",
-     "TRAINER.GRAM.TEMPLATE: must contain '{}'"),
-    (dict(init_path="x.safetensors", init_prompts=False, regulate=False),
-     dict(ENABLED=True, INIT="x.safetensors", INIT_PROMPTS=False, REGULATE=False),
-     "neither θ* (init_prompts) nor R_φ", "TRAINER.GRAM.INIT_PROMPTS: or regulate must be on"),
-])
+@pytest.mark.parametrize(
+    "fields, keys, method_msg, dassl_msg",
+    [
+        (
+            dict(vpt_init="gauss"),
+            dict(VPT_INIT="gauss"),
+            "vpt_init must be one of",
+            "TRAINER.GRAM.VPT_INIT: must be one of",
+        ),
+        (
+            dict(reg_window=-1),
+            dict(REG_WINDOW_IMAGES=-1),
+            "reg_window must be >= 0 images",
+            "TRAINER.GRAM.REG_WINDOW_IMAGES: must be >= 0 images",
+        ),
+        (
+            dict(template="a photo"),
+            dict(TEMPLATE="a photo"),
+            "template must contain '{}'",
+            "TRAINER.GRAM.TEMPLATE: must contain '{}'",
+        ),
+        (
+            dict(init_path="x.safetensors", init_prompts=False, regulate=False),
+            dict(ENABLED=True, INIT="x.safetensors", INIT_PROMPTS=False, REGULATE=False),
+            "neither θ* (init_prompts) nor R_φ",
+            "TRAINER.GRAM.INIT_PROMPTS: or regulate must be on",
+        ),
+    ],
+)
 def test_the_evaluator_and_the_trainers_refuse_the_same_starts(fields, keys, method_msg, dassl_msg):
     """One rule set (meta.engine.start_rule_problems), each interface naming its own keys (VPT: no text)."""
     with pytest.raises(ValueError) as err:

@@ -9,6 +9,7 @@ the few-shot sample (Dassl's ``random`` draws = the evaluator's ``random.Random(
 (one weights file).  The baseline starts from words (``CTX_INIT``), the GRAM rows from one init file
 (θ*, R_φ, the support-size window of 4 images = 2 batches, and the launch step).
 """
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,7 @@ from meta.prompts import PromptParams  # noqa: E402
 from meta.regulator import GradientRegulator, RegulatorSpec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-CLASSES = ["apple", "boat", "cat", "drum"]     # CoOp's base = the first two, new = the last two
+CLASSES = ["apple", "boat", "cat", "drum"]  # CoOp's base = the first two, new = the last two
 SIZES = {"train": 5, "val": 2, "test": 10}
 SHOTS, SEED, BATCH = 3, 1, 2
 # one file per learner: θ*, a non-identity R_φ, and the provenance `python -m meta export` writes (the support of
@@ -77,21 +78,54 @@ def world(tmp_path_factory, tiny_clip):
         tensors = {k: torch.randn(*s, generator=g) * 0.02 for k, s in shapes.items()}
         torch.manual_seed(9)
         regs = {k: GradientRegulator(dims.text_width, RegulatorSpec(init="normal", init_std=0.2)) for k in shapes}
-        inits[trainer] = export_gram_init(root / f"{trainer}.safetensors", PromptParams(**tensors), regs, dims,
-                                          provenance=PROVENANCE)
+        inits[trainer] = export_gram_init(
+            root / f"{trainer}.safetensors", PromptParams(**tensors), regs, dims, provenance=PROVENANCE
+        )
     return root, inits
 
 
 def dassl_run(root: Path, key: str, opts: list[str], subsample: str, output: Path):
     """A Dassl trainer of method ``key`` as ``train.py`` builds it (seeded, the tiny CLIP's weights file)."""
     row = methods.get(key)
-    argv = ["--root", str(root / "data"), "--seed", str(SEED), "--trainer", row.trainer, "--output-dir", str(output),
-            "--dataset-config-file", str(REPO / "configs/datasets/dtd.yaml"), "--config-file", str(REPO / row.config),
-            "TRAINER.GRAM.MODEL_NAME", "GRAM-Test-Tiny", "TRAINER.GRAM.WEIGHTS", str(root / "tiny_clip.pt"),
-            "TRAINER.GRAM.QUICK_GELU", "off", "INPUT.SIZE", "(32, 32)", "INPUT.TRANSFORMS", "['normalize']",
-            "DATALOADER.NUM_WORKERS", "0", "DATALOADER.TRAIN_X.BATCH_SIZE", str(BATCH),
-            "DATALOADER.TRAIN_X.SAMPLER", "SequentialSampler", "OPTIM.MAX_EPOCH", "1", "OPTIM.WARMUP_EPOCH", "0",
-            "DATASET.NUM_SHOTS", str(SHOTS), "DATASET.SUBSAMPLE_CLASSES", subsample, *opts]
+    argv = [
+        "--root",
+        str(root / "data"),
+        "--seed",
+        str(SEED),
+        "--trainer",
+        row.trainer,
+        "--output-dir",
+        str(output),
+        "--dataset-config-file",
+        str(REPO / "configs/datasets/dtd.yaml"),
+        "--config-file",
+        str(REPO / row.config),
+        "TRAINER.GRAM.MODEL_NAME",
+        "GRAM-Test-Tiny",
+        "TRAINER.GRAM.WEIGHTS",
+        str(root / "tiny_clip.pt"),
+        "TRAINER.GRAM.QUICK_GELU",
+        "off",
+        "INPUT.SIZE",
+        "(32, 32)",
+        "INPUT.TRANSFORMS",
+        "['normalize']",
+        "DATALOADER.NUM_WORKERS",
+        "0",
+        "DATALOADER.TRAIN_X.BATCH_SIZE",
+        str(BATCH),
+        "DATALOADER.TRAIN_X.SAMPLER",
+        "SequentialSampler",
+        "OPTIM.MAX_EPOCH",
+        "1",
+        "OPTIM.WARMUP_EPOCH",
+        "0",
+        "DATASET.NUM_SHOTS",
+        str(SHOTS),
+        "DATASET.SUBSAMPLE_CLASSES",
+        subsample,
+        *opts,
+    ]
     cfg = train.setup_cfg(train.build_parser().parse_args(argv))
     set_random_seed(cfg.SEED)
     saved = sys.stdout
@@ -101,7 +135,7 @@ def dassl_run(root: Path, key: str, opts: list[str], subsample: str, output: Pat
             trainer = build_trainer(cfg)
     finally:
         tee, sys.stdout = sys.stdout, saved
-        while isinstance(tee, Logger):      # undo Dassl's stdout tee
+        while isinstance(tee, Logger):  # undo Dassl's stdout tee
             if tee.file is not None:
                 tee.file.close()
                 tee.file = None
@@ -109,15 +143,14 @@ def dassl_run(root: Path, key: str, opts: list[str], subsample: str, output: Pat
     return trainer, cfg
 
 
-@pytest.mark.parametrize("key, opts", [("coop", ["TRAINER.GRAM.CTX_INIT", WORDS]), ("gram_coop", []),
-                                       ("unigram", [])])
+@pytest.mark.parametrize("key, opts", [("coop", ["TRAINER.GRAM.CTX_INIT", WORDS]), ("gram_coop", []), ("unigram", [])])
 def test_train_py_and_the_evaluator_give_the_same_theta_and_accuracies(world, tiny_clip, tmp_path, key, opts):
     root, inits = world
     row = methods.get(key)
     init = str(inits[row.trainer]) if row.gram_file else ""
     gram = ["TRAINER.GRAM.INIT", init] if init else []
     trainer, cfg = dassl_run(root, key, opts + gram, "base", tmp_path / "base")
-    trainer.train()                      # one epoch (launch step first for the GRAM rows), then the base test
+    trainer.train()  # one epoch (launch step first for the GRAM rows), then the base test
     theta_dassl = {k: v.detach().clone() for k, v in trainer.model.prompt_learner.named_parameters()}
     base_dassl = trainer.test()
     new_trainer, _ = dassl_run(root, key, opts + gram, "new", tmp_path / "new")
@@ -125,26 +158,45 @@ def test_train_py_and_the_evaluator_give_the_same_theta_and_accuracies(world, ti
     new_trainer.model.reset_cache()
     new_dassl = new_trainer.test()
     if row.gram_file:
-        assert trainer.window.size == 2 and trainer.launch_step is not None   # 4 support images, batches of 2
+        assert trainer.window.size == 2 and trainer.launch_step is not None  # 4 support images, batches of 2
 
     clip, dims = tiny_clip
     method = method_preset(row.preset, init_path=init, ctx_init=WORDS if not init else "")
-    spec = TrainSpec(epochs=1, batch_size=BATCH, lr=float(cfg.OPTIM.LR), momentum=float(cfg.OPTIM.MOMENTUM),
-                     weight_decay=float(cfg.OPTIM.WEIGHT_DECAY), warmup_epochs=0, augment="none",
-                     order="sequential", eval_every_epoch=False, test_batch_size=int(cfg.DATALOADER.TEST.BATCH_SIZE))
+    spec = TrainSpec(
+        epochs=1,
+        batch_size=BATCH,
+        lr=float(cfg.OPTIM.LR),
+        momentum=float(cfg.OPTIM.MOMENTUM),
+        weight_decay=float(cfg.OPTIM.WEIGHT_DECAY),
+        warmup_epochs=0,
+        augment="none",
+        order="sequential",
+        eval_every_epoch=False,
+        test_batch_size=int(cfg.DATALOADER.TEST.BATCH_SIZE),
+    )
     dataset = DatasetRef.from_dir(root / "data" / "dtd")
-    sample = dataset.load(SHOTS, SEED, "base", False, lambda msg: None).train   # the same images, in the same order
+    sample = dataset.load(SHOTS, SEED, "base", False, lambda msg: None).train  # the same images, in the same order
     assert [r.impath for r in sample] == [d.impath for d in trainer.dm.dataset.train_x]
     assert len(sample) == SHOTS * 2
     kept = {}
-    record = evaluate_base_to_new(dataset, clip, dims, method, SEED, SHOTS, spec, use_split_cache=False,
-                                  log=lambda msg: None, on_trained=lambda p: kept.update(p.named_parameters()))
+    record = evaluate_base_to_new(
+        dataset,
+        clip,
+        dims,
+        method,
+        SEED,
+        SHOTS,
+        spec,
+        use_split_cache=False,
+        log=lambda msg: None,
+        on_trained=lambda p: kept.update(p.named_parameters()),
+    )
     if row.gram_file:
         assert record["init"]["reg_window"] == 4 and "launch" in record["init"]
     assert sorted(kept) == sorted(theta_dassl)
     start = dict(PromptParams.from_spec(method.prompt_spec(), clip, dims).named_parameters()) if not init else None
     for name, value in theta_dassl.items():
         torch.testing.assert_close(kept[name].detach(), value, rtol=1e-4, atol=1e-6)
-        if start is not None:      # θ moved in the epoch: the comparison is not of two untouched starts
+        if start is not None:  # θ moved in the epoch: the comparison is not of two untouched starts
             assert (value - start[name].detach()).abs().max() > 1e-4
     assert (record["base"], record["new"]) == (pytest.approx(base_dassl), pytest.approx(new_dassl))

@@ -4,6 +4,7 @@ Images are solid colours plus noise (one colour per class), so the frozen random
 separates the classes in image space while its random text tower knows nothing of the names:
 zero-shot is near chance and a learned text context has something real to learn.
 """
+
 import json
 import math
 import warnings
@@ -12,22 +13,33 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import lr_per_epoch
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from PIL import Image
 
 from meta import methods
 from meta.coop_data import harmonic_mean, load_coop_splits
-from meta.evaluation import (DatasetRef, EvaluationSession, ImageLoader, MethodSpec, StartPoint, TrainSpec,
-                             build_prompts, evaluate_base_to_new, evaluate_transfer, make_optimizer,
-                             make_scheduler, method_preset, prompt_digest)
+from meta.evaluation import (
+    DatasetRef,
+    EvaluationSession,
+    ImageLoader,
+    MethodSpec,
+    StartPoint,
+    TrainSpec,
+    build_prompts,
+    evaluate_base_to_new,
+    evaluate_transfer,
+    make_optimizer,
+    make_scheduler,
+    method_preset,
+    prompt_digest,
+)
 from meta.evaluation.images import view_key
 from meta.finetune import LaunchStep
 from meta.gram import GRAMMetaLearner, MetaSpec
 from meta.init_io import InitMismatchError, export_gram_init
 from meta.prompts import PromptedCLIP, PromptParams
 from meta.regulator import GradientRegulator, RegulatorSpec
-
-from helpers import lr_per_epoch
 
 NAMES_A = ["apple", "boat", "cat", "drum", "eagle", "fork", "grape", "house"]
 NAMES_B = ["island", "jacket", "kite", "lemon"]
@@ -79,15 +91,17 @@ def quiet(msg):
 
 def b2n(ds, tiny_clip, session, method, seed=1, spec=None, **kw):
     clip, dims = tiny_clip
-    return evaluate_base_to_new(ds, clip, dims, method, seed, SHOTS, spec or TrainSpec(), session=session,
-                                log=quiet, **kw)
+    return evaluate_base_to_new(
+        ds, clip, dims, method, seed, SHOTS, spec or TrainSpec(), session=session, log=quiet, **kw
+    )
 
 
 def strip_timing(record):
     out = dict(record)
     out.pop("seconds")
-    out["history"] = [{k: v for k, v in row.items() if k not in ("seconds", "eval_seconds")}
-                      for row in record["history"]]
+    out["history"] = [
+        {k: v for k, v in row.items() if k not in ("seconds", "eval_seconds")} for row in record["history"]
+    ]
     return out
 
 
@@ -122,8 +136,9 @@ def test_base_new_split_and_relabelling_match_coop_data(ds_a, data_root, tiny_cl
     assert rec["n_test_new"] == len(new.test) and {r.label for r in new.test} == {0, 1, 2, 3}
     # the evaluator's new-class labels are coop_data's relabelled ones: test set built from them
     clip, dims = tiny_clip
-    data = session.labelled_set(new.test, new.classnames, method_preset("zsclip"), TrainSpec(), 2, train=False,
-                                root=str(data_root))
+    data = session.labelled_set(
+        new.test, new.classnames, method_preset("zsclip"), TrainSpec(), 2, train=False, root=str(data_root)
+    )
     assert data.labels.tolist() == [r.label for r in new.test]
     assert data.classnames == ["eagle", "fork", "grape", "house"]
     assert rec["trained"] is False and rec["history"] == []
@@ -139,12 +154,12 @@ def test_zero_shot_near_chance_and_coop_beats_it_on_base(ds_a, tiny_clip, sessio
     coop_runs = [b2n(ds_a, tiny_clip, session, method_preset("coop"), seed=s) for s in (1, 2, 3)]
     zs_base = sum(r["base"] for r in zs_runs) / 3
     coop_base = sum(r["base"] for r in coop_runs) / 3
-    assert zs_base <= 40.0, zs_base                                    # 4 base classes: chance = 25 %
+    assert zs_base <= 40.0, zs_base  # 4 base classes: chance = 25 %
     assert coop_base - zs_base >= 30.0 and max(r["base"] for r in coop_runs) >= 90.0, (zs_base, coop_base)
     coop = coop_runs[0]
     hist = coop["history"]
     assert [row["epoch"] for row in hist] == list(range(11))
-    assert "train_loss" not in hist[0] and {"base", "new", "H"} <= set(hist[0])   # before training
+    assert "train_loss" not in hist[0] and {"base", "new", "H"} <= set(hist[0])  # before training
     assert all({"lr", "train_loss", "train_acc", "base", "new", "H"} <= set(row) for row in hist[1:])
     lrs = [row["lr"] for row in hist[1:]]
     assert lrs[0] == pytest.approx(1e-5) and lrs[1] == pytest.approx(0.002)
@@ -164,8 +179,11 @@ def test_identity_regulator_equals_raw_training_exactly(ds_a, tiny_clip, session
     raw = b2n(ds_a, tiny_clip, session, MethodSpec("raw", init_path=str(ident), regulate=False), spec=spec)
     # window 1: the identity's regulated steps are the raw ones (the launch step too, on by default in both)
     reg = b2n(ds_a, tiny_clip, session, MethodSpec("reg", init_path=str(ident), regulate=True, reg_window=1), spec=spec)
-    assert raw["init"]["launch"] == reg["init"]["launch"] == {"alpha": 0.1, "steps": 1, "momentum": 0.0,
-                                                             "train_loss_before": raw["init"]["launch"]["train_loss_before"]}
+    assert (
+        raw["init"]["launch"]
+        == reg["init"]["launch"]
+        == {"alpha": 0.1, "steps": 1, "momentum": 0.0, "train_loss_before": raw["init"]["launch"]["train_loss_before"]}
+    )
     assert raw["final_prompt_sha256"] == reg["final_prompt_sha256"]
     assert strip_timing(raw)["history"] == strip_timing(reg)["history"]
     # and the regulator really acts: a non-identity φ changes the trajectory
@@ -180,7 +198,7 @@ def test_training_starts_from_the_gram_init_ctx(ds_a, data_root, tiny_clip, sess
     clip, dims = tiny_clip
     ctx = torch.randn(4, dims.text_width, generator=torch.Generator().manual_seed(7)) * 0.5
     path = make_init_file(tmp_path / "init.safetensors", tiny_clip, ctx)
-    method = MethodSpec("CoOp+GRAM", init_path=str(path), regulate=True, launch=False)   # epoch 0 = the file's θ*
+    method = MethodSpec("CoOp+GRAM", init_path=str(path), regulate=True, launch=False)  # epoch 0 = the file's θ*
     prompts, regulation, info = build_prompts(method, clip, dims, seed=1)
     assert torch.equal(prompts.ctx.detach(), ctx) and prompts.vpt is None
     assert info["source"] == "gram_file" and info["prompt_sha256"] == prompt_digest(PromptParams(ctx=ctx))
@@ -196,8 +214,7 @@ def test_training_starts_from_the_gram_init_ctx(ds_a, data_root, tiny_clip, sess
     assert rec["history"][0]["base"] == pytest.approx(expected, abs=1e-9)
     assert rec["init"]["prompt_sha256"] == info["prompt_sha256"]
 
-    frozen = b2n(ds_a, tiny_clip, session, method,
-                 spec=TrainSpec(epochs=1, lr=0.0, warmup_lr=0.0, weight_decay=0.0))
+    frozen = b2n(ds_a, tiny_clip, session, method, spec=TrainSpec(epochs=1, lr=0.0, warmup_lr=0.0, weight_decay=0.0))
     assert frozen["final_prompt_sha256"] == info["prompt_sha256"]
     assert frozen["base"] == pytest.approx(expected, abs=1e-9)
 
@@ -210,28 +227,46 @@ def test_in_memory_start_point_equals_its_exported_file_and_is_not_modified(ds_a
     path = export_gram_init(tmp_path / "live.safetensors", theta, regs, dims, provenance=PROVENANCE)
     before = {k: v.detach().clone() for k, v in learner.state_dict().items()}
     spec = TrainSpec(epochs=2, batch_size=4)
-    live = b2n(ds_a, tiny_clip, session, method_preset("coop_gram", in_memory=True), spec=spec,
-               start=StartPoint(theta, regs, label="meta-val", launch=LaunchStep(0.1), support_size=4))
+    live = b2n(
+        ds_a,
+        tiny_clip,
+        session,
+        method_preset("coop_gram", in_memory=True),
+        spec=spec,
+        start=StartPoint(theta, regs, label="meta-val", launch=LaunchStep(0.1), support_size=4),
+    )
     filed = b2n(ds_a, tiny_clip, session, method_preset("coop_gram", init_path=str(path)), spec=spec)
     assert live["init"]["source"] == "in_memory" and live["init"]["label"] == "meta-val"
     assert live["init"]["reg_window"] == filed["init"]["reg_window"] == 4 and "launch" in live["init"]
     assert live["final_prompt_sha256"] == filed["final_prompt_sha256"] != filed["init"]["prompt_sha256"]
     assert strip_timing(live)["history"] == strip_timing(filed)["history"]
     after = learner.state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before)                  # θ, φ untouched ...
-    assert all(p.requires_grad for p in learner.parameters())                      # ... and still trainable
+    assert all(torch.equal(before[k], after[k]) for k in before)  # θ, φ untouched ...
+    assert all(p.requires_grad for p in learner.parameters())  # ... and still trainable
     with pytest.raises(ValueError, match="does not fit"):
-        b2n(ds_a, tiny_clip, session, method_preset("unigram", in_memory=True), spec=spec,
-            start=StartPoint(theta, regs))
+        b2n(
+            ds_a, tiny_clip, session, method_preset("unigram", in_memory=True), spec=spec, start=StartPoint(theta, regs)
+        )
 
 
 @pytest.mark.slow
 def test_same_seed_same_numbers_other_seed_differs(ds_a, tiny_clip, tmp_path):
     clip, dims = tiny_clip
     spec = TrainSpec(epochs=2, batch_size=2)
-    runs = [evaluate_base_to_new(ds_a, clip, dims, method_preset("coop"), seed, SHOTS, spec, log=quiet,
-                                 session=EvaluationSession(clip, dims, log=quiet))
-            for seed in (3, 3, 4)]
+    runs = [
+        evaluate_base_to_new(
+            ds_a,
+            clip,
+            dims,
+            method_preset("coop"),
+            seed,
+            SHOTS,
+            spec,
+            log=quiet,
+            session=EvaluationSession(clip, dims, log=quiet),
+        )
+        for seed in (3, 3, 4)
+    ]
     assert strip_timing(runs[0]) == strip_timing(runs[1])
     assert runs[0]["init"]["prompt_sha256"] != runs[2]["init"]["prompt_sha256"]
     assert strip_timing(runs[0])["history"] != strip_timing(runs[2])["history"]
@@ -242,10 +277,28 @@ def test_disk_feature_cache_is_reused_with_identical_numbers(ds_a, tiny_clip, tm
     clip, dims = tiny_clip
     spec = TrainSpec(epochs=1, aug_views=2)
     cache = tmp_path / "features"
-    first = evaluate_base_to_new(ds_a, clip, dims, method_preset("coop"), 1, SHOTS, spec, log=quiet,
-                                 session=EvaluationSession(clip, dims, cache_dir=str(cache), log=quiet))
-    second = evaluate_base_to_new(ds_a, clip, dims, method_preset("coop"), 1, SHOTS, spec, log=quiet,
-                                  session=EvaluationSession(clip, dims, cache_dir=str(cache), log=quiet))
+    first = evaluate_base_to_new(
+        ds_a,
+        clip,
+        dims,
+        method_preset("coop"),
+        1,
+        SHOTS,
+        spec,
+        log=quiet,
+        session=EvaluationSession(clip, dims, cache_dir=str(cache), log=quiet),
+    )
+    second = evaluate_base_to_new(
+        ds_a,
+        clip,
+        dims,
+        method_preset("coop"),
+        1,
+        SHOTS,
+        spec,
+        log=quiet,
+        session=EvaluationSession(clip, dims, cache_dir=str(cache), log=quiet),
+    )
     n_items = 4 * SHOTS * 2 + 40 + 40
     assert first["feature_cache"]["computed"] == n_items
     assert second["feature_cache"] == {"computed": 0, "from_memory": 0, "from_disk": n_items}
@@ -266,9 +319,19 @@ def test_vpt_trains_through_the_image_tower(ds_a, tiny_clip, session):
 def test_transfer_reports_source_and_each_target(ds_a, data_root, tiny_clip, session):
     clip, dims = tiny_clip
     ds_b = DatasetRef.from_dir(data_root / "synth_b")
-    rec = evaluate_transfer(ds_a, [ds_b], clip, dims, method_preset("coop"), 1, 4,
-                            TrainSpec(epochs=1, eval_every_epoch=False), session=session, log=quiet,
-                            protocol="cross_dataset")
+    rec = evaluate_transfer(
+        ds_a,
+        [ds_b],
+        clip,
+        dims,
+        method_preset("coop"),
+        1,
+        4,
+        TrainSpec(epochs=1, eval_every_epoch=False),
+        session=session,
+        log=quiet,
+        protocol="cross_dataset",
+    )
     assert rec["protocol"] == "cross_dataset" and rec["classnames"] == NAMES_A
     assert rec["n_train"] == 8 * 4 and rec["n_test"] == {"source": 80, "SynthB": 40}
     assert set(rec["targets"]) == {"SynthB"} and rec["target_mean"] == rec["targets"]["SynthB"]
@@ -308,10 +371,13 @@ def test_augmented_views_are_seeded_and_leave_global_rng_alone(ds_a, data_root):
 def test_augmented_views_do_not_depend_on_where_the_data_lives(data_root, tiny_clip, tmp_path):
     # the same dataset through a copy and through a symlink: same crops, same cached features, same run
     import shutil
+
     copy_root = tmp_path / "elsewhere" / "deeper"
     shutil.copytree(data_root / "synth_a", copy_root / "synth_a")
     (tmp_path / "link").symlink_to(data_root, target_is_directory=True)
-    refs = [DatasetRef.from_dir(d) for d in (data_root / "synth_a", copy_root / "synth_a", tmp_path / "link" / "synth_a")]
+    refs = [
+        DatasetRef.from_dir(d) for d in (data_root / "synth_a", copy_root / "synth_a", tmp_path / "link" / "synth_a")
+    ]
     assert len({r.root for r in refs}) == 3
     clip, dims = tiny_clip
     spec = TrainSpec(epochs=2, batch_size=4, aug_views=3)
@@ -319,13 +385,15 @@ def test_augmented_views_do_not_depend_on_where_the_data_lives(data_root, tiny_c
     for ref in refs:
         splits = ref.load(SHOTS, 1, "base", use_cache=False, log=quiet)
         sess = EvaluationSession(clip, dims, log=quiet)
-        data = sess.labelled_set(splits.train, splits.classnames, method_preset("coop"), spec, 1, train=True,
-                                 root=ref.root)
+        data = sess.labelled_set(
+            splits.train, splits.classnames, method_preset("coop"), spec, 1, train=True, root=ref.root
+        )
         feats.append(data.features)
         online, _ = sess.tuner(method_preset("vpt"), spec, 1, ref.root)
         feats.append(torch.stack([online.train_images(r.impath, 1) for r in splits.train[:5]]))
-        rec = evaluate_base_to_new(ref, clip, dims, method_preset("vpt"), 1, SHOTS, spec, session=sess,
-                                   use_split_cache=False, log=quiet)
+        rec = evaluate_base_to_new(
+            ref, clip, dims, method_preset("vpt"), 1, SHOTS, spec, session=sess, use_split_cache=False, log=quiet
+        )
         records.append((rec["base"], rec["new"], rec["final_prompt_sha256"]))
     assert feats[0].shape == (4 * SHOTS, 3, dims.embed_dim)
     for a, b in zip(feats[:2], feats[2:4]):
@@ -352,8 +420,9 @@ def test_bad_inputs_give_one_line_errors(tmp_path, tiny_clip):
     with pytest.raises(InitMismatchError, match="n_ctx_text"):
         build_prompts(MethodSpec("CoOp+GRAM", init_path=str(path)), clip, dims, seed=1)
     with pytest.raises(ValueError, match="holds no regulator"):
-        build_prompts(MethodSpec("VPT+GRAM", n_ctx_text=0, n_ctx_vision=2, init_path=str(path), regulate=True),
-                      clip, dims, seed=1)
+        build_prompts(
+            MethodSpec("VPT+GRAM", n_ctx_text=0, n_ctx_vision=2, init_path=str(path), regulate=True), clip, dims, seed=1
+        )
 
 
 def test_cli_writes_one_json_line_per_run(ds_a, data_root, tmp_path, capsys):
@@ -362,9 +431,28 @@ def test_cli_writes_one_json_line_per_run(ds_a, data_root, tmp_path, capsys):
     out = tmp_path / "runs" / "b2n.jsonl"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        code = main(["base2new", "--dataset", str(data_root / "synth_a"), "--model", "GRAM-Test-Tiny",
-                     "--methods", "zsclip", "coop", "--seeds", "1", "--shots", "4", "--epochs", "1",
-                     "--final-eval-only", "--no-progress", "--output", str(out)])
+        code = main(
+            [
+                "base2new",
+                "--dataset",
+                str(data_root / "synth_a"),
+                "--model",
+                "GRAM-Test-Tiny",
+                "--methods",
+                "zsclip",
+                "coop",
+                "--seeds",
+                "1",
+                "--shots",
+                "4",
+                "--epochs",
+                "1",
+                "--final-eval-only",
+                "--no-progress",
+                "--output",
+                str(out),
+            ]
+        )
     assert code == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["method"] for r in rows] == [methods.label("zsclip"), methods.label("coop")] == ["CLIP", "CoOp"]
@@ -378,8 +466,22 @@ def test_cli_writes_one_json_line_per_run(ds_a, data_root, tmp_path, capsys):
 def test_cli_maps_init_files_to_gram_presets():
     from meta.evaluate import _methods, _parser
 
-    args = _parser().parse_args(["base2new", "--dataset", "x", "--methods", "coop", "coop_gram", "vpt_gram",
-                                 "--init", "coop_gram=/t.safetensors", "/both.safetensors", "--vision-depth", "3"])
+    args = _parser().parse_args(
+        [
+            "base2new",
+            "--dataset",
+            "x",
+            "--methods",
+            "coop",
+            "coop_gram",
+            "vpt_gram",
+            "--init",
+            "coop_gram=/t.safetensors",
+            "/both.safetensors",
+            "--vision-depth",
+            "3",
+        ]
+    )
     coop, coop_gram, vpt_gram = _methods(args)
     assert (coop.init_path, coop.regulate) == ("", False)
     assert (coop_gram.init_path, coop_gram.regulate) == ("/t.safetensors", True)
@@ -390,20 +492,29 @@ def test_summaries_average_seeds_like_coop_parser_and_take_h_of_the_means():
     from meta.evaluation import epoch_curves, summarise
 
     def rec(ds, seed, base, new, hist):
-        return {"protocol": "base2new", "dataset": ds, "method": "CoOp", "seed": seed, "base": base, "new": new,
-                "history": [{"epoch": e, "base": b, "new": n, "H": harmonic_mean(b, n)} for e, b, n in hist]}
+        return {
+            "protocol": "base2new",
+            "dataset": ds,
+            "method": "CoOp",
+            "seed": seed,
+            "base": base,
+            "new": new,
+            "history": [{"epoch": e, "base": b, "new": n, "H": harmonic_mean(b, n)} for e, b, n in hist],
+        }
 
-    records = [rec("A", 1, 80.0, 60.0, [(0, 50.0, 50.0), (1, 80.0, 60.0)]),
-               rec("A", 2, 90.0, 40.0, [(0, 30.0, 70.0), (1, 90.0, 40.0)]),
-               rec("A", 3, 70.0, 50.0, [(0, 40.0, 60.0)]),          # this seed has no epoch-1 row
-               rec("B", 1, 20.0, 10.0, [])]
+    records = [
+        rec("A", 1, 80.0, 60.0, [(0, 50.0, 50.0), (1, 80.0, 60.0)]),
+        rec("A", 2, 90.0, 40.0, [(0, 30.0, 70.0), (1, 90.0, 40.0)]),
+        rec("A", 3, 70.0, 50.0, [(0, 40.0, 60.0)]),  # this seed has no epoch-1 row
+        rec("B", 1, 20.0, 10.0, []),
+    ]
     rows = summarise(records)
     a = rows[0]
     assert (a["dataset"], a["seeds"]) == ("A", [1, 2, 3])
     assert a["base_mean"] == pytest.approx(np.mean([80, 90, 70]))
-    assert a["base_std"] == pytest.approx(np.std([80, 90, 70]))     # population std, as np.std in CoOp
+    assert a["base_std"] == pytest.approx(np.std([80, 90, 70]))  # population std, as np.std in CoOp
     assert a["new_std"] == pytest.approx(np.std([60, 40, 50]))
-    assert a["H"] == pytest.approx(2 * 80 * 50 / 130)                # H of the means, not mean of the Hs
+    assert a["H"] == pytest.approx(2 * 80 * 50 / 130)  # H of the means, not mean of the Hs
     assert a["H"] != pytest.approx(np.mean([harmonic_mean(r["base"], r["new"]) for r in records[:3]]))
     avg = summarise(records, average="Average")[-1]
     # only seed 1 is on both datasets: the average over datasets uses that seed alone
@@ -411,7 +522,7 @@ def test_summaries_average_seeds_like_coop_parser_and_take_h_of_the_means():
     assert avg["base_mean"] == pytest.approx((80 + 20) / 2) and avg["new_mean"] == pytest.approx((60 + 10) / 2)
     assert avg["H"] == pytest.approx(harmonic_mean(50.0, 35.0)) and avg["base_std"] == 0.0
     curve = epoch_curves(records)[0]
-    assert curve["epochs"] == [0]                                    # epoch 1 is missing for seed 3
+    assert curve["epochs"] == [0]  # epoch 1 is missing for seed 3
     assert curve["base"] == [pytest.approx(40.0)] and curve["new"] == [pytest.approx(60.0)]
 
 
@@ -424,8 +535,24 @@ def test_cli_input_errors_are_one_line_with_exit_2(data_root, tmp_path, tiny_cli
     _, dims = tiny_clip
     copy = tmp_path / "synth_a"
     shutil.copytree(data_root / "synth_a", copy)
-    base = ["base2new", "--dataset", str(copy), "--model", "GRAM-Test-Tiny", "--seeds", "1", "--shots", "2",
-            "--epochs", "1", "--final-eval-only", "--no-progress", "--no-split-cache", "--methods", "zsclip"]
+    base = [
+        "base2new",
+        "--dataset",
+        str(copy),
+        "--model",
+        "GRAM-Test-Tiny",
+        "--seeds",
+        "1",
+        "--shots",
+        "2",
+        "--epochs",
+        "1",
+        "--final-eval-only",
+        "--no-progress",
+        "--no-split-cache",
+        "--methods",
+        "zsclip",
+    ]
 
     def one_line(argv):
         with warnings.catch_warnings():
@@ -438,23 +565,27 @@ def test_cli_input_errors_are_one_line_with_exit_2(data_root, tmp_path, tiny_cli
 
     missing_init = tmp_path / "none.safetensors"
     assert one_line(base[:-1] + ["coop_gram", "--init", str(missing_init)]).startswith(
-        "error: method 'CoOp + GRAM' init_path: GRAM initialisation file not found")
-    vis = export_gram_init(tmp_path / "vis.safetensors", PromptParams(vpt=torch.zeros(1, 2, dims.vision_width)),
-                           None, dims)
+        "error: method 'CoOp + GRAM' init_path: GRAM initialisation file not found"
+    )
+    vis = export_gram_init(
+        tmp_path / "vis.safetensors", PromptParams(vpt=torch.zeros(1, 2, dims.vision_width)), None, dims
+    )
     msg = one_line(base[:-1] + ["coop", "coop_gram", "--init", str(vis)])
     assert "n_ctx_text: file has 0, model expects 4" in msg and str(vis) in msg
     assert one_line(base + ["--pretrained", str(tmp_path / "clip.pt")]).startswith(
-        "error: --pretrained: CLIP weights file not found")
+        "error: --pretrained: CLIP weights file not found"
+    )
     assert one_line(base + ["--device", "gpu"]).startswith("error: --device: expected auto, cpu, cuda")
     assert one_line(base[:3] + ["--model", "NoSuchModel"] + base[5:]).startswith(
-        "error: --model: unknown open_clip architecture 'NoSuchModel'")
+        "error: --model: unknown open_clip architecture 'NoSuchModel'"
+    )
     test_image = sorted((copy / "images" / "apple").glob("test_*.png"))[0]
     test_image.write_bytes(b"not a png")
     assert str(test_image) in one_line(base)
     test_image.unlink()
     assert str(test_image) in one_line(base)
     split = copy / "split_zhou_SynthA.json"
-    split.write_text("{\"train\": [")
+    split.write_text('{"train": [')
     assert one_line(base).startswith(f"error: {split}: not valid JSON")
 
 
@@ -492,13 +623,16 @@ def test_gram_deep_presets_start_from_their_file_and_refuse_another_structure(ti
     clip, dims = tiny_clip
     paths = {}
     for key in DEEP_TENSORS:
-        theta = PromptParams.from_spec(method_preset(key).prompt_spec(), clip, dims,
-                                       generator=torch.Generator().manual_seed(5))
+        theta = PromptParams.from_spec(
+            method_preset(key).prompt_spec(), clip, dims, generator=torch.Generator().manual_seed(5)
+        )
         learner = GRAMMetaLearner(theta, MetaSpec(regulator=RegulatorSpec(init="normal", init_std=0.3)))
-        paths[key] = export_gram_init(tmp_path / f"{key}.safetensors", learner.prompt_module, learner.regulators(),
-                                      dims, provenance=PROVENANCE)
-        prompts, regulation, info = build_prompts(method_preset(f"gram_{key}", init_path=str(paths[key])), clip,
-                                                  dims, seed=1)
+        paths[key] = export_gram_init(
+            tmp_path / f"{key}.safetensors", learner.prompt_module, learner.regulators(), dims, provenance=PROVENANCE
+        )
+        prompts, regulation, info = build_prompts(
+            method_preset(f"gram_{key}", init_path=str(paths[key])), clip, dims, seed=1
+        )
         assert info["source"] == "gram_file" and len(regulation) == len(DEEP_TENSORS[key])
         for name, p in learner.prompt_module.named_parameters():
             assert torch.equal(getattr(prompts, name).detach(), p.detach()), name

@@ -8,6 +8,7 @@ the θ* of the init file and is trained, the new-class evaluation loads that che
 ``scripts/parse_results.py`` and the fork's own ``parse_test_res.py`` report the accuracies of the logs.
 The stock CoOp fork: tests/test_stock_coop_recipe.py.
 """
+
 from __future__ import annotations
 
 import csv
@@ -21,10 +22,19 @@ pytest.importorskip("dassl", reason="Dassl is not installed (scripts/setup.sh --
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
-
 from helpers import make_dtd  # noqa: E402
-from helpers_forks import (add_gram, arg_value, doc_recipe, expand, failure, parse_results,  # noqa: E402
-                           run_script, run_train, script_variables)
+from helpers_forks import (  # noqa: E402
+    add_gram,
+    arg_value,
+    doc_recipe,
+    expand,
+    failure,
+    parse_results,  # noqa: E402
+    run_script,
+    run_train,
+    script_variables,
+)
+
 from meta.init_io import export_gram_init  # noqa: E402
 from meta.prompts import PromptParams  # noqa: E402
 from meta.regulator import GradientRegulator, RegulatorSpec  # noqa: E402
@@ -33,24 +43,43 @@ N_CLASSES, COUNTS = 4, {"train": 3, "val": 2, "test": 2}  # make_dtd: class c ha
 BASE, NEW = [0, 1], [2, 3]  # CoOp's base/new split of 4 sorted labels
 TINY_EPOCHS = 1
 WIDTH = 64  # the tiny CLIP's text and vision widths
-PROMPT_SHAPES = {"GRAM_CoOp": {"ctx": (4, WIDTH)}, "GRAM_VPT": {"vpt": (1, 4, WIDTH)},
-                 "UNIGRAM": {"ctx": (2, WIDTH), "vpt": (1, 2, WIDTH)},  # the configs' token counts (UNIGRAM 2 + 2)
-                 # deep learners on the tiny CLIP's 2 layers: IVLP's depth 0 = every layer; MaPLe's 9 capped to 2
-                 "GRAM_IVLP": {"ctx": (2, WIDTH), "ctx_deep": (1, 2, WIDTH), "vpt": (2, 2, WIDTH)},
-                 "GRAM_MaPLe": {"ctx": (2, WIDTH), "ctx_deep": (1, 2, WIDTH), "proj_weight": (2, WIDTH, WIDTH),
-                                "proj_bias": (2, WIDTH)}}
+PROMPT_SHAPES = {
+    "GRAM_CoOp": {"ctx": (4, WIDTH)},
+    "GRAM_VPT": {"vpt": (1, 4, WIDTH)},
+    "UNIGRAM": {"ctx": (2, WIDTH), "vpt": (1, 2, WIDTH)},  # the configs' token counts (UNIGRAM 2 + 2)
+    # deep learners on the tiny CLIP's 2 layers: IVLP's depth 0 = every layer; MaPLe's 9 capped to 2
+    "GRAM_IVLP": {"ctx": (2, WIDTH), "ctx_deep": (1, 2, WIDTH), "vpt": (2, 2, WIDTH)},
+    "GRAM_MaPLe": {
+        "ctx": (2, WIDTH),
+        "ctx_deep": (1, 2, WIDTH),
+        "proj_weight": (2, WIDTH, WIDTH),
+        "proj_bias": (2, WIDTH),
+    },
+}
 TRAINER_OPTIONS = {"GRAM_MaPLe": ["TRAINER.GRAM.TEXT_DEPTH", "2"]}  # the config's 9 > the tiny CLIP's 2 layers
 ACCURACY = re.compile(r"^\* accuracy: ([\d.]+)%", re.M)
 TOTAL = re.compile(r"^\* total: (\d+)", re.M)
 
 
 def tiny_options(clip_file: Path) -> list[str]:
-    return ["TRAINER.GRAM.MODEL_NAME", "GRAM-Test-Tiny", "TRAINER.GRAM.WEIGHTS", str(clip_file),
-            "INPUT.SIZE", "(32, 32)", "DATALOADER.NUM_WORKERS", "0", "OPTIM.MAX_EPOCH", str(TINY_EPOCHS),
-            "DATASET.NUM_SHOTS", "2",
-            # θ* must be visible in the checkpoint below; the default launch step is checked against an
-            # independent computation in tests/test_trainers_dassl.py
-            "TRAINER.GRAM.LAUNCH", "False"]
+    return [
+        "TRAINER.GRAM.MODEL_NAME",
+        "GRAM-Test-Tiny",
+        "TRAINER.GRAM.WEIGHTS",
+        str(clip_file),
+        "INPUT.SIZE",
+        "(32, 32)",
+        "DATALOADER.NUM_WORKERS",
+        "0",
+        "OPTIM.MAX_EPOCH",
+        str(TINY_EPOCHS),
+        "DATASET.NUM_SHOTS",
+        "2",
+        # θ* must be visible in the checkpoint below; the default launch step is checked against an
+        # independent computation in tests/test_trainers_dassl.py
+        "TRAINER.GRAM.LAUNCH",
+        "False",
+    ]
 
 
 def make_init(path: Path, trainer: str, dims) -> dict[str, torch.Tensor]:
@@ -60,8 +89,13 @@ def make_init(path: Path, trainer: str, dims) -> dict[str, torch.Tensor]:
     theta = {k: torch.randn(*shape, generator=g) * 0.02 for k, shape in PROMPT_SHAPES[trainer].items()}
     torch.manual_seed(11)
     regs = {k: GradientRegulator(WIDTH, RegulatorSpec(init="normal", init_std=0.2)) for k in theta}
-    export_gram_init(path, PromptParams(**theta), regs, dims,   # the provenance `python -m meta export` writes
-                     provenance={"mode": "gram", "tasks": {"k_way": 2, "n_support": 2}, "meta": {"inner_lr": 0.1}})
+    export_gram_init(
+        path,
+        PromptParams(**theta),
+        regs,
+        dims,  # the provenance `python -m meta export` writes
+        provenance={"mode": "gram", "tasks": {"k_way": 2, "n_support": 2}, "meta": {"inner_lr": 0.1}},
+    )
     return theta
 
 

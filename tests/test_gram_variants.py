@@ -3,6 +3,7 @@
 Each option is checked against an independent computation, the meta-gradient through it against
 finite differences in float64, and its round trip through the init file.
 """
+
 import json
 
 import pytest
@@ -27,7 +28,7 @@ def _randomise(reg: GradientRegulator, seed: int = 0) -> GradientRegulator:
 
 def _reference(reg: GradientRegulator, g: torch.Tensor, bound: float) -> torch.Tensor:
     """γ ⊙ g + β written out from the formula (residual form, rms input, β in units of rms(g))."""
-    rms = torch.sqrt((g ** 2).mean() + 1e-12)
+    rms = torch.sqrt((g**2).mean() + 1e-12)
     u = g / rms
     gamma = 1 + bound * torch.tanh(u @ reg.gamma.weight.T + reg.gamma.bias)
     beta = rms * torch.tanh(u @ reg.beta.weight.T + reg.beta.bias)
@@ -120,8 +121,10 @@ def test_inner_momentum_equals_torch_sgd_with_momentum_on_raw_gradients():
         opt.step()
     torch.testing.assert_close(adapted.module.ctx.detach(), theta.detach())
     # momentum really matters over several steps
-    plain = GRAMMetaLearner(PromptParams(ctx=learner.prompt_module.ctx.detach().clone()),
-                            MetaSpec(inner_steps=3, inner_lr=0.2, regulate=False, first_order=True))
+    plain = GRAMMetaLearner(
+        PromptParams(ctx=learner.prompt_module.ctx.detach().clone()),
+        MetaSpec(inner_steps=3, inner_lr=0.2, regulate=False, first_order=True),
+    )
     assert not torch.allclose(plain.adapt(loss_fn, support)[0].module.ctx, adapted.module.ctx)
 
 
@@ -141,8 +144,12 @@ def test_second_order_meta_gradient_through_all_options_matches_finite_differenc
         reg.beta.bias.normal_(0, 0.3)
     task = TaskBatch(batch(6), batch(9))
     loss = _meta_loss(learner, loss_fn, task)
-    tensors = {"mix_logit": reg.mix_logit, "gamma.weight": reg.gamma.weight, "beta.bias": reg.beta.bias,
-               "ctx": learner.prompt_module.ctx}
+    tensors = {
+        "mix_logit": reg.mix_logit,
+        "gamma.weight": reg.gamma.weight,
+        "beta.bias": reg.beta.bias,
+        "ctx": learner.prompt_module.ctx,
+    }
     grads = dict(zip(tensors, torch.autograd.grad(loss, list(tensors.values()))))
     eps = 1e-6
     g = torch.Generator().manual_seed(1)
@@ -177,8 +184,17 @@ def test_regulator_weight_decay_pulls_phi_towards_identity_only():
 
 # ------------------------------------------------------------------ test time and files
 def _dims():
-    return ClipDims(model_name="GRAM-Test-Tiny", text_width=4, vision_width=4, embed_dim=4, context_length=77,
-                    text_layers=1, vision_layers=1, image_size=32, num_patches=16)
+    return ClipDims(
+        model_name="GRAM-Test-Tiny",
+        text_width=4,
+        vision_width=4,
+        embed_dim=4,
+        context_length=77,
+        text_layers=1,
+        vision_layers=1,
+        image_size=32,
+        num_patches=16,
+    )
 
 
 def test_export_import_round_trip_carries_every_option(tmp_path):
@@ -196,10 +212,20 @@ def test_files_written_before_the_options_still_load_as_before(tmp_path):
     tensors = {"prompt.ctx": torch.randn(3, 4)}
     tensors.update({f"regulator.ctx.{k}": v.detach().clone() for k, v in reg.state_dict().items()})
     old_spec = {"form": "residual", "input_norm": True, "beta_scale": "grad_rms", "init": "zero", "init_std": 0.01}
-    meta = {"format_version": 1, "backbone": {"model_name": "GRAM-Test-Tiny", "weights": "", "text_width": 4,
-                                              "vision_width": 4, "vision_layers": 1},
-            "prompt": {"n_ctx_text": 3, "n_ctx_vision": 0, "vision_depth": 0}, "regulator": old_spec,
-            "shapes": {k: list(v.shape) for k, v in tensors.items()}, "provenance": {}}
+    meta = {
+        "format_version": 1,
+        "backbone": {
+            "model_name": "GRAM-Test-Tiny",
+            "weights": "",
+            "text_width": 4,
+            "vision_width": 4,
+            "vision_layers": 1,
+        },
+        "prompt": {"n_ctx_text": 3, "n_ctx_vision": 0, "vision_depth": 0},
+        "regulator": old_spec,
+        "shapes": {k: list(v.shape) for k, v in tensors.items()},
+        "provenance": {},
+    }
     path = tmp_path / "old.safetensors"
     save_file(tensors, str(path), metadata={"gram": json.dumps(meta)})
     loaded = load_gram_init(path).regulator_modules()["ctx"]

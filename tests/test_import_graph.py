@@ -6,6 +6,7 @@ left out), resolves relative imports, and adds an edge to each package a dotted 
 (``import meta.a.b`` runs ``meta/a/__init__.py`` first).  Importing a module of ``meta`` in a fresh
 interpreter each (slow tier) catches what a static pass cannot: a module that fails on its own.
 """
+
 from __future__ import annotations
 
 import ast
@@ -32,7 +33,8 @@ def _modules(package: str) -> dict:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(body: list, module_level: bool, out: list) -> None:
@@ -55,7 +57,7 @@ def _targets(module: str, is_package: bool, node: ast.stmt, known: dict) -> list
         return [alias.name for alias in node.names]
     if node.level:
         base = module.split(".") if is_package else module.split(".")[:-1]
-        base = base[:len(base) - (node.level - 1)]
+        base = base[: len(base) - (node.level - 1)]
         name = ".".join(base + ([node.module] if node.module else []))
     else:
         name = node.module or ""
@@ -72,7 +74,7 @@ def import_graph(packages: tuple, include_local: bool) -> dict:
         statements: list = []
         _imports(ast.parse(path.read_text(), filename=str(path)).body, True, statements)
         parts = module.split(".")
-        own_packages = {".".join(parts[:i]) for i in range(1, len(parts) + 1)}   # already being imported
+        own_packages = {".".join(parts[:i]) for i in range(1, len(parts) + 1)}  # already being imported
         edges = set()
         for node, module_level in statements:
             if not (module_level or include_local):
@@ -89,7 +91,7 @@ def import_graph(packages: tuple, include_local: bool) -> dict:
 
 def find_cycle(graph: dict) -> list:
     """One cycle as ``[a, b, ..., a]``, or ``[]`` when the graph is acyclic (iterative DFS)."""
-    state = dict.fromkeys(graph, 0)          # 0 new, 1 on the stack, 2 done
+    state = dict.fromkeys(graph, 0)  # 0 new, 1 on the stack, 2 done
     for root in sorted(graph):
         if state[root]:
             continue
@@ -104,7 +106,7 @@ def find_cycle(graph: dict) -> list:
                 path.pop()
                 state[node] = 2
             elif state.get(child) == 1:
-                return path[path.index(child):] + [child]
+                return path[path.index(child) :] + [child]
             elif state.get(child) == 0:
                 state[child] = 1
                 stack.append((child, iter(sorted(graph[child]))))
@@ -135,14 +137,20 @@ def test_import_graph_is_acyclic(include_local):
 
 def test_library_does_not_import_the_applications():
     graph = import_graph((LIBRARY,) + APPLICATIONS, include_local=True)
-    wrong = sorted(f"{m} -> {t}" for m, targets in graph.items() if m.split(".")[0] == LIBRARY
-                   for t in targets if t.split(".")[0] in APPLICATIONS)
+    wrong = sorted(
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        if m.split(".")[0] == LIBRARY
+        for t in targets
+        if t.split(".")[0] in APPLICATIONS
+    )
     assert not wrong, wrong
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("module", sorted(m for m in _modules(LIBRARY) if not m.endswith("__main__")))
 def test_every_library_module_imports_alone(module):
-    proc = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import {module}"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -6,19 +6,20 @@
 * The halves of R_φ (γ only, β only), the learned per-tensor step size (Meta-SGD) and the β part of ĝ equal
   the formulas evaluated by hand from the regulator's weights; the step size survives the init file.
 """
+
 import copy
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import class_batch
 from torch.func import functional_call
 
 from meta.gram import GRAMMetaLearner, MetaSpec, TaskBatch, double_backward_attention
 from meta.inner import InnerRule, inner_loop, support_windows
 from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
 from meta.regulator import GradientRegulator, RegulatorSpec
-from functools import partial
-from helpers import class_batch
 
 _batch = partial(class_batch, dtype=torch.float64)
 
@@ -64,8 +65,12 @@ def _reference(pclip, ml, windows, query, rule, first_order):
     l_q = loss(cur, query)
     flat = [(n, k, v) for n in names for k, v in phi[n].items()]
     out = torch.autograd.grad(l_q, [theta[n] for n in names] + [v for *_, v in flat])
-    return (dict(zip(names, out[:len(names)])), {(n, k): g for (n, k, _), g in zip(flat, out[len(names):])},
-            {n: t.detach() for n, t in cur.items()}, float(l_q.detach()))
+    return (
+        dict(zip(names, out[: len(names)])),
+        {(n, k): g for (n, k, _), g in zip(flat, out[len(names) :])},
+        {n: t.detach() for n, t in cur.items()},
+        float(l_q.detach()),
+    )
 
 
 def test_one_step_is_bit_equal_to_gbml_adapt(tiny_clip):
@@ -96,8 +101,14 @@ def test_one_step_is_bit_equal_to_gbml_adapt(tiny_clip):
 @pytest.mark.parametrize("first_order", [False, True], ids=["second-order", "first-order"])
 def test_k_window_unroll_matches_hand_rolled(tiny_clip, first_order):
     """K = 3 split windows, momentum 0.9, weight decay, its own lr: θ_K and the meta-gradients equal the formulas."""
-    spec = MetaSpec(inner_lr=0.4, inner_steps=3, inner_momentum=0.9, inner_weight_decay=0.05,
-                    inner_support="split", first_order=first_order)
+    spec = MetaSpec(
+        inner_lr=0.4,
+        inner_steps=3,
+        inner_momentum=0.9,
+        inner_weight_decay=0.05,
+        inner_support="split",
+        first_order=first_order,
+    )
     ml, pclip, loss_fn, dims = _setup(tiny_clip, spec)
     gen = torch.Generator().manual_seed(2)
     support, query = _batch(3, dims.image_size, gen), _batch(2, dims.image_size, gen)
@@ -126,8 +137,12 @@ def test_momentum_and_weight_decay_change_the_unroll(tiny_clip):
     gen = torch.Generator().manual_seed(4)
     support = _batch(2, dims.image_size, gen)
     outs = {}
-    for name, rule, mode in (("plain", InnerRule(0.4), "repeat"), ("mu", InnerRule(0.4, 0.9), "repeat"),
-                             ("wd", InnerRule(0.4, 0.0, 0.1), "repeat"), ("split", InnerRule(0.4), "split")):
+    for name, rule, mode in (
+        ("plain", InnerRule(0.4), "repeat"),
+        ("mu", InnerRule(0.4, 0.9), "repeat"),
+        ("wd", InnerRule(0.4, 0.0, 0.1), "repeat"),
+        ("split", InnerRule(0.4), "split"),
+    ):
         learner = ml.gbml.clone(first_order=True)
         inner_loop(learner, loss_fn, support_windows(support, 2, mode), rule, first_order=True)
         outs[name] = torch.cat([p.detach().flatten() for p in learner.module.parameters()])
@@ -183,8 +198,9 @@ def test_regulator_halves_and_step_size_by_hand(halves, learn_lr):
 
 def test_beta_part_with_norm_preserve_and_mix():
     torch.manual_seed(1)
-    reg = GradientRegulator(5, RegulatorSpec(init="normal", init_std=0.3, norm_preserve=True, mix=True,
-                                             mix_init=0.4)).double()
+    reg = GradientRegulator(
+        5, RegulatorSpec(init="normal", init_std=0.3, norm_preserve=True, mix=True, mix_init=0.4)
+    ).double()
     g = torch.randn(3, 5, dtype=torch.float64)
     gamma, beta = _by_hand(reg, g)
     raw = gamma * g + beta
@@ -244,13 +260,15 @@ def test_trajectory_states_term_matches_hand_rolled(tiny_clip):
     windows = support_windows(support, 2, "split")
 
     def loss(params, batch):
-        return F.cross_entropy(pclip.logits(_View(params), batch["classnames"], images=batch["images"]),
-                               batch["label"])
+        return F.cross_entropy(pclip.logits(_View(params), batch["classnames"], images=batch["images"]), batch["label"])
 
     def regulated(params, batch, graph):
         grads = torch.autograd.grad(loss(params, batch), [params[n] for n in names])
-        return {n: functional_call(regs[n], phi[n] if graph else {k: v.detach() for k, v in phi[n].items()}, (g,))
-                + 0.01 * params[n] for n, g in zip(names, grads)}
+        return {
+            n: functional_call(regs[n], phi[n] if graph else {k: v.detach() for k, v in phi[n].items()}, (g,))
+            + 0.01 * params[n]
+            for n, g in zip(names, grads)
+        }
 
     theta = {n: p.detach().clone().requires_grad_(True) for n, p in on.prompt_module.named_parameters()}
     vel, states = None, {}

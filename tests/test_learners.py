@@ -1,5 +1,6 @@
 """The learner table of ``meta/methods.yaml`` is the one place a prompt learner's structure is written:
 every row reaches the Dassl registry, the trainer configs and the demo with the same structure."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,16 +30,31 @@ def _table(tmp_path, learners, rows) -> Path:
     return path
 
 
-@pytest.mark.parametrize("learners, row, message", [
-    ([{"trainer": "T", "text": True, "vision": False}], dict(trainer="U", text_tokens=4, visual_tokens=0),
-     "method 'a': trainer 'U' is not in 'learners'"),
-    ([{"trainer": "T", "text": True, "vision": False}], dict(trainer="T", text_tokens=2, visual_tokens=2),
-     "method 'a': tokens 2+2 / coupling none do not fit learner 'T'"),
-    ([{"trainer": "T", "text": False, "vision": True, "coupling": "maple"}],
-     dict(trainer="T", text_tokens=0, visual_tokens=2), "learner 'T': coupling must be none, or maple"),
-    ([{"trainer": "T", "text": "yes", "vision": False}], dict(trainer="T", text_tokens=4, visual_tokens=0),
-     "learner 'T': text and vision must be true or false"),
-])
+@pytest.mark.parametrize(
+    "learners, row, message",
+    [
+        (
+            [{"trainer": "T", "text": True, "vision": False}],
+            dict(trainer="U", text_tokens=4, visual_tokens=0),
+            "method 'a': trainer 'U' is not in 'learners'",
+        ),
+        (
+            [{"trainer": "T", "text": True, "vision": False}],
+            dict(trainer="T", text_tokens=2, visual_tokens=2),
+            "method 'a': tokens 2+2 / coupling none do not fit learner 'T'",
+        ),
+        (
+            [{"trainer": "T", "text": False, "vision": True, "coupling": "maple"}],
+            dict(trainer="T", text_tokens=0, visual_tokens=2),
+            "learner 'T': coupling must be none, or maple",
+        ),
+        (
+            [{"trainer": "T", "text": "yes", "vision": False}],
+            dict(trainer="T", text_tokens=4, visual_tokens=0),
+            "learner 'T': text and vision must be true or false",
+        ),
+    ],
+)
 def test_a_row_that_does_not_fit_its_learner_is_a_one_line_error(tmp_path, learners, row, message):
     path = _table(tmp_path, learners, [("a", row)])
     with pytest.raises(methods.MethodTableError) as err:
@@ -53,8 +69,10 @@ def test_demo_variants_take_their_prompt_shape_from_the_table():
     for v in ALL_VARIANTS:
         row = methods.get(v.name)
         pairs = dict(zip(v.prompt_overrides[::2], v.prompt_overrides[1::2]))
-        assert (pairs["META.PROMPT.N_CTX_TEXT"], pairs["META.PROMPT.N_CTX_VISION"]) == (row.text_tokens,
-                                                                                      row.visual_tokens)
+        assert (pairs["META.PROMPT.N_CTX_TEXT"], pairs["META.PROMPT.N_CTX_VISION"]) == (
+            row.text_tokens,
+            row.visual_tokens,
+        )
         assert pairs.get("META.PROMPT.TEXT_DEPTH", 1) == row.text_depth
         assert pairs.get("META.PROMPT.COUPLING", "none") == row.coupling
     learners = methods.learners()
@@ -64,8 +82,11 @@ def test_demo_variants_take_their_prompt_shape_from_the_table():
             continue
         spec = method_spec(m, init="init.safetensors" if table.gram_file else "")
         learner = learners[table.trainer]
-        assert (spec.n_ctx_text > 0, spec.n_ctx_vision > 0, spec.coupling) == (learner.text, learner.vision,
-                                                                             learner.coupling), m.key
+        assert (spec.n_ctx_text > 0, spec.n_ctx_vision > 0, spec.coupling) == (
+            learner.text,
+            learner.vision,
+            learner.coupling,
+        ), m.key
 
 
 @pytest.mark.dassl
@@ -92,7 +113,7 @@ def test_every_learner_is_a_registered_trainer_and_every_config_builds_its_struc
         cfg.merge_from_file(str(REPO / m.config))
         cfg.TRAINER.NAME = m.trainer
         if cfg.TRAINER.GRAM.ENABLED:
-            cfg.TRAINER.GRAM.INIT = "init.safetensors"      # the scripts pass the file; any path checks the keys
+            cfg.TRAINER.GRAM.INIT = "init.safetensors"  # the scripts pass the file; any path checks the keys
         s = gram_settings(cfg)
         assert s.coupling == learners[m.trainer].coupling
         if not m.zero_shot:

@@ -1,4 +1,5 @@
 """Meta-training run: resume exactness, no-op resume, export round trip, baselines, one-line errors, logs."""
+
 import json
 import subprocess
 import sys
@@ -8,20 +9,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import assert_same_tensors, flat_tensors
 
 from meta.backbone import load_clip
 from meta.chc.hierarchy import Hierarchy
 from meta.chc.imaging import CLIP_MEAN, CLIP_STD, normalize_uint8
+from meta.hashing import file_sha256
 from meta.init_io import InitMismatchError, load_gram_init
-from meta.metatrain import build_cfg, main
+from meta.metatrain import build_cfg, main, settings
 from meta.metatrain.checkpoint import CheckpointError, load_checkpoint
 from meta.metatrain.data import FeatureMismatchError
-from meta.metatrain import settings
 from meta.metatrain.runlog import read_log
-from meta.prompts import PromptParams
-from meta.hashing import file_sha256
 from meta.metatrain.trainer import RunExistsError, setup_run, train
-from helpers import assert_same_tensors, flat_tensors
+from meta.prompts import PromptParams
 
 MODEL = "GRAM-Test-Tiny"
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,10 +60,22 @@ def _hierarchy(clip_seed=0, backbone=MODEL):
     clip, _ = _clip(clip_seed)
     with torch.no_grad():
         feats = torch.nn.functional.normalize(clip.encode_image(normalize_uint8(pixels)), dim=-1).numpy()
-    meta = {"backbone": backbone, "pretrained": None, "weights_sha256": None, "image_size": 32,
-            "mean": list(CLIP_MEAN), "std": list(CLIP_STD)}
-    return Hierarchy(topic_names=NAMES[:N_TOPICS], item_topic=topic, item_domain=domain, image_features=feats,
-                     meta=meta, image_loader=lambda idx: pixels[np.asarray(idx)])
+    meta = {
+        "backbone": backbone,
+        "pretrained": None,
+        "weights_sha256": None,
+        "image_size": 32,
+        "mean": list(CLIP_MEAN),
+        "std": list(CLIP_STD),
+    }
+    return Hierarchy(
+        topic_names=NAMES[:N_TOPICS],
+        item_topic=topic,
+        item_domain=domain,
+        image_features=feats,
+        meta=meta,
+        image_loader=lambda idx: pixels[np.asarray(idx)],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +83,42 @@ def hier():
     return _hierarchy()
 
 
-BASE = ["MODEL.BACKBONE", MODEL, "MODEL.DEVICE", "cpu", "META.STEPS", "6", "META.CHECKPOINT_EVERY", "2",
-        "META.META_BATCH", "2", "TASKS.K_WAY", "3", "TASKS.N_SUPPORT", "2", "TASKS.N_QUERY", "3",
-        "TASKS.VAL_FRACTION", "0.25", "META.VAL_EVERY", "3", "META.VAL_TASKS", "2", "META.LOG_DETAIL_EVERY", "2",
-        "META.PROGRESS", "False", "META.FEATURE_CHECK", "4", "META.INNER_LR", "0.5"]
-PROMPTS = {"coop": ["META.PROMPT.N_CTX_TEXT", "4"],
-           "unigram": ["META.PROMPT.N_CTX_TEXT", "2", "META.PROMPT.N_CTX_VISION", "2"]}
+BASE = [
+    "MODEL.BACKBONE",
+    MODEL,
+    "MODEL.DEVICE",
+    "cpu",
+    "META.STEPS",
+    "6",
+    "META.CHECKPOINT_EVERY",
+    "2",
+    "META.META_BATCH",
+    "2",
+    "TASKS.K_WAY",
+    "3",
+    "TASKS.N_SUPPORT",
+    "2",
+    "TASKS.N_QUERY",
+    "3",
+    "TASKS.VAL_FRACTION",
+    "0.25",
+    "META.VAL_EVERY",
+    "3",
+    "META.VAL_TASKS",
+    "2",
+    "META.LOG_DETAIL_EVERY",
+    "2",
+    "META.PROGRESS",
+    "False",
+    "META.FEATURE_CHECK",
+    "4",
+    "META.INNER_LR",
+    "0.5",
+]
+PROMPTS = {
+    "coop": ["META.PROMPT.N_CTX_TEXT", "4"],
+    "unigram": ["META.PROMPT.N_CTX_TEXT", "2", "META.PROMPT.N_CTX_VISION", "2"],
+}
 
 
 def _cfg(out, *extra):
@@ -95,6 +137,7 @@ def _kill_at(step):
     def hook(s, _metrics):
         if s == step:
             raise Killed(f"simulated kill after step {s}")
+
     return hook
 
 
@@ -121,7 +164,7 @@ def test_resume_after_kill_reproduces_uninterrupted_run(tmp_path, hier, kind, fi
     cut = tmp_path / "cut"
     with pytest.raises(Killed):
         train(_cfg(cut, *PROMPTS[kind]), hierarchy=hier, on_step=_kill_at(3), echo=_quiet)
-    assert load_checkpoint(cut / "checkpoint.pt")["step"] == 2          # step 3 is lost, at most CHECKPOINT_EVERY
+    assert load_checkpoint(cut / "checkpoint.pt")["step"] == 2  # step 3 is lost, at most CHECKPOINT_EVERY
     assert max(r["step"] for r in read_log(cut / "log.jsonl")) == 3
     assert not (cut / "gram_init.safetensors").exists()
 
@@ -155,9 +198,16 @@ def test_export_round_trips_through_load_gram_init(finished, tmp_path, tiny_clip
     _, dims = tiny_clip
     state = load_checkpoint(out / "checkpoint.pt")
     gbml = state["learner"]["gbml"]
-    init = load_gram_init(result["export"]["init"], expect={
-        "text_width": dims.text_width, "vision_width": dims.vision_width, "n_ctx_text": 4, "n_ctx_vision": 0,
-        "model_name": MODEL})
+    init = load_gram_init(
+        result["export"]["init"],
+        expect={
+            "text_width": dims.text_width,
+            "vision_width": dims.vision_width,
+            "n_ctx_text": 4,
+            "n_ctx_vision": 0,
+            "model_name": MODEL,
+        },
+    )
     assert torch.equal(init.prompt["ctx"], gbml["module.ctx"]) and "vpt" not in init.prompt
     regs = init.regulator_modules()
     assert list(regs) == ["ctx"]
@@ -191,8 +241,14 @@ def test_metric_keys_in_json_log(finished):
     assert [r["step"] for r in train_recs] == [1, 2, 3, 4, 5, 6]
     assert [r["step"] for r in val_recs] == [0, 3, 6]
     for r in train_recs:
-        for key in ("support_loss_before", "support_acc_before", "query_loss_after", "query_acc_after",
-                    "grad_norm", "time_per_step"):
+        for key in (
+            "support_loss_before",
+            "support_acc_before",
+            "query_loss_after",
+            "query_acc_after",
+            "grad_norm",
+            "time_per_step",
+        ):
             assert np.isfinite(r[key]), key
         assert 0.0 <= r["query_acc_after"] <= 1.0 and r["time_per_step"] > 0
         detailed = r["step"] % 2 == 0  # META.LOG_DETAIL_EVERY 2
@@ -216,8 +272,11 @@ def test_metric_keys_in_json_log(finished):
 
 def test_pretrain_baseline_exports_without_regulator(tmp_path, hier):
     out = tmp_path / "pre"
-    result = train(_cfg(out, "META.MODE", "pretrain", "META.PRETRAIN.BATCH_SIZE", "8", *PROMPTS["coop"]),
-                   hierarchy=hier, echo=_quiet)
+    result = train(
+        _cfg(out, "META.MODE", "pretrain", "META.PRETRAIN.BATCH_SIZE", "8", *PROMPTS["coop"]),
+        hierarchy=hier,
+        echo=_quiet,
+    )
     init = load_gram_init(result["export"]["init"])
     assert init.regulators == {} and init.metadata["regulator"] is None
     assert init.metadata["provenance"]["mode"] == "pretrain"
@@ -236,7 +295,9 @@ def test_switches_reach_the_loop(tmp_path, hier):
     tasks = run.stream.next(3)
     assert all(set(t.topics) <= set(run.train_topics) for t in tasks)
     batch = run.batcher(tasks[0])
-    assert batch.support["features"].shape == (3 * 2, 64) and batch.query["label"].tolist() == [0] * 3 + [1] * 3 + [2] * 3
+    assert (
+        batch.support["features"].shape == (3 * 2, 64) and batch.query["label"].tolist() == [0] * 3 + [1] * 3 + [2] * 3
+    )
     vis = setup_run(_cfg(tmp_path, *PROMPTS["unigram"]), hierarchy=hier)
     assert vis.batcher(vis.stream.next(1)[0]).support["images"].shape == (6, 3, 32, 32)
 
@@ -254,8 +315,12 @@ def test_existing_or_corrupt_or_mismatching_checkpoint_never_overwritten(finishe
     with pytest.raises(RunExistsError, match="--resume"):
         train(_cfg(out, *PROMPTS["coop"]), hierarchy=hier, echo=_quiet)
     with pytest.raises(CheckpointError, match="META.INNER_LR"):
-        train(_cfg(out, *PROMPTS["coop"], "META.INNER_LR", "0.3", "META.STEPS", "8"), resume=True, hierarchy=hier,
-              echo=_quiet)
+        train(
+            _cfg(out, *PROMPTS["coop"], "META.INNER_LR", "0.3", "META.STEPS", "8"),
+            resume=True,
+            hierarchy=hier,
+            echo=_quiet,
+        )
     moved = _hierarchy()
     moved.item_domain = (moved.item_domain + 1) % N_DOMAINS  # same images and features, other domains
     with pytest.raises(CheckpointError, match="hierarchy changed"):
@@ -284,8 +349,19 @@ def test_bad_config_and_missing_hierarchy_give_one_line_errors(tmp_path, capsys)
     assert "--config-file" in _one_error_line(capsys, ["train", "--config-file", str(tmp_path / "nope.yaml")])
     msg = _one_error_line(capsys, ["train", "--output-dir", out, *BASE, "META.HIERARCHY", str(tmp_path / "no_chc")])
     assert "META.HIERARCHY" in msg and "no_chc" in msg
-    msg = _one_error_line(capsys, ["train", "--output-dir", out, *BASE, "TASKS.SOURCE", "image_folder",
-                                   "TASKS.IMAGE_FOLDER", str(tmp_path / "missing")])
+    msg = _one_error_line(
+        capsys,
+        [
+            "train",
+            "--output-dir",
+            out,
+            *BASE,
+            "TASKS.SOURCE",
+            "image_folder",
+            "TASKS.IMAGE_FOLDER",
+            str(tmp_path / "missing"),
+        ],
+    )
     assert "TASKS.IMAGE_FOLDER" in msg
     assert "--run-dir" in _one_error_line(capsys, ["export", "--run-dir", str(tmp_path)])
     assert not (tmp_path / "r").exists()
@@ -305,10 +381,29 @@ def test_cli_trains_from_an_image_folder(tmp_path):
     torch.save(_clip(3)[0].state_dict(), weights)
     out = tmp_path / "run"
     # text prompts (train_coop.yaml): the cached image features are used, so they are checked
-    cmd = [sys.executable, "-m", "meta", "train", "--config-file", str(ROOT / "configs/meta/train_coop.yaml"),
-           "--output-dir", str(out), *BASE, "META.STEPS", "2", "TASKS.SOURCE", "image_folder",
-           "TASKS.IMAGE_FOLDER", str(root), "MODEL.PRETRAINED", str(weights),
-           "CHC.DOMAINS.MIN_PER_DOMAIN", "4", "META.TENSORBOARD", "False"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "meta",
+        "train",
+        "--config-file",
+        str(ROOT / "configs/meta/train_coop.yaml"),
+        "--output-dir",
+        str(out),
+        *BASE,
+        "META.STEPS",
+        "2",
+        "TASKS.SOURCE",
+        "image_folder",
+        "TASKS.IMAGE_FOLDER",
+        str(root),
+        "MODEL.PRETRAINED",
+        str(weights),
+        "CHC.DOMAINS.MIN_PER_DOMAIN",
+        "4",
+        "META.TENSORBOARD",
+        "False",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     init = load_gram_init(out / "gram_init.safetensors")
@@ -351,8 +446,24 @@ def test_kill_before_first_checkpoint_then_resume_starts_over(tmp_path, hier, fi
 def test_meta_training_lowers_the_query_loss(tmp_path, hier):
     """The outer loop descends: post-adaptation query loss falls well below its start (chance = ln 3)."""
     out = tmp_path / "learn"
-    train(_cfg(out, *PROMPTS["coop"], "META.STEPS", "80", "META.CHECKPOINT_EVERY", "80", "META.VAL_TASKS", "0",
-               "META.LOG_DETAIL_EVERY", "0", "META.TENSORBOARD", "False"), hierarchy=hier, echo=_quiet)
+    train(
+        _cfg(
+            out,
+            *PROMPTS["coop"],
+            "META.STEPS",
+            "80",
+            "META.CHECKPOINT_EVERY",
+            "80",
+            "META.VAL_TASKS",
+            "0",
+            "META.LOG_DETAIL_EVERY",
+            "0",
+            "META.TENSORBOARD",
+            "False",
+        ),
+        hierarchy=hier,
+        echo=_quiet,
+    )
     losses = [r["query_loss_after"] for r in read_log(out / "log.jsonl") if r["kind"] == "train"]
     first, last = float(np.mean(losses[:15])), float(np.mean(losses[-15:]))
     print(f"query_loss_after first15 {first:.3f} last15 {last:.3f}")
@@ -402,8 +513,10 @@ def test_second_ctrl_c_interrupts_at_once_keeping_the_last_periodic_checkpoint(t
     assert not (out / "gram_init.safetensors").exists()
     result = train(_cfg(out, *PROMPTS["coop"]), resume=True, hierarchy=hier, echo=_quiet)
     assert result["resumed_from"] == 2 and result["step"] == 6
-    assert_same_tensors(flat_tensors(load_checkpoint(out / "checkpoint.pt")["learner"]),
-                        flat_tensors(load_checkpoint(finished[0] / "checkpoint.pt")["learner"]))
+    assert_same_tensors(
+        flat_tensors(load_checkpoint(out / "checkpoint.pt")["learner"]),
+        flat_tensors(load_checkpoint(finished[0] / "checkpoint.pt")["learner"]),
+    )
     assert _train_records(out) == _train_records(finished[0])
 
 
@@ -451,11 +564,14 @@ def test_second_writer_gets_one_line_error_naming_folder_and_holder_pid(tmp_path
     from meta.runlock import RunLock
 
     out = tmp_path / "busy"
-    code = "import sys, time; from meta.runlock import RunLock; RunLock(sys.argv[1]).acquire(); " \
-           "print('locked', flush=True); time.sleep(300)"
+    code = (
+        "import sys, time; from meta.runlock import RunLock; RunLock(sys.argv[1]).acquire(); "
+        "print('locked', flush=True); time.sleep(300)"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    holder = subprocess.Popen([sys.executable, "-c", code, str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         msg = _one_error_line(capsys, ["train", "--output-dir", str(out), *BASE])
@@ -506,8 +622,11 @@ def test_leftover_temp_files_are_removed_and_outputs_get_plain_file_mode(finishe
     run = tmp_path / "run"
     shutil.copytree(finished[0], run)
     dead = _dead_pid()
-    stale = [run / f".checkpoint.pt.tmp-{dead}", run / f".gram_init.safetensors.tmp-{dead}-0badc0de",
-             run / ".coop_ctx_nctx4.pth.tmp-1-00000000"]  # PID 1 is alive, but the folder's lock is ours
+    stale = [
+        run / f".checkpoint.pt.tmp-{dead}",
+        run / f".gram_init.safetensors.tmp-{dead}-0badc0de",
+        run / ".coop_ctx_nctx4.pth.tmp-1-00000000",
+    ]  # PID 1 is alive, but the folder's lock is ours
     for path in stale:
         path.write_bytes(b"partial")
     assert train(_cfg(run, *PROMPTS["coop"]), resume=True, hierarchy=hier, echo=_quiet)["noop"]
@@ -519,9 +638,15 @@ def test_leftover_temp_files_are_removed_and_outputs_get_plain_file_mode(finishe
 
 def test_bad_values_are_refused_naming_their_key(tmp_path, capsys):
     out = tmp_path / "r"
-    for key, value in (("META.INNER_LR", "-0.1"), ("META.OUTER_LR_PROMPT", "-0.002"),
-                       ("META.OUTER_LR_REGULATOR", "-0.001"), ("META.GRAD_CLIP", "-1.0"), ("MODEL.PRECISION", "fp8"),
-                       ("MODEL.BACKBONE", "NoSuchModel"), ("MODEL.DEVICE", "gpu")):
+    for key, value in (
+        ("META.INNER_LR", "-0.1"),
+        ("META.OUTER_LR_PROMPT", "-0.002"),
+        ("META.OUTER_LR_REGULATOR", "-0.001"),
+        ("META.GRAD_CLIP", "-1.0"),
+        ("MODEL.PRECISION", "fp8"),
+        ("MODEL.BACKBONE", "NoSuchModel"),
+        ("MODEL.DEVICE", "gpu"),
+    ):
         msg = _one_error_line(capsys, ["train", "--output-dir", str(out), *BASE, key, value])
         assert msg.startswith(f"error: {key}: "), msg
     if not torch.cuda.is_available():
@@ -548,18 +673,21 @@ def test_cli_errors_are_one_line_exit_2_and_debug_shows_the_traceback(finished, 
     bad = tmp_path / "bad.yaml"
     bad.write_text("META:\n  STEPS: [1,\n")
     assert _one_error_line(capsys, ["train", "--config-file", str(bad)]).startswith(
-        f"error: {bad}: not valid YAML (line 3")
+        f"error: {bad}: not valid YAML (line 3"
+    )
     assert meta_main(["cluster", "--config-file", str(bad)]) == 2
     assert capsys.readouterr().err.startswith(f"error: {bad}: not valid YAML")
     script = tmp_path / "cfg.py"
     script.write_text("open(__file__ + '.ran', 'w').close()\n")
     assert "--config-file: expected a .yaml or .yml file" in _one_error_line(
-        capsys, ["train", "--config-file", str(script)])
+        capsys, ["train", "--config-file", str(script)]
+    )
     assert not (tmp_path / "cfg.py.ran").exists()  # never executed
     folder = tmp_path / "folder"
     folder.mkdir()
     assert _one_error_line(capsys, ["export", "--run-dir", str(finished[0]), "--out", str(folder)]).startswith(
-        f"error: --out: {folder} is a folder")
+        f"error: --out: {folder} is a folder"
+    )
 
     def full(_fd):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -610,9 +738,26 @@ def test_sigterm_stops_the_cli_with_exit_143_and_a_resumable_checkpoint(image_fo
     try:
         thread = threading.Thread(target=term_after_first_step, daemon=True)
         thread.start()
-        code = main(["train", "--config-file", str(ROOT / "configs/meta/train_supervised.yaml"), "--output-dir",
-                     str(out), *BASE, "META.STEPS", "1000", "META.VAL_TASKS", "0", "TASKS.IMAGE_FOLDER",
-                     str(image_folder), "CHC.DOMAINS.MIN_PER_DOMAIN", "4", "META.TENSORBOARD", "False"])
+        code = main(
+            [
+                "train",
+                "--config-file",
+                str(ROOT / "configs/meta/train_supervised.yaml"),
+                "--output-dir",
+                str(out),
+                *BASE,
+                "META.STEPS",
+                "1000",
+                "META.VAL_TASKS",
+                "0",
+                "TASKS.IMAGE_FOLDER",
+                str(image_folder),
+                "CHC.DOMAINS.MIN_PER_DOMAIN",
+                "4",
+                "META.TENSORBOARD",
+                "False",
+            ]
+        )
         thread.join()
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -624,8 +769,11 @@ def test_sigterm_stops_the_cli_with_exit_143_and_a_resumable_checkpoint(image_fo
 # ---------------------------------------------------------------- deep prompt learners (IVLP, MaPLe)
 DEEP_RUNS = {  # example config, and what the tiny CLIP (2 text and 2 vision blocks) needs on top
     "ivlp": ("configs/meta/train_ivlp.yaml", [], {"ctx": (2, 64), "ctx_deep": (1, 2, 64), "vpt": (2, 2, 64)}),
-    "maple": ("configs/meta/train_maple.yaml", ["META.PROMPT.TEXT_DEPTH", "0"],
-              {"ctx": (2, 64), "ctx_deep": (1, 2, 64), "proj_weight": (2, 64, 64), "proj_bias": (2, 64)}),
+    "maple": (
+        "configs/meta/train_maple.yaml",
+        ["META.PROMPT.TEXT_DEPTH", "0"],
+        {"ctx": (2, 64), "ctx_deep": (1, 2, 64), "proj_weight": (2, 64, 64), "proj_bias": (2, 64)},
+    ),
 }
 
 
@@ -635,8 +783,11 @@ def test_deep_prompt_learners_meta_train_and_export(tmp_path, hier, tiny_clip, k
     structure, loads back with the checkpoint's tensors and refuses a shallow model."""
     config, extra, shapes = DEEP_RUNS[kind]
     out = tmp_path / kind
-    cfg = build_cfg(str(ROOT / config), BASE + ["META.STEPS", "2", "META.VAL_EVERY", "0", "META.LOG_DETAIL_EVERY", "0"]
-                    + extra, str(out))
+    cfg = build_cfg(
+        str(ROOT / config),
+        BASE + ["META.STEPS", "2", "META.VAL_EVERY", "0", "META.LOG_DETAIL_EVERY", "0"] + extra,
+        str(out),
+    )
     result = train(cfg, hierarchy=hier, echo=_quiet)
     gbml = load_checkpoint(out / "checkpoint.pt")["learner"]["gbml"]
     init = load_gram_init(result["export"]["init"])
@@ -644,8 +795,9 @@ def test_deep_prompt_learners_meta_train_and_export(tmp_path, hier, tiny_clip, k
     want = {"text_depth": 2, "coupling": "maple" if kind == "maple" else "none"}
     assert {k: init.metadata["prompt"][k] for k in want} == want
     clip, dims = tiny_clip  # θ's start is the trainer's draw (seeded by SEED); no tensor here depends on the CLIP
-    fresh = PromptParams.from_spec(settings.prompt_spec(cfg), clip, dims,
-                                   generator=torch.Generator().manual_seed(int(cfg.SEED)))
+    fresh = PromptParams.from_spec(
+        settings.prompt_spec(cfg), clip, dims, generator=torch.Generator().manual_seed(int(cfg.SEED))
+    )
     regs = init.regulator_modules()
     assert sorted(regs) == sorted(shapes)  # one R_φ per prompt tensor
     for name in shapes:

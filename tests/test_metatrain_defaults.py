@@ -4,6 +4,7 @@ Fields are enumerated with ``dataclasses.fields``: a field added to a spec witho
 with a different default there) fails here.  ``BETA_SCALE`` is the one key with its own encoding:
 yacs ``0.0`` (or less) stands for the dataclass default ``"grad_rms"``, a positive number for itself.
 """
+
 import dataclasses
 
 import pytest
@@ -19,10 +20,19 @@ KEY_OF = {(MetaSpec, "regulator"): "REGULATOR", (MetaSpec, "regulator_weight_dec
 NODE_OF = {MetaSpec: "", RegulatorSpec: "REGULATOR.", PromptSpec: "PROMPT."}
 BUILD = {MetaSpec: meta_spec, RegulatorSpec: regulator_spec, PromptSpec: prompt_spec}
 # a valid non-default value for each string field (a new string field must be added here)
-OTHER_STR = {"optimizer": "sgd", "autocast": "bf16", "form": "paper", "init": "normal",
-             "ctx_init": "a photo of a", "template": "itap of a {}.",
-             "vpt_init": next(v for v in VPT_INITS if v != PromptSpec.vpt_init), "coupling": "maple",
-             "inner_support": "split", "halves": "gamma", "task_batching": "off"}
+OTHER_STR = {
+    "optimizer": "sgd",
+    "autocast": "bf16",
+    "form": "paper",
+    "init": "normal",
+    "ctx_init": "a photo of a",
+    "template": "itap of a {}.",
+    "vpt_init": next(v for v in VPT_INITS if v != PromptSpec.vpt_init),
+    "coupling": "maple",
+    "inner_support": "split",
+    "halves": "gamma",
+    "task_batching": "off",
+}
 
 
 def _cfg():
@@ -55,7 +65,8 @@ def test_default_yacs_config_builds_the_dataclass_defaults(spec_cls):
         assert leaf in node, f"{spec_cls.__name__}.{field.name} has no yacs key {_key(spec_cls, field)}"
         assert getattr(built, field.name) == getattr(default, field.name), (
             f"{_key(spec_cls, field)} default builds {getattr(built, field.name)!r}, "
-            f"{spec_cls.__name__}.{field.name} defaults to {getattr(default, field.name)!r}")
+            f"{spec_cls.__name__}.{field.name} defaults to {getattr(default, field.name)!r}"
+        )
     assert built == default
 
 

@@ -1,4 +1,5 @@
 """Meta-training under torchrun: 2 gloo processes on CPU equal 1 process; resume; rank 0 alone writes files."""
+
 import json
 import socket
 import subprocess
@@ -8,24 +9,54 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import assert_same_tensors, flat_tensors
 from PIL import Image
 
 from meta.init_io import load_gram_init
 from meta.metatrain.checkpoint import load_checkpoint
 from meta.metatrain.runlog import read_log
-from helpers import assert_same_tensors, flat_tensors
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ["apple", "bridge", "cactus", "drum", "eagle", "fern"]
 # UNIGRAM (2 text + 2 visual tokens) on the tiny test CLIP, tasks from an image folder (3-way, 2 + 3 shots)
-ARGS = ["--config-file", str(ROOT / "configs/meta/train_supervised.yaml"),
-        "MODEL.BACKBONE", "GRAM-Test-Tiny", "MODEL.DEVICE", "cpu", "META.STEPS", "4", "META.CHECKPOINT_EVERY", "2",
-        "META.META_BATCH", "4", "TASKS.K_WAY", "3", "TASKS.N_SUPPORT", "2", "TASKS.N_QUERY", "3",
-        "TASKS.VAL_FRACTION", "0.34", "META.VAL_EVERY", "2", "META.VAL_TASKS", "3", "META.LOG_DETAIL_EVERY", "2",
-        "META.PROGRESS", "False", "META.TENSORBOARD", "False", "META.INNER_LR", "0.5",
-        "CHC.DOMAINS.MIN_PER_DOMAIN", "4"]
+ARGS = [
+    "--config-file",
+    str(ROOT / "configs/meta/train_supervised.yaml"),
+    "MODEL.BACKBONE",
+    "GRAM-Test-Tiny",
+    "MODEL.DEVICE",
+    "cpu",
+    "META.STEPS",
+    "4",
+    "META.CHECKPOINT_EVERY",
+    "2",
+    "META.META_BATCH",
+    "4",
+    "TASKS.K_WAY",
+    "3",
+    "TASKS.N_SUPPORT",
+    "2",
+    "TASKS.N_QUERY",
+    "3",
+    "TASKS.VAL_FRACTION",
+    "0.34",
+    "META.VAL_EVERY",
+    "2",
+    "META.VAL_TASKS",
+    "3",
+    "META.LOG_DETAIL_EVERY",
+    "2",
+    "META.PROGRESS",
+    "False",
+    "META.TENSORBOARD",
+    "False",
+    "META.INNER_LR",
+    "0.5",
+    "CHC.DOMAINS.MIN_PER_DOMAIN",
+    "4",
+]
 RTOL, ATOL = 1e-4, 1e-6  # float summation order differs between 1 and 2 processes; nothing else does
 
 
@@ -37,9 +68,23 @@ def _free_port() -> int:
 
 def _train(out, *extra, nproc=1, resume=False):
     """``python -m meta train`` (nproc 1) or ``torchrun --nproc_per_node nproc -m meta train``."""
-    launch = [sys.executable, "-m", "meta"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-        "--master_port", str(_free_port()), "-m", "meta"]
+    launch = (
+        [sys.executable, "-m", "meta"]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(_free_port()),
+            "-m",
+            "meta",
+        ]
+    )
     cmd = launch + ["train", *ARGS, "--output-dir", str(out), *(["--resume"] if resume else []), *extra]
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
@@ -69,7 +114,8 @@ def folder(tmp_path_factory):
             elif i % 3 == 2:
                 img = img + rng.normal(0, 60, img.shape)
             Image.fromarray(np.clip(img + rng.normal(0, 8, img.shape), 0, 255).astype(np.uint8)).save(
-                root / name / f"{i:03d}.png")
+                root / name / f"{i:03d}.png"
+            )
     return root
 
 
@@ -115,7 +161,7 @@ def test_rank_zero_alone_writes(runs):
     one, two, proc = runs
     assert _files(two) == _files(one)  # no per-rank or temporary files
     steps = [r["step"] for r in read_log(two / "log.jsonl") if r["kind"] == "train"]
-    assert steps == [1, 2, 3, 4]        # each step logged once, not once per rank
+    assert steps == [1, 2, 3, 4]  # each step logged once, not once per rank
     assert json.loads((two / "run.json").read_text())["world_size"] == 2
     assert proc.stdout.count("exported") == 1
     ckpt = load_checkpoint(two / "checkpoint.pt")
@@ -130,7 +176,10 @@ def test_resume_under_torchrun_continues_exactly(runs, folder, tmp_path):
     assert load_checkpoint(out / "checkpoint.pt")["step"] == 2
     proc = _ok(_train(out, "TASKS.IMAGE_FOLDER", str(folder), nproc=2, resume=True))
     assert "finished at step 4" in proc.stdout
-    a, b = flat_tensors(load_checkpoint(two / "checkpoint.pt")["learner"]), flat_tensors(load_checkpoint(out / "checkpoint.pt")["learner"])
+    a, b = (
+        flat_tensors(load_checkpoint(two / "checkpoint.pt")["learner"]),
+        flat_tensors(load_checkpoint(out / "checkpoint.pt")["learner"]),
+    )
     assert_same_tensors(a, b)  # same processes, same order of sums: bit-identical
     assert [r["step"] for r in read_log(out / "log.jsonl") if r["kind"] == "train"] == [1, 2, 3, 4]
     assert json.loads((out / "run.json").read_text())["resumed_at_steps"] == [2]
@@ -166,10 +215,31 @@ def test_sigterm_to_one_rank_stops_all_after_the_same_step(folder, tmp_path):
     import time
 
     out = tmp_path / "term"
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-              "--master_port", str(_free_port()), "-m", "meta", "train", *ARGS, "--output-dir", str(out),
-              "TASKS.IMAGE_FOLDER", str(folder), "META.STEPS", "400", "META.CHECKPOINT_EVERY", "1000",
-              "META.VAL_TASKS", "0"]
+    launch = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        "-m",
+        "meta",
+        "train",
+        *ARGS,
+        "--output-dir",
+        str(out),
+        "TASKS.IMAGE_FOLDER",
+        str(folder),
+        "META.STEPS",
+        "400",
+        "META.CHECKPOINT_EVERY",
+        "1000",
+        "META.VAL_TASKS",
+        "0",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(launch, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -184,11 +254,24 @@ def test_sigterm_to_one_rank_stops_all_after_the_same_step(folder, tmp_path):
             proc.kill()
     steps = [r["step"] for r in read_log(out / "log.jsonl") if r["kind"] == "train"]
     stopped = load_checkpoint(out / "checkpoint.pt")
-    assert 2 <= stopped["step"] == steps[-1] < 400          # nothing lost, though CHECKPOINT_EVERY is 1000
+    assert 2 <= stopped["step"] == steps[-1] < 400  # nothing lost, though CHECKPOINT_EVERY is 1000
     assert steps == list(range(1, stopped["step"] + 1))
     assert not (out / "gram_init.safetensors").exists()
     more = stopped["step"] + 2
-    _ok(_train(out, "TASKS.IMAGE_FOLDER", str(folder), "META.STEPS", str(more), "META.CHECKPOINT_EVERY", "1000",
-               "META.VAL_TASKS", "0", nproc=2, resume=True))
+    _ok(
+        _train(
+            out,
+            "TASKS.IMAGE_FOLDER",
+            str(folder),
+            "META.STEPS",
+            str(more),
+            "META.CHECKPOINT_EVERY",
+            "1000",
+            "META.VAL_TASKS",
+            "0",
+            nproc=2,
+            resume=True,
+        )
+    )
     assert [r["step"] for r in read_log(out / "log.jsonl") if r["kind"] == "train"] == list(range(1, more + 1))
     assert load_gram_init(out / "gram_init.safetensors").metadata["provenance"]["step"] == more

@@ -1,4 +1,5 @@
 """The method table meta/methods.yaml: it loads, its keys, files and labels agree with every reader."""
+
 from __future__ import annotations
 
 import subprocess
@@ -21,13 +22,43 @@ def test_packaged_table_loads_with_unique_keys_aliases_and_labels():
     names = [n for m in table.values() for n in (m.key, *m.aliases)]
     assert len(names) == len(set(names)) and len({m.label for m in table.values()}) == len(table)
     # the paper's rows (Tables 1, 4, A3) and the Dassl methods the scripts run
-    assert {"zsclip", "coop", "gram_coop", "vpt", "gram_vpt", "joint", "unigram", "unigram_no_shift",
-            "unigram_no_reg", "unigram_pretrain", "unigram_supervised", "unigram_2tok", "unigram_6tok",
-            "unigram_8tok", "gram_coop_init_only", "gram_coop_reg_only", "gram_vpt_init_only", "gram_vpt_reg_only",
-            "unigram_reg_only", "ivlp", "gram_ivlp", "maple", "gram_maple"} <= set(table)
+    assert {
+        "zsclip",
+        "coop",
+        "gram_coop",
+        "vpt",
+        "gram_vpt",
+        "joint",
+        "unigram",
+        "unigram_no_shift",
+        "unigram_no_reg",
+        "unigram_pretrain",
+        "unigram_supervised",
+        "unigram_2tok",
+        "unigram_6tok",
+        "unigram_8tok",
+        "gram_coop_init_only",
+        "gram_coop_reg_only",
+        "gram_vpt_init_only",
+        "gram_vpt_reg_only",
+        "unigram_reg_only",
+        "ivlp",
+        "gram_ivlp",
+        "maple",
+        "gram_maple",
+    } <= set(table)
     assert methods.dassl_keys()[:5] == ("zsclip", "coop", "gram_coop", "gram_coop_init_only", "gram_coop_reg_only")
-    assert {"vpt", "gram_vpt", "unigram", "joint", "unigram_reg_only", "ivlp", "gram_ivlp", "maple",
-            "gram_maple"} <= set(methods.dassl_keys())
+    assert {
+        "vpt",
+        "gram_vpt",
+        "unigram",
+        "joint",
+        "unigram_reg_only",
+        "ivlp",
+        "gram_ivlp",
+        "maple",
+        "gram_maple",
+    } <= set(methods.dassl_keys())
     assert methods.canonical_key("coop_gram") == "gram_coop" and methods.get("vpt_gram").key == "gram_vpt"
 
 
@@ -35,9 +66,14 @@ def test_component_rows_take_one_part_of_gram_each():
     """θ*-only rows: the file's start, raw gradients; R_φ-only rows: the scratch start, the file's R_φ."""
     from meta.evaluation.spec import table_fields
 
-    for key, (init, regulate) in {"gram_coop_init_only": (True, False), "gram_coop_reg_only": (False, True),
-                                  "gram_vpt_init_only": (True, False), "gram_vpt_reg_only": (False, True),
-                                  "unigram_reg_only": (False, True), "unigram_no_reg": (True, False)}.items():
+    for key, (init, regulate) in {
+        "gram_coop_init_only": (True, False),
+        "gram_coop_reg_only": (False, True),
+        "gram_vpt_init_only": (True, False),
+        "gram_vpt_reg_only": (False, True),
+        "unigram_reg_only": (False, True),
+        "unigram_no_reg": (True, False),
+    }.items():
         row = methods.get(key)
         assert (row.init, row.regulate) == (init, regulate)
         fields = table_fields(key)
@@ -48,8 +84,18 @@ def test_component_rows_take_one_part_of_gram_each():
 
 def test_a_component_row_needs_a_gram_preset(tmp_path):
     bad = [dict(r) for r in RAW]
-    bad.append({"key": "coop_reg", "label": "CoOp, R only", "preset": "coop", "text_tokens": 4, "visual_tokens": 0,
-                "init": False, "regulate": True, "zero_shot": False})
+    bad.append(
+        {
+            "key": "coop_reg",
+            "label": "CoOp, R only",
+            "preset": "coop",
+            "text_tokens": 4,
+            "visual_tokens": 0,
+            "init": False,
+            "regulate": True,
+            "zero_shot": False,
+        }
+    )
     path = tmp_path / "methods.yaml"
     path.write_text(yaml.safe_dump({"methods": bad}, allow_unicode=True))
     with pytest.raises(methods.MethodTableError, match="'coop_reg': init/regulate need a GRAM init file"):
@@ -76,19 +122,40 @@ def test_every_trainer_config_is_named_by_exactly_one_row_and_exists():
 
 
 def test_evaluator_presets_are_the_table_rows():
-    assert PRESET_NAMES == methods.preset_keys() == ("zsclip", "coop", "gram_coop", "vpt", "gram_vpt", "unigram",
-                                                      "joint", "ivlp", "gram_ivlp", "maple", "gram_maple")
+    assert (
+        PRESET_NAMES
+        == methods.preset_keys()
+        == (
+            "zsclip",
+            "coop",
+            "gram_coop",
+            "vpt",
+            "gram_vpt",
+            "unigram",
+            "joint",
+            "ivlp",
+            "gram_ivlp",
+            "maple",
+            "gram_maple",
+        )
+    )
     assert PRESET_ALIASES == {"coop_gram": "gram_coop", "vpt_gram": "gram_vpt"}
     for raw in RAW:
         if raw["preset"] != raw["key"]:
             continue
         spec = method_preset(raw["key"], init_path="/x.safetensors" if raw["init"] else "")
         assert spec.name == raw["label"]
-        assert (spec.n_ctx_text, spec.n_ctx_vision, spec.regulate) == (raw["text_tokens"], raw["visual_tokens"],
-                                                                       raw["regulate"])
+        assert (spec.n_ctx_text, spec.n_ctx_vision, spec.regulate) == (
+            raw["text_tokens"],
+            raw["visual_tokens"],
+            raw["regulate"],
+        )
         assert spec.zero_shot == raw["zero_shot"]
         assert (spec.text_depth, spec.vision_depth, spec.coupling) == (
-            raw.get("text_depth", 1), raw.get("vision_depth", 1), raw.get("coupling", "none"))
+            raw.get("text_depth", 1),
+            raw.get("vision_depth", 1),
+            raw.get("coupling", "none"),
+        )
 
 
 def test_parser_labels_are_the_table_labels(tmp_path):
@@ -117,22 +184,24 @@ def _write(tmp_path, rows) -> Path:
     return path
 
 
-ROW = dict(key="a", label="A", preset="a", text_tokens=4, visual_tokens=0, init=False, regulate=False,
-           zero_shot=False)
+ROW = dict(key="a", label="A", preset="a", text_tokens=4, visual_tokens=0, init=False, regulate=False, zero_shot=False)
 
 
-@pytest.mark.parametrize("rows, message", [
-    ([ROW, dict(ROW, label="B")], "method key or alias 'a' appears twice"),
-    ([ROW, dict(ROW, key="b")], "label(s) 'A' used by more than one method"),
-    ([dict(ROW, colour="red")], "method 'a': unknown field(s) colour"),
-    ([{k: v for k, v in ROW.items() if k != "init"}], "method 'a': missing field(s) init"),
-    ([dict(ROW, init="yes")], "method 'a': field 'init' must be true or false, got 'yes'"),
-    ([dict(ROW, text_tokens=-1)], "method 'a': field 'text_tokens' must be an integer >= 0"),
-    ([dict(ROW, preset="zz")], "method 'a': preset 'zz' is not a row whose preset is itself"),
-    ([dict(ROW, trainer="GRAM_CoOp")], "method 'a': give both 'trainer' and 'config' or neither"),
-    ([dict(ROW, regulate=True)], "method 'a': init/regulate need a GRAM init file, but its preset 'a'"),
-    ([], "expected a top-level 'methods:' list"),
-])
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([ROW, dict(ROW, label="B")], "method key or alias 'a' appears twice"),
+        ([ROW, dict(ROW, key="b")], "label(s) 'A' used by more than one method"),
+        ([dict(ROW, colour="red")], "method 'a': unknown field(s) colour"),
+        ([{k: v for k, v in ROW.items() if k != "init"}], "method 'a': missing field(s) init"),
+        ([dict(ROW, init="yes")], "method 'a': field 'init' must be true or false, got 'yes'"),
+        ([dict(ROW, text_tokens=-1)], "method 'a': field 'text_tokens' must be an integer >= 0"),
+        ([dict(ROW, preset="zz")], "method 'a': preset 'zz' is not a row whose preset is itself"),
+        ([dict(ROW, trainer="GRAM_CoOp")], "method 'a': give both 'trainer' and 'config' or neither"),
+        ([dict(ROW, regulate=True)], "method 'a': init/regulate need a GRAM init file, but its preset 'a'"),
+        ([], "expected a top-level 'methods:' list"),
+    ],
+)
 def test_bad_tables_are_one_line_errors_naming_file_and_key(tmp_path, rows, message):
     path = _write(tmp_path, rows)
     with pytest.raises(methods.MethodTableError) as err:
@@ -152,8 +221,9 @@ def test_unreadable_and_invalid_yaml_files(tmp_path):
 
 def test_query_cli_for_shell_scripts():
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "meta.methods", *args], cwd=REPO, capture_output=True,
-                              text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "meta.methods", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+        )
 
     r = cli("get", "gram_vpt", "trainer")
     assert (r.returncode, r.stdout) == (0, "GRAM_VPT\n")

@@ -1,4 +1,5 @@
 """scripts/parse_results.py on synthetic log trees with known numbers."""
+
 from __future__ import annotations
 
 import csv
@@ -93,8 +94,10 @@ def test_base_new_h_tables_match_independent_numbers(tmp_path):
         assert float(avg["H"]) == pytest.approx(statistics.harmonic_mean([b, n]), abs=1e-4)
     md = (tmp_path / "tables" / "base2new_shots16.md").read_text()
     b, n = NUMBERS[("coop", "dtd")]
-    dtd_row = (f"| CoOp | {np.mean(b):.2f} ± {statistics.pstdev(b):.2f} | {np.mean(n):.2f} ± {statistics.pstdev(n):.2f}"
-               f" | {2 * np.mean(b) * np.mean(n) / (np.mean(b) + np.mean(n)):.2f} | 3/3 |")
+    dtd_row = (
+        f"| CoOp | {np.mean(b):.2f} ± {statistics.pstdev(b):.2f} | {np.mean(n):.2f} ± {statistics.pstdev(n):.2f}"
+        f" | {2 * np.mean(b) * np.mean(n) / (np.mean(b) + np.mean(n)):.2f} | 3/3 |"
+    )
     assert dtd_row in md.split("## DTD")[1]
     png = tmp_path / "tables" / "base2new_shots16_H.png"
     with Image.open(png) as im:
@@ -146,13 +149,21 @@ def test_zero_shot_base_runs_are_read_as_eval_logs(tmp_path):
 
 
 def test_cross_domain_table_four_shots(tmp_path):
-    accs = {"imagenetv2": [60.0, 62.0], "imagenet_sketch": [46.0, 47.0], "imagenet_a": [47.0, 49.0],
-            "imagenet_r": [73.0, 75.0]}
+    accs = {
+        "imagenetv2": [60.0, 62.0],
+        "imagenet_sketch": [46.0, 47.0],
+        "imagenet_a": [47.0, 49.0],
+        "imagenet_r": [73.0, 75.0],
+    }
     for seed, src in ((1, 70.0), (2, 71.0)):
         write_run(tmp_path, f"xd/train_imagenet/shots_4/unigram/seed{seed}", train_log(src), mode="train")
         for target, values in accs.items():
-            write_run(tmp_path, f"xdomain/test/{target}/shots_4/unigram/seed{seed}",
-                      EVAL_LOG.format(acc=values[seed - 1]), mode="eval")
+            write_run(
+                tmp_path,
+                f"xdomain/test/{target}/shots_4/unigram/seed{seed}",
+                EVAL_LOG.format(acc=values[seed - 1]),
+                mode="eval",
+            )
     assert pr.main([str(tmp_path)]) == 0
     rows = read_csv(tmp_path / "tables" / "xdomain_shots4.csv")
     assert float(rows[("unigram", "imagenet")]["mean"]) == pytest.approx(70.5)
@@ -182,9 +193,11 @@ def test_cross_dataset_missing_targets_are_named(tmp_path, capsys):
 
 def test_coop_and_maple_layout_grouped_by_trainer_and_config(tmp_path):
     """CoOp's/MaPLe's scripts write shots_<K>/<TRAINER>/<CFG>/seed<S>; one row per trainer + config."""
-    runs = {("CoOp", "vit_b16_ep50"): ([70.0, 72.0], [60.0, 64.0]),
-            ("CoCoOp", "vit_b16_c4_ep10_batch1_ctxv1"): ([80.0, 81.0], [70.0, 73.0]),
-            ("CoOp", "vit_b16_ep50_ctxv1"): ([75.0, 75.0], [65.0, 65.0])}
+    runs = {
+        ("CoOp", "vit_b16_ep50"): ([70.0, 72.0], [60.0, 64.0]),
+        ("CoCoOp", "vit_b16_c4_ep10_batch1_ctxv1"): ([80.0, 81.0], [70.0, 73.0]),
+        ("CoOp", "vit_b16_ep50_ctxv1"): ([75.0, 75.0], [65.0, 65.0]),
+    }
     for (trainer, cfg), (base, new) in runs.items():  # no gram_run.txt: the fork's scripts write none
         for seed, (b, n) in enumerate(zip(base, new), 1):
             write_run(tmp_path, f"base2new/train_base/dtd/shots_16/{trainer}/{cfg}/seed{seed}", train_log(b))
@@ -199,8 +212,9 @@ def test_coop_and_maple_layout_grouped_by_trainer_and_config(tmp_path):
         row = rows[f"{trainer}/{cfg}"]
         assert float(row["base_mean"]) == pytest.approx(np.mean(base)) and row["base_seeds"] == "2"
         assert float(row["new_mean"]) == pytest.approx(np.mean(new))
-        assert float(row["H"]) == pytest.approx(2 * np.mean(base) * np.mean(new) / (np.mean(base) + np.mean(new)),
-                                                abs=1e-3)
+        assert float(row["H"]) == pytest.approx(
+            2 * np.mean(base) * np.mean(new) / (np.mean(base) + np.mean(new)), abs=1e-3
+        )
     assert float(rows["gram_coop"]["H"]) == pytest.approx(2 * 90 * 80 / 170, abs=1e-3)
 
 
@@ -209,23 +223,26 @@ def test_average_row_is_the_summary_modules_with_seeds_every_dataset_has(tmp_pat
     datasets first (seed 3 is only on dtd, so it is left out), mean ± population std over seeds, H of the means."""
     from meta.evaluation.summary import summarise
 
-    numbers = {("coop", "dtd"): ([80.0, 82.0, 90.0], [50.0, 56.0, 40.0]),
-               ("coop", "eurosat"): ([60.0, 66.0], [70.0, 62.0])}
+    numbers = {
+        ("coop", "dtd"): ([80.0, 82.0, 90.0], [50.0, 56.0, 40.0]),
+        ("coop", "eurosat"): ([60.0, 66.0], [70.0, 62.0]),
+    }
     make_tree(tmp_path, numbers)
     assert pr.main([str(tmp_path), "--out", str(tmp_path / "t")]) == 0
     avg = read_csv(tmp_path / "t" / "base2new_shots16.csv")[("coop", "average")]
-    base = [(80.0 + 60.0) / 2, (82.0 + 66.0) / 2]   # seeds 1 and 2: 70, 74
-    new = [(50.0 + 70.0) / 2, (56.0 + 62.0) / 2]    # 60, 59
+    base = [(80.0 + 60.0) / 2, (82.0 + 66.0) / 2]  # seeds 1 and 2: 70, 74
+    new = [(50.0 + 70.0) / 2, (56.0 + 62.0) / 2]  # 60, 59
     assert float(avg["base_mean"]) == pytest.approx(72.0, abs=1e-4) == pytest.approx(np.mean(base))
     assert float(avg["base_std"]) == pytest.approx(2.0, abs=1e-4) == pytest.approx(np.std(base))
-    assert float(avg["new_mean"]) == pytest.approx(59.5, abs=1e-4)
-    assert float(avg["new_std"]) == pytest.approx(0.5, abs=1e-4)
+    assert float(avg["new_mean"]) == pytest.approx(59.5, abs=1e-4) == pytest.approx(np.mean(new))
+    assert float(avg["new_std"]) == pytest.approx(0.5, abs=1e-4) == pytest.approx(np.std(new))
     assert float(avg["H"]) == pytest.approx(2 * 72.0 * 59.5 / (72.0 + 59.5), abs=1e-4)
     assert avg["base_seeds"] == "2"
     records = pr.base2new_records(pr.collect(tmp_path)[0], 16)
     ref = next(r for r in summarise(records, average="Average") if r["dataset"] == "Average")
     assert (ref["base_mean"], ref["new_std"], ref["H"]) == pytest.approx(
-        (float(avg["base_mean"]), float(avg["new_std"]), float(avg["H"])), abs=1e-4)
+        (float(avg["base_mean"]), float(avg["new_std"]), float(avg["H"])), abs=1e-4
+    )
     md = (tmp_path / "t" / "base2new_shots16.md").read_text()
     assert "| CoOp | 72.00 ± 2.00 | 59.50 ± 0.50 | 65.16 | 2 (on all 2 datasets) |" in md
 
@@ -233,20 +250,32 @@ def test_average_row_is_the_summary_modules_with_seeds_every_dataset_has(tmp_pat
 def test_transfer_target_average_is_the_summary_modules_over_complete_seeds(tmp_path, capsys):
     """Seed 2 lacks one target: it is named on stderr and left out of every cell; the target average
     is each seed's mean over the targets, then mean ± std over seeds (numbers by hand)."""
-    targets = {"imagenetv2": [60.0, 61.0, 64.0], "imagenet_sketch": [40.0, None, 44.0], "imagenet_a": [50.0, 52.0, 46.0],
-               "imagenet_r": [70.0, 71.0, 78.0]}
+    targets = {
+        "imagenetv2": [60.0, 61.0, 64.0],
+        "imagenet_sketch": [40.0, None, 44.0],
+        "imagenet_a": [50.0, 52.0, 46.0],
+        "imagenet_r": [70.0, 71.0, 78.0],
+    }
     for seed, src in ((1, 70.0), (2, 71.0), (3, 74.0)):
         write_run(tmp_path, f"xd/train_imagenet/shots_16/coop/seed{seed}", train_log(src), mode="train")
         for target, values in targets.items():
             if values[seed - 1] is not None:
-                write_run(tmp_path, f"xdomain/test/{target}/shots_16/coop/seed{seed}",
-                          EVAL_LOG.format(acc=values[seed - 1]), mode="eval")
+                write_run(
+                    tmp_path,
+                    f"xdomain/test/{target}/shots_16/coop/seed{seed}",
+                    EVAL_LOG.format(acc=values[seed - 1]),
+                    mode="eval",
+                )
     assert pr.main([str(tmp_path)]) == 0
-    assert "missing target run: " + str(tmp_path / "xdomain/test/imagenet_sketch/shots_16/coop/seed2/log.txt") in \
-        capsys.readouterr().err
+    assert (
+        "missing target run: " + str(tmp_path / "xdomain/test/imagenet_sketch/shots_16/coop/seed2/log.txt")
+        in capsys.readouterr().err
+    )
     rows = read_csv(tmp_path / "tables" / "xdomain_shots16.csv")
     # seeds 1 and 3: per-seed target means (60+40+50+70)/4 = 55 and (64+44+46+78)/4 = 58
     assert float(rows[("coop", "target_average")]["mean"]) == pytest.approx(56.5, abs=1e-4)
     assert float(rows[("coop", "target_average")]["std"]) == pytest.approx(1.5, abs=1e-4)
     assert float(rows[("coop", "imagenet")]["mean"]) == pytest.approx(72.0, abs=1e-4)
-    assert rows[("coop", "imagenet_a")]["seeds"] == "2" and float(rows[("coop", "imagenet_a")]["std"]) == pytest.approx(2.0)
+    assert rows[("coop", "imagenet_a")]["seeds"] == "2" and float(rows[("coop", "imagenet_a")]["std"]) == pytest.approx(
+        2.0
+    )

@@ -1,4 +1,5 @@
 """The planner's arithmetic (gram_tools.plan) against hand-computed cases on small fake figures files."""
+
 from __future__ import annotations
 
 import json
@@ -23,22 +24,59 @@ def _line(a, *b):
 def _figures(tmp_path, meta_batch_gpu=4):
     figures = {
         "settings": {"model": "fake", "model_mib": 512.0},
-        "fits": {"unigram": {"second": {"variables": ["support", "query"], "points": 4,
-                                        "peak_mib": _line(1000.0, 100.0, 50.0), "gflops": _line(10.0, 2.0, 1.0),
-                                        "seconds": _line(1.0, 0.5, 0.25), "seconds_per_gflop": 0.5,
-                                        "load_avg_1min_range": [1, 2]}},
-                 "coop": {"encode": {"variables": ["batch"], "points": 2, "peak_mib": _line(0.0, 1.0),
-                                     "gflops": _line(0.0, 35.0), "seconds": _line(0.0, 1.0)}}},
+        "fits": {
+            "unigram": {
+                "second": {
+                    "variables": ["support", "query"],
+                    "points": 4,
+                    "peak_mib": _line(1000.0, 100.0, 50.0),
+                    "gflops": _line(10.0, 2.0, 1.0),
+                    "seconds": _line(1.0, 0.5, 0.25),
+                    "seconds_per_gflop": 0.5,
+                    "load_avg_1min_range": [1, 2],
+                }
+            },
+            "coop": {
+                "encode": {
+                    "variables": ["batch"],
+                    "points": 2,
+                    "peak_mib": _line(0.0, 1.0),
+                    "gflops": _line(0.0, 35.0),
+                    "seconds": _line(0.0, 1.0),
+                }
+            },
+        },
     }
-    gpu = {"settings": {"way": 5, "support_shots": 4, "query_shots": 8, "meta_batch": meta_batch_gpu, "gpu": "fake",
-                        "autocast": "none"},
-           "variants": {"unigram": {"second_order_step_s": 0.9}}, "chc_images_per_s": 1000.0}
-    chc = {"growth": {"text_embeddings": {"items": [1, 2], "seconds": [0.01, 0.02], "items_per_pair": 0.5,
-                                          "seconds_law": {"c": 0.01, "p": 1.0},
-                                          "rss_law": {"intercept": 512.0, "slope": 1 / 1024}},
-                      "umap_hdbscan_fit": {"items": [1, 2], "seconds": [0.002, 0.004], "items_per_pair": 1.0,
-                                           "seconds_law": {"c": 0.002, "p": 1.0},
-                                           "rss_law": None}}}
+    gpu = {
+        "settings": {
+            "way": 5,
+            "support_shots": 4,
+            "query_shots": 8,
+            "meta_batch": meta_batch_gpu,
+            "gpu": "fake",
+            "autocast": "none",
+        },
+        "variants": {"unigram": {"second_order_step_s": 0.9}},
+        "chc_images_per_s": 1000.0,
+    }
+    chc = {
+        "growth": {
+            "text_embeddings": {
+                "items": [1, 2],
+                "seconds": [0.01, 0.02],
+                "items_per_pair": 0.5,
+                "seconds_law": {"c": 0.01, "p": 1.0},
+                "rss_law": {"intercept": 512.0, "slope": 1 / 1024},
+            },
+            "umap_hdbscan_fit": {
+                "items": [1, 2],
+                "seconds": [0.002, 0.004],
+                "items_per_pair": 1.0,
+                "seconds_law": {"c": 0.002, "p": 1.0},
+                "rss_law": None,
+            },
+        }
+    }
     paths = {}
     for name, obj in (("figures", figures), ("gpu", gpu), ("chc", chc)):
         paths[name] = tmp_path / f"{name}.json"
@@ -47,9 +85,17 @@ def _figures(tmp_path, meta_batch_gpu=4):
 
 
 def _run(capsys, paths, *extra, gpu=False):
-    argv = ["--config-file", "configs/meta/train_unigram.yaml", "--figures", str(paths["figures"]),
-            "--gpu-figures", str(paths["gpu"]) if gpu else str(paths["gpu"]) + ".absent",
-            "--chc-figures", str(paths["chc"]), *extra]
+    argv = [
+        "--config-file",
+        "configs/meta/train_unigram.yaml",
+        "--figures",
+        str(paths["figures"]),
+        "--gpu-figures",
+        str(paths["gpu"]) if gpu else str(paths["gpu"]) + ".absent",
+        "--chc-figures",
+        str(paths["chc"]),
+        *extra,
+    ]
     assert plan.main(argv) == 0
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
@@ -59,8 +105,8 @@ def test_memory_fit_and_largest_sizes(tmp_path, capsys):
     out = _run(capsys, _figures(tmp_path), "--gpu-memory-gib", "8", "--margin", "0.1")["meta_training"]
     assert out["learner"] == "unigram" and out["mode"] == "second"
     assert out["images"] == {"support": 20.0, "query": 40.0}
-    assert out["task_peak_gib"]["value"] == round(5000 / 1024, 3)             # 1000 + 100*20 + 50*40
-    assert out["peak_gib"]["value"] == round(5512 / 1024, 3)                  # + 512 MiB weights
+    assert out["task_peak_gib"]["value"] == round(5000 / 1024, 3)  # 1000 + 100*20 + 50*40
+    assert out["peak_gib"]["value"] == round(5512 / 1024, 3)  # + 512 MiB weights
     assert out["fits"] is True
     # budget 8 * 1024 * 0.9 - 512 = 6860.8 MiB; support: (6860.8 - 3000) / (100 * 5) -> 7; query: / (50 * 5) -> 15
     assert out["largest_n_support"] == 7 and out["largest_n_query"] == 15
@@ -69,7 +115,8 @@ def test_memory_fit_and_largest_sizes(tmp_path, capsys):
 
 def test_does_not_fit(tmp_path, capsys):
     out = _run(capsys, _figures(tmp_path), "--gpu-memory-gib", "4", "--margin", "0")["meta_training"]
-    # budget 4096 - 512 = 3584 < 5000; support alone (1000 + 2000 + 0) fits -> (3584 - 3000) / 500 = 1; query (3584 - 3000) / 250 = 2
+    # budget 4096 - 512 = 3584 < 5000; support alone (1000 + 2000 + 0) fits -> (3584 - 3000) / 500 = 1; query (3584 -
+    # 3000) / 250 = 2
     assert out["fits"] is False and out["largest_n_support"] == 1 and out["largest_n_query"] == 2
 
 
@@ -80,14 +127,14 @@ def test_hours_from_flops_and_from_gpu_figures(tmp_path, capsys):
     assert out["step_gflop"]["value"] == 360.0
     assert out["hours"]["value"] == round(18 / 3600, 3)
     assert "assumed" in out["hours"]["how"]
-    assert out["cpu_step_seconds"]["value"] == 360 * 0.5                         # step GFLOP x s per GFLOP
+    assert out["cpu_step_seconds"]["value"] == 360 * 0.5  # step GFLOP x s per GFLOP
     out = _run(capsys, paths, "--gpus", "2", gpu=True)["meta_training"]
-    assert out["hours"]["value"] == 1.25 and out["hours"]["how"].startswith("measured")   # 10,000 x 0.9 s / 2
+    assert out["hours"]["value"] == 1.25 and out["hours"]["how"].startswith("measured")  # 10,000 x 0.9 s / 2
     # 8 GPUs for 4 tasks: one task per GPU, the other 4 wait -> 10,000 x 90 GFLOP / 100 TFLOP/s = 9 s
     out = _run(capsys, paths, "--gpus", "8", "--gpu-tflops", "100")["meta_training"]
     assert out["hours"]["value"] == round(9 / 3600, 3)
     out = _run(capsys, paths, "--gpus", "3", gpu=True)["meta_training"]
-    assert out["hours"]["value"] == round(10000 * 0.9 * 2 / 4 / 3600, 3)   # ceil(4 / 3) = 2 tasks on the slowest GPU
+    assert out["hours"]["value"] == round(10000 * 0.9 * 2 / 4 / 3600, 3)  # ceil(4 / 3) = 2 tasks on the slowest GPU
     # GPU figures for another task size are not used
     paths = _figures(tmp_path, meta_batch_gpu=8)
     out = _run(capsys, paths, "--gpus", "2", "--gpu-tflops", "100", gpu=True)["meta_training"]
@@ -109,8 +156,16 @@ def test_chc_stages(tmp_path, capsys):
 
 def test_errors_are_one_line(tmp_path, capsys):
     paths = _figures(tmp_path)
-    argv = ["--config-file", "configs/meta/train_vpt.yaml", "--figures", str(paths["figures"]),
-            "--gpu-figures", "absent.json", "--chc-figures", "absent.json"]
+    argv = [
+        "--config-file",
+        "configs/meta/train_vpt.yaml",
+        "--figures",
+        str(paths["figures"]),
+        "--gpu-figures",
+        "absent.json",
+        "--chc-figures",
+        "absent.json",
+    ]
     assert plan.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(paths["figures"]) in err and "'vpt'" in err
@@ -123,13 +178,28 @@ def test_realsize_fits_and_learner_table():
     y = 7.0 + 3.0 * xs[:, 0] + 0.5 * xs[:, 1]
     fit = fit_line(xs, y)
     assert fit["intercept"] == pytest.approx(7.0) and fit["slopes"] == pytest.approx([3.0, 0.5])
-    points = [{"learner": "vpt", "mode": "second", "support": s, "query": q, "peak_mib": 10 + 2 * s + q,
-               "flops": int(1e9 * (5 * s + 4 * q)), "seconds": 1.0 + s, "load_avg_1min": [1.0], "repeats": 1}
-              for s, q in [(1, 1), (3, 1), (1, 3)]]
+    points = [
+        {
+            "learner": "vpt",
+            "mode": "second",
+            "support": s,
+            "query": q,
+            "peak_mib": 10 + 2 * s + q,
+            "flops": int(1e9 * (5 * s + 4 * q)),
+            "seconds": 1.0 + s,
+            "load_avg_1min": [1.0],
+            "repeats": 1,
+        }
+        for s, q in [(1, 1), (3, 1), (1, 3)]
+    ]
     f = fit_points(points)["vpt"]["second"]
     assert f["peak_mib"]["slopes"] == pytest.approx([2.0, 1.0]) and f["gflops"]["slopes"] == pytest.approx([5.0, 4.0])
     assert [learner_of(4, 0, 1), learner_of(0, 4, 1), learner_of(0, 4, 12), learner_of(2, 2, 1)] == [
-        "coop", "vpt", "vpt_deep", "unigram"]
+        "coop",
+        "vpt",
+        "vpt_deep",
+        "unigram",
+    ]
     assert tensor_kind((2, 12, 197, 197), 197, 768).startswith("attention")
     assert tensor_kind((2, 197, 3072), 197, 768).startswith("mlp")
     assert tensor_kind((2, 197, 768), 197, 768).startswith("tokens")
@@ -138,33 +208,37 @@ def test_realsize_fits_and_learner_table():
 # ----------------------------------------------------------------------------- scripts/gpu_check.sh
 def _gpu_check(tmp_path, python):
     env = {**os.environ, "PYTHON": str(python), "FIGURES_DIR": str(tmp_path / "figs")}
-    return subprocess.run(["bash", "scripts/gpu_check.sh", str(tmp_path / "out")], capture_output=True, text=True,
-                          env=env, cwd=REPO)
+    return subprocess.run(
+        ["bash", "scripts/gpu_check.sh", str(tmp_path / "out")], capture_output=True, text=True, env=env, cwd=REPO
+    )
 
 
 def test_gpu_check_without_cuda_stops_in_one_line(tmp_path):
     fake = tmp_path / "python"
-    fake.write_text("#!/bin/bash\ncase \"$*\" in *cuda.is_available*) exit 1;; esac\necho unexpected; exit 0\n")
+    fake.write_text('#!/bin/bash\ncase "$*" in *cuda.is_available*) exit 1;; esac\necho unexpected; exit 0\n')
     fake.chmod(0o755)
     proc = _gpu_check(tmp_path, fake)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
         f"error: scripts/gpu_check.sh: CUDA is not available on this machine (torch.cuda.is_available() is False "
-        f"with {fake})"]
+        f"with {fake})"
+    ]
 
 
 def test_gpu_check_writes_the_planner_figures(tmp_path):
     """With CUDA (faked), the script runs the gpu tests, both benches, and copies each bench's JSON line."""
     fake = tmp_path / "python"
     calls = tmp_path / "calls.txt"
-    fake.write_text("#!/bin/bash\n"
-                    f"echo \"$*\" >> {calls}\n"
-                    "case \"$*\" in\n"
-                    "  *cuda.is_available*) exit 0;;\n"
-                    "  '-m pytest'*) echo '3 passed'; exit 0;;\n"
-                    "  '-m gram_tools.bench'*) echo 'coop: ...'; echo \"{\\\"autocast\\\": \\\"$6\\\"}\"; exit 0;;\n"
-                    f"  *) exec {sys.executable} \"$@\";;\n"
-                    "esac\n")
+    fake.write_text(
+        "#!/bin/bash\n"
+        f'echo "$*" >> {calls}\n'
+        'case "$*" in\n'
+        "  *cuda.is_available*) exit 0;;\n"
+        "  '-m pytest'*) echo '3 passed'; exit 0;;\n"
+        '  \'-m gram_tools.bench\'*) echo \'coop: ...\'; echo "{\\"autocast\\": \\"$6\\"}"; exit 0;;\n'
+        f'  *) exec {sys.executable} "$@";;\n'
+        "esac\n"
+    )
     fake.chmod(0o755)
     proc = _gpu_check(tmp_path, fake)
     assert proc.returncode == 0, proc.stderr
@@ -180,21 +254,27 @@ def test_gpu_check_writes_the_planner_figures(tmp_path):
 def test_chc_growth_laws():
     from gram_tools.chc_growth import fit_growth, predict
 
-    runs = [{"pairs": n, "stages": {
-        "text_embeddings": {"items": n // 2, "seconds": 0.02 * (n // 2), "peak_rss_mib": 1000 + (n // 2) / 100},
-        "umap_hdbscan_fit": {"items": n, "seconds": 1e-4 * n ** 1.5, "peak_rss_mib": 1200.0}}}
-        for n in (10000, 40000, 100000)]
-    runs[0]["stages"]["umap_hdbscan_fit"]["seconds"] = 1e6    # 500 UMAP epochs at <= 10,000 points: not fitted
+    runs = [
+        {
+            "pairs": n,
+            "stages": {
+                "text_embeddings": {"items": n // 2, "seconds": 0.02 * (n // 2), "peak_rss_mib": 1000 + (n // 2) / 100},
+                "umap_hdbscan_fit": {"items": n, "seconds": 1e-4 * n**1.5, "peak_rss_mib": 1200.0},
+            },
+        }
+        for n in (10000, 40000, 100000)
+    ]
+    runs[0]["stages"]["umap_hdbscan_fit"]["seconds"] = 1e6  # 500 UMAP epochs at <= 10,000 points: not fitted
     g = fit_growth(runs, fit_sample=200000, target=3.1e6)
     text, fit = g["text_embeddings"], g["umap_hdbscan_fit"]
     assert text["seconds_law"]["p"] == pytest.approx(1.0) and text["items_per_pair"] == 0.5
     assert text["target_items"] == 3100000 and text["target_seconds"] == pytest.approx(0.02 * 3100000, rel=1e-6)
     assert text["rss_law"]["slope"] == pytest.approx(0.01) and text["rss_law"]["intercept"] == pytest.approx(1000)
     assert fit["seconds_law"]["p"] == pytest.approx(1.5) and fit["items"] == [40000, 100000]
-    assert fit["target_items"] == 200000                       # capped by FIT_SAMPLE
-    assert fit["target_seconds"] == pytest.approx(1e-4 * 200000 ** 1.5, rel=1e-4)
+    assert fit["target_items"] == 200000  # capped by FIT_SAMPLE
+    assert fit["target_seconds"] == pytest.approx(1e-4 * 200000**1.5, rel=1e-4)
     assert text["time"] == "seconds"
-    for r in runs:                                   # CPU seconds, when every run has them, are what the law fits
+    for r in runs:  # CPU seconds, when every run has them, are what the law fits
         r["stages"]["text_embeddings"]["cpu_seconds"] = 1e-3 * r["stages"]["text_embeddings"]["items"] ** 1.1
     text = fit_growth(runs, fit_sample=200000)["text_embeddings"]
     assert text["time"] == "cpu_seconds" and text["seconds_law"]["p"] == pytest.approx(1.1)
@@ -207,62 +287,91 @@ def test_cost_tables_compute_the_task_total(tmp_path):
     figures = json.loads(_figures(tmp_path)["figures"].read_text())
     figures["fits"]["unigram"]["second"]["load_avg_1min_range"] = [5.0, 6.0]
     table = realsize_table(figures, 5, 4, 8).splitlines()
-    assert len(table) == 3                                  # header, rule, the one meta-task row
+    assert len(table) == 3  # header, rule, the one meta-task row
     # 1000 + 100*20 + 50*40 = 5000 MiB = 4.88 GiB; 10 + 2*20 + 40 = 90 GFLOP; x 0.5 s/GFLOP = 45 s
-    assert table[2] == ("| unigram | second order | 1,000 | 100 | 50 | 2.0 / 1.0 | 4.88 GiB, 0.09 TFLOP | 45 (5.0-6.0) |")
+    assert table[2] == (
+        "| unigram | second order | 1,000 | 100 | 50 | 2.0 / 1.0 | 4.88 GiB, 0.09 TFLOP | 45 (5.0-6.0) |"
+    )
 
 
 def test_first_order_peak_follows_the_larger_pass(tmp_path, capsys):
     paths = _figures(tmp_path)
     figures = json.loads(paths["figures"].read_text())
     figures["fits"]["unigram"]["first"] = {
-        "variables": ["support", "query"], "points": 4, "load_avg_1min_range": [1, 2],
+        "variables": ["support", "query"],
+        "points": 4,
+        "load_avg_1min_range": [1, 2],
         "peak_mib": {"intercept": 100.0, "slopes": [70.0], "variables": ["max(support, query)"]},
-        "gflops": _line(0.0, 1.0, 1.0), "seconds": _line(0.0, 1.0, 1.0)}
+        "gflops": _line(0.0, 1.0, 1.0),
+        "seconds": _line(0.0, 1.0, 1.0),
+    }
     paths["figures"].write_text(json.dumps(figures))
     out = _run(capsys, paths, "--gpu-memory-gib", "4", "--margin", "0", "META.FIRST_ORDER", "True")["meta_training"]
     assert out["mode"] == "first"
-    assert out["task_peak_gib"]["value"] == round((100 + 70 * 40) / 1024, 3)     # max(20, 40) query images
+    assert out["task_peak_gib"]["value"] == round((100 + 70 * 40) / 1024, 3)  # max(20, 40) query images
     # budget 4096 - 512 = 3584: a pass of n * 5 images fits while 100 + 350 n <= 3584 -> n = 9
     assert out["largest_n_support"] == 9 and out["largest_n_query"] == 9
     from gram_tools.realsize import fit_points
 
-    pts = [{"learner": "vpt", "mode": "first", "support": s, "query": q, "peak_mib": 5 + 70 * max(s, q),
-            "flops": int(1e9 * (s + q)), "seconds": 0.1 * (s + q) * (1 + (s == 3)), "load_avg_1min": [1.0], "repeats": 1}
-           for s, q in [(1, 1), (3, 1), (1, 3), (2, 2)]]
+    pts = [
+        {
+            "learner": "vpt",
+            "mode": "first",
+            "support": s,
+            "query": q,
+            "peak_mib": 5 + 70 * max(s, q),
+            "flops": int(1e9 * (s + q)),
+            "seconds": 0.1 * (s + q) * (1 + (s == 3)),
+            "load_avg_1min": [1.0],
+            "repeats": 1,
+        }
+        for s, q in [(1, 1), (3, 1), (1, 3), (2, 2)]
+    ]
     f = fit_points(pts)["vpt"]["first"]["peak_mib"]
     assert f["variables"] == ["max(support, query)"] and f["slopes"] == pytest.approx([70.0])
     assert f["intercept"] == pytest.approx(5.0)
-    assert fit_points(pts)["vpt"]["first"]["seconds_per_gflop"] == pytest.approx(0.1)   # median of 0.1, 0.2, 0.1, 0.1
+    assert fit_points(pts)["vpt"]["first"]["seconds_per_gflop"] == pytest.approx(0.1)  # median of 0.1, 0.2, 0.1, 0.1
 
 
 def test_chc_table_prints_the_measured_file():
     from gram_tools.chc_growth import fit_growth
     from gram_tools.cost_tables import chc_table
 
-    runs = [{"pairs": n, "stages": {"index": {"items": n, "seconds": 9.0, "cpu_seconds": 1e-3 * n,
-                                              "peak_rss_mib": 1000 + n / 100}}} for n in (10000, 100000)]
+    runs = [
+        {
+            "pairs": n,
+            "stages": {"index": {"items": n, "seconds": 9.0, "cpu_seconds": 1e-3 * n, "peak_rss_mib": 1000 + n / 100}},
+        }
+        for n in (10000, 100000)
+    ]
     table = chc_table({"runs": runs, "growth": fit_growth(runs, fit_sample=200000)}).splitlines()
     assert table[0].startswith("| stage | 10,000 pairs: s (peak RSS MiB) | 100,000 pairs: s (peak RSS MiB) |")
     # 1e-3 x 3.1e6 = 3100 s = 0.86 h; 1000 + 31000 MiB = 31.2 GiB
-    assert table[2] == ("| index | 10.00 (1,100) | 100.00 (2,000) | CPU s = 0.001 x items^1.00 | 1,000 + 0.0100 x items "
-                        "| 3,100,000 | 0.86 h | 31.2 GiB |")
+    assert table[2] == (
+        "| index | 10.00 (1,100) | 100.00 (2,000) | CPU s = 0.001 x items^1.00 | 1,000 + 0.0100 x items "
+        "| 3,100,000 | 0.86 h | 31.2 GiB |"
+    )
 
 
 def test_chc_extrapolation_is_never_below_linear_growth():
     from gram_tools.chc_growth import fit_growth
 
     # a fixed cost of 20 s plus 1 ms per item: the fitted exponent is below 1, the largest run scaled linearly wins
-    runs = [{"pairs": n, "stages": {"index": {"items": n, "seconds": 20 + 1e-3 * n, "cpu_seconds": 20 + 1e-3 * n,
-                                              "peak_rss_mib": 1000.0},
-                                    "assign_nearest_centroid": {"items": n, "seconds": 0.5, "cpu_seconds": 9.0,
-                                                                "peak_rss_mib": 1000.0}}}
-            for n in (10000, 100000)]
+    runs = [
+        {
+            "pairs": n,
+            "stages": {
+                "index": {"items": n, "seconds": 20 + 1e-3 * n, "cpu_seconds": 20 + 1e-3 * n, "peak_rss_mib": 1000.0},
+                "assign_nearest_centroid": {"items": n, "seconds": 0.5, "cpu_seconds": 9.0, "peak_rss_mib": 1000.0},
+            },
+        }
+        for n in (10000, 100000)
+    ]
     g = fit_growth(runs, fit_sample=200000, target=1e6)
     index = g["index"]
     assert index["seconds_law"]["p"] < 1 and index["extrapolation"].startswith("largest run")
-    assert index["target_seconds"] == pytest.approx(120.0 * 10)          # 120 s at 1e5 items, x 10
-    short = g["assign_nearest_centroid"]                                  # under 1 s of wall time: wall seconds
+    assert index["target_seconds"] == pytest.approx(120.0 * 10)  # 120 s at 1e5 items, x 10
+    short = g["assign_nearest_centroid"]  # under 1 s of wall time: wall seconds
     assert short["time"] == "seconds" and short["seconds"] == [0.5, 0.5] and short["target_seconds"] == 5.0
 
 
@@ -275,8 +384,16 @@ def test_unmeasured_prompt_shapes_are_refused(tmp_path, capsys):
     assert learner_of(4, 0, 1) == "coop" and learner_of(2, 2, 1) == "unigram" and learner_of(0, 2, 0) == "vpt_deep"
     paths = _figures(tmp_path)
     for config, name in (("configs/meta/train_ivlp.yaml", "'ivlp'"), ("configs/meta/train_maple.yaml", "'maple'")):
-        argv = ["--config-file", config, "--figures", str(paths["figures"]), "--gpu-figures", "absent.json",
-                "--chc-figures", "absent.json"]
+        argv = [
+            "--config-file",
+            config,
+            "--figures",
+            str(paths["figures"]),
+            "--gpu-figures",
+            "absent.json",
+            "--chc-figures",
+            "absent.json",
+        ]
         assert plan.main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and name in err and "META.PROMPT" in err
@@ -289,18 +406,34 @@ def test_deep_learners_are_planned_from_gpu_figures_at_their_task_size(tmp_path,
     gpu = json.loads(paths["gpu"].read_text())
     gpu["variants"]["maple"] = {"second_order_step_s": 0.5, "second_order_peak_mb": 6144.0}
     paths["gpu"].write_text(json.dumps(gpu))
-    argv = ["--config-file", "configs/meta/train_maple.yaml", "--figures", str(paths["figures"]),
-            "--gpu-figures", str(paths["gpu"]), "--chc-figures", "absent.json", "--gpu-memory-gib", "8",
-            "--margin", "0.2", "--gpus", "2"]
+    argv = [
+        "--config-file",
+        "configs/meta/train_maple.yaml",
+        "--figures",
+        str(paths["figures"]),
+        "--gpu-figures",
+        str(paths["gpu"]),
+        "--chc-figures",
+        "absent.json",
+        "--gpu-memory-gib",
+        "8",
+        "--margin",
+        "0.2",
+        "--gpus",
+        "2",
+    ]
     assert plan.main(argv) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["meta_training"]
-    assert out["learner"] == "maple" and out["peak_gib"]["value"] == 6.0 and out["fits"] is True   # 6 <= 8 x 0.8
-    assert out["hours"]["value"] == round(10000 * 0.5 * 2 / 4 / 3600, 3)   # META.STEPS x s x ceil(4 / 2) / 4
+    assert out["learner"] == "maple" and out["peak_gib"]["value"] == 6.0 and out["fits"] is True  # 6 <= 8 x 0.8
+    assert out["hours"]["value"] == round(10000 * 0.5 * 2 / 4 / 3600, 3)  # META.STEPS x s x ceil(4 / 2) / 4
     assert "largest_n_support" not in out
     assert plan.main(argv[:-6] + ["--gpu-memory-gib", "6", "--margin", "0.2"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["meta_training"]["fits"] is False
-    for other in ("first", "ivlp"):   # another mode or learner than measured: refused as before
-        argv2 = argv + ["META.FIRST_ORDER", "True"] if other == "first" else \
-            [a.replace("train_maple", "train_ivlp") for a in argv]
+    for other in ("first", "ivlp"):  # another mode or learner than measured: refused as before
+        argv2 = (
+            argv + ["META.FIRST_ORDER", "True"]
+            if other == "first"
+            else [a.replace("train_maple", "train_ivlp") for a in argv]
+        )
         assert plan.main(argv2) == 2
         assert "gpu_check.sh" in capsys.readouterr().err

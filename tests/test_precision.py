@@ -6,6 +6,7 @@ with bf16 autocast over 5 seeds: relative error 0.047 mean / 0.079 max (CoOp), 0
 (UNIGRAM), cosine >= 0.9976; fp16 (CoOp): 0.007 / 0.011.  bf16 keeps 8 mantissa bits, so errors of
 a few per cent after the inner step's double backward are its expected size, not a bug.
 """
+
 import logging
 import warnings
 
@@ -20,10 +21,13 @@ from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_
 from meta.regulator import RegulatorSpec
 
 NAMES = ["circle", "square", "triangle"]
-SPECS = {"coop": PromptSpec(n_ctx_text=4), "unigram": PromptSpec(n_ctx_text=2, n_ctx_vision=2),
-         # the deep prompt learners (IVLP: per-layer text and visual prompts; MaPLe: coupled by projections)
-         "ivlp": PromptSpec(n_ctx_text=2, text_depth=2, n_ctx_vision=2, vision_depth=2, vpt_init="normal"),
-         "maple": PromptSpec(n_ctx_text=2, text_depth=2, coupling="maple")}
+SPECS = {
+    "coop": PromptSpec(n_ctx_text=4),
+    "unigram": PromptSpec(n_ctx_text=2, n_ctx_vision=2),
+    # the deep prompt learners (IVLP: per-layer text and visual prompts; MaPLe: coupled by projections)
+    "ivlp": PromptSpec(n_ctx_text=2, text_depth=2, n_ctx_vision=2, vision_depth=2, vpt_init="normal"),
+    "maple": PromptSpec(n_ctx_text=2, text_depth=2, coupling="maple"),
+}
 # (min cosine, max relative L2 error).  bf16 keeps 8 significant bits: a relative error of 0.2 allows a cosine
 # of about 0.98 (cos ≈ 1 − rel²/2), which the first CUDA run reached on UNIGRAM's second-order gradient (0.988).
 TOL = {"bf16": (0.98, 0.2), "fp16": (0.999, 0.03)}
@@ -31,8 +35,11 @@ FP16_SCALE = 256.0  # GradScaler's first scale in these comparisons: 2^16 overfl
 
 
 def _batch(n, size, gen, device):
-    return {"classnames": NAMES, "label": torch.arange(3, device=device).repeat(n),
-            "images": torch.randn(3 * n, 3, size, size, generator=gen).to(device)}
+    return {
+        "classnames": NAMES,
+        "label": torch.arange(3, device=device).repeat(n),
+        "images": torch.randn(3 * n, 3, size, size, generator=gen).to(device),
+    }
 
 
 def _learner(clip, dims, spec, autocast, seed=0):
@@ -53,8 +60,9 @@ def _meta_grad(clip, dims, spec, autocast, seed=0):
     device = next(clip.parameters()).device
     ml = _learner(clip, dims, spec, autocast, seed)
     gen = torch.Generator().manual_seed(100 + seed)
-    tasks = [TaskBatch(_batch(2, dims.image_size, gen, device), _batch(3, dims.image_size, gen, device))
-             for _ in range(2)]
+    tasks = [
+        TaskBatch(_batch(2, dims.image_size, gen, device), _batch(3, dims.image_size, gen, device)) for _ in range(2)
+    ]
     ml.accumulate(tasks, classification_loss(PromptedCLIP(clip, dims, ml.prompt_module.n_ctx_text)))
     scale = ml.scaler.get_scale() if ml.scaler is not None else 1.0
     return torch.cat([p.grad.flatten() for g in ml.optimizer.param_groups for p in g["params"]]).float() / scale
@@ -83,8 +91,10 @@ def test_cpu_falls_back_to_fp32_in_one_log_line(caplog):
         assert precision.resolve_weights("bf16", "cpu") == "bf16"
         assert precision.resolve_autocast("bf16", "cuda:0", "META.AUTOCAST") == "bf16"
     lines = [r.getMessage() for r in caplog.records if r.name == "meta.precision"]
-    assert lines == ["META.AUTOCAST fp16: no CUDA device (cpu); running fp32",
-                     "MODEL.PRECISION fp16: no CUDA device (cpu); running fp32"]
+    assert lines == [
+        "META.AUTOCAST fp16: no CUDA device (cpu); running fp32",
+        "MODEL.PRECISION fp16: no CUDA device (cpu); running fp32",
+    ]
     with pytest.raises(ValueError, match="CHC.IMAGES.AUTOCAST: expected none | bf16 | fp16, got 'fp8'"):
         precision.resolve_autocast("fp8", "cpu", "CHC.IMAGES.AUTOCAST")
 
@@ -134,7 +144,9 @@ def test_fp16_weights_give_fp32_features_and_gradients(kind):
         out[prec] = (text.float(), image.float(), torch.cat([g.flatten() for g in grads]))
     for ref, got in zip(out["fp32"], out["fp16"]):
         assert torch.isfinite(got).all()
-        assert float((got.detach() - ref.detach()).norm() / ref.detach().norm()) < 0.02, kind  # fp16: 11 significant bits
+        assert float((got.detach() - ref.detach()).norm() / ref.detach().norm()) < 0.02, (
+            kind
+        )  # fp16: 11 significant bits
 
 
 # ----------------------------------------------------------------------------- CUDA
@@ -161,7 +173,9 @@ def test_cuda_autocast_meta_gradient_close_to_fp32(cuda_clip, kind, mode):
 def test_cuda_fp16_meta_step_scales_steps_and_resumes(cuda_clip):
     clip, dims = cuda_clip
     ml = _learner(clip, dims, SPECS["unigram"], "fp16")
-    ml.scaler = torch.amp.GradScaler("cuda")  # the learner's own default scale: overflows are skipped, then it backs off
+    ml.scaler = torch.amp.GradScaler(
+        "cuda"
+    )  # the learner's own default scale: overflows are skipped, then it backs off
     assert ml.scaler is not None and ml.scaler.is_enabled()
     gen = torch.Generator().manual_seed(3)
     tasks = [TaskBatch(_batch(2, dims.image_size, gen, "cuda"), _batch(3, dims.image_size, gen, "cuda"))]
@@ -200,7 +214,8 @@ def test_run_checkpointed_before_the_key_existed_still_resumes():
     del old["META.AUTOCAST"]  # a checkpoint written before the key existed
     assert cfg_differences(old, result_defining_cfg(build_cfg())) == []
     assert cfg_differences(old, result_defining_cfg(build_cfg(opts=["META.AUTOCAST", "bf16"]))) == [
-        "META.AUTOCAST: '<absent>' -> 'bf16'"]
+        "META.AUTOCAST: '<absent>' -> 'bf16'"
+    ]
 
 
 @pytest.mark.parametrize("vpt_init,std", [("normal", 0.02), ("zeros", 0.0)])

@@ -4,6 +4,7 @@ Each ``python -m meta`` line of the block is run from a scratch folder (relative
 has them), with tiny-model and short-schedule ``KEY VALUE`` overrides appended; the next command
 must find what the previous one wrote, and the fork section's ``INIT=`` file must exist at the end.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,19 +22,55 @@ from meta.init_io import load_gram_init
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 TINY = {  # appended to each command: the README's configs with a tiny random CLIP and few steps
-    "cluster": ["MODEL.BACKBONE", "GRAM-Test-Tiny", "MODEL.DEVICE", "cpu", "CHC.TOPICS.MIN_CLUSTER_SIZE", "30",
-                "CHC.TOPICS.PLOT_POINTS", "300", "CHC.DOMAINS.MIN_PER_DOMAIN", "5", "CHC.TEXT.BATCH_SIZE", "64",
-                "CHC.IMAGES.BATCH_SIZE", "64"],
-    "train": ["MODEL.BACKBONE", "GRAM-Test-Tiny", "MODEL.DEVICE", "cpu", "META.STEPS", "2", "META.CHECKPOINT_EVERY",
-              "2", "META.META_BATCH", "1", "TASKS.K_WAY", "3", "TASKS.N_SUPPORT", "2", "TASKS.N_QUERY", "2",
-              "META.VAL_TASKS", "0", "META.PROGRESS", "False", "META.TENSORBOARD", "False", "META.FEATURE_CHECK", "2"],
+    "cluster": [
+        "MODEL.BACKBONE",
+        "GRAM-Test-Tiny",
+        "MODEL.DEVICE",
+        "cpu",
+        "CHC.TOPICS.MIN_CLUSTER_SIZE",
+        "30",
+        "CHC.TOPICS.PLOT_POINTS",
+        "300",
+        "CHC.DOMAINS.MIN_PER_DOMAIN",
+        "5",
+        "CHC.TEXT.BATCH_SIZE",
+        "64",
+        "CHC.IMAGES.BATCH_SIZE",
+        "64",
+    ],
+    "train": [
+        "MODEL.BACKBONE",
+        "GRAM-Test-Tiny",
+        "MODEL.DEVICE",
+        "cpu",
+        "META.STEPS",
+        "2",
+        "META.CHECKPOINT_EVERY",
+        "2",
+        "META.META_BATCH",
+        "1",
+        "TASKS.K_WAY",
+        "3",
+        "TASKS.N_SUPPORT",
+        "2",
+        "TASKS.N_QUERY",
+        "2",
+        "META.VAL_TASKS",
+        "0",
+        "META.PROGRESS",
+        "False",
+        "META.TENSORBOARD",
+        "False",
+        "META.FEATURE_CHECK",
+        "2",
+    ],
     "export": [],
 }
 
 
 def block_after(heading: str) -> list[str]:
     """Lines of the first fenced code block after ``heading`` in the README."""
-    part = README[README.index(heading):]
+    part = README[README.index(heading) :]
     body = re.search(r"```(?:bash|python)?\n(.*?)```", part, re.S)
     assert body, f"no code block after {heading!r}"
     return [ln for ln in body.group(1).splitlines() if ln.strip()]
@@ -43,8 +80,11 @@ def block_after(heading: str) -> list[str]:
 def test_readme_meta_training_commands_chain(tmp_path):
     lines = block_after("## Meta-training from image-text pairs")
     commands = [shlex.split(ln, comments=True) for ln in lines]
-    assert [c[:4] for c in commands] == [["python", "-m", "meta", "cluster"], ["python", "-m", "meta", "train"],
-                                         ["python", "-m", "meta", "export"]]
+    assert [c[:4] for c in commands] == [
+        ["python", "-m", "meta", "cluster"],
+        ["python", "-m", "meta", "train"],
+        ["python", "-m", "meta", "export"],
+    ]
     shards = commands[0][commands[0].index("CHC.INPUT.SHARDS") + 1]
     assert shards == "['cc3m/*.tar']"
     write_synthetic_shards(tmp_path / "cc3m", n_pairs=600, n_shards=2, seed=0)
@@ -88,11 +128,13 @@ def test_readme_core_in_five_lines_runs(tiny_clip):
 
 def test_import_meta_is_lazy_and_exports_the_core():
     """``import meta`` loads no torch; each public name resolves to the object of its defining module."""
-    code = ("import sys, meta; assert 'torch' not in sys.modules, 'torch imported'; "
-            "import importlib; bad = [n for n, m in meta._EXPORTS.items() "
-            "if getattr(meta, n) is not getattr(importlib.import_module(m), n)]; assert not bad, bad; "
-            "assert sorted(meta.__all__) == sorted([*meta._EXPORTS, '__version__']), 'meta.__all__'; "
-            "print(len(meta._EXPORTS))")
+    code = (
+        "import sys, meta; assert 'torch' not in sys.modules, 'torch imported'; "
+        "import importlib; bad = [n for n, m in meta._EXPORTS.items() "
+        "if getattr(meta, n) is not getattr(importlib.import_module(m), n)]; assert not bad, bad; "
+        "assert sorted(meta.__all__) == sorted([*meta._EXPORTS, '__version__']), 'meta.__all__'; "
+        "print(len(meta._EXPORTS))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert int(proc.stdout.split()[-1]) >= 15

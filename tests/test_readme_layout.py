@@ -34,8 +34,11 @@ def _top_level_names(package: str) -> list[str]:
 
 def _unnamed(row: str, package: str) -> list[str]:
     """Top-level modules of ``package`` that the layout ``row`` does not name (as `name.py` or `name`)."""
-    return [name for name in _top_level_names(package)
-            if f"`{name}`" not in row and f"`{name.removesuffix('.py')}`" not in row]
+    return [
+        name
+        for name in _top_level_names(package)
+        if f"`{name}`" not in row and f"`{name.removesuffix('.py')}`" not in row
+    ]
 
 
 @pytest.mark.parametrize("package", PACKAGES)

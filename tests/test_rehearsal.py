@@ -1,4 +1,5 @@
 """gram_tools.rehearsal: the user's whole path as subprocesses, checked on the CPU with the tiny CLIP."""
+
 import importlib.util
 import json
 import subprocess
@@ -16,10 +17,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_epoch_seconds_reads_the_last_epochs_mean_batch_time():
-    log = ("epoch [1/2] batch [20/40] time 0.500 (0.600) data 0.01 (0.02) loss 1.0\n"
-           "epoch [1/2] batch [40/40] time 0.400 (0.550) data 0.01 (0.02) loss 0.9\n"
-           "epoch [2/2] batch [20/40] time 0.300 (0.250) data 0.01 (0.02) loss 0.8\n"
-           "epoch [2/2] batch [40/40] time 0.200 (0.225) data 0.01 (0.02) loss 0.7\nElapsed: 0:00:31\n")
+    log = (
+        "epoch [1/2] batch [20/40] time 0.500 (0.600) data 0.01 (0.02) loss 1.0\n"
+        "epoch [1/2] batch [40/40] time 0.400 (0.550) data 0.01 (0.02) loss 0.9\n"
+        "epoch [2/2] batch [20/40] time 0.300 (0.250) data 0.01 (0.02) loss 0.8\n"
+        "epoch [2/2] batch [40/40] time 0.200 (0.225) data 0.01 (0.02) loss 0.7\nElapsed: 0:00:31\n"
+    )
     assert rehearsal.epoch_seconds(log) == {"epoch_s": 9.0, "batch_s": 0.225, "batches": 40}
     assert rehearsal.epoch_seconds("no batch lines") is None
 
@@ -44,15 +47,26 @@ def test_synthetic_slices_and_dtd_layout(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_without_cuda_the_real_size_rehearsal_stops_with_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "gram_tools.rehearsal", "--out", str(tmp_path / "r")], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gram_tools.rehearsal", "--out", str(tmp_path / "r")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: gram_tools.rehearsal: CUDA is not available on this machine (use --cpu-smoke for the CPU "
-        "plumbing check)"]
+        "plumbing check)"
+    ]
     assert not (tmp_path / "r").exists()
-    script = subprocess.run(["bash", str(REPO / "scripts/gpu_rehearsal.sh"), str(tmp_path / "s")], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=120)
+    script = subprocess.run(
+        ["bash", str(REPO / "scripts/gpu_rehearsal.sh"), str(tmp_path / "s")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert script.returncode == 2 and len(script.stderr.strip().splitlines()) == 1
     assert "CUDA is not available" in script.stderr
 
@@ -63,17 +77,33 @@ def test_without_cuda_the_real_size_rehearsal_stops_with_one_line(tmp_path):
 def test_cpu_smoke_rehearsal_runs_every_stage(tmp_path):
     """--cpu-smoke: corpus -> cluster -> train x2 -> export x2 -> base2new x4 -> parse, one JSON of it all."""
     out = tmp_path / "rehearsal"
-    proc = subprocess.run([sys.executable, "-m", "gram_tools.rehearsal", "--cpu-smoke", "--out", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gram_tools.rehearsal", "--cpu-smoke", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads((out / "rehearsal.json").read_text())
-    stages = ["data", "cluster", "train_coop", "export_coop", "train_unigram", "export_unigram", "fewshot_coop",
-              "fewshot_gram_coop", "fewshot_joint", "fewshot_unigram", "parse"]
+    stages = [
+        "data",
+        "cluster",
+        "train_coop",
+        "export_coop",
+        "train_unigram",
+        "export_unigram",
+        "fewshot_coop",
+        "fewshot_gram_coop",
+        "fewshot_joint",
+        "fewshot_unigram",
+        "parse",
+    ]
     assert list(result["stages"]) == stages
     for name, stage in result["stages"].items():
         assert stage["wall_s"] > 0 and stage["peak_gpu_mib"] is None, name
         if name != "data":
-            assert stage["peak_rss_mib"] > 50, name   # a Python process with torch loaded
+            assert stage["peak_rss_mib"] > 50, name  # a Python process with torch loaded
     assert result["total_s"] >= sum(s["wall_s"] for s in result["stages"].values()) - 1.0
     for method in rehearsal.FEWSHOT:
         epoch = result["fewshot_epoch"][method]
@@ -81,7 +111,9 @@ def test_cpu_smoke_rehearsal_runs_every_stage(tmp_path):
     for key, (num, den) in rehearsal.RATIOS.items():
         expected = result["fewshot_epoch"][num]["epoch_s"] / result["fewshot_epoch"][den]["epoch_s"]
         assert result["epoch_time_ratio"][key] == pytest.approx(expected, rel=1e-2), key
-    assert (out / "meta/coop/gram_init.safetensors").is_file() and (out / "meta/unigram/gram_init.safetensors").is_file()
+    assert (out / "meta/coop/gram_init.safetensors").is_file() and (
+        out / "meta/unigram/gram_init.safetensors"
+    ).is_file()
     assert any(name.endswith(".csv") for name in result["tables"])
     # the GRAM rows started from the exports (run_methods passes INIT as TRAINER.GRAM.INIT)
     log = (out / "output/base2new/train_base/dtd/shots_2/gram_coop/seed1/log.txt").read_text()

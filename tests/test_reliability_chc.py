@@ -1,6 +1,7 @@
 """Hostile-but-realistic CHC inputs, built on the fly: repeated shard keys, images of every Pillow mode,
 manifests naming FIFOs / devices / deeply nested JSON, images repaired in place, bad settings and CHC
 outputs damaged after they were written.  Each case failed before the rule it tests existed."""
+
 import io
 import json
 import os
@@ -10,9 +11,9 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
+from helpers_chc import add_member, png_bytes, write_shard
 from PIL import Image
 
-from helpers_chc import add_member, png_bytes, write_shard
 from meta.chc.imaging import decode_image_why
 from meta.chc.sources import KIND_FILE, PairIndex, build_index, scan_manifest, scan_tar
 
@@ -22,6 +23,7 @@ RED, BLUE, GREEN = (220, 20, 20), (20, 20, 220), (20, 200, 20)
 @contextmanager
 def deadline(seconds: int):
     """Fail (instead of hanging) when the body blocks, e.g. on opening a FIFO."""
+
     def _raise(signum, frame):
         raise TimeoutError(f"blocked for more than {seconds} s")
 
@@ -46,19 +48,30 @@ def _colour_at(path, offset: int, size: int) -> tuple:
 def test_repeated_key_keeps_the_first_complete_pair_and_counts_the_rest(tmp_path):
     path = tmp_path / "dup.tar"
     with tarfile.open(path, "w") as tar:
-        for name, data in (("dup.png", png_bytes(RED)), ("dup.txt", b"first red square"),
-                           ("dup.png", png_bytes(BLUE)), ("dup.txt", b"second blue square"),
-                           ("solo.png", png_bytes(GREEN)), ("solo.txt", b"a green square")):
+        for name, data in (
+            ("dup.png", png_bytes(RED)),
+            ("dup.txt", b"first red square"),
+            ("dup.png", png_bytes(BLUE)),
+            ("dup.txt", b"second blue square"),
+            ("solo.png", png_bytes(GREEN)),
+            ("solo.txt", b"a green square"),
+        ):
             add_member(tar, name, data)
     counts, issues = {}, []
     records = scan_tar(str(path), counts, issues)
     by_key = {r[0]: r for r in records}
     assert sorted(by_key) == ["dup", "solo"]
     _, off, size, caption, _ = by_key["dup"]
-    assert caption == "first red square" and _colour_at(path, off, size) == RED    # never a mixed pair
+    assert caption == "first red square" and _colour_at(path, off, size) == RED  # never a mixed pair
     assert counts["skipped_duplicate_key"] == 1 and counts["pairs_seen"] == 3
-    assert issues == [{"source": str(path), "problem": "key repeated in the shard (the first complete pair kept, "
-                       "the other member groups skipped)", "rows": 1, "keys": ["dup"]}]
+    assert issues == [
+        {
+            "source": str(path),
+            "problem": "key repeated in the shard (the first complete pair kept, the other member groups skipped)",
+            "rows": 1,
+            "keys": ["dup"],
+        }
+    ]
     from meta.chc.report import _issue_line, skipped_input_rows
 
     rows = skipped_input_rows(counts, issues, {}, 500)
@@ -68,9 +81,13 @@ def test_repeated_key_keeps_the_first_complete_pair_and_counts_the_rest(tmp_path
 
 def test_repeated_key_whose_first_group_has_no_caption_pairs_the_complete_one(tmp_path):
     path = tmp_path / "dup.tar"
-    with tarfile.open(path, "w") as tar:          # an image without caption, then a complete pair
-        for name, data in (("k.png", png_bytes(RED)), ("k.png", png_bytes(BLUE)), ("k.txt", b"a blue square"),
-                           ("k.png", png_bytes(GREEN))):
+    with tarfile.open(path, "w") as tar:  # an image without caption, then a complete pair
+        for name, data in (
+            ("k.png", png_bytes(RED)),
+            ("k.png", png_bytes(BLUE)),
+            ("k.txt", b"a blue square"),
+            ("k.png", png_bytes(GREEN)),
+        ):
             add_member(tar, name, data)
     counts = {}
     (record,) = scan_tar(str(path), counts)
@@ -80,9 +97,13 @@ def test_repeated_key_whose_first_group_has_no_caption_pairs_the_complete_one(tm
 
 def test_interleaved_members_of_different_keys_still_pair(tmp_path):
     path = tmp_path / "mixed.tar"
-    with tarfile.open(path, "w") as tar:          # not contiguous, but no key repeats a kind: two pairs
-        for name, data in (("a.png", png_bytes(RED)), ("b.png", png_bytes(BLUE)), ("a.txt", b"red"),
-                           ("b.txt", b"blue")):
+    with tarfile.open(path, "w") as tar:  # not contiguous, but no key repeats a kind: two pairs
+        for name, data in (
+            ("a.png", png_bytes(RED)),
+            ("b.png", png_bytes(BLUE)),
+            ("a.txt", b"red"),
+            ("b.txt", b"blue"),
+        ):
             add_member(tar, name, data)
     counts = {}
     recs = {r[0]: r for r in scan_tar(str(path), counts)}
@@ -106,13 +127,13 @@ def _decoded(data: bytes) -> np.ndarray:
 
 
 def test_sixteen_bit_greyscale_png_keeps_its_ramp():
-    ramp = np.linspace(0, 65535, 256).round().astype(np.uint16)[None].repeat(4, 0)      # [4, 256]
+    ramp = np.linspace(0, 65535, 256).round().astype(np.uint16)[None].repeat(4, 0)  # [4, 256]
     data = _encode(Image.fromarray(ramp))
     assert Image.open(io.BytesIO(data)).mode == "I;16"
     px = _decoded(data)
     expected = (ramp.astype(np.int64) * 255 + 32767) // 65535
     assert np.array_equal(px[..., 0], expected) and np.array_equal(px[..., 1], px[..., 2])
-    assert px[0, 0, 0] == 0 and px[0, -1, 0] == 255 and abs(px.mean() - 127.5) < 0.6    # was 254.99 (white)
+    assert px[0, 0, 0] == 0 and px[0, -1, 0] == 255 and abs(px.mean() - 127.5) < 0.6  # was 254.99 (white)
 
 
 @pytest.mark.parametrize("mode", ["I;16B", "I"])
@@ -130,16 +151,16 @@ def test_float_image_in_unit_range_and_in_byte_range():
     from meta.image_decode import to_rgb8
 
     unit = Image.fromarray(np.array([[0.0, 0.25, 1.0, np.nan]], dtype=np.float32), mode="F")
-    assert np.asarray(to_rgb8(unit))[0, :, 0].tolist() == [0, 64, 255, 0]                # was 0, 0, 1, 0
+    assert np.asarray(to_rgb8(unit))[0, :, 0].tolist() == [0, 64, 255, 0]  # was 0, 0, 1, 0
     byte = Image.fromarray(np.array([[0.0, 17.0, 200.0, 300.0]], dtype=np.float32), mode="F")
     assert np.asarray(to_rgb8(byte))[0, :, 0].tolist() == [0, 17, 200, 255]
 
 
 def test_alpha_is_composited_over_white():
     rgba = np.zeros((1, 3, 4), dtype=np.uint8)
-    rgba[0, 0] = (200, 10, 10, 255)          # opaque red
-    rgba[0, 1] = (0, 0, 0, 0)                # fully transparent black: shown white
-    rgba[0, 2] = (0, 0, 0, 128)              # half-transparent black: grey
+    rgba[0, 0] = (200, 10, 10, 255)  # opaque red
+    rgba[0, 1] = (0, 0, 0, 0)  # fully transparent black: shown white
+    rgba[0, 2] = (0, 0, 0, 128)  # half-transparent black: grey
     px = _decoded(_encode(Image.fromarray(rgba, "RGBA")))
     assert px[0, 0].tolist() == [200, 10, 10] and px[0, 1].tolist() == [255, 255, 255]
     assert np.all(np.abs(px[0, 2] - 127) <= 1)
@@ -175,8 +196,14 @@ def test_evaluation_loader_decodes_by_mode_too(tmp_path):
 def test_deeply_nested_jsonl_line_is_an_invalid_row(tmp_path):
     (tmp_path / "a.png").write_bytes(png_bytes())
     deep = "[" * 200_000 + "]" * 200_000
-    (tmp_path / "m.jsonl").write_text(json.dumps({"image": "a.png", "caption": "one red square"}) + "\n" + deep
-                                      + "\n" + json.dumps({"image": "a.png", "caption": "another red square"}) + "\n")
+    (tmp_path / "m.jsonl").write_text(
+        json.dumps({"image": "a.png", "caption": "one red square"})
+        + "\n"
+        + deep
+        + "\n"
+        + json.dumps({"image": "a.png", "caption": "another red square"})
+        + "\n"
+    )
     counts, issues = {}, []
     recs = scan_manifest(str(tmp_path / "m.jsonl"), "image", "caption", "", counts, issues)
     assert [r[2] for r in recs] == ["one red square", "another red square"]
@@ -189,8 +216,15 @@ def test_manifest_rows_naming_special_files_are_skipped_and_never_opened(tmp_pat
     os.mkfifo(tmp_path / "fifo.png")
     (tmp_path / "folder.png").mkdir()
     os.symlink("/dev/zero", tmp_path / "zero.png")
-    rows = ["image,caption", "a.png,a red square", "fifo.png,a pipe", "/dev/zero,endless zeros",
-            "zero.png,a link to a device", "folder.png,a folder", "missing.png,no file yet"]
+    rows = [
+        "image,caption",
+        "a.png,a red square",
+        "fifo.png,a pipe",
+        "/dev/zero,endless zeros",
+        "zero.png,a link to a device",
+        "folder.png,a folder",
+        "missing.png,no file yet",
+    ]
     (tmp_path / "m.csv").write_text("\n".join(rows) + "\n")
     with deadline(20):
         index = build_index(manifest=str(tmp_path / "m.csv"), show_progress=False)
@@ -210,10 +244,17 @@ def test_reading_a_path_replaced_by_a_fifo_or_device_after_indexing(tmp_path):
     """The index said regular file; by the time the images are read it is a FIFO or a device."""
     os.mkfifo(tmp_path / "fifo.png")
     paths = [str(tmp_path / "fifo.png"), "/dev/zero"]
-    index = PairIndex(sources=["m.csv"], source_kind=np.array([KIND_FILE], dtype=np.int8),
-                      item_source=np.zeros(2, dtype=np.int32), item_offset=np.full(2, -1, dtype=np.int64),
-                      item_size=np.full(2, -1, dtype=np.int64), item_key=["0", "1"], item_path=paths,
-                      captions=["x", "y"], meta_json=["", ""])
+    index = PairIndex(
+        sources=["m.csv"],
+        source_kind=np.array([KIND_FILE], dtype=np.int8),
+        item_source=np.zeros(2, dtype=np.int32),
+        item_offset=np.full(2, -1, dtype=np.int64),
+        item_size=np.full(2, -1, dtype=np.int64),
+        item_key=["0", "1"],
+        item_path=paths,
+        captions=["x", "y"],
+        meta_json=["", ""],
+    )
     reasons: list = []
     with deadline(20):
         assert index.read_image_bytes([0, 1], reasons) == [None, None]
@@ -257,18 +298,18 @@ def test_images_repaired_in_place_are_read_again(tmp_path):
     for i in range(12):
         (img / f"{i}.png").write_bytes(png_bytes((i * 20, 60, 90)))
     for i in (3, 7):
-        (img / f"{i}.png").write_bytes(b"not a png")                       # corrupt
+        (img / f"{i}.png").write_bytes(b"not a png")  # corrupt
     (tmp_path / "m.csv").write_text("image,caption\n" + "".join(f"img/{i}.png,square {i}\n" for i in range(12)))
     cfg = _cfg(tmp_path, **{"INPUT.MANIFEST": str(tmp_path / "m.csv")})
     fp1, ok = _features(cfg)
     assert np.flatnonzero(~ok).tolist() == [3, 7]
-    fp_again, ok_again = _features(cfg)                                        # nothing changed: cached
+    fp_again, ok_again = _features(cfg)  # nothing changed: cached
     assert fp_again == fp1 and np.array_equal(ok_again, ok)
     for i in (3, 7):
-        (img / f"{i}.png").write_bytes(png_bytes((i * 20, 60, 90)))          # repaired in place
+        (img / f"{i}.png").write_bytes(png_bytes((i * 20, 60, 90)))  # repaired in place
     fp2, ok = _features(cfg)
     assert fp2 != fp1 and ok.all()
-    os.remove(img / "5.png")                                                  # and a file that goes away
+    os.remove(img / "5.png")  # and a file that goes away
     fp3, ok = _features(cfg)
     assert fp3 != fp2 and np.flatnonzero(~ok).tolist() == [5]
 
@@ -307,29 +348,41 @@ def test_shard_only_index_fingerprint_is_unchanged(tmp_path):
 def _cli(tmp_path, *opts):
     from meta.chc.cli import main
 
-    return main(["--no-progress", "MODEL.BACKBONE", "GRAM-Test-Tiny", "MODEL.DEVICE", "cpu",
-                 "CHC.OUTPUT_DIR", str(tmp_path / "out"), *opts])
+    return main(
+        [
+            "--no-progress",
+            "MODEL.BACKBONE",
+            "GRAM-Test-Tiny",
+            "MODEL.DEVICE",
+            "cpu",
+            "CHC.OUTPUT_DIR",
+            str(tmp_path / "out"),
+            *opts,
+        ]
+    )
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("CHC.IMAGES.BATCH_SIZE", "0", "expected an integer >= 1, got 0"),                 # was: range() arg 3 ...
-    ("CHC.TEXT.CHUNK_SIZE", "-5", "expected an integer >= 1, got -5"),                # was: negative dimensions
-    ("CHC.TOPICS.MIN_CLUSTER_SIZE", "1", "expected an integer >= 2, got 1"),          # was: hdbscan, after 34 s
-    ("CHC.OUTPUT_DIR", "", "expected a folder path, got '' (an empty path would write into the current folder)"),
-    ("CHC.INPUT.MAX_UNREADABLE_FRACTION", "1.5", "expected a finite number in [0.0, 1.0], got 1.5"),
-    ("CHC.FILTER.MODE", "'median'", "expected one of none|threshold|quantile, got 'median'"),
-    ("CHC.FILTER.TEMPLATE", "'a photo'", "expected text with one '{}' for the caption, got 'a photo'"),
-    ("CHC.TOPICS.FIT_SAMPLE", "10", "expected >= CHC.TOPICS.MIN_CLUSTER_SIZE (20), got 10"),
-    ("CHC.DOMAINS.NUM", "0", "expected an integer >= 1, got 0"),
-])
-def test_bad_setting_is_one_line_naming_the_key_before_any_work(tmp_path, capsys, monkeypatch, key, value,
-                                                                message):
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("CHC.IMAGES.BATCH_SIZE", "0", "expected an integer >= 1, got 0"),  # was: range() arg 3 ...
+        ("CHC.TEXT.CHUNK_SIZE", "-5", "expected an integer >= 1, got -5"),  # was: negative dimensions
+        ("CHC.TOPICS.MIN_CLUSTER_SIZE", "1", "expected an integer >= 2, got 1"),  # was: hdbscan, after 34 s
+        ("CHC.OUTPUT_DIR", "", "expected a folder path, got '' (an empty path would write into the current folder)"),
+        ("CHC.INPUT.MAX_UNREADABLE_FRACTION", "1.5", "expected a finite number in [0.0, 1.0], got 1.5"),
+        ("CHC.FILTER.MODE", "'median'", "expected one of none|threshold|quantile, got 'median'"),
+        ("CHC.FILTER.TEMPLATE", "'a photo'", "expected text with one '{}' for the caption, got 'a photo'"),
+        ("CHC.TOPICS.FIT_SAMPLE", "10", "expected >= CHC.TOPICS.MIN_CLUSTER_SIZE (20), got 10"),
+        ("CHC.DOMAINS.NUM", "0", "expected an integer >= 1, got 0"),
+    ],
+)
+def test_bad_setting_is_one_line_naming_the_key_before_any_work(tmp_path, capsys, monkeypatch, key, value, message):
     (tmp_path / "m.csv").write_text("image,caption\na.png,a red square\n")
-    monkeypatch.chdir(tmp_path)                 # where CHC.OUTPUT_DIR '' used to write
+    monkeypatch.chdir(tmp_path)  # where CHC.OUTPUT_DIR '' used to write
     code = _cli(tmp_path, "CHC.INPUT.MANIFEST", str(tmp_path / "m.csv"), key, value)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err == [f"error: {key}: {message}"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.csv"]          # nothing written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.csv"]  # nothing written
 
 
 def test_every_numeric_chc_key_has_a_range():
@@ -345,9 +398,10 @@ def test_every_numeric_chc_key_has_a_range():
                 walk(v, f"{prefix}{k}.")
             elif isinstance(v, (int, float)) and not isinstance(v, bool):
                 numeric.append(f"{prefix}{k}")
+
     walk(cfg.CHC, "")
     assert numeric and sorted(numeric) == sorted([*INT_RANGES, *REAL_RANGES])
-    check_chc_cfg(cfg)                                         # the defaults pass
+    check_chc_cfg(cfg)  # the defaults pass
     cfg.CHC.IMAGES.CACHE_MAX_GB = float("nan")
     with pytest.raises(ValueError, match=r"^CHC.IMAGES.CACHE_MAX_GB: expected a finite number >= 0.0, got nan"):
         check_chc_cfg(cfg)
@@ -410,23 +464,24 @@ def test_garbled_or_cut_outputs_name_the_file_and_what_was_expected(finished_out
     assert h.topic_names == ["square"] and h.image_features.shape == (3, 8) and h.images([0]).shape == (1, 16, 16, 3)
     feats = out / "image_features" / "image_features.npy"
     good = feats.read_bytes()
-    feats.write_bytes(good[:-40])                                           # cut short
+    feats.write_bytes(good[:-40])  # cut short
     (line,) = _one_line_error(lambda: load_hierarchy(out))
     assert line.startswith(f"error: {feats}: truncated or not a .npy array (")
     assert f"expected float32 [3, D] CLIP image features; delete {out / 'image_features.done.json'} and rerun" in line
-    np.save(feats, np.zeros((2, 8), dtype=np.float32))                      # wrong shape
+    np.save(feats, np.zeros((2, 8), dtype=np.float32))  # wrong shape
     (line,) = _one_line_error(lambda: load_hierarchy(out))
     assert line.startswith(f"error: {feats}: holds shape (2, 8), 2 rows, not 3; expected float32 [3, D]")
     feats.write_bytes(good)
     head = out / "hierarchy.json"
-    head.write_text('{"topic_names": ["square"], "meta": ')                  # garbled
+    head.write_text('{"topic_names": ["square"], "meta": ')  # garbled
     (line,) = _one_line_error(lambda: load_hierarchy(out))
-    assert line.startswith(f"error: {head}: not valid JSON (Expecting value: line 1 column 37); expected a JSON "
-                           "object with 'topic_names'")
-    head.write_text(json.dumps(["square"]))                                  # valid JSON, wrong content
+    assert line.startswith(
+        f"error: {head}: not valid JSON (Expecting value: line 1 column 37); expected a JSON object with 'topic_names'"
+    )
+    head.write_text(json.dumps(["square"]))  # valid JSON, wrong content
     (line,) = _one_line_error(lambda: load_hierarchy(out))
     assert line.startswith(f"error: {head}: does not hold a JSON object with 'topic_names'")
     head.write_text(json.dumps({"topic_names": ["square"], "meta": {"image_size": 16}}))
-    (out / "index" / "items.jsonl").write_text('["0000", "", "a red square", ""]\n')   # 1 pair, not 3
+    (out / "index" / "items.jsonl").write_text('["0000", "", "a red square", ""]\n')  # 1 pair, not 3
     (line,) = _one_line_error(lambda: load_hierarchy(out))
     assert line.startswith(f"error: {out / 'index'}: items.jsonl holds 1 pairs, items.npz 3")

@@ -1,6 +1,7 @@
 """Hostile-but-realistic inputs to meta-training, the planner, the init/checkpoint readers and the demo's
 workers, built on the fly: each is refused in one line naming its key or file before any work, or (workers,
 partial world folders) cleaned up after a killed parent."""
+
 from __future__ import annotations
 
 import io
@@ -21,14 +22,36 @@ import pytest
 import torch
 
 from meta.chc.hierarchy import Hierarchy
-from meta.metatrain import build_cfg, main
-from meta.metatrain import settings
+from meta.metatrain import build_cfg, main, settings
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "GRAM-Test-Tiny"
-BASE = ["MODEL.BACKBONE", MODEL, "MODEL.DEVICE", "cpu", "META.STEPS", "2", "META.META_BATCH", "2",
-        "TASKS.K_WAY", "3", "TASKS.N_SUPPORT", "2", "TASKS.N_QUERY", "3", "TASKS.VAL_FRACTION", "0.25",
-        "META.VAL_TASKS", "2", "META.PROGRESS", "False", "META.TENSORBOARD", "False", "META.FEATURE_CHECK", "0"]
+BASE = [
+    "MODEL.BACKBONE",
+    MODEL,
+    "MODEL.DEVICE",
+    "cpu",
+    "META.STEPS",
+    "2",
+    "META.META_BATCH",
+    "2",
+    "TASKS.K_WAY",
+    "3",
+    "TASKS.N_SUPPORT",
+    "2",
+    "TASKS.N_QUERY",
+    "3",
+    "TASKS.VAL_FRACTION",
+    "0.25",
+    "META.VAL_TASKS",
+    "2",
+    "META.PROGRESS",
+    "False",
+    "META.TENSORBOARD",
+    "False",
+    "META.FEATURE_CHECK",
+    "0",
+]
 
 
 def _one_error_line(capsys, argv) -> str:
@@ -43,21 +66,29 @@ def _hierarchy(n_topics=8, n_domains=3, per_domain=6, width=16, image_size=32) -
     topic = np.repeat(np.arange(n_topics), n_domains * per_domain)
     domain = np.tile(np.repeat(np.arange(n_domains), per_domain), n_topics)
     feats = np.random.default_rng(0).normal(size=(len(topic), width)).astype(np.float32)
-    return Hierarchy(topic_names=[f"topic{t}" for t in range(n_topics)], item_topic=topic, item_domain=domain,
-                     image_features=feats, meta={"backbone": MODEL, "image_size": image_size},
-                     image_loader=lambda idx: np.zeros((len(idx), image_size, image_size, 3), np.uint8))
+    return Hierarchy(
+        topic_names=[f"topic{t}" for t in range(n_topics)],
+        item_topic=topic,
+        item_domain=domain,
+        image_features=feats,
+        meta={"backbone": MODEL, "image_size": image_size},
+        image_loader=lambda idx: np.zeros((len(idx), image_size, image_size, 3), np.uint8),
+    )
 
 
 # ----------------------------------------------------------------------------- META / TASKS sizes (5)
-@pytest.mark.parametrize("key, value, expected", [
-    ("META.STEPS", "0", "an integer >= 1"),
-    ("META.META_BATCH", "1000000000000", "at most"),
-    ("META.VAL_TASKS", "1000000000000", "at most"),
-    ("META.PRETRAIN.BATCH_SIZE", "1000000000000000", "at most"),
-    ("TASKS.N_QUERY", "1000000000000", "at most"),
-    ("OUTPUT_DIR", "", "a folder path"),
-    ("META.PROMPT.N_CTX_TEXT", "100", "at most 72 context tokens"),
-])
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [
+        ("META.STEPS", "0", "an integer >= 1"),
+        ("META.META_BATCH", "1000000000000", "at most"),
+        ("META.VAL_TASKS", "1000000000000", "at most"),
+        ("META.PRETRAIN.BATCH_SIZE", "1000000000000000", "at most"),
+        ("TASKS.N_QUERY", "1000000000000", "at most"),
+        ("OUTPUT_DIR", "", "a folder path"),
+        ("META.PROMPT.N_CTX_TEXT", "100", "at most 72 context tokens"),
+    ],
+)
 def test_sizes_that_cannot_work_are_refused_before_any_work(tmp_path, capsys, monkeypatch, key, value, expected):
     # no hierarchy exists at the default CHC.OUTPUT_DIR: a refusal that names the key comes from the config alone
     monkeypatch.chdir(tmp_path)
@@ -71,20 +102,19 @@ def test_sizes_that_cannot_work_are_refused_before_any_work(tmp_path, capsys, mo
     got = repr(value) if key == "OUTPUT_DIR" else value
     assert expected in msg and msg.endswith(f"got {got}"), msg
     assert time.perf_counter() - t0 < 30
-    assert sorted(os.listdir(tmp_path)) == []   # nothing written: no run folder, nothing in the current folder
+    assert sorted(os.listdir(tmp_path)) == []  # nothing written: no run folder, nothing in the current folder
 
 
 def test_a_120_word_ctx_init_is_one_line_naming_the_key(tmp_path, capsys):
     words = " ".join(["photo"] * 120)
-    msg = _one_error_line(capsys, ["train", "--output-dir", str(tmp_path / "r"), *BASE,
-                                   "META.PROMPT.CTX_INIT", words])
+    msg = _one_error_line(capsys, ["train", "--output-dir", str(tmp_path / "r"), *BASE, "META.PROMPT.CTX_INIT", words])
     # CLIP's 77-token context: start + context + class name + full stop + end -> at most 72 context tokens
     assert msg.startswith("error: META.PROMPT.CTX_INIT: expected at most 72 BPE tokens"), msg
     assert msg.endswith("got 120 tokens ('photo photo photo photo photo photo p...')"), msg
     settings.check_text_context(build_cfg(opts=["META.PROMPT.CTX_INIT", " ".join(["photo"] * 72)]))  # fits
     with pytest.raises(ValueError, match="at most 72 BPE tokens"):
         settings.check_text_context(build_cfg(opts=["META.PROMPT.CTX_INIT", " ".join(["photo"] * 73)]))
-    with pytest.raises(ValueError, match="at most 12 context tokens"):   # a model with a 17-token context
+    with pytest.raises(ValueError, match="at most 12 context tokens"):  # a model with a 17-token context
         settings.check_text_context(build_cfg(opts=["META.PROMPT.N_CTX_TEXT", "13"]), context_length=17)
 
 
@@ -96,8 +126,11 @@ def test_step_memory_limit_is_the_arithmetic_of_one_step(monkeypatch):
     ok = build_cfg(opts=BASE + ["META.META_BATCH", "873"], output_dir="x")
     settings.check_task_sizes(ok, h)
     bad = build_cfg(opts=BASE + ["META.META_BATCH", "874"], output_dir="x")
-    with pytest.raises(ValueError, match=r"^META\.META_BATCH: expected at most 873 tasks .* 16-d cached image "
-                                         r"feature .* got 874$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^META\.META_BATCH: expected at most 873 tasks .* 16-d cached image "
+        r"feature .* got 874$",
+    ):
         settings.check_task_sizes(bad, h)
     # visual prompts take 32 x 32 RGB pixels instead (3 * 32 * 32 * 4 + 16 bytes): 1 MiB / (15 * 12304) -> 5
     vis = ["META.PROMPT.N_CTX_VISION", "2"]
@@ -106,13 +139,17 @@ def test_step_memory_limit_is_the_arithmetic_of_one_step(monkeypatch):
         settings.check_task_sizes(build_cfg(opts=BASE + vis + ["META.META_BATCH", "6"], output_dir="x"), h)
 
 
-@pytest.mark.parametrize("opts, key, expected", [
-    (["TASKS.K_WAY", "7"], "TASKS.K_WAY", "at most 6: 6 training topics of the hierarchy's 8"),
-    (["TASKS.N_SUPPORT", "10", "TASKS.N_QUERY", "9"], "TASKS.N_QUERY", "N_SUPPORT + N_QUERY <= 18"),
-    (["TASKS.N_SUPPORT", "7", "TASKS.N_QUERY", "1"], "TASKS.N_SUPPORT", "at most 6 (TASKS.DOMAIN_SHIFT"),
-])
-def test_task_sizes_the_hierarchy_cannot_supply_are_refused_before_the_clip_is_built(tmp_path, monkeypatch, opts,
-                                                                                      key, expected):
+@pytest.mark.parametrize(
+    "opts, key, expected",
+    [
+        (["TASKS.K_WAY", "7"], "TASKS.K_WAY", "at most 6: 6 training topics of the hierarchy's 8"),
+        (["TASKS.N_SUPPORT", "10", "TASKS.N_QUERY", "9"], "TASKS.N_QUERY", "N_SUPPORT + N_QUERY <= 18"),
+        (["TASKS.N_SUPPORT", "7", "TASKS.N_QUERY", "1"], "TASKS.N_SUPPORT", "at most 6 (TASKS.DOMAIN_SHIFT"),
+    ],
+)
+def test_task_sizes_the_hierarchy_cannot_supply_are_refused_before_the_clip_is_built(
+    tmp_path, monkeypatch, opts, key, expected
+):
     from meta.metatrain import trainer
 
     def no_clip(*_a, **_k):
@@ -143,37 +180,48 @@ def _plan(capsys, *argv):
 
 def test_plan_runs_from_any_folder_with_the_checkout_figures(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "gram_tools.plan", "--config-file",
-                           str(ROOT / "configs/meta/train_unigram.yaml")], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gram_tools.plan", "--config-file", str(ROOT / "configs/meta/train_unigram.yaml")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert str(ROOT / "docs" / "realsize_cpu.json") in out["meta_training"]["task_peak_gib"]["how"]
-    assert "chc" in out   # docs/chc_growth_cpu.json found too
+    assert "chc" in out  # docs/chc_growth_cpu.json found too
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("flag, value, expected", [
-    ("--gpu-memory-gib", "nan", "a finite number > 0, got nan"),
-    ("--gpu-memory-gib", "inf", "a finite number > 0, got inf"),
-    ("--gpu-tflops", "nan", "a finite number > 0, got nan"),
-    ("--pairs", "-10", "a finite number of pairs >= 1, got -10"),
-    ("--pairs", "inf", "a finite number of pairs >= 1, got inf"),
-    ("--margin", "nan", "a fraction 0 <= margin < 1, got nan"),
-])
+@pytest.mark.parametrize(
+    "flag, value, expected",
+    [
+        ("--gpu-memory-gib", "nan", "a finite number > 0, got nan"),
+        ("--gpu-memory-gib", "inf", "a finite number > 0, got inf"),
+        ("--gpu-tflops", "nan", "a finite number > 0, got nan"),
+        ("--pairs", "-10", "a finite number of pairs >= 1, got -10"),
+        ("--pairs", "inf", "a finite number of pairs >= 1, got inf"),
+        ("--margin", "nan", "a fraction 0 <= margin < 1, got nan"),
+    ],
+)
 def test_plan_refuses_numbers_that_are_not_sizes(capsys, flag, value, expected):
     code, out, err = _plan(capsys, flag, value)
     assert code == 2 and out == "" and err == f"error: {flag}: expected {expected}"
 
 
-@pytest.mark.parametrize("which, content, expected", [
-    ("--gpu-figures", "[1, 2]", "expected a JSON object of figures, got a JSON list"),
-    ("--gpu-figures", '{"settings": [], "variants": {}}', "settings: expected a JSON object, got list"),
-    ("--figures", '"text"', "expected a JSON object of figures, got a JSON str"),
-    ("--figures", '{"fits": {"unigram": {"second": {"peak_mib": 3}}}}', "not the layout this planner reads"),
-    ("--chc-figures", '{"growth": {"text_embeddings": {"seconds_law": {"c": 1}}}}', "not the layout"),
-    ("--gpu-figures", "[" * 100000, "not a readable JSON file"),
-])
+@pytest.mark.parametrize(
+    "which, content, expected",
+    [
+        ("--gpu-figures", "[1, 2]", "expected a JSON object of figures, got a JSON list"),
+        ("--gpu-figures", '{"settings": [], "variants": {}}', "settings: expected a JSON object, got list"),
+        ("--figures", '"text"', "expected a JSON object of figures, got a JSON str"),
+        ("--figures", '{"fits": {"unigram": {"second": {"peak_mib": 3}}}}', "not the layout this planner reads"),
+        ("--chc-figures", '{"growth": {"text_embeddings": {"seconds_law": {"c": 1}}}}', "not the layout"),
+        ("--gpu-figures", "[" * 100000, "not a readable JSON file"),
+    ],
+)
 def test_plan_names_a_figures_file_of_the_wrong_layout(tmp_path, capsys, which, content, expected):
     bad = tmp_path / "bad.json"
     bad.write_text(content)
@@ -182,9 +230,17 @@ def test_plan_names_a_figures_file_of_the_wrong_layout(tmp_path, capsys, which, 
     assert err.startswith(f"error: {bad}") and expected in err and "\n" not in err, err
 
 
-@pytest.mark.parametrize("key, value", [("TASKS.N_SUPPORT", "0"), ("TASKS.K_WAY", "0"), ("TASKS.K_WAY", "1"),
-                                        ("META.STEPS", "0"), ("META.META_BATCH", "1000000000000"),
-                                        ("META.PROMPT.CTX_INIT", " ".join(["photo"] * 120))])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("TASKS.N_SUPPORT", "0"),
+        ("TASKS.K_WAY", "0"),
+        ("TASKS.K_WAY", "1"),
+        ("META.STEPS", "0"),
+        ("META.META_BATCH", "1000000000000"),
+        ("META.PROMPT.CTX_INIT", " ".join(["photo"] * 120)),
+    ],
+)
 def test_plan_refuses_what_train_refuses(capsys, key, value):
     code, out, err = _plan(capsys, key, value)
     cfg = build_cfg(str(ROOT / "configs/meta/train_unigram.yaml"), [key, value])
@@ -246,16 +302,17 @@ def test_load_checkpoint_refuses_deeply_nested_state_in_one_line(tmp_path):
     depth = 100000
     nested = pickle.EMPTY_LIST * depth + pickle.APPEND * (depth - 1)
     head = pickle.PROTO + bytes([2]) + pickle.EMPTY_DICT
-    for key, value in (("format", nested), ("config", nested)):   # a deep "format" or a deep field of a valid one
+    for key, value in (("format", nested), ("config", nested)):  # a deep "format" or a deep field of a valid one
         body = head + (_unicode("format") + _unicode(FORMAT) + pickle.SETITEM if key == "config" else b"")
-        path = _torch_zip_with_pickle(tmp_path / f"deep_{key}.pt", body + _unicode(key) + value + pickle.SETITEM
-                                      + pickle.STOP)
+        path = _torch_zip_with_pickle(
+            tmp_path / f"deep_{key}.pt", body + _unicode(key) + value + pickle.SETITEM + pickle.STOP
+        )
         blob = path.read_bytes()
         with pytest.raises(CheckpointError) as info:
             load_checkpoint(path)
         msg = str(info.value)
         assert msg.startswith(f"{path}: not a meta-training checkpoint (containers nested deeper than 64"), msg
-        assert "\n" not in msg and path.read_bytes() == blob   # left untouched
+        assert "\n" not in msg and path.read_bytes() == blob  # left untouched
 
 
 def test_run_log_and_run_info_readers_skip_or_name_hostile_lines(tmp_path):
@@ -263,13 +320,21 @@ def test_run_log_and_run_info_readers_skip_or_name_hostile_lines(tmp_path):
     from meta.metatrain.trainer import _read_run_info
 
     log = tmp_path / "log.jsonl"
-    log.write_text('{"kind": "train", "step": 1}\n' + _deep_json(100000) + "\n[1, 2]\n" + '{"step": "x"}\n'
-                   + '{"kind": "train", "step": 2}\n{"kind": "tr')
+    log.write_text(
+        '{"kind": "train", "step": 1}\n'
+        + _deep_json(100000)
+        + "\n[1, 2]\n"
+        + '{"step": "x"}\n'
+        + '{"kind": "train", "step": 2}\n{"kind": "tr'
+    )
     assert [r["step"] for r in read_log(log)] == [1, 2]
     assert truncate_log(log, 1) == 1 and [r["step"] for r in read_log(log)] == [1]
     info = tmp_path / "run.json"
-    for text, expected in ((_deep_json(100000), "JSON nested deeper than 64 levels"), ("[]", "expected a JSON object"),
-                           ("{", "not valid JSON")):
+    for text, expected in (
+        (_deep_json(100000), "JSON nested deeper than 64 levels"),
+        ("[]", "expected a JSON object"),
+        ("{", "not valid JSON"),
+    ):
         info.write_text(text)
         with pytest.raises(ValueError, match=re.escape(f"{info}: ") + ".*" + re.escape(expected)):
             _read_run_info(info)
@@ -289,15 +354,18 @@ def _running(pid: int) -> bool:
         return pid_alive(pid)
 
 
-@pytest.mark.slow   # three interpreters import torch (seconds each, a minute on a loaded 2-core machine)
+@pytest.mark.slow  # three interpreters import torch (seconds each, a minute on a loaded 2-core machine)
 def test_demo_pool_workers_die_with_a_killed_parent(tmp_path):
-    (tmp_path / "orphan_job.py").write_text(textwrap.dedent('''
+    (tmp_path / "orphan_job.py").write_text(
+        textwrap.dedent("""
         import os, time
         def work(folder):
             open(os.path.join(folder, f"worker-{os.getpid()}"), "w").close()
             time.sleep(300)
-    '''))
-    (tmp_path / "parent.py").write_text(textwrap.dedent(f'''
+    """)
+    )
+    (tmp_path / "parent.py").write_text(
+        textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(tmp_path)!r})
         import orphan_job
@@ -305,10 +373,12 @@ def test_demo_pool_workers_die_with_a_killed_parent(tmp_path):
         if __name__ == "__main__":
             run_with_progress(orphan_job.work, [{str(tmp_path)!r}] * 2, jobs=2, total=2, done=lambda: 0,
                               desc="orphans", unit="job")
-    '''))
+    """)
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "parent.py")], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, str(tmp_path / "parent.py")], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.time() + 180
         while len(list(tmp_path.glob("worker-*"))) < 2:
@@ -325,7 +395,7 @@ def test_demo_pool_workers_die_with_a_killed_parent(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    for pid in alive:   # clean up before failing
+    for pid in alive:  # clean up before failing
         os.kill(pid, signal.SIGKILL)
     assert alive == [], f"workers {alive} outlived their killed parent"
 
@@ -342,19 +412,26 @@ def test_world_build_removes_partial_folders_of_killed_builds_only(tmp_path):
     fcntl = pytest.importorskip("fcntl")
     from gram_world import build_world, world_settings
 
-    s = replace(world_settings(quick=True, seed=0), pretrain_size=40, chc_size=20, chc_shard_size=25,
-                labelled_per_class=1, val_per_class=1, test_per_class=1)
+    s = replace(
+        world_settings(quick=True, seed=0),
+        pretrain_size=40,
+        chc_size=20,
+        chc_shard_size=25,
+        labelled_per_class=1,
+        val_per_class=1,
+        test_per_class=1,
+    )
     name = s.checksum()
-    dead = tmp_path / f".{name}.partial-{_dead_pid()}-0badf00d"          # its build was killed
-    reused = tmp_path / f".{name}.partial-{os.getpid()}-0000abcd"       # a live id that holds no lock: reused
-    live = tmp_path / f".{name}.partial-{os.getpid()}-1111abcd"         # a live build, lock held
-    creating = tmp_path / f".{name}.partial-{os.getpid()}-2222abcd"     # a live build before its lock exists
-    other = tmp_path / f".{name}.partial-notours"                        # not this naming: left alone
+    dead = tmp_path / f".{name}.partial-{_dead_pid()}-0badf00d"  # its build was killed
+    reused = tmp_path / f".{name}.partial-{os.getpid()}-0000abcd"  # a live id that holds no lock: reused
+    live = tmp_path / f".{name}.partial-{os.getpid()}-1111abcd"  # a live build, lock held
+    creating = tmp_path / f".{name}.partial-{os.getpid()}-2222abcd"  # a live build before its lock exists
+    other = tmp_path / f".{name}.partial-notours"  # not this naming: left alone
     for folder in (dead, reused, live, creating, other):
         (folder / "pretrain").mkdir(parents=True)
         (folder / "pretrain" / "images.npy").write_bytes(b"x" * 1000)
     (reused / ".building").write_text("")
-    held = open(live / ".building", "w")   # what a live build holds (gram_world.lifeline.lock_partial)
+    held = open(live / ".building", "w")  # what a live build holds (gram_world.lifeline.lock_partial)
     fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
     try:
         world = build_world(root=tmp_path, settings=s, workers=1)
@@ -374,14 +451,21 @@ def test_support_and_query_sizes_that_only_fail_together_are_named():
     # N_QUERY 3 the largest totals (6) and the largest domains (4) each suffice, but no topic has both
     topic = np.concatenate([np.repeat(np.arange(4), 6), np.repeat(np.arange(4, 8), 4)])
     domain = np.concatenate([np.tile(np.repeat(np.arange(3), 2), 4), np.zeros(16, int)])
-    h = Hierarchy(topic_names=[f"t{i}" for i in range(8)], item_topic=topic, item_domain=domain,
-                  image_features=np.zeros((40, 4), np.float32), meta={"image_size": 32},
-                  image_loader=lambda idx: np.zeros((len(idx), 32, 32, 3), np.uint8))
+    h = Hierarchy(
+        topic_names=[f"t{i}" for i in range(8)],
+        item_topic=topic,
+        item_domain=domain,
+        image_features=np.zeros((40, 4), np.float32),
+        meta={"image_size": 32},
+        image_loader=lambda idx: np.zeros((len(idx), 32, 32, 3), np.uint8),
+    )
     opts = ["TASKS.K_WAY", "2", "TASKS.N_SUPPORT", "3", "TASKS.N_QUERY", "3", "TASKS.VAL_FRACTION", "0.0"]
     with pytest.raises(ValueError) as info:
         settings.check_task_sizes(build_cfg(opts=BASE + opts, output_dir="x"), h)
     msg = str(info.value)
-    assert msg.startswith("TASKS.N_SUPPORT: expected a support size that 2 training topics can supply together "
-                          "with N_QUERY 3 (TaskSampler: only 0 topics") and msg.endswith("got 3"), msg
+    assert msg.startswith(
+        "TASKS.N_SUPPORT: expected a support size that 2 training topics can supply together "
+        "with N_QUERY 3 (TaskSampler: only 0 topics"
+    ) and msg.endswith("got 3"), msg
     fits = ["TASKS.K_WAY", "2", "TASKS.N_SUPPORT", "2", "TASKS.N_QUERY", "2", "TASKS.VAL_FRACTION", "0.0"]
-    settings.check_task_sizes(build_cfg(opts=BASE + fits, output_dir="x"), h)   # 2 + 2: every topic can
+    settings.check_task_sizes(build_cfg(opts=BASE + fits, output_dir="x"), h)  # 2 + 2: every topic can

@@ -1,4 +1,5 @@
 """Dispatch logic of scripts/base2new.sh, xd.sh and xdomain.sh against a fake train.py (no Dassl)."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-FAKE_TRAIN = r'''
+FAKE_TRAIN = r"""
 import argparse, json, os, sys
 p = argparse.ArgumentParser()
 for a in ("--root", "--seed", "--trainer", "--dataset-config-file", "--config-file", "--output-dir",
@@ -38,7 +39,7 @@ if not args.eval_only:
     open(os.path.join(args.output_dir, "prompt_learner", "checkpoint"), "w").write(f"model.pth.tar-{ep}\n")
     log.write("Finish training\n")
 log.write(f"=> result\n* total: 10\n* accuracy: {acc}%\n")
-'''
+"""
 
 
 @pytest.fixture()
@@ -65,8 +66,9 @@ def env(tmp_path):
 
 def run(script, args, env, **extra):
     e = dict(env, **{k: str(v) for k, v in extra.items()})
-    return subprocess.run(["bash", str(REPO / "scripts" / script), *args], env=e, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        ["bash", str(REPO / "scripts" / script), *args], env=e, capture_output=True, text=True, timeout=120
+    )
 
 
 def calls(env):
@@ -84,16 +86,46 @@ def test_base2new_argument_lists(env):
     got = calls(env)
     assert [c["cwd"] for c in got] == [str(REPO)] * 4
     out, cfg = env["OUTPUT"], env["CONFIGS"]
-    common = ["--root", env["DATA"], "--seed", "1", "--trainer", "GRAM_CoOp",
-              "--dataset-config-file", f"{cfg}/datasets/dtd.yaml", "--config-file", f"{cfg}/trainers/gram_coop.yaml"]
+    common = [
+        "--root",
+        env["DATA"],
+        "--seed",
+        "1",
+        "--trainer",
+        "GRAM_CoOp",
+        "--dataset-config-file",
+        f"{cfg}/datasets/dtd.yaml",
+        "--config-file",
+        f"{cfg}/trainers/gram_coop.yaml",
+    ]
     train_dir = f"{out}/base2new/train_base/dtd/shots_16/gram_coop/seed1"
-    assert got[0]["argv"] == common + ["--output-dir", train_dir, "DATASET.NUM_SHOTS", "16",
-                                       "DATASET.SUBSAMPLE_CLASSES", "base", "OPTIM.MAX_EPOCH", "3",
-                                       "TRAINER.GRAM.N_CTX", "4"]
-    assert got[1]["argv"] == common + ["--output-dir", f"{out}/base2new/test_new/dtd/shots_16/gram_coop/seed1",
-                                       "--model-dir", train_dir, "--load-epoch", "3", "--eval-only",
-                                       "DATASET.NUM_SHOTS", "16", "DATASET.SUBSAMPLE_CLASSES", "new",
-                                       "TRAINER.GRAM.N_CTX", "4"]
+    assert got[0]["argv"] == common + [
+        "--output-dir",
+        train_dir,
+        "DATASET.NUM_SHOTS",
+        "16",
+        "DATASET.SUBSAMPLE_CLASSES",
+        "base",
+        "OPTIM.MAX_EPOCH",
+        "3",
+        "TRAINER.GRAM.N_CTX",
+        "4",
+    ]
+    assert got[1]["argv"] == common + [
+        "--output-dir",
+        f"{out}/base2new/test_new/dtd/shots_16/gram_coop/seed1",
+        "--model-dir",
+        train_dir,
+        "--load-epoch",
+        "3",
+        "--eval-only",
+        "DATASET.NUM_SHOTS",
+        "16",
+        "DATASET.SUBSAMPLE_CLASSES",
+        "new",
+        "TRAINER.GRAM.N_CTX",
+        "4",
+    ]
     assert got[2]["argv"][3] == "2" and got[3]["argv"][3] == "2"
     info = Path(train_dir, "gram_run.txt").read_text()
     assert "mode train" in info and "arg OPTIM.MAX_EPOCH" in info
@@ -176,8 +208,18 @@ def test_xd_then_xdomain_share_the_imagenet_model(env):
     assert train[train.index("--dataset-config-file") + 1].endswith("/datasets/imagenet.yaml")
     assert "DATASET.SUBSAMPLE_CLASSES" not in train and train[train.index("DATASET.NUM_SHOTS") + 1] == "16"
     targets = [Path(a[a.index("--dataset-config-file") + 1]).stem for a in got[1:]]
-    assert targets == ["caltech101", "oxford_pets", "stanford_cars", "oxford_flowers", "food101",
-                       "fgvc_aircraft", "sun397", "dtd", "eurosat", "ucf101"]
+    assert targets == [
+        "caltech101",
+        "oxford_pets",
+        "stanford_cars",
+        "oxford_flowers",
+        "food101",
+        "fgvc_aircraft",
+        "sun397",
+        "dtd",
+        "eurosat",
+        "ucf101",
+    ]
     for a in got[1:]:
         assert a[a.index("--model-dir") + 1].endswith("/xd/train_imagenet/shots_16/unigram/seed1")
         assert a[a.index("--load-epoch") + 1] == "2" and "--eval-only" in a
@@ -185,7 +227,11 @@ def test_xd_then_xdomain_share_the_imagenet_model(env):
     assert r2.returncode == 0, r2.stderr
     got2 = [c["argv"] for c in calls(env)]
     assert [Path(a[a.index("--dataset-config-file") + 1]).stem for a in got2] == [
-        "imagenetv2", "imagenet_sketch", "imagenet_a", "imagenet_r"]
+        "imagenetv2",
+        "imagenet_sketch",
+        "imagenet_a",
+        "imagenet_r",
+    ]
     assert "same configuration, so skip" in r2.stdout
 
 
@@ -201,8 +247,12 @@ def test_bad_method_and_missing_config_are_one_line_errors(env):
 
 def test_scripts_then_parser_end_to_end(env, tmp_path):
     assert run("base2new.sh", ["gram_coop", "dtd,eurosat", "1", "2"], env, FAKE_ACC=60).returncode == 0
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "parse_results.py"), env["OUTPUT"]],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "parse_results.py"), env["OUTPUT"]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     rows = (Path(env["OUTPUT"]) / "tables" / "base2new_shots16.csv").read_text().splitlines()
     dtd = next(line.split(",") for line in rows if ",dtd," in line)
@@ -228,7 +278,9 @@ def test_init_file_is_passed_and_its_content_hashed(env, tmp_path):
 
 def test_crash_before_any_log_names_stderr_and_a_running_job_is_not_touched(env, tmp_path):
     broken = tmp_path / "broken.py"
-    broken.write_text("import sys\nprint(\"ModuleNotFoundError: No module named 'torch'\", file=sys.stderr)\nsys.exit(1)\n")
+    broken.write_text(
+        "import sys\nprint(\"ModuleNotFoundError: No module named 'torch'\", file=sys.stderr)\nsys.exit(1)\n"
+    )
     r = run("base2new.sh", ["coop", "dtd", "1"], env, TRAIN_PY=broken)
     run_dir = Path(env["OUTPUT"], "base2new", "train_base", "dtd", "shots_16", "coop", "seed1")
     assert r.returncode != 0 and f"(see {run_dir}/stderr.txt)" in r.stderr and not (run_dir / "log.txt").exists()
@@ -253,8 +305,13 @@ def _methods_python(env, tmp_path, repo_has_venv: bool, **extra) -> tuple[str, P
         os.symlink(sys.executable, repo / ".venv" / "bin" / "python")
     e = {k: v for k, v in env.items() if k != "PYTHON"}
     e.update(extra)
-    out = subprocess.run(["bash", "-c", f"source {repo}/scripts/methods.sh && gram_setup_env && echo $PYTHON"],
-                         env=e, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["bash", "-c", f"source {repo}/scripts/methods.sh && gram_setup_env && echo $PYTHON"],
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip(), repo
 
@@ -280,7 +337,7 @@ def _runner():
 
 # The hash function of the former bash runner (scripts/methods.sh before the port), kept here so
 # that folders it wrote keep being skipped rather than refused.
-BASH_RUN_HASH = r'''
+BASH_RUN_HASH = r"""
 h() {
     local mode="$1"; shift
     { echo "mode $mode"; local skip="" a
@@ -293,7 +350,7 @@ h() {
       done; } | sha256sum | cut -d' ' -f1
 }
 h "$@"
-'''
+"""
 
 
 def test_run_hash_equals_the_former_bash_runners(tmp_path):
@@ -302,12 +359,30 @@ def test_run_hash_equals_the_former_bash_runners(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "gram_run.txt").write_text("hash 0123abcd\nmode train\npid 1\n")
-    args = ["--root", "/data", "--seed", "2", "--trainer", "GRAM_CoOp", "--config-file", str(cfg), "--output-dir",
-            str(tmp_path / "out"), "--model-dir", str(model), "--load-epoch", "3", "--eval-only", "configs/trainers/coop.yaml",
-            "DATASET.SUBSAMPLE_CLASSES", "new"]
+    args = [
+        "--root",
+        "/data",
+        "--seed",
+        "2",
+        "--trainer",
+        "GRAM_CoOp",
+        "--config-file",
+        str(cfg),
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--model-dir",
+        str(model),
+        "--load-epoch",
+        "3",
+        "--eval-only",
+        "configs/trainers/coop.yaml",
+        "DATASET.SUBSAMPLE_CLASSES",
+        "new",
+    ]
     for mode in ("train", "eval"):
-        bash = subprocess.run(["bash", "-c", BASH_RUN_HASH, "h", mode, *args], cwd=REPO, capture_output=True,
-                              text=True, check=True).stdout.strip()
+        bash = subprocess.run(
+            ["bash", "-c", BASH_RUN_HASH, "h", mode, *args], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
         assert _runner().run_hash(mode, args) == bash and len(bash) == 64
     assert _runner().run_hash("train", args) != _runner().run_hash("train", args[:-1] + ["base"])
 
@@ -318,8 +393,12 @@ def test_runner_reads_logs_as_the_parser_does(env):
     assert run("base2new.sh", ["coop", "dtd", "1"], env).returncode == 0 and len(calls(env)) == 2
     train_dir = Path(env["OUTPUT"], "base2new", "train_base", "dtd", "shots_16", "coop", "seed1")
     (train_dir / "log.txt").write_text("Finish training\n=> result\n* total: 10\n")
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "parse_results.py"), env["OUTPUT"]],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "parse_results.py"), env["OUTPUT"]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert f"no result: {train_dir}/log.txt" in r.stderr
     again = run("base2new.sh", ["coop", "dtd", "1"], env)
     assert again.returncode == 0, again.stderr
@@ -331,11 +410,16 @@ def test_runner_reads_logs_as_the_parser_does(env):
 
 def test_bad_input_is_exit_2_with_one_error_line_and_usage(env):
     for args, extra, message in (
-            (["unigram_no_shift", "dtd"], {}, "method 'unigram_no_shift' has no Dassl trainer: expected one of zsclip"),
-            (["coop", "dtd", "1", "OPTIM.LR"], {}, "extra options must be yacs KEY VALUE pairs, got an odd count: OPTIM.LR"),
-            (["coop", "dtd"], {"EPOCHS": "ten"}, "EPOCHS must be a positive integer, got 'ten'"),
-            (["gram_coop", "dtd"], {"INIT": "/no/such.safetensors"}, "INIT file not found: /no/such.safetensors"),
-            ([], {}, "missing METHOD")):
+        (["unigram_no_shift", "dtd"], {}, "method 'unigram_no_shift' has no Dassl trainer: expected one of zsclip"),
+        (
+            ["coop", "dtd", "1", "OPTIM.LR"],
+            {},
+            "extra options must be yacs KEY VALUE pairs, got an odd count: OPTIM.LR",
+        ),
+        (["coop", "dtd"], {"EPOCHS": "ten"}, "EPOCHS must be a positive integer, got 'ten'"),
+        (["gram_coop", "dtd"], {"INIT": "/no/such.safetensors"}, "INIT file not found: /no/such.safetensors"),
+        ([], {}, "missing METHOD"),
+    ):
         r = run("base2new.sh", args, env, **extra)
         lines = r.stderr.splitlines()
         assert r.returncode == 2 and len(lines) == 2 and lines[0].startswith(message), r.stderr
@@ -352,10 +436,16 @@ def test_dry_run_prints_the_commands_and_writes_nothing(env):
     assert len(lines) == 5 and calls(env) == [] and not Path(env["OUTPUT"]).exists()
     assert "--load-epoch LAST" in lines[1] and lines[1].endswith("--eval-only")
     assert [line.split("--dataset-config-file ")[1].split()[0].rsplit("/", 1)[1] for line in lines] == [
-        "imagenet.yaml", "imagenetv2.yaml", "imagenet_sketch.yaml", "imagenet_a.yaml", "imagenet_r.yaml"]
+        "imagenet.yaml",
+        "imagenetv2.yaml",
+        "imagenet_sketch.yaml",
+        "imagenet_a.yaml",
+        "imagenet_r.yaml",
+    ]
 
 
 def test_methods_sh_prints_the_method_table(env):
-    r = subprocess.run(["bash", str(REPO / "scripts" / "methods.sh")], env=env, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        ["bash", str(REPO / "scripts" / "methods.sh")], env=env, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0 and "gram_coop           GRAM_CoOp" in r.stdout and "CoOp + GRAM" in r.stdout

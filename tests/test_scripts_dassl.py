@@ -4,6 +4,7 @@ The GRAM trainers are tested elsewhere; here Dassl's own ``Vanilla`` trainer, re
 ``GRAM_CoOp`` inside a throwaway CoOp-style ``train.py``, produces real Dassl logs and checkpoints,
 so the scripts' checkpoint-epoch lookup and the parser's end signals meet the real formats.
 """
+
 from __future__ import annotations
 
 import csv
@@ -23,7 +24,7 @@ from helpers import make_dtd  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
-STAND_IN_TRAIN = r'''
+STAND_IN_TRAIN = r"""
 import argparse, sys
 import torch
 sys.path.insert(0, {repo!r})
@@ -69,7 +70,7 @@ if args.eval_only:
     trainer.test()
 else:
     trainer.train()
-'''
+"""
 
 TRAINER_CFG = """MODEL:
   BACKBONE:
@@ -100,10 +101,23 @@ def test_base2new_through_dassl_then_parser(tmp_path):
     (configs / "datasets").mkdir()
     (configs / "datasets" / "dtd.yaml").write_text((REPO / "configs" / "datasets" / "dtd.yaml").read_text())
     (configs / "trainers" / "coop.yaml").write_text(TRAINER_CFG)
-    env = dict(os.environ, PYTHON=sys.executable, TRAIN_PY=str(tmp_path / "train.py"), CONFIGS=str(configs),
-               DATA=str(tmp_path / "data"), OUTPUT=str(tmp_path / "out"), SHOTS="2", OMP_NUM_THREADS="1")
-    r = subprocess.run(["bash", str(REPO / "scripts" / "base2new.sh"), "coop", "dtd", "1"], env=env,
-                       capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ,
+        PYTHON=sys.executable,
+        TRAIN_PY=str(tmp_path / "train.py"),
+        CONFIGS=str(configs),
+        DATA=str(tmp_path / "data"),
+        OUTPUT=str(tmp_path / "out"),
+        SHOTS="2",
+        OMP_NUM_THREADS="1",
+    )
+    r = subprocess.run(
+        ["bash", str(REPO / "scripts" / "base2new.sh"), "coop", "dtd", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "--load-epoch 2" in r.stdout  # read from Dassl's <dir>/model/checkpoint
     train_log = (tmp_path / "out/base2new/train_base/dtd/shots_2/coop/seed1/log.txt").read_text()
@@ -120,6 +134,11 @@ def test_base2new_through_dassl_then_parser(tmp_path):
     assert float(row["base_mean"]) == pytest.approx(base) and float(row["new_mean"]) == pytest.approx(new)
     assert float(row["H"]) == pytest.approx(2 * base * new / (base + new) if base + new else 0.0, abs=1e-3)
     # second call: both jobs skipped, nothing rerun
-    again = subprocess.run(["bash", str(REPO / "scripts" / "base2new.sh"), "coop", "dtd", "1"], env=env,
-                           capture_output=True, text=True, timeout=600)
+    again = subprocess.run(
+        ["bash", str(REPO / "scripts" / "base2new.sh"), "coop", "dtd", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert again.returncode == 0 and again.stdout.count("so skip this job") == 2

@@ -8,6 +8,7 @@ state dict (no network here).  Checked: the doc's CoCoOp commands (and the same 
 base classes and ``--eval-only`` evaluates on new classes with Dassl's own checkpoints; the fork's
 ``parse_test_res.py`` and ours read the logs; a forgotten ``N_CTX`` stops with one line.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,10 +25,19 @@ pytest.importorskip("dassl", reason="Dassl is not installed (scripts/setup.sh --
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
-
 from helpers import make_dtd  # noqa: E402
-from helpers_forks import (add_gram, arg_value, doc_recipe, expand, failure, parse_results,  # noqa: E402
-                           run_script, run_train, script_variables)
+from helpers_forks import (  # noqa: E402
+    add_gram,
+    arg_value,
+    doc_recipe,
+    expand,
+    failure,
+    parse_results,  # noqa: E402
+    run_script,
+    run_train,
+    script_variables,
+)
+
 from meta.init_io import export_gram_init  # noqa: E402
 from meta.prompts import PromptParams  # noqa: E402
 from trainers.gram.export import main as export_main  # noqa: E402
@@ -39,8 +49,18 @@ ACCURACY = re.compile(r"^\* accuracy: ([\d.]+)%", re.M)
 
 
 def tiny_options(trainer: str) -> list[str]:
-    return ["INPUT.SIZE", "(32, 32)", "DATALOADER.NUM_WORKERS", "0", "OPTIM.MAX_EPOCH", str(TINY_EPOCHS),
-            "DATASET.NUM_SHOTS", "2", f"TRAINER.{NODES[trainer]}.PREC", "fp32"]
+    return [
+        "INPUT.SIZE",
+        "(32, 32)",
+        "DATALOADER.NUM_WORKERS",
+        "0",
+        "OPTIM.MAX_EPOCH",
+        str(TINY_EPOCHS),
+        "DATASET.NUM_SHOTS",
+        "2",
+        f"TRAINER.{NODES[trainer]}.PREC",
+        "fp32",
+    ]
 
 
 def exported_options(init: Path) -> dict[str, list[str]]:
@@ -49,8 +69,10 @@ def exported_options(init: Path) -> dict[str, list[str]]:
     with contextlib.redirect_stdout(printed):
         assert export_main([str(init)]) == 0
     out = printed.getvalue()
-    return {name: shlex.split(next(ln for ln in out.splitlines() if ln.startswith(f"stock {name}: ")).split(": ", 1)[1])
-            for name in NODES}
+    return {
+        name: shlex.split(next(ln for ln in out.splitlines() if ln.startswith(f"stock {name}: ")).split(": ", 1)[1])
+        for name in NODES
+    }
 
 
 def commands_for(trainer: str) -> list[str]:
@@ -60,9 +82,13 @@ def commands_for(trainer: str) -> list[str]:
     if trainer == "CoCoOp":
         return commands
     cocoop_cfg = re.search(r"configs/trainers/(CoCoOp/\w+)\.yaml", commands[0]).group(1)
-    return [re.sub(r"--load-epoch \d+", f"--load-epoch {COOP_EPOCHS}", c).replace(cocoop_cfg, COOP_CONFIG)
-            .replace("--trainer CoCoOp", "--trainer CoOp").replace("TRAINER.COCOOP.", "TRAINER.COOP.")
-            for c in commands]
+    return [
+        re.sub(r"--load-epoch \d+", f"--load-epoch {COOP_EPOCHS}", c)
+        .replace(cocoop_cfg, COOP_CONFIG)
+        .replace("--trainer CoCoOp", "--trainer CoOp")
+        .replace("TRAINER.COCOOP.", "TRAINER.COOP.")
+        for c in commands
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +108,7 @@ def run_commands(setup, trainer: str, options: list[str]) -> dict[str, Path]:
     fork, folders = setup["fork"], {}
     for command in commands_for(trainer):
         argv = expand(command, {"DATA": str(setup["tmp"] / "data"), "CTX": options[1]})
-        tail = argv[argv.index("MODEL.INIT_WEIGHTS"):]
+        tail = argv[argv.index("MODEL.INIT_WEIGHTS") :]
         assert tail == options, f"the doc's options {tail} differ from what the export tool prints: {options}"
         if "--eval-only" in argv:
             config = yaml.safe_load((fork / arg_value(argv, "--config-file")).read_text())
@@ -131,8 +157,12 @@ def test_the_forks_parser_and_ours_read_the_logs(setup, runs):
     out = setup["tmp"] / "tables"
     assert parse_results([str(fork / "output"), "--out", str(out), "--strict"]) == 0
     method = f"CoCoOp/{folders['train'].parent.name}"
-    row = next(row for path in out.glob("base2new_shots*.csv") for row in csv.DictReader(path.open())
-               if row["method"] == method and row["dataset"] == "dtd")
+    row = next(
+        row
+        for path in out.glob("base2new_shots*.csv")
+        for row in csv.DictReader(path.open())
+        if row["method"] == method and row["dataset"] == "dtd"
+    )
     assert float(row["base_mean"]) == pytest.approx(accuracy["train"])
     assert float(row["new_mean"]) == pytest.approx(accuracy["eval"])
 
@@ -140,7 +170,7 @@ def test_the_forks_parser_and_ours_read_the_logs(setup, runs):
 def test_forgotten_n_ctx_stops_with_one_line(setup):
     opts = exported_options(setup["init"])["CoOp"][:2]  # MODEL.INIT_WEIGHTS only: CoOp's N_CTX stays 16
     argv = expand(commands_for("CoOp")[0], {"DATA": str(setup["tmp"] / "data"), "CTX": opts[1]})
-    argv = argv[:argv.index("MODEL.INIT_WEIGHTS")] + opts
+    argv = argv[: argv.index("MODEL.INIT_WEIGHTS")] + opts
     argv[argv.index("--output-dir") + 1] = str(setup["tmp"] / "forgot")
     r = run_train(setup["fork"], argv + tiny_options("CoOp"), clip_weights=setup["tmp"] / "tiny_clip.pt")
     assert r.returncode != 0

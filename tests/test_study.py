@@ -1,5 +1,6 @@
 """gram_world.study: per-cell H, paired differences and the two-level bootstrap, checked against hand
 computations and the normal approximation."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -16,8 +17,11 @@ def _record(key, seed, base, new, dataset="d"):
 
 
 def test_cell_h_averages_base_and_new_over_datasets_before_the_harmonic_mean():
-    records = [_record("coop", 1, 60.0, 40.0, "a"), _record("coop", 1, 80.0, 20.0, "b"),
-               _record("coop", 2, 50.0, 50.0, "a")]
+    records = [
+        _record("coop", 1, 60.0, 40.0, "a"),
+        _record("coop", 1, 80.0, 20.0, "b"),
+        _record("coop", 2, 50.0, 50.0, "a"),
+    ]
     table = study.cell_h(records)
     base, new = 70.0, 30.0
     assert table[("coop", 1)] == pytest.approx((base, new, 2 * base * new / (base + new)))
@@ -25,11 +29,17 @@ def test_cell_h_averages_base_and_new_over_datasets_before_the_harmonic_mean():
 
 
 def test_paired_differences_pair_rows_by_fine_tuning_seed_and_skip_missing_rows():
-    cells = {("0", 0): {("gram_coop", 1): (0, 0, 50.0), ("coop", 1): (0, 0, 48.0),
-                        ("gram_coop", 2): (0, 0, 40.0), ("coop", 2): (0, 0, 45.0),
-                        ("gram_vpt", 1): (0, 0, 30.0)},
-             ("0", 1): {("gram_coop", 1): (0, 0, 41.0), ("coop", 1): (0, 0, 40.0)},
-             ("1", 0): {("gram_coop", 1): (0, 0, 10.0), ("coop", 1): (0, 0, 13.0)}}
+    cells = {
+        ("0", 0): {
+            ("gram_coop", 1): (0, 0, 50.0),
+            ("coop", 1): (0, 0, 48.0),
+            ("gram_coop", 2): (0, 0, 40.0),
+            ("coop", 2): (0, 0, 45.0),
+            ("gram_vpt", 1): (0, 0, 30.0),
+        },
+        ("0", 1): {("gram_coop", 1): (0, 0, 41.0), ("coop", 1): (0, 0, 40.0)},
+        ("1", 0): {("gram_coop", 1): (0, 0, 10.0), ("coop", 1): (0, 0, 13.0)},
+    }
     diffs = study.paired_differences(cells, (("gram_coop", "coop"), ("gram_vpt", "vpt")))
     assert diffs == {("gram_coop", "coop"): {"0": [2.0, -5.0, 1.0], "1": [-3.0]}}
 
@@ -59,13 +69,25 @@ def test_worlds_are_the_first_level_of_the_bootstrap():
 
 
 def test_summarise_says_which_claims_hold():
-    cells = {(w, 0): {row: value for s in (1, 2) for row, value in (
-                 (("gram_coop", s), (0, 0, 50.0 + d)), (("coop", s), (0, 0, 50.0)),
-                 (("gram_vpt", s), (0, 0, 50.0 - d)), (("vpt", s), (0, 0, 50.0)),
-                 (("unigram", s), (0, 0, 50.0 + (d if s == 1 else -d))), (("joint", s), (0, 0, 50.0)))}
-             for w, d in (("0", 1.0), ("1", 2.0))}
-    rows = {r["method"]: r for r in study.summarise(cells, (("gram_coop", "coop"), ("gram_vpt", "vpt"),
-                                                           ("unigram", "joint")))}
+    cells = {
+        (w, 0): {
+            row: value
+            for s in (1, 2)
+            for row, value in (
+                (("gram_coop", s), (0, 0, 50.0 + d)),
+                (("coop", s), (0, 0, 50.0)),
+                (("gram_vpt", s), (0, 0, 50.0 - d)),
+                (("vpt", s), (0, 0, 50.0)),
+                (("unigram", s), (0, 0, 50.0 + (d if s == 1 else -d))),
+                (("joint", s), (0, 0, 50.0)),
+            )
+        }
+        for w, d in (("0", 1.0), ("1", 2.0))
+    }
+    rows = {
+        r["method"]: r
+        for r in study.summarise(cells, (("gram_coop", "coop"), ("gram_vpt", "vpt"), ("unigram", "joint")))
+    }
     assert rows["gram_coop"]["holds"] == "better" and rows["gram_coop"]["mean_diff_H"] == pytest.approx(1.5)
     assert rows["gram_vpt"]["holds"] == "worse" and rows["gram_vpt"]["n"] == 4
     assert rows["unigram"]["holds"] == "not shown" and rows["unigram"]["worlds"] == ["0", "1"]
@@ -77,8 +99,17 @@ def test_summarise_says_which_claims_hold():
 
 def test_cells_name_their_switches_and_unknown_worlds_are_refused(tmp_path):
     base = DemoSettings.preset(True)
-    cell = study.Cell("13v", replace(study.world_settings("13v", base), reg_window=20, launch=True,
-                                     query_before_weight=1.0, meta_seed=1, eval_split="val"))
+    cell = study.Cell(
+        "13v",
+        replace(
+            study.world_settings("13v", base),
+            reg_window=20,
+            launch=True,
+            query_before_weight=1.0,
+            meta_seed=1,
+            eval_split="val",
+        ),
+    )
     assert cell.name == "val_seed1_w20_launch1_qbw1"
     assert cell.settings.world_seed == 13 and dict(cell.settings.world)["holdout_style"] == "noisy"
     with pytest.raises(ValueError, match="--worlds: unknown world '5'"):
@@ -94,13 +125,14 @@ def test_results_files_are_written_from_the_finished_cells(tmp_path):
     cells = {("0", 0): {("gram_coop", 1): (50.0, 40.0, 44.4), ("coop", 1): (50.0, 38.0, 43.2)}}
     result = study._write_results(tmp_path, cells, {"0/0": 12.0}, DemoSettings.preset(True))
     import json
+
     again = json.loads((tmp_path / "results.json").read_text())
     assert again["pairs"] == result["pairs"] and again["pairs"][0]["mean_diff_H"] == pytest.approx(1.2)
     assert again["cells"] == {"0/0": {"gram_coop/1": [50.0, 40.0, 44.4], "coop/1": [50.0, 38.0, 43.2]}}
     text = (tmp_path / "results.md").read_text()
-    assert text.split("\n\nRegime")[0].count("\n") == 2          # header, rule, one pair
+    assert text.split("\n\nRegime")[0].count("\n") == 2  # header, rule, one pair
     assert "| paper, Table 1a (11 datasets) | 69.34 / 74.22 | 77.58 / 73.11 | 72.53 / 72.34 | +8.24 / -1.11 |" in text
-    assert "| world 0 | - | 50.00 / 38.00 | - | - | - |" in text   # no zero-shot row in that cell
+    assert "| world 0 | - | 50.00 / 38.00 | - | - | - |" in text  # no zero-shot row in that cell
 
 
 def test_a_study_resumes_from_an_earlier_results_file_and_runs_only_missing_cells(tmp_path, monkeypatch):
@@ -112,37 +144,55 @@ def test_a_study_resumes_from_an_earlier_results_file_and_runs_only_missing_cell
     study._write_results(tmp_path / "old", earlier, {"0/0": 12.0}, base)
     ran = []
 
-    def fake_run_cell(cell, root, keys, world_root=None):   # stands in for the demo's stages
+    def fake_run_cell(cell, root, keys, world_root=None):  # stands in for the demo's stages
         ran.append((cell.world, cell.settings.meta_seed))
-        return [{"key": "gram_coop", "seed": 1, "base": 60.0, "new": 50.0},
-                {"key": "coop", "seed": 1, "base": 60.0, "new": 40.0}]
+        return [
+            {"key": "gram_coop", "seed": 1, "base": 60.0, "new": 50.0},
+            {"key": "coop", "seed": 1, "base": 60.0, "new": 40.0},
+        ]
 
     monkeypatch.setattr(study, "run_cell", fake_run_cell)
     result = study.study(tmp_path / "new", ["0", "1"], [0], base, previous=tmp_path / "old" / "results.json")
-    assert ran == [("1", 0)]                                        # world 0, seed 0 came from the file
+    assert ran == [("1", 0)]  # world 0, seed 0 came from the file
     assert set(result["cells"]) == {"0/0", "1/0"} and result["seconds_per_cell"]["0/0"] == 12.0
     h = {w: result["cells"][f"{w}/0"]["gram_coop/1"][2] - result["cells"][f"{w}/0"]["coop/1"][2] for w in "01"}
     assert result["pairs"][0]["mean_diff_H"] == pytest.approx((h["0"] + h["1"]) / 2, abs=1e-3)
-    again = study.study(tmp_path / "new", ["0", "1"], [0], base)    # default: <out>/results.json
+    again = study.study(tmp_path / "new", ["0", "1"], [0], base)  # default: <out>/results.json
     assert ran == [("1", 0)] and again["cells"] == json.loads((tmp_path / "new" / "results.json").read_text())["cells"]
-    with pytest.raises(ValueError, match="launch"):                 # another setting: not this study's cells
-        study.study(tmp_path / "other", ["0"], [0], replace(base, launch=not base.launch),
-                    previous=tmp_path / "old" / "results.json")
+    with pytest.raises(ValueError, match="launch"):  # another setting: not this study's cells
+        study.study(
+            tmp_path / "other",
+            ["0"],
+            [0],
+            replace(base, launch=not base.launch),
+            previous=tmp_path / "old" / "results.json",
+        )
 
 
 def test_regime_averages_each_world_and_subtracts_zero_shot():
-    cells = {("0", 0): {("zsclip", 1): (40.0, 50.0, 0.0), ("coop", 1): (50.0, 44.0, 0.0),
-                        ("coop", 2): (52.0, 46.0, 0.0), ("vpt", 1): (45.0, 49.0, 0.0)},
-             ("0", 1): {("zsclip", 1): (40.0, 50.0, 0.0), ("coop", 1): (54.0, 48.0, 0.0)}}
+    cells = {
+        ("0", 0): {
+            ("zsclip", 1): (40.0, 50.0, 0.0),
+            ("coop", 1): (50.0, 44.0, 0.0),
+            ("coop", 2): (52.0, 46.0, 0.0),
+            ("vpt", 1): (45.0, 49.0, 0.0),
+        },
+        ("0", 1): {("zsclip", 1): (40.0, 50.0, 0.0), ("coop", 1): (54.0, 48.0, 0.0)},
+    }
     reg = study.regime(cells)
     assert reg["0"]["coop"] == pytest.approx((52.0, 46.0)) and reg["0"]["zsclip"] == (40.0, 50.0)
-    assert "| world 0 | 40.00 / 50.00 | 52.00 / 46.00 | 45.00 / 49.00 | +12.00 / -4.00 | +5.00 / -1.00 |" in \
-        study.regime_markdown(cells)
+    assert (
+        "| world 0 | 40.00 / 50.00 | 52.00 / 46.00 | 45.00 / 49.00 | +12.00 / -4.00 | +5.00 / -1.00 |"
+        in study.regime_markdown(cells)
+    )
 
 
 def test_gram_against_theta_only_pairs_and_zero_shot_are_study_rows():
-    assert {("gram_coop", "gram_coop_init_only"), ("gram_vpt", "gram_vpt_init_only"),
-            ("unigram", "unigram_no_reg")} <= set(study.PAIRS)
+    assert {
+        ("gram_coop", "gram_coop_init_only"),
+        ("gram_vpt", "gram_vpt_init_only"),
+        ("unigram", "unigram_no_reg"),
+    } <= set(study.PAIRS)
     assert "zsclip" in study.STUDY_KEYS
 
 
@@ -159,8 +209,9 @@ def test_add_missing_rows_runs_only_the_rows_a_kept_cell_lacks(tmp_path, monkeyp
     monkeypatch.setattr(study, "run_cell", fake_run_cell)
     kept = study.study(tmp_path / "a", ["0"], [0], base, previous=tmp_path / "old" / "results.json")
     assert asked == [] and "zsclip/1" not in kept["cells"]["0/0"]
-    result = study.study(tmp_path / "b", ["0"], [0], base, previous=tmp_path / "old" / "results.json",
-                         add_missing_rows=True)
+    result = study.study(
+        tmp_path / "b", ["0"], [0], base, previous=tmp_path / "old" / "results.json", add_missing_rows=True
+    )
     assert asked == [("zsclip",)]
     assert result["cells"]["0/0"]["zsclip/1"] == [30.0, 60.0, 40.0]
     assert result["cells"]["0/0"]["coop/1"] == [50.0, 40.0, 44.4] and result["seconds_per_cell"]["0/0"] >= 12.0
@@ -170,7 +221,7 @@ def test_regulator_sweep_cells_and_the_written_rule():
     base = DemoSettings.preset(True)
     cell = study.Cell("0", replace(base, meta_overrides=study.REGULATOR_SWEEP["k4"], eval_split="val"), variant="k4")
     assert cell.name.endswith("_k4") and cell.meta_folder == "meta_seed0_qbw0_k4"
-    assert study.Cell("0", base).meta_folder == "meta_seed0_qbw0"      # the earlier folders keep their names
+    assert study.Cell("0", base).meta_folder == "meta_seed0_qbw0"  # the earlier folders keep their names
 
     def table(gram_minus_base):
         t = {}
@@ -178,18 +229,22 @@ def test_regulator_sweep_cells_and_the_written_rule():
             t[(b, 1)] = (50.0, 50.0, 50.0)
             t[(g, 1)] = (50.0 + d, 50.0 + d, 50.0 + d)
         return t
-    per = {"k1": {("0", 0): table((1.0, -2.0, 0.0)), ("1", 0): table((0.0, 0.0, 0.0))},
-           "k4": {("0", 0): table((1.0, 0.0, 0.0)), ("1", 0): table((0.0, 0.0, 0.0))},       # +0.33 over k1
-           "beta_only": {("0", 0): table((3.0, 0.0, 0.0)), ("1", 0): table((3.0, 0.0, 0.0))}}  # +1.33 over k1
+
+    per = {
+        "k1": {("0", 0): table((1.0, -2.0, 0.0)), ("1", 0): table((0.0, 0.0, 0.0))},
+        "k4": {("0", 0): table((1.0, 0.0, 0.0)), ("1", 0): table((0.0, 0.0, 0.0))},  # +0.33 over k1
+        "beta_only": {("0", 0): table((3.0, 0.0, 0.0)), ("1", 0): table((3.0, 0.0, 0.0))},
+    }  # +1.33 over k1
     ranked = study.rank_regulator_variants(per)
     assert [r["variant"] for r in ranked["rows"]] == ["beta_only", "k4", "k1"]
     assert ranked["rows"][0]["mean_val_diff_H"] == pytest.approx(1.0)
     assert ranked["chosen"] == "beta_only"
-    partial = study.rank_regulator_variants(per, worlds=("0", "1", "2"))     # world 2 asked for, not finished
+    partial = study.rank_regulator_variants(per, worlds=("0", "1", "2"))  # world 2 asked for, not finished
     assert partial["partial"] and partial["chosen"] == "k1" and partial["best_if_complete"] == "beta_only"
     assert "partial sweep: no default changes" in study.regulator_markdown(partial)
     assert not study.rank_regulator_variants(per, worlds=("0", "1"))["partial"]
     del per["beta_only"]
-    assert study.rank_regulator_variants(per)["chosen"] == "k1"          # +0.33 H is within the 0.5 H margin
-    assert "| k4 | +1.00 / +0.00 / +0.00 (+0.33) | +0.00 / +0.00 / +0.00 (+0.00) | +0.17 |" in \
-        study.regulator_markdown(study.rank_regulator_variants(per))
+    assert study.rank_regulator_variants(per)["chosen"] == "k1"  # +0.33 H is within the 0.5 H margin
+    assert "| k4 | +1.00 / +0.00 / +0.00 (+0.33) | +0.00 / +0.00 / +0.00 (+0.00) | +0.17 |" in study.regulator_markdown(
+        study.rank_regulator_variants(per)
+    )

@@ -1,4 +1,5 @@
 """Task sampling: class names, one-domain support, domain-spread query, determinism, splits."""
+
 import numpy as np
 import pytest
 
@@ -19,8 +20,14 @@ def toy_hierarchy(n_topics=8, layouts=((12, 7, 4), (12, 7), (6,)), excluded=10, 
     order = rng.permutation(len(topic))
     topic, domain = np.array(topic)[order], np.array(domain)[order]
     feats = rng.normal(size=(len(topic), 8)).astype(np.float32)
-    return Hierarchy(topic_names=[f"class{t}" for t in range(n_topics)], item_topic=topic, item_domain=domain,
-                     image_features=feats, meta={}, image_loader=lambda idx: np.zeros((len(idx), 4, 4, 3), np.uint8))
+    return Hierarchy(
+        topic_names=[f"class{t}" for t in range(n_topics)],
+        item_topic=topic,
+        item_domain=domain,
+        image_features=feats,
+        meta={},
+        image_loader=lambda idx: np.zeros((len(idx), 4, 4, 3), np.uint8),
+    )
 
 
 def check_task(h: Hierarchy, task: Task, k, n_s, n_q, domain_shift=True):

@@ -1,20 +1,21 @@
 """Dassl-free tests: weights_only checkpoints, class-independent loading, CoOp export, the GramCLIP wrapper."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import pytest
 import torch
+from helpers import optim_cfg
 from torch import nn
 
 from meta.init_io import export_gram_init
 from meta.prompts import PromptParams
 from meta.regulator import GradientRegulator
 from trainers.gram.checkpoint import checkpoint_file, load_checkpoint, prompt_state, save_checkpoint
-from trainers.gram.export import export_for_coop, main as export_main
+from trainers.gram.export import export_for_coop
+from trainers.gram.export import main as export_main
 from trainers.gram.model import GramCLIP
 from trainers.gram.provenance import sample_digest
 from trainers.gram.schedule import build_lr_scheduler
-from helpers import optim_cfg
 
 
 def _trained_prompts(seed: int = 0) -> tuple[PromptParams, torch.optim.Optimizer, object]:
@@ -58,8 +59,11 @@ def test_unsafe_or_missing_checkpoints_give_one_line_errors(tmp_path):
 
 def test_prompt_state_drops_class_buffers_and_names_mismatches():
     prompts = PromptParams(ctx=torch.zeros(4, 64))
-    coop_like = {"ctx": torch.ones(4, 64), "token_prefix": torch.zeros(10, 1, 64),
-                 "token_suffix": torch.zeros(10, 72, 64)}
+    coop_like = {
+        "ctx": torch.ones(4, 64),
+        "token_prefix": torch.zeros(10, 1, 64),
+        "token_suffix": torch.zeros(10, 72, 64),
+    }
     kept = prompt_state(coop_like, prompts)
     assert set(kept) == {"ctx"} and torch.equal(kept["ctx"], torch.ones(4, 64))
     assert set(prompt_state({"module.ctx": torch.ones(4, 64)}, prompts)) == {"ctx"}
@@ -127,8 +131,9 @@ def test_gramclip_runs_a_half_precision_clip_with_fp32_prompts(tiny_clip, with_v
     clip, dims = tiny_clip
     half = copy.deepcopy(clip).half()
     g = torch.Generator().manual_seed(5)
-    prompts = PromptParams(ctx=torch.randn(2, 64, generator=g) * 0.02,
-                           vpt=torch.randn(1, 2, 64, generator=g) * 0.02 if with_vpt else None)
+    prompts = PromptParams(
+        ctx=torch.randn(2, 64, generator=g) * 0.02, vpt=torch.randn(1, 2, 64, generator=g) * 0.02 if with_vpt else None
+    )
     model = GramCLIP(half, dims, prompts, ["cat", "dog"])
     images = torch.randn(3, 3, 32, 32, generator=g)  # the loader gives fp32 images
     logits = model(images)

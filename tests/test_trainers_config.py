@@ -1,4 +1,5 @@
 """Dassl-free tests of the GRAM trainer config: extend_cfg defaults, resolution, method configs."""
+
 from __future__ import annotations
 
 import os
@@ -6,12 +7,11 @@ import warnings
 from pathlib import Path
 
 import pytest
-
-from meta.finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
 import yaml
 from yacs.config import CfgNode as CN
 
 from meta import methods
+from meta.finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
 from trainers.gram.config import (
     TRAINER_PROMPTS,
     default_weights_path,
@@ -41,12 +41,31 @@ def minimal_cfg(trainer: str = "GRAM_CoOp", backbone: str = "ViT-B/16") -> CN:
 def test_extend_cfg_adds_every_key_with_paper_defaults():
     cfg = minimal_cfg()
     g = cfg.TRAINER.GRAM
-    assert set(g.keys()) == {"ENABLED", "INIT", "REGULATE", "NORM_PRESERVE", "N_CTX_TEXT", "N_CTX_VISION", "VPT_DEEP", "VPT_DEPTH",
-                             "CTX_INIT", "TEMPLATE", "VPT_INIT", "MODEL_NAME", "WEIGHTS", "QUICK_GELU", "PREC",
-                             "TEXT_DEPTH", "INIT_PROMPTS", "REG_WINDOW_IMAGES", "REG_WINDOW", "LAUNCH"}
+    assert set(g.keys()) == {
+        "ENABLED",
+        "INIT",
+        "REGULATE",
+        "NORM_PRESERVE",
+        "N_CTX_TEXT",
+        "N_CTX_VISION",
+        "VPT_DEEP",
+        "VPT_DEPTH",
+        "CTX_INIT",
+        "TEMPLATE",
+        "VPT_INIT",
+        "MODEL_NAME",
+        "WEIGHTS",
+        "QUICK_GELU",
+        "PREC",
+        "TEXT_DEPTH",
+        "INIT_PROMPTS",
+        "REG_WINDOW_IMAGES",
+        "REG_WINDOW",
+        "LAUNCH",
+    }
     assert (g.N_CTX_TEXT, g.N_CTX_VISION, g.VPT_DEEP, g.ENABLED, g.REGULATE) == (4, 4, False, False, True)
     assert (g.INIT_PROMPTS, g.REG_WINDOW_IMAGES, g.LAUNCH) == (True, DEFAULT_REG_WINDOW, DEFAULT_LAUNCH)
-    assert g.REG_WINDOW is None   # the old key (batches) is kept only to refuse it
+    assert g.REG_WINDOW is None  # the old key (batches) is kept only to refuse it
     assert cfg.DATASET.SUBSAMPLE_CLASSES == "all"
 
 
@@ -55,10 +74,10 @@ def test_extend_cfg_keeps_keys_a_fork_already_added_and_is_idempotent():
     cfg.TRAINER = CN()
     cfg.TRAINER.NAME = "GRAM_CoOp"
     cfg.TRAINER.GRAM = CN()
-    cfg.TRAINER.GRAM.N_CTX_TEXT = 8          # fork's own value
-    cfg.TRAINER.GRAM.FORK_ONLY = "x"         # a key we do not know
+    cfg.TRAINER.GRAM.N_CTX_TEXT = 8  # fork's own value
+    cfg.TRAINER.GRAM.FORK_ONLY = "x"  # a key we do not know
     cfg.DATASET = CN()
-    cfg.DATASET.SUBSAMPLE_CLASSES = "base"   # CoOp's extend_cfg ran first
+    cfg.DATASET.SUBSAMPLE_CLASSES = "base"  # CoOp's extend_cfg ran first
     extend_cfg(cfg)
     extend_cfg(cfg)
     assert cfg.TRAINER.GRAM.N_CTX_TEXT == 8
@@ -93,8 +112,10 @@ def test_explicit_model_name_weights_and_random():
     assert gram_settings(cfg).weights == "laion2b_s34b_b88k"
 
 
-@pytest.mark.parametrize("trainer,text,vision", [("GRAM_CoOp", 4, 0), ("GRAM_VPT", 0, 3), ("UNIGRAM", 4, 3),
-                                                ("GRAM_IVLP", 4, 3), ("GRAM_MaPLe", 4, 0)])
+@pytest.mark.parametrize(
+    "trainer,text,vision",
+    [("GRAM_CoOp", 4, 0), ("GRAM_VPT", 0, 3), ("UNIGRAM", 4, 3), ("GRAM_IVLP", 4, 3), ("GRAM_MaPLe", 4, 0)],
+)
 def test_trainer_decides_which_prompts_are_learned(trainer, text, vision):
     cfg = minimal_cfg(trainer)
     cfg.TRAINER.GRAM.N_CTX_VISION = 3
@@ -180,8 +201,10 @@ def test_cpu_forces_fp32_and_caps_workers_without_warnings():
     assert effective_num_workers(8, "cuda", 16) == 8 and effective_num_workers(0, "cpu", 1) == 0
     assert effective_num_workers(8, "cpu", 1) == 0
     line = effective_settings_line("cpu", ("fp16", "fp32"), (8, 1), 2)
-    assert line == ("GRAM effective settings on cpu: TRAINER.GRAM.PREC fp32 (config fp16); "
-                    "DATALOADER.NUM_WORKERS 1 (config 8, 2 CPUs)")
+    assert line == (
+        "GRAM effective settings on cpu: TRAINER.GRAM.PREC fp32 (config fp16); "
+        "DATALOADER.NUM_WORKERS 1 (config 8, 2 CPUs)"
+    )
     assert effective_settings_line("cuda", ("fp16", "fp16"), (8, 8), 16).endswith(": as configured")
 
 
@@ -194,12 +217,14 @@ def _method_yaml(key: str) -> dict:
 # repository's IVLP and MaPLe base-to-new configs (muzairkhattak/multimodal-prompt-learning @ 69bce21,
 # configs/trainers/{IVLP/vit_b16_c2_ep5_batch4_2+2ctx,MaPLe/vit_b16_c2_ep5_batch4_2ctx}.yaml).
 PAPER_PROTOCOL = {"lr": 0.002, "epochs": 10, "batch": 1}
-FORK_PROTOCOL = {"GRAM_IVLP": {"lr": 0.0035, "epochs": 5, "batch": 4},
-                 "GRAM_MaPLe": {"lr": 0.0035, "epochs": 5, "batch": 4}}
+FORK_PROTOCOL = {
+    "GRAM_IVLP": {"lr": 0.0035, "epochs": 5, "batch": 4},
+    "GRAM_MaPLe": {"lr": 0.0035, "epochs": 5, "batch": 4},
+}
 
 
 def _protocol_group(key: str) -> str:
-    """"paper" for configs/trainers/*.yaml, else the fork-named folder (= the trainer)."""
+    """ "paper" for configs/trainers/*.yaml, else the fork-named folder (= the trainer)."""
     folder = Path(methods.get(key).config).parent
     return "paper" if folder == Path("configs/trainers") else folder.name
 
@@ -216,7 +241,11 @@ def test_method_configs_follow_their_protocol_and_only_use_known_gram_keys(key):
     want = PAPER_PROTOCOL if group == "paper" else FORK_PROTOCOL[group]
     optim = doc["OPTIM"]
     assert (optim["NAME"], optim["LR"], optim["MAX_EPOCH"], optim["LR_SCHEDULER"]) == (
-        "sgd", want["lr"], want["epochs"], "cosine")
+        "sgd",
+        want["lr"],
+        want["epochs"],
+        "cosine",
+    )
     assert (optim["WARMUP_EPOCH"], optim["WARMUP_TYPE"], float(optim["WARMUP_CONS_LR"])) == (1, "constant", 1e-5)
     assert doc["DATALOADER"]["TRAIN_X"]["BATCH_SIZE"] == want["batch"]
     cfg = minimal_cfg(METHOD_TRAINER[key])
@@ -226,7 +255,7 @@ def test_method_configs_follow_their_protocol_and_only_use_known_gram_keys(key):
         cfg.TRAINER.GRAM.INIT = "/given/on/the/command/line.safetensors"
     s = gram_settings(cfg)
     row = methods.get(key)
-    assert s.enabled == (row.init or row.regulate)      # the file gives θ* and / or R_φ
+    assert s.enabled == (row.init or row.regulate)  # the file gives θ* and / or R_φ
     assert (s.enabled and s.init_prompts) == row.init and s.regulate == row.regulate
     if row.zero_shot:  # Dassl's zero-shot CLIP: 4 word-initialised tokens, never trained
         assert (s.n_ctx_text, s.n_ctx_vision, s.ctx_init) == (4, 0, "a photo of a")
@@ -241,7 +270,7 @@ def test_method_configs_follow_their_protocol_and_only_use_known_gram_keys(key):
             assert s.text_depth == 0 and s.vision_depth(12) == 12
     # the header names the trainer the table gives (the comment is read by people choosing a config)
     header = (REPO / row.config).read_text()
-    assert f"# Trainer: {row.trainer} (row \"{key}\" of the method table meta/methods.yaml)." in header
+    assert f'# Trainer: {row.trainer} (row "{key}" of the method table meta/methods.yaml).' in header
 
 
 @pytest.mark.parametrize("value, expected", [("auto", None), ("on", True), ("off", False)])

@@ -5,6 +5,7 @@ One module-scoped base-to-new experiment (``train.py`` in process, output laid o
 zero-shot CLIP, then checks of its logs, checkpoints and the results parser; and direct checks of
 the regulated update, eval-only loading for new classes, resume, registration and errors.
 """
+
 from __future__ import annotations
 
 import csv
@@ -23,7 +24,9 @@ pytest.importorskip("dassl", reason="Dassl not installed: the Dassl trainer test
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from dassl.engine import TRAINER_REGISTRY, build_trainer  # noqa: E402
-from dassl.utils import Logger, load_checkpoint as dassl_load_checkpoint, load_pretrained_weights  # noqa: E402
+from dassl.utils import Logger, load_pretrained_weights  # noqa: E402
+from dassl.utils import load_checkpoint as dassl_load_checkpoint  # noqa: E402
+from helpers import make_dtd  # noqa: E402
 from torch import nn  # noqa: E402
 
 import train  # noqa: E402
@@ -31,23 +34,40 @@ from meta import methods  # noqa: E402
 from meta.init_io import InitMismatchError, export_gram_init, load_gram_init  # noqa: E402
 from meta.prompts import PromptParams  # noqa: E402
 from meta.regulator import GradientRegulator, RegulatorSpec  # noqa: E402
-from helpers import make_dtd  # noqa: E402
 from trainers.gram.export import export_for_coop  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 N_CLASSES, COUNTS, SHOTS = 4, {"train": 3, "val": 2, "test": 2}, 2  # make_dtd: class c has COUNTS[s] + c images
 BASE, NEW = [0, 1], [2, 3]  # CoOp's split of 4 sorted labels: first ceil(4/2) are base
-TINY = ["TRAINER.GRAM.MODEL_NAME", "GRAM-Test-Tiny", "TRAINER.GRAM.WEIGHTS", "none", "INPUT.SIZE", "(32, 32)",
-        "DATALOADER.NUM_WORKERS", "0", "DATALOADER.TRAIN_X.BATCH_SIZE", "2", "OPTIM.MAX_EPOCH", "1",
-        "DATASET.NUM_SHOTS", str(SHOTS)]
-METHODS = {k: (methods.get(k).trainer, methods.get(k).gram_file)  # key -> (trainer, GRAM on), trained ones
-           for k in methods.dassl_keys() if not methods.get(k).zero_shot}
-PROMPT_SHAPES = {"GRAM_CoOp": {"ctx": (4, 64)}, "GRAM_VPT": {"vpt": (1, 4, 64)},
-                 "UNIGRAM": {"ctx": (2, 64), "vpt": (1, 2, 64)},  # configs: 4 tokens; UNIGRAM 2 + 2
-                 # IVLP 2 + 2 in every layer of the tiny CLIP's 2-layer towers; MaPLe 2 tokens at depth 2
-                 "GRAM_IVLP": {"ctx": (2, 64), "vpt": (2, 2, 64), "ctx_deep": (1, 2, 64)},
-                 "GRAM_MaPLe": {"ctx": (2, 64), "ctx_deep": (1, 2, 64), "proj_weight": (2, 64, 64),
-                                "proj_bias": (2, 64)}}
+TINY = [
+    "TRAINER.GRAM.MODEL_NAME",
+    "GRAM-Test-Tiny",
+    "TRAINER.GRAM.WEIGHTS",
+    "none",
+    "INPUT.SIZE",
+    "(32, 32)",
+    "DATALOADER.NUM_WORKERS",
+    "0",
+    "DATALOADER.TRAIN_X.BATCH_SIZE",
+    "2",
+    "OPTIM.MAX_EPOCH",
+    "1",
+    "DATASET.NUM_SHOTS",
+    str(SHOTS),
+]
+METHODS = {
+    k: (methods.get(k).trainer, methods.get(k).gram_file)  # key -> (trainer, GRAM on), trained ones
+    for k in methods.dassl_keys()
+    if not methods.get(k).zero_shot
+}
+PROMPT_SHAPES = {
+    "GRAM_CoOp": {"ctx": (4, 64)},
+    "GRAM_VPT": {"vpt": (1, 4, 64)},
+    "UNIGRAM": {"ctx": (2, 64), "vpt": (1, 2, 64)},  # configs: 4 tokens; UNIGRAM 2 + 2
+    # IVLP 2 + 2 in every layer of the tiny CLIP's 2-layer towers; MaPLe 2 tokens at depth 2
+    "GRAM_IVLP": {"ctx": (2, 64), "vpt": (2, 2, 64), "ctx_deep": (1, 2, 64)},
+    "GRAM_MaPLe": {"ctx": (2, 64), "ctx_deep": (1, 2, 64), "proj_weight": (2, 64, 64), "proj_bias": (2, 64)},
+}
 # the MaPLe configs' PROMPT_DEPTH 9 does not fit the tiny CLIP's 2 text layers
 TINY_EXTRA = {"GRAM_MaPLe": ["TRAINER.GRAM.TEXT_DEPTH", "2"]}
 
@@ -61,6 +81,8 @@ def config_lr(method: str) -> float:
     import yaml
 
     return float(yaml.safe_load((REPO / methods.get(method).config).read_text())["OPTIM"]["LR"])
+
+
 ACCURACY = re.compile(r"^\* accuracy: ([\d.]+)%", re.M)
 TOTAL = re.compile(r"^\* total: (\d+)", re.M)
 
@@ -93,7 +115,7 @@ def data_root(tmp_path_factory) -> Path:
 # what `python -m meta export` records and the default test-time switches read: the support size (regulation
 # window 0 = 2 ways x 2 shots) and the inner step (launch)
 PROVENANCE = {"mode": "gram", "tasks": {"k_way": 2, "n_support": 2}, "meta": {"inner_lr": 0.1, "inner_steps": 1}}
-PER_IMAGE = ("TRAINER.GRAM.REG_WINDOW_IMAGES", "1", "TRAINER.GRAM.LAUNCH", "False")   # the paper-literal test time:
+PER_IMAGE = ("TRAINER.GRAM.REG_WINDOW_IMAGES", "1", "TRAINER.GRAM.LAUNCH", "False")  # the paper-literal test time:
 # R_φ on every batch (a window of 1 image is one whole batch)
 
 
@@ -109,15 +131,26 @@ def init_files(tmp_path_factory, tiny_clip) -> dict[str, Path]:
         tensors = {k: torch.randn(*s, generator=g) * 0.02 for k, s in shapes.items()}
         torch.manual_seed(11)
         regs = {k: GradientRegulator(64, spec) for k in shapes}
-        out[trainer] = export_gram_init(folder / f"{trainer}.safetensors", PromptParams(**tensors), regs, dims,
-                                        provenance=PROVENANCE)
+        out[trainer] = export_gram_init(
+            folder / f"{trainer}.safetensors", PromptParams(**tensors), regs, dims, provenance=PROVENANCE
+        )
     return out
 
 
 def common_args(data_root: Path, method: str, seed: int = 1) -> list[str]:
     row = methods.get(method)
-    return ["--root", str(data_root), "--seed", str(seed), "--trainer", row.trainer,
-            "--dataset-config-file", str(REPO / "configs/datasets/dtd.yaml"), "--config-file", str(REPO / row.config)]
+    return [
+        "--root",
+        str(data_root),
+        "--seed",
+        str(seed),
+        "--trainer",
+        row.trainer,
+        "--dataset-config-file",
+        str(REPO / "configs/datasets/dtd.yaml"),
+        "--config-file",
+        str(REPO / row.config),
+    ]
 
 
 def gram_opts(method: str, init_files) -> list[str]:
@@ -138,23 +171,38 @@ def experiment(tmp_path_factory, data_root, init_files) -> Path:
         train_dir = out / f"base2new/train_base/dtd/shots_{SHOTS}/{method}/seed1"
         test_dir = out / f"base2new/test_new/dtd/shots_{SHOTS}/{method}/seed1"
         write_run_info(train_dir, "train")
-        run_train_py(common_args(data_root, method) + ["--output-dir", str(train_dir)] + tiny(method)
-                     + gram_opts(method, init_files) + ["DATASET.SUBSAMPLE_CLASSES", "base"])
+        run_train_py(
+            common_args(data_root, method)
+            + ["--output-dir", str(train_dir)]
+            + tiny(method)
+            + gram_opts(method, init_files)
+            + ["DATASET.SUBSAMPLE_CLASSES", "base"]
+        )
         write_run_info(test_dir, "eval")
-        run_train_py(common_args(data_root, method) + ["--output-dir", str(test_dir), "--model-dir", str(train_dir),
-                                                       "--load-epoch", "1", "--eval-only"] + tiny(method)
-                     + gram_opts(method, init_files) + ["DATASET.SUBSAMPLE_CLASSES", "new"])
+        run_train_py(
+            common_args(data_root, method)
+            + ["--output-dir", str(test_dir), "--model-dir", str(train_dir), "--load-epoch", "1", "--eval-only"]
+            + tiny(method)
+            + gram_opts(method, init_files)
+            + ["DATASET.SUBSAMPLE_CLASSES", "new"]
+        )
     for side, sub in (("base", "train_base"), ("new", "test_new")):  # zero-shot CLIP: eval-only both halves
         run_dir = out / f"base2new/{sub}/dtd/shots_{SHOTS}/zsclip/seed1"
         write_run_info(run_dir, "eval")
-        run_train_py(common_args(data_root, "zsclip") + ["--output-dir", str(run_dir), "--eval-only"] + TINY
-                     + ["DATASET.SUBSAMPLE_CLASSES", side])
+        run_train_py(
+            common_args(data_root, "zsclip")
+            + ["--output-dir", str(run_dir), "--eval-only"]
+            + TINY
+            + ["DATASET.SUBSAMPLE_CLASSES", side]
+        )
     return out
 
 
 def run_dirs(out: Path, method: str) -> tuple[Path, Path]:
-    return (out / f"base2new/train_base/dtd/shots_{SHOTS}/{method}/seed1",
-            out / f"base2new/test_new/dtd/shots_{SHOTS}/{method}/seed1")
+    return (
+        out / f"base2new/train_base/dtd/shots_{SHOTS}/{method}/seed1",
+        out / f"base2new/test_new/dtd/shots_{SHOTS}/{method}/seed1",
+    )
 
 
 # ------------------------------------------------------------------------------------------ registry / cfg
@@ -164,8 +212,9 @@ def test_one_import_registers_all_three_and_a_second_import_path_does_not_crash(
     for name in ("GRAM_CoOp", "GRAM_VPT", "UNIGRAM", "GRAM_IVLP", "GRAM_MaPLe"):
         assert getattr(TRAINER_REGISTRY.get(name), "gram_trainer", False)
     monkeypatch.setattr(TRAINER_REGISTRY, "_obj_map", dict(TRAINER_REGISTRY._obj_map))
-    spec = importlib.util.spec_from_file_location("copied_gram", REPO / "trainers/gram/__init__.py",
-                                                  submodule_search_locations=[str(REPO / "trainers/gram")])
+    spec = importlib.util.spec_from_file_location(
+        "copied_gram", REPO / "trainers/gram/__init__.py", submodule_search_locations=[str(REPO / "trainers/gram")]
+    )
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "copied_gram", module)
     spec.loader.exec_module(module)  # the same package under a second name, as in a fork's copy
@@ -206,8 +255,11 @@ def test_base_to_new_logs_and_checkpoints(experiment, method, init_files):
     assert "Finish training" in train_log
     assert f"GRAM trainer {trainer}: GRAM {'on' if on else 'off (baseline)'}" in train_log
     assert "precision=fp32 (asked fp16)" in train_log  # the configs ask fp16; CPU runs fp32
-    assert re.search(r"GRAM data: DescribableTextures subsample=base shots=2 seed=1 classes=2 train_x=4 "
-                     r"sha256=[0-9a-f]{64}", train_log)
+    assert re.search(
+        r"GRAM data: DescribableTextures subsample=base shots=2 seed=1 classes=2 train_x=4 "
+        r"sha256=[0-9a-f]{64}",
+        train_log,
+    )
     regulated = sorted(PROMPT_SHAPES[trainer]) if methods.get(method).regulate else []
     assert f"regulated tensors {regulated}, " in train_log
     # 2 classes x 2 shots in batches of 2: the LR steps once, at the last batch (warm-up 1e-5 -> the config's LR)
@@ -220,9 +272,9 @@ def test_base_to_new_logs_and_checkpoints(experiment, method, init_files):
     assert ckpt["epoch"] == 1 and ckpt["gram"]["trainer"] == trainer
     assert dassl_load_checkpoint(str(ckpt_path))["epoch"] == 1  # stock Dassl's loader reads it too (torch 2.14)
     row = methods.get(method)
-    launched = on and not row.one_step   # the default launch step; one-step rows keep the paper's start
+    launched = on and not row.one_step  # the default launch step; one-step rows keep the paper's start
     assert ("GRAM launch: θ <- θ − α R_φ(mean train gradient), α=0.1" in train_log) == launched
-    support = PROVENANCE["tasks"]["k_way"] * PROVENANCE["tasks"]["n_support"]       # images; batches of 2 here
+    support = PROVENANCE["tasks"]["k_way"] * PROVENANCE["tasks"]["n_support"]  # images; batches of 2 here
     window = (1 if row.one_step else support // 2) if row.regulate else 1
     assert f"regulation window {window}, launch step {'on' if launched else 'off'}" in train_log
     if on and not launched:  # one epoch at the warm-up LR (1e-5) barely moves θ away from θ*
@@ -252,8 +304,9 @@ def test_results_parser_on_the_produced_logs(experiment, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "parse_results", parser)  # its dataclasses look their module up
     spec.loader.exec_module(parser)
     assert parser.main([str(experiment), "--out", str(tmp_path), "--strict"]) == 0
-    rows = {r["method"]: r for r in csv.DictReader(open(tmp_path / f"base2new_shots{SHOTS}.csv"))
-            if r["dataset"] == "dtd"}
+    rows = {
+        r["method"]: r for r in csv.DictReader(open(tmp_path / f"base2new_shots{SHOTS}.csv")) if r["dataset"] == "dtd"
+    }
     assert set(rows) == set(METHODS) | {"zsclip"}
     for method, row in rows.items():
         train_dir, test_dir = run_dirs(experiment, method)
@@ -268,9 +321,12 @@ def test_results_parser_on_the_produced_logs(experiment, tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------------ direct checks
 def build(data_root: Path, method: str, *opts: str, init_files=None, subsample: str = "base"):
-    args = train.build_parser().parse_args(common_args(data_root, method) + tiny(method)
-                                           + (gram_opts(method, init_files) if init_files else [])
-                                           + ["DATASET.SUBSAMPLE_CLASSES", subsample, *opts])
+    args = train.build_parser().parse_args(
+        common_args(data_root, method)
+        + tiny(method)
+        + (gram_opts(method, init_files) if init_files else [])
+        + ["DATASET.SUBSAMPLE_CLASSES", subsample, *opts]
+    )
     torch.manual_seed(0)
     return build_trainer(train.setup_cfg(args))
 
@@ -279,8 +335,20 @@ def build(data_root: Path, method: str, *opts: str, init_files=None, subsample: 
 def test_training_step_applies_r_phi_to_the_gradient(data_root, init_files, method):
     """θ' = θ - lr · R_φ(∇θ L) with θ, φ from the init file (paper Eq. 7 at test time)."""
     trainer_name, _ = METHODS[method]
-    trainer = build(data_root, method, "OPTIM.WARMUP_EPOCH", "0", "OPTIM.LR", "0.5", "OPTIM.MOMENTUM", "0.0",
-                    "OPTIM.WEIGHT_DECAY", "0.0", *PER_IMAGE, init_files=init_files)
+    trainer = build(
+        data_root,
+        method,
+        "OPTIM.WARMUP_EPOCH",
+        "0",
+        "OPTIM.LR",
+        "0.5",
+        "OPTIM.MOMENTUM",
+        "0.0",
+        "OPTIM.WEIGHT_DECAY",
+        "0.0",
+        *PER_IMAGE,
+        init_files=init_files,
+    )
     init = load_gram_init(init_files[trainer_name])
     theta = dict(trainer.model.prompt_learner.named_parameters())
     for k, v in init.prompt.items():  # θ starts exactly at θ*
@@ -308,11 +376,24 @@ def test_window_and_launch_in_the_trainer(data_root, init_files, tiny_clip, tmp_
     LAUNCH: θ* − α R_φ(mean train gradient); the old REG_WINDOW (batches) is a one-line error."""
     plain = load_gram_init(init_files["GRAM_CoOp"])
     path = tmp_path / "with_provenance.safetensors"
-    export_gram_init(path, PromptParams(**plain.prompt), plain.regulator_modules(), tiny_clip[1],
-                     provenance={"tasks": {"k_way": 3, "n_support": 2}, "meta": {"inner_lr": 0.3, "inner_steps": 1}})
+    export_gram_init(
+        path,
+        PromptParams(**plain.prompt),
+        plain.regulator_modules(),
+        tiny_clip[1],
+        provenance={"tasks": {"k_way": 3, "n_support": 2}, "meta": {"inner_lr": 0.3, "inner_steps": 1}},
+    )
     opts = ("OPTIM.WARMUP_EPOCH", "0", "OPTIM.LR", "0.5", "OPTIM.MOMENTUM", "0.0", "OPTIM.WEIGHT_DECAY", "0.0")
-    trainer = build(data_root, "gram_coop", *opts, "TRAINER.GRAM.REG_WINDOW_IMAGES", "4", "TRAINER.GRAM.LAUNCH",
-                    "False", init_files=init_files)
+    trainer = build(
+        data_root,
+        "gram_coop",
+        *opts,
+        "TRAINER.GRAM.REG_WINDOW_IMAGES",
+        "4",
+        "TRAINER.GRAM.LAUNCH",
+        "False",
+        init_files=init_files,
+    )
     assert trainer.window.size == 2
     ctx, reg = trainer.model.prompt_learner.ctx, plain.regulator_modules()["ctx"]
     batches = iter(trainer.train_loader_x)
@@ -322,7 +403,7 @@ def test_window_and_launch_in_the_trainer(data_root, init_files, tiny_clip, tmp_
     trainer.set_model_mode("train")
     trainer.batch_idx, trainer.num_batches = 0, 4
     trainer.forward_backward(b1)
-    assert torch.equal(ctx.detach(), before)                       # window still open
+    assert torch.equal(ctx.detach(), before)  # window still open
     trainer.batch_idx = 1
     trainer.forward_backward(b2)
     with torch.no_grad():
@@ -330,9 +411,10 @@ def test_window_and_launch_in_the_trainer(data_root, init_files, tiny_clip, tmp_
     torch.testing.assert_close(ctx.detach(), expected, atol=1e-6, rtol=1e-5)
 
     gram = ["TRAINER.GRAM.INIT", str(path), "TRAINER.GRAM.ENABLED", "True"]
-    trainer = build(data_root, "gram_coop", *opts, "TRAINER.GRAM.REG_WINDOW_IMAGES", "0", "TRAINER.GRAM.LAUNCH",
-                    "True", *gram)
-    assert trainer.window.size == 3 and trainer.launch_step.alpha == 0.3     # 3 x 2 support images, batches of 2
+    trainer = build(
+        data_root, "gram_coop", *opts, "TRAINER.GRAM.REG_WINDOW_IMAGES", "0", "TRAINER.GRAM.LAUNCH", "True", *gram
+    )
+    assert trainer.window.size == 3 and trainer.launch_step.alpha == 0.3  # 3 x 2 support images, batches of 2
     ctx = trainer.model.prompt_learner.ctx
     start = ctx.detach().clone()
     loss = trainer._launch()
@@ -340,10 +422,17 @@ def test_window_and_launch_in_the_trainer(data_root, init_files, tiny_clip, tmp_
     # independent: the mean cross-entropy over every train image (test transform), one regulated α-step
     from dassl.data.data_manager import build_data_loader
     from dassl.data.transforms import build_transform
+
     with torch.no_grad():
         ctx.copy_(start)
-    loader = build_data_loader(trainer.cfg, sampler_type="SequentialSampler", data_source=trainer.dm.dataset.train_x,
-                               batch_size=1000, tfm=build_transform(trainer.cfg, is_train=False), is_train=False)
+    loader = build_data_loader(
+        trainer.cfg,
+        sampler_type="SequentialSampler",
+        data_source=trainer.dm.dataset.train_x,
+        batch_size=1000,
+        tfm=build_transform(trainer.cfg, is_train=False),
+        is_train=False,
+    )
     (batch,) = list(loader)
     mean_ce = F.cross_entropy(trainer.model(batch["img"]), batch["label"])
     (g,) = torch.autograd.grad(mean_ce, [ctx])
@@ -357,15 +446,28 @@ def test_window_and_launch_in_the_trainer(data_root, init_files, tiny_clip, tmp_
     bare = tmp_path / "bare.safetensors"
     export_gram_init(bare, PromptParams(**plain.prompt), plain.regulator_modules(), tiny_clip[1])
     with pytest.raises(ValueError, match="TRAINER.GRAM.INIT .*provenance.tasks"):
-        build(data_root, "gram_coop", "TRAINER.GRAM.REG_WINDOW_IMAGES", "0", "TRAINER.GRAM.LAUNCH", "False",
-              "TRAINER.GRAM.INIT", str(bare))
-    with pytest.raises(ValueError, match=r"TRAINER.GRAM.REG_WINDOW: renamed TRAINER.GRAM.REG_WINDOW_IMAGES, which "
-                                         r"counts images"):
+        build(
+            data_root,
+            "gram_coop",
+            "TRAINER.GRAM.REG_WINDOW_IMAGES",
+            "0",
+            "TRAINER.GRAM.LAUNCH",
+            "False",
+            "TRAINER.GRAM.INIT",
+            str(bare),
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"TRAINER.GRAM.REG_WINDOW: renamed TRAINER.GRAM.REG_WINDOW_IMAGES, which "
+        r"counts images",
+    ):
         build(data_root, "gram_coop", "TRAINER.GRAM.REG_WINDOW", "2", init_files=init_files)
 
 
-@pytest.mark.parametrize("reg_only_key, baseline_key", [("gram_coop_reg_only", "coop"), ("gram_ivlp_reg_only", "ivlp"),
-                                                         ("gram_maple_reg_only", "maple")])
+@pytest.mark.parametrize(
+    "reg_only_key, baseline_key",
+    [("gram_coop_reg_only", "coop"), ("gram_ivlp_reg_only", "ivlp"), ("gram_maple_reg_only", "maple")],
+)
 def test_r_phi_only_starts_from_the_baselines_theta(data_root, init_files, reg_only_key, baseline_key):
     """TRAINER.GRAM.INIT_PROMPTS False: θ is the baseline's start (same seed; the deep baselines' word-initialised
     "a photo" context included), R_φ the file's."""
@@ -389,8 +491,18 @@ def test_regulate_off_keeps_the_init_but_not_the_regulator(data_root, init_files
 
 
 def test_baseline_step_is_plain_sgd(data_root):
-    trainer = build(data_root, "coop", "OPTIM.WARMUP_EPOCH", "0", "OPTIM.LR", "0.5", "OPTIM.MOMENTUM", "0.0",
-                    "OPTIM.WEIGHT_DECAY", "0.0")
+    trainer = build(
+        data_root,
+        "coop",
+        "OPTIM.WARMUP_EPOCH",
+        "0",
+        "OPTIM.LR",
+        "0.5",
+        "OPTIM.MOMENTUM",
+        "0.0",
+        "OPTIM.WEIGHT_DECAY",
+        "0.0",
+    )
     assert trainer.regulation is None
     ctx = trainer.model.prompt_learner.ctx
     batch = next(iter(trainer.train_loader_x))
@@ -406,8 +518,22 @@ def test_baseline_step_is_plain_sgd(data_root):
 @pytest.mark.parametrize("prec", ["fp16", "amp"])
 def test_cuda_precision_paths_regulate_the_true_gradient(data_root, init_files, prec, method):
     """PREC fp16 (fp16 CLIP) and amp (autocast + GradScaler: scale, unscale, regulate, step) on CUDA."""
-    trainer = build(data_root, method, "OPTIM.WARMUP_EPOCH", "0", "OPTIM.LR", "0.5", "OPTIM.MOMENTUM", "0.0",
-                    "OPTIM.WEIGHT_DECAY", "0.0", "TRAINER.GRAM.PREC", prec, *PER_IMAGE, init_files=init_files)
+    trainer = build(
+        data_root,
+        method,
+        "OPTIM.WARMUP_EPOCH",
+        "0",
+        "OPTIM.LR",
+        "0.5",
+        "OPTIM.MOMENTUM",
+        "0.0",
+        "OPTIM.WEIGHT_DECAY",
+        "0.0",
+        "TRAINER.GRAM.PREC",
+        prec,
+        *PER_IMAGE,
+        init_files=init_files,
+    )
     assert trainer.device.type == "cuda" and trainer.precision == prec
     assert (trainer.scaler is not None) == (prec == "amp")
     if prec == "amp":  # a moderate scale: the default 2^16 may overflow on the first step and skip it
@@ -422,8 +548,7 @@ def test_cuda_precision_paths_regulate_the_true_gradient(data_root, init_files, 
     # the true gradient as amp sees it: the loss scaled as the GradScaler does (fp16 gradients below 2^-14
     # lose bits unscaled), then divided back
     scale = 1024.0 if prec == "amp" else 1.0
-    grads = [g / scale for g in torch.autograd.grad(F.cross_entropy(logits, labels) * scale,
-                                                    [theta[k] for k in names])]
+    grads = [g / scale for g in torch.autograd.grad(F.cross_entropy(logits, labels) * scale, [theta[k] for k in names])]
     init = load_gram_init(init_files[METHODS[method][0]])
     regs = {k: m.to(trainer.device) for k, m in init.regulator_modules().items()}
     before = {k: theta[k].detach().clone() for k in names}
@@ -460,8 +585,12 @@ def test_eval_only_loads_theta_for_new_classes_and_keeps_clip_in_eval(experiment
 
 def test_resume_continues_epochs_and_schedule(tmp_path, data_root):
     out = tmp_path / "run"
-    args = common_args(data_root, "coop") + ["--output-dir", str(out)] + TINY + ["OPTIM.MAX_EPOCH", "2",
-                                                                               "TRAIN.CHECKPOINT_FREQ", "1"]
+    args = (
+        common_args(data_root, "coop")
+        + ["--output-dir", str(out)]
+        + TINY
+        + ["OPTIM.MAX_EPOCH", "2", "TRAIN.CHECKPOINT_FREQ", "1"]
+    )
     run_train_py(args)
     first_log = (out / "log.txt").read_text()
     full = torch.load(out / "prompt_learner/model.pth.tar-2", weights_only=True)
@@ -482,9 +611,14 @@ def test_resume_continues_epochs_and_schedule(tmp_path, data_root):
 
 def test_resume_with_a_longer_schedule_follows_the_new_max_epoch(tmp_path, data_root):
     """1 epoch, then resumed with OPTIM.MAX_EPOCH 3: epochs 2-3 get the LRs of an uninterrupted 3-epoch run."""
+
     def run(out, epochs):
-        run_train_py(common_args(data_root, "coop") + ["--output-dir", str(out)] + TINY
-                     + ["OPTIM.MAX_EPOCH", str(epochs), "OPTIM.WARMUP_EPOCH", "0"])
+        run_train_py(
+            common_args(data_root, "coop")
+            + ["--output-dir", str(out)]
+            + TINY
+            + ["OPTIM.MAX_EPOCH", str(epochs), "OPTIM.WARMUP_EPOCH", "0"]
+        )
 
     def lrs(text):
         return {int(e): float(lr) for e, lr in re.findall(r"epoch \[(\d+)/3\] batch \[1/\d+\].* lr (\S+)", text)}
@@ -499,8 +633,10 @@ def test_resume_with_a_longer_schedule_follows_the_new_max_epoch(tmp_path, data_
     assert set(lrs(log)) == {2, 3}
     for epoch in (2, 3):
         assert lrs(log)[epoch] == pytest.approx(straight[epoch], rel=1e-6)
-    final = {k: torch.load(tmp_path / k / "prompt_learner/model.pth.tar-3", weights_only=True)["scheduler"]
-             for k in ("straight", "resumed")}
+    final = {
+        k: torch.load(tmp_path / k / "prompt_learner/model.pth.tar-3", weights_only=True)["scheduler"]
+        for k in ("straight", "resumed")
+    }
     assert final["resumed"] == final["straight"]
 
 
@@ -592,8 +728,7 @@ def test_init_that_does_not_fit_names_the_key_and_fields(data_root, init_files):
     with pytest.raises(InitMismatchError, match=r"TRAINER.GRAM.INIT: .*n_ctx_text: file has 4, model expects 2"):
         build(data_root, "gram_coop", "TRAINER.GRAM.N_CTX_TEXT", "2", init_files=init_files)
     with pytest.raises(InitMismatchError, match="n_ctx_vision: file has 2, model expects 0"):
-        build(data_root, "gram_coop", "TRAINER.GRAM.INIT", str(init_files["UNIGRAM"]),
-              "TRAINER.GRAM.N_CTX_TEXT", "2")
+        build(data_root, "gram_coop", "TRAINER.GRAM.INIT", str(init_files["UNIGRAM"]), "TRAINER.GRAM.N_CTX_TEXT", "2")
 
 
 def test_configs_num_workers_and_fp16_become_cpu_values_with_one_log_line(data_root, capsys, monkeypatch):
@@ -608,8 +743,10 @@ def test_configs_num_workers_and_fp16_become_cpu_values_with_one_log_line(data_r
     assert trainer.train_loader_x.num_workers == 1 and trainer.cfg.DATALOADER.NUM_WORKERS == 1
     out = capsys.readouterr().out
     assert out.count("GRAM effective settings on cpu:") == 1
-    assert ("GRAM effective settings on cpu: TRAINER.GRAM.PREC fp32 (config fp16); "
-            "DATALOADER.NUM_WORKERS 1 (config 8, 2 CPUs)") in out
+    assert (
+        "GRAM effective settings on cpu: TRAINER.GRAM.PREC fp32 (config fp16); "
+        "DATALOADER.NUM_WORKERS 1 (config 8, 2 CPUs)"
+    ) in out
 
 
 def test_input_size_must_match_the_backbone(data_root):

@@ -1,4 +1,5 @@
 """Dassl-free tests of the per-epoch LR schedule against closed forms (and Dassl's own, when present)."""
+
 from __future__ import annotations
 
 import io
@@ -6,10 +7,10 @@ import math
 
 import pytest
 import torch
+from helpers import lr_per_epoch, optim_cfg
 from yacs.config import CfgNode as CN
 
 from trainers.gram.schedule import build_lr_scheduler
-from helpers import lr_per_epoch, optim_cfg
 
 
 def lrs_per_epoch(cfg: CN, epochs: int) -> list[float]:
@@ -34,8 +35,9 @@ def test_longer_warmup_linear_warmup_and_no_warmup():
     got = lrs_per_epoch(optim_cfg(WARMUP_EPOCH=3, MAX_EPOCH=8), 8)
     assert got == pytest.approx([1e-5] * 3 + [cosine(0.002, e - 3, 8) for e in range(3, 8)], rel=1e-9)
     got = lrs_per_epoch(optim_cfg(WARMUP_EPOCH=4, WARMUP_TYPE="linear", MAX_EPOCH=8), 8)
-    assert got == pytest.approx([1e-5, 0.0005, 0.001, 0.0015] + [cosine(0.002, e - 4, 8) for e in range(4, 8)],
-                                rel=1e-9)
+    assert got == pytest.approx(
+        [1e-5, 0.0005, 0.001, 0.0015] + [cosine(0.002, e - 4, 8) for e in range(4, 8)], rel=1e-9
+    )
     got = lrs_per_epoch(optim_cfg(WARMUP_EPOCH=0, MAX_EPOCH=5), 5)
     assert got == pytest.approx([cosine(0.002, e, 5) for e in range(5)], rel=1e-9)
 
@@ -100,7 +102,8 @@ def test_evaluator_and_trainers_share_one_schedule(spec_changes, optim_changes):
     spec = TrainSpec(**spec_changes)
     assert evaluator_lrs(spec) == pytest.approx(lrs_per_epoch(optim_cfg(**optim_changes), spec.epochs), rel=1e-12)
     assert evaluator_lrs(TrainSpec(epochs=3, scheduler="constant", warmup_epochs=1)) == pytest.approx(
-        [1e-5, 0.002, 0.002], rel=1e-12)
+        [1e-5, 0.002, 0.002], rel=1e-12
+    )
     assert evaluator_lrs(TrainSpec(epochs=2, lr=0.0, warmup_lr=0.0)) == [0.0, 0.0]
     with pytest.raises(ValueError, match="OPTIM.LR: a warm-up to 1e-05 needs a positive learning rate"):
         evaluator_lrs(TrainSpec(epochs=2, lr=0.0))
@@ -116,16 +119,22 @@ def test_same_values_as_dassls_own_scheduler(monkeypatch):
         LRScheduler.__init__(self, optimizer, last_epoch)
 
     monkeypatch.setattr(_LRScheduler, "__init__", init_without_verbose)
+
     def dassl_lrs(cfg) -> list:
         """The lr of each epoch under Dassl's own scheduler."""
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=cfg.LR)
         return lr_per_epoch(opt, lr_scheduler.build_lr_scheduler(opt, cfg), cfg.MAX_EPOCH)
 
-    for cfg in (optim_cfg(), optim_cfg(WARMUP_EPOCH=2, MAX_EPOCH=6), optim_cfg(WARMUP_TYPE="linear", WARMUP_EPOCH=3),
-                optim_cfg(LR_SCHEDULER="multi_step", STEPSIZE=(2, 5), MAX_EPOCH=7)):
+    for cfg in (
+        optim_cfg(),
+        optim_cfg(WARMUP_EPOCH=2, MAX_EPOCH=6),
+        optim_cfg(WARMUP_TYPE="linear", WARMUP_EPOCH=3),
+        optim_cfg(LR_SCHEDULER="multi_step", STEPSIZE=(2, 5), MAX_EPOCH=7),
+    ):
         assert lrs_per_epoch(cfg, cfg.MAX_EPOCH) == pytest.approx(dassl_lrs(cfg), rel=1e-9)
     from meta.evaluation import TrainSpec
 
     for spec_changes, optim_changes in EVALUATOR_CASES:  # the evaluator's schedule is Dassl's too
-        assert evaluator_lrs(TrainSpec(**spec_changes)) == pytest.approx(dassl_lrs(optim_cfg(**optim_changes)),
-                                                                        rel=1e-9)
+        assert evaluator_lrs(TrainSpec(**spec_changes)) == pytest.approx(
+            dassl_lrs(optim_cfg(**optim_changes)), rel=1e-9
+        )

@@ -2,6 +2,7 @@
 computation: the regulation window (R_φ of the window's mean gradient, one step), the launch step
 (θ − α R_φ(mean gradient)), the before-adaptation query term of the outer objective, the component
 rows' starts (θ* only, R_φ only) and the Dassl keys that reach them."""
+
 from __future__ import annotations
 
 import copy
@@ -34,9 +35,9 @@ def _regulator(dim: int, seed: int = 0) -> GradientRegulator:
 def test_windowed_regulation_is_r_phi_of_the_window_mean_times_its_size():
     reg = _regulator(6)
     regulation = GradientRegulation({"ctx": reg})
-    grads = torch.randn(5, 3, 6, generator=torch.Generator().manual_seed(1))   # 5 per-image gradients [M, d]
+    grads = torch.randn(5, 3, 6, generator=torch.Generator().manual_seed(1))  # 5 per-image gradients [M, d]
     p = torch.nn.Parameter(torch.zeros(3, 6))
-    p.grad = grads.sum(0).clone()                  # what 5 backward passes leave in p.grad
+    p.grad = grads.sum(0).clone()  # what 5 backward passes leave in p.grad
     regulation.apply_([("ctx", p)], count=5)
     expected = 5 * reg(grads.mean(0))
     torch.testing.assert_close(p.grad, expected.detach())
@@ -58,8 +59,9 @@ def test_update_window_closes_after_size_passes_and_at_the_epoch_end():
 def _features_set(dims, n: int, seed: int) -> LabelledSet:
     gen = torch.Generator().manual_seed(seed)
     feats = F.normalize(torch.randn(n, 1, dims.embed_dim, generator=gen), dim=-1)
-    return LabelledSet(impaths=[f"x{i}" for i in range(n)], labels=torch.arange(n) % len(NAMES),
-                       classnames=NAMES, features=feats)
+    return LabelledSet(
+        impaths=[f"x{i}" for i in range(n)], labels=torch.arange(n) % len(NAMES), classnames=NAMES, features=feats
+    )
 
 
 def test_prompt_tuner_window_takes_one_regulated_step_per_window(tiny_clip):
@@ -69,14 +71,23 @@ def test_prompt_tuner_window_takes_one_regulated_step_per_window(tiny_clip):
     pclip = PromptedCLIP(clip, dims, 4)
     prompts = PromptParams.from_spec(PromptSpec(n_ctx_text=4), clip, dims, generator=torch.Generator().manual_seed(0))
     regulation = GradientRegulation({"ctx": _regulator(dims.text_width)})
-    spec = TrainSpec(epochs=1, batch_size=1, lr=0.05, momentum=0.0, weight_decay=0.0, scheduler="constant",
-                     warmup_epochs=0, augment="none", eval_every_epoch=False)
+    spec = TrainSpec(
+        epochs=1,
+        batch_size=1,
+        lr=0.05,
+        momentum=0.0,
+        weight_decay=0.0,
+        scheduler="constant",
+        warmup_epochs=0,
+        augment="none",
+        eval_every_epoch=False,
+    )
     data = _features_set(dims, 8, seed=3)
     start = copy.deepcopy(prompts)
     tuner = PromptTuner(pclip, prompts, regulation, spec, seed=7, train_images=None, test_images=None, reg_window=4)
     tuner.fit(data)
 
-    gen = torch.Generator().manual_seed(7)          # the tuner's stream: view offsets first, then the order
+    gen = torch.Generator().manual_seed(7)  # the tuner's stream: view offsets first, then the order
     torch.randint(1, (8,), generator=gen)
     order = torch.randperm(8, generator=gen)
     loss_fn = classification_loss(pclip)
@@ -85,8 +96,9 @@ def test_prompt_tuner_window_takes_one_regulated_step_per_window(tiny_clip):
         grads = []
         for i in window.tolist():
             view = PromptParams(ctx=theta.clone().requires_grad_(True))
-            loss, _ = loss_fn(view, {"classnames": NAMES, "label": data.labels[i:i + 1],
-                                     "features": data.features[i:i + 1, 0]})
+            loss, _ = loss_fn(
+                view, {"classnames": NAMES, "label": data.labels[i : i + 1], "features": data.features[i : i + 1, 0]}
+            )
             grads.append(torch.autograd.grad(loss, view.ctx)[0])
         mean = torch.stack(grads).mean(0)
         theta = theta - 0.05 * 4 * regulation.regulators["ctx"](mean).detach()
@@ -109,13 +121,21 @@ def test_launch_is_the_meta_trained_inner_step_on_the_mean_gradient(tiny_clip):
     theta = prompts.ctx.detach().clone()
     g = grad_at(theta)
     v1 = reg(g).detach()
-    theta1 = theta - 0.3 * v1                               # step 1
+    theta1 = theta - 0.3 * v1  # step 1
     g1 = grad_at(theta1)
-    expected = theta1 - 0.3 * (0.5 * v1 + reg(g1).detach())    # step 2, heavy ball μ = 0.5
+    expected = theta1 - 0.3 * (0.5 * v1 + reg(g1).detach())  # step 2, heavy ball μ = 0.5
 
-    spec = TrainSpec(test_batch_size=4)          # two chunks: the mean gradient is assembled from parts
-    tuner = PromptTuner(pclip, prompts, GradientRegulation({"ctx": reg}), spec, seed=1, train_images=None,
-                        test_images=None, launch_step=LaunchStep(alpha=0.3, steps=2, momentum=0.5))
+    spec = TrainSpec(test_batch_size=4)  # two chunks: the mean gradient is assembled from parts
+    tuner = PromptTuner(
+        pclip,
+        prompts,
+        GradientRegulation({"ctx": reg}),
+        spec,
+        seed=1,
+        train_images=None,
+        test_images=None,
+        launch_step=LaunchStep(alpha=0.3, steps=2, momentum=0.5),
+    )
     before = tuner.launch(data)
     torch.testing.assert_close(prompts.ctx.detach(), expected, rtol=1e-4, atol=3e-5)
     assert before == pytest.approx(float(loss_fn(PromptParams(ctx=theta.detach()), batch)[0]), rel=1e-5)
@@ -138,8 +158,14 @@ def test_query_before_weight_adds_the_query_loss_at_theta(tiny_clip):
     spec = PromptSpec(n_ctx_text=2)
     pclip = PromptedCLIP(clip, dims, 2)
     gen = torch.Generator().manual_seed(1)
-    batch = lambda n: {"classnames": NAMES, "label": torch.arange(3).repeat(n),  # noqa: E731
-                       "features": F.normalize(torch.randn(3 * n, dims.embed_dim, generator=gen), dim=-1)}
+
+    def batch(n):
+        return {
+            "classnames": NAMES,
+            "label": torch.arange(3).repeat(n),
+            "features": F.normalize(torch.randn(3 * n, dims.embed_dim, generator=gen), dim=-1),
+        }
+
     task = TaskBatch(batch(1), batch(2))
     loss_fn = classification_loss(pclip)
     grads = {}
@@ -167,20 +193,28 @@ def test_component_starts_theta_star_only_and_r_phi_only(tiny_clip, tmp_path):
     star = PromptParams(ctx=torch.randn(4, dims.text_width, generator=torch.Generator().manual_seed(9)))
     reg = _regulator(dims.text_width, seed=1)
     path = tmp_path / "init.safetensors"
-    export_gram_init(path, star, {"ctx": reg}, dims,
-                     provenance={"meta": {"inner_lr": 0.1, "inner_steps": 1, "inner_momentum": 0.0},
-                                 "tasks": {"k_way": 5, "n_support": 4}})
+    export_gram_init(
+        path,
+        star,
+        {"ctx": reg},
+        dims,
+        provenance={
+            "meta": {"inner_lr": 0.1, "inner_steps": 1, "inner_momentum": 0.0},
+            "tasks": {"k_way": 5, "n_support": 4},
+        },
+    )
     scratch, _, info_b = build_prompts(MethodSpec("CoOp", n_ctx_text=4), clip, dims, seed=3)
-    assert "launch" not in info_b and "reg_window" not in info_b     # the defaults touch only GRAM starts
+    assert "launch" not in info_b and "reg_window" not in info_b  # the defaults touch only GRAM starts
 
     init_only, reg0, info0 = build_prompts(MethodSpec("a", init_path=str(path), regulate=False), clip, dims, seed=3)
     assert reg0 is None and info0["source"] == "gram_file"
     torch.testing.assert_close(init_only.ctx.detach(), star.ctx)
 
-    reg_only, reg1, info1 = build_prompts(MethodSpec("b", init_path=str(path), regulate=True, init_prompts=False,
-                                                     launch=True), clip, dims, seed=3)
+    reg_only, reg1, info1 = build_prompts(
+        MethodSpec("b", init_path=str(path), regulate=True, init_prompts=False, launch=True), clip, dims, seed=3
+    )
     assert info1["source"] == "scratch" and info1["launch"] == {"alpha": 0.1, "steps": 1, "momentum": 0.0}
-    torch.testing.assert_close(reg_only.ctx.detach(), scratch.ctx.detach())   # the baseline's very start
+    torch.testing.assert_close(reg_only.ctx.detach(), scratch.ctx.detach())  # the baseline's very start
     g = torch.randn(4, dims.text_width)
     torch.testing.assert_close(reg1.regulators["ctx"](g), reg(g))
     # in memory (meta-validation): the same two starts
@@ -202,8 +236,14 @@ def test_downstream_validation_is_the_evaluators_fine_tuning_on_the_support(tiny
     pclip = PromptedCLIP(clip, dims, 2)
     prompts = PromptParams.from_spec(PromptSpec(n_ctx_text=2), clip, dims, generator=torch.Generator().manual_seed(0))
     gen = torch.Generator().manual_seed(4)
-    mk = lambda n: {"classnames": NAMES, "label": torch.arange(3).repeat(n),  # noqa: E731
-                    "features": F.normalize(torch.randn(3 * n, dims.embed_dim, generator=gen), dim=-1)}
+
+    def mk(n):
+        return {
+            "classnames": NAMES,
+            "label": torch.arange(3).repeat(n),
+            "features": F.normalize(torch.randn(3 * n, dims.embed_dim, generator=gen), dim=-1),
+        }
+
     support, query = mk(2), mk(3)
     spec = TrainSpec(epochs=3, batch_size=1, augment="none", aug_views=1, eval_every_epoch=False)
     reg = _regulator(dims.text_width, seed=2)
@@ -223,8 +263,10 @@ def test_downstream_validation_is_the_evaluators_fine_tuning_on_the_support(tiny
     a = crop_and_flip(image, (0.5, 1.0), torch.Generator().manual_seed(1))
     b = crop_and_flip(image, (0.5, 1.0), torch.Generator().manual_seed(1))
     assert a.shape == image.shape and torch.equal(a, b)
-    assert torch.equal(crop_and_flip(image, (1.0, 1.0), torch.Generator().manual_seed(3)).abs().sum(),
-                       crop_and_flip(image, (1.0, 1.0), torch.Generator().manual_seed(3)).abs().sum())
+    assert torch.equal(
+        crop_and_flip(image, (1.0, 1.0), torch.Generator().manual_seed(3)).abs().sum(),
+        crop_and_flip(image, (1.0, 1.0), torch.Generator().manual_seed(3)).abs().sum(),
+    )
 
 
 def test_window_zero_is_the_meta_training_support_size(tiny_clip, tmp_path):
@@ -235,8 +277,9 @@ def test_window_zero_is_the_meta_training_support_size(tiny_clip, tmp_path):
     star = PromptParams(ctx=torch.randn(4, dims.text_width, generator=torch.Generator().manual_seed(2)))
     reg = _regulator(dims.text_width, seed=4)
     path = tmp_path / "init.safetensors"
-    export_gram_init(path, star, {"ctx": reg}, dims,
-                     provenance={"tasks": {"k_way": 5, "n_support": 4}, "meta": {"inner_lr": 0.1}})
+    export_gram_init(
+        path, star, {"ctx": reg}, dims, provenance={"tasks": {"k_way": 5, "n_support": 4}, "meta": {"inner_lr": 0.1}}
+    )
     assert support_size({"provenance": {"tasks": {"k_way": 3, "n_support": 7}}}) == 21
     assert resolve_window(6, None) == 6
     with pytest.raises(ValueError, match="old.safetensors: provenance.tasks.k_way / n_support are missing"):
@@ -248,7 +291,9 @@ def test_window_zero_is_the_meta_training_support_size(tiny_clip, tmp_path):
     assert info["reg_window"] == 20
     _, _, info = build_prompts(MethodSpec("w3", init_path=str(path), regulate=True, reg_window=3), clip, dims, 1)
     assert info["reg_window"] == 3
-    _, reg_none, info = build_prompts(MethodSpec("raw", init_path=str(path), regulate=False, reg_window=0), clip, dims, 1)
+    _, reg_none, info = build_prompts(
+        MethodSpec("raw", init_path=str(path), regulate=False, reg_window=0), clip, dims, 1
+    )
     assert reg_none is None and "reg_window" not in info
     point = StartPoint(star, {"ctx": reg}, support_size=12)
     _, _, info = build_prompts(MethodSpec("m", regulate=True, reg_window=0), clip, dims, 1, start=point)

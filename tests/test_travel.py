@@ -1,4 +1,5 @@
 """meta.travel.TravelSplit against the observed travel and a hand-kept β momentum buffer."""
+
 import pytest
 import torch
 
@@ -12,7 +13,7 @@ def _run(spec, steps=6, window=2, seed=0, record=True):
     reg = GradientRegulator(5, RegulatorSpec(init="normal", init_std=0.4, **spec))
     regulation = GradientRegulation({"ctx": reg})
     ctx = torch.nn.Parameter(torch.randn(3, 5))
-    other = torch.nn.Parameter(torch.randn(4))          # not regulated: all of its travel is "not β"
+    other = torch.nn.Parameter(torch.randn(4))  # not regulated: all of its travel is "not β"
     targets = torch.randn(steps * window, 3, 5)
     opt = torch.optim.SGD([ctx, other], lr=0.05, momentum=0.9, weight_decay=5e-4)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
@@ -21,8 +22,8 @@ def _run(spec, steps=6, window=2, seed=0, record=True):
     split = TravelSplit()
     with split:
         for t in range(steps):
-            for w in range(window):       # a regulation window of 2 summed gradients
-                loss = ((ctx - targets[t * window + w]) ** 2).sum() * 0.5 + (other ** 2).sum() * (ctx.sum() ** 2) * 0.01
+            for w in range(window):  # a regulation window of 2 summed gradients
+                loss = ((ctx - targets[t * window + w]) ** 2).sum() * 0.5 + (other**2).sum() * (ctx.sum() ** 2) * 0.01
                 loss.backward()
             # β part of the step, by hand: count · β(ĝ input) of the window's mean gradient
             g_mean = ctx.grad.detach() / window
@@ -48,12 +49,21 @@ def test_travel_split_matches_observed_travel_and_hand_kept_beta_buffer():
     torch.testing.assert_close(st["travel"], observed, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(st["travel_beta"], hand_b, rtol=1e-5, atol=1e-7)
     s = split.summary()
-    assert s["steps"] == 6 and s["unpaired"] == 6          # the unregulated tensor, once per step
+    assert s["steps"] == 6 and s["unpaired"] == 6  # the unregulated tensor, once per step
     assert 0 < s["beta_share"] < 5 and s["beta_travel_norm"] > 0
     assert s["beta_projection"] == pytest.approx(
-        float(torch.cat([hand_b.flatten(), torch.zeros(4)]) @ torch.cat([observed.flatten(),
-              split.per_param[[k for k in split.per_param if k != id(ctx)][0]]["travel"].flatten()]))
-        / s["travel_norm"] ** 2, rel=1e-4)
+        float(
+            torch.cat([hand_b.flatten(), torch.zeros(4)])
+            @ torch.cat(
+                [
+                    observed.flatten(),
+                    split.per_param[[k for k in split.per_param if k != id(ctx)][0]]["travel"].flatten(),
+                ]
+            )
+        )
+        / s["travel_norm"] ** 2,
+        rel=1e-4,
+    )
 
 
 def test_gamma_only_regulator_has_no_beta_travel_and_forward_is_restored():

@@ -1,4 +1,5 @@
 """Initialisations of the visual prompt tokens (PromptSpec.vpt_init) and the switches that reach them."""
+
 import pytest
 import torch
 
@@ -37,11 +38,11 @@ def test_zeros_and_cls_are_deterministic_and_built_from_the_frozen_tower(tiny_cl
     exact = _vpt(clip, dims, "cls", depth=2, std=0.0, seed=0)
     assert torch.equal(exact, _vpt(clip, dims, "cls", depth=2, std=0.0, seed=5))
     torch.testing.assert_close(exact[0], cls_token.expand(4, -1))
-    torch.testing.assert_close(exact[1], visual.ln_pre(cls_token).detach().expand(4, -1))   # deep: after ln_pre
+    torch.testing.assert_close(exact[1], visual.ln_pre(cls_token).detach().expand(4, -1))  # deep: after ln_pre
     noisy = _vpt(clip, dims, "cls", std=0.02, seed=0)
-    assert torch.equal(noisy, _vpt(clip, dims, "cls", std=0.02, seed=0))                   # seeded
+    assert torch.equal(noisy, _vpt(clip, dims, "cls", std=0.02, seed=0))  # seeded
     spread = (noisy[0] - cls_token).std()
-    assert 0.01 < float(spread) < 0.04                                                    # N(0, 0.02²) around it
+    assert 0.01 < float(spread) < 0.04  # N(0, 0.02²) around it
     patch = _vpt(clip, dims, "patch_mean", std=0.0)
     torch.testing.assert_close(patch[0], visual.positional_embedding[1:].mean(0).detach().expand(4, -1))
 
@@ -60,7 +61,7 @@ def test_the_evaluator_builds_the_requested_init_and_records_it(tiny_clip):
     prompts, _, info = build_prompts(method_preset("vpt", vpt_init="zeros"), clip, dims, seed=1)
     assert not prompts.vpt.any() and info["vpt_init"] == "zeros"
     _, _, info = build_prompts(method_preset("coop"), clip, dims, seed=1)
-    assert info["vpt_init"] == ""                          # no visual prompts: nothing to record
+    assert info["vpt_init"] == ""  # no visual prompts: nothing to record
 
 
 def test_a_run_saved_before_the_switch_resumes_only_with_the_init_it_used():
@@ -83,6 +84,7 @@ def test_a_run_saved_before_the_switch_resumes_only_with_the_init_it_used():
     assert cfg_differences(coop, result_defining_cfg(build_cfg(opts=["META.PROMPT.VPT_INIT", "cls"]))) == []
     with pytest.raises(ValueError, match="META.PROMPT.VPT_INIT"):
         from meta.metatrain.settings import check_meta_cfg
+
         cfg = build_cfg(opts=vpt)
         cfg.defrost()
         cfg.META.PROMPT.VPT_INIT = "xavier"
@@ -90,10 +92,11 @@ def test_a_run_saved_before_the_switch_resumes_only_with_the_init_it_used():
 
 
 def test_the_dassl_keys_and_the_evaluator_flag_reach_the_prompt_spec():
+    from test_trainers_config import minimal_cfg
+
     from meta.evaluate import _methods, _parser, _train_spec
     from meta.evaluation import TrainSpec
     from trainers.gram.config import gram_settings
-    from test_trainers_config import minimal_cfg
 
     cfg = minimal_cfg("GRAM_VPT")
     assert gram_settings(cfg).vpt_init == PromptSpec.vpt_init
@@ -108,4 +111,4 @@ def test_the_dassl_keys_and_the_evaluator_flag_reach_the_prompt_spec():
     assert _methods(args)[0].vpt_init == PromptSpec.vpt_init
     assert _train_spec(args).rrcrop_scale == TrainSpec().rrcrop_scale
     args = _parser().parse_args(["base2new", "--dataset", "d", "--rrcrop-scale", "0.5", "1"])
-    assert _train_spec(args).rrcrop_scale == (0.5, 1.0)          # the demo's crop, for reproducing its runs
+    assert _train_spec(args).rrcrop_scale == (0.5, 1.0)  # the demo's crop, for reproducing its runs

@@ -1,4 +1,5 @@
 """The tiny world CLIP: model config, trimmed text encoding, augmentation, pretraining, zero-shot."""
+
 import json
 import warnings
 
@@ -9,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from meta.backbone import load_clip, register_model_configs
 from gram_world import build_world
 from gram_world.clip_io import WORLD_MODEL, encode_text_trimmed, to_model_input
 from gram_world.pretrain import _shift, pretrain_clip, pretrain_settings, weights_path
 from gram_world.zeroshot import zeroshot_accuracy
+from meta.backbone import load_clip, register_model_configs
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def random_world_clip():
 def test_world_model_config_is_a_small_vit_with_the_standard_text_side(random_world_clip):
     clip = random_world_clip
     assert clip.visual.image_size == (32, 32) and clip.visual.conv1.kernel_size == (8, 8)
-    assert clip.visual.grid_size == (4, 4)          # 16 patch tokens + CLS: a cheap tower for VPT
+    assert clip.visual.grid_size == (4, 4)  # 16 patch tokens + CLS: a cheap tower for VPT
     assert clip.positional_embedding.shape[0] == 77 and clip.token_embedding.num_embeddings == 49408
     assert sum(p.numel() for p in clip.parameters()) < 10_000_000
     tok = open_clip.get_tokenizer(WORLD_MODEL)
@@ -64,7 +65,7 @@ def test_shift_is_a_crop_of_the_edge_padded_image():
     y = _shift(x, 2, torch.Generator().manual_seed(3))
     padded = F.pad(x, (2, 2, 2, 2), mode="replicate")
     for b in range(2):
-        crops = [padded[b, :, dy:dy + 8, dx:dx + 8] for dy in range(5) for dx in range(5)]
+        crops = [padded[b, :, dy : dy + 8, dx : dx + 8] for dy in range(5) for dx in range(5)]
         assert any(torch.equal(y[b], c) for c in crops)
     assert torch.equal(_shift(x, 0, torch.Generator()), x)
 

@@ -1,4 +1,5 @@
 """The procedural world on disk: consistency of images, captions, ground truth and CoOp splits."""
+
 import hashlib
 import json
 import tarfile
@@ -24,8 +25,15 @@ def quick_world(tmp_path_factory):
 
 def _tiny(seed: int):
     """A very small world for byte-level determinism checks (a few seconds to build)."""
-    return replace(world_settings(quick=True, seed=seed), pretrain_size=120, chc_size=60, chc_shard_size=25,
-                   labelled_per_class=1, val_per_class=1, test_per_class=1)
+    return replace(
+        world_settings(quick=True, seed=seed),
+        pretrain_size=120,
+        chc_size=60,
+        chc_shard_size=25,
+        labelled_per_class=1,
+        val_per_class=1,
+        test_per_class=1,
+    )
 
 
 def _tree_digest(root: Path) -> str:
@@ -40,7 +48,7 @@ def _tree_digest(root: Path) -> str:
 def test_categories_and_styles_are_organised_in_families():
     assert len(FAMILIES) == 4 and all(len(f) == 10 for f in FAMILIES.values())
     assert len(CATEGORIES) == 40
-    assert all(" " not in n for n in CATEGORIES)          # class names are folder names
+    assert all(" " not in n for n in CATEGORIES)  # class names are folder names
     assert set(STYLES) == {"shaded", "sketch", "noisy", "cartoon", "textured"}
 
 
@@ -82,14 +90,16 @@ def test_coop_split_files_are_well_formed_and_every_file_opens(quick_world):
                 seen.add(rel)
             counts = np.bincount([r[1] for r in rows], minlength=len(ds.classnames))
             assert (counts == per_class).all()
-        assert len(seen) == sum(len(v) for v in split.values())      # no file listed twice
-        assert len(list(ds.image_dir.rglob("*.jpg"))) == len(seen)   # no unlisted file
+        assert len(seen) == sum(len(v) for v in split.values())  # no file listed twice
+        assert len(list(ds.image_dir.rglob("*.jpg"))) == len(seen)  # no unlisted file
 
 
 @pytest.mark.slow
 def test_chc_shards_hold_consistent_jpg_txt_json_triples(quick_world):
     s = world_settings(quick=True)
-    assert [p.name for p in quick_world.chc_shards] == [f"shard-{i:05d}.tar" for i in range(s.chc_size // s.chc_shard_size)]
+    assert [p.name for p in quick_world.chc_shards] == [
+        f"shard-{i:05d}.tar" for i in range(s.chc_size // s.chc_shard_size)
+    ]
     with tarfile.open(quick_world.chc_shards[0]) as tar:
         names = tar.getnames()
     assert names[:3] == ["000000000.jpg", "000000000.txt", "000000000.json"]
@@ -117,7 +127,7 @@ def test_pretrain_corpus_captions_name_the_drawn_category_when_matched(quick_wor
         assert (r["category"] == r["caption_category"]) == r["matched"]
     assert {r["style"] for r in rows} == set(s.styles)
     assert {r["category"] for r in rows} == set(CATEGORIES)
-    assert len({r["caption"] for r in rows}) > 0.5 * len(rows)       # varied wording
+    assert len({r["caption"] for r in rows}) > 0.5 * len(rows)  # varied wording
 
 
 @pytest.mark.slow
@@ -125,8 +135,8 @@ def test_styles_change_image_statistics(quick_world):
     images = np.load(quick_world.pretrain_images).astype(np.float32)
     styles = np.array([json.loads(line)["style"] for line in open(quick_world.pretrain_pairs)])
     diffs = np.abs(np.diff(images, axis=2)).reshape(len(images), -1)
-    hf = diffs.mean(1)                        # edges and noise
-    noise = np.median(diffs, axis=1)          # per-pixel noise (edges are a minority of pixels)
+    hf = diffs.mean(1)  # edges and noise
+    noise = np.median(diffs, axis=1)  # per-pixel noise (edges are a minority of pixels)
     sat = (images.max(-1) - images.min(-1)).mean(axis=(1, 2))
     bright = images.mean(axis=(1, 2, 3))
     by = {s: styles == s for s in STYLES}
@@ -151,7 +161,9 @@ def test_downstream_roles_follow_the_protocol(quick_world):
     assert s.holdout_style not in src.styles
     src_families = {CATEGORIES[c].family for c in src.classnames}
     icons = quick_world.dataset("WorldIcons")
-    assert "cross_dataset_target" in icons.roles and not ({CATEGORIES[c].family for c in icons.classnames} & src_families)
+    assert "cross_dataset_target" in icons.roles and not (
+        {CATEGORIES[c].family for c in icons.classnames} & src_families
+    )
     truth = [json.loads(line) for line in open(quick_world.labelled_meta_truth)]
     assert len(truth) == 40 * s.labelled_per_class and {t["style"] for t in truth} == set(s.seen_styles)
     assert sorted(p.name for p in quick_world.labelled_meta_dir.iterdir()) == sorted(CATEGORIES)
@@ -165,8 +177,11 @@ def test_no_downstream_test_image_appears_in_a_training_corpus(quick_world):
     train = {digest(a) for a in np.load(quick_world.pretrain_images)}
     train |= {digest(p["image"]) for p in read_chc_shards(quick_world)}
     train |= {digest(np.asarray(Image.open(p).convert("RGB"))) for p in quick_world.labelled_meta_dir.rglob("*.jpg")}
-    test = [digest(np.asarray(Image.open(ds.image_dir / r[0]).convert("RGB")))
-            for ds in quick_world.datasets.values() for r in json.loads(ds.split_file.read_text())["test"]]
+    test = [
+        digest(np.asarray(Image.open(ds.image_dir / r[0]).convert("RGB")))
+        for ds in quick_world.datasets.values()
+        for r in json.loads(ds.split_file.read_text())["test"]
+    ]
     assert len(set(test)) == len(test) and not (set(test) & train)
 
 
@@ -201,7 +216,7 @@ def test_capture_conditions_transform_the_rendered_image():
     grey = capture(img, "grayscale")
     assert grey.dtype == np.uint8 and (grey[..., 0] == grey[..., 1]).all() and (grey[..., 1] == grey[..., 2]).all()
     assert np.abs(grey[..., 0].astype(float) - img.mean(-1)).max() <= 0.5
-    assert np.array_equal(capture(img, "rotated")[0, :, :], img[:, -1, :])   # quarter turn anticlockwise
+    assert np.array_equal(capture(img, "rotated")[0, :, :], img[:, -1, :])  # quarter turn anticlockwise
     assert np.array_equal(capture(img, "negative").astype(int) + img, np.full(img.shape, 255))
     with pytest.raises(KeyError, match="unknown capture condition"):
         capture(img, "infrared")
@@ -229,8 +244,9 @@ def test_exposure_scale_and_layout_captures_against_their_definitions():
     frame = np.array(FRAME_COLOUR, np.uint8)
     assert (framed[:5] == frame).all() and (framed[-5:] == frame).all() and (framed[:, :5] == frame).all()
     assert (framed[5:27, 5:27] == 250).all()
-    assert (capture(img, "solarized") <= 128).all() and np.array_equal(capture(img, "posterized") & 0x3F,
-                                                                       np.full_like(img, 32))
+    assert (capture(img, "solarized") <= 128).all() and np.array_equal(
+        capture(img, "posterized") & 0x3F, np.full_like(img, 32)
+    )
 
 
 def test_family_datasets_are_captured_differently_from_pretraining(quick_world):
@@ -239,10 +255,12 @@ def test_family_datasets_are_captured_differently_from_pretraining(quick_world):
     s = world_settings(quick=True)
     plans = {p.name: p for p in s.plans}
     assert plans["WorldMixed"].capture == plans["WorldMixedSketch"].capture == "none"
-    assert {plans[n].capture for n in ("WorldPolygons", "WorldCurves", "WorldSymbols", "WorldIcons")} <= set(CAPTURES) - {"none"}
+    assert {plans[n].capture for n in ("WorldPolygons", "WorldCurves", "WorldSymbols", "WorldIcons")} <= set(
+        CAPTURES
+    ) - {"none"}
     manifest = json.loads(quick_world.manifest.read_text())
     assert {d["name"]: d["capture"] for d in manifest["datasets"]} == {n: p.capture for n, p in plans.items()}
     ds = quick_world.dataset("WorldPolygons")
     for rel, _, _ in json.loads(ds.split_file.read_text())["train"][:20]:
         a = np.asarray(Image.open(ds.image_dir / rel).convert("RGB")).astype(int)
-        assert np.abs(a[..., 0] - a[..., 1]).max() <= 2 and np.abs(a[..., 1] - a[..., 2]).max() <= 2   # JPEG
+        assert np.abs(a[..., 0] - a[..., 1]).max() <= 2 and np.abs(a[..., 1] - a[..., 2]).max() <= 2  # JPEG

@@ -1,4 +1,5 @@
 """The ceiling probe (gram_world.probe): linear probes on frozen world-CLIP image features vs zero-shot."""
+
 import json
 import math
 import warnings
@@ -37,16 +38,29 @@ def quick_world(tmp_path_factory):
 
 @pytest.mark.slow
 def test_probe_world_on_random_weights_reports_base_classes(quick_world):
-    result = probe_world(quick_world, None, seeds=(1, 2), shots=4, with_coop=True, datasets=("WorldMixed",),
-                         log=lambda m: None, with_vpt=True)
+    result = probe_world(
+        quick_world,
+        None,
+        seeds=(1, 2),
+        shots=4,
+        with_coop=True,
+        datasets=("WorldMixed",),
+        log=lambda m: None,
+        with_vpt=True,
+    )
     r = result["WorldMixed"]
     n_classes = len(quick_world.dataset("WorldMixed").classnames)
     split = json.loads(quick_world.dataset("WorldMixed").split_file.read_text())
     assert r["n_base"] == math.ceil(n_classes / 2)
     assert r["n_test"] == sum(1 for row in split["test"] if row[1] < r["n_base"])
     assert r["n_train"] == sum(1 for row in split["train"] if row[1] < r["n_base"])
-    for acc in (r["zeroshot"], r["probe_all"]["accuracy"], r["probe_16"]["accuracy"], r["coop_fit"]["accuracy"],
-                r["vpt_fit"]["accuracy"]):
+    for acc in (
+        r["zeroshot"],
+        r["probe_all"]["accuracy"],
+        r["probe_16"]["accuracy"],
+        r["coop_fit"]["accuracy"],
+        r["vpt_fit"]["accuracy"],
+    ):
         assert 0.0 <= acc <= 100.0
     assert r["vpt_fit"]["best_train_accuracy"] >= r["vpt_fit"]["train_accuracy"]
     assert len(r["probe_16"]["per_seed"]) == 2
@@ -70,7 +84,7 @@ def _tiny_clip():
 
     torch.manual_seed(0)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")      # random weights on purpose
+        warnings.simplefilter("ignore")  # random weights on purpose
         clip, dims = load_clip("GRAM-World-ViT-T", pretrained=None)
     clip.eval()
     for p in clip.parameters():
@@ -88,7 +102,9 @@ def test_vpt_fit_reports_what_an_independent_forward_pass_measures(monkeypatch):
     clip, dims, tokenizer = _tiny_clip()
     rng = np.random.default_rng(0)
     # two classes told apart by brightness, so 4 visual tokens can fit the train set
-    images = np.concatenate([rng.integers(0, 80, (12, 32, 32, 3)), rng.integers(170, 256, (12, 32, 32, 3))]).astype(np.uint8)
+    images = np.concatenate([rng.integers(0, 80, (12, 32, 32, 3)), rng.integers(170, 256, (12, 32, 32, 3))]).astype(
+        np.uint8
+    )
     labels = np.repeat([0, 1], 12)
     train, test = (torch.from_numpy(images[::2]), labels[::2]), (torch.from_numpy(images[1::2]), labels[1::2])
     import gram_world.probe as probe_module
@@ -107,6 +123,7 @@ def test_vpt_fit_reports_what_an_independent_forward_pass_measures(monkeypatch):
     assert vpt.shape == (1, 4, dims.vision_width)
     # independent evaluation: prompted image features against the template's text features
     from gram_world.clip_io import class_text_features
+
     text = class_text_features(clip, tokenizer, ["circle", "square"], probe_module.TEMPLATE)
     with torch.no_grad():
         feats = torch.nn.functional.normalize(encode_image_with_prompts(clip, to_model_input(test[0]), vpt), dim=-1)

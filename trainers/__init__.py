@@ -3,6 +3,7 @@
 ``import trainers`` registers ``GRAM_CoOp``, ``GRAM_VPT`` and ``UNIGRAM`` in Dassl's
 ``TRAINER_REGISTRY`` (when Dassl is installed) and re-exports ``extend_cfg``; see ``trainers.gram``.
 """
+
 from .gram import TRAINER_NAMES, build_lr_scheduler, extend_cfg, gram_settings
 
 __all__ = ["extend_cfg", "gram_settings", "build_lr_scheduler", "TRAINER_NAMES"]

@@ -24,14 +24,59 @@ Modules: :mod:`.settings` (variants, method rows, table groups, :class:`DemoSett
 (stages 1-5 and the folder checks), :mod:`.pool` (worker processes with one progress bar),
 :mod:`.report` (tables, markdown, plots), :mod:`.cli` (command line, :func:`run`).
 """
+
 from .cli import default_out, main, run, settings_from_args
-from .settings import (ALL_VARIANTS, DEFAULT_TABLES, META_VARIANTS, METHOD_BY_KEY, METHODS, TABLE1_KEYS, TABLE4_KEYS,
-                       TABLE_GROUPS, TOKEN_KEYS, TRANSFER_KEYS, VARIANT_BY_NAME, DemoSettings, MetaVariant, MethodRow,
-                       b2n_keys, demo_pretrain_settings, demo_world_settings, settings_hash, settings_record,
-                       transfer_keys, variants_needed)
+from .settings import (
+    ALL_VARIANTS,
+    DEFAULT_TABLES,
+    META_VARIANTS,
+    METHOD_BY_KEY,
+    METHODS,
+    TABLE1_KEYS,
+    TABLE4_KEYS,
+    TABLE_GROUPS,
+    TOKEN_KEYS,
+    TRANSFER_KEYS,
+    VARIANT_BY_NAME,
+    DemoSettings,
+    MetaVariant,
+    MethodRow,
+    b2n_keys,
+    demo_pretrain_settings,
+    demo_world_settings,
+    settings_hash,
+    settings_record,
+    transfer_keys,
+    variants_needed,
+)
 from .stages import method_spec, stage_world
 
-__all__ = ["ALL_VARIANTS", "DEFAULT_TABLES", "META_VARIANTS", "METHOD_BY_KEY", "METHODS", "TABLE1_KEYS", "TABLE4_KEYS",
-           "TABLE_GROUPS", "TOKEN_KEYS", "TRANSFER_KEYS", "VARIANT_BY_NAME", "DemoSettings", "MetaVariant", "MethodRow",
-           "b2n_keys", "default_out", "demo_pretrain_settings", "demo_world_settings", "main", "method_spec", "run",
-           "settings_from_args", "settings_hash", "settings_record", "stage_world", "transfer_keys", "variants_needed"]
+__all__ = [
+    "ALL_VARIANTS",
+    "DEFAULT_TABLES",
+    "META_VARIANTS",
+    "METHOD_BY_KEY",
+    "METHODS",
+    "TABLE1_KEYS",
+    "TABLE4_KEYS",
+    "TABLE_GROUPS",
+    "TOKEN_KEYS",
+    "TRANSFER_KEYS",
+    "VARIANT_BY_NAME",
+    "DemoSettings",
+    "MetaVariant",
+    "MethodRow",
+    "b2n_keys",
+    "default_out",
+    "demo_pretrain_settings",
+    "demo_world_settings",
+    "main",
+    "method_spec",
+    "run",
+    "settings_from_args",
+    "settings_hash",
+    "settings_record",
+    "stage_world",
+    "transfer_keys",
+    "variants_needed",
+]

@@ -1,4 +1,5 @@
 """``python -m gram_world.demo [--quick] ...`` (see :mod:`gram_world.demo`)."""
+
 import sys
 
 from .cli import main

@@ -1,4 +1,5 @@
 """``python -m gram_world.demo``: the command line, and :func:`run` (every stage, then the report)."""
+
 from __future__ import annotations
 
 import argparse
@@ -55,24 +56,44 @@ def default_out(settings: DemoSettings) -> Path:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m gram_world.demo", description="GRAM end to end in the CPU-sized world: the paper's tables")
+    parser = argparse.ArgumentParser(
+        prog="python -m gram_world.demo", description="GRAM end to end in the CPU-sized world: the paper's tables"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny everything (<= 5 minutes)")
-    parser.add_argument("--out", default="", help="output folder (default output/demo or output/demo_quick, "
-                        "with _world<N> or _world-<hash> for another world)")
+    parser.add_argument(
+        "--out",
+        default="",
+        help="output folder (default output/demo or output/demo_quick, "
+        "with _world<N> or _world-<hash> for another world)",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", help="override the seeds")
     parser.add_argument("--jobs", type=int, help="worker processes for meta-training and evaluation")
     parser.add_argument("--debug", action="store_true", help="show tracebacks (also GRAM_DEBUG=1)")
-    parser.add_argument("--tables", nargs="+", choices=tuple(TABLE_GROUPS) + ("all",),
-                        help="table groups to compute (default: " + " ".join(DEFAULT_TABLES) + "): "
-                        + "; ".join(f"{k} = {v}" for k, v in TABLE_GROUPS.items())
-                        + "; all = every group but " + ", ".join(OPT_IN_TABLES))
+    parser.add_argument(
+        "--tables",
+        nargs="+",
+        choices=tuple(TABLE_GROUPS) + ("all",),
+        help="table groups to compute (default: "
+        + " ".join(DEFAULT_TABLES)
+        + "): "
+        + "; ".join(f"{k} = {v}" for k, v in TABLE_GROUPS.items())
+        + "; all = every group but "
+        + ", ".join(OPT_IN_TABLES),
+    )
     parser.add_argument("--world-seed", type=int, default=0, help="seed of the world and of its tiny CLIP")
-    parser.add_argument("--holdout-style", choices=sorted(STYLES),
-                        help="style kept out of everything but the pretraining corpus and the cross-domain "
-                             "target (default sketch)")
-    parser.add_argument("--mixed-classes", nargs="+", choices=sorted(CATEGORIES), metavar="CLASS",
-                        help="classes of the mixed source dataset and its held-out-style twin "
-                             "(default: five from each of three families)")
+    parser.add_argument(
+        "--holdout-style",
+        choices=sorted(STYLES),
+        help="style kept out of everything but the pretraining corpus and the cross-domain target (default sketch)",
+    )
+    parser.add_argument(
+        "--mixed-classes",
+        nargs="+",
+        choices=sorted(CATEGORIES),
+        metavar="CLASS",
+        help="classes of the mixed source dataset and its held-out-style twin "
+        "(default: five from each of three families)",
+    )
     return parser
 
 
@@ -104,7 +125,6 @@ def main(argv: Optional[list] = None) -> int:
 def _main(argv: list) -> int:
     args = _parser().parse_args(argv)
     settings = settings_from_args(args)
-    demo_world_settings(settings)          # bad world settings fail here, before any work
+    demo_world_settings(settings)  # bad world settings fail here, before any work
     run(settings, Path(args.out) if args.out else default_out(settings))
     return 0
-

@@ -1,5 +1,6 @@
 """The demo's process pool: a function over tasks in spawned worker processes with one progress bar
 fed by what the workers write, and the demo's log line."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -16,8 +17,17 @@ def log(msg: str) -> None:
     print(f"[demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def run_with_progress(fn: Callable, tasks: list, jobs: int, total: int, done: Callable[[], int], desc: str,
-                     unit: str, initializer: Optional[Callable] = None, initargs: tuple = ()) -> list:
+def run_with_progress(
+    fn: Callable,
+    tasks: list,
+    jobs: int,
+    total: int,
+    done: Callable[[], int],
+    desc: str,
+    unit: str,
+    initializer: Optional[Callable] = None,
+    initargs: tuple = (),
+) -> list:
     """``fn`` over ``tasks`` in ``jobs`` spawned processes (in-process when 1) with one tqdm bar.
 
     The workers die with this process, ``kill -9`` included (:func:`gram_world.lifeline.die_with_parent`).
@@ -37,8 +47,9 @@ def run_with_progress(fn: Callable, tasks: list, jobs: int, total: int, done: Ca
                 bar.refresh()
             return results
         # workers end with this process even when it is killed (gram_world.lifeline.die_with_parent)
-        with mp.get_context("spawn").Pool(jobs, initializer=die_with_parent,
-                                          initargs=(os.getpid(), initializer, initargs)) as pool:
+        with mp.get_context("spawn").Pool(
+            jobs, initializer=die_with_parent, initargs=(os.getpid(), initializer, initargs)
+        ) as pool:
             pending = pool.map_async(fn, tasks, chunksize=1)
             while not pending.ready():
                 pending.wait(2.0)

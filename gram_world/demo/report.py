@@ -5,6 +5,7 @@ population std over seeds; for "Average" each seed's accuracies are averaged ove
 H is the harmonic mean of the mean base and new accuracies.  Rows carry the stable method key
 (:data:`.settings.METHODS`) and the paper's row name.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,15 +20,36 @@ from meta.evaluation.summary import epoch_curves, summarise
 from meta.metatrain.runlog import read_log
 from meta.provenance import git_commit
 
-from .settings import (DEEP_KEYS, METHOD_BY_KEY, META_VARIANTS, TABLE1_ROWS, TABLE4_KEYS, TOKEN_KEYS,
-                       TRANSFER_KEYS, VARIANT_BY_NAME, DemoSettings, settings_hash, settings_record)
+from .settings import (
+    DEEP_KEYS,
+    META_VARIANTS,
+    METHOD_BY_KEY,
+    TABLE1_ROWS,
+    TABLE4_KEYS,
+    TOKEN_KEYS,
+    TRANSFER_KEYS,
+    VARIANT_BY_NAME,
+    DemoSettings,
+    settings_hash,
+    settings_record,
+)
 
 AVERAGE = "Average"
 # Fig. 3a's methods, as in the paper's figure
 EPOCH_PLOT_KEYS = ("coop", "gram_coop", "vpt", "gram_vpt", "unigram")
-COLOURS = {"zsclip": "0.4", "coop": "tab:blue", "gram_coop": "tab:cyan", "vpt": "tab:red", "gram_vpt": "tab:orange",
-           "unigram": "tab:green", "unigram_no_shift": "tab:purple", "unigram_no_reg": "tab:brown",
-           "unigram_pretrain": "tab:pink", "unigram_supervised": "tab:olive", "joint": "tab:gray"}
+COLOURS = {
+    "zsclip": "0.4",
+    "coop": "tab:blue",
+    "gram_coop": "tab:cyan",
+    "vpt": "tab:red",
+    "gram_vpt": "tab:orange",
+    "unigram": "tab:green",
+    "unigram_no_shift": "tab:purple",
+    "unigram_no_reg": "tab:brown",
+    "unigram_pretrain": "tab:pink",
+    "unigram_supervised": "tab:olive",
+    "joint": "tab:gray",
+}
 
 
 # ------------------------------------------------------------------ provenance
@@ -40,20 +62,28 @@ def _machine() -> str:
                 break
     except OSError:
         pass
-    return (f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU core(s) ({cpu}), python "
-            f"{platform.python_version()}, torch {torch.__version__}, 1 thread per worker, CPU only")
+    return (
+        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU core(s) ({cpu}), python "
+        f"{platform.python_version()}, torch {torch.__version__}, 1 thread per worker, CPU only"
+    )
 
 
 def provenance(settings: DemoSettings, world, weights: Path) -> dict:
     """What the numbers depend on: world seed and hash, CLIP weights, demo settings hash, commit, machine."""
     source = world.with_role("cross_domain_source")
-    return {"world_seed": settings.world_seed, "world_settings_hash": world.settings_hash,
-            "world_root": str(world.root), "holdout_style": world.settings.get("holdout_style"),
-            "mixed_classes": list(source[0].classnames) if source else [],
-            "clip_weights": weights.name, "demo_settings_hash": settings_hash(settings),
-            "commit": git_commit(Path(__file__).resolve().parent), "machine": _machine(), "finished_utc": time.strftime("%Y-%m-%d %H:%M:%S",
-                                                                                      time.gmtime()),
-            "tables": list(settings.tables)}
+    return {
+        "world_seed": settings.world_seed,
+        "world_settings_hash": world.settings_hash,
+        "world_root": str(world.root),
+        "holdout_style": world.settings.get("holdout_style"),
+        "mixed_classes": list(source[0].classnames) if source else [],
+        "clip_weights": weights.name,
+        "demo_settings_hash": settings_hash(settings),
+        "commit": git_commit(Path(__file__).resolve().parent),
+        "machine": _machine(),
+        "finished_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "tables": list(settings.tables),
+    }
 
 
 # ------------------------------------------------------------------ tables
@@ -76,10 +106,16 @@ def build_tables(records: list, settings: DemoSettings, world) -> dict:
     n_data = len({r["dataset"] for r in b2n if r["dataset"] != AVERAGE})
     tables: dict = {}
     if "base2new" in settings.tables:
-        tables["table1"] = {"title": f"Table 1: base-to-new generalization ({settings.shots} shots)",
-                            "kind": "base2new", "rows": _ordered(b2n, TABLE1_ROWS)}
-        tables["table4"] = {"title": f"Table 4: ablations (base-to-new, {settings.shots} shots)",
-                            "kind": "base2new", "rows": _ordered(b2n, TABLE4_KEYS)}
+        tables["table1"] = {
+            "title": f"Table 1: base-to-new generalization ({settings.shots} shots)",
+            "kind": "base2new",
+            "rows": _ordered(b2n, TABLE1_ROWS),
+        }
+        tables["table4"] = {
+            "title": f"Table 4: ablations (base-to-new, {settings.shots} shots)",
+            "kind": "base2new",
+            "rows": _ordered(b2n, TABLE4_KEYS),
+        }
     if "transfer" in settings.tables:
         domain = [d.name for d in world.with_role("cross_domain_target")]
         family = [d.name for d in world.with_role("cross_dataset_target")]
@@ -88,20 +124,35 @@ def build_tables(records: list, settings: DemoSettings, world) -> dict:
             runs = [r for r in records if r["protocol"] == "transfer" and r["shots"] == shots]
             for tid, kind, targets in ((dom_id, "cross-domain", domain), (data_id, "cross-dataset", family)):
                 rows = summarise([_subset(r, targets) | {"protocol": kind.replace("-", "_")} for r in runs])
-                tables[tid] = {"title": f"Table {tid[5:]}: {kind} generalization ({shots} shots)",
-                               "kind": "transfer", "shots": shots, "source": runs[0]["dataset"] if runs else "",
-                               "targets": targets, "rows": _ordered(rows, TRANSFER_KEYS)}
+                tables[tid] = {
+                    "title": f"Table {tid[5:]}: {kind} generalization ({shots} shots)",
+                    "kind": "transfer",
+                    "shots": shots,
+                    "source": runs[0]["dataset"] if runs else "",
+                    "targets": targets,
+                    "rows": _ordered(rows, TRANSFER_KEYS),
+                }
     if "deep" in settings.tables:
-        tables["deep"] = {"title": f"Deep prompts: IVLP and MaPLe with and without GRAM (base-to-new, "
-                                   f"{settings.shots} shots)", "kind": "base2new", "rows": _ordered(b2n, DEEP_KEYS)}
+        tables["deep"] = {
+            "title": f"Deep prompts: IVLP and MaPLe with and without GRAM (base-to-new, {settings.shots} shots)",
+            "kind": "base2new",
+            "rows": _ordered(b2n, DEEP_KEYS),
+        }
     if "tokens" in settings.tables:
         rows = []
         for n, key in TOKEN_KEYS.items():
             variant = VARIANT_BY_NAME[METHOD_BY_KEY[key].variant]
-            rows += [r | {"tokens": n, "text_tokens": variant.n_ctx_text, "visual_tokens": variant.n_ctx_vision}
-                     for r in b2n if r["key"] == key and r["dataset"] == AVERAGE]
-        tables["tableA3"] = {"title": f"Table A3: UNIGRAM with 2 / 4 / 6 / 8 prompt tokens (base-to-new, "
-                                      f"average over {n_data} dataset(s))", "kind": "tokens", "rows": rows}
+            rows += [
+                r | {"tokens": n, "text_tokens": variant.n_ctx_text, "visual_tokens": variant.n_ctx_vision}
+                for r in b2n
+                if r["key"] == key and r["dataset"] == AVERAGE
+            ]
+        tables["tableA3"] = {
+            "title": f"Table A3: UNIGRAM with 2 / 4 / 6 / 8 prompt tokens (base-to-new, "
+            f"average over {n_data} dataset(s))",
+            "kind": "tokens",
+            "rows": rows,
+        }
     return tables
 
 
@@ -114,8 +165,10 @@ def markdown_table(rows: list, dataset: str, numbered: bool = False) -> str:
     head = "| row | method | base | new | H |" if numbered else "| method | base | new | H |"
     lines = [head, "| --- " * (5 if numbered else 4) + "|"]
     for i, r in enumerate(r for r in rows if r["dataset"] == dataset):
-        cells = f"| {r['method']} | {_pm(r['base_mean'], r['base_std'])} | {_pm(r['new_mean'], r['new_std'])} | " \
-                f"{r['H']:.2f} |"
+        cells = (
+            f"| {r['method']} | {_pm(r['base_mean'], r['base_std'])} | {_pm(r['new_mean'], r['new_std'])} | "
+            f"{r['H']:.2f} |"
+        )
         lines.append(f"| {i} " + cells if numbered else cells)
     return "\n".join(lines)
 
@@ -137,8 +190,10 @@ def transfer_markdown(table: dict) -> str:
 def tokens_markdown(table: dict) -> str:
     lines = ["| prompt tokens (text + visual) | base | new | H |", "| --- | --- | --- | --- |"]
     for r in table["rows"]:
-        lines.append(f"| {r['tokens']} ({r['text_tokens']} + {r['visual_tokens']}) | "
-                     f"{_pm(r['base_mean'], r['base_std'])} | {_pm(r['new_mean'], r['new_std'])} | {r['H']:.2f} |")
+        lines.append(
+            f"| {r['tokens']} ({r['text_tokens']} + {r['visual_tokens']}) | "
+            f"{_pm(r['base_mean'], r['base_std'])} | {_pm(r['new_mean'], r['new_std'])} | {r['H']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -151,9 +206,11 @@ def zeroshot_markdown(zeroshot: dict, tables: dict) -> str:
             if r["key"] == "zsclip":
                 transfer[tables[tid]["source"]] = r["source_mean"]
                 transfer.update({t: m for t, (m, _) in r["targets"].items()})
-    lines = ["| dataset | zero-shot, full test split (all classes) | chance | Table 1 CLIP row: base / new "
-             "(half the classes each) | Tables 2-3 CLIP row (full test split) |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "| dataset | zero-shot, full test split (all classes) | chance | Table 1 CLIP row: base / new "
+        "(half the classes each) | Tables 2-3 CLIP row (full test split) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for name, r in zeroshot.items():
         b = f"{b2n[name]['base_mean']:.2f} / {b2n[name]['new_mean']:.2f}" if name in b2n else "-"
         t = f"{transfer[name]:.2f}" if name in transfer else "-"
@@ -171,17 +228,27 @@ def _subtitle(settings: DemoSettings, world, seeds: bool = True) -> str:
 
 def _bars(tables: dict, settings: DemoSettings, world, path: Path, plt) -> None:
     rows = [r for tid in ("table1", "table4") for r in tables.get(tid, {}).get("rows", []) if r["dataset"] == AVERAGE]
-    rows = list({r["key"]: r for r in rows}.values())            # UNIGRAM is in both tables
+    rows = list({r["key"]: r for r in rows}.values())  # UNIGRAM is in both tables
     fig, ax = plt.subplots(figsize=(max(12, 0.75 * len(rows)), 5))
     width = 0.27
     lows = []
-    bars = (("base", "tab:blue", "base classes"), ("new", "tab:orange", "new classes"),
-            ("H", "tab:green", "H (harmonic mean)"))
+    bars = (
+        ("base", "tab:blue", "base classes"),
+        ("new", "tab:orange", "new classes"),
+        ("H", "tab:green", "H (harmonic mean)"),
+    )
     for i, (stat, colour, label) in enumerate(bars):
         values = [r[f"{stat}_mean"] if stat != "H" else r["H"] for r in rows]
         errs = [r[f"{stat}_std"] for r in rows] if stat != "H" else None
-        ax.bar([j + (i - 1) * width for j in range(len(rows))], values, width=width, color=colour, label=label,
-               yerr=errs, capsize=2)
+        ax.bar(
+            [j + (i - 1) * width for j in range(len(rows))],
+            values,
+            width=width,
+            color=colour,
+            label=label,
+            yerr=errs,
+            capsize=2,
+        )
         lows += [v - (e or 0) for v, e in zip(values, errs or [0] * len(values))]
     zs = next((r for r in rows if r["key"] == "zsclip"), None)
     if zs is not None:
@@ -193,16 +260,33 @@ def _bars(tables: dict, settings: DemoSettings, world, path: Path, plt) -> None:
     ax.set_xticklabels([r["method"] for r in rows], rotation=25, ha="right", fontsize=8)
     if "table4" in tables:
         n_table1 = sum(r["dataset"] == AVERAGE for r in tables.get("table1", {}).get("rows", []))
-        split = n_table1 - 0.5                                        # Table 1 rows | the rest of Table 4
+        split = n_table1 - 0.5  # Table 1 rows | the rest of Table 4
         ax.axvline(split, color="0.6", lw=0.8)
-        ax.text(split - 0.1, 0.98, "Table 1 with GRAM's components", transform=ax.get_xaxis_transform(), ha="right",
-                va="top", fontsize=8)
-        ax.text(split + 0.1, 0.98, "Table 4: UNIGRAM without one part",
-                transform=ax.get_xaxis_transform(), ha="left", va="top", fontsize=8)
+        ax.text(
+            split - 0.1,
+            0.98,
+            "Table 1 with GRAM's components",
+            transform=ax.get_xaxis_transform(),
+            ha="right",
+            va="top",
+            fontsize=8,
+        )
+        ax.text(
+            split + 0.1,
+            0.98,
+            "Table 4: UNIGRAM without one part",
+            transform=ax.get_xaxis_transform(),
+            ha="left",
+            va="top",
+            fontsize=8,
+        )
     ax.set_ylabel(f"accuracy (%), axis starts at {bottom:.0f} %")
     n = len({r["dataset"] for r in tables.get("table1", tables.get("table4", {"rows": []}))["rows"]}) - 1
-    ax.set_title(f"Tables 1 and 4: base-to-new accuracy, average over {n} dataset(s) (mean ± std over seeds)\n"
-                 + _subtitle(settings, world), fontsize=10)
+    ax.set_title(
+        f"Tables 1 and 4: base-to-new accuracy, average over {n} dataset(s) (mean ± std over seeds)\n"
+        + _subtitle(settings, world),
+        fontsize=10,
+    )
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -217,8 +301,16 @@ def _epochs(records: list, settings: DemoSettings, world, path: Path, plt) -> No
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
     for split, ax in zip(("base", "new"), axes):
         ax.axvspan(0.0, 1.0, color="0.9", zorder=0)
-        ax.text(0.5, 0.98, "epoch 1 = warm-up\n(lr 1e-5)", transform=ax.get_xaxis_transform(), ha="center",
-                va="top", fontsize=7, color="0.3")
+        ax.text(
+            0.5,
+            0.98,
+            "epoch 1 = warm-up\n(lr 1e-5)",
+            transform=ax.get_xaxis_transform(),
+            ha="center",
+            va="top",
+            fontsize=7,
+            color="0.3",
+        )
         if zs is not None:
             ax.axhline(zs[f"{split}_mean"], color="k", ls="--", lw=1, label="CLIP (zero-shot)")
         for key in EPOCH_PLOT_KEYS:
@@ -227,8 +319,14 @@ def _epochs(records: list, settings: DemoSettings, world, path: Path, plt) -> No
                 continue
             mean, std = c[split], c[f"{split}_std"]
             ax.plot(c["epochs"], mean, marker=".", color=COLOURS[key], label=METHOD_BY_KEY[key].label)
-            ax.fill_between(c["epochs"], [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
-                            color=COLOURS[key], alpha=0.15, lw=0)
+            ax.fill_between(
+                c["epochs"],
+                [m - s for m, s in zip(mean, std)],
+                [m + s for m, s in zip(mean, std)],
+                color=COLOURS[key],
+                alpha=0.15,
+                lw=0,
+            )
         ax.set_xlabel("fine-tuning epoch (0 = before training)")
         ax.set_title(f"{split} classes")
         ax.grid(alpha=0.3)
@@ -236,8 +334,10 @@ def _epochs(records: list, settings: DemoSettings, world, path: Path, plt) -> No
     axes[0].set_ylabel("test accuracy (%), average over datasets")
     axes[1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
     band = "band: ± std over seeds" if len(settings.seeds) > 1 else "one seed, so no spread band"
-    fig.suptitle(f"Fig. 3a: accuracy vs fine-tuning epoch (line: mean over seeds; {band})\n"
-                 + _subtitle(settings, world), fontsize=10)
+    fig.suptitle(
+        f"Fig. 3a: accuracy vs fine-tuning epoch (line: mean over seeds; {band})\n" + _subtitle(settings, world),
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -248,8 +348,11 @@ def _grad_cosine(out: Path, settings: DemoSettings, world, path: Path, plt) -> d
     fig, ax = plt.subplots(figsize=(10, 4.6))
     series, missing = {}, []
     for variant in META_VARIANTS:
-        log = [r for r in read_log(out / "meta" / variant.name / "log.jsonl")
-               if r.get("kind") == "train" and "grad_cosine" in r]
+        log = [
+            r
+            for r in read_log(out / "meta" / variant.name / "log.jsonl")
+            if r.get("kind") == "train" and "grad_cosine" in r
+        ]
         if not log:
             missing.append(labels[variant.name])
             continue
@@ -259,17 +362,23 @@ def _grad_cosine(out: Path, settings: DemoSettings, world, path: Path, plt) -> d
     ax.axhline(0.0, color="0.5", lw=0.8)
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("meta-training step (outer update)")
-    ax.set_ylabel("cosine(regulated support step, query gradient)\n(unitless, -1 to 1; mean over the meta-batch)",
-                  fontsize=8)
+    ax.set_ylabel(
+        "cosine(regulated support step, query gradient)\n(unitless, -1 to 1; mean over the meta-batch)", fontsize=8
+    )
     ax.grid(alpha=0.3)
     note = ""
     if missing:
-        note = (f"Not shown: {', '.join(repr(m) for m in missing)} (Table 4 row 3). Prompt pre-training has no "
-                "inner support step,\nso there is no support / query gradient pair to compare.")
+        note = (
+            f"Not shown: {', '.join(repr(m) for m in missing)} (Table 4 row 3). Prompt pre-training has no "
+            "inner support step,\nso there is no support / query gradient pair to compare."
+        )
         ax.text(0.01, -0.3, note, transform=ax.transAxes, fontsize=8, va="top")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
-    ax.set_title("Fig. 3b: normalised inner product of support and query gradients during meta-training\n"
-                 + _subtitle(settings, world, seeds=False), fontsize=10)
+    ax.set_title(
+        "Fig. 3b: normalised inner product of support and query gradients during meta-training\n"
+        + _subtitle(settings, world, seeds=False),
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -284,8 +393,7 @@ def _transfer_bars(tables: dict, settings: DemoSettings, world, path: Path, plt)
         t = tables[tid]
         rows = t["rows"]
         for j, r in enumerate(rows):
-            ax.bar(j, r["target_mean"], yerr=r["target_std"], color=COLOURS[r["key"]], capsize=2,
-                   label=r["method"])
+            ax.bar(j, r["target_mean"], yerr=r["target_std"], color=COLOURS[r["key"]], capsize=2, label=r["method"])
             lows.append(r["target_mean"] - r["target_std"])
             highs.append(r["target_mean"] + r["target_std"])
         zs = next((r for r in rows if r["key"] == "zsclip"), None)
@@ -293,14 +401,18 @@ def _transfer_bars(tables: dict, settings: DemoSettings, world, path: Path, plt)
             ax.axhline(zs["target_mean"], color="k", ls="--", lw=1)
         ax.set_xticks(range(len(rows)))
         ax.set_xticklabels([r["method"] for r in rows], rotation=40, ha="right", fontsize=7)
-        ax.set_title(f"{t['title'].split(':')[0]}: {t['title'].split(': ')[1].split(' generalization')[0]}, "
-                     f"{t['shots']} shots", fontsize=9)
+        ax.set_title(
+            f"{t['title'].split(':')[0]}: {t['title'].split(': ')[1].split(' generalization')[0]}, {t['shots']} shots",
+            fontsize=9,
+        )
     bottom = max(0.0, 5 * int((min(lows) - 5) // 5))
     axes[0][0].set_ylim(bottom, max(highs) + 0.05 * (max(highs) - bottom))
     axes[0][0].set_ylabel(f"target accuracy (%), axis starts at {bottom:.0f} %")
-    fig.suptitle(f"Tables 2, 3, A1, A2: prompts tuned on {tables[ids[0]]['source']}, accuracy on the targets "
-                 f"(average over targets; mean ± std over seeds; dashed: CLIP zero-shot)\n"
-                 + _subtitle(settings, world), fontsize=10)
+    fig.suptitle(
+        f"Tables 2, 3, A1, A2: prompts tuned on {tables[ids[0]]['source']}, accuracy on the targets "
+        f"(average over targets; mean ± std over seeds; dashed: CLIP zero-shot)\n" + _subtitle(settings, world),
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -328,8 +440,9 @@ def plots(tables: dict, records: list, settings: DemoSettings, world, out: Path)
 
 
 # ------------------------------------------------------------------ results.md / results.json
-def stage_report(records: list, zeroshot: dict, settings: DemoSettings, out: Path, world, weights: Path,
-                 timings: dict) -> Path:
+def stage_report(
+    records: list, zeroshot: dict, settings: DemoSettings, out: Path, world, weights: Path, timings: dict
+) -> Path:
     """Write ``results.md``, ``results.json`` and the plots into ``out``; returns the ``results.md`` path."""
     tables = build_tables(records, settings, world)
     files = plots(tables, records, settings, world, out)
@@ -356,55 +469,101 @@ def stage_report(records: list, zeroshot: dict, settings: DemoSettings, out: Pat
     ]
     if "table1" in tables:
         t1, t4 = tables["table1"], tables["table4"]
-        parts += [f"## {t1['title']}", "", f"### Average over {len(datasets)} dataset(s)", "",
-                  markdown_table(t1["rows"], AVERAGE), ""]
+        parts += [
+            f"## {t1['title']}",
+            "",
+            f"### Average over {len(datasets)} dataset(s)",
+            "",
+            markdown_table(t1["rows"], AVERAGE),
+            "",
+        ]
         for d in datasets:
             parts += [f"### {d}", "", markdown_table(t1["rows"], d), ""]
-        parts += [f"## {t4['title']}", "",
-                  "Rows 1-4: UNIGRAM with one component removed; row 5: text and visual prompts tuned "
-                  "jointly without GRAM.", "", f"### Average over {len(datasets)} dataset(s)", "",
-                  markdown_table(t4["rows"], AVERAGE, numbered=True), ""]
+        parts += [
+            f"## {t4['title']}",
+            "",
+            "Rows 1-4: UNIGRAM with one component removed; row 5: text and visual prompts tuned jointly without GRAM.",
+            "",
+            f"### Average over {len(datasets)} dataset(s)",
+            "",
+            markdown_table(t4["rows"], AVERAGE, numbered=True),
+            "",
+        ]
         for d in datasets:
             parts += [f"### {d}", "", markdown_table(t4["rows"], d, numbered=True), ""]
     for tid in ("table2", "table3", "tableA1", "tableA2"):
         if tid in tables:
             t = tables[tid]
-            parts += [f"## {t['title']}", "",
-                      f"Prompts are tuned on all classes of {t['source']} ({t['shots']} shots per class) and "
-                      f"tested on the full test split of every target with the target's class names.", "",
-                      transfer_markdown(t), ""]
+            parts += [
+                f"## {t['title']}",
+                "",
+                f"Prompts are tuned on all classes of {t['source']} ({t['shots']} shots per class) and "
+                f"tested on the full test split of every target with the target's class names.",
+                "",
+                transfer_markdown(t),
+                "",
+            ]
     if "deep" in tables:
         t = tables["deep"]
-        parts += [f"## {t['title']}", "", "IVLP: 2 text + 2 visual prompt tokens in every layer of both towers; "
-                  "MaPLe: 2 text tokens in every layer, the visual prompts their learned linear maps "
-                  "(docs/deep_prompts.md). Same fine-tuning protocol as Table 1.", "",
-                  f"### Average over {len(datasets)} dataset(s)", "", markdown_table(t["rows"], AVERAGE), ""]
+        parts += [
+            f"## {t['title']}",
+            "",
+            "IVLP: 2 text + 2 visual prompt tokens in every layer of both towers; "
+            "MaPLe: 2 text tokens in every layer, the visual prompts their learned linear maps "
+            "(docs/deep_prompts.md). Same fine-tuning protocol as Table 1.",
+            "",
+            f"### Average over {len(datasets)} dataset(s)",
+            "",
+            markdown_table(t["rows"], AVERAGE),
+            "",
+        ]
         for d in datasets:
             parts += [f"### {d}", "", markdown_table(t["rows"], d), ""]
     if "tableA3" in tables:
-        parts += [f"## {tables['tableA3']['title']}", "",
-                  "Total prompt tokens, split half text / half visual (the paper does not give the split); "
-                  "4 = UNIGRAM's own 2 + 2. Each count has its own meta-training run.", "",
-                  tokens_markdown(tables["tableA3"]), ""]
-    parts += ["## Tiny CLIP zero-shot accuracy (\"a photo of a {}.\")", "",
-              "The first column classifies each test image among *all* classes of its dataset. Table 1's "
-              "CLIP row classifies base-class test images among the base classes only and new-class images "
-              "among the new classes only: half as many candidates, hence higher numbers from the same "
-              "weights and prompt. Tables 2-3's CLIP row uses the full test split and all classes, like the "
-              "first column (the evaluator resizes and crops images as CoOp's test transform does, so small "
-              "differences can remain).", "", zeroshot_markdown(zeroshot, tables), ""]
+        parts += [
+            f"## {tables['tableA3']['title']}",
+            "",
+            "Total prompt tokens, split half text / half visual (the paper does not give the split); "
+            "4 = UNIGRAM's own 2 + 2. Each count has its own meta-training run.",
+            "",
+            tokens_markdown(tables["tableA3"]),
+            "",
+        ]
+    parts += [
+        '## Tiny CLIP zero-shot accuracy ("a photo of a {}.")',
+        "",
+        "The first column classifies each test image among *all* classes of its dataset. Table 1's "
+        "CLIP row classifies base-class test images among the base classes only and new-class images "
+        "among the new classes only: half as many candidates, hence higher numbers from the same "
+        "weights and prompt. Tables 2-3's CLIP row uses the full test split and all classes, like the "
+        "first column (the evaluator resizes and crops images as CoOp's test transform does, so small "
+        "differences can remain).",
+        "",
+        zeroshot_markdown(zeroshot, tables),
+        "",
+    ]
     parts += ["## Plots", ""] + [f"- `{p.name}`" for p in files.values()]
     if fig3b and fig3b["note"]:
         parts += [f"- Fig. 3b note: {fig3b['note']}"]
     parts += ["", "## Stage times (s, wall clock of this invocation; cached stages take ~0)", ""]
     parts += [f"- {k}: {v:.0f}" for k, v in timings.items()]
-    parts += [f"- summed run time of the {p} runs (worker seconds, all invocations): {v:.0f}"
-              for p, v in run_seconds.items() if v]
+    parts += [
+        f"- summed run time of the {p} runs (worker seconds, all invocations): {v:.0f}"
+        for p, v in run_seconds.items()
+        if v
+    ]
     parts += ["", "## Settings", "", "```json", json.dumps(settings_record(settings), indent=1), "```", ""]
     md = out / "results.md"
     md.write_text("\n".join(parts))
-    payload = {"provenance": prov, "tables": tables, "rows": b2n_rows, "zeroshot": zeroshot,
-               "fig3b": fig3b, "settings": settings_record(settings), "timings": timings,
-               "run_seconds": run_seconds}
+    payload = {
+        "provenance": prov,
+        "tables": tables,
+        "rows": b2n_rows,
+        "zeroshot": zeroshot,
+        "fig3b": fig3b,
+        "settings": settings_record(settings),
+        "timings": timings,
+        "run_seconds": run_seconds,
+    }
     (out / "results.json").write_text(json.dumps(payload, indent=1))
     return md

@@ -3,6 +3,7 @@ every table (:data:`METHODS`: stable key, paper label, evaluator preset, meta va
 of ``--tables`` and :class:`DemoSettings` (every hyper-parameter the paper does not give, with where it
 came from), plus the world / tiny-CLIP settings a demo runs on and the settings hash of its folder.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -24,8 +25,8 @@ class MetaVariant:
     overrides.  θ's shape (token counts, depths, coupling) is the table row's, read from there."""
 
     name: str
-    overrides: tuple = ()        # extra KEY, VALUE, ... for the meta config
-    regulated: bool = True       # whether the exported file carries φ
+    overrides: tuple = ()  # extra KEY, VALUE, ... for the meta config
+    regulated: bool = True  # whether the exported file carries φ
 
     @property
     def n_ctx_text(self) -> int:
@@ -41,8 +42,11 @@ class MetaVariant:
         from the meta config's defaults (1, 1, none)."""
         row = methods.get(self.name)
         out: tuple = ("META.PROMPT.N_CTX_TEXT", row.text_tokens, "META.PROMPT.N_CTX_VISION", row.visual_tokens)
-        for key, value, default in (("TEXT_DEPTH", row.text_depth, 1), ("VISION_DEPTH", row.vision_depth, 1),
-                                    ("COUPLING", row.coupling, "none")):
+        for key, value, default in (
+            ("TEXT_DEPTH", row.text_depth, 1),
+            ("VISION_DEPTH", row.vision_depth, 1),
+            ("COUPLING", row.coupling, "none"),
+        ):
             if value != default:
                 out += (f"META.PROMPT.{key}", value)
         return out
@@ -59,10 +63,10 @@ META_VARIANTS = (
     MetaVariant("gram_coop"),
     MetaVariant("gram_vpt"),
     MetaVariant("unigram"),
-    MetaVariant("unigram_no_shift", ("TASKS.DOMAIN_SHIFT", False)),                  # Table 4 row 1
-    MetaVariant("unigram_no_reg", ("META.REGULATE", False), regulated=False),         # Table 4 row 2
-    MetaVariant("unigram_pretrain", ("META.MODE", "pretrain"), regulated=False),      # Table 4 row 3
-    MetaVariant("unigram_supervised", ("TASKS.SOURCE", "image_folder")),              # Table 4 row 4
+    MetaVariant("unigram_no_shift", ("TASKS.DOMAIN_SHIFT", False)),  # Table 4 row 1
+    MetaVariant("unigram_no_reg", ("META.REGULATE", False), regulated=False),  # Table 4 row 2
+    MetaVariant("unigram_pretrain", ("META.MODE", "pretrain"), regulated=False),  # Table 4 row 3
+    MetaVariant("unigram_supervised", ("TASKS.SOURCE", "image_folder")),  # Table 4 row 4
 )
 
 # Table A3 varies UNIGRAM's total prompt-token count over 2 / 4 / 6 / 8.  The paper does not say how
@@ -107,30 +111,39 @@ def _method_row(key: str, variant: str = "") -> MethodRow:
 
 # Every row the demo evaluates; the table's key order is the paper's row order.
 METHODS = (
-    _method_row("zsclip"),
-    _method_row("coop"),
-    _method_row("gram_coop", "gram_coop"),
-    _method_row("gram_coop_init_only", "gram_coop"),
-    _method_row("gram_coop_reg_only", "gram_coop"),
-    _method_row("gram_coop_one_step", "gram_coop_one_step"),
-    _method_row("vpt"),
-    _method_row("gram_vpt", "gram_vpt"),
-    _method_row("gram_vpt_init_only", "gram_vpt"),
-    _method_row("gram_vpt_reg_only", "gram_vpt"),
-    _method_row("gram_vpt_one_step", "gram_vpt_one_step"),
-    _method_row("unigram", "unigram"),
-    _method_row("unigram_reg_only", "unigram"),
-    _method_row("unigram_one_step", "unigram_one_step"),
-    _method_row("unigram_no_shift", "unigram_no_shift"),
-    _method_row("unigram_no_reg", "unigram_no_reg"),
-    _method_row("unigram_pretrain", "unigram_pretrain"),
-    _method_row("unigram_supervised", "unigram_supervised"),
-    _method_row("joint"),
-) + tuple(_method_row(v.name, v.name) for v in TOKEN_VARIANTS) + (
-    _method_row("ivlp"), _method_row("gram_ivlp", "gram_ivlp"), _method_row("gram_ivlp_init_only", "gram_ivlp"),
-    _method_row("gram_ivlp_reg_only", "gram_ivlp"),
-    _method_row("maple"), _method_row("gram_maple", "gram_maple"), _method_row("gram_maple_init_only", "gram_maple"),
-    _method_row("gram_maple_reg_only", "gram_maple"))
+    (
+        _method_row("zsclip"),
+        _method_row("coop"),
+        _method_row("gram_coop", "gram_coop"),
+        _method_row("gram_coop_init_only", "gram_coop"),
+        _method_row("gram_coop_reg_only", "gram_coop"),
+        _method_row("gram_coop_one_step", "gram_coop_one_step"),
+        _method_row("vpt"),
+        _method_row("gram_vpt", "gram_vpt"),
+        _method_row("gram_vpt_init_only", "gram_vpt"),
+        _method_row("gram_vpt_reg_only", "gram_vpt"),
+        _method_row("gram_vpt_one_step", "gram_vpt_one_step"),
+        _method_row("unigram", "unigram"),
+        _method_row("unigram_reg_only", "unigram"),
+        _method_row("unigram_one_step", "unigram_one_step"),
+        _method_row("unigram_no_shift", "unigram_no_shift"),
+        _method_row("unigram_no_reg", "unigram_no_reg"),
+        _method_row("unigram_pretrain", "unigram_pretrain"),
+        _method_row("unigram_supervised", "unigram_supervised"),
+        _method_row("joint"),
+    )
+    + tuple(_method_row(v.name, v.name) for v in TOKEN_VARIANTS)
+    + (
+        _method_row("ivlp"),
+        _method_row("gram_ivlp", "gram_ivlp"),
+        _method_row("gram_ivlp_init_only", "gram_ivlp"),
+        _method_row("gram_ivlp_reg_only", "gram_ivlp"),
+        _method_row("maple"),
+        _method_row("gram_maple", "gram_maple"),
+        _method_row("gram_maple_init_only", "gram_maple"),
+        _method_row("gram_maple_reg_only", "gram_maple"),
+    )
+)
 METHOD_BY_KEY = {m.key: m for m in METHODS}
 
 # Which rows each table holds (keys of METHODS), in the paper's order.  CoCoOp, a row of the
@@ -138,27 +151,69 @@ METHOD_BY_KEY = {m.key: m for m in METHODS}
 TABLE1_KEYS = ("zsclip", "coop", "gram_coop", "vpt", "gram_vpt", "unigram")
 # Each GRAM row's components (θ* only: meta-learned start, raw gradients; R_φ only: the baseline's start,
 # regulated gradients) next to it in Table 1; UNIGRAM's θ*-only row is Table 4's "- gradient regulating".
-COMPONENT_KEYS = ("gram_coop_init_only", "gram_coop_reg_only", "gram_vpt_init_only", "gram_vpt_reg_only",
-                  "unigram_reg_only")
+COMPONENT_KEYS = (
+    "gram_coop_init_only",
+    "gram_coop_reg_only",
+    "gram_vpt_init_only",
+    "gram_vpt_reg_only",
+    "unigram_reg_only",
+)
 # The paper-literal GRAM of each prompt type ("one-step objective": R_φ on every image's gradient, no launch
 # step, θ*/φ meta-trained on the one-step query loss only), beside the GRAM row that follows the defaults.
 ONE_STEP_KEYS = ("gram_coop_one_step", "gram_vpt_one_step", "unigram_one_step")
-TABLE1_ROWS = ("zsclip", "coop", "gram_coop", "gram_coop_init_only", "gram_coop_reg_only", "gram_coop_one_step",
-               "vpt", "gram_vpt", "gram_vpt_init_only", "gram_vpt_reg_only", "gram_vpt_one_step",
-               "unigram", "unigram_no_reg", "unigram_reg_only", "unigram_one_step", "joint")
+TABLE1_ROWS = (
+    "zsclip",
+    "coop",
+    "gram_coop",
+    "gram_coop_init_only",
+    "gram_coop_reg_only",
+    "gram_coop_one_step",
+    "vpt",
+    "gram_vpt",
+    "gram_vpt_init_only",
+    "gram_vpt_reg_only",
+    "gram_vpt_one_step",
+    "unigram",
+    "unigram_no_reg",
+    "unigram_reg_only",
+    "unigram_one_step",
+    "joint",
+)
 # (GRAM or component row, its baseline): the paired differences the study reports
-PAIRS = (("gram_coop", "coop"), ("gram_coop_init_only", "coop"), ("gram_coop_reg_only", "coop"),
-         ("gram_vpt", "vpt"), ("gram_vpt_init_only", "vpt"), ("gram_vpt_reg_only", "vpt"),
-         ("unigram", "joint"), ("unigram_no_reg", "joint"), ("unigram_reg_only", "joint"),
-         ("gram_coop_one_step", "coop"), ("gram_vpt_one_step", "vpt"), ("unigram_one_step", "joint"),
-         ("gram_coop", "gram_coop_one_step"), ("gram_vpt", "gram_vpt_one_step"), ("unigram", "unigram_one_step"),
-         # what R_φ adds to θ*: each GRAM row against its θ*-only row (meta-learned start, raw gradients)
-         ("gram_coop", "gram_coop_init_only"), ("gram_vpt", "gram_vpt_init_only"), ("unigram", "unigram_no_reg"))
+PAIRS = (
+    ("gram_coop", "coop"),
+    ("gram_coop_init_only", "coop"),
+    ("gram_coop_reg_only", "coop"),
+    ("gram_vpt", "vpt"),
+    ("gram_vpt_init_only", "vpt"),
+    ("gram_vpt_reg_only", "vpt"),
+    ("unigram", "joint"),
+    ("unigram_no_reg", "joint"),
+    ("unigram_reg_only", "joint"),
+    ("gram_coop_one_step", "coop"),
+    ("gram_vpt_one_step", "vpt"),
+    ("unigram_one_step", "joint"),
+    ("gram_coop", "gram_coop_one_step"),
+    ("gram_vpt", "gram_vpt_one_step"),
+    ("unigram", "unigram_one_step"),
+    # what R_φ adds to θ*: each GRAM row against its θ*-only row (meta-learned start, raw gradients)
+    ("gram_coop", "gram_coop_init_only"),
+    ("gram_vpt", "gram_vpt_init_only"),
+    ("unigram", "unigram_no_reg"),
+)
 TABLE4_KEYS = ("unigram", "unigram_no_shift", "unigram_no_reg", "unigram_pretrain", "unigram_supervised", "joint")
 TRANSFER_KEYS = TABLE1_KEYS
 TOKEN_KEYS = {n: ("unigram" if n == 4 else f"unigram_{n}tok") for n in TOKEN_COUNTS}
-DEEP_KEYS = ("ivlp", "gram_ivlp", "gram_ivlp_init_only", "gram_ivlp_reg_only",
-             "maple", "gram_maple", "gram_maple_init_only", "gram_maple_reg_only")
+DEEP_KEYS = (
+    "ivlp",
+    "gram_ivlp",
+    "gram_ivlp_init_only",
+    "gram_ivlp_reg_only",
+    "maple",
+    "gram_maple",
+    "gram_maple_init_only",
+    "gram_maple_reg_only",
+)
 
 # Table groups of ``--tables``: what each one evaluates and which meta variants it needs.
 TABLE_GROUPS = {
@@ -167,10 +222,8 @@ TABLE_GROUPS = {
     "tokens": "Table A3 (UNIGRAM with 2 / 4 / 6 / 8 prompt tokens)",
     "deep": "deep prompts: IVLP and MaPLe, each without and with GRAM (base-to-new; opt-in, not in 'all')",
 }
-OPT_IN_TABLES = ("deep",)   # groups that `--tables all` leaves out
+OPT_IN_TABLES = ("deep",)  # groups that `--tables all` leaves out
 DEFAULT_TABLES = ("base2new",)
-
-
 
 
 def b2n_keys(tables: tuple) -> tuple:
@@ -193,7 +246,7 @@ def variants_needed(tables: tuple) -> tuple:
     """Meta variants the table groups start from, in :data:`ALL_VARIANTS` order."""
     names = {METHOD_BY_KEY[k].variant for k in b2n_keys(tables) + transfer_keys(tables)} - {""}
     if "base2new" in tables:
-        names |= {v.name for v in META_VARIANTS}      # Fig. 3b plots every Table 1 / 4 variant
+        names |= {v.name for v in META_VARIANTS}  # Fig. 3b plots every Table 1 / 4 variant
     return tuple(v for v in ALL_VARIANTS if v.name in names)
 
 
@@ -202,28 +255,29 @@ class DemoSettings:
     """Everything the demo's numbers depend on (besides the world and the CLIP settings)."""
 
     quick: bool = False
-    seeds: tuple = (1, 2, 3)              # CoOp / CoCoOp report the mean of seeds 1, 2, 3
-    datasets: tuple = ()                  # () = every world dataset with the base2new role
-    shots: int = 16                       # paper: 16 shots
-    epochs: int = 10                      # paper section 4.1: 10 epochs, CoCoOp's schedule
-    batch_size: int = 1                   # CoCoOp's (paper: CoCoOp's schedule); batch 4 gave the same CoOp base (docs/world_baseline.md)
-    eval_every_epoch: bool = True         # needed for the accuracy-vs-epoch plot
+    seeds: tuple = (1, 2, 3)  # CoOp / CoCoOp report the mean of seeds 1, 2, 3
+    datasets: tuple = ()  # () = every world dataset with the base2new role
+    shots: int = 16  # paper: 16 shots
+    epochs: int = 10  # paper section 4.1: 10 epochs, CoCoOp's schedule
+    batch_size: int = 1  # CoCoOp's (paper: CoCoOp's schedule); batch 4 gave the same CoOp base (docs/world_baseline.md)
+    eval_every_epoch: bool = True  # needed for the accuracy-vs-epoch plot
     # meta-training (values the paper does not give; ours, chosen for the CPU budget)
     meta_steps: int = 300
-    meta_batch: int = 4                   # [SUPMER] / MAML miniImageNet: 4 tasks per outer step
+    meta_batch: int = 4  # [SUPMER] / MAML miniImageNet: 4 tasks per outer step
     k_way: int = 5
     n_support: int = 4
     n_query: int = 8
-    inner_lr: float = 0.1                 # core default
+    inner_lr: float = 0.1  # core default
     checkpoint_every: int = 50
-    log_detail_every: int = 25            # grad cosine (Fig. 3b) sampled every 25 steps (a detailed step costs ~1.5x a plain one)
-    domains: int = 4                      # U visual domains per topic (world has 4 seen styles)
-    min_per_domain: int = 8               # CHC default: fewer images per domain -> fewer domains
-    min_cluster_size: int = 40            # HDBSCAN: smallest topic wanted (corpus ~ 6000 / 40 categories)
-    val_tasks: int = 20                   # held-out meta-validation tasks (evaluated at step 0 and at the end)
+    log_detail_every: int = 25  # grad cosine (Fig. 3b) sampled every 25 steps (a detailed step costs ~1.5x a plain one)
+    domains: int = 4  # U visual domains per topic (world has 4 seen styles)
+    min_per_domain: int = 8  # CHC default: fewer images per domain -> fewer domains
+    min_cluster_size: int = 40  # HDBSCAN: smallest topic wanted (corpus ~ 6000 / 40 categories)
+    val_tasks: int = 20  # held-out meta-validation tasks (evaluated at step 0 and at the end)
     # Random-resized-crop area range for fine-tuning.  CoOp/Dassl use (0.08, 1) on 224-px photos; on
     # 32-px world images an 8 % crop is ~9 px and often misses the object.  Measured with a
-    # patch-4 world CLIP (zero-shot 18-34 %; CoOp, 16 shots, seeds 1-2, H): (0.08, 1) 30.8 / 30.3 / 36.0 on Mixed / Polygons / Icons,
+    # patch-4 world CLIP (zero-shot 18-34 %; CoOp, 16 shots, seeds 1-2, H): (0.08, 1) 30.8 / 30.3 / 36.0 on Mixed /
+    # Polygons / Icons,
     # (0.5, 1) 34.2 / 32.7 / 41.9, no augmentation 34.7 / 37.6 / 41.6.  Same setting for every method.
     rrcrop_scale: tuple = (0.5, 1.0)
     # start of scratch visual prompt tokens for every method with visual prompts (meta-training and
@@ -231,16 +285,18 @@ class DemoSettings:
     vpt_init: str = PromptSpec.vpt_init
     # how θ* and R_φ are used at test time and what they are meta-trained for (docs/gram_training_match.md):
     reg_window: int = DEFAULT_REG_WINDOW  # R_φ on the mean gradient of this many images, one step per window
-    launch: bool = DEFAULT_LAUNCH         # the meta-trained inner step once before the schedule
-    query_before_weight: float = DEFAULT_QUERY_BEFORE_WEIGHT  # META.QUERY_BEFORE_WEIGHT of every GRAM variant (0 = paper's Eq. 8)
-    meta_seed: int = 0                    # SEED of meta-training (task stream, scratch θ): the study varies it
+    launch: bool = DEFAULT_LAUNCH  # the meta-trained inner step once before the schedule
+    query_before_weight: float = (
+        DEFAULT_QUERY_BEFORE_WEIGHT  # META.QUERY_BEFORE_WEIGHT of every GRAM variant (0 = paper's Eq. 8)
+    )
+    meta_seed: int = 0  # SEED of meta-training (task stream, scratch θ): the study varies it
     # extra META / TASKS (KEY, VALUE, ...) of every GRAM meta variant except the paper-literal one-step rows: how
     # R_φ is meta-trained (gram_world.study select --sweep regulator); () = the defaults
     meta_overrides: tuple = ()
-    eval_split: str = "test"              # split the base / new accuracies are measured on (val: choosing defaults)
-    meta_val_protocol: str = "one_step"   # META.VAL_PROTOCOL: the downstream one costs minutes per variant here; the
-                                          # defaults are chosen by gram_world.study select on val splits instead
-    jobs: int = 2                         # worker processes for meta-training and evaluation (2 cores)
+    eval_split: str = "test"  # split the base / new accuracies are measured on (val: choosing defaults)
+    meta_val_protocol: str = "one_step"  # META.VAL_PROTOCOL: the downstream one costs minutes per variant here; the
+    # defaults are chosen by gram_world.study select on val splits instead
+    jobs: int = 2  # worker processes for meta-training and evaluation (2 cores)
     # which world: its seed, and (field, value) pairs replacing fields of gram_world.world_settings(quick,
     # world_seed) - e.g. (("holdout_style", "cartoon"), ("mixed_classes", (...))) - or of the tiny CLIP's
     # gram_world.pretrain_settings(quick, world_seed).  All of them change the world's (or the CLIP's)
@@ -248,7 +304,7 @@ class DemoSettings:
     world_seed: int = 0
     world: tuple = ()
     clip: tuple = ()
-    tables: tuple = DEFAULT_TABLES        # table groups to compute (TABLE_GROUPS); results do not depend on it
+    tables: tuple = DEFAULT_TABLES  # table groups to compute (TABLE_GROUPS); results do not depend on it
     # shots of Tables 2 / 3 and of Tables A1 / A2; () = (shots, 4) (paper: 16 and 4), or (shots, shots // 2)
     # when shots <= 4 (the quick demo's 4 and 2)
     transfer_shots: tuple = ()
@@ -264,9 +320,23 @@ class DemoSettings:
         if not quick:
             return cls()
         # the quick world has 10 labelled images per class: small tasks, small domains
-        return cls(quick=True, seeds=(1,), datasets=("WorldMixed",), shots=4, epochs=2, meta_steps=10,
-                   meta_batch=2, n_support=2, n_query=4, checkpoint_every=5, log_detail_every=5,
-                   min_cluster_size=15, domains=2, min_per_domain=4, val_tasks=4)
+        return cls(
+            quick=True,
+            seeds=(1,),
+            datasets=("WorldMixed",),
+            shots=4,
+            epochs=2,
+            meta_steps=10,
+            meta_batch=2,
+            n_support=2,
+            n_query=4,
+            checkpoint_every=5,
+            log_detail_every=5,
+            min_cluster_size=15,
+            domains=2,
+            min_per_domain=4,
+            val_tasks=4,
+        )
 
 
 def _override(base, pairs: tuple, what: str):
@@ -277,8 +347,10 @@ def _override(base, pairs: tuple, what: str):
     known = {f.name for f in fields(base)}
     unknown = sorted(set(changes) - known)
     if unknown:
-        raise ValueError(f"DemoSettings.{what}: {type(base).__name__} has no field {', '.join(unknown)}; "
-                         f"known: {', '.join(sorted(known))}")
+        raise ValueError(
+            f"DemoSettings.{what}: {type(base).__name__} has no field {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(known))}"
+        )
     return replace(base, **{k: tuple(v) if isinstance(v, list) else v for k, v in changes.items()})
 
 
@@ -296,10 +368,17 @@ def demo_pretrain_settings(settings: DemoSettings) -> PretrainSettings:
 # a folder without ``vpt_init`` started its visual prompts from N(0, 0.02^2) and must not be reused; one
 # without the training-match switches ran the paper-literal GRAM (per-image R_φ, no launch, one-step objective),
 # meta-trained with seed 0, measured on test splits, meta-validated after one step.
-VALUE_BEFORE_SETTING = {"vpt_init": "normal", "reg_window": 1, "launch": False, "query_before_weight": 0.0,
-                        "meta_seed": 0, "eval_split": "test", "meta_val_protocol": "one_step"}
+VALUE_BEFORE_SETTING = {
+    "vpt_init": "normal",
+    "reg_window": 1,
+    "launch": False,
+    "query_before_weight": 0.0,
+    "meta_seed": 0,
+    "eval_split": "test",
+    "meta_val_protocol": "one_step",
+}
 
-_NOT_RESULTS = ("jobs", "tables")     # settings that change what is computed or how fast, never a number
+_NOT_RESULTS = ("jobs", "tables")  # settings that change what is computed or how fast, never a number
 
 
 def settings_record(settings: DemoSettings) -> dict:
@@ -307,7 +386,7 @@ def settings_record(settings: DemoSettings) -> dict:
     current = json.loads(json.dumps(asdict(settings)))
     for key in _NOT_RESULTS:
         current.pop(key)
-    if not current["meta_overrides"]:   # folders and hashes written before the field existed stay valid
+    if not current["meta_overrides"]:  # folders and hashes written before the field existed stay valid
         current.pop("meta_overrides")
     return current
 

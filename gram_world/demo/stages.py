@@ -2,6 +2,7 @@
 Each stage is cached on disk (a rerun redoes only what is missing), and a folder's cached stages are only
 reused under the same settings, world and CLIP (:func:`check_settings`, :func:`check_world`).
 """
+
 from __future__ import annotations
 
 import json
@@ -14,11 +15,17 @@ from typing import Optional
 import torch
 
 from meta import chc
+from meta import methods as method_table
 from meta.backbone import load_clip
 from meta.cli_errors import UserError
-from meta.evaluation import (DatasetRef, EvaluationSession, TrainSpec, evaluate_base_to_new, evaluate_transfer,
-                             method_preset)
-from meta import methods as method_table
+from meta.evaluation import (
+    DatasetRef,
+    EvaluationSession,
+    TrainSpec,
+    evaluate_base_to_new,
+    evaluate_transfer,
+    method_preset,
+)
 from meta.evaluation.spec import table_fields
 from meta.metatrain import train
 from meta.metatrain.cli import default_cfg
@@ -28,10 +35,23 @@ from ..build import build_world
 from ..pretrain import pretrain_clip
 from ..zeroshot import zeroshot_accuracy
 from .pool import log, run_with_progress
-from .settings import (ALL_VARIANTS, METHOD_BY_KEY, METHODS, VALUE_BEFORE_SETTING, VARIANT_BY_NAME, DemoSettings, MethodRow,
-                       MetaVariant, b2n_keys, demo_pretrain_settings, demo_world_settings, settings_record,
-                       transfer_keys, variants_needed)
-from .settings import ONE_STEP
+from .settings import (
+    ALL_VARIANTS,
+    METHOD_BY_KEY,
+    METHODS,
+    ONE_STEP,
+    VALUE_BEFORE_SETTING,
+    VARIANT_BY_NAME,
+    DemoSettings,
+    MetaVariant,
+    MethodRow,
+    b2n_keys,
+    demo_pretrain_settings,
+    demo_world_settings,
+    settings_record,
+    transfer_keys,
+    variants_needed,
+)
 
 
 def stage_world(settings: DemoSettings, out: Path, world_root: Optional[Path] = None):
@@ -74,8 +94,10 @@ def stage_chc(world, weights: Path, model: str, out: Path, settings: DemoSetting
         chc.run_chc(cfg, show_progress=True)
     hierarchy = chc.load_hierarchy(cfg.CHC.OUTPUT_DIR)
     kept = int((hierarchy.item_topic >= 0).sum())
-    log(f"CHC: {len(hierarchy.topic_names)} topics, {kept}/{len(hierarchy.item_topic)} pairs kept "
-        f"({time.time() - t:.0f} s); report {cfg.CHC.OUTPUT_DIR}/chc_report.md")
+    log(
+        f"CHC: {len(hierarchy.topic_names)} topics, {kept}/{len(hierarchy.item_topic)} pairs kept "
+        f"({time.time() - t:.0f} s); report {cfg.CHC.OUTPUT_DIR}/chc_report.md"
+    )
     return hierarchy
 
 
@@ -86,8 +108,7 @@ def stage_chc(world, weights: Path, model: str, out: Path, settings: DemoSetting
 _META_COST = {"gram_coop": 1, "unigram_pretrain": 1}
 
 
-def _variant_cfg(variant: MetaVariant, model: str, weights: str, out: Path, settings: DemoSettings,
-                 labelled_dir: str):
+def _variant_cfg(variant: MetaVariant, model: str, weights: str, out: Path, settings: DemoSettings, labelled_dir: str):
     cfg = _base_cfg(model, Path(weights), out, settings)
     cfg.OUTPUT_DIR = str(out / "meta" / variant.name)
     cfg.META.HIERARCHY = cfg.CHC.OUTPUT_DIR
@@ -106,12 +127,12 @@ def _variant_cfg(variant: MetaVariant, model: str, weights: str, out: Path, sett
     cfg.META.VAL_LAUNCH = settings.launch
     cfg.SEED = settings.meta_seed
     cfg.META.TENSORBOARD = False
-    cfg.META.PROGRESS = False            # the parent process shows one bar over all variants
+    cfg.META.PROGRESS = False  # the parent process shows one bar over all variants
     cfg.TASKS.K_WAY = settings.k_way
     cfg.TASKS.N_SUPPORT = settings.n_support
     cfg.TASKS.N_QUERY = settings.n_query
     cfg.TASKS.IMAGE_FOLDER = labelled_dir
-    if variant.meta_learned and ONE_STEP[0] not in variant.overrides[::2]:   # one-step rows stay paper-literal
+    if variant.meta_learned and ONE_STEP[0] not in variant.overrides[::2]:  # one-step rows stay paper-literal
         cfg.merge_from_list(list(settings.meta_overrides))
     cfg.merge_from_list(list(variant.prompt_overrides + variant.overrides))
     cfg.freeze()
@@ -122,19 +143,20 @@ def _variant_cfg(variant: MetaVariant, model: str, weights: str, out: Path, sett
 class MetaJob:
     """One meta-training run for a worker process: which variant, on which CLIP, into which demo folder."""
 
-    variant: str                 # MetaVariant name
-    model: str                   # open_clip architecture of the world CLIP
-    weights: str                 # its weights file
-    out: str                     # the demo's output folder (the run goes to out/meta/<variant>)
+    variant: str  # MetaVariant name
+    model: str  # open_clip architecture of the world CLIP
+    weights: str  # its weights file
+    out: str  # the demo's output folder (the run goes to out/meta/<variant>)
     settings: DemoSettings
-    labelled_dir: str            # the world's labelled image folder (supervised-meta ablation)
+    labelled_dir: str  # the world's labelled image folder (supervised-meta ablation)
 
 
 def _meta_worker(job: MetaJob) -> tuple:
     """Meta-train one variant in a worker process; returns ``(variant name, export path)``."""
     torch.set_num_threads(1)
-    cfg = _variant_cfg(VARIANT_BY_NAME[job.variant], job.model, job.weights, Path(job.out), job.settings,
-                       job.labelled_dir)
+    cfg = _variant_cfg(
+        VARIANT_BY_NAME[job.variant], job.model, job.weights, Path(job.out), job.settings, job.labelled_dir
+    )
     t = time.time()
     result = train(cfg, resume=True, echo=log)
     seconds = time.time() - t
@@ -148,8 +170,9 @@ def _steps_logged(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
-def stage_meta(world, weights: Path, model: str, out: Path, settings: DemoSettings,
-               names: Optional[tuple] = None) -> dict:
+def stage_meta(
+    world, weights: Path, model: str, out: Path, settings: DemoSettings, names: Optional[tuple] = None
+) -> dict:
     """Meta-train every variant the requested tables need (or the variants ``names``); returns
     ``{variant name: init file}``.
 
@@ -165,18 +188,29 @@ def stage_meta(world, weights: Path, model: str, out: Path, settings: DemoSettin
         log("meta-training: " + ", ".join(f"{n} = {same_as[n]}" for n in shared) + " (same config; trained once)")
     needed = tuple(v for v in needed if same_as[v.name] == v.name)
     exports = {v.name: Path(cfgs[v.name].OUTPUT_DIR) / cfgs[v.name].META.EXPORT_NAME for v in needed}
-    finished = {v.name for v in needed
-                if exports[v.name].is_file() and _steps_logged(out / "meta" / v.name) >= settings.meta_steps}
+    finished = {
+        v.name
+        for v in needed
+        if exports[v.name].is_file() and _steps_logged(out / "meta" / v.name) >= settings.meta_steps
+    }
     order = sorted((v for v in needed if v.name not in finished), key=lambda v: -_META_COST.get(v.name, 3))
     tasks = [MetaJob(v.name, model, str(weights), str(out), settings, str(world.labelled_meta_dir)) for v in order]
     runs = [out / "meta" / v.name for v in order]
     jobs = max(1, min(settings.jobs, len(tasks)))
-    log(f"meta-training {len(tasks)} variants x {settings.meta_steps} steps in {jobs} process(es) "
-        f"({len(finished)} finished before)")
+    log(
+        f"meta-training {len(tasks)} variants x {settings.meta_steps} steps in {jobs} process(es) "
+        f"({len(finished)} finished before)"
+    )
     if tasks:
-        run_with_progress(_meta_worker, tasks, jobs, total=settings.meta_steps * len(tasks),
-                          done=lambda: sum(min(_steps_logged(r), settings.meta_steps) for r in runs),
-                          desc="meta-training", unit="step")
+        run_with_progress(
+            _meta_worker,
+            tasks,
+            jobs,
+            total=settings.meta_steps * len(tasks),
+            done=lambda: sum(min(_steps_logged(r), settings.meta_steps) for r in runs),
+            desc="meta-training",
+            unit="step",
+        )
     return {name: str(exports[rep]) for name, rep in same_as.items()}
 
 
@@ -193,14 +227,14 @@ def _config_identity(cfg) -> str:
 class EvalJob:
     """One evaluation run: base-to-new on ``dataset``, or transfer from ``dataset`` to ``targets``."""
 
-    protocol: str                # "base2new" | "transfer"
-    dataset: str                 # the dataset (base-to-new) or the source (transfer)
+    protocol: str  # "base2new" | "transfer"
+    dataset: str  # the dataset (base-to-new) or the source (transfer)
     dataset_dir: str
-    key: str                     # METHODS key
+    key: str  # METHODS key
     seed: int
     shots: int
-    init: str = ""               # GRAM init file of the row's meta variant
-    targets: tuple = ()          # ((name, dataset dir), ...) for transfer
+    init: str = ""  # GRAM init file of the row's meta variant
+    targets: tuple = ()  # ((name, dataset dir), ...) for transfer
 
     def path(self, out: Path) -> Path:
         folder = "base2new" if self.protocol == "base2new" else f"transfer_{self.shots}shot"
@@ -224,7 +258,7 @@ def method_spec(row: MethodRow, init: str = "", settings: DemoSettings = DemoSet
     variant = VARIANT_BY_NAME.get(row.variant)
     if variant is not None:
         overrides.update(n_ctx_text=variant.n_ctx_text, n_ctx_vision=variant.n_ctx_vision)
-        if not method_table.get(row.key).one_step:   # one-step rows keep the table's per-image rule, no launch
+        if not method_table.get(row.key).one_step:  # one-step rows keep the table's per-image rule, no launch
             overrides["launch"] = settings.launch and variant.meta_learned
             if overrides["regulate"]:
                 overrides["reg_window"] = settings.reg_window
@@ -254,13 +288,25 @@ def _eval_job(job: EvalJob) -> None:
         return
     row = METHOD_BY_KEY[job.key]
     method = method_spec(row, job.init, settings)
-    train = TrainSpec(epochs=settings.epochs, batch_size=settings.batch_size, rrcrop_scale=settings.rrcrop_scale,
-                      eval_every_epoch=settings.eval_every_epoch and job.protocol == "base2new")
+    train = TrainSpec(
+        epochs=settings.epochs,
+        batch_size=settings.batch_size,
+        rrcrop_scale=settings.rrcrop_scale,
+        eval_every_epoch=settings.eval_every_epoch and job.protocol == "base2new",
+    )
     split = {"eval_split": settings.eval_split} if job.protocol == "base2new" else {}
     source = DatasetRef.from_dir(job.dataset_dir, name=job.dataset)
     t = time.time()
-    common = dict(clip=_WORKER["clip"], dims=_WORKER["dims"], method=method, seed=job.seed, shots=job.shots,
-                  train=train, session=evaluation, log=lambda m: None)
+    common = dict(
+        clip=_WORKER["clip"],
+        dims=_WORKER["dims"],
+        method=method,
+        seed=job.seed,
+        shots=job.shots,
+        train=train,
+        session=evaluation,
+        log=lambda m: None,
+    )
     if job.protocol == "base2new":
         record = evaluate_base_to_new(source, **common, **split)
         numbers = f"base {record['base']:5.1f}  new {record['new']:5.1f}  H {record['H']:5.1f}"
@@ -273,8 +319,10 @@ def _eval_job(job: EvalJob) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, default=str))
     tmp.replace(path)
-    log(f"{job.protocol:<8} {job.dataset:<14} {row.label:<38} {job.shots:>2} shots seed {job.seed}: {numbers}  "
-        f"({time.time() - t:.0f} s)")
+    log(
+        f"{job.protocol:<8} {job.dataset:<14} {row.label:<38} {job.shots:>2} shots seed {job.seed}: {numbers}  "
+        f"({time.time() - t:.0f} s)"
+    )
 
 
 def transfer_plan(world) -> dict:
@@ -286,8 +334,9 @@ def transfer_plan(world) -> dict:
     for kind in ("cross_domain", "cross_dataset"):
         sources = world.with_role(f"{kind}_source")
         if len(sources) != 1:
-            raise ValueError(f"{world.manifest}: expected one dataset with role {kind}_source, found "
-                             f"{[d.name for d in sources]}")
+            raise ValueError(
+                f"{world.manifest}: expected one dataset with role {kind}_source, found {[d.name for d in sources]}"
+            )
         plan.setdefault(sources[0].name, []).extend(d.name for d in world.with_role(f"{kind}_target"))
     return plan
 
@@ -296,33 +345,52 @@ def eval_jobs(world, inits: dict, settings: DemoSettings, keys: Optional[tuple] 
     """Every evaluation run the requested tables need (or base-to-new runs of the rows ``keys`` only)."""
     names = settings.datasets or tuple(d.name for d in world.with_role("base2new"))
     init = {m.key: inits.get(m.variant, "") for m in METHODS}
-    jobs = [EvalJob("base2new", n, str(world.dataset(n).dataset_dir), k, seed, settings.shots, init[k])
-            for n in names for seed in settings.seeds for k in (b2n_keys(settings.tables) if keys is None else keys)]
+    jobs = [
+        EvalJob("base2new", n, str(world.dataset(n).dataset_dir), k, seed, settings.shots, init[k])
+        for n in names
+        for seed in settings.seeds
+        for k in (b2n_keys(settings.tables) if keys is None else keys)
+    ]
     if keys is None and transfer_keys(settings.tables):
         for source, targets in transfer_plan(world).items():
             target_dirs = tuple((t, str(world.dataset(t).dataset_dir)) for t in targets)
-            jobs += [EvalJob("transfer", source, str(world.dataset(source).dataset_dir), k, seed, shots, init[k],
-                             target_dirs)
-                     for shots in settings.transfer_shot_counts for seed in settings.seeds
-                     for k in transfer_keys(settings.tables)]
+            jobs += [
+                EvalJob(
+                    "transfer", source, str(world.dataset(source).dataset_dir), k, seed, shots, init[k], target_dirs
+                )
+                for shots in settings.transfer_shot_counts
+                for seed in settings.seeds
+                for k in transfer_keys(settings.tables)
+            ]
     return jobs
 
 
-def stage_eval(world, weights: Path, model: str, inits: dict, out: Path, settings: DemoSettings,
-               keys: Optional[tuple] = None) -> list:
+def stage_eval(
+    world, weights: Path, model: str, inits: dict, out: Path, settings: DemoSettings, keys: Optional[tuple] = None
+) -> list:
     """Run (or find cached) every evaluation job (or the base-to-new runs of rows ``keys``); returns their
     records (``key`` and ``label`` added)."""
     jobs = eval_jobs(world, inits, settings, keys)
     todo = sorted((j for j in jobs if not j.path(out).is_file()), key=lambda j: -j.cost)
     n_jobs = max(1, min(settings.jobs, len(todo)))
     counts = {p: sum(j.protocol == p for j in jobs) for p in ("base2new", "transfer")}
-    log(f"evaluating {len(jobs)} runs ({counts['base2new']} base-to-new, {counts['transfer']} transfer; "
-        f"{len(jobs) - len(todo)} cached) in {n_jobs} process(es)")
+    log(
+        f"evaluating {len(jobs)} runs ({counts['base2new']} base-to-new, {counts['transfer']} transfer; "
+        f"{len(jobs) - len(todo)} cached) in {n_jobs} process(es)"
+    )
     t = time.time()
     if todo:
-        run_with_progress(_eval_job, todo, n_jobs, total=len(jobs),
-                          done=lambda: sum(j.path(out).is_file() for j in jobs), desc="evaluation", unit="run",
-                          initializer=_eval_init, initargs=(model, str(weights), settings, str(out)))
+        run_with_progress(
+            _eval_job,
+            todo,
+            n_jobs,
+            total=len(jobs),
+            done=lambda: sum(j.path(out).is_file() for j in jobs),
+            desc="evaluation",
+            unit="run",
+            initializer=_eval_init,
+            initargs=(model, str(weights), settings, str(out)),
+        )
     log(f"evaluation done ({time.time() - t:.0f} s)")
     return [json.loads(j.path(out).read_text()) for j in jobs]
 
@@ -337,12 +405,17 @@ def check_settings(settings: DemoSettings, out: Path) -> None:
     if path.is_file():
         previous = json.loads(path.read_text())
         defaults = settings_record(DemoSettings.preset(bool(previous.get("quick", False))))
-        previous = {**{k: v for k, v in defaults.items() if k not in previous},
-                    **{k: v for k, v in VALUE_BEFORE_SETTING.items() if k not in previous}, **previous}
+        previous = {
+            **{k: v for k, v in defaults.items() if k not in previous},
+            **{k: v for k, v in VALUE_BEFORE_SETTING.items() if k not in previous},
+            **previous,
+        }
         if previous != current:
             diff = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
-            raise UserError(str(out), f"holds a demo run with other settings ({', '.join(diff)}); "
-                                      f"use --out DIR or delete that folder")
+            raise UserError(
+                str(out),
+                f"holds a demo run with other settings ({', '.join(diff)}); use --out DIR or delete that folder",
+            )
     else:
         path.write_text(json.dumps(current, indent=1))
 
@@ -355,9 +428,12 @@ def check_world(out: Path, world, weights: Path) -> None:
     if path.is_file():
         previous = json.loads(path.read_text())
         if previous != current:
-            raise UserError(str(out), f"holds a demo run on world {previous.get('world_settings_hash')} / "
-                                      f"CLIP {previous.get('clip_weights')}, this run uses "
-                                      f"{current['world_settings_hash']} / {current['clip_weights']}; use --out DIR "
-                                      f"or delete that folder")
+            raise UserError(
+                str(out),
+                f"holds a demo run on world {previous.get('world_settings_hash')} / "
+                f"CLIP {previous.get('clip_weights')}, this run uses "
+                f"{current['world_settings_hash']} / {current['clip_weights']}; use --out DIR "
+                f"or delete that folder",
+            )
     else:
         path.write_text(json.dumps(current, indent=1))

@@ -28,6 +28,7 @@ N counts every indexed pair (image member present, caption non-empty); pairs ski
 while reading are only counted.  Normalise images for CLIP with
 :func:`meta.chc.imaging.normalize_uint8` and ``meta['mean']`` / ``meta['std']``.
 """
+
 from meta.chc.hierarchy import STATUS, Hierarchy, load_hierarchy
 from meta.chc.pipeline import run_chc
 

@@ -6,6 +6,7 @@ sentence-embedding stage (each takes a block of caption chunks); rank 0 runs the
 and the fitting stages while the others wait at a barrier.  Re-running the same command
 resumes from the last finished stage / chunk.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,9 @@ from meta.config import load_meta_cfg
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m meta cluster",
-                                description="Cross-modal Hierarchical Clustering of image-text pairs")
+    p = argparse.ArgumentParser(
+        prog="python -m meta cluster", description="Cross-modal Hierarchical Clustering of image-text pairs"
+    )
     p.add_argument("--config-file", default="", help="yaml config (configs/meta/*.yaml)")
     p.add_argument("--no-progress", action="store_true", help="disable progress bars")
     p.add_argument("--debug", action="store_true", help="show tracebacks (also GRAM_DEBUG=1)")

@@ -6,6 +6,7 @@ Each topic is split into ``U = CHC.DOMAINS.NUM`` domains.  A topic with fewer th
 ``MIN_PER_DOMAIN`` images is excluded.  Topics larger than ``MINIBATCH_ABOVE`` use
 ``MiniBatchKMeans``.  Features are unit-norm, so Euclidean k-means ranks like cosine.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,8 +41,14 @@ def _kmeans(features: np.ndarray, k: int, n_init: int, minibatch: bool, seed: in
     return model.fit_predict(features).astype(np.int64)
 
 
-def split_domains(features: np.ndarray, num_domains: int = 3, min_per_domain: int = 8,
-                  minibatch_above: int = 20000, n_init: int = 10, seed: int = 0) -> DomainSplit:
+def split_domains(
+    features: np.ndarray,
+    num_domains: int = 3,
+    min_per_domain: int = 8,
+    minibatch_above: int = 20000,
+    n_init: int = 10,
+    seed: int = 0,
+) -> DomainSplit:
     """Partition one topic's image features ``[n, D]`` into at most ``num_domains`` domains.
 
     Domain ids are ordered by size (0 = largest), so the result does not depend on
@@ -58,7 +65,7 @@ def split_domains(features: np.ndarray, num_domains: int = 3, min_per_domain: in
         labels = _kmeans(x, k, n_init, n > minibatch_above, seed)
         sizes = np.bincount(labels, minlength=k)
         if sizes.min() >= min_per_domain:
-            order = np.lexsort((np.arange(k), -sizes))        # largest first
+            order = np.lexsort((np.arange(k), -sizes))  # largest first
             relabel = np.empty(k, dtype=np.int64)
             relabel[order] = np.arange(k)
             return DomainSplit(relabel[labels], k, num_domains)

@@ -1,4 +1,5 @@
 """Errors a CHC run reports as one line (``error: <file or KEY>: <what>``, exit 2) instead of a traceback."""
+
 from __future__ import annotations
 
 

@@ -9,6 +9,7 @@ See the contract in :mod:`meta.chc`.  Files in a CHC output directory:
   image_features/images_u8.npy      uint8 [N, H, W, 3] (optional cache)
   index/                            where each pair's image bytes live + captions
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,8 +22,13 @@ from meta.chc.imaging import decode_batch
 from meta.chc.outputs import OutputError, load_index, load_npy_output, read_json_output
 
 # item_status codes
-STATUS = {0: "clustered", 1: "unreadable image", 2: "filtered (image-text cosine)", 3: "topic noise",
-          4: "topic too small (excluded)"}
+STATUS = {
+    0: "clustered",
+    1: "unreadable image",
+    2: "filtered (image-text cosine)",
+    3: "topic noise",
+    4: "topic too small (excluded)",
+}
 CLUSTERED, UNREADABLE, FILTERED, NOISE, SMALL_TOPIC = 0, 1, 2, 3, 4
 
 
@@ -66,8 +72,10 @@ class Hierarchy:
         self.item_domain = np.asarray(self.item_domain, dtype=np.int64)
         n = len(self.item_topic)
         if len(self.item_domain) != n or len(self.image_features) != n:
-            raise ValueError(f"Hierarchy: item_topic [{n}], item_domain [{len(self.item_domain)}] and "
-                             f"image_features [{len(self.image_features)}] must have the same length")
+            raise ValueError(
+                f"Hierarchy: item_topic [{n}], item_domain [{len(self.item_domain)}] and "
+                f"image_features [{len(self.image_features)}] must have the same length"
+            )
         if len(set(self.topic_names)) != len(self.topic_names):
             raise ValueError("Hierarchy: topic_names must be unique (merge clusters that share a word)")
         if n and self.item_topic.max(initial=-1) >= len(self.topic_names):
@@ -118,27 +126,49 @@ def load_hierarchy(out_dir) -> Hierarchy:
     head = read_json_output(head_path, expected)
     names = head.get("topic_names") if isinstance(head, dict) else None
     meta = head.get("meta") if isinstance(head, dict) else None
-    if not (isinstance(names, list) and all(isinstance(t, str) for t in names) and isinstance(meta, dict)
-            and isinstance(meta.get("image_size"), int)):
-        raise OutputError(f"{head_path}: does not hold {expected}; rerun `python -m meta cluster` with the same "
-                          f"config to write it again")
+    if not (
+        isinstance(names, list)
+        and all(isinstance(t, str) for t in names)
+        and isinstance(meta, dict)
+        and isinstance(meta.get("image_size"), int)
+    ):
+        raise OutputError(
+            f"{head_path}: does not hold {expected}; rerun `python -m meta cluster` with the same "
+            f"config to write it again"
+        )
     item_topic = load_npy_output(out / "item_topic.npy", "int64 [N] topic id per pair", "domains", np.int64, 1)
     n = len(item_topic)
-    item_domain = load_npy_output(out / "item_domain.npy", f"int64 [{n}] domain id per pair", "domains", np.int64,
-                                  1, n)
-    feats = load_npy_output(out / "image_features" / "image_features.npy", f"float32 [{n}, D] CLIP image features",
-                            "image_features", np.float32, 2, n, mmap=True)
+    item_domain = load_npy_output(out / "item_domain.npy", f"int64 [{n}] domain id per pair", "domains", np.int64, 1, n)
+    feats = load_npy_output(
+        out / "image_features" / "image_features.npy",
+        f"float32 [{n}, D] CLIP image features",
+        "image_features",
+        np.float32,
+        2,
+        n,
+        mmap=True,
+    )
     cache = out / "image_features" / "images_u8.npy"
     index = load_index(out / "index")
     if len(index) != n:
-        raise OutputError(f"{out / 'index'}: holds {len(index)} pairs, item_topic.npy {n}; expected the same "
-                          f"number (a partly copied CHC.OUTPUT_DIR?)")
+        raise OutputError(
+            f"{out / 'index'}: holds {len(index)} pairs, item_topic.npy {n}; expected the same "
+            f"number (a partly copied CHC.OUTPUT_DIR?)"
+        )
     if cache.is_file():
         size = int(meta["image_size"])
-        pixels = load_npy_output(cache, f"uint8 [{n}, {size}, {size}, 3] decoded images", "image_features",
-                                 np.uint8, 4, n, mmap=True)
+        pixels = load_npy_output(
+            cache, f"uint8 [{n}, {size}, {size}, 3] decoded images", "image_features", np.uint8, 4, n, mmap=True
+        )
         loader = lambda idx: np.asarray(pixels[np.asarray(idx, dtype=np.int64)])  # noqa: E731
     else:
         loader = PairIndexImages(index, meta["image_size"])
-    return Hierarchy(topic_names=list(names), item_topic=item_topic, item_domain=item_domain, image_features=feats,
-                     meta=meta, image_loader=loader, captions=index.captions)
+    return Hierarchy(
+        topic_names=list(names),
+        item_topic=item_topic,
+        item_domain=item_domain,
+        image_features=feats,
+        meta=meta,
+        image_loader=loader,
+        captions=index.captions,
+    )

@@ -19,6 +19,7 @@ of a rank's first chunk is unreadable, the inputs point at the wrong place (a wr
 ``CHC.INPUT.IMAGE_ROOT``, relative base or shard set), and the run stops with one line
 naming the path tried and the key that sets it.
 """
+
 from __future__ import annotations
 
 import json
@@ -67,16 +68,34 @@ def first_chunk_error(index: PairIndex, items: np.ndarray, reasons: list, image_
     if index.source_kind[src] == KIND_TAR:
         return f"CHC.INPUT.SHARDS: {head}{index.image_location(first)}{tail}"
     root = image_root or ""
-    base = f"CHC.INPUT.IMAGE_ROOT {root!r}" if root else \
-        f"CHC.INPUT.IMAGE_ROOT '' = the manifest's folder {os.path.dirname(index.sources[src])}"
+    base = (
+        f"CHC.INPUT.IMAGE_ROOT {root!r}"
+        if root
+        else f"CHC.INPUT.IMAGE_ROOT '' = the manifest's folder {os.path.dirname(index.sources[src])}"
+    )
     return f"CHC.INPUT.IMAGE_ROOT: {head}{index.image_location(first)} ({base}){tail}"
 
 
-def encode_rank(index: PairIndex, clip, rank: int, world_size: int, stage_dir: Path, fp: str,
-                image_size: int, mean, std, batch_size: int = 64, chunk_size: int = 2048,
-                cache_images: bool = False, device="cpu", show_progress: bool = True,
-                decode_workers: int = 0, autocast: str = "none", max_unreadable_fraction: float = 1.0,
-                image_root: Optional[str] = None) -> dict:
+def encode_rank(
+    index: PairIndex,
+    clip,
+    rank: int,
+    world_size: int,
+    stage_dir: Path,
+    fp: str,
+    image_size: int,
+    mean,
+    std,
+    batch_size: int = 64,
+    chunk_size: int = 2048,
+    cache_images: bool = False,
+    device="cpu",
+    show_progress: bool = True,
+    decode_workers: int = 0,
+    autocast: str = "none",
+    max_unreadable_fraction: float = 1.0,
+    image_root: Optional[str] = None,
+) -> dict:
     """Encode this rank's items; resumes from the last finished chunk.
 
     Args:
@@ -114,7 +133,7 @@ def encode_rank(index: PairIndex, clip, rank: int, world_size: int, stage_dir: P
             raise InputError(first_chunk_error(index, items[start:end], reasons, image_root))
         chunk_reasons[str(start)] = dict(Counter(r for r in reasons if r))
         Path(stage_dir).mkdir(parents=True, exist_ok=True)
-        write_json_atomic(rpath, {"fingerprint": fp, "chunks": chunk_reasons})   # before the rows: resume-safe
+        write_json_atomic(rpath, {"fingerprint": fp, "chunks": chunk_reasons})  # before the rows: resume-safe
         rows = np.zeros((end - start, dim + 1), dtype=np.float32)
         if ok.any():
             with precision.autocast(autocast, device):
@@ -125,10 +144,14 @@ def encode_rank(index: PairIndex, clip, rank: int, world_size: int, stage_dir: P
             pixel_cache.flush()
         return rows
 
-    done = store.fill(compute, chunk_size, desc=f"image features (rank {rank}/{world_size})",
-                      disable_progress=not show_progress)
-    return {"items": int(len(items)), "unreadable": int((done[:, dim] < 0.5).sum()),
-            "unreadable_by_reason": rank_reasons(stage_dir, rank, fp)}
+    done = store.fill(
+        compute, chunk_size, desc=f"image features (rank {rank}/{world_size})", disable_progress=not show_progress
+    )
+    return {
+        "items": int(len(items)),
+        "unreadable": int((done[:, dim] < 0.5).sum()),
+        "unreadable_by_reason": rank_reasons(stage_dir, rank, fp),
+    }
 
 
 def rank_reasons(stage_dir: Path, rank: int, fp: str) -> dict:
@@ -139,8 +162,14 @@ def rank_reasons(stage_dir: Path, rank: int, fp: str) -> dict:
     return dict(total.most_common())
 
 
-def merge_ranks(index: PairIndex, world_size: int, stage_dir: Path, cache_images: bool,
-                remove_rank_files: bool = False, fp: Optional[str] = None) -> dict:
+def merge_ranks(
+    index: PairIndex,
+    world_size: int,
+    stage_dir: Path,
+    cache_images: bool,
+    remove_rank_files: bool = False,
+    fp: Optional[str] = None,
+) -> dict:
     """Assemble the per-rank files into ``image_features.npy``, ``image_ok.npy`` (+ ``images_u8.npy``).
 
     ``fp`` (the ranks' chunk fingerprint) selects the per-rank reason files merged into

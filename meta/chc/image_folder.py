@@ -5,6 +5,7 @@ are still found by k-means on the frozen CLIP's image features inside each class
 Unreadable images (any failure to read or decode one file) are skipped and counted in
 ``meta['counts']``, by reason (exception type) in ``meta['unreadable_by_reason']``.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -37,17 +38,29 @@ class _FileImages:
         return decode_batch(blobs, self.image_size)[0]
 
 
-def build_image_folder_hierarchy(root, clip, num_domains: int = 3, min_per_domain: int = 8, batch_size: int = 64,
-                                 seed: int = 0, device="cpu", model_name: str = "", pretrained: str = "",
-                                 show_progress: bool = True) -> Hierarchy:
+def build_image_folder_hierarchy(
+    root,
+    clip,
+    num_domains: int = 3,
+    min_per_domain: int = 8,
+    batch_size: int = 64,
+    seed: int = 0,
+    device="cpu",
+    model_name: str = "",
+    pretrained: str = "",
+    show_progress: bool = True,
+) -> Hierarchy:
     """Classes = sub-folder names (sorted); features and domains as in CHC.
 
     ``num_domains``, ``min_per_domain`` and ``batch_size`` come from ``CHC.DOMAINS.NUM``,
     ``CHC.DOMAINS.MIN_PER_DOMAIN`` and ``CHC.IMAGES.BATCH_SIZE``; a value those keys do not accept
     is a :class:`meta.cli_errors.UserError` naming the key, before any image is read.
     """
-    for key, value in (("DOMAINS.NUM", num_domains), ("DOMAINS.MIN_PER_DOMAIN", min_per_domain),
-                       ("IMAGES.BATCH_SIZE", batch_size)):
+    for key, value in (
+        ("DOMAINS.NUM", num_domains),
+        ("DOMAINS.MIN_PER_DOMAIN", min_per_domain),
+        ("IMAGES.BATCH_SIZE", batch_size),
+    ):
         check_int(f"CHC.{key}", value, *INT_RANGES[key])
     root = Path(root)
     if not root.is_dir():
@@ -59,9 +72,12 @@ def build_image_folder_hierarchy(root, clip, num_domains: int = 3, min_per_domai
             if f.suffix.lower() in IMAGE_SUFFIXES and f.is_file():
                 paths.append(str(f)), labels.append(c)
     if not paths:
-        raise FileNotFoundError(f"TASKS.IMAGE_FOLDER: no images under {root}/<class>/ (expected {sorted(IMAGE_SUFFIXES)})")
-    image_size = int(clip.visual.image_size[0] if isinstance(clip.visual.image_size, (tuple, list))
-                     else clip.visual.image_size)
+        raise FileNotFoundError(
+            f"TASKS.IMAGE_FOLDER: no images under {root}/<class>/ (expected {sorted(IMAGE_SUFFIXES)})"
+        )
+    image_size = int(
+        clip.visual.image_size[0] if isinstance(clip.visual.image_size, (tuple, list)) else clip.visual.image_size
+    )
     mean, std = clip_norm_stats(clip)
     loader = _FileImages(paths, image_size)
     feats = np.zeros((len(paths), int(clip.visual.output_dim)), dtype=np.float32)
@@ -94,12 +110,30 @@ def build_image_folder_hierarchy(root, clip, num_domains: int = 3, min_per_domai
         item_domain[members] = split.labels
         names.append(name)
     weights = pretrained if pretrained and Path(pretrained).is_file() else None
-    meta = {"source": "image_folder", "root": str(root), "backbone": model_name, "pretrained": pretrained or None,
-            "weights_sha256": file_sha256(weights) if weights else None,  # as CHC records it (meta.chc.pipeline)
-            "image_size": image_size, "mean": list(mean), "std": list(std),
-            "counts": {"images": len(paths), "unreadable_images": int((~ok).sum()), "classes": len(classes),
-                       "classes_excluded_small": len(classes) - len(names)},
-            "domains_per_class": per_class,
-            "unreadable_by_reason": dict(Counter(r for r in reasons if r).most_common())}
-    return Hierarchy(topic_names=names, item_topic=item_topic, item_domain=item_domain, image_features=feats,
-                     meta=meta, image_loader=loader, captions=None)
+    meta = {
+        "source": "image_folder",
+        "root": str(root),
+        "backbone": model_name,
+        "pretrained": pretrained or None,
+        "weights_sha256": file_sha256(weights) if weights else None,  # as CHC records it (meta.chc.pipeline)
+        "image_size": image_size,
+        "mean": list(mean),
+        "std": list(std),
+        "counts": {
+            "images": len(paths),
+            "unreadable_images": int((~ok).sum()),
+            "classes": len(classes),
+            "classes_excluded_small": len(classes) - len(names),
+        },
+        "domains_per_class": per_class,
+        "unreadable_by_reason": dict(Counter(r for r in reasons if r).most_common()),
+    }
+    return Hierarchy(
+        topic_names=names,
+        item_topic=item_topic,
+        item_domain=item_domain,
+        image_features=feats,
+        meta=meta,
+        image_loader=loader,
+        captions=None,
+    )

@@ -7,6 +7,7 @@ Every image that reaches a CLIP tower in GRAM goes through :func:`to_clip_uint8`
 lets the hierarchy hand out images as ``[n, H, W, 3]`` uint8 and lets the
 meta-trainer apply the same normalisation (or its own augmentation) later.
 """
+
 from __future__ import annotations
 
 import io
@@ -46,7 +47,7 @@ def decode_image_why(data: Optional[bytes]) -> tuple[Optional[Image.Image], str]
             warnings.simplefilter("ignore")  # PIL DecompressionBombWarning, palette warnings
             img = Image.open(io.BytesIO(data))
             img.load()
-            img = to_rgb8(img)            # by mode: 16-bit, float, alpha, palette, CMYK (meta.image_decode)
+            img = to_rgb8(img)  # by mode: 16-bit, float, alpha, palette, CMYK (meta.image_decode)
         if min(img.size) == 0:
             return None, "empty image (0 pixels)"
         return img, ""
@@ -81,8 +82,9 @@ def _decode_one(data: Optional[bytes], size: int) -> tuple[Optional[np.ndarray],
         return None, type(err).__name__
 
 
-def decode_batch(blobs: Sequence[Optional[bytes]], size: int, workers: int = 0,
-                 reasons: Optional[list] = None) -> tuple[np.ndarray, np.ndarray]:
+def decode_batch(
+    blobs: Sequence[Optional[bytes]], size: int, workers: int = 0, reasons: Optional[list] = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Decode a list of image byte strings.
 
     Args:
@@ -113,8 +115,13 @@ def decode_batch(blobs: Sequence[Optional[bytes]], size: int, workers: int = 0,
     return pixels, ok
 
 
-def normalize_uint8(pixels: np.ndarray, mean: Sequence[float] = CLIP_MEAN, std: Sequence[float] = CLIP_STD,
-                    dtype: torch.dtype = torch.float32, device="cpu") -> torch.Tensor:
+def normalize_uint8(
+    pixels: np.ndarray,
+    mean: Sequence[float] = CLIP_MEAN,
+    std: Sequence[float] = CLIP_STD,
+    dtype: torch.dtype = torch.float32,
+    device="cpu",
+) -> torch.Tensor:
     """uint8 ``[n, H, W, 3]`` -> normalised float ``[n, 3, H, W]`` for a CLIP image tower."""
     x = torch.from_numpy(np.ascontiguousarray(pixels)).to(device).permute(0, 3, 1, 2).to(torch.float32) / 255.0
     m = torch.tensor(mean, device=device).view(1, 3, 1, 1)
@@ -137,7 +144,7 @@ def encode_images(clip, pixels: np.ndarray, mean, std, batch_size: int = 64, dev
     dtype = next(clip.parameters()).dtype
     out = []
     for start in range(0, len(pixels), batch_size):
-        x = normalize_uint8(pixels[start:start + batch_size], mean, std, dtype=dtype, device=device)
+        x = normalize_uint8(pixels[start : start + batch_size], mean, std, dtype=dtype, device=device)
         f = clip.encode_image(x).float()
         out.append(torch.nn.functional.normalize(f, dim=-1))
     if not out:

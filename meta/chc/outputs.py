@@ -8,6 +8,7 @@ raise :class:`OutputError` instead: ``<file>: <what is wrong>; expected <what th
 how to get a good copy back (rerun ``python -m meta cluster``; for a stage's cached output, after
 deleting that stage's ``<stage>.done.json``).
 """
+
 from __future__ import annotations
 
 import json
@@ -48,13 +49,20 @@ def read_json_output(path, expected: str, stage: Optional[str] = None):
         what = f"not valid JSON ({err.msg}: line {err.lineno} column {err.colno})"
     except UnicodeDecodeError:
         what = "not UTF-8 text"
-    except ValueError:   # nested deeper than meta.fileio.MAX_NESTING
+    except ValueError:  # nested deeper than meta.fileio.MAX_NESTING
         what = "JSON nested too deep to read"
     raise OutputError(f"{path}: {what}; expected {expected}; {_fix(path, stage)}")
 
 
-def load_npy_output(path, expected: str, stage: Optional[str] = None, dtype=None, ndim: Optional[int] = None,
-                    rows: Optional[int] = None, mmap: bool = False) -> np.ndarray:
+def load_npy_output(
+    path,
+    expected: str,
+    stage: Optional[str] = None,
+    dtype=None,
+    ndim: Optional[int] = None,
+    rows: Optional[int] = None,
+    mmap: bool = False,
+) -> np.ndarray:
     """The ``.npy`` array in ``path``, checked; :class:`OutputError` when it is cut, garbled or of another shape.
 
     Args:
@@ -69,8 +77,9 @@ def load_npy_output(path, expected: str, stage: Optional[str] = None, dtype=None
         arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
     except (ValueError, OSError, EOFError, pickle.UnpicklingError) as err:
         text = " ".join(str(err).split()) or type(err).__name__
-        raise OutputError(f"{path}: truncated or not a .npy array ({text}); expected {expected}; "
-                          f"{_fix(path, stage)}") from None
+        raise OutputError(
+            f"{path}: truncated or not a .npy array ({text}); expected {expected}; {_fix(path, stage)}"
+        ) from None
     problems = []
     if dtype is not None and arr.dtype != np.dtype(dtype):
         problems.append(f"dtype {arr.dtype}")
@@ -79,8 +88,9 @@ def load_npy_output(path, expected: str, stage: Optional[str] = None, dtype=None
     elif rows is not None and (arr.ndim == 0 or arr.shape[0] != rows):
         problems.append(f"{arr.shape[0] if arr.ndim else 0} rows, not {rows}")
     if problems:
-        raise OutputError(f"{path}: holds shape {tuple(arr.shape)}, {', '.join(problems)}; expected {expected}; "
-                          f"{_fix(path, stage)}")
+        raise OutputError(
+            f"{path}: holds shape {tuple(arr.shape)}, {', '.join(problems)}; expected {expected}; {_fix(path, stage)}"
+        )
     return arr
 
 
@@ -99,11 +109,15 @@ def load_index(directory):
         raise FileNotFoundError(f"{err.filename or directory}: not found; expected the pair index; {fix}") from None
     except (ValueError, OSError, EOFError, KeyError, TypeError, RecursionError, zipfile.BadZipFile) as err:
         text = " ".join(str(err).split()) or type(err).__name__
-        raise OutputError(f"{directory}: pair index unreadable ({type(err).__name__}: {text}); expected "
-                          f"sources.json, items.npz and items.jsonl as `python -m meta cluster` writes them; "
-                          f"{fix}") from None
+        raise OutputError(
+            f"{directory}: pair index unreadable ({type(err).__name__}: {text}); expected "
+            f"sources.json, items.npz and items.jsonl as `python -m meta cluster` writes them; "
+            f"{fix}"
+        ) from None
     n = len(index.captions)
     if not (len(index.item_source) == len(index.item_offset) == len(index.item_size) == n):
-        raise OutputError(f"{directory}: items.jsonl holds {n} pairs, items.npz {len(index.item_source)}; "
-                          f"expected the same number; {fix}")
+        raise OutputError(
+            f"{directory}: items.jsonl holds {n} pairs, items.npz {len(index.item_source)}; "
+            f"expected the same number; {fix}"
+        )
     return index

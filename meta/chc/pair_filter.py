@@ -7,6 +7,7 @@ without naming the model; here the filtering model is the same frozen CLIP.  Mod
 * ``threshold`` - drop pairs whose cosine is below ``CHC.FILTER.THRESHOLD``;
 * ``quantile``  - drop the ``CHC.FILTER.QUANTILE`` fraction with the lowest cosine.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,30 +20,46 @@ from meta.chc.stages import ChunkedArray, dedupe
 
 
 @torch.no_grad()
-def clip_text_features(clip, tokenizer, captions: Sequence[str], template: str = "{}",
-                       batch_size: int = 256, device="cpu") -> np.ndarray:
+def clip_text_features(
+    clip, tokenizer, captions: Sequence[str], template: str = "{}", batch_size: int = 256, device="cpu"
+) -> np.ndarray:
     """L2-normalised CLIP text features float32 ``[n, D]`` of ``captions``."""
     out = []
     for start in range(0, len(captions), batch_size):
-        tokens = tokenizer([template.format(c) for c in captions[start:start + batch_size]]).to(device)
+        tokens = tokenizer([template.format(c) for c in captions[start : start + batch_size]]).to(device)
         f = clip.encode_text(tokens).float()
         out.append(torch.nn.functional.normalize(f, dim=-1).cpu().numpy())
     return np.concatenate(out).astype(np.float32) if out else np.zeros((0, int(clip.visual.output_dim)), np.float32)
 
 
-def pair_cosines(clip, tokenizer, captions: Sequence[str], image_features: np.ndarray, ok: np.ndarray,
-                 stage_dir: Path, fp: str, template: str = "{}", batch_size: int = 256,
-                 chunk_size: int = 4096, device="cpu", show_progress: bool = True) -> np.ndarray:
+def pair_cosines(
+    clip,
+    tokenizer,
+    captions: Sequence[str],
+    image_features: np.ndarray,
+    ok: np.ndarray,
+    stage_dir: Path,
+    fp: str,
+    template: str = "{}",
+    batch_size: int = 256,
+    chunk_size: int = 4096,
+    device="cpu",
+    show_progress: bool = True,
+) -> np.ndarray:
     """Cosine ``[N]`` between each pair's image and caption (NaN where the image is unreadable).
 
     Captions are deduplicated and encoded in cached, resumable chunks.
     """
     uniq, inverse = dedupe(captions)
-    store = ChunkedArray(Path(stage_dir) / "clip_text_features.npy", len(uniq), (image_features.shape[1],),
-                         np.float32, fp)
-    text = store.fill(lambda s, e: clip_text_features(clip, tokenizer, uniq[s:e], template,
-                                                      batch_size, device),
-                      chunk_size, desc="CLIP caption features", disable_progress=not show_progress)
+    store = ChunkedArray(
+        Path(stage_dir) / "clip_text_features.npy", len(uniq), (image_features.shape[1],), np.float32, fp
+    )
+    text = store.fill(
+        lambda s, e: clip_text_features(clip, tokenizer, uniq[s:e], template, batch_size, device),
+        chunk_size,
+        desc="CLIP caption features",
+        disable_progress=not show_progress,
+    )
     cos = np.full(len(captions), np.nan, dtype=np.float32)
     for start in range(0, len(captions), 65536):
         sl = slice(start, start + 65536)

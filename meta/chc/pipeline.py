@@ -14,6 +14,7 @@ Under ``torchrun`` every rank runs stage 2 on its own shards and stage 4 on its 
 caption chunks; rank 0 builds the index first, merges each sharded stage and runs the filter and
 the fitting stages alone while the other ranks wait at a barrier.
 """
+
 from __future__ import annotations
 
 import glob
@@ -28,7 +29,6 @@ import numpy as np
 import open_clip
 
 from meta.backbone import resolve_device
-from meta.clip_config import clip_from_cfg
 from meta.chc import domains as domains_mod
 from meta.chc import text_embed
 from meta.chc import topics as topics_mod
@@ -41,9 +41,18 @@ from meta.chc.pair_filter import keep_mask, pair_cosines
 from meta.chc.report import skipped_input_rows, write_report
 from meta.chc.settings import check_chc_cfg
 from meta.chc.sources import PairIndex, build_index
-from meta.chc.stages import (ChunkedArray, StageMarker, create_memmap, dedupe, fingerprint, groups, save_npy_atomic,
-                             write_json_atomic)
+from meta.chc.stages import (
+    ChunkedArray,
+    StageMarker,
+    create_memmap,
+    dedupe,
+    fingerprint,
+    groups,
+    save_npy_atomic,
+    write_json_atomic,
+)
 from meta.chc.text_embed import cap_caption, caption_over_cap, model_digest, resolve_model_path
+from meta.clip_config import clip_from_cfg
 from meta.config import get_meta_cfg_default
 from meta.fileio import clean_stale_temps
 from meta.hashing import file_sha256
@@ -68,8 +77,11 @@ _INDEX_FP_IF_CHANGED = ("MAX_FIELD_CHARS",)
 def index_settings(inp) -> dict:
     """The ``CHC.INPUT`` settings the index stage's fingerprint covers."""
     default = get_meta_cfg_default().CHC.INPUT
-    return {k: v for k, v in _node(inp).items()
-            if k not in _INDEX_FP_IGNORED and not (k in _INDEX_FP_IF_CHANGED and v == default[k])}
+    return {
+        k: v
+        for k, v in _node(inp).items()
+        if k not in _INDEX_FP_IGNORED and not (k in _INDEX_FP_IF_CHANGED and v == default[k])
+    }
 
 
 class ChcRun:
@@ -82,8 +94,14 @@ class ChcRun:
         show_progress: tqdm bars on/off.
     """
 
-    def __init__(self, cfg, rank: int = 0, world_size: int = 1, barrier: Optional[Callable[[], None]] = None,
-                 show_progress: bool = True):
+    def __init__(
+        self,
+        cfg,
+        rank: int = 0,
+        world_size: int = 1,
+        barrier: Optional[Callable[[], None]] = None,
+        show_progress: bool = True,
+    ):
         self.cfg = cfg
         self.chc = cfg.CHC
         self.out = Path(cfg.CHC.OUTPUT_DIR)
@@ -96,8 +114,11 @@ class ChcRun:
 
     # ------------------------------------------------------------------ helpers
     def _timed(self, name: str, seconds: float, items: int) -> None:
-        self.timings[name] = {"seconds": round(seconds, 3), "items": int(items),
-                              "items_per_second": round(items / seconds, 1) if seconds > 0 else None}
+        self.timings[name] = {
+            "seconds": round(seconds, 3),
+            "items": int(items),
+            "items_per_second": round(items / seconds, 1) if seconds > 0 else None,
+        }
 
     def clip(self):
         """The frozen CLIP (random weights seeded by ``SEED`` when ``MODEL.PRETRAINED`` is empty)."""
@@ -113,9 +134,17 @@ class ChcRun:
         mean, std = clip_norm_stats(clip)
         weights = self.cfg.MODEL.PRETRAINED
         sha = file_sha256(weights) if weights and os.path.isfile(weights) else None
-        self._backbone_meta = {"backbone": self.cfg.MODEL.BACKBONE, "pretrained": weights or None, "weights_sha256": sha,
-                "precision": self.cfg.MODEL.PRECISION, "quick_gelu": self.cfg.MODEL.QUICK_GELU,
-                "image_size": dims.image_size, "embed_dim": dims.embed_dim, "mean": list(mean), "std": list(std)}
+        self._backbone_meta = {
+            "backbone": self.cfg.MODEL.BACKBONE,
+            "pretrained": weights or None,
+            "weights_sha256": sha,
+            "precision": self.cfg.MODEL.PRECISION,
+            "quick_gelu": self.cfg.MODEL.QUICK_GELU,
+            "image_size": dims.image_size,
+            "embed_dim": dims.embed_dim,
+            "mean": list(mean),
+            "std": list(std),
+        }
         return dict(self._backbone_meta)
 
     def unreadable_by_reason(self) -> dict:
@@ -127,12 +156,20 @@ class ChcRun:
         return {"unreadable (reason not recorded)": int((~ok).sum())} if (~ok).any() else {}
 
     def _image_ok(self) -> np.ndarray:
-        return load_npy_output(self.out / "image_features" / "image_ok.npy", "bool [N] image decoded per pair",
-                               "image_features", bool, 1)
+        return load_npy_output(
+            self.out / "image_features" / "image_ok.npy", "bool [N] image decoded per pair", "image_features", bool, 1
+        )
 
     def _image_features(self, n: int) -> np.ndarray:
-        return load_npy_output(self.out / "image_features" / "image_features.npy",
-                               f"float32 [{n}, D] CLIP image features", "image_features", np.float32, 2, n, mmap=True)
+        return load_npy_output(
+            self.out / "image_features" / "image_features.npy",
+            f"float32 [{n}, D] CLIP image features",
+            "image_features",
+            np.float32,
+            2,
+            n,
+            mmap=True,
+        )
 
     # ------------------------------------------------------------------ stage 1
     def stage_index(self) -> tuple[PairIndex, str]:
@@ -156,14 +193,22 @@ class ChcRun:
             if marker.is_done():
                 index = load_index(self.out / "index")
                 if image_files_changed(index):
-                    log.warning("image files named by CHC.INPUT.MANIFEST changed since the index was built: "
-                                "re-reading them")
+                    log.warning(
+                        "image files named by CHC.INPUT.MANIFEST changed since the index was built: re-reading them"
+                    )
                     index = None
             if index is None:
                 t0 = time.time()
-                index = build_index(list(inp.SHARDS), inp.MANIFEST, inp.IMAGE_COLUMN, inp.CAPTION_COLUMN,
-                                    inp.IMAGE_ROOT, inp.MAX_PAIRS, show_progress=self.show_progress,
-                                    max_field_chars=inp.MAX_FIELD_CHARS)
+                index = build_index(
+                    list(inp.SHARDS),
+                    inp.MANIFEST,
+                    inp.IMAGE_COLUMN,
+                    inp.CAPTION_COLUMN,
+                    inp.IMAGE_ROOT,
+                    inp.MAX_PAIRS,
+                    show_progress=self.show_progress,
+                    max_field_chars=inp.MAX_FIELD_CHARS,
+                )
                 index.save(self.out / "index")
                 self._timed("index", time.time() - t0, index.counts.get("pairs_seen", 0))
                 marker.mark({"pairs": len(index)})
@@ -187,8 +232,16 @@ class ChcRun:
         cache = self.image_cache_wanted(len(index))
         autocast = resolve_autocast(imgs.AUTOCAST, self.device, "CHC.IMAGES.AUTOCAST")
         # fp32 (the default) keeps the fingerprint features computed before the key existed had
-        fp = fingerprint("image_features", index_fp, bmeta, imgs.CHUNK_SIZE, imgs.BATCH_SIZE, cache, self.cfg.SEED,
-                         *(() if autocast == "none" else (autocast,)))
+        fp = fingerprint(
+            "image_features",
+            index_fp,
+            bmeta,
+            imgs.CHUNK_SIZE,
+            imgs.BATCH_SIZE,
+            cache,
+            self.cfg.SEED,
+            *(() if autocast == "none" else (autocast,)),
+        )
         marker = StageMarker(self.out, "image_features", fp)
         stage_dir = self.out / "image_features"
         if marker.is_done():
@@ -197,11 +250,26 @@ class ChcRun:
         mean, std = clip_norm_stats(clip)
         t0 = time.time()
         rank_fp = fingerprint(fp, self.world_size)
-        stats = encode_rank(index, clip, self.rank, self.world_size, stage_dir, rank_fp, dims.image_size, mean, std,
-                            imgs.BATCH_SIZE, imgs.CHUNK_SIZE, cache, self.device, self.show_progress,
-                            imgs.DECODE_WORKERS, autocast=autocast,
-                            max_unreadable_fraction=float(self.chc.INPUT.MAX_UNREADABLE_FRACTION),
-                            image_root=self.chc.INPUT.IMAGE_ROOT)
+        stats = encode_rank(
+            index,
+            clip,
+            self.rank,
+            self.world_size,
+            stage_dir,
+            rank_fp,
+            dims.image_size,
+            mean,
+            std,
+            imgs.BATCH_SIZE,
+            imgs.CHUNK_SIZE,
+            cache,
+            self.device,
+            self.show_progress,
+            imgs.DECODE_WORKERS,
+            autocast=autocast,
+            max_unreadable_fraction=float(self.chc.INPUT.MAX_UNREADABLE_FRACTION),
+            image_root=self.chc.INPUT.IMAGE_ROOT,
+        )
         self._timed("image_features", time.time() - t0, stats["items"])
         self.barrier()
         if self.rank == 0:
@@ -224,8 +292,11 @@ class ChcRun:
         if not ok.any():
             reasons = self.unreadable_by_reason()
             key = "CHC.INPUT.IMAGE_ROOT" if self.chc.INPUT.MANIFEST else "CHC.INPUT.SHARDS"
-            raise InputError(f"{key}: none of the {len(ok)} images could be read ("
-                             + ", ".join(f"{k} {v}" for k, v in reasons.items()) + ")")
+            raise InputError(
+                f"{key}: none of the {len(ok)} images could be read ("
+                + ", ".join(f"{k} {v}" for k, v in reasons.items())
+                + ")"
+            )
         if not marker.is_done():
             stage_dir.mkdir(parents=True, exist_ok=True)
             if filt.MODE == "none":
@@ -234,20 +305,35 @@ class ChcRun:
                 clip, _ = self.clip()
                 feats = self._image_features(len(ok))
                 t0 = time.time()
-                cos = pair_cosines(clip, open_clip.get_tokenizer(self.cfg.MODEL.BACKBONE), index.captions, feats,
-                                   ok, stage_dir, fp, filt.TEMPLATE or "{}", device=self.device,
-                                   show_progress=self.show_progress)
+                cos = pair_cosines(
+                    clip,
+                    open_clip.get_tokenizer(self.cfg.MODEL.BACKBONE),
+                    index.captions,
+                    feats,
+                    ok,
+                    stage_dir,
+                    fp,
+                    filt.TEMPLATE or "{}",
+                    device=self.device,
+                    show_progress=self.show_progress,
+                )
                 self._timed("filter", time.time() - t0, len(index))
             keep = keep_mask(cos, filt.MODE, filt.THRESHOLD, filt.QUANTILE)
             save_npy_atomic(stage_dir / "pair_cosine.npy", cos)
             save_npy_atomic(stage_dir / "keep.npy", keep)
             marker.mark({"filtered": int((ok & ~keep).sum())})
-        return ok, load_npy_output(stage_dir / "keep.npy", f"bool [{len(ok)}] pairs kept by the filter", "filter",
-                                   bool, 1, len(ok)), fp
+        return (
+            ok,
+            load_npy_output(
+                stage_dir / "keep.npy", f"bool [{len(ok)}] pairs kept by the filter", "filter", bool, 1, len(ok)
+            ),
+            fp,
+        )
 
     # ------------------------------------------------------------------ stage 4
-    def stage_text(self, index: Optional[PairIndex], keep: Optional[np.ndarray],
-                   filter_fp: str) -> tuple[list, np.ndarray, str]:
+    def stage_text(
+        self, index: Optional[PairIndex], keep: Optional[np.ndarray], filter_fp: str
+    ) -> tuple[list, np.ndarray, str]:
         """Returns ``(unique_captions [U], item_unique [N] (-1 = not kept), fp)``; embeddings on disk.
 
         Rank 0 deduplicates the kept captions (``index`` and ``keep`` are only needed there); under
@@ -278,13 +364,16 @@ class ChcRun:
             dim = int(dim_fn())
             lo, hi = text_rank_rows(len(uniq), int(text.CHUNK_SIZE), self.rank, self.world_size)
             path = stage_dir / ("embeddings.npy" if self.world_size == 1 else f"embeddings.rank{self.rank}.npy")
-            store = ChunkedArray(path, hi - lo, (dim,), np.float32,
-                                 fp if self.world_size == 1 else fingerprint(fp, self.world_size))
+            store = ChunkedArray(
+                path, hi - lo, (dim,), np.float32, fp if self.world_size == 1 else fingerprint(fp, self.world_size)
+            )
             t0, before = time.time(), store.rows_done()
-            store.fill(lambda s, e: text_embed.embed_texts(model, uniq[lo + s:lo + e], text.BATCH_SIZE),
-                       text.CHUNK_SIZE,
-                       desc=f"sentence embeddings (rank {self.rank}/{self.world_size})",
-                       disable_progress=not self.show_progress)
+            store.fill(
+                lambda s, e: text_embed.embed_texts(model, uniq[lo + s : lo + e], text.BATCH_SIZE),
+                text.CHUNK_SIZE,
+                desc=f"sentence embeddings (rank {self.rank}/{self.world_size})",
+                disable_progress=not self.show_progress,
+            )
             self._timed("text_embeddings", time.time() - t0, hi - lo - before)
             self.barrier()
             if self.rank == 0:
@@ -293,12 +382,15 @@ class ChcRun:
                 marker.mark({"unique_captions": int(len(uniq)), "model": model_path})
                 if self.world_size > 1:
                     for r in range(self.world_size):  # only after the mark: a crash never loses work
-                        for q in (stage_dir / f"embeddings.rank{r}.npy",
-                                  stage_dir / f"embeddings.rank{r}.npy.progress.json"):
+                        for q in (
+                            stage_dir / f"embeddings.rank{r}.npy",
+                            stage_dir / f"embeddings.rank{r}.npy.progress.json",
+                        ):
                             q.unlink(missing_ok=True)
         uniq = read_json_output(stage_dir / "unique_captions.json", "the list of unique captions", "text")
-        item_unique = load_npy_output(stage_dir / "item_unique.npy", "int64 [N] unique-caption id per pair", "text",
-                                      np.int64, 1)
+        item_unique = load_npy_output(
+            stage_dir / "item_unique.npy", "int64 [N] unique-caption id per pair", "text", np.int64, 1
+        )
         return uniq, item_unique, fp
 
     # ------------------------------------------------------------------ stage 5
@@ -309,40 +401,65 @@ class ChcRun:
         marker = StageMarker(self.out, "topics", fp)
         if not marker.is_done():
             stage_dir.mkdir(parents=True, exist_ok=True)
-            emb = load_npy_output(self.out / "text" / "embeddings.npy", f"float32 [{len(uniq)}, d] sentence embeddings",
-                                  "text", np.float32, 2, len(uniq), mmap=True)
+            emb = load_npy_output(
+                self.out / "text" / "embeddings.npy",
+                f"float32 [{len(uniq)}, d] sentence embeddings",
+                "text",
+                np.float32,
+                2,
+                len(uniq),
+                mmap=True,
+            )
             n_unique = len(uniq)
             rng = np.random.default_rng(self.cfg.SEED)
             sample = np.sort(rng.choice(n_unique, size=min(int(tc.FIT_SAMPLE), n_unique), replace=False))
             sample_emb = np.asarray(emb[sample])
             t0 = time.time()
             sample_labels = topics_mod.fit_sample_clusters(
-                sample_emb, tc.UMAP_DIM, tc.UMAP_NEIGHBORS, tc.UMAP_MIN_DIST, tc.UMAP_METRIC, tc.UMAP_INIT,
-                tc.MIN_CLUSTER_SIZE, tc.MIN_SAMPLES, self.cfg.SEED)
+                sample_emb,
+                tc.UMAP_DIM,
+                tc.UMAP_NEIGHBORS,
+                tc.UMAP_MIN_DIST,
+                tc.UMAP_METRIC,
+                tc.UMAP_INIT,
+                tc.MIN_CLUSTER_SIZE,
+                tc.MIN_SAMPLES,
+                self.cfg.SEED,
+            )
             self._timed("umap_hdbscan_fit", time.time() - t0, len(sample))
             n_clusters = int(sample_labels.max()) + 1
             if n_clusters < 1:
-                raise RuntimeError(f"HDBSCAN found no cluster among {len(sample)} captions; lower "
-                                   f"CHC.TOPICS.MIN_CLUSTER_SIZE (now {tc.MIN_CLUSTER_SIZE})")
+                raise RuntimeError(
+                    f"HDBSCAN found no cluster among {len(sample)} captions; lower "
+                    f"CHC.TOPICS.MIN_CLUSTER_SIZE (now {tc.MIN_CLUSTER_SIZE})"
+                )
             cents = topics_mod.centroids(sample_emb, sample_labels, n_clusters)
             cut = topics_mod.member_similarity_cut(sample_emb, sample_labels, cents, tc.ASSIGN_QUANTILE)
             t0 = time.time()
             unique_cluster = topics_mod.assign_nearest(emb, cents, cut)
-            unique_cluster[sample] = sample_labels        # fitted captions keep their HDBSCAN label
+            unique_cluster[sample] = sample_labels  # fitted captions keep their HDBSCAN label
             self._timed("assign_nearest_centroid", time.time() - t0, n_unique)
 
             weights = np.bincount(item_unique[item_unique >= 0], minlength=n_unique)
             t0 = time.time()
-            words = topics_mod.cluster_tfidf_words(uniq, unique_cluster, n_clusters, weights,
-                                                   tc.PRESENCE_MIN_FRACTION, tc.MIN_WORD_LEN, tc.EXTRA_STOP_WORDS)
-            cluster_sizes = np.bincount(unique_cluster[unique_cluster >= 0], weights=weights[unique_cluster >= 0],
-                                        minlength=n_clusters).astype(np.int64)
+            words = topics_mod.cluster_tfidf_words(
+                uniq,
+                unique_cluster,
+                n_clusters,
+                weights,
+                tc.PRESENCE_MIN_FRACTION,
+                tc.MIN_WORD_LEN,
+                tc.EXTRA_STOP_WORDS,
+            )
+            cluster_sizes = np.bincount(
+                unique_cluster[unique_cluster >= 0], weights=weights[unique_cluster >= 0], minlength=n_clusters
+            ).astype(np.int64)
             names, cluster_to_topic = topics_mod.merge_clusters_by_word(words.top_word, cluster_sizes)
             self._timed("topic_words", time.time() - t0, n_unique)
             unique_topic = np.where(unique_cluster >= 0, cluster_to_topic[np.maximum(unique_cluster, 0)], -1)
 
             plot = {}
-            (stage_dir / "plot.npz").unlink(missing_ok=True)   # never draw a previous run's points
+            (stage_dir / "plot.npz").unlink(missing_ok=True)  # never draw a previous run's points
             if tc.PLOT_POINTS > 0:
                 pick = np.sort(rng.choice(len(sample), size=min(int(tc.PLOT_POINTS), len(sample)), replace=False))
                 xy = topics_mod.project_2d(sample_emb[pick], tc.UMAP_NEIGHBORS, tc.UMAP_METRIC, self.cfg.SEED)
@@ -350,27 +467,40 @@ class ChcRun:
                 plot = {"points": int(len(pick))}
             save_npy_atomic(stage_dir / "unique_cluster.npy", unique_cluster)
             save_npy_atomic(stage_dir / "unique_topic.npy", unique_topic)
-            info = {"fit_sample": int(len(sample)), "clusters": n_clusters, "similarity_cut": cut,
-                    "sample_noise": int((sample_labels < 0).sum()),
-                    "assigned_noise": int((unique_cluster < 0).sum() - (sample_labels < 0).sum()),
-                    "cluster_top_word": words.top_word, "cluster_top_words": words.top_words,
-                    "cluster_sizes": cluster_sizes.tolist(), "cluster_to_topic": cluster_to_topic.tolist(),
-                    "topic_names": names, "vocabulary_size": words.vocabulary_size, "plot": plot,
-                    "timings": {k: v for k, v in self.timings.items() if k in
-                                ("umap_hdbscan_fit", "assign_nearest_centroid", "topic_words")}}
+            info = {
+                "fit_sample": int(len(sample)),
+                "clusters": n_clusters,
+                "similarity_cut": cut,
+                "sample_noise": int((sample_labels < 0).sum()),
+                "assigned_noise": int((unique_cluster < 0).sum() - (sample_labels < 0).sum()),
+                "cluster_top_word": words.top_word,
+                "cluster_top_words": words.top_words,
+                "cluster_sizes": cluster_sizes.tolist(),
+                "cluster_to_topic": cluster_to_topic.tolist(),
+                "topic_names": names,
+                "vocabulary_size": words.vocabulary_size,
+                "plot": plot,
+                "timings": {
+                    k: v
+                    for k, v in self.timings.items()
+                    if k in ("umap_hdbscan_fit", "assign_nearest_centroid", "topic_words")
+                },
+            }
             write_json_atomic(stage_dir / "topics.json", info)
             marker.mark({"topics": len(names)})
         return read_json_output(stage_dir / "topics.json", "the topic fit's summary", "topics"), fp
 
     # ------------------------------------------------------------------ stage 6
-    def stage_domains(self, ok: np.ndarray, keep: np.ndarray, item_unique: np.ndarray, topic_info: dict,
-                      topics_fp: str, image_fp: str) -> tuple[dict, str]:
+    def stage_domains(
+        self, ok: np.ndarray, keep: np.ndarray, item_unique: np.ndarray, topic_info: dict, topics_fp: str, image_fp: str
+    ) -> tuple[dict, str]:
         dc = self.chc.DOMAINS
         fp = fingerprint("domains", topics_fp, image_fp, _node(dc), self.cfg.SEED)
         marker = StageMarker(self.out, "domains", fp)
         if not marker.is_done():
-            unique_topic = load_npy_output(self.out / "topics" / "unique_topic.npy",
-                                           "int64 [U] topic id per unique caption", "topics", np.int64, 1)
+            unique_topic = load_npy_output(
+                self.out / "topics" / "unique_topic.npy", "int64 [U] topic id per unique caption", "topics", np.int64, 1
+            )
             feats = self._image_features(len(ok))
             n = len(ok)
             pre_topic = np.where(item_unique >= 0, unique_topic[np.maximum(item_unique, 0)], -1)
@@ -386,8 +516,9 @@ class ChcRun:
             members_of = groups(pre_topic)
             for t, name in enumerate(names):
                 members = members_of.get(t, np.zeros(0, dtype=np.int64))
-                split = domains_mod.split_domains(np.asarray(feats[members]), dc.NUM, dc.MIN_PER_DOMAIN,
-                                                  dc.MINIBATCH_ABOVE, dc.N_INIT, self.cfg.SEED)
+                split = domains_mod.split_domains(
+                    np.asarray(feats[members]), dc.NUM, dc.MIN_PER_DOMAIN, dc.MINIBATCH_ABOVE, dc.N_INIT, self.cfg.SEED
+                )
                 entry = {"name": name, "images": int(len(members)), "domains": split.num_domains}
                 if split.excluded:
                     status[members] = SMALL_TOPIC
@@ -429,43 +560,59 @@ class ChcRun:
         return self.out
 
     def write_outputs(self, index, ok, keep, uniq, item_unique, topic_info, domain_info) -> None:
-        status = load_npy_output(self.out / "item_status.npy", f"int8 [{len(ok)}] status per pair", "domains", np.int8,
-                                 1, len(ok))
+        status = load_npy_output(
+            self.out / "item_status.npy", f"int8 [{len(ok)}] status per pair", "domains", np.int8, 1, len(ok)
+        )
         counts = dict(index.counts)
         limit = int(self.chc.TEXT.MAX_CAPTION_CHARS)
-        counts["captions_cut_to_max_chars"] = sum(caption_over_cap(index.captions[i], limit)
-                                                  for i in np.flatnonzero(keep))
-        counts.update({
-            "pairs_indexed": len(index), "unreadable_images": int((~ok).sum()),
-            "filtered": int((ok & ~keep).sum()), "kept_after_filter": int(keep.sum()),
-            "unique_captions": len(uniq), "fit_sample": topic_info["fit_sample"],
-            "hdbscan_clusters": topic_info["clusters"], "noise_in_fit_sample": topic_info["sample_noise"],
-            "noise_assigned": topic_info["assigned_noise"],
-            "noise_pairs": int((status == NOISE).sum()),
-            "topics_after_merge": len(topic_info["topic_names"]),
-            "clusters_merged_away": topic_info["clusters"] - len(topic_info["topic_names"]),
-            "topics_excluded_small": sum(1 for e in domain_info["per_topic"] if e.get("excluded")),
-            "pairs_in_excluded_topics": int((status == SMALL_TOPIC).sum()),
-            "topics_with_fewer_domains": sum(1 for e in domain_info["per_topic"]
-                                             if 0 < e["domains"] < self.chc.DOMAINS.NUM),
-            "topics": len(domain_info["topic_names"]), "pairs_clustered": int((status == CLUSTERED).sum()),
-        })
+        counts["captions_cut_to_max_chars"] = sum(
+            caption_over_cap(index.captions[i], limit) for i in np.flatnonzero(keep)
+        )
+        counts.update(
+            {
+                "pairs_indexed": len(index),
+                "unreadable_images": int((~ok).sum()),
+                "filtered": int((ok & ~keep).sum()),
+                "kept_after_filter": int(keep.sum()),
+                "unique_captions": len(uniq),
+                "fit_sample": topic_info["fit_sample"],
+                "hdbscan_clusters": topic_info["clusters"],
+                "noise_in_fit_sample": topic_info["sample_noise"],
+                "noise_assigned": topic_info["assigned_noise"],
+                "noise_pairs": int((status == NOISE).sum()),
+                "topics_after_merge": len(topic_info["topic_names"]),
+                "clusters_merged_away": topic_info["clusters"] - len(topic_info["topic_names"]),
+                "topics_excluded_small": sum(1 for e in domain_info["per_topic"] if e.get("excluded")),
+                "pairs_in_excluded_topics": int((status == SMALL_TOPIC).sum()),
+                "topics_with_fewer_domains": sum(
+                    1 for e in domain_info["per_topic"] if 0 < e["domains"] < self.chc.DOMAINS.NUM
+                ),
+                "topics": len(domain_info["topic_names"]),
+                "pairs_clustered": int((status == CLUSTERED).sum()),
+            }
+        )
         meta = self.backbone_meta()
-        meta.update({"settings": {"CHC": _node(self.chc), "SEED": self.cfg.SEED},
-                     "status_codes": STATUS, "counts": counts, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                                        time.gmtime())})
+        meta.update(
+            {
+                "settings": {"CHC": _node(self.chc), "SEED": self.cfg.SEED},
+                "status_codes": STATUS,
+                "counts": counts,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+        )
         write_json_atomic(self.out / "hierarchy.json", {"topic_names": domain_info["topic_names"], "meta": meta})
         old = self.out / "timings.json"
         try:
             timings = json.loads(old.read_text()) if old.is_file() else {}
-        except (ValueError, RecursionError):   # a garbled timings file is rewritten, not fatal
+        except (ValueError, RecursionError):  # a garbled timings file is rewritten, not fatal
             timings = {}
         timings = timings if isinstance(timings, dict) else {}
         timings.update(self.timings)
         write_json_atomic(old, timings)
         skipped = skipped_input_rows(counts, index.issues, self.unreadable_by_reason(), limit)
-        write_report(self.out, index.captions, counts, topic_info, domain_info, timings, self.cfg.SEED, skipped,
-                     index.issues)
+        write_report(
+            self.out, index.captions, counts, topic_info, domain_info, timings, self.cfg.SEED, skipped, index.issues
+        )
 
 
 def text_rank_rows(n: int, chunk_size: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -483,8 +630,9 @@ def merge_text_ranks(stage_dir: Path, n: int, dim: int, chunk_size: int, world_s
         lo, hi = text_rank_rows(n, chunk_size, r, world_size)
         part = np.load(stage_dir / f"embeddings.rank{r}.npy", mmap_mode="r")
         if part.shape != (hi - lo, dim):
-            raise RuntimeError(f"{stage_dir}/embeddings.rank{r}.npy: shape {part.shape}, rank {r} owns "
-                               f"{(hi - lo, dim)}")
+            raise RuntimeError(
+                f"{stage_dir}/embeddings.rank{r}.npy: shape {part.shape}, rank {r} owns {(hi - lo, dim)}"
+            )
         merged[lo:hi] = part
     merged.flush()
     del merged
@@ -499,8 +647,9 @@ def image_files_changed(index: PairIndex) -> bool:
     return recorded is None or not np.array_equal(recorded, index.current_file_stamps())
 
 
-def run_chc(cfg, rank: int = 0, world_size: int = 1, barrier: Optional[Callable[[], None]] = None,
-            show_progress: bool = True) -> Optional[Path]:
+def run_chc(
+    cfg, rank: int = 0, world_size: int = 1, barrier: Optional[Callable[[], None]] = None, show_progress: bool = True
+) -> Optional[Path]:
     """Run or resume CHC for ``cfg``; returns ``CHC.OUTPUT_DIR`` on rank 0.
 
     Every ``CHC.*`` value is checked first (:func:`meta.chc.settings.check_chc_cfg`: one error naming

@@ -1,4 +1,5 @@
 """``chc_report.md`` + ``chc_report.json`` + ``umap_topics.png`` of a CHC run."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,10 @@ import numpy as np
 from meta.chc.stages import groups, write_json_atomic
 from meta.fileio import atomic_path, write_text_atomic
 
-MERGE_RULE = ("HDBSCAN clusters whose cluster-TF-IDF top word is identical are merged into one topic "
-              "(same name = same class), so no K-way task holds two classes with one name.")
+MERGE_RULE = (
+    "HDBSCAN clusters whose cluster-TF-IDF top word is identical are merged into one topic "
+    "(same name = same class), so no K-way task holds two classes with one name."
+)
 
 
 # index counts that are skips or changes of input, with what happened to the pairs
@@ -19,17 +22,29 @@ _INDEX_REASONS = (
     ("skipped_no_image", "pair without an image member / image value", "pair skipped"),
     ("skipped_empty_caption", "empty caption", "pair skipped"),
     ("skipped_lost_in_corrupt_shard", "pair cut by the damage in a corrupt shard", "pair skipped"),
-    ("pairs_lost_in_corrupt_shards_estimate", "pairs in the unread part of corrupt shards (estimate: bytes unread "
-                                              "/ mean bytes per pair read)", "not read"),
-    ("skipped_invalid_row", "manifest line that is not a JSON object (not JSON, nested too deep, a list)",
-     "row skipped"),
+    (
+        "pairs_lost_in_corrupt_shards_estimate",
+        "pairs in the unread part of corrupt shards (estimate: bytes unread / mean bytes per pair read)",
+        "not read",
+    ),
+    (
+        "skipped_invalid_row",
+        "manifest line that is not a JSON object (not JSON, nested too deep, a list)",
+        "row skipped",
+    ),
     ("skipped_non_text_caption", "caption is not text (number, list, ...)", "pair skipped"),
     ("skipped_non_text_image", "image value is not text", "pair skipped"),
     ("skipped_duplicate_pair", "exact repeat of an earlier (image, caption) row", "pair skipped"),
-    ("skipped_duplicate_key", "key repeated in a shard: a member group after the first complete pair",
-     "group skipped (first complete pair kept)"),
-    ("skipped_not_regular_file", "manifest image path names a FIFO, device, socket or folder",
-     "pair skipped (never opened)"),
+    (
+        "skipped_duplicate_key",
+        "key repeated in a shard: a member group after the first complete pair",
+        "group skipped (first complete pair kept)",
+    ),
+    (
+        "skipped_not_regular_file",
+        "manifest image path names a FIFO, device, socket or folder",
+        "pair skipped (never opened)",
+    ),
     ("dropped_by_max_pairs", "beyond CHC.INPUT.MAX_PAIRS", "pair skipped"),
     ("invalid_utf8_replaced", "text not valid UTF-8 (caption or manifest line)", "kept, bad bytes -> U+FFFD"),
 )
@@ -40,28 +55,47 @@ def skipped_input_rows(counts: dict, issues: list, unreadable_by_reason: dict, m
     """Rows ``{stage, reason, count, action}`` of the report's "Skipped input" table (non-zero counts only)."""
     rows = []
     if counts.get("corrupt_shards"):
-        rows.append({"stage": "index", "reason": "corrupt shard (listed below)", "count": counts["corrupt_shards"],
-                     "action": f"pairs before the damage kept; {counts.get('corrupt_shard_bytes_unread', 0)} "
-                               f"bytes after it not read; {counts.get('corrupt_shards_cut_short', 0)} file(s) cut "
-                               f"short (what followed the cut is unknown)"})
+        rows.append(
+            {
+                "stage": "index",
+                "reason": "corrupt shard (listed below)",
+                "count": counts["corrupt_shards"],
+                "action": f"pairs before the damage kept; {counts.get('corrupt_shard_bytes_unread', 0)} "
+                f"bytes after it not read; {counts.get('corrupt_shards_cut_short', 0)} file(s) cut "
+                f"short (what followed the cut is unknown)",
+            }
+        )
     for key, reason, action in _INDEX_REASONS:
         if counts.get(key):
             rows.append({"stage": "index", "reason": reason, "count": int(counts[key]), "action": action})
     for why, n in unreadable_by_reason.items():
-        rows.append({"stage": "image_features", "reason": f"unreadable image: {why}", "count": int(n),
-                     "action": "pair not clustered"})
+        rows.append(
+            {
+                "stage": "image_features",
+                "reason": f"unreadable image: {why}",
+                "count": int(n),
+                "action": "pair not clustered",
+            }
+        )
     if counts.get("captions_cut_to_max_chars"):
-        rows.append({"stage": "text", "reason": f"caption longer than CHC.TEXT.MAX_CAPTION_CHARS={max_caption_chars}",
-                     "count": int(counts["captions_cut_to_max_chars"]),
-                     "action": "cut for embeddings and topic words"})
+        rows.append(
+            {
+                "stage": "text",
+                "reason": f"caption longer than CHC.TEXT.MAX_CAPTION_CHARS={max_caption_chars}",
+                "count": int(counts["captions_cut_to_max_chars"]),
+                "action": "cut for embeddings and topic words",
+            }
+        )
     return rows
 
 
 def _issue_line(e: dict) -> str:
     if "offset" in e:
         cut = "; the file is cut short" if e.get("cut_short") else ""
-        return (f"- {e['source']}: {e['problem']}; stopped at byte {e['offset']}, {e['bytes_unread']} bytes not read, "
-                f"{e['pairs_read']} pairs read{cut}")
+        return (
+            f"- {e['source']}: {e['problem']}; stopped at byte {e['offset']}, {e['bytes_unread']} bytes not read, "
+            f"{e['pairs_read']} pairs read{cut}"
+        )
     if "keys" in e:
         return f"- {e['source']}: {e['problem']}: {e['rows']} member group(s), key(s) {', '.join(e['keys'])}"
     return f"- {e['source']}: {e['problem']}: {e['rows']} row(s), line(s) {', '.join(map(str, e['lines']))}"
@@ -93,8 +127,14 @@ def plot_topics(out_dir: Path, names: list) -> bool:
         sel = topic == t
         ax.scatter(xy[sel, 0], xy[sel, 1], s=4, color=cmap(int(t) % 20), linewidths=0)
         cx, cy = np.median(xy[sel], axis=0)
-        ax.text(cx, cy, names[int(t)] if int(t) < len(names) else str(t), fontsize=7, ha="center",
-                bbox=dict(boxstyle="round,pad=0.15", fc="white", alpha=0.7, lw=0))
+        ax.text(
+            cx,
+            cy,
+            names[int(t)] if int(t) < len(names) else str(t),
+            fontsize=7,
+            ha="center",
+            bbox=dict(boxstyle="round,pad=0.15", fc="white", alpha=0.7, lw=0),
+        )
     ax.set_title(f"CHC topics: 2-D UMAP of {len(xy)} sampled captions")
     ax.set_xticks([]), ax.set_yticks([])
     fig.tight_layout()
@@ -104,8 +144,17 @@ def plot_topics(out_dir: Path, names: list) -> bool:
     return True
 
 
-def write_report(out_dir: Path, captions: list, counts: dict, topic_info: dict, domain_info: dict,
-                 timings: dict, seed: int = 0, skipped: Optional[list] = None, issues: Optional[list] = None) -> dict:
+def write_report(
+    out_dir: Path,
+    captions: list,
+    counts: dict,
+    topic_info: dict,
+    domain_info: dict,
+    timings: dict,
+    seed: int = 0,
+    skipped: Optional[list] = None,
+    issues: Optional[list] = None,
+) -> dict:
     """Write the three report files; returns the JSON payload.
 
     ``skipped``: rows of :func:`skipped_input_rows`; ``issues``: damaged inputs
@@ -120,18 +169,34 @@ def write_report(out_dir: Path, captions: list, counts: dict, topic_info: dict, 
     for t, name in enumerate(final_names):
         members = members_of.get(t, np.zeros(0, dtype=np.int64))
         entry = next(e for e in domain_info["per_topic"] if e["name"] == name)
-        merged_from = [c for c, tt in enumerate(topic_info["cluster_to_topic"])
-                       if tt >= 0 and topic_info["topic_names"][tt] == name]
-        topics.append({"name": name, "size": int(len(members)), "domains": entry["domains"],
-                       "domain_sizes": entry.get("domain_sizes", []), "merged_clusters": len(merged_from),
-                       "top_words": topic_info["cluster_top_words"][merged_from[0]] if merged_from else [],
-                       "samples": _samples(captions, members, 3, rng)})
+        merged_from = [
+            c
+            for c, tt in enumerate(topic_info["cluster_to_topic"])
+            if tt >= 0 and topic_info["topic_names"][tt] == name
+        ]
+        topics.append(
+            {
+                "name": name,
+                "size": int(len(members)),
+                "domains": entry["domains"],
+                "domain_sizes": entry.get("domain_sizes", []),
+                "merged_clusters": len(merged_from),
+                "top_words": topic_info["cluster_top_words"][merged_from[0]] if merged_from else [],
+                "samples": _samples(captions, members, 3, rng),
+            }
+        )
     excluded = [e for e in domain_info["per_topic"] if e.get("excluded")]
     drew = plot_topics(out_dir, topic_info["topic_names"])
-    payload = {"counts": counts, "skipped_input": skipped or [], "damaged_inputs": issues or [],
-               "merge_rule": MERGE_RULE, "topics": topics,
-               "excluded_topics": [{"name": e["name"], "images": e["images"]} for e in excluded],
-               "timings": timings, "plot": "umap_topics.png" if drew else None}
+    payload = {
+        "counts": counts,
+        "skipped_input": skipped or [],
+        "damaged_inputs": issues or [],
+        "merge_rule": MERGE_RULE,
+        "topics": topics,
+        "excluded_topics": [{"name": e["name"], "images": e["images"]} for e in excluded],
+        "timings": timings,
+        "plot": "umap_topics.png" if drew else None,
+    }
     write_json_atomic(out_dir / "chc_report.json", payload)
 
     lines = ["# CHC report", "", "## Counts per stage", "", "| stage | count |", "|---|---:|"]
@@ -147,15 +212,27 @@ def write_report(out_dir: Path, captions: list, counts: dict, topic_info: dict, 
         lines += [_issue_line(e) for e in issues[:MAX_LISTED_ISSUES]]
         if len(issues) > MAX_LISTED_ISSUES:
             lines.append(f"- ... {len(issues) - MAX_LISTED_ISSUES} more in chc_report.json")
-    lines += ["", "## Rules", "", f"- {MERGE_RULE}",
-              "- Domains: k-means per topic; topics too small for all domains get fewer, "
-              "topics with fewer than MIN_PER_DOMAIN images are excluded.", ""]
-    lines += [f"## Topics ({len(topics)})", "", "| topic | pairs | domains (sizes) | merged clusters | samples |",
-              "|---|---:|---|---:|---|"]
+    lines += [
+        "",
+        "## Rules",
+        "",
+        f"- {MERGE_RULE}",
+        "- Domains: k-means per topic; topics too small for all domains get fewer, "
+        "topics with fewer than MIN_PER_DOMAIN images are excluded.",
+        "",
+    ]
+    lines += [
+        f"## Topics ({len(topics)})",
+        "",
+        "| topic | pairs | domains (sizes) | merged clusters | samples |",
+        "|---|---:|---|---:|---|",
+    ]
     for e in topics:
         samples = " / ".join(s.replace("|", "\\|")[:80] for s in e["samples"])
-        lines.append(f"| {e['name']} | {e['size']} | {e['domains']} ({', '.join(map(str, e['domain_sizes']))}) "
-                     f"| {e['merged_clusters']} | {samples} |")
+        lines.append(
+            f"| {e['name']} | {e['size']} | {e['domains']} ({', '.join(map(str, e['domain_sizes']))}) "
+            f"| {e['merged_clusters']} | {samples} |"
+        )
     if excluded:
         lines += ["", f"## Excluded topics ({len(excluded)})", ""]
         lines += [f"- {e['name']}: {e['images']} images" for e in excluded]

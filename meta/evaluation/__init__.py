@@ -13,17 +13,37 @@ Public API (``meta.evaluate`` re-exports it and adds the CLI):
   std, as CoOp's parser), H of the means, accuracy-vs-epoch curves;
 * :class:`StartPoint` - fine-tune from in-memory θ/φ (meta-validation of live meta-parameters).
 """
+
 from .datasets import DatasetRef
 from .images import FeatureCache, ImageLoader, clip_fingerprint
 from .protocol import EvaluationSession, evaluate_base_to_new, evaluate_transfer
-from .summary import epoch_curves, format_row, summarise
 from .spec import PRESET_ALIASES, PRESET_NAMES, MethodSpec, TrainSpec, is_gram_preset, method_preset, preset_key
-from .training import (LabelledSet, PromptTuner, StartPoint, build_prompts, make_optimizer, make_scheduler,
-                       prompt_digest)
+from .summary import epoch_curves, format_row, summarise
+from .training import LabelledSet, PromptTuner, StartPoint, build_prompts, make_optimizer, make_scheduler, prompt_digest
 
 __all__ = [
-    "DatasetRef", "FeatureCache", "ImageLoader", "clip_fingerprint", "EvaluationSession",
-    "evaluate_base_to_new", "evaluate_transfer", "PRESET_NAMES", "PRESET_ALIASES", "preset_key", "is_gram_preset",
-    "MethodSpec", "TrainSpec", "method_preset", "LabelledSet", "PromptTuner", "StartPoint", "build_prompts", "make_optimizer",
-    "make_scheduler", "prompt_digest", "summarise", "epoch_curves", "format_row",
+    "DatasetRef",
+    "FeatureCache",
+    "ImageLoader",
+    "clip_fingerprint",
+    "EvaluationSession",
+    "evaluate_base_to_new",
+    "evaluate_transfer",
+    "PRESET_NAMES",
+    "PRESET_ALIASES",
+    "preset_key",
+    "is_gram_preset",
+    "MethodSpec",
+    "TrainSpec",
+    "method_preset",
+    "LabelledSet",
+    "PromptTuner",
+    "StartPoint",
+    "build_prompts",
+    "make_optimizer",
+    "make_scheduler",
+    "prompt_digest",
+    "summarise",
+    "epoch_curves",
+    "format_row",
 ]

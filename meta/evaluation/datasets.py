@@ -5,6 +5,7 @@ DTD's layout - ``<dataset_dir>/images/<class>/*`` plus one ``split_zhou_<Name>.j
 how ``gram_world`` writes its downstream datasets - is read with ``DatasetRef.from_dir``.
 All reading, few-shot sampling and base/new subsampling is ``meta.coop_data``'s.
 """
+
 from __future__ import annotations
 
 import glob
@@ -32,8 +33,9 @@ class DatasetRef:
         return cls(os.path.abspath(os.path.expanduser(root)), get_layout(name))
 
     @classmethod
-    def from_dir(cls, dataset_dir: str, split_file: str = "", image_dir: str = "images",
-                 name: str = "") -> "DatasetRef":
+    def from_dir(
+        cls, dataset_dir: str, split_file: str = "", image_dir: str = "images", name: str = ""
+    ) -> "DatasetRef":
         """A folder in DTD's layout.
 
         ``split_file`` defaults to the single ``split_zhou_*.json`` in the folder; ``name``
@@ -47,14 +49,20 @@ class DatasetRef:
             if len(found) != 1:
                 raise FileNotFoundError(
                     f"{dataset_dir}: expected exactly one split_zhou_<Name>.json, found {len(found)}"
-                    f"{' (' + ', '.join(os.path.basename(f) for f in found) + ')' if found else ''}")
+                    f"{' (' + ', '.join(os.path.basename(f) for f in found) + ')' if found else ''}"
+                )
             split_file = found[0]
         split_file = os.path.basename(str(split_file))
         if not name:
             stem = os.path.splitext(split_file)[0]
-            name = stem[len("split_zhou_"):] if stem.startswith("split_zhou_") else stem
-        layout = CoopLayout(name=name, dataset_dir=os.path.basename(dataset_dir), image_dir=image_dir,
-                            reader="split", split_file=split_file)
+            name = stem[len("split_zhou_") :] if stem.startswith("split_zhou_") else stem
+        layout = CoopLayout(
+            name=name,
+            dataset_dir=os.path.basename(dataset_dir),
+            image_dir=image_dir,
+            reader="split",
+            split_file=split_file,
+        )
         return cls(os.path.dirname(dataset_dir), layout)
 
     @classmethod
@@ -66,13 +74,25 @@ class DatasetRef:
             raise ValueError(f"--dataset {spec!r} is not a folder; give --root to use a registered CoOp name")
         return cls.named(root, spec)
 
-    def load(self, num_shots: int, seed: int, subsample: str = "all", use_cache: bool = True,
-             log: Callable[[str], None] = print) -> CoopSplits:
+    def load(
+        self,
+        num_shots: int,
+        seed: int,
+        subsample: str = "all",
+        use_cache: bool = True,
+        log: Callable[[str], None] = print,
+    ) -> CoopSplits:
         """``meta.coop_data.load_coop_splits`` for this dataset."""
-        return load_coop_splits(self.root, self.layout, num_shots=num_shots, seed=seed, subsample=subsample,
-                                use_cache=use_cache, log=log)
+        return load_coop_splits(
+            self.root, self.layout, num_shots=num_shots, seed=seed, subsample=subsample, use_cache=use_cache, log=log
+        )
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "root": self.root, "dataset_dir": self.layout.dataset_dir,
-                "image_dir": self.layout.image_dir, "split_file": self.layout.split_file,
-                "reader": self.layout.reader}
+        return {
+            "name": self.name,
+            "root": self.root,
+            "dataset_dir": self.layout.dataset_dir,
+            "image_dir": self.layout.image_dir,
+            "split_file": self.layout.split_file,
+            "reader": self.layout.reader,
+        }

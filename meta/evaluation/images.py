@@ -19,6 +19,7 @@ and optionally on disk under ``<cache_dir>/<CLIP weights fingerprint>/shard-*.sa
 each feature keyed by image path, file size and mtime, and the transform (with seed and view
 for augmented ones).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -45,14 +46,26 @@ _BICUBIC = T.InterpolationMode.BICUBIC
 
 def eval_transform(size: int) -> T.Compose:
     """Dassl's test transform: shorter side -> ``size`` (bicubic), centre crop, CLIP normalisation."""
-    return T.Compose([T.Resize(size, interpolation=_BICUBIC), T.CenterCrop(size), T.ToTensor(),
-                      T.Normalize(OPENAI_DATASET_MEAN, OPENAI_DATASET_STD)])
+    return T.Compose(
+        [
+            T.Resize(size, interpolation=_BICUBIC),
+            T.CenterCrop(size),
+            T.ToTensor(),
+            T.Normalize(OPENAI_DATASET_MEAN, OPENAI_DATASET_STD),
+        ]
+    )
 
 
 def train_transform(size: int, scale: tuple[float, float] = (0.08, 1.0)) -> T.Compose:
     """CoOp's train transform: random resized crop (bicubic) + horizontal flip + CLIP normalisation."""
-    return T.Compose([T.RandomResizedCrop(size, scale=scale, interpolation=_BICUBIC), T.RandomHorizontalFlip(),
-                      T.ToTensor(), T.Normalize(OPENAI_DATASET_MEAN, OPENAI_DATASET_STD)])
+    return T.Compose(
+        [
+            T.RandomResizedCrop(size, scale=scale, interpolation=_BICUBIC),
+            T.RandomHorizontalFlip(),
+            T.ToTensor(),
+            T.Normalize(OPENAI_DATASET_MEAN, OPENAI_DATASET_STD),
+        ]
+    )
 
 
 def eval_transform_key(size: int) -> str:
@@ -88,8 +101,7 @@ class ImageLoader:
     ``max_cached_bytes`` (few-shot train sets are small; test tensors are re-used every epoch).
     """
 
-    def __init__(self, size: int, rrcrop_scale: tuple[float, float] = (0.08, 1.0),
-                 max_cached_bytes: int = 2 << 30):
+    def __init__(self, size: int, rrcrop_scale: tuple[float, float] = (0.08, 1.0), max_cached_bytes: int = 2 << 30):
         self.size = size
         self.scale = tuple(rrcrop_scale)
         self.test_tf = eval_transform(size)
@@ -172,8 +184,7 @@ class FeatureCache:
         fingerprint: pass a known ``clip_fingerprint(clip)`` to skip hashing the weights.
     """
 
-    def __init__(self, clip: nn.Module, cache_dir: Optional[str] = None, batch_size: int = 64,
-                 fingerprint: str = ""):
+    def __init__(self, clip: nn.Module, cache_dir: Optional[str] = None, batch_size: int = 64, fingerprint: str = ""):
         self.clip = clip
         self.fingerprint = fingerprint or clip_fingerprint(clip)
         self.batch_size = batch_size
@@ -212,9 +223,12 @@ class FeatureCache:
         tmp.replace(self.dir / name)
 
     @torch.no_grad()
-    def features(self, items: Sequence[tuple[str, str]],
-                 make_input: Callable[[int], torch.Tensor],
-                 progress: Optional[Callable[[int], None]] = None) -> torch.Tensor:
+    def features(
+        self,
+        items: Sequence[tuple[str, str]],
+        make_input: Callable[[int], torch.Tensor],
+        progress: Optional[Callable[[int], None]] = None,
+    ) -> torch.Tensor:
         """``[n, E]`` features of ``items`` = ``(impath, transform_key)`` pairs.
 
         Missing ones are built with ``make_input(index into items) -> [3, S, S]`` and
@@ -236,7 +250,7 @@ class FeatureCache:
         device = next(self.clip.parameters()).device
         new_keys, new_feats = [], []
         for start in range(0, len(missing), self.batch_size):
-            chunk = missing[start:start + self.batch_size]
+            chunk = missing[start : start + self.batch_size]
             x = torch.stack([make_input(i) for i in chunk]).to(device)
             f = F.normalize(encode_image_with_prompts(self.clip, x, None).float(), dim=-1).cpu()
             for i, row in zip(chunk, f):

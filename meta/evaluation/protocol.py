@@ -1,7 +1,8 @@
 """CoOp's evaluation protocols without Dassl: base-to-new, and cross-dataset / cross-domain transfer.
 
 Base-to-new (CoCoOp, ``scripts/cocoop/base2new_{train,test}.sh`` in
-KaiyangZhou/CoOp; ``dassl/data/datasets/base_dataset.py`` in KaiyangZhou/Dassl.pytorch): draw K shots per class from train with the run's seed, keep
+KaiyangZhou/CoOp; ``dassl/data/datasets/base_dataset.py`` in KaiyangZhou/Dassl.pytorch): draw K shots per class from
+train with the run's seed, keep
 the base classes (first ceil(n/2) sorted labels, relabelled 0..m-1), fine-tune on them, then
 test on the base classes' test images and on the new classes' test images with the text side
 rebuilt for the new class names.  H = 2BN/(B+N) of the two accuracies.
@@ -11,6 +12,7 @@ dataset (K shots), test on its test split and on the full test split of every ta
 
 Accuracies are in percent.  Every result is a JSON-able dict holding all hyper-parameters.
 """
+
 from __future__ import annotations
 
 import time
@@ -44,14 +46,25 @@ class EvaluationSession:
         encode_batch_size: images per forward when pre-computing frozen features.
     """
 
-    def __init__(self, clip: nn.Module, dims: ClipDims, cache_dir: Optional[str] = None,
-                 clip_info: Optional[dict] = None, log: Callable[[str], None] = print,
-                 progress: bool = False, encode_batch_size: int = 64):
+    def __init__(
+        self,
+        clip: nn.Module,
+        dims: ClipDims,
+        cache_dir: Optional[str] = None,
+        clip_info: Optional[dict] = None,
+        log: Callable[[str], None] = print,
+        progress: bool = False,
+        encode_batch_size: int = 64,
+    ):
         self.clip = clip
         self.dims = dims
         self.cache = FeatureCache(clip, cache_dir, batch_size=encode_batch_size)
-        self.clip_info = {"model_name": dims.model_name, "weights_fingerprint": self.cache.fingerprint,
-                          "dims": dims.as_dict(), **(clip_info or {})}
+        self.clip_info = {
+            "model_name": dims.model_name,
+            "weights_fingerprint": self.cache.fingerprint,
+            "dims": dims.as_dict(),
+            **(clip_info or {}),
+        }
         self.log = log
         self.progress = progress
         self._loaders: dict[tuple, ImageLoader] = {}
@@ -73,11 +86,20 @@ class EvaluationSession:
         if not self.progress:
             return self.cache.features(items, make)
         from tqdm import tqdm
+
         with tqdm(desc="encode images", unit="img", leave=False) as bar:
             return self.cache.features(items, make, progress=bar.update)
 
-    def labelled_set(self, records: Sequence[Record], classnames: Sequence[str], method: MethodSpec,
-                     spec: TrainSpec, seed: int, train: bool, root: str) -> LabelledSet:
+    def labelled_set(
+        self,
+        records: Sequence[Record],
+        classnames: Sequence[str],
+        method: MethodSpec,
+        spec: TrainSpec,
+        seed: int,
+        train: bool,
+        root: str,
+    ) -> LabelledSet:
         """Records -> :class:`LabelledSet`; frozen features are attached when the tower has no prompts.
 
         ``root`` is the dataset root the records' paths lie under; augmented views are keyed by
@@ -94,8 +116,9 @@ class EvaluationSession:
             views = spec.aug_views
             items = [(p, train_transform_key(size, spec.rrcrop_scale, seed, v)) for p in impaths for v in range(views)]
             keys = [view_key(p, root) for p in impaths]
-            feats = self._encode(items, lambda i: loader.train_view(impaths[i // views], seed, i % views,
-                                                                    keys[i // views]))
+            feats = self._encode(
+                items, lambda i: loader.train_view(impaths[i // views], seed, i % views, keys[i // views])
+            )
             data.features = feats.view(len(impaths), views, -1)
         else:
             key = eval_transform_key(size)
@@ -103,8 +126,9 @@ class EvaluationSession:
             data.features = feats.unsqueeze(1) if train else feats
         return data
 
-    def tuner(self, method: MethodSpec, spec: TrainSpec, seed: int, root: str,
-              start: Optional[StartPoint] = None) -> tuple[PromptTuner, dict]:
+    def tuner(
+        self, method: MethodSpec, spec: TrainSpec, seed: int, root: str, start: Optional[StartPoint] = None
+    ) -> tuple[PromptTuner, dict]:
         """A :class:`PromptTuner` holding the method's initial θ (and R_φ), plus the init description.
 
         ``root``: the train images' dataset root (online augmented views are keyed relative to it).
@@ -114,20 +138,39 @@ class EvaluationSession:
         pclip = self.prompted_clip(n_ctx, method.template)
         loader = self.loader(spec.rrcrop_scale)
         if spec.augment == "coop":
+
             def train_images(impath: str, epoch: int) -> torch.Tensor:
                 return loader.train_view(impath, seed, epoch, view_key(impath, root))
         else:
+
             def train_images(impath: str, epoch: int) -> torch.Tensor:
                 return loader.test_view(impath)
+
         launch = LaunchStep(**init_info["launch"]) if "launch" in init_info else None
         window = init_info.get("reg_window", 1) if regulation is not None else 1
-        tuner = PromptTuner(pclip, prompts, regulation, spec, seed, train_images, loader.test_view,
-                            reg_window=window, launch_step=launch)
+        tuner = PromptTuner(
+            pclip,
+            prompts,
+            regulation,
+            spec,
+            seed,
+            train_images,
+            loader.test_view,
+            reg_window=window,
+            launch_step=launch,
+        )
         return tuner, init_info
 
 
-def _record_head(protocol: str, session: EvaluationSession, method: MethodSpec, spec: TrainSpec,
-                 seed: int, shots: int, init_info: dict) -> dict:
+def _record_head(
+    protocol: str,
+    session: EvaluationSession,
+    method: MethodSpec,
+    spec: TrainSpec,
+    seed: int,
+    shots: int,
+    init_info: dict,
+) -> dict:
     return {
         "protocol": protocol,
         "method": method.name,
@@ -143,19 +186,28 @@ def _record_head(protocol: str, session: EvaluationSession, method: MethodSpec, 
     }
 
 
-def _run(session: EvaluationSession, method: MethodSpec, spec: TrainSpec, seed: int, root: str,
-         train_records: Sequence[Record], train_classnames: Sequence[str],
-         tests: dict[str, tuple[Sequence[Record], Sequence[str]]],
-         summarise: Callable[[dict], dict], start: Optional[StartPoint] = None
-         ) -> tuple[list[dict], dict, dict, PromptTuner]:
+def _run(
+    session: EvaluationSession,
+    method: MethodSpec,
+    spec: TrainSpec,
+    seed: int,
+    root: str,
+    train_records: Sequence[Record],
+    train_classnames: Sequence[str],
+    tests: dict[str, tuple[Sequence[Record], Sequence[str]]],
+    summarise: Callable[[dict], dict],
+    start: Optional[StartPoint] = None,
+) -> tuple[list[dict], dict, dict, PromptTuner]:
     """Fine-tune on the train records and test on every named test set.
 
     Returns ``(history, final accuracies, init info, tuner)``; ``summarise(accs)`` adds derived
     numbers (H, target mean) to every accuracy row.
     """
     tuner, init_info = session.tuner(method, spec, seed, root, start)
-    test_sets = {name: session.labelled_set(recs, names, method, spec, seed, train=False, root=root)
-                 for name, (recs, names) in tests.items()}
+    test_sets = {
+        name: session.labelled_set(recs, names, method, spec, seed, train=False, root=root)
+        for name, (recs, names) in tests.items()
+    }
 
     def measure(epoch: int) -> dict:
         accs = {name: tuner.accuracy(data) for name, data in test_sets.items()}
@@ -165,9 +217,10 @@ def _run(session: EvaluationSession, method: MethodSpec, spec: TrainSpec, seed: 
     trains = tuner.prompts is not None and spec.epochs > 0
     if trains:
         train_set = session.labelled_set(train_records, train_classnames, method, spec, seed, train=True, root=root)
-        if tuner.launch_step is not None:   # the meta-trained inner step on the unaugmented train images
-            launch_set = session.labelled_set(train_records, train_classnames, method, spec, seed, train=False,
-                                              root=root)
+        if tuner.launch_step is not None:  # the meta-trained inner step on the unaugmented train images
+            launch_set = session.labelled_set(
+                train_records, train_classnames, method, spec, seed, train=False, root=root
+            )
             init_info["launch"]["train_loss_before"] = tuner.launch(launch_set)
         if spec.eval_every_epoch:
             history.append({"epoch": 0, **measure(0)})
@@ -180,12 +233,22 @@ def _run(session: EvaluationSession, method: MethodSpec, spec: TrainSpec, seed: 
     return history, final, init_info, tuner
 
 
-def evaluate_base_to_new(dataset: DatasetRef, clip: nn.Module, dims: ClipDims, method: MethodSpec,
-                         seed: int, shots: int = 16, train: Optional[TrainSpec] = None,
-                         session: Optional[EvaluationSession] = None, cache_dir: Optional[str] = None,
-                         use_split_cache: bool = True, start: Optional[StartPoint] = None,
-                         log: Callable[[str], None] = print, eval_split: str = "test",
-                         on_trained: Optional[Callable[[Optional[PromptParams]], None]] = None) -> dict:
+def evaluate_base_to_new(
+    dataset: DatasetRef,
+    clip: nn.Module,
+    dims: ClipDims,
+    method: MethodSpec,
+    seed: int,
+    shots: int = 16,
+    train: Optional[TrainSpec] = None,
+    session: Optional[EvaluationSession] = None,
+    cache_dir: Optional[str] = None,
+    use_split_cache: bool = True,
+    start: Optional[StartPoint] = None,
+    log: Callable[[str], None] = print,
+    eval_split: str = "test",
+    on_trained: Optional[Callable[[Optional[PromptParams]], None]] = None,
+) -> dict:
     """One (dataset, method, seed) run of CoCoOp's base-to-new protocol.
 
     Args:
@@ -224,37 +287,59 @@ def evaluate_base_to_new(dataset: DatasetRef, clip: nn.Module, dims: ClipDims, m
     pick = (lambda sp: sp.test) if eval_split == "test" else (lambda sp: sp.val)
     tests = {"base": (pick(base), base.classnames), "new": (pick(new), new.classnames)}
     history, final, init_info, tuner = _run(
-        session, method, spec, seed, dataset.root, base.train, base.classnames, tests,
-        lambda a: {"H": harmonic_mean(a["base"], a["new"])}, start)
+        session,
+        method,
+        spec,
+        seed,
+        dataset.root,
+        base.train,
+        base.classnames,
+        tests,
+        lambda a: {"H": harmonic_mean(a["base"], a["new"])},
+        start,
+    )
     if on_trained is not None:
         on_trained(tuner.prompts)
     record = _record_head("base2new", session, method, spec, seed, shots, init_info)
-    record.update({
-        "dataset": dataset.name,
-        "dataset_ref": dataset.as_dict(),
-        "base_classnames": base.classnames,
-        "new_classnames": new.classnames,
-        "n_train": len(base.train),
-        "eval_split": eval_split,
-        "n_test_base": len(pick(base)),
-        "n_test_new": len(pick(new)),
-        "base": final["base"],
-        "new": final["new"],
-        "H": final["H"],
-        "history": history,
-        "final_prompt_sha256": prompt_digest(tuner.prompts),
-        "regulation": tuner.regulation.summary() if tuner.regulation is not None else {},
-        "feature_cache": {k: session.cache.stats[k] - stats_before[k] for k in stats_before},
-        "seconds": time.perf_counter() - t_start,
-    })
+    record.update(
+        {
+            "dataset": dataset.name,
+            "dataset_ref": dataset.as_dict(),
+            "base_classnames": base.classnames,
+            "new_classnames": new.classnames,
+            "n_train": len(base.train),
+            "eval_split": eval_split,
+            "n_test_base": len(pick(base)),
+            "n_test_new": len(pick(new)),
+            "base": final["base"],
+            "new": final["new"],
+            "H": final["H"],
+            "history": history,
+            "final_prompt_sha256": prompt_digest(tuner.prompts),
+            "regulation": tuner.regulation.summary() if tuner.regulation is not None else {},
+            "feature_cache": {k: session.cache.stats[k] - stats_before[k] for k in stats_before},
+            "seconds": time.perf_counter() - t_start,
+        }
+    )
     return record
 
 
-def evaluate_transfer(source: DatasetRef, targets: Sequence[DatasetRef], clip: nn.Module, dims: ClipDims,
-                      method: MethodSpec, seed: int, shots: int = 16, train: Optional[TrainSpec] = None,
-                      session: Optional[EvaluationSession] = None, cache_dir: Optional[str] = None,
-                      use_split_cache: bool = True, protocol: str = "transfer",
-                      start: Optional[StartPoint] = None, log: Callable[[str], None] = print) -> dict:
+def evaluate_transfer(
+    source: DatasetRef,
+    targets: Sequence[DatasetRef],
+    clip: nn.Module,
+    dims: ClipDims,
+    method: MethodSpec,
+    seed: int,
+    shots: int = 16,
+    train: Optional[TrainSpec] = None,
+    session: Optional[EvaluationSession] = None,
+    cache_dir: Optional[str] = None,
+    use_split_cache: bool = True,
+    protocol: str = "transfer",
+    start: Optional[StartPoint] = None,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Cross-dataset / cross-domain run: fine-tune on all classes of ``source``, test on ``targets``.
 
     The targets' full test splits are used (CoOp never few-shot samples test sets) with each
@@ -280,22 +365,25 @@ def evaluate_transfer(source: DatasetRef, targets: Sequence[DatasetRef], clip: n
         vals = [accs[n] for n in target_names]
         return {"target_mean": sum(vals) / len(vals)} if vals else {}
 
-    history, final, init_info, tuner = _run(session, method, spec, seed, source.root, src.train, src.classnames,
-                                              tests, summarise, start)
+    history, final, init_info, tuner = _run(
+        session, method, spec, seed, source.root, src.train, src.classnames, tests, summarise, start
+    )
     record = _record_head(protocol, session, method, spec, seed, shots, init_info)
-    record.update({
-        "dataset": source.name,
-        "dataset_ref": source.as_dict(),
-        "target_refs": [t.as_dict() for t in targets],
-        "classnames": src.classnames,
-        "n_train": len(src.train),
-        "n_test": {name: len(recs) for name, (recs, _) in tests.items()},
-        "source": final["source"],
-        "targets": {n: final[n] for n in target_names},
-        "target_mean": final.get("target_mean"),
-        "history": history,
-        "final_prompt_sha256": prompt_digest(tuner.prompts),
-        "feature_cache": {k: session.cache.stats[k] - stats_before[k] for k in stats_before},
-        "seconds": time.perf_counter() - t_start,
-    })
+    record.update(
+        {
+            "dataset": source.name,
+            "dataset_ref": source.as_dict(),
+            "target_refs": [t.as_dict() for t in targets],
+            "classnames": src.classnames,
+            "n_train": len(src.train),
+            "n_test": {name: len(recs) for name, (recs, _) in tests.items()},
+            "source": final["source"],
+            "targets": {n: final[n] for n in target_names},
+            "target_mean": final.get("target_mean"),
+            "history": history,
+            "final_prompt_sha256": prompt_digest(tuner.prompts),
+            "feature_cache": {k: session.cache.stats[k] - stats_before[k] for k in stats_before},
+            "seconds": time.perf_counter() - t_start,
+        }
+    )
     return record

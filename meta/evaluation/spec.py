@@ -9,6 +9,7 @@ SGD, LR 0.002, 10 epochs, batch 1, cosine schedule with one constant warm-up epo
 (Dassl.pytorch ``dassl/config/defaults.py``).  Token counts: 4 per method, UNIGRAM 2 + 2
 (paper, Training Details).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
@@ -67,7 +68,7 @@ class MethodSpec:
     """
 
     name: str
-    n_ctx_text: int = PromptSpec.n_ctx_text       # the prompt fields' defaults are meta.prompts.PromptSpec's
+    n_ctx_text: int = PromptSpec.n_ctx_text  # the prompt fields' defaults are meta.prompts.PromptSpec's
     n_ctx_vision: int = PromptSpec.n_ctx_vision
     vision_depth: int = PromptSpec.vision_depth
     ctx_init: str = PromptSpec.ctx_init
@@ -89,9 +90,16 @@ class MethodSpec:
         return bool(self.launch) if self.launch is not None else (DEFAULT_LAUNCH and has_start)
 
     def __post_init__(self) -> None:
-        problems = start_rule_problems(vpt_init=self.vpt_init, reg_window=self.reg_window, template=self.template,
-                                       has_text=bool(self.n_ctx_text or self.ctx_init), has_init=bool(self.init_path),
-                                       init_prompts=self.init_prompts, regulate=self.regulate, ctx_init=self.ctx_init)
+        problems = start_rule_problems(
+            vpt_init=self.vpt_init,
+            reg_window=self.reg_window,
+            template=self.template,
+            has_text=bool(self.n_ctx_text or self.ctx_init),
+            has_init=bool(self.init_path),
+            init_prompts=self.init_prompts,
+            regulate=self.regulate,
+            ctx_init=self.ctx_init,
+        )
         if problems:
             key, what = problems[0]
             raise ValueError(f"MethodSpec {self.name!r}: {key} {what}")
@@ -99,8 +107,10 @@ class MethodSpec:
             if getattr(self, key) < 0:
                 raise ValueError(f"MethodSpec {self.name!r}: {key} must be >= 0, got {getattr(self, key)}")
         if self.vision_depth < 0 or self.text_depth < 0:
-            raise ValueError(f"MethodSpec {self.name!r}: vision_depth and text_depth must be >= 0 (0 = all layers), "
-                             f"got {self.vision_depth} and {self.text_depth}")
+            raise ValueError(
+                f"MethodSpec {self.name!r}: vision_depth and text_depth must be >= 0 (0 = all layers), "
+                f"got {self.vision_depth} and {self.text_depth}"
+            )
         if self.init_path and self.zero_shot:
             raise ValueError(f"MethodSpec {self.name!r}: init_path given but the method has no prompts")
 
@@ -116,9 +126,17 @@ class MethodSpec:
 
     def prompt_spec(self) -> PromptSpec:
         """The :class:`meta.prompts.PromptSpec` of a scratch / word initialisation."""
-        return PromptSpec(n_ctx_text=self.n_ctx_text, ctx_init=self.ctx_init, n_ctx_vision=self.n_ctx_vision,
-                          vision_depth=self.vision_depth, init_std=self.init_std, template=self.template,
-                          vpt_init=self.vpt_init, text_depth=self.text_depth, coupling=self.coupling)
+        return PromptSpec(
+            n_ctx_text=self.n_ctx_text,
+            ctx_init=self.ctx_init,
+            n_ctx_vision=self.n_ctx_vision,
+            vision_depth=self.vision_depth,
+            init_std=self.init_std,
+            template=self.template,
+            vpt_init=self.vpt_init,
+            text_depth=self.text_depth,
+            coupling=self.coupling,
+        )
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -214,12 +232,13 @@ def _preset_fields(method: Method) -> dict:
 def table_fields(key: str) -> dict:
     """MethodSpec fields that the method table (``meta/methods.yaml``) fixes for row ``key`` beyond its
     preset: its label, token counts, whether θ* starts the prompts (``init``), whether R_φ regulates
-    (``regulate``) and, for the paper-literal ``one_step`` rows, regulation window 1 without launch step.  A component row (e.g. ``gram_coop_reg_only``) is its preset plus these."""
+    (``regulate``) and, for the paper-literal ``one_step`` rows, regulation window 1 without launch step.  A component
+    row (e.g. ``gram_coop_reg_only``) is its preset plus these."""
     method = methods.get(key)
     out = _preset_fields(method)
     out["regulate"] = method.regulate
     out["init_prompts"] = method.init
-    if method.one_step:   # the paper-literal test time: R_φ on every image's gradient, no launch step
+    if method.one_step:  # the paper-literal test time: R_φ on every image's gradient, no launch step
         out.update(reg_window=1, launch=False)
     return out
 
@@ -269,5 +288,14 @@ def default_train_spec(**changes) -> TrainSpec:
     return TrainSpec(**changes)
 
 
-__all__ = ["MethodSpec", "TrainSpec", "method_preset", "PRESET_NAMES", "PRESET_ALIASES", "preset_key",
-           "is_gram_preset", "default_train_spec", "table_fields"]
+__all__ = [
+    "MethodSpec",
+    "TrainSpec",
+    "method_preset",
+    "PRESET_NAMES",
+    "PRESET_ALIASES",
+    "preset_key",
+    "is_gram_preset",
+    "default_train_spec",
+    "table_fields",
+]

@@ -8,6 +8,7 @@ seeds and H of the two means; with the same seeds everywhere its means equal the
 per-dataset means.  All numbers in percent.  The demo, ``python -m meta.evaluate`` and
 ``scripts/parse_results.py`` all summarise with this module.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -42,8 +43,13 @@ def _seed_means(runs: Sequence[dict], value) -> dict[int, float]:
 
 
 def _row(protocol: str, dataset: str, runs: Sequence[dict]) -> dict:
-    row = {"protocol": protocol, "dataset": dataset, "key": method_key(runs[0]), "method": runs[0]["method"],
-           "seeds": sorted({r["seed"] for r in runs})}
+    row = {
+        "protocol": protocol,
+        "dataset": dataset,
+        "key": method_key(runs[0]),
+        "method": runs[0]["method"],
+        "seeds": sorted({r["seed"] for r in runs}),
+    }
     if protocol == "base2new":
         for k in ("base", "new"):
             row[f"{k}_mean"], row[f"{k}_std"] = _mean_std(list(_seed_means(runs, lambda r, k=k: r[k]).values()))
@@ -51,8 +57,9 @@ def _row(protocol: str, dataset: str, runs: Sequence[dict]) -> dict:
     else:
         row["source_mean"], row["source_std"] = _mean_std(list(_seed_means(runs, lambda r: r["source"]).values()))
         names = list(runs[0]["targets"])
-        row["targets"] = {n: list(_mean_std(list(_seed_means(runs, lambda r, n=n: r["targets"][n]).values())))
-                          for n in names}
+        row["targets"] = {
+            n: list(_mean_std(list(_seed_means(runs, lambda r, n=n: r["targets"][n]).values()))) for n in names
+        }
         if names:
             per_seed = _seed_means(runs, lambda r: statistics.fmean(r["targets"][n] for n in names))
             row["target_mean"], row["target_std"] = _mean_std(list(per_seed.values()))
@@ -109,8 +116,13 @@ def epoch_curves(records: Iterable[dict], keys: Sequence[str] = ("base", "new", 
                 if all(k in row for k in keys):
                     per_epoch.setdefault(row["epoch"], []).append((r["seed"], row))
         epochs = sorted(e for e, rows in per_epoch.items() if len(rows) == len(runs))
-        entry = {"protocol": protocol, "dataset": dataset, "key": method_key(runs[0]), "method": runs[0]["method"],
-                 "epochs": epochs}
+        entry = {
+            "protocol": protocol,
+            "dataset": dataset,
+            "key": method_key(runs[0]),
+            "method": runs[0]["method"],
+            "epochs": epochs,
+        }
         for k in keys:
             stats = []
             for e in epochs:
@@ -135,8 +147,12 @@ def format_row(row: dict) -> str:
     """A one-line text rendering of a :func:`summarise` row."""
     head = f"{row['dataset']:<20} {row['method']:<12}"
     if row["protocol"] == "base2new":
-        return (f"{head} base {row['base_mean']:.2f} ± {row['base_std']:.2f}  "
-                f"new {row['new_mean']:.2f} ± {row['new_std']:.2f}  H {row['H']:.2f}  (seeds {len(row['seeds'])})")
+        return (
+            f"{head} base {row['base_mean']:.2f} ± {row['base_std']:.2f}  "
+            f"new {row['new_mean']:.2f} ± {row['new_std']:.2f}  H {row['H']:.2f}  (seeds {len(row['seeds'])})"
+        )
     targets = "  ".join(f"{n} {m:.2f}" for n, (m, _) in row["targets"].items())
-    return (f"{head} source {row['source_mean']:.2f} ± {row['source_std']:.2f}  {targets}  "
-            f"target mean {row['target_mean']:.2f}  (seeds {len(row['seeds'])})")
+    return (
+        f"{head} source {row['source_mean']:.2f} ± {row['source_std']:.2f}  {targets}  "
+        f"target mean {row['target_mean']:.2f}  (seeds {len(row['seeds'])})"
+    )

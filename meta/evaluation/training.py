@@ -10,6 +10,7 @@ The start (θ, R_φ, window, launch step) and the update are the Dassl trainers'
 
 What is the evaluator's own: cached image features, seeded batch order and augmented views.
 """
+
 from __future__ import annotations
 
 import time
@@ -21,7 +22,7 @@ from torch import nn
 from torch.optim import lr_scheduler as sched
 
 from ..backbone import ClipDims
-from ..engine import Naming, RegulatedStepper, StartPoint, StartSpec, build_start, prompt_digest, window_batches
+from ..engine import Naming, RegulatedStepper, StartPoint, StartSpec, build_start, window_batches
 from ..finetune import GradientRegulation, LaunchStep, launch_
 from ..metrics import count_correct
 from ..prompts import PromptedCLIP, PromptParams, classification_loss
@@ -52,15 +53,22 @@ class LabelledSet:
 
 def start_spec(method: MethodSpec) -> StartSpec:
     """The engine's :class:`meta.engine.StartSpec` of ``method`` (its prompts, file, R_φ, window, launch)."""
-    return StartSpec(prompt=method.prompt_spec(), init_path=method.init_path, init_prompts=method.init_prompts,
-                     regulate=method.regulate, norm_preserve=method.norm_preserve, reg_window=method.reg_window,
-                     launch=method.launch_on(True), launch_required=method.launch is True,
-                     naming=Naming(f"method {method.name!r}"))
+    return StartSpec(
+        prompt=method.prompt_spec(),
+        init_path=method.init_path,
+        init_prompts=method.init_prompts,
+        regulate=method.regulate,
+        norm_preserve=method.norm_preserve,
+        reg_window=method.reg_window,
+        launch=method.launch_on(True),
+        launch_required=method.launch is True,
+        naming=Naming(f"method {method.name!r}"),
+    )
 
 
-def build_prompts(method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int,
-                  start: Optional[StartPoint] = None
-                  ) -> tuple[Optional[PromptParams], Optional[GradientRegulation], dict]:
+def build_prompts(
+    method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int, start: Optional[StartPoint] = None
+) -> tuple[Optional[PromptParams], Optional[GradientRegulation], dict]:
     """θ (and R_φ) at the start of fine-tuning, plus a JSON-able description of where they came from.
 
     :func:`meta.engine.build_start` of :func:`start_spec` (the Dassl trainers build theirs there too).
@@ -96,8 +104,14 @@ def make_scheduler(optimizer: torch.optim.Optimizer, spec: TrainSpec) -> sched.L
     ``ConstantWarmupScheduler(CosineAnnealingLR(T_max=MAX_EPOCH))`` with WARMUP_RECOUNT; for
     CoCoOp's settings the epoch lrs are 1e-5, 0.002, 0.00195, ..., 0.00019.
     """
-    return epoch_scheduler(optimizer, schedule=spec.scheduler, max_epoch=max(spec.epochs, 1),
-                           warmup_epochs=spec.warmup_epochs, warmup_type="constant", warmup_cons_lr=spec.warmup_lr)
+    return epoch_scheduler(
+        optimizer,
+        schedule=spec.scheduler,
+        max_epoch=max(spec.epochs, 1),
+        warmup_epochs=spec.warmup_epochs,
+        warmup_type="constant",
+        warmup_cons_lr=spec.warmup_lr,
+    )
 
 
 class PromptTuner:
@@ -116,11 +130,18 @@ class PromptTuner:
         launch_step: the meta-trained inner step applied by :meth:`launch` (``None`` = no launch).
     """
 
-    def __init__(self, pclip: PromptedCLIP, prompts: Optional[PromptParams],
-                 regulation: Optional[GradientRegulation], spec: TrainSpec, seed: int,
-                 train_images: Callable[[str, int], torch.Tensor],
-                 test_images: Callable[[str], torch.Tensor], reg_window: int = 1,
-                 launch_step: Optional[LaunchStep] = None):
+    def __init__(
+        self,
+        pclip: PromptedCLIP,
+        prompts: Optional[PromptParams],
+        regulation: Optional[GradientRegulation],
+        spec: TrainSpec,
+        seed: int,
+        train_images: Callable[[str, int], torch.Tensor],
+        test_images: Callable[[str], torch.Tensor],
+        reg_window: int = 1,
+        launch_step: Optional[LaunchStep] = None,
+    ):
         self.pclip = pclip
         self.prompts = prompts
         self.regulation = regulation
@@ -139,13 +160,14 @@ class PromptTuner:
         out = []
         step = self.spec.test_batch_size
         for start in range(0, len(data), step):
-            batch = {"classnames": data.classnames, "label": data.labels[start:start + step].to(self.device)}
+            batch = {"classnames": data.classnames, "label": data.labels[start : start + step].to(self.device)}
             if data.features is not None:
-                feats = data.features[start:start + step]
+                feats = data.features[start : start + step]
                 batch["features"] = (feats[:, 0] if feats.dim() == 3 else feats).to(self.device)
             else:
-                batch["images"] = torch.stack([self.test_images(p) for p in data.impaths[start:start + step]]
-                                              ).to(self.device)
+                batch["images"] = torch.stack([self.test_images(p) for p in data.impaths[start : start + step]]).to(
+                    self.device
+                )
             out.append(batch)
         return out
 
@@ -175,17 +197,17 @@ class PromptTuner:
         """Top-1 accuracy in percent on ``data`` with the current prompts."""
         if len(data) == 0:
             raise ValueError("cannot measure accuracy on an empty split")
-        text = self.pclip.text_features(self.prompts, data.classnames)          # [C, E]
+        text = self.pclip.text_features(self.prompts, data.classnames)  # [C, E]
         correct = 0
         step = self.spec.test_batch_size
         for start in range(0, len(data), step):
             if data.features is not None:
-                image = data.features[start:start + step].to(self.device)
+                image = data.features[start : start + step].to(self.device)
             else:
-                x = torch.stack([self.test_images(p) for p in data.impaths[start:start + step]]).to(self.device)
+                x = torch.stack([self.test_images(p) for p in data.impaths[start : start + step]]).to(self.device)
                 image = self.pclip.image_features(self.prompts, x)
-            logits = image @ text.t()                                             # [b, C]
-            correct += count_correct(logits, data.labels[start:start + step])
+            logits = image @ text.t()  # [b, C]
+            correct += count_correct(logits, data.labels[start : start + step])
         return 100.0 * correct / len(data)
 
     # ---------------------------------------------------------------- training
@@ -199,8 +221,9 @@ class PromptTuner:
             batches.pop()
         return batches
 
-    def fit(self, data: LabelledSet, on_epoch: Optional[Callable[[int], dict]] = None,
-            progress: bool = False) -> list[dict]:
+    def fit(
+        self, data: LabelledSet, on_epoch: Optional[Callable[[int], dict]] = None, progress: bool = False
+    ) -> list[dict]:
         """Train for ``spec.epochs``; returns one row per epoch.
 
         Each row: ``epoch`` (1-based), ``lr`` used, ``train_loss`` (mean), ``train_acc`` (%),
@@ -213,8 +236,9 @@ class PromptTuner:
             raise ValueError("the few-shot train split is empty")
         optimizer = make_optimizer([p for p in self.prompts.parameters() if p.requires_grad], self.spec)
         scheduler = make_scheduler(optimizer, self.spec)
-        stepper = RegulatedStepper(self.prompts, optimizer, self.regulation,
-                                   window_batches(self.reg_window, self.spec.batch_size))
+        stepper = RegulatedStepper(
+            self.prompts, optimizer, self.regulation, window_batches(self.reg_window, self.spec.batch_size)
+        )
         optimizer.zero_grad(set_to_none=True)
         generator = torch.Generator().manual_seed(self.seed)
         views = data.features.shape[1] if data.features is not None else 0
@@ -224,6 +248,7 @@ class PromptTuner:
         bar = None
         if progress:
             from tqdm import tqdm
+
             bar = tqdm(total=self.spec.epochs, desc="fine-tune", unit="ep", leave=False)
         for epoch in epochs:
             start = time.perf_counter()
@@ -237,16 +262,22 @@ class PromptTuner:
                     view = (offsets[idx] + epoch) % views
                     batch["features"] = data.features[idx, view].to(self.device)
                 else:
-                    batch["images"] = torch.stack([self.train_images(data.impaths[i], epoch)
-                                                   for i in idx.tolist()]).to(self.device)
+                    batch["images"] = torch.stack([self.train_images(data.impaths[i], epoch) for i in idx.tolist()]).to(
+                        self.device
+                    )
                 loss, logits = self.loss_fn(self.prompts, batch)
-                stepper.backward(loss, last=b + 1 == len(batches))   # regulates and steps when the window closes
+                stepper.backward(loss, last=b + 1 == len(batches))  # regulates and steps when the window closes
                 loss_sum += float(loss.detach()) * len(idx)
                 correct += count_correct(logits, labels)
                 seen += len(idx)
             scheduler.step()
-            row = {"epoch": epoch + 1, "lr": lr, "train_loss": loss_sum / max(seen, 1),
-                   "train_acc": 100.0 * correct / max(seen, 1), "seconds": time.perf_counter() - start}
+            row = {
+                "epoch": epoch + 1,
+                "lr": lr,
+                "train_loss": loss_sum / max(seen, 1),
+                "train_acc": 100.0 * correct / max(seen, 1),
+                "seconds": time.perf_counter() - start,
+            }
             if on_epoch is not None and (self.spec.eval_every_epoch or epoch + 1 == self.spec.epochs):
                 t_eval = time.perf_counter()
                 row.update(on_epoch(epoch + 1))
@@ -256,9 +287,10 @@ class PromptTuner:
                 bar.update(1)
                 bar.set_postfix(loss=f"{row['train_loss']:.3f}", acc=f"{row['train_acc']:.1f}")
             if not torch.isfinite(torch.tensor(row["train_loss"])):
-                raise FloatingPointError(f"training loss became {row['train_loss']} at epoch {epoch + 1}; "
-                                         f"lower TrainSpec.lr ({self.spec.lr})")
+                raise FloatingPointError(
+                    f"training loss became {row['train_loss']} at epoch {epoch + 1}; "
+                    f"lower TrainSpec.lr ({self.spec.lr})"
+                )
         if bar is not None:
             bar.close()
         return history
-

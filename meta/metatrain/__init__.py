@@ -11,6 +11,7 @@ feature check, task streams), :mod:`.trainer` (the loop, validation, resume),
 tensorboard, tqdm), :mod:`.export` (``gram_init.safetensors`` + ``coop_ctx_nctx<M>.pth``),
 :mod:`.cli` (argument parsing).
 """
+
 from meta.config import add_metatrain_cfg
 
 __all__ = ["main", "build_cfg", "add_metatrain_cfg", "train", "export_run"]

@@ -15,6 +15,7 @@ numbers, strings and tensors:
 Writes go to a temporary file in the same directory, are fsync'ed, then renamed over the old
 file (:mod:`meta.fileio`), so a kill at any moment leaves either the previous or the new checkpoint.
 """
+
 from __future__ import annotations
 
 import io
@@ -40,14 +41,24 @@ class CheckpointError(RuntimeError):
 # ----------------------------------------------------------------------------- RNG states
 def _numpy_global_state() -> dict:
     state = np.random.get_state(legacy=False)
-    return {"bit_generator": state["bit_generator"], "key": torch.from_numpy(state["state"]["key"].astype(np.int64)),
-            "pos": int(state["state"]["pos"]), "has_gauss": int(state["has_gauss"]), "gauss": float(state["gauss"])}
+    return {
+        "bit_generator": state["bit_generator"],
+        "key": torch.from_numpy(state["state"]["key"].astype(np.int64)),
+        "pos": int(state["state"]["pos"]),
+        "has_gauss": int(state["has_gauss"]),
+        "gauss": float(state["gauss"]),
+    }
 
 
 def _set_numpy_global_state(s: dict) -> None:
-    np.random.set_state({"bit_generator": s["bit_generator"],
-                         "state": {"key": s["key"].numpy().astype(np.uint32), "pos": int(s["pos"])},
-                         "has_gauss": int(s["has_gauss"]), "gauss": float(s["gauss"])})
+    np.random.set_state(
+        {
+            "bit_generator": s["bit_generator"],
+            "state": {"key": s["key"].numpy().astype(np.uint32), "pos": int(s["pos"])},
+            "has_gauss": int(s["has_gauss"]),
+            "gauss": float(s["gauss"]),
+        }
+    )
 
 
 def capture_rng() -> dict:
@@ -94,21 +105,26 @@ def load_checkpoint(path: Union[str, Path]) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint")
     if not zipfile.is_zipfile(path):
-        raise CheckpointError(f"{path}: unreadable checkpoint (not a complete torch archive: truncated or corrupt); "
-                              f"it was left untouched - move it away to start the run over")
+        raise CheckpointError(
+            f"{path}: unreadable checkpoint (not a complete torch archive: truncated or corrupt); "
+            f"it was left untouched - move it away to start the run over"
+        )
     try:
         state = torch.load(str(path), map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as err:
         # RecursionError is a RuntimeError: a pickle nested too deeply for the unpickler lands here too
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"{path}: unreadable checkpoint ({first}); it was left untouched - move it away "
-                              f"to start the run over") from None
-    if nesting_depth_exceeds(state, MAX_NESTING):   # what save_checkpoint writes nests < 10 levels
-        raise CheckpointError(f"{path}: not a meta-training checkpoint (containers nested deeper than {MAX_NESTING} "
-                              f"levels); it was left untouched - move it away to start the run over")
+        raise CheckpointError(
+            f"{path}: unreadable checkpoint ({first}); it was left untouched - move it away to start the run over"
+        ) from None
+    if nesting_depth_exceeds(state, MAX_NESTING):  # what save_checkpoint writes nests < 10 levels
+        raise CheckpointError(
+            f"{path}: not a meta-training checkpoint (containers nested deeper than {MAX_NESTING} "
+            f"levels); it was left untouched - move it away to start the run over"
+        )
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         found = state.get("format") if isinstance(state, dict) else state
-        shown = repr(found) if isinstance(found, str) else f"a {type(found).__name__}"   # never repr a structure
+        shown = repr(found) if isinstance(found, str) else f"a {type(found).__name__}"  # never repr a structure
         raise CheckpointError(f"{path}: not a meta-training checkpoint (format {shown[:80]}, expected {FORMAT!r})")
     for key in ("step", "learner", "rng", "stream", "config", "config_hash"):
         if key not in state:

@@ -12,6 +12,7 @@ mismatching CLIP features, a busy or full output folder) print one
 shows the traceback).  A run stopped by SIGTERM / Ctrl-C before its last step exits with
 :data:`EXIT_STOPPED` (143, as a process killed by SIGTERM) after checkpointing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,11 @@ def build_cfg(config_file: str = "", opts: Sequence[str] = (), output_dir: Optio
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m meta", description="GRAM meta-training")
     sub = parser.add_subparsers(dest="command", required=True)
-    tr = sub.add_parser("train", help="meta-train (or pre-train) prompts; resumable; exports at the end",
-                        usage="python -m meta train [--config-file F] [--resume] [--output-dir D] [KEY VALUE ...]")
+    tr = sub.add_parser(
+        "train",
+        help="meta-train (or pre-train) prompts; resumable; exports at the end",
+        usage="python -m meta train [--config-file F] [--resume] [--output-dir D] [KEY VALUE ...]",
+    )
     tr.add_argument("--config-file", default="", help="yaml with MODEL / CHC / TASKS / META settings")
     tr.add_argument("--resume", action="store_true", help="continue OUTPUT_DIR/checkpoint.pt")
     tr.add_argument("--output-dir", default=None, help="run directory (overrides OUTPUT_DIR)")

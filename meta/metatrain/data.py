@@ -8,6 +8,7 @@
 
 Which items a task or a batch holds (index level, numpy only) is :mod:`meta.tasks`'s job.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,16 +39,25 @@ def load_task_hierarchy(cfg, clip, dims, device: str = "cpu"):
         root = cfg.TASKS.IMAGE_FOLDER
         if not root or not os.path.isdir(root):
             raise FileNotFoundError(f"TASKS.IMAGE_FOLDER: not a directory: {root!r} (expected root/<class>/<images>)")
-        return build_image_folder_hierarchy(root, clip, num_domains=int(cfg.CHC.DOMAINS.NUM),
-                                           min_per_domain=int(cfg.CHC.DOMAINS.MIN_PER_DOMAIN),
-                                           batch_size=int(cfg.CHC.IMAGES.BATCH_SIZE), seed=int(cfg.SEED), device=device,
-                                           model_name=cfg.MODEL.BACKBONE, pretrained=cfg.MODEL.PRETRAINED,
-                                           show_progress=bool(cfg.META.PROGRESS))
+        return build_image_folder_hierarchy(
+            root,
+            clip,
+            num_domains=int(cfg.CHC.DOMAINS.NUM),
+            min_per_domain=int(cfg.CHC.DOMAINS.MIN_PER_DOMAIN),
+            batch_size=int(cfg.CHC.IMAGES.BATCH_SIZE),
+            seed=int(cfg.SEED),
+            device=device,
+            model_name=cfg.MODEL.BACKBONE,
+            pretrained=cfg.MODEL.PRETRAINED,
+            show_progress=bool(cfg.META.PROGRESS),
+        )
     out_dir = cfg.META.HIERARCHY or cfg.CHC.OUTPUT_DIR
     key = "META.HIERARCHY" if cfg.META.HIERARCHY else "CHC.OUTPUT_DIR"
     if not (Path(out_dir) / "hierarchy.json").is_file():
-        raise FileNotFoundError(f"{key}: no finished CHC output at {out_dir!r} (hierarchy.json missing); "
-                                f"run `python -m meta cluster` first or point {key} at its output dir")
+        raise FileNotFoundError(
+            f"{key}: no finished CHC output at {out_dir!r} (hierarchy.json missing); "
+            f"run `python -m meta cluster` first or point {key} at its output dir"
+        )
     return load_hierarchy(out_dir)
 
 
@@ -65,10 +75,16 @@ def hierarchy_fingerprint(h) -> str:
 def hierarchy_summary(h) -> dict:
     """Provenance of the task source: sizes and the CLIP its features came from."""
     sizes = h.topic_sizes()
-    return {"fingerprint": hierarchy_fingerprint(h), "num_topics": int(h.num_topics),
-            "num_items": int(len(h.item_topic)), "items_in_topics": int(sizes.sum()),
-            "backbone": h.meta.get("backbone"), "pretrained": h.meta.get("pretrained"),
-            "weights_sha256": h.meta.get("weights_sha256"), "source": h.meta.get("source", "chc")}
+    return {
+        "fingerprint": hierarchy_fingerprint(h),
+        "num_topics": int(h.num_topics),
+        "num_items": int(len(h.item_topic)),
+        "items_in_topics": int(sizes.sum()),
+        "backbone": h.meta.get("backbone"),
+        "pretrained": h.meta.get("pretrained"),
+        "weights_sha256": h.meta.get("weights_sha256"),
+        "source": h.meta.get("source", "chc"),
+    }
 
 
 def norm_stats(h, clip) -> tuple[tuple, tuple]:
@@ -78,8 +94,9 @@ def norm_stats(h, clip) -> tuple[tuple, tuple]:
     return clip_norm_stats(clip)
 
 
-def check_cached_features(h, clip, dims, model_name: str, pretrained: str, n_check: int = 8,
-                          min_cosine: float = 0.99, device: str = "cpu") -> dict:
+def check_cached_features(
+    h, clip, dims, model_name: str, pretrained: str, n_check: int = 8, min_cosine: float = 0.99, device: str = "cpu"
+) -> dict:
     """Refuse ``h.image_features`` unless they come from this CLIP; returns what was checked.
 
     1. metadata: backbone name, weights sha256 (when either side has a weights file), width;
@@ -89,23 +106,30 @@ def check_cached_features(h, clip, dims, model_name: str, pretrained: str, n_che
     """
     meta = h.meta
     if meta.get("source") == "image_folder":  # built from TASKS.IMAGE_FOLDER by a run, not by `meta cluster`
-        hint = (f"rebuild the image-folder hierarchy of {meta.get('root')} with this MODEL "
-                "(a `meta train` with TASKS.SOURCE image_folder does so itself)")
+        hint = (
+            f"rebuild the image-folder hierarchy of {meta.get('root')} with this MODEL "
+            "(a `meta train` with TASKS.SOURCE image_folder does so itself)"
+        )
     else:
         hint = "re-run `python -m meta cluster` with this MODEL, or set MODEL.* to the clustering CLIP"
     if meta.get("backbone") and meta["backbone"] != model_name:
-        raise FeatureMismatchError(f"MODEL.BACKBONE: cached image features come from {meta['backbone']!r}, "
-                                   f"not {model_name!r}; {hint}")
+        raise FeatureMismatchError(
+            f"MODEL.BACKBONE: cached image features come from {meta['backbone']!r}, not {model_name!r}; {hint}"
+        )
     feats = h.image_features
     if feats.shape[1] != dims.embed_dim:
-        raise FeatureMismatchError(f"MODEL.BACKBONE: cached image features are {feats.shape[1]}-d, "
-                                   f"this CLIP embeds in {dims.embed_dim}-d; {hint}")
+        raise FeatureMismatchError(
+            f"MODEL.BACKBONE: cached image features are {feats.shape[1]}-d, "
+            f"this CLIP embeds in {dims.embed_dim}-d; {hint}"
+        )
     theirs = meta.get("weights_sha256")
     mine = file_sha256(pretrained) if pretrained and os.path.isfile(pretrained) else None
     if (theirs or mine) and theirs != mine:
-        raise FeatureMismatchError(f"MODEL.PRETRAINED: cached image features come from weights "
-                                   f"{meta.get('pretrained') or 'random'} (sha256 {str(theirs)[:12]}), this run "
-                                   f"uses {pretrained or 'random'} (sha256 {str(mine)[:12]}); {hint}")
+        raise FeatureMismatchError(
+            f"MODEL.PRETRAINED: cached image features come from weights "
+            f"{meta.get('pretrained') or 'random'} (sha256 {str(theirs)[:12]}), this run "
+            f"uses {pretrained or 'random'} (sha256 {str(mine)[:12]}); {hint}"
+        )
     result = {"metadata": True, "images_checked": 0, "min_cosine": None}
     if n_check <= 0:
         return result
@@ -123,9 +147,11 @@ def check_cached_features(h, clip, dims, model_name: str, pretrained: str, n_che
     cos = (fresh * F.normalize(cached, dim=-1)).sum(-1)
     worst = float(cos.min())
     if worst < min_cosine:
-        raise FeatureMismatchError(f"MODEL: cached image features do not match this CLIP (cosine {worst:.3f} < "
-                                   f"{min_cosine} on {len(pick)} re-encoded images; different weights, seed, "
-                                   f"QuickGELU or preprocessing); {hint}")
+        raise FeatureMismatchError(
+            f"MODEL: cached image features do not match this CLIP (cosine {worst:.3f} < "
+            f"{min_cosine} on {len(pick)} re-encoded images; different weights, seed, "
+            f"QuickGELU or preprocessing); {hint}"
+        )
     result.update(images_checked=int(len(pick)), min_cosine=worst)
     return result
 
@@ -142,8 +168,15 @@ class TaskBatcher:
         dtype: floating dtype of the CLIP.
     """
 
-    def __init__(self, hierarchy, use_images: bool, mean: Sequence[float], std: Sequence[float],
-                 device: str = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        hierarchy,
+        use_images: bool,
+        mean: Sequence[float],
+        std: Sequence[float],
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
         self.h = hierarchy
         self.use_images = use_images
         self.mean, self.std = tuple(mean), tuple(std)
@@ -153,16 +186,21 @@ class TaskBatcher:
     def part(self, classnames: Sequence[str], index: np.ndarray, label: np.ndarray) -> dict:
         """``{"classnames": [K], "label": [n] int64, "features": [n, E] | "images": [n, 3, H, W]}``."""
         index = np.asarray(index, dtype=np.int64)
-        batch: dict[str, Any] = {"classnames": list(classnames),
-                                 "label": torch.as_tensor(np.asarray(label), dtype=torch.long, device=self.device)}
+        batch: dict[str, Any] = {
+            "classnames": list(classnames),
+            "label": torch.as_tensor(np.asarray(label), dtype=torch.long, device=self.device),
+        }
         if self.use_images:
-            batch["images"] = normalize_uint8(self.h.images(index), self.mean, self.std, dtype=self.dtype,
-                                              device=self.device)
+            batch["images"] = normalize_uint8(
+                self.h.images(index), self.mean, self.std, dtype=self.dtype, device=self.device
+            )
         else:
             feats = np.asarray(self.h.image_features[index], dtype=np.float32)
             batch["features"] = torch.from_numpy(feats).to(device=self.device, dtype=self.dtype)
         return batch
 
     def __call__(self, task) -> TaskBatch:
-        return TaskBatch(support=self.part(task.classnames, task.support_index, task.support_label),
-                         query=self.part(task.classnames, task.query_index, task.query_label))
+        return TaskBatch(
+            support=self.part(task.classnames, task.support_index, task.support_label),
+            query=self.part(task.classnames, task.query_index, task.query_label),
+        )

@@ -10,6 +10,7 @@ the inner loop optimises; this one measures what a user gets.
 Cached image features (text-only prompts) cannot be re-cropped: there the support is used without
 augmentation (one view), which the record says (``augmented: false``).
 """
+
 from __future__ import annotations
 
 from typing import Mapping, Optional
@@ -27,9 +28,16 @@ from meta.regulator import GradientRegulator
 def val_train_spec(cfg) -> TrainSpec:
     """The downstream schedule of ``META.VAL_*`` (defaults: CoCoOp's, see :class:`TrainSpec`)."""
     m = cfg.META
-    return TrainSpec(epochs=int(m.VAL_EPOCHS), batch_size=1, lr=float(m.VAL_FT_LR), momentum=float(m.VAL_FT_MOMENTUM),
-                     weight_decay=float(m.VAL_FT_WEIGHT_DECAY), rrcrop_scale=tuple(m.VAL_RRCROP_SCALE),
-                     aug_views=1, eval_every_epoch=False)
+    return TrainSpec(
+        epochs=int(m.VAL_EPOCHS),
+        batch_size=1,
+        lr=float(m.VAL_FT_LR),
+        momentum=float(m.VAL_FT_MOMENTUM),
+        weight_decay=float(m.VAL_FT_WEIGHT_DECAY),
+        rrcrop_scale=tuple(m.VAL_RRCROP_SCALE),
+        aug_views=1,
+        eval_every_epoch=False,
+    )
 
 
 def crop_and_flip(image: torch.Tensor, scale: tuple, generator: torch.Generator) -> torch.Tensor:
@@ -41,8 +49,9 @@ def crop_and_flip(image: torch.Tensor, scale: tuple, generator: torch.Generator)
     top, left, ch, cw = 0, 0, h, w
     for _ in range(10):
         target = area * float(torch.empty(1).uniform_(scale[0], scale[1], generator=generator))
-        log_ratio = torch.empty(1).uniform_(float(torch.log(torch.tensor(3 / 4))), float(torch.log(torch.tensor(4 / 3))),
-                                            generator=generator)
+        log_ratio = torch.empty(1).uniform_(
+            float(torch.log(torch.tensor(3 / 4))), float(torch.log(torch.tensor(4 / 3))), generator=generator
+        )
         ratio = float(torch.exp(log_ratio))
         cw_try = int(round((target * ratio) ** 0.5))
         ch_try = int(round((target / ratio) ** 0.5))
@@ -51,24 +60,34 @@ def crop_and_flip(image: torch.Tensor, scale: tuple, generator: torch.Generator)
             top = int(torch.randint(0, h - ch + 1, (1,), generator=generator))
             left = int(torch.randint(0, w - cw + 1, (1,), generator=generator))
             break
-    crop = image[:, top:top + ch, left:left + cw].unsqueeze(0)
+    crop = image[:, top : top + ch, left : left + cw].unsqueeze(0)
     out = F.interpolate(crop, size=(h, w), mode="bicubic", align_corners=False).squeeze(0)
     if bool(torch.rand(1, generator=generator) < 0.5):
         out = out.flip(-1)
     return out
 
 
-def downstream_accuracy(pclip: PromptedCLIP, prompts: PromptParams, regulators: Mapping[str, GradientRegulator],
-                        support: dict, query: dict, spec: TrainSpec, seed: int, reg_window: int = 1,
-                        launch: Optional[LaunchStep] = None) -> float:
+def downstream_accuracy(
+    pclip: PromptedCLIP,
+    prompts: PromptParams,
+    regulators: Mapping[str, GradientRegulator],
+    support: dict,
+    query: dict,
+    spec: TrainSpec,
+    seed: int,
+    reg_window: int = 1,
+    launch: Optional[LaunchStep] = None,
+) -> float:
     """Query accuracy (%) after fine-tuning a copy of ``prompts`` on ``support`` with ``spec``.
 
     ``support`` / ``query``: the meta-learner's batches (``classnames``, ``label`` ``[n]`` and ``features``
     ``[n, E]`` or ``images`` ``[n, 3, S, S]``).  ``regulators`` empty = raw gradients.  ``prompts`` and
     ``regulators`` are copied, never modified.
     """
-    theta = PromptParams(ctx=None if prompts.ctx is None else prompts.ctx.detach().clone(),
-                         vpt=None if prompts.vpt is None else prompts.vpt.detach().clone())
+    theta = PromptParams(
+        ctx=None if prompts.ctx is None else prompts.ctx.detach().clone(),
+        vpt=None if prompts.vpt is None else prompts.vpt.detach().clone(),
+    )
     regulation = GradientRegulation(dict(regulators)) if regulators else None
     if regulation is not None:
         regulation = regulation.to(next(iter(regulators.values())).gamma.weight.device)
@@ -90,12 +109,25 @@ def downstream_accuracy(pclip: PromptedCLIP, prompts: PromptParams, regulators: 
         feats = batch.get("features")
         if feats is not None:
             feats = feats.detach().unsqueeze(1) if train else feats.detach()
-        return LabelledSet(impaths=[f"{prefix}{i}" for i in range(n)], labels=batch["label"].detach().cpu(),
-                           classnames=list(batch["classnames"]), features=feats)
+        return LabelledSet(
+            impaths=[f"{prefix}{i}" for i in range(n)],
+            labels=batch["label"].detach().cpu(),
+            classnames=list(batch["classnames"]),
+            features=feats,
+        )
 
     use_spec = spec if s_images is not None else spec.replace(augment="none")
-    tuner = PromptTuner(pclip, theta, regulation, use_spec, seed, train_images, test_images,
-                        reg_window=reg_window if regulation is not None else 1, launch_step=launch)
+    tuner = PromptTuner(
+        pclip,
+        theta,
+        regulation,
+        use_spec,
+        seed,
+        train_images,
+        test_images,
+        reg_window=reg_window if regulation is not None else 1,
+        launch_step=launch,
+    )
     train_set = labelled(support, "s", train=True)
     if launch is not None:
         tuner.launch(labelled(support, "s", train=False))

@@ -11,6 +11,7 @@ Everything is rebuilt from the checkpoint alone (no CLIP, no hierarchy needed). 
 written atomically (:mod:`meta.fileio`); :func:`verify_exports` checks that a finished run's
 files exist, load, and hold the checkpoint's θ, so a resume can rewrite any that do not.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -45,16 +46,26 @@ def learner_from_state(state: dict) -> tuple[GRAMMetaLearner, CN]:
 
 
 def provenance(state: dict, cfg: CN) -> dict:
-    return {"tool": "python -m meta train", "mode": state.get("mode", cfg.META.MODE),
-            "config_hash": state["config_hash"], "step": int(state["step"]),
-            "steps_total": int(state.get("steps_total", cfg.META.STEPS)),
-            "finished": int(state["step"]) >= int(state.get("steps_total", cfg.META.STEPS)),
-            "seed": int(cfg.SEED), "prompt": settings.prompt_spec(cfg).as_dict(),
-            "meta": settings.meta_spec(cfg).as_dict(),
-            "tasks": {"k_way": int(cfg.TASKS.K_WAY), "n_support": int(cfg.TASKS.N_SUPPORT),
-                      "n_query": int(cfg.TASKS.N_QUERY), "domain_shift": bool(cfg.TASKS.DOMAIN_SHIFT),
-                      "source": cfg.TASKS.SOURCE, "meta_batch": int(cfg.META.META_BATCH)},
-            "hierarchy": state.get("hierarchy", {})}
+    return {
+        "tool": "python -m meta train",
+        "mode": state.get("mode", cfg.META.MODE),
+        "config_hash": state["config_hash"],
+        "step": int(state["step"]),
+        "steps_total": int(state.get("steps_total", cfg.META.STEPS)),
+        "finished": int(state["step"]) >= int(state.get("steps_total", cfg.META.STEPS)),
+        "seed": int(cfg.SEED),
+        "prompt": settings.prompt_spec(cfg).as_dict(),
+        "meta": settings.meta_spec(cfg).as_dict(),
+        "tasks": {
+            "k_way": int(cfg.TASKS.K_WAY),
+            "n_support": int(cfg.TASKS.N_SUPPORT),
+            "n_query": int(cfg.TASKS.N_QUERY),
+            "domain_shift": bool(cfg.TASKS.DOMAIN_SHIFT),
+            "source": cfg.TASKS.SOURCE,
+            "meta_batch": int(cfg.META.META_BATCH),
+        },
+        "hierarchy": state.get("hierarchy", {}),
+    }
 
 
 def export_paths(run_dir: Path, cfg, out: Optional[str] = None) -> tuple[Path, Path]:
@@ -71,8 +82,9 @@ def export_state(state: dict, run_dir: Union[str, Path], out: Optional[Union[str
     dims = ClipDims(**state["dims"])
     init_path, coop_path = export_paths(Path(run_dir), cfg, str(out) if out else None)
     theta = learner.prompt_module
-    export_gram_init(init_path, theta, learner.regulators(), dims, provenance=provenance(state, cfg),
-                     weights=cfg.MODEL.PRETRAINED)
+    export_gram_init(
+        init_path, theta, learner.regulators(), dims, provenance=provenance(state, cfg), weights=cfg.MODEL.PRETRAINED
+    )
     paths = {"init": init_path, "coop_ctx": None}
     if theta.ctx is not None:
         n_ctx = int(theta.ctx.shape[0])
@@ -121,11 +133,14 @@ def export_run(run_dir: Union[str, Path], out: Optional[Union[str, Path]] = None
     run_dir = Path(run_dir)
     ckpt = run_dir / CHECKPOINT_NAME
     if not ckpt.is_file():
-        raise FileNotFoundError(f"--run-dir: no {CHECKPOINT_NAME} in {run_dir} (not a `python -m meta train` run "
-                                f"dir, or killed before its first checkpoint)")
+        raise FileNotFoundError(
+            f"--run-dir: no {CHECKPOINT_NAME} in {run_dir} (not a `python -m meta train` run "
+            f"dir, or killed before its first checkpoint)"
+        )
     if out is not None and Path(out).is_dir():
-        raise UserError("--out", f"{out} is a folder; expected the init file's path, e.g. "
-                                 f"{Path(out) / 'gram_init.safetensors'}")
+        raise UserError(
+            "--out", f"{out} is a folder; expected the init file's path, e.g. {Path(out) / 'gram_init.safetensors'}"
+        )
     state = load_checkpoint(ckpt)
     if out is not None:
         clean_stale_temps(Path(out).parent)  # temp files of killed exports (their writers are gone)

@@ -10,6 +10,7 @@ On resume from step ``s`` the records after ``s`` (written by the killed process
 checkpoint) are dropped, so the log reads like one uninterrupted run.  Tensorboard does the
 same through ``SummaryWriter(purge_step=s + 1)``.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,7 +33,7 @@ def read_log(path) -> list[dict]:
     for line in p.read_text(errors="replace").splitlines():
         try:
             record = parse_json(line)
-        except ValueError:   # malformed (json.JSONDecodeError) or nested too deeply
+        except ValueError:  # malformed (json.JSONDecodeError) or nested too deeply
             continue
         if isinstance(record, dict) and isinstance(record.get("step", 0), int):
             out.append(record)

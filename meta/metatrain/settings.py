@@ -2,6 +2,7 @@
 regulator's and the prompts' specs, the checks yacs cannot do, and the config hash a resume compares.
 The node's defaults, each with where it came from, are in :func:`meta.config.add_metatrain_cfg`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,9 +21,22 @@ from meta.regulator import RegulatorSpec
 if TYPE_CHECKING:
     from meta.gram import MetaSpec
 
-__all__ = ["MODES", "RUN_CONTROL_KEYS", "add_metatrain_cfg", "cfg_differences", "check_meta_cfg", "check_step_size",
-           "check_task_sizes", "config_hash", "flatten_cfg", "memory_bytes", "meta_spec", "prompt_spec",
-           "regulator_spec", "result_defining_cfg"]
+__all__ = [
+    "MODES",
+    "RUN_CONTROL_KEYS",
+    "add_metatrain_cfg",
+    "cfg_differences",
+    "check_meta_cfg",
+    "check_step_size",
+    "check_task_sizes",
+    "config_hash",
+    "flatten_cfg",
+    "memory_bytes",
+    "meta_spec",
+    "prompt_spec",
+    "regulator_spec",
+    "result_defining_cfg",
+]
 
 MODES = ("gram", "pretrain")
 
@@ -30,13 +44,33 @@ MODES = ("gram", "pretrain")
 # change between a run and its ``--resume`` (e.g. extend META.STEPS, checkpoint more often).
 # Where the task source lives (META.HIERARCHY, TASKS.IMAGE_FOLDER, CHC.*) may change too: a resume
 # compares the hierarchy's content fingerprint instead (data.hierarchy_fingerprint).
-RUN_CONTROL_KEYS = frozenset({
-    "OUTPUT_DIR", "MODEL.DEVICE", "META.STEPS", "META.CHECKPOINT_EVERY", "META.LOG_DETAIL_EVERY",
-    "META.VAL_EVERY", "META.VAL_TASKS", "META.VAL_FT_STEPS", "META.VAL_FT_LR", "META.VAL_FT_MOMENTUM",
-    "META.VAL_PROTOCOL", "META.VAL_EPOCHS", "META.VAL_FT_WEIGHT_DECAY", "META.VAL_RRCROP_SCALE", "META.VAL_REG_WINDOW",
-    "META.VAL_LAUNCH", "META.FEATURE_CHECK", "META.PROGRESS", "META.TENSORBOARD",
-    "META.EXPORT_NAME", "META.COOP_CTX_NAME", "META.HIERARCHY", "TASKS.IMAGE_FOLDER",
-})
+RUN_CONTROL_KEYS = frozenset(
+    {
+        "OUTPUT_DIR",
+        "MODEL.DEVICE",
+        "META.STEPS",
+        "META.CHECKPOINT_EVERY",
+        "META.LOG_DETAIL_EVERY",
+        "META.VAL_EVERY",
+        "META.VAL_TASKS",
+        "META.VAL_FT_STEPS",
+        "META.VAL_FT_LR",
+        "META.VAL_FT_MOMENTUM",
+        "META.VAL_PROTOCOL",
+        "META.VAL_EPOCHS",
+        "META.VAL_FT_WEIGHT_DECAY",
+        "META.VAL_RRCROP_SCALE",
+        "META.VAL_REG_WINDOW",
+        "META.VAL_LAUNCH",
+        "META.FEATURE_CHECK",
+        "META.PROGRESS",
+        "META.TENSORBOARD",
+        "META.EXPORT_NAME",
+        "META.COOP_CTX_NAME",
+        "META.HIERARCHY",
+        "TASKS.IMAGE_FOLDER",
+    }
+)
 RUN_CONTROL_PREFIXES = ("CHC.",)
 
 # Keys added after runs were saved without them, with the behaviour those runs had (the value the key
@@ -70,8 +104,12 @@ def check_meta_cfg(cfg: CN) -> None:
     """
     m = cfg.META
     need = _need
-    need(bool(str(cfg.OUTPUT_DIR).strip()), "OUTPUT_DIR", "a folder path (empty would write into the current "
-                                                          "folder)", cfg.OUTPUT_DIR)
+    need(
+        bool(str(cfg.OUTPUT_DIR).strip()),
+        "OUTPUT_DIR",
+        "a folder path (empty would write into the current folder)",
+        cfg.OUTPUT_DIR,
+    )
     need(m.MODE in MODES, "META.MODE", " | ".join(MODES), m.MODE)
     need(m.STEPS >= 1, "META.STEPS", "an integer >= 1 (0 steps would export the untrained prompts)", m.STEPS)
     need(m.META_BATCH >= 1, "META.META_BATCH", "an integer >= 1", m.META_BATCH)
@@ -79,12 +117,19 @@ def check_meta_cfg(cfg: CN) -> None:
     need(0.0 <= m.INNER_MOMENTUM < 1.0, "META.INNER_MOMENTUM", "a number in [0, 1)", m.INNER_MOMENTUM)
     need(m.INNER_WEIGHT_DECAY >= 0, "META.INNER_WEIGHT_DECAY", "a number >= 0", m.INNER_WEIGHT_DECAY)
     need(m.INNER_SUPPORT in ("repeat", "split"), "META.INNER_SUPPORT", "repeat | split", m.INNER_SUPPORT)
-    need(m.INNER_SUPPORT != "split" or cfg.TASKS.N_SUPPORT >= m.INNER_STEPS, "TASKS.N_SUPPORT",
-         f"an integer >= META.INNER_STEPS ({m.INNER_STEPS}) with META.INNER_SUPPORT split", cfg.TASKS.N_SUPPORT)
+    need(
+        m.INNER_SUPPORT != "split" or cfg.TASKS.N_SUPPORT >= m.INNER_STEPS,
+        "TASKS.N_SUPPORT",
+        f"an integer >= META.INNER_STEPS ({m.INNER_STEPS}) with META.INNER_SUPPORT split",
+        cfg.TASKS.N_SUPPORT,
+    )
     need(m.TRAJECTORY_STATES >= 0, "META.TRAJECTORY_STATES", "an integer >= 0 (0 = off)", m.TRAJECTORY_STATES)
-    need(m.TRAJECTORY_WINDOWS == 0 or m.TRAJECTORY_WINDOWS >= m.TRAJECTORY_STATES, "META.TRAJECTORY_WINDOWS",
-         f"0 (= META.TRAJECTORY_STATES) or an integer >= META.TRAJECTORY_STATES ({m.TRAJECTORY_STATES})",
-         m.TRAJECTORY_WINDOWS)
+    need(
+        m.TRAJECTORY_WINDOWS == 0 or m.TRAJECTORY_WINDOWS >= m.TRAJECTORY_STATES,
+        "META.TRAJECTORY_WINDOWS",
+        f"0 (= META.TRAJECTORY_STATES) or an integer >= META.TRAJECTORY_STATES ({m.TRAJECTORY_STATES})",
+        m.TRAJECTORY_WINDOWS,
+    )
     need(m.QUERY_BEFORE_WEIGHT >= 0, "META.QUERY_BEFORE_WEIGHT", "a number >= 0", m.QUERY_BEFORE_WEIGHT)
     need(m.TASK_BATCHING in ("auto", "on", "off"), "META.TASK_BATCHING", "auto | on | off", m.TASK_BATCHING)
     need(m.REGULATOR.WEIGHT_DECAY >= 0, "META.REGULATOR.WEIGHT_DECAY", "a number >= 0", m.REGULATOR.WEIGHT_DECAY)
@@ -92,25 +137,46 @@ def check_meta_cfg(cfg: CN) -> None:
     need(m.VAL_PROTOCOL in ("downstream", "one_step"), "META.VAL_PROTOCOL", "downstream | one_step", m.VAL_PROTOCOL)
     need(m.VAL_EPOCHS >= 1, "META.VAL_EPOCHS", "an integer >= 1", m.VAL_EPOCHS)
     need(m.VAL_REG_WINDOW >= 0, "META.VAL_REG_WINDOW", "an integer >= 0 (0 = the support size)", m.VAL_REG_WINDOW)
-    need(len(m.VAL_RRCROP_SCALE) == 2 and 0 < m.VAL_RRCROP_SCALE[0] <= m.VAL_RRCROP_SCALE[1] <= 1,
-         "META.VAL_RRCROP_SCALE", "(lo, hi) with 0 < lo <= hi <= 1", m.VAL_RRCROP_SCALE)
+    need(
+        len(m.VAL_RRCROP_SCALE) == 2 and 0 < m.VAL_RRCROP_SCALE[0] <= m.VAL_RRCROP_SCALE[1] <= 1,
+        "META.VAL_RRCROP_SCALE",
+        "(lo, hi) with 0 < lo <= hi <= 1",
+        m.VAL_RRCROP_SCALE,
+    )
     need(m.CHECKPOINT_EVERY >= 1, "META.CHECKPOINT_EVERY", "an integer >= 1", m.CHECKPOINT_EVERY)
     need(m.OPTIMIZER in ("adam", "sgd"), "META.OPTIMIZER", "adam | sgd", m.OPTIMIZER)
-    for key in ("INNER_LR", "OUTER_LR_PROMPT", "OUTER_LR_REGULATOR", "GRAD_CLIP", "PRETRAIN.LR", "PROMPT.INIT_STD",
-                "REGULATOR.INIT_STD"):
+    for key in (
+        "INNER_LR",
+        "OUTER_LR_PROMPT",
+        "OUTER_LR_REGULATOR",
+        "GRAD_CLIP",
+        "PRETRAIN.LR",
+        "PROMPT.INIT_STD",
+        "REGULATOR.INIT_STD",
+    ):
         node, leaf = (m, key) if "." not in key else (m[key.split(".")[0]], key.split(".")[1])
         value = node[leaf]
-        need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-             and value >= 0, f"META.{key}", "a finite number >= 0" + (" (0 = off)" if leaf == "GRAD_CLIP" else ""),
-             value)
+        need(
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0,
+            f"META.{key}",
+            "a finite number >= 0" + (" (0 = off)" if leaf == "GRAD_CLIP" else ""),
+            value,
+        )
     need(m.AUTOCAST in ("none", "bf16", "fp16"), "META.AUTOCAST", "none | bf16 | fp16", m.AUTOCAST)
-    need(m.PROMPT.N_CTX_TEXT > 0 or m.PROMPT.N_CTX_VISION > 0 or bool(m.PROMPT.CTX_INIT),
-         "META.PROMPT", "N_CTX_TEXT > 0, N_CTX_VISION > 0 or CTX_INIT (no prompt to learn)",
-         (m.PROMPT.N_CTX_TEXT, m.PROMPT.N_CTX_VISION))
+    need(
+        m.PROMPT.N_CTX_TEXT > 0 or m.PROMPT.N_CTX_VISION > 0 or bool(m.PROMPT.CTX_INIT),
+        "META.PROMPT",
+        "N_CTX_TEXT > 0, N_CTX_VISION > 0 or CTX_INIT (no prompt to learn)",
+        (m.PROMPT.N_CTX_TEXT, m.PROMPT.N_CTX_VISION),
+    )
     need(m.PROMPT.VPT_INIT in VPT_INITS, "META.PROMPT.VPT_INIT", " | ".join(VPT_INITS), m.PROMPT.VPT_INIT)
     need(m.PROMPT.TEXT_DEPTH >= 0, "META.PROMPT.TEXT_DEPTH", "an integer >= 0 (0 = every layer)", m.PROMPT.TEXT_DEPTH)
-    need(m.PROMPT.VISION_DEPTH >= 0, "META.PROMPT.VISION_DEPTH", "an integer >= 0 (0 = every layer)",
-         m.PROMPT.VISION_DEPTH)
+    need(
+        m.PROMPT.VISION_DEPTH >= 0,
+        "META.PROMPT.VISION_DEPTH",
+        "an integer >= 0 (0 = every layer)",
+        m.PROMPT.VISION_DEPTH,
+    )
     need(m.PROMPT.COUPLING in COUPLINGS, "META.PROMPT.COUPLING", " | ".join(COUPLINGS), m.PROMPT.COUPLING)
     try:
         prompt_spec(cfg)
@@ -143,7 +209,7 @@ def model_context_length(backbone: str) -> Optional[int]:
     config = _model_config(backbone)
     if config is None:
         return None
-    text = config.get("text_cfg") or {}   # open_clip's CLIPTextCfg defaults the context to 77 tokens
+    text = config.get("text_cfg") or {}  # open_clip's CLIPTextCfg defaults the context to 77 tokens
     return int(text["context_length"]) if "context_length" in text else 77
 
 
@@ -171,18 +237,17 @@ def check_text_context(cfg: CN, context_length: Optional[int] = None) -> None:
     if length is None:
         return
     most = length - TEXT_TOKENS_BESIDES_CONTEXT
-    room = (f"CLIP's {length}-token text context also holds the start and end tokens, a class name and its "
-            f"full stop")
+    room = f"CLIP's {length}-token text context also holds the start and end tokens, a class name and its full stop"
     if p.CTX_INIT:
         n = context_tokens(p.CTX_INIT)
         words = p.CTX_INIT if len(p.CTX_INIT) <= 40 else p.CTX_INIT[:37] + "..."
         _need(n >= 1, "META.PROMPT.CTX_INIT", "words with at least one BPE token", p.CTX_INIT)
         if n > most:
-            raise ValueError(f"META.PROMPT.CTX_INIT: expected at most {most} BPE tokens ({room}), got {n} tokens "
-                             f"({words!r})")
+            raise ValueError(
+                f"META.PROMPT.CTX_INIT: expected at most {most} BPE tokens ({room}), got {n} tokens ({words!r})"
+            )
     else:
-        _need(p.N_CTX_TEXT <= most, "META.PROMPT.N_CTX_TEXT", f"at most {most} context tokens ({room})",
-              p.N_CTX_TEXT)
+        _need(p.N_CTX_TEXT <= most, "META.PROMPT.N_CTX_TEXT", f"at most {most} context tokens ({room})", p.N_CTX_TEXT)
 
 
 def memory_bytes(device: str = "cpu") -> Optional[int]:
@@ -193,7 +258,7 @@ def memory_bytes(device: str = "cpu") -> Optional[int]:
         return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
     try:
         return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-    except (AttributeError, ValueError, OSError):   # no sysconf (Windows): no limit known
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows): no limit known
         return None
 
 
@@ -214,26 +279,41 @@ def check_step_size(cfg: CN, item_bytes: int = INDEX_BYTES, device: str = "cpu",
     per_task = k * (n_s + n_q)
     unit = f"{item_bytes} bytes per image ({what or 'its int64 index and label'})"
     where = f"the {_size(total)} of {device}"
-    if per_task * item_bytes > total:   # not even one task fits: the largest of its sizes is the culprit
+    if per_task * item_bytes > total:  # not even one task fits: the largest of its sizes is the culprit
         images = total // item_bytes
-        most = {"TASKS.K_WAY": (k, images // (n_s + n_q)), "TASKS.N_SUPPORT": (n_s, images // k - n_q),
-                "TASKS.N_QUERY": (n_q, images // k - n_s)}
+        most = {
+            "TASKS.K_WAY": (k, images // (n_s + n_q)),
+            "TASKS.N_SUPPORT": (n_s, images // k - n_q),
+            "TASKS.N_QUERY": (n_q, images // k - n_s),
+        }
         key = max(most, key=lambda name: most[name][0])
-        _need(False, key, f"at most {max(most[key][1], 0)}: one task of K_WAY x (N_SUPPORT + N_QUERY) images, "
-                          f"{unit}, must fit {where}", most[key][0])
+        _need(
+            False,
+            key,
+            f"at most {max(most[key][1], 0)}: one task of K_WAY x (N_SUPPORT + N_QUERY) images, "
+            f"{unit}, must fit {where}",
+            most[key][0],
+        )
     if m.MODE == "gram":
         key, value, per = "META.META_BATCH", int(m.META_BATCH), per_task
         holds = f"tasks of K_WAY x (N_SUPPORT + N_QUERY) = {per_task} images"
     else:
         key, value, per = "META.PRETRAIN.BATCH_SIZE", int(m.PRETRAIN.BATCH_SIZE), 1
         holds = "images"
-    _need(value * per * item_bytes <= total, key,
-          f"at most {total // (per * item_bytes)} {holds} per step: one step holds them all at once, "
-          f"{unit}, in {where}", value)
-    if item_bytes == INDEX_BYTES and m.MODE == "gram":   # the validation tasks' indices are drawn up front
-        _need(int(m.VAL_TASKS) * per_task * INDEX_BYTES <= total, "META.VAL_TASKS",
-              f"at most {total // (per_task * INDEX_BYTES)} tasks of {per_task} images (drawn up front, "
-              f"{unit}, in {where})", int(m.VAL_TASKS))
+    _need(
+        value * per * item_bytes <= total,
+        key,
+        f"at most {total // (per * item_bytes)} {holds} per step: one step holds them all at once, {unit}, in {where}",
+        value,
+    )
+    if item_bytes == INDEX_BYTES and m.MODE == "gram":  # the validation tasks' indices are drawn up front
+        _need(
+            int(m.VAL_TASKS) * per_task * INDEX_BYTES <= total,
+            "META.VAL_TASKS",
+            f"at most {total // (per_task * INDEX_BYTES)} tasks of {per_task} images (drawn up front, "
+            f"{unit}, in {where})",
+            int(m.VAL_TASKS),
+        )
 
 
 def _size(n_bytes: int) -> str:
@@ -255,11 +335,12 @@ def check_task_sizes(cfg: CN, hierarchy, device: str = "cpu") -> None:
     t, m = cfg.TASKS, cfg.META
     k, n_s, n_q, shift = int(t.K_WAY), int(t.N_SUPPORT), int(t.N_QUERY), bool(t.DOMAIN_SHIFT)
     train, val = split_topics(hierarchy, float(t.VAL_FRACTION), int(cfg.SEED))
-    held = (f"{len(train)} training topics of the hierarchy's {hierarchy.num_topics} ({len(val)} held out by "
-            f"TASKS.VAL_FRACTION {t.VAL_FRACTION})")
+    held = (
+        f"{len(train)} training topics of the hierarchy's {hierarchy.num_topics} ({len(val)} held out by "
+        f"TASKS.VAL_FRACTION {t.VAL_FRACTION})"
+    )
     if m.MODE == "pretrain":
-        _need(len(train) >= 2, "TASKS.VAL_FRACTION", f"a fraction leaving >= 2 training topics; {held}",
-              t.VAL_FRACTION)
+        _need(len(train) >= 2, "TASKS.VAL_FRACTION", f"a fraction leaving >= 2 training topics; {held}", t.VAL_FRACTION)
     else:
         _need(k <= len(train), "TASKS.K_WAY", f"at most {len(train)}: {held}", k)
         try:
@@ -269,22 +350,33 @@ def check_task_sizes(cfg: CN, hierarchy, device: str = "cpu") -> None:
             domains = [max((len(v) for v in hierarchy.domain_members(tp).values()), default=0) for tp in train]
             kth = sorted(sizes, reverse=True)[k - 1]
             if n_s + n_q > kth:
-                raise ValueError(f"TASKS.N_QUERY: expected N_SUPPORT + N_QUERY <= {kth} (each of a task's K_WAY {k} "
-                                 f"topics must hold that many images; {k} training topics hold {kth} or more), got "
-                                 f"{n_s} + {n_q} = {n_s + n_q}")
+                raise ValueError(
+                    f"TASKS.N_QUERY: expected N_SUPPORT + N_QUERY <= {kth} (each of a task's K_WAY {k} "
+                    f"topics must hold that many images; {k} training topics hold {kth} or more), got "
+                    f"{n_s} + {n_q} = {n_s + n_q}"
+                )
             dom_kth = sorted(domains, reverse=True)[k - 1]
-            _need(not shift or n_s <= dom_kth, "TASKS.N_SUPPORT", f"at most {dom_kth} (TASKS.DOMAIN_SHIFT takes a "
-                  f"class's support from one domain: {k} training topics have a domain of {dom_kth} or more images; "
-                  f"K_WAY {k})", n_s)
-            raise ValueError(f"TASKS.N_SUPPORT: expected a support size that {k} training topics can supply together "
-                             f"with N_QUERY {n_q} ({err}), got {n_s}") from None
+            _need(
+                not shift or n_s <= dom_kth,
+                "TASKS.N_SUPPORT",
+                f"at most {dom_kth} (TASKS.DOMAIN_SHIFT takes a "
+                f"class's support from one domain: {k} training topics have a domain of {dom_kth} or more images; "
+                f"K_WAY {k})",
+                n_s,
+            )
+            raise ValueError(
+                f"TASKS.N_SUPPORT: expected a support size that {k} training topics can supply together "
+                f"with N_QUERY {n_q} ({err}), got {n_s}"
+            ) from None
         if len(val) >= 2 and int(m.VAL_TASKS) > 0:
             try:
                 TaskSampler(hierarchy, min(k, len(val)), n_s, n_q, domain_shift=shift, topics=val, seed=0)
             except ValueError as err:
-                raise ValueError(f"TASKS.VAL_FRACTION: expected held-out topics that can form validation tasks "
-                                 f"({err}); hold out more topics or set META.VAL_TASKS 0, got "
-                                 f"{t.VAL_FRACTION!r}") from None
+                raise ValueError(
+                    f"TASKS.VAL_FRACTION: expected held-out topics that can form validation tasks "
+                    f"({err}); hold out more topics or set META.VAL_TASKS 0, got "
+                    f"{t.VAL_FRACTION!r}"
+                ) from None
     use_images = prompt_spec(cfg).has_visual_prompts
     width = 2 if str(cfg.MODEL.PRECISION) in ("fp16", "bf16") else 4
     if use_images:
@@ -299,11 +391,19 @@ def check_task_sizes(cfg: CN, hierarchy, device: str = "cpu") -> None:
 def regulator_spec(cfg: CN) -> RegulatorSpec:
     r = cfg.META.REGULATOR
     try:
-        return RegulatorSpec(form=r.FORM, input_norm=bool(r.INPUT_NORM),
-                             beta_scale="grad_rms" if float(r.BETA_SCALE) <= 0 else float(r.BETA_SCALE),
-                             init=r.INIT, init_std=float(r.INIT_STD), gamma_bound=float(r.GAMMA_BOUND),
-                             norm_preserve=bool(r.NORM_PRESERVE), mix=bool(r.MIX), mix_init=float(r.MIX_INIT),
-                             halves=str(r.HALVES), learn_lr=bool(r.LEARN_LR))
+        return RegulatorSpec(
+            form=r.FORM,
+            input_norm=bool(r.INPUT_NORM),
+            beta_scale="grad_rms" if float(r.BETA_SCALE) <= 0 else float(r.BETA_SCALE),
+            init=r.INIT,
+            init_std=float(r.INIT_STD),
+            gamma_bound=float(r.GAMMA_BOUND),
+            norm_preserve=bool(r.NORM_PRESERVE),
+            mix=bool(r.MIX),
+            mix_init=float(r.MIX_INIT),
+            halves=str(r.HALVES),
+            learn_lr=bool(r.LEARN_LR),
+        )
     except ValueError as err:
         raise ValueError(f"META.REGULATOR: {err}") from None
 
@@ -318,25 +418,41 @@ def meta_spec(cfg: CN, device=None) -> "MetaSpec":
     m = cfg.META
     autocast = m.AUTOCAST if device is None else resolve_autocast(m.AUTOCAST, device, "META.AUTOCAST")
     pretrain = m.MODE == "pretrain"
-    return MetaSpec(inner_steps=int(m.INNER_STEPS), inner_lr=float(m.INNER_LR),
-                    outer_lr_prompt=float(m.PRETRAIN.LR if pretrain else m.OUTER_LR_PROMPT),
-                    outer_lr_regulator=float(m.OUTER_LR_REGULATOR), optimizer=m.OPTIMIZER,
-                    first_order=bool(m.FIRST_ORDER), grad_clip=float(m.GRAD_CLIP),
-                    regulate=bool(m.REGULATE) and not pretrain, regulator=regulator_spec(cfg), autocast=autocast,
-                    inner_momentum=float(m.INNER_MOMENTUM),
-                    regulator_weight_decay=float(m.REGULATOR.WEIGHT_DECAY),
-                    query_before_weight=float(m.QUERY_BEFORE_WEIGHT),
-                    inner_weight_decay=float(m.INNER_WEIGHT_DECAY), inner_support=str(m.INNER_SUPPORT),
-                    trajectory_states=int(m.TRAJECTORY_STATES), trajectory_windows=int(m.TRAJECTORY_WINDOWS),
-                    task_batching=str(m.TASK_BATCHING))
+    return MetaSpec(
+        inner_steps=int(m.INNER_STEPS),
+        inner_lr=float(m.INNER_LR),
+        outer_lr_prompt=float(m.PRETRAIN.LR if pretrain else m.OUTER_LR_PROMPT),
+        outer_lr_regulator=float(m.OUTER_LR_REGULATOR),
+        optimizer=m.OPTIMIZER,
+        first_order=bool(m.FIRST_ORDER),
+        grad_clip=float(m.GRAD_CLIP),
+        regulate=bool(m.REGULATE) and not pretrain,
+        regulator=regulator_spec(cfg),
+        autocast=autocast,
+        inner_momentum=float(m.INNER_MOMENTUM),
+        regulator_weight_decay=float(m.REGULATOR.WEIGHT_DECAY),
+        query_before_weight=float(m.QUERY_BEFORE_WEIGHT),
+        inner_weight_decay=float(m.INNER_WEIGHT_DECAY),
+        inner_support=str(m.INNER_SUPPORT),
+        trajectory_states=int(m.TRAJECTORY_STATES),
+        trajectory_windows=int(m.TRAJECTORY_WINDOWS),
+        task_batching=str(m.TASK_BATCHING),
+    )
 
 
 def prompt_spec(cfg: CN) -> PromptSpec:
     p = cfg.META.PROMPT
-    return PromptSpec(n_ctx_text=int(p.N_CTX_TEXT), ctx_init=p.CTX_INIT, n_ctx_vision=int(p.N_CTX_VISION),
-                      vision_depth=int(p.VISION_DEPTH), init_std=float(p.INIT_STD), template=p.TEMPLATE,
-                      vpt_init=str(p.VPT_INIT), text_depth=int(p.get("TEXT_DEPTH", 1)),
-                      coupling=str(p.get("COUPLING", "none")))
+    return PromptSpec(
+        n_ctx_text=int(p.N_CTX_TEXT),
+        ctx_init=p.CTX_INIT,
+        n_ctx_vision=int(p.N_CTX_VISION),
+        vision_depth=int(p.VISION_DEPTH),
+        init_std=float(p.INIT_STD),
+        template=p.TEMPLATE,
+        vpt_init=str(p.VPT_INIT),
+        text_depth=int(p.get("TEXT_DEPTH", 1)),
+        coupling=str(p.get("COUPLING", "none")),
+    )
 
 
 def flatten_cfg(node: CN, prefix: str = "") -> dict[str, Any]:
@@ -353,8 +469,11 @@ def flatten_cfg(node: CN, prefix: str = "") -> dict[str, Any]:
 
 def result_defining_cfg(cfg: CN) -> dict[str, Any]:
     """The flattened config without :data:`RUN_CONTROL_KEYS` / ``CHC.*`` (what a resume must agree on)."""
-    return {k: v for k, v in sorted(flatten_cfg(cfg).items())
-            if k not in RUN_CONTROL_KEYS and not k.startswith(RUN_CONTROL_PREFIXES)}
+    return {
+        k: v
+        for k, v in sorted(flatten_cfg(cfg).items())
+        if k not in RUN_CONTROL_KEYS and not k.startswith(RUN_CONTROL_PREFIXES)
+    }
 
 
 def config_hash(cfg: CN) -> str:

@@ -21,9 +21,9 @@ Run directory::
     checkpoint.pt         latest state (checkpoint.py), every META.CHECKPOINT_EVERY steps and at the end
     gram_init.safetensors θ* (+ φ) for the trainers    coop_ctx_nctx<M>.pth   θ*_T for stock CoOp (text prompts)
 """
+
 from __future__ import annotations
 
-import json
 import signal
 import threading
 import time
@@ -47,9 +47,15 @@ from meta.tasks import ClassBatchStream, TaskSampler, TaskStream, split_topics
 
 from . import settings
 from .checkpoint import CHECKPOINT_NAME, CheckpointError, capture_rng, load_checkpoint, restore_rng, save_checkpoint
+from .data import (
+    TaskBatcher,
+    check_cached_features,
+    hierarchy_fingerprint,
+    hierarchy_summary,
+    load_task_hierarchy,
+    norm_stats,
+)
 from .export import export_paths, export_state, verify_exports
-from .data import (TaskBatcher, check_cached_features, hierarchy_fingerprint, hierarchy_summary, load_task_hierarchy,
-                   norm_stats)
 from .runlog import RunLog, postfix, progress_bar
 
 CONFIG_NAME = "config.yaml"
@@ -105,7 +111,7 @@ class RunSetup:
     learner: GRAMMetaLearner
     loss_fn: Callable
     batcher: TaskBatcher
-    stream: Any                 # TaskStream (gram) | ClassBatchStream (pretrain)
+    stream: Any  # TaskStream (gram) | ClassBatchStream (pretrain)
     val_tasks: list
     feature_check: Optional[dict]
 
@@ -123,12 +129,12 @@ def setup_run(cfg, hierarchy=None) -> RunSetup:
     check_model_name(cfg.MODEL.BACKBONE, "MODEL.BACKBONE")
     check_precision(cfg.MODEL.PRECISION, "MODEL.PRECISION")
     h = hierarchy
-    if h is None and cfg.TASKS.SOURCE == "chc":   # a CHC output needs no CLIP to open: check sizes before the build
+    if h is None and cfg.TASKS.SOURCE == "chc":  # a CHC output needs no CLIP to open: check sizes before the build
         h = load_task_hierarchy(cfg, None, None, device)
     if h is not None:
         settings.check_task_sizes(cfg, h, device)
     clip, dims = build_clip(cfg, device)
-    if h is None:   # an image folder is encoded by this CLIP
+    if h is None:  # an image folder is encoded by this CLIP
         h = load_task_hierarchy(cfg, clip, dims, device)
         settings.check_task_sizes(cfg, h, device)
     pspec = settings.prompt_spec(cfg)
@@ -137,14 +143,17 @@ def setup_run(cfg, hierarchy=None) -> RunSetup:
     if use_images:
         size = h.meta.get("image_size")
         if size and int(size) != dims.image_size:
-            raise ValueError(f"MODEL.BACKBONE: the hierarchy's images are {size} px, {cfg.MODEL.BACKBONE} takes "
-                             f"{dims.image_size} px; re-run `python -m meta cluster` with this model")
+            raise ValueError(
+                f"MODEL.BACKBONE: the hierarchy's images are {size} px, {cfg.MODEL.BACKBONE} takes "
+                f"{dims.image_size} px; re-run `python -m meta cluster` with this model"
+            )
     else:
-        feature_check = check_cached_features(h, clip, dims, cfg.MODEL.BACKBONE, cfg.MODEL.PRETRAINED,
-                                              n_check=int(cfg.META.FEATURE_CHECK), device=device)
+        feature_check = check_cached_features(
+            h, clip, dims, cfg.MODEL.BACKBONE, cfg.MODEL.PRETRAINED, n_check=int(cfg.META.FEATURE_CHECK), device=device
+        )
     train_topics, val_topics = split_topics(h, float(cfg.TASKS.VAL_FRACTION), int(cfg.SEED))
     train_topics, val_topics = [int(t) for t in train_topics], [int(t) for t in val_topics]
-    k_way = int(cfg.TASKS.K_WAY)   # sizes the hierarchy cannot supply were refused by check_task_sizes
+    k_way = int(cfg.TASKS.K_WAY)  # sizes the hierarchy cannot supply were refused by check_task_sizes
 
     theta = PromptParams.from_spec(pspec, clip, dims, generator=torch.Generator().manual_seed(int(cfg.SEED)))
     learner = GRAMMetaLearner(theta, settings.meta_spec(cfg, device))
@@ -155,25 +164,43 @@ def setup_run(cfg, hierarchy=None) -> RunSetup:
     n_s, n_q, shift = int(cfg.TASKS.N_SUPPORT), int(cfg.TASKS.N_QUERY), bool(cfg.TASKS.DOMAIN_SHIFT)
     if cfg.META.MODE == "gram":
         try:
-            stream = TaskStream(lambda: TaskSampler(h, k_way, n_s, n_q, domain_shift=shift, topics=train_topics,
-                                                    seed=int(cfg.SEED)))
+            stream = TaskStream(
+                lambda: TaskSampler(h, k_way, n_s, n_q, domain_shift=shift, topics=train_topics, seed=int(cfg.SEED))
+            )
         except ValueError as err:
             raise ValueError(f"TASKS (training topics): {err}") from None
     else:
-        stream = ClassBatchStream(h, train_topics, int(cfg.META.PRETRAIN.WAYS), int(cfg.META.PRETRAIN.BATCH_SIZE),
-                                  int(cfg.SEED))
+        stream = ClassBatchStream(
+            h, train_topics, int(cfg.META.PRETRAIN.WAYS), int(cfg.META.PRETRAIN.BATCH_SIZE), int(cfg.SEED)
+        )
     val_tasks: list = []
     if len(val_topics) >= 2 and int(cfg.META.VAL_TASKS) > 0:
         # fixed tasks (own seed) so every validation measures the same thing; never touches the train stream
         try:
-            val_sampler = TaskSampler(h, min(k_way, len(val_topics)), n_s, n_q, domain_shift=shift,
-                                      topics=val_topics, seed=int(cfg.SEED) + 1)
+            val_sampler = TaskSampler(
+                h, min(k_way, len(val_topics)), n_s, n_q, domain_shift=shift, topics=val_topics, seed=int(cfg.SEED) + 1
+            )
         except ValueError as err:
-            raise ValueError(f"TASKS.VAL_FRACTION: the held-out topics cannot form tasks ({err}); hold out more "
-                             f"topics or set META.VAL_TASKS 0") from None
+            raise ValueError(
+                f"TASKS.VAL_FRACTION: the held-out topics cannot form tasks ({err}); hold out more "
+                f"topics or set META.VAL_TASKS 0"
+            ) from None
         val_tasks = [val_sampler.sample() for _ in range(int(cfg.META.VAL_TASKS))]
-    return RunSetup(cfg, device, clip, dims, h, train_topics, val_topics, learner, classification_loss(pclip),
-                    batcher, stream, val_tasks, feature_check)
+    return RunSetup(
+        cfg,
+        device,
+        clip,
+        dims,
+        h,
+        train_topics,
+        val_topics,
+        learner,
+        classification_loss(pclip),
+        batcher,
+        stream,
+        val_tasks,
+        feature_check,
+    )
 
 
 # ----------------------------------------------------------------------------- steps
@@ -191,8 +218,7 @@ def gram_step(run: RunSetup, step: int) -> dict:
     if not dist_.is_distributed():
         return learner.meta_step([run.batcher(t) for t in tasks], run.loss_fn, detailed=detailed)
     mine = dist_.shard(tasks, dist_.world_size(), dist_.rank())
-    metrics = dist_.mean_over_ranks(learner.accumulate([run.batcher(t) for t in mine], run.loss_fn,
-                                                       detailed=detailed))
+    metrics = dist_.mean_over_ranks(learner.accumulate([run.batcher(t) for t in mine], run.loss_fn, detailed=detailed))
     dist_.average_gradients(p for g in learner.optimizer.param_groups for p in g["params"])
     metrics.update(learner.step(metrics["query_loss_after"]))
     return metrics
@@ -224,10 +250,16 @@ def validate(run: RunSetup) -> dict:
     Under torchrun rank ``r`` evaluates tasks ``r, r + W, ...`` and the sums are reduced.
     """
     learner, loss_fn = run.learner, run.loss_fn
-    keys = ("query_loss_before", "query_acc_before", "query_loss_after", "query_acc_after",
-            "support_loss_before", "support_acc_before")
+    keys = (
+        "query_loss_before",
+        "query_acc_before",
+        "query_loss_after",
+        "query_acc_after",
+        "support_loss_before",
+        "support_acc_before",
+    )
     sums: dict[str, float] = dict.fromkeys(keys, 0.0)
-    for index, task in list(enumerate(run.val_tasks))[dist_.rank()::dist_.world_size()]:
+    for index, task in list(enumerate(run.val_tasks))[dist_.rank() :: dist_.world_size()]:
         batch = run.batcher(task)
         with torch.no_grad():
             q_loss0, q_logits0 = loss_fn(learner.prompt_module, batch.query)
@@ -235,12 +267,17 @@ def validate(run: RunSetup) -> dict:
         with torch.no_grad():
             q_loss1, q_logits1 = loss_fn(adapted.module, batch.query)
         labels = batch.query["label"]
-        for key, value in (("query_loss_before", float(q_loss0)), ("query_acc_before", accuracy(q_logits0, labels)),
-                           ("query_loss_after", float(q_loss1)), ("query_acc_after", accuracy(q_logits1, labels)),
-                           ("support_loss_before", s_losses[0]), ("support_acc_before", s_accs[0])):
+        for key, value in (
+            ("query_loss_before", float(q_loss0)),
+            ("query_acc_before", accuracy(q_logits0, labels)),
+            ("query_loss_after", float(q_loss1)),
+            ("query_acc_after", accuracy(q_logits1, labels)),
+            ("support_loss_before", s_losses[0]),
+            ("support_acc_before", s_accs[0]),
+        ):
             sums[key] = sums.get(key, 0.0) + value / len(run.val_tasks)
         del adapted
-        if run.cfg.META.VAL_PROTOCOL == "downstream":   # what a user gets: the whole fine-tuning protocol
+        if run.cfg.META.VAL_PROTOCOL == "downstream":  # what a user gets: the whole fine-tuning protocol
             for key, value in _downstream_scores(run, batch, index).items():
                 sums[key] = sums.get(key, 0.0) + value / len(run.val_tasks)
         ft_steps = int(run.cfg.META.VAL_FT_STEPS)
@@ -248,8 +285,16 @@ def validate(run: RunSetup) -> dict:
             regs = learner.regulators()
             ft = {"query_acc_ft": GradientRegulation(regs) if regs else None, "query_acc_ft_raw": None}
             for key, regulation in ft.items():
-                acc = finetune_and_score(learner.prompt_module, regulation, loss_fn, batch.support, batch.query,
-                                         ft_steps, float(run.cfg.META.VAL_FT_LR), float(run.cfg.META.VAL_FT_MOMENTUM))
+                acc = finetune_and_score(
+                    learner.prompt_module,
+                    regulation,
+                    loss_fn,
+                    batch.support,
+                    batch.query,
+                    ft_steps,
+                    float(run.cfg.META.VAL_FT_LR),
+                    float(run.cfg.META.VAL_FT_MOMENTUM),
+                )
                 sums[key] = sums.get(key, 0.0) + acc / len(run.val_tasks)
     learner.optimizer.zero_grad(set_to_none=True)
     sums = dist_.sum_over_ranks(sums)
@@ -265,18 +310,28 @@ def _downstream_scores(run: RunSetup, batch, seed: int) -> dict:
     pspec = settings.prompt_spec(cfg)
     pclip = PromptedCLIP(run.clip, run.dims, learner.prompt_module.n_ctx_text, template=pspec.template)
     spec = learner.spec
-    launch = (LaunchStep(spec.inner_lr, spec.inner_steps, spec.inner_momentum)
-              if cfg.META.VAL_LAUNCH and cfg.META.MODE == "gram" else None)
+    launch = (
+        LaunchStep(spec.inner_lr, spec.inner_steps, spec.inner_momentum)
+        if cfg.META.VAL_LAUNCH and cfg.META.MODE == "gram"
+        else None
+    )
     regs = learner.regulators()
     out = {}
     for key, regulators in (("query_acc_downstream", regs), ("query_acc_downstream_raw", {})):
         if key == "query_acc_downstream" and not regs:
             continue
-        with torch.random.fork_rng(devices=[]):   # validation never moves meta-training's random stream
-            acc = downstream_accuracy(pclip, learner.prompt_module, regulators, batch.support, batch.query,
-                                      val_train_spec(cfg), seed=int(cfg.SEED) * 1000 + seed,
-                                      reg_window=int(cfg.META.VAL_REG_WINDOW) or len(batch.support["label"]),
-                                      launch=launch)
+        with torch.random.fork_rng(devices=[]):  # validation never moves meta-training's random stream
+            acc = downstream_accuracy(
+                pclip,
+                learner.prompt_module,
+                regulators,
+                batch.support,
+                batch.query,
+                val_train_spec(cfg),
+                seed=int(cfg.SEED) * 1000 + seed,
+                reg_window=int(cfg.META.VAL_REG_WINDOW) or len(batch.support["label"]),
+                launch=launch,
+            )
         out[key] = acc / 100.0
     return out
 
@@ -290,11 +345,19 @@ def _versions() -> dict:
 
 def _checkpoint_payload(run: RunSetup, step: int) -> dict:
     cfg = run.cfg
-    return {"step": int(step), "steps_total": int(cfg.META.STEPS), "mode": cfg.META.MODE,
-            "learner": run.learner.state(), "rng": capture_rng(), "stream": run.stream.state(),
-            "config": settings.result_defining_cfg(cfg), "config_hash": settings.config_hash(cfg),
-            "config_yaml": cfg.dump(), "dims": run.dims.as_dict(),
-            "hierarchy": hierarchy_summary(run.hierarchy)}
+    return {
+        "step": int(step),
+        "steps_total": int(cfg.META.STEPS),
+        "mode": cfg.META.MODE,
+        "learner": run.learner.state(),
+        "rng": capture_rng(),
+        "stream": run.stream.state(),
+        "config": settings.result_defining_cfg(cfg),
+        "config_hash": settings.config_hash(cfg),
+        "config_yaml": cfg.dump(),
+        "dims": run.dims.as_dict(),
+        "hierarchy": hierarchy_summary(run.hierarchy),
+    }
 
 
 def _save(run: RunSetup, path: Path, step: int) -> None:
@@ -327,8 +390,16 @@ class _NoLog:
         pass
 
 
-def _loop(run: RunSetup, log: RunLog, bar, stop: StopRequest, start: int, saved_at: int, ckpt_path: Path,
-          on_step: Optional[Callable[[int, dict], None]]) -> Optional[int]:
+def _loop(
+    run: RunSetup,
+    log: RunLog,
+    bar,
+    stop: StopRequest,
+    start: int,
+    saved_at: int,
+    ckpt_path: Path,
+    on_step: Optional[Callable[[int, dict], None]],
+) -> Optional[int]:
     """Steps ``start+1 .. META.STEPS`` with logging, validation and checkpoints.
 
     Returns ``None`` when all steps ran (a checkpoint at the last step exists), or the step after
@@ -365,8 +436,13 @@ def _loop(run: RunSetup, log: RunLog, bar, stop: StopRequest, start: int, saved_
 
 
 # ----------------------------------------------------------------------------- the run
-def train(cfg, resume: bool = False, hierarchy=None, on_step: Optional[Callable[[int, dict], None]] = None,
-          echo: Callable[[str], None] = print) -> dict:
+def train(
+    cfg,
+    resume: bool = False,
+    hierarchy=None,
+    on_step: Optional[Callable[[int, dict], None]] = None,
+    echo: Callable[[str], None] = print,
+) -> dict:
     """Run or resume meta-training (or pre-training) as configured; export at the end.
 
     The run holds ``OUTPUT_DIR``'s :class:`meta.runlock.RunLock` throughout (a second writer gets
@@ -388,11 +464,16 @@ def train(cfg, resume: bool = False, hierarchy=None, on_step: Optional[Callable[
     """
     settings.check_meta_cfg(cfg)
     world = dist_.world_size()
-    split_key, split_n = (("META.META_BATCH", int(cfg.META.META_BATCH)) if cfg.META.MODE == "gram"
-                          else ("META.PRETRAIN.BATCH_SIZE", int(cfg.META.PRETRAIN.BATCH_SIZE)))
+    split_key, split_n = (
+        ("META.META_BATCH", int(cfg.META.META_BATCH))
+        if cfg.META.MODE == "gram"
+        else ("META.PRETRAIN.BATCH_SIZE", int(cfg.META.PRETRAIN.BATCH_SIZE))
+    )
     if split_n % world:
-        raise ValueError(f"{split_key}: {split_n} cannot be split evenly over {world} processes (torchrun "
-                         f"--nproc_per_node); use a multiple of {world}")
+        raise ValueError(
+            f"{split_key}: {split_n} cannot be split evenly over {world} processes (torchrun "
+            f"--nproc_per_node); use a multiple of {world}"
+        )
     lock = RunLock(cfg.OUTPUT_DIR, key="OUTPUT_DIR", enabled=is_rank0())
     with lock:
         if lock.held:
@@ -405,8 +486,14 @@ def train(cfg, resume: bool = False, hierarchy=None, on_step: Optional[Callable[
             raise
 
 
-def _train_locked(cfg, resume: bool, hierarchy, on_step: Optional[Callable[[int, dict], None]],
-                  echo: Callable[[str], None], world: int) -> dict:
+def _train_locked(
+    cfg,
+    resume: bool,
+    hierarchy,
+    on_step: Optional[Callable[[int, dict], None]],
+    echo: Callable[[str], None],
+    world: int,
+) -> dict:
     """:func:`train` once the output folder is locked (by rank 0)."""
     main = dist_.is_main()
     if not main:  # rank 0 alone talks and writes files
@@ -418,31 +505,40 @@ def _train_locked(cfg, resume: bool, hierarchy, on_step: Optional[Callable[[int,
     state = None
     if ckpt_path.exists():
         if not resume:
-            raise RunExistsError(f"OUTPUT_DIR: {run_dir} already holds a run ({ckpt_path.name}); pass --resume to "
-                                 f"continue it or choose another --output-dir")
+            raise RunExistsError(
+                f"OUTPUT_DIR: {run_dir} already holds a run ({ckpt_path.name}); pass --resume to "
+                f"continue it or choose another --output-dir"
+            )
         state = load_checkpoint(ckpt_path)
         diffs = settings.cfg_differences(state["config"], settings.result_defining_cfg(cfg))
         if diffs:
             more = f" (+{len(diffs) - 4} more)" if len(diffs) > 4 else ""
-            raise CheckpointError(f"{ckpt_path}: this config differs from the checkpointed run: "
-                                  f"{'; '.join(diffs[:4])}{more}; resume with the same settings or use another "
-                                  f"--output-dir")
+            raise CheckpointError(
+                f"{ckpt_path}: this config differs from the checkpointed run: "
+                f"{'; '.join(diffs[:4])}{more}; resume with the same settings or use another "
+                f"--output-dir"
+            )
         if int(state["step"]) >= steps_total:
             done = {"run_dir": run_dir, "step": int(state["step"]), "resumed_from": int(state["step"])}
             problems = verify_exports(state, run_dir)
             if not problems:
-                echo(f"{run_dir}: finished at step {state['step']} (META.STEPS {steps_total}); exports verified; "
-                     f"nothing to do")
+                echo(
+                    f"{run_dir}: finished at step {state['step']} (META.STEPS {steps_total}); exports verified; "
+                    f"nothing to do"
+                )
                 return {**done, "export": None, "noop": True}
             paths = export_state(state, run_dir) if main else None
             dist_.barrier()
             if paths is not None:
-                echo(f"{run_dir}: finished at step {state['step']}; {'; '.join(problems)}; re-exported "
-                     f"{paths['init']}" + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else ""))
+                echo(
+                    f"{run_dir}: finished at step {state['step']}; {'; '.join(problems)}; re-exported "
+                    f"{paths['init']}" + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else "")
+                )
             return {**done, "export": paths, "noop": False}
     elif init_path.exists():
-        raise RunExistsError(f"OUTPUT_DIR: {run_dir} holds {init_path.name} but no checkpoint; choose another "
-                             f"--output-dir")
+        raise RunExistsError(
+            f"OUTPUT_DIR: {run_dir} holds {init_path.name} but no checkpoint; choose another --output-dir"
+        )
     elif resume:
         echo(f"--resume: no checkpoint in {run_dir}; starting from step 0")
 
@@ -451,13 +547,16 @@ def _train_locked(cfg, resume: bool, hierarchy, on_step: Optional[Callable[[int,
     if state is not None:
         fp = hierarchy_fingerprint(run.hierarchy)
         if state["hierarchy"].get("fingerprint") != fp:
-            raise CheckpointError(f"{ckpt_path}: the task hierarchy changed since this run started (fingerprint "
-                                  f"{state['hierarchy'].get('fingerprint')} -> {fp}); use another --output-dir")
+            raise CheckpointError(
+                f"{ckpt_path}: the task hierarchy changed since this run started (fingerprint "
+                f"{state['hierarchy'].get('fingerprint')} -> {fp}); use another --output-dir"
+            )
         try:
             run.learner.load_state(state["learner"])
         except (RuntimeError, KeyError, ValueError) as err:
-            raise CheckpointError(f"{ckpt_path}: θ/φ/optimiser state does not fit this model "
-                                  f"({str(err).splitlines()[0][:200]})") from None
+            raise CheckpointError(
+                f"{ckpt_path}: θ/φ/optimiser state does not fit this model ({str(err).splitlines()[0][:200]})"
+            ) from None
         run.stream.load_state(state["stream"])
         restore_rng(_rank_rng(state))
         start = int(state["step"])
@@ -467,28 +566,56 @@ def _train_locked(cfg, resume: bool, hierarchy, on_step: Optional[Callable[[int,
     bar = progress_bar(steps_total, start, bool(cfg.META.PROGRESS) and main, f"{cfg.META.MODE} {run_dir.name}")
     with StopRequest() as stop:
         try:
-            stopped_at = _loop(run, log, bar, stop, start, saved_at=start if state is not None else -1,
-                               ckpt_path=ckpt_path, on_step=on_step)
+            stopped_at = _loop(
+                run,
+                log,
+                bar,
+                stop,
+                start,
+                saved_at=start if state is not None else -1,
+                ckpt_path=ckpt_path,
+                on_step=on_step,
+            )
         finally:
             bar.close()
             log.close()
     if stopped_at is not None:
-        echo(f"{run_dir}: {stop.requested or 'stop requested on another rank'} - checkpoint saved at step "
-             f"{stopped_at} of {steps_total}; continue with --resume")
-        return {"run_dir": run_dir, "step": stopped_at, "export": None, "resumed_from": resumed_from,
-                "noop": False, "stopped": True}
+        echo(
+            f"{run_dir}: {stop.requested or 'stop requested on another rank'} - checkpoint saved at step "
+            f"{stopped_at} of {steps_total}; continue with --resume"
+        )
+        return {
+            "run_dir": run_dir,
+            "step": stopped_at,
+            "export": None,
+            "resumed_from": resumed_from,
+            "noop": False,
+            "stopped": True,
+        }
     if not main:
         dist_.barrier()  # rank 0 exports meanwhile
-        return {"run_dir": run_dir, "step": max(start, steps_total), "export": None, "resumed_from": resumed_from,
-                "noop": False}
+        return {
+            "run_dir": run_dir,
+            "step": max(start, steps_total),
+            "export": None,
+            "resumed_from": resumed_from,
+            "noop": False,
+        }
     final = load_checkpoint(ckpt_path)
     paths = export_state(final, run_dir)
     dist_.barrier()  # the other ranks return once the export exists
-    echo(f"{run_dir}: {cfg.META.MODE} finished at step {final['step']}; exported {paths['init']}"
-         + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else "")
-         + (f"\n{paths['coop_usage']}" if paths.get("coop_usage") else ""))
-    return {"run_dir": run_dir, "step": int(final["step"]), "export": paths, "resumed_from": resumed_from,
-            "noop": False}
+    echo(
+        f"{run_dir}: {cfg.META.MODE} finished at step {final['step']}; exported {paths['init']}"
+        + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else "")
+        + (f"\n{paths['coop_usage']}" if paths.get("coop_usage") else "")
+    )
+    return {
+        "run_dir": run_dir,
+        "step": int(final["step"]),
+        "export": paths,
+        "resumed_from": resumed_from,
+        "noop": False,
+    }
 
 
 def _write_run_files(run: RunSetup, run_dir: Path, state: Optional[dict], start: int, world: int) -> RunLog:
@@ -499,11 +626,21 @@ def _write_run_files(run: RunSetup, run_dir: Path, state: Optional[dict], start:
     write_text_atomic(run_dir / CONFIG_NAME, cfg.dump())
     info_path = run_dir / RUN_INFO_NAME
     info = _read_run_info(info_path) if (state is not None and info_path.is_file()) else {}
-    info.update({"config_hash": settings.config_hash(cfg), "mode": cfg.META.MODE, "steps_total": steps_total,
-                 "hierarchy": hierarchy_summary(run.hierarchy), "feature_check": run.feature_check,
-                 "dims": run.dims.as_dict(), "train_topics": len(run.train_topics),
-                 "val_topics": [run.hierarchy.topic_names[t] for t in run.val_topics],
-                 "versions": _versions(), "device": run.device, "world_size": world})
+    info.update(
+        {
+            "config_hash": settings.config_hash(cfg),
+            "mode": cfg.META.MODE,
+            "steps_total": steps_total,
+            "hierarchy": hierarchy_summary(run.hierarchy),
+            "feature_check": run.feature_check,
+            "dims": run.dims.as_dict(),
+            "train_topics": len(run.train_topics),
+            "val_topics": [run.hierarchy.topic_names[t] for t in run.val_topics],
+            "versions": _versions(),
+            "device": run.device,
+            "world_size": world,
+        }
+    )
     if state is not None:
         info.setdefault("resumed_at_steps", []).append(start)
     write_json_atomic(info_path, info)
@@ -515,8 +652,9 @@ def _read_run_info(path: Path) -> dict:
     try:
         info = parse_json(path.read_text(errors="replace"))
     except ValueError as err:
-        raise ValueError(f"{path}: not valid JSON ({' '.join(str(err).split())[:160]}); move it away to resume "
-                         f"(it is rewritten)") from None
+        raise ValueError(
+            f"{path}: not valid JSON ({' '.join(str(err).split())[:160]}); move it away to resume (it is rewritten)"
+        ) from None
     if not isinstance(info, dict):
         raise ValueError(f"{path}: expected a JSON object, got a JSON {type(info).__name__}; move it away to resume")
     return info
@@ -524,4 +662,3 @@ def _read_run_info(path: Path) -> dict:
 
 def _silent(_msg: str) -> None:
     pass
-

@@ -14,6 +14,7 @@ Nothing in ``state_dict`` depends on the class names, so loading a base-class ch
 classes needs no surgery; keys of CoOp-style class buffers (``token_prefix``/``token_suffix``)
 found in foreign checkpoints are dropped.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,15 +41,23 @@ def checkpoint_file(directory: Union[str, Path], name: str, epoch: Optional[int]
     return folder / pointer.read_text().strip().splitlines()[0]
 
 
-def save_checkpoint(directory: Union[str, Path], name: str, epoch: int, model: nn.Module,
-                    optimizer: Optional[torch.optim.Optimizer] = None, scheduler: Any = None,
-                    val_result: Optional[float] = None, extra: Optional[Mapping[str, Any]] = None,
-                    filename: str = "") -> Path:
+def save_checkpoint(
+    directory: Union[str, Path],
+    name: str,
+    epoch: int,
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    scheduler: Any = None,
+    val_result: Optional[float] = None,
+    extra: Optional[Mapping[str, Any]] = None,
+    filename: str = "",
+) -> Path:
     """Write one registered model's checkpoint (``epoch`` = epochs completed, 1-based) and its pointer."""
     folder = Path(directory) / name
     folder.mkdir(parents=True, exist_ok=True)
-    state = OrderedDict((k[7:] if k.startswith("module.") else k, v.detach().cpu())
-                        for k, v in model.state_dict().items())
+    state = OrderedDict(
+        (k[7:] if k.startswith("module.") else k, v.detach().cpu()) for k, v in model.state_dict().items()
+    )
     payload = {
         "state_dict": state,
         "epoch": int(epoch),
@@ -74,8 +83,9 @@ def load_checkpoint(path: Union[str, Path]) -> dict:
         ckpt = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as err:  # pickle.UnpicklingError for Dassl's own checkpoints, among others
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise RuntimeError(f"{path} is not a weights-only checkpoint ({first}); "
-                           "was it written by a GRAM trainer?") from None
+        raise RuntimeError(
+            f"{path} is not a weights-only checkpoint ({first}); was it written by a GRAM trainer?"
+        ) from None
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise RuntimeError(f"{path}: expected a dict with a 'state_dict' entry")
     return ckpt

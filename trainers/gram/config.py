@@ -24,6 +24,7 @@ GRAM_MaPLe     ``N_CTX_TEXT`` vectors in   none of its own: layer i < ``TEXT_DEP
 ``ENABLED False`` gives the plain baselines (CoOp, VPT, joint text+visual tuning: paper Table 4
 row 5) with the very same code: no meta-initialisation, no gradient regulation.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,52 +41,65 @@ from meta.prompts import DEFAULT_TEMPLATE, PromptSpec
 # Trainer name -> (learns text context, learns visual prompts), and the trainers whose visual prompts are
 # produced from the text prompts (meta.prompts.PromptSpec.coupling): read from the learner table of
 # meta/methods.yaml, the one place a prompt learner's structure is written down.
-TRAINER_PROMPTS: dict[str, tuple[bool, bool]] = {name: (row.text, row.vision)
-                                                 for name, row in methods.learners().items()}
-TRAINER_COUPLING: dict[str, str] = {name: row.coupling for name, row in methods.learners().items()
-                                    if row.coupling != "none"}
+TRAINER_PROMPTS: dict[str, tuple[bool, bool]] = {
+    name: (row.text, row.vision) for name, row in methods.learners().items()
+}
+TRAINER_COUPLING: dict[str, str] = {
+    name: row.coupling for name, row in methods.learners().items() if row.coupling != "none"
+}
 # How errors name the engine's start fields (meta.engine.Naming): TRAINER.GRAM.<KEY>.
-GRAM_NAMING = Naming("TRAINER.GRAM", {"init_path": "INIT", "regulate": "REGULATE", "reg_window": "REG_WINDOW_IMAGES",
-                                      "launch": "LAUNCH", "ctx_init": "CTX_INIT", "init_prompts": "INIT_PROMPTS",
-                                      "vpt_init": "VPT_INIT", "template": "TEMPLATE"}, dotted=True)
+GRAM_NAMING = Naming(
+    "TRAINER.GRAM",
+    {
+        "init_path": "INIT",
+        "regulate": "REGULATE",
+        "reg_window": "REG_WINDOW_IMAGES",
+        "launch": "LAUNCH",
+        "ctx_init": "CTX_INIT",
+        "init_prompts": "INIT_PROMPTS",
+        "vpt_init": "VPT_INIT",
+        "template": "TEMPLATE",
+    },
+    dotted=True,
+)
 # TRAINER.GRAM.REG_WINDOW counted batches until the window was given in images everywhere; it stays in the
 # node (unset) only so that a config that still sets it stops with a one-line error instead of meaning
 # something else (gram_settings).
 RENAMED_KEYS = {"REG_WINDOW": "REG_WINDOW_IMAGES"}
 PRECISIONS = ("fp16", "fp32", "amp")
 RANDOM_WEIGHTS = ("none", "random")  # TRAINER.GRAM.WEIGHTS values that mean "no pretrained weights"
-OPENAI_CACHE_DIR = "~/.cache/clip"   # where OpenAI's clip package (CoOp's load_clip_to_cpu) keeps its .pt files
+OPENAI_CACHE_DIR = "~/.cache/clip"  # where OpenAI's clip package (CoOp's load_clip_to_cpu) keeps its .pt files
 
 
 def _gram_defaults() -> CN:
     node = CN()
     # --- GRAM on/off ------------------------------------------------------------------------
-    node.ENABLED = False       # False = plain baseline (CoOp / VPT / joint); True needs INIT
-    node.INIT = ""             # meta-learned θ* (+ φ) from meta.init_io.export_gram_init (.safetensors)
-    node.REGULATE = True       # with ENABLED: apply R_φ to every prompt gradient (paper Eq. 7); False = ablation
+    node.ENABLED = False  # False = plain baseline (CoOp / VPT / joint); True needs INIT
+    node.INIT = ""  # meta-learned θ* (+ φ) from meta.init_io.export_gram_init (.safetensors)
+    node.REGULATE = True  # with ENABLED: apply R_φ to every prompt gradient (paper Eq. 7); False = ablation
     node.NORM_PRESERVE = "auto"  # auto = as meta-trained (init file) | on = rescale ĝ to ‖g‖ per tensor | off
-    node.INIT_PROMPTS = True   # with ENABLED: θ starts from the file's θ*; False = scratch θ, R_φ from the file
+    node.INIT_PROMPTS = True  # with ENABLED: θ starts from the file's θ*; False = scratch θ, R_φ from the file
     node.REG_WINDOW_IMAGES = DEFAULT_REG_WINDOW  # R_φ on the mean gradient of this many images (whole batches:
     # W / DATALOADER.TRAIN_X.BATCH_SIZE, rounded, >= 1), one step per window; 0 = the init file's meta-training
     # support size (k_way x n_support images)
-    node.REG_WINDOW = None     # renamed REG_WINDOW_IMAGES (it counted batches): setting it is an error
+    node.REG_WINDOW = None  # renamed REG_WINDOW_IMAGES (it counted batches): setting it is an error
     node.LAUNCH = DEFAULT_LAUNCH  # take the meta-trained step θ − α R_φ(mean train gradient) once before epoch 1
     # --- prompts (paper §4 "Training Details": 4 tokens; UNIGRAM 2 text + 2 visual) ------------
     node.N_CTX_TEXT = PromptSpec.n_ctx_text  # M text context vectors (GRAM_CoOp, UNIGRAM): 4
-    node.N_CTX_VISION = 4      # n visual prompt tokens per prompted layer (GRAM_VPT, UNIGRAM)
-    node.VPT_DEEP = False      # False = shallow VPT (prompts at the input only)
-    node.VPT_DEPTH = 0         # with VPT_DEEP: prompted layers; 0 = every layer of the vision tower
+    node.N_CTX_VISION = 4  # n visual prompt tokens per prompted layer (GRAM_VPT, UNIGRAM)
+    node.VPT_DEEP = False  # False = shallow VPT (prompts at the input only)
+    node.VPT_DEPTH = 0  # with VPT_DEEP: prompted layers; 0 = every layer of the vision tower
     node.TEXT_DEPTH = PromptSpec.text_depth  # J (1) text layers with learnable context (IVLP / MaPLe
     # PROMPT_DEPTH); 0 = every layer
-    node.CTX_INIT = ""         # words to initialise the text context (e.g. "a photo of a"); "" = N(0, 0.02²)
+    node.CTX_INIT = ""  # words to initialise the text context (e.g. "a photo of a"); "" = N(0, 0.02²)
     node.TEMPLATE = DEFAULT_TEMPLATE  # fixed text prompt when there is no text context (GRAM_VPT)
     node.VPT_INIT = PromptSpec.vpt_init  # baselines' visual tokens: normal | zeros | cls | patch_mean (meta.prompts)
     # --- backbone ------------------------------------------------------------------------------
-    node.MODEL_NAME = ""       # open_clip architecture; "" = from MODEL.BACKBONE.NAME ("ViT-B/16" -> "ViT-B-16")
-    node.WEIGHTS = ""          # "" = ~/.cache/clip/<ViT-B-16>.pt (OpenAI TorchScript, as CoOp uses);
+    node.MODEL_NAME = ""  # open_clip architecture; "" = from MODEL.BACKBONE.NAME ("ViT-B/16" -> "ViT-B-16")
+    node.WEIGHTS = ""  # "" = ~/.cache/clip/<ViT-B-16>.pt (OpenAI TorchScript, as CoOp uses);
     #                            a local file; a cached open_clip tag; "none" = random weights (tests only)
-    node.QUICK_GELU = "auto"   # auto | on | off  (auto: on for OpenAI weights, which were trained with it)
-    node.PREC = "fp16"         # fp16 | fp32 | amp, as CoOp's PREC; CPU always runs fp32 (with a warning)
+    node.QUICK_GELU = "auto"  # auto | on | off  (auto: on for OpenAI weights, which were trained with it)
+    node.PREC = "fp16"  # fp16 | fp32 | amp, as CoOp's PREC; CPU always runs fp32 (with a warning)
     return node
 
 
@@ -177,22 +191,22 @@ class GramSettings:
     init_path: str
     regulate: bool
     norm_preserve: Optional[bool]  # None = as the init file's regulator was meta-trained
-    n_ctx_text: int       # 0 when the trainer learns no text context
-    n_ctx_vision: int     # 0 when the trainer learns no visual prompts
+    n_ctx_text: int  # 0 when the trainer learns no text context
+    n_ctx_vision: int  # 0 when the trainer learns no visual prompts
     vpt_deep: bool
-    vpt_depth: int        # requested deep depth (0 = all layers); see vision_depth()
+    vpt_depth: int  # requested deep depth (0 = all layers); see vision_depth()
     ctx_init: str
     template: str
     model_name: str
     weights: Optional[str]  # None = random weights
     quick_gelu: Optional[bool]
-    precision: str        # as requested; resolve_precision() gives what runs
-    vpt_init: str         # start of scratch visual prompts (meta.prompts.VPT_INITS)
-    text_depth: int       # J (0 = every layer); 0 without text context
-    coupling: str         # "maple" for GRAM_MaPLe
-    init_prompts: bool    # θ from the init file's θ* (False: scratch θ, R_φ only)
+    precision: str  # as requested; resolve_precision() gives what runs
+    vpt_init: str  # start of scratch visual prompts (meta.prompts.VPT_INITS)
+    text_depth: int  # J (0 = every layer); 0 without text context
+    coupling: str  # "maple" for GRAM_MaPLe
+    init_prompts: bool  # θ from the init file's θ* (False: scratch θ, R_φ only)
     reg_window_images: int  # images per regulated step (0 = support size; meta.engine.window_batches)
-    launch: bool          # meta-trained step once before training (meta.finetune.launch_)
+    launch: bool  # meta-trained step once before training (meta.finetune.launch_)
 
     def vision_depth(self, vision_layers: int) -> int:
         """D, prompted vision layers: 0 without visual prompts, 1 shallow, else VPT_DEPTH (0 = all)."""
@@ -234,16 +248,21 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
     regulate = _as_bool(g.REGULATE, "TRAINER.GRAM.REGULATE")
     init_path = os.path.expanduser(str(g.INIT)) if g.INIT else ""
     if enabled and not init_path:
-        raise ValueError("TRAINER.GRAM.INIT: GRAM is enabled (TRAINER.GRAM.ENABLED True) but no meta-learned "
-                         "init file is given; set TRAINER.GRAM.INIT path/to/init.safetensors")
+        raise ValueError(
+            "TRAINER.GRAM.INIT: GRAM is enabled (TRAINER.GRAM.ENABLED True) but no meta-learned "
+            "init file is given; set TRAINER.GRAM.INIT path/to/init.safetensors"
+        )
     if not enabled and init_path:
-        raise ValueError(f"TRAINER.GRAM.INIT is set ({init_path}) but TRAINER.GRAM.ENABLED is False; "
-                         "set ENABLED True to use it, or clear INIT for the plain baseline")
+        raise ValueError(
+            f"TRAINER.GRAM.INIT is set ({init_path}) but TRAINER.GRAM.ENABLED is False; "
+            "set ENABLED True to use it, or clear INIT for the plain baseline"
+        )
     backbone = cfg.MODEL.BACKBONE.NAME
     model_name = g.MODEL_NAME or open_clip_name(backbone)
     if not model_name:
-        raise ValueError("TRAINER.GRAM.MODEL_NAME: empty, and MODEL.BACKBONE.NAME is empty too "
-                         "(expected e.g. ViT-B/16)")
+        raise ValueError(
+            "TRAINER.GRAM.MODEL_NAME: empty, and MODEL.BACKBONE.NAME is empty too (expected e.g. ViT-B/16)"
+        )
     weights_key = str(g.WEIGHTS).strip()
     if weights_key.lower() in RANDOM_WEIGHTS:
         weights = None
@@ -259,9 +278,11 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
         raise ValueError(f"TRAINER.GRAM.QUICK_GELU: expected auto|on|off, got {g.QUICK_GELU!r}") from None
     for old, new in RENAMED_KEYS.items():
         if g[old] is not None:
-            raise ValueError(f"TRAINER.GRAM.{old}: renamed TRAINER.GRAM.{new}, which counts images ({old} counted "
-                             f"batches); set {new} to the old value x DATALOADER.TRAIN_X.BATCH_SIZE, or 0 for the "
-                             f"meta-training support size")
+            raise ValueError(
+                f"TRAINER.GRAM.{old}: renamed TRAINER.GRAM.{new}, which counts images ({old} counted "
+                f"batches); set {new} to the old value x DATALOADER.TRAIN_X.BATCH_SIZE, or 0 for the "
+                f"meta-training support size"
+            )
     norm_key = str(g.NORM_PRESERVE).strip().lower()
     norm_table = {"auto": None, "on": True, "true": True, "off": False, "false": False}
     if norm_key not in norm_table:
@@ -270,22 +291,45 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
         raise ValueError(f"TRAINER.GRAM.PREC: expected one of {'|'.join(PRECISIONS)}, got {g.PREC!r}")
     text_depth = int(g.TEXT_DEPTH)
     if text_depth < 0 or (text_depth != 1 and not text):
-        raise ValueError(f"TRAINER.GRAM.TEXT_DEPTH: expected 0 (all layers) or >= 1 "
-                         f"{'' if text else '(1 for ' + trainer + ', which learns no text context) '}got {text_depth}")
+        raise ValueError(
+            f"TRAINER.GRAM.TEXT_DEPTH: expected 0 (all layers) or >= 1 "
+            f"{'' if text else '(1 for ' + trainer + ', which learns no text context) '}got {text_depth}"
+        )
     init_prompts = _as_bool(g.INIT_PROMPTS, "TRAINER.GRAM.INIT_PROMPTS")
     launch = _as_bool(g.LAUNCH, "TRAINER.GRAM.LAUNCH")
-    problems = start_rule_problems(vpt_init=str(g.VPT_INIT), reg_window=g.REG_WINDOW_IMAGES, template=str(g.TEMPLATE),
-                                   has_text=text, has_init=enabled, init_prompts=init_prompts, regulate=regulate,
-                                   ctx_init=str(g.CTX_INIT))
+    problems = start_rule_problems(
+        vpt_init=str(g.VPT_INIT),
+        reg_window=g.REG_WINDOW_IMAGES,
+        template=str(g.TEMPLATE),
+        has_text=text,
+        has_init=enabled,
+        init_prompts=init_prompts,
+        regulate=regulate,
+        ctx_init=str(g.CTX_INIT),
+    )
     if problems:
         key, what = problems[0]
         raise ValueError(f"{GRAM_NAMING.full(key)}: {what}")
     return GramSettings(
-        trainer=trainer, enabled=enabled, init_path=init_path, regulate=regulate and enabled,
+        trainer=trainer,
+        enabled=enabled,
+        init_path=init_path,
+        regulate=regulate and enabled,
         norm_preserve=norm_table[norm_key],
-        n_ctx_text=n_text, n_ctx_vision=n_vision, vpt_deep=_as_bool(g.VPT_DEEP, "TRAINER.GRAM.VPT_DEEP"),
-        vpt_depth=int(g.VPT_DEPTH), ctx_init=str(g.CTX_INIT) if text else "", template=str(g.TEMPLATE),
-        model_name=model_name, weights=weights, quick_gelu=quick_gelu, precision=str(g.PREC), vpt_init=str(g.VPT_INIT),
-        text_depth=text_depth if text else 0, coupling=TRAINER_COUPLING.get(trainer, "none"),
-        init_prompts=init_prompts or not enabled, reg_window_images=int(g.REG_WINDOW_IMAGES), launch=launch and enabled,
+        n_ctx_text=n_text,
+        n_ctx_vision=n_vision,
+        vpt_deep=_as_bool(g.VPT_DEEP, "TRAINER.GRAM.VPT_DEEP"),
+        vpt_depth=int(g.VPT_DEPTH),
+        ctx_init=str(g.CTX_INIT) if text else "",
+        template=str(g.TEMPLATE),
+        model_name=model_name,
+        weights=weights,
+        quick_gelu=quick_gelu,
+        precision=str(g.PREC),
+        vpt_init=str(g.VPT_INIT),
+        text_depth=text_depth if text else 0,
+        coupling=TRAINER_COUPLING.get(trainer, "none"),
+        init_prompts=init_prompts or not enabled,
+        reg_window_images=int(g.REG_WINDOW_IMAGES),
+        launch=launch and enabled,
     )

@@ -22,6 +22,7 @@ It patches Dassl.pytorch @ c61a1b5 in memory; no Dassl file is edited:
 The same function objects are also replaced in every already-imported module that holds them
 (``trainers.coop`` imports them by name), so the import order does not matter.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -34,8 +35,9 @@ from dassl.optim import lr_scheduler as _dassl_sched
 from dassl.utils import torchtools as _torchtools
 from torch.optim.lr_scheduler import LRScheduler
 
-_ORIGINAL_LOAD_PRETRAINED = getattr(_torchtools.load_pretrained_weights, "_gram_original",
-                                    _torchtools.load_pretrained_weights)
+_ORIGINAL_LOAD_PRETRAINED = getattr(
+    _torchtools.load_pretrained_weights, "_gram_original", _torchtools.load_pretrained_weights
+)
 _ORIGINAL_LOAD_CHECKPOINT = getattr(_torchtools.load_checkpoint, "_gram_original", _torchtools.load_checkpoint)
 
 
@@ -72,7 +74,8 @@ def load_checkpoint(fpath: str) -> Any:
         raise RuntimeError(
             f"{fpath}: not loadable with torch's weights_only default ({first}); it was written before "
             "trainers.gram.dassl_compat was imported. Retrain, or load this trusted file once with "
-            "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1") from None
+            "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1"
+        ) from None
 
 
 # ------------------------------------------------------------------------------ 3: MODEL.INIT_WEIGHTS
@@ -96,14 +99,18 @@ def load_pretrained_weights(model: torch.nn.Module, weight_path: str) -> None:
         problem = f"{key} is {tuple(value.shape)} in the file but {tuple(own[key].shape)} in the model"
         if key.split(".")[-1] == "ctx" and value.dim() == own[key].dim() and value.dim() >= 2:
             n_file, n_model = value.shape[-2], own[key].shape[-2]
-            problem += (f" (the file has {n_file} context vectors, the model {n_model}: set TRAINER.COOP.N_CTX "
-                        f"{n_file}, or TRAINER.COCOOP.N_CTX {n_file} for CoCoOp, and CTX_INIT \"\")")
+            problem += (
+                f" (the file has {n_file} context vectors, the model {n_model}: set TRAINER.COOP.N_CTX "
+                f'{n_file}, or TRAINER.COCOOP.N_CTX {n_file} for CoCoOp, and CTX_INIT "")'
+            )
         problems.append(problem)
     if problems:
         raise ValueError(f"MODEL.INIT_WEIGHTS {weight_path}: " + "; ".join(problems))
     if matched == 0:
-        raise ValueError(f"MODEL.INIT_WEIGHTS {weight_path}: no tensor in the file matches a parameter of the "
-                         f"model (file keys {sorted(map(_strip_module, state))[:5]})")
+        raise ValueError(
+            f"MODEL.INIT_WEIGHTS {weight_path}: no tensor in the file matches a parameter of the "
+            f"model (file keys {sorted(map(_strip_module, state))[:5]})"
+        )
     _ORIGINAL_LOAD_PRETRAINED(model, weight_path)
 
 

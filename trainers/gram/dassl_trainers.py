@@ -1,4 +1,5 @@
-"""Dassl trainers ``GRAM_CoOp``, ``GRAM_VPT``, ``UNIGRAM``, ``GRAM_IVLP`` and ``GRAM_MaPLe`` (registered in ``TRAINER_REGISTRY`` on import).
+"""Dassl trainers ``GRAM_CoOp``, ``GRAM_VPT``, ``UNIGRAM``, ``GRAM_IVLP`` and ``GRAM_MaPLe`` (registered in
+``TRAINER_REGISTRY`` on import).
 
 They follow the CoOp trainer pattern (CoOp ``trainers/coop.py`` L222-325, on KaiyangZhou/Dassl.pytorch
 ``dassl/engine/trainer.py``) over the Dassl-free GRAM core in ``meta``:
@@ -23,6 +24,7 @@ They follow the CoOp trainer pattern (CoOp ``trainers/coop.py`` L222-325, on Kai
   (:mod:`trainers.gram.checkpoint`), ``load_model``/resume overridden (Dassl's crash on
   ``val_result`` None), no ``.cuda()``/``.half()``: the device is Dassl's ``self.device``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,8 +45,15 @@ from meta.finetune import launch_
 from meta.prompts import PromptSpec
 
 from .checkpoint import checkpoint_file, load_checkpoint, prompt_state, save_checkpoint
-from .config import (GRAM_NAMING, GramSettings, available_cpus, effective_num_workers, effective_settings_line,
-                     gram_settings, resolve_precision)
+from .config import (
+    GRAM_NAMING,
+    GramSettings,
+    available_cpus,
+    effective_num_workers,
+    effective_settings_line,
+    gram_settings,
+    resolve_precision,
+)
 from .model import GramCLIP
 from .provenance import environment_summary, file_sha256, sample_digest
 from .schedule import build_lr_scheduler
@@ -73,8 +82,11 @@ class _GramTrainer(TrainerX):
             cfg.DATALOADER.NUM_WORKERS = workers
             cfg.freeze()
         asked = cfg.TRAINER.GRAM.PREC
-        print(effective_settings_line(self.device.type, (asked, resolve_precision(asked, self.device.type)),
-                                      (wanted, workers), cpus))
+        print(
+            effective_settings_line(
+                self.device.type, (asked, resolve_precision(asked, self.device.type)), (wanted, workers), cpus
+            )
+        )
         super().build_data_loader()
 
     def build_model(self) -> None:
@@ -82,13 +94,20 @@ class _GramTrainer(TrainerX):
         settings = gram_settings(cfg, type(self).__name__)
         self.gram = settings
         self.precision = resolve_precision(settings.precision, self.device.type)
-        clip, dims = load_clip(settings.model_name, settings.weights, device=self.device,
-                               precision="fp16" if self.precision == "fp16" else "fp32",
-                               quick_gelu=settings.quick_gelu, config_key="TRAINER.GRAM.WEIGHTS")
+        clip, dims = load_clip(
+            settings.model_name,
+            settings.weights,
+            device=self.device,
+            precision="fp16" if self.precision == "fp16" else "fp32",
+            quick_gelu=settings.quick_gelu,
+            config_key="TRAINER.GRAM.WEIGHTS",
+        )
         size = tuple(cfg.INPUT.SIZE)
         if size != (dims.image_size, dims.image_size):
-            raise ValueError(f"INPUT.SIZE: {settings.model_name} takes {dims.image_size}x{dims.image_size} "
-                             f"images, config says {size[0]}x{size[1]}")
+            raise ValueError(
+                f"INPUT.SIZE: {settings.model_name} takes {dims.image_size}x{dims.image_size} "
+                f"images, config says {size[0]}x{size[1]}"
+            )
         self.clip_dims = dims
         start = self._start(settings, clip, dims)
         self.gram_init_metadata = start.metadata
@@ -101,11 +120,14 @@ class _GramTrainer(TrainerX):
         self.register_model(MODEL_NAME, self.model.prompt_learner, self.optim, self.sched)
         self.regulation = start.regulation
         self.window_images = start.window
-        self.launch_step = start.launch   # None for a prompt pre-training file
+        self.launch_step = start.launch  # None for a prompt pre-training file
         self.stepper = RegulatedStepper(
-            self.model.prompt_learner, self.optim, self.regulation,
+            self.model.prompt_learner,
+            self.optim,
+            self.regulation,
             window_batches(start.window, int(cfg.DATALOADER.TRAIN_X.BATCH_SIZE)),
-            scaler=torch.amp.GradScaler(self.device.type) if self.precision == "amp" else None)
+            scaler=torch.amp.GradScaler(self.device.type) if self.precision == "amp" else None,
+        )
         self._log_setup(settings, dims, classnames)
 
     @property
@@ -126,50 +148,82 @@ class _GramTrainer(TrainerX):
         """θ from the GRAM init file (and φ when regulating), or fresh θ for the baselines: the engine's
         :func:`meta.engine.build_start`, the evaluator's own start factory, with Dassl's key names."""
         depth = s.vision_depth(dims.vision_layers)
-        spec = PromptSpec(n_ctx_text=s.n_ctx_text, ctx_init=s.ctx_init, n_ctx_vision=s.n_ctx_vision,
-                          vision_depth=max(depth, 1), template=s.template, vpt_init=s.vpt_init,
-                          text_depth=s.text_depth if (s.n_ctx_text or s.ctx_init) else 1, coupling=s.coupling)
+        spec = PromptSpec(
+            n_ctx_text=s.n_ctx_text,
+            ctx_init=s.ctx_init,
+            n_ctx_vision=s.n_ctx_vision,
+            vision_depth=max(depth, 1),
+            template=s.template,
+            vpt_init=s.vpt_init,
+            text_depth=s.text_depth if (s.n_ctx_text or s.ctx_init) else 1,
+            coupling=s.coupling,
+        )
         # scratch θ comes from the global RNG (seeded by Dassl) before anything else touches it, so that an
         # "R_φ only" run starts exactly where the baseline with the same seed starts
-        start = build_start(StartSpec(prompt=spec, init_path=s.init_path, init_prompts=s.init_prompts,
-                                      regulate=s.regulate, norm_preserve=s.norm_preserve,
-                                      reg_window=s.reg_window_images, launch=s.launch, naming=GRAM_NAMING),
-                            clip, dims, generator=None, device=self.device)
+        start = build_start(
+            StartSpec(
+                prompt=spec,
+                init_path=s.init_path,
+                init_prompts=s.init_prompts,
+                regulate=s.regulate,
+                norm_preserve=s.norm_preserve,
+                reg_window=s.reg_window_images,
+                launch=s.launch,
+                naming=GRAM_NAMING,
+            ),
+            clip,
+            dims,
+            generator=None,
+            device=self.device,
+        )
         if s.ctx_init and start.prompts.n_ctx_text != s.n_ctx_text:
-            raise ValueError(f"TRAINER.GRAM.CTX_INIT {s.ctx_init!r} is {start.prompts.n_ctx_text} tokens but "
-                             f"TRAINER.GRAM.N_CTX_TEXT is {s.n_ctx_text}; make them agree")
+            raise ValueError(
+                f"TRAINER.GRAM.CTX_INIT {s.ctx_init!r} is {start.prompts.n_ctx_text} tokens but "
+                f"TRAINER.GRAM.N_CTX_TEXT is {s.n_ctx_text}; make them agree"
+            )
         return start
 
     def _load_init_weights(self, path: str) -> None:
         """``MODEL.INIT_WEIGHTS`` as CoOp honours it: θ tensors from a checkpoint, matched by name and shape."""
-        state = prompt_state(load_checkpoint(path)["state_dict"], self.model.prompt_learner,
-                             source=f"MODEL.INIT_WEIGHTS {path}")
+        state = prompt_state(
+            load_checkpoint(path)["state_dict"], self.model.prompt_learner, source=f"MODEL.INIT_WEIGHTS {path}"
+        )
         self.model.prompt_learner.load_state_dict(state)
         print(f"Loaded prompt weights from MODEL.INIT_WEIGHTS {path}: {sorted(state)}")
 
     def _log_setup(self, s: GramSettings, dims, classnames) -> None:
         cfg = self.cfg
-        print(f"GRAM trainer {s.trainer}: GRAM {'on' if s.enabled else 'off (baseline)'}, "
-              f"text ctx {s.n_ctx_text} x depth {self.model.prompt_learner.text_depth}, "
-              f"visual prompts {s.n_ctx_vision} x depth {s.vision_depth(dims.vision_layers)}, "
-              f"coupling {s.coupling}, "
-              f"regulated tensors {sorted(self.regulation.regulators) if self.regulation else []}, "
-              f"regulation window {self.window.size}, launch step {'on' if self.launch_step else 'off'}")
-        if self.regulation is not None:   # the one place the window's unit changes (meta.engine.window_batches)
-            print(f"GRAM regulation window: TRAINER.GRAM.REG_WINDOW_IMAGES {s.reg_window_images} -> "
-                  f"{self.window_images} images -> {self.window.size} batches of {cfg.DATALOADER.TRAIN_X.BATCH_SIZE}")
+        print(
+            f"GRAM trainer {s.trainer}: GRAM {'on' if s.enabled else 'off (baseline)'}, "
+            f"text ctx {s.n_ctx_text} x depth {self.model.prompt_learner.text_depth}, "
+            f"visual prompts {s.n_ctx_vision} x depth {s.vision_depth(dims.vision_layers)}, "
+            f"coupling {s.coupling}, "
+            f"regulated tensors {sorted(self.regulation.regulators) if self.regulation else []}, "
+            f"regulation window {self.window.size}, launch step {'on' if self.launch_step else 'off'}"
+        )
+        if self.regulation is not None:  # the one place the window's unit changes (meta.engine.window_batches)
+            print(
+                f"GRAM regulation window: TRAINER.GRAM.REG_WINDOW_IMAGES {s.reg_window_images} -> "
+                f"{self.window_images} images -> {self.window.size} batches of {cfg.DATALOADER.TRAIN_X.BATCH_SIZE}"
+            )
         quick_gelu = "auto" if s.quick_gelu is None else s.quick_gelu
-        print(f"GRAM backbone: {dims.model_name} weights={s.weights or 'RANDOM'} quick_gelu={quick_gelu} "
-              f"precision={self.precision} (asked {s.precision}) device={self.device} widths text={dims.text_width} "
-              f"vision={dims.vision_width} image={dims.image_size}px")
+        print(
+            f"GRAM backbone: {dims.model_name} weights={s.weights or 'RANDOM'} quick_gelu={quick_gelu} "
+            f"precision={self.precision} (asked {s.precision}) device={self.device} widths text={dims.text_width} "
+            f"vision={dims.vision_width} image={dims.image_size}px"
+        )
         if s.enabled:
             meta = self.gram_init_metadata
-            print(f"GRAM init: {s.init_path} sha256={file_sha256(s.init_path)} regulator={meta.get('regulator')} "
-                  f"provenance={meta.get('provenance')}")
+            print(
+                f"GRAM init: {s.init_path} sha256={file_sha256(s.init_path)} regulator={meta.get('regulator')} "
+                f"provenance={meta.get('provenance')}"
+            )
         root = cfg.DATASET.ROOT
         n, digest = sample_digest(self.dm.dataset.train_x, root)
-        print(f"GRAM data: {cfg.DATASET.NAME} subsample={cfg.DATASET.SUBSAMPLE_CLASSES} shots={cfg.DATASET.NUM_SHOTS} "
-              f"seed={cfg.SEED} classes={len(classnames)} train_x={n} sha256={digest}")
+        print(
+            f"GRAM data: {cfg.DATASET.NAME} subsample={cfg.DATASET.SUBSAMPLE_CLASSES} shots={cfg.DATASET.NUM_SHOTS} "
+            f"seed={cfg.SEED} classes={len(classnames)} train_x={n} sha256={digest}"
+        )
         print(f"GRAM environment: {environment_summary()}")
 
     # ------------------------------------------------------------------------------ training
@@ -182,11 +236,13 @@ class _GramTrainer(TrainerX):
         return batch["img"].to(self.device), batch["label"].to(self.device)
 
     def before_train(self) -> None:
-        super().before_train()                      # resumes (sets start_epoch) first
+        super().before_train()  # resumes (sets start_epoch) first
         if self.launch_step is not None and self.start_epoch == 0:
             loss = self._launch()
-            print(f"GRAM launch: θ <- θ − α R_φ(mean train gradient), α={self.launch_step.alpha} "
-                  f"steps={self.launch_step.steps} (train loss before {loss:.4f})")
+            print(
+                f"GRAM launch: θ <- θ − α R_φ(mean train gradient), α={self.launch_step.alpha} "
+                f"steps={self.launch_step.steps} (train loss before {loss:.4f})"
+            )
 
     def _launch(self) -> float:
         """The meta-trained inner step on the whole train set, test transform (as meta-training's supports)."""
@@ -194,9 +250,14 @@ class _GramTrainer(TrainerX):
         from dassl.data.transforms import build_transform
 
         cfg = self.cfg
-        loader = build_data_loader(cfg, sampler_type="SequentialSampler", data_source=self.dm.dataset.train_x,
-                                   batch_size=cfg.DATALOADER.TEST.BATCH_SIZE,
-                                   tfm=build_transform(cfg, is_train=False), is_train=False)
+        loader = build_data_loader(
+            cfg,
+            sampler_type="SequentialSampler",
+            data_source=self.dm.dataset.train_x,
+            batch_size=cfg.DATALOADER.TEST.BATCH_SIZE,
+            tfm=build_transform(cfg, is_train=False),
+            is_train=False,
+        )
         batches = [(b["img"].to(self.device), b["label"].to(self.device)) for b in loader]
         total = sum(len(y) for _, y in batches)
         learner = self.model.prompt_learner
@@ -222,7 +283,7 @@ class _GramTrainer(TrainerX):
         loss = F.cross_entropy(logits, labels)
         self.detect_anomaly(loss)
         last = (self.batch_idx + 1) == self.num_batches
-        self.stepper.backward(loss, last=last)   # sums until the window closes, then R_φ and one step
+        self.stepper.backward(loss, last=last)  # sums until the window closes, then R_φ and one step
         if last:
             self.update_lr()
         return {"loss": loss.item(), "acc": compute_accuracy(logits, labels)[0].item()}
@@ -244,27 +305,54 @@ class _GramTrainer(TrainerX):
     # ------------------------------------------------------------------------------ checkpoints
     def _checkpoint_meta(self) -> dict:
         s, d = self.gram, self.clip_dims
-        return {"trainer": s.trainer, "enabled": s.enabled, "regulate": s.regulate, "model_name": d.model_name,
-                "text_width": d.text_width, "vision_width": d.vision_width, "n_ctx_text": s.n_ctx_text,
-                "n_ctx_vision": s.n_ctx_vision, "vision_depth": s.vision_depth(d.vision_layers),
-                "text_depth": self.model.prompt_learner.text_depth, "coupling": s.coupling}
+        return {
+            "trainer": s.trainer,
+            "enabled": s.enabled,
+            "regulate": s.regulate,
+            "model_name": d.model_name,
+            "text_width": d.text_width,
+            "vision_width": d.vision_width,
+            "n_ctx_text": s.n_ctx_text,
+            "n_ctx_vision": s.n_ctx_vision,
+            "vision_depth": s.vision_depth(d.vision_layers),
+            "text_depth": self.model.prompt_learner.text_depth,
+            "coupling": s.coupling,
+        }
 
     def save_model(self, epoch, directory, is_best=False, val_result=None, model_name="") -> None:
         for name in self.get_model_names():
-            path = save_checkpoint(directory, name, epoch + 1, self._models[name], self._optims[name],
-                                   self._scheds[name], val_result=val_result, extra=self._checkpoint_meta(),
-                                   filename=model_name)
+            path = save_checkpoint(
+                directory,
+                name,
+                epoch + 1,
+                self._models[name],
+                self._optims[name],
+                self._scheds[name],
+                val_result=val_result,
+                extra=self._checkpoint_meta(),
+                filename=model_name,
+            )
             print(f"Checkpoint saved to {path}")
             if is_best and path.name != "model-best.pth.tar":
-                save_checkpoint(directory, name, epoch + 1, self._models[name], self._optims[name],
-                                self._scheds[name], val_result=val_result, extra=self._checkpoint_meta(),
-                                filename="model-best.pth.tar")
+                save_checkpoint(
+                    directory,
+                    name,
+                    epoch + 1,
+                    self._models[name],
+                    self._optims[name],
+                    self._scheds[name],
+                    val_result=val_result,
+                    extra=self._checkpoint_meta(),
+                    filename="model-best.pth.tar",
+                )
 
     def load_model(self, directory, epoch=None) -> None:
         """Load θ for evaluation (weights_only; works for other classes than the ones trained on)."""
         if not directory:
-            print("Note that load_model() is skipped as no pretrained model is given "
-                  "(ignore this if it's done on purpose)")
+            print(
+                "Note that load_model() is skipped as no pretrained model is given "
+                "(ignore this if it's done on purpose)"
+            )
             return
         for name in self.get_model_names():
             if epoch is not None:
@@ -278,8 +366,9 @@ class _GramTrainer(TrainerX):
             state = prompt_state(ckpt["state_dict"], self._models[name], source=str(path))
             self._models[name].load_state_dict(state)
             val = ckpt.get("val_result")
-            print(f"Load {path} to {name} (epoch={ckpt.get('epoch')}, "
-                  f"val_result={'-' if val is None else f'{val:.1f}'})")
+            print(
+                f"Load {path} to {name} (epoch={ckpt.get('epoch')}, val_result={'-' if val is None else f'{val:.1f}'})"
+            )
         self.model.reset_cache()
 
     def resume_model_if_exist(self, directory) -> int:
@@ -307,7 +396,6 @@ class _GramTrainer(TrainerX):
         self.model.reset_cache()
         return start_epoch
 
-
     def _replay_schedule(self, sched, epochs_done: int, saved: Optional[dict]) -> None:
         """Bring the (freshly built) schedule to ``epochs_done`` under the *current* ``OPTIM`` settings.
 
@@ -318,9 +406,11 @@ class _GramTrainer(TrainerX):
         for _ in range(epochs_done):
             sched.step()
         if saved is not None and saved != sched.state_dict():
-            print(f"Note: the LR schedule follows the current OPTIM settings (OPTIM.MAX_EPOCH {self.max_epoch}, "
-                  f"LR {self.cfg.OPTIM.LR}), not the checkpoint's; LR at epoch {epochs_done + 1}: "
-                  f"{sched.get_last_lr()[0]:.4e}")
+            print(
+                f"Note: the LR schedule follows the current OPTIM settings (OPTIM.MAX_EPOCH {self.max_epoch}, "
+                f"LR {self.cfg.OPTIM.LR}), not the checkpoint's; LR at epoch {epochs_done + 1}: "
+                f"{sched.get_last_lr()[0]:.4e}"
+            )
 
 
 class GRAM_CoOp(_GramTrainer):
@@ -351,8 +441,10 @@ def _trainer_classes() -> tuple[type, ...]:
     classes = {cls.__name__: cls for cls in _GramTrainer.__subclasses__()}
     missing = [name for name in methods.learners() if name not in classes]
     if missing:
-        raise KeyError(f"meta/methods.yaml learners {', '.join(missing)} have no class in {__name__}; add "
-                       f"`class <name>(_GramTrainer): ...` for each")
+        raise KeyError(
+            f"meta/methods.yaml learners {', '.join(missing)} have no class in {__name__}; add "
+            f"`class <name>(_GramTrainer): ...` for each"
+        )
     return tuple(classes[name] for name in methods.learners())
 
 
@@ -366,8 +458,10 @@ def register_trainers() -> None:
         if name in TRAINER_REGISTRY.registered_names():
             old = TRAINER_REGISTRY.get(name)
             if not getattr(old, "gram_trainer", False):
-                raise KeyError(f"Dassl TRAINER_REGISTRY already holds a different {name!r} "
-                               f"(from {old.__module__}); GRAM will not replace it")
+                raise KeyError(
+                    f"Dassl TRAINER_REGISTRY already holds a different {name!r} "
+                    f"(from {old.__module__}); GRAM will not replace it"
+                )
         TRAINER_REGISTRY.register(cls, force=True)
 
 

@@ -12,6 +12,7 @@ shape differs and trains a random context, so the file name carries ``nctx<M>`` 
 gets it added), the tool prints the options to pass, and ``trainers.gram.dassl_compat`` turns the
 mismatch into an error.  The file holds plain tensors, so ``weights_only=True`` loading works.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,9 +54,11 @@ def context_destination(source: Union[str, Path], destination: Optional[Union[st
     return destination.with_name(f"{destination.stem}_{tag}{destination.suffix or '.pth'}")
 
 
-def export_for_coop(source: Union[str, Path], destination: Optional[Union[str, Path]] = None,
-                    epoch: Optional[int] = None) -> Path:
-    """Write ``source``'s text context where stock CoOp/CoCoOp's ``MODEL.INIT_WEIGHTS`` can read it; returns the path."""
+def export_for_coop(
+    source: Union[str, Path], destination: Optional[Union[str, Path]] = None, epoch: Optional[int] = None
+) -> Path:
+    """Write ``source``'s text context where stock CoOp/CoCoOp's ``MODEL.INIT_WEIGHTS`` can read it; returns the
+    path."""
     ctx = text_context_of(source, epoch)
     return export_coop_context(context_destination(source, destination, ctx.shape[0]), ctx)
 
@@ -63,8 +66,12 @@ def export_for_coop(source: Union[str, Path], destination: Optional[Union[str, P
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainers.gram.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("source", help="GRAM init .safetensors, GRAM output folder, or checkpoint file")
-    parser.add_argument("destination", nargs="?", default=None,
-                        help="file to write (default coop_ctx_nctx<M>.pth beside SOURCE; nctx<M> is added if missing)")
+    parser.add_argument(
+        "destination",
+        nargs="?",
+        default=None,
+        help="file to write (default coop_ctx_nctx<M>.pth beside SOURCE; nctx<M> is added if missing)",
+    )
     parser.add_argument("--epoch", type=int, default=None, help="checkpoint epoch when SOURCE is a folder")
     args = parser.parse_args(argv)
     try:

@@ -6,6 +6,7 @@ hold nothing class-dependent.  ``GramCLIP.clip`` is frozen and *stays in eval mo
 the wrapper is switched to (Dassl's ``set_model_mode`` only reaches registered modules;
 KaiyangZhou/Dassl.pytorch ``dassl/engine/trainer.py``).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -20,8 +21,14 @@ from meta.prompts import DEFAULT_TEMPLATE, PromptedCLIP, PromptParams
 class GramCLIP(nn.Module):
     """Classify images into ``classnames`` with prompted CLIP: ``forward(images [B,3,H,W]) -> logits [B, C]``."""
 
-    def __init__(self, clip: nn.Module, dims: ClipDims, prompts: PromptParams, classnames: Sequence[str],
-                 template: str = DEFAULT_TEMPLATE):
+    def __init__(
+        self,
+        clip: nn.Module,
+        dims: ClipDims,
+        prompts: PromptParams,
+        classnames: Sequence[str],
+        template: str = DEFAULT_TEMPLATE,
+    ):
         super().__init__()
         if len(classnames) == 0:
             raise ValueError("GramCLIP needs at least one class name")

@@ -1,8 +1,10 @@
 """What a run logs so its numbers can be traced: environment versions and a hash of the data sample.
 
 Users who cannot reproduce CoOp-family numbers usually differ in versions, transforms, seeds or
-the few-shot draw (the recurring answer in KaiyangZhou/CoOp's and MaPLe's GitHub issue threads), so every GRAM run prints these.
+the few-shot draw (the recurring answer in KaiyangZhou/CoOp's and MaPLe's GitHub issue threads), so every GRAM run
+prints these.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -11,6 +13,7 @@ import platform
 from importlib import metadata
 from pathlib import Path
 from typing import Iterable, Optional
+
 from meta.hashing import file_sha256  # noqa: F401  (dassl_trainers imports it from here)
 from meta.provenance import git_commit
 
@@ -46,5 +49,3 @@ def sample_digest(items: Iterable, root: Optional[str] = None) -> tuple[int, str
         rows.append(f"{path.replace(os.sep, '/')}\t{int(d.label)}\t{d.classname}")
     rows.sort()
     return len(rows), hashlib.sha256("\n".join(rows).encode()).hexdigest()
-
-

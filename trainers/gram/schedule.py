@@ -8,6 +8,7 @@ Why not Dassl's ``build_lr_scheduler``: its warm-up wrappers pass ``verbose`` to
 ``meta.schedule`` reproduces Dassl's values (tests/test_trainers_schedule.py compares them with
 Dassl's own scheduler) from torch's classes; the trainer steps it once per epoch, as CoOp does.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -24,9 +25,18 @@ def build_lr_scheduler(optimizer: Optimizer, optim_cfg: Any) -> tls.LRScheduler:
     """The LR schedule of ``optim_cfg`` (Dassl's ``OPTIM`` node) over ``optimizer``, stepped once per epoch."""
     warmup = int(optim_cfg.WARMUP_EPOCH)
     if warmup > 0 and not optim_cfg.WARMUP_RECOUNT:
-        raise ValueError("OPTIM.WARMUP_RECOUNT False is not supported by GRAM trainers (Dassl's own behaviour there "
-                         "is an artefact of chained stepping); CoOp/CoCoOp configs use the default True")
-    return epoch_scheduler(optimizer, schedule=optim_cfg.LR_SCHEDULER, max_epoch=int(optim_cfg.MAX_EPOCH),
-                           warmup_epochs=warmup, warmup_type=optim_cfg.WARMUP_TYPE,
-                           warmup_cons_lr=float(optim_cfg.WARMUP_CONS_LR), warmup_min_lr=float(optim_cfg.WARMUP_MIN_LR),
-                           stepsize=optim_cfg.STEPSIZE, gamma=float(optim_cfg.GAMMA))
+        raise ValueError(
+            "OPTIM.WARMUP_RECOUNT False is not supported by GRAM trainers (Dassl's own behaviour there "
+            "is an artefact of chained stepping); CoOp/CoCoOp configs use the default True"
+        )
+    return epoch_scheduler(
+        optimizer,
+        schedule=optim_cfg.LR_SCHEDULER,
+        max_epoch=int(optim_cfg.MAX_EPOCH),
+        warmup_epochs=warmup,
+        warmup_type=optim_cfg.WARMUP_TYPE,
+        warmup_cons_lr=float(optim_cfg.WARMUP_CONS_LR),
+        warmup_min_lr=float(optim_cfg.WARMUP_MIN_LR),
+        stepsize=optim_cfg.STEPSIZE,
+        gamma=float(optim_cfg.GAMMA),
+    )
