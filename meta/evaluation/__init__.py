@@ -14,12 +14,13 @@ Public API (``meta.evaluate`` re-exports it and adds the CLI):
 * :class:`StartPoint` - fine-tune from in-memory θ/φ (meta-validation of live meta-parameters).
 """
 
+from ..engine import prompt_digest
 from .datasets import DatasetRef
 from .images import FeatureCache, ImageLoader, clip_fingerprint
 from .protocol import EvaluationSession, evaluate_base_to_new, evaluate_transfer
 from .spec import PRESET_ALIASES, PRESET_NAMES, MethodSpec, TrainSpec, is_gram_preset, method_preset, preset_key
 from .summary import epoch_curves, format_row, summarise
-from .training import LabelledSet, PromptTuner, StartPoint, build_prompts, make_optimizer, make_scheduler, prompt_digest
+from .training import LabelledSet, PromptTuner, StartPoint, build_prompts, make_optimizer, make_scheduler
 
 __all__ = [
     "DatasetRef",

@@ -25,12 +25,13 @@ from torch import nn
 from .. import __version__ as gram_version
 from ..backbone import ClipDims
 from ..coop_data import Record, harmonic_mean
+from ..engine import prompt_digest
 from ..finetune import LaunchStep
 from ..prompts import PromptedCLIP, PromptParams
 from .datasets import DatasetRef
 from .images import FeatureCache, ImageLoader, eval_transform_key, train_transform_key, view_key
 from .spec import MethodSpec, TrainSpec
-from .training import LabelledSet, PromptTuner, StartPoint, build_prompts, prompt_digest
+from .training import LabelledSet, PromptTuner, StartPoint, build_prompts
 
 
 class EvaluationSession:
