@@ -43,14 +43,15 @@ from typing import Optional, Sequence
 import numpy as np
 
 from meta.cli_errors import run_cli
-from meta.fileio import write_json_atomic, write_text_atomic
+from meta.fileio import parse_json, write_json_atomic, write_text_atomic
 
 from .demo.pool import log
 from .demo.settings import METHOD_BY_KEY, PAIRS, DemoSettings
 from .demo.stages import check_settings, check_world, stage_chc, stage_eval, stage_meta, stage_world
 
 # The study's worlds: world seeds 0, 1, 2, 7 and world 13 with the noisy held-out style and the other
-# fifteen mixed classes (the five worlds of README's earlier tables).
+# fifteen mixed classes (the five worlds of README's earlier tables), and world seed 3, the next unused seed,
+# added as a world that no sweep ever read (the sweeps chose on worlds 0 and 1, val splits).
 MIXED_13 = (
     "pentagon",
     "octagon",
@@ -74,6 +75,7 @@ WORLDS: dict[str, dict] = {
     "2": {"world_seed": 2},
     "7": {"world_seed": 7},
     "13v": {"world_seed": 13, "world": (("holdout_style", "noisy"), ("mixed_classes", MIXED_13))},
+    "3": {"world_seed": 3},
 }
 META_SEEDS = (0, 1)
 BOOTSTRAP_DRAWS = 10_000
@@ -111,6 +113,12 @@ REGULATOR_SWEEP: dict[str, tuple] = {
     "k4": UNROLL_4,
     "gamma_only": ("META.REGULATOR.HALVES", "gamma"),
     "beta_only": ("META.REGULATOR.HALVES", "beta"),
+    # Added after world 0 of the four above had run, before either of these ran anywhere, under the same rule:
+    # Meta-SGD's learned per-tensor step size beside γ, and WarpGrad-style states: 4 detached states evenly spaced
+    # over a 20-step regulated run on the support (α = 0.1 per step, 2.0 mean-gradient units of travel, half of the
+    # schedule's ~100 windows × 0.04; the full 40 steps doubles a meta-training run's cost on CPU).
+    "meta_sgd": ("META.REGULATOR.LEARN_LR", True),
+    "trajectory": ("META.TRAJECTORY_STATES", 4, "META.TRAJECTORY_WINDOWS", 20),
 }
 
 
@@ -648,44 +656,91 @@ def regulator_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def load_regulator_cells(path: Path, base: DemoSettings) -> dict:
+    """Finished cells of an earlier ``selection_regulator.json`` run with ``base``'s fine-tuning seeds and
+    meta-training seed on val splits: ``{variant: {(world, meta seed): cell_h table}}``.  A file written with
+    other settings is an error naming the differing keys (its cells are not this sweep's)."""
+    try:
+        data = parse_json(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not a selection_regulator.json ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("cells"), dict):
+        raise ValueError(f"{path}: expected a selection_regulator.json (an object with 'cells')")
+    ours = {"split": "val", "seeds": list(base.seeds), "meta_seed": base.meta_seed}
+    differ = sorted(k for k in ours if data.get(k) != ours[k])
+    if differ:
+        raise ValueError(
+            f"{path}: written with other settings "
+            f"({', '.join(f'{k} {data.get(k)!r} != {ours[k]!r}' for k in differ)}); "
+            "use another --out or --resume-from"
+        )
+    per_variant: dict = {}
+    for name, table in data["cells"].items():
+        variant, world, seed = name.split("/")
+        per_variant.setdefault(variant, {})[(world, int(seed))] = {
+            (key, int(fs)): tuple(v) for key, fs, v in ((*k.rsplit("/", 1), v) for k, v in table.items())
+        }
+    return per_variant
+
+
 def select_regulator(
     root: Path,
     worlds: Sequence[str],
     base: DemoSettings,
     variants: Sequence[str] = tuple(REGULATOR_SWEEP),
     world_root: Optional[Path] = None,
+    previous: Optional[Path] = None,
 ) -> dict:
     """The validation sweep over how R_φ is meta-trained (:data:`REGULATOR_SWEEP`) at the default test-time
     switches, meta seed ``base.meta_seed``, val splits; world by world, variant by variant, rewriting
     ``selection_regulator.json`` / ``.md`` after every cell (a stopped sweep leaves what finished, and a
-    rerun takes every cached stage)."""
+    rerun takes every cached stage).
+
+    Cells in ``previous`` (an earlier ``selection_regulator.json`` with the same seeds, default
+    ``root/selection_regulator.json``) are taken from it and not run again; a world whose asked-for variants
+    are all there runs nothing, not even its baselines."""
     unknown = [v for v in variants if v not in REGULATOR_SWEEP]
     if unknown:
         raise ValueError(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(REGULATOR_SWEEP)}")
+    previous = previous or root / "selection_regulator.json"
+    kept = load_regulator_cells(previous, base) if previous.is_file() else {}
     per_variant: dict = {}
-    result: dict = {}
+    for v in variants:
+        cells = {c: t for c, t in kept.get(v, {}).items() if c[0] in worlds}
+        if cells:
+            per_variant[v] = cells
     for world in worlds:
         ws = replace(world_settings(world, base), eval_split="val")
+        todo = [v for v in variants if (world, ws.meta_seed) not in per_variant.get(v, {})]
+        if not todo:
+            log(f"select regulator: world {world}: every variant taken from {previous}")
+            continue
         baseline = cell_h(run_cell(Cell(world, ws), root, tuple(BASELINE_OF.values()) + ("zsclip",), world_root))
-        for name in variants:
+        for name in todo:
             cell = Cell(world, replace(ws, meta_overrides=REGULATOR_SWEEP[name]), variant=name)
             log(f"select regulator: world {world} {cell.name}")
             table = {**baseline, **cell_h(run_cell(cell, root, SWEEP_GRAM_KEYS, world_root))}
             per_variant.setdefault(name, {})[(world, ws.meta_seed)] = table
-            result = {
-                **rank_regulator_variants(per_variant, worlds=worlds),
-                "worlds_done": sorted({w for c in per_variant.values() for w, _ in c}),
-                "split": "val",
-                "seeds": list(base.seeds),
-                "meta_seed": base.meta_seed,
-                "cells": {
-                    f"{v}/{w}/{s}": {f"{k}/{fs}": list(x) for (k, fs), x in t.items()}
-                    for v, c in per_variant.items()
-                    for (w, s), t in c.items()
-                },
-            }
-            write_json_atomic(root / "selection_regulator.json", result)
-            write_text_atomic(root / "selection_regulator.md", regulator_markdown(result))
+            _write_regulator_result(root, per_variant, worlds, base)
+    return _write_regulator_result(root, per_variant, worlds, base)
+
+
+def _write_regulator_result(root: Path, per_variant: dict, worlds: Sequence[str], base: DemoSettings) -> dict:
+    """``selection_regulator.json`` / ``.md``: the written rule applied to ``per_variant``, and every cell."""
+    result = {
+        **rank_regulator_variants(per_variant, worlds=worlds),
+        "worlds_done": sorted({w for c in per_variant.values() for w, _ in c}),
+        "split": "val",
+        "seeds": list(base.seeds),
+        "meta_seed": base.meta_seed,
+        "cells": {
+            f"{v}/{w}/{s}": {f"{k}/{fs}": list(x) for (k, fs), x in t.items()}
+            for v, c in per_variant.items()
+            for (w, s), t in c.items()
+        },
+    }
+    write_json_atomic(root / "selection_regulator.json", result)
+    write_text_atomic(root / "selection_regulator.md", regulator_markdown(result))
     return result
 
 
@@ -704,7 +759,8 @@ def _parser() -> argparse.ArgumentParser:
         default="",
         help="run: an earlier results.json (same settings) whose "
         "cells are kept, not rerun (default: <out>/results.json when it exists); e.g. "
-        "docs/study/results.json, the committed study",
+        "docs/study/results.json, the committed study; select --sweep regulator: an earlier "
+        "selection_regulator.json (same seeds), e.g. docs/study/selection_regulator.json",
     )
     parser.add_argument(
         "--sweep",
@@ -789,7 +845,13 @@ def _main(argv: list) -> int:
     elif args.sweep == "regulator":
         base = replace(base, seeds=tuple(args.seeds or base.seeds[:2]))
         root = Path(args.out or "output/select_regulator")
-        result = select_regulator(root, args.worlds, base, tuple(args.variants or REGULATOR_SWEEP))
+        result = select_regulator(
+            root,
+            args.worlds,
+            base,
+            tuple(args.variants or REGULATOR_SWEEP),
+            previous=Path(args.resume_from) if args.resume_from else None,
+        )
         print(regulator_markdown(result), end="")
         print(f"select --sweep regulator: chosen {result['chosen']}; this call took {time.time() - t:.0f} s")
     else:

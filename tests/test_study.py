@@ -248,3 +248,32 @@ def test_regulator_sweep_cells_and_the_written_rule():
     assert "| k4 | +1.00 / +0.00 / +0.00 (+0.33) | +0.00 / +0.00 / +0.00 (+0.00) | +0.17 |" in study.regulator_markdown(
         study.rank_regulator_variants(per)
     )
+
+
+def test_the_regulator_sweep_resumes_from_an_earlier_selection_file(tmp_path, monkeypatch):
+    base = replace(DemoSettings.preset(True), seeds=(1, 2))
+    cell = {(k, 1): (50.0, 40.0, 44.0) for k in study.BASELINE_OF.values()}
+    cell.update({(k, 1): (52.0, 41.0, 45.0) for k in study.BASELINE_OF})
+    study._write_regulator_result(tmp_path / "old", {"k1": {("0", 0): cell}}, ("0",), base)
+    ran = []
+
+    def fake_run_cell(cell, root, keys, world_root=None):  # stands in for the demo's stages
+        ran.append((cell.world, cell.variant))
+        h = 60.0 if cell.variant == "beta_only" else 50.0
+        return [{"key": k, "seed": 1, "base": h, "new": h} for k in keys]
+
+    monkeypatch.setattr(study, "run_cell", fake_run_cell)
+    old = tmp_path / "old" / "selection_regulator.json"
+    result = study.select_regulator(tmp_path / "new", ["0", "1"], base, ("k1", "beta_only"), previous=old)
+    # world 0's k1 came from the file; world 0 still needs beta_only (and so its baselines), world 1 everything
+    assert ran == [("0", ""), ("0", "beta_only"), ("1", ""), ("1", "k1"), ("1", "beta_only")]
+    assert result["cells"]["k1/0/0"]["gram_coop/1"] == [52.0, 41.0, 45.0]
+    assert result["worlds_done"] == ["0", "1"] and not result["partial"]
+    ran.clear()
+    again = study.select_regulator(tmp_path / "new", ["0", "1"], base, ("k1", "beta_only"))  # <out>'s own file
+    assert ran == [] and again["cells"] == result["cells"]
+    with pytest.raises(ValueError, match="seeds"):  # other fine-tuning seeds: not this sweep's cells
+        study.select_regulator(tmp_path / "x", ["0"], replace(base, seeds=(1, 2, 3)), ("k1",), previous=old)
+    old.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="selection_regulator.json"):
+        study.select_regulator(tmp_path / "y", ["0"], base, ("k1",), previous=old)
