@@ -82,6 +82,20 @@ BOOTSTRAP_DRAWS = 10_000
 
 # Rows of the study (PAIRS' GRAM rows and baselines) and of the sweep.
 STUDY_KEYS = tuple(dict.fromkeys(k for pair in PAIRS for k in pair)) + ("zsclip",)
+# The deep learners' pairs (``study run --deep``, on the worlds asked for): each GRAM row and its components
+# against the learner without GRAM, and what R_φ adds to θ* (GRAM against its θ*-only row).
+DEEP_PAIRS = tuple(
+    pair
+    for learner in ("ivlp", "maple")
+    for pair in (
+        (f"gram_{learner}", learner),
+        (f"gram_{learner}_init_only", learner),
+        (f"gram_{learner}_reg_only", learner),
+        (f"gram_{learner}", f"gram_{learner}_init_only"),
+    )
+)
+DEEP_STUDY_KEYS = tuple(dict.fromkeys(k for pair in DEEP_PAIRS for k in pair))
+STUDY_PAIRS = PAIRS + DEEP_PAIRS  # a pair is summarised over the cells that hold both of its rows
 # The regime of a world: base and new accuracy of zero-shot CLIP, CoOp and VPT, beside the paper's (GRAM, Table 1a:
 # average over 11 datasets under CoCoOp's base-to-new protocol, 16 shots).
 REGIME_KEYS = ("zsclip", "coop", "vpt")
@@ -366,6 +380,7 @@ def study(
     world_root: Optional[Path] = None,
     previous: Optional[Path] = None,
     add_missing_rows: bool = False,
+    deep: bool = False,
 ) -> dict:
     """The default pipeline on test splits for every (world, meta seed), meta seed by meta seed (every
     world's first seed before any second one); ``results.json`` / ``.md`` are rewritten after every cell,
@@ -374,7 +389,8 @@ def study(
     Cells already in ``previous`` (an earlier ``results.json`` with the same settings, default
     ``root/results.json``) are taken from it and not run again; the summary covers them and this call's.
     With ``add_missing_rows``, such a cell that lacks rows of :data:`STUDY_KEYS` added since (zero-shot, ...)
-    runs those rows only."""
+    runs those rows only.  With ``deep``, every cell of ``worlds`` × ``meta_seeds`` also holds the deep learners'
+    rows (:data:`DEEP_STUDY_KEYS`): a kept cell without them runs them only."""
     previous = previous or root / "results.json"
     cells, seconds = load_cells(previous, base) if previous.is_file() else ({}, {})
     result: dict = _write_results(root, cells, seconds, base) if cells else {}
@@ -383,7 +399,8 @@ def study(
             cell = Cell(world, replace(world_settings(world, base), meta_seed=seed, eval_split="test"))
             if (world, seed) in cells:
                 have = {k for k, _ in cells[(world, seed)]}
-                missing = tuple(k for k in STUDY_KEYS if k not in have) if add_missing_rows else ()
+                wanted = (STUDY_KEYS if add_missing_rows else ()) + (DEEP_STUDY_KEYS if deep else ())
+                missing = tuple(k for k in wanted if k not in have)
                 if not missing:
                     log(f"study cell world {world}, meta seed {seed}: taken from {previous}")
                     continue
@@ -396,7 +413,8 @@ def study(
                 continue
             t = time.time()
             log(f"study cell world {world}, meta seed {seed}: {cell.name}")
-            cells[(world, seed)] = cell_h(run_cell(cell, root, STUDY_KEYS, world_root))
+            keys = STUDY_KEYS + (DEEP_STUDY_KEYS if deep else ())
+            cells[(world, seed)] = cell_h(run_cell(cell, root, keys, world_root))
             seconds[f"{world}/{seed}"] = round(time.time() - t, 1)
             result = _write_results(root, cells, seconds, base)
     return result
@@ -404,7 +422,7 @@ def study(
 
 def _write_results(root: Path, cells: dict, seconds: dict, base: DemoSettings) -> dict:
     """``results.json`` and ``results.md`` for the finished ``cells``."""
-    rows = summarise(cells)
+    rows = summarise(cells, STUDY_PAIRS)
     result = {
         "pairs": rows,
         "cells": {
@@ -783,6 +801,12 @@ def _parser() -> argparse.ArgumentParser:
         help="run: cells kept from --resume-from that lack rows added since (zero-shot) run those rows",
     )
     parser.add_argument(
+        "--deep",
+        action="store_true",
+        help="run: the deep learners' rows (IVLP, MaPLe: with GRAM, θ* only, R_φ only) in every cell of "
+        "--worlds x --meta-seeds; kept cells without them run them only",
+    )
+    parser.add_argument(
         "--split",
         choices=("test", "val"),
         default="test",
@@ -815,6 +839,7 @@ def _main(argv: list) -> int:
             base,
             previous=Path(args.resume_from) if args.resume_from else None,
             add_missing_rows=args.add_missing_rows,
+            deep=args.deep,
         )
         print((root / "results.md").read_text(), end="")
         print(f"study: {len(result['cells'])} cells in {root}; this call took {time.time() - t:.0f} s")

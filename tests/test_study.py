@@ -277,3 +277,27 @@ def test_the_regulator_sweep_resumes_from_an_earlier_selection_file(tmp_path, mo
     old.write_text("[1, 2]")
     with pytest.raises(ValueError, match="selection_regulator.json"):
         study.select_regulator(tmp_path / "y", ["0"], base, ("k1",), previous=old)
+
+
+def test_deep_rows_join_kept_cells_and_get_their_own_pairs(tmp_path, monkeypatch):
+    base = DemoSettings.preset(True)
+    earlier = {("0", 0): {("gram_coop", 1): (50.0, 40.0, 44.4), ("coop", 1): (50.0, 38.0, 43.2)}}
+    study._write_results(tmp_path / "old", earlier, {"0/0": 12.0}, base)
+    ran = []
+
+    def fake_run_cell(cell, root, keys, world_root=None):  # stands in for the demo's stages
+        ran.append((cell.world, tuple(keys)))
+        return [{"key": k, "seed": 1, "base": 60.0 + ("gram" in k), "new": 50.0} for k in keys]
+
+    monkeypatch.setattr(study, "run_cell", fake_run_cell)
+    result = study.study(tmp_path / "new", ["0"], [0], base, previous=tmp_path / "old" / "results.json", deep=True)
+    assert ran == [("0", study.DEEP_STUDY_KEYS)]  # the kept cell runs the deep rows only
+    assert {"ivlp", "gram_maple_init_only"} <= set(study.DEEP_STUDY_KEYS)
+    pairs = {(r["method"], r["baseline"]): r for r in result["pairs"]}
+    h_gram, h_base = (2 * 61 * 50 / 111), (2 * 60 * 50 / 110)  # H of base 61 / new 50 against 60 / 50
+    assert pairs[("gram_ivlp", "ivlp")]["mean_diff_H"] == pytest.approx(h_gram - h_base, abs=1e-3)
+    assert pairs[("gram_maple", "gram_maple_init_only")]["mean_diff_H"] == pytest.approx(0.0, abs=1e-3)
+    assert ("gram_coop", "coop") in pairs  # the kept shallow pair is still summarised
+    ran.clear()
+    study.study(tmp_path / "new", ["0"], [0], base, deep=True)  # now complete: nothing runs
+    assert ran == []
