@@ -18,4 +18,5 @@ done
 workers="${GRAM_TEST_WORKERS:-2}"
 xdist=()
 [[ "$workers" != 0 ]] && xdist=(-n "$workers")
-exec "$ROOT/.venv/bin/python" -m pytest -q "${xdist[@]}" "${args[@]}" tests
+# --durations: the slowest tests in every CI log, so the suite's time can be kept in view
+exec "$ROOT/.venv/bin/python" -m pytest -q --durations=15 "${xdist[@]}" "${args[@]}" tests
