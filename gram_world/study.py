@@ -216,6 +216,21 @@ def cell_h(records: Sequence[dict]) -> dict:
     return out
 
 
+def cell_inputs(records: Sequence[dict]) -> dict:
+    """What a cell's meta-learned rows started from, so that a rerun can tell a changed θ* from a changed
+    fine-tuning: ``{"hierarchy": [CHC fingerprints], "start_sha256": {key: digest of the start θ}}``, the
+    start taken from the first record of each key that loads an init file (every seed starts there)."""
+    hierarchy, starts = set(), {}
+    for r in records:
+        init = r.get("init") or {}
+        fingerprint = ((init.get("provenance") or {}).get("hierarchy") or {}).get("fingerprint")
+        if fingerprint:
+            hierarchy.add(fingerprint)
+        if init.get("prompt_sha256") and r.get("key"):
+            starts.setdefault(r["key"], init["prompt_sha256"])
+    return {"hierarchy": sorted(hierarchy), "start_sha256": dict(sorted(starts.items()))}
+
+
 def paired_differences(cells: dict, pairs: Sequence[tuple] = PAIRS) -> dict:
     """``{(method, baseline): {world: [H(method) − H(baseline) per (meta seed, fine-tuning seed)]}}``.
 
@@ -393,7 +408,10 @@ def study(
     rows (:data:`DEEP_STUDY_KEYS`): a kept cell without them runs them only."""
     previous = previous or root / "results.json"
     cells, seconds = load_cells(previous, base) if previous.is_file() else ({}, {})
-    result: dict = _write_results(root, cells, seconds, base) if cells else {}
+    kept = {f"{w}/{s}" for w, s in cells}
+    inputs = json.loads(previous.read_text()).get("inputs", {}) if cells else {}
+    inputs = {name: v for name, v in inputs.items() if name in kept}
+    result: dict = _write_results(root, cells, seconds, base, inputs) if cells else {}
     for seed in meta_seeds:
         for world in worlds:
             cell = Cell(world, replace(world_settings(world, base), meta_seed=seed, eval_split="test"))
@@ -407,21 +425,34 @@ def study(
                 # a cell from an earlier study that lacks rows added since (e.g. zero-shot): only those run
                 log(f"study cell world {world}, meta seed {seed}: adding rows {', '.join(missing)}")
                 t = time.time()
-                cells[(world, seed)].update(cell_h(run_cell(cell, root, missing, world_root)))
+                records = run_cell(cell, root, missing, world_root)
+                cells[(world, seed)].update(cell_h(records))
+                _merge_inputs(inputs, f"{world}/{seed}", cell_inputs(records))
                 seconds[f"{world}/{seed}"] = round(seconds.get(f"{world}/{seed}", 0.0) + time.time() - t, 1)
-                result = _write_results(root, cells, seconds, base)
+                result = _write_results(root, cells, seconds, base, inputs)
                 continue
             t = time.time()
             log(f"study cell world {world}, meta seed {seed}: {cell.name}")
             keys = STUDY_KEYS + (DEEP_STUDY_KEYS if deep else ())
-            cells[(world, seed)] = cell_h(run_cell(cell, root, keys, world_root))
+            records = run_cell(cell, root, keys, world_root)
+            cells[(world, seed)] = cell_h(records)
+            _merge_inputs(inputs, f"{world}/{seed}", cell_inputs(records))
             seconds[f"{world}/{seed}"] = round(time.time() - t, 1)
-            result = _write_results(root, cells, seconds, base)
+            result = _write_results(root, cells, seconds, base, inputs)
     return result
 
 
-def _write_results(root: Path, cells: dict, seconds: dict, base: DemoSettings) -> dict:
-    """``results.json`` and ``results.md`` for the finished ``cells``."""
+def _merge_inputs(inputs: dict, name: str, new: dict) -> None:
+    old = inputs.get(name, {"hierarchy": [], "start_sha256": {}})
+    inputs[name] = {
+        "hierarchy": sorted(set(old["hierarchy"]) | set(new["hierarchy"])),
+        "start_sha256": dict(sorted({**old["start_sha256"], **new["start_sha256"]}.items())),
+    }
+
+
+def _write_results(root: Path, cells: dict, seconds: dict, base: DemoSettings, inputs: Optional[dict] = None) -> dict:
+    """``results.json`` and ``results.md`` for the finished ``cells`` (``inputs``: :func:`cell_inputs` per
+    cell, where known; cells of studies run before it was recorded have none)."""
     rows = summarise(cells, STUDY_PAIRS)
     result = {
         "pairs": rows,
@@ -429,6 +460,7 @@ def _write_results(root: Path, cells: dict, seconds: dict, base: DemoSettings) -
             f"{w}/{s}": {f"{k}/{fs}": list(v) for (k, fs), v in t.items()} for (w, s), t in sorted(cells.items())
         },
         "seconds_per_cell": seconds,
+        "inputs": dict(sorted((inputs or {}).items())),
         "settings": settings_record(base),
         "bootstrap": {"draws": BOOTSTRAP_DRAWS, "levels": ["world", "meta seed x fine-tuning seed"]},
     }

@@ -301,3 +301,25 @@ def test_deep_rows_join_kept_cells_and_get_their_own_pairs(tmp_path, monkeypatch
     ran.clear()
     study.study(tmp_path / "new", ["0"], [0], base, deep=True)  # now complete: nothing runs
     assert ran == []
+
+
+def test_cells_record_the_start_they_came_from_and_keep_it_across_a_resume(tmp_path, monkeypatch):
+    base = DemoSettings.preset(True)
+
+    def record(key, seed, sha, fingerprint="fp0"):
+        init = {"prompt_sha256": sha, "provenance": {"hierarchy": {"fingerprint": fingerprint}}} if sha else {}
+        return {"key": key, "seed": seed, "base": 50.0, "new": 40.0, "init": init}
+
+    records = [record("gram_coop", 1, "aa"), record("gram_coop", 2, "aa"), record("coop", 1, None)]
+    assert study.cell_inputs(records) == {"hierarchy": ["fp0"], "start_sha256": {"gram_coop": "aa"}}
+
+    def fake_run_cell(cell, root, keys, world_root=None):
+        return [record(k, 1, f"{cell.world}-{k}" if k.startswith("gram") else None) for k in keys]
+
+    monkeypatch.setattr(study, "run_cell", fake_run_cell)
+    first = study.study(tmp_path / "s", ["0"], [0], base)
+    assert first["inputs"]["0/0"]["start_sha256"]["gram_coop"] == "0-gram_coop"
+    assert first["inputs"]["0/0"]["hierarchy"] == ["fp0"]
+    again = study.study(tmp_path / "s", ["0", "1"], [0], base)  # world 0 kept from the file, world 1 run
+    assert again["inputs"]["0/0"] == first["inputs"]["0/0"]
+    assert again["inputs"]["1/0"]["start_sha256"]["gram_vpt"] == "1-gram_vpt"
