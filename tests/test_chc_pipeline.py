@@ -431,3 +431,14 @@ def test_text_rank_rows_are_whole_chunks_covering_all_rows():
         assert rows[0][0] == 0 and rows[-1][1] == n
         assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))  # contiguous, disjoint, in rank order
         assert all(lo % chunk == 0 for lo, _ in rows)  # every block starts on a chunk boundary
+
+
+@pytest.mark.slow
+def test_hierarchy_names_the_builds_that_clustered_it(chc_run):
+    import importlib.metadata
+
+    out, _, _ = chc_run
+    meta = json.loads((out / "hierarchy.json").read_text())["meta"]
+    assert meta["versions"]["umap-learn"] == importlib.metadata.version("umap-learn")
+    assert meta["versions"]["hdbscan"] == importlib.metadata.version("hdbscan")
+    assert set(meta["versions"]) >= {"numba", "scikit-learn", "torch"}

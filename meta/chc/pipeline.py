@@ -18,6 +18,7 @@ the fitting stages alone while the other ranks wait at a barrier.
 from __future__ import annotations
 
 import glob
+import importlib.metadata
 import json
 import logging
 import os
@@ -598,6 +599,7 @@ class ChcRun:
                 "status_codes": STATUS,
                 "counts": counts,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "versions": clustering_versions(),
             }
         )
         write_json_atomic(self.out / "hierarchy.json", {"topic_names": domain_info["topic_names"], "meta": meta})
@@ -613,6 +615,31 @@ class ChcRun:
         write_report(
             self.out, index.captions, counts, topic_info, domain_info, timings, self.cfg.SEED, skipped, index.issues
         )
+
+
+# The packages whose builds decide the hierarchy's numbers (UMAP's and HDBSCAN's output moves with them).
+CLUSTERING_PACKAGES = (
+    "torch",
+    "numpy",
+    "scikit-learn",
+    "umap-learn",
+    "hdbscan",
+    "numba",
+    "sentence-transformers",
+    "open_clip_torch",
+)
+
+
+def clustering_versions() -> dict:
+    """``{package: version or None}`` of :data:`CLUSTERING_PACKAGES`, written into ``hierarchy.json`` (not part
+    of its fingerprint), so two hierarchies that differ can be traced to the installed builds."""
+    out = {}
+    for name in CLUSTERING_PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
 
 
 def text_rank_rows(n: int, chunk_size: int, rank: int, world_size: int) -> tuple[int, int]:
