@@ -351,29 +351,33 @@ def markdown(rows: Sequence[dict]) -> str:
 
 
 # ------------------------------------------------------------------------------ commands
-def settings_record(base: DemoSettings) -> dict:
-    """The switches and fine-tuning seeds a study's cells were run with (``results.json`` ``settings``)."""
-    return {
+def settings_record(base: DemoSettings, variant: str = "") -> dict:
+    """The switches and fine-tuning seeds a study's cells were run with (``results.json`` ``settings``), and the
+    regulator variant (:data:`REGULATOR_SWEEP`) its meta-training used, when not today's ``k1``."""
+    record = {
         "reg_window": base.reg_window,
         "launch": base.launch,
         "query_before_weight": base.query_before_weight,
         "fine_tuning_seeds": list(base.seeds),
     }
+    if variant and variant != "k1":
+        record["regulator_variant"] = variant
+    return record
 
 
-def load_cells(path: Path, base: DemoSettings) -> tuple[dict, dict]:
+def load_cells(path: Path, base: DemoSettings, variant: str = "") -> tuple[dict, dict]:
     """Finished cells and their seconds from an earlier ``results.json`` run with ``base``'s settings.
 
     Returns ``({(world, meta seed): cell_h table}, {"world/seed": seconds})``; a file written with other
     settings is an error naming the differing keys (its cells are not this study's)."""
     data = json.loads(path.read_text())
     theirs = data.get("settings", {})
-    ours = settings_record(base)
-    differ = sorted(k for k in ours if theirs.get(k) != ours[k])
+    ours = settings_record(base, variant)
+    differ = sorted(k for k in set(ours) | set(theirs) if theirs.get(k) != ours.get(k))
     if differ:
         raise ValueError(
             f"{path}: written with other settings "
-            f"({', '.join(f'{k} {theirs.get(k)!r} != {ours[k]!r}' for k in differ)}); "
+            f"({', '.join(f'{k} {theirs.get(k)!r} != {ours.get(k)!r}' for k in differ)}); "
             "use another --out or --resume-from"
         )
     cells = {}
@@ -396,6 +400,7 @@ def study(
     previous: Optional[Path] = None,
     add_missing_rows: bool = False,
     deep: bool = False,
+    variant: str = "",
 ) -> dict:
     """The default pipeline on test splits for every (world, meta seed), meta seed by meta seed (every
     world's first seed before any second one); ``results.json`` / ``.md`` are rewritten after every cell,
@@ -405,16 +410,25 @@ def study(
     ``root/results.json``) are taken from it and not run again; the summary covers them and this call's.
     With ``add_missing_rows``, such a cell that lacks rows of :data:`STUDY_KEYS` added since (zero-shot, ...)
     runs those rows only.  With ``deep``, every cell of ``worlds`` × ``meta_seeds`` also holds the deep learners'
-    rows (:data:`DEEP_STUDY_KEYS`): a kept cell without them runs them only."""
-    previous = previous or root / "results.json"
-    cells, seconds = load_cells(previous, base) if previous.is_file() else ({}, {})
+    rows (:data:`DEEP_STUDY_KEYS`): a kept cell without them runs them only.
+
+    ``variant``: a :data:`REGULATOR_SWEEP` name whose META overrides every meta-training run of the cells uses
+    (its own cell and meta-training folders, as the sweep's, and ``results_<variant>.json``); "" or ``k1`` =
+    today's defaults, ``results.json``."""
+    variant = "" if variant == "k1" else variant
+    if variant and variant not in REGULATOR_SWEEP:
+        raise ValueError(f"--variants: unknown {variant}; known: {', '.join(REGULATOR_SWEEP)}")
+    if variant:
+        base = replace(base, meta_overrides=REGULATOR_SWEEP[variant])
+    previous = previous or root / results_name(variant)
+    cells, seconds = load_cells(previous, base, variant) if previous.is_file() else ({}, {})
     kept = {f"{w}/{s}" for w, s in cells}
     inputs = json.loads(previous.read_text()).get("inputs", {}) if cells else {}
     inputs = {name: v for name, v in inputs.items() if name in kept}
-    result: dict = _write_results(root, cells, seconds, base, inputs) if cells else {}
+    result: dict = _write_results(root, cells, seconds, base, inputs, variant) if cells else {}
     for seed in meta_seeds:
         for world in worlds:
-            cell = Cell(world, replace(world_settings(world, base), meta_seed=seed, eval_split="test"))
+            cell = Cell(world, replace(world_settings(world, base), meta_seed=seed, eval_split="test"), variant)
             if (world, seed) in cells:
                 have = {k for k, _ in cells[(world, seed)]}
                 wanted = (STUDY_KEYS if add_missing_rows else ()) + (DEEP_STUDY_KEYS if deep else ())
@@ -429,7 +443,7 @@ def study(
                 cells[(world, seed)].update(cell_h(records))
                 _merge_inputs(inputs, f"{world}/{seed}", cell_inputs(records))
                 seconds[f"{world}/{seed}"] = round(seconds.get(f"{world}/{seed}", 0.0) + time.time() - t, 1)
-                result = _write_results(root, cells, seconds, base, inputs)
+                result = _write_results(root, cells, seconds, base, inputs, variant)
                 continue
             t = time.time()
             log(f"study cell world {world}, meta seed {seed}: {cell.name}")
@@ -438,7 +452,7 @@ def study(
             cells[(world, seed)] = cell_h(records)
             _merge_inputs(inputs, f"{world}/{seed}", cell_inputs(records))
             seconds[f"{world}/{seed}"] = round(time.time() - t, 1)
-            result = _write_results(root, cells, seconds, base, inputs)
+            result = _write_results(root, cells, seconds, base, inputs, variant)
     return result
 
 
@@ -450,7 +464,20 @@ def _merge_inputs(inputs: dict, name: str, new: dict) -> None:
     }
 
 
-def _write_results(root: Path, cells: dict, seconds: dict, base: DemoSettings, inputs: Optional[dict] = None) -> dict:
+def results_name(variant: str = "") -> str:
+    """The study's results file: ``results.json`` at today's defaults, ``results_<variant>.json`` for a
+    :data:`REGULATOR_SWEEP` variant (its ``.md`` beside it)."""
+    return f"results_{variant}.json" if variant and variant != "k1" else "results.json"
+
+
+def _write_results(
+    root: Path,
+    cells: dict,
+    seconds: dict,
+    base: DemoSettings,
+    inputs: Optional[dict] = None,
+    variant: str = "",
+) -> dict:
     """``results.json`` and ``results.md`` for the finished ``cells`` (``inputs``: :func:`cell_inputs` per
     cell, where known; cells of studies run before it was recorded have none)."""
     rows = summarise(cells, STUDY_PAIRS)
@@ -461,12 +488,13 @@ def _write_results(root: Path, cells: dict, seconds: dict, base: DemoSettings, i
         },
         "seconds_per_cell": seconds,
         "inputs": dict(sorted((inputs or {}).items())),
-        "settings": settings_record(base),
+        "settings": settings_record(base, variant),
         "bootstrap": {"draws": BOOTSTRAP_DRAWS, "levels": ["world", "meta seed x fine-tuning seed"]},
     }
-    write_json_atomic(root / "results.json", result)
+    name = results_name(variant)
+    write_json_atomic(root / name, result)
     write_text_atomic(
-        root / "results.md",
+        root / name.replace(".json", ".md"),
         markdown(rows) + "\nRegime (base / new accuracy, %; a world's numbers are "
         "means over its cells and fine-tuning seeds):\n\n" + regime_markdown(cells),
     )
@@ -824,7 +852,7 @@ def _parser() -> argparse.ArgumentParser:
         nargs="+",
         help=f"select --sweep regulator: the variants "
         f"(default all: {', '.join(REGULATOR_SWEEP)}); travel: the sweep variant whose cell is "
-        "measured",
+        "measured; run: the variant every meta-training run of the study uses (results_<variant>.json)",
     )
     parser.add_argument("--datasets", nargs="+", help="travel: base-to-new datasets (default: all of the world's)")
     parser.add_argument(
@@ -872,8 +900,9 @@ def _main(argv: list) -> int:
             previous=Path(args.resume_from) if args.resume_from else None,
             add_missing_rows=args.add_missing_rows,
             deep=args.deep,
+            variant=(args.variants or [""])[0],
         )
-        print((root / "results.md").read_text(), end="")
+        print((root / results_name((args.variants or [""])[0]).replace(".json", ".md")).read_text(), end="")
         print(f"study: {len(result['cells'])} cells in {root}; this call took {time.time() - t:.0f} s")
     elif args.command == "travel":
         seed = (args.seeds or [1])[0]

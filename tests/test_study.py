@@ -3,6 +3,7 @@ computations and the normal approximation."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -323,3 +324,23 @@ def test_cells_record_the_start_they_came_from_and_keep_it_across_a_resume(tmp_p
     again = study.study(tmp_path / "s", ["0", "1"], [0], base)  # world 0 kept from the file, world 1 run
     assert again["inputs"]["0/0"] == first["inputs"]["0/0"]
     assert again["inputs"]["1/0"]["start_sha256"]["gram_vpt"] == "1-gram_vpt"
+
+
+def test_a_study_of_a_regulator_variant_keeps_its_own_cells_and_file(tmp_path, monkeypatch):
+    base = DemoSettings.preset(True)
+    seen = []
+
+    def fake_run_cell(cell, root, keys, world_root=None):
+        seen.append((cell.variant, cell.settings.meta_overrides, cell.meta_folder))
+        return [{"key": k, "seed": 1, "base": 50.0, "new": 40.0} for k in keys]
+
+    monkeypatch.setattr(study, "run_cell", fake_run_cell)
+    result = study.study(tmp_path, ["0"], [0], base, variant="beta_only")
+    assert seen == [("beta_only", study.REGULATOR_SWEEP["beta_only"], "meta_seed0_qbw0_beta_only")]
+    assert result["settings"]["regulator_variant"] == "beta_only"
+    assert (tmp_path / "results_beta_only.json").is_file() and (tmp_path / "results_beta_only.md").is_file()
+    assert not (tmp_path / "results.json").exists()
+    with pytest.raises(ValueError, match="regulator_variant"):  # its cells are not today's study's
+        study.study(tmp_path, ["0"], [0], base, previous=tmp_path / "results_beta_only.json")
+    study.study(tmp_path, ["0"], [0], base, variant="k1")  # k1 is today's study: results.json
+    assert "regulator_variant" not in json.loads((tmp_path / "results.json").read_text())["settings"]
