@@ -136,13 +136,19 @@ def test_results_files_are_written_from_the_finished_cells(tmp_path):
     assert "| world 0 | - | 50.00 / 38.00 | - | - | - |" in text  # no zero-shot row in that cell
 
 
+def _earlier_study(folder, base):
+    """An earlier study's results.json in ``folder``: world 0, meta seed 0, CoOp + GRAM and CoOp, seed 1."""
+    earlier = {("0", 0): {("gram_coop", 1): (50.0, 40.0, 44.4), ("coop", 1): (50.0, 38.0, 43.2)}}
+    study._write_results(folder, earlier, {"0/0": 12.0}, base)
+    return folder / "results.json"
+
+
 def test_a_study_resumes_from_an_earlier_results_file_and_runs_only_missing_cells(tmp_path, monkeypatch):
     import json
     from dataclasses import replace
 
     base = DemoSettings.preset(True)
-    earlier = {("0", 0): {("gram_coop", 1): (50.0, 40.0, 44.4), ("coop", 1): (50.0, 38.0, 43.2)}}
-    study._write_results(tmp_path / "old", earlier, {"0/0": 12.0}, base)
+    _earlier_study(tmp_path / "old", base)
     ran = []
 
     def fake_run_cell(cell, root, keys, world_root=None):  # stands in for the demo's stages
@@ -282,8 +288,7 @@ def test_the_regulator_sweep_resumes_from_an_earlier_selection_file(tmp_path, mo
 
 def test_deep_rows_join_kept_cells_and_get_their_own_pairs(tmp_path, monkeypatch):
     base = DemoSettings.preset(True)
-    earlier = {("0", 0): {("gram_coop", 1): (50.0, 40.0, 44.4), ("coop", 1): (50.0, 38.0, 43.2)}}
-    study._write_results(tmp_path / "old", earlier, {"0/0": 12.0}, base)
+    _earlier_study(tmp_path / "old", base)
     ran = []
 
     def fake_run_cell(cell, root, keys, world_root=None):  # stands in for the demo's stages
