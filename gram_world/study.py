@@ -351,6 +351,12 @@ def markdown(rows: Sequence[dict]) -> str:
 
 
 # ------------------------------------------------------------------------------ commands
+def table_from_json(table: dict) -> dict:
+    """A cell's table as a results file stores it (``{"key/seed": [base, new, H]}``) back to
+    ``{(key, seed): (base, new, H)}``, the form :func:`cell_h` returns."""
+    return {(key, int(fs)): tuple(v) for key, fs, v in ((*k.rsplit("/", 1), v) for k, v in table.items())}
+
+
 def settings_record(base: DemoSettings, variant: str = "") -> dict:
     """The switches and fine-tuning seeds a study's cells were run with (``results.json`` ``settings``), and the
     regulator variant (:data:`REGULATOR_SWEEP`) its meta-training used, when not today's ``k1``."""
@@ -383,9 +389,7 @@ def load_cells(path: Path, base: DemoSettings, variant: str = "") -> tuple[dict,
     cells = {}
     for name, table in data.get("cells", {}).items():
         world, seed = name.rsplit("/", 1)
-        cells[(world, int(seed))] = {
-            (key, int(fs)): tuple(v) for key, fs, v in ((*k.rsplit("/", 1), v) for k, v in table.items())
-        }
+        cells[(world, int(seed))] = table_from_json(table)
     seconds = data.get("seconds_per_cell", data.get("seconds_per_cell_this_call", {}))
     kept = {f"{w}/{s}" for w, s in cells}
     return cells, {k: v for k, v in seconds.items() if k in kept}
@@ -755,9 +759,7 @@ def load_regulator_cells(path: Path, base: DemoSettings) -> dict:
     per_variant: dict = {}
     for name, table in data["cells"].items():
         variant, world, seed = name.split("/")
-        per_variant.setdefault(variant, {})[(world, int(seed))] = {
-            (key, int(fs)): tuple(v) for key, fs, v in ((*k.rsplit("/", 1), v) for k, v in table.items())
-        }
+        per_variant.setdefault(variant, {})[(world, int(seed))] = table_from_json(table)
     return per_variant
 
 
