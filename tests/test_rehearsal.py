@@ -45,6 +45,21 @@ def test_synthetic_slices_and_dtd_layout(tmp_path):
     assert Image.open(tmp_path / "data/dtd/images" / split["train"][0][0]).size == (40, 40)
 
 
+def test_cluster_stage_takes_the_caption_model_folder_given(tmp_path):
+    """--text-model reaches CHC as CHC.TEXT.MODEL (offline machines carry the model folder), and the
+    cluster stage's options load as a config: every key exists and the value lands where CHC reads it."""
+    from meta.config import load_meta_cfg
+
+    size = dict(rehearsal.SIZES["cpu_smoke"], text_model=str(tmp_path / "minilm"))
+    args = rehearsal.cluster_args(size, tmp_path / "corpus", tmp_path / "chc")
+    config, opts = args[args.index("--config-file") + 1], args[args.index("--config-file") + 2 :]
+    cfg = load_meta_cfg(str(REPO / config), opts)
+    assert cfg.CHC.TEXT.MODEL == str(tmp_path / "minilm")
+    default = rehearsal.cluster_args(rehearsal.SIZES["gpu"], tmp_path / "corpus", tmp_path / "chc")
+    cfg = load_meta_cfg(str(REPO / config), default[default.index("--config-file") + 2 :])
+    assert cfg.CHC.TEXT.MODEL == ""
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_without_cuda_the_real_size_rehearsal_stops_with_one_line(tmp_path):
     proc = subprocess.run(

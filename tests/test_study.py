@@ -349,3 +349,35 @@ def test_a_study_of_a_regulator_variant_keeps_its_own_cells_and_file(tmp_path, m
         study.study(tmp_path, ["0"], [0], base, previous=tmp_path / "results_beta_only.json")
     study.study(tmp_path, ["0"], [0], base, variant="k1")  # k1 is today's study: results.json
     assert "regulator_variant" not in json.loads((tmp_path / "results.json").read_text())["settings"]
+
+
+def test_reg_adds_rows_run_only_each_gram_row_and_its_theta_only_row(tmp_path, monkeypatch, capsys):
+    """``--rows reg-adds``: a new cell runs the six rows of the "GRAM vs θ* only" pairs and is summarised on
+    those pairs (H from the records, computed here independently); a kept cell with every row stays as it is."""
+    base = DemoSettings.preset(True)
+    assert study.REG_ADDS_PAIRS == (
+        ("gram_coop", "gram_coop_init_only"),
+        ("gram_vpt", "gram_vpt_init_only"),
+        ("unigram", "unigram_no_reg"),
+    )
+    ran = []
+
+    def fake_run_cell(cell, root, keys, world_root=None):
+        ran.append((cell.world, tuple(keys)))
+        regulated = {"gram_coop", "gram_vpt", "unigram"}
+        return [{"key": k, "seed": 1, "base": 60.0 if k in regulated else 58.0, "new": 50.0} for k in keys]
+
+    monkeypatch.setattr(study, "run_cell", fake_run_cell)
+    result = study.study(tmp_path, ["0"], [0], base, variant="beta_only", rows="reg-adds")
+    assert ran == [("0", study.REG_ADDS_KEYS)] and len(study.REG_ADDS_KEYS) == 6
+    pairs = {(r["method"], r["baseline"]): r for r in result["pairs"]}
+    assert set(pairs) == set(study.REG_ADDS_PAIRS)  # no baseline rows, so no other pair is summarised
+    h = lambda b, n: 2 * b * n / (b + n)  # noqa: E731
+    assert pairs[("unigram", "unigram_no_reg")]["mean_diff_H"] == pytest.approx(h(60, 50) - h(58, 50), abs=1e-3)
+    ran.clear()
+    study.study(tmp_path, ["0"], [0], base, variant="beta_only", rows="reg-adds", add_missing_rows=True)
+    assert ran == []  # the cell holds every row reg-adds asks for
+    with pytest.raises(ValueError, match="--rows"):
+        study.study(tmp_path, ["0"], [0], base, rows="some")
+    assert study.main(["run", "--variants", "beta_only", "k4", "--out", str(tmp_path)]) == 2
+    assert "run takes one variant" in capsys.readouterr().err
