@@ -487,6 +487,12 @@ def results_name(variant: str = "") -> str:
     return f"results_{variant}.json" if variant and variant != "k1" else "results.json"
 
 
+def travel_name(variant: str = "") -> str:
+    """``study travel``'s file: ``travel.json`` for today's meta-training, ``travel_<variant>.json`` for a
+    :data:`REGULATOR_SWEEP` variant's cells (so that measuring one does not overwrite the other)."""
+    return f"travel_{variant}.json" if variant and variant != "k1" else "travel.json"
+
+
 def _write_results(
     root: Path,
     cells: dict,
@@ -944,7 +950,9 @@ def _main(argv: list) -> int:
                 cell = Cell(world, settings, variant=variant)
                 for rec in travel_cell(cell, root, seed=seed, datasets=args.datasets):
                     records.append({"world": world, "meta_seed": meta_seed, "variant": variant, **rec})
-                write_json_atomic(root / "travel.json", {"records": records, "fine_tuning_seed": seed})
+                write_json_atomic(
+                    root / travel_name(variant), {"records": records, "fine_tuning_seed": seed, "split": args.split}
+                )
         for key in TRAVEL_KEYS:
             shares = [r["beta_share"] for r in records if r["key"] == key and "beta_share" in r]
             proj = [r["beta_projection"] for r in records if r["key"] == key and "beta_projection" in r]

@@ -381,3 +381,26 @@ def test_reg_adds_rows_run_only_each_gram_row_and_its_theta_only_row(tmp_path, m
         study.study(tmp_path, ["0"], [0], base, rows="some")
     assert study.main(["run", "--variants", "beta_only", "k4", "--out", str(tmp_path)]) == 2
     assert "run takes one variant" in capsys.readouterr().err
+
+
+def test_travel_of_a_variant_has_its_own_file_and_reads_that_variants_cells(tmp_path, monkeypatch, capsys):
+    seen = []
+
+    def fake_travel_cell(cell, root, keys=study.TRAVEL_KEYS, seed=1, datasets=None, world_root=None):
+        seen.append((cell.world, cell.settings.meta_seed, cell.variant, cell.meta_folder, cell.settings.eval_split))
+        return [{"dataset": "D", "key": "gram_coop", "seed": seed, "beta_share": 0.25, "beta_projection": 0.1}]
+
+    monkeypatch.setattr(study, "travel_cell", fake_travel_cell)
+    argv = ["travel", "--worlds", "0", "3", "--meta-seeds", "0", "--out", str(tmp_path), "--quick"]
+    assert study.main(argv + ["--variants", "beta_only"]) == 0
+    assert seen == [
+        ("0", 0, "beta_only", "meta_seed0_qbw0_beta_only", "test"),
+        ("3", 0, "beta_only", "meta_seed0_qbw0_beta_only", "test"),
+    ]
+    assert study.main(argv) == 0  # today's meta-training: travel.json, the study's own meta folders
+    assert seen[-1] == ("3", 0, "", "meta_seed0_qbw0", "test")
+    variant = json.loads((tmp_path / "travel_beta_only.json").read_text())
+    today = json.loads((tmp_path / "travel.json").read_text())
+    assert [r["world"] for r in variant["records"]] == ["0", "3"] and variant["split"] == "test"
+    assert {r["variant"] for r in variant["records"]} == {"beta_only"} and {r["variant"] for r in today["records"]} == {""}
+    assert "gram_coop              beta share of the travel 0.250 (projection +0.100), 2 runs" in capsys.readouterr().out
