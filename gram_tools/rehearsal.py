@@ -48,7 +48,9 @@ SIZES = {
         "image": 224,
         "pairs": 20000,
         "shards": 16,
-        "meta_steps": 300,
+        # 150 outer steps: on one H200 (2026-11-27) the stages up to the exports took 384 s at 300 steps (UNIGRAM's
+        # 300 steps 175 s), which left the four few-shot runs no room in a 10-minute device call
+        "meta_steps": 150,
         "classes": 10,
         "shots": 16,
         "test_per_class": 20,
@@ -104,6 +106,10 @@ def cluster_args(size: dict, data: Path, chc: Path) -> list[str]:
         str(max(5, per_topic // 20)),
         "CHC.IMAGES.AUTOCAST",
         size["autocast"],
+        # decoding threads as many as the loaders' workers: with none (the smoke config's 0) the H200 rehearsal's
+        # image features ran at ~785 images/s, a seventh of the image tower's rate
+        "CHC.IMAGES.DECODE_WORKERS",
+        str(size["workers"]),
         "CHC.TEXT.MODEL",
         size.get("text_model", ""),
     ]

@@ -2,7 +2,7 @@
 # The user's whole path at real size on one CUDA GPU, timed (gram_tools/rehearsal.py):
 #   bash scripts/gpu_rehearsal.sh [output folder, default output/gpu_rehearsal]
 # synthetic 224-px web-dataset shards (20k pairs) -> python -m meta cluster (ViT-B/16, random weights, on the GPU)
-# -> python -m meta train (CoOp and UNIGRAM, 300 outer steps, bf16) -> python -m meta export -> train.py through
+# -> python -m meta train (CoOp and UNIGRAM, 150 outer steps, bf16) -> python -m meta export -> train.py through
 # scripts/base2new.sh (CoOp, GRAM_CoOp, joint, UNIGRAM on a synthetic 224-px dataset in CoOp's DTD layout)
 # -> scripts/parse_results.py.  Writes <folder>/rehearsal.json (each stage's wall time, peak GPU memory and
 # RSS; the trainers' epoch times and the ratios GRAM_CoOp / CoOp and UNIGRAM / joint) and copies it to

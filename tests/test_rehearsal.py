@@ -55,6 +55,7 @@ def test_cluster_stage_takes_the_caption_model_folder_given(tmp_path):
     config, opts = args[args.index("--config-file") + 1], args[args.index("--config-file") + 2 :]
     cfg = load_meta_cfg(str(REPO / config), opts)
     assert cfg.CHC.TEXT.MODEL == str(tmp_path / "minilm")
+    assert cfg.CHC.IMAGES.DECODE_WORKERS == size["workers"]  # decoding threads as many as the loaders' workers
     default = rehearsal.cluster_args(rehearsal.SIZES["gpu"], tmp_path / "corpus", tmp_path / "chc")
     cfg = load_meta_cfg(str(REPO / config), default[default.index("--config-file") + 2 :])
     assert cfg.CHC.TEXT.MODEL == ""
