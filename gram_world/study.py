@@ -510,7 +510,8 @@ def _write_results(
             f"{w}/{s}": {f"{k}/{fs}": list(v) for (k, fs), v in t.items()} for (w, s), t in sorted(cells.items())
         },
         "seconds_per_cell": seconds,
-        "inputs": dict(sorted((inputs or {}).items())),
+        # cells run before inputs were recorded, or that gained only rows without an init file (zero-shot), have none
+        "inputs": {k: v for k, v in sorted((inputs or {}).items()) if v.get("hierarchy") or v.get("start_sha256")},
         "settings": settings_record(base, variant),
         "bootstrap": {"draws": BOOTSTRAP_DRAWS, "levels": ["world", "meta seed x fine-tuning seed"]},
     }

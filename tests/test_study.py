@@ -329,6 +329,13 @@ def test_cells_record_the_start_they_came_from_and_keep_it_across_a_resume(tmp_p
     again = study.study(tmp_path / "s", ["0", "1"], [0], base)  # world 0 kept from the file, world 1 run
     assert again["inputs"]["0/0"] == first["inputs"]["0/0"]
     assert again["inputs"]["1/0"]["start_sha256"]["gram_vpt"] == "1-gram_vpt"
+    # a cell whose rows load no init file (here: only zero-shot added to a cell kept without inputs) gets no entry
+    _earlier_study(tmp_path / "old", base)
+    monkeypatch.setattr(study, "run_cell", lambda cell, root, keys, world_root=None: [record("zsclip", 1, None)])
+    added = study.study(
+        tmp_path / "z", ["0"], [0], base, previous=tmp_path / "old" / "results.json", add_missing_rows=True
+    )
+    assert "0/0" in added["cells"] and added["inputs"] == {}
 
 
 def test_a_study_of_a_regulator_variant_keeps_its_own_cells_and_file(tmp_path, monkeypatch):
