@@ -493,6 +493,21 @@ def travel_name(variant: str = "") -> str:
     return f"travel_{variant}.json" if variant and variant != "k1" else "travel.json"
 
 
+def _earlier_travel(path: Path, seed: int, split: str) -> list[dict]:
+    """The records of an earlier ``study travel`` file measured with the same fine-tuning seed and split (none
+    when the file is absent); a file of another seed or split is an error naming it."""
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text())
+    theirs = (data.get("fine_tuning_seed"), data.get("split", "val"))
+    if theirs != (seed, split):
+        raise ValueError(
+            f"{path}: measured with fine-tuning seed {theirs[0]}, split {theirs[1]}; this call asks for seed {seed}, "
+            f"split {split}: use another --out or delete the file"
+        )
+    return list(data.get("records", []))
+
+
 def _write_results(
     root: Path,
     cells: dict,
@@ -939,11 +954,17 @@ def _main(argv: list) -> int:
     elif args.command == "travel":
         seed = (args.seeds or [1])[0]
         root = Path(args.out or "output/study")
-        records = []
+        variant = args.variants[0] if args.variants else ""
+        asked = {(w, m) for w in args.worlds for m in args.meta_seeds}
+        # cells measured by earlier calls (same fine-tuning seed and split) stay in the file
+        records = [
+            r
+            for r in _earlier_travel(root / travel_name(variant), seed, args.split)
+            if (r["world"], r["meta_seed"]) not in asked
+        ]
         for world in args.worlds:
             for meta_seed in args.meta_seeds:
                 settings = replace(world_settings(world, base), meta_seed=meta_seed, eval_split=args.split)
-                variant = args.variants[0] if args.variants else ""
                 if variant:  # a cell of the regulator sweep (its folder and meta-training runs)
                     if variant not in REGULATOR_SWEEP:
                         raise ValueError(f"--variants: unknown {variant}; known: {', '.join(REGULATOR_SWEEP)}")

@@ -413,3 +413,9 @@ def test_travel_of_a_variant_has_its_own_file_and_reads_that_variants_cells(tmp_
     assert {r["variant"] for r in today["records"]} == {""}
     out = capsys.readouterr().out
     assert "gram_coop              beta share of the travel 0.250 (projection +0.100), 2 runs" in out
+    # a later call adds its cells to the file and measures again only the cells it names
+    assert study.main(["travel", "--worlds", "1", "3", "--meta-seeds", "0", "--out", str(tmp_path), "--quick"]) == 0
+    today = json.loads((tmp_path / "travel.json").read_text())
+    assert sorted(r["world"] for r in today["records"]) == ["0", "1", "3"] and seen[-2][0] == "1"
+    assert study.main(argv + ["--seeds", "2"]) == 2  # another fine-tuning seed: not this file's cells
+    assert "fine-tuning seed 1" in capsys.readouterr().err
