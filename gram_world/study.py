@@ -277,9 +277,15 @@ def bootstrap_interval(
     return mean, float(lo), float(hi)
 
 
-def mean_h(cells: dict, key: str) -> Optional[float]:
-    """H of ``key`` averaged over every (world, meta seed, fine-tuning seed) that has it; None if none does."""
-    values = [h for table in cells.values() for (k, _), (_, _, h) in table.items() if k == key]
+def mean_h(cells: dict, key: str, beside: str = "") -> Optional[float]:
+    """H of ``key`` averaged over every (world, meta seed, fine-tuning seed) that has it (and, with ``beside``,
+    that row too: the units a pair's difference is taken over); None if none does."""
+    values = [
+        h
+        for table in cells.values()
+        for (k, fs), (_, _, h) in table.items()
+        if k == key and (not beside or (beside, fs) in table)
+    ]
     return round(float(np.mean(values)), 3) if values else None
 
 
@@ -295,8 +301,8 @@ def summarise(cells: dict, pairs: Sequence[tuple] = PAIRS) -> list[dict]:
                 "baseline": base,
                 "label": METHOD_BY_KEY[method].label,
                 "baseline_label": METHOD_BY_KEY[base].label,
-                "mean_H": mean_h(cells, method),
-                "baseline_mean_H": mean_h(cells, base),
+                "mean_H": mean_h(cells, method, beside=base),
+                "baseline_mean_H": mean_h(cells, base, beside=method),
                 "mean_diff_H": round(mean, 3),
                 "ci95": [round(lo, 3), round(hi, 3)],
                 "n": sum(len(v) for v in groups.values()),

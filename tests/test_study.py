@@ -419,3 +419,13 @@ def test_travel_of_a_variant_has_its_own_file_and_reads_that_variants_cells(tmp_
     assert sorted(r["world"] for r in today["records"]) == ["0", "1", "3"] and seen[-2][0] == "1"
     assert study.main(argv + ["--seeds", "2"]) == 2  # another fine-tuning seed: not this file's cells
     assert "fine-tuning seed 1" in capsys.readouterr().err
+
+
+def test_a_pairs_mean_h_is_taken_over_the_units_its_difference_is():
+    """A cell holding only one row of a pair (a reg-adds cell beside a full one) does not enter that pair's H
+    means: mean H of the method minus that of the baseline is the pair's mean difference."""
+    full = {("gram_coop", 1): (50.0, 40.0, 44.0), ("coop", 1): (50.0, 38.0, 43.0)}
+    reg_adds_only = {("gram_coop", 1): (70.0, 60.0, 64.0), ("gram_coop_init_only", 1): (70.0, 61.0, 65.0)}
+    (row,) = [r for r in study.summarise({("0", 0): full, ("1", 0): reg_adds_only}) if r["baseline"] == "coop"]
+    assert (row["mean_H"], row["baseline_mean_H"], row["mean_diff_H"]) == (44.0, 43.0, 1.0)
+    assert row["worlds"] == ["0"] and row["n"] == 1
