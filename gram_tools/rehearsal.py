@@ -111,7 +111,7 @@ def cluster_args(size: dict, data: Path, chc: Path) -> list[str]:
         "CHC.IMAGES.DECODE_WORKERS",
         str(size["workers"]),
         "CHC.TEXT.MODEL",
-        size.get("text_model", ""),
+        size["text_model"],
     ]
 
 

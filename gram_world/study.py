@@ -46,7 +46,7 @@ from meta.cli_errors import run_cli
 from meta.fileio import parse_json, write_json_atomic, write_text_atomic
 
 from .demo.pool import log
-from .demo.settings import METHOD_BY_KEY, PAIRS, DemoSettings
+from .demo.settings import METHOD_BY_KEY, PAIRS, REG_ADDS_PAIRS, DemoSettings
 from .demo.stages import check_settings, check_world, stage_chc, stage_eval, stage_meta, stage_world
 
 # The study's worlds: world seeds 0, 1, 2, 7 and world 13 with the noisy held-out style and the other
@@ -82,11 +82,9 @@ BOOTSTRAP_DRAWS = 10_000
 
 # Rows of the study (PAIRS' GRAM rows and baselines) and of the sweep.
 STUDY_KEYS = tuple(dict.fromkeys(k for pair in PAIRS for k in pair)) + ("zsclip",)
-# What R_φ adds to θ*: each GRAM row against its θ*-only row (the last three of PAIRS), and their rows alone
-# (``study run --rows reg-adds``: a regulator variant's study needs no baseline, one-step or R_φ-only row to
-# answer whether the variant's R_φ helps; 6 of the 16 rows, about 40 % of a cell's evaluation cost).
-THETA_ONLY_OF = {"gram_coop": "gram_coop_init_only", "gram_vpt": "gram_vpt_init_only", "unigram": "unigram_no_reg"}
-REG_ADDS_PAIRS = tuple(pair for pair in PAIRS if THETA_ONLY_OF.get(pair[0]) == pair[1])
+# The rows of the "what R_φ adds to θ*" pairs alone (``study run --rows reg-adds``: a regulator variant's study
+# needs no baseline, one-step or R_φ-only row to answer whether the variant's R_φ helps; 6 of the 16 rows, ~40 %
+# of a cell's evaluation by the evaluator's cost weights, EvalJob.cost).
 REG_ADDS_KEYS = tuple(k for pair in REG_ADDS_PAIRS for k in pair)
 ROWS = {"all": STUDY_KEYS, "reg-adds": REG_ADDS_KEYS}
 # The deep learners' pairs (``study run --deep``, on the worlds asked for): each GRAM row and its components
@@ -505,7 +503,7 @@ def _earlier_travel(path: Path, seed: int, split: str) -> list[dict]:
     if not path.is_file():
         return []
     data = json.loads(path.read_text())
-    theirs = (data.get("fine_tuning_seed"), data.get("split", "val"))
+    theirs = (data.get("fine_tuning_seed"), data.get("split"))  # files written before the split was kept: None
     if theirs != (seed, split):
         raise ValueError(
             f"{path}: measured with fine-tuning seed {theirs[0]}, split {theirs[1]}; this call asks for seed {seed}, "
@@ -961,6 +959,8 @@ def _main(argv: list) -> int:
         seed = (args.seeds or [1])[0]
         root = Path(args.out or "output/study")
         variant = args.variants[0] if args.variants else ""
+        if variant and variant not in REGULATOR_SWEEP:
+            raise ValueError(f"--variants: unknown {variant}; known: {', '.join(REGULATOR_SWEEP)}")
         asked = {(w, m) for w in args.worlds for m in args.meta_seeds}
         # cells measured by earlier calls (same fine-tuning seed and split) stay in the file
         records = [
@@ -972,8 +972,6 @@ def _main(argv: list) -> int:
             for meta_seed in args.meta_seeds:
                 settings = replace(world_settings(world, base), meta_seed=meta_seed, eval_split=args.split)
                 if variant:  # a cell of the regulator sweep (its folder and meta-training runs)
-                    if variant not in REGULATOR_SWEEP:
-                        raise ValueError(f"--variants: unknown {variant}; known: {', '.join(REGULATOR_SWEEP)}")
                     settings = replace(settings, meta_overrides=REGULATOR_SWEEP[variant])
                 cell = Cell(world, settings, variant=variant)
                 for rec in travel_cell(cell, root, seed=seed, datasets=args.datasets):

@@ -179,6 +179,12 @@ TABLE1_ROWS = (
     "unigram_one_step",
     "joint",
 )
+# What R_φ adds to θ*: each GRAM row against its θ*-only row (meta-learned start, raw gradients)
+REG_ADDS_PAIRS = (
+    ("gram_coop", "gram_coop_init_only"),
+    ("gram_vpt", "gram_vpt_init_only"),
+    ("unigram", "unigram_no_reg"),
+)
 # (GRAM or component row, its baseline): the paired differences the study reports
 PAIRS = (
     ("gram_coop", "coop"),
@@ -196,11 +202,7 @@ PAIRS = (
     ("gram_coop", "gram_coop_one_step"),
     ("gram_vpt", "gram_vpt_one_step"),
     ("unigram", "unigram_one_step"),
-    # what R_φ adds to θ*: each GRAM row against its θ*-only row (meta-learned start, raw gradients)
-    ("gram_coop", "gram_coop_init_only"),
-    ("gram_vpt", "gram_vpt_init_only"),
-    ("unigram", "unigram_no_reg"),
-)
+) + REG_ADDS_PAIRS
 TABLE4_KEYS = ("unigram", "unigram_no_shift", "unigram_no_reg", "unigram_pretrain", "unigram_supervised", "joint")
 TRANSFER_KEYS = TABLE1_KEYS
 TOKEN_KEYS = {n: ("unigram" if n == 4 else f"unigram_{n}tok") for n in TOKEN_COUNTS}
