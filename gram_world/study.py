@@ -436,9 +436,7 @@ def study(
     rows); a kept cell that holds them all is kept as it is."""
     if rows not in ROWS:
         raise ValueError(f"--rows: unknown {rows!r}; known: {', '.join(ROWS)}")
-    variant = "" if variant == "k1" else variant
-    if variant and variant not in REGULATOR_SWEEP:
-        raise ValueError(f"--variants: unknown {variant}; known: {', '.join(REGULATOR_SWEEP)}")
+    variant = study_variant(variant)
     if variant:
         base = replace(base, meta_overrides=REGULATOR_SWEEP[variant])
     previous = previous or root / results_name(variant)
@@ -483,6 +481,21 @@ def _merge_inputs(inputs: dict, name: str, new: dict) -> None:
         "hierarchy": sorted(set(old["hierarchy"]) | set(new["hierarchy"])),
         "start_sha256": dict(sorted({**old["start_sha256"], **new["start_sha256"]}.items())),
     }
+
+
+def check_variants(names: Sequence[str]) -> None:
+    """Refuse, in one line naming ``--variants``, any name that is not a :data:`REGULATOR_SWEEP` variant."""
+    unknown = [v for v in names if v not in REGULATOR_SWEEP]
+    if unknown:
+        raise ValueError(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(REGULATOR_SWEEP)}")
+
+
+def study_variant(name: str) -> str:
+    """The variant a test-split study (``study run --variants``) runs: ``""`` for today's defaults (``""`` or ``k1``), else
+    the :data:`REGULATOR_SWEEP` name itself (checked by :func:`check_variants`)."""
+    if name:
+        check_variants([name])
+    return "" if name == "k1" else name
 
 
 def results_name(variant: str = "") -> str:
@@ -818,9 +831,7 @@ def select_regulator(
     Cells in ``previous`` (an earlier ``selection_regulator.json`` with the same seeds, default
     ``root/selection_regulator.json``) are taken from it and not run again; a world whose asked-for variants
     are all there runs nothing, not even its baselines."""
-    unknown = [v for v in variants if v not in REGULATOR_SWEEP]
-    if unknown:
-        raise ValueError(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(REGULATOR_SWEEP)}")
+    check_variants(variants)
     previous = previous or root / "selection_regulator.json"
     kept = load_regulator_cells(previous, base) if previous.is_file() else {}
     per_variant: dict = {}
@@ -958,9 +969,8 @@ def _main(argv: list) -> int:
     elif args.command == "travel":
         seed = (args.seeds or [1])[0]
         root = Path(args.out or "output/study")
-        variant = args.variants[0] if args.variants else ""
-        if variant and variant not in REGULATOR_SWEEP:
-            raise ValueError(f"--variants: unknown {variant}; known: {', '.join(REGULATOR_SWEEP)}")
+        variant = args.variants[0] if args.variants else ""  # k1 = the sweep's own k1 cells and folders
+        check_variants([variant] if variant else [])
         asked = {(w, m) for w in args.worlds for m in args.meta_seeds}
         # cells measured by earlier calls (same fine-tuning seed and split) stay in the file
         records = [

@@ -390,6 +390,21 @@ def test_reg_adds_rows_run_only_each_gram_row_and_its_theta_only_row(tmp_path, m
     assert "run takes one variant" in capsys.readouterr().err
 
 
+def test_unknown_regulator_variants_are_refused_by_every_command(tmp_path, capsys):
+    assert study.study_variant("k1") == "" and study.study_variant("") == ""
+    assert study.study_variant("beta_only") == "beta_only"
+    refused = "--variants: unknown beta; known: k1, k4"
+    for call in (
+        lambda: study.study(tmp_path, ["0"], [0], DemoSettings.preset(True), variant="beta"),
+        lambda: study.select_regulator(tmp_path, ["0"], DemoSettings.preset(True), variants=("k1", "beta")),
+    ):
+        with pytest.raises(ValueError, match=refused):
+            call()
+    assert study.main(["travel", "--worlds", "0", "--variants", "beta", "--out", str(tmp_path)]) == 2
+    assert refused in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # refused before any stage ran or any file was written
+
+
 def test_travel_of_a_variant_has_its_own_file_and_reads_that_variants_cells(tmp_path, monkeypatch, capsys):
     seen = []
 
