@@ -491,8 +491,8 @@ def check_variants(names: Sequence[str]) -> None:
 
 
 def study_variant(name: str) -> str:
-    """The variant a test-split study (``study run --variants``) runs: ``""`` for today's defaults (``""`` or ``k1``), else
-    the :data:`REGULATOR_SWEEP` name itself (checked by :func:`check_variants`)."""
+    """The variant a test-split study (``study run --variants``) runs: ``""`` for today's defaults (``""`` or
+    ``k1``), else the :data:`REGULATOR_SWEEP` name itself (checked by :func:`check_variants`)."""
     if name:
         check_variants([name])
     return "" if name == "k1" else name
