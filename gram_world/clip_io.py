@@ -9,7 +9,7 @@ the same mean/std CoOp's Dassl configs use for CLIP.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -46,19 +46,22 @@ def load_images(paths: Sequence[Path]) -> torch.Tensor:
     return torch.from_numpy(np.stack(arrays))
 
 
-def encode_text_trimmed(clip: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+def encode_text_trimmed(
+    clip: nn.Module, tokens: torch.Tensor, embed: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+) -> torch.Tensor:
     """``clip.encode_text`` on tokens cut after the longest end-of-text position.
 
     CLIP's text transformer is causal and pools the end-of-text token, so the
     padding after it cannot change the result; dropping it makes pretraining
     several times cheaper.  ``tokens``: ``[B, 77]`` int -> features ``[B, embed_dim]``
     (unnormalised).  A test checks equality with ``clip.encode_text``.
+    ``embed`` (default ``clip.token_embedding``) maps the trimmed ids ``[B, L]`` to ``[B, L, width]``.
     """
     eot_pos = tokens.argmax(dim=-1)  # EOT has the largest id in CLIP's vocabulary
     length = int(eot_pos.max()) + 1
     t = tokens[:, :length]
     cast = clip.transformer.get_cast_dtype()
-    x = clip.token_embedding(t).to(cast) + clip.positional_embedding[:length].to(cast)
+    x = (embed or clip.token_embedding)(t).to(cast) + clip.positional_embedding[:length].to(cast)
     x = clip.transformer(x, attn_mask=clip.attn_mask[:length, :length])
     return text_head(clip, x[torch.arange(x.shape[0]), eot_pos])
 

@@ -2,6 +2,7 @@
 
 import json
 import warnings
+from dataclasses import replace
 
 import numpy as np
 import open_clip
@@ -68,6 +69,40 @@ def test_shift_is_a_crop_of_the_edge_padded_image():
         crops = [padded[b, :, dy : dy + 8, dx : dx + 8] for dy in range(5) for dx in range(5)]
         assert any(torch.equal(y[b], c) for c in crops)
     assert torch.equal(_shift(x, 0, torch.Generator()), x)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"bow_weight": 0.5, "text_frozen_fraction": 0.5}],
+    ids=["default", "bow-and-frozen-text"],
+)
+def test_fast_pretraining_gives_the_plain_loops_weights_bit_for_bit(quick_world, tmp_path, extra):
+    """Towers in two threads + AdamW on the used embedding rows (fast) against the plain one-thread loop."""
+    settings = replace(pretrain_settings(quick=True, seed=0), max_images=512, epochs=2, **extra)
+    weights, tables = {}, {}
+    for fast in (False, True):
+        world = replace(quick_world, clip_dir=tmp_path / f"fast{fast}")
+        seen = tables[fast] = []  # the token table each step's callback sees
+        path = pretrain_clip(
+            world, settings=settings, fast=fast, on_step=lambda step, m: seen.append(m.token_embedding.weight.clone())
+        )
+        weights[fast] = load_file(str(path))
+    assert set(weights[True]) == set(weights[False])
+    for name, value in weights[False].items():
+        assert torch.equal(weights[True][name], value), name
+    assert len(tables[True]) == len(tables[False]) == 8  # 2 epochs x 512 // 128 steps
+    for plain, fast in zip(tables[False], tables[True]):
+        assert torch.equal(plain, fast)
+    # the loop trained: the table moved, but only in the rows the captions use
+    torch.manual_seed(settings.seed)  # the init pretrain_clip starts from
+    random_init = open_clip.create_model(WORLD_MODEL, pretrained=None).token_embedding.weight.detach()
+    changed = (weights[True]["token_embedding.weight"] != random_init).any(dim=1)
+    tokens = open_clip.get_tokenizer(WORLD_MODEL)(
+        [json.loads(x)["caption"] for x in open(quick_world.pretrain_pairs)][:512]
+    )
+    used = torch.zeros(len(changed), dtype=torch.bool)
+    used[tokens.unique()] = True
+    assert changed.any() and not (changed & ~used).any()
 
 
 # The whole quick schedule (6 epochs over the quick world's 16k pairs, 750 steps, ~90 s here).
