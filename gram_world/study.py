@@ -970,7 +970,7 @@ def _main(argv: list) -> int:
         seed = (args.seeds or [1])[0]
         root = Path(args.out or "output/study")
         variant = args.variants[0] if args.variants else ""  # k1 = the sweep's own k1 cells and folders
-        check_variants([variant] if variant else [])
+        check_variants(args.variants or [])
         asked = {(w, m) for w in args.worlds for m in args.meta_seeds}
         # cells measured by earlier calls (same fine-tuning seed and split) stay in the file
         records = [

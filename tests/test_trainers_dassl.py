@@ -482,12 +482,19 @@ def test_r_phi_only_starts_from_the_baselines_theta(data_root, init_files, reg_o
     assert (ours["ctx"].detach() - star).abs().max() > 1e-2
 
 
+def _assert_prompts_equal(trainer, prompt: dict) -> None:
+    """Every tensor of the trainer's prompt learner equals ``prompt``'s, bit for bit (and no key is missing)."""
+    state = trainer.model.prompt_learner.state_dict()
+    assert set(state) == set(prompt)
+    for k, v in state.items():
+        assert torch.equal(v, prompt[k]), k
+
+
 def test_regulate_off_keeps_the_init_but_not_the_regulator(data_root, init_files, tiny_clip, tmp_path):
     trainer = build(data_root, "unigram", "TRAINER.GRAM.REGULATE", "False", init_files=init_files)
     assert trainer.regulation is None
     init = load_gram_init(init_files["UNIGRAM"]).prompt
-    for k, v in trainer.model.prompt_learner.state_dict().items():
-        assert torch.equal(v, init[k])
+    _assert_prompts_equal(trainer, init)
     # unigram_no_reg (Table 4's "- gradient regulating") takes a θ* meta-trained without R_φ: a file with no φ
     no_phi = export_gram_init(
         tmp_path / "no_phi.safetensors", PromptParams(**init), None, tiny_clip[1], provenance=PROVENANCE
@@ -495,8 +502,7 @@ def test_regulate_off_keeps_the_init_but_not_the_regulator(data_root, init_files
     assert not load_gram_init(no_phi).regulators
     trainer = build(data_root, "unigram_no_reg", "TRAINER.GRAM.INIT", str(no_phi))
     assert trainer.regulation is None and not trainer.cfg.TRAINER.GRAM.REGULATE
-    for k, v in trainer.model.prompt_learner.state_dict().items():
-        assert torch.equal(v, init[k])
+    _assert_prompts_equal(trainer, init)
     with pytest.raises(ValueError, match="REGULATE=True but .*no_phi.safetensors holds no regulator"):
         build(data_root, "unigram", "TRAINER.GRAM.INIT", str(no_phi))
 
