@@ -26,7 +26,17 @@ from gram_world.demo import (
 )
 from gram_world.demo.cli import _parser
 from gram_world.demo.report import build_tables, markdown_table, tokens_markdown, transfer_markdown
-from gram_world.demo.settings import COMPONENT_KEYS, ONE_STEP_KEYS, TABLE1_ROWS, b2n_keys
+from gram_world.demo.settings import (
+    COMPONENT_KEYS,
+    DEFAULT_TABLES,
+    INIT_ONLY_KEYS,
+    ONE_STEP_KEYS,
+    OPT_IN_TABLES,
+    REG_ONLY_KEYS,
+    TABLE1_ROWS,
+    b2n_keys,
+    variants_needed,
+)
 from gram_world.demo.stages import check_settings
 from meta.cli_errors import UserError
 from meta.coop_data import harmonic_mean
@@ -159,7 +169,16 @@ def test_every_table_holds_its_paper_rows_under_stable_keys():
 
 def test_only_the_requested_table_groups_are_built():
     tables = build_tables(_b2n_records(), DemoSettings(), _fake_world())
-    assert set(tables) == {"table1", "table4"}
+    assert set(tables) == {"table1"}
+    # the default's Table 1: every row but the diagnostics; Table 4 comes with "ablations" (and "all")
+    assert set(b2n_keys(DEFAULT_TABLES)) == set(TABLE1_ROWS) - set(REG_ONLY_KEYS + ONE_STEP_KEYS)
+    assert {"unigram_no_shift", "unigram_pretrain", "unigram_supervised"} == set(b2n_keys(("ablations",))) - set(
+        b2n_keys(DEFAULT_TABLES)
+    )
+    assert {v.name for v in variants_needed(DEFAULT_TABLES)} == {"gram_coop", "gram_vpt", "unigram", "unigram_no_reg"}
+    ablations = build_tables(_b2n_records(), replace(DemoSettings(), tables=("ablations",)), _fake_world())
+    assert set(ablations) == {"table4"}
+    assert "ablations" in settings_from_args(_parser().parse_args(["--tables", "all"])).tables
 
 
 def test_deep_group_is_opt_in_and_holds_ivlp_and_maple_with_their_variants():
@@ -226,8 +245,12 @@ def test_method_rows_have_unique_keys_existing_presets_and_variants():
         method_spec(METHOD_BY_KEY["unigram_pretrain"], init="/x.safetensors", settings=DemoSettings(launch=True)).launch
         is False
     )  # nothing to launch
-    assert set(COMPONENT_KEYS) <= set(b2n_keys(("base2new",)))
-    assert set(COMPONENT_KEYS) <= set(TABLE1_ROWS)
+    # θ*-only rows are in the default tables; R_φ-only and one-step rows come with the diagnostics group
+    default, diagnostics = set(b2n_keys(DEFAULT_TABLES)), set(b2n_keys(("diagnostics",)))
+    assert set(INIT_ONLY_KEYS) <= default and not set(INIT_ONLY_KEYS) & diagnostics
+    assert set(REG_ONLY_KEYS + ONE_STEP_KEYS) == diagnostics and not diagnostics & default
+    assert set(COMPONENT_KEYS) == set(INIT_ONLY_KEYS + REG_ONLY_KEYS) <= set(TABLE1_ROWS)
+    assert "diagnostics" not in OPT_IN_TABLES  # `--tables all` computes them
     # the paper-literal rows keep the per-image rule and no launch step whatever the settings say, and start
     # from a variant meta-trained on the one-step objective
     literal = method_spec(
@@ -238,7 +261,7 @@ def test_method_rows_have_unique_keys_existing_presets_and_variants():
     assert (literal.init_prompts, literal.regulate, literal.reg_window, literal.launch) == (True, True, 1, False)
     variant = VARIANT_BY_NAME[METHOD_BY_KEY["unigram_one_step"].variant]
     assert dict(zip(variant.overrides[::2], variant.overrides[1::2]))["META.QUERY_BEFORE_WEIGHT"] == 0.0
-    assert set(ONE_STEP_KEYS) <= set(b2n_keys(("base2new",))) and set(ONE_STEP_KEYS) <= set(TABLE1_ROWS)
+    assert set(ONE_STEP_KEYS) <= set(TABLE1_ROWS)
 
 
 def test_old_preset_names_are_silent_aliases_of_the_stable_keys():

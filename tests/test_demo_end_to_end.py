@@ -21,7 +21,9 @@ from gram_world.demo import (
     run,
     variants_needed,
 )
+from gram_world.demo.background import BackgroundRuns, baseline_jobs
 from gram_world.demo.settings import ONE_STEP_VARIANTS, OPT_IN_TABLES, TABLE1_ROWS
+from gram_world.demo.stages import stage_world
 from meta.coop_data import harmonic_mean
 
 pytestmark = pytest.mark.slow
@@ -130,3 +132,21 @@ def test_rerun_reuses_every_stage_and_gives_the_same_tables(demo_out, tmp_path_f
     run(settings, out, world_root=tmp_path_factory.getbasetemp() / "worlds")
     assert json.loads((out / "results.json").read_text())["tables"] == before
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+
+
+def test_baseline_runs_in_the_background_process_give_the_same_records(demo_out, tmp_path_factory):
+    """What :class:`BackgroundRuns` computes beside CHC / meta-training equals the in-process runs."""
+    out, _, settings = demo_out
+    again = tmp_path_factory.mktemp("demo_background")
+    world, weights, model, _ = stage_world(settings, again, tmp_path_factory.getbasetemp() / "worlds")
+    jobs = baseline_jobs(world, again, settings)
+    assert jobs and {j.key for j in jobs} == {k for k in b2n_keys(settings.tables) if not METHOD_BY_KEY[k].variant}
+    assert settings.jobs == 1 and BackgroundRuns.start(world, weights, model, again, settings) is None  # one process
+    background = BackgroundRuns.start(world, weights, model, again, replace(settings, jobs=2))
+    background.process.join(timeout=600)  # it ends by itself when its list is done
+    assert background.finish() == len(jobs)
+    assert baseline_jobs(world, again, settings) == []  # the evaluation stage has nothing left of them
+    for job in jobs:
+        ours, theirs = (json.loads(job.path(folder).read_text()) for folder in (again, out))
+        for field in ("base", "new", "H", "final_prompt_sha256", "history"):
+            assert ours.get(field) == theirs.get(field), (job.key, field)

@@ -22,6 +22,8 @@ from meta.provenance import git_commit
 
 from .settings import (
     DEEP_KEYS,
+    EPOCH_CURVE_KEYS,
+    EPOCH_PLOT_KEYS,
     META_VARIANTS,
     METHOD_BY_KEY,
     TABLE1_ROWS,
@@ -32,11 +34,11 @@ from .settings import (
     DemoSettings,
     settings_hash,
     settings_record,
+    variants_needed,
 )
 
 AVERAGE = "Average"
-# Fig. 3a's methods, as in the paper's figure
-EPOCH_PLOT_KEYS = ("coop", "gram_coop", "vpt", "gram_vpt", "unigram")
+# colours of Fig. 3a's methods
 COLOURS = {
     "zsclip": "0.4",
     "coop": "tab:blue",
@@ -105,12 +107,13 @@ def build_tables(records: list, settings: DemoSettings, world) -> dict:
     b2n = summarise([r for r in records if r["protocol"] == "base2new"], average=AVERAGE)
     n_data = len({r["dataset"] for r in b2n if r["dataset"] != AVERAGE})
     tables: dict = {}
-    if "base2new" in settings.tables:
+    if "base2new" in settings.tables or "diagnostics" in settings.tables:  # diagnostics: Table 1's extra rows
         tables["table1"] = {
             "title": f"Table 1: base-to-new generalization ({settings.shots} shots)",
             "kind": "base2new",
             "rows": _ordered(b2n, TABLE1_ROWS),
         }
+    if "ablations" in settings.tables:
         tables["table4"] = {
             "title": f"Table 4: ablations (base-to-new, {settings.shots} shots)",
             "kind": "base2new",
@@ -258,7 +261,7 @@ def _bars(tables: dict, settings: DemoSettings, world, path: Path, plt) -> None:
     ax.set_ylim(bottom, top + 0.12 * (top - bottom))
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([r["method"] for r in rows], rotation=25, ha="right", fontsize=8)
-    if "table4" in tables:
+    if "table4" in tables and "table1" in tables:
         n_table1 = sum(r["dataset"] == AVERAGE for r in tables.get("table1", {}).get("rows", []))
         split = n_table1 - 0.5  # Table 1 rows | the rest of Table 4
         ax.axvline(split, color="0.6", lw=0.8)
@@ -282,8 +285,11 @@ def _bars(tables: dict, settings: DemoSettings, world, path: Path, plt) -> None:
         )
     ax.set_ylabel(f"accuracy (%), axis starts at {bottom:.0f} %")
     n = len({r["dataset"] for r in tables.get("table1", tables.get("table4", {"rows": []}))["rows"]}) - 1
+    shown = {("table1",): "Table 1", ("table4",): "Table 4"}.get(
+        tuple(t for t in ("table1", "table4") if t in tables), "Tables 1 and 4"
+    )
     ax.set_title(
-        f"Tables 1 and 4: base-to-new accuracy, average over {n} dataset(s) (mean ± std over seeds)\n"
+        f"{shown}: base-to-new accuracy, average over {n} dataset(s) (mean ± std over seeds)\n"
         + _subtitle(settings, world),
         fontsize=10,
     )
@@ -294,7 +300,7 @@ def _bars(tables: dict, settings: DemoSettings, world, path: Path, plt) -> None:
 
 
 def _epochs(records: list, settings: DemoSettings, world, path: Path, plt) -> None:
-    b2n = [r for r in records if r["protocol"] == "base2new" and r["key"] in EPOCH_PLOT_KEYS + ("zsclip",)]
+    b2n = [r for r in records if r["protocol"] == "base2new" and r["key"] in EPOCH_CURVE_KEYS]
     curves = {c["key"]: c for c in epoch_curves(b2n, average=AVERAGE) if c["dataset"] == AVERAGE}
     zs = summarise([r for r in b2n if r["key"] == "zsclip"], average=AVERAGE)
     zs = next((r for r in zs if r["dataset"] == AVERAGE), None)
@@ -347,7 +353,7 @@ def _grad_cosine(out: Path, settings: DemoSettings, world, path: Path, plt) -> d
     labels = {m.variant: m.label for m in METHOD_BY_KEY.values() if m.variant}
     fig, ax = plt.subplots(figsize=(10, 4.6))
     series, missing = {}, []
-    for variant in META_VARIANTS:
+    for variant in (v for v in META_VARIANTS if v in variants_needed(settings.tables)):  # those trained
         log = [
             r
             for r in read_log(out / "meta" / variant.name / "log.jsonl")
@@ -426,9 +432,10 @@ def plots(tables: dict, records: list, settings: DemoSettings, world, out: Path)
     import matplotlib.pyplot as plt
 
     files: dict = {}
-    if "table1" in tables:
+    if "table1" in tables or "table4" in tables:
         files["bars"] = out / "accuracy_bars.png"
         _bars(tables, settings, world, files["bars"], plt)
+    if "table1" in tables:
         files["epochs"] = out / "accuracy_vs_epoch.png"
         _epochs(records, settings, world, files["epochs"], plt)
         files["grad_cosine"] = out / "grad_cosine.png"
@@ -468,7 +475,7 @@ def stage_report(
         "",
     ]
     if "table1" in tables:
-        t1, t4 = tables["table1"], tables["table4"]
+        t1 = tables["table1"]
         parts += [
             f"## {t1['title']}",
             "",
@@ -479,6 +486,8 @@ def stage_report(
         ]
         for d in datasets:
             parts += [f"### {d}", "", markdown_table(t1["rows"], d), ""]
+    if "table4" in tables:
+        t4 = tables["table4"]
         parts += [
             f"## {t4['title']}",
             "",

@@ -151,13 +151,9 @@ METHOD_BY_KEY = {m.key: m for m in METHODS}
 TABLE1_KEYS = ("zsclip", "coop", "gram_coop", "vpt", "gram_vpt", "unigram")
 # Each GRAM row's components (θ* only: meta-learned start, raw gradients; R_φ only: the baseline's start,
 # regulated gradients) next to it in Table 1; UNIGRAM's θ*-only row is Table 4's "- gradient regulating".
-COMPONENT_KEYS = (
-    "gram_coop_init_only",
-    "gram_coop_reg_only",
-    "gram_vpt_init_only",
-    "gram_vpt_reg_only",
-    "unigram_reg_only",
-)
+INIT_ONLY_KEYS = ("gram_coop_init_only", "gram_vpt_init_only")
+REG_ONLY_KEYS = ("gram_coop_reg_only", "gram_vpt_reg_only", "unigram_reg_only")
+COMPONENT_KEYS = INIT_ONLY_KEYS + REG_ONLY_KEYS
 # The paper-literal GRAM of each prompt type ("one-step objective": R_φ on every image's gradient, no launch
 # step, θ*/φ meta-trained on the one-step query loss only), beside the GRAM row that follows the defaults.
 ONE_STEP_KEYS = ("gram_coop_one_step", "gram_vpt_one_step", "unigram_one_step")
@@ -185,6 +181,10 @@ REG_ADDS_PAIRS = (
     ("gram_vpt", "gram_vpt_init_only"),
     ("unigram", "unigram_no_reg"),
 )
+# Rows of Fig. 3a (accuracy vs fine-tuning epoch): only their runs (and zero-shot's) are tested after every epoch;
+# the other runs are tested once, after the last epoch (the same final numbers, fewer test passes)
+EPOCH_PLOT_KEYS = ("coop", "gram_coop", "vpt", "gram_vpt", "unigram")  # as in the paper's figure
+EPOCH_CURVE_KEYS = EPOCH_PLOT_KEYS + ("zsclip",)
 # (GRAM or component row, its baseline): the paired differences the study reports
 PAIRS = (
     ("gram_coop", "coop"),
@@ -204,6 +204,8 @@ PAIRS = (
     ("unigram", "unigram_one_step"),
 ) + REG_ADDS_PAIRS
 TABLE4_KEYS = ("unigram", "unigram_no_shift", "unigram_no_reg", "unigram_pretrain", "unigram_supervised", "joint")
+# Table 1's rows that only the diagnostics group computes (the default's Table 1 is the rest)
+DIAGNOSTIC_KEYS = REG_ONLY_KEYS + ONE_STEP_KEYS
 TRANSFER_KEYS = TABLE1_KEYS
 TOKEN_KEYS = {n: ("unigram" if n == 4 else f"unigram_{n}tok") for n in TOKEN_COUNTS}
 DEEP_KEYS = (
@@ -219,7 +221,9 @@ DEEP_KEYS = (
 
 # Table groups of ``--tables``: what each one evaluates and which meta variants it needs.
 TABLE_GROUPS = {
-    "base2new": "Table 1 (base-to-new), Table 4 (ablations), Fig. 3a, Fig. 3b",
+    "base2new": "Table 1 (base-to-new, each GRAM row with its θ*-only row), Fig. 3a, Fig. 3b",
+    "ablations": "Table 4 (UNIGRAM's ablations; in 'all', not in the default)",
+    "diagnostics": "Table 1's R_φ-only rows and paper-literal one-step rows (in 'all', not in the default)",
     "transfer": "Tables 2 and 3 (cross-domain, cross-dataset) and A1 / A2 (the same at fewer shots)",
     "tokens": "Table A3 (UNIGRAM with 2 / 4 / 6 / 8 prompt tokens)",
     "deep": "deep prompts: IVLP and MaPLe, each without and with GRAM (base-to-new; opt-in, not in 'all')",
@@ -232,7 +236,11 @@ def b2n_keys(tables: tuple) -> tuple:
     """Method keys evaluated base-to-new for the table groups ``tables``."""
     keys: tuple = ()
     if "base2new" in tables:
-        keys += TABLE1_KEYS + COMPONENT_KEYS + ONE_STEP_KEYS + TABLE4_KEYS
+        keys += tuple(k for k in TABLE1_ROWS if k not in DIAGNOSTIC_KEYS)
+    if "ablations" in tables:
+        keys += TABLE4_KEYS
+    if "diagnostics" in tables:
+        keys += DIAGNOSTIC_KEYS
     if "tokens" in tables:
         keys += tuple(TOKEN_KEYS.values())
     if "deep" in tables:
@@ -247,8 +255,6 @@ def transfer_keys(tables: tuple) -> tuple:
 def variants_needed(tables: tuple) -> tuple:
     """Meta variants the table groups start from, in :data:`ALL_VARIANTS` order."""
     names = {METHOD_BY_KEY[k].variant for k in b2n_keys(tables) + transfer_keys(tables)} - {""}
-    if "base2new" in tables:
-        names |= {v.name for v in META_VARIANTS}  # Fig. 3b plots every Table 1 / 4 variant
     return tuple(v for v in ALL_VARIANTS if v.name in names)
 
 

@@ -37,6 +37,7 @@ from ..zeroshot import zeroshot_accuracy
 from .pool import log, run_with_progress
 from .settings import (
     ALL_VARIANTS,
+    EPOCH_CURVE_KEYS,
     METHOD_BY_KEY,
     METHODS,
     ONE_STEP,
@@ -292,7 +293,7 @@ def _eval_job(job: EvalJob) -> None:
         epochs=settings.epochs,
         batch_size=settings.batch_size,
         rrcrop_scale=settings.rrcrop_scale,
-        eval_every_epoch=settings.eval_every_epoch and job.protocol == "base2new",
+        eval_every_epoch=settings.eval_every_epoch and job.protocol == "base2new" and job.key in EPOCH_CURVE_KEYS,
     )
     split = {"eval_split": settings.eval_split} if job.protocol == "base2new" else {}
     source = DatasetRef.from_dir(job.dataset_dir, name=job.dataset)
