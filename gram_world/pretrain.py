@@ -208,7 +208,7 @@ def pretrain_clip(
     (step counts from 1; the model is in train mode and must be left so) -
     for learning curves in trials; its time counts in the recorded seconds.
 
-    ``fast`` (default) gives the same weights bit for bit in about half the time on two cores (a test
+    ``fast`` (default) gives the same weights bit for bit in about 60 % of the time on two cores (a test
     compares it with ``fast=False``, the plain loop): the text tower runs in a second thread beside the
     image tower, forward and backward (one intra-op thread each, so every kernel runs as in the plain
     loop), and AdamW steps only the rows of the token-embedding table that the corpus uses (a

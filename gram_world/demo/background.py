@@ -15,7 +15,7 @@ from typing import Optional
 from ..lifeline import die_with_parent
 from .pool import log
 from .settings import METHOD_BY_KEY, DemoSettings
-from .stages import EvalJob, _eval_init, _eval_job, eval_jobs
+from .stages import EvalJob, eval_jobs, init_eval_worker, run_eval_job
 
 
 def baseline_jobs(world, out: Path, settings: DemoSettings) -> list[EvalJob]:
@@ -25,12 +25,12 @@ def baseline_jobs(world, out: Path, settings: DemoSettings) -> list[EvalJob]:
 
 
 def _background_main(parent_pid: int, jobs: list, model: str, weights: str, settings, out: str, stop) -> None:
-    die_with_parent(parent_pid, _eval_init, (model, weights, settings, out))
+    die_with_parent(parent_pid, init_eval_worker, (model, weights, settings, out))
     for job in jobs:
         if stop.is_set():
             return
         try:
-            _eval_job(job)
+            run_eval_job(job)
         except Exception as exc:  # the evaluation stage runs it again and reports the error there
             log(f"background run {job.key} on {job.dataset} seed {job.seed} failed ({exc}); left to the evaluation")
             return

@@ -285,9 +285,10 @@ def _bars(tables: dict, settings: DemoSettings, world, path: Path, plt) -> None:
         )
     ax.set_ylabel(f"accuracy (%), axis starts at {bottom:.0f} %")
     n = len({r["dataset"] for r in tables.get("table1", tables.get("table4", {"rows": []}))["rows"]}) - 1
-    shown = {("table1",): "Table 1", ("table4",): "Table 4"}.get(
-        tuple(t for t in ("table1", "table4") if t in tables), "Tables 1 and 4"
-    )
+    if "table1" in tables and "table4" in tables:
+        shown = "Tables 1 and 4"
+    else:
+        shown = "Table 1" if "table1" in tables else "Table 4"
     ax.set_title(
         f"{shown}: base-to-new accuracy, average over {n} dataset(s) (mean ± std over seeds)\n"
         + _subtitle(settings, world),
@@ -353,7 +354,8 @@ def _grad_cosine(out: Path, settings: DemoSettings, world, path: Path, plt) -> d
     labels = {m.variant: m.label for m in METHOD_BY_KEY.values() if m.variant}
     fig, ax = plt.subplots(figsize=(10, 4.6))
     series, missing = {}, []
-    for variant in (v for v in META_VARIANTS if v in variants_needed(settings.tables)):  # those trained
+    trained = variants_needed(settings.tables)
+    for variant in (v for v in META_VARIANTS if v in trained):
         log = [
             r
             for r in read_log(out / "meta" / variant.name / "log.jsonl")

@@ -271,7 +271,7 @@ def method_spec(row: MethodRow, init: str = "", settings: DemoSettings = DemoSet
 _WORKER: dict = {}
 
 
-def _eval_init(model: str, weights: str, settings: DemoSettings, out: str) -> None:
+def init_eval_worker(model: str, weights: str, settings: DemoSettings, out: str) -> None:
     """Load the frozen CLIP once per worker process (or once in-process)."""
     torch.set_num_threads(1)
     with warnings.catch_warnings():
@@ -281,8 +281,8 @@ def _eval_init(model: str, weights: str, settings: DemoSettings, out: str) -> No
     _WORKER.update(clip=clip, dims=dims, evaluation=evaluation, settings=settings, out=Path(out))
 
 
-def _eval_job(job: EvalJob) -> None:
-    """Run one job in a worker prepared by :func:`_eval_init`; its record goes to ``job.path(out)``."""
+def run_eval_job(job: EvalJob) -> None:
+    """Run one job in a worker prepared by :func:`init_eval_worker`; its record goes to ``job.path(out)``."""
     settings, out, evaluation = _WORKER["settings"], _WORKER["out"], _WORKER["evaluation"]
     path = job.path(out)
     if path.is_file():
@@ -382,14 +382,14 @@ def stage_eval(
     t = time.time()
     if todo:
         run_with_progress(
-            _eval_job,
+            run_eval_job,
             todo,
             n_jobs,
             total=len(jobs),
             done=lambda: sum(j.path(out).is_file() for j in jobs),
             desc="evaluation",
             unit="run",
-            initializer=_eval_init,
+            initializer=init_eval_worker,
             initargs=(model, str(weights), settings, str(out)),
         )
     log(f"evaluation done ({time.time() - t:.0f} s)")
