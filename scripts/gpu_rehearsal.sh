@@ -8,7 +8,8 @@
 # RSS; the trainers' epoch times and the ratios GRAM_CoOp / CoOp and UNIGRAM / joint) and copies it to
 # docs/gpu_rehearsal.json (FIGURES_DIR overrides docs).  Sizes: python -m gram_tools.rehearsal --help.
 # Without CUDA it stops at once with one line on stderr (exit 2), like scripts/gpu_check.sh.  PYTHON
-# overrides the interpreter (default: .venv/bin/python when it exists, else python).
+# overrides the interpreter (default: .venv/bin/python when it exists, else python); GRAM_TEXT_MODEL a local
+# caption-model folder.
 # One device call: the rehearsal alone (target <= 8 min); scripts/gpu_check.sh is the other call
 # (docs/task_batching.md, "On the device machine").
 set -euo pipefail
@@ -19,6 +20,9 @@ SCRIPT=scripts/gpu_rehearsal.sh
 # shellcheck source=scripts/gpu_common.sh
 source "$ROOT/scripts/gpu_common.sh"
 mkdir -p "$FIG" "$(dirname "$OUT")"
-"$PY" -m gram_tools.rehearsal --out "$OUT" 2>&1 | tee "$OUT.log"
+# GRAM_TEXT_MODEL: a local caption-model folder (offline machines; scripts/device_install.sh sets it)
+TEXT=()
+[[ -n "${GRAM_TEXT_MODEL:-}" ]] && TEXT=(--text-model "$GRAM_TEXT_MODEL")
+"$PY" -m gram_tools.rehearsal --out "$OUT" "${TEXT[@]}" 2>&1 | tee "$OUT.log"
 cp "$OUT/rehearsal.json" "$FIG/gpu_rehearsal.json"
 echo "wrote $FIG/gpu_rehearsal.json"

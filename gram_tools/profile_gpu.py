@@ -1,0 +1,210 @@
+"""Where a GPU's time goes, for the two costs issue work on the GPU path aims at: ``python -m gram_tools.profile_gpu``.
+
+1. ``step_profile``: the task-batched second-order outer step (bf16 autocast, the default task size) of VPT and
+   UNIGRAM under ``torch.profiler``: per learner the step's median seconds, the kernels' time per step (device-side
+   events only, so no kernel is counted twice) and its share of the step's wall time, the top kernels (name,
+   calls, ms per step, share), the shares of GEMM, fused-attention and cast kernels (read off kernel names), and
+   the top aten operators by their own device time.  With ``--tf32``
+   the same for fp32 with TF32 matmuls allowed (``torch.backends.cuda.matmul.allow_tf32``) beside fp32 without.
+2. ``decode``: images per second of JPEG decoding + resize to 224 px at CC3M's typical size (500x375 px,
+   quality 90; synthetic photos with smooth gradients and noise): PIL on one thread, PIL on ``--threads`` threads,
+   and ``torchvision.io.decode_jpeg(device="cuda")`` on lists of ``--decode-batch`` images with the resize on the
+   GPU.  Decoding is what bounds CHC's image stage on a GPU (the image tower alone runs ~6,000 img/s on an H200).
+
+Prints one JSON object as the last line (``--out`` also writes it).  CUDA only: without it one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+# substrings of kernel names (lower case)
+MATMUL_KERNELS = ("gemm", "xmma", "cutlass", "nvjet", "cublas")
+ATTENTION_KERNELS = ("flash", "fmha", "attention", "efficient")
+CAST_KERNELS = ("copy_kernel", "_copy")
+
+
+def synthetic_jpegs(n: int, width: int = 500, height: int = 375, quality: int = 90, seed: int = 0) -> list[bytes]:
+    """``n`` JPEG files (bytes) of ``width`` x ``height`` px: smooth colour gradients plus noise, like photos."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
+    out = []
+    for _ in range(n):
+        a, b, c = rng.uniform(0.2, 1.0, 3)
+        base = np.stack([xx * a / width, yy * b / height, (xx + yy) * c / (width + height)], axis=-1) * 255
+        img = np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(img).save(buf, format="JPEG", quality=quality)
+        out.append(buf.getvalue())
+    return out
+
+
+def decode_rates(jpegs: list[bytes], threads: int, batch: int, size: int = 224) -> dict:
+    """Images per second: PIL decode + resize (1 and ``threads`` threads) and CUDA batched decode + resize."""
+    import torchvision
+    from PIL import Image
+
+    def pil_one(data: bytes) -> np.ndarray:
+        with Image.open(io.BytesIO(data)) as img:
+            return np.asarray(img.convert("RGB").resize((size, size), Image.BICUBIC))
+
+    start = time.perf_counter()
+    for data in jpegs:
+        pil_one(data)
+    one = len(jpegs) / (time.perf_counter() - start)
+    with ThreadPoolExecutor(threads) as pool:
+        start = time.perf_counter()
+        list(pool.map(pil_one, jpegs))
+        many = len(jpegs) / (time.perf_counter() - start)
+
+    raw = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in jpegs]
+
+    def gpu_pass() -> None:
+        for i in range(0, len(raw), batch):
+            decoded = torchvision.io.decode_jpeg(raw[i : i + batch], device="cuda")
+            resized = [
+                torch.nn.functional.interpolate(img[None].float(), size=(size, size), mode="bicubic", antialias=True)
+                for img in decoded
+            ]
+            torch.cat(resized).clamp_(0, 255)
+        torch.cuda.synchronize()
+
+    gpu_pass()  # warm-up (nvjpeg handles)
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        gpu_pass()
+        times.append(time.perf_counter() - start)
+    return {
+        "images": len(jpegs),
+        "jpeg_kib_mean": round(sum(map(len, jpegs)) / len(jpegs) / 1024, 1),
+        "pil_1_thread_img_s": round(one, 1),
+        f"pil_{threads}_threads_img_s": round(many, 1),
+        f"cuda_decode_batch{batch}_img_s": round(len(jpegs) / statistics.median(times), 1),
+    }
+
+
+def _shares(rows: list[tuple[str, int, float]], total_ms: float) -> dict:
+    """Shares of the kernels' time by kind, read off kernel names (cuBLAS/CUTLASS GEMMs, fused attention, casts)."""
+
+    def share(keys: tuple[str, ...]) -> float:
+        hit = sum(ms for name, _, ms in rows if any(key in name.lower() for key in keys))
+        return round(hit / total_ms, 3) if total_ms else 0.0
+
+    return {"matmul": share(MATMUL_KERNELS), "attention": share(ATTENTION_KERNELS), "casts": share(CAST_KERNELS)}
+
+
+def profile_steps(learners: list[str], autocast: str, tf32: bool, steps: int, top: int) -> dict:
+    """Median step seconds and the profiler's top self-CUDA operators of the stacked second-order step."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from gram_tools.bench_gpu import VARIANTS, _median_time, task_size
+    from meta.backbone import load_clip
+    from meta.gram import GRAMMetaLearner, MetaSpec, TaskBatch
+    from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    dev = torch.device("cuda")
+    size = task_size()
+    torch.manual_seed(0)
+    clip, dims = load_clip("ViT-B-16", pretrained=None, device=dev)
+    k, b = size["way"], size["meta_batch"]
+    names = [f"class {i}" for i in range(k)]
+    gen = torch.Generator().manual_seed(0)
+    out: dict = {}
+    for name in learners:
+        spec = PromptSpec(**VARIANTS[name])
+
+        def part(shots: int) -> dict:
+            images = torch.randn(k * shots, 3, dims.image_size, dims.image_size, generator=gen).to(dev)
+            return {"classnames": names, "label": torch.arange(k).repeat(shots).to(dev), "images": images}
+
+        tasks = [TaskBatch(part(size["support_shots"]), part(size["query_shots"])) for _ in range(b)]
+        theta = PromptParams.from_spec(spec, clip, dims, generator=torch.Generator().manual_seed(1))
+        ml = GRAMMetaLearner(theta, MetaSpec(autocast=autocast, task_batching="auto")).to(dev)
+        loss_fn = classification_loss(PromptedCLIP(clip, dims, theta.n_ctx_text, template=spec.template))
+
+        def step(ml=ml, loss_fn=loss_fn, tasks=tasks) -> None:
+            ml.meta_step(tasks, loss_fn)
+
+        seconds = _median_time(step, dev, 2, 5)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        # kernels (device-side events) carry the GPU time once; an aten op's own device time repeats its kernels'
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+        rows = [(e.key, int(e.count) // steps, e.self_device_time_total / 1e3 / steps) for e in kernels]
+        rows.sort(key=lambda r: -r[2])
+        total = sum(ms for _, _, ms in rows)
+        ops = [
+            (e.key, int(e.count) // steps, e.self_device_time_total / 1e3 / steps)
+            for e in events
+            if e.key.startswith("aten::") and e.self_device_time_total > 0
+        ]
+        ops.sort(key=lambda r: -r[2])
+        out[name] = {
+            "step_s": round(seconds, 4),
+            "kernel_ms_per_step": round(total, 2),
+            "gpu_busy_fraction": round(total / 1e3 / seconds, 3),
+            "kernel_shares": _shares(rows, total),
+            "top_kernels": [
+                {"kernel": n[:160], "calls": c, "ms": round(ms, 3), "share": round(ms / total, 3)}
+                for n, c, ms in rows[:top]
+            ],
+            "top_ops": [{"op": n, "calls": c, "self_cuda_ms": round(ms, 3)} for n, c, ms in ops[:top]],
+        }
+        del ml
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gram_tools.profile_gpu", description=__doc__.splitlines()[0])
+    parser.add_argument("--learners", nargs="+", default=["vpt", "unigram"])
+    parser.add_argument("--steps", type=int, default=3, help="profiled steps per learner (>= 1)")
+    parser.add_argument("--top", type=int, default=15, help="operators listed per learner (>= 1)")
+    parser.add_argument("--tf32", action="store_true", help="also profile fp32 with and without TF32")
+    parser.add_argument("--decode-images", type=int, default=512, help="JPEGs in the decode probe (0: skip)")
+    parser.add_argument("--decode-batch", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=8, help="PIL decoding threads")
+    parser.add_argument("--out", default="", help="also write the JSON here")
+    args = parser.parse_args(argv)
+    for key in ("steps", "top", "decode_batch", "threads"):
+        if getattr(args, key) < 1:
+            parser.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    if not torch.cuda.is_available():
+        print("error: gram_tools.profile_gpu: CUDA is not available on this machine", file=sys.stderr)
+        return 2
+    result: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    if args.decode_images > 0:
+        result["decode"] = decode_rates(synthetic_jpegs(args.decode_images), args.threads, args.decode_batch)
+        print(json.dumps({"decode": result["decode"]}), flush=True)
+    result["bf16"] = profile_steps(args.learners, "bf16", False, args.steps, args.top)
+    if args.tf32:
+        result["fp32"] = profile_steps(args.learners, "none", False, args.steps, 5)
+        result["fp32_tf32"] = profile_steps(args.learners, "none", True, args.steps, 5)
+    text = json.dumps(result)
+    if args.out:
+        with open(args.out, "w") as handle:
+            handle.write(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
