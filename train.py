@@ -20,14 +20,18 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
-import torch
-from dassl.config import get_cfg_default
-from dassl.engine import build_trainer
-from dassl.utils import collect_env_info, set_random_seed, setup_logger
+from meta.numerics import pin_process
 
-import datasets.coop_layout  # noqa: F401  (registers the CoOp benchmark datasets)
-import trainers  # noqa: F401  (registers GRAM_CoOp, GRAM_VPT, UNIGRAM)
-from trainers import extend_cfg as extend_gram_cfg
+pin_process()  # CPU kernel pins before torch starts (meta.numerics)
+
+import torch  # noqa: E402
+from dassl.config import get_cfg_default  # noqa: E402
+from dassl.engine import build_trainer  # noqa: E402
+from dassl.utils import collect_env_info, set_random_seed, setup_logger  # noqa: E402
+
+import datasets.coop_layout  # noqa: F401, E402  (registers the CoOp benchmark datasets)
+import trainers  # noqa: F401, E402  (registers GRAM_CoOp, GRAM_VPT, UNIGRAM)
+from trainers import extend_cfg as extend_gram_cfg  # noqa: E402
 
 
 def print_args(args: argparse.Namespace, cfg) -> None:

@@ -1019,4 +1019,7 @@ def _main(argv: list) -> int:
 
 
 if __name__ == "__main__":
+    from meta.numerics import pin_process
+
+    pin_process()  # numpy started with this module: this starts the command again, pinned (meta.numerics)
     raise SystemExit(main())

@@ -20,6 +20,13 @@ USAGE = "usage: python -m meta {cluster,train,export} --config-file FILE [KEY VA
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from meta.numerics import NumericsError, pin_process
+
+    try:
+        pin_process()  # before any command imports torch (meta.numerics)
+    except NumericsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = ["--debug"] if "--debug" in argv else []  # accepted anywhere; handed to the command after its name
     argv = [a for a in argv if a != "--debug"]

@@ -13,6 +13,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # trainers/ and datasets/ import from the repo root, CoOp style
     sys.path.insert(0, str(ROOT))
 
+from meta.numerics import pin_process  # noqa: E402
+
+pin_process()  # the suite runs with the numerics pins, as the entry points it starts in subprocesses do
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
