@@ -382,11 +382,39 @@ def settings_record(base: DemoSettings, variant: str = "") -> dict:
     return record
 
 
+def current_provenance() -> dict:
+    """:func:`meta.provenance.computed_by` of this process (computed once: the golden run takes ~15 s)."""
+    if "record" not in _PROVENANCE:
+        from meta.provenance import computed_by
+
+        _PROVENANCE["record"] = computed_by()
+    return _PROVENANCE["record"]
+
+
+_PROVENANCE: dict = {}
+
+
+def check_fingerprints(path: Path, computed: dict, kept: Sequence[str], fingerprint: str, mix: bool) -> list[str]:
+    """The kept cells of ``path`` computed at another numerics fingerprint than ``fingerprint`` (or unrecorded).
+
+    Without ``mix`` any such cell is an error (one line naming the cells): cells of different code or kernels are
+    not pooled.  With ``mix`` they are returned, and the summary names them."""
+    other = sorted(name for name in kept if computed.get(name, {}).get("fingerprint") != fingerprint)
+    if other and not mix:
+        seen = sorted({str(computed.get(n, {}).get("fingerprint", "none"))[:12] for n in other})
+        raise ValueError(
+            f"{path}: cells {', '.join(other)} were computed at numerics fingerprint {', '.join(seen)}, this "
+            f"machine and code give {fingerprint[:12]}; rerun them (another --out) or pass --mix-fingerprints"
+        )
+    return other
+
+
 def load_cells(path: Path, base: DemoSettings, variant: str = "") -> tuple[dict, dict]:
     """Finished cells and their seconds from an earlier ``results.json`` run with ``base``'s settings.
 
     Returns ``({(world, meta seed): cell_h table}, {"world/seed": seconds})``; a file written with other
-    settings is an error naming the differing keys (its cells are not this study's)."""
+    settings is an error naming the differing keys (its cells are not this study's).  What computed each cell
+    is in the file's ``computed_by`` (:func:`check_fingerprints`)."""
     data = json.loads(path.read_text())
     theirs = data.get("settings", {})
     ours = settings_record(base, variant)
@@ -417,6 +445,7 @@ def study(
     deep: bool = False,
     variant: str = "",
     rows: str = "all",
+    mix_fingerprints: bool = False,
 ) -> dict:
     """The default pipeline on test splits for every (world, meta seed), meta seed by meta seed (every
     world's first seed before any second one); ``results.json`` / ``.md`` are rewritten after every cell,
@@ -433,7 +462,12 @@ def study(
     today's defaults, ``results.json``.
 
     ``rows``: a name of :data:`ROWS`, the rows a new cell runs (``reg-adds``: only the "GRAM vs θ* only" pairs'
-    rows); a kept cell that holds them all is kept as it is."""
+    rows); a kept cell that holds them all is kept as it is.
+
+    Every cell records what computed it (``computed_by``: commit, numerics fingerprint, CPU, pins, builds;
+    :func:`current_provenance`).  Kept cells of another fingerprint are refused unless ``mix_fingerprints``;
+    then the results name them (``mixed_fingerprints``), and so they do a kept cell of another fingerprint
+    that gains rows here."""
     if rows not in ROWS:
         raise ValueError(f"--rows: unknown {rows!r}; known: {', '.join(ROWS)}")
     variant = study_variant(variant)
@@ -442,9 +476,13 @@ def study(
     previous = previous or root / results_name(variant)
     cells, seconds = load_cells(previous, base, variant) if previous.is_file() else ({}, {})
     kept = {f"{w}/{s}" for w, s in cells}
-    inputs = json.loads(previous.read_text()).get("inputs", {}) if cells else {}
-    inputs = {name: v for name, v in inputs.items() if name in kept}
-    result: dict = _write_results(root, cells, seconds, base, inputs, variant) if cells else {}
+    earlier = json.loads(previous.read_text()) if cells else {}
+    inputs = {name: v for name, v in earlier.get("inputs", {}).items() if name in kept}
+    now = current_provenance()
+    computed = {name: v for name, v in earlier.get("computed_by", {}).items() if name in kept}
+    mixed = set(check_fingerprints(previous, computed, sorted(kept), now["fingerprint"], mix_fingerprints))
+    book = _Book(computed, mixed)
+    result: dict = _write_results(root, cells, seconds, base, inputs, variant, book) if cells else {}
     for seed in meta_seeds:
         for world in worlds:
             cell = Cell(world, replace(world_settings(world, base), meta_seed=seed, eval_split="test"), variant)
@@ -462,7 +500,8 @@ def study(
                 cells[(world, seed)].update(cell_h(records))
                 _merge_inputs(inputs, f"{world}/{seed}", cell_inputs(records))
                 seconds[f"{world}/{seed}"] = round(seconds.get(f"{world}/{seed}", 0.0) + time.time() - t, 1)
-                result = _write_results(root, cells, seconds, base, inputs, variant)
+                book.add_rows(f"{world}/{seed}", now)
+                result = _write_results(root, cells, seconds, base, inputs, variant, book)
                 continue
             t = time.time()
             log(f"study cell world {world}, meta seed {seed}: {cell.name}")
@@ -471,8 +510,25 @@ def study(
             cells[(world, seed)] = cell_h(records)
             _merge_inputs(inputs, f"{world}/{seed}", cell_inputs(records))
             seconds[f"{world}/{seed}"] = round(time.time() - t, 1)
-            result = _write_results(root, cells, seconds, base, inputs, variant)
+            book.computed[f"{world}/{seed}"] = now
+            result = _write_results(root, cells, seconds, base, inputs, variant, book)
     return result
+
+
+@dataclass
+class _Book:
+    """What computed each cell (``"world/seed"`` -> :func:`meta.provenance.computed_by`) and the cells that mix
+    fingerprints (kept from another fingerprint with ``--mix-fingerprints``, or such a cell that gained rows)."""
+
+    computed: dict
+    mixed: set
+
+    def add_rows(self, name: str, now: dict) -> None:
+        """Rows computed by ``now`` joined the kept cell ``name``."""
+        old = self.computed.get(name)
+        if old is None or old.get("fingerprint") != now["fingerprint"]:
+            self.mixed.add(name)
+            self.computed[name] = {**now, "earlier": old}
 
 
 def _merge_inputs(inputs: dict, name: str, new: dict) -> None:
@@ -532,9 +588,11 @@ def _write_results(
     base: DemoSettings,
     inputs: Optional[dict] = None,
     variant: str = "",
+    book: Optional[_Book] = None,
 ) -> dict:
     """``results.json`` and ``results.md`` for the finished ``cells`` (``inputs``: :func:`cell_inputs` per
-    cell, where known; cells of studies run before it was recorded have none)."""
+    cell, where known; cells of studies run before it was recorded have none; ``book``: what computed each
+    cell, and the cells of mixed fingerprints, named in both files)."""
     rows = summarise(cells, STUDY_PAIRS)
     result = {
         "pairs": rows,
@@ -546,12 +604,21 @@ def _write_results(
         "inputs": {k: v for k, v in sorted((inputs or {}).items()) if v.get("hierarchy") or v.get("start_sha256")},
         "settings": settings_record(base, variant),
         "bootstrap": {"draws": BOOTSTRAP_DRAWS, "levels": ["world", "meta seed x fine-tuning seed"]},
+        "computed_by": dict(sorted(book.computed.items())) if book else {},
+        "mixed_fingerprints": sorted(book.mixed) if book else [],
     }
     name = results_name(variant)
     write_json_atomic(root / name, result)
+    mixed_note = (
+        "\n**Mixed numerics fingerprints** (kept with --mix-fingerprints): cells "
+        f"{', '.join(result['mixed_fingerprints'])} were computed, in whole or in part, at another fingerprint "
+        "than the others.\n"
+        if result["mixed_fingerprints"]
+        else ""
+    )
     write_text_atomic(
         root / name.replace(".json", ".md"),
-        markdown(rows) + "\nRegime (base / new accuracy, %; a world's numbers are "
+        markdown(rows) + mixed_note + "\nRegime (base / new accuracy, %; a world's numbers are "
         "means over its cells and fine-tuning seeds):\n\n" + regime_markdown(cells),
     )
     return result
@@ -931,6 +998,12 @@ def _parser() -> argparse.ArgumentParser:
         help="run: the rows a new cell runs: all, or reg-adds (only each GRAM row and its θ*-only row: what "
         "R_φ adds, e.g. for a --variants study)",
     )
+    parser.add_argument(
+        "--mix-fingerprints",
+        action="store_true",
+        help="run: keep cells of --resume-from computed at another numerics fingerprint (other code or kernels); "
+        "the summary names them. Without it such cells are refused",
+    )
     parser.add_argument("--quick", action="store_true", help="the demo's --quick settings (a smoke test)")
     parser.add_argument("--debug", action="store_true")
     return parser
@@ -963,6 +1036,7 @@ def _main(argv: list) -> int:
             deep=args.deep,
             variant=(args.variants or [""])[0],
             rows=args.rows,
+            mix_fingerprints=args.mix_fingerprints,
         )
         print((root / results_name((args.variants or [""])[0]).replace(".json", ".md")).read_text(), end="")
         print(f"study: {len(result['cells'])} cells in {root}; this call took {time.time() - t:.0f} s")

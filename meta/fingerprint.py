@@ -141,9 +141,16 @@ def run_one(learner: str, loop: str, perturb_ulp: bool = False) -> str:
 
 
 def fingerprint(perturb_ulp: bool = False, learners=tuple(LEARNERS), loops=tuple(LOOPS)) -> dict:
-    """``{"runs": {"<learner>/<loop>": digest}, "digest": digest over all runs}`` (one torch thread)."""
+    """``{"runs": {"<learner>/<loop>": digest}, "digest": digest over all runs}``.
+
+    Runs on one torch thread and leaves the caller's thread count and global RNG state as they were."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    runs = {f"{lr}/{lp}": run_one(lr, lp, perturb_ulp) for lr in learners for lp in loops}
+    try:
+        with torch.random.fork_rng(devices=[]):  # the caller's global RNG stream is left as it was
+            runs = {f"{lr}/{lp}": run_one(lr, lp, perturb_ulp) for lr in learners for lp in loops}
+    finally:
+        torch.set_num_threads(threads)
     total = hashlib.sha256(json.dumps(runs, sort_keys=True).encode()).hexdigest()
     return {"digest": total, "runs": runs}
 

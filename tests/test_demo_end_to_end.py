@@ -93,6 +93,10 @@ def test_every_table_is_present_with_stable_keys_and_h_of_the_means(demo_out):
     assert {r["key"] for r in result["rows"]} == set(b2n_keys(settings.tables))
     prov = result["provenance"]
     assert prov["world_seed"] == 0 and len(prov["world_settings_hash"]) == 12 and prov["commit"] and prov["machine"]
+    # and what computed the numbers: the pinned kernels and this machine's golden-run digest
+    computed = prov["computed_by"]
+    assert computed["numerics"]["pinned"] is True and computed["numerics"]["pins"]["MKL_CBWR"] == "COMPATIBLE"
+    assert len(computed["fingerprint"]) == 64 and computed["numerics"]["cpu_model"]
     assert f"world seed **0**, world settings hash `{prov['world_settings_hash']}`" in text
     # one run record per (protocol, dataset, method, seed[, shots])
     n_b2n = len(b2n_keys(settings.tables)) * len(settings.seeds)

@@ -12,6 +12,14 @@ import pytest
 from gram_world import study
 from gram_world.demo.settings import DemoSettings
 
+NOW = {"commit": "abc", "fingerprint": "f" * 64, "golden": True, "numerics": {"cpu_model": "test CPU"}}
+
+
+@pytest.fixture(autouse=True)
+def _this_machine(monkeypatch):
+    """What computed a new cell here: a fixed record (the real one runs the ~15 s golden run)."""
+    monkeypatch.setattr(study, "current_provenance", lambda: NOW)
+
 
 def _record(key, seed, base, new, dataset="d"):
     return {"key": key, "seed": seed, "base": base, "new": new, "dataset": dataset}
@@ -139,7 +147,7 @@ def test_results_files_are_written_from_the_finished_cells(tmp_path):
 def _earlier_study(folder, base):
     """An earlier study's results.json in ``folder``: world 0, meta seed 0, CoOp + GRAM and CoOp, seed 1."""
     earlier = {("0", 0): {("gram_coop", 1): (50.0, 40.0, 44.4), ("coop", 1): (50.0, 38.0, 43.2)}}
-    study._write_results(folder, earlier, {"0/0": 12.0}, base)
+    study._write_results(folder, earlier, {"0/0": 12.0}, base, book=study._Book({"0/0": NOW}, set()))
     return folder / "results.json"
 
 
@@ -206,7 +214,7 @@ def test_gram_against_theta_only_pairs_and_zero_shot_are_study_rows():
 def test_add_missing_rows_runs_only_the_rows_a_kept_cell_lacks(tmp_path, monkeypatch):
     base = DemoSettings.preset(True)
     earlier = {("0", 0): {(k, 1): (50.0, 40.0, 44.4) for k in study.STUDY_KEYS if k != "zsclip"}}
-    study._write_results(tmp_path / "old", earlier, {"0/0": 12.0}, base)
+    study._write_results(tmp_path / "old", earlier, {"0/0": 12.0}, base, book=study._Book({"0/0": NOW}, set()))
     asked = []
 
     def fake_run_cell(cell, root, keys, world_root=None):
@@ -444,3 +452,56 @@ def test_a_pairs_mean_h_is_taken_over_the_units_its_difference_is():
     (row,) = [r for r in study.summarise({("0", 0): full, ("1", 0): reg_adds_only}) if r["baseline"] == "coop"]
     assert (row["mean_H"], row["baseline_mean_H"], row["mean_diff_H"]) == (44.0, 43.0, 1.0)
     assert row["worlds"] == ["0"] and row["n"] == 1
+
+
+def _fake_cell(monkeypatch, ran):
+    def fake_run_cell(cell, root, keys, world_root=None):
+        ran.append((cell.world, tuple(keys)))
+        return [{"key": k, "seed": 1, "base": 60.0, "new": 50.0} for k in keys]
+
+    monkeypatch.setattr(study, "run_cell", fake_run_cell)
+
+
+def test_cells_record_what_computed_them_and_other_fingerprints_are_not_pooled(tmp_path, monkeypatch):
+    base = DemoSettings.preset(True)
+    ran: list = []
+    _fake_cell(monkeypatch, ran)
+    first = study.study(tmp_path / "s", ["0"], [0], base)
+    assert first["computed_by"] == {"0/0": NOW} and first["mixed_fingerprints"] == []
+    # the same file read on a machine (or code) of another fingerprint: refused in one line, nothing written
+    other = {**NOW, "fingerprint": "e" * 64}
+    monkeypatch.setattr(study, "current_provenance", lambda: other)
+    before = (tmp_path / "s" / "results.json").read_text()
+    with pytest.raises(ValueError, match=r"cells 0/0 were computed at numerics fingerprint ffffffffffff, this machine"):
+        study.study(tmp_path / "s", ["0", "1"], [0], base)
+    assert (tmp_path / "s" / "results.json").read_text() == before and len(ran) == 1
+    # asked to mix: kept, named in both files; the new cell records the new fingerprint
+    mixed = study.study(tmp_path / "s", ["0", "1"], [0], base, mix_fingerprints=True)
+    assert mixed["mixed_fingerprints"] == ["0/0"]
+    assert mixed["computed_by"]["0/0"] == NOW and mixed["computed_by"]["1/0"] == other
+    assert (
+        "Mixed numerics fingerprints** (kept with --mix-fingerprints): cells 0/0"
+        in (tmp_path / "s" / "results.md").read_text()
+    )
+
+
+def test_a_kept_cell_that_gains_rows_at_another_fingerprint_is_mixed(tmp_path, monkeypatch):
+    base = DemoSettings.preset(True)
+    ran: list = []
+    _fake_cell(monkeypatch, ran)
+    _earlier_study(tmp_path / "old", base)
+    other = {**NOW, "fingerprint": "e" * 64}
+    monkeypatch.setattr(study, "current_provenance", lambda: other)
+    old = tmp_path / "old" / "results.json"
+    result = study.study(tmp_path / "n", ["0"], [0], base, previous=old, add_missing_rows=True, mix_fingerprints=True)
+    assert len(ran) == 1 and result["mixed_fingerprints"] == ["0/0"]
+    assert result["computed_by"]["0/0"]["fingerprint"] == other["fingerprint"]
+    assert result["computed_by"]["0/0"]["earlier"] == NOW
+
+
+def test_cells_without_a_record_count_as_another_fingerprint(tmp_path, monkeypatch):
+    base = DemoSettings.preset(True)
+    earlier = {("0", 0): {("coop", 1): (50.0, 38.0, 43.2)}}
+    study._write_results(tmp_path / "old", earlier, {"0/0": 1.0}, base)  # a file from before cells were recorded
+    with pytest.raises(ValueError, match="cells 0/0 were computed at numerics fingerprint none"):
+        study.study(tmp_path / "n", ["0"], [0], base, previous=tmp_path / "old" / "results.json")

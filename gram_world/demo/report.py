@@ -18,7 +18,7 @@ import torch
 
 from meta.evaluation.summary import epoch_curves, summarise
 from meta.metatrain.runlog import read_log
-from meta.provenance import git_commit
+from meta.provenance import computed_by, git_commit
 
 from .settings import (
     DEEP_KEYS,
@@ -71,7 +71,8 @@ def _machine() -> str:
 
 
 def provenance(settings: DemoSettings, world, weights: Path) -> dict:
-    """What the numbers depend on: world seed and hash, CLIP weights, demo settings hash, commit, machine."""
+    """What the numbers depend on: world seed and hash, CLIP weights, demo settings hash, commit, machine, and
+    what computed them (:func:`meta.provenance.computed_by`: numerics fingerprint, kernel pins, CPU, builds)."""
     source = world.with_role("cross_domain_source")
     return {
         "world_seed": settings.world_seed,
@@ -83,6 +84,7 @@ def provenance(settings: DemoSettings, world, weights: Path) -> dict:
         "demo_settings_hash": settings_hash(settings),
         "commit": git_commit(Path(__file__).resolve().parent),
         "machine": _machine(),
+        "computed_by": computed_by(),  # numerics fingerprint, CPU and its kernel flags, pins, builds
         "finished_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "tables": list(settings.tables),
     }
@@ -468,6 +470,10 @@ def stage_report(
         f"- tiny CLIP `{prov['clip_weights']}`; demo settings hash `{prov['demo_settings_hash']}` "
         f"({'quick' if settings.quick else 'default'} demo); tables computed: {', '.join(settings.tables)}",
         f"- commit `{prov['commit']}`; machine: {prov['machine']}; finished {prov['finished_utc']} UTC",
+        f"- numerics: {prov['computed_by']['numerics']['mode']} (kernel pins "
+        f"{'on' if prov['computed_by']['numerics']['pinned'] else 'off'}), fingerprint "
+        f"`{prov['computed_by']['fingerprint'][:12]}` "
+        f"({'the committed golden one' if prov['computed_by']['golden'] else 'NOT the committed golden one'})",
         "",
         f"Fine-tuning: {settings.epochs} epochs, batch {settings.batch_size}, seeds "
         f"{', '.join(map(str, settings.seeds))}. Every cell is mean ± population std over seeds; for "

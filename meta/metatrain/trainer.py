@@ -41,7 +41,9 @@ from meta.fileio import clean_stale_temps, parse_json, write_json_atomic, write_
 from meta.finetune import GradientRegulation, LaunchStep, finetune_and_score
 from meta.gram import GRAMMetaLearner
 from meta.metrics import accuracy
+from meta.numerics import numerics_record
 from meta.prompts import PromptedCLIP, PromptParams, classification_loss
+from meta.provenance import git_commit
 from meta.runlock import RunLock, is_rank0
 from meta.tasks import ClassBatchStream, TaskSampler, TaskStream, split_topics
 
@@ -637,6 +639,8 @@ def _write_run_files(run: RunSetup, run_dir: Path, state: Optional[dict], start:
             "train_topics": len(run.train_topics),
             "val_topics": [run.hierarchy.topic_names[t] for t in run.val_topics],
             "versions": _versions(),
+            "numerics": numerics_record(run.device),  # CPU, kernel flags, pins, builds (meta.numerics)
+            "commit": git_commit(Path(__file__).resolve().parent),
             "device": run.device,
             "world_size": world,
         }
