@@ -228,17 +228,23 @@ class RegulatedStepper:
 class LaunchStep:
     """The meta-trained inner step, applied once at the start of fine-tuning (:func:`launch_`).
 
-    ``alpha`` is the inner learning rate α, ``steps`` the inner step count and ``momentum`` the inner
-    heavy-ball μ, as :class:`meta.gram.MetaSpec` had them when θ* was meta-trained.
+    ``alpha`` is the inner learning rate α, ``steps`` the inner step count, ``momentum`` the inner
+    heavy-ball μ and ``weight_decay`` the inner λ (added to the regulated gradient, :class:`meta.inner.InnerRule`),
+    as :class:`meta.gram.MetaSpec` had them when θ* was meta-trained.  Every launched step sees the whole train
+    set (``META.INNER_SUPPORT repeat``); an init file meta-trained with ``split`` windows over several steps is
+    refused by :meth:`from_metadata`.
     """
 
     alpha: float
     steps: int = 1
     momentum: float = 0.0
+    weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.alpha > 0 or self.steps < 1 or not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"LaunchStep: need alpha > 0, steps >= 1, 0 <= momentum < 1; got {self}")
+        if not self.alpha > 0 or self.steps < 1 or not 0.0 <= self.momentum < 1.0 or self.weight_decay < 0:
+            raise ValueError(
+                f"LaunchStep: need alpha > 0, steps >= 1, 0 <= momentum < 1, weight_decay >= 0; got {self}"
+            )
 
     @classmethod
     def from_metadata(cls, metadata: Mapping, source: str = "init file") -> "LaunchStep":
@@ -249,10 +255,18 @@ class LaunchStep:
                 f"{source}: provenance.meta.inner_lr is missing, so the meta-trained step cannot be "
                 f"launched; turn the launch step off or export the file with `python -m meta export`"
             )
+        steps = int(meta.get("inner_steps", 1))
+        if meta.get("inner_support", "repeat") == "split" and steps > 1:
+            raise ValueError(
+                f"{source}: meta-trained with provenance.meta.inner_support split ({steps} steps on disjoint support "
+                f"windows), which the launch step does not reproduce; set TRAINER.GRAM.LAUNCH False (or the "
+                f"method's launch off)"
+            )
         return cls(
             alpha=float(meta["inner_lr"]),
-            steps=int(meta.get("inner_steps", 1)),
+            steps=steps,
             momentum=float(meta.get("inner_momentum", 0.0)),
+            weight_decay=float(meta.get("inner_weight_decay", 0.0)),
         )
 
 
@@ -294,7 +308,8 @@ def launch_(prompts: nn.Module, regulation: Optional["GradientRegulation"], mean
             for name, p in params:
                 if p.grad is None:
                     continue
-                v = p.grad if name not in velocity else step.momentum * velocity[name] + p.grad
+                d = p.grad if step.weight_decay == 0 else p.grad + step.weight_decay * p  # λθ after R_φ, as inner_loop
+                v = d if name not in velocity else step.momentum * velocity[name] + d
                 velocity[name] = v
                 p.sub_(step.alpha * v)
                 p.grad = None

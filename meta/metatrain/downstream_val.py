@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from meta.evaluation.spec import TrainSpec
 from meta.evaluation.training import LabelledSet, PromptTuner
 from meta.finetune import GradientRegulation, LaunchStep
-from meta.prompts import PromptedCLIP, PromptParams
+from meta.prompts import PROMPT_TENSORS, PromptedCLIP, PromptParams
 from meta.regulator import GradientRegulator
 
 
@@ -84,9 +84,13 @@ def downstream_accuracy(
     ``[n, E]`` or ``images`` ``[n, 3, S, S]``).  ``regulators`` empty = raw gradients.  ``prompts`` and
     ``regulators`` are copied, never modified.
     """
+    # every prompt tensor of the learner (IVLP's deep text prompts, MaPLe's coupling), detached copies
     theta = PromptParams(
-        ctx=None if prompts.ctx is None else prompts.ctx.detach().clone(),
-        vpt=None if prompts.vpt is None else prompts.vpt.detach().clone(),
+        **{
+            name: getattr(prompts, name).detach().clone()
+            for name in PROMPT_TENSORS
+            if getattr(prompts, name) is not None
+        }
     )
     regulation = GradientRegulation(dict(regulators)) if regulators else None
     if regulation is not None:

@@ -123,6 +123,12 @@ def check_meta_cfg(cfg: CN) -> None:
         f"an integer >= META.INNER_STEPS ({m.INNER_STEPS}) with META.INNER_SUPPORT split",
         cfg.TASKS.N_SUPPORT,
     )
+    need(
+        not (m.VAL_LAUNCH and m.VAL_PROTOCOL == "downstream" and m.INNER_SUPPORT == "split" and m.INNER_STEPS > 1),
+        "META.VAL_LAUNCH",
+        "False with META.INNER_SUPPORT split and META.INNER_STEPS > 1 (the launch step sees the whole support)",
+        m.VAL_LAUNCH,
+    )
     need(m.TRAJECTORY_STATES >= 0, "META.TRAJECTORY_STATES", "an integer >= 0 (0 = off)", m.TRAJECTORY_STATES)
     need(
         m.TRAJECTORY_WINDOWS == 0 or m.TRAJECTORY_WINDOWS >= m.TRAJECTORY_STATES,

@@ -313,7 +313,7 @@ def _downstream_scores(run: RunSetup, batch, seed: int) -> dict:
     pclip = PromptedCLIP(run.clip, run.dims, learner.prompt_module.n_ctx_text, template=pspec.template)
     spec = learner.spec
     launch = (
-        LaunchStep(spec.inner_lr, spec.inner_steps, spec.inner_momentum)
+        LaunchStep(spec.inner_lr, spec.inner_steps, spec.inner_momentum, weight_decay=spec.inner_weight_decay)
         if cfg.META.VAL_LAUNCH and cfg.META.MODE == "gram"
         else None
     )
