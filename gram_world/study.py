@@ -252,10 +252,8 @@ def paired_differences(cells: dict, pairs: Sequence[tuple] = PAIRS) -> dict:
     return out
 
 
-def bootstrap_interval(
-    groups: dict, draws: int = BOOTSTRAP_DRAWS, seed: int = 0, level: float = 0.95
-) -> tuple[float, float, float]:
-    """Mean and two-level percentile bootstrap interval of the differences in ``groups`` ({group: [values]}).
+def bootstrap_means(groups: dict, draws: int = BOOTSTRAP_DRAWS, seed: int = 0) -> tuple[float, np.ndarray]:
+    """The mean of the differences in ``groups`` ({group: [values]}) and ``draws`` two-level bootstrap means.
 
     Each draw resamples the groups (worlds) with replacement, then the values within each drawn group,
     and takes the mean of all drawn values.  With one group only the second level remains.
@@ -271,8 +269,50 @@ def bootstrap_interval(
         picked = rng.integers(n_groups, size=n_groups)
         drawn = [values[g][rng.integers(len(values[g]), size=len(values[g]))] for g in picked]
         stats[i] = np.mean(np.concatenate(drawn))
+    return mean, stats
+
+
+def bootstrap_interval(
+    groups: dict, draws: int = BOOTSTRAP_DRAWS, seed: int = 0, level: float = 0.95
+) -> tuple[float, float, float]:
+    """Mean and two-level percentile bootstrap interval of the differences in ``groups`` (:func:`bootstrap_means`)."""
+    mean, stats = bootstrap_means(groups, draws, seed)
     lo, hi = np.quantile(stats, [(1 - level) / 2, 1 - (1 - level) / 2])
     return mean, float(lo), float(hi)
+
+
+def bootstrap_p(stats: np.ndarray) -> float:
+    """Two-sided bootstrap p-value of "mean difference = 0" from the bootstrap means: twice the smaller tail
+    share at 0, with the +1 correction of a Monte-Carlo p-value ((count + 1) / (draws + 1)), at most 1."""
+    tail = min(int(np.sum(stats <= 0)), int(np.sum(stats >= 0)))
+    return min(1.0, 2.0 * (tail + 1) / (len(stats) + 1))
+
+
+def world_t_p(groups: dict) -> Optional[float]:
+    """Two-sided p of a one-sample t-test on the per-world mean differences (worlds are the units: the
+    cells of one world share its CLIP and CHC); None with fewer than two worlds."""
+    from scipy.stats import ttest_1samp
+
+    means = [float(np.mean(v)) for v in groups.values() if len(v)]
+    if len(means) < 2:
+        return None
+    if float(np.std(means)) == 0.0:
+        return 0.0 if means[0] != 0 else 1.0
+    return float(ttest_1samp(means, 0.0).pvalue)
+
+
+def holm(pvalues: Sequence[Optional[float]]) -> list[Optional[float]]:
+    """Holm's step-down adjustment over the non-None p-values (the family); None stays None.
+
+    Sorted ascending p_(1) <= ... <= p_(m): adjusted p_(i) = max over j <= i of min(1, (m − j + 1) p_(j))."""
+    present = sorted((p, i) for i, p in enumerate(pvalues) if p is not None)
+    m = len(present)
+    out: list[Optional[float]] = [None] * len(pvalues)
+    running = 0.0
+    for rank, (p, i) in enumerate(present):
+        running = max(running, min(1.0, (m - rank) * p))
+        out[i] = running
+    return out
 
 
 def mean_h(cells: dict, key: str, beside: str = "") -> Optional[float]:
@@ -287,12 +327,18 @@ def mean_h(cells: dict, key: str, beside: str = "") -> Optional[float]:
     return round(float(np.mean(values)), 3) if values else None
 
 
-def summarise(cells: dict, pairs: Sequence[tuple] = PAIRS) -> list[dict]:
-    """One row per pair: mean H of both rows, mean difference, 95 % interval, n, worlds, and whether the claim
-    holds."""
+def summarise(cells: dict, pairs: Sequence[tuple] = PAIRS, alpha: float = 0.05) -> list[dict]:
+    """One row per pair: mean H of both rows, mean difference, 95 % bootstrap interval, n, worlds, p-values and
+    whether the claim holds.
+
+    The test is the paired t-test over world means (``p_world_t``; the bootstrap p is shown beside it, but it is
+    more lenient); ``p_holm`` adjusts it by Holm over every row of this summary (the family; rows with one world
+    have no test and are not in it).  ``holds`` is ``better`` / ``worse`` when ``p_holm`` < ``alpha``,
+    else ``not shown``; ``holds_uncorrected`` is the per-row verdict of the 95 % interval alone."""
     rows = []
     for (method, base), groups in paired_differences(cells, pairs).items():
-        mean, lo, hi = bootstrap_interval(groups)
+        mean, stats = bootstrap_means(groups)
+        lo, hi = (float(q) for q in np.quantile(stats, [0.025, 0.975]))
         rows.append(
             {
                 "method": method,
@@ -305,9 +351,18 @@ def summarise(cells: dict, pairs: Sequence[tuple] = PAIRS) -> list[dict]:
                 "ci95": [round(lo, 3), round(hi, 3)],
                 "n": sum(len(v) for v in groups.values()),
                 "worlds": sorted(groups),
-                "holds": ("better" if lo > 0 else "worse" if hi < 0 else "not shown"),
+                "p_world_t": world_t_p(groups),
+                "p_bootstrap": round(bootstrap_p(stats), 5),
+                "holds_uncorrected": ("better" if lo > 0 else "worse" if hi < 0 else "not shown"),
             }
         )
+    adjusted = holm([r["p_world_t"] for r in rows])
+    for row, p in zip(rows, adjusted):
+        row["p_world_t"] = None if row["p_world_t"] is None else round(row["p_world_t"], 5)
+        row["p_holm"] = None if p is None else round(p, 5)
+        row["family"] = sum(q is not None for q in adjusted)
+        shown = p is not None and p < alpha
+        row["holds"] = ("better" if row["mean_diff_H"] > 0 else "worse") if shown else "not shown"
     return rows
 
 
@@ -347,15 +402,23 @@ def regime_markdown(cells: dict) -> str:
 
 
 def markdown(rows: Sequence[dict]) -> str:
+    """The summary table; "claim" is after Holm over the table's rows (world t-test), the family size in the header."""
+    family = max((r.get("family", 0) for r in rows), default=0)
     lines = [
-        "| method | baseline | H method / baseline | mean ΔH | 95 % interval | n (worlds) | claim |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| method | baseline | H method / baseline | mean ΔH | 95 % interval | p (world t) | p Holm "
+        f"({family} rows) | n (worlds) | claim (Holm, 5 %) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+
+    def p(x: Optional[float]) -> str:
+        return "-" if x is None else f"{x:.3f}" if x >= 0.001 else "<0.001"
+
     for r in rows:
         lines.append(
             f"| {r['label']} | {r['baseline_label']} | {r['mean_H']:.2f} / {r['baseline_mean_H']:.2f} | "
             f"{r['mean_diff_H']:+.2f} | "
-            f"[{r['ci95'][0]:+.2f}, {r['ci95'][1]:+.2f}] | {r['n']} ({', '.join(r['worlds'])}) | "
+            f"[{r['ci95'][0]:+.2f}, {r['ci95'][1]:+.2f}] | {p(r.get('p_world_t'))} | {p(r.get('p_holm'))} | "
+            f"{r['n']} ({', '.join(r['worlds'])}) | "
             f"{ {'better': 'holds: better', 'worse': 'holds: worse', 'not shown': 'not shown'}[r['holds']] } |"
         )
     return "\n".join(lines) + "\n"
@@ -941,9 +1004,26 @@ def _write_regulator_result(root: Path, per_variant: dict, worlds: Sequence[str]
     return result
 
 
+def resummarise(path: Path) -> dict:
+    """Recompute a committed results file's summary (``pairs``, ``results*.md``) from its cells, nothing rerun:
+    for files written before the summary gained p-values and Holm's correction.  Other keys are kept."""
+    data = parse_json(path.read_text())
+    cells = {
+        (name.rsplit("/", 1)[0], int(name.rsplit("/", 1)[1])): table_from_json(t) for name, t in data["cells"].items()
+    }
+    data["pairs"] = summarise(cells, STUDY_PAIRS)
+    write_json_atomic(path, data)
+    write_text_atomic(
+        path.with_suffix(".md"),
+        markdown(data["pairs"]) + "\nRegime (base / new accuracy, %; a world's numbers are "
+        "means over its cells and fine-tuning seeds):\n\n" + regime_markdown(cells),
+    )
+    return data
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gram_world.study", description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=("run", "select", "travel"))
+    parser.add_argument("command", choices=("run", "select", "travel", "summary"))
     parser.add_argument("--worlds", nargs="+", default=list(WORLDS), help=f"study worlds ({', '.join(WORLDS)})")
     parser.add_argument("--meta-seeds", type=int, nargs="+", default=list(META_SEEDS))
     parser.add_argument(
@@ -1040,6 +1120,11 @@ def _main(argv: list) -> int:
         )
         print((root / results_name((args.variants or [""])[0]).replace(".json", ".md")).read_text(), end="")
         print(f"study: {len(result['cells'])} cells in {root}; this call took {time.time() - t:.0f} s")
+    elif args.command == "summary":  # re-summarise --resume-from's cells (p-values, Holm), nothing rerun
+        if not args.resume_from:
+            raise ValueError("summary: --resume-from names the results file to re-summarise")
+        resummarise(Path(args.resume_from))
+        print(Path(args.resume_from).with_suffix(".md").read_text(), end="")
     elif args.command == "travel":
         seed = (args.seeds or [1])[0]
         root = Path(args.out or "output/study")

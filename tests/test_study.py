@@ -97,13 +97,56 @@ def test_summarise_says_which_claims_hold():
         r["method"]: r
         for r in study.summarise(cells, (("gram_coop", "coop"), ("gram_vpt", "vpt"), ("unigram", "joint")))
     }
-    assert rows["gram_coop"]["holds"] == "better" and rows["gram_coop"]["mean_diff_H"] == pytest.approx(1.5)
-    assert rows["gram_vpt"]["holds"] == "worse" and rows["gram_vpt"]["n"] == 4
-    assert rows["unigram"]["holds"] == "not shown" and rows["unigram"]["worlds"] == ["0", "1"]
+    # the per-row interval alone would call the first two; a t-test over two world means cannot (p ~ 0.2)
+    assert rows["gram_coop"]["holds_uncorrected"] == "better" and rows["gram_coop"]["mean_diff_H"] == pytest.approx(1.5)
+    assert rows["gram_vpt"]["holds_uncorrected"] == "worse" and rows["gram_vpt"]["n"] == 4
+    assert rows["unigram"]["holds_uncorrected"] == "not shown" and rows["unigram"]["worlds"] == ["0", "1"]
+    assert all(r["holds"] == "not shown" and r["family"] == 3 for r in rows.values())
+    t = 1.5 / (np.std([1.0, 2.0], ddof=1) / np.sqrt(2))  # world means 1 and 2
+    assert rows["gram_coop"]["p_world_t"] == pytest.approx(2 * (0.5 - np.arctan(t) / np.pi), abs=1e-5)  # t, 1 df
     table = study.markdown(list(rows.values()))
     assert rows["gram_coop"]["mean_H"] == pytest.approx(51.5) and rows["gram_coop"]["baseline_mean_H"] == 50.0
     assert f"| {rows['gram_coop']['label']} | {rows['gram_coop']['baseline_label']} | 51.50 / 50.00 | +1.50 |" in table
-    assert "holds: worse" in table and "not shown" in table
+    assert "p Holm (3 rows)" in table and "not shown" in table
+
+
+def test_holm_adjusts_step_down_over_the_family():
+    # hand computation: sorted 0.01, 0.02, 0.04 -> 3 x 0.01, max(0.03, 2 x 0.02), max(0.04, 1 x 0.04)
+    assert study.holm([0.04, 0.01, None, 0.02]) == pytest.approx([0.04, 0.03, None, 0.04])
+    assert study.holm([0.5, 0.6]) == [1.0, 1.0] and study.holm([]) == []
+
+
+def test_claims_hold_only_after_holm_over_the_table():
+    """Six worlds: a clear effect holds after Holm; a weaker one that a lone row's test would call does not."""
+    strong = [1.0, 1.2, 0.8, 1.1, 0.9, 1.0]
+    weak = [0.9, -0.1, 0.8, 0.2, 0.7, 0.3]  # p ~ 0.034 alone; second smallest of three: x 2 under Holm
+    null = [0.5, -0.4, 0.1, -0.3, 0.2, -0.2]
+    cells = {
+        (str(w), 0): {
+            ("gram_coop", 1): (0, 0, 50.0 + strong[w]),
+            ("coop", 1): (0, 0, 50.0),
+            ("gram_vpt", 1): (0, 0, 50.0 + weak[w]),
+            ("vpt", 1): (0, 0, 50.0),
+            ("unigram", 1): (0, 0, 50.0 + null[w]),
+            ("joint", 1): (0, 0, 50.0),
+        }
+        for w in range(6)
+    }
+    pairs = (("gram_coop", "coop"), ("gram_vpt", "vpt"), ("unigram", "joint"))
+    rows = {r["method"]: r for r in study.summarise(cells, pairs)}
+    from scipy.stats import ttest_1samp
+
+    assert rows["gram_vpt"]["p_world_t"] == pytest.approx(ttest_1samp(weak, 0).pvalue, abs=1e-5)
+    assert rows["gram_vpt"]["p_world_t"] < 0.05 < rows["gram_vpt"]["p_holm"]
+    assert rows["gram_vpt"]["p_holm"] == pytest.approx(2 * rows["gram_vpt"]["p_world_t"], abs=1e-4)
+    assert rows["gram_vpt"]["holds"] == "not shown" and rows["gram_coop"]["holds"] == "better"
+    assert rows["gram_vpt"]["p_bootstrap"] < rows["gram_vpt"]["p_world_t"]  # the bootstrap is the lenient one
+
+
+def test_bootstrap_p_is_twice_the_smaller_tail():
+    stats = np.array([-1.0, 0.5, 1.0, 2.0, 3.0])  # one draw at or below 0
+    assert study.bootstrap_p(stats) == pytest.approx(2 * (1 + 1) / 6)
+    assert study.bootstrap_p(np.zeros(5)) == 1.0
 
 
 def test_cells_name_their_switches_and_unknown_worlds_are_refused(tmp_path):
