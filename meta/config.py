@@ -259,11 +259,44 @@ def _one_line(err: BaseException) -> str:
     return " ".join(text.split())
 
 
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """``line L, column C: <problem>`` of a YAML error, on one line."""
+    mark = getattr(err, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    problem = getattr(err, "problem", None) or type(err).__name__
+    return " ".join(f"{where}{problem}".split())
+
+
+def refuse_yaml_aliases(config_file: str) -> None:
+    """Scan ``config_file`` as YAML events (no tree is built) and refuse any alias (``*name``).
+
+    yacs copies every alias into a tree of its own, so nested aliases grow exponentially: a 1 KB
+    "billion laughs" file of 9 levels ran 113 s to 3 GB.  The scan takes time linear in the file
+    size; a config file never needs an alias (write the value out).
+
+    Raises:
+        UserError: naming ``config_file``, for an alias or a file that is not valid YAML.
+    """
+    try:
+        with open(config_file, "rb") as fh:
+            for event in yaml.parse(fh, Loader=yaml.SafeLoader):
+                if isinstance(event, yaml.AliasEvent):
+                    mark = event.start_mark
+                    raise UserError(
+                        config_file,
+                        f"YAML alias *{event.anchor} at line {mark.line + 1}, column {mark.column + 1}: "
+                        "aliases are not accepted in a config file (write the value out)",
+                    )
+    except yaml.YAMLError as err:
+        raise UserError(config_file, f"not valid YAML ({_yaml_problem(err)})") from None
+
+
 def load_meta_cfg(config_file: str = "", opts: Sequence[str] = ()) -> CN:
     """Defaults, then ``config_file`` (yaml), then ``KEY VALUE`` overrides, CoOp style.
 
-    Only ``.yaml`` / ``.yml`` files are read (yacs would execute a ``.py`` file).  Every problem is
-    a :class:`meta.cli_errors.UserError` naming the file or the key.
+    Only ``.yaml`` / ``.yml`` files are read (yacs would execute a ``.py`` file), and only without YAML
+    aliases (:func:`refuse_yaml_aliases`).  Every problem is a :class:`meta.cli_errors.UserError`
+    naming the file or the key.
     """
     cfg = get_meta_cfg_default()
     if config_file:
@@ -271,13 +304,11 @@ def load_meta_cfg(config_file: str = "", opts: Sequence[str] = ()) -> CN:
             raise UserError("--config-file", f"expected a .yaml or .yml file, got {config_file}")
         if not os.path.isfile(config_file):
             raise UserError("--config-file", f"no such file: {config_file}")
+        refuse_yaml_aliases(config_file)
         try:
             cfg.merge_from_file(config_file)
         except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-            problem = getattr(err, "problem", None) or type(err).__name__
-            raise UserError(config_file, f"not valid YAML ({where}{problem})") from None
+            raise UserError(config_file, f"not valid YAML ({_yaml_problem(err)})") from None
         except (KeyError, AssertionError, ValueError, TypeError, AttributeError) as err:
             raise UserError(config_file, _one_line(err) or "expected a mapping of config keys") from None
     if opts:

@@ -2,12 +2,21 @@
 
 Supervised meta-learning replaces CHC's topics with the folder classes; visual domains
 are still found by k-means on the frozen CLIP's image features inside each class.
-Unreadable images (any failure to read or decode one file) are skipped and counted in
-``meta['counts']``, by reason (exception type) in ``meta['unreadable_by_reason']``.
+Unreadable images (any failure to read or decode one file, a file over the byte cap of
+:func:`meta.chc.sources.read_regular_file`, an image over the caps of :mod:`meta.chc.imaging`)
+are skipped and counted in ``meta['counts']``, by reason in ``meta['unreadable_by_reason']``.
+
+Symbolic links are never followed, so every image has exactly one label: a link to a folder or
+an image file (``data/zz_all -> data`` would make a class holding every image) resolves either
+back inside the data root (already walked: a second label) or outside it, and is skipped,
+counted in ``meta['counts']`` (``symlinks_skipped_inside_root`` / ``symlinks_skipped_outside_root``)
+and logged once.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -18,10 +27,91 @@ from meta.chc.domains import split_domains
 from meta.chc.hierarchy import Hierarchy
 from meta.chc.imaging import clip_norm_stats, decode_batch, encode_images
 from meta.chc.settings import INT_RANGES, check_int
-from meta.chc.sources import read_regular_file
+from meta.chc.sources import MAX_IMAGE_BYTES, FileTooLargeError, read_regular_file, too_large_reason
 from meta.hashing import file_sha256
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
+INSIDE, OUTSIDE = "symlinks_skipped_inside_root", "symlinks_skipped_outside_root"
+
+log = logging.getLogger(__name__)
+
+
+def _link_kind(link: Path, root_real: Path) -> str:
+    """:data:`INSIDE` when symbolic link ``link`` resolves inside ``root_real`` (the resolved data root), else
+    :data:`OUTSIDE` (a dangling link counts by where it points)."""
+    target = Path(os.path.realpath(link))
+    return INSIDE if target == root_real or root_real in target.parents else OUTSIDE
+
+
+def _class_folders(root: Path, root_real: Path, skipped: Counter) -> list:
+    """Sorted names of the real (not symbolic-link) sub-folders of ``root``; links to folders counted in ``skipped``."""
+    names = []
+    for entry in root.iterdir():
+        if entry.is_symlink():
+            if entry.is_dir():  # a link to a file at the top is no class, as a file there is none
+                skipped[_link_kind(entry, root_real)] += 1
+        elif entry.is_dir():
+            names.append(entry.name)
+    return sorted(names)
+
+
+def _images_under(folder: Path, root_real: Path, skipped: Counter) -> list:
+    """Sorted image files under ``folder`` (any depth), symbolic links neither followed nor listed.
+
+    A link to a folder, or to a file with an image suffix, is counted in ``skipped`` by :func:`_link_kind`.
+    """
+    found = []
+    for dirpath, dirnames, filenames in os.walk(folder):  # followlinks=False: a linked folder is not entered
+        for name in dirnames:
+            if os.path.islink(os.path.join(dirpath, name)):
+                skipped[_link_kind(Path(dirpath, name), root_real)] += 1
+        for name in filenames:
+            path = Path(dirpath, name)
+            if path.suffix.lower() not in IMAGE_SUFFIXES:
+                continue
+            if path.is_symlink():
+                skipped[_link_kind(path, root_real)] += 1
+            elif path.is_file():
+                found.append(path)
+    return sorted(found)
+
+
+def list_images(root: Path) -> tuple[list, list, list, Counter]:
+    """``(classes, paths, labels, skipped)`` of a ``root/<class>/<image>`` folder, one label per image.
+
+    ``classes``: sorted class folder names; ``paths`` (str, sorted within each class) and ``labels``
+    (class index) of the image files; ``skipped``: symbolic links left out, by :func:`_link_kind`.
+    """
+    root_real = Path(os.path.realpath(root))
+    skipped: Counter = Counter()
+    classes = _class_folders(root, root_real, skipped)
+    paths, labels = [], []
+    for c, name in enumerate(classes):
+        for f in _images_under(root / name, root_real, skipped):
+            paths.append(str(f)), labels.append(c)
+    if skipped:
+        log.warning(
+            "TASKS.IMAGE_FOLDER: skipped %d symbolic link(s) under %s (%d resolving inside it, %d outside; "
+            "links are not followed, so every image has one label)",
+            sum(skipped.values()),
+            root,
+            skipped[INSIDE],
+            skipped[OUTSIDE],
+        )
+    return classes, paths, labels, skipped
+
+
+def _read_blobs(paths: list, indices) -> tuple[list, list]:
+    """``(bytes or None, reason)`` lists for ``paths[i]``, ``i`` in ``indices``; reason ``""`` when read."""
+    blobs, why = [], []
+    for i in indices:
+        try:
+            blobs.append(read_regular_file(paths[int(i)])), why.append("")
+        except FileTooLargeError:
+            blobs.append(None), why.append(too_large_reason(MAX_IMAGE_BYTES))
+        except OSError as err:
+            blobs.append(None), why.append(type(err).__name__)
+    return blobs, why
 
 
 class _FileImages:
@@ -29,13 +119,7 @@ class _FileImages:
         self.paths, self.image_size = paths, image_size
 
     def __call__(self, indices) -> np.ndarray:
-        blobs = []
-        for i in indices:
-            try:
-                blobs.append(read_regular_file(self.paths[int(i)]))
-            except OSError:
-                blobs.append(None)
-        return decode_batch(blobs, self.image_size)[0]
+        return decode_batch(_read_blobs(self.paths, indices)[0], self.image_size)[0]
 
 
 def build_image_folder_hierarchy(
@@ -65,12 +149,7 @@ def build_image_folder_hierarchy(
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"TASKS.IMAGE_FOLDER: not a directory: {root}")
-    classes = sorted(d.name for d in root.iterdir() if d.is_dir())
-    paths, labels = [], []
-    for c, name in enumerate(classes):
-        for f in sorted((root / name).rglob("*")):
-            if f.suffix.lower() in IMAGE_SUFFIXES and f.is_file():
-                paths.append(str(f)), labels.append(c)
+    classes, paths, labels, skipped_links = list_images(root)
     if not paths:
         raise FileNotFoundError(
             f"TASKS.IMAGE_FOLDER: no images under {root}/<class>/ (expected {sorted(IMAGE_SUFFIXES)})"
@@ -86,13 +165,10 @@ def build_image_folder_hierarchy(
     reasons: list = []
     for start in tqdm(range(0, len(paths), step), desc="image-folder features", disable=not show_progress):
         idx = np.arange(start, min(start + step, len(paths)))
-        blobs = []
-        for i in idx:
-            try:
-                blobs.append(read_regular_file(paths[i]))
-            except OSError:
-                blobs.append(None)
-        pixels, good = decode_batch(blobs, image_size, reasons=reasons)
+        blobs, read_why = _read_blobs(paths, idx)
+        decode_why: list = []
+        pixels, good = decode_batch(blobs, image_size, reasons=decode_why)
+        reasons.extend(r or d for r, d in zip(read_why, decode_why))
         if good.any():
             feats[idx[good]] = encode_images(clip, pixels[good], mean, std, batch_size, device)
         ok[idx] = good
@@ -124,6 +200,8 @@ def build_image_folder_hierarchy(
             "unreadable_images": int((~ok).sum()),
             "classes": len(classes),
             "classes_excluded_small": len(classes) - len(names),
+            INSIDE: skipped_links[INSIDE],
+            OUTSIDE: skipped_links[OUTSIDE],
         },
         "domains_per_class": per_class,
         "unreadable_by_reason": dict(Counter(r for r in reasons if r).most_common()),

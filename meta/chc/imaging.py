@@ -6,6 +6,14 @@ Every image that reaches a CLIP tower in GRAM goes through :func:`to_clip_uint8`
 :func:`normalize_uint8` with the model's mean/std.  Keeping the uint8 step explicit
 lets the hierarchy hand out images as ``[n, H, W, 3]`` uint8 and lets the
 meta-trainer apply the same normalisation (or its own augmentation) later.
+
+Decoding (:func:`decode_image_why`) checks the size a file declares before decoding a pixel:
+more than :data:`MAX_PIXELS` pixels, or (in :func:`decode_batch`, which resizes) a longer side
+more than :data:`MAX_ASPECT` times the shorter one, makes the image unreadable (counted by reason
+like a damaged file), so a 257-byte 60000x1 PNG never asks for a 13,440,000x224 resize (~9 GB).
+Photos are turned as their EXIF Orientation tag says (a viewer shows them that way), before the
+resize and the decoded-image cache; the downstream evaluation loader (:mod:`meta.evaluation`)
+reads images as Dassl does, without this step.
 """
 
 from __future__ import annotations
@@ -27,10 +35,73 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 # Reason recorded when an image has no bytes to decode (missing file, short read of a tar member).
 NO_BYTES = "no image bytes"
+EMPTY_IMAGE = "empty image (0 pixels)"
+
+# Caps on the size an image file declares, checked before it is decoded.  Module constants: the
+# callers (CHC's image-feature stage, the image-folder hierarchy, the hierarchy's lazy loader) do not
+# pass config values down to here; decode_batch / decode_image_why take them as arguments.
+MAX_PIXELS = 50_000_000  # pixels (width * height); a 24 MP photo is 24,000,000
+MAX_ASPECT = 20.0  # longer side / shorter side (a panorama is ~4-8)
+
+EXIF_ORIENTATION = 0x0112  # the EXIF Orientation tag
+# Orientation value -> the transpose that shows the stored pixels upright (as PIL.ImageOps.exif_transpose)
+UPRIGHT = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
 
 
-def decode_image_why(data: Optional[bytes]) -> tuple[Optional[Image.Image], str]:
-    """Decode bytes to an 8-bit RGB PIL image (:func:`meta.image_decode.to_rgb8`), or say why not.
+def size_problem(size: tuple[int, int], max_pixels: int = MAX_PIXELS, max_aspect: Optional[float] = MAX_ASPECT) -> str:
+    """Why an image of ``size`` = ``(width, height)`` in pixels is refused before decoding; ``""`` if it is not.
+
+    ``max_aspect`` (longer side / shorter side; ``None`` = no cap) matters only where the image is
+    resized by its shorter side (:func:`to_clip_uint8`).  The reasons are fixed texts per cap (they
+    are counted by reason): :data:`EMPTY_IMAGE`, ``"more than <max_pixels> pixels"``,
+    ``"aspect ratio above <max_aspect>"``.
+    """
+    w, h = int(size[0]), int(size[1])
+    if min(w, h) <= 0:
+        return EMPTY_IMAGE
+    if w * h > max_pixels:
+        return f"more than {max_pixels} pixels"
+    if max_aspect is not None and max(w, h) > max_aspect * min(w, h):
+        return f"aspect ratio above {max_aspect:g}"
+    return ""
+
+
+def exif_orientation(img: Image.Image) -> int:
+    """The EXIF Orientation (1-8) of an opened image; 1 when absent, out of range or unreadable.
+
+    A damaged EXIF block leaves the image as stored: it is no reason to lose the image.
+    """
+    try:
+        value = img.getexif().get(EXIF_ORIENTATION, 1)
+    except Exception:  # noqa: BLE001 - any failure parsing EXIF means "no orientation"
+        return 1
+    return value if isinstance(value, int) and value in UPRIGHT else 1
+
+
+def upright(img: Image.Image, orientation: int) -> Image.Image:
+    """``img`` turned as EXIF ``orientation`` says (a viewer's view); ``img`` itself for 1 or unknown."""
+    method = UPRIGHT.get(orientation)
+    return img if method is None else img.transpose(method)
+
+
+def decode_image_why(
+    data: Optional[bytes], max_pixels: int = MAX_PIXELS, max_aspect: Optional[float] = None
+) -> tuple[Optional[Image.Image], str]:
+    """Decode bytes to an upright 8-bit RGB PIL image (:func:`meta.image_decode.to_rgb8`), or say why not.
+
+    The declared size is checked right after ``Image.open`` (before any pixel is decoded) against
+    ``max_pixels`` (pixels) and ``max_aspect`` (longer side / shorter side; ``None``, the default here:
+    no cap, as the image keeps its size; :func:`decode_batch`, which resizes, applies :data:`MAX_ASPECT`):
+    :func:`size_problem`.
+    The EXIF Orientation tag is applied (:func:`exif_orientation`, :func:`upright`).
 
     Any exception raised while decoding one image is that image's problem (a fuzz of
     mutated images found Pillow raising NotImplementedError, RuntimeError, struct.error,
@@ -38,7 +109,7 @@ def decode_image_why(data: Optional[bytes]) -> tuple[Optional[Image.Image], str]
 
     Returns:
         ``(image, "")`` on success, ``(None, reason)`` otherwise; ``reason`` is the
-        exception's type name, or :data:`NO_BYTES` for missing/empty data.
+        exception's type name, :data:`NO_BYTES` for missing/empty data, or a :func:`size_problem`.
     """
     if not data:
         return None, NO_BYTES
@@ -46,17 +117,23 @@ def decode_image_why(data: Optional[bytes]) -> tuple[Optional[Image.Image], str]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # PIL DecompressionBombWarning, palette warnings
             img = Image.open(io.BytesIO(data))
-            img.load()
+            problem = size_problem(img.size, max_pixels, max_aspect)
+            if not problem:
+                img.load()
+                problem = size_problem(img.size, max_pixels, max_aspect)  # ICO / ICNS pick a size on load
+            if problem:
+                return None, problem
+            orientation = exif_orientation(img)
             img = to_rgb8(img)  # by mode: 16-bit, float, alpha, palette, CMYK (meta.image_decode)
         if min(img.size) == 0:
-            return None, "empty image (0 pixels)"
-        return img, ""
+            return None, EMPTY_IMAGE
+        return upright(img, orientation), ""
     except Exception as err:  # noqa: BLE001 - see docstring
         return None, type(err).__name__
 
 
 def decode_image(data: Optional[bytes]) -> Optional[Image.Image]:
-    """Decode bytes to an RGB PIL image; ``None`` for missing, corrupt or undecodable data."""
+    """Decode bytes to an upright RGB PIL image; ``None`` for missing, corrupt, undecodable or over-cap data."""
     return decode_image_why(data)[0]
 
 
@@ -72,8 +149,10 @@ def to_clip_uint8(img: Image.Image, size: int) -> np.ndarray:
     return np.asarray(img, dtype=np.uint8)
 
 
-def _decode_one(data: Optional[bytes], size: int) -> tuple[Optional[np.ndarray], str]:
-    img, why = decode_image_why(data)
+def _decode_one(
+    data: Optional[bytes], size: int, max_pixels: int = MAX_PIXELS, max_aspect: float = MAX_ASPECT
+) -> tuple[Optional[np.ndarray], str]:
+    img, why = decode_image_why(data, max_pixels, max_aspect)
     if img is None:
         return None, why
     try:
@@ -83,15 +162,22 @@ def _decode_one(data: Optional[bytes], size: int) -> tuple[Optional[np.ndarray],
 
 
 def decode_batch(
-    blobs: Sequence[Optional[bytes]], size: int, workers: int = 0, reasons: Optional[list] = None
+    blobs: Sequence[Optional[bytes]],
+    size: int,
+    workers: int = 0,
+    reasons: Optional[list] = None,
+    max_pixels: int = MAX_PIXELS,
+    max_aspect: float = MAX_ASPECT,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Decode a list of image byte strings.
+    """Decode a list of image byte strings (upright, as :func:`decode_image_why`) to ``size x size`` pixels.
 
     Args:
         workers: threads decoding in parallel (Pillow releases the GIL while decoding and
             resizing); 0 = in the calling thread.  The result does not depend on it.
         reasons: if given, a list that receives one string per blob: ``""`` for a decoded
-            image, else why it is unreadable (exception type name or :data:`NO_BYTES`).
+            image, else why it is unreadable (exception type name, :data:`NO_BYTES` or a cap of
+            :func:`size_problem`).
+        max_pixels / max_aspect: the caps of :func:`size_problem` (pixels; longer / shorter side).
 
     Returns:
         ``(pixels, ok)``: uint8 ``[n, size, size, 3]`` (zeros where unreadable) and
@@ -103,9 +189,9 @@ def decode_batch(
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=int(workers)) as pool:
-            decoded = list(pool.map(lambda b: _decode_one(b, size), blobs))
+            decoded = list(pool.map(lambda b: _decode_one(b, size, max_pixels, max_aspect), blobs))
     else:
-        decoded = [_decode_one(b, size) for b in blobs]
+        decoded = [_decode_one(b, size, max_pixels, max_aspect) for b in blobs]
     for i, (arr, why) in enumerate(decoded):
         if arr is not None:
             pixels[i] = arr

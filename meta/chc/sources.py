@@ -34,6 +34,8 @@ damaged files are listed in ``issues``:
   ``/dev/zero``, a socket, a folder; symlinks followed) is ``skipped_not_regular_file``:
   checked with ``os.stat``, never opened (``open()`` on a FIFO blocks, a device reads
   forever); image bytes are read only from regular files (:func:`read_regular_file`);
+* an image file (or tar member) larger than :data:`MAX_IMAGE_BYTES` is never read: at read time it
+  is unreadable (reason :func:`too_large_reason`), counted like a damaged image;
 * a manifest row that is not a JSON object (or not JSON, or nested deeper than
   ``meta.fileio.MAX_NESTING`` levels: :func:`meta.fileio.parse_json`) is ``skipped_invalid_row``; a
   caption or image value that is not text (a number, a list) is ``skipped_non_text_caption``
@@ -62,6 +64,8 @@ from meta.chc.errors import InputError
 from meta.fileio import parse_json
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+MAX_IMAGE_BYTES = 50 * 2**20  # bytes; a larger image file or tar member is not read (a module constant:
+#                                the callers do not pass a config value down; the functions take it as an argument)
 MAX_ISSUE_LINES = 5  # line numbers (manifests) or keys (shards) kept per problem in ``issues``
 KIND_TAR, KIND_FILE = 0, 1
 
@@ -186,11 +190,14 @@ class PairIndex:
         )
 
     # ---------------------------------------------------------------- reading bytes
-    def read_image_bytes(self, indices: Iterable[int], reasons: Optional[list] = None) -> list:
+    def read_image_bytes(
+        self, indices: Iterable[int], reasons: Optional[list] = None, max_bytes: int = MAX_IMAGE_BYTES
+    ) -> list:
         """Raw image bytes of ``indices`` in order; ``None`` where the file cannot be read.
 
         ``reasons``, if given, receives one string per index: ``""`` when bytes were read,
-        else why not (``FileNotFoundError``, ``PermissionError``, ``short read`` ...).
+        else why not (``FileNotFoundError``, ``PermissionError``, ``short read``, ...); an image
+        file or tar member larger than ``max_bytes`` bytes is not read (:func:`too_large_reason`).
         """
         out = []
         handles: dict = {}
@@ -200,7 +207,9 @@ class PairIndex:
                 src = int(self.item_source[i])
                 why = ""
                 try:
-                    if self.source_kind[src] == KIND_TAR:
+                    if self.source_kind[src] == KIND_TAR and int(self.item_size[i]) > max_bytes:
+                        data, why = None, too_large_reason(max_bytes)
+                    elif self.source_kind[src] == KIND_TAR:
                         fh = handles.get(src)
                         if fh is None:
                             fh = handles[src] = open(self.sources[src], "rb")
@@ -209,9 +218,11 @@ class PairIndex:
                         if len(data) != int(self.item_size[i]):
                             data, why = None, "short read (shard changed or cut)"
                     else:
-                        data = read_regular_file(self.item_path[i])
+                        data = read_regular_file(self.item_path[i], max_bytes)
                 except NotRegularFileError:
                     data, why = None, "not a regular file"
+                except FileTooLargeError:
+                    data, why = None, too_large_reason(max_bytes)
                 except OSError as err:
                     data, why = None, type(err).__name__
                 out.append(data)
@@ -267,27 +278,47 @@ def file_stamp(path: str) -> tuple[int, int, int]:
     return kind, int(st.st_size), int(st.st_mtime_ns)
 
 
-def read_regular_file(path: str) -> bytes:
-    """The bytes of ``path``, refusing anything but a regular file without blocking.
+def too_large_reason(max_bytes: int) -> str:
+    """The unreadable-image reason for a file over the byte cap (one text per cap: reasons are counted)."""
+    return f"file larger than {max_bytes} bytes"
+
+
+def _check_regular(path: str, st: os.stat_result, max_bytes: int) -> None:
+    """Raise unless ``st`` (of ``path``) is a regular file of at most ``max_bytes`` bytes."""
+    if not stat.S_ISREG(st.st_mode):
+        raise NotRegularFileError(f"{path}: not a regular file ({file_type(path)})")
+    if st.st_size > max_bytes:
+        raise FileTooLargeError(f"{path}: expected an image file of at most {max_bytes} bytes, got {st.st_size}")
+
+
+def read_regular_file(path: str, max_bytes: int = MAX_IMAGE_BYTES) -> bytes:
+    """The bytes of ``path``, refusing anything but a regular file of at most ``max_bytes`` bytes, without blocking.
 
     ``os.stat`` first (a FIFO is never opened: ``open()`` on one blocks until a writer comes,
-    and a device such as ``/dev/zero`` reads until memory runs out), then the file is opened
-    non-blocking and checked again with ``fstat`` (it may have been replaced in between).
+    and a device such as ``/dev/zero`` reads until memory runs out; a file over the cap is never
+    read), then the file is opened non-blocking and checked again with ``fstat`` (it may have been
+    replaced in between), and at most ``max_bytes + 1`` bytes are read (it may grow meanwhile).
 
     Raises:
-        OSError: the file is missing or unreadable; :class:`NotRegularFileError` for a special file.
+        OSError: the file is missing or unreadable; :class:`NotRegularFileError` for a special file;
+        :class:`FileTooLargeError` for a file over ``max_bytes``.
     """
-    if not stat.S_ISREG(os.stat(path).st_mode):
-        raise NotRegularFileError(f"{path}: not a regular file ({file_type(path)})")
+    _check_regular(path, os.stat(path), max_bytes)
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise NotRegularFileError(f"{path}: not a regular file ({file_type(path)})")
-        return fh.read()
+        _check_regular(path, os.fstat(fd), max_bytes)
+        data = fh.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise FileTooLargeError(f"{path}: expected an image file of at most {max_bytes} bytes, got more")
+    return data
 
 
 class NotRegularFileError(OSError):
     """A path names a FIFO, a device, a socket or a folder where an image file was expected."""
+
+
+class FileTooLargeError(OSError):
+    """An image file is larger than the byte cap (:data:`MAX_IMAGE_BYTES` by default); it is not read."""
 
 
 # ------------------------------------------------------------------------ tar shards
