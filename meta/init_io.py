@@ -435,8 +435,10 @@ def coop_context_usage(path: Union[str, Path], n_ctx: int) -> str:
     """The options that load a context file into stock CoOp and CoCoOp (two lines, one per trainer).
 
     Their ``N_CTX`` defaults to 16 and Dassl's ``load_pretrained_weights`` only *warns* about a shape
-    mismatch, so without ``N_CTX n_ctx`` a random context would be trained.
+    mismatch, so without ``N_CTX n_ctx`` a random context would be trained.  The path is absolute: the options
+    are pasted into a fork that runs from its own folder.
     """
+    path = Path(path).resolve()
     return "\n".join(
         f'{name}: MODEL.INIT_WEIGHTS {path} TRAINER.{node}.N_CTX {int(n_ctx)} TRAINER.{node}.CTX_INIT ""'
         for name, node in (("stock CoOp", "COOP"), ("stock CoCoOp", "COCOOP"))

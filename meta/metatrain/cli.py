@@ -16,6 +16,7 @@ shows the traceback).  A run stopped by SIGTERM / Ctrl-C before its last step ex
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Optional, Sequence
 
 from yacs.config import CfgNode as CN
@@ -79,7 +80,10 @@ def _main(argv: list[str]) -> int:
         from .export import export_run
 
         paths = export_run(args.run_dir, args.out or None)
-        print(f"exported {paths['init']}" + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else ""))
+        print(  # absolute: these paths are pasted into forks that run from their own folders
+            f"exported {Path(paths['init']).resolve()}"
+            + (f" and {Path(paths['coop_ctx']).resolve()}" if paths.get("coop_ctx") else "")
+        )
         if paths.get("coop_usage"):
             print(paths["coop_usage"])
     finally:

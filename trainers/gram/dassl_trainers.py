@@ -239,9 +239,11 @@ class _GramTrainer(TrainerX):
         super().before_train()  # resumes (sets start_epoch) first
         if self.launch_step is not None and self.start_epoch == 0:
             loss = self._launch()
+            rule = "R_φ(mean train gradient)" if self.regulation is not None else "mean train gradient (R_φ off)"
             print(
-                f"GRAM launch: θ <- θ − α R_φ(mean train gradient), α={self.launch_step.alpha} "
-                f"steps={self.launch_step.steps} (train loss before {loss:.4f})"
+                f"GRAM launch: θ <- θ − α {rule}, α={self.launch_step.alpha} "
+                f"steps={self.launch_step.steps} weight decay={self.launch_step.weight_decay} "
+                f"(train loss before {loss:.4f})"
             )
 
     def _launch(self) -> float:
