@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--support-shots", type=int, default=1)
     parser.add_argument("--query-shots", type=int, default=4)
     parser.add_argument("--n-ctx", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads), >= 1")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
@@ -277,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         help="--device cuda only: CHC image batch sizes to measure ('' = skip)",
     )
     args = parser.parse_args(argv)
+    if args.threads < 1:
+        print(f"error: --threads: expected an integer >= 1, got {args.threads}", file=sys.stderr)
+        return 2
     if args.device != "cpu":
         if not args.device.startswith("cuda") or not torch.cuda.is_available():
             print(

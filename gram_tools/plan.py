@@ -338,24 +338,45 @@ def _image_gflop(figures: dict) -> Optional[float]:
     return None if fit is None else float(fit["gflops"]["slopes"][0])
 
 
+# Upper bounds of the numeric flags: far beyond any real machine or corpus, low enough that the plan's
+# arithmetic (``pairs ** p`` growth laws, GiB -> MiB, FLOPs / throughput) stays finite.
+MAX_GPUS = 100_000
+MAX_GPU_MEMORY_GIB = 1e6
+MIN_GPU_TFLOPS = 1e-3
+MAX_GPU_TFLOPS = 1e6
+MAX_PAIRS = 1e12
+
+
+def _in_range(value: float, low: float, high: float, low_open: bool = False) -> bool:
+    """``low <(=) value <= high`` and finite (``nan`` / ``inf`` fail)."""
+    if not math.isfinite(value):
+        return False
+    return (value > low if low_open else value >= low) and value <= high
+
+
 def _flag_problem(args) -> str:
     """The first numeric flag out of range (one line naming it), or ``""``."""
     checks = (
-        ("--gpus", args.gpus, args.gpus >= 1, "an integer >= 1"),
+        ("--gpus", args.gpus, 1 <= args.gpus <= MAX_GPUS, f"an integer 1 <= gpus <= {MAX_GPUS}"),
         (
             "--gpu-memory-gib",
             args.gpu_memory_gib,
-            math.isfinite(args.gpu_memory_gib) and args.gpu_memory_gib > 0,
-            "a finite number > 0",
+            _in_range(args.gpu_memory_gib, 0.0, MAX_GPU_MEMORY_GIB, low_open=True),
+            f"a finite number 0 < GiB <= {MAX_GPU_MEMORY_GIB:g}",
         ),
         (
             "--gpu-tflops",
             args.gpu_tflops,
-            math.isfinite(args.gpu_tflops) and args.gpu_tflops > 0,
-            "a finite number > 0",
+            _in_range(args.gpu_tflops, MIN_GPU_TFLOPS, MAX_GPU_TFLOPS),
+            f"a finite number {MIN_GPU_TFLOPS:g} <= TFLOP/s <= {MAX_GPU_TFLOPS:g}",
         ),
-        ("--margin", args.margin, 0 <= args.margin < 1, "a fraction 0 <= margin < 1"),
-        ("--pairs", args.pairs, math.isfinite(args.pairs) and args.pairs >= 1, "a finite number of pairs >= 1"),
+        ("--margin", args.margin, _in_range(args.margin, 0.0, 1.0) and args.margin < 1, "a fraction 0 <= margin < 1"),
+        (
+            "--pairs",
+            args.pairs,
+            _in_range(args.pairs, 1.0, MAX_PAIRS),
+            f"a finite number of pairs 1 <= pairs <= {MAX_PAIRS:g}",
+        ),
     )
     for flag, value, ok, what in checks:
         if not ok:
@@ -381,16 +402,21 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m gram_tools.plan", description=__doc__.splitlines()[0])
     ap.add_argument("--config-file", required=True, help="a meta-training config (configs/meta/train_*.yaml)")
-    ap.add_argument("--gpu-memory-gib", type=float, default=80.0)
-    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument(
+        "--gpu-memory-gib", type=float, default=80.0, help=f"memory of one GPU, 0 < GiB <= {MAX_GPU_MEMORY_GIB:g}"
+    )
+    ap.add_argument("--gpus", type=int, default=1, help=f"1 <= GPUs <= {MAX_GPUS}")
     ap.add_argument(
         "--gpu-tflops",
         type=float,
         default=DEFAULT_GPU_TFLOPS,
-        help="assumed sustained TFLOP/s per GPU when no GPU figures exist",
+        help="assumed sustained TFLOP/s per GPU when no GPU figures exist "
+        f"({MIN_GPU_TFLOPS:g} <= TFLOP/s <= {MAX_GPU_TFLOPS:g})",
     )
-    ap.add_argument("--margin", type=float, default=0.1, help="fraction of GPU memory kept free")
-    ap.add_argument("--pairs", type=float, default=3.1e6, help="CHC corpus size (CC3M: 3.1e6)")
+    ap.add_argument("--margin", type=float, default=0.1, help="fraction of GPU memory kept free, 0 <= margin < 1")
+    ap.add_argument(
+        "--pairs", type=float, default=3.1e6, help=f"CHC corpus size, 1 <= pairs <= {MAX_PAIRS:g} (CC3M: 3.1e6)"
+    )
     ap.add_argument("--figures", default=default_path(DEFAULT_FIGURES), help=f"default: <checkout>/{DEFAULT_FIGURES}")
     ap.add_argument(
         "--gpu-figures",

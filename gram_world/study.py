@@ -1096,7 +1096,9 @@ def main(argv: Optional[list] = None) -> int:
 def _main(argv: list) -> int:
     args = _parser().parse_args(argv)
     base = DemoSettings.preset(args.quick)
-    if args.jobs:
+    if args.jobs is not None:
+        if args.jobs < 1:
+            raise ValueError(f"--jobs: expected an integer >= 1 worker processes, got {args.jobs}")
         base = replace(base, jobs=args.jobs)
     for w in args.worlds:
         world_settings(w, base)

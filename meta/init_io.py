@@ -21,6 +21,11 @@ shape against the recorded ``shapes`` and against the widths and token counts in
 metadata, and then the metadata against what the caller is about to build.  Every failure
 is one :class:`InitMismatchError` line naming the file and the field.
 
+Tensor dtypes: the writer stores float32.  A file whose tensors are float16, bfloat16 or float64
+(e.g. re-saved by another tool) loads with those tensors cast to float32, the dtype the prompts and the
+regulator train in (a value that overflows float32 is refused as infinite); any other dtype (float8,
+integers, bool, complex) is refused by name: file, tensor key, the dtype found, float32 expected.
+
 Also: :func:`export_coop_context` writes θ*_T in the form stock CoOp/CoCoOp
 trainers load through ``MODEL.INIT_WEIGHTS`` (Dassl's ``load_pretrained_weights``
 matches state-dict keys by name and shape: ``ctx`` ``[n_ctx, 512]`` for ViT-B/16),
@@ -290,6 +295,14 @@ def _check_deep_structure(backbone: dict, prompt: dict, check: _Checker) -> None
         )
 
 
+# Dtypes a file may hold besides float32: cast to float32 on load (:func:`load_gram_init`).
+CAST_TO_FLOAT32 = (torch.float16, torch.bfloat16, torch.float64)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def check_tensors(tensors: Mapping[str, torch.Tensor], meta: dict, check: _Checker) -> None:
     """Each tensor against ``meta["shapes"]`` and against the widths / token counts the metadata records."""
     shapes = meta["shapes"]
@@ -302,8 +315,14 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], meta: dict, check: _Check
             f"tensor {name}",
             f"has shape {list(t.shape)}, but shapes.{name} records {shapes[name]}",
         )
-        check.need(t.is_floating_point(), f"tensor {name}", f"expected floating point values, got {t.dtype}")
-        check.need(bool(torch.isfinite(t).all()), f"tensor {name}", "holds NaN or infinite values")
+        check.need(
+            t.dtype == torch.float32 or t.dtype in CAST_TO_FLOAT32,
+            f"tensor {name}",
+            f"dtype {_dtype_name(t.dtype)} is not accepted; expected float32 "
+            f"({', '.join(_dtype_name(d) for d in CAST_TO_FLOAT32)} are cast to float32 on load)",
+        )
+        cast = "" if t.dtype == torch.float32 else f" once cast from {_dtype_name(t.dtype)} to float32"
+        check.need(bool(torch.isfinite(t.float()).all()), f"tensor {name}", f"holds NaN or infinite values{cast}")
     bb, pr = meta["backbone"], meta["prompt"]
     deep, maple = pr["text_depth"] > 1, pr["coupling"] == "maple"
     want = {
@@ -383,7 +402,8 @@ def load_gram_init(
     ``n_ctx_vision``, ``vision_depth``, ``text_depth``, ``coupling``, ``model_name``; each given value must match
     (``model_name`` only warns: the same widths can come from differently named configs).
     Every problem raises :class:`InitMismatchError` (one line, naming ``config_key``, the
-    file and the field); a missing file raises ``FileNotFoundError``.
+    file and the field); a missing file raises ``FileNotFoundError``.  Tensors come back float32:
+    float16 / bfloat16 / float64 ones are cast, any other dtype is refused (module docstring).
     """
     path = Path(path)
     if not path.is_file():
@@ -398,6 +418,7 @@ def load_gram_init(
         raise InitMismatchError(f"{config_key}: {path}: not a readable safetensors file ({first})") from None
     meta = check_metadata(header.get("gram"), check)
     check_tensors(tensors, meta, check)
+    tensors = {k: v if v.dtype == torch.float32 else v.float() for k, v in tensors.items()}  # see module doc
     prompt = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("prompt.")}
     regs: dict[str, dict[str, torch.Tensor]] = {}
     for k, v in tensors.items():

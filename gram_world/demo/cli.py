@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from meta.cli_errors import run_cli
+from meta.cli_errors import UserError, run_cli
 
 from ..items import STYLES
 from ..shapes import CATEGORIES
@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
         "with _world<N> or _world-<hash> for another world)",
     )
     parser.add_argument("--seeds", type=int, nargs="+", help="override the seeds")
-    parser.add_argument("--jobs", type=int, help="worker processes for meta-training and evaluation")
+    parser.add_argument("--jobs", type=int, help="worker processes for meta-training and evaluation (>= 1)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks (also GRAM_DEBUG=1)")
     parser.add_argument(
         "--tables",
@@ -110,7 +110,9 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
     settings = DemoSettings.preset(args.quick)
     if args.seeds:
         settings = replace(settings, seeds=tuple(args.seeds))
-    if args.jobs:
+    if args.jobs is not None:
+        if args.jobs < 1:
+            raise UserError("--jobs", f"expected an integer >= 1 worker processes, got {args.jobs}")
         settings = replace(settings, jobs=args.jobs)
     if args.tables:
         everything = tuple(g for g in TABLE_GROUPS if g not in OPT_IN_TABLES)

@@ -430,9 +430,11 @@ class ChcRun:
             self._timed("umap_hdbscan_fit", time.time() - t0, len(sample))
             n_clusters = int(sample_labels.max()) + 1
             if n_clusters < 1:
-                raise RuntimeError(
-                    f"HDBSCAN found no cluster among {len(sample)} captions; lower "
-                    f"CHC.TOPICS.MIN_CLUSTER_SIZE (now {tc.MIN_CLUSTER_SIZE})"
+                raise InputError(
+                    f"CHC.TOPICS.MIN_CLUSTER_SIZE: HDBSCAN found no cluster of at least {tc.MIN_CLUSTER_SIZE} "
+                    f"captions among the {len(sample)} fitted (corpus: {n_unique} unique captions, "
+                    f"{int(np.count_nonzero(item_unique >= 0))} pairs); lower CHC.TOPICS.MIN_CLUSTER_SIZE "
+                    f"or give a larger corpus"
                 )
             cents = topics_mod.centroids(sample_emb, sample_labels, n_clusters)
             cut = topics_mod.member_similarity_cut(sample_emb, sample_labels, cents, tc.ASSIGN_QUANTILE)

@@ -77,8 +77,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         path = export_for_coop(args.source, args.destination, args.epoch)
     except (OSError, ValueError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
     n_ctx = int(torch.load(path, weights_only=True)["n_ctx"])
     print(f"wrote {path} ({n_ctx} context vectors); pass these options to the fork's train.py:")
     print(coop_context_usage(path, n_ctx))
