@@ -132,3 +132,17 @@ def class_batch(
         "images": torch.randn(n_per_class * k, 3, image_size, image_size, generator=gen, dtype=dtype),
         "label": torch.arange(k).repeat(n_per_class),
     }
+
+
+def tiny_chc_args(out_dir: Path, *opts: str) -> list[str]:
+    """``python -m meta cluster`` arguments: CPU, the tiny test CLIP, output in ``out_dir``, then ``opts``."""
+    return [
+        "--no-progress",
+        "MODEL.BACKBONE",
+        "GRAM-Test-Tiny",
+        "MODEL.DEVICE",
+        "cpu",
+        "CHC.OUTPUT_DIR",
+        str(out_dir),
+        *opts,
+    ]

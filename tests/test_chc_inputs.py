@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from helpers import tiny_chc_args
 from helpers_chc import dds_bytes, member_offsets, overwrite_at, png_bytes, truncate_at, write_shard
 
 from meta.chc.errors import DiskSpaceError, InputError
@@ -216,18 +217,7 @@ def test_memmap_on_a_full_disk_is_a_one_line_error(tmp_path, monkeypatch):
 def _cli(tmp_path, *opts):
     from meta.chc.cli import main
 
-    return main(
-        [
-            "--no-progress",
-            "MODEL.BACKBONE",
-            "GRAM-Test-Tiny",
-            "MODEL.DEVICE",
-            "cpu",
-            "CHC.OUTPUT_DIR",
-            str(tmp_path / "out"),
-            *opts,
-        ]
-    )
+    return main(tiny_chc_args(tmp_path / "out", *opts))
 
 
 def test_wrong_image_root_stops_early_naming_path_and_key(tmp_path, capsys):

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import tiny_chc_args
 from helpers_chc import png_bytes
 from safetensors.torch import load_file, save_file
 
@@ -114,23 +115,8 @@ def test_cluster_without_any_cluster_names_min_cluster_size(tmp_path, capsys, mo
     # what hdbscan returns when MIN_CLUSTER_SIZE is too large for the corpus: every caption noise (-1);
     # (the real UMAP + HDBSCAN fit costs tens of seconds of numba compilation)
     monkeypatch.setattr(topics_mod, "fit_sample_clusters", lambda emb, *a, **k: np.full(len(emb), -1, np.int64))
-    code = main(
-        [
-            "--no-progress",
-            "MODEL.BACKBONE",
-            "GRAM-Test-Tiny",
-            "MODEL.DEVICE",
-            "cpu",
-            "CHC.OUTPUT_DIR",
-            str(tmp_path / "out"),
-            "CHC.INPUT.MANIFEST",
-            str(tmp_path / "m.csv"),
-            "CHC.TOPICS.MIN_CLUSTER_SIZE",
-            "20",
-            "CHC.TOPICS.PLOT_POINTS",
-            "0",
-        ]
-    )
+    opts = ("CHC.INPUT.MANIFEST", str(tmp_path / "m.csv"), "CHC.TOPICS.MIN_CLUSTER_SIZE", "20")
+    code = main(tiny_chc_args(tmp_path / "out", *opts, "CHC.TOPICS.PLOT_POINTS", "0"))
     line = _one_error_line(capsys, "CHC.TOPICS.MIN_CLUSTER_SIZE", f"{n} unique captions", f"{n} pairs", progress=True)
     assert code == 2 and line.startswith("error: CHC.TOPICS.MIN_CLUSTER_SIZE: HDBSCAN found no cluster")
 

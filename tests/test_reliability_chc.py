@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
+from helpers import tiny_chc_args
 from helpers_chc import add_member, png_bytes, write_shard
 from PIL import Image
 
@@ -348,18 +349,7 @@ def test_shard_only_index_fingerprint_is_unchanged(tmp_path):
 def _cli(tmp_path, *opts):
     from meta.chc.cli import main
 
-    return main(
-        [
-            "--no-progress",
-            "MODEL.BACKBONE",
-            "GRAM-Test-Tiny",
-            "MODEL.DEVICE",
-            "cpu",
-            "CHC.OUTPUT_DIR",
-            str(tmp_path / "out"),
-            *opts,
-        ]
-    )
+    return main(tiny_chc_args(tmp_path / "out", *opts))
 
 
 @pytest.mark.parametrize(
