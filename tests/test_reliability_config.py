@@ -198,11 +198,11 @@ def test_plan_runs_from_any_folder_with_the_checkout_figures(tmp_path):
 @pytest.mark.parametrize(
     "flag, value, expected",
     [
-        ("--gpu-memory-gib", "nan", "a finite number > 0, got nan"),
-        ("--gpu-memory-gib", "inf", "a finite number > 0, got inf"),
-        ("--gpu-tflops", "nan", "a finite number > 0, got nan"),
-        ("--pairs", "-10", "a finite number of pairs >= 1, got -10"),
-        ("--pairs", "inf", "a finite number of pairs >= 1, got inf"),
+        ("--gpu-memory-gib", "nan", "a finite number 0 < GiB <= 1e+06, got nan"),
+        ("--gpu-memory-gib", "inf", "a finite number 0 < GiB <= 1e+06, got inf"),
+        ("--gpu-tflops", "nan", "a finite number 0.001 <= TFLOP/s <= 1e+06, got nan"),
+        ("--pairs", "-10", "a finite number of pairs 1 <= pairs <= 1e+12, got -10"),
+        ("--pairs", "inf", "a finite number of pairs 1 <= pairs <= 1e+12, got inf"),
         ("--margin", "nan", "a fraction 0 <= margin < 1, got nan"),
     ],
 )
