@@ -1,4 +1,4 @@
-"""Where a GPU's time goes, for the two costs issue work on the GPU path aims at: ``python -m gram_tools.profile_gpu``.
+"""Where a GPU's time goes, for the two costs that bound the GPU path: ``python -m gram_tools.profile_gpu``.
 
 1. ``step_profile``: the task-batched second-order outer step (bf16 autocast, the default task size) of VPT and
    UNIGRAM under ``torch.profiler``: per learner the step's median seconds, the kernels' time per step (device-side
