@@ -18,7 +18,7 @@ Prints human-readable lines, then ONE JSON line (the last line) with:
 * ``plain_other_s`` / ``second_order_other_s``: each step minus its linear products (the plain step
   has one forward and one backward sweep, the exact second-order task three of each), i.e. the time of
   everything else.  ``ratio_second_to_plain`` <= 3 exactly when ``second_order_other_s`` <=
-  3 x ``plain_other_s`` (README "Benchmark");
+  3 x ``plain_other_s`` (docs/benchmark.md);
 * ``settings``: everything the numbers depend on.
 
 ``--device cuda`` runs the accelerator benchmark instead (:mod:`gram_tools.bench_gpu`: whole meta-steps of
@@ -47,7 +47,7 @@ from typing import Callable, Optional
 import torch
 
 RATIO_FLOOR = 3.0  # exact second order, frozen weights: 3 forward + 3 backward linear sweeps vs 1 + 1
-RATIO_GUARD = 3.3  # within 10 % of the floor (README "Benchmark")
+RATIO_GUARD = 3.3  # within 10 % of the floor (docs/benchmark.md)
 
 
 def _interleaved_medians(fns: dict[str, Callable[[], None]], warmup: int, repeats: int) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """Markdown tables of the measured costs: ``python -m gram_tools.cost_tables``.
 
 Reads the files :mod:`gram_tools.realsize` and :mod:`gram_tools.chc_growth` write and prints the tables
-README "Cost at real size" and ``docs/realsize.md`` show, so no number is copied by hand.
+``docs/cost.md`` and ``docs/realsize.md`` show, so no number is copied by hand.
 """
 
 from __future__ import annotations

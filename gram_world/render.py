@@ -190,7 +190,7 @@ _STYLE_PAINTERS = {"shaded": _shaded, "sketch": _sketch, "noisy": _noisy, "carto
 # how a specialised benchmark's images differ from web images (satellite views, scans, ...),
 # applied to the rendered image ``[S, S, 3]`` uint8.  Every condition measured when the world's
 # conditions were chosen is kept here, so the scan (``python -m gram_world captures``) can be
-# rerun; ``settings.FAMILY_CAPTURES`` says which four the world uses (docs/world_baseline.md).
+# rerun; ``settings.FAMILY_CAPTURES`` says which four the world uses (docs/notes/world_baseline.md).
 SEPIA = np.array([[0.393, 0.349, 0.272], [0.769, 0.686, 0.534], [0.189, 0.168, 0.131]], dtype=np.float32)
 FRAME_COLOUR = (40, 90, 160)
 

@@ -75,7 +75,7 @@ MIXED_CLASSES = (
 # condition must leave
 # both a text prompt (CoOp) and a visual prompt (VPT) room to fit well above zero-shot, one per kind
 # of change (colour, exposure, scale, layout); the rotations and negatives of ``world-5`` failed the
-# visual side (docs/world_baseline.md).
+# visual side (docs/notes/world_baseline.md).
 FAMILY_CAPTURES = {"polygons": "grayscale", "curves": "zoomed", "symbols": "dark", "icons": "framed"}
 
 

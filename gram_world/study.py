@@ -823,7 +823,7 @@ def travel_cell(
 
 
 # A variant replaces today's (k1) only when its mean paired difference beats k1's by more than this (H points):
-# the earlier sweep's top three settings were within 0.15 H, two seeds of val splits (docs/gram_training_match.md).
+# the earlier sweep's top three were within 0.15 H, two seeds of val splits (docs/notes/gram_training_match.md).
 SELECT_MARGIN_H = 0.5
 
 

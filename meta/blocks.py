@@ -12,7 +12,7 @@ is one plain matrix product, and attention goes through
 MATH kernel the meta-learner selects for double-differentiable support passes).
 
 Measured with ``python -m gram_tools.bench`` (ViT-B/16 text tower, 8 classes, 1 thread):
-see README "Benchmark".
+see docs/benchmark.md.
 
 ``rows`` computes the block's output for selected positions only (the EOT token of
 each class prompt, or the CLS token of an image): every position still serves as key

@@ -53,7 +53,7 @@ LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]]
 
 
 # Default weight of the before-adaptation query loss (MetaSpec.query_before_weight, META.QUERY_BEFORE_WEIGHT, the
-# demo): chosen on validation splits with the test-time switches of meta.finetune (docs/gram_training_match.md).
+# demo): chosen on validation splits with the test-time switches of meta.finetune (docs/notes/gram_training_match.md).
 DEFAULT_QUERY_BEFORE_WEIGHT = 0.0
 
 

@@ -131,7 +131,7 @@ class PromptSpec:
     vision_depth: int = 1
     init_std: float = 0.02
     template: str = DEFAULT_TEMPLATE
-    vpt_init: str = "patch_mean"  # chosen on the val splits (docs/world_baseline.md)
+    vpt_init: str = "patch_mean"  # chosen on the val splits (docs/notes/world_baseline.md)
     text_depth: int = 1
     coupling: str = "none"
 

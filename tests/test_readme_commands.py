@@ -95,7 +95,7 @@ def test_readme_meta_training_commands_chain(tmp_path):
         proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, f"{shlex.join(cmd)}\n{proc.stdout[-1500:]}\n{proc.stderr[-2500:]}"
     fork = " ".join(block_after("## In a CoOp / Dassl fork"))
-    init = re.search(r"INIT=(\S+)", fork).group(1)
+    init = re.search(r"INIT=(\S+)", fork).group(1).removeprefix("$PWD/")  # the gram checkout's folder
     assert load_gram_init(tmp_path / init).prompt["ctx"].shape[0] == 4  # train_coop.yaml: 4 context vectors
     assert (tmp_path / init).with_name("coop_ctx_nctx4.pth").is_file()
     assert "MODEL.INIT_WEIGHTS" in proc.stdout and "TRAINER.COOP.N_CTX 4" in proc.stdout  # export prints the options

@@ -1,7 +1,8 @@
-"""README's layout table names every module of the installed packages and every Dassl trainer.
+"""The layout page (``docs/layout.md``, linked from README) names every module of the installed packages and
+every Dassl trainer.
 
-A module added without a line in README's "Layout" section (or a trainer added to the method table without
-being named there) fails here, so the front door does not fall behind the code.
+A module added without a line in its table (or a trainer added to the method table without being named there)
+fails here, so the map of the code does not fall behind the code.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ PACKAGES = ("meta", "gram_world", "gram_tools")
 
 
 def _layout_section() -> str:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    match = re.search(r"^## Layout\n(.*?)(?=^## )", text, flags=re.S | re.M)
-    assert match, "README.md has no '## Layout' section followed by another section"
+    text = (ROOT / "docs" / "layout.md").read_text(encoding="utf-8")
+    match = re.search(r"^\| path \| what \|\n(.*)", text, flags=re.S | re.M)
+    assert match, "docs/layout.md has no '| path | what |' table"
     return match.group(1)
 
 
@@ -45,9 +46,9 @@ def _unnamed(row: str, package: str) -> list[str]:
 def test_every_top_level_module_is_named_in_the_layout_table(package: str) -> None:
     section = _layout_section()
     rows = [line for line in section.splitlines() if line.startswith(f"| `{package}/`")]
-    assert len(rows) == 1, f"README layout table: expected one row for `{package}/`, found {len(rows)}"
+    assert len(rows) == 1, f"docs/layout.md table: expected one row for `{package}/`, found {len(rows)}"
     missing = _unnamed(rows[0], package)
-    assert not missing, f"README layout row of `{package}/` does not name: {missing}"
+    assert not missing, f"docs/layout.md row of `{package}/` does not name: {missing}"
 
 
 def test_every_dassl_trainer_is_named_in_the_layout_table() -> None:
@@ -55,7 +56,7 @@ def test_every_dassl_trainer_is_named_in_the_layout_table() -> None:
     trainers = sorted({m.trainer for m in load_methods().values() if m.trainer})
     assert len(trainers) >= 5, trainers
     missing = [t for t in trainers if f"`{t}`" not in section]
-    assert not missing, f"README layout table does not name the trainers {missing}"
+    assert not missing, f"docs/layout.md does not name the trainers {missing}"
 
 
 def test_the_layout_check_sees_a_missing_module() -> None:

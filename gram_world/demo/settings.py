@@ -267,7 +267,7 @@ class DemoSettings:
     datasets: tuple = ()  # () = every world dataset with the base2new role
     shots: int = 16  # paper: 16 shots
     epochs: int = 10  # paper section 4.1: 10 epochs, CoCoOp's schedule
-    batch_size: int = 1  # CoCoOp's (paper: CoCoOp's schedule); batch 4 gave the same CoOp base (docs/world_baseline.md)
+    batch_size: int = 1  # CoCoOp's schedule; batch 4 gave the same CoOp base (docs/notes/world_baseline.md)
     eval_every_epoch: bool = True  # needed for the accuracy-vs-epoch plot
     # meta-training (values the paper does not give; ours, chosen for the CPU budget)
     meta_steps: int = 300
@@ -289,9 +289,9 @@ class DemoSettings:
     # (0.5, 1) 34.2 / 32.7 / 41.9, no augmentation 34.7 / 37.6 / 41.6.  Same setting for every method.
     rrcrop_scale: tuple = (0.5, 1.0)
     # start of scratch visual prompt tokens for every method with visual prompts (meta-training and
-    # fine-tuning alike): the library default, chosen on the val splits with VPT alone (docs/world_baseline.md)
+    # fine-tuning alike): the library default, chosen on the val splits with VPT alone (docs/notes/world_baseline.md)
     vpt_init: str = PromptSpec.vpt_init
-    # how θ* and R_φ are used at test time and what they are meta-trained for (docs/gram_training_match.md):
+    # how θ* and R_φ are used at test time and what they are meta-trained for (docs/notes/gram_training_match.md):
     reg_window: int = DEFAULT_REG_WINDOW  # R_φ on the mean gradient of this many images, one step per window
     launch: bool = DEFAULT_LAUNCH  # the meta-trained inner step once before the schedule
     query_before_weight: float = (
