@@ -131,6 +131,9 @@ def _tasks_node() -> CN:
     tasks.VAL_FRACTION = 0.1  # held-out topics for meta-validation
     tasks.SOURCE = "chc"  # chc | image_folder (supervised meta-learning, Table 4 row 4)
     tasks.IMAGE_FOLDER = ""  # root/<class>/<images> for SOURCE image_folder
+    # share of the query's K classes the support does not hold (not in the paper; meta.tasks): 0 = the paper's
+    # tasks (same classes, only the domain shifts), 1 = query topics disjoint from the support's, between = a mix
+    tasks.QUERY_NEW_SHARE = 0.0
     return tasks
 
 

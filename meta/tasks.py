@@ -10,6 +10,13 @@ This simulates the train/test domain shift the gradient regulator learns from.
 ``domain_shift=False`` is the paper's Table 4 row 1 ablation: support drawn uniformly
 from all domains of the topic.
 
+``query_new_share`` > 0 shifts the query's *classes* as well (not in the paper): of the query's K
+classes, ``round(share * K)`` are topics the support does not hold (drawn with the support's topics,
+distinct names, their query items dealt over all their domains), and the rest are support classes
+(drawn at random), so the outer loss scores classes never seen in the inner steps, as base-to-new
+scores new classes.  ``1.0`` makes the query's topics disjoint from the support's; ``0`` (the
+default) keeps the paper's tasks, drawn exactly as before (the same generator calls).
+
 Everything is driven by one ``numpy.random.Generator`` seeded with ``seed``: the same
 seed gives the same task sequence, and :meth:`TaskSampler.state_dict` /
 :meth:`TaskSampler.load_state_dict` let a resumed meta-training run continue it.
@@ -43,6 +50,9 @@ class Task:
         query_index / query_label: int64 [K * n_query], grouped by class.
         support_domain: int64 [K] the domain each class's support came from
             (-1 when ``domain_shift=False``: support spans all domains).
+        query_classnames: [K] the names ``query_label`` indexes; ``None`` = ``classnames`` (the query holds
+            the support's classes).
+        query_topics: [K] topic ids of ``query_classnames``; ``None`` = ``topics``.
     """
 
     classnames: list
@@ -52,10 +62,17 @@ class Task:
     query_index: np.ndarray
     query_label: np.ndarray
     support_domain: np.ndarray
+    query_classnames: Optional[list] = None
+    query_topics: Optional[np.ndarray] = None
 
     @property
     def k_way(self) -> int:
         return len(self.classnames)
+
+    @property
+    def query_names(self) -> list:
+        """The class names of the query labels (the support's unless the classes shift)."""
+        return self.classnames if self.query_classnames is None else self.query_classnames
 
 
 class TaskSampler:
@@ -69,6 +86,8 @@ class TaskSampler:
         domain_shift: True = support from one domain per class (GRAM); False = from all.
         topics: topic ids allowed (e.g. from :func:`split_topics`); ``None`` = all.
         seed: seed of the task stream.
+        query_new_share: share of the query's K classes that the support does not hold (0 = none, the
+            paper's tasks; 1 = disjoint topics); ``round(share * K)`` classes.
     """
 
     def __init__(
@@ -80,21 +99,26 @@ class TaskSampler:
         domain_shift: bool = True,
         topics: Optional[Sequence[int]] = None,
         seed: int = 0,
+        query_new_share: float = 0.0,
     ):
         if k_way < 1 or n_support < 1 or n_query < 1:
             raise ValueError(f"TASKS: K_WAY, N_SUPPORT and N_QUERY must be >= 1, got {k_way}, {n_support}, {n_query}")
+        if not 0.0 <= query_new_share <= 1.0:
+            raise ValueError(f"TASKS.QUERY_NEW_SHARE: expected a share in [0, 1], got {query_new_share}")
         self.h = hierarchy
         self.k_way, self.n_support, self.n_query = int(k_way), int(n_support), int(n_query)
+        self.n_new = new_query_classes(self.k_way, query_new_share)
         self.domain_shift = bool(domain_shift)
         self.rng = np.random.default_rng(seed)
         candidates = range(hierarchy.num_topics) if topics is None else [int(t) for t in topics]
         self.topics = [t for t in candidates if self._eligible(t)]
         self.skipped_topics = len(list(candidates)) - len(self.topics)
         names = {hierarchy.topic_names[t] for t in self.topics}
-        if len(names) < self.k_way:
+        if len(names) < self.k_way + self.n_new:
+            new = f" plus {self.n_new} new query classes (TASKS.QUERY_NEW_SHARE)" if self.n_new else ""
             raise ValueError(
                 f"TaskSampler: only {len(names)} topics have a domain with >= {self.n_support} images "
-                f"and >= {self.n_support + self.n_query} images in all; K_WAY is {self.k_way}"
+                f"and >= {self.n_support + self.n_query} images in all; K_WAY is {self.k_way}{new}"
             )
         # distinct names -> topic ids (a hierarchy's names are unique, but a topic list may not be)
         self._by_name: dict = {}
@@ -135,13 +159,21 @@ class TaskSampler:
                 raise RuntimeError("TaskSampler: topic ran out of query images")  # excluded by _eligible
         return np.asarray(picked, dtype=np.int64)
 
+    def _topic_of(self, name: str) -> int:
+        options = self._by_name[name]
+        return options[int(self.rng.integers(len(options)))]
+
     def sample(self) -> Task:
         """The next task of the stream."""
-        names = [self._names[i] for i in self.rng.choice(len(self._names), size=self.k_way, replace=False)]
-        topics, s_idx, q_idx, s_dom = [], [], [], []
-        for name in names:
-            options = self._by_name[name]
-            topic = options[int(self.rng.integers(len(options)))]
+        k, n_new = self.k_way, self.n_new
+        picks = self.rng.choice(len(self._names), size=k + n_new, replace=False)
+        names = [self._names[i] for i in picks[:k]]
+        new_names = [self._names[i] for i in picks[k:]]
+        kept = range(k) if n_new == 0 else sorted(int(c) for c in self.rng.choice(k, size=k - n_new, replace=False))
+        kept = set(kept)
+        topics, s_idx, q_idx, s_dom, q_names, q_topics = [], [], [], [], [], []
+        for c, name in enumerate(names):
+            topic = self._topic_of(name)
             doms = self.h.domain_members(topic)
             if self.domain_shift:
                 usable = [u for u in sorted(doms) if len(doms[u]) >= self.n_support]
@@ -152,8 +184,12 @@ class TaskSampler:
                 support = self.rng.choice(self.h.topic_members(topic), size=self.n_support, replace=False)
             support = np.sort(support)
             topics.append(topic), s_dom.append(dom), s_idx.append(support)
-            q_idx.append(self._query(doms, support))
-        k = self.k_way
+            if c in kept:
+                q_idx.append(self._query(doms, support)), q_names.append(name), q_topics.append(topic)
+        for name in new_names:  # classes the support does not hold: query over all their domains
+            topic = self._topic_of(name)
+            q_idx.append(self._query(self.h.domain_members(topic), np.empty(0, dtype=np.int64)))
+            q_names.append(name), q_topics.append(topic)
         return Task(
             classnames=names,
             topics=np.asarray(topics, dtype=np.int64),
@@ -162,11 +198,27 @@ class TaskSampler:
             query_index=np.concatenate(q_idx),
             query_label=np.repeat(np.arange(k), self.n_query),
             support_domain=np.asarray(s_dom, dtype=np.int64),
+            query_classnames=None if n_new == 0 else q_names,
+            query_topics=None if n_new == 0 else np.asarray(q_topics, dtype=np.int64),
         )
 
     def __iter__(self):
         while True:
             yield self.sample()
+
+
+def new_query_classes(k_way: int, share: float) -> int:
+    """How many of a task's K query classes are new to its support: ``round(share * K)`` (Python's rounding)."""
+    return int(round(float(share) * int(k_way)))
+
+
+def largest_k_way(n_topics: int, k_way: int, share: float) -> int:
+    """The largest K <= ``k_way`` whose task (K support topics plus ``round(share * K)`` new query topics) fits
+    in ``n_topics`` distinct topics; 0 when none does (e.g. a small held-out validation set)."""
+    for k in range(min(int(k_way), int(n_topics)), 0, -1):
+        if k + new_query_classes(k, share) <= n_topics:
+            return k
+    return 0
 
 
 def split_topics(hierarchy: "Hierarchy", val_fraction: float, seed: int = 0) -> tuple[list, list]:

@@ -302,6 +302,24 @@ def test_switches_reach_the_loop(tmp_path, hier):
     assert vis.batcher(vis.stream.next(1)[0]).support["images"].shape == (6, 3, 32, 32)
 
 
+def test_class_shift_tasks_reach_the_loop_and_the_init_file(tmp_path, hier):
+    """``TASKS.QUERY_NEW_SHARE 1``: every training task's query topics are training topics outside its support,
+    the query batch carries their names, meta-training runs, and the init file records the share."""
+    share = ["TASKS.QUERY_NEW_SHARE", "1.0", "META.STEPS", "2", *PROMPTS["coop"]]
+    run = setup_run(_cfg(tmp_path / "setup", *share), hierarchy=hier)
+    assert run.stream.sampler.n_new == 3
+    assert run.val_tasks == []  # 2 held-out topics cannot hold K >= 2 support plus as many new query classes
+    for task in run.stream.next(4):
+        assert not set(task.topics) & set(task.query_topics)
+        assert set(task.query_topics) <= set(run.train_topics)
+        assert run.batcher(task).query["classnames"] == task.query_names
+    result = train(_cfg(tmp_path / "run", *share), hierarchy=hier, echo=_quiet)
+    recs = [r for r in read_log(tmp_path / "run" / "log.jsonl") if r["kind"] == "train"]
+    assert len(recs) == 2 and all(np.isfinite(r["query_loss_after"]) for r in recs)
+    tasks = load_gram_init(result["export"]["init"]).metadata["provenance"]["tasks"]
+    assert tasks["query_new_share"] == 1.0
+
+
 def test_features_from_another_clip_are_refused(tmp_path):
     with pytest.raises(FeatureMismatchError, match="cosine"):
         setup_run(_cfg(tmp_path), hierarchy=_hierarchy(clip_seed=1))

@@ -87,6 +87,7 @@ def _hierarchy(n_topics=8, n_domains=3, per_domain=6, width=16, image_size=32) -
         ("TASKS.N_QUERY", "1000000000000", "at most"),
         ("OUTPUT_DIR", "", "a folder path"),
         ("META.PROMPT.N_CTX_TEXT", "100", "at most 72 context tokens"),
+        ("TASKS.QUERY_NEW_SHARE", "1.5", "a share in [0, 1]"),
     ],
 )
 def test_sizes_that_cannot_work_are_refused_before_any_work(tmp_path, capsys, monkeypatch, key, value, expected):
@@ -143,6 +144,8 @@ def test_step_memory_limit_is_the_arithmetic_of_one_step(monkeypatch):
     "opts, key, expected",
     [
         (["TASKS.K_WAY", "7"], "TASKS.K_WAY", "at most 6: 6 training topics of the hierarchy's 8"),
+        # 4 support + 4 new query topics > 6; K = 3 needs 3 + 3
+        (["TASKS.K_WAY", "4", "TASKS.QUERY_NEW_SHARE", "1.0"], "TASKS.K_WAY", "at most 3: 6 training topics"),
         (["TASKS.N_SUPPORT", "10", "TASKS.N_QUERY", "9"], "TASKS.N_QUERY", "N_SUPPORT + N_QUERY <= 18"),
         (["TASKS.N_SUPPORT", "7", "TASKS.N_QUERY", "1"], "TASKS.N_SUPPORT", "at most 6 (TASKS.DOMAIN_SHIFT"),
     ],

@@ -202,5 +202,5 @@ class TaskBatcher:
     def __call__(self, task) -> TaskBatch:
         return TaskBatch(
             support=self.part(task.classnames, task.support_index, task.support_label),
-            query=self.part(task.classnames, task.query_index, task.query_label),
+            query=self.part(task.query_names, task.query_index, task.query_label),
         )

@@ -61,6 +61,7 @@ def provenance(state: dict, cfg: CN) -> dict:
             "n_support": int(cfg.TASKS.N_SUPPORT),
             "n_query": int(cfg.TASKS.N_QUERY),
             "domain_shift": bool(cfg.TASKS.DOMAIN_SHIFT),
+            "query_new_share": float(cfg.TASKS.QUERY_NEW_SHARE),
             "source": cfg.TASKS.SOURCE,
             "meta_batch": int(cfg.META.META_BATCH),
         },

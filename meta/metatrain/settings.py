@@ -20,6 +20,7 @@ from meta.regulator import RegulatorSpec
 
 if TYPE_CHECKING:
     from meta.gram import MetaSpec
+    from meta.tasks import TaskSampler
 
 __all__ = [
     "MODES",
@@ -194,6 +195,12 @@ def check_meta_cfg(cfg: CN) -> None:
     need(cfg.TASKS.N_SUPPORT >= 1, "TASKS.N_SUPPORT", "an integer >= 1", cfg.TASKS.N_SUPPORT)
     need(cfg.TASKS.N_QUERY >= 1, "TASKS.N_QUERY", "an integer >= 1", cfg.TASKS.N_QUERY)
     need(cfg.TASKS.SOURCE in ("chc", "image_folder"), "TASKS.SOURCE", "chc | image_folder", cfg.TASKS.SOURCE)
+    need(
+        0.0 <= float(cfg.TASKS.QUERY_NEW_SHARE) <= 1.0,
+        "TASKS.QUERY_NEW_SHARE",
+        "a share in [0, 1] (0 = the query holds the support's classes, 1 = disjoint topics)",
+        cfg.TASKS.QUERY_NEW_SHARE,
+    )
     need(m.VAL_TASKS >= 0, "META.VAL_TASKS", "an integer >= 0 (0 = no validation)", m.VAL_TASKS)
     regulator_spec(cfg)  # raises on bad FORM / INIT
     check_text_context(cfg)
@@ -326,6 +333,32 @@ def _size(n_bytes: int) -> str:
     return f"{n_bytes / 2**30:.1f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:.1f} MiB"
 
 
+def task_sampler(cfg: CN, hierarchy, topics, seed: int, k_way: Optional[int] = None) -> "TaskSampler":
+    """The :class:`meta.tasks.TaskSampler` the ``TASKS`` node describes, over ``topics`` with ``seed``
+    (K = ``TASKS.K_WAY`` unless ``k_way`` is given): the one place a sampler is built from a config."""
+    from meta.tasks import TaskSampler
+
+    t = cfg.TASKS
+    return TaskSampler(
+        hierarchy,
+        int(t.K_WAY) if k_way is None else int(k_way),
+        int(t.N_SUPPORT),
+        int(t.N_QUERY),
+        domain_shift=bool(t.DOMAIN_SHIFT),
+        topics=topics,
+        seed=int(seed),
+        query_new_share=float(t.QUERY_NEW_SHARE),
+    )
+
+
+def val_k_way(cfg: CN, n_val_topics: int) -> int:
+    """K of the validation tasks: the largest K <= ``TASKS.K_WAY`` the held-out topics can fill, new query
+    classes (``TASKS.QUERY_NEW_SHARE``) included; validation needs K >= 2."""
+    from meta.tasks import largest_k_way
+
+    return largest_k_way(n_val_topics, int(cfg.TASKS.K_WAY), float(cfg.TASKS.QUERY_NEW_SHARE))
+
+
 def check_task_sizes(cfg: CN, hierarchy, device: str = "cpu") -> None:
     """Refuse task sizes the hierarchy cannot supply, before a CLIP is built or a task drawn.
 
@@ -336,7 +369,7 @@ def check_task_sizes(cfg: CN, hierarchy, device: str = "cpu") -> None:
       :class:`meta.tasks.TaskSampler`, which is asked; likewise for the held-out topics' validation tasks;
     * one step's cached features or pixels fit ``device``'s memory (:func:`check_step_size`).
     """
-    from meta.tasks import TaskSampler, split_topics
+    from meta.tasks import largest_k_way, new_query_classes, split_topics
 
     t, m = cfg.TASKS, cfg.META
     k, n_s, n_q, shift = int(t.K_WAY), int(t.N_SUPPORT), int(t.N_QUERY), bool(t.DOMAIN_SHIFT)
@@ -348,9 +381,12 @@ def check_task_sizes(cfg: CN, hierarchy, device: str = "cpu") -> None:
     if m.MODE == "pretrain":
         _need(len(train) >= 2, "TASKS.VAL_FRACTION", f"a fraction leaving >= 2 training topics; {held}", t.VAL_FRACTION)
     else:
-        _need(k <= len(train), "TASKS.K_WAY", f"at most {len(train)}: {held}", k)
+        share = float(t.QUERY_NEW_SHARE)
+        most = largest_k_way(len(train), k, share) if k + new_query_classes(k, share) > len(train) else k
+        new = f", which must also supply round({share} x K) new query classes (TASKS.QUERY_NEW_SHARE)" if share else ""
+        _need(k + new_query_classes(k, share) <= len(train), "TASKS.K_WAY", f"at most {most}: {held}{new}", k)
         try:
-            TaskSampler(hierarchy, k, n_s, n_q, domain_shift=shift, topics=train, seed=0)
+            task_sampler(cfg, hierarchy, train, seed=0)
         except ValueError as err:
             sizes = [sum(len(v) for v in hierarchy.domain_members(tp).values()) for tp in train]
             domains = [max((len(v) for v in hierarchy.domain_members(tp).values()), default=0) for tp in train]
@@ -374,9 +410,9 @@ def check_task_sizes(cfg: CN, hierarchy, device: str = "cpu") -> None:
                 f"TASKS.N_SUPPORT: expected a support size that {k} training topics can supply together "
                 f"with N_QUERY {n_q} ({err}), got {n_s}"
             ) from None
-        if len(val) >= 2 and int(m.VAL_TASKS) > 0:
+        if val_k_way(cfg, len(val)) >= 2 and int(m.VAL_TASKS) > 0:
             try:
-                TaskSampler(hierarchy, min(k, len(val)), n_s, n_q, domain_shift=shift, topics=val, seed=0)
+                task_sampler(cfg, hierarchy, val, seed=0, k_way=val_k_way(cfg, len(val)))
             except ValueError as err:
                 raise ValueError(
                     f"TASKS.VAL_FRACTION: expected held-out topics that can form validation tasks "

@@ -45,7 +45,7 @@ from meta.numerics import numerics_record
 from meta.prompts import PromptedCLIP, PromptParams, classification_loss
 from meta.provenance import git_commit
 from meta.runlock import RunLock, is_rank0
-from meta.tasks import ClassBatchStream, TaskSampler, TaskStream, split_topics
+from meta.tasks import ClassBatchStream, TaskStream, split_topics
 
 from . import settings
 from .checkpoint import CHECKPOINT_NAME, CheckpointError, capture_rng, load_checkpoint, restore_rng, save_checkpoint
@@ -163,12 +163,9 @@ def setup_run(cfg, hierarchy=None) -> RunSetup:
     mean, std = norm_stats(h, clip)
     batcher = TaskBatcher(h, use_images, mean, std, device=device, dtype=next(clip.parameters()).dtype)
 
-    n_s, n_q, shift = int(cfg.TASKS.N_SUPPORT), int(cfg.TASKS.N_QUERY), bool(cfg.TASKS.DOMAIN_SHIFT)
     if cfg.META.MODE == "gram":
         try:
-            stream = TaskStream(
-                lambda: TaskSampler(h, k_way, n_s, n_q, domain_shift=shift, topics=train_topics, seed=int(cfg.SEED))
-            )
+            stream = TaskStream(lambda: settings.task_sampler(cfg, h, train_topics, seed=int(cfg.SEED), k_way=k_way))
         except ValueError as err:
             raise ValueError(f"TASKS (training topics): {err}") from None
     else:
@@ -176,12 +173,11 @@ def setup_run(cfg, hierarchy=None) -> RunSetup:
             h, train_topics, int(cfg.META.PRETRAIN.WAYS), int(cfg.META.PRETRAIN.BATCH_SIZE), int(cfg.SEED)
         )
     val_tasks: list = []
-    if len(val_topics) >= 2 and int(cfg.META.VAL_TASKS) > 0:
+    val_k = settings.val_k_way(cfg, len(val_topics))
+    if val_k >= 2 and int(cfg.META.VAL_TASKS) > 0:
         # fixed tasks (own seed) so every validation measures the same thing; never touches the train stream
         try:
-            val_sampler = TaskSampler(
-                h, min(k_way, len(val_topics)), n_s, n_q, domain_shift=shift, topics=val_topics, seed=int(cfg.SEED) + 1
-            )
+            val_sampler = settings.task_sampler(cfg, h, val_topics, seed=int(cfg.SEED) + 1, k_way=val_k)
         except ValueError as err:
             raise ValueError(
                 f"TASKS.VAL_FRACTION: the held-out topics cannot form tasks ({err}); hold out more "
