@@ -30,11 +30,12 @@ from typing import Iterable, Mapping, Optional
 import torch
 from torch import nn
 
+from .inner import InnerRule
 from .metrics import accuracy
 from .regulator import GradientRegulator
 
 # Test-time defaults of the two switches (module docstring), read by MethodSpec, the Dassl trainers'
-# TRAINER.GRAM keys and the demo.  Chosen on validation splits (docs/gram_training_match.md).
+# TRAINER.GRAM keys and the demo.  Chosen on validation splits (docs/notes/gram_training_match.md).
 # A window of 0 means "the meta-training support size" (:func:`resolve_window`): R_φ then sees the mean
 # gradient of as many images as the inner loop's support gave it.
 SUPPORT_WINDOW = 0
@@ -246,6 +247,11 @@ class LaunchStep:
                 f"LaunchStep: need alpha > 0, steps >= 1, 0 <= momentum < 1, weight_decay >= 0; got {self}"
             )
 
+    @property
+    def rule(self) -> InnerRule:
+        """The inner optimiser this step unrolls (the same object meta-training's inner loop used)."""
+        return InnerRule(lr=self.alpha, momentum=self.momentum, weight_decay=self.weight_decay)
+
     @classmethod
     def from_metadata(cls, metadata: Mapping, source: str = "init file") -> "LaunchStep":
         """From a GRAM init file's metadata (``provenance.meta``, written by ``python -m meta train``)."""
@@ -285,18 +291,21 @@ def launch_step_of(metadata: Mapping, source: str = "init file", explicit: bool 
 
 
 def launch_(prompts: nn.Module, regulation: Optional["GradientRegulation"], mean_loss, step: LaunchStep) -> float:
-    """θ <- θ − α · R_φ(∇ mean_loss(θ)) ``step.steps`` times (heavy-ball with ``step.momentum``), in place.
+    """θ <- θ − α · v_k for ``step.steps`` steps, in place: the meta-trained inner rule (:class:`meta.inner.InnerRule`,
+    its :meth:`~meta.inner.InnerRule.velocity`: regulated gradient, weight decay, heavy-ball momentum).
 
     ``mean_loss(prompts) -> loss`` is the mean loss over the launch data (the few-shot train set), whose
     gradient is the mean per-image gradient; ``regulation`` None = raw gradient.  Returns the loss before
-    the first step.  This is the meta-training inner loop (:meth:`meta.gram.GRAMMetaLearner.adapt`) run
-    once on the downstream data.
+    the first step.  This is the meta-training inner loop (:func:`meta.inner.inner_loop`) run once on the
+    downstream data, without its graph.
     """
     params = [(n, p) for n, p in prompts.named_parameters() if p.requires_grad]
-    velocity: dict[str, torch.Tensor] = {}
+    tensors = [p for _, p in params]
+    rule = step.rule
+    velocity: Optional[list] = None
     first = float("nan")
     for i in range(step.steps):
-        for _, p in params:
+        for p in tensors:
             p.grad = None
         loss = mean_loss(prompts)
         loss.backward()
@@ -305,13 +314,10 @@ def launch_(prompts: nn.Module, regulation: Optional["GradientRegulation"], mean
         if regulation is not None:
             regulation.apply_(params)
         with torch.no_grad():
-            for name, p in params:
-                if p.grad is None:
-                    continue
-                d = p.grad if step.weight_decay == 0 else p.grad + step.weight_decay * p  # λθ after R_φ, as inner_loop
-                v = d if name not in velocity else step.momentum * velocity[name] + d
-                velocity[name] = v
-                p.sub_(step.alpha * v)
+            velocity = rule.velocity([p.grad for p in tensors], tensors, velocity)
+            for p, v in zip(tensors, velocity):
+                if v is not None:
+                    p.sub_(step.alpha * v)
                 p.grad = None
     return first
 

@@ -58,6 +58,26 @@ class InnerRule:
         if self.weight_decay < 0:
             raise ValueError(f"InnerRule.weight_decay must be >= 0, got {self.weight_decay}")
 
+    def velocity(
+        self,
+        updates: Sequence[Optional[torch.Tensor]],
+        params: Sequence[torch.Tensor],
+        previous: Optional[Sequence[Optional[torch.Tensor]]],
+    ) -> list[Optional[torch.Tensor]]:
+        """``v_k = μ · v_{k-1} + (u_k + λ · θ_k)`` (``v_0 = u_0 + λ · θ_0``), per tensor; θ_{k+1} = θ_k − α · v_k.
+
+        ``updates``: the regulated gradients u_k (None where a tensor has none), ``params``: θ_k in the same
+        order, ``previous``: v_{k-1} or None at the first step.  The one place the rule's arithmetic lives: the
+        differentiable unroll (:func:`inner_loop`) and the launch step at test time
+        (:func:`meta.finetune.launch_`) both call it, so the launched step is the meta-trained one.
+        """
+        wd, mu = self.weight_decay, self.momentum
+        if wd > 0:
+            updates = [u if u is None else u + wd * p for u, p in zip(updates, params)]
+        if previous is None or mu == 0:
+            return list(updates)
+        return [u if v is None or u is None else mu * v + u for v, u in zip(previous, updates)]
+
 
 def _rows(batch: Any) -> int:
     label = batch["label"]
@@ -143,7 +163,6 @@ def inner_loop(
     Returns ``(losses, accuracies)``: 0-d tensors, one per step, measured at θ_k before its step (no host sync).
     """
     diff_sgd = learner.diff_sgd if rule.lr == learner.lr else l2l.optim.DifferentiableSGD(lr=rule.lr)
-    mu, wd = rule.momentum, rule.weight_decay
     velocity: Optional[list] = None
     losses, accs = [], []
     for batch in windows:
@@ -158,13 +177,7 @@ def inner_loop(
             allow_unused=learner.allow_unused,
             allow_nograd=learner.allow_nograd,
         )
-        updates = list(updates)
-        if wd > 0:
-            updates = [u if u is None else u + wd * p for u, p in zip(updates, params)]
-        if velocity is None or mu == 0:
-            velocity = updates
-        else:
-            velocity = [u if v is None or u is None else mu * v + u for v, u in zip(velocity, updates)]
+        velocity = rule.velocity(list(updates), params, velocity)
         diff_sgd(learner.module, velocity)
         if after_step is not None:
             after_step(len(losses), learner.module)

@@ -288,3 +288,23 @@ def test_trajectory_states_term_matches_hand_rolled(tiny_clip):
         got = dict(regs[n].named_parameters())[k].grad - dict(off_regs[n].named_parameters())[k].grad
         assert g.abs().sum() > 0
         torch.testing.assert_close(got, g, rtol=1e-7, atol=1e-12)
+
+
+@pytest.mark.parametrize("rule", [InnerRule(0.4), InnerRule(0.4, 0.9, 0.05)], ids=["sgd", "momentum_wd"])
+def test_launch_step_takes_the_inner_loops_steps(tiny_clip, rule):
+    """One rule: the launch step at test time (meta.finetune.launch_, in place, R_φ through GradientRegulation)
+    lands where the first-order inner loop of meta-training lands from the same θ, R_φ and data (repeat mode)."""
+    from meta.finetune import GradientRegulation, LaunchStep, launch_
+
+    ml, _, loss_fn, dims = _setup(tiny_clip, MetaSpec(inner_lr=rule.lr))
+    support = _batch(2, dims.image_size, torch.Generator().manual_seed(5))
+    learner = ml.gbml.clone(first_order=True)
+    inner_loop(learner, loss_fn, support_windows(support, 3, "repeat"), rule, first_order=True)
+    expected = {n: p.detach() for n, p in learner.module.named_parameters()}
+    theta = copy.deepcopy(ml.prompt_module)
+    step = LaunchStep(rule.lr, steps=3, momentum=rule.momentum, weight_decay=rule.weight_decay)
+    assert step.rule == rule
+    launch_(theta, GradientRegulation(ml.regulators()), lambda p: loss_fn(p, support)[0], step)
+    for name, p in theta.named_parameters():
+        torch.testing.assert_close(p.detach(), expected[name], rtol=1e-12, atol=1e-12)
+    assert (expected["ctx"] - ml.prompt_module.ctx.detach()).abs().max() > 1e-4  # the steps moved θ
