@@ -263,6 +263,8 @@ def batched_loss_of(loss_fn: Callable) -> Optional[BatchedLossFn]:
     """The batched twin of ``loss_fn``, or ``None``: ``loss_fn.batched`` when set, else built (once) from the
     ``PromptedCLIP`` that :func:`meta.prompts.classification_loss` attaches as ``loss_fn.pclip``."""
     fn = getattr(loss_fn, "batched", None)
+    if getattr(loss_fn, "consistency", None) is not None:
+        return None  # the stacked twin computes the cross-entropy only: the consistency terms run task by task
     if fn is None and isinstance(getattr(loss_fn, "pclip", None), PromptedCLIP):
         fn = loss_fn.batched = batched_classification_loss(loss_fn.pclip)
     return fn

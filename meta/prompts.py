@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .backbone import ClipDims
+from .consistency import ConsistencySpec, consistency_penalty, frozen_reference
 from .text_encoder import ClassTokenCache, context_from_words, encode_text_with_context
 from .visual_encoder import encode_image_with_prompts
 
@@ -406,24 +407,37 @@ class PromptedCLIP:
         Pass ``image_features`` (``[B, E]``, normalised) instead of ``images`` when the
         image side carries no prompts: the frozen image tower output can then be cached.
         """
+        image_features, text = self.features(prompts, classnames, images, image_features)
+        return self.logit_scale * image_features @ text.t()
+
+    def features(
+        self,
+        prompts: Optional[nn.Module],
+        classnames: Sequence[str],
+        images: Optional[torch.Tensor] = None,
+        image_features: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(image [B, E], text [C, E])``, both L2-normalised: what :meth:`logits` multiplies."""
         if image_features is None:
             if images is None:
                 raise ValueError("need images or image_features")
             image_features = self.image_features(prompts, images)
         elif getattr(prompts, "vpt", None) is not None or getattr(prompts, "proj_weight", None) is not None:
             raise ValueError("cached image_features cannot be used with visual prompts; pass images")
-        text = self.text_features(prompts, classnames)
-        return self.logit_scale * image_features @ text.t()
+        return image_features, self.text_features(prompts, classnames)
 
 
-def classification_loss(pclip: PromptedCLIP):
-    """The task loss used everywhere: cross-entropy of prompted-CLIP logits.
+def classification_loss(pclip: PromptedCLIP, consistency: Optional[ConsistencySpec] = None):
+    """The task loss used everywhere: cross-entropy of prompted-CLIP logits, plus the zero-shot consistency
+    terms of :mod:`meta.consistency` when ``consistency`` is active (fine-tuning only).
 
     Returns ``loss_fn(prompts, batch) -> (loss, logits [n, K])`` where ``batch`` is a dict with
     ``classnames`` (K names), ``label`` (``[n]`` in 0..K-1) and either ``images``
     (``[n, 3, H, W]``) or cached, normalised ``features`` (``[n, E]``; text-only prompts).
-    ``loss_fn.pclip`` is ``pclip``, from which :func:`meta.batched.batched_loss_of` builds its task-stacked twin.
+    ``loss_fn.pclip`` is ``pclip``, from which :func:`meta.batched.batched_loss_of` builds its task-stacked twin;
+    ``loss_fn.consistency`` is the active spec or None.
     """
+    spec = consistency if consistency is not None and consistency.active else None
 
     def loss_fn(prompts: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         logits = pclip.logits(
@@ -431,5 +445,20 @@ def classification_loss(pclip: PromptedCLIP):
         )
         return F.cross_entropy(logits, batch["label"]), logits
 
-    loss_fn.pclip = pclip  # meta.batched builds the task-stacked twin from it (meta.gram's task batching)
-    return loss_fn
+    def regularised_loss_fn(prompts: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        images = batch.get("images")
+        image, text = pclip.features(prompts, batch["classnames"], images, batch.get("features"))
+        logits = pclip.logit_scale * image @ text.t()
+        penalty = consistency_penalty(
+            spec, reference, batch["classnames"], text, image, images, visual_prompts(prompts) is not None
+        )
+        return F.cross_entropy(logits, batch["label"]) + penalty, logits
+
+    if spec is None:
+        fn = loss_fn
+    else:
+        reference = frozen_reference(pclip.clip, DEFAULT_TEMPLATE)
+        fn = regularised_loss_fn
+    fn.pclip = pclip  # meta.batched builds the task-stacked twin from it (meta.gram's task batching)
+    fn.consistency = spec
+    return fn

@@ -143,8 +143,23 @@ def dassl_run(root: Path, key: str, opts: list[str], subsample: str, output: Pat
     return trainer, cfg
 
 
-@pytest.mark.parametrize("key, opts", [("coop", ["TRAINER.GRAM.CTX_INIT", WORDS]), ("gram_coop", []), ("unigram", [])])
-def test_train_py_and_the_evaluator_give_the_same_theta_and_accuracies(world, tiny_clip, tmp_path, key, opts):
+CONSISTENCY = {"consistency_text": 8.0, "consistency_image": 10.0}  # KgCoOp's and PromptSRC's weights
+CONSISTENCY_OPTS = ["TRAINER.GRAM.CONSISTENCY_TEXT", "8.0", "TRAINER.GRAM.CONSISTENCY_IMAGE", "10.0"]
+
+
+@pytest.mark.parametrize(
+    "key, opts, overrides",
+    [
+        ("coop", ["TRAINER.GRAM.CTX_INIT", WORDS], {}),
+        ("gram_coop", [], {}),
+        ("unigram", [], {}),
+        ("unigram", CONSISTENCY_OPTS, CONSISTENCY),  # zero-shot consistency terms in both fine-tuning losses
+    ],
+    ids=["coop", "gram_coop", "unigram", "unigram_consistency"],
+)
+def test_train_py_and_the_evaluator_give_the_same_theta_and_accuracies(
+    world, tiny_clip, tmp_path, key, opts, overrides
+):
     root, inits = world
     row = methods.get(key)
     init = str(inits[row.trainer]) if row.gram_file else ""
@@ -161,7 +176,7 @@ def test_train_py_and_the_evaluator_give_the_same_theta_and_accuracies(world, ti
         assert trainer.window.size == 2 and trainer.launch_step is not None  # 4 support images, batches of 2
 
     clip, dims = tiny_clip
-    method = method_preset(row.preset, init_path=init, ctx_init=WORDS if not init else "")
+    method = method_preset(row.preset, init_path=init, ctx_init=WORDS if not init else "", **overrides)
     spec = TrainSpec(
         epochs=1,
         batch_size=BATCH,
@@ -200,3 +215,19 @@ def test_train_py_and_the_evaluator_give_the_same_theta_and_accuracies(world, ti
         if start is not None:  # θ moved in the epoch: the comparison is not of two untouched starts
             assert (value - start[name].detach()).abs().max() > 1e-4
     assert (record["base"], record["new"]) == (pytest.approx(base_dassl), pytest.approx(new_dassl))
+    if overrides:  # the terms changed the training: without them the evaluator ends at another θ
+        assert trainer.model.consistency is not None
+        plain = {}
+        evaluate_base_to_new(
+            dataset,
+            clip,
+            dims,
+            method_preset(row.preset, init_path=init),
+            SEED,
+            SHOTS,
+            spec,
+            use_split_cache=False,
+            log=lambda msg: None,
+            on_trained=lambda p: plain.update(p.named_parameters()),
+        )
+        assert max((plain[n].detach() - kept[n].detach()).abs().max() for n in kept) > 1e-5

@@ -62,10 +62,13 @@ def test_extend_cfg_adds_every_key_with_paper_defaults():
         "REG_WINDOW_IMAGES",
         "REG_WINDOW",
         "LAUNCH",
+        "CONSISTENCY_TEXT",
+        "CONSISTENCY_IMAGE",
     }
     assert (g.N_CTX_TEXT, g.N_CTX_VISION, g.VPT_DEEP, g.ENABLED, g.REGULATE) == (4, 4, False, False, True)
     assert (g.INIT_PROMPTS, g.REG_WINDOW_IMAGES, g.LAUNCH) == (True, DEFAULT_REG_WINDOW, DEFAULT_LAUNCH)
     assert g.REG_WINDOW is None  # the old key (batches) is kept only to refuse it
+    assert (g.CONSISTENCY_TEXT, g.CONSISTENCY_IMAGE) == (0.0, 0.0)  # off: the plain cross-entropy
     assert cfg.DATASET.SUBSAMPLE_CLASSES == "all"
 
 
@@ -180,6 +183,14 @@ def test_bad_values_name_the_key():
     cfg.TRAINER.GRAM.QUICK_GELU = "maybe"
     with pytest.raises(ValueError, match="TRAINER.GRAM.QUICK_GELU"):
         gram_settings(cfg)
+    for key, value in (("CONSISTENCY_TEXT", -1.0), ("CONSISTENCY_IMAGE", float("nan"))):
+        cfg = minimal_cfg()
+        cfg.TRAINER.GRAM[key] = value
+        with pytest.raises(ValueError, match=rf"^TRAINER.GRAM.{key}: expected a finite number >= 0"):
+            gram_settings(cfg)
+    cfg = minimal_cfg()
+    cfg.TRAINER.GRAM.CONSISTENCY_TEXT = 8.0
+    assert gram_settings(cfg).consistency.text_weight == 8.0
     with pytest.raises(KeyError, match="not a GRAM trainer"):
         gram_settings(minimal_cfg("CoOp"))
     bare = CN()

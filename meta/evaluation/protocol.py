@@ -159,6 +159,7 @@ class EvaluationSession:
             loader.test_view,
             reg_window=window,
             launch_step=launch,
+            consistency=method.consistency(),
         )
         return tuner, init_info
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from .. import methods
+from ..consistency import ConsistencySpec
 from ..engine import start_rule_problems
 from ..finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
 from ..methods import Method
@@ -62,6 +63,8 @@ class MethodSpec:
             raw gradient without ``regulate``).  True needs ``init_path`` (or an in-memory start point);
             None (default) = :data:`meta.finetune.DEFAULT_LAUNCH` for methods that start from an init file
             or start point, off otherwise (:meth:`launch_on`).
+        consistency_text, consistency_image: weights λ of the zero-shot consistency terms added to the
+            fine-tuning loss (:mod:`meta.consistency`; 0 = off).  The launch step keeps the meta-trained loss.
 
     With no prompt at all (``n_ctx_text == n_ctx_vision == 0``) the method is zero-shot CLIP
     and nothing is trained.
@@ -83,6 +86,12 @@ class MethodSpec:
     init_prompts: bool = True
     reg_window: int = DEFAULT_REG_WINDOW
     launch: Optional[bool] = None
+    consistency_text: float = 0.0
+    consistency_image: float = 0.0
+
+    def consistency(self) -> ConsistencySpec:
+        """The zero-shot consistency weights of the fine-tuning loss."""
+        return ConsistencySpec(self.consistency_text, self.consistency_image)
 
     def launch_on(self, has_start: bool) -> bool:
         """Whether the launch step runs: ``launch`` when given, else the default where θ / φ come from an
@@ -113,6 +122,10 @@ class MethodSpec:
             )
         if self.init_path and self.zero_shot:
             raise ValueError(f"MethodSpec {self.name!r}: init_path given but the method has no prompts")
+        try:
+            self.consistency()
+        except ValueError as err:
+            raise ValueError(f"MethodSpec {self.name!r}: {err}") from None
 
     @property
     def zero_shot(self) -> bool:
@@ -139,7 +152,13 @@ class MethodSpec:
         )
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The fields; the consistency weights only when set, so records of methods without them (and the keys
+        derived from those records) read as they did before the terms existed."""
+        out = asdict(self)
+        for key in ("consistency_text", "consistency_image"):
+            if not out[key]:
+                del out[key]
+        return out
 
 
 @dataclass(frozen=True)

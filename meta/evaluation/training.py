@@ -22,6 +22,7 @@ from torch import nn
 from torch.optim import lr_scheduler as sched
 
 from ..backbone import ClipDims
+from ..consistency import ConsistencySpec
 from ..engine import Naming, RegulatedStepper, StartPoint, StartSpec, build_start, window_batches
 from ..finetune import GradientRegulation, LaunchStep, launch_
 from ..metrics import count_correct
@@ -141,6 +142,7 @@ class PromptTuner:
         test_images: Callable[[str], torch.Tensor],
         reg_window: int = 1,
         launch_step: Optional[LaunchStep] = None,
+        consistency: Optional[ConsistencySpec] = None,
     ):
         self.pclip = pclip
         self.prompts = prompts
@@ -149,7 +151,8 @@ class PromptTuner:
         self.seed = seed
         self.train_images = train_images
         self.test_images = test_images
-        self.loss_fn = classification_loss(pclip)
+        self.loss_fn = classification_loss(pclip, consistency)  # the fine-tuning loss
+        self.launch_loss_fn = classification_loss(pclip)  # the launch step replays the meta-trained (task) loss
         self.device = pclip.clip.token_embedding.weight.device
         self.reg_window = int(reg_window)
         self.launch_step = launch_step
@@ -184,7 +187,7 @@ class PromptTuner:
         def mean_loss(prompts: nn.Module) -> torch.Tensor:
             total = None
             for batch in batches:
-                loss, _ = self.loss_fn(prompts, batch)
+                loss, _ = self.launch_loss_fn(prompts, batch)
                 part = loss * (len(batch["label"]) / n)
                 total = part if total is None else total + part
             return total

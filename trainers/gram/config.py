@@ -27,6 +27,7 @@ row 5) with the very same code: no meta-initialisation, no gradient regulation.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
@@ -34,6 +35,7 @@ from typing import Any, Optional
 from yacs.config import CfgNode as CN
 
 from meta import methods
+from meta.consistency import ConsistencySpec
 from meta.engine import Naming, start_rule_problems
 from meta.finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
 from meta.prompts import DEFAULT_TEMPLATE, PromptSpec
@@ -94,6 +96,9 @@ def _gram_defaults() -> CN:
     node.CTX_INIT = ""  # words to initialise the text context (e.g. "a photo of a"); "" = N(0, 0.02²)
     node.TEMPLATE = DEFAULT_TEMPLATE  # fixed text prompt when there is no text context (GRAM_VPT)
     node.VPT_INIT = PromptSpec.vpt_init  # baselines' visual tokens: normal | zeros | cls | patch_mean (meta.prompts)
+    # --- zero-shot consistency (meta.consistency; fine-tuning loss CE + λ_t L_text + λ_v L_image) ---------
+    node.CONSISTENCY_TEXT = 0.0  # λ_t: 1 - mean cos to the hand-made prompt's text features (KgCoOp uses 8.0)
+    node.CONSISTENCY_IMAGE = 0.0  # λ_v: L1 to the frozen image features, visual prompts only (PromptSRC uses 10)
     # --- backbone ------------------------------------------------------------------------------
     node.MODEL_NAME = ""  # open_clip architecture; "" = from MODEL.BACKBONE.NAME ("ViT-B/16" -> "ViT-B-16")
     node.WEIGHTS = ""  # "" = ~/.cache/clip/<ViT-B-16>.pt (OpenAI TorchScript, as CoOp uses);
@@ -207,6 +212,7 @@ class GramSettings:
     init_prompts: bool  # θ from the init file's θ* (False: scratch θ, R_φ only)
     reg_window_images: int  # images per regulated step (0 = support size; meta.engine.window_batches)
     launch: bool  # meta-trained step once before training (meta.finetune.launch_)
+    consistency: ConsistencySpec = ConsistencySpec()  # zero-shot consistency weights (0 = off)
 
     def vision_depth(self, vision_layers: int) -> int:
         """D, prompted vision layers: 0 without visual prompts, 1 shallow, else VPT_DEPTH (0 = all)."""
@@ -297,6 +303,13 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
         )
     init_prompts = _as_bool(g.INIT_PROMPTS, "TRAINER.GRAM.INIT_PROMPTS")
     launch = _as_bool(g.LAUNCH, "TRAINER.GRAM.LAUNCH")
+    weights_of = {}
+    for key in ("CONSISTENCY_TEXT", "CONSISTENCY_IMAGE"):
+        value = g[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"TRAINER.GRAM.{key}: expected a finite number >= 0 (0 = off), got {value!r}")
+        weights_of[key] = float(value)
+    consistency = ConsistencySpec(weights_of["CONSISTENCY_TEXT"], weights_of["CONSISTENCY_IMAGE"])
     problems = start_rule_problems(
         vpt_init=str(g.VPT_INIT),
         reg_window=g.REG_WINDOW_IMAGES,
@@ -332,4 +345,5 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
         init_prompts=init_prompts or not enabled,
         reg_window_images=int(g.REG_WINDOW_IMAGES),
         launch=launch and enabled,
+        consistency=consistency,
     )

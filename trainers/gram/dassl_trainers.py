@@ -112,7 +112,9 @@ class _GramTrainer(TrainerX):
         start = self._start(settings, clip, dims)
         self.gram_init_metadata = start.metadata
         classnames = self.dm.dataset.classnames
-        self.model = GramCLIP(clip, dims, start.prompts, classnames, template=settings.template)
+        self.model = GramCLIP(
+            clip, dims, start.prompts, classnames, template=settings.template, consistency=settings.consistency
+        )
         if cfg.MODEL.INIT_WEIGHTS:
             self._load_init_weights(cfg.MODEL.INIT_WEIGHTS)
         self.optim = build_optimizer(self.model.prompt_learner, cfg.OPTIM)
@@ -199,7 +201,8 @@ class _GramTrainer(TrainerX):
             f"visual prompts {s.n_ctx_vision} x depth {s.vision_depth(dims.vision_layers)}, "
             f"coupling {s.coupling}, "
             f"regulated tensors {sorted(self.regulation.regulators) if self.regulation else []}, "
-            f"regulation window {self.window.size}, launch step {'on' if self.launch_step else 'off'}"
+            f"regulation window {self.window.size}, launch step {'on' if self.launch_step else 'off'}, "
+            f"zero-shot consistency text {s.consistency.text_weight:g} image {s.consistency.image_weight:g}"
         )
         if self.regulation is not None:  # the one place the window's unit changes (meta.engine.window_batches)
             print(
@@ -281,8 +284,7 @@ class _GramTrainer(TrainerX):
     def forward_backward(self, batch) -> dict:
         images, labels = self.parse_batch_train(batch)
         with self._autocast():
-            logits = self.model(images).float()
-        loss = F.cross_entropy(logits, labels)
+            loss, logits = self.model.training_loss(images, labels)
         self.detect_anomaly(loss)
         last = (self.batch_idx + 1) == self.num_batches
         self.stepper.backward(loss, last=last)  # sums until the window closes, then R_φ and one step

@@ -12,10 +12,12 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from meta.backbone import ClipDims
-from meta.prompts import DEFAULT_TEMPLATE, PromptedCLIP, PromptParams
+from meta.consistency import ConsistencySpec, consistency_penalty, frozen_reference
+from meta.prompts import DEFAULT_TEMPLATE, PromptedCLIP, PromptParams, visual_prompts
 
 
 class GramCLIP(nn.Module):
@@ -28,6 +30,7 @@ class GramCLIP(nn.Module):
         prompts: PromptParams,
         classnames: Sequence[str],
         template: str = DEFAULT_TEMPLATE,
+        consistency: Optional[ConsistencySpec] = None,
     ):
         super().__init__()
         if len(classnames) == 0:
@@ -41,6 +44,9 @@ class GramCLIP(nn.Module):
         self.pclip = PromptedCLIP(clip, dims, prompts.n_ctx_text, template=template)
         self._text_cache: Optional[torch.Tensor] = None
         self.clip.eval()
+        # zero-shot consistency (meta.consistency): the frozen references of its terms, when a weight is > 0
+        self.consistency = consistency if consistency is not None and consistency.active else None
+        self._reference = frozen_reference(clip, DEFAULT_TEMPLATE) if self.consistency is not None else None
 
     def train(self, mode: bool = True) -> "GramCLIP":
         super().train(mode)
@@ -59,6 +65,21 @@ class GramCLIP(nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         image = self.pclip.image_features(self.prompt_learner, images.to(self.dtype))
         return self.pclip.logit_scale * image @ self.text_features().to(image.dtype).t()
+
+    def training_loss(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss, logits [B, C] fp32)``: cross-entropy, plus the zero-shot consistency terms when they are on
+        (the same functions as the evaluator's :func:`meta.prompts.classification_loss`)."""
+        images = images.to(self.dtype)
+        image = self.pclip.image_features(self.prompt_learner, images)
+        text = self.text_features().to(image.dtype)
+        logits = (self.pclip.logit_scale * image @ text.t()).float()
+        loss = F.cross_entropy(logits, labels)
+        if self.consistency is not None:
+            has_visual = visual_prompts(self.prompt_learner) is not None
+            loss = loss + consistency_penalty(
+                self.consistency, self._reference, self.classnames, text, image, images, has_visual
+            )
+        return loss, logits
 
     # ---------------------------------------------------------------- inference with cached text side
     def reset_cache(self) -> None:
