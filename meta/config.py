@@ -58,6 +58,9 @@ def _chc_node() -> CN:
     chc.INPUT.IMAGE_COLUMN = "image"
     chc.INPUT.CAPTION_COLUMN = "caption"
     chc.INPUT.IMAGE_ROOT = ""  # relative manifest image paths resolve here ("" = manifest's folder)
+    # Manifest rows whose image path, symlinks resolved, lies outside that data root (an absolute path elsewhere,
+    # "../" climbing out, a link pointing out) are skipped and counted as skipped_outside_root; True reads them.
+    chc.INPUT.ALLOW_OUTSIDE_ROOT = False
     chc.INPUT.MAX_PAIRS = 0  # 0 = all; else the first N pairs (smoke runs)
     chc.INPUT.MAX_FIELD_CHARS = 10_000_000  # longest CSV/TSV field; longer = one-line error (an unbalanced quote)
     # Stop (one line naming the path tried and the key that sets it) when more than this fraction of a rank's
@@ -128,12 +131,12 @@ def _tasks_node() -> CN:
     tasks.N_SUPPORT = 4
     tasks.N_QUERY = 8  # per class
     tasks.DOMAIN_SHIFT = True  # False = support from all domains (paper Table 4 row 1 ablation)
-    tasks.VAL_FRACTION = 0.1  # held-out topics for meta-validation
-    tasks.SOURCE = "chc"  # chc | image_folder (supervised meta-learning, Table 4 row 4)
-    tasks.IMAGE_FOLDER = ""  # root/<class>/<images> for SOURCE image_folder
     # share of the query's K classes the support does not hold (not in the paper; meta.tasks): 0 = the paper's
     # tasks (same classes, only the domain shifts), 1 = query topics disjoint from the support's, between = a mix
     tasks.QUERY_NEW_SHARE = 0.0
+    tasks.VAL_FRACTION = 0.1  # held-out topics for meta-validation
+    tasks.SOURCE = "chc"  # chc | image_folder (supervised meta-learning, Table 4 row 4)
+    tasks.IMAGE_FOLDER = ""  # root/<class>/<images> for SOURCE image_folder
     return tasks
 
 

@@ -72,7 +72,7 @@ def _node(cfg_node) -> dict:
 _INDEX_FP_IGNORED = ("MAX_UNREADABLE_FRACTION",)
 # ... and keys added after runs were cached: they enter the fingerprint only when set away from their
 # default, so an index (and the image features after it) cached before the key existed stays valid.
-_INDEX_FP_IF_CHANGED = ("MAX_FIELD_CHARS",)
+_INDEX_FP_IF_CHANGED = ("MAX_FIELD_CHARS", "ALLOW_OUTSIDE_ROOT")
 
 
 def index_settings(inp) -> dict:
@@ -209,6 +209,7 @@ class ChcRun:
                     inp.MAX_PAIRS,
                     show_progress=self.show_progress,
                     max_field_chars=inp.MAX_FIELD_CHARS,
+                    allow_outside_root=bool(inp.ALLOW_OUTSIDE_ROOT),
                 )
                 index.save(self.out / "index")
                 self._timed("index", time.time() - t0, index.counts.get("pairs_seen", 0))

@@ -45,6 +45,11 @@ _INDEX_REASONS = (
         "manifest image path names a FIFO, device, socket or folder",
         "pair skipped (never opened)",
     ),
+    (
+        "skipped_outside_root",
+        "manifest image path outside the data root (CHC.INPUT.IMAGE_ROOT), links resolved",
+        "pair skipped (never read; CHC.INPUT.ALLOW_OUTSIDE_ROOT True reads it)",
+    ),
     ("dropped_by_max_pairs", "beyond CHC.INPUT.MAX_PAIRS", "pair skipped"),
     ("invalid_utf8_replaced", "text not valid UTF-8 (caption or manifest line)", "kept, bad bytes -> U+FFFD"),
 )

@@ -67,6 +67,7 @@ TEXT_KEYS = (
 )
 NON_EMPTY_TEXT = ("INPUT.IMAGE_COLUMN", "INPUT.CAPTION_COLUMN", "TOPICS.UMAP_METRIC")
 TEXT_LIST_KEYS = ("INPUT.SHARDS", "TOPICS.EXTRA_STOP_WORDS")
+BOOL_KEYS = ("INPUT.ALLOW_OUTSIDE_ROOT",)
 
 
 def _get(chc, dotted: str):
@@ -136,6 +137,10 @@ def check_chc_cfg(cfg) -> None:
         value = _get(chc, key)
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise UserError(f"CHC.{key}", f"expected a list of text, got {value!r}")
+    for key in BOOL_KEYS:
+        value = _get(chc, key)
+        if not isinstance(value, bool):
+            raise UserError(f"CHC.{key}", f"expected True or False, got {value!r}")
     template = chc.FILTER.TEMPLATE
     if template:
         try:

@@ -34,6 +34,13 @@ damaged files are listed in ``issues``:
   ``/dev/zero``, a socket, a folder; symlinks followed) is ``skipped_not_regular_file``:
   checked with ``os.stat``, never opened (``open()`` on a FIFO blocks, a device reads
   forever); image bytes are read only from regular files (:func:`read_regular_file`);
+* a manifest row whose image path, with symlinks resolved (``os.path.realpath``), lies outside the
+  data root (``CHC.INPUT.IMAGE_ROOT``; ``""`` = the manifest's folder, also resolved) is
+  ``skipped_outside_root`` and never read: an absolute path elsewhere (``/etc/passwd``), a relative
+  path climbing out with ``..``, or a link inside the root pointing out of it.  An absolute path that
+  resolves inside the root is read.  ``CHC.INPUT.ALLOW_OUTSIDE_ROOT True`` (``allow_outside_root``)
+  reads such rows as before.  A path naming a special file is counted as ``skipped_not_regular_file``
+  first (checked with ``os.stat`` only, wherever it lies);
 * an image file (or tar member) larger than :data:`MAX_IMAGE_BYTES` is never read: at read time it
   is unreadable (reason :func:`too_large_reason`), counted like a damaged image;
 * a manifest row that is not a JSON object (or not JSON, or nested deeper than
@@ -589,6 +596,39 @@ def _manifest_rows(path: str, counts: dict, issues: Optional[list], max_field_ch
         csv.field_size_limit(old_limit)
 
 
+OUTSIDE_ROOT_PROBLEM = (
+    "image path outside the data root (CHC.INPUT.IMAGE_ROOT, '' = the manifest's folder; symlinks resolved); "
+    "CHC.INPUT.ALLOW_OUTSIDE_ROOT True reads it"
+)
+
+
+class _DataRoot:
+    """Whether image paths lie under one folder once symlinks are resolved (``os.path.realpath``).
+
+    The resolved folder of each path is cached (a manifest names many files per folder), so a row
+    costs one ``lstat`` of its file name unless that name is itself a link.
+    """
+
+    def __init__(self, root: str):
+        self.real = os.path.realpath(root)
+        self.prefix = self.real if self.real.endswith(os.sep) else self.real + os.sep
+        self._dirs: dict = {}
+
+    def resolve(self, path: str) -> str:
+        head, tail = os.path.split(path)
+        if tail in ("", ".", ".."):
+            return os.path.realpath(path)
+        real_head = self._dirs.get(head)
+        if real_head is None:
+            real_head = self._dirs[head] = os.path.realpath(head)
+        full = os.path.join(real_head, tail)
+        return os.path.realpath(full) if os.path.islink(full) else full
+
+    def holds(self, path: str) -> bool:
+        real = self.resolve(path)
+        return real == self.real or real.startswith(self.prefix)
+
+
 def scan_manifest(
     path: str,
     image_column: str,
@@ -598,12 +638,16 @@ def scan_manifest(
     issues: Optional[list] = None,
     max_field_chars: int = 10_000_000,
     special: Optional[list] = None,
+    allow_outside_root: bool = False,
 ) -> list:
     """Records ``(key, path, caption, stamp)`` of a manifest; a missing column is a one-line error.
 
     ``stamp`` is the image file's :func:`file_stamp` when it was read.  A row whose image path is
     not a regular file (a FIFO, a device, a socket, a folder) is skipped and counted, and
     ``[path, *stamp]`` appended to ``special`` when given, so a later run notices a replaced file.
+    Unless ``allow_outside_root`` (``CHC.INPUT.ALLOW_OUTSIDE_ROOT``), a row whose image path resolves
+    outside the data root (``image_root``, or the manifest's folder when it is ``""``) is skipped and
+    counted as ``skipped_outside_root``.
     Policies (each skip counted in ``counts``, problem lines in ``issues``): see the module docstring.
     """
     if not os.path.isfile(path):
@@ -611,6 +655,7 @@ def scan_manifest(
         raise FileNotFoundError(f"CHC.INPUT.MANIFEST: {what}: {path}")
     path = os.path.abspath(path)
     root = image_root or os.path.dirname(path)
+    data_root = None if allow_outside_root else _DataRoot(root)
     records = []
     seen: set = set()
     checked = False
@@ -656,6 +701,10 @@ def scan_manifest(
             if special is not None:
                 special.append([image, *stamp])
             continue
+        if data_root is not None and not data_root.holds(image):
+            _bump(counts, "skipped_outside_root")
+            _note(issues, path, OUTSIDE_ROOT_PROBLEM, lineno)
+            continue
         records.append((str(row_no), image, caption, stamp))
     return records
 
@@ -670,8 +719,12 @@ def build_index(
     max_pairs: int = 0,
     show_progress: bool = True,
     max_field_chars: int = 10_000_000,
+    allow_outside_root: bool = False,
 ) -> PairIndex:
     """Scan the inputs into a :class:`PairIndex` (no image decoding).
+
+    ``allow_outside_root`` (``CHC.INPUT.ALLOW_OUTSIDE_ROOT``): read manifest rows whose image path
+    resolves outside the data root instead of skipping them (:func:`scan_manifest`).
 
     Raises :class:`~meta.chc.errors.InputError` when not one usable pair was found.
     """
@@ -704,7 +757,15 @@ def build_index(
         sid = len(sources)
         sources.append(os.path.abspath(manifest)), kinds.append(KIND_FILE)
         for key, path, cap, stamp in scan_manifest(
-            manifest, image_column, caption_column, image_root, counts, issues, max_field_chars, special
+            manifest,
+            image_column,
+            caption_column,
+            image_root,
+            counts,
+            issues,
+            max_field_chars,
+            special,
+            allow_outside_root=allow_outside_root,
         ):
             src_ids.append(sid), offsets.append(-1), sizes.append(-1)
             keys.append(key), paths.append(path), caps.append(cap), metas.append(""), stamps.append(stamp)

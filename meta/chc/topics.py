@@ -7,8 +7,9 @@ noise when it is less similar than the ``ASSIGN_QUANTILE`` quantile of the fitte
 members' similarity to their own centroid.
 
 Topic words use the paper's cluster TF-IDF (eq. 1),
-``TF-IDF(w, l) = N_wl / N_l * log(L / (L_w + 1))``, over lower-cased alphabetic tokens
-of at least ``MIN_WORD_LEN`` letters, with English and caption stop words removed.
+``TF-IDF(w, l) = N_wl / N_l * log(L / (L_w + 1))``, over the lower-cased tokens of
+:func:`topic_tokens` (words of letters of any script, at least ``MIN_WORD_LEN`` letters;
+Chinese / Japanese by character pairs), with English and caption stop words removed.
 ``L_w`` counts cluster ``l`` only when ``w`` appears in at least
 ``PRESENCE_MIN_FRACTION`` of its captions (0 = the paper's literal "occurs once").
 Clusters whose top word is the same become ONE topic (their members are merged), so a
@@ -17,6 +18,9 @@ K-way task can never hold two classes with one name.
 
 from __future__ import annotations
 
+import functools
+import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -118,6 +122,97 @@ def assign_nearest(embeddings: np.ndarray, cents: np.ndarray, min_similarity: fl
 
 
 # ------------------------------------------------------------------------------ topic words
+# Han ideographs and kana: scripts written without spaces between words (Unicode Standard, chapter 18
+# "East Asia"; block ranges from the Unicode Character Database, Blocks.txt).
+_CJK_RANGES = (
+    (0x3005, 0x3006),  # ideographic iteration mark, closing mark
+    (0x3040, 0x30FF),  # Hiragana, Katakana (with the prolonged sound mark U+30FC)
+    (0x31F0, 0x31FF),  # Katakana phonetic extensions
+    (0x3400, 0x4DBF),  # CJK unified ideographs extension A
+    (0x4E00, 0x9FFF),  # CJK unified ideographs
+    (0xF900, 0xFAFF),  # CJK compatibility ideographs
+    (0xFF66, 0xFF9F),  # halfwidth Katakana
+    (0x20000, 0x323AF),  # CJK unified ideographs extensions B-H (supplementary planes 2 and 3)
+)
+
+
+def _char_class(codes: list) -> str:
+    """A regex character class body for the sorted code points ``codes`` (merged into ranges)."""
+    parts, i = [], 0
+    while i < len(codes):
+        j = i
+        while j + 1 < len(codes) and codes[j + 1] == codes[j] + 1:
+            j += 1
+        lo, hi = re.escape(chr(codes[i])), re.escape(chr(codes[j]))
+        parts.append(lo if i == j else f"{lo}-{hi}")
+        i = j + 1
+    return "".join(parts)
+
+
+@functools.lru_cache(maxsize=1)
+def _patterns() -> tuple:
+    """(word run, CJK segment, CJK unit) patterns, built once from the running Python's Unicode database."""
+    letters, marks, cjk = [], [], []
+    in_cjk = bytearray(0x110000)
+    for lo, hi in _CJK_RANGES:
+        in_cjk[lo : hi + 1] = b"\x01" * (hi - lo + 1)
+    for code in range(0x110000):
+        cat = unicodedata.category(chr(code))
+        if cat[0] == "L":
+            letters.append(code)
+            if in_cjk[code]:
+                cjk.append(code)
+        elif cat[0] == "M":
+            marks.append(code)
+    letter, mark, han = _char_class(letters), _char_class(marks), _char_class(cjk)
+    # A run of letters (with their combining marks) not touching a digit, "_" or another word character:
+    # for ASCII text exactly the runs the former pattern ``\b[a-z]{3,}\b`` matched (before the length rule).
+    word = re.compile(rf"(?<!\w)[{letter}][{letter}{mark}]*(?!\w)")
+    segment = re.compile(rf"(?:[{han}][{mark}]*)+")
+    unit = re.compile(rf"[{han}][{mark}]*")
+    return word, segment, unit, re.compile(rf"[{mark}]")
+
+
+def topic_tokens(text: str, min_word_len: int = 3) -> list:
+    r"""The tokens a caption gives for topic words (``text`` is lower-cased by the caller).
+
+    Rule:
+
+    * A word is a run of letters of any script (Unicode general category L*, with the combining marks
+      M* that follow them, so Devanagari vowel signs or Arabic harakat stay inside their word) that does
+      not touch a digit or ``_``; it is kept when it has at least ``min_word_len`` letters (marks do not
+      count).  On ASCII text this is exactly the former ``\b[a-z]{3,}\b`` rule: English topic words
+      are unchanged.
+    * Han ideographs and kana (Chinese, Japanese), written without spaces, give overlapping character
+      pairs instead ("一只小狗" -> "一只", "只小", "小狗"); a lone character gives itself.  This is the
+      default of Lucene's CJK bigram filter (Apache Lucene ``CJKBigramFilter``); ``min_word_len`` does
+      not apply to these pairs.  Other scripts written without spaces (Thai, Lao, Khmer, Myanmar) are
+      not split: a whole run between spaces or punctuation is one word.
+    * Emoji, digits and punctuation give no token: an emoji-only caption names no topic.
+    """
+    word, segment, unit, mark = _patterns()
+    out: list = []
+
+    def add_word(run: str) -> None:
+        n_letters = len(run) if run.isascii() else len(run) - len(mark.findall(run))
+        if n_letters >= min_word_len:
+            out.append(run)
+
+    for run in word.findall(text):
+        if run.isascii():
+            if len(run) >= min_word_len:
+                out.append(run)
+            continue
+        pos = 0
+        for seg in segment.finditer(run):
+            add_word(run[pos : seg.start()])
+            chars = unit.findall(seg.group())
+            out.extend(chars if len(chars) == 1 else [a + b for a, b in zip(chars, chars[1:])])
+            pos = seg.end()
+        add_word(run[pos:])
+    return out
+
+
 @dataclass
 class ClusterWords:
     """Cluster TF-IDF result for ``L`` clusters.
@@ -160,9 +255,23 @@ def cluster_tfidf_words(
     keep = np.flatnonzero(labels >= 0)
     stop = sorted(set(ENGLISH_STOP_WORDS) | CAPTION_STOP_WORDS | {w.lower() for w in extra_stop_words})
     vectorizer = CountVectorizer(
-        lowercase=True, token_pattern=rf"(?u)\b[a-z]{{{int(min_word_len)},}}\b", stop_words=stop, dtype=np.float64
+        lowercase=True,
+        tokenizer=functools.partial(topic_tokens, min_word_len=int(min_word_len)),
+        token_pattern=None,
+        stop_words=stop,
+        dtype=np.float64,
     )
-    counts = vectorizer.fit_transform([captions[i] for i in keep])  # [n_kept, V]
+    try:
+        counts = vectorizer.fit_transform([captions[i] for i in keep])  # [n_kept, V]
+    except ValueError as err:
+        if "empty vocabulary" not in str(err):
+            raise
+        raise ValueError(
+            f"CHC.TOPICS.MIN_WORD_LEN: no topic word in the {len(keep)} clustered captions; a topic word is "
+            f"a word of at least MIN_WORD_LEN={int(min_word_len)} letters (any script; Chinese/Japanese by "
+            "character pairs) not in the stop-lists (CHC.TOPICS.EXTRA_STOP_WORDS), and captions of only "
+            "emoji, digits or punctuation give none: check the captions CHC.INPUT names"
+        ) from None
     vocab = vectorizer.get_feature_names_out()
     member = sparse.csr_matrix(
         (weights[keep], (labels[keep], np.arange(len(keep)))), shape=(n_clusters, len(keep))
