@@ -28,6 +28,7 @@ CHECKPOINT_PREFIX = "model.pth.tar-"
 LAST_POINTER = "checkpoint"
 RUN_INFO = "gram_run.txt"
 LOG = "log.txt"
+DASSL_LOG = re.compile(r"^log\.txt(-\d{4}-\d{2}-\d{2}-\d{2}-\d{2}-\d{2})?$")  # log.txt, log.txt-<rerun time>
 _CKPT_EPOCH = re.compile(re.escape(CHECKPOINT_PREFIX) + r"(\d+)")
 
 PathLike = Union[str, Path]
@@ -82,10 +83,26 @@ def read_accuracy(log_path: PathLike, mode: str) -> float:
     return value
 
 
+def newest_log(run_dir: Path) -> tuple[Path, int]:
+    """``(log to read, number of Dassl logs)`` of a run folder: the newest of ``log.txt`` and its reruns'
+    ``log.txt-<time>`` by modification time (ties: the later name; ``log.txt`` sorts first).  Without any
+    log: ``(run_dir / "log.txt", 0)``, which the reader reports as missing."""
+    logs = []
+    if not run_dir.is_dir():
+        return run_dir / LOG, 0
+    for path in run_dir.iterdir():
+        if DASSL_LOG.match(path.name) and path.is_file():
+            logs.append((path.stat().st_mtime_ns, path.name, path))
+    if not logs:
+        return run_dir / "log.txt", 0
+    return max(logs)[2], len(logs)
+
+
 def log_finished(run_dir: PathLike, mode: str) -> bool:
-    """True when ``run_dir/log.txt`` holds a result after its end signal (what the parser will read)."""
+    """True when the run's newest Dassl log (:func:`newest_log`) holds a result after its end signal (what the
+    parser will read)."""
     try:
-        read_accuracy(Path(run_dir) / LOG, mode)
+        read_accuracy(newest_log(Path(run_dir))[0], mode)
     except LogProblem:
         return False
     return True
@@ -116,6 +133,7 @@ __all__ = [
     "LAST_POINTER",
     "RUN_INFO",
     "LOG",
+    "newest_log",
     "LogProblem",
     "checkpoint_name",
     "read_run_info",

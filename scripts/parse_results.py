@@ -17,8 +17,10 @@ The accuracy of a log is the last ``* accuracy: X%`` line after its end signal, 
 ``--eval-only`` logs (MaPLe's copy waits for "Finished training", which Dassl >= 0.6.1 no longer
 prints: ``dassl/engine/trainer.py`` in KaiyangZhou/Dassl.pytorch).  Whether a folder is a training or an eval-only run
 is read from the ``mode`` line of its ``gram_run.txt`` (written by the scripts; zsclip's base runs
-are eval-only) and otherwise inferred from the folder (``train_*`` = training).  Only ``log.txt``
-is read, not Dassl's timestamped ``log.txt-<time>`` re-run logs.
+are eval-only) and otherwise inferred from the folder (``train_*`` = training).  A run folder run again
+holds several logs: Dassl never overwrites ``log.txt`` but writes the rerun's log to
+``log.txt-<%Y-%m-%d-%H-%M-%S>`` (``setup_logger`` in ``dassl/utils/logger.py``).  The newest of them by
+modification time is read (equal times: the later name), and a note on stderr names the log read.
 
 Statistics are those of ``meta.evaluation.summary`` (the demo's too), over the seeds that have
 both a base and a new run: per dataset, mean +- std over seeds (population std, ``np.std`` as
@@ -49,7 +51,7 @@ if str(REPO) not in sys.path:
 
 from meta import coop_data  # noqa: E402
 from meta import methods as method_table  # noqa: E402
-from meta.dassl_runs import LogProblem, read_accuracy, run_mode  # noqa: E402  (the runner's reader too)
+from meta.dassl_runs import LogProblem, newest_log, read_accuracy, run_mode  # noqa: E402  (the runner's reader too)
 from meta.evaluation.summary import summarise  # noqa: E402
 
 # Paper / CoOp order (meta.coop_data's dataset list); other names follow alphabetically.
@@ -108,8 +110,11 @@ def _shots_method_dirs(parent: Path):
                     yield int(m.group(1)), f"{method_dir.name}/{cfg_dir.name}", cfg_dir
 
 
-def collect(root: Path) -> tuple[dict[RunKey, dict[int, float]], list[str]]:
-    """Accuracies ``{RunKey: {seed: acc%}}`` under ``root`` and the list of problems found."""
+def collect(root: Path, notes: list[str] | None = None) -> tuple[dict[RunKey, dict[int, float]], list[str]]:
+    """Accuracies ``{RunKey: {seed: acc%}}`` under ``root`` and the list of problems found.
+
+    ``notes``, when given, receives one line per run folder holding several Dassl logs, naming the one read.
+    """
     results: dict[RunKey, dict[int, float]] = defaultdict(dict)
     problems: list[str] = []
     seeds_seen: dict[tuple, dict[str, dict[int, Path]]] = defaultdict(lambda: defaultdict(dict))
@@ -117,8 +122,11 @@ def collect(root: Path) -> tuple[dict[RunKey, dict[int, float]], list[str]]:
     def visit(key: RunKey, method_dir: Path, default_mode: str) -> None:
         for seed, run_dir in _seed_dirs(method_dir):
             seeds_seen[(key.table, key.shots, key.method, key.dataset)][key.side][seed] = run_dir
+            log, n_logs = newest_log(run_dir)
+            if n_logs > 1 and notes is not None:
+                notes.append(f"{run_dir}: {n_logs} Dassl logs (reruns), read the newest: {log.name}")
             try:
-                results[key][seed] = read_accuracy(run_dir / "log.txt", run_mode(run_dir, default_mode))
+                results[key][seed] = read_accuracy(log, run_mode(run_dir, default_mode))
             except LogProblem as err:
                 problems.append(str(err))
 
@@ -425,7 +433,10 @@ def main(argv: list[str] | None = None) -> int:
     if not root.is_dir():
         print(f"output root not found: {root}", file=sys.stderr)
         return 2
-    results, problems = collect(root)
+    notes: list[str] = []
+    results, problems = collect(root, notes)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     for p in problems:
         print(f"WARNING: {p}", file=sys.stderr)
     if not results:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -128,8 +129,10 @@ def test_end_signals_and_last_match(tmp_path):
 def test_missing_and_unfinished_runs_are_named(tmp_path, capsys):
     make_tree(tmp_path, {("coop", "dtd"): ([80.0, 82.0], [50.0, 55.0])})
     write_run(tmp_path, "base2new/train_base/dtd/shots_16/coop/seed3", "epoch [3/10]\n")  # crashed, no new run
-    # an older re-run log next to log.txt is ignored, as in CoOp's parser
-    (tmp_path / "base2new/train_base/dtd/shots_16/coop/seed1/log.txt-2024-01-01-00-00-00").write_text(train_log(1.0))
+    # an older log next to log.txt (Dassl names a rerun's log log.txt-<time>) is ignored: the newest is read
+    older = tmp_path / "base2new/train_base/dtd/shots_16/coop/seed1/log.txt-2024-01-01-00-00-00"
+    older.write_text(train_log(1.0))
+    os.utime(older, (1_000_000_000, 1_000_000_000))
     assert pr.main([str(tmp_path)]) == 0
     err = capsys.readouterr().err
     assert "unfinished run: " + str(tmp_path / "base2new/train_base/dtd/shots_16/coop/seed3/log.txt") in err
