@@ -29,6 +29,9 @@ Defaults (CPU): ViT-B-16 architecture with random weights (no download), CoOp te
 K = 8-way, 1-shot support, 4-shot query, cached image features, one CPU thread.  Times are the
 median of ``--repeats`` rounds after ``--warmup`` rounds; a round times the four steps and the two
 linear-product sweeps one after another, so drifting machine speed hits all of them alike.
+Run as ``python -m gram_tools.bench`` it pins the CPU kernels as meta-training does (:mod:`meta.numerics`; about
+2x slower at this size on an AVX2 CPU, ``docs/numerics.md``); ``GRAM_NUMERICS=fast`` times the machine's own
+kernels, as the tables in ``docs/benchmark.md`` dated before 2026-11-27 night were.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ import warnings
 from typing import Callable, Optional
 
 import torch
+
+from meta.numerics import mode as numerics_mode
 
 RATIO_FLOOR = 3.0  # exact second order, frozen weights: 3 forward + 3 backward linear sweeps vs 1 + 1
 RATIO_GUARD = 3.3  # within 10 % of the floor (docs/benchmark.md)
@@ -242,6 +247,7 @@ def run(args: argparse.Namespace) -> dict:
             "torch": torch.__version__,
             "python": platform.python_version(),
             "cpu": platform.processor() or platform.machine(),
+            "numerics": numerics_mode(),  # pinned CPU kernels or the machine's own (meta.numerics)
         },
     }
 
@@ -329,4 +335,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from meta.numerics import pin_process
+
+    pin_process()  # the kernels meta-training runs with (GRAM_NUMERICS=fast: the machine's own)
     sys.exit(main())
