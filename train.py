@@ -10,7 +10,10 @@ Differences from CoOp's file:
 * ``--seed 0`` is honoured (CoOp tests ``if args.seed:``, so seed 0 silently meant "no seed");
 * the datasets and trainers come from this repository's ``datasets`` and ``trainers`` packages;
 * Python warnings are printed into the log as well, so CPU precision fallbacks, random weights and
-  similar notes are on record next to the numbers.
+  similar notes are on record next to the numbers;
+* bad input (a misspelled config key, a missing or unfit ``TRAINER.GRAM.INIT`` or weights file, an unknown
+  trainer) ends with one ``error: <key or file>: <what>`` line on stderr and exit status 2, as the ``meta``
+  commands do (:mod:`meta.cli_errors`); ``--debug`` or ``GRAM_DEBUG=1`` shows the traceback.
 """
 
 from __future__ import annotations
@@ -75,15 +78,26 @@ def extend_cfg(cfg) -> None:
     extend_gram_cfg(cfg)
 
 
+def _merge(where: str, merge, source) -> None:
+    """``merge(source)``, with yacs' refusals (a ``KeyError`` from a file, an ``AssertionError`` from the
+    command line) turned into a :class:`meta.cli_errors.UserError` naming ``where``."""
+    from meta.cli_errors import UserError, one_line
+
+    try:
+        merge(source)
+    except (KeyError, AssertionError, ValueError) as err:
+        raise UserError(where, f"{one_line(err)} (keys come from Dassl's defaults and extend_cfg)") from None
+
+
 def setup_cfg(args: argparse.Namespace):
     cfg = get_cfg_default()
     extend_cfg(cfg)
     if args.dataset_config_file:
-        cfg.merge_from_file(args.dataset_config_file)
+        _merge(args.dataset_config_file, cfg.merge_from_file, args.dataset_config_file)
     if args.config_file:
-        cfg.merge_from_file(args.config_file)
+        _merge(args.config_file, cfg.merge_from_file, args.config_file)
     reset_cfg(cfg, args)
-    cfg.merge_from_list(args.opts)
+    _merge("command-line options", cfg.merge_from_list, args.opts)
     cfg.freeze()
     return cfg
 
@@ -151,4 +165,6 @@ def cli(argv: Optional[Sequence[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    cli(sys.argv[1:])
+    from meta.cli_errors import run_cli
+
+    sys.exit(run_cli(cli, sys.argv[1:]))

@@ -202,3 +202,67 @@ def test_init_float8_through_an_entry_point(init_file, tmp_path, capsys):
     code = main([str(path), str(tmp_path / "out.pth")])
     _one_error_line(capsys, str(path), "tensor prompt.", "float8_e4m3fn", "expected float32")
     assert code == 2 and not (tmp_path / "out_nctx2.pth").exists()
+
+
+# ---------------------------------------------------------------- 6. train.py (the repository's Dassl entry point)
+def _train_py(tmp_path: Path, *opts: str) -> subprocess.CompletedProcess:
+    """``python train.py`` on GRAM_CoOp's config with the tiny CLIP options; no dataset is needed to fail."""
+    pytest.importorskip("dassl", reason="Dassl is not installed (scripts/setup.sh --with-dassl)")
+    argv = [
+        sys.executable,
+        "train.py",
+        "--root",
+        str(tmp_path / "data"),
+        "--trainer",
+        "GRAM_CoOp",
+        "--dataset-config-file",
+        "configs/datasets/dtd.yaml",
+        "--config-file",
+        "configs/trainers/gram_coop.yaml",
+        "--output-dir",
+        str(tmp_path / "out"),
+        "TRAINER.GRAM.MODEL_NAME",
+        "GRAM-Test-Tiny",
+        "TRAINER.GRAM.WEIGHTS",
+        "none",
+        *opts,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("GRAM_DEBUG", None)
+    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.dassl
+def test_train_py_misspelled_key_is_one_line(tmp_path):
+    proc = _train_py(tmp_path, "TRAINER.GRAM.INITT", "x.safetensors")
+    line = _one_error_line(proc.stderr, "TRAINER.GRAM.INITT")
+    assert proc.returncode == 2 and line.startswith("error: command-line options: Non-existent key")
+    # the same key misspelled in a yaml file: the line names the file
+    config = tmp_path / "gram_coop_typo.yaml"
+    config.write_text((REPO / "configs/trainers/gram_coop.yaml").read_text() + "\nTRAINER:\n  GRAM:\n    INITT: x\n")
+    argv = [sys.executable, "train.py", "--trainer", "GRAM_CoOp", "--config-file", str(config)]
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+    line = _one_error_line(proc.stderr, str(config), "TRAINER.GRAM.INITT")
+    assert proc.returncode == 2
+
+
+@pytest.mark.dassl
+@pytest.mark.parametrize("content", ["text", "fifo", "float8"])
+def test_train_py_bad_init_is_one_line_naming_the_key(tmp_path, init_file, content):
+    path = tmp_path / "init.safetensors"
+    if content == "text":
+        path.write_text("not a safetensors file")
+    elif content == "fifo":
+        os.mkfifo(path)
+    else:
+        dtype = getattr(torch, "float8_e4m3fn", None)
+        if dtype is None:
+            pytest.skip("this torch has no float8")
+        _resave(init_file, path, dtype)
+    from gram_tools.synthetic import write_synthetic_dtd
+
+    write_synthetic_dtd(tmp_path / "data", 4, {"train": 2, "val": 1, "test": 1}, size=(32, 32))
+    proc = _train_py(tmp_path, "TRAINER.GRAM.INIT", str(path), "INPUT.SIZE", "(32, 32)", "DATASET.NUM_SHOTS", "1")
+    _one_error_line(proc.stderr, str(path))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
