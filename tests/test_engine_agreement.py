@@ -193,19 +193,25 @@ def test_train_py_and_the_evaluator_give_the_same_theta_and_accuracies(
     sample = dataset.load(SHOTS, SEED, "base", False, lambda msg: None).train  # the same images, in the same order
     assert [r.impath for r in sample] == [d.impath for d in trainer.dm.dataset.train_x]
     assert len(sample) == SHOTS * 2
-    kept = {}
-    record = evaluate_base_to_new(
-        dataset,
-        clip,
-        dims,
-        method,
-        SEED,
-        SHOTS,
-        spec,
-        use_split_cache=False,
-        log=lambda msg: None,
-        on_trained=lambda p: kept.update(p.named_parameters()),
-    )
+
+    def evaluate(method_spec) -> tuple[dict, dict]:
+        """The evaluator's record and the θ it trained (by name)."""
+        trained: dict = {}
+        out = evaluate_base_to_new(
+            dataset,
+            clip,
+            dims,
+            method_spec,
+            SEED,
+            SHOTS,
+            spec,
+            use_split_cache=False,
+            log=lambda msg: None,
+            on_trained=lambda p: trained.update(p.named_parameters()),
+        )
+        return out, trained
+
+    record, kept = evaluate(method)
     if row.gram_file:
         assert record["init"]["reg_window"] == 4 and "launch" in record["init"]
     assert sorted(kept) == sorted(theta_dassl)
@@ -217,17 +223,5 @@ def test_train_py_and_the_evaluator_give_the_same_theta_and_accuracies(
     assert (record["base"], record["new"]) == (pytest.approx(base_dassl), pytest.approx(new_dassl))
     if overrides:  # the terms changed the training: without them the evaluator ends at another θ
         assert trainer.model.consistency is not None
-        plain = {}
-        evaluate_base_to_new(
-            dataset,
-            clip,
-            dims,
-            method_preset(row.preset, init_path=init),
-            SEED,
-            SHOTS,
-            spec,
-            use_split_cache=False,
-            log=lambda msg: None,
-            on_trained=lambda p: plain.update(p.named_parameters()),
-        )
+        _, plain = evaluate(method_preset(row.preset, init_path=init))
         assert max((plain[n].detach() - kept[n].detach()).abs().max() for n in kept) > 1e-5
