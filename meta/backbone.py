@@ -22,6 +22,8 @@ import open_clip
 import torch
 from torch import nn
 
+from .clip_weights import looks_like_file
+
 log = logging.getLogger(__name__)
 
 MODEL_CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
@@ -178,7 +180,7 @@ def load_clip(
             model_name, pretrained=None, precision=oc_precision, device=device, force_quick_gelu=bool(quick_gelu)
         )
     else:
-        looks_like_path = os.sep in pretrained or pretrained.endswith((".pt", ".pth", ".bin", ".safetensors"))
+        looks_like_path = looks_like_file(pretrained)
         if looks_like_path and not os.path.isfile(pretrained):
             raise FileNotFoundError(
                 f"{config_key}: CLIP weights file not found: {pretrained} "

@@ -23,13 +23,25 @@ SHOTS (default 16), EPOCHS (sets OPTIM.MAX_EPOCH and the epoch loaded for evalua
 (epoch to evaluate; default EPOCHS, else read from the checkpoints), PYTHON (interpreter of
 train.py; default this one), TRAIN_PY (default <repo>/train.py), CONFIGS (default <repo>/configs),
 INIT (meta-learned init file for the methods that start from one: adds TRAINER.GRAM.INIT <abs
-path>), REDO=1 (redo refused jobs), DRY_RUN=1 (print commands only).
+path>), REDO=1 (redo refused jobs), DRY_RUN=1 (print commands only), CHECK_PATHS (auto, 1 or 0; below).
+
+Before the first job starts (and under DRY_RUN=1 too), the paths the runs will read are checked once,
+as this repository's train.py and trainers resolve them: the folder ``<DATA>/<dataset_dir>`` of every
+dataset the job list needs (``meta.coop_data`` layouts, e.g. ``<DATA>/dtd``; a dataset without a known
+layout is not checked), the CLIP weights file (``TRAINER.GRAM.WEIGHTS`` from the dataset and method
+configs and the trailing options; "" = ``~/.cache/clip/<backbone>.pt``, ``none``/``random`` = no file,
+an open_clip tag is not checked) and, for methods that read a GRAM init file, INIT (or the option
+``TRAINER.GRAM.INIT``): set, and a file ``meta.init_io.load_gram_init`` loads.  The first problem stops
+the runner with one ``error: ...`` line and exit status 2, before any folder is written.
+CHECK_PATHS=auto (default) checks only when TRAIN_PY is this repository's train.py (another program may
+read other paths); 1 checks with any TRAIN_PY, 0 never checks.
 
 Exit status: 0 when every result is present, 1 when a job failed or was refused, 2 for bad input.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import os
 import re
@@ -45,6 +57,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from meta import coop_data, methods  # noqa: E402
+from meta.clip_weights import looks_like_file, open_clip_name, resolve_weights_key  # noqa: E402
 from meta.dassl_runs import LOG, RUN_INFO, last_checkpoint_epoch, log_finished, read_run_info  # noqa: E402
 
 USAGE = {
@@ -62,6 +75,10 @@ _YACS_KEY = re.compile(r"^[A-Z_]+\.")
 
 class InputError(Exception):
     """Bad command line or environment (exit 2, one line)."""
+
+
+class PathError(InputError):
+    """A folder or file the runs would read is missing or unusable (exit 2, one ``error: ...`` line)."""
 
 
 @dataclass
@@ -90,6 +107,7 @@ class Env:
     init: str
     redo: bool
     dry_run: bool
+    check_paths: str = "auto"
 
     @classmethod
     def from_environ(cls, environ: Optional[dict] = None) -> "Env":
@@ -97,6 +115,9 @@ class Env:
         epochs = e.get("EPOCHS", "")
         if epochs and not _SEED.match(epochs):
             raise InputError(f"EPOCHS must be a positive integer, got '{epochs}'")
+        check_paths = e.get("CHECK_PATHS") or "auto"
+        if check_paths not in ("auto", "1", "0"):
+            raise InputError(f"CHECK_PATHS must be auto, 1 or 0, got '{check_paths}'")
         return cls(
             data=e.get("DATA") or str(REPO / "data"),
             output=Path(e.get("OUTPUT") or REPO / "output"),
@@ -109,6 +130,7 @@ class Env:
             init=e.get("INIT", ""),
             redo=e.get("REDO", "0") == "1",
             dry_run=e.get("DRY_RUN", "0") == "1",
+            check_paths=check_paths,
         )
 
 
@@ -157,6 +179,179 @@ def config_file(env: Env, row: methods.Method) -> Path:
     if not path.is_file():
         raise InputError(f"missing trainer config {path} (method '{row.key}')")
     return path
+
+
+# ------------------------------------------------------------------ path checks before the first job
+_MISSING = object()
+
+
+def dataset_names(job: Job) -> list[str]:
+    """Config keys of the datasets the job list reads, in run order."""
+    if job.protocol == "base2new":
+        arg = job.dataset_arg
+        return list(coop_data.BENCHMARK_KEYS) if arg in ("", "all") else arg.split(",")
+    return [coop_data.TRANSFER_SOURCE, *TARGETS[job.protocol][1]]
+
+
+def _decode(value: object) -> object:
+    """A yaml or command-line value as yacs stores it (strings through ``ast.literal_eval`` when they parse)."""
+    if isinstance(value, str):
+        try:
+            return ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            return value
+    return value
+
+
+def _read_yaml(path: Path) -> dict:
+    import yaml  # PyYAML comes with yacs, which train.py needs anyway
+
+    try:
+        tree = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise PathError(f"cannot read config {path}: {' '.join(str(err).split())}") from None
+    return tree if isinstance(tree, dict) else {}
+
+
+class ResolvedConfig:
+    """The few keys the checks need, merged as train.py merges them: dataset yaml, method yaml, options."""
+
+    def __init__(self, files: Sequence[Path], opts: Sequence[str]):
+        self.files = [(path, _read_yaml(path)) for path in files]
+        self.opts = list(opts)
+
+    def get(self, key: str, default: object = "") -> tuple[object, str]:
+        """(value, where it came from): ``option KEY``, a config file's path, or ``""`` for the default."""
+        value, where = default, ""
+        for path, tree in self.files:
+            node: object = tree
+            for part in key.split("."):
+                node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
+            if node is not _MISSING:
+                value, where = _decode(node), str(path)
+        for k, v in zip(self.opts[::2], self.opts[1::2]):
+            if k == key:
+                value, where = _decode(v), f"option {key}"
+        return value, where
+
+
+def _repo_path(value: str) -> Path:
+    """A path as train.py sees it: ``~`` expanded, relative paths relative to the repository (its cwd)."""
+    path = Path(os.path.expanduser(value))
+    return path if path.is_absolute() else REPO / path
+
+
+def check_datasets(env: Env, job: Job) -> None:
+    """Every dataset with a known CoOp layout needs the folder ``<DATASET.ROOT>/<dataset_dir>``."""
+    root_value, root_from = env.data, "DATA"
+    for k, v in zip(job.opts[::2], job.opts[1::2]):
+        if k == "DATASET.ROOT":  # merged after --root, so it wins
+            root_value, root_from = v, "option DATASET.ROOT"
+    root = _repo_path(root_value).resolve()
+    missing = []
+    for name in dataset_names(job):
+        ds_yaml = env.configs / "datasets" / f"{name}.yaml"
+        if not ds_yaml.is_file():
+            continue  # reported by the runner as an unknown dataset
+        ds_name, _ = ResolvedConfig([ds_yaml], job.opts).get("DATASET.NAME", name)
+        try:
+            layout = coop_data.get_layout(str(ds_name))
+        except KeyError:
+            try:
+                layout = coop_data.get_layout(name)
+            except KeyError:
+                continue  # a dataset registered elsewhere: its folder is not known here
+        folder = root / layout.dataset_dir
+        if not folder.is_dir():
+            missing.append((name, folder))
+    if missing:
+        name, folder = missing[0]
+        root_note = "" if root.is_dir() else ", which does not exist"
+        more = f"; also missing: {', '.join(n for n, _ in missing[1:])}" if len(missing) > 1 else ""
+        raise PathError(
+            f"dataset '{name}' not found: expected the folder {folder} ({root_from}={root_value}{root_note}; "
+            f"layout: CoOp's DATASETS.md){more}"
+        )
+
+
+def clip_weights_file(cfg: ResolvedConfig) -> tuple[Optional[Path], str]:
+    """The CLIP weights file the GRAM trainers load (``None``: random weights or an open_clip tag) and a
+    note on where ``TRAINER.GRAM.WEIGHTS`` came from; as ``trainers.gram.config.gram_settings`` resolves it."""
+    backbone = str(cfg.get("MODEL.BACKBONE.NAME")[0] or "")
+    model_name = str(cfg.get("TRAINER.GRAM.MODEL_NAME")[0] or "") or open_clip_name(backbone)
+    weights, where = cfg.get("TRAINER.GRAM.WEIGHTS")
+    if not str(weights).strip() and not model_name:
+        raise PathError(
+            "MODEL.BACKBONE.NAME and TRAINER.GRAM.MODEL_NAME are both empty, so no CLIP weights file is known "
+            f"(configs: {', '.join(str(p) for p, _ in cfg.files)}; expected e.g. MODEL.BACKBONE.NAME ViT-B/16)"
+        )
+    value = resolve_weights_key(weights, backbone, model_name)  # the trainer's own rule (meta.clip_weights)
+    if value is None:
+        return None, ""
+    if str(weights).strip():
+        note = f"TRAINER.GRAM.WEIGHTS from {where}"
+    else:
+        arch = open_clip_name(backbone or model_name)
+        note = (
+            f"TRAINER.GRAM.WEIGHTS is unset: the default for {backbone or model_name}; put OpenAI's {arch}.pt "
+            "there, or pass TRAINER.GRAM.WEIGHTS /path/to/weights.pt after the arguments"
+        )
+    if not looks_like_file(value):
+        return None, f"open_clip tag {value!r}"  # meta.backbone.load_clip: a cached tag, not a file
+    return _repo_path(value), note
+
+
+def check_weights(env: Env, job: Job, cfg_path: Path) -> None:
+    seen = set()
+    for name in dataset_names(job):
+        ds_yaml = env.configs / "datasets" / f"{name}.yaml"
+        files = ([ds_yaml] if ds_yaml.is_file() else []) + [cfg_path]
+        path, note = clip_weights_file(ResolvedConfig(files, job.opts))
+        if path is None or path in seen:
+            continue
+        seen.add(path)
+        if not path.is_file():
+            raise PathError(f"CLIP weights file not found: {path} ({note})")
+
+
+def check_init(env: Env, job: Job, cfg_path: Path) -> None:
+    """Methods that read a GRAM init file need INIT (or TRAINER.GRAM.INIT) naming a loadable one."""
+    row = job.method
+    if not row.gram_file:
+        return
+    value, where = ResolvedConfig([cfg_path], job.opts).get("TRAINER.GRAM.INIT")
+    value = str(value or "").strip()
+    if not value:
+        raise PathError(
+            f"method '{row.key}' starts from a GRAM init file but INIT is unset: "
+            "set INIT=/path/to/gram_init.safetensors (written by meta.init_io.export_gram_init)"
+        )
+    key = (
+        "INIT" if env.init else ("TRAINER.GRAM.INIT" if where.startswith("option") else f"TRAINER.GRAM.INIT in {where}")
+    )
+    path = _repo_path(value)
+    if not path.is_file():
+        raise PathError(f"{key} file not found: {path}")
+    try:
+        from meta.init_io import load_gram_init
+    except ImportError as err:  # train.py could not load it either
+        raise PathError(f"{key} cannot be checked: meta.init_io does not import ({err})") from None
+    try:
+        load_gram_init(path, config_key=key)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise PathError(f"{' '.join(str(err).split())} (expected a file from meta.init_io.export_gram_init)") from None
+
+
+def check_paths(env: Env, job: Job, cfg_path: Path) -> bool:
+    """Run the checks once (CHECK_PATHS rule of the module docstring); True when they ran."""
+    if env.check_paths == "0":
+        return False
+    if env.check_paths == "auto" and Path(env.train_py).resolve() != (REPO / "train.py").resolve():
+        return False
+    check_datasets(env, job)
+    check_weights(env, job, cfg_path)
+    check_init(env, job, cfg_path)
+    return True
 
 
 def run_hash(mode: str, args: Sequence[str]) -> str:
@@ -319,9 +514,7 @@ class Runner:
         """CoCoOp's base-to-new protocol (CoOp scripts/cocoop/base2new_{train,test}.sh): train on the base
         half with SHOTS shots, evaluate the last checkpoint on the new half (zero-shot: both halves)."""
         job, env = self.job, self.env
-        arg = job.dataset_arg
-        names = list(coop_data.BENCHMARK_KEYS) if arg in ("", "all") else arg.split(",")
-        for name in names:
+        for name in dataset_names(job):
             ds_cfg = self.dataset_config(name)
             if ds_cfg is None:
                 continue
@@ -443,6 +636,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         env = Env.from_environ()
         job = parse_args(protocol, rest, env)
         cfg = config_file(env, job.method)
+        check_paths(env, job, cfg)
+    except PathError as err:  # not a usage problem: no usage line
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     except InputError as err:
         print(err, file=sys.stderr)
         print(f"usage: {USAGE[protocol]}", file=sys.stderr)

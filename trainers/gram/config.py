@@ -35,6 +35,13 @@ from typing import Any, Optional
 from yacs.config import CfgNode as CN
 
 from meta import methods
+from meta.clip_weights import (  # noqa: F401  (re-exported: the names this module always offered)
+    OPENAI_CACHE_DIR,
+    RANDOM_WEIGHTS,
+    default_weights_path,
+    open_clip_name,
+    resolve_weights_key,
+)
 from meta.consistency import ConsistencySpec
 from meta.engine import Naming, start_rule_problems
 from meta.finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
@@ -69,8 +76,6 @@ GRAM_NAMING = Naming(
 # something else (gram_settings).
 RENAMED_KEYS = {"REG_WINDOW": "REG_WINDOW_IMAGES"}
 PRECISIONS = ("fp16", "fp32", "amp")
-RANDOM_WEIGHTS = ("none", "random")  # TRAINER.GRAM.WEIGHTS values that mean "no pretrained weights"
-OPENAI_CACHE_DIR = "~/.cache/clip"  # where OpenAI's clip package (CoOp's load_clip_to_cpu) keeps its .pt files
 
 
 def _gram_defaults() -> CN:
@@ -135,16 +140,6 @@ def extend_cfg(cfg: CN) -> CN:
     if "SUBSAMPLE_CLASSES" not in cfg.DATASET:
         cfg.DATASET.SUBSAMPLE_CLASSES = "all"  # all | base | new (CoOp train.py L102)
     return cfg
-
-
-def open_clip_name(backbone_name: str) -> str:
-    """OpenAI/CoOp backbone name -> open_clip architecture name ("ViT-B/16" -> "ViT-B-16")."""
-    return backbone_name.strip().replace("/", "-")
-
-
-def default_weights_path(backbone_name: str) -> str:
-    """Where OpenAI's clip package caches ``backbone_name``: ``~/.cache/clip/ViT-B-16.pt`` for "ViT-B/16"."""
-    return os.path.join(os.path.expanduser(OPENAI_CACHE_DIR), open_clip_name(backbone_name) + ".pt")
 
 
 def resolve_precision(prec: str, device_type: str) -> str:
@@ -269,13 +264,7 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
         raise ValueError(
             "TRAINER.GRAM.MODEL_NAME: empty, and MODEL.BACKBONE.NAME is empty too (expected e.g. ViT-B/16)"
         )
-    weights_key = str(g.WEIGHTS).strip()
-    if weights_key.lower() in RANDOM_WEIGHTS:
-        weights = None
-    elif weights_key:
-        weights = os.path.expanduser(weights_key)
-    else:
-        weights = default_weights_path(backbone or model_name)
+    weights = resolve_weights_key(g.WEIGHTS, backbone, model_name)
     from meta.config import quick_gelu_flag
 
     try:
