@@ -442,3 +442,32 @@ def test_hierarchy_names_the_builds_that_clustered_it(chc_run):
     assert meta["versions"]["umap-learn"] == importlib.metadata.version("umap-learn")
     assert meta["versions"]["hdbscan"] == importlib.metadata.version("hdbscan")
     assert set(meta["versions"]) >= {"numba", "scikit-learn", "torch"}
+
+
+@pytest.mark.slow
+def test_image_features_are_encoded_again_under_another_decode_rule(chc_run, tmp_path, monkeypatch):
+    """A cached image-feature stage is reused under the same decoding rule and recomputed under another
+    (imaging.DECODE_RULE: features cached before EXIF orientation was applied are not reused)."""
+    import shutil
+
+    import meta.chc.pipeline as pipeline
+
+    out_ref, cfg_ref, _ = chc_run
+    shutil.copytree(out_ref, tmp_path / "out")
+    cfg = cfg_ref.clone()
+    cfg.CHC.OUTPUT_DIR = str(tmp_path / "out")
+    calls = []
+
+    def counting_encode(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("encoding started")
+
+    monkeypatch.setattr(pipeline, "encode_rank", counting_encode)
+    run = pipeline.ChcRun(cfg, show_progress=False)
+    index, index_fp = run.stage_index()
+    run.stage_image_features(index, index_fp)  # same rule: the cached stage is reused
+    assert calls == []
+    monkeypatch.setattr(pipeline, "DECODE_RULE", pipeline.DECODE_RULE + ",another-rule")
+    with pytest.raises(RuntimeError, match="encoding started"):
+        run.stage_image_features(index, index_fp)
+    assert calls == [1]

@@ -43,6 +43,10 @@ EMPTY_IMAGE = "empty image (0 pixels)"
 MAX_PIXELS = 50_000_000  # pixels (width * height); a 24 MP photo is 24,000,000
 MAX_ASPECT = 20.0  # longer side / shorter side (a panorama is ~4-8)
 
+# What decoding does to a file before the resize, as one string that cached stages include in their fingerprint:
+# a change of the rule (EXIF orientation applied, the size caps) recomputes image features cached under the old one.
+DECODE_RULE = f"rgb8,exif-upright,max_pixels={MAX_PIXELS},max_aspect={MAX_ASPECT:g}"
+
 EXIF_ORIENTATION = 0x0112  # the EXIF Orientation tag
 # Orientation value -> the transpose that shows the stored pixels upright (as PIL.ImageOps.exif_transpose)
 UPRIGHT = {

@@ -36,7 +36,7 @@ from meta.chc import topics as topics_mod
 from meta.chc.errors import InputError
 from meta.chc.hierarchy import CLUSTERED, FILTERED, NOISE, SMALL_TOPIC, STATUS, UNREADABLE
 from meta.chc.image_features import encode_rank, merge_ranks, remove_rank_files_of
-from meta.chc.imaging import clip_norm_stats
+from meta.chc.imaging import DECODE_RULE, clip_norm_stats
 from meta.chc.outputs import load_index, load_npy_output, read_json_output
 from meta.chc.pair_filter import keep_mask, pair_cosines
 from meta.chc.report import skipped_input_rows, write_report
@@ -243,6 +243,7 @@ class ChcRun:
             cache,
             self.cfg.SEED,
             *(() if autocast == "none" else (autocast,)),
+            DECODE_RULE,  # images decoded under another rule (before EXIF orientation) are encoded again
         )
         marker = StageMarker(self.out, "image_features", fp)
         stage_dir = self.out / "image_features"
