@@ -146,3 +146,16 @@ def tiny_chc_args(out_dir: Path, *opts: str) -> list[str]:
         str(out_dir),
         *opts,
     ]
+
+
+def run_methods_module():
+    """``scripts/run_methods.py`` imported as a module (the runner behind base2new.sh, xd.sh and xdomain.sh)."""
+    import sys
+
+    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
+    sys.path.insert(0, scripts)
+    try:
+        import run_methods
+    finally:
+        sys.path.remove(scripts)
+    return run_methods

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_methods_module
 
 REPO = Path(__file__).resolve().parents[1]
 USAGE_LINE = "usage: bash scripts/base2new.sh METHOD [DATASET|all|a,b,c] [SEEDS...] [--] [KEY VALUE ...]"
@@ -226,21 +227,12 @@ def test_check_paths_switch(env, tmp_path):
     assert r.returncode == 2 and r.stderr.splitlines() == ["CHECK_PATHS must be auto, 1 or 0, got 'yes'", USAGE_LINE]
 
 
-def _runner():
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import run_methods
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
-    return run_methods
-
-
 def test_weights_file_is_the_one_the_trainer_resolves(tmp_path, monkeypatch):
     """run_methods resolves the weights with the trainer's own rule (meta.clip_weights): the same file."""
     config = pytest.importorskip("trainers.gram.config")
     from yacs.config import CfgNode as CN
 
-    rm = _runner()
+    rm = run_methods_module()
     monkeypatch.setenv("HOME", str(tmp_path))
     for backbone, model_name, weights in (
         ("ViT-B/16", "", ""),

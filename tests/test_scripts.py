@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_methods_module
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -326,15 +327,6 @@ def test_scripts_use_the_project_venv_python_unless_python_is_set(env, tmp_path)
 
 
 # ------------------------------------------------------------------ the Python runner behind the scripts
-def _runner():
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import run_methods
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
-    return run_methods
-
-
 # The hash function of the former bash runner (scripts/methods.sh before the port), kept here so
 # that folders it wrote keep being skipped rather than refused.
 BASH_RUN_HASH = r"""
@@ -383,8 +375,8 @@ def test_run_hash_equals_the_former_bash_runners(tmp_path):
         bash = subprocess.run(
             ["bash", "-c", BASH_RUN_HASH, "h", mode, *args], cwd=REPO, capture_output=True, text=True, check=True
         ).stdout.strip()
-        assert _runner().run_hash(mode, args) == bash and len(bash) == 64
-    assert _runner().run_hash("train", args) != _runner().run_hash("train", args[:-1] + ["base"])
+        assert run_methods_module().run_hash(mode, args) == bash and len(bash) == 64
+    assert run_methods_module().run_hash("train", args) != run_methods_module().run_hash("train", args[:-1] + ["base"])
 
 
 def test_runner_reads_logs_as_the_parser_does(env):
