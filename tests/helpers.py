@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -159,3 +160,25 @@ def run_methods_module():
     finally:
         sys.path.remove(scripts)
     return run_methods
+
+
+def run_bench_script(script: str, args: list, env: dict, timeout: int = 300, **extra) -> "subprocess.CompletedProcess":
+    """``bash scripts/<script> args`` with ``env`` plus ``extra`` variables (values as strings)."""
+    import subprocess
+
+    e = dict(env, **{k: str(v) for k, v in extra.items()})
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    return subprocess.run(
+        ["bash", str(scripts / script), *args], env=e, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def recorded_calls(env: dict) -> list:
+    """The command lines the fake interpreter of the script tests recorded (one JSON list per line) in
+    ``env["FAKE_RECORD"]``; the record is removed after reading."""
+    path = Path(env["FAKE_RECORD"])
+    if not path.exists():
+        return []
+    out = [json.loads(line) for line in path.read_text().splitlines()]
+    path.unlink()
+    return out

@@ -7,15 +7,13 @@ real interpreter and only records the train.py command lines, so nothing trains.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import run_methods_module
+from helpers import recorded_calls, run_bench_script, run_methods_module
 
 REPO = Path(__file__).resolve().parents[1]
 USAGE_LINE = "usage: bash scripts/base2new.sh METHOD [DATASET|all|a,b,c] [SEEDS...] [--] [KEY VALUE ...]"
@@ -61,19 +59,10 @@ def provide(env, datasets=("dtd",), weights=True) -> None:
 
 
 def run(args, env, script="base2new.sh", **extra):
-    e = dict(env, **{k: str(v) for k, v in extra.items()})
-    return subprocess.run(
-        ["bash", str(REPO / "scripts" / script), *args], env=e, capture_output=True, text=True, timeout=300
-    )
+    return run_bench_script(script, args, env, **extra)
 
 
-def calls(env) -> list[list[str]]:
-    path = Path(env["FAKE_RECORD"])
-    if not path.exists():
-        return []
-    out = [json.loads(line) for line in path.read_text().splitlines()]
-    path.unlink()
-    return out
+calls = recorded_calls
 
 
 def assert_stopped(r, env, message: str) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -11,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import run_methods_module
+from helpers import recorded_calls, run_bench_script, run_methods_module
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,19 +65,10 @@ def env(tmp_path):
 
 
 def run(script, args, env, **extra):
-    e = dict(env, **{k: str(v) for k, v in extra.items()})
-    return subprocess.run(
-        ["bash", str(REPO / "scripts" / script), *args], env=e, capture_output=True, text=True, timeout=120
-    )
+    return run_bench_script(script, args, env, timeout=120, **extra)
 
 
-def calls(env):
-    path = Path(env["FAKE_RECORD"])
-    if not path.exists():
-        return []
-    out = [json.loads(line) for line in path.read_text().splitlines()]
-    path.unlink()
-    return out
+calls = recorded_calls
 
 
 def test_base2new_argument_lists(env):
