@@ -62,16 +62,20 @@ class GramCLIP(nn.Module):
         """dtype of the frozen CLIP (fp16 under PREC fp16); θ itself stays fp32."""
         return self.clip.visual.conv1.weight.dtype
 
+    def _features(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(images in the CLIP's dtype, image features [B, E], text features [C, E])`` for the current θ."""
+        images = images.to(self.dtype)
+        image = self.pclip.image_features(self.prompt_learner, images)
+        return images, image, self.text_features().to(image.dtype)
+
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        image = self.pclip.image_features(self.prompt_learner, images.to(self.dtype))
-        return self.pclip.logit_scale * image @ self.text_features().to(image.dtype).t()
+        _, image, text = self._features(images)
+        return self.pclip.logit_scale * image @ text.t()
 
     def training_loss(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss, logits [B, C] fp32)``: cross-entropy, plus the zero-shot consistency terms when they are on
         (the same functions as the evaluator's :func:`meta.prompts.classification_loss`)."""
-        images = images.to(self.dtype)
-        image = self.pclip.image_features(self.prompt_learner, images)
-        text = self.text_features().to(image.dtype)
+        images, image, text = self._features(images)
         logits = (self.pclip.logit_scale * image @ text.t()).float()
         loss = F.cross_entropy(logits, labels)
         if self.consistency is not None:
