@@ -12,8 +12,9 @@ Differences from CoOp's file:
 * Python warnings are printed into the log as well, so CPU precision fallbacks, random weights and
   similar notes are on record next to the numbers;
 * bad input (a misspelled config key, a missing or unfit ``TRAINER.GRAM.INIT`` or weights file, an unknown
-  trainer) ends with one ``error: <key or file>: <what>`` line on stderr and exit status 2, as the ``meta``
-  commands do (:mod:`meta.cli_errors`); ``--debug`` or ``GRAM_DEBUG=1`` shows the traceback.
+  trainer, a config file with a YAML alias) ends with one ``error: <key or file>: <what>`` line on stderr and
+  exit status 2, as the ``meta`` commands do (:mod:`meta.cli_errors`); ``--debug`` or ``GRAM_DEBUG=1`` shows
+  the traceback.
 """
 
 from __future__ import annotations
@@ -89,13 +90,23 @@ def _merge(where: str, merge, source) -> None:
         raise UserError(where, f"{one_line(err)} (keys come from Dassl's defaults and extend_cfg)") from None
 
 
+def _merge_file(cfg, path: str) -> None:
+    """Merge the yaml file ``path`` into ``cfg`` after a scan that refuses YAML aliases in one line naming it:
+    yacs copies every alias into a tree of its own, so nested aliases grow exponentially
+    (:func:`meta.config.refuse_yaml_aliases`)."""
+    from meta.config import refuse_yaml_aliases
+
+    refuse_yaml_aliases(path)
+    _merge(path, cfg.merge_from_file, path)
+
+
 def setup_cfg(args: argparse.Namespace):
     cfg = get_cfg_default()
     extend_cfg(cfg)
     if args.dataset_config_file:
-        _merge(args.dataset_config_file, cfg.merge_from_file, args.dataset_config_file)
+        _merge_file(cfg, args.dataset_config_file)
     if args.config_file:
-        _merge(args.config_file, cfg.merge_from_file, args.config_file)
+        _merge_file(cfg, args.config_file)
     reset_cfg(cfg, args)
     _merge("command-line options", cfg.merge_from_list, args.opts)
     cfg.freeze()

@@ -49,6 +49,7 @@ from typing import Callable, Optional
 
 import torch
 
+from meta.cli_errors import int_flag_problem
 from meta.numerics import mode as numerics_mode
 
 RATIO_FLOOR = 3.0  # exact second order, frozen weights: 3 forward + 3 backward linear sweeps vs 1 + 1
@@ -283,8 +284,10 @@ def main(argv: list[str] | None = None) -> int:
         help="--device cuda only: CHC image batch sizes to measure ('' = skip)",
     )
     args = parser.parse_args(argv)
-    if args.threads < 1:
-        print(f"error: --threads: expected an integer >= 1, got {args.threads}", file=sys.stderr)
+    minimums = {"threads": 1, "way": 1, "support_shots": 1, "query_shots": 1, "n_ctx": 1, "warmup": 0, "repeats": 1}
+    problem = int_flag_problem(args, minimums)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     if args.device != "cpu":
         if not args.device.startswith("cuda") or not torch.cuda.is_available():

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 import warnings
 from typing import Optional, Sequence
 
+from meta.cli_errors import int_flag_problem
 from meta.evaluation.datasets import DatasetRef
 from meta.evaluation.protocol import EvaluationSession, evaluate_base_to_new
 from meta.evaluation.spec import PRESET_NAMES, TrainSpec, method_preset
@@ -34,6 +36,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--aug-views", type=int, default=10)
     args = p.parse_args(argv)
+    problem = int_flag_problem(args, {"epochs": 0, "batch_size": 1, "aug_views": 1})  # --shots < 1: all images
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
 
     import torch
 

@@ -33,6 +33,7 @@ from typing import Optional
 
 import numpy as np
 
+from meta.cli_errors import int_flag_problem
 from meta.fileio import write_json_atomic
 
 CC3M_PAIRS = 3.1e6
@@ -234,8 +235,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    problem = int_flag_problem(args, {"pairs": 1, "one": 1})
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     work = Path(args.work)
-    if args.one:
+    if args.one is not None:
         print(json.dumps(measure_size(args.one, work, args.text_dtype)))
         return 0
     runs = []

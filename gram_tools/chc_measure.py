@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+from meta.cli_errors import int_flag_problem
 
 
 def word_recovery(captions, true_topic, labels, fractions, weights=None) -> list:
@@ -136,6 +139,12 @@ def main(argv=None) -> int:
     p.add_argument("--text-dtype", default="fp32")
     p.add_argument("--out", default=".cache/chc_measure")
     args = p.parse_args(argv)
+    problem = int_flag_problem(args, {"umap_scale": 2, "pairs": 1, "min_cluster_size": 2})  # hdbscan: size >= 2
+    if not problem and not 0.0 <= args.mention_rate <= 1.0:  # a probability; nan fails too
+        problem = f"--mention-rate: expected a probability 0 <= rate <= 1, got {args.mention_rate}"
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if args.umap_scale:
         for row in umap_fit_scaling(args.umap_scale):
             print(f"  UMAP+HDBSCAN fit on {row['n']:7d} vectors: {row['seconds']:7.1f} s, {row['clusters']} clusters")

@@ -6,7 +6,8 @@ The default figures files are the checkout's ``docs/*.json``, found next to the 
 (``Path(gram_tools.__file__).parents[1] / "docs"``), so the planner runs from any folder; an editable install
 (``pip install -e .``) points there too, a wheel install has no ``docs/`` and needs the ``--*figures`` flags.
 The config is checked by the same function as ``python -m meta train``
-(:func:`meta.metatrain.settings.check_meta_cfg`): what ``train`` refuses is not planned.
+(:func:`meta.metatrain.settings.check_meta_cfg`): what ``train`` refuses is not planned; a config that
+sets no ``META`` keys (a CHC config) is refused in one line naming the file (:func:`config_kind_problem`).
 
 * ``--figures`` (default ``docs/realsize_cpu.json``, written by :mod:`gram_tools.realsize`): per learner
   the fitted lines ``peak MiB = a + b_s * s + b_q * q`` and ``GFLOP = ...`` of one meta-task on ``s`` support
@@ -384,6 +385,26 @@ def _flag_problem(args) -> str:
     return ""
 
 
+def config_kind_problem(config_file: str) -> str:
+    """Why ``config_file`` is no meta-training config, ``""`` when it is one (it sets ``META`` keys).
+
+    A CHC config (``configs/meta/chc_*.yaml``: ``MODEL`` and ``CHC`` only) loads into the same key tree, so it
+    would be planned silently as the default meta-training run.  Call after ``load_meta_cfg`` read the file
+    (valid YAML, no aliases)."""
+    import yaml
+
+    with open(config_file, "rb") as fh:
+        tree = yaml.safe_load(fh)
+    top = sorted(tree) if isinstance(tree, dict) else []
+    if "META" in top:
+        return ""
+    what = "a clustering config for `python -m meta cluster`" if "CHC" in top else "no meta-training config"
+    return (
+        f"{config_file}: sets no META keys (top level: {', '.join(map(str, top)) or 'nothing'}): {what}; "
+        "expected a meta-training config such as configs/meta/train_coop.yaml"
+    )
+
+
 def _figures_step(path: str, fn, *args):
     """``fn(*args)``, where a figures file with the right top level but a wrong inner layout ends in one line."""
     try:
@@ -436,6 +457,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     try:
         cfg = load_meta_cfg(args.config_file, args.opts)
+        kind = config_kind_problem(args.config_file)
+        if kind:
+            raise PlanError(kind)
         check_meta_cfg(cfg)  # the same checks as `python -m meta train`: what it refuses is not planned
         figures = _read_json(args.figures, "real-size figures: python -m gram_tools.realsize", FIGURES_LAYOUT)
         gpu = _read_json(args.gpu_figures, "", GPU_LAYOUT) if Path(args.gpu_figures).is_file() else None

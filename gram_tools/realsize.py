@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from gram_tools.bench_gpu import VARIANTS
+from meta.cli_errors import int_flag_problem
 from meta.fileio import write_json_atomic
 
 # learner -> PromptSpec keyword arguments; "images" False = cached image features in meta-tasks.
@@ -360,6 +361,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     parser.add_argument("--one", nargs=2, metavar=("LEARNER", "GRID"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    problem = int_flag_problem(args, {"repeats": 1})
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if args.one:
         learner, grid = args.one[0], [tuple(g) for g in json.loads(args.one[1])]
         if learner not in LEARNERS or any(g[0] not in MODES for g in grid):
@@ -371,10 +376,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         sizes = [tuple(int(v) for v in pair.split(",")) for pair in args.sizes.split(";") if pair]
         batches = [int(v) for v in args.batches.split(",") if v]
-        assert all(len(p) == 2 for p in sizes)
+        assert all(len(p) == 2 and min(p) >= 1 for p in sizes) and all(b >= 1 for b in batches)
     except (ValueError, AssertionError):
         print(
-            f"error: --sizes 's,q;s,q' and --batches 'b,b' expected, got {args.sizes!r} / {args.batches!r}",
+            f"error: --sizes 's,q;s,q' and --batches 'b,b' of integers >= 1 expected, got {args.sizes!r} / "
+            f"{args.batches!r}",
             file=sys.stderr,
         )
         return 2

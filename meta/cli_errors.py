@@ -81,6 +81,19 @@ def one_line(err: BaseException) -> str:
     return _flat(str(err) or type(err).__name__)
 
 
+def int_flag_problem(args, minimums: dict) -> str:
+    """``--flag: expected an integer >= N, got V`` for the first integer flag of ``args`` (an argparse
+    namespace) below its smallest accepted value, ``minimums`` = ``{dest: N}`` (a list flag: each value);
+    ``""`` when every one is in range or unset.  Checked before any work, so a count of 0 or a negative
+    one is one line, not a traceback after minutes of measuring."""
+    for dest, low in minimums.items():
+        value = getattr(args, dest)
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if v is not None and v < low:
+                return f"--{dest.replace('_', '-')}: expected an integer >= {low}, got {v}"
+    return ""
+
+
 def debug_requested(argv: Sequence[str]) -> bool:
     return DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "").strip() not in ("", "0", "false", "False")
 

@@ -26,7 +26,7 @@ Sources cited below:
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Optional, Sequence
 
 import yaml
 from yacs.config import CfgNode as CN
@@ -34,6 +34,7 @@ from yacs.config import CfgNode as CN
 from meta.cli_errors import UserError
 from meta.finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
 from meta.gram import DEFAULT_QUERY_BEFORE_WEIGHT
+from meta.input_limits import MAX_IMAGE_ASPECT, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
 from meta.prompts import DEFAULT_TEMPLATE, PromptSpec
 
 
@@ -66,6 +67,13 @@ def _chc_node() -> CN:
     # Stop (one line naming the path tried and the key that sets it) when more than this fraction of a rank's
     # first image chunk is unreadable: a wrong IMAGE_ROOT or relative base, not bad images.  1.0 = never stop.
     chc.INPUT.MAX_UNREADABLE_FRACTION = 0.9
+    # Caps met before the work (meta.input_limits; docs/input_rules.md): an image file or tar member over
+    # MAX_IMAGE_BYTES is not read (its size from stat / the tar header), an image declaring more than
+    # MAX_IMAGE_PIXELS pixels is not decoded, one whose longer side is over MAX_IMAGE_ASPECT times its shorter
+    # side is not resized; each is skipped and counted with the unreadable images, by reason.
+    chc.INPUT.MAX_IMAGE_BYTES = MAX_IMAGE_BYTES  # 50 MiB
+    chc.INPUT.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS  # 50,000,000 (a 24 MP photo is 24,000,000)
+    chc.INPUT.MAX_IMAGE_ASPECT = MAX_IMAGE_ASPECT  # 20.0 (a panorama is ~4-8)
 
     # ---- optional pair filter by CLIP image-text cosine (paper section 4: "filter out mismatched pairs")
     chc.FILTER = CN()
@@ -273,8 +281,20 @@ def _yaml_problem(err: yaml.YAMLError) -> str:
     return " ".join(f"{where}{problem}".split())
 
 
-def refuse_yaml_aliases(config_file: str) -> None:
-    """Scan ``config_file`` as YAML events (no tree is built) and refuse any alias (``*name``).
+def _refuse_aliases_in(stream, where: str) -> None:
+    for event in yaml.parse(stream, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.AliasEvent):
+            mark = event.start_mark
+            raise UserError(
+                where,
+                f"YAML alias *{event.anchor} at line {mark.line + 1}, column {mark.column + 1}: "
+                "aliases are not accepted in a config file (write the value out)",
+            )
+
+
+def refuse_yaml_aliases(config_file: str, text: Optional[str] = None) -> None:
+    """Scan ``config_file`` (or ``text``, named ``config_file`` in the error) as YAML events (no tree is
+    built) and refuse any alias (``*name``).
 
     yacs copies every alias into a tree of its own, so nested aliases grow exponentially: a 1 KB
     "billion laughs" file of 9 levels ran 113 s to 3 GB.  The scan takes time linear in the file
@@ -284,15 +304,11 @@ def refuse_yaml_aliases(config_file: str) -> None:
         UserError: naming ``config_file``, for an alias or a file that is not valid YAML.
     """
     try:
+        if text is not None:
+            _refuse_aliases_in(text, config_file)
+            return
         with open(config_file, "rb") as fh:
-            for event in yaml.parse(fh, Loader=yaml.SafeLoader):
-                if isinstance(event, yaml.AliasEvent):
-                    mark = event.start_mark
-                    raise UserError(
-                        config_file,
-                        f"YAML alias *{event.anchor} at line {mark.line + 1}, column {mark.column + 1}: "
-                        "aliases are not accepted in a config file (write the value out)",
-                    )
+            _refuse_aliases_in(fh, config_file)
     except yaml.YAMLError as err:
         raise UserError(config_file, f"not valid YAML ({_yaml_problem(err)})") from None
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from meta.chc.imaging import decode_batch
 from meta.chc.outputs import OutputError, load_index, load_npy_output, read_json_output
+from meta.input_limits import image_caps
 
 # item_status codes
 STATUS = {
@@ -33,14 +34,18 @@ CLUSTERED, UNREADABLE, FILTERED, NOISE, SMALL_TOPIC = 0, 1, 2, 3, 4
 
 
 class PairIndexImages:
-    """``images(indices)`` decoded lazily from the pair index (tar byte ranges or files)."""
+    """``images(indices)`` decoded lazily from the pair index (tar byte ranges or files), under the image caps
+    the clustering ran with (:func:`meta.input_limits.image_caps`), so an image it encoded is decoded again."""
 
-    def __init__(self, index, image_size: int):
+    def __init__(self, index, image_size: int, caps: Optional[dict] = None):
         self.index = index
         self.image_size = int(image_size)
+        self.caps = image_caps({}) if caps is None else dict(caps)
 
     def __call__(self, indices: Sequence[int]) -> np.ndarray:
-        pixels, _ = decode_batch(self.index.read_image_bytes(indices), self.image_size)
+        caps = self.caps
+        blobs = self.index.read_image_bytes(indices, max_bytes=caps["max_bytes"])
+        pixels, _ = decode_batch(blobs, self.image_size, max_pixels=caps["max_pixels"], max_aspect=caps["max_aspect"])
         return pixels
 
 
@@ -162,7 +167,16 @@ def load_hierarchy(out_dir) -> Hierarchy:
         )
         loader = lambda idx: np.asarray(pixels[np.asarray(idx, dtype=np.int64)])  # noqa: E731
     else:
-        loader = PairIndexImages(index, meta["image_size"])
+        settings = meta.get("settings")
+        chc = settings.get("CHC") if isinstance(settings, dict) else None
+        try:
+            caps = image_caps(chc.get("INPUT") if isinstance(chc, dict) else {})
+        except (TypeError, ValueError, OverflowError):
+            raise OutputError(
+                f"{head_path}: meta.settings.CHC.INPUT holds image caps that are not numbers; rerun "
+                f"`python -m meta cluster` with the same config to write it again"
+            ) from None
+        loader = PairIndexImages(index, meta["image_size"], caps)
     return Hierarchy(
         topic_names=list(names),
         item_topic=item_topic,

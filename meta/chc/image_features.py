@@ -35,6 +35,7 @@ from meta.chc.errors import InputError
 from meta.chc.imaging import decode_batch, encode_images
 from meta.chc.sources import KIND_TAR, PairIndex, rank_items
 from meta.chc.stages import ChunkedArray, create_memmap, open_memmap_rw, save_npy_atomic, write_json_atomic
+from meta.input_limits import MAX_IMAGE_ASPECT, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
 
 MERGE_BLOCK = 65536  # rows copied at a time when merging rank files
 
@@ -95,6 +96,9 @@ def encode_rank(
     autocast: str = "none",
     max_unreadable_fraction: float = 1.0,
     image_root: Optional[str] = None,
+    max_bytes: int = MAX_IMAGE_BYTES,
+    max_pixels: int = MAX_IMAGE_PIXELS,
+    max_aspect: float = MAX_IMAGE_ASPECT,
 ) -> dict:
     """Encode this rank's items; resumes from the last finished chunk.
 
@@ -103,6 +107,9 @@ def encode_rank(
         max_unreadable_fraction: stop with :class:`~meta.chc.errors.InputError` when more
             than this fraction of the rank's first chunk is unreadable (1.0 = never).
         image_root: ``CHC.INPUT.IMAGE_ROOT``, named in that error.
+        max_bytes / max_pixels / max_aspect: ``CHC.INPUT.MAX_IMAGE_BYTES`` / ``MAX_IMAGE_PIXELS`` /
+            ``MAX_IMAGE_ASPECT`` (:mod:`meta.input_limits`): a larger file is not read, a larger or more
+            elongated image not decoded; unreadable, counted by reason.
 
     Returns ``{"items": n_r, "unreadable": count, "unreadable_by_reason": {reason: count}}`` for the rank.
     """
@@ -126,8 +133,8 @@ def encode_rank(
     def compute(start: int, end: int) -> np.ndarray:
         read_why: list = []
         decode_why: list = []
-        blobs = index.read_image_bytes(items[start:end], read_why)
-        pixels, ok = decode_batch(blobs, image_size, decode_workers, decode_why)
+        blobs = index.read_image_bytes(items[start:end], read_why, max_bytes)
+        pixels, ok = decode_batch(blobs, image_size, decode_workers, decode_why, max_pixels, max_aspect)
         reasons = [r or d for r, d in zip(read_why, decode_why)]
         if start == 0 and end > start and (~ok).sum() > max_unreadable_fraction * (end - start):
             raise InputError(first_chunk_error(index, items[start:end], reasons, image_root))

@@ -26,9 +26,10 @@ from tqdm import tqdm
 from meta.chc.domains import split_domains
 from meta.chc.hierarchy import Hierarchy
 from meta.chc.imaging import clip_norm_stats, decode_batch, encode_images
-from meta.chc.settings import INT_RANGES, check_int
-from meta.chc.sources import MAX_IMAGE_BYTES, FileTooLargeError, read_regular_file, too_large_reason
+from meta.chc.settings import INT_RANGES, REAL_RANGES, check_int, check_real
+from meta.chc.sources import FileTooLargeError, read_regular_file, too_large_reason
 from meta.hashing import file_sha256
+from meta.input_limits import MAX_IMAGE_ASPECT, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
 INSIDE, OUTSIDE = "symlinks_skipped_inside_root", "symlinks_skipped_outside_root"
@@ -101,25 +102,29 @@ def list_images(root: Path) -> tuple[list, list, list, Counter]:
     return classes, paths, labels, skipped
 
 
-def _read_blobs(paths: list, indices) -> tuple[list, list]:
-    """``(bytes or None, reason)`` lists for ``paths[i]``, ``i`` in ``indices``; reason ``""`` when read."""
+def _read_blobs(paths: list, indices, max_bytes: int = MAX_IMAGE_BYTES) -> tuple[list, list]:
+    """``(bytes or None, reason)`` lists for ``paths[i]``, ``i`` in ``indices``; reason ``""`` when read.
+
+    A file over ``max_bytes`` bytes is not read (its size checked with ``stat`` first)."""
     blobs, why = [], []
     for i in indices:
         try:
-            blobs.append(read_regular_file(paths[int(i)])), why.append("")
+            blobs.append(read_regular_file(paths[int(i)], max_bytes)), why.append("")
         except FileTooLargeError:
-            blobs.append(None), why.append(too_large_reason(MAX_IMAGE_BYTES))
+            blobs.append(None), why.append(too_large_reason(max_bytes))
         except OSError as err:
             blobs.append(None), why.append(type(err).__name__)
     return blobs, why
 
 
 class _FileImages:
-    def __init__(self, paths: list, image_size: int):
-        self.paths, self.image_size = paths, image_size
+    def __init__(self, paths: list, image_size: int, caps: dict):
+        self.paths, self.image_size, self.caps = paths, image_size, caps
 
     def __call__(self, indices) -> np.ndarray:
-        return decode_batch(_read_blobs(self.paths, indices)[0], self.image_size)[0]
+        caps = self.caps
+        blobs = _read_blobs(self.paths, indices, caps["max_bytes"])[0]
+        return decode_batch(blobs, self.image_size, max_pixels=caps["max_pixels"], max_aspect=caps["max_aspect"])[0]
 
 
 def build_image_folder_hierarchy(
@@ -133,19 +138,27 @@ def build_image_folder_hierarchy(
     model_name: str = "",
     pretrained: str = "",
     show_progress: bool = True,
+    max_bytes: int = MAX_IMAGE_BYTES,
+    max_pixels: int = MAX_IMAGE_PIXELS,
+    max_aspect: float = MAX_IMAGE_ASPECT,
 ) -> Hierarchy:
     """Classes = sub-folder names (sorted); features and domains as in CHC.
 
-    ``num_domains``, ``min_per_domain`` and ``batch_size`` come from ``CHC.DOMAINS.NUM``,
-    ``CHC.DOMAINS.MIN_PER_DOMAIN`` and ``CHC.IMAGES.BATCH_SIZE``; a value those keys do not accept
-    is a :class:`meta.cli_errors.UserError` naming the key, before any image is read.
+    ``num_domains``, ``min_per_domain``, ``batch_size`` and the image caps ``max_bytes``, ``max_pixels``,
+    ``max_aspect`` come from ``CHC.DOMAINS.NUM``, ``CHC.DOMAINS.MIN_PER_DOMAIN``, ``CHC.IMAGES.BATCH_SIZE``
+    and ``CHC.INPUT.MAX_IMAGE_BYTES`` / ``MAX_IMAGE_PIXELS`` / ``MAX_IMAGE_ASPECT``; a value those keys do
+    not accept is a :class:`meta.cli_errors.UserError` naming the key, before any image is read.
     """
     for key, value in (
         ("DOMAINS.NUM", num_domains),
         ("DOMAINS.MIN_PER_DOMAIN", min_per_domain),
         ("IMAGES.BATCH_SIZE", batch_size),
+        ("INPUT.MAX_IMAGE_BYTES", max_bytes),
+        ("INPUT.MAX_IMAGE_PIXELS", max_pixels),
     ):
         check_int(f"CHC.{key}", value, *INT_RANGES[key])
+    check_real("CHC.INPUT.MAX_IMAGE_ASPECT", max_aspect, *REAL_RANGES["INPUT.MAX_IMAGE_ASPECT"])
+    caps = {"max_bytes": max_bytes, "max_pixels": max_pixels, "max_aspect": max_aspect}
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"TASKS.IMAGE_FOLDER: not a directory: {root}")
@@ -158,16 +171,16 @@ def build_image_folder_hierarchy(
         clip.visual.image_size[0] if isinstance(clip.visual.image_size, (tuple, list)) else clip.visual.image_size
     )
     mean, std = clip_norm_stats(clip)
-    loader = _FileImages(paths, image_size)
+    loader = _FileImages(paths, image_size, caps)
     feats = np.zeros((len(paths), int(clip.visual.output_dim)), dtype=np.float32)
     ok = np.zeros(len(paths), dtype=bool)
     step = max(1, batch_size) * 8
     reasons: list = []
     for start in tqdm(range(0, len(paths), step), desc="image-folder features", disable=not show_progress):
         idx = np.arange(start, min(start + step, len(paths)))
-        blobs, read_why = _read_blobs(paths, idx)
+        blobs, read_why = _read_blobs(paths, idx, max_bytes)
         decode_why: list = []
-        pixels, good = decode_batch(blobs, image_size, reasons=decode_why)
+        pixels, good = decode_batch(blobs, image_size, reasons=decode_why, max_pixels=max_pixels, max_aspect=max_aspect)
         reasons.extend(r or d for r, d in zip(read_why, decode_why))
         if good.any():
             feats[idx[good]] = encode_images(clip, pixels[good], mean, std, batch_size, device)

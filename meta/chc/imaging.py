@@ -8,8 +8,9 @@ lets the hierarchy hand out images as ``[n, H, W, 3]`` uint8 and lets the
 meta-trainer apply the same normalisation (or its own augmentation) later.
 
 Decoding (:func:`decode_image_why`) checks the size a file declares before decoding a pixel:
-more than :data:`MAX_PIXELS` pixels, or (in :func:`decode_batch`, which resizes) a longer side
-more than :data:`MAX_ASPECT` times the shorter one, makes the image unreadable (counted by reason
+more than ``CHC.INPUT.MAX_IMAGE_PIXELS`` pixels (default :data:`MAX_PIXELS`), or (in :func:`decode_batch`,
+which resizes) a longer side more than ``CHC.INPUT.MAX_IMAGE_ASPECT`` (default :data:`MAX_ASPECT`) times
+the shorter one, makes the image unreadable (counted by reason
 like a damaged file), so a 257-byte 60000x1 PNG never asks for a 13,440,000x224 resize (~9 GB).
 Photos are turned as their EXIF Orientation tag says (a viewer shows them that way), before the
 resize and the decoded-image cache; the downstream evaluation loader (:mod:`meta.evaluation`)
@@ -27,6 +28,7 @@ import torch
 from PIL import Image
 
 from meta.image_decode import to_rgb8
+from meta.input_limits import MAX_IMAGE_ASPECT, MAX_IMAGE_PIXELS
 
 # open_clip / OpenAI CLIP normalisation (open_clip.constants OPENAI_DATASET_MEAN/STD).
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -37,14 +39,15 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 NO_BYTES = "no image bytes"
 EMPTY_IMAGE = "empty image (0 pixels)"
 
-# Caps on the size an image file declares, checked before it is decoded.  Module constants: the
-# callers (CHC's image-feature stage, the image-folder hierarchy, the hierarchy's lazy loader) do not
-# pass config values down to here; decode_batch / decode_image_why take them as arguments.
-MAX_PIXELS = 50_000_000  # pixels (width * height); a 24 MP photo is 24,000,000
-MAX_ASPECT = 20.0  # longer side / shorter side (a panorama is ~4-8)
+# Caps on the size an image file declares, checked before it is decoded: the defaults of the keys
+# CHC.INPUT.MAX_IMAGE_PIXELS / MAX_IMAGE_ASPECT (meta.input_limits), which the callers (CHC's image-feature
+# stage, the image-folder hierarchy, the hierarchy's lazy loader) pass to decode_batch.
+MAX_PIXELS = MAX_IMAGE_PIXELS  # pixels (width * height); a 24 MP photo is 24,000,000
+MAX_ASPECT = MAX_IMAGE_ASPECT  # longer side / shorter side (a panorama is ~4-8)
 
 # What decoding does to a file before the resize, as one string that cached stages include in their fingerprint:
-# a change of the rule (EXIF orientation applied, the size caps) recomputes image features cached under the old one.
+# a change of the rule (EXIF orientation applied, the default caps) recomputes image features cached under the old
+# one; caps set away from their defaults enter the fingerprint too (meta.input_limits.caps_away_from_defaults).
 DECODE_RULE = f"rgb8,exif-upright,max_pixels={MAX_PIXELS},max_aspect={MAX_ASPECT:g}"
 
 EXIF_ORIENTATION = 0x0112  # the EXIF Orientation tag

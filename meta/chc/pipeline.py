@@ -57,6 +57,7 @@ from meta.clip_config import clip_from_cfg
 from meta.config import get_meta_cfg_default
 from meta.fileio import clean_stale_temps
 from meta.hashing import file_sha256
+from meta.input_limits import caps_away_from_defaults, image_caps
 from meta.precision import resolve_autocast
 from meta.runlock import RunLock
 
@@ -68,8 +69,9 @@ def _node(cfg_node) -> dict:
     return json.loads(json.dumps(cfg_node, default=list))
 
 
-# CHC.INPUT keys that do not change what the index holds (checks made later) ...
-_INDEX_FP_IGNORED = ("MAX_UNREADABLE_FRACTION",)
+# CHC.INPUT keys that do not change what the index holds (checks made later; the image caps are in the
+# image-features fingerprint) ...
+_INDEX_FP_IGNORED = ("MAX_UNREADABLE_FRACTION", "MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "MAX_IMAGE_ASPECT")
 # ... and keys added after runs were cached: they enter the fingerprint only when set away from their
 # default, so an index (and the image features after it) cached before the key existed stays valid.
 _INDEX_FP_IF_CHANGED = ("MAX_FIELD_CHARS", "ALLOW_OUTSIDE_ROOT")
@@ -233,7 +235,9 @@ class ChcRun:
         bmeta = self.backbone_meta()
         cache = self.image_cache_wanted(len(index))
         autocast = resolve_autocast(imgs.AUTOCAST, self.device, "CHC.IMAGES.AUTOCAST")
-        # fp32 (the default) keeps the fingerprint features computed before the key existed had
+        caps = image_caps(self.chc.INPUT)
+        # fp32 (the default) keeps the fingerprint features computed before the key existed had; so do the
+        # image caps at their defaults (constants then, in DECODE_RULE)
         fp = fingerprint(
             "image_features",
             index_fp,
@@ -244,6 +248,7 @@ class ChcRun:
             self.cfg.SEED,
             *(() if autocast == "none" else (autocast,)),
             DECODE_RULE,  # images decoded under another rule (before EXIF orientation) are encoded again
+            *caps_away_from_defaults(caps),  # ... and under other caps (CHC.INPUT.MAX_IMAGE_*)
         )
         marker = StageMarker(self.out, "image_features", fp)
         stage_dir = self.out / "image_features"
@@ -272,6 +277,7 @@ class ChcRun:
             autocast=autocast,
             max_unreadable_fraction=float(self.chc.INPUT.MAX_UNREADABLE_FRACTION),
             image_root=self.chc.INPUT.IMAGE_ROOT,
+            **caps,
         )
         self._timed("image_features", time.time() - t0, stats["items"])
         self.barrier()

@@ -22,6 +22,8 @@ from meta.cli_errors import UserError
 INT_RANGES = {
     "INPUT.MAX_PAIRS": (0, None),  # 0 = all pairs
     "INPUT.MAX_FIELD_CHARS": (1, sys.maxsize),  # csv.field_size_limit takes a C long
+    "INPUT.MAX_IMAGE_BYTES": (1, None),
+    "INPUT.MAX_IMAGE_PIXELS": (1, None),
     "TEXT.BATCH_SIZE": (1, None),
     "TEXT.CHUNK_SIZE": (1, None),
     "TEXT.MAX_CAPTION_CHARS": (0, None),  # 0 = no cap
@@ -43,6 +45,7 @@ INT_RANGES = {
 # key -> (smallest, largest) for real numbers, both included; all must be finite
 REAL_RANGES = {
     "INPUT.MAX_UNREADABLE_FRACTION": (0.0, 1.0),
+    "INPUT.MAX_IMAGE_ASPECT": (1.0, None),  # longer side / shorter side: 1 = square images only
     "FILTER.THRESHOLD": (-1.0, 1.0),  # a cosine
     "FILTER.QUANTILE": (0.0, 1.0),
     "TOPICS.UMAP_MIN_DIST": (0.0, 1.0),  # umap-learn: 0 <= min_dist <= spread (1.0)

@@ -41,8 +41,9 @@ damaged files are listed in ``issues``:
   resolves inside the root is read.  ``CHC.INPUT.ALLOW_OUTSIDE_ROOT True`` (``allow_outside_root``)
   reads such rows as before.  A path naming a special file is counted as ``skipped_not_regular_file``
   first (checked with ``os.stat`` only, wherever it lies);
-* an image file (or tar member) larger than :data:`MAX_IMAGE_BYTES` is never read: at read time it
-  is unreadable (reason :func:`too_large_reason`), counted like a damaged image;
+* an image file (or tar member) larger than ``CHC.INPUT.MAX_IMAGE_BYTES`` (default
+  :data:`MAX_IMAGE_BYTES`, 50 MiB) is never read: at read time it is unreadable (reason
+  :func:`too_large_reason`), counted like a damaged image;
 * a manifest row that is not a JSON object (or not JSON, or nested deeper than
   ``meta.fileio.MAX_NESTING`` levels: :func:`meta.fileio.parse_json`) is ``skipped_invalid_row``; a
   caption or image value that is not text (a number, a list) is ``skipped_non_text_caption``
@@ -69,10 +70,9 @@ import numpy as np
 
 from meta.chc.errors import InputError
 from meta.fileio import parse_json
+from meta.input_limits import MAX_IMAGE_BYTES  # bytes; a larger image file or tar member is not read
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
-MAX_IMAGE_BYTES = 50 * 2**20  # bytes; a larger image file or tar member is not read (a module constant:
-#                                the callers do not pass a config value down; the functions take it as an argument)
 MAX_ISSUE_LINES = 5  # line numbers (manifests) or keys (shards) kept per problem in ``issues``
 KIND_TAR, KIND_FILE = 0, 1
 

@@ -26,6 +26,7 @@ from meta.chc.image_folder import build_image_folder_hierarchy
 from meta.chc.imaging import clip_norm_stats, normalize_uint8
 from meta.gram import TaskBatch
 from meta.hashing import file_sha256
+from meta.input_limits import image_caps
 
 
 class FeatureMismatchError(ValueError):
@@ -50,6 +51,7 @@ def load_task_hierarchy(cfg, clip, dims, device: str = "cpu"):
             model_name=cfg.MODEL.BACKBONE,
             pretrained=cfg.MODEL.PRETRAINED,
             show_progress=bool(cfg.META.PROGRESS),
+            **image_caps(cfg.CHC.INPUT),
         )
     out_dir = cfg.META.HIERARCHY or cfg.CHC.OUTPUT_DIR
     key = "META.HIERARCHY" if cfg.META.HIERARCHY else "CHC.OUTPUT_DIR"
