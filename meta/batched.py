@@ -31,8 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .metrics import accuracy_t
-from .prompts import PROMPT_TENSORS, PromptedCLIP, text_prompts, visual_prompts
+from .learners import DEFAULT_LEARNER
+from .objective import OuterObjective
+from .prompts import PromptedCLIP, has_visual_prompts, text_prompts
 from .regulator import GradientRegulator
 
 log = logging.getLogger(__name__)
@@ -44,19 +45,20 @@ TASK_BATCHING = ("auto", "on", "off")
 
 
 class StackedPrompts(nn.Module):
-    """θ of B tasks: each prompt tensor of :class:`meta.prompts.PromptParams` with a leading task dim.
+    """θ of B tasks: each prompt tensor of a :class:`meta.prompts.PromptParams` with a leading task dim.
 
-    ``ctx`` ``[B, M, d_t]``, ``vpt`` ``[B, D, n, d_v]``, ``ctx_deep`` ``[B, J-1, M, d_t]``, ``proj_weight``
-    ``[B, J, d_v, d_t]``, ``proj_bias`` ``[B, J, d_v]``; absent tensors are ``None``.  The tensors sit in
-    ``_parameters`` in :data:`meta.prompts.PROMPT_TENSORS` order (the order of R_φ in GBML), as learn2learn's
-    clones hold theirs, so GBML's ``adapt`` / ``update_module`` treat them as the clone's parameters.
+    For the built-in learner: ``ctx`` ``[B, M, d_t]``, ``vpt`` ``[B, D, n, d_v]``, ``ctx_deep`` ``[B, J-1, M, d_t]``,
+    ``proj_weight`` ``[B, J, d_v, d_t]``, ``proj_bias`` ``[B, J, d_v]``; absent tensors are ``None``.  The tensors
+    sit in ``_parameters`` in θ's parameter order (the order of R_φ in GBML), as learn2learn's clones hold theirs,
+    so GBML's ``adapt`` / ``update_module`` treat them as the clone's parameters; ``learner`` is θ's, so the
+    towers are prompted by the same :class:`meta.learners.PromptLearner` (with the task dimension riding along).
     """
 
-    def __init__(self, tensors: dict[str, Optional[torch.Tensor]], n_tasks: int):
+    def __init__(self, tensors: dict[str, Optional[torch.Tensor]], n_tasks: int, learner: str = DEFAULT_LEARNER):
         super().__init__()
         self.n_tasks = n_tasks
-        for name in PROMPT_TENSORS:
-            value = tensors.get(name)
+        self.learner = learner
+        for name, value in tensors.items():
             if value is not None and value.shape[0] != n_tasks:
                 raise ValueError(f"stacked {name} must lead with {n_tasks} tasks, got {tuple(value.shape)}")
             self._parameters[name] = value
@@ -64,14 +66,18 @@ class StackedPrompts(nn.Module):
     @classmethod
     def expand(cls, prompts: nn.Module, n_tasks: int) -> "StackedPrompts":
         """B views of ``prompts``' tensors (``expand``: no copy; gradients reach them summed over tasks)."""
-        tensors = {name: getattr(prompts, name, None) for name in PROMPT_TENSORS}
+        tensors = dict(prompts._parameters)
         return cls(
-            {n: None if t is None else t.unsqueeze(0).expand(n_tasks, *t.shape) for n, t in tensors.items()}, n_tasks
+            {n: None if t is None else t.unsqueeze(0).expand(n_tasks, *t.shape) for n, t in tensors.items()},
+            n_tasks,
+            getattr(prompts, "learner", DEFAULT_LEARNER),
         )
 
     def task(self, b: int) -> "StackedPrompts":
         """Task b's tensors as a one-task view (for tests and diagnostics)."""
-        return StackedPrompts({n: None if t is None else t[b : b + 1] for n, t in self._parameters.items()}, 1)
+        return StackedPrompts(
+            {n: None if t is None else t[b : b + 1] for n, t in self._parameters.items()}, 1, self.learner
+        )
 
 
 def stack_batches(batches: Sequence[dict]) -> Optional[dict]:
@@ -132,7 +138,7 @@ def image_features(pclip: PromptedCLIP, prompts: nn.Module, batch: dict) -> torc
     """``[B, n, E]`` L2-normalised image embeddings, task b's images with task b's visual prompts."""
     n_tasks, n_img = batch["label"].shape
     if batch.get("features") is not None:
-        if visual_prompts(prompts) is not None:
+        if has_visual_prompts(prompts):
             raise ValueError("cached image features cannot be used with visual prompts; pass images")
         return batch["features"]
     return pclip.image_features(prompts, batch["images"]).view(n_tasks, n_img, -1)
@@ -217,9 +223,9 @@ def on_accelerator(learner: Any) -> bool:
 
 def stacked_objective(spec: Any) -> bool:
     """Whether the stacked pass computes ``spec``'s outer objective: the whole support in every inner step and
-    no extra per-task term.  Switches of the regulated inner loop (``inner_support`` other than ``repeat``:
-    a class-balanced split of a stacked batch would mix tasks; ``trajectory_states`` > 0) run sequentially."""
-    return spec.inner_support == "repeat" and not spec.trajectory_states
+    a stackable objective (:attr:`meta.objective.OuterObjective.stackable`).  ``inner_support`` other than
+    ``repeat`` (a class-balanced split of a stacked batch would mix tasks) or the trajectory term run sequentially."""
+    return spec.inner_support == "repeat" and OuterObjective.of(spec).stackable
 
 
 def _accumulate_chunks(learner: Any, tasks: Sequence[Any], fn: BatchedLossFn, chunk: int) -> dict[str, float]:
@@ -228,32 +234,28 @@ def _accumulate_chunks(learner: Any, tasks: Sequence[Any], fn: BatchedLossFn, ch
     n_tasks = len(tasks)
     first_order = learner.spec.first_order
     sums: dict[str, torch.Tensor] = {}
+    objective = learner.objective
     for start, stop in chunks(n_tasks, chunk):
         size = stop - start
         support = stack_batches([t.support for t in tasks[start:stop]])
         query = stack_batches([t.query for t in tasks[start:stop]])
         start_learner = stacked_learner(learner.gbml, size, first_order)
-        adapted, s_losses, s_accs = learner._adapt(fn, support, None, None, start=start_learner)
-        with learner.cast():
-            q_loss, q_logits = fn(adapted.module, query)
-        learner.backward(q_loss.float() / n_tasks)
-        w = learner.spec.query_before_weight
-        if w > 0:  # before-adaptation term: reaches θ only (φ does not act before a step)
-            with learner.cast():
-                q_loss0, _ = fn(StackedPrompts.expand(learner.prompt_module, size), query)
-            learner.backward(w * q_loss0.float() / n_tasks)
-        q_acc = accuracy_t(q_logits.detach(), learner.labels_of(query))
+        adapted, values = objective.backward(
+            learner,
+            fn,
+            support,
+            query,
+            n_tasks,
+            start=start_learner,
+            before=lambda size=size: StackedPrompts.expand(learner.prompt_module, size),
+        )
         # losses are sums over the chunk's tasks, accuracies means over its (equal-sized) tasks
-        values = {
-            "support_loss_before": s_losses[0],
-            "support_acc_before": s_accs[0] * size,
-            "query_loss_after": q_loss.detach(),
-            "query_acc_after": q_acc * size,
-        }
+        for key in ("support_acc_before", "query_acc_after"):
+            values[key] = values[key] * size
         for key, value in values.items():
             value = value.detach().float()
             sums[key] = value if key not in sums else sums[key] + value
-        del adapted, q_loss, q_logits
+        del adapted
     keys = list(sums)
     means = (torch.stack([sums[k].to("cpu") for k in keys]) / n_tasks).tolist()
     return dict(zip(keys, means))

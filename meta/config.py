@@ -210,6 +210,9 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     # none | maple (visual prompts of the first TEXT_DEPTH vision layers projected from the text prompts;
     # N_CTX_VISION 0)
     m.PROMPT.COUPLING = "none"
+    # the prompt learner (meta.learners registry key): "clip" = the built-in one the keys above shape; a learner
+    # registered by your code (in the process that meta-trains) is named here and reads the keys it needs
+    m.PROMPT.LEARNER = PromptSpec.learner
 
     # ---- Table 4 row 3: plain classification over the topics --------------------------------
     m.PRETRAIN = CN()

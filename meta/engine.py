@@ -31,6 +31,7 @@ from torch import nn
 from .backbone import ClipDims
 from .finetune import GradientRegulation, LaunchStep, RegulatedStepper, launch_step_of, resolve_window
 from .init_io import load_gram_init
+from .learners import DEFAULT_LEARNER, get_learner
 from .metrics import count_correct  # noqa: F401  (re-exported with RegulatedStepper: the loops use both)
 from .prompts import VPT_INITS, PromptParams, PromptSpec
 from .regulator import GradientRegulator
@@ -188,37 +189,32 @@ def prompt_digest(prompts: Optional[nn.Module]) -> str:
 
 def init_expectations(prompt: PromptSpec, dims: ClipDims) -> dict:
     """What a GRAM init file must say to fit θ of ``prompt`` on the CLIP of ``dims`` (``load_gram_init``'s
-    ``expect``): widths, model, token counts, resolved depths (0 for an absent side) and coupling."""
-    r = prompt.resolved(dims)
-    return {
-        "text_width": dims.text_width,
-        "vision_width": dims.vision_width,
-        "model_name": dims.model_name,
-        "n_ctx_text": r.n_ctx_text,
-        "n_ctx_vision": r.n_ctx_vision,
-        "vision_depth": r.vision_depth if r.n_ctx_vision else 0,
-        "text_depth": r.text_depth if r.n_ctx_text else 0,
-        "coupling": r.coupling,
-    }
+    ``expect``): widths, model, and the structure ``prompt``'s learner gives (for the built-in learner: token
+    counts, resolved depths, 0 for an absent side, and coupling)."""
+    expect = {"text_width": dims.text_width, "vision_width": dims.vision_width, "model_name": dims.model_name}
+    expect.update(get_learner(prompt.learner).structure_of(prompt, dims))
+    if prompt.learner != DEFAULT_LEARNER:
+        expect["learner"] = prompt.learner
+    return expect
 
 
 def check_start_structure(prompt: PromptSpec, dims: ClipDims, prompts: PromptParams, where: str) -> None:
-    """ValueError naming ``where`` when an in-memory θ does not have the structure of ``prompt``."""
-    want = init_expectations(prompt, dims)
+    """ValueError naming ``where`` when an in-memory θ does not have the structure and tensor shapes of ``prompt``."""
+    learner = get_learner(prompt.learner)
+    backbone = {"text_width": dims.text_width, "vision_width": dims.vision_width}
+    want = {
+        name: tuple(shape)
+        for name, (shape, _) in learner.shapes_of(learner.structure_of(prompt, dims), backbone).items()
+    }
+    have = {name: tuple(p.shape) for name, p in prompts.named_parameters()}
     problems = []
-    ctx, vpt = prompts.ctx, prompts.vpt
-    n_text = want["n_ctx_text"]
-    if (ctx is None) != (n_text == 0) or (ctx is not None and tuple(ctx.shape) != (n_text, dims.text_width)):
+    if getattr(prompts, "learner", DEFAULT_LEARNER) != prompt.learner:
         problems.append(
-            f"ctx is {None if ctx is None else tuple(ctx.shape)}, method expects "
-            f"{(n_text, dims.text_width) if n_text else None}"
+            f"learner is {getattr(prompts, 'learner', DEFAULT_LEARNER)!r}, method expects {prompt.learner!r}"
         )
-    want_vis = (want["vision_depth"], want["n_ctx_vision"], dims.vision_width) if want["n_ctx_vision"] else None
-    if (None if vpt is None else tuple(vpt.shape)) != want_vis:
-        problems.append(f"vpt is {None if vpt is None else tuple(vpt.shape)}, method expects {want_vis}")
-    have = (prompts.text_depth, prompts.coupling)
-    if have != (want["text_depth"], want["coupling"]):
-        problems.append(f"(text_depth, coupling) is {have}, method expects {(want['text_depth'], want['coupling'])}")
+    for name in dict.fromkeys([*want, *have]):
+        if want.get(name) != have.get(name):
+            problems.append(f"{name} is {have.get(name)}, method expects {want.get(name)}")
     if problems:
         raise ValueError(f"{where}: start point does not fit: " + "; ".join(problems))
 

@@ -9,9 +9,11 @@ gradient, as the test-time optimiser (torch SGD: v ← μ v + ĝ, θ ← θ − 
 the start of every task); with one inner step μ has no effect.
 
 then the outer loop (Eqs. 8-9) updates θ with lr λ1 and φ with lr λ2 from
-``Σ_t L(θ'_t, D_query_t)``, second order by default.  With ``query_before_weight`` w > 0 the outer
-loss is ``Σ_t [L(θ'_t, D_query_t) + w · L(θ, D_query_t)]``: θ is also asked to be good before any
-step, where a downstream schedule that starts with a tiny warm-up lr leaves it.
+``Σ_t L(θ'_t, D_query_t)``, second order by default.  The outer loss and its optional terms
+(``query_before_weight`` w: ``+ w · L(θ, D_query_t)``, θ asked to be good before any step, where a downstream
+schedule that starts with a tiny warm-up lr leaves it; the trajectory term) are one object,
+:class:`meta.objective.OuterObjective`, used by the sequential loop here and the task-stacked one
+(:mod:`meta.batched`).
 
 GBML wraps only the prompt module θ (:class:`meta.prompts.PromptParams`); the
 regulators R_φ are its per-parameter transforms.  The frozen CLIP lives outside
@@ -41,8 +43,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import batched, precision
 from ._l2l import l2l
-from .inner import SUPPORT_MODES, InnerRule, inner_loop, set_parameters_, support_windows
-from .metrics import accuracy, accuracy_t
+from .inner import SUPPORT_MODES, InnerRule, inner_loop, support_windows
+from .metrics import accuracy
+from .objective import OuterObjective
 from .prompts import PromptParams
 from .regulator import GradientRegulator, RegulatorFactory, RegulatorSpec
 
@@ -217,6 +220,11 @@ class GRAMMetaLearner(nn.Module):
                 out[name] = update.transforms_modules[idx]
         return out
 
+    @property
+    def objective(self) -> OuterObjective:
+        """The outer loss of ``spec`` (:class:`meta.objective.OuterObjective`), shared by both task loops."""
+        return OuterObjective.of(self.spec)
+
     # ----- inner loop --------------------------------------------------------------
     def adapt(
         self, loss_fn: LossFn, support: Any, first_order: Optional[bool] = None, steps: Optional[int] = None
@@ -226,7 +234,7 @@ class GRAMMetaLearner(nn.Module):
         Returns ``(learner, support losses, support accuracies)``; the losses/accuracies are those
         computed *before* each step.  ``learner.module`` holds θ' (connected to θ and φ).
         """
-        learner, losses, accs = self._adapt(loss_fn, support, first_order, steps)
+        learner, losses, accs = self.unroll(loss_fn, support, first_order, steps)
         return learner, [float(x) for x in losses], [float(x) for x in accs]
 
     def inner_rule(self) -> InnerRule:
@@ -243,12 +251,12 @@ class GRAMMetaLearner(nn.Module):
             stack.enter_context(double_backward_attention())
         return stack
 
-    def _adapt(
+    def unroll(
         self,
         loss_fn: LossFn,
         support: Any,
-        first_order: Optional[bool],
-        steps: Optional[int],
+        first_order: Optional[bool] = None,
+        steps: Optional[int] = None,
         start: Optional[l2l.algorithms.GBML] = None,
     ) -> tuple[l2l.algorithms.GBML, list[torch.Tensor], list[torch.Tensor]]:
         """:meth:`adapt` with metrics kept as 0-d tensors (no host sync inside the loop).
@@ -271,62 +279,6 @@ class GRAMMetaLearner(nn.Module):
         )
         return learner, losses, accs
 
-    def trajectory_steps(self) -> list[int]:
-        """After how many steps of the regulated run the states θ_t are taken: S evenly spaced t in [1, T]."""
-        n_states = self.spec.trajectory_states
-        length = self.spec.trajectory_windows or n_states
-        return [round((s + 1) * length / n_states) for s in range(n_states)]
-
-    def _trajectory_loss(self, loss_fn: LossFn, task: TaskBatch) -> torch.Tensor:
-        """(1/S) Σ_t L_q(θ_t − α R_φ(∇L(θ_t, window)) + weight decay), θ_t detached states of a regulated run.
-
-        WarpGrad-style (Flennerhag et al., ICLR 2020, arXiv 1909.00025): the run starts at θ and follows
-        :meth:`inner_rule` (momentum included) over ``trajectory_windows`` steps on the task's support windows
-        (cycled); from each state one regulated step without momentum, then the query loss.  No backprop
-        through the run: the terms reach φ only (first order is exact here, θ_t does not depend on φ)."""
-        windows = support_windows(task.support, self.spec.inner_steps, self.spec.inner_support)
-        wanted = set(self.trajectory_steps())
-        states: dict[int, list[torch.Tensor]] = {}
-
-        def keep(k: int, module: nn.Module) -> None:
-            detached = [p.detach().requires_grad_() for p in module.parameters()]
-            set_parameters_(module, detached)  # cut the run's graph after every step
-            if k + 1 in wanted:
-                states[k + 1] = [p.detach() for p in detached]
-
-        run = self.gbml.clone(first_order=True)
-        set_parameters_(run.module, [p.detach().requires_grad_() for p in run.module.parameters()])
-        length = self.spec.trajectory_windows or self.spec.trajectory_states
-        inner_loop(
-            run,
-            loss_fn,
-            [windows[t % len(windows)] for t in range(length)],
-            self.inner_rule(),
-            first_order=True,
-            labels_of=self.labels_of,
-            forward_context=lambda: self.support_forward(True),
-            after_step=keep,
-        )
-        del run
-        step_rule = InnerRule(lr=self.spec.inner_lr, weight_decay=self.spec.inner_weight_decay)
-        total = torch.zeros(())
-        for t in sorted(states):
-            learner = self.gbml.clone(first_order=True)
-            set_parameters_(learner.module, [x.clone().requires_grad_() for x in states[t]])
-            inner_loop(
-                learner,
-                loss_fn,
-                [windows[t % len(windows)]],
-                step_rule,
-                first_order=True,
-                labels_of=self.labels_of,
-                forward_context=lambda: self.support_forward(True),
-            )
-            with self.cast():
-                q_loss, _ = loss_fn(learner.module, task.query)
-            total = total + q_loss.float() / len(states)
-        return total
-
     # ----- outer loop --------------------------------------------------------------
     def meta_step(self, tasks: Sequence[TaskBatch], loss_fn: LossFn, detailed: bool = False) -> dict[str, float]:
         """One outer update from a meta-batch of ``B`` tasks: :meth:`accumulate` then :meth:`step`."""
@@ -335,7 +287,7 @@ class GRAMMetaLearner(nn.Module):
         return metrics
 
     def accumulate(self, tasks: Sequence[TaskBatch], loss_fn: LossFn, detailed: bool = False) -> dict[str, float]:
-        """Leave ``∇_{θ,φ} (1/B) Σ_t L(θ'_t, D_query_t)`` in ``.grad`` (one backward per task).
+        """Leave ``∇_{θ,φ} (1/B) Σ_t L_out,t`` in ``.grad`` (:attr:`objective`, one backward per task and term).
 
         Returns task-averaged metrics.  With ``detailed``, also computes (at extra cost)
         the query loss/accuracy at θ (before adaptation), the support loss/accuracy at θ'
@@ -354,30 +306,12 @@ class GRAMMetaLearner(nn.Module):
         # metrics stay on the device as 0-d tensors; one host transfer at the end of the meta-batch
         per_task: dict[str, list] = {}
         for task in tasks:
-            learner, s_losses, s_accs = self._adapt(loss_fn, task.support, None, None)
-            with self.cast():
-                q_loss, q_logits = loss_fn(learner.module, task.query)
-            self.backward(q_loss.float() / n_tasks)
-            w = self.spec.query_before_weight
-            if w > 0:  # before-adaptation term: reaches θ only (φ does not act before a step)
-                with self.cast():
-                    q_loss0, _ = loss_fn(self.prompt_module, task.query)
-                self.backward(w * q_loss0.float() / n_tasks)
-            if self.spec.trajectory_states > 0:
-                traj = self._trajectory_loss(loss_fn, task)
-                self.backward(traj.float() / n_tasks)
-                per_task.setdefault("query_loss_trajectory", []).append(traj.detach().float())
-            values = {
-                "support_loss_before": s_losses[0],
-                "support_acc_before": s_accs[0],
-                "query_loss_after": q_loss.detach(),
-                "query_acc_after": accuracy_t(q_logits.detach(), self.labels_of(task.query)),
-            }
+            learner, values = self.objective.backward(self, loss_fn, task.support, task.query, n_tasks)
             if detailed:
                 values.update(self._diagnostics(learner, loss_fn, task))
             for key, value in values.items():
                 per_task.setdefault(key, []).append(torch.as_tensor(value, dtype=torch.float32))
-            del learner, q_loss, q_logits
+            del learner
         keys = list(per_task)
         means = torch.stack([torch.stack([v.to("cpu") for v in per_task[k]]).mean() for k in keys]).tolist()
         return dict(zip(keys, means))

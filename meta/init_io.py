@@ -48,7 +48,8 @@ from safetensors.torch import save as safetensors_bytes
 
 from .backbone import ClipDims
 from .fileio import parse_json, write_bytes_atomic
-from .prompts import COUPLINGS, PROMPT_TENSORS, PromptParams
+from .learners import DEFAULT_LEARNER, get_learner, learner_keys
+from .prompts import COUPLINGS, PromptParams
 from .regulator import GradientRegulator, RegulatorSpec
 
 FORMAT_VERSION = 1
@@ -68,7 +69,8 @@ class GramInit:
     path: Optional[Path] = None
 
     def prompt_module(self) -> PromptParams:
-        return PromptParams(**{name: self.prompt.get(name) for name in PROMPT_TENSORS})
+        """θ* as a :class:`meta.prompts.PromptParams` of the learner the file records."""
+        return PromptParams(learner_key(self.metadata.get("prompt", {})), **self.prompt)
 
     def regulator_modules(self) -> dict[str, GradientRegulator]:
         """``{"ctx"|"vpt": R_φ}`` rebuilt from the stored spec and weights."""
@@ -121,7 +123,11 @@ def export_gram_init(
 
 
 _MISSING = object()
-_PROMPT_TENSORS = PROMPT_TENSORS
+
+
+def learner_key(prompt: Mapping[str, Any]) -> str:
+    """The prompt learner an init file's ``prompt`` metadata names (files without the field: the built-in one)."""
+    return prompt.get("learner", DEFAULT_LEARNER)
 
 
 def _is_int(value: Any) -> bool:
@@ -225,7 +231,14 @@ def check_metadata(raw: Any, check: _Checker) -> dict:
         "prompt",
         "holds no prompt (n_ctx_text and n_ctx_vision are both 0)",
     )
-    _check_deep_structure(backbone, prompt, check)
+    key = learner_key(prompt)
+    check.need(
+        isinstance(key, str) and key in learner_keys(),
+        "prompt.learner",
+        f"expected one of the registered prompt learners {', '.join(learner_keys())}, got {_describe(key)}",
+    )
+    if key == DEFAULT_LEARNER:
+        _check_deep_structure(backbone, prompt, check)
 
     reg = meta.get("regulator", None)
     if reg is not None:
@@ -324,47 +337,37 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], meta: dict, check: _Check
         cast = "" if t.dtype == torch.float32 else f" once cast from {_dtype_name(t.dtype)} to float32"
         check.need(bool(torch.isfinite(t.float()).all()), f"tensor {name}", f"holds NaN or infinite values{cast}")
     bb, pr = meta["backbone"], meta["prompt"]
-    deep, maple = pr["text_depth"] > 1, pr["coupling"] == "maple"
-    want = {
-        "ctx": [pr["n_ctx_text"], bb["text_width"]] if pr["n_ctx_text"] else None,
-        "vpt": [pr["vision_depth"], pr["n_ctx_vision"], bb["vision_width"]] if pr["n_ctx_vision"] else None,
-        "ctx_deep": [pr["text_depth"] - 1, pr["n_ctx_text"], bb["text_width"]] if deep else None,
-        "proj_weight": [pr["text_depth"], bb["vision_width"], bb["text_width"]] if maple else None,
-        "proj_bias": [pr["text_depth"], bb["vision_width"]] if maple else None,
-    }
-    why = {
-        "ctx": "[prompt.n_ctx_text, backbone.text_width]",
-        "vpt": "[prompt.vision_depth, prompt.n_ctx_vision, backbone.vision_width]",
-        "ctx_deep": "[prompt.text_depth - 1, prompt.n_ctx_text, backbone.text_width]",
-        "proj_weight": "[prompt.text_depth, backbone.vision_width, backbone.text_width]",
-        "proj_bias": "[prompt.text_depth, backbone.vision_width]",
-    }
-    for name in _PROMPT_TENSORS:
+    learner = get_learner(learner_key(pr))
+    try:
+        want = learner.shapes_of(pr, bb)
+    except (KeyError, TypeError, ValueError) as err:
+        check.fail("prompt", f"does not describe a {learner.key!r} prompt ({type(err).__name__}: {err})")
+    for name in learner.tensor_names:
         t = tensors.get(f"prompt.{name}")
         have = None if t is None else list(t.shape)
-        if want[name] is None:
+        if name not in want:
             check.need(
                 have is None, f"tensor prompt.{name}", f"present ({have}) but the metadata records no such prompt"
             )
         else:
+            shape, why = want[name]
+            check.need(have is not None, f"tensor prompt.{name}", f"missing; the metadata records {why} = {shape}")
             check.need(
-                have is not None, f"tensor prompt.{name}", f"missing; the metadata records {why[name]} = {want[name]}"
-            )
-            check.need(
-                have == want[name],
+                have == shape,
                 f"tensor prompt.{name}",
-                f"has shape {have}, but the metadata's {why[name]} is {want[name]}",
+                f"has shape {have}, but the metadata's {why} is {shape}",
             )
+    names = learner.tensor_names
+    listed = "|".join(names)
     for name in tensors:
         head = name.split(".", 2)
-        ok = (head[0] == "prompt" and len(head) == 2 and head[1] in _PROMPT_TENSORS) or (
-            head[0] == "regulator" and len(head) == 3 and head[1] in _PROMPT_TENSORS
+        ok = (head[0] == "prompt" and len(head) == 2 and head[1] in names) or (
+            head[0] == "regulator" and len(head) == 3 and head[1] in names
         )
-        names = "|".join(_PROMPT_TENSORS)
         check.need(
             ok,
             f"tensor {name}",
-            f"unexpected tensor (this code reads prompt.<{names}> and regulator.<{names}>.<parameter>)",
+            f"unexpected tensor (this code reads prompt.<{listed}> and regulator.<{listed}>.<parameter>)",
         )
     reg_names = sorted({n.split(".")[1] for n in tensors if n.startswith("regulator.")})
     spec = meta.get("regulator")

@@ -1,7 +1,7 @@
 """GRAM's inner loop: the regulated, differentiable update rule of one task (paper Eq. 7 and its unroll).
 
 One function, :func:`inner_loop`, takes the steps; :class:`InnerRule` says which optimiser it unrolls;
-:func:`support_windows` says which data each step sees.  :meth:`meta.gram.GRAMMetaLearner._adapt` is a
+:func:`support_windows` says which data each step sees.  :meth:`meta.gram.GRAMMetaLearner.unroll` is a
 thin caller, and so is any batched outer step (one task at a time or many): it clones θ once per task
 (``learner = meta_learner.gbml.clone(first_order=...)``), builds the task's windows with
 :func:`support_windows`, calls :func:`inner_loop` with ``meta_learner.inner_rule()``, and evaluates the

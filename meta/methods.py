@@ -21,6 +21,8 @@ from typing import Optional, Union
 
 import yaml
 
+from .learners import DEFAULT_LEARNER
+
 TABLE_FILE = Path(__file__).with_name("methods.yaml")
 
 
@@ -51,6 +53,7 @@ class Method:
     vision_depth: int = 1
     coupling: str = "none"
     one_step: bool = False
+    learner: str = DEFAULT_LEARNER
 
     @property
     def gram_file(self) -> bool:

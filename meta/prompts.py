@@ -1,6 +1,8 @@
 """Learnable prompts θ and the prompted (frozen) CLIP that consumes them.
 
-θ lives in one small module, :class:`PromptParams`, holding these tensors (each optional):
+θ lives in one small module, :class:`PromptParams`, holding the tensors of its prompt learner
+(:mod:`meta.learners`: a registry of learner objects that say which tensors θ holds and how they prompt the
+towers).  The built-in learner, :class:`ClipPrompts` (key ``clip``), holds these (each optional):
 
 * ``ctx``: ``[M, d_t]`` text context vectors (CoOp), present when ``n_ctx_text > 0``;
 * ``vpt``: ``[D, n, d_v]`` visual prompt tokens (VPT), present when ``n_ctx_vision > 0``
@@ -40,6 +42,7 @@ from torch import nn
 
 from .backbone import ClipDims
 from .consistency import ConsistencySpec, consistency_penalty, frozen_reference
+from .learners import DEFAULT_LEARNER, PromptLearner, get_learner, learner_of, register_learner
 from .text_encoder import ClassTokenCache, context_from_words, encode_text_with_context
 from .visual_encoder import encode_image_with_prompts
 
@@ -124,6 +127,9 @@ class PromptSpec:
         coupling: ``none`` (visual prompts, if any, are their own tensor ``vpt``) or ``maple`` (the
             visual prompts of the first J vision layers are projections of the J text prompts; then
             ``n_ctx_vision`` must be 0: MaPLe has no independent visual prompts).
+        learner: the prompt learner that holds θ (:mod:`meta.learners` registry key); ``clip`` = the built-in
+            :class:`ClipPrompts`, shaped by the fields above.  A registered learner of its own reads the fields
+            it needs.
     """
 
     n_ctx_text: int = 4
@@ -135,6 +141,7 @@ class PromptSpec:
     vpt_init: str = "patch_mean"  # chosen on the val splits (docs/notes/world_baseline.md)
     text_depth: int = 1
     coupling: str = "none"
+    learner: str = DEFAULT_LEARNER
 
     def __post_init__(self) -> None:
         if self.vpt_init not in VPT_INITS:
@@ -171,7 +178,11 @@ class PromptSpec:
         return self.n_ctx_vision > 0 or self.coupling != "none"
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The fields; ``learner`` only when it is not the built-in one (records written before it existed)."""
+        d = asdict(self)
+        if d["learner"] == DEFAULT_LEARNER:
+            del d["learner"]
+        return d
 
 
 class PromptParams(nn.Module):
@@ -183,13 +194,13 @@ class PromptParams(nn.Module):
 
     **Arguments**
 
-    * **ctx** (Tensor, *optional*) - text context ``[M, d_t]`` (CoOp); layer 0 of deep text prompts.
-    * **vpt** (Tensor, *optional*) - visual prompt tokens ``[D, n, d_v]`` (D = 1 shallow VPT, D > 1 deep).
-    * **ctx_deep** (Tensor, *optional*) - text prompts of layers 1..J-1 ``[J-1, M, d_t]`` (IVLP, MaPLe).
-    * **proj_weight**, **proj_bias** (Tensor, *optional*) - MaPLe's coupling ``[J, d_v, d_t]`` and ``[J, d_v]``:
-      the visual prompts of layer j are ``ctx_j @ W_j.T + b_j`` (``vpt`` is then ``None``).
-
-    At least one of ``ctx`` and ``vpt`` is required; shapes are checked against each other.
+    * **learner** (str, *optional*) - the prompt learner (:mod:`meta.learners` key, default ``clip``); it names
+      the tensors θ may hold, checks them against each other and says how they prompt the towers.
+    * **tensors** (Tensor, *optional*, by name) - for ``clip`` (:class:`ClipPrompts`): ``ctx`` ``[M, d_t]``
+      (CoOp; layer 0 of deep text prompts), ``vpt`` ``[D, n, d_v]`` (D = 1 shallow VPT, D > 1 deep), ``ctx_deep``
+      ``[J-1, M, d_t]`` (IVLP, MaPLe), ``proj_weight`` ``[J, d_v, d_t]`` and ``proj_bias`` ``[J, d_v]`` (MaPLe's
+      coupling: the visual prompts of layer j are ``ctx_j @ W_j.T + b_j``; ``vpt`` is then ``None``); at least one
+      of ``ctx`` and ``vpt``.
 
     **Example**
 
@@ -200,15 +211,121 @@ class PromptParams(nn.Module):
     ~~~
     """
 
-    def __init__(
-        self,
-        ctx: Optional[torch.Tensor] = None,
-        vpt: Optional[torch.Tensor] = None,
-        ctx_deep: Optional[torch.Tensor] = None,
-        proj_weight: Optional[torch.Tensor] = None,
-        proj_bias: Optional[torch.Tensor] = None,
-    ):
+    def __init__(self, learner: str = DEFAULT_LEARNER, **tensors: Optional[torch.Tensor]):
         super().__init__()
+        impl = get_learner(learner)
+        impl.check(tensors)
+        self.learner = learner
+        for name in impl.tensor_names:
+            value = tensors.get(name)
+            if value is None:
+                self.register_parameter(name, None)
+            else:
+                setattr(self, name, nn.Parameter(value.detach().clone()))
+
+    @property
+    def n_ctx_text(self) -> int:
+        """M, the context positions of the text prompt (0 = the fixed template)."""
+        return self.structure()["n_ctx_text"]
+
+    @property
+    def text_depth(self) -> int:
+        """J, text layers with learnable context (0 without text context)."""
+        return self.structure()["text_depth"]
+
+    @property
+    def coupling(self) -> str:
+        return self.structure()["coupling"]
+
+    def structure(self) -> dict:
+        """The prompt structure as init files record it (:meth:`meta.learners.PromptLearner.structure`), with
+        ``learner`` when it is not the built-in one (files of the built-in learner read as before the field)."""
+        out = get_learner(self.learner).structure(self)
+        if self.learner != DEFAULT_LEARNER:
+            out["learner"] = self.learner
+        return out
+
+    @classmethod
+    def from_spec(
+        cls, spec: PromptSpec, clip: nn.Module, dims: ClipDims, generator: Optional[torch.Generator] = None
+    ) -> "PromptParams":
+        """Fresh θ for ``spec`` on a CLIP of widths ``dims`` (random or word init), by ``spec.learner``."""
+        device = clip.token_embedding.weight.device
+        tensors = get_learner(spec.learner).init(spec, clip, dims, generator)
+        return cls(spec.learner, **tensors).to(device)
+
+
+class ClipPrompts(PromptLearner):
+    """The built-in learner ``clip``: CoOp, VPT, UNIGRAM, IVLP and MaPLe by :class:`PromptSpec`'s fields.
+
+    Tensors (each present or not by the spec): ``ctx`` ``[M, d_t]``, ``vpt`` ``[D, n, d_v]``, ``ctx_deep``
+    ``[J-1, M, d_t]``, ``proj_weight`` ``[J, d_v, d_t]`` and ``proj_bias`` ``[J, d_v]`` (module docstring).
+    """
+
+    key = DEFAULT_LEARNER
+    tensor_names = PROMPT_TENSORS
+
+    def structure_of(self, spec: PromptSpec, dims: ClipDims) -> dict:
+        r = spec.resolved(dims)
+        return {
+            "n_ctx_text": r.n_ctx_text,
+            "n_ctx_vision": r.n_ctx_vision,
+            "vision_depth": r.vision_depth if r.n_ctx_vision else 0,
+            "text_depth": r.text_depth if r.n_ctx_text else 0,
+            "coupling": r.coupling,
+        }
+
+    def shapes_of(self, structure, backbone) -> dict[str, tuple[list, str]]:
+        pr, bb = structure, backbone
+        out = {}
+        if pr["n_ctx_text"]:
+            out["ctx"] = ([pr["n_ctx_text"], bb["text_width"]], "[prompt.n_ctx_text, backbone.text_width]")
+        if pr["n_ctx_vision"]:
+            out["vpt"] = (
+                [pr["vision_depth"], pr["n_ctx_vision"], bb["vision_width"]],
+                "[prompt.vision_depth, prompt.n_ctx_vision, backbone.vision_width]",
+            )
+        if pr.get("text_depth", 1) > 1:
+            out["ctx_deep"] = (
+                [pr["text_depth"] - 1, pr["n_ctx_text"], bb["text_width"]],
+                "[prompt.text_depth - 1, prompt.n_ctx_text, backbone.text_width]",
+            )
+        if pr.get("coupling", "none") == "maple":
+            out["proj_weight"] = (
+                [pr["text_depth"], bb["vision_width"], bb["text_width"]],
+                "[prompt.text_depth, backbone.vision_width, backbone.text_width]",
+            )
+            out["proj_bias"] = ([pr["text_depth"], bb["vision_width"]], "[prompt.text_depth, backbone.vision_width]")
+        return out
+
+    def init(self, spec: PromptSpec, clip: nn.Module, dims: ClipDims, generator: Optional[torch.Generator]) -> dict:
+        spec = spec.resolved(dims)
+        ctx = vpt = None
+        if spec.ctx_init:
+            ctx = context_from_words(clip, spec.ctx_init).float()
+        elif spec.n_ctx_text > 0:
+            ctx = torch.randn(spec.n_ctx_text, dims.text_width, generator=generator) * spec.init_std
+        if spec.n_ctx_vision > 0:
+            if not 1 <= spec.vision_depth <= dims.vision_layers:
+                raise ValueError(f"vision_depth must be in 1..{dims.vision_layers}, got {spec.vision_depth}")
+            vpt = initial_visual_prompts(
+                clip, spec.vpt_init, spec.vision_depth, spec.n_ctx_vision, spec.init_std, generator
+            )
+        # deep and coupled tensors are drawn after ctx and vpt: the shallow methods' draws are unchanged
+        ctx_deep = weight = bias = None
+        if spec.text_depth > 1:
+            limit = min(dims.text_layers, dims.vision_layers) if spec.coupling == "maple" else dims.text_layers
+            if spec.text_depth > limit:
+                raise ValueError(f"text_depth must be in 1..{limit}, got {spec.text_depth}")
+            ctx_deep = torch.randn(spec.text_depth - 1, ctx.shape[0], ctx.shape[1], generator=generator) * spec.init_std
+        if spec.coupling == "maple":
+            weight, bias = initial_projections(spec.text_depth, dims.text_width, dims.vision_width, generator)
+        return {"ctx": ctx, "vpt": vpt, "ctx_deep": ctx_deep, "proj_weight": weight, "proj_bias": bias}
+
+    def check(self, tensors) -> None:
+        super().check(tensors)
+        ctx, vpt, ctx_deep = tensors.get("ctx"), tensors.get("vpt"), tensors.get("ctx_deep")
+        proj_weight, proj_bias = tensors.get("proj_weight"), tensors.get("proj_bias")
         if ctx is None and vpt is None:
             raise ValueError("a prompt module needs text context (ctx) or visual prompts (vpt)")
         if ctx is not None and ctx.dim() != 2:
@@ -237,70 +354,40 @@ class PromptParams(nn.Module):
                     f"proj_weight must be [J={depth}, d_v, d_t={ctx.shape[1]}] and proj_bias "
                     f"[J, d_v], got {tuple(proj_weight.shape)} and {tuple(proj_bias.shape)}"
                 )
-        given = {"ctx": ctx, "vpt": vpt, "ctx_deep": ctx_deep, "proj_weight": proj_weight, "proj_bias": proj_bias}
-        for name in PROMPT_TENSORS:
-            value = given[name]
-            if value is None:
-                self.register_parameter(name, None)
-            else:
-                setattr(self, name, nn.Parameter(value.detach().clone()))
 
-    @property
-    def n_ctx_text(self) -> int:
-        return 0 if self.ctx is None else self.ctx.shape[0]
-
-    @property
-    def text_depth(self) -> int:
-        """J, text layers with learnable context (0 without text context)."""
-        return 0 if self.ctx is None else 1 + (0 if self.ctx_deep is None else self.ctx_deep.shape[0])
-
-    @property
-    def coupling(self) -> str:
-        return "none" if self.proj_weight is None else "maple"
-
-    def structure(self) -> dict:
-        """The prompt structure as init files record it: token counts, depths, coupling.
-
-        ``n_ctx_vision`` / ``vision_depth`` describe the free visual tokens ``vpt`` only (0 for MaPLe,
-        whose visual prompts follow from ``text_depth`` and ``coupling``).
-        """
+    def structure(self, prompts) -> dict:
+        """``n_ctx_vision`` / ``vision_depth`` describe the free visual tokens ``vpt`` only (0 for MaPLe,
+        whose visual prompts follow from ``text_depth`` and ``coupling``)."""
+        ctx, vpt, deep = prompts.ctx, prompts.vpt, prompts.ctx_deep
         return {
-            "n_ctx_text": self.n_ctx_text,
-            "n_ctx_vision": 0 if self.vpt is None else self.vpt.shape[1],
-            "vision_depth": 0 if self.vpt is None else self.vpt.shape[0],
-            "text_depth": self.text_depth,
-            "coupling": self.coupling,
+            "n_ctx_text": 0 if ctx is None else ctx.shape[0],
+            "n_ctx_vision": 0 if vpt is None else vpt.shape[1],
+            "vision_depth": 0 if vpt is None else vpt.shape[0],
+            "text_depth": 0 if ctx is None else 1 + (0 if deep is None else deep.shape[0]),
+            "coupling": "none" if prompts.proj_weight is None else "maple",
         }
 
-    @classmethod
-    def from_spec(
-        cls, spec: PromptSpec, clip: nn.Module, dims: ClipDims, generator: Optional[torch.Generator] = None
-    ) -> "PromptParams":
-        """Fresh θ for ``spec`` on a CLIP of widths ``dims`` (random or word init)."""
-        spec = spec.resolved(dims)
-        device = clip.token_embedding.weight.device
-        ctx = vpt = None
-        if spec.ctx_init:
-            ctx = context_from_words(clip, spec.ctx_init).float()
-        elif spec.n_ctx_text > 0:
-            ctx = torch.randn(spec.n_ctx_text, dims.text_width, generator=generator) * spec.init_std
-        if spec.n_ctx_vision > 0:
-            if not 1 <= spec.vision_depth <= dims.vision_layers:
-                raise ValueError(f"vision_depth must be in 1..{dims.vision_layers}, got {spec.vision_depth}")
-            vpt = initial_visual_prompts(
-                clip, spec.vpt_init, spec.vision_depth, spec.n_ctx_vision, spec.init_std, generator
-            )
-        # deep and coupled tensors are drawn after ctx and vpt: the shallow methods' draws are unchanged
-        ctx_deep = weight = bias = None
-        if spec.text_depth > 1:
-            limit = min(dims.text_layers, dims.vision_layers) if spec.coupling == "maple" else dims.text_layers
-            if spec.text_depth > limit:
-                raise ValueError(f"text_depth must be in 1..{limit}, got {spec.text_depth}")
-            ctx_deep = torch.randn(spec.text_depth - 1, ctx.shape[0], ctx.shape[1], generator=generator) * spec.init_std
-        if spec.coupling == "maple":
-            weight, bias = initial_projections(spec.text_depth, dims.text_width, dims.vision_width, generator)
-        module = cls(ctx=ctx, vpt=vpt, ctx_deep=ctx_deep, proj_weight=weight, proj_bias=bias)
-        return module.to(device)
+    def text_prompts(self, prompts) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        return getattr(prompts, "ctx", None), getattr(prompts, "ctx_deep", None)
+
+    def visual_prompts(self, prompts) -> Optional[torch.Tensor]:
+        """The free tokens ``vpt`` (VPT / IVLP), or MaPLe's coupled ones: layer i gets ``t_i W_iᵀ + b_i`` with
+        ``t_0 = ctx``, ``t_i = ctx_deep[i-1]`` (D = J, n = M)."""
+        vpt = getattr(prompts, "vpt", None)
+        weight = getattr(prompts, "proj_weight", None)
+        if weight is None:
+            return vpt
+        ctx, deep = self.text_prompts(prompts)
+        # any leading task dimensions ride along (meta.batched: ctx [B, M, d_t], weight [B, J, d_v, d_t], ...)
+        layers = ctx.unsqueeze(-3) if deep is None else torch.cat([ctx.unsqueeze(-3), deep], dim=-3)  # [J, M, d_t]
+        bias = getattr(prompts, "proj_bias")
+        return torch.matmul(layers, weight.transpose(-1, -2)) + bias.unsqueeze(-2)  # [J, M, d_v]
+
+    def has_visual_prompts(self, prompts) -> bool:
+        return getattr(prompts, "vpt", None) is not None or getattr(prompts, "proj_weight", None) is not None
+
+
+register_learner(ClipPrompts())
 
 
 def initial_projections(
@@ -328,30 +415,25 @@ def initial_projections(
 
 
 def text_prompts(prompts: Optional[nn.Module]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """``(ctx [M, d_t] or None, ctx_deep [J-1, M, d_t] or None)`` of any object with those attributes."""
+    """``(ctx [M, d_t] or None, deep [J-1, M, d_t] or None)`` of θ (or a clone / task stack) by its learner."""
     if prompts is None:
         return None, None
-    return getattr(prompts, "ctx", None), getattr(prompts, "ctx_deep", None)
+    return learner_of(prompts).text_prompts(prompts)
 
 
 def visual_prompts(prompts: Optional[nn.Module]) -> Optional[torch.Tensor]:
-    """``[D, n, d_v]`` tokens for the vision tower, or ``None``.
+    """``[D, n, d_v]`` tokens for the vision tower, or ``None``, by θ's learner (any leading task dims ride along).
 
-    The free tokens ``vpt`` (VPT / IVLP), or MaPLe's coupled ones: layer i gets ``t_i W_iᵀ + b_i``
-    with ``t_0 = ctx``, ``t_i = ctx_deep[i-1]`` (D = J, n = M).  Works on any object with the
-    attributes (l2l clones of :class:`PromptParams`, plain views in tests).
-    """
+    Works on any object with the learner's tensors as attributes (l2l clones of :class:`PromptParams`, task
+    stacks, plain views in tests)."""
     if prompts is None:
         return None
-    vpt = getattr(prompts, "vpt", None)
-    weight = getattr(prompts, "proj_weight", None)
-    if weight is None:
-        return vpt
-    ctx, deep = text_prompts(prompts)
-    # any leading task dimensions ride along (meta.batched: ctx [B, M, d_t], weight [B, J, d_v, d_t], ...)
-    layers = ctx.unsqueeze(-3) if deep is None else torch.cat([ctx.unsqueeze(-3), deep], dim=-3)  # [J, M, d_t]
-    bias = getattr(prompts, "proj_bias")
-    return torch.matmul(layers, weight.transpose(-1, -2)) + bias.unsqueeze(-2)  # [J, M, d_v]
+    return learner_of(prompts).visual_prompts(prompts)
+
+
+def has_visual_prompts(prompts: Optional[nn.Module]) -> bool:
+    """Whether θ prompts the vision tower (then cached image features cannot stand in for images)."""
+    return prompts is not None and learner_of(prompts).has_visual_prompts(prompts)
 
 
 class PromptedCLIP:
@@ -422,7 +504,7 @@ class PromptedCLIP:
             if images is None:
                 raise ValueError("need images or image_features")
             image_features = self.image_features(prompts, images)
-        elif getattr(prompts, "vpt", None) is not None or getattr(prompts, "proj_weight", None) is not None:
+        elif has_visual_prompts(prompts):
             raise ValueError("cached image_features cannot be used with visual prompts; pass images")
         return image_features, self.text_features(prompts, classnames)
 

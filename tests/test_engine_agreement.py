@@ -26,6 +26,8 @@ pytest.importorskip("dassl", reason="Dassl not installed: the agreement test run
 import torch  # noqa: E402
 from dassl.engine import build_trainer  # noqa: E402
 from dassl.utils import Logger, set_random_seed  # noqa: E402
+from helpers_learner import KEY as TOY  # noqa: E402
+from helpers_learner import RANK, low_rank_learner  # noqa: E402
 from PIL import Image  # noqa: E402
 
 import train  # noqa: E402
@@ -66,8 +68,15 @@ def write_dtd(root: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, tiny_clip):
-    """The dataset, the frozen CLIP's weights file and one GRAM init file per learner."""
+def toy_learner():
+    """The low-rank-context learner of the tests (``helpers_learner``), registered while this module runs."""
+    with low_rank_learner() as key:
+        yield key
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, tiny_clip, toy_learner):
+    """The dataset, the frozen CLIP's weights file and one GRAM init file per learner (the toy's under its key)."""
     root = tmp_path_factory.mktemp("agreement")
     write_dtd(root / "data")
     clip, dims = tiny_clip
@@ -81,6 +90,10 @@ def world(tmp_path_factory, tiny_clip):
         inits[trainer] = export_gram_init(
             root / f"{trainer}.safetensors", PromptParams(**tensors), regs, dims, provenance=PROVENANCE
         )
+    tensors = {"ctx_factor": torch.randn(4, RANK, generator=g), "ctx_basis": torch.randn(RANK, 64, generator=g) * 0.02}
+    regs = {k: GradientRegulator(t.shape[-1], RegulatorSpec(init="normal", init_std=0.2)) for k, t in tensors.items()}
+    theta = PromptParams(toy_learner, **tensors)
+    inits[toy_learner] = export_gram_init(root / "toy.safetensors", theta, regs, dims, provenance=PROVENANCE)
     return root, inits
 
 
@@ -154,15 +167,16 @@ CONSISTENCY_OPTS = ["TRAINER.GRAM.CONSISTENCY_TEXT", "8.0", "TRAINER.GRAM.CONSIS
         ("gram_coop", [], {}),
         ("unigram", [], {}),
         ("unigram", CONSISTENCY_OPTS, CONSISTENCY),  # zero-shot consistency terms in both fine-tuning losses
+        ("gram_coop", ["TRAINER.GRAM.LEARNER", TOY], {"learner": TOY}),  # a learner registered by the tests only
     ],
-    ids=["coop", "gram_coop", "unigram", "unigram_consistency"],
+    ids=["coop", "gram_coop", "unigram", "unigram_consistency", "gram_coop_toy_learner"],
 )
 def test_train_py_and_the_evaluator_give_the_same_theta_and_accuracies(
     world, tiny_clip, tmp_path, key, opts, overrides
 ):
     root, inits = world
     row = methods.get(key)
-    init = str(inits[row.trainer]) if row.gram_file else ""
+    init = str(inits[overrides.get("learner", row.trainer)]) if row.gram_file else ""
     gram = ["TRAINER.GRAM.INIT", init] if init else []
     trainer, cfg = dassl_run(root, key, opts + gram, "base", tmp_path / "base")
     trainer.train()  # one epoch (launch step first for the GRAM rows), then the base test
@@ -221,7 +235,7 @@ def test_train_py_and_the_evaluator_give_the_same_theta_and_accuracies(
         if start is not None:  # θ moved in the epoch: the comparison is not of two untouched starts
             assert (value - start[name].detach()).abs().max() > 1e-4
     assert (record["base"], record["new"]) == (pytest.approx(base_dassl), pytest.approx(new_dassl))
-    if overrides:  # the terms changed the training: without them the evaluator ends at another θ
+    if "consistency_text" in overrides:  # the terms changed the training: without them the evaluator ends at another θ
         assert trainer.model.consistency is not None
         _, plain = evaluate(method_preset(row.preset, init_path=init))
         assert max((plain[n].detach() - kept[n].detach()).abs().max() for n in kept) > 1e-5

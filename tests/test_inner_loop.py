@@ -89,7 +89,7 @@ def test_one_step_is_bit_equal_to_gbml_adapt(tiny_clip):
         s_loss, _ = loss_fn(old.module, support)
     old.adapt(s_loss, first_order=False)
     ref_loss, ref_grads, ref_theta = grads_after(old)
-    new, losses, _ = ml._adapt(loss_fn, support, None, None)
+    new, losses, _ = ml.unroll(loss_fn, support)
     got_loss, got_grads, got_theta = grads_after(new)
     assert torch.equal(losses[0], s_loss.detach())
     assert torch.equal(got_loss, ref_loss)
@@ -246,7 +246,7 @@ def test_trajectory_states_term_matches_hand_rolled(tiny_clip):
     common = dict(inner_lr=0.3, inner_steps=2, inner_momentum=0.9, inner_weight_decay=0.01, inner_support="split")
     on, pclip, loss_fn, dims = _setup(tiny_clip, MetaSpec(**common, trajectory_states=2, trajectory_windows=3))
     off, _, _, _ = _setup(tiny_clip, MetaSpec(**common))
-    assert on.trajectory_steps() == [2, 3]
+    assert on.objective.trajectory_steps() == [2, 3]
     gen = torch.Generator().manual_seed(6)
     support, query = _batch(2, dims.image_size, gen), _batch(2, dims.image_size, gen)
     on.accumulate([TaskBatch(support, query)], loss_fn)

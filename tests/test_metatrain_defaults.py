@@ -32,6 +32,7 @@ OTHER_STR = {
     "inner_support": "split",
     "halves": "gamma",
     "task_batching": "off",
+    "learner": "a_learner_of_your_own",  # read as given; META.PROMPT.LEARNER is checked against the registry later
 }
 
 

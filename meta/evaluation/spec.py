@@ -19,6 +19,7 @@ from .. import methods
 from ..consistency import ConsistencySpec
 from ..engine import start_rule_problems
 from ..finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
+from ..learners import DEFAULT_LEARNER, get_learner
 from ..methods import Method
 from ..prompts import PromptSpec
 
@@ -65,6 +66,7 @@ class MethodSpec:
             or start point, off otherwise (:meth:`launch_on`).
         consistency_text, consistency_image: weights λ of the zero-shot consistency terms added to the
             fine-tuning loss (:mod:`meta.consistency`; 0 = off).  The launch step keeps the meta-trained loss.
+        learner: the prompt learner (:mod:`meta.learners` key; ``clip`` = the built-in one the fields above shape).
 
     With no prompt at all (``n_ctx_text == n_ctx_vision == 0``) the method is zero-shot CLIP
     and nothing is trained.
@@ -88,6 +90,7 @@ class MethodSpec:
     launch: Optional[bool] = None
     consistency_text: float = 0.0
     consistency_image: float = 0.0
+    learner: str = PromptSpec.learner
 
     def consistency(self) -> ConsistencySpec:
         """The zero-shot consistency weights of the fine-tuning loss."""
@@ -135,7 +138,7 @@ class MethodSpec:
     @property
     def visual_prompts(self) -> bool:
         """True when the image tower carries prompts (image features cannot be cached)."""
-        return self.n_ctx_vision > 0 or self.coupling != "none"
+        return get_learner(self.learner).spec_prompts_vision(self.prompt_spec())
 
     def prompt_spec(self) -> PromptSpec:
         """The :class:`meta.prompts.PromptSpec` of a scratch / word initialisation."""
@@ -149,6 +152,7 @@ class MethodSpec:
             vpt_init=self.vpt_init,
             text_depth=self.text_depth,
             coupling=self.coupling,
+            learner=self.learner,
         )
 
     def as_dict(self) -> dict:
@@ -158,6 +162,8 @@ class MethodSpec:
         for key in ("consistency_text", "consistency_image"):
             if not out[key]:
                 del out[key]
+        if out["learner"] == PromptSpec.learner:
+            del out["learner"]
         return out
 
 
@@ -240,7 +246,7 @@ class TrainSpec:
 
 def _preset_fields(method: Method) -> dict:
     fields = dict(name=method.label, n_ctx_text=method.text_tokens, n_ctx_vision=method.visual_tokens)
-    for name, default in (("text_depth", 1), ("vision_depth", 1), ("coupling", "none")):
+    for name, default in (("text_depth", 1), ("vision_depth", 1), ("coupling", "none"), ("learner", DEFAULT_LEARNER)):
         if getattr(method, name) != default:
             fields[name] = getattr(method, name)
     if method.regulate:

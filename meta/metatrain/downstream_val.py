@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from meta.evaluation.spec import TrainSpec
 from meta.evaluation.training import LabelledSet, PromptTuner
 from meta.finetune import GradientRegulation, LaunchStep
-from meta.prompts import PROMPT_TENSORS, PromptedCLIP, PromptParams
+from meta.learners import DEFAULT_LEARNER
+from meta.prompts import PromptedCLIP, PromptParams
 from meta.regulator import GradientRegulator
 
 
@@ -86,11 +87,8 @@ def downstream_accuracy(
     """
     # every prompt tensor of the learner (IVLP's deep text prompts, MaPLe's coupling), detached copies
     theta = PromptParams(
-        **{
-            name: getattr(prompts, name).detach().clone()
-            for name in PROMPT_TENSORS
-            if getattr(prompts, name) is not None
-        }
+        getattr(prompts, "learner", DEFAULT_LEARNER),
+        **{name: p.detach().clone() for name, p in prompts._parameters.items() if p is not None},
     )
     regulation = GradientRegulation(dict(regulators)) if regulators else None
     if regulation is not None:

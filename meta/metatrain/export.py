@@ -22,24 +22,44 @@ from yacs.config import CfgNode as CN
 
 from meta.backbone import ClipDims
 from meta.cli_errors import UserError
+from meta.config import refuse_yaml_aliases
 from meta.fileio import clean_stale_temps
 from meta.gram import GRAMMetaLearner
 from meta.init_io import coop_context_usage, export_coop_context, export_gram_init, load_gram_init
-from meta.prompts import PROMPT_TENSORS, PromptParams
+from meta.learners import get_learner
+from meta.prompts import PromptParams
 from meta.runlock import RunLock
 
 from . import settings
 from .checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint
 
 
+def saved_cfg(state: dict) -> CN:
+    """The config a checkpoint records (``config_yaml``), read as config files are: YAML aliases refused
+    before yacs builds the tree (:func:`meta.config.refuse_yaml_aliases`), so a doctored checkpoint cannot
+    make the export build an exponentially large one."""
+    text = state.get("config_yaml")
+    if not isinstance(text, str):
+        raise CheckpointError(
+            f"checkpoint config_yaml: expected the run's config as YAML text, got {type(text).__name__}"
+        )
+    refuse_yaml_aliases("checkpoint config_yaml", text)
+    return CN.load_cfg(text)
+
+
 def learner_from_state(state: dict) -> tuple[GRAMMetaLearner, CN]:
     """Rebuild θ and φ (with the optimiser) from a checkpoint; returns ``(learner, cfg)``."""
-    cfg = CN.load_cfg(state["config_yaml"])
+    cfg = saved_cfg(state)
     gbml = state["learner"]["gbml"]
-    shapes = {name: gbml[f"module.{name}"] for name in PROMPT_TENSORS if gbml.get(f"module.{name}") is not None}
-    if "ctx" not in shapes and "vpt" not in shapes:
-        raise CheckpointError("checkpoint holds no prompt tensors (module.ctx / module.vpt)")
-    theta = PromptParams(**{name: torch.zeros_like(t) for name, t in shapes.items()})
+    key = settings.prompt_spec(cfg).learner
+    shapes = {
+        name: gbml[f"module.{name}"] for name in get_learner(key).tensor_names if gbml.get(f"module.{name}") is not None
+    }
+    if not shapes:
+        raise CheckpointError(
+            f"checkpoint holds no prompt tensors (module.<{'|'.join(get_learner(key).tensor_names)}>)"
+        )
+    theta = PromptParams(key, **{name: torch.zeros_like(t) for name, t in shapes.items()})
     learner = GRAMMetaLearner(theta, settings.meta_spec(cfg))
     learner.load_state(state["learner"])
     return learner, cfg
@@ -87,10 +107,11 @@ def export_state(state: dict, run_dir: Union[str, Path], out: Optional[Union[str
         init_path, theta, learner.regulators(), dims, provenance=provenance(state, cfg), weights=cfg.MODEL.PRETRAINED
     )
     paths = {"init": init_path, "coop_ctx": None}
-    if theta.ctx is not None:
-        n_ctx = int(theta.ctx.shape[0])
+    ctx = getattr(theta, "ctx", None)  # CoOp's context file: the built-in learner's text context
+    if ctx is not None:
+        n_ctx = int(ctx.shape[0])
         coop_path = _with_n_ctx(coop_path, n_ctx)
-        paths["coop_ctx"] = export_coop_context(coop_path, theta.ctx, epoch=0)
+        paths["coop_ctx"] = export_coop_context(coop_path, ctx, epoch=0)
         paths["coop_usage"] = coop_context_usage(paths["coop_ctx"], n_ctx)
     return paths
 
@@ -107,7 +128,7 @@ def verify_exports(state: dict, run_dir: Union[str, Path]) -> list[str]:
     step and config hash; the CoOp ctx file (text prompts only) must load with
     ``weights_only=True`` and hold the same context tensor as the checkpoint.
     """
-    cfg = CN.load_cfg(state["config_yaml"])
+    cfg = saved_cfg(state)
     init_path, coop_path = export_paths(Path(run_dir), cfg)
     problems = []
     try:

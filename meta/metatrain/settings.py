@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from yacs.config import CfgNode as CN
 
 from meta.config import add_metatrain_cfg, get_meta_cfg_default
+from meta.learners import DEFAULT_LEARNER, learner_keys
 from meta.precision import resolve_autocast
 from meta.prompts import COUPLINGS, VPT_INITS, PromptSpec
 from meta.regulator import RegulatorSpec
@@ -177,6 +178,13 @@ def check_meta_cfg(cfg: CN) -> None:
         (m.PROMPT.N_CTX_TEXT, m.PROMPT.N_CTX_VISION),
     )
     need(m.PROMPT.VPT_INIT in VPT_INITS, "META.PROMPT.VPT_INIT", " | ".join(VPT_INITS), m.PROMPT.VPT_INIT)
+    learner = m.PROMPT.get("LEARNER", DEFAULT_LEARNER)
+    need(
+        learner in learner_keys(),
+        "META.PROMPT.LEARNER",
+        "a registered prompt learner: " + " | ".join(learner_keys()),
+        learner,
+    )
     need(m.PROMPT.TEXT_DEPTH >= 0, "META.PROMPT.TEXT_DEPTH", "an integer >= 0 (0 = every layer)", m.PROMPT.TEXT_DEPTH)
     need(
         m.PROMPT.VISION_DEPTH >= 0,
@@ -494,6 +502,7 @@ def prompt_spec(cfg: CN) -> PromptSpec:
         vpt_init=str(p.VPT_INIT),
         text_depth=int(p.get("TEXT_DEPTH", 1)),
         coupling=str(p.get("COUPLING", "none")),
+        learner=str(p.get("LEARNER", DEFAULT_LEARNER)),
     )
 
 

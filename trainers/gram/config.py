@@ -45,6 +45,7 @@ from meta.clip_weights import (  # noqa: F401  (re-exported: the names this modu
 from meta.consistency import ConsistencySpec
 from meta.engine import Naming, start_rule_problems
 from meta.finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
+from meta.learners import learner_keys
 from meta.prompts import DEFAULT_TEMPLATE, PromptSpec
 
 # Trainer name -> (learns text context, learns visual prompts), and the trainers whose visual prompts are
@@ -101,6 +102,8 @@ def _gram_defaults() -> CN:
     node.CTX_INIT = ""  # words to initialise the text context (e.g. "a photo of a"); "" = N(0, 0.02²)
     node.TEMPLATE = DEFAULT_TEMPLATE  # fixed text prompt when there is no text context (GRAM_VPT)
     node.VPT_INIT = PromptSpec.vpt_init  # baselines' visual tokens: normal | zeros | cls | patch_mean (meta.prompts)
+    node.LEARNER = PromptSpec.learner  # prompt learner (meta.learners registry key): "clip" = the built-in one
+    # the trainers above configure; a learner registered by your code is named here and reads these keys
     # --- zero-shot consistency (meta.consistency; fine-tuning loss CE + λ_t L_text + λ_v L_image) ---------
     node.CONSISTENCY_TEXT = 0.0  # λ_t: 1 - mean cos to the hand-made prompt's text features (KgCoOp uses 8.0)
     node.CONSISTENCY_IMAGE = 0.0  # λ_v: L1 to the frozen image features, visual prompts only (PromptSRC uses 10)
@@ -208,6 +211,7 @@ class GramSettings:
     reg_window_images: int  # images per regulated step (0 = support size; meta.engine.window_batches)
     launch: bool  # meta-trained step once before training (meta.finetune.launch_)
     consistency: ConsistencySpec = ConsistencySpec()  # zero-shot consistency weights (0 = off)
+    learner: str = PromptSpec.learner  # prompt learner (meta.learners registry key)
 
     def vision_depth(self, vision_layers: int) -> int:
         """D, prompted vision layers: 0 without visual prompts, 1 shallow, else VPT_DEPTH (0 = all)."""
@@ -299,6 +303,9 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
             raise ValueError(f"TRAINER.GRAM.{key}: expected a finite number >= 0 (0 = off), got {value!r}")
         weights_of[key] = float(value)
     consistency = ConsistencySpec(weights_of["CONSISTENCY_TEXT"], weights_of["CONSISTENCY_IMAGE"])
+    learner = str(g.LEARNER)
+    if learner not in learner_keys():
+        raise ValueError(f"TRAINER.GRAM.LEARNER: expected one of {'|'.join(learner_keys())}, got {learner!r}")
     problems = start_rule_problems(
         vpt_init=str(g.VPT_INIT),
         reg_window=g.REG_WINDOW_IMAGES,
@@ -335,4 +342,5 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
         reg_window_images=int(g.REG_WINDOW_IMAGES),
         launch=launch and enabled,
         consistency=consistency,
+        learner=learner,
     )

@@ -159,6 +159,7 @@ class _GramTrainer(TrainerX):
             vpt_init=s.vpt_init,
             text_depth=s.text_depth if (s.n_ctx_text or s.ctx_init) else 1,
             coupling=s.coupling,
+            learner=s.learner,
         )
         # scratch θ comes from the global RNG (seeded by Dassl) before anything else touches it, so that an
         # "R_φ only" run starts exactly where the baseline with the same seed starts
