@@ -66,3 +66,20 @@ def upstream_fork(tmp_path_factory):
     from helpers_forks import ForkSources
 
     return ForkSources(tmp_path_factory.mktemp("upstream"))
+
+
+@pytest.fixture(scope="session")
+def quick_world(tmp_path_factory):
+    """The quick world (seed 0), built once per test run and shared by the pytest-xdist workers (tests/helpers.py)."""
+    import helpers
+
+    return helpers.quick_world(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def quick_world_weights(quick_world):
+    """The quick world's CLIP weights (6 epochs over its 16k pairs, ~2-4 min) with their zero-shot sidecar, trained
+    once per test run and shared by the pytest-xdist workers (tests/helpers.py)."""
+    import helpers
+
+    return helpers.quick_world_weights(quick_world)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from PIL import Image
@@ -149,6 +150,22 @@ def tiny_chc_args(out_dir: Path, *opts: str) -> list[str]:
     ]
 
 
+def tiny_meta_opts(*opts: str) -> list[str]:
+    """``python -m meta train`` ``KEY VALUE`` options: the tiny test CLIP on the CPU, no progress bar and no
+    TensorBoard, then ``opts`` (steps, task sizes, ...)."""
+    return [
+        "MODEL.BACKBONE",
+        "GRAM-Test-Tiny",
+        "MODEL.DEVICE",
+        "cpu",
+        "META.PROGRESS",
+        "False",
+        "META.TENSORBOARD",
+        "False",
+        *opts,
+    ]
+
+
 def run_methods_module():
     """``scripts/run_methods.py`` imported as a module (the runner behind base2new.sh, xd.sh and xdomain.sh)."""
     import sys
@@ -182,3 +199,57 @@ def recorded_calls(env: dict) -> list:
     out = [json.loads(line) for line in path.read_text().splitlines()]
     path.unlink()
     return out
+
+
+# ------------------------------------------------------------------ caches shared by the pytest-xdist workers
+def shared_dir(tmp_path_factory, name: str) -> Path:
+    """``<name>/`` in a folder every pytest-xdist worker of this run shares: the controller's base temp folder,
+    the parent of each worker's own (``.../pytest-N/popen-gw0``); without xdist, this session's base temp folder.
+
+    An expensive artefact cached on disk by its settings (the quick world, its CLIP) is then built once per run,
+    not once per worker; build it under :func:`file_lock` so that a second worker waits for it instead."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    folder = base / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if absent) for the ``with`` block: processes (pytest-xdist
+    workers) that take the same lock wait until it is released, or until its holder dies."""
+    import fcntl
+
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def quick_world(tmp_path_factory):
+    """The quick world of seed 0 (``gram_world.build_world(quick=True)``), built once per test run in
+    :func:`shared_dir` ``worlds/`` (the other workers wait for it, then load it)."""
+    from gram_world import build_world
+
+    root = shared_dir(tmp_path_factory, "worlds")
+    with file_lock(root / ".quick_world.lock"):
+        return build_world(quick=True, root=root, seed=0)
+
+
+def quick_world_weights(world) -> Path:
+    """The quick world's tiny CLIP (the quick schedule, ``pretrain_clip(world, quick=True)``) and its zero-shot
+    sidecar ``<stem>.zeroshot.json`` (which the demo reads), computed once per test run under a lock.
+
+    Nothing else writes them afterwards: a worker may read them while another runs its tests."""
+    from gram_world.pretrain import pretrain_clip
+    from gram_world.zeroshot import zeroshot_accuracy
+
+    with file_lock(world.root.parent / ".quick_world_clip.lock"):
+        weights = pretrain_clip(world, quick=True)
+        if not weights.with_suffix(".zeroshot.json").is_file():
+            zeroshot_accuracy(world, weights)
+    return weights

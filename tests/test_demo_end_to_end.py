@@ -1,14 +1,15 @@
 """The main job end to end on the quick world: world -> tiny CLIP -> CHC -> meta-training -> every table.
 
-Shares the session's quick world (and its quick CLIP weights, cached by settings hash) with
-tests/test_world_*.py; meta-training and fine-tuning are cut to a few steps so that the whole
-chain, not the numbers, is what this test checks.
+Shares the test run's quick world and its quick CLIP weights (conftest.py: built once for every pytest-xdist
+worker, cached by settings hash) with tests/test_world_*.py; meta-training and fine-tuning are cut to a few
+steps so that the whole chain, not the numbers, is what this test checks.
 """
 
 import json
 from dataclasses import replace
 
 import pytest
+from helpers import file_lock, shared_dir
 
 from gram_world.demo import (
     METHOD_BY_KEY,
@@ -30,9 +31,13 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def demo_out(tmp_path_factory):
+def _demo_run(tmp_path_factory, quick_world, quick_world_weights):
+    """The demo, run once per test run into a folder every pytest-xdist worker shares: pytest-xdist may hand this
+    module's tests to both workers, and the second one's run() then finds every stage finished (reusing them is
+    what test_rerun_... checks).  Its stage 1 finds the quick world and CLIP of the fixtures cached."""
     settings = replace(
         DemoSettings.preset(quick=True),
+        shots=2,  # the quick preset's 4 halves the evaluation time; transfer tables at 2 and 1 shots
         meta_steps=2,
         checkpoint_every=1,
         log_detail_every=1,
@@ -42,9 +47,20 @@ def demo_out(tmp_path_factory):
         seeds=(1, 2),
         tables=tuple(g for g in TABLE_GROUPS if g not in OPT_IN_TABLES),
     )
-    out = tmp_path_factory.mktemp("demo")
-    md = run(settings, out, world_root=tmp_path_factory.getbasetemp() / "worlds")
-    return out, md, settings
+    out = shared_dir(tmp_path_factory, "demo_end_to_end")
+    lock = out.parent / ".demo_end_to_end.lock"
+    with file_lock(lock):
+        md = run(settings, out, world_root=quick_world.root.parent)
+    return out, md, settings, lock
+
+
+@pytest.fixture
+def demo_out(_demo_run):
+    """``(folder, results.md, settings)`` of the demo, the folder locked for the test (a test on the other
+    pytest-xdist worker may rewrite its report: test_rerun_...)."""
+    out, md, settings, lock = _demo_run
+    with file_lock(lock):
+        yield out, md, settings
 
 
 def test_every_table_is_present_with_stable_keys_and_h_of_the_means(demo_out):
@@ -123,7 +139,7 @@ def test_every_meta_variant_exported_and_plots_written(demo_out):
     assert {"gram_coop", "gram_vpt", "unigram"} <= set(fig3b["series"])
 
 
-def test_rerun_reuses_every_stage_and_gives_the_same_tables(demo_out, tmp_path_factory):
+def test_rerun_reuses_every_stage_and_gives_the_same_tables(demo_out, quick_world):
     out, md, settings = demo_out
     before = json.loads((out / "results.json").read_text())["tables"]
     stamps = {
@@ -133,16 +149,16 @@ def test_rerun_reuses_every_stage_and_gives_the_same_tables(demo_out, tmp_path_f
         + list((out / "chc").rglob("*"))
         if p.is_file()
     }
-    run(settings, out, world_root=tmp_path_factory.getbasetemp() / "worlds")
+    run(settings, out, world_root=quick_world.root.parent)
     assert json.loads((out / "results.json").read_text())["tables"] == before
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
 
 
-def test_baseline_runs_in_the_background_process_give_the_same_records(demo_out, tmp_path_factory):
+def test_baseline_runs_in_the_background_process_give_the_same_records(demo_out, quick_world, tmp_path_factory):
     """What :class:`BackgroundRuns` computes beside CHC / meta-training equals the in-process runs."""
     out, _, settings = demo_out
     again = tmp_path_factory.mktemp("demo_background")
-    world, weights, model, _ = stage_world(settings, again, tmp_path_factory.getbasetemp() / "worlds")
+    world, weights, model, _ = stage_world(settings, again, quick_world.root.parent)
     jobs = baseline_jobs(world, again, settings)
     assert jobs and {j.key for j in jobs} == {k for k in b2n_keys(settings.tables) if not METHOD_BY_KEY[k].variant}
     assert settings.jobs == 1 and BackgroundRuns.start(world, weights, model, again, settings) is None  # one process

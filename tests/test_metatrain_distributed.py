@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_same_tensors, flat_tensors
+from helpers import assert_same_tensors, flat_tensors, tiny_meta_opts
 from PIL import Image
 
 from meta.init_io import load_gram_init
@@ -24,10 +24,7 @@ NAMES = ["apple", "bridge", "cactus", "drum", "eagle", "fern"]
 ARGS = [
     "--config-file",
     str(ROOT / "configs/meta/train_supervised.yaml"),
-    "MODEL.BACKBONE",
-    "GRAM-Test-Tiny",
-    "MODEL.DEVICE",
-    "cpu",
+    *tiny_meta_opts(),
     "META.STEPS",
     "4",
     "META.CHECKPOINT_EVERY",
@@ -48,10 +45,6 @@ ARGS = [
     "3",
     "META.LOG_DETAIL_EVERY",
     "2",
-    "META.PROGRESS",
-    "False",
-    "META.TENSORBOARD",
-    "False",
     "META.INNER_LR",
     "0.5",
     "CHC.DOMAINS.MIN_PER_DOMAIN",

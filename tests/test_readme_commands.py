@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import tiny_meta_opts
 
 from gram_tools.synthetic import write_synthetic_shards
 from meta.init_io import load_gram_init
@@ -38,11 +39,7 @@ TINY = {  # appended to each command: the README's configs with a tiny random CL
         "CHC.IMAGES.BATCH_SIZE",
         "64",
     ],
-    "train": [
-        "MODEL.BACKBONE",
-        "GRAM-Test-Tiny",
-        "MODEL.DEVICE",
-        "cpu",
+    "train": tiny_meta_opts(
         "META.STEPS",
         "2",
         "META.CHECKPOINT_EVERY",
@@ -57,13 +54,9 @@ TINY = {  # appended to each command: the README's configs with a tiny random CL
         "2",
         "META.VAL_TASKS",
         "0",
-        "META.PROGRESS",
-        "False",
-        "META.TENSORBOARD",
-        "False",
         "META.FEATURE_CHECK",
         "2",
-    ],
+    ),
     "export": [],
 }
 

@@ -20,17 +20,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import tiny_meta_opts
 
 from meta.chc.hierarchy import Hierarchy
 from meta.metatrain import build_cfg, main, settings
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "GRAM-Test-Tiny"
-BASE = [
-    "MODEL.BACKBONE",
-    MODEL,
-    "MODEL.DEVICE",
-    "cpu",
+BASE = tiny_meta_opts(
     "META.STEPS",
     "2",
     "META.META_BATCH",
@@ -45,13 +42,9 @@ BASE = [
     "0.25",
     "META.VAL_TASKS",
     "2",
-    "META.PROGRESS",
-    "False",
-    "META.TENSORBOARD",
-    "False",
     "META.FEATURE_CHECK",
     "0",
-]
+)
 
 
 def _one_error_line(capsys, argv) -> str:

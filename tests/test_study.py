@@ -21,6 +21,16 @@ def _this_machine(monkeypatch):
     monkeypatch.setattr(study, "current_provenance", lambda: NOW)
 
 
+@pytest.fixture
+def few_bootstrap_draws(monkeypatch):
+    """study() rewrites its summary after every cell: 10,000 two-level bootstrap draws per pair (a pure-Python
+    loop) on each rewrite, 15-50 s for the tests below that run whole studies.  Those tests check cells, rows,
+    mean differences and files, none of which depends on the draws (the intervals and p-values do; the tests of
+    summarise and bootstrap_interval keep every draw): 200 draws each, through the same function."""
+    full = study.bootstrap_means
+    monkeypatch.setattr(study, "bootstrap_means", lambda groups, draws=200, seed=0: full(groups, draws, seed))
+
+
 def _record(key, seed, base, new, dataset="d"):
     return {"key": key, "seed": seed, "base": base, "new": new, "dataset": dataset}
 
@@ -194,6 +204,7 @@ def _earlier_study(folder, base):
     return folder / "results.json"
 
 
+@pytest.mark.usefixtures("few_bootstrap_draws")
 def test_a_study_resumes_from_an_earlier_results_file_and_runs_only_missing_cells(tmp_path, monkeypatch):
     import json
     from dataclasses import replace
@@ -254,6 +265,7 @@ def test_gram_against_theta_only_pairs_and_zero_shot_are_study_rows():
     assert "zsclip" in study.STUDY_KEYS
 
 
+@pytest.mark.usefixtures("few_bootstrap_draws")
 def test_add_missing_rows_runs_only_the_rows_a_kept_cell_lacks(tmp_path, monkeypatch):
     base = DemoSettings.preset(True)
     earlier = {("0", 0): {(k, 1): (50.0, 40.0, 44.4) for k in study.STUDY_KEYS if k != "zsclip"}}
@@ -337,6 +349,7 @@ def test_the_regulator_sweep_resumes_from_an_earlier_selection_file(tmp_path, mo
         study.select_regulator(tmp_path / "y", ["0"], base, ("k1",), previous=old)
 
 
+@pytest.mark.usefixtures("few_bootstrap_draws")
 def test_deep_rows_join_kept_cells_and_get_their_own_pairs(tmp_path, monkeypatch):
     base = DemoSettings.preset(True)
     _earlier_study(tmp_path / "old", base)
@@ -360,6 +373,7 @@ def test_deep_rows_join_kept_cells_and_get_their_own_pairs(tmp_path, monkeypatch
     assert ran == []
 
 
+@pytest.mark.usefixtures("few_bootstrap_draws")
 def test_cells_record_the_start_they_came_from_and_keep_it_across_a_resume(tmp_path, monkeypatch):
     base = DemoSettings.preset(True)
 
@@ -389,6 +403,7 @@ def test_cells_record_the_start_they_came_from_and_keep_it_across_a_resume(tmp_p
     assert "0/0" in added["cells"] and added["inputs"] == {}
 
 
+@pytest.mark.usefixtures("few_bootstrap_draws")
 def test_a_study_of_a_regulator_variant_keeps_its_own_cells_and_file(tmp_path, monkeypatch):
     base = DemoSettings.preset(True)
     seen = []
@@ -409,6 +424,7 @@ def test_a_study_of_a_regulator_variant_keeps_its_own_cells_and_file(tmp_path, m
     assert "regulator_variant" not in json.loads((tmp_path / "results.json").read_text())["settings"]
 
 
+@pytest.mark.usefixtures("few_bootstrap_draws")
 def test_reg_adds_rows_run_only_each_gram_row_and_its_theta_only_row(tmp_path, monkeypatch, capsys):
     """``--rows reg-adds``: a new cell runs the six rows of the "GRAM vs θ* only" pairs and is summarised on
     those pairs (H from the records, computed here independently); a kept cell with every row stays as it is."""
@@ -505,6 +521,7 @@ def _fake_cell(monkeypatch, ran):
     monkeypatch.setattr(study, "run_cell", fake_run_cell)
 
 
+@pytest.mark.usefixtures("few_bootstrap_draws")
 def test_cells_record_what_computed_them_and_other_fingerprints_are_not_pooled(tmp_path, monkeypatch):
     base = DemoSettings.preset(True)
     ran: list = []
@@ -528,6 +545,7 @@ def test_cells_record_what_computed_them_and_other_fingerprints_are_not_pooled(t
     )
 
 
+@pytest.mark.usefixtures("few_bootstrap_draws")
 def test_a_kept_cell_that_gains_rows_at_another_fingerprint_is_mixed(tmp_path, monkeypatch):
     base = DemoSettings.preset(True)
     ran: list = []

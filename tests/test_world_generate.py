@@ -17,12 +17,6 @@ from gram_world.render import CAPTURES, FRAME_COLOUR, capture
 from gram_world.shapes import CATEGORIES, FAMILIES
 
 
-@pytest.fixture(scope="module")
-def quick_world(tmp_path_factory):
-    # test_world_clip uses the same parent, so a session builds the quick world once
-    return build_world(quick=True, root=tmp_path_factory.getbasetemp() / "worlds", seed=0)
-
-
 def _tiny(seed: int):
     """A very small world for byte-level determinism checks (a few seconds to build)."""
     return replace(

@@ -7,7 +7,6 @@ import warnings
 import numpy as np
 import pytest
 
-from gram_world import build_world
 from gram_world.__main__ import main as world_main
 from gram_world.probe import C_GRID, linear_probe, probe_table, probe_world
 
@@ -28,12 +27,6 @@ def test_linear_probe_picks_C_on_val_and_reports_test_accuracy():
     scrambled = (test[0], rng.permutation(test[1]))
     r2 = linear_probe(train, val, scrambled)
     assert r2["C"] == r["C"] and r2["accuracy"] < 60.0
-
-
-@pytest.fixture(scope="module")
-def quick_world(tmp_path_factory):
-    # same parent as the other world tests' fixture, so a session builds the quick world once
-    return build_world(quick=True, root=tmp_path_factory.getbasetemp() / "worlds", seed=0)
 
 
 @pytest.mark.slow
