@@ -64,7 +64,9 @@ def test_extend_cfg_adds_every_key_with_paper_defaults():
         "LAUNCH",
         "CONSISTENCY_TEXT",
         "CONSISTENCY_IMAGE",
+        "LEARNER",
     }
+    assert g.LEARNER == "clip"  # the built-in prompt learner (meta.learners)
     assert (g.N_CTX_TEXT, g.N_CTX_VISION, g.VPT_DEEP, g.ENABLED, g.REGULATE) == (4, 4, False, False, True)
     assert (g.INIT_PROMPTS, g.REG_WINDOW_IMAGES, g.LAUNCH) == (True, DEFAULT_REG_WINDOW, DEFAULT_LAUNCH)
     assert g.REG_WINDOW is None  # the old key (batches) is kept only to refuse it
