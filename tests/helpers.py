@@ -204,7 +204,7 @@ def recorded_calls(env: dict) -> list:
 # ------------------------------------------------------------------ caches shared by the pytest-xdist workers
 def shared_dir(tmp_path_factory, name: str) -> Path:
     """``<name>/`` in a folder every pytest-xdist worker of this run shares: the controller's base temp folder,
-    the parent of each worker's own (``.../pytest-N/popen-gw0``); without xdist, this session's base temp folder.
+    the parent of each worker's own (``.../pytest-N/popen-gw0``); without xdist, this test run's base temp folder.
 
     An expensive artefact cached on disk by its settings (the quick world, its CLIP) is then built once per run,
     not once per worker; build it under :func:`file_lock` so that a second worker waits for it instead."""
