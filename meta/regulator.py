@@ -7,7 +7,10 @@ feature dimension d, shared over the leading token/layer dimensions)::
     residual form:  γ = 1 + tanh(W_γ u + b_γ)     (β as above)
 
 where ``u`` is the input fed to the linear maps and ``s`` the scale of the
-offset β.  Design choices (all switchable; defaults in brackets):
+offset β.  R_φ is a small core (γ and β; :meth:`GradientRegulator.core`) followed by the wrappers
+the spec switches on (:data:`WRAPPERS`: norm preserving, mix, step size, in that order; each a
+:class:`RegulatorWrapper`).  Design choices (all switchable; defaults in brackets); ``form``,
+``input_norm``, ``beta_scale``, ``init``, ``gamma_bound`` and ``halves`` shape the core:
 
 * ``form`` [residual].  With the paper's literal form and W = b = 0, γ = β = 0
   and the regulated gradient is exactly zero, so early meta-steps adapt
@@ -24,20 +27,19 @@ offset β.  Design choices (all switchable; defaults in brackets):
 * ``gamma_bound`` [1.0]: residual form only, γ = 1 + gamma_bound · tanh(·), so each
   coordinate's gain stays in (1 - bound, 1 + bound); a small bound keeps R_φ near
   the identity.
-* ``norm_preserve`` [False]: rescale ĝ to the Frobenius norm of the raw gradient of
+* ``norm_preserve`` [False] (wrapper): rescale ĝ to the Frobenius norm of the raw gradient of
   the whole prompt tensor, ĝ ← ĝ · ‖g‖ / ‖ĝ‖, so R_φ changes only the direction and
   an optimiser's lr keeps its meaning over many steps.
-* ``mix`` [False]: a learned scalar c = sigmoid(m) (m starts at ``mix_init``) mixes
+* ``mix`` [False] (wrapper): a learned scalar c = sigmoid(m) (m starts at ``mix_init``) mixes
   the regulated and the raw gradient, ĝ ← (1 - c) · ĝ + c · g, applied after
   ``norm_preserve``.  Facts behind both options: the same authors' regulator for
   language-model prompts (beepkh/SUPMER, ``model/grad_trans.py``) rescales its
   transformed gradient to the raw gradient's norm and then mixes it with the raw
   gradient by a learned coefficient in (0, 1) (there input-dependent; here one
   scalar per prompt tensor).
-
 * ``halves`` ["both"]: "gamma" keeps only the gain (β ≡ 0, ĝ = γ ⊙ g), "beta" only the offset (γ ≡ 1,
   ĝ = g + β); the unused linear map stays in the state (and the file) at its initial value.
-* ``learn_lr`` [False]: a learned per-tensor step size exp(ℓ) (ℓ starts at 0) multiplies ĝ, applied last;
+* ``learn_lr`` [False] (wrapper): a learned per-tensor step size exp(ℓ) (ℓ starts at 0) multiplies ĝ, applied last;
   Meta-SGD (Li, Zhou, Chen and Li, arXiv 1707.09835) learns step sizes beside the initialisation; here one
   per prompt tensor.  It lives in R_φ, so the init file carries it and the test-time
   regulation (``meta.finetune.GradientRegulation``) applies it with the rest of R_φ.
@@ -109,16 +111,19 @@ class GradientRegulator(nn.Module):
     """
     **Description**
 
-    R_φ for one prompt tensor (paper Eqs. 5-7): maps a gradient ``g`` ``[..., dim]`` to ĝ = γ ⊙ g + β of the
-    same shape, with γ = tanh(W_γ u + b_γ) (plus 1 in the residual form) and β = s · tanh(W_β u + b_β), the
-    linear maps acting on the last dimension (``u``, ``s``: module docstring). Parameters: ``gamma`` and
-    ``beta`` (each ``nn.Linear(dim, dim)``: W ``[dim, dim]``, b ``[dim]``), plus the 0-d ``mix_logit`` with
-    ``spec.mix`` and the 0-d ``log_lr`` with ``spec.learn_lr`` (absent otherwise, so older files load).
+    R_φ for one prompt tensor (paper Eqs. 5-7): maps a gradient ``g`` ``[..., dim]`` to ĝ of the same shape.
+    It is a small **core**, ĝ = γ ⊙ g + β with γ = tanh(W_γ u + b_γ) (plus 1 in the residual form) and
+    β = s · tanh(W_β u + b_β), the linear maps acting on the last dimension (``u``, ``s``: module docstring),
+    followed by the **wrappers** the spec switches on, in the order of :data:`WRAPPERS` (norm preserving, mix,
+    step size: :class:`RegulatorWrapper`). Parameters: the core's ``gamma`` and ``beta`` (each
+    ``nn.Linear(dim, dim)``: W ``[dim, dim]``, b ``[dim]``) and each active wrapper's own, registered on this
+    module under flat names (the 0-d ``mix_logit`` with ``spec.mix``, the 0-d ``log_lr`` with
+    ``spec.learn_lr``; absent otherwise, so older files load).
 
     **Arguments**
 
     * **dim** (int) - the prompt tensor's last dimension (d_t or d_v).
-    * **spec** (RegulatorSpec, *optional*) - form, input normalisation, β scale, init, halves, step size.
+    * **spec** (RegulatorSpec, *optional*) - form, input normalisation, β scale, init, halves, wrappers.
 
     **Example**
 
@@ -148,10 +153,13 @@ class GradientRegulator(nn.Module):
                     lin.weight.zero_()
                 else:
                     lin.weight.normal_(0.0, self.spec.init_std)
-        if self.spec.mix:
-            self.mix_logit = nn.Parameter(torch.tensor(self.spec.mix_init))
-        if self.spec.learn_lr:
-            self.log_lr = nn.Parameter(torch.tensor(0.0))
+        for wrapper in self.wrappers():
+            wrapper.install(self)
+
+    def wrappers(self) -> list["RegulatorWrapper"]:
+        """The wrappers ``spec`` switches on, in the order they apply (read from the spec at each call, so a
+        test-time override of a parameter-free wrapper such as ``norm_preserve`` takes effect)."""
+        return [w for w in WRAPPERS if w.active(self.spec)]
 
     def step_size(self) -> Optional[torch.Tensor]:
         """The learned per-tensor step size exp(ℓ) (0-d), or ``None`` without ``spec.learn_lr``."""
@@ -172,6 +180,17 @@ class GradientRegulator(nn.Module):
         beta = scale * torch.tanh(self.beta(u))
         return gamma, beta
 
+    def core(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The γ/β core: ``(γ ⊙ g + β, β)`` for the halves the spec keeps (γ ≡ 1 or β ≡ 0 for the other)."""
+        halves = self.spec.halves
+        if halves == "both":
+            gamma, beta = self.modulation(grad)
+        elif halves == "gamma":
+            gamma, beta = self.modulation(grad)[0], torch.zeros_like(grad)
+        else:
+            gamma, beta = torch.ones_like(grad), self.modulation(grad)[1]
+        return gamma * grad + beta, beta
+
     def forward(self, grad: torch.Tensor) -> torch.Tensor:
         if grad.shape[-1] != self.dim:
             raise ValueError(f"regulator built for last dim {self.dim}, got gradient {tuple(grad.shape)}")
@@ -180,30 +199,78 @@ class GradientRegulator(nn.Module):
     def parts(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ĝ, b)``: the regulated gradient and the part of it that comes from β (shapes of ``grad``).
 
-        ĝ is linear in (γ ⊙ g, β) given the scalar factors (norm rescale, mix, step size), so ĝ − b is the
-        part from γ ⊙ g (and, with ``mix``, the raw gradient's share).
+        The core gives ``(γ ⊙ g + β, β)``; each wrapper maps the pair on. Every wrapper is linear in the pair
+        given its scalar factors (norm rescale, mix, step size), so ĝ − b is the part from γ ⊙ g (and, with
+        ``mix``, the raw gradient's share).
         """
-        halves = self.spec.halves
-        if halves == "both":
-            gamma, beta = self.modulation(grad)
-        elif halves == "gamma":
-            gamma, beta = self.modulation(grad)[0], torch.zeros_like(grad)
-        else:
-            gamma, beta = torch.ones_like(grad), self.modulation(grad)[1]
-        out = gamma * grad + beta
-        factor = None
-        if self.spec.norm_preserve:
-            factor = _task_norm(grad, self.task_dims) / _task_norm(out, self.task_dims).clamp_min(_TINY)
-            out = out * factor
-        b = beta if factor is None else beta * factor
-        if self.spec.mix:
-            c = self.mix_coefficient()
-            out = (1.0 - c) * out + c * grad
-            b = (1.0 - c) * b
-        if self.spec.learn_lr:
-            lr = self.step_size()
-            out, b = lr * out, lr * b
+        out, b = self.core(grad)
+        for wrapper in self.wrappers():
+            out, b = wrapper.apply(self, grad, out, b)
         return out, b
+
+
+class RegulatorWrapper:
+    """One composable piece of R_φ applied after the core (learn2learn's transforms compose the same way).
+
+    A wrapper is switched on by the boolean :class:`RegulatorSpec` field ``field``, registers its parameters
+    (if any) on the regulator under flat names (init files keep one key per parameter) and maps the core's pair
+    ``(ĝ, b)`` on: ``apply(reg, g, ĝ, b) -> (ĝ', b')``, all shaped like ``g``, ``b'`` the share of ``ĝ'`` that
+    comes from β. Adding a piece is one subclass, one row of :data:`WRAPPERS` and one spec field (+ its key).
+    """
+
+    field: str = ""
+
+    def active(self, spec: RegulatorSpec) -> bool:
+        return bool(getattr(spec, self.field))
+
+    def install(self, reg: GradientRegulator) -> None:
+        """Register this wrapper's parameters on ``reg`` (none by default)."""
+
+    def apply(
+        self, reg: GradientRegulator, grad: torch.Tensor, out: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+class NormPreserve(RegulatorWrapper):
+    """ĝ ← ĝ · ‖g‖ / ‖ĝ‖ per task (Frobenius norms over the prompt tensor): R_φ changes only the direction."""
+
+    field = "norm_preserve"
+
+    def apply(self, reg, grad, out, b):
+        factor = _task_norm(grad, reg.task_dims) / _task_norm(out, reg.task_dims).clamp_min(_TINY)
+        return out * factor, b * factor
+
+
+class Mix(RegulatorWrapper):
+    """ĝ ← (1 − c) · ĝ + c · g with a learned c = sigmoid(m), m (``mix_logit``, 0-d) starting at ``mix_init``."""
+
+    field = "mix"
+
+    def install(self, reg):
+        reg.mix_logit = nn.Parameter(torch.tensor(reg.spec.mix_init))
+
+    def apply(self, reg, grad, out, b):
+        c = torch.sigmoid(reg.mix_logit)
+        return (1.0 - c) * out + c * grad, (1.0 - c) * b
+
+
+class StepSize(RegulatorWrapper):
+    """ĝ ← exp(ℓ) · ĝ with a learned per-tensor step size (``log_lr``, 0-d, starts at 0): Meta-SGD's idea."""
+
+    field = "learn_lr"
+
+    def install(self, reg):
+        reg.log_lr = nn.Parameter(torch.tensor(0.0))
+
+    def apply(self, reg, grad, out, b):
+        lr = torch.exp(reg.log_lr)
+        return lr * out, lr * b
+
+
+#: the wrappers, in the order they apply after the core (one instance each; stateless: parameters live on the
+#: regulator they were installed on)
+WRAPPERS: tuple[RegulatorWrapper, ...] = (NormPreserve(), Mix(), StepSize())
 
 
 def _task_mean(x: torch.Tensor, task_dims: int) -> torch.Tensor:
