@@ -27,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from meta.cli_errors import int_flag_problem
+
 # substrings of kernel names (lower case)
 MATMUL_KERNELS = ("gemm", "xmma", "cutlass", "nvjet", "cublas")
 ATTENTION_KERNELS = ("flash", "fmha", "attention", "efficient")
@@ -184,9 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=8, help="PIL decoding threads")
     parser.add_argument("--out", default="", help="also write the JSON here")
     args = parser.parse_args(argv)
-    for key in ("steps", "top", "decode_batch", "threads"):
-        if getattr(args, key) < 1:
-            parser.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    problem = int_flag_problem(args, {"steps": 1, "top": 1, "decode_images": 0, "decode_batch": 1, "threads": 1})
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("error: gram_tools.profile_gpu: CUDA is not available on this machine", file=sys.stderr)
         return 2

@@ -31,7 +31,7 @@ import warnings
 from typing import Optional, Sequence
 
 from .backbone import check_model_name, load_clip, resolve_device
-from .cli_errors import run_cli
+from .cli_errors import int_flag_problem, run_cli
 from .config import quick_gelu_flag
 from .evaluation import (
     PRESET_ALIASES,
@@ -122,6 +122,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     common.add_argument("--final-eval-only", action="store_true", help="skip the per-epoch test curves")
     common.add_argument("--cache-dir", default="", help="on-disk frozen-feature cache (e.g. .cache/features)")
+    common.add_argument(
+        "--exif-upright",
+        action="store_true",
+        help="turn images upright by their EXIF orientation (default: as stored, as Dassl reads them; "
+        "TRAINER.GRAM.EXIF_UPRIGHT True makes train.py read them the same way)",
+    )
     common.add_argument("--no-split-cache", action="store_true", help="do not read/write few-shot split caches")
     common.add_argument("--output", default="", help="append one JSON line per run to this file")
     common.add_argument("--no-progress", action="store_true")
@@ -176,6 +182,27 @@ def _methods(args: argparse.Namespace) -> list[MethodSpec]:
     return methods
 
 
+def _flag_problem(args: argparse.Namespace) -> str:
+    """``--flag: expected ...`` for the first numeric flag out of range; ``""`` when all are in range.
+
+    :class:`TrainSpec` and :class:`MethodSpec` check the same rules under their field names
+    (``TrainSpec.epochs``); checking the flags first names what was typed on the command line."""
+    minimums = {"epochs": 0, "batch_size": 1, "warmup_epochs": 0, "vision_depth": 0}
+    if not args.no_augment:
+        minimums["aug_views"] = 1  # pre-computed views exist only with augmentation
+    problem = int_flag_problem(args, minimums)
+    if problem:
+        return problem
+    for dest in ("lr", "warmup_lr"):
+        value = getattr(args, dest)
+        if not value >= 0:  # NaN too
+            return f"--{dest.replace('_', '-')}: expected a number >= 0, got {value:g}"
+    lo, hi = args.rrcrop_scale
+    if not 0 < lo <= hi <= 1:
+        return f"--rrcrop-scale: expected LO HI with 0 < LO <= HI <= 1, got {lo:g} {hi:g}"
+    return ""
+
+
 def _train_spec(args: argparse.Namespace) -> TrainSpec:
     return TrainSpec(
         epochs=args.epochs,
@@ -214,6 +241,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    problem = _flag_problem(args)
+    if problem:
+        raise ValueError(problem)
     methods = _methods(args)
     spec = _train_spec(args)
     if args.command == "base2new":
@@ -240,6 +270,7 @@ def _main(argv: list[str]) -> int:
         dims,
         cache_dir=args.cache_dir or None,
         progress=not args.no_progress,
+        exif_upright=args.exif_upright,
         clip_info={"pretrained": os.path.abspath(args.pretrained) if args.pretrained else ""},
     )
     if args.output:

@@ -26,11 +26,20 @@ anything else (``LAB``,    Pillow's ``convert("RGB")``; a mode it cannot convert
 ``HSV``, ...)              counts the image as unreadable)
 ========================== ===========================================================================
 
+EXIF orientation (:func:`exif_orientation`, :func:`upright`, :func:`open_upright`): a photo whose EXIF
+Orientation tag (2-8) says how a viewer should turn it is turned that way.  CHC always does it; the
+evaluation loader and the Dassl trainers (``read_image`` reads images as stored) only when asked:
+``python -m meta.evaluate --exif-upright`` / ``EvaluationSession(exif_upright=True)`` and
+``TRAINER.GRAM.EXIF_UPRIGHT True``, both through :func:`open_upright`.
+
 This module depends on Pillow and numpy only, so every decoding path (CHC, the image-folder
-hierarchy, the evaluation loader) can share it.
+hierarchy, the evaluation loader, the Dassl trainers) can share it.
 """
 
 from __future__ import annotations
+
+import os
+from typing import Callable, Union
 
 import numpy as np
 from PIL import Image
@@ -38,6 +47,18 @@ from PIL import Image
 SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 ALPHA_MODES = ("LA", "La", "PA", "RGBA", "RGBa")
 BACKGROUND = (255, 255, 255)  # alpha is composited over white (img2dataset's resizer does the same)
+
+EXIF_ORIENTATION = 0x0112  # the EXIF Orientation tag
+# Orientation value -> the transpose that shows the stored pixels upright (as PIL.ImageOps.exif_transpose)
+UPRIGHT = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
 
 
 def _grey_to_rgb(grey: np.ndarray) -> Image.Image:
@@ -79,3 +100,39 @@ def to_rgb8(img: Image.Image) -> Image.Image:
     if mode in ALPHA_MODES or (mode in ("P", "L", "RGB") and "transparency" in img.info):
         return _over_white(img)
     return img.convert("RGB")
+
+
+def exif_orientation(img: Image.Image) -> int:
+    """The EXIF Orientation (1-8) of an opened image; 1 when absent, out of range or unreadable.
+
+    A damaged EXIF block leaves the image as stored: it is no reason to lose the image.
+    """
+    try:
+        value = img.getexif().get(EXIF_ORIENTATION, 1)
+    except Exception:  # noqa: BLE001 - any failure parsing EXIF means "no orientation"
+        return 1
+    return value if isinstance(value, int) and value in UPRIGHT else 1
+
+
+def upright(img: Image.Image, orientation: int) -> Image.Image:
+    """``img`` turned as EXIF ``orientation`` says (a viewer's view); ``img`` itself for 1 or unknown."""
+    method = UPRIGHT.get(orientation)
+    return img if method is None else img.transpose(method)
+
+
+def open_upright(
+    path: Union[str, os.PathLike],
+    exif_upright: bool,
+    convert: Callable[[Image.Image], Image.Image] = to_rgb8,
+) -> Image.Image:
+    """The image file at ``path`` decoded by ``convert``, turned upright by its EXIF orientation when ``exif_upright``.
+
+    The one reader of the evaluation loader (``convert`` = :func:`to_rgb8`) and of the Dassl trainers under
+    ``TRAINER.GRAM.EXIF_UPRIGHT`` (``convert`` = Dassl's ``read_image`` conversion, ``Image.convert("RGB")``), so
+    that both turn a photo the same way.  The orientation is read from the opened file, before ``convert``
+    (a conversion may drop the EXIF block).  ``exif_upright=False`` reads the pixels as stored, as Dassl's
+    ``read_image`` does.  Raises what Pillow raises for a missing or undecodable file.
+    """
+    with Image.open(path) as f:
+        orientation = exif_orientation(f) if exif_upright else 1
+        return upright(convert(f), orientation)

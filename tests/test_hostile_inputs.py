@@ -409,6 +409,9 @@ def test_a_bad_init_file_is_one_line_naming_file_and_tensor(init_file, tmp_path,
         ("chc_measure", ["--min-cluster-size", "1"], "--min-cluster-size", 2, "1"),
         ("chc_growth", ["--pairs", "10000", "0"], "--pairs", 1, "0"),  # was: `--one 0` ran the default sizes
         ("realsize", ["--repeats", "-1"], "--repeats", 1, "-1"),  # was: TypeError after the first learner
+        ("profile_gpu", ["--steps", "0"], "--steps", 1, "0"),  # was: argparse's usage text, then the error
+        ("profile_gpu", ["--top", "-3"], "--top", 1, "-3"),
+        ("profile_gpu", ["--decode-images", "-1"], "--decode-images", 0, "-1"),
     ],
 )
 def test_a_count_out_of_range_is_one_line_before_any_work(tmp_path, monkeypatch, capsys, tool, argv, flag, low, got):
@@ -418,3 +421,26 @@ def test_a_count_out_of_range_is_one_line_before_any_work(tmp_path, monkeypatch,
     code = importlib.import_module(f"gram_tools.{tool}").main(argv)
     assert _one_error_line(capsys, flag) == f"error: {flag}: expected an integer >= {low}, got {got}"
     assert code == 2 and list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- 10. the evaluator's numeric flags
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        # was: `error: TrainSpec.epochs must be >= 0, got -1`, the dataclass field instead of the flag
+        (["--epochs", "-1"], "error: --epochs: expected an integer >= 0, got -1"),
+        (["--batch-size", "0"], "error: --batch-size: expected an integer >= 1, got 0"),
+        (["--aug-views", "0"], "error: --aug-views: expected an integer >= 1, got 0"),
+        (["--vision-depth", "-1"], "error: --vision-depth: expected an integer >= 0, got -1"),
+        (["--lr", "-0.1"], "error: --lr: expected a number >= 0, got -0.1"),
+        (["--rrcrop-scale", "0.5", "0.2"], "error: --rrcrop-scale: expected LO HI with 0 < LO <= HI <= 1, got 0.5 0.2"),
+    ],
+)
+def test_an_evaluator_flag_out_of_range_is_one_line_naming_the_flag(tmp_path, monkeypatch, capsys, argv, line):
+    from meta.evaluate import main
+
+    monkeypatch.chdir(tmp_path)
+    output = tmp_path / "out" / "runs.jsonl"
+    code = main(["base2new", "--dataset", str(tmp_path / "unused"), "--output", str(output), *argv])
+    assert _one_error_line(capsys, argv[0]) == line
+    assert code == 2 and list(tmp_path.iterdir()) == []  # refused before any dataset, model or output folder

@@ -65,8 +65,10 @@ def test_extend_cfg_adds_every_key_with_paper_defaults():
         "CONSISTENCY_TEXT",
         "CONSISTENCY_IMAGE",
         "LEARNER",
+        "EXIF_UPRIGHT",
     }
     assert g.LEARNER == "clip"  # the built-in prompt learner (meta.learners)
+    assert g.EXIF_UPRIGHT is False  # images as stored, as Dassl's read_image reads them
     assert (g.N_CTX_TEXT, g.N_CTX_VISION, g.VPT_DEEP, g.ENABLED, g.REGULATE) == (4, 4, False, False, True)
     assert (g.INIT_PROMPTS, g.REG_WINDOW_IMAGES, g.LAUNCH) == (True, DEFAULT_REG_WINDOW, DEFAULT_LAUNCH)
     assert g.REG_WINDOW is None  # the old key (batches) is kept only to refuse it
@@ -193,6 +195,13 @@ def test_bad_values_name_the_key():
     cfg = minimal_cfg()
     cfg.TRAINER.GRAM.CONSISTENCY_TEXT = 8.0
     assert gram_settings(cfg).consistency.text_weight == 8.0
+    cfg = minimal_cfg()
+    assert gram_settings(cfg).exif_upright is False
+    cfg.TRAINER.GRAM.EXIF_UPRIGHT = True
+    assert gram_settings(cfg).exif_upright is True
+    cfg.TRAINER.GRAM.EXIF_UPRIGHT = "yes"
+    with pytest.raises(TypeError, match="^TRAINER.GRAM.EXIF_UPRIGHT: expected True or False"):
+        gram_settings(cfg)
     with pytest.raises(KeyError, match="not a GRAM trainer"):
         gram_settings(minimal_cfg("CoOp"))
     bare = CN()

@@ -13,8 +13,10 @@ which resizes) a longer side more than ``CHC.INPUT.MAX_IMAGE_ASPECT`` (default :
 the shorter one, makes the image unreadable (counted by reason
 like a damaged file), so a 257-byte 60000x1 PNG never asks for a 13,440,000x224 resize (~9 GB).
 Photos are turned as their EXIF Orientation tag says (a viewer shows them that way), before the
-resize and the decoded-image cache; the downstream evaluation loader (:mod:`meta.evaluation`)
-reads images as Dassl does, without this step.
+resize and the decoded-image cache (:func:`meta.image_decode.exif_orientation`, :func:`meta.image_decode.upright`);
+the downstream evaluation loader (:mod:`meta.evaluation`) and the Dassl trainers read images as Dassl does,
+without this step, unless ``--exif-upright`` / ``TRAINER.GRAM.EXIF_UPRIGHT`` asks for it
+(:func:`meta.image_decode.open_upright`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-from meta.image_decode import to_rgb8
+from meta.image_decode import (  # noqa: F401 (EXIF_ORIENTATION, UPRIGHT: re-exported, their home until now)
+    EXIF_ORIENTATION,
+    UPRIGHT,
+    exif_orientation,
+    to_rgb8,
+    upright,
+)
 from meta.input_limits import MAX_IMAGE_ASPECT, MAX_IMAGE_PIXELS
 
 # open_clip / OpenAI CLIP normalisation (open_clip.constants OPENAI_DATASET_MEAN/STD).
@@ -50,18 +58,6 @@ MAX_ASPECT = MAX_IMAGE_ASPECT  # longer side / shorter side (a panorama is ~4-8)
 # one; caps set away from their defaults enter the fingerprint too (meta.input_limits.caps_away_from_defaults).
 DECODE_RULE = f"rgb8,exif-upright,max_pixels={MAX_PIXELS},max_aspect={MAX_ASPECT:g}"
 
-EXIF_ORIENTATION = 0x0112  # the EXIF Orientation tag
-# Orientation value -> the transpose that shows the stored pixels upright (as PIL.ImageOps.exif_transpose)
-UPRIGHT = {
-    2: Image.Transpose.FLIP_LEFT_RIGHT,
-    3: Image.Transpose.ROTATE_180,
-    4: Image.Transpose.FLIP_TOP_BOTTOM,
-    5: Image.Transpose.TRANSPOSE,
-    6: Image.Transpose.ROTATE_270,
-    7: Image.Transpose.TRANSVERSE,
-    8: Image.Transpose.ROTATE_90,
-}
-
 
 def size_problem(size: tuple[int, int], max_pixels: int = MAX_PIXELS, max_aspect: Optional[float] = MAX_ASPECT) -> str:
     """Why an image of ``size`` = ``(width, height)`` in pixels is refused before decoding; ``""`` if it is not.
@@ -79,24 +75,6 @@ def size_problem(size: tuple[int, int], max_pixels: int = MAX_PIXELS, max_aspect
     if max_aspect is not None and max(w, h) > max_aspect * min(w, h):
         return f"aspect ratio above {max_aspect:g}"
     return ""
-
-
-def exif_orientation(img: Image.Image) -> int:
-    """The EXIF Orientation (1-8) of an opened image; 1 when absent, out of range or unreadable.
-
-    A damaged EXIF block leaves the image as stored: it is no reason to lose the image.
-    """
-    try:
-        value = img.getexif().get(EXIF_ORIENTATION, 1)
-    except Exception:  # noqa: BLE001 - any failure parsing EXIF means "no orientation"
-        return 1
-    return value if isinstance(value, int) and value in UPRIGHT else 1
-
-
-def upright(img: Image.Image, orientation: int) -> Image.Image:
-    """``img`` turned as EXIF ``orientation`` says (a viewer's view); ``img`` itself for 1 or unknown."""
-    method = UPRIGHT.get(orientation)
-    return img if method is None else img.transpose(method)
 
 
 def decode_image_why(

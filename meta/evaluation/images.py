@@ -18,6 +18,11 @@ online (visual prompts: epoch e uses view e) or pre-computed and cached (frozen 
 and optionally on disk under ``<cache_dir>/<CLIP weights fingerprint>/shard-*.safetensors``,
 each feature keyed by image path, file size and mtime, and the transform (with seed and view
 for augmented ones).
+
+Images are read as stored, as Dassl's ``read_image`` does (CoOp-family numbers are measured that way);
+``exif_upright=True`` turns each photo upright by its EXIF orientation first, with the reader the Dassl
+trainers use under ``TRAINER.GRAM.EXIF_UPRIGHT True`` (:func:`meta.image_decode.open_upright`).  Its
+transform keys say so (:data:`EXIF_KEY`), so cached features of the two readings never mix.
 """
 
 from __future__ import annotations
@@ -38,10 +43,11 @@ from safetensors.torch import save_file
 from torch import nn
 from torchvision import transforms as T
 
-from ..image_decode import to_rgb8
+from ..image_decode import open_upright
 from ..visual_encoder import encode_image_with_prompts
 
 _BICUBIC = T.InterpolationMode.BICUBIC
+EXIF_KEY = "-exif_upright"  # transform-key suffix of images turned upright by their EXIF orientation
 
 
 def eval_transform(size: int) -> T.Compose:
@@ -68,12 +74,13 @@ def train_transform(size: int, scale: tuple[float, float] = (0.08, 1.0)) -> T.Co
     )
 
 
-def eval_transform_key(size: int) -> str:
-    return f"test:resize{size}-bicubic-center{size}-openai_norm"
+def eval_transform_key(size: int, exif_upright: bool = False) -> str:
+    return f"test:resize{size}-bicubic-center{size}-openai_norm" + (EXIF_KEY if exif_upright else "")
 
 
-def train_transform_key(size: int, scale: tuple[float, float], seed: int, view: int) -> str:
-    return f"train:rrcrop{size}-scale{scale[0]:g},{scale[1]:g}-bicubic-hflip-openai_norm-seed{seed}-view{view}"
+def train_transform_key(size: int, scale: tuple[float, float], seed: int, view: int, exif_upright: bool = False) -> str:
+    key = f"train:rrcrop{size}-scale{scale[0]:g},{scale[1]:g}-bicubic-hflip-openai_norm-seed{seed}-view{view}"
+    return key + (EXIF_KEY if exif_upright else "")
 
 
 def view_key(impath: str, root: str) -> str:
@@ -99,10 +106,18 @@ class ImageLoader:
 
     Decoded train images and transformed test tensors are kept in memory up to
     ``max_cached_bytes`` (few-shot train sets are small; test tensors are re-used every epoch).
+    ``exif_upright``: turn each image upright by its EXIF orientation (default: as stored, as Dassl reads it).
     """
 
-    def __init__(self, size: int, rrcrop_scale: tuple[float, float] = (0.08, 1.0), max_cached_bytes: int = 2 << 30):
+    def __init__(
+        self,
+        size: int,
+        rrcrop_scale: tuple[float, float] = (0.08, 1.0),
+        max_cached_bytes: int = 2 << 30,
+        exif_upright: bool = False,
+    ):
         self.size = size
+        self.exif_upright = bool(exif_upright)
         self.scale = tuple(rrcrop_scale)
         self.test_tf = eval_transform(size)
         self.train_tf = train_transform(size, self.scale)
@@ -118,11 +133,11 @@ class ImageLoader:
         return True
 
     @staticmethod
-    def decode(impath: str) -> Image.Image:
-        """Read ``impath`` as RGB; a missing or corrupt file raises ``OSError`` naming it."""
+    def decode(impath: str, exif_upright: bool = False) -> Image.Image:
+        """Read ``impath`` as 8-bit RGB (turned upright by its EXIF orientation when ``exif_upright``);
+        a missing or corrupt file raises ``OSError`` naming it."""
         try:
-            with Image.open(impath) as f:
-                return to_rgb8(f)
+            return open_upright(impath, exif_upright)
         except (OSError, ValueError) as err:
             raise OSError(f"cannot read image {impath}: {err}") from None
 
@@ -130,7 +145,7 @@ class ImageLoader:
         """The RGB image at ``impath`` (decoded once while the memory budget lasts)."""
         img = self._pil.get(impath)
         if img is None:
-            img = self.decode(impath)
+            img = self.decode(impath, self.exif_upright)
             if self._room(img.width * img.height * 3):
                 self._pil[impath] = img
         return img
@@ -139,7 +154,7 @@ class ImageLoader:
         """``[3, S, S]`` test-transformed image."""
         x = self._test.get(impath)
         if x is None:
-            x = self.test_tf(self.decode(impath))
+            x = self.test_tf(self.decode(impath, self.exif_upright))
             if self._room(x.numel() * x.element_size()):
                 self._test[impath] = x
         return x

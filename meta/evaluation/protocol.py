@@ -45,6 +45,10 @@ class EvaluationSession:
         log: where messages go (``print`` by default).
         progress: show tqdm bars while encoding images and fine-tuning.
         encode_batch_size: images per forward when pre-computing frozen features.
+        exif_upright: turn every image upright by its EXIF orientation before the transforms (default: read
+            as stored, as Dassl's ``read_image`` does; ``TRAINER.GRAM.EXIF_UPRIGHT True`` is the Dassl
+            trainers' switch, reading through the same :func:`meta.image_decode.open_upright`).  Records of
+            such runs hold ``"exif_upright": true``.
     """
 
     def __init__(
@@ -56,8 +60,10 @@ class EvaluationSession:
         log: Callable[[str], None] = print,
         progress: bool = False,
         encode_batch_size: int = 64,
+        exif_upright: bool = False,
     ):
         self.clip = clip
+        self.exif_upright = bool(exif_upright)
         self.dims = dims
         self.cache = FeatureCache(clip, cache_dir, batch_size=encode_batch_size)
         self.clip_info = {
@@ -74,7 +80,7 @@ class EvaluationSession:
     def loader(self, scale: tuple[float, float]) -> ImageLoader:
         key = tuple(scale)
         if key not in self._loaders:
-            self._loaders[key] = ImageLoader(self.dims.image_size, key)
+            self._loaders[key] = ImageLoader(self.dims.image_size, key, exif_upright=self.exif_upright)
         return self._loaders[key]
 
     def prompted_clip(self, n_ctx_text: int, template: str) -> PromptedCLIP:
@@ -112,17 +118,19 @@ class EvaluationSession:
         if method.visual_prompts or not records:
             return data
         loader = self.loader(spec.rrcrop_scale)
-        size = self.dims.image_size
+        size, exif = self.dims.image_size, self.exif_upright
         if train and spec.augment == "coop":
             views = spec.aug_views
-            items = [(p, train_transform_key(size, spec.rrcrop_scale, seed, v)) for p in impaths for v in range(views)]
+            items = [
+                (p, train_transform_key(size, spec.rrcrop_scale, seed, v, exif)) for p in impaths for v in range(views)
+            ]
             keys = [view_key(p, root) for p in impaths]
             feats = self._encode(
                 items, lambda i: loader.train_view(impaths[i // views], seed, i % views, keys[i // views])
             )
             data.features = feats.view(len(impaths), views, -1)
         else:
-            key = eval_transform_key(size)
+            key = eval_transform_key(size, exif)
             feats = self._encode([(p, key) for p in impaths], lambda i: loader.test_view(impaths[i]))
             data.features = feats.unsqueeze(1) if train else feats
         return data
@@ -173,7 +181,7 @@ def _record_head(
     shots: int,
     init_info: dict,
 ) -> dict:
-    return {
+    head = {
         "protocol": protocol,
         "method": method.name,
         "method_spec": method.as_dict(),
@@ -186,6 +194,9 @@ def _record_head(
         "accuracy_unit": "percent",
         "versions": {"gram": gram_version, "torch": torch.__version__, "open_clip": open_clip.__version__},
     }
+    if session.exif_upright:  # only then: records of runs reading images as stored stay as they were
+        head["exif_upright"] = True
+    return head
 
 
 def _run(

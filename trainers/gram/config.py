@@ -113,6 +113,10 @@ def _gram_defaults() -> CN:
     #                            a local file; a cached open_clip tag; "none" = random weights (tests only)
     node.QUICK_GELU = "auto"  # auto | on | off  (auto: on for OpenAI weights, which were trained with it)
     node.PREC = "fp16"  # fp16 | fp32 | amp, as CoOp's PREC; CPU always runs fp32 (with a warning)
+    # --- images --------------------------------------------------------------------------------
+    node.EXIF_UPRIGHT = False  # True = turn every image upright by its EXIF orientation before the transforms
+    # (meta.image_decode.open_upright, the reader of `python -m meta.evaluate --exif-upright`); False = as stored,
+    # as Dassl's read_image reads them (published CoOp-family numbers)
     return node
 
 
@@ -212,6 +216,7 @@ class GramSettings:
     launch: bool  # meta-trained step once before training (meta.finetune.launch_)
     consistency: ConsistencySpec = ConsistencySpec()  # zero-shot consistency weights (0 = off)
     learner: str = PromptSpec.learner  # prompt learner (meta.learners registry key)
+    exif_upright: bool = False  # images turned upright by their EXIF orientation (False: as stored, as Dassl)
 
     def vision_depth(self, vision_layers: int) -> int:
         """D, prompted vision layers: 0 without visual prompts, 1 shallow, else VPT_DEPTH (0 = all)."""
@@ -343,4 +348,5 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
         launch=launch and enabled,
         consistency=consistency,
         learner=learner,
+        exif_upright=_as_bool(g.EXIF_UPRIGHT, "TRAINER.GRAM.EXIF_UPRIGHT"),
     )

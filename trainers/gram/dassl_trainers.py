@@ -23,6 +23,10 @@ They follow the CoOp trainer pattern (CoOp ``trainers/coop.py`` L222-325, on Kai
   (:mod:`trainers.gram.schedule`), checkpoints that load with ``weights_only=True``
   (:mod:`trainers.gram.checkpoint`), ``load_model``/resume overridden (Dassl's crash on
   ``val_result`` None), no ``.cuda()``/``.half()``: the device is Dassl's ``self.device``.
+* Images are read as Dassl reads them (``dassl.utils.read_image``: as stored, EXIF orientation ignored);
+  ``TRAINER.GRAM.EXIF_UPRIGHT True`` gives every loader (train, val, test, launch) the
+  :class:`UprightDatasetWrapper`, which turns them upright with the evaluator's reader
+  (``meta.image_decode.open_upright``, ``python -m meta.evaluate --exif-upright``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from dassl.data.data_manager import DataManager, DatasetWrapper
 from dassl.engine import TRAINER_REGISTRY, TrainerX
 from dassl.metrics import compute_accuracy
 from dassl.optim import build_optimizer
@@ -42,6 +47,7 @@ from meta import methods
 from meta.backbone import load_clip
 from meta.engine import RegulatedStepper, Start, StartSpec, build_start, window_batches
 from meta.finetune import launch_
+from meta.image_decode import open_upright
 from meta.prompts import PromptSpec
 
 from .checkpoint import checkpoint_file, load_checkpoint, prompt_state, save_checkpoint
@@ -61,6 +67,40 @@ from .schedule import build_lr_scheduler
 MODEL_NAME = "prompt_learner"  # the one registered module (same name as CoOp's, so its scripts' paths fit)
 
 
+def _dassl_rgb(img):
+    return img.convert("RGB")  # the conversion of dassl.utils.read_image
+
+
+def read_upright(path: str):
+    """The RGB image at ``path`` as Dassl's ``read_image`` converts it, turned upright by its EXIF orientation."""
+    return open_upright(path, True, convert=_dassl_rgb)
+
+
+class UprightDatasetWrapper(DatasetWrapper):
+    """Dassl's ``DatasetWrapper`` reading each image with :func:`read_upright` (``TRAINER.GRAM.EXIF_UPRIGHT True``).
+
+    Dassl's ``__getitem__`` reads with a module-level ``read_image`` that no argument replaces, so this one
+    builds the same item from Dassl's own helpers (``_transform_image``, ``to_tensor``): ``label``, ``domain``,
+    ``impath``, ``index``; ``img`` (the image itself without a transform; ``img``, ``img2``, ... for a list of
+    transforms, each applied ``DATALOADER.K_TRANSFORMS`` times in training); ``img0`` with
+    ``DATALOADER.RETURN_IMG0``.  tests/test_exif_upright.py checks it against Dassl's wrapper item for item.
+    """
+
+    def __getitem__(self, idx):
+        item = self.data_source[idx]
+        img0 = read_upright(item.impath)
+        output = {"label": item.label, "domain": item.domain, "impath": item.impath, "index": idx}
+        if self.transform is None:
+            output["img"] = img0
+        else:
+            transforms = self.transform if isinstance(self.transform, (list, tuple)) else [self.transform]
+            for i, tfm in enumerate(transforms):
+                output["img" if i == 0 else f"img{i + 1}"] = self._transform_image(tfm, img0)
+        if self.return_img0:
+            output["img0"] = self.to_tensor(img0)
+        return output
+
+
 class _GramTrainer(TrainerX):
     """Shared implementation; subclasses differ only by name: what each learns is its row in the learner
     table of ``meta/methods.yaml`` (``config.TRAINER_PROMPTS`` / ``TRAINER_COUPLING``)."""
@@ -72,8 +112,11 @@ class _GramTrainer(TrainerX):
         gram_settings(cfg, type(self).__name__)  # every TRAINER.GRAM key checked before data loading
 
     def build_data_loader(self) -> None:
-        """Dassl's loaders, with ``DATALOADER.NUM_WORKERS`` capped to this machine (logged with the precision)."""
+        """Dassl's loaders, with ``DATALOADER.NUM_WORKERS`` capped to this machine (logged with the precision);
+        with ``TRAINER.GRAM.EXIF_UPRIGHT`` their datasets are :class:`UprightDatasetWrapper`."""
         cfg = self.cfg
+        exif = gram_settings(cfg, type(self).__name__).exif_upright
+        self.gram_dataset_wrapper = UprightDatasetWrapper if exif else None  # None: Dassl's DatasetWrapper
         cpus = available_cpus()
         wanted = int(cfg.DATALOADER.NUM_WORKERS)
         workers = effective_num_workers(wanted, self.device.type, cpus)
@@ -87,7 +130,15 @@ class _GramTrainer(TrainerX):
                 self.device.type, (asked, resolve_precision(asked, self.device.type)), (wanted, workers), cpus
             )
         )
-        super().build_data_loader()
+        if not exif:
+            super().build_data_loader()
+            return
+        # Dassl's SimpleTrainer.build_data_loader with the wrapper passed on: the attributes it documents
+        dm = DataManager(cfg, dataset_wrapper=UprightDatasetWrapper)
+        self.train_loader_x, self.train_loader_u = dm.train_loader_x, dm.train_loader_u
+        self.val_loader, self.test_loader = dm.val_loader, dm.test_loader
+        self.num_classes, self.num_source_domains, self.lab2cname = dm.num_classes, dm.num_source_domains, dm.lab2cname
+        self.dm = dm
 
     def build_model(self) -> None:
         cfg = self.cfg
@@ -227,6 +278,7 @@ class _GramTrainer(TrainerX):
         print(
             f"GRAM data: {cfg.DATASET.NAME} subsample={cfg.DATASET.SUBSAMPLE_CLASSES} shots={cfg.DATASET.NUM_SHOTS} "
             f"seed={cfg.SEED} classes={len(classnames)} train_x={n} sha256={digest}"
+            + (" images=exif-upright" if s.exif_upright else "")
         )
         print(f"GRAM environment: {environment_summary()}")
 
@@ -263,6 +315,7 @@ class _GramTrainer(TrainerX):
             batch_size=cfg.DATALOADER.TEST.BATCH_SIZE,
             tfm=build_transform(cfg, is_train=False),
             is_train=False,
+            dataset_wrapper=self.gram_dataset_wrapper,
         )
         batches = [(b["img"].to(self.device), b["label"].to(self.device)) for b in loader]
         total = sum(len(y) for _, y in batches)
