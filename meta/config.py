@@ -183,7 +183,9 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     #                              out-of-memory), sequential on the CPU (CPU results keep their last digit)
 
     m.REGULATOR = CN()  # R_phi (meta.regulator.RegulatorSpec) [core]
-    m.REGULATOR.FORM = "residual"  # residual | paper (literal Eq. 5)
+    # residual | paper (literal Eq. 5) | gate (a learned gate on the gradient of the support loss's consistency
+    # regulariser, META.CONSISTENCY; meta.regulator.GradientGate)
+    m.REGULATOR.FORM = "residual"
     m.REGULATOR.INPUT_NORM = True
     m.REGULATOR.BETA_SCALE = 0.0  # 0 = beta in units of rms(g) (core default); > 0 = fixed scale (1.0 = paper)
     m.REGULATOR.INIT = "zero"  # zero | normal
@@ -195,6 +197,15 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.REGULATOR.HALVES = "both"  # both | gamma (beta = 0) | beta (gamma = 1): the two halves of R_phi as rows
     m.REGULATOR.LEARN_LR = False  # Meta-SGD: a learned per-tensor step size exp(l) on the regulated gradient
     m.REGULATOR.WEIGHT_DECAY = 0.0  # L2 on phi in the outer step: keeps R_phi near the identity (residual form)
+    m.REGULATOR.GATE_GROUP = 8  # FORM gate: coordinates of a prompt tensor's last dimension that share a gate value
+
+    # ---- the support loss's zero-shot consistency regulariser (meta.consistency; 0 = off, the plain cross-entropy):
+    # CE + TEXT_WEIGHT * L_text + IMAGE_WEIGHT * L_image in the inner loop (and in META.VAL_PROTOCOL downstream's
+    # fine-tuning); the query loss stays the cross-entropy. REGULATOR.FORM gate needs a weight > 0; fine-tune a
+    # file meta-trained with it with the same weights (TRAINER.GRAM.CONSISTENCY_TEXT / _IMAGE).
+    m.CONSISTENCY = CN()
+    m.CONSISTENCY.TEXT_WEIGHT = 0.0
+    m.CONSISTENCY.IMAGE_WEIGHT = 0.0
 
     # ---- theta (meta.prompts.PromptSpec): CoOp = text only, VPT = vision only, UNIGRAM = both
     m.PROMPT = CN()

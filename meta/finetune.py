@@ -32,7 +32,7 @@ from torch import nn
 
 from .inner import InnerRule
 from .metrics import accuracy
-from .regulator import GradientRegulator
+from .regulator import GradientGate, GradientRegulator, is_gated
 
 # Test-time defaults of the two switches (module docstring), read by MethodSpec, the Dassl trainers'
 # TRAINER.GRAM keys and the demo.  Chosen on validation splits (docs/notes/gram_training_match.md).
@@ -100,7 +100,8 @@ class GradientRegulation(nn.Module):
         regulators = {k: copy.deepcopy(v) for k, v in regulators.items()}  # the caller's φ stays trainable
         if norm_preserve is not None:
             for reg in regulators.values():
-                reg.spec = replace(reg.spec, norm_preserve=bool(norm_preserve))
+                if isinstance(reg, GradientRegulator):  # a gate has no γ/β wrappers
+                    reg.spec = replace(reg.spec, norm_preserve=bool(norm_preserve))
         self.regulators = nn.ModuleDict(regulators)
         for p in self.regulators.parameters():
             p.requires_grad_(False)
@@ -117,23 +118,50 @@ class GradientRegulation(nn.Module):
     def __len__(self) -> int:
         return len(self.regulators)
 
+    @property
+    def gated(self) -> bool:
+        """Whether R_φ is the gate form (:class:`meta.regulator.GradientGate`): the loss must come in two parts."""
+        return is_gated(self.regulators.values())
+
     @torch.no_grad()
-    def apply_(self, named_parameters: Iterable[tuple[str, torch.Tensor]], count: int = 1) -> int:
+    def apply_(
+        self,
+        named_parameters: Iterable[tuple[str, torch.Tensor]],
+        count: int = 1,
+        penalty_grads: Optional[Mapping[str, torch.Tensor]] = None,
+    ) -> int:
         """Replace ``p.grad`` by ``count · R_φ(p.grad / count)`` in place; returns how many tensors were regulated.
 
         ``count`` is the number of per-image (or per-batch) gradients summed in ``p.grad`` (a
         regulation window, :class:`UpdateWindow`): R_φ acts on their mean and the result is scaled
         back to a sum.  ``count = 1``: ``p.grad <- R_φ(p.grad)``.
+
+        The gate form: ``p.grad`` holds the task gradient and ``penalty_grads`` (``{parameter name: gradient}``,
+        summed over the same passes) the regulariser's; ``p.grad <- count · R_φ(g_task / count, g_reg / count)``,
+        and a tensor without a gate gets the plain sum g_task + g_reg.
         """
         if count < 1:
             raise ValueError(f"GradientRegulation.apply_: count must be >= 1, got {count}")
+        penalty_grads = penalty_grads or {}
         done = 0
         for name, param in named_parameters:
             key = name.split(".")[-1]  # "prompt_learner.prompts.ctx" -> "ctx"
-            if param.grad is None or key not in self.regulators:
+            reg = self.regulators[key] if key in self.regulators else None
+            g_reg = penalty_grads.get(name)
+            if g_reg is not None and param.grad is None:
+                param.grad = torch.zeros_like(param)
+            if param.grad is None:
+                continue
+            if reg is None:
+                if g_reg is not None:
+                    param.grad.add_(g_reg)
                 continue
             raw = param.grad.detach().clone()
-            param.grad.copy_(self.regulators[key](param.grad / count) * count)
+            if isinstance(reg, GradientGate):
+                regulated = reg(param.grad / count, None if g_reg is None else g_reg / count)
+            else:
+                regulated = self.regulators[key](param.grad / count)
+            param.grad.copy_(regulated * count)
             raw_norm = raw.norm()
             self.stats["tensors"] += 1
             self.stats["cos_sum"] += float(
@@ -142,6 +170,20 @@ class GradientRegulation(nn.Module):
             self.stats["norm_ratio_sum"] += float(param.grad.norm() / raw_norm.clamp_min(1e-30))
             done += 1
         return done
+
+
+GATE_WITHOUT_REGULARISER = (
+    "R_φ is a gate on the consistency regulariser's gradient, but the fine-tuning loss has no regulariser: set its "
+    "weight (TRAINER.GRAM.CONSISTENCY_TEXT / _IMAGE, or the method's consistency_text / consistency_image) as in "
+    "meta-training (META.CONSISTENCY.*)"
+)
+
+
+def check_gate_regulariser(regulation: Optional[GradientRegulation], regularised: bool) -> None:
+    """Refuse, before any work, a gate (:attr:`GradientRegulation.gated`) with a fine-tuning loss that has no
+    regulariser (``regularised`` False): the gate would have nothing to act on and the run would be θ* alone."""
+    if regulation is not None and regulation.gated and not regularised:
+        raise ValueError(GATE_WITHOUT_REGULARISER)
 
 
 class UpdateWindow:
@@ -205,17 +247,31 @@ class RegulatedStepper:
         self.regulation = regulation
         self.window = UpdateWindow(window)
         self.scaler = scaler
+        self._penalty_grads: dict[str, torch.Tensor] = {}  # the gate form: the regulariser's summed gradients
 
-    def backward(self, loss: torch.Tensor, last: bool = False) -> int:
+    @property
+    def wants_parts(self) -> bool:
+        """Whether :meth:`backward` needs the loss in two parts (task loss, ``penalty``): R_φ is a gate."""
+        return self.regulation is not None and self.regulation.gated
+
+    def backward(self, loss: torch.Tensor, last: bool = False, penalty: Optional[torch.Tensor] = None) -> int:
         """Backward ``loss``; step when the window closes (``last``: the epoch's last batch closes it).
-        Returns the number of passes regulated and stepped now (0 = the window is still open)."""
+        Returns the number of passes regulated and stepped now (0 = the window is still open).
+
+        With a gate (:attr:`wants_parts`) ``loss`` is the task loss and ``penalty`` the regulariser (0-d, from
+        the same forward); their gradients are summed apart over the window and R_φ joins them."""
+        if self.wants_parts:
+            self._penalty_backward(penalty)
+        elif penalty is not None:
+            loss = loss + penalty
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         count = self.window.push(last=last)
         if count:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
             if self.regulation is not None:
-                self.regulation.apply_(self.module.named_parameters(), count=count)
+                penalty_grads, self._penalty_grads = self._penalty_grads, {}
+                self.regulation.apply_(self.module.named_parameters(), count=count, penalty_grads=penalty_grads)
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
@@ -223,6 +279,36 @@ class RegulatedStepper:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return count
+
+    def _penalty_backward(self, penalty: Optional[torch.Tensor]) -> None:
+        """Add the regulariser's gradient to the window's sums (graph kept for the task loss's backward)."""
+        if penalty is None:
+            raise ValueError(GATE_WITHOUT_REGULARISER)
+        if self.scaler is not None:
+            raise ValueError("R_φ as a gate does not run under an fp16 GradScaler yet: use PREC fp32 or bf16")
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        if not penalty.requires_grad:
+            return
+        grads = torch.autograd.grad(penalty, [p for _, p in named], retain_graph=True, allow_unused=True)
+        for (name, _), grad in zip(named, grads):
+            if grad is not None:
+                held = self._penalty_grads.get(name)
+                self._penalty_grads[name] = grad if held is None else held + grad
+
+
+def step_on_batch(
+    stepper: RegulatedStepper, loss_fn, module: nn.Module, batch, last: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One training batch through ``stepper``: the loss of ``loss_fn(module, batch)``, in two parts when R_φ is a
+    gate (``loss_fn.parts``, :attr:`RegulatedStepper.wants_parts`).  Returns ``(loss 0-d, logits [n, K])``, the
+    loss being the whole training loss (task + regulariser) either way."""
+    if stepper.wants_parts and getattr(loss_fn, "parts", None) is not None:
+        task, penalty, logits = loss_fn.parts(module, batch)
+        stepper.backward(task, last=last, penalty=penalty)
+        return (task + penalty).detach(), logits
+    loss, logits = loss_fn(module, batch)
+    stepper.backward(loss, last=last)
+    return loss, logits
 
 
 @dataclass(frozen=True)
@@ -295,7 +381,8 @@ def launch_(prompts: nn.Module, regulation: Optional["GradientRegulation"], mean
     its :meth:`~meta.inner.InnerRule.velocity`: regulated gradient, weight decay, heavy-ball momentum).
 
     ``mean_loss(prompts) -> loss`` is the mean loss over the launch data (the few-shot train set), whose
-    gradient is the mean per-image gradient; ``regulation`` None = raw gradient.  Returns the loss before
+    gradient is the mean per-image gradient, or ``(task loss, regulariser)`` for the gate form of R_φ (which
+    joins their gradients); ``regulation`` None = raw gradient.  Returns the loss before
     the first step.  This is the meta-training inner loop (:func:`meta.inner.inner_loop`) run once on the
     downstream data, without its graph.
     """
@@ -304,15 +391,22 @@ def launch_(prompts: nn.Module, regulation: Optional["GradientRegulation"], mean
     rule = step.rule
     velocity: Optional[list] = None
     first = float("nan")
+    gated = regulation is not None and regulation.gated
     for i in range(step.steps):
         for p in tensors:
             p.grad = None
-        loss = mean_loss(prompts)
-        loss.backward()
+        out = mean_loss(prompts)
+        loss, penalty = out if isinstance(out, tuple) else (out, None)
+        penalty_grads = {}
+        if gated and penalty is not None and penalty.requires_grad:  # the gate joins the two gradients
+            grads = torch.autograd.grad(penalty, tensors, retain_graph=True, allow_unused=True)
+            penalty_grads = {n: g for (n, _), g in zip(params, grads) if g is not None}
+        total = loss if penalty is None else loss + penalty
+        (loss if penalty_grads else total).backward()
         if i == 0:
-            first = float(loss.detach())
+            first = float(total.detach())
         if regulation is not None:
-            regulation.apply_(params)
+            regulation.apply_(params, penalty_grads=penalty_grads)
         with torch.no_grad():
             velocity = rule.velocity([p.grad for p in tensors], tensors, velocity)
             for p, v in zip(tensors, velocity):
@@ -347,8 +441,7 @@ def finetune_and_score(
     stepper = RegulatedStepper(theta, optimizer, regulation)  # window 1: R_φ on every step's gradient
     optimizer.zero_grad(set_to_none=True)  # (a copied θ may carry its gradient along)
     for _ in range(steps):
-        loss, _ = loss_fn(theta, support)
-        stepper.backward(loss)
+        step_on_batch(stepper, loss_fn, theta, support)
     with torch.no_grad():
         _, logits = loss_fn(theta, query)
     return accuracy(logits, labels_of(query))

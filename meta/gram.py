@@ -43,7 +43,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import batched, precision
 from ._l2l import l2l
-from .inner import SUPPORT_MODES, InnerRule, inner_loop, support_windows
+from .inner import SUPPORT_MODES, InnerRule, inner_loop, support_windows, task_loss_of
 from .metrics import accuracy
 from .objective import OuterObjective
 from .prompts import PromptParams
@@ -348,7 +348,7 @@ class GRAMMetaLearner(nn.Module):
         step = self.spec.inner_lr * self.spec.inner_steps
         update = torch.cat([((theta[n] - adapted[n]) / step).detach().flatten() for n in theta])
         probe = self.gbml.clone(first_order=True)
-        q_loss, q_logits = loss_fn(probe.module, task.query)
+        q_loss, q_logits = task_loss_of(loss_fn)(probe.module, task.query)
         q_grad = torch.autograd.grad(q_loss, list(probe.module.parameters()))
         q_grad = torch.cat([g.flatten() for g in q_grad])
         cos = torch.nn.functional.cosine_similarity(update, q_grad, dim=0)

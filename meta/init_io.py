@@ -45,12 +45,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
+from torch import nn
 
 from .backbone import ClipDims
 from .fileio import parse_json, write_bytes_atomic
 from .learners import DEFAULT_LEARNER, get_learner, learner_keys
 from .prompts import COUPLINGS, PromptParams
-from .regulator import GradientRegulator, RegulatorSpec
+from .regulator import GradientRegulator, RegulatorSpec, regulator_for
 
 FORMAT_VERSION = 1
 
@@ -72,15 +73,16 @@ class GramInit:
         """θ* as a :class:`meta.prompts.PromptParams` of the learner the file records."""
         return PromptParams(learner_key(self.metadata.get("prompt", {})), **self.prompt)
 
-    def regulator_modules(self) -> dict[str, GradientRegulator]:
-        """``{"ctx"|"vpt": R_φ}`` rebuilt from the stored spec and weights."""
+    def regulator_modules(self) -> dict[str, nn.Module]:
+        """``{tensor name: R_φ}`` rebuilt from the stored spec and weights (a :class:`GradientRegulator`, or a
+        :class:`meta.regulator.GradientGate` for the gate form)."""
         spec_d = self.metadata.get("regulator")
         if not spec_d or not self.regulators:
             return {}
         spec = RegulatorSpec(**spec_d)
         out = {}
         for name, tensors in self.regulators.items():
-            reg = GradientRegulator(tensors["gamma.weight"].shape[0], spec)
+            reg = regulator_for(int(self.prompt[name].shape[-1]), spec)
             reg.load_state_dict(tensors)
             out[name] = reg
         return out
@@ -382,8 +384,11 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], meta: dict, check: _Check
         check.need(
             prompt_t is not None, f"tensor regulator.{rname}", f"regulates prompt.{rname}, which the file does not hold"
         )
-        with torch.device("meta"):  # shapes only: no memory, no draw from the global RNG
-            shell = GradientRegulator(int(prompt_t.shape[-1]), RegulatorSpec(**spec))
+        try:
+            with torch.device("meta"):  # shapes only: no memory, no draw from the global RNG
+                shell = regulator_for(int(prompt_t.shape[-1]), RegulatorSpec(**spec))
+        except ValueError as err:
+            check.fail(f"tensor regulator.{rname}", str(err))
         expected = {f"regulator.{rname}.{k}": list(v.shape) for k, v in shell.state_dict().items()}
         found = {n: list(t.shape) for n, t in tensors.items() if n.startswith(f"regulator.{rname}.")}
         for n in sorted(set(expected) | set(found)):

@@ -8,6 +8,10 @@ thin caller, and so is any batched outer step (one task at a time or many): it c
 query loss on ``learner.module`` (θ', connected to θ and φ).  Nothing here knows how many tasks an outer
 step holds.
 
+With a gate (``META.REGULATOR.FORM gate``, :class:`meta.regulator.GradientGate`) the loss comes in two parts,
+``loss_fn.parts(module, batch) -> (task, regulariser, logits)``, and u_k = R_φ(∇ task, ∇ regulariser): the task
+gradient as it is plus the gated regulariser gradient (:func:`gated_updates`).
+
 The rule, over windows ``D_0 … D_{K-1}`` (K = ``len(windows)``), the inner SGD of torch (dampening 0, no
 Nesterov, ``weight_decay`` added to the regulated gradient, as ``torch.optim.SGD`` adds it to ``p.grad``
 after :class:`meta.finetune.GradientRegulation` regulated it)::
@@ -33,6 +37,7 @@ from torch import nn
 
 from ._l2l import l2l
 from .metrics import accuracy_t
+from .regulator import is_gated
 
 # loss_fn(prompt_module, batch) -> (loss scalar, logits [n, K])
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]]
@@ -137,6 +142,46 @@ def set_parameters_(module: nn.Module, tensors: Sequence[torch.Tensor]) -> None:
         mod._parameters[key] = t
 
 
+def task_loss_of(loss_fn: LossFn) -> LossFn:
+    """The task part of ``loss_fn`` (``loss_fn.task_loss``: the cross-entropy without a regulariser), or
+    ``loss_fn`` itself: the query loss of meta-training, which measures the task alone."""
+    return getattr(loss_fn, "task_loss", None) or loss_fn
+
+
+def gated_updates(
+    learner: "l2l.algorithms.GBML",
+    task_loss: torch.Tensor,
+    penalty: torch.Tensor,
+    params: Sequence[torch.Tensor],
+    create_graph: bool,
+) -> list[Optional[torch.Tensor]]:
+    """Per parameter, ĝ = R_φ(g_task, g_reg) from the two parts of the loss (:class:`meta.regulator.GradientGate`).
+
+    ``task_loss`` and ``penalty`` are 0-d; their gradients are taken apart (``create_graph`` for second order). A
+    parameter without a gate gets the plain sum g_task + g_reg; a part that does not reach a parameter counts as 0.
+    """
+    n = len(params)
+    g_task = torch.autograd.grad(task_loss, params, create_graph=create_graph, retain_graph=True, allow_unused=True)
+    if penalty.requires_grad:
+        g_reg = torch.autograd.grad(
+            penalty, params, create_graph=create_graph, retain_graph=create_graph, allow_unused=True
+        )
+    else:  # a regulariser with no path to θ (e.g. only the image term, no visual prompts)
+        g_reg = (None,) * n
+    update = learner.compute_update
+    out: list[Optional[torch.Tensor]] = []
+    for gt, gr, index in zip(g_task, g_reg, update.transforms_indices):
+        if gt is None and gr is None:
+            out.append(None)
+            continue
+        gt = torch.zeros_like(gr) if gt is None else gt
+        if index is None:
+            out.append(gt if gr is None else gt + gr)
+        else:
+            out.append(update.transforms_modules[index](gt, gr))
+    return out
+
+
 def inner_loop(
     learner: "l2l.algorithms.GBML",
     loss_fn: LossFn,
@@ -163,20 +208,33 @@ def inner_loop(
     Returns ``(losses, accuracies)``: 0-d tensors, one per step, measured at θ_k before its step (no host sync).
     """
     diff_sgd = learner.diff_sgd if rule.lr == learner.lr else l2l.optim.DifferentiableSGD(lr=rule.lr)
+    gated = is_gated(learner.compute_update.transforms_modules)
+    parts = getattr(loss_fn, "parts", None)
+    if gated and parts is None:
+        raise ValueError(
+            "META.REGULATOR.FORM gate regulates a regulariser's gradient, but the support loss has none: set "
+            "META.CONSISTENCY.TEXT_WEIGHT or META.CONSISTENCY.IMAGE_WEIGHT > 0"
+        )
     velocity: Optional[list] = None
     losses, accs = [], []
     for batch in windows:
-        with forward_context():
-            loss, logits = loss_fn(learner.module, batch)
         params = list(learner.module.parameters())
-        updates = learner.compute_update(
-            loss,
-            params,
-            create_graph=not first_order,
-            retain_graph=not first_order,
-            allow_unused=learner.allow_unused,
-            allow_nograd=learner.allow_nograd,
-        )
+        if gated:
+            with forward_context():
+                task_loss, penalty, logits = parts(learner.module, batch)
+            loss = task_loss + penalty
+            updates = gated_updates(learner, task_loss, penalty, params, create_graph=not first_order)
+        else:
+            with forward_context():
+                loss, logits = loss_fn(learner.module, batch)
+            updates = learner.compute_update(
+                loss,
+                params,
+                create_graph=not first_order,
+                retain_graph=not first_order,
+                allow_unused=learner.allow_unused,
+                allow_nograd=learner.allow_nograd,
+            )
         velocity = rule.velocity(list(updates), params, velocity)
         diff_sgd(learner.module, velocity)
         if after_step is not None:

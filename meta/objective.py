@@ -5,6 +5,9 @@ For one task (the sequential loop of :meth:`meta.gram.GRAMMetaLearner.accumulate
 
     L_out = L_q(θ') + w · L_q(θ) + (1/S) Σ_t L_q(θ_t − α R_φ(∇L_s(θ_t)))
 
+The support loss is ``loss_fn`` (with a regulariser when it has one); every query loss is its task part alone
+(:func:`meta.inner.task_loss_of`: the cross-entropy), which is what the downstream benchmark scores.
+
 * ``L_q(θ')``: the query loss at the adapted prompts θ' = inner_loop(θ) (paper Eq. 8; second order unless the
   learner is first order);
 * ``w · L_q(θ)`` (``query_before_weight`` w, ``META.QUERY_BEFORE_WEIGHT``): θ is also asked to be good before
@@ -27,7 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .inner import InnerRule, inner_loop, set_parameters_, support_windows
+from .inner import InnerRule, inner_loop, set_parameters_, support_windows, task_loss_of
 from .metrics import accuracy_t
 
 # loss_fn(prompt_module, batch) -> (loss scalar, logits [n, K] or [B, n, K] for a task stack)
@@ -83,13 +86,14 @@ class OuterObjective:
         for a stack, losses are sums over its tasks and accuracies means.
         """
         adapted, s_losses, s_accs = meta.unroll(loss_fn, support, start=start)
+        query_fn = task_loss_of(loss_fn)  # the query measures the task alone (no regulariser)
         with meta.cast():
-            q_loss, q_logits = loss_fn(adapted.module, query)
+            q_loss, q_logits = query_fn(adapted.module, query)
         meta.backward(q_loss.float() / n_tasks)
         w = self.query_before_weight
         if w > 0:
             with meta.cast():
-                q_loss0, _ = loss_fn(meta.prompt_module if before is None else before(), query)
+                q_loss0, _ = query_fn(meta.prompt_module if before is None else before(), query)
             meta.backward(w * q_loss0.float() / n_tasks)
         metrics = {}
         if self.trajectory_states > 0:
@@ -153,6 +157,6 @@ class OuterObjective:
                 forward_context=lambda: meta.support_forward(True),
             )
             with meta.cast():
-                q_loss, _ = loss_fn(learner.module, query)
+                q_loss, _ = task_loss_of(loss_fn)(learner.module, query)
             total = total + q_loss.float() / len(states)
         return total

@@ -517,7 +517,9 @@ def classification_loss(pclip: PromptedCLIP, consistency: Optional[ConsistencySp
     ``classnames`` (K names), ``label`` (``[n]`` in 0..K-1) and either ``images``
     (``[n, 3, H, W]``) or cached, normalised ``features`` (``[n, E]``; text-only prompts).
     ``loss_fn.pclip`` is ``pclip``, from which :func:`meta.batched.batched_loss_of` builds its task-stacked twin;
-    ``loss_fn.consistency`` is the active spec or None.
+    ``loss_fn.consistency`` is the active spec or None; ``loss_fn.task_loss`` is the cross-entropy alone (the
+    query loss of meta-training); ``loss_fn.parts(prompts, batch) -> (cross-entropy, consistency penalty, logits)``
+    keeps the two apart in one forward (the gate form of R_φ needs their gradients apart), None without the terms.
     """
     spec = consistency if consistency is not None and consistency.active else None
 
@@ -527,14 +529,18 @@ def classification_loss(pclip: PromptedCLIP, consistency: Optional[ConsistencySp
         )
         return F.cross_entropy(logits, batch["label"]), logits
 
-    def regularised_loss_fn(prompts: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def parts_fn(prompts: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         images = batch.get("images")
         image, text = pclip.features(prompts, batch["classnames"], images, batch.get("features"))
         logits = pclip.logit_scale * image @ text.t()
         penalty = consistency_penalty(
             spec, reference, batch["classnames"], text, image, images, visual_prompts(prompts) is not None
         )
-        return F.cross_entropy(logits, batch["label"]) + penalty, logits
+        return F.cross_entropy(logits, batch["label"]), penalty, logits
+
+    def regularised_loss_fn(prompts: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        task, penalty, logits = parts_fn(prompts, batch)
+        return task + penalty, logits
 
     if spec is None:
         fn = loss_fn
@@ -543,4 +549,6 @@ def classification_loss(pclip: PromptedCLIP, consistency: Optional[ConsistencySp
         fn = regularised_loss_fn
     fn.pclip = pclip  # meta.batched builds the task-stacked twin from it (meta.gram's task batching)
     fn.consistency = spec
+    fn.task_loss = loss_fn
+    fn.parts = parts_fn if spec is not None else None
     return fn

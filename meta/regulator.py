@@ -64,13 +64,14 @@ from torch import nn
 _EPS = 1e-12
 _TINY = 1e-30  # guards the norm-preserving rescale against a zero regulated gradient
 HALVES = ("both", "gamma", "beta")
+FORMS = ("residual", "paper", "gate")
 
 
 @dataclass
 class RegulatorSpec:
     """Hyper-parameters of R_φ (see module docstring)."""
 
-    form: str = "residual"  # "residual" | "paper"
+    form: str = "residual"  # "residual" | "paper" | "gate" (GradientGate: a gate on a regulariser's gradient)
     input_norm: bool = True
     beta_scale: Union[str, float] = "grad_rms"  # "grad_rms" or a float
     init: str = "zero"  # "zero" | "normal"
@@ -81,10 +82,24 @@ class RegulatorSpec:
     mix_init: float = 0.0  # initial m (0 -> c = 0.5)
     halves: str = "both"  # both | gamma (β ≡ 0: ĝ = γ ⊙ g) | beta (γ ≡ 1: ĝ = g + β)
     learn_lr: bool = False  # Meta-SGD: a learned per-tensor step size exp(ℓ) multiplies ĝ
+    gate_group: int = 8  # form "gate": consecutive coordinates of the last dimension that share one gate value
 
     def __post_init__(self) -> None:
-        if self.form not in ("residual", "paper"):
-            raise ValueError(f"regulator form must be 'residual' or 'paper', got {self.form!r}")
+        if self.form not in FORMS:
+            raise ValueError(f"regulator form must be one of {' | '.join(FORMS)}, got {self.form!r}")
+        if isinstance(self.gate_group, bool) or not isinstance(self.gate_group, int) or self.gate_group < 1:
+            raise ValueError(f"regulator gate_group must be an integer >= 1, got {self.gate_group!r}")
+        if self.form == "gate":
+            core_only = [
+                name
+                for name, off in (("norm_preserve", False), ("mix", False), ("learn_lr", False), ("halves", "both"))
+                if getattr(self, name) != off
+            ]
+            if core_only:
+                raise ValueError(
+                    f"regulator form 'gate' keeps the task gradient as it is and takes none of the γ/β options: "
+                    f"set {', '.join(core_only)} to their defaults"
+                )
         if self.init not in ("zero", "normal"):
             raise ValueError(f"regulator init must be 'zero' or 'normal', got {self.init!r}")
         if self.halves not in HALVES:
@@ -104,7 +119,12 @@ class RegulatorSpec:
                     raise ValueError(f"beta_scale must be 'grad_rms' or a number, got {self.beta_scale!r}") from None
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The fields; ``gate_group`` only for the gate form, so files and records of the other forms are written
+        exactly as before the gate existed."""
+        d = asdict(self)
+        if self.form != "gate":
+            d.pop("gate_group")
+        return d
 
 
 class GradientRegulator(nn.Module):
@@ -295,7 +315,83 @@ class RegulatorFactory:
         self.spec = spec or RegulatorSpec()
         self.enabled = enabled
 
-    def __call__(self, param: torch.Tensor) -> Optional[GradientRegulator]:
+    def __call__(self, param: torch.Tensor) -> Optional[nn.Module]:
         if not self.enabled or not param.requires_grad:
             return None
-        return GradientRegulator(param.shape[-1], self.spec).to(device=param.device, dtype=param.dtype)
+        return regulator_for(int(param.shape[-1]), self.spec).to(device=param.device, dtype=param.dtype)
+
+
+def regulator_for(dim: int, spec: RegulatorSpec) -> nn.Module:
+    """R_φ of one prompt tensor of last dimension ``dim``: a :class:`GradientGate` for ``form="gate"``, else a
+    :class:`GradientRegulator`."""
+    return GradientGate(dim, spec) if spec.form == "gate" else GradientRegulator(dim, spec)
+
+
+class GradientGate(nn.Module):
+    """
+    **Description**
+
+    R_φ as a learned gate on a regulariser's gradient (``RegulatorSpec.form = "gate"``). The loss is split into a
+    task part and a regulariser (the zero-shot consistency terms, :mod:`meta.consistency`), with gradients
+    ``g_task`` and ``g_reg`` of one prompt tensor (``[..., dim]``); the task gradient is kept as it is and the
+    regulariser's is scaled per coordinate group by a learned gate::
+
+        u_task = g_task / rms(g_task),   u_reg = g_reg / rms(g_reg)          (scale-free inputs, per task)
+        a      = 2 · sigmoid(W [u_task ; u_reg])                            W: [dim / G, 2 · dim], no bias
+        ĝ      = g_task + repeat(a, G) ⊙ g_reg                              each a shared by G consecutive coords
+
+    The design follows a fact of ProMetaR (Park et al., CVPR 2024; mlvlab/ProMetaR ``trainers/prometar.py``):
+    its learned map of the concatenated gradients never changes the cross-entropy gradient and gates only the
+    regulariser's. Choices made here: one bias-free linear map (not two), the gradients normalised by their
+    rms first (as the γ/β core does, so the gate does not depend on the gradient scale), ``G`` coordinates of the
+    last dimension share a gate value (``gate_group``, 8 by default), and the gate is ``2 · sigmoid`` so that the
+    zero start (``init="zero"``) is a = 1 everywhere: ĝ = g_task + g_reg, the gradient of the fixed-λ
+    regularised loss. Meta-training moves the gate away from that comparator only where the query loss asks.
+
+    Parameters: ``gate.weight`` ``[dim // G, 2 · dim]``.  Without a regulariser's gradient (``g_reg`` None) ĝ is
+    ``g_task``.
+
+    **Arguments**
+
+    * **dim** (int) - the prompt tensor's last dimension; ``spec.gate_group`` must divide it.
+    * **spec** (RegulatorSpec) - ``form="gate"``, ``gate_group``, ``init`` / ``init_std``.
+    """
+
+    #: leading dimensions that index tasks (as :attr:`GradientRegulator.task_dims`)
+    task_dims: int = 0
+
+    def __init__(self, dim: int, spec: Optional[RegulatorSpec] = None):
+        super().__init__()
+        self.spec = spec or RegulatorSpec(form="gate")
+        group = int(self.spec.gate_group)
+        if dim % group:
+            raise ValueError(
+                f"regulator gate_group {group} does not divide the prompt tensor's last dimension {dim} "
+                f"(META.REGULATOR.GATE_GROUP)"
+            )
+        self.dim, self.group = dim, group
+        self.gate = nn.Linear(2 * dim, dim // group, bias=False)
+        with torch.no_grad():
+            if self.spec.init == "zero":
+                self.gate.weight.zero_()
+            else:
+                self.gate.weight.normal_(0.0, self.spec.init_std)
+
+    def gate_value(self, g_task: torch.Tensor, g_reg: torch.Tensor) -> torch.Tensor:
+        """The gate ``repeat(a, G)`` in (0, 2), shaped like the gradients."""
+        u_task = g_task / _task_mean(g_task.pow(2), self.task_dims).add(_EPS).sqrt()
+        u_reg = g_reg / _task_mean(g_reg.pow(2), self.task_dims).add(_EPS).sqrt()
+        a = 2.0 * torch.sigmoid(self.gate(torch.cat([u_task, u_reg], dim=-1)))
+        return a.repeat_interleave(self.group, dim=-1)
+
+    def forward(self, g_task: torch.Tensor, g_reg: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if g_task.shape[-1] != self.dim:
+            raise ValueError(f"gate built for last dim {self.dim}, got gradient {tuple(g_task.shape)}")
+        if g_reg is None:
+            return g_task
+        return g_task + self.gate_value(g_task, g_reg) * g_reg
+
+
+def is_gated(regulators) -> bool:
+    """Whether any of ``regulators`` (modules, or None) is a :class:`GradientGate` (it needs the loss in parts)."""
+    return any(isinstance(r, GradientGate) for r in regulators)

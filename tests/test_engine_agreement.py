@@ -35,7 +35,7 @@ from meta import methods  # noqa: E402
 from meta.evaluation import DatasetRef, TrainSpec, evaluate_base_to_new, method_preset  # noqa: E402
 from meta.init_io import export_gram_init  # noqa: E402
 from meta.prompts import PromptParams  # noqa: E402
-from meta.regulator import GradientRegulator, RegulatorSpec  # noqa: E402
+from meta.regulator import GradientGate, GradientRegulator, RegulatorSpec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CLASSES = ["apple", "boat", "cat", "drum"]  # CoOp's base = the first two, new = the last two
@@ -94,6 +94,12 @@ def world(tmp_path_factory, tiny_clip, toy_learner):
     regs = {k: GradientRegulator(t.shape[-1], RegulatorSpec(init="normal", init_std=0.2)) for k, t in tensors.items()}
     theta = PromptParams(toy_learner, **tensors)
     inits[toy_learner] = export_gram_init(root / "toy.safetensors", theta, regs, dims, provenance=PROVENANCE)
+    # UNIGRAM with R_φ as a gate on the consistency terms' gradient (a non-trivial gate: random weights)
+    tensors = {k: torch.randn(*s, generator=g) * 0.02 for k, s in SHAPES["UNIGRAM"].items()}
+    gates = {k: GradientGate(64, RegulatorSpec(form="gate", init="normal", init_std=0.5)) for k in tensors}
+    inits["UNIGRAM_gate"] = export_gram_init(
+        root / "unigram_gate.safetensors", PromptParams(**tensors), gates, dims, provenance=PROVENANCE
+    )
     return root, inits
 
 
@@ -161,22 +167,23 @@ CONSISTENCY_OPTS = ["TRAINER.GRAM.CONSISTENCY_TEXT", "8.0", "TRAINER.GRAM.CONSIS
 
 
 @pytest.mark.parametrize(
-    "key, opts, overrides",
+    "key, opts, overrides, init_name",
     [
-        ("coop", ["TRAINER.GRAM.CTX_INIT", WORDS], {}),
-        ("gram_coop", [], {}),
-        ("unigram", [], {}),
-        ("unigram", CONSISTENCY_OPTS, CONSISTENCY),  # zero-shot consistency terms in both fine-tuning losses
-        ("gram_coop", ["TRAINER.GRAM.LEARNER", TOY], {"learner": TOY}),  # a learner registered by the tests only
+        ("coop", ["TRAINER.GRAM.CTX_INIT", WORDS], {}, None),
+        ("gram_coop", [], {}, None),
+        ("unigram", [], {}, None),
+        ("unigram", CONSISTENCY_OPTS, CONSISTENCY, None),  # zero-shot consistency terms in both fine-tuning losses
+        ("gram_coop", ["TRAINER.GRAM.LEARNER", TOY], {"learner": TOY}, TOY),  # a learner registered by the tests only
+        ("unigram", CONSISTENCY_OPTS, CONSISTENCY, "UNIGRAM_gate"),  # R_φ gates the consistency terms' gradient
     ],
-    ids=["coop", "gram_coop", "unigram", "unigram_consistency", "gram_coop_toy_learner"],
+    ids=["coop", "gram_coop", "unigram", "unigram_consistency", "gram_coop_toy_learner", "unigram_gate"],
 )
 def test_train_py_and_the_evaluator_give_the_same_theta_and_accuracies(
-    world, tiny_clip, tmp_path, key, opts, overrides
+    world, tiny_clip, tmp_path, key, opts, overrides, init_name
 ):
     root, inits = world
     row = methods.get(key)
-    init = str(inits[overrides.get("learner", row.trainer)]) if row.gram_file else ""
+    init = str(inits[init_name or row.trainer]) if row.gram_file else ""
     gram = ["TRAINER.GRAM.INIT", init] if init else []
     trainer, cfg = dassl_run(root, key, opts + gram, "base", tmp_path / "base")
     trainer.train()  # one epoch (launch step first for the GRAM rows), then the base test
@@ -188,6 +195,7 @@ def test_train_py_and_the_evaluator_give_the_same_theta_and_accuracies(
     new_dassl = new_trainer.test()
     if row.gram_file:
         assert trainer.window.size == 2 and trainer.launch_step is not None  # 4 support images, batches of 2
+        assert trainer.stepper.wants_parts == (init_name == "UNIGRAM_gate")
 
     clip, dims = tiny_clip
     method = method_preset(row.preset, init_path=init, ctx_init=WORDS if not init else "", **overrides)
@@ -237,5 +245,9 @@ def test_train_py_and_the_evaluator_give_the_same_theta_and_accuracies(
     assert (record["base"], record["new"]) == (pytest.approx(base_dassl), pytest.approx(new_dassl))
     if "consistency_text" in overrides:  # the terms changed the training: without them the evaluator ends at another θ
         assert trainer.model.consistency is not None
-        _, plain = evaluate(method_preset(row.preset, init_path=init))
-        assert max((plain[n].detach() - kept[n].detach()).abs().max() for n in kept) > 1e-5
+        if init_name == "UNIGRAM_gate":  # a gate without the regulariser it gates is refused, not run as θ* alone
+            with pytest.raises(ValueError, match="CONSISTENCY_TEXT"):
+                evaluate(method_preset(row.preset, init_path=init))
+        else:
+            _, plain = evaluate(method_preset(row.preset, init_path=init))
+            assert max((plain[n].detach() - kept[n].detach()).abs().max() for n in kept) > 1e-5

@@ -320,6 +320,27 @@ def test_class_shift_tasks_reach_the_loop_and_the_init_file(tmp_path, hier):
     assert tasks["query_new_share"] == 1.0
 
 
+def test_gate_form_meta_trains_validates_downstream_and_exports_a_gate(tmp_path, hier, capsys):
+    """``META.REGULATOR.FORM gate`` with a text consistency weight: meta-training, downstream validation (the gate at
+    test time) and export run; the file holds the gate; without a regulariser the config is refused in one line."""
+    from meta.regulator import GradientGate
+
+    gate = ["META.REGULATOR.FORM", "gate", "META.REGULATOR.GATE_GROUP", "4", "META.STEPS", "3", *PROMPTS["coop"]]
+    msg = _one_error_line(capsys, ["train", "--output-dir", str(tmp_path / "refused"), *BASE, *gate])
+    assert "META.REGULATOR.FORM" in msg and "META.CONSISTENCY.TEXT_WEIGHT" in msg
+    result = train(_cfg(tmp_path / "run", *gate, "META.CONSISTENCY.TEXT_WEIGHT", "2.0"), hierarchy=hier, echo=_quiet)
+    records = read_log(tmp_path / "run" / "log.jsonl")
+    train_recs = [r for r in records if r["kind"] == "train"]
+    val_recs = [r for r in records if r["kind"] == "val"]
+    assert len(train_recs) == 3 and all(np.isfinite(r["query_loss_after"]) for r in train_recs)
+    assert val_recs and all(0.0 <= r["query_acc_downstream"] <= 1.0 for r in val_recs)
+    init = load_gram_init(result["export"]["init"])
+    regs = init.regulator_modules()
+    assert set(regs) == {"ctx"} and isinstance(regs["ctx"], GradientGate) and regs["ctx"].group == 4
+    assert float(regs["ctx"].gate.weight.abs().max()) > 0  # φ moved from its zero start
+    assert init.metadata["provenance"]["meta"]["regulator"]["form"] == "gate"
+
+
 def test_features_from_another_clip_are_refused(tmp_path):
     with pytest.raises(FeatureMismatchError, match="cosine"):
         setup_run(_cfg(tmp_path), hierarchy=_hierarchy(clip_seed=1))

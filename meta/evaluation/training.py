@@ -24,7 +24,7 @@ from torch.optim import lr_scheduler as sched
 from ..backbone import ClipDims
 from ..consistency import ConsistencySpec
 from ..engine import Naming, RegulatedStepper, StartPoint, StartSpec, build_start, window_batches
-from ..finetune import GradientRegulation, LaunchStep, launch_
+from ..finetune import GradientRegulation, LaunchStep, check_gate_regulariser, launch_, step_on_batch
 from ..metrics import count_correct
 from ..prompts import PromptedCLIP, PromptParams, classification_loss
 from ..schedule import epoch_scheduler
@@ -152,6 +152,7 @@ class PromptTuner:
         self.train_images = train_images
         self.test_images = test_images
         self.loss_fn = classification_loss(pclip, consistency)  # the fine-tuning loss
+        check_gate_regulariser(regulation, self.loss_fn.parts is not None)
         self.launch_loss_fn = classification_loss(pclip)  # the launch step replays the meta-trained (task) loss
         self.device = pclip.clip.token_embedding.weight.device
         self.reg_window = int(reg_window)
@@ -184,7 +185,17 @@ class PromptTuner:
         batches = self._test_batches(data)
         n = len(data)
 
-        def mean_loss(prompts: nn.Module) -> torch.Tensor:
+        gated = self.regulation is not None and self.regulation.gated and self.loss_fn.parts is not None
+
+        def mean_loss(prompts: nn.Module):
+            if gated:  # the gate was meta-trained on the regularised support loss: the launch replays it in parts
+                task = penalty = None
+                for batch in batches:
+                    t, r, _ = self.loss_fn.parts(prompts, batch)
+                    w = len(batch["label"]) / n
+                    task = t * w if task is None else task + t * w
+                    penalty = r * w if penalty is None else penalty + r * w
+                return task, penalty
             total = None
             for batch in batches:
                 loss, _ = self.launch_loss_fn(prompts, batch)
@@ -268,8 +279,8 @@ class PromptTuner:
                     batch["images"] = torch.stack([self.train_images(data.impaths[i], epoch) for i in idx.tolist()]).to(
                         self.device
                     )
-                loss, logits = self.loss_fn(self.prompts, batch)
-                stepper.backward(loss, last=b + 1 == len(batches))  # regulates and steps when the window closes
+                # regulates and steps when the window closes
+                loss, logits = step_on_batch(stepper, self.loss_fn, self.prompts, batch, last=b + 1 == len(batches))
                 loss_sum += float(loss.detach()) * len(idx)
                 correct += count_correct(logits, labels)
                 seen += len(idx)

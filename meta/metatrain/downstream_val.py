@@ -18,6 +18,7 @@ from typing import Mapping, Optional
 import torch
 import torch.nn.functional as F
 
+from meta.consistency import ConsistencySpec
 from meta.evaluation.spec import TrainSpec
 from meta.evaluation.training import LabelledSet, PromptTuner
 from meta.finetune import GradientRegulation, LaunchStep
@@ -78,8 +79,12 @@ def downstream_accuracy(
     seed: int,
     reg_window: int = 1,
     launch: Optional[LaunchStep] = None,
+    consistency: Optional[ConsistencySpec] = None,
 ) -> float:
     """Query accuracy (%) after fine-tuning a copy of ``prompts`` on ``support`` with ``spec``.
+
+    ``consistency``: the fine-tuning loss's zero-shot consistency weights (meta-training's ``META.CONSISTENCY``;
+    None = the plain cross-entropy).
 
     ``support`` / ``query``: the meta-learner's batches (``classnames``, ``label`` ``[n]`` and ``features``
     ``[n, E]`` or ``images`` ``[n, 3, S, S]``).  ``regulators`` empty = raw gradients.  ``prompts`` and
@@ -92,7 +97,7 @@ def downstream_accuracy(
     )
     regulation = GradientRegulation(dict(regulators)) if regulators else None
     if regulation is not None:
-        regulation = regulation.to(next(iter(regulators.values())).gamma.weight.device)
+        regulation = regulation.to(next(next(iter(regulators.values())).parameters()).device)
     s_images, q_images = support.get("images"), query.get("images")
     generator = torch.Generator().manual_seed(seed)
     views: dict = {}
@@ -129,6 +134,7 @@ def downstream_accuracy(
         test_images,
         reg_window=reg_window if regulation is not None else 1,
         launch_step=launch,
+        consistency=consistency,
     )
     train_set = labelled(support, "s", train=True)
     if launch is not None:

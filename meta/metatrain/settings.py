@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from yacs.config import CfgNode as CN
 
 from meta.config import add_metatrain_cfg, get_meta_cfg_default
+from meta.consistency import ConsistencySpec
 from meta.learners import DEFAULT_LEARNER, learner_keys
 from meta.precision import resolve_autocast
 from meta.prompts import COUPLINGS, VPT_INITS, PromptSpec
@@ -211,6 +212,14 @@ def check_meta_cfg(cfg: CN) -> None:
     )
     need(m.VAL_TASKS >= 0, "META.VAL_TASKS", "an integer >= 0 (0 = no validation)", m.VAL_TASKS)
     regulator_spec(cfg)  # raises on bad FORM / INIT
+    consistency = consistency_spec(cfg)
+    need(
+        m.REGULATOR.FORM != "gate" or not m.REGULATE or m.MODE != "gram" or consistency.active,
+        "META.REGULATOR.FORM",
+        "residual or paper without a consistency regulariser (gate regulates its gradient: set "
+        "META.CONSISTENCY.TEXT_WEIGHT or IMAGE_WEIGHT > 0)",
+        m.REGULATOR.FORM,
+    )
     check_text_context(cfg)
     check_step_size(cfg)
 
@@ -453,9 +462,19 @@ def regulator_spec(cfg: CN) -> RegulatorSpec:
             mix_init=float(r.MIX_INIT),
             halves=str(r.HALVES),
             learn_lr=bool(r.LEARN_LR),
+            gate_group=int(r.GATE_GROUP),
         )
     except ValueError as err:
         raise ValueError(f"META.REGULATOR: {err}") from None
+
+
+def consistency_spec(cfg: CN) -> ConsistencySpec:
+    """The support loss's zero-shot consistency weights (``META.CONSISTENCY``; both 0 = the plain cross-entropy)."""
+    c = cfg.META.CONSISTENCY
+    try:
+        return ConsistencySpec(float(c.TEXT_WEIGHT), float(c.IMAGE_WEIGHT))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"META.CONSISTENCY: {err}") from None
 
 
 def meta_spec(cfg: CN, device=None) -> "MetaSpec":

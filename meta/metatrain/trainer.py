@@ -40,6 +40,7 @@ from meta.clip_config import clip_from_cfg
 from meta.fileio import clean_stale_temps, parse_json, write_json_atomic, write_text_atomic
 from meta.finetune import GradientRegulation, LaunchStep, finetune_and_score
 from meta.gram import GRAMMetaLearner
+from meta.inner import task_loss_of
 from meta.metrics import accuracy
 from meta.numerics import numerics_record
 from meta.prompts import PromptedCLIP, PromptParams, classification_loss
@@ -193,7 +194,7 @@ def setup_run(cfg, hierarchy=None) -> RunSetup:
         train_topics,
         val_topics,
         learner,
-        classification_loss(pclip),
+        classification_loss(pclip, settings.consistency_spec(cfg)),
         batcher,
         stream,
         val_tasks,
@@ -248,6 +249,7 @@ def validate(run: RunSetup) -> dict:
     Under torchrun rank ``r`` evaluates tasks ``r, r + W, ...`` and the sums are reduced.
     """
     learner, loss_fn = run.learner, run.loss_fn
+    query_fn = task_loss_of(loss_fn)  # the query measures the task alone (no regulariser)
     keys = (
         "query_loss_before",
         "query_acc_before",
@@ -260,10 +262,10 @@ def validate(run: RunSetup) -> dict:
     for index, task in list(enumerate(run.val_tasks))[dist_.rank() :: dist_.world_size()]:
         batch = run.batcher(task)
         with torch.no_grad():
-            q_loss0, q_logits0 = loss_fn(learner.prompt_module, batch.query)
+            q_loss0, q_logits0 = query_fn(learner.prompt_module, batch.query)
         adapted, s_losses, s_accs = learner.adapt(loss_fn, batch.support, first_order=True)
         with torch.no_grad():
-            q_loss1, q_logits1 = loss_fn(adapted.module, batch.query)
+            q_loss1, q_logits1 = query_fn(adapted.module, batch.query)
         labels = batch.query["label"]
         for key, value in (
             ("query_loss_before", float(q_loss0)),
@@ -329,6 +331,7 @@ def _downstream_scores(run: RunSetup, batch, seed: int) -> dict:
                 seed=int(cfg.SEED) * 1000 + seed,
                 reg_window=int(cfg.META.VAL_REG_WINDOW) or len(batch.support["label"]),
                 launch=launch,
+                consistency=settings.consistency_spec(cfg),
             )
         out[key] = acc / 100.0
     return out

@@ -46,7 +46,7 @@ from dassl.optim import build_optimizer
 from meta import methods
 from meta.backbone import load_clip
 from meta.engine import RegulatedStepper, Start, StartSpec, build_start, window_batches
-from meta.finetune import launch_
+from meta.finetune import check_gate_regulariser, launch_
 from meta.image_decode import open_upright
 from meta.prompts import PromptSpec
 
@@ -172,6 +172,7 @@ class _GramTrainer(TrainerX):
         self.sched = build_lr_scheduler(self.optim, cfg.OPTIM)
         self.register_model(MODEL_NAME, self.model.prompt_learner, self.optim, self.sched)
         self.regulation = start.regulation
+        check_gate_regulariser(self.regulation, self.model.consistency is not None)
         self.window_images = start.window
         self.launch_step = start.launch  # None for a prompt pre-training file
         self.stepper = RegulatedStepper(
@@ -322,7 +323,18 @@ class _GramTrainer(TrainerX):
         learner = self.model.prompt_learner
         self.model.train()
 
-        def mean_loss(_prompts) -> torch.Tensor:
+        gated = self.stepper.wants_parts and self.model.consistency is not None
+
+        def mean_loss(_prompts):
+            if gated:  # the gate was meta-trained on the regularised support loss: the launch replays it in parts
+                task = penalty = None
+                for images, labels in batches:
+                    with self._autocast():
+                        t, r, _ = self.model.training_loss_parts(images, labels)
+                    w = len(labels) / total
+                    task = t * w if task is None else task + t * w
+                    penalty = r * w if penalty is None else penalty + r * w
+                return task, penalty
             out = None
             for images, labels in batches:
                 with self._autocast():
@@ -337,11 +349,18 @@ class _GramTrainer(TrainerX):
 
     def forward_backward(self, batch) -> dict:
         images, labels = self.parse_batch_train(batch)
-        with self._autocast():
-            loss, logits = self.model.training_loss(images, labels)
-        self.detect_anomaly(loss)
         last = (self.batch_idx + 1) == self.num_batches
-        self.stepper.backward(loss, last=last)  # sums until the window closes, then R_φ and one step
+        if self.stepper.wants_parts:  # R_φ is a gate: the regulariser's gradient is kept apart
+            with self._autocast():
+                task, penalty, logits = self.model.training_loss_parts(images, labels)
+            loss = task if penalty is None else task + penalty
+            self.detect_anomaly(loss)
+            self.stepper.backward(task, last=last, penalty=penalty)
+        else:
+            with self._autocast():
+                loss, logits = self.model.training_loss(images, labels)
+            self.detect_anomaly(loss)
+            self.stepper.backward(loss, last=last)  # sums until the window closes, then R_φ and one step
         if last:
             self.update_lr()
         return {"loss": loss.item(), "acc": compute_accuracy(logits, labels)[0].item()}

@@ -75,15 +75,24 @@ class GramCLIP(nn.Module):
     def training_loss(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss, logits [B, C] fp32)``: cross-entropy, plus the zero-shot consistency terms when they are on
         (the same functions as the evaluator's :func:`meta.prompts.classification_loss`)."""
+        loss, penalty, logits = self.training_loss_parts(images, labels)
+        return (loss if penalty is None else loss + penalty), logits
+
+    def training_loss_parts(
+        self, images: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        """``(cross-entropy, consistency penalty or None when off, logits [B, C] fp32)`` from one forward: the
+        gate form of R_φ needs the two gradients apart."""
         images, image, text = self._features(images)
         logits = (self.pclip.logit_scale * image @ text.t()).float()
         loss = F.cross_entropy(logits, labels)
+        penalty = None
         if self.consistency is not None:
             has_visual = visual_prompts(self.prompt_learner) is not None
-            loss = loss + consistency_penalty(
+            penalty = consistency_penalty(
                 self.consistency, self._reference, self.classnames, text, image, images, has_visual
             )
-        return loss, logits
+        return loss, penalty, logits
 
     # ---------------------------------------------------------------- inference with cached text side
     def reset_cache(self) -> None:
