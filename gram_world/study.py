@@ -11,6 +11,9 @@ is missing):
   (GRAM row − its baseline) over the three prompt types; test splits are never read.  ``--sweep regulator``
   sweeps how R_φ is meta-trained instead (:data:`REGULATOR_SWEEP`, at the default switches), ranked by
   :func:`rank_regulator_variants` (a variant replaces ``k1`` only by more than :data:`SELECT_MARGIN_H`).
+  ``--sweep b2n`` is the base-to-new regulator sweep of ``docs/study/selection_b2n_rule.md`` (θ* only, γ/β R_φ
+  and the gate R_φ on the paper's and on class-shift meta-tasks, against fixed-λ consistency rows;
+  :mod:`gram_world.study_b2n`).
 * ``run``: the default pipeline (the demo's settings) on the **test** splits of every world in
   :data:`WORLDS` for each meta-training seed; then every pair of :data:`gram_world.demo.settings.PAIRS`
   as a paired mean difference of H with a 95 % bootstrap interval, and each world's regime (zero-shot, CoOp,
@@ -46,7 +49,7 @@ from meta.cli_errors import run_cli
 from meta.fileio import parse_json, write_json_atomic, write_text_atomic
 
 from .demo.pool import log
-from .demo.settings import METHOD_BY_KEY, PAIRS, REG_ADDS_PAIRS, DemoSettings
+from .demo.settings import METHOD_BY_KEY, PAIRS, REG_ADDS_PAIRS, DemoSettings, method_row
 from .demo.stages import check_settings, check_world, stage_chc, stage_eval, stage_meta, stage_world
 
 # The study's worlds: world seeds 0, 1, 2, 7 and world 13 with the noisy held-out style and the other
@@ -147,7 +150,7 @@ class Cell:
 
     world: str
     settings: DemoSettings
-    variant: str = ""  # name of the settings' meta_overrides (REGULATOR_SWEEP); "" = none
+    variant: str = ""  # name of the settings' meta_overrides (REGULATOR_SWEEP, or a b2n sweep unit's); "" = none
 
     @property
     def name(self) -> str:
@@ -196,7 +199,7 @@ def prepare_cell(cell: Cell, root: Path, keys: Sequence[str], world_root: Option
     _link(out / "feature_cache", world_dir / "feature_cache")
     _link(out / "meta", world_dir / cell.meta_folder)
     stage_chc(world, weights, model, out, s)
-    variants = tuple(v for v in dict.fromkeys(METHOD_BY_KEY[k].variant for k in keys) if v)
+    variants = tuple(v for v in dict.fromkeys(method_row(k).variant for k in keys) if v)
     inits = stage_meta(world, weights, model, out, s, names=variants)
     return world, weights, model, inits, out
 
@@ -1024,12 +1027,23 @@ def resummarise(path: Path) -> dict:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gram_world.study", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=("run", "select", "travel", "summary"))
-    parser.add_argument("--worlds", nargs="+", default=list(WORLDS), help=f"study worlds ({', '.join(WORLDS)})")
-    parser.add_argument("--meta-seeds", type=int, nargs="+", default=list(META_SEEDS))
     parser.add_argument(
-        "--seeds", type=int, nargs="+", help="fine-tuning seeds (default: the demo's 1 2 3; select: 1 2)"
+        "--worlds",
+        nargs="+",
+        help=f"study worlds ({', '.join(WORLDS)}; default all; select --sweep b2n: 0 1, its rule's)",
     )
-    parser.add_argument("--out", default="", help="study folder (default output/study or output/select)")
+    parser.add_argument(
+        "--meta-seeds", type=int, nargs="+", help=f"meta-training seeds (default {' '.join(map(str, META_SEEDS))})"
+    )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        help="fine-tuning seeds (default: the demo's 1 2 3; select: 1 2; select --sweep b2n: 1 2 3)",
+    )
+    parser.add_argument(
+        "--out", default="", help="study folder (default output/study, output/select, output/select_<sweep>)"
+    )
     parser.add_argument("--jobs", type=int, help="worker processes")
     parser.add_argument(
         "--resume-from",
@@ -1037,14 +1051,17 @@ def _parser() -> argparse.ArgumentParser:
         help="run: an earlier results.json (same settings) whose "
         "cells are kept, not rerun (default: <out>/results.json when it exists); e.g. "
         "docs/study/results.json, the committed study; select --sweep regulator: an earlier "
-        "selection_regulator.json (same seeds), e.g. docs/study/selection_regulator.json",
+        "selection_regulator.json (same seeds), e.g. docs/study/selection_regulator.json; select --sweep b2n: an "
+        "earlier selection_b2n.json (same seeds and settings)",
     )
     parser.add_argument(
         "--sweep",
-        choices=("switches", "regulator"),
+        choices=("switches", "regulator", "b2n"),
         default="switches",
-        help="select: the test-time switches (window, launch, query weight) or how R_φ is "
-        "meta-trained (REGULATOR_SWEEP, at the default switches)",
+        help="select: the test-time switches (window, launch, query weight), how R_φ is "
+        "meta-trained (REGULATOR_SWEEP, at the default switches), or b2n: the base-to-new regulator sweep of "
+        "docs/study/selection_b2n_rule.md (θ* only / γ/β R_φ / gate R_φ on the paper's and class-shift meta-tasks "
+        "against fixed-λ consistency rows; gram_world/study_b2n.py)",
     )
     parser.add_argument(
         "--variants",
@@ -1068,21 +1085,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--split",
         choices=("test", "val"),
-        default="test",
-        help="travel: the split of the cells whose schedules are measured (run's cells: test)",
+        help="travel: the split of the cells whose schedules are measured (default test: run's cells)",
     )
     parser.add_argument(
         "--rows",
         choices=tuple(ROWS),
-        default="all",
-        help="run: the rows a new cell runs: all, or reg-adds (only each GRAM row and its θ*-only row: what "
-        "R_φ adds, e.g. for a --variants study)",
+        help="run: the rows a new cell runs: all (default), or reg-adds (only each GRAM row and its θ*-only row: "
+        "what R_φ adds, e.g. for a --variants study)",
     )
     parser.add_argument(
         "--mix-fingerprints",
         action="store_true",
-        help="run: keep cells of --resume-from computed at another numerics fingerprint (other code or kernels); "
-        "the summary names them. Without it such cells are refused",
+        help="run, select --sweep b2n: keep cells of --resume-from computed at another numerics fingerprint (other "
+        "code or kernels); the summary names them. Without it such cells are refused",
     )
     parser.add_argument("--quick", action="store_true", help="the demo's --quick settings (a smoke test)")
     parser.add_argument("--debug", action="store_true")
@@ -1095,6 +1110,15 @@ def main(argv: Optional[list] = None) -> int:
 
 def _main(argv: list) -> int:
     args = _parser().parse_args(argv)
+    from .study_b2n import B2N_FILE, B2N_WORLDS, b2n_markdown, check_b2n_options, select_b2n
+
+    b2n = args.command == "select" and args.sweep == "b2n"
+    if b2n:  # before any work: options that mean nothing to this sweep are refused, not ignored
+        check_b2n_options(args)
+    args.worlds = args.worlds or list(B2N_WORLDS if b2n else WORLDS)
+    args.meta_seeds = args.meta_seeds or list(META_SEEDS)
+    args.split = args.split or "test"
+    args.rows = args.rows or "all"
     base = DemoSettings.preset(args.quick)
     if args.jobs is not None:
         if args.jobs < 1:
@@ -1158,6 +1182,20 @@ def _main(argv: list) -> int:
                     f"{key:<22} beta share of the travel {np.mean(shares):.3f} (projection {np.mean(proj):+.3f}), "
                     f"{len(shares)} runs"
                 )
+    elif b2n:
+        base = replace(base, seeds=tuple(args.seeds or base.seeds))
+        root = Path(args.out or "output/select_b2n")
+        result = select_b2n(
+            root,
+            args.worlds,
+            base,
+            previous=Path(args.resume_from) if args.resume_from else None,
+            mix_fingerprints=args.mix_fingerprints,
+        )
+        print(b2n_markdown(result), end="")
+        print(
+            f"select --sweep b2n: chosen {result['chosen']} ({root / B2N_FILE}); this call took {time.time() - t:.0f} s"
+        )
     elif args.sweep == "regulator":
         base = replace(base, seeds=tuple(args.seeds or base.seeds[:2]))
         root = Path(args.out or "output/select_regulator")

@@ -353,7 +353,12 @@ def _epochs(records: list, settings: DemoSettings, world, path: Path, plt) -> No
 
 
 def _grad_cosine(out: Path, settings: DemoSettings, world, path: Path, plt) -> dict:
-    labels = {m.variant: m.label for m in METHOD_BY_KEY.values() if m.variant}
+    # a meta-training run is labelled by its own row (the key equal to the variant's name), else by the first row
+    # that starts from it; never by a component row such as "R_φ only", which shares the run
+    labels: dict = {}
+    for m in METHOD_BY_KEY.values():
+        if m.variant and (m.variant not in labels or m.key == m.variant):
+            labels[m.variant] = m.label
     fig, ax = plt.subplots(figsize=(10, 4.6))
     series, missing = {}, []
     trained = variants_needed(settings.tables)

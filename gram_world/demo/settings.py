@@ -94,12 +94,23 @@ VARIANT_BY_NAME = {v.name: v for v in ALL_VARIANTS}
 @dataclass(frozen=True)
 class MethodRow:
     """One row of the paper's tables: stable key (results.json, run folders), paper label,
-    evaluator preset and the meta variant whose θ*/φ it starts from ("" = none)."""
+    evaluator preset and the meta variant whose θ*/φ it starts from ("" = none).
+
+    A derived row (:func:`method_row` of a key such as ``coop@ct4``) is a table row fine-tuned with extra
+    :class:`meta.evaluation.MethodSpec` fields: ``table_key`` names the method table's row it is built from and
+    ``spec_overrides`` holds the extra fields as ``(field, value)`` pairs."""
 
     key: str
     label: str
     preset: str
     variant: str = ""
+    table_key: str = ""  # the method table's row (meta/methods.yaml) of a derived row; "" = ``key`` itself
+    spec_overrides: tuple = ()  # ((MethodSpec field, value), ...) on top of the row's spec
+
+    @property
+    def method_key(self) -> str:
+        """The method table's key of this row (``meta/methods.yaml``)."""
+        return self.table_key or self.key
 
 
 def _method_row(key: str, variant: str = "") -> MethodRow:
@@ -125,6 +136,7 @@ METHODS = (
         _method_row("gram_vpt_one_step", "gram_vpt_one_step"),
         _method_row("unigram", "unigram"),
         _method_row("unigram_reg_only", "unigram"),
+        _method_row("unigram_init_only", "unigram"),
         _method_row("unigram_one_step", "unigram_one_step"),
         _method_row("unigram_no_shift", "unigram_no_shift"),
         _method_row("unigram_no_reg", "unigram_no_reg"),
@@ -145,6 +157,76 @@ METHODS = (
     )
 )
 METHOD_BY_KEY = {m.key: m for m in METHODS}
+
+# Rows fine-tuned with the zero-shot consistency terms (meta/consistency.py) are evaluated under derived keys,
+# ``<row>@ct<λ text>_ci<λ image>`` with a zero weight left out: ``coop@ct4``, ``vpt@ci2.5``, ``joint@ct1_ci1.25``,
+# ``gram_coop@ct4`` (a gate-meta-trained CoOp + GRAM fine-tuned with the weights it was meta-trained with).  The
+# key keeps their runs, records and tables apart from the row's own.
+CONSISTENCY_TAGS = (("ct", "consistency_text", "text"), ("ci", "consistency_image", "image"))
+
+
+def consistency_key(key: str, text: float = 0.0, image: float = 0.0) -> str:
+    """The record key of row ``key`` fine-tuned with consistency weights λ ``text`` / ``image``
+    (:class:`meta.evaluation.MethodSpec` ``consistency_text`` / ``consistency_image``); ``key`` itself when both are
+    0.  The one spelling :func:`method_row` reads back (numbers as ``format(λ, ".12g")``: 4, 2.5)."""
+    if key not in METHOD_BY_KEY:
+        raise KeyError(f"unknown demo row {key!r}: expected one of {', '.join(METHOD_BY_KEY)}")
+    parts = []
+    for (tag, _, what), value in zip(CONSISTENCY_TAGS, (text, image)):
+        value = float(value)
+        if not value >= 0 or value == float("inf"):
+            raise ValueError(f"consistency_key {key!r}: the {what} weight must be a finite number >= 0, got {value!r}")
+        if value:
+            parts.append(f"{tag}{value:.12g}")
+    return f"{key}@{'_'.join(parts)}" if parts else key
+
+
+def consistency_weights(key: str) -> tuple[float, float]:
+    """``(λ text, λ image)`` of a record key (:func:`consistency_key`); ``(0, 0)`` for a plain row."""
+    overrides = dict(method_row(key).spec_overrides)
+    return tuple(float(overrides.get(field, 0.0)) for _, field, _ in CONSISTENCY_TAGS)
+
+
+def _consistency_tags(tags: str) -> dict:
+    """``{MethodSpec field: λ}`` of the part of a derived key after ``@`` (``ct4_ci5``); {} when it is not one."""
+    by_tag = {tag: field for tag, field, _ in CONSISTENCY_TAGS}
+    out: dict = {}
+    for part in tags.split("_"):
+        field = by_tag.get(part[:2])
+        try:
+            value = float(part[2:])
+        except ValueError:
+            return {}
+        if field is None or field in out or not 0 < value < float("inf"):
+            return {}
+        out[field] = value
+    return out
+
+
+def method_row(key: str) -> MethodRow:
+    """The row of a record key: a :data:`METHODS` row, or a derived row ``<row>@<weights>`` (:func:`consistency_key`):
+    the row's preset, meta variant and method-table row, fine-tuned with those consistency weights, labelled
+    ``"<label>, λ text 4"``.  Any other key (or another spelling of one) is a one-line error."""
+    if key in METHOD_BY_KEY:
+        return METHOD_BY_KEY[key]
+    name, _, tags = key.partition("@")
+    weights = _consistency_tags(tags)
+    text, image = (weights.get(field, 0.0) for _, field, _ in CONSISTENCY_TAGS)
+    if name not in METHOD_BY_KEY or not weights or consistency_key(name, text, image) != key:
+        raise KeyError(
+            f"unknown demo row {key!r}: expected a row key ({', '.join(METHOD_BY_KEY)}) or <row>@ct<λ>_ci<λ> "
+            "as consistency_key spells it (e.g. coop@ct4, vpt@ci2.5, joint@ct1_ci1.25)"
+        )
+    base = METHOD_BY_KEY[name]
+    what = ", ".join(f"{w} {weights[field]:g}" for _, field, w in CONSISTENCY_TAGS if field in weights)
+    return replace(
+        base,
+        key=key,
+        label=f"{base.label}, λ {what}",
+        table_key=base.key,
+        spec_overrides=tuple((field, weights[field]) for _, field, _ in CONSISTENCY_TAGS if field in weights),
+    )
+
 
 # Which rows each table holds (keys of METHODS), in the paper's order.  CoCoOp, a row of the
 # paper's Tables 1-3, is not implemented here.

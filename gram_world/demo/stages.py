@@ -38,7 +38,6 @@ from .pool import log, run_with_progress
 from .settings import (
     ALL_VARIANTS,
     EPOCH_CURVE_KEYS,
-    METHOD_BY_KEY,
     METHODS,
     ONE_STEP,
     VALUE_BEFORE_SETTING,
@@ -49,6 +48,7 @@ from .settings import (
     b2n_keys,
     demo_pretrain_settings,
     demo_world_settings,
+    method_row,
     settings_record,
     transfer_keys,
     variants_needed,
@@ -231,7 +231,7 @@ class EvalJob:
     protocol: str  # "base2new" | "transfer"
     dataset: str  # the dataset (base-to-new) or the source (transfer)
     dataset_dir: str
-    key: str  # METHODS key
+    key: str  # METHODS key, or a derived one (settings.method_row: a row with consistency weights)
     seed: int
     shots: int
     init: str = ""  # GRAM init file of the row's meta variant
@@ -244,8 +244,9 @@ class EvalJob:
     @property
     def cost(self) -> int:
         """Rough relative run time (visual prompts cannot use cached image features)."""
-        variant = VARIANT_BY_NAME.get(METHOD_BY_KEY[self.key].variant)
-        row = method_table.get(self.key)
+        demo_row = method_row(self.key)
+        variant = VARIANT_BY_NAME.get(demo_row.variant)
+        row = method_table.get(demo_row.method_key)
         visual = (variant.n_ctx_vision if variant else row.visual_tokens) > 0 or row.coupling != "none"
         return (4 if visual else 1) * (1 + len(self.targets))
 
@@ -254,17 +255,19 @@ def method_spec(row: MethodRow, init: str = "", settings: DemoSettings = DemoSet
     """The evaluator's :class:`meta.evaluation.MethodSpec` of a table row (named by its paper label):
     its preset plus what the method table fixes for the row (θ* and / or R_φ from the init file),
     the settings' ``vpt_init`` for scratch visual tokens and the test-time switches for rows with an
-    init file (``reg_window`` when regulated, ``launch``)."""
-    overrides: dict = {**table_fields(row.key), "name": row.label, "vpt_init": settings.vpt_init}
+    init file (``reg_window`` when regulated, ``launch``); a derived row (:func:`method_row`, e.g. ``coop@ct4``)
+    adds its ``spec_overrides`` (the consistency weights) last."""
+    overrides: dict = {**table_fields(row.method_key), "name": row.label, "vpt_init": settings.vpt_init}
     variant = VARIANT_BY_NAME.get(row.variant)
     if variant is not None:
         overrides.update(n_ctx_text=variant.n_ctx_text, n_ctx_vision=variant.n_ctx_vision)
-        if not method_table.get(row.key).one_step:  # one-step rows keep the table's per-image rule, no launch
+        if not method_table.get(row.method_key).one_step:  # one-step rows keep the table's per-image rule, no launch
             overrides["launch"] = settings.launch and variant.meta_learned
             if overrides["regulate"]:
                 overrides["reg_window"] = settings.reg_window
         if not variant.regulated and overrides["regulate"]:
             raise ValueError(f"demo row {row.key!r}: regulated, but meta variant {variant.name!r} exports no φ")
+    overrides.update(row.spec_overrides)
     return method_preset(row.preset, init_path=init, **overrides)
 
 
@@ -287,7 +290,7 @@ def run_eval_job(job: EvalJob) -> None:
     path = job.path(out)
     if path.is_file():
         return
-    row = METHOD_BY_KEY[job.key]
+    row = method_row(job.key)
     method = method_spec(row, job.init, settings)
     train = TrainSpec(
         epochs=settings.epochs,
@@ -343,9 +346,11 @@ def transfer_plan(world) -> dict:
 
 
 def eval_jobs(world, inits: dict, settings: DemoSettings, keys: Optional[tuple] = None) -> list:
-    """Every evaluation run the requested tables need (or base-to-new runs of the rows ``keys`` only)."""
+    """Every evaluation run the requested tables need (or base-to-new runs of the rows ``keys`` only: table rows
+    or derived ones, :func:`method_row`)."""
     names = settings.datasets or tuple(d.name for d in world.with_role("base2new"))
     init = {m.key: inits.get(m.variant, "") for m in METHODS}
+    init.update({k: inits.get(method_row(k).variant, "") for k in keys or () if k not in init})
     jobs = [
         EvalJob("base2new", n, str(world.dataset(n).dataset_dir), k, seed, settings.shots, init[k])
         for n in names
