@@ -224,6 +224,9 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     # the prompt learner (meta.learners registry key): "clip" = the built-in one the keys above shape; a learner
     # registered by your code (in the process that meta-trains) is named here and reads the keys it needs
     m.PROMPT.LEARNER = PromptSpec.learner
+    # modules imported before LEARNER is looked up, so a command-line run finds a learner your code registers
+    # (meta.learners.register_learner at import); dotted names on sys.path, e.g. ['my_learners']
+    m.PROMPT.LEARNER_MODULES = []
 
     # ---- Table 4 row 3: plain classification over the topics --------------------------------
     m.PRETRAIN = CN()

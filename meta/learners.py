@@ -115,6 +115,27 @@ def get_learner(key: str) -> PromptLearner:
         raise ValueError(f"unknown prompt learner {key!r}; registered: {', '.join(sorted(_REGISTRY))}") from None
 
 
+def import_learner_modules(modules: Any, key: str) -> list[str]:
+    """Import the Python modules that register your learners (``register_learner`` at import), so that a command
+    line run can name them: ``modules`` is the value of the config key ``key`` (``META.PROMPT.LEARNER_MODULES`` or
+    ``TRAINER.GRAM.LEARNER_MODULES``), a list of dotted module names found on ``sys.path`` (the folder the command
+    runs from, or ``PYTHONPATH``).  Returns the names imported; ValueError naming ``key`` and the module otherwise."""
+    import importlib
+
+    if isinstance(modules, str) or not isinstance(modules, (list, tuple)):
+        raise ValueError(f"{key}: expected a list of module names (e.g. ['my_learners']), got {modules!r}")
+    done = []
+    for name in modules:
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"{key}: expected module names, got {name!r}")
+        try:
+            importlib.import_module(name.strip())
+        except Exception as err:  # noqa: BLE001 - any failure of the user's module is reported by name, in one line
+            raise ValueError(f"{key}: cannot import {name!r} ({type(err).__name__}: {err})") from None
+        done.append(name.strip())
+    return done
+
+
 def learner_keys() -> tuple[str, ...]:
     """The registered learner keys, sorted."""
     return tuple(sorted(_REGISTRY))

@@ -161,3 +161,34 @@ def test_meta_training_exports_the_toy_and_its_checkpoint_rebuilds_it(tmp_path):
         assert result["step"] == 2
     with pytest.raises(ValueError, match="META.PROMPT.LEARNER: expected a registered prompt learner"):
         train(build_cfg(opts=opts + ["META.PROMPT.LEARNER", toy], output_dir=str(tmp_path / "gone")))
+
+
+def test_learner_modules_keys_import_a_users_module_so_the_command_line_finds_its_learner(tmp_path, monkeypatch):
+    """``META.PROMPT.LEARNER_MODULES`` imports a module that registers a learner at import, before the learner key is
+    checked; a module that cannot be imported is one error naming the key (the Dassl key: test_trainers_config)."""
+    from meta.learners import unregister_learner
+    from meta.metatrain import build_cfg, settings
+
+    (tmp_path / "user_learners_for_test.py").write_text(
+        "from helpers_learner import LowRankContext\n"
+        "from meta.learners import register_learner\n\n"
+        "class Plugged(LowRankContext):\n"
+        "    key = 'plugged_by_module'\n\n"
+        "register_learner(Plugged())\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    named = ["META.PROMPT.LEARNER", "plugged_by_module"]
+    with pytest.raises(ValueError, match="META.PROMPT.LEARNER"):
+        settings.check_meta_cfg(build_cfg(opts=named, output_dir=str(tmp_path / "a")))
+    with pytest.raises(ValueError, match="META.PROMPT.LEARNER_MODULES: cannot import 'no_such_module_here'"):
+        settings.check_meta_cfg(
+            build_cfg(opts=[*named, "META.PROMPT.LEARNER_MODULES", "['no_such_module_here']"], output_dir=str(tmp_path))
+        )
+    try:
+        cfg = build_cfg(
+            opts=[*named, "META.PROMPT.LEARNER_MODULES", "['user_learners_for_test']"], output_dir=str(tmp_path)
+        )
+        settings.check_meta_cfg(cfg)
+        assert "plugged_by_module" in learner_keys() and settings.prompt_spec(cfg).learner == "plugged_by_module"
+    finally:
+        unregister_learner("plugged_by_module")

@@ -65,6 +65,7 @@ def test_extend_cfg_adds_every_key_with_paper_defaults():
         "CONSISTENCY_TEXT",
         "CONSISTENCY_IMAGE",
         "LEARNER",
+        "LEARNER_MODULES",
         "EXIF_UPRIGHT",
     }
     assert g.LEARNER == "clip"  # the built-in prompt learner (meta.learners)
@@ -324,3 +325,30 @@ def test_method_configs_share_one_protocol_block():
         assert set(reference) >= {"DATALOADER", "INPUT", "OPTIM", "MODEL"}
         for key, doc in docs.items():
             assert {s: v for s, v in doc.items() if s != "TRAINER"} == reference, methods.get(key).config
+
+
+def test_learner_modules_key_imports_the_module_that_registers_a_users_learner(tmp_path, monkeypatch):
+    """``TRAINER.GRAM.LEARNER_MODULES`` is imported before ``TRAINER.GRAM.LEARNER`` is checked; not a list, or a module
+    that fails to import, is one error naming the key."""
+    from meta.learners import learner_keys, unregister_learner
+
+    (tmp_path / "dassl_side_learners_for_test.py").write_text(
+        "from meta.learners import register_learner\n"
+        "from meta.prompts import ClipPrompts\n\n"
+        "class Plugged(ClipPrompts):\n"
+        "    key = 'plugged_for_dassl'\n\n"
+        "register_learner(Plugged())\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = minimal_cfg()
+    cfg.TRAINER.GRAM.LEARNER = "plugged_for_dassl"
+    with pytest.raises(ValueError, match="TRAINER.GRAM.LEARNER: expected one of"):
+        gram_settings(cfg, "GRAM_CoOp")
+    cfg.TRAINER.GRAM.LEARNER_MODULES = "dassl_side_learners_for_test"
+    with pytest.raises(ValueError, match="TRAINER.GRAM.LEARNER_MODULES: expected a list"):
+        gram_settings(cfg, "GRAM_CoOp")
+    cfg.TRAINER.GRAM.LEARNER_MODULES = ["dassl_side_learners_for_test"]
+    try:
+        assert gram_settings(cfg, "GRAM_CoOp").learner == "plugged_for_dassl" and "plugged_for_dassl" in learner_keys()
+    finally:
+        unregister_learner("plugged_for_dassl")

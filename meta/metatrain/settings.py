@@ -15,7 +15,7 @@ from yacs.config import CfgNode as CN
 
 from meta.config import add_metatrain_cfg, get_meta_cfg_default
 from meta.consistency import ConsistencySpec
-from meta.learners import DEFAULT_LEARNER, learner_keys
+from meta.learners import DEFAULT_LEARNER, import_learner_modules, learner_keys
 from meta.precision import resolve_autocast
 from meta.prompts import COUPLINGS, VPT_INITS, PromptSpec
 from meta.regulator import RegulatorSpec
@@ -179,6 +179,7 @@ def check_meta_cfg(cfg: CN) -> None:
         (m.PROMPT.N_CTX_TEXT, m.PROMPT.N_CTX_VISION),
     )
     need(m.PROMPT.VPT_INIT in VPT_INITS, "META.PROMPT.VPT_INIT", " | ".join(VPT_INITS), m.PROMPT.VPT_INIT)
+    import_learner_modules(m.PROMPT.get("LEARNER_MODULES", []), "META.PROMPT.LEARNER_MODULES")
     learner = m.PROMPT.get("LEARNER", DEFAULT_LEARNER)
     need(
         learner in learner_keys(),

@@ -45,7 +45,7 @@ from meta.clip_weights import (  # noqa: F401  (re-exported: the names this modu
 from meta.consistency import ConsistencySpec
 from meta.engine import Naming, start_rule_problems
 from meta.finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
-from meta.learners import learner_keys
+from meta.learners import import_learner_modules, learner_keys
 from meta.prompts import DEFAULT_TEMPLATE, PromptSpec
 
 # Trainer name -> (learns text context, learns visual prompts), and the trainers whose visual prompts are
@@ -104,6 +104,7 @@ def _gram_defaults() -> CN:
     node.VPT_INIT = PromptSpec.vpt_init  # baselines' visual tokens: normal | zeros | cls | patch_mean (meta.prompts)
     node.LEARNER = PromptSpec.learner  # prompt learner (meta.learners registry key): "clip" = the built-in one
     # the trainers above configure; a learner registered by your code is named here and reads these keys
+    node.LEARNER_MODULES = []  # modules imported first that register your learners, e.g. ['my_learners']
     # --- zero-shot consistency (meta.consistency; fine-tuning loss CE + λ_t L_text + λ_v L_image) ---------
     node.CONSISTENCY_TEXT = 0.0  # λ_t: 1 - mean cos to the hand-made prompt's text features (KgCoOp uses 8.0)
     node.CONSISTENCY_IMAGE = 0.0  # λ_v: L1 to the frozen image features, visual prompts only (PromptSRC uses 10)
@@ -308,6 +309,7 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
             raise ValueError(f"TRAINER.GRAM.{key}: expected a finite number >= 0 (0 = off), got {value!r}")
         weights_of[key] = float(value)
     consistency = ConsistencySpec(weights_of["CONSISTENCY_TEXT"], weights_of["CONSISTENCY_IMAGE"])
+    import_learner_modules(g.LEARNER_MODULES, "TRAINER.GRAM.LEARNER_MODULES")
     learner = str(g.LEARNER)
     if learner not in learner_keys():
         raise ValueError(f"TRAINER.GRAM.LEARNER: expected one of {'|'.join(learner_keys())}, got {learner!r}")
