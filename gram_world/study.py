@@ -923,17 +923,16 @@ def regulator_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def load_regulator_cells(path: Path, base: DemoSettings) -> dict:
-    """Finished cells of an earlier ``selection_regulator.json`` run with ``base``'s fine-tuning seeds and
-    meta-training seed on val splits: ``{variant: {(world, meta seed): cell_h table}}``.  A file written with
-    other settings is an error naming the differing keys (its cells are not this sweep's)."""
+def read_sweep_file(path: Path, kind: str, ours: dict) -> dict:
+    """The content of an earlier sweep file ``path`` (``kind``: its file name, for messages) after checking that it
+    holds ``cells`` and was written with the settings ``ours`` (``{key: value}``); an error naming the differing keys
+    otherwise (its cells are not this sweep's)."""
     try:
         data = parse_json(path.read_text())
     except ValueError as e:
-        raise ValueError(f"{path}: not a selection_regulator.json ({e})") from None
+        raise ValueError(f"{path}: not a {kind} ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("cells"), dict):
-        raise ValueError(f"{path}: expected a selection_regulator.json (an object with 'cells')")
-    ours = {"split": "val", "seeds": list(base.seeds), "meta_seed": base.meta_seed}
+        raise ValueError(f"{path}: expected a {kind} (an object with 'cells')")
     differ = sorted(k for k in ours if data.get(k) != ours[k])
     if differ:
         raise ValueError(
@@ -941,6 +940,14 @@ def load_regulator_cells(path: Path, base: DemoSettings) -> dict:
             f"({', '.join(f'{k} {data.get(k)!r} != {ours[k]!r}' for k in differ)}); "
             "use another --out or --resume-from"
         )
+    return data
+
+
+def load_regulator_cells(path: Path, base: DemoSettings) -> dict:
+    """Finished cells of an earlier ``selection_regulator.json`` run with ``base``'s fine-tuning seeds and
+    meta-training seed on val splits: ``{variant: {(world, meta seed): cell_h table}}``."""
+    ours = {"split": "val", "seeds": list(base.seeds), "meta_seed": base.meta_seed}
+    data = read_sweep_file(path, "selection_regulator.json", ours)
     per_variant: dict = {}
     for name, table in data["cells"].items():
         variant, world, seed = name.split("/")

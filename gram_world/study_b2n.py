@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from meta.fileio import parse_json, write_json_atomic, write_text_atomic
+from meta.fileio import write_json_atomic, write_text_atomic
 
 from . import study
 from .demo.pool import log
@@ -495,20 +495,7 @@ def load_b2n_cells(path: Path, base: DemoSettings) -> tuple[dict, dict]:
     """Finished units of an earlier ``selection_b2n.json`` run with ``base``'s seeds and settings:
     ``({unit: {(world, meta seed): cell_h table}}, the file's content)``.  A file written with other settings is an
     error naming the differing keys."""
-    try:
-        data = parse_json(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"{path}: not a {B2N_FILE} ({e})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("cells"), dict):
-        raise ValueError(f"{path}: expected a {B2N_FILE} (an object with 'cells')")
-    ours = b2n_record(base)
-    differ = sorted(k for k in ours if data.get(k) != ours[k])
-    if differ:
-        raise ValueError(
-            f"{path}: written with other settings "
-            f"({', '.join(f'{k} {data.get(k)!r} != {ours[k]!r}' for k in differ)}); "
-            "use another --out or --resume-from"
-        )
+    data = study.read_sweep_file(path, B2N_FILE, b2n_record(base))
     cells: dict = {}
     for name, table in data["cells"].items():
         unit, world, seed = name.rsplit("/", 2)
