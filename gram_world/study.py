@@ -11,9 +11,8 @@ is missing):
   (GRAM row − its baseline) over the three prompt types; test splits are never read.  ``--sweep regulator``
   sweeps how R_φ is meta-trained instead (:data:`REGULATOR_SWEEP`, at the default switches), ranked by
   :func:`rank_regulator_variants` (a variant replaces ``k1`` only by more than :data:`SELECT_MARGIN_H`).
-  ``--sweep b2n`` is the base-to-new regulator sweep of ``docs/study/selection_b2n_rule.md`` (θ* only, γ/β R_φ
-  and the gate R_φ on the paper's and on class-shift meta-tasks, against fixed-λ consistency rows;
-  :mod:`gram_world.study_b2n`).
+  The base-to-new regulator sweep of ``docs/study/selection_b2n_rule.md`` is its own command,
+  ``python -m gram_world.study_b2n`` (:mod:`gram_world.study_b2n`, built on this module's cells).
 * ``run``: the default pipeline (the demo's settings) on the **test** splits of every world in
   :data:`WORLDS` for each meta-training seed; then every pair of :data:`gram_world.demo.settings.PAIRS`
   as a paired mean difference of H with a 95 % bootstrap interval, and each world's regime (zero-shot, CoOp,
@@ -1037,7 +1036,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--worlds",
         nargs="+",
-        help=f"study worlds ({', '.join(WORLDS)}; default all; select --sweep b2n: 0 1, its rule's)",
+        help=f"study worlds ({', '.join(WORLDS)}; default all)",
     )
     parser.add_argument(
         "--meta-seeds", type=int, nargs="+", help=f"meta-training seeds (default {' '.join(map(str, META_SEEDS))})"
@@ -1046,7 +1045,7 @@ def _parser() -> argparse.ArgumentParser:
         "--seeds",
         type=int,
         nargs="+",
-        help="fine-tuning seeds (default: the demo's 1 2 3; select: 1 2; select --sweep b2n: 1 2 3)",
+        help="fine-tuning seeds (default: the demo's 1 2 3; select: 1 2)",
     )
     parser.add_argument(
         "--out", default="", help="study folder (default output/study, output/select, output/select_<sweep>)"
@@ -1058,17 +1057,15 @@ def _parser() -> argparse.ArgumentParser:
         help="run: an earlier results.json (same settings) whose "
         "cells are kept, not rerun (default: <out>/results.json when it exists); e.g. "
         "docs/study/results.json, the committed study; select --sweep regulator: an earlier "
-        "selection_regulator.json (same seeds), e.g. docs/study/selection_regulator.json; select --sweep b2n: an "
-        "earlier selection_b2n.json (same seeds and settings)",
+        "selection_regulator.json (same seeds), e.g. docs/study/selection_regulator.json",
     )
     parser.add_argument(
         "--sweep",
-        choices=("switches", "regulator", "b2n"),
+        choices=("switches", "regulator"),
         default="switches",
-        help="select: the test-time switches (window, launch, query weight), how R_φ is "
-        "meta-trained (REGULATOR_SWEEP, at the default switches), or b2n: the base-to-new regulator sweep of "
-        "docs/study/selection_b2n_rule.md (θ* only / γ/β R_φ / gate R_φ on the paper's and class-shift meta-tasks "
-        "against fixed-λ consistency rows; gram_world/study_b2n.py)",
+        help="select: the test-time switches (window, launch, query weight) or how R_φ is "
+        "meta-trained (REGULATOR_SWEEP, at the default switches); the base-to-new sweep is "
+        "python -m gram_world.study_b2n",
     )
     parser.add_argument(
         "--variants",
@@ -1103,7 +1100,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--mix-fingerprints",
         action="store_true",
-        help="run, select --sweep b2n: keep cells of --resume-from computed at another numerics fingerprint (other "
+        help="run: keep cells of --resume-from computed at another numerics fingerprint (other "
         "code or kernels); the summary names them. Without it such cells are refused",
     )
     parser.add_argument("--quick", action="store_true", help="the demo's --quick settings (a smoke test)")
@@ -1117,12 +1114,7 @@ def main(argv: Optional[list] = None) -> int:
 
 def _main(argv: list) -> int:
     args = _parser().parse_args(argv)
-    from .study_b2n import B2N_FILE, B2N_WORLDS, b2n_markdown, check_b2n_options, select_b2n
-
-    b2n = args.command == "select" and args.sweep == "b2n"
-    if b2n:  # before any work: options that mean nothing to this sweep are refused, not ignored
-        check_b2n_options(args)
-    args.worlds = args.worlds or list(B2N_WORLDS if b2n else WORLDS)
+    args.worlds = args.worlds or list(WORLDS)
     args.meta_seeds = args.meta_seeds or list(META_SEEDS)
     args.split = args.split or "test"
     args.rows = args.rows or "all"
@@ -1189,20 +1181,6 @@ def _main(argv: list) -> int:
                     f"{key:<22} beta share of the travel {np.mean(shares):.3f} (projection {np.mean(proj):+.3f}), "
                     f"{len(shares)} runs"
                 )
-    elif b2n:
-        base = replace(base, seeds=tuple(args.seeds or base.seeds))
-        root = Path(args.out or "output/select_b2n")
-        result = select_b2n(
-            root,
-            args.worlds,
-            base,
-            previous=Path(args.resume_from) if args.resume_from else None,
-            mix_fingerprints=args.mix_fingerprints,
-        )
-        print(b2n_markdown(result), end="")
-        print(
-            f"select --sweep b2n: chosen {result['chosen']} ({root / B2N_FILE}); this call took {time.time() - t:.0f} s"
-        )
     elif args.sweep == "regulator":
         base = replace(base, seeds=tuple(args.seeds or base.seeds[:2]))
         root = Path(args.out or "output/select_regulator")

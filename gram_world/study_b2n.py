@@ -1,4 +1,4 @@
-"""``python -m gram_world.study select --sweep b2n``: the base-to-new regulator sweep, the written rule of
+"""``python -m gram_world.study_b2n``: the base-to-new regulator sweep, the written rule of
 ``docs/study/selection_b2n_rule.md`` (committed before any of its cells ran) applied to val-split cells.
 
 What runs on each world (meta-training seed ``settings.meta_seed``, val splits, the demo's settings otherwise),
@@ -39,6 +39,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from meta.cli_errors import run_cli
 from meta.fileio import write_json_atomic, write_text_atomic
 
 from . import study
@@ -585,16 +586,57 @@ def _write_b2n_result(
     return result
 
 
-# Options of `python -m gram_world.study` that mean nothing to this sweep (its rows, meta seed and split are the
-# rule's): refused, in one line, rather than ignored.
-REFUSED_OPTIONS = ("variants", "meta_seeds", "datasets", "deep", "add_missing_rows", "rows", "split")
+def _parser():
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m gram_world.study_b2n",
+        description=f"The base-to-new regulator sweep on val splits, by the written rule of {RULE}.",
+    )
+    parser.add_argument("--worlds", nargs="+", default=list(B2N_WORLDS), help="study worlds (default 0 1, the rule's)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="fine-tuning seeds (default 1 2 3)")
+    parser.add_argument("--out", default="output/select_b2n", help="sweep folder (default output/select_b2n)")
+    parser.add_argument("--jobs", type=int, help="worker processes")
+    parser.add_argument(
+        "--resume-from", default="", help=f"an earlier {B2N_FILE} (same seeds and settings) whose units are kept"
+    )
+    parser.add_argument(
+        "--mix-fingerprints",
+        action="store_true",
+        help="keep units of --resume-from computed at another numerics fingerprint (the summary names them)",
+    )
+    parser.add_argument("--quick", action="store_true", help="the demo's --quick settings (a smoke test)")
+    parser.add_argument("--debug", action="store_true")
+    return parser
 
 
-def check_b2n_options(args) -> None:
-    """Refuse, in one line, any option of :data:`REFUSED_OPTIONS` given to ``select --sweep b2n``."""
-    given = [f"--{d.replace('_', '-')}" for d in REFUSED_OPTIONS if getattr(args, d, None) not in (None, False)]
-    if given:
-        raise ValueError(
-            f"{given[0]}: select --sweep b2n does not take it (its rows, meta-training seed and val split are "
-            f"its rule's, {RULE}); takes --worlds, --seeds, --out, --resume-from, --jobs, --mix-fingerprints, --quick"
-        )
+def main(argv: Optional[list] = None) -> int:
+    return run_cli(_main, argv)
+
+
+def _main(argv: list) -> int:
+    args = _parser().parse_args(argv)
+    base = DemoSettings.preset(args.quick)
+    if args.jobs is not None:
+        if args.jobs < 1:
+            raise ValueError(f"--jobs: expected an integer >= 1 worker processes, got {args.jobs}")
+        base = replace(base, jobs=args.jobs)
+    for w in args.worlds:
+        study.world_settings(w, base)
+    t = time.time()
+    base = replace(base, seeds=tuple(args.seeds))
+    root = Path(args.out)
+    result = select_b2n(
+        root,
+        args.worlds,
+        base,
+        previous=Path(args.resume_from) if args.resume_from else None,
+        mix_fingerprints=args.mix_fingerprints,
+    )
+    print(b2n_markdown(result), end="")
+    print(f"study_b2n: chosen {result['chosen']} ({root / B2N_FILE}); this call took {time.time() - t:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""``python -m gram_world.study select --sweep b2n`` (gram_world/study_b2n.py): its units, derived record keys for
+"""``python -m gram_world.study_b2n`` (gram_world/study_b2n.py): its units, derived record keys for
 rows fine-tuned with consistency weights, the written rule of docs/study/selection_b2n_rule.md on hand-made tables,
 its files and resume, and the command line.  No stage runs: ``run_cell`` (or the stages) are stand-ins."""
 
@@ -467,21 +467,26 @@ def test_kept_units_of_another_fingerprint_are_refused_unless_mixed(tmp_path, mo
 
 def test_the_command_line(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as done:
-        study.main(["select", "--sweep", "b2n", "--help"])
+        study_b2n.main(["--help"])
     assert done.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "{switches,regulator,b2n}" in out and "select --sweep b2n: 1 2 3" in out
-    assert "docs/study/selection_b2n_rule.md" in out
-    for option in (["--variants", "k1"], ["--meta-seeds", "1"], ["--deep"], ["--rows", "all"], ["--split", "val"]):
-        assert study.main(["select", "--sweep", "b2n", "--out", str(tmp_path / "o"), *option]) == 2
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith(f"error: {option[0]}: select --sweep b2n does not take it")
-    assert study.main(["select", "--sweep", "b2n", "--worlds", "5", "--out", str(tmp_path / "o")]) == 2
+    assert "docs/study/selection_b2n_rule.md" in out and "default 1 2 3" in out and "default 0 1" in out
+    assert study_b2n.main(["--worlds", "5", "--out", str(tmp_path / "o")]) == 2
     assert capsys.readouterr().err == "error: --worlds: unknown world '5'; known: 0, 1, 2, 7, 13v, 3\n"
-    with pytest.raises(SystemExit) as done:
-        study.main(["select", "--sweep", "b2n", "--bogus"])
-    assert done.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith("unrecognized arguments: --bogus")
+    assert study_b2n.main(["--jobs", "0", "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.startswith("error: --jobs: expected an integer >= 1")
+    for option in (
+        ["--variants", "k1"],
+        ["--meta-seeds", "1"],
+        ["--bogus"],
+    ):  # the study's options are not this sweep's
+        with pytest.raises(SystemExit) as done:
+            study_b2n.main(["--out", str(tmp_path / "o"), *option])
+        assert done.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err.splitlines()[-1]
     assert not (tmp_path / "o").exists()  # refused before any work
+    with pytest.raises(SystemExit) as done:  # the study's select no longer takes the b2n sweep
+        study.main(["select", "--sweep", "b2n"])
+    assert done.value.code == 2 and "invalid choice: 'b2n'" in capsys.readouterr().err
     # the defaults: the rule's worlds 0 and 1 and fine-tuning seeds 1 2 3
     ran: list = []
     fake = _fake_run_cell(ran)
@@ -492,11 +497,11 @@ def test_the_command_line(tmp_path, monkeypatch, capsys):
             {**r, "seed": s} for r in fake(cell, root, keys)[::2] for s in (1, 2, 3)
         ],
     )
-    assert study.main(["select", "--sweep", "b2n", "--out", str(tmp_path / "o")]) == 0
+    assert study_b2n.main(["--out", str(tmp_path / "o")]) == 0
     data = json.loads((tmp_path / "o" / B2N_FILE).read_text())
     assert (data["worlds"], data["seeds"], data["partial"]) == (["0", "1"], [1, 2, 3], False)
     out = capsys.readouterr().out
-    assert "select --sweep b2n: chosen init_only/class_shift" in out and "| variant |" in out
+    assert "study_b2n: chosen init_only/class_shift" in out and "| variant |" in out
     # the other commands keep their defaults
     seen = []
     monkeypatch.setattr(
