@@ -639,4 +639,7 @@ def _main(argv: list) -> int:
 
 
 if __name__ == "__main__":
+    from meta.numerics import pin_process
+
+    pin_process()  # numpy started with this module: this starts the command again, pinned (meta.numerics)
     raise SystemExit(main())
