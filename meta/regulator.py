@@ -271,7 +271,7 @@ class Mix(RegulatorWrapper):
         reg.mix_logit = nn.Parameter(torch.tensor(reg.spec.mix_init))
 
     def apply(self, reg, grad, out, b):
-        c = torch.sigmoid(reg.mix_logit)
+        c = reg.mix_coefficient()
         return (1.0 - c) * out + c * grad, (1.0 - c) * b
 
 
@@ -284,7 +284,7 @@ class StepSize(RegulatorWrapper):
         reg.log_lr = nn.Parameter(torch.tensor(0.0))
 
     def apply(self, reg, grad, out, b):
-        lr = torch.exp(reg.log_lr)
+        lr = reg.step_size()
         return lr * out, lr * b
 
 
