@@ -19,7 +19,11 @@ setup(
     version="0.1.0",
     description="Gradient-Regulated Meta-prompt learning (GRAM) for CLIP prompt tuning",
     packages=find_packages(include=["meta", "meta.*", "gram_world", "gram_world.*", "gram_tools", "gram_tools.*"]),
-    package_data={"meta": ["model_configs/*.json", "methods.yaml"]},
+    package_data={
+        "meta.model": ["model_configs/*.json"],
+        "meta.method": ["methods.yaml"],
+        "meta.infra": ["fingerprint_golden.json"],
+    },
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6",
@@ -28,7 +32,7 @@ setup(
         "numpy>=1.24",
         "pillow>=10",
         "yacs>=0.1.8",
-        "pyyaml>=6.0",  # the method table meta/methods.yaml
+        "pyyaml>=6.0",  # the method table meta/method/methods.yaml
         "safetensors>=0.4",
         "tqdm>=4.60",
         "tensorboard>=2.14",

@@ -13,7 +13,7 @@ Differences from CoOp's file:
   similar notes are on record next to the numbers;
 * bad input (a misspelled config key, a missing or unfit ``TRAINER.GRAM.INIT`` or weights file, an unknown
   trainer, a config file with a YAML alias) ends with one ``error: <key or file>: <what>`` line on stderr and
-  exit status 2, as the ``meta`` commands do (:mod:`meta.cli_errors`); ``--debug`` or ``GRAM_DEBUG=1`` shows
+  exit status 2, as the ``meta`` commands do (:mod:`meta.infra.cli_errors`); ``--debug`` or ``GRAM_DEBUG=1`` shows
   the traceback.
 """
 
@@ -24,9 +24,9 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
-from meta.numerics import pin_process
+from meta.infra.numerics import pin_process
 
-pin_process()  # CPU kernel pins before torch starts (meta.numerics)
+pin_process()  # CPU kernel pins before torch starts (meta.infra.numerics)
 
 import torch  # noqa: E402
 from dassl.config import get_cfg_default  # noqa: E402
@@ -81,8 +81,8 @@ def extend_cfg(cfg) -> None:
 
 def _merge(where: str, merge, source) -> None:
     """``merge(source)``, with yacs' refusals (a ``KeyError`` from a file, an ``AssertionError`` from the
-    command line) turned into a :class:`meta.cli_errors.UserError` naming ``where``."""
-    from meta.cli_errors import UserError, one_line
+    command line) turned into a :class:`meta.infra.cli_errors.UserError` naming ``where``."""
+    from meta.infra.cli_errors import UserError, one_line
 
     try:
         merge(source)
@@ -176,6 +176,6 @@ def cli(argv: Optional[Sequence[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    from meta.cli_errors import run_cli
+    from meta.infra.cli_errors import run_cli
 
     sys.exit(run_cli(cli, sys.argv[1:]))

@@ -5,7 +5,7 @@ OxfordPets, StanfordCars, OxfordFlowers, Food101, FGVCAircraft, SUN397, Describa
 EuroSAT, UCF101, ImageNetV2, ImageNetSketch, ImageNetA and ImageNetR in Dassl's
 ``DATASET_REGISTRY``; ``datasets.register_coop_layout_dataset(...)`` adds a new CoOp-layout
 dataset in one call.  All reading, sampling and base/new logic lives in the Dassl-free
-``meta.coop_data``.
+``meta.data.coop_data``.
 
 Importing this package is free of side effects and works without Dassl: Dassl is imported only
 when one of the names above is first used (PEP 562 ``__getattr__``), and without Dassl that use
@@ -34,8 +34,8 @@ __all__ = sorted(_API) + ["STANDARD_NAMES"]
 
 
 def _standard_names() -> tuple:
-    """``DATASET.NAME`` of the 15 benchmarks, from meta.coop_data's dataset list (read on first use)."""
-    from meta.coop_data import STANDARD_LAYOUTS
+    """``DATASET.NAME`` of the 15 benchmarks, from meta.data.coop_data's dataset list (read on first use)."""
+    from meta.data.coop_data import STANDARD_LAYOUTS
 
     return tuple(layout.name for layout in STANDARD_LAYOUTS)
 

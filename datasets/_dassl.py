@@ -5,7 +5,7 @@ try:
 except ImportError as err:  # ModuleNotFoundError included
     raise ImportError(
         f"Dassl is not installed ({err}): install Dassl.pytorch (github.com/KaiyangZhou/Dassl.pytorch) "
-        "to use datasets/; meta.coop_data reads the same CoOp data without Dassl"
+        "to use datasets/; meta.data.coop_data reads the same CoOp data without Dassl"
     ) from None
 
 __all__ = ["DATASET_REGISTRY", "Datum", "DatasetBase"]

@@ -1,6 +1,6 @@
-"""Dassl ``DatasetBase`` classes over ``meta.coop_data``: the CoOp benchmarks and a factory for more.
+"""Dassl ``DatasetBase`` classes over ``meta.data.coop_data``: the CoOp benchmarks and a factory for more.
 
-Every class here only converts what ``meta.coop_data.load_coop_splits`` returns into Dassl
+Every class here only converts what ``meta.data.coop_data.load_coop_splits`` returns into Dassl
 ``Datum`` lists, so Dassl runs and the Dassl-free evaluator see the same images.  The few-shot
 draws use the global ``random`` module, which Dassl's ``set_random_seed(cfg.SEED)`` seeded: the
 global stream advances exactly as in CoOp's own dataset classes.
@@ -13,7 +13,7 @@ import random
 import warnings
 from typing import Any, Sequence
 
-from meta.coop_data import (
+from meta.data.coop_data import (
     STANDARD_LAYOUTS,
     CoopLayout,
     Record,
@@ -41,7 +41,7 @@ def to_datums(records: Sequence[Record] | None, split: str, dataset: str) -> lis
 
 
 class CoopLayoutDataset(DatasetBase):
-    """A CoOp-layout dataset; subclasses set ``layout`` (a ``meta.coop_data.CoopLayout``).
+    """A CoOp-layout dataset; subclasses set ``layout`` (a ``meta.data.coop_data.CoopLayout``).
 
     cfg keys read: ``DATASET.ROOT``, ``DATASET.NUM_SHOTS``, ``SEED``, and
     ``DATASET.SUBSAMPLE_CLASSES`` (added by CoOp-style ``extend_cfg``; ``"all"`` when absent).
@@ -102,7 +102,7 @@ def register_coop_layout_dataset(
     ``DATASET.ROOT/<dataset_dir>/<image_dir>/`` holds the images and
     ``DATASET.ROOT/<dataset_dir>/<split_file>`` a ``split_zhou``-style json
     (``{"train"|"val"|"test": [[relative impath, label, classname], ...]}``).  The layout is also
-    added to ``meta.coop_data.COOP_LAYOUTS`` so the Dassl-free evaluator finds it.  Calling it again
+    added to ``meta.data.coop_data.COOP_LAYOUTS`` so the Dassl-free evaluator finds it.  Calling it again
     with the same name replaces the earlier registration (no crash on double import).
     """
     layout = register_layout(CoopLayout(name, dataset_dir, image_dir, reader, split_file, config_key))
@@ -112,7 +112,7 @@ def register_coop_layout_dataset(
 
 
 STANDARD_DATASETS: dict[str, type] = {}
-for _layout in STANDARD_LAYOUTS:  # meta.coop_data's dataset list
+for _layout in STANDARD_LAYOUTS:  # meta.data.coop_data's dataset list
     STANDARD_DATASETS[_layout.name] = _make_class(_layout)
     _register(STANDARD_DATASETS[_layout.name])
 globals().update(STANDARD_DATASETS)

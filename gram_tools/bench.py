@@ -14,7 +14,7 @@ Prints human-readable lines, then ONE JSON line (the last line) with:
 * ``linear_forward_s`` / ``linear_backward_s``: the frozen text tower's linear-layer matrix products
   alone (no attention, no elementwise ops, no autograd), as one forward sweep (activations times Wᵀ)
   and one backward sweep (gradients times W) at the step's shapes; ``null`` for block types
-  :mod:`meta.blocks` does not run itself;
+  :mod:`meta.model.blocks` does not run itself;
 * ``plain_other_s`` / ``second_order_other_s``: each step minus its linear products (the plain step
   has one forward and one backward sweep, the exact second-order task three of each), i.e. the time of
   everything else.  ``ratio_second_to_plain`` <= 3 exactly when ``second_order_other_s`` <=
@@ -29,7 +29,7 @@ Defaults (CPU): ViT-B-16 architecture with random weights (no download), CoOp te
 K = 8-way, 1-shot support, 4-shot query, cached image features, one CPU thread.  Times are the
 median of ``--repeats`` rounds after ``--warmup`` rounds; a round times the four steps and the two
 linear-product sweeps one after another, so drifting machine speed hits all of them alike.
-Run as ``python -m gram_tools.bench`` it pins the CPU kernels as meta-training does (:mod:`meta.numerics`; about
+Run as ``python -m gram_tools.bench`` it pins the CPU kernels as meta-training does (:mod:`meta.infra.numerics`; about
 2x slower at this size on an AVX2 CPU, ``docs/numerics.md``); ``GRAM_NUMERICS=fast`` times the machine's own
 kernels, as the tables in ``docs/benchmark.md`` dated before 2026-11-27 night were.
 """
@@ -49,8 +49,8 @@ from typing import Callable, Optional
 
 import torch
 
-from meta.cli_errors import int_flag_problem
-from meta.numerics import mode as numerics_mode
+from meta.infra.cli_errors import int_flag_problem
+from meta.infra.numerics import mode as numerics_mode
 
 RATIO_FLOOR = 3.0  # exact second order, frozen weights: 3 forward + 3 backward linear sweeps vs 1 + 1
 RATIO_GUARD = 3.3  # within 10 % of the floor (docs/benchmark.md)
@@ -80,14 +80,14 @@ def linear_products(
 ) -> Optional[tuple[Callable[[], None], Callable[[], None]]]:
     """One forward and one backward sweep of ``transformer``'s linear-layer products, nothing else.
 
-    Mirrors :func:`meta.blocks.transformer_forward` with ``last_rows``: every block multiplies
+    Mirrors :func:`meta.model.blocks.transformer_forward` with ``last_rows``: every block multiplies
     ``[n_seq * length, ·]`` activations by its fused q/k/v input projection, attention output
     projection, MLP ``c_fc`` and ``c_proj``; the last block projects keys and values for all rows and
     everything else for the ``n_seq`` pooled rows only.  With frozen weights a forward pass multiplies by
     Wᵀ and a backward pass (input gradients only) by W, once per layer.  Returns ``(forward, backward)``
-    callables, or ``None`` when a block is not one :func:`meta.blocks.is_plain_block` accepts.
+    callables, or ``None`` when a block is not one :func:`meta.model.blocks.is_plain_block` accepts.
     """
-    from meta.blocks import is_plain_block
+    from meta.model.blocks import is_plain_block
 
     blocks = list(transformer.resblocks)
     if not all(is_plain_block(b) for b in blocks):
@@ -142,11 +142,11 @@ def _class_names(k: int) -> list[str]:
 
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
-    from meta.backbone import load_clip
-    from meta.gram import GRAMMetaLearner, MetaSpec, TaskBatch
-    from meta.profiling import bytes_copied
-    from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
-    from meta.text_encoder import ClassTokenCache
+    from meta.infra.profiling import bytes_copied
+    from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch
+    from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+    from meta.model.backbone import load_clip
+    from meta.model.text_encoder import ClassTokenCache
 
     torch.manual_seed(0)
     with warnings.catch_warnings():
@@ -248,7 +248,7 @@ def run(args: argparse.Namespace) -> dict:
             "torch": torch.__version__,
             "python": platform.python_version(),
             "cpu": platform.processor() or platform.machine(),
-            "numerics": numerics_mode(),  # pinned CPU kernels or the machine's own (meta.numerics)
+            "numerics": numerics_mode(),  # pinned CPU kernels or the machine's own (meta.infra.numerics)
         },
     }
 
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from meta.numerics import pin_process
+    from meta.infra.numerics import pin_process
 
     pin_process()  # the kernels meta-training runs with (GRAM_NUMERICS=fast: the machine's own)
     sys.exit(main())

@@ -14,10 +14,10 @@ import time
 import warnings
 from typing import Optional, Sequence
 
-from meta.cli_errors import int_flag_problem
 from meta.evaluation.datasets import DatasetRef
 from meta.evaluation.protocol import EvaluationSession, evaluate_base_to_new
 from meta.evaluation.spec import PRESET_NAMES, TrainSpec, method_preset
+from meta.infra.cli_errors import int_flag_problem
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -43,7 +43,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     import torch
 
-    from meta.backbone import load_clip
+    from meta.model.backbone import load_clip
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

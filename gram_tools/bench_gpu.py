@@ -17,7 +17,7 @@ prompted image tower) and UNIGRAM (2 text + 2 visual tokens) - and the deep lear
 
 ``task_scaling``: second-order step seconds (median of at most 3 after at most 1 warm-up; and peak MiB) of
 CoOp, VPT and UNIGRAM with 1 / 4 / 16 tasks per outer step, ``sequential`` (``META.TASK_BATCHING off``: one
-task after another) against ``batched`` (``auto``: the tasks stacked, :mod:`meta.batched`; ``task_chunk``
+task after another) against ``batched`` (``auto``: the tasks stacked, :mod:`meta.method.batched`; ``task_chunk``
 is the chunk the out-of-memory fallback settled on, ``null`` = all tasks at once);
 
 and for CHC ``chc_images_per_s``: CLIP image features per second from decoded uint8 images (pixel
@@ -160,10 +160,10 @@ def run(
     ``scaling_tasks`` / ``scaling_variants`` / ``chc_batches``: empty skips that part; ``matmul_n``: side of
     the reference matrix product (default 8192 on CUDA, 512 elsewhere).
     """
-    from meta.backbone import load_clip
     from meta.chc.imaging import clip_norm_stats, encode_images
-    from meta.gram import GRAMMetaLearner, MetaSpec, TaskBatch
-    from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+    from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch
+    from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+    from meta.model.backbone import load_clip
 
     size = {**task_size(), **(size or {})}
     dev = torch.device(device)
@@ -244,7 +244,7 @@ def run(
         0, 256, (chc_images, dims.image_size, dims.image_size, 3), dtype=np.uint8
     )
     mean, std = clip_norm_stats(clip)
-    from meta.precision import autocast as autocast_ctx
+    from meta.model.precision import autocast as autocast_ctx
 
     def encode(batch: int) -> None:
         with autocast_ctx(autocast, dev):

@@ -33,8 +33,8 @@ from typing import Optional
 
 import numpy as np
 
-from meta.cli_errors import int_flag_problem
-from meta.fileio import write_json_atomic
+from meta.infra.cli_errors import int_flag_problem
+from meta.infra.fileio import write_json_atomic
 
 CC3M_PAIRS = 3.1e6
 DEFAULT_OUT = "docs/chc_growth_cpu.json"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meta.cli_errors import int_flag_problem
+from meta.infra.cli_errors import int_flag_problem
 
 
 def word_recovery(captions, true_topic, labels, fractions, weights=None) -> list:
@@ -64,10 +64,10 @@ def model_throughput(n_captions: int = 2000, n_images: int = 48, backbone: str =
     from PIL import Image
 
     from gram_tools.synthetic import TOPICS, make_caption
-    from meta.backbone import load_clip
     from meta.chc.imaging import clip_norm_stats, decode_batch, encode_images
     from meta.chc.pair_filter import clip_text_features
     from meta.chc.text_embed import embed_texts, load_sentence_model
+    from meta.model.backbone import load_clip
 
     rng = np.random.default_rng(0)
     caps = [make_caption(str(rng.choice(list(TOPICS))), rng, list(TOPICS), 0.1) + f" {i}" for i in range(n_captions)]

@@ -20,7 +20,7 @@ sets no ``META`` keys (a CHC config) is refused in one line naming the file (:fu
 
 Prints, each figure labelled ``measured`` or ``estimated`` with its source:
 
-* peak memory of one task (tasks run one after another, each freed before the next: ``meta.gram``) plus
+* peak memory of one task (tasks run one after another, each freed before the next: ``meta.method.gram``) plus
   the frozen CLIP's weights, whether it fits ``--gpu-memory-gib`` (with ``--margin`` kept free for the CUDA
   allocator and cuBLAS workspaces, which a CPU measurement does not see), and the largest
   ``TASKS.N_SUPPORT`` (query fixed) and ``TASKS.N_QUERY`` (support fixed) that fit;
@@ -417,8 +417,8 @@ def _figures_step(path: str, fn, *args):
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from meta.cli_errors import UserError
     from meta.config import load_meta_cfg
+    from meta.infra.cli_errors import UserError
     from meta.metatrain.settings import check_meta_cfg
 
     ap = argparse.ArgumentParser(prog="python -m gram_tools.plan", description=__doc__.splitlines()[0])

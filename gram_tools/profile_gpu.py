@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from meta.cli_errors import int_flag_problem
+from meta.infra.cli_errors import int_flag_problem
 
 # substrings of kernel names (lower case)
 MATMUL_KERNELS = ("gemm", "xmma", "cutlass", "nvjet", "cublas")
@@ -113,9 +113,9 @@ def profile_steps(learners: list[str], autocast: str, tf32: bool, steps: int, to
     from torch.profiler import ProfilerActivity, profile
 
     from gram_tools.bench_gpu import VARIANTS, _median_time, task_size
-    from meta.backbone import load_clip
-    from meta.gram import GRAMMetaLearner, MetaSpec, TaskBatch
-    from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+    from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch
+    from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+    from meta.model.backbone import load_clip
 
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32

@@ -49,8 +49,8 @@ import numpy as np
 import torch
 
 from gram_tools.bench_gpu import VARIANTS
-from meta.cli_errors import int_flag_problem
-from meta.fileio import write_json_atomic
+from meta.infra.cli_errors import int_flag_problem
+from meta.infra.fileio import write_json_atomic
 
 # learner -> PromptSpec keyword arguments; "images" False = cached image features in meta-tasks.
 # VPT deep puts prompts in every block of ViT-B/16 (VPT-deep's layout, Jia et al. ECCV 2022 section 3.2).
@@ -162,8 +162,8 @@ def measure_learner(
     Run in a fresh process: the frozen CLIP is built once, then every point is measured in turn (the
     fixed mmap threshold of :data:`SUBPROCESS_ENV` returns each step's memory before the next).
     """
-    from meta.backbone import load_clip
     from meta.config import get_meta_cfg_default
+    from meta.model.backbone import load_clip
 
     torch.manual_seed(0)
     way = int(get_meta_cfg_default().TASKS.K_WAY) if way is None else way
@@ -190,8 +190,8 @@ def measure_learner(
 def _measure(clip, dims, learner: str, mode: str, n_support: int, n_query: int, way: int, repeats: int) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
-    from meta.gram import GRAMMetaLearner, MetaSpec, TaskBatch
-    from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+    from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch
+    from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
 
     row = LEARNERS[learner]
     spec = PromptSpec(**row["spec"])

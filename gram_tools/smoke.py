@@ -58,7 +58,7 @@ class SmokeFiles:
 def _tiny_clip():
     import torch
 
-    from meta.backbone import load_clip
+    from meta.model.backbone import load_clip
 
     logging.disable(logging.WARNING)  # open_clip logs "no pretrained weights": random weights are the point here
     try:
@@ -76,9 +76,9 @@ def write_inputs(out: Path, method_key: str) -> SmokeFiles:
 
     from gram_tools.synthetic import write_synthetic_dtd
     from meta.evaluation.spec import method_preset
-    from meta.init_io import export_gram_init
-    from meta.prompts import PromptParams
-    from meta.regulator import GradientRegulator, RegulatorSpec
+    from meta.finetune.init_io import export_gram_init
+    from meta.method.prompts import PromptParams
+    from meta.method.regulator import GradientRegulator, RegulatorSpec
 
     out.mkdir(parents=True, exist_ok=True)
     data_root = out / "data"
@@ -168,7 +168,7 @@ def _check_output(text: str, trainer: str, init_file: Path, log: Path) -> float:
 
 def run_smoke(fork: Path, out: Path, method_key: str = "gram_coop", seed: int = 1) -> dict:
     """Write the inputs, train on base classes, evaluate on new ones; returns accuracies and paths."""
-    from meta.methods import get
+    from meta.method.methods import get
 
     fork = fork.resolve()
     out = out.resolve()
@@ -176,7 +176,9 @@ def run_smoke(fork: Path, out: Path, method_key: str = "gram_coop", seed: int = 
         raise SmokeError(f"{fork}: no train.py here; --fork names the root of a CoOp-style fork")
     method = get(method_key)
     if not method.trainer or not method.gram_file:
-        raise SmokeError(f"--method {method_key}: expected a GRAM method with a Dassl trainer (python -m meta.methods)")
+        raise SmokeError(
+            f"--method {method_key}: expected a GRAM method with a Dassl trainer (python -m meta.method.methods)"
+        )
     dataset_cfg = fork / "configs" / "datasets" / "dtd.yaml"
     if not dataset_cfg.is_file():
         raise SmokeError(f"{dataset_cfg}: missing; the smoke dataset uses the fork's DTD config")
@@ -204,7 +206,7 @@ def run_smoke(fork: Path, out: Path, method_key: str = "gram_coop", seed: int = 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gram_tools.smoke", description=__doc__.splitlines()[0])
     parser.add_argument("--fork", type=Path, default=Path("."), help="root of the fork (its train.py); default: .")
-    parser.add_argument("--method", default="gram_coop", help="a GRAM method key (python -m meta.methods)")
+    parser.add_argument("--method", default="gram_coop", help="a GRAM method key (python -m meta.method.methods)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default <fork>/output/gram_smoke)")
     args = parser.parse_args(argv)
     out = args.out if args.out is not None else args.fork / "output" / "gram_smoke"

@@ -5,7 +5,7 @@
   downstream datasets, a labelled image folder and ``world.json``.
 * ``pretrain_clip(world, quick) -> Path`` trains the open_clip model
   ``GRAM-World-ViT-T`` contrastively on the pretraining corpus (cached
-  safetensors state dict, loadable with ``meta.backbone.load_clip``).
+  safetensors state dict, loadable with ``meta.model.backbone.load_clip``).
 * ``zeroshot_accuracy(world, weights) -> dict`` evaluates it with the prompt
   ``"a photo of a {}."`` on every downstream test split.
 

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2 threads on 2 cores are many times slower here
-from meta.numerics import pin_process  # noqa: E402
+from meta.infra.numerics import pin_process  # noqa: E402
 
-pin_process()  # kernel pins before torch starts (meta.numerics)
+pin_process()  # kernel pins before torch starts (meta.infra.numerics)
 
 import torch  # noqa: E402
 

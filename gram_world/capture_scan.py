@@ -27,7 +27,7 @@ import numpy as np
 import open_clip
 import torch
 
-from meta.backbone import load_clip
+from meta.model.backbone import load_clip
 
 from .build import make_labelled
 from .clip_io import WORLD_MODEL, class_text_features, image_features

@@ -18,8 +18,8 @@ from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from PIL import Image
 from torch import nn
 
-from meta.prompts import DEFAULT_TEMPLATE
-from meta.text_encoder import text_head
+from meta.method.prompts import DEFAULT_TEMPLATE
+from meta.model.text_encoder import text_head
 
 WORLD_MODEL = "GRAM-World-ViT-T"
 

@@ -92,7 +92,7 @@ def release_partial(folder: Path, fh: Optional[IO]) -> None:
 
 
 def _pid_alive(pid: int) -> bool:
-    from meta.fileio import pid_alive
+    from meta.infra.fileio import pid_alive
 
     return pid_alive(pid)
 

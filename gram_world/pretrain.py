@@ -1,10 +1,10 @@
 """Contrastive pretraining of the tiny world CLIP on the pretraining corpus, on CPU.
 
-The model is open_clip's own ``CLIP`` built from ``meta/model_configs/GRAM-World-ViT-T.json``
+The model is open_clip's own ``CLIP`` built from ``meta/model/model_configs/GRAM-World-ViT-T.json``
 and trained with open_clip's ``ClipLoss`` (symmetric InfoNCE with a learnable
 temperature, clamped at 100 as in open_clip's training script).  The weights
 are saved as a plain safetensors state dict and reloaded through
-``meta.backbone.load_clip(WORLD_MODEL, pretrained=<file>)``.
+``meta.model.backbone.load_clip(WORLD_MODEL, pretrained=<file>)``.
 
 Hyperparameters are ours (no paper gives them for this world), picked by the
 trials in ``docs/world_pretraining.md`` on a 2-core CPU machine (one core each):
@@ -45,7 +45,7 @@ from open_clip.loss import ClipLoss
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from meta.backbone import register_model_configs
+from meta.model.backbone import register_model_configs
 
 from .build import WorldPaths
 from .clip_io import WORLD_MODEL, encode_text_trimmed, to_model_input

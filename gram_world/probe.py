@@ -6,7 +6,7 @@ sorted labels), on the frozen, L2-normalised image features of a (pretrained) wo
 * ``zeroshot``: accuracy of the hand-made prompt ``"a photo of a {}."`` (what CoOp starts from);
 * ``probe_all``: a linear probe (scikit-learn ``LogisticRegression``) fitted on every train
   image of the base classes;
-* ``probe_16``: the same on the protocol's 16-shot sample (``meta.coop_data``, seeds as given,
+* ``probe_16``: the same on the protocol's 16-shot sample (``meta.data.coop_data``, seeds as given,
   mean over seeds);
 * ``coop_fit`` (optional): CoOp's 4 context vectors fitted with Adam on every train image
   (no augmentation) - the reach of a text prompt through this text tower.
@@ -29,9 +29,9 @@ import numpy as np
 import open_clip
 import torch
 
-from meta.backbone import load_clip
-from meta.coop_data import Record
-from meta.prompts import DEFAULT_TEMPLATE
+from meta.data.coop_data import Record
+from meta.method.prompts import DEFAULT_TEMPLATE
+from meta.model.backbone import load_clip
 
 from .build import WorldPaths
 from .clip_io import WORLD_MODEL, class_text_features, image_features, load_images
@@ -114,7 +114,7 @@ def coop_fit(
     seed: int = 1,
 ) -> dict:
     """CoOp's 4 context vectors fitted with Adam on cached features; train and test accuracy (%)."""
-    from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+    from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
 
     gen = torch.Generator().manual_seed(seed)
     prompts = PromptParams.from_spec(PromptSpec(n_ctx_text=4), clip, dims, generator=gen)
@@ -165,7 +165,7 @@ def vpt_fit(
     ``train`` / ``test`` are ``(uint8 images [N, S, S, 3], labels [N])``.  Returns train and test
     accuracy (%) at the end and the best train accuracy over epochs (an optimisation check).
     """
-    from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+    from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
 
     from .clip_io import to_model_input
 

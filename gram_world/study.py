@@ -18,7 +18,7 @@ is missing):
   as a paired mean difference of H with a 95 % bootstrap interval, and each world's regime (zero-shot, CoOp,
   VPT) beside the paper's.
 * ``travel``: β's share of θ's travel over the fine-tuning schedule of a cell's regulated rows
-  (:class:`meta.travel.TravelSplit`).
+  (:class:`meta.method.travel.TravelSplit`).
 
 Unit of a difference: one (world, meta seed, fine-tuning seed): H of the method's base and new accuracy,
 each averaged over the five base-to-new datasets, minus the same for its baseline.  Interval: a
@@ -44,8 +44,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from meta.cli_errors import run_cli
-from meta.fileio import parse_json, write_json_atomic, write_text_atomic
+from meta.infra.cli_errors import run_cli
+from meta.infra.fileio import parse_json, write_json_atomic, write_text_atomic
 
 from .demo.pool import log
 from .demo.settings import METHOD_BY_KEY, PAIRS, REG_ADDS_PAIRS, DemoSettings, method_row
@@ -448,9 +448,9 @@ def settings_record(base: DemoSettings, variant: str = "") -> dict:
 
 
 def current_provenance() -> dict:
-    """:func:`meta.provenance.computed_by` of this process (computed once: the golden run takes ~15 s)."""
+    """:func:`meta.infra.provenance.computed_by` of this process (computed once: the golden run takes ~15 s)."""
     if "record" not in _PROVENANCE:
-        from meta.provenance import computed_by
+        from meta.infra.provenance import computed_by
 
         _PROVENANCE["record"] = computed_by()
     return _PROVENANCE["record"]
@@ -582,7 +582,7 @@ def study(
 
 @dataclass
 class _Book:
-    """What computed each cell (``"world/seed"`` -> :func:`meta.provenance.computed_by`) and the cells that mix
+    """What computed each cell (``"world/seed"`` -> :func:`meta.infra.provenance.computed_by`) and the cells that mix
     fingerprints (kept from another fingerprint with ``--mix-fingerprints``, or such a cell that gained rows)."""
 
     computed: dict
@@ -772,14 +772,14 @@ def travel_cell(
     datasets: Optional[Sequence[str]] = None,
     world_root: Optional[Path] = None,
 ) -> list[dict]:
-    """β's share of θ's travel (:class:`meta.travel.TravelSplit`) over the fine-tuning schedule of the regulated
+    """β's share of θ's travel (:class:`meta.method.travel.TravelSplit`) over the fine-tuning schedule of the regulated
     rows ``keys`` of ``cell`` (its cached world, CHC and meta-training; fine-tuning seed ``seed``), one record per
     (dataset, row) with the row's base / new / H of that run.  In-process, one run at a time."""
     import warnings
 
-    from meta.backbone import load_clip
     from meta.evaluation import DatasetRef, EvaluationSession, TrainSpec, evaluate_base_to_new
-    from meta.travel import TravelSplit
+    from meta.method.travel import TravelSplit
+    from meta.model.backbone import load_clip
 
     from .demo.stages import method_spec
 
@@ -1203,7 +1203,7 @@ def _main(argv: list) -> int:
 
 
 if __name__ == "__main__":
-    from meta.numerics import pin_process
+    from meta.infra.numerics import pin_process
 
-    pin_process()  # numpy started with this module: this starts the command again, pinned (meta.numerics)
+    pin_process()  # numpy started with this module: this starts the command again, pinned (meta.infra.numerics)
     raise SystemExit(main())

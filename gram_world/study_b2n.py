@@ -6,7 +6,7 @@ as *units*, the sweep's resumable cells:
 
 * ``baselines``: CoOp, VPT, joint tuning and zero-shot CLIP.
 * ``fixed_coop``, ``fixed_vpt``, ``fixed_joint``: the fixed-λ comparators, each baseline fine-tuned with the
-  zero-shot consistency terms (:mod:`meta.consistency`) at every point of its learner's grid (:data:`GRIDS`), no
+  zero-shot consistency terms (:mod:`meta.method.consistency`) at every point of its learner's grid (:data:`GRIDS`), no
   meta-training; rows ``coop@ct4``, ``vpt@ci2.5``, ``joint@ct1_ci1.25``, ... (:func:`consistency_key`).
 * ``paper_gb``, ``class_shift_gb``: today's γ/β R_φ, meta-trained once per learner on the paper's tasks and on
   class-shift tasks (:data:`TASKS`); rows: the three GRAM rows and the θ*-only rows of the same runs.
@@ -39,8 +39,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from meta.cli_errors import run_cli
-from meta.fileio import write_json_atomic, write_text_atomic
+from meta.infra.cli_errors import run_cli
+from meta.infra.fileio import write_json_atomic, write_text_atomic
 
 from . import study
 from .demo.pool import log
@@ -52,7 +52,7 @@ B2N_WORLDS = ("0", "1")  # the rule's worlds (the worlds earlier sweeps read)
 B2N_SEEDS = (1, 2, 3)  # the rule's fine-tuning seeds (its meta-training seed: 0, the demo's)
 
 # The learners (their GRAM rows), their fixed-λ comparators and θ*-only rows.  UNIGRAM's θ*-only row reads the
-# regulated run's file (meta/methods.yaml unigram_init_only), as CoOp's and VPT's do.
+# regulated run's file (meta/method/methods.yaml unigram_init_only), as CoOp's and VPT's do.
 LEARNERS = study.SWEEP_GRAM_KEYS
 FIXED_OF = study.BASELINE_OF
 INIT_ONLY_OF = {"gram_coop": "gram_coop_init_only", "gram_vpt": "gram_vpt_init_only", "unigram": "unigram_init_only"}
@@ -639,7 +639,7 @@ def _main(argv: list) -> int:
 
 
 if __name__ == "__main__":
-    from meta.numerics import pin_process
+    from meta.infra.numerics import pin_process
 
-    pin_process()  # numpy started with this module: this starts the command again, pinned (meta.numerics)
+    pin_process()  # numpy started with this module: this starts the command again, pinned (meta.infra.numerics)
     raise SystemExit(main())

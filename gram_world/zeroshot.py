@@ -17,8 +17,8 @@ import numpy as np
 import open_clip
 import torch
 
-from meta.backbone import load_clip
-from meta.prompts import DEFAULT_TEMPLATE
+from meta.method.prompts import DEFAULT_TEMPLATE
+from meta.model.backbone import load_clip
 
 from .build import DatasetPaths, WorldPaths, read_chc_shards
 from .clip_io import WORLD_MODEL, class_text_features, image_features, load_images

@@ -23,34 +23,34 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS = {
     # frozen CLIP (open_clip)
-    "load_clip": "meta.backbone",
-    "ClipDims": "meta.backbone",
+    "load_clip": "meta.model.backbone",
+    "ClipDims": "meta.model.backbone",
     # θ: prompt learners
-    "PromptSpec": "meta.prompts",
-    "PromptParams": "meta.prompts",
-    "PromptedCLIP": "meta.prompts",
-    "classification_loss": "meta.prompts",
+    "PromptSpec": "meta.method.prompts",
+    "PromptParams": "meta.method.prompts",
+    "PromptedCLIP": "meta.method.prompts",
+    "classification_loss": "meta.method.prompts",
     # φ: the gradient regulator
-    "RegulatorSpec": "meta.regulator",
-    "GradientRegulator": "meta.regulator",
-    "RegulatorFactory": "meta.regulator",
+    "RegulatorSpec": "meta.method.regulator",
+    "GradientRegulator": "meta.method.regulator",
+    "RegulatorFactory": "meta.method.regulator",
     # the bi-level meta-learner
-    "GRAMMetaLearner": "meta.gram",
-    "MetaSpec": "meta.gram",
-    "TaskBatch": "meta.gram",
+    "GRAMMetaLearner": "meta.method.gram",
+    "MetaSpec": "meta.method.gram",
+    "TaskBatch": "meta.method.gram",
     # test-time use of φ
-    "GradientRegulation": "meta.finetune",
-    "finetune_and_score": "meta.finetune",
+    "GradientRegulation": "meta.finetune.regulated",
+    "finetune_and_score": "meta.finetune.regulated",
     # the fine-tuning engine shared by the Dassl trainers and the evaluator
-    "StartSpec": "meta.engine",
-    "build_start": "meta.engine",
-    "RegulatedStepper": "meta.engine",
+    "StartSpec": "meta.finetune.engine",
+    "build_start": "meta.finetune.engine",
+    "RegulatedStepper": "meta.finetune.engine",
     # init files (θ*, φ) for the trainers and stock CoOp
-    "GramInit": "meta.init_io",
-    "InitMismatchError": "meta.init_io",
-    "export_gram_init": "meta.init_io",
-    "load_gram_init": "meta.init_io",
-    "export_coop_context": "meta.init_io",
+    "GramInit": "meta.finetune.init_io",
+    "InitMismatchError": "meta.finetune.init_io",
+    "export_gram_init": "meta.finetune.init_io",
+    "load_gram_init": "meta.finetune.init_io",
+    "export_coop_context": "meta.finetune.init_io",
 }
 
 __all__ = [
@@ -80,13 +80,13 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names come from __getattr__
-    from meta.backbone import ClipDims, load_clip
-    from meta.engine import RegulatedStepper, StartSpec, build_start
-    from meta.finetune import GradientRegulation, finetune_and_score
-    from meta.gram import GRAMMetaLearner, MetaSpec, TaskBatch
-    from meta.init_io import GramInit, InitMismatchError, export_coop_context, export_gram_init, load_gram_init
-    from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
-    from meta.regulator import GradientRegulator, RegulatorFactory, RegulatorSpec
+    from meta.finetune.engine import RegulatedStepper, StartSpec, build_start
+    from meta.finetune.init_io import GramInit, InitMismatchError, export_coop_context, export_gram_init, load_gram_init
+    from meta.finetune.regulated import GradientRegulation, finetune_and_score
+    from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch
+    from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+    from meta.method.regulator import GradientRegulator, RegulatorFactory, RegulatorSpec
+    from meta.model.backbone import ClipDims, load_clip
 
 
 def __getattr__(name: str) -> Any:

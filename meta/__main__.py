@@ -6,7 +6,7 @@ Commands:
   export    export the meta-learned initialisation (``meta.metatrain.cli``).
 
 Each command imports only its own modules (``meta.chc.cli``, ``meta.metatrain.cli``).  Bad input ends
-every command with one ``error: <file or KEY>: ...`` line and exit status 2 (``meta.cli_errors``);
+every command with one ``error: <file or KEY>: ...`` line and exit status 2 (``meta.infra.cli_errors``);
 ``--debug`` or ``GRAM_DEBUG=1`` shows the traceback instead.
 """
 
@@ -20,10 +20,10 @@ USAGE = "usage: python -m meta {cluster,train,export} --config-file FILE [KEY VA
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from meta.numerics import NumericsError, pin_process
+    from meta.infra.numerics import NumericsError, pin_process
 
     try:
-        pin_process()  # before any command imports torch (meta.numerics)
+        pin_process()  # before any command imports torch (meta.infra.numerics)
     except NumericsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -20,7 +20,7 @@ Sources cited below:
   [MAML]    Finn et al. 2017, miniImageNet: meta-batch 4 tasks, 5-way.
   [CoCoOp]  KaiyangZhou/CoOp CoCoOp ViT-B/16 schedule: lr 0.002, N_CTX 4
             (``configs/trainers/CoCoOp/vit_b16_c4_ep10_batch1_ctxv1.yaml``).
-  [core]    meta.gram.MetaSpec / meta.regulator.RegulatorSpec defaults chosen by the core's author.
+  [core]    meta.method.gram.MetaSpec / meta.method.regulator.RegulatorSpec defaults chosen by the core's author.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from typing import Optional, Sequence
 import yaml
 from yacs.config import CfgNode as CN
 
-from meta.cli_errors import UserError
-from meta.finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
-from meta.gram import DEFAULT_QUERY_BEFORE_WEIGHT
-from meta.input_limits import MAX_IMAGE_ASPECT, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
-from meta.prompts import DEFAULT_TEMPLATE, PromptSpec
+from meta.data.input_limits import MAX_IMAGE_ASPECT, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
+from meta.finetune.regulated import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
+from meta.infra.cli_errors import UserError
+from meta.method.gram import DEFAULT_QUERY_BEFORE_WEIGHT
+from meta.method.prompts import DEFAULT_TEMPLATE, PromptSpec
 
 
 def _model_node() -> CN:
@@ -67,7 +67,7 @@ def _chc_node() -> CN:
     # Stop (one line naming the path tried and the key that sets it) when more than this fraction of a rank's
     # first image chunk is unreadable: a wrong IMAGE_ROOT or relative base, not bad images.  1.0 = never stop.
     chc.INPUT.MAX_UNREADABLE_FRACTION = 0.9
-    # Caps met before the work (meta.input_limits; docs/input_rules.md): an image file or tar member over
+    # Caps met before the work (meta.data.input_limits; docs/input_rules.md): an image file or tar member over
     # MAX_IMAGE_BYTES is not read (its size from stat / the tar header), an image declaring more than
     # MAX_IMAGE_PIXELS pixels is not decoded, one whose longer side is over MAX_IMAGE_ASPECT times its shorter
     # side is not resized; each is skipped and counted with the unreadable images, by reason.
@@ -139,7 +139,7 @@ def _tasks_node() -> CN:
     tasks.N_SUPPORT = 4
     tasks.N_QUERY = 8  # per class
     tasks.DOMAIN_SHIFT = True  # False = support from all domains (paper Table 4 row 1 ablation)
-    # share of the query's K classes the support does not hold (not in the paper; meta.tasks): 0 = the paper's
+    # share of the query's K classes the support does not hold (not in the paper; meta.data.tasks): 0 = the paper's
     # tasks (same classes, only the domain shifts), 1 = query topics disjoint from the support's, between = a mix
     tasks.QUERY_NEW_SHARE = 0.0
     tasks.VAL_FRACTION = 0.1  # held-out topics for meta-validation
@@ -156,7 +156,7 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.STEPS = 10000  # outer steps; [SUPMER] uses 100k at B=4 - we default to a 10x shorter run
     m.META_BATCH = 4  # B tasks per outer step: [SUPMER] OUTER_BATCH_SIZE=4, [MAML] miniImageNet 4
 
-    # ---- the bi-level loop (meta.gram.MetaSpec) -------------------------------------------
+    # ---- the bi-level loop (meta.method.gram.MetaSpec) -------------------------------------------
     m.INNER_STEPS = 1  # Alg. 1 shows one regulated step per task [GRAM]
     m.INNER_LR = 0.1  # alpha [core]
     m.OUTER_LR_PROMPT = 2e-3  # lambda_1 [core]; same value as CoOp/CoCoOp's prompt lr [CoCoOp]
@@ -166,7 +166,7 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.GRAD_CLIP = 1.0  # max global norm over theta and phi; 0 = off [core]
     m.REGULATE = True  # False = "w/o gradient regulating" (Table 4 row 2)
     m.AUTOCAST = "none"  # none | bf16 | fp16 autocast of the CLIP passes on CUDA (CPU: fp32, one log line);
-    #                              bf16 is the safer choice: fp16 scales only the outer loss (meta.precision)
+    #                              bf16 is the safer choice: fp16 scales only the outer loss (meta.model.precision)
     m.INNER_MOMENTUM = 0.0  # heavy-ball inner SGD as the test-time optimiser (0.9 there); needs INNER_STEPS > 1
     m.INNER_WEIGHT_DECAY = 0.0  # lambda of the inner SGD, added to R_phi(g) as torch SGD does (5e-4 at test time)
     m.INNER_SUPPORT = "repeat"  # repeat = every inner step on the whole support (Alg. 1) | split = INNER_STEPS
@@ -178,13 +178,13 @@ def add_metatrain_cfg(cfg: CN) -> CN:
         DEFAULT_QUERY_BEFORE_WEIGHT  # w: outer loss L_q(theta') + w L_q(theta), so theta* is also good where the
     )
     #                              downstream schedule starts (0 = the paper's one-step objective, Eq. 8)
-    m.TASK_BATCHING = "auto"  # auto | on | off: a meta-batch's tasks as one stacked pass (meta.batched; equal to
+    m.TASK_BATCHING = "auto"  # auto | on | off: a meta-batch's tasks as one stacked pass (meta.method.batched; equal to
     #                              one task after another to float rounding); auto: stacked on a GPU (halved on
     #                              out-of-memory), sequential on the CPU (CPU results keep their last digit)
 
-    m.REGULATOR = CN()  # R_phi (meta.regulator.RegulatorSpec) [core]
+    m.REGULATOR = CN()  # R_phi (meta.method.regulator.RegulatorSpec) [core]
     # residual | paper (literal Eq. 5) | gate (a learned gate on the gradient of the support loss's consistency
-    # regulariser, META.CONSISTENCY; meta.regulator.GradientGate)
+    # regulariser, META.CONSISTENCY; meta.method.regulator.GradientGate)
     m.REGULATOR.FORM = "residual"
     m.REGULATOR.INPUT_NORM = True
     m.REGULATOR.BETA_SCALE = 0.0  # 0 = beta in units of rms(g) (core default); > 0 = fixed scale (1.0 = paper)
@@ -199,7 +199,8 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.REGULATOR.WEIGHT_DECAY = 0.0  # L2 on phi in the outer step: keeps R_phi near the identity (residual form)
     m.REGULATOR.GATE_GROUP = 8  # FORM gate: coordinates of a prompt tensor's last dimension that share a gate value
 
-    # ---- the support loss's zero-shot consistency regulariser (meta.consistency; 0 = off, the plain cross-entropy):
+    # ---- the support loss's zero-shot consistency regulariser (meta.method.consistency; 0 = off, the plain
+    # cross-entropy):
     # CE + TEXT_WEIGHT * L_text + IMAGE_WEIGHT * L_image in the inner loop (and in META.VAL_PROTOCOL downstream's
     # fine-tuning); the query loss stays the cross-entropy. REGULATOR.FORM gate needs a weight > 0; fine-tune a
     # file meta-trained with it with the same weights (TRAINER.GRAM.CONSISTENCY_TEXT / _IMAGE).
@@ -207,7 +208,7 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.CONSISTENCY.TEXT_WEIGHT = 0.0
     m.CONSISTENCY.IMAGE_WEIGHT = 0.0
 
-    # ---- theta (meta.prompts.PromptSpec): CoOp = text only, VPT = vision only, UNIGRAM = both
+    # ---- theta (meta.method.prompts.PromptSpec): CoOp = text only, VPT = vision only, UNIGRAM = both
     m.PROMPT = CN()
     m.PROMPT.N_CTX_TEXT = 4  # [GRAM] 4 prompt tokens for CoOp/VPT; UNIGRAM 2 text + 2 visual
     m.PROMPT.CTX_INIT = ""  # e.g. "a photo of a" (then M = its token count)
@@ -215,17 +216,19 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.PROMPT.VISION_DEPTH = 1  # 1 = shallow VPT; 0 = every layer
     m.PROMPT.INIT_STD = 0.02  # CoOp's N(0, 0.02^2) context init
     m.PROMPT.TEMPLATE = DEFAULT_TEMPLATE  # text side when N_CTX_TEXT == 0 (paper's VPT baseline)
-    m.PROMPT.VPT_INIT = PromptSpec.vpt_init  # visual tokens' start: normal | zeros | cls | patch_mean (meta.prompts)
+    m.PROMPT.VPT_INIT = (
+        PromptSpec.vpt_init
+    )  # visual tokens' start: normal | zeros | cls | patch_mean (meta.method.prompts)
     # J text layers with learnable context (1 = CoOp; IVLP / MaPLe PROMPT_DEPTH > 1: deep text prompts; 0 = every layer)
     m.PROMPT.TEXT_DEPTH = 1
     # none | maple (visual prompts of the first TEXT_DEPTH vision layers projected from the text prompts;
     # N_CTX_VISION 0)
     m.PROMPT.COUPLING = "none"
-    # the prompt learner (meta.learners registry key): "clip" = the built-in one the keys above shape; a learner
+    # the prompt learner (meta.method.learners registry key): "clip" = the built-in one the keys above shape; a learner
     # registered by your code (in the process that meta-trains) is named here and reads the keys it needs
     m.PROMPT.LEARNER = PromptSpec.learner
     # modules imported before LEARNER is looked up, so a command-line run finds a learner your code registers
-    # (meta.learners.register_learner at import); dotted names on sys.path, e.g. ['my_learners']
+    # (meta.method.learners.register_learner at import); dotted names on sys.path, e.g. ['my_learners']
     m.PROMPT.LEARNER_MODULES = []
 
     # ---- Table 4 row 3: plain classification over the topics --------------------------------
@@ -334,7 +337,7 @@ def load_meta_cfg(config_file: str = "", opts: Sequence[str] = ()) -> CN:
     """Defaults, then ``config_file`` (yaml), then ``KEY VALUE`` overrides, CoOp style.
 
     Only ``.yaml`` / ``.yml`` files are read (yacs would execute a ``.py`` file), and only without YAML
-    aliases (:func:`refuse_yaml_aliases`).  Every problem is a :class:`meta.cli_errors.UserError`
+    aliases (:func:`refuse_yaml_aliases`).  Every problem is a :class:`meta.infra.cli_errors.UserError`
     naming the file or the key.
     """
     cfg = get_meta_cfg_default()

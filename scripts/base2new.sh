@@ -5,7 +5,7 @@
 #
 #   bash scripts/base2new.sh METHOD [DATASET|all|a,b,c] [SEEDS...] [--] [KEY VALUE ...]
 #
-# METHOD is a key of meta/methods.yaml with a trainer (`bash scripts/methods.sh` lists them: zsclip coop gram_coop
+# METHOD is a key of meta/method/methods.yaml with a trainer (`bash scripts/methods.sh` lists them: zsclip coop gram_coop
 # gram_coop_init_only vpt ...; the *_init_only keys start from θ* with raw gradients, README's advice); seeds
 # default to 1 2 3; trailing KEY VALUE pairs are passed to train.py as yacs options.  Output:
 #   $OUTPUT/base2new/train_base/<dataset>/shots_<K>/<METHOD>/seed<S>/   (log gives the base accuracy)

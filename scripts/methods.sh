@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Shared by base2new.sh, xd.sh and xdomain.sh: pick the interpreter, then hand over to the Python
 # runner scripts/run_methods.py (argument parsing, run hashing, skip / refuse / REDO, the method
-# table meta/methods.yaml and the dataset lists of meta.coop_data live there; its docstring lists
+# table meta/method/methods.yaml and the dataset lists of meta.data.coop_data live there; its docstring lists
 # the environment variables).  `bash scripts/methods.sh` prints the method table.
 
 GRAM_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -24,5 +24,5 @@ gram_exec_runner() {
 
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
     gram_setup_env
-    cd "$GRAM_REPO" && exec "$PYTHON" -m meta.methods
+    cd "$GRAM_REPO" && exec "$PYTHON" -m meta.method.methods
 fi

@@ -49,12 +49,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from meta import coop_data  # noqa: E402
-from meta import methods as method_table  # noqa: E402
-from meta.dassl_runs import LogProblem, newest_log, read_accuracy, run_mode  # noqa: E402  (the runner's reader too)
+from meta.data import coop_data  # noqa: E402
 from meta.evaluation.summary import summarise  # noqa: E402
+from meta.infra.dassl_runs import LogProblem, newest_log, read_accuracy, run_mode  # noqa: E402  (the runner's reader too)
+from meta.method import methods as method_table  # noqa: E402
 
-# Paper / CoOp order (meta.coop_data's dataset list); other names follow alphabetically.
+# Paper / CoOp order (meta.data.coop_data's dataset list); other names follow alphabetically.
 DATASET_ORDER = list(coop_data.STANDARD_KEYS)
 METHOD_ORDER = list(method_table.methods())  # the method table's order; row names: method_table.label (paper's rows)
 DATASET_LABEL = {x.config_key: x.title for x in coop_data.STANDARD_LAYOUTS}  # the paper's column names

@@ -3,10 +3,10 @@
 
     python scripts/run_methods.py {base2new|xd|xdomain} METHOD [DATASETS] [SEEDS...] [--] [KEY VALUE...]
 
-METHOD is a key of the method table ``meta/methods.yaml`` that has a Dassl trainer; DATASETS
+METHOD is a key of the method table ``meta/method/methods.yaml`` that has a Dassl trainer; DATASETS
 (base2new only) is ``all`` (default: the 11 benchmarks), one name or ``a,b,c``; SEEDS default to
 1 2 3; trailing ``KEY VALUE`` pairs go to ``train.py`` as yacs options.  Dataset lists come from
-``meta.coop_data``; log markers and checkpoint names from ``meta.dassl_runs`` (the parser's reader).
+``meta.data.coop_data``; log markers and checkpoint names from ``meta.infra.dassl_runs`` (the parser's reader).
 
 Conventions follow CoOp's ``scripts/cocoop/*.sh`` (KaiyangZhou/CoOp @ ff61507): ``python train.py
 --root --seed --trainer --dataset-config-file --config-file --output-dir [--model-dir --load-epoch
@@ -27,11 +27,11 @@ path>), REDO=1 (redo refused jobs), DRY_RUN=1 (print commands only), CHECK_PATHS
 
 Before the first job starts (and under DRY_RUN=1 too), the paths the runs will read are checked once,
 as this repository's train.py and trainers resolve them: the folder ``<DATA>/<dataset_dir>`` of every
-dataset the job list needs (``meta.coop_data`` layouts, e.g. ``<DATA>/dtd``; a dataset without a known
+dataset the job list needs (``meta.data.coop_data`` layouts, e.g. ``<DATA>/dtd``; a dataset without a known
 layout is not checked), the CLIP weights file (``TRAINER.GRAM.WEIGHTS`` from the dataset and method
 configs and the trailing options; "" = ``~/.cache/clip/<backbone>.pt``, ``none``/``random`` = no file,
 an open_clip tag is not checked) and, for methods that read a GRAM init file, INIT (or the option
-``TRAINER.GRAM.INIT``): set, and a file ``meta.init_io.load_gram_init`` loads.  The first problem stops
+``TRAINER.GRAM.INIT``): set, and a file ``meta.finetune.init_io.load_gram_init`` loads.  The first problem stops
 the runner with one ``error: ...`` line and exit status 2, before any folder is written.
 CHECK_PATHS=auto (default) checks only when TRAIN_PY is this repository's train.py (another program may
 read other paths); 1 checks with any TRAIN_PY, 0 never checks.
@@ -56,9 +56,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from meta import coop_data, methods  # noqa: E402
-from meta.clip_weights import looks_like_file, open_clip_name, resolve_weights_key  # noqa: E402
-from meta.dassl_runs import LOG, RUN_INFO, last_checkpoint_epoch, log_finished, read_run_info  # noqa: E402
+from meta.data import coop_data  # noqa: E402
+from meta.infra.dassl_runs import LOG, RUN_INFO, last_checkpoint_epoch, log_finished, read_run_info  # noqa: E402
+from meta.method import methods  # noqa: E402
+from meta.model.clip_weights import looks_like_file, open_clip_name, resolve_weights_key  # noqa: E402
 
 USAGE = {
     "base2new": "bash scripts/base2new.sh METHOD [DATASET|all|a,b,c] [SEEDS...] [--] [KEY VALUE ...]",
@@ -285,7 +286,7 @@ def clip_weights_file(cfg: ResolvedConfig) -> tuple[Optional[Path], str]:
             "MODEL.BACKBONE.NAME and TRAINER.GRAM.MODEL_NAME are both empty, so no CLIP weights file is known "
             f"(configs: {', '.join(str(p) for p, _ in cfg.files)}; expected e.g. MODEL.BACKBONE.NAME ViT-B/16)"
         )
-    value = resolve_weights_key(weights, backbone, model_name)  # the trainer's own rule (meta.clip_weights)
+    value = resolve_weights_key(weights, backbone, model_name)  # the trainer's own rule (meta.model.clip_weights)
     if value is None:
         return None, ""
     if str(weights).strip():
@@ -297,7 +298,7 @@ def clip_weights_file(cfg: ResolvedConfig) -> tuple[Optional[Path], str]:
             "there, or pass TRAINER.GRAM.WEIGHTS /path/to/weights.pt after the arguments"
         )
     if not looks_like_file(value):
-        return None, f"open_clip tag {value!r}"  # meta.backbone.load_clip: a cached tag, not a file
+        return None, f"open_clip tag {value!r}"  # meta.model.backbone.load_clip: a cached tag, not a file
     return _repo_path(value), note
 
 
@@ -324,7 +325,7 @@ def check_init(env: Env, job: Job, cfg_path: Path) -> None:
     if not value:
         raise PathError(
             f"method '{row.key}' starts from a GRAM init file but INIT is unset: "
-            "set INIT=/path/to/gram_init.safetensors (written by meta.init_io.export_gram_init)"
+            "set INIT=/path/to/gram_init.safetensors (written by meta.finetune.init_io.export_gram_init)"
         )
     key = (
         "INIT" if env.init else ("TRAINER.GRAM.INIT" if where.startswith("option") else f"TRAINER.GRAM.INIT in {where}")
@@ -333,13 +334,15 @@ def check_init(env: Env, job: Job, cfg_path: Path) -> None:
     if not path.is_file():
         raise PathError(f"{key} file not found: {path}")
     try:
-        from meta.init_io import load_gram_init
+        from meta.finetune.init_io import load_gram_init
     except ImportError as err:  # train.py could not load it either
-        raise PathError(f"{key} cannot be checked: meta.init_io does not import ({err})") from None
+        raise PathError(f"{key} cannot be checked: meta.finetune.init_io does not import ({err})") from None
     try:
         load_gram_init(path, config_key=key)
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise PathError(f"{' '.join(str(err).split())} (expected a file from meta.init_io.export_gram_init)") from None
+        raise PathError(
+            f"{' '.join(str(err).split())} (expected a file from meta.finetune.init_io.export_gram_init)"
+        ) from None
 
 
 def check_paths(env: Env, job: Job, cfg_path: Path) -> bool:

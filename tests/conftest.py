@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # trainers/ and datasets/ import from the repo root, CoOp style
     sys.path.insert(0, str(ROOT))
 
-from meta.numerics import pin_process  # noqa: E402
+from meta.infra.numerics import pin_process  # noqa: E402
 
 pin_process()  # the suite runs with the numerics pins, as the entry points it starts in subprocesses do
 
@@ -48,7 +48,7 @@ def _same_global_rng_for_every_test():
 @pytest.fixture(scope="session")
 def tiny_clip():
     """A frozen 3.4 M-parameter open_clip CLIP (random weights), built once per session."""
-    from meta.backbone import load_clip
+    from meta.model.backbone import load_clip
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -3,7 +3,7 @@
     ctx = ctx_factor [M, r] @ ctx_basis [r, d_t]
 
 two tensors of names and shapes no built-in learner has.  It is one class and one registration, which is all
-:mod:`meta.learners` asks of a new learner; the tests then run it through meta-training (both task loops), init
+:mod:`meta.method.learners` asks of a new learner; the tests then run it through meta-training (both task loops), init
 files, the evaluator and the Dassl trainer.
 """
 
@@ -14,7 +14,7 @@ from typing import Iterator
 
 import torch
 
-from meta.learners import PromptLearner, register_learner, unregister_learner
+from meta.method.learners import PromptLearner, register_learner, unregister_learner
 
 KEY = "test_low_rank_context"
 RANK = 3

@@ -1,4 +1,4 @@
-"""The task-batched outer step (meta/batched.py) against the sequential one, task by task."""
+"""The task-batched outer step (meta/method/batched.py) against the sequential one, task by task."""
 
 import copy
 import dataclasses
@@ -6,11 +6,11 @@ import dataclasses
 import pytest
 import torch
 
-from meta import batched
-from meta.batched import StackedPrompts, batched_classification_loss, batched_loss_of, stack_batches
-from meta.gram import GRAMMetaLearner, MetaSpec, TaskBatch
-from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
-from meta.regulator import GradientRegulator, RegulatorSpec
+from meta.method import batched
+from meta.method.batched import StackedPrompts, batched_classification_loss, batched_loss_of, stack_batches
+from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch
+from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+from meta.method.regulator import GradientRegulator, RegulatorSpec
 
 # class names of different token counts, so the B·K text sequences have different EOT positions
 TASK_NAMES = [
@@ -119,7 +119,7 @@ def test_batched_step_equals_sequential_two_steps_momentum_regulator_options(tin
     """Two inner steps with momentum, a norm-preserving mixed R_φ and the before-adaptation term, in float64.
 
     In float32 the mix logit's gradient (largest entry ~1e-4) differed by 2e-8 between the paths once the
-    kernels were pinned (meta.numerics): rounding of sums of much larger terms, which a tolerance relative to
+    kernels were pinned (meta.infra.numerics): rounding of sums of much larger terms, which a tolerance relative to
     that small entry cannot tell from an error.  float64 checks the algebra itself, as the test above does."""
     meta_spec = MetaSpec(
         inner_lr=0.5,
@@ -247,7 +247,7 @@ def test_task_batching_value_checked():
 
 def test_objectives_the_stacked_pass_does_not_compute_run_sequentially(tiny_clip):
     """Split support windows or trajectory terms (switches of the regulated inner loop) are not stacked."""
-    from meta import batched
+    from meta.method import batched
 
     clip, dims = tiny_clip
     tasks = _tasks(dims)

@@ -191,7 +191,7 @@ def test_report_files(chc_run):
 
 @pytest.mark.slow
 def test_tasks_from_chc_hierarchy(chc_run):
-    from meta.tasks import TaskSampler
+    from meta.data.tasks import TaskSampler
 
     out, _, _ = chc_run
     h = load_hierarchy(out)
@@ -275,10 +275,10 @@ def test_rank_sharding_matches_single_process(chc_run, tmp_path):
 
     import torch
 
-    from meta.backbone import load_clip
     from meta.chc.image_features import encode_rank, merge_ranks
     from meta.chc.imaging import clip_norm_stats
     from meta.chc.sources import PairIndex, rank_items
+    from meta.model.backbone import load_clip
 
     out, cfg, _ = chc_run
     index = PairIndex.load(out / "index")

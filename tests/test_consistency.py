@@ -1,4 +1,4 @@
-"""The zero-shot consistency terms (meta.consistency) against computations written from their definitions.
+"""The zero-shot consistency terms (meta.method.consistency) against computations written from their definitions.
 
 The references use open_clip's own ``encode_text`` / ``encode_image`` on the tiny CLIP (not this project's
 encoders) and numpy for the two terms; the loss with both weights 0 is the plain cross-entropy bit for bit.
@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meta.consistency import ConsistencySpec, image_consistency, text_consistency
 from meta.evaluation.spec import method_preset
-from meta.prompts import DEFAULT_TEMPLATE, PromptedCLIP, PromptParams, PromptSpec, classification_loss
+from meta.method.consistency import ConsistencySpec, image_consistency, text_consistency
+from meta.method.prompts import DEFAULT_TEMPLATE, PromptedCLIP, PromptParams, PromptSpec, classification_loss
 
 NAMES = ["cat", "dog", "bird"]
 

@@ -1,4 +1,4 @@
-"""Dassl-free tests of meta.coop_data: split reading, few-shot sampling and its cache, base/new, H."""
+"""Dassl-free tests of meta.data.coop_data: split reading, few-shot sampling and its cache, base/new, H."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import make_dtd, make_imagenet_tree, relpaths, write_classnames
 
-from meta import coop_data as cd
+from meta.data import coop_data as cd
 
 
 class NoDraws:

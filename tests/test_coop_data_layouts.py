@@ -1,4 +1,4 @@
-"""The CoOp layout table (``meta.coop_data.COOP_LAYOUTS``): every dataset config names a layout, and an
+"""The CoOp layout table (``meta.data.coop_data.COOP_LAYOUTS``): every dataset config names a layout, and an
 unknown name lists the known ones."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_every_dataset_config_names_a_registered_layout():
     import yaml
 
-    from meta.coop_data import COOP_LAYOUTS, get_layout
+    from meta.data.coop_data import COOP_LAYOUTS, get_layout
 
     files = sorted((REPO / "configs" / "datasets").glob("*.yaml"))
     assert len(files) == 15
@@ -45,7 +45,7 @@ def test_every_dataset_config_names_a_registered_layout():
 def test_unknown_dataset_name_lists_the_known_ones():
     import pytest
 
-    from meta.coop_data import get_layout
+    from meta.data.coop_data import get_layout
 
     with pytest.raises(KeyError, match="DescribableTextures"):
         get_layout("NoSuchSet")

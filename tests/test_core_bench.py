@@ -75,8 +75,8 @@ def _matmul_flops(fn) -> int:
 
 def test_linear_products_are_the_text_towers_own_matmuls(tiny_clip):
     """The bench's matmul-only sweeps do exactly the matrix products of a real text forward / backward."""
-    from meta.blocks import transformer_forward
-    from meta.text_encoder import ClassTokenCache
+    from meta.model.blocks import transformer_forward
+    from meta.model.text_encoder import ClassTokenCache
 
     clip, _ = tiny_clip
     names = ["golden retriever", "fire truck", "tabby cat"]

@@ -1,9 +1,9 @@
-"""meta.blocks: our batch-first block forward equals open_clip's own block, rows and all."""
+"""meta.model.blocks: our batch-first block forward equals open_clip's own block, rows and all."""
 
 import pytest
 import torch
 
-from meta.blocks import block_forward, is_plain_block, transformer_forward
+from meta.model.blocks import block_forward, is_plain_block, transformer_forward
 
 
 def _tokens(width: int, n: int = 3, length: int = 7, seed: int = 0) -> torch.Tensor:

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from helpers import class_batch
 from torch.func import functional_call
 
-from meta.gram import GRAMMetaLearner, MetaSpec, TaskBatch, double_backward_attention
-from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
-from meta.regulator import RegulatorSpec
+from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch, double_backward_attention
+from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+from meta.method.regulator import RegulatorSpec
 
 _batch = class_batch
 

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from meta.gram import GRAMMetaLearner, MetaSpec
-from meta.profiling import bytes_copied
-from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
-from meta.text_encoder import ClassTokenCache, context_from_words, encode_text_with_context
-from meta.visual_encoder import encode_image_with_prompts
+from meta.infra.profiling import bytes_copied
+from meta.method.gram import GRAMMetaLearner, MetaSpec
+from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+from meta.model.text_encoder import ClassTokenCache, context_from_words, encode_text_with_context
+from meta.model.visual_encoder import encode_image_with_prompts
 
 NAMES = ["red circle", "square", "a very long class name with many words", "x"]
 
@@ -152,8 +152,8 @@ def test_class_token_cache_keeps_tokens_in_the_blocks_dtype_and_stacks_once():
     text features equal those of the per-step cast (the former path: fp32 tokens, no positional given)."""
     import warnings
 
-    from meta.backbone import load_clip
-    from meta.text_encoder import ClassTokens
+    from meta.model.backbone import load_clip
+    from meta.model.text_encoder import ClassTokens
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 
-from meta.backbone import ClipDims
-from meta.finetune import GradientRegulation
-from meta.gram import GRAMMetaLearner, MetaSpec
-from meta.init_io import InitMismatchError, export_coop_context, export_gram_init, load_gram_init
-from meta.prompts import PromptParams, PromptSpec
-from meta.regulator import GradientRegulator, RegulatorFactory, RegulatorSpec
+from meta.finetune.init_io import InitMismatchError, export_coop_context, export_gram_init, load_gram_init
+from meta.finetune.regulated import GradientRegulation
+from meta.method.gram import GRAMMetaLearner, MetaSpec
+from meta.method.prompts import PromptParams, PromptSpec
+from meta.method.regulator import GradientRegulator, RegulatorFactory, RegulatorSpec
+from meta.model.backbone import ClipDims
 
 
 @pytest.mark.parametrize("scale", [1e-6, 1e-2, 10.0])
@@ -47,7 +47,7 @@ def test_regulator_matches_the_formula():
 def test_core_then_wrappers_in_table_order_match_the_chain_written_out(monkeypatch):
     """ĝ = step(mix(norm(γ ⊙ g + β))) with every wrapper on, each written here from its formula; a wrapper added
     to the table composes after the others and installs its own parameter under a flat name."""
-    from meta import regulator
+    from meta.method import regulator
 
     spec = RegulatorSpec(init="normal", init_std=0.3, norm_preserve=True, mix=True, mix_init=0.7, learn_lr=True)
     reg = GradientRegulator(5, spec)
@@ -283,7 +283,7 @@ def test_exports_are_atomic_with_plain_file_mode(tmp_path, monkeypatch):
     """A failed write leaves the previous file and no temporary; new files get 0666 & ~umask like open()."""
     import errno
 
-    import meta.fileio as fileio
+    import meta.infra.fileio as fileio
 
     ctx = torch.randn(4, 64)
     path = export_coop_context(tmp_path / "ctx.pth", ctx)
@@ -308,7 +308,7 @@ def test_stale_temp_files_of_dead_writers_are_cleaned(tmp_path):
     import subprocess
     import sys
 
-    from meta.fileio import clean_stale_temps
+    from meta.infra.fileio import clean_stale_temps
 
     dead = int(
         subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout

@@ -26,7 +26,7 @@ from dassl.utils import set_random_seed  # noqa: E402
 import datasets as gram_datasets  # noqa: E402
 
 gram_datasets.register_all()
-from meta import coop_data as cd  # noqa: E402
+from meta.data import coop_data as cd  # noqa: E402
 
 
 def make_cfg(root, name, shots=-1, seed=1, subsample="all"):

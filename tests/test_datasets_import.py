@@ -37,7 +37,7 @@ def test_import_is_free_and_use_without_dassl_is_a_one_line_error():
         "    print('ERR', e)\n"
     )
     assert line.startswith("ERR Dassl is not installed") and "\n" not in line, line
-    assert "meta.coop_data" in line
+    assert "meta.data.coop_data" in line
 
 
 def test_sentence_transformers_imports_from_the_repo_root_without_dassl():
@@ -48,7 +48,7 @@ def test_sentence_transformers_imports_from_the_repo_root_without_dassl():
 
 def test_standard_names_match_the_layout_table():
     import datasets
-    from meta.coop_data import COOP_LAYOUTS
+    from meta.data.coop_data import COOP_LAYOUTS
 
     # the built-in layouts are registered first, in table order; tests may append custom ones after them
     assert len(datasets.STANDARD_NAMES) == 15
@@ -60,7 +60,7 @@ def test_dataset_configs_and_groups_follow_the_one_dataset_list():
     the protocol groups are the paper's (11 base-to-new benchmarks, ImageNet source, 4 ImageNet variants)."""
     import yaml
 
-    from meta import coop_data
+    from meta.data import coop_data
 
     on_disk = {
         p.stem: yaml.safe_load(p.read_text())["DATASET"]["NAME"] for p in (REPO / "configs" / "datasets").glob("*.yaml")

@@ -1,7 +1,7 @@
 """Deep text prompts (IVLP) and MaPLe's coupled visual prompts in the core.
 
 The forwards are checked against a plain loop over open_clip's own resblocks written here (all 77
-text positions, the blocks' own ``forward``), not against ``meta.text_encoder`` / ``meta.visual_encoder``
+text positions, the blocks' own ``forward``), not against ``meta.model.text_encoder`` / ``meta.model.visual_encoder``
 nor the MaPLe fork's code.  The tiny model has text width 64 != vision width 96, so a transposed
 projection cannot pass.
 """
@@ -17,9 +17,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.func import functional_call
 
-from meta.gram import GRAMMetaLearner, MetaSpec, double_backward_attention
-from meta.init_io import InitMismatchError, export_gram_init, load_gram_init
-from meta.prompts import (
+from meta.finetune.init_io import InitMismatchError, export_gram_init, load_gram_init
+from meta.method.gram import GRAMMetaLearner, MetaSpec, double_backward_attention
+from meta.method.prompts import (
     PromptedCLIP,
     PromptParams,
     PromptSpec,
@@ -27,8 +27,8 @@ from meta.prompts import (
     initial_projections,
     visual_prompts,
 )
-from meta.regulator import RegulatorSpec
-from meta.text_encoder import ClassTokenCache, encode_text_with_context
+from meta.method.regulator import RegulatorSpec
+from meta.model.text_encoder import ClassTokenCache, encode_text_with_context
 
 NAMES = ["red circle", "square", "a very long class name with many words"]
 IVLP = dict(n_ctx_text=2, text_depth=2, n_ctx_vision=2, vision_depth=2, vpt_init="normal")
@@ -38,7 +38,7 @@ MAPLE = dict(n_ctx_text=2, text_depth=3, coupling="maple")
 @pytest.fixture(scope="module")
 def deep_clip():
     """A frozen CLIP with 3 text and 3 vision blocks, text width 64, vision width 96 (random weights)."""
-    from meta.backbone import load_clip
+    from meta.model.backbone import load_clip
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

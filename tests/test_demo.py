@@ -38,9 +38,9 @@ from gram_world.demo.settings import (
     variants_needed,
 )
 from gram_world.demo.stages import check_settings
-from meta.cli_errors import UserError
-from meta.coop_data import harmonic_mean
+from meta.data.coop_data import harmonic_mean
 from meta.evaluation import summarise
+from meta.infra.cli_errors import UserError
 
 DATASETS = ("WorldA", "WorldB")
 FAMILY = ("WorldP", "WorldQ")

@@ -25,7 +25,7 @@ from gram_world.demo import (
 from gram_world.demo.background import BackgroundRuns, baseline_jobs
 from gram_world.demo.settings import ONE_STEP_VARIANTS, OPT_IN_TABLES, TABLE1_ROWS
 from gram_world.demo.stages import stage_world
-from meta.coop_data import harmonic_mean
+from meta.data.coop_data import harmonic_mean
 
 pytestmark = pytest.mark.slow
 

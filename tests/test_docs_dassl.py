@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from meta import methods
+from meta.method import methods
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = (REPO / "docs" / "dassl_plugin.md").read_text()
@@ -23,7 +23,7 @@ def blocks_after(heading: str) -> list[str]:
 
 
 def method_trainers() -> dict[str, str]:
-    """key -> trainer of the methods with a Dassl trainer, as the method table (meta/methods.yaml) gives it."""
+    """key -> trainer of the methods with a Dassl trainer, as the method table (meta/method/methods.yaml) gives it."""
     return {key: methods.get(key).trainer for key in methods.dassl_keys()}
 
 
@@ -102,7 +102,7 @@ def test_fork_sections_commands_fit_the_configs_and_the_parsers():
                     for k, tr in method_trainers().items()
                     if tr == trainer and Path(methods.get(k).config).name == f"{stem}.yaml"
                 ]
-                assert len(keys) == 1, f"{cfg}: not one method of the table (meta/methods.yaml)"
+                assert len(keys) == 1, f"{cfg}: not one method of the table (meta/method/methods.yaml)"
                 assert argv[-2:] == ["TRAINER.GRAM.INIT", "init.safetensors"]
                 if side == "test_new":
                     optim = yaml.safe_load((REPO / methods.get(keys[0]).config).read_text())["OPTIM"]

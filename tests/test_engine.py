@@ -1,4 +1,4 @@
-"""meta.engine on its own: the window's one unit conversion, the regulated step (with a GradScaler: R_φ sees
+"""meta.finetune.engine on its own: the window's one unit conversion, the regulated step (with a GradScaler: R_φ sees
 the unscaled gradient) and the start rules that MethodSpec and TRAINER.GRAM share."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import torch
 from torch import nn
 from yacs.config import CfgNode as CN
 
-from meta.engine import RegulatedStepper, window_batches
 from meta.evaluation import MethodSpec
-from meta.finetune import GradientRegulation
-from meta.regulator import GradientRegulator, RegulatorSpec
+from meta.finetune.engine import RegulatedStepper, window_batches
+from meta.finetune.regulated import GradientRegulation
+from meta.method.regulator import GradientRegulator, RegulatorSpec
 from trainers.gram.config import extend_cfg, gram_settings
 
 
@@ -119,7 +119,7 @@ def _cfg(**keys) -> CN:
     ],
 )
 def test_the_evaluator_and_the_trainers_refuse_the_same_starts(fields, keys, method_msg, dassl_msg):
-    """One rule set (meta.engine.start_rule_problems), each interface naming its own keys (VPT: no text)."""
+    """One rule set (meta.finetune.engine.start_rule_problems), each interface naming its own keys (VPT: no text)."""
     with pytest.raises(ValueError) as err:
         MethodSpec("x", n_ctx_text=0, n_ctx_vision=4, **fields)
     assert method_msg in str(err.value) and str(err.value).startswith("MethodSpec 'x': ")

@@ -1,8 +1,8 @@
 """``train.py``'s trainers and the standalone evaluator are one engine: same data, seed, init file and
 transform give the same θ after one epoch and the same base and new accuracy (needs Dassl).
 
-Both paths build θ, R_φ, the window and the launch step with ``meta.engine.build_start`` and step with
-``meta.engine.RegulatedStepper``; what each keeps of its own is aligned here through real options:
+Both paths build θ, R_φ, the window and the launch step with ``meta.finetune.engine.build_start`` and step with
+``meta.finetune.engine.RegulatedStepper``; what each keeps of its own is aligned here through real options:
 the few-shot sample (Dassl's ``random`` draws = the evaluator's ``random.Random(seed)``), the batch order
 (Dassl's ``SequentialSampler`` = ``TrainSpec(order="sequential")``), the transform (``INPUT.TRANSFORMS
 ["normalize"]`` on images already at the model's size = ``TrainSpec(augment="none")``) and the frozen CLIP
@@ -31,11 +31,11 @@ from helpers_learner import RANK, low_rank_learner  # noqa: E402
 from PIL import Image  # noqa: E402
 
 import train  # noqa: E402
-from meta import methods  # noqa: E402
 from meta.evaluation import DatasetRef, TrainSpec, evaluate_base_to_new, method_preset  # noqa: E402
-from meta.init_io import export_gram_init  # noqa: E402
-from meta.prompts import PromptParams  # noqa: E402
-from meta.regulator import GradientGate, GradientRegulator, RegulatorSpec  # noqa: E402
+from meta.finetune.init_io import export_gram_init  # noqa: E402
+from meta.method import methods  # noqa: E402
+from meta.method.prompts import PromptParams  # noqa: E402
+from meta.method.regulator import GradientGate, GradientRegulator, RegulatorSpec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CLASSES = ["apple", "boat", "cat", "drum"]  # CoOp's base = the first two, new = the last two

@@ -1,4 +1,4 @@
-"""The standalone evaluator (meta.evaluation / meta.evaluate) on tiny synthetic CoOp-layout datasets.
+"""The standalone evaluator (meta.evaluation / meta.evaluation.cli) on tiny synthetic CoOp-layout datasets.
 
 Images are solid colours plus noise (one colour per class), so the frozen random-weight tiny CLIP
 separates the classes in image space while its random text tower knows nothing of the names:
@@ -17,8 +17,7 @@ from helpers import lr_per_epoch
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from PIL import Image
 
-from meta import methods
-from meta.coop_data import harmonic_mean, load_coop_splits
+from meta.data.coop_data import harmonic_mean, load_coop_splits
 from meta.evaluation import (
     DatasetRef,
     EvaluationSession,
@@ -35,11 +34,12 @@ from meta.evaluation import (
     prompt_digest,
 )
 from meta.evaluation.images import view_key
-from meta.finetune import LaunchStep
-from meta.gram import GRAMMetaLearner, MetaSpec
-from meta.init_io import InitMismatchError, export_gram_init
-from meta.prompts import PromptedCLIP, PromptParams
-from meta.regulator import GradientRegulator, RegulatorSpec
+from meta.finetune.init_io import InitMismatchError, export_gram_init
+from meta.finetune.regulated import LaunchStep
+from meta.method import methods
+from meta.method.gram import GRAMMetaLearner, MetaSpec
+from meta.method.prompts import PromptedCLIP, PromptParams
+from meta.method.regulator import GradientRegulator, RegulatorSpec
 
 NAMES_A = ["apple", "boat", "cat", "drum", "eagle", "fork", "grape", "house"]
 NAMES_B = ["island", "jacket", "kite", "lemon"]
@@ -426,7 +426,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path, tiny_clip):
 
 
 def test_cli_writes_one_json_line_per_run(ds_a, data_root, tmp_path, capsys):
-    from meta.evaluate import main
+    from meta.evaluation.cli import main
 
     out = tmp_path / "runs" / "b2n.jsonl"
     with warnings.catch_warnings():
@@ -464,7 +464,7 @@ def test_cli_writes_one_json_line_per_run(ds_a, data_root, tmp_path, capsys):
 
 
 def test_cli_maps_init_files_to_gram_presets():
-    from meta.evaluate import _methods, _parser
+    from meta.evaluation.cli import _methods, _parser
 
     args = _parser().parse_args(
         [
@@ -530,7 +530,7 @@ def test_cli_input_errors_are_one_line_with_exit_2(data_root, tmp_path, tiny_cli
     """Errors found after argument parsing (init, weights, device, images, split file): no traceback."""
     import shutil
 
-    from meta.evaluate import main
+    from meta.evaluation.cli import main
 
     _, dims = tiny_clip
     copy = tmp_path / "synth_a"

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from meta.data.image_decode import open_upright, to_rgb8
 from meta.evaluation.images import ImageLoader, eval_transform_key, train_transform_key
-from meta.image_decode import open_upright, to_rgb8
 
 W, H = 16, 8  # the upright picture: landscape, red left half, blue right half
 ROTATE_90 = 6  # EXIF orientation 6: the viewer turns the stored pixels 90 degrees clockwise
@@ -85,7 +85,7 @@ def test_cached_features_of_the_two_readings_never_mix():
 
 
 def test_the_evaluator_cli_has_the_switch():
-    from meta.evaluate import _parser
+    from meta.evaluation.cli import _parser
 
     assert not _parser().parse_args(["base2new", "--dataset", "x"]).exif_upright
     assert _parser().parse_args(["base2new", "--dataset", "x", "--exif-upright"]).exif_upright

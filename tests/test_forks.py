@@ -35,9 +35,9 @@ from helpers_forks import (  # noqa: E402
     script_variables,
 )
 
-from meta.init_io import export_gram_init  # noqa: E402
-from meta.prompts import PromptParams  # noqa: E402
-from meta.regulator import GradientRegulator, RegulatorSpec  # noqa: E402
+from meta.finetune.init_io import export_gram_init  # noqa: E402
+from meta.method.prompts import PromptParams  # noqa: E402
+from meta.method.regulator import GradientRegulator, RegulatorSpec  # noqa: E402
 
 N_CLASSES, COUNTS = 4, {"train": 3, "val": 2, "test": 2}  # make_dtd: class c has COUNTS[split] + c images
 BASE, NEW = [0, 1], [2, 3]  # CoOp's base/new split of 4 sorted labels

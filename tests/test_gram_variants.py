@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from meta.backbone import ClipDims
-from meta.finetune import GradientRegulation, finetune_and_score
-from meta.gram import GRAMMetaLearner, MetaSpec, TaskBatch
-from meta.init_io import export_gram_init, load_gram_init
-from meta.prompts import PromptParams
-from meta.regulator import GradientRegulator, RegulatorSpec
+from meta.finetune.init_io import export_gram_init, load_gram_init
+from meta.finetune.regulated import GradientRegulation, finetune_and_score
+from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch
+from meta.method.prompts import PromptParams
+from meta.method.regulator import GradientRegulator, RegulatorSpec
+from meta.model.backbone import ClipDims
 
 
 def _randomise(reg: GradientRegulator, seed: int = 0) -> GradientRegulator:

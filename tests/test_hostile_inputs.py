@@ -30,8 +30,8 @@ from test_one_line_errors import _one_error_line, _resave, init_file  # noqa: F4
 
 from meta.chc.imaging import DECODE_RULE, MAX_PIXELS, decode_batch, decode_image_why, to_clip_uint8
 from meta.chc.sources import MAX_IMAGE_BYTES, build_index, read_regular_file
-from meta.cli_errors import UserError, run_cli
 from meta.config import get_meta_cfg_default, load_meta_cfg
+from meta.infra.cli_errors import UserError, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -258,8 +258,8 @@ CAPS = {"MAX_IMAGE_BYTES": 50 * 2**20, "MAX_IMAGE_PIXELS": 50_000_000, "MAX_IMAG
 
 
 def test_the_caps_are_keys_whose_defaults_are_the_module_constants():
-    from meta import input_limits
     from meta.chc import imaging, sources
+    from meta.data import input_limits
 
     inp = get_meta_cfg_default().CHC.INPUT
     assert {k: inp[k] for k in CAPS} == CAPS
@@ -359,7 +359,7 @@ def test_image_folder_source_reads_the_caps_from_its_keys(tiny_clip, tmp_path):
 
 def test_a_clustered_hierarchy_decodes_lazily_under_the_caps_it_recorded(tmp_path):
     from meta.chc.hierarchy import PairIndexImages
-    from meta.input_limits import image_caps
+    from meta.data.input_limits import image_caps
 
     (tmp_path / "a.png").write_bytes(png_bytes(size=(20, 12)))  # 240 pixels
     (tmp_path / "m.csv").write_text("image,caption\na.png,a red square\n")
@@ -437,7 +437,7 @@ def test_a_count_out_of_range_is_one_line_before_any_work(tmp_path, monkeypatch,
     ],
 )
 def test_an_evaluator_flag_out_of_range_is_one_line_naming_the_flag(tmp_path, monkeypatch, capsys, argv, line):
-    from meta.evaluate import main
+    from meta.evaluation.cli import main
 
     monkeypatch.chdir(tmp_path)
     output = tmp_path / "out" / "runs.jsonl"

@@ -280,8 +280,8 @@ def import_alone(tmp_path_factory):
 
 def test_third_party_prefix_follows_the_import_statements():
     known = _modules(LIBRARY)
-    assert third_party_prefix("meta.hashing", known) == ()  # the standard library only
-    assert third_party_prefix("meta.regulator", known) == ("torch",)
+    assert third_party_prefix("meta.infra.hashing", known) == ()  # the standard library only
+    assert third_party_prefix("meta.method.regulator", known) == ("torch",)
     prefix = third_party_prefix("meta.metatrain.cli", known)  # meta/__init__, meta.metatrain, then meta.config
     assert prefix[:3] == ("yaml", "yacs.config", "torch") and "learn2learn" in prefix and prefix[-1] == "open_clip"
 

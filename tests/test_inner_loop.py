@@ -1,4 +1,4 @@
-"""The inner loop (meta.inner) and the regulator switches against independent computations.
+"""The inner loop (meta.method.inner) and the regulator switches against independent computations.
 
 * K = 1 equals the step GRAMMetaLearner took before the inner loop was factored out (GBML.adapt), bit for bit.
 * K windows of heavy-ball SGD with weight decay (second and first order) equal a hand-rolled torch.autograd
@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from helpers import class_batch
 from torch.func import functional_call
 
-from meta.gram import GRAMMetaLearner, MetaSpec, TaskBatch, double_backward_attention
-from meta.inner import InnerRule, inner_loop, support_windows
-from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
-from meta.regulator import GradientRegulator, RegulatorSpec
+from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch, double_backward_attention
+from meta.method.inner import InnerRule, inner_loop, support_windows
+from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+from meta.method.regulator import GradientRegulator, RegulatorSpec
 
 _batch = partial(class_batch, dtype=torch.float64)
 
@@ -212,8 +212,8 @@ def test_beta_part_with_norm_preserve_and_mix():
 
 
 def test_learned_step_size_gets_meta_gradient_and_survives_the_init_file(tiny_clip, tmp_path):
-    from meta.finetune import GradientRegulation
-    from meta.init_io import export_gram_init, load_gram_init
+    from meta.finetune.init_io import export_gram_init, load_gram_init
+    from meta.finetune.regulated import GradientRegulation
 
     spec = MetaSpec(inner_lr=0.3, regulator=RegulatorSpec(learn_lr=True, halves="gamma"))
     ml, _, loss_fn, dims = _setup(tiny_clip, spec)
@@ -292,9 +292,10 @@ def test_trajectory_states_term_matches_hand_rolled(tiny_clip):
 
 @pytest.mark.parametrize("rule", [InnerRule(0.4), InnerRule(0.4, 0.9, 0.05)], ids=["sgd", "momentum_wd"])
 def test_launch_step_takes_the_inner_loops_steps(tiny_clip, rule):
-    """One rule: the launch step at test time (meta.finetune.launch_, in place, R_φ through GradientRegulation)
+    """One rule: the launch step at test time (meta.finetune.regulated.launch_, in place, R_φ through
+    GradientRegulation)
     lands where the first-order inner loop of meta-training lands from the same θ, R_φ and data (repeat mode)."""
-    from meta.finetune import GradientRegulation, LaunchStep, launch_
+    from meta.finetune.regulated import GradientRegulation, LaunchStep, launch_
 
     ml, _, loss_fn, dims = _setup(tiny_clip, MetaSpec(inner_lr=rule.lr))
     support = _batch(2, dims.image_size, torch.Generator().manual_seed(5))

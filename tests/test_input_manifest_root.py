@@ -98,8 +98,8 @@ def test_a_manifest_with_only_outside_rows_is_one_line_naming_the_key(tmp_path):
 
 def test_allow_outside_root_key_defaults_off_and_is_checked():
     from meta.chc.settings import check_chc_cfg
-    from meta.cli_errors import UserError
     from meta.config import get_meta_cfg_default, load_meta_cfg
+    from meta.infra.cli_errors import UserError
 
     cfg = get_meta_cfg_default()
     assert cfg.CHC.INPUT.ALLOW_OUTSIDE_ROOT is False

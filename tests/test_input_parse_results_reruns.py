@@ -92,9 +92,9 @@ def test_a_single_log_gives_no_note(tmp_path):
 
 
 def test_the_runner_counts_a_run_finished_by_its_newest_log(tmp_path):
-    """The benchmark runner (meta.dassl_runs.log_finished) reads the same log as the parser: a crashed first
+    """The benchmark runner (meta.infra.dassl_runs.log_finished) reads the same log as the parser: a crashed first
     run followed by a finished rerun is finished; the reverse is not."""
-    from meta.dassl_runs import log_finished
+    from meta.infra.dassl_runs import log_finished
 
     done = tree(
         tmp_path / "a", {"log.txt": (train_log(60.0, False), 1_700_000_000), RERUN: (train_log(70.0), 1_700_000_100)}

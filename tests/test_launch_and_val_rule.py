@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from meta.evaluation.spec import TrainSpec
-from meta.finetune import LaunchStep, launch_
-from meta.prompts import PROMPT_TENSORS, PromptedCLIP, PromptParams, PromptSpec
+from meta.finetune.regulated import LaunchStep, launch_
+from meta.method.prompts import PROMPT_TENSORS, PromptedCLIP, PromptParams, PromptSpec
 
 NAMES = ["cat", "dog", "bird"]
 

@@ -1,7 +1,7 @@
-"""Adding a prompt learner is one class and one registration (:mod:`meta.learners`): a learner that exists only in
-the tests (``tests/helpers_learner.py``: text context ``ctx_factor [M, r] @ ctx_basis [r, d_t]``, tensor names and
-shapes no built-in learner has) prompts the towers, meta-trains in both task loops with one R_φ per tensor, and
-travels through an init file.  The evaluator and the Dassl trainer run it in ``tests/test_engine_agreement.py``."""
+"""Adding a prompt learner is one class and one registration (:mod:`meta.method.learners`): a learner that exists only
+in the tests (``tests/helpers_learner.py``: text context ``ctx_factor [M, r] @ ctx_basis [r, d_t]``, tensor names and
+shapes no built-in learner has) prompts the towers, meta-trains in both task loops with one R_φ per tensor, and travels
+through an init file.  The evaluator and the Dassl trainer run it in ``tests/test_engine_agreement.py``."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from helpers_learner import RANK, low_rank_learner
 
-from meta import batched
-from meta.engine import init_expectations
-from meta.gram import GRAMMetaLearner, MetaSpec, TaskBatch, double_backward_attention
-from meta.init_io import InitMismatchError, export_gram_init, load_gram_init
-from meta.learners import get_learner, learner_keys
-from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+from meta.finetune.engine import init_expectations
+from meta.finetune.init_io import InitMismatchError, export_gram_init, load_gram_init
+from meta.method import batched
+from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch, double_backward_attention
+from meta.method.learners import get_learner, learner_keys
+from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
 
 NAMES = ["apple", "boat", "cat"]
 INNER_LR = 0.5
@@ -166,12 +166,12 @@ def test_meta_training_exports_the_toy_and_its_checkpoint_rebuilds_it(tmp_path):
 def test_learner_modules_keys_import_a_users_module_so_the_command_line_finds_its_learner(tmp_path, monkeypatch):
     """``META.PROMPT.LEARNER_MODULES`` imports a module that registers a learner at import, before the learner key is
     checked; a module that cannot be imported is one error naming the key (the Dassl key: test_trainers_config)."""
-    from meta.learners import unregister_learner
     from meta.metatrain import build_cfg, settings
+    from meta.method.learners import unregister_learner
 
     (tmp_path / "user_learners_for_test.py").write_text(
         "from helpers_learner import LowRankContext\n"
-        "from meta.learners import register_learner\n\n"
+        "from meta.method.learners import register_learner\n\n"
         "class Plugged(LowRankContext):\n"
         "    key = 'plugged_by_module'\n\n"
         "register_learner(Plugged())\n"

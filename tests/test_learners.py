@@ -1,4 +1,4 @@
-"""The learner table of ``meta/methods.yaml`` is the one place a prompt learner's structure is written:
+"""The learner table of ``meta/method/methods.yaml`` is the one place a prompt learner's structure is written:
 every row reaches the Dassl registry, the trainer configs and the demo with the same structure."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from meta import methods
+from meta.method import methods
 
 REPO = Path(__file__).resolve().parents[1]
 

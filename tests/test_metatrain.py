@@ -11,17 +11,17 @@ import pytest
 import torch
 from helpers import assert_same_tensors, flat_tensors
 
-from meta.backbone import load_clip
 from meta.chc.hierarchy import Hierarchy
 from meta.chc.imaging import CLIP_MEAN, CLIP_STD, normalize_uint8
-from meta.hashing import file_sha256
-from meta.init_io import InitMismatchError, load_gram_init
+from meta.finetune.init_io import InitMismatchError, load_gram_init
+from meta.infra.hashing import file_sha256
 from meta.metatrain import build_cfg, main, settings
 from meta.metatrain.checkpoint import CheckpointError, load_checkpoint
 from meta.metatrain.data import FeatureMismatchError
 from meta.metatrain.runlog import read_log
 from meta.metatrain.trainer import RunExistsError, setup_run, train
-from meta.prompts import PromptParams
+from meta.method.prompts import PromptParams
+from meta.model.backbone import load_clip
 
 MODEL = "GRAM-Test-Tiny"
 ROOT = Path(__file__).resolve().parents[1]
@@ -323,7 +323,7 @@ def test_class_shift_tasks_reach_the_loop_and_the_init_file(tmp_path, hier):
 def test_gate_form_meta_trains_validates_downstream_and_exports_a_gate(tmp_path, hier, capsys):
     """``META.REGULATOR.FORM gate`` with a text consistency weight: meta-training, downstream validation (the gate at
     test time) and export run; the file holds the gate; without a regulariser the config is refused in one line."""
-    from meta.regulator import GradientGate
+    from meta.method.regulator import GradientGate
 
     gate = ["META.REGULATOR.FORM", "gate", "META.REGULATOR.GATE_GROUP", "4", "META.STEPS", "3", *PROMPTS["coop"]]
     msg = _one_error_line(capsys, ["train", "--output-dir", str(tmp_path / "refused"), *BASE, *gate])
@@ -600,11 +600,11 @@ def test_second_writer_gets_one_line_error_naming_folder_and_holder_pid(tmp_path
     import os
 
     from meta.__main__ import main as meta_main
-    from meta.runlock import RunLock
+    from meta.infra.runlock import RunLock
 
     out = tmp_path / "busy"
     code = (
-        "import sys, time; from meta.runlock import RunLock; RunLock(sys.argv[1]).acquire(); "
+        "import sys, time; from meta.infra.runlock import RunLock; RunLock(sys.argv[1]).acquire(); "
         "print('locked', flush=True); time.sleep(300)"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -706,7 +706,7 @@ def test_bad_values_are_refused_naming_their_key(tmp_path, capsys):
 def test_cli_errors_are_one_line_exit_2_and_debug_shows_the_traceback(finished, tmp_path, capsys, monkeypatch):
     import errno
 
-    import meta.fileio as fileio
+    import meta.infra.fileio as fileio
     from meta.__main__ import main as meta_main
 
     bad = tmp_path / "bad.yaml"

@@ -10,10 +10,10 @@ import dataclasses
 import pytest
 
 from meta.config import get_meta_cfg_default
-from meta.gram import MetaSpec
 from meta.metatrain.settings import add_metatrain_cfg, meta_spec, prompt_spec, regulator_spec
-from meta.prompts import VPT_INITS, PromptSpec
-from meta.regulator import RegulatorSpec
+from meta.method.gram import MetaSpec
+from meta.method.prompts import VPT_INITS, PromptSpec
+from meta.method.regulator import RegulatorSpec
 
 # dataclass field -> META key, where it is not simply the upper-cased field name in the spec's node
 KEY_OF = {(MetaSpec, "regulator"): "REGULATOR", (MetaSpec, "regulator_weight_decay"): "REGULATOR.WEIGHT_DECAY"}

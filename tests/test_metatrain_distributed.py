@@ -12,7 +12,7 @@ import torch
 from helpers import assert_same_tensors, flat_tensors, tiny_meta_opts
 from PIL import Image
 
-from meta.init_io import load_gram_init
+from meta.finetune.init_io import load_gram_init
 from meta.metatrain.checkpoint import load_checkpoint
 from meta.metatrain.runlog import read_log
 

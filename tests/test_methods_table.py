@@ -1,4 +1,4 @@
-"""The method table meta/methods.yaml: it loads, its keys, files and labels agree with every reader."""
+"""The method table meta/method/methods.yaml: it loads, its keys, files and labels agree with every reader."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from meta import methods
 from meta.evaluation import PRESET_ALIASES, PRESET_NAMES, method_preset
+from meta.method import methods
 
 REPO = Path(__file__).resolve().parents[1]
-RAW = yaml.safe_load((REPO / "meta" / "methods.yaml").read_text())["methods"]  # read without meta.methods
+RAW = yaml.safe_load((REPO / "meta" / "method" / "methods.yaml").read_text())["methods"]  # read without meta.method.methods
 
 
 def test_packaged_table_loads_with_unique_keys_aliases_and_labels():
@@ -222,7 +222,7 @@ def test_unreadable_and_invalid_yaml_files(tmp_path):
 def test_query_cli_for_shell_scripts():
     def cli(*args):
         return subprocess.run(
-            [sys.executable, "-m", "meta.methods", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+            [sys.executable, "-m", "meta.method.methods", *args], cwd=REPO, capture_output=True, text=True, timeout=120
         )
 
     r = cli("get", "gram_vpt", "trainer")

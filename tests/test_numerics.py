@@ -1,8 +1,8 @@
-"""meta.numerics and meta.fingerprint: the kernel pins, the record, and the golden fingerprint.
+"""meta.infra.numerics and meta.infra.fingerprint: the kernel pins, the record, and the golden fingerprint.
 
 The golden test is the cross-machine check: whatever machine runs CI computes the fixed meta-training +
 fine-tuning run of every learner and both task loops under the pins and must reproduce the committed digests
-bit for bit (meta/fingerprint_golden.json).
+bit for bit (meta/infra/fingerprint_golden.json).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from meta import numerics
-from meta.fingerprint import GOLDEN, LEARNERS, LOOPS
+from meta.infra import numerics
+from meta.infra.fingerprint import GOLDEN, LEARNERS, LOOPS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,7 @@ def _run(args: list[str], **extra: str) -> subprocess.CompletedProcess:
 
 
 def test_golden_fingerprint_holds_on_this_machine():
-    done = _run(["-m", "meta.numerics", "fingerprint", "--check"])
+    done = _run(["-m", "meta.infra.numerics", "fingerprint", "--check"])
     found = json.loads(done.stdout)
     golden = json.loads(GOLDEN.read_text())
     assert set(golden["runs"]) == {f"{lr}/{lp}" for lr in LEARNERS for lp in LOOPS}
@@ -49,7 +49,7 @@ def test_golden_fingerprint_holds_on_this_machine():
 
 
 def test_one_ulp_in_a_start_tensor_changes_every_digest():
-    args = ["-m", "meta.numerics", "fingerprint", "--check", "--perturb-ulp", "--learners", "coop", "maple"]
+    args = ["-m", "meta.infra.numerics", "fingerprint", "--check", "--perturb-ulp", "--learners", "coop", "maple"]
     done = _run(args)
     found = json.loads(done.stdout)
     golden = json.loads(GOLDEN.read_text())["runs"]
@@ -62,7 +62,7 @@ def test_one_ulp_in_a_start_tensor_changes_every_digest():
 
 
 def test_fast_mode_runs_unpinned_and_says_so():
-    done = _run(["-m", "meta.numerics", "record"], GRAM_NUMERICS="fast")
+    done = _run(["-m", "meta.infra.numerics", "record"], GRAM_NUMERICS="fast")
     record = json.loads(done.stdout)
     assert done.returncode == 0
     assert record["mode"] == "fast" and record["pinned"] is False
@@ -70,7 +70,7 @@ def test_fast_mode_runs_unpinned_and_says_so():
 
 
 def test_the_record_names_cpu_pins_and_builds():
-    done = _run(["-m", "meta.numerics", "record"])
+    done = _run(["-m", "meta.infra.numerics", "record"])
     record = json.loads(done.stdout)
     assert record["pinned"] is True and record["pins"] == numerics.PINS
     assert record["aten_cpu_capability"] == "AVX2"  # ATEN_CPU_CAPABILITY=avx2 took effect
@@ -83,7 +83,7 @@ def test_pin_process_sets_the_pins_or_starts_the_command_again():
     # torch imported first: the process cannot take the pins any more, so it starts itself again with them
     code = (
         "import os, torch\n"
-        "from meta.numerics import pin_process\n"
+        "from meta.infra.numerics import pin_process\n"
         "print('start', os.environ.get('MKL_CBWR'), flush=True)\n"
         "pin_process()\n"
         "print('pinned', os.environ['MKL_CBWR'], torch.backends.cpu.get_cpu_capability())\n"
@@ -91,7 +91,7 @@ def test_pin_process_sets_the_pins_or_starts_the_command_again():
     done = _run(["-c", code])
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:3] == ["start None", "start COMPATIBLE", "pinned COMPATIBLE AVX2"]
-    refused = _run(["-c", "import torch\nfrom meta.numerics import pin_process\npin_process(reexec=False)"])
+    refused = _run(["-c", "import torch\nfrom meta.infra.numerics import pin_process\npin_process(reexec=False)"])
     last = refused.stderr.strip().splitlines()[-1]
     assert refused.returncode == 1 and "NumericsError: torch" in last and "started before the numerics pins" in last
 

@@ -15,7 +15,7 @@ from helpers import tiny_chc_args
 from helpers_chc import png_bytes
 from safetensors.torch import load_file, save_file
 
-from meta.init_io import CAST_TO_FLOAT32, InitMismatchError, export_gram_init, load_gram_init
+from meta.finetune.init_io import CAST_TO_FLOAT32, InitMismatchError, export_gram_init, load_gram_init
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -125,9 +125,9 @@ def test_cluster_without_any_cluster_names_min_cluster_size(tmp_path, capsys, mo
 @pytest.fixture(scope="module")
 def init_file(tiny_clip, tmp_path_factory):
     """A valid init file (the module's own writer): prompts and a regulator, float32."""
-    from meta.gram import GRAMMetaLearner, MetaSpec
-    from meta.prompts import PromptParams, PromptSpec
-    from meta.regulator import RegulatorSpec
+    from meta.method.gram import GRAMMetaLearner, MetaSpec
+    from meta.method.prompts import PromptParams, PromptSpec
+    from meta.method.regulator import RegulatorSpec
 
     clip, dims = tiny_clip
     prompts = PromptParams.from_spec(PromptSpec(n_ctx_text=2, n_ctx_vision=2, vision_depth=2), clip, dims)

@@ -107,7 +107,7 @@ def test_base_new_h_tables_match_independent_numbers(tmp_path):
 
 def test_paper_average_convention():
     """CLIP's Table 1 average row: H(69.34, 74.22) = 71.70, the H of the averaged Base and New."""
-    from meta.coop_data import harmonic_mean
+    from meta.data.coop_data import harmonic_mean
 
     assert harmonic_mean(69.34, 74.22) == pytest.approx(71.70, abs=0.005)
 

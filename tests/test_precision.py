@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meta import precision
-from meta.gram import GRAMMetaLearner, MetaSpec, TaskBatch
-from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
-from meta.regulator import RegulatorSpec
+from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch
+from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+from meta.method.regulator import RegulatorSpec
+from meta.model import precision
 
 NAMES = ["circle", "square", "triangle"]
 SPECS = {
@@ -83,14 +83,14 @@ def _compare(clip, dims, kind, mode):
 # ----------------------------------------------------------------------------- CPU
 def test_cpu_falls_back_to_fp32_in_one_log_line(caplog):
     precision._said.clear()
-    with caplog.at_level(logging.WARNING, logger="meta.precision"):
+    with caplog.at_level(logging.WARNING, logger="meta.model.precision"):
         for _ in range(3):
             assert precision.resolve_autocast("fp16", "cpu", "META.AUTOCAST") == "none"
             assert precision.resolve_weights("fp16", "cpu") == "fp32"
         assert precision.resolve_autocast("none", "cpu", "META.AUTOCAST") == "none"
         assert precision.resolve_weights("bf16", "cpu") == "bf16"
         assert precision.resolve_autocast("bf16", "cuda:0", "META.AUTOCAST") == "bf16"
-    lines = [r.getMessage() for r in caplog.records if r.name == "meta.precision"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "meta.model.precision"]
     assert lines == [
         "META.AUTOCAST fp16: no CUDA device (cpu); running fp32",
         "MODEL.PRECISION fp16: no CUDA device (cpu); running fp32",
@@ -121,7 +121,7 @@ def test_bf16_autocast_meta_gradient_close_to_fp32_on_cpu(tiny_clip, kind):
 def test_fp16_weights_give_fp32_features_and_gradients(kind):
     """open_clip's fp16 weights (PREC fp16) keep embeddings fp32; the prompted towers must cast to the blocks'
     dtype.  Same weights in fp32 and fp16 (CPU half kernels): features and ∇θ agree to fp16 precision."""
-    from meta.backbone import load_clip
+    from meta.model.backbone import load_clip
 
     towers = {}
     for prec in ("fp32", "fp16"):
@@ -152,7 +152,7 @@ def test_fp16_weights_give_fp32_features_and_gradients(kind):
 # ----------------------------------------------------------------------------- CUDA
 @pytest.fixture(scope="module")
 def cuda_clip():
-    from meta.backbone import load_clip
+    from meta.model.backbone import load_clip
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -222,7 +222,7 @@ def test_run_checkpointed_before_the_key_existed_still_resumes():
 def test_fp16_autocast_second_order_through_ln_pre_is_finite(tiny_clip, vpt_init, std):
     """Visual prompts of small spread under fp16 autocast (CPU): the meta-gradient is finite and near fp32.
 
-    Before ``meta.visual_encoder._ln_pre`` ran ``ln_pre`` in float32 outside autocast, the double backward of
+    Before ``meta.model.visual_encoder._ln_pre`` ran ``ln_pre`` in float32 outside autocast, the double backward of
     open_clip's LayerNorm there returned NaN (θ's visual and then text gradient; both cases here, and ViT-B/16
     UNIGRAM at its default init).  Measured after the change, seeds 0-3: relative error 0.004-0.057, cosine
     >= 0.9996 (seed 0, tested: 0.010 and 0.008).

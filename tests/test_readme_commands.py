@@ -18,7 +18,7 @@ import pytest
 from helpers import tiny_meta_opts
 
 from gram_tools.synthetic import write_synthetic_shards
-from meta.init_io import load_gram_init
+from meta.finetune.init_io import load_gram_init
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()

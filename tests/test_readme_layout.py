@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from meta.methods import load_methods
+from meta.method.methods import load_methods
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("meta", "gram_world", "gram_tools")
+PACKAGES = ("meta", "meta/model", "meta/method", "meta/finetune", "meta/data", "meta/infra", "gram_world", "gram_tools")
 
 
 def _layout_section() -> str:
@@ -61,8 +61,9 @@ def test_every_dassl_trainer_is_named_in_the_layout_table() -> None:
 
 def test_the_layout_check_sees_a_missing_module() -> None:
     """The check is not vacuous: a row naming every module but one reports exactly that one."""
-    names = _top_level_names("meta")
-    assert "gram.py" in names and "chc/" in names
-    full = "| `meta/` | " + ", ".join(f"`{n}`" for n in names) + " |"
-    assert _unnamed(full, "meta") == []
-    assert _unnamed(full.replace("`gram.py`", "`x.py`"), "meta") == ["gram.py"]
+    names = _top_level_names("meta/method")
+    assert "gram.py" in names and "regulator.py" in names
+    full = "| `meta/method/` | " + ", ".join(f"`{n}`" for n in names) + " |"
+    assert _unnamed(full, "meta/method") == []
+    assert _unnamed(full.replace("`gram.py`", "`x.py`"), "meta/method") == ["gram.py"]
+    assert "method/" in _top_level_names("meta") and "chc/" in _top_level_names("meta")

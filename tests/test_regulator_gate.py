@@ -1,4 +1,4 @@
-"""R_φ as a gate on a regulariser's gradient (``META.REGULATOR.FORM gate``, meta.regulator.GradientGate).
+"""R_φ as a gate on a regulariser's gradient (``META.REGULATOR.FORM gate``, meta.method.regulator.GradientGate).
 
 The gate is checked against its formula written out here, the inner step against a step written by hand from
 two autograd gradients, the meta-gradient (second order) against finite differences in float64, the test-time
@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meta.backbone import ClipDims
-from meta.finetune import GradientRegulation, LaunchStep, RegulatedStepper, launch_, step_on_batch
-from meta.gram import GRAMMetaLearner, MetaSpec, TaskBatch
-from meta.init_io import InitMismatchError, export_gram_init, load_gram_init
-from meta.prompts import PromptParams
-from meta.regulator import GradientGate, RegulatorSpec
+from meta.finetune.init_io import InitMismatchError, export_gram_init, load_gram_init
+from meta.finetune.regulated import GradientRegulation, LaunchStep, RegulatedStepper, launch_, step_on_batch
+from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch
+from meta.method.prompts import PromptParams
+from meta.method.regulator import GradientGate, RegulatorSpec
+from meta.model.backbone import ClipDims
 
 GATE = RegulatorSpec(form="gate", gate_group=2, init="normal", init_std=0.5)
 

@@ -139,7 +139,7 @@ def test_sixteen_bit_greyscale_png_keeps_its_ramp():
 
 @pytest.mark.parametrize("mode", ["I;16B", "I"])
 def test_other_sixteen_bit_modes(mode):
-    from meta.image_decode import to_rgb8
+    from meta.data.image_decode import to_rgb8
 
     values = np.array([[0, 257, 257 * 100, 65535]], dtype=np.int64)
     img = Image.new(mode, (4, 1))
@@ -149,7 +149,7 @@ def test_other_sixteen_bit_modes(mode):
 
 
 def test_float_image_in_unit_range_and_in_byte_range():
-    from meta.image_decode import to_rgb8
+    from meta.data.image_decode import to_rgb8
 
     unit = Image.fromarray(np.array([[0.0, 0.25, 1.0, np.nan]], dtype=np.float32), mode="F")
     assert np.asarray(to_rgb8(unit))[0, :, 0].tolist() == [0, 64, 255, 0]  # was 0, 0, 1, 0
@@ -437,7 +437,7 @@ def _one_line_error(fn) -> list:
     import contextlib
     import io as _io
 
-    from meta.cli_errors import run_cli
+    from meta.infra.cli_errors import run_cli
 
     buf = _io.StringIO()
     with contextlib.redirect_stderr(buf):

@@ -259,7 +259,7 @@ def _init_file(path: Path, gram_metadata: str) -> Path:
 
 @pytest.mark.parametrize("depth", [100000, 65])
 def test_load_gram_init_refuses_deeply_nested_metadata_in_one_line(tmp_path, depth):
-    from meta.init_io import InitMismatchError, load_gram_init
+    from meta.finetune.init_io import InitMismatchError, load_gram_init
 
     path = _init_file(tmp_path / "deep.safetensors", _deep_json(depth))
     with pytest.raises(InitMismatchError) as info:
@@ -345,7 +345,7 @@ def _running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     except OSError:
-        from meta.fileio import pid_alive
+        from meta.infra.fileio import pid_alive
 
         return pid_alive(pid)
 

@@ -78,9 +78,9 @@ def init_file(tmp_path_factory) -> Path:
     """A real GRAM init file for gram_coop's shape (4 text context vectors of ViT-B/16's width 512)."""
     import torch
 
-    from meta.backbone import ClipDims
-    from meta.init_io import export_gram_init
-    from meta.prompts import PromptParams
+    from meta.finetune.init_io import export_gram_init
+    from meta.method.prompts import PromptParams
+    from meta.model.backbone import ClipDims
 
     dims = ClipDims("ViT-B-16", 512, 768, 512, 77, 12, 12, 224, 196)
     path = tmp_path_factory.mktemp("init") / "gram_init.safetensors"
@@ -154,7 +154,7 @@ def test_init_unset_missing_or_unloadable_stops_before_anything_runs(env, tmp_pa
         r,
         env,
         "method 'gram_coop' starts from a GRAM init file but INIT is unset: "
-        "set INIT=/path/to/gram_init.safetensors (written by meta.init_io.export_gram_init)",
+        "set INIT=/path/to/gram_init.safetensors (written by meta.finetune.init_io.export_gram_init)",
     )
     # INIT given as a trailing option instead of the variable: same checks, named by its key
     r = run(["gram_coop", "dtd", "1", "TRAINER.GRAM.INIT", str(tmp_path / "nope.safetensors")], env)
@@ -172,7 +172,7 @@ def test_init_unset_missing_or_unloadable_stops_before_anything_runs(env, tmp_pa
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
     line = r.stderr.rstrip("\n")  # the loader's message (safetensors' own words vary with the bytes), one line
     assert line.startswith(f"error: INIT: {junk}: not a readable safetensors file (")
-    assert line.endswith("(expected a file from meta.init_io.export_gram_init)")
+    assert line.endswith("(expected a file from meta.finetune.init_io.export_gram_init)")
     assert not Path(env["OUTPUT"]).exists() and calls(env) == []
     # a readable safetensors file that is no GRAM init (no "gram" metadata): the loader's message, one line
     import torch
@@ -182,7 +182,7 @@ def test_init_unset_missing_or_unloadable_stops_before_anything_runs(env, tmp_pa
     save_file({"w": torch.zeros(2)}, str(other))
     r = run(["gram_coop", "dtd", "1"], env, INIT=other)
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
-    assert r.stderr.startswith(f"error: INIT: {other}") and "meta.init_io.export_gram_init" in r.stderr
+    assert r.stderr.startswith(f"error: INIT: {other}") and "meta.finetune.init_io.export_gram_init" in r.stderr
     assert not Path(env["OUTPUT"]).exists() and calls(env) == []
 
 
@@ -217,7 +217,7 @@ def test_check_paths_switch(env, tmp_path):
 
 
 def test_weights_file_is_the_one_the_trainer_resolves(tmp_path, monkeypatch):
-    """run_methods resolves the weights with the trainer's own rule (meta.clip_weights): the same file."""
+    """run_methods resolves the weights with the trainer's own rule (meta.model.clip_weights): the same file."""
     config = pytest.importorskip("trainers.gram.config")
     from yacs.config import CfgNode as CN
 

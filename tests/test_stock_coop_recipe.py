@@ -38,8 +38,8 @@ from helpers_forks import (  # noqa: E402
     script_variables,
 )
 
-from meta.init_io import export_gram_init  # noqa: E402
-from meta.prompts import PromptParams  # noqa: E402
+from meta.finetune.init_io import export_gram_init  # noqa: E402
+from meta.method.prompts import PromptParams  # noqa: E402
 from trainers.gram.export import main as export_main  # noqa: E402
 
 TINY_EPOCHS = 1

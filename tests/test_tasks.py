@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from meta.chc.hierarchy import Hierarchy
-from meta.tasks import Task, TaskSampler, split_topics
+from meta.data.tasks import Task, TaskSampler, split_topics
 
 
 def toy_hierarchy(n_topics=8, layouts=((12, 7, 4), (12, 7), (6,)), excluded=10, seed=0):

@@ -5,7 +5,7 @@ import pytest
 
 from gram_tools.synthetic import write_synthetic_image_folder
 from meta.chc.image_folder import build_image_folder_hierarchy
-from meta.tasks import TaskSampler
+from meta.data.tasks import TaskSampler
 
 
 def test_image_folder_hierarchy_classes_domains_and_tasks(tiny_clip, tmp_path):
@@ -48,7 +48,7 @@ def test_image_folder_hierarchy_classes_domains_and_tasks(tiny_clip, tmp_path):
 def test_image_folder_records_its_weights_and_a_mismatch_hint_fits_the_source(tiny_clip, tmp_path):
     import torch
 
-    from meta.hashing import file_sha256
+    from meta.infra.hashing import file_sha256
     from meta.metatrain.data import FeatureMismatchError, check_cached_features
 
     clip, dims = tiny_clip

@@ -7,9 +7,9 @@ import torch
 from helpers import optim_cfg
 from torch import nn
 
-from meta.init_io import export_gram_init
-from meta.prompts import PromptParams
-from meta.regulator import GradientRegulator
+from meta.finetune.init_io import export_gram_init
+from meta.method.prompts import PromptParams
+from meta.method.regulator import GradientRegulator
 from trainers.gram.checkpoint import checkpoint_file, load_checkpoint, prompt_state, save_checkpoint
 from trainers.gram.export import export_for_coop
 from trainers.gram.export import main as export_main

@@ -10,8 +10,8 @@ import pytest
 import yaml
 from yacs.config import CfgNode as CN
 
-from meta import methods
-from meta.finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
+from meta.finetune.regulated import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
+from meta.method import methods
 from trainers.gram.config import (
     TRAINER_PROMPTS,
     default_weights_path,
@@ -68,7 +68,7 @@ def test_extend_cfg_adds_every_key_with_paper_defaults():
         "LEARNER_MODULES",
         "EXIF_UPRIGHT",
     }
-    assert g.LEARNER == "clip"  # the built-in prompt learner (meta.learners)
+    assert g.LEARNER == "clip"  # the built-in prompt learner (meta.method.learners)
     assert g.EXIF_UPRIGHT is False  # images as stored, as Dassl's read_image reads them
     assert (g.N_CTX_TEXT, g.N_CTX_VISION, g.VPT_DEEP, g.ENABLED, g.REGULATE) == (4, 4, False, False, True)
     assert (g.INIT_PROMPTS, g.REG_WINDOW_IMAGES, g.LAUNCH) == (True, DEFAULT_REG_WINDOW, DEFAULT_LAUNCH)
@@ -293,7 +293,7 @@ def test_method_configs_follow_their_protocol_and_only_use_known_gram_keys(key):
             assert s.text_depth == 0 and s.vision_depth(12) == 12
     # the header names the trainer the table gives (the comment is read by people choosing a config)
     header = (REPO / row.config).read_text()
-    assert f'# Trainer: {row.trainer} (row "{key}" of the method table meta/methods.yaml).' in header
+    assert f'# Trainer: {row.trainer} (row "{key}" of the method table meta/method/methods.yaml).' in header
 
 
 @pytest.mark.parametrize("value, expected", [("auto", None), ("on", True), ("off", False)])
@@ -330,11 +330,11 @@ def test_method_configs_share_one_protocol_block():
 def test_learner_modules_key_imports_the_module_that_registers_a_users_learner(tmp_path, monkeypatch):
     """``TRAINER.GRAM.LEARNER_MODULES`` is imported before ``TRAINER.GRAM.LEARNER`` is checked; not a list, or a module
     that fails to import, is one error naming the key."""
-    from meta.learners import learner_keys, unregister_learner
+    from meta.method.learners import learner_keys, unregister_learner
 
     (tmp_path / "dassl_side_learners_for_test.py").write_text(
-        "from meta.learners import register_learner\n"
-        "from meta.prompts import ClipPrompts\n\n"
+        "from meta.method.learners import register_learner\n"
+        "from meta.method.prompts import ClipPrompts\n\n"
         "class Plugged(ClipPrompts):\n"
         "    key = 'plugged_for_dassl'\n\n"
         "register_learner(Plugged())\n"

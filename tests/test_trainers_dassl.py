@@ -30,10 +30,10 @@ from helpers import make_dtd  # noqa: E402
 from torch import nn  # noqa: E402
 
 import train  # noqa: E402
-from meta import methods  # noqa: E402
-from meta.init_io import InitMismatchError, export_gram_init, load_gram_init  # noqa: E402
-from meta.prompts import PromptParams  # noqa: E402
-from meta.regulator import GradientRegulator, RegulatorSpec  # noqa: E402
+from meta.finetune.init_io import InitMismatchError, export_gram_init, load_gram_init  # noqa: E402
+from meta.method import methods  # noqa: E402
+from meta.method.prompts import PromptParams  # noqa: E402
+from meta.method.regulator import GradientRegulator, RegulatorSpec  # noqa: E402
 from trainers.gram.export import export_for_coop  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

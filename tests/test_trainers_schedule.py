@@ -96,7 +96,8 @@ EVALUATOR_CASES = [  # (TrainSpec changes, the same schedule as Dassl OPTIM over
 
 @pytest.mark.parametrize("spec_changes, optim_changes", EVALUATOR_CASES)
 def test_evaluator_and_trainers_share_one_schedule(spec_changes, optim_changes):
-    """meta.evaluation's TrainSpec schedule and the trainers' OPTIM schedule are one implementation (meta.schedule)."""
+    """meta.evaluation's TrainSpec schedule and the trainers' OPTIM schedule are one implementation
+    (meta.finetune.schedule)."""
     from meta.evaluation import TrainSpec
 
     spec = TrainSpec(**spec_changes)

@@ -13,11 +13,11 @@ import torch.nn.functional as F
 
 from meta.evaluation import MethodSpec, TrainSpec
 from meta.evaluation.training import LabelledSet, PromptTuner, StartPoint, build_prompts
-from meta.finetune import GradientRegulation, LaunchStep, UpdateWindow, launch_
-from meta.gram import GRAMMetaLearner, MetaSpec, TaskBatch
-from meta.init_io import export_gram_init
-from meta.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
-from meta.regulator import GradientRegulator, RegulatorSpec
+from meta.finetune.init_io import export_gram_init
+from meta.finetune.regulated import GradientRegulation, LaunchStep, UpdateWindow, launch_
+from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch
+from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+from meta.method.regulator import GradientRegulator, RegulatorSpec
 
 NAMES = ["circle", "square", "triangle"]
 
@@ -271,7 +271,7 @@ def test_downstream_validation_is_the_evaluators_fine_tuning_on_the_support(tiny
 
 def test_window_zero_is_the_meta_training_support_size(tiny_clip, tmp_path):
     """reg_window 0 resolves to k_way × n_support of the init file's tasks (evaluator, start point, Dassl key)."""
-    from meta.finetune import resolve_window, support_size
+    from meta.finetune.regulated import resolve_window, support_size
 
     clip, dims = tiny_clip
     star = PromptParams(ctx=torch.randn(4, dims.text_width, generator=torch.Generator().manual_seed(2)))

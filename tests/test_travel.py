@@ -1,11 +1,11 @@
-"""meta.travel.TravelSplit against the observed travel and a hand-kept β momentum buffer."""
+"""meta.method.travel.TravelSplit against the observed travel and a hand-kept β momentum buffer."""
 
 import pytest
 import torch
 
-from meta.finetune import GradientRegulation
-from meta.regulator import GradientRegulator, RegulatorSpec
-from meta.travel import TravelSplit
+from meta.finetune.regulated import GradientRegulation
+from meta.method.regulator import GradientRegulator, RegulatorSpec
+from meta.method.travel import TravelSplit
 
 
 def _run(spec, steps=6, window=2, seed=0, record=True):

@@ -5,7 +5,7 @@ import torch
 
 from meta.evaluation import method_preset
 from meta.evaluation.training import build_prompts
-from meta.prompts import VPT_INITS, PromptParams, PromptSpec, initial_visual_prompts
+from meta.method.prompts import VPT_INITS, PromptParams, PromptSpec, initial_visual_prompts
 
 
 def _vpt(clip, dims, how, depth=1, n=4, std=0.02, seed=0):
@@ -94,8 +94,8 @@ def test_a_run_saved_before_the_switch_resumes_only_with_the_init_it_used():
 def test_the_dassl_keys_and_the_evaluator_flag_reach_the_prompt_spec():
     from test_trainers_config import minimal_cfg
 
-    from meta.evaluate import _methods, _parser, _train_spec
     from meta.evaluation import TrainSpec
+    from meta.evaluation.cli import _methods, _parser, _train_spec
     from trainers.gram.config import gram_settings
 
     cfg = minimal_cfg("GRAM_VPT")

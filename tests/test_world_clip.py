@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from gram_world.clip_io import WORLD_MODEL, encode_text_trimmed, to_model_input
 from gram_world.pretrain import _shift, pretrain_clip, pretrain_settings, weights_path
 from gram_world.zeroshot import zeroshot_accuracy
-from meta.backbone import load_clip, register_model_configs
+from meta.model.backbone import load_clip, register_model_configs
 
 
 @pytest.fixture(scope="module")

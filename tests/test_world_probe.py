@@ -73,7 +73,7 @@ def _tiny_clip():
     import open_clip
     import torch
 
-    from meta.backbone import load_clip
+    from meta.model.backbone import load_clip
 
     torch.manual_seed(0)
     with warnings.catch_warnings():
@@ -90,7 +90,7 @@ def test_vpt_fit_reports_what_an_independent_forward_pass_measures(monkeypatch):
 
     from gram_world.clip_io import to_model_input
     from gram_world.probe import vpt_fit
-    from meta.visual_encoder import encode_image_with_prompts
+    from meta.model.visual_encoder import encode_image_with_prompts
 
     clip, dims, tokenizer = _tiny_clip()
     rng = np.random.default_rng(0)
@@ -101,7 +101,7 @@ def test_vpt_fit_reports_what_an_independent_forward_pass_measures(monkeypatch):
     labels = np.repeat([0, 1], 12)
     train, test = (torch.from_numpy(images[::2]), labels[::2]), (torch.from_numpy(images[1::2]), labels[1::2])
     import gram_world.probe as probe_module
-    from meta.prompts import PromptParams
+    from meta.method.prompts import PromptParams
 
     captured = {}
     original = PromptParams.from_spec

@@ -5,7 +5,7 @@ import sys
 from .cli import main
 
 if __name__ == "__main__":
-    from meta.numerics import pin_process
+    from meta.infra.numerics import pin_process
 
-    pin_process()  # torch started with the package: this starts the command again, pinned (meta.numerics)
+    pin_process()  # torch started with the package: this starts the command again, pinned (meta.infra.numerics)
     sys.exit(main())

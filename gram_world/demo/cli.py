@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from meta.cli_errors import UserError, run_cli
+from meta.infra.cli_errors import UserError, run_cli
 
 from ..items import STYLES
 from ..shapes import CATEGORIES

@@ -10,10 +10,10 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, fields, replace
 
-from meta import methods
-from meta.finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
-from meta.gram import DEFAULT_QUERY_BEFORE_WEIGHT
-from meta.prompts import PromptSpec
+from meta.finetune.regulated import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
+from meta.method import methods
+from meta.method.gram import DEFAULT_QUERY_BEFORE_WEIGHT
+from meta.method.prompts import PromptSpec
 
 from ..pretrain import PretrainSettings, pretrain_settings
 from ..settings import WorldSettings, world_settings
@@ -21,7 +21,7 @@ from ..settings import WorldSettings, world_settings
 
 @dataclass(frozen=True)
 class MetaVariant:
-    """One meta-training run: its name (a key of the method table, ``meta/methods.yaml``) and META/TASKS
+    """One meta-training run: its name (a key of the method table, ``meta/method/methods.yaml``) and META/TASKS
     overrides.  θ's shape (token counts, depths, coupling) is the table row's, read from there."""
 
     name: str
@@ -76,7 +76,7 @@ TOKEN_COUNTS = (2, 4, 6, 8)
 TOKEN_VARIANTS = tuple(MetaVariant(f"unigram_{n}tok") for n in TOKEN_COUNTS if n != 4)
 # Deep prompt learners (opt-in table group "deep", docs/deep_prompts.md): 2 + 2 IVLP tokens in every layer of
 # both towers, and MaPLe's 2 text tokens in every layer with their coupled visual prompts; the presets'
-# depth 0 (meta/methods.yaml) is every layer of the world's tiny CLIP.
+# depth 0 (meta/method/methods.yaml) is every layer of the world's tiny CLIP.
 DEEP_VARIANTS = (MetaVariant("gram_ivlp"), MetaVariant("gram_maple"))
 # The paper-literal GRAM ("one-step objective" rows): meta-trained on the query loss after one inner step
 # only, whatever the settings' query_before_weight (with the default weight 0 the demo trains each once:
@@ -104,17 +104,17 @@ class MethodRow:
     label: str
     preset: str
     variant: str = ""
-    table_key: str = ""  # the method table's row (meta/methods.yaml) of a derived row; "" = ``key`` itself
+    table_key: str = ""  # the method table's row (meta/method/methods.yaml) of a derived row; "" = ``key`` itself
     spec_overrides: tuple = ()  # ((MethodSpec field, value), ...) on top of the row's spec
 
     @property
     def method_key(self) -> str:
-        """The method table's key of this row (``meta/methods.yaml``)."""
+        """The method table's key of this row (``meta/method/methods.yaml``)."""
         return self.table_key or self.key
 
 
 def _method_row(key: str, variant: str = "") -> MethodRow:
-    """A table row whose label and evaluator preset come from the method table (``meta/methods.yaml``);
+    """A table row whose label and evaluator preset come from the method table (``meta/method/methods.yaml``);
     the demo adds only which meta variant it starts from."""
     method = methods.get(key)
     return MethodRow(key, method.label, method.preset, variant)
@@ -158,7 +158,7 @@ METHODS = (
 )
 METHOD_BY_KEY = {m.key: m for m in METHODS}
 
-# Rows fine-tuned with the zero-shot consistency terms (meta/consistency.py) are evaluated under derived keys,
+# Rows fine-tuned with the zero-shot consistency terms (meta/method/consistency.py) are evaluated under derived keys,
 # ``<row>@ct<λ text>_ci<λ image>`` with a zero weight left out: ``coop@ct4``, ``vpt@ci2.5``, ``joint@ct1_ci1.25``,
 # ``gram_coop@ct4`` (a gate-meta-trained CoOp + GRAM fine-tuned with the weights it was meta-trained with).  The
 # key keeps their runs, records and tables apart from the row's own.

@@ -15,9 +15,6 @@ from typing import Optional
 import torch
 
 from meta import chc
-from meta import methods as method_table
-from meta.backbone import load_clip
-from meta.cli_errors import UserError
 from meta.evaluation import (
     DatasetRef,
     EvaluationSession,
@@ -27,9 +24,12 @@ from meta.evaluation import (
     method_preset,
 )
 from meta.evaluation.spec import table_fields
+from meta.infra.cli_errors import UserError
 from meta.metatrain import train
 from meta.metatrain.cli import default_cfg
 from meta.metatrain.runlog import read_log
+from meta.method import methods as method_table
+from meta.model.backbone import load_clip
 
 from ..build import build_world
 from ..pretrain import pretrain_clip

@@ -13,10 +13,10 @@ import argparse
 import logging
 from typing import Optional, Sequence
 
-from meta import distributed
 from meta.chc.pipeline import run_chc
-from meta.cli_errors import run_cli
 from meta.config import load_meta_cfg
+from meta.infra import distributed
+from meta.infra.cli_errors import run_cli
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _distributed():
-    """(rank, world_size, barrier, created) from torchrun's environment (:mod:`meta.distributed`)."""
+    """(rank, world_size, barrier, created) from torchrun's environment (:mod:`meta.infra.distributed`)."""
     created = distributed.init_from_env()
     if not distributed.is_distributed():
         return 0, 1, None, created

@@ -20,7 +20,7 @@ import numpy as np
 
 from meta.chc.imaging import decode_batch
 from meta.chc.outputs import OutputError, load_index, load_npy_output, read_json_output
-from meta.input_limits import image_caps
+from meta.data.input_limits import image_caps
 
 # item_status codes
 STATUS = {
@@ -35,7 +35,7 @@ CLUSTERED, UNREADABLE, FILTERED, NOISE, SMALL_TOPIC = 0, 1, 2, 3, 4
 
 class PairIndexImages:
     """``images(indices)`` decoded lazily from the pair index (tar byte ranges or files), under the image caps
-    the clustering ran with (:func:`meta.input_limits.image_caps`), so an image it encoded is decoded again."""
+    the clustering ran with (:func:`meta.data.input_limits.image_caps`), so an image it encoded is decoded again."""
 
     def __init__(self, index, image_size: int, caps: Optional[dict] = None):
         self.index = index

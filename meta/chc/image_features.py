@@ -30,12 +30,12 @@ from typing import Optional
 
 import numpy as np
 
-from meta import precision
 from meta.chc.errors import InputError
 from meta.chc.imaging import decode_batch, encode_images
 from meta.chc.sources import KIND_TAR, PairIndex, rank_items
 from meta.chc.stages import ChunkedArray, create_memmap, open_memmap_rw, save_npy_atomic, write_json_atomic
-from meta.input_limits import MAX_IMAGE_ASPECT, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
+from meta.data.input_limits import MAX_IMAGE_ASPECT, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
+from meta.model import precision
 
 MERGE_BLOCK = 65536  # rows copied at a time when merging rank files
 
@@ -103,12 +103,12 @@ def encode_rank(
     """Encode this rank's items; resumes from the last finished chunk.
 
     Args:
-        autocast: a mode resolved by :func:`meta.precision.resolve_autocast` (``none`` = the CLIP's dtype).
+        autocast: a mode resolved by :func:`meta.model.precision.resolve_autocast` (``none`` = the CLIP's dtype).
         max_unreadable_fraction: stop with :class:`~meta.chc.errors.InputError` when more
             than this fraction of the rank's first chunk is unreadable (1.0 = never).
         image_root: ``CHC.INPUT.IMAGE_ROOT``, named in that error.
         max_bytes / max_pixels / max_aspect: ``CHC.INPUT.MAX_IMAGE_BYTES`` / ``MAX_IMAGE_PIXELS`` /
-            ``MAX_IMAGE_ASPECT`` (:mod:`meta.input_limits`): a larger file is not read, a larger or more
+            ``MAX_IMAGE_ASPECT`` (:mod:`meta.data.input_limits`): a larger file is not read, a larger or more
             elongated image not decoded; unreadable, counted by reason.
 
     Returns ``{"items": n_r, "unreadable": count, "unreadable_by_reason": {reason: count}}`` for the rank.

@@ -28,8 +28,8 @@ from meta.chc.hierarchy import Hierarchy
 from meta.chc.imaging import clip_norm_stats, decode_batch, encode_images
 from meta.chc.settings import INT_RANGES, REAL_RANGES, check_int, check_real
 from meta.chc.sources import FileTooLargeError, read_regular_file, too_large_reason
-from meta.hashing import file_sha256
-from meta.input_limits import MAX_IMAGE_ASPECT, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
+from meta.data.input_limits import MAX_IMAGE_ASPECT, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
+from meta.infra.hashing import file_sha256
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
 INSIDE, OUTSIDE = "symlinks_skipped_inside_root", "symlinks_skipped_outside_root"
@@ -147,7 +147,7 @@ def build_image_folder_hierarchy(
     ``num_domains``, ``min_per_domain``, ``batch_size`` and the image caps ``max_bytes``, ``max_pixels``,
     ``max_aspect`` come from ``CHC.DOMAINS.NUM``, ``CHC.DOMAINS.MIN_PER_DOMAIN``, ``CHC.IMAGES.BATCH_SIZE``
     and ``CHC.INPUT.MAX_IMAGE_BYTES`` / ``MAX_IMAGE_PIXELS`` / ``MAX_IMAGE_ASPECT``; a value those keys do
-    not accept is a :class:`meta.cli_errors.UserError` naming the key, before any image is read.
+    not accept is a :class:`meta.infra.cli_errors.UserError` naming the key, before any image is read.
     """
     for key, value in (
         ("DOMAINS.NUM", num_domains),

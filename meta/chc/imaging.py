@@ -13,10 +13,11 @@ which resizes) a longer side more than ``CHC.INPUT.MAX_IMAGE_ASPECT`` (default :
 the shorter one, makes the image unreadable (counted by reason
 like a damaged file), so a 257-byte 60000x1 PNG never asks for a 13,440,000x224 resize (~9 GB).
 Photos are turned as their EXIF Orientation tag says (a viewer shows them that way), before the
-resize and the decoded-image cache (:func:`meta.image_decode.exif_orientation`, :func:`meta.image_decode.upright`);
+resize and the decoded-image cache (:func:`meta.data.image_decode.exif_orientation`,
+:func:`meta.data.image_decode.upright`);
 the downstream evaluation loader (:mod:`meta.evaluation`) and the Dassl trainers read images as Dassl does,
 without this step, unless ``--exif-upright`` / ``TRAINER.GRAM.EXIF_UPRIGHT`` asks for it
-(:func:`meta.image_decode.open_upright`).
+(:func:`meta.data.image_decode.open_upright`).
 """
 
 from __future__ import annotations
@@ -29,14 +30,14 @@ import numpy as np
 import torch
 from PIL import Image
 
-from meta.image_decode import (  # noqa: F401 (EXIF_ORIENTATION, UPRIGHT: re-exported, their home until now)
+from meta.data.image_decode import (  # noqa: F401 (EXIF_ORIENTATION, UPRIGHT: re-exported, their home until now)
     EXIF_ORIENTATION,
     UPRIGHT,
     exif_orientation,
     to_rgb8,
     upright,
 )
-from meta.input_limits import MAX_IMAGE_ASPECT, MAX_IMAGE_PIXELS
+from meta.data.input_limits import MAX_IMAGE_ASPECT, MAX_IMAGE_PIXELS
 
 # open_clip / OpenAI CLIP normalisation (open_clip.constants OPENAI_DATASET_MEAN/STD).
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -48,14 +49,14 @@ NO_BYTES = "no image bytes"
 EMPTY_IMAGE = "empty image (0 pixels)"
 
 # Caps on the size an image file declares, checked before it is decoded: the defaults of the keys
-# CHC.INPUT.MAX_IMAGE_PIXELS / MAX_IMAGE_ASPECT (meta.input_limits), which the callers (CHC's image-feature
+# CHC.INPUT.MAX_IMAGE_PIXELS / MAX_IMAGE_ASPECT (meta.data.input_limits), which the callers (CHC's image-feature
 # stage, the image-folder hierarchy, the hierarchy's lazy loader) pass to decode_batch.
 MAX_PIXELS = MAX_IMAGE_PIXELS  # pixels (width * height); a 24 MP photo is 24,000,000
 MAX_ASPECT = MAX_IMAGE_ASPECT  # longer side / shorter side (a panorama is ~4-8)
 
 # What decoding does to a file before the resize, as one string that cached stages include in their fingerprint:
 # a change of the rule (EXIF orientation applied, the default caps) recomputes image features cached under the old
-# one; caps set away from their defaults enter the fingerprint too (meta.input_limits.caps_away_from_defaults).
+# one; caps set away from their defaults enter the fingerprint too (meta.data.input_limits.caps_away_from_defaults).
 DECODE_RULE = f"rgb8,exif-upright,max_pixels={MAX_PIXELS},max_aspect={MAX_ASPECT:g}"
 
 
@@ -80,7 +81,7 @@ def size_problem(size: tuple[int, int], max_pixels: int = MAX_PIXELS, max_aspect
 def decode_image_why(
     data: Optional[bytes], max_pixels: int = MAX_PIXELS, max_aspect: Optional[float] = None
 ) -> tuple[Optional[Image.Image], str]:
-    """Decode bytes to an upright 8-bit RGB PIL image (:func:`meta.image_decode.to_rgb8`), or say why not.
+    """Decode bytes to an upright 8-bit RGB PIL image (:func:`meta.data.image_decode.to_rgb8`), or say why not.
 
     The declared size is checked right after ``Image.open`` (before any pixel is decoded) against
     ``max_pixels`` (pixels) and ``max_aspect`` (longer side / shorter side; ``None``, the default here:
@@ -109,7 +110,7 @@ def decode_image_why(
             if problem:
                 return None, problem
             orientation = exif_orientation(img)
-            img = to_rgb8(img)  # by mode: 16-bit, float, alpha, palette, CMYK (meta.image_decode)
+            img = to_rgb8(img)  # by mode: 16-bit, float, alpha, palette, CMYK (meta.data.image_decode)
         if min(img.size) == 0:
             return None, EMPTY_IMAGE
         return upright(img, orientation), ""

@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..fileio import parse_json
+from meta.infra.fileio import parse_json
 
 
 class OutputError(ValueError):
@@ -49,7 +49,7 @@ def read_json_output(path, expected: str, stage: Optional[str] = None):
         what = f"not valid JSON ({err.msg}: line {err.lineno} column {err.colno})"
     except UnicodeDecodeError:
         what = "not UTF-8 text"
-    except ValueError:  # nested deeper than meta.fileio.MAX_NESTING
+    except ValueError:  # nested deeper than meta.infra.fileio.MAX_NESTING
         what = "JSON nested too deep to read"
     raise OutputError(f"{path}: {what}; expected {expected}; {_fix(path, stage)}")
 

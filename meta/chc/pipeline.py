@@ -29,7 +29,6 @@ from typing import Callable, Optional
 import numpy as np
 import open_clip
 
-from meta.backbone import resolve_device
 from meta.chc import domains as domains_mod
 from meta.chc import text_embed
 from meta.chc import topics as topics_mod
@@ -53,13 +52,14 @@ from meta.chc.stages import (
     write_json_atomic,
 )
 from meta.chc.text_embed import cap_caption, caption_over_cap, model_digest, resolve_model_path
-from meta.clip_config import clip_from_cfg
 from meta.config import get_meta_cfg_default
-from meta.fileio import clean_stale_temps
-from meta.hashing import file_sha256
-from meta.input_limits import caps_away_from_defaults, image_caps
-from meta.precision import resolve_autocast
-from meta.runlock import RunLock
+from meta.data.input_limits import caps_away_from_defaults, image_caps
+from meta.infra.fileio import clean_stale_temps
+from meta.infra.hashing import file_sha256
+from meta.infra.runlock import RunLock
+from meta.model.backbone import resolve_device
+from meta.model.clip_config import clip_from_cfg
+from meta.model.precision import resolve_autocast
 
 log = logging.getLogger(__name__)
 
@@ -690,7 +690,7 @@ def run_chc(
     """Run or resume CHC for ``cfg``; returns ``CHC.OUTPUT_DIR`` on rank 0.
 
     Every ``CHC.*`` value is checked first (:func:`meta.chc.settings.check_chc_cfg`: one error naming
-    the key, before any file is touched).  Rank 0 holds ``CHC.OUTPUT_DIR``'s :class:`meta.runlock.RunLock`
+    the key, before any file is touched).  Rank 0 holds ``CHC.OUTPUT_DIR``'s :class:`meta.infra.runlock.RunLock`
     for the whole run (a second writer fails at once) and removes temporary files a killed run left there.
     """
     check_chc_cfg(cfg)

@@ -9,7 +9,7 @@ from typing import Optional
 import numpy as np
 
 from meta.chc.stages import groups, write_json_atomic
-from meta.fileio import atomic_path, write_text_atomic
+from meta.infra.fileio import atomic_path, write_text_atomic
 
 MERGE_RULE = (
     "HDBSCAN clusters whose cluster-TF-IDF top word is identical are merged into one topic "

@@ -2,7 +2,7 @@
 
 The defaults and their meaning live in :func:`meta.config.get_meta_cfg_default` (``_chc_node``); this
 module holds the values each key accepts.  :func:`check_chc_cfg` raises
-:class:`meta.cli_errors.UserError` for the first bad value, so ``python -m meta cluster`` ends in one
+:class:`meta.infra.cli_errors.UserError` for the first bad value, so ``python -m meta cluster`` ends in one
 line naming the key: ``error: CHC.IMAGES.BATCH_SIZE: expected an integer >= 1, got 0``.  Without it a
 zero batch size failed with ``range() arg 3 must not be zero``, a negative chunk size with
 ``negative dimensions are not allowed`` and ``MIN_CLUSTER_SIZE 1`` with an HDBSCAN message after the
@@ -16,7 +16,7 @@ import sys
 from numbers import Integral, Real
 from typing import Optional
 
-from meta.cli_errors import UserError
+from meta.infra.cli_errors import UserError
 
 # key -> (smallest, largest) for integers; None = no bound on that side
 INT_RANGES = {

@@ -45,7 +45,7 @@ damaged files are listed in ``issues``:
   :data:`MAX_IMAGE_BYTES`, 50 MiB) is never read: at read time it is unreadable (reason
   :func:`too_large_reason`), counted like a damaged image;
 * a manifest row that is not a JSON object (or not JSON, or nested deeper than
-  ``meta.fileio.MAX_NESTING`` levels: :func:`meta.fileio.parse_json`) is ``skipped_invalid_row``; a
+  ``meta.infra.fileio.MAX_NESTING`` levels: :func:`meta.infra.fileio.parse_json`) is ``skipped_invalid_row``; a
   caption or image value that is not text (a number, a list) is ``skipped_non_text_caption``
   / ``skipped_non_text_image``; a row repeating an earlier (image, caption) pair exactly
   is ``skipped_duplicate_pair``;
@@ -69,8 +69,8 @@ from typing import Iterable, Iterator, Optional, Sequence
 import numpy as np
 
 from meta.chc.errors import InputError
-from meta.fileio import parse_json
-from meta.input_limits import MAX_IMAGE_BYTES  # bytes; a larger image file or tar member is not read
+from meta.data.input_limits import MAX_IMAGE_BYTES  # bytes; a larger image file or tar member is not read
+from meta.infra.fileio import parse_json
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 MAX_ISSUE_LINES = 5  # line numbers (manifests) or keys (shards) kept per problem in ``issues``
@@ -565,7 +565,7 @@ def _manifest_rows(path: str, counts: dict, issues: Optional[list], max_field_ch
                     _note(issues, path, f"not JSON ({err.msg})", lineno)
                     yield lineno, None
                     continue
-                except ValueError:  # nested deeper than meta.fileio.MAX_NESTING
+                except ValueError:  # nested deeper than meta.infra.fileio.MAX_NESTING
                     _note(issues, path, "JSON nested too deep to read", lineno)
                     yield lineno, None
                     continue

@@ -24,8 +24,8 @@ import numpy as np
 from tqdm import tqdm
 
 from meta.chc.errors import DiskSpaceError
-from meta.fileio import atomic_path
-from meta.fileio import write_json_atomic as _write
+from meta.infra.fileio import atomic_path
+from meta.infra.fileio import write_json_atomic as _write
 
 
 def fingerprint(*parts) -> str:
@@ -60,12 +60,12 @@ def groups(labels: np.ndarray) -> dict:
 
 
 def write_json_atomic(path: Path, payload) -> None:
-    """Write JSON to ``path`` atomically (:func:`meta.fileio.atomic_path`: no half-written files)."""
+    """Write JSON to ``path`` atomically (:func:`meta.infra.fileio.atomic_path`: no half-written files)."""
     _write(path, payload, indent=1)
 
 
 def save_npy_atomic(path: Path, array: np.ndarray) -> None:
-    """``np.save`` through :func:`meta.fileio.atomic_path`, so a crash never leaves a truncated array."""
+    """``np.save`` through :func:`meta.infra.fileio.atomic_path`, so a crash never leaves a truncated array."""
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as fh:
             np.save(fh, array)

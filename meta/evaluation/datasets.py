@@ -1,9 +1,9 @@
-"""Which CoOp-layout dataset to read: a data root plus a :class:`meta.coop_data.CoopLayout`.
+"""Which CoOp-layout dataset to read: a data root plus a :class:`meta.data.coop_data.CoopLayout`.
 
 The benchmarks keep their CoOp names (``DatasetRef.named(root, "dtd")``); any other folder in
 DTD's layout - ``<dataset_dir>/images/<class>/*`` plus one ``split_zhou_<Name>.json``, which is
 how ``gram_world`` writes its downstream datasets - is read with ``DatasetRef.from_dir``.
-All reading, few-shot sampling and base/new subsampling is ``meta.coop_data``'s.
+All reading, few-shot sampling and base/new subsampling is ``meta.data.coop_data``'s.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from ..coop_data import CoopLayout, CoopSplits, get_layout, load_coop_splits
+from meta.data.coop_data import CoopLayout, CoopSplits, get_layout, load_coop_splits
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class DatasetRef:
         use_cache: bool = True,
         log: Callable[[str], None] = print,
     ) -> CoopSplits:
-        """``meta.coop_data.load_coop_splits`` for this dataset."""
+        """``meta.data.coop_data.load_coop_splits`` for this dataset."""
         return load_coop_splits(
             self.root, self.layout, num_shots=num_shots, seed=seed, subsample=subsample, use_cache=use_cache, log=log
         )

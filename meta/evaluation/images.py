@@ -21,7 +21,7 @@ for augmented ones).
 
 Images are read as stored, as Dassl's ``read_image`` does (CoOp-family numbers are measured that way);
 ``exif_upright=True`` turns each photo upright by its EXIF orientation first, with the reader the Dassl
-trainers use under ``TRAINER.GRAM.EXIF_UPRIGHT True`` (:func:`meta.image_decode.open_upright`).  Its
+trainers use under ``TRAINER.GRAM.EXIF_UPRIGHT True`` (:func:`meta.data.image_decode.open_upright`).  Its
 transform keys say so (:data:`EXIF_KEY`), so cached features of the two readings never mix.
 """
 
@@ -43,8 +43,8 @@ from safetensors.torch import save_file
 from torch import nn
 from torchvision import transforms as T
 
-from ..image_decode import open_upright
-from ..visual_encoder import encode_image_with_prompts
+from meta.data.image_decode import open_upright
+from meta.model.visual_encoder import encode_image_with_prompts
 
 _BICUBIC = T.InterpolationMode.BICUBIC
 EXIF_KEY = "-exif_upright"  # transform-key suffix of images turned upright by their EXIF orientation

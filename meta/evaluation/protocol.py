@@ -22,23 +22,23 @@ import open_clip
 import torch
 from torch import nn
 
-from .. import __version__ as gram_version
-from ..backbone import ClipDims
-from ..coop_data import Record, harmonic_mean
-from ..engine import prompt_digest
-from ..finetune import LaunchStep
-from ..prompts import PromptedCLIP, PromptParams
-from .datasets import DatasetRef
-from .images import FeatureCache, ImageLoader, eval_transform_key, train_transform_key, view_key
-from .spec import MethodSpec, TrainSpec
-from .training import LabelledSet, PromptTuner, StartPoint, build_prompts
+from meta import __version__ as gram_version
+from meta.data.coop_data import Record, harmonic_mean
+from meta.evaluation.datasets import DatasetRef
+from meta.evaluation.images import FeatureCache, ImageLoader, eval_transform_key, train_transform_key, view_key
+from meta.evaluation.spec import MethodSpec, TrainSpec
+from meta.evaluation.training import LabelledSet, PromptTuner, StartPoint, build_prompts
+from meta.finetune.engine import prompt_digest
+from meta.finetune.regulated import LaunchStep
+from meta.method.prompts import PromptedCLIP, PromptParams
+from meta.model.backbone import ClipDims
 
 
 class EvaluationSession:
     """What many runs on one frozen CLIP share: the feature cache, image loaders, text caches.
 
     Args:
-        clip, dims: from ``meta.backbone.load_clip``.
+        clip, dims: from ``meta.model.backbone.load_clip``.
         cache_dir: optional folder for frozen image features on disk (keyed by the CLIP weights'
             fingerprint, image path and transform); "" / None keeps them in memory only.
         clip_info: extra JSON-able facts for result records (e.g. ``{"pretrained": path}``).
@@ -47,7 +47,7 @@ class EvaluationSession:
         encode_batch_size: images per forward when pre-computing frozen features.
         exif_upright: turn every image upright by its EXIF orientation before the transforms (default: read
             as stored, as Dassl's ``read_image`` does; ``TRAINER.GRAM.EXIF_UPRIGHT True`` is the Dassl
-            trainers' switch, reading through the same :func:`meta.image_decode.open_upright`).  Records of
+            trainers' switch, reading through the same :func:`meta.data.image_decode.open_upright`).  Records of
             such runs hold ``"exif_upright": true``.
     """
 
@@ -266,14 +266,14 @@ def evaluate_base_to_new(
 
     Args:
         dataset: the CoOp-layout dataset (:class:`DatasetRef`).
-        clip, dims: frozen CLIP from ``meta.backbone.load_clip``.
+        clip, dims: frozen CLIP from ``meta.model.backbone.load_clip``.
         method: what to fine-tune (zero-shot CLIP when it has no prompts: nothing is trained).
         seed: few-shot sample, scratch prompts, batch order and augmentation all follow it.
         shots: K images per base class.
         train: schedule (default: CoCoOp's, :class:`TrainSpec`).
         session: share feature caches across runs; a new one is made if ``None``.
         cache_dir: feature-cache folder for a new session.
-        use_split_cache: read/write the few-shot sample cache of ``meta.coop_data``.
+        use_split_cache: read/write the few-shot sample cache of ``meta.data.coop_data``.
         start: fine-tune from this in-memory θ (and φ) instead of the method's own init
             (meta-validation of the live meta-parameters; they are copied, never modified).
         eval_split: ``test`` (the protocol) or ``val``: score the few-shot validation split of the base

@@ -15,13 +15,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
-from .. import methods
-from ..consistency import ConsistencySpec
-from ..engine import start_rule_problems
-from ..finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
-from ..learners import DEFAULT_LEARNER, get_learner
-from ..methods import Method
-from ..prompts import PromptSpec
+from meta.finetune.engine import start_rule_problems
+from meta.finetune.regulated import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
+from meta.method import methods
+from meta.method.consistency import ConsistencySpec
+from meta.method.learners import DEFAULT_LEARNER, get_learner
+from meta.method.methods import Method
+from meta.method.prompts import PromptSpec
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULERS = ("cosine", "constant")
@@ -34,13 +34,13 @@ class MethodSpec:
 
     Attributes:
         name: label used in result records and tables (presets: the paper's row name from
-            ``meta/methods.yaml``, e.g. ``"CoOp + GRAM"``).
+            ``meta/method/methods.yaml``, e.g. ``"CoOp + GRAM"``).
         n_ctx_text: M, learnable text context vectors (CoOp); 0 = fixed text ``template``.
         n_ctx_vision: n, learnable visual prompt tokens (VPT); 0 = plain image tower.
         vision_depth: D, layers receiving visual prompts (1 = shallow VPT, 0 = all layers).
         ctx_init: initialise the text context from these words (CoOp's ``CTX_INIT``); M is then
             their token count.  "" = N(0, ``init_std``²) drawn from the run's seed.
-        init_path: a GRAM initialisation file (``meta.init_io.export_gram_init``); its θ* replaces
+        init_path: a GRAM initialisation file (``meta.finetune.init_io.export_gram_init``); its θ* replaces
             the scratch / word initialisation and its shapes must match the counts above.
         regulate: replace every prompt gradient by R_φ(gradient) before the optimiser step
             (paper Eq. 7), with φ read from ``init_path`` (or from an in-memory
@@ -49,31 +49,32 @@ class MethodSpec:
             ``None`` = as meta-trained (the init file's regulator spec); only with ``regulate``.
         template: the fixed text prompt when ``n_ctx_text == 0`` (zero-shot CLIP, VPT).
         init_std: standard deviation of scratch prompts (CoOp: 0.02).
-        vpt_init: how scratch visual prompt tokens start (``meta.prompts.VPT_INITS``; see
-            :func:`meta.prompts.initial_visual_prompts`); a GRAM init file's θ* replaces it.
+        vpt_init: how scratch visual prompt tokens start (``meta.method.prompts.VPT_INITS``; see
+            :func:`meta.method.prompts.initial_visual_prompts`); a GRAM init file's θ* replaces it.
         text_depth: J, text layers with learnable context (1 = CoOp; IVLP / MaPLe: deep text prompts; 0 = all).
         coupling: ``none`` | ``maple`` (visual prompts projected from the text prompts; ``n_ctx_vision`` 0).
         init_prompts: with ``init_path``, start θ from the file's θ* (True) or from the scratch / word
             start while R_φ still comes from the file (False: the "R_φ only" component rows).
-        reg_window: regulation window W (:class:`meta.finetune.UpdateWindow`): R_φ is applied once to
+        reg_window: regulation window W (:class:`meta.finetune.regulated.UpdateWindow`): R_φ is applied once to
             the mean gradient of W images and one optimiser step with W times that is taken; 1 = R_φ on
             every image's gradient (the paper's literal Eq. 7 under batch 1); 0 = the meta-training
             support size recorded in the init file (k_way × n_support).  Only with ``regulate``.
         launch: before the schedule, take the meta-trained inner step θ <- θ − α R_φ(mean gradient over
-            the train set) once (:func:`meta.finetune.launch_`; α and the step count from the init file;
+            the train set) once (:func:`meta.finetune.regulated.launch_`; α and the step count from the init file;
             raw gradient without ``regulate``).  True needs ``init_path`` (or an in-memory start point);
-            None (default) = :data:`meta.finetune.DEFAULT_LAUNCH` for methods that start from an init file
+            None (default) = :data:`meta.finetune.regulated.DEFAULT_LAUNCH` for methods that start from an init file
             or start point, off otherwise (:meth:`launch_on`).
         consistency_text, consistency_image: weights λ of the zero-shot consistency terms added to the
-            fine-tuning loss (:mod:`meta.consistency`; 0 = off).  The launch step keeps the meta-trained loss.
-        learner: the prompt learner (:mod:`meta.learners` key; ``clip`` = the built-in one the fields above shape).
+            fine-tuning loss (:mod:`meta.method.consistency`; 0 = off).  The launch step keeps the meta-trained loss.
+        learner: the prompt learner (:mod:`meta.method.learners` key; ``clip`` = the built-in one the fields
+            above shape).
 
     With no prompt at all (``n_ctx_text == n_ctx_vision == 0``) the method is zero-shot CLIP
     and nothing is trained.
     """
 
     name: str
-    n_ctx_text: int = PromptSpec.n_ctx_text  # the prompt fields' defaults are meta.prompts.PromptSpec's
+    n_ctx_text: int = PromptSpec.n_ctx_text  # the prompt fields' defaults are meta.method.prompts.PromptSpec's
     n_ctx_vision: int = PromptSpec.n_ctx_vision
     vision_depth: int = PromptSpec.vision_depth
     ctx_init: str = PromptSpec.ctx_init
@@ -141,7 +142,7 @@ class MethodSpec:
         return get_learner(self.learner).spec_prompts_vision(self.prompt_spec())
 
     def prompt_spec(self) -> PromptSpec:
-        """The :class:`meta.prompts.PromptSpec` of a scratch / word initialisation."""
+        """The :class:`meta.method.prompts.PromptSpec` of a scratch / word initialisation."""
         return PromptSpec(
             n_ctx_text=self.n_ctx_text,
             ctx_init=self.ctx_init,
@@ -180,7 +181,7 @@ class TrainSpec:
         scheduler: ``cosine`` (CosineAnnealingLR, T_max = epochs, stepped per epoch) | ``constant``.
         warmup_epochs, warmup_lr: constant warm-up at ``warmup_lr`` before the schedule starts
             (Dassl's ConstantWarmupScheduler with WARMUP_RECOUNT, the trainers' schedule
-            ``meta.schedule.epoch_scheduler``: epoch lrs 1e-5, 0.002, η(1), ...).
+            ``meta.finetune.schedule.epoch_scheduler``: epoch lrs 1e-5, 0.002, η(1), ...).
         augment: ``coop`` = random resized crop (``rrcrop_scale``, bicubic) + horizontal flip, as
             CoOp's ``["random_resized_crop", "random_flip", "normalize"]``; ``none`` = test transform.
         aug_views: with a frozen image tower, this many augmented views per train image are
@@ -255,7 +256,7 @@ def _preset_fields(method: Method) -> dict:
 
 
 def table_fields(key: str) -> dict:
-    """MethodSpec fields that the method table (``meta/methods.yaml``) fixes for row ``key`` beyond its
+    """MethodSpec fields that the method table (``meta/method/methods.yaml``) fixes for row ``key`` beyond its
     preset: its label, token counts, whether θ* starts the prompts (``init``), whether R_φ regulates
     (``regulate``) and, for the paper-literal ``one_step`` rows, regulation window 1 without launch step.  A component
     row (e.g. ``gram_coop_reg_only``) is its preset plus these."""
@@ -268,7 +269,7 @@ def table_fields(key: str) -> dict:
     return out
 
 
-# Preset methods (paper Tables 1 and 4): the rows of the method table (meta/methods.yaml) that define
+# Preset methods (paper Tables 1 and 4): the rows of the method table (meta/method/methods.yaml) that define
 # their own preset, named by the paper's row label.
 _PRESETS: dict[str, dict] = {key: _preset_fields(methods.get(key)) for key in methods.preset_keys()}
 PRESET_NAMES = tuple(_PRESETS)

@@ -5,7 +5,7 @@ population standard deviation; H is the harmonic mean of the *averaged* base and
 as the paper's Table 1 reports it).  The "Average over datasets" row averages each seed's
 accuracies over the datasets first (only seeds every dataset has), then takes mean ± std over
 seeds and H of the two means; with the same seeds everywhere its means equal the mean of the
-per-dataset means.  All numbers in percent.  The demo, ``python -m meta.evaluate`` and
+per-dataset means.  All numbers in percent.  The demo, ``python -m meta.evaluation`` and
 ``scripts/parse_results.py`` all summarise with this module.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 from typing import Iterable, Sequence
 
-from ..coop_data import harmonic_mean
+from meta.data.coop_data import harmonic_mean
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:

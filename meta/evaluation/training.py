@@ -1,11 +1,12 @@
 """Few-shot prompt tuning with (optionally regulated) gradients, and accuracy on labelled sets.
 
-The start (θ, R_φ, window, launch step) and the update are the Dassl trainers' own, from :mod:`meta.engine`
+The start (θ, R_φ, window, launch step) and the update are the Dassl trainers' own, from :mod:`meta.finetune.engine`
 (paper Eq. 7 at test time)::
 
     loss = CE(prompted-CLIP logits, labels)          # over a batch of the few-shot train set
-    stepper.backward(loss, last=...)                 # meta.engine.RegulatedStepper: sums the window's gradients,
-                                                     # then p.grad <- n R_φ(mean) and one SGD step (Dassl OPTIM)
+    stepper.backward(loss, last=...)                 # meta.finetune.regulated.RegulatedStepper: sums the
+                                                     # window's gradients, then p.grad <- n R_φ(mean)
+                                                     # and one SGD step (Dassl OPTIM)
     ... after the epoch's last batch: scheduler.step()   (Dassl: update_lr per epoch)
 
 What is the evaluator's own: cached image features, seeded batch order and augmented views.
@@ -21,14 +22,14 @@ import torch
 from torch import nn
 from torch.optim import lr_scheduler as sched
 
-from ..backbone import ClipDims
-from ..consistency import ConsistencySpec
-from ..engine import Naming, RegulatedStepper, StartPoint, StartSpec, build_start, window_batches
-from ..finetune import GradientRegulation, LaunchStep, check_gate_regulariser, launch_, step_on_batch
-from ..metrics import count_correct
-from ..prompts import PromptedCLIP, PromptParams, classification_loss
-from ..schedule import epoch_scheduler
-from .spec import MethodSpec, TrainSpec
+from meta.evaluation.spec import MethodSpec, TrainSpec
+from meta.finetune.engine import Naming, RegulatedStepper, StartPoint, StartSpec, build_start, window_batches
+from meta.finetune.regulated import GradientRegulation, LaunchStep, check_gate_regulariser, launch_, step_on_batch
+from meta.finetune.schedule import epoch_scheduler
+from meta.method.consistency import ConsistencySpec
+from meta.method.metrics import count_correct
+from meta.method.prompts import PromptedCLIP, PromptParams, classification_loss
+from meta.model.backbone import ClipDims
 
 
 @dataclass
@@ -53,7 +54,7 @@ class LabelledSet:
 
 
 def start_spec(method: MethodSpec) -> StartSpec:
-    """The engine's :class:`meta.engine.StartSpec` of ``method`` (its prompts, file, R_φ, window, launch)."""
+    """The engine's :class:`meta.finetune.engine.StartSpec` of ``method`` (its prompts, file, R_φ, window, launch)."""
     return StartSpec(
         prompt=method.prompt_spec(),
         init_path=method.init_path,
@@ -72,14 +73,14 @@ def build_prompts(
 ) -> tuple[Optional[PromptParams], Optional[GradientRegulation], dict]:
     """θ (and R_φ) at the start of fine-tuning, plus a JSON-able description of where they came from.
 
-    :func:`meta.engine.build_start` of :func:`start_spec` (the Dassl trainers build theirs there too).
+    :func:`meta.finetune.engine.build_start` of :func:`start_spec` (the Dassl trainers build theirs there too).
     Scratch prompts are drawn from ``torch.Generator().manual_seed(seed)``; word init embeds
     ``method.ctx_init``; a GRAM file is validated against the method's token counts and widths
-    (``meta.init_io.load_gram_init``); an in-memory ``start`` is copied and shape-checked.  With
+    (``meta.finetune.init_io.load_gram_init``); an in-memory ``start`` is copied and shape-checked.  With
     ``method.init_prompts`` False, θ is the scratch start and only R_φ comes from the file / start.
-    With ``method.launch`` the description holds ``"launch"`` (:class:`meta.finetune.LaunchStep` fields);
+    With ``method.launch`` the description holds ``"launch"`` (:class:`meta.finetune.regulated.LaunchStep` fields);
     with a regulator, ``"reg_window"``: images per regulated step, ``method.reg_window`` or, for 0, the
-    meta-training support size of the file / start point (:func:`meta.finetune.resolve_window`).
+    meta-training support size of the file / start point (:func:`meta.finetune.regulated.resolve_window`).
     Returns ``(None, None, info)`` for zero-shot CLIP.
     """
     if method.zero_shot:
@@ -101,7 +102,7 @@ def make_optimizer(params: Sequence[torch.Tensor], spec: TrainSpec) -> torch.opt
 def make_scheduler(optimizer: torch.optim.Optimizer, spec: TrainSpec) -> sched.LRScheduler:
     """Per-epoch schedule: ``warmup_epochs`` at ``warmup_lr``, then cosine over ``epochs`` (or constant).
 
-    The Dassl trainers' schedule (:func:`meta.schedule.epoch_scheduler`): Dassl's
+    The Dassl trainers' schedule (:func:`meta.finetune.schedule.epoch_scheduler`): Dassl's
     ``ConstantWarmupScheduler(CosineAnnealingLR(T_max=MAX_EPOCH))`` with WARMUP_RECOUNT; for
     CoCoOp's settings the epoch lrs are 1e-5, 0.002, 0.00195, ..., 0.00019.
     """
@@ -126,7 +127,7 @@ class PromptTuner:
         seed: seeds batch order and the view offsets (``torch.Generator``, no global state).
         train_images: ``(impath, epoch) -> [3, S, S]`` augmented image, used with visual prompts.
         test_images: ``impath -> [3, S, S]`` test-transformed image, used with visual prompts.
-        reg_window: regulation window in images (resolved, >= 1; :func:`meta.engine.window_batches` turns it
+        reg_window: regulation window in images (resolved, >= 1; :func:`meta.finetune.engine.window_batches` turns it
             into batches of ``spec.batch_size``; 1 = every batch).
         launch_step: the meta-trained inner step applied by :meth:`launch` (``None`` = no launch).
     """

@@ -21,28 +21,28 @@ def main(argv=None) -> int:
     """See :func:`meta.metatrain.cli.main`.
 
     The submodules are imported when called: the trainer and the export import learn2learn (through
-    :mod:`meta.gram`), which config-only users of this package do not need."""
-    from .cli import main as _main
+    :mod:`meta.method.gram`), which config-only users of this package do not need."""
+    from meta.metatrain.cli import main as _main
 
     return _main(argv)
 
 
 def build_cfg(config_file: str = "", opts=(), output_dir=None):
     """See :func:`meta.metatrain.cli.build_cfg`."""
-    from .cli import build_cfg as _build
+    from meta.metatrain.cli import build_cfg as _build
 
     return _build(config_file, opts, output_dir)
 
 
 def train(cfg, resume: bool = False, hierarchy=None, on_step=None, echo=print) -> dict:
     """See :func:`meta.metatrain.trainer.train`."""
-    from .trainer import train as _train
+    from meta.metatrain.trainer import train as _train
 
     return _train(cfg, resume=resume, hierarchy=hierarchy, on_step=on_step, echo=echo)
 
 
 def export_run(run_dir, out=None) -> dict:
     """See :func:`meta.metatrain.export.export_run`."""
-    from .export import export_run as _export
+    from meta.metatrain.export import export_run as _export
 
     return _export(run_dir, out)

@@ -4,7 +4,7 @@ A checkpoint is one ``checkpoint.pt`` in the run directory holding only plain co
 numbers, strings and tensors:
 
 * ``format``: :data:`FORMAT`, ``step``: outer steps completed, ``steps_total``: META.STEPS then;
-* ``learner``: :meth:`meta.gram.GRAMMetaLearner.state` (θ and φ state dicts, optimiser state, counters);
+* ``learner``: :meth:`meta.method.gram.GRAMMetaLearner.state` (θ and φ state dicts, optimiser state, counters);
 * ``rng``: python ``random``, numpy's global generator, torch CPU (and CUDA) generators
   (see :func:`capture_rng`); ``stream``: the task/batch stream's position and generator state;
 * under torchrun also ``rng_ranks`` (every rank's :func:`capture_rng`, ``rng`` = rank 0's) and
@@ -13,7 +13,7 @@ numbers, strings and tensors:
 * ``hierarchy``: the fingerprint of the task source, checked again on resume.
 
 Writes go to a temporary file in the same directory, are fsync'ed, then renamed over the old
-file (:mod:`meta.fileio`), so a kill at any moment leaves either the previous or the new checkpoint.
+file (:mod:`meta.infra.fileio`), so a kill at any moment leaves either the previous or the new checkpoint.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from meta.fileio import MAX_NESTING, nesting_depth_exceeds, write_bytes_atomic
+from meta.infra.fileio import MAX_NESTING, nesting_depth_exceeds, write_bytes_atomic
 
 FORMAT = "gram-metatrain-checkpoint/1"
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -65,7 +65,7 @@ def capture_rng() -> dict:
     """The global random states (python, numpy, torch, CUDA) as tensors / lists / ints (weights_only-safe).
 
     The task/batch stream keeps its own generator; its state is saved next to this one
-    (``meta.tasks.TaskStream.state()``: a numpy PCG64 state, i.e. a dict of python ints).
+    (``meta.data.tasks.TaskStream.state()``: a numpy PCG64 state, i.e. a dict of python ints).
     """
     version, internal, gauss = random.getstate()
     out: dict[str, Any] = {
@@ -89,7 +89,7 @@ def restore_rng(state: dict) -> None:
 
 # ----------------------------------------------------------------------------- files
 def save_checkpoint(path: Union[str, Path], payload: dict) -> Path:
-    """Write ``payload`` atomically (:func:`meta.fileio.write_bytes_atomic`: temp file, fsync, rename).
+    """Write ``payload`` atomically (:func:`meta.infra.fileio.write_bytes_atomic`: temp file, fsync, rename).
 
     The archive is built in memory first (a few MB: prompts, regulators, optimiser moments), so a
     full disk surfaces as one ``OSError`` naming the checkpoint, not as a torch writer error.

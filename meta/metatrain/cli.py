@@ -5,10 +5,10 @@
 
 ``KEY VALUE`` pairs override the config CoOp style (``META.STEPS 200 TASKS.K_WAY 10``).
 ``torchrun --nproc_per_node N -m meta train ...`` splits each meta-batch over N processes
-(:mod:`meta.distributed`); rank 0 alone prints and writes files.
+(:mod:`meta.infra.distributed`); rank 0 alone prints and writes files.
 Errors in the inputs (config keys and values, missing hierarchy, unusable checkpoint,
 mismatching CLIP features, a busy or full output folder) print one
-``error: <file or KEY>: ...`` line and exit with status 2 (:mod:`meta.cli_errors`; ``--debug``
+``error: <file or KEY>: ...`` line and exit with status 2 (:mod:`meta.infra.cli_errors`; ``--debug``
 shows the traceback).  A run stopped by SIGTERM / Ctrl-C before its last step exits with
 :data:`EXIT_STOPPED` (143, as a process killed by SIGTERM) after checkpointing.
 """
@@ -21,9 +21,9 @@ from typing import Optional, Sequence
 
 from yacs.config import CfgNode as CN
 
-from meta import distributed
-from meta.cli_errors import run_cli
 from meta.config import get_meta_cfg_default, load_meta_cfg
+from meta.infra import distributed
+from meta.infra.cli_errors import run_cli
 
 EXIT_STOPPED = 128 + 15  # 143: stopped before the last step (a scheduler must not read it as finished)
 
@@ -72,12 +72,14 @@ def _main(argv: list[str]) -> int:
     created = distributed.init_from_env() if args.command == "train" else False
     try:
         if args.command == "train":
-            from .trainer import train  # lazy, as export below: learn2learn and the model code, only for the command
+            from meta.metatrain.trainer import (
+                train,  # lazy, as export below: learn2learn and the model code, only for the command
+            )
 
             cfg = build_cfg(args.config_file, args.opts, args.output_dir)
             result = train(cfg, resume=args.resume)
             return EXIT_STOPPED if result.get("stopped") else 0
-        from .export import export_run
+        from meta.metatrain.export import export_run
 
         paths = export_run(args.run_dir, args.out or None)
         print(  # absolute: these paths are pasted into forks that run from their own folders

@@ -3,10 +3,10 @@
 * :func:`load_task_hierarchy` opens the configured source and names the config key in errors.
 * :func:`check_cached_features` refuses cached image features that do not come from the CLIP
   being trained with (metadata check, then re-encoding a few images).
-* :class:`TaskBatcher` turns a :class:`meta.tasks.Task` (item indices) into a
-  :class:`meta.gram.TaskBatch` of ``{"classnames", "label", "features" | "images"}`` dicts.
+* :class:`TaskBatcher` turns a :class:`meta.data.tasks.Task` (item indices) into a
+  :class:`meta.method.gram.TaskBatch` of ``{"classnames", "label", "features" | "images"}`` dicts.
 
-Which items a task or a batch holds (index level, numpy only) is :mod:`meta.tasks`'s job.
+Which items a task or a batch holds (index level, numpy only) is :mod:`meta.data.tasks`'s job.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from meta.chc import load_hierarchy
 from meta.chc.image_folder import build_image_folder_hierarchy
 from meta.chc.imaging import clip_norm_stats, normalize_uint8
-from meta.gram import TaskBatch
-from meta.hashing import file_sha256
-from meta.input_limits import image_caps
+from meta.data.input_limits import image_caps
+from meta.infra.hashing import file_sha256
+from meta.method.gram import TaskBatch
 
 
 class FeatureMismatchError(ValueError):

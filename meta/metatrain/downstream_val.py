@@ -18,13 +18,13 @@ from typing import Mapping, Optional
 import torch
 import torch.nn.functional as F
 
-from meta.consistency import ConsistencySpec
 from meta.evaluation.spec import TrainSpec
 from meta.evaluation.training import LabelledSet, PromptTuner
-from meta.finetune import GradientRegulation, LaunchStep
-from meta.learners import DEFAULT_LEARNER
-from meta.prompts import PromptedCLIP, PromptParams
-from meta.regulator import GradientRegulator
+from meta.finetune.regulated import GradientRegulation, LaunchStep
+from meta.method.consistency import ConsistencySpec
+from meta.method.learners import DEFAULT_LEARNER
+from meta.method.prompts import PromptedCLIP, PromptParams
+from meta.method.regulator import GradientRegulator
 
 
 def val_train_spec(cfg) -> TrainSpec:

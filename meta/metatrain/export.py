@@ -1,14 +1,14 @@
 """Export a run's θ* (and φ) in the forms the trainers load.
 
-* ``gram_init.safetensors`` via :func:`meta.init_io.export_gram_init`, with provenance
+* ``gram_init.safetensors`` via :func:`meta.finetune.init_io.export_gram_init`, with provenance
   (config hash, step, mode, prompt/loop settings, the hierarchy's fingerprint and sizes and
   the CLIP its features came from);
-* ``coop_ctx_nctx<M>.pth`` via :func:`meta.init_io.export_coop_context` when θ has M text context
+* ``coop_ctx_nctx<M>.pth`` via :func:`meta.finetune.init_io.export_coop_context` when θ has M text context
   vectors (stock CoOp/CoCoOp ``MODEL.INIT_WEIGHTS``, with ``N_CTX M``: the name says it,
-  :func:`meta.init_io.coop_context_usage` prints the options).
+  :func:`meta.finetune.init_io.coop_context_usage` prints the options).
 
 Everything is rebuilt from the checkpoint alone (no CLIP, no hierarchy needed).  Both files are
-written atomically (:mod:`meta.fileio`); :func:`verify_exports` checks that a finished run's
+written atomically (:mod:`meta.infra.fileio`); :func:`verify_exports` checks that a finished run's
 files exist, load, and hold the checkpoint's θ, so a resume can rewrite any that do not.
 """
 
@@ -20,18 +20,17 @@ from typing import Optional, Union
 import torch
 from yacs.config import CfgNode as CN
 
-from meta.backbone import ClipDims
-from meta.cli_errors import UserError
 from meta.config import refuse_yaml_aliases
-from meta.fileio import clean_stale_temps
-from meta.gram import GRAMMetaLearner
-from meta.init_io import coop_context_usage, export_coop_context, export_gram_init, load_gram_init
-from meta.learners import get_learner
-from meta.prompts import PromptParams
-from meta.runlock import RunLock
-
-from . import settings
-from .checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint
+from meta.finetune.init_io import coop_context_usage, export_coop_context, export_gram_init, load_gram_init
+from meta.infra.cli_errors import UserError
+from meta.infra.fileio import clean_stale_temps
+from meta.infra.runlock import RunLock
+from meta.metatrain import settings
+from meta.metatrain.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint
+from meta.method.gram import GRAMMetaLearner
+from meta.method.learners import get_learner
+from meta.method.prompts import PromptParams
+from meta.model.backbone import ClipDims
 
 
 def saved_cfg(state: dict) -> CN:
@@ -124,7 +123,7 @@ def _with_n_ctx(coop_path: Path, n_ctx: int) -> Path:
 def verify_exports(state: dict, run_dir: Union[str, Path]) -> list[str]:
     """Problems with a run's exports for checkpoint ``state`` (empty list = both files are good).
 
-    The init file must load (:func:`meta.init_io.load_gram_init`) and record the checkpoint's
+    The init file must load (:func:`meta.finetune.init_io.load_gram_init`) and record the checkpoint's
     step and config hash; the CoOp ctx file (text prompts only) must load with
     ``weights_only=True`` and hold the same context tensor as the checkpoint.
     """

@@ -18,14 +18,14 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from meta.fileio import parse_json, write_text_atomic
+from meta.infra.fileio import parse_json, write_text_atomic
 
 LOG_NAME = "log.jsonl"
 
 
 def read_log(path) -> list[dict]:
     """All well-formed records of a JSON-lines log: JSON objects with an integer ``step``; a torn last line,
-    other values and lines nested deeper than :data:`meta.fileio.MAX_NESTING` are ignored."""
+    other values and lines nested deeper than :data:`meta.infra.fileio.MAX_NESTING` are ignored."""
     out = []
     p = Path(path)
     if not p.is_file():

@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any, Optional
 from yacs.config import CfgNode as CN
 
 from meta.config import add_metatrain_cfg, get_meta_cfg_default
-from meta.consistency import ConsistencySpec
-from meta.learners import DEFAULT_LEARNER, import_learner_modules, learner_keys
-from meta.precision import resolve_autocast
-from meta.prompts import COUPLINGS, VPT_INITS, PromptSpec
-from meta.regulator import RegulatorSpec
+from meta.method.consistency import ConsistencySpec
+from meta.method.learners import DEFAULT_LEARNER, import_learner_modules, learner_keys
+from meta.method.prompts import COUPLINGS, VPT_INITS, PromptSpec
+from meta.method.regulator import RegulatorSpec
+from meta.model.precision import resolve_autocast
 
 if TYPE_CHECKING:
-    from meta.gram import MetaSpec
-    from meta.tasks import TaskSampler
+    from meta.data.tasks import TaskSampler
+    from meta.method.gram import MetaSpec
 
 __all__ = [
     "MODES",
@@ -83,10 +83,10 @@ BEHAVIOUR_BEFORE_KEY: dict[str, Any] = {"META.PROMPT.VPT_INIT": "normal"}
 UNUSED_WHILE_ZERO: dict[str, str] = {"META.PROMPT.VPT_INIT": "META.PROMPT.N_CTX_VISION"}
 
 
-# Bytes a step holds per image before any tensor exists: its int64 item index and int64 label (meta.tasks.Task).
+# Bytes a step holds per image before any tensor exists: its int64 item index and int64 label (meta.data.tasks.Task).
 INDEX_BYTES = 16
 # CLIP's text sequence for a class with M context tokens: start, M context tokens, the class name (>= 1 token), the
-# full stop, the end token; a sequence reaching the last position reads as truncated (meta.text_encoder), so
+# full stop, the end token; a sequence reaching the last position reads as truncated (meta.model.text_encoder), so
 # M <= context length - 5.
 TEXT_TOKENS_BESIDES_CONTEXT = 5
 
@@ -229,7 +229,7 @@ def _model_config(backbone: str) -> Optional[dict]:
     """open_clip's config of architecture ``backbone`` (no model built); None if unknown (the build names the key)."""
     import open_clip
 
-    from meta.backbone import register_model_configs
+    from meta.model.backbone import register_model_configs
 
     register_model_configs()
     return open_clip.get_model_config(backbone) or None
@@ -252,7 +252,7 @@ def model_image_size(backbone: str) -> Optional[int]:
 
 
 def context_tokens(words: str) -> int:
-    """BPE tokens of ``words`` as :func:`meta.text_encoder.context_from_words` embeds them (no start/end)."""
+    """BPE tokens of ``words`` as :func:`meta.model.text_encoder.context_from_words` embeds them (no start/end)."""
     import open_clip
 
     return len(open_clip.get_tokenizer("ViT-B-16").encode(words.replace("_", " ")))
@@ -352,9 +352,9 @@ def _size(n_bytes: int) -> str:
 
 
 def task_sampler(cfg: CN, hierarchy, topics, seed: int, k_way: Optional[int] = None) -> "TaskSampler":
-    """The :class:`meta.tasks.TaskSampler` the ``TASKS`` node describes, over ``topics`` with ``seed``
+    """The :class:`meta.data.tasks.TaskSampler` the ``TASKS`` node describes, over ``topics`` with ``seed``
     (K = ``TASKS.K_WAY`` unless ``k_way`` is given): the one place a sampler is built from a config."""
-    from meta.tasks import TaskSampler
+    from meta.data.tasks import TaskSampler
 
     t = cfg.TASKS
     return TaskSampler(
@@ -372,7 +372,7 @@ def task_sampler(cfg: CN, hierarchy, topics, seed: int, k_way: Optional[int] = N
 def val_k_way(cfg: CN, n_val_topics: int) -> int:
     """K of the validation tasks: the largest K <= ``TASKS.K_WAY`` the held-out topics can fill, new query
     classes (``TASKS.QUERY_NEW_SHARE``) included; validation needs K >= 2."""
-    from meta.tasks import largest_k_way
+    from meta.data.tasks import largest_k_way
 
     return largest_k_way(n_val_topics, int(cfg.TASKS.K_WAY), float(cfg.TASKS.QUERY_NEW_SHARE))
 
@@ -384,10 +384,10 @@ def check_task_sizes(cfg: CN, hierarchy, device: str = "cpu") -> None:
       pre-training needs >= 2 training topics;
     * ``TASKS.N_SUPPORT`` / ``TASKS.N_QUERY``: at least ``K_WAY`` training topics with ``N_SUPPORT +
       N_QUERY`` items (and, with ``TASKS.DOMAIN_SHIFT``, one domain of ``N_SUPPORT``) -- the rule of
-      :class:`meta.tasks.TaskSampler`, which is asked; likewise for the held-out topics' validation tasks;
+      :class:`meta.data.tasks.TaskSampler`, which is asked; likewise for the held-out topics' validation tasks;
     * one step's cached features or pixels fit ``device``'s memory (:func:`check_step_size`).
     """
-    from meta.tasks import largest_k_way, new_query_classes, split_topics
+    from meta.data.tasks import largest_k_way, new_query_classes, split_topics
 
     t, m = cfg.TASKS, cfg.META
     k, n_s, n_q, shift = int(t.K_WAY), int(t.N_SUPPORT), int(t.N_QUERY), bool(t.DOMAIN_SHIFT)
@@ -483,7 +483,9 @@ def meta_spec(cfg: CN, device=None) -> "MetaSpec":
 
     With ``device``, ``META.AUTOCAST`` is what runs there (``none`` off CUDA, logged once).
     """
-    from meta.gram import MetaSpec  # lazy: meta.gram imports learn2learn, which config-only users do not need
+    from meta.method.gram import (
+        MetaSpec,  # lazy: meta.method.gram imports learn2learn, which config-only users do not need
+    )
 
     m = cfg.META
     autocast = m.AUTOCAST if device is None else resolve_autocast(m.AUTOCAST, device, "META.AUTOCAST")

@@ -6,7 +6,7 @@ One call of :func:`train` runs (or resumes) ``META.STEPS`` outer steps in ``OUTP
   (support from one domain per topic; ``TASKS.DOMAIN_SHIFT False`` = from all domains, Table 4
   row 1), adapts θ on each support set with the regulated gradient (``META.REGULATE False`` =
   raw gradient, Table 4 row 2) and updates θ (λ1) and φ (λ2) from the query losses
-  (:meth:`meta.gram.GRAMMetaLearner.meta_step`).
+  (:meth:`meta.method.gram.GRAMMetaLearner.meta_step`).
 * ``pretrain`` (Table 4 row 3): plain cross-entropy over the training topics' names, one
   optimiser step on θ per batch; no inner loop, no regulator.
 
@@ -34,23 +34,23 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from meta import distributed as dist_
-from meta.backbone import ClipDims, check_model_name, check_precision, resolve_device
-from meta.clip_config import clip_from_cfg
-from meta.fileio import clean_stale_temps, parse_json, write_json_atomic, write_text_atomic
-from meta.finetune import GradientRegulation, LaunchStep, finetune_and_score
-from meta.gram import GRAMMetaLearner
-from meta.inner import task_loss_of
-from meta.metrics import accuracy
-from meta.numerics import numerics_record
-from meta.prompts import PromptedCLIP, PromptParams, classification_loss
-from meta.provenance import git_commit
-from meta.runlock import RunLock, is_rank0
-from meta.tasks import ClassBatchStream, TaskStream, split_topics
-
-from . import settings
-from .checkpoint import CHECKPOINT_NAME, CheckpointError, capture_rng, load_checkpoint, restore_rng, save_checkpoint
-from .data import (
+from meta.data.tasks import ClassBatchStream, TaskStream, split_topics
+from meta.finetune.regulated import GradientRegulation, LaunchStep, finetune_and_score
+from meta.infra import distributed as dist_
+from meta.infra.fileio import clean_stale_temps, parse_json, write_json_atomic, write_text_atomic
+from meta.infra.numerics import numerics_record
+from meta.infra.provenance import git_commit
+from meta.infra.runlock import RunLock, is_rank0
+from meta.metatrain import settings
+from meta.metatrain.checkpoint import (
+    CHECKPOINT_NAME,
+    CheckpointError,
+    capture_rng,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
+from meta.metatrain.data import (
     TaskBatcher,
     check_cached_features,
     hierarchy_fingerprint,
@@ -58,8 +58,14 @@ from .data import (
     load_task_hierarchy,
     norm_stats,
 )
-from .export import export_paths, export_state, verify_exports
-from .runlog import RunLog, postfix, progress_bar
+from meta.metatrain.export import export_paths, export_state, verify_exports
+from meta.metatrain.runlog import RunLog, postfix, progress_bar
+from meta.method.gram import GRAMMetaLearner
+from meta.method.inner import task_loss_of
+from meta.method.metrics import accuracy
+from meta.method.prompts import PromptedCLIP, PromptParams, classification_loss
+from meta.model.backbone import ClipDims, check_model_name, check_precision, resolve_device
+from meta.model.clip_config import clip_from_cfg
 
 CONFIG_NAME = "config.yaml"
 RUN_INFO_NAME = "run.json"
@@ -120,7 +126,8 @@ class RunSetup:
 
 
 def build_clip(cfg, device: str):
-    """The frozen CLIP of ``cfg.MODEL`` (:func:`meta.clip_config.clip_from_cfg`, as ``python -m meta cluster``)."""
+    """The frozen CLIP of ``cfg.MODEL`` (:func:`meta.model.clip_config.clip_from_cfg`, as ``python -m meta
+    cluster``)."""
     return clip_from_cfg(cfg, device)
 
 
@@ -446,8 +453,8 @@ def train(
 ) -> dict:
     """Run or resume meta-training (or pre-training) as configured; export at the end.
 
-    The run holds ``OUTPUT_DIR``'s :class:`meta.runlock.RunLock` throughout (a second writer gets
-    a one-line :class:`meta.cli_errors.UserError`) and first removes temporary files a killed
+    The run holds ``OUTPUT_DIR``'s :class:`meta.infra.runlock.RunLock` throughout (a second writer gets
+    a one-line :class:`meta.infra.cli_errors.UserError`) and first removes temporary files a killed
     writer left there.  A resumed finished run checks its exports and rewrites missing,
     unreadable or stale ones.
 
@@ -638,7 +645,7 @@ def _write_run_files(run: RunSetup, run_dir: Path, state: Optional[dict], start:
             "train_topics": len(run.train_topics),
             "val_topics": [run.hierarchy.topic_names[t] for t in run.val_topics],
             "versions": _versions(),
-            "numerics": numerics_record(run.device),  # CPU, kernel flags, pins, builds (meta.numerics)
+            "numerics": numerics_record(run.device),  # CPU, kernel flags, pins, builds (meta.infra.numerics)
             "commit": git_commit(Path(__file__).resolve().parent),
             "device": run.device,
             "world_size": world,

@@ -25,7 +25,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from meta.dassl_runs import LAST_POINTER, checkpoint_name  # Dassl's names, read by the runner too
+from meta.infra.dassl_runs import LAST_POINTER, checkpoint_name  # Dassl's names, read by the runner too
 
 CLASS_DEPENDENT_KEYS = ("token_prefix", "token_suffix")  # CoOp coop.py L316-321, MaPLe maple.py L325-329
 

@@ -34,30 +34,30 @@ from typing import Any, Optional
 
 from yacs.config import CfgNode as CN
 
-from meta import methods
-from meta.clip_weights import (  # noqa: F401  (re-exported: the names this module always offered)
+from meta.finetune.engine import Naming, start_rule_problems
+from meta.finetune.regulated import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
+from meta.method import methods
+from meta.method.consistency import ConsistencySpec
+from meta.method.learners import import_learner_modules, learner_keys
+from meta.method.prompts import DEFAULT_TEMPLATE, PromptSpec
+from meta.model.clip_weights import (  # noqa: F401  (re-exported: the names this module always offered)
     OPENAI_CACHE_DIR,
     RANDOM_WEIGHTS,
     default_weights_path,
     open_clip_name,
     resolve_weights_key,
 )
-from meta.consistency import ConsistencySpec
-from meta.engine import Naming, start_rule_problems
-from meta.finetune import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
-from meta.learners import import_learner_modules, learner_keys
-from meta.prompts import DEFAULT_TEMPLATE, PromptSpec
 
 # Trainer name -> (learns text context, learns visual prompts), and the trainers whose visual prompts are
-# produced from the text prompts (meta.prompts.PromptSpec.coupling): read from the learner table of
-# meta/methods.yaml, the one place a prompt learner's structure is written down.
+# produced from the text prompts (meta.method.prompts.PromptSpec.coupling): read from the learner table of
+# meta/method/methods.yaml, the one place a prompt learner's structure is written down.
 TRAINER_PROMPTS: dict[str, tuple[bool, bool]] = {
     name: (row.text, row.vision) for name, row in methods.learners().items()
 }
 TRAINER_COUPLING: dict[str, str] = {
     name: row.coupling for name, row in methods.learners().items() if row.coupling != "none"
 }
-# How errors name the engine's start fields (meta.engine.Naming): TRAINER.GRAM.<KEY>.
+# How errors name the engine's start fields (meta.finetune.engine.Naming): TRAINER.GRAM.<KEY>.
 GRAM_NAMING = Naming(
     "TRAINER.GRAM",
     {
@@ -83,7 +83,7 @@ def _gram_defaults() -> CN:
     node = CN()
     # --- GRAM on/off ------------------------------------------------------------------------
     node.ENABLED = False  # False = plain baseline (CoOp / VPT / joint); True needs INIT
-    node.INIT = ""  # meta-learned θ* (+ φ) from meta.init_io.export_gram_init (.safetensors)
+    node.INIT = ""  # meta-learned θ* (+ φ) from meta.finetune.init_io.export_gram_init (.safetensors)
     node.REGULATE = True  # with ENABLED: apply R_φ to every prompt gradient (paper Eq. 7); False = ablation
     node.NORM_PRESERVE = "auto"  # auto = as meta-trained (init file) | on = rescale ĝ to ‖g‖ per tensor | off
     node.INIT_PROMPTS = True  # with ENABLED: θ starts from the file's θ*; False = scratch θ, R_φ from the file
@@ -101,11 +101,13 @@ def _gram_defaults() -> CN:
     # PROMPT_DEPTH); 0 = every layer
     node.CTX_INIT = ""  # words to initialise the text context (e.g. "a photo of a"); "" = N(0, 0.02²)
     node.TEMPLATE = DEFAULT_TEMPLATE  # fixed text prompt when there is no text context (GRAM_VPT)
-    node.VPT_INIT = PromptSpec.vpt_init  # baselines' visual tokens: normal | zeros | cls | patch_mean (meta.prompts)
-    node.LEARNER = PromptSpec.learner  # prompt learner (meta.learners registry key): "clip" = the built-in one
+    node.VPT_INIT = (
+        PromptSpec.vpt_init
+    )  # baselines' visual tokens: normal | zeros | cls | patch_mean (meta.method.prompts)
+    node.LEARNER = PromptSpec.learner  # prompt learner (meta.method.learners registry key): "clip" = the built-in one
     # the trainers above configure; a learner registered by your code is named here and reads these keys
     node.LEARNER_MODULES = []  # modules imported first that register your learners, e.g. ['my_learners']
-    # --- zero-shot consistency (meta.consistency; fine-tuning loss CE + λ_t L_text + λ_v L_image) ---------
+    # --- zero-shot consistency (meta.method.consistency; fine-tuning loss CE + λ_t L_text + λ_v L_image) ---------
     node.CONSISTENCY_TEXT = 0.0  # λ_t: 1 - mean cos to the hand-made prompt's text features (KgCoOp uses 8.0)
     node.CONSISTENCY_IMAGE = 0.0  # λ_v: L1 to the frozen image features, visual prompts only (PromptSRC uses 10)
     # --- backbone ------------------------------------------------------------------------------
@@ -116,8 +118,8 @@ def _gram_defaults() -> CN:
     node.PREC = "fp16"  # fp16 | fp32 | amp, as CoOp's PREC; CPU always runs fp32 (with a warning)
     # --- images --------------------------------------------------------------------------------
     node.EXIF_UPRIGHT = False  # True = turn every image upright by its EXIF orientation before the transforms
-    # (meta.image_decode.open_upright, the reader of `python -m meta.evaluate --exif-upright`); False = as stored,
-    # as Dassl's read_image reads them (published CoOp-family numbers)
+    # (meta.data.image_decode.open_upright, the reader of `python -m meta.evaluation --exif-upright`); False = as
+    # stored, as Dassl's read_image reads them (published CoOp-family numbers)
     return node
 
 
@@ -209,14 +211,14 @@ class GramSettings:
     weights: Optional[str]  # None = random weights
     quick_gelu: Optional[bool]
     precision: str  # as requested; resolve_precision() gives what runs
-    vpt_init: str  # start of scratch visual prompts (meta.prompts.VPT_INITS)
+    vpt_init: str  # start of scratch visual prompts (meta.method.prompts.VPT_INITS)
     text_depth: int  # J (0 = every layer); 0 without text context
     coupling: str  # "maple" for GRAM_MaPLe
     init_prompts: bool  # θ from the init file's θ* (False: scratch θ, R_φ only)
-    reg_window_images: int  # images per regulated step (0 = support size; meta.engine.window_batches)
-    launch: bool  # meta-trained step once before training (meta.finetune.launch_)
+    reg_window_images: int  # images per regulated step (0 = support size; meta.finetune.engine.window_batches)
+    launch: bool  # meta-trained step once before training (meta.finetune.regulated.launch_)
     consistency: ConsistencySpec = ConsistencySpec()  # zero-shot consistency weights (0 = off)
-    learner: str = PromptSpec.learner  # prompt learner (meta.learners registry key)
+    learner: str = PromptSpec.learner  # prompt learner (meta.method.learners registry key)
     exif_upright: bool = False  # images turned upright by their EXIF orientation (False: as stored, as Dassl)
 
     def vision_depth(self, vision_layers: int) -> int:

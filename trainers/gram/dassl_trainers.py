@@ -4,20 +4,20 @@
 They follow the CoOp trainer pattern (CoOp ``trainers/coop.py`` L222-325, on KaiyangZhou/Dassl.pytorch
 ``dassl/engine/trainer.py``) over the Dassl-free GRAM core in ``meta``:
 
-* ``build_model``: a frozen open_clip CLIP (``meta.backbone.load_clip``; OpenAI's TorchScript
+* ``build_model``: a frozen open_clip CLIP (``meta.model.backbone.load_clip``; OpenAI's TorchScript
   ``~/.cache/clip/ViT-B-16.pt`` by default), θ from the GRAM init file (``TRAINER.GRAM.INIT``,
   validated against the model) or fresh (baselines), R_φ from the same file when
   ``TRAINER.GRAM.REGULATE``; only θ is registered (``"prompt_learner"``), optimised and saved.
-* θ, R_φ, the window and the launch step come from :func:`meta.engine.build_start`, and every batch is
-  stepped by :class:`meta.engine.RegulatedStepper`: the standalone evaluator (``meta.evaluation``) uses
+* θ, R_φ, the window and the launch step come from :func:`meta.finetune.engine.build_start`, and every batch is
+  stepped by :class:`meta.finetune.engine.RegulatedStepper`: the standalone evaluator (``meta.evaluation``) uses
   the same two, so ``train.py`` runs what the evaluator measured (tests/test_engine_agreement.py).
 * ``forward_backward``: cross-entropy, backward, R_φ applied to the prompt gradients
-  (``meta.finetune.GradientRegulation``, paper Eq. 7), optimiser step; the LR steps at the last
+  (``meta.finetune.regulated.GradientRegulation``, paper Eq. 7), optimiser step; the LR steps at the last
   batch of every epoch, as CoOp does (coop.py L281-282).  With ``TRAINER.GRAM.REG_WINDOW_IMAGES`` W the
-  gradients of W images (``meta.engine.window_batches``: W / batch size batches, rounded, >= 1) are summed
-  and regulated as their mean before one step (``meta.finetune.UpdateWindow``); ``TRAINER.GRAM.LAUNCH``
+  gradients of W images (``meta.finetune.engine.window_batches``: W / batch size batches, rounded, >= 1) are summed
+  and regulated as their mean before one step (``meta.finetune.regulated.UpdateWindow``); ``TRAINER.GRAM.LAUNCH``
   takes the meta-trained inner step once on the train set (test transform) before the first epoch of a
-  fresh run (``meta.finetune.launch_``).
+  fresh run (``meta.finetune.regulated.launch_``).
   ``TRAINER.GRAM.INIT_PROMPTS False`` starts θ from scratch and takes only R_φ from the file.
 * Stock Dassl HEAD on torch >= 2.7: schedulers from torch's own classes
   (:mod:`trainers.gram.schedule`), checkpoints that load with ``weights_only=True``
@@ -26,7 +26,7 @@ They follow the CoOp trainer pattern (CoOp ``trainers/coop.py`` L222-325, on Kai
 * Images are read as Dassl reads them (``dassl.utils.read_image``: as stored, EXIF orientation ignored);
   ``TRAINER.GRAM.EXIF_UPRIGHT True`` gives every loader (train, val, test, launch) the
   :class:`UprightDatasetWrapper`, which turns them upright with the evaluator's reader
-  (``meta.image_decode.open_upright``, ``python -m meta.evaluate --exif-upright``).
+  (``meta.data.image_decode.open_upright``, ``python -m meta.evaluation --exif-upright``).
 """
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ from dassl.engine import TRAINER_REGISTRY, TrainerX
 from dassl.metrics import compute_accuracy
 from dassl.optim import build_optimizer
 
-from meta import methods
-from meta.backbone import load_clip
-from meta.engine import RegulatedStepper, Start, StartSpec, build_start, window_batches
-from meta.finetune import check_gate_regulariser, launch_
-from meta.image_decode import open_upright
-from meta.prompts import PromptSpec
+from meta.data.image_decode import open_upright
+from meta.finetune.engine import RegulatedStepper, Start, StartSpec, build_start, window_batches
+from meta.finetune.regulated import check_gate_regulariser, launch_
+from meta.method import methods
+from meta.method.prompts import PromptSpec
+from meta.model.backbone import load_clip
 
 from .checkpoint import checkpoint_file, load_checkpoint, prompt_state, save_checkpoint
 from .config import (
@@ -103,7 +103,7 @@ class UprightDatasetWrapper(DatasetWrapper):
 
 class _GramTrainer(TrainerX):
     """Shared implementation; subclasses differ only by name: what each learns is its row in the learner
-    table of ``meta/methods.yaml`` (``config.TRAINER_PROMPTS`` / ``TRAINER_COUPLING``)."""
+    table of ``meta/method/methods.yaml`` (``config.TRAINER_PROMPTS`` / ``TRAINER_COUPLING``)."""
 
     gram_trainer = True  # marks our classes in the registry (re-registration check)
 
@@ -186,7 +186,7 @@ class _GramTrainer(TrainerX):
 
     @property
     def window(self):
-        """The regulation window in backward passes (:class:`meta.finetune.UpdateWindow`)."""
+        """The regulation window in backward passes (:class:`meta.finetune.regulated.UpdateWindow`)."""
         return self.stepper.window
 
     @property
@@ -200,7 +200,7 @@ class _GramTrainer(TrainerX):
 
     def _start(self, s: GramSettings, clip, dims) -> Start:
         """θ from the GRAM init file (and φ when regulating), or fresh θ for the baselines: the engine's
-        :func:`meta.engine.build_start`, the evaluator's own start factory, with Dassl's key names."""
+        :func:`meta.finetune.engine.build_start`, the evaluator's own start factory, with Dassl's key names."""
         depth = s.vision_depth(dims.vision_layers)
         spec = PromptSpec(
             n_ctx_text=s.n_ctx_text,
@@ -257,7 +257,7 @@ class _GramTrainer(TrainerX):
             f"regulation window {self.window.size}, launch step {'on' if self.launch_step else 'off'}, "
             f"zero-shot consistency text {s.consistency.text_weight:g} image {s.consistency.image_weight:g}"
         )
-        if self.regulation is not None:  # the one place the window's unit changes (meta.engine.window_batches)
+        if self.regulation is not None:  # the one place the window's unit changes (meta.finetune.engine.window_batches)
             print(
                 f"GRAM regulation window: TRAINER.GRAM.REG_WINDOW_IMAGES {s.reg_window_images} -> "
                 f"{self.window_images} images -> {self.window.size} batches of {cfg.DATALOADER.TRAIN_X.BATCH_SIZE}"
@@ -513,13 +513,13 @@ class GRAM_MaPLe(_GramTrainer):
 
 
 def _trainer_classes() -> tuple[type, ...]:
-    """One class per learner of the method table (``meta/methods.yaml`` ``learners``), in table order: the
+    """One class per learner of the method table (``meta/method/methods.yaml`` ``learners``), in table order: the
     table says what each learns (``config.TRAINER_PROMPTS``), the class above only names it."""
     classes = {cls.__name__: cls for cls in _GramTrainer.__subclasses__()}
     missing = [name for name in methods.learners() if name not in classes]
     if missing:
         raise KeyError(
-            f"meta/methods.yaml learners {', '.join(missing)} have no class in {__name__}; add "
+            f"meta/method/methods.yaml learners {', '.join(missing)} have no class in {__name__}; add "
             f"`class <name>(_GramTrainer): ...` for each"
         )
     return tuple(classes[name] for name in methods.learners())

@@ -1,9 +1,9 @@
 """Export θ*_T for *stock* CoOp / CoCoOp trainers: ``python -m trainers.gram.export SOURCE [DEST]``.
 
-SOURCE is a GRAM init file (``.safetensors`` from ``meta.init_io.export_gram_init``), a GRAM
+SOURCE is a GRAM init file (``.safetensors`` from ``meta.finetune.init_io.export_gram_init``), a GRAM
 trainer's output folder, or one of its checkpoint files.  DEST (default: ``coop_ctx_nctx<M>.pth``
 beside SOURCE) receives ``{"state_dict": {"ctx": [M, d_t]}, "epoch": 0, "n_ctx": M}``
-(``meta.init_io.export_coop_context``), which a fork's ``CoOp``/``CoCoOp`` trainer loads with
+(``meta.finetune.init_io.export_coop_context``), which a fork's ``CoOp``/``CoCoOp`` trainer loads with
 ``MODEL.INIT_WEIGHTS DEST``: Dassl's ``load_pretrained_weights`` copies every key whose name and
 shape match (torchtools.py L267-314), and ``ctx`` is ``[n_ctx, 512]`` in both trainers for ViT-B/16.
 
@@ -22,7 +22,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from meta.init_io import coop_context_name, coop_context_usage, export_coop_context, load_gram_init
+from meta.finetune.init_io import coop_context_name, coop_context_usage, export_coop_context, load_gram_init
 
 from .checkpoint import checkpoint_file, load_checkpoint
 

@@ -1,6 +1,6 @@
 """The model a GRAM trainer registers with Dassl: learnable prompts θ over a frozen open_clip CLIP.
 
-``GramCLIP.prompt_learner`` is θ (:class:`meta.prompts.PromptParams`, parameters ``ctx`` ``[M, d_t]``
+``GramCLIP.prompt_learner`` is θ (:class:`meta.method.prompts.PromptParams`, parameters ``ctx`` ``[M, d_t]``
 and/or ``vpt`` ``[D, n, d_v]``): the only registered, saved and optimised module, so checkpoints
 hold nothing class-dependent.  ``GramCLIP.clip`` is frozen and *stays in eval mode* whatever mode
 the wrapper is switched to (Dassl's ``set_model_mode`` only reaches registered modules;
@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meta.backbone import ClipDims
-from meta.consistency import ConsistencySpec, consistency_penalty, frozen_reference
-from meta.prompts import DEFAULT_TEMPLATE, PromptedCLIP, PromptParams, visual_prompts
+from meta.method.consistency import ConsistencySpec, consistency_penalty, frozen_reference
+from meta.method.prompts import DEFAULT_TEMPLATE, PromptedCLIP, PromptParams, visual_prompts
+from meta.model.backbone import ClipDims
 
 
 class GramCLIP(nn.Module):
@@ -44,7 +44,7 @@ class GramCLIP(nn.Module):
         self.pclip = PromptedCLIP(clip, dims, prompts.n_ctx_text, template=template)
         self._text_cache: Optional[torch.Tensor] = None
         self.clip.eval()
-        # zero-shot consistency (meta.consistency): the frozen references of its terms, when a weight is > 0
+        # zero-shot consistency (meta.method.consistency): the frozen references of its terms, when a weight is > 0
         self.consistency = consistency if consistency is not None and consistency.active else None
         self._reference = frozen_reference(clip, DEFAULT_TEMPLATE) if self.consistency is not None else None
 
@@ -74,7 +74,7 @@ class GramCLIP(nn.Module):
 
     def training_loss(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss, logits [B, C] fp32)``: cross-entropy, plus the zero-shot consistency terms when they are on
-        (the same functions as the evaluator's :func:`meta.prompts.classification_loss`)."""
+        (the same functions as the evaluator's :func:`meta.method.prompts.classification_loss`)."""
         loss, penalty, logits = self.training_loss_parts(images, labels)
         return (loss if penalty is None else loss + penalty), logits
 

@@ -14,8 +14,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Iterable, Optional
 
-from meta.hashing import file_sha256  # noqa: F401  (dassl_trainers imports it from here)
-from meta.provenance import git_commit
+from meta.infra.hashing import file_sha256  # noqa: F401  (dassl_trainers imports it from here)
+from meta.infra.provenance import git_commit
 
 PACKAGES = ("torch", "torchvision", "open_clip_torch", "dassl", "gram-prompt", "numpy", "yacs")
 

@@ -1,11 +1,11 @@
-"""The Dassl ``OPTIM`` node -> the library's per-epoch LR schedule (``meta.schedule``).
+"""The Dassl ``OPTIM`` node -> the library's per-epoch LR schedule (``meta.finetune.schedule``).
 
 Why not Dassl's ``build_lr_scheduler``: its warm-up wrappers pass ``verbose`` to
 ``LRScheduler.__init__`` (TypeError on torch >= 2.7, raised while building the model, even for
 ``--eval-only``), and their ``state_dict`` pickles the successor scheduler *object*, which
 ``torch.load(weights_only=True)`` (the torch >= 2.6 default) refuses
 (KaiyangZhou/Dassl.pytorch ``dassl/optim/lr_scheduler.py`` and ``dassl/utils/torchtools.py``).
-``meta.schedule`` reproduces Dassl's values (tests/test_trainers_schedule.py compares them with
+``meta.finetune.schedule`` reproduces Dassl's values (tests/test_trainers_schedule.py compares them with
 Dassl's own scheduler) from torch's classes; the trainer steps it once per epoch, as CoOp does.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 from torch.optim import Optimizer
 from torch.optim import lr_scheduler as tls
 
-from meta.schedule import SCHEDULES, epoch_scheduler
+from meta.finetune.schedule import SCHEDULES, epoch_scheduler
 
 __all__ = ["build_lr_scheduler", "SCHEDULES"]
 

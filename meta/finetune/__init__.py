@@ -1,0 +1,6 @@
+"""Test-time use of θ* and R_φ: the regulated stepper and launch step (``regulated``), the start of a
+fine-tuning run (``engine``), init files (``init_io``) and Dassl's per-epoch schedules (``schedule``); one
+engine for the Dassl trainers and the evaluator.
+
+Modules are imported by their own names (``meta.finetune.<module>``); the package itself imports nothing.
+"""

@@ -1,0 +1,336 @@
+"""The regulated fine-tuning engine shared by the Dassl trainers and the standalone evaluator.
+
+One front door for test-time use of GRAM, so that what ``train.py`` runs is what the evaluator measured:
+
+* :func:`build_start` turns one :class:`StartSpec` into a :class:`Start`: θ (scratch, word-initialised,
+  a GRAM init file's θ*, or an in-memory :class:`StartPoint`), R_φ
+  (:class:`meta.finetune.regulated.GradientRegulation`),
+  the regulation window in images (resolved: 0 = the meta-training support size), the launch step
+  (:class:`meta.finetune.regulated.LaunchStep`) and a JSON-able provenance dict.
+* :class:`RegulatedStepper` (defined in :mod:`meta.finetune.regulated` beside the window and R_φ it drives) is the
+  update of every training batch: backward (gradients sum in ``p.grad``) → when the window closes, R_φ on
+  the window's mean gradient → one optimiser step (with a ``torch.amp.GradScaler`` the gradients are
+  unscaled before R_φ sees them).
+* :func:`window_batches` is the one conversion of a window in images into backward passes of a batch size.
+* :func:`start_rule_problems` holds the validation rules that the evaluator's ``MethodSpec`` and the Dassl
+  ``TRAINER.GRAM`` keys share; each caller words the key names its own way.
+
+What stays with each caller: Dassl's loop, loaders and transforms (``trainers/gram``), the evaluator's
+cached features, batch order and augmented views (``meta.evaluation``).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+import torch
+from torch import nn
+
+from meta.finetune.init_io import load_gram_init
+from meta.finetune.regulated import GradientRegulation, LaunchStep, RegulatedStepper, launch_step_of, resolve_window
+from meta.method.learners import DEFAULT_LEARNER, get_learner
+from meta.method.metrics import count_correct  # noqa: F401  (re-exported with RegulatedStepper: the loops use both)
+from meta.method.prompts import VPT_INITS, PromptParams, PromptSpec
+from meta.method.regulator import GradientRegulator
+from meta.model.backbone import ClipDims
+
+
+# ------------------------------------------------------------------------------------------------ rules
+def start_rule_problems(
+    *,
+    vpt_init: str,
+    reg_window: Any,
+    template: str,
+    has_text: bool,
+    has_init: bool,
+    init_prompts: bool,
+    regulate: bool,
+    ctx_init: str,
+) -> list[tuple[str, str]]:
+    """Problems with the fields that say where fine-tuning starts, as ``(field, "must be ...")`` pairs.
+
+    ``field`` is one of ``vpt_init``, ``reg_window``, ``template``, ``ctx_init`` and ``init_prompts``; the
+    caller prefixes its own key name (``MethodSpec 'x': reg_window`` / ``TRAINER.GRAM.REG_WINDOW_IMAGES``).
+    ``has_text``: the method learns a text context; ``has_init``: θ* / φ come from a GRAM init file.
+    """
+    problems = []
+    if vpt_init not in VPT_INITS:
+        problems.append(("vpt_init", f"must be one of {', '.join(VPT_INITS)}, got {vpt_init!r}"))
+    if isinstance(reg_window, bool) or not isinstance(reg_window, int) or reg_window < 0:
+        problems.append(
+            ("reg_window", f"must be >= 0 images (an integer; 0 = the meta-training support size), got {reg_window!r}")
+        )
+    if not has_text and "{}" not in template:
+        problems.append(("template", f"must contain '{{}}' for the class name, got {template!r}"))
+    if has_init and init_prompts and ctx_init and has_text:
+        problems.append(
+            (
+                "ctx_init",
+                "must be empty when θ* comes from the init file (both initialise the text "
+                "context); give only one, or take only R_φ from the file (init_prompts False)",
+            )
+        )
+    if has_init and not (init_prompts or regulate):
+        problems.append(
+            (
+                "init_prompts",
+                "or regulate must be on when an init file is given: neither θ* "
+                "(init_prompts) nor R_φ (regulate) is taken from it",
+            )
+        )
+    return problems
+
+
+def window_batches(images: int, batch_size: int) -> int:
+    """A regulation window of ``images`` images as backward passes of ``batch_size`` images (rounded, >= 1).
+
+    The one place where the window's unit changes: every interface (``MethodSpec.reg_window``,
+    ``META.VAL_REG_WINDOW``, ``TRAINER.GRAM.REG_WINDOW_IMAGES``) gives images; the loops count batches.
+    """
+    if int(images) < 1 or int(batch_size) < 1:
+        raise ValueError(f"window_batches: need images >= 1 and batch_size >= 1, got {images} and {batch_size}")
+    return max(1, round(int(images) / int(batch_size)))
+
+
+# ------------------------------------------------------------------------------------------------ start
+@dataclass
+class StartPoint:
+    """An in-memory θ (and φ) to fine-tune from, e.g. the live meta-parameters during meta-validation.
+
+    ``prompts`` and ``regulators`` are deep-copied before use, so the caller's tensors are never
+    modified nor frozen.  ``regulators``: ``{"ctx"|"vpt": R_φ}`` as ``GRAMMetaLearner.regulators()``.
+    """
+
+    prompts: PromptParams
+    regulators: Mapping[str, GradientRegulator] = field(default_factory=dict)
+    label: str = "in_memory"
+    launch: Optional[LaunchStep] = None  # the meta-trained inner step (needed by a required launch)
+    support_size: int = 0  # images per meta-training support set (for reg_window 0)
+
+
+@dataclass(frozen=True)
+class Naming:
+    """How one interface names the start fields in error messages.
+
+    ``where``: the prefix of a sentence (``"method 'x'"``, ``"TRAINER.GRAM"``); ``keys``: field -> the
+    interface's key (``{"regulate": "REGULATE"}``; a field not listed keeps its name); ``dotted``: full key
+    names are ``where.KEY`` (yacs) rather than ``where KEY``.
+    """
+
+    where: str
+    keys: Mapping[str, str] = field(default_factory=dict)
+    dotted: bool = False
+
+    def key(self, name: str) -> str:
+        return self.keys.get(name, name)
+
+    def full(self, name: str) -> str:
+        return f"{self.where}{'.' if self.dotted else ' '}{self.key(name)}"
+
+
+@dataclass(frozen=True)
+class StartSpec:
+    """Where fine-tuning starts: θ's structure and source, R_φ, the regulation window and the launch step.
+
+    Attributes:
+        prompt: θ's structure and scratch / word initialisation (:class:`meta.method.prompts.PromptSpec`,
+            depths 0 = all layers).
+        init_path: a GRAM init file (θ* and φ); ``""`` = none.
+        init_prompts: θ starts from θ* (the file's or the start point's); False = the scratch start.
+        regulate: R_φ from the file / start point regulates every prompt gradient.
+        norm_preserve: test-time override of R_φ's ``norm_preserve`` (None = as meta-trained).
+        reg_window: regulation window in images (0 = the meta-training support size).
+        launch: take the meta-trained inner step where the file / start point has one.
+        launch_required: a missing launch step is an error (else launch is silently off).
+        naming: how errors name the fields.
+    """
+
+    prompt: PromptSpec
+    init_path: str = ""
+    init_prompts: bool = True
+    regulate: bool = False
+    norm_preserve: Optional[bool] = None
+    reg_window: int = 0
+    launch: bool = False
+    launch_required: bool = False
+    naming: Naming = Naming("start")
+
+
+@dataclass
+class Start:
+    """What :func:`build_start` built.
+
+    ``prompts`` θ (trainable); ``regulation`` R_φ or None; ``window`` images per regulated step (1 without
+    R_φ); ``launch`` the meta-trained step or None; ``metadata`` the init file's (``{}`` without one);
+    ``info`` a JSON-able description (``source``, ``reg_window``, ``launch``, ``prompt_sha256``, ...).
+    """
+
+    prompts: PromptParams
+    regulation: Optional[GradientRegulation]
+    window: int
+    launch: Optional[LaunchStep]
+    info: dict
+    metadata: dict = field(default_factory=dict)
+
+
+def prompt_digest(prompts: Optional[nn.Module]) -> str:
+    """SHA-256 (hex) of the prompt tensors' fp32 bytes, in parameter-name order ("" for no prompts)."""
+    if prompts is None:
+        return ""
+    h = hashlib.sha256()
+    for name, p in sorted(prompts.named_parameters()):
+        t = p.detach().float().cpu().contiguous()
+        h.update(f"{name}|{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).numpy().tobytes())
+    return h.hexdigest()
+
+
+def init_expectations(prompt: PromptSpec, dims: ClipDims) -> dict:
+    """What a GRAM init file must say to fit θ of ``prompt`` on the CLIP of ``dims`` (``load_gram_init``'s
+    ``expect``): widths, model, and the structure ``prompt``'s learner gives (for the built-in learner: token
+    counts, resolved depths, 0 for an absent side, and coupling)."""
+    expect = {"text_width": dims.text_width, "vision_width": dims.vision_width, "model_name": dims.model_name}
+    expect.update(get_learner(prompt.learner).structure_of(prompt, dims))
+    if prompt.learner != DEFAULT_LEARNER:
+        expect["learner"] = prompt.learner
+    return expect
+
+
+def check_start_structure(prompt: PromptSpec, dims: ClipDims, prompts: PromptParams, where: str) -> None:
+    """ValueError naming ``where`` when an in-memory θ does not have the structure and tensor shapes of ``prompt``."""
+    learner = get_learner(prompt.learner)
+    backbone = {"text_width": dims.text_width, "vision_width": dims.vision_width}
+    want = {
+        name: tuple(shape)
+        for name, (shape, _) in learner.shapes_of(learner.structure_of(prompt, dims), backbone).items()
+    }
+    have = {name: tuple(p.shape) for name, p in prompts.named_parameters()}
+    problems = []
+    if getattr(prompts, "learner", DEFAULT_LEARNER) != prompt.learner:
+        problems.append(
+            f"learner is {getattr(prompts, 'learner', DEFAULT_LEARNER)!r}, method expects {prompt.learner!r}"
+        )
+    for name in dict.fromkeys([*want, *have]):
+        if want.get(name) != have.get(name):
+            problems.append(f"{name} is {have.get(name)}, method expects {want.get(name)}")
+    if problems:
+        raise ValueError(f"{where}: start point does not fit: " + "; ".join(problems))
+
+
+def build_start(
+    spec: StartSpec,
+    clip: nn.Module,
+    dims: ClipDims,
+    generator: Optional[torch.Generator] = None,
+    point: Optional[StartPoint] = None,
+    device: Optional[torch.device] = None,
+) -> Start:
+    """θ, R_φ, the window (images), the launch step and provenance at the start of fine-tuning.
+
+    Scratch θ (the baselines' start, and the "R_φ only" start) is drawn first, from ``generator`` (None =
+    torch's global RNG), so that a run taking only R_φ from a file starts where its baseline does.  A GRAM
+    file is validated against the structure of ``spec.prompt`` before anything is built; an in-memory
+    ``point`` is copied and shape-checked.  ``device``: where θ and R_φ live (default: the CLIP's).
+    """
+    n = spec.naming
+    device = device if device is not None else clip.token_embedding.weight.device
+    from_file = bool(spec.init_path)
+    scratch = None
+    if not ((from_file or point is not None) and spec.init_prompts):
+        scratch = PromptParams.from_spec(spec.prompt, clip, dims, generator=generator)
+    regulators: Mapping[str, GradientRegulator] = {}
+    launch: Optional[LaunchStep] = None
+    metadata: dict = {}
+    window = 1
+    if point is not None:
+        if from_file or spec.prompt.ctx_init:
+            raise ValueError(
+                f"{n.where}: a start point replaces {n.key('init_path')}/{n.key('ctx_init')}; give one of them"
+            )
+        if spec.init_prompts:
+            prompts = copy.deepcopy(point.prompts)
+            for p in prompts.parameters():
+                p.requires_grad_(True)
+        else:
+            prompts = scratch
+        check_start_structure(spec.prompt, dims, prompts, n.where)
+        if spec.regulate:
+            if not point.regulators:
+                raise ValueError(f"{n.where}: {n.key('regulate')}=True but the start point has no regulators")
+            regulators = dict(point.regulators)
+            if spec.reg_window == 0 and point.support_size < 1:
+                raise ValueError(
+                    f"{n.where}: {n.key('reg_window')} 0 (the meta-training support size) needs StartPoint.support_size"
+                )
+            window = spec.reg_window or point.support_size
+        if spec.launch and (spec.launch_required or point.launch is not None):
+            if point.launch is None:
+                raise ValueError(f"{n.where}: {n.key('launch')}=True but the start point has no LaunchStep")
+            launch = point.launch
+        info = {"source": "in_memory" if spec.init_prompts else "scratch", "label": point.label}
+    elif from_file:
+        source = f"{n.full('init_path')} {spec.init_path}"
+        init = load_gram_init(
+            spec.init_path, expect=init_expectations(spec.prompt, dims), config_key=n.full("init_path")
+        )
+        metadata = init.metadata
+        prompts = init.prompt_module() if spec.init_prompts else scratch
+        if spec.regulate:
+            regulators = init.regulator_modules()
+            if not regulators:
+                raise ValueError(
+                    f"{n.where}: {n.key('regulate')}=True but {spec.init_path} holds no regulator φ; "
+                    f"set {n.key('regulate')} False (θ* only)"
+                )
+            window = resolve_window(spec.reg_window, metadata, source=source)
+        if spec.launch:
+            launch = launch_step_of(metadata, source=source, explicit=spec.launch_required)
+        info = {
+            "source": "gram_file" if spec.init_prompts else "scratch",
+            "path": str(spec.init_path),
+            "provenance": metadata.get("provenance", {}),
+            "regulator": metadata.get("regulator"),
+        }
+        if not spec.init_prompts:
+            info.update(_scratch_info(spec.prompt))
+    else:
+        if spec.regulate or spec.launch_required:
+            what = f"{n.key('regulate')}=True needs φ" if spec.regulate else f"{n.key('launch')}=True needs α"
+            raise ValueError(f"{n.where}: {what}: set {n.key('init_path')} (a GRAM init file) or pass a StartPoint")
+        prompts = scratch
+        info = {"source": "words" if spec.prompt.ctx_init else "scratch", **_scratch_info(spec.prompt)}
+    prompts = prompts.to(device)
+    regulation = GradientRegulation(regulators, norm_preserve=spec.norm_preserve).to(device) if regulators else None
+    if launch is not None:
+        info["launch"] = {"alpha": launch.alpha, "steps": launch.steps, "momentum": launch.momentum}
+    if regulation is not None:
+        info["reg_window"] = window  # images per regulated step, resolved
+    info["prompt_sha256"] = prompt_digest(prompts)
+    return Start(prompts, regulation, window if regulation is not None else 1, launch, info, metadata)
+
+
+def _scratch_info(prompt: PromptSpec) -> dict:
+    return {
+        "ctx_init": prompt.ctx_init,
+        "init_std": prompt.init_std,
+        "vpt_init": prompt.vpt_init if prompt.n_ctx_vision else "",
+    }
+
+
+__all__ = [
+    "StartSpec",
+    "StartPoint",
+    "Start",
+    "Naming",
+    "build_start",
+    "RegulatedStepper",
+    "window_batches",
+    "start_rule_problems",
+    "init_expectations",
+    "check_start_structure",
+    "prompt_digest",
+    "count_correct",
+]

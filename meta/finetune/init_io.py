@@ -1,0 +1,490 @@
+"""Export and import of the meta-learned initialisation θ* and regulator φ.
+
+File format (one ``.safetensors`` file, nothing is unpickled on load):
+
+* tensors ``prompt.ctx`` ``[M, d_t]`` and/or ``prompt.vpt`` ``[D, n, d_v]``; for deep text prompts
+  ``prompt.ctx_deep`` ``[J-1, M, d_t]``, for MaPLe's coupling ``prompt.proj_weight`` ``[J, d_v, d_t]`` and
+  ``prompt.proj_bias`` ``[J, d_v]`` (:mod:`meta.method.prompts`);
+  ``regulator.<tensor>.{gamma,beta}.{weight,bias}`` when φ was learned (plus the 0-d
+  ``regulator.<name>.mix_logit`` with ``RegulatorSpec.mix``; the spec in the header carries every
+  option the test-time regulator needs, and files written before an option existed load with its
+  "off" default);
+* header metadata key ``"gram"``: JSON with ``format_version``, ``backbone``
+  (model name, weights file name, widths), ``prompt`` (token counts, depths, coupling; files written
+  before deep text prompts existed lack ``text_depth`` and ``coupling`` and read as 1 / ``none``),
+  ``regulator`` (spec or null), ``shapes`` and free-form ``provenance``.
+
+Loading validates everything the file says before anything is built: the metadata's
+fields and types (``format_version`` is the integer 1; regulator fields are those of
+:class:`meta.method.regulator.RegulatorSpec`, older files may omit newer ones), each tensor's
+shape against the recorded ``shapes`` and against the widths and token counts in the
+metadata, and then the metadata against what the caller is about to build.  Every failure
+is one :class:`InitMismatchError` line naming the file and the field.
+
+Tensor dtypes: the writer stores float32.  A file whose tensors are float16, bfloat16 or float64
+(e.g. re-saved by another tool) loads with those tensors cast to float32, the dtype the prompts and the
+regulator train in (a value that overflows float32 is refused as infinite); any other dtype (float8,
+integers, bool, complex) is refused by name: file, tensor key, the dtype found, float32 expected.
+
+Also: :func:`export_coop_context` writes θ*_T in the form stock CoOp/CoCoOp
+trainers load through ``MODEL.INIT_WEIGHTS`` (Dassl's ``load_pretrained_weights``
+matches state-dict keys by name and shape: ``ctx`` ``[n_ctx, 512]`` for ViT-B/16),
+as a plain tensor dict that ``torch.load(weights_only=True)`` accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
+from torch import nn
+
+from meta.infra.fileio import parse_json, write_bytes_atomic
+from meta.method.learners import DEFAULT_LEARNER, get_learner, learner_keys
+from meta.method.prompts import COUPLINGS, PromptParams
+from meta.method.regulator import GradientRegulator, RegulatorSpec, regulator_for
+from meta.model.backbone import ClipDims
+
+FORMAT_VERSION = 1
+
+
+class InitMismatchError(ValueError):
+    """The initialisation file does not fit the model being built."""
+
+
+@dataclass
+class GramInit:
+    """A loaded initialisation: θ*, optional φ, and its metadata."""
+
+    prompt: dict[str, torch.Tensor]
+    regulators: dict[str, dict[str, torch.Tensor]]
+    metadata: dict[str, Any]
+    path: Optional[Path] = None
+
+    def prompt_module(self) -> PromptParams:
+        """θ* as a :class:`meta.method.prompts.PromptParams` of the learner the file records."""
+        return PromptParams(learner_key(self.metadata.get("prompt", {})), **self.prompt)
+
+    def regulator_modules(self) -> dict[str, nn.Module]:
+        """``{tensor name: R_φ}`` rebuilt from the stored spec and weights (a :class:`GradientRegulator`, or a
+        :class:`meta.method.regulator.GradientGate` for the gate form)."""
+        spec_d = self.metadata.get("regulator")
+        if not spec_d or not self.regulators:
+            return {}
+        spec = RegulatorSpec(**spec_d)
+        out = {}
+        for name, tensors in self.regulators.items():
+            reg = regulator_for(int(self.prompt[name].shape[-1]), spec)
+            reg.load_state_dict(tensors)
+            out[name] = reg
+        return out
+
+
+def export_gram_init(
+    path: Union[str, Path],
+    prompts: PromptParams,
+    regulators: Optional[Mapping[str, GradientRegulator]],
+    dims: ClipDims,
+    provenance: Optional[dict] = None,
+    weights: str = "",
+) -> Path:
+    """Write θ* (and φ) with metadata, atomically (:mod:`meta.infra.fileio`); returns the path written."""
+    path = Path(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, p in prompts.named_parameters():
+        tensors[f"prompt.{name}"] = p.detach().float().cpu().contiguous()
+    reg_spec = None
+    for name, reg in (regulators or {}).items():
+        reg_spec = reg.spec.as_dict()
+        for k, v in reg.state_dict().items():
+            tensors[f"regulator.{name}.{k}"] = v.detach().float().cpu().contiguous()
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "backbone": {
+            "model_name": dims.model_name,
+            "weights": Path(weights).name if weights else "",
+            "text_width": dims.text_width,
+            "vision_width": dims.vision_width,
+            "vision_layers": dims.vision_layers,
+            "text_layers": dims.text_layers,
+        },
+        "prompt": prompts.structure(),
+        "regulator": reg_spec,
+        "shapes": {k: list(v.shape) for k, v in tensors.items()},
+        "provenance": provenance or {},
+    }
+    return write_bytes_atomic(path, safetensors_bytes(tensors, metadata={"gram": json.dumps(meta, sort_keys=True)}))
+
+
+_MISSING = object()
+
+
+def learner_key(prompt: Mapping[str, Any]) -> str:
+    """The prompt learner an init file's ``prompt`` metadata names (files without the field: the built-in one)."""
+    return prompt.get("learner", DEFAULT_LEARNER)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _describe(value: Any) -> str:
+    text = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+class _Checker:
+    """Raises :class:`InitMismatchError` as ``<key>: <file>: <field>: <what>``."""
+
+    def __init__(self, config_key: str, path: Path):
+        self.prefix = f"{config_key}: {path}"
+
+    def fail(self, field: str, what: str) -> None:
+        raise InitMismatchError(f"{self.prefix}: {field}: {what}")
+
+    def need(self, cond: bool, field: str, what: str) -> None:
+        if not cond:
+            self.fail(field, what)
+
+
+def _regulator_field_types() -> dict[str, tuple]:
+    """``{field: accepted python types}`` from :class:`RegulatorSpec`'s fields (new fields included)."""
+    out = {}
+    for f in dataclasses.fields(RegulatorSpec):
+        default = f.default
+        annotation = str(f.type)
+        if isinstance(default, bool):
+            types: tuple = (bool,)
+        elif isinstance(default, int):
+            types = (int,)
+        elif isinstance(default, float):
+            types = (int, float)
+        elif isinstance(default, str):
+            types = (str, int, float) if "float" in annotation or "int" in annotation else (str,)
+        else:
+            types = ()
+        out[f.name] = types
+    return out
+
+
+def check_metadata(raw: Any, check: _Checker) -> dict:
+    """Parse and validate the ``"gram"`` header metadata (see module docstring); returns it as a dict."""
+    if not isinstance(raw, str):
+        check.fail("metadata 'gram'", "missing; was the file written by export_gram_init?")
+    try:
+        meta = parse_json(raw)
+    except json.JSONDecodeError as err:
+        check.fail("metadata 'gram'", f"not valid JSON ({err.msg} at character {err.pos})")
+    except ValueError as err:  # nested too deeply (parse_json's limit, never a RecursionError)
+        check.fail("metadata 'gram'", str(err))
+    check.need(isinstance(meta, dict), "metadata 'gram'", f"expected a JSON object, got {_describe(meta)}")
+    version = meta.get("format_version", _MISSING)
+    check.need(version is not _MISSING, "format_version", f"missing (expected the integer {FORMAT_VERSION})")
+    check.need(
+        _is_int(version) and version == FORMAT_VERSION,
+        "format_version",
+        f"expected the integer {FORMAT_VERSION}, got {_describe(version)}",
+    )
+    sections = {
+        "backbone": (("text_width", 1), ("vision_width", 1), ("vision_layers", 1)),
+        "prompt": (("n_ctx_text", 0), ("n_ctx_vision", 0), ("vision_depth", 0)),
+    }
+    for section, fields in sections.items():
+        node = meta.get(section, _MISSING)
+        check.need(node is not _MISSING, section, "missing")
+        check.need(
+            isinstance(node, dict),
+            section,
+            f"expected an object with {', '.join(f for f, _ in fields)}, got {_describe(node)}",
+        )
+        for name, minimum in fields:
+            value = node.get(name, _MISSING)
+            check.need(value is not _MISSING, f"{section}.{name}", "missing")
+            check.need(
+                _is_int(value) and value >= minimum,
+                f"{section}.{name}",
+                f"expected an integer >= {minimum}, got {_describe(value)}",
+            )
+    backbone, prompt = meta["backbone"], meta["prompt"]
+    for name in ("model_name", "weights"):
+        value = backbone.get(name, "")
+        check.need(isinstance(value, str), f"backbone.{name}", f"expected a string, got {_describe(value)}")
+    check.need(
+        (prompt["n_ctx_vision"] == 0) == (prompt["vision_depth"] == 0),
+        "prompt.vision_depth",
+        f"{prompt['vision_depth']} does not go with prompt.n_ctx_vision {prompt['n_ctx_vision']} (both 0, or both > 0)",
+    )
+    check.need(
+        prompt["vision_depth"] <= backbone["vision_layers"],
+        "prompt.vision_depth",
+        f"{prompt['vision_depth']} exceeds backbone.vision_layers {backbone['vision_layers']}",
+    )
+    check.need(
+        prompt["n_ctx_text"] > 0 or prompt["n_ctx_vision"] > 0,
+        "prompt",
+        "holds no prompt (n_ctx_text and n_ctx_vision are both 0)",
+    )
+    key = learner_key(prompt)
+    check.need(
+        isinstance(key, str) and key in learner_keys(),
+        "prompt.learner",
+        f"expected one of the registered prompt learners {', '.join(learner_keys())}, got {_describe(key)}",
+    )
+    if key == DEFAULT_LEARNER:
+        _check_deep_structure(backbone, prompt, check)
+
+    reg = meta.get("regulator", None)
+    if reg is not None:
+        check.need(isinstance(reg, dict), "regulator", f"expected null or an object, got {_describe(reg)}")
+        types = _regulator_field_types()
+        for name, value in reg.items():
+            check.need(name in types, f"regulator.{name}", f"unknown field (this code reads {', '.join(types)})")
+            ok = not types[name] or (
+                isinstance(value, types[name]) and (bool not in types[name]) == (not isinstance(value, bool))
+            )
+            check.need(
+                ok,
+                f"regulator.{name}",
+                f"expected {' or '.join(t.__name__ for t in types[name])}, got {_describe(value)}",
+            )
+        try:
+            RegulatorSpec(**reg)
+        except (TypeError, ValueError) as err:
+            check.fail("regulator", str(err))
+    shapes = meta.get("shapes", _MISSING)
+    check.need(shapes is not _MISSING, "shapes", "missing")
+    check.need(isinstance(shapes, dict), "shapes", f"expected an object {{tensor: [dims]}}, got {_describe(shapes)}")
+    for name, dims in shapes.items():
+        check.need(
+            isinstance(dims, list) and all(_is_int(d) and d >= 0 for d in dims),
+            f"shapes.{name}",
+            f"expected a list of non-negative integers, got {_describe(dims)}",
+        )
+    provenance = meta.get("provenance", {})
+    check.need(isinstance(provenance, dict), "provenance", f"expected an object, got {_describe(provenance)}")
+    return meta
+
+
+def _check_deep_structure(backbone: dict, prompt: dict, check: _Checker) -> None:
+    """``prompt.text_depth`` / ``prompt.coupling`` (filled in as 1|0 / ``none`` when an older file lacks them)."""
+    prompt.setdefault("text_depth", 1 if prompt["n_ctx_text"] else 0)
+    prompt.setdefault("coupling", "none")
+    depth, coupling = prompt["text_depth"], prompt["coupling"]
+    check.need(_is_int(depth) and depth >= 0, "prompt.text_depth", f"expected an integer >= 0, got {_describe(depth)}")
+    check.need(
+        (depth == 0) == (prompt["n_ctx_text"] == 0),
+        "prompt.text_depth",
+        f"{depth} does not go with prompt.n_ctx_text {prompt['n_ctx_text']} (both 0, or both > 0)",
+    )
+    text_layers = backbone.get("text_layers")
+    if text_layers is not None:
+        check.need(
+            _is_int(text_layers) and text_layers >= 1,
+            "backbone.text_layers",
+            f"expected an integer >= 1, got {_describe(text_layers)}",
+        )
+        check.need(depth <= text_layers, "prompt.text_depth", f"{depth} exceeds backbone.text_layers {text_layers}")
+    check.need(
+        coupling in COUPLINGS, "prompt.coupling", f"expected one of {', '.join(COUPLINGS)}, got {_describe(coupling)}"
+    )
+    if coupling == "maple":
+        check.need(
+            prompt["n_ctx_text"] > 0 and prompt["n_ctx_vision"] == 0,
+            "prompt.coupling",
+            f"'maple' derives the visual prompts from the text prompts: needs n_ctx_text > 0 and "
+            f"n_ctx_vision 0, got {prompt['n_ctx_text']} and {prompt['n_ctx_vision']}",
+        )
+        check.need(
+            depth <= backbone["vision_layers"],
+            "prompt.text_depth",
+            f"{depth} exceeds backbone.vision_layers {backbone['vision_layers']} (coupling 'maple')",
+        )
+
+
+# Dtypes a file may hold besides float32: cast to float32 on load (:func:`load_gram_init`).
+CAST_TO_FLOAT32 = (torch.float16, torch.bfloat16, torch.float64)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def check_tensors(tensors: Mapping[str, torch.Tensor], meta: dict, check: _Checker) -> None:
+    """Each tensor against ``meta["shapes"]`` and against the widths / token counts the metadata records."""
+    shapes = meta["shapes"]
+    extra, missing = sorted(set(tensors) - set(shapes)), sorted(set(shapes) - set(tensors))
+    check.need(not extra, "shapes", f"does not list tensor(s) {', '.join(extra)} that the file holds")
+    check.need(not missing, "shapes", f"lists tensor(s) {', '.join(missing)} that the file does not hold")
+    for name, t in tensors.items():
+        check.need(
+            list(t.shape) == shapes[name],
+            f"tensor {name}",
+            f"has shape {list(t.shape)}, but shapes.{name} records {shapes[name]}",
+        )
+        check.need(
+            t.dtype == torch.float32 or t.dtype in CAST_TO_FLOAT32,
+            f"tensor {name}",
+            f"dtype {_dtype_name(t.dtype)} is not accepted; expected float32 "
+            f"({', '.join(_dtype_name(d) for d in CAST_TO_FLOAT32)} are cast to float32 on load)",
+        )
+        cast = "" if t.dtype == torch.float32 else f" once cast from {_dtype_name(t.dtype)} to float32"
+        check.need(bool(torch.isfinite(t.float()).all()), f"tensor {name}", f"holds NaN or infinite values{cast}")
+    bb, pr = meta["backbone"], meta["prompt"]
+    learner = get_learner(learner_key(pr))
+    try:
+        want = learner.shapes_of(pr, bb)
+    except (KeyError, TypeError, ValueError) as err:
+        check.fail("prompt", f"does not describe a {learner.key!r} prompt ({type(err).__name__}: {err})")
+    for name in learner.tensor_names:
+        t = tensors.get(f"prompt.{name}")
+        have = None if t is None else list(t.shape)
+        if name not in want:
+            check.need(
+                have is None, f"tensor prompt.{name}", f"present ({have}) but the metadata records no such prompt"
+            )
+        else:
+            shape, why = want[name]
+            check.need(have is not None, f"tensor prompt.{name}", f"missing; the metadata records {why} = {shape}")
+            check.need(
+                have == shape,
+                f"tensor prompt.{name}",
+                f"has shape {have}, but the metadata's {why} is {shape}",
+            )
+    names = learner.tensor_names
+    listed = "|".join(names)
+    for name in tensors:
+        head = name.split(".", 2)
+        ok = (head[0] == "prompt" and len(head) == 2 and head[1] in names) or (
+            head[0] == "regulator" and len(head) == 3 and head[1] in names
+        )
+        check.need(
+            ok,
+            f"tensor {name}",
+            f"unexpected tensor (this code reads prompt.<{listed}> and regulator.<{listed}>.<parameter>)",
+        )
+    reg_names = sorted({n.split(".")[1] for n in tensors if n.startswith("regulator.")})
+    spec = meta.get("regulator")
+    check.need(
+        spec is not None or not reg_names,
+        "regulator",
+        f"null, but the file holds regulator tensors for {', '.join(reg_names)}",
+    )
+    check.need(spec is None or bool(reg_names), "regulator", "set, but the file holds no regulator tensors")
+    for rname in reg_names:
+        prompt_t = tensors.get(f"prompt.{rname}")
+        check.need(
+            prompt_t is not None, f"tensor regulator.{rname}", f"regulates prompt.{rname}, which the file does not hold"
+        )
+        try:
+            with torch.device("meta"):  # shapes only: no memory, no draw from the global RNG
+                shell = regulator_for(int(prompt_t.shape[-1]), RegulatorSpec(**spec))
+        except ValueError as err:
+            check.fail(f"tensor regulator.{rname}", str(err))
+        expected = {f"regulator.{rname}.{k}": list(v.shape) for k, v in shell.state_dict().items()}
+        found = {n: list(t.shape) for n, t in tensors.items() if n.startswith(f"regulator.{rname}.")}
+        for n in sorted(set(expected) | set(found)):
+            check.need(n in found, f"tensor {n}", f"missing (expected shape {expected.get(n)})")
+            check.need(n in expected, f"tensor {n}", "unexpected regulator tensor")
+            check.need(
+                found[n] == expected[n],
+                f"tensor {n}",
+                f"has shape {found[n]}, expected {expected[n]} for prompt.{rname}'s width {int(prompt_t.shape[-1])}",
+            )
+
+
+def load_gram_init(
+    path: Union[str, Path], expect: Optional[Mapping[str, Any]] = None, config_key: str = "init"
+) -> GramInit:
+    """Read an initialisation file, validate it, and check it against ``expect``.
+
+    ``expect`` may hold any of ``text_width``, ``vision_width``, ``n_ctx_text``,
+    ``n_ctx_vision``, ``vision_depth``, ``text_depth``, ``coupling``, ``model_name``; each given value must match
+    (``model_name`` only warns: the same widths can come from differently named configs).
+    Every problem raises :class:`InitMismatchError` (one line, naming ``config_key``, the
+    file and the field); a missing file raises ``FileNotFoundError``.  Tensors come back float32:
+    float16 / bfloat16 / float64 ones are cast, any other dtype is refused (module docstring).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{config_key}: GRAM initialisation file not found: {path}")
+    check = _Checker(config_key, path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        first = " ".join(str(err).split())[:200]
+        raise InitMismatchError(f"{config_key}: {path}: not a readable safetensors file ({first})") from None
+    meta = check_metadata(header.get("gram"), check)
+    check_tensors(tensors, meta, check)
+    tensors = {k: v if v.dtype == torch.float32 else v.float() for k, v in tensors.items()}  # see module doc
+    prompt = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("prompt.")}
+    regs: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in tensors.items():
+        if k.startswith("regulator."):
+            _, pname, rest = k.split(".", 2)
+            regs.setdefault(pname, {})[rest] = v
+    found = {**meta["backbone"], **meta["prompt"]}
+    problems = []
+    for key, want in (expect or {}).items():
+        if key == "model_name" or want is None:
+            continue
+        if key not in found:
+            problems.append(f"{key}: file does not record it")
+        elif found[key] != want:
+            problems.append(f"{key}: file has {found[key]}, model expects {want}")
+    if problems:
+        raise InitMismatchError(f"{config_key}: {path} does not fit this model: " + "; ".join(problems))
+    if expect and expect.get("model_name") and expect["model_name"] != found.get("model_name"):
+        import warnings
+
+        warnings.warn(
+            f"{config_key}: {path} was meta-trained on {found.get('model_name')}, "
+            f"loading into {expect['model_name']} (widths match)",
+            stacklevel=2,
+        )
+    return GramInit(prompt=prompt, regulators=regs, metadata=meta, path=path)
+
+
+def coop_context_name(n_ctx: int, stem: str = "coop_ctx") -> str:
+    """File name of a stock-CoOp context file: ``coop_ctx_nctx4.pth`` (the N_CTX it needs is in the name)."""
+    return f"{stem}_nctx{int(n_ctx)}.pth"
+
+
+def coop_context_usage(path: Union[str, Path], n_ctx: int) -> str:
+    """The options that load a context file into stock CoOp and CoCoOp (two lines, one per trainer).
+
+    Their ``N_CTX`` defaults to 16 and Dassl's ``load_pretrained_weights`` only *warns* about a shape
+    mismatch, so without ``N_CTX n_ctx`` a random context would be trained.  The path is absolute: the options
+    are pasted into a fork that runs from its own folder.
+    """
+    path = Path(path).resolve()
+    return "\n".join(
+        f'{name}: MODEL.INIT_WEIGHTS {path} TRAINER.{node}.N_CTX {int(n_ctx)} TRAINER.{node}.CTX_INIT ""'
+        for name, node in (("stock CoOp", "COOP"), ("stock CoCoOp", "COCOOP"))
+    )
+
+
+def export_coop_context(path: Union[str, Path], ctx: torch.Tensor, epoch: int = 0) -> Path:
+    """Write ``{"state_dict": {"ctx": [M, d_t]}, "epoch": epoch, "n_ctx": M}`` for stock CoOp/CoCoOp
+    ``MODEL.INIT_WEIGHTS``.
+
+    Only plain tensors and ints: loadable with ``torch.load(..., weights_only=True)``.  Name it with
+    :func:`coop_context_name` so that the ``N_CTX`` it needs cannot be missed.  Written atomically
+    (:mod:`meta.infra.fileio`): a kill or a full disk leaves the old file or none, never a torn one.
+    """
+    buffer = io.BytesIO()
+    torch.save(
+        {"state_dict": {"ctx": ctx.detach().float().cpu().clone()}, "epoch": int(epoch), "n_ctx": int(ctx.shape[0])},
+        buffer,
+    )
+    return write_bytes_atomic(path, buffer.getvalue())

@@ -1,0 +1,450 @@
+"""Test-time use of R_φ: regulate prompt gradients before every optimiser step (paper Eq. 7).
+
+Usage inside any training loop (a Dassl trainer, the standalone evaluator: both through
+:class:`RegulatedStepper`, which adds the window below and mixed precision)::
+
+    loss.backward()
+    regulation.apply_(prompt_module.named_parameters())   # p.grad <- R_φ(p.grad)
+    optimizer.step()
+
+Two switches make test-time use match what R_φ and θ* were meta-trained for:
+
+* a regulation window (:class:`UpdateWindow`): meta-training applies R_φ once to the *mean* gradient
+  of a support set, while CoCoOp's batch-1 schedule produces one gradient per image.  With a window
+  of W images the raw per-image gradients are summed in ``p.grad`` (no ``zero_grad`` in between),
+  and once per window ``p.grad <- n · R_φ(p.grad / n)`` (n = images in the window) is applied before
+  one optimiser step: R_φ sees the window's mean gradient, and the step keeps the learning-rate budget
+  of n per-image steps (n times the mean).  W = 1 is the per-image rule.
+* a launch step (:class:`LaunchStep`, :func:`launch_`): meta-training optimises the query loss
+  *after* the inner step θ' = θ − α R_φ(∇L_s(θ)), so θ* is a launch point.  Launching applies that
+  same step once, with the mean gradient over the few-shot train set and α, the step count and the
+  inner momentum read from the init file, before the fine-tuning schedule starts.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+from typing import Iterable, Mapping, Optional
+
+import torch
+from torch import nn
+
+from meta.method.inner import InnerRule
+from meta.method.metrics import accuracy
+from meta.method.regulator import GradientGate, GradientRegulator, is_gated
+
+# Test-time defaults of the two switches (module docstring), read by MethodSpec, the Dassl trainers'
+# TRAINER.GRAM keys and the demo.  Chosen on validation splits (docs/notes/gram_training_match.md).
+# A window of 0 means "the meta-training support size" (:func:`resolve_window`): R_φ then sees the mean
+# gradient of as many images as the inner loop's support gave it.
+SUPPORT_WINDOW = 0
+DEFAULT_REG_WINDOW = SUPPORT_WINDOW  # val sweep, worlds 0 + 1: every W = 20 (support) setting beat every W = 1 one
+DEFAULT_LAUNCH = True  # with W = support size, launch on was best on the mean over both worlds
+
+
+def support_size(metadata: Mapping, source: str = "init file") -> int:
+    """Images per meta-training support set (``k_way × n_support``) from an init file's
+    ``provenance.tasks`` (written by ``python -m meta train`` / ``export``)."""
+    tasks = (metadata.get("provenance") or {}).get("tasks") or {}
+    try:
+        size = int(tasks["k_way"]) * int(tasks["n_support"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(
+            f"{source}: provenance.tasks.k_way / n_support are missing, so the regulation window "
+            f"'support size' (0) is unknown; give the window in images (>= 1)"
+        ) from None
+    if size < 1:
+        raise ValueError(f"{source}: provenance.tasks gives a support of {size} images; expected >= 1")
+    return size
+
+
+def resolve_window(window: int, metadata: Optional[Mapping], source: str = "init file") -> int:
+    """The regulation window in images: ``window`` itself when >= 1, the meta-training support size of
+    ``metadata`` (:func:`support_size`) when it is :data:`SUPPORT_WINDOW` (0)."""
+    window = int(window)
+    if window < 0:
+        raise ValueError(f"regulation window must be >= 0 (0 = the meta-training support size), got {window}")
+    if window >= 1:
+        return window
+    return support_size(metadata or {}, source)
+
+
+class GradientRegulation(nn.Module):
+    """
+    **Description**
+
+    Test-time R_φ (paper Eq. 7): frozen copies of the meta-learned regulators, keyed by prompt-tensor name
+    (``"ctx"``, ``"vpt"``, ...), that replace each prompt gradient ``p.grad`` by its regulated version before
+    the optimiser step. Tensors without a regulator keep their raw gradient; φ is never fine-tuned. Every
+    :meth:`apply_` adds cos(ĝ, g) and ‖ĝ‖/‖g‖ per tensor to :attr:`stats` (:meth:`summary`).
+
+    **Arguments**
+
+    * **regulators** (Mapping[str, GradientRegulator]) - R_φ per prompt tensor (copied, never modified).
+    * **norm_preserve** (bool, *optional*, default=None) - overrides the regulators' own
+      ``spec.norm_preserve`` (``None`` = as meta-trained).
+
+    **Example**
+
+    ~~~python
+    regulation = GradientRegulation(load_gram_init(path).regulator_modules())
+    loss.backward()
+    regulation.apply_(theta.named_parameters(), count=n)   # p.grad <- n * R_phi(p.grad / n)
+    optimizer.step()
+    ~~~
+    """
+
+    def __init__(self, regulators: Mapping[str, GradientRegulator], norm_preserve: Optional[bool] = None):
+        super().__init__()
+        regulators = {k: copy.deepcopy(v) for k, v in regulators.items()}  # the caller's φ stays trainable
+        if norm_preserve is not None:
+            for reg in regulators.values():
+                if isinstance(reg, GradientRegulator):  # a gate has no γ/β wrappers
+                    reg.spec = replace(reg.spec, norm_preserve=bool(norm_preserve))
+        self.regulators = nn.ModuleDict(regulators)
+        for p in self.regulators.parameters():
+            p.requires_grad_(False)
+        self.eval()
+        self.stats: dict[str, float] = {"tensors": 0.0, "cos_sum": 0.0, "norm_ratio_sum": 0.0}
+
+    def summary(self) -> dict[str, float]:
+        """Mean cos(ĝ, g) and ‖ĝ‖/‖g‖ over every regulated tensor so far (``{}`` before the first)."""
+        n = self.stats["tensors"]
+        if n == 0:
+            return {}
+        return {"reg_cos": self.stats["cos_sum"] / n, "reg_norm_ratio": self.stats["norm_ratio_sum"] / n}
+
+    def __len__(self) -> int:
+        return len(self.regulators)
+
+    @property
+    def gated(self) -> bool:
+        """Whether R_φ is the gate form (:class:`meta.method.regulator.GradientGate`): the loss must come in two
+        parts."""
+        return is_gated(self.regulators.values())
+
+    @torch.no_grad()
+    def apply_(
+        self,
+        named_parameters: Iterable[tuple[str, torch.Tensor]],
+        count: int = 1,
+        penalty_grads: Optional[Mapping[str, torch.Tensor]] = None,
+    ) -> int:
+        """Replace ``p.grad`` by ``count · R_φ(p.grad / count)`` in place; returns how many tensors were regulated.
+
+        ``count`` is the number of per-image (or per-batch) gradients summed in ``p.grad`` (a
+        regulation window, :class:`UpdateWindow`): R_φ acts on their mean and the result is scaled
+        back to a sum.  ``count = 1``: ``p.grad <- R_φ(p.grad)``.
+
+        The gate form: ``p.grad`` holds the task gradient and ``penalty_grads`` (``{parameter name: gradient}``,
+        summed over the same passes) the regulariser's; ``p.grad <- count · R_φ(g_task / count, g_reg / count)``,
+        and a tensor without a gate gets the plain sum g_task + g_reg.
+        """
+        if count < 1:
+            raise ValueError(f"GradientRegulation.apply_: count must be >= 1, got {count}")
+        penalty_grads = penalty_grads or {}
+        done = 0
+        for name, param in named_parameters:
+            key = name.split(".")[-1]  # "prompt_learner.prompts.ctx" -> "ctx"
+            reg = self.regulators[key] if key in self.regulators else None
+            g_reg = penalty_grads.get(name)
+            if g_reg is not None and param.grad is None:
+                param.grad = torch.zeros_like(param)
+            if param.grad is None:
+                continue
+            if reg is None:
+                if g_reg is not None:
+                    param.grad.add_(g_reg)
+                continue
+            raw = param.grad.detach().clone()
+            if isinstance(reg, GradientGate):
+                regulated = reg(param.grad / count, None if g_reg is None else g_reg / count)
+            else:
+                regulated = self.regulators[key](param.grad / count)
+            param.grad.copy_(regulated * count)
+            raw_norm = raw.norm()
+            self.stats["tensors"] += 1
+            self.stats["cos_sum"] += float(
+                torch.nn.functional.cosine_similarity(param.grad.flatten(), raw.flatten(), dim=0)
+            )
+            self.stats["norm_ratio_sum"] += float(param.grad.norm() / raw_norm.clamp_min(1e-30))
+            done += 1
+        return done
+
+
+GATE_WITHOUT_REGULARISER = (
+    "R_φ is a gate on the consistency regulariser's gradient, but the fine-tuning loss has no regulariser: set its "
+    "weight (TRAINER.GRAM.CONSISTENCY_TEXT / _IMAGE, or the method's consistency_text / consistency_image) as in "
+    "meta-training (META.CONSISTENCY.*)"
+)
+
+
+def check_gate_regulariser(regulation: Optional[GradientRegulation], regularised: bool) -> None:
+    """Refuse, before any work, a gate (:attr:`GradientRegulation.gated`) with a fine-tuning loss that has no
+    regulariser (``regularised`` False): the gate would have nothing to act on and the run would be θ* alone."""
+    if regulation is not None and regulation.gated and not regularised:
+        raise ValueError(GATE_WITHOUT_REGULARISER)
+
+
+class UpdateWindow:
+    """When to regulate and step with a regulation window of ``size`` backward passes.
+
+    Loop (gradients accumulate in ``p.grad`` between steps)::
+
+        loss.backward()
+        n = window.push(last=is_last_batch_of_epoch)     # 0 = keep accumulating
+        if n:
+            regulation.apply_(params, count=n)            # n · R_φ(mean of the n gradients)
+            optimizer.step(); optimizer.zero_grad()
+
+    A window never spans two epochs: the epoch's last batch closes it (the LR changes per epoch).
+    ``size = 1`` returns 1 after every backward pass (the per-image rule).
+    """
+
+    def __init__(self, size: int = 1):
+        if int(size) < 1:
+            raise ValueError(f"regulation window must be >= 1 image, got {size}")
+        self.size = int(size)
+        self.pending = 0
+
+    def push(self, last: bool = False) -> int:
+        """Count one backward pass; return the window's pass count when it is closed now, else 0."""
+        self.pending += 1
+        if self.pending >= self.size or last:
+            n, self.pending = self.pending, 0
+            return n
+        return 0
+
+
+class RegulatedStepper:
+    """One regulated update per window of backward passes (paper Eq. 7 at test time, windowed).
+
+    Per training batch, :meth:`backward` runs ``loss.backward()`` (gradients sum in ``p.grad`` until the
+    window closes); when :class:`meta.finetune.regulated.UpdateWindow` closes it (``window`` passes, or the epoch's
+    last batch) the summed gradient of the n passes becomes ``n · R_φ(mean)``
+    (:meth:`GradientRegulation.apply_`), one optimiser step is taken and the gradients are cleared.
+    With ``scaler`` (a ``torch.amp.GradScaler``) the loss is scaled for backward and the gradients are
+    unscaled before R_φ, which must see the true gradient.
+
+    Args:
+        module: the module whose ``named_parameters()`` are θ (R_φ is keyed by their last name part).
+        optimizer: steps θ.
+        regulation: R_φ, or None for raw gradients (the window is then still honoured).
+        window: backward passes per step (:func:`meta.finetune.engine.window_batches` of the window in images).
+        scaler: optional GradScaler (mixed precision).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        regulation: Optional[GradientRegulation],
+        window: int = 1,
+        scaler=None,
+    ):
+        self.module = module
+        self.optimizer = optimizer
+        self.regulation = regulation
+        self.window = UpdateWindow(window)
+        self.scaler = scaler
+        self._penalty_grads: dict[str, torch.Tensor] = {}  # the gate form: the regulariser's summed gradients
+
+    @property
+    def wants_parts(self) -> bool:
+        """Whether :meth:`backward` needs the loss in two parts (task loss, ``penalty``): R_φ is a gate."""
+        return self.regulation is not None and self.regulation.gated
+
+    def backward(self, loss: torch.Tensor, last: bool = False, penalty: Optional[torch.Tensor] = None) -> int:
+        """Backward ``loss``; step when the window closes (``last``: the epoch's last batch closes it).
+        Returns the number of passes regulated and stepped now (0 = the window is still open).
+
+        With a gate (:attr:`wants_parts`) ``loss`` is the task loss and ``penalty`` the regulariser (0-d, from
+        the same forward); their gradients are summed apart over the window and R_φ joins them."""
+        if self.wants_parts:
+            self._penalty_backward(penalty)
+        elif penalty is not None:
+            loss = loss + penalty
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        count = self.window.push(last=last)
+        if count:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+            if self.regulation is not None:
+                penalty_grads, self._penalty_grads = self._penalty_grads, {}
+                self.regulation.apply_(self.module.named_parameters(), count=count, penalty_grads=penalty_grads)
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return count
+
+    def _penalty_backward(self, penalty: Optional[torch.Tensor]) -> None:
+        """Add the regulariser's gradient to the window's sums (graph kept for the task loss's backward)."""
+        if penalty is None:
+            raise ValueError(GATE_WITHOUT_REGULARISER)
+        if self.scaler is not None:
+            raise ValueError("R_φ as a gate does not run under an fp16 GradScaler yet: use PREC fp32 or bf16")
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        if not penalty.requires_grad:
+            return
+        grads = torch.autograd.grad(penalty, [p for _, p in named], retain_graph=True, allow_unused=True)
+        for (name, _), grad in zip(named, grads):
+            if grad is not None:
+                held = self._penalty_grads.get(name)
+                self._penalty_grads[name] = grad if held is None else held + grad
+
+
+def step_on_batch(
+    stepper: RegulatedStepper, loss_fn, module: nn.Module, batch, last: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One training batch through ``stepper``: the loss of ``loss_fn(module, batch)``, in two parts when R_φ is a
+    gate (``loss_fn.parts``, :attr:`RegulatedStepper.wants_parts`).  Returns ``(loss 0-d, logits [n, K])``, the
+    loss being the whole training loss (task + regulariser) either way."""
+    if stepper.wants_parts and getattr(loss_fn, "parts", None) is not None:
+        task, penalty, logits = loss_fn.parts(module, batch)
+        stepper.backward(task, last=last, penalty=penalty)
+        return (task + penalty).detach(), logits
+    loss, logits = loss_fn(module, batch)
+    stepper.backward(loss, last=last)
+    return loss, logits
+
+
+@dataclass(frozen=True)
+class LaunchStep:
+    """The meta-trained inner step, applied once at the start of fine-tuning (:func:`launch_`).
+
+    ``alpha`` is the inner learning rate α, ``steps`` the inner step count, ``momentum`` the inner
+    heavy-ball μ and ``weight_decay`` the inner λ (added to the regulated gradient,
+    :class:`meta.method.inner.InnerRule`),
+    as :class:`meta.method.gram.MetaSpec` had them when θ* was meta-trained.  Every launched step sees the whole train
+    set (``META.INNER_SUPPORT repeat``); an init file meta-trained with ``split`` windows over several steps is
+    refused by :meth:`from_metadata`.
+    """
+
+    alpha: float
+    steps: int = 1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.alpha > 0 or self.steps < 1 or not 0.0 <= self.momentum < 1.0 or self.weight_decay < 0:
+            raise ValueError(
+                f"LaunchStep: need alpha > 0, steps >= 1, 0 <= momentum < 1, weight_decay >= 0; got {self}"
+            )
+
+    @property
+    def rule(self) -> InnerRule:
+        """The inner optimiser this step unrolls (the same object meta-training's inner loop used)."""
+        return InnerRule(lr=self.alpha, momentum=self.momentum, weight_decay=self.weight_decay)
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping, source: str = "init file") -> "LaunchStep":
+        """From a GRAM init file's metadata (``provenance.meta``, written by ``python -m meta train``)."""
+        meta = (metadata.get("provenance") or {}).get("meta") or {}
+        if "inner_lr" not in meta:
+            raise ValueError(
+                f"{source}: provenance.meta.inner_lr is missing, so the meta-trained step cannot be "
+                f"launched; turn the launch step off or export the file with `python -m meta export`"
+            )
+        steps = int(meta.get("inner_steps", 1))
+        if meta.get("inner_support", "repeat") == "split" and steps > 1:
+            raise ValueError(
+                f"{source}: meta-trained with provenance.meta.inner_support split ({steps} steps on disjoint support "
+                f"windows), which the launch step does not reproduce; set TRAINER.GRAM.LAUNCH False (or the "
+                f"method's launch off)"
+            )
+        return cls(
+            alpha=float(meta["inner_lr"]),
+            steps=steps,
+            momentum=float(meta.get("inner_momentum", 0.0)),
+            weight_decay=float(meta.get("inner_weight_decay", 0.0)),
+        )
+
+
+def launch_step_of(metadata: Mapping, source: str = "init file", explicit: bool = False) -> Optional[LaunchStep]:
+    """The :class:`LaunchStep` of an init file, or None for a prompt pre-training file (``provenance.mode``
+    ``pretrain``: no inner step was meta-trained), which is an error when the launch was asked for
+    explicitly (``explicit``)."""
+    if (metadata.get("provenance") or {}).get("mode") == "pretrain":
+        if explicit:
+            raise ValueError(
+                f"{source}: made by prompt pre-training (provenance.mode pretrain), which has no "
+                f"inner step to launch; turn the launch step off"
+            )
+        return None
+    return LaunchStep.from_metadata(metadata, source)
+
+
+def launch_(prompts: nn.Module, regulation: Optional["GradientRegulation"], mean_loss, step: LaunchStep) -> float:
+    """θ <- θ − α · v_k for ``step.steps`` steps, in place: the meta-trained inner rule
+    (:class:`meta.method.inner.InnerRule`,
+    its :meth:`~meta.method.inner.InnerRule.velocity`: regulated gradient, weight decay, heavy-ball momentum).
+
+    ``mean_loss(prompts) -> loss`` is the mean loss over the launch data (the few-shot train set), whose
+    gradient is the mean per-image gradient, or ``(task loss, regulariser)`` for the gate form of R_φ (which
+    joins their gradients); ``regulation`` None = raw gradient.  Returns the loss before
+    the first step.  This is the meta-training inner loop (:func:`meta.method.inner.inner_loop`) run once on the
+    downstream data, without its graph.
+    """
+    params = [(n, p) for n, p in prompts.named_parameters() if p.requires_grad]
+    tensors = [p for _, p in params]
+    rule = step.rule
+    velocity: Optional[list] = None
+    first = float("nan")
+    gated = regulation is not None and regulation.gated
+    for i in range(step.steps):
+        for p in tensors:
+            p.grad = None
+        out = mean_loss(prompts)
+        loss, penalty = out if isinstance(out, tuple) else (out, None)
+        penalty_grads = {}
+        if gated and penalty is not None and penalty.requires_grad:  # the gate joins the two gradients
+            grads = torch.autograd.grad(penalty, tensors, retain_graph=True, allow_unused=True)
+            penalty_grads = {n: g for (n, _), g in zip(params, grads) if g is not None}
+        total = loss if penalty is None else loss + penalty
+        (loss if penalty_grads else total).backward()
+        if i == 0:
+            first = float(total.detach())
+        if regulation is not None:
+            regulation.apply_(params, penalty_grads=penalty_grads)
+        with torch.no_grad():
+            velocity = rule.velocity([p.grad for p in tensors], tensors, velocity)
+            for p, v in zip(tensors, velocity):
+                if v is not None:
+                    p.sub_(step.alpha * v)
+                p.grad = None
+    return first
+
+
+def finetune_and_score(
+    prompts: nn.Module,
+    regulation: Optional[GradientRegulation],
+    loss_fn,
+    support,
+    query,
+    steps: int,
+    lr: float,
+    momentum: float,
+    labels_of=lambda b: b["label"],
+) -> float:
+    """Query accuracy (0-1) after ``steps`` full-batch SGD steps on ``support`` from a copy of ``prompts``.
+
+    Mirrors test-time use: torch SGD with ``lr`` and ``momentum`` on the prompt gradient, regulated by
+    ``regulation`` when given (raw otherwise).  ``loss_fn(prompts, batch) -> (loss, logits [n, K])``.
+    ``prompts`` is never modified.
+    """
+    theta = copy.deepcopy(prompts)
+    params = [p for p in theta.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum)
+    stepper = RegulatedStepper(theta, optimizer, regulation)  # window 1: R_φ on every step's gradient
+    optimizer.zero_grad(set_to_none=True)  # (a copied θ may carry its gradient along)
+    for _ in range(steps):
+        step_on_batch(stepper, loss_fn, theta, support)
+    with torch.no_grad():
+        _, logits = loss_fn(theta, query)
+    return accuracy(logits, labels_of(query))

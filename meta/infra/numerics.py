@@ -1,0 +1,340 @@
+"""Reproducible CPU numerics in one place: which kernels run, and a record of what computed a result.
+
+The CPU libraries under torch pick their kernels by the machine's instruction set at run time, so two x86-64
+machines (or one machine under other settings) can give different last bits for the same op on the same input.
+A single op's difference is harmless, but meta-training (hundreds of second-order steps, CHC's clustering before
+them) turns it into another θ*.  The pins fix each library to a code path every x86-64 machine with AVX2 runs:
+
+=========================  ==============  =======================================================================
+variable                   pinned value    what it selects
+=========================  ==============  =======================================================================
+``ATEN_CPU_CAPABILITY``    ``avx2``        ATen's vectorised kernels (softmax, GELU, exp, reductions): the AVX2
+                                           build instead of AVX-512 where the CPU has it (PyTorch's
+                                           ``aten/src/ATen/native/DispatchStub.cpp`` reads it once, at the first
+                                           dispatch)
+``MKL_CBWR``               ``COMPATIBLE``  oneMKL's Conditional Numerical Reproducibility branch for BLAS
+                                           (``matmul``/``linear``): Intel documents that the ISA-named branches
+                                           (``AVX2``, ...) fall back to automatic dispatch on non-Intel CPUs, so
+                                           only ``COMPATIBLE`` gives the same bits on AMD and Intel
+``ONEDNN_MAX_CPU_ISA``     ``AVX2``        oneDNN's JIT kernels (convolution, some eltwise ops): no AVX-512/AMX
+``OPENBLAS_CORETYPE``      ``Haswell``     numpy/scipy's OpenBLAS kernels (CHC's UMAP and clustering)
+``NUMBA_CPU_NAME``         ``generic``     numba's JIT target (UMAP, pynndescent, HDBSCAN's helpers)
+=========================  ==============  =======================================================================
+
+All are read when a library starts, so they must be in the environment before ``import torch`` (or numpy):
+:func:`pin_process`, called first by every entry point (``python -m meta``, ``gram_world``, the demo, the study,
+``train.py``, the test suite's ``conftest.py``), sets them in ``os.environ``, or starts the command again with
+them when torch already started; child processes inherit them (:func:`pinned_env` builds such an environment).
+``GRAM_NUMERICS=fast`` turns the pins off (the machine's fastest kernels; results then depend on the machine);
+the record says which was used.
+
+:func:`numerics_record` is what every results file stores: CPU model and the instruction-set flags that select
+kernels, the pins in effect, thread counts, package builds, and on a GPU the card, driver, CUDA/cuDNN builds and
+the deterministic settings.  ``python -m meta.infra.numerics probe`` prints digests of a few ops on fixed inputs, to
+see a knob's effect on a machine; ``python -m meta.infra.numerics fingerprint`` is the golden run
+(:mod:`meta.infra.fingerprint`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import sys
+from typing import Mapping, MutableMapping, Optional
+
+PINS: dict[str, str] = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_CBWR": "COMPATIBLE",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "OPENBLAS_CORETYPE": "Haswell",
+    "NUMBA_CPU_NAME": "generic",
+}
+SWITCH = "GRAM_NUMERICS"  # "pinned" (default) | "fast"
+MODES = ("pinned", "fast")
+# CPU flags that change which kernels the libraries above choose
+KERNEL_FLAGS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_bf16",
+    "avx512_vnni",
+    "avx512_fp16",
+    "amx_bf16",
+    "amx_tile",
+    "amx_int8",
+    "avx_vnni",
+)
+
+
+class NumericsError(RuntimeError):
+    """The process cannot be pinned as asked (the one-line message says why and what to do)."""
+
+
+def mode(env: Optional[Mapping[str, str]] = None) -> str:
+    """``pinned`` or ``fast`` from ``GRAM_NUMERICS`` (one-line :class:`NumericsError` for anything else)."""
+    value = (os.environ if env is None else env).get(SWITCH, "pinned").strip().lower() or "pinned"
+    if value not in MODES:
+        raise NumericsError(f"{SWITCH}={value!r}: expected one of {', '.join(MODES)}")
+    return value
+
+
+def pinned_env(env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """A copy of ``env`` (default ``os.environ``) with the pins set, unless ``GRAM_NUMERICS=fast``.
+
+    The pins replace whatever the caller had for those variables: a run is pinned or it is not.
+    """
+    out = dict(os.environ if env is None else env)
+    if mode(out) == "pinned":
+        out.update(PINS)
+    return out
+
+
+STARTED_LIBRARIES = ("torch", "numpy", "numba")  # read the pinned variables when they start
+
+
+def pinned(env: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether ``env`` (default ``os.environ``) holds every pin."""
+    env = os.environ if env is None else env
+    return all(env.get(k) == v for k, v in PINS.items())
+
+
+def pin_process(environ: Optional[MutableMapping[str, str]] = None, reexec: bool = True) -> str:
+    """Pin this process's numerics (unless ``GRAM_NUMERICS=fast``); returns the mode.
+
+    Call it first in an entry point.  Before torch, numpy or numba is imported it only sets the variables in
+    ``os.environ``; after (a module that imported them on the way to its ``__main__`` block) the pins can no
+    longer take effect in this process, so it starts the same command line again with them set
+    (``os.execve`` of ``sys.orig_argv``), once: the new process finds them set and returns at once.
+    ``environ``: a mapping to pin instead of ``os.environ`` (tests); ``reexec=False`` raises
+    :class:`NumericsError` where it would start the command again.
+    """
+    target = os.environ if environ is None else environ
+    current = mode(target)
+    if current == "fast" or pinned(target):
+        return current
+    started = [name for name in STARTED_LIBRARIES if name in sys.modules]
+    if environ is not None or not started:
+        target.update(PINS)
+        return current
+    if not reexec:
+        raise NumericsError(
+            f"{', '.join(started)} started before the numerics pins were set; set them in the environment first "
+            "(meta.infra.numerics.pinned_env) or run with GRAM_NUMERICS=fast"
+        )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], pinned_env())
+    return current  # not reached
+
+
+def _cpu_model_and_flags() -> tuple[str, list[str]]:
+    model, flags = platform.processor() or platform.machine(), []
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model in ("", platform.machine(), platform.processor()):
+                    model = value.strip()
+                elif key == "flags" and not flags:
+                    flags = value.split()
+                if model and flags and key == "":
+                    break
+    except OSError:
+        pass
+    return model, flags
+
+
+def numerics_record(device: Optional[str] = None) -> dict:
+    """What computed a result: CPU, kernel-selecting flags, pins in effect, threads, builds, GPU settings.
+
+    ``device``: the torch device the run used (``cuda...`` adds the card, driver and CUDA/cuDNN builds and the
+    deterministic settings).  JSON-ready.
+    """
+    import torch
+
+    model, flags = _cpu_model_and_flags()
+    record = {
+        "mode": mode(),
+        "pins": {k: os.environ.get(k) for k in PINS},
+        "pinned": pinned(),
+        "cpu_model": model,
+        "cpu_kernel_flags": [f for f in KERNEL_FLAGS if f in flags],
+        "cpu_flags_sha256": hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:16],
+        "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch_threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "mkl": torch.backends.mkl.is_available(),
+        "mkldnn": torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled,
+        "packages": _package_versions(),
+    }
+    if device is not None and str(device).startswith("cuda") and torch.cuda.is_available():
+        index = torch.device(device).index or 0
+        record["gpu"] = {
+            "name": torch.cuda.get_device_name(index),
+            "capability": list(torch.cuda.get_device_capability(index)),
+            "driver": _nvidia_driver(),
+            "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version(),
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "cudnn_deterministic": torch.backends.cudnn.deterministic,
+            "cudnn_benchmark": torch.backends.cudnn.benchmark,
+            "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
+            "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        }
+    return record
+
+
+def _package_versions() -> dict[str, Optional[str]]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, Optional[str]] = {}
+    for name in (
+        "torch",
+        "numpy",
+        "open_clip_torch",
+        "learn2learn",
+        "scikit-learn",
+        "umap-learn",
+        "hdbscan",
+        "numba",
+        "sentence-transformers",
+    ):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _nvidia_driver() -> Optional[str]:
+    import subprocess
+
+    try:
+        text = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+        return text.strip().splitlines()[0] if text.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def probe() -> dict[str, str]:
+    """SHA-256 (16 hex) of a few ops' fp32 outputs on fixed inputs, forward and backward: a knob's effect."""
+    import torch
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(96, 200, generator=gen)
+    b = torch.randn(200, 72, generator=gen)
+    img = torch.randn(2, 3, 32, 32, generator=gen)
+    weight = torch.randn(16, 3, 8, 8, generator=gen)
+    q, k, v = (torch.randn(2, 4, 17, 16, generator=gen) for _ in range(3))
+
+    def digest(t: torch.Tensor) -> str:
+        return hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+    x = a.clone().requires_grad_(True)
+    y = F.layer_norm(F.gelu(x @ b), (72,)).softmax(-1)
+    y.pow(2).sum().backward()
+    return {
+        "matmul": digest(a @ b),
+        "softmax": digest(a.softmax(-1)),
+        "gelu": digest(F.gelu(a)),
+        "layer_norm": digest(F.layer_norm(a, (200,))),
+        "exp_log": digest(a.exp().log1p()),
+        "sum": digest(a.sum(0)),
+        "conv2d": digest(F.conv2d(img, weight, stride=8)),
+        "attention": digest(F.scaled_dot_product_attention(q, k, v)),
+        "chain_backward": digest(x.grad),
+    }
+
+
+def fingerprint_main(argv: Optional[list[str]] = None) -> int:
+    """``python -m meta.infra.numerics fingerprint [--check | --write] [--perturb-ulp]`` (the pins already set)."""
+    import time
+
+    from meta.infra.fingerprint import GOLDEN, LEARNERS, LOOPS, compare, fingerprint
+
+    ap = argparse.ArgumentParser(
+        prog="python -m meta.infra.numerics fingerprint",
+        description="The golden numerics fingerprint (meta.infra.fingerprint).",
+    )
+    ap.add_argument("--check", action="store_true", help=f"compare with {GOLDEN.name}; exit 1 on a mismatch")
+    ap.add_argument("--write", action="store_true", help=f"replace {GOLDEN.name} with this machine's digests")
+    ap.add_argument("--perturb-ulp", action="store_true", help="move one start element by one ulp")
+    ap.add_argument("--learners", nargs="+", choices=list(LEARNERS), default=list(LEARNERS))
+    ap.add_argument("--loops", nargs="+", choices=list(LOOPS), default=list(LOOPS))
+    args = ap.parse_args(argv)
+    partial = set(args.learners) != set(LEARNERS) or set(args.loops) != set(LOOPS)
+    if partial and args.write:
+        ap.error("--write needs every learner and loop")
+    start = time.perf_counter()
+    found = fingerprint(perturb_ulp=args.perturb_ulp, learners=args.learners, loops=args.loops)
+    record = numerics_record()
+    out = {**found, "seconds": round(time.perf_counter() - start, 1), "numerics": record}
+    print(json.dumps(out, indent=1, sort_keys=True))
+    if args.write:
+        golden = {
+            "digest": found["digest"],
+            "runs": found["runs"],
+            "written_on": {k: record[k] for k in ("cpu_model", "cpu_kernel_flags", "pins", "torch", "mode")},
+        }
+        GOLDEN.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+    if args.check:
+        try:
+            golden = json.loads(GOLDEN.read_text())
+        except (OSError, ValueError) as err:
+            print(f"error: {GOLDEN}: cannot read the golden fingerprint ({err})", file=sys.stderr)
+            return 2
+        if partial:
+            golden = {"runs": {k: v for k, v in golden["runs"].items() if k in found["runs"]}}
+        differ = compare(found, golden)
+        if differ:
+            print(
+                f"error: numerics fingerprint differs from {GOLDEN.name} in {len(differ)} of "
+                f"{len(golden['runs'])} runs ({', '.join(differ)}) on {record['cpu_model']} "
+                f"(mode {record['mode']}, ATen {record['aten_cpu_capability']})",
+                file=sys.stderr,
+            )
+            return 1
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = "usage: python -m meta.infra.numerics {probe,record,fingerprint} [fingerprint options]"
+    if not argv or argv[0] not in ("probe", "record", "fingerprint"):
+        print(usage, file=sys.stderr)
+        return 2
+    try:
+        pin_process()
+    except NumericsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if argv[0] == "fingerprint":
+        return fingerprint_main(argv[1:])
+    import torch
+
+    torch.set_num_threads(1)
+    out = probe() if argv[0] == "probe" else numerics_record()
+    print(json.dumps(out, indent=1, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

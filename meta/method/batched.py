@@ -1,0 +1,282 @@
+"""Task-batched outer step: B tasks of one meta-batch adapted and scored in one pass each.
+
+All tasks of a meta-batch start from the same θ.  Stacking θ into ``[B, ...]`` tensors (one slice per
+task, :class:`StackedPrompts`, connected to θ by ``expand``) and summing the tasks' losses,
+
+    L(θ_1..θ_B) = Σ_b L_b(θ_b)       so       ∂L/∂θ_b = ∇L_b(θ_b)
+
+because task b's loss reads only slice b.  The inner loop of :class:`meta.method.gram.GRAMMetaLearner` then runs
+unchanged on the stacked learner (learn2learn's GBML clone, whose R_φ clones act per task:
+:attr:`meta.method.regulator.GradientRegulator.task_dims`), whatever its update rule, and the query pass scores
+every task's θ'_b in one batched forward: the support and query images of all tasks go through the towers
+as one batch (each image with its task's visual prompts, a per-sample gather), the K class names of
+every task as ``B·K`` text sequences with that task's context.  The gradient of ``(1/B) Σ_b L_q,b(θ'_b)``
+reaches θ through ``expand`` as the sum over tasks, exactly what one backward per task accumulates.
+
+Shapes (B tasks, K classes, n images per task):
+
+* stacked batch: ``classnames`` B lists of K names, ``label`` ``[B, n]``, ``images`` ``[B·n, 3, H, W]``
+  (task-major) or ``features`` ``[B, n, E]``;
+* batched loss: ``(Σ_b mean_i CE_b,i, logits [B, n, K])``.
+
+:func:`stack_batches` returns ``None`` when tasks differ in shape (then the sequential path runs).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meta.method.learners import DEFAULT_LEARNER
+from meta.method.objective import OuterObjective
+from meta.method.prompts import PromptedCLIP, has_visual_prompts, text_prompts
+from meta.method.regulator import GradientRegulator
+
+log = logging.getLogger(__name__)
+
+# batched_loss_fn(stacked prompts, stacked batch) -> (sum of the B task losses, logits [B, n, K])
+BatchedLossFn = Callable[[nn.Module, dict], tuple[torch.Tensor, torch.Tensor]]
+
+TASK_BATCHING = ("auto", "on", "off")
+
+
+class StackedPrompts(nn.Module):
+    """θ of B tasks: each prompt tensor of a :class:`meta.method.prompts.PromptParams` with a leading task dim.
+
+    For the built-in learner: ``ctx`` ``[B, M, d_t]``, ``vpt`` ``[B, D, n, d_v]``, ``ctx_deep`` ``[B, J-1, M, d_t]``,
+    ``proj_weight`` ``[B, J, d_v, d_t]``, ``proj_bias`` ``[B, J, d_v]``; absent tensors are ``None``.  The tensors
+    sit in ``_parameters`` in θ's parameter order (the order of R_φ in GBML), as learn2learn's clones hold theirs,
+    so GBML's ``adapt`` / ``update_module`` treat them as the clone's parameters; ``learner`` is θ's, so the
+    towers are prompted by the same :class:`meta.method.learners.PromptLearner` (with the task dimension riding along).
+    """
+
+    def __init__(self, tensors: dict[str, Optional[torch.Tensor]], n_tasks: int, learner: str = DEFAULT_LEARNER):
+        super().__init__()
+        self.n_tasks = n_tasks
+        self.learner = learner
+        for name, value in tensors.items():
+            if value is not None and value.shape[0] != n_tasks:
+                raise ValueError(f"stacked {name} must lead with {n_tasks} tasks, got {tuple(value.shape)}")
+            self._parameters[name] = value
+
+    @classmethod
+    def expand(cls, prompts: nn.Module, n_tasks: int) -> "StackedPrompts":
+        """B views of ``prompts``' tensors (``expand``: no copy; gradients reach them summed over tasks)."""
+        tensors = dict(prompts._parameters)
+        return cls(
+            {n: None if t is None else t.unsqueeze(0).expand(n_tasks, *t.shape) for n, t in tensors.items()},
+            n_tasks,
+            getattr(prompts, "learner", DEFAULT_LEARNER),
+        )
+
+    def task(self, b: int) -> "StackedPrompts":
+        """Task b's tensors as a one-task view (for tests and diagnostics)."""
+        return StackedPrompts(
+            {n: None if t is None else t[b : b + 1] for n, t in self._parameters.items()}, 1, self.learner
+        )
+
+
+def stack_batches(batches: Sequence[dict]) -> Optional[dict]:
+    """One stacked batch from B task batches of equal shape (see module docstring), or ``None``.
+
+    ``None`` when the tasks differ in image count, class count, input kind or image size.
+    """
+    first = batches[0]
+    kind = "images" if first.get("images") is not None else "features"
+    if first.get(kind) is None:
+        return None
+    shape = tuple(first[kind].shape)
+    n_cls = len(first["classnames"])
+    for batch in batches:
+        if (
+            batch.get(kind) is None
+            or tuple(batch[kind].shape) != shape
+            or len(batch["classnames"]) != n_cls
+            or tuple(batch["label"].shape) != tuple(first["label"].shape)
+        ):
+            return None
+    values = [b[kind] for b in batches]
+    stacked = torch.cat(values) if kind == "images" else torch.stack(values)
+    return {
+        "classnames": [list(b["classnames"]) for b in batches],
+        kind: stacked,
+        "label": torch.stack([b["label"] for b in batches]),
+    }
+
+
+def _repeat_tasks(t: Optional[torch.Tensor], times: int) -> Optional[torch.Tensor]:
+    """``[B, ...]`` -> ``[B·times, ...]`` (each task's slice repeated for its classes / images)."""
+    return None if t is None else t.repeat_interleave(times, dim=0)
+
+
+def text_features(pclip: PromptedCLIP, prompts: nn.Module, classnames: Sequence[Sequence[str]]) -> torch.Tensor:
+    """``[B, K, E]`` L2-normalised class embeddings, task b's K classes with task b's text prompts."""
+    n_tasks, n_cls = len(classnames), len(classnames[0])
+    flat = [c for names in classnames for c in names]
+    if pclip.n_ctx_text == 0:  # the fixed template: cached per class name
+        return pclip.text_features(None, flat).view(n_tasks, n_cls, -1)
+    ctx, ctx_deep = text_prompts(prompts)
+    if ctx is None:
+        raise ValueError("this PromptedCLIP expects text context vectors (prompts.ctx)")
+    # B·K sequences: class k of task b carries ctx[b] (and ctx_deep[b]); PromptedCLIP encodes them as one batch
+    per_class = _PerClassText(_repeat_tasks(ctx, n_cls), _repeat_tasks(ctx_deep, n_cls))
+    return pclip.text_features(per_class, flat).view(n_tasks, n_cls, -1)
+
+
+class _PerClassText:
+    """Text prompts given per class: ``ctx`` ``[C, M, d_t]``, ``ctx_deep`` ``[C, J-1, M, d_t]`` or ``None``."""
+
+    def __init__(self, ctx: torch.Tensor, ctx_deep: Optional[torch.Tensor]):
+        self.ctx, self.ctx_deep = ctx, ctx_deep
+
+
+def image_features(pclip: PromptedCLIP, prompts: nn.Module, batch: dict) -> torch.Tensor:
+    """``[B, n, E]`` L2-normalised image embeddings, task b's images with task b's visual prompts."""
+    n_tasks, n_img = batch["label"].shape
+    if batch.get("features") is not None:
+        if has_visual_prompts(prompts):
+            raise ValueError("cached image features cannot be used with visual prompts; pass images")
+        return batch["features"]
+    return pclip.image_features(prompts, batch["images"]).view(n_tasks, n_img, -1)
+
+
+def batched_classification_loss(pclip: PromptedCLIP) -> BatchedLossFn:
+    """The batched twin of :func:`meta.method.prompts.classification_loss`: ``(Σ_b L_b, logits [B, n, K])``.
+
+    ``L_b`` is task b's mean cross-entropy, exactly as the per-task loss computes it.
+    """
+
+    def loss_fn(prompts: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        img = image_features(pclip, prompts, batch)  # [B, n, E]
+        text = text_features(pclip, prompts, batch["classnames"])  # [B, K, E]
+        logits = pclip.logit_scale * torch.bmm(img, text.transpose(1, 2))  # [B, n, K]
+        per_image = F.cross_entropy(logits.transpose(1, 2), batch["label"], reduction="none")  # [B, n]
+        return per_image.mean(dim=1).sum(), logits
+
+    return loss_fn
+
+
+def stacked_learner(gbml: nn.Module, n_tasks: int, first_order: bool) -> nn.Module:
+    """A learn2learn clone of ``gbml`` whose module is θ stacked for ``n_tasks`` tasks.
+
+    Its R_φ clones regulate each task's slice on its own (``task_dims = 1``); the originals are untouched.
+    """
+    learner = gbml.clone(first_order=first_order)
+    learner.module = StackedPrompts.expand(learner.module, n_tasks)
+    for module in learner.compute_update.modules():
+        if isinstance(module, GradientRegulator):
+            module.task_dims = 1
+    return learner
+
+
+def accumulate(learner: Any, tasks: Sequence[Any], loss_fn: Callable) -> Optional[dict[str, float]]:
+    """:meth:`meta.method.gram.GRAMMetaLearner.accumulate` over task-stacked chunks, or ``None`` (run it sequentially).
+
+    ``learner`` is the :class:`~meta.method.gram.GRAMMetaLearner`; its ``spec.task_batching`` picks the mode: ``off``
+    -> ``None``; ``on`` -> all tasks in one chunk; ``auto`` -> the same on an accelerator (θ not on the CPU),
+    and on an out-of-memory error the gradients are cleared and the chunk halved (remembered in
+    ``learner.task_chunk`` for later steps) until it fits or is one task (sequential); on the CPU ``auto`` runs
+    sequentially, so CPU results (the demo, the study, CI) stay those of the sequential path to the last digit
+    (the stacked pass agrees only to float rounding).  ``None`` also when ``loss_fn`` has no batched twin, for one task,
+    or when the tasks differ in shape.  Leaves ``(1/B) Σ_b ∇ L_q,b(θ'_b)`` in ``.grad`` like the sequential
+    path and returns the same task-averaged metrics.  ``None`` as well where :func:`stacked_objective` is False.
+    """
+    mode = learner.spec.task_batching
+    fn = batched_loss_of(loss_fn)
+    if mode == "off" or fn is None or len(tasks) < 2 or not stacked_objective(learner.spec):
+        return None
+    if mode == "auto" and not on_accelerator(learner):
+        return None
+    supports = stack_batches([t.support for t in tasks])
+    queries = stack_batches([t.query for t in tasks])
+    if supports is None or queries is None:
+        return None
+    while True:
+        chunk = min(len(tasks), learner.task_chunk or len(tasks))
+        if chunk < 2:
+            return None
+        try:
+            return _accumulate_chunks(learner, tasks, fn, chunk)
+        except RuntimeError as err:
+            if mode != "auto" or not is_out_of_memory(err):
+                raise
+            del err
+            learner.optimizer.zero_grad(set_to_none=True)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            learner.task_chunk = chunk // 2
+            log.warning(
+                "task-batched outer step out of memory with %d tasks at once: %s",
+                chunk,
+                f"{chunk // 2} from now on" if chunk // 2 > 1 else "sequential from now on",
+            )
+
+
+def on_accelerator(learner: Any) -> bool:
+    """Whether θ lives on an accelerator (``auto`` stacks tasks there only)."""
+    return next(learner.prompt_module.parameters()).device.type != "cpu"
+
+
+def stacked_objective(spec: Any) -> bool:
+    """Whether the stacked pass computes ``spec``'s outer objective: the whole support in every inner step and
+    a stackable objective (:attr:`meta.method.objective.OuterObjective.stackable`).  ``inner_support`` other than
+    ``repeat`` (a class-balanced split of a stacked batch would mix tasks) or the trajectory term run sequentially."""
+    return spec.inner_support == "repeat" and OuterObjective.of(spec).stackable
+
+
+def _accumulate_chunks(learner: Any, tasks: Sequence[Any], fn: BatchedLossFn, chunk: int) -> dict[str, float]:
+    """The batched outer step over consecutive chunks of at most ``chunk`` tasks (see :func:`accumulate`)."""
+    learner.optimizer.zero_grad(set_to_none=True)
+    n_tasks = len(tasks)
+    first_order = learner.spec.first_order
+    sums: dict[str, torch.Tensor] = {}
+    objective = learner.objective
+    for start, stop in chunks(n_tasks, chunk):
+        size = stop - start
+        support = stack_batches([t.support for t in tasks[start:stop]])
+        query = stack_batches([t.query for t in tasks[start:stop]])
+        start_learner = stacked_learner(learner.gbml, size, first_order)
+        adapted, values = objective.backward(
+            learner,
+            fn,
+            support,
+            query,
+            n_tasks,
+            start=start_learner,
+            before=lambda size=size: StackedPrompts.expand(learner.prompt_module, size),
+        )
+        # losses are sums over the chunk's tasks, accuracies means over its (equal-sized) tasks
+        for key in ("support_acc_before", "query_acc_after"):
+            values[key] = values[key] * size
+        for key, value in values.items():
+            value = value.detach().float()
+            sums[key] = value if key not in sums else sums[key] + value
+        del adapted
+    keys = list(sums)
+    means = (torch.stack([sums[k].to("cpu") for k in keys]) / n_tasks).tolist()
+    return dict(zip(keys, means))
+
+
+def batched_loss_of(loss_fn: Callable) -> Optional[BatchedLossFn]:
+    """The batched twin of ``loss_fn``, or ``None``: ``loss_fn.batched`` when set, else built (once) from the
+    ``PromptedCLIP`` that :func:`meta.method.prompts.classification_loss` attaches as ``loss_fn.pclip``."""
+    fn = getattr(loss_fn, "batched", None)
+    if getattr(loss_fn, "consistency", None) is not None:
+        return None  # the stacked twin computes the cross-entropy only: the consistency terms run task by task
+    if fn is None and isinstance(getattr(loss_fn, "pclip", None), PromptedCLIP):
+        fn = loss_fn.batched = batched_classification_loss(loss_fn.pclip)
+    return fn
+
+
+def chunks(n_tasks: int, size: int) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]`` covering ``range(n_tasks)`` in runs of at most ``size``."""
+    return [(s, min(s + size, n_tasks)) for s in range(0, n_tasks, size)]
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is an accelerator out-of-memory error (the auto mode then halves the task chunk)."""
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()

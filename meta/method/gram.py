@@ -1,0 +1,386 @@
+"""GRAM's bi-level meta-learner (paper Algorithm 1) on top of ``learn2learn.algorithms.GBML``.
+
+Per task t (inner loop, Eq. 7)::
+
+    θ'_t = θ − α · R_φ(∇_θ L(θ, D_support_t))        (``inner_steps`` times)
+
+With ``inner_momentum`` μ > 0 the inner steps are heavy-ball SGD on the regulated
+gradient, as the test-time optimiser (torch SGD: v ← μ v + ĝ, θ ← θ − α v, v = 0 at
+the start of every task); with one inner step μ has no effect.
+
+then the outer loop (Eqs. 8-9) updates θ with lr λ1 and φ with lr λ2 from
+``Σ_t L(θ'_t, D_query_t)``, second order by default.  The outer loss and its optional terms
+(``query_before_weight`` w: ``+ w · L(θ, D_query_t)``, θ asked to be good before any step, where a downstream
+schedule that starts with a tiny warm-up lr leaves it; the trajectory term) are one object,
+:class:`meta.method.objective.OuterObjective`, used by the sequential loop here and the task-stacked one
+(:mod:`meta.method.batched`).
+
+GBML wraps only the prompt module θ (:class:`meta.method.prompts.PromptParams`); the
+regulators R_φ are its per-parameter transforms.  The frozen CLIP lives outside
+and is never cloned: ``GBML.clone()`` copies θ (and the small φ) per task.
+
+Memory: one backward per task (``loss_q / B``), so a task's graph is freed before
+the next is built; unless ``task_batching`` stacks the tasks into one pass (:mod:`meta.method.batched`: the same
+gradients, all tasks' graphs alive at once, halved on out-of-memory under ``auto``).  Second order needs a
+double-differentiable attention kernel:
+the CLIP blocks attend through ``F.scaled_dot_product_attention`` (:mod:`meta.model.blocks`), and
+the support forward runs under its MATH backend when second order (the fused CPU / flash /
+memory-efficient kernels have no double backward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from meta.method import batched
+from meta.method._l2l import l2l
+from meta.method.inner import SUPPORT_MODES, InnerRule, inner_loop, support_windows, task_loss_of
+from meta.method.metrics import accuracy
+from meta.method.objective import OuterObjective
+from meta.method.prompts import PromptParams
+from meta.method.regulator import GradientRegulator, RegulatorFactory, RegulatorSpec
+from meta.model import precision
+
+log = logging.getLogger(__name__)
+
+# loss_fn(prompt_module, batch) -> (loss scalar, logits [n, K])
+LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]]
+
+
+# Default weight of the before-adaptation query loss (MetaSpec.query_before_weight, META.QUERY_BEFORE_WEIGHT, the
+# demo): chosen on validation splits with the test-time switches of meta.finetune.regulated
+# (docs/notes/gram_training_match.md).
+DEFAULT_QUERY_BEFORE_WEIGHT = 0.0
+
+
+@dataclass
+class MetaSpec:
+    """Hyper-parameters of the bi-level loop (values the paper does not give are ours)."""
+
+    inner_steps: int = 1
+    inner_lr: float = 0.1  # α
+    outer_lr_prompt: float = 2e-3  # λ1 (θ)
+    outer_lr_regulator: float = 1e-3  # λ2 (φ)
+    optimizer: str = "adam"  # "adam" | "sgd"
+    first_order: bool = False
+    grad_clip: float = 1.0  # max global norm over θ and φ; 0 = off
+    regulate: bool = True  # False = "w/o gradient regulating" ablation (raw inner gradient)
+    regulator: RegulatorSpec = field(default_factory=RegulatorSpec)
+    autocast: str = "none"  # none | bf16 | fp16 forward passes (CUDA; meta.model.precision); fp16 adds a GradScaler
+    inner_momentum: float = 0.0  # μ of heavy-ball inner SGD (test-time SGD uses 0.9); 0 = plain steps
+    regulator_weight_decay: float = 0.0  # L2 on φ in the outer optimiser: pulls φ to 0 = identity R_φ (residual form)
+    query_before_weight: float = DEFAULT_QUERY_BEFORE_WEIGHT  # w of L_q(θ) in the outer objective (0 = Eq. 8)
+    inner_weight_decay: float = 0.0  # λ of the inner SGD (added to R_φ(g), as torch SGD at test time); 0 = none
+    inner_support: str = "repeat"  # data per inner step: repeat = whole support | split = K class-balanced windows
+    trajectory_states: int = 0  # S states θ_t per task along a regulated run from θ (WarpGrad-style); 0 = off
+    trajectory_windows: int = 0  # T steps of that run (states evenly spaced over it); 0 = S (a state per step)
+    task_batching: str = "auto"  # auto | on | off: a meta-batch's tasks as one stacked pass (meta.method.batched)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.inner_momentum < 1.0:
+            raise ValueError(f"MetaSpec.inner_momentum must be in [0, 1), got {self.inner_momentum}")
+        if self.regulator_weight_decay < 0:
+            raise ValueError(f"MetaSpec.regulator_weight_decay must be >= 0, got {self.regulator_weight_decay}")
+        if self.inner_weight_decay < 0:
+            raise ValueError(f"MetaSpec.inner_weight_decay must be >= 0, got {self.inner_weight_decay}")
+        if self.inner_support not in SUPPORT_MODES:
+            raise ValueError(f"MetaSpec.inner_support must be one of {SUPPORT_MODES}, got {self.inner_support!r}")
+        if self.trajectory_states < 0 or (self.trajectory_windows and self.trajectory_windows < self.trajectory_states):
+            raise ValueError(
+                f"MetaSpec: trajectory_windows ({self.trajectory_windows}) must be 0 or >= "
+                f"trajectory_states ({self.trajectory_states}) >= 0"
+            )
+        if self.query_before_weight < 0:
+            raise ValueError(f"MetaSpec.query_before_weight must be >= 0, got {self.query_before_weight}")
+        if self.task_batching not in batched.TASK_BATCHING:
+            raise ValueError(
+                f"MetaSpec.task_batching must be one of {', '.join(batched.TASK_BATCHING)}, got {self.task_batching!r}"
+            )
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["regulator"] = self.regulator.as_dict()
+        return d
+
+
+@dataclass
+class TaskBatch:
+    """One task's support and query data in whatever form ``loss_fn`` understands."""
+
+    support: Any
+    query: Any
+
+
+@contextmanager
+def double_backward_attention() -> Iterator[None]:
+    """Run attention with the MATH SDPA kernel (the one with a double backward)."""
+    with sdpa_kernel(SDPBackend.MATH):
+        yield
+
+
+class GRAMMetaLearner(nn.Module):
+    """
+    **Description**
+
+    GRAM's bi-level learner (paper Algorithm 1): θ, the prompts, wrapped in learn2learn's ``GBML`` whose
+    per-tensor transforms are the regulators R_φ, and the outer optimiser of both. Per task, :meth:`adapt`
+    clones θ and unrolls the regulated inner loop (:func:`meta.method.inner.inner_loop`) on the support;
+    :meth:`meta_step` backpropagates the query loss at θ' into θ (lr λ1) and φ (lr λ2), second order by default.
+
+    **Arguments**
+
+    * **prompts** (PromptParams) - θ (moved into the GBML wrapper; the frozen CLIP stays outside).
+    * **spec** (MetaSpec, *optional*) - inner and outer loop settings (inner lr α, steps, momentum, weight
+      decay, regulator, task batching, ...).
+    * **labels_of** (callable, *optional*) - ``labels_of(batch) -> [n]`` integer labels, for accuracies.
+
+    **Example**
+
+    ~~~python
+    learner = GRAMMetaLearner(theta, MetaSpec(inner_lr=0.1))
+    loss_fn = classification_loss(PromptedCLIP(clip, dims, theta.n_ctx_text))
+    metrics = learner.meta_step([TaskBatch(support, query)], loss_fn)   # one outer update of θ and φ
+    adapted, losses, accs = learner.adapt(loss_fn, support)              # θ' = θ − α R_φ(∇L_s), connected
+    ~~~
+    """
+
+    def __init__(
+        self,
+        prompts: PromptParams,
+        spec: Optional[MetaSpec] = None,
+        labels_of: Callable[[Any], torch.Tensor] = lambda b: b["label"],
+    ):
+        super().__init__()
+        self.spec = spec or MetaSpec()
+        self.labels_of = labels_of
+        factory = RegulatorFactory(self.spec.regulator, enabled=self.spec.regulate)
+        self.gbml = l2l.algorithms.GBML(
+            module=prompts,
+            transform=factory,
+            lr=self.spec.inner_lr,
+            adapt_transform=False,
+            first_order=self.spec.first_order,
+        )
+        groups = [{"params": list(self.prompt_module.parameters()), "lr": self.spec.outer_lr_prompt, "name": "prompt"}]
+        reg_params = list(self.gbml.compute_update.parameters())
+        if reg_params:
+            groups.append(
+                {
+                    "params": reg_params,
+                    "lr": self.spec.outer_lr_regulator,
+                    "name": "regulator",
+                    "weight_decay": self.spec.regulator_weight_decay,
+                }
+            )
+        if self.spec.optimizer == "adam":
+            self.optimizer = torch.optim.Adam(groups)
+        elif self.spec.optimizer == "sgd":
+            self.optimizer = torch.optim.SGD(groups, momentum=0.9)
+        else:
+            raise ValueError(f"optimizer must be adam|sgd, got {self.spec.optimizer!r}")
+        self.skipped_steps = 0
+        self.task_chunk: Optional[int] = (
+            None  # tasks per stacked pass after an out-of-memory fallback (meta.method.batched)
+        )
+        precision.check_autocast(self.spec.autocast, "autocast")
+        # fp16 scales the outer loss (the inner support gradient is taken unscaled: prefer bf16)
+        self.scaler = (
+            torch.amp.GradScaler("cuda", enabled=torch.cuda.is_available()) if self.spec.autocast == "fp16" else None
+        )
+
+    # ----- precision ---------------------------------------------------------------
+    def cast(self):
+        """Autocast context of the forward passes (``spec.autocast`` on θ's device; a no-op for ``none``)."""
+        if self.spec.autocast == "none":
+            return contextlib.nullcontext()
+        return precision.autocast(self.spec.autocast, next(self.prompt_module.parameters()).device)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, through the GradScaler under fp16."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    # ----- views -------------------------------------------------------------------
+    @property
+    def prompt_module(self) -> PromptParams:
+        """θ (the live meta-parameters)."""
+        return self.gbml.module
+
+    def regulators(self) -> dict[str, GradientRegulator]:
+        """``{prompt parameter name: R_φ}`` (empty when regulation is off)."""
+        update = self.gbml.compute_update
+        names = [n for n, _ in self.prompt_module.named_parameters()]
+        out = {}
+        for name, idx in zip(names, update.transforms_indices):
+            if idx is not None:
+                out[name] = update.transforms_modules[idx]
+        return out
+
+    @property
+    def objective(self) -> OuterObjective:
+        """The outer loss of ``spec`` (:class:`meta.method.objective.OuterObjective`), shared by both task loops."""
+        return OuterObjective.of(self.spec)
+
+    # ----- inner loop --------------------------------------------------------------
+    def adapt(
+        self, loss_fn: LossFn, support: Any, first_order: Optional[bool] = None, steps: Optional[int] = None
+    ) -> tuple[l2l.algorithms.GBML, list[float], list[float]]:
+        """Clone θ and take ``inner_steps`` regulated steps on ``support``.
+
+        Returns ``(learner, support losses, support accuracies)``; the losses/accuracies are those
+        computed *before* each step.  ``learner.module`` holds θ' (connected to θ and φ).
+        """
+        learner, losses, accs = self.unroll(loss_fn, support, first_order, steps)
+        return learner, [float(x) for x in losses], [float(x) for x in accs]
+
+    def inner_rule(self) -> InnerRule:
+        """The optimiser the inner loop unrolls (:class:`meta.method.inner.InnerRule`): α, μ and λ of ``spec``."""
+        return InnerRule(
+            lr=self.spec.inner_lr, momentum=self.spec.inner_momentum, weight_decay=self.spec.inner_weight_decay
+        )
+
+    def support_forward(self, first_order: bool) -> contextlib.AbstractContextManager:
+        """Context of one support forward: autocast, and the MATH attention kernel when second order."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.cast())
+        if not first_order:  # only a second-order step differentiates the support gradient again
+            stack.enter_context(double_backward_attention())
+        return stack
+
+    def unroll(
+        self,
+        loss_fn: LossFn,
+        support: Any,
+        first_order: Optional[bool] = None,
+        steps: Optional[int] = None,
+        start: Optional[l2l.algorithms.GBML] = None,
+    ) -> tuple[l2l.algorithms.GBML, list[torch.Tensor], list[torch.Tensor]]:
+        """:meth:`adapt` with metrics kept as 0-d tensors (no host sync inside the loop).
+
+        A thin caller of :func:`meta.method.inner.inner_loop`: clone θ, deal the support into the steps' windows
+        (``spec.inner_support``), unroll ``inner_rule()``.  ``start``: the clone to adapt (default
+        ``self.gbml.clone()``); :mod:`meta.method.batched` passes θ stacked for B tasks with a loss summed over them.
+        """
+        first_order = self.spec.first_order if first_order is None else first_order
+        learner = self.gbml.clone(first_order=first_order) if start is None else start
+        windows = support_windows(support, self.spec.inner_steps if steps is None else steps, self.spec.inner_support)
+        losses, accs = inner_loop(
+            learner,
+            loss_fn,
+            windows,
+            self.inner_rule(),
+            first_order=first_order,
+            labels_of=self.labels_of,
+            forward_context=lambda: self.support_forward(first_order),
+        )
+        return learner, losses, accs
+
+    # ----- outer loop --------------------------------------------------------------
+    def meta_step(self, tasks: Sequence[TaskBatch], loss_fn: LossFn, detailed: bool = False) -> dict[str, float]:
+        """One outer update from a meta-batch of ``B`` tasks: :meth:`accumulate` then :meth:`step`."""
+        metrics = self.accumulate(tasks, loss_fn, detailed=detailed)
+        metrics.update(self.step(metrics["query_loss_after"]))
+        return metrics
+
+    def accumulate(self, tasks: Sequence[TaskBatch], loss_fn: LossFn, detailed: bool = False) -> dict[str, float]:
+        """Leave ``∇_{θ,φ} (1/B) Σ_t L_out,t`` in ``.grad`` (:attr:`objective`, one backward per task and term).
+
+        Returns task-averaged metrics.  With ``detailed``, also computes (at extra cost)
+        the query loss/accuracy at θ (before adaptation), the support loss/accuracy at θ'
+        and the normalised inner product between the regulated support update
+        (θ − θ')/α and the query gradient ∇_θ L(θ, D_query) (the paper's Fig. 3b).
+        """
+        self.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        n_tasks = len(tasks)
+        if n_tasks == 0:
+            raise ValueError("meta-batch is empty")
+        if not detailed:  # all tasks in one stacked pass when spec.task_batching allows (None: one by one)
+            stacked = batched.accumulate(self, tasks, loss_fn)
+            if stacked is not None:
+                return stacked
+        # metrics stay on the device as 0-d tensors; one host transfer at the end of the meta-batch
+        per_task: dict[str, list] = {}
+        for task in tasks:
+            learner, values = self.objective.backward(self, loss_fn, task.support, task.query, n_tasks)
+            if detailed:
+                values.update(self._diagnostics(learner, loss_fn, task))
+            for key, value in values.items():
+                per_task.setdefault(key, []).append(torch.as_tensor(value, dtype=torch.float32))
+            del learner
+        keys = list(per_task)
+        means = torch.stack([torch.stack([v.to("cpu") for v in per_task[k]]).mean() for k in keys]).tolist()
+        return dict(zip(keys, means))
+
+    def step(self, loss_value: float = 0.0) -> dict[str, float]:
+        """Clip, check finiteness, and apply the outer update to θ (λ1) and φ (λ2).
+
+        A non-finite gradient or loss skips the update (counted in ``skipped_steps`` and logged).
+        """
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip and check the true gradient
+        grads = [p.grad for p in params if p.grad is not None]
+        finite = math.isfinite(loss_value) and (
+            not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+        )  # one sync
+        out: dict[str, float] = {}
+        if self.spec.grad_clip > 0 and finite:
+            out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, self.spec.grad_clip))
+        if finite:
+            (self.scaler.step if self.scaler is not None else lambda opt: opt.step())(self.optimizer)
+        else:
+            self.skipped_steps += 1
+            log.warning("non-finite meta-gradient or loss: outer step skipped (%d so far)", self.skipped_steps)
+        if self.scaler is not None:
+            self.scaler.update()  # an overflow lowers the scale for the next step
+        self.optimizer.zero_grad(set_to_none=True)
+        out["skipped"] = float(not finite)
+        return out
+
+    def _diagnostics(self, learner: l2l.algorithms.GBML, loss_fn: LossFn, task: TaskBatch) -> dict[str, float]:
+        theta = dict(self.prompt_module.named_parameters())
+        adapted = dict(learner.module.named_parameters())
+        step = self.spec.inner_lr * self.spec.inner_steps
+        update = torch.cat([((theta[n] - adapted[n]) / step).detach().flatten() for n in theta])
+        probe = self.gbml.clone(first_order=True)
+        q_loss, q_logits = task_loss_of(loss_fn)(probe.module, task.query)
+        q_grad = torch.autograd.grad(q_loss, list(probe.module.parameters()))
+        q_grad = torch.cat([g.flatten() for g in q_grad])
+        cos = torch.nn.functional.cosine_similarity(update, q_grad, dim=0)
+        with torch.no_grad():
+            s_loss, s_logits = loss_fn(learner.module, task.support)
+        return {
+            "query_loss_before": float(q_loss.detach()),
+            "query_acc_before": accuracy(q_logits.detach(), self.labels_of(task.query)),
+            "support_loss_after": float(s_loss),
+            "support_acc_after": accuracy(s_logits, self.labels_of(task.support)),
+            "grad_cosine": float(cos),
+        }
+
+    # ----- state -------------------------------------------------------------------
+    def state(self) -> dict:
+        """Everything needed to resume: θ, φ, optimiser, counters."""
+        out = {
+            "gbml": self.gbml.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "skipped_steps": self.skipped_steps,
+        }
+        if self.scaler is not None:
+            out["scaler"] = self.scaler.state_dict()
+        return out
+
+    def load_state(self, state: dict) -> None:
+        self.gbml.load_state_dict(state["gbml"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])

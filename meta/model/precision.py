@@ -1,0 +1,64 @@
+"""Mixed precision on CUDA: which autocast dtype a config asks for, and what runs where.
+
+Config keys: ``META.AUTOCAST`` (meta-training forward passes) and ``CHC.IMAGES.AUTOCAST`` (CLIP
+image features in CHC), each ``none | bf16 | fp16``; ``MODEL.PRECISION`` is the dtype of the
+frozen CLIP's weights.  Autocast is a CUDA feature here: on a CPU the run keeps fp32 and says so
+in one log line per key (never a warning per step), and ``MODEL.PRECISION fp16`` falls back to fp32
+the same way (fp16 matmuls on CPUs are slow or missing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import ContextManager, Union
+
+import torch
+
+log = logging.getLogger("meta.model.precision")
+
+AUTOCAST_MODES = ("none", "bf16", "fp16")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_said: set = set()
+
+
+def say_once(message: str) -> None:
+    """Log ``message`` (level WARNING, logger ``meta.model.precision``) the first time only."""
+    if message not in _said:
+        _said.add(message)
+        log.warning(message)
+
+
+def _device_type(device: Union[str, torch.device]) -> str:
+    return torch.device(device).type
+
+
+def check_autocast(mode: str, key: str) -> str:
+    """``mode`` if it is one of :data:`AUTOCAST_MODES`, else a one-line ``ValueError`` naming ``key``."""
+    if mode not in AUTOCAST_MODES:
+        raise ValueError(f"{key}: expected {' | '.join(AUTOCAST_MODES)}, got {mode!r}")
+    return mode
+
+
+def resolve_autocast(mode: str, device: Union[str, torch.device], key: str) -> str:
+    """The autocast mode that runs on ``device``: ``mode`` on CUDA, ``"none"`` elsewhere (logged once)."""
+    check_autocast(mode, key)
+    if mode != "none" and _device_type(device) != "cuda":
+        say_once(f"{key} {mode}: no CUDA device ({device}); running fp32")
+        return "none"
+    return mode
+
+
+def resolve_weights(precision: str, device: Union[str, torch.device], key: str = "MODEL.PRECISION") -> str:
+    """CLIP weight precision for ``device``: ``fp16`` becomes ``fp32`` off CUDA (logged once)."""
+    if precision == "fp16" and _device_type(device) != "cuda":
+        say_once(f"{key} fp16: no CUDA device ({device}); running fp32")
+        return "fp32"
+    return precision
+
+
+def autocast(mode: str, device: Union[str, torch.device]) -> ContextManager:
+    """``torch.autocast`` for a resolved ``mode`` (a no-op context for ``"none"``)."""
+    if mode == "none":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=_device_type(device), dtype=DTYPES[mode])
