@@ -83,3 +83,17 @@ def quick_world_weights(quick_world):
     import helpers
 
     return helpers.quick_world_weights(quick_world)
+
+
+@pytest.fixture(scope="module")
+def init_file(tiny_clip, tmp_path_factory):
+    """A valid init file (the module's own writer): prompts and a regulator, float32."""
+    from meta.finetune.init_io import export_gram_init
+    from meta.method.gram import GRAMMetaLearner, MetaSpec
+    from meta.method.prompts import PromptParams, PromptSpec
+    from meta.method.regulator import RegulatorSpec
+
+    clip, dims = tiny_clip
+    prompts = PromptParams.from_spec(PromptSpec(n_ctx_text=2, n_ctx_vision=2, vision_depth=2), clip, dims)
+    ml = GRAMMetaLearner(prompts, MetaSpec(regulator=RegulatorSpec(init="normal")))
+    return export_gram_init(tmp_path_factory.mktemp("init") / "init.safetensors", prompts, ml.regulators(), dims)

@@ -253,3 +253,43 @@ def quick_world_weights(world) -> Path:
         if not weights.with_suffix(".zeroshot.json").is_file():
             zeroshot_accuracy(world, weights)
     return weights
+
+
+def minimal_cfg(trainer: str = "GRAM_CoOp", backbone: str = "ViT-B/16") -> CN:
+    """The few Dassl default keys gram_settings reads, without Dassl, then ``trainers.gram.config.extend_cfg``."""
+    from trainers.gram.config import extend_cfg
+
+    cfg = CN()
+    cfg.TRAINER = CN()
+    cfg.TRAINER.NAME = trainer
+    cfg.MODEL = CN()
+    cfg.MODEL.BACKBONE = CN()
+    cfg.MODEL.BACKBONE.NAME = backbone
+    return extend_cfg(cfg)
+
+
+def one_error_line(capsys_or_text, *names: str, progress: bool = False) -> str:
+    """The single non-empty stderr line; it starts with ``error:`` and names every one of ``names``.
+
+    ``progress``: ignore tqdm bar lines (transformers' "Loading weights" bar ignores ``--no-progress``)."""
+    text = capsys_or_text if isinstance(capsys_or_text, str) else capsys_or_text.readouterr().err
+    lines = [line for line in text.splitlines() if line.strip()]
+    if progress:
+        lines = [line for line in lines if not (line.startswith("Loading weights") and "it/s]" in line)]
+    assert len(lines) == 1, text
+    assert lines[0].startswith("error: "), lines[0]
+    for name in names:
+        assert name in lines[0], lines[0]
+    return lines[0]
+
+
+def resave_tensors(src: Path, dst: Path, dtype: torch.dtype, only: str = "") -> Path:
+    """``src``'s tensors (all, or the one named ``only``) in ``dtype``, same metadata."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(src), framework="pt") as f:
+        metadata = f.metadata()
+    tensors = {k: (v.to(dtype) if not only or k == only else v) for k, v in load_file(str(src)).items()}
+    save_file(tensors, str(dst), metadata=metadata)
+    return dst

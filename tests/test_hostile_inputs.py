@@ -21,12 +21,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_chc_args
+from helpers import one_error_line, resave_tensors, tiny_chc_args
 from helpers_chc import png_bytes
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from test_one_line_errors import _one_error_line, _resave, init_file  # noqa: F401 (init_file: a fixture)
 
 from meta.chc.imaging import DECODE_RULE, MAX_PIXELS, decode_batch, decode_image_why, to_clip_uint8
 from meta.chc.sources import MAX_IMAGE_BYTES, build_index, read_regular_file
@@ -213,7 +212,7 @@ def test_train_py_refuses_a_yaml_alias_bomb_before_yacs_builds_it(tmp_path, caps
         t0 = time.perf_counter()
         code = run_cli(train.cli, ["--trainer", "GRAM_CoOp", flag, str(bomb), "--output-dir", str(tmp_path / "o")])
         assert time.perf_counter() - t0 < 5.0
-        line = _one_error_line(capsys, str(bomb), "YAML alias *a0")
+        line = one_error_line(capsys, str(bomb), "YAML alias *a0")
         assert code == 2 and line.startswith(f"error: {bomb}: ")
     assert not (tmp_path / "o").exists()
 
@@ -238,7 +237,7 @@ def test_the_planner_refuses_a_chc_config_naming_the_file(capsys):
     chc = str(REPO / "configs" / "meta" / "chc_cc3m.yaml")
     code = main(["--config-file", chc])
     captured = capsys.readouterr()
-    line = _one_error_line(captured.err, chc, "sets no META keys", "python -m meta cluster")
+    line = one_error_line(captured.err, chc, "sets no META keys", "python -m meta cluster")
     assert code == 2 and captured.out == "" and line.startswith(f"error: {chc}: ")
     for name in (p.name for p in (REPO / "configs" / "meta").glob("train_*.yaml")):
         assert config_kind_problem(str(REPO / "configs" / "meta" / name)) == "", name
@@ -250,7 +249,7 @@ def test_the_planner_refuses_a_yaml_alias_bomb(tmp_path, capsys):
     bomb = tmp_path / "bomb.yaml"
     bomb.write_text(_alias_bomb(9))
     assert main(["--config-file", str(bomb)]) == 2
-    _one_error_line(capsys, str(bomb), "YAML alias")
+    one_error_line(capsys, str(bomb), "YAML alias")
 
 
 # ---------------------------------------------------------------- 7. the caps are config keys, one default each
@@ -295,7 +294,7 @@ def test_a_cap_out_of_range_is_one_line_naming_the_key_before_any_work(tmp_path,
 
     (tmp_path / "m.csv").write_text("image,caption\na.png,a red square\n")
     code = main(tiny_chc_args(tmp_path / "out", "CHC.INPUT.MANIFEST", str(tmp_path / "m.csv"), key, value))
-    assert code == 2 and _one_error_line(capsys, key) == f"error: {key}: {message}"
+    assert code == 2 and one_error_line(capsys, key) == f"error: {key}: {message}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.csv"]  # nothing written
 
 
@@ -389,10 +388,10 @@ def test_a_bad_init_file_is_one_line_naming_file_and_tensor(init_file, tmp_path,
         _with_nan(init_file, path)
         names = (str(path), "tensor prompt.ctx", "holds NaN or infinite values")
     else:
-        _resave(init_file, path, torch.int32, only="prompt.ctx")
+        resave_tensors(init_file, path, torch.int32, only="prompt.ctx")
         names = (str(path), "tensor prompt.ctx", "dtype int32 is not accepted", "expected float32")
     code = main([str(path), str(tmp_path / "out.pth")])
-    _one_error_line(capsys, *names)
+    one_error_line(capsys, *names)
     assert code == 2 and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
 
 
@@ -419,7 +418,7 @@ def test_a_count_out_of_range_is_one_line_before_any_work(tmp_path, monkeypatch,
 
     monkeypatch.chdir(tmp_path)  # nothing may be written, not even a default output folder
     code = importlib.import_module(f"gram_tools.{tool}").main(argv)
-    assert _one_error_line(capsys, flag) == f"error: {flag}: expected an integer >= {low}, got {got}"
+    assert one_error_line(capsys, flag) == f"error: {flag}: expected an integer >= {low}, got {got}"
     assert code == 2 and list(tmp_path.iterdir()) == []
 
 
@@ -442,5 +441,5 @@ def test_an_evaluator_flag_out_of_range_is_one_line_naming_the_flag(tmp_path, mo
     monkeypatch.chdir(tmp_path)
     output = tmp_path / "out" / "runs.jsonl"
     code = main(["base2new", "--dataset", str(tmp_path / "unused"), "--output", str(output), *argv])
-    assert _one_error_line(capsys, argv[0]) == line
+    assert one_error_line(capsys, argv[0]) == line
     assert code == 2 and list(tmp_path.iterdir()) == []  # refused before any dataset, model or output folder

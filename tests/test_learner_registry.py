@@ -140,7 +140,7 @@ def test_init_file_round_trip_and_refusals_name_the_learner(tmp_path, tiny_clip)
 def test_meta_training_exports_the_toy_and_its_checkpoint_rebuilds_it(tmp_path):
     """``META.PROMPT.LEARNER`` names the toy: the trainer meta-trains it, exports its init file (no CoOp context
     file: it holds no ``ctx``), and the checkpoint rebuilds the same θ* (the path of ``python -m meta export``)."""
-    from test_metatrain import BASE, _hierarchy
+    from helpers_metatrain import BASE, colour_hierarchy
 
     from meta.metatrain import build_cfg
     from meta.metatrain.checkpoint import CHECKPOINT_NAME, load_checkpoint
@@ -150,7 +150,7 @@ def test_meta_training_exports_the_toy_and_its_checkpoint_rebuilds_it(tmp_path):
     opts = BASE + ["META.STEPS", "2", "META.PROMPT.N_CTX_TEXT", "4"]
     with low_rank_learner() as toy:
         cfg = build_cfg(opts=opts + ["META.PROMPT.LEARNER", toy], output_dir=str(tmp_path / "run"))
-        result = train(cfg, hierarchy=_hierarchy(), echo=lambda _msg: None)
+        result = train(cfg, hierarchy=colour_hierarchy(), echo=lambda _msg: None)
         init = load_gram_init(result["export"]["init"])
         assert init.metadata["prompt"]["learner"] == toy and sorted(init.prompt) == ["ctx_basis", "ctx_factor"]
         assert result["export"]["coop_ctx"] is None

@@ -3,16 +3,14 @@
 import json
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from helpers import assert_same_tensors, flat_tensors
+from helpers_metatrain import BASE, MODEL, N_DOMAINS, N_TOPICS, NAMES, colour_hierarchy, colour_pixels, seeded_clip
 
-from meta.chc.hierarchy import Hierarchy
-from meta.chc.imaging import CLIP_MEAN, CLIP_STD, normalize_uint8
 from meta.finetune.init_io import InitMismatchError, load_gram_init
 from meta.infra.hashing import file_sha256
 from meta.metatrain import build_cfg, main, settings
@@ -21,100 +19,15 @@ from meta.metatrain.data import FeatureMismatchError
 from meta.metatrain.runlog import read_log
 from meta.metatrain.trainer import RunExistsError, setup_run, train
 from meta.method.prompts import PromptParams
-from meta.model.backbone import load_clip
 
-MODEL = "GRAM-Test-Tiny"
 ROOT = Path(__file__).resolve().parents[1]
-N_TOPICS, N_DOMAINS, PER_DOMAIN = 8, 3, 6
-NAMES = ["apple", "bridge", "cactus", "drum", "eagle", "fern", "glove", "harbor"]
-
-
-def _pixels(n_topics=N_TOPICS, seed=0):
-    """uint8 [N, 32, 32, 3]: topic = colour, domain = style (flat / stripes / noise); labels."""
-    rng = np.random.default_rng(seed)
-    images, topic, domain = [], [], []
-    for t in range(n_topics):
-        colour = np.array([(37 * t) % 256, (91 * t + 60) % 256, (151 * t + 120) % 256], dtype=np.float64)
-        for u in range(N_DOMAINS):
-            for _ in range(PER_DOMAIN):
-                img = np.tile(colour, (32, 32, 1))
-                if u == 1:
-                    img[::4] = 255 - img[::4]
-                elif u == 2:
-                    img = img + rng.normal(0, 60, img.shape)
-                img = img + rng.normal(0, 8, img.shape)
-                images.append(np.clip(img, 0, 255).astype(np.uint8))
-                topic.append(t), domain.append(u)
-    return np.stack(images), np.array(topic), np.array(domain)
-
-
-def _clip(seed=0):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.manual_seed(seed)  # what the trainer does for random weights with SEED = seed
-        return load_clip(MODEL, None)
-
-
-def _hierarchy(clip_seed=0, backbone=MODEL):
-    pixels, topic, domain = _pixels()
-    clip, _ = _clip(clip_seed)
-    with torch.no_grad():
-        feats = torch.nn.functional.normalize(clip.encode_image(normalize_uint8(pixels)), dim=-1).numpy()
-    meta = {
-        "backbone": backbone,
-        "pretrained": None,
-        "weights_sha256": None,
-        "image_size": 32,
-        "mean": list(CLIP_MEAN),
-        "std": list(CLIP_STD),
-    }
-    return Hierarchy(
-        topic_names=NAMES[:N_TOPICS],
-        item_topic=topic,
-        item_domain=domain,
-        image_features=feats,
-        meta=meta,
-        image_loader=lambda idx: pixels[np.asarray(idx)],
-    )
 
 
 @pytest.fixture(scope="module")
 def hier():
-    return _hierarchy()
+    return colour_hierarchy()
 
 
-BASE = [
-    "MODEL.BACKBONE",
-    MODEL,
-    "MODEL.DEVICE",
-    "cpu",
-    "META.STEPS",
-    "6",
-    "META.CHECKPOINT_EVERY",
-    "2",
-    "META.META_BATCH",
-    "2",
-    "TASKS.K_WAY",
-    "3",
-    "TASKS.N_SUPPORT",
-    "2",
-    "TASKS.N_QUERY",
-    "3",
-    "TASKS.VAL_FRACTION",
-    "0.25",
-    "META.VAL_EVERY",
-    "3",
-    "META.VAL_TASKS",
-    "2",
-    "META.LOG_DETAIL_EVERY",
-    "2",
-    "META.PROGRESS",
-    "False",
-    "META.FEATURE_CHECK",
-    "4",
-    "META.INNER_LR",
-    "0.5",
-]
 PROMPTS = {
     "coop": ["META.PROMPT.N_CTX_TEXT", "4"],
     "unigram": ["META.PROMPT.N_CTX_TEXT", "2", "META.PROMPT.N_CTX_VISION", "2"],
@@ -343,9 +256,9 @@ def test_gate_form_meta_trains_validates_downstream_and_exports_a_gate(tmp_path,
 
 def test_features_from_another_clip_are_refused(tmp_path):
     with pytest.raises(FeatureMismatchError, match="cosine"):
-        setup_run(_cfg(tmp_path), hierarchy=_hierarchy(clip_seed=1))
+        setup_run(_cfg(tmp_path), hierarchy=colour_hierarchy(clip_seed=1))
     with pytest.raises(FeatureMismatchError, match="MODEL.BACKBONE"):
-        setup_run(_cfg(tmp_path), hierarchy=_hierarchy(backbone="ViT-B-16"))
+        setup_run(_cfg(tmp_path), hierarchy=colour_hierarchy(backbone="ViT-B-16"))
 
 
 @pytest.mark.slow
@@ -360,7 +273,7 @@ def test_existing_or_corrupt_or_mismatching_checkpoint_never_overwritten(finishe
             hierarchy=hier,
             echo=_quiet,
         )
-    moved = _hierarchy()
+    moved = colour_hierarchy()
     moved.item_domain = (moved.item_domain + 1) % N_DOMAINS  # same images and features, other domains
     with pytest.raises(CheckpointError, match="hierarchy changed"):
         train(_cfg(out, *PROMPTS["coop"], "META.STEPS", "8"), resume=True, hierarchy=moved, echo=_quiet)
@@ -411,13 +324,13 @@ def test_cli_trains_from_an_image_folder(tmp_path):
     """`python -m meta train` end to end (Table 4 row 4 source), in a fresh process from the repo root."""
     from PIL import Image
 
-    pixels, topic, _ = _pixels(n_topics=6)
+    pixels, topic, _ = colour_pixels(n_topics=6)
     root = tmp_path / "folder"
     for i, (img, t) in enumerate(zip(pixels, topic)):
         (root / NAMES[t]).mkdir(parents=True, exist_ok=True)
         Image.fromarray(img).save(root / NAMES[t] / f"{i:03d}.png")
     weights = tmp_path / "tiny_clip.pt"  # a weights file: its sha256 must be recorded and checked
-    torch.save(_clip(3)[0].state_dict(), weights)
+    torch.save(seeded_clip(3)[0].state_dict(), weights)
     out = tmp_path / "run"
     # text prompts (train_coop.yaml): the cached image features are used, so they are checked
     cmd = [
@@ -748,7 +661,7 @@ def test_cli_errors_are_one_line_exit_2_and_debug_shows_the_traceback(finished, 
 def image_folder(tmp_path_factory):
     from PIL import Image
 
-    pixels, topic, _ = _pixels(n_topics=6)
+    pixels, topic, _ = colour_pixels(n_topics=6)
     root = tmp_path_factory.mktemp("folder")
     for i, (img, t) in enumerate(zip(pixels, topic)):
         (root / NAMES[t]).mkdir(parents=True, exist_ok=True)

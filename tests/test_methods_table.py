@@ -13,7 +13,8 @@ from meta.evaluation import PRESET_ALIASES, PRESET_NAMES, method_preset
 from meta.method import methods
 
 REPO = Path(__file__).resolve().parents[1]
-RAW = yaml.safe_load((REPO / "meta" / "method" / "methods.yaml").read_text())["methods"]  # read without meta.method.methods
+# read without meta.method.methods
+RAW = yaml.safe_load((REPO / "meta" / "method" / "methods.yaml").read_text())["methods"]
 
 
 def test_packaged_table_loads_with_unique_keys_aliases_and_labels():

@@ -11,28 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_chc_args
+from helpers import one_error_line, resave_tensors, tiny_chc_args
 from helpers_chc import png_bytes
 from safetensors.torch import load_file, save_file
 
-from meta.finetune.init_io import CAST_TO_FLOAT32, InitMismatchError, export_gram_init, load_gram_init
+from meta.finetune.init_io import CAST_TO_FLOAT32, InitMismatchError, load_gram_init
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _one_error_line(capsys_or_text, *names: str, progress: bool = False) -> str:
-    """The single non-empty stderr line; it starts with ``error:`` and names every one of ``names``.
-
-    ``progress``: ignore tqdm bar lines (transformers' "Loading weights" bar ignores ``--no-progress``)."""
-    text = capsys_or_text if isinstance(capsys_or_text, str) else capsys_or_text.readouterr().err
-    lines = [line for line in text.splitlines() if line.strip()]
-    if progress:
-        lines = [line for line in lines if not (line.startswith("Loading weights") and "it/s]" in line)]
-    assert len(lines) == 1, text
-    assert lines[0].startswith("error: "), lines[0]
-    for name in names:
-        assert name in lines[0], lines[0]
-    return lines[0]
 
 
 # ---------------------------------------------------------------- 1. gram_tools.plan numeric flags
@@ -52,7 +37,7 @@ def test_plan_numeric_flag_out_of_range(capsys, flag, value):
     from gram_tools.plan import main
 
     code = main(["--config-file", str(REPO / "configs/meta/train_vpt.yaml"), flag, value])
-    line = _one_error_line(capsys, flag)
+    line = one_error_line(capsys, flag)
     assert code == 2 and line.startswith(f"error: {flag}: expected ")
 
 
@@ -62,7 +47,7 @@ def test_bench_threads_below_one(capsys, threads):
     from gram_tools.bench import main
 
     code = main(["--threads", threads])
-    line = _one_error_line(capsys, "--threads")
+    line = one_error_line(capsys, "--threads")
     assert code == 2 and line == f"error: --threads: expected an integer >= 1, got {threads}"
 
 
@@ -72,7 +57,7 @@ def test_demo_jobs_below_one(capsys, jobs):
     from gram_world.demo.cli import main
 
     code = main(["--quick", "--jobs", jobs, "--out", "/nonexistent/never-written"])
-    line = _one_error_line(capsys, "--jobs")
+    line = one_error_line(capsys, "--jobs")
     assert code == 2 and line.startswith("error: --jobs: expected an integer >= 1") and line.endswith(f"got {jobs}")
 
 
@@ -81,7 +66,7 @@ def test_study_jobs_below_one(capsys, jobs):
     from gram_world.study import main
 
     code = main(["summary", "--quick", "--jobs", jobs, "--out", "/nonexistent/never-written"])
-    line = _one_error_line(capsys, "--jobs")
+    line = one_error_line(capsys, "--jobs")
     assert code == 2 and line.startswith("error: --jobs: expected an integer >= 1") and line.endswith(f"got {jobs}")
 
 
@@ -98,7 +83,7 @@ def test_bench_threads_as_a_command():
         timeout=120,
     )
     assert done.returncode == 2
-    assert _one_error_line(done.stderr, "--threads") == "error: --threads: expected an integer >= 1, got -3"
+    assert one_error_line(done.stderr, "--threads") == "error: --threads: expected an integer >= 1, got -3"
 
 
 # ---------------------------------------------------------------- 4. HDBSCAN finds no cluster
@@ -117,38 +102,14 @@ def test_cluster_without_any_cluster_names_min_cluster_size(tmp_path, capsys, mo
     monkeypatch.setattr(topics_mod, "fit_sample_clusters", lambda emb, *a, **k: np.full(len(emb), -1, np.int64))
     opts = ("CHC.INPUT.MANIFEST", str(tmp_path / "m.csv"), "CHC.TOPICS.MIN_CLUSTER_SIZE", "20")
     code = main(tiny_chc_args(tmp_path / "out", *opts, "CHC.TOPICS.PLOT_POINTS", "0"))
-    line = _one_error_line(capsys, "CHC.TOPICS.MIN_CLUSTER_SIZE", f"{n} unique captions", f"{n} pairs", progress=True)
+    line = one_error_line(capsys, "CHC.TOPICS.MIN_CLUSTER_SIZE", f"{n} unique captions", f"{n} pairs", progress=True)
     assert code == 2 and line.startswith("error: CHC.TOPICS.MIN_CLUSTER_SIZE: HDBSCAN found no cluster")
 
 
 # ---------------------------------------------------------------- 5. init file dtypes
-@pytest.fixture(scope="module")
-def init_file(tiny_clip, tmp_path_factory):
-    """A valid init file (the module's own writer): prompts and a regulator, float32."""
-    from meta.method.gram import GRAMMetaLearner, MetaSpec
-    from meta.method.prompts import PromptParams, PromptSpec
-    from meta.method.regulator import RegulatorSpec
-
-    clip, dims = tiny_clip
-    prompts = PromptParams.from_spec(PromptSpec(n_ctx_text=2, n_ctx_vision=2, vision_depth=2), clip, dims)
-    ml = GRAMMetaLearner(prompts, MetaSpec(regulator=RegulatorSpec(init="normal")))
-    return export_gram_init(tmp_path_factory.mktemp("init") / "init.safetensors", prompts, ml.regulators(), dims)
-
-
-def _resave(src: Path, dst: Path, dtype: torch.dtype, only: str = "") -> Path:
-    """``src``'s tensors (all, or the one named ``only``) in ``dtype``, same metadata."""
-    from safetensors import safe_open
-
-    with safe_open(str(src), framework="pt") as f:
-        metadata = f.metadata()
-    tensors = {k: (v.to(dtype) if not only or k == only else v) for k, v in load_file(str(src)).items()}
-    save_file(tensors, str(dst), metadata=metadata)
-    return dst
-
-
 @pytest.mark.parametrize("dtype", CAST_TO_FLOAT32, ids=str)
 def test_init_half_bf16_double_load_as_float32(init_file, tmp_path, dtype):
-    path = _resave(init_file, tmp_path / "init.safetensors", dtype)
+    path = resave_tensors(init_file, tmp_path / "init.safetensors", dtype)
     assert {v.dtype for v in load_file(str(path)).values()} == {dtype}
     loaded = load_gram_init(path)
     reference = load_gram_init(init_file)
@@ -182,7 +143,7 @@ def test_init_double_out_of_float32_range_is_refused(init_file, tmp_path):
 def test_init_other_dtypes_are_refused_by_name(init_file, tmp_path, dtype):
     if dtype is None:
         pytest.skip("this torch has no float8")
-    path = _resave(init_file, tmp_path / "init.safetensors", dtype, only="prompt.vpt")
+    path = resave_tensors(init_file, tmp_path / "init.safetensors", dtype, only="prompt.vpt")
     with pytest.raises(InitMismatchError) as err:
         load_gram_init(path, config_key="TRAINER.GRAM.INIT")
     msg = str(err.value)
@@ -198,9 +159,9 @@ def test_init_float8_through_an_entry_point(init_file, tmp_path, capsys):
     dtype = getattr(torch, "float8_e4m3fn", None)
     if dtype is None:
         pytest.skip("this torch has no float8")
-    path = _resave(init_file, tmp_path / "f8.safetensors", dtype)
+    path = resave_tensors(init_file, tmp_path / "f8.safetensors", dtype)
     code = main([str(path), str(tmp_path / "out.pth")])
-    _one_error_line(capsys, str(path), "tensor prompt.", "float8_e4m3fn", "expected float32")
+    one_error_line(capsys, str(path), "tensor prompt.", "float8_e4m3fn", "expected float32")
     assert code == 2 and not (tmp_path / "out_nctx2.pth").exists()
 
 
@@ -235,14 +196,14 @@ def _train_py(tmp_path: Path, *opts: str) -> subprocess.CompletedProcess:
 @pytest.mark.dassl
 def test_train_py_misspelled_key_is_one_line(tmp_path):
     proc = _train_py(tmp_path, "TRAINER.GRAM.INITT", "x.safetensors")
-    line = _one_error_line(proc.stderr, "TRAINER.GRAM.INITT")
+    line = one_error_line(proc.stderr, "TRAINER.GRAM.INITT")
     assert proc.returncode == 2 and line.startswith("error: command-line options: Non-existent key")
     # the same key misspelled in a yaml file: the line names the file
     config = tmp_path / "gram_coop_typo.yaml"
     config.write_text((REPO / "configs/trainers/gram_coop.yaml").read_text() + "\nTRAINER:\n  GRAM:\n    INITT: x\n")
     argv = [sys.executable, "train.py", "--trainer", "GRAM_CoOp", "--config-file", str(config)]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
-    line = _one_error_line(proc.stderr, str(config), "TRAINER.GRAM.INITT")
+    line = one_error_line(proc.stderr, str(config), "TRAINER.GRAM.INITT")
     assert proc.returncode == 2
 
 
@@ -258,11 +219,11 @@ def test_train_py_bad_init_is_one_line_naming_the_key(tmp_path, init_file, conte
         dtype = getattr(torch, "float8_e4m3fn", None)
         if dtype is None:
             pytest.skip("this torch has no float8")
-        _resave(init_file, path, dtype)
+        resave_tensors(init_file, path, dtype)
     from gram_tools.synthetic import write_synthetic_dtd
 
     write_synthetic_dtd(tmp_path / "data", 4, {"train": 2, "val": 1, "test": 1}, size=(32, 32))
     proc = _train_py(tmp_path, "TRAINER.GRAM.INIT", str(path), "INPUT.SIZE", "(32, 32)", "DATASET.NUM_SHOTS", "1")
-    _one_error_line(proc.stderr, str(path))
+    one_error_line(proc.stderr, str(path))
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr

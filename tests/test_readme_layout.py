@@ -7,6 +7,7 @@ fails here, so the map of the code does not fall behind the code.
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -67,3 +68,26 @@ def test_the_layout_check_sees_a_missing_module() -> None:
     assert _unnamed(full, "meta/method") == []
     assert _unnamed(full.replace("`gram.py`", "`x.py`"), "meta/method") == ["gram.py"]
     assert "method/" in _top_level_names("meta") and "chc/" in _top_level_names("meta")
+
+
+def _imported_test_modules(source: str) -> list[str]:
+    """Names of ``test_*`` modules that ``source`` imports (top level or inside a function)."""
+    names = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    return [n for n in names if n.split(".")[-1].startswith("test_")]
+
+
+def test_no_test_file_imports_another() -> None:
+    """Shared set-ups live in ``tests/helpers*.py`` and ``tests/conftest.py`` (docs/testing.md), not in a test file
+    that another one imports (which runs the imported file's tests' module code and hides where a helper lives)."""
+    assert _imported_test_modules("def f():\n    from test_tasks import toy_hierarchy\n") == ["test_tasks"]
+    offenders = {
+        path.name: found
+        for path in sorted((ROOT / "tests").glob("*.py"))
+        if (found := _imported_test_modules(path.read_text(encoding="utf-8")))
+    }
+    assert not offenders, f"test files import other test files: {offenders}"

@@ -2,32 +2,10 @@
 
 import numpy as np
 import pytest
+from helpers_chc import toy_hierarchy
 
 from meta.chc.hierarchy import Hierarchy
 from meta.data.tasks import Task, TaskSampler, split_topics
-
-
-def toy_hierarchy(n_topics=8, layouts=((12, 7, 4), (12, 7), (6,)), excluded=10, seed=0):
-    """Topic t has domains of sizes layouts[t % 3], plus excluded (-1) items."""
-    rng = np.random.default_rng(seed)
-    topic, domain = [], []
-    for t in range(n_topics):
-        for u, size in enumerate(layouts[t % len(layouts)]):
-            topic += [t] * size
-            domain += [u] * size
-    topic += [-1] * excluded
-    domain += [-1] * excluded
-    order = rng.permutation(len(topic))
-    topic, domain = np.array(topic)[order], np.array(domain)[order]
-    feats = rng.normal(size=(len(topic), 8)).astype(np.float32)
-    return Hierarchy(
-        topic_names=[f"class{t}" for t in range(n_topics)],
-        item_topic=topic,
-        item_domain=domain,
-        image_features=feats,
-        meta={},
-        image_loader=lambda idx: np.zeros((len(idx), 4, 4, 3), np.uint8),
-    )
 
 
 def check_task(h: Hierarchy, task: Task, k, n_s, n_q, domain_shift=True):

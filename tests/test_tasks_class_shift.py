@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_tasks import toy_hierarchy
+from helpers_chc import toy_hierarchy
 
 from meta.data.tasks import TaskSampler, TaskStream, largest_k_way, new_query_classes
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import minimal_cfg
 from yacs.config import CfgNode as CN
 
 from meta.finetune.regulated import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
@@ -25,17 +26,6 @@ from trainers.gram.config import (
 
 REPO = Path(__file__).resolve().parents[1]
 METHOD_TRAINER = {k: methods.get(k).trainer for k in methods.dassl_keys()}
-
-
-def minimal_cfg(trainer: str = "GRAM_CoOp", backbone: str = "ViT-B/16") -> CN:
-    """The few Dassl default keys gram_settings reads, without Dassl."""
-    cfg = CN()
-    cfg.TRAINER = CN()
-    cfg.TRAINER.NAME = trainer
-    cfg.MODEL = CN()
-    cfg.MODEL.BACKBONE = CN()
-    cfg.MODEL.BACKBONE.NAME = backbone
-    return extend_cfg(cfg)
 
 
 def test_extend_cfg_adds_every_key_with_paper_defaults():

@@ -92,7 +92,7 @@ def test_a_run_saved_before_the_switch_resumes_only_with_the_init_it_used():
 
 
 def test_the_dassl_keys_and_the_evaluator_flag_reach_the_prompt_spec():
-    from test_trainers_config import minimal_cfg
+    from helpers import minimal_cfg
 
     from meta.evaluation import TrainSpec
     from meta.evaluation.cli import _methods, _parser, _train_spec
