@@ -309,3 +309,15 @@ def test_launch_step_takes_the_inner_loops_steps(tiny_clip, rule):
     for name, p in theta.named_parameters():
         torch.testing.assert_close(p.detach(), expected[name], rtol=1e-12, atol=1e-12)
     assert (expected["ctx"] - ml.prompt_module.ctx.detach()).abs().max() > 1e-4  # the steps moved θ
+
+
+def test_weighted_sum_of_batch_losses_and_of_gate_parts():
+    """The launch's mean loss over batches: Σ w_b loss_b for one loss and part by part for the gate's pair."""
+    from meta.finetune.regulated import weighted_sum
+
+    a, b = torch.tensor(2.0), torch.tensor(5.0)
+    assert float(weighted_sum([(a, 0.25), (b, 0.75)])) == 0.25 * 2.0 + 0.75 * 5.0
+    task, penalty = weighted_sum([((a, b), 0.5), ((b, a), 0.5)])
+    assert float(task) == float(penalty) == 3.5
+    with pytest.raises(ValueError, match="no batches"):
+        weighted_sum([])

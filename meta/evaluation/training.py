@@ -24,7 +24,14 @@ from torch.optim import lr_scheduler as sched
 
 from meta.evaluation.spec import MethodSpec, TrainSpec
 from meta.finetune.engine import Naming, RegulatedStepper, StartPoint, StartSpec, build_start, window_batches
-from meta.finetune.regulated import GradientRegulation, LaunchStep, check_gate_regulariser, launch_, step_on_batch
+from meta.finetune.regulated import (
+    GradientRegulation,
+    LaunchStep,
+    check_gate_regulariser,
+    launch_,
+    step_on_batch,
+    weighted_sum,
+)
 from meta.finetune.schedule import epoch_scheduler
 from meta.method.consistency import ConsistencySpec
 from meta.method.metrics import count_correct
@@ -190,19 +197,8 @@ class PromptTuner:
 
         def mean_loss(prompts: nn.Module):
             if gated:  # the gate was meta-trained on the regularised support loss: the launch replays it in parts
-                task = penalty = None
-                for batch in batches:
-                    t, r, _ = self.loss_fn.parts(prompts, batch)
-                    w = len(batch["label"]) / n
-                    task = t * w if task is None else task + t * w
-                    penalty = r * w if penalty is None else penalty + r * w
-                return task, penalty
-            total = None
-            for batch in batches:
-                loss, _ = self.launch_loss_fn(prompts, batch)
-                part = loss * (len(batch["label"]) / n)
-                total = part if total is None else total + part
-            return total
+                return weighted_sum((self.loss_fn.parts(prompts, b)[:2], len(b["label"]) / n) for b in batches)
+            return weighted_sum((self.launch_loss_fn(prompts, b)[0], len(b["label"]) / n) for b in batches)
 
         return launch_(self.prompts, self.regulation, mean_loss, self.launch_step)
 

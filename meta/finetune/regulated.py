@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, replace
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -33,6 +33,9 @@ from torch import nn
 from meta.method.inner import InnerRule
 from meta.method.metrics import accuracy
 from meta.method.regulator import GradientGate, GradientRegulator, is_gated
+
+# a loss: one 0-d tensor, or (task loss, regulariser) for the gate form of R_φ
+LossOut = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 # Test-time defaults of the two switches (module docstring), read by MethodSpec, the Dassl trainers'
 # TRAINER.GRAM keys and the demo.  Chosen on validation splits (docs/notes/gram_training_match.md).
@@ -376,6 +379,21 @@ def launch_step_of(metadata: Mapping, source: str = "init file", explicit: bool 
             )
         return None
     return LaunchStep.from_metadata(metadata, source)
+
+
+def weighted_sum(terms: Iterable[tuple[LossOut, float]]) -> LossOut:
+    """``Σ_b w_b · loss_b`` over ``(loss_b, w_b)`` pairs, in their order: the mean loss over a launch set's batches
+    with ``w_b`` = batch size / set size.  A loss is a 0-d tensor, or a ``(task loss, regulariser)`` pair for the
+    gate form of R_φ (summed part by part, so :func:`launch_` can keep their gradients apart)."""
+    total: Optional[LossOut] = None
+    for loss, w in terms:
+        if isinstance(loss, tuple):
+            total = tuple(x * w for x in loss) if total is None else tuple(a + x * w for a, x in zip(total, loss))
+        else:
+            total = loss * w if total is None else total + loss * w
+    if total is None:
+        raise ValueError("weighted_sum: no batches")
+    return total
 
 
 def launch_(prompts: nn.Module, regulation: Optional["GradientRegulation"], mean_loss, step: LaunchStep) -> float:

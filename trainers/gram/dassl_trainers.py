@@ -45,7 +45,7 @@ from dassl.optim import build_optimizer
 
 from meta.data.image_decode import open_upright
 from meta.finetune.engine import RegulatedStepper, Start, StartSpec, build_start, window_batches
-from meta.finetune.regulated import check_gate_regulariser, launch_
+from meta.finetune.regulated import check_gate_regulariser, launch_, weighted_sum
 from meta.method import methods
 from meta.method.prompts import PromptSpec
 from meta.model.backbone import load_clip
@@ -325,23 +325,15 @@ class _GramTrainer(TrainerX):
 
         gated = self.stepper.wants_parts and self.model.consistency is not None
 
+        def batch_loss(images, labels):
+            with self._autocast():
+                if gated:  # the gate was meta-trained on the regularised support loss: the launch replays it in parts
+                    return self.model.training_loss_parts(images, labels)[:2]
+                logits = self.model(images).float()
+            return F.cross_entropy(logits, labels)
+
         def mean_loss(_prompts):
-            if gated:  # the gate was meta-trained on the regularised support loss: the launch replays it in parts
-                task = penalty = None
-                for images, labels in batches:
-                    with self._autocast():
-                        t, r, _ = self.model.training_loss_parts(images, labels)
-                    w = len(labels) / total
-                    task = t * w if task is None else task + t * w
-                    penalty = r * w if penalty is None else penalty + r * w
-                return task, penalty
-            out = None
-            for images, labels in batches:
-                with self._autocast():
-                    logits = self.model(images).float()
-                part = F.cross_entropy(logits, labels) * (len(labels) / total)
-                out = part if out is None else out + part
-            return out
+            return weighted_sum((batch_loss(images, labels), len(labels) / total) for images, labels in batches)
 
         loss = launch_(learner, self.regulation, mean_loss, self.launch_step)
         self.model.reset_cache()
