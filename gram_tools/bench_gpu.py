@@ -161,6 +161,7 @@ def run(
     the reference matrix product (default 8192 on CUDA, 512 elsewhere).
     """
     from meta.chc.imaging import clip_norm_stats, encode_images
+    from meta.metatrain.outer import OuterStep
     from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch
     from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
     from meta.model.backbone import load_clip
@@ -202,8 +203,8 @@ def run(
             ml = GRAMMetaLearner(theta, MetaSpec(first_order=order == "first", autocast=autocast)).to(dev)
             loss_fn = classification_loss(PromptedCLIP(clip, dims, theta.n_ctx_text, template=spec.template))
 
-            def step(ml=ml, loss_fn=loss_fn) -> None:
-                ml.meta_step(tasks, loss_fn)
+            def step(outer=OuterStep(ml), loss_fn=loss_fn) -> None:
+                outer.meta_step(tasks, loss_fn)
 
             row[f"{order}_order_step_s"] = round(_median_time(step, dev, warmup, repeats), 5)
             peak_mb = _peak_mb(step, dev)
@@ -228,8 +229,8 @@ def run(
                 ml = GRAMMetaLearner(theta, MetaSpec(autocast=autocast, task_batching=mode)).to(dev)
                 loss_fn = classification_loss(PromptedCLIP(clip, dims, theta.n_ctx_text, template=spec.template))
 
-                def step(ml=ml, loss_fn=loss_fn, tasks=tasks) -> None:
-                    ml.meta_step(tasks, loss_fn)
+                def step(outer=OuterStep(ml), loss_fn=loss_fn, tasks=tasks) -> None:
+                    outer.meta_step(tasks, loss_fn)
 
                 seconds = _median_time(step, dev, min(warmup, 1), max(1, min(repeats, 3)))
                 peak_mb = _peak_mb(step, dev)

@@ -113,6 +113,7 @@ def profile_steps(learners: list[str], autocast: str, tf32: bool, steps: int, to
     from torch.profiler import ProfilerActivity, profile
 
     from gram_tools.bench_gpu import VARIANTS, _median_time, task_size
+    from meta.metatrain.outer import OuterStep
     from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch
     from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
     from meta.model.backbone import load_clip
@@ -139,8 +140,8 @@ def profile_steps(learners: list[str], autocast: str, tf32: bool, steps: int, to
         ml = GRAMMetaLearner(theta, MetaSpec(autocast=autocast, task_batching="auto")).to(dev)
         loss_fn = classification_loss(PromptedCLIP(clip, dims, theta.n_ctx_text, template=spec.template))
 
-        def step(ml=ml, loss_fn=loss_fn, tasks=tasks) -> None:
-            ml.meta_step(tasks, loss_fn)
+        def step(outer=OuterStep(ml), loss_fn=loss_fn, tasks=tasks) -> None:
+            outer.meta_step(tasks, loss_fn)
 
         seconds = _median_time(step, dev, 2, 5)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

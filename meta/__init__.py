@@ -6,6 +6,7 @@ The public API, what README's "core in five lines" uses::
     clip, dims = meta.load_clip("ViT-B-16", pretrained=None)
     theta = meta.PromptParams.from_spec(meta.PromptSpec(n_ctx_text=4), clip, dims)
     learner = meta.GRAMMetaLearner(theta, meta.MetaSpec(inner_lr=0.1))
+    outer = meta.OuterStep(learner)   # outer.meta_step(tasks, loss_fn): one update of θ and φ
 
 Names are resolved on first use (PEP 562 module ``__getattr__``), so ``import meta`` stays as cheap as
 before and does not import torch, open_clip or learn2learn; each name lives in the module listed in
@@ -38,6 +39,8 @@ _EXPORTS = {
     "GRAMMetaLearner": "meta.method.gram",
     "MetaSpec": "meta.method.gram",
     "TaskBatch": "meta.method.gram",
+    # the outer update of θ and φ (meta-training's optimiser step)
+    "OuterStep": "meta.metatrain.outer",
     # test-time use of φ
     "GradientRegulation": "meta.finetune.regulated",
     "finetune_and_score": "meta.finetune.regulated",
@@ -61,6 +64,7 @@ __all__ = [
     "GramInit",
     "InitMismatchError",
     "MetaSpec",
+    "OuterStep",
     "PromptParams",
     "PromptSpec",
     "PromptedCLIP",

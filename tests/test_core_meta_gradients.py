@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from helpers import class_batch
 from torch.func import functional_call
 
+from meta.metatrain.outer import OuterStep
 from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch, double_backward_attention
 from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
 from meta.method.regulator import RegulatorSpec
@@ -136,7 +137,7 @@ def test_directional_derivative_matches_finite_difference_float64(tiny_clip, inn
     query = _batch(2, dims.image_size, gen, torch.float64)
     task = TaskBatch(support, query)
 
-    groups = {g["name"]: list(g["params"]) for g in ml.optimizer.param_groups}
+    groups = {g["name"]: list(g["params"]) for g in OuterStep(ml).optimizer.param_groups}
     assert set(groups) == {"prompt", "regulator"}
     params = [p for ps in groups.values() for p in ps]
     ml.accumulate([task], loss_fn)
@@ -193,7 +194,7 @@ def test_regulation_off_builds_no_regulator_and_uses_raw_gradient(tiny_clip):
     clip, dims = tiny_clip
     ml = _learner(clip, dims, PromptSpec(n_ctx_text=4), MetaSpec(inner_lr=0.5, regulate=False))
     assert ml.regulators() == {}
-    assert [g["name"] for g in ml.optimizer.param_groups] == ["prompt"]
+    assert [g["name"] for g in OuterStep(ml).optimizer.param_groups] == ["prompt"]
     pclip = PromptedCLIP(clip, dims, 4)
     loss_fn = classification_loss(pclip)
     gen = torch.Generator().manual_seed(7)
@@ -214,14 +215,15 @@ def test_outer_step_uses_separate_learning_rates_and_skips_non_finite(tiny_clip)
     clip, dims = tiny_clip
     spec = MetaSpec(outer_lr_prompt=1e-2, outer_lr_regulator=1e-4, grad_clip=0.0)
     ml = _learner(clip, dims, PromptSpec(n_ctx_text=4), spec)
-    lrs = {g["name"]: g["lr"] for g in ml.optimizer.param_groups}
+    outer = OuterStep(ml)
+    lrs = {g["name"]: g["lr"] for g in outer.optimizer.param_groups}
     assert lrs == {"prompt": 1e-2, "regulator": 1e-4}
     pclip = PromptedCLIP(clip, dims, 4)
     loss_fn = classification_loss(pclip)
     gen = torch.Generator().manual_seed(9)
     task = TaskBatch(_batch(1, dims.image_size, gen), _batch(1, dims.image_size, gen))
     before = ml.prompt_module.ctx.detach().clone()
-    m = ml.meta_step([task], loss_fn)
+    m = outer.meta_step([task], loss_fn)
     assert m["skipped"] == 0.0 and not torch.equal(before, ml.prompt_module.ctx.detach())
 
     def nan_loss(prompts, batch):
@@ -229,6 +231,6 @@ def test_outer_step_uses_separate_learning_rates_and_skips_non_finite(tiny_clip)
         return loss * float("nan"), logits
 
     before = ml.prompt_module.ctx.detach().clone()
-    m = ml.meta_step([task], nan_loss)
-    assert m["skipped"] == 1.0 and ml.skipped_steps == 1
+    m = outer.meta_step([task], nan_loss)
+    assert m["skipped"] == 1.0 and outer.skipped_steps == 1
     assert torch.equal(before, ml.prompt_module.ctx.detach())

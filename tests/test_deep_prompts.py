@@ -190,7 +190,7 @@ def test_meta_gradient_matches_hand_written_second_order(deep_clip, spec):
     loss_fn = classification_loss(pclip)
     support, query = _batch(5), _batch(6)
 
-    ml.optimizer.zero_grad()
+    ml.zero_grad()
     learner, _, _ = ml.adapt(loss_fn, support)
     loss_fn(learner.module, query)[0].backward()
     got_theta = {n: p.grad.clone() for n, p in ml.prompt_module.named_parameters()}

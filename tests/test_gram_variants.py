@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from meta.finetune.init_io import export_gram_init, load_gram_init
 from meta.finetune.regulated import GradientRegulation, finetune_and_score
+from meta.metatrain.outer import OuterStep
 from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch
 from meta.method.prompts import PromptParams
 from meta.method.regulator import GradientRegulator, RegulatorSpec
@@ -172,13 +173,14 @@ def test_regulator_weight_decay_pulls_phi_towards_identity_only():
     prompts, batch, loss_fn = _toy(torch.float32)
     spec = MetaSpec(regulator=RegulatorSpec(init="normal", init_std=0.3), regulator_weight_decay=0.5)
     learner = GRAMMetaLearner(prompts, spec)
-    groups = {g["name"]: g for g in learner.optimizer.param_groups}
+    outer = OuterStep(learner)
+    groups = {g["name"]: g for g in outer.optimizer.param_groups}
     assert groups["regulator"]["weight_decay"] == 0.5 and groups["prompt"]["weight_decay"] == 0
     reg = learner.regulators()["ctx"]
     before = reg.gamma.weight.detach().norm()
     for p in learner.parameters():  # zero task gradient: only the decay acts
         p.grad = torch.zeros_like(p)
-    learner.optimizer.step()
+    outer.optimizer.step()
     assert float(reg.gamma.weight.norm()) < float(before)
 
 

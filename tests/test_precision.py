@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from meta.metatrain.outer import OuterStep
 from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch
 from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
 from meta.method.regulator import RegulatorSpec
@@ -47,12 +48,19 @@ def _learner(clip, dims, spec, autocast, seed=0):
     device = next(clip.parameters()).device
     prompts = PromptParams.from_spec(spec, clip, dims, generator=gen)
     ml = GRAMMetaLearner(prompts, MetaSpec(inner_lr=0.5, autocast=autocast, regulator=RegulatorSpec()))
-    if ml.scaler is not None:  # the default first scale overflows (NaN, a skipped step); see the test below
-        ml.scaler = torch.amp.GradScaler("cuda", init_scale=FP16_SCALE)
     with torch.no_grad():  # a non-identity regulator, so φ's gradient is exercised too
         for p in ml.gbml.compute_update.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     return ml.to(device)
+
+
+def _outer(ml):
+    """The learner's outer step; under fp16 with a first scale that does not overflow (the default one does:
+    NaN, a skipped step; see the test below)."""
+    outer = OuterStep(ml)
+    if outer.scaler is not None:
+        outer.scaler = torch.amp.GradScaler("cuda", init_scale=FP16_SCALE)
+    return outer
 
 
 def _meta_grad(clip, dims, spec, autocast, seed=0):
@@ -63,9 +71,11 @@ def _meta_grad(clip, dims, spec, autocast, seed=0):
     tasks = [
         TaskBatch(_batch(2, dims.image_size, gen, device), _batch(3, dims.image_size, gen, device)) for _ in range(2)
     ]
-    ml.accumulate(tasks, classification_loss(PromptedCLIP(clip, dims, ml.prompt_module.n_ctx_text)))
-    scale = ml.scaler.get_scale() if ml.scaler is not None else 1.0
-    return torch.cat([p.grad.flatten() for g in ml.optimizer.param_groups for p in g["params"]]).float() / scale
+    outer = _outer(ml)
+    loss_fn = classification_loss(PromptedCLIP(clip, dims, ml.prompt_module.n_ctx_text))
+    ml.accumulate(tasks, loss_fn, backward=outer.backward)
+    scale = outer.scaler.get_scale() if outer.scaler is not None else 1.0
+    return torch.cat([p.grad.flatten() for p in outer.params()]).float() / scale
 
 
 def _compare(clip, dims, kind, mode):
@@ -173,23 +183,25 @@ def test_cuda_autocast_meta_gradient_close_to_fp32(cuda_clip, kind, mode):
 def test_cuda_fp16_meta_step_scales_steps_and_resumes(cuda_clip):
     clip, dims = cuda_clip
     ml = _learner(clip, dims, SPECS["unigram"], "fp16")
-    ml.scaler = torch.amp.GradScaler(
-        "cuda"
-    )  # the learner's own default scale: overflows are skipped, then it backs off
-    assert ml.scaler is not None and ml.scaler.is_enabled()
+    outer = OuterStep(ml)  # the default first scale: overflows are skipped, then it backs off
+    assert outer.scaler is not None and outer.scaler.is_enabled()
     gen = torch.Generator().manual_seed(3)
     tasks = [TaskBatch(_batch(2, dims.image_size, gen, "cuda"), _batch(3, dims.image_size, gen, "cuda"))]
     loss_fn = classification_loss(PromptedCLIP(clip, dims, ml.prompt_module.n_ctx_text))
     before = [p.detach().clone() for p in ml.prompt_module.parameters()]
     for _ in range(3):
-        out = ml.meta_step(tasks, loss_fn)
-    assert ml.skipped_steps < 3 and np.isfinite(out["query_loss_after"])  # an early overflow may skip one
+        out = outer.meta_step(tasks, loss_fn)
+    assert outer.skipped_steps < 3 and np.isfinite(out["query_loss_after"])  # an early overflow may skip one
     assert any(not torch.equal(b, p) for b, p in zip(before, ml.prompt_module.parameters()))
-    state = ml.state()
+    state = {**ml.state(), **outer.state()}  # what a meta-training checkpoint holds under "learner"
     assert state["scaler"]["scale"] > 0
     again = _learner(clip, dims, SPECS["unigram"], "fp16")
     again.load_state(state)
-    assert again.scaler.get_scale() == ml.scaler.get_scale()
+    again_outer = OuterStep(again)
+    again_outer.load_state(state)
+    assert again_outer.scaler.get_scale() == outer.scaler.get_scale()
+    for a, b in zip(again.prompt_module.parameters(), ml.prompt_module.parameters()):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

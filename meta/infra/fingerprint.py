@@ -85,6 +85,7 @@ def run_one(learner: str, loop: str, perturb_ulp: bool = False) -> str:
     import warnings
 
     from meta.finetune.regulated import GradientRegulation, RegulatedStepper
+    from meta.metatrain.outer import OuterStep
     from meta.method.gram import GRAMMetaLearner, MetaSpec
     from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
     from meta.model.backbone import load_clip
@@ -109,10 +110,11 @@ def run_one(learner: str, loop: str, perturb_ulp: bool = False) -> str:
     for name, p in theta.named_parameters():
         digest.add(f"start.{name}", p)
     ml = GRAMMetaLearner(theta, MetaSpec(first_order=False, task_batching=LOOPS[loop])).to(device)
+    outer = OuterStep(ml)
     loss_fn = classification_loss(PromptedCLIP(clip, dims, theta.n_ctx_text, template=spec.template))
     tasks = _tasks(dims, spec.has_visual_prompts, device)
     for step in range(OUTER_STEPS):
-        stats = ml.meta_step(tasks, loss_fn)
+        stats = outer.meta_step(tasks, loss_fn)
         digest.add(f"outer{step}.loss", float(stats["query_loss_after"]))
     for name, p in ml.prompt_module.named_parameters():
         digest.add(f"theta_star.{name}", p)

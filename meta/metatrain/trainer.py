@@ -6,7 +6,7 @@ One call of :func:`train` runs (or resumes) ``META.STEPS`` outer steps in ``OUTP
   (support from one domain per topic; ``TASKS.DOMAIN_SHIFT False`` = from all domains, Table 4
   row 1), adapts θ on each support set with the regulated gradient (``META.REGULATE False`` =
   raw gradient, Table 4 row 2) and updates θ (λ1) and φ (λ2) from the query losses
-  (:meth:`meta.method.gram.GRAMMetaLearner.meta_step`).
+  (:meth:`meta.metatrain.outer.OuterStep.meta_step`).
 * ``pretrain`` (Table 4 row 3): plain cross-entropy over the training topics' names, one
   optimiser step on θ per batch; no inner loop, no regulator.
 
@@ -59,6 +59,7 @@ from meta.metatrain.data import (
     norm_stats,
 )
 from meta.metatrain.export import export_paths, export_state, verify_exports
+from meta.metatrain.outer import OuterStep
 from meta.metatrain.runlog import RunLog, postfix, progress_bar
 from meta.method.gram import GRAMMetaLearner
 from meta.method.inner import task_loss_of
@@ -118,6 +119,7 @@ class RunSetup:
     train_topics: list
     val_topics: list
     learner: GRAMMetaLearner
+    outer: OuterStep  # the outer update of θ and φ (optimiser, clipping, fp16 scaler)
     loss_fn: Callable
     batcher: TaskBatcher
     stream: Any  # TaskStream (gram) | ClassBatchStream (pretrain)
@@ -201,6 +203,7 @@ def setup_run(cfg, hierarchy=None) -> RunSetup:
         train_topics,
         val_topics,
         learner,
+        OuterStep(learner),
         classification_loss(pclip, settings.consistency_spec(cfg)),
         batcher,
         stream,
@@ -220,13 +223,16 @@ def gram_step(run: RunSetup, step: int) -> dict:
     tasks = run.stream.next(int(run.cfg.META.META_BATCH))
     every = int(run.cfg.META.LOG_DETAIL_EVERY)
     detailed = every > 0 and step % every == 0
-    learner = run.learner
+    outer = run.outer
     if not dist_.is_distributed():
-        return learner.meta_step([run.batcher(t) for t in tasks], run.loss_fn, detailed=detailed)
+        return outer.meta_step([run.batcher(t) for t in tasks], run.loss_fn, detailed=detailed)
     mine = dist_.shard(tasks, dist_.world_size(), dist_.rank())
-    metrics = dist_.mean_over_ranks(learner.accumulate([run.batcher(t) for t in mine], run.loss_fn, detailed=detailed))
-    dist_.average_gradients(p for g in learner.optimizer.param_groups for p in g["params"])
-    metrics.update(learner.step(metrics["query_loss_after"]))
+    batches = [run.batcher(t) for t in mine]
+    metrics = dist_.mean_over_ranks(
+        run.learner.accumulate(batches, run.loss_fn, detailed=detailed, backward=outer.backward)
+    )
+    dist_.average_gradients(outer.params())
+    metrics.update(outer.step(metrics["query_loss_after"]))
     return metrics
 
 
@@ -238,15 +244,15 @@ def pretrain_step(run: RunSetup, step: int) -> dict:
         index = np.asarray(dist_.shard(index, dist_.world_size(), dist_.rank()))
         label = np.asarray(dist_.shard(label, dist_.world_size(), dist_.rank()))
     batch = run.batcher.part(cb.classnames, index, label)
-    learner = run.learner
+    learner, outer = run.learner, run.outer
     learner.train()
-    learner.optimizer.zero_grad(set_to_none=True)
+    outer.zero_grad()
     with learner.cast():
         loss, logits = run.loss_fn(learner.prompt_module, batch)
-    learner.backward(loss.float())
+    outer.backward(loss.float())
     values = dist_.mean_over_ranks({"loss": float(loss.detach()), "acc": accuracy(logits.detach(), batch["label"])})
-    dist_.average_gradients(p for g in learner.optimizer.param_groups for p in g["params"])
-    out = learner.step(values["loss"])
+    dist_.average_gradients(outer.params())
+    out = outer.step(values["loss"])
     return {**values, "classes": len(cb.classnames), **out}
 
 
@@ -303,7 +309,7 @@ def validate(run: RunSetup) -> dict:
                     float(run.cfg.META.VAL_FT_MOMENTUM),
                 )
                 sums[key] = sums.get(key, 0.0) + acc / len(run.val_tasks)
-    learner.optimizer.zero_grad(set_to_none=True)
+    run.outer.zero_grad()
     sums = dist_.sum_over_ranks(sums)
     sums["tasks"] = len(run.val_tasks)
     return sums
@@ -357,7 +363,7 @@ def _checkpoint_payload(run: RunSetup, step: int) -> dict:
         "step": int(step),
         "steps_total": int(cfg.META.STEPS),
         "mode": cfg.META.MODE,
-        "learner": run.learner.state(),
+        "learner": {**run.learner.state(), **run.outer.state()},  # θ, φ and the outer optimiser
         "rng": capture_rng(),
         "stream": run.stream.state(),
         "config": settings.result_defining_cfg(cfg),
@@ -561,6 +567,7 @@ def _train_locked(
             )
         try:
             run.learner.load_state(state["learner"])
+            run.outer.load_state(state["learner"])
         except (RuntimeError, KeyError, ValueError) as err:
             raise CheckpointError(
                 f"{ckpt_path}: θ/φ/optimiser state does not fit this model ({str(err).splitlines()[0][:200]})"

@@ -173,7 +173,9 @@ def stacked_learner(gbml: nn.Module, n_tasks: int, first_order: bool) -> nn.Modu
     return learner
 
 
-def accumulate(learner: Any, tasks: Sequence[Any], loss_fn: Callable) -> Optional[dict[str, float]]:
+def accumulate(
+    learner: Any, tasks: Sequence[Any], loss_fn: Callable, backward: Callable = torch.Tensor.backward
+) -> Optional[dict[str, float]]:
     """:meth:`meta.method.gram.GRAMMetaLearner.accumulate` over task-stacked chunks, or ``None`` (run it sequentially).
 
     ``learner`` is the :class:`~meta.method.gram.GRAMMetaLearner`; its ``spec.task_batching`` picks the mode: ``off``
@@ -200,12 +202,12 @@ def accumulate(learner: Any, tasks: Sequence[Any], loss_fn: Callable) -> Optiona
         if chunk < 2:
             return None
         try:
-            return _accumulate_chunks(learner, tasks, fn, chunk)
+            return _accumulate_chunks(learner, tasks, fn, chunk, backward)
         except RuntimeError as err:
             if mode != "auto" or not is_out_of_memory(err):
                 raise
             del err
-            learner.optimizer.zero_grad(set_to_none=True)
+            learner.zero_grad(set_to_none=True)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             learner.task_chunk = chunk // 2
@@ -228,9 +230,11 @@ def stacked_objective(spec: Any) -> bool:
     return spec.inner_support == "repeat" and OuterObjective.of(spec).stackable
 
 
-def _accumulate_chunks(learner: Any, tasks: Sequence[Any], fn: BatchedLossFn, chunk: int) -> dict[str, float]:
+def _accumulate_chunks(
+    learner: Any, tasks: Sequence[Any], fn: BatchedLossFn, chunk: int, backward: Callable
+) -> dict[str, float]:
     """The batched outer step over consecutive chunks of at most ``chunk`` tasks (see :func:`accumulate`)."""
-    learner.optimizer.zero_grad(set_to_none=True)
+    learner.zero_grad(set_to_none=True)
     n_tasks = len(tasks)
     first_order = learner.spec.first_order
     sums: dict[str, torch.Tensor] = {}
@@ -248,6 +252,7 @@ def _accumulate_chunks(learner: Any, tasks: Sequence[Any], fn: BatchedLossFn, ch
             n_tasks,
             start=start_learner,
             before=lambda size=size: StackedPrompts.expand(learner.prompt_module, size),
+            backward=backward,
         )
         # losses are sums over the chunk's tasks, accuracies means over its (equal-sized) tasks
         for key in ("support_acc_before", "query_acc_after"):

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -60,6 +59,7 @@ LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]]
 # demo): chosen on validation splits with the test-time switches of meta.finetune.regulated
 # (docs/notes/gram_training_match.md).
 DEFAULT_QUERY_BEFORE_WEIGHT = 0.0
+OUTER_OPTIMIZERS = ("adam", "sgd")  # the outer optimiser of θ and φ (meta.metatrain.outer.OuterStep)
 
 
 @dataclass
@@ -101,6 +101,8 @@ class MetaSpec:
             )
         if self.query_before_weight < 0:
             raise ValueError(f"MetaSpec.query_before_weight must be >= 0, got {self.query_before_weight}")
+        if self.optimizer not in OUTER_OPTIMIZERS:
+            raise ValueError(f"MetaSpec.optimizer must be one of {', '.join(OUTER_OPTIMIZERS)}, got {self.optimizer!r}")
         if self.task_batching not in batched.TASK_BATCHING:
             raise ValueError(
                 f"MetaSpec.task_batching must be one of {', '.join(batched.TASK_BATCHING)}, got {self.task_batching!r}"
@@ -132,9 +134,10 @@ class GRAMMetaLearner(nn.Module):
     **Description**
 
     GRAM's bi-level learner (paper Algorithm 1): θ, the prompts, wrapped in learn2learn's ``GBML`` whose
-    per-tensor transforms are the regulators R_φ, and the outer optimiser of both. Per task, :meth:`adapt`
-    clones θ and unrolls the regulated inner loop (:func:`meta.method.inner.inner_loop`) on the support;
-    :meth:`meta_step` backpropagates the query loss at θ' into θ (lr λ1) and φ (lr λ2), second order by default.
+    per-tensor transforms are the regulators R_φ. Per task, :meth:`adapt` clones θ and unrolls the regulated inner
+    loop (:func:`meta.method.inner.inner_loop`) on the support; :meth:`accumulate` backpropagates the query loss at
+    θ' into θ and φ, second order by default.  The outer update (θ at lr λ1, φ at lr λ2: optimiser, clipping, fp16
+    loss scaling) is the caller's, as in learn2learn: :class:`meta.metatrain.outer.OuterStep`.
 
     **Arguments**
 
@@ -147,8 +150,9 @@ class GRAMMetaLearner(nn.Module):
 
     ~~~python
     learner = GRAMMetaLearner(theta, MetaSpec(inner_lr=0.1))
+    outer = OuterStep(learner)                                           # Adam on θ (λ1) and φ (λ2)
     loss_fn = classification_loss(PromptedCLIP(clip, dims, theta.n_ctx_text))
-    metrics = learner.meta_step([TaskBatch(support, query)], loss_fn)   # one outer update of θ and φ
+    metrics = outer.meta_step([TaskBatch(support, query)], loss_fn)     # one outer update of θ and φ
     adapted, losses, accs = learner.adapt(loss_fn, support)              # θ' = θ − α R_φ(∇L_s), connected
     ~~~
     """
@@ -170,32 +174,10 @@ class GRAMMetaLearner(nn.Module):
             adapt_transform=False,
             first_order=self.spec.first_order,
         )
-        groups = [{"params": list(self.prompt_module.parameters()), "lr": self.spec.outer_lr_prompt, "name": "prompt"}]
-        reg_params = list(self.gbml.compute_update.parameters())
-        if reg_params:
-            groups.append(
-                {
-                    "params": reg_params,
-                    "lr": self.spec.outer_lr_regulator,
-                    "name": "regulator",
-                    "weight_decay": self.spec.regulator_weight_decay,
-                }
-            )
-        if self.spec.optimizer == "adam":
-            self.optimizer = torch.optim.Adam(groups)
-        elif self.spec.optimizer == "sgd":
-            self.optimizer = torch.optim.SGD(groups, momentum=0.9)
-        else:
-            raise ValueError(f"optimizer must be adam|sgd, got {self.spec.optimizer!r}")
-        self.skipped_steps = 0
         self.task_chunk: Optional[int] = (
             None  # tasks per stacked pass after an out-of-memory fallback (meta.method.batched)
         )
         precision.check_autocast(self.spec.autocast, "autocast")
-        # fp16 scales the outer loss (the inner support gradient is taken unscaled: prefer bf16)
-        self.scaler = (
-            torch.amp.GradScaler("cuda", enabled=torch.cuda.is_available()) if self.spec.autocast == "fp16" else None
-        )
 
     # ----- precision ---------------------------------------------------------------
     def cast(self):
@@ -203,10 +185,6 @@ class GRAMMetaLearner(nn.Module):
         if self.spec.autocast == "none":
             return contextlib.nullcontext()
         return precision.autocast(self.spec.autocast, next(self.prompt_module.parameters()).device)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, through the GradScaler under fp16."""
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     # ----- views -------------------------------------------------------------------
     @property
@@ -284,14 +262,17 @@ class GRAMMetaLearner(nn.Module):
         return learner, losses, accs
 
     # ----- outer loop --------------------------------------------------------------
-    def meta_step(self, tasks: Sequence[TaskBatch], loss_fn: LossFn, detailed: bool = False) -> dict[str, float]:
-        """One outer update from a meta-batch of ``B`` tasks: :meth:`accumulate` then :meth:`step`."""
-        metrics = self.accumulate(tasks, loss_fn, detailed=detailed)
-        metrics.update(self.step(metrics["query_loss_after"]))
-        return metrics
-
-    def accumulate(self, tasks: Sequence[TaskBatch], loss_fn: LossFn, detailed: bool = False) -> dict[str, float]:
+    def accumulate(
+        self,
+        tasks: Sequence[TaskBatch],
+        loss_fn: LossFn,
+        detailed: bool = False,
+        backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+    ) -> dict[str, float]:
         """Leave ``∇_{θ,φ} (1/B) Σ_t L_out,t`` in ``.grad`` (:attr:`objective`, one backward per task and term).
+
+        The outer update that follows (optimiser, clipping, the fp16 GradScaler, whose scaled backward comes in as
+        ``backward``) is meta-training's: :class:`meta.metatrain.outer.OuterStep`.
 
         Returns task-averaged metrics.  With ``detailed``, also computes (at extra cost)
         the query loss/accuracy at θ (before adaptation), the support loss/accuracy at θ'
@@ -299,18 +280,20 @@ class GRAMMetaLearner(nn.Module):
         (θ − θ')/α and the query gradient ∇_θ L(θ, D_query) (the paper's Fig. 3b).
         """
         self.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.zero_grad(set_to_none=True)
         n_tasks = len(tasks)
         if n_tasks == 0:
             raise ValueError("meta-batch is empty")
         if not detailed:  # all tasks in one stacked pass when spec.task_batching allows (None: one by one)
-            stacked = batched.accumulate(self, tasks, loss_fn)
+            stacked = batched.accumulate(self, tasks, loss_fn, backward)
             if stacked is not None:
                 return stacked
         # metrics stay on the device as 0-d tensors; one host transfer at the end of the meta-batch
         per_task: dict[str, list] = {}
         for task in tasks:
-            learner, values = self.objective.backward(self, loss_fn, task.support, task.query, n_tasks)
+            learner, values = self.objective.backward(
+                self, loss_fn, task.support, task.query, n_tasks, backward=backward
+            )
             if detailed:
                 values.update(self._diagnostics(learner, loss_fn, task))
             for key, value in values.items():
@@ -319,32 +302,6 @@ class GRAMMetaLearner(nn.Module):
         keys = list(per_task)
         means = torch.stack([torch.stack([v.to("cpu") for v in per_task[k]]).mean() for k in keys]).tolist()
         return dict(zip(keys, means))
-
-    def step(self, loss_value: float = 0.0) -> dict[str, float]:
-        """Clip, check finiteness, and apply the outer update to θ (λ1) and φ (λ2).
-
-        A non-finite gradient or loss skips the update (counted in ``skipped_steps`` and logged).
-        """
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)  # clip and check the true gradient
-        grads = [p.grad for p in params if p.grad is not None]
-        finite = math.isfinite(loss_value) and (
-            not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
-        )  # one sync
-        out: dict[str, float] = {}
-        if self.spec.grad_clip > 0 and finite:
-            out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, self.spec.grad_clip))
-        if finite:
-            (self.scaler.step if self.scaler is not None else lambda opt: opt.step())(self.optimizer)
-        else:
-            self.skipped_steps += 1
-            log.warning("non-finite meta-gradient or loss: outer step skipped (%d so far)", self.skipped_steps)
-        if self.scaler is not None:
-            self.scaler.update()  # an overflow lowers the scale for the next step
-        self.optimizer.zero_grad(set_to_none=True)
-        out["skipped"] = float(not finite)
-        return out
 
     def _diagnostics(self, learner: l2l.algorithms.GBML, loss_fn: LossFn, task: TaskBatch) -> dict[str, float]:
         theta = dict(self.prompt_module.named_parameters())
@@ -368,19 +325,9 @@ class GRAMMetaLearner(nn.Module):
 
     # ----- state -------------------------------------------------------------------
     def state(self) -> dict:
-        """Everything needed to resume: θ, φ, optimiser, counters."""
-        out = {
-            "gbml": self.gbml.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "skipped_steps": self.skipped_steps,
-        }
-        if self.scaler is not None:
-            out["scaler"] = self.scaler.state_dict()
-        return out
+        """θ and φ (``{"gbml": state_dict}``); the outer optimiser's state is :meth:`OuterStep.state`'s."""
+        return {"gbml": self.gbml.state_dict()}
 
     def load_state(self, state: dict) -> None:
+        """θ and φ from :meth:`state` (other keys, such as the outer step's, are left to their owner)."""
         self.gbml.load_state_dict(state["gbml"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])

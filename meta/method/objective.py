@@ -76,11 +76,14 @@ class OuterObjective:
         n_tasks: int,
         start: Optional[nn.Module] = None,
         before: Optional[Callable[[], nn.Module]] = None,
+        backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
     ) -> tuple[nn.Module, dict[str, torch.Tensor]]:
         """Adapt, backpropagate every term / ``n_tasks`` into ``.grad`` and return ``(adapted clone, metrics)``.
 
         ``meta`` is the :class:`meta.method.gram.GRAMMetaLearner`. ``start``: the clone to adapt (default a fresh clone
         of θ); ``before``: builds the prompts ``L_q(θ)`` is taken at (default θ itself; a task stack passes θ expanded).
+        ``backward(loss)``: how a term reaches ``.grad`` (default ``loss.backward()``; the outer step's fp16 GradScaler
+        passes a scaled backward, :class:`meta.metatrain.outer.OuterStep`).
         Metrics are 0-d tensors: ``support_loss_before`` / ``support_acc_before`` (the first inner step's),
         ``query_loss_after`` / ``query_acc_after`` (at θ'), and ``query_loss_trajectory`` when that term is on; for a
         stack, losses are sums over its tasks and accuracies means.
@@ -89,16 +92,16 @@ class OuterObjective:
         query_fn = task_loss_of(loss_fn)  # the query measures the task alone (no regulariser)
         with meta.cast():
             q_loss, q_logits = query_fn(adapted.module, query)
-        meta.backward(q_loss.float() / n_tasks)
+        backward(q_loss.float() / n_tasks)
         w = self.query_before_weight
         if w > 0:
             with meta.cast():
                 q_loss0, _ = query_fn(meta.prompt_module if before is None else before(), query)
-            meta.backward(w * q_loss0.float() / n_tasks)
+            backward(w * q_loss0.float() / n_tasks)
         metrics = {}
         if self.trajectory_states > 0:
             traj = self.trajectory_loss(meta, loss_fn, support, query)
-            meta.backward(traj.float() / n_tasks)
+            backward(traj.float() / n_tasks)
             metrics["query_loss_trajectory"] = traj.detach().float()
         metrics.update(
             {
