@@ -22,7 +22,7 @@ setup(
     package_data={
         "meta.model": ["model_configs/*.json"],
         "meta.method": ["methods.yaml"],
-        "meta.infra": ["fingerprint_golden.json"],
+        "meta.fingerprint": ["golden.json"],
     },
     python_requires=">=3.10",
     install_requires=[

@@ -448,9 +448,9 @@ def settings_record(base: DemoSettings, variant: str = "") -> dict:
 
 
 def current_provenance() -> dict:
-    """:func:`meta.infra.provenance.computed_by` of this process (computed once: the golden run takes ~15 s)."""
+    """:func:`meta.fingerprint.record.computed_by` of this process (computed once: the golden run takes ~15 s)."""
     if "record" not in _PROVENANCE:
-        from meta.infra.provenance import computed_by
+        from meta.fingerprint.record import computed_by
 
         _PROVENANCE["record"] = computed_by()
     return _PROVENANCE["record"]
@@ -582,7 +582,7 @@ def study(
 
 @dataclass
 class _Book:
-    """What computed each cell (``"world/seed"`` -> :func:`meta.infra.provenance.computed_by`) and the cells that mix
+    """What computed each cell (``"world/seed"`` -> :func:`meta.fingerprint.record.computed_by`) and the cells that mix
     fingerprints (kept from another fingerprint with ``--mix-fingerprints``, or such a cell that gained rows)."""
 
     computed: dict

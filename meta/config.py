@@ -139,7 +139,7 @@ def _tasks_node() -> CN:
     tasks.N_SUPPORT = 4
     tasks.N_QUERY = 8  # per class
     tasks.DOMAIN_SHIFT = True  # False = support from all domains (paper Table 4 row 1 ablation)
-    # share of the query's K classes the support does not hold (not in the paper; meta.data.tasks): 0 = the paper's
+    # share of the query's K classes the support does not hold (not in the paper; meta.metatrain.tasks): 0 = the paper's
     # tasks (same classes, only the domain shifts), 1 = query topics disjoint from the support's, between = a mix
     tasks.QUERY_NEW_SHARE = 0.0
     tasks.VAL_FRACTION = 0.1  # held-out topics for meta-validation
@@ -277,15 +277,6 @@ def get_meta_cfg_default() -> CN:
     cfg.TASKS = _tasks_node()
     add_metatrain_cfg(cfg)
     return cfg
-
-
-def quick_gelu_flag(value: str):
-    """Map ``MODEL.QUICK_GELU`` (auto|on|off) to ``load_clip``'s ``quick_gelu`` argument."""
-    v = str(value).strip().lower()
-    table = {"auto": None, "": None, "on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
-    if v not in table:
-        raise ValueError(f"MODEL.QUICK_GELU: expected auto|on|off, got {value!r}")
-    return table[v]
 
 
 def _one_line(err: BaseException) -> str:

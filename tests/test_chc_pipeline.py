@@ -191,7 +191,7 @@ def test_report_files(chc_run):
 
 @pytest.mark.slow
 def test_tasks_from_chc_hierarchy(chc_run):
-    from meta.data.tasks import TaskSampler
+    from meta.metatrain.tasks import TaskSampler
 
     out, _, _ = chc_run
     h = load_hierarchy(out)

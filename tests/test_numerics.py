@@ -1,8 +1,8 @@
-"""meta.infra.numerics and meta.infra.fingerprint: the kernel pins, the record, and the golden fingerprint.
+"""meta.infra.numerics and meta.fingerprint.golden: the kernel pins, the record, and the golden fingerprint.
 
 The golden test is the cross-machine check: whatever machine runs CI computes the fixed meta-training +
 fine-tuning run of every learner and both task loops under the pins and must reproduce the committed digests
-bit for bit (meta/infra/fingerprint_golden.json).
+bit for bit (meta/fingerprint/golden.json).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from meta.fingerprint.golden import GOLDEN, LEARNERS, LOOPS
 from meta.infra import numerics
-from meta.infra.fingerprint import GOLDEN, LEARNERS, LOOPS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,7 @@ def _run(args: list[str], **extra: str) -> subprocess.CompletedProcess:
 
 
 def test_golden_fingerprint_holds_on_this_machine():
-    done = _run(["-m", "meta.infra.numerics", "fingerprint", "--check"])
+    done = _run(["-m", "meta.fingerprint", "--check"])
     found = json.loads(done.stdout)
     golden = json.loads(GOLDEN.read_text())
     assert set(golden["runs"]) == {f"{lr}/{lp}" for lr in LEARNERS for lp in LOOPS}
@@ -49,14 +49,12 @@ def test_golden_fingerprint_holds_on_this_machine():
 
 
 def test_one_ulp_in_a_start_tensor_changes_every_digest():
-    args = ["-m", "meta.infra.numerics", "fingerprint", "--check", "--perturb-ulp", "--learners", "coop", "maple"]
+    args = ["-m", "meta.fingerprint", "--check", "--perturb-ulp", "--learners", "coop", "maple"]
     done = _run(args)
     found = json.loads(done.stdout)
     golden = json.loads(GOLDEN.read_text())["runs"]
     assert done.returncode == 1
-    assert (
-        len(done.stderr.strip().splitlines()) == 1 and "differs from fingerprint_golden.json in 4 of 4" in done.stderr
-    )
+    assert len(done.stderr.strip().splitlines()) == 1 and "differs from golden.json in 4 of 4" in done.stderr
     assert sorted(found["runs"]) == ["coop/sequential", "coop/stacked", "maple/sequential", "maple/stacked"]
     assert all(digest != golden[key] for key, digest in found["runs"].items())
 

@@ -16,7 +16,17 @@ import pytest
 from meta.method.methods import load_methods
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("meta", "meta/model", "meta/method", "meta/finetune", "meta/data", "meta/infra", "gram_world", "gram_tools")
+PACKAGES = (
+    "meta",
+    "meta/model",
+    "meta/method",
+    "meta/finetune",
+    "meta/data",
+    "meta/infra",
+    "meta/fingerprint",
+    "gram_world",
+    "gram_tools",
+)
 
 
 def _layout_section() -> str:

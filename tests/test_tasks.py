@@ -5,7 +5,7 @@ import pytest
 from helpers_chc import toy_hierarchy
 
 from meta.chc.hierarchy import Hierarchy
-from meta.data.tasks import Task, TaskSampler, split_topics
+from meta.metatrain.tasks import Task, TaskSampler, split_topics
 
 
 def check_task(h: Hierarchy, task: Task, k, n_s, n_q, domain_shift=True):

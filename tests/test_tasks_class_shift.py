@@ -1,6 +1,6 @@
 """Class-shift meta-tasks (``TASKS.QUERY_NEW_SHARE``): query classes the support does not hold.
 
-Checked on a toy hierarchy against the definition in :mod:`meta.data.tasks`: ``round(share * K)`` query classes are
+Checked on a toy hierarchy against the definition in :mod:`meta.metatrain.tasks`: ``round(share * K)`` query classes are
 topics outside the support (distinct names, items from their own topic dealt over all its domains), the rest are
 support classes whose query items never repeat a support item; share 1 makes the topic sets disjoint; the
 stream is deterministic under its seed and resumes exactly; the batcher gives the query its own class names.
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from helpers_chc import toy_hierarchy
 
-from meta.data.tasks import TaskSampler, TaskStream, largest_k_way, new_query_classes
+from meta.metatrain.tasks import TaskSampler, TaskStream, largest_k_way, new_query_classes
 
 K, N_S, N_Q = 4, 3, 5
 

@@ -5,7 +5,7 @@ import pytest
 
 from gram_tools.synthetic import write_synthetic_image_folder
 from meta.chc.image_folder import build_image_folder_hierarchy
-from meta.data.tasks import TaskSampler
+from meta.metatrain.tasks import TaskSampler
 
 
 def test_image_folder_hierarchy_classes_domains_and_tasks(tiny_clip, tmp_path):

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from meta.evaluation.summary import epoch_curves, summarise
-from meta.infra.provenance import computed_by, git_commit
+from meta.fingerprint.record import computed_by
+from meta.infra.provenance import git_commit
 from meta.metatrain.runlog import read_log
 
 from .settings import (
@@ -72,7 +73,7 @@ def _machine() -> str:
 
 def provenance(settings: DemoSettings, world, weights: Path) -> dict:
     """What the numbers depend on: world seed and hash, CLIP weights, demo settings hash, commit, machine, and
-    what computed them (:func:`meta.infra.provenance.computed_by`: numerics fingerprint, kernel pins, CPU, builds)."""
+    what computed them (:func:`meta.fingerprint.record.computed_by`: numerics fingerprint, kernel pins, CPU, builds)."""
     source = world.with_role("cross_domain_source")
     return {
         "world_seed": settings.world_seed,

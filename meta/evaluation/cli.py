@@ -30,7 +30,6 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
-from meta.config import quick_gelu_flag
 from meta.evaluation import (
     PRESET_ALIASES,
     PRESET_NAMES,
@@ -47,7 +46,7 @@ from meta.evaluation import (
 from meta.evaluation.summary import format_row, summarise
 from meta.infra.cli_errors import int_flag_problem, run_cli
 from meta.method.prompts import VPT_INITS, PromptSpec
-from meta.model.backbone import check_model_name, load_clip, resolve_device
+from meta.model.backbone import check_model_name, load_clip, quick_gelu_flag, resolve_device
 
 __all__ = [
     "DatasetRef",

@@ -31,13 +31,12 @@ the record says which was used.
 :func:`numerics_record` is what every results file stores: CPU model and the instruction-set flags that select
 kernels, the pins in effect, thread counts, package builds, and on a GPU the card, driver, CUDA/cuDNN builds and
 the deterministic settings.  ``python -m meta.infra.numerics probe`` prints digests of a few ops on fixed inputs, to
-see a knob's effect on a machine; ``python -m meta.infra.numerics fingerprint`` is the golden run
-(:mod:`meta.infra.fingerprint`).
+see a knob's effect on a machine; ``python -m meta.fingerprint`` is the golden run
+(:mod:`meta.fingerprint.golden`).
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -264,61 +263,10 @@ def probe() -> dict[str, str]:
     }
 
 
-def fingerprint_main(argv: Optional[list[str]] = None) -> int:
-    """``python -m meta.infra.numerics fingerprint [--check | --write] [--perturb-ulp]`` (the pins already set)."""
-    import time
-
-    from meta.infra.fingerprint import GOLDEN, LEARNERS, LOOPS, compare, fingerprint
-
-    ap = argparse.ArgumentParser(
-        prog="python -m meta.infra.numerics fingerprint",
-        description="The golden numerics fingerprint (meta.infra.fingerprint).",
-    )
-    ap.add_argument("--check", action="store_true", help=f"compare with {GOLDEN.name}; exit 1 on a mismatch")
-    ap.add_argument("--write", action="store_true", help=f"replace {GOLDEN.name} with this machine's digests")
-    ap.add_argument("--perturb-ulp", action="store_true", help="move one start element by one ulp")
-    ap.add_argument("--learners", nargs="+", choices=list(LEARNERS), default=list(LEARNERS))
-    ap.add_argument("--loops", nargs="+", choices=list(LOOPS), default=list(LOOPS))
-    args = ap.parse_args(argv)
-    partial = set(args.learners) != set(LEARNERS) or set(args.loops) != set(LOOPS)
-    if partial and args.write:
-        ap.error("--write needs every learner and loop")
-    start = time.perf_counter()
-    found = fingerprint(perturb_ulp=args.perturb_ulp, learners=args.learners, loops=args.loops)
-    record = numerics_record()
-    out = {**found, "seconds": round(time.perf_counter() - start, 1), "numerics": record}
-    print(json.dumps(out, indent=1, sort_keys=True))
-    if args.write:
-        golden = {
-            "digest": found["digest"],
-            "runs": found["runs"],
-            "written_on": {k: record[k] for k in ("cpu_model", "cpu_kernel_flags", "pins", "torch", "mode")},
-        }
-        GOLDEN.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
-    if args.check:
-        try:
-            golden = json.loads(GOLDEN.read_text())
-        except (OSError, ValueError) as err:
-            print(f"error: {GOLDEN}: cannot read the golden fingerprint ({err})", file=sys.stderr)
-            return 2
-        if partial:
-            golden = {"runs": {k: v for k, v in golden["runs"].items() if k in found["runs"]}}
-        differ = compare(found, golden)
-        if differ:
-            print(
-                f"error: numerics fingerprint differs from {GOLDEN.name} in {len(differ)} of "
-                f"{len(golden['runs'])} runs ({', '.join(differ)}) on {record['cpu_model']} "
-                f"(mode {record['mode']}, ATen {record['aten_cpu_capability']})",
-                file=sys.stderr,
-            )
-            return 1
-    return 0
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: python -m meta.infra.numerics {probe,record,fingerprint} [fingerprint options]"
-    if not argv or argv[0] not in ("probe", "record", "fingerprint"):
+    usage = "usage: python -m meta.infra.numerics {probe,record} (the golden fingerprint: python -m meta.fingerprint)"
+    if not argv or argv[0] not in ("probe", "record"):
         print(usage, file=sys.stderr)
         return 2
     try:
@@ -326,8 +274,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     except NumericsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if argv[0] == "fingerprint":
-        return fingerprint_main(argv[1:])
     import torch
 
     torch.set_num_threads(1)

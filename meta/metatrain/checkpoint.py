@@ -65,7 +65,7 @@ def capture_rng() -> dict:
     """The global random states (python, numpy, torch, CUDA) as tensors / lists / ints (weights_only-safe).
 
     The task/batch stream keeps its own generator; its state is saved next to this one
-    (``meta.data.tasks.TaskStream.state()``: a numpy PCG64 state, i.e. a dict of python ints).
+    (``meta.metatrain.tasks.TaskStream.state()``: a numpy PCG64 state, i.e. a dict of python ints).
     """
     version, internal, gauss = random.getstate()
     out: dict[str, Any] = {

@@ -3,10 +3,10 @@
 * :func:`load_task_hierarchy` opens the configured source and names the config key in errors.
 * :func:`check_cached_features` refuses cached image features that do not come from the CLIP
   being trained with (metadata check, then re-encoding a few images).
-* :class:`TaskBatcher` turns a :class:`meta.data.tasks.Task` (item indices) into a
+* :class:`TaskBatcher` turns a :class:`meta.metatrain.tasks.Task` (item indices) into a
   :class:`meta.method.gram.TaskBatch` of ``{"classnames", "label", "features" | "images"}`` dicts.
 
-Which items a task or a batch holds (index level, numpy only) is :mod:`meta.data.tasks`'s job.
+Which items a task or a batch holds (index level, numpy only) is :mod:`meta.metatrain.tasks`'s job.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from meta.method.regulator import RegulatorSpec
 from meta.model.precision import resolve_autocast
 
 if TYPE_CHECKING:
-    from meta.data.tasks import TaskSampler
+    from meta.metatrain.tasks import TaskSampler
     from meta.method.gram import MetaSpec
 
 __all__ = [
@@ -83,7 +83,8 @@ BEHAVIOUR_BEFORE_KEY: dict[str, Any] = {"META.PROMPT.VPT_INIT": "normal"}
 UNUSED_WHILE_ZERO: dict[str, str] = {"META.PROMPT.VPT_INIT": "META.PROMPT.N_CTX_VISION"}
 
 
-# Bytes a step holds per image before any tensor exists: its int64 item index and int64 label (meta.data.tasks.Task).
+# Bytes a step holds per image before any tensor exists: its int64 item index and int64 label
+# (meta.metatrain.tasks.Task).
 INDEX_BYTES = 16
 # CLIP's text sequence for a class with M context tokens: start, M context tokens, the class name (>= 1 token), the
 # full stop, the end token; a sequence reaching the last position reads as truncated (meta.model.text_encoder), so
@@ -352,9 +353,9 @@ def _size(n_bytes: int) -> str:
 
 
 def task_sampler(cfg: CN, hierarchy, topics, seed: int, k_way: Optional[int] = None) -> "TaskSampler":
-    """The :class:`meta.data.tasks.TaskSampler` the ``TASKS`` node describes, over ``topics`` with ``seed``
+    """The :class:`meta.metatrain.tasks.TaskSampler` the ``TASKS`` node describes, over ``topics`` with ``seed``
     (K = ``TASKS.K_WAY`` unless ``k_way`` is given): the one place a sampler is built from a config."""
-    from meta.data.tasks import TaskSampler
+    from meta.metatrain.tasks import TaskSampler
 
     t = cfg.TASKS
     return TaskSampler(
@@ -372,7 +373,7 @@ def task_sampler(cfg: CN, hierarchy, topics, seed: int, k_way: Optional[int] = N
 def val_k_way(cfg: CN, n_val_topics: int) -> int:
     """K of the validation tasks: the largest K <= ``TASKS.K_WAY`` the held-out topics can fill, new query
     classes (``TASKS.QUERY_NEW_SHARE``) included; validation needs K >= 2."""
-    from meta.data.tasks import largest_k_way
+    from meta.metatrain.tasks import largest_k_way
 
     return largest_k_way(n_val_topics, int(cfg.TASKS.K_WAY), float(cfg.TASKS.QUERY_NEW_SHARE))
 
@@ -384,10 +385,10 @@ def check_task_sizes(cfg: CN, hierarchy, device: str = "cpu") -> None:
       pre-training needs >= 2 training topics;
     * ``TASKS.N_SUPPORT`` / ``TASKS.N_QUERY``: at least ``K_WAY`` training topics with ``N_SUPPORT +
       N_QUERY`` items (and, with ``TASKS.DOMAIN_SHIFT``, one domain of ``N_SUPPORT``) -- the rule of
-      :class:`meta.data.tasks.TaskSampler`, which is asked; likewise for the held-out topics' validation tasks;
+      :class:`meta.metatrain.tasks.TaskSampler`, which is asked; likewise for the held-out topics' validation tasks;
     * one step's cached features or pixels fit ``device``'s memory (:func:`check_step_size`).
     """
-    from meta.data.tasks import largest_k_way, new_query_classes, split_topics
+    from meta.metatrain.tasks import largest_k_way, new_query_classes, split_topics
 
     t, m = cfg.TASKS, cfg.META
     k, n_s, n_q, shift = int(t.K_WAY), int(t.N_SUPPORT), int(t.N_QUERY), bool(t.DOMAIN_SHIFT)

@@ -34,7 +34,6 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from meta.data.tasks import ClassBatchStream, TaskStream, split_topics
 from meta.finetune.regulated import GradientRegulation, LaunchStep, finetune_and_score
 from meta.infra import distributed as dist_
 from meta.infra.fileio import clean_stale_temps, parse_json, write_json_atomic, write_text_atomic
@@ -61,6 +60,7 @@ from meta.metatrain.data import (
 from meta.metatrain.export import export_paths, export_state, verify_exports
 from meta.metatrain.outer import OuterStep
 from meta.metatrain.runlog import RunLog, postfix, progress_bar
+from meta.metatrain.tasks import ClassBatchStream, TaskStream, split_topics
 from meta.method.gram import GRAMMetaLearner
 from meta.method.inner import task_loss_of
 from meta.method.metrics import accuracy

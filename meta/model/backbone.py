@@ -211,3 +211,12 @@ def load_clip(
                 ) from err
     clip = freeze(clip)
     return clip, clip_dims(clip, model_name)
+
+
+def quick_gelu_flag(value: str) -> Optional[bool]:
+    """Map ``MODEL.QUICK_GELU`` (auto|on|off) to ``load_clip``'s ``quick_gelu`` argument."""
+    v = str(value).strip().lower()
+    table = {"auto": None, "": None, "on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
+    if v not in table:
+        raise ValueError(f"MODEL.QUICK_GELU: expected auto|on|off, got {value!r}")
+    return table[v]

@@ -11,8 +11,7 @@ import warnings
 
 import torch
 
-from meta.config import quick_gelu_flag
-from meta.model.backbone import check_model_name, check_precision, load_clip
+from meta.model.backbone import check_model_name, check_precision, load_clip, quick_gelu_flag
 from meta.model.precision import resolve_weights
 
 

@@ -277,7 +277,7 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
             "TRAINER.GRAM.MODEL_NAME: empty, and MODEL.BACKBONE.NAME is empty too (expected e.g. ViT-B/16)"
         )
     weights = resolve_weights_key(g.WEIGHTS, backbone, model_name)
-    from meta.config import quick_gelu_flag
+    from meta.model.backbone import quick_gelu_flag
 
     try:
         quick_gelu = quick_gelu_flag(g.QUICK_GELU)

@@ -12,8 +12,8 @@ CLIP (``GRAM-Test-Tiny``, random weights from a fixed seed) and fixed synthetic 
 and hashes every bit that comes out: each step's outer loss, θ* and φ, the fine-tuning losses and the fine-tuned θ
 (float32/float64 bytes, SHA-256).  One digest per (learner, loop) and one over all of them.
 
-The committed ``meta/infra/fingerprint_golden.json`` holds the digests of this run under the numerics pins
-(:mod:`meta.infra.numerics`).  ``python -m meta.infra.numerics fingerprint --check`` compares: any machine whose kernels
+The committed ``meta/fingerprint/golden.json`` holds the digests of this run under the numerics pins
+(:mod:`meta.infra.numerics`).  ``python -m meta.fingerprint --check`` compares: any machine whose kernels
 differ in one last bit anywhere in meta-training or fine-tuning gives another digest, and the mismatch names the
 (learner, loop) pairs that differ.  A refactor that changes no number keeps it; ``--write`` replaces the file
 (only when numbers are meant to move, said in the commit).  ``--perturb-ulp`` moves one element of the start θ by
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-GOLDEN = Path(__file__).with_name("fingerprint_golden.json")
+GOLDEN = Path(__file__).with_name("golden.json")
 MODEL = "GRAM-Test-Tiny"
 OUTER_STEPS = 3
 FINETUNE_STEPS = 3

@@ -239,7 +239,7 @@ def split_topics(hierarchy: "Hierarchy", val_fraction: float, seed: int = 0) -> 
 
 
 class TaskStream:
-    """Meta-batches from a :class:`meta.data.tasks.TaskSampler`, with an exact, resumable position.
+    """Meta-batches from a :class:`meta.metatrain.tasks.TaskSampler`, with an exact, resumable position.
 
     The position is the number of tasks drawn plus the sampler's own ``state_dict()`` (its numpy
     generator).  A sampler without one is restored by re-drawing the same number of tasks from a
