@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from helpers import class_batch
 from torch.func import functional_call
 
-from meta.metatrain.outer import OuterStep
+from meta.metatrain.outer import OuterSpec, OuterStep
 from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch, double_backward_attention
 from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
 from meta.method.regulator import RegulatorSpec
@@ -213,9 +213,8 @@ def test_regulation_off_builds_no_regulator_and_uses_raw_gradient(tiny_clip):
 
 def test_outer_step_uses_separate_learning_rates_and_skips_non_finite(tiny_clip):
     clip, dims = tiny_clip
-    spec = MetaSpec(outer_lr_prompt=1e-2, outer_lr_regulator=1e-4, grad_clip=0.0)
-    ml = _learner(clip, dims, PromptSpec(n_ctx_text=4), spec)
-    outer = OuterStep(ml)
+    ml = _learner(clip, dims, PromptSpec(n_ctx_text=4), MetaSpec())
+    outer = OuterStep(ml, OuterSpec(outer_lr_prompt=1e-2, outer_lr_regulator=1e-4, grad_clip=0.0))
     lrs = {g["name"]: g["lr"] for g in outer.optimizer.param_groups}
     assert lrs == {"prompt": 1e-2, "regulator": 1e-4}
     pclip = PromptedCLIP(clip, dims, 4)

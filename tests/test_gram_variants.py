@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from meta.finetune.init_io import export_gram_init, load_gram_init
 from meta.finetune.regulated import GradientRegulation, finetune_and_score
-from meta.metatrain.outer import OuterStep
+from meta.metatrain.outer import OuterSpec, OuterStep
 from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch
 from meta.method.prompts import PromptParams
 from meta.method.regulator import GradientRegulator, RegulatorSpec
@@ -88,7 +88,7 @@ def test_bad_option_values_are_rejected():
     with pytest.raises(ValueError, match="inner_momentum"):
         MetaSpec(inner_momentum=1.0)
     with pytest.raises(ValueError, match="regulator_weight_decay"):
-        MetaSpec(regulator_weight_decay=-1.0)
+        OuterSpec(regulator_weight_decay=-1.0)
 
 
 # ------------------------------------------------------------------ meta-learner with a toy loss
@@ -171,9 +171,8 @@ def test_second_order_meta_gradient_through_all_options_matches_finite_differenc
 
 def test_regulator_weight_decay_pulls_phi_towards_identity_only():
     prompts, batch, loss_fn = _toy(torch.float32)
-    spec = MetaSpec(regulator=RegulatorSpec(init="normal", init_std=0.3), regulator_weight_decay=0.5)
-    learner = GRAMMetaLearner(prompts, spec)
-    outer = OuterStep(learner)
+    learner = GRAMMetaLearner(prompts, MetaSpec(regulator=RegulatorSpec(init="normal", init_std=0.3)))
+    outer = OuterStep(learner, OuterSpec(regulator_weight_decay=0.5))
     groups = {g["name"]: g for g in outer.optimizer.param_groups}
     assert groups["regulator"]["weight_decay"] == 0.5 and groups["prompt"]["weight_decay"] == 0
     reg = learner.regulators()["ctx"]

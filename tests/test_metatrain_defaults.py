@@ -1,4 +1,4 @@
-"""The META yacs defaults build exactly the dataclass defaults (MetaSpec, RegulatorSpec, PromptSpec).
+"""The META yacs defaults build exactly the dataclass defaults (MetaSpec, OuterSpec, RegulatorSpec, PromptSpec).
 
 Fields are enumerated with ``dataclasses.fields``: a field added to a spec without its yacs key (or
 with a different default there) fails here.  ``BETA_SCALE`` is the one key with its own encoding:
@@ -10,15 +10,16 @@ import dataclasses
 import pytest
 
 from meta.config import get_meta_cfg_default
-from meta.metatrain.settings import add_metatrain_cfg, meta_spec, prompt_spec, regulator_spec
+from meta.metatrain.outer import OuterSpec
+from meta.metatrain.settings import add_metatrain_cfg, meta_spec, outer_spec, prompt_spec, regulator_spec
 from meta.method.gram import MetaSpec
 from meta.method.prompts import VPT_INITS, PromptSpec
 from meta.method.regulator import RegulatorSpec
 
 # dataclass field -> META key, where it is not simply the upper-cased field name in the spec's node
-KEY_OF = {(MetaSpec, "regulator"): "REGULATOR", (MetaSpec, "regulator_weight_decay"): "REGULATOR.WEIGHT_DECAY"}
-NODE_OF = {MetaSpec: "", RegulatorSpec: "REGULATOR.", PromptSpec: "PROMPT."}
-BUILD = {MetaSpec: meta_spec, RegulatorSpec: regulator_spec, PromptSpec: prompt_spec}
+KEY_OF = {(MetaSpec, "regulator"): "REGULATOR", (OuterSpec, "regulator_weight_decay"): "REGULATOR.WEIGHT_DECAY"}
+NODE_OF = {MetaSpec: "", OuterSpec: "", RegulatorSpec: "REGULATOR.", PromptSpec: "PROMPT."}
+BUILD = {MetaSpec: meta_spec, OuterSpec: outer_spec, RegulatorSpec: regulator_spec, PromptSpec: prompt_spec}
 # a valid non-default value for each string field (a new string field must be added here)
 OTHER_STR = {
     "optimizer": "sgd",
@@ -55,12 +56,12 @@ def _node_and_leaf(cfg, key):
     return node, leaf
 
 
-@pytest.mark.parametrize("spec_cls", [MetaSpec, RegulatorSpec, PromptSpec], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("spec_cls", [MetaSpec, OuterSpec, RegulatorSpec, PromptSpec], ids=lambda c: c.__name__)
 def test_default_yacs_config_builds_the_dataclass_defaults(spec_cls):
     cfg = _cfg()
     built, default = BUILD[spec_cls](cfg), spec_cls()
     fields = dataclasses.fields(spec_cls)
-    assert len(fields) >= 6
+    assert len(fields) >= 5
     for field in fields:
         node, leaf = _node_and_leaf(cfg, _key(spec_cls, field))
         assert leaf in node, f"{spec_cls.__name__}.{field.name} has no yacs key {_key(spec_cls, field)}"
@@ -81,7 +82,7 @@ def _other_value(name, value):
     return OTHER_STR[name]
 
 
-@pytest.mark.parametrize("spec_cls", [MetaSpec, RegulatorSpec, PromptSpec], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("spec_cls", [MetaSpec, OuterSpec, RegulatorSpec, PromptSpec], ids=lambda c: c.__name__)
 def test_every_field_is_read_from_its_yacs_key(spec_cls):
     """Changing each key alone changes exactly its field (the key is wired, not just present)."""
     default = spec_cls()

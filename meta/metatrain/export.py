@@ -74,7 +74,7 @@ def provenance(state: dict, cfg: CN) -> dict:
         "finished": int(state["step"]) >= int(state.get("steps_total", cfg.META.STEPS)),
         "seed": int(cfg.SEED),
         "prompt": settings.prompt_spec(cfg).as_dict(),
-        "meta": settings.meta_spec(cfg).as_dict(),
+        "meta": {**settings.meta_spec(cfg).as_dict(), **settings.outer_spec(cfg).as_dict()},  # one flat record
         "tasks": {
             "k_way": int(cfg.TASKS.K_WAY),
             "n_support": int(cfg.TASKS.N_SUPPORT),

@@ -3,14 +3,15 @@
 
 The learner clones, adapts and backpropagates (learn2learn's ``GBML`` shape); this module owns what happens next,
 as open_clip's training application owns its step: the optimiser (Adam, or SGD with momentum 0.9, per
-``MetaSpec.optimizer``; φ may carry an L2 weight decay), the fp16 ``GradScaler`` (only with ``MetaSpec.autocast
-fp16`` on CUDA), the global-norm clip over θ and φ (``MetaSpec.grad_clip``; 0 = off) and the finiteness check
-that skips a step whose gradient or loss is not finite.
+``OuterSpec.optimizer``; φ may carry an L2 weight decay), the fp16 ``GradScaler`` (only with ``MetaSpec.autocast
+fp16`` on CUDA), the global-norm clip over θ and φ (``OuterSpec.grad_clip``; 0 = off) and the finiteness check
+that skips a step whose gradient or loss is not finite.  Its settings are :class:`OuterSpec` (yacs: the ``META``
+keys of the same names, upper-cased; ``META.REGULATOR.WEIGHT_DECAY`` for φ's decay).
 
 Usage::
 
     learner = GRAMMetaLearner(theta, MetaSpec())
-    outer = OuterStep(learner)
+    outer = OuterStep(learner, OuterSpec(outer_lr_prompt=2e-3))
     metrics = outer.meta_step(tasks, loss_fn)      # accumulate, then clip, check and step
 """
 
@@ -18,7 +19,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -26,13 +28,41 @@ from meta.method.gram import GRAMMetaLearner, LossFn, TaskBatch
 
 log = logging.getLogger(__name__)
 
+OUTER_OPTIMIZERS = ("adam", "sgd")
+
+
+@dataclass
+class OuterSpec:
+    """The outer update's settings (values the paper does not give are ours)."""
+
+    outer_lr_prompt: float = 2e-3  # λ1 (θ)
+    outer_lr_regulator: float = 1e-3  # λ2 (φ)
+    optimizer: str = "adam"  # "adam" | "sgd" (momentum 0.9)
+    grad_clip: float = 1.0  # max global norm over θ and φ; 0 = off
+    regulator_weight_decay: float = 0.0  # L2 on φ in the outer optimiser: pulls φ to 0 = identity R_φ (residual form)
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OUTER_OPTIMIZERS:
+            raise ValueError(
+                f"OuterSpec.optimizer must be one of {', '.join(OUTER_OPTIMIZERS)}, got {self.optimizer!r}"
+            )
+        if self.regulator_weight_decay < 0:
+            raise ValueError(f"OuterSpec.regulator_weight_decay must be >= 0, got {self.regulator_weight_decay}")
+        if self.grad_clip < 0:
+            raise ValueError(f"OuterSpec.grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
 
 class OuterStep:
     """The outer optimiser of one :class:`~meta.method.gram.GRAMMetaLearner` (parameter groups ``prompt`` and,
-    when R_φ has parameters, ``regulator``), its fp16 loss scaler and the count of skipped steps."""
+    when R_φ has parameters, ``regulator``; settings ``spec``, default :class:`OuterSpec`), its fp16 loss scaler
+    (when the learner's ``MetaSpec.autocast`` is ``fp16``) and the count of skipped steps."""
 
-    def __init__(self, learner: GRAMMetaLearner):
-        spec = learner.spec
+    def __init__(self, learner: GRAMMetaLearner, spec: Optional[OuterSpec] = None):
+        spec = spec or OuterSpec()
+        self.spec = spec
         self.learner = learner
         self.grad_clip = spec.grad_clip
         groups = [{"params": list(learner.prompt_module.parameters()), "lr": spec.outer_lr_prompt, "name": "prompt"}]
@@ -48,13 +78,11 @@ class OuterStep:
             )
         if spec.optimizer == "adam":
             self.optimizer = torch.optim.Adam(groups)
-        elif spec.optimizer == "sgd":
-            self.optimizer = torch.optim.SGD(groups, momentum=0.9)
         else:
-            raise ValueError(f"optimizer must be adam|sgd, got {spec.optimizer!r}")
+            self.optimizer = torch.optim.SGD(groups, momentum=0.9)
         # fp16 scales the outer loss (the inner support gradient is taken unscaled: prefer bf16)
         self.scaler = (
-            torch.amp.GradScaler("cuda", enabled=torch.cuda.is_available()) if spec.autocast == "fp16" else None
+            torch.amp.GradScaler("cuda", enabled=torch.cuda.is_available()) if learner.spec.autocast == "fp16" else None
         )
         self.skipped_steps = 0
 

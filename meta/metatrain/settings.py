@@ -21,6 +21,7 @@ from meta.method.regulator import RegulatorSpec
 from meta.model.precision import resolve_autocast
 
 if TYPE_CHECKING:
+    from meta.metatrain.outer import OuterSpec
     from meta.metatrain.tasks import TaskSampler
     from meta.method.gram import MetaSpec
 
@@ -494,22 +495,31 @@ def meta_spec(cfg: CN, device=None) -> "MetaSpec":
     return MetaSpec(
         inner_steps=int(m.INNER_STEPS),
         inner_lr=float(m.INNER_LR),
-        outer_lr_prompt=float(m.PRETRAIN.LR if pretrain else m.OUTER_LR_PROMPT),
-        outer_lr_regulator=float(m.OUTER_LR_REGULATOR),
-        optimizer=m.OPTIMIZER,
         first_order=bool(m.FIRST_ORDER),
-        grad_clip=float(m.GRAD_CLIP),
         regulate=bool(m.REGULATE) and not pretrain,
         regulator=regulator_spec(cfg),
         autocast=autocast,
         inner_momentum=float(m.INNER_MOMENTUM),
-        regulator_weight_decay=float(m.REGULATOR.WEIGHT_DECAY),
         query_before_weight=float(m.QUERY_BEFORE_WEIGHT),
         inner_weight_decay=float(m.INNER_WEIGHT_DECAY),
         inner_support=str(m.INNER_SUPPORT),
         trajectory_states=int(m.TRAJECTORY_STATES),
         trajectory_windows=int(m.TRAJECTORY_WINDOWS),
         task_batching=str(m.TASK_BATCHING),
+    )
+
+
+def outer_spec(cfg: CN) -> "OuterSpec":
+    """The outer update's settings (``pretrain`` mode: θ's rate is ``META.PRETRAIN.LR``)."""
+    from meta.metatrain.outer import OuterSpec  # lazy: it imports meta.method.gram (learn2learn)
+
+    m = cfg.META
+    return OuterSpec(
+        outer_lr_prompt=float(m.PRETRAIN.LR if m.MODE == "pretrain" else m.OUTER_LR_PROMPT),
+        outer_lr_regulator=float(m.OUTER_LR_REGULATOR),
+        optimizer=m.OPTIMIZER,
+        grad_clip=float(m.GRAD_CLIP),
+        regulator_weight_decay=float(m.REGULATOR.WEIGHT_DECAY),
     )
 
 

@@ -203,7 +203,7 @@ def setup_run(cfg, hierarchy=None) -> RunSetup:
         train_topics,
         val_topics,
         learner,
-        OuterStep(learner),
+        OuterStep(learner, settings.outer_spec(cfg)),
         classification_loss(pclip, settings.consistency_spec(cfg)),
         batcher,
         stream,

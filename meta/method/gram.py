@@ -59,25 +59,20 @@ LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]]
 # demo): chosen on validation splits with the test-time switches of meta.finetune.regulated
 # (docs/notes/gram_training_match.md).
 DEFAULT_QUERY_BEFORE_WEIGHT = 0.0
-OUTER_OPTIMIZERS = ("adam", "sgd")  # the outer optimiser of θ and φ (meta.metatrain.outer.OuterStep)
 
 
 @dataclass
 class MetaSpec:
-    """Hyper-parameters of the bi-level loop (values the paper does not give are ours)."""
+    """Hyper-parameters of the bi-level loop: the inner rule, the outer objective, precision and task batching
+    (values the paper does not give are ours).  The outer optimiser's are :class:`meta.metatrain.outer.OuterSpec`."""
 
     inner_steps: int = 1
     inner_lr: float = 0.1  # α
-    outer_lr_prompt: float = 2e-3  # λ1 (θ)
-    outer_lr_regulator: float = 1e-3  # λ2 (φ)
-    optimizer: str = "adam"  # "adam" | "sgd"
     first_order: bool = False
-    grad_clip: float = 1.0  # max global norm over θ and φ; 0 = off
     regulate: bool = True  # False = "w/o gradient regulating" ablation (raw inner gradient)
     regulator: RegulatorSpec = field(default_factory=RegulatorSpec)
     autocast: str = "none"  # none | bf16 | fp16 forward passes (CUDA; meta.model.precision); fp16 adds a GradScaler
     inner_momentum: float = 0.0  # μ of heavy-ball inner SGD (test-time SGD uses 0.9); 0 = plain steps
-    regulator_weight_decay: float = 0.0  # L2 on φ in the outer optimiser: pulls φ to 0 = identity R_φ (residual form)
     query_before_weight: float = DEFAULT_QUERY_BEFORE_WEIGHT  # w of L_q(θ) in the outer objective (0 = Eq. 8)
     inner_weight_decay: float = 0.0  # λ of the inner SGD (added to R_φ(g), as torch SGD at test time); 0 = none
     inner_support: str = "repeat"  # data per inner step: repeat = whole support | split = K class-balanced windows
@@ -88,8 +83,6 @@ class MetaSpec:
     def __post_init__(self) -> None:
         if not 0.0 <= self.inner_momentum < 1.0:
             raise ValueError(f"MetaSpec.inner_momentum must be in [0, 1), got {self.inner_momentum}")
-        if self.regulator_weight_decay < 0:
-            raise ValueError(f"MetaSpec.regulator_weight_decay must be >= 0, got {self.regulator_weight_decay}")
         if self.inner_weight_decay < 0:
             raise ValueError(f"MetaSpec.inner_weight_decay must be >= 0, got {self.inner_weight_decay}")
         if self.inner_support not in SUPPORT_MODES:
@@ -101,8 +94,6 @@ class MetaSpec:
             )
         if self.query_before_weight < 0:
             raise ValueError(f"MetaSpec.query_before_weight must be >= 0, got {self.query_before_weight}")
-        if self.optimizer not in OUTER_OPTIMIZERS:
-            raise ValueError(f"MetaSpec.optimizer must be one of {', '.join(OUTER_OPTIMIZERS)}, got {self.optimizer!r}")
         if self.task_batching not in batched.TASK_BATCHING:
             raise ValueError(
                 f"MetaSpec.task_batching must be one of {', '.join(batched.TASK_BATCHING)}, got {self.task_batching!r}"
