@@ -1103,9 +1103,27 @@ def _parser() -> argparse.ArgumentParser:
         help="run: keep cells of --resume-from computed at another numerics fingerprint (other "
         "code or kernels); the summary names them. Without it such cells are refused",
     )
+    add_settings_flags(parser)
+    return parser
+
+
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """``--quick`` and ``--debug``, the flags every study command shares (with ``--jobs``: :func:`base_settings`)."""
     parser.add_argument("--quick", action="store_true", help="the demo's --quick settings (a smoke test)")
     parser.add_argument("--debug", action="store_true")
-    return parser
+
+
+def base_settings(quick: bool, jobs: Optional[int], worlds: Sequence[str]) -> DemoSettings:
+    """The demo's settings (``--quick``'s preset or the default) with ``--jobs`` worker processes, after checking
+    ``jobs`` (>= 1) and that every name in ``worlds`` is a study world (one-line ``ValueError`` otherwise)."""
+    base = DemoSettings.preset(quick)
+    if jobs is not None:
+        if jobs < 1:
+            raise ValueError(f"--jobs: expected an integer >= 1 worker processes, got {jobs}")
+        base = replace(base, jobs=jobs)
+    for w in worlds:
+        world_settings(w, base)
+    return base
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -1118,13 +1136,7 @@ def _main(argv: list) -> int:
     args.meta_seeds = args.meta_seeds or list(META_SEEDS)
     args.split = args.split or "test"
     args.rows = args.rows or "all"
-    base = DemoSettings.preset(args.quick)
-    if args.jobs is not None:
-        if args.jobs < 1:
-            raise ValueError(f"--jobs: expected an integer >= 1 worker processes, got {args.jobs}")
-        base = replace(base, jobs=args.jobs)
-    for w in args.worlds:
-        world_settings(w, base)
+    base = base_settings(args.quick, args.jobs, args.worlds)
     t = time.time()
     if args.command in ("run", "travel") and args.variants and len(args.variants) > 1:
         raise ValueError(f"--variants: {args.command} takes one variant, got {' '.join(args.variants)}")

@@ -605,8 +605,7 @@ def _parser():
         action="store_true",
         help="keep units of --resume-from computed at another numerics fingerprint (the summary names them)",
     )
-    parser.add_argument("--quick", action="store_true", help="the demo's --quick settings (a smoke test)")
-    parser.add_argument("--debug", action="store_true")
+    study.add_settings_flags(parser)
     return parser
 
 
@@ -616,13 +615,7 @@ def main(argv: Optional[list] = None) -> int:
 
 def _main(argv: list) -> int:
     args = _parser().parse_args(argv)
-    base = DemoSettings.preset(args.quick)
-    if args.jobs is not None:
-        if args.jobs < 1:
-            raise ValueError(f"--jobs: expected an integer >= 1 worker processes, got {args.jobs}")
-        base = replace(base, jobs=args.jobs)
-    for w in args.worlds:
-        study.world_settings(w, base)
+    base = study.base_settings(args.quick, args.jobs, args.worlds)
     t = time.time()
     base = replace(base, seeds=tuple(args.seeds))
     root = Path(args.out)
