@@ -31,7 +31,6 @@ memory-efficient kernels have no double backward).
 from __future__ import annotations
 
 import contextlib
-import logging
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -48,8 +47,6 @@ from meta.method.objective import OuterObjective
 from meta.method.prompts import PromptParams
 from meta.method.regulator import GradientRegulator, RegulatorFactory, RegulatorSpec
 from meta.model import precision
-
-log = logging.getLogger(__name__)
 
 # loss_fn(prompt_module, batch) -> (loss scalar, logits [n, K])
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]]
