@@ -4,13 +4,12 @@ coupling), not only ``ctx`` / ``vpt``."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from meta.evaluation.spec import TrainSpec
+from meta.finetune.engine import StartPoint, StartSpec, build_start
 from meta.finetune.regulated import LaunchStep, launch_
 from meta.method.prompts import PROMPT_TENSORS, PromptedCLIP, PromptParams, PromptSpec
 
@@ -45,6 +44,31 @@ def test_launch_applies_weight_decay_as_the_inner_loop_does():
     expected = theta1 - alpha * (mu * d0 + d1)
     launch_(prompts, None, mean_loss, LaunchStep(alpha, steps=2, momentum=mu, weight_decay=wd))
     torch.testing.assert_close(prompts.ctx.detach(), expected)
+
+
+def _start_of(prompts: PromptParams, spec: PromptSpec, clip, dims):
+    """The engine's start from an in-memory θ (what meta-validation builds from the live meta-learner)."""
+    return build_start(StartSpec(prompt=spec), clip, dims, point=StartPoint(prompts))
+
+
+def test_meta_validation_start_is_the_engines_view_of_the_val_keys():
+    """META.VAL_REG_WINDOW / META.VAL_LAUNCH read once into a StartSpec; the launched step is read from the meta
+    record by the same reader as an init file's provenance."""
+    from meta.metatrain import settings
+    from meta.method.gram import MetaSpec
+
+    cfg = settings.get_meta_cfg_default()
+    cfg.META.VAL_REG_WINDOW = 7
+    cfg.META.VAL_LAUNCH = True
+    view = settings.val_start_spec(cfg)
+    assert (view.reg_window, view.launch, view.regulate, view.init_path) == (7, True, True, "")
+    assert view.prompt == settings.prompt_spec(cfg)
+    assert view.naming.full("reg_window") == "META.VAL_REG_WINDOW"
+    cfg.META.MODE = "pretrain"
+    assert not settings.val_start_spec(cfg).launch  # prompt pre-training meta-trains no inner step
+    record = MetaSpec(inner_lr=0.3, inner_steps=2, inner_momentum=0.5, inner_weight_decay=0.01).as_dict()
+    assert LaunchStep.from_meta_record(record) == LaunchStep(0.3, 2, 0.5, weight_decay=0.01)
+    assert LaunchStep.from_meta_record(record) == LaunchStep.from_metadata({"provenance": {"meta": record}})
 
 
 @pytest.mark.parametrize(
@@ -82,14 +106,14 @@ def test_downstream_validation_fine_tunes_every_prompt_tensor(tiny_clip, fields,
 
     monkeypatch.setattr(downstream_val, "PromptTuner", spy)
     train = TrainSpec(epochs=1, batch_size=1, augment="none", aug_views=1, eval_every_epoch=False)
-    downstream_val.downstream_accuracy(pclip, prompts, {}, support, query, train, seed=1)
+    downstream_val.downstream_accuracy(pclip, _start_of(prompts, spec, clip, dims), support, query, train, seed=1)
     (theta,) = seen
     for name in PROMPT_TENSORS:
         mine, theirs = getattr(prompts, name), getattr(theta, name)
         assert (mine is None) == (theirs is None), name
     # with no epochs to train, the score is θ's own query accuracy (all tensors used)
     zero = TrainSpec(epochs=0, batch_size=1, augment="none", aug_views=1, eval_every_epoch=False)
-    acc = downstream_val.downstream_accuracy(pclip, copy.deepcopy(prompts), {}, support, query, zero, seed=1)
+    acc = downstream_val.downstream_accuracy(pclip, _start_of(prompts, spec, clip, dims), support, query, zero, seed=1)
     with torch.no_grad():
         logits = pclip.logits(prompts, NAMES, images=query["images"])
     expected = 100.0 * float((logits.argmax(-1) == query["label"]).float().mean())

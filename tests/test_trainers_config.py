@@ -342,3 +342,27 @@ def test_learner_modules_key_imports_the_module_that_registers_a_users_learner(t
         assert gram_settings(cfg, "GRAM_CoOp").learner == "plugged_for_dassl" and "plugged_for_dassl" in learner_keys()
     finally:
         unregister_learner("plugged_for_dassl")
+
+
+@pytest.mark.parametrize("key", ["coop", "gram_coop", "vpt", "gram_vpt", "joint", "unigram"])
+def test_a_method_starts_from_one_view_in_the_dassl_trainer_and_the_evaluator(key):
+    """The method's Dassl config (TRAINER.GRAM keys) and the evaluator's preset build the same engine StartSpec:
+    prompts, init file, R_φ, window and launch; only how errors name the fields differs (and the launch flag of a
+    baseline, which has no file to launch from)."""
+    from dataclasses import replace
+
+    from meta.evaluation.spec import method_preset
+
+    row = methods.get(key)
+    cfg = minimal_cfg(row.trainer)
+    for k, v in _method_yaml(key)["TRAINER"]["GRAM"].items():
+        cfg.TRAINER.GRAM[k] = v
+    if cfg.TRAINER.GRAM.ENABLED:
+        cfg.TRAINER.GRAM.INIT = "/given/on/the/command/line.safetensors"
+    dassl = gram_settings(cfg).start_spec(vision_layers=12)
+    evaluator = method_preset(key, init_path=dassl.init_path).start_spec()
+    assert dassl.naming.full("reg_window") == "TRAINER.GRAM.REG_WINDOW_IMAGES"
+    assert evaluator.naming.full("reg_window") == f"method {method_preset(key, in_memory=True).name!r} reg_window"
+    if not dassl.init_path:
+        evaluator = replace(evaluator, launch=False)
+    assert replace(dassl, naming=evaluator.naming) == evaluator

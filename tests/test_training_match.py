@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from meta.evaluation import MethodSpec, TrainSpec
 from meta.evaluation.training import LabelledSet, PromptTuner, StartPoint, build_prompts
+from meta.finetune.engine import StartSpec, build_start
 from meta.finetune.init_io import export_gram_init
 from meta.finetune.regulated import GradientRegulation, LaunchStep, UpdateWindow, launch_
 from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch
@@ -247,7 +248,13 @@ def test_downstream_validation_is_the_evaluators_fine_tuning_on_the_support(tiny
     support, query = mk(2), mk(3)
     spec = TrainSpec(epochs=3, batch_size=1, augment="none", aug_views=1, eval_every_epoch=False)
     reg = _regulator(dims.text_width, seed=2)
-    acc = downstream_accuracy(pclip, prompts, {"ctx": reg}, support, query, spec, seed=5, reg_window=2)
+    start = build_start(
+        StartSpec(prompt=PromptSpec(n_ctx_text=2), regulate=True, reg_window=2),
+        clip,
+        dims,
+        point=StartPoint(prompts, {"ctx": reg}, support_size=6),
+    )
+    acc = downstream_accuracy(pclip, start, support, query, spec, seed=5)
 
     theta = copy.deepcopy(prompts)
     tuner = PromptTuner(pclip, theta, GradientRegulation({"ctx": reg}), spec, 5, None, None, reg_window=2)

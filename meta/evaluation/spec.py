@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
-from meta.finetune.engine import start_rule_problems
+from meta.finetune.engine import Naming, StartSpec, start_rule_problems
 from meta.finetune.regulated import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
 from meta.method import methods
 from meta.method.consistency import ConsistencySpec
@@ -154,6 +154,22 @@ class MethodSpec:
             text_depth=self.text_depth,
             coupling=self.coupling,
             learner=self.learner,
+        )
+
+    def start_spec(self) -> StartSpec:
+        """Where this method's fine-tuning starts, as the engine's one view of a start
+        (:class:`meta.finetune.engine.StartSpec`: prompts, init file, R_φ, window, launch); errors name
+        ``method '<name>'`` and the field."""
+        return StartSpec(
+            prompt=self.prompt_spec(),
+            init_path=self.init_path,
+            init_prompts=self.init_prompts,
+            regulate=self.regulate,
+            norm_preserve=self.norm_preserve,
+            reg_window=self.reg_window,
+            launch=self.launch_on(True),
+            launch_required=self.launch is True,
+            naming=Naming(f"method {self.name!r}"),
         )
 
     def as_dict(self) -> dict:

@@ -23,7 +23,7 @@ from torch import nn
 from torch.optim import lr_scheduler as sched
 
 from meta.evaluation.spec import MethodSpec, TrainSpec
-from meta.finetune.engine import Naming, RegulatedStepper, StartPoint, StartSpec, build_start, window_batches
+from meta.finetune.engine import RegulatedStepper, StartPoint, build_start, window_batches
 from meta.finetune.regulated import (
     GradientRegulation,
     LaunchStep,
@@ -60,27 +60,13 @@ class LabelledSet:
         return len(self.impaths)
 
 
-def start_spec(method: MethodSpec) -> StartSpec:
-    """The engine's :class:`meta.finetune.engine.StartSpec` of ``method`` (its prompts, file, R_φ, window, launch)."""
-    return StartSpec(
-        prompt=method.prompt_spec(),
-        init_path=method.init_path,
-        init_prompts=method.init_prompts,
-        regulate=method.regulate,
-        norm_preserve=method.norm_preserve,
-        reg_window=method.reg_window,
-        launch=method.launch_on(True),
-        launch_required=method.launch is True,
-        naming=Naming(f"method {method.name!r}"),
-    )
-
-
 def build_prompts(
     method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int, start: Optional[StartPoint] = None
 ) -> tuple[Optional[PromptParams], Optional[GradientRegulation], dict]:
     """θ (and R_φ) at the start of fine-tuning, plus a JSON-able description of where they came from.
 
-    :func:`meta.finetune.engine.build_start` of :func:`start_spec` (the Dassl trainers build theirs there too).
+    :func:`meta.finetune.engine.build_start` of :meth:`MethodSpec.start_spec` (the Dassl trainers build
+    theirs from :meth:`trainers.gram.config.GramSettings.start_spec`).
     Scratch prompts are drawn from ``torch.Generator().manual_seed(seed)``; word init embeds
     ``method.ctx_init``; a GRAM file is validated against the method's token counts and widths
     (``meta.finetune.init_io.load_gram_init``); an in-memory ``start`` is copied and shape-checked.  With
@@ -92,7 +78,7 @@ def build_prompts(
     """
     if method.zero_shot:
         return None, None, {"source": "none"}
-    built = build_start(start_spec(method), clip, dims, generator=torch.Generator().manual_seed(seed), point=start)
+    built = build_start(method.start_spec(), clip, dims, generator=torch.Generator().manual_seed(seed), point=start)
     return built.prompts, built.regulation, built.info
 
 

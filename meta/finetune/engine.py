@@ -254,6 +254,7 @@ def build_start(
             prompts = copy.deepcopy(point.prompts)
             for p in prompts.parameters():
                 p.requires_grad_(True)
+                p.grad = None  # a live meta-learner's θ may carry its outer gradient along
         else:
             prompts = scratch
         check_start_structure(spec.prompt, dims, prompts, n.where)

@@ -346,7 +346,12 @@ class LaunchStep:
     @classmethod
     def from_metadata(cls, metadata: Mapping, source: str = "init file") -> "LaunchStep":
         """From a GRAM init file's metadata (``provenance.meta``, written by ``python -m meta train``)."""
-        meta = (metadata.get("provenance") or {}).get("meta") or {}
+        return cls.from_meta_record((metadata.get("provenance") or {}).get("meta") or {}, source)
+
+    @classmethod
+    def from_meta_record(cls, meta: Mapping, source: str = "init file") -> "LaunchStep":
+        """From the flat record of the meta-training settings (``MetaSpec.as_dict()``, which an init file keeps as
+        ``provenance.meta``): the one reader of the inner rule for both a file and a live meta-learner."""
         if "inner_lr" not in meta:
             raise ValueError(
                 f"{source}: provenance.meta.inner_lr is missing, so the meta-trained step cannot be "

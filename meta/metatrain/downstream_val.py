@@ -13,18 +13,16 @@ augmentation (one view), which the record says (``augmented: false``).
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from meta.evaluation.spec import TrainSpec
 from meta.evaluation.training import LabelledSet, PromptTuner
-from meta.finetune.regulated import GradientRegulation, LaunchStep
+from meta.finetune.engine import Start
 from meta.method.consistency import ConsistencySpec
-from meta.method.learners import DEFAULT_LEARNER
-from meta.method.prompts import PromptedCLIP, PromptParams
-from meta.method.regulator import GradientRegulator
+from meta.method.prompts import PromptedCLIP
 
 
 def val_train_spec(cfg) -> TrainSpec:
@@ -71,33 +69,22 @@ def crop_and_flip(image: torch.Tensor, scale: tuple, generator: torch.Generator)
 
 def downstream_accuracy(
     pclip: PromptedCLIP,
-    prompts: PromptParams,
-    regulators: Mapping[str, GradientRegulator],
+    start: Start,
     support: dict,
     query: dict,
     spec: TrainSpec,
     seed: int,
-    reg_window: int = 1,
-    launch: Optional[LaunchStep] = None,
     consistency: Optional[ConsistencySpec] = None,
 ) -> float:
-    """Query accuracy (%) after fine-tuning a copy of ``prompts`` on ``support`` with ``spec``.
+    """Query accuracy (%) after fine-tuning ``start`` (θ, R_φ or None, the window in images, the launch step or
+    None: :func:`meta.finetune.engine.build_start` of a start point, which copies θ) on ``support`` with ``spec``.
 
     ``consistency``: the fine-tuning loss's zero-shot consistency weights (meta-training's ``META.CONSISTENCY``;
     None = the plain cross-entropy).
 
     ``support`` / ``query``: the meta-learner's batches (``classnames``, ``label`` ``[n]`` and ``features``
-    ``[n, E]`` or ``images`` ``[n, 3, S, S]``).  ``regulators`` empty = raw gradients.  ``prompts`` and
-    ``regulators`` are copied, never modified.
+    ``[n, E]`` or ``images`` ``[n, 3, S, S]``).  ``start.prompts`` is trained in place.
     """
-    # every prompt tensor of the learner (IVLP's deep text prompts, MaPLe's coupling), detached copies
-    theta = PromptParams(
-        getattr(prompts, "learner", DEFAULT_LEARNER),
-        **{name: p.detach().clone() for name, p in prompts._parameters.items() if p is not None},
-    )
-    regulation = GradientRegulation(dict(regulators)) if regulators else None
-    if regulation is not None:
-        regulation = regulation.to(next(next(iter(regulators.values())).parameters()).device)
     s_images, q_images = support.get("images"), query.get("images")
     generator = torch.Generator().manual_seed(seed)
     views: dict = {}
@@ -126,18 +113,18 @@ def downstream_accuracy(
     use_spec = spec if s_images is not None else spec.replace(augment="none")
     tuner = PromptTuner(
         pclip,
-        theta,
-        regulation,
+        start.prompts,
+        start.regulation,
         use_spec,
         seed,
         train_images,
         test_images,
-        reg_window=reg_window if regulation is not None else 1,
-        launch_step=launch,
+        reg_window=start.window,
+        launch_step=start.launch,
         consistency=consistency,
     )
     train_set = labelled(support, "s", train=True)
-    if launch is not None:
+    if start.launch is not None:
         tuner.launch(labelled(support, "s", train=False))
     tuner.fit(train_set)
     return tuner.accuracy(labelled(query, "q", train=False))

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from yacs.config import CfgNode as CN
 
 from meta.config import add_metatrain_cfg, get_meta_cfg_default
+from meta.finetune.engine import Naming, StartSpec
 from meta.method.consistency import ConsistencySpec
 from meta.method.learners import DEFAULT_LEARNER, import_learner_modules, learner_keys
 from meta.method.prompts import COUPLINGS, VPT_INITS, PromptSpec
@@ -536,6 +537,29 @@ def prompt_spec(cfg: CN) -> PromptSpec:
         text_depth=int(p.get("TEXT_DEPTH", 1)),
         coupling=str(p.get("COUPLING", "none")),
         learner=str(p.get("LEARNER", DEFAULT_LEARNER)),
+    )
+
+
+# How errors name the start fields of meta-validation's downstream fine-tuning (meta.finetune.engine.Naming).
+VAL_NAMING = Naming(
+    "META",
+    {"reg_window": "VAL_REG_WINDOW", "launch": "VAL_LAUNCH", "regulate": "REGULATE", "ctx_init": "PROMPT.CTX_INIT"},
+    dotted=True,
+)
+
+
+def val_start_spec(cfg: CN) -> StartSpec:
+    """Where meta-validation's downstream fine-tuning starts (``META.VAL_PROTOCOL downstream``): the live θ and
+    R_φ of the meta-learner (a :class:`meta.finetune.engine.StartPoint`), the window ``META.VAL_REG_WINDOW``
+    (0 = the task's support size) and the meta-trained step when ``META.VAL_LAUNCH`` (``gram`` mode only).
+    The view with R_φ; the raw-gradient score uses the same view with ``regulate`` False."""
+    m = cfg.META
+    return StartSpec(
+        prompt=prompt_spec(cfg),
+        regulate=True,
+        reg_window=int(m.VAL_REG_WINDOW),
+        launch=bool(m.VAL_LAUNCH) and m.MODE == "gram",
+        naming=VAL_NAMING,
     )
 
 

@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from meta.finetune.engine import StartPoint, build_start
 from meta.finetune.regulated import GradientRegulation, LaunchStep, finetune_and_score
 from meta.infra import distributed as dist_
 from meta.infra.fileio import clean_stale_temps, parse_json, write_json_atomic, write_text_atomic
@@ -316,34 +317,39 @@ def validate(run: RunSetup) -> dict:
 
 
 def _downstream_scores(run: RunSetup, batch, seed: int) -> dict:
-    """Query accuracy (0-1) after the downstream protocol, with the learner's R_φ and with raw gradients."""
+    """Query accuracy (0-1) after the downstream protocol, with the learner's R_φ and with raw gradients.
+
+    Both start from the live θ (and φ) through the engine's :func:`meta.finetune.engine.build_start`, as the
+    evaluator and the Dassl trainers start: :func:`settings.val_start_spec` is the view, the meta-learner the
+    :class:`meta.finetune.engine.StartPoint`."""
+    from dataclasses import replace
+
     from meta.metatrain.downstream_val import downstream_accuracy, val_train_spec
 
     cfg, learner = run.cfg, run.learner
-    pspec = settings.prompt_spec(cfg)
-    pclip = PromptedCLIP(run.clip, run.dims, learner.prompt_module.n_ctx_text, template=pspec.template)
-    spec = learner.spec
-    launch = (
-        LaunchStep(spec.inner_lr, spec.inner_steps, spec.inner_momentum, weight_decay=spec.inner_weight_decay)
-        if cfg.META.VAL_LAUNCH and cfg.META.MODE == "gram"
-        else None
-    )
+    view = settings.val_start_spec(cfg)
+    pclip = PromptedCLIP(run.clip, run.dims, learner.prompt_module.n_ctx_text, template=view.prompt.template)
     regs = learner.regulators()
+    point = StartPoint(
+        learner.prompt_module,
+        regs,
+        label="meta-validation",
+        launch=LaunchStep.from_meta_record(learner.spec.as_dict(), "META.VAL_LAUNCH") if view.launch else None,
+        support_size=len(batch.support["label"]),
+    )
     out = {}
-    for key, regulators in (("query_acc_downstream", regs), ("query_acc_downstream_raw", {})):
-        if key == "query_acc_downstream" and not regs:
+    for key, regulate in (("query_acc_downstream", True), ("query_acc_downstream_raw", False)):
+        if regulate and not regs:
             continue
+        start = build_start(replace(view, regulate=regulate), run.clip, run.dims, point=point)
         with torch.random.fork_rng(devices=[]):  # validation never moves meta-training's random stream
             acc = downstream_accuracy(
                 pclip,
-                learner.prompt_module,
-                regulators,
+                start,
                 batch.support,
                 batch.query,
                 val_train_spec(cfg),
                 seed=int(cfg.SEED) * 1000 + seed,
-                reg_window=int(cfg.META.VAL_REG_WINDOW) or len(batch.support["label"]),
-                launch=launch,
                 consistency=settings.consistency_spec(cfg),
             )
         out[key] = acc / 100.0

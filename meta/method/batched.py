@@ -173,49 +173,69 @@ def stacked_learner(gbml: nn.Module, n_tasks: int, first_order: bool) -> nn.Modu
     return learner
 
 
+class TaskBatching:
+    """How a meta-learner runs its meta-batch: ``mode`` (``auto`` | ``on`` | ``off``, :data:`TASK_BATCHING`) and
+    ``chunk``, the most tasks one stacked pass may hold after an out-of-memory fallback (``None`` = all of them).
+
+    The learner owns one (``GRAMMetaLearner.task_batching``); only :meth:`accumulate` changes ``chunk``.
+    """
+
+    def __init__(self, mode: str = "auto") -> None:
+        if mode not in TASK_BATCHING:
+            raise ValueError(f"task_batching must be one of {', '.join(TASK_BATCHING)}, got {mode!r}")
+        self.mode = mode
+        self.chunk: Optional[int] = None
+
+    def accumulate(
+        self, learner: Any, tasks: Sequence[Any], loss_fn: Callable, backward: Callable = torch.Tensor.backward
+    ) -> Optional[dict[str, float]]:
+        """:meth:`meta.method.gram.GRAMMetaLearner.accumulate` over task-stacked chunks, or ``None`` (run it
+        sequentially).
+
+        ``off`` -> ``None``; ``on`` -> all tasks in one chunk; ``auto`` -> the same on an accelerator (θ not on the
+        CPU), and on an out-of-memory error the gradients are cleared and the chunk halved (remembered in
+        :attr:`chunk` for later steps) until it fits or is one task (sequential); on the CPU ``auto`` runs
+        sequentially, so CPU results (the demo, the study, CI) stay those of the sequential path to the last digit
+        (the stacked pass agrees only to float rounding).  ``None`` also when ``loss_fn`` has no batched twin, for
+        one task, or when the tasks differ in shape.  Leaves ``(1/B) Σ_b ∇ L_q,b(θ'_b)`` in ``.grad`` like the
+        sequential path and returns the same task-averaged metrics.  ``None`` as well where
+        :func:`stacked_objective` is False.
+        """
+        fn = batched_loss_of(loss_fn)
+        if self.mode == "off" or fn is None or len(tasks) < 2 or not stacked_objective(learner.spec):
+            return None
+        if self.mode == "auto" and not on_accelerator(learner):
+            return None
+        supports = stack_batches([t.support for t in tasks])
+        queries = stack_batches([t.query for t in tasks])
+        if supports is None or queries is None:
+            return None
+        while True:
+            chunk = min(len(tasks), self.chunk or len(tasks))
+            if chunk < 2:
+                return None
+            try:
+                return _accumulate_chunks(learner, tasks, fn, chunk, backward)
+            except RuntimeError as err:
+                if self.mode != "auto" or not is_out_of_memory(err):
+                    raise
+                del err
+                learner.zero_grad(set_to_none=True)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                self.chunk = chunk // 2
+                log.warning(
+                    "task-batched outer step out of memory with %d tasks at once: %s",
+                    chunk,
+                    f"{chunk // 2} from now on" if chunk // 2 > 1 else "sequential from now on",
+                )
+
+
 def accumulate(
     learner: Any, tasks: Sequence[Any], loss_fn: Callable, backward: Callable = torch.Tensor.backward
 ) -> Optional[dict[str, float]]:
-    """:meth:`meta.method.gram.GRAMMetaLearner.accumulate` over task-stacked chunks, or ``None`` (run it sequentially).
-
-    ``learner`` is the :class:`~meta.method.gram.GRAMMetaLearner`; its ``spec.task_batching`` picks the mode: ``off``
-    -> ``None``; ``on`` -> all tasks in one chunk; ``auto`` -> the same on an accelerator (θ not on the CPU),
-    and on an out-of-memory error the gradients are cleared and the chunk halved (remembered in
-    ``learner.task_chunk`` for later steps) until it fits or is one task (sequential); on the CPU ``auto`` runs
-    sequentially, so CPU results (the demo, the study, CI) stay those of the sequential path to the last digit
-    (the stacked pass agrees only to float rounding).  ``None`` also when ``loss_fn`` has no batched twin, for one task,
-    or when the tasks differ in shape.  Leaves ``(1/B) Σ_b ∇ L_q,b(θ'_b)`` in ``.grad`` like the sequential
-    path and returns the same task-averaged metrics.  ``None`` as well where :func:`stacked_objective` is False.
-    """
-    mode = learner.spec.task_batching
-    fn = batched_loss_of(loss_fn)
-    if mode == "off" or fn is None or len(tasks) < 2 or not stacked_objective(learner.spec):
-        return None
-    if mode == "auto" and not on_accelerator(learner):
-        return None
-    supports = stack_batches([t.support for t in tasks])
-    queries = stack_batches([t.query for t in tasks])
-    if supports is None or queries is None:
-        return None
-    while True:
-        chunk = min(len(tasks), learner.task_chunk or len(tasks))
-        if chunk < 2:
-            return None
-        try:
-            return _accumulate_chunks(learner, tasks, fn, chunk, backward)
-        except RuntimeError as err:
-            if mode != "auto" or not is_out_of_memory(err):
-                raise
-            del err
-            learner.zero_grad(set_to_none=True)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            learner.task_chunk = chunk // 2
-            log.warning(
-                "task-batched outer step out of memory with %d tasks at once: %s",
-                chunk,
-                f"{chunk // 2} from now on" if chunk // 2 > 1 else "sequential from now on",
-            )
+    """:meth:`TaskBatching.accumulate` of ``learner.task_batching`` (the learner's own policy and chunk memory)."""
+    return learner.task_batching.accumulate(learner, tasks, loss_fn, backward)
 
 
 def on_accelerator(learner: Any) -> bool:

@@ -162,9 +162,7 @@ class GRAMMetaLearner(nn.Module):
             adapt_transform=False,
             first_order=self.spec.first_order,
         )
-        self.task_chunk: Optional[int] = (
-            None  # tasks per stacked pass after an out-of-memory fallback (meta.method.batched)
-        )
+        self.task_batching = batched.TaskBatching(self.spec.task_batching)  # stacked or sequential meta-batch
         precision.check_autocast(self.spec.autocast, "autocast")
 
     # ----- precision ---------------------------------------------------------------
@@ -175,6 +173,11 @@ class GRAMMetaLearner(nn.Module):
         return precision.autocast(self.spec.autocast, next(self.prompt_module.parameters()).device)
 
     # ----- views -------------------------------------------------------------------
+    @property
+    def task_chunk(self) -> Optional[int]:
+        """Tasks per stacked pass after an out-of-memory fallback (None = the whole meta-batch; read-only)."""
+        return self.task_batching.chunk
+
     @property
     def prompt_module(self) -> PromptParams:
         """θ (the live meta-parameters)."""
@@ -273,7 +276,7 @@ class GRAMMetaLearner(nn.Module):
         if n_tasks == 0:
             raise ValueError("meta-batch is empty")
         if not detailed:  # all tasks in one stacked pass when spec.task_batching allows (None: one by one)
-            stacked = batched.accumulate(self, tasks, loss_fn, backward)
+            stacked = self.task_batching.accumulate(self, tasks, loss_fn, backward)
             if stacked is not None:
                 return stacked
         # metrics stay on the device as 0-d tensors; one host transfer at the end of the meta-batch

@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 from yacs.config import CfgNode as CN
 
-from meta.finetune.engine import Naming, start_rule_problems
+from meta.finetune.engine import Naming, StartSpec, start_rule_problems
 from meta.finetune.regulated import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
 from meta.method import methods
 from meta.method.consistency import ConsistencySpec
@@ -231,6 +231,34 @@ class GramSettings:
         if not 1 <= depth <= vision_layers:
             raise ValueError(f"TRAINER.GRAM.VPT_DEPTH: expected 0 (all) or 1..{vision_layers}, got {self.vpt_depth}")
         return depth
+
+    def prompt_spec(self, vision_layers: int) -> PromptSpec:
+        """θ's structure and scratch start for an image tower of ``vision_layers`` layers."""
+        return PromptSpec(
+            n_ctx_text=self.n_ctx_text,
+            ctx_init=self.ctx_init,
+            n_ctx_vision=self.n_ctx_vision,
+            vision_depth=max(self.vision_depth(vision_layers), 1),
+            template=self.template,
+            vpt_init=self.vpt_init,
+            text_depth=self.text_depth if (self.n_ctx_text or self.ctx_init) else 1,
+            coupling=self.coupling,
+            learner=self.learner,
+        )
+
+    def start_spec(self, vision_layers: int) -> StartSpec:
+        """Where fine-tuning starts, as the engine's one view of a start
+        (:class:`meta.finetune.engine.StartSpec`); errors name the ``TRAINER.GRAM`` keys."""
+        return StartSpec(
+            prompt=self.prompt_spec(vision_layers),
+            init_path=self.init_path,
+            init_prompts=self.init_prompts,
+            regulate=self.regulate,
+            norm_preserve=self.norm_preserve,
+            reg_window=self.reg_window_images,
+            launch=self.launch,
+            naming=GRAM_NAMING,
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

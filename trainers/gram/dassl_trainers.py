@@ -44,15 +44,13 @@ from dassl.metrics import compute_accuracy
 from dassl.optim import build_optimizer
 
 from meta.data.image_decode import open_upright
-from meta.finetune.engine import RegulatedStepper, Start, StartSpec, build_start, window_batches
+from meta.finetune.engine import RegulatedStepper, Start, build_start, window_batches
 from meta.finetune.regulated import check_gate_regulariser, launch_, weighted_sum
 from meta.method import methods
-from meta.method.prompts import PromptSpec
 from meta.model.backbone import load_clip
 
 from .checkpoint import checkpoint_file, load_checkpoint, prompt_state, save_checkpoint
 from .config import (
-    GRAM_NAMING,
     GramSettings,
     available_cpus,
     effective_num_workers,
@@ -201,36 +199,9 @@ class _GramTrainer(TrainerX):
     def _start(self, s: GramSettings, clip, dims) -> Start:
         """θ from the GRAM init file (and φ when regulating), or fresh θ for the baselines: the engine's
         :func:`meta.finetune.engine.build_start`, the evaluator's own start factory, with Dassl's key names."""
-        depth = s.vision_depth(dims.vision_layers)
-        spec = PromptSpec(
-            n_ctx_text=s.n_ctx_text,
-            ctx_init=s.ctx_init,
-            n_ctx_vision=s.n_ctx_vision,
-            vision_depth=max(depth, 1),
-            template=s.template,
-            vpt_init=s.vpt_init,
-            text_depth=s.text_depth if (s.n_ctx_text or s.ctx_init) else 1,
-            coupling=s.coupling,
-            learner=s.learner,
-        )
         # scratch θ comes from the global RNG (seeded by Dassl) before anything else touches it, so that an
         # "R_φ only" run starts exactly where the baseline with the same seed starts
-        start = build_start(
-            StartSpec(
-                prompt=spec,
-                init_path=s.init_path,
-                init_prompts=s.init_prompts,
-                regulate=s.regulate,
-                norm_preserve=s.norm_preserve,
-                reg_window=s.reg_window_images,
-                launch=s.launch,
-                naming=GRAM_NAMING,
-            ),
-            clip,
-            dims,
-            generator=None,
-            device=self.device,
-        )
+        start = build_start(s.start_spec(dims.vision_layers), clip, dims, generator=None, device=self.device)
         if s.ctx_init and start.prompts.n_ctx_text != s.n_ctx_text:
             raise ValueError(
                 f"TRAINER.GRAM.CTX_INIT {s.ctx_init!r} is {start.prompts.n_ctx_text} tokens but "
