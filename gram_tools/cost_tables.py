@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from gram_tools.chc_growth import DEFAULT_OUT as CHC_FIGURES
-from gram_tools.plan import default_path, line_value
+from gram_tools.plan import REPO_ROOT, card_label, default_path, line_value
 from gram_tools.realsize import DEFAULT_OUT as FIGURES
 
 
@@ -89,6 +89,60 @@ def saved_table(figures: dict, n_support: int = 3, n_query: int = 1) -> str:
     return "\n".join(rows)
 
 
+# The planner table of docs/realsize.md: (config, KEY VALUE overrides) as a user would plan them.
+PLANNER_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("configs/meta/train_coop.yaml", ()),
+    ("configs/meta/train_vpt.yaml", ()),
+    ("configs/meta/train_unigram.yaml", ()),
+    ("configs/meta/train_unigram.yaml", ("META.FIRST_ORDER", "True")),
+    ("configs/meta/train_ivlp.yaml", ()),
+    ("configs/meta/train_maple.yaml", ()),
+    ("configs/meta/train_vpt.yaml", ("META.AUTOCAST", "bf16")),
+    ("configs/meta/train_unigram.yaml", ("META.AUTOCAST", "bf16")),
+)
+
+
+def planner_table(figures_path: str, gpu_memory_gib: float = 80.0, margin: float = 0.1) -> str:
+    """``python -m gram_tools.plan`` on :data:`PLANNER_ROWS` (one GPU, the checkout's GPU figures of each row's
+    autocast), beside the peak that those figures measured for the same step where they did."""
+    from gram_tools.plan import _read_json, default_gpu_figures, meta_plan
+    from meta.config import load_meta_cfg
+
+    figures = json.loads(Path(figures_path).read_text())
+    rows = [
+        f"| config | learner, step | one task + weights | tasks per pass: peak + weights | fits {gpu_memory_gib:g} GiB "
+        f"({margin:.0%} kept free) | largest N_SUPPORT / N_QUERY (one task per pass) | measured peak of the step "
+        "(GPU figures) | GPU hours, 1 GPU |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for config, opts in PLANNER_ROWS:
+        cfg = load_meta_cfg(str(REPO_ROOT / config), list(opts))
+        gpu_path = default_gpu_figures(str(cfg.META.AUTOCAST))
+        gpu = _read_json(gpu_path, "") if Path(gpu_path).is_file() else None
+        m = meta_plan(cfg, figures, figures_path, gpu, gpu_memory_gib, 1, 30.0, margin)
+        mode = {"second": "2nd order", "first": "1st order"}.get(m["mode"], m["mode"])
+        name = Path(config).stem + "".join(f", {k} {v}" for k, v in zip(opts[::2], opts[1::2]))
+        one = m["task_peak_gib"]["value"] + m["weights_gib"]["value"]
+        measured = "-"
+        if gpu is not None and m["hours"]["how"].startswith("measured"):
+            peak = gpu["variants"].get(m["learner"], {}).get(f"{m['mode']}_order_peak_mb")
+            if peak is not None:
+                measured = f"{peak / 1024:.2f} GiB ({card_label(gpu['settings'])})"
+        hours = (
+            f"{m['hours']['value']:.2f} ({'measured' if m['hours']['how'].startswith('measured') else 'FLOP estimate'})"
+        )
+        rows.append(
+            f"| {name} | {m['learner']}, {mode} | {one:.2f} GiB | {m['task_batching']['chunk']}: "
+            f"{m['peak_gib']['value']:.2f} GiB | {'yes' if m['fits'] else 'NO'} | "
+            f"{_largest(m['largest_n_support'])} / {_largest(m['largest_n_query'])} | {measured} | {hours} |"
+        )
+    return "\n".join(rows)
+
+
+def _largest(n) -> str:
+    return "unbounded" if isinstance(n, str) else str(n)
+
+
 def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.2f} h" if seconds >= 600 else f"{seconds:.0f} s"
 
@@ -129,13 +183,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gram_tools.cost_tables", description=__doc__.splitlines()[0])
     ap.add_argument("--figures", default=default_path(FIGURES), help=f"default: <checkout>/{FIGURES}")
     ap.add_argument("--chc-figures", default=default_path(CHC_FIGURES), help=f"default: <checkout>/{CHC_FIGURES}")
-    ap.add_argument("--only", choices=("realsize", "chc"), help="print only the real-size or only the CHC tables")
+    ap.add_argument(
+        "--only", choices=("realsize", "planner", "chc"), help="print only the real-size, planner or CHC tables"
+    )
     args = ap.parse_args(argv)
     from meta.config import get_meta_cfg_default
 
     t = get_meta_cfg_default().TASKS
-    paths = {"realsize": args.figures, "chc": args.chc_figures}
-    wanted = [args.only] if args.only else ["realsize", "chc"]
+    paths = {"realsize": args.figures, "planner": args.figures, "chc": args.chc_figures}
+    wanted = [args.only] if args.only else ["realsize", "planner", "chc"]
     for path in (paths[k] for k in wanted):
         if not Path(path).is_file():
             print(f"error: {path}: no such file", file=sys.stderr)
@@ -145,6 +201,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(realsize_table(figures, int(t.K_WAY), int(t.N_SUPPORT), int(t.N_QUERY)) + "\n")
         print(plain_table(figures) + "\n")
         print(saved_table(figures) + "\n")
+    if "planner" in wanted:
+        print(planner_table(args.figures) + "\n")
     if "chc" in wanted:
         print(chc_table(json.loads(Path(args.chc_figures).read_text())))
     return 0

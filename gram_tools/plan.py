@@ -12,18 +12,21 @@ sets no ``META`` keys (a CHC config) is refused in one line naming the file (:fu
 * ``--figures`` (default ``docs/realsize_cpu.json``, written by :mod:`gram_tools.realsize`): per learner
   the fitted lines ``peak MiB = a + b_s * s + b_q * q`` and ``GFLOP = ...`` of one meta-task on ``s`` support
   and ``q`` query images (and ``a + b * batch`` for a plain step), measured on a CPU at real size;
-* ``--gpu-figures`` (default ``docs/gpu_figures.json`` when it exists, written by ``scripts/gpu_check.sh``
+* ``--gpu-figures`` (default: the checkout's figures of the config's ``META.AUTOCAST``, ``docs/gpu_figures.json``
+  for fp32 and ``docs/gpu_figures_bf16.json`` for bf16, when it exists; written by ``scripts/gpu_check.sh``
   through ``python -m gram_tools.bench --device cuda``): measured GPU seconds per outer step and CHC
-  images per second;
+  images per second, used where they were measured at the config's task size, meta-batch and autocast;
 * ``--chc-figures`` (default ``docs/chc_growth_cpu.json``, :mod:`gram_tools.chc_growth`): each CHC stage's
   growth law.
 
 Prints, each figure labelled ``measured`` or ``estimated`` with its source:
 
-* peak memory of one task (tasks run one after another, each freed before the next: ``meta.method.gram``) plus
-  the frozen CLIP's weights, whether it fits ``--gpu-memory-gib`` (with ``--margin`` kept free for the CUDA
+* peak memory of one task, and of one pass as ``META.TASK_BATCHING`` runs it on a GPU
+  (:class:`meta.method.batched.TaskBatching`: ``auto`` / ``on`` stack the ``ceil(B / GPUs)`` tasks of a rank in one
+  pass where the objective allows it, ``auto`` halving the stack until it fits, down to one task at a time), plus
+  the frozen CLIP's weights; whether it fits ``--gpu-memory-gib`` (with ``--margin`` kept free for the CUDA
   allocator and cuBLAS workspaces, which a CPU measurement does not see), and the largest
-  ``TASKS.N_SUPPORT`` (query fixed) and ``TASKS.N_QUERY`` (support fixed) that fit;
+  ``TASKS.N_SUPPORT`` (query fixed) and ``TASKS.N_QUERY`` (support fixed) for which one task fits;
 * hours for ``META.STEPS`` outer steps of ``META.META_BATCH`` tasks on ``--gpus`` GPUs (tasks sharded,
   the slowest rank holds ``ceil(B / GPUs)`` tasks): from the GPU figures when they exist for this learner and task
   size, else
@@ -50,6 +53,9 @@ from gram_tools.realsize import LEARNERS, learner_of
 # The checkout the package sits in: the docs/*.json figures are read from there whatever the current folder.
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_GPU_FIGURES = "docs/gpu_figures.json"
+# The measured GPU figures of each META.AUTOCAST (scripts/gpu_check.sh writes the fp32 file; the bf16 one is its run
+# with META.AUTOCAST bf16): the planner reads the file of the config's autocast unless --gpu-figures names one.
+GPU_FIGURES_BY_AUTOCAST = {"none": DEFAULT_GPU_FIGURES, "bf16": "docs/gpu_figures_bf16.json"}
 DEFAULT_CHC_FIGURES = "docs/chc_growth_cpu.json"
 # Assumed sustained throughput of one GPU (TFLOP/s) when no GPU figures exist: the meta-training runs fp32
 # by default and PyTorch does not use TF32 for fp32 matmuls unless asked (torch.backends.cuda.matmul.allow_tf32
@@ -101,6 +107,12 @@ def default_path(relative: str) -> str:
     return str(REPO_ROOT / relative)
 
 
+def default_gpu_figures(autocast: str) -> str:
+    """The checkout's GPU figures measured with ``META.AUTOCAST`` ``autocast`` (the fp32 file for an autocast
+    nobody measured: its figures are then not used, :func:`_gpu_step_seconds` compares the autocast)."""
+    return default_path(GPU_FIGURES_BY_AUTOCAST.get(autocast, DEFAULT_GPU_FIGURES))
+
+
 def _read_json(path: str, what: str, layout: Optional[dict] = None) -> dict:
     """A figures file as a dict; ``layout`` = ``{top-level key: python type}`` its present keys must have."""
     p = Path(path)
@@ -126,6 +138,52 @@ _JSON_NAMES = {dict: "object", list: "array", (int, float): "number"}
 FIGURES_LAYOUT = {"fits": dict, "settings": dict}
 GPU_LAYOUT = {"settings": dict, "variants": dict, "chc_images_per_s": (int, float)}
 CHC_LAYOUT = {"growth": dict}
+
+
+def card_label(settings: dict) -> str:
+    """The one name of the card and precision a GPU figures file was measured with: ``"NVIDIA H200, fp32"``,
+    ``"NVIDIA H200, bf16 autocast"``."""
+    autocast = settings.get("autocast") or "none"
+    return f"{settings.get('gpu') or 'unknown GPU'}, {'fp32' if autocast == 'none' else autocast + ' autocast'}"
+
+
+def task_batching_plan(cfg, task_mib: float, budget_mib: float, gpus: int) -> dict:
+    """Tasks per pass on a GPU rank, as :class:`meta.method.batched.TaskBatching` decides there (JSON-ready).
+
+    A rank holds ``ceil(META_BATCH / GPUs)`` tasks (torchrun shards the meta-batch).  ``off``, one task per rank, prompt
+    pre-training or an objective the stacked pass does not compute (:func:`meta.method.batched.stacked_objective`)
+    run them one by one (``chunk`` 1); ``on`` stacks them all; ``auto`` stacks them all and, where
+    ``chunk x task_mib`` exceeds ``budget_mib`` (what it does on an out-of-memory error), halves the chunk until it
+    fits or is one task.  A stacked pass is estimated as ``chunk`` times one task's peak (the measured UNIGRAM step
+    of 4 stacked tasks on an H200 was within 5 % of it, as one task is of its line)."""
+    from meta.metatrain.settings import meta_spec
+    from meta.method.batched import stacked_objective
+
+    mode = str(cfg.META.TASK_BATCHING)
+    pretrain = str(cfg.META.MODE) == "pretrain"
+    per_rank = 1 if pretrain else math.ceil(int(cfg.META.META_BATCH) / gpus)
+    if pretrain:
+        chunk, why = 1, "prompt pre-training: one batch per step"
+    elif mode == "off":
+        chunk, why = 1, "META.TASK_BATCHING off: one task after another"
+    elif per_rank < 2:
+        chunk, why = 1, f"ceil(META_BATCH / GPUs) = {per_rank} task per GPU"
+    elif not stacked_objective(meta_spec(cfg)):
+        chunk, why = 1, "the outer objective runs task by task (INNER_SUPPORT split or the trajectory term)"
+    elif mode == "on":
+        chunk, why = per_rank, f"META.TASK_BATCHING on: the {per_rank} tasks of a GPU stacked in one pass"
+    else:
+        chunk = per_rank
+        while chunk >= 2 and chunk * task_mib > budget_mib:
+            chunk //= 2
+        chunk = max(chunk, 1)
+        why = (
+            f"META.TASK_BATCHING auto: the {per_rank} tasks of a GPU stacked in one pass"
+            if chunk == per_rank
+            else f"META.TASK_BATCHING auto: {per_rank} stacked tasks do not fit, the out-of-memory fallback settles on "
+            + (f"{chunk} per pass" if chunk > 1 else "one task at a time")
+        )
+    return {"mode": mode, "tasks_per_gpu": per_rank, "chunk": chunk, "how": why}
 
 
 def meta_plan(
@@ -172,8 +230,14 @@ def meta_plan(
         f"line fitted to {fit['points']} sizes ({figures_path})"
     )
     task_mib = line_value(fit["peak_mib"], xs)
-    peak_mib = task_mib + model_mib
     budget = gpu_memory_gib * GIB_MIB * (1.0 - margin) - model_mib
+    batching = task_batching_plan(cfg, task_mib, budget, gpus)
+    chunk = batching["chunk"]
+    peak_mib = chunk * task_mib + model_mib
+    autocast = str(cfg.META.AUTOCAST)
+    precision_note = (
+        f"; measured in fp32, an upper bound for META.AUTOCAST {autocast}" if autocast not in ("none", "") else ""
+    )
     out: dict = {
         "learner": learner,
         "mode": mode,
@@ -187,15 +251,29 @@ def meta_plan(
             + ("; support images x INNER_STEPS (measured at one inner step)" if inner > 1 else ""),
         },
         "weights_gib": {"value": round(model_mib / GIB_MIB, 3), "how": f"measured: parameter bytes ({figures_path})"},
-        "peak_gib": {"value": round(peak_mib / GIB_MIB, 3), "how": "estimated: task peak + weights"},
+        "task_batching": batching,
+        "peak_gib": {
+            "value": round(peak_mib / GIB_MIB, 3),
+            "how": (
+                "estimated: task peak + weights"
+                if chunk == 1
+                else f"estimated: {chunk} stacked tasks x task peak + weights"
+            )
+            + precision_note,
+        },
         "gpu_memory_gib": gpu_memory_gib,
         "margin": margin,
-        "fits": bool(task_mib <= budget),
+        "fits": bool(chunk * task_mib <= budget),
     }
     if not pretrain:
+        # what must fit: one task (auto falls back to one at a time, off runs them so) or, with `on`, the whole stack
+        held = chunk if batching["mode"] == "on" else 1
+        line = fit["peak_mib"]
+        line = {**line, "intercept": held * line["intercept"], "slopes": [held * b for b in line["slopes"]]}
         for key, index, step in (("largest_n_support", 0, k * inner), ("largest_n_query", 1, k)):
-            n = largest_fitting(fit["peak_mib"], xs, index, budget, step=step)
+            n = largest_fitting(line, xs, index, budget, step=step)
             out[key] = UNBOUNDED if n == sys.maxsize else n
+        out["largest_for_tasks_per_pass"] = held
     steps = int(cfg.META.STEPS)
     task_gflop = line_value(fit["gflops"], xs)
     step_gflop = tasks_per_step * task_gflop
@@ -226,17 +304,20 @@ def meta_plan(
 def _gpu_only_plan(
     cfg, gpu: dict, learner: str, mode: str, gpu_memory_gib: float, gpus: int, margin: float
 ) -> Optional[dict]:
-    """A plan from GPU figures alone (IVLP, MaPLe: no CPU line), when they were measured at ``cfg``'s task size.
+    """A plan from GPU figures alone (IVLP, MaPLe: no CPU line), when they were measured at ``cfg``'s task size,
+    meta-batch and autocast.
 
-    Memory is the measured peak allocation of one outer step (weights included), so only the measured
-    task size is answered (no largest sizes); hours are measured step seconds as in :func:`meta_plan`.
+    Memory is the measured peak allocation of one outer step of ``META_BATCH`` tasks on one GPU as the bench ran it
+    (``META.TASK_BATCHING auto``: the tasks stacked; weights included), so only the measured task size is answered
+    (no largest sizes); with several GPUs each holds fewer tasks and it is an upper bound.  Hours are measured step
+    seconds as in :func:`meta_plan`.
     """
     timing = _gpu_step_seconds(gpu, learner, mode, cfg)
     peak_mb = gpu.get("variants", {}).get(learner, {}).get(f"{mode}_order_peak_mb")
     if timing is None or peak_mb is None:
         return None
     s = gpu.get("settings", {})
-    peak_gib = float(peak_mb) / GIB_MIB  # tasks are back-propagated one by one: no META_BATCH or GPU factor
+    peak_gib = float(peak_mb) / GIB_MIB  # the whole measured step (its META_BATCH tasks stacked); no GPU factor
     k = int(cfg.TASKS.K_WAY)
     return {
         "learner": learner,
@@ -246,8 +327,9 @@ def _gpu_only_plan(
         "images": {"support": k * int(cfg.TASKS.N_SUPPORT), "query": k * int(cfg.TASKS.N_QUERY)},
         "peak_gib": {
             "value": round(peak_gib, 3),
-            "how": f"measured: peak allocated GPU memory of one outer step on {s.get('gpu')} "
-            f"({s.get('autocast')}, {s.get('model')}, weights included; one task's graph at a time)",
+            "how": f"measured: peak allocated GPU memory of one outer step of {s.get('meta_batch')} stacked tasks on "
+            f"{card_label(s)} ({s.get('model')}, weights included"
+            + (f"; an upper bound on {gpus} GPUs, each holding fewer tasks)" if gpus > 1 else ")"),
         },
         "gpu_memory_gib": gpu_memory_gib,
         "margin": margin,
@@ -277,12 +359,14 @@ def _gpu_step_seconds(gpu: dict, learner: str, mode: str, cfg) -> Optional[tuple
         and s.get("support_shots") == int(cfg.TASKS.N_SUPPORT)
         and s.get("query_shots") == int(cfg.TASKS.N_QUERY)
         and s.get("meta_batch") == int(cfg.META.META_BATCH)
+        and (s.get("autocast") or "none") == str(cfg.META.AUTOCAST)
+        and str(cfg.META.TASK_BATCHING) != "off"  # the bench ran META.TASK_BATCHING auto
     )
     row = gpu.get("variants", {}).get(learner)
     key = f"{mode}_order_step_s"
     if not same or row is None or key not in row:
         return None
-    return float(row[key]), f"measured: {s.get('gpu')} {s.get('autocast')} (gpu figures)"
+    return float(row[key]), f"measured: {card_label(s)} (gpu figures)"
 
 
 def chc_plan(
@@ -320,7 +404,7 @@ def chc_plan(
         rows["image_features"] = {
             "items": round(images),
             "gpu_hours": round(images / rate / 3600.0 / gpus, 3),
-            "how": f"measured: {rate} images/s on {gpu_figures.get('settings', {}).get('gpu')} "
+            "how": f"measured: {rate} images/s on {card_label(gpu_figures.get('settings', {}))} "
             f"(gpu figures), / {gpus} GPU(s); JPEG decoding not included",
         }
     elif image_gflop:
@@ -441,8 +525,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--figures", default=default_path(DEFAULT_FIGURES), help=f"default: <checkout>/{DEFAULT_FIGURES}")
     ap.add_argument(
         "--gpu-figures",
-        default=default_path(DEFAULT_GPU_FIGURES),
-        help=f"default: <checkout>/{DEFAULT_GPU_FIGURES} when it exists",
+        default=None,
+        help="default: the checkout's figures of the config's META.AUTOCAST ("
+        + ", ".join(f"{k}: {v}" for k, v in GPU_FIGURES_BY_AUTOCAST.items())
+        + ") when it exists",
     )
     ap.add_argument(
         "--chc-figures",
@@ -462,6 +548,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise PlanError(kind)
         check_meta_cfg(cfg)  # the same checks as `python -m meta train`: what it refuses is not planned
         figures = _read_json(args.figures, "real-size figures: python -m gram_tools.realsize", FIGURES_LAYOUT)
+        if args.gpu_figures is None:
+            args.gpu_figures = default_gpu_figures(str(cfg.META.AUTOCAST))
         gpu = _read_json(args.gpu_figures, "", GPU_LAYOUT) if Path(args.gpu_figures).is_file() else None
         result = {
             "config": args.config_file,
@@ -507,11 +595,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         if key not in m:
             continue
         print(f"  {key:18s} {m[key]['value']:>10}   ({m[key]['how']})")
+    if "task_batching" in m:
+        print(f"  tasks per pass     {m['task_batching']['chunk']:>10}   ({m['task_batching']['how']})")
     print(f"  fits {args.gpu_memory_gib:g} GiB with {args.margin:.0%} kept free: {'yes' if m['fits'] else 'NO'}")
     if "largest_n_support" in m:
+        held = m["largest_for_tasks_per_pass"]
         print(
             f"  largest TASKS.N_SUPPORT that fits (query fixed): {m['largest_n_support']}; "
-            f"largest TASKS.N_QUERY (support fixed): {m['largest_n_query']}"
+            f"largest TASKS.N_QUERY (support fixed): {m['largest_n_query']} "
+            f"({'one task per pass' if held == 1 else f'{held} stacked tasks per pass'})"
         )
     for name, row in result.get("chc", {}).items():
         hours = row.get("cpu_hours", row.get("gpu_hours"))

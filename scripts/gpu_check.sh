@@ -6,7 +6,7 @@
 # 2. python -m gram_tools.bench --device cuda in fp32 and under bf16 autocast (whole outer steps of CoOp, VPT
 #    and UNIGRAM at the default meta-training task size, peak GPU memory, CHC images per second);
 # 3. the figures file the planner reads: docs/gpu_figures.json (fp32) and docs/gpu_figures_bf16.json
-#    (python -m gram_tools.plan --gpu-figures docs/gpu_figures_bf16.json ...); FIGURES_DIR overrides docs.
+#    (python -m gram_tools.plan reads it for a config with META.AUTOCAST bf16); FIGURES_DIR overrides docs.
 #    The bf16 run also writes the sequential vs task-batched table (1 / 4 / 16 tasks), each step's achieved
 #    TFLOP/s against a bf16 matmul measured in the same run, and CHC images/s by batch size.
 # 4. with REHEARSAL=1, then scripts/gpu_rehearsal.sh (the user's whole path at real size, ~8 min): on the device

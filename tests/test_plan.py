@@ -437,3 +437,50 @@ def test_deep_learners_are_planned_from_gpu_figures_at_their_task_size(tmp_path,
         )
         assert plan.main(argv2) == 2
         assert "gpu_check.sh" in capsys.readouterr().err
+
+
+def test_memory_of_the_stacked_meta_batch_follows_task_batching(tmp_path, capsys):
+    """On a GPU ``META.TASK_BATCHING auto`` stacks a rank's tasks and halves the stack until it fits
+    (meta.method.batched.TaskBatching); ``on`` keeps the stack, ``off`` and several GPUs hold fewer."""
+    paths = _figures(tmp_path)  # one task 5000 MiB, weights 512 MiB, META_BATCH 4
+
+    def meta(*extra):
+        return _run(capsys, paths, "--margin", "0", *extra)["meta_training"]
+
+    out = meta("--gpu-memory-gib", "30")  # budget 30720 - 512: 4 x 5000 fits
+    assert out["task_batching"]["chunk"] == 4 and out["peak_gib"]["value"] == round(20512 / 1024, 3) and out["fits"]
+    out = meta("--gpu-memory-gib", "16")  # budget 15872: 4 tasks do not fit, 2 do
+    assert out["task_batching"]["chunk"] == 2 and out["peak_gib"]["value"] == round(10512 / 1024, 3) and out["fits"]
+    assert "settles on 2" in out["task_batching"]["how"]
+    assert (out["largest_n_support"], out["largest_for_tasks_per_pass"]) == (25, 1)  # (15872 - 3000) / 500
+    out = meta("--gpu-memory-gib", "16", "META.TASK_BATCHING", "on")  # the whole stack must fit: it does not
+    assert out["task_batching"]["chunk"] == 4 and out["fits"] is False
+    # per task 15872 / 4 = 3968 MiB: support (3968 - 3000) / 500 -> 1, query (3968 - 3000) / 250 -> 3
+    assert (out["largest_n_support"], out["largest_n_query"], out["largest_for_tasks_per_pass"]) == (1, 3, 4)
+    for extra in (["META.TASK_BATCHING", "off"], ["--gpus", "4"]):
+        out = meta("--gpu-memory-gib", "30", *extra)
+        assert out["task_batching"]["chunk"] == 1 and out["peak_gib"]["value"] == round(5512 / 1024, 3)
+    out = meta("--gpu-memory-gib", "30", "--gpus", "2")  # 2 tasks per GPU
+    assert out["task_batching"]["chunk"] == 2 and out["task_batching"]["tasks_per_gpu"] == 2
+
+
+def test_gpu_figures_are_read_for_the_configs_autocast_and_named_once(tmp_path, capsys):
+    paths = _figures(tmp_path)  # GPU figures measured in fp32 ("autocast": "none") on the card "fake"
+    out = _run(capsys, paths, "--gpus", "2", gpu=True)["meta_training"]
+    assert out["hours"]["how"].startswith("measured: fake, fp32 (gpu figures)")
+    out = _run(capsys, paths, "--gpus", "2", "META.AUTOCAST", "bf16", gpu=True)["meta_training"]
+    assert out["hours"]["how"].startswith("estimated")  # fp32 step times are not bf16 ones
+    assert "upper bound for META.AUTOCAST bf16" in out["peak_gib"]["how"]
+    assert plan.card_label({"gpu": "NVIDIA H200", "autocast": "bf16"}) == "NVIDIA H200, bf16 autocast"
+    assert plan.default_gpu_figures("bf16").endswith("docs/gpu_figures_bf16.json")
+    assert plan.default_gpu_figures("none").endswith("docs/gpu_figures.json")
+    assert plan.default_gpu_figures("fp16").endswith("docs/gpu_figures.json")  # none measured: compared, not used
+
+
+def test_realsize_doc_shows_the_planners_table_of_the_committed_figures():
+    """docs/realsize.md's planner table is what the planner says today on the committed figures (no number by hand)."""
+    from gram_tools.cost_tables import planner_table
+    from gram_tools.realsize import DEFAULT_OUT
+
+    table = planner_table(plan.default_path(DEFAULT_OUT))
+    assert table.count("\n") >= 3 and table in (REPO / "docs" / "realsize.md").read_text()
