@@ -261,6 +261,8 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.FEATURE_CHECK = 8  # images re-encoded to prove cached features match this CLIP (0 = skip)
     m.PROGRESS = True  # tqdm bar
     m.TENSORBOARD = True
+    m.FINGERPRINT = True  # run.json and the init file record computed_by: the numerics fingerprint (the golden run,
+    # meta.fingerprint, ~15 s on one CPU core), commit, CPU, pins, builds; False skips the golden run only
     m.EXPORT_NAME = "gram_init.safetensors"
     m.COOP_CTX_NAME = "coop_ctx_nctx{n_ctx}.pth"  # {n_ctx}: the text context length stock CoOp must be given
     cfg.META = m

@@ -151,8 +151,8 @@ def tiny_chc_args(out_dir: Path, *opts: str) -> list[str]:
 
 
 def tiny_meta_opts(*opts: str) -> list[str]:
-    """``python -m meta train`` ``KEY VALUE`` options: the tiny test CLIP on the CPU, no progress bar and no
-    TensorBoard, then ``opts`` (steps, task sizes, ...)."""
+    """``python -m meta train`` ``KEY VALUE`` options: the tiny test CLIP on the CPU, no progress bar, no
+    TensorBoard and no golden run for ``computed_by`` (one test covers it), then ``opts`` (steps, task sizes, ...)."""
     return [
         "MODEL.BACKBONE",
         "GRAM-Test-Tiny",
@@ -161,6 +161,8 @@ def tiny_meta_opts(*opts: str) -> list[str]:
         "META.PROGRESS",
         "False",
         "META.TENSORBOARD",
+        "False",
+        "META.FINGERPRINT",
         "False",
         *opts,
     ]

@@ -94,6 +94,8 @@ BASE = [
     "2",
     "META.PROGRESS",
     "False",
+    "META.FINGERPRINT",
+    "False",
     "META.FEATURE_CHECK",
     "4",
     "META.INNER_LR",

@@ -442,6 +442,8 @@ def test_hierarchy_names_the_builds_that_clustered_it(chc_run):
     assert meta["versions"]["umap-learn"] == importlib.metadata.version("umap-learn")
     assert meta["versions"]["hdbscan"] == importlib.metadata.version("hdbscan")
     assert set(meta["versions"]) >= {"numba", "scikit-learn", "torch"}
+    assert meta["numerics"]["cpu_model"] and meta["numerics"]["torch"] and "pinned" in meta["numerics"]
+    assert meta["commit"]
 
 
 @pytest.mark.slow

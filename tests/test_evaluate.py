@@ -458,6 +458,10 @@ def test_cli_writes_one_json_line_per_run(ds_a, data_root, tmp_path, capsys):
     assert [r["method"] for r in rows] == [methods.label("zsclip"), methods.label("coop")] == ["CLIP", "CoOp"]
     assert all(r["dataset"] == "SynthA" and r["shots"] == 4 and r["train_spec"]["epochs"] == 1 for r in rows)
     assert rows[1]["H"] == pytest.approx(harmonic_mean(rows[1]["base"], rows[1]["new"]))
+    # every written record says what computed it: CPU, pins, builds, commit (meta.infra.provenance.results_record;
+    # with the numerics fingerprint too where meta.fingerprint.record is loaded)
+    assert rows[0]["computed_by"]["numerics"]["cpu_model"] and rows[0]["computed_by"]["commit"]
+    assert rows[0]["computed_by"] == rows[1]["computed_by"]
     printed = capsys.readouterr().out
     assert "SynthA" in printed and "CoOp" in printed
     assert main(["base2new", "--dataset", str(tmp_path / "missing")]) == 2

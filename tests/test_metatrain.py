@@ -762,3 +762,26 @@ def test_deep_prompt_learners_meta_train_and_export(tmp_path, hier, tiny_clip, k
         assert torch.equal(t, init.prompt[name])
     with pytest.raises(InitMismatchError, match="text_depth: file has 2, model expects 1"):
         load_gram_init(again, expect={"text_depth": 1})
+
+
+def test_run_json_and_init_file_record_what_computed_them(tmp_path, hier, monkeypatch):
+    """META.FINGERPRINT (on by default): run.json and the exported init file carry computed_by (commit, numerics
+    fingerprint, CPU and pins); a resume under another fingerprint is listed. The golden run itself is replaced by
+    fixed digests here (its own tests are tests/test_numerics.py)."""
+    from meta.fingerprint import record
+
+    monkeypatch.setitem(record._FINGERPRINT, "digest", "a" * 64)
+    out = tmp_path / "run"
+    opts = [*PROMPTS["coop"], "META.FINGERPRINT", "True", "META.VAL_TASKS", "0"]
+    result = train(_cfg(out, *opts, "META.STEPS", "2"), hierarchy=hier, echo=_quiet)
+    info = json.loads((out / "run.json").read_text())
+    assert info["computed_by"]["fingerprint"] == "a" * 64 and "fingerprint_changes" not in info
+    assert set(info["computed_by"]) == {"commit", "fingerprint", "golden", "numerics"}
+    assert info["computed_by"]["numerics"]["cpu_model"] == info["numerics"]["cpu_model"]
+    prov = load_gram_init(result["export"]["init"]).metadata["provenance"]
+    assert prov["computed_by"]["fingerprint"] == "a" * 64
+    monkeypatch.setitem(record._FINGERPRINT, "digest", "b" * 64)
+    train(_cfg(out, *opts, "META.STEPS", "4"), resume=True, hierarchy=hier, echo=_quiet)
+    info = json.loads((out / "run.json").read_text())
+    assert info["fingerprint_changes"] == [{"at_step": 2, "before": "a" * 64, "now": "b" * 64}]
+    assert info["computed_by"]["fingerprint"] == "b" * 64

@@ -131,6 +131,10 @@ def test_cpu_smoke_rehearsal_runs_every_stage(tmp_path):
         out / "meta/unigram/gram_init.safetensors"
     ).is_file()
     assert any(name.endswith(".csv") for name in result["tables"])
+    # `python -m meta train` records what computed the run (META.FINGERPRINT on: the golden run's digest) and the
+    # export carries it into the init file's provenance
+    record = json.loads((out / "meta/coop/run.json").read_text())["computed_by"]
+    assert len(record["fingerprint"]) == 64 and isinstance(record["golden"], bool) and record["numerics"]["cpu_model"]
     # the GRAM rows started from the exports (run_methods passes INIT as TRAINER.GRAM.INIT)
     log = (out / "output/base2new/train_base/dtd/shots_2/gram_coop/seed1/log.txt").read_text()
     assert str(out / "meta/coop/gram_init.safetensors") in log

@@ -129,6 +129,7 @@ def _variant_cfg(variant: MetaVariant, model: str, weights: str, out: Path, sett
     cfg.SEED = settings.meta_seed
     cfg.META.TENSORBOARD = False
     cfg.META.PROGRESS = False  # the parent process shows one bar over all variants
+    cfg.META.FINGERPRINT = False  # results.json records computed_by once for the whole demo (report.py)
     cfg.TASKS.K_WAY = settings.k_way
     cfg.TASKS.N_SUPPORT = settings.n_support
     cfg.TASKS.N_QUERY = settings.n_query

@@ -56,6 +56,8 @@ from meta.config import get_meta_cfg_default
 from meta.data.input_limits import caps_away_from_defaults, image_caps
 from meta.infra.fileio import clean_stale_temps
 from meta.infra.hashing import file_sha256
+from meta.infra.numerics import numerics_record
+from meta.infra.provenance import REPO, git_commit
 from meta.infra.runlock import RunLock
 from meta.model.backbone import resolve_device
 from meta.model.clip_config import clip_from_cfg
@@ -610,6 +612,9 @@ class ChcRun:
                 "counts": counts,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "versions": clustering_versions(),
+                # CPU, kernel pins, builds and the commit (cheap; the golden-run fingerprint is meta-training's)
+                "numerics": numerics_record(),
+                "commit": git_commit(REPO),
             }
         )
         write_json_atomic(self.out / "hierarchy.json", {"topic_names": domain_info["topic_names"], "meta": meta})

@@ -45,6 +45,7 @@ from meta.evaluation import (
 )
 from meta.evaluation.summary import format_row, summarise
 from meta.infra.cli_errors import int_flag_problem, run_cli
+from meta.infra.provenance import results_record
 from meta.method.prompts import VPT_INITS, PromptSpec
 from meta.model.backbone import check_model_name, load_clip, quick_gelu_flag, resolve_device
 
@@ -275,6 +276,7 @@ def _main(argv: list[str]) -> int:
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     out = open(args.output, "a", encoding="utf-8") if args.output else None
+    computed = None  # what computed the records of --output (meta.infra.provenance.results_record), once per process
     records = []
     try:
         for method in methods:
@@ -315,7 +317,9 @@ def _main(argv: list[str]) -> int:
                     records.append(record)
                     print(_summary(record), flush=True)
                     if out is not None:
-                        out.write(json.dumps(record) + "\n")
+                        if computed is None:
+                            computed = results_record(str(clip.token_embedding.weight.device.type))
+                        out.write(json.dumps({**record, "computed_by": computed}) + "\n")
                         out.flush()
     finally:
         if out is not None:

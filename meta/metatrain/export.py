@@ -102,9 +102,11 @@ def export_state(state: dict, run_dir: Union[str, Path], out: Optional[Union[str
     dims = ClipDims(**state["dims"])
     init_path, coop_path = export_paths(Path(run_dir), cfg, str(out) if out else None)
     theta = learner.prompt_module
-    export_gram_init(
-        init_path, theta, learner.regulators(), dims, provenance=provenance(state, cfg), weights=cfg.MODEL.PRETRAINED
-    )
+    prov = provenance(state, cfg)
+    record = _computed_by_of_run(Path(run_dir))
+    if record:
+        prov["computed_by"] = record
+    export_gram_init(init_path, theta, learner.regulators(), dims, provenance=prov, weights=cfg.MODEL.PRETRAINED)
     paths = {"init": init_path, "coop_ctx": None}
     ctx = getattr(theta, "ctx", None)  # CoOp's context file: the built-in learner's text context
     if ctx is not None:
@@ -113,6 +115,17 @@ def export_state(state: dict, run_dir: Union[str, Path], out: Optional[Union[str
         paths["coop_ctx"] = export_coop_context(coop_path, ctx, epoch=0)
         paths["coop_usage"] = coop_context_usage(paths["coop_ctx"], n_ctx)
     return paths
+
+
+def _computed_by_of_run(run_dir: Path) -> dict:
+    """The run's ``run.json`` ``computed_by`` record (``{}`` when absent, unreadable, or ``META.FINGERPRINT`` False)."""
+    import json
+
+    try:
+        record = json.loads((run_dir / "run.json").read_text()).get("computed_by")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def _with_n_ctx(coop_path: Path, n_ctx: int) -> Path:

@@ -70,6 +70,7 @@ RUN_CONTROL_KEYS = frozenset(
         "META.FEATURE_CHECK",
         "META.PROGRESS",
         "META.TENSORBOARD",
+        "META.FINGERPRINT",
         "META.EXPORT_NAME",
         "META.COOP_CTX_NAME",
         "META.HIERARCHY",

@@ -39,7 +39,7 @@ from meta.finetune.regulated import GradientRegulation, LaunchStep, finetune_and
 from meta.infra import distributed as dist_
 from meta.infra.fileio import clean_stale_temps, parse_json, write_json_atomic, write_text_atomic
 from meta.infra.numerics import numerics_record
-from meta.infra.provenance import git_commit
+from meta.infra.provenance import git_commit, results_record
 from meta.infra.runlock import RunLock, is_rank0
 from meta.metatrain import settings
 from meta.metatrain.checkpoint import (
@@ -666,8 +666,23 @@ def _write_run_files(run: RunSetup, run_dir: Path, state: Optional[dict], start:
     )
     if state is not None:
         info.setdefault("resumed_at_steps", []).append(start)
+    if cfg.META.FINGERPRINT:
+        _record_computed_by(info, run.device, start)
     write_json_atomic(info_path, info)
     return RunLog(run_dir, start_step=start, tensorboard=bool(cfg.META.TENSORBOARD), fresh=state is None)
+
+
+def _record_computed_by(info: dict, device: str, start: int) -> None:
+    """``info["computed_by"]`` = :func:`meta.infra.provenance.results_record` of this process (with the numerics
+    fingerprint where :mod:`meta.fingerprint.record` is loaded, as ``python -m meta train`` loads it); a resume under
+    another numerics fingerprint is listed in ``info["fingerprint_changes"]`` (the run then mixes two numerics)."""
+    record = results_record(device)
+    before = (info.get("computed_by") or {}).get("fingerprint")
+    if before and before != record.get("fingerprint"):
+        info.setdefault("fingerprint_changes", []).append(
+            {"at_step": int(start), "before": before, "now": record.get("fingerprint")}
+        )
+    info["computed_by"] = record
 
 
 def _read_run_info(path: Path) -> dict:
