@@ -1,6 +1,6 @@
 """How many worlds a confirmatory study needs: variance components of the committed cells and a power calculation.
 
-``python -m gram_world.power --results docs/study/results.json [--delta 1.0] [--family 11] [--out F.md]``
+``python -m gram_world.power --results docs/study/results.json [--delta 1.0] [--family 11] [--at W M] [--out F.md]``
 
 For each pair of a study (method row vs baseline row), the paired differences ``d[w, m, f]`` of H over worlds w,
 meta-training seeds m and fine-tuning seeds f are split into three variance components by the balanced nested
@@ -87,7 +87,12 @@ def power(worlds: int, variance: float, delta: float, alpha: float) -> float:
     df = worlds - 1
     crit = t.ppf(1 - alpha / 2, df)
     ncp = delta * np.sqrt(worlds) / np.sqrt(max(variance, 1e-12))
-    return float(nct.sf(crit, df, ncp) + nct.cdf(-crit, df, ncp))
+    value = float(nct.sf(crit, df, ncp) + nct.cdf(-crit, df, ncp))
+    if not np.isfinite(value):  # scipy's noncentral t gives nan far in its tail (large ncp): power is ~1 there
+        from scipy.stats import norm
+
+        value = float(norm.sf(crit - abs(ncp)) + norm.cdf(-crit - abs(ncp)))
+    return min(1.0, max(0.0, value))
 
 
 def worlds_needed(variance: float, delta: float, alpha: float, target: float = 0.8, most: int = 200) -> Optional[int]:
@@ -106,8 +111,11 @@ def plan_table(
     alpha: float = 0.05,
     meta_options: Sequence[int] = (1, 2, 3),
     finetune_seeds: int = 3,
+    at: Optional[tuple[int, int]] = None,
 ) -> list[dict]:
-    """Per pair: the components, and per meta-seed count the worlds needed for 80 % power at ``alpha / family``."""
+    """Per pair: the components, and per meta-seed count the worlds needed for 80 % power at ``alpha / family``;
+    with ``at = (worlds, meta seeds)``, also ``power_at``: the power of that design (what a study that cannot
+    afford the worlds needed has)."""
     rows = []
     for method, base in pairs:
         d = differences(cells, method, base)
@@ -118,23 +126,38 @@ def plan_table(
             str(m): worlds_needed(world_mean_variance(comps, m, finetune_seeds), delta, alpha / family)
             for m in meta_options
         }
-        rows.append({"method": method, "baseline": base, "shape": list(d.shape), **comps, "worlds_needed": need})
+        row = {"method": method, "baseline": base, "shape": list(d.shape), **comps, "worlds_needed": need}
+        if at is not None:
+            worlds, metas = at
+            row["power_at"] = power(worlds, world_mean_variance(comps, metas, finetune_seeds), delta, alpha / family)
+        rows.append(row)
     return rows
 
 
-def markdown(rows: Sequence[dict], delta: float, family: int, alpha: float, finetune_seeds: int) -> str:
-    """The table of :func:`plan_table`."""
+def markdown(
+    rows: Sequence[dict],
+    delta: float,
+    family: int,
+    alpha: float,
+    finetune_seeds: int,
+    at: Optional[tuple[int, int]] = None,
+) -> str:
+    """The table of :func:`plan_table` (with its ``power_at`` column when ``at`` is given)."""
     metas = list(rows[0]["worlds_needed"]) if rows else []
     head = " | ".join(f"worlds, {m} meta seed{'s' if m != '1' else ''}" for m in metas)
+    if at is not None:
+        head += f" | power at {at[0]} worlds x {at[1]} meta seed{'s' if at[1] != 1 else ''}"
     lines = [
         f"Worlds for 80 % power, |ΔH| = {delta} at α = {alpha}/{family} (Holm's first step), {finetune_seeds} "
         "fine-tuning seeds per cell; variance components in H² from the committed cells.",
         "",
         f"| method | baseline | mean ΔH | σ²_world | σ²_meta | σ²_finetune | {head} |",
-        "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in metas) + " |",
+        "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in metas) + (" | ---" if at else "") + " |",
     ]
     for r in rows:
         need = " | ".join("> 200" if r["worlds_needed"][m] is None else str(r["worlds_needed"][m]) for m in metas)
+        if at is not None:
+            need += f" | {r['power_at']:.2f}"
         lines.append(
             f"| {r['method']} | {r['baseline']} | {r['mean']:+.2f} | {r['world']:.2f} | {r['meta']:.2f} | "
             f"{r['finetune']:.2f} | {need} |"
@@ -163,19 +186,32 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--alpha", type=float, default=0.05)
     ap.add_argument("--finetune-seeds", type=int, default=3)
     ap.add_argument("--out", default="", help="also write the table (markdown) here")
+    ap.add_argument(
+        "--at",
+        type=int,
+        nargs=2,
+        metavar=("WORLDS", "META_SEEDS"),
+        help="also the power of a study of WORLDS worlds x META_SEEDS meta seeds (the design a budget affords)",
+    )
     args = ap.parse_args(argv)
     if not args.delta > 0 or args.family < 1 or not 0 < args.alpha < 1 or args.finetune_seeds < 1:
         print(
             "error: --delta > 0, --family >= 1, 0 < --alpha < 1 and --finetune-seeds >= 1 are needed", file=sys.stderr
         )
         return 2
+    at = tuple(args.at) if args.at else None
+    if at is not None and (at[0] < 2 or at[1] < 1):
+        print(f"error: --at: expected WORLDS >= 2 and META_SEEDS >= 1, got {at[0]} {at[1]}", file=sys.stderr)
+        return 2
     try:
         cells = json.loads(Path(args.results).read_text())["cells"]
     except (OSError, ValueError, KeyError) as err:
         print(f"error: {args.results}: not a study results file with cells ({err})", file=sys.stderr)
         return 2
-    rows = plan_table(cells, PRIMARY_PAIRS, args.delta, args.family, args.alpha, finetune_seeds=args.finetune_seeds)
-    text = markdown(rows, args.delta, args.family, args.alpha, args.finetune_seeds)
+    rows = plan_table(
+        cells, PRIMARY_PAIRS, args.delta, args.family, args.alpha, finetune_seeds=args.finetune_seeds, at=at
+    )
+    text = markdown(rows, args.delta, args.family, args.alpha, args.finetune_seeds, at)
     print(text, end="")
     if args.out:
         Path(args.out).write_text(text)

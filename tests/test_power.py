@@ -53,3 +53,45 @@ def test_differences_need_a_balanced_design():
     assert d.shape == (2, 2, 2) and d[0, 1, 1] == pytest.approx(2.0) and d[1, 0, 0] == pytest.approx(2.0)
     del cells["1/1"]["b/2"]
     assert power.differences(cells, "a", "b") is None
+
+
+def test_power_of_an_affordable_design_matches_a_simulated_nested_study():
+    """``at=(W, M)``: the power of W worlds x M meta seeds x F fine-tuning seeds, against a simulation of that nested
+    design (world, meta-seed and fine-tuning-seed effects drawn from the components, t-test over world means)."""
+    from scipy.stats import ttest_1samp
+
+    rng = np.random.default_rng(2)
+    comps = {"world": 1.0, "meta": 0.5, "finetune": 2.0}
+    worlds, metas, seeds, delta, alpha = 10, 2, 3, 1.0, 0.05
+
+    def world_means():
+        d = (
+            delta
+            + rng.normal(0, 1.0, (worlds, 1, 1))
+            + rng.normal(0, np.sqrt(0.5), (worlds, metas, 1))
+            + rng.normal(0, np.sqrt(2.0), (worlds, metas, seeds))
+        )
+        return d.mean(axis=(1, 2))
+
+    hits = np.mean([ttest_1samp(world_means(), 0).pvalue < alpha for _ in range(3000)])
+    variance = power.world_mean_variance(comps, metas, seeds)
+    assert power.power(worlds, variance, delta, alpha) == pytest.approx(hits, abs=0.03)
+    # plan_table reports that power for each pair, at the family's level, from the pair's own components
+    big = rng.normal(0, 1.0, (6, 2, 3))
+    cells = {
+        f"{w}/{m}": {f"{k}/{f + 1}": [0, 0, (big[w, m, f] if k == "a" else 0.0)] for k in "ab" for f in range(3)}
+        for w in range(6)
+        for m in range(2)
+    }
+    (row,) = power.plan_table(cells, [("a", "b")], delta=1.0, family=4, at=(worlds, metas))
+    own = power.variance_components(big)
+    assert row["power_at"] == pytest.approx(
+        power.power(worlds, power.world_mean_variance(own, metas, 3), 1.0, 0.05 / 4)
+    )
+    assert "power at 10 worlds x 2 meta seeds" in power.markdown([row], 1.0, 4, 0.05, 3, at=(worlds, metas))
+
+
+def test_power_far_in_the_tail_is_a_probability_not_nan():
+    # scipy's noncentral t returns nan for a large noncentrality; the power there is ~1 and never decreases
+    values = [power.power(w, 0.5, 1.0, 0.05 / 11) for w in (20, 24, 40, 100)]
+    assert all(0.0 <= v <= 1.0 for v in values) and values == sorted(values) and values[-1] > 0.999
