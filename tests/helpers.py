@@ -168,6 +168,23 @@ def tiny_meta_opts(*opts: str) -> list[str]:
     ]
 
 
+def tiny_task_opts(meta_batch: int = 2, way: int = 3, support: int = 2, query: int = 3, val_fraction: float = 0.25):
+    """``KEY VALUE`` options of tiny meta-tasks: ``meta_batch`` tasks per step of ``way`` classes with ``support`` +
+    ``query`` shots, ``val_fraction`` of the topics held out for validation."""
+    return [
+        "META.META_BATCH",
+        str(meta_batch),
+        "TASKS.K_WAY",
+        str(way),
+        "TASKS.N_SUPPORT",
+        str(support),
+        "TASKS.N_QUERY",
+        str(query),
+        "TASKS.VAL_FRACTION",
+        f"{val_fraction:g}",
+    ]
+
+
 def run_methods_module():
     """``scripts/run_methods.py`` imported as a module (the runner behind base2new.sh, xd.sh and xdomain.sh)."""
     import sys

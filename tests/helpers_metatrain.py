@@ -6,6 +6,7 @@ import warnings
 
 import numpy as np
 import torch
+from helpers import tiny_meta_opts, tiny_task_opts
 
 from meta.chc.hierarchy import Hierarchy
 from meta.chc.imaging import CLIP_MEAN, CLIP_STD, normalize_uint8
@@ -68,34 +69,20 @@ def colour_hierarchy(clip_seed=0, backbone=MODEL):
 
 
 BASE = [
-    "MODEL.BACKBONE",
-    MODEL,
-    "MODEL.DEVICE",
-    "cpu",
+    *tiny_meta_opts(),
+    "META.TENSORBOARD",  # written here: tests read the event files
+    "True",
     "META.STEPS",
     "6",
     "META.CHECKPOINT_EVERY",
     "2",
-    "META.META_BATCH",
-    "2",
-    "TASKS.K_WAY",
-    "3",
-    "TASKS.N_SUPPORT",
-    "2",
-    "TASKS.N_QUERY",
-    "3",
-    "TASKS.VAL_FRACTION",
-    "0.25",
+    *tiny_task_opts(),
     "META.VAL_EVERY",
     "3",
     "META.VAL_TASKS",
     "2",
     "META.LOG_DETAIL_EVERY",
     "2",
-    "META.PROGRESS",
-    "False",
-    "META.FINGERPRINT",
-    "False",
     "META.FEATURE_CHECK",
     "4",
     "META.INNER_LR",

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_same_tensors, flat_tensors, tiny_meta_opts
+from helpers import assert_same_tensors, flat_tensors, tiny_meta_opts, tiny_task_opts
 from PIL import Image
 
 from meta.finetune.init_io import load_gram_init
@@ -29,16 +29,7 @@ ARGS = [
     "4",
     "META.CHECKPOINT_EVERY",
     "2",
-    "META.META_BATCH",
-    "4",
-    "TASKS.K_WAY",
-    "3",
-    "TASKS.N_SUPPORT",
-    "2",
-    "TASKS.N_QUERY",
-    "3",
-    "TASKS.VAL_FRACTION",
-    "0.34",
+    *tiny_task_opts(meta_batch=4, val_fraction=0.34),
     "META.VAL_EVERY",
     "2",
     "META.VAL_TASKS",

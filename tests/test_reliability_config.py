@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_meta_opts
+from helpers import tiny_meta_opts, tiny_task_opts
 
 from meta.chc.hierarchy import Hierarchy
 from meta.metatrain import build_cfg, main, settings
@@ -30,16 +30,7 @@ MODEL = "GRAM-Test-Tiny"
 BASE = tiny_meta_opts(
     "META.STEPS",
     "2",
-    "META.META_BATCH",
-    "2",
-    "TASKS.K_WAY",
-    "3",
-    "TASKS.N_SUPPORT",
-    "2",
-    "TASKS.N_QUERY",
-    "3",
-    "TASKS.VAL_FRACTION",
-    "0.25",
+    *tiny_task_opts(),
     "META.VAL_TASKS",
     "2",
     "META.FEATURE_CHECK",
