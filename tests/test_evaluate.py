@@ -465,6 +465,30 @@ def test_cli_writes_one_json_line_per_run(ds_a, data_root, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "SynthA" in printed and "CoOp" in printed
     assert main(["base2new", "--dataset", str(tmp_path / "missing")]) == 2
+    # transfer: one record per method and seed, scored on the source and every target
+    moved = tmp_path / "runs" / "xd.jsonl"
+    flags = ["--model", "GRAM-Test-Tiny", "--methods", "coop", "--seeds", "1", "--shots", "2", "--epochs", "1"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = main(
+            [
+                "transfer",
+                "--source",
+                str(data_root / "synth_a"),
+                "--targets",
+                str(data_root / "synth_b"),
+                *flags,
+                "--final-eval-only",
+                "--no-progress",
+                "--protocol",
+                "cross_dataset",
+                "--output",
+                str(moved),
+            ]
+        )
+    assert code == 0
+    (row,) = [json.loads(line) for line in moved.read_text().splitlines()]
+    assert row["protocol"] == "cross_dataset" and row["seed"] == 1 and row["computed_by"]["commit"]
 
 
 def test_cli_maps_init_files_to_gram_presets():

@@ -281,38 +281,13 @@ def _main(argv: list[str]) -> int:
     try:
         for method in methods:
             for seed in args.seeds:
+                # what every run of this method and seed shares: (clip, dims, method, seed, shots, spec) and the cache
+                shared = (clip, dims, method, seed, args.shots, spec)
+                cache = {"session": session, "use_split_cache": not args.no_split_cache}
                 if args.command == "base2new":
-                    runs = [
-                        evaluate_base_to_new(
-                            ds,
-                            clip,
-                            dims,
-                            method,
-                            seed,
-                            args.shots,
-                            spec,
-                            session=session,
-                            use_split_cache=not args.no_split_cache,
-                            eval_split=args.eval_split,
-                        )
-                        for ds in datasets
-                    ]
+                    runs = [evaluate_base_to_new(ds, *shared, **cache, eval_split=args.eval_split) for ds in datasets]
                 else:
-                    runs = [
-                        evaluate_transfer(
-                            source,
-                            targets,
-                            clip,
-                            dims,
-                            method,
-                            seed,
-                            args.shots,
-                            spec,
-                            session=session,
-                            use_split_cache=not args.no_split_cache,
-                            protocol=args.protocol,
-                        )
-                    ]
+                    runs = [evaluate_transfer(source, targets, *shared, **cache, protocol=args.protocol)]
                 for record in runs:
                     records.append(record)
                     print(_summary(record), flush=True)
