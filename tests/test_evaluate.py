@@ -8,6 +8,7 @@ zero-shot is near chance and a learned text context has something real to learn.
 import json
 import math
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -428,33 +429,18 @@ def test_bad_inputs_give_one_line_errors(tmp_path, tiny_clip):
 def test_cli_writes_one_json_line_per_run(ds_a, data_root, tmp_path, capsys):
     from meta.evaluation.cli import main
 
-    out = tmp_path / "runs" / "b2n.jsonl"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        code = main(
-            [
-                "base2new",
-                "--dataset",
-                str(data_root / "synth_a"),
-                "--model",
-                "GRAM-Test-Tiny",
-                "--methods",
-                "zsclip",
-                "coop",
-                "--seeds",
-                "1",
-                "--shots",
-                "4",
-                "--epochs",
-                "1",
-                "--final-eval-only",
-                "--no-progress",
-                "--output",
-                str(out),
-            ]
-        )
-    assert code == 0
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    def run(command: list[str], out: Path, methods_and_shots: list[str]) -> list[dict]:
+        tiny = ["--model", "GRAM-Test-Tiny", "--seeds", "1", "--epochs", "1", "--final-eval-only", "--no-progress"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert main([*command, *tiny, *methods_and_shots, "--output", str(out)]) == 0
+        return [json.loads(line) for line in out.read_text().splitlines()]
+
+    rows = run(
+        ["base2new", "--dataset", str(data_root / "synth_a")],
+        tmp_path / "runs" / "b2n.jsonl",
+        ["--methods", "zsclip", "coop", "--shots", "4"],
+    )
     assert [r["method"] for r in rows] == [methods.label("zsclip"), methods.label("coop")] == ["CLIP", "CoOp"]
     assert all(r["dataset"] == "SynthA" and r["shots"] == 4 and r["train_spec"]["epochs"] == 1 for r in rows)
     assert rows[1]["H"] == pytest.approx(harmonic_mean(rows[1]["base"], rows[1]["new"]))
@@ -465,29 +451,12 @@ def test_cli_writes_one_json_line_per_run(ds_a, data_root, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "SynthA" in printed and "CoOp" in printed
     assert main(["base2new", "--dataset", str(tmp_path / "missing")]) == 2
-    # transfer: one record per method and seed, scored on the source and every target
-    moved = tmp_path / "runs" / "xd.jsonl"
-    flags = ["--model", "GRAM-Test-Tiny", "--methods", "coop", "--seeds", "1", "--shots", "2", "--epochs", "1"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        code = main(
-            [
-                "transfer",
-                "--source",
-                str(data_root / "synth_a"),
-                "--targets",
-                str(data_root / "synth_b"),
-                *flags,
-                "--final-eval-only",
-                "--no-progress",
-                "--protocol",
-                "cross_dataset",
-                "--output",
-                str(moved),
-            ]
-        )
-    assert code == 0
-    (row,) = [json.loads(line) for line in moved.read_text().splitlines()]
+    # transfer: one record per method and seed, with its protocol label
+    (row,) = run(
+        ["transfer", "--source", str(data_root / "synth_a"), "--targets", str(data_root / "synth_b")],
+        tmp_path / "runs" / "xd.jsonl",
+        ["--methods", "coop", "--shots", "2", "--protocol", "cross_dataset"],
+    )
     assert row["protocol"] == "cross_dataset" and row["seed"] == 1 and row["computed_by"]["commit"]
 
 
