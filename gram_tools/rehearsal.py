@@ -58,6 +58,7 @@ SIZES = {
         "autocast": "bf16",
         "workers": 8,
         "text_model": "",  # CHC.TEXT.MODEL: "" = all-MiniLM-L6-v2 from its PyPI package, or a local model folder
+        "fingerprint": ("coop", "unigram"),  # runs whose run.json records the numerics fingerprint (META.FINGERPRINT)
     },
     "cpu_smoke": {
         "model": "GRAM-Test-Tiny",
@@ -73,6 +74,7 @@ SIZES = {
         "autocast": "none",
         "workers": 2,
         "text_model": "",
+        "fingerprint": ("coop",),  # one golden run (~15 s on a CPU core) is enough to check the record
     },
 }
 # few-shot rows: method key -> the meta-training run whose export it starts from ("" = none)
@@ -143,6 +145,8 @@ def train_args(size: dict, learner: str, chc: Path, run_dir: Path) -> list[str]:
         "False",
         "META.AUTOCAST",
         size["autocast"],
+        "META.FINGERPRINT",
+        str(learner in size["fingerprint"]),
     ]
     if size["device"] == "cpu":  # the tiny corpus has few topics: tiny tasks, no validation tasks
         args += [

@@ -135,6 +135,8 @@ def test_cpu_smoke_rehearsal_runs_every_stage(tmp_path):
     # export carries it into the init file's provenance
     record = json.loads((out / "meta/coop/run.json").read_text())["computed_by"]
     assert len(record["fingerprint"]) == 64 and isinstance(record["golden"], bool) and record["numerics"]["cpu_model"]
+    info = json.loads((out / "meta/unigram/run.json").read_text())  # META.FINGERPRINT False: numerics and commit only
+    assert "computed_by" not in info and info["numerics"]["cpu_model"] and info["commit"]
     # the GRAM rows started from the exports (run_methods passes INIT as TRAINER.GRAM.INIT)
     log = (out / "output/base2new/train_base/dtd/shots_2/gram_coop/seed1/log.txt").read_text()
     assert str(out / "meta/coop/gram_init.safetensors") in log
