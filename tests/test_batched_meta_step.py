@@ -254,10 +254,10 @@ def test_objectives_the_stacked_pass_does_not_compute_run_sequentially(tiny_clip
     ml = _learner(clip, dims, LEARNERS["coop"], MetaSpec(inner_lr=0.5, task_batching="on"))
     loss_fn = classification_loss(PromptedCLIP(clip, dims, 4))
     assert batched.stacked_objective(ml.spec)
-    assert batched.accumulate(ml, tasks, loss_fn) is not None
+    assert ml.task_batching.accumulate(ml, tasks, loss_fn) is not None
     for name, value in (("inner_support", "split"), ("trajectory_states", 2)):
         spec = MetaSpec(inner_lr=0.5, task_batching="on")
         setattr(spec, name, value)  # the regulator branch's fields, read where present
         ml.spec = spec
         assert not batched.stacked_objective(spec)
-        assert batched.accumulate(ml, tasks, loss_fn) is None
+        assert ml.task_batching.accumulate(ml, tasks, loss_fn) is None

@@ -15,7 +15,6 @@ from helpers_learner import RANK, low_rank_learner
 
 from meta.finetune.engine import init_expectations
 from meta.finetune.init_io import InitMismatchError, export_gram_init, load_gram_init
-from meta.method import batched
 from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch, double_backward_attention
 from meta.method.learners import get_learner, learner_keys
 from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
@@ -106,7 +105,9 @@ def test_the_stacked_task_loop_runs_the_toy_and_agrees_with_the_sequential_one(t
         spec.regulator.init, spec.regulator.init_std = "normal", 0.2
         ml = GRAMMetaLearner(copy.deepcopy(theta), spec)
         if loop == "on":
-            assert batched.accumulate(ml, tasks, loss_fn) is not None  # the stacked pass ran (not the fallback)
+            assert (
+                ml.task_batching.accumulate(ml, tasks, loss_fn) is not None
+            )  # the stacked pass ran (not the fallback)
         else:
             ml.accumulate(tasks, loss_fn)
         grads[loop] = {n: p.grad.clone() for n, p in ml.named_parameters() if p.grad is not None}

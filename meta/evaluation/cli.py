@@ -293,7 +293,7 @@ def _main(argv: list[str]) -> int:
                     print(_summary(record), flush=True)
                     if out is not None:
                         if computed is None:
-                            computed = results_record(str(clip.token_embedding.weight.device.type))
+                            computed = results_record(str(args.device))
                         out.write(json.dumps({**record, "computed_by": computed}) + "\n")
                         out.flush()
     finally:

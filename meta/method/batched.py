@@ -231,13 +231,6 @@ class TaskBatching:
                 )
 
 
-def accumulate(
-    learner: Any, tasks: Sequence[Any], loss_fn: Callable, backward: Callable = torch.Tensor.backward
-) -> Optional[dict[str, float]]:
-    """:meth:`TaskBatching.accumulate` of ``learner.task_batching`` (the learner's own policy and chunk memory)."""
-    return learner.task_batching.accumulate(learner, tasks, loss_fn, backward)
-
-
 def on_accelerator(learner: Any) -> bool:
     """Whether θ lives on an accelerator (``auto`` stacks tasks there only)."""
     return next(learner.prompt_module.parameters()).device.type != "cpu"
@@ -253,7 +246,7 @@ def stacked_objective(spec: Any) -> bool:
 def _accumulate_chunks(
     learner: Any, tasks: Sequence[Any], fn: BatchedLossFn, chunk: int, backward: Callable
 ) -> dict[str, float]:
-    """The batched outer step over consecutive chunks of at most ``chunk`` tasks (see :func:`accumulate`)."""
+    """The batched outer step over consecutive chunks of at most ``chunk`` tasks (:meth:`TaskBatching.accumulate`)."""
     learner.zero_grad(set_to_none=True)
     n_tasks = len(tasks)
     first_order = learner.spec.first_order
