@@ -53,17 +53,18 @@ def differences(cells: dict, method: str, base: str) -> Optional[np.ndarray]:
 
 def variance_components(d: np.ndarray) -> dict:
     """``{"world", "meta", "finetune"}`` variances (H²) of a balanced ``[W, M, F]`` array (module docstring),
-    and the mean difference.  Needs W >= 2, M >= 2, F >= 2."""
+    and the mean difference.  Needs W >= 2 and F >= 2; with M = 1 ``meta`` is None and ``world`` holds the world's
+    and the meta seed's components together."""
     w, m, f = d.shape
-    if min(w, m, f) < 2:
-        raise ValueError(
-            f"variance_components: need at least 2 worlds, meta seeds and fine-tuning seeds, got {d.shape}"
-        )
+    if min(w, f) < 2:
+        raise ValueError(f"variance_components: need at least 2 worlds and fine-tuning seeds, got {d.shape}")
     cell = d.mean(axis=2)  # [W, M]
     world = cell.mean(axis=1)  # [W]
     ms_f = float(((d - cell[:, :, None]) ** 2).sum() / (w * m * (f - 1)))
-    ms_m = float(f * ((cell - world[:, None]) ** 2).sum() / (w * (m - 1)))
     ms_w = float(m * f * ((world - world.mean()) ** 2).sum() / (w - 1))
+    if m == 1:  # one meta seed per world: its component cannot be told from the world's; "world" holds both
+        return {"world": max(0.0, (ms_w - ms_f) / f), "meta": None, "finetune": ms_f, "mean": float(d.mean())}
+    ms_m = float(f * ((cell - world[:, None]) ** 2).sum() / (w * (m - 1)))
     return {
         "world": max(0.0, (ms_w - ms_m) / (m * f)),
         "meta": max(0.0, (ms_m - ms_f) / f),
@@ -74,7 +75,8 @@ def variance_components(d: np.ndarray) -> dict:
 
 def world_mean_variance(comps: dict, meta_seeds: int, finetune_seeds: int) -> float:
     """Variance (H²) of one world's mean difference with ``meta_seeds`` x ``finetune_seeds`` units."""
-    return comps["world"] + comps["meta"] / meta_seeds + comps["finetune"] / (meta_seeds * finetune_seeds)
+    meta = comps["meta"] or 0.0  # None: folded into "world" (one meta seed per world measured)
+    return comps["world"] + meta / meta_seeds + comps["finetune"] / (meta_seeds * finetune_seeds)
 
 
 def power(worlds: int, variance: float, delta: float, alpha: float) -> float:
@@ -119,7 +121,7 @@ def plan_table(
     rows = []
     for method, base in pairs:
         d = differences(cells, method, base)
-        if d is None:
+        if d is None or d.shape[0] < 2 or d.shape[2] < 2:  # unbalanced, or one world or fine-tuning seed: no estimate
             continue
         comps = variance_components(d)
         need = {
@@ -141,15 +143,17 @@ def markdown(
     alpha: float,
     finetune_seeds: int,
     at: Optional[tuple[int, int]] = None,
+    source: str = "the committed cells",
 ) -> str:
-    """The table of :func:`plan_table` (with its ``power_at`` column when ``at`` is given)."""
+    """The table of :func:`plan_table` (with its ``power_at`` column when ``at`` is given); ``source``: where its
+    components were read, in words."""
     metas = list(rows[0]["worlds_needed"]) if rows else []
     head = " | ".join(f"worlds, {m} meta seed{'s' if m != '1' else ''}" for m in metas)
     if at is not None:
         head += f" | power at {at[0]} worlds x {at[1]} meta seed{'s' if at[1] != 1 else ''}"
     lines = [
         f"Worlds for 80 % power, |ΔH| = {delta} at α = {alpha}/{family} (Holm's first step), {finetune_seeds} "
-        "fine-tuning seeds per cell; variance components in H² from the committed cells.",
+        f"fine-tuning seeds per cell; variance components in H² from {source}.",
         "",
         f"| method | baseline | mean ΔH | σ²_world | σ²_meta | σ²_finetune | {head} |",
         "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in metas) + (" | ---" if at else "") + " |",
@@ -159,7 +163,8 @@ def markdown(
         if at is not None:
             need += f" | {r['power_at']:.2f}"
         lines.append(
-            f"| {r['method']} | {r['baseline']} | {r['mean']:+.2f} | {r['world']:.2f} | {r['meta']:.2f} | "
+            f"| {r['method']} | {r['baseline']} | {r['mean']:+.2f} | {r['world']:.2f} | "
+            f"{'-' if r['meta'] is None else format(r['meta'], '.2f')} | "
             f"{r['finetune']:.2f} | {need} |"
         )
     return "\n".join(lines) + "\n"

@@ -40,7 +40,7 @@ import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -329,14 +329,17 @@ def mean_h(cells: dict, key: str, beside: str = "") -> Optional[float]:
     return round(float(np.mean(values)), 3) if values else None
 
 
-def summarise(cells: dict, pairs: Sequence[tuple] = PAIRS, alpha: float = 0.05) -> list[dict]:
+def summarise(
+    cells: dict, pairs: Sequence[tuple] = PAIRS, alpha: float = 0.05, label: Optional[Callable[[str], str]] = None
+) -> list[dict]:
     """One row per pair: mean H of both rows, mean difference, 95 % bootstrap interval, n, worlds, p-values and
-    whether the claim holds.
+    whether the claim holds.  ``label(row key)``: a row's words (default: the demo row's label, :func:`method_row`).
 
     The test is the paired t-test over world means (``p_world_t``; the bootstrap p is shown beside it, but it is
     more lenient); ``p_holm`` adjusts it by Holm over every row of this summary (the family; rows with one world
     have no test and are not in it).  ``holds`` is ``better`` / ``worse`` when ``p_holm`` < ``alpha``,
     else ``not shown``; ``holds_uncorrected`` is the per-row verdict of the 95 % interval alone."""
+    label = label or (lambda key: method_row(key).label)
     rows = []
     for (method, base), groups in paired_differences(cells, pairs).items():
         mean, stats = bootstrap_means(groups)
@@ -345,8 +348,8 @@ def summarise(cells: dict, pairs: Sequence[tuple] = PAIRS, alpha: float = 0.05) 
             {
                 "method": method,
                 "baseline": base,
-                "label": METHOD_BY_KEY[method].label,
-                "baseline_label": METHOD_BY_KEY[base].label,
+                "label": label(method),
+                "baseline_label": label(base),
                 "mean_H": mean_h(cells, method, beside=base),
                 "baseline_mean_H": mean_h(cells, base, beside=method),
                 "mean_diff_H": round(mean, 3),

@@ -95,3 +95,14 @@ def test_power_far_in_the_tail_is_a_probability_not_nan():
     # scipy's noncentral t returns nan for a large noncentrality; the power there is ~1 and never decreases
     values = [power.power(w, 0.5, 1.0, 0.05 / 11) for w in (20, 24, 40, 100)]
     assert all(0.0 <= v <= 1.0 for v in values) and values == sorted(values) and values[-1] > 0.999
+
+
+def test_one_meta_seed_folds_its_component_into_the_worlds():
+    # 3 worlds x 1 meta seed x 2 fine-tuning seeds; hand: world means 1, 2, 6 (grand 3), each value 1 from its mean
+    d = np.array([[[0.0, 2.0]], [[1.0, 3.0]], [[5.0, 7.0]]])
+    comps = power.variance_components(d)
+    ms_f = 6 * 1.0 / (3 * 1 * 1)
+    ms_w = 2 * (4 + 1 + 9) / 2
+    assert comps["meta"] is None and comps["finetune"] == pytest.approx(ms_f)
+    assert comps["world"] == pytest.approx((ms_w - ms_f) / 2)
+    assert power.world_mean_variance(comps, 1, 2) == pytest.approx(comps["world"] + ms_f / 2)

@@ -1,0 +1,529 @@
+"""``python -m gram_world.confirm``: the confirmatory study of ``docs/study/plan.md`` and a check anyone can run on
+fresh worlds.
+
+The plan (committed before the study's first cell) fixes what this module runs:
+
+* **The primary family** (:func:`family`): the nine pairs of :data:`gram_world.power.PRIMARY_PAIRS` (GRAM vs its
+  baseline, θ* only vs the baseline, GRAM vs θ* only, for CoOp, VPT and UNIGRAM) and, per learner, the variant the
+  base-to-new sweep chose on val splits (``docs/study/selection_b2n.json``, its written rule
+  ``docs/study/selection_b2n_rule.md``) against θ* only (left out when the choice is θ* only itself) and against its
+  fixed-λ consistency row at the λ that sweep chose.
+* **The worlds** (:data:`CONFIRM_WORLDS`): seeds drawn at random from [1000, 1 000 000), one of them with another
+  held-out style; no sweep read any of them.  A world's name says what it is (:func:`world_fields`).
+* **The test**: a one-sample t-test over world means of each pair's paired H difference, Holm over the family
+  (:func:`gram_world.study.summarise`); the two-level bootstrap interval is shown beside it.
+
+Commands:
+
+* ``run``: the family's rows on the test splits of every world x meta seed, world by world; ``confirm.json`` /
+  ``.md`` rewritten after every world, so a stopped study leaves the summary of what finished (every stage of a
+  world is the demo's, cached on disk: a rerun redoes only what is missing).  Kept worlds computed at another
+  numerics fingerprint are refused unless ``--mix-fingerprints``.
+* ``check --fresh K``: draws K new world seeds, runs the family there and prints, claim by claim, whether the claims
+  of a results file (default ``docs/study/confirm.json``, the confirmatory study README states) hold there: the
+  sign of the fresh worlds' mean difference against the claimed direction.
+* ``plan``: the family, the worlds and the power of the planned design (:mod:`gram_world.power`), as ``plan.md``
+  quotes them.
+
+A row that reads a meta-training with META overrides (class-shift tasks, the gate form) runs in that sweep unit's
+own cell folder (:class:`gram_world.study_b2n.Unit`) and is named ``<unit>:<row key>`` in the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from meta.infra.cli_errors import run_cli
+from meta.infra.fileio import write_json_atomic, write_text_atomic
+
+from . import power, study, study_b2n
+from .demo.pool import log
+from .demo.settings import DemoSettings, consistency_key, method_row
+from .items import STYLES
+from .settings import WorldSettings
+
+PLAN = "docs/study/plan.md"
+SELECTION = "docs/study/selection_b2n.json"  # the val sweep's committed file: its choice and λ join the family
+CLAIMS = "docs/study/confirm.json"  # the confirmatory study's results: the claims ``check`` tests on fresh worlds
+CONFIRM_FILE = "confirm.json"
+FRESH_FILE = "fresh.json"
+
+# The confirmatory worlds, drawn once before the plan was committed (draw_worlds): 20 seeds without replacement from
+# [1000, 1 000 000) by numpy.random.default_rng(20261128), the last world holding out a style drawn by the same
+# generator from the four that are not the default sketch.
+CONFIRM_WORLD_SEED = 20261128
+CONFIRM_WORLD_COUNT = 20
+CONFIRM_META_SEEDS = (0,)
+DEFAULT_HOLDOUT = WorldSettings.__dataclass_fields__["holdout_style"].default  # "sketch"
+STYLES_DRAWN = tuple(s for s in STYLES if s != DEFAULT_HOLDOUT)  # "another held-out style"
+SEED_RANGE = (1000, 1_000_000)
+_WORLD_NAME = re.compile(r"^(\d+)(?:-([a-z]+))?$")
+
+
+def draw_worlds(count: int, draw_seed: int, exclude: Sequence[str] = (), held_out_style: bool = True) -> tuple:
+    """``count`` world names of seeds drawn without replacement from :data:`SEED_RANGE` by
+    ``numpy.random.default_rng(draw_seed)`` (none of ``exclude``'s seeds); with ``held_out_style`` the last one
+    holds out a style drawn from :data:`STYLES_DRAWN` (``"<seed>-<style>"``)."""
+    if count < 1:
+        raise ValueError(f"--fresh: expected an integer >= 1 worlds, got {count}")
+    rng = np.random.default_rng(draw_seed)
+    taken = {world_fields(w)["world_seed"] for w in exclude if _WORLD_NAME.match(w)}
+    pool = np.setdiff1d(np.arange(*SEED_RANGE), np.fromiter(taken, dtype=np.int64, count=len(taken)))
+    seeds = [int(s) for s in rng.choice(pool, count, replace=False)]
+    names = [str(s) for s in seeds]
+    if held_out_style:
+        names[-1] = f"{seeds[-1]}-{STYLES_DRAWN[int(rng.integers(len(STYLES_DRAWN)))]}"
+    return tuple(names)
+
+
+# draw_worlds(CONFIRM_WORLD_COUNT, CONFIRM_WORLD_SEED), written out (a test redraws it)
+CONFIRM_WORLDS = (
+    "617310", "670804", "710404", "859752", "416368", "676332", "507043", "28372", "422835", "643808",
+    "929380", "931446", "907418", "291728", "368647", "613751", "972787", "956034", "355285", "728982-noisy",
+)  # fmt: skip
+
+
+def world_fields(name: str) -> dict:
+    """The :class:`DemoSettings` fields of a world name: ``"<seed>"`` is the default world of that seed,
+    ``"<seed>-<style>"`` holds out ``style`` instead of the default sketch.  Any other name is a one-line error."""
+    match = _WORLD_NAME.match(name)
+    if not match or (match.group(2) and match.group(2) not in STYLES_DRAWN):
+        raise ValueError(
+            f"--worlds: {name!r} is not a world name: expected <seed> or <seed>-<held-out style> "
+            f"(held-out styles other than the default {DEFAULT_HOLDOUT}: {', '.join(STYLES_DRAWN)})"
+        )
+    seed, style = int(match.group(1)), match.group(2)
+    return {"world_seed": seed, "world": (("holdout_style", style),) if style else ()}
+
+
+# ------------------------------------------------------------------------------ the family
+@dataclass(frozen=True)
+class Row:
+    """A row of the study: a demo row ``key`` evaluated in the plain cell (``unit`` "") or in the cell of the
+    base-to-new sweep unit ``unit`` (its META overrides)."""
+
+    key: str
+    unit: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.unit}:{self.key}" if self.unit else self.key
+
+
+def row_of(name: str) -> Row:
+    """:class:`Row` of a table name (``key`` or ``<unit>:<key>``)."""
+    unit, _, key = name.rpartition(":")
+    return Row(key, unit)
+
+
+def row_label(name: str) -> str:
+    """A row's words: the demo row's label, and for a unit row what its meta-training differs in."""
+    row = row_of(name)
+    label = method_row(row.key).label
+    if not row.unit:
+        return label
+    task = "class-shift tasks" if row.unit.startswith("class_shift") else "paper's tasks"
+    form = "gate R_φ" if "_gate_" in row.unit else "γ/β R_φ"
+    return f"{label} ({form}, {task})"
+
+
+def check_selection(selection: dict, path: str, allow_partial: bool = False) -> None:
+    """Refuse (one line naming ``path``) a sweep file that is partial or off the rule's settings: its choice is then
+    the reference by construction and its λ may be missing, not the plan's."""
+    if "chosen" not in selection or "fixed" not in selection:
+        raise ValueError(
+            f"{path}: not a selection_b2n.json (no 'chosen' / 'fixed'); run python -m gram_world.study_b2n"
+        )
+    if not allow_partial and (selection.get("partial") or selection.get("off_rule")):
+        why = "partial" if selection.get("partial") else "off the rule's settings"
+        raise ValueError(f"{path}: the sweep is {why}; the plan's family needs the finished rule sweep")
+
+
+def variant_row(selection: dict, learner: str) -> Row:
+    """The row of the sweep's chosen variant for ``learner`` (a key of :data:`study_b2n.LEARNERS`)."""
+    form, task = selection["chosen"].split("/")
+    unit = "" if task == "paper" else f"{task}_gb"
+    if form == "init_only":
+        return Row(study_b2n.INIT_ONLY_OF[learner], unit)
+    if form == "gb":
+        return Row(learner, unit)
+    point = selection["gate_lambda"][task][learner]["lambda"]
+    if point is None:
+        raise ValueError(f"selection: no gate λ for {learner} on {task} tasks")
+    return Row(consistency_key(learner, *point), study_b2n.gate_unit_name(task, learner, tuple(point)))
+
+
+def fixed_row(selection: dict, learner: str) -> Row:
+    """The fixed-λ consistency row of ``learner`` at the sweep's chosen λ (plain cell: no meta-training)."""
+    point = selection["fixed"][learner]["lambda"]
+    if point is None:
+        raise ValueError(f"selection: no fixed λ for {learner}")
+    return Row(consistency_key(study_b2n.FIXED_OF[learner], *point))
+
+
+def family(selection: dict) -> tuple[tuple[str, str], ...]:
+    """The primary family as (method row, baseline row) table names: :data:`power.PRIMARY_PAIRS`, then per learner
+    the chosen variant against θ* only (unless it is θ* only) and against its fixed-λ row."""
+    pairs = list(power.PRIMARY_PAIRS)
+    for learner in study_b2n.LEARNERS:
+        chosen, init_only = variant_row(selection, learner), Row(study_b2n.INIT_ONLY_OF[learner])
+        if chosen != init_only:
+            pairs.append((chosen.name, init_only.name))
+        pairs.append((chosen.name, fixed_row(selection, learner).name))
+    return tuple(pairs)
+
+
+def rows_by_unit(pairs: Sequence[tuple[str, str]]) -> dict[str, tuple[str, ...]]:
+    """``{unit: row keys}`` a world runs for ``pairs`` ("" = the plain cell, which also runs zero-shot CLIP and the
+    baselines of the regime table)."""
+    out: dict = {"": list(study.REGIME_KEYS)}
+    for name in dict.fromkeys(n for pair in pairs for n in pair):
+        row = row_of(name)
+        keys = out.setdefault(row.unit, [])
+        if row.key not in keys:
+            keys.append(row.key)
+    return {unit: tuple(keys) for unit, keys in out.items()}
+
+
+def unit_cell(unit: str, world: str, settings: DemoSettings) -> study.Cell:
+    """The cell of ``unit`` on ``world``: the plain cell, or the sweep unit's (its META overrides and folder)."""
+    if not unit:
+        return study.Cell(world, settings)
+    units = {u.name: u for u in study_b2n.b2n_units()}
+    if unit not in units:
+        raise ValueError(f"unknown base-to-new sweep unit {unit!r}")
+    return units[unit].cell(world, settings)
+
+
+# ------------------------------------------------------------------------------ running
+def run_world(
+    world: str, settings: DemoSettings, root: Path, units: dict, world_root: Optional[Path] = None
+) -> tuple[dict, dict]:
+    """Every unit's rows on ``world`` (cached stages); returns the merged ``{(row name, fine-tuning seed): (base,
+    new, H)}`` table and the start digests (:func:`study.cell_inputs`) under row names."""
+    table, inputs = {}, {"hierarchy": [], "start_sha256": {}}
+    for unit, keys in units.items():
+        records = study.run_cell(unit_cell(unit, world, settings), root, keys, world_root)
+        for (key, seed), value in study.cell_h(records).items():
+            table[(Row(key, unit).name, seed)] = value
+        got = study.cell_inputs(records)
+        inputs["hierarchy"] = sorted(set(inputs["hierarchy"]) | set(got["hierarchy"]))
+        inputs["start_sha256"].update({Row(k, unit).name: v for k, v in got["start_sha256"].items()})
+    return table, inputs
+
+
+def study_record(base: DemoSettings, pairs: Sequence[tuple[str, str]], selection: dict) -> dict:
+    """What a results file was run with; kept worlds of a file with other values are not this study's."""
+    return {
+        **study.settings_record(base),
+        "quick": base.quick,
+        "family": [list(p) for p in pairs],
+        "chosen": selection["chosen"],
+    }
+
+
+def load_kept(path: Path, record: dict) -> tuple[dict, dict]:
+    """Finished worlds of an earlier results file of the same settings and family: ``(cells, file content)``; a file
+    of other settings is an error naming the differing keys."""
+    data = json.loads(path.read_text())
+    theirs = data.get("settings", {})
+    differ = sorted(k for k in set(record) | set(theirs) if theirs.get(k) != record.get(k))
+    if differ:
+        raise ValueError(f"{path}: written with other settings or family ({', '.join(differ)}); use another --out")
+    cells = {}
+    for name, table in data.get("cells", {}).items():
+        world, seed = name.rsplit("/", 1)
+        cells[(world, int(seed))] = study.table_from_json(table)
+    return cells, data
+
+
+def run(
+    root: Path,
+    worlds: Sequence[str],
+    meta_seeds: Sequence[int],
+    base: DemoSettings,
+    selection: dict,
+    file: str = CONFIRM_FILE,
+    world_root: Optional[Path] = None,
+    mix_fingerprints: bool = False,
+) -> dict:
+    """The family's rows on the test splits of ``worlds`` x ``meta_seeds`` (every world's first seed first), the
+    results file ``root/file`` (and its ``.md``) rewritten after every world; kept worlds of the same settings are
+    not run again."""
+    for w in worlds:
+        world_fields(w)
+    pairs = family(selection)
+    units = rows_by_unit(pairs)
+    record = study_record(base, pairs, selection)
+    path = root / file
+    cells, earlier = load_kept(path, record) if path.is_file() else ({}, {})
+    names = sorted(f"{w}/{s}" for w, s in cells)
+    now = study.current_provenance()
+    computed = {n: v for n, v in earlier.get("computed_by", {}).items() if n in names}
+    mixed = set(study.check_fingerprints(path, computed, names, now["fingerprint"], mix_fingerprints))
+    book = study._Book(computed, mixed)
+    inputs = dict(earlier.get("inputs", {}))
+    seconds = dict(earlier.get("seconds_per_cell", {}))
+    result = write_results(root, file, cells, pairs, record, book, inputs, seconds)
+    for seed in meta_seeds:
+        for world in worlds:
+            if (world, seed) in cells:
+                log(f"confirm: world {world}, meta seed {seed}: taken from {path}")
+                continue
+            log(f"confirm: world {world}, meta seed {seed}")
+            t = time.time()
+            settings = replace(base, **world_fields(world), meta_seed=seed, eval_split="test")
+            cells[(world, seed)], inputs[f"{world}/{seed}"] = run_world(world, settings, root, units, world_root)
+            seconds[f"{world}/{seed}"] = round(time.time() - t, 1)
+            book.computed[f"{world}/{seed}"] = now
+            result = write_results(root, file, cells, pairs, record, book, inputs, seconds)
+    return result
+
+
+def components(cells: dict, pairs: Sequence[tuple[str, str]]) -> dict:
+    """Each pair's variance components (:func:`power.variance_components`; a balanced design only) as
+    ``{"method vs baseline": {...}}``."""
+    as_json = {f"{w}/{s}": {f"{k}/{fs}": list(v) for (k, fs), v in t.items()} for (w, s), t in cells.items()}
+    out = {}
+    for method, base in pairs:
+        d = power.differences(as_json, method, base)
+        if d is not None and d.shape[0] >= 2 and d.shape[2] >= 2:
+            comps = power.variance_components(d)
+            out[f"{method} vs {base}"] = {k: None if v is None else round(v, 4) for k, v in comps.items()}
+    return out
+
+
+def write_results(
+    root: Path,
+    file: str,
+    cells: dict,
+    pairs: Sequence[tuple[str, str]],
+    record: dict,
+    book: study._Book,
+    inputs: dict,
+    seconds: dict,
+) -> dict:
+    """The results file and its ``.md``: the family's summary (Holm over it), the cells, variance components and
+    what computed each world."""
+    rows = study.summarise(cells, pairs, label=row_label) if cells else []
+    names = {f"{w}/{s}" for w, s in cells}
+    result = {
+        "plan": PLAN,
+        "pairs": rows,
+        "variance_components": components(cells, pairs),
+        "cells": {
+            f"{w}/{s}": {f"{k}/{fs}": list(v) for (k, fs), v in t.items()} for (w, s), t in sorted(cells.items())
+        },
+        "settings": record,
+        "computed_by": dict(sorted(book.computed.items())),
+        "mixed_fingerprints": sorted(book.mixed),
+        "inputs": {k: v for k, v in sorted(inputs.items()) if k in names},
+        "seconds_per_cell": {k: v for k, v in sorted(seconds.items()) if k in names},
+    }
+    root.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(root / file, result)
+    mixed = (
+        f"\n**Mixed numerics fingerprints**: worlds {', '.join(result['mixed_fingerprints'])} were computed at "
+        "another fingerprint than the others.\n"
+        if result["mixed_fingerprints"]
+        else ""
+    )
+    body = (study.markdown(rows) if rows else "No finished world yet.\n") + mixed
+    if cells:
+        body += "\nRegime (base / new accuracy, %):\n\n" + study.regime_markdown(cells)
+    write_text_atomic(root / file.replace(".json", ".md"), body)
+    return result
+
+
+# ------------------------------------------------------------------------------ claims on fresh worlds
+def claim_check(claims: Sequence[dict], fresh: dict) -> list[dict]:
+    """Claim by claim (a results file's ``pairs``), whether fresh worlds agree: ``fresh`` is ``{(world, meta seed):
+    table}``.  A claim "better" / "worse" agrees when the fresh worlds' mean difference has its sign; a pair without
+    a claim ("not shown") is reported with the fresh mean only."""
+    diffs = study.paired_differences(fresh, [(c["method"], c["baseline"]) for c in claims])
+    out = []
+    for c in claims:
+        groups = diffs.get((c["method"], c["baseline"]), {})
+        world_means = {w: round(float(np.mean(v)), 3) for w, v in sorted(groups.items())}
+        mean = float(np.mean(list(world_means.values()))) if world_means else None
+        if mean is None:
+            verdict = "no fresh cells"
+        elif c["holds"] == "not shown":
+            verdict = "no claim"
+        else:
+            verdict = "agrees" if (mean > 0) == (c["holds"] == "better") and mean != 0 else "disagrees"
+        out.append(
+            {
+                "method": c["method"],
+                "baseline": c["baseline"],
+                "label": c["label"],
+                "baseline_label": c["baseline_label"],
+                "claim": c["holds"],
+                "claimed_diff_H": c["mean_diff_H"],
+                "fresh_diff_H": None if mean is None else round(mean, 3),
+                "fresh_per_world": world_means,
+                "verdict": verdict,
+            }
+        )
+    return out
+
+
+def claim_markdown(rows: Sequence[dict], claims_path: str) -> str:
+    lines = [
+        f"Claims of `{claims_path}` on fresh worlds (mean ΔH over the fresh worlds' means; a claim agrees when the "
+        "sign matches; no test: a few worlds cannot confirm or refute a claim alone).",
+        "",
+        "| method | baseline | claim | claimed ΔH | fresh ΔH | per world | verdict |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        per = ", ".join(f"{w}: {v:+.2f}" for w, v in r["fresh_per_world"].items()) or "-"
+        fresh = "-" if r["fresh_diff_H"] is None else f"{r['fresh_diff_H']:+.2f}"
+        lines.append(
+            f"| {r['label']} | {r['baseline_label']} | {r['claim']} | {r['claimed_diff_H']:+.2f} | {fresh} | {per} | "
+            f"{r['verdict']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def read_claims(path: Path) -> list[dict]:
+    """The ``pairs`` of a results file (the claims); a missing or foreign file is a one-line error."""
+    if not path.is_file():
+        raise ValueError(f"--claims: {path} does not exist; run the confirmatory study first or name a results file")
+    data = json.loads(path.read_text())
+    if not data.get("pairs"):
+        raise ValueError(f"--claims: {path} holds no summarised pairs")
+    return list(data["pairs"])
+
+
+# ------------------------------------------------------------------------------ the plan's numbers
+def plan_text(
+    selection: dict, history: dict, worlds: int, meta_seeds: int, delta: float = 1.0, history_name: str = "history"
+) -> str:
+    """The family, the worlds and the power of the design (``worlds`` x ``meta_seeds`` x 3 fine-tuning seeds), the
+    components read from ``history`` (a study results file; pairs it lacks have no row)."""
+    pairs = family(selection)
+    rows = power.plan_table(history["cells"], pairs, delta, len(pairs), at=(worlds, meta_seeds))
+    lines = [f"Primary family ({len(pairs)} pairs; chosen variant: {selection['chosen']}):", ""]
+    lines += [f"{i + 1}. {row_label(m)} vs {row_label(b)} (`{m}` vs `{b}`)" for i, (m, b) in enumerate(pairs)]
+    lines += ["", f"Worlds ({len(CONFIRM_WORLDS)}): {', '.join(CONFIRM_WORLDS)}", ""]
+    source = f"the cells of {history_name}"
+    lines.append(power.markdown(rows, delta, len(pairs), 0.05, 3, (worlds, meta_seeds), source=source))
+    missing = [(m, b) for m, b in pairs if not any(r["method"] == m and r["baseline"] == b for r in rows)]
+    if missing:
+        val = power.plan_table(sweep_tables(selection), missing, delta, len(pairs), at=(worlds, meta_seeds))
+        if val:
+            source = "the sweep's val cells (its worlds, one meta seed: σ²_world holds the meta seed's component)"
+            lines += ["Pairs the history cells lack:", ""]
+            lines.append(power.markdown(val, delta, len(pairs), 0.05, 3, (worlds, meta_seeds), source=source))
+        absent = [f"{m} vs {b}" for m, b in missing if not any(r["method"] == m and r["baseline"] == b for r in val)]
+        if absent:
+            lines.append(f"No components anywhere for: {', '.join(absent)}.")
+    return "\n".join(lines) + "\n"
+
+
+def sweep_tables(selection: dict) -> dict:
+    """The sweep file's unit cells merged per (world, meta seed) under this module's row names (a unit with META
+    overrides prefixes its rows, :class:`Row`), in a results file's form ``{"world/seed": {"row/fs": [b, n, H]}}``."""
+    units = {u.name: u for u in study_b2n.b2n_units()}
+    out: dict = {}
+    for name, table in selection.get("cells", {}).items():
+        unit, world, seed = name.rsplit("/", 2)
+        prefix = unit if units.get(unit) and units[unit].meta_overrides else ""
+        merged = out.setdefault(f"{world}/{seed}", {})
+        for row_seed, value in table.items():
+            key, fs = row_seed.rsplit("/", 1)
+            merged[f"{Row(key, prefix).name}/{fs}"] = value
+    return out
+
+
+# ------------------------------------------------------------------------------ command line
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m gram_world.confirm", description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=("run", "check", "plan"))
+    parser.add_argument("--worlds", nargs="+", help="run: world names (default: the plan's CONFIRM_WORLDS)")
+    parser.add_argument("--meta-seeds", type=int, nargs="+", help="run: meta-training seeds (default: the plan's 0)")
+    parser.add_argument("--seeds", type=int, nargs="+", help="fine-tuning seeds (default: the demo's 1 2 3)")
+    parser.add_argument("--out", default="", help="study folder (default output/confirm; check: output/fresh)")
+    parser.add_argument("--jobs", type=int, help="worker processes")
+    parser.add_argument("--selection", default=SELECTION, help=f"the b2n sweep's file (default {SELECTION})")
+    parser.add_argument(
+        "--allow-partial-selection",
+        action="store_true",
+        help="accept a partial or off-rule sweep file (a smoke test; not the plan's family)",
+    )
+    parser.add_argument("--fresh", type=int, default=2, help="check: how many fresh worlds to draw (default 2)")
+    parser.add_argument("--draw-seed", type=int, help="check: the seed of the draw (default: from the clock, printed)")
+    parser.add_argument("--claims", default=CLAIMS, help=f"check: the results file whose claims are tested ({CLAIMS})")
+    parser.add_argument(
+        "--history", default="docs/study/results.json", help="plan: the results file whose cells give the components"
+    )
+    parser.add_argument("--mix-fingerprints", action="store_true", help="run: keep worlds of another fingerprint")
+    study.add_settings_flags(parser)
+    return parser
+
+
+def main(argv: Optional[list] = None) -> int:
+    return run_cli(_main, argv)
+
+
+def _main(argv: list) -> int:
+    args = _parser().parse_args(argv)
+    selection = json.loads(Path(args.selection).read_text()) if Path(args.selection).is_file() else None
+    if selection is None:
+        raise ValueError(f"--selection: {args.selection} does not exist; run python -m gram_world.study_b2n first")
+    check_selection(selection, args.selection, args.allow_partial_selection)
+    base = study.base_settings(args.quick, args.jobs, ())
+    base = replace(base, seeds=tuple(args.seeds or base.seeds))
+    meta_seeds = tuple(args.meta_seeds or CONFIRM_META_SEEDS)
+    t = time.time()
+    if args.command == "plan":
+        history = json.loads(Path(args.history).read_text())
+        print(plan_text(selection, history, len(CONFIRM_WORLDS), len(meta_seeds), history_name=args.history), end="")
+        return 0
+    if args.command == "run":
+        root = Path(args.out or "output/confirm")
+        result = run(
+            root,
+            tuple(args.worlds or CONFIRM_WORLDS),
+            meta_seeds,
+            base,
+            selection,
+            CONFIRM_FILE,
+            mix_fingerprints=args.mix_fingerprints,
+        )
+        print((root / CONFIRM_FILE.replace(".json", ".md")).read_text(), end="")
+        print(f"confirm: {len(result['cells'])} worlds in {root}; this call took {time.time() - t:.0f} s")
+        return 0
+    claims = read_claims(Path(args.claims))
+    draw_seed = args.draw_seed if args.draw_seed is not None else int(time.time())
+    worlds = args.worlds or draw_worlds(args.fresh, draw_seed, exclude=CONFIRM_WORLDS, held_out_style=False)
+    log(f"check: fresh worlds {', '.join(worlds)} (draw seed {draw_seed})")
+    root = Path(args.out or "output/fresh")
+    result = run(root, tuple(worlds), meta_seeds, base, selection, FRESH_FILE, mix_fingerprints=args.mix_fingerprints)
+    fresh = {
+        (w, int(s)): study.table_from_json(tb) for name, tb in result["cells"].items() for w, s in [name.rsplit("/", 1)]
+    }
+    checked = claim_check(claims, fresh)
+    write_json_atomic(
+        root / "claims_check.json",
+        {"claims": args.claims, "worlds": list(worlds), "draw_seed": draw_seed, "rows": checked},
+    )
+    print(claim_markdown(checked, args.claims), end="")
+    print(f"check: {len(fresh)} fresh worlds in {root}; this call took {time.time() - t:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    from meta.infra.numerics import pin_process
+
+    pin_process()  # numpy started with this module: this starts the command again, pinned (meta.infra.numerics)
+    raise SystemExit(main())

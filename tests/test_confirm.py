@@ -1,0 +1,250 @@
+"""``python -m gram_world.confirm`` (gram_world/confirm.py): the plan's worlds and family, the rows each world runs,
+the results file (Holm over the family, resume, fingerprints) and the claim check on fresh worlds.  No stage runs:
+``run_cell`` is a stand-in."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from gram_world import confirm, power, study
+from gram_world.demo.settings import DemoSettings
+
+NOW = {"commit": "abc", "fingerprint": "f" * 64, "golden": True, "numerics": {"cpu_model": "test CPU"}}
+
+
+@pytest.fixture(autouse=True)
+def _this_machine(monkeypatch):
+    """What computed a world here (the real record runs the golden run), and 200 bootstrap draws per pair instead of
+    10,000 (the results are rewritten after every world; the intervals are not what these tests check)."""
+    monkeypatch.setattr(study, "current_provenance", lambda: NOW)
+    full = study.bootstrap_means
+    monkeypatch.setattr(study, "bootstrap_means", lambda groups, draws=200, seed=0: full(groups, draws, seed))
+
+
+def _selection(chosen="init_only/paper"):
+    """A finished sweep's choice: fixed λ CoOp text 8, VPT image 10, joint (4, 5); gate λ CoOp text 2 (paper's
+    tasks) and 16 (class shift), VPT 5, UNIGRAM (1, 1.25)."""
+    gate = {"gram_coop": [2.0, 0.0], "gram_vpt": [0.0, 5.0], "unigram": [1.0, 1.25]}
+    return {
+        "chosen": chosen,
+        "partial": False,
+        "off_rule": [],
+        "fixed": {
+            "gram_coop": {"lambda": [8.0, 0.0]},
+            "gram_vpt": {"lambda": [0.0, 10.0]},
+            "unigram": {"lambda": [4.0, 5.0]},
+        },
+        "gate_lambda": {
+            "paper": {k: {"lambda": v} for k, v in gate.items()},
+            "class_shift": {k: {"lambda": [16.0, 0.0] if k == "gram_coop" else v} for k, v in gate.items()},
+        },
+    }
+
+
+def test_the_plans_worlds_are_the_stated_draw_new_and_one_holds_out_another_style():
+    assert confirm.CONFIRM_WORLDS == confirm.draw_worlds(confirm.CONFIRM_WORLD_COUNT, confirm.CONFIRM_WORLD_SEED)
+    seeds = [confirm.world_fields(w)["world_seed"] for w in confirm.CONFIRM_WORLDS]
+    assert len(set(seeds)) == 20 and all(1000 <= s < 1_000_000 for s in seeds)
+    assert not {int(study.WORLDS[w]["world_seed"]) for w in study.WORLDS} & set(seeds)  # no world a sweep or study read
+    styles = [confirm.world_fields(w)["world"] for w in confirm.CONFIRM_WORLDS]
+    assert styles[:-1] == [()] * 19 and styles[-1] == (("holdout_style", "noisy"),) and "noisy" != "sketch"
+    # another draw excludes the plan's worlds and is reproducible
+    fresh = confirm.draw_worlds(3, 5, exclude=confirm.CONFIRM_WORLDS, held_out_style=False)
+    assert fresh == confirm.draw_worlds(3, 5, exclude=confirm.CONFIRM_WORLDS, held_out_style=False)
+    assert not set(fresh) & set(confirm.CONFIRM_WORLDS) and all("-" not in w for w in fresh)
+
+
+def test_world_names_say_what_world_they_are():
+    assert confirm.world_fields("1234") == {"world_seed": 1234, "world": ()}
+    assert confirm.world_fields("77-cartoon") == {"world_seed": 77, "world": (("holdout_style", "cartoon"),)}
+    for bad in ("x1", "12-sketch", "12-purple", "12 "):  # sketch is the default held-out style: one name per world
+        with pytest.raises(ValueError, match="not a world name"):
+            confirm.world_fields(bad)
+
+
+def test_the_family_is_the_nine_primary_pairs_and_the_chosen_variant_against_theta_only_and_its_fixed_row():
+    ref = confirm.family(_selection())
+    assert ref[:9] == power.PRIMARY_PAIRS and len(ref) == 12  # θ* only chosen: only its fixed-λ rows join
+    assert ref[9:] == (
+        ("gram_coop_init_only", "coop@ct8"),
+        ("gram_vpt_init_only", "vpt@ci10"),
+        ("unigram_init_only", "joint@ct4_ci5"),
+    )
+    gate = confirm.family(_selection("gate/class_shift"))
+    assert len(gate) == 15
+    assert gate[9:11] == (
+        ("class_shift_gate_gram_coop_ct16:gram_coop@ct16", "gram_coop_init_only"),
+        ("class_shift_gate_gram_coop_ct16:gram_coop@ct16", "coop@ct8"),
+    )
+    assert gate[13:] == (
+        ("class_shift_gate_unigram_ct1_ci1.25:unigram@ct1_ci1.25", "unigram_init_only"),
+        ("class_shift_gate_unigram_ct1_ci1.25:unigram@ct1_ci1.25", "joint@ct4_ci5"),
+    )
+    shift = confirm.family(_selection("init_only/class_shift"))
+    assert shift[9] == ("class_shift_gb:gram_coop_init_only", "gram_coop_init_only")
+    assert confirm.row_label(shift[9][0]) == "CoOp + GRAM, θ* only (γ/β R_φ, class-shift tasks)"
+    assert confirm.row_label(gate[9][0]).endswith("λ text 16 (gate R_φ, class-shift tasks)")
+    units = confirm.rows_by_unit(gate)
+    assert units[""][:3] == study.REGIME_KEYS and "coop@ct8" in units[""] and "unigram_no_reg" in units[""]
+    assert units["class_shift_gate_gram_vpt_ci5"] == ("gram_vpt@ci5",)
+    # every unit a row names is a unit of the sweep (its META overrides)
+    cell = confirm.unit_cell("class_shift_gate_gram_vpt_ci5", "5", DemoSettings.preset(True))
+    assert cell.variant == "b2n_class_shift_gate_gram_vpt_ci5" and cell.settings.meta_overrides[:2] == (
+        "TASKS.QUERY_NEW_SHARE",
+        1.0,
+    )
+    with pytest.raises(ValueError, match="partial"):
+        confirm.check_selection({**_selection(), "partial": True}, "s.json")
+    confirm.check_selection({**_selection(), "partial": True}, "s.json", allow_partial=True)
+
+
+def _fake(ran, effect):
+    """run_cell's stand-in: H of a row = 50 + effect(world, unit variant, key, seed) (base = new = H)."""
+
+    def fake(cell, root, keys, world_root=None):
+        ran.append((cell.world, cell.variant, tuple(keys), cell.settings.world_seed, cell.settings.world))
+        return [
+            {"key": k, "seed": s, "base": h, "new": h, "dataset": "d"}
+            for k in keys
+            for s in cell.settings.seeds
+            for h in [50.0 + effect(cell.world, cell.variant, k, s)]
+        ]
+
+    return fake
+
+
+def test_a_study_runs_each_worlds_units_merges_them_and_holm_covers_the_family(tmp_path, monkeypatch):
+    ran: list = []
+    world_shift = {"11": 0.0, "12": 1.0, "13-cartoon": -0.5}
+
+    def effect(world, variant, key, seed):  # the gate row 2 H above everything, with world and seed noise
+        gain = 2.0 if variant.startswith("b2n_paper_gate") else 0.0
+        return gain + world_shift[world] * (key == "coop") + 0.1 * seed * (variant != "")
+
+    monkeypatch.setattr(study, "run_cell", _fake(ran, effect))
+    base = replace(DemoSettings.preset(True), seeds=(1, 2))
+    selection = _selection("gate/paper")
+    result = confirm.run(tmp_path, list(world_shift), (0,), base, selection)
+    assert len(ran) == 3 * 4  # per world: the plain cell and three gate units
+    assert (
+        "13-cartoon",
+        "",
+        confirm.rows_by_unit(confirm.family(selection))[""],
+        13,
+        (("holdout_style", "cartoon"),),
+    ) in ran
+    table = result["cells"]["12/0"]
+    assert table["paper_gate_gram_coop_ct2:gram_coop@ct2/1"] == [52.1] * 3 and table["coop/2"] == [51.0] * 3
+    rows = {(r["method"], r["baseline"]): r for r in result["pairs"]}
+    assert len(rows) == 15 and {r["family"] for r in rows.values()} == {15}
+    gate_vs_init = rows[("paper_gate_gram_coop_ct2:gram_coop@ct2", "gram_coop_init_only")]
+    # per world ΔH: seed noise 0.1 s in the gate row only -> 2.15 in every world
+    assert gate_vs_init["mean_diff_H"] == pytest.approx(2.15) and gate_vs_init["p_world_t"] == 0.0
+    vs_coop = rows[("gram_coop", "coop")]  # coop moves with the world: -0, -1, +0.5
+    assert vs_coop["mean_diff_H"] == pytest.approx(np.mean([0.0, -1.0, 0.5]), abs=1e-3)
+    # Holm over the family of 15: the world t-test's p times its step
+    ps = [r["p_world_t"] for r in result["pairs"]]
+    assert [r["p_holm"] for r in result["pairs"]] == pytest.approx(study.holm(ps), abs=1e-4)
+    comps = result["variance_components"]["gram_coop vs coop"]
+    assert comps["meta"] is None and comps["finetune"] == pytest.approx(0.0)
+    assert comps["world"] == pytest.approx(np.var([0.0, -1.0, 0.5], ddof=1), abs=1e-4)
+    md = (tmp_path / "confirm.md").read_text()
+    assert "p Holm (15 rows)" in md and "CoOp + GRAM, λ text 2 (gate R_φ, paper's tasks)" in md
+    assert result["computed_by"]["11/0"] == NOW and result["settings"]["chosen"] == "gate/paper"
+    # a rerun keeps every finished world; another family or fingerprint is refused
+    ran.clear()
+    again = confirm.run(tmp_path, list(world_shift), (0,), base, selection)
+    assert ran == [] and again["cells"] == result["cells"]
+    with pytest.raises(ValueError, match="family"):
+        confirm.run(tmp_path, ["11"], (0,), base, _selection())
+    monkeypatch.setattr(study, "current_provenance", lambda: {**NOW, "fingerprint": "0" * 64})
+    with pytest.raises(ValueError, match="numerics fingerprint"):
+        confirm.run(tmp_path, ["11"], (0,), base, selection)
+
+
+def test_the_claim_check_compares_the_sign_on_fresh_worlds():
+    claims = [
+        {"method": "a", "baseline": "b", "label": "A", "baseline_label": "B", "holds": "better", "mean_diff_H": 1.0},
+        {"method": "a", "baseline": "c", "label": "A", "baseline_label": "C", "holds": "worse", "mean_diff_H": -1.0},
+        {"method": "c", "baseline": "b", "label": "C", "baseline_label": "B", "holds": "not shown", "mean_diff_H": 0.2},
+        {"method": "a", "baseline": "z", "label": "A", "baseline_label": "Z", "holds": "better", "mean_diff_H": 3.0},
+    ]
+    fresh = {
+        ("5", 0): {("a", 1): (0, 0, 51.0), ("b", 1): (0, 0, 50.0), ("c", 1): (0, 0, 50.5)},
+        ("6", 0): {("a", 1): (0, 0, 49.0), ("b", 1): (0, 0, 49.5), ("c", 1): (0, 0, 48.0)},
+    }
+    rows = confirm.claim_check(claims, fresh)
+    assert [r["verdict"] for r in rows] == ["agrees", "disagrees", "no claim", "no fresh cells"]
+    assert rows[0]["fresh_diff_H"] == pytest.approx(0.25) and rows[0]["fresh_per_world"] == {"5": 1.0, "6": -0.5}
+    assert rows[1]["fresh_diff_H"] == pytest.approx(0.75)  # a − c: +0.5, +1.0: the claimed "worse" does not hold here
+    md = confirm.claim_markdown(rows, "claims.json")
+    assert "| A | B | better | +1.00 | +0.25 | 5: +1.00, 6: -0.50 | agrees |" in md
+
+
+def test_the_check_command_draws_fresh_worlds_and_prints_each_claim(tmp_path, monkeypatch, capsys):
+    ran: list = []
+    monkeypatch.setattr(study, "run_cell", _fake(ran, lambda w, v, k, s: 1.0 if k == "gram_coop" else 0.0))
+    sel = tmp_path / "sel.json"
+    sel.write_text(json.dumps(_selection()))
+    claims = tmp_path / "claims.json"
+    claims.write_text(
+        json.dumps(
+            {
+                "pairs": [
+                    {
+                        "method": "gram_coop",
+                        "baseline": "coop",
+                        "label": "CoOp + GRAM",
+                        "baseline_label": "CoOp",
+                        "holds": "worse",
+                        "mean_diff_H": -0.4,
+                    }
+                ]
+            }
+        )
+    )
+    argv = ["check", "--fresh", "2", "--draw-seed", "3", "--quick", "--seeds", "1", "--selection", str(sel)]
+    assert confirm.main(argv + ["--claims", str(claims), "--out", str(tmp_path / "f")]) == 0
+    out = capsys.readouterr().out
+    worlds = confirm.draw_worlds(2, 3, exclude=confirm.CONFIRM_WORLDS, held_out_style=False)
+    assert {w for w, *_ in ran} == set(worlds)
+    assert "| CoOp + GRAM | CoOp | worse | -0.40 | +1.00 |" in out and "| disagrees |" in out
+    saved = json.loads((tmp_path / "f" / "claims_check.json").read_text())
+    assert saved["worlds"] == list(worlds) and saved["rows"][0]["verdict"] == "disagrees"
+    assert confirm.main(argv + ["--claims", str(tmp_path / "none.json")]) == 2
+    assert "--claims" in capsys.readouterr().err
+
+
+def test_the_plan_reads_components_from_the_history_and_the_sweeps_val_cells_for_the_pairs_it_lacks():
+    rng = np.random.default_rng(0)
+    selection = _selection()
+    # the sweep's cells: plain units under their keys, a unit with META overrides under <unit>:<key>
+    selection["cells"] = {
+        f"{unit}/{w}/0": {f"{k}/{fs}": [0, 0, float(50 + rng.normal())] for k in keys for fs in (1, 2, 3)}
+        for w in ("0", "1", "2")
+        for unit, keys in (
+            ("paper_gb", ("gram_coop_init_only", "gram_vpt_init_only", "unigram_init_only")),
+            ("fixed_coop", ("coop@ct8",)),
+            ("class_shift_gb", ("gram_coop",)),
+        )
+    }
+    merged = confirm.sweep_tables(selection)
+    assert set(merged) == {"0/0", "1/0", "2/0"} and "class_shift_gb:gram_coop/2" in merged["1/0"]
+    assert merged["1/0"]["coop@ct8/3"] == selection["cells"]["fixed_coop/1/0"]["coop@ct8/3"]
+    history = {
+        "cells": {
+            f"{w}/{m}": {f"{k}/{fs}": [0, 0, float(50 + rng.normal())] for k in study.STUDY_KEYS for fs in (1, 2, 3)}
+            for w in ("0", "1", "2")
+            for m in (0, 1)
+        }
+    }
+    text = confirm.plan_text(selection, history, 20, 1, history_name="h.json")
+    assert "Primary family (12 pairs; chosen variant: init_only/paper)" in text
+    assert "10. CoOp + GRAM, θ* only vs CoOp, λ text 8 (`gram_coop_init_only` vs `coop@ct8`)" in text
+    assert text.count("| gram_coop | coop |") == 1 and "from the cells of h.json" in text
+    assert text.count("| gram_coop_init_only | coop@ct8 |") == 1  # from the sweep's val cells
+    assert "No components anywhere for: gram_vpt_init_only vs vpt@ci10, unigram_init_only vs joint@ct4_ci5." in text
