@@ -504,23 +504,49 @@ def load_b2n_cells(path: Path, base: DemoSettings) -> tuple[dict, dict]:
     return cells, data
 
 
+def merge_sweep_files(paths: Sequence[Path], base: DemoSettings) -> tuple[dict, dict]:
+    """:func:`load_b2n_cells` of every file in ``paths``, merged: ``({unit: {(world, meta seed): table}}, the files'
+    "computed_by", "mixed_fingerprints", "inputs" and "seconds_per_cell")``.  A unit cell found in two files must
+    hold the same table (else a one-line error naming both)."""
+    cells: dict = {}
+    merged: dict = {"computed_by": {}, "mixed_fingerprints": [], "inputs": {}, "seconds_per_cell": {}}
+    origin: dict = {}
+    for path in paths:
+        theirs, data = load_b2n_cells(path, base)
+        for unit, by in theirs.items():
+            for key, table in by.items():
+                name = f"{unit}/{key[0]}/{key[1]}"
+                if name in origin and cells[unit][key] != table:
+                    raise ValueError(f"{origin[name]} and {path}: unit {name} holds different numbers; keep one file")
+                origin.setdefault(name, path)
+                cells.setdefault(unit, {})[key] = table
+        for field in ("computed_by", "inputs", "seconds_per_cell"):
+            merged[field].update(data.get(field, {}))
+        merged["mixed_fingerprints"] = sorted(
+            set(merged["mixed_fingerprints"]) | set(data.get("mixed_fingerprints", []))
+        )
+    return cells, merged
+
+
 def select_b2n(
     root: Path,
     worlds: Sequence[str],
     base: DemoSettings,
     world_root: Optional[Path] = None,
-    previous: Optional[Path] = None,
+    previous: Optional[Path | Sequence[Path]] = None,
     mix_fingerprints: bool = False,
 ) -> dict:
     """The base-to-new regulator sweep (module docstring) on ``worlds``, val splits, meta seed ``base.meta_seed``,
     fine-tuning seeds ``base.seeds``; world by world, unit by unit (:func:`b2n_units`), rewriting
-    ``selection_b2n.json`` / ``.md`` after every unit.  Units in ``previous`` (default ``root/selection_b2n.json``)
+    ``selection_b2n.json`` / ``.md`` after every unit.  Units in ``previous`` (default ``root/selection_b2n.json``;
+    several files, e.g. of worlds swept in parallel into different folders, are merged: :func:`merge_sweep_files`)
     are kept and not run again; kept units of another numerics fingerprint are refused unless
     ``mix_fingerprints``.  The rule's choice needs the rule's worlds (:data:`B2N_WORLDS`, whatever ``worlds``
     asks) and its settings (:func:`off_rule`); without them the files say what it would pick and choose the
     reference."""
-    previous = previous or root / B2N_FILE
-    kept, earlier = load_b2n_cells(previous, base) if previous.is_file() else ({}, {})
+    files = [Path(p) for p in ([previous] if isinstance(previous, (str, Path)) else previous or [root / B2N_FILE])]
+    previous = files[0] if len(files) == 1 else Path(" + ".join(map(str, files)))  # named in messages
+    kept, earlier = merge_sweep_files([f for f in files if f.is_file()], base)
     cells = {u: {c: t for c, t in by.items() if c[0] in worlds} for u, by in kept.items()}
     cells = {u: by for u, by in cells.items() if by}
     names = sorted(f"{u}/{w}/{s}" for u, by in cells.items() for w, s in by)
@@ -598,7 +624,11 @@ def _parser():
     parser.add_argument("--out", default="output/select_b2n", help="sweep folder (default output/select_b2n)")
     parser.add_argument("--jobs", type=int, help="worker processes")
     parser.add_argument(
-        "--resume-from", default="", help=f"an earlier {B2N_FILE} (same seeds and settings) whose units are kept"
+        "--resume-from",
+        nargs="+",
+        default=[],
+        help=f"earlier {B2N_FILE} files (same seeds and settings) whose units are kept; several are merged (worlds "
+        "swept in parallel into different --out folders)",
     )
     parser.add_argument(
         "--mix-fingerprints",
@@ -623,7 +653,7 @@ def _main(argv: list) -> int:
         root,
         args.worlds,
         base,
-        previous=Path(args.resume_from) if args.resume_from else None,
+        previous=[Path(p) for p in args.resume_from] or None,
         mix_fingerprints=args.mix_fingerprints,
     )
     print(b2n_markdown(result), end="")

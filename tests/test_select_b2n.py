@@ -513,3 +513,22 @@ def test_the_command_line(tmp_path, monkeypatch, capsys):
     (tmp_path / "r" / "results.md").write_text("")
     assert study.main(["run", "--out", str(tmp_path / "r")]) == 0
     assert seen == [(list(study.WORLDS), list(study.META_SEEDS), "all")]
+
+
+def test_worlds_swept_in_parallel_into_two_folders_merge_without_rerunning(tmp_path, monkeypatch):
+    ran: list = []
+    monkeypatch.setattr(study, "run_cell", _fake_run_cell(ran))
+    base = replace(DemoSettings.preset(True), seeds=(1, 2))
+    study_b2n.select_b2n(tmp_path / "w0", ["0"], base)
+    study_b2n.select_b2n(tmp_path / "w1", ["1"], base)
+    ran.clear()
+    files = [tmp_path / "w0" / B2N_FILE, tmp_path / "w1" / B2N_FILE]
+    both = study_b2n.select_b2n(tmp_path / "all", ["0", "1"], base, previous=files)
+    assert ran == [] and not both["partial"] and len(both["cells"]) == 2 * len(UNITS)
+    assert set(both["computed_by"]) == set(both["cells"]) == set(both["seconds_per_cell"])
+    # the same unit with other numbers in two files is not merged
+    data = json.loads(files[1].read_text())
+    data["cells"]["baselines/0/0"] = {"coop/1": [1.0, 1.0, 1.0]}
+    (tmp_path / "odd.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="baselines/0/0 holds different numbers"):
+        study_b2n.select_b2n(tmp_path / "x", ["0", "1"], base, previous=[files[0], tmp_path / "odd.json"])
