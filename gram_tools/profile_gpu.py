@@ -9,7 +9,9 @@
 2. ``decode``: images per second of JPEG decoding + resize to 224 px at CC3M's typical size (500x375 px,
    quality 90; synthetic photos with smooth gradients and noise): PIL on one thread, PIL on ``--threads`` threads,
    and ``torchvision.io.decode_jpeg(device="cuda")`` on lists of ``--decode-batch`` images with the resize on the
-   GPU.  Decoding is what bounds CHC's image stage on a GPU (the image tower alone runs ~6,000 img/s on an H200).
+   GPU; then CHC's own path (``CHC.IMAGES.DECODER torchvision``, :func:`chc_rates`): its decoder alone and end to end
+   with the ViT-B/16 image tower under bf16.  Decoding is what bounded CHC's image stage on a GPU (the image tower
+   alone runs ~6,000 img/s on an H200).
 
 Prints one JSON object as the last line (``--out`` also writes it).  CUDA only: without it one line, exit 2.
 """
@@ -94,6 +96,52 @@ def decode_rates(jpegs: list[bytes], threads: int, batch: int, size: int = 224) 
         "pil_1_thread_img_s": round(one, 1),
         f"pil_{threads}_threads_img_s": round(many, 1),
         f"cuda_decode_batch{batch}_img_s": round(len(jpegs) / statistics.median(times), 1),
+    }
+
+
+def chc_rates(
+    jpegs: list[bytes], batch: int, device: str = "cuda", model: str = "ViT-B-16", autocast: str = "bf16"
+) -> dict:
+    """Images per second of CHC's image stage with ``CHC.IMAGES.DECODER torchvision`` on ``jpegs`` (bytes in memory;
+    the stage reads the next chunk's bytes in a background thread): the decoder alone
+    (:func:`meta.chc.tensor_decode.decode_batch_tensor`: header pass, batched decode, orientation, resize) and end to
+    end with ``model``'s image tower (random weights) under ``autocast``, chunks of ``batch`` images."""
+    import warnings
+
+    from meta.chc.imaging import CLIP_MEAN, CLIP_STD, encode_images
+    from meta.chc.tensor_decode import decode_batch_tensor
+    from meta.model import precision
+    from meta.model.backbone import load_clip
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # random weights: the rate does not depend on them
+        clip, dims = load_clip(model, pretrained=None, device=torch.device(device))
+    size = dims.image_size
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def run(encode: bool) -> float:
+        start = time.perf_counter()
+        for i in range(0, len(jpegs), batch):
+            pixels, ok = decode_batch_tensor(jpegs[i : i + batch], size, device)
+            if encode:
+                with precision.autocast(autocast, device):
+                    encode_images(clip, pixels, CLIP_MEAN, CLIP_STD, batch_size=batch, device=device)
+        sync()
+        return time.perf_counter() - start
+
+    run(True)  # warm-up (nvJPEG handles, kernels)
+    decode = statistics.median(run(False) for _ in range(3))
+    both = statistics.median(run(True) for _ in range(3))
+    return {
+        "model": model,
+        "autocast": autocast,
+        "image_size": size,
+        f"chc_decoder_batch{batch}_img_s": round(len(jpegs) / decode, 1),
+        f"chc_end_to_end_batch{batch}_img_s": round(len(jpegs) / both, 1),
     }
 
 
@@ -196,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
     if args.decode_images > 0:
-        result["decode"] = decode_rates(synthetic_jpegs(args.decode_images), args.threads, args.decode_batch)
+        jpegs = synthetic_jpegs(args.decode_images)
+        result["decode"] = decode_rates(jpegs, args.threads, args.decode_batch)
+        result["decode"].update(chc_rates(jpegs, args.decode_batch))
         print(json.dumps({"decode": result["decode"]}), flush=True)
     result["bf16"] = profile_steps(args.learners, "bf16", False, args.steps, args.top)
     if args.tf32:

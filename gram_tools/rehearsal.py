@@ -57,6 +57,7 @@ SIZES = {
         "epochs": 2,
         "autocast": "bf16",
         "workers": 8,
+        "decoder": "torchvision",  # CHC.IMAGES.DECODER: nvJPEG batches and the resize on the GPU
         "text_model": "",  # CHC.TEXT.MODEL: "" = all-MiniLM-L6-v2 from its PyPI package, or a local model folder
         "fingerprint": ("coop", "unigram"),  # runs whose run.json records the numerics fingerprint (META.FINGERPRINT)
     },
@@ -73,6 +74,7 @@ SIZES = {
         "epochs": 1,
         "autocast": "none",
         "workers": 2,
+        "decoder": "pil",
         "text_model": "",
         "fingerprint": ("coop",),  # one golden run (~15 s on a CPU core) is enough to check the record
     },
@@ -112,6 +114,8 @@ def cluster_args(size: dict, data: Path, chc: Path) -> list[str]:
         # image features ran at ~785 images/s, a seventh of the image tower's rate
         "CHC.IMAGES.DECODE_WORKERS",
         str(size["workers"]),
+        "CHC.IMAGES.DECODER",
+        size["decoder"],
         "CHC.TEXT.MODEL",
         size["text_model"],
     ]

@@ -45,6 +45,7 @@ def _model_node() -> CN:
     node.PRECISION = "fp32"  # fp32 | fp16 | bf16 weights (fp16 on a CPU runs fp32, one log line)
     node.QUICK_GELU = "auto"  # auto | on | off  (OpenAI weights need QuickGELU)
     node.DEVICE = "auto"  # auto = cuda if available (per local rank), else cpu
+    node.TF32 = False  # True: fp32 matmuls on CUDA may use TF32 (faster, ~10-bit mantissa); no effect on a CPU
     return node
 
 
@@ -124,6 +125,9 @@ def _chc_node() -> CN:
     chc.IMAGES.CHUNK_SIZE = 2048  # images per cached chunk (resume granularity)
     chc.IMAGES.CACHE_MAX_GB = 2.0  # keep decoded uint8 [N, H, W, 3] on disk if it fits; 0 = never
     chc.IMAGES.DECODE_WORKERS = 0  # decoding threads per rank (JPEG decode ~100-140/s per core here)
+    # pil (reference, CPU) | torchvision: JPEGs decoded and resized on the CHC device (nvJPEG batches on CUDA;
+    # meta/chc/tensor_decode.py); other formats and refused JPEGs by the reference
+    chc.IMAGES.DECODER = "pil"
     chc.IMAGES.AUTOCAST = "none"  # none | bf16 | fp16 autocast of the image tower on CUDA (CPU: fp32, one log line)
     chc.DOMAINS = CN()
     chc.DOMAINS.NUM = 3  # U domains per topic (the paper does not state U)

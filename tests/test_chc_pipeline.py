@@ -473,3 +473,51 @@ def test_image_features_are_encoded_again_under_another_decode_rule(chc_run, tmp
     with pytest.raises(RuntimeError, match="encoding started"):
         run.stage_image_features(index, index_fp)
     assert calls == [1]
+
+
+@pytest.mark.slow
+def test_the_torchvision_decoder_encodes_the_same_images_to_the_same_features(chc_run, tmp_path, monkeypatch):
+    """CHC.IMAGES.DECODER torchvision (meta.chc.tensor_decode) on the corpus of the reference run: the same images
+    are unreadable, with the same reasons; features at cosine >= 0.999; another decoder is another cached stage."""
+    import shutil
+    import warnings
+
+    import torch
+
+    import meta.chc.pipeline as pipeline
+    from meta.chc.image_features import encode_rank, rank_reasons
+    from meta.chc.imaging import clip_norm_stats
+    from meta.chc.sources import PairIndex
+    from meta.model.backbone import load_clip
+
+    out, cfg, _ = chc_run
+    index = PairIndex.load(out / "index")
+    torch.manual_seed(cfg.SEED)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        clip, _ = load_clip("GRAM-Test-Tiny", None)
+    mean, std = clip_norm_stats(clip)
+    stats = encode_rank(
+        index, clip, 0, 1, tmp_path, "fp", 32, mean, std, chunk_size=200, show_progress=False, decoder="torchvision"
+    )
+    feats = np.load(tmp_path / "feats.rank0.npy")
+    ok = feats[:, -1] > 0.5
+    ref_ok = np.load(out / "image_features" / "image_ok.npy")
+    np.testing.assert_array_equal(ok, ref_ok)
+    assert stats["unreadable_by_reason"] == rank_reasons(tmp_path, 0, "fp")
+    ref_reasons = json.loads((out / "image_features" / "unreadable.json").read_text())
+    assert stats["unreadable_by_reason"] == ref_reasons
+    ref = np.load(out / "image_features" / "image_features.npy")
+    cos = (feats[ok, :-1] * ref[ok]).sum(axis=1)
+    assert cos.min() >= 0.999
+    # the decoder is part of the stage's fingerprint
+    shutil.copytree(out, tmp_path / "out")
+    cfg2 = cfg.clone()
+    cfg2.CHC.OUTPUT_DIR = str(tmp_path / "out")
+    cfg2.CHC.IMAGES.DECODER = "torchvision"
+    calls = []
+    monkeypatch.setattr(pipeline, "encode_rank", lambda *a, **k: calls.append(k["decoder"]) or 1 / 0)
+    run = pipeline.ChcRun(cfg2, show_progress=False)
+    with pytest.raises(ZeroDivisionError):
+        run.stage_image_features(*run.stage_index())
+    assert calls == ["torchvision"]

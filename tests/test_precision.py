@@ -109,6 +109,34 @@ def test_cpu_falls_back_to_fp32_in_one_log_line(caplog):
         precision.resolve_autocast("fp8", "cpu", "CHC.IMAGES.AUTOCAST")
 
 
+@pytest.fixture
+def tf32_flag():
+    """The process's CUDA matmul TF32 flag, off for the test and restored after it."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_the_tf32_key_sets_cudas_matmul_flag_and_keeps_fp32_on_a_cpu(caplog, tf32_flag):
+    from meta.config import get_meta_cfg_default
+    from meta.model.clip_config import clip_from_cfg
+
+    precision._said.clear()
+    assert precision.apply_tf32(True, "cuda:0") is True and torch.backends.cuda.matmul.allow_tf32
+    assert precision.apply_tf32(False, "cuda") is False and not torch.backends.cuda.matmul.allow_tf32
+    with caplog.at_level(logging.WARNING, logger="meta.model.precision"):
+        cfg = get_meta_cfg_default()
+        cfg.MODEL.BACKBONE, cfg.MODEL.TF32 = "GRAM-Test-Tiny", True
+        clip_from_cfg(cfg, "cpu", warn_random=False)  # the builder every command uses applies the key
+        clip_from_cfg(cfg, "cpu", warn_random=False)
+    assert not torch.backends.cuda.matmul.allow_tf32  # a CPU run leaves the process's CUDA flag alone
+    lines = [r.getMessage() for r in caplog.records if r.name == "meta.model.precision"]
+    assert lines == ["MODEL.TF32 True: TF32 is a CUDA feature; this CPU run keeps full fp32 matmuls"]
+    with pytest.raises(ValueError, match="^MODEL.TF32: expected True or False, got 'yes'$"):
+        precision.apply_tf32("yes", "cuda")
+
+
 def test_meta_config_key_resolves_per_device():
     from meta.metatrain import build_cfg
     from meta.metatrain.settings import check_meta_cfg, meta_spec

@@ -59,6 +59,7 @@ def test_cluster_stage_takes_the_caption_model_folder_given(tmp_path):
     default = rehearsal.cluster_args(rehearsal.SIZES["gpu"], tmp_path / "corpus", tmp_path / "chc")
     cfg = load_meta_cfg(str(REPO / config), default[default.index("--config-file") + 2 :])
     assert cfg.CHC.TEXT.MODEL == ""
+    assert cfg.CHC.IMAGES.DECODER == "torchvision"  # on the GPU: nvJPEG batches (meta.chc.tensor_decode)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")

@@ -395,6 +395,10 @@ def test_every_numeric_chc_key_has_a_range():
     cfg.CHC.IMAGES.CACHE_MAX_GB = float("nan")
     with pytest.raises(ValueError, match=r"^CHC.IMAGES.CACHE_MAX_GB: expected a finite number >= 0.0, got nan"):
         check_chc_cfg(cfg)
+    cfg.CHC.IMAGES.CACHE_MAX_GB = 2.0
+    cfg.CHC.IMAGES.DECODER = "nvjpeg"  # the device decides nvJPEG; the key names the library
+    with pytest.raises(ValueError, match=r"^CHC.IMAGES.DECODER: expected one of pil\|torchvision, got 'nvjpeg'$"):
+        check_chc_cfg(cfg)
 
 
 def test_image_folder_hierarchy_checks_the_chc_keys_it_uses(tiny_clip, tmp_path):

@@ -25,15 +25,18 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
+import torch
 
 from meta.chc.errors import InputError
 from meta.chc.imaging import decode_batch, encode_images
 from meta.chc.sources import KIND_TAR, PairIndex, rank_items
 from meta.chc.stages import ChunkedArray, create_memmap, open_memmap_rw, save_npy_atomic, write_json_atomic
+from meta.chc.tensor_decode import decode_batch_tensor
 from meta.data.input_limits import MAX_IMAGE_ASPECT, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
 from meta.model import precision
 
@@ -99,8 +102,11 @@ def encode_rank(
     max_bytes: int = MAX_IMAGE_BYTES,
     max_pixels: int = MAX_IMAGE_PIXELS,
     max_aspect: float = MAX_IMAGE_ASPECT,
+    decoder: str = "pil",
 ) -> dict:
     """Encode this rank's items; resumes from the last finished chunk.
+
+    The bytes of the next chunk are read in a background thread while this one is decoded and encoded.
 
     Args:
         autocast: a mode resolved by :func:`meta.model.precision.resolve_autocast` (``none`` = the CLIP's dtype).
@@ -110,6 +116,8 @@ def encode_rank(
         max_bytes / max_pixels / max_aspect: ``CHC.INPUT.MAX_IMAGE_BYTES`` / ``MAX_IMAGE_PIXELS`` /
             ``MAX_IMAGE_ASPECT`` (:mod:`meta.data.input_limits`): a larger file is not read, a larger or more
             elongated image not decoded; unreadable, counted by reason.
+        decoder: ``CHC.IMAGES.DECODER``: ``pil`` (the reference, :func:`meta.chc.imaging.decode_batch`) or
+            ``torchvision`` (JPEGs decoded and resized on ``device``: :mod:`meta.chc.tensor_decode`).
 
     Returns ``{"items": n_r, "unreadable": count, "unreadable_by_reason": {reason: count}}`` for the rank.
     """
@@ -130,11 +138,27 @@ def encode_rank(
     rpath = reasons_path(stage_dir, rank)
     chunk_reasons = _load_reasons(rpath, fp) if store.rows_done() else {}
 
-    def compute(start: int, end: int) -> np.ndarray:
+    def read(start: int, end: int) -> tuple[list, list]:
         read_why: list = []
+        return index.read_image_bytes(items[start:end], read_why, max_bytes), read_why
+
+    reader = ThreadPoolExecutor(max_workers=1)  # reads the next chunk's bytes (file reads release the GIL)
+    ahead: dict = {}
+
+    def compute(start: int, end: int) -> np.ndarray:
+        pending = ahead.pop((start, end), None)
+        blobs, read_why = pending.result() if pending else read(start, end)
+        if end < len(items):
+            ahead[(end, min(end + chunk_size, len(items)))] = reader.submit(
+                read, end, min(end + chunk_size, len(items))
+            )
         decode_why: list = []
-        blobs = index.read_image_bytes(items[start:end], read_why, max_bytes)
-        pixels, ok = decode_batch(blobs, image_size, decode_workers, decode_why, max_pixels, max_aspect)
+        if decoder == "torchvision":
+            pixels, ok = decode_batch_tensor(
+                blobs, image_size, device, decode_workers, decode_why, max_pixels, max_aspect
+            )
+        else:
+            pixels, ok = decode_batch(blobs, image_size, decode_workers, decode_why, max_pixels, max_aspect)
         reasons = [r or d for r, d in zip(read_why, decode_why)]
         if start == 0 and end > start and (~ok).sum() > max_unreadable_fraction * (end - start):
             raise InputError(first_chunk_error(index, items[start:end], reasons, image_root))
@@ -143,17 +167,21 @@ def encode_rank(
         write_json_atomic(rpath, {"fingerprint": fp, "chunks": chunk_reasons})  # before the rows: resume-safe
         rows = np.zeros((end - start, dim + 1), dtype=np.float32)
         if ok.any():
+            picked = pixels[torch.from_numpy(ok).to(pixels.device)] if torch.is_tensor(pixels) else pixels[ok]
             with precision.autocast(autocast, device):
-                rows[ok, :dim] = encode_images(clip, pixels[ok], mean, std, batch_size=batch_size, device=device)
+                rows[ok, :dim] = encode_images(clip, picked, mean, std, batch_size=batch_size, device=device)
         rows[:, dim] = ok
         if pixel_cache is not None:
-            pixel_cache[start:end] = pixels
+            pixel_cache[start:end] = pixels.cpu().numpy() if torch.is_tensor(pixels) else pixels
             pixel_cache.flush()
         return rows
 
-    done = store.fill(
-        compute, chunk_size, desc=f"image features (rank {rank}/{world_size})", disable_progress=not show_progress
-    )
+    try:
+        done = store.fill(
+            compute, chunk_size, desc=f"image features (rank {rank}/{world_size})", disable_progress=not show_progress
+        )
+    finally:
+        reader.shutdown(cancel_futures=True)
     return {
         "items": int(len(items)),
         "unreadable": int((done[:, dim] < 0.5).sum()),

@@ -188,14 +188,16 @@ def decode_batch(
 
 
 def normalize_uint8(
-    pixels: np.ndarray,
+    pixels: np.ndarray | torch.Tensor,
     mean: Sequence[float] = CLIP_MEAN,
     std: Sequence[float] = CLIP_STD,
     dtype: torch.dtype = torch.float32,
     device="cpu",
 ) -> torch.Tensor:
-    """uint8 ``[n, H, W, 3]`` -> normalised float ``[n, 3, H, W]`` for a CLIP image tower."""
-    x = torch.from_numpy(np.ascontiguousarray(pixels)).to(device).permute(0, 3, 1, 2).to(torch.float32) / 255.0
+    """uint8 ``[n, H, W, 3]`` (numpy, or a tensor on any device) -> normalised float ``[n, 3, H, W]`` on ``device``
+    for a CLIP image tower."""
+    x = pixels if torch.is_tensor(pixels) else torch.from_numpy(np.ascontiguousarray(pixels))
+    x = x.to(device).permute(0, 3, 1, 2).to(torch.float32) / 255.0
     m = torch.tensor(mean, device=device).view(1, 3, 1, 1)
     s = torch.tensor(std, device=device).view(1, 3, 1, 1)
     return ((x - m) / s).to(dtype)
@@ -208,8 +210,8 @@ def clip_norm_stats(clip) -> tuple[tuple, tuple]:
 
 
 @torch.no_grad()
-def encode_images(clip, pixels: np.ndarray, mean, std, batch_size: int = 64, device="cpu") -> np.ndarray:
-    """L2-normalised CLIP image features float32 ``[n, D]`` of uint8 ``[n, H, W, 3]``.
+def encode_images(clip, pixels: np.ndarray | torch.Tensor, mean, std, batch_size: int = 64, device="cpu") -> np.ndarray:
+    """L2-normalised CLIP image features float32 ``[n, D]`` of uint8 ``[n, H, W, 3]`` (numpy or a tensor).
 
     The features stay on ``device`` until the last batch and come back in one copy (no host sync per batch).
     """

@@ -250,6 +250,7 @@ class ChcRun:
             self.cfg.SEED,
             *(() if autocast == "none" else (autocast,)),
             DECODE_RULE,  # images decoded under another rule (before EXIF orientation) are encoded again
+            *(() if imgs.DECODER == "pil" else (f"decoder={imgs.DECODER}",)),  # other pixels: other features
             *caps_away_from_defaults(caps),  # ... and under other caps (CHC.INPUT.MAX_IMAGE_*)
         )
         marker = StageMarker(self.out, "image_features", fp)
@@ -280,6 +281,7 @@ class ChcRun:
             max_unreadable_fraction=float(self.chc.INPUT.MAX_UNREADABLE_FRACTION),
             image_root=self.chc.INPUT.IMAGE_ROOT,
             **caps,
+            decoder=imgs.DECODER,
         )
         self._timed("image_features", time.time() - t0, stats["items"])
         self.barrier()

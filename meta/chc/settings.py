@@ -58,6 +58,7 @@ CHOICES = {
     "TEXT.DTYPE": ("fp32", "bf16"),
     "TOPICS.UMAP_INIT": ("random", "spectral", "pca", "tswspectral"),  # umap-learn's init strings
     "IMAGES.AUTOCAST": ("none", "bf16", "fp16"),
+    "IMAGES.DECODER": ("pil", "torchvision"),  # reference decoder | meta.chc.tensor_decode
 }
 TEXT_KEYS = (
     "INPUT.MANIFEST",

@@ -12,7 +12,7 @@ import warnings
 import torch
 
 from meta.model.backbone import check_model_name, check_precision, load_clip, quick_gelu_flag
-from meta.model.precision import resolve_weights
+from meta.model.precision import apply_tf32, resolve_weights
 
 
 def clip_from_cfg(cfg, device: str, warn_random: bool = True):
@@ -29,6 +29,7 @@ def clip_from_cfg(cfg, device: str, warn_random: bool = True):
     """
     check_model_name(cfg.MODEL.BACKBONE, "MODEL.BACKBONE")
     check_precision(cfg.MODEL.PRECISION, "MODEL.PRECISION")
+    apply_tf32(cfg.MODEL.TF32, device)  # before any matmul of this process (meta.model.precision)
     torch.manual_seed(int(cfg.SEED))  # identical random towers across commands, resumed runs and ranks
     with warnings.catch_warnings():
         if not warn_random and not cfg.MODEL.PRETRAINED:

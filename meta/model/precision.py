@@ -2,7 +2,8 @@
 
 Config keys: ``META.AUTOCAST`` (meta-training forward passes) and ``CHC.IMAGES.AUTOCAST`` (CLIP
 image features in CHC), each ``none | bf16 | fp16``; ``MODEL.PRECISION`` is the dtype of the
-frozen CLIP's weights.  Autocast is a CUDA feature here: on a CPU the run keeps fp32 and says so
+frozen CLIP's weights; ``MODEL.TF32`` lets fp32 matmuls on CUDA use TF32 (:func:`apply_tf32`).  Autocast is a CUDA
+feature here: on a CPU the run keeps fp32 and says so
 in one log line per key (never a warning per step), and ``MODEL.PRECISION fp16`` falls back to fp32
 the same way (fp16 matmuls on CPUs are slow or missing).
 """
@@ -62,3 +63,18 @@ def autocast(mode: str, device: Union[str, torch.device]) -> ContextManager:
     if mode == "none":
         return contextlib.nullcontext()
     return torch.autocast(device_type=_device_type(device), dtype=DTYPES[mode])
+
+
+def apply_tf32(allow: bool, device: Union[str, torch.device], key: str = "MODEL.TF32") -> bool:
+    """Let fp32 matmuls on CUDA use TF32 tensor cores (``torch.backends.cuda.matmul.allow_tf32``) when ``allow``; off
+    otherwise (PyTorch's default: full fp32).  Set for the process when ``device`` is CUDA; a CPU run has no TF32 and
+    says so once when asked.  ``allow`` must be a bool (one-line ``ValueError`` naming ``key``).  Returns the flag in
+    force for ``device``'s matmuls."""
+    if not isinstance(allow, bool):
+        raise ValueError(f"{key}: expected True or False, got {allow!r}")
+    if _device_type(device) != "cuda":
+        if allow:
+            say_once(f"{key} True: TF32 is a CUDA feature; this CPU run keeps full fp32 matmuls")
+        return False
+    torch.backends.cuda.matmul.allow_tf32 = allow
+    return allow
