@@ -126,3 +126,17 @@ def test_the_gpu_profilers_chc_probe_runs_the_stages_decoder_and_tower_on_cpu():
     rates = chc_rates(synthetic_jpegs(4, 120, 90), batch=2, device="cpu", model="GRAM-Test-Tiny", autocast="none")
     assert rates["image_size"] == 32 and rates["model"] == "GRAM-Test-Tiny"
     assert rates["chc_decoder_batch2_img_s"] > 0 and rates["chc_end_to_end_batch2_img_s"] > 0
+
+
+def test_large_photos_are_decoded_in_runs_of_bounded_pixels(monkeypatch):
+    import meta.chc.tensor_decode as td
+
+    assert td.pixel_batches([3, 5, 8, 9], [40, 70, 30, 10], 100) == [[3], [5, 8], [9]]
+    assert td.pixel_batches([1, 2], [500, 10], 100) == [[1], [2]]  # one image above the budget: alone
+    seen = []
+    real = td._decode_jpegs
+    monkeypatch.setattr(td, "_decode_jpegs", lambda blobs, device: seen.append(len(blobs)) or real(blobs, device))
+    monkeypatch.setattr(td, "DECODE_BATCH_PIXELS", 2 * 200 * 150)
+    blobs = [_jpeg(200, 150, seed=s) for s in range(5)]
+    ref, ok_ref, _, new, ok_new, _ = _both(blobs, size=32)
+    assert seen == [2, 2, 1] and ok_new.all() and np.abs(ref.astype(int) - new.astype(int)).max() <= 2

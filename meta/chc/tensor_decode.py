@@ -13,7 +13,8 @@ Per image, in order:
 3. An 8-bit JPEG in YCbCr or greyscale (Pillow modes ``RGB`` / ``L``) joins the batch; anything else (PNG, CMYK
    JPEG, a header Pillow cannot read) is decoded by the reference, one by one, with its reasons.  A batch that
    fails is decoded image by image, and an image torchvision refuses goes to the reference too: an image is counted
-   unreadable, and why, exactly as the reference counts it.
+   unreadable, and why, exactly as the reference counts it.  A batch holds at most :data:`DECODE_BATCH_PIXELS` declared
+   pixels (device memory stays bounded whatever the chunk holds).
 4. The orientation is applied to the decoded tensor (flips and transposes equal to Pillow's ``transpose``), then the
    shorter side is resized to ``size`` with antialiased bicubic interpolation (``torch.nn.functional.interpolate``,
    the new size computed as :func:`~meta.chc.imaging.to_clip_uint8` does), centre-cropped and rounded to uint8.
@@ -38,6 +39,9 @@ from PIL import Image
 from meta.chc.imaging import MAX_ASPECT, MAX_PIXELS, NO_BYTES, _decode_one, size_problem
 from meta.data.image_decode import exif_orientation
 
+# Declared pixels decoded at once (2^26 = 67 M: ~200 MB of RGB uint8, ~800 MB as float for the resize; ~350 photos of
+# CC3M's typical 500x375, enough for nvJPEG's batching)
+DECODE_BATCH_PIXELS = 2**26
 BATCH_MODES = ("RGB", "L")  # Pillow's modes of 8-bit YCbCr and greyscale JPEGs: decoded by torchvision as by Pillow
 
 # EXIF orientation -> the tensor operation on [3, H, W] equal to Pillow's transpose of meta.data.image_decode.UPRIGHT
@@ -58,22 +62,35 @@ def orient(x: torch.Tensor, orientation: int) -> torch.Tensor:
     return x if op is None else op(x)
 
 
-def header(data: bytes, max_pixels: int, max_aspect: float) -> tuple[str, int, str]:
-    """``(route, orientation, reason)`` of an image from its header alone: route ``"batch"`` (a JPEG torchvision
-    decodes as Pillow does), ``"reference"`` (anything else) or ``"refused"`` (``reason``: a cap of
-    :func:`size_problem`)."""
+def header(data: bytes, max_pixels: int, max_aspect: float) -> tuple[str, int, str, int]:
+    """``(route, orientation, reason, pixels)`` of an image from its header alone: route ``"batch"`` (a JPEG
+    torchvision decodes as Pillow does; ``pixels``: width x height it declares), ``"reference"`` (anything else) or
+    ``"refused"`` (``reason``: a cap of :func:`size_problem`)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             img = Image.open(io.BytesIO(data))
             problem = size_problem(img.size, max_pixels, max_aspect)
             if problem:
-                return "refused", 1, problem
+                return "refused", 1, problem, 0
             if img.format == "JPEG" and img.mode in BATCH_MODES:
-                return "batch", exif_orientation(img), ""
+                return "batch", exif_orientation(img), "", img.size[0] * img.size[1]
     except Exception:  # noqa: BLE001 - the reference decides what is wrong with it, and says why
         pass
-    return "reference", 1, ""
+    return "reference", 1, "", 0
+
+
+def pixel_batches(indices: Sequence[int], pixels: Sequence[int], budget: int) -> list[list[int]]:
+    """``indices`` in order, cut into runs whose declared pixels sum to at most ``budget`` (an image above it alone)."""
+    runs: list[list[int]] = []
+    total = budget + 1
+    for i, p in zip(indices, pixels):
+        if total + p > budget:
+            runs.append([])
+            total = 0
+        runs[-1].append(i)
+        total += p
+    return runs
 
 
 def clip_size(height: int, width: int, size: int) -> tuple[int, int]:
@@ -139,24 +156,26 @@ def decode_batch_tensor(
     pool = ThreadPoolExecutor(max_workers=int(workers)) if workers and workers > 0 and n > 1 else None
     mapper = pool.map if pool else map
     try:
-        heads = list(mapper(lambda b: header(b, max_pixels, max_aspect) if b else ("refused", 1, NO_BYTES), blobs))
-        batch = [i for i, (route, _, _) in enumerate(heads) if route == "batch"]
-        reference = [i for i, (route, _, _) in enumerate(heads) if route == "reference"]
-        for i, (route, _, reason) in enumerate(heads):
+        heads = list(mapper(lambda b: header(b, max_pixels, max_aspect) if b else ("refused", 1, NO_BYTES, 0), blobs))
+        batch = [i for i, head in enumerate(heads) if head[0] == "batch"]
+        reference = [i for i, head in enumerate(heads) if head[0] == "reference"]
+        for i, (route, _, reason, _) in enumerate(heads):
             if route == "refused":
                 why[i] = reason
-        decoded = _decode_jpegs([blobs[i] for i in batch], device) if batch else []
-        by_shape: dict = {}
-        for i, img in zip(batch, decoded):
-            if img is None:
-                reference.append(i)
-                continue
-            img = orient(img, heads[i][1])
-            by_shape.setdefault(tuple(img.shape), []).append((i, img))
-        for group in by_shape.values():
-            index = torch.tensor([i for i, _ in group], device=device)
-            pixels[index] = resize_crop(torch.stack([img for _, img in group]), size)
-            ok[[i for i, _ in group]] = True
+        # decoded full-size in runs of at most DECODE_BATCH_PIXELS declared pixels: a chunk of large photos (the caps
+        # allow 50 MP each) never sits on the device at once
+        for run in pixel_batches(batch, [heads[i][3] for i in batch], DECODE_BATCH_PIXELS):
+            by_shape: dict = {}
+            for i, img in zip(run, _decode_jpegs([blobs[i] for i in run], device)):
+                if img is None:
+                    reference.append(i)
+                    continue
+                img = orient(img, heads[i][1])
+                by_shape.setdefault(tuple(img.shape), []).append((i, img))
+            for group in by_shape.values():
+                index = torch.tensor([i for i, _ in group], device=device)
+                pixels[index] = resize_crop(torch.stack([img for _, img in group]), size)
+                ok[[i for i, _ in group]] = True
         for i, (arr, reason) in zip(
             reference, mapper(lambda i: _decode_one(blobs[i], size, max_pixels, max_aspect), reference)
         ):
