@@ -118,7 +118,7 @@ def test_average_rows_average_datasets_per_seed_first_then_take_h_of_the_means()
 
 
 def test_every_table_holds_its_paper_rows_under_stable_keys():
-    settings = replace(DemoSettings(), tables=tuple(g for g in TABLE_GROUPS if g != "deep"))
+    settings = replace(DemoSettings(), tables=tuple(g for g in TABLE_GROUPS if g not in OPT_IN_TABLES))
     records = _b2n_records() + _transfer_records(16) + _transfer_records(4)
     tables = build_tables(records, settings, _fake_world())
     assert set(tables) == {"table1", "table2", "table3", "table4", "tableA1", "tableA2", "tableA3"}
@@ -319,7 +319,7 @@ def test_world_seed_and_world_options_change_the_world_hash_and_output_folder():
         ]
     )
     other = settings_from_args(args)
-    assert other.world_seed == 3 and other.tables == tuple(g for g in TABLE_GROUPS if g != "deep")  # deep: opt-in
+    assert other.world_seed == 3 and other.tables == tuple(g for g in TABLE_GROUPS if g not in OPT_IN_TABLES)  # opt-in
     ws = demo_world_settings(other)
     assert (ws.seed, ws.holdout_style) == (3, "cartoon")
     twin = next(p for p in ws.plans if "cross_domain_target" in p.roles)
@@ -415,3 +415,41 @@ def test_demo_script_runs_the_demo_module():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("usage: python -m gram_world.demo") and "--world-seed" in proc.stdout
+
+
+def test_the_consistency_group_is_opt_in_and_takes_the_b2n_sweeps_lambda(tmp_path, monkeypatch):
+    import json
+
+    from gram_world.demo import settings as demo_settings
+    from gram_world.demo.report import markdown_table
+
+    assert "consistency" not in settings_from_args(_parser().parse_args(["--tables", "all"])).tables
+    published = ("coop", "coop@ct8", "vpt", "vpt@ci10", "joint", "joint@ct8_ci10")  # KgCoOp 8, PromptSRC 10
+    assert demo_settings.consistency_keys(tmp_path / "absent.json") == published
+    sweep = {
+        "partial": False,
+        "off_rule": [],
+        "fixed": {
+            "gram_coop": {"row": "coop", "lambda": [2.0, 0.0]},
+            "gram_vpt": {"row": "vpt", "lambda": [0.0, 20.0]},
+            "unigram": {"row": "joint", "lambda": [1.0, 1.25]},
+        },
+    }
+    (tmp_path / "s.json").write_text(json.dumps(sweep))
+    chosen = ("coop", "coop@ct2", "vpt", "vpt@ci20", "joint", "joint@ct1_ci1.25")
+    assert demo_settings.consistency_keys(tmp_path / "s.json") == chosen
+    (tmp_path / "p.json").write_text(json.dumps({**sweep, "partial": True}))  # an unfinished sweep chooses nothing
+    assert demo_settings.consistency_keys(tmp_path / "p.json") == published
+    monkeypatch.setattr(demo_settings, "SELECTION_B2N", tmp_path / "s.json")
+    assert b2n_keys(("consistency",)) == chosen and variants_needed(("consistency",)) == ()
+    records = [
+        r | {"key": k, "method": demo_settings.method_row(k).label}
+        for r in _b2n_records()
+        for k in chosen
+        if r["key"] == k.split("@")[0]
+    ]
+    tables = build_tables(records, replace(DemoSettings(), tables=("consistency",)), _fake_world())
+    table = tables["consistency"]
+    assert set(tables) == {"consistency"} and table["source"] == "chosen on val splits (s.json)"
+    assert [r["key"] for r in table["rows"] if r["dataset"] == "Average"] == list(chosen)
+    assert "| CoOp, λ text 2 |" in markdown_table(table["rows"], "Average")

@@ -14,13 +14,13 @@ from typing import Optional
 
 from ..lifeline import die_with_parent
 from .pool import log
-from .settings import METHOD_BY_KEY, DemoSettings
+from .settings import DemoSettings, method_row
 from .stages import EvalJob, eval_jobs, init_eval_worker, run_eval_job
 
 
 def baseline_jobs(world, out: Path, settings: DemoSettings) -> list[EvalJob]:
     """The evaluation runs that need no meta-trained file and are not done yet, costliest first."""
-    jobs = [j for j in eval_jobs(world, {}, settings) if not METHOD_BY_KEY[j.key].variant and not j.path(out).is_file()]
+    jobs = [j for j in eval_jobs(world, {}, settings) if not method_row(j.key).variant and not j.path(out).is_file()]
     return sorted(jobs, key=lambda j: -j.cost)
 
 

@@ -33,6 +33,8 @@ from .settings import (
     TRANSFER_KEYS,
     VARIANT_BY_NAME,
     DemoSettings,
+    consistency_keys,
+    consistency_lambdas,
     settings_hash,
     settings_record,
     variants_needed,
@@ -143,6 +145,14 @@ def build_tables(records: list, settings: DemoSettings, world) -> dict:
             "title": f"Deep prompts: IVLP and MaPLe with and without GRAM (base-to-new, {settings.shots} shots)",
             "kind": "base2new",
             "rows": _ordered(b2n, DEEP_KEYS),
+        }
+    if "consistency" in settings.tables:
+        _, source = consistency_lambdas()
+        tables["consistency"] = {
+            "title": f"Zero-shot consistency baselines (base-to-new, {settings.shots} shots)",
+            "kind": "base2new",
+            "source": source,
+            "rows": _ordered(b2n, consistency_keys()),
         }
     if "tokens" in settings.tables:
         rows = []
@@ -534,6 +544,22 @@ def stage_report(
             "IVLP: 2 text + 2 visual prompt tokens in every layer of both towers; "
             "MaPLe: 2 text tokens in every layer, the visual prompts their learned linear maps "
             "(docs/deep_prompts.md). Same fine-tuning protocol as Table 1.",
+            "",
+            f"### Average over {len(datasets)} dataset(s)",
+            "",
+            markdown_table(t["rows"], AVERAGE),
+            "",
+        ]
+        for d in datasets:
+            parts += [f"### {d}", "", markdown_table(t["rows"], d), ""]
+    if "consistency" in tables:
+        t = tables["consistency"]
+        parts += [
+            f"## {t['title']}",
+            "",
+            "Each baseline beside itself fine-tuned with the zero-shot consistency terms (KgCoOp's text-feature "
+            "distance, PromptSRC's image-feature distance to frozen CLIP; meta/method/consistency.py); "
+            f"λ: {t['source']}.",
             "",
             f"### Average over {len(datasets)} dataset(s)",
             "",

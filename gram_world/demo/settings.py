@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Optional
 
 from meta.finetune.regulated import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
 from meta.method import methods
@@ -301,6 +303,38 @@ DEEP_KEYS = (
     "gram_maple_reg_only",
 )
 
+# The fixed-λ zero-shot-consistency comparators (meta/method/consistency.py): CoOp, VPT and joint tuning fine-tuned with
+# the consistency terms at the λ the base-to-new sweep chose on val splits for each (``fixed`` in the committed
+# docs/study/selection_b2n.json; its rule: docs/study/selection_b2n_rule.md).  Until that file is committed (or when
+# it is partial), the published weights: KgCoOp's text 8 (Yao et al., CVPR 2023) and PromptSRC's image 10 (Khattak
+# et al., ICCV 2023), joint tuning both.
+CONSISTENCY_BASELINES = ("coop", "vpt", "joint")
+PUBLISHED_LAMBDA = {"coop": (8.0, 0.0), "vpt": (0.0, 10.0), "joint": (8.0, 10.0)}
+SELECTION_B2N = Path(__file__).resolve().parents[2] / "docs" / "study" / "selection_b2n.json"
+
+
+def consistency_lambdas(path: Optional[Path] = None) -> tuple[dict, str]:
+    """``({baseline key: (λ text, λ image)}, where they come from)``: the sweep's chosen λ from ``path`` (default
+    :data:`SELECTION_B2N`) when it holds a finished rule sweep, else :data:`PUBLISHED_LAMBDA`."""
+    path = Path(path or SELECTION_B2N)
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return dict(PUBLISHED_LAMBDA), "published weights (KgCoOp text 8, PromptSRC image 10): no sweep file"
+    fixed = {v.get("row"): v.get("lambda") for v in (data.get("fixed") or {}).values() if isinstance(v, dict)}
+    if data.get("partial") or data.get("off_rule") or any(fixed.get(k) is None for k in CONSISTENCY_BASELINES):
+        return dict(
+            PUBLISHED_LAMBDA
+        ), "published weights (KgCoOp text 8, PromptSRC image 10): the sweep is not finished"
+    return {k: tuple(float(x) for x in fixed[k]) for k in CONSISTENCY_BASELINES}, f"chosen on val splits ({path.name})"
+
+
+def consistency_keys(path: Optional[Path] = None) -> tuple:
+    """Each consistency baseline beside its row at :func:`consistency_lambdas`: ``coop, coop@ct8, vpt, ...``."""
+    lambdas, _ = consistency_lambdas(path)
+    return tuple(k for base in CONSISTENCY_BASELINES for k in (base, consistency_key(base, *lambdas[base])))
+
+
 # Table groups of ``--tables``: what each one evaluates and which meta variants it needs.
 TABLE_GROUPS = {
     "base2new": "Table 1 (base-to-new, each GRAM row with its θ*-only row), Fig. 3a, Fig. 3b",
@@ -309,8 +343,10 @@ TABLE_GROUPS = {
     "transfer": "Tables 2 and 3 (cross-domain, cross-dataset) and A1 / A2 (the same at fewer shots)",
     "tokens": "Table A3 (UNIGRAM with 2 / 4 / 6 / 8 prompt tokens)",
     "deep": "deep prompts: IVLP and MaPLe, each without and with GRAM (base-to-new; opt-in, not in 'all')",
+    "consistency": "CoOp, VPT and joint tuning with the zero-shot consistency terms at the base-to-new sweep's λ "
+    "(published KgCoOp / PromptSRC weights before it is committed; opt-in, not in 'all')",
 }
-OPT_IN_TABLES = ("deep",)  # groups that `--tables all` leaves out
+OPT_IN_TABLES = ("deep", "consistency")  # groups that `--tables all` leaves out
 DEFAULT_TABLES = ("base2new",)
 
 
@@ -327,6 +363,8 @@ def b2n_keys(tables: tuple) -> tuple:
         keys += tuple(TOKEN_KEYS.values())
     if "deep" in tables:
         keys += DEEP_KEYS
+    if "consistency" in tables:
+        keys += consistency_keys()
     return tuple(dict.fromkeys(keys))
 
 
@@ -336,7 +374,7 @@ def transfer_keys(tables: tuple) -> tuple:
 
 def variants_needed(tables: tuple) -> tuple:
     """Meta variants the table groups start from, in :data:`ALL_VARIANTS` order."""
-    names = {METHOD_BY_KEY[k].variant for k in b2n_keys(tables) + transfer_keys(tables)} - {""}
+    names = {method_row(k).variant for k in b2n_keys(tables) + transfer_keys(tables)} - {""}
     return tuple(v for v in ALL_VARIANTS if v.name in names)
 
 

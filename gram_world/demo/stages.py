@@ -350,13 +350,14 @@ def eval_jobs(world, inits: dict, settings: DemoSettings, keys: Optional[tuple] 
     """Every evaluation run the requested tables need (or base-to-new runs of the rows ``keys`` only: table rows
     or derived ones, :func:`method_row`)."""
     names = settings.datasets or tuple(d.name for d in world.with_role("base2new"))
+    rows = b2n_keys(settings.tables) if keys is None else keys
     init = {m.key: inits.get(m.variant, "") for m in METHODS}
-    init.update({k: inits.get(method_row(k).variant, "") for k in keys or () if k not in init})
+    init.update({k: inits.get(method_row(k).variant, "") for k in rows if k not in init})  # derived rows (coop@ct8)
     jobs = [
         EvalJob("base2new", n, str(world.dataset(n).dataset_dir), k, seed, settings.shots, init[k])
         for n in names
         for seed in settings.seeds
-        for k in (b2n_keys(settings.tables) if keys is None else keys)
+        for k in rows
     ]
     if keys is None and transfer_keys(settings.tables):
         for source, targets in transfer_plan(world).items():
