@@ -189,6 +189,14 @@ def markdown_table(rows: list, dataset: str, numbered: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _b2n_section(table: dict, datasets: list, note: str = "", numbered: bool = False) -> list[str]:
+    """The markdown lines of a base-to-new table: its title, ``note``, the average over ``datasets``, then each one."""
+    parts = [f"## {table['title']}", ""] + ([note, ""] if note else [])
+    for heading, dataset in [(f"Average over {len(datasets)} dataset(s)", AVERAGE)] + [(d, d) for d in datasets]:
+        parts += [f"### {heading}", "", markdown_table(table["rows"], dataset, numbered=numbered), ""]
+    return parts
+
+
 def transfer_markdown(table: dict) -> str:
     targets = table["targets"]
     average = len(targets) > 1
@@ -499,31 +507,12 @@ def stage_report(
         "",
     ]
     if "table1" in tables:
-        t1 = tables["table1"]
-        parts += [
-            f"## {t1['title']}",
-            "",
-            f"### Average over {len(datasets)} dataset(s)",
-            "",
-            markdown_table(t1["rows"], AVERAGE),
-            "",
-        ]
-        for d in datasets:
-            parts += [f"### {d}", "", markdown_table(t1["rows"], d), ""]
+        parts += _b2n_section(tables["table1"], datasets)
     if "table4" in tables:
-        t4 = tables["table4"]
-        parts += [
-            f"## {t4['title']}",
-            "",
-            "Rows 1-4: UNIGRAM with one component removed; row 5: text and visual prompts tuned jointly without GRAM.",
-            "",
-            f"### Average over {len(datasets)} dataset(s)",
-            "",
-            markdown_table(t4["rows"], AVERAGE, numbered=True),
-            "",
-        ]
-        for d in datasets:
-            parts += [f"### {d}", "", markdown_table(t4["rows"], d, numbered=True), ""]
+        note = (
+            "Rows 1-4: UNIGRAM with one component removed; row 5: text and visual prompts tuned jointly without GRAM."
+        )
+        parts += _b2n_section(tables["table4"], datasets, note, numbered=True)
     for tid in ("table2", "table3", "tableA1", "tableA2"):
         if tid in tables:
             t = tables[tid]
@@ -537,37 +526,19 @@ def stage_report(
                 "",
             ]
     if "deep" in tables:
-        t = tables["deep"]
-        parts += [
-            f"## {t['title']}",
-            "",
+        note = (
             "IVLP: 2 text + 2 visual prompt tokens in every layer of both towers; "
             "MaPLe: 2 text tokens in every layer, the visual prompts their learned linear maps "
-            "(docs/deep_prompts.md). Same fine-tuning protocol as Table 1.",
-            "",
-            f"### Average over {len(datasets)} dataset(s)",
-            "",
-            markdown_table(t["rows"], AVERAGE),
-            "",
-        ]
-        for d in datasets:
-            parts += [f"### {d}", "", markdown_table(t["rows"], d), ""]
+            "(docs/deep_prompts.md). Same fine-tuning protocol as Table 1."
+        )
+        parts += _b2n_section(tables["deep"], datasets, note)
     if "consistency" in tables:
-        t = tables["consistency"]
-        parts += [
-            f"## {t['title']}",
-            "",
+        note = (
             "Each baseline beside itself fine-tuned with the zero-shot consistency terms (KgCoOp's text-feature "
             "distance, PromptSRC's image-feature distance to frozen CLIP; meta/method/consistency.py); "
-            f"λ: {t['source']}.",
-            "",
-            f"### Average over {len(datasets)} dataset(s)",
-            "",
-            markdown_table(t["rows"], AVERAGE),
-            "",
-        ]
-        for d in datasets:
-            parts += [f"### {d}", "", markdown_table(t["rows"], d), ""]
+            f"λ: {tables['consistency']['source']}."
+        )
+        parts += _b2n_section(tables["consistency"], datasets, note)
     if "tableA3" in tables:
         parts += [
             f"## {tables['tableA3']['title']}",
