@@ -291,7 +291,7 @@ def run(
 def components(cells: dict, pairs: Sequence[tuple[str, str]]) -> dict:
     """Each pair's variance components (:func:`power.variance_components`; a balanced design only) as
     ``{"method vs baseline": {...}}``."""
-    as_json = {f"{w}/{s}": {f"{k}/{fs}": list(v) for (k, fs), v in t.items()} for (w, s), t in cells.items()}
+    as_json = study.cells_to_json(cells)
     out = {}
     for method, base in pairs:
         d = power.differences(as_json, method, base)
@@ -319,9 +319,7 @@ def write_results(
         "plan": PLAN,
         "pairs": rows,
         "variance_components": components(cells, pairs),
-        "cells": {
-            f"{w}/{s}": {f"{k}/{fs}": list(v) for (k, fs), v in t.items()} for (w, s), t in sorted(cells.items())
-        },
+        "cells": study.cells_to_json(cells),
         "settings": record,
         "computed_by": dict(sorted(book.computed.items())),
         "mixed_fingerprints": sorted(book.mixed),

@@ -436,6 +436,17 @@ def table_from_json(table: dict) -> dict:
     return {(key, int(fs)): tuple(v) for key, fs, v in ((*k.rsplit("/", 1), v) for k, v in table.items())}
 
 
+def table_to_json(table: dict) -> dict:
+    """A cell's ``{(key, seed): (base, new, H)}`` table as a results file stores it (``{"key/seed": [base, new, H]}``);
+    :func:`table_from_json` reads it back."""
+    return {f"{k}/{fs}": list(v) for (k, fs), v in table.items()}
+
+
+def cells_to_json(cells: dict) -> dict:
+    """``{(world, meta seed): table}`` as a results file's ``cells``: ``{"world/seed": table_to_json(table)}``."""
+    return {f"{w}/{s}": table_to_json(t) for (w, s), t in sorted(cells.items())}
+
+
 def settings_record(base: DemoSettings, variant: str = "") -> dict:
     """The switches and fine-tuning seeds a study's cells were run with (``results.json`` ``settings``), and the
     regulator variant (:data:`REGULATOR_SWEEP`) its meta-training used, when not today's ``k1``."""
@@ -664,9 +675,7 @@ def _write_results(
     rows = summarise(cells, STUDY_PAIRS)
     result = {
         "pairs": rows,
-        "cells": {
-            f"{w}/{s}": {f"{k}/{fs}": list(v) for (k, fs), v in t.items()} for (w, s), t in sorted(cells.items())
-        },
+        "cells": cells_to_json(cells),
         "seconds_per_cell": seconds,
         # cells run before inputs were recorded, or that gained only rows without an init file (zero-shot), have none
         "inputs": {k: v for k, v in sorted((inputs or {}).items()) if v.get("hierarchy") or v.get("start_sha256")},
@@ -1005,11 +1014,7 @@ def _write_regulator_result(root: Path, per_variant: dict, worlds: Sequence[str]
         "split": "val",
         "seeds": list(base.seeds),
         "meta_seed": base.meta_seed,
-        "cells": {
-            f"{v}/{w}/{s}": {f"{k}/{fs}": list(x) for (k, fs), x in t.items()}
-            for v, c in per_variant.items()
-            for (w, s), t in c.items()
-        },
+        "cells": {f"{v}/{w}/{s}": table_to_json(t) for v, c in per_variant.items() for (w, s), t in c.items()},
     }
     write_json_atomic(root / "selection_regulator.json", result)
     write_text_atomic(root / "selection_regulator.md", regulator_markdown(result))

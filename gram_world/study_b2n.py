@@ -598,7 +598,7 @@ def _write_b2n_result(
         **b2n_record(base),
         "worlds": list(worlds),
         "cells": {
-            f"{u}/{w}/{s}": {f"{k}/{fs}": list(x) for (k, fs), x in t.items()}
+            f"{u}/{w}/{s}": study.table_to_json(t)
             for u, by in sorted(cells.items())
             for (w, s), t in sorted(by.items())
         },
