@@ -169,16 +169,27 @@ def fixed_row(selection: dict, learner: str) -> Row:
     return Row(consistency_key(study_b2n.FIXED_OF[learner], *point))
 
 
-def family(selection: dict) -> tuple[tuple[str, str], ...]:
-    """The primary family as (method row, baseline row) table names: :data:`power.PRIMARY_PAIRS`, then per learner
-    the chosen variant against θ* only (unless it is θ* only) and against its fixed-λ row."""
-    pairs = list(power.PRIMARY_PAIRS)
+def family_by_learner(selection: dict) -> dict[str, tuple[tuple[str, str], ...]]:
+    """The primary family per learner (keys of :data:`study_b2n.LEARNERS`) as (method row, baseline row) table names:
+    its three pairs of :data:`power.PRIMARY_BY_LEARNER`, then the chosen variant against θ* only (unless it is θ*
+    only) and against its fixed-λ row."""
+    out = {}
     for learner in study_b2n.LEARNERS:
+        pairs = list(power.PRIMARY_BY_LEARNER[learner])
         chosen, init_only = variant_row(selection, learner), Row(study_b2n.INIT_ONLY_OF[learner])
         if chosen != init_only:
             pairs.append((chosen.name, init_only.name))
         pairs.append((chosen.name, fixed_row(selection, learner).name))
-    return tuple(pairs)
+        out[learner] = tuple(pairs)
+    return out
+
+
+def family(selection: dict) -> tuple[tuple[str, str], ...]:
+    """The primary family in the plan's order: the nine pairs of :data:`power.PRIMARY_PAIRS`, then per learner the
+    pairs of the chosen variant (:func:`family_by_learner`)."""
+    by_learner = family_by_learner(selection)
+    extra = [p for pairs in by_learner.values() for p in pairs if p not in power.PRIMARY_PAIRS]
+    return tuple(power.PRIMARY_PAIRS) + tuple(extra)
 
 
 def rows_by_unit(pairs: Sequence[tuple[str, str]]) -> dict[str, tuple[str, ...]]:
@@ -260,7 +271,7 @@ def run(
     not run again."""
     for w in worlds:
         world_fields(w)
-    pairs = family(selection)
+    pairs, by_learner = family(selection), family_by_learner(selection)
     units = rows_by_unit(pairs)
     record = study_record(base, pairs, selection)
     path = root / file
@@ -272,7 +283,7 @@ def run(
     book = study._Book(computed, mixed)
     inputs = dict(earlier.get("inputs", {}))
     seconds = dict(earlier.get("seconds_per_cell", {}))
-    result = write_results(root, file, cells, pairs, record, book, inputs, seconds)
+    result = write_results(root, file, cells, pairs, record, book, inputs, seconds, by_learner)
     for seed in meta_seeds:
         for world in worlds:
             if (world, seed) in cells:
@@ -284,7 +295,7 @@ def run(
             cells[(world, seed)], inputs[f"{world}/{seed}"] = run_world(world, settings, root, units, world_root)
             seconds[f"{world}/{seed}"] = round(time.time() - t, 1)
             book.computed[f"{world}/{seed}"] = now
-            result = write_results(root, file, cells, pairs, record, book, inputs, seconds)
+            result = write_results(root, file, cells, pairs, record, book, inputs, seconds, by_learner)
     return result
 
 
@@ -310,13 +321,16 @@ def write_results(
     book: study._Book,
     inputs: dict,
     seconds: dict,
+    by_learner: Optional[dict] = None,
 ) -> dict:
-    """The results file and its ``.md``: the family's summary (Holm over it), the cells, variance components and
-    what computed each world."""
+    """The results file and its ``.md``: the answer (:func:`answer`, one sentence per learner of ``by_learner``),
+    the family's summary (Holm over it), the cells, variance components and what computed each world."""
     rows = study.summarise(cells, pairs, label=row_label) if cells else []
+    sentences = answer(rows, by_learner or {})
     names = {f"{w}/{s}" for w, s in cells}
     result = {
         "plan": PLAN,
+        "answer": sentences,
         "pairs": rows,
         "variance_components": components(cells, pairs),
         "cells": study.cells_to_json(cells),
@@ -334,11 +348,44 @@ def write_results(
         if result["mixed_fingerprints"]
         else ""
     )
-    body = (study.markdown(rows) if rows else "No finished world yet.\n") + mixed
+    body = "".join(f"- {line}\n" for line in sentences) + ("\n" if sentences else "")
+    body += (study.markdown(rows) if rows else "No finished world yet.\n") + mixed
     if cells:
         body += "\nRegime (base / new accuracy, %):\n\n" + study.regime_markdown(cells)
     write_text_atomic(root / file.replace(".json", ".md"), body)
     return result
+
+
+def _pair_words(row: dict) -> str:
+    diff, (lo, hi) = row["mean_diff_H"], row["ci95"]
+    numbers = f"{diff:+.2f} H, 95 % interval [{lo:+.2f}, {hi:+.2f}]"
+    if row["p_holm"] is None:
+        return f"{row['label']} vs {row['baseline_label']}: no test yet ({numbers}, one world)"
+    numbers += f", Holm-adjusted p {row['p_holm']:.3g}"
+    if row["holds"] == "better":
+        return f"{row['label']} beats {row['baseline_label']} ({numbers})"
+    if row["holds"] == "worse":
+        return f"{row['label']} is below {row['baseline_label']} ({numbers})"
+    return f"{row['label']} is not shown to differ from {row['baseline_label']} ({numbers})"
+
+
+def answer(rows: Sequence[dict], by_learner: dict) -> list[str]:
+    """One plain sentence per learner of the family from the summary ``rows`` (:func:`study.summarise`, Holm over
+    the family): each of its pairs as "beats" / "is below" (holds after correction) or "is not shown to differ
+    from", with the mean ΔH, interval and adjusted p.  A learner none of whose pairs has a row is left out."""
+    found = {(r["method"], r["baseline"]): r for r in rows}
+    sentences = []
+    for learner, pairs in by_learner.items():
+        parts = [_pair_words(found[p]) for p in pairs if p in found]
+        if not parts:
+            continue
+        worlds = max(len(found[p]["worlds"]) for p in pairs if p in found)
+        family_size = max((found[p]["family"] for p in pairs if p in found), default=0)
+        head = (
+            f"{study_b2n.LEARNER_LABEL[learner]} ({worlds} world{'s' if worlds != 1 else ''}, Holm over {family_size}"
+        )
+        sentences.append(f"{head} pairs): " + "; ".join(parts) + ".")
+    return sentences
 
 
 # ------------------------------------------------------------------------------ claims on fresh worlds

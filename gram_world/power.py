@@ -170,17 +170,14 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
-PRIMARY_PAIRS = (
-    ("gram_coop", "coop"),
-    ("gram_coop_init_only", "coop"),
-    ("gram_coop", "gram_coop_init_only"),
-    ("gram_vpt", "vpt"),
-    ("gram_vpt_init_only", "vpt"),
-    ("gram_vpt", "gram_vpt_init_only"),
-    ("unigram", "joint"),
-    ("unigram_no_reg", "joint"),
-    ("unigram", "unigram_no_reg"),
-)
+# The plan's primary pairs, per learner of the family (GRAM vs its baseline, θ* only vs the baseline, GRAM vs θ*
+# only); keys of gram_world.study_b2n.LEARNERS.
+PRIMARY_BY_LEARNER = {
+    "gram_coop": (("gram_coop", "coop"), ("gram_coop_init_only", "coop"), ("gram_coop", "gram_coop_init_only")),
+    "gram_vpt": (("gram_vpt", "vpt"), ("gram_vpt_init_only", "vpt"), ("gram_vpt", "gram_vpt_init_only")),
+    "unigram": (("unigram", "joint"), ("unigram_no_reg", "joint"), ("unigram", "unigram_no_reg")),
+}
+PRIMARY_PAIRS = tuple(pair for pairs in PRIMARY_BY_LEARNER.values() for pair in pairs)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

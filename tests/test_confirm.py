@@ -152,7 +152,16 @@ def test_a_study_runs_each_worlds_units_merges_them_and_holm_covers_the_family(t
     comps = result["variance_components"]["gram_coop vs coop"]
     assert comps["meta"] is None and comps["finetune"] == pytest.approx(0.0)
     assert comps["world"] == pytest.approx(np.var([0.0, -1.0, 0.5], ddof=1), abs=1e-4)
+    # the answer: one sentence per learner, each pair worded by its corrected verdict
+    coop_line, vpt_line, unigram_line = result["answer"]
+    gate, init = confirm.row_label(gate_vs_init["method"]), confirm.row_label("gram_coop_init_only")
+    assert coop_line.startswith("CoOp (3 worlds, Holm over 15 pairs): ")
+    assert f"{gate} beats {init} (+2.15 H" in coop_line and gate_vs_init["holds"] == "better"
+    assert vs_coop["holds"] == "not shown" and "CoOp + GRAM is not shown to differ from CoOp (-0.17 H" in coop_line
+    assert vpt_line.startswith("VPT (3 worlds") and unigram_line.startswith("UNIGRAM (3 worlds")
+    assert all(line.count(";") == 4 for line in result["answer"])  # five pairs per learner
     md = (tmp_path / "confirm.md").read_text()
+    assert md.startswith(f"- {coop_line}\n- {vpt_line}\n- {unigram_line}\n")
     assert "p Holm (15 rows)" in md and "CoOp + GRAM, λ text 2 (gate R_φ, paper's tasks)" in md
     assert result["computed_by"]["11/0"] == NOW and result["settings"]["chosen"] == "gate/paper"
     # a rerun keeps every finished world; another family or fingerprint is refused
@@ -164,6 +173,37 @@ def test_a_study_runs_each_worlds_units_merges_them_and_holm_covers_the_family(t
     monkeypatch.setattr(study, "current_provenance", lambda: {**NOW, "fingerprint": "0" * 64})
     with pytest.raises(ValueError, match="numerics fingerprint"):
         confirm.run(tmp_path, ["11"], (0,), base, selection)
+
+
+def test_the_answer_words_each_pair_by_its_corrected_verdict_and_waits_for_a_second_world():
+    def row(method, base, diff, p_holm, holds, worlds=("1", "2")):
+        return {
+            "method": method,
+            "baseline": base,
+            "label": method.upper(),
+            "baseline_label": base.upper(),
+            "mean_diff_H": diff,
+            "ci95": [diff - 1, diff + 1],
+            "p_holm": p_holm,
+            "holds": holds,
+            "worlds": list(worlds),
+            "family": 3,
+        }
+
+    rows = [
+        row("a", "b", -2.5, 0.01, "worse"),
+        row("c", "b", 0.4, 0.7, "not shown"),
+        row("d", "b", 1.0, None, "not shown", ("1",)),
+    ]
+    out = confirm.answer(
+        rows, {"gram_coop": (("a", "b"), ("c", "b")), "gram_vpt": (("d", "b"),), "unigram": (("x", "y"),)}
+    )
+    assert out == [
+        "CoOp (2 worlds, Holm over 3 pairs): "
+        "A is below B (-2.50 H, 95 % interval [-3.50, -1.50], Holm-adjusted p 0.01); "
+        "C is not shown to differ from B (+0.40 H, 95 % interval [-0.60, +1.40], Holm-adjusted p 0.7).",
+        "VPT (1 world, Holm over 3 pairs): D vs B: no test yet (+1.00 H, 95 % interval [+0.00, +2.00], one world).",
+    ]
 
 
 def test_the_claim_check_compares_the_sign_on_fresh_worlds():
