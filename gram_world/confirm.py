@@ -256,6 +256,27 @@ def load_kept(path: Path, record: dict) -> tuple[dict, dict]:
     return cells, data
 
 
+def merge_kept(paths: Sequence[Path], record: dict) -> tuple[dict, dict]:
+    """:func:`load_kept` of every file in ``paths`` (e.g. halves of the worlds run in parallel into other folders),
+    merged: ``(cells, {"computed_by", "inputs", "seconds_per_cell"} of all files)``.  A world found in two files must
+    hold the same table (else a one-line error naming both)."""
+    cells: dict = {}
+    merged: dict = {"computed_by": {}, "inputs": {}, "seconds_per_cell": {}}
+    origin: dict = {}
+    for path in paths:
+        if not path.is_file():
+            raise ValueError(f"--resume-from: {path} does not exist; expected a confirm.json of the same study")
+        theirs, data = load_kept(path, record)
+        for key, table in theirs.items():
+            if key in cells and cells[key] != table:
+                raise ValueError(f"{origin[key]} and {path}: world {key[0]}/{key[1]} holds different numbers; keep one")
+            origin.setdefault(key, path)
+            cells[key] = table
+        for field in merged:
+            merged[field].update(data.get(field, {}))
+    return cells, merged
+
+
 def run(
     root: Path,
     worlds: Sequence[str],
@@ -265,17 +286,18 @@ def run(
     file: str = CONFIRM_FILE,
     world_root: Optional[Path] = None,
     mix_fingerprints: bool = False,
+    previous: Sequence[Path] = (),
 ) -> dict:
     """The family's rows on the test splits of ``worlds`` x ``meta_seeds`` (every world's first seed first), the
-    results file ``root/file`` (and its ``.md``) rewritten after every world; kept worlds of the same settings are
-    not run again."""
+    results file ``root/file`` (and its ``.md``) rewritten after every world; kept worlds of the same settings (in
+    ``root/file`` and the files ``previous``, :func:`merge_kept`) are not run again."""
     for w in worlds:
         world_fields(w)
     pairs, by_learner = family(selection), family_by_learner(selection)
     units = rows_by_unit(pairs)
     record = study_record(base, pairs, selection)
     path = root / file
-    cells, earlier = load_kept(path, record) if path.is_file() else ({}, {})
+    cells, earlier = merge_kept(([path] if path.is_file() else []) + [Path(p) for p in previous], record)
     names = sorted(f"{w}/{s}" for w, s in cells)
     now = study.current_provenance()
     computed = {n: v for n, v in earlier.get("computed_by", {}).items() if n in names}
@@ -512,6 +534,13 @@ def _parser() -> argparse.ArgumentParser:
         "--history", default="docs/study/results.json", help="plan: the results file whose cells give the components"
     )
     parser.add_argument("--mix-fingerprints", action="store_true", help="run: keep worlds of another fingerprint")
+    parser.add_argument(
+        "--resume-from",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="run: also keep the worlds of these confirm.json files (halves of the worlds run in parallel elsewhere)",
+    )
     study.add_settings_flags(parser)
     return parser
 
@@ -544,6 +573,7 @@ def _main(argv: list) -> int:
             selection,
             CONFIRM_FILE,
             mix_fingerprints=args.mix_fingerprints,
+            previous=[Path(p) for p in args.resume_from],
         )
         print((root / CONFIRM_FILE.replace(".json", ".md")).read_text(), end="")
         print(f"confirm: {len(result['cells'])} worlds in {root}; this call took {time.time() - t:.0f} s")

@@ -175,6 +175,32 @@ def test_a_study_runs_each_worlds_units_merges_them_and_holm_covers_the_family(t
         confirm.run(tmp_path, ["11"], (0,), base, selection)
 
 
+def test_halves_run_in_parallel_folders_merge_into_one_study_without_rerunning_a_world(tmp_path, monkeypatch):
+    ran: list = []
+    monkeypatch.setattr(study, "run_cell", _fake(ran, lambda world, variant, key, seed: 0.3 * seed + int(world[:2])))
+    base = replace(DemoSettings.preset(True), seeds=(1, 2))
+    selection = _selection()
+    a = confirm.run(tmp_path / "a", ["11", "12"], (0,), base, selection)
+    b = confirm.run(tmp_path / "b", ["13-cartoon"], (0,), base, selection)
+    ran.clear()
+    halves = [tmp_path / "a" / "confirm.json", tmp_path / "b" / "confirm.json"]
+    both = confirm.run(tmp_path / "all", ["11", "12", "13-cartoon"], (0,), base, selection, previous=halves)
+    assert ran == [] and both["cells"] == {**a["cells"], **b["cells"]}
+    assert sorted(both["computed_by"]) == ["11/0", "12/0", "13-cartoon/0"] and both["pairs"][0]["worlds"] == [
+        "11",
+        "12",
+        "13-cartoon",
+    ]
+    # a world in two files with different numbers, or a missing file, is refused in one line
+    data = json.loads(halves[1].read_text())
+    data["cells"]["11/0"] = {k: [0.0, 0.0, 0.0] for k in a["cells"]["11/0"]}
+    halves[1].write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="world 11/0 holds different numbers"):
+        confirm.run(tmp_path / "again", ["11"], (0,), base, selection, previous=halves)
+    with pytest.raises(ValueError, match="--resume-from: .*nowhere.json does not exist"):
+        confirm.run(tmp_path / "again", ["11"], (0,), base, selection, previous=[tmp_path / "nowhere.json"])
+
+
 def test_the_answer_words_each_pair_by_its_corrected_verdict_and_waits_for_a_second_world():
     def row(method, base, diff, p_holm, holds, worlds=("1", "2")):
         return {
