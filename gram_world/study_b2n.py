@@ -535,15 +535,18 @@ def select_b2n(
     world_root: Optional[Path] = None,
     previous: Optional[Path | Sequence[Path]] = None,
     mix_fingerprints: bool = False,
+    units: Optional[Sequence[str]] = None,
 ) -> dict:
     """The base-to-new regulator sweep (module docstring) on ``worlds``, val splits, meta seed ``base.meta_seed``,
     fine-tuning seeds ``base.seeds``; world by world, unit by unit (:func:`b2n_units`), rewriting
     ``selection_b2n.json`` / ``.md`` after every unit.  Units in ``previous`` (default ``root/selection_b2n.json``;
     several files, e.g. of worlds swept in parallel into different folders, are merged: :func:`merge_sweep_files`)
     are kept and not run again; kept units of another numerics fingerprint are refused unless
-    ``mix_fingerprints``.  The rule's choice needs the rule's worlds (:data:`B2N_WORLDS`, whatever ``worlds``
-    asks) and its settings (:func:`off_rule`); without them the files say what it would pick and choose the
-    reference."""
+    ``mix_fingerprints``.  ``units`` (names of :func:`b2n_units`; default all) runs only those, so one world's units
+    can be split over processes writing to different folders.  The rule's choice needs the rule's worlds
+    (:data:`B2N_WORLDS`, whatever ``worlds`` asks) and its settings (:func:`off_rule`); without them the files say
+    what it would pick and choose the reference."""
+    chosen_units = pick_units(units)
     files = [Path(p) for p in ([previous] if isinstance(previous, (str, Path)) else previous or [root / B2N_FILE])]
     previous = files[0] if len(files) == 1 else Path(" + ".join(map(str, files)))  # named in messages
     kept, earlier = merge_sweep_files([f for f in files if f.is_file()], base)
@@ -560,7 +563,7 @@ def select_b2n(
     result = _write_b2n_result(root, cells, worlds, base, book, inputs, seconds)
     for world in worlds:
         ws = replace(study.world_settings(world, base), eval_split="val")
-        todo = [u for u in b2n_units() if (world, ws.meta_seed) not in cells.get(u.name, {})]
+        todo = [u for u in chosen_units if (world, ws.meta_seed) not in cells.get(u.name, {})]
         if not todo:
             log(f"select b2n: world {world}: every unit taken from {previous}")
             continue
@@ -576,6 +579,19 @@ def select_b2n(
             book.computed[name] = now
             result = _write_b2n_result(root, cells, worlds, base, book, inputs, seconds)
     return result
+
+
+def pick_units(names: Optional[Sequence[str]]) -> tuple[Unit, ...]:
+    """The units of :func:`b2n_units` named in ``names`` (all when None), in the order they run; an unknown name is a
+    one-line error listing the known ones."""
+    every = b2n_units()
+    if names is None:
+        return every
+    known = {u.name for u in every}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"--units: unknown {', '.join(unknown)}; expected some of {', '.join(u.name for u in every)}")
+    return tuple(u for u in every if u.name in set(names))
 
 
 def _write_b2n_result(
@@ -631,6 +647,12 @@ def _parser():
         "swept in parallel into different --out folders)",
     )
     parser.add_argument(
+        "--units",
+        nargs="+",
+        help="run only these units (default all; names: --list-units), e.g. to split a world over two --out folders",
+    )
+    parser.add_argument("--list-units", action="store_true", help="print the units in the order they run and stop")
+    parser.add_argument(
         "--mix-fingerprints",
         action="store_true",
         help="keep units of --resume-from computed at another numerics fingerprint (the summary names them)",
@@ -645,6 +667,9 @@ def main(argv: Optional[list] = None) -> int:
 
 def _main(argv: list) -> int:
     args = _parser().parse_args(argv)
+    if args.list_units:
+        print("\n".join(f"{u.name}: {', '.join(u.keys)}" for u in b2n_units()))
+        return 0
     base = study.base_settings(args.quick, args.jobs, args.worlds)
     t = time.time()
     base = replace(base, seeds=tuple(args.seeds))
@@ -655,6 +680,7 @@ def _main(argv: list) -> int:
         base,
         previous=[Path(p) for p in args.resume_from] or None,
         mix_fingerprints=args.mix_fingerprints,
+        units=args.units,
     )
     print(b2n_markdown(result), end="")
     print(f"study_b2n: chosen {result['chosen']} ({root / B2N_FILE}); this call took {time.time() - t:.0f} s")

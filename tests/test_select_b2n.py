@@ -532,3 +532,20 @@ def test_worlds_swept_in_parallel_into_two_folders_merge_without_rerunning(tmp_p
     (tmp_path / "odd.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="baselines/0/0 holds different numbers"):
         study_b2n.select_b2n(tmp_path / "x", ["0", "1"], base, previous=[files[0], tmp_path / "odd.json"])
+
+
+def test_one_worlds_units_split_over_two_folders_merge_into_the_whole_world(tmp_path, monkeypatch):
+    ran: list = []
+    monkeypatch.setattr(study, "run_cell", _fake_run_cell(ran))
+    base = replace(DemoSettings.preset(True), seeds=(1, 2))
+    names = list(UNITS)
+    head = study_b2n.select_b2n(tmp_path / "a", ["1"], base, units=names[:7])
+    assert len(ran) == 7 and sorted(head["cells"]) == sorted(f"{n}/1/0" for n in names[:7]) and head["partial"]
+    study_b2n.select_b2n(tmp_path / "b", ["1"], base, units=list(reversed(names[7:])))  # order: the sweep's
+    assert [r[1] for r in ran[7:]] == [UNITS[n].cell("1", base).variant for n in names[7:]]
+    ran.clear()
+    files = [tmp_path / d / B2N_FILE for d in "ab"]
+    whole = study_b2n.select_b2n(tmp_path / "all", ["1"], base, previous=files)
+    assert ran == [] and len(whole["cells"]) == len(UNITS)
+    with pytest.raises(ValueError, match="--units: unknown nope; expected some of baselines, fixed_coop"):
+        study_b2n.select_b2n(tmp_path / "c", ["1"], base, units=["nope"])
