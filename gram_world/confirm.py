@@ -24,6 +24,8 @@ Commands:
   sign of the fresh worlds' mean difference against the claimed direction.
 * ``plan``: the family, the worlds and the power of the planned design (:mod:`gram_world.power`), as ``plan.md``
   quotes them.
+* ``readme``: README's answer block (:func:`readme_block`) from a results file, printed, or written between its
+  markers with ``--write README.md``; ``tests/test_confirm.py`` holds README to the committed results file.
 
 A row that reads a meta-training with META overrides (class-shift tasks, the gate form) runs in that sweep unit's
 own cell folder (:class:`gram_world.study_b2n.Unit`) and is named ``<unit>:<row key>`` in the tables.
@@ -410,6 +412,37 @@ def answer(rows: Sequence[dict], by_learner: dict) -> list[str]:
     return sentences
 
 
+README_BEGIN = "<!-- confirm:begin (python -m gram_world.confirm readme --write README.md) -->"
+README_END = "<!-- confirm:end -->"
+
+
+def readme_block(result: dict, path: str = CLAIMS) -> str:
+    """README's answer, restated from the confirmatory results ``result`` (a ``confirm.json`` at ``path``) alone:
+    its sentences (:func:`answer`) between :data:`README_BEGIN` and :data:`README_END`, and where the table is."""
+    if not result.get("answer"):
+        raise ValueError(f"{path}: no answer yet (no finished world); run python -m gram_world.confirm run first")
+    worlds = len(result.get("cells", {}))
+    table = path.replace(".json", ".md")
+    lines = [
+        README_BEGIN,
+        f"**The confirmatory study** ({worlds} worlds, test splits, plan [{PLAN}]({PLAN}); table [{table}]({table})):",
+        "",
+        *(f"- {line}" for line in result["answer"]),
+        README_END,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def replace_readme_block(text: str, block: str, path: str = "README.md") -> str:
+    """``text`` with the part from :data:`README_BEGIN` to :data:`README_END` (both lines included) replaced by
+    ``block``; a text without both markers, once each and in order, is a one-line error naming ``path``."""
+    begin, end = text.find(README_BEGIN), text.find(README_END)
+    if text.count(README_BEGIN) != 1 or text.count(README_END) != 1 or end < begin:
+        raise ValueError(f"{path}: expected the lines {README_BEGIN!r} and {README_END!r} once each, in that order")
+    tail = text.index("\n", end) + 1 if "\n" in text[end:] else len(text)
+    return text[:begin] + block + text[tail:]
+
+
 # ------------------------------------------------------------------------------ claims on fresh worlds
 def claim_check(claims: Sequence[dict], fresh: dict) -> list[dict]:
     """Claim by claim (a results file's ``pairs``), whether fresh worlds agree: ``fresh`` is ``{(world, meta seed):
@@ -515,7 +548,7 @@ def sweep_tables(selection: dict) -> dict:
 # ------------------------------------------------------------------------------ command line
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gram_world.confirm", description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=("run", "check", "plan"))
+    parser.add_argument("command", choices=("run", "check", "plan", "readme"))
     parser.add_argument("--worlds", nargs="+", help="run: world names (default: the plan's CONFIRM_WORLDS)")
     parser.add_argument("--meta-seeds", type=int, nargs="+", help="run: meta-training seeds (default: the plan's 0)")
     parser.add_argument("--seeds", type=int, nargs="+", help="fine-tuning seeds (default: the demo's 1 2 3)")
@@ -534,6 +567,7 @@ def _parser() -> argparse.ArgumentParser:
         "--history", default="docs/study/results.json", help="plan: the results file whose cells give the components"
     )
     parser.add_argument("--mix-fingerprints", action="store_true", help="run: keep worlds of another fingerprint")
+    parser.add_argument("--write", default="", help="readme: replace the answer block of this file (README.md)")
     parser.add_argument(
         "--resume-from",
         nargs="+",
@@ -551,6 +585,20 @@ def main(argv: Optional[list] = None) -> int:
 
 def _main(argv: list) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "readme":
+        path = Path(args.claims)
+        if not path.is_file():
+            raise ValueError(
+                f"--claims: {path} does not exist; run the confirmatory study first or name a results file"
+            )
+        block = readme_block(json.loads(path.read_text()), args.claims)
+        if args.write:
+            target = Path(args.write)
+            write_text_atomic(target, replace_readme_block(target.read_text(encoding="utf-8"), block, args.write))
+            print(f"confirm: wrote the answer of {path} into {target}")
+        else:
+            print(block, end="")
+        return 0
     selection = json.loads(Path(args.selection).read_text()) if Path(args.selection).is_file() else None
     if selection is None:
         raise ValueError(f"--selection: {args.selection} does not exist; run python -m gram_world.study_b2n first")

@@ -314,3 +314,42 @@ def test_the_plan_reads_components_from_the_history_and_the_sweeps_val_cells_for
     assert text.count("| gram_coop | coop |") == 1 and "from the cells of h.json" in text
     assert text.count("| gram_coop_init_only | coop@ct8 |") == 1  # from the sweep's val cells
     assert "No components anywhere for: gram_vpt_init_only vs vpt@ci10, unigram_init_only vs joint@ct4_ci5." in text
+
+
+def test_readmes_answer_block_is_restated_from_the_results_file_alone(tmp_path, capsys):
+    result = {"answer": ["CoOp (20 worlds, Holm over 12 pairs): A beats B (+1.00 H)."], "cells": {"1/0": {}, "2/0": {}}}
+    block = confirm.readme_block(result, "docs/study/confirm.json")
+    assert block.splitlines() == [
+        confirm.README_BEGIN,
+        "**The confirmatory study** (2 worlds, test splits, plan [docs/study/plan.md](docs/study/plan.md); "
+        "table [docs/study/confirm.md](docs/study/confirm.md)):",
+        "",
+        "- CoOp (20 worlds, Holm over 12 pairs): A beats B (+1.00 H).",
+        confirm.README_END,
+    ]
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Title\n\nbefore\n{confirm.README_BEGIN}\nold answer\n{confirm.README_END}\nafter\n")
+    results = tmp_path / "confirm.json"
+    results.write_text(json.dumps(result))
+    assert confirm.main(["readme", "--claims", str(results), "--write", str(readme)]) == 0
+    text = readme.read_text()
+    assert "old answer" not in text and text.startswith("# Title\n\nbefore\n<!--") and text.endswith("-->\nafter\n")
+    assert confirm.readme_block(result, str(results)) in text
+    assert (
+        confirm.main(["readme", "--claims", str(results), "--write", str(readme)]) == 0 and readme.read_text() == text
+    )
+    readme.write_text("no markers\n")
+    assert confirm.main(["readme", "--claims", str(results), "--write", str(readme)]) == 2  # run_cli: bad input
+    assert "README.md: expected the lines" in capsys.readouterr().err and readme.read_text() == "no markers\n"
+    with pytest.raises(ValueError, match="no answer yet"):
+        confirm.readme_block({"answer": []}, "x.json")
+
+
+def test_readme_states_the_committed_confirmatory_answer_and_nothing_else():
+    """README carries the answer block exactly when the confirmatory results are committed, and then it is theirs."""
+    root = confirm.Path(__file__).resolve().parents[1]
+    readme, results = (root / "README.md").read_text(encoding="utf-8"), root / confirm.CLAIMS
+    if not results.is_file():
+        assert confirm.README_BEGIN not in readme and confirm.README_END not in readme
+    else:
+        assert confirm.readme_block(json.loads(results.read_text()), confirm.CLAIMS) in readme
