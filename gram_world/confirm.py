@@ -270,10 +270,7 @@ def merge_kept(paths: Sequence[Path], record: dict) -> tuple[dict, dict]:
             raise ValueError(f"--resume-from: {path} does not exist; expected a confirm.json of the same study")
         theirs, data = load_kept(path, record)
         for key, table in theirs.items():
-            if key in cells and cells[key] != table:
-                raise ValueError(f"{origin[key]} and {path}: world {key[0]}/{key[1]} holds different numbers; keep one")
-            origin.setdefault(key, path)
-            cells[key] = table
+            study.merge_cell(cells, origin, key, table, path, f"world {key[0]}/{key[1]}")
         for field in merged:
             merged[field].update(data.get(field, {}))
     return cells, merged
@@ -404,7 +401,7 @@ def answer(rows: Sequence[dict], by_learner: dict) -> list[str]:
         if not parts:
             continue
         worlds = max(len(found[p]["worlds"]) for p in pairs if p in found)
-        family_size = max((found[p]["family"] for p in pairs if p in found), default=0)
+        family_size = max(found[p]["family"] for p in pairs if p in found)
         head = (
             f"{study_b2n.LEARNER_LABEL[learner]} ({worlds} world{'s' if worlds != 1 else ''}, Holm over {family_size}"
         )
@@ -421,7 +418,7 @@ def readme_block(result: dict, path: str = CLAIMS) -> str:
     its sentences (:func:`answer`) between :data:`README_BEGIN` and :data:`README_END`, and where the table is."""
     if not result.get("answer"):
         raise ValueError(f"{path}: no answer yet (no finished world); run python -m gram_world.confirm run first")
-    worlds = len(result.get("cells", {}))
+    worlds = len({name.rsplit("/", 1)[0] for name in result.get("cells", {})})  # cells are "world/meta seed"
     table = path.replace(".json", ".md")
     lines = [
         README_BEGIN,

@@ -610,6 +610,16 @@ class _Book:
             self.computed[name] = {**now, "earlier": old}
 
 
+def merge_cell(cells: dict, origin: dict, key, table: dict, path: Path, name: str) -> None:
+    """Put ``table`` (a cell of the results file ``path``) at ``cells[key]``; a key already there from another file
+    must hold the same table (else a one-line error naming both files and the cell ``name``).  ``origin``: key ->
+    the file it came from first."""
+    if key in cells and cells[key] != table:
+        raise ValueError(f"{origin[key]} and {path}: {name} holds different numbers; keep one file")
+    origin.setdefault(key, path)
+    cells[key] = table
+
+
 def _merge_inputs(inputs: dict, name: str, new: dict) -> None:
     old = inputs.get(name, {"hierarchy": [], "start_sha256": {}})
     inputs[name] = {

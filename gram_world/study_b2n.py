@@ -516,10 +516,9 @@ def merge_sweep_files(paths: Sequence[Path], base: DemoSettings) -> tuple[dict, 
         for unit, by in theirs.items():
             for key, table in by.items():
                 name = f"{unit}/{key[0]}/{key[1]}"
-                if name in origin and cells[unit][key] != table:
-                    raise ValueError(f"{origin[name]} and {path}: unit {name} holds different numbers; keep one file")
-                origin.setdefault(name, path)
-                cells.setdefault(unit, {})[key] = table
+                study.merge_cell(
+                    cells.setdefault(unit, {}), origin.setdefault(unit, {}), key, table, path, f"unit {name}"
+                )
         for field in ("computed_by", "inputs", "seconds_per_cell"):
             merged[field].update(data.get(field, {}))
         merged["mixed_fingerprints"] = sorted(

@@ -317,7 +317,10 @@ def test_the_plan_reads_components_from_the_history_and_the_sweeps_val_cells_for
 
 
 def test_readmes_answer_block_is_restated_from_the_results_file_alone(tmp_path, capsys):
-    result = {"answer": ["CoOp (20 worlds, Holm over 12 pairs): A beats B (+1.00 H)."], "cells": {"1/0": {}, "2/0": {}}}
+    result = {
+        "answer": ["CoOp (20 worlds, Holm over 12 pairs): A beats B (+1.00 H)."],
+        "cells": {"1/0": {}, "1/1": {}, "2/0": {}},
+    }
     block = confirm.readme_block(result, "docs/study/confirm.json")
     assert block.splitlines() == [
         confirm.README_BEGIN,
