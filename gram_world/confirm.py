@@ -127,14 +127,15 @@ def row_of(name: str) -> Row:
 
 
 def row_label(name: str) -> str:
-    """A row's words: the demo row's label, and for a unit row what its meta-training differs in."""
+    """A row's words: the demo row's label (as it reads alone), and for a unit row what its meta-training differs
+    in: the tasks, and the regulator form meta-trained beside θ* (a θ*-only row fine-tunes without it)."""
     row = row_of(name)
-    label = method_row(row.key).label
+    label = method_row(row.key).standalone_label
     if not row.unit:
         return label
     task = "class-shift tasks" if row.unit.startswith("class_shift") else "paper's tasks"
     form = "gate R_φ" if "_gate_" in row.unit else "γ/β R_φ"
-    return f"{label} ({form}, {task})"
+    return f"{label}, {task} (meta-trained with {form})"
 
 
 def check_selection(selection: dict, path: str, allow_partial: bool = False) -> None:

@@ -332,14 +332,15 @@ def mean_h(cells: dict, key: str, beside: str = "") -> Optional[float]:
 def summarise(
     cells: dict, pairs: Sequence[tuple] = PAIRS, alpha: float = 0.05, label: Optional[Callable[[str], str]] = None
 ) -> list[dict]:
-    """One row per pair: mean H of both rows, mean difference, 95 % bootstrap interval, n, worlds, p-values and
-    whether the claim holds.  ``label(row key)``: a row's words (default: the demo row's label, :func:`method_row`).
+    """One row per pair: mean H of both rows, mean difference, 95 % bootstrap interval, n (paired runs: world x
+    meta seed x fine-tuning seed), worlds, p-values and whether the claim holds.  ``label(row key)``: a row's words
+    (default: the demo row's label as it reads alone, :attr:`MethodRow.standalone_label`).
 
     The test is the paired t-test over world means (``p_world_t``; the bootstrap p is shown beside it, but it is
     more lenient); ``p_holm`` adjusts it by Holm over every row of this summary (the family; rows with one world
     have no test and are not in it).  ``holds`` is ``better`` / ``worse`` when ``p_holm`` < ``alpha``,
     else ``not shown``; ``holds_uncorrected`` is the per-row verdict of the 95 % interval alone."""
-    label = label or (lambda key: method_row(key).label)
+    label = label or (lambda key: method_row(key).standalone_label)
     rows = []
     for (method, base), groups in paired_differences(cells, pairs).items():
         mean, stats = bootstrap_means(groups)
@@ -411,7 +412,7 @@ def markdown(rows: Sequence[dict]) -> str:
     family = max((r.get("family", 0) for r in rows), default=0)
     lines = [
         "| method | baseline | H method / baseline | mean ΔH | 95 % interval | p (world t) | p Holm "
-        f"({family} rows) | n (worlds) | claim (Holm, 5 %) |",
+        f"({family} rows) | n runs (worlds) | claim (Holm, 5 %) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
 

@@ -86,8 +86,8 @@ def test_the_family_is_the_nine_primary_pairs_and_the_chosen_variant_against_the
     )
     shift = confirm.family(_selection("init_only/class_shift"))
     assert shift[9] == ("class_shift_gb:gram_coop_init_only", "gram_coop_init_only")
-    assert confirm.row_label(shift[9][0]) == "CoOp + GRAM, θ* only (γ/β R_φ, class-shift tasks)"
-    assert confirm.row_label(gate[9][0]).endswith("λ text 16 (gate R_φ, class-shift tasks)")
+    assert confirm.row_label(shift[9][0]) == "CoOp + GRAM, θ* only, class-shift tasks (meta-trained with γ/β R_φ)"
+    assert confirm.row_label(gate[9][0]).endswith("λ text 16, class-shift tasks (meta-trained with gate R_φ)")
     units = confirm.rows_by_unit(gate)
     assert units[""][:3] == study.REGIME_KEYS and "coop@ct8" in units[""] and "unigram_no_reg" in units[""]
     assert units["class_shift_gate_gram_vpt_ci5"] == ("gram_vpt@ci5",)
@@ -162,7 +162,10 @@ def test_a_study_runs_each_worlds_units_merges_them_and_holm_covers_the_family(t
     assert all(line.count(";") == 4 for line in result["answer"])  # five pairs per learner
     md = (tmp_path / "confirm.md").read_text()
     assert md.startswith(f"- {coop_line}\n- {vpt_line}\n- {unigram_line}\n")
-    assert "p Holm (15 rows)" in md and "CoOp + GRAM, λ text 2 (gate R_φ, paper's tasks)" in md
+    assert "p Holm (15 rows)" in md and "CoOp + GRAM, λ text 2, paper's tasks (meta-trained with gate R_φ)" in md
+    # a Table 4 ablation reads with its parent row where it stands alone; runs (not worlds) are n
+    assert "UNIGRAM without gradient regulating" in unigram_line and "- gradient" not in md
+    assert "| n runs (worlds) |" in md
     assert result["computed_by"]["11/0"] == NOW and result["settings"]["chosen"] == "gate/paper"
     # a rerun keeps every finished world; another family or fingerprint is refused
     ran.clear()

@@ -200,6 +200,8 @@ ROW = dict(key="a", label="A", preset="a", text_tokens=4, visual_tokens=0, init=
         ([dict(ROW, preset="zz")], "method 'a': preset 'zz' is not a row whose preset is itself"),
         ([dict(ROW, trainer="GRAM_CoOp")], "method 'a': give both 'trainer' and 'config' or neither"),
         ([dict(ROW, regulate=True)], "method 'a': init/regulate need a GRAM init file, but its preset 'a'"),
+        ([dict(ROW, label="- a part")], "method 'a': label '- a part' reads only under another row; give it a full"),
+        ([dict(ROW, full_label="")], "method 'a': field 'full_label' must be a non-empty string"),
         ([], "expected a top-level 'methods:' list"),
     ],
 )
@@ -209,6 +211,21 @@ def test_bad_tables_are_one_line_errors_naming_file_and_key(tmp_path, rows, mess
         methods.load_methods(path)
     text = str(err.value)
     assert message in text and text.startswith(str(path)) and "\n" not in text
+
+
+def test_standalone_labels_name_the_parent_row_of_table4_ablations():
+    """A row whose label reads only under another row ("- gradient regulating" under UNIGRAM) names that row where
+    it stands alone; every other row stands alone under its own label, and the demo's derived rows keep the suffix."""
+    from gram_world.demo.settings import method_row
+
+    table = methods.load_methods()
+    ablations = [m for m in table.values() if m.label.startswith("- ")]
+    assert len(ablations) == 4
+    for m in ablations:
+        assert m.standalone_label.startswith(table[m.preset].label + " ") and "- " not in m.standalone_label
+    assert all(m.standalone_label == m.label for m in table.values() if m not in ablations)
+    assert method_row("unigram_no_reg").standalone_label == "UNIGRAM without gradient regulating"
+    assert method_row("coop@ct1").standalone_label == method_row("coop@ct1").label == "CoOp, λ text 1"
 
 
 def test_unreadable_and_invalid_yaml_files(tmp_path):

@@ -114,6 +114,15 @@ class MethodRow:
         """The method table's key of this row (``meta/method/methods.yaml``)."""
         return self.table_key or self.key
 
+    @property
+    def standalone_label(self) -> str:
+        """``label`` as it reads outside the paper's tables (a summary row, a sentence): the method table's
+        ``full_label`` in place of a Table 4 ablation's "- ..." label, a derived row's suffix kept."""
+        method = methods.get(self.method_key)
+        if not self.label.startswith(method.label):
+            return self.label
+        return method.standalone_label + self.label[len(method.label) :]
+
 
 def _method_row(key: str, variant: str = "") -> MethodRow:
     """A table row whose label and evaluator preset come from the method table (``meta/method/methods.yaml``);

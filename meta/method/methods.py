@@ -54,6 +54,13 @@ class Method:
     coupling: str = "none"
     one_step: bool = False
     learner: str = DEFAULT_LEARNER
+    full_label: str = ""
+
+    @property
+    def standalone_label(self) -> str:
+        """The row's name where it stands alone (a summary row, a sentence): ``full_label`` for a label that reads
+        only under another row of its table (Table 4's "- ..." ablations), else ``label``."""
+        return self.full_label or self.label
 
     @property
     def gram_file(self) -> bool:
@@ -132,6 +139,10 @@ def load_methods(path: Union[str, Path, None] = None) -> dict[str, Method]:
     if dup:
         raise MethodTableError(f"{path}: label(s) {', '.join(map(repr, dup))} used by more than one method")
     for m in table.values():
+        if m.label.startswith("- ") and not m.full_label:
+            raise MethodTableError(
+                f"{path}: method {m.key!r}: label {m.label!r} reads only under another row; give it a full_label"
+            )
         own = table.get(m.preset)
         if own is None or own.preset != own.key:
             raise MethodTableError(f"{path}: method {m.key!r}: preset {m.preset!r} is not a row whose preset is itself")
