@@ -109,3 +109,36 @@ def test_pinned_env_and_mode():
 
 def test_the_test_suite_itself_runs_pinned():
     assert numerics.pinned() or numerics.mode() == "fast"
+
+
+def _threads_after_umap(guarded: bool) -> tuple[int, int]:
+    """torch's thread count before and after a UMAP fit in a fresh process (numba's pool starts in it): through
+    CHC's topics code (``guarded``) or UMAP bare, with CHC's arguments."""
+    fit = (
+        "topics.fit_sample_clusters(x, min_cluster_size=10, n_neighbors=5)"
+        if guarded
+        else "umap.UMAP(n_neighbors=5, random_state=0, n_jobs=1).fit_transform(x)"
+    )
+    code = (
+        "import numpy as np, torch\n"
+        "from meta.chc import topics\n"
+        "umap = topics._umap_with_jit_cache()\n"
+        "x = np.random.default_rng(0).normal(size=(200, 8)).astype(np.float32)\n"
+        "before = torch.get_num_threads()\n"
+        f"{fit}\n"
+        "print(before, torch.get_num_threads())\n"
+    )
+    done = _run(["-c", code])
+    assert done.returncode == 0, done.stderr
+    before, after = done.stdout.split()[-2:]
+    return int(before), int(after)
+
+
+def test_chc_umap_leaves_torch_on_its_thread_count():
+    """numba's OpenMP pool (UMAP's kernels) changes the OpenMP thread count that torch shares: bare UMAP leaves torch
+    on more threads than it had on a machine with several cores (every later op of the process, e.g. the next
+    world's CLIP pretraining, on other last bits); CHC's calls give torch back its one thread."""
+    assert _threads_after_umap(guarded=True) == (1, 1)
+    if (os.cpu_count() or 1) > 1:  # the hazard the guard is for, shown where it can occur
+        before, after = _threads_after_umap(guarded=False)
+        assert before == 1 and after > 1

@@ -26,6 +26,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from meta.infra.numerics import torch_threads_kept
+
 # Words that describe the medium, not the content, of web captions (CC3M-style alt-text).
 CAPTION_STOP_WORDS = frozenset(
     """
@@ -97,7 +99,8 @@ def fit_sample_clusters(
         low_memory=True,
         n_jobs=1,
     )
-    reduced = reducer.fit_transform(np.asarray(embeddings, dtype=np.float32))
+    with torch_threads_kept():
+        reduced = reducer.fit_transform(np.asarray(embeddings, dtype=np.float32))
     clusterer = hdbscan.HDBSCAN(
         min_cluster_size=int(min_cluster_size),
         min_samples=int(min_samples) if min_samples else None,
@@ -118,7 +121,8 @@ def project_2d(embeddings: np.ndarray, n_neighbors: int = 15, metric: str = "cos
         random_state=seed,
         n_jobs=1,
     )
-    return reducer.fit_transform(np.asarray(embeddings, dtype=np.float32)).astype(np.float32)
+    with torch_threads_kept():
+        return reducer.fit_transform(np.asarray(embeddings, dtype=np.float32)).astype(np.float32)
 
 
 def centroids(embeddings: np.ndarray, labels: np.ndarray, n_clusters: int) -> np.ndarray:

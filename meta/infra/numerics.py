@@ -42,7 +42,8 @@ import json
 import os
 import platform
 import sys
-from typing import Mapping, MutableMapping, Optional
+from contextlib import contextmanager
+from typing import Iterator, Mapping, MutableMapping, Optional
 
 PINS: dict[str, str] = {
     "ATEN_CPU_CAPABILITY": "avx2",
@@ -132,6 +133,25 @@ def pin_process(environ: Optional[MutableMapping[str, str]] = None, reexec: bool
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], pinned_env())
     return current  # not reached
+
+
+@contextmanager
+def torch_threads_kept() -> Iterator[int]:
+    """Run the block (numba code: UMAP, pynndescent) and give torch back its intra-op thread count; yields it.
+
+    numba's OpenMP threading layer sets the calling thread's OpenMP thread count to ``NUMBA_NUM_THREADS`` (the
+    machine's CPU count) when it starts its pool, and torch's intra-op pool reads the same libgomp setting: without
+    this, every torch op that a process runs after CHC's UMAP would use as many threads as the machine has cores,
+    and a reduction split over other threads gives other last bits (the next world's CLIP pretraining, CHC's image
+    features), so a cell's numbers would depend on the machine's core count and on what ran before it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        yield threads
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 def _cpu_model_and_flags() -> tuple[str, list[str]]:
