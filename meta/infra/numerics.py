@@ -139,11 +139,11 @@ def pin_process(environ: Optional[MutableMapping[str, str]] = None, reexec: bool
 def torch_threads_kept() -> Iterator[int]:
     """Run the block (numba code: UMAP, pynndescent) and give torch back its intra-op thread count; yields it.
 
-    numba's OpenMP threading layer sets the calling thread's OpenMP thread count to ``NUMBA_NUM_THREADS`` (the
-    machine's CPU count) when it starts its pool, and torch's intra-op pool reads the same libgomp setting: without
-    this, every torch op that a process runs after CHC's UMAP would use as many threads as the machine has cores,
-    and a reduction split over other threads gives other last bits (the next world's CLIP pretraining, CHC's image
-    features), so a cell's numbers would depend on the machine's core count and on what ran before it."""
+    Starting numba's OpenMP pool raises the calling thread's OpenMP thread count, which torch's intra-op pool shares
+    (to the machine's core count: 2 on a 2-core VM, also under ``NUMBA_NUM_THREADS=3``). Without this, every torch
+    op a process runs after CHC's UMAP (a study's next world: its CLIP pretraining) would use that many threads, and
+    a reduction split over other threads gives other last bits: a cell's numbers would depend on the machine's core
+    count and on what ran before it in its process."""
     import torch
 
     threads = torch.get_num_threads()
