@@ -4,7 +4,9 @@
    UNIGRAM under ``torch.profiler``: per learner the step's median seconds, the kernels' time per step (device-side
    events only, so no kernel is counted twice) and its share of the step's wall time, the top kernels (name,
    calls, ms per step, share), the shares of GEMM, fused-attention and cast kernels (read off kernel names), and
-   the top aten operators by their own device time.  With ``--tf32``
+   the top aten operators by their own device time, and the step's matrix products by dtype (:class:`ProductCensus`).
+   Twice: as configured by default, and with ``META.SUPPORT_ATTENTION_LOWP`` (``bf16_support_attention_lowp``: the
+   second-order support pass's attention products in bf16, not the MATH kernel's fp32).  With ``--tf32``
    the same for fp32 with TF32 matmuls allowed (``torch.backends.cuda.matmul.allow_tf32``) beside fp32 without.
 2. ``decode``: images per second of JPEG decoding + resize to 224 px at CC3M's typical size (500x375 px,
    quality 90; synthetic photos with smooth gradients and noise): PIL on one thread, PIL on ``--threads`` threads,
@@ -24,13 +26,18 @@ import json
 import statistics
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meta.infra.cli_errors import int_flag_problem
 
+# aten matrix products (their overload packets), the census of ProductCensus
+PRODUCT_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_addmm_activation"})
 # substrings of kernel names (lower case)
 MATMUL_KERNELS = ("gemm", "xmma", "cutlass", "nvjet", "cublas")
 ATTENTION_KERNELS = ("flash", "fmha", "attention", "efficient")
@@ -155,12 +162,56 @@ def _shares(rows: list[tuple[str, int, float]], total_ms: float) -> dict:
     return {"matmul": share(MATMUL_KERNELS), "attention": share(ATTENTION_KERNELS), "casts": share(CAST_KERNELS)}
 
 
-def profile_steps(learners: list[str], autocast: str, tf32: bool, steps: int, top: int) -> dict:
-    """Median step seconds and the profiler's top self-CUDA operators of the stacked second-order step."""
+class ProductCensus(TorchDispatchMode):
+    """Counts the matrix products dispatched while active, by their inputs' dtypes: ``{"bfloat16": n, ...}``.
+
+    A product is one of :data:`PRODUCT_OPS` (after autocast has cast its inputs, so the dtype is the one the kernel
+    computes in); mixed inputs count under ``"mixed"``.  Runs on any device: on a CPU under CPU autocast it shows which
+    products a CUDA bf16 run leaves in fp32 (the FFMA GEMMs of the step profile)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in PRODUCT_OPS:
+            dtypes = {str(a.dtype).replace("torch.", "") for a in args if isinstance(a, torch.Tensor) and a.dim() > 1}
+            self.counts[dtypes.pop() if len(dtypes) == 1 else "mixed"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def product_dtypes(step: Callable[[], object]) -> dict[str, int]:
+    """``{dtype: matrix products}`` of one call of ``step`` (:class:`ProductCensus`)."""
+    census = ProductCensus()
+    with census:
+        step()
+    return dict(sorted(census.counts.items()))
+
+
+def profile_steps(
+    learners: list[str],
+    autocast: str,
+    tf32: bool,
+    steps: int,
+    top: int,
+    lowp_attention: bool = False,
+    matmul_peak: float = 0.0,
+    more_tasks: int = 0,
+    device: str = "cuda",
+    model: str = "ViT-B-16",
+    size: dict | None = None,
+) -> dict:
+    """Median step seconds and the profiler's top self-CUDA operators of the stacked second-order step.
+
+    ``lowp_attention``: ``MetaSpec.support_attention_lowp`` (``META.SUPPORT_ATTENTION_LOWP``); ``matmul_peak``: the
+    run's own matmul TFLOP/s (> 0 adds the step's FLOP count, achieved TFLOP/s and their fraction of it);
+    ``more_tasks`` > 0: also the step of that many stacked tasks and its time over the default meta-batch's.
+    ``device`` / ``model`` / ``size`` (task size keys of :func:`gram_tools.bench_gpu.task_size` to override): a CPU,
+    a test CLIP and small tasks run the same code in CI (no kernel rows there)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from gram_tools.bench_gpu import VARIANTS, _median_time, task_size
+    from gram_tools.bench_gpu import VARIANTS, _median_time, _sig, _sync, step_tflop, task_size
     from meta.metatrain.outer import OuterStep
     from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch
     from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
@@ -168,10 +219,10 @@ def profile_steps(learners: list[str], autocast: str, tf32: bool, steps: int, to
 
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
-    dev = torch.device("cuda")
-    size = task_size()
+    dev = torch.device(device)
+    size = {**task_size(), **(size or {})}
     torch.manual_seed(0)
-    clip, dims = load_clip("ViT-B-16", pretrained=None, device=dev)
+    clip, dims = load_clip(model, pretrained=None, device=dev)
     k, b = size["way"], size["meta_batch"]
     names = [f"class {i}" for i in range(k)]
     gen = torch.Generator().manual_seed(0)
@@ -185,17 +236,19 @@ def profile_steps(learners: list[str], autocast: str, tf32: bool, steps: int, to
 
         tasks = [TaskBatch(part(size["support_shots"]), part(size["query_shots"])) for _ in range(b)]
         theta = PromptParams.from_spec(spec, clip, dims, generator=torch.Generator().manual_seed(1))
-        ml = GRAMMetaLearner(theta, MetaSpec(autocast=autocast, task_batching="auto")).to(dev)
+        meta_spec = MetaSpec(autocast=autocast, task_batching="auto", support_attention_lowp=lowp_attention)
+        ml = GRAMMetaLearner(theta, meta_spec).to(dev)
         loss_fn = classification_loss(PromptedCLIP(clip, dims, theta.n_ctx_text, template=spec.template))
 
         def step(outer=OuterStep(ml), loss_fn=loss_fn, tasks=tasks) -> None:
             outer.meta_step(tasks, loss_fn)
 
         seconds = _median_time(step, dev, 2, 5)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with profile(activities=activities) as prof:
             for _ in range(steps):
                 step()
-            torch.cuda.synchronize()
+            _sync(dev)
         events = prof.key_averages()
         # kernels (device-side events) carry the GPU time once; an aten op's own device time repeats its kernels'
         kernels = [e for e in events if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
@@ -218,7 +271,26 @@ def profile_steps(learners: list[str], autocast: str, tf32: bool, steps: int, to
                 for n, c, ms in rows[:top]
             ],
             "top_ops": [{"op": n, "calls": c, "self_cuda_ms": round(ms, 3)} for n, c, ms in ops[:top]],
+            "products_by_dtype": product_dtypes(step),
         }
+        if matmul_peak > 0:
+            tflop = step_tflop(step)
+            out[name].update(
+                tflop=_sig(tflop),
+                tflops_achieved=_sig(tflop / seconds),
+                matmul_fraction=_sig(tflop / seconds / matmul_peak),
+            )
+        if more_tasks > 0:
+            many = [TaskBatch(part(size["support_shots"]), part(size["query_shots"])) for _ in range(more_tasks)]
+
+            def step_many(outer=OuterStep(ml), loss_fn=loss_fn, tasks=many) -> None:
+                outer.meta_step(tasks, loss_fn)
+
+            more = _median_time(step_many, dev, 1, 3)
+            out[name].update(
+                {f"tasks_{more_tasks}_step_s": round(more, 4), f"tasks_{more_tasks}_over_{b}": round(more / seconds, 3)}
+            )
+            del many
         del ml
         torch.cuda.empty_cache()
     return out
@@ -233,9 +305,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-images", type=int, default=512, help="JPEGs in the decode probe (0: skip)")
     parser.add_argument("--decode-batch", type=int, default=128)
     parser.add_argument("--threads", type=int, default=8, help="PIL decoding threads")
+    parser.add_argument(
+        "--more-tasks", type=int, default=16, help="also time a step of this many stacked tasks (0: skip)"
+    )
     parser.add_argument("--out", default="", help="also write the JSON here")
     args = parser.parse_args(argv)
-    problem = int_flag_problem(args, {"steps": 1, "top": 1, "decode_images": 0, "decode_batch": 1, "threads": 1})
+    problem = int_flag_problem(
+        args, {"steps": 1, "top": 1, "decode_images": 0, "decode_batch": 1, "threads": 1, "more_tasks": 0}
+    )
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -248,7 +325,15 @@ def main(argv: list[str] | None = None) -> int:
         result["decode"] = decode_rates(jpegs, args.threads, args.decode_batch)
         result["decode"].update(chc_rates(jpegs, args.decode_batch))
         print(json.dumps({"decode": result["decode"]}), flush=True)
-    result["bf16"] = profile_steps(args.learners, "bf16", False, args.steps, args.top)
+    from gram_tools.bench_gpu import _sig, matmul_tflops
+
+    peak = matmul_tflops(torch.device("cuda"), torch.bfloat16, 8192)  # the shares' reference, this run's own
+    result["matmul_tflops_bf16"] = _sig(peak)
+    result["bf16"] = profile_steps(args.learners, "bf16", False, args.steps, args.top, False, peak, args.more_tasks)
+    # the support pass's attention products in bf16 instead of the MATH kernel's fp32 (META.SUPPORT_ATTENTION_LOWP)
+    result["bf16_support_attention_lowp"] = profile_steps(
+        args.learners, "bf16", False, args.steps, args.top, True, peak, args.more_tasks
+    )
     if args.tf32:
         result["fp32"] = profile_steps(args.learners, "none", False, args.steps, 5)
         result["fp32_tf32"] = profile_steps(args.learners, "none", True, args.steps, 5)

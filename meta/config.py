@@ -185,6 +185,9 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.TASK_BATCHING = "auto"  # auto | on | off: a meta-batch's tasks as one stacked pass (meta.method.batched; equal to
     #                              one task after another to float rounding); auto: stacked on a GPU (halved on
     #                              out-of-memory), sequential on the CPU (CPU results keep their last digit)
+    m.SUPPORT_ATTENTION_LOWP = False  # True: the second-order support pass's attention (the MATH SDPA kernel) runs
+    #                              its products in the autocast/weights dtype instead of upcasting to fp32
+    #                              (torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp); no effect in fp32
 
     m.REGULATOR = CN()  # R_phi (meta.method.regulator.RegulatorSpec) [core]
     # residual | paper (literal Eq. 5) | gate (a learned gate on the gradient of the support loss's consistency

@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # One call on a lent device machine (bare, offline, Python 3.12 with torch; calls stop at 10 minutes):
-#   bash scripts/device_run.sh OUT [rehearsal|check|profile|tests ...]   (default: rehearsal profile tests)
+#   bash scripts/device_run.sh OUT [rehearsal|check|profile|tests ...]   (default: tests profile)
 # Installs what scripts/device_wheels.sh put in .whl (carry .whl), then runs the named parts in order, each under
 # its own time cap, writing into OUT (the device tool's $OUT):
 #   rehearsal  scripts/gpu_rehearsal.sh (the user's whole path; OUT/rehearsal.json, OUT/rehearsal.log,
-#              OUT/rehearsal_logs.tgz with every stage's log)                                   cap REHEARSAL_S=420
+#              OUT/rehearsal_logs.tgz with every stage's log; a call of its own)                 cap REHEARSAL_S=540
 #   check      scripts/gpu_check.sh's benches (OUT/fig/gpu_figures*.json)                        cap CHECK_S=420
-#   profile    python -m gram_tools.profile_gpu (OUT/profile.json)                               cap PROFILE_S=90
+#   profile    python -m gram_tools.profile_gpu (OUT/profile.json: step profiles with and without
+#              META.SUPPORT_ATTENTION_LOWP, matmul shares, 16 vs 4 tasks, JPEG/CHC rates)       cap PROFILE_S=240
 #   tests      the gpu-marked tests (OUT/pytest_gpu.txt)                                         cap TESTS_S=120
 # and OUT/machine.txt (GPU, driver, CPU model, torch).  Figures land in OUT/fig (FIGURES_DIR).
+# With ~15 device-minutes a session, starts included: call 1 "tests profile" (every step and CHC figure), call 2
+# "rehearsal"; "check" (the bench's fp32/bf16 tables for the planner) when a third call fits.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT="${1:?usage: scripts/device_run.sh OUT [parts]}"
 shift
 PARTS=("$@")
-[[ ${#PARTS[@]} -gt 0 ]] || PARTS=(rehearsal profile tests)
+[[ ${#PARTS[@]} -gt 0 ]] || PARTS=(tests profile)
 mkdir -p "$OUT/fig"
 export PYTHONUNBUFFERED=1 PYTHON=python3 FIGURES_DIR="$OUT/fig"
 start=$SECONDS
@@ -32,7 +35,7 @@ for part in "${PARTS[@]}"; do
   t0=$SECONDS
   case "$part" in
     rehearsal)
-      timeout "${REHEARSAL_S:-420}" bash scripts/gpu_rehearsal.sh /tmp/gram_rehearsal >"$OUT/rehearsal.log" 2>&1
+      timeout "${REHEARSAL_S:-540}" bash scripts/gpu_rehearsal.sh /tmp/gram_rehearsal >"$OUT/rehearsal.log" 2>&1
       echo "rehearsal exit $?"
       tail -n 25 "$OUT/rehearsal.log"
       cp /tmp/gram_rehearsal/rehearsal.json "$OUT/" 2>/dev/null
@@ -44,7 +47,7 @@ for part in "${PARTS[@]}"; do
       tail -n 5 "$OUT/check.log"
       ;;
     profile)
-      timeout "${PROFILE_S:-90}" python3 -m gram_tools.profile_gpu --decode-images 256 --out "$OUT/profile.json" \
+      timeout "${PROFILE_S:-240}" python3 -m gram_tools.profile_gpu --decode-images 256 --out "$OUT/profile.json" \
         >"$OUT/profile.log" 2>&1
       echo "profile exit $?"
       tail -c 1500 "$OUT/profile.log"

@@ -43,11 +43,12 @@ def _batch(n, size, gen, device):
     }
 
 
-def _learner(clip, dims, spec, autocast, seed=0):
+def _learner(clip, dims, spec, autocast, seed=0, lowp=False):
     gen = torch.Generator().manual_seed(seed)
     device = next(clip.parameters()).device
     prompts = PromptParams.from_spec(spec, clip, dims, generator=gen)
-    ml = GRAMMetaLearner(prompts, MetaSpec(inner_lr=0.5, autocast=autocast, regulator=RegulatorSpec()))
+    meta = MetaSpec(inner_lr=0.5, autocast=autocast, regulator=RegulatorSpec(), support_attention_lowp=lowp)
+    ml = GRAMMetaLearner(prompts, meta)
     with torch.no_grad():  # a non-identity regulator, so φ's gradient is exercised too
         for p in ml.gbml.compute_update.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
@@ -63,10 +64,10 @@ def _outer(ml):
     return outer
 
 
-def _meta_grad(clip, dims, spec, autocast, seed=0):
-    """Flat ∇(θ, φ) of the 2-task meta-batch loss (unscaled under fp16)."""
+def _meta_grad(clip, dims, spec, autocast, seed=0, lowp=False):
+    """Flat ∇(θ, φ) of the 2-task meta-batch loss (unscaled under fp16); ``lowp``: ``META.SUPPORT_ATTENTION_LOWP``."""
     device = next(clip.parameters()).device
-    ml = _learner(clip, dims, spec, autocast, seed)
+    ml = _learner(clip, dims, spec, autocast, seed, lowp)
     gen = torch.Generator().manual_seed(100 + seed)
     tasks = [
         TaskBatch(_batch(2, dims.image_size, gen, device), _batch(3, dims.image_size, gen, device)) for _ in range(2)
@@ -78,9 +79,9 @@ def _meta_grad(clip, dims, spec, autocast, seed=0):
     return torch.cat([p.grad.flatten() for p in outer.params()]).float() / scale
 
 
-def _compare(clip, dims, kind, mode):
+def _compare(clip, dims, kind, mode, lowp=False):
     ref = _meta_grad(clip, dims, SPECS[kind], "none")
-    got = _meta_grad(clip, dims, SPECS[kind], mode)
+    got = _meta_grad(clip, dims, SPECS[kind], mode, lowp=lowp)
     cos = float(F.cosine_similarity(ref, got, dim=0))
     rel = float((got - ref).norm() / ref.norm())
     min_cos, max_rel = TOL[mode]
@@ -148,11 +149,13 @@ def test_meta_config_key_resolves_per_device():
         check_meta_cfg(build_cfg(opts=["META.AUTOCAST", "half"]))
 
 
+@pytest.mark.parametrize("lowp", [False, True], ids=["", "support_attention_lowp"])
 @pytest.mark.parametrize("kind", ["coop", "unigram"])
-def test_bf16_autocast_meta_gradient_close_to_fp32_on_cpu(tiny_clip, kind):
-    """The learner's autocast path itself (CPU bf16 autocast), within the tolerance stated above."""
+def test_bf16_autocast_meta_gradient_close_to_fp32_on_cpu(tiny_clip, kind, lowp):
+    """The learner's autocast path itself (CPU bf16 autocast), within the tolerance stated above; also with the
+    support pass's attention products in bf16 (``META.SUPPORT_ATTENTION_LOWP``)."""
     clip, dims = tiny_clip
-    _compare(clip, dims, kind, "bf16")
+    _compare(clip, dims, kind, "bf16", lowp)
 
 
 @pytest.mark.parametrize("kind", list(SPECS))
@@ -199,12 +202,13 @@ def cuda_clip():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lowp", [False, True], ids=["", "support_attention_lowp"])
 @pytest.mark.parametrize("mode", ["bf16", "fp16"])
 @pytest.mark.parametrize("kind", list(SPECS))
-def test_cuda_autocast_meta_gradient_close_to_fp32(cuda_clip, kind, mode):
+def test_cuda_autocast_meta_gradient_close_to_fp32(cuda_clip, kind, mode, lowp):
     clip, dims = cuda_clip
-    cos, rel = _compare(clip, dims, kind, mode)
-    print(f"{kind} {mode}: cosine {cos:.5f} relative error {rel:.4f}")
+    cos, rel = _compare(clip, dims, kind, mode, lowp)
+    print(f"{kind} {mode} support_attention_lowp={lowp}: cosine {cos:.5f} relative error {rel:.4f}")
 
 
 @pytest.mark.gpu

@@ -43,3 +43,34 @@ def test_counts_below_one_are_refused(capsys):
     captured = capsys.readouterr()  # one line, no usage text first
     assert captured.err.strip().splitlines() == ["error: --steps: expected an integer >= 1, got 0"]
     assert captured.out == ""
+
+
+def test_product_census_counts_products_by_the_dtype_they_compute_in():
+    """Products are counted after autocast's casts; other ops are not counted; a 1-d operand does not decide."""
+    a, b = torch.randn(4, 5), torch.randn(5, 3)
+
+    def step():
+        a @ b  # fp32
+        torch.nn.functional.linear(a, b.T, torch.zeros(3))  # fp32 (its bias is 1-d)
+        (a + 1).sum()  # not a product
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.bmm(a[None], b[None])  # cast to bf16 first
+            a @ b
+
+    assert profile_gpu.product_dtypes(step) == {"bfloat16": 2, "float32": 2}
+
+
+def test_profile_steps_runs_on_a_cpu_and_reports_the_products_the_key_moves():
+    """The step profile's own code (census, FLOPs, the larger meta-batch) on a CPU with the test CLIP, so a device
+    call never meets a Python error; CPU autocast shows the MATH kernel's fp32 products, which the key moves to bf16."""
+    small = {"way": 3, "support_shots": 1, "query_shots": 2, "meta_batch": 2}
+    kwargs = dict(steps=1, top=3, matmul_peak=1.0, more_tasks=3, device="cpu", model="GRAM-Test-Deep", size=small)
+    default = profile_gpu.profile_steps(["vpt"], "bf16", False, **kwargs)["vpt"]
+    lowp = profile_gpu.profile_steps(["vpt"], "bf16", False, lowp_attention=True, **kwargs)["vpt"]
+    for row in (default, lowp):
+        assert row["step_s"] > 0 and row["tflop"] > 0 and row["tasks_3_step_s"] > 0 and row["tasks_3_over_2"] > 0
+        assert row["matmul_fraction"] == pytest.approx(row["tflops_achieved"], rel=1e-3)  # peak 1.0
+        assert row["kernel_ms_per_step"] == 0 and row["top_kernels"] == []  # no CUDA kernels on a CPU
+    fp32 = default["products_by_dtype"]["float32"]
+    assert 0 < lowp["products_by_dtype"]["float32"] < fp32
+    assert sum(lowp["products_by_dtype"].values()) == sum(default["products_by_dtype"].values())

@@ -508,6 +508,7 @@ def meta_spec(cfg: CN, device=None) -> "MetaSpec":
         trajectory_states=int(m.TRAJECTORY_STATES),
         trajectory_windows=int(m.TRAJECTORY_WINDOWS),
         task_batching=str(m.TASK_BATCHING),
+        support_attention_lowp=bool(m.SUPPORT_ATTENTION_LOWP),
     )
 
 

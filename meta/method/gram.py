@@ -76,6 +76,7 @@ class MetaSpec:
     trajectory_states: int = 0  # S states θ_t per task along a regulated run from θ (WarpGrad-style); 0 = off
     trajectory_windows: int = 0  # T steps of that run (states evenly spaced over it); 0 = S (a state per step)
     task_batching: str = "auto"  # auto | on | off: a meta-batch's tasks as one stacked pass (meta.method.batched)
+    support_attention_lowp: bool = False  # second-order support attention in the autocast/weights dtype, not fp32
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.inner_momentum < 1.0:
@@ -111,10 +112,22 @@ class TaskBatch:
 
 
 @contextmanager
-def double_backward_attention() -> Iterator[None]:
-    """Run attention with the MATH SDPA kernel (the one with a double backward)."""
+def double_backward_attention(low_precision: bool = False) -> Iterator[None]:
+    """Run attention with the MATH SDPA kernel (the one with a double backward).
+
+    That kernel upcasts bf16/fp16 queries, keys and values to fp32 for its products and softmax (PyTorch's
+    ``_scaled_dot_product_attention_math``, aten/src/ATen/native/transformers/attention.cpp), so under autocast
+    the support pass's attention runs fp32 matrix products without tensor cores.  ``low_precision`` keeps them in
+    the inputs' dtype (``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp``, process-wide, restored on
+    exit); fp32 inputs are unaffected either way.
+    """
+    before = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
     with sdpa_kernel(SDPBackend.MATH):
-        yield
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(bool(low_precision))
+        try:
+            yield
+        finally:
+            torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(before)
 
 
 class GRAMMetaLearner(nn.Module):
@@ -221,7 +234,7 @@ class GRAMMetaLearner(nn.Module):
         stack = contextlib.ExitStack()
         stack.enter_context(self.cast())
         if not first_order:  # only a second-order step differentiates the support gradient again
-            stack.enter_context(double_backward_attention())
+            stack.enter_context(double_backward_attention(self.spec.support_attention_lowp))
         return stack
 
     def unroll(
