@@ -371,7 +371,7 @@ def write_results(
         else ""
     )
     body = "".join(f"- {line}\n" for line in sentences) + ("\n" if sentences else "")
-    body += (study.markdown(rows) if rows else "No finished world yet.\n") + mixed
+    body += (study.markdown(rows, result["variance_components"]) if rows else "No finished world yet.\n") + mixed
     if cells:
         body += "\nRegime (base / new accuracy, %):\n\n" + study.regime_markdown(cells)
     write_text_atomic(root / file.replace(".json", ".md"), body)

@@ -407,24 +407,35 @@ def regime_markdown(cells: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def markdown(rows: Sequence[dict]) -> str:
-    """The summary table; "claim" is after Holm over the table's rows (world t-test), the family size in the header."""
+def markdown(rows: Sequence[dict], components: Optional[dict] = None) -> str:
+    """The summary table; "claim" is after Holm over the table's rows (world t-test), the family size in the header.
+
+    ``components`` (``{"method vs baseline": {"world": σ², "finetune": σ², ...}}``, a results file's
+    ``variance_components``) adds a column σ²_world / σ²_finetune (H²) per pair ("-" where a pair has none)."""
     family = max((r.get("family", 0) for r in rows), default=0)
+    extra = " σ²_world / σ²_finetune (H²) |" if components is not None else ""
     lines = [
         "| method | baseline | H method / baseline | mean ΔH | 95 % interval | p (world t) | p Holm "
-        f"({family} rows) | n runs (worlds) | claim (Holm, 5 %) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"({family} rows) | n runs (worlds) |{extra} claim (Holm, 5 %) |",
+        "| --- " * (10 if components is not None else 9) + "|",
     ]
 
     def p(x: Optional[float]) -> str:
         return "-" if x is None else f"{x:.3f}" if x >= 0.001 else "<0.001"
 
+    def sigma(x: Optional[float]) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
     for r in rows:
+        comp = ""
+        if components is not None:
+            c = components.get(f"{r['method']} vs {r['baseline']}", {})
+            comp = f" {sigma(c.get('world'))} / {sigma(c.get('finetune'))} |"
         lines.append(
             f"| {r['label']} | {r['baseline_label']} | {r['mean_H']:.2f} / {r['baseline_mean_H']:.2f} | "
             f"{r['mean_diff_H']:+.2f} | "
             f"[{r['ci95'][0]:+.2f}, {r['ci95'][1]:+.2f}] | {p(r.get('p_world_t'))} | {p(r.get('p_holm'))} | "
-            f"{r['n']} ({', '.join(r['worlds'])}) | "
+            f"{r['n']} ({', '.join(r['worlds'])}) |{comp} "
             f"{ {'better': 'holds: better', 'worse': 'holds: worse', 'not shown': 'not shown'}[r['holds']] } |"
         )
     return "\n".join(lines) + "\n"

@@ -166,6 +166,9 @@ def test_a_study_runs_each_worlds_units_merges_them_and_holm_covers_the_family(t
     # a Table 4 ablation reads with its parent row where it stands alone; runs (not worlds) are n
     assert "UNIGRAM without gradient regulating" in unigram_line and "- gradient" not in md
     assert "| n runs (worlds) |" in md
+    # the pair's variance components stand in its row, as the results file holds them (σ²_world 0.58 here)
+    coop_row = next(line for line in md.splitlines() if line.startswith("| CoOp + GRAM | CoOp |"))
+    assert "| σ²_world / σ²_finetune (H²) |" in md and f"| {comps['world']:.2f} / 0.00 | not shown |" in coop_row
     assert result["computed_by"]["11/0"] == NOW and result["settings"]["chosen"] == "gate/paper"
     # a rerun keeps every finished world; another family or fingerprint is refused
     ran.clear()
