@@ -12,12 +12,16 @@ Stages (each a subprocess with the user's own command line, from the repository 
    for CoOp, GRAM_CoOp (``INIT`` = the CoOp export), joint tuning and UNIGRAM (``INIT`` = the UNIGRAM export);
 6. ``parse``: ``python scripts/parse_results.py``.
 
+Independent stages run side by side (:data:`SCHEDULE`: the two trainings, the two exports, and each GRAM few-shot
+row beside its baseline); ``--one-at-a-time`` runs them in that order, one after another.
+
 Writes ``<out>/rehearsal.json``: per stage ``wall_s``, ``peak_gpu_mib`` (device-wide memory in use, polled
-with ``nvidia-smi`` every 0.2 s, minus what was in use before the stage; ``null`` without CUDA) and
-``peak_rss_mib`` (the largest process of the stage's process tree, e.g. ``train.py`` under ``base2new.sh``,
-polled from ``/proc``); per
-few-shot method the epoch time (Dassl's mean batch time of the last epoch x batches per epoch, from its
-log) and ``epoch_time_ratio``: GRAM_CoOp / CoOp and UNIGRAM / joint.
+with ``nvidia-smi`` every 0.2 s, minus what was in use before the stage's group; the stages of a group share it and
+list each other under ``ran_with``; ``null`` without CUDA) and ``peak_rss_mib`` (the largest process of the stage's
+process tree, e.g. ``train.py`` under ``base2new.sh``, polled from ``/proc``); per few-shot method the epoch time
+(Dassl's mean batch time of the last epoch x batches per epoch, from its log) and ``epoch_time_ratio``: GRAM_CoOp /
+CoOp and UNIGRAM / joint, each pair run side by side.  Every line of a stage's log (``<out>/logs/<stage>.log``)
+starts with the seconds since the stage started, so a stage's time can be split where its output says what it did.
 
 Sizes: the default is the real-size GPU rehearsal (ViT-B/16 with random weights, 224-px images, 20k pairs,
 bf16 autocast); without CUDA it stops with one line (exit 2).  ``--cpu-smoke`` runs the same plumbing on
@@ -82,6 +86,17 @@ SIZES = {
 # few-shot rows: method key -> the meta-training run whose export it starts from ("" = none)
 FEWSHOT = {"coop": "", "gram_coop": "coop", "joint": "", "unigram": "unigram"}
 RATIOS = {"gram_coop_over_coop": ("gram_coop", "coop"), "unigram_over_joint": ("unigram", "joint")}
+# stages after "data", in groups that run side by side (each needs only earlier groups' outputs): the two meta-training
+# runs, their exports, then each GRAM row beside the baseline of its epoch-time ratio, so the pair shares the device
+# and the CPUs alike and the ratio compares like with like.  One after another, the path took ~560 s on an H200
+# (2026-11-27); side by side its critical path is cluster, UNIGRAM's training and export and two few-shot pairs.
+SCHEDULE = (
+    ("cluster",),
+    ("train_coop", "train_unigram"),
+    ("export_coop", "export_unigram"),
+    *((f"fewshot_{den}", f"fewshot_{num}") for num, den in RATIOS.values()),
+    ("parse",),
+)
 _BATCH_LINE = re.compile(r"epoch \[(\d+)/(\d+)\] batch \[(\d+)/(\d+)\] time [\d.]+ \(([\d.]+)\)")
 
 
@@ -188,10 +203,10 @@ def fewshot_opts(size: dict) -> list[str]:
 
 
 class _Poller:
-    """Peak device memory in use (``nvidia-smi``) and the peak RSS of the largest process under ``pid``, polled
-    in a thread."""
+    """Peak device memory in use (``nvidia-smi``, device-wide) and the peak RSS of the largest process under
+    ``pid`` (none for ``None``), polled in a thread."""
 
-    def __init__(self, pid: int, gpu: bool):
+    def __init__(self, pid: Optional[int], gpu: bool):
         self.pid, self.gpu = pid, gpu
         self.base_gpu = _gpu_used_mib() if gpu else None
         self.peak_gpu = self.base_gpu
@@ -202,7 +217,8 @@ class _Poller:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak_rss = max(self.peak_rss, _rss_mib(self.pid))
+            if self.pid is not None:
+                self.peak_rss = max(self.peak_rss, _rss_mib(self.pid))
             if self.gpu:
                 used = _gpu_used_mib()
                 if used is not None and (self.peak_gpu is None or used > self.peak_gpu):
@@ -256,24 +272,55 @@ def _gpu_used_mib() -> Optional[float]:
         return None
 
 
-def run_stage(name: str, argv: Sequence[str], log_dir: Path, env: dict, gpu: bool) -> dict:
-    """Run ``argv`` from the repository root, its output in ``log_dir/<name>.log``; wall time and peaks.
+class _Stage:
+    """One stage's process, started at construction: its output copied to ``log_dir/<name>.log`` with each line
+    prefixed by the seconds since the stage started (``[   12.3 s] ...``), and the peak RSS of its process tree."""
 
-    A failing stage raises ``RuntimeError`` naming the stage and its log.
+    def __init__(self, name: str, argv: Sequence[str], log_dir: Path, env: dict):
+        self.name, self.log = name, log_dir / f"{name}.log"
+        self._out = open(self.log, "wb")
+        self.start = time.perf_counter()
+        self.proc = subprocess.Popen(list(argv), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self._copier = threading.Thread(target=self._copy, daemon=True)
+        self._copier.start()
+        self._poller = _Poller(self.proc.pid, gpu=False)
+
+    def _copy(self) -> None:
+        for line in self.proc.stdout:
+            self._out.write(f"[{time.perf_counter() - self.start:8.1f} s] ".encode() + line)
+            self._out.flush()
+
+    def wait(self) -> tuple[int, dict]:
+        """``(exit code, {"wall_s", "peak_rss_mib", "log"})`` once the process has ended."""
+        code = self.proc.wait()
+        wall = time.perf_counter() - self.start
+        self._copier.join()
+        self._out.close()
+        peaks = self._poller.stop()
+        return code, {"wall_s": round(wall, 2), "peak_rss_mib": peaks["peak_rss_mib"], "log": str(self.log)}
+
+
+def run_group(jobs: Sequence[tuple[str, Sequence[str], dict]], log_dir: Path, gpu: bool) -> dict[str, dict]:
+    """Run the stages ``jobs`` (``(name, argv, env)``) side by side from the repository root; per stage its wall time,
+    peak RSS, log and ``peak_gpu_mib``: device memory in use above the group's start (``nvidia-smi`` reads the whole
+    device, so stages of one group share the group's peak; ``null`` without CUDA) and, in a group of several,
+    ``ran_with`` (the others).  A failing stage raises ``RuntimeError`` naming it and its log (after all have ended).
     """
-    log = log_dir / f"{name}.log"
-    start = time.perf_counter()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(list(argv), cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
-        poller = _Poller(proc.pid, gpu)
-        code = proc.wait()
-        peaks = poller.stop()
-    wall = time.perf_counter() - start
-    if code != 0:
-        tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-        raise RuntimeError(f"stage {name} failed (exit {code}); log {log}: " + " | ".join(tail))
-    print(f"{name}: {wall:.1f} s", flush=True)
-    return {"wall_s": round(wall, 2), **peaks, "log": str(log)}
+    gpu_poll = _Poller(None, gpu) if gpu else None
+    running = [_Stage(name, argv, log_dir, env) for name, argv, env in jobs]
+    ended = [(stage, *stage.wait()) for stage in running]
+    peak_gpu = gpu_poll.stop()["peak_gpu_mib"] if gpu_poll else None
+    out: dict[str, dict] = {}
+    for stage, code, row in ended:
+        if code != 0:
+            tail = stage.log.read_text(errors="replace").strip().splitlines()[-3:]
+            raise RuntimeError(f"stage {stage.name} failed (exit {code}); log {stage.log}: " + " | ".join(tail))
+        out[stage.name] = {"wall_s": row["wall_s"], "peak_gpu_mib": peak_gpu, "peak_rss_mib": row["peak_rss_mib"]}
+        if len(ended) > 1:
+            out[stage.name]["ran_with"] = [other.name for other, _, _ in ended if other is not stage]
+        out[stage.name]["log"] = row["log"]
+        print(f"{stage.name}: {row['wall_s']:.1f} s", flush=True)
+    return out
 
 
 def epoch_seconds(log_text: str) -> Optional[dict]:
@@ -320,8 +367,10 @@ def write_data(size: dict, data: Path, dataset_root: Path) -> None:
     )
 
 
-def rehearse(out: Path, size: dict, python: str = sys.executable) -> dict:
-    """Run every stage into ``out`` (emptied first) and return the result written to ``out/rehearsal.json``."""
+def rehearse(out: Path, size: dict, python: str = sys.executable, side_by_side: bool = True) -> dict:
+    """Run every stage into ``out`` (emptied first) and return the result written to ``out/rehearsal.json``.
+
+    ``side_by_side``: the stages of each :data:`SCHEDULE` group run at once (``False``: one after another)."""
     if out.exists():
         shutil.rmtree(out)
     logs, data, dataset_root = out / "logs", out / "corpus", out / "datasets"
@@ -342,18 +391,13 @@ def rehearse(out: Path, size: dict, python: str = sys.executable) -> dict:
     write_data(size, data, dataset_root)
     stages["data"] = {"wall_s": round(time.perf_counter() - t0, 2), "peak_gpu_mib": None, "peak_rss_mib": None}
     print(f"data: {stages['data']['wall_s']} s", flush=True)
-    stages["cluster"] = run_stage("cluster", [python, *cluster_args(size, data, chc)], logs, env, gpu)
+    jobs = {"cluster": ([python, *cluster_args(size, data, chc)], env)}
     inits = {}
     for learner in ("coop", "unigram"):
         run_dir = runs / learner
-        stages[f"train_{learner}"] = run_stage(
-            f"train_{learner}", [python, *train_args(size, learner, chc, run_dir)], logs, env, gpu
-        )
-        stages[f"export_{learner}"] = run_stage(
-            f"export_{learner}", [python, "-m", "meta", "export", "--run-dir", str(run_dir)], logs, env, gpu
-        )
+        jobs[f"train_{learner}"] = ([python, *train_args(size, learner, chc, run_dir)], env)
+        jobs[f"export_{learner}"] = ([python, "-m", "meta", "export", "--run-dir", str(run_dir)], env)
         inits[learner] = run_dir / "gram_init.safetensors"
-    fewshot: dict[str, dict] = {}
     for method, init in FEWSHOT.items():
         fenv = dict(
             env,
@@ -364,16 +408,18 @@ def rehearse(out: Path, size: dict, python: str = sys.executable) -> dict:
             PYTHON=python,
             INIT=str(inits[init]) if init else "",
         )
-        stages[f"fewshot_{method}"] = run_stage(
-            f"fewshot_{method}",
+        jobs[f"fewshot_{method}"] = (
             ["bash", "scripts/base2new.sh", method, "dtd", "1", "--", *fewshot_opts(size)],
-            logs,
             fenv,
-            gpu,
         )
+    jobs["parse"] = ([python, "scripts/parse_results.py", str(results)], env)
+    groups = [list(group) for group in SCHEDULE] if side_by_side else [[name] for group in SCHEDULE for name in group]
+    for group in groups:
+        stages.update(run_group([(name, *jobs[name]) for name in group], logs, gpu))
+    fewshot: dict[str, dict] = {}
+    for method in FEWSHOT:
         train_log = results / f"base2new/train_base/dtd/shots_{size['shots']}/{method}/seed1/log.txt"
         fewshot[method] = epoch_seconds(train_log.read_text(errors="replace")) if train_log.is_file() else None
-    stages["parse"] = run_stage("parse", [python, "scripts/parse_results.py", str(results)], logs, env, False)
     ratios = {}
     for key, (num, den) in RATIOS.items():
         a, b = fewshot.get(num), fewshot.get(den)
@@ -385,7 +431,7 @@ def rehearse(out: Path, size: dict, python: str = sys.executable) -> dict:
         "fewshot_epoch": fewshot,
         "epoch_time_ratio": ratios,
         "tables": tables,
-        "settings": {**size, "python": python, "gpu": _gpu_name() if gpu else None},
+        "settings": {**size, "python": python, "gpu": _gpu_name() if gpu else None, "side_by_side": side_by_side},
     }
     (out / "rehearsal.json").write_text(json.dumps(result, indent=2) + "\n")  # stages in the order run
     return result
@@ -406,6 +452,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny CLIP and sizes on the CPU (checks the plumbing)")
     for key, kind in (("pairs", int), ("meta-steps", int), ("epochs", int), ("classes", int), ("shots", int)):
         ap.add_argument(f"--{key}", type=kind, default=None, help="override the size's value")
+    ap.add_argument(
+        "--one-at-a-time", action="store_true", help="run every stage alone (default: the SCHEDULE's groups at once)"
+    )
     ap.add_argument(
         "--text-model",
         default=None,
@@ -429,7 +478,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             )
             return 2
     try:
-        result = rehearse(Path(args.out), size)
+        result = rehearse(Path(args.out), size, side_by_side=not args.one_at_a_time)
     except RuntimeError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -107,8 +107,8 @@ def test_cpu_smoke_rehearsal_runs_every_stage(tmp_path):
         "data",
         "cluster",
         "train_coop",
-        "export_coop",
         "train_unigram",
+        "export_coop",
         "export_unigram",
         "fewshot_coop",
         "fewshot_gram_coop",
@@ -116,12 +116,27 @@ def test_cpu_smoke_rehearsal_runs_every_stage(tmp_path):
         "fewshot_unigram",
         "parse",
     ]
-    assert list(result["stages"]) == stages
+    assert list(result["stages"]) == stages and result["settings"]["side_by_side"] is True
     for name, stage in result["stages"].items():
         assert stage["wall_s"] > 0 and stage["peak_gpu_mib"] is None, name
         if name != "data":
             assert stage["peak_rss_mib"] > 50, name  # a Python process with torch loaded
-    assert result["total_s"] >= sum(s["wall_s"] for s in result["stages"].values()) - 1.0
+    # the groups ran side by side: each pair names the other, and the whole took at least its groups' longest stages
+    groups = [("data",)] + [tuple(group) for group in rehearsal.SCHEDULE]
+    assert [name for group in groups for name in group] == stages
+    for group in groups:
+        for name in group:
+            assert result["stages"][name].get("ran_with", []) == [other for other in group if other != name]
+    assert result["total_s"] >= sum(max(result["stages"][n]["wall_s"] for n in group) for group in groups) - 1.0
+    assert {("fewshot_" + den, "fewshot_" + num) for num, den in rehearsal.RATIOS.values()} <= set(groups)
+    # every line of a stage's log starts with the seconds since the stage started, in order
+    lines = (out / "logs/train_coop.log").read_text().splitlines()
+    stamps = [float(line[1:].split(" s]", 1)[0]) for line in lines]
+    assert (
+        len(lines) > 3
+        and stamps == sorted(stamps)
+        and 0 <= stamps[0] <= stamps[-1] <= result["stages"]["train_coop"]["wall_s"]
+    )
     for method in rehearsal.FEWSHOT:
         epoch = result["fewshot_epoch"][method]
         assert epoch["batches"] >= 1 and epoch["epoch_s"] > 0, method
