@@ -28,6 +28,7 @@ import sys
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -106,18 +107,41 @@ def decode_rates(jpegs: list[bytes], threads: int, batch: int, size: int = 224) 
     }
 
 
+class InMemoryImages:
+    """A pair index of image bytes held in memory: the two things CHC's image stage
+    (:func:`meta.chc.image_features.encode_rank`, one rank) asks of an index, its length and the images' bytes."""
+
+    def __init__(self, blobs: list) -> None:
+        self.blobs = blobs
+
+    def __len__(self) -> int:
+        return len(self.blobs)
+
+    def read_image_bytes(self, indices, reasons: list | None = None, max_bytes: int = 0) -> list:
+        if reasons is not None:
+            reasons.extend([""] * len(indices))
+        return [self.blobs[int(i)] for i in indices]
+
+
 def chc_rates(
-    jpegs: list[bytes], batch: int, device: str = "cuda", model: str = "ViT-B-16", autocast: str = "bf16"
+    jpegs: list[bytes],
+    batch: int,
+    device: str = "cuda",
+    model: str = "ViT-B-16",
+    autocast: str = "bf16",
+    decoder: str = "torchvision",
 ) -> dict:
-    """Images per second of CHC's image stage with ``CHC.IMAGES.DECODER torchvision`` on ``jpegs`` (bytes in memory;
-    the stage reads the next chunk's bytes in a background thread): the decoder alone
-    (:func:`meta.chc.tensor_decode.decode_batch_tensor`: header pass, batched decode, orientation, resize) and end to
-    end with ``model``'s image tower (random weights) under ``autocast``, chunks of ``batch`` images."""
+    """Images per second of CHC's image stage on ``jpegs`` (bytes in memory) with ``CHC.IMAGES.DECODER``
+    ``decoder``: the decoder alone (:func:`meta.chc.tensor_decode.decode_batch_tensor` or the Pillow reference, on
+    chunks of ``batch`` images) and end to end: the stage's own :func:`meta.chc.image_features.encode_rank` (chunks of
+    ``batch`` images, the next one read and decoded while this one is encoded, features written to disk) with
+    ``model``'s image tower (random weights) under ``autocast``."""
+    import tempfile
     import warnings
 
-    from meta.chc.imaging import CLIP_MEAN, CLIP_STD, encode_images
+    from meta.chc.image_features import encode_rank
+    from meta.chc.imaging import CLIP_MEAN, CLIP_STD, decode_batch
     from meta.chc.tensor_decode import decode_batch_tensor
-    from meta.model import precision
     from meta.model.backbone import load_clip
 
     torch.manual_seed(0)
@@ -125,27 +149,39 @@ def chc_rates(
         warnings.simplefilter("ignore")  # random weights: the rate does not depend on them
         clip, dims = load_clip(model, pretrained=None, device=torch.device(device))
     size = dims.image_size
+    index = InMemoryImages(jpegs)
 
     def sync() -> None:
-        if device == "cuda":
+        if device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    def run(encode: bool) -> float:
+    def decode_only() -> float:
         start = time.perf_counter()
         for i in range(0, len(jpegs), batch):
-            pixels, ok = decode_batch_tensor(jpegs[i : i + batch], size, device)
-            if encode:
-                with precision.autocast(autocast, device):
-                    encode_images(clip, pixels, CLIP_MEAN, CLIP_STD, batch_size=batch, device=device)
+            if decoder == "torchvision":
+                decode_batch_tensor(jpegs[i : i + batch], size, device)
+            else:
+                decode_batch(jpegs[i : i + batch], size)
         sync()
         return time.perf_counter() - start
 
-    run(True)  # warm-up (nvJPEG handles, kernels)
-    decode = statistics.median(run(False) for _ in range(3))
-    both = statistics.median(run(True) for _ in range(3))
+    def stage(folder: str) -> float:
+        start = time.perf_counter()
+        encode_rank(
+            index, clip, 0, 1, Path(folder), "probe", size, CLIP_MEAN, CLIP_STD, batch_size=batch, chunk_size=batch,
+            device=device, show_progress=False, autocast=autocast, decoder=decoder,
+        )  # fmt: skip
+        sync()
+        return time.perf_counter() - start
+
+    with tempfile.TemporaryDirectory() as tmp:
+        stage(f"{tmp}/warm-up")  # nvJPEG handles, kernels
+        decode = statistics.median(decode_only() for _ in range(3))
+        both = statistics.median(stage(f"{tmp}/{k}") for k in range(3))
     return {
         "model": model,
         "autocast": autocast,
+        "decoder": decoder,
         "image_size": size,
         f"chc_decoder_batch{batch}_img_s": round(len(jpegs) / decode, 1),
         f"chc_end_to_end_batch{batch}_img_s": round(len(jpegs) / both, 1),

@@ -123,9 +123,12 @@ def test_nvjpeg_batches_give_the_references_images_and_features(tiny_clip):
 def test_the_gpu_profilers_chc_probe_runs_the_stages_decoder_and_tower_on_cpu():
     from gram_tools.profile_gpu import chc_rates, synthetic_jpegs
 
-    rates = chc_rates(synthetic_jpegs(4, 120, 90), batch=2, device="cpu", model="GRAM-Test-Tiny", autocast="none")
-    assert rates["image_size"] == 32 and rates["model"] == "GRAM-Test-Tiny"
-    assert rates["chc_decoder_batch2_img_s"] > 0 and rates["chc_end_to_end_batch2_img_s"] > 0
+    for decoder in ("torchvision", "pil"):  # the stage's own encode_rank, end to end
+        rates = chc_rates(
+            synthetic_jpegs(4, 120, 90), batch=2, device="cpu", model="GRAM-Test-Tiny", autocast="none", decoder=decoder
+        )
+        assert rates["image_size"] == 32 and rates["model"] == "GRAM-Test-Tiny" and rates["decoder"] == decoder
+        assert rates["chc_decoder_batch2_img_s"] > 0 and rates["chc_end_to_end_batch2_img_s"] > 0
 
 
 def test_large_photos_are_decoded_in_runs_of_bounded_pixels(monkeypatch):
@@ -140,3 +143,48 @@ def test_large_photos_are_decoded_in_runs_of_bounded_pixels(monkeypatch):
     blobs = [_jpeg(200, 150, seed=s) for s in range(5)]
     ref, ok_ref, _, new, ok_new, _ = _both(blobs, size=32)
     assert seen == [2, 2, 1] and ok_new.all() and np.abs(ref.astype(int) - new.astype(int)).max() <= 2
+
+
+@pytest.mark.parametrize("decoder", ["pil", "torchvision"])
+def test_the_next_chunk_is_decoded_while_this_one_is_encoded(tiny_clip, tmp_path, monkeypatch, decoder):
+    """CHC's image stage decodes chunk k+1 in its background thread while chunk k is encoded: the encoder of each
+    chunk waits until the next chunk's decode has run (a run that decoded on the encoder's path would time out), and
+    the features equal those of one chunk."""
+    import threading
+
+    from gram_tools.profile_gpu import InMemoryImages
+    from meta.chc import image_features
+    from meta.chc.imaging import clip_norm_stats
+
+    clip, _ = tiny_clip
+    mean, std = clip_norm_stats(clip)
+    index = InMemoryImages([_jpeg(48 + 8 * i, 40, seed=i) for i in range(6)])
+    name = "decode_batch_tensor" if decoder == "torchvision" else "decode_batch"
+    real_decode, real_encode = getattr(image_features, name), image_features.encode_images
+    on_main: list = []
+    decoded = [threading.Event() for _ in range(3)]
+    encoded: list = []
+
+    def decode(*args, **kwargs):
+        out = real_decode(*args, **kwargs)
+        on_main.append(threading.current_thread() is threading.main_thread())
+        decoded[len(on_main) - 1].set()
+        return out
+
+    def encode(*args, **kwargs):
+        chunk = len(encoded)
+        if chunk + 1 < len(decoded):
+            assert decoded[chunk + 1].wait(timeout=60), f"chunk {chunk + 1} was not decoded ahead"
+        encoded.append(chunk)
+        return real_encode(*args, **kwargs)
+
+    monkeypatch.setattr(image_features, name, decode)
+    monkeypatch.setattr(image_features, "encode_images", encode)
+    kwargs = dict(show_progress=False, decoder=decoder)
+    image_features.encode_rank(index, clip, 0, 1, tmp_path / "a", "fp", 32, mean, std, chunk_size=2, **kwargs)
+    assert on_main == [True, False, False] and encoded == [0, 1, 2]
+    monkeypatch.setattr(image_features, "encode_images", real_encode)
+    monkeypatch.setattr(image_features, name, real_decode)
+    image_features.encode_rank(index, clip, 0, 1, tmp_path / "b", "fp", 32, mean, std, chunk_size=6, **kwargs)
+    chunked, whole = (np.load(tmp_path / part / "feats.rank0.npy") for part in ("a", "b"))
+    assert chunked[:, -1].all() and np.allclose(chunked, whole, atol=1e-6)

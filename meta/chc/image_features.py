@@ -106,7 +106,8 @@ def encode_rank(
 ) -> dict:
     """Encode this rank's items; resumes from the last finished chunk.
 
-    The bytes of the next chunk are read in a background thread while this one is decoded and encoded.
+    The next chunk is read and decoded in a background thread while this one is encoded (one decoded chunk ahead:
+    ``chunk_size`` x ``image_size``² x 3 bytes, on ``device`` for the torchvision decoder).
 
     Args:
         autocast: a mode resolved by :func:`meta.model.precision.resolve_autocast` (``none`` = the CLIP's dtype).
@@ -138,20 +139,10 @@ def encode_rank(
     rpath = reasons_path(stage_dir, rank)
     chunk_reasons = _load_reasons(rpath, fp) if store.rows_done() else {}
 
-    def read(start: int, end: int) -> tuple[list, list]:
+    def prepare(start: int, end: int) -> tuple:
+        """Read and decode the chunk ``[start, end)``: ``(pixels, ok, reasons)``."""
         read_why: list = []
-        return index.read_image_bytes(items[start:end], read_why, max_bytes), read_why
-
-    reader = ThreadPoolExecutor(max_workers=1)  # reads the next chunk's bytes (file reads release the GIL)
-    ahead: dict = {}
-
-    def compute(start: int, end: int) -> np.ndarray:
-        pending = ahead.pop((start, end), None)
-        blobs, read_why = pending.result() if pending else read(start, end)
-        if end < len(items):
-            ahead[(end, min(end + chunk_size, len(items)))] = reader.submit(
-                read, end, min(end + chunk_size, len(items))
-            )
+        blobs = index.read_image_bytes(items[start:end], read_why, max_bytes)
         decode_why: list = []
         if decoder == "torchvision":
             pixels, ok = decode_batch_tensor(
@@ -159,9 +150,22 @@ def encode_rank(
             )
         else:
             pixels, ok = decode_batch(blobs, image_size, decode_workers, decode_why, max_pixels, max_aspect)
-        reasons = [r or d for r, d in zip(read_why, decode_why)]
+        return pixels, ok, [r or d for r, d in zip(read_why, decode_why)]
+
+    # the next chunk is read and decoded in a background thread while this one is encoded (file reads, Pillow's
+    # decoding and torch's kernels release the GIL; torchvision's device decode queues on the same stream as the
+    # encoder, so its pixels are ready before the encoder reads them): decoding stays off the encoder's path
+    ahead_pool = ThreadPoolExecutor(max_workers=1)
+    ahead: dict = {}
+
+    def compute(start: int, end: int) -> np.ndarray:
+        pending = ahead.pop((start, end), None)
+        pixels, ok, reasons = pending.result() if pending else prepare(start, end)
         if start == 0 and end > start and (~ok).sum() > max_unreadable_fraction * (end - start):
             raise InputError(first_chunk_error(index, items[start:end], reasons, image_root))
+        if end < len(items):
+            nxt = (end, min(end + chunk_size, len(items)))
+            ahead[nxt] = ahead_pool.submit(prepare, *nxt)
         chunk_reasons[str(start)] = dict(Counter(r for r in reasons if r))
         Path(stage_dir).mkdir(parents=True, exist_ok=True)
         write_json_atomic(rpath, {"fingerprint": fp, "chunks": chunk_reasons})  # before the rows: resume-safe
@@ -181,7 +185,7 @@ def encode_rank(
             compute, chunk_size, desc=f"image features (rank {rank}/{world_size})", disable_progress=not show_progress
         )
     finally:
-        reader.shutdown(cancel_futures=True)
+        ahead_pool.shutdown(cancel_futures=True)
     return {
         "items": int(len(items)),
         "unreadable": int((done[:, dim] < 0.5).sum()),
