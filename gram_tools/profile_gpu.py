@@ -6,7 +6,8 @@
    calls, ms per step, share), the shares of GEMM, fused-attention and cast kernels (read off kernel names), and
    the top aten operators by their own device time, and the step's matrix products by dtype (:class:`ProductCensus`).
    Twice: as configured by default, and with ``META.SUPPORT_ATTENTION_LOWP`` (``bf16_support_attention_lowp``: the
-   second-order support pass's attention products in bf16, not the MATH kernel's fp32).  With ``--tf32``
+   second-order support pass's attention products in bf16, not the MATH kernel's fp32); with ``--bf16-weights`` also
+   with the frozen CLIP in bf16 (``MODEL.PRECISION bf16``).  With ``--tf32``
    the same for fp32 with TF32 matmuls allowed (``torch.backends.cuda.matmul.allow_tf32``) beside fp32 without.
 2. ``decode``: images per second of JPEG decoding + resize to 224 px at CC3M's typical size (500x375 px,
    quality 90; synthetic photos with smooth gradients and noise): PIL on one thread, PIL on ``--threads`` threads,
@@ -236,6 +237,7 @@ def profile_steps(
     device: str = "cuda",
     model: str = "ViT-B-16",
     size: dict | None = None,
+    weights: str = "fp32",
 ) -> dict:
     """Median step seconds and the profiler's top self-CUDA operators of the stacked second-order step.
 
@@ -243,7 +245,8 @@ def profile_steps(
     run's own matmul TFLOP/s (> 0 adds the step's FLOP count, achieved TFLOP/s and their fraction of it);
     ``more_tasks`` > 0: also the step of that many stacked tasks and its time over the default meta-batch's.
     ``device`` / ``model`` / ``size`` (task size keys of :func:`gram_tools.bench_gpu.task_size` to override): a CPU,
-    a test CLIP and small tasks run the same code in CI (no kernel rows there)."""
+    a test CLIP and small tasks run the same code in CI (no kernel rows there).  ``weights``: the frozen CLIP's dtype
+    (``MODEL.PRECISION``: ``fp32`` | ``bf16``)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -258,7 +261,7 @@ def profile_steps(
     dev = torch.device(device)
     size = {**task_size(), **(size or {})}
     torch.manual_seed(0)
-    clip, dims = load_clip(model, pretrained=None, device=dev)
+    clip, dims = load_clip(model, pretrained=None, device=dev, precision=weights)
     k, b = size["way"], size["meta_batch"]
     names = [f"class {i}" for i in range(k)]
     gen = torch.Generator().manual_seed(0)
@@ -344,6 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--more-tasks", type=int, default=16, help="also time a step of this many stacked tasks (0: skip)"
     )
+    parser.add_argument(
+        "--bf16-weights",
+        action="store_true",
+        help="also profile the frozen CLIP in bf16 (MODEL.PRECISION bf16) with META.SUPPORT_ATTENTION_LOWP",
+    )
     parser.add_argument("--out", default="", help="also write the JSON here")
     args = parser.parse_args(argv)
     problem = int_flag_problem(
@@ -356,27 +364,41 @@ def main(argv: list[str] | None = None) -> int:
         print("error: gram_tools.profile_gpu: CUDA is not available on this machine", file=sys.stderr)
         return 2
     result: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+
+    def save(part: str) -> None:
+        """The result so far to ``--out`` after each part (a call stopped by its time cap keeps what finished)."""
+        result["finished"] = [*result.get("finished", []), part]
+        if args.out:
+            with open(args.out, "w") as handle:
+                handle.write(json.dumps(result) + "\n")
+
     if args.decode_images > 0:
         jpegs = synthetic_jpegs(args.decode_images)
         result["decode"] = decode_rates(jpegs, args.threads, args.decode_batch)
         result["decode"].update(chc_rates(jpegs, args.decode_batch))
         print(json.dumps({"decode": result["decode"]}), flush=True)
+        save("decode")
     from gram_tools.bench_gpu import _sig, matmul_tflops
 
     peak = matmul_tflops(torch.device("cuda"), torch.bfloat16, 8192)  # the shares' reference, this run's own
     result["matmul_tflops_bf16"] = _sig(peak)
     result["bf16"] = profile_steps(args.learners, "bf16", False, args.steps, args.top, False, peak, args.more_tasks)
+    save("bf16")
     # the support pass's attention products in bf16 instead of the MATH kernel's fp32 (META.SUPPORT_ATTENTION_LOWP)
     result["bf16_support_attention_lowp"] = profile_steps(
         args.learners, "bf16", False, args.steps, args.top, True, peak, args.more_tasks
     )
+    save("bf16_support_attention_lowp")
+    if args.bf16_weights:  # the residual stream and its elementwise work in bf16 too
+        result["bf16_weights_support_attention_lowp"] = profile_steps(
+            args.learners, "bf16", False, args.steps, args.top, True, peak, args.more_tasks, weights="bf16"
+        )
+        save("bf16_weights_support_attention_lowp")
     if args.tf32:
         result["fp32"] = profile_steps(args.learners, "none", False, args.steps, 5)
         result["fp32_tf32"] = profile_steps(args.learners, "none", True, args.steps, 5)
+        save("tf32")
     text = json.dumps(result)
-    if args.out:
-        with open(args.out, "w") as handle:
-            handle.write(text + "\n")
     print(text)
     return 0
 

@@ -6,8 +6,9 @@
 #   rehearsal  scripts/gpu_rehearsal.sh (the user's whole path; OUT/rehearsal.json, OUT/rehearsal.log,
 #              OUT/rehearsal_logs.tgz with every stage's log; a call of its own)                 cap REHEARSAL_S=540
 #   check      scripts/gpu_check.sh's benches (OUT/fig/gpu_figures*.json)                        cap CHECK_S=420
-#   profile    python -m gram_tools.profile_gpu (OUT/profile.json: step profiles with and without
-#              META.SUPPORT_ATTENTION_LOWP, matmul shares, 16 vs 4 tasks, JPEG/CHC rates)       cap PROFILE_S=240
+#   profile    python -m gram_tools.profile_gpu (OUT/profile.json, rewritten after each part: JPEG/CHC rates, step
+#              profiles without and with META.SUPPORT_ATTENTION_LOWP and with bf16 weights, matmul shares,
+#              16 vs 4 tasks)                                                                    cap PROFILE_S=240
 #   tests      the gpu-marked tests (OUT/pytest_gpu.txt)                                         cap TESTS_S=120
 # and OUT/machine.txt (GPU, driver, CPU model, torch).  Figures land in OUT/fig (FIGURES_DIR).
 # With ~15 device-minutes a session, starts included: call 1 "tests profile" (every step and CHC figure), call 2
@@ -47,7 +48,7 @@ for part in "${PARTS[@]}"; do
       tail -n 5 "$OUT/check.log"
       ;;
     profile)
-      timeout "${PROFILE_S:-240}" python3 -m gram_tools.profile_gpu --decode-images 256 --out "$OUT/profile.json" \
+      timeout "${PROFILE_S:-240}" python3 -m gram_tools.profile_gpu --decode-images 256 --bf16-weights --out "$OUT/profile.json" \
         >"$OUT/profile.log" 2>&1
       echo "profile exit $?"
       tail -c 1500 "$OUT/profile.log"

@@ -71,6 +71,9 @@ def test_profile_steps_runs_on_a_cpu_and_reports_the_products_the_key_moves():
         assert row["step_s"] > 0 and row["tflop"] > 0 and row["tasks_3_step_s"] > 0 and row["tasks_3_over_2"] > 0
         assert row["matmul_fraction"] == pytest.approx(row["tflops_achieved"], rel=1e-3)  # peak 1.0
         assert row["kernel_ms_per_step"] == 0 and row["top_kernels"] == []  # no CUDA kernels on a CPU
+    # the frozen CLIP in bf16 (--bf16-weights): the same products, all in bf16 but R_φ's
+    weights = profile_gpu.profile_steps(["vpt"], "bf16", False, lowp_attention=True, weights="bf16", **kwargs)["vpt"]
+    assert weights["products_by_dtype"] == lowp["products_by_dtype"]
     fp32 = default["products_by_dtype"]["float32"]
     assert 0 < lowp["products_by_dtype"]["float32"] < fp32
     assert sum(lowp["products_by_dtype"].values()) == sum(default["products_by_dtype"].values())
