@@ -203,26 +203,39 @@ class ProductCensus(TorchDispatchMode):
     """Counts the matrix products dispatched while active, by their inputs' dtypes: ``{"bfloat16": n, ...}``.
 
     A product is one of :data:`PRODUCT_OPS` (after autocast has cast its inputs, so the dtype is the one the kernel
-    computes in); mixed inputs count under ``"mixed"``.  Runs on any device: on a CPU under CPU autocast it shows which
-    products a CUDA bf16 run leaves in fp32 (the FFMA GEMMs of the step profile)."""
+    computes in); mixed inputs count under ``"mixed"``.  ``casts`` counts the dtype conversions (``_to_copy`` to another
+    dtype, ``copy_`` between dtypes), autocast's included.  Runs on any device: on a CPU under CPU autocast it shows
+    which products a CUDA bf16 run leaves in fp32 (the FFMA GEMMs of the step profile)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter = Counter()
+        self.casts = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in PRODUCT_OPS:
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in PRODUCT_OPS:
             dtypes = {str(a.dtype).replace("torch.", "") for a in args if isinstance(a, torch.Tensor) and a.dim() > 1}
             self.counts[dtypes.pop() if len(dtypes) == 1 else "mixed"] += 1
-        return func(*args, **(kwargs or {}))
+        elif name == "_to_copy":
+            self.casts += kwargs.get("dtype") not in (None, args[0].dtype)
+        elif name == "copy_":
+            self.casts += args[0].dtype != args[1].dtype
+        return func(*args, **kwargs)
+
+
+def census_of(step: Callable[[], object]) -> ProductCensus:
+    """The :class:`ProductCensus` of one call of ``step``."""
+    census = ProductCensus()
+    with census:
+        step()
+    return census
 
 
 def product_dtypes(step: Callable[[], object]) -> dict[str, int]:
     """``{dtype: matrix products}`` of one call of ``step`` (:class:`ProductCensus`)."""
-    census = ProductCensus()
-    with census:
-        step()
-    return dict(sorted(census.counts.items()))
+    return dict(sorted(census_of(step).counts.items()))
 
 
 def profile_steps(
@@ -310,8 +323,9 @@ def profile_steps(
                 for n, c, ms in rows[:top]
             ],
             "top_ops": [{"op": n, "calls": c, "self_cuda_ms": round(ms, 3)} for n, c, ms in ops[:top]],
-            "products_by_dtype": product_dtypes(step),
         }
+        census = census_of(step)
+        out[name].update(products_by_dtype=dict(sorted(census.counts.items())), dtype_casts=census.casts)
         if matmul_peak > 0:
             tflop = step_tflop(step)
             out[name].update(

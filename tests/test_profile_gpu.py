@@ -58,6 +58,9 @@ def test_product_census_counts_products_by_the_dtype_they_compute_in():
             a @ b
 
     assert profile_gpu.product_dtypes(step) == {"bfloat16": 2, "float32": 2}
+    census = profile_gpu.census_of(step)
+    assert census.casts == 4  # autocast casts both fp32 operands of each bf16 product
+    assert profile_gpu.census_of(lambda: (a.to(torch.bfloat16), a.float(), a.clone())).casts == 1
 
 
 def test_profile_steps_runs_on_a_cpu_and_reports_the_products_the_key_moves():
@@ -67,6 +70,7 @@ def test_profile_steps_runs_on_a_cpu_and_reports_the_products_the_key_moves():
     kwargs = dict(steps=1, top=3, matmul_peak=1.0, more_tasks=3, device="cpu", model="GRAM-Test-Deep", size=small)
     default = profile_gpu.profile_steps(["vpt"], "bf16", False, **kwargs)["vpt"]
     lowp = profile_gpu.profile_steps(["vpt"], "bf16", False, lowp_attention=True, **kwargs)["vpt"]
+    assert lowp["dtype_casts"] < default["dtype_casts"]  # the MATH kernel's upcasts and downcasts are gone
     for row in (default, lowp):
         assert row["step_s"] > 0 and row["tflop"] > 0 and row["tasks_3_step_s"] > 0 and row["tasks_3_over_2"] > 0
         assert row["matmul_fraction"] == pytest.approx(row["tflops_achieved"], rel=1e-3)  # peak 1.0
