@@ -156,3 +156,30 @@ def test_cpu_smoke_rehearsal_runs_every_stage(tmp_path):
     # the GRAM rows started from the exports (run_methods passes INIT as TRAINER.GRAM.INIT)
     log = (out / "output/base2new/train_base/dtd/shots_2/gram_coop/seed1/log.txt").read_text()
     assert str(out / "meta/coop/gram_init.safetensors") in log
+
+
+def test_a_group_runs_side_by_side_and_a_failing_stage_is_named_with_its_log(tmp_path):
+    """run_group starts its stages at once (two 2 s sleeps end before 4 s: one after the other they could not),
+    stamps each log line with the seconds since its stage started, and after all have ended raises for a failing
+    one, naming it and its log."""
+    import os
+    import time
+
+    env = dict(os.environ)
+    sleeper = "import time; print('start', flush=True); time.sleep(2.0); print('end', flush=True)"
+    jobs = [(name, [sys.executable, "-c", sleeper], env) for name in ("a", "b")]
+    start = time.perf_counter()
+    out = rehearsal.run_group(jobs, tmp_path, gpu=False)
+    assert time.perf_counter() - start < 3.9
+    assert [out["a"]["ran_with"], out["b"]["ran_with"]] == [["b"], ["a"]]
+    assert all(out[n]["wall_s"] >= 2.0 for n in "ab") and out["a"]["peak_gpu_mib"] is None
+    lines = (tmp_path / "a.log").read_text().splitlines()
+    (t0, first), (t1, last) = ((float(line[1:].split(" s]")[0]), line.split("] ", 1)[1]) for line in lines)
+    assert (first, last) == ("start", "end") and 1.9 <= t1 - t0 <= out["a"]["wall_s"]
+    alone = rehearsal.run_group([("c", [sys.executable, "-c", "print(1)"], env)], tmp_path, gpu=False)
+    assert "ran_with" not in alone["c"]
+    failing = [("ok", [sys.executable, "-c", "print('fine')"], env)]
+    failing.append(("bad", [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], env))
+    with pytest.raises(RuntimeError, match=r"stage bad failed \(exit 3\); log .*bad\.log: .*boom"):
+        rehearsal.run_group(failing, tmp_path, gpu=False)
+    assert (tmp_path / "ok.log").read_text().endswith("fine\n")  # the other stage ran to its end
