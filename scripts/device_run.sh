@@ -5,7 +5,7 @@
 # its own time cap, writing into OUT (the device tool's $OUT):
 #   rehearsal  scripts/gpu_rehearsal.sh (the user's whole path; OUT/rehearsal.json, OUT/rehearsal.log,
 #              OUT/rehearsal_logs.tgz with every stage's log; a call of its own)                 cap REHEARSAL_S=540
-#   check      scripts/gpu_check.sh's benches (OUT/fig/gpu_figures*.json)                        cap CHECK_S=420
+#   check      scripts/gpu_check.sh's tests and benches, not its profile (OUT/fig/gpu_figures*.json) cap CHECK_S=420
 #   profile    python -m gram_tools.profile_gpu (OUT/profile.json, rewritten after each part: JPEG/CHC rates, step
 #              profiles without and with META.SUPPORT_ATTENTION_LOWP and with bf16 weights, matmul shares,
 #              16 vs 4 tasks)                                                                    cap PROFILE_S=240
@@ -43,7 +43,7 @@ for part in "${PARTS[@]}"; do
       tar -czf "$OUT/rehearsal_logs.tgz" -C /tmp/gram_rehearsal logs 2>/dev/null
       ;;
     check)
-      timeout "${CHECK_S:-420}" bash scripts/gpu_check.sh /tmp/gram_check >"$OUT/check.log" 2>&1
+      PROFILE=0 timeout "${CHECK_S:-420}" bash scripts/gpu_check.sh /tmp/gram_check >"$OUT/check.log" 2>&1
       echo "check exit $?"
       tail -n 5 "$OUT/check.log"
       ;;

@@ -236,6 +236,7 @@ def test_gpu_check_writes_the_planner_figures(tmp_path):
         "  *cuda.is_available*) exit 0;;\n"
         "  '-m pytest'*) echo '3 passed'; exit 0;;\n"
         '  \'-m gram_tools.bench\'*) echo \'coop: ...\'; echo "{\\"autocast\\": \\"$6\\"}"; exit 0;;\n'
+        '  \'-m gram_tools.profile_gpu\'*) echo \'{"finished": ["bf16"]}\' > "$5"; exit 0;;\n'
         f'  *) exec {sys.executable} "$@";;\n'
         "esac\n"
     )
@@ -249,6 +250,9 @@ def test_gpu_check_writes_the_planner_figures(tmp_path):
     # fp32: no task-scaling table and no CHC batch sweep (empty lists); bf16: both, at the bench's defaults
     assert "-m gram_tools.bench --device cuda --autocast none --scaling-tasks  --chc-batches " in lines
     assert "-m gram_tools.bench --device cuda --autocast bf16" in lines
+    # the step profile and CHC rates (profile_gpu), its JSON copied beside the planner's figures
+    assert f"-m gram_tools.profile_gpu --bf16-weights --out {tmp_path / 'out' / 'profile.json'}" in lines
+    assert json.loads((tmp_path / "figs" / "gpu_profile.json").read_text()) == {"finished": ["bf16"]}
 
 
 def test_chc_growth_laws():
