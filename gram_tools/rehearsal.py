@@ -15,10 +15,11 @@ Stages (each a subprocess with the user's own command line, from the repository 
 Independent stages run side by side (:data:`SCHEDULE`: the two trainings, the two exports, and each GRAM few-shot
 row beside its baseline); ``--one-at-a-time`` runs them in that order, one after another.
 
-Writes ``<out>/rehearsal.json``: per stage ``wall_s``, ``peak_gpu_mib`` (device-wide memory in use, polled
-with ``nvidia-smi`` every 0.2 s, minus what was in use before the stage's group; the stages of a group share it and
-list each other under ``ran_with``; ``null`` without CUDA) and ``peak_rss_mib`` (the largest process of the stage's
-process tree, e.g. ``train.py`` under ``base2new.sh``, polled from ``/proc``); per few-shot method the epoch time
+Writes ``<out>/rehearsal.json``: per stage ``wall_s``, ``peak_gpu_mib`` (polled with ``nvidia-smi`` every 0.2 s:
+the device memory of the stage's own processes, or where ``nvidia-smi`` lists none of them the device's memory in use
+above the start of the stage's group, shared by its stages; ``gpu_mib_of`` says which; ``null`` without CUDA),
+``ran_with`` (the other stages of its group) and ``peak_rss_mib`` (the largest process of the stage's process tree,
+e.g. ``train.py`` under ``base2new.sh``, polled from ``/proc``); per few-shot method the epoch time
 (Dassl's mean batch time of the last epoch x batches per epoch, from its log) and ``epoch_time_ratio``: GRAM_CoOp /
 CoOp and UNIGRAM / joint, each pair run side by side.  Every line of a stage's log (``<out>/logs/<stage>.log``)
 starts with the seconds since the stage started, so a stage's time can be split where its output says what it did.
@@ -203,37 +204,50 @@ def fewshot_opts(size: dict) -> list[str]:
 
 
 class _Poller:
-    """Peak device memory in use (``nvidia-smi``, device-wide) and the peak RSS of the largest process under
-    ``pid`` (none for ``None``), polled in a thread."""
+    """Polled in a thread every 0.2 s.  For a process ``pid``: the peak RSS of the largest process in its tree and,
+    with ``gpu``, the peak device memory of the tree's processes (``nvidia-smi --query-compute-apps``; ``matched``
+    stays False where none of them is listed, e.g. under another PID namespace).  For ``pid`` None with ``gpu``: the
+    peak device-wide memory in use above the start (``nvidia-smi --query-gpu``)."""
 
     def __init__(self, pid: Optional[int], gpu: bool):
         self.pid, self.gpu = pid, gpu
-        self.base_gpu = _gpu_used_mib() if gpu else None
+        self.base_gpu = _gpu_used_mib() if gpu and pid is None else None
         self.peak_gpu = self.base_gpu
         self.peak_rss = 0.0
+        self.peak_tree_gpu = 0.0
+        self.matched = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if self.pid is not None:
-                self.peak_rss = max(self.peak_rss, _rss_mib(self.pid))
-            if self.gpu:
+            tree = _process_tree(self.pid) if self.pid is not None else {}
+            self.peak_rss = max([self.peak_rss, *tree.values()])
+            if self.gpu and self.pid is None:
                 used = _gpu_used_mib()
                 if used is not None and (self.peak_gpu is None or used > self.peak_gpu):
                     self.peak_gpu = used
+            if self.gpu and tree:
+                mine = [mib for pid, mib in (_gpu_apps_mib() or {}).items() if pid in tree]
+                if mine:
+                    self.matched = True
+                    self.peak_tree_gpu = max(self.peak_tree_gpu, sum(mine))
             self._stop.wait(0.2)
 
     def stop(self) -> dict:
         self._stop.set()
         self._thread.join()
-        gpu = None if self.peak_gpu is None or self.base_gpu is None else round(self.peak_gpu - self.base_gpu, 1)
-        return {"peak_gpu_mib": gpu, "peak_rss_mib": round(self.peak_rss, 1)}
+        device = None if self.peak_gpu is None or self.base_gpu is None else round(self.peak_gpu - self.base_gpu, 1)
+        return {
+            "peak_gpu_mib": device,
+            "peak_process_gpu_mib": round(self.peak_tree_gpu, 1) if self.matched else None,
+            "peak_rss_mib": round(self.peak_rss, 1),
+        }
 
 
-def _rss_mib(pid: int) -> float:
-    """RSS of the largest process in the tree under ``pid`` (``/proc``; 0 where there is none)."""
+def _process_tree(pid: int) -> dict[int, float]:
+    """``{pid: RSS MiB}`` of ``pid`` and every process under it (``/proc``; empty once it has ended)."""
     children: dict[int, list[int]] = {}
     rss: dict[int, float] = {}
     for entry in Path("/proc").iterdir():
@@ -249,14 +263,14 @@ def _rss_mib(pid: int) -> float:
         except ValueError:
             continue
         children.setdefault(ppid, []).append(int(entry.name))
-        if "VmRSS" in fields:
-            rss[int(entry.name)] = int(fields["VmRSS"].split()[0]) / 1024.0
-    peak, todo = 0.0, [pid]
+        rss[int(entry.name)] = int(fields["VmRSS"].split()[0]) / 1024.0 if "VmRSS" in fields else 0.0
+    tree, todo = {}, [pid]
     while todo:
         p = todo.pop()
-        peak = max(peak, rss.get(p, 0.0))
+        if p in rss:
+            tree[p] = rss[p]
         todo += children.get(p, [])
-    return peak
+    return tree
 
 
 def _gpu_used_mib() -> Optional[float]:
@@ -272,18 +286,33 @@ def _gpu_used_mib() -> Optional[float]:
         return None
 
 
+def _gpu_apps_mib() -> Optional[dict[int, float]]:
+    """``{pid: device MiB}`` of the processes using the GPU (``nvidia-smi --query-compute-apps``); None on failure."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        rows = [line.split(",") for line in out.stdout.strip().splitlines() if line.strip()]
+        return {int(pid): float(mib) for pid, mib in rows}
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
 class _Stage:
     """One stage's process, started at construction: its output copied to ``log_dir/<name>.log`` with each line
     prefixed by the seconds since the stage started (``[   12.3 s] ...``), and the peak RSS of its process tree."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_dir: Path, env: dict):
+    def __init__(self, name: str, argv: Sequence[str], log_dir: Path, env: dict, gpu: bool = False):
         self.name, self.log = name, log_dir / f"{name}.log"
         self._out = open(self.log, "wb")
         self.start = time.perf_counter()
         self.proc = subprocess.Popen(list(argv), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self._copier = threading.Thread(target=self._copy, daemon=True)
         self._copier.start()
-        self._poller = _Poller(self.proc.pid, gpu=False)
+        self._poller = _Poller(self.proc.pid, gpu)
 
     def _copy(self) -> None:
         for line in self.proc.stdout:
@@ -291,31 +320,38 @@ class _Stage:
             self._out.flush()
 
     def wait(self) -> tuple[int, dict]:
-        """``(exit code, {"wall_s", "peak_rss_mib", "log"})`` once the process has ended."""
+        """``(exit code, {"wall_s", "peak_rss_mib", "peak_process_gpu_mib", "log"})`` once the process has ended."""
         code = self.proc.wait()
         wall = time.perf_counter() - self.start
         self._copier.join()
         self._out.close()
         peaks = self._poller.stop()
-        return code, {"wall_s": round(wall, 2), "peak_rss_mib": peaks["peak_rss_mib"], "log": str(self.log)}
+        return code, {"wall_s": round(wall, 2), **peaks, "log": str(self.log)}
 
 
 def run_group(jobs: Sequence[tuple[str, Sequence[str], dict]], log_dir: Path, gpu: bool) -> dict[str, dict]:
     """Run the stages ``jobs`` (``(name, argv, env)``) side by side from the repository root; per stage its wall time,
-    peak RSS, log and ``peak_gpu_mib``: device memory in use above the group's start (``nvidia-smi`` reads the whole
-    device, so stages of one group share the group's peak; ``null`` without CUDA) and, in a group of several,
+    peak RSS, log, ``peak_gpu_mib`` and ``gpu_mib_of`` (``null`` without CUDA): the peak device memory of the stage's
+    own processes (``"processes"``, as ``nvidia-smi`` lists them), or where it lists none of them the device's memory
+    in use above the group's start (``"device"``: shared by the stages of a group); in a group of several,
     ``ran_with`` (the others).  A failing stage raises ``RuntimeError`` naming it and its log (after all have ended).
     """
-    gpu_poll = _Poller(None, gpu) if gpu else None
-    running = [_Stage(name, argv, log_dir, env) for name, argv, env in jobs]
+    device_poll = _Poller(None, gpu) if gpu else None
+    running = [_Stage(name, argv, log_dir, env, gpu) for name, argv, env in jobs]
     ended = [(stage, *stage.wait()) for stage in running]
-    peak_gpu = gpu_poll.stop()["peak_gpu_mib"] if gpu_poll else None
+    device_peak = device_poll.stop()["peak_gpu_mib"] if device_poll else None
     out: dict[str, dict] = {}
     for stage, code, row in ended:
         if code != 0:
             tail = stage.log.read_text(errors="replace").strip().splitlines()[-3:]
             raise RuntimeError(f"stage {stage.name} failed (exit {code}); log {stage.log}: " + " | ".join(tail))
-        out[stage.name] = {"wall_s": row["wall_s"], "peak_gpu_mib": peak_gpu, "peak_rss_mib": row["peak_rss_mib"]}
+        own = row["peak_process_gpu_mib"]
+        out[stage.name] = {
+            "wall_s": row["wall_s"],
+            "peak_gpu_mib": own if own is not None else device_peak,
+            "gpu_mib_of": None if not gpu else "processes" if own is not None else "device",
+            "peak_rss_mib": row["peak_rss_mib"],
+        }
         if len(ended) > 1:
             out[stage.name]["ran_with"] = [other.name for other, _, _ in ended if other is not stage]
         out[stage.name]["log"] = row["log"]

@@ -183,3 +183,40 @@ def test_a_group_runs_side_by_side_and_a_failing_stage_is_named_with_its_log(tmp
     with pytest.raises(RuntimeError, match=r"stage bad failed \(exit 3\); log .*bad\.log: .*boom"):
         rehearsal.run_group(failing, tmp_path, gpu=False)
     assert (tmp_path / "ok.log").read_text().endswith("fine\n")  # the other stage ran to its end
+
+
+def _fake_nvidia_smi(folder: Path, listed: bool) -> dict:
+    """An ``nvidia-smi`` on PATH: the device's memory in use 5,000 MiB at the first query and 6,000 after; per process
+    (``listed``) 1,000 MiB for each process whose command line holds MARK_A and 3,000 for MARK_B, else no process."""
+    import os
+
+    folder.mkdir()
+    apps = (
+        'for p in $(pgrep -f MARK_A); do echo "$p, 1000"; done; for p in $(pgrep -f MARK_B); do echo "$p, 3000"; done'
+    )
+    script = folder / "nvidia-smi"
+    script.write_text(
+        "#!/bin/bash\n"
+        'case "$*" in\n'
+        f"  *query-gpu*) if [ -f {folder}/seen ]; then echo 6000; else touch {folder}/seen; echo 5000; fi;;\n"
+        f"  *query-compute-apps*) {apps if listed else 'true'};;\n"
+        "esac\n"
+    )
+    script.chmod(0o755)
+    return {**os.environ, "PATH": f"{folder}{os.pathsep}{os.environ['PATH']}"}
+
+
+@pytest.mark.parametrize("listed", [True, False], ids=["per_process", "device_wide"])
+def test_each_stage_gets_its_own_processes_device_memory_where_nvidia_smi_lists_them(tmp_path, monkeypatch, listed):
+    """Side by side, a stage's peak device memory is its own processes' (``gpu_mib_of: processes``); where
+    ``nvidia-smi`` lists none of them (another PID namespace), the group's device-wide peak (``device``)."""
+    env = _fake_nvidia_smi(tmp_path / "bin", listed)
+    monkeypatch.setenv("PATH", env["PATH"])
+    jobs = [(n, [sys.executable, "-c", f"import time; time.sleep(1.5)  # MARK_{n.upper()}"], env) for n in "ab"]
+    out = rehearsal.run_group(jobs, tmp_path, gpu=True)
+    if listed:
+        assert [out[n]["peak_gpu_mib"] for n in "ab"] == [1000.0, 3000.0]
+        assert {out[n]["gpu_mib_of"] for n in "ab"} == {"processes"}
+    else:
+        assert [out[n]["peak_gpu_mib"] for n in "ab"] == [1000.0, 1000.0]  # 6,000 in use, 5,000 at the start
+        assert {out[n]["gpu_mib_of"] for n in "ab"} == {"device"}
