@@ -220,3 +220,30 @@ def test_each_stage_gets_its_own_processes_device_memory_where_nvidia_smi_lists_
     else:
         assert [out[n]["peak_gpu_mib"] for n in "ab"] == [1000.0, 1000.0]  # 6,000 in use, 5,000 at the start
         assert {out[n]["gpu_mib_of"] for n in "ab"} == {"device"}
+
+
+@pytest.mark.parametrize("side_by_side", [True, False])
+def test_the_schedule_runs_as_groups_or_one_stage_at_a_time(tmp_path, monkeypatch, side_by_side):
+    """``rehearse`` hands run_group the SCHEDULE's groups, or (``--one-at-a-time``) each stage alone in that order."""
+    calls: list = []
+
+    def fake_group(jobs, log_dir, gpu):
+        calls.append([name for name, _, _ in jobs])
+        return {name: {"wall_s": 1.0} for name, _, _ in jobs}
+
+    monkeypatch.setattr(rehearsal, "run_group", fake_group)
+    monkeypatch.setattr(rehearsal, "write_data", lambda *args: None)
+    size = dict(rehearsal.SIZES["cpu_smoke"])
+    result = rehearsal.rehearse(tmp_path / "r", size, side_by_side=side_by_side)
+    order = [name for group in rehearsal.SCHEDULE for name in group]
+    assert calls == ([list(g) for g in rehearsal.SCHEDULE] if side_by_side else [[name] for name in order])
+    assert list(result["stages"]) == ["data", *order] and result["settings"]["side_by_side"] is side_by_side
+
+
+def test_one_at_a_time_flag_reaches_rehearse(tmp_path, monkeypatch):
+    seen: list = []
+    fake = {"total_s": 1.0, "epoch_time_ratio": {}}
+    monkeypatch.setattr(rehearsal, "rehearse", lambda out, size, side_by_side=True: seen.append(side_by_side) or fake)
+    for argv in (["--cpu-smoke", "--out", str(tmp_path)], ["--cpu-smoke", "--one-at-a-time", "--out", str(tmp_path)]):
+        assert rehearsal.main(argv) == 0
+    assert seen == [True, False]
