@@ -44,6 +44,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Optional, Sequence
 
+from meta.infra import nvidia_smi
+
 REPO = Path(__file__).resolve().parents[1]
 
 SIZES = {
@@ -274,30 +276,20 @@ def _process_tree(pid: int) -> dict[int, float]:
 
 
 def _gpu_used_mib() -> Optional[float]:
+    """Device 0's memory in use (MiB, ``nvidia-smi --query-gpu``); None where nvidia-smi cannot say."""
+    rows = nvidia_smi.query("--query-gpu=memory.used", "-i", "0")
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        return float(out.stdout.strip().splitlines()[0])
-    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return float(rows[0][0]) if rows else None
+    except ValueError:
         return None
 
 
 def _gpu_apps_mib() -> Optional[dict[int, float]]:
     """``{pid: device MiB}`` of the processes using the GPU (``nvidia-smi --query-compute-apps``); None on failure."""
+    rows = nvidia_smi.query("--query-compute-apps=pid,used_memory")
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        rows = [line.split(",") for line in out.stdout.strip().splitlines() if line.strip()]
-        return {int(pid): float(mib) for pid, mib in rows}
-    except (OSError, ValueError, subprocess.SubprocessError):
+        return None if rows is None else {int(pid): float(mib) for pid, mib in rows}
+    except ValueError:
         return None
 
 

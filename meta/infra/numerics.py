@@ -237,19 +237,10 @@ def _package_versions() -> dict[str, Optional[str]]:
 
 
 def _nvidia_driver() -> Optional[str]:
-    import subprocess
+    from meta.infra import nvidia_smi
 
-    try:
-        text = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout
-        return text.strip().splitlines()[0] if text.strip() else None
-    except (OSError, subprocess.SubprocessError):
-        return None
+    rows = nvidia_smi.query("--query-gpu=driver_version")
+    return rows[0][0] if rows else None
 
 
 def probe() -> dict[str, str]:
