@@ -11,7 +11,7 @@
 #              16 vs 4 tasks)                                                                    cap PROFILE_S=240
 #   tests      the gpu-marked tests (OUT/pytest_gpu.txt)                                         cap TESTS_S=120
 # and OUT/machine.txt (GPU, driver, CPU model, torch).  Figures land in OUT/fig (FIGURES_DIR).
-# With ~15 device-minutes a session, starts included: call 1 "tests profile" (every step and CHC figure), call 2
+# Two calls give every figure: call 1 "tests profile" (every step and CHC figure), call 2
 # "rehearsal"; "check" (the bench's fp32/bf16 tables for the planner) when a third call fits.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
