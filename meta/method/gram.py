@@ -116,10 +116,10 @@ def double_backward_attention(low_precision: bool = False) -> Iterator[None]:
     """Run attention with the MATH SDPA kernel (the one with a double backward).
 
     That kernel upcasts bf16/fp16 queries, keys and values to fp32 for its products and softmax (PyTorch's
-    ``_scaled_dot_product_attention_math`` in pytorch/pytorch aten/src/ATen/native/transformers/attention.cpp), so under autocast
-    the support pass's attention runs fp32 matrix products without tensor cores.  ``low_precision`` keeps them in
-    the inputs' dtype (``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp``, process-wide, restored on
-    exit); fp32 inputs are unaffected either way.
+    ``_scaled_dot_product_attention_math`` in pytorch/pytorch aten/src/ATen/native/transformers/attention.cpp), so
+    under autocast the support pass's attention runs fp32 matrix products without tensor cores.  ``low_precision``
+    keeps them in the inputs' dtype (``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp``, process-wide,
+    restored on exit); fp32 inputs are unaffected either way.
     """
     before = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
     with sdpa_kernel(SDPBackend.MATH):
