@@ -14,7 +14,8 @@
    and ``torchvision.io.decode_jpeg(device="cuda")`` on lists of ``--decode-batch`` images with the resize on the
    GPU; then CHC's own path (``CHC.IMAGES.DECODER torchvision``, :func:`chc_rates`): its decoder alone and end to end
    with the ViT-B/16 image tower under bf16.  Decoding is what bounded CHC's image stage on a GPU (the image tower
-   alone runs ~6,000 img/s on an H200).
+   alone runs ~6,000 img/s on an H200).  And the rate of reading those JPEGs' bytes from webdataset shards at 1 and
+   4 threads (``CHC.IMAGES.READ_THREADS``, :func:`read_rates`), from storage and from the page cache.
 
 Prints one JSON object as the last line (``--out`` also writes it).  CUDA only: without it one line, exit 2.
 """
@@ -118,10 +119,54 @@ class InMemoryImages:
     def __len__(self) -> int:
         return len(self.blobs)
 
-    def read_image_bytes(self, indices, reasons: list | None = None, max_bytes: int = 0) -> list:
+    def read_image_bytes(self, indices, reasons: list | None = None, max_bytes: int = 0, threads: int = 1) -> list:
         if reasons is not None:
             reasons.extend([""] * len(indices))
         return [self.blobs[int(i)] for i in indices]
+
+
+def read_rates(jpegs: list[bytes], threads: tuple[int, ...] = (1, 4), copies: int = 8, shard_size: int = 512) -> dict:
+    """Images per second of reading CHC's image bytes from webdataset shards
+    (:meth:`meta.chc.sources.PairIndex.read_image_bytes`, ``CHC.IMAGES.READ_THREADS``) at each count of ``threads``:
+    ``jpegs`` written ``copies`` times into shards of ``shard_size`` pairs in a temporary folder, read once after the
+    shards' pages were dropped from the page cache (``posix_fadvise DONTNEED``; a virtual disk may still be cached by
+    its host, so this is the rate of storage at least that fast) and once from the page cache."""
+    import os
+    import tarfile
+    import tempfile
+
+    from meta.chc.sources import build_index
+
+    def member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+
+    blobs = [jpegs[i % len(jpegs)] for i in range(len(jpegs) * copies)]
+    out: dict = {"images": len(blobs), "jpeg_kib_mean": round(sum(map(len, blobs)) / len(blobs) / 1024, 1)}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = []
+        for k in range(0, len(blobs), shard_size):
+            paths.append(f"{tmp}/shard-{k // shard_size:05d}.tar")
+            with tarfile.open(paths[-1], "w") as tar:
+                for i in range(k, min(k + shard_size, len(blobs))):
+                    member(tar, f"{i:08d}.jpg", blobs[i])
+                    member(tar, f"{i:08d}.txt", b"a photo")
+        index = build_index(shards=paths, show_progress=False)
+        for n in threads:
+            for cache in ("evicted", "cached"):
+                if cache == "evicted":
+                    for path in paths:
+                        fd = os.open(path, os.O_RDONLY)
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                        os.close(fd)
+                start = time.perf_counter()
+                got = index.read_image_bytes(range(len(index)), threads=n)
+                seconds = time.perf_counter() - start
+                if got != blobs:
+                    raise RuntimeError("read_rates: the bytes read are not the bytes written")
+                out[f"read_{cache}_threads{n}_img_s"] = round(len(blobs) / seconds, 1)
+    return out
 
 
 def chc_rates(
@@ -390,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         jpegs = synthetic_jpegs(args.decode_images)
         result["decode"] = decode_rates(jpegs, args.threads, args.decode_batch)
         result["decode"].update(chc_rates(jpegs, args.decode_batch))
+        result["decode"].update(read_rates(jpegs))  # the bytes CHC's decoder starts from, read from shards
         print(json.dumps({"decode": result["decode"]}), flush=True)
         save("decode")
     from gram_tools.bench_gpu import _sig, matmul_tflops

@@ -125,6 +125,7 @@ def _chc_node() -> CN:
     chc.IMAGES.CHUNK_SIZE = 2048  # images per cached chunk (resume granularity)
     chc.IMAGES.CACHE_MAX_GB = 2.0  # keep decoded uint8 [N, H, W, 3] on disk if it fits; 0 = never
     chc.IMAGES.DECODE_WORKERS = 0  # decoding threads per rank (JPEG decode ~100-140/s per core here)
+    chc.IMAGES.READ_THREADS = 4  # threads reading a chunk's image bytes side by side (same bytes; PairIndex)
     # pil (reference, CPU) | torchvision: JPEGs decoded and resized on the CHC device (nvJPEG batches on CUDA;
     # meta/chc/tensor_decode.py); other formats and refused JPEGs by the reference
     chc.IMAGES.DECODER = "pil"

@@ -521,3 +521,31 @@ def test_the_torchvision_decoder_encodes_the_same_images_to_the_same_features(ch
     with pytest.raises(ZeroDivisionError):
         run.stage_image_features(*run.stage_index())
     assert calls == ["torchvision"]
+
+
+@pytest.mark.slow
+def test_read_threads_reach_the_image_stage_and_leave_its_cache_valid(chc_run, tmp_path, monkeypatch):
+    """CHC.IMAGES.READ_THREADS is passed to encode_rank; it changes no byte, so it is not in the stage's fingerprint:
+    the reference run (4 threads, the default) is reused at 1 thread, and a fresh stage gets the configured count."""
+    import shutil
+
+    import meta.chc.pipeline as pipeline
+
+    out_ref, cfg_ref, _ = chc_run
+    assert cfg_ref.CHC.IMAGES.READ_THREADS == 4
+    shutil.copytree(out_ref, tmp_path / "out")
+    cfg = cfg_ref.clone()
+    cfg.CHC.OUTPUT_DIR = str(tmp_path / "out")
+    cfg.CHC.IMAGES.READ_THREADS = 1
+    calls = []
+    monkeypatch.setattr(pipeline, "encode_rank", lambda *a, **k: calls.append(k["read_threads"]) or 1 / 0)
+    run = pipeline.ChcRun(cfg, show_progress=False)
+    index, index_fp = run.stage_index()
+    run.stage_image_features(index, index_fp)  # cached under 4 threads, reused under 1
+    assert calls == []
+    (tmp_path / "out" / "image_features.done.json").unlink()  # the stage is to run again
+    cfg.CHC.IMAGES.READ_THREADS = 3
+    run = pipeline.ChcRun(cfg, show_progress=False)
+    with pytest.raises(ZeroDivisionError):
+        run.stage_image_features(index, index_fp)
+    assert calls == [3]

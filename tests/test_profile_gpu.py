@@ -81,3 +81,15 @@ def test_profile_steps_runs_on_a_cpu_and_reports_the_products_the_key_moves():
     fp32 = default["products_by_dtype"]["float32"]
     assert 0 < lowp["products_by_dtype"]["float32"] < fp32
     assert sum(lowp["products_by_dtype"].values()) == sum(default["products_by_dtype"].values())
+
+
+def test_read_rates_read_back_the_shards_they_wrote_at_each_thread_count():
+    """read_rates writes the JPEGs into shards, reads them back through CHC's PairIndex (it raises if one byte
+    differs) and reports a rate per thread count, from storage and from the page cache."""
+    jpegs = profile_gpu.synthetic_jpegs(5, width=40, height=30)
+    rates = profile_gpu.read_rates(jpegs, threads=(1, 3), copies=7, shard_size=8)  # 35 images in 5 shards
+    assert rates["images"] == 35
+    assert rates["jpeg_kib_mean"] == round(sum(map(len, jpegs)) / 5 / 1024, 1)
+    keys = {f"read_{cache}_threads{n}_img_s" for n in (1, 3) for cache in ("evicted", "cached")}
+    assert set(rates) == keys | {"images", "jpeg_kib_mean"}
+    assert all(rates[k] > 0 for k in keys)

@@ -103,6 +103,7 @@ def encode_rank(
     max_pixels: int = MAX_IMAGE_PIXELS,
     max_aspect: float = MAX_IMAGE_ASPECT,
     decoder: str = "pil",
+    read_threads: int = 1,
 ) -> dict:
     """Encode this rank's items; resumes from the last finished chunk.
 
@@ -119,6 +120,8 @@ def encode_rank(
             elongated image not decoded; unreadable, counted by reason.
         decoder: ``CHC.IMAGES.DECODER``: ``pil`` (the reference, :func:`meta.chc.imaging.decode_batch`) or
             ``torchvision`` (JPEGs decoded and resized on ``device``: :mod:`meta.chc.tensor_decode`).
+        read_threads: ``CHC.IMAGES.READ_THREADS``: threads reading a chunk's bytes side by side
+            (:meth:`~meta.chc.sources.PairIndex.read_image_bytes`; the same bytes in the same order).
 
     Returns ``{"items": n_r, "unreadable": count, "unreadable_by_reason": {reason: count}}`` for the rank.
     """
@@ -142,7 +145,7 @@ def encode_rank(
     def prepare(start: int, end: int) -> tuple:
         """Read and decode the chunk ``[start, end)``: ``(pixels, ok, reasons)``."""
         read_why: list = []
-        blobs = index.read_image_bytes(items[start:end], read_why, max_bytes)
+        blobs = index.read_image_bytes(items[start:end], read_why, max_bytes, read_threads)
         decode_why: list = []
         if decoder == "torchvision":
             pixels, ok = decode_batch_tensor(

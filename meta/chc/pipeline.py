@@ -282,6 +282,7 @@ class ChcRun:
             image_root=self.chc.INPUT.IMAGE_ROOT,
             **caps,
             decoder=imgs.DECODER,
+            read_threads=imgs.READ_THREADS,
         )
         self._timed("image_features", time.time() - t0, stats["items"])
         self.barrier()

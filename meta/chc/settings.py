@@ -37,6 +37,7 @@ INT_RANGES = {
     "IMAGES.BATCH_SIZE": (1, None),
     "IMAGES.CHUNK_SIZE": (1, None),
     "IMAGES.DECODE_WORKERS": (0, None),  # 0 = decode in the calling thread
+    "IMAGES.READ_THREADS": (1, None),  # 1 = read in the calling thread
     "DOMAINS.NUM": (1, None),
     "DOMAINS.MIN_PER_DOMAIN": (1, None),
     "DOMAINS.MINIBATCH_ABOVE": (0, None),

@@ -62,6 +62,7 @@ import os
 import re
 import stat
 import tarfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
@@ -75,6 +76,7 @@ from meta.infra.fileio import parse_json
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 MAX_ISSUE_LINES = 5  # line numbers (manifests) or keys (shards) kept per problem in ``issues``
 KIND_TAR, KIND_FILE = 0, 1
+MIN_ITEMS_PER_READ_THREAD = 16  # a shorter run is read by fewer threads (a thread per handful of images costs more)
 
 
 @dataclass
@@ -198,19 +200,44 @@ class PairIndex:
 
     # ---------------------------------------------------------------- reading bytes
     def read_image_bytes(
-        self, indices: Iterable[int], reasons: Optional[list] = None, max_bytes: int = MAX_IMAGE_BYTES
+        self,
+        indices: Iterable[int],
+        reasons: Optional[list] = None,
+        max_bytes: int = MAX_IMAGE_BYTES,
+        threads: int = 1,
     ) -> list:
         """Raw image bytes of ``indices`` in order; ``None`` where the file cannot be read.
 
         ``reasons``, if given, receives one string per index: ``""`` when bytes were read,
         else why not (``FileNotFoundError``, ``PermissionError``, ``short read``, ...); an image
         file or tar member larger than ``max_bytes`` bytes is not read (:func:`too_large_reason`).
+
+        ``threads`` > 1 (``CHC.IMAGES.READ_THREADS``) splits ``indices`` into that many contiguous runs read side by
+        side, each with its own file handles (a run stays sequential within its shards; ``read()`` releases the
+        GIL, so storage that serves parallel requests better than one - network file systems, cold disks - is
+        read faster).  The bytes and the reasons are the same, in the same order, as with one thread.
         """
-        out = []
+        indices = [int(i) for i in indices]
+        threads = max(1, min(int(threads), len(indices) // MIN_ITEMS_PER_READ_THREAD))
+        if threads == 1:
+            out, why = self._read_run(indices, max_bytes)
+        else:
+            step = -(-len(indices) // threads)
+            runs = [indices[k : k + step] for k in range(0, len(indices), step)]
+            with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+                parts = list(pool.map(lambda run: self._read_run(run, max_bytes), runs))
+            out = [b for blobs, _ in parts for b in blobs]
+            why = [w for _, whys in parts for w in whys]
+        if reasons is not None:
+            reasons.extend(why)
+        return out
+
+    def _read_run(self, indices: Sequence[int], max_bytes: int) -> tuple[list, list]:
+        """``(bytes or None, reason)`` per index, read one after another with handles of its own."""
+        out, reasons = [], []
         handles: dict = {}
         try:
             for i in indices:
-                i = int(i)
                 src = int(self.item_source[i])
                 why = ""
                 try:
@@ -233,12 +260,11 @@ class PairIndex:
                 except OSError as err:
                     data, why = None, type(err).__name__
                 out.append(data)
-                if reasons is not None:
-                    reasons.append(why)
+                reasons.append(why)
         finally:
             for fh in handles.values():
                 fh.close()
-        return out
+        return out, reasons
 
     def image_location(self, i: int) -> str:
         """Where pair ``i``'s image is read from: its file path, or ``shard.tar:<key>``."""
