@@ -361,20 +361,9 @@ class _GramTrainer(TrainerX):
 
     def save_model(self, epoch, directory, is_best=False, val_result=None, model_name="") -> None:
         for name in self.get_model_names():
-            path = save_checkpoint(
-                directory,
-                name,
-                epoch + 1,
-                self._models[name],
-                self._optims[name],
-                self._scheds[name],
-                val_result=val_result,
-                extra=self._checkpoint_meta(),
-                filename=model_name,
-            )
-            print(f"Checkpoint saved to {path}")
-            if is_best and path.name != "model-best.pth.tar":
-                save_checkpoint(
+
+            def save(filename: str, name=name) -> Path:
+                return save_checkpoint(
                     directory,
                     name,
                     epoch + 1,
@@ -383,8 +372,13 @@ class _GramTrainer(TrainerX):
                     self._scheds[name],
                     val_result=val_result,
                     extra=self._checkpoint_meta(),
-                    filename="model-best.pth.tar",
+                    filename=filename,
                 )
+
+            path = save(model_name)
+            print(f"Checkpoint saved to {path}")
+            if is_best and path.name != "model-best.pth.tar":
+                save("model-best.pth.tar")
 
     def load_model(self, directory, epoch=None) -> None:
         """Load θ for evaluation (weights_only; works for other classes than the ones trained on)."""
