@@ -125,12 +125,15 @@ class InMemoryImages:
         return [self.blobs[int(i)] for i in indices]
 
 
-def read_rates(jpegs: list[bytes], threads: tuple[int, ...] = (1, 4), copies: int = 8, shard_size: int = 512) -> dict:
+def read_rates(
+    jpegs: list[bytes], threads: tuple[int, ...] = (1, 4), copies: int = 8, shard_size: int = 512, repeats: int = 3
+) -> dict:
     """Images per second of reading CHC's image bytes from webdataset shards
     (:meth:`meta.chc.sources.PairIndex.read_image_bytes`, ``CHC.IMAGES.READ_THREADS``) at each count of ``threads``:
     ``jpegs`` written ``copies`` times into shards of ``shard_size`` pairs in a temporary folder, read once after the
     shards' pages were dropped from the page cache (``posix_fadvise DONTNEED``; a virtual disk may still be cached by
-    its host, so this is the rate of storage at least that fast) and once from the page cache."""
+    its host, so this is the rate of storage at least that fast) and once from the page cache; the median of
+    ``repeats`` rounds, the thread counts taking turns within a round."""
     import os
     import tarfile
     import tempfile
@@ -153,19 +156,23 @@ def read_rates(jpegs: list[bytes], threads: tuple[int, ...] = (1, 4), copies: in
                     member(tar, f"{i:08d}.jpg", blobs[i])
                     member(tar, f"{i:08d}.txt", b"a photo")
         index = build_index(shards=paths, show_progress=False)
-        for n in threads:
-            for cache in ("evicted", "cached"):
-                if cache == "evicted":
-                    for path in paths:
-                        fd = os.open(path, os.O_RDONLY)
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                        os.close(fd)
-                start = time.perf_counter()
-                got = index.read_image_bytes(range(len(index)), threads=n)
-                seconds = time.perf_counter() - start
-                if got != blobs:
-                    raise RuntimeError("read_rates: the bytes read are not the bytes written")
-                out[f"read_{cache}_threads{n}_img_s"] = round(len(blobs) / seconds, 1)
+        rates: dict = {}
+        for _ in range(repeats):
+            for n in threads:
+                for cache in ("evicted", "cached"):
+                    if cache == "evicted":
+                        for path in paths:
+                            fd = os.open(path, os.O_RDONLY)
+                            os.fsync(fd)  # written back first: the page cache keeps dirty pages whatever it is told
+                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                            os.close(fd)
+                    start = time.perf_counter()
+                    got = index.read_image_bytes(range(len(index)), threads=n)
+                    seconds = time.perf_counter() - start
+                    if got != blobs:
+                        raise RuntimeError("read_rates: the bytes read are not the bytes written")
+                    rates.setdefault(f"read_{cache}_threads{n}_img_s", []).append(len(blobs) / seconds)
+    out.update({key: round(statistics.median(values), 1) for key, values in rates.items()})
     return out
 
 

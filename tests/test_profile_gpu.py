@@ -87,7 +87,7 @@ def test_read_rates_read_back_the_shards_they_wrote_at_each_thread_count():
     """read_rates writes the JPEGs into shards, reads them back through CHC's PairIndex (it raises if one byte
     differs) and reports a rate per thread count, from storage and from the page cache."""
     jpegs = profile_gpu.synthetic_jpegs(5, width=40, height=30)
-    rates = profile_gpu.read_rates(jpegs, threads=(1, 3), copies=7, shard_size=8)  # 35 images in 5 shards
+    rates = profile_gpu.read_rates(jpegs, threads=(1, 3), copies=7, shard_size=8, repeats=2)  # 35 images, 5 shards
     assert rates["images"] == 35
     assert rates["jpeg_kib_mean"] == round(sum(map(len, jpegs)) / 5 / 1024, 1)
     keys = {f"read_{cache}_threads{n}_img_s" for n in (1, 3) for cache in ("evicted", "cached")}
