@@ -308,7 +308,8 @@ def profile_steps(
 
     ``lowp_attention``: ``MetaSpec.support_attention_lowp`` (``META.SUPPORT_ATTENTION_LOWP``); ``matmul_peak``: the
     run's own matmul TFLOP/s (> 0 adds the step's FLOP count, achieved TFLOP/s and their fraction of it);
-    ``more_tasks`` > 0: also the step of that many stacked tasks and its time over the default meta-batch's.
+    ``more_tasks`` > 0: also the step of that many stacked tasks, its time over the default meta-batch's and (with
+    ``matmul_peak``) its FLOPs and fraction of the matmul rate.
     ``device`` / ``model`` / ``size`` (task size keys of :func:`gram_tools.bench_gpu.task_size` to override): a CPU,
     a test CLIP and small tasks run the same code in CI (no kernel rows there).  ``weights``: the frozen CLIP's dtype
     (``MODEL.PRECISION``: ``fp32`` | ``bf16``)."""
@@ -395,6 +396,14 @@ def profile_steps(
             out[name].update(
                 {f"tasks_{more_tasks}_step_s": round(more, 4), f"tasks_{more_tasks}_over_{b}": round(more / seconds, 3)}
             )
+            if matmul_peak > 0:  # its FLOPs (each stacked task's graph is its own: linear in the tasks) and its rate
+                tflop_many = step_tflop(step_many)
+                out[name].update(
+                    {
+                        f"tasks_{more_tasks}_tflop": _sig(tflop_many),
+                        f"tasks_{more_tasks}_matmul_fraction": _sig(tflop_many / more / matmul_peak),
+                    }
+                )
             del many
         del ml
         torch.cuda.empty_cache()

@@ -75,6 +75,9 @@ def test_profile_steps_runs_on_a_cpu_and_reports_the_products_the_key_moves():
         assert row["step_s"] > 0 and row["tflop"] > 0 and row["tasks_3_step_s"] > 0 and row["tasks_3_over_2"] > 0
         assert row["matmul_fraction"] == pytest.approx(row["tflops_achieved"], rel=1e-3)  # peak 1.0
         assert row["kernel_ms_per_step"] == 0 and row["top_kernels"] == []  # no CUDA kernels on a CPU
+        # the 3-task step's FLOPs are 3/2 of the 2-task step's (each task's graph is its own), its rate read off them
+        assert row["tasks_3_tflop"] == pytest.approx(1.5 * row["tflop"], rel=2e-3)
+        assert row["tasks_3_matmul_fraction"] == pytest.approx(row["tasks_3_tflop"] / row["tasks_3_step_s"], rel=2e-3)
     # the frozen CLIP in bf16 (--bf16-weights): the same products, all in bf16 but R_φ's
     weights = profile_gpu.profile_steps(["vpt"], "bf16", False, lowp_attention=True, weights="bf16", **kwargs)["vpt"]
     assert weights["products_by_dtype"] == lowp["products_by_dtype"]
