@@ -262,6 +262,43 @@ def test_reading_a_path_replaced_by_a_fifo_or_device_after_indexing(tmp_path):
     assert reasons == ["not a regular file", "not a regular file"]
 
 
+def test_shards_naming_special_files_are_skipped_and_never_opened(tmp_path):
+    """A shard glob that matches a FIFO, a link to /dev/zero or /dev/urandom, or a folder: each is counted and listed,
+    never opened (tarfile.open blocked on the FIFO and read the devices for ever), and the regular shard is indexed."""
+    from meta.chc.report import skipped_input_rows
+
+    write_shard(tmp_path / "s-0.tar", ["a red square", "a blue square"], [png_bytes(RED), png_bytes(BLUE)])
+    os.mkfifo(tmp_path / "s-1.tar")
+    os.symlink("/dev/zero", tmp_path / "s-2.tar")
+    os.symlink("/dev/urandom", tmp_path / "s-3.tar")
+    (tmp_path / "s-4.tar").mkdir()
+    with deadline(20):
+        index = build_index(shards=[str(tmp_path / "s-*.tar")], show_progress=False)
+    assert index.captions == ["a red square", "a blue square"]
+    assert index.counts["shards_not_regular_file"] == 4 and index.counts["corrupt_shards"] == 0
+    problems = {os.path.basename(i["source"]): i["problem"] for i in index.issues}
+    assert problems == {
+        "s-1.tar": "shard is not a regular file (FIFO; never opened)",
+        "s-2.tar": "shard is not a regular file (character device; never opened)",
+        "s-3.tar": "shard is not a regular file (character device; never opened)",
+        "s-4.tar": "shard is not a regular file (folder; never opened)",
+    }
+    rows = skipped_input_rows(index.counts, index.issues, {}, 500)
+    row = next(r for r in rows if r["action"] == "shard skipped (never opened)")
+    assert row["count"] == 4 and "FIFO" in row["reason"]
+
+
+def test_a_shard_replaced_by_a_fifo_after_indexing_makes_its_images_unreadable_not_a_hang(tmp_path):
+    write_shard(tmp_path / "s-0.tar", ["a red square", "a blue square"], [png_bytes(RED), png_bytes(BLUE)])
+    index = build_index(shards=[str(tmp_path / "s-*.tar")], show_progress=False)
+    (tmp_path / "s-0.tar").unlink()
+    os.mkfifo(tmp_path / "s-0.tar")
+    reasons: list = []
+    with deadline(20):
+        assert index.read_image_bytes([0, 1], reasons) == [None, None]
+    assert reasons == ["not a regular file", "not a regular file"]
+
+
 def test_manifest_that_is_not_a_regular_file_is_one_line(tmp_path):
     os.mkfifo(tmp_path / "m.csv")
     with deadline(20), pytest.raises(FileNotFoundError, match=r"^CHC.INPUT.MANIFEST: not a regular file \(FIFO\)"):

@@ -41,6 +41,11 @@ _INDEX_REASONS = (
         "group skipped (first complete pair kept)",
     ),
     (
+        "shards_not_regular_file",
+        "shard path names a FIFO, device, socket or folder (symlinks followed)",
+        "shard skipped (never opened)",
+    ),
+    (
         "skipped_not_regular_file",
         "manifest image path names a FIFO, device, socket or folder",
         "pair skipped (never opened)",

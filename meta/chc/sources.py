@@ -30,6 +30,10 @@ damaged files are listed in ``issues``:
   caption, metadata), else it opens a new group; the first group with an image and a
   non-empty caption is the pair, every other group of the key is ``skipped_duplicate_key``
   (never an image with another group's caption);
+* a shard path that is not a regular file (a FIFO, a device such as ``/dev/zero``, a socket, a folder;
+  symlinks followed) is never opened: counted in ``shards_not_regular_file`` and listed in ``issues``;
+  image bytes are read from shards opened the same way (:func:`open_regular`), so a shard replaced by one
+  after indexing makes its images unreadable (``not a regular file``) instead of blocking;
 * a manifest row whose image path is not a regular file (a FIFO, a device such as
   ``/dev/zero``, a socket, a folder; symlinks followed) is ``skipped_not_regular_file``:
   checked with ``os.stat``, never opened (``open()`` on a FIFO blocks, a device reads
@@ -65,7 +69,7 @@ import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import BinaryIO, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -246,7 +250,7 @@ class PairIndex:
                     elif self.source_kind[src] == KIND_TAR:
                         fh = handles.get(src)
                         if fh is None:
-                            fh = handles[src] = open(self.sources[src], "rb")
+                            fh = handles[src] = open_regular(self.sources[src])  # never a FIFO or a device
                         fh.seek(int(self.item_offset[i]))
                         data = fh.read(int(self.item_size[i]))
                         if len(data) != int(self.item_size[i]):
@@ -316,21 +320,21 @@ def too_large_reason(max_bytes: int) -> str:
     return f"file larger than {max_bytes} bytes"
 
 
-def _check_regular(path: str, st: os.stat_result, max_bytes: int) -> None:
-    """Raise unless ``st`` (of ``path``) is a regular file of at most ``max_bytes`` bytes."""
+def _check_regular(path: str, st: os.stat_result, max_bytes: Optional[int]) -> None:
+    """Raise unless ``st`` (of ``path``) is a regular file of at most ``max_bytes`` bytes (``None``: any size)."""
     if not stat.S_ISREG(st.st_mode):
         raise NotRegularFileError(f"{path}: not a regular file ({file_type(path)})")
-    if st.st_size > max_bytes:
+    if max_bytes is not None and st.st_size > max_bytes:
         raise FileTooLargeError(f"{path}: expected an image file of at most {max_bytes} bytes, got {st.st_size}")
 
 
-def read_regular_file(path: str, max_bytes: int = MAX_IMAGE_BYTES) -> bytes:
-    """The bytes of ``path``, refusing anything but a regular file of at most ``max_bytes`` bytes, without blocking.
+def open_regular(path: str, max_bytes: Optional[int] = None) -> BinaryIO:
+    """``path`` opened for reading bytes, refusing anything but a regular file (of at most ``max_bytes`` bytes),
+    without blocking.
 
-    ``os.stat`` first (a FIFO is never opened: ``open()`` on one blocks until a writer comes,
-    and a device such as ``/dev/zero`` reads until memory runs out; a file over the cap is never
-    read), then the file is opened non-blocking and checked again with ``fstat`` (it may have been
-    replaced in between), and at most ``max_bytes + 1`` bytes are read (it may grow meanwhile).
+    ``os.stat`` first (a FIFO is never opened: ``open()`` on one blocks until a writer comes, and a device such as
+    ``/dev/zero`` reads until memory runs out), then the file is opened non-blocking and checked again with
+    ``fstat`` (it may have been replaced in between).
 
     Raises:
         OSError: the file is missing or unreadable; :class:`NotRegularFileError` for a special file;
@@ -338,8 +342,25 @@ def read_regular_file(path: str, max_bytes: int = MAX_IMAGE_BYTES) -> bytes:
     """
     _check_regular(path, os.stat(path), max_bytes)
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    with os.fdopen(fd, "rb") as fh:
+    fh = os.fdopen(fd, "rb")
+    try:
         _check_regular(path, os.fstat(fd), max_bytes)
+    except BaseException:
+        fh.close()
+        raise
+    return fh
+
+
+def read_regular_file(path: str, max_bytes: int = MAX_IMAGE_BYTES) -> bytes:
+    """The bytes of ``path``, refusing anything but a regular file of at most ``max_bytes`` bytes, without blocking
+    (:func:`open_regular`: a file over the cap is never read); at most ``max_bytes + 1`` bytes are read (the file may
+    grow meanwhile).
+
+    Raises:
+        OSError: the file is missing or unreadable; :class:`NotRegularFileError` for a special file;
+        :class:`FileTooLargeError` for a file over ``max_bytes``.
+    """
+    with open_regular(path, max_bytes) as fh:
         data = fh.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise FileTooLargeError(f"{path}: expected an image file of at most {max_bytes} bytes, got more")
@@ -448,13 +469,33 @@ def scan_tar(path: str, counts: dict, issues: Optional[list] = None) -> list:
         file_size = os.path.getsize(path)
     except OSError:
         file_size = 0
+    tar = None
     try:
-        tar = tarfile.open(path, mode="r:")
-    except Exception as err:  # noqa: BLE001 - any failure to open is this shard's problem
+        handle = open_regular(path)
+    except NotRegularFileError:
+        _bump(counts, "shards_not_regular_file")
+        if issues is not None:
+            issues.append(
+                {
+                    "source": os.path.abspath(path),
+                    "problem": f"shard is not a regular file ({file_type(path)}; never opened)",
+                    "offset": 0,
+                    "bytes_unread": 0,
+                    "cut_short": False,
+                    "pairs_read": 0,
+                }
+            )
+        return []
+    except OSError as err:
         damage = (0, f"cannot open as a tar file ({type(err).__name__}: {err})")
-        tar = None
+    else:
+        try:
+            tar = tarfile.open(fileobj=handle, mode="r:")
+        except Exception as err:  # noqa: BLE001 - any failure to open is this shard's problem
+            damage = (0, f"cannot open as a tar file ({type(err).__name__}: {err})")
+            handle.close()
     if tar is not None:
-        with tar:
+        with handle, tar:
             while True:
                 try:
                     member = tar.next()
