@@ -64,7 +64,9 @@ def _chc_node() -> CN:
     # "../" climbing out, a link pointing out) are skipped and counted as skipped_outside_root; True reads them.
     chc.INPUT.ALLOW_OUTSIDE_ROOT = False
     chc.INPUT.MAX_PAIRS = 0  # 0 = all; else the first N pairs (smoke runs)
-    chc.INPUT.MAX_FIELD_CHARS = 10_000_000  # longest CSV/TSV field; longer = one-line error (an unbalanced quote)
+    # longest CSV/TSV field; longer = one-line error (an unbalanced quote).  Also the byte cap of a shard's caption
+    # (.txt) or metadata (.json) member: a larger one is never read, its pair skipped / its metadata dropped (counted)
+    chc.INPUT.MAX_FIELD_CHARS = 10_000_000
     # Stop (one line naming the path tried and the key that sets it) when more than this fraction of a rank's
     # first image chunk is unreadable: a wrong IMAGE_ROOT or relative base, not bad images.  1.0 = never stop.
     chc.INPUT.MAX_UNREADABLE_FRACTION = 0.9

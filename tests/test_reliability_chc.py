@@ -516,3 +516,44 @@ def test_garbled_or_cut_outputs_name_the_file_and_what_was_expected(finished_out
     (out / "index" / "items.jsonl").write_text('["0000", "", "a red square", ""]\n')  # 1 pair, not 3
     (line,) = _one_line_error(lambda: load_hierarchy(out))
     assert line.startswith(f"error: {out / 'index'}: items.jsonl holds 1 pairs, items.npz 3")
+
+
+def test_caption_and_metadata_members_over_the_field_cap_are_never_read(tmp_path):
+    """A 300 MiB caption member took 5 GiB of memory to index; now a member over CHC.INPUT.MAX_FIELD_CHARS bytes is
+    not read: a caption skips its pair, a metadata member is dropped from a pair that is kept; both counted and
+    listed.  Members at the cap are read as before."""
+    from meta.chc.report import skipped_input_rows
+
+    cap = 64
+    path = tmp_path / "s-0.tar"
+    with tarfile.open(path, "w") as tar:
+        for key, caption, meta in [
+            ("a", b"a red square", b"{}"),
+            ("b", b"word " * 13, b"{}"),  # 65 bytes: over
+            ("c", b"x" * cap, b'{"k": "' + b"v" * cap + b'"}'),  # caption at the cap; metadata over
+            ("d", b"a blue square", b"{}"),
+        ]:
+            add_member(tar, f"{key}.png", png_bytes(RED))
+            add_member(tar, f"{key}.txt", caption)
+            add_member(tar, f"{key}.json", meta)
+    counts: dict = {}
+    issues: list = []
+    records = scan_tar(str(path), counts, issues, max_text_bytes=cap)
+    assert [(r[0], r[3], r[4]) for r in records] == [
+        ("a", "a red square", "{}"),
+        ("c", "x" * cap, ""),
+        ("d", "a blue square", "{}"),
+    ]
+    assert counts["skipped_caption_too_long"] == 1 and counts["metadata_too_long_dropped"] == 1
+    problems = {i["problem"]: i["keys"] for i in issues}
+    assert problems == {
+        f"caption member larger than CHC.INPUT.MAX_FIELD_CHARS={cap} bytes (never read)": ["b"],
+        f"metadata member larger than CHC.INPUT.MAX_FIELD_CHARS={cap} bytes (never read)": ["c"],
+    }
+    reasons = {r["reason"]: r["count"] for r in skipped_input_rows(counts, issues, {}, 500)}
+    assert reasons["shard caption member over CHC.INPUT.MAX_FIELD_CHARS bytes"] == 1
+    # build_index passes the key's value: the default reads all four
+    index = build_index(shards=[str(path)], show_progress=False)
+    assert len(index) == 4 and "skipped_caption_too_long" not in index.counts
+    index = build_index(shards=[str(path)], show_progress=False, max_field_chars=cap)
+    assert index.item_key == ["a", "c", "d"]

@@ -21,6 +21,16 @@ MERGE_RULE = (
 _INDEX_REASONS = (
     ("skipped_no_image", "pair without an image member / image value", "pair skipped"),
     ("skipped_empty_caption", "empty caption", "pair skipped"),
+    (
+        "skipped_caption_too_long",
+        "shard caption member over CHC.INPUT.MAX_FIELD_CHARS bytes",
+        "pair skipped (member never read)",
+    ),
+    (
+        "metadata_too_long_dropped",
+        "shard metadata (json) member over CHC.INPUT.MAX_FIELD_CHARS bytes",
+        "pair kept without its metadata (member never read)",
+    ),
     ("skipped_lost_in_corrupt_shard", "pair cut by the damage in a corrupt shard", "pair skipped"),
     (
         "pairs_lost_in_corrupt_shards_estimate",

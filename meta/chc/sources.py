@@ -53,6 +53,9 @@ damaged files are listed in ``issues``:
   caption or image value that is not text (a number, a list) is ``skipped_non_text_caption``
   / ``skipped_non_text_image``; a row repeating an earlier (image, caption) pair exactly
   is ``skipped_duplicate_pair``;
+* a shard's caption (``txt``) or metadata (``json``) member larger than ``CHC.INPUT.MAX_FIELD_CHARS``
+  bytes is never read: the pair is ``skipped_caption_too_long``, respectively kept without its metadata
+  (``metadata_too_long_dropped``), the keys listed in ``issues``;
 * a CSV field longer than ``CHC.INPUT.MAX_FIELD_CHARS`` stops with a one-line error
   naming the file and line (usually an unbalanced quote swallowing the rest of the file).
 """
@@ -453,13 +456,15 @@ def _first_complete(found: list) -> int:
     return 0
 
 
-def scan_tar(path: str, counts: dict, issues: Optional[list] = None) -> list:
+def scan_tar(path: str, counts: dict, issues: Optional[list] = None, max_text_bytes: int = 10_000_000) -> list:
     """Records ``(key, offset, size, caption, meta_json)`` of one shard, in member order.
 
     A damaged shard (see the module docstring) keeps the pairs read before the damage,
     counts ``corrupt_shards`` and, when ``issues`` is given, appends
     ``{"source", "problem", "offset", "bytes_unread", "pairs_read"}`` to it.  A pair
-    missing its image or caption is counted and dropped.
+    missing its image or caption is counted and dropped.  A caption (``txt``) or metadata (``json``) member larger
+    than ``max_text_bytes`` (``CHC.INPUT.MAX_FIELD_CHARS``) is never read: its pair is skipped
+    (``skipped_caption_too_long``), respectively kept without its metadata (``metadata_too_long_dropped``).
     """
     groups: dict = {}  # key -> its member groups, in order (more than one: a repeated key)
     order: list = []  # (key, group number) in the order groups were opened
@@ -522,6 +527,9 @@ def scan_tar(path: str, counts: dict, issues: Optional[list] = None) -> list:
                 g = _member_group(groups, order, key, kind)
                 if kind == "image":
                     g["image"] = (member.offset_data, member.size)
+                elif kind is not None and member.size > max_text_bytes:  # never read: a 2 GB "caption" eats memory
+                    g[ext] = ""
+                    g[f"{ext}_too_long"] = True
                 elif kind is not None:
                     try:
                         fh = tar.extractfile(member)
@@ -554,6 +562,7 @@ def scan_tar(path: str, counts: dict, issues: Optional[list] = None) -> list:
             )
     chosen = {key: _first_complete(found) for key, found in groups.items()}
     repeated: list = []
+    too_long: dict = {"txt": [], "json": []}  # keys whose caption / metadata member was over the cap
     records = []
     for key, number in order:
         g = groups[key][number]
@@ -569,6 +578,13 @@ def scan_tar(path: str, counts: dict, issues: Optional[list] = None) -> list:
         if "image" not in g:
             _bump(counts, "skipped_no_image")
             continue
+        if g.get("txt_too_long"):
+            _bump(counts, "skipped_caption_too_long")
+            too_long["txt"].append(key)
+            continue
+        if g.get("json_too_long"):
+            _bump(counts, "metadata_too_long_dropped")
+            too_long["json"].append(key)
         if not caption:
             _bump(counts, "skipped_empty_caption")
             continue
@@ -582,6 +598,16 @@ def scan_tar(path: str, counts: dict, issues: Optional[list] = None) -> list:
                 "keys": list(dict.fromkeys(repeated))[:MAX_ISSUE_LINES],
             }
         )
+    for ext, what in (("txt", "caption member larger than"), ("json", "metadata member larger than")):
+        if too_long[ext] and issues is not None:
+            issues.append(
+                {
+                    "source": os.path.abspath(path),
+                    "problem": f"{what} CHC.INPUT.MAX_FIELD_CHARS={max_text_bytes} bytes (never read)",
+                    "rows": len(too_long[ext]),
+                    "keys": too_long[ext][:MAX_ISSUE_LINES],
+                }
+            )
     return records
 
 
@@ -808,7 +834,7 @@ def build_index(
     for path in tqdm(shard_paths, desc="index shards", unit="shard", disable=not show_progress, dynamic_ncols=True):
         sid = len(sources)
         sources.append(os.path.abspath(path)), kinds.append(KIND_TAR)
-        for key, off, size, cap, mj in scan_tar(path, counts, issues):
+        for key, off, size, cap, mj in scan_tar(path, counts, issues, max_field_chars):
             src_ids.append(sid), offsets.append(off), sizes.append(size)
             keys.append(key), paths.append(""), caps.append(cap), metas.append(mj), stamps.append((0, 0, 0))
     if counts["corrupt_shards"]:
