@@ -143,7 +143,10 @@ def test_manifest_long_field_bom_bad_utf8_and_duplicates(tmp_path):
         "repeats an earlier (image, caption) row": [4, 5],
         "invalid UTF-8 (decoded with replacement characters)": [6],
     }
-    with pytest.raises(InputError, match=r"m.csv:2: a field longer than CHC.INPUT.MAX_FIELD_CHARS=1000"):
+    with pytest.raises(InputError, match=r"m.csv:2: a field longer than CHC.INPUT.MAX_FIELD_CHARS=30000 characters"):
+        scan_manifest(str(tmp_path / "m.csv"), "image", "caption", "", {}, max_field_chars=30_000)  # line < cap
+    # a line longer than 4 x 1000 + 64 KiB bytes is not even read (sources.max_line_bytes)
+    with pytest.raises(InputError, match=r"m.csv:2: a line longer than 69536 bytes, not read: a field longer than "):
         scan_manifest(str(tmp_path / "m.csv"), "image", "caption", "", {}, max_field_chars=1000)
     assert csv.field_size_limit() == 131072  # the process-wide limit is restored
 

@@ -8,6 +8,7 @@ import os
 import signal
 import tarfile
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from helpers import tiny_chc_args
 from helpers_chc import add_member, png_bytes, write_shard
 from PIL import Image
 
+from meta.chc.errors import InputError
 from meta.chc.imaging import decode_image_why
 from meta.chc.sources import KIND_FILE, PairIndex, build_index, scan_manifest, scan_tar
 
@@ -557,3 +559,40 @@ def test_caption_and_metadata_members_over_the_field_cap_are_never_read(tmp_path
     assert len(index) == 4 and "skipped_caption_too_long" not in index.counts
     index = build_index(shards=[str(path)], show_progress=False, max_field_chars=cap)
     assert index.item_key == ["a", "c", "d"]
+
+
+def test_manifest_lines_over_the_line_cap_are_skipped_unread_in_jsonl_and_one_line_in_csv(tmp_path, monkeypatch):
+    """A JSON array on one line (a 300 MB one took 1.9 GB to read and parse) is not read: a JSONL line longer than
+    4 x CHC.INPUT.MAX_FIELD_CHARS + 64 KiB bytes is a skipped row, the lines after it are read; in a CSV it is a
+    one-line error naming file and line.  Nothing longer than the cap is ever held whole."""
+    from meta.chc import sources
+
+    (tmp_path / "a.png").write_bytes(png_bytes(RED))
+    (tmp_path / "b.png").write_bytes(png_bytes(BLUE))
+    cap_chars = 10
+    limit = sources.max_line_bytes(cap_chars)
+    huge = json.dumps([{"image": "a.png", "caption": "x" * 50}] * 40_000)  # 3 MB on one line
+    assert len(huge) > 2 * (1 << 20) > limit
+    rows = [json.dumps({"image": "a.png", "caption": "red"}), huge, json.dumps({"image": "b.png", "caption": "blue"})]
+    (tmp_path / "m.jsonl").write_text("\n".join(rows) + "\n")
+    longest: list = []
+
+    class Recording(io.BytesIO):  # the manifest's bytes, recording how much each read returns
+        def readline(self, size=-1):
+            line = super().readline(size)
+            longest.append(len(line))
+            return line
+
+        def __iter__(self):
+            raise AssertionError("a manifest is read with readline(limit), not line by line whole")
+
+    monkeypatch.setattr(sources, "open", lambda path, mode: Recording(Path(path).read_bytes()), raising=False)
+    index = build_index(manifest=str(tmp_path / "m.jsonl"), show_progress=False, max_field_chars=cap_chars)
+    monkeypatch.undo()
+    assert index.captions == ["red", "blue"] and index.counts["skipped_invalid_row"] == 1
+    assert max(longest) <= 1 << 20 and limit + 1 in longest  # the long line was read in pieces, never whole
+    problems = {i["problem"]: i["lines"] for i in index.issues}
+    assert problems == {f"line longer than {limit} bytes, not read (one JSON object per line?)": [2]}
+    (tmp_path / "m.csv").write_text("image,caption\na.png,red\nb.png," + "y" * (limit + 5) + "\n")
+    with pytest.raises(InputError, match=rf"^{tmp_path}/m.csv:3: a line longer than {limit} bytes, not read"):
+        build_index(manifest=str(tmp_path / "m.csv"), show_progress=False, max_field_chars=cap_chars)

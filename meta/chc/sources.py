@@ -56,6 +56,8 @@ damaged files are listed in ``issues``:
 * a shard's caption (``txt``) or metadata (``json``) member larger than ``CHC.INPUT.MAX_FIELD_CHARS``
   bytes is never read: the pair is ``skipped_caption_too_long``, respectively kept without its metadata
   (``metadata_too_long_dropped``), the keys listed in ``issues``;
+* a manifest line longer than :func:`max_line_bytes` (4 x ``CHC.INPUT.MAX_FIELD_CHARS`` + 64 KiB) is never
+  read whole (a JSON array on one line): a JSONL row that is ``skipped_invalid_row``, in a CSV a one-line error;
 * a CSV field longer than ``CHC.INPUT.MAX_FIELD_CHARS`` stops with a one-line error
   naming the file and line (usually an unbalanced quote swallowing the rest of the file).
 """
@@ -627,9 +629,34 @@ def _note(issues: Optional[list], path: str, problem: str, line: int) -> None:
     issues.append({"source": path, "problem": problem, "rows": 1, "lines": [line]})
 
 
-def _text_lines(fh, path: str, counts: dict, issues: Optional[list]) -> Iterator[str]:
-    """Decoded lines of a binary file: BOM dropped, invalid UTF-8 replaced and counted."""
-    for lineno, raw in enumerate(fh, 1):
+def max_line_bytes(max_field_chars: int) -> int:
+    """Longest manifest line read (bytes): a field of ``max_field_chars`` characters at 4 UTF-8 bytes each, plus
+    room for the row's other fields."""
+    return 4 * int(max_field_chars) + 65536
+
+
+def _raw_lines(fh, limit: int) -> Iterator[Optional[bytes]]:
+    """Lines of a binary file; a line longer than ``limit`` bytes is skipped in 1 MiB steps, never held whole, and
+    yields ``None`` (a 300 MB JSON array on one line took 2.7 GB to read and parse)."""
+    while True:
+        raw = fh.readline(limit + 1)
+        if not raw:
+            return
+        if len(raw) <= limit:
+            yield raw
+            continue
+        while raw and not raw.endswith(b"\n"):
+            raw = fh.readline(1 << 20)
+        yield None
+
+
+def _text_lines(fh, path: str, counts: dict, issues: Optional[list], limit: int) -> Iterator[Optional[str]]:
+    """Decoded lines of a binary file: BOM dropped, invalid UTF-8 replaced and counted; ``None`` for a line longer
+    than ``limit`` bytes (not read: :func:`_raw_lines`)."""
+    for lineno, raw in enumerate(_raw_lines(fh, limit), 1):
+        if raw is None:
+            yield None
+            continue
         if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
             raw = raw[3:]
         try:
@@ -645,11 +672,19 @@ def _text_lines(fh, path: str, counts: dict, issues: Optional[list]) -> Iterator
 
 
 def _manifest_rows(path: str, counts: dict, issues: Optional[list], max_field_chars: int):
-    """``(line, row)`` per data row; ``row`` is a dict, or ``None`` for a line that is not a JSON object."""
+    """``(line, row)`` per data row; ``row`` is a dict, or ``None`` for a line that is not a JSON object.
+
+    A line longer than :func:`max_line_bytes` is not read: in JSONL a row that is not an object, in CSV/TSV a
+    one-line error."""
     ext = Path(path).suffix.lower()
+    limit = max_line_bytes(max_field_chars)
     if ext in (".jsonl", ".json", ".ndjson"):
         with open(path, "rb") as fh:
-            for lineno, line in enumerate(_text_lines(fh, path, counts, issues), 1):
+            for lineno, line in enumerate(_text_lines(fh, path, counts, issues, limit), 1):
+                if line is None:
+                    _note(issues, path, f"line longer than {limit} bytes, not read (one JSON object per line?)", lineno)
+                    yield lineno, None
+                    continue
                 if not line.strip():
                     continue
                 try:
@@ -673,8 +708,18 @@ def _manifest_rows(path: str, counts: dict, issues: Optional[list], max_field_ch
     old_limit = csv.field_size_limit()
     csv.field_size_limit(max(int(max_field_chars), 1))  # process-wide: restored below
     try:
+
+        def lines(fh) -> Iterator[str]:
+            for lineno, line in enumerate(_text_lines(fh, path, counts, issues, limit), 1):
+                if line is None:
+                    raise InputError(
+                        f"{path}:{lineno}: a line longer than {limit} bytes, not read: a field longer than "
+                        f"CHC.INPUT.MAX_FIELD_CHARS={max_field_chars} characters, or not a CSV/TSV manifest?"
+                    )
+                yield line
+
         with open(path, "rb") as fh:
-            reader = csv.DictReader(_text_lines(fh, path, counts, issues), delimiter=delimiter)
+            reader = csv.DictReader(lines(fh), delimiter=delimiter)
             try:
                 for row in reader:
                     yield reader.line_num, row
