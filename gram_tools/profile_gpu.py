@@ -138,12 +138,8 @@ def read_rates(
     import tarfile
     import tempfile
 
+    from gram_tools.synthetic import add_member
     from meta.chc.sources import build_index
-
-    def member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-        info = tarfile.TarInfo(name)
-        info.size = len(data)
-        tar.addfile(info, io.BytesIO(data))
 
     blobs = [jpegs[i % len(jpegs)] for i in range(len(jpegs) * copies)]
     out: dict = {"images": len(blobs), "jpeg_kib_mean": round(sum(map(len, blobs)) / len(blobs) / 1024, 1)}
@@ -153,8 +149,8 @@ def read_rates(
             paths.append(f"{tmp}/shard-{k // shard_size:05d}.tar")
             with tarfile.open(paths[-1], "w") as tar:
                 for i in range(k, min(k + shard_size, len(blobs))):
-                    member(tar, f"{i:08d}.jpg", blobs[i])
-                    member(tar, f"{i:08d}.txt", b"a photo")
+                    add_member(tar, f"{i:08d}.jpg", blobs[i])
+                    add_member(tar, f"{i:08d}.txt", b"a photo")
         index = build_index(shards=paths, show_progress=False)
         rates: dict = {}
         for _ in range(repeats):
@@ -276,6 +272,10 @@ class ProductCensus(TorchDispatchMode):
             self.casts += args[0].dtype != args[1].dtype
         return func(*args, **kwargs)
 
+    def by_dtype(self) -> dict[str, int]:
+        """``{dtype: matrix products}``, sorted by dtype."""
+        return dict(sorted(self.counts.items()))
+
 
 def census_of(step: Callable[[], object]) -> ProductCensus:
     """The :class:`ProductCensus` of one call of ``step``."""
@@ -287,7 +287,7 @@ def census_of(step: Callable[[], object]) -> ProductCensus:
 
 def product_dtypes(step: Callable[[], object]) -> dict[str, int]:
     """``{dtype: matrix products}`` of one call of ``step`` (:class:`ProductCensus`)."""
-    return dict(sorted(census_of(step).counts.items()))
+    return census_of(step).by_dtype()
 
 
 def profile_steps(
@@ -378,7 +378,7 @@ def profile_steps(
             "top_ops": [{"op": n, "calls": c, "self_cuda_ms": round(ms, 3)} for n, c, ms in ops[:top]],
         }
         census = census_of(step)
-        out[name].update(products_by_dtype=dict(sorted(census.counts.items())), dtype_casts=census.casts)
+        out[name].update(products_by_dtype=census.by_dtype(), dtype_casts=census.casts)
         if matmul_peak > 0:
             tflop = step_tflop(step)
             out[name].update(

@@ -135,7 +135,8 @@ def _encode(img: Image.Image, fmt: str) -> bytes:
     return buf.getvalue()
 
 
-def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    """Append a regular-file member ``name`` holding ``data`` to ``tar``."""
     info = tarfile.TarInfo(name)
     info.size = len(data)
     tar.addfile(info, io.BytesIO(data))
@@ -191,9 +192,9 @@ def write_synthetic_shards(
                     data = _encode(make_image(t, style, rng, size), fmt)
                     if corrupt:  # truncated file with garbage: PIL cannot decode it
                         data = data[: len(data) // 3] + bytes(rng.integers(0, 256, 64, dtype=np.uint8))
-                    _add(tar, f"{key}.{'jpg' if fmt == 'JPEG' else 'png'}", data)
-                _add(tar, f"{key}.txt", (" " if empty else caption).encode())
-                _add(tar, f"{key}.json", json.dumps({"category": topics[t], "style": STYLES[style % 3]}).encode())
+                    add_member(tar, f"{key}.{'jpg' if fmt == 'JPEG' else 'png'}", data)
+                add_member(tar, f"{key}.txt", (" " if empty else caption).encode())
+                add_member(tar, f"{key}.json", json.dumps({"category": topics[t], "style": STYLES[style % 3]}).encode())
                 for name, val in (
                     ("key", key),
                     ("topic", topics[t]),

@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 import numpy as np
 from PIL import Image
 
+from gram_tools.synthetic import add_member  # noqa: F401 - the tests' tar-member writer
 from meta.chc.hierarchy import Hierarchy
 
 
@@ -27,12 +28,6 @@ def dds_bytes(pixel_format_flags: int = 6144) -> bytes:
     struct.pack_into("<7I", head, 4, 124, 0x1007, 4, 4, 0, 0, 0)  # size, flags, height, width, ...
     struct.pack_into("<2I", head, 76, 32, pixel_format_flags)  # DDS_PIXELFORMAT size, flags
     return bytes(head) + bytes(22)
-
-
-def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    tar.addfile(info, io.BytesIO(data))
 
 
 def write_shard(

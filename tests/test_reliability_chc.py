@@ -267,7 +267,7 @@ def test_reading_a_path_replaced_by_a_fifo_or_device_after_indexing(tmp_path):
 def test_shards_naming_special_files_are_skipped_and_never_opened(tmp_path):
     """A shard glob that matches a FIFO, a link to /dev/zero or /dev/urandom, or a folder: each is counted and listed,
     never opened (tarfile.open blocked on the FIFO and read the devices for ever), and the regular shard is indexed."""
-    from meta.chc.report import skipped_input_rows
+    from meta.chc.report import _issue_line, skipped_input_rows
 
     write_shard(tmp_path / "s-0.tar", ["a red square", "a blue square"], [png_bytes(RED), png_bytes(BLUE)])
     os.mkfifo(tmp_path / "s-1.tar")
@@ -288,6 +288,8 @@ def test_shards_naming_special_files_are_skipped_and_never_opened(tmp_path):
     rows = skipped_input_rows(index.counts, index.issues, {}, 500)
     row = next(r for r in rows if r["action"] == "shard skipped (never opened)")
     assert row["count"] == 4 and "FIFO" in row["reason"]
+    fifo = next(i for i in index.issues if i["source"].endswith("s-1.tar"))
+    assert _issue_line(fifo) == f"- {tmp_path / 's-1.tar'}: shard is not a regular file (FIFO; never opened)"
 
 
 def test_a_shard_replaced_by_a_fifo_after_indexing_makes_its_images_unreadable_not_a_hang(tmp_path):

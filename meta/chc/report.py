@@ -110,6 +110,8 @@ def skipped_input_rows(counts: dict, issues: list, unreadable_by_reason: dict, m
 
 
 def _issue_line(e: dict) -> str:
+    if "rows" not in e and "offset" not in e:  # a whole file left out (a shard that is not a regular file)
+        return f"- {e['source']}: {e['problem']}"
     if "offset" in e:
         cut = "; the file is cut short" if e.get("cut_short") else ""
         return (
