@@ -5,8 +5,10 @@
    events only, so no kernel is counted twice) and its share of the step's wall time, the top kernels (name,
    calls, ms per step, share), the shares of GEMM, fused-attention and cast kernels (read off kernel names), and
    the top aten operators by their own device time, and the step's matrix products by dtype (:class:`ProductCensus`).
-   Twice: as configured by default, and with ``META.SUPPORT_ATTENTION_LOWP`` (``bf16_support_attention_lowp``: the
-   second-order support pass's attention products in bf16, not the MATH kernel's fp32); with ``--bf16-weights`` also
+   Three times: as configured by default, with ``META.SUPPORT_ATTENTION_LOWP`` (``bf16_support_attention_lowp``: the
+   second-order support pass's attention products in bf16, not the MATH kernel's fp32), and with that key and
+   ``META.CLOSED_FORM_LAYER_NORM`` (the support pass's LayerNorms differentiated twice in closed form, fewer bytes
+   moved: :mod:`gram_tools.step_traffic`); with ``--bf16-weights`` also
    with the frozen CLIP in bf16 (``MODEL.PRECISION bf16``).  With ``--tf32``
    the same for fp32 with TF32 matmuls allowed (``torch.backends.cuda.matmul.allow_tf32``) beside fp32 without.
 2. ``decode``: images per second of JPEG decoding + resize to 224 px at CC3M's typical size (500x375 px,
@@ -303,6 +305,7 @@ def profile_steps(
     model: str = "ViT-B-16",
     size: dict | None = None,
     weights: str = "fp32",
+    closed_form_norm: bool = False,
 ) -> dict:
     """Median step seconds and the profiler's top self-CUDA operators of the stacked second-order step.
 
@@ -312,7 +315,8 @@ def profile_steps(
     ``matmul_peak``) its FLOPs and fraction of the matmul rate.
     ``device`` / ``model`` / ``size`` (task size keys of :func:`gram_tools.bench_gpu.task_size` to override): a CPU,
     a test CLIP and small tasks run the same code in CI (no kernel rows there).  ``weights``: the frozen CLIP's dtype
-    (``MODEL.PRECISION``: ``fp32`` | ``bf16``)."""
+    (``MODEL.PRECISION``: ``fp32`` | ``bf16``).  ``closed_form_norm``: ``MetaSpec.closed_form_layer_norm``
+    (``META.CLOSED_FORM_LAYER_NORM``)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -341,7 +345,12 @@ def profile_steps(
 
         tasks = [TaskBatch(part(size["support_shots"]), part(size["query_shots"])) for _ in range(b)]
         theta = PromptParams.from_spec(spec, clip, dims, generator=torch.Generator().manual_seed(1))
-        meta_spec = MetaSpec(autocast=autocast, task_batching="auto", support_attention_lowp=lowp_attention)
+        meta_spec = MetaSpec(
+            autocast=autocast,
+            task_batching="auto",
+            support_attention_lowp=lowp_attention,
+            closed_form_layer_norm=closed_form_norm,
+        )
         ml = GRAMMetaLearner(theta, meta_spec).to(dev)
         loss_fn = classification_loss(PromptedCLIP(clip, dims, theta.n_ctx_text, template=spec.template))
 
@@ -465,6 +474,12 @@ def main(argv: list[str] | None = None) -> int:
         args.learners, "bf16", False, args.steps, args.top, True, peak, args.more_tasks
     )
     save("bf16_support_attention_lowp")
+    # and the support pass's LayerNorms with the closed-form double backward (META.CLOSED_FORM_LAYER_NORM): by
+    # gram_tools.step_traffic's count ~45 GB less memory traffic per step; no 16-task step (time on the device)
+    result["bf16_support_attention_lowp_closed_form_layer_norm"] = profile_steps(
+        args.learners, "bf16", False, args.steps, args.top, True, peak, 0, closed_form_norm=True
+    )
+    save("bf16_support_attention_lowp_closed_form_layer_norm")
     if args.bf16_weights:  # the residual stream and its elementwise work in bf16 too
         result["bf16_weights_support_attention_lowp"] = profile_steps(
             args.learners, "bf16", False, args.steps, args.top, True, peak, args.more_tasks, weights="bf16"

@@ -191,6 +191,10 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.SUPPORT_ATTENTION_LOWP = False  # True: the second-order support pass's attention (the MATH SDPA kernel) runs
     #                              its products in the autocast/weights dtype instead of upcasting to fp32
     #                              (torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp); no effect in fp32
+    m.CLOSED_FORM_LAYER_NORM = False  # True: the second-order support pass's LayerNorms differentiate their
+    #                              backward in closed form (meta.model.layer_norm: ~half the memory traffic of
+    #                              autograd's double backward); the meta-gradient equal to rounding, loss and
+    #                              first gradient bit-identical
 
     m.REGULATOR = CN()  # R_phi (meta.method.regulator.RegulatorSpec) [core]
     # residual | paper (literal Eq. 5) | gate (a learned gate on the gradient of the support loss's consistency

@@ -84,6 +84,11 @@ def test_profile_steps_runs_on_a_cpu_and_reports_the_products_the_key_moves():
     fp32 = default["products_by_dtype"]["float32"]
     assert 0 < lowp["products_by_dtype"]["float32"] < fp32
     assert sum(lowp["products_by_dtype"].values()) == sum(default["products_by_dtype"].values())
+    # the support pass's LayerNorms in closed form (META.CLOSED_FORM_LAYER_NORM): elementwise work only, the same
+    # products and FLOPs
+    closed = profile_gpu.profile_steps(["vpt"], "bf16", False, lowp_attention=True, closed_form_norm=True, **kwargs)
+    assert closed["vpt"]["products_by_dtype"] == lowp["products_by_dtype"]
+    assert closed["vpt"]["tflop"] == lowp["tflop"]
 
 
 def test_read_rates_read_back_the_shards_they_wrote_at_each_thread_count():

@@ -509,6 +509,7 @@ def meta_spec(cfg: CN, device=None) -> "MetaSpec":
         trajectory_windows=int(m.TRAJECTORY_WINDOWS),
         task_batching=str(m.TASK_BATCHING),
         support_attention_lowp=bool(m.SUPPORT_ATTENTION_LOWP),
+        closed_form_layer_norm=bool(m.CLOSED_FORM_LAYER_NORM),
     )
 
 

@@ -47,6 +47,7 @@ from meta.method.objective import OuterObjective
 from meta.method.prompts import PromptParams
 from meta.method.regulator import GradientRegulator, RegulatorFactory, RegulatorSpec
 from meta.model import precision
+from meta.model.layer_norm import closed_form_layer_norm
 
 # loss_fn(prompt_module, batch) -> (loss scalar, logits [n, K])
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]]
@@ -77,6 +78,7 @@ class MetaSpec:
     trajectory_windows: int = 0  # T steps of that run (states evenly spaced over it); 0 = S (a state per step)
     task_batching: str = "auto"  # auto | on | off: a meta-batch's tasks as one stacked pass (meta.method.batched)
     support_attention_lowp: bool = False  # second-order support attention in the autocast/weights dtype, not fp32
+    closed_form_layer_norm: bool = False  # second-order support LayerNorms with a closed-form double backward
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.inner_momentum < 1.0:
@@ -230,11 +232,13 @@ class GRAMMetaLearner(nn.Module):
         )
 
     def support_forward(self, first_order: bool) -> contextlib.AbstractContextManager:
-        """Context of one support forward: autocast, and the MATH attention kernel when second order."""
+        """Context of one support forward: autocast; when second order, the MATH attention kernel and (with
+        ``spec.closed_form_layer_norm``) LayerNorms with a closed-form double backward (meta.model.layer_norm)."""
         stack = contextlib.ExitStack()
         stack.enter_context(self.cast())
         if not first_order:  # only a second-order step differentiates the support gradient again
             stack.enter_context(double_backward_attention(self.spec.support_attention_lowp))
+            stack.enter_context(closed_form_layer_norm(self.spec.closed_form_layer_norm))
         return stack
 
     def unroll(

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meta.model.layer_norm import apply_norm
+
 
 def is_plain_block(block: nn.Module) -> bool:
     """Whether :func:`block_forward` can run ``block`` from its weights (open_clip's default block)."""
@@ -75,7 +77,7 @@ def block_forward(
     n, length, width = x.shape
     attn = block.attn
     heads = attn.num_heads
-    y = block.ln_1(x)
+    y = apply_norm(block.ln_1, x)
     if rows is None:
         qkv = F.linear(y, attn.in_proj_weight, attn.in_proj_bias)  # [N, L, 3E]
         q, k, v = qkv.view(n, length, 3, heads, width // heads).permute(2, 0, 3, 1, 4)  # each [N, H, L, hd]
@@ -92,7 +94,7 @@ def block_forward(
     a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [N, H, Lq, hd]
     a = a.transpose(1, 2).reshape(n, q.shape[2], width)
     x = residual + block.ls_1(attn.out_proj(a))
-    return x + block.ls_2(block.mlp(block.ln_2(x)))
+    return x + block.ls_2(block.mlp(apply_norm(block.ln_2, x)))
 
 
 def transformer_forward(

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from meta.model.blocks import block_forward, transformer_forward
+from meta.model.layer_norm import apply_norm
 
 _PLACEHOLDER = "X"  # one BPE token; its embedding is replaced by the context vectors
 
@@ -208,7 +209,7 @@ def text_head(clip: nn.Module, pooled: torch.Tensor) -> torch.Tensor:
     ``pooled``: ``[C, d_t]`` -> ``[C, E]`` (not normalised).  ``ln_final`` acts per row, so applying it
     to the pooled rows only gives the same numbers as open_clip, which normalises every position first.
     """
-    x = clip.ln_final(pooled)
+    x = apply_norm(clip.ln_final, pooled)
     proj = clip.text_projection
     if isinstance(proj, nn.Linear):
         return proj(x)

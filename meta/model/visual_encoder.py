@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meta.model.blocks import block_forward
+from meta.model.layer_norm import apply_norm, closed_form_active
 
 
 def _check_supported(visual: nn.Module) -> None:
@@ -49,7 +50,9 @@ def _ln_pre(ln: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """
     device_type = x.device.type
     if not torch.is_autocast_enabled(device_type) or not isinstance(ln, nn.LayerNorm):
-        return ln(x)
+        return apply_norm(ln, x)
+    if closed_form_active(ln):  # the same float32 norm, with the closed-form double backward (meta.model.layer_norm)
+        return apply_norm(ln, x, out_dtype=torch.float32)
     with torch.autocast(device_type=device_type, enabled=False):
         weight = None if ln.weight is None else ln.weight.float()
         bias = None if ln.bias is None else ln.bias.float()
@@ -107,7 +110,7 @@ def encode_image_with_prompts(
             x = torch.cat([x[:, :n_keep], layer(i)], dim=1)
         # the last block computes the CLS output only (the only one pooled; meta.model.blocks)
         x = block_forward(blocks[i], x, rows=cls_row if i == n_layers - 1 else None)
-    pooled = visual.ln_post(x[:, 0])
+    pooled = apply_norm(visual.ln_post, x[:, 0])
     if visual.proj is not None:
         pooled = pooled @ visual.proj
     return pooled
