@@ -292,6 +292,20 @@ def product_dtypes(step: Callable[[], object]) -> dict[str, int]:
     return census_of(step).by_dtype()
 
 
+def step_learner(name: str, clip: torch.nn.Module, dims, meta_spec) -> tuple:
+    """``(meta-learner, loss_fn, PromptedCLIP)`` of prompt learner ``name`` (:data:`gram_tools.bench_gpu.VARIANTS`;
+    θ drawn with seed 1) under ``meta_spec`` on the CPU: the step :func:`profile_steps` times and
+    :mod:`gram_tools.step_traffic` counts."""
+    from gram_tools.bench_gpu import VARIANTS
+    from meta.method.gram import GRAMMetaLearner
+    from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+
+    spec = PromptSpec(**VARIANTS[name])
+    theta = PromptParams.from_spec(spec, clip, dims, generator=torch.Generator().manual_seed(1))
+    pclip = PromptedCLIP(clip, dims, theta.n_ctx_text, template=spec.template)
+    return GRAMMetaLearner(theta, meta_spec), classification_loss(pclip), pclip
+
+
 def profile_steps(
     learners: list[str],
     autocast: str,
@@ -320,10 +334,9 @@ def profile_steps(
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from gram_tools.bench_gpu import VARIANTS, _median_time, _sig, _sync, step_tflop, task_size
+    from gram_tools.bench_gpu import _median_time, _sig, _sync, step_tflop, task_size
     from meta.metatrain.outer import OuterStep
-    from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch
-    from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+    from meta.method.gram import MetaSpec, TaskBatch
     from meta.model.backbone import load_clip
 
     torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -337,22 +350,20 @@ def profile_steps(
     gen = torch.Generator().manual_seed(0)
     out: dict = {}
     for name in learners:
-        spec = PromptSpec(**VARIANTS[name])
 
         def part(shots: int) -> dict:
             images = torch.randn(k * shots, 3, dims.image_size, dims.image_size, generator=gen).to(dev)
             return {"classnames": names, "label": torch.arange(k).repeat(shots).to(dev), "images": images}
 
         tasks = [TaskBatch(part(size["support_shots"]), part(size["query_shots"])) for _ in range(b)]
-        theta = PromptParams.from_spec(spec, clip, dims, generator=torch.Generator().manual_seed(1))
         meta_spec = MetaSpec(
             autocast=autocast,
             task_batching="auto",
             support_attention_lowp=lowp_attention,
             closed_form_layer_norm=closed_form_norm,
         )
-        ml = GRAMMetaLearner(theta, meta_spec).to(dev)
-        loss_fn = classification_loss(PromptedCLIP(clip, dims, theta.n_ctx_text, template=spec.template))
+        ml, loss_fn, _ = step_learner(name, clip, dims, meta_spec)
+        ml = ml.to(dev)
 
         def step(outer=OuterStep(ml), loss_fn=loss_fn, tasks=tasks) -> None:
             outer.meta_step(tasks, loss_fn)

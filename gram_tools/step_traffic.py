@@ -231,18 +231,16 @@ def step_census(
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from gram_tools.bench_gpu import VARIANTS, task_size
+    from gram_tools.bench_gpu import task_size
+    from gram_tools.profile_gpu import step_learner
     from meta.metatrain.outer import OuterStep
-    from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch
-    from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
+    from meta.method.gram import MetaSpec, TaskBatch
     from meta.model.backbone import load_clip
 
     size = {**task_size(), **(size or {})}
     n_tasks = tasks or size["meta_batch"]
     torch.manual_seed(0)
     clip, dims = load_clip(model, pretrained=None, precision=weights)
-    spec = PromptSpec(**VARIANTS[learner])
-    theta = PromptParams.from_spec(spec, clip, dims, generator=torch.Generator().manual_seed(1))
     meta_spec = MetaSpec(
         autocast=autocast,
         task_batching="on",
@@ -250,13 +248,11 @@ def step_census(
         closed_form_layer_norm=closed_form_norm,
         first_order=first_order,
     )
-    ml = GRAMMetaLearner(theta, meta_spec)
-    pclip = PromptedCLIP(clip, dims, theta.n_ctx_text, template=spec.template)
-    loss_fn = classification_loss(pclip)
+    ml, loss_fn, pclip = step_learner(learner, clip, dims, meta_spec)
     names = [f"class {i}" for i in range(size["way"])]
     # class names are tokenised (data-dependent: EOT positions) and fixed-template text features cached on
     # real tensors before the step, as the first real step would
-    if theta.n_ctx_text == 0:
+    if pclip.n_ctx_text == 0:
         pclip.text_features(None, names)
     else:
         pclip.tokens.tokens(names)

@@ -10,10 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers_steps import meta_gradients, stacked_step
 from open_clip.transformer import LayerNorm, LayerNormFp32
 
-from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch
-from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
 from meta.model.layer_norm import apply_norm, closed_form_active, closed_form_layer_norm, layer_norm
 
 F64 = torch.float64
@@ -81,30 +80,10 @@ def test_a_norm_with_trainable_weights_or_another_kind_keeps_autograds_path():
     assert type(y.grad_fn).__name__ == "NativeLayerNormBackward0"
 
 
-NAMES = ["circle", "square", "red star"]
-
-
 def _meta_gradient(tiny_clip, learner: dict, closed_form: bool, autocast: str = "none") -> dict:
-    """θ's and φ's gradients of one stacked second-order step of 2 tasks (a non-trivial R_φ)."""
-    clip, dims = tiny_clip
-    gen = torch.Generator().manual_seed(3)
-
-    def part(shots):
-        images = torch.randn(len(NAMES) * shots, 3, dims.image_size, dims.image_size, generator=gen)
-        return {"classnames": NAMES, "label": torch.arange(len(NAMES)).repeat(shots), "images": images}
-
-    tasks = [TaskBatch(part(1), part(2)) for _ in range(2)]
-    spec = PromptSpec(**learner)
-    theta = PromptParams.from_spec(spec, clip, dims, generator=torch.Generator().manual_seed(1))
-    meta = MetaSpec(autocast=autocast, task_batching="on", closed_form_layer_norm=closed_form)
-    ml = GRAMMetaLearner(theta, meta)
-    with torch.no_grad():
-        for p in ml.gbml.compute_update.parameters():
-            p.normal_(0.0, 0.05, generator=gen)
-    loss_fn = classification_loss(PromptedCLIP(clip, dims, theta.n_ctx_text, template=spec.template))
-    metrics = ml.accumulate(tasks, loss_fn)
-    grads = {n: p.grad.clone() for n, p in ml.named_parameters() if p.grad is not None}
-    return {"metrics": metrics, "grads": grads}
+    """Metrics and θ's and φ's gradients of one stacked second-order step of 2 tasks (a non-trivial R_φ)."""
+    run, ml = stacked_step(tiny_clip, learner, autocast=autocast, closed_form_layer_norm=closed_form)
+    return {"metrics": run(), "grads": meta_gradients(ml)}
 
 
 @pytest.mark.parametrize(

@@ -12,37 +12,16 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers_steps import meta_gradients, stacked_step
 
 from gram_tools.profile_gpu import product_dtypes
-from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch, double_backward_attention
-from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
-
-NAMES = ["circle", "square", "red star"]
+from meta.method.gram import double_backward_attention
 
 
 def _step(tiny_clip, autocast: str, lowp: bool, regulate: bool = True):
-    """``(run, learner)``: ``run()`` leaves one stacked second-order step's gradients of 2 VPT tasks in ``.grad``."""
-    clip, dims = tiny_clip
-    gen = torch.Generator().manual_seed(3)
-
-    def part(shots):
-        images = torch.randn(len(NAMES) * shots, 3, dims.image_size, dims.image_size, generator=gen)
-        return {"classnames": NAMES, "label": torch.arange(len(NAMES)).repeat(shots), "images": images}
-
-    tasks = [TaskBatch(part(1), part(2)) for _ in range(2)]
-    spec = PromptSpec(n_ctx_text=0, n_ctx_vision=2)
-    theta = PromptParams.from_spec(spec, clip, dims, generator=torch.Generator().manual_seed(1))
-    meta = MetaSpec(autocast=autocast, task_batching="on", regulate=regulate, support_attention_lowp=lowp)
-    ml = GRAMMetaLearner(theta, meta)
-    with torch.no_grad():  # a non-trivial R_φ (its zero init is the identity)
-        for p in ml.gbml.compute_update.parameters():
-            p.normal_(0.0, 0.05, generator=gen)
-    loss_fn = classification_loss(PromptedCLIP(clip, dims, theta.n_ctx_text, template=spec.template))
-    return (lambda: ml.accumulate(tasks, loss_fn)), ml
-
-
-def _grads(ml) -> dict:
-    return {n: p.grad.clone() for n, p in ml.named_parameters() if p.grad is not None}
+    """``(run, learner)`` of one stacked second-order step of 2 VPT tasks (:func:`helpers_steps.stacked_step`)."""
+    vpt = {"n_ctx_text": 0, "n_ctx_vision": 2}
+    return stacked_step(tiny_clip, vpt, autocast=autocast, regulate=regulate, support_attention_lowp=lowp)
 
 
 def test_the_math_kernel_computes_attention_in_fp32_and_the_key_keeps_it_in_bf16(tiny_clip):
@@ -76,7 +55,7 @@ def test_no_effect_in_fp32(tiny_clip):
     for lowp in (False, True):
         run, ml = _step(tiny_clip, "none", lowp)
         run()
-        grads.append(_grads(ml))
+        grads.append(meta_gradients(ml))
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) >= 2
     for name in grads[0]:
         assert torch.equal(grads[0][name], grads[1][name]), name
