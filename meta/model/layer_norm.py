@@ -15,7 +15,7 @@ weight) and ``P(u) = u - mean(u) - x̂ mean(u ⊙ x̂)``, the backward is ``gx =
 * ``∂S/∂x = -r² [ (mean(v ⊙ h) - mean(v) mean(h) - c_v c_h) x̂ + c_h P(v) + c_v P(h) ]``, with
   ``c_v = mean(v ⊙ x̂)``, ``c_h = mean(h ⊙ x̂)`` (from ``∂r/∂x = -r² x̂ / N`` and ``∂<u, x̂>/∂x = r P(u)``).
 
-That is five row reductions and about 45 whole-tensor reads and writes instead of ~90.  The forward and the first
+That is five row reductions and about 50 whole-tensor reads and writes instead of ~90.  The forward and the first
 backward are PyTorch's own kernels (``native_layer_norm`` / ``native_layer_norm_backward``), so the values of the
 loss and of the first gradient are bit-identical; the meta-gradient equals autograd's to rounding
 (``tests/test_layer_norm_grads.py``: float64 ``gradgradcheck``, and the meta-gradient of a second-order step).
