@@ -1,9 +1,10 @@
 """Bytes and FLOPs of one meta-step, operator by operator, without a GPU: ``python -m gram_tools.step_traffic``.
 
 The step is the one :func:`gram_tools.profile_gpu.profile_steps` times on a GPU: the task-batched second-order outer
-step (learner, ``META.AUTOCAST``, ``MODEL.PRECISION``, ``META.SUPPORT_ATTENTION_LOWP``, the meta-training config's
-task size).  Here it runs on fake tensors (``torch._subclasses.FakeTensorMode``: shapes, dtypes and strides, no data,
-no memory), so ViT-B/16 with 4 or 16 stacked tasks takes about a second on any CPU.  :class:`TrafficCensus` records
+step (learner, ``META.AUTOCAST``, ``MODEL.PRECISION``, ``META.SUPPORT_ATTENTION_LOWP``,
+``META.CLOSED_FORM_LAYER_NORM``, the meta-training config's task size).  Here it runs on fake tensors
+(``torch._subclasses.FakeTensorMode``: shapes, dtypes and strides, no data, no memory), so ViT-B/16 with 4 or 16
+stacked tasks takes about a second on any CPU.  :class:`TrafficCensus` records
 every operator the step dispatches (autograd's backward and double backward included) with
 
 * the bytes it reads and writes: its tensor arguments (distinct elements: a broadcast view counts once) and its

@@ -7,8 +7,8 @@
 #              OUT/rehearsal_logs.tgz with every stage's log; a call of its own)                 cap REHEARSAL_S=540
 #   check      scripts/gpu_check.sh's tests and benches, not its profile (OUT/fig/gpu_figures*.json) cap CHECK_S=420
 #   profile    python -m gram_tools.profile_gpu (OUT/profile.json, rewritten after each part: JPEG/CHC rates, step
-#              profiles without and with META.SUPPORT_ATTENTION_LOWP and with bf16 weights, matmul shares,
-#              16 vs 4 tasks)                                                                    cap PROFILE_S=240
+#              profiles without and with META.SUPPORT_ATTENTION_LOWP, with it and META.CLOSED_FORM_LAYER_NORM,
+#              with bf16 weights; matmul shares, 16 vs 4 tasks)                                  cap PROFILE_S=240
 #   tests      the gpu-marked tests (OUT/pytest_gpu.txt)                                         cap TESTS_S=120
 # and OUT/machine.txt (GPU, driver, CPU model, torch).  Figures land in OUT/fig (FIGURES_DIR).
 # Two calls give every figure: call 1 "tests profile" (every step and CHC figure), call 2
