@@ -136,3 +136,20 @@ def test_cli_writes_its_json_and_refuses_bad_flags(tmp_path, capsys):
     missing = tmp_path / "none.json"
     assert step_traffic.main(["--compare", str(missing)]) == 2
     assert capsys.readouterr().err.startswith(f"error: --compare {missing}: expected a gram_tools.profile_gpu JSON")
+
+
+def test_the_committed_vit_b16_figures_are_what_the_tool_counts_now():
+    """docs/gpu/step_traffic_vit_b16.json (the source of docs/benchmark.md's table) against a fresh count of two of its
+    steps, and the table's VPT cells against the JSON: a change to the step that moves its bytes shows here."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    committed = json.loads((root / "docs/gpu/step_traffic_vit_b16.json").read_text())["steps"]
+    table = (root / "docs/benchmark.md").read_text()
+    for variant in ("bf16", "bf16_support_attention_lowp_closed_form_layer_norm"):
+        fresh = roofline(step_census("vpt", model="ViT-B-16", **step_traffic.VARIANT_FLAGS[variant]))
+        row = committed[f"vpt/{variant}"]
+        for key in ("gbytes", "tflop", "floor_s", "matmul_fraction_ceiling", "operators"):
+            assert fresh[key] == row[key], (variant, key)
+        cells = f"{row['gbytes']:.1f} | {row['floor_s'] * 1e3:.1f} | {row['matmul_fraction_ceiling'] * 100:.1f} %"
+        assert cells in table, cells
