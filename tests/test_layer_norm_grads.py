@@ -87,7 +87,13 @@ def _meta_gradient(tiny_clip, learner: dict, closed_form: bool, autocast: str = 
 
 
 @pytest.mark.parametrize(
-    "learner", [{"n_ctx_text": 0, "n_ctx_vision": 2}, {"n_ctx_text": 2, "n_ctx_vision": 2}], ids=["vpt", "unigram"]
+    "learner",
+    [
+        {"n_ctx_text": 0, "n_ctx_vision": 2},
+        {"n_ctx_text": 2, "n_ctx_vision": 2},
+        {"n_ctx_text": 2, "n_ctx_vision": 2, "text_depth": 0, "vision_depth": 0, "vpt_init": "normal"},
+    ],
+    ids=["vpt", "unigram", "ivlp_deep"],
 )
 def test_the_meta_gradient_equals_autograds_to_rounding(tiny_clip, learner):
     off = _meta_gradient(tiny_clip, learner, closed_form=False)
