@@ -27,6 +27,9 @@ kernel is the CPU one (the same tensors in and out as CUDA's); no caches, no lau
 2026-11-27 H200 profile of the same step the operator counts agree (``mm`` 206, ``addmm`` 100, ``sum`` 301 both) and
 the elementwise operators ran at 2.2-3.1 TB/s of the modelled bytes (``--compare``; docs/benchmark.md).
 
+Any learner of :data:`gram_tools.bench_gpu.VARIANTS` runs (``--learners``, default VPT and UNIGRAM, the ones the GPU
+targets name); CoOp's step here encodes its images with the frozen tower, where the bench caches image features.
+
 Prints one JSON object as the last line (``--out`` also writes it).
 """
 
