@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 import yaml
 from yacs.config import CfgNode as CN
 
-from meta.data.input_limits import MAX_IMAGE_ASPECT, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
+from meta.data.input_limits import MAX_FIELD_CHARS, MAX_IMAGE_ASPECT, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
 from meta.finetune.regulated import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
 from meta.infra.cli_errors import UserError
 from meta.method.gram import DEFAULT_QUERY_BEFORE_WEIGHT
@@ -66,7 +66,7 @@ def _chc_node() -> CN:
     chc.INPUT.MAX_PAIRS = 0  # 0 = all; else the first N pairs (smoke runs)
     # longest CSV/TSV field; longer = one-line error (an unbalanced quote).  Also the byte cap of a shard's caption
     # (.txt) or metadata (.json) member: a larger one is never read, its pair skipped / its metadata dropped (counted)
-    chc.INPUT.MAX_FIELD_CHARS = 10_000_000
+    chc.INPUT.MAX_FIELD_CHARS = MAX_FIELD_CHARS
     # Stop (one line naming the path tried and the key that sets it) when more than this fraction of a rank's
     # first image chunk is unreadable: a wrong IMAGE_ROOT or relative base, not bad images.  1.0 = never stop.
     chc.INPUT.MAX_UNREADABLE_FRACTION = 0.9

@@ -79,7 +79,7 @@ from typing import BinaryIO, Iterable, Iterator, Optional, Sequence
 import numpy as np
 
 from meta.chc.errors import InputError
-from meta.data.input_limits import MAX_IMAGE_BYTES  # bytes; a larger image file or tar member is not read
+from meta.data.input_limits import MAX_FIELD_CHARS, MAX_IMAGE_BYTES  # caps: docs/input_rules.md
 from meta.infra.fileio import parse_json
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
@@ -458,7 +458,7 @@ def _first_complete(found: list) -> int:
     return 0
 
 
-def scan_tar(path: str, counts: dict, issues: Optional[list] = None, max_text_bytes: int = 10_000_000) -> list:
+def scan_tar(path: str, counts: dict, issues: Optional[list] = None, max_text_bytes: int = MAX_FIELD_CHARS) -> list:
     """Records ``(key, offset, size, caption, meta_json)`` of one shard, in member order.
 
     A damaged shard (see the module docstring) keeps the pairs read before the damage,
@@ -770,7 +770,7 @@ def scan_manifest(
     image_root: str,
     counts: dict,
     issues: Optional[list] = None,
-    max_field_chars: int = 10_000_000,
+    max_field_chars: int = MAX_FIELD_CHARS,
     special: Optional[list] = None,
     allow_outside_root: bool = False,
 ) -> list:
@@ -852,7 +852,7 @@ def build_index(
     image_root: str = "",
     max_pairs: int = 0,
     show_progress: bool = True,
-    max_field_chars: int = 10_000_000,
+    max_field_chars: int = MAX_FIELD_CHARS,
     allow_outside_root: bool = False,
 ) -> PairIndex:
     """Scan the inputs into a :class:`PairIndex` (no image decoding).

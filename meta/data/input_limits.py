@@ -1,17 +1,19 @@
-"""The size caps an image input passes before it is read or decoded: one source for their defaults.
+"""The size caps an input passes before it is read or decoded: one source for their defaults.
 
-``CHC.INPUT.MAX_IMAGE_BYTES``, ``CHC.INPUT.MAX_IMAGE_PIXELS`` and ``CHC.INPUT.MAX_IMAGE_ASPECT``
-(:mod:`meta.config`) default to these values, and the functions that apply the caps
-(:func:`meta.chc.sources.read_regular_file`, :func:`meta.chc.imaging.decode_batch`) take them as
-arguments with the same defaults.  Each default lies far above an ordinary photo of a web corpus such
-as CC3M (a 24-megapixel camera image, a panorama 4-8 times wider than tall), so only a file built to eat
-memory or time meets a cap.  No imports: the config schema and the decoders read it without importing
-each other.
+``CHC.INPUT.MAX_IMAGE_BYTES``, ``CHC.INPUT.MAX_IMAGE_PIXELS``, ``CHC.INPUT.MAX_IMAGE_ASPECT`` and
+``CHC.INPUT.MAX_FIELD_CHARS`` (:mod:`meta.config`) default to these values, and the functions that apply the caps
+(:func:`meta.chc.sources.read_regular_file`, :func:`meta.chc.imaging.decode_batch`, the manifest and shard readers of
+:mod:`meta.chc.sources`) take them as arguments with the same defaults.  Each default lies far above an ordinary
+photo or caption of a web corpus such as CC3M (a 24-megapixel camera image, a panorama 4-8 times wider than tall),
+so only a file built to eat memory or time meets a cap.  No imports: the config schema and the decoders read it
+without importing each other.
 """
 
 MAX_IMAGE_BYTES = 50 * 2**20  # bytes of an image file or tar member; a larger one is not read (checked with stat)
 MAX_IMAGE_PIXELS = 50_000_000  # width * height declared in the header, checked before decoding
 MAX_IMAGE_ASPECT = 20.0  # longer side / shorter side, checked before CHC's shorter-side resize
+# longest manifest CSV/TSV field (characters), and the byte cap of a shard's caption / metadata member
+MAX_FIELD_CHARS = 10_000_000
 
 
 def image_caps(inp) -> dict:
