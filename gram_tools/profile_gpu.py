@@ -491,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         args.learners, "bf16", False, args.steps, args.top, True, peak, 0, closed_form_norm=True
     )
     save("bf16_support_attention_lowp_closed_form_layer_norm")
-    if args.bf16_weights:  # the residual stream and its elementwise work in bf16 too
+    if args.bf16_weights:  # the frozen CLIP in bf16 (by step_traffic's count the stream stays fp32 after ln_pre)
         result["bf16_weights_support_attention_lowp"] = profile_steps(
             args.learners, "bf16", False, args.steps, args.top, True, peak, args.more_tasks, weights="bf16"
         )

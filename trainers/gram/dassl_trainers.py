@@ -360,10 +360,11 @@ class _GramTrainer(TrainerX):
         }
 
     def save_model(self, epoch, directory, is_best=False, val_result=None, model_name="") -> None:
+        best = "model-best.pth.tar"
+        filenames = [model_name] + ([best] if is_best and model_name != best else [])  # "": model.pth.tar-<epoch>
         for name in self.get_model_names():
-
-            def save(filename: str, name=name) -> Path:
-                return save_checkpoint(
+            for filename in filenames:
+                path = save_checkpoint(
                     directory,
                     name,
                     epoch + 1,
@@ -374,11 +375,7 @@ class _GramTrainer(TrainerX):
                     extra=self._checkpoint_meta(),
                     filename=filename,
                 )
-
-            path = save(model_name)
-            print(f"Checkpoint saved to {path}")
-            if is_best and path.name != "model-best.pth.tar":
-                save("model-best.pth.tar")
+                print(f"Checkpoint saved to {path}")
 
     def load_model(self, directory, epoch=None) -> None:
         """Load θ for evaluation (weights_only; works for other classes than the ones trained on)."""
