@@ -40,13 +40,15 @@ import json
 import math
 import sys
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gram_tools.bench_gpu import _sig
 from meta.infra.cli_errors import int_flag_problem
 
 # operators that allocate without writing, or only answer questions about a tensor: no bytes moved
@@ -107,6 +109,16 @@ def _cpu_attention_flops() -> dict:
     }
 
 
+class OpRecord(NamedTuple):
+    """One dispatched operator of a step."""
+
+    op: str  # aten overload packet, e.g. "mul"
+    node: str  # the autograd node that ran it (:data:`FORWARD` outside the backward)
+    bytes: int  # read and written
+    flops: int  # of a matrix product or fused attention, else 0
+    dtype: str  # the dtype a product computes in ("" for other operators)
+
+
 @dataclass
 class OpTotals:
     """What one kind of operator (or one autograd node) added up to over a step."""
@@ -117,7 +129,7 @@ class OpTotals:
 
 
 class TrafficCensus(TorchDispatchMode):
-    """Records each dispatched operator: ``records`` rows ``(op, node, bytes, flops, product dtype or "")``.
+    """Records each dispatched operator as an :class:`OpRecord` in ``records``.
 
     Use inside a ``FakeTensorMode`` (enter that first): a data-dependent read (``.item()``, ``bool(t)``,
     ``.tolist()``) then gets 1 of the tensor's type, so a step's host-side checks pass and its metric transfers run;
@@ -125,7 +137,7 @@ class TrafficCensus(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.records: list[tuple[str, str, int, int, str]] = []
+        self.records: list[OpRecord] = []
         from torch.utils.flop_counter import flop_registry
 
         self._flops = {**flop_registry, **_cpu_attention_flops()}
@@ -149,18 +161,17 @@ class TrafficCensus(TorchDispatchMode):
             dtype = str(_tensors(args)[0].dtype).replace("torch.", "")
         node = torch._C._current_autograd_node()
         label = FORWARD if node is None else type(node).__name__.rstrip("0123456789")
-        self.records.append((name, label, moved, flops, dtype))
+        self.records.append(OpRecord(name, label, moved, flops, dtype))
         return out
 
     def totals(self, key: str = "op") -> dict[str, OpTotals]:
         """Per operator (``key="op"``) or per autograd node (``"node"``), largest byte count first."""
-        index = 0 if key == "op" else 1
         out: dict[str, OpTotals] = defaultdict(OpTotals)
         for row in self.records:
-            t = out[row[index]]
+            t = out[row.op if key == "op" else row.node]
             t.calls += 1
-            t.bytes += row[2]
-            t.flops += row[3]
+            t.bytes += row.bytes
+            t.flops += row.flops
         return dict(sorted(out.items(), key=lambda kv: -kv[1].bytes))
 
 
@@ -176,16 +187,16 @@ def roofline(census: TrafficCensus, card: Card = H200) -> dict:
     that card reaches a larger share of its matmul rate."""
     bw = card.bandwidth_tb_s * 1e12
     memory_s = compute_s = 0.0
-    for _, _, moved, flops, dtype in census.records:
-        t_mem = moved / bw
-        t_flop = flops / (card.product_rate(dtype) * 1e12) if flops else 0.0
+    for row in census.records:
+        t_mem = row.bytes / bw
+        t_flop = row.flops / (card.product_rate(row.dtype) * 1e12)
         if t_flop > t_mem:
             compute_s += t_flop
         else:
             memory_s += t_mem
     floor = memory_s + compute_s
-    total_bytes = sum(r[2] for r in census.records)
-    total_flops = sum(r[3] for r in census.records)
+    total_bytes = sum(r.bytes for r in census.records)
+    total_flops = sum(r.flops for r in census.records)
     return {
         "card": card.name,
         "operators": len(census.records),
@@ -198,10 +209,6 @@ def roofline(census: TrafficCensus, card: Card = H200) -> dict:
     }
 
 
-def _sig(x: float, digits: int = 4) -> float:
-    return float(f"{x:.{digits}g}") if x else 0.0
-
-
 def _table(totals: dict[str, OpTotals], card: Card, top: int) -> list[dict]:
     bw = card.bandwidth_tb_s * 1e12
     return [
@@ -209,6 +216,16 @@ def _table(totals: dict[str, OpTotals], card: Card, top: int) -> list[dict]:
          "ms_at_bandwidth": _sig(t.bytes / bw * 1e3)}
         for k, t in list(totals.items())[:top]
     ]  # fmt: skip
+
+
+@lru_cache(maxsize=2)
+def _frozen_clip(model: str, weights: str) -> tuple:
+    """The frozen CLIP (random weights, seed 0) of :func:`step_census`, built once per model and dtype: the step
+    never changes it, and on fake tensors its weights are read, never written."""
+    from meta.model.backbone import load_clip
+
+    torch.manual_seed(0)
+    return load_clip(model, pretrained=None, precision=weights)
 
 
 def step_census(
@@ -239,12 +256,10 @@ def step_census(
     from gram_tools.profile_gpu import step_learner
     from meta.metatrain.outer import OuterStep
     from meta.method.gram import MetaSpec, TaskBatch
-    from meta.model.backbone import load_clip
 
     size = {**task_size(), **(size or {})}
     n_tasks = tasks or size["meta_batch"]
-    torch.manual_seed(0)
-    clip, dims = load_clip(model, pretrained=None, precision=weights)
+    clip, dims = _frozen_clip(model, weights)
     meta_spec = MetaSpec(
         autocast=autocast,
         task_batching="on",
@@ -361,9 +376,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    same = rates == {"bandwidth_tb_s": H200.bandwidth_tb_s, "matmul_tflops": H200.matmul_tflops,
-                     "fp32_tflops": H200.fp32_tflops}  # fmt: skip
-    card = H200 if same else Card("custom rates", **rates)
+    card = replace(H200, **rates)
+    card = card if card == H200 else replace(card, name="custom rates")
     result: dict = {"model": args.model, "card": asdict(card), "steps": {}}
     for learner in args.learners:
         for variant in args.variants:

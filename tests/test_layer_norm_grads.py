@@ -123,7 +123,7 @@ def test_the_closed_form_halves_the_double_backwards_bytes():
         census = step_census("vpt", model="GRAM-Test-Tiny", size=size, tasks=2, closed_form_norm=closed_form)
         nodes = census.totals("node")
         return sum(t.bytes for n, t in nodes.items() if "LayerNormBackwardBackward" in n), sum(
-            r[2] for r in census.records
+            r.bytes for r in census.records
         )
 
     (norm_off, total_off), (norm_on, total_on) = double_backward(False), double_backward(True)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from gram_tools import step_traffic
-from gram_tools.step_traffic import Card, TrafficCensus, roofline, step_census
+from gram_tools.step_traffic import Card, OpRecord, TrafficCensus, roofline, step_census
 
 TINY = "GRAM-Test-Tiny"
 SMALL = {"way": 3, "support_shots": 1, "query_shots": 2}
@@ -63,7 +63,7 @@ def test_the_fake_step_does_the_products_of_the_real_step(tiny_clip):
         same = next(i for i, (a, b) in enumerate(zip(fake.records, real.records)) if a[:3] != b[:3])
         assert fake.records[:same] == real.records[:same]
         for census in (fake, real):
-            assert same > max(i for i, r in enumerate(census.records) if r[1] != "forward")
+            assert same > max(i for i, r in enumerate(census.records) if r.node != "forward")
 
 
 def test_only_a_second_order_step_runs_double_backward_nodes():
@@ -80,8 +80,8 @@ def test_stacked_tasks_add_bytes_but_no_operators():
     two = step_census("unigram", model=TINY, size=SMALL, tasks=2)
     four = step_census("unigram", model=TINY, size=SMALL, tasks=4)
     assert len(four.records) == len(two.records)
-    assert sum(r[2] for r in four.records) > sum(r[2] for r in two.records)
-    assert sum(r[3] for r in four.records) > sum(r[3] for r in two.records)
+    assert sum(r.bytes for r in four.records) > sum(r.bytes for r in two.records)
+    assert sum(r.flops for r in four.records) > sum(r.flops for r in two.records)
 
 
 def test_support_attention_lowp_moves_fewer_bytes_under_bf16():
@@ -95,9 +95,9 @@ def test_the_roofline_sums_each_operators_larger_time():
     card = Card("test", bandwidth_tb_s=1.0, matmul_tflops=10.0, fp32_tflops=2.0)
     census = TrafficCensus()
     census.records = [
-        ("mul", "forward", 3_000_000_000, 0, ""),  # 3 ms of bandwidth
-        ("mm", "forward", 1_000_000_000, 40_000_000_000, "bfloat16"),  # 4 ms of bf16 products > 1 ms of bytes
-        ("mm", "forward", 5_000_000_000, 4_000_000_000, "float32"),  # 2 ms of fp32 products < 5 ms of bytes
+        OpRecord("mul", "forward", 3_000_000_000, 0, ""),  # 3 ms of bandwidth
+        OpRecord("mm", "forward", 1_000_000_000, 40_000_000_000, "bfloat16"),  # 4 ms of bf16 products > 1 ms of bytes
+        OpRecord("mm", "forward", 5_000_000_000, 4_000_000_000, "float32"),  # 2 ms of fp32 products < 5 ms of bytes
     ]
     out = roofline(census, card)
     assert out["floor_s"] == pytest.approx(0.003 + 0.004 + 0.005)
@@ -108,8 +108,11 @@ def test_the_roofline_sums_each_operators_larger_time():
 
 def test_compare_with_profile_reads_the_bandwidth_a_measured_op_implies():
     census = TrafficCensus()
-    census.records = [("mul", "forward", 2_000_000_000, 0, ""), ("_to_copy", "forward", 1_000_000_000, 0, "")]
-    census.records += [("clone", "forward", 1_000_000_000, 0, "")]
+    census.records = [
+        OpRecord("mul", "forward", 2_000_000_000, 0, ""),
+        OpRecord("_to_copy", "forward", 1_000_000_000, 0, ""),
+        OpRecord("clone", "forward", 1_000_000_000, 0, ""),
+    ]
     row = {"top_ops": [{"op": "aten::mul", "calls": 1, "self_cuda_ms": 1.0}, {"op": "aten::copy_", "calls": 2,
            "self_cuda_ms": 4.0}, {"op": "some_kernel<float>", "calls": 3, "self_cuda_ms": 9.0}]}  # fmt: skip
     out = step_traffic.compare_with_profile(census, row)
