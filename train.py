@@ -34,7 +34,7 @@ from dassl.engine import build_trainer  # noqa: E402
 from dassl.utils import collect_env_info, set_random_seed, setup_logger  # noqa: E402
 
 import datasets.coop_layout  # noqa: F401, E402  (registers the CoOp benchmark datasets)
-import trainers  # noqa: F401, E402  (registers GRAM_CoOp, GRAM_VPT, UNIGRAM)
+import trainers  # noqa: F401, E402  (registers every trainer of meta/method/methods.yaml's learners:)
 from trainers import extend_cfg as extend_gram_cfg  # noqa: E402
 
 

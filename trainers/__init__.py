@@ -1,7 +1,7 @@
 """Dassl trainers of this repository (CoOp style: imported from the repository root).
 
-``import trainers`` registers ``GRAM_CoOp``, ``GRAM_VPT`` and ``UNIGRAM`` in Dassl's
-``TRAINER_REGISTRY`` (when Dassl is installed) and re-exports ``extend_cfg``; see ``trainers.gram``.
+``import trainers`` registers every trainer of ``meta/method/methods.yaml``'s ``learners:`` (``TRAINER_NAMES``) in
+Dassl's ``TRAINER_REGISTRY`` (when Dassl is installed) and re-exports ``extend_cfg``; see ``trainers.gram``.
 """
 
 from .gram import TRAINER_NAMES, build_lr_scheduler, extend_cfg, gram_settings
