@@ -27,8 +27,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except NumericsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    import meta.fingerprint.record  # noqa: F401  (results files record the numerics fingerprint: meta.infra.provenance)
-
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = ["--debug"] if "--debug" in argv else []  # accepted anywhere; handed to the command after its name
     argv = [a for a in argv if a != "--debug"]

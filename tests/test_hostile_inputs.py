@@ -337,6 +337,7 @@ def test_image_folder_source_reads_the_caps_from_its_keys(tiny_clip, tmp_path):
     """Meta-training on a labelled folder (``TASKS.SOURCE image_folder``): the same keys, the same counts, and
     the hierarchy's lazy loader keeps them (an over-cap image is never decoded later either)."""
     from meta.metatrain.data import load_task_hierarchy
+    from meta.metatrain.settings import hierarchy_source
 
     for c, name in enumerate(("apple", "bridge")):
         (tmp_path / "data" / name).mkdir(parents=True)
@@ -347,13 +348,13 @@ def test_image_folder_source_reads_the_caps_from_its_keys(tiny_clip, tmp_path):
     opts = ["TASKS.SOURCE", "image_folder", "TASKS.IMAGE_FOLDER", str(tmp_path / "data"), "META.PROGRESS", "False"]
     opts += ["MODEL.BACKBONE", "GRAM-Test-Tiny", "CHC.DOMAINS.NUM", "1", "CHC.DOMAINS.MIN_PER_DOMAIN", "1"]
     cfg = load_meta_cfg("", [*opts, "CHC.INPUT.MAX_IMAGE_BYTES", "2000"])
-    h = load_task_hierarchy(cfg, *tiny_clip)
+    h = load_task_hierarchy(hierarchy_source(cfg), *tiny_clip)
     assert h.meta["unreadable_by_reason"] == {"file larger than 2000 bytes": 1, "aspect ratio above 20": 1}
     assert h.meta["counts"]["images"] == 8 and h.meta["counts"]["unreadable_images"] == 2
     tall = [i for i, p in enumerate(h.image_loader.paths) if p.endswith("tall.png")]
     assert not h.images(tall).any() and h.images([0]).any()
     with pytest.raises(UserError, match=r"^CHC.INPUT.MAX_IMAGE_BYTES: expected an integer >= 1, got 0$"):
-        load_task_hierarchy(load_meta_cfg("", [*opts, "CHC.INPUT.MAX_IMAGE_BYTES", "0"]), *tiny_clip)
+        load_task_hierarchy(hierarchy_source(load_meta_cfg("", [*opts, "CHC.INPUT.MAX_IMAGE_BYTES", "0"])), *tiny_clip)
 
 
 def test_a_clustered_hierarchy_decodes_lazily_under_the_caps_it_recorded(tmp_path):

@@ -17,6 +17,7 @@ from meta.metatrain import build_cfg, main, settings
 from meta.metatrain.checkpoint import CheckpointError, load_checkpoint
 from meta.metatrain.data import FeatureMismatchError
 from meta.metatrain.runlog import read_log
+from meta.metatrain.settings import read_train_settings
 from meta.metatrain.trainer import RunExistsError, setup_run, train
 from meta.method.prompts import PromptParams
 
@@ -200,7 +201,9 @@ def test_pretrain_baseline_exports_without_regulator(tmp_path, hier):
 
 
 def test_switches_reach_the_loop(tmp_path, hier):
-    run = setup_run(_cfg(tmp_path, "TASKS.DOMAIN_SHIFT", "False", "META.REGULATE", "False"), hierarchy=hier)
+    run = setup_run(
+        read_train_settings(_cfg(tmp_path, "TASKS.DOMAIN_SHIFT", "False", "META.REGULATE", "False")), hierarchy=hier
+    )
     assert run.stream.sampler.domain_shift is False and run.learner.regulators() == {}
     assert len(run.train_topics) == 6 and len(run.val_topics) == 2
     assert not set(run.train_topics) & set(run.val_topics)
@@ -211,7 +214,7 @@ def test_switches_reach_the_loop(tmp_path, hier):
     assert (
         batch.support["features"].shape == (3 * 2, 64) and batch.query["label"].tolist() == [0] * 3 + [1] * 3 + [2] * 3
     )
-    vis = setup_run(_cfg(tmp_path, *PROMPTS["unigram"]), hierarchy=hier)
+    vis = setup_run(read_train_settings(_cfg(tmp_path, *PROMPTS["unigram"])), hierarchy=hier)
     assert vis.batcher(vis.stream.next(1)[0]).support["images"].shape == (6, 3, 32, 32)
 
 
@@ -219,7 +222,7 @@ def test_class_shift_tasks_reach_the_loop_and_the_init_file(tmp_path, hier):
     """``TASKS.QUERY_NEW_SHARE 1``: every training task's query topics are training topics outside its support,
     the query batch carries their names, meta-training runs, and the init file records the share."""
     share = ["TASKS.QUERY_NEW_SHARE", "1.0", "META.STEPS", "2", *PROMPTS["coop"]]
-    run = setup_run(_cfg(tmp_path / "setup", *share), hierarchy=hier)
+    run = setup_run(read_train_settings(_cfg(tmp_path / "setup", *share)), hierarchy=hier)
     assert run.stream.sampler.n_new == 3
     assert run.val_tasks == []  # 2 held-out topics cannot hold K >= 2 support plus as many new query classes
     for task in run.stream.next(4):
@@ -256,9 +259,9 @@ def test_gate_form_meta_trains_validates_downstream_and_exports_a_gate(tmp_path,
 
 def test_features_from_another_clip_are_refused(tmp_path):
     with pytest.raises(FeatureMismatchError, match="cosine"):
-        setup_run(_cfg(tmp_path), hierarchy=colour_hierarchy(clip_seed=1))
+        setup_run(read_train_settings(_cfg(tmp_path)), hierarchy=colour_hierarchy(clip_seed=1))
     with pytest.raises(FeatureMismatchError, match="MODEL.BACKBONE"):
-        setup_run(_cfg(tmp_path), hierarchy=colour_hierarchy(backbone="ViT-B-16"))
+        setup_run(read_train_settings(_cfg(tmp_path)), hierarchy=colour_hierarchy(backbone="ViT-B-16"))
 
 
 @pytest.mark.slow
@@ -766,14 +769,15 @@ def test_deep_prompt_learners_meta_train_and_export(tmp_path, hier, tiny_clip, k
 
 def test_run_json_and_init_file_record_what_computed_them(tmp_path, hier, monkeypatch):
     """META.FINGERPRINT (on by default): run.json and the exported init file carry computed_by (commit, numerics
-    fingerprint, CPU and pins); a resume under another fingerprint is listed. The golden run itself is replaced by
-    fixed digests here (its own tests are tests/test_numerics.py)."""
+    fingerprint, CPU and pins) from the recorder the caller wires in (``python -m meta train`` passes
+    meta.fingerprint.record.computed_by); a resume under another fingerprint is listed. The golden run itself is
+    replaced by fixed digests here (its own tests are tests/test_numerics.py)."""
     from meta.fingerprint import record
 
     monkeypatch.setitem(record._FINGERPRINT, "digest", "a" * 64)
     out = tmp_path / "run"
     opts = [*PROMPTS["coop"], "META.FINGERPRINT", "True", "META.VAL_TASKS", "0"]
-    result = train(_cfg(out, *opts, "META.STEPS", "2"), hierarchy=hier, echo=_quiet)
+    result = train(_cfg(out, *opts, "META.STEPS", "2"), hierarchy=hier, echo=_quiet, recorder=record.computed_by)
     info = json.loads((out / "run.json").read_text())
     assert info["computed_by"]["fingerprint"] == "a" * 64 and "fingerprint_changes" not in info
     assert set(info["computed_by"]) == {"commit", "fingerprint", "golden", "numerics"}
@@ -781,7 +785,22 @@ def test_run_json_and_init_file_record_what_computed_them(tmp_path, hier, monkey
     prov = load_gram_init(result["export"]["init"]).metadata["provenance"]
     assert prov["computed_by"]["fingerprint"] == "a" * 64
     monkeypatch.setitem(record._FINGERPRINT, "digest", "b" * 64)
-    train(_cfg(out, *opts, "META.STEPS", "4"), resume=True, hierarchy=hier, echo=_quiet)
+    train(_cfg(out, *opts, "META.STEPS", "4"), resume=True, hierarchy=hier, echo=_quiet, recorder=record.computed_by)
     info = json.loads((out / "run.json").read_text())
     assert info["fingerprint_changes"] == [{"at_step": 2, "before": "a" * 64, "now": "b" * 64}]
     assert info["computed_by"]["fingerprint"] == "b" * 64
+
+
+def test_a_run_given_no_recorder_says_it_recorded_no_fingerprint(tmp_path, hier):
+    """The recorder is wired by the caller, not by an import somewhere in the process: importing
+    meta.fingerprint.record changes nothing, and train() without a recorder writes computed_by with
+    ``fingerprint`` None and says so in one line."""
+    import meta.fingerprint.record  # noqa: F401  (imported: it must not register anything)
+
+    said = []
+    out = tmp_path / "run"
+    opts = [*PROMPTS["coop"], "META.FINGERPRINT", "True", "META.VAL_TASKS", "0", "META.STEPS", "1"]
+    train(_cfg(out, *opts), hierarchy=hier, echo=said.append)
+    info = json.loads((out / "run.json").read_text())
+    assert info["computed_by"]["fingerprint"] is None and info["computed_by"]["commit"]
+    assert [m for m in said if "no numerics fingerprint recorded" in m and "run.json" in m]

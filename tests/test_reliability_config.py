@@ -109,19 +109,23 @@ def test_step_memory_limit_is_the_arithmetic_of_one_step(monkeypatch):
     h = _hierarchy(width=16)
     monkeypatch.setattr(settings, "memory_bytes", lambda device="cpu": 2**20)
     ok = build_cfg(opts=BASE + ["META.META_BATCH", "873"], output_dir="x")
-    settings.check_task_sizes(ok, h)
+    settings.check_task_sizes(settings.read_train_settings(ok), h)
     bad = build_cfg(opts=BASE + ["META.META_BATCH", "874"], output_dir="x")
     with pytest.raises(
         ValueError,
         match=r"^META\.META_BATCH: expected at most 873 tasks .* 16-d cached image "
         r"feature .* got 874$",
     ):
-        settings.check_task_sizes(bad, h)
+        settings.check_task_sizes(settings.read_train_settings(bad), h)
     # visual prompts take 32 x 32 RGB pixels instead (3 * 32 * 32 * 4 + 16 bytes): 1 MiB / (15 * 12304) -> 5
     vis = ["META.PROMPT.N_CTX_VISION", "2"]
-    settings.check_task_sizes(build_cfg(opts=BASE + vis + ["META.META_BATCH", "5"], output_dir="x"), h)
+    settings.check_task_sizes(
+        settings.read_train_settings(build_cfg(opts=BASE + vis + ["META.META_BATCH", "5"], output_dir="x")), h
+    )
     with pytest.raises(ValueError, match="at most 5 tasks"):
-        settings.check_task_sizes(build_cfg(opts=BASE + vis + ["META.META_BATCH", "6"], output_dir="x"), h)
+        settings.check_task_sizes(
+            settings.read_train_settings(build_cfg(opts=BASE + vis + ["META.META_BATCH", "6"], output_dir="x")), h
+        )
 
 
 @pytest.mark.parametrize(
@@ -145,7 +149,7 @@ def test_task_sizes_the_hierarchy_cannot_supply_are_refused_before_the_clip_is_b
     monkeypatch.setattr(trainer, "build_clip", no_clip)
     cfg = build_cfg(opts=BASE + opts, output_dir=str(tmp_path / "r"))
     with pytest.raises(ValueError, match=rf"^{re.escape(key)}: expected .*{re.escape(expected)}") as info:
-        trainer.setup_run(cfg, hierarchy=_hierarchy())
+        trainer.setup_run(settings.read_train_settings(cfg), hierarchy=_hierarchy())
     assert "\n" not in str(info.value)
 
 
@@ -448,11 +452,13 @@ def test_support_and_query_sizes_that_only_fail_together_are_named():
     )
     opts = ["TASKS.K_WAY", "2", "TASKS.N_SUPPORT", "3", "TASKS.N_QUERY", "3", "TASKS.VAL_FRACTION", "0.0"]
     with pytest.raises(ValueError) as info:
-        settings.check_task_sizes(build_cfg(opts=BASE + opts, output_dir="x"), h)
+        settings.check_task_sizes(settings.read_train_settings(build_cfg(opts=BASE + opts, output_dir="x")), h)
     msg = str(info.value)
     assert msg.startswith(
         "TASKS.N_SUPPORT: expected a support size that 2 training topics can supply together "
         "with N_QUERY 3 (TaskSampler: only 0 topics"
     ) and msg.endswith("got 3"), msg
     fits = ["TASKS.K_WAY", "2", "TASKS.N_SUPPORT", "2", "TASKS.N_QUERY", "2", "TASKS.VAL_FRACTION", "0.0"]
-    settings.check_task_sizes(build_cfg(opts=BASE + fits, output_dir="x"), h)  # 2 + 2: every topic can
+    settings.check_task_sizes(
+        settings.read_train_settings(build_cfg(opts=BASE + fits, output_dir="x")), h
+    )  # 2 + 2: every topic can

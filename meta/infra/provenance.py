@@ -1,12 +1,13 @@
 """Where code came from: its git commit (one helper for the demo's report, the Dassl trainers' logs and the record
-every results file stores, :func:`meta.fingerprint.record.computed_by`), and :func:`results_record`, the slot through
-which the groups below :mod:`meta.fingerprint` write that record without importing the group above them."""
+every results file stores, :func:`meta.fingerprint.record.computed_by`), and :func:`results_record`, that record
+without the numerics fingerprint (what a command records when its caller hands it no recorder: the fingerprint is
+:mod:`meta.fingerprint`'s, a group above this one, and is passed in explicitly by the commands that record it)."""
 
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Optional, Union
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,17 +33,9 @@ def git_commit(path: Union[str, Path], length: int = 12) -> str:
         return "unknown"
 
 
-# meta.fingerprint.record puts its computed_by here when it is imported (python -m meta does, before a command runs):
-# the golden run uses every group, so the groups it sits above reach it through this slot, not by an import.
-RECORDERS: dict[str, Callable[[Optional[str]], dict]] = {}
-
-
 def results_record(device: Optional[str] = None) -> dict:
-    """What computed a result: :func:`meta.fingerprint.record.computed_by` (commit, numerics fingerprint, CPU, pins,
-    builds) where :mod:`meta.fingerprint.record` is loaded, else the same record without the fingerprint."""
-    recorder = RECORDERS.get("computed_by")
-    if recorder is not None:
-        return recorder(device)
+    """What computed a result, without the numerics fingerprint: ``{"commit", "fingerprint": None, "numerics"}``
+    (:func:`meta.fingerprint.record.computed_by` adds the fingerprint; ``python -m meta train`` passes that one)."""
     from meta.infra.numerics import numerics_record
 
-    return {"commit": git_commit(REPO), "numerics": numerics_record(device)}
+    return {"commit": git_commit(REPO), "fingerprint": None, "numerics": numerics_record(device)}

@@ -72,12 +72,13 @@ def _main(argv: list[str]) -> int:
     created = distributed.init_from_env() if args.command == "train" else False
     try:
         if args.command == "train":
+            from meta.fingerprint.record import computed_by  # run.json records the numerics fingerprint
             from meta.metatrain.trainer import (
                 train,  # lazy, as export below: learn2learn and the model code, only for the command
             )
 
             cfg = build_cfg(args.config_file, args.opts, args.output_dir)
-            result = train(cfg, resume=args.resume)
+            result = train(cfg, resume=args.resume, recorder=computed_by)
             return EXIT_STOPPED if result.get("stopped") else 0
         from meta.metatrain.export import export_run
 

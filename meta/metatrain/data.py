@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -24,7 +25,6 @@ import torch.nn.functional as F
 from meta.chc import load_hierarchy
 from meta.chc.image_folder import build_image_folder_hierarchy
 from meta.chc.imaging import clip_norm_stats, normalize_uint8
-from meta.data.input_limits import image_caps
 from meta.infra.hashing import file_sha256
 from meta.method.gram import TaskBatch
 
@@ -34,27 +34,46 @@ class FeatureMismatchError(ValueError):
 
 
 # ----------------------------------------------------------------------------- sources
-def load_task_hierarchy(cfg, clip, dims, device: str = "cpu"):
-    """The hierarchy named by ``TASKS.SOURCE``: a CHC output dir or a labelled image folder."""
-    if cfg.TASKS.SOURCE == "image_folder":
-        root = cfg.TASKS.IMAGE_FOLDER
+@dataclass(frozen=True)
+class HierarchySource:
+    """Where meta-training's tasks come from (``TASKS.SOURCE``), typed: a CHC output folder, or a labelled image
+    folder clustered into visual domains here (``TASKS.IMAGE_FOLDER`` with the ``CHC.DOMAINS`` / ``CHC.IMAGES`` /
+    ``CHC.INPUT`` keys it uses).  :func:`meta.metatrain.settings.hierarchy_source` reads it from a config."""
+
+    source: str  # chc | image_folder
+    chc_dir: str  # META.HIERARCHY, or CHC.OUTPUT_DIR when that is empty
+    chc_dir_key: str  # the key chc_dir came from (for errors)
+    image_folder: str  # TASKS.IMAGE_FOLDER
+    num_domains: int
+    min_per_domain: int
+    batch_size: int  # images per encoding batch
+    seed: int
+    backbone: str
+    pretrained: str
+    show_progress: bool
+    caps: dict  # meta.data.input_limits.image_caps
+
+
+def load_task_hierarchy(src: HierarchySource, clip, dims, device: str = "cpu"):
+    """The hierarchy ``src`` names: a CHC output dir or a labelled image folder (encoded by ``clip``)."""
+    if src.source == "image_folder":
+        root = src.image_folder
         if not root or not os.path.isdir(root):
             raise FileNotFoundError(f"TASKS.IMAGE_FOLDER: not a directory: {root!r} (expected root/<class>/<images>)")
         return build_image_folder_hierarchy(
             root,
             clip,
-            num_domains=int(cfg.CHC.DOMAINS.NUM),
-            min_per_domain=int(cfg.CHC.DOMAINS.MIN_PER_DOMAIN),
-            batch_size=int(cfg.CHC.IMAGES.BATCH_SIZE),
-            seed=int(cfg.SEED),
+            num_domains=src.num_domains,
+            min_per_domain=src.min_per_domain,
+            batch_size=src.batch_size,
+            seed=src.seed,
             device=device,
-            model_name=cfg.MODEL.BACKBONE,
-            pretrained=cfg.MODEL.PRETRAINED,
-            show_progress=bool(cfg.META.PROGRESS),
-            **image_caps(cfg.CHC.INPUT),
+            model_name=src.backbone,
+            pretrained=src.pretrained,
+            show_progress=src.show_progress,
+            **src.caps,
         )
-    out_dir = cfg.META.HIERARCHY or cfg.CHC.OUTPUT_DIR
-    key = "META.HIERARCHY" if cfg.META.HIERARCHY else "CHC.OUTPUT_DIR"
+    out_dir, key = src.chc_dir, src.chc_dir_key
     if not (Path(out_dir) / "hierarchy.json").is_file():
         raise FileNotFoundError(
             f"{key}: no finished CHC output at {out_dir!r} (hierarchy.json missing); "

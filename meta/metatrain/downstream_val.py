@@ -25,21 +25,6 @@ from meta.method.consistency import ConsistencySpec
 from meta.method.prompts import PromptedCLIP
 
 
-def val_train_spec(cfg) -> TrainSpec:
-    """The downstream schedule of ``META.VAL_*`` (defaults: CoCoOp's, see :class:`TrainSpec`)."""
-    m = cfg.META
-    return TrainSpec(
-        epochs=int(m.VAL_EPOCHS),
-        batch_size=1,
-        lr=float(m.VAL_FT_LR),
-        momentum=float(m.VAL_FT_MOMENTUM),
-        weight_decay=float(m.VAL_FT_WEIGHT_DECAY),
-        rrcrop_scale=tuple(m.VAL_RRCROP_SCALE),
-        aug_views=1,
-        eval_every_epoch=False,
-    )
-
-
 def crop_and_flip(image: torch.Tensor, scale: tuple, generator: torch.Generator) -> torch.Tensor:
     """A random resized crop (area fraction in ``scale``, aspect ratio in [3/4, 4/3]) and a horizontal flip
     with probability 1/2 of a normalised ``[3, S, S]`` image, resized back to ``S`` (bicubic), drawn from

@@ -88,19 +88,22 @@ def provenance(state: dict, cfg: CN) -> dict:
     }
 
 
-def export_paths(run_dir: Path, cfg, out: Optional[str] = None) -> tuple[Path, Path]:
-    """(init file, stock-CoOp ctx file): ``run_dir/META.EXPORT_NAME`` or ``out`` and its sibling."""
+def export_paths(run_dir: Path, export_name: str, coop_ctx_name: str, out: Optional[str] = None) -> tuple[Path, Path]:
+    """(init file, stock-CoOp ctx file): ``run_dir/export_name`` (``META.EXPORT_NAME``) or ``out``, and its sibling
+    named by ``coop_ctx_name`` (``META.COOP_CTX_NAME``)."""
     if out:
         init = Path(out)
-        return init, init.with_name(init.name.split(".")[0] + "_" + cfg.META.COOP_CTX_NAME)
-    return run_dir / cfg.META.EXPORT_NAME, run_dir / cfg.META.COOP_CTX_NAME
+        return init, init.with_name(init.name.split(".")[0] + "_" + coop_ctx_name)
+    return run_dir / export_name, run_dir / coop_ctx_name
 
 
 def export_state(state: dict, run_dir: Union[str, Path], out: Optional[Union[str, Path]] = None) -> dict:
     """Write the init file (and the CoOp ctx file when there is text context); returns their paths."""
     learner, cfg = learner_from_state(state)
     dims = ClipDims(**state["dims"])
-    init_path, coop_path = export_paths(Path(run_dir), cfg, str(out) if out else None)
+    init_path, coop_path = export_paths(
+        Path(run_dir), cfg.META.EXPORT_NAME, cfg.META.COOP_CTX_NAME, str(out) if out else None
+    )
     theta = learner.prompt_module
     prov = provenance(state, cfg)
     record = _computed_by_of_run(Path(run_dir))
@@ -141,7 +144,7 @@ def verify_exports(state: dict, run_dir: Union[str, Path]) -> list[str]:
     ``weights_only=True`` and hold the same context tensor as the checkpoint.
     """
     cfg = saved_cfg(state)
-    init_path, coop_path = export_paths(Path(run_dir), cfg)
+    init_path, coop_path = export_paths(Path(run_dir), cfg.META.EXPORT_NAME, cfg.META.COOP_CTX_NAME)
     problems = []
     try:
         init = load_gram_init(init_path, config_key="export")

@@ -9,19 +9,25 @@ import hashlib
 import json
 import math
 import os
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from yacs.config import CfgNode as CN
 
 from meta.config import add_metatrain_cfg, get_meta_cfg_default
+from meta.data.input_limits import image_caps
 from meta.finetune.engine import Naming, StartSpec
 from meta.method.consistency import ConsistencySpec
 from meta.method.learners import DEFAULT_LEARNER, import_learner_modules, learner_keys
 from meta.method.prompts import COUPLINGS, VPT_INITS, PromptSpec
 from meta.method.regulator import RegulatorSpec
+from meta.model.clip_config import ClipSettings
 from meta.model.precision import resolve_autocast
 
 if TYPE_CHECKING:
+    from meta.evaluation.spec import TrainSpec
+    from meta.metatrain.data import HierarchySource
     from meta.metatrain.outer import OuterSpec
     from meta.metatrain.tasks import TaskSampler
     from meta.method.gram import MetaSpec
@@ -29,6 +35,12 @@ if TYPE_CHECKING:
 __all__ = [
     "MODES",
     "RUN_CONTROL_KEYS",
+    "TaskSettings",
+    "TrainSettings",
+    "read_train_settings",
+    "hierarchy_source",
+    "task_settings",
+    "val_train_spec",
     "add_metatrain_cfg",
     "cfg_differences",
     "check_meta_cfg",
@@ -101,8 +113,9 @@ def _need(cond: bool, key: str, what: str, value: Any) -> None:
         raise ValueError(f"{key}: expected {what}, got {value!r}")
 
 
-def check_meta_cfg(cfg: CN) -> None:
-    """One-line errors (``KEY: expected ..., got ...``) for values yacs cannot type-check, before any work.
+def check_meta_cfg(cfg: CN) -> "TrainSettings":
+    """One-line errors (``KEY: expected ..., got ...``) for values yacs cannot type-check, before any work; returns
+    the typed settings of the checked config (:func:`read_train_settings`).
 
     ``python -m meta train`` and ``python -m gram_tools.plan`` both call it.  Besides each key's range it
     refuses a text context longer than the CLIP's token context (:func:`check_text_context`) and steps whose
@@ -226,7 +239,9 @@ def check_meta_cfg(cfg: CN) -> None:
         m.REGULATOR.FORM,
     )
     check_text_context(cfg)
-    check_step_size(cfg)
+    run = _train_settings(cfg)
+    check_step_size(run)
+    return run
 
 
 def _model_config(backbone: str) -> Optional[dict]:
@@ -297,7 +312,7 @@ def memory_bytes(device: str = "cpu") -> Optional[int]:
         return None
 
 
-def check_step_size(cfg: CN, item_bytes: int = INDEX_BYTES, device: str = "cpu", what: str = "") -> None:
+def check_step_size(run: "TrainSettings", item_bytes: int = INDEX_BYTES, device: str = "cpu", what: str = "") -> None:
     """Refuse a step (or the fixed validation tasks) whose images cannot all be held in ``device``'s memory.
 
     A GRAM step builds all ``META.META_BATCH`` tasks' batches (``K_WAY x (N_SUPPORT + N_QUERY)`` images each)
@@ -309,8 +324,8 @@ def check_step_size(cfg: CN, item_bytes: int = INDEX_BYTES, device: str = "cpu",
     total = memory_bytes(device)
     if total is None:
         return
-    m, t = cfg.META, cfg.TASKS
-    k, n_s, n_q = int(t.K_WAY), int(t.N_SUPPORT), int(t.N_QUERY)
+    t = run.tasks
+    k, n_s, n_q = t.k_way, t.n_support, t.n_query
     per_task = k * (n_s + n_q)
     unit = f"{item_bytes} bytes per image ({what or 'its int64 index and label'})"
     where = f"the {_size(total)} of {device}"
@@ -329,11 +344,11 @@ def check_step_size(cfg: CN, item_bytes: int = INDEX_BYTES, device: str = "cpu",
             f"{unit}, must fit {where}",
             most[key][0],
         )
-    if m.MODE == "gram":
-        key, value, per = "META.META_BATCH", int(m.META_BATCH), per_task
+    if run.mode == "gram":
+        key, value, per = "META.META_BATCH", run.meta_batch, per_task
         holds = f"tasks of K_WAY x (N_SUPPORT + N_QUERY) = {per_task} images"
     else:
-        key, value, per = "META.PRETRAIN.BATCH_SIZE", int(m.PRETRAIN.BATCH_SIZE), 1
+        key, value, per = "META.PRETRAIN.BATCH_SIZE", run.pretrain_batch_size, 1
         holds = "images"
     _need(
         value * per * item_bytes <= total,
@@ -341,13 +356,13 @@ def check_step_size(cfg: CN, item_bytes: int = INDEX_BYTES, device: str = "cpu",
         f"at most {total // (per * item_bytes)} {holds} per step: one step holds them all at once, {unit}, in {where}",
         value,
     )
-    if item_bytes == INDEX_BYTES and m.MODE == "gram":  # the validation tasks' indices are drawn up front
+    if item_bytes == INDEX_BYTES and run.mode == "gram":  # the validation tasks' indices are drawn up front
         _need(
-            int(m.VAL_TASKS) * per_task * INDEX_BYTES <= total,
+            run.val_tasks * per_task * INDEX_BYTES <= total,
             "META.VAL_TASKS",
             f"at most {total // (per_task * INDEX_BYTES)} tasks of {per_task} images (drawn up front, "
             f"{unit}, in {where})",
-            int(m.VAL_TASKS),
+            run.val_tasks,
         )
 
 
@@ -355,33 +370,43 @@ def _size(n_bytes: int) -> str:
     return f"{n_bytes / 2**30:.1f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:.1f} MiB"
 
 
-def task_sampler(cfg: CN, hierarchy, topics, seed: int, k_way: Optional[int] = None) -> "TaskSampler":
-    """The :class:`meta.metatrain.tasks.TaskSampler` the ``TASKS`` node describes, over ``topics`` with ``seed``
-    (K = ``TASKS.K_WAY`` unless ``k_way`` is given): the one place a sampler is built from a config."""
-    from meta.metatrain.tasks import TaskSampler
+@dataclass(frozen=True)
+class TaskSettings:
+    """The ``TASKS`` node, typed (:func:`task_settings`): how the K-way meta-training tasks are drawn."""
 
-    t = cfg.TASKS
-    return TaskSampler(
-        hierarchy,
-        int(t.K_WAY) if k_way is None else int(k_way),
-        int(t.N_SUPPORT),
-        int(t.N_QUERY),
-        domain_shift=bool(t.DOMAIN_SHIFT),
-        topics=topics,
-        seed=int(seed),
-        query_new_share=float(t.QUERY_NEW_SHARE),
-    )
+    source: str  # chc | image_folder
+    k_way: int
+    n_support: int
+    n_query: int
+    domain_shift: bool  # the support of a class from one visual domain (paper section 3.3)
+    query_new_share: float  # share of a task's query classes absent from its support
+    val_fraction: float  # topics held out for meta-validation
+
+    def sampler(self, hierarchy, topics, seed: int, k_way: Optional[int] = None) -> "TaskSampler":
+        """The :class:`meta.metatrain.tasks.TaskSampler` of these settings over ``topics`` with ``seed`` (K =
+        :attr:`k_way` unless ``k_way`` is given): the one place a sampler is built from settings."""
+        from meta.metatrain.tasks import TaskSampler
+
+        return TaskSampler(
+            hierarchy,
+            self.k_way if k_way is None else int(k_way),
+            self.n_support,
+            self.n_query,
+            domain_shift=self.domain_shift,
+            topics=topics,
+            seed=int(seed),
+            query_new_share=self.query_new_share,
+        )
+
+    def val_k_way(self, n_val_topics: int) -> int:
+        """K of the validation tasks: the largest K <= :attr:`k_way` the held-out topics can fill, new query
+        classes (:attr:`query_new_share`) included; validation needs K >= 2."""
+        from meta.metatrain.tasks import largest_k_way
+
+        return largest_k_way(n_val_topics, self.k_way, self.query_new_share)
 
 
-def val_k_way(cfg: CN, n_val_topics: int) -> int:
-    """K of the validation tasks: the largest K <= ``TASKS.K_WAY`` the held-out topics can fill, new query
-    classes (``TASKS.QUERY_NEW_SHARE``) included; validation needs K >= 2."""
-    from meta.metatrain.tasks import largest_k_way
-
-    return largest_k_way(n_val_topics, int(cfg.TASKS.K_WAY), float(cfg.TASKS.QUERY_NEW_SHARE))
-
-
-def check_task_sizes(cfg: CN, hierarchy, device: str = "cpu") -> None:
+def check_task_sizes(run: "TrainSettings", hierarchy, device: str = "cpu") -> None:
     """Refuse task sizes the hierarchy cannot supply, before a CLIP is built or a task drawn.
 
     * ``TASKS.K_WAY`` <= the training topics left after ``TASKS.VAL_FRACTION`` holds some out (gram mode);
@@ -393,22 +418,22 @@ def check_task_sizes(cfg: CN, hierarchy, device: str = "cpu") -> None:
     """
     from meta.metatrain.tasks import largest_k_way, new_query_classes, split_topics
 
-    t, m = cfg.TASKS, cfg.META
-    k, n_s, n_q, shift = int(t.K_WAY), int(t.N_SUPPORT), int(t.N_QUERY), bool(t.DOMAIN_SHIFT)
-    train, val = split_topics(hierarchy, float(t.VAL_FRACTION), int(cfg.SEED))
+    t = run.tasks
+    k, n_s, n_q, shift = t.k_way, t.n_support, t.n_query, t.domain_shift
+    train, val = split_topics(hierarchy, t.val_fraction, run.seed)
     held = (
         f"{len(train)} training topics of the hierarchy's {hierarchy.num_topics} ({len(val)} held out by "
-        f"TASKS.VAL_FRACTION {t.VAL_FRACTION})"
+        f"TASKS.VAL_FRACTION {t.val_fraction})"
     )
-    if m.MODE == "pretrain":
-        _need(len(train) >= 2, "TASKS.VAL_FRACTION", f"a fraction leaving >= 2 training topics; {held}", t.VAL_FRACTION)
+    if run.mode == "pretrain":
+        _need(len(train) >= 2, "TASKS.VAL_FRACTION", f"a fraction leaving >= 2 training topics; {held}", t.val_fraction)
     else:
-        share = float(t.QUERY_NEW_SHARE)
+        share = t.query_new_share
         most = largest_k_way(len(train), k, share) if k + new_query_classes(k, share) > len(train) else k
         new = f", which must also supply round({share} x K) new query classes (TASKS.QUERY_NEW_SHARE)" if share else ""
         _need(k + new_query_classes(k, share) <= len(train), "TASKS.K_WAY", f"at most {most}: {held}{new}", k)
         try:
-            task_sampler(cfg, hierarchy, train, seed=0)
+            t.sampler(hierarchy, train, seed=0)
         except ValueError as err:
             sizes = [sum(len(v) for v in hierarchy.domain_members(tp).values()) for tp in train]
             domains = [max((len(v) for v in hierarchy.domain_members(tp).values()), default=0) for tp in train]
@@ -432,24 +457,24 @@ def check_task_sizes(cfg: CN, hierarchy, device: str = "cpu") -> None:
                 f"TASKS.N_SUPPORT: expected a support size that {k} training topics can supply together "
                 f"with N_QUERY {n_q} ({err}), got {n_s}"
             ) from None
-        if val_k_way(cfg, len(val)) >= 2 and int(m.VAL_TASKS) > 0:
+        val_k = t.val_k_way(len(val))
+        if val_k >= 2 and run.val_tasks > 0:
             try:
-                task_sampler(cfg, hierarchy, val, seed=0, k_way=val_k_way(cfg, len(val)))
+                t.sampler(hierarchy, val, seed=0, k_way=val_k)
             except ValueError as err:
                 raise ValueError(
                     f"TASKS.VAL_FRACTION: expected held-out topics that can form validation tasks "
                     f"({err}); hold out more topics or set META.VAL_TASKS 0, got "
-                    f"{t.VAL_FRACTION!r}"
+                    f"{t.val_fraction!r}"
                 ) from None
-    use_images = prompt_spec(cfg).has_visual_prompts
-    width = 2 if str(cfg.MODEL.PRECISION) in ("fp16", "bf16") else 4
-    if use_images:
-        size = int(hierarchy.meta.get("image_size") or model_image_size(cfg.MODEL.BACKBONE) or 0)
+    width = 2 if str(run.model.precision) in ("fp16", "bf16") else 4
+    if run.prompt.has_visual_prompts:
+        size = int(hierarchy.meta.get("image_size") or model_image_size(run.model.backbone) or 0)
         item, what = 3 * size * size * width, f"a {size} x {size} RGB image as {8 * width}-bit floats"
     else:
         dim = int(hierarchy.image_features.shape[1])
         item, what = dim * width, f"a {dim}-d cached image feature as {8 * width}-bit floats"
-    check_step_size(cfg, item_bytes=item + INDEX_BYTES, device=device, what=what + " + index and label")
+    check_step_size(run, item_bytes=item + INDEX_BYTES, device=device, what=what + " + index and label")
 
 
 def regulator_spec(cfg: CN) -> RegulatorSpec:
@@ -564,6 +589,158 @@ def val_start_spec(cfg: CN) -> StartSpec:
         launch=bool(m.VAL_LAUNCH) and m.MODE == "gram",
         naming=VAL_NAMING,
     )
+
+
+def val_train_spec(cfg: CN) -> "TrainSpec":
+    """The downstream schedule of meta-validation (``META.VAL_*``; defaults: CoCoOp's, see
+    :class:`meta.evaluation.spec.TrainSpec`)."""
+    from meta.evaluation.spec import TrainSpec
+
+    m = cfg.META
+    return TrainSpec(
+        epochs=int(m.VAL_EPOCHS),
+        batch_size=1,
+        lr=float(m.VAL_FT_LR),
+        momentum=float(m.VAL_FT_MOMENTUM),
+        weight_decay=float(m.VAL_FT_WEIGHT_DECAY),
+        rrcrop_scale=tuple(m.VAL_RRCROP_SCALE),
+        aug_views=1,
+        eval_every_epoch=False,
+    )
+
+
+def task_settings(cfg: CN) -> TaskSettings:
+    """The typed ``TASKS`` node."""
+    t = cfg.TASKS
+    return TaskSettings(
+        source=str(t.SOURCE),
+        k_way=int(t.K_WAY),
+        n_support=int(t.N_SUPPORT),
+        n_query=int(t.N_QUERY),
+        domain_shift=bool(t.DOMAIN_SHIFT),
+        query_new_share=float(t.QUERY_NEW_SHARE),
+        val_fraction=float(t.VAL_FRACTION),
+    )
+
+
+def hierarchy_source(cfg: CN) -> "HierarchySource":
+    """Where the tasks come from: ``TASKS.SOURCE`` with ``META.HIERARCHY`` / ``CHC.OUTPUT_DIR`` (a CHC output) or
+    ``TASKS.IMAGE_FOLDER`` and the ``CHC`` keys that cluster it (:class:`meta.metatrain.data.HierarchySource`)."""
+    from meta.metatrain.data import HierarchySource  # lazy: meta.metatrain.data imports learn2learn's side
+
+    chc = cfg.CHC
+    return HierarchySource(
+        source=str(cfg.TASKS.SOURCE),
+        chc_dir=str(cfg.META.HIERARCHY or chc.OUTPUT_DIR),
+        chc_dir_key="META.HIERARCHY" if cfg.META.HIERARCHY else "CHC.OUTPUT_DIR",
+        image_folder=cfg.TASKS.IMAGE_FOLDER,
+        num_domains=int(chc.DOMAINS.NUM),
+        min_per_domain=int(chc.DOMAINS.MIN_PER_DOMAIN),
+        batch_size=int(chc.IMAGES.BATCH_SIZE),
+        seed=int(cfg.SEED),
+        backbone=cfg.MODEL.BACKBONE,
+        pretrained=cfg.MODEL.PRETRAINED,
+        show_progress=bool(cfg.META.PROGRESS),
+        caps=image_caps(chc.INPUT),
+    )
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Everything a meta-training run reads from its config, typed: :func:`read_train_settings` turns the yacs node
+    into it once, at the edge (``python -m meta train``, :func:`meta.metatrain.train`), and nothing below reads the
+    node.  The specs are the library's own dataclasses; the rest are the loop's ``META`` keys (counts are steps or
+    tasks, rates are learning rates)."""
+
+    output_dir: Path  # OUTPUT_DIR
+    seed: int  # SEED
+    mode: str  # META.MODE: gram | pretrain
+    device: str  # MODEL.DEVICE as given (auto | cpu | cuda[:i]); meta.model.backbone.resolve_device resolves it
+    model: ClipSettings  # MODEL.*
+    tasks: TaskSettings  # TASKS.*
+    hierarchy: "HierarchySource"  # TASKS.SOURCE, META.HIERARCHY, TASKS.IMAGE_FOLDER, CHC.*
+    prompt: PromptSpec  # META.PROMPT.*
+    meta: "MetaSpec"  # the inner loop and R_φ (META.*, META.REGULATOR.*); autocast as configured, not yet resolved
+    outer: "OuterSpec"  # the outer update
+    consistency: ConsistencySpec  # META.CONSISTENCY.*
+    val_start: StartSpec  # META.VAL_REG_WINDOW, META.VAL_LAUNCH
+    val_train: "TrainSpec"  # META.VAL_EPOCHS, VAL_FT_*, VAL_RRCROP_SCALE
+    steps: int  # META.STEPS
+    meta_batch: int  # META.META_BATCH, tasks per outer step
+    pretrain_ways: int  # META.PRETRAIN.WAYS (0 = all training topics)
+    pretrain_batch_size: int  # META.PRETRAIN.BATCH_SIZE, images
+    log_detail_every: int  # META.LOG_DETAIL_EVERY
+    val_every: int  # META.VAL_EVERY
+    val_tasks: int  # META.VAL_TASKS
+    val_protocol: str  # META.VAL_PROTOCOL: downstream | one_step
+    val_ft_steps: int  # META.VAL_FT_STEPS
+    val_ft_lr: float  # META.VAL_FT_LR
+    val_ft_momentum: float  # META.VAL_FT_MOMENTUM
+    checkpoint_every: int  # META.CHECKPOINT_EVERY
+    feature_check: int  # META.FEATURE_CHECK, images re-encoded
+    progress: bool  # META.PROGRESS
+    tensorboard: bool  # META.TENSORBOARD
+    fingerprint: bool  # META.FINGERPRINT
+    export_name: str  # META.EXPORT_NAME
+    coop_ctx_name: str  # META.COOP_CTX_NAME
+    config_yaml: str  # the whole node as YAML (config.yaml, the checkpoint's config_yaml)
+    config: dict  # result_defining_cfg: what a resume must agree on
+    config_hash: str  # config_hash
+
+    @property
+    def split_key(self) -> tuple[str, int]:
+        """``(key, count)`` that torchrun splits over its processes: the meta-batch's tasks or pre-training's
+        images."""
+        if self.mode == "gram":
+            return "META.META_BATCH", self.meta_batch
+        return "META.PRETRAIN.BATCH_SIZE", self.pretrain_batch_size
+
+
+def _train_settings(cfg: CN) -> TrainSettings:
+    """:class:`TrainSettings` of a config whose values :func:`check_meta_cfg` has checked."""
+    m = cfg.META
+    return TrainSettings(
+        output_dir=Path(cfg.OUTPUT_DIR),
+        seed=int(cfg.SEED),
+        mode=str(m.MODE),
+        device=str(cfg.MODEL.DEVICE),
+        model=ClipSettings.from_cfg(cfg),
+        tasks=task_settings(cfg),
+        hierarchy=hierarchy_source(cfg),
+        prompt=prompt_spec(cfg),
+        meta=meta_spec(cfg),
+        outer=outer_spec(cfg),
+        consistency=consistency_spec(cfg),
+        val_start=val_start_spec(cfg),
+        val_train=val_train_spec(cfg),
+        steps=int(m.STEPS),
+        meta_batch=int(m.META_BATCH),
+        pretrain_ways=int(m.PRETRAIN.WAYS),
+        pretrain_batch_size=int(m.PRETRAIN.BATCH_SIZE),
+        log_detail_every=int(m.LOG_DETAIL_EVERY),
+        val_every=int(m.VAL_EVERY),
+        val_tasks=int(m.VAL_TASKS),
+        val_protocol=str(m.VAL_PROTOCOL),
+        val_ft_steps=int(m.VAL_FT_STEPS),
+        val_ft_lr=float(m.VAL_FT_LR),
+        val_ft_momentum=float(m.VAL_FT_MOMENTUM),
+        checkpoint_every=int(m.CHECKPOINT_EVERY),
+        feature_check=int(m.FEATURE_CHECK),
+        progress=bool(m.PROGRESS),
+        tensorboard=bool(m.TENSORBOARD),
+        fingerprint=bool(m.FINGERPRINT),
+        export_name=str(m.EXPORT_NAME),
+        coop_ctx_name=str(m.COOP_CTX_NAME),
+        config_yaml=cfg.dump(),
+        config=result_defining_cfg(cfg),
+        config_hash=config_hash(cfg),
+    )
+
+
+def read_train_settings(cfg: CN) -> TrainSettings:
+    """Check ``cfg`` (:func:`check_meta_cfg`: one-line errors naming the key) and read it into
+    :class:`TrainSettings`, once."""
+    return check_meta_cfg(cfg)
 
 
 def flatten_cfg(node: CN, prefix: str = "") -> dict[str, Any]:

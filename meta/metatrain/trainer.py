@@ -27,7 +27,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -67,7 +67,8 @@ from meta.method.inner import task_loss_of
 from meta.method.metrics import accuracy
 from meta.method.prompts import PromptedCLIP, PromptParams, classification_loss
 from meta.model.backbone import ClipDims, check_model_name, check_precision, resolve_device
-from meta.model.clip_config import clip_from_cfg
+from meta.model.clip_config import clip_from_settings
+from meta.model.precision import resolve_autocast
 
 CONFIG_NAME = "config.yaml"
 RUN_INFO_NAME = "run.json"
@@ -112,7 +113,7 @@ class StopRequest:
 class RunSetup:
     """Everything a run needs besides its loop state."""
 
-    cfg: Any
+    settings: settings.TrainSettings
     device: str
     clip: torch.nn.Module
     dims: ClipDims
@@ -128,75 +129,74 @@ class RunSetup:
     feature_check: Optional[dict]
 
 
-def build_clip(cfg, device: str):
-    """The frozen CLIP of ``cfg.MODEL`` (:func:`meta.model.clip_config.clip_from_cfg`, as ``python -m meta
+def build_clip(run: settings.TrainSettings, device: str):
+    """The frozen CLIP of ``MODEL`` (:func:`meta.model.clip_config.clip_from_settings`, as ``python -m meta
     cluster``)."""
-    return clip_from_cfg(cfg, device)
+    return clip_from_settings(run.model, device)
 
 
-def setup_run(cfg, hierarchy=None) -> RunSetup:
+def setup_run(run: settings.TrainSettings, hierarchy=None) -> RunSetup:
     """Open the task source and check the task sizes against it (:func:`settings.check_task_sizes`; before the
     CLIP is built when the source is a CHC output), build the CLIP, check cached features, split topics,
     create θ, φ and the streams."""
-    device = resolve_device(cfg.MODEL.DEVICE)
-    check_model_name(cfg.MODEL.BACKBONE, "MODEL.BACKBONE")
-    check_precision(cfg.MODEL.PRECISION, "MODEL.PRECISION")
+    device = resolve_device(run.device)
+    check_model_name(run.model.backbone, "MODEL.BACKBONE")
+    check_precision(run.model.precision, "MODEL.PRECISION")
     h = hierarchy
-    if h is None and cfg.TASKS.SOURCE == "chc":  # a CHC output needs no CLIP to open: check sizes before the build
-        h = load_task_hierarchy(cfg, None, None, device)
+    if h is None and run.hierarchy.source == "chc":  # a CHC output needs no CLIP to open: check sizes first
+        h = load_task_hierarchy(run.hierarchy, None, None, device)
     if h is not None:
-        settings.check_task_sizes(cfg, h, device)
-    clip, dims = build_clip(cfg, device)
+        settings.check_task_sizes(run, h, device)
+    clip, dims = build_clip(run, device)
     if h is None:  # an image folder is encoded by this CLIP
-        h = load_task_hierarchy(cfg, clip, dims, device)
-        settings.check_task_sizes(cfg, h, device)
-    pspec = settings.prompt_spec(cfg)
+        h = load_task_hierarchy(run.hierarchy, clip, dims, device)
+        settings.check_task_sizes(run, h, device)
+    pspec, tasks, seed = run.prompt, run.tasks, run.seed
     use_images = pspec.has_visual_prompts
     feature_check = None
     if use_images:
         size = h.meta.get("image_size")
         if size and int(size) != dims.image_size:
             raise ValueError(
-                f"MODEL.BACKBONE: the hierarchy's images are {size} px, {cfg.MODEL.BACKBONE} takes "
+                f"MODEL.BACKBONE: the hierarchy's images are {size} px, {run.model.backbone} takes "
                 f"{dims.image_size} px; re-run `python -m meta cluster` with this model"
             )
     else:
         feature_check = check_cached_features(
-            h, clip, dims, cfg.MODEL.BACKBONE, cfg.MODEL.PRETRAINED, n_check=int(cfg.META.FEATURE_CHECK), device=device
+            h, clip, dims, run.model.backbone, run.model.pretrained, n_check=run.feature_check, device=device
         )
-    train_topics, val_topics = split_topics(h, float(cfg.TASKS.VAL_FRACTION), int(cfg.SEED))
+    train_topics, val_topics = split_topics(h, tasks.val_fraction, seed)
     train_topics, val_topics = [int(t) for t in train_topics], [int(t) for t in val_topics]
-    k_way = int(cfg.TASKS.K_WAY)  # sizes the hierarchy cannot supply were refused by check_task_sizes
+    k_way = tasks.k_way  # sizes the hierarchy cannot supply were refused by check_task_sizes
 
-    theta = PromptParams.from_spec(pspec, clip, dims, generator=torch.Generator().manual_seed(int(cfg.SEED)))
-    learner = GRAMMetaLearner(theta, settings.meta_spec(cfg, device))
+    theta = PromptParams.from_spec(pspec, clip, dims, generator=torch.Generator().manual_seed(seed))
+    spec = replace(run.meta, autocast=resolve_autocast(run.meta.autocast, device, "META.AUTOCAST"))
+    learner = GRAMMetaLearner(theta, spec)
     pclip = PromptedCLIP(clip, dims, theta.n_ctx_text, template=pspec.template)
     mean, std = norm_stats(h, clip)
     batcher = TaskBatcher(h, use_images, mean, std, device=device, dtype=next(clip.parameters()).dtype)
 
-    if cfg.META.MODE == "gram":
+    if run.mode == "gram":
         try:
-            stream = TaskStream(lambda: settings.task_sampler(cfg, h, train_topics, seed=int(cfg.SEED), k_way=k_way))
+            stream = TaskStream(lambda: tasks.sampler(h, train_topics, seed=seed, k_way=k_way))
         except ValueError as err:
             raise ValueError(f"TASKS (training topics): {err}") from None
     else:
-        stream = ClassBatchStream(
-            h, train_topics, int(cfg.META.PRETRAIN.WAYS), int(cfg.META.PRETRAIN.BATCH_SIZE), int(cfg.SEED)
-        )
+        stream = ClassBatchStream(h, train_topics, run.pretrain_ways, run.pretrain_batch_size, seed)
     val_tasks: list = []
-    val_k = settings.val_k_way(cfg, len(val_topics))
-    if val_k >= 2 and int(cfg.META.VAL_TASKS) > 0:
+    val_k = tasks.val_k_way(len(val_topics))
+    if val_k >= 2 and run.val_tasks > 0:
         # fixed tasks (own seed) so every validation measures the same thing; never touches the train stream
         try:
-            val_sampler = settings.task_sampler(cfg, h, val_topics, seed=int(cfg.SEED) + 1, k_way=val_k)
+            val_sampler = tasks.sampler(h, val_topics, seed=seed + 1, k_way=val_k)
         except ValueError as err:
             raise ValueError(
                 f"TASKS.VAL_FRACTION: the held-out topics cannot form tasks ({err}); hold out more "
                 f"topics or set META.VAL_TASKS 0"
             ) from None
-        val_tasks = [val_sampler.sample() for _ in range(int(cfg.META.VAL_TASKS))]
+        val_tasks = [val_sampler.sample() for _ in range(run.val_tasks)]
     return RunSetup(
-        cfg,
+        run,
         device,
         clip,
         dims,
@@ -204,8 +204,8 @@ def setup_run(cfg, hierarchy=None) -> RunSetup:
         train_topics,
         val_topics,
         learner,
-        OuterStep(learner, settings.outer_spec(cfg)),
-        classification_loss(pclip, settings.consistency_spec(cfg)),
+        OuterStep(learner, run.outer),
+        classification_loss(pclip, run.consistency),
         batcher,
         stream,
         val_tasks,
@@ -221,8 +221,8 @@ def gram_step(run: RunSetup, step: int) -> dict:
     and takes its contiguous block of ``B / W`` tasks; the ranks' mean gradients are averaged before
     the one clipped optimiser step, so the update is the single-process one up to float summation order.
     """
-    tasks = run.stream.next(int(run.cfg.META.META_BATCH))
-    every = int(run.cfg.META.LOG_DETAIL_EVERY)
+    tasks = run.stream.next(run.settings.meta_batch)
+    every = run.settings.log_detail_every
     detailed = every > 0 and step % every == 0
     outer = run.outer
     if not dist_.is_distributed():
@@ -291,10 +291,10 @@ def validate(run: RunSetup) -> dict:
         ):
             sums[key] = sums.get(key, 0.0) + value / len(run.val_tasks)
         del adapted
-        if run.cfg.META.VAL_PROTOCOL == "downstream":  # what a user gets: the whole fine-tuning protocol
+        if run.settings.val_protocol == "downstream":  # what a user gets: the whole fine-tuning protocol
             for key, value in _downstream_scores(run, batch, index).items():
                 sums[key] = sums.get(key, 0.0) + value / len(run.val_tasks)
-        ft_steps = int(run.cfg.META.VAL_FT_STEPS)
+        ft_steps = run.settings.val_ft_steps
         if ft_steps > 0:  # as at test time: many small momentum-SGD steps, regulated and raw
             regs = learner.regulators()
             ft = {"query_acc_ft": GradientRegulation(regs) if regs else None, "query_acc_ft_raw": None}
@@ -306,8 +306,8 @@ def validate(run: RunSetup) -> dict:
                     batch.support,
                     batch.query,
                     ft_steps,
-                    float(run.cfg.META.VAL_FT_LR),
-                    float(run.cfg.META.VAL_FT_MOMENTUM),
+                    run.settings.val_ft_lr,
+                    run.settings.val_ft_momentum,
                 )
                 sums[key] = sums.get(key, 0.0) + acc / len(run.val_tasks)
     run.outer.zero_grad()
@@ -322,12 +322,10 @@ def _downstream_scores(run: RunSetup, batch, seed: int) -> dict:
     Both start from the live θ (and φ) through the engine's :func:`meta.finetune.engine.build_start`, as the
     evaluator and the Dassl trainers start: :func:`settings.val_start_spec` is the view, the meta-learner the
     :class:`meta.finetune.engine.StartPoint`."""
-    from dataclasses import replace
+    from meta.metatrain.downstream_val import downstream_accuracy
 
-    from meta.metatrain.downstream_val import downstream_accuracy, val_train_spec
-
-    cfg, learner = run.cfg, run.learner
-    view = settings.val_start_spec(cfg)
+    learner = run.learner
+    view = run.settings.val_start
     pclip = PromptedCLIP(run.clip, run.dims, learner.prompt_module.n_ctx_text, template=view.prompt.template)
     regs = learner.regulators()
     point = StartPoint(
@@ -348,9 +346,9 @@ def _downstream_scores(run: RunSetup, batch, seed: int) -> dict:
                 start,
                 batch.support,
                 batch.query,
-                val_train_spec(cfg),
-                seed=int(cfg.SEED) * 1000 + seed,
-                consistency=settings.consistency_spec(cfg),
+                run.settings.val_train,
+                seed=run.settings.seed * 1000 + seed,
+                consistency=run.settings.consistency,
             )
         out[key] = acc / 100.0
     return out
@@ -364,17 +362,17 @@ def _versions() -> dict:
 
 
 def _checkpoint_payload(run: RunSetup, step: int) -> dict:
-    cfg = run.cfg
+    s = run.settings
     return {
         "step": int(step),
-        "steps_total": int(cfg.META.STEPS),
-        "mode": cfg.META.MODE,
+        "steps_total": s.steps,
+        "mode": s.mode,
         "learner": {**run.learner.state(), **run.outer.state()},  # θ, φ and the outer optimiser
         "rng": capture_rng(),
         "stream": run.stream.state(),
-        "config": settings.result_defining_cfg(cfg),
-        "config_hash": settings.config_hash(cfg),
-        "config_yaml": cfg.dump(),
+        "config": s.config,
+        "config_hash": s.config_hash,
+        "config_yaml": s.config_yaml,
         "dims": run.dims.as_dict(),
         "hierarchy": hierarchy_summary(run.hierarchy),
     }
@@ -425,9 +423,9 @@ def _loop(
     Returns ``None`` when all steps ran (a checkpoint at the last step exists), or the step after
     which a stop was requested (checkpointed too).
     """
-    cfg = run.cfg
-    steps_total, val_every, ckpt_every = int(cfg.META.STEPS), int(cfg.META.VAL_EVERY), int(cfg.META.CHECKPOINT_EVERY)
-    step_fn = gram_step if cfg.META.MODE == "gram" else pretrain_step
+    s = run.settings
+    steps_total, val_every, ckpt_every = s.steps, s.val_every, s.checkpoint_every
+    step_fn = gram_step if s.mode == "gram" else pretrain_step
     if start == 0 and run.val_tasks and val_every > 0:
         log.write("val", 0, validate(run))
     for step in range(start + 1, steps_total + 1):
@@ -462,6 +460,7 @@ def train(
     hierarchy=None,
     on_step: Optional[Callable[[int, dict], None]] = None,
     echo: Callable[[str], None] = print,
+    recorder: Optional[Callable[[Optional[str]], dict]] = None,
 ) -> dict:
     """Run or resume meta-training (or pre-training) as configured; export at the end.
 
@@ -471,35 +470,35 @@ def train(
     unreadable or stale ones.
 
     Args:
-        cfg: full meta config (``meta.config.get_meta_cfg_default`` + ``META``), frozen or not.
+        cfg: full meta config (``meta.config.get_meta_cfg_default`` + ``META``), frozen or not, read here once
+            (:func:`meta.metatrain.settings.read_train_settings`), or the settings it reads.
         resume: continue from ``OUTPUT_DIR/checkpoint.pt`` (start afresh when there is none).
             Without it, an ``OUTPUT_DIR`` holding a checkpoint or an export is refused.
         hierarchy: an already-built hierarchy (tests, notebooks); default = the configured source.
         on_step: called as ``on_step(step, metrics)`` after each finished step (and its checkpoint).
         echo: where one-line status messages go.
+        recorder: what computed the run, for ``run.json``'s ``computed_by`` (``META.FINGERPRINT``):
+            :func:`meta.fingerprint.record.computed_by` (commit, numerics fingerprint, CPU, pins), which
+            ``python -m meta train`` passes; without it the record holds no fingerprint and says so.
 
     Returns:
         ``{"run_dir", "step", "export": {"init", "coop_ctx"} | None, "resumed_from", "noop"}`` (+ ``"stopped":
         True`` when SIGTERM / Ctrl-C ended the run early, after checkpointing the step it was in).
     """
-    settings.check_meta_cfg(cfg)
+    run = cfg if isinstance(cfg, settings.TrainSettings) else settings.read_train_settings(cfg)
     world = dist_.world_size()
-    split_key, split_n = (
-        ("META.META_BATCH", int(cfg.META.META_BATCH))
-        if cfg.META.MODE == "gram"
-        else ("META.PRETRAIN.BATCH_SIZE", int(cfg.META.PRETRAIN.BATCH_SIZE))
-    )
+    split_key, split_n = run.split_key
     if split_n % world:
         raise ValueError(
             f"{split_key}: {split_n} cannot be split evenly over {world} processes (torchrun "
             f"--nproc_per_node); use a multiple of {world}"
         )
-    lock = RunLock(cfg.OUTPUT_DIR, key="OUTPUT_DIR", enabled=is_rank0())
+    lock = RunLock(run.output_dir, key="OUTPUT_DIR", enabled=is_rank0())
     with lock:
         if lock.held:
-            clean_stale_temps(cfg.OUTPUT_DIR, all_pids=True)
+            clean_stale_temps(run.output_dir, all_pids=True)
         try:
-            return _train_locked(cfg, resume, hierarchy, on_step, echo, world)
+            return _train_locked(run, resume, hierarchy, on_step, echo, world, recorder)
         except BaseException:
             lock.release()
             lock.remove_folder_if_unused()  # a run refused before writing anything leaves no empty folder
@@ -507,21 +506,22 @@ def train(
 
 
 def _train_locked(
-    cfg,
+    job: settings.TrainSettings,
     resume: bool,
     hierarchy,
     on_step: Optional[Callable[[int, dict], None]],
     echo: Callable[[str], None],
     world: int,
+    recorder: Optional[Callable[[Optional[str]], dict]],
 ) -> dict:
     """:func:`train` once the output folder is locked (by rank 0)."""
     main = dist_.is_main()
     if not main:  # rank 0 alone talks and writes files
         echo = _silent
-    run_dir = Path(cfg.OUTPUT_DIR)
+    run_dir = job.output_dir
     ckpt_path = run_dir / CHECKPOINT_NAME
-    init_path, _ = export_paths(run_dir, cfg)
-    steps_total = int(cfg.META.STEPS)
+    init_path, _ = export_paths(run_dir, job.export_name, job.coop_ctx_name)
+    steps_total = job.steps
     state = None
     if ckpt_path.exists():
         if not resume:
@@ -530,7 +530,7 @@ def _train_locked(
                 f"continue it or choose another --output-dir"
             )
         state = load_checkpoint(ckpt_path)
-        diffs = settings.cfg_differences(state["config"], settings.result_defining_cfg(cfg))
+        diffs = settings.cfg_differences(state["config"], job.config)
         if diffs:
             more = f" (+{len(diffs) - 4} more)" if len(diffs) > 4 else ""
             raise CheckpointError(
@@ -562,7 +562,7 @@ def _train_locked(
     elif resume:
         echo(f"--resume: no checkpoint in {run_dir}; starting from step 0")
 
-    run = setup_run(cfg, hierarchy)
+    run = setup_run(job, hierarchy)
     start = 0
     if state is not None:
         fp = hierarchy_fingerprint(run.hierarchy)
@@ -583,8 +583,8 @@ def _train_locked(
         start = int(state["step"])
 
     resumed_from = start if state is not None else None
-    log = _write_run_files(run, run_dir, state, start, world) if main else _NoLog()
-    bar = progress_bar(steps_total, start, bool(cfg.META.PROGRESS) and main, f"{cfg.META.MODE} {run_dir.name}")
+    log = _write_run_files(run, run_dir, state, start, world, recorder, echo) if main else _NoLog()
+    bar = progress_bar(steps_total, start, job.progress and main, f"{job.mode} {run_dir.name}")
     with StopRequest() as stop:
         try:
             stopped_at = _loop(
@@ -626,7 +626,7 @@ def _train_locked(
     paths = export_state(final, run_dir)
     dist_.barrier()  # the other ranks return once the export exists
     echo(
-        f"{run_dir}: {cfg.META.MODE} finished at step {final['step']}; exported {paths['init']}"
+        f"{run_dir}: {job.mode} finished at step {final['step']}; exported {paths['init']}"
         + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else "")
         + (f"\n{paths['coop_usage']}" if paths.get("coop_usage") else "")
     )
@@ -639,19 +639,26 @@ def _train_locked(
     }
 
 
-def _write_run_files(run: RunSetup, run_dir: Path, state: Optional[dict], start: int, world: int) -> RunLog:
+def _write_run_files(
+    run: RunSetup,
+    run_dir: Path,
+    state: Optional[dict],
+    start: int,
+    world: int,
+    recorder: Optional[Callable[[Optional[str]], dict]],
+    echo: Callable[[str], None],
+) -> RunLog:
     """Rank 0: ``config.yaml``, ``run.json`` and the opened log."""
-    cfg = run.cfg
-    steps_total = int(cfg.META.STEPS)
+    s = run.settings
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(run_dir / CONFIG_NAME, cfg.dump())
+    write_text_atomic(run_dir / CONFIG_NAME, s.config_yaml)
     info_path = run_dir / RUN_INFO_NAME
     info = _read_run_info(info_path) if (state is not None and info_path.is_file()) else {}
     info.update(
         {
-            "config_hash": settings.config_hash(cfg),
-            "mode": cfg.META.MODE,
-            "steps_total": steps_total,
+            "config_hash": s.config_hash,
+            "mode": s.mode,
+            "steps_total": s.steps,
             "hierarchy": hierarchy_summary(run.hierarchy),
             "feature_check": run.feature_check,
             "dims": run.dims.as_dict(),
@@ -666,17 +673,25 @@ def _write_run_files(run: RunSetup, run_dir: Path, state: Optional[dict], start:
     )
     if state is not None:
         info.setdefault("resumed_at_steps", []).append(start)
-    if cfg.META.FINGERPRINT:
-        _record_computed_by(info, run.device, start)
+    if s.fingerprint:
+        if recorder is None:
+            echo(
+                f"{run_dir / RUN_INFO_NAME}: no numerics fingerprint recorded (train() was given no recorder; "
+                f"python -m meta train passes meta.fingerprint.record.computed_by)"
+            )
+        _record_computed_by(info, run.device, start, recorder or results_record)
     write_json_atomic(info_path, info)
-    return RunLog(run_dir, start_step=start, tensorboard=bool(cfg.META.TENSORBOARD), fresh=state is None)
+    return RunLog(run_dir, start_step=start, tensorboard=s.tensorboard, fresh=state is None)
 
 
-def _record_computed_by(info: dict, device: str, start: int) -> None:
-    """``info["computed_by"]`` = :func:`meta.infra.provenance.results_record` of this process (with the numerics
-    fingerprint where :mod:`meta.fingerprint.record` is loaded, as ``python -m meta train`` loads it); a resume under
-    another numerics fingerprint is listed in ``info["fingerprint_changes"]`` (the run then mixes two numerics)."""
-    record = results_record(device)
+def _record_computed_by(
+    info: dict, device: str, start: int, recorder: Callable[[Optional[str]], dict] = results_record
+) -> None:
+    """``info["computed_by"]`` = ``recorder(device)`` (:func:`meta.fingerprint.record.computed_by`, with the numerics
+    fingerprint, as ``python -m meta train`` passes it; :func:`meta.infra.provenance.results_record` without one);
+    a resume under another numerics fingerprint is listed in ``info["fingerprint_changes"]`` (the run then mixes
+    two numerics)."""
+    record = recorder(device)
     before = (info.get("computed_by") or {}).get("fingerprint")
     if before and before != record.get("fingerprint"):
         info.setdefault("fingerprint_changes", []).append(
