@@ -107,11 +107,30 @@ def test_test_time_regulation_rewrites_grads_in_place():
     expected = reg(p.grad).detach()
     other = torch.nn.Parameter(torch.zeros(3))
     other.grad = torch.ones(3)
-    n = regulation.apply_([("prompt_learner.ctx", p), ("bias", other)])
+    n = regulation.apply_([("ctx", p), ("bias", other)])
     assert n == 1
     torch.testing.assert_close(p.grad, expected)
     assert torch.equal(other.grad, torch.ones(3))
     assert not any(q.requires_grad for q in regulation.parameters())
+
+
+def test_test_time_regulation_finds_each_regulator_by_its_parameter():
+    """R_φ is bound to θ's own parameters by their tensor names (as meta-training's transforms are one per
+    parameter); a regulator that matches no parameter is refused in one line, not left silently unused (a wrapper's
+    prefixed names, ``prompt_learner.ctx``, used to be matched by their last part)."""
+    reg = GradientRegulator(4, RegulatorSpec(init="normal", init_std=0.5))
+    regulation = GradientRegulation({"ctx": reg})
+    p, other = torch.nn.Parameter(torch.zeros(2, 4)), torch.nn.Parameter(torch.zeros(3))
+    assert [(n, q is p, r is regulation.regulators["ctx"]) for n, q, r in regulation.bind([("ctx", p)])] == [
+        ("ctx", True, True)
+    ]
+    assert regulation.bind([("ctx", p), ("bias", other)])[1][2] is None
+    p.grad = torch.ones(2, 4)
+    with pytest.raises(
+        ValueError, match=r"^R_φ holds regulators for ctx, which θ's parameters \(bias, prompt_learner\.ctx\)"
+    ):
+        regulation.apply_([("prompt_learner.ctx", p), ("bias", other)])
+    assert torch.equal(p.grad, torch.ones(2, 4))  # refused before any gradient was touched
 
 
 def _dims(model_name="GRAM-Test-Tiny"):

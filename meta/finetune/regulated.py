@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, replace
-from typing import Iterable, Mapping, Optional, Union
+from typing import Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -127,6 +127,24 @@ class GradientRegulation(nn.Module):
         parts."""
         return is_gated(self.regulators.values())
 
+    def bind(
+        self, named_parameters: Iterable[tuple[str, torch.Tensor]]
+    ) -> list[tuple[str, torch.Tensor, Optional[nn.Module]]]:
+        """``[(name, parameter, R_φ or None)]``: each parameter of θ with the regulator meta-learned for it.
+
+        ``named_parameters`` are θ's own (``PromptParams.named_parameters()``: the tensor names an init file keys
+        R_φ by, ``ctx``, ``vpt``, ...), as meta-training's learn2learn transforms hold one regulator per parameter;
+        a regulator whose tensor θ does not hold is a ValueError naming it (it would otherwise never act)."""
+        named = list(named_parameters)
+        held = {name for name, _ in named}
+        lost = sorted(set(self.regulators) - held)
+        if lost:
+            raise ValueError(
+                f"R_φ holds regulators for {', '.join(lost)}, which θ's parameters ({', '.join(sorted(held))}) do not "
+                f"include: pass θ's own named_parameters()"
+            )
+        return [(name, param, self.regulators[name] if name in self.regulators else None) for name, param in named]
+
     @torch.no_grad()
     def apply_(
         self,
@@ -148,9 +166,7 @@ class GradientRegulation(nn.Module):
             raise ValueError(f"GradientRegulation.apply_: count must be >= 1, got {count}")
         penalty_grads = penalty_grads or {}
         done = 0
-        for name, param in named_parameters:
-            key = name.split(".")[-1]  # "prompt_learner.prompts.ctx" -> "ctx"
-            reg = self.regulators[key] if key in self.regulators else None
+        for name, param, reg in self.bind(named_parameters):
             g_reg = penalty_grads.get(name)
             if g_reg is not None and param.grad is None:
                 param.grad = torch.zeros_like(param)
@@ -164,7 +180,7 @@ class GradientRegulation(nn.Module):
             if isinstance(reg, GradientGate):
                 regulated = reg(param.grad / count, None if g_reg is None else g_reg / count)
             else:
-                regulated = self.regulators[key](param.grad / count)
+                regulated = reg(param.grad / count)
             param.grad.copy_(regulated * count)
             raw_norm = raw.norm()
             self.stats["tensors"] += 1
@@ -291,13 +307,19 @@ class RegulatedStepper:
         if self.scaler is not None:
             raise ValueError("R_φ as a gate does not run under an fp16 GradScaler yet: use PREC fp32 or bf16")
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        if not penalty.requires_grad:
-            return
-        grads = torch.autograd.grad(penalty, [p for _, p in named], retain_graph=True, allow_unused=True)
-        for (name, _), grad in zip(named, grads):
-            if grad is not None:
-                held = self._penalty_grads.get(name)
-                self._penalty_grads[name] = grad if held is None else held + grad
+        for name, grad in penalty_gradients(penalty, named).items():
+            held = self._penalty_grads.get(name)
+            self._penalty_grads[name] = grad if held is None else held + grad
+
+
+def penalty_gradients(penalty: torch.Tensor, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``{name: ∂penalty/∂p}`` for the parameters ``penalty`` reaches (graph kept: the task loss backwards next):
+    the regulariser's gradient that the gate form of R_φ takes apart from the task's, in the stepper and the launch
+    step alike (the meta-training inner loop's differentiable twin: :func:`meta.method.inner.gated_updates`)."""
+    if not penalty.requires_grad:
+        return {}
+    grads = torch.autograd.grad(penalty, [p for _, p in named], retain_graph=True, allow_unused=True)
+    return {name: grad for (name, _), grad in zip(named, grads) if grad is not None}
 
 
 def step_on_batch(
@@ -423,10 +445,7 @@ def launch_(prompts: nn.Module, regulation: Optional["GradientRegulation"], mean
             p.grad = None
         out = mean_loss(prompts)
         loss, penalty = out if isinstance(out, tuple) else (out, None)
-        penalty_grads = {}
-        if gated and penalty is not None and penalty.requires_grad:  # the gate joins the two gradients
-            grads = torch.autograd.grad(penalty, tensors, retain_graph=True, allow_unused=True)
-            penalty_grads = {n: g for (n, _), g in zip(params, grads) if g is not None}
+        penalty_grads = penalty_gradients(penalty, params) if gated and penalty is not None else {}
         total = loss if penalty is None else loss + penalty
         (loss if penalty_grads else total).backward()
         if i == 0:
