@@ -2,9 +2,10 @@
 
 For one CLIP (default ViT-B-16 with random weights: the timings do not depend on the weights) and the
 meta-training config's task size (``TASKS.K_WAY`` classes, ``TASKS.N_SUPPORT`` + ``TASKS.N_QUERY``
-images per class, ``META.META_BATCH`` tasks per outer step), it reports for each prompt variant of the
-paper - CoOp (M = 4 text tokens, cached image features), VPT (4 visual tokens, images through the
-prompted image tower) and UNIGRAM (2 text + 2 visual tokens) - and the deep learners IVLP and MaPLe -
+images per class, ``META.META_BATCH`` tasks per outer step), it reports for each learner of the method table
+(:data:`VARIANTS`, in its meta-training config's shape: CoOp, M = 4 text tokens, cached image features; VPT, 4
+visual tokens, images through the prompted image tower; UNIGRAM, 2 text + 2 visual tokens; the deep learners IVLP
+and MaPLe) -
 
 * ``second_order_step_s`` / ``first_order_step_s``: one whole outer step (B inner loops, query losses,
   backward, clipped Adam step), median over ``--repeats``, in seconds;
@@ -16,9 +17,10 @@ prompted image tower) and UNIGRAM (2 text + 2 visual tokens) - and the deep lear
   is from the card's limit, read off;
 
 ``task_scaling``: second-order step seconds (median of at most 3 after at most 1 warm-up; and peak MiB) of
-CoOp, VPT and UNIGRAM with 1 / 4 / 16 tasks per outer step, ``sequential`` (``META.TASK_BATCHING off``: one
-task after another) against ``batched`` (``auto``: the tasks stacked, :mod:`meta.method.batched`; ``task_chunk``
-is the chunk the out-of-memory fallback settled on, ``null`` = all tasks at once);
+the shallow learners (:data:`SCALING_VARIANTS`: CoOp, VPT and UNIGRAM) with 1 / 4 / 16 tasks per outer step,
+``sequential`` (``META.TASK_BATCHING off``: one task after another) against ``batched`` (``auto``: the tasks
+stacked, :mod:`meta.method.batched`; ``task_chunk`` is the chunk the out-of-memory fallback settled on, ``null`` =
+all tasks at once);
 
 and for CHC ``chc_images_per_s``: CLIP image features per second from decoded uint8 images (pixel
 normalisation, host-to-device copy and the image tower; JPEG decoding is not included) at the config's
@@ -43,16 +45,13 @@ from typing import Callable
 import numpy as np
 import torch
 
+from meta.method import methods
+
 CC3M_PAIRS = 3.1e6
-VARIANTS = {
-    "coop": {"n_ctx_text": 4, "n_ctx_vision": 0},
-    "vpt": {"n_ctx_text": 0, "n_ctx_vision": 4},
-    "unigram": {"n_ctx_text": 2, "n_ctx_vision": 2},
-    # the deep learners as configs/meta/train_ivlp.yaml and train_maple.yaml shape them (IVLP: 2 + 2
-    # tokens in every layer of both towers; MaPLe: 2 text tokens in 9 layers, visual ones projected)
-    "ivlp": {"n_ctx_text": 2, "n_ctx_vision": 2, "text_depth": 0, "vision_depth": 0, "vpt_init": "normal"},
-    "maple": {"n_ctx_text": 2, "n_ctx_vision": 0, "text_depth": 9, "coupling": "maple"},
-}
+# learner -> PromptSpec fields: every learner of the method table (meta/method/methods.yaml) as its meta-training
+# config configs/meta/train_<learner>.yaml shapes it at full size (IVLP: 2 + 2 tokens in every layer of both towers;
+# MaPLe: 2 text tokens in 9 layers, visual ones projected), in table order
+VARIANTS: dict[str, dict] = methods.learner_shapes("full")
 
 
 def gpu_hours(count: float, seconds_each: float) -> float:
@@ -135,8 +134,30 @@ def task_size() -> dict:
     }
 
 
-SCALING_VARIANTS = ("coop", "vpt", "unigram")
+# the shallow learners (CoOp, VPT, UNIGRAM: the paper's three) in the task-scaling table
+SCALING_VARIANTS = tuple(row.name for row in methods.learners().values() if row.name and not row.deep)
 SCALING_TASKS = (1, 4, 16)
+
+
+def check_learners(names) -> None:
+    """ValueError (one line) naming the first of ``names`` with no prompt shape in :data:`VARIANTS` (the learners of
+    the method table), or whose prompt learner (``learner`` field) is not registered."""
+    from meta.method.learners import DEFAULT_LEARNER, get_learner
+    from meta.method.prompts import PromptSpec  # noqa: F401  (registers the built-in learner)
+
+    for name in names:
+        if name not in VARIANTS:
+            raise ValueError(
+                f"bench: learner {name!r} has no prompt shape: the bench measures the learners of "
+                f"meta/method/methods.yaml ({', '.join(VARIANTS)})"
+            )
+        key = VARIANTS[name].get("learner", DEFAULT_LEARNER)
+        try:
+            get_learner(key)
+        except ValueError as err:
+            raise ValueError(f"bench: learner {name!r}: {err} (import the module that registers it)") from None
+
+
 CHC_BATCHES = (64, 128, 256, 512)
 
 
@@ -158,7 +179,9 @@ def run(
     """Measure the figures listed in the module docstring; returns the JSON-ready result.
 
     ``scaling_tasks`` / ``scaling_variants`` / ``chc_batches``: empty skips that part; ``matmul_n``: side of
-    the reference matrix product (default 8192 on CUDA, 512 elsewhere).
+    the reference matrix product (default 8192 on CUDA, 512 elsewhere).  A learner with no shape in
+    :data:`VARIANTS`, or whose prompt learner is not registered, is a one-line ValueError naming it, before any
+    measurement.
     """
     from meta.chc.imaging import clip_norm_stats, encode_images
     from meta.metatrain.outer import OuterStep
@@ -166,6 +189,7 @@ def run(
     from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
     from meta.model.backbone import load_clip
 
+    check_learners((*variants, *scaling_variants))
     size = {**task_size(), **(size or {})}
     dev = torch.device(device)
     torch.manual_seed(0)

@@ -49,6 +49,7 @@ from typing import Optional
 from gram_tools.chc_growth import extrapolate_seconds
 from gram_tools.realsize import DEFAULT_OUT as DEFAULT_FIGURES
 from gram_tools.realsize import LEARNERS, learner_of
+from meta.method.learners import DEFAULT_LEARNER
 
 # The checkout the package sits in: the docs/*.json figures are read from there whatever the current folder.
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -199,7 +200,12 @@ def meta_plan(
     """Memory, fit and hours of ``cfg``'s meta-training (see module docstring); a JSON-ready dict."""
     p = cfg.META.PROMPT
     learner = learner_of(
-        int(p.N_CTX_TEXT), int(p.N_CTX_VISION), int(p.VISION_DEPTH), int(p.TEXT_DEPTH), str(p.COUPLING)
+        int(p.N_CTX_TEXT),
+        int(p.N_CTX_VISION),
+        int(p.VISION_DEPTH),
+        int(p.TEXT_DEPTH),
+        str(p.COUPLING),
+        str(p.get("LEARNER", DEFAULT_LEARNER)),
     )
     pretrain = str(cfg.META.MODE) == "pretrain"
     mode = "finetune" if pretrain else ("first" if cfg.META.FIRST_ORDER else "second")
@@ -209,10 +215,14 @@ def meta_plan(
             _gpu_only_plan(cfg, gpu_figures, learner, mode, gpu_memory_gib, gpus, margin) if gpu_figures else None
         )
         if measured is None:
+            how = (
+                f"(python -m gram_tools.realsize --learners {learner} --modes {mode} --merge)"
+                if learner in LEARNERS
+                else f"(gram_tools.realsize measures the learners of meta/method/methods.yaml: {', '.join(LEARNERS)})"
+            )
             raise PlanError(
                 f"META.PROMPT: learner {learner!r} mode {mode!r} has no fitted line in {figures_path} "
-                f"(python -m gram_tools.realsize --learners {learner} --modes {mode} --merge) and no GPU "
-                f"figures for this task size (scripts/gpu_check.sh writes them)"
+                f"{how} and no GPU figures for this task size (scripts/gpu_check.sh writes them)"
             )
         return measured
     fit = fits[learner][mode]
@@ -289,7 +299,7 @@ def meta_plan(
         out["hours"] = {
             "value": round(hours, 3),
             "how": f"estimated: task FLOPs x ceil(B / GPUs) = {per_rank} tasks per GPU x META.STEPS {steps} / "
-            f"{gpu_tflops:g} TFLOP/s per GPU (assumed)",
+            f"{gpu_tflops:g} TFLOP/s per GPU (assumed)" + _gpu_gap(gpu_figures, learner, mode),
         }
     if fit.get("seconds_per_gflop"):
         cpu_s = step_gflop * fit["seconds_per_gflop"]
@@ -349,6 +359,19 @@ def _measured_hours(cfg, seconds: float, how: str, gpus: int) -> dict:
         "how": f"{how}; x META.STEPS {cfg.META.STEPS} x ceil(B / GPUs) / B "
         f"= {per_rank}/{tasks_per_step} on {gpus} GPU(s)",
     }
+
+
+def _gpu_gap(gpu: Optional[dict], learner: str, mode: str) -> str:
+    """Why GPU figures that exist give no step seconds for ``learner``: ``"; the GPU figures have no ... of learner
+    'x'"`` when their ``variants`` lack its ``{mode}_order_step_s``, else ``""`` (no file, another task size, or a
+    plain step, which the bench does not time)."""
+    if not gpu or mode not in ("second", "first"):
+        return ""
+    row = gpu.get("variants", {}).get(learner)
+    key = f"{mode}_order_step_s"
+    if isinstance(row, dict) and key in row:
+        return ""
+    return f"; the GPU figures have no {key} of learner {learner!r} (python -m gram_tools.bench --device cuda)"
 
 
 def _gpu_step_seconds(gpu: dict, learner: str, mode: str, cfg) -> Optional[tuple[float, str]]:

@@ -1,7 +1,8 @@
 """Real-size cost of every learner on this CPU: ``python -m gram_tools.realsize``.
 
-For each learner in :data:`LEARNERS` (CoOp with cached image features, VPT shallow and deep, UNIGRAM;
-a new learner is one more table entry), at the real architecture (default ViT-B-16, 224 px, random
+For each row of :data:`LEARNERS` (every learner of the method table ``meta/method/methods.yaml`` as its
+meta-training config shapes it: CoOp with cached image features, VPT, UNIGRAM, IVLP, MaPLe; and VPT deep, a
+:data:`DEPTH_ROWS` row; a new learner is its table row), at the real architecture (default ViT-B-16, 224 px, random
 weights: memory and FLOPs do not depend on the weights) and the default config's ``TASKS.K_WAY``:
 
 * ``second`` / ``first``: one meta-task (clone θ, one regulated inner step on ``s`` support images,
@@ -51,18 +52,27 @@ import torch
 from gram_tools.bench_gpu import VARIANTS
 from meta.infra.cli_errors import int_flag_problem
 from meta.infra.fileio import write_json_atomic
+from meta.method.learners import DEFAULT_LEARNER
 
-# learner -> PromptSpec keyword arguments; "images" False = cached image features in meta-tasks.
+# Rows measured beside a learner's own shape: (row name, PromptSpec fields replaced), after the learner's row.
 # VPT deep puts prompts in every block of ViT-B/16 (VPT-deep's layout, Jia et al. ECCV 2022 section 3.2).
-LEARNERS: dict[str, dict] = {
-    "coop": {"spec": VARIANTS["coop"], "images": False},
-    "vpt": {"spec": {**VARIANTS["vpt"], "vision_depth": 1}, "images": True},
-    "vpt_deep": {"spec": {**VARIANTS["vpt"], "vision_depth": 12}, "images": True},
-    "unigram": {"spec": VARIANTS["unigram"], "images": True},
-    # the deep learners as configs/meta/train_ivlp.yaml / train_maple.yaml shape them (gram_tools.bench_gpu)
-    "ivlp": {"spec": VARIANTS["ivlp"], "images": True},
-    "maple": {"spec": VARIANTS["maple"], "images": True},
-}
+DEPTH_ROWS: dict[str, tuple[str, dict]] = {"vpt": ("vpt_deep", {"vision_depth": 12})}
+
+
+def _rows() -> dict[str, dict]:
+    rows: dict[str, dict] = {}
+    for name, spec in VARIANTS.items():
+        rows[name] = dict(spec)
+        if name in DEPTH_ROWS:
+            extra, changes = DEPTH_ROWS[name]
+            rows[extra] = {**spec, **changes}
+    return rows
+
+
+# row -> PromptSpec keyword arguments: every learner of the method table as its meta-training config shapes it
+# (gram_tools.bench_gpu.VARIANTS, meta/method/methods.yaml) and the DEPTH_ROWS, in table order.  A learner whose
+# prompts leave the image tower alone (CoOp) runs its meta-tasks on cached image features.
+LEARNERS: dict[str, dict] = _rows()
 MODES = ("second", "first", "finetune", "encode")  # encode: CHC's image features (no grad), learner-free
 DEFAULT_META_SIZES = ((1, 1), (2, 1), (1, 2), (2, 2))  # (support images, query images)
 DEFAULT_FT_BATCHES = (1, 2, 4)
@@ -74,14 +84,23 @@ SUBPROCESS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MALLOC_MMAP_T
 
 
 def learner_of(
-    n_ctx_text: int, n_ctx_vision: int, vision_depth: int, text_depth: int = 1, coupling: str = "none"
+    n_ctx_text: int,
+    n_ctx_vision: int,
+    vision_depth: int,
+    text_depth: int = 1,
+    coupling: str = "none",
+    learner: str = DEFAULT_LEARNER,
 ) -> str:
     """The :data:`LEARNERS` row measuring a prompt shape (depth 0 or > 1 is deep VPT, measured at full depth).
 
     Deep text prompts (``TEXT_DEPTH`` != 1) are the ``"ivlp"`` row (measured with prompts in every layer of both
     towers) and MaPLe's coupling the ``"maple"`` row (depth 9); a figures file without their lines makes the
-    planner fall back to GPU figures or refuse in one line, never answer with another learner's figures.
+    planner fall back to GPU figures or refuse in one line, never answer with another learner's figures.  A prompt
+    learner of its own (``learner``, ``META.PROMPT.LEARNER``) is the row measured with it, or its own key when no
+    row is (then no figures answer for it).
     """
+    if learner != DEFAULT_LEARNER:
+        return next((name for name, spec in LEARNERS.items() if spec.get("learner") == learner), learner)
     if coupling != "none":
         return "maple"
     if text_depth != 1:
@@ -191,13 +210,13 @@ def _measure(clip, dims, learner: str, mode: str, n_support: int, n_query: int, 
     from torch.utils.flop_counter import FlopCounterMode
 
     from meta.method.gram import GRAMMetaLearner, MetaSpec, TaskBatch
+    from meta.method.learners import get_learner
     from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
 
-    row = LEARNERS[learner]
-    spec = PromptSpec(**row["spec"])
+    spec = PromptSpec(**LEARNERS[learner])
     names = [f"class {i}" for i in range(way)]
     gen = torch.Generator().manual_seed(0)
-    cached = mode in ("second", "first") and not row["images"]
+    cached = mode in ("second", "first") and not get_learner(spec.learner).spec_prompts_vision(spec)
 
     def batch(n: int) -> dict:
         out = {"classnames": names, "label": torch.arange(n) % way}

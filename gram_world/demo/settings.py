@@ -76,10 +76,17 @@ META_VARIANTS = (
 # UNIGRAM's own 2 + 2 and needs no extra run.
 TOKEN_COUNTS = (2, 4, 6, 8)
 TOKEN_VARIANTS = tuple(MetaVariant(f"unigram_{n}tok") for n in TOKEN_COUNTS if n != 4)
-# Deep prompt learners (opt-in table group "deep", docs/deep_prompts.md): 2 + 2 IVLP tokens in every layer of
-# both towers, and MaPLe's 2 text tokens in every layer with their coupled visual prompts; the presets'
-# depth 0 (meta/method/methods.yaml) is every layer of the world's tiny CLIP.
-DEEP_VARIANTS = (MetaVariant("gram_ivlp"), MetaVariant("gram_maple"))
+# Deep prompt learners (opt-in table group "deep", docs/deep_prompts.md): every learner of the method table whose
+# reference shape is deep (methods.Learner.deep): 2 + 2 IVLP tokens in every layer of both towers, and MaPLe's 2
+# text tokens in every layer with their coupled visual prompts; the presets' depth 0 (meta/method/methods.yaml) is
+# every layer of the world's tiny CLIP.  Each one's GRAM preset (a row whose preset is itself and starts from θ*)
+# is meta-trained.
+DEEP_TRAINERS = tuple(name for name, row in methods.learners().items() if row.deep)
+DEEP_VARIANTS = tuple(
+    MetaVariant(m.key)
+    for m in methods.methods().values()
+    if m.trainer in DEEP_TRAINERS and m.preset == m.key and m.init and m.regulate
+)
 # The paper-literal GRAM ("one-step objective" rows): meta-trained on the query loss after one inner step
 # only, whatever the settings' query_before_weight (with the default weight 0 the demo trains each once:
 # stage_meta finds the equal config).
@@ -131,41 +138,21 @@ def _method_row(key: str, variant: str = "") -> MethodRow:
     return MethodRow(key, method.label, method.preset, variant)
 
 
-# Every row the demo evaluates; the table's key order is the paper's row order.
-METHODS = (
-    (
-        _method_row("zsclip"),
-        _method_row("coop"),
-        _method_row("gram_coop", "gram_coop"),
-        _method_row("gram_coop_init_only", "gram_coop"),
-        _method_row("gram_coop_reg_only", "gram_coop"),
-        _method_row("gram_coop_one_step", "gram_coop_one_step"),
-        _method_row("vpt"),
-        _method_row("gram_vpt", "gram_vpt"),
-        _method_row("gram_vpt_init_only", "gram_vpt"),
-        _method_row("gram_vpt_reg_only", "gram_vpt"),
-        _method_row("gram_vpt_one_step", "gram_vpt_one_step"),
-        _method_row("unigram", "unigram"),
-        _method_row("unigram_reg_only", "unigram"),
-        _method_row("unigram_init_only", "unigram"),
-        _method_row("unigram_one_step", "unigram_one_step"),
-        _method_row("unigram_no_shift", "unigram_no_shift"),
-        _method_row("unigram_no_reg", "unigram_no_reg"),
-        _method_row("unigram_pretrain", "unigram_pretrain"),
-        _method_row("unigram_supervised", "unigram_supervised"),
-        _method_row("joint"),
-    )
-    + tuple(_method_row(v.name, v.name) for v in TOKEN_VARIANTS)
-    + (
-        _method_row("ivlp"),
-        _method_row("gram_ivlp", "gram_ivlp"),
-        _method_row("gram_ivlp_init_only", "gram_ivlp"),
-        _method_row("gram_ivlp_reg_only", "gram_ivlp"),
-        _method_row("maple"),
-        _method_row("gram_maple", "gram_maple"),
-        _method_row("gram_maple_init_only", "gram_maple"),
-        _method_row("gram_maple_reg_only", "gram_maple"),
-    )
+def _variant_of(method: methods.Method) -> Optional[str]:
+    """The meta variant a table row starts from: its own (a row meta-trained for itself, :data:`ALL_VARIANTS`), its
+    preset's for a row reading a GRAM init file (the θ*-only / R_φ-only components), ``""`` for a row without one;
+    ``None`` when the row reads a GRAM file the demo meta-trains no variant for."""
+    if method.key in VARIANT_BY_NAME:
+        return method.key
+    if not method.gram_file:
+        return ""
+    return method.preset if method.preset in VARIANT_BY_NAME else None
+
+
+# Every row the demo evaluates: every row of the method table (meta/method/methods.yaml) whose θ* / R_φ, if it reads
+# them, come from a meta variant above; the table's key order is the paper's row order.
+METHODS = tuple(
+    _method_row(m.key, variant) for m in methods.methods().values() if (variant := _variant_of(m)) is not None
 )
 METHOD_BY_KEY = {m.key: m for m in METHODS}
 
@@ -301,16 +288,8 @@ TABLE4_KEYS = ("unigram", "unigram_no_shift", "unigram_no_reg", "unigram_pretrai
 DIAGNOSTIC_KEYS = REG_ONLY_KEYS + ONE_STEP_KEYS
 TRANSFER_KEYS = TABLE1_KEYS
 TOKEN_KEYS = {n: ("unigram" if n == 4 else f"unigram_{n}tok") for n in TOKEN_COUNTS}
-DEEP_KEYS = (
-    "ivlp",
-    "gram_ivlp",
-    "gram_ivlp_init_only",
-    "gram_ivlp_reg_only",
-    "maple",
-    "gram_maple",
-    "gram_maple_init_only",
-    "gram_maple_reg_only",
-)
+# every demo row of the deep learners (DEEP_TRAINERS), in table order: each baseline, its GRAM row and components
+DEEP_KEYS = tuple(m.key for m in METHODS if methods.get(m.key).trainer in DEEP_TRAINERS)
 
 # The fixed-λ zero-shot-consistency comparators (meta/method/consistency.py): CoOp, VPT and joint tuning fine-tuned with
 # the consistency terms at the λ the base-to-new sweep chose on val splits for each (``fixed`` in the committed

@@ -1,8 +1,8 @@
 """The golden numerics fingerprint: a digest of a short, fixed meta-training + fine-tuning run.
 
-For every learner of the family (CoOp, VPT, UNIGRAM, IVLP, MaPLe) and both task loops (``sequential``: one task
-after another; ``stacked``: the meta-batch as one pass, :mod:`meta.method.batched`) it runs, on the 3.4 M-parameter test
-CLIP (``GRAM-Test-Tiny``, random weights from a fixed seed) and fixed synthetic tasks:
+For every learner of the method table (CoOp, VPT, UNIGRAM, IVLP, MaPLe: :data:`LEARNERS`) and both task loops
+(``sequential``: one task after another; ``stacked``: the meta-batch as one pass, :mod:`meta.method.batched`) it runs,
+on the 3.4 M-parameter test CLIP (``GRAM-Test-Tiny``, random weights from a fixed seed) and fixed synthetic tasks:
 
 1. ``OUTER_STEPS`` second-order outer steps of :class:`meta.method.gram.GRAMMetaLearner` (θ and R_φ);
 2. ``FINETUNE_STEPS`` regulated SGD steps from θ* with the meta-learned R_φ
@@ -28,20 +28,17 @@ from pathlib import Path
 
 import torch
 
+from meta.method import methods
+
 GOLDEN = Path(__file__).with_name("golden.json")
 MODEL = "GRAM-Test-Tiny"
 OUTER_STEPS = 3
 FINETUNE_STEPS = 3
 WAY, SUPPORT_SHOTS, QUERY_SHOTS, TASKS = 3, 1, 2, 2
 LOOPS = {"sequential": "off", "stacked": "on"}
-# learner -> PromptSpec fields (depths fitted to the 2-layer test CLIP: deep learners prompt every layer)
-LEARNERS: dict[str, dict] = {
-    "coop": {"n_ctx_text": 4},
-    "vpt": {"n_ctx_text": 0, "n_ctx_vision": 4},
-    "unigram": {"n_ctx_text": 2, "n_ctx_vision": 2},
-    "ivlp": {"n_ctx_text": 2, "n_ctx_vision": 2, "text_depth": 0, "vision_depth": 0, "vpt_init": "normal"},
-    "maple": {"n_ctx_text": 2, "n_ctx_vision": 0, "text_depth": 0, "coupling": "maple"},
-}
+# learner -> PromptSpec fields: every learner of the method table in its reference shape on the 2-layer test CLIP
+# (deep learners prompt every layer), in table order; the names key the digests' runs (meta/method/methods.yaml)
+LEARNERS: dict[str, dict] = methods.learner_shapes("tiny")
 
 
 def _bytes(value) -> bytes:

@@ -14,7 +14,7 @@ Command line (for shell scripts)::
 from __future__ import annotations
 
 import sys
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional, Union
@@ -162,15 +162,71 @@ def load_methods(path: Union[str, Path, None] = None) -> dict[str, Method]:
     return table
 
 
+# The sizes of CLIP a learner's reference prompt shape is given for (:meth:`Learner.prompt_fields`): ``tiny``, the
+# 2-layer test CLIP of the golden fingerprint and the world's tiny CLIP (depth 0 = every layer, as the method rows
+# give it); ``full``, ViT-B/16 as the learner's meta-training config (configs/meta/train_<name>.yaml) shapes it: the
+# benchmarks and the planner.
+PROMPT_SIZES = ("tiny", "full")
+_LEARNER_FIELDS = ("trainer", "text", "vision", "coupling", "vpt_init", "full_text_depth")
+
+
 @dataclass(frozen=True)
 class Learner:
     """One prompt learner (a Dassl trainer): whether it learns text context, its own visual prompt tokens,
-    and how the towers' prompts are tied (``coupling``, :class:`meta.method.prompts.PromptSpec`)."""
+    and how the towers' prompts are tied (``coupling``, :class:`meta.method.prompts.PromptSpec`).
+
+    ``name`` and ``shape`` come from the learner's reference row, its first method row with learnable prompts in
+    table order (``""`` / ``()`` for a learner without one): the row's key names the learner in the golden
+    fingerprint's digests and in the benchmarks' and the planner's figures, and ``shape`` holds the
+    :class:`meta.method.prompts.PromptSpec` fields of its tokens, depths, coupling and prompt learner as
+    ``(field, value)`` pairs, plus ``vpt_init`` when the learner row gives one.  ``full_text_depth`` (``None``: the
+    row's depth) is the text depth at full size where the method rows take every layer of the world's 2-layer CLIP.
+    """
 
     trainer: str
     text: bool
     vision: bool
     coupling: str = "none"
+    vpt_init: str = ""
+    full_text_depth: Optional[int] = None
+    name: str = ""
+    shape: tuple = ()
+
+    def prompt_fields(self, size: str = "tiny") -> dict:
+        """``{PromptSpec field: value}`` of the reference shape at ``size`` (:data:`PROMPT_SIZES`); fields left out
+        take PromptSpec's defaults.  :class:`MethodTableError` for an unknown size or a learner without a reference
+        row."""
+        if size not in PROMPT_SIZES:
+            raise MethodTableError(f"prompt size {size!r}: expected one of {', '.join(PROMPT_SIZES)}")
+        if not self.shape:
+            raise MethodTableError(f"learner {self.trainer!r} has no method row with learnable prompts (no shape)")
+        fields = dict(self.shape)
+        if size == "full" and self.full_text_depth is not None:
+            fields["text_depth"] = self.full_text_depth
+        return fields
+
+    @property
+    def deep(self) -> bool:
+        """True when the reference shape prompts more than the first layer of a tower, or couples the towers
+        (IVLP, MaPLe); False for the shallow learners (CoOp, VPT, UNIGRAM)."""
+        fields = dict(self.shape)
+        return (
+            fields.get("text_depth", 1) != 1
+            or fields.get("vision_depth", 1) != 1
+            or fields.get("coupling", "none") != "none"
+        )
+
+
+def _reference_shape(method: Method, vpt_init: str) -> tuple:
+    """``(field, value)`` pairs of the PromptSpec of ``method``'s prompts: token counts always, depths, coupling and
+    prompt learner where they differ from the table's defaults, ``vpt_init`` when given."""
+    out = [("n_ctx_text", method.text_tokens), ("n_ctx_vision", method.visual_tokens)]
+    for name, default in (("text_depth", 1), ("vision_depth", 1), ("coupling", "none"), ("learner", DEFAULT_LEARNER)):
+        if getattr(method, name) != default:
+            out.append((name, getattr(method, name)))
+    if vpt_init:
+        out.append(("vpt_init", vpt_init))
+    return tuple(out)
 
 
 def load_learners(path: Union[str, Path, None] = None) -> dict[str, Learner]:
@@ -184,11 +240,30 @@ def load_learners(path: Union[str, Path, None] = None) -> dict[str, Learner]:
         raise MethodTableError(f"{path}: expected a top-level 'learners:' list of rows")
     out: dict[str, Learner] = {}
     for i, raw in enumerate(rows):
-        if not isinstance(raw, dict) or set(raw) - {"trainer", "text", "vision", "coupling"} or "trainer" not in raw:
-            raise MethodTableError(f"{path}: learners[{i}]: expected trainer, text, vision and coupling, got {raw!r}")
+        if not isinstance(raw, dict) or set(raw) - set(_LEARNER_FIELDS) or "trainer" not in raw:
+            raise MethodTableError(
+                f"{path}: learners[{i}]: expected trainer, text, vision, coupling (and optional vpt_init, "
+                f"full_text_depth), got {raw!r}"
+            )
         if not all(isinstance(raw.get(k), bool) for k in ("text", "vision")):
             raise MethodTableError(f"{path}: learner {raw['trainer']!r}: text and vision must be true or false")
-        row = Learner(str(raw["trainer"]), raw["text"], raw["vision"], str(raw.get("coupling", "none")))
+        vpt_init = raw.get("vpt_init", "")
+        if not isinstance(vpt_init, str) or ("vpt_init" in raw and not (vpt_init and raw["vision"])):
+            raise MethodTableError(
+                f"{path}: learner {raw['trainer']!r}: vpt_init must be a non-empty string, for a learner with "
+                f"visual tokens (vision true), got {vpt_init!r}"
+            )
+        depth = raw.get("full_text_depth")
+        if "full_text_depth" in raw and (
+            not isinstance(depth, int) or isinstance(depth, bool) or depth < 0 or not raw["text"]
+        ):
+            raise MethodTableError(
+                f"{path}: learner {raw['trainer']!r}: full_text_depth must be an integer >= 0 (0 = every layer), "
+                f"for a learner with text context (text true), got {depth!r}"
+            )
+        row = Learner(
+            str(raw["trainer"]), raw["text"], raw["vision"], str(raw.get("coupling", "none")), vpt_init, depth
+        )
         if row.coupling not in ("none", "maple") or (row.coupling == "maple" and (row.vision or not row.text)):
             raise MethodTableError(
                 f"{path}: learner {row.trainer!r}: coupling must be none, or maple with text "
@@ -212,6 +287,10 @@ def load_learners(path: Union[str, Path, None] = None) -> dict[str, Learner]:
                 f"{path}: method {m.key!r}: tokens {m.text_tokens}+{m.visual_tokens} / coupling "
                 f"{m.coupling} do not fit learner {m.trainer!r} ({learner})"
             )
+    for trainer, row in out.items():
+        reference = next((m for m in table.values() if m.trainer == trainer and not m.zero_shot), None)
+        if reference is not None:
+            out[trainer] = replace(row, name=reference.key, shape=_reference_shape(reference, row.vpt_init))
     return out
 
 
@@ -228,6 +307,13 @@ def _packaged_learners() -> dict[str, Learner]:
 def learners() -> dict[str, Learner]:
     """The packaged learner table ``{trainer: Learner}`` in table order (read once)."""
     return dict(_packaged_learners())
+
+
+def learner_shapes(size: str = "tiny") -> dict[str, dict]:
+    """``{learner name: PromptSpec fields}`` of every learner of the packaged table with a reference row, in table
+    order, at ``size`` (:data:`PROMPT_SIZES`; :meth:`Learner.prompt_fields`): the golden fingerprint runs the
+    ``tiny`` shapes, the benchmarks and the planner measure the ``full`` ones."""
+    return {row.name: row.prompt_fields(size) for row in _packaged_learners().values() if row.name}
 
 
 def methods() -> dict[str, Method]:
@@ -313,6 +399,8 @@ __all__ = [
     "load_learners",
     "methods",
     "learners",
+    "learner_shapes",
+    "PROMPT_SIZES",
     "get",
     "label",
     "canonical_key",

@@ -1,5 +1,5 @@
-"""Dassl trainers ``GRAM_CoOp``, ``GRAM_VPT``, ``UNIGRAM``, ``GRAM_IVLP`` and ``GRAM_MaPLe`` (registered in
-``TRAINER_REGISTRY`` on import).
+"""Dassl trainers ``GRAM_CoOp``, ``GRAM_VPT``, ``UNIGRAM``, ``GRAM_IVLP`` and ``GRAM_MaPLe``: one per learner of the
+method table (:data:`GRAM_TRAINERS`, registered in ``TRAINER_REGISTRY`` on import).
 
 They follow the CoOp trainer pattern (CoOp ``trainers/coop.py`` L222-325, on KaiyangZhou/Dassl.pytorch
 ``dassl/engine/trainer.py``) over the Dassl-free GRAM core in ``meta``:
@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -466,20 +466,30 @@ class GRAM_MaPLe(_GramTrainer):
     are θ tensors too, meta-initialised and regulated like the prompts); "MaPLe + GRAM" with GRAM on."""
 
 
-def _trainer_classes() -> tuple[type, ...]:
-    """One class per learner of the method table (``meta/method/methods.yaml`` ``learners``), in table order: the
-    table says what each learns (``config.TRAINER_PROMPTS``), the class above only names it."""
-    classes = {cls.__name__: cls for cls in _GramTrainer.__subclasses__()}
-    missing = [name for name in methods.learners() if name not in classes]
-    if missing:
-        raise KeyError(
-            f"meta/method/methods.yaml learners {', '.join(missing)} have no class in {__name__}; add "
-            f"`class <name>(_GramTrainer): ...` for each"
-        )
-    return tuple(classes[name] for name in methods.learners())
+def trainer_classes(table: Mapping[str, methods.Learner], written: Mapping[str, type]) -> tuple[type, ...]:
+    """One class per learner of ``table`` (``{trainer: Learner}``, the ``learners`` of ``meta/method/methods.yaml``),
+    in table order: the class of ``written`` (``{name: class}``, the classes above, which add a docstring) or else a
+    new :class:`_GramTrainer` subclass of that name.  The table says what each learns (``config.TRAINER_PROMPTS``);
+    the class only names it."""
+    out = []
+    for name, row in table.items():
+        cls = written.get(name)
+        if cls is None:
+            doc = (
+                f"{name}, a prompt learner of the method table (meta/method/methods.yaml): text context "
+                f"{'yes' if row.text else 'no'}, visual tokens {'yes' if row.vision else 'no'}, "
+                f"coupling {row.coupling}."
+            )
+            cls = type(name, (_GramTrainer,), {"__doc__": doc, "__module__": __name__, "__qualname__": name})
+        out.append(cls)
+    return tuple(out)
 
 
-GRAM_TRAINERS = _trainer_classes()
+GRAM_TRAINERS = trainer_classes(
+    methods.learners(),
+    {name: obj for name, obj in list(globals().items()) if isinstance(obj, type) and _GramTrainer in obj.__bases__},
+)
+globals().update({cls.__name__: cls for cls in GRAM_TRAINERS})  # a table learner without a class above
 
 
 def register_trainers() -> None:
