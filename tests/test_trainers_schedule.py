@@ -10,7 +10,7 @@ import torch
 from helpers import lr_per_epoch, optim_cfg
 from yacs.config import CfgNode as CN
 
-from trainers.gram.schedule import build_lr_scheduler
+from trainers.gram.dassl_schedule import build_lr_scheduler
 
 
 def lrs_per_epoch(cfg: CN, epochs: int) -> list[float]:

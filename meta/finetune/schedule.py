@@ -1,6 +1,6 @@
 """Per-epoch learning-rate schedules with Dassl's semantics, built only from torch's scheduler classes.
 
-The one implementation behind both the Dassl trainers (``trainers/gram/schedule.py`` maps the
+The one implementation behind both the Dassl trainers (``trainers/gram/dassl_schedule.py`` maps the
 ``OPTIM`` node onto :func:`epoch_scheduler`) and the Dassl-free evaluator
 (``meta.evaluation.make_scheduler`` maps a ``TrainSpec``).  Error messages name the Dassl ``OPTIM``
 keys; ``TrainSpec`` fields map to them as ``scheduler`` -> ``LR_SCHEDULER``, ``epochs`` ->

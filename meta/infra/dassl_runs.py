@@ -3,7 +3,7 @@
 One reader for everything that looks into a ``train.py`` output folder without importing Dassl: the
 benchmark runner (``scripts/run_methods.py``: is a run finished? which epoch to evaluate?), the
 results parser (``scripts/parse_results.py``) and the GRAM trainers' checkpoints
-(``trainers/gram/checkpoint.py`` writes the names defined here).
+(``trainers/gram/dassl_checkpoint.py`` writes the names defined here).
 
 Facts (KaiyangZhou/Dassl.pytorch ``dassl/engine/trainer.py``, ``dassl/utils/torchtools.py``; CoOp
 ``parse_test_res.py``):

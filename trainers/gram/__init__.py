@@ -9,7 +9,7 @@ The config, schedule, checkpoint and export helpers need no Dassl.  Recipe: ``do
 from importlib.util import find_spec
 
 from .config import TRAINER_PROMPTS, GramSettings, extend_cfg, gram_settings
-from .schedule import build_lr_scheduler
+from .dassl_schedule import build_lr_scheduler
 
 TRAINER_NAMES = tuple(TRAINER_PROMPTS)
 

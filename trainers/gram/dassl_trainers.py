@@ -20,8 +20,8 @@ They follow the CoOp trainer pattern (CoOp ``trainers/coop.py`` L222-325, on Kai
   fresh run (``meta.finetune.regulated.launch_``).
   ``TRAINER.GRAM.INIT_PROMPTS False`` starts θ from scratch and takes only R_φ from the file.
 * Stock Dassl HEAD on torch >= 2.7: schedulers from torch's own classes
-  (:mod:`trainers.gram.schedule`), checkpoints that load with ``weights_only=True``
-  (:mod:`trainers.gram.checkpoint`), ``load_model``/resume overridden (Dassl's crash on
+  (:mod:`trainers.gram.dassl_schedule`), checkpoints that load with ``weights_only=True``
+  (:mod:`trainers.gram.dassl_checkpoint`), ``load_model``/resume overridden (Dassl's crash on
   ``val_result`` None), no ``.cuda()``/``.half()``: the device is Dassl's ``self.device``.
 * Images are read as Dassl reads them (``dassl.utils.read_image``: as stored, EXIF orientation ignored);
   ``TRAINER.GRAM.EXIF_UPRIGHT True`` gives every loader (train, val, test, launch) the
@@ -49,7 +49,7 @@ from meta.finetune.regulated import check_gate_regulariser, launch_, weighted_su
 from meta.method import methods
 from meta.model.backbone import load_clip
 
-from .checkpoint import checkpoint_file, load_checkpoint, prompt_state, save_checkpoint
+from .dassl_checkpoint import checkpoint_file, load_checkpoint, prompt_state, save_checkpoint
 from .config import (
     GramSettings,
     available_cpus,
@@ -59,8 +59,8 @@ from .config import (
     resolve_precision,
 )
 from .model import GramCLIP
-from .provenance import environment_summary, file_sha256, sample_digest
-from .schedule import build_lr_scheduler
+from .run_trace import environment_summary, file_sha256, sample_digest
+from .dassl_schedule import build_lr_scheduler
 
 MODEL_NAME = "prompt_learner"  # the one registered module (same name as CoOp's, so its scripts' paths fit)
 

@@ -24,7 +24,7 @@ import torch
 
 from meta.finetune.init_io import coop_context_name, coop_context_usage, export_coop_context, load_gram_init
 
-from .checkpoint import checkpoint_file, load_checkpoint
+from .dassl_checkpoint import checkpoint_file, load_checkpoint
 
 
 def text_context_of(source: Union[str, Path], epoch: Optional[int] = None) -> torch.Tensor:
