@@ -11,11 +11,11 @@ from meta.finetune.init_io import export_gram_init
 from meta.method.prompts import PromptParams
 from meta.method.regulator import GradientRegulator
 from trainers.gram.dassl_checkpoint import checkpoint_file, load_checkpoint, prompt_state, save_checkpoint
+from trainers.gram.dassl_schedule import build_lr_scheduler
 from trainers.gram.export import export_for_coop
 from trainers.gram.export import main as export_main
 from trainers.gram.model import GramCLIP
 from trainers.gram.run_trace import sample_digest
-from trainers.gram.dassl_schedule import build_lr_scheduler
 
 
 def _trained_prompts(seed: int = 0) -> tuple[PromptParams, torch.optim.Optimizer, object]:

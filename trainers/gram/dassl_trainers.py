@@ -49,7 +49,6 @@ from meta.finetune.regulated import check_gate_regulariser, launch_, weighted_su
 from meta.method import methods
 from meta.model.backbone import load_clip
 
-from .dassl_checkpoint import checkpoint_file, load_checkpoint, prompt_state, save_checkpoint
 from .config import (
     GramSettings,
     available_cpus,
@@ -58,9 +57,10 @@ from .config import (
     gram_settings,
     resolve_precision,
 )
+from .dassl_checkpoint import checkpoint_file, load_checkpoint, prompt_state, save_checkpoint
+from .dassl_schedule import build_lr_scheduler
 from .model import GramCLIP
 from .run_trace import environment_summary, file_sha256, sample_digest
-from .dassl_schedule import build_lr_scheduler
 
 MODEL_NAME = "prompt_learner"  # the one registered module (same name as CoOp's, so its scripts' paths fit)
 
