@@ -42,9 +42,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from meta.chc.cli import main as cluster_main  # lazy: each command imports only what it runs
 
         return cluster_main(argv[1:] + debug)
+    from meta.fingerprint.record import computed_by  # run.json records the numerics fingerprint (wired here)
     from meta.metatrain.cli import main as metatrain_main
 
-    return int(metatrain_main(argv + debug) or 0)
+    return int(metatrain_main(argv + debug, recorder=computed_by) or 0)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from yacs.config import CfgNode as CN
 
@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _main(argv: list[str]) -> int:
+def _main(argv: list[str], recorder: Optional[Callable[[Optional[str]], dict]] = None) -> int:
     parser = _parser()
     args, opts = parser.parse_known_args(argv)
     flags = [o for o in opts if o.startswith("--")]
@@ -72,13 +72,12 @@ def _main(argv: list[str]) -> int:
     created = distributed.init_from_env() if args.command == "train" else False
     try:
         if args.command == "train":
-            from meta.fingerprint.record import computed_by  # run.json records the numerics fingerprint
             from meta.metatrain.trainer import (
                 train,  # lazy, as export below: learn2learn and the model code, only for the command
             )
 
             cfg = build_cfg(args.config_file, args.opts, args.output_dir)
-            result = train(cfg, resume=args.resume, recorder=computed_by)
+            result = train(cfg, resume=args.resume, recorder=recorder)
             return EXIT_STOPPED if result.get("stopped") else 0
         from meta.metatrain.export import export_run
 
@@ -94,7 +93,9 @@ def _main(argv: list[str]) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, recorder: Optional[Callable[[Optional[str]], dict]] = None) -> int:
     """Entry point; ``argv`` starts with the command (``train`` or ``export``); ``--debug`` anywhere
-    shows tracebacks.  Returns 0, 2 (user error, one line on stderr) or 143 (stopped early)."""
-    return run_cli(_main, argv)
+    shows tracebacks.  ``recorder``: what computed the run, for ``run.json`` (``python -m meta`` passes
+    :func:`meta.fingerprint.record.computed_by`; see :func:`meta.metatrain.trainer.train`).  Returns 0, 2 (user
+    error, one line on stderr) or 143 (stopped early)."""
+    return run_cli(lambda args: _main(args, recorder), argv)
