@@ -12,59 +12,24 @@ the few-shot sample (Dassl's ``random`` draws = the evaluator's ``random.Random(
 
 from __future__ import annotations
 
-import json
-import sys
-import warnings
-from pathlib import Path
-
-import numpy as np
 import pytest
 
 pytestmark = pytest.mark.dassl
 pytest.importorskip("dassl", reason="Dassl not installed: the agreement test runs the Dassl trainers")
 
 import torch  # noqa: E402
-from dassl.engine import build_trainer  # noqa: E402
-from dassl.utils import Logger, set_random_seed  # noqa: E402
+from helpers_dassl import BATCH, PROVENANCE, SEED, SHOTS, dassl_run, write_dtd  # noqa: E402
 from helpers_learner import KEY as TOY  # noqa: E402
 from helpers_learner import RANK, low_rank_learner  # noqa: E402
-from PIL import Image  # noqa: E402
 
-import train  # noqa: E402
 from meta.evaluation import DatasetRef, TrainSpec, evaluate_base_to_new, method_preset  # noqa: E402
 from meta.finetune.init_io import export_gram_init  # noqa: E402
 from meta.method import methods  # noqa: E402
 from meta.method.prompts import PromptParams  # noqa: E402
 from meta.method.regulator import GradientGate, GradientRegulator, RegulatorSpec  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-CLASSES = ["apple", "boat", "cat", "drum"]  # CoOp's base = the first two, new = the last two
-SIZES = {"train": 5, "val": 2, "test": 10}
-SHOTS, SEED, BATCH = 3, 1, 2
-# one file per learner: θ*, a non-identity R_φ, and the provenance `python -m meta export` writes (the support of
-# 2 ways x 2 shots sets the default window; inner_lr the launch step)
-PROVENANCE = {"mode": "gram", "tasks": {"k_way": 2, "n_support": 2}, "meta": {"inner_lr": 0.1, "inner_steps": 1}}
 SHAPES = {"GRAM_CoOp": {"ctx": (4, 64)}, "UNIGRAM": {"ctx": (2, 64), "vpt": (1, 2, 64)}}
 WORDS = "a photo of a"
-
-
-def write_dtd(root: Path) -> None:
-    """DTD's on-disk layout with 32-px PNGs: one colour per class plus noise (the tiny CLIP tells them apart)."""
-    rng = np.random.default_rng(0)
-    colours = rng.uniform(0, 255, (len(CLASSES), 3))
-    split = {}
-    for name, n in SIZES.items():
-        rows = []
-        for label, cname in enumerate(CLASSES):
-            for k in range(n):
-                rel = f"{cname}/{name}_{k:02d}.png"
-                path = root / "dtd" / "images" / rel
-                path.parent.mkdir(parents=True, exist_ok=True)
-                pixels = np.clip(colours[label] + rng.normal(0, 40, (32, 32, 3)), 0, 255).astype(np.uint8)
-                Image.fromarray(pixels).save(path)
-                rows.append([rel, label, cname])
-        split[name] = rows
-    (root / "dtd" / "split_zhou_DescribableTextures.json").write_text(json.dumps(split))
 
 
 @pytest.fixture(scope="module")
@@ -101,65 +66,6 @@ def world(tmp_path_factory, tiny_clip, toy_learner):
         root / "unigram_gate.safetensors", PromptParams(**tensors), gates, dims, provenance=PROVENANCE
     )
     return root, inits
-
-
-def dassl_run(root: Path, key: str, opts: list[str], subsample: str, output: Path):
-    """A Dassl trainer of method ``key`` as ``train.py`` builds it (seeded, the tiny CLIP's weights file)."""
-    row = methods.get(key)
-    argv = [
-        "--root",
-        str(root / "data"),
-        "--seed",
-        str(SEED),
-        "--trainer",
-        row.trainer,
-        "--output-dir",
-        str(output),
-        "--dataset-config-file",
-        str(REPO / "configs/datasets/dtd.yaml"),
-        "--config-file",
-        str(REPO / row.config),
-        "TRAINER.GRAM.MODEL_NAME",
-        "GRAM-Test-Tiny",
-        "TRAINER.GRAM.WEIGHTS",
-        str(root / "tiny_clip.pt"),
-        "TRAINER.GRAM.QUICK_GELU",
-        "off",
-        "INPUT.SIZE",
-        "(32, 32)",
-        "INPUT.TRANSFORMS",
-        "['normalize']",
-        "DATALOADER.NUM_WORKERS",
-        "0",
-        "DATALOADER.TRAIN_X.BATCH_SIZE",
-        str(BATCH),
-        "DATALOADER.TRAIN_X.SAMPLER",
-        "SequentialSampler",
-        "OPTIM.MAX_EPOCH",
-        "1",
-        "OPTIM.WARMUP_EPOCH",
-        "0",
-        "DATASET.NUM_SHOTS",
-        str(SHOTS),
-        "DATASET.SUBSAMPLE_CLASSES",
-        subsample,
-        *opts,
-    ]
-    cfg = train.setup_cfg(train.build_parser().parse_args(argv))
-    set_random_seed(cfg.SEED)
-    saved = sys.stdout
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer = build_trainer(cfg)
-    finally:
-        tee, sys.stdout = sys.stdout, saved
-        while isinstance(tee, Logger):  # undo Dassl's stdout tee
-            if tee.file is not None:
-                tee.file.close()
-                tee.file = None
-            tee = tee.console
-    return trainer, cfg
 
 
 CONSISTENCY = {"consistency_text": 8.0, "consistency_image": 10.0}  # KgCoOp's and PromptSRC's weights

@@ -17,7 +17,9 @@ Shapes (B tasks, K classes, n images per task):
 
 * stacked batch: ``classnames`` B lists of K names, ``label`` ``[B, n]``, ``images`` ``[B·n, 3, H, W]``
   (task-major) or ``features`` ``[B, n, E]``;
-* batched loss: ``(Σ_b mean_i CE_b,i, logits [B, n, K])``.
+* batched loss: ``(Σ_b mean_i CE_b,i, logits [B, n, K])``; its features are the learner's
+  (:meth:`meta.method.learners.PromptLearner.stacked_features`: text ``[B, K, E]``, or ``[B, n, K, E]`` for a
+  learner whose text depends on each image), its logits :func:`meta.method.learners.feature_logits`.
 
 :func:`stack_batches` returns ``None`` when tasks differ in shape (then the sequential path runs).
 """
@@ -31,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meta.method.learners import DEFAULT_LEARNER
+from meta.method.learners import DEFAULT_LEARNER, feature_logits, learner_of
 from meta.method.objective import OuterObjective
-from meta.method.prompts import PromptedCLIP, has_visual_prompts, text_prompts
+from meta.method.prompts import PromptedCLIP
 from meta.method.regulator import GradientRegulator
 
 log = logging.getLogger(__name__)
@@ -108,40 +110,12 @@ def stack_batches(batches: Sequence[dict]) -> Optional[dict]:
     }
 
 
-def _repeat_tasks(t: Optional[torch.Tensor], times: int) -> Optional[torch.Tensor]:
-    """``[B, ...]`` -> ``[B·times, ...]`` (each task's slice repeated for its classes / images)."""
-    return None if t is None else t.repeat_interleave(times, dim=0)
-
-
-def text_features(pclip: PromptedCLIP, prompts: nn.Module, classnames: Sequence[Sequence[str]]) -> torch.Tensor:
-    """``[B, K, E]`` L2-normalised class embeddings, task b's K classes with task b's text prompts."""
-    n_tasks, n_cls = len(classnames), len(classnames[0])
-    flat = [c for names in classnames for c in names]
-    if pclip.n_ctx_text == 0:  # the fixed template: cached per class name
-        return pclip.text_features(None, flat).view(n_tasks, n_cls, -1)
-    ctx, ctx_deep = text_prompts(prompts)
-    if ctx is None:
-        raise ValueError("this PromptedCLIP expects text context vectors (prompts.ctx)")
-    # B·K sequences: class k of task b carries ctx[b] (and ctx_deep[b]); PromptedCLIP encodes them as one batch
-    per_class = _PerClassText(_repeat_tasks(ctx, n_cls), _repeat_tasks(ctx_deep, n_cls))
-    return pclip.text_features(per_class, flat).view(n_tasks, n_cls, -1)
-
-
-class _PerClassText:
-    """Text prompts given per class: ``ctx`` ``[C, M, d_t]``, ``ctx_deep`` ``[C, J-1, M, d_t]`` or ``None``."""
-
-    def __init__(self, ctx: torch.Tensor, ctx_deep: Optional[torch.Tensor]):
-        self.ctx, self.ctx_deep = ctx, ctx_deep
-
-
-def image_features(pclip: PromptedCLIP, prompts: nn.Module, batch: dict) -> torch.Tensor:
-    """``[B, n, E]`` L2-normalised image embeddings, task b's images with task b's visual prompts."""
-    n_tasks, n_img = batch["label"].shape
-    if batch.get("features") is not None:
-        if has_visual_prompts(prompts):
-            raise ValueError("cached image features cannot be used with visual prompts; pass images")
-        return batch["features"]
-    return pclip.image_features(prompts, batch["images"]).view(n_tasks, n_img, -1)
+def features(pclip: PromptedCLIP, prompts: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(image [B, n, E], text [B, K, E] or per image [B, n, K, E])`` of a stacked batch, by θ's learner
+    (:meth:`meta.method.learners.PromptLearner.stacked_features`)."""
+    return learner_of(prompts).stacked_features(
+        pclip, prompts, batch["classnames"], images=batch.get("images"), image_features=batch.get("features")
+    )
 
 
 def batched_classification_loss(pclip: PromptedCLIP) -> BatchedLossFn:
@@ -151,9 +125,7 @@ def batched_classification_loss(pclip: PromptedCLIP) -> BatchedLossFn:
     """
 
     def loss_fn(prompts: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        img = image_features(pclip, prompts, batch)  # [B, n, E]
-        text = text_features(pclip, prompts, batch["classnames"])  # [B, K, E]
-        logits = pclip.logit_scale * torch.bmm(img, text.transpose(1, 2))  # [B, n, K]
+        logits = feature_logits(pclip.logit_scale, *features(pclip, prompts, batch))  # [B, n, K]
         per_image = F.cross_entropy(logits.transpose(1, 2), batch["label"], reduction="none")  # [B, n]
         return per_image.mean(dim=1).sum(), logits
 

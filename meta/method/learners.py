@@ -10,7 +10,14 @@ A prompt learner says how θ is held and how it prompts the frozen CLIP's towers
 * :meth:`PromptLearner.init`: the start tensors (random draws from the caller's generator);
 * :meth:`PromptLearner.text_prompts` / :meth:`PromptLearner.visual_prompts`: what the towers receive, read from
   any object carrying the tensors as attributes (θ, its learn2learn clones, a task stack ``[B, ...]`` of
-  :mod:`meta.method.batched`), so every leading task dimension must ride along.
+  :mod:`meta.method.batched`), so every leading task dimension must ride along;
+* :meth:`PromptLearner.features` / :meth:`PromptLearner.stacked_features` / :meth:`PromptLearner.logits`: the
+  forward from θ, images and class names to features and logits, one task or a task stack.  The default composes
+  the two methods above with the frozen towers of a :class:`meta.method.prompts.PromptedCLIP`; a learner whose
+  text prompts depend on each image (CoCoOp's meta-net, Zhou et al. CVPR 2022) overrides the two ``features``
+  methods, sets :attr:`PromptLearner.per_image_text` and returns text features per image (``[n, C, E]``).
+  :class:`meta.method.prompts.PromptedCLIP`, the task-stacked loss of :mod:`meta.method.batched` and the Dassl
+  model (``trainers/gram/model.py``) all call these methods; :func:`feature_logits` is the one product.
 
 Adding a learner is one subclass and one :func:`register_learner` call (plus, for the method table, one row of
 ``meta/method/methods.yaml``); nothing else in the library names its tensors.  The built-in learner ``clip``
@@ -19,7 +26,7 @@ Adding a learner is one subclass and one :func:`register_learner` call (plus, fo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 if TYPE_CHECKING:  # torch-free at import: the method table (meta.method.methods) reads DEFAULT_LEARNER without torch
     import torch
@@ -34,7 +41,9 @@ _REGISTRY: dict[str, "PromptLearner"] = {}
 class PromptLearner:
     """How one kind of prompt learner holds θ and prompts CLIP's towers (see the module docstring).
 
-    Subclasses set :attr:`key` and :attr:`tensor_names` and implement the methods below.  ``structure`` dicts
+    Subclasses set :attr:`key` and :attr:`tensor_names` and implement the methods below (the forward methods,
+    :meth:`features`, :meth:`stacked_features` and their parts, have defaults built on :meth:`text_prompts` and
+    :meth:`visual_prompts`; a learner with per-image text overrides the two ``features`` methods).  ``structure`` dicts
     hold at least ``n_ctx_text`` (M, the context positions of the text prompt, 0 = the fixed template),
     ``n_ctx_vision`` and ``vision_depth`` (free visual tokens), ``text_depth`` and ``coupling`` (what init files
     have always recorded); a learner may add fields of its own.
@@ -85,6 +94,133 @@ class PromptLearner:
     def has_visual_prompts(self, prompts: Any) -> bool:
         """Whether the vision tower carries prompts (cached image features are then refused)."""
         return self.visual_prompts(prompts) is not None
+
+    # ------------------------------------------------------------------ the forward (θ, images, names -> logits)
+    #: True when the text features depend on each image (``features`` returns text ``[n, C, E]``); the text side
+    #: then cannot be computed once per class list (:meth:`text_features` refuses, the Dassl model does not cache)
+    per_image_text: bool = False
+
+    def text_features(self, pclip: Any, prompts: Any, classnames: Sequence[str]) -> torch.Tensor:
+        """``[C, E]`` L2-normalised class embeddings of θ (``prompts``) through ``pclip``'s frozen text tower.
+
+        ValueError for a learner with :attr:`per_image_text` (its text side needs the images: use
+        :meth:`features`)."""
+        if self.per_image_text:
+            raise ValueError(
+                f"prompt learner {self.key!r}: text features depend on each image; use features() or logits()"
+            )
+        ctx, deep = self.text_prompts(prompts)
+        return pclip.encode_text(ctx, deep, classnames)
+
+    def image_features(self, pclip: Any, prompts: Any, images: torch.Tensor) -> torch.Tensor:
+        """``[n, E]`` L2-normalised image embeddings of ``images`` ``[n, 3, H, W]`` with θ's visual prompts."""
+        return pclip.encode_images(images, self.visual_prompts(prompts))
+
+    def features(
+        self,
+        pclip: Any,
+        prompts: Any,
+        classnames: Sequence[str],
+        images: Optional[torch.Tensor] = None,
+        image_features: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(image [n, E], text [C, E] or per image [n, C, E])``, L2-normalised: what :meth:`logits` multiplies.
+
+        ``images`` ``[n, 3, H, W]``, or ``image_features`` ``[n, E]`` (normalised, cached from the frozen image
+        tower: refused when θ prompts that tower)."""
+        if image_features is None:
+            if images is None:
+                raise ValueError("need images or image_features")
+            image_features = self.image_features(pclip, prompts, images)
+        elif self.has_visual_prompts(prompts):
+            raise ValueError("cached image_features cannot be used with visual prompts; pass images")
+        return image_features, self.text_features(pclip, prompts, classnames)
+
+    def stacked_features(
+        self,
+        pclip: Any,
+        prompts: Any,
+        classnames: Sequence[Sequence[str]],
+        images: Optional[torch.Tensor] = None,
+        image_features: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`features` of B tasks in one pass: ``(image [B, n, E], text [B, K, E] or per image [B, n, K, E])``.
+
+        ``prompts`` holds θ stacked per task (every tensor ``[B, ...]``, :class:`meta.method.batched.StackedPrompts`),
+        ``classnames`` B lists of K names, ``images`` ``[B·n, 3, H, W]`` (task-major) or ``image_features``
+        ``[B, n, E]``.  Task b's images meet task b's visual prompts (a per-sample gather in the vision tower) and
+        its K names become K text sequences with task b's context (B·K sequences in one text batch)."""
+        if self.per_image_text:
+            raise ValueError(f"prompt learner {self.key!r}: per-image text needs its own stacked_features()")
+        n_tasks = len(classnames)
+        if image_features is not None:
+            if self.has_visual_prompts(prompts):
+                raise ValueError("cached image features cannot be used with visual prompts; pass images")
+            image = image_features
+        else:
+            if images is None:
+                raise ValueError("need images or image_features")
+            image = self.image_features(pclip, prompts, images).view(n_tasks, images.shape[0] // n_tasks, -1)
+        n_cls = len(classnames[0])
+        flat = [c for names in classnames for c in names]
+        if pclip.n_ctx_text == 0:  # the fixed template: cached per class name
+            return image, pclip.encode_text(None, None, flat).view(n_tasks, n_cls, -1)
+        ctx, deep = self.text_prompts(prompts)
+        if ctx is None:
+            raise ValueError("this PromptedCLIP expects text context vectors (prompts.ctx)")
+        # B·K sequences: class k of task b carries ctx[b] (and deep[b])
+        ctx, deep = (None if t is None else t.repeat_interleave(n_cls, dim=0) for t in (ctx, deep))
+        return image, pclip.encode_text(ctx, deep, flat).view(n_tasks, n_cls, -1)
+
+    def logits(
+        self,
+        pclip: Any,
+        prompts: Any,
+        classnames: Sequence[str],
+        images: Optional[torch.Tensor] = None,
+        image_features: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """``[n, C]`` scaled cosine logits of :meth:`features` (:func:`feature_logits`)."""
+        return feature_logits(pclip.logit_scale, *self.features(pclip, prompts, classnames, images, image_features))
+
+
+def feature_logits(scale: float, image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    """Scaled cosine logits of normalised features, one task or a task stack, shared or per-image text.
+
+    * one task: ``image [n, E]`` with ``text [C, E]`` -> ``(scale · image) @ textᵀ``, or with per-image
+      ``text [n, C, E]`` -> ``einsum("ne,nce->nc")``: ``[n, C]``;
+    * a task stack: ``image [B, n, E]`` with ``text [B, K, E]`` -> ``scale · bmm(image, textᵀ)``, or with
+      ``text [B, n, K, E]`` -> ``einsum("bne,bnke->bnk")``: ``[B, n, K]``.
+
+    (Where the scale multiplies is each path's as it always was, so built-in learners' numbers do not move.)"""
+    import torch
+
+    if image.dim() == 2 and text.dim() == 2:
+        return scale * image @ text.t()
+    if image.dim() == 2 and text.dim() == 3:
+        return torch.einsum("ne,nce->nc", scale * image, text)
+    if image.dim() == 3 and text.dim() == 3:
+        return scale * torch.bmm(image, text.transpose(1, 2))
+    if image.dim() == 3 and text.dim() == 4:
+        return scale * torch.einsum("bne,bnke->bnk", image, text)
+    raise ValueError(
+        f"feature_logits: expected image [n, E] / [B, n, E] with text [C, E] or [n, C, E] (one more leading "
+        f"task dim when stacked), got {tuple(image.shape)} and {tuple(text.shape)}"
+    )
+
+
+def consistency_text(text: torch.Tensor, classnames: Sequence[str]) -> tuple[torch.Tensor, list[str]]:
+    """The text features and class names the zero-shot consistency term (:mod:`meta.method.consistency`) reads.
+
+    ``text [C, E]`` -> unchanged; per-image ``text [n, C, E]`` -> ``([n·C, E], classnames repeated n times)``, so
+    the term becomes ``1 − mean_{i,k} cos(w_ik, w_k⁰)``: KgCoOp's penalty averaged over the images too."""
+    if text.dim() == 2:
+        return text, list(classnames)
+    if text.dim() != 3 or text.shape[1] != len(classnames):
+        raise ValueError(
+            f"text features: expected [C, E] or [n, C, E] with C = {len(classnames)}, got {tuple(text.shape)}"
+        )
+    return text.reshape(-1, text.shape[-1]), list(classnames) * text.shape[0]
 
 
 def register_learner(learner: PromptLearner) -> PromptLearner:

@@ -41,7 +41,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from meta.method.consistency import ConsistencySpec, consistency_penalty, frozen_reference
-from meta.method.learners import DEFAULT_LEARNER, PromptLearner, get_learner, learner_of, register_learner
+from meta.method.learners import (
+    DEFAULT_LEARNER,
+    PromptLearner,
+    consistency_text,
+    feature_logits,
+    get_learner,
+    learner_of,
+    register_learner,
+)
 from meta.model.backbone import ClipDims
 from meta.model.text_encoder import ClassTokenCache, context_from_words, encode_text_with_context
 from meta.model.visual_encoder import encode_image_with_prompts
@@ -441,6 +449,10 @@ class PromptedCLIP:
 
     Caches what does not depend on θ: the class-name token embeddings (per
     name) and, when there is no text context, the fixed-template text features.
+
+    It holds the frozen towers (:meth:`encode_text`, :meth:`encode_images`); how θ turns images and class names
+    into features and logits is θ's learner's (:meth:`meta.method.learners.PromptLearner.features`), which
+    :meth:`text_features`, :meth:`image_features`, :meth:`features` and :meth:`logits` call.
     """
 
     def __init__(
@@ -457,9 +469,14 @@ class PromptedCLIP:
             self.tokens = ClassTokenCache(clip, 0, template=template, truncate=truncate)
         self._fixed_text: dict[str, torch.Tensor] = {}
 
-    def text_features(self, prompts: Optional[nn.Module], classnames: Sequence[str]) -> torch.Tensor:
-        """``[C, E]`` L2-normalised class embeddings for the current prompts."""
-        ctx, ctx_deep = text_prompts(prompts)
+    # ---------------------------------------------------------------- the frozen towers
+    def encode_text(
+        self, ctx: Optional[torch.Tensor], ctx_deep: Optional[torch.Tensor], classnames: Sequence[str]
+    ) -> torch.Tensor:
+        """``[C, E]`` L2-normalised text features of ``classnames`` with context ``ctx`` (``[M, d_t]`` shared, or
+        ``[C, M, d_t]`` one per name) and deep prompts ``ctx_deep`` (``[J-1, M, d_t]`` or ``[C, J-1, M, d_t]``).
+
+        Without text context (``n_ctx_text`` 0) the fixed template's features, cached per name (``ctx`` ignored)."""
         if self.n_ctx_text > 0:
             if ctx is None:
                 raise ValueError("this PromptedCLIP expects text context vectors (prompts.ctx)")
@@ -473,9 +490,24 @@ class PromptedCLIP:
                 self._fixed_text[name] = f
         return torch.stack([self._fixed_text[c] for c in classnames])
 
+    def encode_images(self, images: torch.Tensor, visual: Optional[torch.Tensor]) -> torch.Tensor:
+        """``[n, E]`` L2-normalised image features of ``images`` ``[n, 3, H, W]`` with visual prompt tokens
+        ``visual`` (``[D, n_v, d_v]``; ``[G, D, n_v, d_v]``: the images in G equal consecutive groups, group g with
+        ``visual[g]``, the tasks of :mod:`meta.method.batched`; or ``None``)."""
+        return F.normalize(encode_image_with_prompts(self.clip, images, visual), dim=-1)
+
+    # ---------------------------------------------------------------- θ's forward (by its learner)
+    def text_features(self, prompts: Optional[nn.Module], classnames: Sequence[str]) -> torch.Tensor:
+        """``[C, E]`` L2-normalised class embeddings for the current prompts (``None``: the fixed template)."""
+        if prompts is None:
+            return self.encode_text(None, None, classnames)
+        return learner_of(prompts).text_features(self, prompts, classnames)
+
     def image_features(self, prompts: Optional[nn.Module], images: torch.Tensor) -> torch.Tensor:
         """``[B, E]`` L2-normalised image embeddings (with visual prompts when present)."""
-        return F.normalize(encode_image_with_prompts(self.clip, images, visual_prompts(prompts)), dim=-1)
+        if prompts is None:
+            return self.encode_images(images, None)
+        return learner_of(prompts).image_features(self, prompts, images)
 
     def logits(
         self,
@@ -489,8 +521,7 @@ class PromptedCLIP:
         Pass ``image_features`` (``[B, E]``, normalised) instead of ``images`` when the
         image side carries no prompts: the frozen image tower output can then be cached.
         """
-        image_features, text = self.features(prompts, classnames, images, image_features)
-        return self.logit_scale * image_features @ text.t()
+        return feature_logits(self.logit_scale, *self.features(prompts, classnames, images, image_features))
 
     def features(
         self,
@@ -499,14 +530,9 @@ class PromptedCLIP:
         images: Optional[torch.Tensor] = None,
         image_features: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(image [B, E], text [C, E])``, both L2-normalised: what :meth:`logits` multiplies."""
-        if image_features is None:
-            if images is None:
-                raise ValueError("need images or image_features")
-            image_features = self.image_features(prompts, images)
-        elif has_visual_prompts(prompts):
-            raise ValueError("cached image_features cannot be used with visual prompts; pass images")
-        return image_features, self.text_features(prompts, classnames)
+        """``(image [B, E], text [C, E] or per image [B, C, E])``, both L2-normalised: what :meth:`logits`
+        multiplies (:meth:`meta.method.learners.PromptLearner.features` of θ's learner)."""
+        return learner_of(prompts).features(self, prompts, classnames, images, image_features)
 
 
 def classification_loss(pclip: PromptedCLIP, consistency: Optional[ConsistencySpec] = None):
@@ -532,10 +558,9 @@ def classification_loss(pclip: PromptedCLIP, consistency: Optional[ConsistencySp
     def parts_fn(prompts: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         images = batch.get("images")
         image, text = pclip.features(prompts, batch["classnames"], images, batch.get("features"))
-        logits = pclip.logit_scale * image @ text.t()
-        penalty = consistency_penalty(
-            spec, reference, batch["classnames"], text, image, images, visual_prompts(prompts) is not None
-        )
+        logits = feature_logits(pclip.logit_scale, image, text)
+        text, names = consistency_text(text, batch["classnames"])  # per-image text: the mean over images
+        penalty = consistency_penalty(spec, reference, names, text, image, images, visual_prompts(prompts) is not None)
         return F.cross_entropy(logits, batch["label"]), penalty, logits
 
     def regularised_loss_fn(prompts: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

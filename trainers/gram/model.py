@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meta.method.consistency import ConsistencySpec, consistency_penalty, frozen_reference
+from meta.method.learners import consistency_text, feature_logits, learner_of
 from meta.method.prompts import DEFAULT_TEMPLATE, PromptedCLIP, PromptParams, visual_prompts
 from meta.model.backbone import ClipDims
 
@@ -54,7 +55,8 @@ class GramCLIP(nn.Module):
         return self
 
     def text_features(self) -> torch.Tensor:
-        """``[C, E]`` normalised class embeddings for the current θ."""
+        """``[C, E]`` normalised class embeddings for the current θ (refused for a learner whose text depends on
+        each image: :attr:`meta.method.learners.PromptLearner.per_image_text`)."""
         return self.pclip.text_features(self.prompt_learner, self.classnames)
 
     @property
@@ -63,14 +65,15 @@ class GramCLIP(nn.Module):
         return self.clip.visual.conv1.weight.dtype
 
     def _features(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(images in the CLIP's dtype, image features [B, E], text features [C, E])`` for the current θ."""
+        """``(images in the CLIP's dtype, image features [B, E], text features [C, E] or per image [B, C, E])`` for
+        the current θ, by its learner (:meth:`meta.method.learners.PromptLearner.features`)."""
         images = images.to(self.dtype)
-        image = self.pclip.image_features(self.prompt_learner, images)
-        return images, image, self.text_features().to(image.dtype)
+        image, text = learner_of(self.prompt_learner).features(self.pclip, self.prompt_learner, self.classnames, images)
+        return images, image, text.to(image.dtype)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         _, image, text = self._features(images)
-        return self.pclip.logit_scale * image @ text.t()
+        return feature_logits(self.pclip.logit_scale, image, text)
 
     def training_loss(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss, logits [B, C] fp32)``: cross-entropy, plus the zero-shot consistency terms when they are on
@@ -82,16 +85,16 @@ class GramCLIP(nn.Module):
         self, images: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
         """``(cross-entropy, consistency penalty or None when off, logits [B, C] fp32)`` from one forward: the
-        gate form of R_φ needs the two gradients apart."""
+        gate form of R_φ needs the two gradients apart.  Per-image text features enter the text term as the mean
+        over images (:func:`meta.method.learners.consistency_text`)."""
         images, image, text = self._features(images)
-        logits = (self.pclip.logit_scale * image @ text.t()).float()
+        logits = feature_logits(self.pclip.logit_scale, image, text).float()
         loss = F.cross_entropy(logits, labels)
         penalty = None
         if self.consistency is not None:
             has_visual = visual_prompts(self.prompt_learner) is not None
-            penalty = consistency_penalty(
-                self.consistency, self._reference, self.classnames, text, image, images, has_visual
-            )
+            text, names = consistency_text(text, self.classnames)
+            penalty = consistency_penalty(self.consistency, self._reference, names, text, image, images, has_visual)
         return loss, penalty, logits
 
     # ---------------------------------------------------------------- inference with cached text side
@@ -101,8 +104,12 @@ class GramCLIP(nn.Module):
 
     @torch.no_grad()
     def predict(self, images: torch.Tensor) -> torch.Tensor:
-        """``forward`` without gradients, computing the text side once until :meth:`reset_cache`."""
+        """``forward`` without gradients, computing the text side once until :meth:`reset_cache` (every batch for a
+        learner whose text depends on each image)."""
+        learner = learner_of(self.prompt_learner)
+        if learner.per_image_text:
+            return self.forward(images)
         if self._text_cache is None:
             self._text_cache = self.text_features()
-        image = self.pclip.image_features(self.prompt_learner, images.to(self.dtype))
-        return self.pclip.logit_scale * image @ self._text_cache.to(image.dtype).t()
+        image = learner.image_features(self.pclip, self.prompt_learner, images.to(self.dtype))
+        return feature_logits(self.pclip.logit_scale, image, self._text_cache.to(image.dtype))
