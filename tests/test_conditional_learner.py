@@ -389,3 +389,30 @@ def test_dassl_trainer_fine_tunes_the_learner_from_an_init_file(tmp_path, tiny_c
             correct += int((logits.argmax(1) == batch["label"]).sum())
             total += len(batch["label"])
     assert total == 20 and accuracy == pytest.approx(100.0 * correct / total)
+
+
+def test_the_evaluator_scores_the_learner_per_image(tiny_clip, toy):
+    """The standalone evaluator's accuracy (``PromptTuner.accuracy``) scores each image with its own text features:
+    the share of images whose hand-computed logits put the true class first, from images and from cached features."""
+    from meta.evaluation.spec import TrainSpec
+    from meta.evaluation.training import LabelledSet, PromptTuner
+
+    clip, dims = tiny_clip
+    theta = _theta(toy, clip, dims)
+    pclip = PromptedCLIP(clip, dims, theta.n_ctx_text)
+    gen = torch.Generator().manual_seed(4)
+    images = torch.randn(7, 3, dims.image_size, dims.image_size, generator=gen)
+    labels = torch.tensor([0, 1, 2, 0, 1, 2, 1])
+    with torch.no_grad():
+        feats = F.normalize(clip.encode_image(images), dim=-1)
+        tensors = {n: p.detach() for n, p in theta.named_parameters()}
+        hand = hand_logits(clip, 1.0, tensors, NAMES, feats).argmax(dim=1)
+    want = 100.0 * float((hand == labels).float().mean())
+    paths = [str(i) for i in range(len(labels))]
+    spec = TrainSpec(epochs=0, test_batch_size=3)  # three batches: 3 + 3 + 1 images
+    tuner = PromptTuner(pclip, theta, None, spec, 0, lambda p, v: images[int(p)], lambda p: images[int(p)])
+    with torch.no_grad():
+        from_images = tuner.accuracy(LabelledSet(paths, labels, NAMES))
+        from_features = tuner.accuracy(LabelledSet(paths, labels, NAMES, features=feats))
+    assert from_images == pytest.approx(want) and from_features == pytest.approx(want)
+    assert 0 < want < 100  # the check can tell a wrong pairing of images and texts from a right one

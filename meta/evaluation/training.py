@@ -34,6 +34,7 @@ from meta.finetune.regulated import (
 )
 from meta.finetune.schedule import epoch_scheduler
 from meta.method.consistency import ConsistencySpec
+from meta.method.learners import feature_logits, learner_of
 from meta.method.metrics import count_correct
 from meta.method.prompts import PromptedCLIP, PromptParams, classification_loss
 from meta.model.backbone import ClipDims
@@ -194,16 +195,23 @@ class PromptTuner:
         """Top-1 accuracy in percent on ``data`` with the current prompts."""
         if len(data) == 0:
             raise ValueError("cannot measure accuracy on an empty split")
-        text = self.pclip.text_features(self.prompts, data.classnames)  # [C, E]
+        learner = learner_of(self.prompts) if self.prompts is not None else None
+        per_image = learner is not None and learner.per_image_text  # text features [b, C, E], one set per image
+        text = None if per_image else self.pclip.text_features(self.prompts, data.classnames)  # [C, E], once
         correct = 0
         step = self.spec.test_batch_size
         for start in range(0, len(data), step):
+            x, image = None, None
             if data.features is not None:
                 image = data.features[start : start + step].to(self.device)
             else:
                 x = torch.stack([self.test_images(p) for p in data.impaths[start : start + step]]).to(self.device)
-                image = self.pclip.image_features(self.prompts, x)
-            logits = image @ text.t()  # [b, C]
+            if per_image:
+                image, batch_text = learner.features(self.pclip, self.prompts, data.classnames, x, image)
+                logits = feature_logits(1.0, image, batch_text)  # [b, C]
+            else:
+                image = self.pclip.image_features(self.prompts, x) if image is None else image
+                logits = image @ text.t()  # [b, C]
             correct += count_correct(logits, data.labels[start : start + step])
         return 100.0 * correct / len(data)
 
