@@ -14,7 +14,7 @@ from typing import Iterator
 
 import torch
 
-from meta.method.learners import PromptLearner, register_learner, unregister_learner
+from meta.method.learners import PromptLearner, register_learner, text_only_structure, unregister_learner
 
 KEY = "test_low_rank_context"
 RANK = 3
@@ -27,14 +27,7 @@ class LowRankContext(PromptLearner):
     tensor_names = ("ctx_factor", "ctx_basis")
 
     def structure_of(self, spec, dims) -> dict:
-        return {
-            "n_ctx_text": spec.n_ctx_text,
-            "n_ctx_vision": 0,
-            "vision_depth": 0,
-            "text_depth": 1,
-            "coupling": "none",
-            "rank": RANK,
-        }
+        return text_only_structure(spec.n_ctx_text, rank=RANK)
 
     def shapes_of(self, structure, backbone) -> dict:
         return {
@@ -57,7 +50,7 @@ class LowRankContext(PromptLearner):
 
     def structure(self, prompts) -> dict:
         m, r = prompts.ctx_factor.shape[-2:]
-        return {"n_ctx_text": m, "n_ctx_vision": 0, "vision_depth": 0, "text_depth": 1, "coupling": "none", "rank": r}
+        return text_only_structure(m, rank=r)
 
     def text_prompts(self, prompts):
         return torch.matmul(prompts.ctx_factor, prompts.ctx_basis), None

@@ -32,6 +32,7 @@ from meta.method.learners import (
     feature_logits,
     learner_of,
     register_learner,
+    text_only_structure,
     unregister_learner,
 )
 from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
@@ -60,15 +61,7 @@ class ImageConditionedContext(PromptLearner):
     per_image_text = True
 
     def structure_of(self, spec, dims) -> dict:
-        return {
-            "n_ctx_text": spec.n_ctx_text,
-            "n_ctx_vision": 0,
-            "vision_depth": 0,
-            "text_depth": 1,
-            "coupling": "none",
-            "meta_input": dims.embed_dim,
-            "meta_hidden": HIDDEN,
-        }
+        return text_only_structure(spec.n_ctx_text, meta_input=dims.embed_dim, meta_hidden=HIDDEN)
 
     def shapes_of(self, structure, backbone) -> dict:
         m, e, h, d = structure["n_ctx_text"], structure["meta_input"], structure["meta_hidden"], backbone["text_width"]
@@ -101,8 +94,7 @@ class ImageConditionedContext(PromptLearner):
 
     def structure(self, prompts) -> dict:
         h, e = prompts.meta_w1.shape[-2:]
-        fixed = {"n_ctx_vision": 0, "vision_depth": 0, "text_depth": 1, "coupling": "none"}
-        return {"n_ctx_text": prompts.ctx.shape[-2], **fixed, "meta_input": e, "meta_hidden": h}
+        return text_only_structure(prompts.ctx.shape[-2], meta_input=e, meta_hidden=h)
 
     def text_prompts(self, prompts):
         return prompts.ctx, None  # before any image's shift (the text side is the features methods' below)

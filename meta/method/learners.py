@@ -184,6 +184,20 @@ class PromptLearner:
         return feature_logits(pclip.logit_scale, *self.features(pclip, prompts, classnames, images, image_features))
 
 
+def text_only_structure(n_ctx_text: int, **fields: Any) -> dict:
+    """The ``structure`` of a learner that prompts only the text tower, in its first layer (CoOp's place, as CoCoOp's
+    meta-net does): ``n_ctx_text`` context positions, no visual tokens, depth 1, no coupling, plus the learner's own
+    ``fields`` (what :meth:`PromptLearner.structure_of` and :meth:`PromptLearner.structure` return)."""
+    return {
+        "n_ctx_text": int(n_ctx_text),
+        "n_ctx_vision": 0,
+        "vision_depth": 0,
+        "text_depth": 1,
+        "coupling": "none",
+        **fields,
+    }
+
+
 def feature_logits(scale: float, image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
     """Scaled cosine logits of normalised features, one task or a task stack, shared or per-image text.
 
