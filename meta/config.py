@@ -9,6 +9,9 @@ One function, :func:`get_meta_cfg_default`, returns the whole default tree, so e
 * ``META``   - the meta-learner (:func:`add_metatrain_cfg`; what is built from it is in
   :mod:`meta.metatrain.settings`).
 
+:data:`KEY_FIELDS` says which key (here, in the Dassl trainers' ``TRAINER.GRAM`` and among the evaluator's flags)
+is built into which library spec field; such a key takes the field's default, written once, in the spec.
+
 Values the paper does not give carry a comment naming where they
 come from.
 
@@ -25,8 +28,11 @@ Sources cited below:
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import os
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import yaml
 from yacs.config import CfgNode as CN
@@ -34,8 +40,29 @@ from yacs.config import CfgNode as CN
 from meta.data.input_limits import MAX_FIELD_CHARS, MAX_IMAGE_ASPECT, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
 from meta.finetune.regulated import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
 from meta.infra.cli_errors import UserError
-from meta.method.gram import DEFAULT_QUERY_BEFORE_WEIGHT
+from meta.method.consistency import ConsistencySpec
+from meta.method.gram import DEFAULT_QUERY_BEFORE_WEIGHT, MetaSpec
 from meta.method.prompts import DEFAULT_TEMPLATE, PromptSpec
+from meta.method.regulator import RegulatorSpec
+
+# A key that a library spec field is built from takes that field's default (meta.settings_map lists which key
+# maps onto which field; tests/test_one_default.py fails on a second literal).  The outer update's spec,
+# meta.metatrain.outer.OuterSpec, cannot be imported here (meta.metatrain's package imports this module), so its
+# defaults are written here, once, and OuterSpec reads them [core]:
+OUTER_LR_PROMPT = 2e-3  # lambda_1; same value as CoOp/CoCoOp's prompt lr [CoCoOp]
+OUTER_LR_REGULATOR = 1e-3  # lambda_2
+OUTER_OPTIMIZER = "adam"  # adam | sgd (momentum 0.9)
+GRAD_CLIP = 1.0  # max global norm over theta and phi; 0 = off
+REGULATOR_WEIGHT_DECAY = 0.0  # L2 on phi in the outer step: keeps R_phi near the identity (residual form)
+# The fine-tuning schedule the evaluator's meta.evaluation.spec.TrainSpec and META.VAL_* (meta-validation's
+# downstream protocol) share, written here for the same reason (importing the evaluator would bring its image stack
+# into every config read): CoCoOp's [CoCoOp] with Dassl's OPTIM / INPUT defaults (Dassl.pytorch
+# dassl/config/defaults.py).
+FINETUNE_EPOCHS = 10  # CoCoOp's 10 epochs
+FINETUNE_LR = 0.002  # CoCoOp's SGD lr
+FINETUNE_MOMENTUM = 0.9  # Dassl OPTIM.MOMENTUM default
+FINETUNE_WEIGHT_DECAY = 5e-4  # Dassl OPTIM.WEIGHT_DECAY default
+RRCROP_SCALE = (0.08, 1.0)  # Dassl INPUT.RRCROP_SCALE default: area range of the random resized crop
 
 
 def _model_node() -> CN:
@@ -163,55 +190,67 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.STEPS = 10000  # outer steps; [SUPMER] uses 100k at B=4 - we default to a 10x shorter run
     m.META_BATCH = 4  # B tasks per outer step: [SUPMER] OUTER_BATCH_SIZE=4, [MAML] miniImageNet 4
 
-    # ---- the bi-level loop (meta.method.gram.MetaSpec) -------------------------------------------
-    m.INNER_STEPS = 1  # Alg. 1 shows one regulated step per task [GRAM]
-    m.INNER_LR = 0.1  # alpha [core]
-    m.OUTER_LR_PROMPT = 2e-3  # lambda_1 [core]; same value as CoOp/CoCoOp's prompt lr [CoCoOp]
-    m.OUTER_LR_REGULATOR = 1e-3  # lambda_2 [core]
-    m.OPTIMIZER = "adam"  # adam | sgd [core]
-    m.FIRST_ORDER = False  # True drops the second-order term (cheaper, not the paper's Eq. 10)
-    m.GRAD_CLIP = 1.0  # max global norm over theta and phi; 0 = off [core]
-    m.REGULATE = True  # False = "w/o gradient regulating" (Table 4 row 2)
-    m.AUTOCAST = "none"  # none | bf16 | fp16 autocast of the CLIP passes on CUDA (CPU: fp32, one log line);
-    #                              bf16 is the safer choice: fp16 scales only the outer loss (meta.model.precision)
-    m.INNER_MOMENTUM = 0.0  # heavy-ball inner SGD as the test-time optimiser (0.9 there); needs INNER_STEPS > 1
-    m.INNER_WEIGHT_DECAY = 0.0  # lambda of the inner SGD, added to R_phi(g) as torch SGD does (5e-4 at test time)
-    m.INNER_SUPPORT = "repeat"  # repeat = every inner step on the whole support (Alg. 1) | split = INNER_STEPS
-    #                              class-balanced windows of the support, one per step (raise TASKS.N_SUPPORT to match)
-    m.TRAJECTORY_STATES = 0  # S > 0: also the query loss one regulated step from S detached states of a regulated
-    #                              run from theta on the support (WarpGrad, arXiv 1909.00025); reaches phi only
-    m.TRAJECTORY_WINDOWS = 0  # T steps of that run (inner rule, support windows cycled); 0 = TRAJECTORY_STATES
+    # ---- the bi-level loop (meta.method.gram.MetaSpec; the outer update's keys: meta.metatrain.outer.OuterSpec)
+    m.INNER_STEPS = MetaSpec.inner_steps  # 1: Alg. 1 shows one regulated step per task [GRAM]
+    m.INNER_LR = MetaSpec.inner_lr  # alpha [core]
+    m.OUTER_LR_PROMPT = OUTER_LR_PROMPT  # lambda_1
+    m.OUTER_LR_REGULATOR = OUTER_LR_REGULATOR  # lambda_2
+    m.OPTIMIZER = OUTER_OPTIMIZER  # adam | sgd
+    m.FIRST_ORDER = MetaSpec.first_order  # True drops the second-order term (cheaper, not the paper's Eq. 10)
+    m.GRAD_CLIP = GRAD_CLIP  # max global norm over theta and phi; 0 = off
+    m.REGULATE = MetaSpec.regulate  # False = "w/o gradient regulating" (Table 4 row 2)
+    m.AUTOCAST = MetaSpec.autocast  # none | bf16 | fp16 autocast of the CLIP passes on CUDA (CPU: fp32, one log
+    #                              line); bf16 is the safer choice: fp16 scales only the outer loss
+    #                              (meta.model.precision)
+    m.INNER_MOMENTUM = MetaSpec.inner_momentum  # heavy-ball inner SGD as the test-time optimiser (0.9 there); needs
+    #                              INNER_STEPS > 1
+    m.INNER_WEIGHT_DECAY = MetaSpec.inner_weight_decay  # lambda of the inner SGD, added to R_phi(g) as torch SGD does
+    #                              (5e-4 at test time)
+    m.INNER_SUPPORT = MetaSpec.inner_support  # repeat = every inner step on the whole support (Alg. 1) | split =
+    #                              INNER_STEPS class-balanced windows of the support, one per step (raise
+    #                              TASKS.N_SUPPORT to match)
+    m.TRAJECTORY_STATES = MetaSpec.trajectory_states  # S > 0: also the query loss one regulated step from S detached
+    #                              states of a regulated run from theta on the support (WarpGrad, arXiv 1909.00025);
+    #                              reaches phi only
+    m.TRAJECTORY_WINDOWS = MetaSpec.trajectory_windows  # T steps of that run (inner rule, support windows cycled);
+    #                              0 = TRAJECTORY_STATES
     m.QUERY_BEFORE_WEIGHT = (
         DEFAULT_QUERY_BEFORE_WEIGHT  # w: outer loss L_q(theta') + w L_q(theta), so theta* is also good where the
     )
     #                              downstream schedule starts (0 = the paper's one-step objective, Eq. 8)
-    m.TASK_BATCHING = "auto"  # auto | on | off: a meta-batch's tasks as one stacked pass (meta.method.batched; equal to
-    #                              one task after another to float rounding); auto: stacked on a GPU (halved on
-    #                              out-of-memory), sequential on the CPU (CPU results keep their last digit)
-    m.SUPPORT_ATTENTION_LOWP = False  # True: the second-order support pass's attention (the MATH SDPA kernel) runs
-    #                              its products in the autocast/weights dtype instead of upcasting to fp32
-    #                              (torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp); no effect in fp32
-    m.CLOSED_FORM_LAYER_NORM = False  # True: the second-order support pass's LayerNorms differentiate their
-    #                              backward in closed form (meta.model.layer_norm: ~half the memory traffic of
-    #                              autograd's double backward); the meta-gradient equal to rounding, loss and
-    #                              first gradient bit-identical
+    m.TASK_BATCHING = MetaSpec.task_batching  # auto | on | off: a meta-batch's tasks as one stacked pass
+    #                              (meta.method.batched; equal to one task after another to float rounding); auto:
+    #                              stacked on a GPU (halved on out-of-memory), sequential on the CPU (CPU results keep
+    #                              their last digit)
+    m.SUPPORT_ATTENTION_LOWP = MetaSpec.support_attention_lowp  # True: the second-order support pass's attention
+    #                              (the MATH SDPA kernel) runs its products in the autocast/weights dtype instead of
+    #                              upcasting to fp32 (torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp); no
+    #                              effect in fp32
+    m.CLOSED_FORM_LAYER_NORM = MetaSpec.closed_form_layer_norm  # True: the second-order support pass's LayerNorms
+    #                              differentiate their backward in closed form (meta.model.layer_norm: ~half the
+    #                              memory traffic of autograd's double backward); the meta-gradient equal to
+    #                              rounding, loss and first gradient bit-identical
 
     m.REGULATOR = CN()  # R_phi (meta.method.regulator.RegulatorSpec) [core]
     # residual | paper (literal Eq. 5) | gate (a learned gate on the gradient of the support loss's consistency
     # regulariser, META.CONSISTENCY; meta.method.regulator.GradientGate)
-    m.REGULATOR.FORM = "residual"
-    m.REGULATOR.INPUT_NORM = True
-    m.REGULATOR.BETA_SCALE = 0.0  # 0 = beta in units of rms(g) (core default); > 0 = fixed scale (1.0 = paper)
-    m.REGULATOR.INIT = "zero"  # zero | normal
-    m.REGULATOR.INIT_STD = 0.01
-    m.REGULATOR.GAMMA_BOUND = 1.0  # residual form: gamma in (1 - bound, 1 + bound); 1.0 = unbounded tanh
-    m.REGULATOR.NORM_PRESERVE = False  # rescale the regulated gradient to the raw one's norm (per tensor)
-    m.REGULATOR.MIX = False  # learned c = sigmoid(m): (1 - c) * regulated + c * raw
-    m.REGULATOR.MIX_INIT = 0.0  # initial m (0 -> c = 0.5)
-    m.REGULATOR.HALVES = "both"  # both | gamma (beta = 0) | beta (gamma = 1): the two halves of R_phi as rows
-    m.REGULATOR.LEARN_LR = False  # Meta-SGD: a learned per-tensor step size exp(l) on the regulated gradient
-    m.REGULATOR.WEIGHT_DECAY = 0.0  # L2 on phi in the outer step: keeps R_phi near the identity (residual form)
-    m.REGULATOR.GATE_GROUP = 8  # FORM gate: coordinates of a prompt tensor's last dimension that share a gate value
+    m.REGULATOR.FORM = RegulatorSpec.form
+    m.REGULATOR.INPUT_NORM = RegulatorSpec.input_norm
+    # 0 = beta in units of rms(g) (RegulatorSpec's "grad_rms", the core default); > 0 = fixed scale (1.0 = paper)
+    m.REGULATOR.BETA_SCALE = 0.0
+    m.REGULATOR.INIT = RegulatorSpec.init  # zero | normal
+    m.REGULATOR.INIT_STD = RegulatorSpec.init_std
+    m.REGULATOR.GAMMA_BOUND = RegulatorSpec.gamma_bound  # residual form: gamma in (1 - bound, 1 + bound); 1.0 =
+    #                              unbounded tanh
+    m.REGULATOR.NORM_PRESERVE = RegulatorSpec.norm_preserve  # rescale the regulated gradient to the raw one's norm
+    m.REGULATOR.MIX = RegulatorSpec.mix  # learned c = sigmoid(m): (1 - c) * regulated + c * raw
+    m.REGULATOR.MIX_INIT = RegulatorSpec.mix_init  # initial m (0 -> c = 0.5)
+    m.REGULATOR.HALVES = RegulatorSpec.halves  # both | gamma (beta = 0) | beta (gamma = 1): R_phi's two halves as rows
+    m.REGULATOR.LEARN_LR = RegulatorSpec.learn_lr  # Meta-SGD: a learned per-tensor step size exp(l) on the regulated
+    #                              gradient
+    m.REGULATOR.WEIGHT_DECAY = REGULATOR_WEIGHT_DECAY  # L2 on phi in the outer step (OuterSpec.regulator_weight_decay)
+    m.REGULATOR.GATE_GROUP = RegulatorSpec.gate_group  # FORM gate: coordinates of a prompt tensor's last dimension
+    #                              that share a gate value
 
     # ---- the support loss's zero-shot consistency regulariser (meta.method.consistency; 0 = off, the plain
     # cross-entropy):
@@ -219,25 +258,25 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     # fine-tuning); the query loss stays the cross-entropy. REGULATOR.FORM gate needs a weight > 0; fine-tune a
     # file meta-trained with it with the same weights (TRAINER.GRAM.CONSISTENCY_TEXT / _IMAGE).
     m.CONSISTENCY = CN()
-    m.CONSISTENCY.TEXT_WEIGHT = 0.0
-    m.CONSISTENCY.IMAGE_WEIGHT = 0.0
+    m.CONSISTENCY.TEXT_WEIGHT = ConsistencySpec.text_weight
+    m.CONSISTENCY.IMAGE_WEIGHT = ConsistencySpec.image_weight
 
     # ---- theta (meta.method.prompts.PromptSpec): CoOp = text only, VPT = vision only, UNIGRAM = both
     m.PROMPT = CN()
-    m.PROMPT.N_CTX_TEXT = 4  # [GRAM] 4 prompt tokens for CoOp/VPT; UNIGRAM 2 text + 2 visual
-    m.PROMPT.CTX_INIT = ""  # e.g. "a photo of a" (then M = its token count)
-    m.PROMPT.N_CTX_VISION = 0
-    m.PROMPT.VISION_DEPTH = 1  # 1 = shallow VPT; 0 = every layer
-    m.PROMPT.INIT_STD = 0.02  # CoOp's N(0, 0.02^2) context init
+    m.PROMPT.N_CTX_TEXT = PromptSpec.n_ctx_text  # [GRAM] 4 prompt tokens for CoOp/VPT; UNIGRAM 2 text + 2 visual
+    m.PROMPT.CTX_INIT = PromptSpec.ctx_init  # e.g. "a photo of a" (then M = its token count)
+    m.PROMPT.N_CTX_VISION = PromptSpec.n_ctx_vision
+    m.PROMPT.VISION_DEPTH = PromptSpec.vision_depth  # 1 = shallow VPT; 0 = every layer
+    m.PROMPT.INIT_STD = PromptSpec.init_std  # CoOp's N(0, 0.02^2) context init
     m.PROMPT.TEMPLATE = DEFAULT_TEMPLATE  # text side when N_CTX_TEXT == 0 (paper's VPT baseline)
     m.PROMPT.VPT_INIT = (
         PromptSpec.vpt_init
     )  # visual tokens' start: normal | zeros | cls | patch_mean (meta.method.prompts)
     # J text layers with learnable context (1 = CoOp; IVLP / MaPLe PROMPT_DEPTH > 1: deep text prompts; 0 = every layer)
-    m.PROMPT.TEXT_DEPTH = 1
+    m.PROMPT.TEXT_DEPTH = PromptSpec.text_depth
     # none | maple (visual prompts of the first TEXT_DEPTH vision layers projected from the text prompts;
     # N_CTX_VISION 0)
-    m.PROMPT.COUPLING = "none"
+    m.PROMPT.COUPLING = PromptSpec.coupling
     # the prompt learner (meta.method.learners registry key): "clip" = the built-in one the keys above shape; a learner
     # registered by your code (in the process that meta-trains) is named here and reads the keys it needs
     m.PROMPT.LEARNER = PromptSpec.learner
@@ -249,7 +288,7 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.PRETRAIN = CN()
     m.PRETRAIN.WAYS = 0  # classes per step (0 = all training topics)
     m.PRETRAIN.BATCH_SIZE = 32  # images per step (uniform over the step's classes, all domains)
-    m.PRETRAIN.LR = 2e-3  # Adam/SGD lr on theta, = OUTER_LR_PROMPT so both baselines share lambda_1
+    m.PRETRAIN.LR = OUTER_LR_PROMPT  # Adam/SGD lr on theta, = OUTER_LR_PROMPT so both baselines share lambda_1
 
     # ---- bookkeeping ---------------------------------------------------------------------------
     m.CHECKPOINT_EVERY = 100  # [SUPMER] SAVE_STEP=100; a killed run loses at most this many steps
@@ -259,17 +298,17 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     # validation as test-time use: query accuracy after VAL_FT_STEPS regulated SGD steps (lr VAL_FT_LR,
     # momentum VAL_FT_MOMENTUM: CoCoOp's 0.002 / 0.9) on the support set; 0 = off
     m.VAL_FT_STEPS = 0
-    m.VAL_FT_LR = 0.002
-    m.VAL_FT_MOMENTUM = 0.9
+    m.VAL_FT_LR = FINETUNE_LR
+    m.VAL_FT_MOMENTUM = FINETUNE_MOMENTUM
     # validation as the downstream protocol (meta.metatrain.downstream_val): fine-tune on each held-out task's
     # support with batch 1, VAL_EPOCHS epochs of CoCoOp's schedule (warm-up epoch, cosine, lr VAL_FT_LR,
     # momentum VAL_FT_MOMENTUM, weight decay VAL_FT_WEIGHT_DECAY), crops of VAL_RRCROP_SCALE and flips, the
     # regulation window VAL_REG_WINDOW and the launch step VAL_LAUNCH; logs query_acc_downstream (with R_phi)
     # and query_acc_downstream_raw.  one_step = only the one-step metrics
     m.VAL_PROTOCOL = "downstream"  # downstream | one_step
-    m.VAL_EPOCHS = 10  # CoCoOp's 10 epochs
-    m.VAL_FT_WEIGHT_DECAY = 5e-4  # Dassl OPTIM.WEIGHT_DECAY default
-    m.VAL_RRCROP_SCALE = (0.08, 1.0)  # Dassl INPUT.RRCROP_SCALE default
+    m.VAL_EPOCHS = FINETUNE_EPOCHS  # CoCoOp's 10 epochs
+    m.VAL_FT_WEIGHT_DECAY = FINETUNE_WEIGHT_DECAY  # Dassl OPTIM.WEIGHT_DECAY default
+    m.VAL_RRCROP_SCALE = RRCROP_SCALE  # Dassl INPUT.RRCROP_SCALE default
     m.VAL_REG_WINDOW = DEFAULT_REG_WINDOW  # 0 = the task's support size
     m.VAL_LAUNCH = DEFAULT_LAUNCH
     m.FEATURE_CHECK = 8  # images re-encoded to prove cached features match this CLIP (0 = skip)
@@ -293,6 +332,172 @@ def get_meta_cfg_default() -> CN:
     cfg.TASKS = _tasks_node()
     add_metatrain_cfg(cfg)
     return cfg
+
+
+# ------------------------------------------------------------------------------------------- key -> spec field
+# Which config key (or `python -m meta.evaluation` flag) is built into which library spec field, and how its default
+# relates to that field's.  tests/test_one_default.py reads the table: a SAME key's default must equal the field's
+# and be read from it (``PromptSpec.init_std``, or the very name the field's default is written with), never
+# written as a second literal; an OWN key must really differ; a key whose name is a field of its node's specs
+# (:data:`NODE_SPECS`) must be in the table.  CHC.* and TASKS.* keys are passed as arguments to functions
+# (meta.chc.pipeline, meta.metatrain.tasks.TaskSampler), not built into a spec: they are not linked.
+SAME = "same"  # the key's default is the field's, read from it
+OWN = "own"  # the key has a default of its own on purpose (the note says why)
+SPELLED = "spelled"  # the key spells the field another way (the note says how)
+RELATIONS = (SAME, OWN, SPELLED)
+
+_PROMPT = "meta.method.prompts:PromptSpec"
+_REGULATOR = "meta.method.regulator:RegulatorSpec"
+_CONSISTENCY = "meta.method.consistency:ConsistencySpec"
+_META = "meta.method.gram:MetaSpec"
+_OUTER = "meta.metatrain.outer:OuterSpec"
+_START = "meta.finetune.engine:StartSpec"
+_TRAIN = "meta.evaluation.spec:TrainSpec"
+_GRAM_SETTINGS = "trainers.gram.config:GramSettings"  # the Dassl trainers (repository root on sys.path)
+
+
+@dataclass(frozen=True)
+class KeyField:
+    """One config key and the spec field it is built into.
+
+    Attributes:
+        key: ``META.PROMPT.INIT_STD`` (:func:`get_meta_cfg_default`), ``TRAINER.GRAM.CTX_INIT`` (the Dassl
+            trainers' ``trainers.gram.extend_cfg``) or ``--vision-depth`` (``python -m meta.evaluation``).
+        owner: the spec, as ``module:Class`` (a name, not the class: :mod:`meta.metatrain` imports this module).
+        field: the spec's field.
+        relation: :data:`SAME`, :data:`OWN` or :data:`SPELLED`.
+        note: why an OWN key differs, how a SPELLED key spells the field, where the key's name is not the field's.
+    """
+
+    key: str
+    owner: str
+    field: str
+    relation: str = SAME
+    note: str = ""
+
+    def spec(self) -> type:
+        """The owner class (imports its module)."""
+        module, _, name = self.owner.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    def default(self) -> Any:
+        """The owner field's default (``KeyError`` naming the field when the spec has no such field or default)."""
+        for f in dataclasses.fields(self.spec()):
+            if f.name == self.field:
+                if f.default is not dataclasses.MISSING:
+                    return f.default
+                if f.default_factory is not dataclasses.MISSING:
+                    return f.default_factory()
+                break
+        raise KeyError(f"{self.key}: {self.owner} has no field {self.field!r} with a default")
+
+
+def _same(owner: str, prefix: str, *fields: str) -> tuple[KeyField, ...]:
+    """SAME links of keys named as their fields, upper-cased, under ``prefix``."""
+    return tuple(KeyField(f"{prefix}{name.upper()}", owner, name) for name in fields)
+
+
+KEY_FIELDS: tuple[KeyField, ...] = (
+    # ---- META (python -m meta train)
+    *_same(_META, "META.", "inner_steps", "inner_lr", "first_order", "regulate", "autocast", "inner_momentum"),
+    *_same(_META, "META.", "inner_weight_decay", "inner_support", "trajectory_states", "trajectory_windows"),
+    *_same(_META, "META.", "query_before_weight", "task_batching", "support_attention_lowp", "closed_form_layer_norm"),
+    *_same(_OUTER, "META.", "outer_lr_prompt", "outer_lr_regulator", "optimizer", "grad_clip"),
+    KeyField("META.REGULATOR.WEIGHT_DECAY", _OUTER, "regulator_weight_decay", note="φ's decay in the outer step"),
+    KeyField("META.PRETRAIN.LR", _OUTER, "outer_lr_prompt", note="θ's rate of META.MODE pretrain: λ1 shared"),
+    *_same(_REGULATOR, "META.REGULATOR.", "form", "input_norm", "init", "init_std", "gamma_bound", "norm_preserve"),
+    *_same(_REGULATOR, "META.REGULATOR.", "mix", "mix_init", "halves", "learn_lr", "gate_group"),
+    KeyField(
+        "META.REGULATOR.BETA_SCALE", _REGULATOR, "beta_scale", SPELLED, 'a number: <= 0 = "grad_rms", > 0 = that scale'
+    ),
+    KeyField("META.CONSISTENCY.TEXT_WEIGHT", _CONSISTENCY, "text_weight"),
+    KeyField("META.CONSISTENCY.IMAGE_WEIGHT", _CONSISTENCY, "image_weight"),
+    *_same(_PROMPT, "META.PROMPT.", "n_ctx_text", "ctx_init", "n_ctx_vision", "vision_depth", "init_std"),
+    *_same(_PROMPT, "META.PROMPT.", "template", "vpt_init", "text_depth", "coupling", "learner"),
+    KeyField("META.VAL_EPOCHS", _TRAIN, "epochs", note="META.VAL_PROTOCOL downstream: CoCoOp's schedule"),
+    KeyField("META.VAL_FT_LR", _TRAIN, "lr"),
+    KeyField("META.VAL_FT_MOMENTUM", _TRAIN, "momentum"),
+    KeyField("META.VAL_FT_WEIGHT_DECAY", _TRAIN, "weight_decay"),
+    KeyField("META.VAL_RRCROP_SCALE", _TRAIN, "rrcrop_scale"),
+    KeyField("META.VAL_REG_WINDOW", _START, "reg_window", note="meta-validation's fine-tuning start"),
+    KeyField("META.VAL_LAUNCH", _START, "launch", OWN, "the test-time DEFAULT_LAUNCH; StartSpec's launch is off"),
+    # ---- TRAINER.GRAM (the Dassl trainers, trainers/gram/config.py)
+    *_same(_PROMPT, "TRAINER.GRAM.", "n_ctx_text", "ctx_init", "template", "vpt_init", "text_depth", "learner"),
+    KeyField(
+        "TRAINER.GRAM.N_CTX_VISION",
+        _PROMPT,
+        "n_ctx_vision",
+        OWN,
+        "trainers with visual prompts take 4 (paper); "
+        "PromptSpec's 0 is CoOp's text-only θ, and GRAM_CoOp ignores the key",
+    ),
+    KeyField(
+        "TRAINER.GRAM.VPT_DEEP",
+        _PROMPT,
+        "vision_depth",
+        SPELLED,
+        "Dassl spells D as VPT_DEEP + VPT_DEPTH: False = shallow (D 1), as META.PROMPT.VISION_DEPTH 1",
+    ),
+    KeyField(
+        "TRAINER.GRAM.VPT_DEPTH",
+        _PROMPT,
+        "vision_depth",
+        SPELLED,
+        "with VPT_DEEP: D, 0 = every layer (META.PROMPT.VISION_DEPTH 0)",
+    ),
+    KeyField("TRAINER.GRAM.CONSISTENCY_TEXT", _CONSISTENCY, "text_weight", note="META.CONSISTENCY.TEXT_WEIGHT"),
+    KeyField("TRAINER.GRAM.CONSISTENCY_IMAGE", _CONSISTENCY, "image_weight", note="META.CONSISTENCY.IMAGE_WEIGHT"),
+    KeyField("TRAINER.GRAM.INIT", _START, "init_path"),
+    KeyField("TRAINER.GRAM.INIT_PROMPTS", _START, "init_prompts"),
+    KeyField("TRAINER.GRAM.REG_WINDOW_IMAGES", _START, "reg_window", note="in images, as StartSpec's"),
+    KeyField(
+        "TRAINER.GRAM.REG_WINDOW",
+        _START,
+        "reg_window",
+        OWN,
+        "renamed REG_WINDOW_IMAGES (it counted batches): None = unset, any value is an error",
+    ),
+    KeyField(
+        "TRAINER.GRAM.REGULATE",
+        _START,
+        "regulate",
+        OWN,
+        "with ENABLED, R_φ on (the paper's method); StartSpec's False is a start without an init file",
+    ),
+    KeyField("TRAINER.GRAM.LAUNCH", _START, "launch", OWN, "with ENABLED, the test-time DEFAULT_LAUNCH"),
+    KeyField("TRAINER.GRAM.EXIF_UPRIGHT", _GRAM_SETTINGS, "exif_upright", note="the trainers' resolved view"),
+    KeyField(
+        "TRAINER.GRAM.NORM_PRESERVE",
+        _START,
+        "norm_preserve",
+        SPELLED,
+        "auto = None (as meta-trained), on / off = True / False",
+    ),
+    # ---- python -m meta.evaluation (meta/evaluation/cli.py); a flag is its field, dashes for underscores
+    KeyField("--vision-depth", _PROMPT, "vision_depth"),
+    KeyField("--ctx-init", _PROMPT, "ctx_init"),
+    KeyField("--vpt-init", _PROMPT, "vpt_init"),
+    KeyField("--norm-preserve", _START, "norm_preserve", SPELLED, "auto = None, on / off = True / False"),
+    *(
+        KeyField(f"--{name.replace('_', '-')}", _TRAIN, name)
+        for name in ("epochs", "batch_size", "optimizer", "lr", "weight_decay", "warmup_epochs", "warmup_lr")
+    ),
+    KeyField("--aug-views", _TRAIN, "aug_views"),
+    KeyField("--rrcrop-scale", _TRAIN, "rrcrop_scale", note="a list LO HI on the command line"),
+)
+
+# The specs each node's keys are built into: a key of the node named as one of their fields (upper-cased; a flag:
+# dashes for underscores) that has a default must be in KEY_FIELDS, so a new key cannot repeat its field's default
+# unnoticed.
+NODE_SPECS: dict[str, tuple[str, ...]] = {
+    "META": (_META, _OUTER),
+    "META.REGULATOR": (_REGULATOR,),
+    "META.CONSISTENCY": (_CONSISTENCY,),
+    "META.PROMPT": (_PROMPT,),
+    "META.PRETRAIN": (_OUTER,),
+    "TRAINER.GRAM": (_PROMPT, _START, _CONSISTENCY, _GRAM_SETTINGS),
+    "--": (_PROMPT, _START, _TRAIN),
+}
 
 
 def _one_line(err: BaseException) -> str:

@@ -43,6 +43,7 @@ from meta.evaluation import (
     method_preset,
     preset_key,
 )
+from meta.evaluation.spec import OPTIMIZERS
 from meta.evaluation.summary import format_row, summarise
 from meta.infra.cli_errors import int_flag_problem, run_cli
 from meta.infra.provenance import results_record
@@ -81,7 +82,9 @@ def _parser() -> argparse.ArgumentParser:
         metavar="[PRESET=]PATH",
         help="GRAM init file for the gram_* / unigram presets (PATH for all, or PRESET=PATH)",
     )
-    common.add_argument("--ctx-init", default="", help="initialise CoOp-style text context from these words")
+    common.add_argument(
+        "--ctx-init", default=PromptSpec.ctx_init, help="initialise CoOp-style text context from these words"
+    )
     common.add_argument(
         "--norm-preserve",
         choices=("auto", "on", "off"),
@@ -94,21 +97,25 @@ def _parser() -> argparse.ArgumentParser:
         default=PromptSpec.vpt_init,
         help="how scratch visual prompt tokens start (vpt, joint); GRAM presets use their init file",
     )
-    common.add_argument("--vision-depth", type=int, default=1, help="layers with visual prompts (1 = shallow VPT)")
+    common.add_argument(
+        "--vision-depth",
+        type=int,
+        default=PromptSpec.vision_depth,
+        help="layers with visual prompts (1 = shallow VPT)",
+    )
     common.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     common.add_argument("--shots", type=int, default=16)
-    d = TrainSpec()
-    common.add_argument("--epochs", type=int, default=d.epochs)
-    common.add_argument("--batch-size", type=int, default=d.batch_size)
-    common.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default=d.optimizer)
-    common.add_argument("--lr", type=float, default=d.lr)
-    common.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    common.add_argument("--warmup-epochs", type=int, default=d.warmup_epochs)
-    common.add_argument("--warmup-lr", type=float, default=d.warmup_lr)
+    common.add_argument("--epochs", type=int, default=TrainSpec.epochs)
+    common.add_argument("--batch-size", type=int, default=TrainSpec.batch_size)
+    common.add_argument("--optimizer", choices=OPTIMIZERS, default=TrainSpec.optimizer)
+    common.add_argument("--lr", type=float, default=TrainSpec.lr)
+    common.add_argument("--weight-decay", type=float, default=TrainSpec.weight_decay)
+    common.add_argument("--warmup-epochs", type=int, default=TrainSpec.warmup_epochs)
+    common.add_argument("--warmup-lr", type=float, default=TrainSpec.warmup_lr)
     common.add_argument(
         "--aug-views",
         type=int,
-        default=d.aug_views,
+        default=TrainSpec.aug_views,
         help="pre-computed augmented views per train image when the image tower is frozen",
     )
     common.add_argument("--no-augment", action="store_true", help="train on test-transformed images")
@@ -116,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
         "--rrcrop-scale",
         nargs=2,
         type=float,
-        default=list(d.rrcrop_scale),
+        default=list(TrainSpec.rrcrop_scale),
         metavar=("LO", "HI"),
         help="area range of the random resized crop (the demo uses 0.5 1 on its 32-px images)",
     )
@@ -168,7 +175,7 @@ def _methods(args: argparse.Namespace) -> list[MethodSpec]:
     methods = []
     for key in map(preset_key, args.methods):
         overrides = {}
-        if args.vision_depth != 1:
+        if args.vision_depth != PromptSpec.vision_depth:
             overrides["vision_depth"] = args.vision_depth
         if args.vpt_init != PromptSpec.vpt_init:
             overrides["vpt_init"] = args.vpt_init

@@ -15,11 +15,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
+from meta.config import FINETUNE_EPOCHS, FINETUNE_LR, FINETUNE_MOMENTUM, FINETUNE_WEIGHT_DECAY, RRCROP_SCALE
 from meta.finetune.engine import Naming, StartSpec, start_rule_problems
-from meta.finetune.regulated import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
+from meta.finetune.regulated import DEFAULT_LAUNCH
 from meta.method import methods
 from meta.method.consistency import ConsistencySpec
-from meta.method.learners import DEFAULT_LEARNER, get_learner
+from meta.method.learners import get_learner
 from meta.method.methods import Method
 from meta.method.prompts import PromptSpec
 
@@ -73,24 +74,26 @@ class MethodSpec:
     and nothing is trained.
     """
 
+    # The defaults are the specs' that these fields are built into (meta.settings_map, tests/test_one_default.py):
+    # prompts meta.method.prompts.PromptSpec, start meta.finetune.engine.StartSpec, weights ConsistencySpec.
     name: str
-    n_ctx_text: int = PromptSpec.n_ctx_text  # the prompt fields' defaults are meta.method.prompts.PromptSpec's
+    n_ctx_text: int = PromptSpec.n_ctx_text
     n_ctx_vision: int = PromptSpec.n_ctx_vision
     vision_depth: int = PromptSpec.vision_depth
     ctx_init: str = PromptSpec.ctx_init
-    init_path: str = ""
-    regulate: bool = False
-    norm_preserve: Optional[bool] = None
+    init_path: str = StartSpec.init_path
+    regulate: bool = StartSpec.regulate
+    norm_preserve: Optional[bool] = StartSpec.norm_preserve
     template: str = PromptSpec.template
     init_std: float = PromptSpec.init_std
     vpt_init: str = PromptSpec.vpt_init
     text_depth: int = PromptSpec.text_depth
     coupling: str = PromptSpec.coupling
-    init_prompts: bool = True
-    reg_window: int = DEFAULT_REG_WINDOW
-    launch: Optional[bool] = None
-    consistency_text: float = 0.0
-    consistency_image: float = 0.0
+    init_prompts: bool = StartSpec.init_prompts
+    reg_window: int = StartSpec.reg_window
+    launch: Optional[bool] = None  # None = DEFAULT_LAUNCH where θ / φ come from a file or start point (launch_on)
+    consistency_text: float = ConsistencySpec.text_weight
+    consistency_image: float = ConsistencySpec.image_weight
     learner: str = PromptSpec.learner
 
     def consistency(self) -> ConsistencySpec:
@@ -214,18 +217,19 @@ class TrainSpec:
             with it and ``augment="none"`` the evaluator replays a Dassl trainer's run, tests/test_engine_agreement.py).
     """
 
-    epochs: int = 10
+    # the schedule's numbers shared with META.VAL_* are written once, in meta.config (FINETUNE_*, RRCROP_SCALE)
+    epochs: int = FINETUNE_EPOCHS
     batch_size: int = 1
     optimizer: str = "sgd"
-    lr: float = 0.002
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
+    lr: float = FINETUNE_LR
+    momentum: float = FINETUNE_MOMENTUM
+    weight_decay: float = FINETUNE_WEIGHT_DECAY
     scheduler: str = "cosine"
     warmup_epochs: int = 1
     warmup_lr: float = 1e-5
     augment: str = "coop"
     aug_views: int = 10
-    rrcrop_scale: tuple = (0.08, 1.0)
+    rrcrop_scale: tuple = RRCROP_SCALE
     eval_every_epoch: bool = True
     test_batch_size: int = 100
     order: str = "random"
@@ -263,8 +267,8 @@ class TrainSpec:
 
 def _preset_fields(method: Method) -> dict:
     fields = dict(name=method.label, n_ctx_text=method.text_tokens, n_ctx_vision=method.visual_tokens)
-    for name, default in (("text_depth", 1), ("vision_depth", 1), ("coupling", "none"), ("learner", DEFAULT_LEARNER)):
-        if getattr(method, name) != default:
+    for name in ("text_depth", "vision_depth", "coupling", "learner"):  # only where the row differs from MethodSpec
+        if getattr(method, name) != getattr(MethodSpec, name):
             fields[name] = getattr(method, name)
     if method.regulate:
         fields["regulate"] = True

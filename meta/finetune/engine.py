@@ -30,7 +30,14 @@ import torch
 from torch import nn
 
 from meta.finetune.init_io import load_gram_init
-from meta.finetune.regulated import GradientRegulation, LaunchStep, RegulatedStepper, launch_step_of, resolve_window
+from meta.finetune.regulated import (
+    DEFAULT_REG_WINDOW,
+    GradientRegulation,
+    LaunchStep,
+    RegulatedStepper,
+    launch_step_of,
+    resolve_window,
+)
 from meta.method.learners import DEFAULT_LEARNER, get_learner
 from meta.method.metrics import count_correct  # noqa: F401  (re-exported with RegulatedStepper: the loops use both)
 from meta.method.prompts import VPT_INITS, PromptParams, PromptSpec
@@ -142,7 +149,8 @@ class StartSpec:
         init_prompts: θ starts from θ* (the file's or the start point's); False = the scratch start.
         regulate: R_φ from the file / start point regulates every prompt gradient.
         norm_preserve: test-time override of R_φ's ``norm_preserve`` (None = as meta-trained).
-        reg_window: regulation window in images (0 = the meta-training support size).
+        reg_window: regulation window in images (0 = the meta-training support size; default the test-time
+            :data:`meta.finetune.regulated.DEFAULT_REG_WINDOW`).
         launch: take the meta-trained inner step where the file / start point has one.
         launch_required: a missing launch step is an error (else launch is silently off).
         naming: how errors name the fields.
@@ -153,7 +161,7 @@ class StartSpec:
     init_prompts: bool = True
     regulate: bool = False
     norm_preserve: Optional[bool] = None
-    reg_window: int = 0
+    reg_window: int = DEFAULT_REG_WINDOW
     launch: bool = False
     launch_required: bool = False
     naming: Naming = Naming("start")

@@ -24,6 +24,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from meta.config import GRAD_CLIP, OUTER_LR_PROMPT, OUTER_LR_REGULATOR, OUTER_OPTIMIZER, REGULATOR_WEIGHT_DECAY
 from meta.method.gram import GRAMMetaLearner, LossFn, TaskBatch
 
 log = logging.getLogger(__name__)
@@ -33,13 +34,15 @@ OUTER_OPTIMIZERS = ("adam", "sgd")
 
 @dataclass
 class OuterSpec:
-    """The outer update's settings (values the paper does not give are ours)."""
+    """The outer update's settings (values the paper does not give are ours).  The defaults are written once, in
+    :mod:`meta.config` beside the ``META`` keys of the same names, which cannot import this module."""
 
-    outer_lr_prompt: float = 2e-3  # λ1 (θ)
-    outer_lr_regulator: float = 1e-3  # λ2 (φ)
-    optimizer: str = "adam"  # "adam" | "sgd" (momentum 0.9)
-    grad_clip: float = 1.0  # max global norm over θ and φ; 0 = off
-    regulator_weight_decay: float = 0.0  # L2 on φ in the outer optimiser: pulls φ to 0 = identity R_φ (residual form)
+    outer_lr_prompt: float = OUTER_LR_PROMPT  # λ1 (θ)
+    outer_lr_regulator: float = OUTER_LR_REGULATOR  # λ2 (φ)
+    optimizer: str = OUTER_OPTIMIZER  # "adam" | "sgd" (momentum 0.9)
+    grad_clip: float = GRAD_CLIP  # max global norm over θ and φ; 0 = off
+    regulator_weight_decay: float = REGULATOR_WEIGHT_DECAY  # L2 on φ in the outer optimiser: pulls φ to 0 = identity
+    #                                                          R_φ (residual form)
 
     def __post_init__(self) -> None:
         if self.optimizer not in OUTER_OPTIMIZERS:

@@ -80,13 +80,16 @@ PRECISIONS = ("fp16", "fp32", "amp")
 
 
 def _gram_defaults() -> CN:
+    # A key that a spec field is built from takes that field's default (meta.settings_map says which key maps onto
+    # which field and where the spelling differs from META's; tests/test_one_default.py fails on a second literal).
     node = CN()
     # --- GRAM on/off ------------------------------------------------------------------------
     node.ENABLED = False  # False = plain baseline (CoOp / VPT / joint); True needs INIT
-    node.INIT = ""  # meta-learned θ* (+ φ) from meta.finetune.init_io.export_gram_init (.safetensors)
+    node.INIT = StartSpec.init_path  # meta-learned θ* (+ φ) from meta.finetune.init_io.export_gram_init (.safetensors)
     node.REGULATE = True  # with ENABLED: apply R_φ to every prompt gradient (paper Eq. 7); False = ablation
     node.NORM_PRESERVE = "auto"  # auto = as meta-trained (init file) | on = rescale ĝ to ‖g‖ per tensor | off
-    node.INIT_PROMPTS = True  # with ENABLED: θ starts from the file's θ*; False = scratch θ, R_φ from the file
+    node.INIT_PROMPTS = StartSpec.init_prompts  # with ENABLED: θ starts from the file's θ*; False = scratch θ, R_φ
+    # from the file
     node.REG_WINDOW_IMAGES = DEFAULT_REG_WINDOW  # R_φ on the mean gradient of this many images (whole batches:
     # W / DATALOADER.TRAIN_X.BATCH_SIZE, rounded, >= 1), one step per window; 0 = the init file's meta-training
     # support size (k_way x n_support images)
@@ -99,7 +102,8 @@ def _gram_defaults() -> CN:
     node.VPT_DEPTH = 0  # with VPT_DEEP: prompted layers; 0 = every layer of the vision tower
     node.TEXT_DEPTH = PromptSpec.text_depth  # J (1) text layers with learnable context (IVLP / MaPLe
     # PROMPT_DEPTH); 0 = every layer
-    node.CTX_INIT = ""  # words to initialise the text context (e.g. "a photo of a"); "" = N(0, 0.02²)
+    node.CTX_INIT = PromptSpec.ctx_init  # words to initialise the text context (e.g. "a photo of a"); "" = N(0, σ²),
+    # σ = PromptSpec.init_std
     node.TEMPLATE = DEFAULT_TEMPLATE  # fixed text prompt when there is no text context (GRAM_VPT)
     node.VPT_INIT = (
         PromptSpec.vpt_init
@@ -108,8 +112,10 @@ def _gram_defaults() -> CN:
     # the trainers above configure; a learner registered by your code is named here and reads these keys
     node.LEARNER_MODULES = []  # modules imported first that register your learners, e.g. ['my_learners']
     # --- zero-shot consistency (meta.method.consistency; fine-tuning loss CE + λ_t L_text + λ_v L_image) ---------
-    node.CONSISTENCY_TEXT = 0.0  # λ_t: 1 - mean cos to the hand-made prompt's text features (KgCoOp uses 8.0)
-    node.CONSISTENCY_IMAGE = 0.0  # λ_v: L1 to the frozen image features, visual prompts only (PromptSRC uses 10)
+    node.CONSISTENCY_TEXT = ConsistencySpec.text_weight  # λ_t: 1 - mean cos to the hand-made prompt's text features
+    # (KgCoOp uses 8.0)
+    node.CONSISTENCY_IMAGE = ConsistencySpec.image_weight  # λ_v: L1 to the frozen image features, visual prompts only
+    # (PromptSRC uses 10)
     # --- backbone ------------------------------------------------------------------------------
     node.MODEL_NAME = ""  # open_clip architecture; "" = from MODEL.BACKBONE.NAME ("ViT-B/16" -> "ViT-B-16")
     node.WEIGHTS = ""  # "" = ~/.cache/clip/<ViT-B-16>.pt (OpenAI TorchScript, as CoOp uses);
@@ -117,9 +123,10 @@ def _gram_defaults() -> CN:
     node.QUICK_GELU = "auto"  # auto | on | off  (auto: on for OpenAI weights, which were trained with it)
     node.PREC = "fp16"  # fp16 | fp32 | amp, as CoOp's PREC; CPU always runs fp32 (with a warning)
     # --- images --------------------------------------------------------------------------------
-    node.EXIF_UPRIGHT = False  # True = turn every image upright by its EXIF orientation before the transforms
-    # (meta.data.image_decode.open_upright, the reader of `python -m meta.evaluation --exif-upright`); False = as
-    # stored, as Dassl's read_image reads them (published CoOp-family numbers)
+    # True = turn every image upright by its EXIF orientation before the transforms (meta.data.image_decode.
+    # open_upright, the reader of `python -m meta.evaluation --exif-upright`); False = as stored, as Dassl's
+    # read_image reads them (published CoOp-family numbers)
+    node.EXIF_UPRIGHT = GramSettings.exif_upright
     return node
 
 
