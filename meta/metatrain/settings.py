@@ -562,8 +562,8 @@ def prompt_spec(cfg: CN) -> PromptSpec:
         init_std=float(p.INIT_STD),
         template=p.TEMPLATE,
         vpt_init=str(p.VPT_INIT),
-        text_depth=int(p.get("TEXT_DEPTH", 1)),
-        coupling=str(p.get("COUPLING", "none")),
+        text_depth=int(p.get("TEXT_DEPTH", PromptSpec.text_depth)),  # a saved config from before the key: the default
+        coupling=str(p.get("COUPLING", PromptSpec.coupling)),
         learner=str(p.get("LEARNER", DEFAULT_LEARNER)),
     )
 
