@@ -170,7 +170,7 @@ def task_batching_plan(cfg, task_mib: float, budget_mib: float, gpus: int) -> di
     elif per_rank < 2:
         chunk, why = 1, f"ceil(META_BATCH / GPUs) = {per_rank} task per GPU"
     elif not stacked_objective(meta_spec(cfg)):
-        chunk, why = 1, "the outer objective runs task by task (INNER_SUPPORT split or the trajectory term)"
+        chunk, why = 1, "the outer objective runs task by task (INNER_SUPPORT split)"
     elif mode == "on":
         chunk, why = per_rank, f"META.TASK_BATCHING on: the {per_rank} tasks of a GPU stacked in one pass"
     else:

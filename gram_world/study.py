@@ -116,7 +116,7 @@ SWEEP = {"reg_window": (1, 20), "launch": (False, True), "query_before_weight": 
 # at the test-time defaults: K = 1 is today's one regulated step on the whole support; K = 4 unrolls the
 # downstream optimiser (4 class-balanced windows of the support, heavy-ball 0.9, weight decay 5e-4 as CoCoOp's
 # SGD, and α = 0.04 per window = CoCoOp's lr 0.002 × the regulation window of 20 images, the step the schedule
-# takes per window in units of the window's mean gradient); γ only and β only are the two halves of R_φ.
+# takes per window in units of the window's mean gradient).
 UNROLL_4 = (
     "META.INNER_STEPS",
     4,
@@ -129,15 +129,13 @@ UNROLL_4 = (
     "META.INNER_LR",
     0.04,
 )
-REGULATOR_SWEEP: dict[str, tuple] = {
-    "k1": (),
-    "k4": UNROLL_4,
+REGULATOR_SWEEP: dict[str, tuple] = {"k1": (), "k4": UNROLL_4}
+# Variants the sweep also ran (docs/study/selection_regulator.*; the β-only test study docs/study/results_beta_only.*)
+# whose options were measured and dropped since (meta.config.REMOVED_KEYS; numbers: docs/evidence.md, "Options
+# removed"): their overrides, so the committed files still read and re-rank as written; they cannot run again.
+REMOVED_VARIANTS: dict[str, tuple] = {
     "gamma_only": ("META.REGULATOR.HALVES", "gamma"),
     "beta_only": ("META.REGULATOR.HALVES", "beta"),
-    # Added after world 0 of the four above had run, before either of these ran anywhere, under the same rule:
-    # Meta-SGD's learned per-tensor step size beside γ, and WarpGrad-style states: 4 detached states evenly spaced
-    # over a 20-step regulated run on the support (α = 0.1 per step, 2.0 mean-gradient units of travel, half of the
-    # schedule's ~100 windows × 0.04; the full 40 steps doubles a meta-training run's cost on CPU).
     "meta_sgd": ("META.REGULATOR.LEARN_LR", True),
     "trajectory": ("META.TRAJECTORY_STATES", 4, "META.TRAJECTORY_WINDOWS", 20),
 }
@@ -641,7 +639,14 @@ def _merge_inputs(inputs: dict, name: str, new: dict) -> None:
 
 
 def check_variants(names: Sequence[str]) -> None:
-    """Refuse, in one line naming ``--variants``, any name that is not a :data:`REGULATOR_SWEEP` variant."""
+    """Refuse, in one line naming ``--variants``, any name that is not a :data:`REGULATOR_SWEEP` variant (a
+    :data:`REMOVED_VARIANTS` one with the option it needed)."""
+    for name in names:
+        if name in REMOVED_VARIANTS:
+            raise ValueError(
+                f"--variants: {name} needs {REMOVED_VARIANTS[name][0]}, which was removed (measured and dropped: "
+                f"docs/evidence.md, Options removed); known: {', '.join(REGULATOR_SWEEP)}"
+            )
     unknown = [v for v in names if v not in REGULATOR_SWEEP]
     if unknown:
         raise ValueError(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(REGULATOR_SWEEP)}")
@@ -888,7 +893,7 @@ def rank_regulator_variants(
         rows.append(
             {
                 "variant": name,
-                "overrides": list(REGULATOR_SWEEP.get(name, ())),
+                "overrides": list(REGULATOR_SWEEP.get(name, REMOVED_VARIANTS.get(name, ()))),
                 "val_diff_H_per_world": complete,
                 "mean_per_world": {w: round(v, 3) for w, v in world_means.items()},
                 "mean_val_diff_H": round(float(np.mean(list(world_means.values()))), 3),

@@ -11,6 +11,7 @@ One function, :func:`get_meta_cfg_default`, returns the whole default tree, so e
 
 :data:`KEY_FIELDS` says which key (here, in the Dassl trainers' ``TRAINER.GRAM`` and among the evaluator's flags)
 is built into which library spec field; such a key takes the field's default, written once, in the spec.
+:data:`REMOVED_KEYS` lists the keys of options that were measured and dropped: setting one is a one-line error.
 
 Values the paper does not give carry a comment naming where they
 come from.
@@ -209,11 +210,6 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.INNER_SUPPORT = MetaSpec.inner_support  # repeat = every inner step on the whole support (Alg. 1) | split =
     #                              INNER_STEPS class-balanced windows of the support, one per step (raise
     #                              TASKS.N_SUPPORT to match)
-    m.TRAJECTORY_STATES = MetaSpec.trajectory_states  # S > 0: also the query loss one regulated step from S detached
-    #                              states of a regulated run from theta on the support (WarpGrad, arXiv 1909.00025);
-    #                              reaches phi only
-    m.TRAJECTORY_WINDOWS = MetaSpec.trajectory_windows  # T steps of that run (inner rule, support windows cycled);
-    #                              0 = TRAJECTORY_STATES
     m.QUERY_BEFORE_WEIGHT = (
         DEFAULT_QUERY_BEFORE_WEIGHT  # w: outer loss L_q(theta') + w L_q(theta), so theta* is also good where the
     )
@@ -240,14 +236,6 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.REGULATOR.BETA_SCALE = 0.0
     m.REGULATOR.INIT = RegulatorSpec.init  # zero | normal
     m.REGULATOR.INIT_STD = RegulatorSpec.init_std
-    m.REGULATOR.GAMMA_BOUND = RegulatorSpec.gamma_bound  # residual form: gamma in (1 - bound, 1 + bound); 1.0 =
-    #                              unbounded tanh
-    m.REGULATOR.NORM_PRESERVE = RegulatorSpec.norm_preserve  # rescale the regulated gradient to the raw one's norm
-    m.REGULATOR.MIX = RegulatorSpec.mix  # learned c = sigmoid(m): (1 - c) * regulated + c * raw
-    m.REGULATOR.MIX_INIT = RegulatorSpec.mix_init  # initial m (0 -> c = 0.5)
-    m.REGULATOR.HALVES = RegulatorSpec.halves  # both | gamma (beta = 0) | beta (gamma = 1): R_phi's two halves as rows
-    m.REGULATOR.LEARN_LR = RegulatorSpec.learn_lr  # Meta-SGD: a learned per-tensor step size exp(l) on the regulated
-    #                              gradient
     m.REGULATOR.WEIGHT_DECAY = REGULATOR_WEIGHT_DECAY  # L2 on phi in the outer step (OuterSpec.regulator_weight_decay)
     m.REGULATOR.GATE_GROUP = RegulatorSpec.gate_group  # FORM gate: coordinates of a prompt tensor's last dimension
     #                              that share a gate value
@@ -400,13 +388,12 @@ def _same(owner: str, prefix: str, *fields: str) -> tuple[KeyField, ...]:
 KEY_FIELDS: tuple[KeyField, ...] = (
     # ---- META (python -m meta train)
     *_same(_META, "META.", "inner_steps", "inner_lr", "first_order", "regulate", "autocast", "inner_momentum"),
-    *_same(_META, "META.", "inner_weight_decay", "inner_support", "trajectory_states", "trajectory_windows"),
+    *_same(_META, "META.", "inner_weight_decay", "inner_support"),
     *_same(_META, "META.", "query_before_weight", "task_batching", "support_attention_lowp", "closed_form_layer_norm"),
     *_same(_OUTER, "META.", "outer_lr_prompt", "outer_lr_regulator", "optimizer", "grad_clip"),
     KeyField("META.REGULATOR.WEIGHT_DECAY", _OUTER, "regulator_weight_decay", note="φ's decay in the outer step"),
     KeyField("META.PRETRAIN.LR", _OUTER, "outer_lr_prompt", note="θ's rate of META.MODE pretrain: λ1 shared"),
-    *_same(_REGULATOR, "META.REGULATOR.", "form", "input_norm", "init", "init_std", "gamma_bound", "norm_preserve"),
-    *_same(_REGULATOR, "META.REGULATOR.", "mix", "mix_init", "halves", "learn_lr", "gate_group"),
+    *_same(_REGULATOR, "META.REGULATOR.", "form", "input_norm", "init", "init_std", "gate_group"),
     KeyField(
         "META.REGULATOR.BETA_SCALE", _REGULATOR, "beta_scale", SPELLED, 'a number: <= 0 = "grad_rms", > 0 = that scale'
     ),
@@ -466,18 +453,10 @@ KEY_FIELDS: tuple[KeyField, ...] = (
     ),
     KeyField("TRAINER.GRAM.LAUNCH", _START, "launch", OWN, "with ENABLED, the test-time DEFAULT_LAUNCH"),
     KeyField("TRAINER.GRAM.EXIF_UPRIGHT", _GRAM_SETTINGS, "exif_upright", note="the trainers' resolved view"),
-    KeyField(
-        "TRAINER.GRAM.NORM_PRESERVE",
-        _START,
-        "norm_preserve",
-        SPELLED,
-        "auto = None (as meta-trained), on / off = True / False",
-    ),
     # ---- python -m meta.evaluation (meta/evaluation/cli.py); a flag is its field, dashes for underscores
     KeyField("--vision-depth", _PROMPT, "vision_depth"),
     KeyField("--ctx-init", _PROMPT, "ctx_init"),
     KeyField("--vpt-init", _PROMPT, "vpt_init"),
-    KeyField("--norm-preserve", _START, "norm_preserve", SPELLED, "auto = None, on / off = True / False"),
     *(
         KeyField(f"--{name.replace('_', '-')}", _TRAIN, name)
         for name in ("epochs", "batch_size", "optimizer", "lr", "weight_decay", "warmup_epochs", "warmup_lr")
@@ -498,6 +477,91 @@ NODE_SPECS: dict[str, tuple[str, ...]] = {
     "TRAINER.GRAM": (_PROMPT, _START, _CONSISTENCY, _GRAM_SETTINGS),
     "--": (_PROMPT, _START, _TRAIN),
 }
+
+
+# ------------------------------------------------------------------------------------------------- removed keys
+# Options of R_φ and meta-training that the project's studies measured and dropped (numbers: docs/evidence.md,
+# "Options removed"; the last commit with them: b3be65a).  Setting one (config file, KEY VALUE override, or a
+# TRAINER.GRAM key in a Dassl config) is a one-line error; a saved run's config or an init file that records one
+# at its off value reads as today's default, one that had it on is refused.
+@dataclass(frozen=True)
+class RemovedKey:
+    """One removed config key.
+
+    Attributes:
+        key: the full key, ``META.REGULATOR.MIX`` or ``TRAINER.GRAM.NORM_PRESERVE``.
+        off: the value that left it without effect (what a saved config or init file may still record).
+        field: the :class:`meta.method.regulator.RegulatorSpec` field an init file's ``regulator`` record kept it
+            as (``""``: none).
+        needs: a removed key without which this one had no effect (any value of it is then off).
+    """
+
+    key: str
+    off: Any
+    field: str = ""
+    needs: str = ""
+
+    def message(self) -> str:
+        """The one-line migration error."""
+        return f"{self.key} was removed: measured and dropped (docs/evidence.md, Options removed); delete the key"
+
+    def is_on(self, values: dict[str, Any]) -> bool:
+        """Whether ``values`` (``{key: value}`` of a saved config) set this key to an effective value."""
+        if self.key not in values:
+            return False
+        if self.needs and not REMOVED[self.needs].is_on(values):
+            return False
+        return values[self.key] != self.off
+
+
+REMOVED_KEYS: tuple[RemovedKey, ...] = (
+    RemovedKey("META.REGULATOR.GAMMA_BOUND", 1.0, "gamma_bound"),
+    RemovedKey("META.REGULATOR.NORM_PRESERVE", False, "norm_preserve"),
+    RemovedKey("META.REGULATOR.MIX", False, "mix"),
+    RemovedKey("META.REGULATOR.MIX_INIT", 0.0, "mix_init", needs="META.REGULATOR.MIX"),
+    RemovedKey("META.REGULATOR.HALVES", "both", "halves"),
+    RemovedKey("META.REGULATOR.LEARN_LR", False, "learn_lr"),
+    RemovedKey("META.TRAJECTORY_STATES", 0),
+    RemovedKey("META.TRAJECTORY_WINDOWS", 0, needs="META.TRAJECTORY_STATES"),
+    RemovedKey("TRAINER.GRAM.NORM_PRESERVE", "auto"),
+)
+REMOVED: dict[str, RemovedKey] = {r.key: r for r in REMOVED_KEYS}
+
+
+def refuse_removed_keys(keys: Sequence[str], where: str) -> None:
+    """:class:`UserError` naming ``where`` and the first of ``keys`` (full dotted keys) that was removed."""
+    for key in keys:
+        if key in REMOVED:
+            raise UserError(where, REMOVED[key].message())
+
+
+def removed_on(values: dict[str, Any], prefix: str = "") -> list[RemovedKey]:
+    """The removed keys under ``prefix`` that ``values`` (a saved config, flat ``{key: value}``) had on."""
+    return [r for r in REMOVED_KEYS if r.key.startswith(prefix) and r.is_on(values)]
+
+
+def saved_removed_problem(values: dict[str, Any], prefix: str = "") -> Optional[str]:
+    """``None`` when a saved config's removed keys under ``prefix`` are all off (they are then ignored), else
+    one line naming the first that was on and where it last existed."""
+    on = removed_on(values, prefix)
+    if not on:
+        return None
+    r = on[0]
+    return (
+        f"{r.key} is {values[r.key]!r} in this saved config, an option that was removed (measured and dropped: "
+        f"docs/evidence.md, Options removed); use commit b3be65a or earlier for it"
+    )
+
+
+def _dotted_keys(tree: Any, prefix: str = "") -> list[str]:
+    """Every key of a nested mapping, dotted (``{"META": {"MIX": 1}}`` -> ``["META", "META.MIX"]``)."""
+    out: list[str] = []
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            name = f"{prefix}{key}"
+            out.append(name)
+            out.extend(_dotted_keys(value, name + "."))
+    return out
 
 
 def _one_line(err: BaseException) -> str:
@@ -560,6 +624,12 @@ def load_meta_cfg(config_file: str = "", opts: Sequence[str] = ()) -> CN:
             raise UserError("--config-file", f"no such file: {config_file}")
         refuse_yaml_aliases(config_file)
         try:
+            with open(config_file, encoding="utf-8") as fh:
+                tree = yaml.safe_load(fh)
+        except yaml.YAMLError as err:
+            raise UserError(config_file, f"not valid YAML ({_yaml_problem(err)})") from None
+        refuse_removed_keys(_dotted_keys(tree), config_file)
+        try:
             cfg.merge_from_file(config_file)
         except yaml.YAMLError as err:
             raise UserError(config_file, f"not valid YAML ({_yaml_problem(err)})") from None
@@ -568,6 +638,7 @@ def load_meta_cfg(config_file: str = "", opts: Sequence[str] = ()) -> CN:
     if opts:
         if len(opts) % 2:
             raise UserError("command line", f"overrides must be KEY VALUE pairs, got an odd list: {list(opts)}")
+        refuse_removed_keys([str(k) for k in opts[::2]], "command-line override")
         try:
             cfg.merge_from_list(list(opts))
         except (KeyError, AssertionError, ValueError, TypeError) as err:

@@ -31,7 +31,6 @@ OTHER_STR = {
     "vpt_init": next(v for v in VPT_INITS if v != PromptSpec.vpt_init),
     "coupling": "maple",
     "inner_support": "split",
-    "halves": "gamma",
     "task_batching": "off",
     "learner": "a_learner_of_your_own",  # read as given; META.PROMPT.LEARNER is checked against the registry later
 }

@@ -67,8 +67,6 @@ def test_gate_matches_its_formula_starts_as_the_plain_sum_and_refuses_what_it_ca
     assert torch.equal(gate(g_task), g_task)  # no regulariser: the task gradient as it is
     with pytest.raises(ValueError, match="GATE_GROUP"):
         GradientGate(6, RegulatorSpec(form="gate", gate_group=4))
-    with pytest.raises(ValueError, match="norm_preserve"):
-        RegulatorSpec(form="gate", norm_preserve=True)
     assert "gate_group" not in RegulatorSpec().as_dict() and RegulatorSpec(form="gate").as_dict()["gate_group"] == 8
 
 

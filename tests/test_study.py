@@ -329,18 +329,18 @@ def test_the_regulator_sweep_resumes_from_an_earlier_selection_file(tmp_path, mo
 
     def fake_run_cell(cell, root, keys, world_root=None):  # stands in for the demo's stages
         ran.append((cell.world, cell.variant))
-        h = 60.0 if cell.variant == "beta_only" else 50.0
+        h = 60.0 if cell.variant == "k4" else 50.0
         return [{"key": k, "seed": 1, "base": h, "new": h} for k in keys]
 
     monkeypatch.setattr(study, "run_cell", fake_run_cell)
     old = tmp_path / "old" / "selection_regulator.json"
-    result = study.select_regulator(tmp_path / "new", ["0", "1"], base, ("k1", "beta_only"), previous=old)
-    # world 0's k1 came from the file; world 0 still needs beta_only (and so its baselines), world 1 everything
-    assert ran == [("0", ""), ("0", "beta_only"), ("1", ""), ("1", "k1"), ("1", "beta_only")]
+    result = study.select_regulator(tmp_path / "new", ["0", "1"], base, ("k1", "k4"), previous=old)
+    # world 0's k1 came from the file; world 0 still needs k4 (and so its baselines), world 1 everything
+    assert ran == [("0", ""), ("0", "k4"), ("1", ""), ("1", "k1"), ("1", "k4")]
     assert result["cells"]["k1/0/0"]["gram_coop/1"] == [52.0, 41.0, 45.0]
     assert result["worlds_done"] == ["0", "1"] and not result["partial"]
     ran.clear()
-    again = study.select_regulator(tmp_path / "new", ["0", "1"], base, ("k1", "beta_only"))  # <out>'s own file
+    again = study.select_regulator(tmp_path / "new", ["0", "1"], base, ("k1", "k4"))  # <out>'s own file
     assert ran == [] and again["cells"] == result["cells"]
     with pytest.raises(ValueError, match="seeds"):  # other fine-tuning seeds: not this sweep's cells
         study.select_regulator(tmp_path / "x", ["0"], replace(base, seeds=(1, 2, 3)), ("k1",), previous=old)
@@ -413,13 +413,13 @@ def test_a_study_of_a_regulator_variant_keeps_its_own_cells_and_file(tmp_path, m
         return [{"key": k, "seed": 1, "base": 50.0, "new": 40.0} for k in keys]
 
     monkeypatch.setattr(study, "run_cell", fake_run_cell)
-    result = study.study(tmp_path, ["0"], [0], base, variant="beta_only")
-    assert seen == [("beta_only", study.REGULATOR_SWEEP["beta_only"], "meta_seed0_qbw0_beta_only")]
-    assert result["settings"]["regulator_variant"] == "beta_only"
-    assert (tmp_path / "results_beta_only.json").is_file() and (tmp_path / "results_beta_only.md").is_file()
+    result = study.study(tmp_path, ["0"], [0], base, variant="k4")
+    assert seen == [("k4", study.REGULATOR_SWEEP["k4"], "meta_seed0_qbw0_k4")]
+    assert result["settings"]["regulator_variant"] == "k4"
+    assert (tmp_path / "results_k4.json").is_file() and (tmp_path / "results_k4.md").is_file()
     assert not (tmp_path / "results.json").exists()
     with pytest.raises(ValueError, match="regulator_variant"):  # its cells are not today's study's
-        study.study(tmp_path, ["0"], [0], base, previous=tmp_path / "results_beta_only.json")
+        study.study(tmp_path, ["0"], [0], base, previous=tmp_path / "results_k4.json")
     study.study(tmp_path, ["0"], [0], base, variant="k1")  # k1 is today's study: results.json
     assert "regulator_variant" not in json.loads((tmp_path / "results.json").read_text())["settings"]
 
@@ -442,24 +442,27 @@ def test_reg_adds_rows_run_only_each_gram_row_and_its_theta_only_row(tmp_path, m
         return [{"key": k, "seed": 1, "base": 60.0 if k in regulated else 58.0, "new": 50.0} for k in keys]
 
     monkeypatch.setattr(study, "run_cell", fake_run_cell)
-    result = study.study(tmp_path, ["0"], [0], base, variant="beta_only", rows="reg-adds")
+    result = study.study(tmp_path, ["0"], [0], base, variant="k4", rows="reg-adds")
     assert ran == [("0", study.REG_ADDS_KEYS)] and len(study.REG_ADDS_KEYS) == 6
     pairs = {(r["method"], r["baseline"]): r for r in result["pairs"]}
     assert set(pairs) == set(study.REG_ADDS_PAIRS)  # no baseline rows, so no other pair is summarised
     h = lambda b, n: 2 * b * n / (b + n)  # noqa: E731
     assert pairs[("unigram", "unigram_no_reg")]["mean_diff_H"] == pytest.approx(h(60, 50) - h(58, 50), abs=1e-3)
     ran.clear()
-    study.study(tmp_path, ["0"], [0], base, variant="beta_only", rows="reg-adds", add_missing_rows=True)
+    study.study(tmp_path, ["0"], [0], base, variant="k4", rows="reg-adds", add_missing_rows=True)
     assert ran == []  # the cell holds every row reg-adds asks for
     with pytest.raises(ValueError, match="--rows"):
         study.study(tmp_path, ["0"], [0], base, rows="some")
-    assert study.main(["run", "--variants", "beta_only", "k4", "--out", str(tmp_path)]) == 2
+    assert study.main(["run", "--variants", "k1", "k4", "--out", str(tmp_path)]) == 2
     assert "run takes one variant" in capsys.readouterr().err
 
 
 def test_unknown_regulator_variants_are_refused_by_every_command(tmp_path, capsys):
     assert study.study_variant("k1") == "" and study.study_variant("") == ""
-    assert study.study_variant("beta_only") == "beta_only"
+    assert study.study_variant("k4") == "k4"
+    # a variant of the committed sweep whose option was removed: refused with the option it needed
+    with pytest.raises(ValueError, match="--variants: beta_only needs META.REGULATOR.HALVES, which was removed"):
+        study.study_variant("beta_only")
     refused = "--variants: unknown beta; known: k1, k4"
     for call in (
         lambda: study.study(tmp_path, ["0"], [0], DemoSettings.preset(True), variant="beta"),
@@ -481,17 +484,17 @@ def test_travel_of_a_variant_has_its_own_file_and_reads_that_variants_cells(tmp_
 
     monkeypatch.setattr(study, "travel_cell", fake_travel_cell)
     argv = ["travel", "--worlds", "0", "3", "--meta-seeds", "0", "--out", str(tmp_path), "--quick"]
-    assert study.main(argv + ["--variants", "beta_only"]) == 0
+    assert study.main(argv + ["--variants", "k4"]) == 0
     assert seen == [
-        ("0", 0, "beta_only", "meta_seed0_qbw0_beta_only", "test"),
-        ("3", 0, "beta_only", "meta_seed0_qbw0_beta_only", "test"),
+        ("0", 0, "k4", "meta_seed0_qbw0_k4", "test"),
+        ("3", 0, "k4", "meta_seed0_qbw0_k4", "test"),
     ]
     assert study.main(argv) == 0  # today's meta-training: travel.json, the study's own meta folders
     assert seen[-1] == ("3", 0, "", "meta_seed0_qbw0", "test")
-    variant = json.loads((tmp_path / "travel_beta_only.json").read_text())
+    variant = json.loads((tmp_path / "travel_k4.json").read_text())
     today = json.loads((tmp_path / "travel.json").read_text())
     assert [r["world"] for r in variant["records"]] == ["0", "3"] and variant["split"] == "test"
-    assert {r["variant"] for r in variant["records"]} == {"beta_only"}
+    assert {r["variant"] for r in variant["records"]} == {"k4"}
     assert {r["variant"] for r in today["records"]} == {""}
     out = capsys.readouterr().out
     assert "gram_coop              beta share of the travel 0.250 (projection +0.100), 2 runs" in out

@@ -63,6 +63,7 @@ def test_extend_cfg_adds_every_key_with_paper_defaults():
     assert (g.N_CTX_TEXT, g.N_CTX_VISION, g.VPT_DEEP, g.ENABLED, g.REGULATE) == (4, 4, False, False, True)
     assert (g.INIT_PROMPTS, g.REG_WINDOW_IMAGES, g.LAUNCH) == (True, DEFAULT_REG_WINDOW, DEFAULT_LAUNCH)
     assert g.REG_WINDOW is None  # the old key (batches) is kept only to refuse it
+    assert g.NORM_PRESERVE is None  # a removed option, kept only to refuse it (tests/test_removed_options.py)
     assert (g.CONSISTENCY_TEXT, g.CONSISTENCY_IMAGE) == (0.0, 0.0)  # off: the plain cross-entropy
     assert cfg.DATASET.SUBSAMPLE_CLASSES == "all"
 
@@ -233,6 +234,8 @@ PAPER_PROTOCOL = {"lr": 0.002, "epochs": 10, "batch": 1}
 FORK_PROTOCOL = {
     "GRAM_IVLP": {"lr": 0.0035, "epochs": 5, "batch": 4},
     "GRAM_MaPLe": {"lr": 0.0035, "epochs": 5, "batch": 4},
+    # CoCoOp's own (KaiyangZhou/CoOp configs/trainers/CoCoOp/vit_b16_c4_ep10_batch1_ctxv1.yaml) is the paper's
+    "GRAM_CoCoOp": PAPER_PROTOCOL,
 }
 
 
@@ -275,7 +278,7 @@ def test_method_configs_follow_their_protocol_and_only_use_known_gram_keys(key):
     else:
         assert (s.n_ctx_text, s.n_ctx_vision) == (row.text_tokens, row.visual_tokens)
         assert s.coupling == row.coupling
-        if group == "paper":
+        if group in ("paper", "GRAM_CoCoOp"):
             assert (s.text_depth or 1, s.vision_depth(12) or 1) == (row.text_depth or 1, row.vision_depth or 1)
         elif group == "GRAM_MaPLe":  # the fork's PROMPT_DEPTH 9 (the preset: every layer of a small CLIP)
             assert s.text_depth == 9 and s.n_ctx_vision == 0
@@ -284,20 +287,6 @@ def test_method_configs_follow_their_protocol_and_only_use_known_gram_keys(key):
     # the header names the trainer the table gives (the comment is read by people choosing a config)
     header = (REPO / row.config).read_text()
     assert f'# Trainer: {row.trainer} (row "{key}" of the method table meta/method/methods.yaml).' in header
-
-
-@pytest.mark.parametrize("value, expected", [("auto", None), ("on", True), ("off", False)])
-def test_norm_preserve_key_resolves_to_a_test_time_override(value, expected):
-    cfg = minimal_cfg()
-    cfg.TRAINER.GRAM.NORM_PRESERVE = value
-    assert gram_settings(cfg, "GRAM_VPT").norm_preserve is expected
-
-
-def test_bad_norm_preserve_value_names_the_key():
-    cfg = minimal_cfg()
-    cfg.TRAINER.GRAM.NORM_PRESERVE = "sometimes"
-    with pytest.raises(ValueError, match="TRAINER.GRAM.NORM_PRESERVE"):
-        gram_settings(cfg, "GRAM_VPT")
 
 
 def test_method_configs_share_one_protocol_block():

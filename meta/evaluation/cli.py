@@ -86,12 +86,6 @@ def _parser() -> argparse.ArgumentParser:
         "--ctx-init", default=PromptSpec.ctx_init, help="initialise CoOp-style text context from these words"
     )
     common.add_argument(
-        "--norm-preserve",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="GRAM presets: rescale the regulated gradient to the raw norm (auto = as meta-trained)",
-    )
-    common.add_argument(
         "--vpt-init",
         choices=VPT_INITS,
         default=PromptSpec.vpt_init,
@@ -183,8 +177,6 @@ def _methods(args: argparse.Namespace) -> list[MethodSpec]:
             overrides["ctx_init"] = args.ctx_init
         gram = is_gram_preset(key)
         path = inits.get(key, inits.get("*", "")) if gram else ""
-        if gram and args.norm_preserve != "auto":
-            overrides["norm_preserve"] = args.norm_preserve == "on"
         methods.append(method_preset(key, init_path=path, **overrides))
     return methods
 

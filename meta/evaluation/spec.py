@@ -46,8 +46,6 @@ class MethodSpec:
         regulate: replace every prompt gradient by R_φ(gradient) before the optimiser step
             (paper Eq. 7), with φ read from ``init_path`` (or from an in-memory
             ``StartPoint`` passed to the evaluation; checked when the run starts).
-        norm_preserve: test-time override of R_φ's ``norm_preserve`` (ĝ rescaled to ‖g‖ per tensor):
-            ``None`` = as meta-trained (the init file's regulator spec); only with ``regulate``.
         template: the fixed text prompt when ``n_ctx_text == 0`` (zero-shot CLIP, VPT).
         init_std: standard deviation of scratch prompts (CoOp: 0.02).
         vpt_init: how scratch visual prompt tokens start (``meta.method.prompts.VPT_INITS``; see
@@ -83,7 +81,6 @@ class MethodSpec:
     ctx_init: str = PromptSpec.ctx_init
     init_path: str = StartSpec.init_path
     regulate: bool = StartSpec.regulate
-    norm_preserve: Optional[bool] = StartSpec.norm_preserve
     template: str = PromptSpec.template
     init_std: float = PromptSpec.init_std
     vpt_init: str = PromptSpec.vpt_init
@@ -168,7 +165,6 @@ class MethodSpec:
             init_path=self.init_path,
             init_prompts=self.init_prompts,
             regulate=self.regulate,
-            norm_preserve=self.norm_preserve,
             reg_window=self.reg_window,
             launch=self.launch_on(True),
             launch_required=self.launch is True,

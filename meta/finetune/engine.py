@@ -148,7 +148,6 @@ class StartSpec:
         init_path: a GRAM init file (θ* and φ); ``""`` = none.
         init_prompts: θ starts from θ* (the file's or the start point's); False = the scratch start.
         regulate: R_φ from the file / start point regulates every prompt gradient.
-        norm_preserve: test-time override of R_φ's ``norm_preserve`` (None = as meta-trained).
         reg_window: regulation window in images (0 = the meta-training support size; default the test-time
             :data:`meta.finetune.regulated.DEFAULT_REG_WINDOW`).
         launch: take the meta-trained inner step where the file / start point has one.
@@ -160,7 +159,6 @@ class StartSpec:
     init_path: str = ""
     init_prompts: bool = True
     regulate: bool = False
-    norm_preserve: Optional[bool] = None
     reg_window: int = DEFAULT_REG_WINDOW
     launch: bool = False
     launch_required: bool = False
@@ -312,7 +310,7 @@ def build_start(
         prompts = scratch
         info = {"source": "words" if spec.prompt.ctx_init else "scratch", **_scratch_info(spec.prompt)}
     prompts = prompts.to(device)
-    regulation = GradientRegulation(regulators, norm_preserve=spec.norm_preserve).to(device) if regulators else None
+    regulation = GradientRegulation(regulators).to(device) if regulators else None
     if launch is not None:
         info["launch"] = {"alpha": launch.alpha, "steps": launch.steps, "momentum": launch.momentum}
     if regulation is not None:

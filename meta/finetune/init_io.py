@@ -5,10 +5,10 @@ File format (one ``.safetensors`` file, nothing is unpickled on load):
 * tensors ``prompt.ctx`` ``[M, d_t]`` and/or ``prompt.vpt`` ``[D, n, d_v]``; for deep text prompts
   ``prompt.ctx_deep`` ``[J-1, M, d_t]``, for MaPLe's coupling ``prompt.proj_weight`` ``[J, d_v, d_t]`` and
   ``prompt.proj_bias`` ``[J, d_v]`` (:mod:`meta.method.prompts`);
-  ``regulator.<tensor>.{gamma,beta}.{weight,bias}`` when φ was learned (plus the 0-d
-  ``regulator.<name>.mix_logit`` with ``RegulatorSpec.mix``; the spec in the header carries every
+  ``regulator.<tensor>.{gamma,beta}.{weight,bias}`` when φ was learned (the spec in the header carries every
   option the test-time regulator needs, and files written before an option existed load with its
-  "off" default);
+  "off" default; a field of a removed option, :data:`meta.config.REMOVED_KEYS`, is dropped at its off value and
+  refused when it was on);
 * header metadata key ``"gram"``: JSON with ``format_version``, ``backbone``
   (model name, weights file name, widths), ``prompt`` (token counts, depths, coupling; files written
   before deep text prompts existed lack ``text_depth`` and ``coupling`` and read as 1 / ``none``),
@@ -176,6 +176,25 @@ def _regulator_field_types() -> dict[str, tuple]:
     return out
 
 
+def drop_removed_fields(reg: dict, check: _Checker) -> None:
+    """Delete from an init file's ``regulator`` record, in place, the fields of removed options
+    (:data:`meta.config.REMOVED_KEYS`) that it records at their off value; one that was on is refused (one line
+    naming the file, the field and the key)."""
+    from meta.config import REMOVED_KEYS  # lazy: meta.config imports the meta-learner
+
+    removed = {r.field: r for r in REMOVED_KEYS if r.field}
+    values = {removed[name].key: value for name, value in reg.items() if name in removed}
+    for name in [n for n in reg if n in removed]:
+        option = removed[name]
+        check.need(
+            not option.is_on(values),
+            f"regulator.{name}",
+            f"{_describe(reg[name])}: {option.key} was removed (measured and dropped: docs/evidence.md, Options "
+            f"removed), so this code cannot rebuild the regulator; use commit b3be65a or earlier for this file",
+        )
+        del reg[name]
+
+
 def check_metadata(raw: Any, check: _Checker) -> dict:
     """Parse and validate the ``"gram"`` header metadata (see module docstring); returns it as a dict."""
     if not isinstance(raw, str):
@@ -245,6 +264,7 @@ def check_metadata(raw: Any, check: _Checker) -> dict:
     reg = meta.get("regulator", None)
     if reg is not None:
         check.need(isinstance(reg, dict), "regulator", f"expected null or an object, got {_describe(reg)}")
+        drop_removed_fields(reg, check)
         types = _regulator_field_types()
         for name, value in reg.items():
             check.need(name in types, f"regulator.{name}", f"unknown field (this code reads {', '.join(types)})")
@@ -488,3 +508,37 @@ def export_coop_context(path: Union[str, Path], ctx: torch.Tensor, epoch: int = 
         buffer,
     )
     return write_bytes_atomic(path, buffer.getvalue())
+
+
+# Where a stock-CoCoOp checkpoint's file sits inside its folder (Dassl's layout: <model>/model.pth.tar-<epoch>).
+COCOOP_CHECKPOINT = "prompt_learner/model.pth.tar-{epoch}"
+
+
+def export_cocoop_checkpoint(directory: Union[str, Path], state: Mapping[str, torch.Tensor], epoch: int = 0) -> Path:
+    """Write ``directory/prompt_learner/model.pth.tar-<epoch>`` = ``{"state_dict": state, "epoch": epoch}``: what
+    stock CoCoOp's ``load_model(directory, epoch)`` (``train.py --model-dir directory --load-epoch epoch``) and
+    ``MODEL.INIT_WEIGHTS <that file>`` read (KaiyangZhou/CoOp ``trainers/cocoop.py``; Dassl's checkpoint layout).
+
+    ``state`` holds CoCoOp's ``PromptLearner`` keys: ``ctx`` ``[M, d_t]`` and ``meta_net.linear1.weight``
+    ``[h, E]``, ``.bias`` ``[h]``, ``meta_net.linear2.weight`` ``[d_t, h]``, ``.bias`` ``[d_t]``
+    (:data:`meta.method.cocoop.STOCK_NAMES`); stored float32 (CoCoOp's ``load_state_dict`` casts to its fp16).
+    Only plain tensors and ints (``torch.load(..., weights_only=True)`` reads it), written atomically."""
+    if "ctx" not in state or not any(k.startswith("meta_net.") for k in state):
+        raise ValueError(f"a stock-CoCoOp checkpoint needs ctx and meta_net.* tensors, got {', '.join(sorted(state))}")
+    buffer = io.BytesIO()
+    torch.save(
+        {"state_dict": {k: v.detach().float().cpu().clone() for k, v in state.items()}, "epoch": int(epoch)}, buffer
+    )
+    path = Path(directory) / COCOOP_CHECKPOINT.format(epoch=int(epoch))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_bytes_atomic(path, buffer.getvalue())
+
+
+def cocoop_checkpoint_usage(directory: Union[str, Path], n_ctx: int, epoch: int = 0) -> str:
+    """How stock CoCoOp reads :func:`export_cocoop_checkpoint`'s folder: evaluate it, or start training from it."""
+    directory = Path(directory).resolve()
+    file = directory / COCOOP_CHECKPOINT.format(epoch=int(epoch))
+    return (
+        f"stock CoCoOp (ctx and meta-net): --model-dir {directory} --load-epoch {int(epoch)} --eval-only, or "
+        f'MODEL.INIT_WEIGHTS {file} TRAINER.COCOOP.N_CTX {int(n_ctx)} TRAINER.COCOOP.CTX_INIT ""'
+    )

@@ -24,7 +24,7 @@ Two switches make test-time use match what R_φ and θ* were meta-trained for:
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -85,8 +85,6 @@ class GradientRegulation(nn.Module):
     **Arguments**
 
     * **regulators** (Mapping[str, GradientRegulator]) - R_φ per prompt tensor (copied, never modified).
-    * **norm_preserve** (bool, *optional*, default=None) - overrides the regulators' own
-      ``spec.norm_preserve`` (``None`` = as meta-trained).
 
     **Example**
 
@@ -98,13 +96,9 @@ class GradientRegulation(nn.Module):
     ~~~
     """
 
-    def __init__(self, regulators: Mapping[str, GradientRegulator], norm_preserve: Optional[bool] = None):
+    def __init__(self, regulators: Mapping[str, GradientRegulator]):
         super().__init__()
         regulators = {k: copy.deepcopy(v) for k, v in regulators.items()}  # the caller's φ stays trainable
-        if norm_preserve is not None:
-            for reg in regulators.values():
-                if isinstance(reg, GradientRegulator):  # a gate has no γ/β wrappers
-                    reg.spec = replace(reg.spec, norm_preserve=bool(norm_preserve))
         self.regulators = nn.ModuleDict(regulators)
         for p in self.regulators.parameters():
             p.requires_grad_(False)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from yacs.config import CfgNode as CN
 
-from meta.config import add_metatrain_cfg, get_meta_cfg_default
+from meta.config import REMOVED, add_metatrain_cfg, get_meta_cfg_default, saved_removed_problem
 from meta.data.input_limits import image_caps
 from meta.finetune.engine import Naming, StartSpec
 from meta.method.consistency import ConsistencySpec
@@ -148,13 +148,6 @@ def check_meta_cfg(cfg: CN) -> "TrainSettings":
         "META.VAL_LAUNCH",
         "False with META.INNER_SUPPORT split and META.INNER_STEPS > 1 (the launch step sees the whole support)",
         m.VAL_LAUNCH,
-    )
-    need(m.TRAJECTORY_STATES >= 0, "META.TRAJECTORY_STATES", "an integer >= 0 (0 = off)", m.TRAJECTORY_STATES)
-    need(
-        m.TRAJECTORY_WINDOWS == 0 or m.TRAJECTORY_WINDOWS >= m.TRAJECTORY_STATES,
-        "META.TRAJECTORY_WINDOWS",
-        f"0 (= META.TRAJECTORY_STATES) or an integer >= META.TRAJECTORY_STATES ({m.TRAJECTORY_STATES})",
-        m.TRAJECTORY_WINDOWS,
     )
     need(m.QUERY_BEFORE_WEIGHT >= 0, "META.QUERY_BEFORE_WEIGHT", "a number >= 0", m.QUERY_BEFORE_WEIGHT)
     need(m.TASK_BATCHING in ("auto", "on", "off"), "META.TASK_BATCHING", "auto | on | off", m.TASK_BATCHING)
@@ -478,7 +471,12 @@ def check_task_sizes(run: "TrainSettings", hierarchy, device: str = "cpu") -> No
 
 
 def regulator_spec(cfg: CN) -> RegulatorSpec:
+    """R_φ's spec from ``META.REGULATOR``; a saved config (a checkpoint's) that records a removed key
+    (:data:`meta.config.REMOVED_KEYS`) at its off value reads as today's default, one that had it on is refused."""
     r = cfg.META.REGULATOR
+    problem = saved_removed_problem(flatten_cfg(r, "META.REGULATOR."), "META.REGULATOR.")
+    if problem:
+        raise ValueError(problem)
     try:
         return RegulatorSpec(
             form=r.FORM,
@@ -486,12 +484,6 @@ def regulator_spec(cfg: CN) -> RegulatorSpec:
             beta_scale="grad_rms" if float(r.BETA_SCALE) <= 0 else float(r.BETA_SCALE),
             init=r.INIT,
             init_std=float(r.INIT_STD),
-            gamma_bound=float(r.GAMMA_BOUND),
-            norm_preserve=bool(r.NORM_PRESERVE),
-            mix=bool(r.MIX),
-            mix_init=float(r.MIX_INIT),
-            halves=str(r.HALVES),
-            learn_lr=bool(r.LEARN_LR),
             gate_group=int(r.GATE_GROUP),
         )
     except ValueError as err:
@@ -517,6 +509,9 @@ def meta_spec(cfg: CN, device=None) -> "MetaSpec":
     )
 
     m = cfg.META
+    problem = saved_removed_problem(flatten_cfg(m, "META."), "META.TRAJECTORY_")  # a saved config's removed keys
+    if problem:
+        raise ValueError(problem)
     autocast = m.AUTOCAST if device is None else resolve_autocast(m.AUTOCAST, device, "META.AUTOCAST")
     pretrain = m.MODE == "pretrain"
     return MetaSpec(
@@ -530,8 +525,6 @@ def meta_spec(cfg: CN, device=None) -> "MetaSpec":
         query_before_weight=float(m.QUERY_BEFORE_WEIGHT),
         inner_weight_decay=float(m.INNER_WEIGHT_DECAY),
         inner_support=str(m.INNER_SUPPORT),
-        trajectory_states=int(m.TRAJECTORY_STATES),
-        trajectory_windows=int(m.TRAJECTORY_WINDOWS),
         task_batching=str(m.TASK_BATCHING),
         support_attention_lowp=bool(m.SUPPORT_ATTENTION_LOWP),
         closed_form_layer_norm=bool(m.CLOSED_FORM_LAYER_NORM),
@@ -775,7 +768,8 @@ def cfg_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]
 
     A key the saved run did not have yet (added to the defaults later, e.g. ``META.AUTOCAST``) is no
     difference while the current value is the behaviour the old run had: the key's
-    :data:`BEHAVIOUR_BEFORE_KEY` entry, else its default.
+    :data:`BEHAVIOUR_BEFORE_KEY` entry, else its default.  A removed key (:data:`meta.config.REMOVED_KEYS`) the
+    saved run had at its off value is no difference either.
     """
     absent = "<absent>"
     keys = sorted(set(saved) | set(current))
@@ -784,6 +778,8 @@ def cfg_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]
     for k in keys:
         old, new = saved.get(k, absent), current.get(k, absent)
         if old == new:
+            continue
+        if new == absent and k in REMOVED and not REMOVED[k].is_on(saved):
             continue
         count = UNUSED_WHILE_ZERO.get(k)
         if count is not None and not saved.get(count, 0) and not current.get(count, 0):

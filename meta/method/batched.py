@@ -34,7 +34,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from meta.method.learners import DEFAULT_LEARNER, feature_logits, learner_of
-from meta.method.objective import OuterObjective
 from meta.method.prompts import PromptedCLIP
 from meta.method.regulator import GradientRegulator
 
@@ -209,10 +208,10 @@ def on_accelerator(learner: Any) -> bool:
 
 
 def stacked_objective(spec: Any) -> bool:
-    """Whether the stacked pass computes ``spec``'s outer objective: the whole support in every inner step and
-    a stackable objective (:attr:`meta.method.objective.OuterObjective.stackable`).  ``inner_support`` other than
-    ``repeat`` (a class-balanced split of a stacked batch would mix tasks) or the trajectory term run sequentially."""
-    return spec.inner_support == "repeat" and OuterObjective.of(spec).stackable
+    """Whether the stacked pass computes ``spec``'s outer objective: the whole support in every inner step.
+    ``inner_support`` other than ``repeat`` (a class-balanced split of a stacked batch would mix tasks) runs
+    sequentially."""
+    return spec.inner_support == "repeat"
 
 
 def _accumulate_chunks(

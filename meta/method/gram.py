@@ -11,7 +11,7 @@ the start of every task); with one inner step μ has no effect.
 then the outer loop (Eqs. 8-9) updates θ with lr λ1 and φ with lr λ2 from
 ``Σ_t L(θ'_t, D_query_t)``, second order by default.  The outer loss and its optional terms
 (``query_before_weight`` w: ``+ w · L(θ, D_query_t)``, θ asked to be good before any step, where a downstream
-schedule that starts with a tiny warm-up lr leaves it; the trajectory term) are one object,
+schedule that starts with a tiny warm-up lr leaves it) are one object,
 :class:`meta.method.objective.OuterObjective`, used by the sequential loop here and the task-stacked one
 (:mod:`meta.method.batched`).
 
@@ -74,8 +74,6 @@ class MetaSpec:
     query_before_weight: float = DEFAULT_QUERY_BEFORE_WEIGHT  # w of L_q(θ) in the outer objective (0 = Eq. 8)
     inner_weight_decay: float = 0.0  # λ of the inner SGD (added to R_φ(g), as torch SGD at test time); 0 = none
     inner_support: str = "repeat"  # data per inner step: repeat = whole support | split = K class-balanced windows
-    trajectory_states: int = 0  # S states θ_t per task along a regulated run from θ (WarpGrad-style); 0 = off
-    trajectory_windows: int = 0  # T steps of that run (states evenly spaced over it); 0 = S (a state per step)
     task_batching: str = "auto"  # auto | on | off: a meta-batch's tasks as one stacked pass (meta.method.batched)
     support_attention_lowp: bool = False  # second-order support attention in the autocast/weights dtype, not fp32
     closed_form_layer_norm: bool = False  # second-order support LayerNorms with a closed-form double backward
@@ -87,11 +85,6 @@ class MetaSpec:
             raise ValueError(f"MetaSpec.inner_weight_decay must be >= 0, got {self.inner_weight_decay}")
         if self.inner_support not in SUPPORT_MODES:
             raise ValueError(f"MetaSpec.inner_support must be one of {SUPPORT_MODES}, got {self.inner_support!r}")
-        if self.trajectory_states < 0 or (self.trajectory_windows and self.trajectory_windows < self.trajectory_states):
-            raise ValueError(
-                f"MetaSpec: trajectory_windows ({self.trajectory_windows}) must be 0 or >= "
-                f"trajectory_states ({self.trajectory_states}) >= 0"
-            )
         if self.query_before_weight < 0:
             raise ValueError(f"MetaSpec.query_before_weight must be >= 0, got {self.query_before_weight}")
         if self.task_batching not in batched.TASK_BATCHING:

@@ -132,16 +132,6 @@ def support_windows(support: Any, steps: int, mode: str = "repeat") -> list:
     return [_take(support, (rank % steps == k).nonzero().flatten()) for k in range(steps)]
 
 
-def set_parameters_(module: nn.Module, tensors: Sequence[torch.Tensor]) -> None:
-    """Put ``tensors`` (in ``module.parameters()`` order) in place of the parameters of a cloned module
-    (as learn2learn's updates do), e.g. detached trajectory states θ_t with ``requires_grad``."""
-    slots = [(mod, key) for mod in module.modules() for key, p in mod._parameters.items() if p is not None]
-    if len(slots) != len(tensors):
-        raise ValueError(f"set_parameters_: {len(tensors)} tensors for {len(slots)} parameters")
-    for (mod, key), t in zip(slots, tensors):
-        mod._parameters[key] = t
-
-
 def task_loss_of(loss_fn: LossFn) -> LossFn:
     """The task part of ``loss_fn`` (``loss_fn.task_loss``: the cross-entropy without a regulariser), or
     ``loss_fn`` itself: the query loss of meta-training, which measures the task alone."""
@@ -192,7 +182,6 @@ def inner_loop(
     first_order: bool,
     labels_of: Callable[[Any], torch.Tensor] = lambda b: b["label"],
     forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
-    after_step: Optional[Callable[[int, nn.Module], None]] = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Take ``len(windows)`` regulated steps of ``rule`` on ``learner.module``, in place (differentiably).
 
@@ -204,7 +193,6 @@ def inner_loop(
         rule: the unrolled optimiser.
         first_order: detach the support gradients (no second-order term).
         forward_context: context of each support forward (autocast, attention kernel); called once per step.
-        after_step: optional ``after_step(k, learner.module)`` after step k (0-based), e.g. to record θ_{k+1}.
 
     Returns ``(losses, accuracies)``: 0-d tensors, one per step, measured at θ_k before its step (no host sync).
     """
@@ -238,8 +226,6 @@ def inner_loop(
             )
         velocity = rule.velocity(list(updates), params, velocity)
         diff_sgd(learner.module, velocity)
-        if after_step is not None:
-            after_step(len(losses), learner.module)
         losses.append(loss.detach())
         accs.append(accuracy_t(logits.detach(), labels_of(batch)))
     return losses, accs

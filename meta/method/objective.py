@@ -3,7 +3,7 @@
 For one task (the sequential loop of :meth:`meta.method.gram.GRAMMetaLearner.accumulate`) or a stack of B tasks
 (:mod:`meta.method.batched`, θ stacked ``[B, ...]`` and a loss summed over the tasks) the outer loss is
 
-    L_out = L_q(θ') + w · L_q(θ) + (1/S) Σ_t L_q(θ_t − α R_φ(∇L_s(θ_t)))
+    L_out = L_q(θ') + w · L_q(θ)
 
 The support loss is ``loss_fn`` (with a regulariser when it has one); every query loss is its task part alone
 (:func:`meta.method.inner.task_loss_of`: the cross-entropy), which is what the downstream benchmark scores.
@@ -11,10 +11,7 @@ The support loss is ``loss_fn`` (with a regulariser when it has one); every quer
 * ``L_q(θ')``: the query loss at the adapted prompts θ' = inner_loop(θ) (paper Eq. 8; second order unless the
   learner is first order);
 * ``w · L_q(θ)`` (``query_before_weight`` w, ``META.QUERY_BEFORE_WEIGHT``): θ is also asked to be good before
-  any step; the term reaches θ only (φ does not act before a step);
-* the trajectory term (``trajectory_states`` S > 0, ``META.TRAJECTORY_STATES``; sequential loop only):
-  WarpGrad-style states θ_t of a detached regulated run, from each one regulated step, then the query loss
-  (Flennerhag et al., ICLR 2020, arXiv 1909.00025); it reaches φ only.
+  any step; the term reaches θ only (φ does not act before a step).
 
 Each term is backpropagated on its own, scaled by ``1 / n_tasks`` of the whole meta-batch, so a task's graph is
 freed before the next term is built and ``.grad`` ends as ``∇ (1/B) Σ_b L_out,b`` whichever loop ran.
@@ -30,7 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from meta.method.inner import InnerRule, inner_loop, set_parameters_, support_windows, task_loss_of
+from meta.method.inner import task_loss_of
 from meta.method.metrics import accuracy_t
 
 # loss_fn(prompt_module, batch) -> (loss scalar, logits [n, K] or [B, n, K] for a task stack)
@@ -43,29 +40,14 @@ class OuterObjective:
 
     Attributes:
         query_before_weight: w of ``L_q(θ)``; 0 = the paper's objective (Eq. 8).
-        trajectory_states: S states of the trajectory term; 0 = off.
-        trajectory_windows: T steps of the trajectory run (states evenly spaced over it); 0 = S.
     """
 
     query_before_weight: float = 0.0
-    trajectory_states: int = 0
-    trajectory_windows: int = 0
 
     @classmethod
     def of(cls, spec: Any) -> "OuterObjective":
         """The objective of a :class:`meta.method.gram.MetaSpec`."""
-        return cls(spec.query_before_weight, spec.trajectory_states, spec.trajectory_windows)
-
-    @property
-    def stackable(self) -> bool:
-        """Whether a task stack computes this objective (the trajectory term runs task by task)."""
-        return not self.trajectory_states
-
-    def trajectory_steps(self) -> list[int]:
-        """After how many steps of the regulated run the states θ_t are taken: S evenly spaced t in [1, T]."""
-        n_states = self.trajectory_states
-        length = self.trajectory_windows or n_states
-        return [round((s + 1) * length / n_states) for s in range(n_states)]
+        return cls(spec.query_before_weight)
 
     def backward(
         self,
@@ -85,8 +67,8 @@ class OuterObjective:
         ``backward(loss)``: how a term reaches ``.grad`` (default ``loss.backward()``; the outer step's fp16 GradScaler
         passes a scaled backward, :class:`meta.metatrain.outer.OuterStep`).
         Metrics are 0-d tensors: ``support_loss_before`` / ``support_acc_before`` (the first inner step's),
-        ``query_loss_after`` / ``query_acc_after`` (at θ'), and ``query_loss_trajectory`` when that term is on; for a
-        stack, losses are sums over its tasks and accuracies means.
+        ``query_loss_after`` / ``query_acc_after`` (at θ'); for a stack, losses are sums over its tasks and accuracies
+        means.
         """
         adapted, s_losses, s_accs = meta.unroll(loss_fn, support, start=start)
         query_fn = task_loss_of(loss_fn)  # the query measures the task alone (no regulariser)
@@ -98,68 +80,10 @@ class OuterObjective:
             with meta.cast():
                 q_loss0, _ = query_fn(meta.prompt_module if before is None else before(), query)
             backward(w * q_loss0.float() / n_tasks)
-        metrics = {}
-        if self.trajectory_states > 0:
-            traj = self.trajectory_loss(meta, loss_fn, support, query)
-            backward(traj.float() / n_tasks)
-            metrics["query_loss_trajectory"] = traj.detach().float()
-        metrics.update(
-            {
-                "support_loss_before": s_losses[0],
-                "support_acc_before": s_accs[0],
-                "query_loss_after": q_loss.detach(),
-                "query_acc_after": accuracy_t(q_logits.detach(), meta.labels_of(query)),
-            }
-        )
+        metrics = {
+            "support_loss_before": s_losses[0],
+            "support_acc_before": s_accs[0],
+            "query_loss_after": q_loss.detach(),
+            "query_acc_after": accuracy_t(q_logits.detach(), meta.labels_of(query)),
+        }
         return adapted, metrics
-
-    def trajectory_loss(self, meta: Any, loss_fn: LossFn, support: Any, query: Any) -> torch.Tensor:
-        """(1/S) Σ_t L_q(θ_t − α R_φ(∇L(θ_t, window)) + weight decay), θ_t detached states of a regulated run.
-
-        The run starts at θ and follows the learner's inner rule (momentum included) over T steps on the task's
-        support windows (cycled); from each state one regulated step without momentum, then the query loss.
-        No backprop through the run: the terms reach φ only (first order is exact here, θ_t does not depend on φ).
-        """
-        spec = meta.spec
-        windows = support_windows(support, spec.inner_steps, spec.inner_support)
-        wanted = set(self.trajectory_steps())
-        states: dict[int, list[torch.Tensor]] = {}
-
-        def keep(k: int, module: nn.Module) -> None:
-            detached = [p.detach().requires_grad_() for p in module.parameters()]
-            set_parameters_(module, detached)  # cut the run's graph after every step
-            if k + 1 in wanted:
-                states[k + 1] = [p.detach() for p in detached]
-
-        run = meta.gbml.clone(first_order=True)
-        set_parameters_(run.module, [p.detach().requires_grad_() for p in run.module.parameters()])
-        length = self.trajectory_windows or self.trajectory_states
-        inner_loop(
-            run,
-            loss_fn,
-            [windows[t % len(windows)] for t in range(length)],
-            meta.inner_rule(),
-            first_order=True,
-            labels_of=meta.labels_of,
-            forward_context=lambda: meta.support_forward(True),
-            after_step=keep,
-        )
-        del run
-        step_rule = InnerRule(lr=spec.inner_lr, weight_decay=spec.inner_weight_decay)
-        total = torch.zeros(())
-        for t in sorted(states):
-            learner = meta.gbml.clone(first_order=True)
-            set_parameters_(learner.module, [x.clone().requires_grad_() for x in states[t]])
-            inner_loop(
-                learner,
-                loss_fn,
-                [windows[t % len(windows)]],
-                step_rule,
-                first_order=True,
-                labels_of=meta.labels_of,
-                forward_context=lambda: meta.support_forward(True),
-            )
-            with meta.cast():
-                q_loss, _ = task_loss_of(loss_fn)(learner.module, query)
-            total = total + q_loss.float() / len(states)
-        return total

@@ -34,6 +34,7 @@ from typing import Any, Optional
 
 from yacs.config import CfgNode as CN
 
+from meta.config import REMOVED, REMOVED_KEYS
 from meta.finetune.engine import Naming, StartSpec, start_rule_problems
 from meta.finetune.regulated import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
 from meta.method import methods
@@ -76,6 +77,9 @@ GRAM_NAMING = Naming(
 # node (unset) only so that a config that still sets it stops with a one-line error instead of meaning
 # something else (gram_settings).
 RENAMED_KEYS = {"REG_WINDOW": "REG_WINDOW_IMAGES"}
+# Keys of options that were measured and dropped (meta.config.REMOVED_KEYS, the one table with the reason): they stay
+# in the node unset (None) only so that a config that still sets one stops with that table's one-line error.
+REMOVED_GRAM_KEYS = tuple(r.key.rsplit(".", 1)[1] for r in REMOVED_KEYS if r.key.startswith("TRAINER.GRAM."))
 PRECISIONS = ("fp16", "fp32", "amp")
 
 
@@ -87,7 +91,6 @@ def _gram_defaults() -> CN:
     node.ENABLED = False  # False = plain baseline (CoOp / VPT / joint); True needs INIT
     node.INIT = StartSpec.init_path  # meta-learned θ* (+ φ) from meta.finetune.init_io.export_gram_init (.safetensors)
     node.REGULATE = True  # with ENABLED: apply R_φ to every prompt gradient (paper Eq. 7); False = ablation
-    node.NORM_PRESERVE = "auto"  # auto = as meta-trained (init file) | on = rescale ĝ to ‖g‖ per tensor | off
     node.INIT_PROMPTS = StartSpec.init_prompts  # with ENABLED: θ starts from the file's θ*; False = scratch θ, R_φ
     # from the file
     node.REG_WINDOW_IMAGES = DEFAULT_REG_WINDOW  # R_φ on the mean gradient of this many images (whole batches:
@@ -95,6 +98,7 @@ def _gram_defaults() -> CN:
     # support size (k_way x n_support images)
     node.REG_WINDOW = None  # renamed REG_WINDOW_IMAGES (it counted batches): setting it is an error
     node.LAUNCH = DEFAULT_LAUNCH  # take the meta-trained step θ − α R_φ(mean train gradient) once before epoch 1
+    node.NORM_PRESERVE = None  # removed (REMOVED_GRAM_KEYS): setting it is an error
     # --- prompts (paper §4 "Training Details": 4 tokens; UNIGRAM 2 text + 2 visual) ------------
     node.N_CTX_TEXT = PromptSpec.n_ctx_text  # M text context vectors (GRAM_CoOp, UNIGRAM): 4
     node.N_CTX_VISION = 4  # n visual prompt tokens per prompted layer (GRAM_VPT, UNIGRAM)
@@ -207,7 +211,6 @@ class GramSettings:
     enabled: bool
     init_path: str
     regulate: bool
-    norm_preserve: Optional[bool]  # None = as the init file's regulator was meta-trained
     n_ctx_text: int  # 0 when the trainer learns no text context
     n_ctx_vision: int  # 0 when the trainer learns no visual prompts
     vpt_deep: bool
@@ -261,7 +264,6 @@ class GramSettings:
             init_path=self.init_path,
             init_prompts=self.init_prompts,
             regulate=self.regulate,
-            norm_preserve=self.norm_preserve,
             reg_window=self.reg_window_images,
             launch=self.launch,
             naming=GRAM_NAMING,
@@ -325,10 +327,9 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
                 f"batches); set {new} to the old value x DATALOADER.TRAIN_X.BATCH_SIZE, or 0 for the "
                 f"meta-training support size"
             )
-    norm_key = str(g.NORM_PRESERVE).strip().lower()
-    norm_table = {"auto": None, "on": True, "true": True, "off": False, "false": False}
-    if norm_key not in norm_table:
-        raise ValueError(f"TRAINER.GRAM.NORM_PRESERVE: expected auto|on|off, got {g.NORM_PRESERVE!r}")
+    for key in REMOVED_GRAM_KEYS:
+        if g.get(key) is not None:
+            raise ValueError(REMOVED[f"TRAINER.GRAM.{key}"].message())
     if g.PREC not in PRECISIONS:
         raise ValueError(f"TRAINER.GRAM.PREC: expected one of {'|'.join(PRECISIONS)}, got {g.PREC!r}")
     text_depth = int(g.TEXT_DEPTH)
@@ -368,7 +369,6 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
         enabled=enabled,
         init_path=init_path,
         regulate=regulate and enabled,
-        norm_preserve=norm_table[norm_key],
         n_ctx_text=n_text,
         n_ctx_vision=n_vision,
         vpt_deep=_as_bool(g.VPT_DEEP, "TRAINER.GRAM.VPT_DEEP"),
