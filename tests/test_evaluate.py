@@ -409,7 +409,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path, tiny_clip):
     with pytest.raises(ValueError, match="regulate=True needs φ"):
         build_prompts(MethodSpec("x", regulate=True), clip, dims, seed=1)
     with pytest.raises(KeyError, match="unknown method preset"):
-        method_preset("cocoop")
+        method_preset("no_such_method")
     with pytest.raises(ValueError, match="needs a GRAM init file"):
         method_preset("coop_gram")
     with pytest.raises(FileNotFoundError, match="split_zhou"):

@@ -59,7 +59,7 @@ def test_tiny_shapes_are_the_reference_rows_and_the_configs_visual_start():
     from meta.method.prompts import PromptSpec
 
     learners = methods.learners()
-    assert list(LEARNERS) == [row.name for row in learners.values()] == ["coop", "vpt", "unigram", "ivlp", "maple"]
+    assert list(LEARNERS) == [row.name for row in learners.values()] == ["coop", "vpt", "unigram", "ivlp", "maple", "cocoop"]
     for row in learners.values():
         preset = method_preset(row.name, init_path="init.safetensors" if methods.get(row.name).init else "")
         vpt_init = row.vpt_init or PromptSpec.vpt_init
@@ -198,8 +198,16 @@ def test_demo_deep_group_is_every_deep_learner():
     table = methods.methods()
     assert list(DEEP_KEYS) == [k for k, m in table.items() if m.trainer in deep]
     assert [v.name for v in DEEP_VARIANTS] == ["gram_ivlp", "gram_maple"]
-    # every table row is a demo row, with its own meta variant or its preset's
-    assert list(METHOD_BY_KEY) == list(table)
+    # every table row is a demo row, with its own meta variant or its preset's; a row that needs a GRAM file the
+    # demo meta-trains no variant for (gram_cocoop*, not yet in the world's tables) is left out, and only those
+    from gram_world.demo.settings import VARIANT_BY_NAME
+
+    def has_variant(key: str) -> bool:
+        return key in VARIANT_BY_NAME or table[key].preset in VARIANT_BY_NAME
+
+    left_out = [k for k in table if k not in METHOD_BY_KEY]
+    assert list(METHOD_BY_KEY) == [k for k in table if k not in left_out]
+    assert left_out and all(table[k].gram_file and not has_variant(k) for k in left_out), left_out
     for key, row in METHOD_BY_KEY.items():
         assert row.variant in ("", key, table[key].preset) and bool(row.variant) == table[key].gram_file, key
 

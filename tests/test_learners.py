@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_every_method_row_fits_its_learner_and_the_learners_follow_the_table():
     learners = methods.learners()
-    assert list(learners) == ["GRAM_CoOp", "GRAM_VPT", "UNIGRAM", "GRAM_IVLP", "GRAM_MaPLe"]
+    assert list(learners) == ["GRAM_CoOp", "GRAM_VPT", "UNIGRAM", "GRAM_IVLP", "GRAM_MaPLe", "GRAM_CoCoOp"]
     for m in methods.methods().values():
         if not m.trainer or m.zero_shot:
             continue

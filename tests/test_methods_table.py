@@ -138,6 +138,8 @@ def test_evaluator_presets_are_the_table_rows():
             "gram_ivlp",
             "maple",
             "gram_maple",
+            "cocoop",
+            "gram_cocoop",
         )
     )
     assert PRESET_ALIASES == {"coop_gram": "gram_coop", "vpt_gram": "gram_vpt"}
@@ -247,7 +249,7 @@ def test_query_cli_for_shell_scripts():
     assert (r.returncode, r.stdout) == (0, "GRAM_VPT\n")
     assert cli("get", "coop_gram", "init").stdout == "true\n"
     assert cli("keys", "--dassl").stdout.split() == list(methods.dassl_keys())
-    r = cli("get", "cocoop", "trainer")
-    assert r.returncode == 1 and r.stderr.startswith("unknown method 'cocoop': expected one of zsclip coop")
+    r = cli("get", "no_such_method", "trainer")
+    assert r.returncode == 1 and r.stderr.startswith("unknown method 'no_such_method': expected one of zsclip coop")
     assert len(r.stderr.strip().splitlines()) == 1
     assert "CoOp + GRAM" in cli().stdout

@@ -5,7 +5,10 @@
   the CLIP its features came from);
 * ``coop_ctx_nctx<M>.pth`` via :func:`meta.finetune.init_io.export_coop_context` when θ has M text context
   vectors (stock CoOp/CoCoOp ``MODEL.INIT_WEIGHTS``, with ``N_CTX M``: the name says it,
-  :func:`meta.finetune.init_io.coop_context_usage` prints the options).
+  :func:`meta.finetune.init_io.coop_context_usage` prints the options);
+* for CoCoOp's learner (``cocoop``, :mod:`meta.method.cocoop`) also ``cocoop_nctx<M>/prompt_learner/model.pth.tar-0``
+  via :func:`meta.finetune.init_io.export_cocoop_checkpoint`: ctx and the meta-net under CoCoOp's own state-dict
+  names, in Dassl's layout, for stock CoCoOp's ``load_model`` (``--model-dir``) or ``MODEL.INIT_WEIGHTS``.
 
 Everything is rebuilt from the checkpoint alone (no CLIP, no hierarchy needed).  Both files are
 written atomically (:mod:`meta.infra.fileio`); :func:`verify_exports` checks that a finished run's
@@ -21,12 +24,21 @@ import torch
 from yacs.config import CfgNode as CN
 
 from meta.config import refuse_yaml_aliases
-from meta.finetune.init_io import coop_context_usage, export_coop_context, export_gram_init, load_gram_init
+from meta.finetune.init_io import (
+    COCOOP_CHECKPOINT,
+    cocoop_checkpoint_usage,
+    coop_context_usage,
+    export_cocoop_checkpoint,
+    export_coop_context,
+    export_gram_init,
+    load_gram_init,
+)
 from meta.infra.cli_errors import UserError
 from meta.infra.fileio import clean_stale_temps
 from meta.infra.runlock import RunLock
 from meta.metatrain import settings
 from meta.metatrain.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint
+from meta.method import cocoop
 from meta.method.gram import GRAMMetaLearner
 from meta.method.learners import get_learner
 from meta.method.prompts import PromptParams
@@ -88,6 +100,24 @@ def provenance(state: dict, cfg: CN) -> dict:
     }
 
 
+# The stock-CoCoOp checkpoint's folder beside the init file (``{n_ctx}`` = M): it holds Dassl's prompt_learner/ layout.
+COCOOP_DIR_NAME = "cocoop_nctx{n_ctx}"
+# The epoch the checkpoint is filed under (θ* before any fine-tuning epoch; ``--load-epoch 0``).
+COCOOP_EPOCH = 0
+
+
+def cocoop_dir(init_path: Path, n_ctx: int, out: bool) -> Path:
+    """The stock-CoCoOp folder of init file ``init_path``: its sibling ``cocoop_nctx<M>`` in a run folder, or
+    ``<init stem>_cocoop_nctx<M>`` beside an ``--out`` file."""
+    name = COCOOP_DIR_NAME.format(n_ctx=int(n_ctx))
+    return init_path.with_name(init_path.name.split(".")[0] + "_" + name if out else name)
+
+
+def cocoop_state(theta) -> dict:
+    """θ of the ``cocoop`` learner under stock CoCoOp's ``PromptLearner`` keys (``meta_net.linear1.weight``, ...)."""
+    return {cocoop.STOCK_NAMES[name]: p.detach().float().cpu() for name, p in theta.named_parameters()}
+
+
 def export_paths(run_dir: Path, export_name: str, coop_ctx_name: str, out: Optional[str] = None) -> tuple[Path, Path]:
     """(init file, stock-CoOp ctx file): ``run_dir/export_name`` (``META.EXPORT_NAME``) or ``out``, and its sibling
     named by ``coop_ctx_name`` (``META.COOP_CTX_NAME``)."""
@@ -117,6 +147,12 @@ def export_state(state: dict, run_dir: Union[str, Path], out: Optional[Union[str
         coop_path = _with_n_ctx(coop_path, n_ctx)
         paths["coop_ctx"] = export_coop_context(coop_path, ctx, epoch=0)
         paths["coop_usage"] = coop_context_usage(paths["coop_ctx"], n_ctx)
+    paths["cocoop"] = None
+    if theta.learner == cocoop.KEY:  # ctx and the meta-net for stock CoCoOp (its usage printed after CoOp's)
+        folder = cocoop_dir(init_path, int(theta.ctx.shape[0]), out is not None)
+        export_cocoop_checkpoint(folder, cocoop_state(theta), epoch=COCOOP_EPOCH)
+        paths["cocoop"] = folder
+        paths["coop_usage"] += "\n" + cocoop_checkpoint_usage(folder, int(theta.ctx.shape[0]), COCOOP_EPOCH)
     return paths
 
 
@@ -162,6 +198,16 @@ def verify_exports(state: dict, run_dir: Union[str, Path]) -> list[str]:
                 problems.append(f"{coop_path.name} does not hold the checkpoint's context")
         except Exception as err:  # noqa: BLE001 - any failure to read it means: rewrite it
             problems.append(f"{coop_path.name} missing or unreadable ({type(err).__name__})")
+    if settings.prompt_spec(cfg).learner == cocoop.KEY and ctx is not None:
+        folder = cocoop_dir(init_path, int(ctx.shape[0]), out=False)
+        file = folder / COCOOP_CHECKPOINT.format(epoch=COCOOP_EPOCH)
+        want = {cocoop.STOCK_NAMES[n]: state["learner"]["gbml"][f"module.{n}"] for n in cocoop.TENSORS}
+        try:
+            saved = torch.load(str(file), map_location="cpu", weights_only=True)["state_dict"]
+            if sorted(saved) != sorted(want) or any(not torch.equal(saved[k], want[k].float().cpu()) for k in want):
+                problems.append(f"{folder.name}/{COCOOP_CHECKPOINT.format(epoch=COCOOP_EPOCH)} does not hold θ*")
+        except Exception as err:  # noqa: BLE001 - any failure to read it means: rewrite it
+            problems.append(f"{folder.name} missing or unreadable ({type(err).__name__})")
     return problems
 
 

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import meta.method.cocoop  # noqa: F401  (the learners shipped beside the built-in one register wherever θ is built)
 from meta.method.consistency import ConsistencySpec, consistency_penalty, frozen_reference
 from meta.method.learners import (
     DEFAULT_LEARNER,
