@@ -465,6 +465,36 @@ KEY_FIELDS: tuple[KeyField, ...] = (
     KeyField("--rrcrop-scale", _TRAIN, "rrcrop_scale", note="a list LO HI on the command line"),
 )
 
+# the owners of the table's links, by name, for the builders that read it (meta.metatrain.settings)
+PROMPT_SPEC, REGULATOR_SPEC, CONSISTENCY_SPEC, META_SPEC, OUTER_SPEC = _PROMPT, _REGULATOR, _CONSISTENCY, _META, _OUTER
+START_SPEC, TRAIN_SPEC = _START, _TRAIN
+
+
+def table_fields(cfg: CN, owner: str, node: str) -> dict[str, Any]:
+    """``{field: value}`` for the :data:`SAME` links of :data:`KEY_FIELDS` from ``owner``'s fields to the keys that
+    sit directly in ``node`` of ``cfg`` (``"META.PROMPT"``: ``META.PROMPT.N_CTX_TEXT`` -> ``n_ctx_text``): the one
+    reading of those keys that the spec builders (:mod:`meta.metatrain.settings`) share.  Each value is cast to the
+    type of the field's default (``int``, ``float``, ``bool``, ``str``, ``tuple``); a key a saved config lacks (a
+    checkpoint from before the key existed) reads as the field's default."""
+    branch = cfg
+    for part in node.split("."):
+        branch = branch[part]
+    out: dict[str, Any] = {}
+    for link in KEY_FIELDS:
+        if link.owner != owner or link.relation != SAME or link.key.rpartition(".")[0] != node:
+            continue
+        default = link.default()
+        value = branch.get(link.key.rpartition(".")[2], default)
+        out[link.field] = value if default is None else _cast(value, default)
+    return out
+
+
+def _cast(value: Any, default: Any) -> Any:
+    """``value`` as the type of ``default`` (a list as a tuple)."""
+    kind = type(default)
+    return tuple(value) if kind is tuple else kind(value)
+
+
 # The specs each node's keys are built into: a key of the node named as one of their fields (upper-cased; a flag:
 # dashes for underscores) that has a default must be in KEY_FIELDS, so a new key cannot repeat its field's default
 # unnoticed.

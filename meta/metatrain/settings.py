@@ -15,7 +15,20 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from yacs.config import CfgNode as CN
 
-from meta.config import REMOVED, add_metatrain_cfg, get_meta_cfg_default, saved_removed_problem
+from meta.config import (
+    CONSISTENCY_SPEC,
+    META_SPEC,
+    OUTER_SPEC,
+    PROMPT_SPEC,
+    REGULATOR_SPEC,
+    REMOVED,
+    START_SPEC,
+    TRAIN_SPEC,
+    add_metatrain_cfg,
+    get_meta_cfg_default,
+    saved_removed_problem,
+    table_fields,
+)
 from meta.data.input_limits import image_caps
 from meta.finetune.engine import Naming, StartSpec
 from meta.method.consistency import ConsistencySpec
@@ -477,24 +490,17 @@ def regulator_spec(cfg: CN) -> RegulatorSpec:
     problem = saved_removed_problem(flatten_cfg(r, "META.REGULATOR."), "META.REGULATOR.")
     if problem:
         raise ValueError(problem)
-    try:
-        return RegulatorSpec(
-            form=r.FORM,
-            input_norm=bool(r.INPUT_NORM),
-            beta_scale="grad_rms" if float(r.BETA_SCALE) <= 0 else float(r.BETA_SCALE),
-            init=r.INIT,
-            init_std=float(r.INIT_STD),
-            gate_group=int(r.GATE_GROUP),
-        )
+    try:  # BETA_SCALE spells beta_scale (meta.config.KEY_FIELDS): <= 0 is "grad_rms"
+        beta_scale = "grad_rms" if float(r.BETA_SCALE) <= 0 else float(r.BETA_SCALE)
+        return RegulatorSpec(**table_fields(cfg, REGULATOR_SPEC, "META.REGULATOR"), beta_scale=beta_scale)
     except ValueError as err:
         raise ValueError(f"META.REGULATOR: {err}") from None
 
 
 def consistency_spec(cfg: CN) -> ConsistencySpec:
     """The support loss's zero-shot consistency weights (``META.CONSISTENCY``; both 0 = the plain cross-entropy)."""
-    c = cfg.META.CONSISTENCY
     try:
-        return ConsistencySpec(float(c.TEXT_WEIGHT), float(c.IMAGE_WEIGHT))
+        return ConsistencySpec(**table_fields(cfg, CONSISTENCY_SPEC, "META.CONSISTENCY"))
     except (TypeError, ValueError) as err:
         raise ValueError(f"META.CONSISTENCY: {err}") from None
 
@@ -513,22 +519,9 @@ def meta_spec(cfg: CN, device=None) -> "MetaSpec":
     if problem:
         raise ValueError(problem)
     autocast = m.AUTOCAST if device is None else resolve_autocast(m.AUTOCAST, device, "META.AUTOCAST")
-    pretrain = m.MODE == "pretrain"
-    return MetaSpec(
-        inner_steps=int(m.INNER_STEPS),
-        inner_lr=float(m.INNER_LR),
-        first_order=bool(m.FIRST_ORDER),
-        regulate=bool(m.REGULATE) and not pretrain,
-        regulator=regulator_spec(cfg),
-        autocast=autocast,
-        inner_momentum=float(m.INNER_MOMENTUM),
-        query_before_weight=float(m.QUERY_BEFORE_WEIGHT),
-        inner_weight_decay=float(m.INNER_WEIGHT_DECAY),
-        inner_support=str(m.INNER_SUPPORT),
-        task_batching=str(m.TASK_BATCHING),
-        support_attention_lowp=bool(m.SUPPORT_ATTENTION_LOWP),
-        closed_form_layer_norm=bool(m.CLOSED_FORM_LAYER_NORM),
-    )
+    fields = table_fields(cfg, META_SPEC, "META")
+    fields["regulate"] = fields["regulate"] and m.MODE != "pretrain"  # pre-training has no inner loop to regulate
+    return MetaSpec(**{**fields, "autocast": autocast}, regulator=regulator_spec(cfg))
 
 
 def outer_spec(cfg: CN) -> "OuterSpec":
@@ -536,29 +529,15 @@ def outer_spec(cfg: CN) -> "OuterSpec":
     from meta.metatrain.outer import OuterSpec  # lazy: it imports meta.method.gram (learn2learn)
 
     m = cfg.META
-    return OuterSpec(
-        outer_lr_prompt=float(m.PRETRAIN.LR if m.MODE == "pretrain" else m.OUTER_LR_PROMPT),
-        outer_lr_regulator=float(m.OUTER_LR_REGULATOR),
-        optimizer=m.OPTIMIZER,
-        grad_clip=float(m.GRAD_CLIP),
-        regulator_weight_decay=float(m.REGULATOR.WEIGHT_DECAY),
-    )
+    fields = table_fields(cfg, OUTER_SPEC, "META")
+    if m.MODE == "pretrain":
+        fields["outer_lr_prompt"] = float(m.PRETRAIN.LR)
+    return OuterSpec(**fields, regulator_weight_decay=float(m.REGULATOR.WEIGHT_DECAY))
 
 
 def prompt_spec(cfg: CN) -> PromptSpec:
-    p = cfg.META.PROMPT
-    return PromptSpec(
-        n_ctx_text=int(p.N_CTX_TEXT),
-        ctx_init=p.CTX_INIT,
-        n_ctx_vision=int(p.N_CTX_VISION),
-        vision_depth=int(p.VISION_DEPTH),
-        init_std=float(p.INIT_STD),
-        template=p.TEMPLATE,
-        vpt_init=str(p.VPT_INIT),
-        text_depth=int(p.get("TEXT_DEPTH", PromptSpec.text_depth)),  # a saved config from before the key: the default
-        coupling=str(p.get("COUPLING", PromptSpec.coupling)),
-        learner=str(p.get("LEARNER", DEFAULT_LEARNER)),
-    )
+    """θ's spec from ``META.PROMPT`` (every key a field of the same name: :func:`meta.config.table_fields`)."""
+    return PromptSpec(**table_fields(cfg, PROMPT_SPEC, "META.PROMPT"))
 
 
 # How errors name the start fields of meta-validation's downstream fine-tuning (meta.finetune.engine.Naming).
@@ -576,9 +555,9 @@ def val_start_spec(cfg: CN) -> StartSpec:
     The view with R_φ; the raw-gradient score uses the same view with ``regulate`` False."""
     m = cfg.META
     return StartSpec(
+        **table_fields(cfg, START_SPEC, "META"),  # VAL_REG_WINDOW
         prompt=prompt_spec(cfg),
         regulate=True,
-        reg_window=int(m.VAL_REG_WINDOW),
         launch=bool(m.VAL_LAUNCH) and m.MODE == "gram",
         naming=VAL_NAMING,
     )
@@ -589,17 +568,10 @@ def val_train_spec(cfg: CN) -> "TrainSpec":
     :class:`meta.evaluation.spec.TrainSpec`)."""
     from meta.evaluation.spec import TrainSpec
 
-    m = cfg.META
-    return TrainSpec(
-        epochs=int(m.VAL_EPOCHS),
-        batch_size=1,
-        lr=float(m.VAL_FT_LR),
-        momentum=float(m.VAL_FT_MOMENTUM),
-        weight_decay=float(m.VAL_FT_WEIGHT_DECAY),
-        rrcrop_scale=tuple(m.VAL_RRCROP_SCALE),
-        aug_views=1,
-        eval_every_epoch=False,
-    )
+    fields = table_fields(
+        cfg, TRAIN_SPEC, "META"
+    )  # VAL_EPOCHS, VAL_FT_LR / _MOMENTUM / _WEIGHT_DECAY, VAL_RRCROP_SCALE
+    return TrainSpec(**fields, batch_size=1, aug_views=1, eval_every_epoch=False)
 
 
 def task_settings(cfg: CN) -> TaskSettings:
