@@ -184,6 +184,35 @@ def test_metric_keys_in_json_log(finished):
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
 
 
+def test_sigterm_during_export_exits_143_in_one_line_and_writes_nothing(finished, tmp_path, monkeypatch, capsys):
+    """``python -m meta export`` stopped by SIGTERM (as a scheduler stops it) exits 143 with one ``error:`` line naming
+    the run folder, as ``meta train`` does, instead of dying silently with -15; no file is written."""
+    import os
+    import signal
+    import time
+
+    from meta.metatrain import cli
+    from meta.metatrain import export as export_mod
+
+    run_dir, _ = finished
+    real = export_mod.export_state
+
+    def terminated_midway(state, run, out=None):
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered to this (main) thread at once
+        time.sleep(5)  # never reached when the handler raises
+        return real(state, run, out)
+
+    monkeypatch.setattr(export_mod, "export_state", terminated_midway)
+    before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "late" / "gram_init.safetensors"
+    out.parent.mkdir()
+    code = cli.main(["export", "--run-dir", str(run_dir), "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == cli.EXIT_STOPPED == 143
+    assert len(err) == 1 and err[0].startswith(f"error: --run-dir {run_dir}: export stopped by SIGTERM")
+    assert list(out.parent.iterdir()) == [] and signal.getsignal(signal.SIGTERM) is before
+
+
 def test_pretrain_baseline_exports_without_regulator(tmp_path, hier):
     out = tmp_path / "pre"
     result = train(

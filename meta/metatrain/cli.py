@@ -10,14 +10,19 @@ Errors in the inputs (config keys and values, missing hierarchy, unusable checkp
 mismatching CLIP features, a busy or full output folder) print one
 ``error: <file or KEY>: ...`` line and exit with status 2 (:mod:`meta.infra.cli_errors`; ``--debug``
 shows the traceback).  A run stopped by SIGTERM / Ctrl-C before its last step exits with
-:data:`EXIT_STOPPED` (143, as a process killed by SIGTERM) after checkpointing.
+:data:`EXIT_STOPPED` (143, as a process killed by SIGTERM) after checkpointing; a SIGTERM during ``export`` exits
+with it too, in one line (the files are written atomically: none is left half-written).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
+import sys
+import threading
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from yacs.config import CfgNode as CN
 
@@ -81,7 +86,16 @@ def _main(argv: list[str], recorder: Optional[Callable[[Optional[str]], dict]] =
             return EXIT_STOPPED if result.get("stopped") else 0
         from meta.metatrain.export import export_run
 
-        paths = export_run(args.run_dir, args.out or None)
+        try:
+            with _sigterm_raises():
+                paths = export_run(args.run_dir, args.out or None)
+        except _Terminated:
+            print(
+                f"error: --run-dir {args.run_dir}: export stopped by SIGTERM before it finished; the files are written "
+                "atomically, so none was left half-written: run it again",
+                file=sys.stderr,
+            )
+            return EXIT_STOPPED
         print(  # absolute: these paths are pasted into forks that run from their own folders
             f"exported {Path(paths['init']).resolve()}"
             + (f" and {Path(paths['coop_ctx']).resolve()}" if paths.get("coop_ctx") else "")
@@ -91,6 +105,29 @@ def _main(argv: list[str], recorder: Optional[Callable[[Optional[str]], dict]] =
     finally:
         distributed.shutdown(created)
     return 0
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived while the export ran (:func:`_sigterm_raises`)."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """Within the block SIGTERM raises :class:`_Terminated` (the writes in progress unwind: their temporary files
+    are removed or cleaned by the next run), instead of killing the process without a word; the previous handler
+    comes back after.  Only from the main thread (where Python delivers signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(_signum, _frame):
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: Optional[Sequence[str]] = None, recorder: Optional[Callable[[Optional[str]], dict]] = None) -> int:
