@@ -55,6 +55,25 @@ from .settings import WorldSettings
 PLAN = "docs/study/plan.md"
 SELECTION = "docs/study/selection_b2n.json"  # the val sweep's committed file: its choice and λ join the family
 CLAIMS = "docs/study/confirm.json"  # the confirmatory study's results: the claims ``check`` tests on fresh worlds
+REPO = Path(__file__).resolve().parents[1]  # where the committed study files above lie
+
+
+def committed_file(path: str) -> Path:
+    """``path`` as given when it exists (or is absolute), else the committed file of that name in the repository, so
+    the defaults above work from any folder; the given path when neither exists (the caller names it)."""
+    given = Path(path)
+    if given.is_file() or given.is_absolute():
+        return given
+    in_repo = REPO / given
+    return in_repo if in_repo.is_file() else given
+
+
+def _missing(flag: str, path: str, advice: str) -> ValueError:
+    """The one-line error of a results file that is neither where ``path`` says nor in the repository."""
+    where = f"{path}" if Path(path).is_absolute() else f"{path} (looked in {Path.cwd()} and in {REPO})"
+    return ValueError(f"{flag}: {where} does not exist; {advice}")
+
+
 CONFIRM_FILE = "confirm.json"
 FRESH_FILE = "fresh.json"
 
@@ -584,11 +603,9 @@ def main(argv: Optional[list] = None) -> int:
 def _main(argv: list) -> int:
     args = _parser().parse_args(argv)
     if args.command == "readme":
-        path = Path(args.claims)
+        path = committed_file(args.claims)
         if not path.is_file():
-            raise ValueError(
-                f"--claims: {path} does not exist; run the confirmatory study first or name a results file"
-            )
+            raise _missing("--claims", args.claims, "run the confirmatory study first or name a results file")
         block = readme_block(json.loads(path.read_text()), args.claims)
         if args.write:
             target = Path(args.write)
@@ -597,16 +614,17 @@ def _main(argv: list) -> int:
         else:
             print(block, end="")
         return 0
-    selection = json.loads(Path(args.selection).read_text()) if Path(args.selection).is_file() else None
-    if selection is None:
-        raise ValueError(f"--selection: {args.selection} does not exist; run python -m gram_world.study_b2n first")
+    selection_path = committed_file(args.selection)
+    if not selection_path.is_file():
+        raise _missing("--selection", args.selection, "run python -m gram_world.study_b2n first, or name its file")
+    selection = json.loads(selection_path.read_text())
     check_selection(selection, args.selection, args.allow_partial_selection)
     base = study.base_settings(args.quick, args.jobs, ())
     base = replace(base, seeds=tuple(args.seeds or base.seeds))
     meta_seeds = tuple(args.meta_seeds or CONFIRM_META_SEEDS)
     t = time.time()
     if args.command == "plan":
-        history = json.loads(Path(args.history).read_text())
+        history = json.loads(committed_file(args.history).read_text())
         print(plan_text(selection, history, len(CONFIRM_WORLDS), len(meta_seeds), history_name=args.history), end="")
         return 0
     if args.command == "run":
@@ -624,7 +642,7 @@ def _main(argv: list) -> int:
         print((root / CONFIRM_FILE.replace(".json", ".md")).read_text(), end="")
         print(f"confirm: {len(result['cells'])} worlds in {root}; this call took {time.time() - t:.0f} s")
         return 0
-    claims = read_claims(Path(args.claims))
+    claims = read_claims(committed_file(args.claims))
     draw_seed = args.draw_seed if args.draw_seed is not None else int(time.time())
     worlds = args.worlds or draw_worlds(args.fresh, draw_seed, exclude=CONFIRM_WORLDS, held_out_style=False)
     log(f"check: fresh worlds {', '.join(worlds)} (draw seed {draw_seed})")

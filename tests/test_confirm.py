@@ -362,3 +362,18 @@ def test_readme_states_the_committed_confirmatory_answer_and_nothing_else():
         assert confirm.README_BEGIN not in readme and confirm.README_END not in readme
     else:
         assert confirm.readme_block(json.loads(results.read_text()), confirm.CLAIMS) in readme
+
+
+def test_committed_study_files_are_found_from_any_folder(tmp_path, monkeypatch, capsys):
+    """The defaults (docs/study/...) are the repository's committed files wherever the command runs: ``readme``
+    prints the committed answer from another folder, and a file found in neither place is a one-line error that
+    says where it looked (the advice "run the study first" was false when only the folder was wrong)."""
+    monkeypatch.chdir(tmp_path)
+    assert confirm.committed_file(confirm.CLAIMS) == confirm.REPO / confirm.CLAIMS
+    assert confirm.main(["readme"]) == 0
+    out = capsys.readouterr().out
+    assert "**The confirmatory study**" in out and "docs/study/confirm.md" in out  # the links stay relative
+    assert str(tmp_path) not in out and str(confirm.REPO) not in out
+    assert confirm.main(["readme", "--claims", "docs/study/nope.json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nope.json (looked in" in err[0] and str(confirm.REPO) in err[0]
