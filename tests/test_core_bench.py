@@ -130,7 +130,7 @@ def test_device_bench_measures_every_variant_and_its_cost():
         chc_batches=(4, 16),
         matmul_n=128,
     )
-    assert set(result["variants"]) == {"coop", "vpt", "unigram", "ivlp", "maple"}
+    assert set(result["variants"]) == {"coop", "vpt", "unigram", "ivlp", "maple", "cocoop"}
     assert result["matmul_tflops"] > 0 and result["matmul_dtype"] == "float32"
     for name, row in result["variants"].items():
         assert row["second_order_step_s"] > 0 and row["first_order_step_s"] > 0

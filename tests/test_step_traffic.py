@@ -131,7 +131,10 @@ def test_cli_writes_its_json_and_refuses_bad_flags(tmp_path, capsys):
     assert row["top_nodes"][0]["gbytes"] >= row["top_nodes"][-1]["gbytes"]
     for bad, line in [
         (["--top", "0"], "error: --top: expected an integer >= 1, got 0"),
-        (["--learners", "clip"], "error: --learners: expected some of coop, vpt, unigram, ivlp, maple, got 'clip'"),
+        (
+            ["--learners", "clip"],
+            "error: --learners: expected some of coop, vpt, unigram, ivlp, maple, cocoop, got 'clip'",
+        ),
         (["--bandwidth-tb-s", "0"], "error: --bandwidth-tb-s: expected a number > 0, got 0.0"),
     ]:
         assert step_traffic.main(bad) == 2
