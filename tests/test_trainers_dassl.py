@@ -67,7 +67,16 @@ PROMPT_SHAPES = {
     # IVLP 2 + 2 in every layer of the tiny CLIP's 2-layer towers; MaPLe 2 tokens at depth 2
     "GRAM_IVLP": {"ctx": (2, 64), "vpt": (2, 2, 64), "ctx_deep": (1, 2, 64)},
     "GRAM_MaPLe": {"ctx": (2, 64), "ctx_deep": (1, 2, 64), "proj_weight": (2, 64, 64), "proj_bias": (2, 64)},
+    # CoCoOp: 4 context vectors and the meta-net 64 -> 64 // 16 -> 64 (meta/method/cocoop.py)
+    "GRAM_CoCoOp": {
+        "ctx": (4, 64),
+        "meta_net_linear1_weight": (4, 64),
+        "meta_net_linear1_bias": (4,),
+        "meta_net_linear2_weight": (64, 4),
+        "meta_net_linear2_bias": (64,),
+    },
 }
+PROMPT_LEARNER = {"GRAM_CoCoOp": "cocoop"}  # the trainers whose θ is not the built-in learner's
 # the MaPLe configs' PROMPT_DEPTH 9 does not fit the tiny CLIP's 2 text layers
 TINY_EXTRA = {"GRAM_MaPLe": ["TRAINER.GRAM.TEXT_DEPTH", "2"]}
 
@@ -139,10 +148,9 @@ def init_files(tmp_path_factory, tiny_clip) -> dict[str, Path]:
     for trainer, shapes in PROMPT_SHAPES.items():
         tensors = {k: torch.randn(*s, generator=g) * 0.02 for k, s in shapes.items()}
         torch.manual_seed(11)
-        regs = {k: GradientRegulator(64, spec) for k in shapes}
-        out[trainer] = export_gram_init(
-            folder / f"{trainer}.safetensors", PromptParams(**tensors), regs, dims, provenance=PROVENANCE
-        )
+        regs = {k: GradientRegulator(s[-1], spec) for k, s in shapes.items()}
+        theta = PromptParams(PROMPT_LEARNER.get(trainer, "clip"), **tensors)
+        out[trainer] = export_gram_init(folder / f"{trainer}.safetensors", theta, regs, dims, provenance=PROVENANCE)
     return out
 
 
@@ -242,7 +250,8 @@ def test_one_import_registers_all_three_and_a_second_import_path_does_not_crash(
 def test_method_configs_merge_into_dassls_defaults(method):
     args = train.build_parser().parse_args(common_args(Path("/data"), method))
     cfg = train.setup_cfg(args)
-    fork = "/GRAM_" in methods.get(method).config  # the MaPLe repository's protocol: 5 epochs, batch 4
+    # the MaPLe repository's protocol (5 epochs, batch 4) for its learners; CoCoOp's own folder keeps the paper's
+    fork = methods.get(method).trainer in ("GRAM_IVLP", "GRAM_MaPLe")
     assert (cfg.OPTIM.MAX_EPOCH, cfg.DATALOADER.TRAIN_X.BATCH_SIZE) == ((5, 4) if fork else (10, 1))
     assert cfg.DATASET.NAME == "DescribableTextures" and cfg.SEED == 1
 
