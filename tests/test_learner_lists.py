@@ -59,7 +59,11 @@ def test_tiny_shapes_are_the_reference_rows_and_the_configs_visual_start():
     from meta.method.prompts import PromptSpec
 
     learners = methods.learners()
-    assert list(LEARNERS) == [row.name for row in learners.values()] == ["coop", "vpt", "unigram", "ivlp", "maple", "cocoop"]
+    assert (
+        list(LEARNERS)
+        == [row.name for row in learners.values()]
+        == ["coop", "vpt", "unigram", "ivlp", "maple", "cocoop"]
+    )
     for row in learners.values():
         preset = method_preset(row.name, init_path="init.safetensors" if methods.get(row.name).init else "")
         vpt_init = row.vpt_init or PromptSpec.vpt_init
