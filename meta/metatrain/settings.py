@@ -350,12 +350,11 @@ def check_step_size(run: "TrainSettings", item_bytes: int = INDEX_BYTES, device:
             f"{unit}, must fit {where}",
             most[key][0],
         )
+    key, value = run.split_key  # what one step holds: the meta-batch's tasks, or pre-training's images
     if run.mode == "gram":
-        key, value, per = "META.META_BATCH", run.meta_batch, per_task
-        holds = f"tasks of K_WAY x (N_SUPPORT + N_QUERY) = {per_task} images"
+        per, holds = per_task, f"tasks of K_WAY x (N_SUPPORT + N_QUERY) = {per_task} images"
     else:
-        key, value, per = "META.PRETRAIN.BATCH_SIZE", run.pretrain_batch_size, 1
-        holds = "images"
+        per, holds = 1, "images"
     _need(
         value * per * item_bytes <= total,
         key,
@@ -568,9 +567,8 @@ def val_train_spec(cfg: CN) -> "TrainSpec":
     :class:`meta.evaluation.spec.TrainSpec`)."""
     from meta.evaluation.spec import TrainSpec
 
-    fields = table_fields(
-        cfg, TRAIN_SPEC, "META"
-    )  # VAL_EPOCHS, VAL_FT_LR / _MOMENTUM / _WEIGHT_DECAY, VAL_RRCROP_SCALE
+    # VAL_EPOCHS, VAL_FT_LR / _MOMENTUM / _WEIGHT_DECAY, VAL_RRCROP_SCALE
+    fields = table_fields(cfg, TRAIN_SPEC, "META")
     return TrainSpec(**fields, batch_size=1, aug_views=1, eval_every_epoch=False)
 
 
