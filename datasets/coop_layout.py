@@ -3,7 +3,9 @@
 Every class here only converts what ``meta.data.coop_data.load_coop_splits`` returns into Dassl
 ``Datum`` lists, so Dassl runs and the Dassl-free evaluator see the same images.  The few-shot
 draws use the global ``random`` module, which Dassl's ``set_random_seed(cfg.SEED)`` seeded: the
-global stream advances exactly as in CoOp's own dataset classes.
+global stream advances exactly as in CoOp's own dataset classes.  Images whose header is over the pixel or
+aspect cap are left out before Dassl's loader sees them, and a class with fewer train images than
+``DATASET.NUM_SHOTS`` is named, each in one stderr line (``meta.data.coop_data.warn_inputs``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from meta.data.coop_data import (
     load_coop_splits,
     missing_files,
     register_layout,
+    warn_inputs,
 )
 
 from ._dassl import DATASET_REGISTRY, DatasetBase, Datum
@@ -65,6 +68,9 @@ class CoopLayoutDataset(DatasetBase):
             subsample=subsample,
             rng=random,  # the global stream that set_random_seed seeded, as CoOp's classes use
         )
+        where = layout.name if subsample == "all" or layout.test_only else f"{layout.name} ({subsample} classes)"
+        shots = -1 if layout.test_only else cfg.DATASET.NUM_SHOTS  # the variants are never few-shot sampled
+        self.shots_per_class = warn_inputs(where, splits, shots, "DATASET.NUM_SHOTS")
         super().__init__(
             train_x=to_datums(splits.train, "train", layout.name),
             val=to_datums(splits.val, "val", layout.name),

@@ -44,6 +44,14 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from gram_tools.paired_stats import (  # the statistics the user's --compare shares
+    BOOTSTRAP_DRAWS,
+    bootstrap_interval,  # noqa: F401  (study.bootstrap_interval, as before)
+    bootstrap_means,
+    bootstrap_p,
+    holm,
+    world_t_p,
+)
 from meta.infra.cli_errors import run_cli
 from meta.infra.fileio import parse_json, write_json_atomic, write_text_atomic
 
@@ -80,7 +88,6 @@ WORLDS: dict[str, dict] = {
     "3": {"world_seed": 3},
 }
 META_SEEDS = (0, 1)
-BOOTSTRAP_DRAWS = 10_000
 
 # Rows of the study (PAIRS' GRAM rows and baselines) and of the sweep.
 STUDY_KEYS = tuple(dict.fromkeys(k for pair in PAIRS for k in pair)) + ("zsclip",)
@@ -249,69 +256,6 @@ def paired_differences(cells: dict, pairs: Sequence[tuple] = PAIRS) -> dict:
                 if (method, seed) in table and (base, seed) in table:
                     diff = table[(method, seed)][2] - table[(base, seed)][2]
                     out.setdefault((method, base), {}).setdefault(world, []).append(diff)
-    return out
-
-
-def bootstrap_means(groups: dict, draws: int = BOOTSTRAP_DRAWS, seed: int = 0) -> tuple[float, np.ndarray]:
-    """The mean of the differences in ``groups`` ({group: [values]}) and ``draws`` two-level bootstrap means.
-
-    Each draw resamples the groups (worlds) with replacement, then the values within each drawn group,
-    and takes the mean of all drawn values.  With one group only the second level remains.
-    """
-    values = [np.asarray(v, dtype=float) for v in groups.values() if len(v)]
-    if not values:
-        raise ValueError("bootstrap_interval: no values")
-    mean = float(np.mean(np.concatenate(values)))
-    rng = np.random.default_rng(seed)
-    stats = np.empty(draws)
-    n_groups = len(values)
-    for i in range(draws):
-        picked = rng.integers(n_groups, size=n_groups)
-        drawn = [values[g][rng.integers(len(values[g]), size=len(values[g]))] for g in picked]
-        stats[i] = np.mean(np.concatenate(drawn))
-    return mean, stats
-
-
-def bootstrap_interval(
-    groups: dict, draws: int = BOOTSTRAP_DRAWS, seed: int = 0, level: float = 0.95
-) -> tuple[float, float, float]:
-    """Mean and two-level percentile bootstrap interval of the differences in ``groups`` (:func:`bootstrap_means`)."""
-    mean, stats = bootstrap_means(groups, draws, seed)
-    lo, hi = np.quantile(stats, [(1 - level) / 2, 1 - (1 - level) / 2])
-    return mean, float(lo), float(hi)
-
-
-def bootstrap_p(stats: np.ndarray) -> float:
-    """Two-sided bootstrap p-value of "mean difference = 0" from the bootstrap means: twice the smaller tail
-    share at 0, with the +1 correction of a Monte-Carlo p-value ((count + 1) / (draws + 1)), at most 1."""
-    tail = min(int(np.sum(stats <= 0)), int(np.sum(stats >= 0)))
-    return min(1.0, 2.0 * (tail + 1) / (len(stats) + 1))
-
-
-def world_t_p(groups: dict) -> Optional[float]:
-    """Two-sided p of a one-sample t-test on the per-world mean differences (worlds are the units: the
-    cells of one world share its CLIP and CHC); None with fewer than two worlds."""
-    from scipy.stats import ttest_1samp
-
-    means = [float(np.mean(v)) for v in groups.values() if len(v)]
-    if len(means) < 2:
-        return None
-    if float(np.std(means)) == 0.0:
-        return 0.0 if means[0] != 0 else 1.0
-    return float(ttest_1samp(means, 0.0).pvalue)
-
-
-def holm(pvalues: Sequence[Optional[float]]) -> list[Optional[float]]:
-    """Holm's step-down adjustment over the non-None p-values (the family); None stays None.
-
-    Sorted ascending p_(1) <= ... <= p_(m): adjusted p_(i) = max over j <= i of min(1, (m − j + 1) p_(j))."""
-    present = sorted((p, i) for i, p in enumerate(pvalues) if p is not None)
-    m = len(present)
-    out: list[Optional[float]] = [None] * len(pvalues)
-    running = 0.0
-    for rank, (p, i) in enumerate(present):
-        running = max(running, min(1.0, (m - rank) * p))
-        out[i] = running
     return out
 
 

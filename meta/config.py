@@ -467,7 +467,7 @@ KEY_FIELDS: tuple[KeyField, ...] = (
 
 # the owners of the table's links, by name, for the builders that read it (meta.metatrain.settings)
 PROMPT_SPEC, REGULATOR_SPEC, CONSISTENCY_SPEC, META_SPEC, OUTER_SPEC = _PROMPT, _REGULATOR, _CONSISTENCY, _META, _OUTER
-START_SPEC, TRAIN_SPEC = _START, _TRAIN
+START_SPEC, TRAIN_SPEC, GRAM_SETTINGS = _START, _TRAIN, _GRAM_SETTINGS
 
 
 def table_fields(cfg: CN, owner: str, node: str) -> dict[str, Any]:
@@ -485,14 +485,24 @@ def table_fields(cfg: CN, owner: str, node: str) -> dict[str, Any]:
             continue
         default = link.default()
         value = branch.get(link.key.rpartition(".")[2], default)
-        out[link.field] = value if default is None else _cast(value, default)
+        out[link.field] = value if default is None else _cast(value, default, link.key)
     return out
 
 
-def _cast(value: Any, default: Any) -> Any:
-    """``value`` as the type of ``default`` (a list as a tuple)."""
-    kind = type(default)
-    return tuple(value) if kind is tuple else kind(value)
+def _cast(value: Any, default: Any, key: str) -> Any:
+    """``value`` as the type of ``default`` (a list as a tuple, an int as a float); a value of another kind is a
+    one-line error naming ``key`` (``TypeError`` for a flag, as ``True``/``False`` only, else ``ValueError``)."""
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise TypeError(f"{key}: expected True or False, got {value!r}")
+        return value
+    wanted = {int: (int,), float: (int, float), str: (str,), tuple: (list, tuple)}.get(type(default))
+    if wanted is None:
+        return value
+    if isinstance(value, bool) or not isinstance(value, wanted):
+        kind = {int: "an integer", float: "a number", str: "a string", tuple: "a list"}[type(default)]
+        raise ValueError(f"{key}: expected {kind}, got {value!r}")
+    return tuple(value) if isinstance(default, tuple) else type(default)(value)
 
 
 # The specs each node's keys are built into: a key of the node named as one of their fields (upper-cased; a flag:

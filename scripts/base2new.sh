@@ -11,6 +11,8 @@
 #   $OUTPUT/base2new/train_base/<dataset>/shots_<K>/<METHOD>/seed<S>/   (log gives the base accuracy)
 #   $OUTPUT/base2new/test_new/<dataset>/shots_<K>/<METHOD>/seed<S>/     (log gives the new accuracy)
 # zsclip evaluates both halves without training.  Tables: python scripts/parse_results.py $OUTPUT
+# The GRAM rows read INIT=<gram_init.safetensors> (python -m meta export writes it; a placeholder for wiring checks:
+# python -m gram_tools.smoke --write-init FILE --method METHOD --model ViT-B-16); it is checked before any run.
 # Environment (DATA, OUTPUT, SHOTS, EPOCHS, LOAD_EPOCH, REDO, DRY_RUN, ...): see scripts/run_methods.py.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/methods.sh"

@@ -2,6 +2,7 @@
 """Paper-style result tables from the logs the benchmark scripts write.
 
     python scripts/parse_results.py OUTPUT_ROOT [--out DIR] [--strict]
+    python scripts/parse_results.py OUTPUT_ROOT --compare BASELINE METHOD [--compare C D ...] [--shots K]
 
 Reads (layout of scripts/base2new.sh, xd.sh, xdomain.sh):
   OUTPUT_ROOT/base2new/train_base/<dataset>/shots_<K>/<method>/seed<S>/log.txt   base accuracy
@@ -30,6 +31,13 @@ seeds, and its H is the harmonic mean of the two means (the convention of CoCoOp
 a bar plot of H to ``--out``
 (default OUTPUT_ROOT/tables) and prints the markdown.  Missing or unfinished runs are listed on
 stderr, naming the file; ``--strict`` then exits with status 1.
+
+``--compare BASELINE METHOD`` (repeatable) judges base-to-new runs as ``gram_world.study`` judges its claims, with
+the datasets in the place of the study's worlds: per dataset, Base and New averaged over the seeds both methods
+ran and H of those means; ΔH = H(METHOD) − H(BASELINE); the paired t-test over datasets, a 95 % bootstrap
+interval and Holm over the pairs asked (``gram_tools.paired_stats``, the study's functions).  It prints the
+table, each dataset's ΔH and the (dataset, seed) runs either side lacks, writes no file, and refuses in one line
+(exit 2) a pair whose sides ran different shot counts or whose logs name different CLIP backbones.
 """
 
 from __future__ import annotations
@@ -49,10 +57,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from gram_tools.paired_stats import bootstrap_interval, holm, world_t_p  # noqa: E402  (the study's statistics)
 from meta.data import coop_data  # noqa: E402
 from meta.evaluation.summary import summarise  # noqa: E402
 from meta.infra.dassl_runs import LogProblem, newest_log, read_accuracy, run_mode  # noqa: E402  (the runner's reader too)
 from meta.method import methods as method_table  # noqa: E402
+from meta.model.clip_weights import open_clip_name  # noqa: E402
 
 # Paper / CoOp order (meta.data.coop_data's dataset list); other names follow alphabetically.
 DATASET_ORDER = list(coop_data.STANDARD_KEYS)
@@ -110,10 +120,13 @@ def _shots_method_dirs(parent: Path):
                     yield int(m.group(1)), f"{method_dir.name}/{cfg_dir.name}", cfg_dir
 
 
-def collect(root: Path, notes: list[str] | None = None) -> tuple[dict[RunKey, dict[int, float]], list[str]]:
+def collect(
+    root: Path, notes: list[str] | None = None, logs: dict[tuple[RunKey, int], Path] | None = None
+) -> tuple[dict[RunKey, dict[int, float]], list[str]]:
     """Accuracies ``{RunKey: {seed: acc%}}`` under ``root`` and the list of problems found.
 
-    ``notes``, when given, receives one line per run folder holding several Dassl logs, naming the one read.
+    ``notes``, when given, receives one line per run folder holding several Dassl logs, naming the one read;
+    ``logs``, when given, receives ``{(RunKey, seed): the log read}`` for every run folder visited.
     """
     results: dict[RunKey, dict[int, float]] = defaultdict(dict)
     problems: list[str] = []
@@ -123,6 +136,8 @@ def collect(root: Path, notes: list[str] | None = None) -> tuple[dict[RunKey, di
         for seed, run_dir in _seed_dirs(method_dir):
             seeds_seen[(key.table, key.shots, key.method, key.dataset)][key.side][seed] = run_dir
             log, n_logs = newest_log(run_dir)
+            if logs is not None:
+                logs[(key, seed)] = log
             if n_logs > 1 and notes is not None:
                 notes.append(f"{run_dir}: {n_logs} Dassl logs (reruns), read the newest: {log.name}")
             try:
@@ -423,18 +438,256 @@ def write_transfer(results, table: str, out: Path) -> list[Path]:
     return written
 
 
+# --------------------------------------------------------------------------------------------------
+# --compare BASELINE METHOD: a user's runs judged like the project's study (gram_tools.paired_stats), with the
+# datasets in the place of the study's worlds.
+
+_CONFIG_LINE = re.compile(r"^( *)([A-Z][A-Z0-9_]*):(?: (.*))?$")
+_DUMP_START, _DUMP_END = "** Config **", "Collecting env info"
+
+
+class CompareRefused(ValueError):
+    """A ``--compare`` pair that cannot be paired (one-line message naming the pair and what differs)."""
+
+
+def recorded_clip(log: Path) -> str | None:
+    """The CLIP architecture a Dassl log's config dump (``print_args`` of CoOp's and our ``train.py``) names:
+    ``TRAINER.GRAM.MODEL_NAME`` when set, else ``MODEL.BACKBONE.NAME`` in open_clip's spelling ("ViT-B/16" ->
+    "ViT-B-16"); None when the log holds no dump or the dump names neither."""
+    if not log.is_file():
+        return None
+    keys: dict[str, str] = {}
+    stack: list[tuple[int, str]] = []
+    in_dump = False
+    with open(log, errors="replace") as f:
+        for line in f:
+            line = line.rstrip("\n")
+            if not in_dump:
+                in_dump = line.strip() == _DUMP_START
+                continue
+            if line.startswith(_DUMP_END):
+                break
+            m = _CONFIG_LINE.match(line)
+            if not m:
+                continue
+            indent, name, value = len(m.group(1)), m.group(2), m.group(3)
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            if value is None:
+                stack.append((indent, name))
+            else:
+                keys[".".join([k for _, k in stack] + [name])] = value.strip()
+    name = keys.get("TRAINER.GRAM.MODEL_NAME", "") or open_clip_name(keys.get("MODEL.BACKBONE.NAME", ""))
+    return name or None
+
+
+def paired_runs(results: dict[RunKey, dict[int, float]], shots: int, method: str) -> dict[str, dict[int, tuple]]:
+    """``{dataset: {seed: (base %, new %)}}`` of one method's base-to-new runs that have both sides."""
+    out: dict[str, dict[int, tuple]] = {}
+    for k, base in results.items():
+        if (k.table, k.shots, k.method, k.side) == ("base2new", shots, method, "base"):
+            new = results.get(RunKey("base2new", shots, method, k.dataset, "new"), {})
+            both = {seed: (base[seed], new[seed]) for seed in sorted(set(base) & set(new))}
+            if both:
+                out[k.dataset] = both
+    return out
+
+
+def _shot_counts(results: dict[RunKey, dict[int, float]], method: str) -> set[int]:
+    return {k.shots for k in results if k.table == "base2new" and k.method == method}
+
+
+def _missing(have: dict[str, dict[int, tuple]], lack: dict[str, dict[int, tuple]]) -> list[str]:
+    """``dataset seed<S>`` of every paired run in ``have`` whose (dataset, seed) ``lack`` has not."""
+    return [
+        f"{d} seed{s}"
+        for d in sorted(have, key=lambda d: _order(d, DATASET_ORDER))
+        for s in sorted(have[d])
+        if s not in lack.get(d, {})
+    ]
+
+
+def _check_clips(pair: str, sides: dict[str, list[str | None]], notes: list[str]) -> None:
+    """Refuse a pair whose logs name more than one CLIP; note the logs that name none."""
+    named = {m: sorted({c for c in clips if c}) for m, clips in sides.items()}
+    if len(set().union(*named.values())) > 1:
+        ran = "; ".join(f"{m} ran {', '.join(c) or 'an unrecorded CLIP'}" for m, c in named.items())
+        raise CompareRefused(
+            f"--compare {pair}: runs of different configs ({ran}; MODEL.BACKBONE.NAME or TRAINER.GRAM.MODEL_NAME "
+            "in their logs' config dump); compare runs of one backbone"
+        )
+    unknown = sum(c is None for clips in sides.values() for c in clips)
+    if unknown:
+        total = sum(len(c) for c in sides.values())
+        notes.append(f"--compare {pair}: {unknown} of {total} logs carry no Dassl config dump; backbone not checked")
+
+
+def compare(
+    results: dict[RunKey, dict[int, float]],
+    pairs: list[tuple[str, str]],
+    logs: dict[tuple[RunKey, int], Path] | None = None,
+    shots: int | None = None,
+    notes: list[str] | None = None,
+) -> list[dict]:
+    """One row per (pair, shot count): ``pairs`` = [(baseline, method)], ΔH = H(method) − H(baseline).
+
+    Per dataset both methods ran: Base and New (%) averaged over the seeds both ran, H of those means.  Row:
+    ``base``, ``new``, ``H`` = (baseline, method) means over the paired datasets (``H``: the mean of the datasets'
+    H, so that its difference is ``mean_diff_H``), ``ci95`` (two-level bootstrap over datasets), ``p`` (paired
+    t-test over datasets, None with fewer than two), ``p_holm`` (Holm over every row), ``per_dataset``
+    {dataset: ΔH}, ``missing_from_baseline`` / ``missing_from_method`` (``dataset seed<S>`` one side lacks).
+    ``logs`` ({(RunKey, seed): log}, :func:`collect`): every log's CLIP must agree within a pair.
+    Raises :class:`CompareRefused` for a method without runs or sides of different shot counts or CLIPs."""
+    notes = [] if notes is None else notes
+    known = sorted({k.method for k in results if k.table == "base2new"}, key=lambda m: _order(m, METHOD_ORDER))
+    rows = []
+    for baseline, method in pairs:
+        pair = f"{baseline} {method}"
+        counts = {}
+        for m in (baseline, method):
+            counts[m] = _shot_counts(results, m)
+            if not counts[m]:
+                raise CompareRefused(
+                    f"--compare {pair}: no base-to-new runs of method '{m}' (methods found: {', '.join(known)})"
+                )
+        if shots is not None:
+            lacking = [m for m in (baseline, method) if shots not in counts[m]]
+            if lacking:
+                raise CompareRefused(
+                    f"--compare {pair}: --shots {shots}: {lacking[0]} has runs at shots "
+                    f"{', '.join(map(str, sorted(counts[lacking[0]])))} only"
+                )
+            shot_list = [shots]
+        elif counts[baseline] != counts[method]:
+            raise CompareRefused(
+                f"--compare {pair}: runs of different shot counts ({baseline}: shots "
+                f"{', '.join(map(str, sorted(counts[baseline])))}; {method}: shots "
+                f"{', '.join(map(str, sorted(counts[method])))}); pass --shots K to pair one shot count both ran"
+            )
+        else:
+            shot_list = sorted(counts[baseline])
+        for k in shot_list:
+            runs = {m: paired_runs(results, k, m) for m in (baseline, method)}
+            if logs is not None:
+                sides = {
+                    m: [
+                        recorded_clip(log)
+                        for (key, _), log in logs.items()
+                        if (key.table, key.shots, key.method) == ("base2new", k, m)
+                    ]
+                    for m in (baseline, method)
+                }
+                _check_clips(f"{pair} (shots {k})", sides, notes)
+            rows.append(_compare_row(baseline, method, k, runs[baseline], runs[method]))
+    for row, p in zip(rows, holm([r["p"] for r in rows])):
+        row["p_holm"], row["family"] = p, sum(r["p"] is not None for r in rows)
+    return rows
+
+
+def _compare_row(baseline: str, method: str, shots: int, a: dict, b: dict) -> dict:
+    """The statistics of one pair at one shot count from both sides' :func:`paired_runs`."""
+    per_dataset: dict[str, dict] = {}
+    for d in sorted(set(a) & set(b), key=lambda d: _order(d, DATASET_ORDER)):
+        seeds = sorted(set(a[d]) & set(b[d]))
+        if not seeds:
+            continue
+        cell = {}
+        for side, runs in (("baseline", a[d]), ("method", b[d])):
+            base = float(np.mean([runs[s][0] for s in seeds]))
+            new = float(np.mean([runs[s][1] for s in seeds]))
+            cell[side] = (base, new, coop_data.harmonic_mean(base, new))
+        cell["seeds"] = seeds
+        per_dataset[d] = cell
+    groups = {d: [c["method"][2] - c["baseline"][2]] for d, c in per_dataset.items()}
+    row: dict = {
+        "baseline": baseline,
+        "method": method,
+        "shots": shots,
+        "datasets": list(per_dataset),
+        "per_dataset": {d: g[0] for d, g in groups.items()},
+        "missing_from_baseline": _missing(b, a),
+        "missing_from_method": _missing(a, b),
+        "p": None,
+        "mean_diff_H": None,
+        "ci95": None,
+    }
+    for name, i in (("base", 0), ("new", 1), ("H", 2)):
+        row[name] = tuple(
+            float(np.mean([c[side][i] for c in per_dataset.values()])) if per_dataset else None
+            for side in ("baseline", "method")
+        )
+    if groups:
+        mean, lo, hi = bootstrap_interval(groups)
+        row.update(mean_diff_H=mean, ci95=(lo, hi), p=world_t_p(groups))
+    return row
+
+
+def _pct(x: float | None, sign: bool = False) -> str:
+    return "–" if x is None else (f"{x:+.2f}" if sign else f"{x:.2f}")
+
+
+def _pval(p: float | None) -> str:
+    return "–" if p is None else f"{p:.3g}"
+
+
+def compare_markdown(rows: list[dict]) -> str:
+    """The comparison table (one line per row of :func:`compare`), then each row's ΔH per dataset and the runs
+    missing from either side."""
+    family = rows[0]["family"] if rows else 0
+    lines = [
+        "# Paired comparison over datasets, base-to-new",
+        "",
+        "Per dataset: Base and New averaged over the seeds both methods ran, H of those means, ΔH = H(method) − "
+        "H(baseline). Means over the datasets paired; p: paired t-test over datasets (the study's world t-test); "
+        f"interval: 95 % bootstrap over datasets; Holm over the {family} row{'s' if family != 1 else ''} tested.",
+        "",
+        "| baseline → method | shots | datasets | Base | New | H | mean ΔH | 95 % interval | p | p Holm |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        means = [f"{_pct(r[k][0])} / {_pct(r[k][1])}" for k in ("base", "new", "H")]
+        ci = "–" if r["ci95"] is None else f"[{r['ci95'][0]:+.2f}, {r['ci95'][1]:+.2f}]"
+        name = f"{method_table.label(r['baseline'])} → {method_table.label(r['method'])}"
+        lines.append(
+            f"| {name} | {r['shots']} | {len(r['datasets'])} | {' | '.join(means)} | {_pct(r['mean_diff_H'], True)}"
+            f" | {ci} | {_pval(r['p'])} | {_pval(r['p_holm'])} |"
+        )
+    lines.append("")
+    for r in rows:
+        lines.append(f"{r['baseline']} → {r['method']}, {r['shots']} shots:")
+        deltas = ", ".join(f"{d} {v:+.2f}" for d, v in r["per_dataset"].items())
+        lines.append(f"  ΔH per dataset: {deltas or 'none (no dataset has runs of both)'}")
+        if r["p"] is None:
+            lines.append(f"  no test: {len(r['datasets'])} dataset(s) paired, a test needs two")
+        lines.append(f"  missing from {r['method']}: {', '.join(r['missing_from_method']) or 'none'}")
+        lines.append(f"  missing from {r['baseline']}: {', '.join(r['missing_from_baseline']) or 'none'}")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("output_root", type=Path, help="the OUTPUT root the scripts wrote to")
     parser.add_argument("--out", type=Path, default=None, help="where tables go (default OUTPUT_ROOT/tables)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a run is missing or unfinished")
+    parser.add_argument(
+        "--compare",
+        nargs=2,
+        action="append",
+        metavar=("BASELINE", "METHOD"),
+        help="test METHOD against BASELINE over datasets (repeatable; Holm over the pairs); prints, writes no table",
+    )
+    parser.add_argument("--shots", type=int, default=None, help="with --compare: the shot count to pair")
     args = parser.parse_args(argv)
     root = args.output_root
+    if args.shots is not None and not args.compare:
+        print("--shots: only with --compare (the tables cover every shot count)", file=sys.stderr)
+        return 2
     if not root.is_dir():
         print(f"output root not found: {root}", file=sys.stderr)
         return 2
     notes: list[str] = []
-    results, problems = collect(root, notes)
+    logs: dict[tuple[RunKey, int], Path] = {}
+    results, problems = collect(root, notes, logs)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     for p in problems:
@@ -446,6 +699,17 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    if args.compare:
+        checks: list[str] = []
+        try:
+            rows = compare(results, [tuple(p) for p in args.compare], logs, args.shots, checks)
+        except CompareRefused as err:
+            print(err, file=sys.stderr)
+            return 2
+        for note in checks:
+            print(f"note: {note}", file=sys.stderr)
+        print(compare_markdown(rows), end="")
+        return 1 if (args.strict and problems) else 0
     out = args.out or (root / "tables")
     os.makedirs(out, exist_ok=True)
     written = (

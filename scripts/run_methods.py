@@ -31,7 +31,8 @@ dataset the job list needs (``meta.data.coop_data`` layouts, e.g. ``<DATA>/dtd``
 layout is not checked), the CLIP weights file (``TRAINER.GRAM.WEIGHTS`` from the dataset and method
 configs and the trailing options; "" = ``~/.cache/clip/<backbone>.pt``, ``none``/``random`` = no file,
 an open_clip tag is not checked) and, for methods that read a GRAM init file, INIT (or the option
-``TRAINER.GRAM.INIT``): set, and a file ``meta.finetune.init_io.load_gram_init`` loads.  The first problem stops
+``TRAINER.GRAM.INIT``): set, and a file ``meta.finetune.init_io.load_gram_init`` loads (``python -m meta export``
+writes one; ``python -m gram_tools.smoke --write-init`` a placeholder for wiring checks).  The first problem stops
 the runner with one ``error: ...`` line and exit status 2, before any folder is written.
 CHECK_PATHS=auto (default) checks only when TRAIN_PY is this repository's train.py (another program may
 read other paths); 1 checks with any TRAIN_PY, 0 never checks.
@@ -275,11 +276,16 @@ def check_datasets(env: Env, job: Job) -> None:
         )
 
 
+def clip_names(cfg: ResolvedConfig) -> tuple[str, str]:
+    """``(MODEL.BACKBONE.NAME, the open_clip architecture the trainers build)``, as ``gram_settings`` reads them."""
+    backbone = str(cfg.get("MODEL.BACKBONE.NAME")[0] or "")
+    return backbone, str(cfg.get("TRAINER.GRAM.MODEL_NAME")[0] or "") or open_clip_name(backbone)
+
+
 def clip_weights_file(cfg: ResolvedConfig) -> tuple[Optional[Path], str]:
     """The CLIP weights file the GRAM trainers load (``None``: random weights or an open_clip tag) and a
     note on where ``TRAINER.GRAM.WEIGHTS`` came from; as ``trainers.gram.config.gram_settings`` resolves it."""
-    backbone = str(cfg.get("MODEL.BACKBONE.NAME")[0] or "")
-    model_name = str(cfg.get("TRAINER.GRAM.MODEL_NAME")[0] or "") or open_clip_name(backbone)
+    backbone, model_name = clip_names(cfg)
     weights, where = cfg.get("TRAINER.GRAM.WEIGHTS")
     if not str(weights).strip() and not model_name:
         raise PathError(
@@ -320,12 +326,16 @@ def check_init(env: Env, job: Job, cfg_path: Path) -> None:
     row = job.method
     if not row.gram_file:
         return
-    value, where = ResolvedConfig([cfg_path], job.opts).get("TRAINER.GRAM.INIT")
+    resolved = ResolvedConfig([cfg_path], job.opts)
+    value, where = resolved.get("TRAINER.GRAM.INIT")
     value = str(value or "").strip()
     if not value:
+        model = clip_names(resolved)[1]
         raise PathError(
-            f"method '{row.key}' starts from a GRAM init file but INIT is unset: "
-            "set INIT=/path/to/gram_init.safetensors (written by meta.finetune.init_io.export_gram_init)"
+            f"method '{row.key}' starts from a GRAM init file but INIT is unset: set "
+            "INIT=/path/to/gram_init.safetensors (python -m meta export --run-dir <meta-training run> writes it; "
+            f"a placeholder for wiring checks: python -m gram_tools.smoke --write-init FILE --method {row.key}"
+            f"{' --model ' + model if model else ''})"
         )
     key = (
         "INIT" if env.init else ("TRAINER.GRAM.INIT" if where.startswith("option") else f"TRAINER.GRAM.INIT in {where}")
@@ -341,7 +351,7 @@ def check_init(env: Env, job: Job, cfg_path: Path) -> None:
         load_gram_init(path, config_key=key)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise PathError(
-            f"{' '.join(str(err).split())} (expected a file from meta.finetune.init_io.export_gram_init)"
+            f"{' '.join(str(err).split())} (expected a GRAM init file, as python -m meta export writes)"
         ) from None
 
 

@@ -153,8 +153,9 @@ def test_init_unset_missing_or_unloadable_stops_before_anything_runs(env, tmp_pa
     assert_stopped(
         r,
         env,
-        "method 'gram_coop' starts from a GRAM init file but INIT is unset: "
-        "set INIT=/path/to/gram_init.safetensors (written by meta.finetune.init_io.export_gram_init)",
+        "method 'gram_coop' starts from a GRAM init file but INIT is unset: set INIT=/path/to/gram_init.safetensors "
+        "(python -m meta export --run-dir <meta-training run> writes it; a placeholder for wiring checks: "
+        "python -m gram_tools.smoke --write-init FILE --method gram_coop --model ViT-B-16)",
     )
     # INIT given as a trailing option instead of the variable: same checks, named by its key
     r = run(["gram_coop", "dtd", "1", "TRAINER.GRAM.INIT", str(tmp_path / "nope.safetensors")], env)
@@ -172,7 +173,7 @@ def test_init_unset_missing_or_unloadable_stops_before_anything_runs(env, tmp_pa
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
     line = r.stderr.rstrip("\n")  # the loader's message (safetensors' own words vary with the bytes), one line
     assert line.startswith(f"error: INIT: {junk}: not a readable safetensors file (")
-    assert line.endswith("(expected a file from meta.finetune.init_io.export_gram_init)")
+    assert line.endswith("(expected a GRAM init file, as python -m meta export writes)")
     assert not Path(env["OUTPUT"]).exists() and calls(env) == []
     # a readable safetensors file that is no GRAM init (no "gram" metadata): the loader's message, one line
     import torch
@@ -182,8 +183,32 @@ def test_init_unset_missing_or_unloadable_stops_before_anything_runs(env, tmp_pa
     save_file({"w": torch.zeros(2)}, str(other))
     r = run(["gram_coop", "dtd", "1"], env, INIT=other)
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
-    assert r.stderr.startswith(f"error: INIT: {other}") and "meta.finetune.init_io.export_gram_init" in r.stderr
+    assert r.stderr.startswith(f"error: INIT: {other}") and "python -m meta export" in r.stderr
     assert not Path(env["OUTPUT"]).exists() and calls(env) == []
+
+
+def test_the_placeholder_command_the_init_check_offers_writes_an_init_the_jobs_take(env, tmp_path):
+    """The INIT-unset line names the architecture the runs build (here the option's GRAM-Test-Tiny); its
+    ``python -m gram_tools.smoke --write-init`` command, run as printed, writes a file the check then accepts."""
+    from gram_tools import smoke
+
+    provide(env)
+    tiny = ["TRAINER.GRAM.MODEL_NAME", "GRAM-Test-Tiny"]
+    r = run(["unigram", "dtd", "1", *tiny], env)
+    assert r.returncode == 2 and calls(env) == [], r.stderr
+    command = r.stderr.rstrip().rpartition("a placeholder for wiring checks: ")[2].removesuffix(")")
+    assert command == "python -m gram_tools.smoke --write-init FILE --method unigram --model GRAM-Test-Tiny"
+    init = tmp_path / "placeholder.safetensors"
+    argv = command.split()[3:]
+    argv[argv.index("FILE")] = str(init)
+    assert smoke.main(argv) == 0
+    r = run(["unigram", "dtd", "1", *tiny], env, INIT=init)
+    assert r.returncode == 0, r.stderr
+    assert len(calls(env)) == 2  # train + eval, each with the placeholder file
+    from meta.finetune.init_io import load_gram_init
+
+    loaded = load_gram_init(init)  # UNIGRAM's 2 text + 2 visual tokens at the tiny CLIP's width 64
+    assert {k: tuple(v.shape) for k, v in loaded.prompt.items()} == {"ctx": (2, 64), "vpt": (1, 2, 64)}
 
 
 def test_everything_present_starts_the_jobs(env, init_file):

@@ -151,6 +151,44 @@ def test_vision_depth_shallow_deep_and_all_layers():
     assert gram_settings(minimal_cfg("GRAM_CoOp")).vision_depth(12) == 0
 
 
+def test_the_start_holds_the_depth_prompt_spec_reads_and_build_start_names_vpt_depth():
+    """GramSettings.start is the engine's StartSpec: shallow VPT is depth 1, deep with VPT_DEPTH 0 is PromptSpec's 0
+    (every layer), a set depth is itself; a depth past the tower stops build_start naming TRAINER.GRAM.VPT_DEPTH."""
+    from meta.finetune.engine import build_start
+    from meta.model.backbone import load_clip
+
+    cfg = minimal_cfg("GRAM_VPT")
+    assert gram_settings(cfg).start.prompt.vision_depth == 1
+    cfg.TRAINER.GRAM.VPT_DEEP = True
+    assert gram_settings(cfg).start.prompt.vision_depth == 0
+    cfg.TRAINER.GRAM.VPT_DEPTH = 3
+    assert gram_settings(cfg).start.prompt.vision_depth == 3
+    clip, dims = load_clip("GRAM-Test-Tiny", None)
+    cfg.TRAINER.GRAM.VPT_DEPTH = dims.vision_layers + 1
+    with pytest.raises(
+        ValueError, match=f"^TRAINER.GRAM.VPT_DEPTH: expected 0 \\(all\\) or 1..{dims.vision_layers}, got"
+    ):
+        build_start(gram_settings(cfg).start, clip, dims)
+
+
+@pytest.mark.parametrize(
+    "key, value, error, expected",
+    [
+        ("N_CTX_TEXT", "4", ValueError, "an integer"),
+        ("N_CTX_TEXT", True, ValueError, "an integer"),
+        ("CTX_INIT", 5, ValueError, "a string"),
+        ("INIT_PROMPTS", 1, TypeError, "True or False"),
+        ("REG_WINDOW_IMAGES", 2.5, ValueError, "an integer"),
+        ("CONSISTENCY_TEXT", "8", ValueError, "a finite number"),
+    ],
+)
+def test_a_table_read_key_of_the_wrong_type_is_one_line_naming_it(key, value, error, expected):
+    cfg = minimal_cfg("GRAM_CoOp")
+    cfg.TRAINER.GRAM[key] = value
+    with pytest.raises(error, match=f"^TRAINER.GRAM.{key}: expected {expected}"):
+        gram_settings(cfg)
+
+
 def test_gram_on_needs_init_and_off_refuses_one():
     cfg = minimal_cfg()
     cfg.TRAINER.GRAM.ENABLED = True
@@ -348,7 +386,7 @@ def test_a_method_starts_from_one_view_in_the_dassl_trainer_and_the_evaluator(ke
         cfg.TRAINER.GRAM[k] = v
     if cfg.TRAINER.GRAM.ENABLED:
         cfg.TRAINER.GRAM.INIT = "/given/on/the/command/line.safetensors"
-    dassl = gram_settings(cfg).start_spec(vision_layers=12)
+    dassl = gram_settings(cfg).start
     evaluator = method_preset(key, init_path=dassl.init_path).start_spec()
     assert dassl.naming.full("reg_window") == "TRAINER.GRAM.REG_WINDOW_IMAGES"
     assert evaluator.naming.full("reg_window") == f"method {method_preset(key, in_memory=True).name!r} reg_window"

@@ -13,7 +13,7 @@ from meta.infra.cli_errors import UserError, run_cli
 from ..items import STYLES
 from ..shapes import CATEGORIES
 from .background import BackgroundRuns
-from .report import stage_report
+from .report import last_screen, stage_report
 from .settings import DEFAULT_TABLES, OPT_IN_TABLES, TABLE_GROUPS, DemoSettings, demo_world_settings
 from .stages import check_settings, check_world, stage_chc, stage_eval, stage_meta, stage_world
 
@@ -49,6 +49,7 @@ def run(settings: DemoSettings, out: Path, world_root: Optional[Path] = None) ->
     timings["evaluation"] = time.time() - t
     md = stage_report(records, zeroshot, settings, out, world, weights, timings)
     print(md.read_text(), flush=True)
+    print(last_screen(md, settings), flush=True)  # the table and the file's path, last
     return md
 
 

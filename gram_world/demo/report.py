@@ -502,8 +502,8 @@ def stage_report(
         f"Fine-tuning: {settings.epochs} epochs, batch {settings.batch_size}, seeds "
         f"{', '.join(map(str, settings.seeds))}. Every cell is mean ± population std over seeds; for "
         "averages each seed's accuracies are averaged over the datasets (or targets) first. H = harmonic "
-        "mean of the mean base and mean new accuracies. Row names are the paper's; CoCoOp, a row of the "
-        "paper's Tables 1-3, is not implemented here.",
+        "mean of the mean base and mean new accuracies. Row names are the paper's; CoCoOp + GRAM with R_φ "
+        "(beside CoCoOp's θ*-only row) comes with the diagnostics tables.",
         "",
     ]
     if "table1" in tables:
@@ -587,3 +587,20 @@ def stage_report(
     }
     (out / "results.json").write_text(json.dumps(payload, indent=1))
     return md
+
+
+def last_screen(md: Path, settings: DemoSettings) -> str:
+    """The lines printed after ``results.md``: its first table (with the headings above it), where the file is,
+    and for a quick run that its numbers are a wiring check, not a comparison of methods."""
+    lines = md.read_text(encoding="utf-8").splitlines()
+    first = next((i for i, ln in enumerate(lines) if ln.startswith("|")), len(lines))
+    end = next((i for i in range(first, len(lines)) if not lines[i].startswith("|")), len(lines))
+    title = next((i for i in range(first - 1, -1, -1) if lines[i].startswith("## ")), first)
+    out = [ln for ln in lines[title:first] if ln.startswith("#")] + lines[first:end] + ["", f"results: {md.resolve()}"]
+    if settings.quick:
+        out.append(
+            f"quick demo: a wiring check of every stage ({len(settings.seeds)} seed(s), {settings.meta_steps} "
+            f"meta-steps, {settings.epochs} epochs); its numbers do not compare methods (bash scripts/demo.sh without "
+            "--quick does)"
+        )
+    return "\n".join(out)

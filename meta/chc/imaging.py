@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from meta.data.image_caps import EMPTY_IMAGE, size_problem
 from meta.data.image_decode import (  # noqa: F401 (EXIF_ORIENTATION, UPRIGHT: re-exported, their home until now)
     EXIF_ORIENTATION,
     UPRIGHT,
@@ -46,7 +47,6 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 # Reason recorded when an image has no bytes to decode (missing file, short read of a tar member).
 NO_BYTES = "no image bytes"
-EMPTY_IMAGE = "empty image (0 pixels)"
 
 # Caps on the size an image file declares, checked before it is decoded: the defaults of the keys
 # CHC.INPUT.MAX_IMAGE_PIXELS / MAX_IMAGE_ASPECT (meta.data.input_limits), which the callers (CHC's image-feature
@@ -58,24 +58,6 @@ MAX_ASPECT = MAX_IMAGE_ASPECT  # longer side / shorter side (a panorama is ~4-8)
 # a change of the rule (EXIF orientation applied, the default caps) recomputes image features cached under the old
 # one; caps set away from their defaults enter the fingerprint too (meta.data.input_limits.caps_away_from_defaults).
 DECODE_RULE = f"rgb8,exif-upright,max_pixels={MAX_PIXELS},max_aspect={MAX_ASPECT:g}"
-
-
-def size_problem(size: tuple[int, int], max_pixels: int = MAX_PIXELS, max_aspect: Optional[float] = MAX_ASPECT) -> str:
-    """Why an image of ``size`` = ``(width, height)`` in pixels is refused before decoding; ``""`` if it is not.
-
-    ``max_aspect`` (longer side / shorter side; ``None`` = no cap) matters only where the image is
-    resized by its shorter side (:func:`to_clip_uint8`).  The reasons are fixed texts per cap (they
-    are counted by reason): :data:`EMPTY_IMAGE`, ``"more than <max_pixels> pixels"``,
-    ``"aspect ratio above <max_aspect>"``.
-    """
-    w, h = int(size[0]), int(size[1])
-    if min(w, h) <= 0:
-        return EMPTY_IMAGE
-    if w * h > max_pixels:
-        return f"more than {max_pixels} pixels"
-    if max_aspect is not None and max(w, h) > max_aspect * min(w, h):
-        return f"aspect ratio above {max_aspect:g}"
-    return ""
 
 
 def decode_image_why(

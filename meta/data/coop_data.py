@@ -14,7 +14,9 @@ Pipeline (``load_coop_splits``), in CoOp's order:
    samples with ``random.sample`` per label in first-appearance order - the exact draws of Dassl's
    ``DatasetBase.generate_fewshot_dataset`` - or re-read them from the cache
    ``<dataset_dir>/split_fewshot/shot_<K>-seed_<S>.gram.json``;
-3. keep the base or new half of the classes (``subsample_classes``) and relabel them 0..k-1.
+3. keep the base or new half of the classes (``subsample_classes``) and relabel them 0..k-1;
+4. drop the images whose header declares a size over the pixel or aspect cap
+   (:func:`meta.data.image_caps.file_size_problem`), named in ``CoopSplits.oversized``.
 
 The few-shot cache differs from CoOp's ``shot_K-seed_S.pkl`` on purpose: it stores paths
 relative to the dataset folder (moving the data root keeps it valid) and a SHA-256 of the
@@ -30,9 +32,12 @@ import math
 import os
 import pickle
 import random
+import sys
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol, Sequence
+
+from meta.data.image_caps import file_size_problem
 
 __all__ = [
     "Record",
@@ -61,6 +66,8 @@ __all__ = [
     "missing_files",
     "fewshot_cache_path",
     "load_coop_splits",
+    "shots_per_class",
+    "warn_inputs",
     "harmonic_mean",
     "FEWSHOT_CACHE_FORMAT",
 ]
@@ -83,12 +90,14 @@ class CoopSplits:
     """The three splits of one dataset as Dassl's ``DatasetBase`` receives them.
 
     ``val`` is ``None`` for the test-only ImageNet variants (CoOp passes no val split there);
-    for ImageNet it is the test split, as in CoOp (``datasets/imagenet.py``).
+    for ImageNet it is the test split, as in CoOp (``datasets/imagenet.py``).  ``oversized``: ``{image path:
+    reason}`` of the images left out as over the size caps (:func:`meta.data.image_caps.size_problem`).
     """
 
     train: list[Record]
     val: list[Record] | None
     test: list[Record]
+    oversized: dict[str, str] = field(default_factory=dict)
 
     @property
     def classnames(self) -> list[str]:
@@ -694,7 +703,7 @@ def load_coop_splits(
     if layout.test_only:
         if subsample != "all":
             log(f"{layout.name} is test-only: SUBSAMPLE_CLASSES={subsample} is ignored (as in CoOp)")
-        return CoopSplits(train=full["train"], val=None, test=full["test"])
+        return _without_oversized(CoopSplits(train=full["train"], val=None, test=full["test"]), layout.name)
     if rng is None:
         rng = random.Random(seed) if seed >= 0 else random
     train, test = full["train"], full["test"]
@@ -706,6 +715,64 @@ def load_coop_splits(
         train, val = few_shot_splits(train, val, num_shots, rng, cache_path=cache, base_dir=base_dir, log=log)
     if is_imagenet:  # CoOp: subsample (train, test) and pass val = test
         train, test = subsample_classes(train, test, subsample=subsample)
-        return CoopSplits(train=train, val=test, test=test)
+        return _without_oversized(CoopSplits(train=train, val=test, test=test), layout.name)
     train, val, test = subsample_classes(train, val, test, subsample=subsample)
-    return CoopSplits(train=train, val=val, test=test)
+    return _without_oversized(CoopSplits(train=train, val=val, test=test), layout.name)
+
+
+def _without_oversized(splits: CoopSplits, name: str) -> CoopSplits:
+    """``splits`` without the images over the size caps (each header read once; a split that is another one, as
+    ImageNet's val is its test, stays that one), named in ``oversized``; a ValueError naming the class when one
+    loses every train image."""
+    why: dict[str, str] = {}
+    kept_lists: dict[int, list[Record]] = {}
+
+    def keep(records: list[Record] | None) -> list[Record] | None:
+        if records is None or id(records) in kept_lists:
+            return None if records is None else kept_lists[id(records)]
+        for r in records:
+            if r.impath not in why:
+                why[r.impath] = file_size_problem(r.impath)
+        return kept_lists.setdefault(id(records), [r for r in records if not why[r.impath]])
+
+    out = CoopSplits(keep(splits.train), keep(splits.val), keep(splits.test), {p: w for p, w in why.items() if w})
+    kept = {r.label for r in out.train}
+    lost = next((r for r in splits.train if r.label not in kept), None)
+    if lost is not None:
+        raise ValueError(
+            f"{name}: class {lost.classname!r} has no train image within the size caps "
+            f"(e.g. {lost.impath}: {why[lost.impath]}); resize or remove its images"
+        )
+    return out
+
+
+def shots_per_class(records: Iterable[Record]) -> dict[str, int]:
+    """Images per class name, in label order: the shots a few-shot train split really holds (a class with
+    fewer than K images keeps all of them)."""
+    counts: dict[str, int] = {}
+    for r in sorted(records, key=lambda r: r.label):
+        counts[r.classname] = counts.get(r.classname, 0) + 1
+    return counts
+
+
+def warn_inputs(where: str, splits: CoopSplits, num_shots: int, shots_flag: str, seen: set | None = None) -> dict:
+    """One stderr line for the images :func:`load_coop_splits` left out as over the size caps (their count and
+    one path) and one naming the classes of ``splits.train`` with fewer than ``num_shots`` images (none when
+    ``num_shots < 1``), each printed once per ``seen`` set.  Returns :func:`shots_per_class` of ``splits.train``."""
+    counts = shots_per_class(splits.train)
+    short = [f"{c!r} has {n}" for c, n in counts.items() if n < num_shots]
+    lines = []
+    if splits.oversized:
+        path, why = next(iter(splits.oversized.items()))
+        lines.append(f"{len(splits.oversized)} image(s) over the size caps skipped, e.g. {path} ({why})")
+    if short:
+        more = f" and {len(short) - 5} more" if len(short) > 5 else ""
+        lines.append(
+            f"{len(short)} class(es) with fewer images than {shots_flag} {num_shots}: {', '.join(short[:5])}{more}"
+        )
+    seen = set() if seen is None else seen
+    for line in (f"warning: {where}: {x}" for x in lines):
+        if line not in seen:
+            seen.add(line)
+            print(line, file=sys.stderr)
+    return counts

@@ -48,7 +48,7 @@ from meta.evaluation.summary import format_row, summarise
 from meta.infra.cli_errors import int_flag_problem, run_cli
 from meta.infra.provenance import results_record
 from meta.method.prompts import VPT_INITS, PromptSpec
-from meta.model.backbone import check_model_name, load_clip, quick_gelu_flag, resolve_device
+from meta.model.backbone import check_model_name, check_visual_prompts, load_clip, quick_gelu_flag, resolve_device
 
 __all__ = [
     "DatasetRef",
@@ -244,6 +244,10 @@ def _main(argv: list[str]) -> int:
     if problem:
         raise ValueError(problem)
     methods = _methods(args)
+    text_only = [key for key, m in zip(args.methods, methods) if not m.zero_shot and not m.visual_prompts]
+    for key, method in zip(args.methods, methods):
+        if method.visual_prompts:
+            check_visual_prompts(args.model, "--model", f"--methods {key}", text_only or ["coop", "cocoop"])
     spec = _train_spec(args)
     if args.command == "base2new":
         datasets = [DatasetRef.parse(d, args.root) for d in args.dataset]

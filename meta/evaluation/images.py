@@ -22,7 +22,9 @@ for augmented ones).
 Images are read as stored, as Dassl's ``read_image`` does (CoOp-family numbers are measured that way);
 ``exif_upright=True`` turns each photo upright by its EXIF orientation first, with the reader the Dassl
 trainers use under ``TRAINER.GRAM.EXIF_UPRIGHT True`` (:func:`meta.data.image_decode.open_upright`).  Its
-transform keys say so (:data:`EXIF_KEY`), so cached features of the two readings never mix.
+transform keys say so (:data:`EXIF_KEY`), so cached features of the two readings never mix.  A file whose
+declared size is over the pixel or aspect cap (:func:`meta.data.image_caps.size_problem`) is refused before
+decoding; the datasets' listing (:func:`meta.data.coop_data.load_coop_splits`) has left such images out already.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ from safetensors.torch import save_file
 from torch import nn
 from torchvision import transforms as T
 
-from meta.data.image_decode import open_upright
+from meta.data.image_caps import size_problem
+from meta.data.image_decode import open_upright, to_rgb8
 from meta.model.visual_encoder import encode_image_with_prompts
 
 _BICUBIC = T.InterpolationMode.BICUBIC
@@ -101,6 +104,14 @@ def view_seed(seed: int, key: str, view: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
+def _capped_rgb8(img: Image.Image) -> Image.Image:
+    """:func:`meta.data.image_decode.to_rgb8` of an opened image whose declared size is within the caps."""
+    problem = size_problem(img.size)
+    if problem:
+        raise ValueError(problem)
+    return to_rgb8(img)
+
+
 class ImageLoader:
     """Decodes images (RGB PIL) and applies the test / seeded train transforms for one CLIP input size.
 
@@ -135,9 +146,9 @@ class ImageLoader:
     @staticmethod
     def decode(impath: str, exif_upright: bool = False) -> Image.Image:
         """Read ``impath`` as 8-bit RGB (turned upright by its EXIF orientation when ``exif_upright``);
-        a missing or corrupt file raises ``OSError`` naming it."""
+        a missing, corrupt or over-cap file raises ``OSError`` naming it."""
         try:
-            return open_upright(impath, exif_upright)
+            return open_upright(impath, exif_upright, convert=_capped_rgb8)
         except (OSError, ValueError) as err:
             raise OSError(f"cannot read image {impath}: {err}") from None
 

@@ -10,7 +10,9 @@ rebuilt for the new class names.  H = 2BN/(B+N) of the two accuracies.
 Transfer (CoOp's cross-dataset / cross-domain runs): fine-tune on all classes of a source
 dataset (K shots), test on its test split and on the full test split of every target.
 
-Accuracies are in percent.  Every result is a JSON-able dict holding all hyper-parameters.
+Accuracies are in percent.  Every result is a JSON-able dict holding all hyper-parameters, the shots each
+train class really holds (``shots_per_class``: a class with fewer images than ``shots`` keeps them all) and the
+number of images left out as over the size caps (``skipped_oversized``); both are also one stderr line per session.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from torch import nn
 
 from meta import __version__ as gram_version
-from meta.data.coop_data import Record, harmonic_mean
+from meta.data.coop_data import Record, harmonic_mean, warn_inputs
 from meta.evaluation.datasets import DatasetRef
 from meta.evaluation.images import FeatureCache, ImageLoader, eval_transform_key, train_transform_key, view_key
 from meta.evaluation.spec import MethodSpec, TrainSpec
@@ -76,6 +78,7 @@ class EvaluationSession:
         self.progress = progress
         self._loaders: dict[tuple, ImageLoader] = {}
         self._pclips: dict[tuple, PromptedCLIP] = {}
+        self.warned: set[str] = set()  # input warnings already printed (coop_data.warn_inputs)
 
     def loader(self, scale: tuple[float, float]) -> ImageLoader:
         key = tuple(scale)
@@ -299,6 +302,8 @@ def evaluate_base_to_new(
         raise ValueError(f"{dataset.name}: eval_split='val' but the dataset has no validation split")
     pick = (lambda sp: sp.test) if eval_split == "test" else (lambda sp: sp.val)
     tests = {"base": (pick(base), base.classnames), "new": (pick(new), new.classnames)}
+    counts = warn_inputs(f"{dataset.name} (base classes)", base, shots, "--shots", session.warned)
+    warn_inputs(f"{dataset.name} (new classes)", new, 0, "--shots", session.warned)
     history, final, init_info, tuner = _run(
         session,
         method,
@@ -321,6 +326,8 @@ def evaluate_base_to_new(
             "base_classnames": base.classnames,
             "new_classnames": new.classnames,
             "n_train": len(base.train),
+            "shots_per_class": counts,
+            "skipped_oversized": len(base.oversized.keys() | new.oversized.keys()),
             "eval_split": eval_split,
             "n_test_base": len(pick(base)),
             "n_test_new": len(pick(new)),
@@ -366,10 +373,14 @@ def evaluate_transfer(
     session = session or EvaluationSession(clip, dims, cache_dir, log=log)
     stats_before = dict(session.cache.stats)
     src = source.load(shots, seed, "all", use_split_cache, log)
+    counts = warn_inputs(source.name, src, shots, "--shots", session.warned)
+    oversized = set(src.oversized)
     tests: dict[str, tuple[Sequence[Record], Sequence[str]]] = {"source": (src.test, src.classnames)}
     target_names = []
     for ref in targets:
         splits = ref.load(-1, seed, "all", use_split_cache, log)
+        warn_inputs(ref.name, splits, 0, "--shots", session.warned)
+        oversized |= set(splits.oversized)
         name = ref.name if ref.name not in tests else f"{ref.name}#{len(tests)}"
         tests[name] = (splits.test, splits.classnames)
         target_names.append(name)
@@ -389,6 +400,8 @@ def evaluate_transfer(
             "target_refs": [t.as_dict() for t in targets],
             "classnames": src.classnames,
             "n_train": len(src.train),
+            "shots_per_class": counts,
+            "skipped_oversized": len(oversized),
             "n_test": {name: len(recs) for name, (recs, _) in tests.items()},
             "source": final["source"],
             "targets": {n: final[n] for n in target_names},

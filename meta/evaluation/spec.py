@@ -12,7 +12,7 @@ SGD, LR 0.002, 10 epochs, batch 1, cosine schedule with one constant warm-up epo
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Optional
 
 from meta.config import FINETUNE_EPOCHS, FINETUNE_LR, FINETUNE_MOMENTUM, FINETUNE_WEIGHT_DECAY, RRCROP_SCALE
@@ -142,19 +142,9 @@ class MethodSpec:
         return get_learner(self.learner).spec_prompts_vision(self.prompt_spec())
 
     def prompt_spec(self) -> PromptSpec:
-        """The :class:`meta.method.prompts.PromptSpec` of a scratch / word initialisation."""
-        return PromptSpec(
-            n_ctx_text=self.n_ctx_text,
-            ctx_init=self.ctx_init,
-            n_ctx_vision=self.n_ctx_vision,
-            vision_depth=self.vision_depth,
-            init_std=self.init_std,
-            template=self.template,
-            vpt_init=self.vpt_init,
-            text_depth=self.text_depth,
-            coupling=self.coupling,
-            learner=self.learner,
-        )
+        """The :class:`meta.method.prompts.PromptSpec` of a scratch / word initialisation: every field of
+        PromptSpec is a field of the same name here (:data:`SAME_NAMED`)."""
+        return PromptSpec(**{name: getattr(self, name) for name in SAME_NAMED[PromptSpec]})
 
     def start_spec(self) -> StartSpec:
         """Where this method's fine-tuning starts, as the engine's one view of a start
@@ -162,10 +152,7 @@ class MethodSpec:
         ``method '<name>'`` and the field."""
         return StartSpec(
             prompt=self.prompt_spec(),
-            init_path=self.init_path,
-            init_prompts=self.init_prompts,
-            regulate=self.regulate,
-            reg_window=self.reg_window,
+            **{name: getattr(self, name) for name in SAME_NAMED[StartSpec]},
             launch=self.launch_on(True),
             launch_required=self.launch is True,
             naming=Naming(f"method {self.name!r}"),
@@ -181,6 +168,19 @@ class MethodSpec:
         if out["learner"] == PromptSpec.learner:
             del out["learner"]
         return out
+
+
+# The spec fields MethodSpec holds under the same name (its defaults are theirs); StartSpec's prompt, launch,
+# launch_required and naming are built by start_spec.  A spec field MethodSpec lacks is an error at import.
+SAME_NAMED: dict[type, tuple[str, ...]] = {
+    PromptSpec: tuple(f.name for f in fields(PromptSpec)),
+    StartSpec: tuple(
+        f.name for f in fields(StartSpec) if f.name not in ("prompt", "launch", "launch_required", "naming")
+    ),
+}
+_missing = [name for names in SAME_NAMED.values() for name in names if name not in MethodSpec.__dataclass_fields__]
+if _missing:
+    raise TypeError(f"MethodSpec lacks the spec fields {_missing}")
 
 
 @dataclass(frozen=True)
@@ -262,13 +262,16 @@ class TrainSpec:
 
 
 def _preset_fields(method: Method) -> dict:
-    fields = dict(name=method.label, n_ctx_text=method.text_tokens, n_ctx_vision=method.visual_tokens)
-    for name in ("text_depth", "vision_depth", "coupling", "learner"):  # only where the row differs from MethodSpec
-        if getattr(method, name) != getattr(MethodSpec, name):
-            fields[name] = getattr(method, name)
+    """The MethodSpec fields of a preset row: its label, token counts, and the rest of θ's structure where the row
+    differs from MethodSpec's default (:data:`meta.method.methods.STRUCTURE_FIELDS`); ``regulate`` when on."""
+    out = {"name": method.label}
+    for row_field, field in methods.STRUCTURE_FIELDS.items():
+        value = getattr(method, row_field)
+        if row_field in ("text_tokens", "visual_tokens") or value != getattr(MethodSpec, field):
+            out[field] = value
     if method.regulate:
-        fields["regulate"] = True
-    return fields
+        out["regulate"] = True
+    return out
 
 
 def table_fields(key: str) -> dict:
@@ -278,8 +281,7 @@ def table_fields(key: str) -> dict:
     row (e.g. ``gram_coop_reg_only``) is its preset plus these."""
     method = methods.get(key)
     out = _preset_fields(method)
-    out["regulate"] = method.regulate
-    out["init_prompts"] = method.init
+    out.update({field: getattr(method, row_field) for row_field, field in methods.START_FIELDS.items()})
     if method.one_step:  # the paper-literal test time: R_φ on every image's gradient, no launch step
         out.update(reg_window=1, launch=False)
     return out

@@ -11,7 +11,8 @@ One front door for test-time use of GRAM, so that what ``train.py`` runs is what
   update of every training batch: backward (gradients sum in ``p.grad``) → when the window closes, R_φ on
   the window's mean gradient → one optimiser step (with a ``torch.amp.GradScaler`` the gradients are
   unscaled before R_φ sees them).
-* :func:`window_batches` is the one conversion of a window in images into backward passes of a batch size.
+* :func:`window_batches` (beside the stepper in :mod:`meta.finetune.regulated`) is the one conversion of a
+  window in images into backward passes of a batch size.
 * :func:`start_rule_problems` holds the validation rules that the evaluator's ``MethodSpec`` and the Dassl
   ``TRAINER.GRAM`` keys share; each caller words the key names its own way.
 
@@ -37,8 +38,9 @@ from meta.finetune.regulated import (
     RegulatedStepper,
     launch_step_of,
     resolve_window,
+    window_batches,
 )
-from meta.method.learners import DEFAULT_LEARNER, get_learner
+from meta.method.learners import check_start_structure, init_expectations
 from meta.method.metrics import count_correct  # noqa: F401  (re-exported with RegulatedStepper: the loops use both)
 from meta.method.prompts import VPT_INITS, PromptParams, PromptSpec
 from meta.method.regulator import GradientRegulator
@@ -89,17 +91,6 @@ def start_rule_problems(
             )
         )
     return problems
-
-
-def window_batches(images: int, batch_size: int) -> int:
-    """A regulation window of ``images`` images as backward passes of ``batch_size`` images (rounded, >= 1).
-
-    The one place where the window's unit changes: every interface (``MethodSpec.reg_window``,
-    ``META.VAL_REG_WINDOW``, ``TRAINER.GRAM.REG_WINDOW_IMAGES``) gives images; the loops count batches.
-    """
-    if int(images) < 1 or int(batch_size) < 1:
-        raise ValueError(f"window_batches: need images >= 1 and batch_size >= 1, got {images} and {batch_size}")
-    return max(1, round(int(images) / int(batch_size)))
 
 
 # ------------------------------------------------------------------------------------------------ start
@@ -194,38 +185,6 @@ def prompt_digest(prompts: Optional[nn.Module]) -> str:
     return h.hexdigest()
 
 
-def init_expectations(prompt: PromptSpec, dims: ClipDims) -> dict:
-    """What a GRAM init file must say to fit θ of ``prompt`` on the CLIP of ``dims`` (``load_gram_init``'s
-    ``expect``): widths, model, and the structure ``prompt``'s learner gives (for the built-in learner: token
-    counts, resolved depths, 0 for an absent side, and coupling)."""
-    expect = {"text_width": dims.text_width, "vision_width": dims.vision_width, "model_name": dims.model_name}
-    expect.update(get_learner(prompt.learner).structure_of(prompt, dims))
-    if prompt.learner != DEFAULT_LEARNER:
-        expect["learner"] = prompt.learner
-    return expect
-
-
-def check_start_structure(prompt: PromptSpec, dims: ClipDims, prompts: PromptParams, where: str) -> None:
-    """ValueError naming ``where`` when an in-memory θ does not have the structure and tensor shapes of ``prompt``."""
-    learner = get_learner(prompt.learner)
-    backbone = {"text_width": dims.text_width, "vision_width": dims.vision_width}
-    want = {
-        name: tuple(shape)
-        for name, (shape, _) in learner.shapes_of(learner.structure_of(prompt, dims), backbone).items()
-    }
-    have = {name: tuple(p.shape) for name, p in prompts.named_parameters()}
-    problems = []
-    if getattr(prompts, "learner", DEFAULT_LEARNER) != prompt.learner:
-        problems.append(
-            f"learner is {getattr(prompts, 'learner', DEFAULT_LEARNER)!r}, method expects {prompt.learner!r}"
-        )
-    for name in dict.fromkeys([*want, *have]):
-        if want.get(name) != have.get(name):
-            problems.append(f"{name} is {have.get(name)}, method expects {want.get(name)}")
-    if problems:
-        raise ValueError(f"{where}: start point does not fit: " + "; ".join(problems))
-
-
 def build_start(
     spec: StartSpec,
     clip: nn.Module,
@@ -242,6 +201,10 @@ def build_start(
     ``point`` is copied and shape-checked.  ``device``: where θ and R_φ live (default: the CLIP's).
     """
     n = spec.naming
+    if spec.prompt.n_ctx_vision and not 0 <= spec.prompt.vision_depth <= dims.vision_layers:
+        raise ValueError(
+            f"{n.full('vision_depth')}: expected 0 (all) or 1..{dims.vision_layers}, got {spec.prompt.vision_depth}"
+        )
     device = device if device is not None else clip.token_embedding.weight.device
     from_file = bool(spec.init_path)
     scratch = None

@@ -73,6 +73,17 @@ def resolve_window(window: int, metadata: Optional[Mapping], source: str = "init
     return support_size(metadata or {}, source)
 
 
+def window_batches(images: int, batch_size: int) -> int:
+    """A regulation window of ``images`` images as backward passes of ``batch_size`` images (rounded, >= 1).
+
+    The one place where the window's unit changes: every interface (``MethodSpec.reg_window``,
+    ``META.VAL_REG_WINDOW``, ``TRAINER.GRAM.REG_WINDOW_IMAGES``) gives images; the loops count batches.
+    """
+    if int(images) < 1 or int(batch_size) < 1:
+        raise ValueError(f"window_batches: need images >= 1 and batch_size >= 1, got {images} and {batch_size}")
+    return max(1, round(int(images) / int(batch_size)))
+
+
 class GradientRegulation(nn.Module):
     """
     **Description**
@@ -241,7 +252,8 @@ class RegulatedStepper:
     unscaled before R_φ, which must see the true gradient.
 
     Args:
-        module: the module whose ``named_parameters()`` are θ (R_φ is keyed by their last name part).
+        module: the module whose ``named_parameters()`` are θ (R_φ is bound to their names,
+            :meth:`GradientRegulation.bind`).
         optimizer: steps θ.
         regulation: R_φ, or None for raw gradients (the window is then still honoured).
         window: backward passes per step (:func:`meta.finetune.engine.window_batches` of the window in images).
@@ -417,41 +429,45 @@ def weighted_sum(terms: Iterable[tuple[LossOut, float]]) -> LossOut:
     return total
 
 
+class RuleStep(torch.optim.Optimizer):
+    """The launch step's optimiser: θ <- θ − α · v_k with v_k the meta-trained inner rule's velocity
+    (:meth:`meta.method.inner.InnerRule.velocity`: regulated gradient, weight decay, heavy-ball momentum), so that
+    :class:`RegulatedStepper` takes the launch step as it takes every fine-tuning step."""
+
+    def __init__(self, params: Sequence[torch.Tensor], step: LaunchStep):
+        super().__init__(list(params), {})
+        self.launch = step
+        self._velocity: Optional[list] = None
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        tensors = self.param_groups[0]["params"]
+        self._velocity = self.launch.rule.velocity([p.grad for p in tensors], tensors, self._velocity)
+        for p, v in zip(tensors, self._velocity):
+            if v is not None:
+                p.sub_(self.launch.alpha * v)
+
+
 def launch_(prompts: nn.Module, regulation: Optional["GradientRegulation"], mean_loss, step: LaunchStep) -> float:
-    """θ <- θ − α · v_k for ``step.steps`` steps, in place: the meta-trained inner rule
-    (:class:`meta.method.inner.InnerRule`,
-    its :meth:`~meta.method.inner.InnerRule.velocity`: regulated gradient, weight decay, heavy-ball momentum).
+    """θ <- θ − α · v_k for ``step.steps`` steps, in place, through :class:`RegulatedStepper` with
+    :class:`RuleStep`: the meta-training inner loop (:func:`meta.method.inner.inner_loop`) run once on the
+    downstream data, without its graph.
 
     ``mean_loss(prompts) -> loss`` is the mean loss over the launch data (the few-shot train set), whose
     gradient is the mean per-image gradient, or ``(task loss, regulariser)`` for the gate form of R_φ (which
-    joins their gradients); ``regulation`` None = raw gradient.  Returns the loss before
-    the first step.  This is the meta-training inner loop (:func:`meta.method.inner.inner_loop`) run once on the
-    downstream data, without its graph.
+    joins their gradients); ``regulation`` None = raw gradient.  Returns the loss before the first step.
     """
-    params = [(n, p) for n, p in prompts.named_parameters() if p.requires_grad]
-    tensors = [p for _, p in params]
-    rule = step.rule
-    velocity: Optional[list] = None
+    params = [p for p in prompts.parameters() if p.requires_grad]
+    stepper = RegulatedStepper(prompts, RuleStep(params, step), regulation)  # window 1: one step per call
     first = float("nan")
-    gated = regulation is not None and regulation.gated
     for i in range(step.steps):
-        for p in tensors:
+        for p in params:
             p.grad = None
         out = mean_loss(prompts)
         loss, penalty = out if isinstance(out, tuple) else (out, None)
-        penalty_grads = penalty_gradients(penalty, params) if gated and penalty is not None else {}
-        total = loss if penalty is None else loss + penalty
-        (loss if penalty_grads else total).backward()
         if i == 0:
-            first = float(total.detach())
-        if regulation is not None:
-            regulation.apply_(params, penalty_grads=penalty_grads)
-        with torch.no_grad():
-            velocity = rule.velocity([p.grad for p in tensors], tensors, velocity)
-            for p, v in zip(tensors, velocity):
-                if v is not None:
-                    p.sub_(step.alpha * v)
-                p.grad = None
+            first = float((loss if penalty is None else loss + penalty).detach())
+        stepper.backward(loss, last=True, penalty=penalty)
     return first
 
 

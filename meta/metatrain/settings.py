@@ -11,7 +11,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from yacs.config import CfgNode as CN
 
@@ -32,7 +32,7 @@ from meta.config import (
 from meta.data.input_limits import image_caps
 from meta.finetune.engine import Naming, StartSpec
 from meta.method.consistency import ConsistencySpec
-from meta.method.learners import DEFAULT_LEARNER, import_learner_modules, learner_keys
+from meta.method.learners import DEFAULT_LEARNER, get_learner, import_learner_modules, learner_keys
 from meta.method.prompts import COUPLINGS, VPT_INITS, PromptSpec
 from meta.method.regulator import RegulatorSpec
 from meta.model.clip_config import ClipSettings
@@ -120,6 +120,60 @@ INDEX_BYTES = 16
 TEXT_TOKENS_BESIDES_CONTEXT = 5
 
 
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+# The checks of one key each, as (key, holds, what it must be): ``KEY: expected WHAT, got VALUE`` when one fails.
+_RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("OUTPUT_DIR", lambda v: bool(str(v).strip()), "a folder path (empty would write into the current folder)"),
+    ("META.MODE", lambda v: v in MODES, " | ".join(MODES)),
+    ("META.STEPS", lambda v: v >= 1, "an integer >= 1 (0 steps would export the untrained prompts)"),
+    ("META.META_BATCH", lambda v: v >= 1, "an integer >= 1"),
+    ("META.INNER_STEPS", lambda v: v >= 1, "an integer >= 1"),
+    ("META.INNER_MOMENTUM", lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),
+    ("META.INNER_WEIGHT_DECAY", lambda v: v >= 0, "a number >= 0"),
+    ("META.INNER_SUPPORT", lambda v: v in ("repeat", "split"), "repeat | split"),
+    ("META.QUERY_BEFORE_WEIGHT", lambda v: v >= 0, "a number >= 0"),
+    ("META.TASK_BATCHING", lambda v: v in ("auto", "on", "off"), "auto | on | off"),
+    ("META.REGULATOR.WEIGHT_DECAY", lambda v: v >= 0, "a number >= 0"),
+    ("META.VAL_FT_STEPS", lambda v: v >= 0, "an integer >= 0"),
+    ("META.VAL_PROTOCOL", lambda v: v in ("downstream", "one_step"), "downstream | one_step"),
+    ("META.VAL_EPOCHS", lambda v: v >= 1, "an integer >= 1"),
+    ("META.VAL_REG_WINDOW", lambda v: v >= 0, "an integer >= 0 (0 = the support size)"),
+    ("META.VAL_RRCROP_SCALE", lambda v: len(v) == 2 and 0 < v[0] <= v[1] <= 1, "(lo, hi) with 0 < lo <= hi <= 1"),
+    ("META.CHECKPOINT_EVERY", lambda v: v >= 1, "an integer >= 1"),
+    ("META.OPTIMIZER", lambda v: v in ("adam", "sgd"), "adam | sgd"),
+    *((f"META.{k}", _finite, "a finite number >= 0") for k in ("INNER_LR", "OUTER_LR_PROMPT", "OUTER_LR_REGULATOR")),
+    ("META.GRAD_CLIP", _finite, "a finite number >= 0 (0 = off)"),
+    *((f"META.{k}", _finite, "a finite number >= 0") for k in ("PRETRAIN.LR", "PROMPT.INIT_STD", "REGULATOR.INIT_STD")),
+    ("META.AUTOCAST", lambda v: v in ("none", "bf16", "fp16"), "none | bf16 | fp16"),
+    ("META.PROMPT.VPT_INIT", lambda v: v in VPT_INITS, " | ".join(VPT_INITS)),
+    ("META.PROMPT.TEXT_DEPTH", lambda v: v >= 0, "an integer >= 0 (0 = every layer)"),
+    ("META.PROMPT.VISION_DEPTH", lambda v: v >= 0, "an integer >= 0 (0 = every layer)"),
+    ("META.PROMPT.COUPLING", lambda v: v in COUPLINGS, " | ".join(COUPLINGS)),
+    ("META.PRETRAIN.BATCH_SIZE", lambda v: v >= 1, "an integer >= 1"),
+    ("META.PRETRAIN.WAYS", lambda v: v == 0 or v >= 2, "0 (all) or >= 2"),
+    ("TASKS.K_WAY", lambda v: v >= 2, "an integer >= 2"),
+    ("TASKS.N_SUPPORT", lambda v: v >= 1, "an integer >= 1"),
+    ("TASKS.N_QUERY", lambda v: v >= 1, "an integer >= 1"),
+    ("TASKS.SOURCE", lambda v: v in ("chc", "image_folder"), "chc | image_folder"),
+    (
+        "TASKS.QUERY_NEW_SHARE",
+        lambda v: 0.0 <= float(v) <= 1.0,
+        "a share in [0, 1] (0 = the query holds the support's classes, 1 = disjoint topics)",
+    ),
+    ("META.VAL_TASKS", lambda v: v >= 0, "an integer >= 0 (0 = no validation)"),
+)
+
+
+def _value(cfg: CN, key: str) -> Any:
+    node = cfg
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
 def _need(cond: bool, key: str, what: str, value: Any) -> None:
     """Raise ``ValueError("KEY: expected WHAT, got VALUE")`` unless ``cond``."""
     if not cond:
@@ -137,19 +191,9 @@ def check_meta_cfg(cfg: CN) -> "TrainSettings":
     """
     m = cfg.META
     need = _need
-    need(
-        bool(str(cfg.OUTPUT_DIR).strip()),
-        "OUTPUT_DIR",
-        "a folder path (empty would write into the current folder)",
-        cfg.OUTPUT_DIR,
-    )
-    need(m.MODE in MODES, "META.MODE", " | ".join(MODES), m.MODE)
-    need(m.STEPS >= 1, "META.STEPS", "an integer >= 1 (0 steps would export the untrained prompts)", m.STEPS)
-    need(m.META_BATCH >= 1, "META.META_BATCH", "an integer >= 1", m.META_BATCH)
-    need(m.INNER_STEPS >= 1, "META.INNER_STEPS", "an integer >= 1", m.INNER_STEPS)
-    need(0.0 <= m.INNER_MOMENTUM < 1.0, "META.INNER_MOMENTUM", "a number in [0, 1)", m.INNER_MOMENTUM)
-    need(m.INNER_WEIGHT_DECAY >= 0, "META.INNER_WEIGHT_DECAY", "a number >= 0", m.INNER_WEIGHT_DECAY)
-    need(m.INNER_SUPPORT in ("repeat", "split"), "META.INNER_SUPPORT", "repeat | split", m.INNER_SUPPORT)
+    for key, ok, what in _RULES:
+        value = _value(cfg, key)
+        need(ok(value), key, what, value)
     need(
         m.INNER_SUPPORT != "split" or cfg.TASKS.N_SUPPORT >= m.INNER_STEPS,
         "TASKS.N_SUPPORT",
@@ -162,46 +206,12 @@ def check_meta_cfg(cfg: CN) -> "TrainSettings":
         "False with META.INNER_SUPPORT split and META.INNER_STEPS > 1 (the launch step sees the whole support)",
         m.VAL_LAUNCH,
     )
-    need(m.QUERY_BEFORE_WEIGHT >= 0, "META.QUERY_BEFORE_WEIGHT", "a number >= 0", m.QUERY_BEFORE_WEIGHT)
-    need(m.TASK_BATCHING in ("auto", "on", "off"), "META.TASK_BATCHING", "auto | on | off", m.TASK_BATCHING)
-    need(m.REGULATOR.WEIGHT_DECAY >= 0, "META.REGULATOR.WEIGHT_DECAY", "a number >= 0", m.REGULATOR.WEIGHT_DECAY)
-    need(m.VAL_FT_STEPS >= 0, "META.VAL_FT_STEPS", "an integer >= 0", m.VAL_FT_STEPS)
-    need(m.VAL_PROTOCOL in ("downstream", "one_step"), "META.VAL_PROTOCOL", "downstream | one_step", m.VAL_PROTOCOL)
-    need(m.VAL_EPOCHS >= 1, "META.VAL_EPOCHS", "an integer >= 1", m.VAL_EPOCHS)
-    need(m.VAL_REG_WINDOW >= 0, "META.VAL_REG_WINDOW", "an integer >= 0 (0 = the support size)", m.VAL_REG_WINDOW)
-    need(
-        len(m.VAL_RRCROP_SCALE) == 2 and 0 < m.VAL_RRCROP_SCALE[0] <= m.VAL_RRCROP_SCALE[1] <= 1,
-        "META.VAL_RRCROP_SCALE",
-        "(lo, hi) with 0 < lo <= hi <= 1",
-        m.VAL_RRCROP_SCALE,
-    )
-    need(m.CHECKPOINT_EVERY >= 1, "META.CHECKPOINT_EVERY", "an integer >= 1", m.CHECKPOINT_EVERY)
-    need(m.OPTIMIZER in ("adam", "sgd"), "META.OPTIMIZER", "adam | sgd", m.OPTIMIZER)
-    for key in (
-        "INNER_LR",
-        "OUTER_LR_PROMPT",
-        "OUTER_LR_REGULATOR",
-        "GRAD_CLIP",
-        "PRETRAIN.LR",
-        "PROMPT.INIT_STD",
-        "REGULATOR.INIT_STD",
-    ):
-        node, leaf = (m, key) if "." not in key else (m[key.split(".")[0]], key.split(".")[1])
-        value = node[leaf]
-        need(
-            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0,
-            f"META.{key}",
-            "a finite number >= 0" + (" (0 = off)" if leaf == "GRAD_CLIP" else ""),
-            value,
-        )
-    need(m.AUTOCAST in ("none", "bf16", "fp16"), "META.AUTOCAST", "none | bf16 | fp16", m.AUTOCAST)
     need(
         m.PROMPT.N_CTX_TEXT > 0 or m.PROMPT.N_CTX_VISION > 0 or bool(m.PROMPT.CTX_INIT),
         "META.PROMPT",
         "N_CTX_TEXT > 0, N_CTX_VISION > 0 or CTX_INIT (no prompt to learn)",
         (m.PROMPT.N_CTX_TEXT, m.PROMPT.N_CTX_VISION),
     )
-    need(m.PROMPT.VPT_INIT in VPT_INITS, "META.PROMPT.VPT_INIT", " | ".join(VPT_INITS), m.PROMPT.VPT_INIT)
     import_learner_modules(m.PROMPT.get("LEARNER_MODULES", []), "META.PROMPT.LEARNER_MODULES")
     learner = m.PROMPT.get("LEARNER", DEFAULT_LEARNER)
     need(
@@ -210,31 +220,15 @@ def check_meta_cfg(cfg: CN) -> "TrainSettings":
         "a registered prompt learner: " + " | ".join(learner_keys()),
         learner,
     )
-    need(m.PROMPT.TEXT_DEPTH >= 0, "META.PROMPT.TEXT_DEPTH", "an integer >= 0 (0 = every layer)", m.PROMPT.TEXT_DEPTH)
-    need(
-        m.PROMPT.VISION_DEPTH >= 0,
-        "META.PROMPT.VISION_DEPTH",
-        "an integer >= 0 (0 = every layer)",
-        m.PROMPT.VISION_DEPTH,
-    )
-    need(m.PROMPT.COUPLING in COUPLINGS, "META.PROMPT.COUPLING", " | ".join(COUPLINGS), m.PROMPT.COUPLING)
     try:
-        prompt_spec(cfg)
+        spec = prompt_spec(cfg)
     except ValueError as err:
         raise ValueError(f"META.PROMPT: {err}") from None
-    need(m.PRETRAIN.BATCH_SIZE >= 1, "META.PRETRAIN.BATCH_SIZE", "an integer >= 1", m.PRETRAIN.BATCH_SIZE)
-    need(m.PRETRAIN.WAYS == 0 or m.PRETRAIN.WAYS >= 2, "META.PRETRAIN.WAYS", "0 (all) or >= 2", m.PRETRAIN.WAYS)
-    need(cfg.TASKS.K_WAY >= 2, "TASKS.K_WAY", "an integer >= 2", cfg.TASKS.K_WAY)
-    need(cfg.TASKS.N_SUPPORT >= 1, "TASKS.N_SUPPORT", "an integer >= 1", cfg.TASKS.N_SUPPORT)
-    need(cfg.TASKS.N_QUERY >= 1, "TASKS.N_QUERY", "an integer >= 1", cfg.TASKS.N_QUERY)
-    need(cfg.TASKS.SOURCE in ("chc", "image_folder"), "TASKS.SOURCE", "chc | image_folder", cfg.TASKS.SOURCE)
-    need(
-        0.0 <= float(cfg.TASKS.QUERY_NEW_SHARE) <= 1.0,
-        "TASKS.QUERY_NEW_SHARE",
-        "a share in [0, 1] (0 = the query holds the support's classes, 1 = disjoint topics)",
-        cfg.TASKS.QUERY_NEW_SHARE,
-    )
-    need(m.VAL_TASKS >= 0, "META.VAL_TASKS", "an integer >= 0 (0 = no validation)", m.VAL_TASKS)
+    if get_learner(spec.learner).spec_prompts_vision(spec):
+        from meta.model.backbone import check_visual_prompts
+
+        what = "META.PROMPT.N_CTX_VISION 0 (CoOp's text prompts) or META.PROMPT.LEARNER cocoop"
+        check_visual_prompts(cfg.MODEL.BACKBONE, "MODEL.BACKBONE", f"META.PROMPT.LEARNER {spec.learner}", [what])
     regulator_spec(cfg)  # raises on bad FORM / INIT
     consistency = consistency_spec(cfg)
     need(

@@ -60,13 +60,26 @@ def image_consistency(prompted: torch.Tensor, frozen: torch.Tensor) -> torch.Ten
 
 class ZeroShotReference:
     """The frozen CLIP's side of both terms: hand-made-prompt text features (cached per class name) and the
-    image tower's features without prompts.  ``encode_text(names) -> [K, E]`` and ``encode_image(images) ->
-    [n, E]`` are the frozen CLIP's encoders (normalised here); no gradient flows into either."""
+    image tower's features without prompts, from the open_clip ``clip`` with the hand-made ``template``; no
+    gradient flows into either.  Nothing is encoded before the first :meth:`text` / :meth:`image` call."""
 
-    def __init__(self, encode_text, encode_image):
-        self._encode_text = encode_text
-        self._encode_image = encode_image
+    def __init__(self, clip: nn.Module, template: str):
+        self._clip = clip
+        self._template = template
+        self._tokens = None  # meta.model.text_encoder.ClassTokenCache, made on first use
         self._text: dict[str, torch.Tensor] = {}
+
+    def _encode_text(self, names: Sequence[str]) -> torch.Tensor:
+        from meta.model.text_encoder import ClassTokenCache, encode_text_with_context
+
+        if self._tokens is None:
+            self._tokens = ClassTokenCache(self._clip, 0, template=self._template)
+        return encode_text_with_context(self._clip, self._tokens.tokens(names), None)
+
+    def _encode_image(self, images: torch.Tensor) -> torch.Tensor:
+        from meta.model.visual_encoder import encode_image_with_prompts
+
+        return encode_image_with_prompts(self._clip, images, None)
 
     @torch.no_grad()
     def text(self, classnames: Sequence[str]) -> torch.Tensor:
@@ -108,11 +121,4 @@ def consistency_penalty(
 
 def frozen_reference(clip: nn.Module, template: str) -> ZeroShotReference:
     """A :class:`ZeroShotReference` of an open_clip ``clip`` with the hand-made ``template``."""
-    from meta.model.text_encoder import ClassTokenCache, encode_text_with_context
-    from meta.model.visual_encoder import encode_image_with_prompts
-
-    tokens = ClassTokenCache(clip, 0, template=template)
-    return ZeroShotReference(
-        lambda names: encode_text_with_context(clip, tokens.tokens(names), None),
-        lambda images: encode_image_with_prompts(clip, images, None),
-    )
+    return ZeroShotReference(clip, template)

@@ -32,6 +32,9 @@ if TYPE_CHECKING:  # torch-free at import: the method table (meta.method.methods
     import torch
     from torch import nn
 
+    from meta.method.prompts import PromptSpec
+    from meta.model.backbone import ClipDims
+
 # The learner a θ without a ``learner`` attribute (and an init file without ``prompt.learner``) is read as.
 DEFAULT_LEARNER = "clip"
 
@@ -295,3 +298,35 @@ def learner_keys() -> tuple[str, ...]:
 def learner_of(prompts: Any) -> PromptLearner:
     """The learner of a θ-like object (its ``learner`` attribute; :data:`DEFAULT_LEARNER` without one)."""
     return get_learner(getattr(prompts, "learner", None) or DEFAULT_LEARNER)
+
+
+def init_expectations(prompt: "PromptSpec", dims: "ClipDims") -> dict:
+    """What a GRAM init file must say to fit θ of ``prompt`` on the CLIP of ``dims`` (``load_gram_init``'s
+    ``expect``): widths, model, and the structure ``prompt``'s learner gives (for the built-in learner: token
+    counts, resolved depths, 0 for an absent side, and coupling)."""
+    expect = {"text_width": dims.text_width, "vision_width": dims.vision_width, "model_name": dims.model_name}
+    expect.update(get_learner(prompt.learner).structure_of(prompt, dims))
+    if prompt.learner != DEFAULT_LEARNER:
+        expect["learner"] = prompt.learner
+    return expect
+
+
+def check_start_structure(prompt: "PromptSpec", dims: "ClipDims", prompts: "nn.Module", where: str) -> None:
+    """ValueError naming ``where`` when an in-memory θ does not have the structure and tensor shapes of ``prompt``."""
+    learner = get_learner(prompt.learner)
+    backbone = {"text_width": dims.text_width, "vision_width": dims.vision_width}
+    want = {
+        name: tuple(shape)
+        for name, (shape, _) in learner.shapes_of(learner.structure_of(prompt, dims), backbone).items()
+    }
+    have = {name: tuple(p.shape) for name, p in prompts.named_parameters()}
+    problems = []
+    if getattr(prompts, "learner", DEFAULT_LEARNER) != prompt.learner:
+        problems.append(
+            f"learner is {getattr(prompts, 'learner', DEFAULT_LEARNER)!r}, method expects {prompt.learner!r}"
+        )
+    for name in dict.fromkeys([*want, *have]):
+        if want.get(name) != have.get(name):
+            problems.append(f"{name} is {have.get(name)}, method expects {want.get(name)}")
+    if problems:
+        raise ValueError(f"{where}: start point does not fit: " + "; ".join(problems))

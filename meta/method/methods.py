@@ -73,6 +73,18 @@ class Method:
         return bool(self.trainer)
 
 
+# The one mapping of a row's fields onto the evaluator's MethodSpec (meta.evaluation.spec): θ's structure, which a
+# row's preset fixes, and where fine-tuning starts, which each component row sets on top of its preset.
+STRUCTURE_FIELDS = {
+    "text_tokens": "n_ctx_text",
+    "visual_tokens": "n_ctx_vision",
+    "text_depth": "text_depth",
+    "vision_depth": "vision_depth",
+    "coupling": "coupling",
+    "learner": "learner",
+}
+START_FIELDS = {"regulate": "regulate", "init": "init_prompts"}
+
 _TYPES = {f.name: f.type for f in fields(Method)}
 _REQUIRED = [f.name for f in fields(Method) if f.default is MISSING]
 
@@ -405,6 +417,8 @@ __all__ = [
     "label",
     "canonical_key",
     "preset_keys",
+    "STRUCTURE_FIELDS",
+    "START_FIELDS",
     "dassl_keys",
 ]
 

@@ -16,7 +16,7 @@ import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import open_clip
 import torch
@@ -44,11 +44,11 @@ class ClipDims:
 
     model_name: str
     text_width: int  # d_t, width of token embeddings / text transformer
-    vision_width: int  # d_v, width of the vision transformer tokens
+    vision_width: int  # d_v, width of the vision transformer tokens (a ResNet's: its attention pool's)
     embed_dim: int  # joint embedding width
     context_length: int  # text tokens (77 for OpenAI CLIP)
     text_layers: int
-    vision_layers: int
+    vision_layers: int  # vision transformer blocks (a ResNet's: residual blocks)
     image_size: int  # input resolution in pixels
     num_patches: int  # patch tokens (without CLS)
 
@@ -98,12 +98,46 @@ def resolve_device(name: str, key: str = "MODEL.DEVICE") -> str:
     return name
 
 
+def image_tower(model_name: str) -> str:
+    """The image tower ``model_name``'s open_clip config builds, read from the config alone (no model is built):
+    ``"ViT"`` (``VisionTransformer``), ``"ResNet"`` (``ModifiedResNet``: ``vision_cfg.layers`` lists its 4 stage
+    depths, RN50 / RN101), ``"timm"``, or ``""`` for a name open_clip does not know."""
+    register_model_configs()
+    vision = (open_clip.get_model_config(model_name) or {}).get("vision_cfg")
+    if vision is None:
+        return ""
+    return (
+        "timm" if vision.get("timm_model_name") else "ResNet" if isinstance(vision["layers"], (list, tuple)) else "ViT"
+    )
+
+
+def check_visual_prompts(model_name: str, key: str, learner: str, runs_there: Sequence[str]) -> None:
+    """Refuse ``learner``, which prompts the image tower, on a CLIP whose tower is no ViT (visual prompt tokens enter
+    a ViT's token sequence: :mod:`meta.model.visual_encoder`): a one-line ``ValueError`` naming ``key`` and the
+    learners that do run there (``runs_there``, text prompts only).  Reads the config alone: call it before any work."""
+    tower = image_tower(model_name)
+    if tower not in ("", "ViT"):
+        raise ValueError(
+            f"{key}: {model_name} has a {tower} image tower, which visual prompt tokens cannot enter, and {learner} "
+            f"prompts it; on {model_name} run {', '.join(runs_there)} (text prompts only), or pick a ViT backbone"
+        )
+
+
 def clip_dims(clip: nn.Module, model_name: str = "") -> ClipDims:
-    """Read the dimensions of an open_clip ``CLIP`` with a ViT image tower."""
+    """Read the dimensions of an open_clip ``CLIP`` with a ViT or a ResNet image tower.
+
+    A ResNet tower (``ModifiedResNet``) has no token sequence: ``vision_width`` is the width its attention pool
+    reads (RN50: 2048), ``vision_layers`` its residual blocks, ``num_patches`` the grid cells pooled."""
     visual = clip.visual
-    if not hasattr(visual, "conv1"):
+    if hasattr(visual, "attnpool"):
+        pos = visual.attnpool.positional_embedding  # [1 + grid², width]
+        width, layers = pos.shape[1], sum(len(getattr(visual, f"layer{i}")) for i in range(1, 5))
+    elif hasattr(visual, "transformer"):
+        pos = visual.positional_embedding  # [1 + patches, width]
+        width, layers = visual.conv1.out_channels, len(visual.transformer.resblocks)
+    else:
         raise TypeError(
-            f"GRAM needs a CLIP with a ViT image tower (open_clip VisionTransformer); "
+            f"GRAM needs a CLIP with a ViT or ResNet image tower (open_clip VisionTransformer or ModifiedResNet); "
             f"model {model_name!r} has {type(visual).__name__}"
         )
     image_size = visual.image_size
@@ -111,15 +145,15 @@ def clip_dims(clip: nn.Module, model_name: str = "") -> ClipDims:
     return ClipDims(
         model_name=model_name,
         text_width=clip.token_embedding.weight.shape[1],
-        vision_width=visual.conv1.out_channels,
+        vision_width=width,
         embed_dim=clip.text_projection.shape[1]
         if isinstance(clip.text_projection, torch.Tensor)
         else clip.text_projection.out_features,
         context_length=clip.positional_embedding.shape[0],
         text_layers=len(clip.transformer.resblocks),
-        vision_layers=len(visual.transformer.resblocks),
+        vision_layers=layers,
         image_size=image_size,
-        num_patches=visual.positional_embedding.shape[0] - 1,
+        num_patches=pos.shape[0] - 1,
     )
 
 

@@ -44,3 +44,14 @@ def resolve_weights_key(weights_key: object, backbone: str, model_name: str) -> 
     if key:
         return os.path.expanduser(key)
     return default_weights_path(backbone or model_name)
+
+
+def check_weights_file(weights: Optional[str], key: str, unset: bool = False) -> None:
+    """A one-line ``FileNotFoundError`` naming ``key`` when ``weights`` (as :func:`resolve_weights_key` returns it)
+    is a path with no file; ``unset``: the key was empty, so the path is the default in OpenAI's cache."""
+    if weights is None or not looks_like_file(weights) or os.path.isfile(weights):
+        return
+    name, folder = os.path.basename(weights), os.path.dirname(weights)
+    hint = f"{key} is unset: put OpenAI's {name} in {folder}, or pass {key} /path/to/{name}" if unset else ""
+    hint = hint or "expected a local open_clip checkpoint or OpenAI's TorchScript .pt"
+    raise FileNotFoundError(f"{key}: CLIP weights file not found: {weights} ({hint})")

@@ -34,13 +34,14 @@ from typing import Any, Optional
 
 from yacs.config import CfgNode as CN
 
-from meta.config import REMOVED, REMOVED_KEYS
+from meta.config import CONSISTENCY_SPEC, GRAM_SETTINGS, PROMPT_SPEC, REMOVED, REMOVED_KEYS, START_SPEC, table_fields
 from meta.finetune.engine import Naming, StartSpec, start_rule_problems
 from meta.finetune.regulated import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
 from meta.method import methods
 from meta.method.consistency import ConsistencySpec
 from meta.method.learners import import_learner_modules, learner_keys
 from meta.method.prompts import DEFAULT_TEMPLATE, PromptSpec
+from meta.model.backbone import quick_gelu_flag
 from meta.model.clip_weights import (  # noqa: F401  (re-exported: the names this module always offered)
     OPENAI_CACHE_DIR,
     RANDOM_WEIGHTS,
@@ -48,6 +49,8 @@ from meta.model.clip_weights import (  # noqa: F401  (re-exported: the names thi
     open_clip_name,
     resolve_weights_key,
 )
+from meta.model.precision import DASSL_PRECISIONS as PRECISIONS
+from meta.model.precision import resolve_precision  # noqa: F401  (re-exported: the trainers' name for it)
 
 # Trainer name -> (learns text context, learns visual prompts), and the trainers whose visual prompts are
 # produced from the text prompts (meta.method.prompts.PromptSpec.coupling): read from the learner table of
@@ -69,6 +72,7 @@ GRAM_NAMING = Naming(
         "ctx_init": "CTX_INIT",
         "init_prompts": "INIT_PROMPTS",
         "vpt_init": "VPT_INIT",
+        "vision_depth": "VPT_DEPTH",
         "template": "TEMPLATE",
     },
     dotted=True,
@@ -80,7 +84,6 @@ RENAMED_KEYS = {"REG_WINDOW": "REG_WINDOW_IMAGES"}
 # Keys of options that were measured and dropped (meta.config.REMOVED_KEYS, the one table with the reason): they stay
 # in the node unset (None) only so that a config that still sets one stops with that table's one-line error.
 REMOVED_GRAM_KEYS = tuple(r.key.rsplit(".", 1)[1] for r in REMOVED_KEYS if r.key.startswith("TRAINER.GRAM."))
-PRECISIONS = ("fp16", "fp32", "amp")
 
 
 def _gram_defaults() -> CN:
@@ -163,18 +166,6 @@ def extend_cfg(cfg: CN) -> CN:
     return cfg
 
 
-def resolve_precision(prec: str, device_type: str) -> str:
-    """``TRAINER.GRAM.PREC`` for this device: CPU always gets fp32 (fp16 there is 5-7x slower, amp a no-op).
-
-    No warning: the trainer prints the effective values in one line (:func:`effective_settings_line`).
-    """
-    if prec not in PRECISIONS:
-        raise ValueError(f"TRAINER.GRAM.PREC: expected one of {'|'.join(PRECISIONS)}, got {prec!r}")
-    if device_type != "cuda" and prec != "fp32":
-        return "fp32"
-    return prec
-
-
 def available_cpus() -> int:
     """CPUs this process may run on (the count torch's DataLoader compares ``num_workers`` with)."""
     try:
@@ -227,6 +218,7 @@ class GramSettings:
     init_prompts: bool  # θ from the init file's θ* (False: scratch θ, R_φ only)
     reg_window_images: int  # images per regulated step (0 = support size; meta.finetune.engine.window_batches)
     launch: bool  # meta-trained step once before training (meta.finetune.regulated.launch_)
+    start: StartSpec  # the engine's view of the start (θ's PromptSpec, depths 0 = all layers); errors name the keys
     consistency: ConsistencySpec = ConsistencySpec()  # zero-shot consistency weights (0 = off)
     learner: str = PromptSpec.learner  # prompt learner (meta.method.learners registry key)
     exif_upright: bool = False  # images turned upright by their EXIF orientation (False: as stored, as Dassl)
@@ -242,45 +234,52 @@ class GramSettings:
             raise ValueError(f"TRAINER.GRAM.VPT_DEPTH: expected 0 (all) or 1..{vision_layers}, got {self.vpt_depth}")
         return depth
 
-    def prompt_spec(self, vision_layers: int) -> PromptSpec:
-        """θ's structure and scratch start for an image tower of ``vision_layers`` layers."""
-        return PromptSpec(
-            n_ctx_text=self.n_ctx_text,
-            ctx_init=self.ctx_init,
-            n_ctx_vision=self.n_ctx_vision,
-            vision_depth=max(self.vision_depth(vision_layers), 1),
-            template=self.template,
-            vpt_init=self.vpt_init,
-            text_depth=self.text_depth if (self.n_ctx_text or self.ctx_init) else 1,
-            coupling=self.coupling,
-            learner=self.learner,
-        )
-
-    def start_spec(self, vision_layers: int) -> StartSpec:
-        """Where fine-tuning starts, as the engine's one view of a start
-        (:class:`meta.finetune.engine.StartSpec`); errors name the ``TRAINER.GRAM`` keys."""
-        return StartSpec(
-            prompt=self.prompt_spec(vision_layers),
-            init_path=self.init_path,
-            init_prompts=self.init_prompts,
-            regulate=self.regulate,
-            reg_window=self.reg_window_images,
-            launch=self.launch,
-            naming=GRAM_NAMING,
-        )
-
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _as_bool(value: Any, key: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    raise TypeError(f"{key}: expected True or False, got {value!r}")
+# The flags read as flags (True / False only); the keys that are spec fields are read by meta.config.table_fields.
+FLAG_KEYS = ("ENABLED", "REGULATE", "LAUNCH", "VPT_DEEP")
+
+
+def _check_node(g: CN, trainer: str, text: bool) -> dict[str, bool]:
+    """The one-line errors of ``TRAINER.GRAM`` that need no other module: renamed and removed keys, flags,
+    precision, consistency weights, text depth.  Returns the flags of :data:`FLAG_KEYS` by key."""
+    for old, new in RENAMED_KEYS.items():
+        if g[old] is not None:
+            raise ValueError(
+                f"TRAINER.GRAM.{old}: renamed TRAINER.GRAM.{new}, which counts images ({old} counted "
+                f"batches); set {new} to the old value x DATALOADER.TRAIN_X.BATCH_SIZE, or 0 for the "
+                f"meta-training support size"
+            )
+    for key in REMOVED_GRAM_KEYS:
+        if g.get(key) is not None:
+            raise ValueError(REMOVED[f"TRAINER.GRAM.{key}"].message())
+    flags = {}
+    for key in FLAG_KEYS:
+        if not isinstance(g[key], bool):
+            raise TypeError(f"TRAINER.GRAM.{key}: expected True or False, got {g[key]!r}")
+        flags[key] = g[key]
+    if g.PREC not in PRECISIONS:
+        raise ValueError(f"TRAINER.GRAM.PREC: expected one of {'|'.join(PRECISIONS)}, got {g.PREC!r}")
+    for key in ("CONSISTENCY_TEXT", "CONSISTENCY_IMAGE"):
+        value = g[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"TRAINER.GRAM.{key}: expected a finite number >= 0 (0 = off), got {value!r}")
+    if isinstance(g.VPT_DEPTH, bool) or not isinstance(g.VPT_DEPTH, int) or g.VPT_DEPTH < 0:
+        raise ValueError(f"TRAINER.GRAM.VPT_DEPTH: expected 0 (all layers) or a layer count >= 1, got {g.VPT_DEPTH!r}")
+    depth = g.TEXT_DEPTH
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0 or (depth != 1 and not text):
+        raise ValueError(
+            f"TRAINER.GRAM.TEXT_DEPTH: expected 0 (all layers) or >= 1 "
+            f"{'' if text else '(1 for ' + trainer + ', which learns no text context) '}got {depth!r}"
+        )
+    return flags
 
 
 def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
-    """Read and check ``cfg.TRAINER.GRAM`` for ``trainer`` (default ``cfg.TRAINER.NAME``)."""
+    """Read and check ``cfg.TRAINER.GRAM`` for ``trainer`` (default ``cfg.TRAINER.NAME``), once: the keys that are
+    spec fields through the key table (:data:`meta.config.KEY_FIELDS`), the Dassl spellings by hand."""
     trainer = trainer or cfg.TRAINER.NAME
     if trainer not in TRAINER_PROMPTS:
         raise KeyError(f"TRAINER.NAME: {trainer!r} is not a GRAM trainer ({', '.join(TRAINER_PROMPTS)})")
@@ -288,15 +287,23 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
         raise KeyError("TRAINER.GRAM is missing: call trainers.gram.extend_cfg(cfg) in your train.py's extend_cfg")
     g = cfg.TRAINER.GRAM
     text, vision = TRAINER_PROMPTS[trainer]
-    n_text = int(g.N_CTX_TEXT) if text else 0
-    n_vision = int(g.N_CTX_VISION) if vision else 0
-    if text and n_text < 1 and not g.CTX_INIT:
-        raise ValueError(f"TRAINER.GRAM.N_CTX_TEXT: {trainer} needs at least 1 text context vector, got {n_text}")
+    flags = _check_node(g, trainer, text)
+    node = "TRAINER.GRAM"
+    prompt = table_fields(cfg, PROMPT_SPEC, node)  # n_ctx_text, ctx_init, template, vpt_init, text_depth, learner
+    start = table_fields(cfg, START_SPEC, node)  # init_path, init_prompts, reg_window
+    consistency = ConsistencySpec(**table_fields(cfg, CONSISTENCY_SPEC, node))
+    exif_upright = table_fields(cfg, GRAM_SETTINGS, node)["exif_upright"]
+    n_vision = int(g.N_CTX_VISION) if vision else 0  # OWN: its default is the trainers' 4
+    if not text:
+        prompt.update(n_ctx_text=0, ctx_init="")
+    if text and prompt["n_ctx_text"] < 1 and not prompt["ctx_init"]:
+        raise ValueError(
+            f"TRAINER.GRAM.N_CTX_TEXT: {trainer} needs at least 1 text context vector, got {prompt['n_ctx_text']}"
+        )
     if vision and n_vision < 1:
         raise ValueError(f"TRAINER.GRAM.N_CTX_VISION: {trainer} needs at least 1 visual prompt token, got {n_vision}")
-    enabled = _as_bool(g.ENABLED, "TRAINER.GRAM.ENABLED")
-    regulate = _as_bool(g.REGULATE, "TRAINER.GRAM.REGULATE")
-    init_path = os.path.expanduser(str(g.INIT)) if g.INIT else ""
+    enabled = flags["ENABLED"]
+    init_path = os.path.expanduser(start["init_path"]) if start["init_path"] else ""
     if enabled and not init_path:
         raise ValueError(
             "TRAINER.GRAM.INIT: GRAM is enabled (TRAINER.GRAM.ENABLED True) but no meta-learned "
@@ -313,79 +320,70 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
         raise ValueError(
             "TRAINER.GRAM.MODEL_NAME: empty, and MODEL.BACKBONE.NAME is empty too (expected e.g. ViT-B/16)"
         )
+    # SPELLED: D as VPT_DEEP + VPT_DEPTH (False = shallow, D 1; 0 = every layer, as PromptSpec's 0)
+    vpt_depth = g.VPT_DEPTH
+    vision_depth = (vpt_depth if flags["VPT_DEEP"] else 1) if n_vision else 1
     weights = resolve_weights_key(g.WEIGHTS, backbone, model_name)
-    from meta.model.backbone import quick_gelu_flag
-
     try:
         quick_gelu = quick_gelu_flag(g.QUICK_GELU)
     except ValueError:
         raise ValueError(f"TRAINER.GRAM.QUICK_GELU: expected auto|on|off, got {g.QUICK_GELU!r}") from None
-    for old, new in RENAMED_KEYS.items():
-        if g[old] is not None:
-            raise ValueError(
-                f"TRAINER.GRAM.{old}: renamed TRAINER.GRAM.{new}, which counts images ({old} counted "
-                f"batches); set {new} to the old value x DATALOADER.TRAIN_X.BATCH_SIZE, or 0 for the "
-                f"meta-training support size"
-            )
-    for key in REMOVED_GRAM_KEYS:
-        if g.get(key) is not None:
-            raise ValueError(REMOVED[f"TRAINER.GRAM.{key}"].message())
-    if g.PREC not in PRECISIONS:
-        raise ValueError(f"TRAINER.GRAM.PREC: expected one of {'|'.join(PRECISIONS)}, got {g.PREC!r}")
-    text_depth = int(g.TEXT_DEPTH)
-    if text_depth < 0 or (text_depth != 1 and not text):
-        raise ValueError(
-            f"TRAINER.GRAM.TEXT_DEPTH: expected 0 (all layers) or >= 1 "
-            f"{'' if text else '(1 for ' + trainer + ', which learns no text context) '}got {text_depth}"
-        )
-    init_prompts = _as_bool(g.INIT_PROMPTS, "TRAINER.GRAM.INIT_PROMPTS")
-    launch = _as_bool(g.LAUNCH, "TRAINER.GRAM.LAUNCH")
-    weights_of = {}
-    for key in ("CONSISTENCY_TEXT", "CONSISTENCY_IMAGE"):
-        value = g[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"TRAINER.GRAM.{key}: expected a finite number >= 0 (0 = off), got {value!r}")
-        weights_of[key] = float(value)
-    consistency = ConsistencySpec(weights_of["CONSISTENCY_TEXT"], weights_of["CONSISTENCY_IMAGE"])
     import_learner_modules(g.LEARNER_MODULES, "TRAINER.GRAM.LEARNER_MODULES")
-    learner = str(g.LEARNER)
-    if learner not in learner_keys():
-        raise ValueError(f"TRAINER.GRAM.LEARNER: expected one of {'|'.join(learner_keys())}, got {learner!r}")
+    if prompt["learner"] not in learner_keys():
+        raise ValueError(f"TRAINER.GRAM.LEARNER: expected one of {'|'.join(learner_keys())}, got {prompt['learner']!r}")
     problems = start_rule_problems(
-        vpt_init=str(g.VPT_INIT),
-        reg_window=g.REG_WINDOW_IMAGES,
-        template=str(g.TEMPLATE),
+        vpt_init=prompt["vpt_init"],
+        reg_window=start["reg_window"],
+        template=prompt["template"],
         has_text=text,
         has_init=enabled,
-        init_prompts=init_prompts,
-        regulate=regulate,
-        ctx_init=str(g.CTX_INIT),
+        init_prompts=start["init_prompts"],
+        regulate=flags["REGULATE"],
+        ctx_init=prompt["ctx_init"],
     )
     if problems:
         key, what = problems[0]
         raise ValueError(f"{GRAM_NAMING.full(key)}: {what}")
+    coupling = TRAINER_COUPLING.get(trainer, "none")
+    spec = PromptSpec(
+        **{**prompt, "text_depth": prompt["text_depth"] if text else 1},
+        n_ctx_vision=n_vision,
+        vision_depth=vision_depth,
+        coupling=coupling,
+    )
+    regulate, launch = flags["REGULATE"] and enabled, flags["LAUNCH"] and enabled
+    init_prompts = start["init_prompts"] or not enabled
     return GramSettings(
         trainer=trainer,
         enabled=enabled,
         init_path=init_path,
-        regulate=regulate and enabled,
-        n_ctx_text=n_text,
+        regulate=regulate,
+        n_ctx_text=spec.n_ctx_text,
         n_ctx_vision=n_vision,
-        vpt_deep=_as_bool(g.VPT_DEEP, "TRAINER.GRAM.VPT_DEEP"),
-        vpt_depth=int(g.VPT_DEPTH),
-        ctx_init=str(g.CTX_INIT) if text else "",
-        template=str(g.TEMPLATE),
+        vpt_deep=flags["VPT_DEEP"],
+        vpt_depth=vpt_depth,
+        ctx_init=spec.ctx_init,
+        template=spec.template,
         model_name=model_name,
         weights=weights,
         quick_gelu=quick_gelu,
         precision=str(g.PREC),
-        vpt_init=str(g.VPT_INIT),
-        text_depth=text_depth if text else 0,
-        coupling=TRAINER_COUPLING.get(trainer, "none"),
-        init_prompts=init_prompts or not enabled,
-        reg_window_images=int(g.REG_WINDOW_IMAGES),
-        launch=launch and enabled,
+        vpt_init=spec.vpt_init,
+        text_depth=prompt["text_depth"] if text else 0,
+        coupling=coupling,
+        init_prompts=init_prompts,
+        reg_window_images=start["reg_window"],
+        launch=launch,
+        start=StartSpec(
+            prompt=spec,
+            init_path=init_path,
+            init_prompts=init_prompts,
+            regulate=regulate,
+            reg_window=start["reg_window"],
+            launch=launch,
+            naming=GRAM_NAMING,
+        ),
         consistency=consistency,
-        learner=learner,
-        exif_upright=_as_bool(g.EXIF_UPRIGHT, "TRAINER.GRAM.EXIF_UPRIGHT"),
+        learner=spec.learner,
+        exif_upright=exif_upright,
     )

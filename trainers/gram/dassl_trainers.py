@@ -44,10 +44,13 @@ from dassl.metrics import compute_accuracy
 from dassl.optim import build_optimizer
 
 from meta.data.image_decode import open_upright
-from meta.finetune.engine import RegulatedStepper, Start, build_start, window_batches
+from meta.finetune.engine import RegulatedStepper, build_start, window_batches
 from meta.finetune.regulated import check_gate_regulariser, launch_, weighted_sum
 from meta.method import methods
-from meta.model.backbone import load_clip
+from meta.method.learners import get_learner
+from meta.model.backbone import check_visual_prompts, load_clip
+from meta.model.clip_weights import check_weights_file
+from meta.model.precision import resolve_precision
 
 from .config import (
     GramSettings,
@@ -55,7 +58,6 @@ from .config import (
     effective_num_workers,
     effective_settings_line,
     gram_settings,
-    resolve_precision,
 )
 from .dassl_checkpoint import checkpoint_file, load_checkpoint, prompt_state, save_checkpoint
 from .dassl_schedule import build_lr_scheduler
@@ -107,7 +109,12 @@ class _GramTrainer(TrainerX):
 
     # ------------------------------------------------------------------------------ building
     def check_cfg(self, cfg) -> None:
-        gram_settings(cfg, type(self).__name__)  # every TRAINER.GRAM key checked before data loading
+        s = gram_settings(cfg, type(self).__name__)  # every TRAINER.GRAM key checked before data loading
+        check_weights_file(s.weights, "TRAINER.GRAM.WEIGHTS", unset=not str(cfg.TRAINER.GRAM.WEIGHTS).strip())
+        if get_learner(s.learner).spec_prompts_vision(s.start.prompt):  # visual prompts need a ViT tower
+            key = "TRAINER.GRAM.MODEL_NAME" if cfg.TRAINER.GRAM.MODEL_NAME else "MODEL.BACKBONE.NAME"
+            text_only = [t for t, row in methods.learners().items() if not row.vision and row.coupling == "none"]
+            check_visual_prompts(s.model_name, key, s.trainer, text_only)
 
     def build_data_loader(self) -> None:
         """Dassl's loaders, with ``DATALOADER.NUM_WORKERS`` capped to this machine (logged with the precision);
@@ -158,7 +165,15 @@ class _GramTrainer(TrainerX):
                 f"images, config says {size[0]}x{size[1]}"
             )
         self.clip_dims = dims
-        start = self._start(settings, clip, dims)
+        # θ from the GRAM init file (and φ when regulating), or fresh θ for the baselines: the engine's build_start,
+        # the evaluator's own start factory, with Dassl's key names.  Scratch θ comes from the global RNG (seeded by
+        # Dassl) before anything else touches it, so that an "R_φ only" run starts where its baseline does.
+        start = build_start(settings.start, clip, dims, generator=None, device=self.device)
+        if settings.ctx_init and start.prompts.n_ctx_text != settings.n_ctx_text:
+            raise ValueError(
+                f"TRAINER.GRAM.CTX_INIT {settings.ctx_init!r} is {start.prompts.n_ctx_text} tokens but "
+                f"TRAINER.GRAM.N_CTX_TEXT is {settings.n_ctx_text}; make them agree"
+            )
         self.gram_init_metadata = start.metadata
         classnames = self.dm.dataset.classnames
         self.model = GramCLIP(
@@ -195,19 +210,6 @@ class _GramTrainer(TrainerX):
     @scaler.setter
     def scaler(self, value) -> None:
         self.stepper.scaler = value
-
-    def _start(self, s: GramSettings, clip, dims) -> Start:
-        """θ from the GRAM init file (and φ when regulating), or fresh θ for the baselines: the engine's
-        :func:`meta.finetune.engine.build_start`, the evaluator's own start factory, with Dassl's key names."""
-        # scratch θ comes from the global RNG (seeded by Dassl) before anything else touches it, so that an
-        # "R_φ only" run starts exactly where the baseline with the same seed starts
-        start = build_start(s.start_spec(dims.vision_layers), clip, dims, generator=None, device=self.device)
-        if s.ctx_init and start.prompts.n_ctx_text != s.n_ctx_text:
-            raise ValueError(
-                f"TRAINER.GRAM.CTX_INIT {s.ctx_init!r} is {start.prompts.n_ctx_text} tokens but "
-                f"TRAINER.GRAM.N_CTX_TEXT is {s.n_ctx_text}; make them agree"
-            )
-        return start
 
     def _load_init_weights(self, path: str) -> None:
         """``MODEL.INIT_WEIGHTS`` as CoOp honours it: θ tensors from a checkpoint, matched by name and shape."""
