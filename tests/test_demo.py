@@ -129,6 +129,8 @@ def test_every_table_holds_its_paper_rows_under_stable_keys():
         "CLIP",
         "CoOp",
         "CoOp + GRAM",
+        "CoCoOp",
+        "CoCoOp + GRAM, θ* only",
         "VPT",
         "VPT + GRAM",
         "UNIGRAM",
@@ -171,11 +173,17 @@ def test_only_the_requested_table_groups_are_built():
     tables = build_tables(_b2n_records(), DemoSettings(), _fake_world())
     assert set(tables) == {"table1"}
     # the default's Table 1: every row but the diagnostics; Table 4 comes with "ablations" (and "all")
-    assert set(b2n_keys(DEFAULT_TABLES)) == set(TABLE1_ROWS) - set(REG_ONLY_KEYS + ONE_STEP_KEYS)
+    assert set(b2n_keys(DEFAULT_TABLES)) == set(TABLE1_ROWS) - set(REG_ONLY_KEYS + ONE_STEP_KEYS + ("gram_cocoop",))
     assert {"unigram_no_shift", "unigram_pretrain", "unigram_supervised"} == set(b2n_keys(("ablations",))) - set(
         b2n_keys(DEFAULT_TABLES)
     )
-    assert {v.name for v in variants_needed(DEFAULT_TABLES)} == {"gram_coop", "gram_vpt", "unigram", "unigram_no_reg"}
+    assert {v.name for v in variants_needed(DEFAULT_TABLES)} == {
+        "gram_coop",
+        "gram_cocoop",
+        "gram_vpt",
+        "unigram",
+        "unigram_no_reg",
+    }
     ablations = build_tables(_b2n_records(), replace(DemoSettings(), tables=("ablations",)), _fake_world())
     assert set(ablations) == {"table4"}
     assert "ablations" in settings_from_args(_parser().parse_args(["--tables", "all"])).tables
@@ -248,7 +256,7 @@ def test_method_rows_have_unique_keys_existing_presets_and_variants():
     # θ*-only rows are in the default tables; R_φ-only and one-step rows come with the diagnostics group
     default, diagnostics = set(b2n_keys(DEFAULT_TABLES)), set(b2n_keys(("diagnostics",)))
     assert set(INIT_ONLY_KEYS) <= default and not set(INIT_ONLY_KEYS) & diagnostics
-    assert set(REG_ONLY_KEYS + ONE_STEP_KEYS) == diagnostics and not diagnostics & default
+    assert set(REG_ONLY_KEYS + ONE_STEP_KEYS + ("gram_cocoop",)) == diagnostics and not diagnostics & default
     assert set(COMPONENT_KEYS) == set(INIT_ONLY_KEYS + REG_ONLY_KEYS) <= set(TABLE1_ROWS)
     assert "diagnostics" not in OPT_IN_TABLES  # `--tables all` computes them
     # the paper-literal rows keep the per-image rule and no launch step whatever the settings say, and start
@@ -262,6 +270,35 @@ def test_method_rows_have_unique_keys_existing_presets_and_variants():
     variant = VARIANT_BY_NAME[METHOD_BY_KEY["unigram_one_step"].variant]
     assert dict(zip(variant.overrides[::2], variant.overrides[1::2]))["META.QUERY_BEFORE_WEIGHT"] == 0.0
     assert set(ONE_STEP_KEYS) <= set(TABLE1_ROWS)
+
+
+def test_cocoop_rows_follow_coop_in_tables_1_to_3_and_leave_the_other_variants_alone():
+    """CoCoOp and its θ*-only row stand after CoOp's rows in Table 1 (its R_φ rows with the diagnostics) and in
+    Tables 2-3; they run the ``cocoop`` learner from the ``gram_cocoop`` variant, which alone names a learner."""
+    settings = replace(DemoSettings(), tables=("base2new", "diagnostics", "transfer"))
+    tables = build_tables(_b2n_records() + _transfer_records(16) + _transfer_records(4), settings, _fake_world())
+    average = [r["key"] for r in tables["table1"]["rows"] if r["dataset"] == "Average"]
+    cocoop_rows = ["cocoop", "gram_cocoop", "gram_cocoop_init_only", "gram_cocoop_reg_only"]
+    at = average.index("cocoop")
+    assert average[at - 1] == "gram_coop_one_step" and average[at : at + 4] == cocoop_rows and average[at + 4] == "vpt"
+    assert [r["method"] for r in tables["table1"]["rows"][at : at + 4]] == [
+        "CoCoOp",
+        "CoCoOp + GRAM",
+        "CoCoOp + GRAM, θ* only",
+        "CoCoOp + GRAM, R_φ only",
+    ]
+    for tid in ("table2", "table3"):
+        keys = [r["key"] for r in tables[tid]["rows"]]
+        assert keys[keys.index("gram_coop") + 1 : keys.index("vpt")] == ["cocoop", "gram_cocoop_init_only"], tid
+    assert {"cocoop", "gram_cocoop_init_only"} <= set(b2n_keys(DEFAULT_TABLES))
+    assert "gram_cocoop" not in b2n_keys(DEFAULT_TABLES)
+    for key in cocoop_rows:
+        spec = method_spec(METHOD_BY_KEY[key], init="" if key == "cocoop" else "/x.safetensors")
+        assert (spec.learner, spec.n_ctx_text, spec.n_ctx_vision) == ("cocoop", 4, 0), key
+        assert METHOD_BY_KEY[key].variant == ("" if key == "cocoop" else "gram_cocoop"), key
+    overrides = {v.name: dict(zip(v.prompt_overrides[::2], v.prompt_overrides[1::2])) for v in VARIANT_BY_NAME.values()}
+    assert {n for n, o in overrides.items() if "META.PROMPT.LEARNER" in o} == {"gram_cocoop"}
+    assert overrides["gram_cocoop"]["META.PROMPT.LEARNER"] == "cocoop"
 
 
 def test_old_preset_names_are_silent_aliases_of_the_stable_keys():
@@ -453,3 +490,24 @@ def test_the_consistency_group_is_opt_in_and_takes_the_b2n_sweeps_lambda(tmp_pat
     assert set(tables) == {"consistency"} and table["source"] == "chosen on val splits (s.json)"
     assert [r["key"] for r in table["rows"] if r["dataset"] == "Average"] == list(chosen)
     assert "| CoOp, λ text 2 |" in markdown_table(table["rows"], "Average")
+
+
+def test_the_last_screen_is_the_first_table_its_file_and_for_quick_runs_the_wiring_note(tmp_path):
+    """The demo ends on results.md's first table (with its heading), the file's absolute path and, for --quick, the
+    note that its numbers are a wiring check; a full run gets no such note."""
+    from gram_world.demo.report import last_screen
+
+    md = tmp_path / "results.md"
+    md.write_text(
+        "# World demo\n\nsettings text\n\n## Table 1: base-to-new\n\n| method | H |\n| --- | --- |\n| CoOp | 61.2 |\n"
+        "\n## Table 2\n\n| other | x |\n",
+        encoding="utf-8",
+    )
+    quick = replace(DemoSettings(), quick=True)
+    lines = last_screen(md, quick).splitlines()
+    assert lines[:4] == ["## Table 1: base-to-new", "| method | H |", "| --- | --- |", "| CoOp | 61.2 |"]
+    assert lines[5] == f"results: {md.resolve()}"
+    assert lines[6].startswith(f"quick demo: a wiring check of every stage ({len(quick.seeds)} seed(s)")
+    assert "| other | x |" not in lines
+    full = last_screen(md, replace(DemoSettings(), quick=False)).splitlines()
+    assert full[-1] == f"results: {md.resolve()}" and not any(ln.startswith("quick demo") for ln in full)

@@ -6,7 +6,9 @@ gets only the lines of the doc's CoOp section; the context file and the options 
 tool's own output.  The fork's ``clip._download`` returns a tiny random CLIP saved as an OpenAI-style
 state dict (no network here).  Checked: the doc's CoCoOp commands (and the same for CoOp) train on
 base classes and ``--eval-only`` evaluates on new classes with Dassl's own checkpoints; the fork's
-``parse_test_res.py`` and ours read the logs; a forgotten ``N_CTX`` stops with one line.
+``parse_test_res.py`` and ours read the logs; a forgotten ``N_CTX`` stops with one line; and stock CoCoOp
+starts from the export's ``cocoop_nctx<M>`` checkpoint folder (ctx and meta-net) both ways, training and
+``--eval-only``.
 """
 
 from __future__ import annotations
@@ -38,14 +40,19 @@ from helpers_forks import (  # noqa: E402
     script_variables,
 )
 
-from meta.finetune.init_io import export_gram_init  # noqa: E402
-from meta.method.prompts import PromptParams  # noqa: E402
+from meta.finetune.init_io import cocoop_checkpoint_usage, export_cocoop_checkpoint, export_gram_init  # noqa: E402
+from meta.metatrain.export import COCOOP_EPOCH, cocoop_state  # noqa: E402
+from meta.method import cocoop  # noqa: E402
+from meta.method.prompts import PromptParams, PromptSpec  # noqa: E402
 from trainers.gram.export import main as export_main  # noqa: E402
 
 TINY_EPOCHS = 1
 NODES = {"CoOp": "COOP", "CoCoOp": "COCOOP"}
 COOP_CONFIG, COOP_EPOCHS = "CoOp/vit_b16_ep50", 50  # CoOp's ViT-B/16 config (the doc's commands are CoCoOp's)
 ACCURACY = re.compile(r"^\* accuracy: ([\d.]+)%", re.M)
+RESULT = re.compile(r"=> result\n(\* total: .*?\* macro_f1: [\d.]+%)", re.S)  # Dassl's evaluator summary
+# A zero learning rate (warm-up included) keeps the weights as loaded: the saved epoch is what was loaded.
+ZERO_LR = ["OPTIM.LR", "0.0", "OPTIM.WARMUP_CONS_LR", "0.0"]
 
 
 def tiny_options(trainer: str) -> list[str]:
@@ -100,7 +107,7 @@ def setup(upstream_fork, tmp_path_factory, tiny_clip):
     make_dtd(tmp / "data", n_classes=4, counts={"train": 3, "val": 2, "test": 2})
     init_ctx = torch.randn(4, dims.text_width, generator=torch.Generator().manual_seed(5)) * 0.02
     init = export_gram_init(tmp / "gram_coop" / "gram_init.safetensors", PromptParams(ctx=init_ctx), {}, dims)
-    return {"tmp": tmp, "fork": fork, "init": init, "ctx": init_ctx}
+    return {"tmp": tmp, "fork": fork, "init": init, "ctx": init_ctx, "clip": clip, "dims": dims}
 
 
 def run_commands(setup, trainer: str, options: list[str]) -> dict[str, Path]:
@@ -186,3 +193,31 @@ def test_the_scripts_the_doc_names_load_the_epoch_it_says(setup):
     assert all(v["TRAINER"] == "CoCoOp" and v["CFG"] == "vit_b16_c4_ep10_batch1_ctxv1" for v in found.values())
     load_epoch = arg_value(expand(doc_recipe("CoOp").commands[1], {"DATA": "d", "CTX": "c"}), "--load-epoch")
     assert [v.get("LOADEP") for v in found.values()].count(load_epoch) == 1, found
+
+
+def test_stock_cocoop_starts_from_the_exported_ctx_and_meta_net(setup):
+    """θ* of the ``cocoop`` learner, exported as ``cocoop_nctx4/prompt_learner/model.pth.tar-0``: stock CoCoOp
+    trains one epoch from it (``MODEL.INIT_WEIGHTS``, zero learning rate) and its saved ctx and meta-net are θ*
+    exactly; ``--model-dir <folder> --load-epoch 0 --eval-only`` loads the folder and scores what training scored."""
+    spec = PromptSpec(learner=cocoop.KEY, n_ctx_text=4)
+    theta = PromptParams.from_spec(spec, setup["clip"], setup["dims"], generator=torch.Generator().manual_seed(9))
+    folder = setup["tmp"] / "cocoop_nctx4"
+    file = export_cocoop_checkpoint(folder, cocoop_state(theta), epoch=COCOOP_EPOCH)
+    eval_part, train_part = cocoop_checkpoint_usage(folder, 4, COCOOP_EPOCH).split(": ", 1)[1].split(", or ")
+    train_opts, eval_args = shlex.split(train_part), shlex.split(eval_part)
+    base = expand(commands_for("CoCoOp")[0], {"DATA": str(setup["tmp"] / "data"), "CTX": "unused"})
+    base = base[: base.index("MODEL.INIT_WEIGHTS")]
+    out = {kind: setup["tmp"] / "from_checkpoint" / kind for kind in ("train", "eval")}
+    for kind, argv in (("train", base + train_opts + ZERO_LR), ("eval", eval_args + base)):
+        argv[argv.index("--output-dir") + 1] = str(out[kind])
+        r = run_train(setup["fork"], argv + tiny_options("CoCoOp"), clip_weights=setup["tmp"] / "tiny_clip.pt")
+        assert r.returncode == 0, failure(r)
+    train_log, eval_log = ((out[k] / "log.txt").read_text() for k in ("train", "eval"))
+    assert f"Successfully loaded pretrained weights from {file.resolve()}" in train_log
+    assert "discarded" not in train_log and "Finish training" in train_log
+    assert f'Loading weights to prompt_learner from "{folder.resolve() / "prompt_learner" / file.name}"' in eval_log
+    saved = torch.load(out["train"] / "prompt_learner" / f"model.pth.tar-{TINY_EPOCHS}", weights_only=True)
+    for name, stock in cocoop.STOCK_NAMES.items():
+        assert torch.equal(saved["state_dict"][stock], getattr(theta, name).detach()), stock
+    trained, evaluated = RESULT.findall(train_log), RESULT.findall(eval_log)
+    assert trained and evaluated and evaluated[-1] == trained[-1]  # same weights, same test split: same scores

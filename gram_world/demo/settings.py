@@ -15,6 +15,7 @@ from typing import Optional
 from meta.finetune.regulated import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
 from meta.method import methods
 from meta.method.gram import DEFAULT_QUERY_BEFORE_WEIGHT
+from meta.method.learners import DEFAULT_LEARNER
 from meta.method.prompts import PromptSpec
 
 from ..pretrain import PretrainSettings, pretrain_settings
@@ -40,14 +41,15 @@ class MetaVariant:
 
     @property
     def prompt_overrides(self) -> tuple:
-        """``META.PROMPT`` keys of the row's structure: token counts, and depths / coupling where they differ
-        from the meta config's defaults (1, 1, none)."""
+        """``META.PROMPT`` keys of the row's structure: token counts, and depths / coupling / learner where they
+        differ from the meta config's defaults (1, 1, none, the built-in learner)."""
         row = methods.get(self.name)
         out: tuple = ("META.PROMPT.N_CTX_TEXT", row.text_tokens, "META.PROMPT.N_CTX_VISION", row.visual_tokens)
         for key, value, default in (
             ("TEXT_DEPTH", row.text_depth, 1),
             ("VISION_DEPTH", row.vision_depth, 1),
             ("COUPLING", row.coupling, "none"),
+            ("LEARNER", row.learner, DEFAULT_LEARNER),
         ):
             if value != default:
                 out += (f"META.PROMPT.{key}", value)
@@ -60,9 +62,11 @@ class MetaVariant:
         return pairs.get("META.MODE", "gram") != "pretrain"
 
 
-# θ shapes follow the paper (section 4.1): 4 tokens for CoOp / VPT, 2 + 2 for UNIGRAM (the method table's rows).
+# θ shapes follow the paper (section 4.1): 4 tokens for CoOp / VPT, 2 + 2 for UNIGRAM (the method table's rows);
+# CoCoOp's θ* is its 4 context vectors and its meta-net (the table's learner ``cocoop``).
 META_VARIANTS = (
     MetaVariant("gram_coop"),
+    MetaVariant("gram_cocoop"),
     MetaVariant("gram_vpt"),
     MetaVariant("unigram"),
     MetaVariant("unigram_no_shift", ("TASKS.DOMAIN_SHIFT", False)),  # Table 4 row 1
@@ -226,13 +230,16 @@ def method_row(key: str) -> MethodRow:
     )
 
 
-# Which rows each table holds (keys of METHODS), in the paper's order.  CoCoOp, a row of the
-# paper's Tables 1-3, is not implemented here.
-TABLE1_KEYS = ("zsclip", "coop", "gram_coop", "vpt", "gram_vpt", "unigram")
+# Which rows each table holds (keys of METHODS), in the paper's order.  CoCoOp (Zhou et al., CVPR 2022) follows
+# CoOp as in the paper's Tables 1-3, with its θ*-only row (CoCoOp fine-tuned from the meta-learned ctx and
+# meta-net, raw gradients) beside it.
+TABLE1_KEYS = ("zsclip", "coop", "gram_coop", "cocoop", "gram_cocoop_init_only", "vpt", "gram_vpt", "unigram")
 # Each GRAM row's components (θ* only: meta-learned start, raw gradients; R_φ only: the baseline's start,
 # regulated gradients) next to it in Table 1; UNIGRAM's θ*-only row is Table 4's "- gradient regulating".
-INIT_ONLY_KEYS = ("gram_coop_init_only", "gram_vpt_init_only")
-REG_ONLY_KEYS = ("gram_coop_reg_only", "gram_vpt_reg_only", "unigram_reg_only")
+INIT_ONLY_KEYS = ("gram_coop_init_only", "gram_vpt_init_only", "gram_cocoop_init_only")
+REG_ONLY_KEYS = ("gram_coop_reg_only", "gram_vpt_reg_only", "unigram_reg_only", "gram_cocoop_reg_only")
+# CoCoOp + GRAM with R_φ (its θ*-only row is the default's): a diagnostics row, beside its R_φ-only row
+COCOOP_REGULATED_KEYS = ("gram_cocoop",)
 COMPONENT_KEYS = INIT_ONLY_KEYS + REG_ONLY_KEYS
 # The paper-literal GRAM of each prompt type ("one-step objective": R_φ on every image's gradient, no launch
 # step, θ*/φ meta-trained on the one-step query loss only), beside the GRAM row that follows the defaults.
@@ -244,6 +251,10 @@ TABLE1_ROWS = (
     "gram_coop_init_only",
     "gram_coop_reg_only",
     "gram_coop_one_step",
+    "cocoop",
+    "gram_cocoop",
+    "gram_cocoop_init_only",
+    "gram_cocoop_reg_only",
     "vpt",
     "gram_vpt",
     "gram_vpt_init_only",
@@ -285,7 +296,7 @@ PAIRS = (
 ) + REG_ADDS_PAIRS
 TABLE4_KEYS = ("unigram", "unigram_no_shift", "unigram_no_reg", "unigram_pretrain", "unigram_supervised", "joint")
 # Table 1's rows that only the diagnostics group computes (the default's Table 1 is the rest)
-DIAGNOSTIC_KEYS = REG_ONLY_KEYS + ONE_STEP_KEYS
+DIAGNOSTIC_KEYS = REG_ONLY_KEYS + ONE_STEP_KEYS + COCOOP_REGULATED_KEYS
 TRANSFER_KEYS = TABLE1_KEYS
 TOKEN_KEYS = {n: ("unigram" if n == 4 else f"unigram_{n}tok") for n in TOKEN_COUNTS}
 # every demo row of the deep learners (DEEP_TRAINERS), in table order: each baseline, its GRAM row and components
@@ -327,7 +338,8 @@ def consistency_keys(path: Optional[Path] = None) -> tuple:
 TABLE_GROUPS = {
     "base2new": "Table 1 (base-to-new, each GRAM row with its θ*-only row), Fig. 3a, Fig. 3b",
     "ablations": "Table 4 (UNIGRAM's ablations; in 'all', not in the default)",
-    "diagnostics": "Table 1's R_φ-only rows and paper-literal one-step rows (in 'all', not in the default)",
+    "diagnostics": "Table 1's R_φ-only rows, paper-literal one-step rows and CoCoOp + GRAM with R_φ (in 'all', "
+    "not in the default)",
     "transfer": "Tables 2 and 3 (cross-domain, cross-dataset) and A1 / A2 (the same at fewer shots)",
     "tokens": "Table A3 (UNIGRAM with 2 / 4 / 6 / 8 prompt tokens)",
     "deep": "deep prompts: IVLP and MaPLe, each without and with GRAM (base-to-new; opt-in, not in 'all')",
