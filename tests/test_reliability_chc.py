@@ -188,11 +188,11 @@ def test_palette_with_transparency_cmyk_and_one_bit():
 def test_evaluation_loader_decodes_by_mode_too(tmp_path):
     from meta.evaluation.images import ImageLoader
 
-    ramp = np.linspace(0, 65535, 64).round().astype(np.uint16)[None].repeat(2, 0)
+    ramp = np.linspace(0, 65535, 64).round().astype(np.uint16)[None].repeat(4, 0)  # 64 x 4: inside the aspect cap
     path = tmp_path / "ramp16.png"
     Image.fromarray(ramp).save(path)
     px = np.asarray(ImageLoader.decode(str(path))).astype(np.int64)
-    assert px.shape == (2, 64, 3) and px[0, 0, 0] == 0 and px[0, -1, 0] == 255 and abs(px.mean() - 127.5) < 2
+    assert px.shape == (4, 64, 3) and px[0, 0, 0] == 0 and px[0, -1, 0] == 255 and abs(px.mean() - 127.5) < 2
 
 
 # ---------------------------------------------------------------- 3. manifests that could kill or hang a run
