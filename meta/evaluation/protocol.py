@@ -12,7 +12,8 @@ dataset (K shots), test on its test split and on the full test split of every ta
 
 Accuracies are in percent.  Every result is a JSON-able dict holding all hyper-parameters, the shots each
 train class really holds (``shots_per_class``: a class with fewer images than ``shots`` keeps them all) and the
-number of images left out as over the size caps (``skipped_oversized``); both are also one stderr line per evaluation run (``EvaluationSession.warned``).
+number of images left out as over the size caps (``skipped_oversized``); both are also one stderr line per
+evaluation run.
 """
 
 from __future__ import annotations
