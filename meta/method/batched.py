@@ -5,21 +5,14 @@ task, :class:`StackedPrompts`, connected to θ by ``expand``) and summing the ta
 
     L(θ_1..θ_B) = Σ_b L_b(θ_b)       so       ∂L/∂θ_b = ∇L_b(θ_b)
 
-because task b's loss reads only slice b.  The inner loop of :class:`meta.method.gram.GRAMMetaLearner` then runs
-unchanged on the stacked learner (learn2learn's GBML clone, whose R_φ clones act per task:
-:attr:`meta.method.regulator.GradientRegulator.task_dims`), whatever its update rule, and the query pass scores
-every task's θ'_b in one batched forward: the support and query images of all tasks go through the towers
-as one batch (each image with its task's visual prompts, a per-sample gather), the K class names of
-every task as ``B·K`` text sequences with that task's context.  The gradient of ``(1/B) Σ_b L_q,b(θ'_b)``
-reaches θ through ``expand`` as the sum over tasks, exactly what one backward per task accumulates.
+because task b's loss reads only slice b.  The inner loop then runs unchanged on the stacked learner (a GBML clone
+whose R_φ clones act per task: :attr:`meta.method.regulator.GradientRegulator.task_dims`), and one batched forward
+scores every task's θ'_b (:meth:`meta.method.learners.PromptLearner.stacked_features`).  The gradient of ``(1/B) Σ_b
+L_q,b(θ'_b)`` reaches θ through ``expand`` as the sum over tasks, exactly what one backward per task accumulates.
 
-Shapes (B tasks, K classes, n images per task):
-
-* stacked batch: ``classnames`` B lists of K names, ``label`` ``[B, n]``, ``images`` ``[B·n, 3, H, W]``
-  (task-major) or ``features`` ``[B, n, E]``;
-* batched loss: ``(Σ_b mean_i CE_b,i, logits [B, n, K])``; its features are the learner's
-  (:meth:`meta.method.learners.PromptLearner.stacked_features`: text ``[B, K, E]``, or ``[B, n, K, E]`` for a
-  learner whose text depends on each image), its logits :func:`meta.method.learners.feature_logits`.
+Shapes (B tasks, K classes, n images per task): a stacked batch holds ``classnames`` (B lists of K names), ``label``
+``[B, n]`` and ``images`` ``[B·n, 3, H, W]`` (task-major) or ``features`` ``[B, n, E]``; the batched loss is
+``(Σ_b mean_i CE_b,i, logits [B, n, K])``.
 
 :func:`stack_batches` returns ``None`` when tasks differ in shape (then the sequential path runs).
 """
@@ -46,14 +39,10 @@ TASK_BATCHING = ("auto", "on", "off")
 
 
 class StackedPrompts(nn.Module):
-    """θ of B tasks: each prompt tensor of a :class:`meta.method.prompts.PromptParams` with a leading task dim.
-
-    For the built-in learner: ``ctx`` ``[B, M, d_t]``, ``vpt`` ``[B, D, n, d_v]``, ``ctx_deep`` ``[B, J-1, M, d_t]``,
-    ``proj_weight`` ``[B, J, d_v, d_t]``, ``proj_bias`` ``[B, J, d_v]``; absent tensors are ``None``.  The tensors
-    sit in ``_parameters`` in θ's parameter order (the order of R_φ in GBML), as learn2learn's clones hold theirs,
-    so GBML's ``adapt`` / ``update_module`` treat them as the clone's parameters; ``learner`` is θ's, so the
-    towers are prompted by the same :class:`meta.method.learners.PromptLearner` (with the task dimension riding along).
-    """
+    """θ of B tasks: each prompt tensor of a :class:`meta.method.prompts.PromptParams` with a leading task dim
+    (``ctx`` ``[B, M, d_t]``, ...; absent ones ``None``).  They sit in ``_parameters`` in θ's parameter order, as
+    learn2learn's clones hold theirs, so GBML's ``update_module`` treats them as the clone's parameters; ``learner``
+    is θ's, so the same :class:`meta.method.learners.PromptLearner` prompts the towers."""
 
     def __init__(self, tensors: dict[str, Optional[torch.Tensor]], n_tasks: int, learner: str = DEFAULT_LEARNER):
         super().__init__()
@@ -82,10 +71,8 @@ class StackedPrompts(nn.Module):
 
 
 def stack_batches(batches: Sequence[dict]) -> Optional[dict]:
-    """One stacked batch from B task batches of equal shape (see module docstring), or ``None``.
-
-    ``None`` when the tasks differ in image count, class count, input kind or image size.
-    """
+    """One stacked batch from B task batches of equal shape (module docstring), or ``None`` when the tasks differ in
+    image count, class count, input kind or image size."""
     first = batches[0]
     kind = "images" if first.get("images") is not None else "features"
     if first.get(kind) is None:
@@ -118,10 +105,8 @@ def features(pclip: PromptedCLIP, prompts: nn.Module, batch: dict) -> tuple[torc
 
 
 def batched_classification_loss(pclip: PromptedCLIP) -> BatchedLossFn:
-    """The batched twin of :func:`meta.method.prompts.classification_loss`: ``(Σ_b L_b, logits [B, n, K])``.
-
-    ``L_b`` is task b's mean cross-entropy, exactly as the per-task loss computes it.
-    """
+    """The batched twin of :func:`meta.method.prompts.classification_loss`: ``(Σ_b L_b, logits [B, n, K])``, ``L_b``
+    task b's mean cross-entropy, exactly as the per-task loss computes it."""
 
     def loss_fn(prompts: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         logits = feature_logits(pclip.logit_scale, *features(pclip, prompts, batch))  # [B, n, K]
@@ -132,10 +117,8 @@ def batched_classification_loss(pclip: PromptedCLIP) -> BatchedLossFn:
 
 
 def stacked_learner(gbml: nn.Module, n_tasks: int, first_order: bool) -> nn.Module:
-    """A learn2learn clone of ``gbml`` whose module is θ stacked for ``n_tasks`` tasks.
-
-    Its R_φ clones regulate each task's slice on its own (``task_dims = 1``); the originals are untouched.
-    """
+    """A learn2learn clone of ``gbml`` whose module is θ stacked for ``n_tasks`` tasks; its R_φ clones regulate each
+    task's slice on its own (``task_dims = 1``), the originals are untouched."""
     learner = gbml.clone(first_order=first_order)
     learner.module = StackedPrompts.expand(learner.module, n_tasks)
     for module in learner.compute_update.modules():
@@ -160,17 +143,14 @@ class TaskBatching:
     def accumulate(
         self, learner: Any, tasks: Sequence[Any], loss_fn: Callable, backward: Callable = torch.Tensor.backward
     ) -> Optional[dict[str, float]]:
-        """:meth:`meta.method.gram.GRAMMetaLearner.accumulate` over task-stacked chunks, or ``None`` (run it
-        sequentially).
+        """:meth:`meta.method.gram.GRAMMetaLearner.accumulate` over task-stacked chunks (the same ``.grad`` and
+        task-averaged metrics), or ``None``: run it sequentially.
 
-        ``off`` -> ``None``; ``on`` -> all tasks in one chunk; ``auto`` -> the same on an accelerator (θ not on the
-        CPU), and on an out-of-memory error the gradients are cleared and the chunk halved (remembered in
-        :attr:`chunk` for later steps) until it fits or is one task (sequential); on the CPU ``auto`` runs
-        sequentially, so CPU results (the demo, the study, CI) stay those of the sequential path to the last digit
-        (the stacked pass agrees only to float rounding).  ``None`` also when ``loss_fn`` has no batched twin, for
-        one task, or when the tasks differ in shape.  Leaves ``(1/B) Σ_b ∇ L_q,b(θ'_b)`` in ``.grad`` like the
-        sequential path and returns the same task-averaged metrics.  ``None`` as well where
-        :func:`stacked_objective` is False.
+        ``off`` -> ``None``; ``on`` -> all tasks in one chunk; ``auto`` -> the same on an accelerator, where an
+        out-of-memory error clears the gradients and halves the chunk (kept in :attr:`chunk`) until it fits or is one
+        task; on the CPU ``auto`` runs sequentially, so CPU results (demo, study, CI) keep the sequential path's last
+        digit (the stacked pass agrees to float rounding).  ``None`` also without a batched twin of ``loss_fn``, for
+        one task, for tasks of different shapes or where :func:`stacked_objective` is False.
         """
         fn = batched_loss_of(loss_fn)
         if self.mode == "off" or fn is None or len(tasks) < 2 or not stacked_objective(learner.spec):

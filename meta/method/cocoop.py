@@ -58,9 +58,7 @@ def linear_default_init(
     bias [d_out])``, both U(-1/√d_in, 1/√d_in) (Kaiming-uniform with a = √5 gives the weight that bound), weight
     first as ``reset_parameters`` draws them."""
     bound = 1.0 / math.sqrt(d_in)
-    weight = (torch.rand(d_out, d_in, generator=generator) * 2.0 - 1.0) * bound
-    bias = (torch.rand(d_out, generator=generator) * 2.0 - 1.0) * bound
-    return weight, bias
+    return tuple((torch.rand(*shape, generator=generator) * 2.0 - 1.0) * bound for shape in ((d_out, d_in), (d_out,)))
 
 
 def meta_net(prompts: Any, image: torch.Tensor) -> torch.Tensor:
@@ -180,13 +178,8 @@ class CoCoOp(PromptLearner):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(image [n, E], text [n, C, E])``: the frozen image features (or the cached ``image_features``) and
         each image's class embeddings under its own context."""
-        if image_features is None:
-            if images is None:
-                raise ValueError("need images or image_features")
-            image_features = pclip.encode_images(images, None)
-        return image_features, self.conditioned_text(
-            pclip, prompts, image_features, [list(classnames)] * image_features.shape[0]
-        )
+        image = self.image_side(pclip, prompts, images, image_features)
+        return image, self.conditioned_text(pclip, prompts, image, [list(classnames)] * image.shape[0])
 
     def stacked_features(
         self,
@@ -198,12 +191,7 @@ class CoCoOp(PromptLearner):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """B tasks in one pass: ``(image [B, n, E], text [B, n, K, E])``; ``prompts`` stacked ``[B, ...]``,
         ``images`` ``[B·n, 3, H, W]`` task-major or ``image_features`` ``[B, n, E]``; B·n·K text sequences."""
-        n_tasks = len(classnames)
-        image = image_features
-        if image is None:
-            if images is None:
-                raise ValueError("need images or image_features")
-            image = pclip.encode_images(images, None).view(n_tasks, images.shape[0] // n_tasks, -1)
+        image = self.image_side(pclip, prompts, images, image_features, len(classnames))
         rows = [list(names) for names in classnames for _ in range(image.shape[1])]
         return image, self.conditioned_text(pclip, prompts, image, rows)
 

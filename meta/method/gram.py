@@ -1,31 +1,20 @@
 """GRAM's bi-level meta-learner (paper Algorithm 1) on top of ``learn2learn.algorithms.GBML``.
 
-Per task t (inner loop, Eq. 7)::
+Per task t the inner loop (Eq. 7, :mod:`meta.method.inner`) takes ``inner_steps`` regulated steps
+θ'_t = θ − α · R_φ(∇_θ L(θ, D_support_t)), heavy-ball SGD with ``inner_momentum`` μ as the test-time optimiser
+(v ← μ v + ĝ, θ ← θ − α v, v = 0 at the start of every task; no effect with one step).  The outer loop (Eqs. 8-9)
+updates θ with lr λ1 and φ with lr λ2 from ``Σ_t L(θ'_t, D_query_t)``, second order by default; the outer loss and
+its optional term (``query_before_weight`` w: ``+ w · L(θ, D_query_t)``, θ asked to be good before any step, where a
+downstream schedule with a tiny warm-up lr leaves it) are :class:`meta.method.objective.OuterObjective`, shared with
+the task-stacked loop (:mod:`meta.method.batched`).
 
-    θ'_t = θ − α · R_φ(∇_θ L(θ, D_support_t))        (``inner_steps`` times)
+GBML wraps only θ (:class:`meta.method.prompts.PromptParams`); the regulators R_φ are its per-parameter transforms
+and the frozen CLIP lives outside, so ``GBML.clone()`` copies θ (and the small φ) per task.
 
-With ``inner_momentum`` μ > 0 the inner steps are heavy-ball SGD on the regulated
-gradient, as the test-time optimiser (torch SGD: v ← μ v + ĝ, θ ← θ − α v, v = 0 at
-the start of every task); with one inner step μ has no effect.
-
-then the outer loop (Eqs. 8-9) updates θ with lr λ1 and φ with lr λ2 from
-``Σ_t L(θ'_t, D_query_t)``, second order by default.  The outer loss and its optional terms
-(``query_before_weight`` w: ``+ w · L(θ, D_query_t)``, θ asked to be good before any step, where a downstream
-schedule that starts with a tiny warm-up lr leaves it) are one object,
-:class:`meta.method.objective.OuterObjective`, used by the sequential loop here and the task-stacked one
-(:mod:`meta.method.batched`).
-
-GBML wraps only the prompt module θ (:class:`meta.method.prompts.PromptParams`); the
-regulators R_φ are its per-parameter transforms.  The frozen CLIP lives outside
-and is never cloned: ``GBML.clone()`` copies θ (and the small φ) per task.
-
-Memory: one backward per task (``loss_q / B``), so a task's graph is freed before
-the next is built; unless ``task_batching`` stacks the tasks into one pass (:mod:`meta.method.batched`: the same
-gradients, all tasks' graphs alive at once, halved on out-of-memory under ``auto``).  Second order needs a
-double-differentiable attention kernel:
-the CLIP blocks attend through ``F.scaled_dot_product_attention`` (:mod:`meta.model.blocks`), and
-the support forward runs under its MATH backend when second order (the fused CPU / flash /
-memory-efficient kernels have no double backward).
+Memory: one backward per task (``loss_q / B``) frees a task's graph before the next is built, unless
+``task_batching`` stacks the tasks into one pass (the same gradients, all graphs alive at once, halved on
+out-of-memory under ``auto``).  Second order runs the support forward under the MATH kernel of
+``F.scaled_dot_product_attention`` (:mod:`meta.model.blocks`): the fused kernels have no double backward.
 """
 
 from __future__ import annotations
@@ -41,17 +30,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from meta.method import batched
 from meta.method._l2l import l2l
-from meta.method.inner import SUPPORT_MODES, InnerRule, inner_loop, support_windows, task_loss_of
+from meta.method.inner import SUPPORT_MODES, InnerRule, LossFn, inner_loop, support_windows, task_loss_of
 from meta.method.metrics import accuracy
 from meta.method.objective import OuterObjective
 from meta.method.prompts import PromptParams
 from meta.method.regulator import GradientRegulator, RegulatorFactory, RegulatorSpec
 from meta.model import precision
 from meta.model.layer_norm import closed_form_layer_norm
-
-# loss_fn(prompt_module, batch) -> (loss scalar, logits [n, K])
-LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]]
-
 
 # Default weight of the before-adaptation query loss (MetaSpec.query_before_weight, META.QUERY_BEFORE_WEIGHT, the
 # demo): chosen on validation splits with the test-time switches of meta.finetune.regulated
@@ -129,17 +114,15 @@ class GRAMMetaLearner(nn.Module):
     """
     **Description**
 
-    GRAM's bi-level learner (paper Algorithm 1): θ, the prompts, wrapped in learn2learn's ``GBML`` whose
-    per-tensor transforms are the regulators R_φ. Per task, :meth:`adapt` clones θ and unrolls the regulated inner
-    loop (:func:`meta.method.inner.inner_loop`) on the support; :meth:`accumulate` backpropagates the query loss at
-    θ' into θ and φ, second order by default.  The outer update (θ at lr λ1, φ at lr λ2: optimiser, clipping, fp16
-    loss scaling) is the caller's, as in learn2learn: :class:`meta.metatrain.outer.OuterStep`.
+    θ wrapped in learn2learn's ``GBML`` whose per-tensor transforms are the regulators R_φ. Per task,
+    :meth:`adapt` clones θ and unrolls the regulated inner loop on the support; :meth:`accumulate` backpropagates the
+    query loss at θ' into θ and φ.  The outer update (optimiser, clipping, fp16 loss scaling) is the caller's, as in
+    learn2learn: :class:`meta.metatrain.outer.OuterStep`.
 
     **Arguments**
 
     * **prompts** (PromptParams) - θ (moved into the GBML wrapper; the frozen CLIP stays outside).
-    * **spec** (MetaSpec, *optional*) - inner and outer loop settings (inner lr α, steps, momentum, weight
-      decay, regulator, task batching, ...).
+    * **spec** (MetaSpec, *optional*) - the bi-level loop's settings.
     * **labels_of** (callable, *optional*) - ``labels_of(batch) -> [n]`` integer labels, for accuracies.
 
     **Example**
@@ -194,12 +177,8 @@ class GRAMMetaLearner(nn.Module):
     def regulators(self) -> dict[str, GradientRegulator]:
         """``{prompt parameter name: R_φ}`` (empty when regulation is off)."""
         update = self.gbml.compute_update
-        names = [n for n, _ in self.prompt_module.named_parameters()]
-        out = {}
-        for name, idx in zip(names, update.transforms_indices):
-            if idx is not None:
-                out[name] = update.transforms_modules[idx]
-        return out
+        pairs = zip(self.prompt_module.named_parameters(), update.transforms_indices)
+        return {name: update.transforms_modules[i] for (name, _), i in pairs if i is not None}
 
     @property
     def objective(self) -> OuterObjective:
@@ -210,11 +189,8 @@ class GRAMMetaLearner(nn.Module):
     def adapt(
         self, loss_fn: LossFn, support: Any, first_order: Optional[bool] = None, steps: Optional[int] = None
     ) -> tuple[l2l.algorithms.GBML, list[float], list[float]]:
-        """Clone θ and take ``inner_steps`` regulated steps on ``support``.
-
-        Returns ``(learner, support losses, support accuracies)``; the losses/accuracies are those
-        computed *before* each step.  ``learner.module`` holds θ' (connected to θ and φ).
-        """
+        """Clone θ and take ``inner_steps`` regulated steps on ``support``: ``(learner, support losses, support
+        accuracies)``, measured *before* each step; ``learner.module`` holds θ' (connected to θ and φ)."""
         learner, losses, accs = self.unroll(loss_fn, support, first_order, steps)
         return learner, [float(x) for x in losses], [float(x) for x in accs]
 
@@ -242,12 +218,8 @@ class GRAMMetaLearner(nn.Module):
         steps: Optional[int] = None,
         start: Optional[l2l.algorithms.GBML] = None,
     ) -> tuple[l2l.algorithms.GBML, list[torch.Tensor], list[torch.Tensor]]:
-        """:meth:`adapt` with metrics kept as 0-d tensors (no host sync inside the loop).
-
-        A thin caller of :func:`meta.method.inner.inner_loop`: clone θ, deal the support into the steps' windows
-        (``spec.inner_support``), unroll ``inner_rule()``.  ``start``: the clone to adapt (default
-        ``self.gbml.clone()``); :mod:`meta.method.batched` passes θ stacked for B tasks with a loss summed over them.
-        """
+        """:meth:`adapt` with metrics kept as 0-d tensors (no host sync): clone θ (or adapt ``start``, e.g. θ stacked
+        for B tasks by :mod:`meta.method.batched`), deal the support into windows, unroll ``inner_rule()``."""
         first_order = self.spec.first_order if first_order is None else first_order
         learner = self.gbml.clone(first_order=first_order) if start is None else start
         windows = support_windows(support, self.spec.inner_steps if steps is None else steps, self.spec.inner_support)
@@ -270,15 +242,11 @@ class GRAMMetaLearner(nn.Module):
         detailed: bool = False,
         backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
     ) -> dict[str, float]:
-        """Leave ``∇_{θ,φ} (1/B) Σ_t L_out,t`` in ``.grad`` (:attr:`objective`, one backward per task and term).
+        """Leave ``∇_{θ,φ} (1/B) Σ_t L_out,t`` in ``.grad`` (:attr:`objective`, one backward per task and term;
+        ``backward``: the outer step's, e.g. fp16-scaled) and return task-averaged metrics.
 
-        The outer update that follows (optimiser, clipping, the fp16 GradScaler, whose scaled backward comes in as
-        ``backward``) is meta-training's: :class:`meta.metatrain.outer.OuterStep`.
-
-        Returns task-averaged metrics.  With ``detailed``, also computes (at extra cost)
-        the query loss/accuracy at θ (before adaptation), the support loss/accuracy at θ'
-        and the normalised inner product between the regulated support update
-        (θ − θ')/α and the query gradient ∇_θ L(θ, D_query) (the paper's Fig. 3b).
+        With ``detailed``, also (at extra cost) the query loss/accuracy at θ, the support loss/accuracy at θ' and the
+        cosine between the regulated support update (θ − θ')/α and the query gradient at θ (the paper's Fig. 3b).
         """
         self.train()
         self.zero_grad(set_to_none=True)

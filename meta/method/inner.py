@@ -1,12 +1,9 @@
 """GRAM's inner loop: the regulated, differentiable update rule of one task (paper Eq. 7 and its unroll).
 
-One function, :func:`inner_loop`, takes the steps; :class:`InnerRule` says which optimiser it unrolls;
-:func:`support_windows` says which data each step sees.  :meth:`meta.method.gram.GRAMMetaLearner.unroll` is a
-thin caller, and so is any batched outer step (one task at a time or many): it clones θ once per task
-(``learner = meta_learner.gbml.clone(first_order=...)``), builds the task's windows with
-:func:`support_windows`, calls :func:`inner_loop` with ``meta_learner.inner_rule()``, and evaluates the
-query loss on ``learner.module`` (θ', connected to θ and φ).  Nothing here knows how many tasks an outer
-step holds.
+:func:`inner_loop` takes the steps, :class:`InnerRule` says which optimiser it unrolls and :func:`support_windows`
+which data each step sees.  A caller (:meth:`meta.method.gram.GRAMMetaLearner.unroll`, for one task or a task
+stack) clones θ per task, calls :func:`inner_loop` and evaluates the query loss on ``learner.module`` (θ', connected
+to θ and φ); nothing here knows how many tasks an outer step holds.
 
 With a gate (``META.REGULATOR.FORM gate``, :class:`meta.method.regulator.GradientGate`) the loss comes in two parts,
 ``loss_fn.parts(module, batch) -> (task, regulariser, logits)``, and u_k = R_φ(∇ task, ∇ regulariser): the task
@@ -37,7 +34,7 @@ from torch import nn
 
 from meta.method._l2l import l2l
 from meta.method.metrics import accuracy_t
-from meta.method.regulator import is_gated
+from meta.method.regulator import is_gated, regulate
 
 # loss_fn(prompt_module, batch) -> (loss scalar, logits [n, K])
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]]
@@ -84,14 +81,9 @@ class InnerRule:
         return [u if v is None or u is None else mu * v + u for v, u in zip(previous, updates)]
 
 
-def _rows(batch: Any) -> int:
-    label = batch["label"]
-    return int(label.shape[0])
-
-
 def _take(batch: dict, index: torch.Tensor) -> dict:
     """``batch`` restricted to rows ``index``: every tensor whose first dim is the batch size is indexed."""
-    n = _rows(batch)
+    n = int(batch["label"].shape[0])
     out = {}
     for key, value in batch.items():
         if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == n:
@@ -113,12 +105,10 @@ def support_windows(support: Any, steps: int, mode: str = "repeat") -> list:
     """
     if steps < 1:
         raise ValueError(f"inner steps must be >= 1, got {steps}")
-    if mode == "repeat" or steps == 1:
-        if mode not in SUPPORT_MODES:
-            raise ValueError(f"META.INNER_SUPPORT: expected {' | '.join(SUPPORT_MODES)}, got {mode!r}")
-        return [support] * steps
-    if mode != "split":
+    if mode not in SUPPORT_MODES:
         raise ValueError(f"META.INNER_SUPPORT: expected {' | '.join(SUPPORT_MODES)}, got {mode!r}")
+    if mode == "repeat" or steps == 1:
+        return [support] * steps
     labels = support["label"].detach().cpu()
     rank = torch.empty_like(labels)
     for c in labels.unique():
@@ -166,10 +156,7 @@ def gated_updates(
             out.append(None)
             continue
         gt = torch.zeros_like(gr) if gt is None else gt
-        if index is None:
-            out.append(gt if gr is None else gt + gr)
-        else:
-            out.append(update.transforms_modules[index](gt, gr))
+        out.append(regulate(None if index is None else update.transforms_modules[index], gt, gr))
     return out
 
 

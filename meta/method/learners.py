@@ -1,27 +1,23 @@
 """Prompt learners as objects, and their registry (open_clip's model-config registry, CoOp's one class per trainer).
 
-A prompt learner says how θ is held and how it prompts the frozen CLIP's towers.  θ itself is always one
-:class:`meta.method.prompts.PromptParams` (learn2learn's GBML clones it per task); the learner object it names
-(``PromptParams.learner``, a registry key) supplies everything that depends on which tensors θ holds:
+θ is always one :class:`meta.method.prompts.PromptParams` (learn2learn's GBML clones it per task); the learner
+object it names (``PromptParams.learner``, a registry key) supplies everything that depends on which tensors θ holds:
 
-* :meth:`PromptLearner.structure_of` / :meth:`PromptLearner.shapes_of`: the structure a
-  :class:`meta.method.prompts.PromptSpec` asks for on a CLIP, as init files record it (``prompt`` metadata), and the
-  tensors ``{name: [shape]}`` that structure holds, in θ's parameter order (= the order of R_φ in GBML);
+* :meth:`PromptLearner.structure_of` / :meth:`PromptLearner.shapes_of`: the structure a ``PromptSpec`` asks for on a
+  CLIP, as init files record it, and its tensors ``{name: [shape]}`` in θ's parameter order (= the order of R_φ);
 * :meth:`PromptLearner.init`: the start tensors (random draws from the caller's generator);
-* :meth:`PromptLearner.text_prompts` / :meth:`PromptLearner.visual_prompts`: what the towers receive, read from
-  any object carrying the tensors as attributes (θ, its learn2learn clones, a task stack ``[B, ...]`` of
-  :mod:`meta.method.batched`), so every leading task dimension must ride along;
+* :meth:`PromptLearner.text_prompts` / :meth:`PromptLearner.visual_prompts`: what the towers receive, read from any
+  object carrying the tensors as attributes (θ, its clones, a task stack ``[B, ...]``: leading dims ride along);
 * :meth:`PromptLearner.features` / :meth:`PromptLearner.stacked_features` / :meth:`PromptLearner.logits`: the
-  forward from θ, images and class names to features and logits, one task or a task stack.  The default composes
-  the two methods above with the frozen towers of a :class:`meta.method.prompts.PromptedCLIP`; a learner whose
-  text prompts depend on each image (CoCoOp's meta-net, Zhou et al. CVPR 2022) overrides the two ``features``
-  methods, sets :attr:`PromptLearner.per_image_text` and returns text features per image (``[n, C, E]``).
-  :class:`meta.method.prompts.PromptedCLIP`, the task-stacked loss of :mod:`meta.method.batched` and the Dassl
-  model (``trainers/gram/model.py``) all call these methods; :func:`feature_logits` is the one product.
+  forward from θ, images and class names, one task or a task stack.  The default composes the two methods above with
+  the frozen towers of a :class:`meta.method.prompts.PromptedCLIP`; a learner whose text prompts depend on each image
+  (CoCoOp's meta-net, Zhou et al. CVPR 2022) overrides both ``features`` methods, sets
+  :attr:`PromptLearner.per_image_text` and returns text features per image (``[n, C, E]``).  PromptedCLIP, the
+  task-stacked loss and the Dassl model all call these; :func:`feature_logits` is the one product.
 
-Adding a learner is one subclass and one :func:`register_learner` call (plus, for the method table, one row of
-``meta/method/methods.yaml``); nothing else in the library names its tensors.  The built-in learner ``clip``
-(:class:`meta.method.prompts.ClipPrompts`) covers CoOp, VPT, UNIGRAM, IVLP and MaPLe by its spec fields.
+Adding a learner is one subclass and one :func:`register_learner` call (plus one row of ``methods.yaml`` for the
+method table).  The built-in learner ``clip`` (:class:`meta.method.prompts.ClipPrompts`) covers CoOp, VPT, UNIGRAM,
+IVLP and MaPLe.
 """
 
 from __future__ import annotations
@@ -44,12 +40,9 @@ _REGISTRY: dict[str, "PromptLearner"] = {}
 class PromptLearner:
     """How one kind of prompt learner holds θ and prompts CLIP's towers (see the module docstring).
 
-    Subclasses set :attr:`key` and :attr:`tensor_names` and implement the methods below (the forward methods,
-    :meth:`features`, :meth:`stacked_features` and their parts, have defaults built on :meth:`text_prompts` and
-    :meth:`visual_prompts`; a learner with per-image text overrides the two ``features`` methods).  ``structure`` dicts
-    hold at least ``n_ctx_text`` (M, the context positions of the text prompt, 0 = the fixed template),
-    ``n_ctx_vision`` and ``vision_depth`` (free visual tokens), ``text_depth`` and ``coupling`` (what init files
-    have always recorded); a learner may add fields of its own.
+    Subclasses set :attr:`key` and :attr:`tensor_names` and implement the methods that raise here.  ``structure``
+    dicts hold at least ``n_ctx_text`` (M, 0 = the fixed template), ``n_ctx_vision`` and ``vision_depth`` (free
+    visual tokens), ``text_depth`` and ``coupling``; a learner may add fields of its own.
     """
 
     key: str = ""
@@ -106,8 +99,7 @@ class PromptLearner:
     def text_features(self, pclip: Any, prompts: Any, classnames: Sequence[str]) -> torch.Tensor:
         """``[C, E]`` L2-normalised class embeddings of θ (``prompts``) through ``pclip``'s frozen text tower.
 
-        ValueError for a learner with :attr:`per_image_text` (its text side needs the images: use
-        :meth:`features`)."""
+        ValueError for a learner with :attr:`per_image_text` (its text side needs the images: use :meth:`features`)."""
         if self.per_image_text:
             raise ValueError(
                 f"prompt learner {self.key!r}: text features depend on each image; use features() or logits()"
@@ -119,6 +111,20 @@ class PromptLearner:
         """``[n, E]`` L2-normalised image embeddings of ``images`` ``[n, 3, H, W]`` with θ's visual prompts."""
         return pclip.encode_images(images, self.visual_prompts(prompts))
 
+    def image_side(
+        self, pclip: Any, prompts: Any, images: Optional[torch.Tensor], cached: Optional[torch.Tensor], tasks: int = 0
+    ) -> torch.Tensor:
+        """``cached`` image features (from the frozen tower: refused when θ prompts it), else :meth:`image_features`
+        of ``images``: ``[n, E]``, or ``[B, n, E]`` for ``tasks`` B (images task-major)."""
+        if cached is not None:
+            if self.has_visual_prompts(prompts):
+                raise ValueError("cached image_features cannot be used with visual prompts; pass images")
+            return cached
+        if images is None:
+            raise ValueError("need images or image_features")
+        image = self.image_features(pclip, prompts, images)
+        return image.view(tasks, images.shape[0] // tasks, -1) if tasks else image
+
     def features(
         self,
         pclip: Any,
@@ -129,15 +135,8 @@ class PromptLearner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(image [n, E], text [C, E] or per image [n, C, E])``, L2-normalised: what :meth:`logits` multiplies.
 
-        ``images`` ``[n, 3, H, W]``, or ``image_features`` ``[n, E]`` (normalised, cached from the frozen image
-        tower: refused when θ prompts that tower)."""
-        if image_features is None:
-            if images is None:
-                raise ValueError("need images or image_features")
-            image_features = self.image_features(pclip, prompts, images)
-        elif self.has_visual_prompts(prompts):
-            raise ValueError("cached image_features cannot be used with visual prompts; pass images")
-        return image_features, self.text_features(pclip, prompts, classnames)
+        ``images`` ``[n, 3, H, W]``, or ``image_features`` ``[n, E]`` (:meth:`image_side`)."""
+        return self.image_side(pclip, prompts, images, image_features), self.text_features(pclip, prompts, classnames)
 
     def stacked_features(
         self,
@@ -156,14 +155,7 @@ class PromptLearner:
         if self.per_image_text:
             raise ValueError(f"prompt learner {self.key!r}: per-image text needs its own stacked_features()")
         n_tasks = len(classnames)
-        if image_features is not None:
-            if self.has_visual_prompts(prompts):
-                raise ValueError("cached image features cannot be used with visual prompts; pass images")
-            image = image_features
-        else:
-            if images is None:
-                raise ValueError("need images or image_features")
-            image = self.image_features(pclip, prompts, images).view(n_tasks, images.shape[0] // n_tasks, -1)
+        image = self.image_side(pclip, prompts, images, image_features, n_tasks)
         n_cls = len(classnames[0])
         flat = [c for names in classnames for c in names]
         if pclip.n_ctx_text == 0:  # the fixed template: cached per class name

@@ -184,15 +184,14 @@ _LEARNER_FIELDS = ("trainer", "text", "vision", "coupling", "vpt_init", "full_te
 
 @dataclass(frozen=True)
 class Learner:
-    """One prompt learner (a Dassl trainer): whether it learns text context, its own visual prompt tokens,
-    and how the towers' prompts are tied (``coupling``, :class:`meta.method.prompts.PromptSpec`).
+    """One prompt learner (a Dassl trainer): whether it learns text context, its own visual prompt tokens, and how
+    the towers' prompts are tied (``coupling``, :class:`meta.method.prompts.PromptSpec`).
 
-    ``name`` and ``shape`` come from the learner's reference row, its first method row with learnable prompts in
-    table order (``""`` / ``()`` for a learner without one): the row's key names the learner in the golden
-    fingerprint's digests and in the benchmarks' and the planner's figures, and ``shape`` holds the
-    :class:`meta.method.prompts.PromptSpec` fields of its tokens, depths, coupling and prompt learner as
-    ``(field, value)`` pairs, plus ``vpt_init`` when the learner row gives one.  ``full_text_depth`` (``None``: the
-    row's depth) is the text depth at full size where the method rows take every layer of the world's 2-layer CLIP.
+    ``name`` and ``shape`` come from its reference row, the first method row with learnable prompts in table order
+    (``""`` / ``()`` without one): the row's key names the learner in the golden fingerprint's digests and in the
+    benchmarks' and planner's figures, ``shape`` holds that row's PromptSpec fields as ``(field, value)`` pairs (plus
+    ``vpt_init`` when the learner row gives one).  ``full_text_depth`` (``None``: the row's depth) is the text depth at
+    full size where the method rows take every layer of the world's 2-layer CLIP.
     """
 
     trainer: str
@@ -205,9 +204,8 @@ class Learner:
     shape: tuple = ()
 
     def prompt_fields(self, size: str = "tiny") -> dict:
-        """``{PromptSpec field: value}`` of the reference shape at ``size`` (:data:`PROMPT_SIZES`); fields left out
-        take PromptSpec's defaults.  :class:`MethodTableError` for an unknown size or a learner without a reference
-        row."""
+        """``{PromptSpec field: value}`` of the reference shape at ``size`` (:data:`PROMPT_SIZES`); fields left out take
+        PromptSpec's defaults.  :class:`MethodTableError` for an unknown size or a learner without a reference row."""
         if size not in PROMPT_SIZES:
             raise MethodTableError(f"prompt size {size!r}: expected one of {', '.join(PROMPT_SIZES)}")
         if not self.shape:
@@ -387,13 +385,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             if args[2] not in _TYPES:
                 raise MethodTableError(f"unknown field {args[2]!r}: expected one of {', '.join(_TYPES)}")
             value = getattr(m, args[2])
-            print(
-                str(value).lower()
-                if isinstance(value, bool)
-                else " ".join(value)
-                if isinstance(value, tuple)
-                else value
-            )
+            print({bool: lambda v: str(v).lower(), tuple: " ".join}.get(type(value), str)(value))
             return 0
     except MethodTableError as err:
         print(err, file=sys.stderr)
@@ -401,26 +393,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("usage: python -m meta.method.methods [keys [--dassl] | get KEY FIELD]", file=sys.stderr)
     return 2
 
-
-__all__ = [
-    "Method",
-    "Learner",
-    "MethodTableError",
-    "TABLE_FILE",
-    "load_methods",
-    "load_learners",
-    "methods",
-    "learners",
-    "learner_shapes",
-    "PROMPT_SIZES",
-    "get",
-    "label",
-    "canonical_key",
-    "preset_keys",
-    "STRUCTURE_FIELDS",
-    "START_FIELDS",
-    "dassl_keys",
-]
 
 if __name__ == "__main__":
     sys.exit(main())

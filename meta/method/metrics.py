@@ -20,6 +20,3 @@ def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
 def count_correct(logits: torch.Tensor, labels: torch.Tensor) -> int:
     """Top-1 hits of ``logits`` ``[n, C]`` against ``labels`` ``[n]`` (moved to ``logits``' device)."""
     return int((logits.detach().argmax(dim=-1) == labels.to(logits.device)).sum())
-
-
-__all__ = ["accuracy_t", "accuracy", "count_correct"]

@@ -5,18 +5,12 @@ For one task (the sequential loop of :meth:`meta.method.gram.GRAMMetaLearner.acc
 
     L_out = L_q(θ') + w · L_q(θ)
 
-The support loss is ``loss_fn`` (with a regulariser when it has one); every query loss is its task part alone
-(:func:`meta.method.inner.task_loss_of`: the cross-entropy), which is what the downstream benchmark scores.
-
-* ``L_q(θ')``: the query loss at the adapted prompts θ' = inner_loop(θ) (paper Eq. 8; second order unless the
-  learner is first order);
-* ``w · L_q(θ)`` (``query_before_weight`` w, ``META.QUERY_BEFORE_WEIGHT``): θ is also asked to be good before
-  any step; the term reaches θ only (φ does not act before a step).
-
-Each term is backpropagated on its own, scaled by ``1 / n_tasks`` of the whole meta-batch, so a task's graph is
-freed before the next term is built and ``.grad`` ends as ``∇ (1/B) Σ_b L_out,b`` whichever loop ran.
-The learner contributes only what it owns: cloning and adapting θ (``unroll``), the forward context and the
-backward (its GradScaler).
+with ``L_q(θ')`` the query loss at the adapted prompts θ' (paper Eq. 8) and ``w · L_q(θ)`` (``query_before_weight``
+w) asking θ to be good before any step too (it reaches θ only: φ does not act before a step).  The support loss is
+``loss_fn`` (with its regulariser); every query loss is its task part alone (:func:`meta.method.inner.task_loss_of`),
+which is what the downstream benchmark scores.  Each term is backpropagated on its own, scaled by ``1 / n_tasks`` of
+the whole meta-batch, so a task's graph is freed before the next term is built and ``.grad`` ends as
+``∇ (1/B) Σ_b L_out,b`` whichever loop ran.
 """
 
 from __future__ import annotations
@@ -27,20 +21,13 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from meta.method.inner import task_loss_of
+from meta.method.inner import LossFn, task_loss_of
 from meta.method.metrics import accuracy_t
-
-# loss_fn(prompt_module, batch) -> (loss scalar, logits [n, K] or [B, n, K] for a task stack)
-LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
 class OuterObjective:
-    """The outer loss's terms (module docstring).
-
-    Attributes:
-        query_before_weight: w of ``L_q(θ)``; 0 = the paper's objective (Eq. 8).
-    """
+    """The outer loss's terms (module docstring): ``query_before_weight`` w of ``L_q(θ)``, 0 = Eq. 8."""
 
     query_before_weight: float = 0.0
 

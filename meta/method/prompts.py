@@ -10,29 +10,25 @@ towers).  The built-in learner, :class:`ClipPrompts` (key ``clip``), holds these
 * ``ctx_deep``: ``[J - 1, M, d_t]`` deep text prompts (IVLP / MaPLe ``PROMPT_DEPTH`` J > 1): before
   text block ``i`` (``1 <= i < J``) the hidden states at the M context positions are replaced by
   ``ctx_deep[i - 1]`` (:func:`meta.model.text_encoder.encode_text_with_context`);
-* ``proj_weight`` ``[J, d_v, d_t]`` and ``proj_bias`` ``[J, d_v]``: MaPLe's coupling.  The visual
-  prompts of vision layer ``i < J`` are not free parameters but ``t_i W_iᵀ + b_i`` with ``t_0 = ctx``
-  and ``t_i = ctx_deep[i - 1]`` (:func:`visual_prompts`); they then enter the vision tower exactly
-  as deep VPT tokens do.  (MaPLe, Khattak et al. CVPR 2023, Eqs. for the V-L coupling function
-  F_i; muzairkhattak/multimodal-prompt-learning ``trainers/maple.py``: ``proj`` for layer 0 and
-  ``compound_prompt_projections`` for layers 1..J-1.)
+* ``proj_weight`` ``[J, d_v, d_t]`` and ``proj_bias`` ``[J, d_v]``: MaPLe's coupling.  The visual prompts of vision
+  layer ``i < J`` are not free parameters but ``t_i W_iᵀ + b_i`` with ``t_0 = ctx`` and ``t_i = ctx_deep[i - 1]``
+  (:func:`visual_prompts`); they then enter the vision tower exactly as deep VPT tokens do.  (MaPLe, Khattak et al. CVPR
+  2023, Eqs. for the V-L coupling function F_i; muzairkhattak/multimodal-prompt-learning ``trainers/maple.py``: ``proj``
+  for layer 0 and ``compound_prompt_projections`` for layers 1..J-1.)
 
 Every tensor is one θ tensor for the meta-learner: one R_φ each (layers of one tensor share a shape,
 so they share R_φ, as deep VPT does).
 
-The frozen CLIP is *not* a submodule of it; :class:`PromptedCLIP` holds the CLIP
-and takes the prompt module at call time.  That is what lets learn2learn's
-``GBML`` clone only θ per task (never the CLIP weights).
+The frozen CLIP is *not* a submodule of it; :class:`PromptedCLIP` holds the CLIP and takes the prompt module at call
+time.  That is what lets learn2learn's ``GBML`` clone only θ per task (never the CLIP weights).
 
-Methods: CoOp = text only; VPT = vision only, text side the fixed prompt
-``"a photo of a {}."`` (paper's VPT baseline); UNIGRAM = both (paper: 2 + 2); IVLP = deep text
-and deep visual prompts, independent (``text_depth`` J, ``vision_depth`` D); MaPLe = deep text
-prompts plus coupled visual prompts (``coupling="maple"``).
+Methods: CoOp = text only; VPT = vision only, text side the fixed prompt ``"a photo of a {}."`` (paper's VPT baseline);
+UNIGRAM = both (paper: 2 + 2); IVLP = deep text and deep visual prompts, independent (``text_depth`` J, ``vision_depth``
+D); MaPLe = deep text prompts plus coupled visual prompts (``coupling="maple"``).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, replace
 from typing import Optional, Sequence
 
@@ -40,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import meta.method.cocoop  # noqa: F401  (the learners shipped beside the built-in one register wherever θ is built)
+from meta.method.cocoop import linear_default_init  # (importing it registers CoCoOp wherever θ is built)
 from meta.method.consistency import ConsistencySpec, consistency_penalty, frozen_reference
 from meta.method.learners import (
     DEFAULT_LEARNER,
@@ -129,10 +125,9 @@ class PromptSpec:
         vpt_init: how the visual tokens start (:data:`VPT_INITS`, :func:`initial_visual_prompts`):
             ``normal`` = N(0, init_std²) (CoOp / MaPLe); ``zeros``; ``cls`` = the frozen CLS input
             token + N(0, init_std²); ``patch_mean`` = the mean patch position code + N(0, init_std²).
-        text_depth: J, text layers that receive learnable context (1 = CoOp; J > 1 adds ``ctx_deep``
-            for layers 1..J-1, started from N(0, init_std²) as IVLP and MaPLe do; 0 = every text layer,
-            with ``maple`` every layer both towers have; see :meth:`resolved`).  ``vision_depth`` 0 = every
-            vision layer likewise.
+        text_depth: J, text layers that receive learnable context (1 = CoOp; J > 1 adds ``ctx_deep`` for layers 1..J-1,
+            started from N(0, init_std²) as IVLP and MaPLe do; 0 = every text layer, with ``maple`` every layer both
+            towers have; see :meth:`resolved`).  ``vision_depth`` 0 = every vision layer likewise.
         coupling: ``none`` (visual prompts, if any, are their own tensor ``vpt``) or ``maple`` (the
             visual prompts of the first J vision layers are projections of the J text prompts; then
             ``n_ctx_vision`` must be 0: MaPLe has no independent visual prompts).
@@ -205,11 +200,8 @@ class PromptParams(nn.Module):
 
     * **learner** (str, *optional*) - the prompt learner (:mod:`meta.method.learners` key, default ``clip``); it names
       the tensors θ may hold, checks them against each other and says how they prompt the towers.
-    * **tensors** (Tensor, *optional*, by name) - for ``clip`` (:class:`ClipPrompts`): ``ctx`` ``[M, d_t]``
-      (CoOp; layer 0 of deep text prompts), ``vpt`` ``[D, n, d_v]`` (D = 1 shallow VPT, D > 1 deep), ``ctx_deep``
-      ``[J-1, M, d_t]`` (IVLP, MaPLe), ``proj_weight`` ``[J, d_v, d_t]`` and ``proj_bias`` ``[J, d_v]`` (MaPLe's
-      coupling: the visual prompts of layer j are ``ctx_j @ W_j.T + b_j``; ``vpt`` is then ``None``); at least one
-      of ``ctx`` and ``vpt``.
+    * **tensors** (Tensor, *optional*, by name) - the learner's tensors; for ``clip`` (:class:`ClipPrompts`) those
+      of the module docstring, at least one of ``ctx`` and ``vpt``.
 
     **Example**
 
@@ -265,11 +257,8 @@ class PromptParams(nn.Module):
 
 
 class ClipPrompts(PromptLearner):
-    """The built-in learner ``clip``: CoOp, VPT, UNIGRAM, IVLP and MaPLe by :class:`PromptSpec`'s fields.
-
-    Tensors (each present or not by the spec): ``ctx`` ``[M, d_t]``, ``vpt`` ``[D, n, d_v]``, ``ctx_deep``
-    ``[J-1, M, d_t]``, ``proj_weight`` ``[J, d_v, d_t]`` and ``proj_bias`` ``[J, d_v]`` (module docstring).
-    """
+    """The built-in learner ``clip``: CoOp, VPT, UNIGRAM, IVLP and MaPLe by :class:`PromptSpec`'s fields, holding
+    the tensors of the module docstring (each present or not by the spec)."""
 
     key = DEFAULT_LEARNER
     tensor_names = PROMPT_TENSORS
@@ -404,30 +393,17 @@ def initial_projections(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MaPLe's coupling maps at their start: ``([J, d_out, d_in], [J, d_out])`` (float32).
 
-    Each is ``nn.Linear(d_in, d_out)``'s default start, U(-1/sqrt(d_in), 1/sqrt(d_in)) for weight and
-    bias.  Layer 0 has its own draw; layers 1..J-1 start as copies of one draw, because MaPLe builds
-    them as deep copies of a single ``nn.Linear`` (multimodal-prompt-learning ``trainers/maple.py``,
-    ``_get_clones``).
+    Each is ``nn.Linear(d_in, d_out)``'s default start (:func:`meta.method.cocoop.linear_default_init`).  Layer 0
+    has its own draw; layers 1..J-1 start as copies of one draw, because MaPLe builds them as deep copies of a
+    single ``nn.Linear`` (multimodal-prompt-learning ``trainers/maple.py``, ``_get_clones``).
     """
-    bound = 1.0 / math.sqrt(d_in)
-
-    def draw(*shape: int) -> torch.Tensor:
-        return (torch.rand(*shape, generator=generator) * 2.0 - 1.0) * bound
-
-    w0, b0 = draw(d_out, d_in), draw(d_out)
+    w0, b0 = linear_default_init(d_out, d_in, generator)
     weight, bias = [w0], [b0]
     if depth > 1:
-        w1, b1 = draw(d_out, d_in), draw(d_out)
+        w1, b1 = linear_default_init(d_out, d_in, generator)
         weight += [w1] * (depth - 1)
         bias += [b1] * (depth - 1)
     return torch.stack(weight), torch.stack(bias)
-
-
-def text_prompts(prompts: Optional[nn.Module]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """``(ctx [M, d_t] or None, deep [J-1, M, d_t] or None)`` of θ (or a clone / task stack) by its learner."""
-    if prompts is None:
-        return None, None
-    return learner_of(prompts).text_prompts(prompts)
 
 
 def visual_prompts(prompts: Optional[nn.Module]) -> Optional[torch.Tensor]:
@@ -438,11 +414,6 @@ def visual_prompts(prompts: Optional[nn.Module]) -> Optional[torch.Tensor]:
     if prompts is None:
         return None
     return learner_of(prompts).visual_prompts(prompts)
-
-
-def has_visual_prompts(prompts: Optional[nn.Module]) -> bool:
-    """Whether θ prompts the vision tower (then cached image features cannot stand in for images)."""
-    return prompts is not None and learner_of(prompts).has_visual_prompts(prompts)
 
 
 class PromptedCLIP:

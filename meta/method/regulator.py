@@ -1,38 +1,28 @@
 """The gradient-regulating function R_φ (GRAM paper, Eqs. 5-7), as a learn2learn transform.
 
-For a prompt gradient ``g`` of shape ``[..., d]`` (the linear maps act on the
-feature dimension d, shared over the leading token/layer dimensions)::
+For a prompt gradient ``g`` ``[..., d]`` (the linear maps act on d, shared over the leading token/layer dims)::
 
     paper form:     γ = tanh(W_γ u + b_γ)         β = s · tanh(W_β u + b_β)     ĝ = γ ⊙ g + β
     residual form:  γ = 1 + tanh(W_γ u + b_γ)     (β as above)
 
-where ``u`` is the input fed to the linear maps and ``s`` the scale of the
-offset β.  Design choices (defaults in brackets):
+with ``u`` the input of the linear maps and ``s`` the scale of the offset β.  Choices (defaults in brackets):
 
-* ``form`` [residual].  With the paper's literal form and W = b = 0, γ = β = 0
-  and the regulated gradient is exactly zero, so early meta-steps adapt
-  nothing; the residual form with all-zero init starts as plain MAML (ĝ = g) at
-  any gradient scale.  ``form="paper"`` gives the literal Eq. 5; ``form="gate"`` is :class:`GradientGate`.
-* ``input_norm`` [True]: ``u = g / rms(g)``.  Pretrained-CLIP prompt gradients can be
-  ~1e-4, where ``W g`` is too small for the maps to act; normalising the input
-  makes R_φ scale-free.  ``False`` gives the paper's ``u = g``.
-* ``beta_scale`` ["grad_rms"]: β is an absolute offset in (-1, 1) in the paper,
-  which would swamp tiny gradients; by default it is scaled by ``rms(g)`` so it is
-  measured in units of the gradient.  A float gives a fixed scale (1.0 = paper).
-* ``init`` ["zero"]: W = b = 0 (identity start in the residual form), or
-  "normal": W ~ N(0, init_std²), b = 0.
+* ``form`` [residual]: the literal form with W = b = 0 gives γ = β = 0, an exactly zero regulated gradient, so early
+  meta-steps adapt nothing; the residual form with all-zero init starts as plain MAML (ĝ = g) at any gradient scale.
+  ``paper`` is the literal Eq. 5, ``gate`` is :class:`GradientGate`.
+* ``input_norm`` [True]: ``u = g / rms(g)``.  Pretrained-CLIP prompt gradients can be ~1e-4, where ``W g`` is too
+  small for the maps to act; normalising makes R_φ scale-free.  ``False``: the paper's ``u = g``.
+* ``beta_scale`` ["grad_rms"]: the paper's absolute offset in (-1, 1) would swamp tiny gradients, so β is scaled by
+  ``rms(g)`` (units of the gradient); a float gives a fixed scale (1.0 = paper).
+* ``init`` ["zero"]: W = b = 0 (identity start in the residual form), or "normal": W ~ N(0, init_std²), b = 0.
 
-Options measured and dropped (a γ bound, norm preservation, learned raw/regulated mixing, γ-only / β-only
-halves, a learned step size): ``docs/evidence.md``, "Options removed"; an init file that records one of them
-switched on is refused by :mod:`meta.finetune.init_io`.
+Options measured and dropped (a γ bound, norm preservation, learned raw/regulated mixing, γ-only / β-only halves, a
+learned step size): ``docs/evidence.md``, "Options removed"; an init file that records one of them switched on is
+refused by :mod:`meta.finetune.init_io`.
 
-Deep VPT keeps one ``[D, n, d_v]`` tensor, so one regulator (over d_v) serves all
-its layers: the per-tensor rule of the paper ("one regulator per prompt tensor").
-
-learn2learn's ``GBML`` calls the transform factory once per parameter of the
-wrapped module at construction; :class:`RegulatorFactory` is a plain callable
-(not an ``nn.Module``) and returns ``None`` for tensors that do not require
-gradients, so no regulator is ever built for frozen weights.
+One regulator per prompt tensor (the paper's rule): deep VPT's one ``[D, n, d_v]`` tensor shares one over d_v.
+learn2learn's ``GBML`` calls the transform factory (:class:`RegulatorFactory`, a plain callable, not an
+``nn.Module``) once per parameter; it returns ``None`` for tensors that do not require gradients.
 """
 
 from __future__ import annotations
@@ -85,10 +75,8 @@ class GradientRegulator(nn.Module):
     """
     **Description**
 
-    R_φ for one prompt tensor (paper Eqs. 5-7): maps a gradient ``g`` ``[..., dim]`` to ĝ = γ ⊙ g + β of the
-    same shape, with γ = tanh(W_γ u + b_γ) (plus 1 in the residual form) and β = s · tanh(W_β u + b_β), the
-    linear maps acting on the last dimension (``u``, ``s``: module docstring). Parameters: ``gamma`` and
-    ``beta``, each ``nn.Linear(dim, dim)`` (W ``[dim, dim]``, b ``[dim]``).
+    R_φ for one prompt tensor: maps a gradient ``g`` ``[..., dim]`` to ĝ = γ ⊙ g + β of the same shape (module
+    docstring). Parameters: ``gamma`` and ``beta``, each ``nn.Linear(dim, dim)`` (W ``[dim, dim]``, b ``[dim]``).
 
     **Arguments**
 
@@ -105,9 +93,8 @@ class GradientRegulator(nn.Module):
     ~~~
     """
 
-    #: leading dimensions of a gradient that index tasks (a task-stacked ``[B, ...]`` gradient:
-    #: :mod:`meta.method.batched` sets 1 on its clones); rms(g) then acts per task,
-    #: so R_φ of a stacked gradient equals R_φ of each task's gradient.  0 = the whole tensor is one task.
+    #: leading dimensions of a gradient that index tasks (:mod:`meta.method.batched` sets 1 on its clones): rms(g)
+    #: then acts per task, so R_φ of a stacked gradient equals R_φ of each task's.  0 = the tensor is one task.
     task_dims: int = 0
 
     def __init__(self, dim: int, spec: Optional[RegulatorSpec] = None):
@@ -116,17 +103,12 @@ class GradientRegulator(nn.Module):
         self.dim = dim
         self.gamma = nn.Linear(dim, dim)
         self.beta = nn.Linear(dim, dim)
-        with torch.no_grad():
-            for lin in (self.gamma, self.beta):
-                lin.bias.zero_()
-                if self.spec.init == "zero":
-                    lin.weight.zero_()
-                else:
-                    lin.weight.normal_(0.0, self.spec.init_std)
+        for lin in (self.gamma, self.beta):
+            _start(lin, self.spec)
 
     def modulation(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(γ, β)``, each shaped like ``grad``."""
-        rms = _task_mean(grad.pow(2), self.task_dims).add(_EPS).sqrt()
+        rms = _rms(grad, self.task_dims)
         u = grad / rms if self.spec.input_norm else grad
         gamma = torch.tanh(self.gamma(u))
         if self.spec.form == "residual":
@@ -146,17 +128,29 @@ class GradientRegulator(nn.Module):
         return gamma * grad + beta, beta
 
 
-def _task_mean(x: torch.Tensor, task_dims: int) -> torch.Tensor:
-    """Mean of ``x`` over all but its first ``task_dims`` dimensions (kept as size 1; 0-d when 0)."""
-    return x.mean() if task_dims == 0 else x.mean(dim=tuple(range(task_dims, x.dim())), keepdim=True)
+def _rms(g: torch.Tensor, task_dims: int) -> torch.Tensor:
+    """``sqrt(mean(g²) + eps)`` over all but the first ``task_dims`` dims of ``g`` (kept as size 1; 0-d when 0)."""
+    sq = g.pow(2)
+    mean = sq.mean() if task_dims == 0 else sq.mean(dim=tuple(range(task_dims, sq.dim())), keepdim=True)
+    return mean.add(_EPS).sqrt()
+
+
+@torch.no_grad()
+def _start(linear: nn.Linear, spec: RegulatorSpec) -> None:
+    """``spec.init``'s start of one map: weight 0 (``zero``) or N(0, init_std²) (``normal``), bias (if any) 0."""
+    if linear.bias is not None:
+        linear.bias.zero_()
+    if spec.init == "zero":
+        linear.weight.zero_()
+    else:
+        linear.weight.normal_(0.0, spec.init_std)
 
 
 class RegulatorFactory:
     """learn2learn transform factory: ``factory(param) -> GradientRegulator | None``.
 
-    Returns ``None`` (raw gradient) for parameters that do not require grad, or
-    for every parameter when ``enabled`` is False (the "w/o gradient regulating"
-    ablation).
+    Returns ``None`` (raw gradient) for parameters that do not require grad, or for every parameter when ``enabled`` is
+    False (the "w/o gradient regulating" ablation).
     """
 
     def __init__(self, spec: Optional[RegulatorSpec] = None, enabled: bool = True):
@@ -188,16 +182,12 @@ class GradientGate(nn.Module):
         a      = 2 · sigmoid(W [u_task ; u_reg])                            W: [dim / G, 2 · dim], no bias
         ĝ      = g_task + repeat(a, G) ⊙ g_reg                              each a shared by G consecutive coords
 
-    The design follows a fact of ProMetaR (Park et al., CVPR 2024; mlvlab/ProMetaR ``trainers/prometar.py``):
-    its learned map of the concatenated gradients never changes the cross-entropy gradient and gates only the
-    regulariser's. Choices made here: one bias-free linear map (not two), the gradients normalised by their
-    rms first (as the γ/β core does, so the gate does not depend on the gradient scale), ``G`` coordinates of the
-    last dimension share a gate value (``gate_group``, 8 by default), and the gate is ``2 · sigmoid`` so that the
-    zero start (``init="zero"``) is a = 1 everywhere: ĝ = g_task + g_reg, the gradient of the fixed-λ
-    regularised loss. Meta-training moves the gate away from that comparator only where the query loss asks.
-
-    Parameters: ``gate.weight`` ``[dim // G, 2 · dim]``.  Without a regulariser's gradient (``g_reg`` None) ĝ is
-    ``g_task``.
+    The design follows a fact of ProMetaR (Park et al., CVPR 2024; mlvlab/ProMetaR ``trainers/prometar.py``): its
+    learned map of the concatenated gradients never changes the cross-entropy gradient, only the regulariser's.
+    Choices made here: one bias-free map (not two) of rms-normalised gradients (scale-free, as the γ/β core),
+    ``gate_group`` G coordinates sharing a gate value, and ``2 · sigmoid`` so that the zero start is a = 1:
+    ĝ = g_task + g_reg, the gradient of the fixed-λ regularised loss, which meta-training moves only where the query
+    loss asks.  Parameters: ``gate.weight`` ``[dim // G, 2 · dim]``.  Without ``g_reg`` ĝ is ``g_task``.
 
     **Arguments**
 
@@ -219,16 +209,11 @@ class GradientGate(nn.Module):
             )
         self.dim, self.group = dim, group
         self.gate = nn.Linear(2 * dim, dim // group, bias=False)
-        with torch.no_grad():
-            if self.spec.init == "zero":
-                self.gate.weight.zero_()
-            else:
-                self.gate.weight.normal_(0.0, self.spec.init_std)
+        _start(self.gate, self.spec)
 
     def gate_value(self, g_task: torch.Tensor, g_reg: torch.Tensor) -> torch.Tensor:
         """The gate ``repeat(a, G)`` in (0, 2), shaped like the gradients."""
-        u_task = g_task / _task_mean(g_task.pow(2), self.task_dims).add(_EPS).sqrt()
-        u_reg = g_reg / _task_mean(g_reg.pow(2), self.task_dims).add(_EPS).sqrt()
+        u_task, u_reg = g_task / _rms(g_task, self.task_dims), g_reg / _rms(g_reg, self.task_dims)
         a = 2.0 * torch.sigmoid(self.gate(torch.cat([u_task, u_reg], dim=-1)))
         return a.repeat_interleave(self.group, dim=-1)
 
@@ -243,3 +228,11 @@ class GradientGate(nn.Module):
 def is_gated(regulators) -> bool:
     """Whether any of ``regulators`` (modules, or None) is a :class:`GradientGate` (it needs the loss in parts)."""
     return any(isinstance(r, GradientGate) for r in regulators)
+
+
+def regulate(reg: Optional[nn.Module], g_task: torch.Tensor, g_reg: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """ĝ of one prompt tensor: ``g_task + g_reg`` without R_φ (``reg`` None), R_φ(g_task, g_reg) for a
+    :class:`GradientGate`, R_φ(g_task) for the γ/β forms; ``g_reg`` None counts as no regulariser."""
+    if reg is None:
+        return g_task if g_reg is None else g_task + g_reg
+    return reg(g_task, g_reg) if isinstance(reg, GradientGate) else reg(g_task)
