@@ -14,11 +14,10 @@ Examples::
     # cross-dataset: train on one dataset (all classes), test on others
     python -m meta.evaluation transfer --source DIR --targets DIR2 DIR3 --methods coop ...
 
-Each (dataset, method, seed) record is appended as one JSON line to ``--output`` and a
-summary line is printed; a mean ± std table over seeds closes the run.  Bad input (a missing
-or mismatching init file, CLIP weights, image or split file) ends the run with one
-``error: <file or flag>: ...`` line and exit status 2 (:mod:`meta.infra.cli_errors`; ``--debug`` or
-``GRAM_DEBUG=1`` shows the traceback).
+Each (dataset, method, seed) record is appended as one JSON line to ``--output`` and a summary line is printed; a mean ±
+std table over seeds closes the run.  Bad input (a missing or mismatching init file, CLIP weights, image or split file)
+ends the run with one ``error: <file or flag>: ...`` line and exit status 2 (:mod:`meta.infra.cli_errors`; ``--debug``
+or ``GRAM_DEBUG=1`` shows the traceback).
 """
 
 from __future__ import annotations
@@ -49,18 +48,6 @@ from meta.infra.cli_errors import int_flag_problem, run_cli
 from meta.infra.provenance import results_record
 from meta.method.prompts import VPT_INITS, PromptSpec
 from meta.model.backbone import check_model_name, check_visual_prompts, load_clip, quick_gelu_flag, resolve_device
-
-__all__ = [
-    "DatasetRef",
-    "EvaluationSession",
-    "MethodSpec",
-    "TrainSpec",
-    "evaluate_base_to_new",
-    "evaluate_transfer",
-    "method_preset",
-    "PRESET_NAMES",
-    "main",
-]
 
 
 def _parser() -> argparse.ArgumentParser:

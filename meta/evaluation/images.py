@@ -5,8 +5,7 @@ Transforms (Dassl.pytorch ``dassl/data/transforms/transforms.py``, as configured
 
 * test: resize the shorter side to S, centre-crop S x S, to tensor, normalise;
 * train (``augment="coop"``): ``RandomResizedCrop(S, scale)`` + ``RandomHorizontalFlip`` (no
-  resize first: Dassl adds a plain resize only when neither random crop is requested), to
-  tensor, normalise.
+  resize first: Dassl adds a plain resize only when neither random crop is requested), to tensor, normalise.
 
 Augmentation is deterministic: view ``v`` of image ``p`` under run seed ``s`` is drawn with
 torch's generator seeded from ``(s, k, v)`` inside ``torch.random.fork_rng`` (global RNG state
@@ -14,10 +13,9 @@ untouched), where ``k`` is ``p`` relative to the dataset root (CoOp's ``DATASET.
 is the same wherever the data lives (a clone, a copy, a symlink) and whether it is computed
 online (visual prompts: epoch e uses view e) or pre-computed and cached (frozen image tower).
 
-:class:`FeatureCache` keeps L2-normalised image features ``[E]`` of the frozen tower in memory
-and optionally on disk under ``<cache_dir>/<CLIP weights fingerprint>/shard-*.safetensors``,
-each feature keyed by image path, file size and mtime, and the transform (with seed and view
-for augmented ones).
+:class:`FeatureCache` keeps L2-normalised image features ``[E]`` of the frozen tower in memory and optionally on disk
+under ``<cache_dir>/<CLIP weights fingerprint>/shard-*.safetensors``, each feature keyed by image path, file size and
+mtime, and the transform (with seed and view for augmented ones).
 
 Images are read as stored, as Dassl's ``read_image`` does (CoOp-family numbers are measured that way);
 ``exif_upright=True`` turns each photo upright by its EXIF orientation first, with the reader the Dassl
@@ -51,30 +49,18 @@ from meta.model.visual_encoder import encode_image_with_prompts
 
 _BICUBIC = T.InterpolationMode.BICUBIC
 EXIF_KEY = "-exif_upright"  # transform-key suffix of images turned upright by their EXIF orientation
+_TO_CLIP_INPUT = (T.ToTensor(), T.Normalize(OPENAI_DATASET_MEAN, OPENAI_DATASET_STD))  # stateless: shared
 
 
 def eval_transform(size: int) -> T.Compose:
     """Dassl's test transform: shorter side -> ``size`` (bicubic), centre crop, CLIP normalisation."""
-    return T.Compose(
-        [
-            T.Resize(size, interpolation=_BICUBIC),
-            T.CenterCrop(size),
-            T.ToTensor(),
-            T.Normalize(OPENAI_DATASET_MEAN, OPENAI_DATASET_STD),
-        ]
-    )
+    return T.Compose([T.Resize(size, interpolation=_BICUBIC), T.CenterCrop(size), *_TO_CLIP_INPUT])
 
 
 def train_transform(size: int, scale: tuple[float, float] = (0.08, 1.0)) -> T.Compose:
     """CoOp's train transform: random resized crop (bicubic) + horizontal flip + CLIP normalisation."""
-    return T.Compose(
-        [
-            T.RandomResizedCrop(size, scale=scale, interpolation=_BICUBIC),
-            T.RandomHorizontalFlip(),
-            T.ToTensor(),
-            T.Normalize(OPENAI_DATASET_MEAN, OPENAI_DATASET_STD),
-        ]
-    )
+    crop = T.RandomResizedCrop(size, scale=scale, interpolation=_BICUBIC)
+    return T.Compose([crop, T.RandomHorizontalFlip(), *_TO_CLIP_INPUT])
 
 
 def eval_transform_key(size: int, exif_upright: bool = False) -> str:

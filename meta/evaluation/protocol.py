@@ -1,19 +1,17 @@
 """CoOp's evaluation protocols without Dassl: base-to-new, and cross-dataset / cross-domain transfer.
 
-Base-to-new (CoCoOp, ``scripts/cocoop/base2new_{train,test}.sh`` in
-KaiyangZhou/CoOp; ``dassl/data/datasets/base_dataset.py`` in KaiyangZhou/Dassl.pytorch): draw K shots per class from
-train with the run's seed, keep
-the base classes (first ceil(n/2) sorted labels, relabelled 0..m-1), fine-tune on them, then
-test on the base classes' test images and on the new classes' test images with the text side
-rebuilt for the new class names.  H = 2BN/(B+N) of the two accuracies.
+Base-to-new (CoCoOp, ``scripts/cocoop/base2new_{train,test}.sh`` in KaiyangZhou/CoOp;
+``dassl/data/datasets/base_dataset.py`` in KaiyangZhou/Dassl.pytorch): draw K shots per class from train with the run's
+seed, keep the base classes (first ceil(n/2) sorted labels, relabelled 0..m-1), fine-tune on them, then test on the base
+classes' test images and on the new classes' test images with the text side rebuilt for the new class names.  H =
+2BN/(B+N) of the two accuracies.
 
 Transfer (CoOp's cross-dataset / cross-domain runs): fine-tune on all classes of a source
 dataset (K shots), test on its test split and on the full test split of every target.
 
-Accuracies are in percent.  Every result is a JSON-able dict holding all hyper-parameters, the shots each
-train class really holds (``shots_per_class``: a class with fewer images than ``shots`` keeps them all) and the
-number of images left out as over the size caps (``skipped_oversized``); both are also one stderr line per
-evaluation run.
+Accuracies are in percent.  Every result is a JSON-able dict holding all hyper-parameters, the shots each train class
+really holds (``shots_per_class``: a class with fewer images than ``shots`` keeps them all) and the number of images
+left out as over the size caps (``skipped_oversized``); both are also one stderr line per evaluation run.
 """
 
 from __future__ import annotations
@@ -42,16 +40,14 @@ class EvaluationSession:
 
     Args:
         clip, dims: from ``meta.model.backbone.load_clip``.
-        cache_dir: optional folder for frozen image features on disk (keyed by the CLIP weights'
-            fingerprint, image path and transform); "" / None keeps them in memory only.
+        cache_dir: optional folder for frozen image features on disk (keyed by the CLIP weights' fingerprint, image
+            path and transform); "" / None keeps them in memory only.
         clip_info: extra JSON-able facts for result records (e.g. ``{"pretrained": path}``).
-        log: where messages go (``print`` by default).
-        progress: show tqdm bars while encoding images and fine-tuning.
+        log, progress: where messages go; tqdm bars while encoding images and fine-tuning.
         encode_batch_size: images per forward when pre-computing frozen features.
-        exif_upright: turn every image upright by its EXIF orientation before the transforms (default: read
-            as stored, as Dassl's ``read_image`` does; ``TRAINER.GRAM.EXIF_UPRIGHT True`` is the Dassl
-            trainers' switch, reading through the same :func:`meta.data.image_decode.open_upright`).  Records of
-            such runs hold ``"exif_upright": true``.
+        exif_upright: turn every image upright by its EXIF orientation first (default: as stored, as Dassl's
+            ``read_image``; the Dassl trainers' ``TRAINER.GRAM.EXIF_UPRIGHT True`` reads through the same
+            :func:`meta.data.image_decode.open_upright`).  Records of such runs hold ``"exif_upright": true``.
     """
 
     def __init__(
@@ -111,11 +107,8 @@ class EvaluationSession:
         train: bool,
         root: str,
     ) -> LabelledSet:
-        """Records -> :class:`LabelledSet`; frozen features are attached when the tower has no prompts.
-
-        ``root`` is the dataset root the records' paths lie under; augmented views are keyed by
-        the path relative to it (:func:`meta.evaluation.images.view_key`).
-        """
+        """Records -> :class:`LabelledSet`, with frozen features when the tower has no prompts; augmented views are
+        keyed by the path relative to the dataset root ``root`` (:func:`meta.evaluation.images.view_key`)."""
         impaths = [r.impath for r in records]
         labels = torch.tensor([r.label for r in records], dtype=torch.long)
         data = LabelledSet(impaths=impaths, labels=labels, classnames=list(classnames))
@@ -142,22 +135,17 @@ class EvaluationSession:
     def tuner(
         self, method: MethodSpec, spec: TrainSpec, seed: int, root: str, start: Optional[StartPoint] = None
     ) -> tuple[PromptTuner, dict]:
-        """A :class:`PromptTuner` holding the method's initial θ (and R_φ), plus the init description.
-
-        ``root``: the train images' dataset root (online augmented views are keyed relative to it).
-        """
+        """A :class:`PromptTuner` holding the method's initial θ (and R_φ), plus the init description; ``root``: the
+        train images' dataset root (online augmented views are keyed relative to it)."""
         prompts, regulation, init_info = build_prompts(method, self.clip, self.dims, seed, start)
         n_ctx = prompts.n_ctx_text if prompts is not None else 0
         pclip = self.prompted_clip(n_ctx, method.template)
         loader = self.loader(spec.rrcrop_scale)
-        if spec.augment == "coop":
 
-            def train_images(impath: str, epoch: int) -> torch.Tensor:
+        def train_images(impath: str, epoch: int) -> torch.Tensor:
+            if spec.augment == "coop":
                 return loader.train_view(impath, seed, epoch, view_key(impath, root))
-        else:
-
-            def train_images(impath: str, epoch: int) -> torch.Tensor:
-                return loader.test_view(impath)
+            return loader.test_view(impath)
 
         launch = LaunchStep(**init_info["launch"]) if "launch" in init_info else None
         window = init_info.get("reg_window", 1) if regulation is not None else 1
@@ -286,10 +274,9 @@ def evaluate_base_to_new(
             e.g. to save it or to compare it with a Dassl run's (tests/test_engine_agreement.py).
 
     Returns:
-        a JSON-able record: ``base``, ``new``, ``H`` (percent), class names and split sizes,
-        ``history`` (one row per epoch with ``lr``, ``train_loss``, ``train_acc`` and - every
-        epoch when ``train.eval_every_epoch``, including epoch 0 - ``base``, ``new``, ``H``),
-        the initial and final prompt digests, and every hyper-parameter.
+        a JSON-able record: ``base``, ``new``, ``H`` (percent), class names and split sizes, ``history`` (one row per
+        epoch with ``lr``, ``train_loss``, ``train_acc`` and - every epoch when ``train.eval_every_epoch``, including
+        epoch 0 - ``base``, ``new``, ``H``), the initial and final prompt digests, and every hyper-parameter.
     """
     t_start = time.perf_counter()
     spec = train or TrainSpec()
@@ -363,11 +350,10 @@ def evaluate_transfer(
 ) -> dict:
     """Cross-dataset / cross-domain run: fine-tune on all classes of ``source``, test on ``targets``.
 
-    The targets' full test splits are used (CoOp never few-shot samples test sets) with each
-    target's own class names.  ``protocol`` labels the record (``"cross_dataset"``,
-    ``"cross_domain"``).  Returns a JSON-able record with ``source`` accuracy, ``targets``
-    ``{name: accuracy}``, ``target_mean`` (percent) and per-epoch ``history``.  ``start`` as in
-    :func:`evaluate_base_to_new`.
+    The targets' full test splits are used (CoOp never few-shot samples test sets) with each target's own class names.
+    ``protocol`` labels the record (``"cross_dataset"``, ``"cross_domain"``).  Returns a JSON-able record with
+    ``source`` accuracy, ``targets`` ``{name: accuracy}``, ``target_mean`` (percent) and per-epoch ``history``.
+    ``start`` as in :func:`evaluate_base_to_new`.
     """
     t_start = time.perf_counter()
     spec = train or TrainSpec()

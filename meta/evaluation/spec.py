@@ -1,13 +1,11 @@
 """What to evaluate: the method (:class:`MethodSpec`) and how it is fine-tuned (:class:`TrainSpec`).
 
-Defaults follow the paper's fine-tuning protocol, "the same training epochs (i.e. 10 epochs),
-training schedule, and data augmentation settings in CoCoOp" (GRAM paper, Training Details),
-i.e. CoOp's ``configs/trainers/CoCoOp/vit_b16_c4_ep10_batch1_ctxv1.yaml`` (KaiyangZhou/CoOp):
-SGD, LR 0.002, 10 epochs, batch 1, cosine schedule with one constant warm-up epoch at 1e-5,
-``random_resized_crop`` + ``random_flip``; momentum 0.9 and weight decay 5e-4 are Dassl's
-``OPTIM`` defaults, the crop scale (0.08, 1.0) is Dassl's ``INPUT.RRCROP_SCALE`` default
-(Dassl.pytorch ``dassl/config/defaults.py``).  Token counts: 4 per method, UNIGRAM 2 + 2
-(paper, Training Details).
+Defaults follow the paper's fine-tuning protocol, "the same training epochs (i.e. 10 epochs), training schedule, and
+data augmentation settings in CoCoOp" (GRAM paper, Training Details), i.e. CoOp's
+``configs/trainers/CoCoOp/vit_b16_c4_ep10_batch1_ctxv1.yaml`` (KaiyangZhou/CoOp): SGD, LR 0.002, 10 epochs, batch 1,
+cosine schedule with one constant warm-up epoch at 1e-5, ``random_resized_crop`` + ``random_flip``; momentum 0.9 and
+weight decay 5e-4 are Dassl's ``OPTIM`` defaults, the crop scale (0.08, 1.0) is Dassl's ``INPUT.RRCROP_SCALE`` default
+(Dassl.pytorch ``dassl/config/defaults.py``).  Token counts: 4 per method, UNIGRAM 2 + 2 (paper, Training Details).
 """
 
 from __future__ import annotations
@@ -31,45 +29,29 @@ ORDERS = ("random", "sequential")
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """One prompt-learning method.
+    """One prompt-learning method.  Besides ``name`` (the label of result records and tables; presets: the paper's
+    row name from ``meta/method/methods.yaml``) its fields are those of :class:`meta.method.prompts.PromptSpec` (θ's
+    structure and scratch / word start; depths 0 = all layers) and :class:`meta.finetune.engine.StartSpec`, under the
+    same names and with their defaults, plus ``launch`` and the consistency weights:
 
     Attributes:
-        name: label used in result records and tables (presets: the paper's row name from
-            ``meta/method/methods.yaml``, e.g. ``"CoOp + GRAM"``).
-        n_ctx_text: M, learnable text context vectors (CoOp); 0 = fixed text ``template``.
-        n_ctx_vision: n, learnable visual prompt tokens (VPT); 0 = plain image tower.
-        vision_depth: D, layers receiving visual prompts (1 = shallow VPT, 0 = all layers).
-        ctx_init: initialise the text context from these words (CoOp's ``CTX_INIT``); M is then
-            their token count.  "" = N(0, ``init_std``²) drawn from the run's seed.
-        init_path: a GRAM initialisation file (``meta.finetune.init_io.export_gram_init``); its θ* replaces
-            the scratch / word initialisation and its shapes must match the counts above.
-        regulate: replace every prompt gradient by R_φ(gradient) before the optimiser step
-            (paper Eq. 7), with φ read from ``init_path`` (or from an in-memory
-            ``StartPoint`` passed to the evaluation; checked when the run starts).
-        template: the fixed text prompt when ``n_ctx_text == 0`` (zero-shot CLIP, VPT).
-        init_std: standard deviation of scratch prompts (CoOp: 0.02).
-        vpt_init: how scratch visual prompt tokens start (``meta.method.prompts.VPT_INITS``; see
-            :func:`meta.method.prompts.initial_visual_prompts`); a GRAM init file's θ* replaces it.
-        text_depth: J, text layers with learnable context (1 = CoOp; IVLP / MaPLe: deep text prompts; 0 = all).
-        coupling: ``none`` | ``maple`` (visual prompts projected from the text prompts; ``n_ctx_vision`` 0).
-        init_prompts: with ``init_path``, start θ from the file's θ* (True) or from the scratch / word
-            start while R_φ still comes from the file (False: the "R_φ only" component rows).
-        reg_window: regulation window W (:class:`meta.finetune.regulated.UpdateWindow`): R_φ is applied once to
-            the mean gradient of W images and one optimiser step with W times that is taken; 1 = R_φ on
-            every image's gradient (the paper's literal Eq. 7 under batch 1); 0 = the meta-training
-            support size recorded in the init file (k_way × n_support).  Only with ``regulate``.
-        launch: before the schedule, take the meta-trained inner step θ <- θ − α R_φ(mean gradient over
-            the train set) once (:func:`meta.finetune.regulated.launch_`; α and the step count from the init file;
-            raw gradient without ``regulate``).  True needs ``init_path`` (or an in-memory start point);
-            None (default) = :data:`meta.finetune.regulated.DEFAULT_LAUNCH` for methods that start from an init file
-            or start point, off otherwise (:meth:`launch_on`).
-        consistency_text, consistency_image: weights λ of the zero-shot consistency terms added to the
-            fine-tuning loss (:mod:`meta.method.consistency`; 0 = off).  The launch step keeps the meta-trained loss.
-        learner: the prompt learner (:mod:`meta.method.learners` key; ``clip`` = the built-in one the fields
-            above shape).
+        init_path: a GRAM init file (``meta.finetune.init_io.export_gram_init``); its θ* replaces the scratch / word
+            start and its shapes must match the token counts.
+        regulate: R_φ(gradient) before every optimiser step (paper Eq. 7), φ from ``init_path`` or an in-memory
+            ``StartPoint`` passed to the evaluation (checked when the run starts).
+        init_prompts: with ``init_path``, θ starts from θ* (True) or from the scratch / word start while R_φ still
+            comes from the file (False: the "R_φ only" component rows).
+        reg_window: regulation window W in images (:class:`meta.finetune.regulated.UpdateWindow`): R_φ once on the mean
+            gradient of W images and one step with W times that; 1 = every image's gradient (the paper's literal Eq. 7
+            under batch 1); 0 = the init file's meta-training support size (k_way × n_support).  With ``regulate`` only.
+        launch: before the schedule, the meta-trained inner step θ <- θ − α R_φ(mean train gradient) once
+            (:func:`meta.finetune.regulated.launch_`; α and step count from the init file; raw gradient without
+            ``regulate``).  True needs ``init_path`` or a start point; None = ``DEFAULT_LAUNCH`` where θ / φ come
+            from one, else off (:meth:`launch_on`).
+        consistency_text, consistency_image: λ of the zero-shot consistency terms of the fine-tuning loss
+            (:mod:`meta.method.consistency`; 0 = off); the launch step keeps the meta-trained loss.
 
-    With no prompt at all (``n_ctx_text == n_ctx_vision == 0``) the method is zero-shot CLIP
-    and nothing is trained.
+    With no prompt at all (``n_ctx_text == n_ctx_vision == 0``) the method is zero-shot CLIP: nothing is trained.
     """
 
     # The defaults are the specs' that these fields are built into (meta.settings_map, tests/test_one_default.py):
@@ -325,21 +307,3 @@ def method_preset(key: str, init_path: str = "", in_memory: bool = False, **over
         what = "regulate" if fields.get("regulate") else "launch"
         raise ValueError(f"method preset {key!r} needs a GRAM init file (init_path / --init) for {what}")
     return MethodSpec(**fields)
-
-
-def default_train_spec(**changes) -> TrainSpec:
-    """CoCoOp's schedule (see module docstring) with ``changes`` applied."""
-    return TrainSpec(**changes)
-
-
-__all__ = [
-    "MethodSpec",
-    "TrainSpec",
-    "method_preset",
-    "PRESET_NAMES",
-    "PRESET_ALIASES",
-    "preset_key",
-    "is_gram_preset",
-    "default_train_spec",
-    "table_fields",
-]

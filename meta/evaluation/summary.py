@@ -1,12 +1,11 @@
 """Seed-averaged summaries of evaluator records: paper-style rows and accuracy-vs-epoch curves.
 
-Conventions (CoOp ``parse_test_res.py``: ``np.mean`` and ``np.std`` over seeds, i.e. the
-population standard deviation; H is the harmonic mean of the *averaged* base and new accuracies,
-as the paper's Table 1 reports it).  The "Average over datasets" row averages each seed's
-accuracies over the datasets first (only seeds every dataset has), then takes mean ± std over
-seeds and H of the two means; with the same seeds everywhere its means equal the mean of the
-per-dataset means.  All numbers in percent.  The demo, ``python -m meta.evaluation`` and
-``scripts/parse_results.py`` all summarise with this module.
+Conventions (CoOp ``parse_test_res.py``: ``np.mean`` and ``np.std`` over seeds, i.e. the population standard deviation;
+H is the harmonic mean of the *averaged* base and new accuracies, as the paper's Table 1 reports it).  The "Average over
+datasets" row averages each seed's accuracies over the datasets first (only seeds every dataset has), then takes mean ±
+std over seeds and H of the two means; with the same seeds everywhere its means equal the mean of the per-dataset
+means.  All numbers in percent.  The demo, ``python -m meta.evaluation`` and ``scripts/parse_results.py`` all summarise
+with this module.
 """
 
 from __future__ import annotations
@@ -72,16 +71,14 @@ def summarise(records: Iterable[dict], average: str = "") -> list[dict]:
     """One row per (protocol, dataset, method), in first-seen order, mean ± population std over seeds.
 
     base-to-new rows: ``base_mean``, ``base_std``, ``new_mean``, ``new_std``, ``H`` (of the means);
-    transfer rows: ``source_mean``/``_std``, ``targets`` ``{name: [mean, std]}``, ``target_mean``/
-    ``target_std`` (each seed's accuracies averaged over the targets first).  Every row has
-    ``protocol``, ``dataset``, ``key`` (the records' ``key`` field, else their method label),
-    ``method`` (label) and ``seeds``.  Records are grouped by ``key``.
+    transfer rows: ``source_mean``/``_std``, ``targets`` ``{name: [mean, std]}``, ``target_mean``/``target_std`` (each
+    seed's accuracies averaged over the targets first).  Every row has ``protocol``, ``dataset``, ``key`` (the records'
+    ``key`` field, else their method label), ``method`` (label) and ``seeds``.  Records are grouped by ``key``.
 
-    ``average`` (e.g. ``"Average"``): also one row per (base-to-new method) under that dataset
-    name, after the per-dataset rows - the paper's Table 1a: each seed's base and new accuracies
-    are first averaged over the datasets, then mean ± std over seeds, and H of the two means.
-    Only the seeds that every dataset of the method has enter it (its ``seeds``; ``datasets``
-    lists the datasets); a method whose datasets share no seed gets no average row.
+    ``average`` (e.g. ``"Average"``): also one row per (base-to-new method) under that dataset name, after the
+    per-dataset rows - the paper's Table 1a: each seed's base and new accuracies are first averaged over the datasets,
+    then mean ± std over seeds, and H of the two means. Only the seeds that every dataset of the method has enter it
+    (its ``seeds``; ``datasets`` lists the datasets); a method whose datasets share no seed gets no average row.
     """
     records = list(records)
     rows = [_row(protocol, dataset, runs) for (protocol, dataset, _), runs in _groups(records).items()]

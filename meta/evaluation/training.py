@@ -64,18 +64,13 @@ class LabelledSet:
 def build_prompts(
     method: MethodSpec, clip: nn.Module, dims: ClipDims, seed: int, start: Optional[StartPoint] = None
 ) -> tuple[Optional[PromptParams], Optional[GradientRegulation], dict]:
-    """θ (and R_φ) at the start of fine-tuning, plus a JSON-able description of where they came from.
+    """θ (and R_φ) at the start of fine-tuning, plus a JSON-able description of where they came from:
+    :func:`meta.finetune.engine.build_start` of :meth:`MethodSpec.start_spec` (the Dassl trainers build theirs from
+    ``GramSettings.start_spec``), scratch prompts drawn from ``torch.Generator().manual_seed(seed)``.
 
-    :func:`meta.finetune.engine.build_start` of :meth:`MethodSpec.start_spec` (the Dassl trainers build
-    theirs from :meth:`trainers.gram.config.GramSettings.start_spec`).
-    Scratch prompts are drawn from ``torch.Generator().manual_seed(seed)``; word init embeds
-    ``method.ctx_init``; a GRAM file is validated against the method's token counts and widths
-    (``meta.finetune.init_io.load_gram_init``); an in-memory ``start`` is copied and shape-checked.  With
-    ``method.init_prompts`` False, θ is the scratch start and only R_φ comes from the file / start.
-    With ``method.launch`` the description holds ``"launch"`` (:class:`meta.finetune.regulated.LaunchStep` fields);
-    with a regulator, ``"reg_window"``: images per regulated step, ``method.reg_window`` or, for 0, the
-    meta-training support size of the file / start point (:func:`meta.finetune.regulated.resolve_window`).
-    Returns ``(None, None, info)`` for zero-shot CLIP.
+    With a launch step the description holds ``"launch"`` (:class:`meta.finetune.regulated.LaunchStep` fields); with a
+    regulator, ``"reg_window"``: images per regulated step (``method.reg_window``, 0 resolved to the meta-training
+    support size of the file / start point).  ``(None, None, info)`` for zero-shot CLIP.
     """
     if method.zero_shot:
         return None, None, {"source": "none"}
@@ -94,11 +89,8 @@ def make_optimizer(params: Sequence[torch.Tensor], spec: TrainSpec) -> torch.opt
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, spec: TrainSpec) -> sched.LRScheduler:
-    """Per-epoch schedule: ``warmup_epochs`` at ``warmup_lr``, then cosine over ``epochs`` (or constant).
-
-    The Dassl trainers' schedule (:func:`meta.finetune.schedule.epoch_scheduler`): Dassl's
-    ``ConstantWarmupScheduler(CosineAnnealingLR(T_max=MAX_EPOCH))`` with WARMUP_RECOUNT; for
-    CoCoOp's settings the epoch lrs are 1e-5, 0.002, 0.00195, ..., 0.00019.
+    """Per-epoch schedule: ``warmup_epochs`` at ``warmup_lr``, then cosine over ``epochs`` (or constant), the Dassl
+    trainers' :func:`meta.finetune.schedule.epoch_scheduler`; CoCoOp's epoch lrs are 1e-5, 0.002, 0.00195, ..., 0.00019.
     """
     return epoch_scheduler(
         optimizer,
@@ -115,15 +107,13 @@ class PromptTuner:
 
     Args:
         pclip: the frozen CLIP wrapper matching the prompts' text context length.
-        prompts: θ (``None`` for zero-shot CLIP).
-        regulation: R_φ applied to every prompt gradient, or ``None`` for raw gradients.
-        spec: schedule and batch settings.
-        seed: seeds batch order and the view offsets (``torch.Generator``, no global state).
-        train_images: ``(impath, epoch) -> [3, S, S]`` augmented image, used with visual prompts.
-        test_images: ``impath -> [3, S, S]`` test-transformed image, used with visual prompts.
-        reg_window: regulation window in images (resolved, >= 1; :func:`meta.finetune.engine.window_batches` turns it
-            into batches of ``spec.batch_size``; 1 = every batch).
+        prompts, regulation: θ (``None`` for zero-shot CLIP) and R_φ (``None``: raw gradients).
+        spec, seed: schedule and batch settings; the seed of batch order and view offsets (no global state).
+        train_images, test_images: ``(impath, epoch)`` / ``impath -> [3, S, S]`` augmented / test-transformed
+            images, used with visual prompts.
+        reg_window: regulation window in images (resolved, >= 1; turned into batches by ``window_batches``).
         launch_step: the meta-trained inner step applied by :meth:`launch` (``None`` = no launch).
+        consistency: the zero-shot consistency weights of the fine-tuning loss.
     """
 
     def __init__(
@@ -229,12 +219,9 @@ class PromptTuner:
     def fit(
         self, data: LabelledSet, on_epoch: Optional[Callable[[int], dict]] = None, progress: bool = False
     ) -> list[dict]:
-        """Train for ``spec.epochs``; returns one row per epoch.
-
-        Each row: ``epoch`` (1-based), ``lr`` used, ``train_loss`` (mean), ``train_acc`` (%),
-        ``seconds`` (training), plus whatever ``on_epoch(epoch)`` returns and ``eval_seconds``
-        (called after every epoch when ``spec.eval_every_epoch``, else after the last one only).
-        """
+        """Train for ``spec.epochs``; one row per epoch: ``epoch`` (1-based), ``lr`` used, ``train_loss`` (mean),
+        ``train_acc`` (%), ``seconds`` (training), plus what ``on_epoch(epoch)`` returns and ``eval_seconds`` (after
+        every epoch with ``spec.eval_every_epoch``, else after the last one)."""
         if self.prompts is None or self.spec.epochs == 0:
             return []
         if len(data) == 0:

@@ -2,22 +2,16 @@
 
 One front door for test-time use of GRAM, so that what ``train.py`` runs is what the evaluator measured:
 
-* :func:`build_start` turns one :class:`StartSpec` into a :class:`Start`: θ (scratch, word-initialised,
-  a GRAM init file's θ*, or an in-memory :class:`StartPoint`), R_φ
-  (:class:`meta.finetune.regulated.GradientRegulation`),
-  the regulation window in images (resolved: 0 = the meta-training support size), the launch step
-  (:class:`meta.finetune.regulated.LaunchStep`) and a JSON-able provenance dict.
-* :class:`RegulatedStepper` (defined in :mod:`meta.finetune.regulated` beside the window and R_φ it drives) is the
-  update of every training batch: backward (gradients sum in ``p.grad``) → when the window closes, R_φ on
-  the window's mean gradient → one optimiser step (with a ``torch.amp.GradScaler`` the gradients are
-  unscaled before R_φ sees them).
-* :func:`window_batches` (beside the stepper in :mod:`meta.finetune.regulated`) is the one conversion of a
-  window in images into backward passes of a batch size.
-* :func:`start_rule_problems` holds the validation rules that the evaluator's ``MethodSpec`` and the Dassl
-  ``TRAINER.GRAM`` keys share; each caller words the key names its own way.
+* :func:`build_start` turns one :class:`StartSpec` into a :class:`Start`: θ (scratch, word-initialised, a GRAM init
+  file's θ*, or an in-memory :class:`StartPoint`), R_φ, the regulation window in images (0 resolved to the
+  meta-training support size), the launch step and a JSON-able provenance dict;
+* :class:`RegulatedStepper` and :func:`window_batches` (from :mod:`meta.finetune.regulated`) are the update of every
+  training batch and the one conversion of a window in images into backward passes;
+* :func:`start_rule_problems` holds the rules that the evaluator's ``MethodSpec`` and the Dassl ``TRAINER.GRAM`` keys
+  share; each caller words the key names its own way.
 
-What stays with each caller: Dassl's loop, loaders and transforms (``trainers/gram``), the evaluator's
-cached features, batch order and augmented views (``meta.evaluation``).
+Dassl's loop, loaders and transforms stay in ``trainers/gram``; cached features, batch order and augmented views
+in ``meta.evaluation``.
 """
 
 from __future__ import annotations
@@ -65,41 +59,40 @@ def start_rule_problems(
     caller prefixes its own key name (``MethodSpec 'x': reg_window`` / ``TRAINER.GRAM.REG_WINDOW_IMAGES``).
     ``has_text``: the method learns a text context; ``has_init``: θ* / φ come from a GRAM init file.
     """
-    problems = []
-    if vpt_init not in VPT_INITS:
-        problems.append(("vpt_init", f"must be one of {', '.join(VPT_INITS)}, got {vpt_init!r}"))
-    if isinstance(reg_window, bool) or not isinstance(reg_window, int) or reg_window < 0:
-        problems.append(
-            ("reg_window", f"must be >= 0 images (an integer; 0 = the meta-training support size), got {reg_window!r}")
-        )
-    if not has_text and "{}" not in template:
-        problems.append(("template", f"must contain '{{}}' for the class name, got {template!r}"))
-    if has_init and init_prompts and ctx_init and has_text:
-        problems.append(
-            (
-                "ctx_init",
-                "must be empty when θ* comes from the init file (both initialise the text "
-                "context); give only one, or take only R_φ from the file (init_prompts False)",
-            )
-        )
-    if has_init and not (init_prompts or regulate):
-        problems.append(
-            (
-                "init_prompts",
-                "or regulate must be on when an init file is given: neither θ* "
-                "(init_prompts) nor R_φ (regulate) is taken from it",
-            )
-        )
-    return problems
+    bad_window = isinstance(reg_window, bool) or not isinstance(reg_window, int) or reg_window < 0
+    rules = [
+        (vpt_init not in VPT_INITS, "vpt_init", f"must be one of {', '.join(VPT_INITS)}, got {vpt_init!r}"),
+        (
+            bad_window,
+            "reg_window",
+            f"must be >= 0 images (an integer; 0 = the meta-training support size), got {reg_window!r}",
+        ),
+        (
+            not has_text and "{}" not in template,
+            "template",
+            f"must contain '{{}}' for the class name, got {template!r}",
+        ),
+        (
+            has_init and init_prompts and ctx_init and has_text,
+            "ctx_init",
+            "must be empty when θ* comes from the init file (both initialise the text context); give only one, or "
+            "take only R_φ from the file (init_prompts False)",
+        ),
+        (
+            has_init and not (init_prompts or regulate),
+            "init_prompts",
+            "or regulate must be on when an init file is given: neither θ* (init_prompts) nor R_φ (regulate) is "
+            "taken from it",
+        ),
+    ]
+    return [(name, what) for bad, name, what in rules if bad]
 
 
 # ------------------------------------------------------------------------------------------------ start
 @dataclass
 class StartPoint:
-    """An in-memory θ (and φ) to fine-tune from, e.g. the live meta-parameters during meta-validation.
-
-    ``prompts`` and ``regulators`` are deep-copied before use, so the caller's tensors are never
-    modified nor frozen.  ``regulators``: ``{"ctx"|"vpt": R_φ}`` as ``GRAMMetaLearner.regulators()``.
+    """An in-memory θ (and φ, ``{name: R_φ}`` as ``GRAMMetaLearner.regulators()``) to fine-tune from, e.g. the live
+    meta-parameters during meta-validation; copied before use, so the caller's tensors are never modified nor frozen.
     """
 
     prompts: PromptParams
@@ -111,12 +104,9 @@ class StartPoint:
 
 @dataclass(frozen=True)
 class Naming:
-    """How one interface names the start fields in error messages.
-
-    ``where``: the prefix of a sentence (``"method 'x'"``, ``"TRAINER.GRAM"``); ``keys``: field -> the
-    interface's key (``{"regulate": "REGULATE"}``; a field not listed keeps its name); ``dotted``: full key
-    names are ``where.KEY`` (yacs) rather than ``where KEY``.
-    """
+    """How one interface names the start fields in errors: ``where`` prefixes a sentence (``"method 'x'"``,
+    ``"TRAINER.GRAM"``), ``keys`` maps a field to the interface's key (unlisted: its own name), ``dotted`` spells full
+    keys ``where.KEY`` (yacs) rather than ``where KEY``."""
 
     where: str
     keys: Mapping[str, str] = field(default_factory=dict)
@@ -158,12 +148,9 @@ class StartSpec:
 
 @dataclass
 class Start:
-    """What :func:`build_start` built.
-
-    ``prompts`` θ (trainable); ``regulation`` R_φ or None; ``window`` images per regulated step (1 without
-    R_φ); ``launch`` the meta-trained step or None; ``metadata`` the init file's (``{}`` without one);
-    ``info`` a JSON-able description (``source``, ``reg_window``, ``launch``, ``prompt_sha256``, ...).
-    """
+    """What :func:`build_start` built: θ (trainable), R_φ or None, ``window`` images per regulated step (1 without
+    R_φ), the launch step or None, ``info`` (JSON-able: ``source``, ``reg_window``, ``launch``, ``prompt_sha256``,
+    ...) and the init file's ``metadata`` (``{}`` without one)."""
 
     prompts: PromptParams
     regulation: Optional[GradientRegulation]

@@ -1,24 +1,17 @@
 """Test-time use of R_φ: regulate prompt gradients before every optimiser step (paper Eq. 7).
 
-Usage inside any training loop (a Dassl trainer, the standalone evaluator: both through
-:class:`RegulatedStepper`, which adds the window below and mixed precision)::
+Inside any training loop (the Dassl trainers and the evaluator go through :class:`RegulatedStepper`, which adds
+the window below and mixed precision): ``loss.backward()``, ``regulation.apply_(theta.named_parameters())``
+(``p.grad <- R_φ(p.grad)``), ``optimizer.step()``.  Two switches match test-time use to meta-training:
 
-    loss.backward()
-    regulation.apply_(prompt_module.named_parameters())   # p.grad <- R_φ(p.grad)
-    optimizer.step()
-
-Two switches make test-time use match what R_φ and θ* were meta-trained for:
-
-* a regulation window (:class:`UpdateWindow`): meta-training applies R_φ once to the *mean* gradient
-  of a support set, while CoCoOp's batch-1 schedule produces one gradient per image.  With a window
-  of W images the raw per-image gradients are summed in ``p.grad`` (no ``zero_grad`` in between),
-  and once per window ``p.grad <- n · R_φ(p.grad / n)`` (n = images in the window) is applied before
-  one optimiser step: R_φ sees the window's mean gradient, and the step keeps the learning-rate budget
-  of n per-image steps (n times the mean).  W = 1 is the per-image rule.
-* a launch step (:class:`LaunchStep`, :func:`launch_`): meta-training optimises the query loss
-  *after* the inner step θ' = θ − α R_φ(∇L_s(θ)), so θ* is a launch point.  Launching applies that
-  same step once, with the mean gradient over the few-shot train set and α, the step count and the
-  inner momentum read from the init file, before the fine-tuning schedule starts.
+* a regulation window (:class:`UpdateWindow`): meta-training applies R_φ once to the *mean* gradient of a support
+  set, while CoCoOp's batch-1 schedule makes one gradient per image.  With a window of W images the raw gradients
+  are summed in ``p.grad`` and once per window ``p.grad <- n · R_φ(p.grad / n)`` (n = images in the window) comes
+  before one optimiser step: R_φ sees the mean gradient, the step keeps the lr budget of n per-image steps.
+  W = 1 is the per-image rule.
+* a launch step (:class:`LaunchStep`, :func:`launch_`): meta-training optimises the query loss *after* the inner
+  step θ' = θ − α R_φ(∇L_s(θ)), so θ* is a launch point; launching applies that step once, with the mean gradient
+  over the few-shot train set and the init file's α, step count and inner momentum, before the schedule starts.
 """
 
 from __future__ import annotations
@@ -32,15 +25,14 @@ from torch import nn
 
 from meta.method.inner import InnerRule
 from meta.method.metrics import accuracy
-from meta.method.regulator import GradientGate, GradientRegulator, is_gated
+from meta.method.regulator import GradientRegulator, is_gated, regulate
 
 # a loss: one 0-d tensor, or (task loss, regulariser) for the gate form of R_φ
 LossOut = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
-# Test-time defaults of the two switches (module docstring), read by MethodSpec, the Dassl trainers'
-# TRAINER.GRAM keys and the demo.  Chosen on validation splits (docs/notes/gram_training_match.md).
-# A window of 0 means "the meta-training support size" (:func:`resolve_window`): R_φ then sees the mean
-# gradient of as many images as the inner loop's support gave it.
+# Test-time defaults of the two switches (module docstring), read by MethodSpec, the Dassl trainers' TRAINER.GRAM
+# keys and the demo; chosen on validation splits (docs/notes/gram_training_match.md).  A window of 0 means "the
+# meta-training support size" (:func:`resolve_window`): R_φ sees the mean gradient of as many images as in training.
 SUPPORT_WINDOW = 0
 DEFAULT_REG_WINDOW = SUPPORT_WINDOW  # val sweep, worlds 0 + 1: every W = 20 (support) setting beat every W = 1 one
 DEFAULT_LAUNCH = True  # with W = support size, launch on was best on the mean over both worlds
@@ -74,11 +66,9 @@ def resolve_window(window: int, metadata: Optional[Mapping], source: str = "init
 
 
 def window_batches(images: int, batch_size: int) -> int:
-    """A regulation window of ``images`` images as backward passes of ``batch_size`` images (rounded, >= 1).
-
-    The one place where the window's unit changes: every interface (``MethodSpec.reg_window``,
-    ``META.VAL_REG_WINDOW``, ``TRAINER.GRAM.REG_WINDOW_IMAGES``) gives images; the loops count batches.
-    """
+    """A regulation window of ``images`` images as backward passes of ``batch_size`` images (rounded, >= 1): the one
+    change of unit (``MethodSpec.reg_window``, ``META.VAL_REG_WINDOW``, ``TRAINER.GRAM.REG_WINDOW_IMAGES`` give
+    images; the loops count batches)."""
     if int(images) < 1 or int(batch_size) < 1:
         raise ValueError(f"window_batches: need images >= 1 and batch_size >= 1, got {images} and {batch_size}")
     return max(1, round(int(images) / int(batch_size)))
@@ -88,10 +78,9 @@ class GradientRegulation(nn.Module):
     """
     **Description**
 
-    Test-time R_φ (paper Eq. 7): frozen copies of the meta-learned regulators, keyed by prompt-tensor name
-    (``"ctx"``, ``"vpt"``, ...), that replace each prompt gradient ``p.grad`` by its regulated version before
-    the optimiser step. Tensors without a regulator keep their raw gradient; φ is never fine-tuned. Every
-    :meth:`apply_` adds cos(ĝ, g) and ‖ĝ‖/‖g‖ per tensor to :attr:`stats` (:meth:`summary`).
+    Frozen copies of the meta-learned regulators, keyed by prompt-tensor name (``"ctx"``, ...), that replace each
+    prompt gradient ``p.grad`` by its regulated version before the optimiser step (tensors without one keep theirs;
+    φ is never fine-tuned).  :meth:`apply_` adds cos(ĝ, g) and ‖ĝ‖/‖g‖ per tensor to :attr:`stats` (:meth:`summary`).
 
     **Arguments**
 
@@ -100,8 +89,7 @@ class GradientRegulation(nn.Module):
     **Example**
 
     ~~~python
-    regulation = GradientRegulation(load_gram_init(path).regulator_modules())
-    loss.backward()
+    regulation = GradientRegulation(load_gram_init(path).regulator_modules()) loss.backward()
     regulation.apply_(theta.named_parameters(), count=n)   # p.grad <- n * R_phi(p.grad / n)
     optimizer.step()
     ~~~
@@ -135,11 +123,8 @@ class GradientRegulation(nn.Module):
     def bind(
         self, named_parameters: Iterable[tuple[str, torch.Tensor]]
     ) -> list[tuple[str, torch.Tensor, Optional[nn.Module]]]:
-        """``[(name, parameter, R_φ or None)]``: each parameter of θ with the regulator meta-learned for it.
-
-        ``named_parameters`` are θ's own (``PromptParams.named_parameters()``: the tensor names an init file keys
-        R_φ by, ``ctx``, ``vpt``, ...), as meta-training's learn2learn transforms hold one regulator per parameter;
-        a regulator whose tensor θ does not hold is a ValueError naming it (it would otherwise never act)."""
+        """``[(name, parameter, R_φ or None)]``: each of θ's own ``named_parameters`` (the names an init file keys R_φ
+        by) with its regulator; a regulator whose tensor θ does not hold is a ValueError (it would never act)."""
         named = list(named_parameters)
         held = {name for name, _ in named}
         lost = sorted(set(self.regulators) - held)
@@ -159,13 +144,10 @@ class GradientRegulation(nn.Module):
     ) -> int:
         """Replace ``p.grad`` by ``count · R_φ(p.grad / count)`` in place; returns how many tensors were regulated.
 
-        ``count`` is the number of per-image (or per-batch) gradients summed in ``p.grad`` (a
-        regulation window, :class:`UpdateWindow`): R_φ acts on their mean and the result is scaled
-        back to a sum.  ``count = 1``: ``p.grad <- R_φ(p.grad)``.
-
-        The gate form: ``p.grad`` holds the task gradient and ``penalty_grads`` (``{parameter name: gradient}``,
-        summed over the same passes) the regulariser's; ``p.grad <- count · R_φ(g_task / count, g_reg / count)``,
-        and a tensor without a gate gets the plain sum g_task + g_reg.
+        ``count``: the per-image (or per-batch) gradients summed in ``p.grad`` (a window, :class:`UpdateWindow`), so
+        R_φ acts on their mean.  The gate form: ``penalty_grads`` (``{name: gradient}``, summed over the same passes)
+        holds the regulariser's gradient, ``p.grad <- count · R_φ(g_task / count, g_reg / count)``, and a tensor
+        without a gate gets g_task + g_reg.
         """
         if count < 1:
             raise ValueError(f"GradientRegulation.apply_: count must be >= 1, got {count}")
@@ -182,11 +164,7 @@ class GradientRegulation(nn.Module):
                     param.grad.add_(g_reg)
                 continue
             raw = param.grad.detach().clone()
-            if isinstance(reg, GradientGate):
-                regulated = reg(param.grad / count, None if g_reg is None else g_reg / count)
-            else:
-                regulated = reg(param.grad / count)
-            param.grad.copy_(regulated * count)
+            param.grad.copy_(regulate(reg, param.grad / count, None if g_reg is None else g_reg / count) * count)
             raw_norm = raw.norm()
             self.stats["tensors"] += 1
             self.stats["cos_sum"] += float(
@@ -212,18 +190,10 @@ def check_gate_regulariser(regulation: Optional[GradientRegulation], regularised
 
 
 class UpdateWindow:
-    """When to regulate and step with a regulation window of ``size`` backward passes.
-
-    Loop (gradients accumulate in ``p.grad`` between steps)::
-
-        loss.backward()
-        n = window.push(last=is_last_batch_of_epoch)     # 0 = keep accumulating
-        if n:
-            regulation.apply_(params, count=n)            # n · R_φ(mean of the n gradients)
-            optimizer.step(); optimizer.zero_grad()
-
-    A window never spans two epochs: the epoch's last batch closes it (the LR changes per epoch).
-    ``size = 1`` returns 1 after every backward pass (the per-image rule).
+    """When to regulate and step with a regulation window of ``size`` backward passes: after each
+    ``loss.backward()``, ``n = window.push(last=...)`` is 0 (keep accumulating) or the passes to regulate and step
+    (``regulation.apply_(params, count=n)``, step, ``zero_grad``).  The epoch's last batch closes a window (the LR
+    changes per epoch); ``size = 1`` returns 1 after every pass (the per-image rule).
     """
 
     def __init__(self, size: int = 1):
@@ -244,20 +214,11 @@ class UpdateWindow:
 class RegulatedStepper:
     """One regulated update per window of backward passes (paper Eq. 7 at test time, windowed).
 
-    Per training batch, :meth:`backward` runs ``loss.backward()`` (gradients sum in ``p.grad`` until the
-    window closes); when :class:`meta.finetune.regulated.UpdateWindow` closes it (``window`` passes, or the epoch's
-    last batch) the summed gradient of the n passes becomes ``n · R_φ(mean)``
-    (:meth:`GradientRegulation.apply_`), one optimiser step is taken and the gradients are cleared.
-    With ``scaler`` (a ``torch.amp.GradScaler``) the loss is scaled for backward and the gradients are
-    unscaled before R_φ, which must see the true gradient.
-
-    Args:
-        module: the module whose ``named_parameters()`` are θ (R_φ is bound to their names,
-            :meth:`GradientRegulation.bind`).
-        optimizer: steps θ.
-        regulation: R_φ, or None for raw gradients (the window is then still honoured).
-        window: backward passes per step (:func:`meta.finetune.engine.window_batches` of the window in images).
-        scaler: optional GradScaler (mixed precision).
+    :meth:`backward` runs ``loss.backward()`` per batch; when the :class:`UpdateWindow` of ``window`` passes (or the
+    epoch's last batch) closes, the summed gradient becomes ``n · R_φ(mean)`` (:meth:`GradientRegulation.apply_`,
+    bound to ``module``'s ``named_parameters()``: θ), ``optimizer`` steps and the gradients are cleared.
+    ``regulation`` None: raw gradients, the window still honoured.  With ``scaler`` (a ``torch.amp.GradScaler``) the
+    loss is scaled for backward and the gradients unscaled before R_φ, which must see the true gradient.
     """
 
     def __init__(
@@ -319,9 +280,9 @@ class RegulatedStepper:
 
 
 def penalty_gradients(penalty: torch.Tensor, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """``{name: ∂penalty/∂p}`` for the parameters ``penalty`` reaches (graph kept: the task loss backwards next):
-    the regulariser's gradient that the gate form of R_φ takes apart from the task's, in the stepper and the launch
-    step alike (the meta-training inner loop's differentiable twin: :func:`meta.method.inner.gated_updates`)."""
+    """``{name: ∂penalty/∂p}`` for the parameters ``penalty`` reaches (graph kept: the task loss backwards next): the
+    regulariser's gradient that the gate takes apart from the task's (differentiable twin:
+    :func:`meta.method.inner.gated_updates`)."""
     if not penalty.requires_grad:
         return {}
     grads = torch.autograd.grad(penalty, [p for _, p in named], retain_graph=True, allow_unused=True)
@@ -345,14 +306,10 @@ def step_on_batch(
 
 @dataclass(frozen=True)
 class LaunchStep:
-    """The meta-trained inner step, applied once at the start of fine-tuning (:func:`launch_`).
-
-    ``alpha`` is the inner learning rate α, ``steps`` the inner step count, ``momentum`` the inner
-    heavy-ball μ and ``weight_decay`` the inner λ (added to the regulated gradient,
-    :class:`meta.method.inner.InnerRule`),
-    as :class:`meta.method.gram.MetaSpec` had them when θ* was meta-trained.  Every launched step sees the whole train
-    set (``META.INNER_SUPPORT repeat``); an init file meta-trained with ``split`` windows over several steps is
-    refused by :meth:`from_metadata`.
+    """The meta-trained inner step, applied once at the start of fine-tuning (:func:`launch_`): the inner lr
+    ``alpha`` α, step count, heavy-ball ``momentum`` μ and ``weight_decay`` λ (:class:`meta.method.inner.InnerRule`)
+    of the :class:`meta.method.gram.MetaSpec` that meta-trained θ*.  Every launched step sees the whole train set
+    (``META.INNER_SUPPORT repeat``); a file meta-trained with ``split`` over several steps is refused.
     """
 
     alpha: float
@@ -378,8 +335,8 @@ class LaunchStep:
 
     @classmethod
     def from_meta_record(cls, meta: Mapping, source: str = "init file") -> "LaunchStep":
-        """From the flat record of the meta-training settings (``MetaSpec.as_dict()``, which an init file keeps as
-        ``provenance.meta``): the one reader of the inner rule for both a file and a live meta-learner."""
+        """From ``MetaSpec.as_dict()`` (an init file's ``provenance.meta``): the one reader of the inner rule for a
+        file and a live meta-learner alike."""
         if "inner_lr" not in meta:
             raise ValueError(
                 f"{source}: provenance.meta.inner_lr is missing, so the meta-trained step cannot be "
@@ -415,9 +372,8 @@ def launch_step_of(metadata: Mapping, source: str = "init file", explicit: bool 
 
 
 def weighted_sum(terms: Iterable[tuple[LossOut, float]]) -> LossOut:
-    """``Σ_b w_b · loss_b`` over ``(loss_b, w_b)`` pairs, in their order: the mean loss over a launch set's batches
-    with ``w_b`` = batch size / set size.  A loss is a 0-d tensor, or a ``(task loss, regulariser)`` pair for the
-    gate form of R_φ (summed part by part, so :func:`launch_` can keep their gradients apart)."""
+    """``Σ_b w_b · loss_b`` over ``(loss_b, w_b)`` pairs, in order (a launch set's mean loss: ``w_b`` = batch size /
+    set size); a loss is 0-d or, for the gate, a ``(task loss, regulariser)`` pair summed part by part."""
     total: Optional[LossOut] = None
     for loss, w in terms:
         if isinstance(loss, tuple):
@@ -449,13 +405,12 @@ class RuleStep(torch.optim.Optimizer):
 
 
 def launch_(prompts: nn.Module, regulation: Optional["GradientRegulation"], mean_loss, step: LaunchStep) -> float:
-    """θ <- θ − α · v_k for ``step.steps`` steps, in place, through :class:`RegulatedStepper` with
-    :class:`RuleStep`: the meta-training inner loop (:func:`meta.method.inner.inner_loop`) run once on the
-    downstream data, without its graph.
+    """θ <- θ − α · v_k for ``step.steps`` steps, in place, through :class:`RegulatedStepper` with :class:`RuleStep`:
+    the meta-training inner loop (:func:`meta.method.inner.inner_loop`) run once on the downstream data, no graph.
 
-    ``mean_loss(prompts) -> loss`` is the mean loss over the launch data (the few-shot train set), whose
-    gradient is the mean per-image gradient, or ``(task loss, regulariser)`` for the gate form of R_φ (which
-    joins their gradients); ``regulation`` None = raw gradient.  Returns the loss before the first step.
+    ``mean_loss(prompts)``: the mean loss over the few-shot train set (its gradient the mean per-image gradient), or
+    ``(task loss, regulariser)`` for the gate; ``regulation`` None = raw gradient.  Returns the loss before the first
+    step.
     """
     params = [p for p in prompts.parameters() if p.requires_grad]
     stepper = RegulatedStepper(prompts, RuleStep(params, step), regulation)  # window 1: one step per call
@@ -482,12 +437,9 @@ def finetune_and_score(
     momentum: float,
     labels_of=lambda b: b["label"],
 ) -> float:
-    """Query accuracy (0-1) after ``steps`` full-batch SGD steps on ``support`` from a copy of ``prompts``.
-
-    Mirrors test-time use: torch SGD with ``lr`` and ``momentum`` on the prompt gradient, regulated by
-    ``regulation`` when given (raw otherwise).  ``loss_fn(prompts, batch) -> (loss, logits [n, K])``.
-    ``prompts`` is never modified.
-    """
+    """Query accuracy (0-1) after ``steps`` full-batch torch SGD steps (``lr``, ``momentum``) on ``support`` from a
+    copy of ``prompts`` (never modified), regulated by ``regulation`` when given, as at test time.
+    ``loss_fn(prompts, batch) -> (loss, logits [n, K])``."""
     theta = copy.deepcopy(prompts)
     params = [p for p in theta.parameters()]
     for p in params:

@@ -1,10 +1,9 @@
 """Per-epoch learning-rate schedules with Dassl's semantics, built only from torch's scheduler classes.
 
-The one implementation behind both the Dassl trainers (``trainers/gram/dassl_schedule.py`` maps the
-``OPTIM`` node onto :func:`epoch_scheduler`) and the Dassl-free evaluator
-(``meta.evaluation.make_scheduler`` maps a ``TrainSpec``).  Error messages name the Dassl ``OPTIM``
-keys; ``TrainSpec`` fields map to them as ``scheduler`` -> ``LR_SCHEDULER``, ``epochs`` ->
-``MAX_EPOCH``, ``warmup_epochs`` -> ``WARMUP_EPOCH``, ``warmup_lr`` -> ``WARMUP_CONS_LR``.
+The one implementation behind both the Dassl trainers (``trainers/gram/dassl_schedule.py`` maps the ``OPTIM`` node onto
+:func:`epoch_scheduler`) and the Dassl-free evaluator (``meta.evaluation.make_scheduler`` maps a ``TrainSpec``).  Error
+messages name the Dassl ``OPTIM`` keys; ``TrainSpec`` fields map to them as ``scheduler`` -> ``LR_SCHEDULER``,
+``epochs`` -> ``MAX_EPOCH``, ``warmup_epochs`` -> ``WARMUP_EPOCH``, ``warmup_lr`` -> ``WARMUP_CONS_LR``.
 
 Semantics (Dassl.pytorch @ c61a1b5, ``dassl/optim/lr_scheduler.py``, default
 ``OPTIM.WARMUP_RECOUNT True``), for epoch ``e = 0, 1, ...``, stepped once per epoch:
@@ -14,11 +13,10 @@ Semantics (Dassl.pytorch @ c61a1b5, ``dassl/optim/lr_scheduler.py``, default
   i.e. its value at ``e - W`` (cosine: ``T_max = max_epoch``, so it never reaches its minimum);
 * ``warmup_type="linear"``: ``warmup_min_lr`` at ``e = 0``, ``lr * e / W`` for ``0 < e < W``, then as above.
 
-Main schedules: ``cosine`` (``CosineAnnealingLR(T_max=max_epoch)``), ``single_step`` (``StepLR``;
-``stepsize <= 0`` means ``max_epoch``), ``multi_step`` (``MultiStepLR``) and ``constant`` (no decay;
-not in Dassl, used by the evaluator).  Every state dict holds only numbers and lists, so
-checkpoints stay ``torch.load(weights_only=True)``-loadable (Dassl's own wrappers pickle their
-successor scheduler object).
+Main schedules: ``cosine`` (``CosineAnnealingLR(T_max=max_epoch)``), ``single_step`` (``StepLR``; ``stepsize <= 0``
+means ``max_epoch``), ``multi_step`` (``MultiStepLR``) and ``constant`` (no decay; not in Dassl, used by the
+evaluator).  Every state dict holds only numbers and lists, so checkpoints stay
+``torch.load(weights_only=True)``-loadable (Dassl's own wrappers pickle their successor scheduler object).
 """
 
 from __future__ import annotations
@@ -94,6 +92,3 @@ def epoch_scheduler(
         firsts = [_factor(float(warmup_min_lr), b) for b in base_lrs]
         warm = tls.LambdaLR(optimizer, [lambda e, f=f: f if e == 0 else e / warmup_epochs for f in firsts])
     return tls.SequentialLR(optimizer, schedulers=[warm, main], milestones=[warmup_epochs])
-
-
-__all__ = ["epoch_scheduler", "SCHEDULES", "WARMUP_TYPES"]
