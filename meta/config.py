@@ -13,8 +13,7 @@ One function, :func:`get_meta_cfg_default`, returns the whole default tree, so e
 is built into which library spec field; such a key takes the field's default, written once, in the spec.
 :data:`REMOVED_KEYS` lists the keys of options that were measured and dropped: setting one is a one-line error.
 
-Values the paper does not give carry a comment naming where they
-come from.
+Values the paper does not give carry a comment naming where they come from.
 
 Sources cited below:
   [GRAM]    the paper (Li et al., "Gradient-Regulated Meta-Prompt Learning for Generalizable
@@ -128,9 +127,8 @@ def _chc_node() -> CN:
 
     # ---- UMAP -> HDBSCAN on a sample, rest by nearest centroid ---------------------------------
     chc.TOPICS = CN()
-    chc.TOPICS.FIT_SAMPLE = (
-        200000  # unique captions UMAP+HDBSCAN are fitted on (hdbscan on 1M went past 20 GB: meta/chc/README.md)
-    )
+    # unique captions UMAP+HDBSCAN are fitted on (hdbscan on 1M went past 20 GB: meta/chc/README.md)
+    chc.TOPICS.FIT_SAMPLE = 200000
     chc.TOPICS.UMAP_DIM = 5  # CHC study (meta/chc/README.md): 5-10 dims, cosine, min_dist 0, n_neighbors 15 scored best
     chc.TOPICS.UMAP_NEIGHBORS = 15
     chc.TOPICS.UMAP_MIN_DIST = 0.0
@@ -200,32 +198,28 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.FIRST_ORDER = MetaSpec.first_order  # True drops the second-order term (cheaper, not the paper's Eq. 10)
     m.GRAD_CLIP = GRAD_CLIP  # max global norm over theta and phi; 0 = off
     m.REGULATE = MetaSpec.regulate  # False = "w/o gradient regulating" (Table 4 row 2)
-    m.AUTOCAST = MetaSpec.autocast  # none | bf16 | fp16 autocast of the CLIP passes on CUDA (CPU: fp32, one log
-    #                              line); bf16 is the safer choice: fp16 scales only the outer loss
-    #                              (meta.model.precision)
-    m.INNER_MOMENTUM = MetaSpec.inner_momentum  # heavy-ball inner SGD as the test-time optimiser (0.9 there); needs
-    #                              INNER_STEPS > 1
-    m.INNER_WEIGHT_DECAY = MetaSpec.inner_weight_decay  # lambda of the inner SGD, added to R_phi(g) as torch SGD does
-    #                              (5e-4 at test time)
-    m.INNER_SUPPORT = MetaSpec.inner_support  # repeat = every inner step on the whole support (Alg. 1) | split =
-    #                              INNER_STEPS class-balanced windows of the support, one per step (raise
-    #                              TASKS.N_SUPPORT to match)
-    m.QUERY_BEFORE_WEIGHT = (
-        DEFAULT_QUERY_BEFORE_WEIGHT  # w: outer loss L_q(theta') + w L_q(theta), so theta* is also good where the
-    )
-    #                              downstream schedule starts (0 = the paper's one-step objective, Eq. 8)
-    m.TASK_BATCHING = MetaSpec.task_batching  # auto | on | off: a meta-batch's tasks as one stacked pass
-    #                              (meta.method.batched; equal to one task after another to float rounding); auto:
-    #                              stacked on a GPU (halved on out-of-memory), sequential on the CPU (CPU results keep
-    #                              their last digit)
-    m.SUPPORT_ATTENTION_LOWP = MetaSpec.support_attention_lowp  # True: the second-order support pass's attention
-    #                              (the MATH SDPA kernel) runs its products in the autocast/weights dtype instead of
-    #                              upcasting to fp32 (torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp); no
-    #                              effect in fp32
-    m.CLOSED_FORM_LAYER_NORM = MetaSpec.closed_form_layer_norm  # True: the second-order support pass's LayerNorms
-    #                              differentiate their backward in closed form (meta.model.layer_norm: ~half the
-    #                              memory traffic of autograd's double backward); the meta-gradient equal to
-    #                              rounding, loss and first gradient bit-identical
+    # none | bf16 | fp16 autocast of the CLIP passes on CUDA (CPU: fp32, one log line); bf16 is the safer choice:
+    # fp16 scales only the outer loss (meta.model.precision)
+    m.AUTOCAST = MetaSpec.autocast
+    m.INNER_MOMENTUM = MetaSpec.inner_momentum  # heavy-ball inner SGD as at test time (0.9); needs INNER_STEPS > 1
+    m.INNER_WEIGHT_DECAY = MetaSpec.inner_weight_decay  # lambda, added to R_phi(g) as torch SGD (5e-4 at test time)
+    # repeat = every inner step on the whole support (Alg. 1) | split = INNER_STEPS class-balanced windows of the
+    # support, one per step (raise TASKS.N_SUPPORT to match)
+    m.INNER_SUPPORT = MetaSpec.inner_support
+    # w: outer loss L_q(theta') + w L_q(theta), so theta* is also good where the downstream schedule starts (0 = the
+    # paper's one-step objective, Eq. 8)
+    m.QUERY_BEFORE_WEIGHT = DEFAULT_QUERY_BEFORE_WEIGHT
+    # auto | on | off: a meta-batch's tasks as one stacked pass (meta.method.batched; equal to one task after another
+    # to float rounding); auto: stacked on a GPU (halved on out-of-memory), sequential on the CPU (CPU results keep
+    # their last digit)
+    m.TASK_BATCHING = MetaSpec.task_batching
+    # True: the second-order support pass's attention (the MATH SDPA kernel) runs its products in the autocast/weights
+    # dtype instead of upcasting to fp32 (torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp); no effect in fp32
+    m.SUPPORT_ATTENTION_LOWP = MetaSpec.support_attention_lowp
+    # True: the second-order support pass's LayerNorms differentiate their backward in closed form
+    # (meta.model.layer_norm: ~half the memory traffic of autograd's double backward); meta-gradient equal to rounding,
+    # loss and first gradient bit-identical
+    m.CLOSED_FORM_LAYER_NORM = MetaSpec.closed_form_layer_norm
 
     m.REGULATOR = CN()  # R_phi (meta.method.regulator.RegulatorSpec) [core]
     # residual | paper (literal Eq. 5) | gate (a learned gate on the gradient of the support loss's consistency
@@ -257,9 +251,7 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.PROMPT.VISION_DEPTH = PromptSpec.vision_depth  # 1 = shallow VPT; 0 = every layer
     m.PROMPT.INIT_STD = PromptSpec.init_std  # CoOp's N(0, 0.02^2) context init
     m.PROMPT.TEMPLATE = DEFAULT_TEMPLATE  # text side when N_CTX_TEXT == 0 (paper's VPT baseline)
-    m.PROMPT.VPT_INIT = (
-        PromptSpec.vpt_init
-    )  # visual tokens' start: normal | zeros | cls | patch_mean (meta.method.prompts)
+    m.PROMPT.VPT_INIT = PromptSpec.vpt_init  # visual tokens' start: normal | zeros | cls | patch_mean
     # J text layers with learnable context (1 = CoOp; IVLP / MaPLe PROMPT_DEPTH > 1: deep text prompts; 0 = every layer)
     m.PROMPT.TEXT_DEPTH = PromptSpec.text_depth
     # none | maple (visual prompts of the first TEXT_DEPTH vision layers projected from the text prompts;

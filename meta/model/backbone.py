@@ -1,11 +1,9 @@
 """Build the frozen open_clip CLIP that every GRAM component shares.
 
-The project's own architectures (tiny test and CPU-world models) live as JSON
-configs in ``meta/model/model_configs/`` and are registered with open_clip's model
-registry (``open_clip.add_model_config``), exactly like open_clip's built-in
-configs.  Nothing here ever downloads: ``pretrained`` must be ``None`` (random
-weights, with a warning), a local file, or a tag whose weights already sit in
-open_clip's cache.
+The project's own architectures (tiny test and CPU-world models) live as JSON configs in ``meta/model/model_configs/``
+and are registered with open_clip's model registry (``open_clip.add_model_config``), exactly like open_clip's built-in
+configs.  Nothing here ever downloads: ``pretrained`` must be ``None`` (random weights, with a warning), a local file,
+or a tag whose weights already sit in open_clip's cache.
 """
 
 from __future__ import annotations
@@ -80,8 +78,7 @@ def check_precision(precision: str, key: str = "MODEL.PRECISION") -> None:
 def resolve_device(name: str, key: str = "MODEL.DEVICE") -> str:
     """``auto`` -> ``cuda:<LOCAL_RANK>`` when CUDA is available, else ``cpu``; other names are checked.
 
-    A malformed name (``gpu``) or a CUDA device this machine lacks raises a one-line
-    ``ValueError`` naming ``key``.
+    A malformed name (``gpu``) or a CUDA device this machine lacks raises a one-line ``ValueError`` naming ``key``.
     """
     if not name or name == "auto":
         return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
@@ -186,14 +183,12 @@ def load_clip(
 
     Args:
         model_name: open_clip architecture name (built-in or from ``meta/model/model_configs``).
-        pretrained: ``None`` (random weights, warns), a local file (an open_clip
-            checkpoint, a plain state dict, or OpenAI's TorchScript ``ViT-B-16.pt``),
-            or an open_clip tag whose weights are already cached.
+        pretrained: ``None`` (random weights, warns), a local file (an open_clip checkpoint, a plain state dict, or
+            OpenAI's TorchScript ``ViT-B-16.pt``), or an open_clip tag whose weights are already cached.
         device: where the model goes.
         precision: ``fp32`` | ``fp16`` | ``bf16`` (CPU runs should use fp32).
-        quick_gelu: force QuickGELU on/off; ``None`` = automatic (on for OpenAI
-            TorchScript files and ``*-quickgelu`` names, which is what OpenAI's
-            weights were trained with).
+        quick_gelu: force QuickGELU on/off; ``None`` = automatic (on for OpenAI TorchScript files and ``*-quickgelu``
+            names, which is what OpenAI's weights were trained with).
         config_key: the config key that supplied ``pretrained``, named in errors.
 
     Returns:

@@ -49,8 +49,7 @@ def clip_from_settings(model: ClipSettings, device: str, warn_random: bool = Tru
         warn_random: keep ``load_clip``'s warning when ``MODEL.PRETRAINED`` is empty (random weights:
             only useful for smoke runs).
 
-    Bad keys raise a one-line ``ValueError`` naming ``MODEL.BACKBONE``, ``MODEL.PRECISION`` or
-    ``MODEL.PRETRAINED``.
+    Bad keys raise a one-line ``ValueError`` naming ``MODEL.BACKBONE``, ``MODEL.PRECISION`` or ``MODEL.PRETRAINED``.
     """
     check_model_name(model.backbone, "MODEL.BACKBONE")
     check_precision(model.precision, "MODEL.PRECISION")

@@ -3,9 +3,8 @@
 Config keys: ``META.AUTOCAST`` (meta-training forward passes) and ``CHC.IMAGES.AUTOCAST`` (CLIP
 image features in CHC), each ``none | bf16 | fp16``; ``MODEL.PRECISION`` is the dtype of the
 frozen CLIP's weights; ``MODEL.TF32`` lets fp32 matmuls on CUDA use TF32 (:func:`apply_tf32`).  Autocast is a CUDA
-feature here: on a CPU the run keeps fp32 and says so
-in one log line per key (never a warning per step), and ``MODEL.PRECISION fp16`` falls back to fp32
-the same way (fp16 matmuls on CPUs are slow or missing).
+feature here: on a CPU the run keeps fp32 and says so in one log line per key (never a warning per step), and
+``MODEL.PRECISION fp16`` falls back to fp32 the same way (fp16 matmuls on CPUs are slow or missing).
 """
 
 from __future__ import annotations

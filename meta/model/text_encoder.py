@@ -1,14 +1,12 @@
 """CoOp-style text prompts run through a frozen open_clip text tower.
 
-A prompt for class ``c`` is ``[SOT] t_1 ... t_M <tokens of c> . [EOT] [PAD]...``
-where ``t_1..t_M`` are learnable context vectors (Zhou et al., CoOp, IJCV 2022,
-Eq. 2 of the GRAM paper).  The token embeddings of everything but the context
-are computed once per class name and cached (:class:`ClassTokenCache`).
+A prompt for class ``c`` is ``[SOT] t_1 ... t_M <tokens of c> . [EOT] [PAD]...`` where ``t_1..t_M`` are learnable
+context vectors (Zhou et al., CoOp, IJCV 2022, Eq. 2 of the GRAM paper).  The token embeddings of everything but the
+context are computed once per class name and cached (:class:`ClassTokenCache`).
 
-Exact truncation: CLIP's text transformer uses a causal mask and pools the
-feature at the EOT position, so no token after the EOT can change that
-feature.  A batch of classes therefore only needs the first ``max(eot) + 1``
-positions instead of 77 (``tests/test_core_prompts.py`` checks the equality).
+Exact truncation: CLIP's text transformer uses a causal mask and pools the feature at the EOT position, so no token
+after the EOT can change that feature.  A batch of classes therefore only needs the first ``max(eot) + 1`` positions
+instead of 77 (``tests/test_core_prompts.py`` checks the equality).
 
 Deep text prompts (IVLP / MaPLe, ``ctx_deep`` ``[J-1, M, d_t]``): before block ``i`` (``1 <= i < J``)
 the hidden states at positions ``1..M`` are replaced by ``ctx_deep[i-1]`` (no positional embedding
@@ -69,8 +67,7 @@ class ClassTokenCache:
     embeddings kept at full context length, in the text blocks' dtype; :meth:`tokens` stacks the
     requested classes and truncates them to ``max(eot) + 1`` positions when ``truncate``.  The last
     :attr:`STACKED` distinct class lists are kept stacked (a fine-tuning run asks for the same list every
-    step: no stack, no host-to-device copy of the EOT positions).  The CLIP is frozen: its embeddings are
-    read once.
+    step: no stack, no host-to-device copy of the EOT positions).  The CLIP is frozen: its embeddings are read once.
     """
 
     STACKED = 8

@@ -1,16 +1,14 @@
 """Visual prompt tokens (VPT, Jia et al. ECCV 2022) run through a frozen open_clip ViT.
 
-We do not patch open_clip: this module runs the frozen ViT's own submodules
-(``conv1``, ``class_embedding``, ``positional_embedding``, ``ln_pre``, each
-residual block, ``ln_post``, ``proj``) in our own forward and inserts the
+We do not patch open_clip: this module runs the frozen ViT's own submodules (``conv1``, ``class_embedding``,
+``positional_embedding``, ``ln_pre``, each residual block, ``ln_post``, ``proj``) in our own forward and inserts the
 prompt tokens between them.
 
 Layout (the independent-prompt design of MaPLe's IVLP/VPT code, read from
 multimodal-prompt-learning ``clip/model.py``; reference section 7):
 
-* shallow (depth 1): ``n`` prompt tokens are appended after the CLS and patch
-  tokens (after the positional embedding, before ``ln_pre``) and travel through
-  every block;
+* shallow (depth 1): ``n`` prompt tokens are appended after the CLS and patch tokens (after the positional embedding,
+  before ``ln_pre``) and travel through every block;
 * deep (depth D > 1): before block ``i`` (``1 <= i < D``) the outputs at the
   prompt positions are replaced by that layer's fresh prompt tokens.
 
@@ -42,11 +40,10 @@ def _check_supported(visual: nn.Module) -> None:
 def _ln_pre(ln: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``ln(x)``; under autocast, in float32 with autocast off and the float32 result kept.
 
-    The shallow prompt tokens enter ``ln_pre`` with a small spread (N(0, 0.02²) or the patch-mean
-    token), so its inverse standard deviation is large.  Under fp16 autocast, open_clip's LayerNorm
-    (float32 inside, output cast back to fp16) gave NaN in ``NativeLayerNormBackwardBackward0``, the
-    double backward the second-order meta-gradient takes through it (UNIGRAM, ViT-B/16, CPU; the tiny
-    test CLIP with prompts of std <= 0.02): ``tests/test_precision.py``.
+    The shallow prompt tokens enter ``ln_pre`` with a small spread (N(0, 0.02²) or the patch-mean token), so its inverse
+    standard deviation is large.  Under fp16 autocast, open_clip's LayerNorm (float32 inside, output cast back to fp16)
+    gave NaN in ``NativeLayerNormBackwardBackward0``, the double backward the second-order meta-gradient takes through
+    it (UNIGRAM, ViT-B/16, CPU; the tiny test CLIP with prompts of std <= 0.02): ``tests/test_precision.py``.
     """
     device_type = x.device.type
     if not torch.is_autocast_enabled(device_type) or not isinstance(ln, nn.LayerNorm):
