@@ -2,24 +2,21 @@
 
 File format (one ``.safetensors`` file, nothing is unpickled on load):
 
-* tensors ``prompt.ctx`` ``[M, d_t]`` and/or ``prompt.vpt`` ``[D, n, d_v]``; for deep text prompts
-  ``prompt.ctx_deep`` ``[J-1, M, d_t]``, for MaPLe's coupling ``prompt.proj_weight`` ``[J, d_v, d_t]`` and
-  ``prompt.proj_bias`` ``[J, d_v]`` (:mod:`meta.method.prompts`);
-  ``regulator.<tensor>.{gamma,beta}.{weight,bias}`` when φ was learned (the spec in the header carries every
-  option the test-time regulator needs, and files written before an option existed load with its
-  "off" default; a field of a removed option, :data:`meta.config.REMOVED_KEYS`, is dropped at its off value and
-  refused when it was on);
-* header metadata key ``"gram"``: JSON with ``format_version``, ``backbone``
-  (model name, weights file name, widths), ``prompt`` (token counts, depths, coupling; files written
-  before deep text prompts existed lack ``text_depth`` and ``coupling`` and read as 1 / ``none``),
-  ``regulator`` (spec or null), ``shapes`` and free-form ``provenance``.
+* tensors ``prompt.ctx`` ``[M, d_t]`` and/or ``prompt.vpt`` ``[D, n, d_v]``; for deep text prompts ``prompt.ctx_deep``
+  ``[J-1, M, d_t]``, for MaPLe's coupling ``prompt.proj_weight`` ``[J, d_v, d_t]`` and ``prompt.proj_bias`` ``[J, d_v]``
+  (:mod:`meta.method.prompts`); ``regulator.<tensor>.{gamma,beta}.{weight,bias}`` when φ was learned (the spec in the
+  header carries every option the test-time regulator needs, and files written before an option existed load with its
+  "off" default; a field of a removed option, :data:`meta.config.REMOVED_KEYS`, is dropped at its off value and refused
+  when it was on);
+* header metadata key ``"gram"``: JSON with ``format_version``, ``backbone`` (model name, weights file name, widths),
+  ``prompt`` (token counts, depths, coupling; files written before deep text prompts existed lack ``text_depth`` and
+  ``coupling`` and read as 1 / ``none``), ``regulator`` (spec or null), ``shapes`` and free-form ``provenance``.
 
-Loading validates everything the file says before anything is built: the metadata's
-fields and types (``format_version`` is the integer 1; regulator fields are those of
-:class:`meta.method.regulator.RegulatorSpec`, older files may omit newer ones), each tensor's
-shape against the recorded ``shapes`` and against the widths and token counts in the
-metadata, and then the metadata against what the caller is about to build.  Every failure
-is one :class:`InitMismatchError` line naming the file and the field.
+Loading validates everything the file says before anything is built: the metadata's fields and types (``format_version``
+is the integer 1; regulator fields are those of :class:`meta.method.regulator.RegulatorSpec`, older files may omit newer
+ones), each tensor's shape against the recorded ``shapes`` and against the widths and token counts in the metadata, and
+then the metadata against what the caller is about to build.  Every failure is one :class:`InitMismatchError` line
+naming the file and the field.
 
 Tensor dtypes: the writer stores float32.  A file whose tensors are float16, bfloat16 or float64
 (e.g. re-saved by another tool) loads with those tensors cast to float32, the dtype the prompts and the
@@ -158,20 +155,12 @@ class _Checker:
 
 def _regulator_field_types() -> dict[str, tuple]:
     """``{field: accepted python types}`` from :class:`RegulatorSpec`'s fields (new fields included)."""
+    kinds = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}
     out = {}
     for f in dataclasses.fields(RegulatorSpec):
-        default = f.default
-        annotation = str(f.type)
-        if isinstance(default, bool):
-            types: tuple = (bool,)
-        elif isinstance(default, int):
-            types = (int,)
-        elif isinstance(default, float):
-            types = (int, float)
-        elif isinstance(default, str):
-            types = (str, int, float) if "float" in annotation or "int" in annotation else (str,)
-        else:
-            types = ()
+        types = kinds.get(type(f.default), ())
+        if types == (str,) and ("float" in str(f.type) or "int" in str(f.type)):  # a string or a number
+            types = (str, int, float)
         out[f.name] = types
     return out
 
@@ -426,11 +415,10 @@ def load_gram_init(
 ) -> GramInit:
     """Read an initialisation file, validate it, and check it against ``expect``.
 
-    ``expect`` may hold any of ``text_width``, ``vision_width``, ``n_ctx_text``,
-    ``n_ctx_vision``, ``vision_depth``, ``text_depth``, ``coupling``, ``model_name``; each given value must match
-    (``model_name`` only warns: the same widths can come from differently named configs).
-    Every problem raises :class:`InitMismatchError` (one line, naming ``config_key``, the
-    file and the field); a missing file raises ``FileNotFoundError``.  Tensors come back float32:
+    ``expect`` may hold any of ``text_width``, ``vision_width``, ``n_ctx_text``, ``n_ctx_vision``, ``vision_depth``,
+    ``text_depth``, ``coupling``, ``model_name``; each given value must match (``model_name`` only warns: the same
+    widths can come from differently named configs). Every problem raises :class:`InitMismatchError` (one line, naming
+    ``config_key``, the file and the field); a missing file raises ``FileNotFoundError``.  Tensors come back float32:
     float16 / bfloat16 / float64 ones are cast, any other dtype is refused (module docstring).
     """
     path = Path(path)
@@ -502,12 +490,15 @@ def export_coop_context(path: Union[str, Path], ctx: torch.Tensor, epoch: int = 
     :func:`coop_context_name` so that the ``N_CTX`` it needs cannot be missed.  Written atomically
     (:mod:`meta.infra.fileio`): a kill or a full disk leaves the old file or none, never a torn one.
     """
+    state = {"ctx": ctx.detach().float().cpu().clone()}
+    return write_bytes_atomic(path, _saved({"state_dict": state, "epoch": int(epoch), "n_ctx": int(ctx.shape[0])}))
+
+
+def _saved(obj: Any) -> bytes:
+    """``torch.save(obj)``'s bytes."""
     buffer = io.BytesIO()
-    torch.save(
-        {"state_dict": {"ctx": ctx.detach().float().cpu().clone()}, "epoch": int(epoch), "n_ctx": int(ctx.shape[0])},
-        buffer,
-    )
-    return write_bytes_atomic(path, buffer.getvalue())
+    torch.save(obj, buffer)
+    return buffer.getvalue()
 
 
 # Where a stock-CoCoOp checkpoint's file sits inside its folder (Dassl's layout: <model>/model.pth.tar-<epoch>).
@@ -525,13 +516,10 @@ def export_cocoop_checkpoint(directory: Union[str, Path], state: Mapping[str, to
     Only plain tensors and ints (``torch.load(..., weights_only=True)`` reads it), written atomically."""
     if "ctx" not in state or not any(k.startswith("meta_net.") for k in state):
         raise ValueError(f"a stock-CoCoOp checkpoint needs ctx and meta_net.* tensors, got {', '.join(sorted(state))}")
-    buffer = io.BytesIO()
-    torch.save(
-        {"state_dict": {k: v.detach().float().cpu().clone() for k, v in state.items()}, "epoch": int(epoch)}, buffer
-    )
+    data = _saved({"state_dict": {k: v.detach().float().cpu().clone() for k, v in state.items()}, "epoch": int(epoch)})
     path = Path(directory) / COCOOP_CHECKPOINT.format(epoch=int(epoch))
     path.parent.mkdir(parents=True, exist_ok=True)
-    return write_bytes_atomic(path, buffer.getvalue())
+    return write_bytes_atomic(path, data)
 
 
 def cocoop_checkpoint_usage(directory: Union[str, Path], n_ctx: int, epoch: int = 0) -> str:
