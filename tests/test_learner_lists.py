@@ -202,8 +202,8 @@ def test_demo_deep_group_is_every_deep_learner():
     table = methods.methods()
     assert list(DEEP_KEYS) == [k for k, m in table.items() if m.trainer in deep]
     assert [v.name for v in DEEP_VARIANTS] == ["gram_ivlp", "gram_maple"]
-    # every table row is a demo row, with its own meta variant or its preset's; a row that needs a GRAM file the
-    # demo meta-trains no variant for (gram_cocoop*, not yet in the world's tables) is left out, and only those
+    # every table row is a demo row, in the table's order, with its own meta variant or its preset's; only a row that
+    # needs a GRAM file the demo meta-trains no variant for may be left out (none is, since CoCoOp's variant came)
     from gram_world.demo.settings import VARIANT_BY_NAME
 
     def has_variant(key: str) -> bool:
@@ -211,9 +211,22 @@ def test_demo_deep_group_is_every_deep_learner():
 
     left_out = [k for k in table if k not in METHOD_BY_KEY]
     assert list(METHOD_BY_KEY) == [k for k in table if k not in left_out]
-    assert left_out and all(table[k].gram_file and not has_variant(k) for k in left_out), left_out
+    assert all(table[k].gram_file and not has_variant(k) for k in left_out), left_out
+    assert {"cocoop", "gram_cocoop", "gram_cocoop_init_only"} <= set(METHOD_BY_KEY)
     for key, row in METHOD_BY_KEY.items():
         assert row.variant in ("", key, table[key].preset) and bool(row.variant) == table[key].gram_file, key
+
+
+def test_every_demo_row_and_variant_has_a_plot_colour_of_its_own():
+    from matplotlib.colors import to_rgba
+
+    from gram_world.demo.report import colour
+    from gram_world.demo.settings import META_VARIANTS, METHOD_BY_KEY
+
+    rows = {key: to_rgba(colour(key)) for key in METHOD_BY_KEY}
+    assert len(set(rows.values())) == len(rows), rows  # no two rows share a bar / line colour
+    for variant in META_VARIANTS:  # Fig. 3b draws each meta-training run; one that is no row still gets a colour
+        assert len(to_rgba(colour(variant.name))) == 4
 
 
 @pytest.mark.dassl

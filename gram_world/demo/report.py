@@ -54,7 +54,23 @@ COLOURS = {
     "unigram_pretrain": "tab:pink",
     "unigram_supervised": "tab:olive",
     "joint": "tab:gray",
+    "cocoop": "midnightblue",
+    "gram_cocoop": "darkturquoise",
+    "gram_cocoop_init_only": "lightseagreen",
 }
+
+
+def colour(key: str):
+    """The plot colour of demo row (or meta variant) ``key``: its entry in :data:`COLOURS`, else one of the 40
+    colours of matplotlib's ``tab20b`` + ``tab20c`` chosen by the row's place among the method table's rows without an
+    entry, so a row added to the table is drawn, in a colour of its own, before anyone picks one for it."""
+    if key in COLOURS:
+        return COLOURS[key]
+    import matplotlib
+
+    order = [k for k in METHOD_BY_KEY if k not in COLOURS]
+    place = (order.index(key) if key in order else len(order)) % 40
+    return matplotlib.colormaps["tab20b" if place < 20 else "tab20c"](place % 20)
 
 
 # ------------------------------------------------------------------ provenance
@@ -346,12 +362,12 @@ def _epochs(records: list, settings: DemoSettings, world, path: Path, plt) -> No
             if not c or not c["epochs"]:
                 continue
             mean, std = c[split], c[f"{split}_std"]
-            ax.plot(c["epochs"], mean, marker=".", color=COLOURS[key], label=METHOD_BY_KEY[key].label)
+            ax.plot(c["epochs"], mean, marker=".", color=colour(key), label=METHOD_BY_KEY[key].label)
             ax.fill_between(
                 c["epochs"],
                 [m - s for m, s in zip(mean, std)],
                 [m + s for m, s in zip(mean, std)],
-                color=COLOURS[key],
+                color=colour(key),
                 alpha=0.15,
                 lw=0,
             )
@@ -392,7 +408,7 @@ def _grad_cosine(out: Path, settings: DemoSettings, world, path: Path, plt) -> d
             continue
         steps, values = [r["step"] for r in log], [r["grad_cosine"] for r in log]
         series[variant.name] = {"label": labels[variant.name], "step": steps, "grad_cosine": values}
-        ax.plot(steps, values, marker=".", color=COLOURS.get(variant.name), label=labels[variant.name])
+        ax.plot(steps, values, marker=".", color=colour(variant.name), label=labels[variant.name])
     ax.axhline(0.0, color="0.5", lw=0.8)
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("meta-training step (outer update)")
@@ -427,7 +443,7 @@ def _transfer_bars(tables: dict, settings: DemoSettings, world, path: Path, plt)
         t = tables[tid]
         rows = t["rows"]
         for j, r in enumerate(rows):
-            ax.bar(j, r["target_mean"], yerr=r["target_std"], color=COLOURS[r["key"]], capsize=2, label=r["method"])
+            ax.bar(j, r["target_mean"], yerr=r["target_std"], color=colour(r["key"]), capsize=2, label=r["method"])
             lows.append(r["target_mean"] - r["target_std"])
             highs.append(r["target_mean"] + r["target_std"])
         zs = next((r for r in rows if r["key"] == "zsclip"), None)

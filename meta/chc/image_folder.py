@@ -4,7 +4,9 @@ Supervised meta-learning replaces CHC's topics with the folder classes; visual d
 are still found by k-means on the frozen CLIP's image features inside each class.
 Unreadable images (any failure to read or decode one file, a file over the byte cap of
 :func:`meta.chc.sources.read_regular_file`, an image over the caps of :mod:`meta.chc.imaging`)
-are skipped and counted in ``meta['counts']``, by reason in ``meta['unreadable_by_reason']``.
+are skipped and counted in ``meta['counts']``, by reason in ``meta['unreadable_by_reason']`` (a 0-byte file:
+``empty file (0 bytes)``), and named in one warning with an example path; a class folder none of whose images
+can be read is a one-line error naming it (it would vanish, and the task sizes be blamed).
 
 Symbolic links are never followed, so every image has exactly one label: a link to a folder or
 an image file (``data/zz_all -> data`` would make a class holding every image) resolves either
@@ -24,10 +26,11 @@ import numpy as np
 from tqdm import tqdm
 
 from meta.chc.domains import split_domains
+from meta.chc.errors import InputError
 from meta.chc.hierarchy import Hierarchy
 from meta.chc.imaging import clip_norm_stats, decode_batch, encode_images
 from meta.chc.settings import INT_RANGES, REAL_RANGES, check_int, check_real
-from meta.chc.sources import FileTooLargeError, read_regular_file, too_large_reason
+from meta.chc.sources import EMPTY_FILE, FileTooLargeError, read_regular_file, too_large_reason
 from meta.data.input_limits import MAX_IMAGE_ASPECT, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
 from meta.infra.hashing import file_sha256
 
@@ -105,16 +108,40 @@ def list_images(root: Path) -> tuple[list, list, list, Counter]:
 def _read_blobs(paths: list, indices, max_bytes: int = MAX_IMAGE_BYTES) -> tuple[list, list]:
     """``(bytes or None, reason)`` lists for ``paths[i]``, ``i`` in ``indices``; reason ``""`` when read.
 
-    A file over ``max_bytes`` bytes is not read (its size checked with ``stat`` first)."""
+    A file over ``max_bytes`` bytes is not read (its size checked with ``stat`` first); a 0-byte file is
+    :data:`meta.chc.sources.EMPTY_FILE`."""
     blobs, why = [], []
     for i in indices:
         try:
-            blobs.append(read_regular_file(paths[int(i)], max_bytes)), why.append("")
+            data = read_regular_file(paths[int(i)], max_bytes)
+            blobs.append(data or None), why.append("" if data else EMPTY_FILE)
         except FileTooLargeError:
             blobs.append(None), why.append(too_large_reason(max_bytes))
         except OSError as err:
             blobs.append(None), why.append(type(err).__name__)
     return blobs, why
+
+
+def _check_readable(root: Path, classes: list, paths: list, labels: np.ndarray, ok: np.ndarray, reasons: list) -> str:
+    """``"<path> (<reason>)"`` of the first unreadable image (``""`` when all were read), after one warning with the
+    count; a class without a readable image is an :class:`InputError` naming its folder."""
+    bad = np.flatnonzero(~ok)
+    if not len(bad):
+        return ""
+    for c, name in enumerate(classes):
+        members = np.flatnonzero(labels == c)
+        if len(members) and not ok[members].any():
+            why = ", ".join(f"{r} {n}" for r, n in Counter(reasons[i] for i in members).most_common())
+            raise InputError(
+                f"TASKS.IMAGE_FOLDER: class {name!r}: none of its {len(members)} images can be read ({why}), e.g. "
+                f"{paths[members[0]]}; repair or remove the folder {root / name}"
+            )
+    example = f"{paths[bad[0]]} ({reasons[bad[0]]})"
+    why = ", ".join(f"{r} {n}" for r, n in Counter(reasons[i] for i in bad).most_common())
+    log.warning(
+        "TASKS.IMAGE_FOLDER: %d of %d images unreadable (%s), left out; e.g. %s", len(bad), len(paths), why, example
+    )
+    return example
 
 
 class _FileImages:
@@ -186,6 +213,7 @@ def build_image_folder_hierarchy(
             feats[idx[good]] = encode_images(clip, pixels[good], mean, std, batch_size, device)
         ok[idx] = good
     labels = np.asarray(labels, dtype=np.int64)
+    example = _check_readable(root, classes, paths, labels, ok, reasons)
     item_topic = np.full(len(paths), -1, dtype=np.int64)
     item_domain = np.full(len(paths), -1, dtype=np.int64)
     names, per_class = [], {}
@@ -218,6 +246,7 @@ def build_image_folder_hierarchy(
         },
         "domains_per_class": per_class,
         "unreadable_by_reason": dict(Counter(r for r in reasons if r).most_common()),
+        "unreadable_example": example,  # "<path> (<reason>)" of the first unreadable image, "" when none
     }
     return Hierarchy(
         topic_names=names,

@@ -20,7 +20,7 @@ MERGE_RULE = (
 # index counts that are skips or changes of input, with what happened to the pairs
 _INDEX_REASONS = (
     ("skipped_no_image", "pair without an image member / image value", "pair skipped"),
-    ("skipped_empty_caption", "empty caption", "pair skipped"),
+    ("skipped_empty_caption", "empty caption (no visible character: blank, zero-width, marks alone)", "pair skipped"),
     (
         "skipped_caption_too_long",
         "shard caption member over CHC.INPUT.MAX_FIELD_CHARS bytes",
@@ -45,6 +45,11 @@ _INDEX_REASONS = (
     ("skipped_non_text_caption", "caption is not text (number, list, ...)", "pair skipped"),
     ("skipped_non_text_image", "image value is not text", "pair skipped"),
     ("skipped_duplicate_pair", "exact repeat of an earlier (image, caption) row", "pair skipped"),
+    (
+        "rows_repeating_an_image",
+        "manifest row naming an image path an earlier row named, with another caption",
+        "kept: each distinct caption of an image is its own pair (exact repeats skipped)",
+    ),
     (
         "skipped_duplicate_key",
         "key repeated in a shard: a member group after the first complete pair",
@@ -110,6 +115,7 @@ def skipped_input_rows(counts: dict, issues: list, unreadable_by_reason: dict, m
 
 
 def _issue_line(e: dict) -> str:
+    at = f" (byte offset(s) {', '.join(map(str, e['offsets']))})" if e.get("offsets") else ""
     if "rows" not in e and "offset" not in e:  # a whole file left out (a shard that is not a regular file)
         return f"- {e['source']}: {e['problem']}"
     if "offset" in e:
@@ -119,8 +125,8 @@ def _issue_line(e: dict) -> str:
             f"{e['pairs_read']} pairs read{cut}"
         )
     if "keys" in e:
-        return f"- {e['source']}: {e['problem']}: {e['rows']} member group(s), key(s) {', '.join(e['keys'])}"
-    return f"- {e['source']}: {e['problem']}: {e['rows']} row(s), line(s) {', '.join(map(str, e['lines']))}"
+        return f"- {e['source']}: {e['problem']}: {e['rows']} member group(s), key(s) {', '.join(e['keys'])}{at}"
+    return f"- {e['source']}: {e['problem']}: {e['rows']} row(s), line(s) {', '.join(map(str, e['lines']))}{at}"
 
 
 def _samples(captions, members: np.ndarray, k: int, rng) -> list:

@@ -23,8 +23,14 @@ damaged files are listed in ``issues``:
   ends inside the archive (no end-of-archive marker) is also counted as
   ``corrupt_shards_cut_short``: what followed the cut is unknown;
 * text that is not valid UTF-8 (tar captions, manifest lines) is decoded with
-  replacement characters and counted (``invalid_utf8_replaced``); a UTF-8 byte-order mark
-  starting a manifest is dropped;
+  replacement characters and counted (``invalid_utf8_replaced``), the file (shard key) and byte offset
+  listed in ``issues``; a UTF-8 byte-order mark starting a manifest is dropped, a UTF-16 / UTF-32 one is
+  a one-line error (:func:`wide_bom_error`);
+* a caption with no visible character (:func:`visible`: only zero-width characters, joiners, BOMs, bidi
+  controls, soft hyphens, tag characters, combining marks, Hangul fillers, braille blanks, whitespace)
+  is ``skipped_empty_caption``;
+* a shard that is gzip / bzip2 / xz / zstd data is a shard that cannot be opened, its problem naming the
+  compression (:func:`compression_problem`); damaged shards beside readable ones are named in one warning;
 * a key repeated inside one shard (``dup.png dup.txt dup.png dup.txt``): a member joins its
   key's latest member group unless that group already has a member of its kind (image,
   caption, metadata), else it opens a new group; the first group with an image and a
@@ -51,8 +57,9 @@ damaged files are listed in ``issues``:
 * a manifest row that is not a JSON object (or not JSON, or nested deeper than
   ``meta.infra.fileio.MAX_NESTING`` levels: :func:`meta.infra.fileio.parse_json`) is ``skipped_invalid_row``; a
   caption or image value that is not text (a number, a list) is ``skipped_non_text_caption``
-  / ``skipped_non_text_image``; a row repeating an earlier (image, caption) pair exactly
-  is ``skipped_duplicate_pair``;
+  / ``skipped_non_text_image``; a row repeating an earlier (image, caption) pair exactly is
+  ``skipped_duplicate_pair``; a row naming an image path an earlier row named with another caption is kept
+  (each distinct caption of an image is a pair, as in COCO-style data) and counted in ``rows_repeating_an_image``;
 * a shard's caption (``txt``) or metadata (``json``) member larger than ``CHC.INPUT.MAX_FIELD_CHARS``
   bytes is never read: the pair is ``skipped_caption_too_long``, respectively kept without its metadata
   (``metadata_too_long_dropped``), the keys listed in ``issues``;
@@ -64,13 +71,16 @@ damaged files are listed in ``issues``:
 
 from __future__ import annotations
 
+import codecs
 import csv
 import glob
 import json
+import logging
 import os
 import re
 import stat
 import tarfile
+import unicodedata
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +96,34 @@ IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 MAX_ISSUE_LINES = 5  # line numbers (manifests) or keys (shards) kept per problem in ``issues``
 KIND_TAR, KIND_FILE = 0, 1
 MIN_ITEMS_PER_READ_THREAD = 16  # a shorter run is read by fewer threads (a thread per handful of images costs more)
+EMPTY_FILE = "empty file (0 bytes)"  # the unreadable-image reason of a 0-byte file or tar member
+BLANK_GLYPHS = frozenset("\u115f\u1160\u3164\uffa0\u2800")  # Hangul fillers, braille blank: drawn as nothing
+WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"))
+WIDE_BOMS += ((codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))  # UTF-32 LE first: it starts FF FE
+COMPRESSED_MAGIC = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"))
+
+log = logging.getLogger(__name__)
+
+
+def visible(text: str) -> bool:
+    """True when ``text`` holds a character drawn as something: a letter, digit, punctuation mark or symbol
+    (Unicode categories L, N, P, S) other than :data:`BLANK_GLYPHS`.  Format characters (Cf: zero-width space,
+    joiners, word joiner, BOM, bidi controls, soft hyphen, tag characters), marks alone (M), separators (Z),
+    controls and private-use characters (C) are not."""
+    return any(unicodedata.category(ch)[0] in "LNPS" and ch not in BLANK_GLYPHS for ch in text)
+
+
+def wide_bom_error(path: str, head: bytes) -> str:
+    """The one-line error of a manifest starting (``head``) with a UTF-16 / UTF-32 byte-order mark, else ``""``."""
+    name = next((name for bom, name in WIDE_BOMS if head.startswith(bom)), "")
+    return f"CHC.INPUT.MANIFEST: {path}: {name} (byte-order mark found): save as UTF-8" if name else ""
+
+
+def compression_problem(head: bytes) -> str:
+    """Why a shard whose first bytes are ``head`` is no tar file when it is compressed (``"gzip-compressed: ..."``),
+    else ``""``.  Image bytes are read from shards by byte offset, so a shard must be a plain tar."""
+    name = next((name for magic, name in COMPRESSED_MAGIC if head.startswith(magic)), "")
+    return f"{name}-compressed: decompress it (shards are read as plain .tar, by byte offset)" if name else ""
 
 
 @dataclass
@@ -262,6 +300,8 @@ class PairIndex:
                             data, why = None, "short read (shard changed or cut)"
                     else:
                         data = read_regular_file(self.item_path[i], max_bytes)
+                    if data is not None and not data:
+                        data, why = None, EMPTY_FILE
                 except NotRegularFileError:
                     data, why = None, "not a regular file"
                 except FileTooLargeError:
@@ -428,13 +468,14 @@ def _trailing_zeros(path: str, size: int) -> int:
     return len(tail) - len(tail.rstrip(b"\0"))
 
 
-def _decode_text(data: bytes, counts: dict) -> str:
-    """UTF-8 text; invalid bytes become U+FFFD and are counted in ``invalid_utf8_replaced``."""
+def _decode_text(data: bytes, counts: dict) -> tuple[str, int]:
+    """``(UTF-8 text, -1)``; invalid bytes become U+FFFD, counted in ``invalid_utf8_replaced``, and the second item
+    is the offset of the first invalid byte in ``data``."""
     try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
+        return data.decode("utf-8"), -1
+    except UnicodeDecodeError as err:
         _bump(counts, "invalid_utf8_replaced")
-        return data.decode("utf-8", errors="replace")
+        return data.decode("utf-8", errors="replace"), err.start
 
 
 def _member_group(groups: dict, order: list, key: str, kind: Optional[str]) -> dict:
@@ -451,9 +492,9 @@ def _member_group(groups: dict, order: list, key: str, kind: Optional[str]) -> d
 
 
 def _first_complete(found: list) -> int:
-    """Which of a key's member groups is its pair: the first with an image and a non-empty caption (else 0)."""
+    """Which of a key's member groups is its pair: the first with an image and a :func:`visible` caption (else 0)."""
     for number, g in enumerate(found):
-        if "image" in g and g.get("txt", "").strip():
+        if "image" in g and visible(g.get("txt", "")):
             return number
     return 0
 
@@ -471,6 +512,7 @@ def scan_tar(path: str, counts: dict, issues: Optional[list] = None, max_text_by
     groups: dict = {}  # key -> its member groups, in order (more than one: a repeated key)
     order: list = []  # (key, group number) in the order groups were opened
     damage = None  # (byte offset where reading stopped, what was found there)
+    bad_utf8: list = []  # (key, shard byte offset of the first invalid byte) of captions not valid UTF-8
     end = 0  # offset of the end-of-archive marker, when reached
     try:
         file_size = os.path.getsize(path)
@@ -495,7 +537,11 @@ def scan_tar(path: str, counts: dict, issues: Optional[list] = None, max_text_by
         try:
             tar = tarfile.open(fileobj=handle, mode="r:")
         except Exception as err:  # noqa: BLE001 - any failure to open is this shard's problem
-            damage = (0, f"cannot open as a tar file ({type(err).__name__}: {err})")
+            handle.seek(0)
+            damage = (
+                0,
+                compression_problem(handle.read(6)) or f"cannot open as a tar file ({type(err).__name__}: {err})",
+            )
             handle.close()
     if tar is not None:
         with handle, tar:
@@ -535,7 +581,9 @@ def scan_tar(path: str, counts: dict, issues: Optional[list] = None, max_text_by
                     except Exception as err:  # noqa: BLE001
                         damage = (member.offset, f"member {member.name} unreadable ({type(err).__name__}: {err})")
                         break
-                    g[ext] = _decode_text(data, counts) if ext == "txt" else data.decode("utf-8", errors="replace")
+                    g[ext], bad = _decode_text(data, counts) if ext == "txt" else (data.decode("utf-8", "replace"), -1)
+                    if bad >= 0:
+                        bad_utf8.append((key, member.offset_data + bad))
     _bump(counts, "shard_bytes_read", damage[0] if damage is not None else end)
     lost_key = None
     if damage is not None:
@@ -580,7 +628,7 @@ def scan_tar(path: str, counts: dict, issues: Optional[list] = None, max_text_by
             _bump(counts, "skipped_caption_too_long")
             too_long["txt"].append(key)
             continue
-        if not caption:
+        if not visible(caption):
             _bump(counts, "skipped_empty_caption")
             continue
         if g.get("json_too_long"):  # a pair kept without its metadata
@@ -606,23 +654,31 @@ def scan_tar(path: str, counts: dict, issues: Optional[list] = None, max_text_by
                     "keys": too_long[ext][:MAX_ISSUE_LINES],
                 }
             )
+    if bad_utf8 and issues is not None:
+        keys, offsets = zip(*bad_utf8[:MAX_ISSUE_LINES])
+        problem = "caption not valid UTF-8 (decoded with replacement characters)"
+        issues.append({"source": os.path.abspath(path), "problem": problem, "rows": len(bad_utf8), "keys": list(keys)})
+        issues[-1]["offsets"] = list(offsets)
     return records
 
 
 # ------------------------------------------------------------------------ manifests
 
 
-def _note(issues: Optional[list], path: str, problem: str, line: int) -> None:
-    """Record ``problem`` at ``line`` of ``path`` (first few line numbers per problem)."""
+def _note(issues: Optional[list], path: str, problem: str, line: int, offset: Optional[int] = None) -> None:
+    """Record ``problem`` at ``line`` of ``path`` (first few line numbers per problem, and the byte ``offset``s
+    in the file when given)."""
     if issues is None:
         return
-    for entry in issues:
-        if entry["source"] == path and entry["problem"] == problem:
-            entry["rows"] += 1
-            if len(entry["lines"]) < MAX_ISSUE_LINES:
-                entry["lines"].append(line)
-            return
-    issues.append({"source": path, "problem": problem, "rows": 1, "lines": [line]})
+    entry = next((e for e in issues if e["source"] == path and e["problem"] == problem), None)
+    if entry is None:
+        entry = {"source": path, "problem": problem, "rows": 0, "lines": []}
+        issues.append(entry)
+    entry["rows"] += 1
+    if len(entry["lines"]) < MAX_ISSUE_LINES:
+        entry["lines"].append(line)
+        if offset is not None:
+            entry.setdefault("offsets", []).append(int(offset))
 
 
 def max_line_bytes(max_field_chars: int) -> int:
@@ -647,19 +703,23 @@ def _raw_lines(fh, limit: int) -> Iterator[Optional[bytes]]:
 
 
 def _text_lines(fh, path: str, counts: dict, issues: Optional[list], limit: int) -> Iterator[Optional[str]]:
-    """Decoded lines of a binary file: BOM dropped, invalid UTF-8 replaced and counted; ``None`` for a line longer
-    than ``limit`` bytes (not read: :func:`_raw_lines`)."""
+    """Decoded lines of a binary file: UTF-8 BOM dropped (UTF-16 / UTF-32 BOM: :func:`wide_bom_error`), invalid UTF-8
+    replaced and counted (its byte offset noted); ``None`` for a line longer than ``limit`` bytes (not read:
+    :func:`_raw_lines`)."""
     for lineno, raw in enumerate(_raw_lines(fh, limit), 1):
         if raw is None:
             yield None
             continue
-        if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+        if lineno == 1 and wide_bom_error(path, raw):
+            raise InputError(wide_bom_error(path, raw))
+        if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
             raw = raw[3:]
         try:
             text = raw.decode("utf-8")
-        except UnicodeDecodeError:
+        except UnicodeDecodeError as err:
             _bump(counts, "invalid_utf8_replaced")
-            _note(issues, path, "invalid UTF-8 (decoded with replacement characters)", lineno)
+            at = fh.tell() - len(raw) + err.start  # byte offset in the file
+            _note(issues, path, "invalid UTF-8 (decoded with replacement characters)", lineno, at)
             text = raw.decode("utf-8", errors="replace")
         if "\r" in text.rstrip("\r\n"):  # old Mac line ends: split after a lone CR, as newline="" does
             yield from re.split(r"(?<=\r)(?!\n)", text)
@@ -792,6 +852,7 @@ def scan_manifest(
     data_root = None if allow_outside_root else _DataRoot(root)
     records = []
     seen: set = set()
+    images: set = set()
     checked = False
     for row_no, (lineno, row) in enumerate(_manifest_rows(path, counts, issues, max_field_chars)):
         _bump(counts, "pairs_seen")
@@ -819,7 +880,7 @@ def scan_manifest(
         if not image:
             _bump(counts, "skipped_no_image")
             continue
-        if not caption:
+        if not visible(caption):
             _bump(counts, "skipped_empty_caption")
             continue
         image = image if os.path.isabs(image) else os.path.join(root, image)
@@ -828,6 +889,9 @@ def scan_manifest(
             _note(issues, path, "repeats an earlier (image, caption) row", lineno)
             continue
         seen.add((image, caption))
+        if image in images:  # kept: each distinct caption of an image is a pair (COCO-style several per image)
+            _bump(counts, "rows_repeating_an_image")
+        images.add(image)
         stamp = file_stamp(image)
         if stamp[0] == STAMP_SPECIAL:
             _bump(counts, "skipped_not_regular_file")
@@ -912,6 +976,15 @@ def build_index(
         )
         first = f"; first problem: {issues[0]['source']}: {issues[0]['problem']}" if issues else ""
         raise InputError(f"{where}: no usable image-text pair ({counts['pairs_seen']} seen; {skipped}){first}")
+    damaged = [e for e in issues if e["source"] in sources[: len(shard_paths)] and ("offset" in e or "rows" not in e)]
+    if damaged:
+        log.warning(
+            "CHC.INPUT.SHARDS: %d of %d shard(s) unreadable or damaged (counted in chc_report.md), e.g. %s: %s",
+            len({e["source"] for e in damaged}),
+            len(shard_paths),
+            damaged[0]["source"],
+            damaged[0]["problem"],
+        )
     if max_pairs and len(caps) > max_pairs:
         counts["dropped_by_max_pairs"] = len(caps) - max_pairs
         del src_ids[max_pairs:], offsets[max_pairs:], sizes[max_pairs:]

@@ -94,8 +94,14 @@ def hierarchy_fingerprint(h) -> str:
 
 
 def hierarchy_summary(h) -> dict:
-    """Provenance of the task source: sizes and the CLIP its features came from."""
+    """Provenance of the task source: sizes and the CLIP its features came from; for an image-folder source
+    (``TASKS.IMAGE_FOLDER``) also its counts and unreadable images by reason (:mod:`meta.chc.image_folder`)."""
     sizes = h.topic_sizes()
+    folder = {}
+    if h.meta.get("source") == "image_folder":
+        folder = {
+            key: h.meta[key] for key in ("counts", "unreadable_by_reason", "unreadable_example") if key in h.meta
+        }
     return {
         "fingerprint": hierarchy_fingerprint(h),
         "num_topics": int(h.num_topics),
@@ -105,6 +111,7 @@ def hierarchy_summary(h) -> dict:
         "pretrained": h.meta.get("pretrained"),
         "weights_sha256": h.meta.get("weights_sha256"),
         "source": h.meta.get("source", "chc"),
+        **folder,
     }
 
 
