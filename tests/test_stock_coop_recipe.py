@@ -203,12 +203,16 @@ def test_stock_cocoop_starts_from_the_exported_ctx_and_meta_net(setup):
     theta = PromptParams.from_spec(spec, setup["clip"], setup["dims"], generator=torch.Generator().manual_seed(9))
     folder = setup["tmp"] / "cocoop_nctx4"
     file = export_cocoop_checkpoint(folder, cocoop_state(theta), epoch=COCOOP_EPOCH)
-    eval_part, train_part = cocoop_checkpoint_usage(folder, 4, COCOOP_EPOCH).split(": ", 1)[1].split(", or ")
+    head, ways = cocoop_checkpoint_usage(folder, 4, COCOOP_EPOCH).split(": ", 1)
+    length_opts = shlex.split(head.split("options ", 1)[1])
+    assert length_opts == ["TRAINER.COCOOP.N_CTX", "4", "TRAINER.COCOOP.CTX_INIT", ""]
+    eval_part, train_part = ways.split(", or ")
     train_opts, eval_args = shlex.split(train_part), shlex.split(eval_part)
     base = expand(commands_for("CoCoOp")[0], {"DATA": str(setup["tmp"] / "data"), "CTX": "unused"})
     base = base[: base.index("MODEL.INIT_WEIGHTS")]
+    assert "TRAINER.COCOOP.N_CTX" not in base  # the recipe's own length options come from the usage line alone
     out = {kind: setup["tmp"] / "from_checkpoint" / kind for kind in ("train", "eval")}
-    for kind, argv in (("train", base + train_opts + ZERO_LR), ("eval", eval_args + base)):
+    for kind, argv in (("train", base + train_opts + length_opts + ZERO_LR), ("eval", eval_args + base + length_opts)):
         argv[argv.index("--output-dir") + 1] = str(out[kind])
         r = run_train(setup["fork"], argv + tiny_options("CoCoOp"), clip_weights=setup["tmp"] / "tiny_clip.pt")
         assert r.returncode == 0, failure(r)

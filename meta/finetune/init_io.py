@@ -523,10 +523,11 @@ def export_cocoop_checkpoint(directory: Union[str, Path], state: Mapping[str, to
 
 
 def cocoop_checkpoint_usage(directory: Union[str, Path], n_ctx: int, epoch: int = 0) -> str:
-    """How stock CoCoOp reads :func:`export_cocoop_checkpoint`'s folder: evaluate it, or start training from it."""
+    """How stock CoCoOp reads :func:`export_cocoop_checkpoint`'s folder: with the prompt-length options (both ways:
+    CoCoOp builds its ``ctx`` from them before loading), evaluate it or start training from it."""
     directory = Path(directory).resolve()
     file = directory / COCOOP_CHECKPOINT.format(epoch=int(epoch))
     return (
-        f"stock CoCoOp (ctx and meta-net): --model-dir {directory} --load-epoch {int(epoch)} --eval-only, or "
-        f'MODEL.INIT_WEIGHTS {file} TRAINER.COCOOP.N_CTX {int(n_ctx)} TRAINER.COCOOP.CTX_INIT ""'
+        f'stock CoCoOp (ctx and meta-net), options TRAINER.COCOOP.N_CTX {int(n_ctx)} TRAINER.COCOOP.CTX_INIT "": '
+        f"--model-dir {directory} --load-epoch {int(epoch)} --eval-only, or MODEL.INIT_WEIGHTS {file}"
     )
