@@ -185,6 +185,27 @@ def tiny_task_opts(meta_batch: int = 2, way: int = 3, support: int = 2, query: i
     ]
 
 
+def tiny_dassl_opts(model: str = "GRAM-Test-Tiny", shots: int = 2) -> list[str]:
+    """Dassl ``KEY VALUE`` options of a one-epoch GRAM-trainer run on the tiny test CLIP ``model`` (no weights file,
+    32 x 32 images, batches of 2, no loader workers) at ``shots`` images per class."""
+    return [
+        "TRAINER.GRAM.MODEL_NAME",
+        model,
+        "TRAINER.GRAM.WEIGHTS",
+        "none",
+        "INPUT.SIZE",
+        "(32, 32)",
+        "DATALOADER.NUM_WORKERS",
+        "0",
+        "DATALOADER.TRAIN_X.BATCH_SIZE",
+        "2",
+        "OPTIM.MAX_EPOCH",
+        "1",
+        "DATASET.NUM_SHOTS",
+        str(shots),
+    ]
+
+
 def run_methods_module():
     """``scripts/run_methods.py`` imported as a module (the runner behind base2new.sh, xd.sh and xdomain.sh)."""
     import sys

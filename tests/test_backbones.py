@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import tiny_dassl_opts
 
 from gram_tools.backbone_table import BACKBONES, BEGIN, END, shape_only_clip, table
 from meta.evaluation.spec import method_preset
@@ -168,20 +169,7 @@ def _tiny_argv(trainer: str, config: str, root: Path, out: Path, *opts: str) -> 
         str(REPO / "configs/datasets/dtd.yaml"),
         "--config-file",
         str(REPO / config),
-        "TRAINER.GRAM.MODEL_NAME",
-        TINY_RN,
-        "TRAINER.GRAM.WEIGHTS",
-        "none",
-        "INPUT.SIZE",
-        "(32, 32)",
-        "DATALOADER.NUM_WORKERS",
-        "0",
-        "DATALOADER.TRAIN_X.BATCH_SIZE",
-        "2",
-        "OPTIM.MAX_EPOCH",
-        "1",
-        "DATASET.NUM_SHOTS",
-        "2",
+        *tiny_dassl_opts(TINY_RN, shots=2),
         *opts,
     ]
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F  # noqa: E402
 from dassl.engine import TRAINER_REGISTRY, build_trainer  # noqa: E402
 from dassl.utils import Logger, load_pretrained_weights  # noqa: E402
 from dassl.utils import load_checkpoint as dassl_load_checkpoint  # noqa: E402
-from helpers import make_dtd  # noqa: E402
+from helpers import make_dtd, tiny_dassl_opts  # noqa: E402
 from torch import nn  # noqa: E402
 
 import train  # noqa: E402
@@ -39,22 +39,7 @@ from trainers.gram.export import export_for_coop  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 N_CLASSES, COUNTS, SHOTS = 4, {"train": 3, "val": 2, "test": 2}, 2  # make_dtd: class c has COUNTS[s] + c images
 BASE, NEW = [0, 1], [2, 3]  # CoOp's split of 4 sorted labels: first ceil(4/2) are base
-TINY = [
-    "TRAINER.GRAM.MODEL_NAME",
-    "GRAM-Test-Tiny",
-    "TRAINER.GRAM.WEIGHTS",
-    "none",
-    "INPUT.SIZE",
-    "(32, 32)",
-    "DATALOADER.NUM_WORKERS",
-    "0",
-    "DATALOADER.TRAIN_X.BATCH_SIZE",
-    "2",
-    "OPTIM.MAX_EPOCH",
-    "1",
-    "DATASET.NUM_SHOTS",
-    str(SHOTS),
-]
+TINY = tiny_dassl_opts(shots=SHOTS)
 METHODS = {
     k: (methods.get(k).trainer, methods.get(k).gram_file)  # key -> (trainer, GRAM on), trained ones
     for k in methods.dassl_keys()
