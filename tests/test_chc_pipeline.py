@@ -12,6 +12,7 @@ from gram_tools.synthetic import write_synthetic_shards
 from meta.chc import load_hierarchy, run_chc
 from meta.chc.hierarchy import CLUSTERED, NOISE, UNREADABLE
 from meta.chc.imaging import to_clip_uint8
+from meta.chc.settings import read_chc_settings
 from meta.config import get_meta_cfg_default
 
 N_PAIRS = 1200
@@ -465,7 +466,7 @@ def test_image_features_are_encoded_again_under_another_decode_rule(chc_run, tmp
         raise RuntimeError("encoding started")
 
     monkeypatch.setattr(pipeline, "encode_rank", counting_encode)
-    run = pipeline.ChcRun(cfg, show_progress=False)
+    run = pipeline.ChcRun(read_chc_settings(cfg), show_progress=False)
     index, index_fp = run.stage_index()
     run.stage_image_features(index, index_fp)  # same rule: the cached stage is reused
     assert calls == []
@@ -517,7 +518,7 @@ def test_the_torchvision_decoder_encodes_the_same_images_to_the_same_features(ch
     cfg2.CHC.IMAGES.DECODER = "torchvision"
     calls = []
     monkeypatch.setattr(pipeline, "encode_rank", lambda *a, **k: calls.append(k["decoder"]) or 1 / 0)
-    run = pipeline.ChcRun(cfg2, show_progress=False)
+    run = pipeline.ChcRun(read_chc_settings(cfg2), show_progress=False)
     with pytest.raises(ZeroDivisionError):
         run.stage_image_features(*run.stage_index())
     assert calls == ["torchvision"]
@@ -539,13 +540,13 @@ def test_read_threads_reach_the_image_stage_and_leave_its_cache_valid(chc_run, t
     cfg.CHC.IMAGES.READ_THREADS = 1
     calls = []
     monkeypatch.setattr(pipeline, "encode_rank", lambda *a, **k: calls.append(k["read_threads"]) or 1 / 0)
-    run = pipeline.ChcRun(cfg, show_progress=False)
+    run = pipeline.ChcRun(read_chc_settings(cfg), show_progress=False)
     index, index_fp = run.stage_index()
     run.stage_image_features(index, index_fp)  # cached under 4 threads, reused under 1
     assert calls == []
     (tmp_path / "out" / "image_features.done.json").unlink()  # the stage is to run again
     cfg.CHC.IMAGES.READ_THREADS = 3
-    run = pipeline.ChcRun(cfg, show_progress=False)
+    run = pipeline.ChcRun(read_chc_settings(cfg), show_progress=False)
     with pytest.raises(ZeroDivisionError):
         run.stage_image_features(index, index_fp)
     assert calls == [3]

@@ -240,6 +240,22 @@ def test_split_domains_sizes_and_fallbacks():
 
 
 # ---------------------------------------------------------------- CLI
+def test_chc_settings_are_the_chc_node_typed():
+    """read_chc_settings reads every CHC key into the typed view once, and node() gives the node back as the JSON
+    that the stage fingerprints and hierarchy.json recorded before the view existed (cached stages stay valid)."""
+    from meta.chc.settings import read_chc_settings
+    from meta.config import get_meta_cfg_default
+
+    cfg = get_meta_cfg_default()
+    cfg.CHC.INPUT.SHARDS = ["a.tar", "b.tar"]
+    cfg.CHC.TOPICS.EXTRA_STOP_WORDS = ["stock"]
+    settings = read_chc_settings(cfg)
+    assert settings.node() == json.loads(json.dumps(cfg.CHC))
+    assert settings.input.node() == json.loads(json.dumps(cfg.CHC.INPUT))
+    assert settings.input.shards == ("a.tar", "b.tar") and settings.topics.extra_stop_words == ("stock",)
+    assert (settings.seed, settings.device, settings.model.backbone) == (cfg.SEED, cfg.MODEL.DEVICE, cfg.MODEL.BACKBONE)
+
+
 def test_cli_errors_are_one_line(tmp_path, capsys):
     from meta.__main__ import main
 

@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from meta.chc.imaging import DECODE_RULE, MAX_PIXELS, decode_batch, decode_image_why, to_clip_uint8
+from meta.chc.settings import read_chc_settings
 from meta.chc.sources import MAX_IMAGE_BYTES, build_index, read_regular_file
 from meta.config import get_meta_cfg_default, load_meta_cfg
 from meta.infra.cli_errors import UserError, run_cli
@@ -322,7 +323,7 @@ def test_cluster_reads_the_caps_from_its_keys(tmp_path):
 
     def image_stage(*opts: str) -> tuple[str, dict]:
         argv = tiny_chc_args(tmp_path / "out", "CHC.INPUT.MANIFEST", str(tmp_path / "m.csv"), *opts)[1:]
-        run = ChcRun(load_meta_cfg("", argv), show_progress=False)
+        run = ChcRun(read_chc_settings(load_meta_cfg("", argv)), show_progress=False)
         index, index_fp = run.stage_index()
         fp = run.stage_image_features(index, index_fp)
         return fp, json.loads((tmp_path / "out" / "image_features" / "unreadable.json").read_text())

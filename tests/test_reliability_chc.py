@@ -18,6 +18,7 @@ from PIL import Image
 
 from meta.chc.errors import InputError
 from meta.chc.imaging import decode_image_why
+from meta.chc.settings import read_chc_settings
 from meta.chc.sources import KIND_FILE, PairIndex, build_index, scan_manifest, scan_tar
 
 RED, BLUE, GREEN = (220, 20, 20), (20, 20, 220), (20, 200, 20)
@@ -327,7 +328,7 @@ def _cfg(tmp_path, **chc):
 def _features(cfg):
     from meta.chc.pipeline import ChcRun
 
-    run = ChcRun(cfg, show_progress=False)
+    run = ChcRun(read_chc_settings(cfg), show_progress=False)
     run.out.mkdir(parents=True, exist_ok=True)
     index, index_fp = run.stage_index()
     run.stage_image_features(index, index_fp)
@@ -364,12 +365,12 @@ def test_special_file_replaced_by_an_image_is_indexed_again(tmp_path):
     os.mkfifo(tmp_path / "3.png")
     (tmp_path / "m.csv").write_text("image,caption\n" + "".join(f"{i}.png,square {i}\n" for i in range(4)))
     cfg = _cfg(tmp_path, **{"INPUT.MANIFEST": str(tmp_path / "m.csv")})
-    run = ChcRun(cfg, show_progress=False)
+    run = ChcRun(read_chc_settings(cfg), show_progress=False)
     run.out.mkdir(parents=True)
     assert len(run.stage_index()[0]) == 3
     os.remove(tmp_path / "3.png")
     (tmp_path / "3.png").write_bytes(png_bytes((0, 0, 150)))
-    assert len(ChcRun(cfg, show_progress=False).stage_index()[0]) == 4
+    assert len(ChcRun(read_chc_settings(cfg), show_progress=False).stage_index()[0]) == 4
 
 
 def test_shard_only_index_fingerprint_is_unchanged(tmp_path):
@@ -379,7 +380,7 @@ def test_shard_only_index_fingerprint_is_unchanged(tmp_path):
 
     shard = write_shard(tmp_path / "s.tar", ["a red square", "a blue square"])
     cfg = _cfg(tmp_path, **{"INPUT.SHARDS": [str(shard)]})
-    run = ChcRun(cfg, show_progress=False)
+    run = ChcRun(read_chc_settings(cfg), show_progress=False)
     run.out.mkdir(parents=True)
     _, fp = run.stage_index()
     st = os.stat(shard)

@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from meta.chc.imaging import decode_batch
-from meta.chc.outputs import OutputError, load_index, load_npy_output, read_json_output
+from meta.chc.outputs import OutputError, load_image_features, load_index, load_npy_output, read_json_output
 from meta.data.input_limits import image_caps
 
 # item_status codes
@@ -144,15 +144,7 @@ def load_hierarchy(out_dir) -> Hierarchy:
     item_topic = load_npy_output(out / "item_topic.npy", "int64 [N] topic id per pair", "domains", np.int64, 1)
     n = len(item_topic)
     item_domain = load_npy_output(out / "item_domain.npy", f"int64 [{n}] domain id per pair", "domains", np.int64, 1, n)
-    feats = load_npy_output(
-        out / "image_features" / "image_features.npy",
-        f"float32 [{n}, D] CLIP image features",
-        "image_features",
-        np.float32,
-        2,
-        n,
-        mmap=True,
-    )
+    feats = load_image_features(out, n)
     cache = out / "image_features" / "images_u8.npy"
     index = load_index(out / "index")
     if len(index) != n:

@@ -94,6 +94,13 @@ def load_npy_output(
     return arr
 
 
+def load_image_features(out_dir, n: int) -> np.ndarray:
+    """``<CHC.OUTPUT_DIR>/image_features/image_features.npy``: float32 ``[n, D]`` CLIP image features, memory-mapped
+    and checked (:func:`load_npy_output`)."""
+    path = Path(out_dir) / "image_features" / "image_features.npy"
+    return load_npy_output(path, f"float32 [{n}, D] CLIP image features", "image_features", np.float32, 2, n, mmap=True)
+
+
 def load_index(directory):
     """:meth:`meta.chc.sources.PairIndex.load` of ``<CHC.OUTPUT_DIR>/index``; :class:`OutputError` when
     one of its files is garbled, cut or disagrees with the others on the number of pairs."""

@@ -18,7 +18,6 @@ the fitting stages alone while the other ranks wait at a barrier.
 from __future__ import annotations
 
 import glob
-import importlib.metadata
 import json
 import logging
 import os
@@ -36,10 +35,10 @@ from meta.chc.errors import InputError
 from meta.chc.hierarchy import CLUSTERED, FILTERED, NOISE, SMALL_TOPIC, STATUS, UNREADABLE
 from meta.chc.image_features import encode_rank, merge_ranks, remove_rank_files_of
 from meta.chc.imaging import DECODE_RULE, clip_norm_stats
-from meta.chc.outputs import load_index, load_npy_output, read_json_output
+from meta.chc.outputs import load_image_features, load_index, load_npy_output, read_json_output
 from meta.chc.pair_filter import keep_mask, pair_cosines
 from meta.chc.report import skipped_input_rows, write_report
-from meta.chc.settings import check_chc_cfg
+from meta.chc.settings import ChcSettings, read_chc_settings
 from meta.chc.sources import PairIndex, build_index
 from meta.chc.stages import (
     ChunkedArray,
@@ -56,18 +55,18 @@ from meta.config import get_meta_cfg_default
 from meta.data.input_limits import caps_away_from_defaults, image_caps
 from meta.infra.fileio import clean_stale_temps
 from meta.infra.hashing import file_sha256
-from meta.infra.numerics import numerics_record
+from meta.infra.numerics import numerics_record, package_versions
 from meta.infra.provenance import REPO, git_commit
 from meta.infra.runlock import RunLock
 from meta.model.backbone import resolve_device
-from meta.model.clip_config import clip_from_cfg
+from meta.model.clip_config import clip_from_settings
 from meta.model.precision import resolve_autocast
 
 log = logging.getLogger(__name__)
 
 
 def _node(cfg_node) -> dict:
-    """A yacs node as a plain dict (for fingerprints and metadata)."""
+    """A yacs node (or a dict) as a plain dict (for fingerprints)."""
     return json.loads(json.dumps(cfg_node, default=list))
 
 
@@ -80,7 +79,8 @@ _INDEX_FP_IF_CHANGED = ("MAX_FIELD_CHARS", "ALLOW_OUTSIDE_ROOT")
 
 
 def index_settings(inp) -> dict:
-    """The ``CHC.INPUT`` settings the index stage's fingerprint covers."""
+    """The ``CHC.INPUT`` settings (a node or :meth:`meta.chc.settings.InputSettings.node`) the index stage's
+    fingerprint covers."""
     default = get_meta_cfg_default().CHC.INPUT
     return {
         k: v
@@ -90,10 +90,10 @@ def index_settings(inp) -> dict:
 
 
 class ChcRun:
-    """One CHC run over ``cfg`` (see :func:`meta.config.get_meta_cfg_default`).
+    """One CHC run.
 
     Args:
-        cfg: the full meta config (uses ``MODEL``, ``CHC``, ``SEED``).
+        settings: the run's typed ``CHC``, ``MODEL`` and ``SEED`` (:func:`meta.chc.settings.read_chc_settings`).
         rank / world_size: this process's place among ``torchrun`` processes.
         barrier: called where ranks must wait for each other (``None`` = single process).
         show_progress: tqdm bars on/off.
@@ -101,19 +101,18 @@ class ChcRun:
 
     def __init__(
         self,
-        cfg,
+        settings: ChcSettings,
         rank: int = 0,
         world_size: int = 1,
         barrier: Optional[Callable[[], None]] = None,
         show_progress: bool = True,
     ):
-        self.cfg = cfg
-        self.chc = cfg.CHC
-        self.out = Path(cfg.CHC.OUTPUT_DIR)
+        self.s = settings
+        self.out = Path(settings.output_dir)
         self.rank, self.world_size = int(rank), int(world_size)
         self.barrier = barrier or (lambda: None)
         self.show_progress = show_progress and rank == 0
-        self.device = resolve_device(cfg.MODEL.DEVICE)
+        self.device = resolve_device(settings.device)
         self.timings: dict = {}
         self._clip = None
 
@@ -128,7 +127,7 @@ class ChcRun:
     def clip(self):
         """The frozen CLIP (random weights seeded by ``SEED`` when ``MODEL.PRETRAINED`` is empty)."""
         if self._clip is None:
-            clip, dims = clip_from_cfg(self.cfg, self.device, warn_random=False)
+            clip, dims = clip_from_settings(self.s.model, self.device, warn_random=False)
             self._clip = (clip, dims)
         return self._clip
 
@@ -137,14 +136,15 @@ class ChcRun:
             return dict(self._backbone_meta)
         clip, dims = self.clip()
         mean, std = clip_norm_stats(clip)
-        weights = self.cfg.MODEL.PRETRAINED
+        model = self.s.model
+        weights = model.pretrained
         sha = file_sha256(weights) if weights and os.path.isfile(weights) else None
         self._backbone_meta = {
-            "backbone": self.cfg.MODEL.BACKBONE,
+            "backbone": model.backbone,
             "pretrained": weights or None,
             "weights_sha256": sha,
-            "precision": self.cfg.MODEL.PRECISION,
-            "quick_gelu": self.cfg.MODEL.QUICK_GELU,
+            "precision": model.precision,
+            "quick_gelu": model.quick_gelu,
             "image_size": dims.image_size,
             "embed_dim": dims.embed_dim,
             "mean": list(mean),
@@ -165,17 +165,6 @@ class ChcRun:
             self.out / "image_features" / "image_ok.npy", "bool [N] image decoded per pair", "image_features", bool, 1
         )
 
-    def _image_features(self, n: int) -> np.ndarray:
-        return load_npy_output(
-            self.out / "image_features" / "image_features.npy",
-            f"float32 [{n}, D] CLIP image features",
-            "image_features",
-            np.float32,
-            2,
-            n,
-            mmap=True,
-        )
-
     # ------------------------------------------------------------------ stage 1
     def stage_index(self) -> tuple[PairIndex, str]:
         """Returns ``(index, fp)``.
@@ -185,13 +174,13 @@ class ChcRun:
         since the index was built; those image-file stamps also enter ``fp``, so a file repaired
         or replaced in place is read again by the image-feature stage.
         """
-        inp = self.chc.INPUT
+        inp = self.s.input
         stamps = []
-        for pattern in list(inp.SHARDS) + ([inp.MANIFEST] if inp.MANIFEST else []):
+        for pattern in list(inp.shards) + ([inp.manifest] if inp.manifest else []):
             for p in sorted(glob.glob(os.path.expanduser(pattern))):
                 st = os.stat(p)
                 stamps.append([os.path.abspath(p), st.st_size, int(st.st_mtime)])
-        base = fingerprint("index", index_settings(inp), stamps)
+        base = fingerprint("index", index_settings(inp.node()), stamps)
         marker = StageMarker(self.out, "index", base)
         index = None
         if self.rank == 0:
@@ -205,15 +194,15 @@ class ChcRun:
             if index is None:
                 t0 = time.time()
                 index = build_index(
-                    list(inp.SHARDS),
-                    inp.MANIFEST,
-                    inp.IMAGE_COLUMN,
-                    inp.CAPTION_COLUMN,
-                    inp.IMAGE_ROOT,
-                    inp.MAX_PAIRS,
+                    list(inp.shards),
+                    inp.manifest,
+                    inp.image_column,
+                    inp.caption_column,
+                    inp.image_root,
+                    inp.max_pairs,
                     show_progress=self.show_progress,
-                    max_field_chars=inp.MAX_FIELD_CHARS,
-                    allow_outside_root=bool(inp.ALLOW_OUTSIDE_ROOT),
+                    max_field_chars=inp.max_field_chars,
+                    allow_outside_root=inp.allow_outside_root,
                 )
                 index.save(self.out / "index")
                 self._timed("index", time.time() - t0, index.counts.get("pairs_seen", 0))
@@ -230,27 +219,27 @@ class ChcRun:
     # ------------------------------------------------------------------ stage 2
     def image_cache_wanted(self, n: int) -> bool:
         size = self.backbone_meta()["image_size"]
-        return n * size * size * 3 <= float(self.chc.IMAGES.CACHE_MAX_GB) * 1e9
+        return n * size * size * 3 <= self.s.images.cache_max_gb * 1e9
 
     def stage_image_features(self, index: PairIndex, index_fp: str) -> str:
-        imgs = self.chc.IMAGES
+        imgs, inp = self.s.images, self.s.input
         bmeta = self.backbone_meta()
         cache = self.image_cache_wanted(len(index))
-        autocast = resolve_autocast(imgs.AUTOCAST, self.device, "CHC.IMAGES.AUTOCAST")
-        caps = image_caps(self.chc.INPUT)
+        autocast = resolve_autocast(imgs.autocast, self.device, "CHC.IMAGES.AUTOCAST")
+        caps = image_caps(inp.node())
         # fp32 (the default) keeps the fingerprint features computed before the key existed had; so do the
         # image caps at their defaults (constants then, in DECODE_RULE)
         fp = fingerprint(
             "image_features",
             index_fp,
             bmeta,
-            imgs.CHUNK_SIZE,
-            imgs.BATCH_SIZE,
+            imgs.chunk_size,
+            imgs.batch_size,
             cache,
-            self.cfg.SEED,
+            self.s.seed,
             *(() if autocast == "none" else (autocast,)),
             DECODE_RULE,  # images decoded under another rule (before EXIF orientation) are encoded again
-            *(() if imgs.DECODER == "pil" else (f"decoder={imgs.DECODER}",)),  # other pixels: other features
+            *(() if imgs.decoder == "pil" else (f"decoder={imgs.decoder}",)),  # other pixels: other features
             *caps_away_from_defaults(caps),  # ... and under other caps (CHC.INPUT.MAX_IMAGE_*)
         )
         marker = StageMarker(self.out, "image_features", fp)
@@ -271,18 +260,18 @@ class ChcRun:
             dims.image_size,
             mean,
             std,
-            imgs.BATCH_SIZE,
-            imgs.CHUNK_SIZE,
+            imgs.batch_size,
+            imgs.chunk_size,
             cache,
             self.device,
             self.show_progress,
-            imgs.DECODE_WORKERS,
+            imgs.decode_workers,
             autocast=autocast,
-            max_unreadable_fraction=float(self.chc.INPUT.MAX_UNREADABLE_FRACTION),
-            image_root=self.chc.INPUT.IMAGE_ROOT,
+            max_unreadable_fraction=inp.max_unreadable_fraction,
+            image_root=inp.image_root,
             **caps,
-            decoder=imgs.DECODER,
-            read_threads=imgs.READ_THREADS,
+            decoder=imgs.decoder,
+            read_threads=imgs.read_threads,
         )
         self._timed("image_features", time.time() - t0, stats["items"])
         self.barrier()
@@ -294,18 +283,18 @@ class ChcRun:
 
     # ------------------------------------------------------------------ stage 3
     def filter_fingerprint(self, image_fp: str) -> str:
-        return fingerprint("filter", image_fp, _node(self.chc.FILTER))
+        return fingerprint("filter", image_fp, self.s.filter.node())
 
     def stage_filter(self, index: PairIndex, image_fp: str) -> tuple[np.ndarray, np.ndarray, str]:
         """Returns ``(ok [N] bool, keep [N] bool, fp)``."""
-        filt = self.chc.FILTER
+        filt = self.s.filter
         fp = self.filter_fingerprint(image_fp)
         stage_dir = self.out / "filter"
         marker = StageMarker(self.out, "filter", fp)
         ok = self._image_ok()
         if not ok.any():
             reasons = self.unreadable_by_reason()
-            key = "CHC.INPUT.IMAGE_ROOT" if self.chc.INPUT.MANIFEST else "CHC.INPUT.SHARDS"
+            key = "CHC.INPUT.IMAGE_ROOT" if self.s.input.manifest else "CHC.INPUT.SHARDS"
             raise InputError(
                 f"{key}: none of the {len(ok)} images could be read ("
                 + ", ".join(f"{k} {v}" for k, v in reasons.items())
@@ -313,36 +302,32 @@ class ChcRun:
             )
         if not marker.is_done():
             stage_dir.mkdir(parents=True, exist_ok=True)
-            if filt.MODE == "none":
+            if filt.mode == "none":
                 cos = np.where(ok, 0.0, np.nan).astype(np.float32)
             else:
                 clip, _ = self.clip()
-                feats = self._image_features(len(ok))
+                feats = load_image_features(self.out, len(ok))
                 t0 = time.time()
                 cos = pair_cosines(
                     clip,
-                    open_clip.get_tokenizer(self.cfg.MODEL.BACKBONE),
+                    open_clip.get_tokenizer(self.s.model.backbone),
                     index.captions,
                     feats,
                     ok,
                     stage_dir,
                     fp,
-                    filt.TEMPLATE or "{}",
+                    filt.template or "{}",
                     device=self.device,
                     show_progress=self.show_progress,
                 )
                 self._timed("filter", time.time() - t0, len(index))
-            keep = keep_mask(cos, filt.MODE, filt.THRESHOLD, filt.QUANTILE)
+            keep = keep_mask(cos, filt.mode, filt.threshold, filt.quantile)
             save_npy_atomic(stage_dir / "pair_cosine.npy", cos)
             save_npy_atomic(stage_dir / "keep.npy", keep)
             marker.mark({"filtered": int((ok & ~keep).sum())})
-        return (
-            ok,
-            load_npy_output(
-                stage_dir / "keep.npy", f"bool [{len(ok)}] pairs kept by the filter", "filter", bool, 1, len(ok)
-            ),
-            fp,
-        )
+        n = len(ok)
+        keep = load_npy_output(stage_dir / "keep.npy", f"bool [{n}] pairs kept by the filter", "filter", bool, 1, n)
+        return ok, keep, fp
 
     # ------------------------------------------------------------------ stage 4
     def stage_text(
@@ -355,16 +340,16 @@ class ChcRun:
         ``text/embeddings.rank{r}.npy`` and rank 0 merges them.  Chunks are the single-process ones,
         so every caption is embedded in the same batch as without torchrun.
         """
-        text = self.chc.TEXT
-        model_path = resolve_model_path(text.MODEL)
-        fp = fingerprint("text", filter_fp, _node(text), model_digest(model_path))
+        text = self.s.text
+        model_path = resolve_model_path(text.model)
+        fp = fingerprint("text", filter_fp, text.node(), model_digest(model_path))
         stage_dir = self.out / "text"
         marker = StageMarker(self.out, "text", fp)
         if not marker.is_done():
             if self.rank == 0:
                 stage_dir.mkdir(parents=True, exist_ok=True)
                 kept = np.flatnonzero(keep)
-                uniq, inverse = dedupe([cap_caption(index.captions[i], int(text.MAX_CAPTION_CHARS)) for i in kept])
+                uniq, inverse = dedupe([cap_caption(index.captions[i], text.max_caption_chars) for i in kept])
                 # identical captions are embedded once
                 item_unique = np.full(len(index), -1, dtype=np.int64)
                 item_unique[kept] = inverse
@@ -373,18 +358,18 @@ class ChcRun:
             self.barrier()
             uniq = read_json_output(stage_dir / "unique_captions.json", "the list of unique captions", "text")
 
-            model = text_embed.load_sentence_model(model_path, text.DTYPE, self.device)
+            model = text_embed.load_sentence_model(model_path, text.dtype, self.device)
             dim_fn = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
             dim = int(dim_fn())
-            lo, hi = text_rank_rows(len(uniq), int(text.CHUNK_SIZE), self.rank, self.world_size)
+            lo, hi = text_rank_rows(len(uniq), text.chunk_size, self.rank, self.world_size)
             path = stage_dir / ("embeddings.npy" if self.world_size == 1 else f"embeddings.rank{self.rank}.npy")
             store = ChunkedArray(
                 path, hi - lo, (dim,), np.float32, fp if self.world_size == 1 else fingerprint(fp, self.world_size)
             )
             t0, before = time.time(), store.rows_done()
             store.fill(
-                lambda s, e: text_embed.embed_texts(model, uniq[lo + s : lo + e], text.BATCH_SIZE),
-                text.CHUNK_SIZE,
+                lambda s, e: text_embed.embed_texts(model, uniq[lo + s : lo + e], text.batch_size),
+                text.chunk_size,
                 desc=f"sentence embeddings (rank {self.rank}/{self.world_size})",
                 disable_progress=not self.show_progress,
             )
@@ -392,15 +377,11 @@ class ChcRun:
             self.barrier()
             if self.rank == 0:
                 if self.world_size > 1:
-                    merge_text_ranks(stage_dir, len(uniq), dim, int(text.CHUNK_SIZE), self.world_size)
+                    merge_text_ranks(stage_dir, len(uniq), dim, text.chunk_size, self.world_size)
                 marker.mark({"unique_captions": int(len(uniq)), "model": model_path})
-                if self.world_size > 1:
-                    for r in range(self.world_size):  # only after the mark: a crash never loses work
-                        for q in (
-                            stage_dir / f"embeddings.rank{r}.npy",
-                            stage_dir / f"embeddings.rank{r}.npy.progress.json",
-                        ):
-                            q.unlink(missing_ok=True)
+                for r in range(self.world_size if self.world_size > 1 else 0):  # after the mark: no work is lost
+                    for suffix in ("", ".progress.json"):
+                        (stage_dir / f"embeddings.rank{r}.npy{suffix}").unlink(missing_ok=True)
         uniq = read_json_output(stage_dir / "unique_captions.json", "the list of unique captions", "text")
         item_unique = load_npy_output(
             stage_dir / "item_unique.npy", "int64 [N] unique-caption id per pair", "text", np.int64, 1
@@ -409,8 +390,8 @@ class ChcRun:
 
     # ------------------------------------------------------------------ stage 5
     def stage_topics(self, uniq: list, item_unique: np.ndarray, text_fp: str) -> tuple[dict, str]:
-        tc = self.chc.TOPICS
-        fp = fingerprint("topics", text_fp, _node(tc), self.cfg.SEED)
+        tc, seed = self.s.topics, self.s.seed
+        fp = fingerprint("topics", text_fp, tc.node(), seed)
         stage_dir = self.out / "topics"
         marker = StageMarker(self.out, "topics", fp)
         if not marker.is_done():
@@ -425,32 +406,32 @@ class ChcRun:
                 mmap=True,
             )
             n_unique = len(uniq)
-            rng = np.random.default_rng(self.cfg.SEED)
-            sample = np.sort(rng.choice(n_unique, size=min(int(tc.FIT_SAMPLE), n_unique), replace=False))
+            rng = np.random.default_rng(seed)
+            sample = np.sort(rng.choice(n_unique, size=min(tc.fit_sample, n_unique), replace=False))
             sample_emb = np.asarray(emb[sample])
             t0 = time.time()
             sample_labels = topics_mod.fit_sample_clusters(
                 sample_emb,
-                tc.UMAP_DIM,
-                tc.UMAP_NEIGHBORS,
-                tc.UMAP_MIN_DIST,
-                tc.UMAP_METRIC,
-                tc.UMAP_INIT,
-                tc.MIN_CLUSTER_SIZE,
-                tc.MIN_SAMPLES,
-                self.cfg.SEED,
+                tc.umap_dim,
+                tc.umap_neighbors,
+                tc.umap_min_dist,
+                tc.umap_metric,
+                tc.umap_init,
+                tc.min_cluster_size,
+                tc.min_samples,
+                seed,
             )
             self._timed("umap_hdbscan_fit", time.time() - t0, len(sample))
             n_clusters = int(sample_labels.max()) + 1
             if n_clusters < 1:
                 raise InputError(
-                    f"CHC.TOPICS.MIN_CLUSTER_SIZE: HDBSCAN found no cluster of at least {tc.MIN_CLUSTER_SIZE} "
+                    f"CHC.TOPICS.MIN_CLUSTER_SIZE: HDBSCAN found no cluster of at least {tc.min_cluster_size} "
                     f"captions among the {len(sample)} fitted (corpus: {n_unique} unique captions, "
                     f"{int(np.count_nonzero(item_unique >= 0))} pairs); lower CHC.TOPICS.MIN_CLUSTER_SIZE "
                     f"or give a larger corpus"
                 )
             cents = topics_mod.centroids(sample_emb, sample_labels, n_clusters)
-            cut = topics_mod.member_similarity_cut(sample_emb, sample_labels, cents, tc.ASSIGN_QUANTILE)
+            cut = topics_mod.member_similarity_cut(sample_emb, sample_labels, cents, tc.assign_quantile)
             t0 = time.time()
             unique_cluster = topics_mod.assign_nearest(emb, cents, cut)
             unique_cluster[sample] = sample_labels  # fitted captions keep their HDBSCAN label
@@ -463,9 +444,9 @@ class ChcRun:
                 unique_cluster,
                 n_clusters,
                 weights,
-                tc.PRESENCE_MIN_FRACTION,
-                tc.MIN_WORD_LEN,
-                tc.EXTRA_STOP_WORDS,
+                tc.presence_min_fraction,
+                tc.min_word_len,
+                tc.extra_stop_words,
             )
             cluster_sizes = np.bincount(
                 unique_cluster[unique_cluster >= 0], weights=weights[unique_cluster >= 0], minlength=n_clusters
@@ -476,9 +457,9 @@ class ChcRun:
 
             plot = {}
             (stage_dir / "plot.npz").unlink(missing_ok=True)  # never draw a previous run's points
-            if tc.PLOT_POINTS > 0:
-                pick = np.sort(rng.choice(len(sample), size=min(int(tc.PLOT_POINTS), len(sample)), replace=False))
-                xy = topics_mod.project_2d(sample_emb[pick], tc.UMAP_NEIGHBORS, tc.UMAP_METRIC, self.cfg.SEED)
+            if tc.plot_points > 0:
+                pick = np.sort(rng.choice(len(sample), size=min(tc.plot_points, len(sample)), replace=False))
+                xy = topics_mod.project_2d(sample_emb[pick], tc.umap_neighbors, tc.umap_metric, seed)
                 np.savez(stage_dir / "plot.npz", xy=xy, topic=unique_topic[sample[pick]])
                 plot = {"points": int(len(pick))}
             save_npy_atomic(stage_dir / "unique_cluster.npy", unique_cluster)
@@ -510,14 +491,14 @@ class ChcRun:
     def stage_domains(
         self, ok: np.ndarray, keep: np.ndarray, item_unique: np.ndarray, topic_info: dict, topics_fp: str, image_fp: str
     ) -> tuple[dict, str]:
-        dc = self.chc.DOMAINS
-        fp = fingerprint("domains", topics_fp, image_fp, _node(dc), self.cfg.SEED)
+        dc = self.s.domains
+        fp = fingerprint("domains", topics_fp, image_fp, dc.node(), self.s.seed)
         marker = StageMarker(self.out, "domains", fp)
         if not marker.is_done():
             unique_topic = load_npy_output(
                 self.out / "topics" / "unique_topic.npy", "int64 [U] topic id per unique caption", "topics", np.int64, 1
             )
-            feats = self._image_features(len(ok))
+            feats = load_image_features(self.out, len(ok))
             n = len(ok)
             pre_topic = np.where(item_unique >= 0, unique_topic[np.maximum(item_unique, 0)], -1)
             status = np.full(n, CLUSTERED, dtype=np.int8)
@@ -533,7 +514,7 @@ class ChcRun:
             for t, name in enumerate(names):
                 members = members_of.get(t, np.zeros(0, dtype=np.int64))
                 split = domains_mod.split_domains(
-                    np.asarray(feats[members]), dc.NUM, dc.MIN_PER_DOMAIN, dc.MINIBATCH_ABOVE, dc.N_INIT, self.cfg.SEED
+                    np.asarray(feats[members]), dc.num, dc.min_per_domain, dc.minibatch_above, dc.n_init, self.s.seed
                 )
                 entry = {"name": name, "images": int(len(members)), "domains": split.num_domains}
                 if split.excluded:
@@ -580,7 +561,7 @@ class ChcRun:
             self.out / "item_status.npy", f"int8 [{len(ok)}] status per pair", "domains", np.int8, 1, len(ok)
         )
         counts = dict(index.counts)
-        limit = int(self.chc.TEXT.MAX_CAPTION_CHARS)
+        limit = self.s.text.max_caption_chars
         counts["captions_cut_to_max_chars"] = sum(
             caption_over_cap(index.captions[i], limit) for i in np.flatnonzero(keep)
         )
@@ -601,7 +582,7 @@ class ChcRun:
                 "topics_excluded_small": sum(1 for e in domain_info["per_topic"] if e.get("excluded")),
                 "pairs_in_excluded_topics": int((status == SMALL_TOPIC).sum()),
                 "topics_with_fewer_domains": sum(
-                    1 for e in domain_info["per_topic"] if 0 < e["domains"] < self.chc.DOMAINS.NUM
+                    1 for e in domain_info["per_topic"] if 0 < e["domains"] < self.s.domains.num
                 ),
                 "topics": len(domain_info["topic_names"]),
                 "pairs_clustered": int((status == CLUSTERED).sum()),
@@ -610,11 +591,11 @@ class ChcRun:
         meta = self.backbone_meta()
         meta.update(
             {
-                "settings": {"CHC": _node(self.chc), "SEED": self.cfg.SEED},
+                "settings": {"CHC": self.s.node(), "SEED": self.s.seed},
                 "status_codes": STATUS,
                 "counts": counts,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "versions": clustering_versions(),
+                "versions": package_versions(CLUSTERING_PACKAGES),
                 # CPU, kernel pins, builds and the commit (cheap; the golden-run fingerprint is meta-training's)
                 "numerics": numerics_record(),
                 "commit": git_commit(REPO),
@@ -631,33 +612,16 @@ class ChcRun:
         write_json_atomic(old, timings)
         skipped = skipped_input_rows(counts, index.issues, self.unreadable_by_reason(), limit)
         write_report(
-            self.out, index.captions, counts, topic_info, domain_info, timings, self.cfg.SEED, skipped, index.issues
+            self.out, index.captions, counts, topic_info, domain_info, timings, self.s.seed, skipped, index.issues
         )
 
 
-# The packages whose builds decide the hierarchy's numbers (UMAP's and HDBSCAN's output moves with them).
-CLUSTERING_PACKAGES = (
-    "torch",
-    "numpy",
-    "scikit-learn",
-    "umap-learn",
-    "hdbscan",
-    "numba",
-    "sentence-transformers",
-    "open_clip_torch",
+# The packages whose builds decide the hierarchy's numbers (UMAP's and HDBSCAN's output moves with them), their
+# versions written into ``hierarchy.json`` (not part of its fingerprint), so two hierarchies that differ can be
+# traced to the installed builds.
+CLUSTERING_PACKAGES = tuple(
+    "torch numpy scikit-learn umap-learn hdbscan numba sentence-transformers open_clip_torch".split()
 )
-
-
-def clustering_versions() -> dict:
-    """``{package: version or None}`` of :data:`CLUSTERING_PACKAGES`, written into ``hierarchy.json`` (not part
-    of its fingerprint), so two hierarchies that differ can be traced to the installed builds."""
-    out = {}
-    for name in CLUSTERING_PACKAGES:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = None
-    return out
 
 
 def text_rank_rows(n: int, chunk_size: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -697,20 +661,15 @@ def run_chc(
 ) -> Optional[Path]:
     """Run or resume CHC for ``cfg``; returns ``CHC.OUTPUT_DIR`` on rank 0.
 
-    Every ``CHC.*`` value is checked first (:func:`meta.chc.settings.check_chc_cfg`: one error naming
-    the key, before any file is touched).  Rank 0 holds ``CHC.OUTPUT_DIR``'s :class:`meta.infra.runlock.RunLock`
+    The edge: every ``CHC.*`` value is checked and read into the typed view first
+    (:func:`meta.chc.settings.read_chc_settings`: one error naming the key, before any file is touched); only that
+    view goes below.  Rank 0 holds ``CHC.OUTPUT_DIR``'s :class:`meta.infra.runlock.RunLock`
     for the whole run (a second writer fails at once) and removes temporary files a killed run left there.
     """
-    check_chc_cfg(cfg)
-    lock = RunLock(cfg.CHC.OUTPUT_DIR, key="CHC.OUTPUT_DIR", enabled=int(rank) == 0)
-    with lock:
+    settings = read_chc_settings(cfg)
+    out = Path(settings.output_dir)
+    with RunLock(out, key="CHC.OUTPUT_DIR", enabled=int(rank) == 0) as lock:  # a refused run leaves no folder
         if lock.held:
-            out = Path(cfg.CHC.OUTPUT_DIR)
             for folder in [out] + [p for p in out.iterdir() if p.is_dir()]:
                 clean_stale_temps(folder, all_pids=True)
-        try:
-            return ChcRun(cfg, rank, world_size, barrier, show_progress).run()
-        except BaseException:
-            lock.release()
-            lock.remove_folder_if_unused()
-            raise
+        return ChcRun(settings, rank, world_size, barrier, show_progress).run()

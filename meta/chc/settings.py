@@ -1,7 +1,9 @@
-"""Checks of every ``CHC.*`` setting, made before a CHC run does any work.
+"""Every ``CHC.*`` setting checked and typed, once, before a CHC run does any work.
 
 The defaults and their meaning live in :func:`meta.config.get_meta_cfg_default` (``_chc_node``); this
-module holds the values each key accepts.  :func:`check_chc_cfg` raises
+module holds the values each key accepts and the typed view (:class:`ChcSettings`) that
+:func:`read_chc_settings` builds at the edge (:func:`meta.chc.run_chc`), so nothing below reads the yacs
+node.  :func:`check_chc_cfg` raises
 :class:`meta.infra.cli_errors.UserError` for the first bad value, so ``python -m meta cluster`` ends in one
 line naming the key: ``error: CHC.IMAGES.BATCH_SIZE: expected an integer >= 1, got 0``.  Without it a
 zero batch size failed with ``range() arg 3 must not be zero``, a negative chunk size with
@@ -13,10 +15,12 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import dataclass, fields
 from numbers import Integral, Real
-from typing import Optional
+from typing import Mapping, Optional
 
 from meta.infra.cli_errors import UserError
+from meta.model.clip_config import ClipSettings
 
 # key -> (smallest, largest) for integers; None = no bound on that side
 INT_RANGES = {
@@ -164,3 +168,132 @@ def check_chc_cfg(cfg) -> None:
             f"expected >= CHC.TOPICS.MIN_CLUSTER_SIZE ({topics.MIN_CLUSTER_SIZE}), got {topics.FIT_SAMPLE}",
         )
     check_int("SEED", cfg.SEED, 0, 2**32 - 1)  # numpy's default_rng and umap's random_state take it
+
+
+@dataclass(frozen=True)
+class _Section:
+    """One ``CHC.<SECTION>`` node, typed: a field per key (the key lower-cased), values as checked, lists as
+    tuples."""
+
+    @classmethod
+    def read(cls, node: Mapping):
+        return cls(**{key.lower(): tuple(v) if isinstance(v, list) else v for key, v in node.items()})
+
+    def node(self) -> dict:
+        """``{KEY: value}`` as the yacs node holds it (lists): what stage fingerprints and ``hierarchy.json``
+        record."""
+        return {f.name.upper(): list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class InputSettings(_Section):
+    """``CHC.INPUT``: where the pairs are and the caps they pass (meanings: :mod:`meta.config`)."""
+
+    shards: tuple[str, ...]
+    manifest: str
+    image_column: str
+    caption_column: str
+    image_root: str
+    allow_outside_root: bool
+    max_pairs: int
+    max_field_chars: int
+    max_unreadable_fraction: float
+    max_image_bytes: int
+    max_image_pixels: int
+    max_image_aspect: float
+
+
+@dataclass(frozen=True)
+class FilterSettings(_Section):
+    """``CHC.FILTER``: the optional CLIP image-text cosine filter."""
+
+    mode: str
+    threshold: float
+    quantile: float
+    template: str
+
+
+@dataclass(frozen=True)
+class TextSettings(_Section):
+    """``CHC.TEXT``: the sentence embeddings of the kept captions."""
+
+    model: str
+    dtype: str
+    batch_size: int
+    chunk_size: int
+    max_caption_chars: int
+
+
+@dataclass(frozen=True)
+class TopicSettings(_Section):
+    """``CHC.TOPICS``: UMAP -> HDBSCAN on a sample, nearest centroid, cluster TF-IDF words."""
+
+    fit_sample: int
+    umap_dim: int
+    umap_neighbors: int
+    umap_min_dist: float
+    umap_metric: str
+    umap_init: str
+    min_cluster_size: int
+    min_samples: int
+    assign_quantile: float
+    presence_min_fraction: float
+    min_word_len: int
+    extra_stop_words: tuple[str, ...]
+    plot_points: int
+
+
+@dataclass(frozen=True)
+class ImageSettings(_Section):
+    """``CHC.IMAGES``: the CLIP image-feature stage."""
+
+    batch_size: int
+    chunk_size: int
+    cache_max_gb: float
+    decode_workers: int
+    read_threads: int
+    decoder: str
+    autocast: str
+
+
+@dataclass(frozen=True)
+class DomainSettings(_Section):
+    """``CHC.DOMAINS``: k-means of each topic's image features into visual domains."""
+
+    num: int
+    min_per_domain: int
+    minibatch_above: int
+    n_init: int
+
+
+@dataclass(frozen=True)
+class ChcSettings:
+    """Everything a CHC run reads from its config, typed (:func:`read_chc_settings`)."""
+
+    output_dir: str  # CHC.OUTPUT_DIR as given
+    seed: int  # SEED
+    device: str  # MODEL.DEVICE as given (meta.model.backbone.resolve_device resolves it)
+    model: ClipSettings  # MODEL.*, SEED: the frozen CLIP
+    input: InputSettings
+    filter: FilterSettings
+    text: TextSettings
+    topics: TopicSettings
+    images: ImageSettings
+    domains: DomainSettings
+
+    def node(self) -> dict:
+        """The ``CHC`` node as plain JSON (``hierarchy.json``'s ``meta.settings.CHC``)."""
+        sections = {f.name.upper(): getattr(self, f.name).node() for f in fields(self)[4:]}
+        return {"OUTPUT_DIR": self.output_dir, **sections}
+
+
+def read_chc_settings(cfg) -> ChcSettings:
+    """Check ``cfg`` (:func:`check_chc_cfg`: one-line errors naming the key) and read it into
+    :class:`ChcSettings`, once."""
+    check_chc_cfg(cfg)
+    chc = cfg.CHC
+    kinds = (InputSettings, FilterSettings, TextSettings, TopicSettings, ImageSettings, DomainSettings)
+    sections = [
+        kind.read(chc[name]) for kind, name in zip(kinds, ("INPUT", "FILTER", "TEXT", "TOPICS", "IMAGES", "DOMAINS"))
+    ]
+    return ChcSettings(chc.OUTPUT_DIR, int(cfg.SEED), str(cfg.MODEL.DEVICE), ClipSettings.from_cfg(cfg), *sections)

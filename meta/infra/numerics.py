@@ -43,7 +43,7 @@ import os
 import platform
 import sys
 from contextlib import contextmanager
-from typing import Iterator, Mapping, MutableMapping, Optional
+from typing import Iterator, Mapping, MutableMapping, Optional, Sequence
 
 PINS: dict[str, str] = {
     "ATEN_CPU_CAPABILITY": "avx2",
@@ -55,22 +55,9 @@ PINS: dict[str, str] = {
 SWITCH = "GRAM_NUMERICS"  # "pinned" (default) | "fast"
 MODES = ("pinned", "fast")
 # CPU flags that change which kernels the libraries above choose
-KERNEL_FLAGS = (
-    "sse4_2",
-    "avx",
-    "avx2",
-    "fma",
-    "f16c",
-    "avx512f",
-    "avx512bw",
-    "avx512vl",
-    "avx512_bf16",
-    "avx512_vnni",
-    "avx512_fp16",
-    "amx_bf16",
-    "amx_tile",
-    "amx_int8",
-    "avx_vnni",
+KERNEL_FLAGS = tuple(
+    "sse4_2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16 avx512_vnni avx512_fp16 amx_bf16 amx_tile amx_int8 "
+    "avx_vnni".split()
 )
 
 
@@ -195,7 +182,7 @@ def numerics_record(device: Optional[str] = None) -> dict:
         "torch": torch.__version__,
         "mkl": torch.backends.mkl.is_available(),
         "mkldnn": torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled,
-        "packages": _package_versions(),
+        "packages": package_versions(),
     }
     if device is not None and str(device).startswith("cuda") and torch.cuda.is_available():
         index = torch.device(device).index or 0
@@ -214,21 +201,18 @@ def numerics_record(device: Optional[str] = None) -> dict:
     return record
 
 
-def _package_versions() -> dict[str, Optional[str]]:
+# the packages whose builds a results file records (numerics_record)
+PACKAGES = tuple(
+    "torch numpy open_clip_torch learn2learn scikit-learn umap-learn hdbscan numba sentence-transformers".split()
+)
+
+
+def package_versions(names: Sequence[str] = PACKAGES) -> dict[str, Optional[str]]:
+    """``{package: installed version or None}`` of ``names``, in their order."""
     from importlib.metadata import PackageNotFoundError, version
 
     out: dict[str, Optional[str]] = {}
-    for name in (
-        "torch",
-        "numpy",
-        "open_clip_torch",
-        "learn2learn",
-        "scikit-learn",
-        "umap-learn",
-        "hdbscan",
-        "numba",
-        "sentence-transformers",
-    ):
+    for name in names:
         try:
             out[name] = version(name)
         except PackageNotFoundError:

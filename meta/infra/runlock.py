@@ -112,14 +112,13 @@ class RunLock:
         os.close(self._fd)
         self._fd = None
 
-    def remove_folder_if_unused(self) -> None:
-        """After :meth:`release`: delete the folder again if this lock created it and it is empty."""
-        if self.created_folder and not self.held:
-            with contextlib.suppress(OSError):
-                self.folder.rmdir()
-
     def __enter__(self) -> "RunLock":
         return self.acquire()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        """Release; on an exception also delete the folder again if this lock created it and it is still empty
+        (a run refused before writing anything leaves no folder behind)."""
         self.release()
+        if exc_type is not None and self.created_folder:
+            with contextlib.suppress(OSError):
+                self.folder.rmdir()

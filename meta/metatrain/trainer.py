@@ -262,17 +262,15 @@ def validate(run: RunSetup) -> dict:
 
     Under torchrun rank ``r`` evaluates tasks ``r, r + W, ...`` and the sums are reduced.
     """
-    learner, loss_fn = run.learner, run.loss_fn
+    learner, loss_fn, n = run.learner, run.loss_fn, len(run.val_tasks)
     query_fn = task_loss_of(loss_fn)  # the query measures the task alone (no regulariser)
-    keys = (
-        "query_loss_before",
-        "query_acc_before",
-        "query_loss_after",
-        "query_acc_after",
-        "support_loss_before",
-        "support_acc_before",
-    )
-    sums: dict[str, float] = dict.fromkeys(keys, 0.0)
+    keys = "query_loss_before query_acc_before query_loss_after query_acc_after support_loss_before support_acc_before"
+    sums: dict[str, float] = dict.fromkeys(keys.split(), 0.0)
+
+    def add(scores: dict) -> None:  # one task's scores, each a 1/n share of its key's mean
+        for key, value in scores.items():
+            sums[key] = sums.get(key, 0.0) + value / n
+
     for index, task in list(enumerate(run.val_tasks))[dist_.rank() :: dist_.world_size()]:
         batch = run.batcher(task)
         with torch.no_grad():
@@ -281,19 +279,11 @@ def validate(run: RunSetup) -> dict:
         with torch.no_grad():
             q_loss1, q_logits1 = query_fn(adapted.module, batch.query)
         labels = batch.query["label"]
-        for key, value in (
-            ("query_loss_before", float(q_loss0)),
-            ("query_acc_before", accuracy(q_logits0, labels)),
-            ("query_loss_after", float(q_loss1)),
-            ("query_acc_after", accuracy(q_logits1, labels)),
-            ("support_loss_before", s_losses[0]),
-            ("support_acc_before", s_accs[0]),
-        ):
-            sums[key] = sums.get(key, 0.0) + value / len(run.val_tasks)
+        scores = float(q_loss0), accuracy(q_logits0, labels), float(q_loss1), accuracy(q_logits1, labels)
+        add(dict(zip(keys.split(), (*scores, s_losses[0], s_accs[0]))))
         del adapted
         if run.settings.val_protocol == "downstream":  # what a user gets: the whole fine-tuning protocol
-            for key, value in _downstream_scores(run, batch, index).items():
-                sums[key] = sums.get(key, 0.0) + value / len(run.val_tasks)
+            add(_downstream_scores(run, batch, index))
         ft_steps = run.settings.val_ft_steps
         if ft_steps > 0:  # as at test time: many small momentum-SGD steps, regulated and raw
             regs = learner.regulators()
@@ -309,10 +299,10 @@ def validate(run: RunSetup) -> dict:
                     run.settings.val_ft_lr,
                     run.settings.val_ft_momentum,
                 )
-                sums[key] = sums.get(key, 0.0) + acc / len(run.val_tasks)
+                add({key: acc})
     run.outer.zero_grad()
     sums = dist_.sum_over_ranks(sums)
-    sums["tasks"] = len(run.val_tasks)
+    sums["tasks"] = n
     return sums
 
 
@@ -493,16 +483,10 @@ def train(
             f"{split_key}: {split_n} cannot be split evenly over {world} processes (torchrun "
             f"--nproc_per_node); use a multiple of {world}"
         )
-    lock = RunLock(run.output_dir, key="OUTPUT_DIR", enabled=is_rank0())
-    with lock:
+    with RunLock(run.output_dir, key="OUTPUT_DIR", enabled=is_rank0()) as lock:  # a refused run leaves no folder
         if lock.held:
             clean_stale_temps(run.output_dir, all_pids=True)
-        try:
-            return _train_locked(run, resume, hierarchy, on_step, echo, world, recorder)
-        except BaseException:
-            lock.release()
-            lock.remove_folder_if_unused()  # a run refused before writing anything leaves no empty folder
-            raise
+        return _train_locked(run, resume, hierarchy, on_step, echo, world, recorder)
 
 
 def _train_locked(
@@ -600,28 +584,16 @@ def _train_locked(
         finally:
             bar.close()
             log.close()
+    result = {"run_dir": run_dir, "export": None, "resumed_from": resumed_from, "noop": False}
     if stopped_at is not None:
         echo(
             f"{run_dir}: {stop.requested or 'stop requested on another rank'} - checkpoint saved at step "
             f"{stopped_at} of {steps_total}; continue with --resume"
         )
-        return {
-            "run_dir": run_dir,
-            "step": stopped_at,
-            "export": None,
-            "resumed_from": resumed_from,
-            "noop": False,
-            "stopped": True,
-        }
+        return {**result, "step": stopped_at, "stopped": True}
     if not main:
         dist_.barrier()  # rank 0 exports meanwhile
-        return {
-            "run_dir": run_dir,
-            "step": max(start, steps_total),
-            "export": None,
-            "resumed_from": resumed_from,
-            "noop": False,
-        }
+        return {**result, "step": max(start, steps_total)}
     final = load_checkpoint(ckpt_path)
     paths = export_state(final, run_dir)
     dist_.barrier()  # the other ranks return once the export exists
@@ -630,13 +602,7 @@ def _train_locked(
         + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else "")
         + (f"\n{paths['coop_usage']}" if paths.get("coop_usage") else "")
     )
-    return {
-        "run_dir": run_dir,
-        "step": int(final["step"]),
-        "export": paths,
-        "resumed_from": resumed_from,
-        "noop": False,
-    }
+    return {**result, "step": int(final["step"]), "export": paths}
 
 
 def _write_run_files(
