@@ -67,8 +67,13 @@ def test_prompt_state_drops_class_buffers_and_names_mismatches():
     kept = prompt_state(coop_like, prompts)
     assert set(kept) == {"ctx"} and torch.equal(kept["ctx"], torch.ones(4, 64))
     assert set(prompt_state({"module.ctx": torch.ones(4, 64)}, prompts)) == {"ctx"}
-    with pytest.raises(RuntimeError, match=r"ctx: checkpoint \(2, 64\), model \(4, 64\)"):
+    with pytest.raises(RuntimeError) as err:
         prompt_state({"ctx": torch.ones(2, 64)}, prompts, source="x")
+    assert str(err.value) == "x does not fit this model: ctx: checkpoint (2, 64), model (4, 64)"  # not also "missing"
+    unigram = PromptParams(ctx=torch.zeros(2, 64), vpt=torch.zeros(1, 2, 64))
+    with pytest.raises(RuntimeError) as err:
+        prompt_state({"ctx": torch.ones(4, 64)}, unigram, source="y")
+    assert str(err.value) == "y does not fit this model: ctx: checkpoint (4, 64), model (2, 64); missing key vpt"
     with pytest.raises(RuntimeError, match="missing key ctx"):
         prompt_state({"token_prefix": torch.zeros(1)}, prompts)
     with pytest.raises(RuntimeError, match="unexpected key vpt"):

@@ -97,9 +97,10 @@ def prompt_state(state_dict: Mapping[str, torch.Tensor], model: nn.Module, sourc
     Raises a one-line error naming the missing keys or mismatching shapes.
     """
     own = model.state_dict()
-    kept, problems = {}, []
+    kept, problems, seen = {}, [], set()
     for key, value in state_dict.items():
         key = key[7:] if key.startswith("module.") else key
+        seen.add(key)
         if key.split(".")[-1] in CLASS_DEPENDENT_KEYS:
             continue
         if key not in own:
@@ -108,7 +109,7 @@ def prompt_state(state_dict: Mapping[str, torch.Tensor], model: nn.Module, sourc
             problems.append(f"{key}: checkpoint {tuple(value.shape)}, model {tuple(own[key].shape)}")
         else:
             kept[key] = value
-    problems += [f"missing key {k}" for k in own if k not in kept]
+    problems += [f"missing key {k}" for k in own if k not in seen]  # a key of the wrong shape is named once, above
     if problems:
         raise RuntimeError(f"{source or 'checkpoint'} does not fit this model: " + "; ".join(problems))
     return kept
