@@ -20,15 +20,10 @@ class DomainSplit:
 
     labels: np.ndarray
     num_domains: int
-    requested: int
 
     @property
     def excluded(self) -> bool:
         return self.num_domains == 0
-
-    @property
-    def reduced(self) -> bool:
-        return 0 < self.num_domains < self.requested
 
 
 def _kmeans(features: np.ndarray, k: int, n_init: int, minibatch: bool, seed: int) -> np.ndarray:
@@ -59,7 +54,7 @@ def split_domains(
         raise ValueError("CHC.DOMAINS: NUM, MIN_PER_DOMAIN and N_INIT must be >= 1")
     k = min(num_domains, n // min_per_domain)
     if k < 1:
-        return DomainSplit(np.zeros(0, dtype=np.int64), 0, num_domains)
+        return DomainSplit(np.zeros(0, dtype=np.int64), 0)
     x = np.asarray(features, dtype=np.float32)
     while k > 1:
         labels = _kmeans(x, k, n_init, n > minibatch_above, seed)
@@ -68,6 +63,6 @@ def split_domains(
             order = np.lexsort((np.arange(k), -sizes))  # largest first
             relabel = np.empty(k, dtype=np.int64)
             relabel[order] = np.arange(k)
-            return DomainSplit(relabel[labels], k, num_domains)
+            return DomainSplit(relabel[labels], k)
         k -= 1
-    return DomainSplit(np.zeros(n, dtype=np.int64), 1, num_domains)
+    return DomainSplit(np.zeros(n, dtype=np.int64), 1)

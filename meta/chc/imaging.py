@@ -31,13 +31,7 @@ import torch
 from PIL import Image
 
 from meta.data.image_caps import EMPTY_IMAGE, size_problem
-from meta.data.image_decode import (  # noqa: F401 (EXIF_ORIENTATION, UPRIGHT: re-exported, their home until now)
-    EXIF_ORIENTATION,
-    UPRIGHT,
-    exif_orientation,
-    to_rgb8,
-    upright,
-)
+from meta.data.image_decode import exif_orientation, to_rgb8, upright
 from meta.data.input_limits import MAX_IMAGE_ASPECT, MAX_IMAGE_PIXELS
 
 # open_clip / OpenAI CLIP normalisation (open_clip.constants OPENAI_DATASET_MEAN/STD).
@@ -98,11 +92,6 @@ def decode_image_why(
         return upright(img, orientation), ""
     except Exception as err:  # noqa: BLE001 - see docstring
         return None, type(err).__name__
-
-
-def decode_image(data: Optional[bytes]) -> Optional[Image.Image]:
-    """Decode bytes to an upright RGB PIL image; ``None`` for missing, corrupt, undecodable or over-cap data."""
-    return decode_image_why(data)[0]
 
 
 def to_clip_uint8(img: Image.Image, size: int) -> np.ndarray:

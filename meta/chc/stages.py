@@ -136,15 +136,8 @@ class StageMarker:
         except (json.JSONDecodeError, OSError):
             return False
 
-    def info(self) -> dict:
-        return json.loads(self.path.read_text()).get("info", {})
-
     def mark(self, info: Optional[dict] = None) -> None:
         write_json_atomic(self.path, {"fingerprint": self.fp, "info": info or {}})
-
-    def clear(self) -> None:
-        if self.path.exists():
-            self.path.unlink()
 
 
 class ChunkedArray:
@@ -181,9 +174,6 @@ class ChunkedArray:
             and prog.get("dtype") == self.dtype.str
         )
         return int(prog.get("rows_done", 0)) if same else 0
-
-    def complete(self) -> bool:
-        return self.rows_done() >= self.n_rows
 
     def _progress(self, rows_done: int) -> None:
         write_json_atomic(

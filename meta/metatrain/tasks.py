@@ -202,10 +202,6 @@ class TaskSampler:
             query_topics=None if n_new == 0 else np.asarray(q_topics, dtype=np.int64),
         )
 
-    def __iter__(self):
-        while True:
-            yield self.sample()
-
 
 def new_query_classes(k_way: int, share: float) -> int:
     """How many of a task's K query classes are new to its support: ``round(share * K)`` (Python's rounding)."""
