@@ -39,39 +39,6 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from meta.data.image_caps import file_size_problem
 
-__all__ = [
-    "Record",
-    "CoopSplits",
-    "CoopLayout",
-    "COOP_LAYOUTS",
-    "STANDARD_LAYOUTS",
-    "BENCHMARK_KEYS",
-    "TRANSFER_SOURCE",
-    "CROSS_DATASET_TARGETS",
-    "CROSS_DOMAIN_TARGETS",
-    "STANDARD_KEYS",
-    "register_layout",
-    "get_layout",
-    "read_split_file",
-    "read_classnames_file",
-    "read_fgvc_aircraft",
-    "read_imagenet",
-    "read_imagenet_folders",
-    "read_imagenetv2",
-    "read_full_splits",
-    "sample_few_shot",
-    "few_shot_splits",
-    "subsample_classes",
-    "classnames_of",
-    "missing_files",
-    "fewshot_cache_path",
-    "load_coop_splits",
-    "shots_per_class",
-    "warn_inputs",
-    "harmonic_mean",
-    "FEWSHOT_CACHE_FORMAT",
-]
-
 FEWSHOT_CACHE_FORMAT = "gram-fewshot-v1"
 SUBSAMPLE_CHOICES = ("all", "base", "new")
 
@@ -171,85 +138,33 @@ def register_layout(layout: CoopLayout, replace: bool = True) -> CoopLayout:
 # cross-dataset datasets (ImageNet first: the transfer source), then the 4 ImageNet variants of the
 # cross-domain table.  This is the one dataset list: the Dassl datasets (``datasets/``), the benchmark
 # scripts, the results parser and ``configs/datasets/<config_key>.yaml`` (tests check them) follow it.
-STANDARD_LAYOUTS: tuple[CoopLayout, ...] = (
-    CoopLayout("ImageNet", "imagenet", "images", "imagenet", None, "imagenet", label="ImageNet"),
-    CoopLayout(
-        "Caltech101",
-        "caltech-101",
-        "101_ObjectCategories",
-        "split",
-        "split_zhou_Caltech101.json",
-        "caltech101",
-        label="Caltech101",
-    ),
-    CoopLayout(
-        "OxfordPets", "oxford_pets", "images", "split", "split_zhou_OxfordPets.json", "oxford_pets", label="OxfordPets"
-    ),
-    CoopLayout(
-        "StanfordCars",
-        "stanford_cars",
-        "",
-        "split",
-        "split_zhou_StanfordCars.json",
-        "stanford_cars",
-        label="StanfordCars",
-    ),
-    CoopLayout(
-        "OxfordFlowers",
-        "oxford_flowers",
-        "jpg",
-        "split",
-        "split_zhou_OxfordFlowers.json",
-        "oxford_flowers",
-        label="Flowers102",
-    ),
-    CoopLayout("Food101", "food-101", "images", "split", "split_zhou_Food101.json", "food101", label="Food101"),
-    CoopLayout("FGVCAircraft", "fgvc_aircraft", "images", "fgvc", None, "fgvc_aircraft", label="FGVCAircraft"),
-    CoopLayout("SUN397", "sun397", "SUN397", "split", "split_zhou_SUN397.json", "sun397", label="SUN397"),
-    CoopLayout(
-        "DescribableTextures", "dtd", "images", "split", "split_zhou_DescribableTextures.json", "dtd", label="DTD"
-    ),
-    CoopLayout("EuroSAT", "eurosat", "2750", "split", "split_zhou_EuroSAT.json", "eurosat", label="EuroSAT"),
-    CoopLayout("UCF101", "ucf101", "UCF-101-midframes", "split", "split_zhou_UCF101.json", "ucf101", label="UCF101"),
-    CoopLayout(
-        "ImageNetV2",
-        "imagenetv2",
-        "imagenetv2-matched-frequency-format-val",
-        "imagenetv2",
-        None,
-        "imagenetv2",
-        label="ImageNetV2",
-    ),
-    CoopLayout(
-        "ImageNetSketch",
-        "imagenet-sketch",
-        "images",
-        "imagenet_folders",
-        None,
-        "imagenet_sketch",
-        label="ImageNet-Sketch",
-    ),
-    CoopLayout(
-        "ImageNetA",
-        "imagenet-adversarial",
-        "imagenet-a",
-        "imagenet_folders",
-        None,
-        "imagenet_a",
-        ("README.txt",),
-        label="ImageNet-A",
-    ),
-    CoopLayout(
-        "ImageNetR",
-        "imagenet-rendition",
-        "imagenet-r",
-        "imagenet_folders",
-        None,
-        "imagenet_r",
-        ("README.txt",),
-        label="ImageNet-R",
-    ),
+# Rows: name, dataset_dir, image_dir, reader, config_key, label, ignored folders (a "split" layout reads
+# split_zhou_<name>.json).
+_STANDARD_ROWS = (
+    ("ImageNet", "imagenet", "images", "imagenet", "imagenet", "ImageNet"),
+    ("Caltech101", "caltech-101", "101_ObjectCategories", "split", "caltech101", "Caltech101"),
+    ("OxfordPets", "oxford_pets", "images", "split", "oxford_pets", "OxfordPets"),
+    ("StanfordCars", "stanford_cars", "", "split", "stanford_cars", "StanfordCars"),
+    ("OxfordFlowers", "oxford_flowers", "jpg", "split", "oxford_flowers", "Flowers102"),
+    ("Food101", "food-101", "images", "split", "food101", "Food101"),
+    ("FGVCAircraft", "fgvc_aircraft", "images", "fgvc", "fgvc_aircraft", "FGVCAircraft"),
+    ("SUN397", "sun397", "SUN397", "split", "sun397", "SUN397"),
+    ("DescribableTextures", "dtd", "images", "split", "dtd", "DTD"),
+    ("EuroSAT", "eurosat", "2750", "split", "eurosat", "EuroSAT"),
+    ("UCF101", "ucf101", "UCF-101-midframes", "split", "ucf101", "UCF101"),
+    ("ImageNetV2", "imagenetv2", "imagenetv2-matched-frequency-format-val", "imagenetv2", "imagenetv2", "ImageNetV2"),
+    ("ImageNetSketch", "imagenet-sketch", "images", "imagenet_folders", "imagenet_sketch", "ImageNet-Sketch"),
+    ("ImageNetA", "imagenet-adversarial", "imagenet-a", "imagenet_folders", "imagenet_a", "ImageNet-A", "README.txt"),
+    ("ImageNetR", "imagenet-rendition", "imagenet-r", "imagenet_folders", "imagenet_r", "ImageNet-R", "README.txt"),
 )
+
+
+def _standard(name: str, dataset_dir: str, image_dir: str, reader: str, key: str, label: str, *ignored) -> CoopLayout:
+    split_file = f"split_zhou_{name}.json" if reader == "split" else None
+    return CoopLayout(name, dataset_dir, image_dir, reader, split_file, key, tuple(ignored), label)
+
+
+STANDARD_LAYOUTS: tuple[CoopLayout, ...] = tuple(_standard(*row) for row in _STANDARD_ROWS)
 for _layout in STANDARD_LAYOUTS:
     register_layout(_layout)
 
@@ -422,15 +337,21 @@ def read_imagenet(dataset_dir: str, image_dir: str) -> dict[str, list[Record]]:
         split_dir = os.path.join(image_dir, sub)
         _require_dir(split_dir, "ImageNet image folder")
         folders = sorted(e.name for e in os.scandir(split_dir) if e.is_dir())
-        records = []
-        for label, folder in enumerate(folders):
-            if folder not in classnames:
-                raise ValueError(f"{os.path.join(dataset_dir, 'classnames.txt')}: no class name for folder {folder!r}")
-            for imname in _listdir_nohidden(os.path.join(split_dir, folder)):
-                records.append(Record(os.path.join(split_dir, folder, imname), label, classnames[folder]))
-        out[key] = records
+        out[key] = _class_folder_records(split_dir, folders, classnames, dataset_dir)
     out["val"] = out["test"]
     return out
+
+
+def _class_folder_records(image_dir: str, folders: Sequence[str], classnames: dict, dataset_dir: str) -> list[Record]:
+    """``image_dir/<folder>/<file>`` records, label = the folder's place in ``folders``, named by the dataset's
+    ``classnames.txt``; each folder listed unsorted (Dassl's ``listdir_nohidden``)."""
+    records = []
+    for label, folder in enumerate(folders):
+        if folder not in classnames:
+            raise ValueError(f"{os.path.join(dataset_dir, 'classnames.txt')}: no class name for folder {folder!r}")
+        for imname in _listdir_nohidden(os.path.join(image_dir, folder)):
+            records.append(Record(os.path.join(image_dir, folder, imname), label, classnames[folder]))
+    return records
 
 
 def read_imagenet_folders(dataset_dir: str, image_dir: str, ignored: Sequence[str] = ()) -> dict[str, list[Record]]:
@@ -444,12 +365,7 @@ def read_imagenet_folders(dataset_dir: str, image_dir: str, ignored: Sequence[st
     _require_dir(image_dir, "image folder")
     image_dir = os.path.abspath(image_dir)
     folders = [f for f in _listdir_nohidden(image_dir, sort=True) if f not in ignored]
-    records = []
-    for label, folder in enumerate(folders):
-        if folder not in classnames:
-            raise ValueError(f"{os.path.join(dataset_dir, 'classnames.txt')}: no class name for folder {folder!r}")
-        for imname in _listdir_nohidden(os.path.join(image_dir, folder)):
-            records.append(Record(os.path.join(image_dir, folder, imname), label, classnames[folder]))
+    records = _class_folder_records(image_dir, folders, classnames, dataset_dir)
     return {"train": records, "test": records}
 
 

@@ -124,21 +124,3 @@ def last_checkpoint_epoch(run_dir: PathLike) -> Optional[int]:
             if path.is_file() and suffix.isdigit():
                 epochs.append(int(suffix))
     return max(epochs) if epochs else None
-
-
-__all__ = [
-    "END_SIGNAL",
-    "ACCURACY",
-    "CHECKPOINT_PREFIX",
-    "LAST_POINTER",
-    "RUN_INFO",
-    "LOG",
-    "newest_log",
-    "LogProblem",
-    "checkpoint_name",
-    "read_run_info",
-    "run_mode",
-    "read_accuracy",
-    "log_finished",
-    "last_checkpoint_epoch",
-]

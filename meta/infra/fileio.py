@@ -48,18 +48,18 @@ def _umask() -> int:
     return mask
 
 
-def fsync_dir(folder: PathLike) -> None:
-    """Make a rename in ``folder`` durable (best effort: some filesystems refuse)."""
-    try:
-        fd = os.open(str(folder), os.O_RDONLY)
-    except OSError:
-        return
+def _fsync(path: PathLike) -> None:
+    fd = os.open(str(path), os.O_RDONLY)
     try:
         os.fsync(fd)
-    except OSError:
-        pass
     finally:
         os.close(fd)
+
+
+def fsync_dir(folder: PathLike) -> None:
+    """Make a rename in ``folder`` durable (best effort: some filesystems refuse)."""
+    with contextlib.suppress(OSError):
+        _fsync(folder)
 
 
 def _with_path(err: OSError, path: Path) -> OSError:
@@ -83,11 +83,7 @@ def atomic_path(path: PathLike) -> Iterator[Path]:
     tmp = temp_name(path)
     try:
         yield tmp
-        fd = os.open(str(tmp), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(tmp)
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except OSError as err:

@@ -17,32 +17,16 @@ from meta.config import add_metatrain_cfg
 __all__ = ["main", "build_cfg", "add_metatrain_cfg", "train", "export_run"]
 
 
-def main(argv=None) -> int:
-    """See :func:`meta.metatrain.cli.main`.
-
-    The submodules are imported when called: the trainer and the export import learn2learn (through
-    :mod:`meta.method.gram`), which config-only users of this package do not need."""
-    from meta.metatrain.cli import main as _main
-
-    return _main(argv)
+# name -> the submodule defining it, imported when the name is first used: the trainer and the export import
+# learn2learn (through meta.method.gram), which config-only users of this package do not need
+_LAZY = {"main": "cli", "build_cfg": "cli", "train": "trainer", "export_run": "export"}
 
 
-def build_cfg(config_file: str = "", opts=(), output_dir=None):
-    """See :func:`meta.metatrain.cli.build_cfg`."""
-    from meta.metatrain.cli import build_cfg as _build
+def __getattr__(name: str):
+    """:func:`meta.metatrain.cli.main`, :func:`~meta.metatrain.cli.build_cfg`, :func:`meta.metatrain.trainer.train`
+    and :func:`meta.metatrain.export.export_run`, from their submodules."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
 
-    return _build(config_file, opts, output_dir)
-
-
-def train(cfg, resume: bool = False, hierarchy=None, on_step=None, echo=print) -> dict:
-    """See :func:`meta.metatrain.trainer.train`."""
-    from meta.metatrain.trainer import train as _train
-
-    return _train(cfg, resume=resume, hierarchy=hierarchy, on_step=on_step, echo=echo)
-
-
-def export_run(run_dir, out=None) -> dict:
-    """See :func:`meta.metatrain.export.export_run`."""
-    from meta.metatrain.export import export_run as _export
-
-    return _export(run_dir, out)
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)

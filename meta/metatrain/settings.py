@@ -9,9 +9,9 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from yacs.config import CfgNode as CN
 
@@ -24,7 +24,7 @@ from meta.config import (
     REMOVED,
     START_SPEC,
     TRAIN_SPEC,
-    add_metatrain_cfg,
+    add_metatrain_cfg,  # noqa: F401 (re-exported: the META schema beside its specs)
     get_meta_cfg_default,
     saved_removed_problem,
     table_fields,
@@ -45,29 +45,6 @@ if TYPE_CHECKING:
     from meta.metatrain.tasks import TaskSampler
     from meta.method.gram import MetaSpec
 
-__all__ = [
-    "MODES",
-    "RUN_CONTROL_KEYS",
-    "TaskSettings",
-    "TrainSettings",
-    "read_train_settings",
-    "hierarchy_source",
-    "task_settings",
-    "val_train_spec",
-    "add_metatrain_cfg",
-    "cfg_differences",
-    "check_meta_cfg",
-    "check_step_size",
-    "check_task_sizes",
-    "config_hash",
-    "flatten_cfg",
-    "memory_bytes",
-    "meta_spec",
-    "prompt_spec",
-    "regulator_spec",
-    "result_defining_cfg",
-]
-
 MODES = ("gram", "pretrain")
 
 # Keys that steer how a run is executed/observed but not the numbers it produces; they may
@@ -75,32 +52,10 @@ MODES = ("gram", "pretrain")
 # Where the task source lives (META.HIERARCHY, TASKS.IMAGE_FOLDER, CHC.*) may change too: a resume
 # compares the hierarchy's content fingerprint instead (data.hierarchy_fingerprint).
 RUN_CONTROL_KEYS = frozenset(
-    {
-        "OUTPUT_DIR",
-        "MODEL.DEVICE",
-        "META.STEPS",
-        "META.CHECKPOINT_EVERY",
-        "META.LOG_DETAIL_EVERY",
-        "META.VAL_EVERY",
-        "META.VAL_TASKS",
-        "META.VAL_FT_STEPS",
-        "META.VAL_FT_LR",
-        "META.VAL_FT_MOMENTUM",
-        "META.VAL_PROTOCOL",
-        "META.VAL_EPOCHS",
-        "META.VAL_FT_WEIGHT_DECAY",
-        "META.VAL_RRCROP_SCALE",
-        "META.VAL_REG_WINDOW",
-        "META.VAL_LAUNCH",
-        "META.FEATURE_CHECK",
-        "META.PROGRESS",
-        "META.TENSORBOARD",
-        "META.FINGERPRINT",
-        "META.EXPORT_NAME",
-        "META.COOP_CTX_NAME",
-        "META.HIERARCHY",
-        "TASKS.IMAGE_FOLDER",
-    }
+    """OUTPUT_DIR MODEL.DEVICE META.STEPS META.CHECKPOINT_EVERY META.LOG_DETAIL_EVERY META.VAL_EVERY META.VAL_TASKS
+    META.VAL_FT_STEPS META.VAL_FT_LR META.VAL_FT_MOMENTUM META.VAL_PROTOCOL META.VAL_EPOCHS META.VAL_FT_WEIGHT_DECAY
+    META.VAL_RRCROP_SCALE META.VAL_REG_WINDOW META.VAL_LAUNCH META.FEATURE_CHECK META.PROGRESS META.TENSORBOARD
+    META.FINGERPRINT META.EXPORT_NAME META.COOP_CTX_NAME META.HIERARCHY TASKS.IMAGE_FOLDER""".split()
 )
 RUN_CONTROL_PREFIXES = ("CHC.",)
 
@@ -566,18 +521,19 @@ def val_train_spec(cfg: CN) -> "TrainSpec":
     return TrainSpec(**fields, batch_size=1, aug_views=1, eval_every_epoch=False)
 
 
+_CASTS = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _same_named(owner: type, node: CN, names: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    """``{field: node[FIELD]}`` for the fields ``names`` of dataclass ``owner`` (default: all), each read from the
+    key of ``node`` that spells the field upper-cased and cast to the field's annotated type."""
+    types = {f.name: f.type for f in fields(owner)}
+    return {name: _CASTS[types[name]](node[name.upper()]) for name in names or types}
+
+
 def task_settings(cfg: CN) -> TaskSettings:
-    """The typed ``TASKS`` node."""
-    t = cfg.TASKS
-    return TaskSettings(
-        source=str(t.SOURCE),
-        k_way=int(t.K_WAY),
-        n_support=int(t.N_SUPPORT),
-        n_query=int(t.N_QUERY),
-        domain_shift=bool(t.DOMAIN_SHIFT),
-        query_new_share=float(t.QUERY_NEW_SHARE),
-        val_fraction=float(t.VAL_FRACTION),
-    )
+    """The typed ``TASKS`` node (a field per key of the same name)."""
+    return TaskSettings(**_same_named(TaskSettings, cfg.TASKS))
 
 
 def hierarchy_source(cfg: CN) -> "HierarchySource":
@@ -653,6 +609,13 @@ class TrainSettings:
         return "META.PRETRAIN.BATCH_SIZE", self.pretrain_batch_size
 
 
+# The TrainSettings fields read from the META key of the same name, upper-cased
+_META_SAME_NAMED = tuple(
+    "steps meta_batch log_detail_every val_every val_tasks val_protocol val_ft_steps val_ft_lr val_ft_momentum "
+    "checkpoint_every feature_check progress tensorboard fingerprint export_name coop_ctx_name".split()
+)
+
+
 def _train_settings(cfg: CN) -> TrainSettings:
     """:class:`TrainSettings` of a config whose values :func:`check_meta_cfg` has checked."""
     m = cfg.META
@@ -670,24 +633,9 @@ def _train_settings(cfg: CN) -> TrainSettings:
         consistency=consistency_spec(cfg),
         val_start=val_start_spec(cfg),
         val_train=val_train_spec(cfg),
-        steps=int(m.STEPS),
-        meta_batch=int(m.META_BATCH),
         pretrain_ways=int(m.PRETRAIN.WAYS),
         pretrain_batch_size=int(m.PRETRAIN.BATCH_SIZE),
-        log_detail_every=int(m.LOG_DETAIL_EVERY),
-        val_every=int(m.VAL_EVERY),
-        val_tasks=int(m.VAL_TASKS),
-        val_protocol=str(m.VAL_PROTOCOL),
-        val_ft_steps=int(m.VAL_FT_STEPS),
-        val_ft_lr=float(m.VAL_FT_LR),
-        val_ft_momentum=float(m.VAL_FT_MOMENTUM),
-        checkpoint_every=int(m.CHECKPOINT_EVERY),
-        feature_check=int(m.FEATURE_CHECK),
-        progress=bool(m.PROGRESS),
-        tensorboard=bool(m.TENSORBOARD),
-        fingerprint=bool(m.FINGERPRINT),
-        export_name=str(m.EXPORT_NAME),
-        coop_ctx_name=str(m.COOP_CTX_NAME),
+        **_same_named(TrainSettings, m, _META_SAME_NAMED),
         config_yaml=cfg.dump(),
         config=result_defining_cfg(cfg),
         config_hash=config_hash(cfg),
