@@ -3,7 +3,8 @@
 In this repository's own layout (``train.py`` at the root, flat trainer configs) and inside the unchanged CoOp
 fork with GRAM added as docs/dassl_plugin.md says (skipped without its archive): it writes the tiny dataset, CLIP
 and init files, trains on base classes, evaluates on new ones and ends with ``smoke ok``, in one folder per method.
-A fork whose ``train.py`` lacks the doc's GRAM lines gets a one-line error and exit status 2.  Without a fork: the
+A fork whose ``train.py`` lacks the doc's GRAM lines gets a one-line error and exit status 2; its ``train.py``
+with a missing CLIP file stops in one ``error:`` line before reading data.  Without a fork: the
 methods offered come from the method table, a failed run that Dassl resumed names the resumed folder, a method
 folder the check did not write is never emptied, and ``--write-init`` writes a placeholder for any architecture.
 """
@@ -63,6 +64,22 @@ def test_smoke_in_the_coop_fork_and_its_one_line_error_without_the_gram_lines(tm
     fork = add_gram(upstream_fork("CoOp"), tmp_path, "CoOp")
     out = tmp_path / "smoke"
     check_ok(smoke(fork, out, "--method", "unigram"), out, "unigram")
+    # the README's train.py command without the CLIP file: one error line before any data is read, no traceback
+    files = smoke_module.write_inputs(out, "unigram")
+    missing = tmp_path / "no_such" / "ViT-B-16.pt"
+    argv = ["--root", str(files.data_root), "--seed", "1", "--trainer", "UNIGRAM", "--output-dir", str(tmp_path / "o")]
+    argv += ["--dataset-config-file", str(fork / "configs/datasets/dtd.yaml")]
+    argv += ["--config-file", str(smoke_module.trainer_config(fork, "UNIGRAM", methods.get("unigram").config))]
+    argv += [*smoke_module.tiny_options(files, "UNIGRAM"), "TRAINER.GRAM.WEIGHTS", str(missing)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "train.py", *argv], cwd=fork, capture_output=True, text=True, env=env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"error: TRAINER.GRAM.WEIGHTS: CLIP weights file not found: {missing} (")
+    ), proc.stderr[-2000:]
+    assert "Loading dataset" not in proc.stdout and not (tmp_path / "o" / "prompt_learner").exists()
     train_py = fork / "train.py"
     lines = train_py.read_text().split("\n")
     gram_lines = ("trainers.gram", "extend_gram_cfg")  # the doc's two imports and its extend_cfg lines

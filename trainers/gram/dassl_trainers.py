@@ -63,6 +63,7 @@ from .dassl_checkpoint import checkpoint_file, load_checkpoint, prompt_state, sa
 from .dassl_schedule import build_lr_scheduler
 from .model import GramCLIP
 from .run_trace import environment_summary, file_sha256, sample_digest
+from .stop_line import as_one_line
 
 MODEL_NAME = "prompt_learner"  # the one registered module (same name as CoOp's, so its scripts' paths fit)
 
@@ -109,12 +110,17 @@ class _GramTrainer(TrainerX):
 
     # ------------------------------------------------------------------------------ building
     def check_cfg(self, cfg) -> None:
-        s = gram_settings(cfg, type(self).__name__)  # every TRAINER.GRAM key checked before data loading
-        check_weights_file(s.weights, "TRAINER.GRAM.WEIGHTS", unset=not str(cfg.TRAINER.GRAM.WEIGHTS).strip())
-        if get_learner(s.learner).spec_prompts_vision(s.start.prompt):  # visual prompts need a ViT tower
-            key = "TRAINER.GRAM.MODEL_NAME" if cfg.TRAINER.GRAM.MODEL_NAME else "MODEL.BACKBONE.NAME"
-            text_only = [t for t, row in methods.learners().items() if not row.vision and row.coupling == "none"]
-            check_visual_prompts(s.model_name, key, s.trainer, text_only)
+        """Every TRAINER.GRAM key, the CLIP weights file and the backbone, before data loading; a failure is one
+        line (:mod:`trainers.gram.stop_line`), also in a fork's ``train.py`` that catches nothing."""
+        try:
+            s = gram_settings(cfg, type(self).__name__)
+            check_weights_file(s.weights, "TRAINER.GRAM.WEIGHTS", unset=not str(cfg.TRAINER.GRAM.WEIGHTS).strip())
+            if get_learner(s.learner).spec_prompts_vision(s.start.prompt):  # visual prompts need a ViT tower
+                key = "TRAINER.GRAM.MODEL_NAME" if cfg.TRAINER.GRAM.MODEL_NAME else "MODEL.BACKBONE.NAME"
+                text_only = [t for t, row in methods.learners().items() if not row.vision and row.coupling == "none"]
+                check_visual_prompts(s.model_name, key, s.trainer, text_only)
+        except (ValueError, TypeError, FileNotFoundError) as err:
+            raise as_one_line(err)
 
     def build_data_loader(self) -> None:
         """Dassl's loaders, with ``DATALOADER.NUM_WORKERS`` capped to this machine (logged with the precision);
