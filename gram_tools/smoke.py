@@ -76,6 +76,7 @@ class SmokeFiles:
     data_root: Path  # holds dtd/
     clip_file: Path
     init_file: Path
+    image_size: int = 0  # the CLIP's input resolution (px) when it is not the tiny one's; 0: IMAGE_PX
 
 
 def smoke_methods() -> tuple[str, ...]:
@@ -140,7 +141,8 @@ def write_inputs(out: Path, method_key: str, model_name: str = TINY_MODEL) -> Sm
     with atomic_path(clip_file) as tmp:  # a run killed while writing leaves no half file for the next one
         torch.save(clip.state_dict(), tmp)
     init_file = write_placeholder_init(out / method_key / "init.safetensors", method_key, clip, dims, str(clip_file))
-    return SmokeFiles(data_root=data_root, clip_file=clip_file, init_file=init_file)
+    size = 0 if dims.image_size == IMAGE_PX else int(dims.image_size)
+    return SmokeFiles(data_root=data_root, clip_file=clip_file, init_file=init_file, image_size=size)
 
 
 def fresh_method_folder(out: Path, method_key: str) -> Path:
@@ -173,7 +175,7 @@ def tiny_options(files: SmokeFiles, trainer: str, model_name: str = TINY_MODEL) 
         "TRAINER.GRAM.MODEL_NAME", model_name,
         "TRAINER.GRAM.WEIGHTS", str(files.clip_file),
         "TRAINER.GRAM.INIT", str(files.init_file),
-        "INPUT.SIZE", f"({IMAGE_PX}, {IMAGE_PX})",
+        "INPUT.SIZE", f"({files.image_size or IMAGE_PX}, {files.image_size or IMAGE_PX})",
         "DATALOADER.NUM_WORKERS", "0",
         "OPTIM.MAX_EPOCH", "1",
         "DATASET.NUM_SHOTS", "2",
@@ -234,27 +236,39 @@ def _gram_method(method_key: str):
     return method
 
 
-def run_smoke(fork: Path, out: Path, method_key: str = "gram_coop", seed: int = 1) -> dict:
-    """Write the inputs, train on base classes, evaluate on new ones, in ``out/<method_key>/``; returns accuracies
-    and paths."""
+def run_smoke(fork: Path, out: Path, method_key: str = "gram_coop", seed: int = 1, backbone: str = TINY_MODEL) -> dict:
+    """Write the inputs, train on base classes, evaluate on new ones, in ``out/<method_key>/``, on a randomly
+    initialised CLIP of architecture ``backbone``; returns accuracies and paths."""
+    from meta.method.methods import get, learners
+    from meta.model.backbone import check_model_name, check_visual_prompts
+
     fork = fork.resolve()
     out = out.resolve()
     if not (fork / "train.py").is_file():
         raise SmokeError(f"{fork}: no train.py here; --fork names the root of a CoOp-style fork")
     method = _gram_method(method_key)
+    check_model_name(backbone, "--backbone")
+    rows = learners()
+
+    def prompts_image(key: str) -> bool:
+        row = rows[get(key).trainer]
+        return bool(row.vision) or row.coupling != "none"
+
+    if prompts_image(method.key):  # visual prompts need a ViT tower: said before anything is written
+        check_visual_prompts(backbone, "--backbone", method.key, [m for m in smoke_methods() if not prompts_image(m)])
     dataset_cfg = fork / "configs" / "datasets" / "dtd.yaml"
     if not dataset_cfg.is_file():
         raise SmokeError(f"{dataset_cfg}: missing; the smoke dataset uses the fork's DTD config")
     config = trainer_config(fork, method.trainer, method.config)
     folder = fresh_method_folder(out, method.key)
-    files = write_inputs(out, method.key)
+    files = write_inputs(out, method.key, backbone)
     common = [
         "--root", str(files.data_root), "--seed", str(seed), "--trainer", method.trainer,
         "--dataset-config-file", str(dataset_cfg), "--config-file", str(config),
     ]  # fmt: skip
     train_dir, test_dir = (folder / name for name in RUN_FOLDERS)
     base_log, new_log = folder / "train_base.log", folder / "test_new.log"
-    opts = tiny_options(files, method.trainer)
+    opts = tiny_options(files, method.trainer, backbone)
     text = _run(fork, [*common, "--output-dir", str(train_dir), *opts, "DATASET.SUBSAMPLE_CLASSES", "base"], base_log)
     base = _check_output(text, method.trainer, files.init_file, base_log)
     evaluate = ["--model-dir", str(train_dir), "--load-epoch", "1", "--eval-only"]
@@ -300,15 +314,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         default=PLACEHOLDER_MODEL,
         help=f"with --write-init: open_clip architecture (default {PLACEHOLDER_MODEL})",
     )
-    # A --backbone option belongs here: it would pass an architecture to write_inputs(model_name=...) and
-    # tiny_options(model_name=...), which already take one (the smoke runs GRAM-Test-Tiny today).
+    parser.add_argument(
+        "--backbone",
+        default=TINY_MODEL,
+        help=f"open_clip architecture of the random-weight CLIP the smoke runs on (default {TINY_MODEL}; e.g. RN50, "
+        "RN101, ViT-B-16: real sizes, minutes on a CPU); visual-prompt methods need a ViT",
+    )
     args = parser.parse_args(argv)
     try:
         if args.write_init is not None:
             print(write_init_command(args.write_init, args.method, args.model))
             return 0
         out = args.out if args.out is not None else args.fork / "output" / "gram_smoke"
-        result = run_smoke(args.fork, out, args.method)
+        result = run_smoke(args.fork, out, args.method, backbone=args.backbone)
     except (SmokeError, KeyError, ValueError, OSError) as err:
         from meta.infra.cli_errors import one_line
 

@@ -39,7 +39,7 @@ def smoke(fork: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env, cwd=out.parent)
 
 
-def check_ok(proc: subprocess.CompletedProcess, out: Path, method: str) -> None:
+def check_ok(proc: subprocess.CompletedProcess, out: Path, method: str, clip_name: str = "GRAM-Test-Tiny") -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith(f"smoke ok: {methods.get(method).trainer} ("), last
@@ -47,7 +47,7 @@ def check_ok(proc: subprocess.CompletedProcess, out: Path, method: str) -> None:
     split = json.loads((out / "data" / "dtd" / "split_zhou_DescribableTextures.json").read_text())
     assert {len(split[k]) for k in ("train", "val", "test")} == {4 * 3, 4 * 2}
     folder = out / method  # every file of one method's run in its own folder
-    assert (out / "clip" / "GRAM-Test-Tiny.pt").is_file() and (folder / "init.safetensors").is_file()
+    assert (out / "clip" / f"{clip_name}.pt").is_file() and (folder / "init.safetensors").is_file()
     base = (folder / "train_base.log").read_text()
     new = (folder / "test_new.log").read_text()
     assert "subsample=base" in base and "subsample=new" in new  # the GRAM data line of each run
@@ -80,6 +80,17 @@ def test_smoke_in_the_coop_fork_and_its_one_line_error_without_the_gram_lines(tm
         .startswith(f"error: TRAINER.GRAM.WEIGHTS: CLIP weights file not found: {missing} (")
     ), proc.stderr[-2000:]
     assert "Loading dataset" not in proc.stdout and not (tmp_path / "o" / "prompt_learner").exists()
+    # a ResNet CLIP: the text-prompt learner runs there, a visual-prompt one is refused before anything is written
+    rn = tmp_path / "smoke_rn"
+    proc = smoke(fork, rn, "--method", "gram_coop", "--backbone", "GRAM-Test-RN")
+    check_ok(proc, rn, "gram_coop", clip_name="GRAM-Test-RN")
+    assert "GRAM backbone: GRAM-Test-RN weights=" in (rn / "gram_coop" / "train_base.log").read_text()
+    proc = smoke(fork, tmp_path / "smoke_rn_vpt", "--method", "gram_vpt", "--backbone", "GRAM-Test-RN")
+    assert proc.returncode == 2 and not (tmp_path / "smoke_rn_vpt").exists()
+    assert proc.stderr.strip() == (
+        "error: --backbone: GRAM-Test-RN has a ResNet image tower, which visual prompt tokens cannot enter, and "
+        "gram_vpt prompts it; on GRAM-Test-RN run gram_coop, gram_cocoop (text prompts only), or pick a ViT backbone"
+    )
     train_py = fork / "train.py"
     lines = train_py.read_text().split("\n")
     gram_lines = ("trainers.gram", "extend_gram_cfg")  # the doc's two imports and its extend_cfg lines
