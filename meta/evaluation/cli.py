@@ -79,10 +79,7 @@ def _parser() -> argparse.ArgumentParser:
         help="how scratch visual prompt tokens start (vpt, joint); GRAM presets use their init file",
     )
     common.add_argument(
-        "--vision-depth",
-        type=int,
-        default=PromptSpec.vision_depth,
-        help="layers with visual prompts (1 = shallow VPT)",
+        "--vision-depth", type=int, default=PromptSpec.vision_depth, help="layers with visual prompts (1 = shallow VPT)"
     )
     common.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     common.add_argument("--shots", type=int, default=16)

@@ -41,14 +41,12 @@ def _seed_means(runs: Sequence[dict], value) -> dict[int, float]:
     return {seed: statistics.fmean(v) for seed, v in per_seed.items()}
 
 
+def _head(protocol: str, dataset: str, runs: Sequence[dict]) -> dict:
+    return {"protocol": protocol, "dataset": dataset, "key": method_key(runs[0]), "method": runs[0]["method"]}
+
+
 def _row(protocol: str, dataset: str, runs: Sequence[dict]) -> dict:
-    row = {
-        "protocol": protocol,
-        "dataset": dataset,
-        "key": method_key(runs[0]),
-        "method": runs[0]["method"],
-        "seeds": sorted({r["seed"] for r in runs}),
-    }
+    row = {**_head(protocol, dataset, runs), "seeds": sorted({r["seed"] for r in runs})}
     if protocol == "base2new":
         for k in ("base", "new"):
             row[f"{k}_mean"], row[f"{k}_std"] = _mean_std(list(_seed_means(runs, lambda r, k=k: r[k]).values()))
@@ -113,13 +111,7 @@ def epoch_curves(records: Iterable[dict], keys: Sequence[str] = ("base", "new", 
                 if all(k in row for k in keys):
                     per_epoch.setdefault(row["epoch"], []).append((r["seed"], row))
         epochs = sorted(e for e, rows in per_epoch.items() if len(rows) == len(runs))
-        entry = {
-            "protocol": protocol,
-            "dataset": dataset,
-            "key": method_key(runs[0]),
-            "method": runs[0]["method"],
-            "epochs": epochs,
-        }
+        entry = {**_head(protocol, dataset, runs), "epochs": epochs}
         for k in keys:
             stats = []
             for e in epochs:

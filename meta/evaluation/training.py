@@ -1,15 +1,10 @@
 """Few-shot prompt tuning with (optionally regulated) gradients, and accuracy on labelled sets.
 
 The start (θ, R_φ, window, launch step) and the update are the Dassl trainers' own, from :mod:`meta.finetune.engine`
-(paper Eq. 7 at test time)::
-
-    loss = CE(prompted-CLIP logits, labels)          # over a batch of the few-shot train set
-    stepper.backward(loss, last=...)                 # meta.finetune.regulated.RegulatedStepper: sums the
-                                                     # window's gradients, then p.grad <- n R_φ(mean)
-                                                     # and one SGD step (Dassl OPTIM)
-    ... after the epoch's last batch: scheduler.step()   (Dassl: update_lr per epoch)
-
-What is the evaluator's own: cached image features, seeded batch order and augmented views.
+(paper Eq. 7 at test time): per batch of the few-shot train set the cross-entropy of prompted-CLIP logits goes
+through ``RegulatedStepper.backward`` (the window's gradients summed, then ``p.grad <- n R_φ(mean)`` and one SGD
+step), and after the epoch's last batch ``scheduler.step()`` (Dassl's per-epoch ``update_lr``).  The evaluator's own:
+cached image features, seeded batch order and augmented views.
 """
 
 from __future__ import annotations
@@ -42,15 +37,9 @@ from meta.model.backbone import ClipDims
 
 @dataclass
 class LabelledSet:
-    """One split ready for the model.
-
-    Attributes:
-        impaths: N image paths.
-        labels: ``[N]`` int64 labels in ``0..C-1``.
-        classnames: C names, index = label.
-        features: frozen-tower features when the image side has no prompts: ``[N, E]`` for a
-            test set, ``[N, V, E]`` (V augmented views) for a train set; ``None`` with visual prompts.
-    """
+    """One split ready for the model: N ``impaths``, ``labels`` ``[N]`` (int64, 0..C-1), C ``classnames`` (index =
+    label) and, when the image side has no prompts, frozen-tower ``features`` (``[N, E]`` for a test set,
+    ``[N, V, E]`` with V augmented views for a train set; ``None`` with visual prompts)."""
 
     impaths: list[str]
     labels: torch.Tensor

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from meta.finetune.init_io import load_gram_init
-from meta.finetune.regulated import (
+from meta.finetune.regulated import (  # noqa: F401  (RegulatedStepper, window_batches: re-exported)
     DEFAULT_REG_WINDOW,
     GradientRegulation,
     LaunchStep,
@@ -121,20 +121,12 @@ class Naming:
 
 @dataclass(frozen=True)
 class StartSpec:
-    """Where fine-tuning starts: θ's structure and source, R_φ, the regulation window and the launch step.
-
-    Attributes:
-        prompt: θ's structure and scratch / word initialisation (:class:`meta.method.prompts.PromptSpec`,
-            depths 0 = all layers).
-        init_path: a GRAM init file (θ* and φ); ``""`` = none.
-        init_prompts: θ starts from θ* (the file's or the start point's); False = the scratch start.
-        regulate: R_φ from the file / start point regulates every prompt gradient.
-        reg_window: regulation window in images (0 = the meta-training support size; default the test-time
-            :data:`meta.finetune.regulated.DEFAULT_REG_WINDOW`).
-        launch: take the meta-trained inner step where the file / start point has one.
-        launch_required: a missing launch step is an error (else launch is silently off).
-        naming: how errors name the fields.
-    """
+    """Where fine-tuning starts: θ's structure and scratch / word start (``prompt``, depths 0 = all layers), a GRAM
+    init file (``init_path``: θ* and φ; ``""`` = none), whether θ starts from θ* (``init_prompts``; False = the scratch
+    start) and R_φ regulates every prompt gradient (``regulate``), the regulation window in images (``reg_window``,
+    0 = the meta-training support size), the meta-trained inner step where the file / start point has one
+    (``launch``; ``launch_required``: a missing one is an error, else launch is silently off) and how errors name the
+    fields (``naming``)."""
 
     prompt: PromptSpec
     init_path: str = ""
@@ -275,19 +267,3 @@ def _scratch_info(prompt: PromptSpec) -> dict:
         "init_std": prompt.init_std,
         "vpt_init": prompt.vpt_init if prompt.n_ctx_vision else "",
     }
-
-
-__all__ = [
-    "StartSpec",
-    "StartPoint",
-    "Start",
-    "Naming",
-    "build_start",
-    "RegulatedStepper",
-    "window_batches",
-    "start_rule_problems",
-    "init_expectations",
-    "check_start_structure",
-    "prompt_digest",
-    "count_correct",
-]

@@ -75,24 +75,15 @@ def window_batches(images: int, batch_size: int) -> int:
 
 
 class GradientRegulation(nn.Module):
-    """
-    **Description**
+    """Frozen copies of the meta-learned ``regulators`` (R_φ per prompt tensor, keyed by name: ``"ctx"``, ...; copied,
+    never modified) that replace each prompt gradient ``p.grad`` by its regulated version before the optimiser step
+    (tensors without one keep theirs; φ is never fine-tuned).  :meth:`apply_` adds cos(ĝ, g) and ‖ĝ‖/‖g‖ per tensor
+    to :attr:`stats` (:meth:`summary`).  Example::
 
-    Frozen copies of the meta-learned regulators, keyed by prompt-tensor name (``"ctx"``, ...), that replace each
-    prompt gradient ``p.grad`` by its regulated version before the optimiser step (tensors without one keep theirs;
-    φ is never fine-tuned).  :meth:`apply_` adds cos(ĝ, g) and ‖ĝ‖/‖g‖ per tensor to :attr:`stats` (:meth:`summary`).
-
-    **Arguments**
-
-    * **regulators** (Mapping[str, GradientRegulator]) - R_φ per prompt tensor (copied, never modified).
-
-    **Example**
-
-    ~~~python
-    regulation = GradientRegulation(load_gram_init(path).regulator_modules()) loss.backward()
-    regulation.apply_(theta.named_parameters(), count=n)   # p.grad <- n * R_phi(p.grad / n)
-    optimizer.step()
-    ~~~
+        regulation = GradientRegulation(load_gram_init(path).regulator_modules())
+        loss.backward()
+        regulation.apply_(theta.named_parameters(), count=n)   # p.grad <- n * R_phi(p.grad / n)
+        optimizer.step()
     """
 
     def __init__(self, regulators: Mapping[str, GradientRegulator]):

@@ -19,8 +19,7 @@ def fingerprint_main(argv: Optional[list[str]] = None) -> int:
     from meta.fingerprint.golden import GOLDEN, LEARNERS, LOOPS, compare, fingerprint
 
     ap = argparse.ArgumentParser(
-        prog="python -m meta.fingerprint",
-        description="The golden numerics fingerprint (meta.fingerprint.golden).",
+        prog="python -m meta.fingerprint", description="The golden numerics fingerprint (meta.fingerprint.golden)."
     )
     ap.add_argument("--check", action="store_true", help=f"compare with {GOLDEN.name}; exit 1 on a mismatch")
     ap.add_argument("--write", action="store_true", help=f"replace {GOLDEN.name} with this machine's digests")

@@ -4,20 +4,16 @@ For every learner of the method table (CoOp, VPT, UNIGRAM, IVLP, MaPLe: :data:`L
 (``sequential``: one task after another; ``stacked``: the meta-batch as one pass, :mod:`meta.method.batched`) it runs,
 on the 3.4 M-parameter test CLIP (``GRAM-Test-Tiny``, random weights from a fixed seed) and fixed synthetic tasks:
 
-1. ``OUTER_STEPS`` second-order outer steps of :class:`meta.method.gram.GRAMMetaLearner` (θ and R_φ);
-2. ``FINETUNE_STEPS`` regulated SGD steps from θ* with the meta-learned R_φ
-(:class:`meta.finetune.regulated.RegulatedStepper`,
-   momentum 0.9, as at test time);
-
-and hashes every bit that comes out: each step's outer loss, θ* and φ, the fine-tuning losses and the fine-tuned θ
-(float32/float64 bytes, SHA-256).  One digest per (learner, loop) and one over all of them.
+``OUTER_STEPS`` second-order outer steps of :class:`meta.method.gram.GRAMMetaLearner` (θ and R_φ), then
+``FINETUNE_STEPS`` regulated SGD steps from θ* with the meta-learned R_φ (``RegulatedStepper``, momentum 0.9, as at
+test time), and hashes every bit that comes out: each outer loss, θ* and φ, the fine-tuning losses and the fine-tuned
+θ (float32/float64 bytes, SHA-256).  One digest per (learner, loop) and one over all of them.
 
 The committed ``meta/fingerprint/golden.json`` holds the digests of this run under the numerics pins
-(:mod:`meta.infra.numerics`).  ``python -m meta.fingerprint --check`` compares: any machine whose kernels
-differ in one last bit anywhere in meta-training or fine-tuning gives another digest, and the mismatch names the
-(learner, loop) pairs that differ.  A refactor that changes no number keeps it; ``--write`` replaces the file
-(only when numbers are meant to move, said in the commit).  ``--perturb-ulp`` moves one element of the start θ by
-one unit in the last place (the test that the digest sees that).
+(:mod:`meta.infra.numerics`).  ``python -m meta.fingerprint --check`` compares: kernels that differ in one last bit
+anywhere give another digest, and the mismatch names the (learner, loop) pairs.  A refactor that changes no number
+keeps it; ``--write`` replaces the file (only when numbers are meant to move, said in the commit); ``--perturb-ulp``
+moves one element of the start θ by one ulp (the test that the digest sees that).
 """
 
 from __future__ import annotations

@@ -69,31 +69,25 @@ class ZeroShotReference:
         self._tokens = None  # meta.model.text_encoder.ClassTokenCache, made on first use
         self._text: dict[str, torch.Tensor] = {}
 
-    def _encode_text(self, names: Sequence[str]) -> torch.Tensor:
-        from meta.model.text_encoder import ClassTokenCache, encode_text_with_context
-
-        if self._tokens is None:
-            self._tokens = ClassTokenCache(self._clip, 0, template=self._template)
-        return encode_text_with_context(self._clip, self._tokens.tokens(names), None)
-
-    def _encode_image(self, images: torch.Tensor) -> torch.Tensor:
-        from meta.model.visual_encoder import encode_image_with_prompts
-
-        return encode_image_with_prompts(self._clip, images, None)
-
     @torch.no_grad()
     def text(self, classnames: Sequence[str]) -> torch.Tensor:
         """``[K, E]`` normalised features of ``"a photo of a {name}."`` per class."""
+        from meta.model.text_encoder import ClassTokenCache, encode_text_with_context
+
         missing = [c for c in dict.fromkeys(classnames) if c not in self._text]
         if missing:
-            for name, f in zip(missing, F.normalize(self._encode_text(missing).float(), dim=-1)):
-                self._text[name] = f
+            if self._tokens is None:
+                self._tokens = ClassTokenCache(self._clip, 0, template=self._template)
+            feats = encode_text_with_context(self._clip, self._tokens.tokens(missing), None)
+            self._text.update(zip(missing, F.normalize(feats.float(), dim=-1)))
         return torch.stack([self._text[c] for c in classnames])
 
     @torch.no_grad()
     def image(self, images: torch.Tensor) -> torch.Tensor:
         """``[n, E]`` normalised frozen image features (no prompts)."""
-        return F.normalize(self._encode_image(images).float(), dim=-1)
+        from meta.model.visual_encoder import encode_image_with_prompts
+
+        return F.normalize(encode_image_with_prompts(self._clip, images, None).float(), dim=-1)
 
 
 def consistency_penalty(

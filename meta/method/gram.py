@@ -111,29 +111,17 @@ def double_backward_attention(low_precision: bool = False) -> Iterator[None]:
 
 
 class GRAMMetaLearner(nn.Module):
-    """
-    **Description**
+    """θ (``prompts``, moved into the wrapper; the frozen CLIP stays outside) wrapped in learn2learn's ``GBML`` whose
+    per-tensor transforms are the regulators R_φ, with the bi-level loop's settings ``spec`` and ``labels_of(batch) ->
+    [n]`` integer labels for accuracies.  Per task, :meth:`adapt` clones θ and unrolls the regulated inner loop on the
+    support; :meth:`accumulate` backpropagates the query loss at θ' into θ and φ.  The outer update (optimiser,
+    clipping, fp16 loss scaling) is the caller's, as in learn2learn: :class:`meta.metatrain.outer.OuterStep`.  Example::
 
-    θ wrapped in learn2learn's ``GBML`` whose per-tensor transforms are the regulators R_φ. Per task,
-    :meth:`adapt` clones θ and unrolls the regulated inner loop on the support; :meth:`accumulate` backpropagates the
-    query loss at θ' into θ and φ.  The outer update (optimiser, clipping, fp16 loss scaling) is the caller's, as in
-    learn2learn: :class:`meta.metatrain.outer.OuterStep`.
-
-    **Arguments**
-
-    * **prompts** (PromptParams) - θ (moved into the GBML wrapper; the frozen CLIP stays outside).
-    * **spec** (MetaSpec, *optional*) - the bi-level loop's settings.
-    * **labels_of** (callable, *optional*) - ``labels_of(batch) -> [n]`` integer labels, for accuracies.
-
-    **Example**
-
-    ~~~python
-    learner = GRAMMetaLearner(theta, MetaSpec(inner_lr=0.1))
-    outer = OuterStep(learner)                                           # Adam on θ (λ1) and φ (λ2)
-    loss_fn = classification_loss(PromptedCLIP(clip, dims, theta.n_ctx_text))
-    metrics = outer.meta_step([TaskBatch(support, query)], loss_fn)     # one outer update of θ and φ
-    adapted, losses, accs = learner.adapt(loss_fn, support)              # θ' = θ − α R_φ(∇L_s), connected
-    ~~~
+        learner = GRAMMetaLearner(theta, MetaSpec(inner_lr=0.1))
+        outer = OuterStep(learner)                                           # Adam on θ (λ1) and φ (λ2)
+        loss_fn = classification_loss(PromptedCLIP(clip, dims, theta.n_ctx_text))
+        metrics = outer.meta_step([TaskBatch(support, query)], loss_fn)     # one outer update of θ and φ
+        adapted, losses, accs = learner.adapt(loss_fn, support)              # θ' = θ − α R_φ(∇L_s), connected
     """
 
     def __init__(

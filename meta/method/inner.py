@@ -170,18 +170,13 @@ def inner_loop(
     labels_of: Callable[[Any], torch.Tensor] = lambda b: b["label"],
     forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Take ``len(windows)`` regulated steps of ``rule`` on ``learner.module``, in place (differentiably).
+    """Take ``len(windows)`` regulated steps of ``rule`` (one batch per step, :func:`support_windows`) on
+    ``learner.module``, in place (differentiably; ``first_order`` detaches the support gradients).
 
-    Args:
-        learner: a GBML *clone* (``GBML.clone``) holding θ_0; its ``compute_update`` is R_φ.  After the call
-            ``learner.module`` holds θ_K, connected to θ_0 (and through it to the live θ) and to φ.
-        loss_fn: ``loss_fn(module, batch) -> (loss 0-d, logits [n, C])``.
-        windows: one batch per step (:func:`support_windows`).
-        rule: the unrolled optimiser.
-        first_order: detach the support gradients (no second-order term).
-        forward_context: context of each support forward (autocast, attention kernel); called once per step.
-
-    Returns ``(losses, accuracies)``: 0-d tensors, one per step, measured at θ_k before its step (no host sync).
+    ``learner`` is a GBML *clone* holding θ_0, its ``compute_update`` R_φ; after the call ``learner.module`` holds θ_K,
+    connected to θ_0 (and through it to the live θ) and to φ.  ``loss_fn(module, batch) -> (loss 0-d, logits [n, C])``;
+    ``forward_context()``: the context of each support forward (autocast, attention kernel).  Returns ``(losses,
+    accuracies)``: 0-d tensors, one per step, measured at θ_k before its step (no host sync).
     """
     diff_sgd = learner.diff_sgd if rule.lr == learner.lr else l2l.optim.DifferentiableSGD(lr=rule.lr)
     gated = is_gated(learner.compute_update.transforms_modules)

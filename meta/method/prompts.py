@@ -122,9 +122,7 @@ class PromptSpec:
         vision_depth: D, layers that receive visual prompts (1 = shallow VPT).
         init_std: standard deviation of random prompt initialisation (CoOp uses 0.02).
         template: fixed text prompt when there is no text context.
-        vpt_init: how the visual tokens start (:data:`VPT_INITS`, :func:`initial_visual_prompts`):
-            ``normal`` = N(0, init_std²) (CoOp / MaPLe); ``zeros``; ``cls`` = the frozen CLS input
-            token + N(0, init_std²); ``patch_mean`` = the mean patch position code + N(0, init_std²).
+        vpt_init: how the visual tokens start (:data:`VPT_INITS`, the rules of :func:`initial_visual_prompts`).
         text_depth: J, text layers that receive learnable context (1 = CoOp; J > 1 adds ``ctx_deep`` for layers 1..J-1,
             started from N(0, init_std²) as IVLP and MaPLe do; 0 = every text layer, with ``maple`` every layer both
             towers have; see :meth:`resolved`).  ``vision_depth`` 0 = every vision layer likewise.
@@ -190,26 +188,16 @@ class PromptSpec:
 
 
 class PromptParams(nn.Module):
-    """
-    **Description**
+    """θ, the learnable prompt tensors of one prompt learner, as ``nn.Parameter`` attributes (absent ones ``None``);
+    the frozen CLIP is not part of it, so ``GBML.clone()`` copies θ alone.
 
-    θ, the learnable prompt tensors of one prompt learner, as ``nn.Parameter`` attributes (absent ones are
-    ``None``). The frozen CLIP is not part of this module, so ``GBML.clone()`` copies θ alone.
+    ``learner`` (:mod:`meta.method.learners` key, default ``clip``) names the tensors θ may hold, checks them against
+    each other and says how they prompt the towers; ``tensors`` by name (for ``clip``, those of the module docstring,
+    at least one of ``ctx`` and ``vpt``).  Example::
 
-    **Arguments**
-
-    * **learner** (str, *optional*) - the prompt learner (:mod:`meta.method.learners` key, default ``clip``); it names
-      the tensors θ may hold, checks them against each other and says how they prompt the towers.
-    * **tensors** (Tensor, *optional*, by name) - the learner's tensors; for ``clip`` (:class:`ClipPrompts`) those
-      of the module docstring, at least one of ``ctx`` and ``vpt``.
-
-    **Example**
-
-    ~~~python
-    clip, dims = load_clip("GRAM-Test-Tiny", pretrained=None)
-    theta = PromptParams.from_spec(PromptSpec(n_ctx_text=2, n_ctx_vision=2), clip, dims)   # UNIGRAM
-    theta.ctx.shape, theta.vpt.shape   # ([2, d_t], [1, 2, d_v])
-    ~~~
+        clip, dims = load_clip("GRAM-Test-Tiny", pretrained=None)
+        theta = PromptParams.from_spec(PromptSpec(n_ctx_text=2, n_ctx_vision=2), clip, dims)   # UNIGRAM
+        theta.ctx.shape, theta.vpt.shape   # ([2, d_t], [1, 2, d_v])
     """
 
     def __init__(self, learner: str = DEFAULT_LEARNER, **tensors: Optional[torch.Tensor]):
@@ -417,14 +405,10 @@ def visual_prompts(prompts: Optional[nn.Module]) -> Optional[torch.Tensor]:
 
 
 class PromptedCLIP:
-    """A frozen CLIP that classifies with prompts supplied at call time.
-
-    Caches what does not depend on θ: the class-name token embeddings (per
-    name) and, when there is no text context, the fixed-template text features.
-
-    It holds the frozen towers (:meth:`encode_text`, :meth:`encode_images`); how θ turns images and class names
-    into features and logits is θ's learner's (:meth:`meta.method.learners.PromptLearner.features`), which
-    :meth:`text_features`, :meth:`image_features`, :meth:`features` and :meth:`logits` call.
+    """A frozen CLIP that classifies with prompts supplied at call time, caching what does not depend on θ (class-name
+    token embeddings; without text context, the fixed-template text features).  It holds the frozen towers
+    (:meth:`encode_text`, :meth:`encode_images`); how θ turns images and class names into features and logits is θ's
+    learner's (:meth:`meta.method.learners.PromptLearner.features`), which the other methods call.
     """
 
     def __init__(

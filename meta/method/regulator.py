@@ -72,25 +72,14 @@ class RegulatorSpec:
 
 
 class GradientRegulator(nn.Module):
-    """
-    **Description**
+    """R_φ for one prompt tensor of last dimension ``dim`` (d_t or d_v): maps a gradient ``g`` ``[..., dim]`` to
+    ĝ = γ ⊙ g + β of the same shape, as ``spec`` says (module docstring). Parameters: ``gamma`` and ``beta``, each
+    ``nn.Linear(dim, dim)`` (W ``[dim, dim]``, b ``[dim]``).  Example::
 
-    R_φ for one prompt tensor: maps a gradient ``g`` ``[..., dim]`` to ĝ = γ ⊙ g + β of the same shape (module
-    docstring). Parameters: ``gamma`` and ``beta``, each ``nn.Linear(dim, dim)`` (W ``[dim, dim]``, b ``[dim]``).
-
-    **Arguments**
-
-    * **dim** (int) - the prompt tensor's last dimension (d_t or d_v).
-    * **spec** (RegulatorSpec, *optional*) - form, input normalisation, β scale, init.
-
-    **Example**
-
-    ~~~python
-    reg = GradientRegulator(512)              # residual form, zero init: the identity
-    g = torch.randn(4, 512)
-    torch.equal(reg(g), g)                    # True until φ is meta-trained
-    g_hat, beta_part = reg.parts(g)           # ĝ and the share of it that comes from β
-    ~~~
+        reg = GradientRegulator(512)              # residual form, zero init: the identity
+        g = torch.randn(4, 512)
+        torch.equal(reg(g), g)                    # True until φ is meta-trained
+        g_hat, beta_part = reg.parts(g)           # ĝ and the share of it that comes from β
     """
 
     #: leading dimensions of a gradient that index tasks (:mod:`meta.method.batched` sets 1 on its clones): rms(g)
@@ -170,13 +159,10 @@ def regulator_for(dim: int, spec: RegulatorSpec) -> nn.Module:
 
 
 class GradientGate(nn.Module):
-    """
-    **Description**
-
-    R_φ as a learned gate on a regulariser's gradient (``RegulatorSpec.form = "gate"``). The loss is split into a
+    """R_φ as a learned gate on a regulariser's gradient (``RegulatorSpec.form = "gate"``). The loss is split into a
     task part and a regulariser (the zero-shot consistency terms, :mod:`meta.method.consistency`), with gradients
-    ``g_task`` and ``g_reg`` of one prompt tensor (``[..., dim]``); the task gradient is kept as it is and the
-    regulariser's is scaled per coordinate group by a learned gate::
+    ``g_task`` and ``g_reg`` of one prompt tensor (``[..., dim]``; ``spec.gate_group`` G must divide ``dim``); the
+    task gradient is kept as it is and the regulariser's is scaled per coordinate group by a learned gate::
 
         u_task = g_task / rms(g_task),   u_reg = g_reg / rms(g_reg)          (scale-free inputs, per task)
         a      = 2 · sigmoid(W [u_task ; u_reg])                            W: [dim / G, 2 · dim], no bias
@@ -188,11 +174,6 @@ class GradientGate(nn.Module):
     ``gate_group`` G coordinates sharing a gate value, and ``2 · sigmoid`` so that the zero start is a = 1:
     ĝ = g_task + g_reg, the gradient of the fixed-λ regularised loss, which meta-training moves only where the query
     loss asks.  Parameters: ``gate.weight`` ``[dim // G, 2 · dim]``.  Without ``g_reg`` ĝ is ``g_task``.
-
-    **Arguments**
-
-    * **dim** (int) - the prompt tensor's last dimension; ``spec.gate_group`` must divide it.
-    * **spec** (RegulatorSpec) - ``form="gate"``, ``gate_group``, ``init`` / ``init_std``.
     """
 
     #: leading dimensions that index tasks (as :attr:`GradientRegulator.task_dims`)

@@ -1,5 +1,3 @@
-"""The frozen CLIP side: open_clip models and their configs, our forward through its blocks, the text and
-image towers prompts enter, weight files and mixed precision.
-
-Modules are imported by their own names (``meta.model.<module>``); the package itself imports nothing.
+"""The frozen CLIP side: open_clip models and their configs, our forward through its blocks, the text and image towers
+prompts enter, weight files and mixed precision.  Modules are imported by their own names; the package imports nothing.
 """

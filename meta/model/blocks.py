@@ -51,17 +51,9 @@ def _select_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 def block_forward(
     block: nn.Module, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, rows: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """Output of one residual attention block on batch-first tokens.
-
-    Args:
-        block: an open_clip ``ResidualAttentionBlock`` (frozen or not).
-        x: ``[N, L, E]`` tokens.
-        attn_mask: ``[L, L]`` additive float mask (``-inf`` = blocked) or ``None``.
-        rows: optional ``[N]`` long positions; when given only those positions' outputs are computed.
-
-    Returns:
-        ``[N, L, E]``, or ``[N, 1, E]`` when ``rows`` is given.
-    """
+    """Output ``[N, L, E]`` of one open_clip ``ResidualAttentionBlock`` (frozen or not) on batch-first tokens ``x``
+    ``[N, L, E]`` with an additive float ``attn_mask`` ``[L, L]`` (``-inf`` = blocked) or ``None``; with ``rows``
+    (``[N]`` long positions) only those positions' outputs are computed: ``[N, 1, E]``."""
     if not is_plain_block(block):
         attn = getattr(block, "attn", None)
         if not isinstance(attn, nn.MultiheadAttention) or attn.batch_first:

@@ -41,14 +41,8 @@ def clip_from_cfg(cfg, device: str, warn_random: bool = True):
 
 
 def clip_from_settings(model: ClipSettings, device: str, warn_random: bool = True):
-    """``(clip, dims)`` of ``model``.
-
-    Args:
-        model: the typed ``MODEL`` node and seed.
-        device: a resolved device name (:func:`meta.model.backbone.resolve_device`).
-        warn_random: keep ``load_clip``'s warning when ``MODEL.PRETRAINED`` is empty (random weights:
-            only useful for smoke runs).
-
+    """``(clip, dims)`` of ``model`` (the typed ``MODEL`` node and seed) on ``device`` (a resolved device name);
+    ``warn_random`` keeps ``load_clip``'s warning when ``MODEL.PRETRAINED`` is empty (random weights: smoke runs).
     Bad keys raise a one-line ``ValueError`` naming ``MODEL.BACKBONE``, ``MODEL.PRECISION`` or ``MODEL.PRETRAINED``.
     """
     check_model_name(model.backbone, "MODEL.BACKBONE")

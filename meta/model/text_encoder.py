@@ -147,18 +147,12 @@ def tower_dtype(transformer: nn.Module) -> torch.dtype:
 def encode_text_with_context(
     clip: nn.Module, tokens: ClassTokens, ctx: Optional[torch.Tensor], ctx_deep: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """Run the frozen text tower on ``[SOT, ctx, class tokens]``.
+    """``[C, E]`` text features (not normalised, differentiable w.r.t. ``ctx``) of the frozen text tower ``clip`` on
+    ``[SOT, ctx, class tokens]`` for the C classes of ``tokens`` (``tokens.n_ctx`` must equal M).
 
-    Args:
-        clip: frozen open_clip ``CLIP``.
-        tokens: class token embeddings for C classes (``tokens.n_ctx`` must equal M).
-        ctx: ``[M, d_t]`` shared or ``[C, M, d_t]`` class-specific context; ``None`` when M = 0.
-        ctx_deep: ``[J-1, M, d_t]`` deep prompts that replace the context positions' hidden states
-            before blocks ``1..J-1`` (shared by all classes), or ``[C, J-1, M, d_t]`` per class (the
-            task-stacked sequences of :mod:`meta.method.batched`); ``None`` = shallow (CoOp).
-
-    Returns:
-        ``[C, E]`` text features (not normalised), differentiable w.r.t. ``ctx``.
+    ``ctx``: ``[M, d_t]`` shared or ``[C, M, d_t]`` per class; ``None`` when M = 0.  ``ctx_deep``: ``[J-1, M, d_t]``
+    deep prompts that replace the context positions' hidden states before blocks ``1..J-1``, or ``[C, J-1, M, d_t]``
+    per class (task-stacked sequences); ``None`` = shallow (CoOp).
     """
     n_cls = len(tokens)
     dtype = tower_dtype(clip.transformer)  # fp16 under open_clip's fp16 weights; embeddings stay fp32 there

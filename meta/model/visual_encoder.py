@@ -57,22 +57,12 @@ def _ln_pre(ln: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def encode_image_with_prompts(
-    clip: nn.Module,
-    images: torch.Tensor,
-    vpt: Optional[torch.Tensor] = None,
+    clip: nn.Module, images: torch.Tensor, vpt: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """Image features from the frozen ViT with optional prompt tokens.
-
-    Args:
-        clip: frozen open_clip ``CLIP`` with a ViT tower.
-        images: ``[B, 3, H, W]`` normalised pixels.
-        vpt: ``[D, n, d_v]`` prompt tokens; ``D == 1`` is shallow VPT, ``D > 1`` deep
-            (layer ``i < D`` gets ``vpt[i]``); ``None`` or ``n == 0`` runs the plain tower.
-            ``[G, D, n, d_v]``: G groups of prompts (the tasks of :mod:`meta.method.batched`), the images
-            split into G equal consecutive groups, group g seeing ``vpt[g]``.
-
-    Returns:
-        ``[B, E]`` image features (not normalised).
+    """``[B, E]`` image features (not normalised) of ``images`` ``[B, 3, H, W]`` (normalised pixels) from the frozen
+    ViT of ``clip`` with prompt tokens ``vpt``: ``[D, n, d_v]`` (``D == 1`` shallow VPT, ``D > 1`` deep: layer
+    ``i < D`` gets ``vpt[i]``), or ``[G, D, n, d_v]`` for G groups of prompts (the tasks of :mod:`meta.method.batched`:
+    the images in G equal consecutive groups, group g seeing ``vpt[g]``); ``None`` or ``n == 0`` runs the plain tower.
     """
     visual = clip.visual
     if vpt is None or vpt.shape[-2] == 0:
