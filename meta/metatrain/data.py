@@ -99,9 +99,7 @@ def hierarchy_summary(h) -> dict:
     sizes = h.topic_sizes()
     folder = {}
     if h.meta.get("source") == "image_folder":
-        folder = {
-            key: h.meta[key] for key in ("counts", "unreadable_by_reason", "unreadable_example") if key in h.meta
-        }
+        folder = {key: h.meta[key] for key in ("counts", "unreadable_by_reason", "unreadable_example") if key in h.meta}
     return {
         "fingerprint": hierarchy_fingerprint(h),
         "num_topics": int(h.num_topics),
