@@ -249,13 +249,9 @@ def run_smoke(fork: Path, out: Path, method_key: str = "gram_coop", seed: int = 
     method = _gram_method(method_key)
     check_model_name(backbone, "--backbone")
     rows = learners()
-
-    def prompts_image(key: str) -> bool:
-        row = rows[get(key).trainer]
-        return bool(row.vision) or row.coupling != "none"
-
-    if prompts_image(method.key):  # visual prompts need a ViT tower: said before anything is written
-        check_visual_prompts(backbone, "--backbone", method.key, [m for m in smoke_methods() if not prompts_image(m)])
+    if rows[method.trainer].prompts_image:  # visual prompts need a ViT tower: said before anything is written
+        text_only = [m for m in smoke_methods() if not rows[get(m).trainer].prompts_image]
+        check_visual_prompts(backbone, "--backbone", method.key, text_only)
     dataset_cfg = fork / "configs" / "datasets" / "dtd.yaml"
     if not dataset_cfg.is_file():
         raise SmokeError(f"{dataset_cfg}: missing; the smoke dataset uses the fork's DTD config")

@@ -248,3 +248,13 @@ def test_a_table_learner_without_a_class_gets_one_and_the_package_exposes_every_
     assert [cls.__name__ for cls in made] == list(table)
     assert made[0] is GRAM_CoOp and all(issubclass(cls, dassl_trainers._GramTrainer) for cls in made)
     assert made[-1].__module__ == dassl_trainers.__name__ and "visual tokens yes" in made[-1].__doc__
+
+
+def test_a_learner_row_prompts_the_image_tower_exactly_when_its_reference_prompts_do():
+    from meta.method.prompts import PromptSpec
+
+    rows = methods.learners()
+    for trainer, row in rows.items():
+        spec = PromptSpec(**row.prompt_fields())
+        assert row.prompts_image == spec.has_visual_prompts, trainer
+    assert {t for t, row in rows.items() if not row.prompts_image} >= {"GRAM_CoOp", "GRAM_CoCoOp"}

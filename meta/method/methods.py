@@ -203,6 +203,11 @@ class Learner:
     name: str = ""
     shape: tuple = ()
 
+    @property
+    def prompts_image(self) -> bool:
+        """True when the learner puts tokens into the image tower (its own or through a coupling): ViT CLIPs only."""
+        return self.vision or self.coupling != "none"
+
     def prompt_fields(self, size: str = "tiny") -> dict:
         """``{PromptSpec field: value}`` of the reference shape at ``size`` (:data:`PROMPT_SIZES`); fields left out take
         PromptSpec's defaults.  :class:`MethodTableError` for an unknown size or a learner without a reference row."""

@@ -117,7 +117,7 @@ class _GramTrainer(TrainerX):
             check_weights_file(s.weights, "TRAINER.GRAM.WEIGHTS", unset=not str(cfg.TRAINER.GRAM.WEIGHTS).strip())
             if get_learner(s.learner).spec_prompts_vision(s.start.prompt):  # visual prompts need a ViT tower
                 key = "TRAINER.GRAM.MODEL_NAME" if cfg.TRAINER.GRAM.MODEL_NAME else "MODEL.BACKBONE.NAME"
-                text_only = [t for t, row in methods.learners().items() if not row.vision and row.coupling == "none"]
+                text_only = [t for t, row in methods.learners().items() if not row.prompts_image]
                 check_visual_prompts(s.model_name, key, s.trainer, text_only)
         except (ValueError, TypeError, FileNotFoundError) as err:
             raise as_one_line(err)
