@@ -120,9 +120,7 @@ def _chc_node() -> CN:
     chc.TEXT.BATCH_SIZE = 128
     chc.TEXT.CHUNK_SIZE = 4096  # captions per cached chunk (resume granularity)
     # Captions are cut to this many characters (at a word boundary) for sentence embeddings and topic words,
-    # so one runaway caption cannot outweigh its topic's other captions; 0 = no cap.  Measured (test
-    # scenario: 50 generated "pizza" captions of ~58 chars + one 108 KB cheese-heavy caption): the topic is
-    # named "cheese" with no cap or caps of 1000-2000, "pizza" with caps of 900 and below -> 500.
+    # so one runaway caption cannot outweigh its topic's other captions (measured: meta/chc/README.md); 0 = no cap.
     chc.TEXT.MAX_CAPTION_CHARS = 500
 
     # ---- UMAP -> HDBSCAN on a sample, rest by nearest centroid ---------------------------------
@@ -138,10 +136,8 @@ def _chc_node() -> CN:
     chc.TOPICS.MIN_SAMPLES = 0  # 0 = hdbscan default (= MIN_CLUSTER_SIZE)
     chc.TOPICS.ASSIGN_QUANTILE = 0.05  # non-sample captions less similar to their nearest centroid than
     #                                    this quantile of the fitted members' similarities become noise
-    # L_w counts cluster l only if w is in >= this fraction of its captions; 0 = the paper's literal
-    # "occurs once".  Chosen by `python -m gram_tools.chc_measure` (10k generated captions, 12 topics split into
-    # 99 HDBSCAN clusters): topic recovery 0.00 at 0 and 0.01, 0.42 at 0.03, 0.50 at 0.05, 0.58 on the
-    # plateau 0.075-0.15, falling to 0.50 at 0.3 and 0.33 at 0.5 -> 0.1, the middle of the plateau.
+    # L_w counts cluster l only if w is in >= this fraction of its captions; 0 = the paper's literal "occurs once".
+    # 0.1: the middle of the measured plateau (meta/chc/README.md, "Topic words").
     chc.TOPICS.PRESENCE_MIN_FRACTION = 0.1
     chc.TOPICS.MIN_WORD_LEN = 3
     chc.TOPICS.EXTRA_STOP_WORDS = []  # added to the English + caption stop-lists
@@ -462,15 +458,21 @@ PROMPT_SPEC, REGULATOR_SPEC, CONSISTENCY_SPEC, META_SPEC, OUTER_SPEC = _PROMPT, 
 START_SPEC, TRAIN_SPEC, GRAM_SETTINGS = _START, _TRAIN, _GRAM_SETTINGS
 
 
+def config_value(cfg: CN, key: str) -> Any:
+    """The value (or node) at the dotted ``key`` of ``cfg`` (``"META.PROMPT.N_CTX_TEXT"``)."""
+    node = cfg
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
 def table_fields(cfg: CN, owner: str, node: str) -> dict[str, Any]:
     """``{field: value}`` for the :data:`SAME` links of :data:`KEY_FIELDS` from ``owner``'s fields to the keys that
     sit directly in ``node`` of ``cfg`` (``"META.PROMPT"``: ``META.PROMPT.N_CTX_TEXT`` -> ``n_ctx_text``): the one
     reading of those keys that the spec builders (:mod:`meta.metatrain.settings`) share.  Each value is cast to the
     type of the field's default (``int``, ``float``, ``bool``, ``str``, ``tuple``); a key a saved config lacks (a
     checkpoint from before the key existed) reads as the field's default."""
-    branch = cfg
-    for part in node.split("."):
-        branch = branch[part]
+    branch = config_value(cfg, node)
     out: dict[str, Any] = {}
     for link in KEY_FIELDS:
         if link.owner != owner or link.relation != SAME or link.key.rpartition(".")[0] != node:

@@ -51,17 +51,8 @@ class PairIndexImages:
 
 @dataclass
 class Hierarchy:
-    """Topics (classes) -> visual domains -> items (image-text pairs).
-
-    Attributes:
-        topic_names: [L] class name of each topic (unique).
-        item_topic: int64 [N], topic id or -1 (excluded: unreadable, filtered, noise, small topic).
-        item_domain: int64 [N], domain id within the item's topic or -1.
-        image_features: float32 [N, D], L2-normalised CLIP image features (from ``meta['backbone']``).
-        meta: backbone name, weights file + sha256, image size, mean/std, settings, counts.
-        image_loader: ``indices -> uint8 [n, H, W, 3]`` at the CLIP input size.
-        captions: [N] captions when known (None for image-folder hierarchies).
-    """
+    """Topics (classes) -> visual domains -> items (image-text pairs); fields and shapes: the contract in
+    :mod:`meta.chc` (``image_loader`` is its ``images``; ``captions`` [N] is None for image-folder hierarchies)."""
 
     topic_names: list
     item_topic: np.ndarray

@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 from numbers import Integral, Real
 from typing import Mapping, Optional
 
+from meta.config import config_value
 from meta.infra.cli_errors import UserError
 from meta.model.clip_config import ClipSettings
 
@@ -79,13 +80,6 @@ TEXT_LIST_KEYS = ("INPUT.SHARDS", "TOPICS.EXTRA_STOP_WORDS")
 BOOL_KEYS = ("INPUT.ALLOW_OUTSIDE_ROOT",)
 
 
-def _get(chc, dotted: str):
-    node = chc
-    for part in dotted.split("."):
-        node = node[part]
-    return node
-
-
 def _bounds(lo, hi) -> str:
     if hi is None:
         return f">= {lo}"
@@ -129,25 +123,25 @@ def check_chc_cfg(cfg) -> None:
             "CHC.OUTPUT_DIR", f"expected a folder path, got {out!r} (an empty path would write into the current folder)"
         )
     for key, (lo, hi) in INT_RANGES.items():
-        check_int(f"CHC.{key}", _get(chc, key), lo, hi)
+        check_int(f"CHC.{key}", config_value(chc, key), lo, hi)
     for key, (lo, hi) in REAL_RANGES.items():
-        check_real(f"CHC.{key}", _get(chc, key), lo, hi)
+        check_real(f"CHC.{key}", config_value(chc, key), lo, hi)
     for key, allowed in CHOICES.items():
-        value = _get(chc, key)
+        value = config_value(chc, key)
         if value not in allowed:
             raise UserError(f"CHC.{key}", f"expected one of {'|'.join(allowed)}, got {value!r}")
     for key in TEXT_KEYS:
-        value = _get(chc, key)
+        value = config_value(chc, key)
         if not isinstance(value, str) or (key in NON_EMPTY_TEXT and not value.strip()):
             raise UserError(
                 f"CHC.{key}", f"expected {'non-empty ' if key in NON_EMPTY_TEXT else ''}text, got {value!r}"
             )
     for key in TEXT_LIST_KEYS:
-        value = _get(chc, key)
+        value = config_value(chc, key)
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise UserError(f"CHC.{key}", f"expected a list of text, got {value!r}")
     for key in BOOL_KEYS:
-        value = _get(chc, key)
+        value = config_value(chc, key)
         if not isinstance(value, bool):
             raise UserError(f"CHC.{key}", f"expected True or False, got {value!r}")
     template = chc.FILTER.TEMPLATE

@@ -10,8 +10,10 @@ Shard layout (webdataset convention): members ``<key>.<ext>`` where ``key`` is t
 member path up to the first dot of its file name; images are ``jpg|jpeg|png|webp``,
 captions ``txt``, optional metadata ``json`` (kept verbatim, never used for clustering).
 
-Bad input never stops the scan; every skip is counted by reason (``counts``) and the
-damaged files are listed in ``issues``:
+Bad input never stops the scan; every skip is counted by reason (``counts``) and the damaged files are listed in
+``issues``.  The rules for oversized text and images, long manifest lines, special files, paths outside the data
+root, invisible captions, repeated manifest rows, encodings and compressed shards are in docs/input_rules.md; the
+others:
 
 * a shard that cannot be opened (0 bytes, cut in its first header, not a tar), that is
   cut inside a member, or whose member iteration ends before its end-of-archive marker
@@ -22,49 +24,13 @@ damaged files are listed in ``issues``:
   estimate of the pairs they held (bytes / mean bytes per pair read); a shard whose file
   ends inside the archive (no end-of-archive marker) is also counted as
   ``corrupt_shards_cut_short``: what followed the cut is unknown;
-* text that is not valid UTF-8 (tar captions, manifest lines) is decoded with
-  replacement characters and counted (``invalid_utf8_replaced``), the file (shard key) and byte offset
-  listed in ``issues``; a UTF-8 byte-order mark starting a manifest is dropped, a UTF-16 / UTF-32 one is
-  a one-line error (:func:`wide_bom_error`);
-* a caption with no visible character (:func:`visible`: only zero-width characters, joiners, BOMs, bidi
-  controls, soft hyphens, tag characters, combining marks, Hangul fillers, braille blanks, whitespace)
-  is ``skipped_empty_caption``;
-* a shard that is gzip / bzip2 / xz / zstd data is a shard that cannot be opened, its problem naming the
-  compression (:func:`compression_problem`); damaged shards beside readable ones are named in one warning;
-* a key repeated inside one shard (``dup.png dup.txt dup.png dup.txt``): a member joins its
-  key's latest member group unless that group already has a member of its kind (image,
-  caption, metadata), else it opens a new group; the first group with an image and a
-  non-empty caption is the pair, every other group of the key is ``skipped_duplicate_key``
-  (never an image with another group's caption);
-* a shard path that is not a regular file (a FIFO, a device such as ``/dev/zero``, a socket, a folder;
-  symlinks followed) is never opened: counted in ``shards_not_regular_file`` and listed in ``issues``;
-  image bytes are read from shards opened the same way (:func:`open_regular`), so a shard replaced by one
-  after indexing makes its images unreadable (``not a regular file``) instead of blocking;
-* a manifest row whose image path is not a regular file (a FIFO, a device such as
-  ``/dev/zero``, a socket, a folder; symlinks followed) is ``skipped_not_regular_file``:
-  checked with ``os.stat``, never opened (``open()`` on a FIFO blocks, a device reads
-  forever); image bytes are read only from regular files (:func:`read_regular_file`);
-* a manifest row whose image path, with symlinks resolved (``os.path.realpath``), lies outside the
-  data root (``CHC.INPUT.IMAGE_ROOT``; ``""`` = the manifest's folder, also resolved) is
-  ``skipped_outside_root`` and never read: an absolute path elsewhere (``/etc/passwd``), a relative
-  path climbing out with ``..``, or a link inside the root pointing out of it.  An absolute path that
-  resolves inside the root is read.  ``CHC.INPUT.ALLOW_OUTSIDE_ROOT True`` (``allow_outside_root``)
-  reads such rows as before.  A path naming a special file is counted as ``skipped_not_regular_file``
-  first (checked with ``os.stat`` only, wherever it lies);
-* an image file (or tar member) larger than ``CHC.INPUT.MAX_IMAGE_BYTES`` (default
-  :data:`MAX_IMAGE_BYTES`, 50 MiB) is never read: at read time it is unreadable (reason
-  :func:`too_large_reason`), counted like a damaged image;
+* a key repeated inside one shard: the first member group with an image and a non-empty caption is the pair
+  (:func:`_member_group`), every other group of the key is ``skipped_duplicate_key`` (never an image with another
+  group's caption);
 * a manifest row that is not a JSON object (or not JSON, or nested deeper than
   ``meta.infra.fileio.MAX_NESTING`` levels: :func:`meta.infra.fileio.parse_json`) is ``skipped_invalid_row``; a
   caption or image value that is not text (a number, a list) is ``skipped_non_text_caption``
-  / ``skipped_non_text_image``; a row repeating an earlier (image, caption) pair exactly is
-  ``skipped_duplicate_pair``; a row naming an image path an earlier row named with another caption is kept
-  (each distinct caption of an image is a pair, as in COCO-style data) and counted in ``rows_repeating_an_image``;
-* a shard's caption (``txt``) or metadata (``json``) member larger than ``CHC.INPUT.MAX_FIELD_CHARS``
-  bytes is never read: the pair is ``skipped_caption_too_long``, respectively kept without its metadata
-  (``metadata_too_long_dropped``), the keys listed in ``issues``;
-* a manifest line longer than :func:`max_line_bytes` (4 x ``CHC.INPUT.MAX_FIELD_CHARS`` + 64 KiB) is never
-  read whole (a JSON array on one line): a JSONL row that is ``skipped_invalid_row``, in a CSV a one-line error;
+  / ``skipped_non_text_image``;
 * a CSV field longer than ``CHC.INPUT.MAX_FIELD_CHARS`` stops with a one-line error
   naming the file and line (usually an unbalanced quote swallowing the rest of the file).
 """
@@ -195,28 +161,18 @@ class PairIndex:
                 fh.write(json.dumps([key, path, cap, mj], ensure_ascii=False) + "\n")
         os.replace(tmp, directory / "items.jsonl")
         tmp = directory / "items.tmp.npz"
+        arrays = {name: getattr(self, name) for name in ("source_kind", "item_source", "item_offset", "item_size")}
         stamps = {} if self.item_file_stamp is None else {"item_file_stamp": self.item_file_stamp}
-        np.savez(
-            tmp,
-            source_kind=self.source_kind,
-            item_source=self.item_source,
-            item_offset=self.item_offset,
-            item_size=self.item_size,
-            **stamps,
-        )
+        np.savez(tmp, **arrays, **stamps)
         os.replace(tmp, directory / "items.npz")
         tmp = directory / "sources.json.tmp"
-        tmp.write_text(
-            json.dumps(
-                {
-                    "sources": self.sources,
-                    "counts": self.counts,
-                    "issues": self.issues,
-                    "special_files": self.special_files,
-                },
-                indent=1,
-            )
-        )
+        head = {
+            "sources": self.sources,
+            "counts": self.counts,
+            "issues": self.issues,
+            "special_files": self.special_files,
+        }
+        tmp.write_text(json.dumps(head, indent=1))
         os.replace(tmp, directory / "sources.json")
 
     @classmethod
@@ -499,6 +455,12 @@ def _first_complete(found: list) -> int:
     return 0
 
 
+def _shard_issue(issues: Optional[list], path: str, problem: str, **found) -> None:
+    """Append ``{"source", "problem", **found}`` for shard ``path`` to ``issues`` (when given)."""
+    if issues is not None:
+        issues.append({"source": os.path.abspath(path), "problem": problem, **found})
+
+
 def scan_tar(path: str, counts: dict, issues: Optional[list] = None, max_text_bytes: int = MAX_FIELD_CHARS) -> list:
     """Records ``(key, offset, size, caption, meta_json)`` of one shard, in member order.
 
@@ -523,13 +485,7 @@ def scan_tar(path: str, counts: dict, issues: Optional[list] = None, max_text_by
         handle = open_regular(path)
     except NotRegularFileError:
         _bump(counts, "shards_not_regular_file")
-        if issues is not None:
-            issues.append(
-                {
-                    "source": os.path.abspath(path),
-                    "problem": f"shard is not a regular file ({file_type(path)}; never opened)",
-                }
-            )
+        _shard_issue(issues, path, f"shard is not a regular file ({file_type(path)}; never opened)")
         return []
     except OSError as err:
         damage = (0, f"cannot open as a tar file ({type(err).__name__}: {err})")
@@ -595,17 +551,8 @@ def scan_tar(path: str, counts: dict, issues: Optional[list] = None, max_text_by
         _bump(counts, "corrupt_shard_bytes_unread", unread)
         if order and not {"image", "txt"} <= groups[order[-1][0]][order[-1][1]].keys():
             lost_key = order[-1]  # its other member sat in the damaged part
-        if issues is not None:
-            issues.append(
-                {
-                    "source": os.path.abspath(path),
-                    "problem": damage[1],
-                    "offset": int(damage[0]),
-                    "bytes_unread": int(unread),
-                    "cut_short": bool(cut),
-                    "pairs_read": len(order) - (lost_key is not None),
-                }
-            )
+        found = {"offset": int(damage[0]), "bytes_unread": int(unread), "cut_short": bool(cut)}
+        _shard_issue(issues, path, damage[1], **found, pairs_read=len(order) - (lost_key is not None))
     chosen = {key: _first_complete(found) for key, found in groups.items()}
     repeated: list = []
     too_long: dict = {"txt": [], "json": []}  # keys whose caption / metadata member was over the cap
@@ -635,30 +582,17 @@ def scan_tar(path: str, counts: dict, issues: Optional[list] = None, max_text_by
             _bump(counts, "metadata_too_long_dropped")
             too_long["json"].append(key)
         records.append((key, g["image"][0], g["image"][1], caption, g.get("json", "")))
-    if repeated and issues is not None:
-        issues.append(
-            {
-                "source": os.path.abspath(path),
-                "problem": "key repeated in the shard (the first complete pair kept, the other member groups skipped)",
-                "rows": len(repeated),
-                "keys": list(dict.fromkeys(repeated))[:MAX_ISSUE_LINES],
-            }
-        )
+    if repeated:
+        problem = "key repeated in the shard (the first complete pair kept, the other member groups skipped)"
+        _shard_issue(issues, path, problem, rows=len(repeated), keys=list(dict.fromkeys(repeated))[:MAX_ISSUE_LINES])
     for ext, what in (("txt", "caption member larger than"), ("json", "metadata member larger than")):
-        if too_long[ext] and issues is not None:
-            issues.append(
-                {
-                    "source": os.path.abspath(path),
-                    "problem": f"{what} CHC.INPUT.MAX_FIELD_CHARS={max_text_bytes} bytes (never read)",
-                    "rows": len(too_long[ext]),
-                    "keys": too_long[ext][:MAX_ISSUE_LINES],
-                }
-            )
-    if bad_utf8 and issues is not None:
+        if too_long[ext]:
+            problem = f"{what} CHC.INPUT.MAX_FIELD_CHARS={max_text_bytes} bytes (never read)"
+            _shard_issue(issues, path, problem, rows=len(too_long[ext]), keys=too_long[ext][:MAX_ISSUE_LINES])
+    if bad_utf8:
         keys, offsets = zip(*bad_utf8[:MAX_ISSUE_LINES])
         problem = "caption not valid UTF-8 (decoded with replacement characters)"
-        issues.append({"source": os.path.abspath(path), "problem": problem, "rows": len(bad_utf8), "keys": list(keys)})
-        issues[-1]["offsets"] = list(offsets)
+        _shard_issue(issues, path, problem, rows=len(bad_utf8), keys=list(keys), offsets=list(offsets))
     return records
 
 

@@ -26,11 +26,8 @@ anything else (``LAB``,    Pillow's ``convert("RGB")``; a mode it cannot convert
 ``HSV``, ...)              counts the image as unreadable)
 ========================== ===========================================================================
 
-EXIF orientation (:func:`exif_orientation`, :func:`upright`, :func:`open_upright`): a photo whose EXIF
-Orientation tag (2-8) says how a viewer should turn it is turned that way.  CHC always does it; the
-evaluation loader and the Dassl trainers (``read_image`` reads images as stored) only when asked:
-``python -m meta.evaluation --exif-upright`` / ``EvaluationSession(exif_upright=True)`` and
-``TRAINER.GRAM.EXIF_UPRIGHT True``, both through :func:`open_upright`.
+EXIF orientation (:func:`exif_orientation`, :func:`upright`, :func:`open_upright`): a photo is turned as its
+Orientation tag (2-8) says; who asks for it when is in docs/input_rules.md ("EXIF orientation").
 
 This module depends on Pillow and numpy only, so every decoding path (CHC, the image-folder
 hierarchy, the evaluation loader, the Dassl trainers) can share it.

@@ -1,38 +1,16 @@
 """Reproducible CPU numerics in one place: which kernels run, and a record of what computed a result.
 
 The CPU libraries under torch pick their kernels by the machine's instruction set at run time, so two x86-64
-machines (or one machine under other settings) can give different last bits for the same op on the same input.
-A single op's difference is harmless, but meta-training (hundreds of second-order steps, CHC's clustering before
-them) turns it into another θ*.  The pins fix each library to a code path every x86-64 machine with AVX2 runs:
+machines can give different last bits for the same op, and meta-training turns that into another θ*.  The pins
+(:data:`PINS`: ATen, oneMKL, oneDNN, OpenBLAS and numba each fixed to a code path every x86-64 machine with AVX2
+runs; the table with sources is in docs/numerics.md) are read when a library starts, so :func:`pin_process`, called
+first by every entry point, sets them in ``os.environ`` before ``import torch`` (or starts the command again with
+them); :func:`pinned_env` builds such an environment for child processes.  ``GRAM_NUMERICS=fast`` turns them off.
 
-=========================  ==============  =======================================================================
-variable                   pinned value    what it selects
-=========================  ==============  =======================================================================
-``ATEN_CPU_CAPABILITY``    ``avx2``        ATen's vectorised kernels (softmax, GELU, exp, reductions): the AVX2
-                                           build instead of AVX-512 where the CPU has it (PyTorch's
-                                           ``aten/src/ATen/native/DispatchStub.cpp`` reads it once, at the first
-                                           dispatch)
-``MKL_CBWR``               ``COMPATIBLE``  oneMKL's Conditional Numerical Reproducibility branch for BLAS
-                                           (``matmul``/``linear``): Intel documents that the ISA-named branches
-                                           (``AVX2``, ...) fall back to automatic dispatch on non-Intel CPUs, so
-                                           only ``COMPATIBLE`` gives the same bits on AMD and Intel
-``ONEDNN_MAX_CPU_ISA``     ``AVX2``        oneDNN's JIT kernels (convolution, some eltwise ops): no AVX-512/AMX
-``OPENBLAS_CORETYPE``      ``Haswell``     numpy/scipy's OpenBLAS kernels (CHC's UMAP and clustering)
-``NUMBA_CPU_NAME``         ``generic``     numba's JIT target (UMAP, pynndescent, HDBSCAN's helpers)
-=========================  ==============  =======================================================================
-
-All are read when a library starts, so they must be in the environment before ``import torch`` (or numpy):
-:func:`pin_process`, called first by every entry point (``python -m meta``, ``gram_world``, the demo, the study,
-``train.py``, the test suite's ``conftest.py``), sets them in ``os.environ``, or starts the command again with
-them when torch already started; child processes inherit them (:func:`pinned_env` builds such an environment).
-``GRAM_NUMERICS=fast`` turns the pins off (the machine's fastest kernels; results then depend on the machine);
-the record says which was used.
-
-:func:`numerics_record` is what every results file stores: CPU model and the instruction-set flags that select
-kernels, the pins in effect, thread counts, package builds, and on a GPU the card, driver, CUDA/cuDNN builds and
-the deterministic settings.  ``python -m meta.infra.numerics probe`` prints digests of a few ops on fixed inputs, to
-see a knob's effect on a machine; ``python -m meta.fingerprint`` is the golden run
-(:mod:`meta.fingerprint.golden`).
+:func:`numerics_record` is what every results file stores: CPU model and kernel-selecting flags, the pins in effect,
+thread counts, package builds, and on a GPU the card, driver, CUDA/cuDNN builds and the deterministic settings.
+``python -m meta.infra.numerics probe`` prints digests of a few ops on fixed inputs; ``python -m meta.fingerprint``
+is the golden run (:mod:`meta.fingerprint.golden`).
 """
 
 from __future__ import annotations

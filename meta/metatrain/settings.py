@@ -25,6 +25,7 @@ from meta.config import (
     START_SPEC,
     TRAIN_SPEC,
     add_metatrain_cfg,  # noqa: F401 (re-exported: the META schema beside its specs)
+    config_value,
     get_meta_cfg_default,
     saved_removed_problem,
     table_fields,
@@ -122,13 +123,6 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 )
 
 
-def _value(cfg: CN, key: str) -> Any:
-    node = cfg
-    for part in key.split("."):
-        node = node[part]
-    return node
-
-
 def _need(cond: bool, key: str, what: str, value: Any) -> None:
     """Raise ``ValueError("KEY: expected WHAT, got VALUE")`` unless ``cond``."""
     if not cond:
@@ -147,7 +141,7 @@ def check_meta_cfg(cfg: CN) -> "TrainSettings":
     m = cfg.META
     need = _need
     for key, ok, what in _RULES:
-        value = _value(cfg, key)
+        value = config_value(cfg, key)
         need(ok(value), key, what, value)
     need(
         m.INNER_SUPPORT != "split" or cfg.TASKS.N_SUPPORT >= m.INNER_STEPS,
