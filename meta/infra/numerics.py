@@ -29,6 +29,7 @@ PINS: dict[str, str] = {
     "ONEDNN_MAX_CPU_ISA": "AVX2",
     "OPENBLAS_CORETYPE": "Haswell",
     "NUMBA_CPU_NAME": "generic",
+    "TORCH_DEVICE_BACKEND_AUTOLOAD": "1",
 }
 SWITCH = "GRAM_NUMERICS"  # "pinned" (default) | "fast"
 MODES = ("pinned", "fast")
@@ -145,6 +146,8 @@ def numerics_record(device: Optional[str] = None) -> dict:
     """
     import torch
 
+    from meta.infra.products import state as products_state
+
     model, flags = _cpu_model_and_flags()
     record = {
         "mode": mode(),
@@ -160,6 +163,7 @@ def numerics_record(device: Optional[str] = None) -> dict:
         "torch": torch.__version__,
         "mkl": torch.backends.mkl.is_available(),
         "mkldnn": torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled,
+        "matrix_products": products_state(),
         "packages": package_versions(),
     }
     if device is not None and str(device).startswith("cuda") and torch.cuda.is_available():

@@ -1,0 +1,131 @@
+"""Pinned matrix products: ATen's CPU ``mm`` / ``addmm`` / ``bmm`` / ``baddbmm`` computed by numpy's OpenBLAS.
+
+Under the pins, oneMKL's only vendor-independent branch (``MKL_CBWR=COMPATIBLE``) runs a single-thread fp32
+product at a quarter to a half of the unpinned rate, and products are most of a CLIP step.  OpenBLAS, the BLAS
+numpy ships, gives the same bits on every x86-64 CPU with AVX2 and FMA once three things are fixed:
+
+- the kernel set: ``OPENBLAS_CORETYPE=Haswell`` (already a pin, :mod:`meta.infra.numerics`) selects the same
+  hand-written Haswell kernels on AVX2 and AVX-512 machines, AMD or Intel;
+- the blocking: the reduction (K) block of the Haswell set is a build constant (OpenBLAS ``param.h``,
+  ``SGEMM_DEFAULT_Q``; ``kernel/setparam-ref.c`` reads the L2 size only for other core types), so each output
+  element is the same sum of the same FMA chains on any cache size; ``OPENBLAS_L2_SIZE`` changes nothing
+  (``docs/numerics.md`` shows the probe);
+- the threads: one (:data:`THREADS`), because more threads split the work differently and change the bits.
+
+:func:`install` registers Python kernels for those ATen ops at the ``CPU`` dispatch key, below autograd, so every
+product torch dispatches (``nn.Linear``, ``@``, attention's batched products, and all of their first- and
+second-order backward passes) takes this path.  Products that ATen computes inside another kernel without
+dispatching (convolutions, the fused CPU attention kernel) stay on oneMKL's pinned branch.  Operands are made
+BLAS-compatible (C- or Fortran-ordered matrices) first, so numpy never falls back to its own loop; fp16 / bf16 are
+computed in fp32 and rounded back.
+
+torch calls :func:`autoload` while it starts (its ``torch.backends`` entry-point group, declared in ``setup.py``),
+so every process that starts torch with the pins in its environment (entry points, the test suite, worker
+processes, a fork's ``train.py``) uses it from its first product; ``GRAM_NUMERICS=fast`` leaves torch's own
+kernels.  :func:`state` is what ``numerics_record()`` stores.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import numpy as np
+import torch
+
+THREADS = 1
+KERNEL = "numpy OpenBLAS (Haswell kernels, 1 thread)"
+_OPS = ("mm", "addmm", "bmm", "baddbmm")
+_library: Optional[torch.library.Library] = None
+_error: Optional[str] = None
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128, torch.int32, torch.int64)
+
+
+def _blas_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (``[..., m, k]``) with its last two dims C- or Fortran-ordered, in a dtype numpy multiplies."""
+    t = t.detach().resolve_conj().resolve_neg()
+    if t.dtype not in _NUMPY_DTYPES:
+        t = t.to(torch.float32)
+    if not (t.is_contiguous() or t.transpose(-1, -2).is_contiguous()):
+        t = t.contiguous()
+    return t
+
+
+def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for ``[m, k] @ [k, n]`` or ``[B, m, k] @ [B, k, n]`` through numpy, in the operands' dtype."""
+    if a.dtype != b.dtype:  # ATen's message: no silent promotion
+        raise RuntimeError(f"expected m1 and m2 to have the same dtype, but got: {a.dtype} != {b.dtype}")
+    dtype = a.dtype
+    x, y = _blas_ready(a), _blas_ready(b)
+    out = torch.empty((*x.shape[:-1], y.shape[-1]), dtype=x.dtype)
+    np.matmul(x.numpy(), y.numpy(), out=out.numpy())
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+def _scaled_add(product: torch.Tensor, bias: torch.Tensor, beta, alpha) -> torch.Tensor:
+    """``beta * bias + alpha * product`` as ATen's ``addmm`` defines it (``beta == 0`` ignores ``bias``)."""
+    if alpha != 1:
+        product = product.mul_(alpha)
+    if beta == 0:
+        return product
+    return product.add_(bias.expand_as(product), alpha=beta)
+
+
+def _mm(a, b):
+    return _product(a, b)
+
+
+def _addmm(bias, a, b, *, beta=1, alpha=1):
+    return _scaled_add(_product(a, b), bias, beta, alpha)
+
+
+def _baddbmm(bias, a, b, *, beta=1, alpha=1):
+    return _scaled_add(_product(a, b), bias, beta, alpha)
+
+
+def _one_openblas_thread() -> None:
+    from threadpoolctl import ThreadpoolController
+
+    found = ThreadpoolController().select(internal_api="openblas")
+    if not found.lib_controllers:
+        raise RuntimeError("numpy's OpenBLAS is not loaded (numpy built against another BLAS)")
+    found.limit(limits=THREADS)
+
+
+def install() -> None:
+    """Route ATen's CPU ``mm``, ``addmm``, ``bmm`` and ``baddbmm`` through numpy's OpenBLAS (idempotent)."""
+    global _library
+    if _library is not None:
+        return
+    _one_openblas_thread()
+    with warnings.catch_warnings():  # torch warns that it replaces the registered CPU kernels: that is the point
+        warnings.simplefilter("ignore")
+        library = torch.library.Library("aten", "IMPL")
+        for name, kernel in zip(_OPS, (_mm, _addmm, _mm, _baddbmm)):
+            library.impl(name, kernel, "CPU")
+    _library = library
+
+
+def autoload() -> None:
+    """torch's start-up hook: :func:`install` when this process is pinned; never raises (torch would not start)."""
+    global _error
+    from meta.infra.numerics import pinned
+
+    if not pinned():
+        return
+    try:
+        install()
+    except Exception as err:  # the record names it; meta.fingerprint --check then fails on the digests
+        _error = f"{type(err).__name__}: {err}"
+
+
+def state() -> dict:
+    """``{"kernel": KERNEL or "torch", "openblas": numpy's OpenBLAS build, "error": why not installed}``."""
+    record = {"kernel": KERNEL if _library is not None else "torch"}
+    if _library is not None:
+        record["openblas"] = (
+            getattr(np.__config__, "CONFIG", {}).get("Build Dependencies", {}).get("blas", {}).get("version")
+        )
+    if _error:
+        record["error"] = _error
+    return record
