@@ -9,8 +9,9 @@ Differences from CoOp's file:
 
 * ``--seed 0`` is honoured (CoOp tests ``if args.seed:``, so seed 0 silently meant "no seed");
 * the datasets and trainers come from this repository's ``datasets`` and ``trainers`` packages;
-* Python warnings are printed into the log as well, so CPU precision fallbacks, random weights and
-  similar notes are on record next to the numbers;
+* what is written to stderr (Python warnings, ``warning:`` lines such as fewer images than shots, a final
+  ``error:`` line) is copied into the log as well and still shown on stderr (:mod:`trainers.gram.log_tee`), so
+  such notes are on record next to the numbers;
 * bad input (a misspelled config key, a missing or unfit ``TRAINER.GRAM.INIT`` or weights file, an unknown
   trainer, a config file with a YAML alias) ends with one ``error: <key or file>: <what>`` line on stderr and
   exit status 2, as the ``meta`` commands do (:mod:`meta.infra.cli_errors`); ``--debug`` or ``GRAM_DEBUG=1`` shows
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from typing import Optional, Sequence
 
 from meta.infra.numerics import pin_process
@@ -36,6 +36,7 @@ from dassl.utils import collect_env_info, set_random_seed, setup_logger  # noqa:
 import datasets.coop_layout  # noqa: F401, E402  (registers the CoOp benchmark datasets)
 import trainers  # noqa: F401, E402  (registers every trainer of meta/method/methods.yaml's learners:)
 from trainers import extend_cfg as extend_gram_cfg  # noqa: E402
+from trainers.gram.log_tee import log_stderr  # noqa: E402
 
 
 def print_args(args: argparse.Namespace, cfg) -> None:
@@ -113,17 +114,13 @@ def setup_cfg(args: argparse.Namespace):
     return cfg
 
 
-def _warnings_to_log(message, category, filename, lineno, file=None, line=None) -> None:
-    print(f"WARNING ({category.__name__}): {message}")
-
-
 def main(args: argparse.Namespace) -> None:
     cfg = setup_cfg(args)
     if cfg.SEED >= 0:
         print(f"Setting fixed seed: {cfg.SEED}")
         set_random_seed(cfg.SEED)
     setup_logger(cfg.OUTPUT_DIR)
-    warnings.showwarning = _warnings_to_log
+    log_stderr()  # stderr (warnings included) into log.txt too; the trainers' check_cfg does the same
 
     if torch.cuda.is_available() and cfg.USE_CUDA:
         torch.backends.cudnn.benchmark = True

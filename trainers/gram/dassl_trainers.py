@@ -61,6 +61,7 @@ from .config import (
 )
 from .dassl_checkpoint import checkpoint_file, load_checkpoint, prompt_state, save_checkpoint
 from .dassl_schedule import build_lr_scheduler
+from .log_tee import log_stderr
 from .model import GramCLIP
 from .run_trace import environment_summary, file_sha256, sample_digest
 from .stop_line import as_one_line
@@ -111,7 +112,10 @@ class _GramTrainer(TrainerX):
     # ------------------------------------------------------------------------------ building
     def check_cfg(self, cfg) -> None:
         """Every TRAINER.GRAM key, the CLIP weights file and the backbone, before data loading; a failure is one
-        line (:mod:`trainers.gram.stop_line`), also in a fork's ``train.py`` that catches nothing."""
+        line (:mod:`trainers.gram.stop_line`), also in a fork's ``train.py`` that catches nothing.  From here on
+        stderr (warnings, ``warning:`` and ``error:`` lines) is also written into the run's ``log.txt``
+        (:mod:`trainers.gram.log_tee`)."""
+        log_stderr()
         try:
             s = gram_settings(cfg, type(self).__name__)
             check_weights_file(s.weights, "TRAINER.GRAM.WEIGHTS", unset=not str(cfg.TRAINER.GRAM.WEIGHTS).strip())
