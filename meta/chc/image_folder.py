@@ -2,17 +2,9 @@
 
 Supervised meta-learning replaces CHC's topics with the folder classes; visual domains
 are still found by k-means on the frozen CLIP's image features inside each class.
-Unreadable images (any failure to read or decode one file, a file over the byte cap of
-:func:`meta.chc.sources.read_regular_file`, an image over the caps of :mod:`meta.chc.imaging`)
-are skipped and counted in ``meta['counts']``, by reason in ``meta['unreadable_by_reason']`` (a 0-byte file:
-``empty file (0 bytes)``), and named in one warning with an example path; a class folder none of whose images
-can be read is a one-line error naming it (it would vanish, and the task sizes be blamed).
-
-Symbolic links are never followed, so every image has exactly one label: a link to a folder or
-an image file (``data/zz_all -> data`` would make a class holding every image) resolves either
-back inside the data root (already walked: a second label) or outside it, and is skipped,
-counted in ``meta['counts']`` (``symlinks_skipped_inside_root`` / ``symlinks_skipped_outside_root``)
-and logged once.
+Unreadable images (any failure to read or decode one file, or over the caps) are skipped and counted, and symbolic
+links are never followed, so every image has exactly one label: the counts and messages are in docs/input_rules.md
+("symbolic links in an image folder", "0-byte and unreadable images").
 """
 
 from __future__ import annotations

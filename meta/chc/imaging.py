@@ -7,17 +7,11 @@ Every image that reaches a CLIP tower in GRAM goes through :func:`to_clip_uint8`
 lets the hierarchy hand out images as ``[n, H, W, 3]`` uint8 and lets the
 meta-trainer apply the same normalisation (or its own augmentation) later.
 
-Decoding (:func:`decode_image_why`) checks the size a file declares before decoding a pixel:
-more than ``CHC.INPUT.MAX_IMAGE_PIXELS`` pixels (default :data:`MAX_PIXELS`), or (in :func:`decode_batch`,
-which resizes) a longer side more than ``CHC.INPUT.MAX_IMAGE_ASPECT`` (default :data:`MAX_ASPECT`) times
-the shorter one, makes the image unreadable (counted by reason
-like a damaged file), so a 257-byte 60000x1 PNG never asks for a 13,440,000x224 resize (~9 GB).
-Photos are turned as their EXIF Orientation tag says (a viewer shows them that way), before the
-resize and the decoded-image cache (:func:`meta.data.image_decode.exif_orientation`,
-:func:`meta.data.image_decode.upright`);
-the downstream evaluation loader (:mod:`meta.evaluation`) and the Dassl trainers read images as Dassl does,
-without this step, unless ``--exif-upright`` / ``TRAINER.GRAM.EXIF_UPRIGHT`` asks for it
-(:func:`meta.data.image_decode.open_upright`).
+Decoding (:func:`decode_image_why`) checks the size a file declares against the pixel and aspect caps
+(docs/input_rules.md, "image size") before decoding a pixel, so a 257-byte 60000x1 PNG never asks for a
+13,440,000x224 resize (~9 GB).
+Photos are turned as their EXIF Orientation tag says before the resize and the decoded-image cache
+(:mod:`meta.data.image_decode`; downstream only when asked: docs/input_rules.md, "EXIF orientation").
 """
 
 from __future__ import annotations
@@ -59,15 +53,10 @@ def decode_image_why(
 ) -> tuple[Optional[Image.Image], str]:
     """Decode bytes to an upright 8-bit RGB PIL image (:func:`meta.data.image_decode.to_rgb8`), or say why not.
 
-    The declared size is checked right after ``Image.open`` (before any pixel is decoded) against
-    ``max_pixels`` (pixels) and ``max_aspect`` (longer side / shorter side; ``None``, the default here:
-    no cap, as the image keeps its size; :func:`decode_batch`, which resizes, applies :data:`MAX_ASPECT`):
-    :func:`size_problem`.
-    The EXIF Orientation tag is applied (:func:`exif_orientation`, :func:`upright`).
-
-    Any exception raised while decoding one image is that image's problem (a fuzz of
-    mutated images found Pillow raising NotImplementedError, RuntimeError, struct.error,
-    IndexError, ... besides its documented errors), so every ``Exception`` is caught.
+    The declared size is checked right after ``Image.open``, before any pixel is decoded (:func:`size_problem`;
+    ``max_aspect`` None here: the image keeps its size, :func:`decode_batch`, which resizes, applies
+    :data:`MAX_ASPECT`); the EXIF Orientation tag is applied.  Every ``Exception`` is that image's problem (a fuzz of
+    mutated images found Pillow raising NotImplementedError, RuntimeError, struct.error, IndexError, ...).
 
     Returns:
         ``(image, "")`` on success, ``(None, reason)`` otherwise; ``reason`` is the

@@ -141,15 +141,9 @@ class StageMarker:
 
 
 class ChunkedArray:
-    """A ``[n_rows, *row_shape]`` array on disk, computed in resumable chunks.
-
-    Args:
-        path: the ``.npy`` file (a memmap; ``path + '.progress.json'`` tracks rows done).
-        n_rows: rows to compute.
-        row_shape: shape of one row, e.g. ``(384,)``.
-        dtype: numpy dtype of the rows.
-        fp: fingerprint of what the rows depend on; a different one restarts from row 0.
-    """
+    """A ``[n_rows, *row_shape]`` array of ``dtype`` on disk, computed in resumable chunks: the ``.npy`` memmap
+    ``path``, with ``path + '.progress.json'`` tracking the rows done; another fingerprint ``fp`` (of what the rows
+    depend on) restarts from row 0."""
 
     def __init__(self, path: Path, n_rows: int, row_shape: Sequence[int], dtype, fp: str):
         self.path = Path(path)

@@ -6,14 +6,9 @@ cluster centroid in the sentence-embedding space (cosine, cost linear in N), or 
 noise when it is less similar than the ``ASSIGN_QUANTILE`` quantile of the fitted
 members' similarity to their own centroid.
 
-Topic words use the paper's cluster TF-IDF (eq. 1),
-``TF-IDF(w, l) = N_wl / N_l * log(L / (L_w + 1))``, over the lower-cased tokens of
-:func:`topic_tokens` (words of letters of any script, at least ``MIN_WORD_LEN`` letters;
-Chinese / Japanese by character pairs), with English and caption stop words removed.
-``L_w`` counts cluster ``l`` only when ``w`` appears in at least
-``PRESENCE_MIN_FRACTION`` of its captions (0 = the paper's literal "occurs once").
-Clusters whose top word is the same become ONE topic (their members are merged), so a
-K-way task can never hold two classes with one name.
+Topic words use the paper's cluster TF-IDF (eq. 1) over the tokens of :func:`topic_tokens`, stop words removed
+(:func:`cluster_tfidf_words`; formula and presence threshold: meta/chc/README.md, "Topic words").  Clusters whose
+top word is the same become ONE topic, so a K-way task can never hold two classes with one name.
 """
 
 from __future__ import annotations
@@ -206,22 +201,10 @@ def _patterns() -> tuple:
 
 
 def topic_tokens(text: str, min_word_len: int = 3) -> list:
-    r"""The tokens a caption gives for topic words (``text`` is lower-cased by the caller).
-
-    Rule:
-
-    * A word is a run of letters of any script (Unicode general category L*, with the combining marks
-      M* that follow them, so Devanagari vowel signs or Arabic harakat stay inside their word) that does
-      not touch a digit or ``_``; it is kept when it has at least ``min_word_len`` letters (marks do not
-      count).  On ASCII text this is exactly the former ``\b[a-z]{3,}\b`` rule: English topic words
-      are unchanged.
-    * Han ideographs and kana (Chinese, Japanese), written without spaces, give overlapping character
-      pairs instead ("一只小狗" -> "一只", "只小", "小狗"); a lone character gives itself.  This is the
-      default of Lucene's CJK bigram filter (Apache Lucene ``CJKBigramFilter``); ``min_word_len`` does
-      not apply to these pairs.  Other scripts written without spaces (Thai, Lao, Khmer, Myanmar) are
-      not split: a whole run between spaces or punctuation is one word.
-    * Emoji, digits and punctuation give no token: an emoji-only caption names no topic.
-    """
+    """The tokens a caption gives for topic words (``text`` is lower-cased by the caller): words of letters of any
+    script (combining marks inside, not touching a digit or ``_``) of at least ``min_word_len`` letters, overlapping
+    character pairs of Han / kana runs, nothing for emoji, digits and punctuation.  The rule and its sources:
+    meta/chc/README.md, "Topic words"."""
     word, segment, unit, mark = _patterns()
     out: list = []
 
@@ -269,7 +252,7 @@ def cluster_tfidf_words(
     min_word_len: int = 3,
     extra_stop_words: Sequence[str] = (),
 ) -> ClusterWords:
-    """Top word of each cluster by the paper's cluster TF-IDF (eq. 1).
+    """Top word of each cluster by the paper's cluster TF-IDF (eq. 1), ``N_wl / N_l * log(L / (L_w + 1))``.
 
     Args:
         captions: [n] caption strings (unique captions, see ``weights``).

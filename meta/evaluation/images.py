@@ -17,10 +17,9 @@ online (visual prompts: epoch e uses view e) or pre-computed and cached (frozen 
 under ``<cache_dir>/<CLIP weights fingerprint>/shard-*.safetensors``, each feature keyed by image path, file size and
 mtime, and the transform (with seed and view for augmented ones).
 
-Images are read as stored, as Dassl's ``read_image`` does (CoOp-family numbers are measured that way);
-``exif_upright=True`` turns each photo upright by its EXIF orientation first, with the reader the Dassl
-trainers use under ``TRAINER.GRAM.EXIF_UPRIGHT True`` (:func:`meta.data.image_decode.open_upright`).  Its
-transform keys say so (:data:`EXIF_KEY`), so cached features of the two readings never mix.  A file whose
+Images are read as stored, as Dassl's ``read_image`` does; ``exif_upright=True`` turns each photo upright first
+(:func:`meta.data.image_decode.open_upright`, docs/input_rules.md), and its transform keys say so (:data:`EXIF_KEY`),
+so cached features of the two readings never mix.  A file whose
 declared size is over the pixel or aspect cap (:func:`meta.data.image_caps.size_problem`) is refused before
 decoding; the datasets' listing (:func:`meta.data.coop_data.load_coop_splits`) has left such images out already.
 """

@@ -39,15 +39,13 @@ class EvaluationSession:
     """What many runs on one frozen CLIP share: the feature cache, image loaders, text caches.
 
     Args:
-        clip, dims: from ``meta.model.backbone.load_clip``.
         cache_dir: optional folder for frozen image features on disk (keyed by the CLIP weights' fingerprint, image
             path and transform); "" / None keeps them in memory only.
         clip_info: extra JSON-able facts for result records (e.g. ``{"pretrained": path}``).
         log, progress: where messages go; tqdm bars while encoding images and fine-tuning.
         encode_batch_size: images per forward when pre-computing frozen features.
-        exif_upright: turn every image upright by its EXIF orientation first (default: as stored, as Dassl's
-            ``read_image``; the Dassl trainers' ``TRAINER.GRAM.EXIF_UPRIGHT True`` reads through the same
-            :func:`meta.data.image_decode.open_upright`).  Records of such runs hold ``"exif_upright": true``.
+        exif_upright: turn every image upright by its EXIF orientation first (:mod:`meta.evaluation.images`); records
+            of such runs hold ``"exif_upright": true``.
     """
 
     def __init__(
@@ -257,14 +255,10 @@ def evaluate_base_to_new(
     """One (dataset, method, seed) run of CoCoOp's base-to-new protocol.
 
     Args:
-        dataset: the CoOp-layout dataset (:class:`DatasetRef`).
-        clip, dims: frozen CLIP from ``meta.model.backbone.load_clip``.
-        method: what to fine-tune (zero-shot CLIP when it has no prompts: nothing is trained).
+        method: what to fine-tune on ``dataset`` with the frozen ``clip`` (zero-shot CLIP when it has no prompts).
         seed: few-shot sample, scratch prompts, batch order and augmentation all follow it.
-        shots: K images per base class.
-        train: schedule (default: CoCoOp's, :class:`TrainSpec`).
-        session: share feature caches across runs; a new one is made if ``None``.
-        cache_dir: feature-cache folder for a new session.
+        shots, train: K images per base class; the schedule (default: CoCoOp's, :class:`TrainSpec`).
+        session, cache_dir: share feature caches across runs (a new session, caching in ``cache_dir``, if ``None``).
         use_split_cache: read/write the few-shot sample cache of ``meta.data.coop_data``.
         start: fine-tune from this in-memory θ (and φ) instead of the method's own init
             (meta-validation of the live meta-parameters; they are copied, never modified).

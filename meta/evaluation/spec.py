@@ -25,6 +25,8 @@ from meta.method.prompts import PromptSpec
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULERS = ("cosine", "constant")
 ORDERS = ("random", "sequential")
+AUGMENTS = ("coop", "none")
+CHOICES = {"optimizer": OPTIMIZERS, "scheduler": SCHEDULERS, "order": ORDERS, "augment": AUGMENTS}  # TrainSpec
 
 
 @dataclass(frozen=True)
@@ -170,9 +172,8 @@ class TrainSpec:
     """Few-shot fine-tuning schedule, augmentation and evaluation cadence.
 
     Attributes:
-        epochs: passes over the few-shot train set (CoCoOp: 10).
-        batch_size: images per step (CoCoOp: 1).  As Dassl, the last incomplete batch is dropped
-            when the train set holds at least one full batch.
+        epochs, batch_size: passes over the few-shot train set, images per step; as Dassl, the last incomplete batch
+            is dropped when the train set holds at least one full batch.
         optimizer: ``sgd`` (CoOp) | ``adam`` | ``adamw``.
         lr, momentum, weight_decay: optimiser settings (SGD momentum; Adam ignores momentum).
         scheduler: ``cosine`` (CosineAnnealingLR, T_max = epochs, stepped per epoch) | ``constant``.
@@ -186,10 +187,9 @@ class TrainSpec:
             random ``offset_i``, so no view repeats before ``aug_views`` epochs.  The default (10)
             equals CoCoOp's epoch count: every epoch sees a fresh crop, as online augmentation would.
             Ignored with visual prompts, where crops are drawn online.
-        rrcrop_scale: area range of the random resized crop (Dassl default (0.08, 1.0)).
         eval_every_epoch: test after every epoch (and before the first) for accuracy-vs-epoch
             curves (paper Fig. 3a); otherwise only after the last epoch.
-        test_batch_size: images per forward at test time (CoCoOp: 100).
+        test_batch_size: images per forward at test time.
         order: batch order of every epoch: ``random`` (a permutation drawn from the run's seed) or
             ``sequential`` (the train set's own order, Dassl's ``DATALOADER.TRAIN_X.SAMPLER SequentialSampler``:
             with it and ``augment="none"`` the evaluator replays a Dassl trainer's run, tests/test_engine_agreement.py).
@@ -217,14 +217,9 @@ class TrainSpec:
             raise ValueError(f"TrainSpec.epochs must be >= 0, got {self.epochs}")
         if self.batch_size < 1:
             raise ValueError(f"TrainSpec.batch_size must be >= 1, got {self.batch_size}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"TrainSpec.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        if self.scheduler not in SCHEDULERS:
-            raise ValueError(f"TrainSpec.scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
-        if self.order not in ORDERS:
-            raise ValueError(f"TrainSpec.order must be one of {ORDERS}, got {self.order!r}")
-        if self.augment not in ("coop", "none"):
-            raise ValueError(f"TrainSpec.augment must be 'coop' or 'none', got {self.augment!r}")
+        for key, allowed in CHOICES.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"TrainSpec.{key} must be one of {allowed}, got {getattr(self, key)!r}")
         if self.augment == "coop" and self.aug_views < 1:
             raise ValueError(f"TrainSpec.aug_views must be >= 1 with augment='coop', got {self.aug_views}")
         if self.warmup_epochs < 0 or self.lr < 0 or self.warmup_lr < 0:

@@ -73,10 +73,9 @@ def summarise(records: Iterable[dict], average: str = "") -> list[dict]:
     seed's accuracies averaged over the targets first).  Every row has ``protocol``, ``dataset``, ``key`` (the records'
     ``key`` field, else their method label), ``method`` (label) and ``seeds``.  Records are grouped by ``key``.
 
-    ``average`` (e.g. ``"Average"``): also one row per (base-to-new method) under that dataset name, after the
-    per-dataset rows - the paper's Table 1a: each seed's base and new accuracies are first averaged over the datasets,
-    then mean ± std over seeds, and H of the two means. Only the seeds that every dataset of the method has enter it
-    (its ``seeds``; ``datasets`` lists the datasets); a method whose datasets share no seed gets no average row.
+    ``average`` (e.g. ``"Average"``): also one row per base-to-new method under that dataset name, after the
+    per-dataset rows, by the module's "Average over datasets" rule (paper Table 1a; ``seeds`` and ``datasets`` say
+    what entered it; no row for a method whose datasets share no seed).
     """
     records = list(records)
     rows = [_row(protocol, dataset, runs) for (protocol, dataset, _), runs in _groups(records).items()]

@@ -17,9 +17,8 @@ distinct names, their query items dealt over all their domains), and the rest ar
 scores new classes.  ``1.0`` makes the query's topics disjoint from the support's; ``0`` (the
 default) keeps the paper's tasks, drawn exactly as before (the same generator calls).
 
-Everything is driven by one ``numpy.random.Generator`` seeded with ``seed``: the same
-seed gives the same task sequence, and :meth:`TaskSampler.state_dict` /
-:meth:`TaskSampler.load_state_dict` let a resumed meta-training run continue it.
+One ``numpy.random.Generator`` seeded with ``seed`` drives everything; :meth:`TaskSampler.state_dict` /
+:meth:`TaskSampler.load_state_dict` let a resumed meta-training run continue the sequence.
 :class:`TaskStream` draws meta-batches of tasks with an exact, resumable position;
 :class:`ClassBatchStream` draws plain classification batches (the prompt pre-training baseline).
 
@@ -76,19 +75,9 @@ class Task:
 
 
 class TaskSampler:
-    """Samples :class:`Task` s from a :class:`~meta.chc.hierarchy.Hierarchy`.
-
-    Args:
-        hierarchy: topics -> domains -> items.
-        k_way: classes per task (K).
-        n_support: support images per class.
-        n_query: query images per class.
-        domain_shift: True = support from one domain per class (GRAM); False = from all.
-        topics: topic ids allowed (e.g. from :func:`split_topics`); ``None`` = all.
-        seed: seed of the task stream.
-        query_new_share: share of the query's K classes that the support does not hold (0 = none, the
-            paper's tasks; 1 = disjoint topics); ``round(share * K)`` classes.
-    """
+    """Samples :class:`Task` s of ``k_way`` (K) classes with ``n_support`` / ``n_query`` images each from the topics
+    ``topics`` (e.g. :func:`split_topics`; ``None`` = all) of ``hierarchy``; ``domain_shift`` and ``query_new_share``
+    as in the module docstring."""
 
     def __init__(
         self,
