@@ -508,6 +508,7 @@ def test_the_last_screen_is_the_first_table_its_file_and_for_quick_runs_the_wiri
     assert lines[:4] == ["## Table 1: base-to-new", "| method | H |", "| --- | --- |", "| CoOp | 61.2 |"]
     assert lines[5] == f"results: {md.resolve()}"
     assert lines[6].startswith(f"quick demo: a wiring check of every stage ({len(quick.seeds)} seed(s)")
+    assert "its numbers are not results" in lines[6] and lines[-1] == lines[6]
     assert "| other | x |" not in lines
     full = last_screen(md, replace(DemoSettings(), quick=False)).splitlines()
     assert full[-1] == f"results: {md.resolve()}" and not any(ln.startswith("quick demo") for ln in full)

@@ -23,6 +23,7 @@ from gram_world.demo import (
     variants_needed,
 )
 from gram_world.demo.background import BackgroundRuns, baseline_jobs
+from gram_world.demo.report import QUICK_NOTE
 from gram_world.demo.settings import ONE_STEP_VARIANTS, OPT_IN_TABLES, TABLE1_ROWS
 from gram_world.demo.stages import stage_world
 from meta.data.coop_data import harmonic_mean
@@ -114,6 +115,7 @@ def test_every_table_is_present_with_stable_keys_and_h_of_the_means(demo_out):
     assert computed["numerics"]["pinned"] is True and computed["numerics"]["pins"]["MKL_CBWR"] == "COMPATIBLE"
     assert len(computed["fingerprint"]) == 64 and computed["numerics"]["cpu_model"]
     assert f"world seed **0**, world settings hash `{prov['world_settings_hash']}`" in text
+    assert f"**{QUICK_NOTE}**" in text  # quick numbers are marked as a wiring check in the file too
     # one run record per (protocol, dataset, method, seed[, shots])
     n_b2n = len(b2n_keys(settings.tables)) * len(settings.seeds)
     n_transfer = len(TRANSFER_KEYS) * len(settings.seeds) * len(shots)

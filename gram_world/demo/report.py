@@ -41,6 +41,10 @@ from .settings import (
 )
 
 AVERAGE = "Average"
+QUICK_NOTE = (
+    "Quick demo: these numbers check the wiring of every stage (a CLIP near chance, few steps); they are not "
+    "results and do not compare methods."
+)
 # colours of Fig. 3a's methods
 COLOURS = {
     "zsclip": "0.4",
@@ -522,6 +526,8 @@ def stage_report(
         "(beside CoCoOp's θ*-only row) comes with the diagnostics tables.",
         "",
     ]
+    if settings.quick:
+        parts += [f"**{QUICK_NOTE}**", ""]
     if "table1" in tables:
         parts += _b2n_section(tables["table1"], datasets)
     if "table4" in tables:
@@ -616,7 +622,7 @@ def last_screen(md: Path, settings: DemoSettings) -> str:
     if settings.quick:
         out.append(
             f"quick demo: a wiring check of every stage ({len(settings.seeds)} seed(s), {settings.meta_steps} "
-            f"meta-steps, {settings.epochs} epochs); its numbers do not compare methods (bash scripts/demo.sh without "
-            "--quick does)"
+            f"meta-steps, {settings.epochs} epochs); its numbers are not results and do not compare methods (bash "
+            "scripts/demo.sh without --quick computes them)"
         )
     return "\n".join(out)
