@@ -137,7 +137,9 @@ def test_every_meta_variant_exported_and_plots_written(demo_out):
         png = out / name
         assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     fig3b = json.loads((out / "results.json").read_text())["fig3b"]
-    assert "unigram_pretrain" not in fig3b["series"] and fig3b["not_shown"] == ["- meta-learning = prompt pre-training"]
+    assert "unigram_pretrain" not in fig3b["series"] and fig3b["not_shown"] == [
+        "UNIGRAM, θ* from prompt pre-training (no meta-learning)"
+    ]
     assert {"gram_coop", "gram_vpt", "unigram"} <= set(fig3b["series"])
 
 

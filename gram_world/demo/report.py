@@ -12,10 +12,12 @@ import json
 import os
 import platform
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 
+from meta.evaluation.spec import TrainSpec
 from meta.evaluation.summary import epoch_curves, summarise
 from meta.fingerprint.record import computed_by
 from meta.infra.provenance import git_commit
@@ -62,6 +64,39 @@ COLOURS = {
     "gram_cocoop": "darkturquoise",
     "gram_cocoop_init_only": "lightseagreen",
 }
+
+
+# Plot labels that read without the paper: Table 4 names its rows by the part of UNIGRAM removed ("- gradient
+# regulating" under a "UNIGRAM" row); a plot names what the run is.  The tables keep the paper's row names.
+PLOT_LABELS = {
+    "unigram_no_shift": "UNIGRAM, meta-trained without domain shift",
+    "unigram_no_reg": "UNIGRAM, no R_φ (θ* meta-trained and tuned without it)",
+    "unigram_pretrain": "UNIGRAM, θ* from prompt pre-training (no meta-learning)",
+    "unigram_supervised": "UNIGRAM, meta-trained on labelled images (no CHC)",
+    "joint": "text + visual prompts tuned jointly (no GRAM)",
+}
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+LINESTYLES = ("-", "--", "-.", ":")
+FEW_POINTS = 5  # a series with fewer points is drawn with large markers and its count said
+
+
+def plot_label(key: str, fallback: str = "") -> str:
+    """The name of row ``key`` in a plot: :data:`PLOT_LABELS`, else the row's name where it stands alone
+    (:attr:`.settings.MethodRow.standalone_label`), else ``fallback`` (a row the method table does not know)."""
+    if key in PLOT_LABELS:
+        return PLOT_LABELS[key]
+    row = METHOD_BY_KEY.get(key)
+    return row.standalone_label if row is not None else (fallback or key)
+
+
+def _seed_count(rows: list) -> int:
+    """The most seeds any of ``rows`` (``summarise`` rows) averages over."""
+    return max((len(r.get("seeds", ())) for r in rows), default=0)
+
+
+def _spread(n_seeds: int) -> str:
+    """What the error bars of a plot over ``n_seeds`` seeds show (none for one seed: a std of one value is 0)."""
+    return f"mean ± std over {n_seeds} seeds" if n_seeds > 1 else "1 seed, so no error bars"
 
 
 def colour(key: str):
@@ -281,9 +316,10 @@ def _bars(tables: dict, settings: DemoSettings, world, path: Path, plt) -> None:
         ("new", "tab:orange", "new classes"),
         ("H", "tab:green", "H (harmonic mean)"),
     )
+    n_seeds = _seed_count(rows)
     for i, (stat, colour, label) in enumerate(bars):
         values = [r[f"{stat}_mean"] if stat != "H" else r["H"] for r in rows]
-        errs = [r[f"{stat}_std"] for r in rows] if stat != "H" else None
+        errs = [r[f"{stat}_std"] for r in rows] if stat != "H" and n_seeds > 1 else None
         ax.bar(
             [j + (i - 1) * width for j in range(len(rows))],
             values,
@@ -301,7 +337,7 @@ def _bars(tables: dict, settings: DemoSettings, world, path: Path, plt) -> None:
     bottom = max(0.0, 5 * int((min(lows) - 5) // 5))
     ax.set_ylim(bottom, top + 0.12 * (top - bottom))
     ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([r["method"] for r in rows], rotation=25, ha="right", fontsize=8)
+    ax.set_xticklabels([plot_label(r["key"], r["method"]) for r in rows], rotation=25, ha="right", fontsize=8)
     if "table4" in tables and "table1" in tables:
         n_table1 = sum(r["dataset"] == AVERAGE for r in tables.get("table1", {}).get("rows", []))
         split = n_table1 - 0.5  # Table 1 rows | the rest of Table 4
@@ -331,7 +367,7 @@ def _bars(tables: dict, settings: DemoSettings, world, path: Path, plt) -> None:
     else:
         shown = "Table 1" if "table1" in tables else "Table 4"
     ax.set_title(
-        f"{shown}: base-to-new accuracy, average over {n} dataset(s) (mean ± std over seeds)\n"
+        f"{shown}: base-to-new accuracy, average over {n} dataset(s) ({_spread(n_seeds)})\n"
         + _subtitle(settings, world),
         fontsize=10,
     )
@@ -341,47 +377,72 @@ def _bars(tables: dict, settings: DemoSettings, world, path: Path, plt) -> None:
     plt.close(fig)
 
 
+def _overlaps(curves: dict, keys: list, split: str) -> dict:
+    """``{key: earlier key}`` for each curve of ``split`` equal at every epoch to one drawn before it (a line the
+    other hides)."""
+    same: dict = {}
+    for i, key in enumerate(keys):
+        c = curves[key]
+        for earlier in keys[:i]:
+            e = curves[earlier]
+            if e["epochs"] == c["epochs"] and all(abs(a - b) < 1e-9 for a, b in zip(e[split], c[split])):
+                same[key] = earlier
+                break
+    return same
+
+
 def _epochs(records: list, settings: DemoSettings, world, path: Path, plt) -> None:
     b2n = [r for r in records if r["protocol"] == "base2new" and r["key"] in EPOCH_CURVE_KEYS]
     curves = {c["key"]: c for c in epoch_curves(b2n, average=AVERAGE) if c["dataset"] == AVERAGE}
     zs = summarise([r for r in b2n if r["key"] == "zsclip"], average=AVERAGE)
     zs = next((r for r in zs if r["dataset"] == AVERAGE), None)
+    keys = [k for k in EPOCH_PLOT_KEYS if curves.get(k) and curves[k]["epochs"]]
+    overlap = {split: _overlaps(curves, keys, split) for split in ("base", "new")}
+    labels = {}
+    for key in keys:  # a line drawn exactly over another says so, in the legend
+        under = {split: plot_label(overlap[split][key]) for split in ("base", "new") if key in overlap[split]}
+        if len(set(under.values())) == 1:
+            (other,) = set(under.values())
+            where = "" if len(under) == 2 else f" ({next(iter(under))} classes)"
+            note = f"same values as {other}{where}"
+        else:
+            note = "same values as " + "; ".join(f"{name} ({split} classes)" for split, name in under.items())
+        labels[key] = plot_label(key) + (f"\n(lines overlap: {note})" if under else "")
+    warmup = f"{next(f.default for f in fields(TrainSpec) if f.name == 'warmup_lr'):g}".replace("e-0", "e-")
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
     for split, ax in zip(("base", "new"), axes):
         ax.axvspan(0.0, 1.0, color="0.9", zorder=0)
-        ax.text(
-            0.5,
-            0.98,
-            "epoch 1 = warm-up\n(lr 1e-5)",
-            transform=ax.get_xaxis_transform(),
-            ha="center",
-            va="top",
-            fontsize=7,
-            color="0.3",
-        )
         if zs is not None:
             ax.axhline(zs[f"{split}_mean"], color="k", ls="--", lw=1, label="CLIP (zero-shot)")
-        for key in EPOCH_PLOT_KEYS:
-            c = curves.get(key)
-            if not c or not c["epochs"]:
-                continue
+        for i, key in enumerate(keys):
+            c = curves[key]
             mean, std = c[split], c[f"{split}_std"]
-            ax.plot(c["epochs"], mean, marker=".", color=colour(key), label=METHOD_BY_KEY[key].label)
-            ax.fill_between(
+            ax.plot(
                 c["epochs"],
-                [m - s for m, s in zip(mean, std)],
-                [m + s for m, s in zip(mean, std)],
+                mean,
+                marker=MARKERS[i % len(MARKERS)],
+                markersize=7 if key in overlap[split] else 5,  # a hidden line's markers stick out
+                markerfacecolor="none" if key in overlap[split] else colour(key),
+                linestyle=LINESTYLES[i % len(LINESTYLES)],
                 color=colour(key),
-                alpha=0.15,
-                lw=0,
+                label=labels[key],
             )
-        ax.set_xlabel("fine-tuning epoch (0 = before training)")
+            if len(settings.seeds) > 1:
+                ax.fill_between(
+                    c["epochs"],
+                    [m - s for m, s in zip(mean, std)],
+                    [m + s for m, s in zip(mean, std)],
+                    color=colour(key),
+                    alpha=0.15,
+                    lw=0,
+                )
+        ax.set_xlabel(f"fine-tuning epoch (0 = before training;\nshaded: epoch 1, the warm-up at lr {warmup})")
         ax.set_title(f"{split} classes")
         ax.grid(alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)
     axes[0].set_ylabel("test accuracy (%), average over datasets")
     axes[1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
-    band = "band: ± std over seeds" if len(settings.seeds) > 1 else "one seed, so no spread band"
+    band = "band: ± std over seeds" if len(settings.seeds) > 1 else "1 seed, so no spread band"
     fig.suptitle(
         f"Fig. 3a: accuracy vs fine-tuning epoch (line: mean over seeds; {band})\n" + _subtitle(settings, world),
         fontsize=10,
@@ -397,7 +458,7 @@ def _grad_cosine(out: Path, settings: DemoSettings, world, path: Path, plt) -> d
     labels: dict = {}
     for m in METHOD_BY_KEY.values():
         if m.variant and (m.variant not in labels or m.key == m.variant):
-            labels[m.variant] = m.label
+            labels[m.variant] = plot_label(m.key, m.label)
     fig, ax = plt.subplots(figsize=(10, 4.6))
     series, missing = {}, []
     trained = variants_needed(settings.tables)
@@ -412,7 +473,17 @@ def _grad_cosine(out: Path, settings: DemoSettings, world, path: Path, plt) -> d
             continue
         steps, values = [r["step"] for r in log], [r["grad_cosine"] for r in log]
         series[variant.name] = {"label": labels[variant.name], "step": steps, "grad_cosine": values}
-        ax.plot(steps, values, marker=".", color=colour(variant.name), label=labels[variant.name])
+        few = len(steps) < FEW_POINTS  # a line through 2 points says little: large markers, and the count said
+        label = labels[variant.name] + (f" ({len(steps)} logged step{'s' * (len(steps) != 1)})" if few else "")
+        ax.plot(
+            steps,
+            values,
+            marker=MARKERS[len(series) % len(MARKERS)] if few else ".",
+            markersize=8 if few else 6,
+            linestyle=":" if few else "-",  # few points: the markers are the data, not the line between them
+            color=colour(variant.name),
+            label=label,
+        )
     ax.axhline(0.0, color="0.5", lw=0.8)
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("meta-training step (outer update)")
@@ -428,9 +499,14 @@ def _grad_cosine(out: Path, settings: DemoSettings, world, path: Path, plt) -> d
         )
         ax.text(0.01, -0.3, note, transform=ax.transAxes, fontsize=8, va="top")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    n_steps = sorted({len(v["step"]) for v in series.values()})
+    counted = {0: "", 1: f"; {n_steps[0]} logged step(s) per run"}.get(
+        len(n_steps), f"; {n_steps[0]} to {n_steps[-1]} logged steps per run"
+    )
     ax.set_title(
         "Fig. 3b: normalised inner product of support and query gradients during meta-training\n"
-        + _subtitle(settings, world, seeds=False),
+        + _subtitle(settings, world, seeds=False)
+        + counted,
         fontsize=10,
     )
     fig.tight_layout()
@@ -446,25 +522,35 @@ def _transfer_bars(tables: dict, settings: DemoSettings, world, path: Path, plt)
     for ax, tid in zip(axes[0], ids):
         t = tables[tid]
         rows = t["rows"]
+        multi = _seed_count(rows) > 1  # one seed: no error bar (its std is 0 by definition)
         for j, r in enumerate(rows):
-            ax.bar(j, r["target_mean"], yerr=r["target_std"], color=colour(r["key"]), capsize=2, label=r["method"])
-            lows.append(r["target_mean"] - r["target_std"])
-            highs.append(r["target_mean"] + r["target_std"])
+            err = r["target_std"] if multi else None
+            ax.bar(
+                j,
+                r["target_mean"],
+                yerr=err,
+                color=colour(r["key"]),
+                capsize=2,
+                label=plot_label(r["key"], r["method"]),
+            )
+            lows.append(r["target_mean"] - (err or 0.0))
+            highs.append(r["target_mean"] + (err or 0.0))
         zs = next((r for r in rows if r["key"] == "zsclip"), None)
         if zs is not None:
             ax.axhline(zs["target_mean"], color="k", ls="--", lw=1)
         ax.set_xticks(range(len(rows)))
-        ax.set_xticklabels([r["method"] for r in rows], rotation=40, ha="right", fontsize=7)
+        ax.set_xticklabels([plot_label(r["key"], r["method"]) for r in rows], rotation=40, ha="right", fontsize=7)
         ax.set_title(
             f"{t['title'].split(':')[0]}: {t['title'].split(': ')[1].split(' generalization')[0]}, {t['shots']} shots",
             fontsize=9,
         )
+    n_seeds = _seed_count([r for tid in ids for r in tables[tid]["rows"]])
     bottom = max(0.0, 5 * int((min(lows) - 5) // 5))
     axes[0][0].set_ylim(bottom, max(highs) + 0.05 * (max(highs) - bottom))
     axes[0][0].set_ylabel(f"target accuracy (%), axis starts at {bottom:.0f} %")
     fig.suptitle(
         f"Tables 2, 3, A1, A2: prompts tuned on {tables[ids[0]]['source']}, accuracy on the targets "
-        f"(average over targets; mean ± std over seeds; dashed: CLIP zero-shot)\n" + _subtitle(settings, world),
+        f"(average over targets; {_spread(n_seeds)}; dashed: CLIP zero-shot)\n" + _subtitle(settings, world),
         fontsize=10,
     )
     fig.tight_layout()
