@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
@@ -13,6 +12,8 @@ from meta.infra.cli_errors import UserError, run_cli
 from ..items import STYLES
 from ..shapes import CATEGORIES
 from .background import BackgroundRuns
+from .pool import log
+from .profile import StageProfile
 from .report import last_screen, stage_report
 from .settings import DEFAULT_TABLES, OPT_IN_TABLES, TABLE_GROUPS, DemoSettings, demo_world_settings
 from .stages import check_settings, check_world, stage_chc, stage_eval, stage_meta, stage_world
@@ -26,27 +27,24 @@ def run(settings: DemoSettings, out: Path, world_root: Optional[Path] = None) ->
         raise ValueError(f"DemoSettings.tables: unknown table groups {unknown}; known: {', '.join(TABLE_GROUPS)}")
     out.mkdir(parents=True, exist_ok=True)
     check_settings(settings, out)
-    timings = {}
-    t = time.time()
-    world, weights, model, zeroshot = stage_world(settings, out, world_root)
-    timings["world + tiny CLIP"] = time.time() - t
+    profile = StageProfile()
+    world, weights, model, zeroshot = stage_world(settings, out, world_root, profile)
     check_world(out, world, weights)
     background = BackgroundRuns.start(world, weights, model, out, settings)  # baseline runs on the idle core
     finished = False
     try:
-        t = time.time()
-        stage_chc(world, weights, model, out, settings)
-        timings["CHC"] = time.time() - t
-        t = time.time()
-        inits = stage_meta(world, weights, model, out, settings)
-        timings["meta-training"] = time.time() - t
+        with profile.stage("CHC"):
+            stage_chc(world, weights, model, out, settings)
+        with profile.stage("meta-training", processes=settings.jobs):
+            inits = stage_meta(world, weights, model, out, settings)
         finished = True
     finally:
         if background is not None:
             background.finish(wait=finished)
-    t = time.time()
-    records = stage_eval(world, weights, model, inits, out, settings)
-    timings["evaluation"] = time.time() - t
+    with profile.stage("evaluation", processes=settings.jobs):
+        records = stage_eval(world, weights, model, inits, out, settings)
+    timings = profile.seconds()
+    log(f"stage profile: {profile.write(out)}")
     md = stage_report(records, zeroshot, settings, out, world, weights, timings)
     print(md.read_text(), flush=True)
     print(last_screen(md, settings), flush=True)  # the table and the file's path, last

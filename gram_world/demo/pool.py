@@ -3,6 +3,7 @@ fed by what the workers write, and the demo's log line."""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import time
@@ -10,7 +11,19 @@ from typing import Callable, Optional
 
 from tqdm import tqdm
 
+from meta.infra import products
+
 from ..lifeline import die_with_parent
+
+# products computed in worker processes since the demo started ({calls, seconds, gflop}; gram_world.demo.profile)
+WORKER_PRODUCTS = {"calls": 0, "seconds": 0.0, "gflop": 0.0}
+
+
+def _counted(fn: Callable, task):
+    """``fn(task)`` in a worker, with the products it computed: ``(result, {calls, seconds, gflop})``."""
+    before = products.usage()
+    result = fn(task)
+    return result, {k: v - before[k] for k, v in products.usage().items()}
 
 
 def log(msg: str) -> None:
@@ -50,12 +63,17 @@ def run_with_progress(
         with mp.get_context("spawn").Pool(
             jobs, initializer=die_with_parent, initargs=(os.getpid(), initializer, initargs)
         ) as pool:
-            pending = pool.map_async(fn, tasks, chunksize=1)
+            pending = pool.map_async(functools.partial(_counted, fn), tasks, chunksize=1)
             while not pending.ready():
                 pending.wait(2.0)
                 bar.n = done()
                 bar.refresh()
-            return pending.get()
+            results = []
+            for result, used in pending.get():
+                results.append(result)
+                for key, value in used.items():
+                    WORKER_PRODUCTS[key] += value
+            return results
     finally:
         bar.n = done()
         bar.close()

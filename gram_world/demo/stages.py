@@ -35,6 +35,7 @@ from ..build import build_world
 from ..pretrain import pretrain_clip
 from ..zeroshot import zeroshot_accuracy
 from .pool import log, run_with_progress
+from .profile import StageProfile
 from .settings import (
     ALL_VARIANTS,
     EPOCH_CURVE_KEYS,
@@ -55,13 +56,18 @@ from .settings import (
 )
 
 
-def stage_world(settings: DemoSettings, out: Path, world_root: Optional[Path] = None):
+def stage_world(settings: DemoSettings, out: Path, world_root: Optional[Path] = None, profile=None):
+    """Stages 1-2: the world and its tiny CLIP (both cached), timed into ``profile`` (a
+    :class:`gram_world.demo.profile.StageProfile`) when one is given."""
+    profile = profile if profile is not None else StageProfile()
     t = time.time()
-    world = build_world(root=world_root, settings=demo_world_settings(settings))
+    with profile.stage("world"):
+        world = build_world(root=world_root, settings=demo_world_settings(settings))
     log(f"world {world.settings_hash} (seed {settings.world_seed}) ready at {world.root} ({time.time() - t:.0f} s)")
     t = time.time()
     clip_settings = demo_pretrain_settings(settings)
-    weights = pretrain_clip(world, settings=clip_settings)
+    with profile.stage("tiny CLIP"):
+        weights = pretrain_clip(world, settings=clip_settings)
     log(f"tiny CLIP weights {weights.name} ({time.time() - t:.0f} s)")
     zs_file = weights.with_suffix(".zeroshot.json")
     zeroshot = json.loads(zs_file.read_text()) if zs_file.is_file() else zeroshot_accuracy(world, weights)

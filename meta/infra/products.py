@@ -27,25 +27,29 @@ kernels.  :func:`state` is what ``numerics_record()`` stores.
 
 from __future__ import annotations
 
+import time
 import warnings
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 THREADS = 1
 KERNEL = "numpy OpenBLAS (Haswell kernels, 1 thread)"
 _OPS = ("mm", "addmm", "bmm", "baddbmm")
-_library: Optional[torch.library.Library] = None
+_library = None  # the torch.library.Library holding the kernels, once installed
 _error: Optional[str] = None
-_NUMPY_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128, torch.int32, torch.int64)
+_usage = {"calls": 0, "seconds": 0.0, "gflop": 0.0}  # this process's products so far (:func:`usage`)
+_NUMPY_DTYPES = ("float32", "float64", "complex64", "complex128", "int32", "int64")  # torch.<name>
 
 
 def _blas_ready(t: torch.Tensor) -> torch.Tensor:
     """``t`` (``[..., m, k]``) with its last two dims C- or Fortran-ordered, in a dtype numpy multiplies."""
     t = t.detach().resolve_conj().resolve_neg()
-    if t.dtype not in _NUMPY_DTYPES:
-        t = t.to(torch.float32)
+    if str(t.dtype).removeprefix("torch.") not in _NUMPY_DTYPES:
+        t = t.float()
     if not (t.is_contiguous() or t.transpose(-1, -2).is_contiguous()):
         t = t.contiguous()
     return t
@@ -56,9 +60,13 @@ def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dtype != b.dtype:  # ATen's message: no silent promotion
         raise RuntimeError(f"expected m1 and m2 to have the same dtype, but got: {a.dtype} != {b.dtype}")
     dtype = a.dtype
+    start = time.perf_counter()
     x, y = _blas_ready(a), _blas_ready(b)
-    out = torch.empty((*x.shape[:-1], y.shape[-1]), dtype=x.dtype)
+    out = x.new_empty((*x.shape[:-1], y.shape[-1]))
     np.matmul(x.numpy(), y.numpy(), out=out.numpy())
+    _usage["calls"] += 1
+    _usage["seconds"] += time.perf_counter() - start
+    _usage["gflop"] += 2e-9 * out.numel() * x.shape[-1]
     return out if out.dtype == dtype else out.to(dtype)
 
 
@@ -97,6 +105,8 @@ def install() -> None:
     global _library
     if _library is not None:
         return
+    import torch
+
     _one_openblas_thread()
     with warnings.catch_warnings():  # torch warns that it replaces the registered CPU kernels: that is the point
         warnings.simplefilter("ignore")
@@ -117,6 +127,11 @@ def autoload() -> None:
         install()
     except Exception as err:  # the record names it; meta.fingerprint --check then fails on the digests
         _error = f"{type(err).__name__}: {err}"
+
+
+def usage() -> dict:
+    """This process's dispatched products so far: ``calls``, wall ``seconds`` inside them, ``gflop`` (2·m·k·n)."""
+    return dict(_usage)
 
 
 def state() -> dict:
