@@ -87,20 +87,15 @@ def _chc_node() -> CN:
     chc.INPUT.IMAGE_COLUMN = "image"
     chc.INPUT.CAPTION_COLUMN = "caption"
     chc.INPUT.IMAGE_ROOT = ""  # relative manifest image paths resolve here ("" = manifest's folder)
-    # Manifest rows whose image path, symlinks resolved, lies outside that data root (an absolute path elsewhere,
-    # "../" climbing out, a link pointing out) are skipped and counted as skipped_outside_root; True reads them.
-    chc.INPUT.ALLOW_OUTSIDE_ROOT = False
+    chc.INPUT.ALLOW_OUTSIDE_ROOT = False  # True: read rows whose image lies outside IMAGE_ROOT (docs/input_rules.md)
     chc.INPUT.MAX_PAIRS = 0  # 0 = all; else the first N pairs (smoke runs)
-    # longest CSV/TSV field; longer = one-line error (an unbalanced quote).  Also the byte cap of a shard's caption
-    # (.txt) or metadata (.json) member: a larger one is never read, its pair skipped / its metadata dropped (counted)
+    # longest CSV/TSV field (longer: one-line error), and the byte cap of a shard's text members (docs/input_rules.md)
     chc.INPUT.MAX_FIELD_CHARS = MAX_FIELD_CHARS
     # Stop (one line naming the path tried and the key that sets it) when more than this fraction of a rank's
     # first image chunk is unreadable: a wrong IMAGE_ROOT or relative base, not bad images.  1.0 = never stop.
     chc.INPUT.MAX_UNREADABLE_FRACTION = 0.9
-    # Caps met before the work (meta.data.input_limits; docs/input_rules.md): an image file or tar member over
-    # MAX_IMAGE_BYTES is not read (its size from stat / the tar header), an image declaring more than
-    # MAX_IMAGE_PIXELS pixels is not decoded, one whose longer side is over MAX_IMAGE_ASPECT times its shorter
-    # side is not resized; each is skipped and counted with the unreadable images, by reason.
+    # Caps met before the work (meta.data.input_limits; what each refuses: docs/input_rules.md), counted with the
+    # unreadable images, by reason.
     chc.INPUT.MAX_IMAGE_BYTES = MAX_IMAGE_BYTES  # 50 MiB
     chc.INPUT.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS  # 50,000,000 (a 24 MP photo is 24,000,000)
     chc.INPUT.MAX_IMAGE_ASPECT = MAX_IMAGE_ASPECT  # 20.0 (a panorama is ~4-8)

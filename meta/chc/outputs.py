@@ -34,12 +34,8 @@ def _fix(path: Path, stage: Optional[str]) -> str:
 
 
 def read_json_output(path, expected: str, stage: Optional[str] = None):
-    """The JSON value in ``path``; :class:`OutputError` when it is not valid JSON.
-
-    Args:
-        expected: what the file holds, for the message (``"the topic names and run metadata"``).
-        stage: the stage that wrote it (``None`` = a file every run rewrites).
-    """
+    """The JSON value in ``path``; :class:`OutputError` when it is not valid JSON, naming what it holds
+    (``expected``) and the ``stage`` that wrote it (``None`` = a file every run rewrites)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found; expected {expected}; {_fix(path, stage)}")
@@ -65,10 +61,8 @@ def load_npy_output(
 ) -> np.ndarray:
     """The ``.npy`` array in ``path``, checked; :class:`OutputError` when it is cut, garbled or of another shape.
 
-    Args:
-        expected: what the array holds, e.g. ``"float32 [N, D] CLIP image features"``.
-        dtype / ndim / rows: checks of the array's dtype, number of dimensions, first dimension.
-        mmap: memory-map read-only instead of reading into memory.
+    ``expected``: what it holds (``"float32 [N, D] CLIP image features"``); ``dtype`` / ``ndim`` / ``rows``: checks
+    of its dtype, number of dimensions, first dimension; ``mmap``: memory-map it read-only.
     """
     path = Path(path)
     if not path.is_file():

@@ -90,14 +90,8 @@ def index_settings(inp) -> dict:
 
 
 class ChcRun:
-    """One CHC run.
-
-    Args:
-        settings: the run's typed ``CHC``, ``MODEL`` and ``SEED`` (:func:`meta.chc.settings.read_chc_settings`).
-        rank / world_size: this process's place among ``torchrun`` processes.
-        barrier: called where ranks must wait for each other (``None`` = single process).
-        show_progress: tqdm bars on/off.
-    """
+    """One CHC run of ``settings`` (:func:`meta.chc.settings.read_chc_settings`) as process ``rank`` of
+    ``world_size``; ``barrier`` is called where ranks must wait for each other (``None`` = single process)."""
 
     def __init__(
         self,

@@ -79,38 +79,25 @@ MAX_LISTED_ISSUES = 20
 def skipped_input_rows(counts: dict, issues: list, unreadable_by_reason: dict, max_caption_chars: int) -> list:
     """Rows ``{stage, reason, count, action}`` of the report's "Skipped input" table (non-zero counts only)."""
     rows = []
+
+    def row(stage: str, reason: str, count, action: str) -> None:
+        rows.append({"stage": stage, "reason": reason, "count": int(count), "action": action})
+
     if counts.get("corrupt_shards"):
-        rows.append(
-            {
-                "stage": "index",
-                "reason": "corrupt shard (listed below)",
-                "count": counts["corrupt_shards"],
-                "action": f"pairs before the damage kept; {counts.get('corrupt_shard_bytes_unread', 0)} "
-                f"bytes after it not read; {counts.get('corrupt_shards_cut_short', 0)} file(s) cut "
-                f"short (what followed the cut is unknown)",
-            }
+        unread, cut = counts.get("corrupt_shard_bytes_unread", 0), counts.get("corrupt_shards_cut_short", 0)
+        action = (
+            f"pairs before the damage kept; {unread} bytes after it not read; {cut} file(s) cut short "
+            "(what followed the cut is unknown)"
         )
+        row("index", "corrupt shard (listed below)", counts["corrupt_shards"], action)
     for key, reason, action in _INDEX_REASONS:
         if counts.get(key):
-            rows.append({"stage": "index", "reason": reason, "count": int(counts[key]), "action": action})
+            row("index", reason, counts[key], action)
     for why, n in unreadable_by_reason.items():
-        rows.append(
-            {
-                "stage": "image_features",
-                "reason": f"unreadable image: {why}",
-                "count": int(n),
-                "action": "pair not clustered",
-            }
-        )
+        row("image_features", f"unreadable image: {why}", n, "pair not clustered")
     if counts.get("captions_cut_to_max_chars"):
-        rows.append(
-            {
-                "stage": "text",
-                "reason": f"caption longer than CHC.TEXT.MAX_CAPTION_CHARS={max_caption_chars}",
-                "count": int(counts["captions_cut_to_max_chars"]),
-                "action": "cut for embeddings and topic words",
-            }
-        )
+        reason = f"caption longer than CHC.TEXT.MAX_CAPTION_CHARS={max_caption_chars}"
+        row("text", reason, counts["captions_cut_to_max_chars"], "cut for embeddings and topic words")
     return rows
 
 
@@ -155,13 +142,9 @@ def plot_topics(out_dir: Path, names: list) -> bool:
         sel = topic == t
         ax.scatter(xy[sel, 0], xy[sel, 1], s=4, color=cmap(int(t) % 20), linewidths=0)
         cx, cy = np.median(xy[sel], axis=0)
+        label = names[int(t)] if int(t) < len(names) else str(t)
         ax.text(
-            cx,
-            cy,
-            names[int(t)] if int(t) < len(names) else str(t),
-            fontsize=7,
-            ha="center",
-            bbox=dict(boxstyle="round,pad=0.15", fc="white", alpha=0.7, lw=0),
+            cx, cy, label, fontsize=7, ha="center", bbox=dict(boxstyle="round,pad=0.15", fc="white", alpha=0.7, lw=0)
         )
     ax.set_title(f"CHC topics: 2-D UMAP of {len(xy)} sampled captions")
     ax.set_xticks([]), ax.set_yticks([])
@@ -197,11 +180,8 @@ def write_report(
     for t, name in enumerate(final_names):
         members = members_of.get(t, np.zeros(0, dtype=np.int64))
         entry = next(e for e in domain_info["per_topic"] if e["name"] == name)
-        merged_from = [
-            c
-            for c, tt in enumerate(topic_info["cluster_to_topic"])
-            if tt >= 0 and topic_info["topic_names"][tt] == name
-        ]
+        names_of = topic_info["topic_names"]
+        merged_from = [c for c, tt in enumerate(topic_info["cluster_to_topic"]) if tt >= 0 and names_of[tt] == name]
         topics.append(
             {
                 "name": name,

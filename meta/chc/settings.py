@@ -3,12 +3,9 @@
 The defaults and their meaning live in :func:`meta.config.get_meta_cfg_default` (``_chc_node``); this
 module holds the values each key accepts and the typed view (:class:`ChcSettings`) that
 :func:`read_chc_settings` builds at the edge (:func:`meta.chc.run_chc`), so nothing below reads the yacs
-node.  :func:`check_chc_cfg` raises
-:class:`meta.infra.cli_errors.UserError` for the first bad value, so ``python -m meta cluster`` ends in one
-line naming the key: ``error: CHC.IMAGES.BATCH_SIZE: expected an integer >= 1, got 0``.  Without it a
-zero batch size failed with ``range() arg 3 must not be zero``, a negative chunk size with
-``negative dimensions are not allowed`` and ``MIN_CLUSTER_SIZE 1`` with an HDBSCAN message after the
-sentence embeddings (HDBSCAN's minimum cluster size is 2).
+node.  :func:`check_chc_cfg` raises :class:`meta.infra.cli_errors.UserError` for the first bad value, so
+``python -m meta cluster`` ends in one line naming the key: ``error: CHC.IMAGES.BATCH_SIZE: expected an integer
+>= 1, got 0`` (not a numpy or HDBSCAN message after minutes of work).
 """
 
 from __future__ import annotations

@@ -353,14 +353,8 @@ def open_regular(path: str, max_bytes: Optional[int] = None) -> BinaryIO:
 
 
 def read_regular_file(path: str, max_bytes: int = MAX_IMAGE_BYTES) -> bytes:
-    """The bytes of ``path``, refusing anything but a regular file of at most ``max_bytes`` bytes, without blocking
-    (:func:`open_regular`: a file over the cap is never read); at most ``max_bytes + 1`` bytes are read (the file may
-    grow meanwhile).
-
-    Raises:
-        OSError: the file is missing or unreadable; :class:`NotRegularFileError` for a special file;
-        :class:`FileTooLargeError` for a file over ``max_bytes``.
-    """
+    """The bytes of ``path`` through :func:`open_regular` (same refusals and errors); at most ``max_bytes + 1`` bytes
+    are read (the file may grow meanwhile)."""
     with open_regular(path, max_bytes) as fh:
         data = fh.read(max_bytes + 1)
     if len(data) > max_bytes:
@@ -462,15 +456,9 @@ def _shard_issue(issues: Optional[list], path: str, problem: str, **found) -> No
 
 
 def scan_tar(path: str, counts: dict, issues: Optional[list] = None, max_text_bytes: int = MAX_FIELD_CHARS) -> list:
-    """Records ``(key, offset, size, caption, meta_json)`` of one shard, in member order.
-
-    A damaged shard (see the module docstring) keeps the pairs read before the damage,
-    counts ``corrupt_shards`` and, when ``issues`` is given, appends
-    ``{"source", "problem", "offset", "bytes_unread", "pairs_read"}`` to it.  A pair
-    missing its image or caption is counted and dropped.  A caption (``txt``) or metadata (``json``) member larger
-    than ``max_text_bytes`` (``CHC.INPUT.MAX_FIELD_CHARS``) is never read: its pair is skipped
-    (``skipped_caption_too_long``), respectively kept without its metadata (``metadata_too_long_dropped``).
-    """
+    """Records ``(key, offset, size, caption, meta_json)`` of one shard, in member order, under the module docstring's
+    rules (``max_text_bytes``: ``CHC.INPUT.MAX_FIELD_CHARS``); a damaged shard appends ``{"source", "problem",
+    "offset", "bytes_unread", "cut_short", "pairs_read"}`` to ``issues`` when given."""
     groups: dict = {}  # key -> its member groups, in order (more than one: a repeated key)
     order: list = []  # (key, group number) in the order groups were opened
     damage = None  # (byte offset where reading stopped, what was found there)
@@ -768,16 +756,10 @@ def scan_manifest(
     special: Optional[list] = None,
     allow_outside_root: bool = False,
 ) -> list:
-    """Records ``(key, path, caption, stamp)`` of a manifest; a missing column is a one-line error.
-
-    ``stamp`` is the image file's :func:`file_stamp` when it was read.  A row whose image path is
-    not a regular file (a FIFO, a device, a socket, a folder) is skipped and counted, and
-    ``[path, *stamp]`` appended to ``special`` when given, so a later run notices a replaced file.
-    Unless ``allow_outside_root`` (``CHC.INPUT.ALLOW_OUTSIDE_ROOT``), a row whose image path resolves
-    outside the data root (``image_root``, or the manifest's folder when it is ``""``) is skipped and
-    counted as ``skipped_outside_root``.
-    Policies (each skip counted in ``counts``, problem lines in ``issues``): see the module docstring.
-    """
+    """Records ``(key, path, caption, stamp)`` of a manifest (``stamp``: the image's :func:`file_stamp` when read);
+    a missing column is a one-line error.  Skips follow the module docstring's rules, counted in ``counts`` with
+    problem lines in ``issues``; a special file's ``[path, *stamp]`` goes to ``special`` when given, so a later run
+    notices a replaced file; ``image_root`` ``""`` = the manifest's folder."""
     if not os.path.isfile(path):
         what = f"not a regular file ({file_type(path)})" if os.path.exists(path) else "no such file"
         raise FileNotFoundError(f"CHC.INPUT.MANIFEST: {what}: {path}")
@@ -853,13 +835,8 @@ def build_index(
     max_field_chars: int = MAX_FIELD_CHARS,
     allow_outside_root: bool = False,
 ) -> PairIndex:
-    """Scan the inputs into a :class:`PairIndex` (no image decoding).
-
-    ``allow_outside_root`` (``CHC.INPUT.ALLOW_OUTSIDE_ROOT``): read manifest rows whose image path
-    resolves outside the data root instead of skipping them (:func:`scan_manifest`).
-
-    Raises :class:`~meta.chc.errors.InputError` when not one usable pair was found.
-    """
+    """Scan the inputs into a :class:`PairIndex` (no image decoding; arguments: the ``CHC.INPUT`` keys,
+    :func:`scan_manifest`); :class:`~meta.chc.errors.InputError` when not one usable pair was found."""
     from tqdm import tqdm
 
     if not shards and not manifest:

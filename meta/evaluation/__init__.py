@@ -1,17 +1,10 @@
 """Dassl-free few-shot adaptation and evaluation (CoOp's base-to-new and transfer protocols).
 
-Public API (the command line, ``python -m meta.evaluation``, is :mod:`meta.evaluation.cli`):
-
-* :class:`MethodSpec`, :func:`method_preset` - what to fine-tune (zero-shot CLIP, CoOp, VPT,
-  UNIGRAM, with or without a GRAM init file and its gradient regulator);
-* :class:`TrainSpec` - CoCoOp's schedule by default (SGD 0.002, 10 epochs, batch 1, cosine with
-  one constant warm-up epoch), augmentation and evaluation cadence;
-* :class:`DatasetRef` - a CoOp-layout dataset (read through ``meta.data.coop_data``);
-* :func:`evaluate_base_to_new`, :func:`evaluate_transfer` -> JSON-able result records;
-* :class:`EvaluationSession` - shares frozen image features between runs;
-* :func:`summarise`, :func:`epoch_curves` - seed means (± population
-  std, as CoOp's parser), H of the means, accuracy-vs-epoch curves;
-* :class:`StartPoint` - fine-tune from in-memory θ/φ (meta-validation of live meta-parameters).
+Public API (the command line, ``python -m meta.evaluation``, is :mod:`meta.evaluation.cli`): what to fine-tune
+(:class:`MethodSpec`, :func:`method_preset`) and how (:class:`TrainSpec`), on which data (:class:`DatasetRef`),
+the protocols (:func:`evaluate_base_to_new`, :func:`evaluate_transfer`, sharing an :class:`EvaluationSession`,
+optionally from an in-memory :class:`StartPoint`) and their seed summaries (:func:`summarise`,
+:func:`epoch_curves`).
 """
 
 from meta.evaluation.datasets import DatasetRef

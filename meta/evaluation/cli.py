@@ -15,9 +15,8 @@ Examples::
     python -m meta.evaluation transfer --source DIR --targets DIR2 DIR3 --methods coop ...
 
 Each (dataset, method, seed) record is appended as one JSON line to ``--output`` and a summary line is printed; a mean ±
-std table over seeds closes the run.  Bad input (a missing or mismatching init file, CLIP weights, image or split file)
-ends the run with one ``error: <file or flag>: ...`` line and exit status 2 (:mod:`meta.infra.cli_errors`; ``--debug``
-or ``GRAM_DEBUG=1`` shows the traceback).
+std table over seeds closes the run.  Bad input (init file, CLIP weights, image or split file) ends the run with one
+``error:`` line, exit 2 (:mod:`meta.infra.cli_errors`).
 """
 
 from __future__ import annotations

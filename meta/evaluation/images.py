@@ -185,15 +185,9 @@ def _file_key(impath: str) -> str:
 
 
 class FeatureCache:
-    """Frozen-tower image features ``[E]`` (L2-normalised, fp32, CPU) keyed by image and transform.
-
-    Args:
-        clip: the frozen CLIP whose image tower is cached (its weights fingerprint names the
-            disk folder, so features of different weights never mix).
-        cache_dir: optional folder for the on-disk cache; "" / None = memory only.
-        batch_size: images per forward when encoding.
-        fingerprint: pass a known ``clip_fingerprint(clip)`` to skip hashing the weights.
-    """
+    """Frozen-tower image features ``[E]`` (L2-normalised, fp32, CPU) of ``clip`` keyed by image and transform, in
+    memory and, with ``cache_dir``, on disk in a folder named by the weights' fingerprint (pass a known
+    ``clip_fingerprint(clip)`` as ``fingerprint`` to skip hashing them), so features of other weights never mix."""
 
     def __init__(self, clip: nn.Module, cache_dir: Optional[str] = None, batch_size: int = 64, fingerprint: str = ""):
         self.clip = clip

@@ -29,14 +29,9 @@ def is_rank0() -> bool:
 
 
 class RunLock:
-    """Exclusive, non-blocking lock on an output folder (created if missing).
-
-    Args:
-        folder: the output folder.
-        key: the config key or flag that named the folder (used when it is not a folder).
-        enabled: ``False`` makes every method a no-op (non-zero ranks).
-
-    Use as a context manager, or :meth:`acquire` / :meth:`release`.  On release the lock file is
+    """Exclusive, non-blocking lock on an output ``folder`` (created if missing); ``key``: the config key or flag
+    that named it (for the error when it is not a folder); ``enabled`` False makes every method a no-op (non-zero
+    ranks).  Use as a context manager, or :meth:`acquire` / :meth:`release`.  On release the lock file is
     removed; holders verify after locking that the file they locked is still the one on disk,
     so removing it cannot let two writers in.
     """

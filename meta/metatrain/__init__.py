@@ -5,11 +5,7 @@ Command line (through ``python -m meta``)::
     python -m meta train --config-file configs/meta/train_coop.yaml [--resume] [--output-dir D] [KEY VALUE ...]
     python -m meta export --run-dir D [--out F]
 
-Modules: :mod:`.settings` (``META`` config node, specs), :mod:`.data` (hierarchy -> tensors,
-feature check, task streams), :mod:`.trainer` (the loop, validation, resume),
-:mod:`.checkpoint` (atomic, ``weights_only``-loadable state), :mod:`.runlog` (JSON lines,
-tensorboard, tqdm), :mod:`.export` (``gram_init.safetensors`` + ``coop_ctx_nctx<M>.pth``),
-:mod:`.cli` (argument parsing).
+The modules, one line each: docs/layout.md, ``meta/metatrain/``.
 """
 
 from meta.config import add_metatrain_cfg

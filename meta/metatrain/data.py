@@ -184,15 +184,8 @@ def check_cached_features(
 
 # ----------------------------------------------------------------------------- batches
 class TaskBatcher:
-    """Item indices -> loss-function batches.
-
-    Args:
-        hierarchy: the task source.
-        use_images: True when θ has visual prompts (images go through the prompted image tower);
-            False = cached L2-normalised ``image_features``.
-        mean, std: CLIP pixel normalisation.
-        dtype: floating dtype of the CLIP.
-    """
+    """Item indices of ``hierarchy`` -> loss-function batches: images (normalised by ``mean``, ``std``, in the CLIP's
+    ``dtype``) when ``use_images`` (θ has visual prompts), else its cached L2-normalised ``image_features``."""
 
     def __init__(
         self,

@@ -452,9 +452,7 @@ def meta_spec(cfg: CN, device=None) -> "MetaSpec":
 
     With ``device``, ``META.AUTOCAST`` is what runs there (``none`` off CUDA, logged once).
     """
-    from meta.method.gram import (
-        MetaSpec,  # lazy: meta.method.gram imports learn2learn, which config-only users do not need
-    )
+    from meta.method.gram import MetaSpec  # lazy: it imports learn2learn, which config-only users do not need
 
     m = cfg.META
     problem = saved_removed_problem(flatten_cfg(m, "META."), "META.TRAJECTORY_")  # a saved config's removed keys

@@ -7,14 +7,12 @@ towers).  The built-in learner, :class:`ClipPrompts` (key ``clip``), holds these
 * ``ctx``: ``[M, d_t]`` text context vectors (CoOp), present when ``n_ctx_text > 0``;
 * ``vpt``: ``[D, n, d_v]`` visual prompt tokens (VPT), present when ``n_ctx_vision > 0``
   (``D = 1`` shallow, ``D > 1`` deep);
-* ``ctx_deep``: ``[J - 1, M, d_t]`` deep text prompts (IVLP / MaPLe ``PROMPT_DEPTH`` J > 1): before
-  text block ``i`` (``1 <= i < J``) the hidden states at the M context positions are replaced by
-  ``ctx_deep[i - 1]`` (:func:`meta.model.text_encoder.encode_text_with_context`);
-* ``proj_weight`` ``[J, d_v, d_t]`` and ``proj_bias`` ``[J, d_v]``: MaPLe's coupling.  The visual prompts of vision
-  layer ``i < J`` are not free parameters but ``t_i W_iᵀ + b_i`` with ``t_0 = ctx`` and ``t_i = ctx_deep[i - 1]``
-  (:func:`visual_prompts`); they then enter the vision tower exactly as deep VPT tokens do.  (MaPLe, Khattak et al. CVPR
-  2023, Eqs. for the V-L coupling function F_i; muzairkhattak/multimodal-prompt-learning ``trainers/maple.py``: ``proj``
-  for layer 0 and ``compound_prompt_projections`` for layers 1..J-1.)
+* ``ctx_deep``: ``[J - 1, M, d_t]`` deep text prompts (IVLP / MaPLe ``PROMPT_DEPTH`` J > 1) for text blocks
+  ``1..J-1`` (:func:`meta.model.text_encoder.encode_text_with_context`);
+* ``proj_weight`` ``[J, d_v, d_t]`` and ``proj_bias`` ``[J, d_v]``: MaPLe's coupling: vision layer ``i < J`` gets
+  ``t_i W_iᵀ + b_i`` (``t_0 = ctx``, ``t_i = ctx_deep[i - 1]``, :meth:`ClipPrompts.visual_prompts`) as deep VPT tokens
+  (MaPLe, Khattak et al. CVPR 2023, the V-L coupling function F_i; muzairkhattak/multimodal-prompt-learning
+  ``trainers/maple.py``: ``proj`` for layer 0 and ``compound_prompt_projections`` for layers 1..J-1).
 
 Every tensor is one θ tensor for the meta-learner: one R_φ each (layers of one tensor share a shape,
 so they share R_φ, as deep VPT does).
@@ -120,8 +118,7 @@ class PromptSpec:
         ctx_init: words to initialise the context from (e.g. "a photo of a"); "" = N(0, init_std²).
         n_ctx_vision: n, visual prompt tokens per prompted layer (0 = none).
         vision_depth: D, layers that receive visual prompts (1 = shallow VPT).
-        init_std: standard deviation of random prompt initialisation (CoOp uses 0.02).
-        template: fixed text prompt when there is no text context.
+        init_std, template: std of random prompt starts (CoOp: 0.02); the fixed text prompt without text context.
         vpt_init: how the visual tokens start (:data:`VPT_INITS`, the rules of :func:`initial_visual_prompts`).
         text_depth: J, text layers that receive learnable context (1 = CoOp; J > 1 adds ``ctx_deep`` for layers 1..J-1,
             started from N(0, init_std²) as IVLP and MaPLe do; 0 = every text layer, with ``maple`` every layer both
@@ -245,8 +242,7 @@ class PromptParams(nn.Module):
 
 
 class ClipPrompts(PromptLearner):
-    """The built-in learner ``clip``: CoOp, VPT, UNIGRAM, IVLP and MaPLe by :class:`PromptSpec`'s fields, holding
-    the tensors of the module docstring (each present or not by the spec)."""
+    """The built-in learner ``clip``: CoOp, VPT, UNIGRAM, IVLP and MaPLe, the tensors of the module docstring."""
 
     key = DEFAULT_LEARNER
     tensor_names = PROMPT_TENSORS
@@ -395,10 +391,8 @@ def initial_projections(
 
 
 def visual_prompts(prompts: Optional[nn.Module]) -> Optional[torch.Tensor]:
-    """``[D, n, d_v]`` tokens for the vision tower, or ``None``, by θ's learner (any leading task dims ride along).
-
-    Works on any object with the learner's tensors as attributes (l2l clones of :class:`PromptParams`, task
-    stacks, plain views in tests)."""
+    """``[D, n, d_v]`` tokens for the vision tower, or ``None``, by θ's learner, of any object with the learner's
+    tensors as attributes (l2l clones of :class:`PromptParams`, task stacks ``[B, ...]``, plain views in tests)."""
     if prompts is None:
         return None
     return learner_of(prompts).visual_prompts(prompts)
@@ -472,11 +466,8 @@ class PromptedCLIP:
         images: Optional[torch.Tensor] = None,
         image_features: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """``[B, C]`` scaled cosine logits.
-
-        Pass ``image_features`` (``[B, E]``, normalised) instead of ``images`` when the
-        image side carries no prompts: the frozen image tower output can then be cached.
-        """
+        """``[B, C]`` scaled cosine logits; ``image_features`` (``[B, E]``, normalised, cacheable) may stand in for
+        ``images`` when the image side carries no prompts."""
         return feature_logits(self.logit_scale, *self.features(prompts, classnames, images, image_features))
 
     def features(
@@ -495,9 +486,8 @@ def classification_loss(pclip: PromptedCLIP, consistency: Optional[ConsistencySp
     """The task loss used everywhere: cross-entropy of prompted-CLIP logits, plus the zero-shot consistency
     terms of :mod:`meta.method.consistency` when ``consistency`` is active (fine-tuning only).
 
-    Returns ``loss_fn(prompts, batch) -> (loss, logits [n, K])`` where ``batch`` is a dict with
-    ``classnames`` (K names), ``label`` (``[n]`` in 0..K-1) and either ``images``
-    (``[n, 3, H, W]``) or cached, normalised ``features`` (``[n, E]``; text-only prompts).
+    Returns ``loss_fn(prompts, batch) -> (loss, logits [n, K])`` for a dict ``batch`` of ``classnames`` (K names),
+    ``label`` (``[n]`` in 0..K-1) and ``images`` ``[n, 3, H, W]`` or cached, normalised ``features`` ``[n, E]``.
     ``loss_fn.pclip`` is ``pclip``, from which :func:`meta.method.batched.batched_loss_of` builds its task-stacked twin;
     ``loss_fn.consistency`` is the active spec or None; ``loss_fn.task_loss`` is the cross-entropy alone (the
     query loss of meta-training); ``loss_fn.parts(prompts, batch) -> (cross-entropy, consistency penalty, logits)``

@@ -16,9 +16,7 @@ with ``u`` the input of the linear maps and ``s`` the scale of the offset β.  C
   ``rms(g)`` (units of the gradient); a float gives a fixed scale (1.0 = paper).
 * ``init`` ["zero"]: W = b = 0 (identity start in the residual form), or "normal": W ~ N(0, init_std²), b = 0.
 
-Options measured and dropped (a γ bound, norm preservation, learned raw/regulated mixing, γ-only / β-only halves, a
-learned step size): ``docs/evidence.md``, "Options removed"; an init file that records one of them switched on is
-refused by :mod:`meta.finetune.init_io`.
+Options measured and dropped: ``docs/evidence.md``, "Options removed" (an init file with one switched on is refused).
 
 One regulator per prompt tensor (the paper's rule): deep VPT's one ``[D, n, d_v]`` tensor shares one over d_v.
 learn2learn's ``GBML`` calls the transform factory (:class:`RegulatorFactory`, a plain callable, not an
