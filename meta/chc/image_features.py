@@ -115,9 +115,7 @@ def encode_rank(
         max_unreadable_fraction: stop with :class:`~meta.chc.errors.InputError` when more
             than this fraction of the rank's first chunk is unreadable (1.0 = never).
         image_root: ``CHC.INPUT.IMAGE_ROOT``, named in that error.
-        max_bytes / max_pixels / max_aspect: ``CHC.INPUT.MAX_IMAGE_BYTES`` / ``MAX_IMAGE_PIXELS`` /
-            ``MAX_IMAGE_ASPECT`` (:mod:`meta.data.input_limits`): a larger file is not read, a larger or more
-            elongated image not decoded; unreadable, counted by reason.
+        max_bytes / max_pixels / max_aspect: the ``CHC.INPUT.MAX_IMAGE_*`` caps (docs/input_rules.md).
         decoder: ``CHC.IMAGES.DECODER``: ``pil`` (the reference, :func:`meta.chc.imaging.decode_batch`) or
             ``torchvision`` (JPEGs decoded and resized on ``device``: :mod:`meta.chc.tensor_decode`).
         read_threads: ``CHC.IMAGES.READ_THREADS``: threads reading a chunk's bytes side by side

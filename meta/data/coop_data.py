@@ -604,11 +604,9 @@ def load_coop_splits(
     """Read one dataset the way CoOp's Dassl dataset class does, without Dassl.
 
     Args:
-        root: ``DATASET.ROOT``.
-        name: Dassl ``DATASET.NAME`` or config key (``"dtd"``), or a ``CoopLayout``.
-        num_shots: ``DATASET.NUM_SHOTS``; ``< 1`` keeps every image.
+        root, num_shots, subsample: ``DATASET.ROOT``, ``DATASET.NUM_SHOTS`` (``< 1`` keeps every image) and
+            ``DATASET.SUBSAMPLE_CLASSES``; ``name``: Dassl ``DATASET.NAME``, a config key (``"dtd"``) or a layout.
         seed: ``cfg.SEED``; names the cache file.  ``-1`` means unseeded (CoOp caches that too).
-        subsample: ``DATASET.SUBSAMPLE_CLASSES`` (``all``/``base``/``new``).
         rng: the draw source.  Dassl code passes the ``random`` module (seeded by
             ``set_random_seed``), so the global stream advances exactly as in CoOp; ``None`` uses
             ``random.Random(seed)`` for ``seed >= 0`` (same draws) and the global module otherwise.

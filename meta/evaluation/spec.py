@@ -56,8 +56,7 @@ class MethodSpec:
     With no prompt at all (``n_ctx_text == n_ctx_vision == 0``) the method is zero-shot CLIP: nothing is trained.
     """
 
-    # The defaults are the specs' that these fields are built into (meta.settings_map, tests/test_one_default.py):
-    # prompts meta.method.prompts.PromptSpec, start meta.finetune.engine.StartSpec, weights ConsistencySpec.
+    # defaults: the specs' these fields are built into (meta.settings_map, tests/test_one_default.py)
     name: str
     n_ctx_text: int = PromptSpec.n_ctx_text
     n_ctx_vision: int = PromptSpec.n_ctx_vision

@@ -465,8 +465,7 @@ def train(
         resume: continue from ``OUTPUT_DIR/checkpoint.pt`` (start afresh when there is none).
             Without it, an ``OUTPUT_DIR`` holding a checkpoint or an export is refused.
         hierarchy: an already-built hierarchy (tests, notebooks); default = the configured source.
-        on_step: called as ``on_step(step, metrics)`` after each finished step (and its checkpoint).
-        echo: where one-line status messages go.
+        on_step, echo: ``on_step(step, metrics)`` after each finished step (and its checkpoint); status lines.
         recorder: what computed the run, for ``run.json``'s ``computed_by`` (``META.FINGERPRINT``):
             :func:`meta.fingerprint.record.computed_by` (commit, numerics fingerprint, CPU, pins), which
             ``python -m meta train`` passes; without it the record holds no fingerprint and says so.
