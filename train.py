@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from typing import Optional, Sequence
 
 from meta.infra.numerics import pin_process
@@ -114,6 +115,11 @@ def setup_cfg(args: argparse.Namespace):
     return cfg
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """Python warnings as one ``warning: <category>: <message>`` line, like this repository's own notes."""
+    return f"warning: {category.__name__}: {' '.join(str(message).split())}\n"
+
+
 def main(args: argparse.Namespace) -> None:
     cfg = setup_cfg(args)
     if cfg.SEED >= 0:
@@ -121,6 +127,7 @@ def main(args: argparse.Namespace) -> None:
         set_random_seed(cfg.SEED)
     setup_logger(cfg.OUTPUT_DIR)
     log_stderr()  # stderr (warnings included) into log.txt too; the trainers' check_cfg does the same
+    warnings.formatwarning = _one_line_warning
 
     if torch.cuda.is_available() and cfg.USE_CUDA:
         torch.backends.cudnn.benchmark = True

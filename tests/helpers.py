@@ -308,14 +308,17 @@ def minimal_cfg(trainer: str = "GRAM_CoOp", backbone: str = "ViT-B/16") -> CN:
     return extend_cfg(cfg)
 
 
-def one_error_line(capsys_or_text, *names: str, progress: bool = False) -> str:
+def one_error_line(capsys_or_text, *names: str, progress: bool = False, warnings: bool = False) -> str:
     """The single non-empty stderr line; it starts with ``error:`` and names every one of ``names``.
 
-    ``progress``: ignore tqdm bar lines (transformers' "Loading weights" bar ignores ``--no-progress``)."""
+    ``progress``: ignore tqdm bar lines (transformers' "Loading weights" bar ignores ``--no-progress``);
+    ``warnings``: ignore one-line ``warning: ...`` notes before it (``train.py`` prints Python warnings so)."""
     text = capsys_or_text if isinstance(capsys_or_text, str) else capsys_or_text.readouterr().err
     lines = [line for line in text.splitlines() if line.strip()]
     if progress:
         lines = [line for line in lines if not (line.startswith("Loading weights") and "it/s]" in line)]
+    if warnings:
+        lines = [line for line in lines if not line.startswith("warning: ")]
     assert len(lines) == 1, text
     assert lines[0].startswith("error: "), lines[0]
     for name in names:
