@@ -55,34 +55,10 @@ _EXPORTS = {
     "export_coop_context": "meta.finetune.init_io",
 }
 
-__all__ = [
-    "ClipDims",
-    "GRAMMetaLearner",
-    "GradientRegulation",
-    "GradientRegulator",
-    "GramInit",
-    "InitMismatchError",
-    "MetaSpec",
-    "OuterStep",
-    "PromptParams",
-    "PromptSpec",
-    "PromptedCLIP",
-    "RegulatedStepper",
-    "RegulatorFactory",
-    "RegulatorSpec",
-    "StartSpec",
-    "TaskBatch",
-    "build_start",
-    "classification_loss",
-    "export_coop_context",
-    "export_gram_init",
-    "finetune_and_score",
-    "load_clip",
-    "load_gram_init",
-    "__version__",
-]
+__all__ = [*sorted(_EXPORTS), "__version__"]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names come from __getattr__
+    # ruff: noqa: F401 (the names __all__ exports, read from _EXPORTS)
     from meta.finetune.engine import RegulatedStepper, StartSpec, build_start
     from meta.finetune.init_io import GramInit, InitMismatchError, export_coop_context, export_gram_init, load_gram_init
     from meta.finetune.regulated import GradientRegulation, finetune_and_score

@@ -28,6 +28,7 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
+from meta.config import KEY_FIELDS, TRAIN_SPEC
 from meta.evaluation import (
     PRESET_ALIASES,
     PRESET_NAMES,
@@ -82,13 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     common.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     common.add_argument("--shots", type=int, default=16)
-    common.add_argument("--epochs", type=int, default=TrainSpec.epochs)
-    common.add_argument("--batch-size", type=int, default=TrainSpec.batch_size)
-    common.add_argument("--optimizer", choices=OPTIMIZERS, default=TrainSpec.optimizer)
-    common.add_argument("--lr", type=float, default=TrainSpec.lr)
-    common.add_argument("--weight-decay", type=float, default=TrainSpec.weight_decay)
-    common.add_argument("--warmup-epochs", type=int, default=TrainSpec.warmup_epochs)
-    common.add_argument("--warmup-lr", type=float, default=TrainSpec.warmup_lr)
+    for name in ("epochs", "batch_size", "optimizer", "lr", "weight_decay", "warmup_epochs", "warmup_lr"):
+        default, choices = getattr(TrainSpec, name), OPTIMIZERS if name == "optimizer" else None
+        common.add_argument(f"--{name.replace('_', '-')}", type=type(default), choices=choices, default=default)
     common.add_argument(
         "--aug-views",
         type=int,
@@ -149,18 +146,12 @@ def _init_paths(values: Sequence[str]) -> dict[str, str]:
 
 def _methods(args: argparse.Namespace) -> list[MethodSpec]:
     inits = _init_paths(args.init)
+    changed = {k: getattr(args, k) for k in ("vision_depth", "vpt_init") if getattr(args, k) != getattr(PromptSpec, k)}
     methods = []
     for key in map(preset_key, args.methods):
-        overrides = {}
-        if args.vision_depth != PromptSpec.vision_depth:
-            overrides["vision_depth"] = args.vision_depth
-        if args.vpt_init != PromptSpec.vpt_init:
-            overrides["vpt_init"] = args.vpt_init
-        if args.ctx_init and key in ("coop", "joint"):
-            overrides["ctx_init"] = args.ctx_init
-        gram = is_gram_preset(key)
-        path = inits.get(key, inits.get("*", "")) if gram else ""
-        methods.append(method_preset(key, init_path=path, **overrides))
+        ctx = {"ctx_init": args.ctx_init} if args.ctx_init and key in ("coop", "joint") else {}
+        path = inits.get(key, inits.get("*", "")) if is_gram_preset(key) else ""
+        methods.append(method_preset(key, init_path=path, **changed, **ctx))
     return methods
 
 
@@ -186,17 +177,11 @@ def _flag_problem(args: argparse.Namespace) -> str:
 
 
 def _train_spec(args: argparse.Namespace) -> TrainSpec:
+    """The flags :data:`meta.config.KEY_FIELDS` links to :class:`TrainSpec` fields, under those fields' names."""
+    flags = {k.field: getattr(args, k.field) for k in KEY_FIELDS if k.key[:2] == "--" and k.owner == TRAIN_SPEC}
     return TrainSpec(
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        optimizer=args.optimizer,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        warmup_epochs=args.warmup_epochs,
-        warmup_lr=args.warmup_lr,
+        **{**flags, "rrcrop_scale": tuple(args.rrcrop_scale)},
         augment="none" if args.no_augment else "coop",
-        aug_views=args.aug_views,
-        rrcrop_scale=tuple(args.rrcrop_scale),
         eval_every_epoch=not args.final_eval_only,
     )
 
