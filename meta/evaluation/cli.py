@@ -83,9 +83,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     common.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     common.add_argument("--shots", type=int, default=16)
-    for name in ("epochs", "batch_size", "optimizer", "lr", "weight_decay", "warmup_epochs", "warmup_lr"):
-        default, choices = getattr(TrainSpec, name), OPTIMIZERS if name == "optimizer" else None
-        common.add_argument(f"--{name.replace('_', '-')}", type=type(default), choices=choices, default=default)
+    common.add_argument("--epochs", type=int, default=TrainSpec.epochs)
+    common.add_argument("--batch-size", type=int, default=TrainSpec.batch_size)
+    common.add_argument("--optimizer", choices=OPTIMIZERS, default=TrainSpec.optimizer)
+    common.add_argument("--lr", type=float, default=TrainSpec.lr)
+    common.add_argument("--weight-decay", type=float, default=TrainSpec.weight_decay)
+    common.add_argument("--warmup-epochs", type=int, default=TrainSpec.warmup_epochs)
+    common.add_argument("--warmup-lr", type=float, default=TrainSpec.warmup_lr)
     common.add_argument(
         "--aug-views",
         type=int,
