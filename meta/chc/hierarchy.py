@@ -160,12 +160,4 @@ def load_hierarchy(out_dir) -> Hierarchy:
                 f"`python -m meta cluster` with the same config to write it again"
             ) from None
         loader = PairIndexImages(index, meta["image_size"], caps)
-    return Hierarchy(
-        topic_names=list(names),
-        item_topic=item_topic,
-        item_domain=item_domain,
-        image_features=feats,
-        meta=meta,
-        image_loader=loader,
-        captions=index.captions,
-    )
+    return Hierarchy(list(names), item_topic, item_domain, feats, meta, loader, captions=index.captions)

@@ -240,12 +240,4 @@ def build_image_folder_hierarchy(
         "unreadable_by_reason": dict(Counter(r for r in reasons if r).most_common()),
         "unreadable_example": example,  # "<path> (<reason>)" of the first unreadable image, "" when none
     }
-    return Hierarchy(
-        topic_names=names,
-        item_topic=item_topic,
-        item_domain=item_domain,
-        image_features=feats,
-        meta=meta,
-        image_loader=loader,
-        captions=None,
-    )
+    return Hierarchy(names, item_topic, item_domain, feats, meta, loader, captions=None)

@@ -78,6 +78,10 @@ _INDEX_FP_IGNORED = ("MAX_UNREADABLE_FRACTION", "MAX_IMAGE_BYTES", "MAX_IMAGE_PI
 _INDEX_FP_IF_CHANGED = ("MAX_FIELD_CHARS", "ALLOW_OUTSIDE_ROOT")
 
 
+# the CHC.INPUT settings build_index takes under their own names (besides SHARDS)
+_INDEX_ARGS = "manifest image_column caption_column image_root max_pairs max_field_chars allow_outside_root".split()
+
+
 def index_settings(inp) -> dict:
     """The ``CHC.INPUT`` settings (a node or :meth:`meta.chc.settings.InputSettings.node`) the index stage's
     fingerprint covers."""
@@ -107,6 +111,7 @@ class ChcRun:
         self.barrier = barrier or (lambda: None)
         self.show_progress = show_progress and rank == 0
         self.device = resolve_device(settings.device)
+        self.where = {"device": self.device, "show_progress": self.show_progress}  # the stages' keyword arguments
         self.timings: dict = {}
         self._clip = None
 
@@ -121,8 +126,7 @@ class ChcRun:
     def clip(self):
         """The frozen CLIP (random weights seeded by ``SEED`` when ``MODEL.PRETRAINED`` is empty)."""
         if self._clip is None:
-            clip, dims = clip_from_settings(self.s.model, self.device, warn_random=False)
-            self._clip = (clip, dims)
+            self._clip = clip_from_settings(self.s.model, self.device, warn_random=False)
         return self._clip
 
     def backbone_meta(self) -> dict:
@@ -187,17 +191,8 @@ class ChcRun:
                     index = None
             if index is None:
                 t0 = time.time()
-                index = build_index(
-                    list(inp.shards),
-                    inp.manifest,
-                    inp.image_column,
-                    inp.caption_column,
-                    inp.image_root,
-                    inp.max_pairs,
-                    show_progress=self.show_progress,
-                    max_field_chars=inp.max_field_chars,
-                    allow_outside_root=inp.allow_outside_root,
-                )
+                same_named = {k: getattr(inp, k) for k in _INDEX_ARGS}  # build_index's arguments: CHC.INPUT's keys
+                index = build_index(list(inp.shards), show_progress=self.show_progress, **same_named)
                 index.save(self.out / "index")
                 self._timed("index", time.time() - t0, index.counts.get("pairs_seen", 0))
                 marker.mark({"pairs": len(index)})
@@ -244,28 +239,12 @@ class ChcRun:
         mean, std = clip_norm_stats(clip)
         t0 = time.time()
         rank_fp = fingerprint(fp, self.world_size)
+        # encode_rank's keywords: the CHC.IMAGES / CHC.INPUT settings of the same name, then this run's
+        kw = {k: getattr(imgs, k) for k in ("batch_size", "chunk_size", "decode_workers", "decoder", "read_threads")}
+        kw.update(max_unreadable_fraction=inp.max_unreadable_fraction, image_root=inp.image_root, **caps)
+        kw.update(cache_images=cache, autocast=autocast, **self.where)
         stats = encode_rank(
-            index,
-            clip,
-            self.rank,
-            self.world_size,
-            stage_dir,
-            rank_fp,
-            dims.image_size,
-            mean,
-            std,
-            imgs.batch_size,
-            imgs.chunk_size,
-            cache,
-            self.device,
-            self.show_progress,
-            imgs.decode_workers,
-            autocast=autocast,
-            max_unreadable_fraction=inp.max_unreadable_fraction,
-            image_root=inp.image_root,
-            **caps,
-            decoder=imgs.decoder,
-            read_threads=imgs.read_threads,
+            index, clip, self.rank, self.world_size, stage_dir, rank_fp, dims.image_size, mean, std, **kw
         )
         self._timed("image_features", time.time() - t0, stats["items"])
         self.barrier()
@@ -302,18 +281,8 @@ class ChcRun:
                 clip, _ = self.clip()
                 feats = load_image_features(self.out, len(ok))
                 t0 = time.time()
-                cos = pair_cosines(
-                    clip,
-                    open_clip.get_tokenizer(self.s.model.backbone),
-                    index.captions,
-                    feats,
-                    ok,
-                    stage_dir,
-                    fp,
-                    filt.template or "{}",
-                    device=self.device,
-                    show_progress=self.show_progress,
-                )
+                tokenizer, template = open_clip.get_tokenizer(self.s.model.backbone), filt.template or "{}"
+                cos = pair_cosines(clip, tokenizer, index.captions, feats, ok, stage_dir, fp, template, **self.where)
                 self._timed("filter", time.time() - t0, len(index))
             keep = keep_mask(cos, filt.mode, filt.threshold, filt.quantile)
             save_npy_atomic(stage_dir / "pair_cosine.npy", cos)
@@ -404,17 +373,8 @@ class ChcRun:
             sample = np.sort(rng.choice(n_unique, size=min(tc.fit_sample, n_unique), replace=False))
             sample_emb = np.asarray(emb[sample])
             t0 = time.time()
-            sample_labels = topics_mod.fit_sample_clusters(
-                sample_emb,
-                tc.umap_dim,
-                tc.umap_neighbors,
-                tc.umap_min_dist,
-                tc.umap_metric,
-                tc.umap_init,
-                tc.min_cluster_size,
-                tc.min_samples,
-                seed,
-            )
+            fit = (tc.umap_dim, tc.umap_neighbors, tc.umap_min_dist, tc.umap_metric, tc.umap_init)
+            sample_labels = topics_mod.fit_sample_clusters(sample_emb, *fit, tc.min_cluster_size, tc.min_samples, seed)
             self._timed("umap_hdbscan_fit", time.time() - t0, len(sample))
             n_clusters = int(sample_labels.max()) + 1
             if n_clusters < 1:
@@ -433,15 +393,8 @@ class ChcRun:
 
             weights = np.bincount(item_unique[item_unique >= 0], minlength=n_unique)
             t0 = time.time()
-            words = topics_mod.cluster_tfidf_words(
-                uniq,
-                unique_cluster,
-                n_clusters,
-                weights,
-                tc.presence_min_fraction,
-                tc.min_word_len,
-                tc.extra_stop_words,
-            )
+            word_rule = (tc.presence_min_fraction, tc.min_word_len, tc.extra_stop_words)
+            words = topics_mod.cluster_tfidf_words(uniq, unique_cluster, n_clusters, weights, *word_rule)
             cluster_sizes = np.bincount(
                 unique_cluster[unique_cluster >= 0], weights=weights[unique_cluster >= 0], minlength=n_clusters
             ).astype(np.int64)

@@ -92,6 +92,10 @@ def compression_problem(head: bytes) -> str:
     return f"{name}-compressed: decompress it (shards are read as plain .tar, by byte offset)" if name else ""
 
 
+# the PairIndex arrays saved in items.npz (besides the optional item_file_stamp)
+_ARRAY_FIELDS = ("source_kind", "item_source", "item_offset", "item_size")
+
+
 @dataclass
 class PairIndex:
     """Where each of the N pairs lives.
@@ -161,17 +165,12 @@ class PairIndex:
                 fh.write(json.dumps([key, path, cap, mj], ensure_ascii=False) + "\n")
         os.replace(tmp, directory / "items.jsonl")
         tmp = directory / "items.tmp.npz"
-        arrays = {name: getattr(self, name) for name in ("source_kind", "item_source", "item_offset", "item_size")}
+        arrays = {name: getattr(self, name) for name in _ARRAY_FIELDS}
         stamps = {} if self.item_file_stamp is None else {"item_file_stamp": self.item_file_stamp}
         np.savez(tmp, **arrays, **stamps)
         os.replace(tmp, directory / "items.npz")
         tmp = directory / "sources.json.tmp"
-        head = {
-            "sources": self.sources,
-            "counts": self.counts,
-            "issues": self.issues,
-            "special_files": self.special_files,
-        }
+        head = {name: getattr(self, name) for name in ("sources", "counts", "issues", "special_files")}
         tmp.write_text(json.dumps(head, indent=1))
         os.replace(tmp, directory / "sources.json")
 
@@ -185,21 +184,11 @@ class PairIndex:
             for line in fh:
                 k, p, c, m = json.loads(line)
                 keys.append(k), paths.append(p), caps.append(c), metas.append(m)
-        return cls(
-            sources=head["sources"],
-            source_kind=arrays["source_kind"],
-            item_source=arrays["item_source"],
-            item_offset=arrays["item_offset"],
-            item_size=arrays["item_size"],
-            item_key=keys,
-            item_path=paths,
-            captions=caps,
-            meta_json=metas,
-            counts=head["counts"],
-            issues=head.get("issues", []),
-            item_file_stamp=arrays["item_file_stamp"] if "item_file_stamp" in arrays.files else None,
-            special_files=head.get("special_files", []),
-        )
+        fields = {"sources": head["sources"], **{name: arrays[name] for name in _ARRAY_FIELDS}}
+        fields.update(item_key=keys, item_path=paths, captions=caps, meta_json=metas, counts=head["counts"])
+        stamp = arrays["item_file_stamp"] if "item_file_stamp" in arrays.files else None
+        issues, special = head.get("issues", []), head.get("special_files", [])
+        return cls(**fields, issues=issues, item_file_stamp=stamp, special_files=special)
 
     # ---------------------------------------------------------------- reading bytes
     def read_image_bytes(
@@ -844,15 +833,14 @@ def build_index(
     counts: dict = {"pairs_seen": 0, "skipped_no_image": 0, "skipped_empty_caption": 0, "corrupt_shards": 0}
     issues: list = []
     sources, kinds = [], []
-    src_ids, offsets, sizes, keys, paths, caps, metas, stamps = [], [], [], [], [], [], [], []
+    rows: list = []  # (source id, offset, size, key, path, caption, meta_json, file stamp) per pair
     special: list = []
     shard_paths = expand_shards(shards) if shards else []
     for path in tqdm(shard_paths, desc="index shards", unit="shard", disable=not show_progress, dynamic_ncols=True):
         sid = len(sources)
         sources.append(os.path.abspath(path)), kinds.append(KIND_TAR)
-        for key, off, size, cap, mj in scan_tar(path, counts, issues, max_field_chars):
-            src_ids.append(sid), offsets.append(off), sizes.append(size)
-            keys.append(key), paths.append(""), caps.append(cap), metas.append(mj), stamps.append((0, 0, 0))
+        scanned = scan_tar(path, counts, issues, max_field_chars)
+        rows += [(sid, off, n, key, "", cap, mj, (0, 0, 0)) for key, off, n, cap, mj in scanned]
     if counts["corrupt_shards"]:
         # pairs the damaged parts held: bytes not read / mean bytes per pair in what was read (a shard cut
         # short lost an unknown tail on top: counted in corrupt_shards_cut_short)
@@ -865,7 +853,7 @@ def build_index(
     if manifest:
         sid = len(sources)
         sources.append(os.path.abspath(manifest)), kinds.append(KIND_FILE)
-        for key, path, cap, stamp in scan_manifest(
+        scanned = scan_manifest(
             manifest,
             image_column,
             caption_column,
@@ -875,10 +863,9 @@ def build_index(
             max_field_chars,
             special,
             allow_outside_root=allow_outside_root,
-        ):
-            src_ids.append(sid), offsets.append(-1), sizes.append(-1)
-            keys.append(key), paths.append(path), caps.append(cap), metas.append(""), stamps.append(stamp)
-    if not caps:
+        )
+        rows += [(sid, -1, -1, key, path, cap, "", stamp) for key, path, cap, stamp in scanned]
+    if not rows:
         skipped = ", ".join(f"{k} {v}" for k, v in counts.items() if v and k != "pairs_seen") or "nothing read"
         where = (
             (f"CHC.INPUT.SHARDS: {len(shard_paths)} shard(s)" if shard_paths else "")
@@ -896,26 +883,15 @@ def build_index(
             damaged[0]["source"],
             damaged[0]["problem"],
         )
-    if max_pairs and len(caps) > max_pairs:
-        counts["dropped_by_max_pairs"] = len(caps) - max_pairs
-        del src_ids[max_pairs:], offsets[max_pairs:], sizes[max_pairs:]
-        del keys[max_pairs:], paths[max_pairs:], caps[max_pairs:], metas[max_pairs:], stamps[max_pairs:]
-    counts["pairs_indexed"] = len(caps)
-    return PairIndex(
-        sources=sources,
-        source_kind=np.asarray(kinds, dtype=np.int8),
-        item_source=np.asarray(src_ids, dtype=np.int32),
-        item_offset=np.asarray(offsets, dtype=np.int64),
-        item_size=np.asarray(sizes, dtype=np.int64),
-        item_key=keys,
-        item_path=paths,
-        captions=caps,
-        meta_json=metas,
-        counts=counts,
-        issues=issues,
-        item_file_stamp=np.asarray(stamps, dtype=np.int64).reshape(-1, 3) if manifest else None,
-        special_files=special,
-    )
+    if max_pairs and len(rows) > max_pairs:
+        counts["dropped_by_max_pairs"] = len(rows) - max_pairs
+        del rows[max_pairs:]
+    counts["pairs_indexed"] = len(rows)
+    src_ids, offsets, sizes, keys, paths, caps, metas, stamps = (list(column) for column in zip(*rows))
+    dtypes = ((kinds, np.int8), (src_ids, np.int32), (offsets, np.int64), (sizes, np.int64))  # _ARRAY_FIELDS
+    arrays = [np.asarray(values, dtype=dtype) for values, dtype in dtypes]
+    stamp = np.asarray(stamps, dtype=np.int64).reshape(-1, 3) if manifest else None
+    return PairIndex(sources, *arrays, keys, paths, caps, metas, counts, issues, stamp, special)
 
 
 def rank_items(index: PairIndex, rank: int, world_size: int) -> np.ndarray:
