@@ -88,11 +88,5 @@ class DatasetRef:
         )
 
     def as_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "root": self.root,
-            "dataset_dir": self.layout.dataset_dir,
-            "image_dir": self.layout.image_dir,
-            "split_file": self.layout.split_file,
-            "reader": self.layout.reader,
-        }
+        layout = {k: getattr(self.layout, k) for k in ("dataset_dir", "image_dir", "split_file", "reader")}
+        return {"name": self.name, "root": self.root, **layout}

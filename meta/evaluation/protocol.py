@@ -147,18 +147,8 @@ class EvaluationSession:
 
         launch = LaunchStep(**init_info["launch"]) if "launch" in init_info else None
         window = init_info.get("reg_window", 1) if regulation is not None else 1
-        tuner = PromptTuner(
-            pclip,
-            prompts,
-            regulation,
-            spec,
-            seed,
-            train_images,
-            loader.test_view,
-            reg_window=window,
-            launch_step=launch,
-            consistency=method.consistency(),
-        )
+        begin = dict(reg_window=window, launch_step=launch, consistency=method.consistency())
+        tuner = PromptTuner(pclip, prompts, regulation, spec, seed, train_images, loader.test_view, **begin)
         return tuner, init_info
 
 
@@ -286,17 +276,12 @@ def evaluate_base_to_new(
     tests = {"base": (pick(base), base.classnames), "new": (pick(new), new.classnames)}
     counts = warn_inputs(f"{dataset.name} (base classes)", base, shots, "--shots", session.warned)
     warn_inputs(f"{dataset.name} (new classes)", new, 0, "--shots", session.warned)
+
+    def summarise(accs: dict) -> dict:
+        return {"H": harmonic_mean(accs["base"], accs["new"])}
+
     history, final, init_info, tuner = _run(
-        session,
-        method,
-        spec,
-        seed,
-        dataset.root,
-        base.train,
-        base.classnames,
-        tests,
-        lambda a: {"H": harmonic_mean(a["base"], a["new"])},
-        start,
+        session, method, spec, seed, dataset.root, base.train, base.classnames, tests, summarise, start
     )
     if on_trained is not None:
         on_trained(tuner.prompts)

@@ -86,15 +86,11 @@ class MethodSpec:
         return bool(self.launch) if self.launch is not None else (DEFAULT_LAUNCH and has_start)
 
     def __post_init__(self) -> None:
+        same = {
+            k: getattr(self, k) for k in ("vpt_init", "reg_window", "template", "init_prompts", "regulate", "ctx_init")
+        }
         problems = start_rule_problems(
-            vpt_init=self.vpt_init,
-            reg_window=self.reg_window,
-            template=self.template,
-            has_text=bool(self.n_ctx_text or self.ctx_init),
-            has_init=bool(self.init_path),
-            init_prompts=self.init_prompts,
-            regulate=self.regulate,
-            ctx_init=self.ctx_init,
+            **same, has_text=bool(self.n_ctx_text or self.ctx_init), has_init=bool(self.init_path)
         )
         if problems:
             key, what = problems[0]

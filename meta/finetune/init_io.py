@@ -108,10 +108,7 @@ def export_gram_init(
         "backbone": {
             "model_name": dims.model_name,
             "weights": Path(weights).name if weights else "",
-            "text_width": dims.text_width,
-            "vision_width": dims.vision_width,
-            "vision_layers": dims.vision_layers,
-            "text_layers": dims.text_layers,
+            **{k: getattr(dims, k) for k in ("text_width", "vision_width", "vision_layers", "text_layers")},
         },
         "prompt": prompts.structure(),
         "regulator": reg_spec,

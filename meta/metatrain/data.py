@@ -60,18 +60,10 @@ def load_task_hierarchy(src: HierarchySource, clip, dims, device: str = "cpu"):
         root = src.image_folder
         if not root or not os.path.isdir(root):
             raise FileNotFoundError(f"TASKS.IMAGE_FOLDER: not a directory: {root!r} (expected root/<class>/<images>)")
+        same = ("num_domains", "min_per_domain", "batch_size", "seed", "pretrained", "show_progress")
+        same_named = {name: getattr(src, name) for name in same}
         return build_image_folder_hierarchy(
-            root,
-            clip,
-            num_domains=src.num_domains,
-            min_per_domain=src.min_per_domain,
-            batch_size=src.batch_size,
-            seed=src.seed,
-            device=device,
-            model_name=src.backbone,
-            pretrained=src.pretrained,
-            show_progress=src.show_progress,
-            **src.caps,
+            root, clip, device=device, model_name=src.backbone, **same_named, **src.caps
         )
     out_dir, key = src.chc_dir, src.chc_dir_key
     if not (Path(out_dir) / "hierarchy.json").is_file():

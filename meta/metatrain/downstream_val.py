@@ -96,18 +96,8 @@ def downstream_accuracy(
         )
 
     use_spec = spec if s_images is not None else spec.replace(augment="none")
-    tuner = PromptTuner(
-        pclip,
-        start.prompts,
-        start.regulation,
-        use_spec,
-        seed,
-        train_images,
-        test_images,
-        reg_window=start.window,
-        launch_step=start.launch,
-        consistency=consistency,
-    )
+    begin = dict(reg_window=start.window, launch_step=start.launch, consistency=consistency)
+    tuner = PromptTuner(pclip, start.prompts, start.regulation, use_spec, seed, train_images, test_images, **begin)
     train_set = labelled(support, "s", train=True)
     if start.launch is not None:
         tuner.launch(labelled(support, "s", train=False))

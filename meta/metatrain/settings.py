@@ -335,16 +335,9 @@ class TaskSettings:
         :attr:`k_way` unless ``k_way`` is given): the one place a sampler is built from settings."""
         from meta.metatrain.tasks import TaskSampler
 
-        return TaskSampler(
-            hierarchy,
-            self.k_way if k_way is None else int(k_way),
-            self.n_support,
-            self.n_query,
-            domain_shift=self.domain_shift,
-            topics=topics,
-            seed=int(seed),
-            query_new_share=self.query_new_share,
-        )
+        shape = (self.k_way if k_way is None else int(k_way), self.n_support, self.n_query)
+        rules = {"domain_shift": self.domain_shift, "query_new_share": self.query_new_share}
+        return TaskSampler(hierarchy, *shape, topics=topics, seed=int(seed), **rules)
 
     def val_k_way(self, n_val_topics: int) -> int:
         """K of the validation tasks: the largest K <= :attr:`k_way` the held-out topics can fill, new query

@@ -195,21 +195,10 @@ def setup_run(run: settings.TrainSettings, hierarchy=None) -> RunSetup:
                 f"topics or set META.VAL_TASKS 0"
             ) from None
         val_tasks = [val_sampler.sample() for _ in range(run.val_tasks)]
+    outer, loss_fn = OuterStep(learner, run.outer), classification_loss(pclip, run.consistency)
+    topics = (train_topics, val_topics)
     return RunSetup(
-        run,
-        device,
-        clip,
-        dims,
-        h,
-        train_topics,
-        val_topics,
-        learner,
-        OuterStep(learner, run.outer),
-        classification_loss(pclip, run.consistency),
-        batcher,
-        stream,
-        val_tasks,
-        feature_check,
+        run, device, clip, dims, h, *topics, learner, outer, loss_fn, batcher, stream, val_tasks, feature_check
     )
 
 
@@ -288,18 +277,10 @@ def validate(run: RunSetup) -> dict:
         if ft_steps > 0:  # as at test time: many small momentum-SGD steps, regulated and raw
             regs = learner.regulators()
             ft = {"query_acc_ft": GradientRegulation(regs) if regs else None, "query_acc_ft_raw": None}
+            sets = (batch.support, batch.query)
+            schedule = (ft_steps, run.settings.val_ft_lr, run.settings.val_ft_momentum)
             for key, regulation in ft.items():
-                acc = finetune_and_score(
-                    learner.prompt_module,
-                    regulation,
-                    loss_fn,
-                    batch.support,
-                    batch.query,
-                    ft_steps,
-                    run.settings.val_ft_lr,
-                    run.settings.val_ft_momentum,
-                )
-                add({key: acc})
+                add({key: finetune_and_score(learner.prompt_module, regulation, loss_fn, *sets, *schedule)})
     run.outer.zero_grad()
     sums = dist_.sum_over_ranks(sums)
     sums["tasks"] = n
@@ -314,8 +295,8 @@ def _downstream_scores(run: RunSetup, batch, seed: int) -> dict:
     :class:`meta.finetune.engine.StartPoint`."""
     from meta.metatrain.downstream_val import downstream_accuracy
 
-    learner = run.learner
-    view = run.settings.val_start
+    learner, s, sets = run.learner, run.settings, (batch.support, batch.query)
+    view = s.val_start
     pclip = PromptedCLIP(run.clip, run.dims, learner.prompt_module.n_ctx_text, template=view.prompt.template)
     regs = learner.regulators()
     point = StartPoint(
@@ -332,13 +313,7 @@ def _downstream_scores(run: RunSetup, batch, seed: int) -> dict:
         start = build_start(replace(view, regulate=regulate), run.clip, run.dims, point=point)
         with torch.random.fork_rng(devices=[]):  # validation never moves meta-training's random stream
             acc = downstream_accuracy(
-                pclip,
-                start,
-                batch.support,
-                batch.query,
-                run.settings.val_train,
-                seed=run.settings.seed * 1000 + seed,
-                consistency=run.settings.consistency,
+                pclip, start, *sets, s.val_train, seed=s.seed * 1000 + seed, consistency=s.consistency
             )
         out[key] = acc / 100.0
     return out
@@ -360,9 +335,7 @@ def _checkpoint_payload(run: RunSetup, step: int) -> dict:
         "learner": {**run.learner.state(), **run.outer.state()},  # θ, φ and the outer optimiser
         "rng": capture_rng(),
         "stream": run.stream.state(),
-        "config": s.config,
-        "config_hash": s.config_hash,
-        "config_yaml": s.config_yaml,
+        **{key: getattr(s, key) for key in ("config", "config_hash", "config_yaml")},
         "dims": run.dims.as_dict(),
         "hierarchy": hierarchy_summary(run.hierarchy),
     }
@@ -535,7 +508,7 @@ def _train_locked(
             if paths is not None:
                 echo(
                     f"{run_dir}: finished at step {state['step']}; {'; '.join(problems)}; re-exported "
-                    f"{paths['init']}" + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else "")
+                    + _exported(paths)
                 )
             return {**done, "export": paths, "noop": False}
     elif init_path.exists():
@@ -570,16 +543,7 @@ def _train_locked(
     bar = progress_bar(steps_total, start, job.progress and main, f"{job.mode} {run_dir.name}")
     with StopRequest() as stop:
         try:
-            stopped_at = _loop(
-                run,
-                log,
-                bar,
-                stop,
-                start,
-                saved_at=start if state is not None else -1,
-                ckpt_path=ckpt_path,
-                on_step=on_step,
-            )
+            stopped_at = _loop(run, log, bar, stop, start, start if state is not None else -1, ckpt_path, on_step)
         finally:
             bar.close()
             log.close()
@@ -596,12 +560,14 @@ def _train_locked(
     final = load_checkpoint(ckpt_path)
     paths = export_state(final, run_dir)
     dist_.barrier()  # the other ranks return once the export exists
-    echo(
-        f"{run_dir}: {job.mode} finished at step {final['step']}; exported {paths['init']}"
-        + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else "")
-        + (f"\n{paths['coop_usage']}" if paths.get("coop_usage") else "")
-    )
+    usage = f"\n{paths['coop_usage']}" if paths.get("coop_usage") else ""
+    echo(f"{run_dir}: {job.mode} finished at step {final['step']}; exported {_exported(paths)}{usage}")
     return {**result, "step": int(final["step"]), "export": paths}
+
+
+def _exported(paths: dict) -> str:
+    """The files an export wrote: the init file, and the CoOp context when there is one."""
+    return f"{paths['init']}" + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else "")
 
 
 def _write_run_files(
