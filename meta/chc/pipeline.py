@@ -137,17 +137,10 @@ class ChcRun:
         model = self.s.model
         weights = model.pretrained
         sha = file_sha256(weights) if weights and os.path.isfile(weights) else None
-        self._backbone_meta = {
-            "backbone": model.backbone,
-            "pretrained": weights or None,
-            "weights_sha256": sha,
-            "precision": model.precision,
-            "quick_gelu": model.quick_gelu,
-            "image_size": dims.image_size,
-            "embed_dim": dims.embed_dim,
-            "mean": list(mean),
-            "std": list(std),
-        }
+        found = {"backbone": model.backbone, "pretrained": weights or None, "weights_sha256": sha}
+        found.update({k: getattr(model, k) for k in ("precision", "quick_gelu")})
+        found.update({k: getattr(dims, k) for k in ("image_size", "embed_dim")}, mean=list(mean), std=list(std))
+        self._backbone_meta = found
         return dict(self._backbone_meta)
 
     def unreadable_by_reason(self) -> dict:
@@ -359,16 +352,9 @@ class ChcRun:
         marker = StageMarker(self.out, "topics", fp)
         if not marker.is_done():
             stage_dir.mkdir(parents=True, exist_ok=True)
-            emb = load_npy_output(
-                self.out / "text" / "embeddings.npy",
-                f"float32 [{len(uniq)}, d] sentence embeddings",
-                "text",
-                np.float32,
-                2,
-                len(uniq),
-                mmap=True,
-            )
-            n_unique = len(uniq)
+            n_unique, path = len(uniq), self.out / "text" / "embeddings.npy"
+            what = f"float32 [{n_unique}, d] sentence embeddings"
+            emb = load_npy_output(path, what, "text", np.float32, 2, n_unique, mmap=True)
             rng = np.random.default_rng(seed)
             sample = np.sort(rng.choice(n_unique, size=min(tc.fit_sample, n_unique), replace=False))
             sample_emb = np.asarray(emb[sample])

@@ -225,13 +225,12 @@ class PromptTuner:
         views = data.features.shape[1] if data.features is not None else 0
         offsets = torch.randint(views, (len(data),), generator=generator) if views else None
         history = []
-        epochs = range(self.spec.epochs)
         bar = None
         if progress:
             from tqdm import tqdm
 
             bar = tqdm(total=self.spec.epochs, desc="fine-tune", unit="ep", leave=False)
-        for epoch in epochs:
+        for epoch in range(self.spec.epochs):
             start = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
             loss_sum, correct, seen = 0.0, 0, 0

@@ -51,14 +51,9 @@ def _numpy_global_state() -> dict:
 
 
 def _set_numpy_global_state(s: dict) -> None:
-    np.random.set_state(
-        {
-            "bit_generator": s["bit_generator"],
-            "state": {"key": s["key"].numpy().astype(np.uint32), "pos": int(s["pos"])},
-            "has_gauss": int(s["has_gauss"]),
-            "gauss": float(s["gauss"]),
-        }
-    )
+    state = {"key": s["key"].numpy().astype(np.uint32), "pos": int(s["pos"])}
+    gauss = {"has_gauss": int(s["has_gauss"]), "gauss": float(s["gauss"])}
+    np.random.set_state({"bit_generator": s["bit_generator"], "state": state, **gauss})
 
 
 def capture_rng() -> dict:

@@ -71,18 +71,9 @@ class OuterStep:
         groups = [{"params": list(learner.prompt_module.parameters()), "lr": spec.outer_lr_prompt, "name": "prompt"}]
         reg_params = list(learner.gbml.compute_update.parameters())
         if reg_params:
-            groups.append(
-                {
-                    "params": reg_params,
-                    "lr": spec.outer_lr_regulator,
-                    "name": "regulator",
-                    "weight_decay": spec.regulator_weight_decay,
-                }
-            )
-        if spec.optimizer == "adam":
-            self.optimizer = torch.optim.Adam(groups)
-        else:
-            self.optimizer = torch.optim.SGD(groups, momentum=0.9)
+            lr, decay = spec.outer_lr_regulator, spec.regulator_weight_decay
+            groups.append({"params": reg_params, "lr": lr, "name": "regulator", "weight_decay": decay})
+        self.optimizer = torch.optim.Adam(groups) if spec.optimizer == "adam" else torch.optim.SGD(groups, momentum=0.9)
         # fp16 scales the outer loss (the inner support gradient is taken unscaled: prefer bf16)
         self.scaler = (
             torch.amp.GradScaler("cuda", enabled=torch.cuda.is_available()) if learner.spec.autocast == "fp16" else None
