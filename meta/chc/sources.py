@@ -853,17 +853,8 @@ def build_index(
     if manifest:
         sid = len(sources)
         sources.append(os.path.abspath(manifest)), kinds.append(KIND_FILE)
-        scanned = scan_manifest(
-            manifest,
-            image_column,
-            caption_column,
-            image_root,
-            counts,
-            issues,
-            max_field_chars,
-            special,
-            allow_outside_root=allow_outside_root,
-        )
+        columns = (image_column, caption_column, image_root)
+        scanned = scan_manifest(manifest, *columns, counts, issues, max_field_chars, special, allow_outside_root)
         rows += [(sid, -1, -1, key, path, cap, "", stamp) for key, path, cap, stamp in scanned]
     if not rows:
         skipped = ", ".join(f"{k} {v}" for k, v in counts.items() if v and k != "pairs_seen") or "nothing read"

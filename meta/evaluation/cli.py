@@ -231,23 +231,13 @@ def _main(argv: list[str]) -> int:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore" if not args.pretrained else "default")
-        clip, dims = load_clip(
-            args.model,
-            args.pretrained or None,
-            device=args.device,
-            quick_gelu=quick_gelu_flag(args.quick_gelu),
-            config_key="--pretrained",
-        )
+        build = {"device": args.device, "quick_gelu": quick_gelu_flag(args.quick_gelu), "config_key": "--pretrained"}
+        clip, dims = load_clip(args.model, args.pretrained or None, **build)
     if not args.pretrained:
         print("warning: --pretrained not given: CLIP has RANDOM weights, numbers are meaningless", file=sys.stderr)
-    session = EvaluationSession(
-        clip,
-        dims,
-        cache_dir=args.cache_dir or None,
-        progress=not args.no_progress,
-        exif_upright=args.exif_upright,
-        clip_info={"pretrained": os.path.abspath(args.pretrained) if args.pretrained else ""},
-    )
+    clip_info = {"pretrained": os.path.abspath(args.pretrained) if args.pretrained else ""}
+    views = {"progress": not args.no_progress, "exif_upright": args.exif_upright, "clip_info": clip_info}
+    session = EvaluationSession(clip, dims, cache_dir=args.cache_dir or None, **views)
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     out = open(args.output, "a", encoding="utf-8") if args.output else None
