@@ -82,7 +82,7 @@ def _main(argv: list[str], recorder: Optional[Callable[[Optional[str]], dict]] =
             cfg = build_cfg(args.config_file, args.opts, args.output_dir)
             result = train(cfg, resume=args.resume, recorder=recorder)
             return EXIT_STOPPED if result.get("stopped") else 0
-        from meta.metatrain.export import export_run
+        from meta.metatrain.export import export_run, exported_files
 
         try:
             with _sigterm_raises():
@@ -94,10 +94,8 @@ def _main(argv: list[str], recorder: Optional[Callable[[Optional[str]], dict]] =
                 file=sys.stderr,
             )
             return EXIT_STOPPED
-        print(  # absolute: these paths are pasted into forks that run from their own folders
-            f"exported {Path(paths['init']).resolve()}"
-            + (f" and {Path(paths['coop_ctx']).resolve()}" if paths.get("coop_ctx") else "")
-        )
+        # absolute: these paths are pasted into forks that run from their own folders
+        print("exported " + exported_files({k: Path(paths[k]).resolve() for k in ("init", "coop_ctx") if paths.get(k)}))
         if paths.get("coop_usage"):
             print(paths["coop_usage"])
     finally:

@@ -127,6 +127,12 @@ def export_paths(run_dir: Path, export_name: str, coop_ctx_name: str, out: Optio
     return run_dir / export_name, run_dir / coop_ctx_name
 
 
+def exported_files(paths: dict) -> str:
+    """The files an export wrote (:func:`export_state`'s ``paths``): the init file, and the CoOp context when there is
+    one."""
+    return f"{paths['init']}" + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else "")
+
+
 def export_state(state: dict, run_dir: Union[str, Path], out: Optional[Union[str, Path]] = None) -> dict:
     """Write the init file (and the CoOp ctx file when there is text context); returns their paths."""
     learner, cfg = learner_from_state(state)

@@ -58,7 +58,7 @@ from meta.metatrain.data import (
     load_task_hierarchy,
     norm_stats,
 )
-from meta.metatrain.export import export_paths, export_state, verify_exports
+from meta.metatrain.export import export_paths, export_state, exported_files, verify_exports
 from meta.metatrain.outer import OuterStep
 from meta.metatrain.runlog import RunLog, postfix, progress_bar
 from meta.metatrain.tasks import ClassBatchStream, TaskStream, split_topics
@@ -508,7 +508,7 @@ def _train_locked(
             if paths is not None:
                 echo(
                     f"{run_dir}: finished at step {state['step']}; {'; '.join(problems)}; re-exported "
-                    + _exported(paths)
+                    + exported_files(paths)
                 )
             return {**done, "export": paths, "noop": False}
     elif init_path.exists():
@@ -561,13 +561,8 @@ def _train_locked(
     paths = export_state(final, run_dir)
     dist_.barrier()  # the other ranks return once the export exists
     usage = f"\n{paths['coop_usage']}" if paths.get("coop_usage") else ""
-    echo(f"{run_dir}: {job.mode} finished at step {final['step']}; exported {_exported(paths)}{usage}")
+    echo(f"{run_dir}: {job.mode} finished at step {final['step']}; exported {exported_files(paths)}{usage}")
     return {**result, "step": int(final["step"]), "export": paths}
-
-
-def _exported(paths: dict) -> str:
-    """The files an export wrote: the init file, and the CoOp context when there is one."""
-    return f"{paths['init']}" + (f" and {paths['coop_ctx']}" if paths.get("coop_ctx") else "")
 
 
 def _write_run_files(
