@@ -50,7 +50,7 @@ setup(
     ],
     # torch calls this while it starts: the pinned matrix products (meta.infra.products) are then in place before
     # the first product of any process started with the pins (torch's device-backend autoload group)
-    entry_points={"torch.backends": ["gram_pinned_products = meta.infra.products:autoload"]},
+    entry_points={"torch.backends": ["gram_pinned_products = meta.infra.numerics:autoload_products"]},
     extras_require={
         "test": ["pytest>=8", "pytest-xdist>=3.5", "ruff==0.17.6"],  # ruff pinned: its format changes between releases
         # Runtime needs of Dassl.pytorch (installed itself by `scripts/setup.sh --with-dassl`, it is not on

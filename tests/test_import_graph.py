@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import select
 import subprocess
 import sys
@@ -253,6 +254,9 @@ def import_alone(tmp_path_factory):
             server = subprocess.Popen(
                 [sys.executable, "-c", _FORK_SERVER, json.dumps(prefix)],
                 cwd=REPO,
+                # torch's start-up hook imports meta.infra.numerics / .products (the pinned products); the
+                # preloaded server must hold no meta module, so it starts torch without the hook
+                env={**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,

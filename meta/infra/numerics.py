@@ -101,6 +101,18 @@ def pin_process(environ: Optional[MutableMapping[str, str]] = None, reexec: bool
     return current  # not reached
 
 
+def autoload_products() -> None:
+    """torch's start-up hook (``setup.py``'s ``torch.backends`` entry point): install the pinned matrix products
+    (:mod:`meta.infra.products`) when this process is pinned.  Never raises: torch would not start."""
+    from meta.infra import products
+
+    try:
+        if mode() != "fast" and pinned():
+            products.install()
+    except Exception as err:  # the record names it; meta.fingerprint --check then fails on the digests
+        products.failed(f"{type(err).__name__}: {err}")
+
+
 @contextmanager
 def torch_threads_kept() -> Iterator[int]:
     """Run the block (numba code: UMAP, pynndescent) and give torch back its intra-op thread count; yields it.

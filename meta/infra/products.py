@@ -19,7 +19,8 @@ dispatching (convolutions, the fused CPU attention kernel) stay on oneMKL's pinn
 BLAS-compatible (C- or Fortran-ordered matrices) first, so numpy never falls back to its own loop; fp16 / bf16 are
 computed in fp32 and rounded back.
 
-torch calls :func:`autoload` while it starts (its ``torch.backends`` entry-point group, declared in ``setup.py``),
+torch calls :func:`meta.infra.numerics.autoload_products` while it starts (its ``torch.backends`` entry-point group,
+declared in ``setup.py``),
 so every process that starts torch with the pins in its environment (entry points, the test suite, worker
 processes, a fork's ``train.py``) uses it from its first product; ``GRAM_NUMERICS=fast`` leaves torch's own
 kernels.  :func:`state` is what ``numerics_record()`` stores.
@@ -116,16 +117,10 @@ def install() -> None:
     _library = library
 
 
-def autoload() -> None:
-    """torch's start-up hook: :func:`install` when this process is pinned; never raises (torch would not start)."""
+def failed(reason: str) -> None:
+    """Record why :func:`install` failed at start-up (:func:`state` names it; the golden check then fails)."""
     global _error
-    from meta.infra.numerics import mode, pinned
-
-    try:
-        if mode() != "fast" and pinned():
-            install()
-    except Exception as err:  # the record names it; meta.fingerprint --check then fails on the digests
-        _error = f"{type(err).__name__}: {err}"
+    _error = reason
 
 
 def usage() -> dict:
