@@ -110,8 +110,8 @@ def stage_chc(world, weights: Path, model: str, out: Path, settings: DemoSetting
 
 # ------------------------------------------------------------------ stage 4: meta-training
 # Rough relative cost of a variant, used only to hand the expensive runs out first so two workers
-# finish close together (default demo, 300 steps: UNIGRAM variants and VPT 45-58 s, CoOp 9 s,
-# prompt pre-training 5 s).  Unlisted variants cost 3 (token-count variants: about UNIGRAM's).
+# finish close together (default demo, 300 steps, two processes, 2026-12-02: UNIGRAM variants 123-125 s,
+# VPT 112 s, CoCoOp 96 s, CoOp 25 s).  Unlisted variants cost 3 (token-count variants: about UNIGRAM's).
 _META_COST = {"gram_coop": 1, "unigram_pretrain": 1}
 
 
