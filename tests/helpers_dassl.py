@@ -4,6 +4,7 @@ test both use them).  Needs Dassl: import it after ``pytest.importorskip("dassl"
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 import warnings
@@ -95,10 +96,16 @@ def dassl_run(root: Path, key: str, opts: list[str], subsample: str, output: Pat
             warnings.simplefilter("ignore")
             trainer = build_trainer(cfg)
     finally:
-        tee, sys.stdout = sys.stdout, saved
-        while isinstance(tee, Logger):  # undo Dassl's stdout tee
-            if tee.file is not None:
-                tee.file.close()
-                tee.file = None
-            tee = tee.console
+        restore_stdout(saved)
     return trainer, cfg
+
+
+def restore_stdout(saved) -> None:
+    """Undo Dassl's ``setup_logger``: close the log files of the ``Logger`` chain on ``sys.stdout`` and put
+    ``saved`` back (each ``Logger``'s console becomes a buffer, so its ``__del__`` cannot close the real stdout)."""
+    tee, sys.stdout = sys.stdout, saved
+    while isinstance(tee, Logger):
+        if tee.file is not None:
+            tee.file.close()
+            tee.file = None
+        tee.console, tee = io.StringIO(), tee.console

@@ -2,7 +2,6 @@
 on stderr: through ``train.py`` as a user runs it, and through a fork's own ``train.py`` that only calls Dassl's
 ``setup_logger`` and ``build_trainer`` (the trainers' ``check_cfg`` installs the copy)."""
 
-import io
 import os
 import subprocess
 import sys
@@ -13,8 +12,9 @@ import pytest
 pytest.importorskip("dassl", reason="Dassl is not installed")
 
 from dassl.engine import build_trainer  # noqa: E402
-from dassl.utils import Logger, setup_logger  # noqa: E402
+from dassl.utils import setup_logger  # noqa: E402
 from helpers import make_dtd, tiny_dassl_opts  # noqa: E402
+from helpers_dassl import restore_stdout  # noqa: E402
 
 import train  # noqa: E402
 from trainers.gram.log_tee import StderrToLog  # noqa: E402
@@ -81,12 +81,7 @@ def test_a_forks_train_py_gets_the_copy_from_the_trainer(data, tmp_path, capsys,
         build_trainer(cfg)
         assert isinstance(sys.stderr, StderrToLog)
     finally:
-        tee, sys.stdout = sys.stdout, saved
-        while isinstance(tee, Logger):  # undo Dassl's stdout tee
-            if tee.file is not None:
-                tee.file.close()
-                tee.file = None
-            tee.console, tee = io.StringIO(), tee.console  # its __del__ must not close the real stdout
+        restore_stdout(saved)
     print("after the run", file=sys.stderr)  # no Dassl logger any more: stderr only, no error
     err = capsys.readouterr().err
     log = (out / "log.txt").read_text()
