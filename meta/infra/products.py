@@ -80,15 +80,8 @@ def _scaled_add(product: torch.Tensor, bias: torch.Tensor, beta, alpha) -> torch
     return product.add_(bias.expand_as(product), alpha=beta)
 
 
-def _mm(a, b):
-    return _product(a, b)
-
-
-def _addmm(bias, a, b, *, beta=1, alpha=1):
-    return _scaled_add(_product(a, b), bias, beta, alpha)
-
-
-def _baddbmm(bias, a, b, *, beta=1, alpha=1):
+def _scaled_product(bias, a, b, *, beta=1, alpha=1):
+    """ATen's ``addmm`` / ``baddbmm``: ``beta * bias + alpha * (a @ b)``."""
     return _scaled_add(_product(a, b), bias, beta, alpha)
 
 
@@ -112,7 +105,7 @@ def install() -> None:
     with warnings.catch_warnings():  # torch warns that it replaces the registered CPU kernels: that is the point
         warnings.simplefilter("ignore")
         library = torch.library.Library("aten", "IMPL")
-        for name, kernel in zip(_OPS, (_mm, _addmm, _mm, _baddbmm)):
+        for name, kernel in zip(_OPS, (_product, _scaled_product, _product, _scaled_product)):
             library.impl(name, kernel, "CPU")
     _library = library
 
