@@ -214,10 +214,12 @@ def family(selection: dict) -> tuple[tuple[str, str], ...]:
     return tuple(power.PRIMARY_PAIRS) + tuple(extra)
 
 
-def rows_by_unit(pairs: Sequence[tuple[str, str]]) -> dict[str, tuple[str, ...]]:
-    """``{unit: row keys}`` a world runs for ``pairs`` ("" = the plain cell, which also runs zero-shot CLIP and the
-    baselines of the regime table)."""
-    out: dict = {"": list(study.REGIME_KEYS)}
+def rows_by_unit(
+    pairs: Sequence[tuple[str, str]], regime: Sequence[str] = study.REGIME_KEYS
+) -> dict[str, tuple[str, ...]]:
+    """``{unit: row keys}`` a world runs for ``pairs`` ("" = the plain cell, which also runs the rows ``regime``:
+    zero-shot CLIP and the baselines of the regime table)."""
+    out: dict = {"": list(regime)}
     for name in dict.fromkeys(n for pair in pairs for n in pair):
         row = row_of(name)
         keys = out.setdefault(row.unit, [])
@@ -307,14 +309,36 @@ def run(
     mix_fingerprints: bool = False,
     previous: Sequence[Path] = (),
 ) -> dict:
-    """The family's rows on the test splits of ``worlds`` x ``meta_seeds`` (every world's first seed first), the
-    results file ``root/file`` (and its ``.md``) rewritten after every world; kept worlds of the same settings (in
-    ``root/file`` and the files ``previous``, :func:`merge_kept`) are not run again."""
+    """The primary family's rows (:func:`family` of the sweep's ``selection``) on the test splits of ``worlds`` x
+    ``meta_seeds``: :func:`run_family`."""
+    pairs = family(selection)
+    record = study_record(base, pairs, selection)
+    kept = dict(world_root=world_root, mix_fingerprints=mix_fingerprints, previous=previous)
+    return run_family(root, worlds, meta_seeds, base, pairs, family_by_learner(selection), record, file, **kept)
+
+
+def run_family(
+    root: Path,
+    worlds: Sequence[str],
+    meta_seeds: Sequence[int],
+    base: DemoSettings,
+    pairs: Sequence[tuple[str, str]],
+    by_learner: dict,
+    record: dict,
+    file: str,
+    plan: str = PLAN,
+    regime: Sequence[str] = study.REGIME_KEYS,
+    world_root: Optional[Path] = None,
+    mix_fingerprints: bool = False,
+    previous: Sequence[Path] = (),
+) -> dict:
+    """The rows of ``pairs`` (and ``regime``'s) on the test splits of ``worlds`` x ``meta_seeds`` (every world's
+    first seed first), the results file ``root/file`` (and its ``.md``, pointing at ``plan``) rewritten after every
+    world; kept worlds of the same ``record`` (in ``root/file`` and the files ``previous``, :func:`merge_kept`) are
+    not run again."""
     for w in worlds:
         world_fields(w)
-    pairs, by_learner = family(selection), family_by_learner(selection)
-    units = rows_by_unit(pairs)
-    record = study_record(base, pairs, selection)
+    units = rows_by_unit(pairs, regime)
     path = root / file
     cells, earlier = merge_kept(([path] if path.is_file() else []) + [Path(p) for p in previous], record)
     names = sorted(f"{w}/{s}" for w, s in cells)
@@ -324,7 +348,7 @@ def run(
     book = study._Book(computed, mixed)
     inputs = dict(earlier.get("inputs", {}))
     seconds = dict(earlier.get("seconds_per_cell", {}))
-    result = write_results(root, file, cells, pairs, record, book, inputs, seconds, by_learner)
+    result = write_results(root, file, cells, pairs, record, book, inputs, seconds, by_learner, plan)
     for seed in meta_seeds:
         for world in worlds:
             if (world, seed) in cells:
@@ -336,7 +360,7 @@ def run(
             cells[(world, seed)], inputs[f"{world}/{seed}"] = run_world(world, settings, root, units, world_root)
             seconds[f"{world}/{seed}"] = round(time.time() - t, 1)
             book.computed[f"{world}/{seed}"] = now
-            result = write_results(root, file, cells, pairs, record, book, inputs, seconds, by_learner)
+            result = write_results(root, file, cells, pairs, record, book, inputs, seconds, by_learner, plan)
     return result
 
 
@@ -363,14 +387,16 @@ def write_results(
     inputs: dict,
     seconds: dict,
     by_learner: Optional[dict] = None,
+    plan: str = PLAN,
 ) -> dict:
     """The results file and its ``.md``: the answer (:func:`answer`, one sentence per learner of ``by_learner``),
-    the family's summary (Holm over it), the cells, variance components and what computed each world."""
+    the family's summary (Holm over it), the cells, variance components and what computed each world (``plan``:
+    the committed plan it follows)."""
     rows = study.summarise(cells, pairs, label=row_label) if cells else []
     sentences = answer(rows, by_learner or {})
     names = {f"{w}/{s}" for w, s in cells}
     result = {
-        "plan": PLAN,
+        "plan": plan,
         "answer": sentences,
         "pairs": rows,
         "variance_components": components(cells, pairs),
@@ -422,9 +448,8 @@ def answer(rows: Sequence[dict], by_learner: dict) -> list[str]:
             continue
         worlds = max(len(found[p]["worlds"]) for p in pairs if p in found)
         family_size = max(found[p]["family"] for p in pairs if p in found)
-        head = (
-            f"{study_b2n.LEARNER_LABEL[learner]} ({worlds} world{'s' if worlds != 1 else ''}, Holm over {family_size}"
-        )
+        name = study_b2n.LEARNER_LABEL.get(learner, learner)
+        head = f"{name} ({worlds} world{'s' if worlds != 1 else ''}, Holm over {family_size}"
         sentences.append(f"{head} pairs): " + "; ".join(parts) + ".")
     return sentences
 

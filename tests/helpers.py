@@ -336,3 +336,19 @@ def resave_tensors(src: Path, dst: Path, dtype: torch.dtype, only: str = "") -> 
     tensors = {k: (v.to(dtype) if not only or k == only else v) for k, v in load_file(str(src)).items()}
     save_file(tensors, str(dst), metadata=metadata)
     return dst
+
+
+def fake_run_cell(ran: list, effect):
+    """A stand-in for ``gram_world.study.run_cell``: H of a row = 50 + ``effect(world, unit variant, key, seed)``
+    (base = new = H); each call is appended to ``ran`` as (world, variant, keys, world seed, world fields)."""
+
+    def fake(cell, root, keys, world_root=None):
+        ran.append((cell.world, cell.variant, tuple(keys), cell.settings.world_seed, cell.settings.world))
+        return [
+            {"key": k, "seed": s, "base": h, "new": h, "dataset": "d"}
+            for k in keys
+            for s in cell.settings.seeds
+            for h in [50.0 + effect(cell.world, cell.variant, k, s)]
+        ]
+
+    return fake

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from helpers import fake_run_cell
 
 from gram_world import confirm, power, study
 from gram_world.demo.settings import DemoSettings
@@ -102,21 +103,6 @@ def test_the_family_is_the_nine_primary_pairs_and_the_chosen_variant_against_the
     confirm.check_selection({**_selection(), "partial": True}, "s.json", allow_partial=True)
 
 
-def _fake(ran, effect):
-    """run_cell's stand-in: H of a row = 50 + effect(world, unit variant, key, seed) (base = new = H)."""
-
-    def fake(cell, root, keys, world_root=None):
-        ran.append((cell.world, cell.variant, tuple(keys), cell.settings.world_seed, cell.settings.world))
-        return [
-            {"key": k, "seed": s, "base": h, "new": h, "dataset": "d"}
-            for k in keys
-            for s in cell.settings.seeds
-            for h in [50.0 + effect(cell.world, cell.variant, k, s)]
-        ]
-
-    return fake
-
-
 def test_a_study_runs_each_worlds_units_merges_them_and_holm_covers_the_family(tmp_path, monkeypatch):
     ran: list = []
     world_shift = {"11": 0.0, "12": 1.0, "13-cartoon": -0.5}
@@ -125,7 +111,7 @@ def test_a_study_runs_each_worlds_units_merges_them_and_holm_covers_the_family(t
         gain = 2.0 if variant.startswith("b2n_paper_gate") else 0.0
         return gain + world_shift[world] * (key == "coop") + 0.1 * seed * (variant != "")
 
-    monkeypatch.setattr(study, "run_cell", _fake(ran, effect))
+    monkeypatch.setattr(study, "run_cell", fake_run_cell(ran, effect))
     base = replace(DemoSettings.preset(True), seeds=(1, 2))
     selection = _selection("gate/paper")
     result = confirm.run(tmp_path, list(world_shift), (0,), base, selection)
@@ -183,7 +169,9 @@ def test_a_study_runs_each_worlds_units_merges_them_and_holm_covers_the_family(t
 
 def test_halves_run_in_parallel_folders_merge_into_one_study_without_rerunning_a_world(tmp_path, monkeypatch):
     ran: list = []
-    monkeypatch.setattr(study, "run_cell", _fake(ran, lambda world, variant, key, seed: 0.3 * seed + int(world[:2])))
+    monkeypatch.setattr(
+        study, "run_cell", fake_run_cell(ran, lambda world, variant, key, seed: 0.3 * seed + int(world[:2]))
+    )
     base = replace(DemoSettings.preset(True), seeds=(1, 2))
     selection = _selection()
     a = confirm.run(tmp_path / "a", ["11", "12"], (0,), base, selection)
@@ -259,7 +247,7 @@ def test_the_claim_check_compares_the_sign_on_fresh_worlds():
 
 def test_the_check_command_draws_fresh_worlds_and_prints_each_claim(tmp_path, monkeypatch, capsys):
     ran: list = []
-    monkeypatch.setattr(study, "run_cell", _fake(ran, lambda w, v, k, s: 1.0 if k == "gram_coop" else 0.0))
+    monkeypatch.setattr(study, "run_cell", fake_run_cell(ran, lambda w, v, k, s: 1.0 if k == "gram_coop" else 0.0))
     sel = tmp_path / "sel.json"
     sel.write_text(json.dumps(_selection()))
     claims = tmp_path / "claims.json"
