@@ -185,6 +185,17 @@ def tiny_task_opts(meta_batch: int = 2, way: int = 3, support: int = 2, query: i
     ]
 
 
+def train_argv(root: Path, out: Path, trainer: str, config: str, *opts: str, seed: int = 1) -> list[str]:
+    """``train.py``'s arguments for ``trainer`` on the DTD layout under ``root`` (``configs/datasets/dtd.yaml``) with
+    the trainer config ``config`` (repository-relative), writing to ``out``, then the ``KEY VALUE`` ``opts``."""
+    repo = Path(__file__).resolve().parents[1]
+    return [
+        *("--root", str(root), "--seed", str(seed), "--trainer", trainer, "--output-dir", str(out)),
+        *("--dataset-config-file", str(repo / "configs/datasets/dtd.yaml"), "--config-file", str(repo / config)),
+        *opts,
+    ]
+
+
 def tiny_dassl_opts(model: str = "GRAM-Test-Tiny", shots: int = 2) -> list[str]:
     """Dassl ``KEY VALUE`` options of a one-epoch GRAM-trainer run on the tiny test CLIP ``model`` (no weights file,
     32 x 32 images, batches of 2, no loader workers) at ``shots`` images per class."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import tiny_dassl_opts
+from helpers import tiny_dassl_opts, train_argv
 
 from gram_tools.backbone_table import BACKBONES, BEGIN, END, shape_only_clip, table
 from meta.evaluation.spec import method_preset
@@ -156,22 +156,7 @@ def _train_py(argv: list[str], monkeypatch) -> int:
 
 
 def _tiny_argv(trainer: str, config: str, root: Path, out: Path, *opts: str) -> list[str]:
-    return [
-        "--root",
-        str(root),
-        "--seed",
-        "1",
-        "--trainer",
-        trainer,
-        "--output-dir",
-        str(out),
-        "--dataset-config-file",
-        str(REPO / "configs/datasets/dtd.yaml"),
-        "--config-file",
-        str(REPO / config),
-        *tiny_dassl_opts(TINY_RN, shots=2),
-        *opts,
-    ]
+    return train_argv(root, out, trainer, config, *tiny_dassl_opts(TINY_RN, shots=2), *opts)
 
 
 @pytest.mark.parametrize("trainer", VISUAL_TRAINERS)

@@ -13,7 +13,7 @@ pytest.importorskip("dassl", reason="Dassl is not installed")
 
 from dassl.engine import build_trainer  # noqa: E402
 from dassl.utils import setup_logger  # noqa: E402
-from helpers import make_dtd, tiny_dassl_opts  # noqa: E402
+from helpers import make_dtd, tiny_dassl_opts, train_argv  # noqa: E402
 from helpers_dassl import restore_stdout  # noqa: E402
 
 import train  # noqa: E402
@@ -25,21 +25,7 @@ SHORT = "class(es) with fewer images than DATASET.NUM_SHOTS 16: 'texture_0' has 
 
 
 def _args(root: Path, out: Path) -> list[str]:
-    return [
-        "--root",
-        str(root),
-        "--seed",
-        "1",
-        "--trainer",
-        "GRAM_CoOp",
-        "--output-dir",
-        str(out),
-        "--dataset-config-file",
-        str(REPO / "configs/datasets/dtd.yaml"),
-        "--config-file",
-        str(REPO / "configs/trainers/coop.yaml"),
-        *tiny_dassl_opts(shots=16),
-    ]
+    return train_argv(root, out, "GRAM_CoOp", "configs/trainers/coop.yaml", *tiny_dassl_opts(shots=16))
 
 
 @pytest.fixture(scope="module")
