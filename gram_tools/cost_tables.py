@@ -73,6 +73,40 @@ def plain_table(figures: dict) -> str:
     return "\n".join(rows)
 
 
+def backbone_table(way: int, n_support: int, n_query: int) -> str:
+    """Per backbone of :data:`gram_tools.backbone_table.BACKBONES`, from its own figures file
+    (:func:`gram_tools.realsize.figures_path`): weights, the image tower per image, and the text-prompt learners'
+    steps (CoOp's meta-task on cached features, CoCoOp's per-image text passes, a fine-tuning image of each)."""
+    from gram_tools.backbone_table import BACKBONES
+    from gram_tools.realsize import figures_path
+
+    rows = [
+        "| backbone | weights MiB | image tower per image: GFLOP, CPU s (load) | CoOp meta-task, 2nd order "
+        f"({way * n_support} + {way * n_query} images) | CoCoOp meta-task, 2nd order: MiB per support / query image; "
+        "one task | fine-tuning image, CoOp / CoCoOp: MiB, GFLOP |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    xs = [way * n_support, way * n_query]
+    for backbone in BACKBONES:
+        figures = json.loads((REPO_ROOT / figures_path(backbone)).read_text())
+        fits = figures["fits"]
+        enc, coop, cocoop = fits["coop"]["encode"], fits["coop"]["second"], fits["cocoop"]["second"]
+        lo, hi = enc["load_avg_1min_range"]
+        gflop = enc["gflops"]["slopes"][0]
+        ft = [fits[k]["finetune"] for k in ("coop", "cocoop")]
+        rows.append(
+            f"| {backbone} | {_fmt(figures['settings']['model_mib'])} | {_fmt(gflop, 1)}, "
+            f"{_fmt(enc['seconds_per_gflop'] * gflop, 2)} ({lo:.1f}-{hi:.1f}) | "
+            f"{_fmt(line_value(coop['peak_mib'], xs))} MiB, {_fmt(line_value(coop['gflops'], xs), 1)} GFLOP | "
+            f"{_fmt(cocoop['peak_mib']['slopes'][0])} / {_fmt(cocoop['peak_mib']['slopes'][1])}; "
+            f"{line_value(cocoop['peak_mib'], xs) / 1024:.2f} GiB, "
+            f"{line_value(cocoop['gflops'], xs) / 1000:.2f} TFLOP | "
+            + " / ".join(f"{_fmt(f['peak_mib']['slopes'][0], 1)}, {_fmt(f['gflops']['slopes'][0], 1)}" for f in ft)
+            + " |"
+        )
+    return "\n".join(rows)
+
+
 def saved_table(figures: dict, n_support: int = 3, n_query: int = 1) -> str:
     """What autograd saved at one measured point, by tensor kind, against the measured resident peak."""
     rows = [
@@ -99,16 +133,21 @@ PLANNER_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("configs/meta/train_maple.yaml", ()),
     ("configs/meta/train_vpt.yaml", ("META.AUTOCAST", "bf16")),
     ("configs/meta/train_unigram.yaml", ("META.AUTOCAST", "bf16")),
+    ("configs/meta/train_cocoop.yaml", ()),
+    *(
+        (f"configs/meta/train_{learner}.yaml", ("MODEL.BACKBONE", backbone))
+        for backbone in ("RN50", "RN101", "ViT-B-32", "ViT-L-14")  # text-prompt learners on CoOp's other backbones
+        for learner in ("coop", "cocoop")
+    ),
 )
 
 
-def planner_table(figures_path: str, gpu_memory_gib: float = 80.0, margin: float = 0.1) -> str:
-    """``python -m gram_tools.plan`` on :data:`PLANNER_ROWS` (one GPU, the checkout's GPU figures of each row's
-    autocast), beside the peak that those figures measured for the same step where they did."""
-    from gram_tools.plan import _read_json, default_gpu_figures, meta_plan
+def planner_table(gpu_memory_gib: float = 80.0, margin: float = 0.1) -> str:
+    """``python -m gram_tools.plan`` on :data:`PLANNER_ROWS` (one GPU, the checkout's figures of each row's backbone
+    and autocast, :func:`gram_tools.plan.figures_for`), beside the peak those GPU figures measured for the step."""
+    from gram_tools.plan import figures_for, meta_plan
     from meta.config import load_meta_cfg
 
-    figures = json.loads(Path(figures_path).read_text())
     rows = [
         f"| config | learner, step | one task + weights | tasks per pass: peak + weights | fits {gpu_memory_gib:g} GiB "
         f"({margin:.0%} kept free) | largest N_SUPPORT / N_QUERY (one task per pass) | measured peak of the step "
@@ -117,8 +156,7 @@ def planner_table(figures_path: str, gpu_memory_gib: float = 80.0, margin: float
     ]
     for config, opts in PLANNER_ROWS:
         cfg = load_meta_cfg(str(REPO_ROOT / config), list(opts))
-        gpu_path = default_gpu_figures(str(cfg.META.AUTOCAST))
-        gpu = _read_json(gpu_path, "") if Path(gpu_path).is_file() else None
+        figures_path, figures, _, gpu = figures_for(cfg)
         m = meta_plan(cfg, figures, figures_path, gpu, gpu_memory_gib, 1, 30.0, margin)
         mode = {"second": "2nd order", "first": "1st order"}.get(m["mode"], m["mode"])
         name = Path(config).stem + "".join(f", {k} {v}" for k, v in zip(opts[::2], opts[1::2]))
@@ -201,8 +239,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(realsize_table(figures, int(t.K_WAY), int(t.N_SUPPORT), int(t.N_QUERY)) + "\n")
         print(plain_table(figures) + "\n")
         print(saved_table(figures) + "\n")
+        print(backbone_table(int(t.K_WAY), int(t.N_SUPPORT), int(t.N_QUERY)) + "\n")
     if "planner" in wanted:
-        print(planner_table(args.figures) + "\n")
+        print(planner_table() + "\n")
     if "chc" in wanted:
         print(chc_table(json.loads(Path(args.chc_figures).read_text())))
     return 0

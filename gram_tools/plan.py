@@ -9,7 +9,9 @@ The config is checked by the same function as ``python -m meta train``
 (:func:`meta.metatrain.settings.check_meta_cfg`): what ``train`` refuses is not planned; a config that
 sets no ``META`` keys (a CHC config) is refused in one line naming the file (:func:`config_kind_problem`).
 
-* ``--figures`` (default ``docs/realsize_cpu.json``, written by :mod:`gram_tools.realsize`): per learner
+* ``--figures`` (default: the file of the config's ``MODEL.BACKBONE``, ``docs/realsize_cpu.json`` for ViT-B-16 and
+  ``docs/realsize_cpu_<backbone>.json`` for another, written by :mod:`gram_tools.realsize` ``--model``; a file
+  measured on another backbone is refused in one line): per learner
   the fitted lines ``peak MiB = a + b_s * s + b_q * q`` and ``GFLOP = ...`` of one meta-task on ``s`` support
   and ``q`` query images (and ``a + b * batch`` for a plain step), measured on a CPU at real size;
 * ``--gpu-figures`` (default: the checkout's figures of the config's ``META.AUTOCAST``, ``docs/gpu_figures.json``
@@ -47,8 +49,8 @@ from pathlib import Path
 from typing import Optional
 
 from gram_tools.chc_growth import extrapolate_seconds
+from gram_tools.realsize import DEFAULT_MODEL, LEARNERS, figures_path, learner_of
 from gram_tools.realsize import DEFAULT_OUT as DEFAULT_FIGURES
-from gram_tools.realsize import LEARNERS, learner_of
 from meta.method.learners import DEFAULT_LEARNER
 
 # The checkout the package sits in: the docs/*.json figures are read from there whatever the current folder.
@@ -139,6 +141,35 @@ _JSON_NAMES = {dict: "object", list: "array", (int, float): "number"}
 FIGURES_LAYOUT = {"fits": dict, "settings": dict}
 GPU_LAYOUT = {"settings": dict, "variants": dict, "chc_images_per_s": (int, float)}
 CHC_LAYOUT = {"growth": dict}
+
+
+def figures_for(cfg, figures_file: Optional[str] = None, gpu_file: Optional[str] = None) -> tuple:
+    """``(figures path, figures, GPU figures path, GPU figures or None)`` that answer ``cfg``: the CPU figures of
+    its ``MODEL.BACKBONE`` (:func:`gram_tools.realsize.figures_path` unless ``figures_file``; a file of another
+    backbone is refused, :func:`check_figures_model`) and the GPU figures of its ``META.AUTOCAST`` unless
+    ``gpu_file``, kept only when they were measured on that backbone."""
+    backbone = str(cfg.MODEL.BACKBONE)
+    figures_file = figures_file or default_path(figures_path(backbone))
+    figures = _read_json(
+        figures_file, f"real-size figures: python -m gram_tools.realsize --model {backbone}", FIGURES_LAYOUT
+    )
+    check_figures_model(figures, figures_file, backbone)
+    gpu_file = gpu_file or default_gpu_figures(str(cfg.META.AUTOCAST))
+    gpu = _read_json(gpu_file, "", GPU_LAYOUT) if Path(gpu_file).is_file() else None
+    if gpu is not None and gpu.get("settings", {}).get("model", backbone) != backbone:
+        gpu = None  # another backbone's GPU seconds say nothing about this one
+    return figures_file, figures, gpu_file, gpu
+
+
+def check_figures_model(figures: dict, path: str, backbone: str) -> None:
+    """Refuse (one line) a figures file measured on another backbone than the config's ``MODEL.BACKBONE`` (a file
+    that records no ``settings.model`` cannot say, and is read as it is)."""
+    measured = figures.get("settings", {}).get("model")
+    if measured is not None and measured != backbone:
+        raise PlanError(
+            f"MODEL.BACKBONE {backbone}: {path} was measured on {measured}; measure this backbone with python -m "
+            f"gram_tools.realsize --model {backbone} (writes {figures_path(backbone)}) or pass its --figures"
+        )
 
 
 def card_label(settings: dict) -> str:
@@ -545,7 +576,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument(
         "--pairs", type=float, default=3.1e6, help=f"CHC corpus size, 1 <= pairs <= {MAX_PAIRS:g} (CC3M: 3.1e6)"
     )
-    ap.add_argument("--figures", default=default_path(DEFAULT_FIGURES), help=f"default: <checkout>/{DEFAULT_FIGURES}")
+    ap.add_argument(
+        "--figures",
+        default=None,
+        help=f"default: the checkout's figures of the config's MODEL.BACKBONE (<checkout>/{DEFAULT_FIGURES} for "
+        f"{DEFAULT_MODEL}, docs/realsize_cpu_<backbone>.json for another)",
+    )
     ap.add_argument(
         "--gpu-figures",
         default=None,
@@ -570,10 +606,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if kind:
             raise PlanError(kind)
         check_meta_cfg(cfg)  # the same checks as `python -m meta train`: what it refuses is not planned
-        figures = _read_json(args.figures, "real-size figures: python -m gram_tools.realsize", FIGURES_LAYOUT)
-        if args.gpu_figures is None:
-            args.gpu_figures = default_gpu_figures(str(cfg.META.AUTOCAST))
-        gpu = _read_json(args.gpu_figures, "", GPU_LAYOUT) if Path(args.gpu_figures).is_file() else None
+        args.figures, figures, args.gpu_figures, gpu = figures_for(cfg, args.figures, args.gpu_figures)
         result = {
             "config": args.config_file,
             "meta_training": _figures_step(

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from gram_tools.bench_gpu import VARIANTS
+from meta.config import get_meta_cfg_default
 from meta.infra.cli_errors import int_flag_problem
 from meta.infra.fileio import write_json_atomic
 from meta.method.learners import DEFAULT_LEARNER
@@ -76,7 +77,16 @@ LEARNERS: dict[str, dict] = _rows()
 MODES = ("second", "first", "finetune", "encode")  # encode: CHC's image features (no grad), learner-free
 DEFAULT_META_SIZES = ((1, 1), (2, 1), (1, 2), (2, 2))  # (support images, query images)
 DEFAULT_FT_BATCHES = (1, 2, 4)
-DEFAULT_OUT = "docs/realsize_cpu.json"
+DEFAULT_OUT = "docs/realsize_cpu.json"  # the default backbone's (ViT-B-16) figures
+DEFAULT_MODEL = str(get_meta_cfg_default().MODEL.BACKBONE)  # ViT-B-16, the paper's backbone
+
+
+def figures_path(model: str) -> str:
+    """The checkout-relative figures file of backbone ``model``: :data:`DEFAULT_OUT` for ViT-B-16, else
+    ``docs/realsize_cpu_<model>.json`` (one file per backbone, each measured by ``--model``)."""
+    return DEFAULT_OUT if model == DEFAULT_MODEL else f"docs/realsize_cpu_{model}.json"
+
+
 MIB = 2**20
 # One thread; a fixed glibc mmap threshold, so every tensor above 64 KiB is mapped on allocation and
 # unmapped when freed: resident size then follows live tensors (no heap retention between steps).
@@ -172,7 +182,7 @@ class SavedTensors:
 def measure_learner(
     learner: str,
     grid: Sequence[tuple[str, int, int]],
-    model: str = "ViT-B-16",
+    model: str = DEFAULT_MODEL,
     way: Optional[int] = None,
     repeats: int = 2,
 ) -> list[dict]:
@@ -364,7 +374,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gram_tools.realsize", description=__doc__.splitlines()[0])
     parser.add_argument("--learners", nargs="*", default=list(LEARNERS), choices=list(LEARNERS))
     parser.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
-    parser.add_argument("--model", default="ViT-B-16")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="open_clip architecture (MODEL.BACKBONE's names)")
     parser.add_argument("--repeats", type=int, default=2, help="timed steps after the counted one")
     parser.add_argument(
         "--sizes",
@@ -372,7 +382,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="meta-task sizes 's,q;s,q;...' in images",
     )
     parser.add_argument("--batches", default=",".join(map(str, DEFAULT_FT_BATCHES)), help="fine-tuning batch sizes")
-    parser.add_argument("--out", default=DEFAULT_OUT, help="JSON file the planner reads ('' = none)")
+    parser.add_argument(
+        "--out", default=None, help="JSON file the planner reads ('' = none; default: figures_path(--model))"
+    )
     parser.add_argument(
         "--merge",
         action="store_true",
@@ -380,6 +392,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     parser.add_argument("--one", nargs=2, metavar=("LEARNER", "GRID"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.out = figures_path(args.model) if args.out is None else args.out
     problem = int_flag_problem(args, {"repeats": 1})
     if problem:
         print(f"error: {problem}", file=sys.stderr)

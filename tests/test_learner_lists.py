@@ -165,7 +165,7 @@ def test_planner_names_a_prompt_learner_without_figures(tmp_path, capsys):
     line = {"intercept": 100.0, "slopes": [1.0, 1.0]}
     fit = {"variables": ["support", "query"], "points": 4, "peak_mib": line, "gflops": line, "seconds": line}
     figures = tmp_path / "figures.json"
-    figures.write_text(json.dumps({"settings": {"model": "fake", "model_mib": 1.0}, "fits": {"coop": {"second": fit}}}))
+    figures.write_text(json.dumps({"settings": {"model": "ViT-B-16", "model_mib": 1.0}, "fits": {"coop": {"second": fit}}}))
     argv = ["--config-file", "configs/meta/train_coop.yaml", "--figures", str(figures)]
     argv += ["--gpu-figures", "absent.json", "--chc-figures", "absent.json"]
     assert learner_of(4, 0, 1, learner=KEY) == KEY
@@ -184,7 +184,7 @@ def test_planner_says_which_learner_the_gpu_figures_lack(tmp_path, capsys):
     line = {"intercept": 100.0, "slopes": [1.0, 1.0]}
     fit = {"variables": ["support", "query"], "points": 4, "peak_mib": line, "gflops": line, "seconds": line}
     figures = tmp_path / "figures.json"
-    figures.write_text(json.dumps({"settings": {"model": "fake"}, "fits": {"unigram": {"second": fit}}}))
+    figures.write_text(json.dumps({"settings": {"model": "ViT-B-16"}, "fits": {"unigram": {"second": fit}}}))
     settings = {"way": 5, "support_shots": 4, "query_shots": 8, "meta_batch": 4, "gpu": "fake", "autocast": "none"}
     gpu = tmp_path / "gpu.json"
     gpu.write_text(json.dumps({"settings": settings, "variants": {"coop": {"second_order_step_s": 1.0}}}))

@@ -23,7 +23,7 @@ def _line(a, *b):
 
 def _figures(tmp_path, meta_batch_gpu=4):
     figures = {
-        "settings": {"model": "fake", "model_mib": 512.0},
+        "settings": {"model": "ViT-B-16", "model_mib": 512.0},  # the configs' MODEL.BACKBONE
         "fits": {
             "unigram": {
                 "second": {
@@ -483,8 +483,42 @@ def test_gpu_figures_are_read_for_the_configs_autocast_and_named_once(tmp_path, 
 
 def test_realsize_doc_shows_the_planners_table_of_the_committed_figures():
     """docs/realsize.md's planner table is what the planner says today on the committed figures (no number by hand)."""
-    from gram_tools.cost_tables import planner_table
-    from gram_tools.realsize import DEFAULT_OUT
+    from gram_tools.cost_tables import backbone_table, planner_table
 
-    table = planner_table(plan.default_path(DEFAULT_OUT))
-    assert table.count("\n") >= 3 and table in (REPO / "docs" / "realsize.md").read_text()
+    doc = (REPO / "docs" / "realsize.md").read_text()
+    table = planner_table()
+    assert table.count("\n") >= 3 and table in doc
+    assert "MODEL.BACKBONE RN50" in table and "| train_cocoop | cocoop, 2nd order |" in table
+    backbones = backbone_table(5, 4, 8)
+    assert backbones in doc and backbones.count("\n") == 6  # header, rule and the five backbones
+
+
+def test_each_backbone_is_planned_from_its_own_measured_figures(tmp_path, capsys):
+    """One figures file per backbone (gram_tools.realsize --model); the planner reads the config's, and refuses a file
+    measured on another backbone in one line that says how to measure this one."""
+    from gram_tools.backbone_table import BACKBONES
+    from gram_tools.realsize import DEFAULT_OUT, figures_path
+
+    assert figures_path("ViT-B-16") == DEFAULT_OUT and figures_path("RN50") == "docs/realsize_cpu_RN50.json"
+    for backbone in BACKBONES:  # every backbone CoOp ships configs for, and ViT-L/14: text learners measured
+        figures = json.loads((REPO / figures_path(backbone)).read_text())
+        assert figures["settings"]["model"] == backbone
+        assert {"second", "first", "finetune"} <= set(figures["fits"]["coop"]) and "encode" in figures["fits"]["coop"]
+        assert "second" in figures["fits"]["cocoop"] and "finetune" in figures["fits"]["cocoop"]
+    rn50 = json.loads((REPO / figures_path("RN50")).read_text())
+    argv = ["--config-file", "configs/meta/train_coop.yaml", "--chc-figures", str(tmp_path / "absent.json")]
+    assert plan.main([*argv, "MODEL.BACKBONE", "RN50"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["meta_training"]
+    assert out["learner"] == "coop" and "RN50 random weights" in out["task_peak_gib"]["how"]
+    assert figures_path("RN50") in out["task_peak_gib"]["how"]
+    assert out["weights_gib"]["value"] == pytest.approx(rn50["settings"]["model_mib"] / 1024, abs=1e-3)
+    # the ViT-B/16 figures answer a ViT-B/16 config, not a ResNet one
+    vit = plan.default_path(DEFAULT_OUT)
+    assert plan.main([*argv, "--figures", vit, "MODEL.BACKBONE", "RN101"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: MODEL.BACKBONE RN101: ")
+    assert "measured on ViT-B-16" in err and "gram_tools.realsize --model RN101" in err
+    # a backbone nobody measured: the missing file is named with the command that writes it
+    assert plan.main([*argv, "MODEL.BACKBONE", "ViT-B-32-quickgelu"]) == 2
+    err = capsys.readouterr().err
+    assert "realsize_cpu_ViT-B-32-quickgelu.json: no such file" in err and "--model ViT-B-32-quickgelu" in err
