@@ -1,0 +1,185 @@
+"""Episodic test-time prompt tuning: TPT (Shu et al., NeurIPS 2022) from any start θ, its gradient optionally R_φ's.
+
+For each unlabelled test image ``x`` (``[3, H, W]``, preprocessed as the evaluator feeds CLIP): a batch of
+:attr:`TestTimeSpec.views` views (``x`` itself first, then random resized crops with horizontal flips, TPT's
+pre-augmentation, ``torchvision``'s RandomResizedCrop rule drawn from a seeded generator), their logits under θ, the
+:attr:`TestTimeSpec.confident_share` of views with the lowest prediction entropy, and the entropy of their *averaged*
+prediction as the loss (TPT's ``select_confident_samples`` and ``avg_entropy``, azshue/TPT ``tpt_classification.py``).
+:attr:`TestTimeSpec.steps` AdamW steps on θ (lr 5e-3, torch's default weight decay, as TPT), with R_φ replacing the
+gradient before each step when a :class:`meta.finetune.regulated.GradientRegulation` is given; then the prediction on
+``x`` itself.  θ and the optimiser start afresh for every image (episodic: nothing of one image reaches the next).
+
+TPT crops the full-resolution image before resizing; here the views are cut from the evaluator's preprocessed tensor
+and resized back to its size (bilinear, antialiased), the one difference.  A learner whose image side carries no
+prompts (CoOp, CoCoOp) encodes the views once per image without gradients; the step then costs text passes only.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torchvision.transforms.v2 import functional as TF
+
+from meta.method.learners import learner_of
+
+
+@dataclass(frozen=True)
+class TestTimeSpec:
+    """TPT's protocol (defaults: its paper, section 4, and azshue/TPT's ``tpt_classification.py``)."""
+
+    __test__ = False  # not a pytest test class
+
+    views: int = 64  # the test image and 63 augmented views: TPT's batch of 64
+    confident_share: float = 0.1  # keep the 10 % of views with the lowest entropy
+    steps: int = 1  # optimiser steps per image
+    lr: float = 5e-3
+    weight_decay: float = 0.01  # torch.optim.AdamW's default, which TPT keeps
+    crop_scale: tuple[float, float] = (0.08, 1.0)  # RandomResizedCrop's defaults (area share, aspect ratio)
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+
+    def __post_init__(self) -> None:
+        if int(self.views) < 1:
+            raise ValueError(f"test-time views: expected an integer >= 1 (the image counts as one), got {self.views}")
+        if not 0.0 < float(self.confident_share) <= 1.0:
+            raise ValueError(f"test-time confident_share: expected a share in (0, 1], got {self.confident_share}")
+        if int(self.steps) < 0:
+            raise ValueError(f"test-time steps: expected an integer >= 0, got {self.steps}")
+        if not float(self.lr) > 0.0:
+            raise ValueError(f"test-time lr: expected a learning rate > 0, got {self.lr}")
+
+    @property
+    def kept(self) -> int:
+        """Confident views the loss averages: ``int(views · share)`` as TPT counts them, at least one."""
+        return max(1, int(self.views * self.confident_share))
+
+
+def crop_box(height: int, width: int, spec: TestTimeSpec, generator: torch.Generator) -> tuple[int, int, int, int]:
+    """``(top, left, h, w)`` of a random resized crop: RandomResizedCrop's rule (10 draws of area share and log-uniform
+    aspect ratio, else the whole image clipped to the ratio range) with draws from ``generator``."""
+    area = height * width
+    log_ratio = (math.log(spec.crop_ratio[0]), math.log(spec.crop_ratio[1]))
+    for _ in range(10):
+        u = torch.rand(2, generator=generator).tolist()
+        target = area * (spec.crop_scale[0] + u[0] * (spec.crop_scale[1] - spec.crop_scale[0]))
+        ratio = math.exp(log_ratio[0] + u[1] * (log_ratio[1] - log_ratio[0]))
+        w, h = round(math.sqrt(target * ratio)), round(math.sqrt(target / ratio))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(torch.randint(0, height - h + 1, (1,), generator=generator))
+            left = int(torch.randint(0, width - w + 1, (1,), generator=generator))
+            return top, left, h, w
+    ratio = min(max(width / height, spec.crop_ratio[0]), spec.crop_ratio[1])
+    w, h = (width, round(width / ratio)) if width / height > ratio else (round(height * ratio), height)
+    w, h = min(w, width), min(h, height)
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def view_batch(image: torch.Tensor, spec: TestTimeSpec, generator: torch.Generator) -> torch.Tensor:
+    """``[views, 3, H, W]``: ``image`` (``[3, H, W]``) first, then ``views - 1`` random resized crops of it, each
+    flipped left-right with probability 1/2, resized back to ``H x W``."""
+    _, height, width = image.shape
+    out = [image]
+    for _ in range(spec.views - 1):
+        top, left, h, w = crop_box(height, width, spec, generator)
+        view = TF.resized_crop(image, top, left, h, w, [height, width], antialias=True)
+        out.append(TF.horizontal_flip(view) if float(torch.rand(1, generator=generator)) < 0.5 else view)
+    return torch.stack(out)
+
+
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """``[n]`` entropy (nats) of each row's softmax of ``logits`` ``[n, C]``."""
+    log_p = logits.log_softmax(dim=-1)
+    return -(log_p.exp() * log_p).sum(dim=-1)
+
+
+def confident_views(logits: torch.Tensor, kept: int) -> torch.Tensor:
+    """Indices of the ``kept`` rows of ``logits`` ``[V, C]`` with the lowest entropy (most confident first)."""
+    return torch.argsort(entropy(logits.detach()), stable=True)[:kept]
+
+
+def marginal_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the averaged prediction ``mean_v softmax(logits[v])`` of ``logits`` ``[k, C]`` (TPT's loss; the
+    mean is taken in log space, log-sum-exp minus log k)."""
+    log_p = logits.log_softmax(dim=-1)
+    log_mean = torch.logsumexp(log_p, dim=0) - math.log(logits.shape[0])
+    log_mean = log_mean.clamp_min(torch.finfo(log_mean.dtype).min)
+    return -(log_mean.exp() * log_mean).sum()
+
+
+@dataclass
+class TestTimeResult:
+    """What :func:`tune_and_predict` returns: ``logits`` ``[n, C]`` on each image after its own tuning, the mean
+    entropy loss before the first step (``loss_before``) and after the last (``loss_after``), seconds per image."""
+
+    logits: torch.Tensor
+    loss_before: float
+    loss_after: float
+    seconds_per_image: float
+
+
+def _view_logits(pclip, theta, views: torch.Tensor, cached: Optional[torch.Tensor], classnames) -> torch.Tensor:
+    if cached is not None:
+        return pclip.logits(theta, classnames, image_features=cached)
+    return pclip.logits(theta, classnames, images=views)
+
+
+def tune_one(pclip, start, image: torch.Tensor, classnames: Sequence[str], spec: TestTimeSpec, generator, regulation):
+    """``(logits [C] on image after tuning, loss before, loss after)`` for one image from a fresh copy of ``start``."""
+    theta = copy.deepcopy(start)
+    for p in theta.parameters():
+        p.requires_grad_(True)
+    views = view_batch(image, spec, generator)
+    cached = None
+    if not learner_of(theta).has_visual_prompts(theta):
+        with torch.no_grad():
+            cached = pclip.image_features(None, views)
+    optim = torch.optim.AdamW([p for p in theta.parameters()], lr=spec.lr, weight_decay=spec.weight_decay)
+    losses = []
+    for _ in range(spec.steps):
+        logits = _view_logits(pclip, theta, views, cached, classnames)
+        loss = marginal_entropy(logits[confident_views(logits, spec.kept)])
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        if regulation is not None:
+            regulation.apply_(theta.named_parameters())
+        optim.step()
+        losses.append(float(loss.detach()))
+    with torch.no_grad():
+        logits = _view_logits(pclip, theta, views, cached, classnames)
+        after = float(marginal_entropy(logits[confident_views(logits, spec.kept)]))
+    return logits[0], (losses[0] if losses else after), after
+
+
+def image_generator(seed: int, index: int) -> torch.Generator:
+    """The generator of image ``index``'s views under ``seed``."""
+    return torch.Generator().manual_seed(int(seed) * 1_000_003 + int(index))
+
+
+def tune_and_predict(
+    pclip,
+    start,
+    images: torch.Tensor,
+    classnames: Sequence[str],
+    spec: TestTimeSpec = TestTimeSpec(),
+    regulation=None,
+    seed: int = 0,
+) -> TestTimeResult:
+    """TPT on every image of ``images`` ``[n, 3, H, W]`` (module docstring), each from ``start`` (a
+    :class:`meta.method.prompts.PromptParams`, left unchanged); image i's views come from a generator of its own
+    (:func:`image_generator`), so its result does not depend on which images came before it."""
+    if images.ndim != 4 or images.shape[0] == 0:
+        raise ValueError(f"test-time tuning: expected unlabelled images [n >= 1, 3, H, W], got {tuple(images.shape)}")
+    t = time.perf_counter()
+    rows = [
+        tune_one(pclip, start, x, classnames, spec, image_generator(seed, i), regulation) for i, x in enumerate(images)
+    ]
+    return TestTimeResult(
+        logits=torch.stack([r[0] for r in rows]),
+        loss_before=sum(r[1] for r in rows) / len(rows),
+        loss_after=sum(r[2] for r in rows) / len(rows),
+        seconds_per_image=(time.perf_counter() - t) / len(rows),
+    )
