@@ -16,7 +16,8 @@ The plan, committed before the study's first cell, fixes what this module runs:
 
 Commands: ``plan`` prints the plan's numbers (the family, the draw, the power); ``run`` runs the rows world by world
 into ``--out`` (default ``output/study_cocoop``), ``cocoop.json`` / ``.md`` rewritten after every world, every stage
-cached on disk, so a stopped study resumes where it stopped (:func:`gram_world.confirm.run_family`).
+cached on disk, so a stopped study resumes where it stopped (:func:`gram_world.confirm.run_family`); on a new
+machine ``--resume-from docs/study/cocoop_parts/cocoop.json`` keeps the worlds of the committed partial file.
 """
 
 from __future__ import annotations
@@ -115,6 +116,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="output/study_cocoop", help="study folder (default output/study_cocoop)")
     parser.add_argument("--jobs", type=int, help="worker processes")
     parser.add_argument("--mix-fingerprints", action="store_true", help="run: keep worlds of another fingerprint")
+    parser.add_argument(
+        "--resume-from",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="run: also keep the worlds of these cocoop.json files (a committed partial file, halves run elsewhere)",
+    )
     study.add_settings_flags(parser)
     return parser
 
@@ -146,6 +154,7 @@ def _main(argv: list) -> int:
         plan=PLAN,
         regime=REGIME,
         mix_fingerprints=args.mix_fingerprints,
+        previous=[Path(p) for p in args.resume_from],
     )
     print((root / RESULTS_FILE.replace(".json", ".md")).read_text(), end="")
     print(f"study_cocoop: {len(result['cells'])} worlds in {root}; this call took {time.time() - t:.0f} s")

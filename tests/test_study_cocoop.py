@@ -111,3 +111,18 @@ def test_a_world_runs_the_family_and_regime_rows_once_and_holm_covers_the_four_p
     record["family"] = record["family"][:3]
     with pytest.raises(ValueError, match="family"):
         run()
+
+
+def test_the_command_resumes_on_a_new_machine_from_a_committed_partial_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(study, "current_provenance", lambda: NOW)
+    ran: list = []
+    monkeypatch.setattr(study, "run_cell", fake_run_cell(ran, lambda w, v, k, s: 1.0 * (k == "gram_cocoop")))
+    first = tmp_path / "first"
+    assert sc.main(["run", "--quick", "--out", str(first), "--worlds", "282166", "378549"]) == 0
+    assert len(ran) == 2 and "study_cocoop: 2 worlds" in capsys.readouterr().out
+    ran.clear()
+    argv = ["run", "--quick", "--out", str(tmp_path / "new"), "--worlds", "282166", "378549", "913060"]
+    assert sc.main([*argv, "--resume-from", str(first / sc.RESULTS_FILE)]) == 0
+    assert [r[0] for r in ran] == ["913060"]  # only the world the partial file lacks
+    saved = json.loads((tmp_path / "new" / sc.RESULTS_FILE).read_text())
+    assert sorted(saved["cells"]) == ["282166/0", "378549/0", "913060/0"]
