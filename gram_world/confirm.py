@@ -608,15 +608,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--history", default="docs/study/results.json", help="plan: the results file whose cells give the components"
     )
-    parser.add_argument("--mix-fingerprints", action="store_true", help="run: keep worlds of another fingerprint")
     parser.add_argument("--write", default="", help="readme: replace the answer block of this file (README.md)")
-    parser.add_argument(
-        "--resume-from",
-        nargs="+",
-        default=[],
-        metavar="FILE",
-        help="run: also keep the worlds of these confirm.json files (halves of the worlds run in parallel elsewhere)",
-    )
+    study.add_resume_flags(parser, CONFIRM_FILE)
     study.add_settings_flags(parser)
     return parser
 

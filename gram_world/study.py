@@ -1086,6 +1086,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_resume_flags(parser: argparse.ArgumentParser, results: str) -> None:
+    """``--mix-fingerprints`` and ``--resume-from FILE...`` (earlier ``results`` files whose worlds are kept), the
+    flags of the commands that run a family world by world (:func:`gram_world.confirm.run_family`)."""
+    parser.add_argument("--mix-fingerprints", action="store_true", help="run: keep worlds of another fingerprint")
+    parser.add_argument(
+        "--resume-from",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help=f"run: also keep the worlds of these {results} files (a committed partial file, halves run elsewhere)",
+    )
+
+
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     """``--quick`` and ``--debug``, the flags every study command shares (with ``--jobs``: :func:`base_settings`)."""
     parser.add_argument("--quick", action="store_true", help="the demo's --quick settings (a smoke test)")

@@ -115,24 +115,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--worlds", nargs="+", help="run: world names (default: the plan's WORLDS)")
     parser.add_argument("--out", default="output/study_cocoop", help="study folder (default output/study_cocoop)")
     parser.add_argument("--jobs", type=int, help="worker processes")
-    parser.add_argument("--mix-fingerprints", action="store_true", help="run: keep worlds of another fingerprint")
-    parser.add_argument(
-        "--resume-from",
-        nargs="+",
-        default=[],
-        metavar="FILE",
-        help="run: also keep the worlds of these cocoop.json files (a committed partial file, halves run elsewhere)",
-    )
+    study.add_resume_flags(parser, RESULTS_FILE)
     study.add_settings_flags(parser)
     return parser
 
 
 def main(argv: Optional[list] = None) -> int:
-    return run_cli(_main, argv)
+    """The command line (module docstring); errors end in one line (:func:`meta.infra.cli_errors.run_cli`)."""
+    return run_cli(lambda given: _command(_parser().parse_args(given)), argv)
 
 
-def _main(argv: list) -> int:
-    args = _parser().parse_args(argv)
+def _command(args: argparse.Namespace) -> int:
     if args.command == "plan":
         path = confirm.committed_file(PILOT_FILE)
         if not path.is_file():
