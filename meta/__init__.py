@@ -20,40 +20,21 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# public name -> module that defines it
-_EXPORTS = {
-    # frozen CLIP (open_clip)
-    "load_clip": "meta.model.backbone",
-    "ClipDims": "meta.model.backbone",
-    # θ: prompt learners
-    "PromptSpec": "meta.method.prompts",
-    "PromptParams": "meta.method.prompts",
-    "PromptedCLIP": "meta.method.prompts",
-    "classification_loss": "meta.method.prompts",
-    # φ: the gradient regulator
-    "RegulatorSpec": "meta.method.regulator",
-    "GradientRegulator": "meta.method.regulator",
-    "RegulatorFactory": "meta.method.regulator",
-    # the bi-level meta-learner
-    "GRAMMetaLearner": "meta.method.gram",
-    "MetaSpec": "meta.method.gram",
-    "TaskBatch": "meta.method.gram",
-    # the outer update of θ and φ (meta-training's optimiser step)
-    "OuterStep": "meta.metatrain.outer",
-    # test-time use of φ
-    "GradientRegulation": "meta.finetune.regulated",
-    "finetune_and_score": "meta.finetune.regulated",
+# module -> the public names it defines
+_MODULES = {
+    "meta.model.backbone": "load_clip ClipDims",  # frozen CLIP (open_clip)
+    "meta.method.prompts": "PromptSpec PromptParams PromptedCLIP classification_loss",  # θ: prompt learners
+    "meta.method.regulator": "RegulatorSpec GradientRegulator RegulatorFactory",  # φ: the gradient regulator
+    "meta.method.gram": "GRAMMetaLearner MetaSpec TaskBatch",  # the bi-level meta-learner
+    "meta.metatrain.outer": "OuterStep",  # the outer update of θ and φ (meta-training's optimiser step)
+    "meta.finetune.regulated": "GradientRegulation finetune_and_score",  # test-time use of φ
     # the fine-tuning engine shared by the Dassl trainers and the evaluator
-    "StartSpec": "meta.finetune.engine",
-    "build_start": "meta.finetune.engine",
-    "RegulatedStepper": "meta.finetune.engine",
+    "meta.finetune.engine": "StartSpec build_start RegulatedStepper",
     # init files (θ*, φ) for the trainers and stock CoOp
-    "GramInit": "meta.finetune.init_io",
-    "InitMismatchError": "meta.finetune.init_io",
-    "export_gram_init": "meta.finetune.init_io",
-    "load_gram_init": "meta.finetune.init_io",
-    "export_coop_context": "meta.finetune.init_io",
+    "meta.finetune.init_io": "GramInit InitMismatchError export_gram_init load_gram_init export_coop_context",
 }
+# public name -> module that defines it
+_EXPORTS = {name: module for module, names in _MODULES.items() for name in names.split()}
 
 __all__ = [*sorted(_EXPORTS), "__version__"]
 

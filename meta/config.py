@@ -377,63 +377,27 @@ KEY_FIELDS: tuple[KeyField, ...] = (
     KeyField("META.REGULATOR.WEIGHT_DECAY", _OUTER, "regulator_weight_decay", note="φ's decay in the outer step"),
     KeyField("META.PRETRAIN.LR", _OUTER, "outer_lr_prompt", note="θ's rate of META.MODE pretrain: λ1 shared"),
     *_same(_REGULATOR, "META.REGULATOR.", "form", "input_norm", "init", "init_std", "gate_group"),
-    KeyField(
-        "META.REGULATOR.BETA_SCALE", _REGULATOR, "beta_scale", SPELLED, 'a number: <= 0 = "grad_rms", > 0 = that scale'
-    ),
-    KeyField("META.CONSISTENCY.TEXT_WEIGHT", _CONSISTENCY, "text_weight"),
-    KeyField("META.CONSISTENCY.IMAGE_WEIGHT", _CONSISTENCY, "image_weight"),
+    KeyField("META.REGULATOR.BETA_SCALE", _REGULATOR, "beta_scale", SPELLED, '<= 0: "grad_rms", > 0: that scale'),
+    *_same(_CONSISTENCY, "META.CONSISTENCY.", "text_weight", "image_weight"),
     *_same(_PROMPT, "META.PROMPT.", "n_ctx_text", "ctx_init", "n_ctx_vision", "vision_depth", "init_std"),
     *_same(_PROMPT, "META.PROMPT.", "template", "vpt_init", "text_depth", "coupling", "learner"),
     KeyField("META.VAL_EPOCHS", _TRAIN, "epochs", note="META.VAL_PROTOCOL downstream: CoCoOp's schedule"),
-    KeyField("META.VAL_FT_LR", _TRAIN, "lr"),
-    KeyField("META.VAL_FT_MOMENTUM", _TRAIN, "momentum"),
-    KeyField("META.VAL_FT_WEIGHT_DECAY", _TRAIN, "weight_decay"),
+    *_same(_TRAIN, "META.VAL_FT_", "lr", "momentum", "weight_decay"),
     KeyField("META.VAL_RRCROP_SCALE", _TRAIN, "rrcrop_scale"),
     KeyField("META.VAL_REG_WINDOW", _START, "reg_window", note="meta-validation's fine-tuning start"),
     KeyField("META.VAL_LAUNCH", _START, "launch", OWN, "the test-time DEFAULT_LAUNCH; StartSpec's launch is off"),
     # ---- TRAINER.GRAM (the Dassl trainers, trainers/gram/config.py)
     *_same(_PROMPT, "TRAINER.GRAM.", "n_ctx_text", "ctx_init", "template", "vpt_init", "text_depth", "learner"),
-    KeyField(
-        "TRAINER.GRAM.N_CTX_VISION",
-        _PROMPT,
-        "n_ctx_vision",
-        OWN,
-        "trainers with visual prompts take 4 (paper); "
-        "PromptSpec's 0 is CoOp's text-only θ, and GRAM_CoOp ignores the key",
-    ),
-    KeyField(
-        "TRAINER.GRAM.VPT_DEEP",
-        _PROMPT,
-        "vision_depth",
-        SPELLED,
-        "Dassl spells D as VPT_DEEP + VPT_DEPTH: False = shallow (D 1), as META.PROMPT.VISION_DEPTH 1",
-    ),
-    KeyField(
-        "TRAINER.GRAM.VPT_DEPTH",
-        _PROMPT,
-        "vision_depth",
-        SPELLED,
-        "with VPT_DEEP: D, 0 = every layer (META.PROMPT.VISION_DEPTH 0)",
-    ),
+    KeyField("TRAINER.GRAM.N_CTX_VISION", _PROMPT, "n_ctx_vision", OWN, "the paper's 4; PromptSpec's 0: text only"),
+    KeyField("TRAINER.GRAM.VPT_DEEP", _PROMPT, "vision_depth", SPELLED, "D as VPT_DEEP + VPT_DEPTH: False = D 1"),
+    KeyField("TRAINER.GRAM.VPT_DEPTH", _PROMPT, "vision_depth", SPELLED, "with VPT_DEEP: D, 0 = every layer"),
     KeyField("TRAINER.GRAM.CONSISTENCY_TEXT", _CONSISTENCY, "text_weight", note="META.CONSISTENCY.TEXT_WEIGHT"),
     KeyField("TRAINER.GRAM.CONSISTENCY_IMAGE", _CONSISTENCY, "image_weight", note="META.CONSISTENCY.IMAGE_WEIGHT"),
     KeyField("TRAINER.GRAM.INIT", _START, "init_path"),
     KeyField("TRAINER.GRAM.INIT_PROMPTS", _START, "init_prompts"),
     KeyField("TRAINER.GRAM.REG_WINDOW_IMAGES", _START, "reg_window", note="in images, as StartSpec's"),
-    KeyField(
-        "TRAINER.GRAM.REG_WINDOW",
-        _START,
-        "reg_window",
-        OWN,
-        "renamed REG_WINDOW_IMAGES (it counted batches): None = unset, any value is an error",
-    ),
-    KeyField(
-        "TRAINER.GRAM.REGULATE",
-        _START,
-        "regulate",
-        OWN,
-        "with ENABLED, R_φ on (the paper's method); StartSpec's False is a start without an init file",
-    ),
+    KeyField("TRAINER.GRAM.REG_WINDOW", _START, "reg_window", OWN, "renamed REG_WINDOW_IMAGES: a value is an error"),
+    KeyField("TRAINER.GRAM.REGULATE", _START, "regulate", OWN, "with ENABLED, R_φ on; StartSpec's False: no init"),
     KeyField("TRAINER.GRAM.LAUNCH", _START, "launch", OWN, "with ENABLED, the test-time DEFAULT_LAUNCH"),
     KeyField("TRAINER.GRAM.EXIF_UPRIGHT", _GRAM_SETTINGS, "exif_upright", note="the trainers' resolved view"),
     # ---- python -m meta.evaluation (meta/evaluation/cli.py); a flag is its field, dashes for underscores
@@ -564,18 +528,12 @@ def refuse_removed_keys(keys: Sequence[str], where: str) -> None:
             raise UserError(where, REMOVED[key].message())
 
 
-def removed_on(values: dict[str, Any], prefix: str = "") -> list[RemovedKey]:
-    """The removed keys under ``prefix`` that ``values`` (a saved config, flat ``{key: value}``) had on."""
-    return [r for r in REMOVED_KEYS if r.key.startswith(prefix) and r.is_on(values)]
-
-
 def saved_removed_problem(values: dict[str, Any], prefix: str = "") -> Optional[str]:
     """``None`` when a saved config's removed keys under ``prefix`` are all off (they are then ignored), else
-    one line naming the first that was on and where it last existed."""
-    on = removed_on(values, prefix)
-    if not on:
+    one line naming the first that was on and where it last existed (``values``: flat ``{key: value}``)."""
+    r = next((r for r in REMOVED_KEYS if r.key.startswith(prefix) and r.is_on(values)), None)
+    if r is None:
         return None
-    r = on[0]
     return (
         f"{r.key} is {values[r.key]!r} in this saved config, an option that was removed (measured and dropped: "
         f"docs/evidence.md, Options removed); use commit b3be65a or earlier for it"

@@ -14,7 +14,7 @@ import math
 import sys
 from dataclasses import dataclass, fields
 from numbers import Integral, Real
-from typing import Mapping, Optional
+from typing import Mapping, Optional, get_type_hints
 
 from meta.config import config_value
 from meta.infra.cli_errors import UserError
@@ -63,24 +63,16 @@ CHOICES = {
     "IMAGES.AUTOCAST": ("none", "bf16", "fp16"),
     "IMAGES.DECODER": ("pil", "torchvision"),  # reference decoder | meta.chc.tensor_decode
 }
-TEXT_KEYS = (
-    "INPUT.MANIFEST",
-    "INPUT.IMAGE_COLUMN",
-    "INPUT.CAPTION_COLUMN",
-    "INPUT.IMAGE_ROOT",
-    "FILTER.TEMPLATE",
-    "TEXT.MODEL",
-    "TOPICS.UMAP_METRIC",
-)
 NON_EMPTY_TEXT = ("INPUT.IMAGE_COLUMN", "INPUT.CAPTION_COLUMN", "TOPICS.UMAP_METRIC")
-TEXT_LIST_KEYS = ("INPUT.SHARDS", "TOPICS.EXTRA_STOP_WORDS")
-BOOL_KEYS = ("INPUT.ALLOW_OUTSIDE_ROOT",)
 
 
 def _bounds(lo, hi) -> str:
-    if hi is None:
-        return f">= {lo}"
-    return f"in [{lo}, {hi}]"
+    return f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+
+
+def _keys_typed(annotation: str) -> list[str]:
+    """``SECTION.KEY`` of each field of the typed sections annotated ``annotation`` (``"bool"``), in field order."""
+    return [f"{name}.{f.name.upper()}" for name, kind in SECTIONS.items() for f in fields(kind) if f.type == annotation]
 
 
 def check_int(key: str, value, lo: Optional[int], hi: Optional[int]) -> None:
@@ -127,17 +119,17 @@ def check_chc_cfg(cfg) -> None:
         value = config_value(chc, key)
         if value not in allowed:
             raise UserError(f"CHC.{key}", f"expected one of {'|'.join(allowed)}, got {value!r}")
-    for key in TEXT_KEYS:
+    for key in (k for k in _keys_typed("str") if k not in CHOICES):  # CHOICES' keys are checked above
         value = config_value(chc, key)
         if not isinstance(value, str) or (key in NON_EMPTY_TEXT and not value.strip()):
             raise UserError(
                 f"CHC.{key}", f"expected {'non-empty ' if key in NON_EMPTY_TEXT else ''}text, got {value!r}"
             )
-    for key in TEXT_LIST_KEYS:
+    for key in _keys_typed("tuple[str, ...]"):
         value = config_value(chc, key)
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise UserError(f"CHC.{key}", f"expected a list of text, got {value!r}")
-    for key in BOOL_KEYS:
+    for key in _keys_typed("bool"):
         value = config_value(chc, key)
         if not isinstance(value, bool):
             raise UserError(f"CHC.{key}", f"expected True or False, got {value!r}")
@@ -278,13 +270,14 @@ class ChcSettings:
         return {"OUTPUT_DIR": self.output_dir, **sections}
 
 
+# CHC.<SECTION> -> its typed view (ChcSettings' fields after the first four); a section field's annotation also says
+# how check_chc_cfg checks its key (ints and reals: INT_RANGES / REAL_RANGES)
+SECTIONS = {name.upper(): kind for name, kind in list(get_type_hints(ChcSettings).items())[4:]}
+
+
 def read_chc_settings(cfg) -> ChcSettings:
     """Check ``cfg`` (:func:`check_chc_cfg`: one-line errors naming the key) and read it into
     :class:`ChcSettings`, once."""
     check_chc_cfg(cfg)
-    chc = cfg.CHC
-    kinds = (InputSettings, FilterSettings, TextSettings, TopicSettings, ImageSettings, DomainSettings)
-    sections = [
-        kind.read(chc[name]) for kind, name in zip(kinds, ("INPUT", "FILTER", "TEXT", "TOPICS", "IMAGES", "DOMAINS"))
-    ]
-    return ChcSettings(chc.OUTPUT_DIR, int(cfg.SEED), str(cfg.MODEL.DEVICE), ClipSettings.from_cfg(cfg), *sections)
+    sections = [kind.read(cfg.CHC[name]) for name, kind in SECTIONS.items()]
+    return ChcSettings(cfg.CHC.OUTPUT_DIR, int(cfg.SEED), str(cfg.MODEL.DEVICE), ClipSettings.from_cfg(cfg), *sections)

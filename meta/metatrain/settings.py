@@ -139,23 +139,22 @@ def check_meta_cfg(cfg: CN) -> "TrainSettings":
     :func:`check_task_sizes`.
     """
     m = cfg.META
-    need = _need
     for key, ok, what in _RULES:
         value = config_value(cfg, key)
-        need(ok(value), key, what, value)
-    need(
+        _need(ok(value), key, what, value)
+    _need(
         m.INNER_SUPPORT != "split" or cfg.TASKS.N_SUPPORT >= m.INNER_STEPS,
         "TASKS.N_SUPPORT",
         f"an integer >= META.INNER_STEPS ({m.INNER_STEPS}) with META.INNER_SUPPORT split",
         cfg.TASKS.N_SUPPORT,
     )
-    need(
+    _need(
         not (m.VAL_LAUNCH and m.VAL_PROTOCOL == "downstream" and m.INNER_SUPPORT == "split" and m.INNER_STEPS > 1),
         "META.VAL_LAUNCH",
         "False with META.INNER_SUPPORT split and META.INNER_STEPS > 1 (the launch step sees the whole support)",
         m.VAL_LAUNCH,
     )
-    need(
+    _need(
         m.PROMPT.N_CTX_TEXT > 0 or m.PROMPT.N_CTX_VISION > 0 or bool(m.PROMPT.CTX_INIT),
         "META.PROMPT",
         "N_CTX_TEXT > 0, N_CTX_VISION > 0 or CTX_INIT (no prompt to learn)",
@@ -163,7 +162,7 @@ def check_meta_cfg(cfg: CN) -> "TrainSettings":
     )
     import_learner_modules(m.PROMPT.get("LEARNER_MODULES", []), "META.PROMPT.LEARNER_MODULES")
     learner = m.PROMPT.get("LEARNER", DEFAULT_LEARNER)
-    need(
+    _need(
         learner in learner_keys(),
         "META.PROMPT.LEARNER",
         "a registered prompt learner: " + " | ".join(learner_keys()),
@@ -180,7 +179,7 @@ def check_meta_cfg(cfg: CN) -> "TrainSettings":
         check_visual_prompts(cfg.MODEL.BACKBONE, "MODEL.BACKBONE", f"META.PROMPT.LEARNER {spec.learner}", [what])
     regulator_spec(cfg)  # raises on bad FORM / INIT
     consistency = consistency_spec(cfg)
-    need(
+    _need(
         m.REGULATOR.FORM != "gate" or not m.REGULATE or m.MODE != "gram" or consistency.active,
         "META.REGULATOR.FORM",
         "residual or paper without a consistency regulariser (gate regulates its gradient: set "
@@ -381,17 +380,15 @@ def check_task_sizes(run: "TrainSettings", hierarchy, device: str = "cpu") -> No
             kth = sorted(sizes, reverse=True)[k - 1]
             if n_s + n_q > kth:
                 raise ValueError(
-                    f"TASKS.N_QUERY: expected N_SUPPORT + N_QUERY <= {kth} (each of a task's K_WAY {k} "
-                    f"topics must hold that many images; {k} training topics hold {kth} or more), got "
-                    f"{n_s} + {n_q} = {n_s + n_q}"
+                    f"TASKS.N_QUERY: expected N_SUPPORT + N_QUERY <= {kth} (each of a task's K_WAY {k} topics must "
+                    f"hold that many images; {k} training topics hold {kth} or more), got {n_s} + {n_q} = {n_s + n_q}"
                 )
             dom_kth = sorted(domains, reverse=True)[k - 1]
             _need(
                 not shift or n_s <= dom_kth,
                 "TASKS.N_SUPPORT",
-                f"at most {dom_kth} (TASKS.DOMAIN_SHIFT takes a "
-                f"class's support from one domain: {k} training topics have a domain of {dom_kth} or more images; "
-                f"K_WAY {k})",
+                f"at most {dom_kth} (TASKS.DOMAIN_SHIFT takes a class's support from one domain: {k} training "
+                f"topics have a domain of {dom_kth} or more images; K_WAY {k})",
                 n_s,
             )
             raise ValueError(
@@ -404,9 +401,8 @@ def check_task_sizes(run: "TrainSettings", hierarchy, device: str = "cpu") -> No
                 t.sampler(hierarchy, val, seed=0, k_way=val_k)
             except ValueError as err:
                 raise ValueError(
-                    f"TASKS.VAL_FRACTION: expected held-out topics that can form validation tasks "
-                    f"({err}); hold out more topics or set META.VAL_TASKS 0, got "
-                    f"{t.val_fraction!r}"
+                    f"TASKS.VAL_FRACTION: expected held-out topics that can form validation tasks ({err}); hold out "
+                    f"more topics or set META.VAL_TASKS 0, got {t.val_fraction!r}"
                 ) from None
     width = 2 if str(run.model.precision) in ("fp16", "bf16") else 4
     if run.prompt.has_visual_prompts:
@@ -502,8 +498,7 @@ def val_train_spec(cfg: CN) -> "TrainSpec":
     from meta.evaluation.spec import TrainSpec
 
     # VAL_EPOCHS, VAL_FT_LR / _MOMENTUM / _WEIGHT_DECAY, VAL_RRCROP_SCALE
-    fields = table_fields(cfg, TRAIN_SPEC, "META")
-    return TrainSpec(**fields, batch_size=1, aug_views=1, eval_every_epoch=False)
+    return TrainSpec(**table_fields(cfg, TRAIN_SPEC, "META"), batch_size=1, aug_views=1, eval_every_epoch=False)
 
 
 _CASTS = {"int": int, "float": float, "str": str, "bool": bool}

@@ -78,10 +78,7 @@ class Method:
 STRUCTURE_FIELDS = {
     "text_tokens": "n_ctx_text",
     "visual_tokens": "n_ctx_vision",
-    "text_depth": "text_depth",
-    "vision_depth": "vision_depth",
-    "coupling": "coupling",
-    "learner": "learner",
+    **{name: name for name in ("text_depth", "vision_depth", "coupling", "learner")},
 }
 START_FIELDS = {"regulate": "regulate", "init": "init_prompts"}
 
