@@ -71,13 +71,8 @@ def first_chunk_error(index: PairIndex, items: np.ndarray, reasons: list, image_
     tail = "; fix the path, or set CHC.INPUT.MAX_UNREADABLE_FRACTION 1.0 to go on"
     if index.source_kind[src] == KIND_TAR:
         return f"CHC.INPUT.SHARDS: {head}{index.image_location(first)}{tail}"
-    root = image_root or ""
-    base = (
-        f"CHC.INPUT.IMAGE_ROOT {root!r}"
-        if root
-        else f"CHC.INPUT.IMAGE_ROOT '' = the manifest's folder {os.path.dirname(index.sources[src])}"
-    )
-    return f"CHC.INPUT.IMAGE_ROOT: {head}{index.image_location(first)} ({base}){tail}"
+    root = repr(image_root) if image_root else f"'' = the manifest's folder {os.path.dirname(index.sources[src])}"
+    return f"CHC.INPUT.IMAGE_ROOT: {head}{index.image_location(first)} (CHC.INPUT.IMAGE_ROOT {root}){tail}"
 
 
 def encode_rank(

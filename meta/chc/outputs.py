@@ -112,8 +112,7 @@ def load_index(directory):
         text = " ".join(str(err).split()) or type(err).__name__
         raise OutputError(
             f"{directory}: pair index unreadable ({type(err).__name__}: {text}); expected "
-            f"sources.json, items.npz and items.jsonl as `python -m meta cluster` writes them; "
-            f"{fix}"
+            f"sources.json, items.npz and items.jsonl as `python -m meta cluster` writes them; {fix}"
         ) from None
     n = len(index.captions)
     if not (len(index.item_source) == len(index.item_offset) == len(index.item_size) == n):

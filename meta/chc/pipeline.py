@@ -65,11 +65,6 @@ from meta.model.precision import resolve_autocast
 log = logging.getLogger(__name__)
 
 
-def _node(cfg_node) -> dict:
-    """A yacs node (or a dict) as a plain dict (for fingerprints)."""
-    return json.loads(json.dumps(cfg_node, default=list))
-
-
 # CHC.INPUT keys that do not change what the index holds (checks made later; the image caps are in the
 # image-features fingerprint) ...
 _INDEX_FP_IGNORED = ("MAX_UNREADABLE_FRACTION", "MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "MAX_IMAGE_ASPECT")
@@ -88,7 +83,7 @@ def index_settings(inp) -> dict:
     default = get_meta_cfg_default().CHC.INPUT
     return {
         k: v
-        for k, v in _node(inp).items()
+        for k, v in json.loads(json.dumps(inp, default=list)).items()  # as plain JSON values
         if k not in _INDEX_FP_IGNORED and not (k in _INDEX_FP_IF_CHANGED and v == default[k])
     }
 
@@ -261,11 +256,8 @@ class ChcRun:
         if not ok.any():
             reasons = self.unreadable_by_reason()
             key = "CHC.INPUT.IMAGE_ROOT" if self.s.input.manifest else "CHC.INPUT.SHARDS"
-            raise InputError(
-                f"{key}: none of the {len(ok)} images could be read ("
-                + ", ".join(f"{k} {v}" for k, v in reasons.items())
-                + ")"
-            )
+            found = ", ".join(f"{k} {v}" for k, v in reasons.items())
+            raise InputError(f"{key}: none of the {len(ok)} images could be read ({found})")
         if not marker.is_done():
             stage_dir.mkdir(parents=True, exist_ok=True)
             if filt.mode == "none":
@@ -410,11 +402,7 @@ class ChcRun:
                 "topic_names": names,
                 "vocabulary_size": words.vocabulary_size,
                 "plot": plot,
-                "timings": {
-                    k: v
-                    for k, v in self.timings.items()
-                    if k in ("umap_hdbscan_fit", "assign_nearest_centroid", "topic_words")
-                },
+                "timings": {k: self.timings[k] for k in ("umap_hdbscan_fit", "assign_nearest_centroid", "topic_words")},
             }
             write_json_atomic(stage_dir / "topics.json", info)
             marker.mark({"topics": len(names)})

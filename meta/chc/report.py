@@ -228,8 +228,6 @@ def write_report(
         "- Domains: k-means per topic; topics too small for all domains get fewer, "
         "topics with fewer than MIN_PER_DOMAIN images are excluded.",
         "",
-    ]
-    lines += [
         f"## Topics ({len(topics)})",
         "",
         "| topic | pairs | domains (sizes) | merged clusters | samples |",

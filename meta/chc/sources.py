@@ -56,7 +56,7 @@ import numpy as np
 
 from meta.chc.errors import InputError
 from meta.data.input_limits import MAX_FIELD_CHARS, MAX_IMAGE_BYTES  # caps: docs/input_rules.md
-from meta.infra.fileio import parse_json
+from meta.infra.fileio import atomic_path, parse_json, write_text_atomic
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 MAX_ISSUE_LINES = 5  # line numbers (manifests) or keys (shards) kept per problem in ``issues``
@@ -157,22 +157,17 @@ class PairIndex:
 
     # ---------------------------------------------------------------- persistence
     def save(self, directory: Path) -> None:
+        """The three files :meth:`load` reads, each written atomically (:func:`meta.infra.fileio.atomic_path`)."""
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / "items.jsonl.tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
+        with atomic_path(directory / "items.jsonl") as tmp, open(tmp, "w", encoding="utf-8") as fh:
             for key, path, cap, mj in zip(self.item_key, self.item_path, self.captions, self.meta_json):
                 fh.write(json.dumps([key, path, cap, mj], ensure_ascii=False) + "\n")
-        os.replace(tmp, directory / "items.jsonl")
-        tmp = directory / "items.tmp.npz"
         arrays = {name: getattr(self, name) for name in _ARRAY_FIELDS}
         stamps = {} if self.item_file_stamp is None else {"item_file_stamp": self.item_file_stamp}
-        np.savez(tmp, **arrays, **stamps)
-        os.replace(tmp, directory / "items.npz")
-        tmp = directory / "sources.json.tmp"
+        with atomic_path(directory / "items.npz") as tmp, open(tmp, "wb") as fh:
+            np.savez(fh, **arrays, **stamps)
         head = {name: getattr(self, name) for name in ("sources", "counts", "issues", "special_files")}
-        tmp.write_text(json.dumps(head, indent=1))
-        os.replace(tmp, directory / "sources.json")
+        write_text_atomic(directory / "sources.json", json.dumps(head, indent=1))
 
     @classmethod
     def load(cls, directory: Path) -> "PairIndex":
@@ -192,11 +187,7 @@ class PairIndex:
 
     # ---------------------------------------------------------------- reading bytes
     def read_image_bytes(
-        self,
-        indices: Iterable[int],
-        reasons: Optional[list] = None,
-        max_bytes: int = MAX_IMAGE_BYTES,
-        threads: int = 1,
+        self, indices: Iterable[int], reasons: Optional[list] = None, max_bytes: int = MAX_IMAGE_BYTES, threads: int = 1
     ) -> list:
         """Raw image bytes of ``indices`` in order; ``None`` where the file cannot be read.
 
@@ -278,17 +269,9 @@ def file_type(path: str) -> str:
         mode = os.stat(path).st_mode
     except OSError as err:
         return type(err).__name__
-    for test, name in (
-        (stat.S_ISREG, "regular file"),
-        (stat.S_ISDIR, "folder"),
-        (stat.S_ISFIFO, "FIFO"),
-        (stat.S_ISCHR, "character device"),
-        (stat.S_ISBLK, "block device"),
-        (stat.S_ISSOCK, "socket"),
-    ):
-        if test(mode):
-            return name
-    return "special file"
+    kinds = ((stat.S_ISREG, "regular file"), (stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO"))
+    kinds += ((stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"))
+    return next((name for test, name in kinds if test(mode)), "special file")
 
 
 def file_stamp(path: str) -> tuple[int, int, int]:
@@ -648,26 +631,20 @@ def _manifest_rows(path: str, counts: dict, issues: Optional[list], max_field_ch
     if ext in (".jsonl", ".json", ".ndjson"):
         with open(path, "rb") as fh:
             for lineno, line in enumerate(_text_lines(fh, path, counts, issues, limit), 1):
-                if line is None:
-                    _note(issues, path, f"line longer than {limit} bytes, not read (one JSON object per line?)", lineno)
-                    yield lineno, None
+                if line is not None and not line.strip():
                     continue
-                if not line.strip():
-                    continue
-                try:
-                    row = parse_json(line)
-                except json.JSONDecodeError as err:
-                    _note(issues, path, f"not JSON ({err.msg})", lineno)
-                    yield lineno, None
-                    continue
-                except ValueError:  # nested deeper than meta.infra.fileio.MAX_NESTING
-                    _note(issues, path, "JSON nested too deep to read", lineno)
-                    yield lineno, None
-                    continue
-                if not isinstance(row, dict):
-                    _note(issues, path, f"a JSON {type(row).__name__}, not an object", lineno)
-                    row = None
-                yield lineno, row
+                row, problem = None, f"line longer than {limit} bytes, not read (one JSON object per line?)"
+                if line is not None:
+                    try:
+                        row = parse_json(line)
+                        problem = "" if isinstance(row, dict) else f"a JSON {type(row).__name__}, not an object"
+                    except json.JSONDecodeError as err:
+                        problem = f"not JSON ({err.msg})"
+                    except ValueError:  # nested deeper than meta.infra.fileio.MAX_NESTING
+                        problem = "JSON nested too deep to read"
+                if problem:
+                    _note(issues, path, problem, lineno)
+                yield lineno, None if problem else row
         return
     if ext not in (".csv", ".tsv", ".txt"):
         raise InputError(f"CHC.INPUT.MANIFEST: {path}: expected a .csv, .tsv or .jsonl file")
@@ -858,11 +835,8 @@ def build_index(
         rows += [(sid, -1, -1, key, path, cap, "", stamp) for key, path, cap, stamp in scanned]
     if not rows:
         skipped = ", ".join(f"{k} {v}" for k, v in counts.items() if v and k != "pairs_seen") or "nothing read"
-        where = (
-            (f"CHC.INPUT.SHARDS: {len(shard_paths)} shard(s)" if shard_paths else "")
-            + (" and " if shard_paths and manifest else "")
-            + (f"CHC.INPUT.MANIFEST: {manifest}" if manifest else "")
-        )
+        named = [f"CHC.INPUT.SHARDS: {len(shard_paths)} shard(s)"] if shard_paths else []
+        where = " and ".join(named + ([f"CHC.INPUT.MANIFEST: {manifest}"] if manifest else []))
         first = f"; first problem: {issues[0]['source']}: {issues[0]['problem']}" if issues else ""
         raise InputError(f"{where}: no usable image-text pair ({counts['pairs_seen']} seen; {skipped}){first}")
     damaged = [e for e in issues if e["source"] in sources[: len(shard_paths)] and ("offset" in e or "rows" not in e)]

@@ -13,6 +13,7 @@ top word is the same become ONE topic, so a K-way task can never hold two classe
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import unicodedata
@@ -56,10 +57,8 @@ def _umap_with_jit_cache():
     for module in (umap.utils, umap.umap_, umap.layouts, umap.distances, umap.sparse):
         for fn in vars(module).values():
             if isinstance(fn, Dispatcher) and isinstance(fn._cache, NullCache):
-                try:
+                with contextlib.suppress(RuntimeError):  # no writable cache folder: compile per process as before
                     fn.enable_caching()
-                except RuntimeError:  # no writable cache folder for this file: compile per process as before
-                    pass
     return umap
 
 
@@ -214,9 +213,8 @@ def topic_tokens(text: str, min_word_len: int = 3) -> list:
             out.append(run)
 
     for run in word.findall(text):
-        if run.isascii():
-            if len(run) >= min_word_len:
-                out.append(run)
+        if run.isascii():  # the common case: no Han / kana segment to look for
+            add_word(run)
             continue
         pos = 0
         for seg in segment.finditer(run):
