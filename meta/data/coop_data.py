@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from meta.data.image_caps import file_size_problem
+from meta.infra.fileio import write_json_atomic
 
 FEWSHOT_CACHE_FORMAT = "gram-fewshot-v1"
 SUBSAMPLE_CHOICES = ("all", "base", "new")
@@ -187,9 +188,7 @@ def get_layout(name: str) -> CoopLayout:
     raise KeyError(f"unknown CoOp dataset {name!r}; known: {known}")
 
 
-# --------------------------------------------------------------------------------------------
-# Readers of the full splits
-# --------------------------------------------------------------------------------------------
+# ---- readers of the full splits
 def _require_dir(path: str, what: str) -> None:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{what} not found: expected the folder {path}")
@@ -417,9 +416,7 @@ def missing_files(records: Iterable[Record]) -> list[str]:
     return [r.impath for r in records if not os.path.isfile(r.impath)]
 
 
-# --------------------------------------------------------------------------------------------
-# Few-shot sampling and its cache
-# --------------------------------------------------------------------------------------------
+# ---- few-shot sampling and its cache
 class _Sampler(Protocol):
     def sample(self, population: Sequence[Any], k: int) -> list[Any]: ...
 
@@ -450,13 +447,6 @@ def _relative_rows(records: Sequence[Record], base_dir: str) -> list[list[Any]]:
 def _records_hash(rows: dict[str, list[list[Any]]]) -> str:
     blob = json.dumps(rows, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
-
-
-def _write_json_atomic(path: str, obj: Any) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)  # parallel first runs write identical content; the last one wins whole
 
 
 def few_shot_splits(
@@ -497,9 +487,8 @@ def few_shot_splits(
             "train": _relative_rows(new_train, base_dir),
             "val": _relative_rows(new_val, base_dir) if new_val is not None else None,
         }
-        try:
-            os.makedirs(os.path.dirname(cache_path) or ".", exist_ok=True)
-            _write_json_atomic(cache_path, payload)
+        try:  # parallel first runs write identical content; the last one wins whole
+            write_json_atomic(cache_path, payload, indent=None)
             log(f"Saving few-shot sample to {cache_path}")
         except OSError as err:
             log(f"Warning: cannot write few-shot cache {cache_path} ({err}); continuing without it")
@@ -541,9 +530,7 @@ def _read_fewshot_cache(
     return rows_to_records(data["train"]), val
 
 
-# --------------------------------------------------------------------------------------------
-# Base / new classes and the harmonic mean
-# --------------------------------------------------------------------------------------------
+# ---- base / new classes and the harmonic mean
 def subsample_classes(*splits: Sequence[Record] | None, subsample: str = "all") -> list[list[Record] | None]:
     """Keep the base or new half of the classes in every split and relabel them ``0..k-1``.
 
@@ -559,13 +546,12 @@ def subsample_classes(*splits: Sequence[Record] | None, subsample: str = "all") 
     m = math.ceil(len(labels) / 2)
     selected = labels[:m] if subsample == "base" else labels[m:]
     relabel = {y: i for i, y in enumerate(selected)}
-    out: list[list[Record] | None] = []
-    for split in splits:
-        if split is None:
-            out.append(None)
-            continue
-        out.append([Record(r.impath, relabel[r.label], r.classname) for r in split if r.label in relabel])
-    return out
+    return [
+        None
+        if split is None
+        else [Record(r.impath, relabel[r.label], r.classname) for r in split if r.label in relabel]
+        for split in splits
+    ]
 
 
 def classnames_of(records: Iterable[Record]) -> list[str]:
@@ -582,9 +568,7 @@ def harmonic_mean(base: float, new: float) -> float:
     return 0.0 if total == 0 else 2.0 * base * new / total
 
 
-# --------------------------------------------------------------------------------------------
-# The whole pipeline
-# --------------------------------------------------------------------------------------------
+# ---- the whole pipeline
 def fewshot_cache_path(root: str, layout: CoopLayout, num_shots: int, seed: int) -> str:
     """``<root>/<dataset_dir>/split_fewshot/shot_<K>-seed_<S>.gram.json`` (CoOp's name + ``.gram.json``)."""
     root = os.path.abspath(os.path.expanduser(root))

@@ -118,9 +118,7 @@ def upright(img: Image.Image, orientation: int) -> Image.Image:
 
 
 def open_upright(
-    path: Union[str, os.PathLike],
-    exif_upright: bool,
-    convert: Callable[[Image.Image], Image.Image] = to_rgb8,
+    path: Union[str, os.PathLike], exif_upright: bool, convert: Callable[[Image.Image], Image.Image] = to_rgb8
 ) -> Image.Image:
     """The image file at ``path`` decoded by ``convert``, turned upright by its EXIF orientation when ``exif_upright``.
 

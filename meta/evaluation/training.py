@@ -143,9 +143,8 @@ class PromptTuner:
                 feats = data.features[start : start + step]
                 batch["features"] = (feats[:, 0] if feats.dim() == 3 else feats).to(self.device)
             else:
-                batch["images"] = torch.stack([self.test_images(p) for p in data.impaths[start : start + step]]).to(
-                    self.device
-                )
+                images = [self.test_images(p) for p in data.impaths[start : start + step]]
+                batch["images"] = torch.stack(images).to(self.device)
             out.append(batch)
         return out
 
@@ -224,12 +223,10 @@ class PromptTuner:
         generator = torch.Generator().manual_seed(self.seed)
         views = data.features.shape[1] if data.features is not None else 0
         offsets = torch.randint(views, (len(data),), generator=generator) if views else None
-        history = []
-        bar = None
-        if progress:
-            from tqdm import tqdm
+        from tqdm import tqdm
 
-            bar = tqdm(total=self.spec.epochs, desc="fine-tune", unit="ep", leave=False)
+        history = []
+        bar = tqdm(total=self.spec.epochs, desc="fine-tune", unit="ep", leave=False, disable=not progress)
         for epoch in range(self.spec.epochs):
             start = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
@@ -242,9 +239,8 @@ class PromptTuner:
                     view = (offsets[idx] + epoch) % views
                     batch["features"] = data.features[idx, view].to(self.device)
                 else:
-                    batch["images"] = torch.stack([self.train_images(data.impaths[i], epoch) for i in idx.tolist()]).to(
-                        self.device
-                    )
+                    images = [self.train_images(data.impaths[i], epoch) for i in idx.tolist()]
+                    batch["images"] = torch.stack(images).to(self.device)
                 # regulates and steps when the window closes
                 loss, logits = step_on_batch(stepper, self.loss_fn, self.prompts, batch, last=b + 1 == len(batches))
                 loss_sum += float(loss.detach()) * len(idx)
@@ -263,14 +259,12 @@ class PromptTuner:
                 row.update(on_epoch(epoch + 1))
                 row["eval_seconds"] = time.perf_counter() - t_eval
             history.append(row)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{row['train_loss']:.3f}", acc=f"{row['train_acc']:.1f}")
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['train_loss']:.3f}", acc=f"{row['train_acc']:.1f}")
             if not torch.isfinite(torch.tensor(row["train_loss"])):
                 raise FloatingPointError(
                     f"training loss became {row['train_loss']} at epoch {epoch + 1}; "
                     f"lower TrainSpec.lr ({self.spec.lr})"
                 )
-        if bar is not None:
-            bar.close()
+        bar.close()
         return history

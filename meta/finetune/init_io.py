@@ -360,11 +360,7 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], meta: dict, check: _Check
         else:
             shape, why = want[name]
             check.need(have is not None, f"tensor prompt.{name}", f"missing; the metadata records {why} = {shape}")
-            check.need(
-                have == shape,
-                f"tensor prompt.{name}",
-                f"has shape {have}, but the metadata's {why} is {shape}",
-            )
+            check.need(have == shape, f"tensor prompt.{name}", f"has shape {have}, but the metadata's {why} is {shape}")
     names = learner.tensor_names
     listed = "|".join(names)
     for name in tensors:

@@ -60,9 +60,7 @@ def resolve_window(window: int, metadata: Optional[Mapping], source: str = "init
     window = int(window)
     if window < 0:
         raise ValueError(f"regulation window must be >= 0 (0 = the meta-training support size), got {window}")
-    if window >= 1:
-        return window
-    return support_size(metadata or {}, source)
+    return window if window >= 1 else support_size(metadata or {}, source)
 
 
 def window_batches(images: int, batch_size: int) -> int:

@@ -93,9 +93,7 @@ def newest_log(run_dir: Path) -> tuple[Path, int]:
     for path in run_dir.iterdir():
         if DASSL_LOG.match(path.name) and path.is_file():
             logs.append((path.stat().st_mtime_ns, path.name, path))
-    if not logs:
-        return run_dir / "log.txt", 0
-    return max(logs)[2], len(logs)
+    return (max(logs)[2], len(logs)) if logs else (run_dir / "log.txt", 0)
 
 
 def log_finished(run_dir: PathLike, mode: str) -> bool:

@@ -1,11 +1,7 @@
 """Meta-training of GRAM prompts from a task hierarchy, and the export the trainers load.
 
-Command line (through ``python -m meta``)::
-
-    python -m meta train --config-file configs/meta/train_coop.yaml [--resume] [--output-dir D] [KEY VALUE ...]
-    python -m meta export --run-dir D [--out F]
-
-The modules, one line each: docs/layout.md, ``meta/metatrain/``.
+The command line (``python -m meta train|export``): :mod:`meta.metatrain.cli`; the modules, one line each:
+docs/layout.md, ``meta/metatrain/``.
 """
 
 from meta.config import add_metatrain_cfg

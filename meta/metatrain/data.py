@@ -144,9 +144,8 @@ def check_cached_features(
     mine = file_sha256(pretrained) if pretrained and os.path.isfile(pretrained) else None
     if (theirs or mine) and theirs != mine:
         raise FeatureMismatchError(
-            f"MODEL.PRETRAINED: cached image features come from weights "
-            f"{meta.get('pretrained') or 'random'} (sha256 {str(theirs)[:12]}), this run "
-            f"uses {pretrained or 'random'} (sha256 {str(mine)[:12]}); {hint}"
+            f"MODEL.PRETRAINED: cached image features come from weights {meta.get('pretrained') or 'random'} "
+            f"(sha256 {str(theirs)[:12]}), this run uses {pretrained or 'random'} (sha256 {str(mine)[:12]}); {hint}"
         )
     result = {"metadata": True, "images_checked": 0, "min_cosine": None}
     if n_check <= 0:
@@ -154,8 +153,7 @@ def check_cached_features(
     members = np.flatnonzero(np.asarray(h.item_topic) >= 0)
     if len(members) == 0:
         return result
-    pick = members[np.linspace(0, len(members) - 1, num=min(n_check, len(members))).round().astype(np.int64)]
-    pick = np.unique(pick)
+    pick = np.unique(members[np.linspace(0, len(members) - 1, num=min(n_check, len(members))).round().astype(np.int64)])
     mean, std = norm_stats(h, clip)
     dtype = next(clip.parameters()).dtype
     with torch.no_grad():
@@ -166,9 +164,8 @@ def check_cached_features(
     worst = float(cos.min())
     if worst < min_cosine:
         raise FeatureMismatchError(
-            f"MODEL: cached image features do not match this CLIP (cosine {worst:.3f} < "
-            f"{min_cosine} on {len(pick)} re-encoded images; different weights, seed, "
-            f"QuickGELU or preprocessing); {hint}"
+            f"MODEL: cached image features do not match this CLIP (cosine {worst:.3f} < {min_cosine} on {len(pick)} "
+            f"re-encoded images; different weights, seed, QuickGELU or preprocessing); {hint}"
         )
     result.update(images_checked=int(len(pick)), min_cosine=worst)
     return result

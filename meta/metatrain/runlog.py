@@ -52,9 +52,7 @@ def truncate_log(path, last_step: int) -> int:
 
 
 def _clean(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # JSON has no NaN/inf
-    return value
+    return str(value) if isinstance(value, float) and not math.isfinite(value) else value  # JSON has no NaN/inf
 
 
 class RunLog:

@@ -132,10 +132,7 @@ class TaskSampler:
     # ------------------------------------------------------------------ sampling
     def _query(self, doms: dict, used: np.ndarray) -> np.ndarray:
         """``n_query`` items dealt round-robin over the domains (random domain order)."""
-        pools = []
-        for u in sorted(doms):
-            pool = np.setdiff1d(doms[u], used, assume_unique=True)
-            pools.append(list(self.rng.permutation(pool)))
+        pools = [list(self.rng.permutation(np.setdiff1d(doms[u], used, assume_unique=True))) for u in sorted(doms)]
         order = self.rng.permutation(len(pools))
         picked: list = []
         while len(picked) < self.n_query:
@@ -158,8 +155,7 @@ class TaskSampler:
         picks = self.rng.choice(len(self._names), size=k + n_new, replace=False)
         names = [self._names[i] for i in picks[:k]]
         new_names = [self._names[i] for i in picks[k:]]
-        kept = range(k) if n_new == 0 else sorted(int(c) for c in self.rng.choice(k, size=k - n_new, replace=False))
-        kept = set(kept)
+        kept = set(range(k) if n_new == 0 else (int(c) for c in self.rng.choice(k, size=k - n_new, replace=False)))
         topics, s_idx, q_idx, s_dom, q_names, q_topics = [], [], [], [], [], []
         for c, name in enumerate(names):
             topic = self._topic_of(name)

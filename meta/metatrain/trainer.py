@@ -320,12 +320,6 @@ def _downstream_scores(run: RunSetup, batch, seed: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- files
-def _versions() -> dict:
-    import open_clip
-
-    return {"torch": torch.__version__, "open_clip": open_clip.__version__, "numpy": np.__version__}
-
-
 def _checkpoint_payload(run: RunSetup, step: int) -> dict:
     s = run.settings
     return {
@@ -491,8 +485,7 @@ def _train_locked(
             more = f" (+{len(diffs) - 4} more)" if len(diffs) > 4 else ""
             raise CheckpointError(
                 f"{ckpt_path}: this config differs from the checkpointed run: "
-                f"{'; '.join(diffs[:4])}{more}; resume with the same settings or use another "
-                f"--output-dir"
+                f"{'; '.join(diffs[:4])}{more}; resume with the same settings or use another --output-dir"
             )
         if int(state["step"]) >= steps_total:
             done = {"run_dir": run_dir, "step": int(state["step"]), "resumed_from": int(state["step"])}
@@ -575,6 +568,8 @@ def _write_run_files(
     echo: Callable[[str], None],
 ) -> RunLog:
     """Rank 0: ``config.yaml``, ``run.json`` and the opened log."""
+    import open_clip
+
     s = run.settings
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(run_dir / CONFIG_NAME, s.config_yaml)
@@ -590,7 +585,7 @@ def _write_run_files(
             "dims": run.dims.as_dict(),
             "train_topics": len(run.train_topics),
             "val_topics": [run.hierarchy.topic_names[t] for t in run.val_topics],
-            "versions": _versions(),
+            "versions": {"torch": torch.__version__, "open_clip": open_clip.__version__, "numpy": np.__version__},
             "numerics": numerics_record(run.device),  # CPU, kernel flags, pins, builds (meta.infra.numerics)
             "commit": git_commit(Path(__file__).resolve().parent),
             "device": run.device,

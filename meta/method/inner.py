@@ -84,13 +84,12 @@ class InnerRule:
 def _take(batch: dict, index: torch.Tensor) -> dict:
     """``batch`` restricted to rows ``index``: every tensor whose first dim is the batch size is indexed."""
     n = int(batch["label"].shape[0])
-    out = {}
-    for key, value in batch.items():
-        if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == n:
-            out[key] = value.index_select(0, index.to(value.device))
-        else:
-            out[key] = value
-    return out
+    return {
+        key: value.index_select(0, index.to(value.device))
+        if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == n
+        else value
+        for key, value in batch.items()
+    }
 
 
 def support_windows(support: Any, steps: int, mode: str = "repeat") -> list:

@@ -393,9 +393,7 @@ def initial_projections(
 def visual_prompts(prompts: Optional[nn.Module]) -> Optional[torch.Tensor]:
     """``[D, n, d_v]`` tokens for the vision tower, or ``None``, by θ's learner, of any object with the learner's
     tensors as attributes (l2l clones of :class:`PromptParams`, task stacks ``[B, ...]``, plain views in tests)."""
-    if prompts is None:
-        return None
-    return learner_of(prompts).visual_prompts(prompts)
+    return None if prompts is None else learner_of(prompts).visual_prompts(prompts)
 
 
 class PromptedCLIP:

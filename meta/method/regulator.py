@@ -199,9 +199,7 @@ class GradientGate(nn.Module):
     def forward(self, g_task: torch.Tensor, g_reg: Optional[torch.Tensor] = None) -> torch.Tensor:
         if g_task.shape[-1] != self.dim:
             raise ValueError(f"gate built for last dim {self.dim}, got gradient {tuple(g_task.shape)}")
-        if g_reg is None:
-            return g_task
-        return g_task + self.gate_value(g_task, g_reg) * g_reg
+        return g_task if g_reg is None else g_task + self.gate_value(g_task, g_reg) * g_reg
 
 
 def is_gated(regulators) -> bool:

@@ -41,9 +41,7 @@ def resolve_weights_key(weights_key: object, backbone: str, model_name: str) -> 
     key = str(weights_key).strip()  # a yaml null reaches the trainer as "None": random weights
     if key.lower() in RANDOM_WEIGHTS:
         return None
-    if key:
-        return os.path.expanduser(key)
-    return default_weights_path(backbone or model_name)
+    return os.path.expanduser(key) if key else default_weights_path(backbone or model_name)
 
 
 def check_weights_file(weights: Optional[str], key: str, unset: bool = False) -> None:

@@ -202,9 +202,7 @@ def text_head(clip: nn.Module, pooled: torch.Tensor) -> torch.Tensor:
     """
     x = apply_norm(clip.ln_final, pooled)
     proj = clip.text_projection
-    if isinstance(proj, nn.Linear):
-        return proj(x)
-    return x @ proj
+    return proj(x) if isinstance(proj, nn.Linear) else x @ proj
 
 
 def context_from_words(clip: nn.Module, words: str) -> torch.Tensor:
