@@ -165,7 +165,9 @@ def test_planner_names_a_prompt_learner_without_figures(tmp_path, capsys):
     line = {"intercept": 100.0, "slopes": [1.0, 1.0]}
     fit = {"variables": ["support", "query"], "points": 4, "peak_mib": line, "gflops": line, "seconds": line}
     figures = tmp_path / "figures.json"
-    figures.write_text(json.dumps({"settings": {"model": "ViT-B-16", "model_mib": 1.0}, "fits": {"coop": {"second": fit}}}))
+    figures.write_text(
+        json.dumps({"settings": {"model": "ViT-B-16", "model_mib": 1.0}, "fits": {"coop": {"second": fit}}})
+    )
     argv = ["--config-file", "configs/meta/train_coop.yaml", "--figures", str(figures)]
     argv += ["--gpu-figures", "absent.json", "--chc-figures", "absent.json"]
     assert learner_of(4, 0, 1, learner=KEY) == KEY
