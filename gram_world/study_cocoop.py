@@ -17,7 +17,7 @@ The plan, committed before the study's first cell, fixes what this module runs:
 Commands: ``plan`` prints the plan's numbers (the family, the draw, the power); ``run`` runs the rows world by world
 into ``--out`` (default ``output/study_cocoop``), ``cocoop.json`` / ``.md`` rewritten after every world, every stage
 cached on disk, so a stopped study resumes where it stopped (:func:`gram_world.confirm.run_family`); on a new
-machine ``--resume-from docs/study/cocoop_parts/cocoop.json`` keeps the worlds of the committed partial file.
+machine ``--resume-from docs/study/cocoop.json`` keeps the worlds of the committed results file.
 """
 
 from __future__ import annotations

@@ -37,8 +37,10 @@ def _worlds_in(obj) -> set:
 
 def test_the_draw_excludes_every_world_read_before_and_is_written_out_as_drawn():
     used = set()
+    own = REPO / "docs/study" / sc.RESULTS_FILE
     for path in sorted((REPO / "docs/study").glob("*.json")):
-        used |= _worlds_in(json.loads(path.read_text()))
+        if path != own:  # the study's own results hold its drawn worlds, not worlds read before the draw
+            used |= _worlds_in(json.loads(path.read_text()))
     seeds_used = {int(w.split("-")[0]) for w in used if w.split("-")[0].isdigit()}
     assert seeds_used, "no world found in docs/study"
     listed = {int(w.split("-")[0].rstrip("v")) for w in sc.USED_WORLDS}
