@@ -325,6 +325,8 @@ _OUTER = "meta.metatrain.outer:OuterSpec"
 _START = "meta.finetune.engine:StartSpec"
 _TRAIN = "meta.evaluation.spec:TrainSpec"
 _GRAM_SETTINGS = "trainers.gram.config:GramSettings"  # the Dassl trainers (repository root on sys.path)
+_TEST_TIME = "meta.finetune.testtime:TestTimeSpec"
+_TEST_TIME_FIELDS = ("views", "confident_share", "steps", "lr", "weight_decay")
 
 
 @dataclass(frozen=True)
@@ -410,11 +412,14 @@ KEY_FIELDS: tuple[KeyField, ...] = (
     ),
     KeyField("--aug-views", _TRAIN, "aug_views"),
     KeyField("--rrcrop-scale", _TRAIN, "rrcrop_scale", note="a list LO HI on the command line"),
+    # ---- test-time tuning (TPT's protocol): TRAINER.GRAM.TEST_TIME.* and the evaluator's --test-time-* flags
+    *_same(_TEST_TIME, "TRAINER.GRAM.TEST_TIME.", *_TEST_TIME_FIELDS),
+    *(KeyField(f"--test-time-{name.replace('_', '-')}", _TEST_TIME, name) for name in _TEST_TIME_FIELDS),
 )
 
 # the owners of the table's links, by name, for the builders that read it (meta.metatrain.settings)
 PROMPT_SPEC, REGULATOR_SPEC, CONSISTENCY_SPEC, META_SPEC, OUTER_SPEC = _PROMPT, _REGULATOR, _CONSISTENCY, _META, _OUTER
-START_SPEC, TRAIN_SPEC, GRAM_SETTINGS = _START, _TRAIN, _GRAM_SETTINGS
+START_SPEC, TRAIN_SPEC, GRAM_SETTINGS, TEST_TIME_SPEC = _START, _TRAIN, _GRAM_SETTINGS, _TEST_TIME
 
 
 def config_value(cfg: CN, key: str) -> Any:
@@ -468,6 +473,7 @@ NODE_SPECS: dict[str, tuple[str, ...]] = {
     "META.PROMPT": (_PROMPT,),
     "META.PRETRAIN": (_OUTER,),
     "TRAINER.GRAM": (_PROMPT, _START, _CONSISTENCY, _GRAM_SETTINGS),
+    "TRAINER.GRAM.TEST_TIME": (_TEST_TIME,),
     "--": (_PROMPT, _START, _TRAIN),
 }
 

@@ -28,7 +28,7 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
-from meta.config import KEY_FIELDS, TRAIN_SPEC
+from meta.config import KEY_FIELDS, TEST_TIME_SPEC, TRAIN_SPEC
 from meta.evaluation import (
     PRESET_ALIASES,
     PRESET_NAMES,
@@ -44,6 +44,7 @@ from meta.evaluation import (
 )
 from meta.evaluation.spec import OPTIMIZERS
 from meta.evaluation.summary import format_row, summarise
+from meta.finetune.testtime import NO_PROMPTS, TestTimeSpec, spec_from
 from meta.infra.cli_errors import int_flag_problem, run_cli
 from meta.infra.provenance import results_record
 from meta.method.prompts import VPT_INITS, PromptSpec
@@ -114,6 +115,17 @@ def _parser() -> argparse.ArgumentParser:
         "TRAINER.GRAM.EXIF_UPRIGHT True makes train.py read them the same way)",
     )
     common.add_argument("--no-split-cache", action="store_true", help="do not read/write few-shot split caches")
+    common.add_argument(
+        "--test-time",
+        action="store_true",
+        help="score each test image after TPT from the fine-tuned θ (R_φ on the entropy gradient for a regulating "
+        "method); records gain test_time with ECE and the plain numbers",
+    )
+    common.add_argument("--test-time-views", type=int, default=TestTimeSpec.views, help="views per test image")
+    common.add_argument("--test-time-confident-share", type=float, default=TestTimeSpec.confident_share)
+    common.add_argument("--test-time-steps", type=int, default=TestTimeSpec.steps)
+    common.add_argument("--test-time-lr", type=float, default=TestTimeSpec.lr)
+    common.add_argument("--test-time-weight-decay", type=float, default=TestTimeSpec.weight_decay)
     common.add_argument("--output", default="", help="append one JSON line per run to this file")
     common.add_argument("--no-progress", action="store_true")
     common.add_argument("--debug", action="store_true", help="show tracebacks (also GRAM_DEBUG=1)")
@@ -190,6 +202,16 @@ def _train_spec(args: argparse.Namespace) -> TrainSpec:
     )
 
 
+def _test_time_spec(args: argparse.Namespace) -> Optional[TestTimeSpec]:
+    """The ``--test-time-*`` flags :data:`meta.config.KEY_FIELDS` links to :class:`TestTimeSpec` fields (None
+    without ``--test-time``); a bad value is a one-line error naming the flag."""
+    if not args.test_time:
+        return None
+    links = [k for k in KEY_FIELDS if k.key[:2] == "--" and k.owner == TEST_TIME_SPEC]
+    values = {k.field: getattr(args, k.key[2:].replace("-", "_")) for k in links}
+    return spec_from(values, lambda field: f"--test-time-{field.replace('_', '-')}")
+
+
 def _summary(record: dict) -> str:
     if record["protocol"] == "base2new":
         nums = f"base {record['base']:.2f}  new {record['new']:.2f}  H {record['H']:.2f}"
@@ -221,6 +243,9 @@ def _main(argv: list[str]) -> int:
         if method.visual_prompts:
             check_visual_prompts(args.model, "--model", f"--methods {key}", text_only or ["coop", "cocoop"])
     spec = _train_spec(args)
+    test_time = _test_time_spec(args)
+    if test_time is not None and any(m.zero_shot for m in methods):
+        raise ValueError(f"--test-time: {NO_PROMPTS}")
     if args.command == "base2new":
         datasets = [DatasetRef.parse(d, args.root) for d in args.dataset]
     else:
@@ -248,7 +273,7 @@ def _main(argv: list[str]) -> int:
             for seed in args.seeds:
                 # what every run of this method and seed shares: (clip, dims, method, seed, shots, spec) and the cache
                 shared = (clip, dims, method, seed, args.shots, spec)
-                cache = {"session": session, "use_split_cache": not args.no_split_cache}
+                cache = {"session": session, "use_split_cache": not args.no_split_cache, "test_time": test_time}
                 if args.command == "base2new":
                     runs = [evaluate_base_to_new(ds, *shared, **cache, eval_split=args.eval_split) for ds in datasets]
                 else:

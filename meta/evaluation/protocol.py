@@ -17,6 +17,7 @@ left out as over the size caps (``skipped_oversized``); both are also one stderr
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from typing import Callable, Optional, Sequence
 
 import open_clip
@@ -31,6 +32,7 @@ from meta.evaluation.spec import MethodSpec, TrainSpec
 from meta.evaluation.training import LabelledSet, PromptTuner, StartPoint, build_prompts
 from meta.finetune.engine import prompt_digest
 from meta.finetune.regulated import LaunchStep
+from meta.finetune.testtime import TestTimeSpec
 from meta.method.prompts import PromptedCLIP, PromptParams
 from meta.model.backbone import ClipDims
 
@@ -176,6 +178,8 @@ def _record_head(
     }
     if session.exif_upright:  # only then: records of runs reading images as stored stay as they were
         head["exif_upright"] = True
+    if "test_time" in init_info:  # what _run measured at test time, a key of the record's own
+        head["test_time"] = init_info.pop("test_time")
     return head
 
 
@@ -190,11 +194,15 @@ def _run(
     tests: dict[str, tuple[Sequence[Record], Sequence[str]]],
     summarise: Callable[[dict], dict],
     start: Optional[StartPoint] = None,
+    test_time: Optional[TestTimeSpec] = None,
 ) -> tuple[list[dict], dict, dict, PromptTuner]:
     """Fine-tune on the train records and test on every named test set.
 
     Returns ``(history, final accuracies, init info, tuner)``; ``summarise(accs)`` adds derived
-    numbers (H, target mean) to every accuracy row.
+    numbers (H, target mean) to every accuracy row.  With ``test_time``, the final accuracies are those of TPT from
+    the fine-tuned θ on each test image (:meth:`PromptTuner.test_time`), and ``init info`` gains ``test_time`` (the
+    record's own key, :func:`_record_head`): the spec, the plain final accuracies, and per test set what
+    :meth:`PromptTuner.test_time` measured.
     """
     tuner, init_info = session.tuner(method, spec, seed, root, start)
     test_sets = {
@@ -223,6 +231,12 @@ def _run(
     if not final:
         final = {name: tuner.accuracy(data) for name, data in test_sets.items()}
     final.update(summarise(final))
+    if test_time is not None:
+        sets = {name: tuner.test_time(data, test_time, session.progress) for name, data in test_sets.items()}
+        init_info["test_time"] = {"spec": asdict(test_time), "before": final, "regulated": tuner.regulation is not None}
+        init_info["test_time"]["sets"] = sets
+        final = {name: row["accuracy"] for name, row in sets.items()}
+        final.update(summarise(final))
     return history, final, init_info, tuner
 
 
@@ -241,6 +255,7 @@ def evaluate_base_to_new(
     log: Callable[[str], None] = print,
     eval_split: str = "test",
     on_trained: Optional[Callable[[Optional[PromptParams]], None]] = None,
+    test_time: Optional[TestTimeSpec] = None,
 ) -> dict:
     """One (dataset, method, seed) run of CoCoOp's base-to-new protocol.
 
@@ -256,6 +271,8 @@ def evaluate_base_to_new(
             and new classes instead (CoOp's min(K, 4) per class), for choosing settings without test data.
         on_trained: called once with the fine-tuned θ (None for zero-shot CLIP) before the record is made,
             e.g. to save it or to compare it with a Dassl run's (tests/test_engine_agreement.py).
+        test_time: score every test image after TPT from the fine-tuned θ (:func:`_run`); the record's ``base``,
+            ``new`` and ``H`` are then the tuned ones and ``test_time`` holds the rest.
 
     Returns:
         a JSON-able record: ``base``, ``new``, ``H`` (percent), class names and split sizes, ``history`` (one row per
@@ -281,7 +298,7 @@ def evaluate_base_to_new(
         return {"H": harmonic_mean(accs["base"], accs["new"])}
 
     history, final, init_info, tuner = _run(
-        session, method, spec, seed, dataset.root, base.train, base.classnames, tests, summarise, start
+        session, method, spec, seed, dataset.root, base.train, base.classnames, tests, summarise, start, test_time
     )
     if on_trained is not None:
         on_trained(tuner.prompts)
@@ -326,13 +343,14 @@ def evaluate_transfer(
     protocol: str = "transfer",
     start: Optional[StartPoint] = None,
     log: Callable[[str], None] = print,
+    test_time: Optional[TestTimeSpec] = None,
 ) -> dict:
     """Cross-dataset / cross-domain run: fine-tune on all classes of ``source``, test on ``targets``.
 
     The targets' full test splits are used (CoOp never few-shot samples test sets) with each target's own class names.
     ``protocol`` labels the record (``"cross_dataset"``, ``"cross_domain"``).  Returns a JSON-able record with
     ``source`` accuracy, ``targets`` ``{name: accuracy}``, ``target_mean`` (percent) and per-epoch ``history``.
-    ``start`` as in :func:`evaluate_base_to_new`.
+    ``start`` and ``test_time`` as in :func:`evaluate_base_to_new`.
     """
     t_start = time.perf_counter()
     spec = train or TrainSpec()
@@ -356,7 +374,7 @@ def evaluate_transfer(
         return {"target_mean": sum(vals) / len(vals)} if vals else {}
 
     history, final, init_info, tuner = _run(
-        session, method, spec, seed, source.root, src.train, src.classnames, tests, summarise, start
+        session, method, spec, seed, source.root, src.train, src.classnames, tests, summarise, start, test_time
     )
     record = _record_head(protocol, session, method, spec, seed, shots, init_info)
     record.update(

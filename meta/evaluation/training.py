@@ -28,6 +28,7 @@ from meta.finetune.regulated import (
     weighted_sum,
 )
 from meta.finetune.schedule import epoch_scheduler
+from meta.finetune.testtime import NO_PROMPTS, TestTimeSpec, calibration_error, tune_and_predict
 from meta.method.consistency import ConsistencySpec
 from meta.method.learners import feature_logits, learner_of
 from meta.method.metrics import count_correct
@@ -89,6 +90,19 @@ def make_scheduler(optimizer: torch.optim.Optimizer, spec: TrainSpec) -> sched.L
         warmup_type="constant",
         warmup_cons_lr=spec.warmup_lr,
     )
+
+
+class _LazyImages:
+    """The test-transformed images of ``impaths`` (``[3, S, S]`` each on ``device``), read when indexed."""
+
+    def __init__(self, impaths: Sequence[str], read: Callable[[str], torch.Tensor], device: torch.device):
+        self.impaths, self.read, self.device = list(impaths), read, device
+
+    def __len__(self) -> int:
+        return len(self.impaths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.read(self.impaths[i]).to(self.device)
 
 
 class PromptTuner:
@@ -169,14 +183,11 @@ class PromptTuner:
 
     # ---------------------------------------------------------------- evaluation
     @torch.no_grad()
-    def accuracy(self, data: LabelledSet) -> float:
-        """Top-1 accuracy in percent on ``data`` with the current prompts."""
-        if len(data) == 0:
-            raise ValueError("cannot measure accuracy on an empty split")
+    def _batch_logits(self, data: LabelledSet, scale: float):
+        """``(start, logits [b, C])`` per test batch of ``data`` with the current prompts, cosines times ``scale``."""
         learner = learner_of(self.prompts) if self.prompts is not None else None
         per_image = learner is not None and learner.per_image_text  # text features [b, C, E], one set per image
         text = None if per_image else self.pclip.text_features(self.prompts, data.classnames)  # [C, E], once
-        correct = 0
         step = self.spec.test_batch_size
         for start in range(0, len(data), step):
             x, image = None, None
@@ -186,12 +197,48 @@ class PromptTuner:
                 x = torch.stack([self.test_images(p) for p in data.impaths[start : start + step]]).to(self.device)
             if per_image:
                 image, batch_text = learner.features(self.pclip, self.prompts, data.classnames, x, image)
-                logits = feature_logits(1.0, image, batch_text)  # [b, C]
+                yield start, feature_logits(scale, image, batch_text)
             else:
                 image = self.pclip.image_features(self.prompts, x) if image is None else image
-                logits = image @ text.t()  # [b, C]
-            correct += count_correct(logits, data.labels[start : start + step])
+                yield start, feature_logits(scale, image, text)
+
+    def accuracy(self, data: LabelledSet) -> float:
+        """Top-1 accuracy in percent on ``data`` with the current prompts."""
+        if len(data) == 0:
+            raise ValueError("cannot measure accuracy on an empty split")
+        step = self.spec.test_batch_size
+        correct = sum(
+            count_correct(logits, data.labels[start : start + step]) for start, logits in self._batch_logits(data, 1.0)
+        )
         return 100.0 * correct / len(data)
+
+    @torch.no_grad()
+    def test_logits(self, data: LabelledSet) -> torch.Tensor:
+        """``[n, C]`` CLIP's scaled logits on ``data`` with the current prompts (the confidences ECE reads)."""
+        return torch.cat([logits for _, logits in self._batch_logits(data, self.pclip.logit_scale)])
+
+    def test_time(self, data: LabelledSet, spec: TestTimeSpec, progress: bool = False) -> dict:
+        """TPT (:mod:`meta.finetune.testtime`) on every image of ``data`` from the current θ, with R_φ on the entropy
+        gradient when the method regulates: ``{accuracy, ece, loss_before, loss_after, seconds_per_image}`` (percent,
+        nats, seconds) beside the plain predictions' ``accuracy_before`` and ``ece_before``."""
+        if self.prompts is None:
+            raise ValueError(f"test-time tuning: {NO_PROMPTS}")
+        plain = self.test_logits(data)
+        images = _LazyImages(data.impaths, self.test_images, self.device)
+        seed = self.seed
+        tuned = tune_and_predict(
+            self.pclip, self.prompts, images, data.classnames, spec, self.regulation, seed, progress
+        )
+        labels = data.labels
+        return {
+            "accuracy": 100.0 * count_correct(tuned.logits, labels) / len(data),
+            "ece": calibration_error(tuned.logits, labels),
+            "accuracy_before": 100.0 * count_correct(plain, labels) / len(data),
+            "ece_before": calibration_error(plain, labels),
+            "loss_before": tuned.loss_before,
+            "loss_after": tuned.loss_after,
+            "seconds_per_image": tuned.seconds_per_image,
+        }
 
     # ---------------------------------------------------------------- training
     def _batches(self, n: int, generator: torch.Generator) -> list[torch.Tensor]:

@@ -20,12 +20,18 @@ import copy
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torchvision.transforms.v2 import functional as TF
+from tqdm import tqdm
 
 from meta.method.learners import learner_of
+
+NO_PROMPTS = (
+    "zero-shot CLIP has no prompts to tune; TPT from the hand prompt is the coop method started from those words "
+    "and not fine-tuned (python -m meta.evaluation --methods coop --ctx-init 'a photo of a' --epochs 0)"
+)
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,16 @@ class TestTimeSpec:
     def kept(self) -> int:
         """Confident views the loss averages: ``int(views · share)`` as TPT counts them, at least one."""
         return max(1, int(self.views * self.confident_share))
+
+
+def spec_from(values: dict, key_of: Callable[[str], str]) -> TestTimeSpec:
+    """:class:`TestTimeSpec` of ``values`` (``{field: value}``), its one-line error naming the user's key
+    ``key_of(field)`` (``"views"`` -> ``"--test-time-views"`` or ``"TRAINER.GRAM.TEST_TIME.VIEWS"``)."""
+    try:
+        return TestTimeSpec(**values)
+    except ValueError as err:  # "test-time views: expected ..."
+        field, _, what = str(err).removeprefix("test-time ").partition(": ")
+        raise ValueError(f"{key_of(field)}: {what}") from None
 
 
 def crop_box(height: int, width: int, spec: TestTimeSpec, generator: torch.Generator) -> tuple[int, int, int, int]:
@@ -113,7 +129,8 @@ def marginal_entropy(logits: torch.Tensor) -> torch.Tensor:
 @dataclass
 class TestTimeResult:
     """What :func:`tune_and_predict` returns: ``logits`` ``[n, C]`` on each image after its own tuning, the mean
-    entropy loss before the first step (``loss_before``) and after the last (``loss_after``), seconds per image."""
+    entropy loss before the first step (``loss_before``) and after the last (``loss_after``: NaN for a learner that
+    prompts the image tower, whose views it would cost another pass of the tower to re-encode), seconds per image."""
 
     logits: torch.Tensor
     loss_before: float
@@ -125,6 +142,13 @@ def _view_logits(pclip, theta, views: torch.Tensor, cached: Optional[torch.Tenso
     if cached is not None:
         return pclip.logits(theta, classnames, image_features=cached)
     return pclip.logits(theta, classnames, images=views)
+
+
+def check_regulation(regulation) -> None:
+    """Refuse a gate-form R_φ (:attr:`meta.finetune.regulated.GradientRegulation.gated`) at test time: the entropy
+    loss has no consistency regulariser for the gate to act on."""
+    if regulation is not None and regulation.gated:
+        raise ValueError("test-time tuning: R_φ is a gate on a regulariser's gradient; the entropy loss has none")
 
 
 def tune_one(pclip, start, image: torch.Tensor, classnames: Sequence[str], spec: TestTimeSpec, generator, regulation):
@@ -148,9 +172,9 @@ def tune_one(pclip, start, image: torch.Tensor, classnames: Sequence[str], spec:
             regulation.apply_(theta.named_parameters())
         optim.step()
         losses.append(float(loss.detach()))
-    with torch.no_grad():
-        logits = _view_logits(pclip, theta, views, cached, classnames)
-        after = float(marginal_entropy(logits[confident_views(logits, spec.kept)]))
+    with torch.no_grad():  # all views again only where it costs a text pass (cached view features), else the image
+        logits = _view_logits(pclip, theta, views[:1] if cached is None else views, cached, classnames)
+        after = float(marginal_entropy(logits[confident_views(logits, spec.kept)])) if cached is not None else math.nan
     return logits[0], (losses[0] if losses else after), after
 
 
@@ -162,24 +186,44 @@ def image_generator(seed: int, index: int) -> torch.Generator:
 def tune_and_predict(
     pclip,
     start,
-    images: torch.Tensor,
+    images: Sequence[torch.Tensor],
     classnames: Sequence[str],
     spec: TestTimeSpec = TestTimeSpec(),
     regulation=None,
     seed: int = 0,
+    progress: bool = False,
 ) -> TestTimeResult:
-    """TPT on every image of ``images`` ``[n, 3, H, W]`` (module docstring), each from ``start`` (a
-    :class:`meta.method.prompts.PromptParams`, left unchanged); image i's views come from a generator of its own
-    (:func:`image_generator`), so its result does not depend on which images came before it."""
-    if images.ndim != 4 or images.shape[0] == 0:
-        raise ValueError(f"test-time tuning: expected unlabelled images [n >= 1, 3, H, W], got {tuple(images.shape)}")
+    """TPT on every image of ``images`` (``[n, 3, H, W]``, or a sequence of n ``[3, H, W]`` tensors read when their
+    turn comes; module docstring), each from ``start`` (a :class:`meta.method.prompts.PromptParams`, left unchanged);
+    image i's views come from a generator of its own (:func:`image_generator`), so its result does not depend on
+    which images came before it.  ``progress``: a tqdm bar over the images."""
+    if len(images) == 0 or images[0].ndim != 3:
+        shape = tuple(images.shape) if isinstance(images, torch.Tensor) else f"{len(images)} images"
+        raise ValueError(f"test-time tuning: expected unlabelled images [n >= 1, 3, H, W], got {shape}")
+    check_regulation(regulation)
     t = time.perf_counter()
-    rows = [
-        tune_one(pclip, start, x, classnames, spec, image_generator(seed, i), regulation) for i, x in enumerate(images)
-    ]
+    rows = []
+    for i in tqdm(range(len(images)), desc="test-time tuning", unit="img", leave=False, disable=not progress):
+        rows.append(tune_one(pclip, start, images[i], classnames, spec, image_generator(seed, i), regulation))
     return TestTimeResult(
         logits=torch.stack([r[0] for r in rows]),
         loss_before=sum(r[1] for r in rows) / len(rows),
         loss_after=sum(r[2] for r in rows) / len(rows),
         seconds_per_image=(time.perf_counter() - t) / len(rows),
     )
+
+
+def calibration_error(logits: torch.Tensor, labels: torch.Tensor, bins: int = 15) -> float:
+    """Expected calibration error in percent of ``logits`` ``[n, C]`` against ``labels`` ``[n]``: the top-1
+    confidences cut into ``bins`` equal-width bins over (0, 1], and the share-weighted mean of |accuracy − mean
+    confidence| per bin (Guo et al., ICML 2017, section 2, with its 15 bins; the ECE that C-TPT, ICLR 2024, reports
+    for test-time tuning)."""
+    confidence, predicted = logits.detach().double().softmax(dim=-1).max(dim=-1)
+    correct = (predicted == labels.to(predicted.device)).double()
+    which = (confidence * bins).ceil().clamp(1, bins).long() - 1  # bin b holds (b/bins, (b+1)/bins]
+    total = 0.0
+    for b in range(bins):
+        member = which == b
+        if member.any():
+            total += float(member.double().mean()) * abs(float(correct[member].mean() - confidence[member].mean()))
+    return 100.0 * total

@@ -34,9 +34,19 @@ from typing import Any, Optional
 
 from yacs.config import CfgNode as CN
 
-from meta.config import CONSISTENCY_SPEC, GRAM_SETTINGS, PROMPT_SPEC, REMOVED, REMOVED_KEYS, START_SPEC, table_fields
+from meta.config import (
+    CONSISTENCY_SPEC,
+    GRAM_SETTINGS,
+    PROMPT_SPEC,
+    REMOVED,
+    REMOVED_KEYS,
+    START_SPEC,
+    TEST_TIME_SPEC,
+    table_fields,
+)
 from meta.finetune.engine import Naming, StartSpec, start_rule_problems
 from meta.finetune.regulated import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
+from meta.finetune.testtime import TestTimeSpec, spec_from
 from meta.method import methods
 from meta.method.consistency import ConsistencySpec
 from meta.method.learners import import_learner_modules, learner_keys
@@ -134,6 +144,15 @@ def _gram_defaults() -> CN:
     # open_upright, the reader of `python -m meta.evaluation --exif-upright`); False = as stored, as Dassl's
     # read_image reads them (published CoOp-family numbers)
     node.EXIF_UPRIGHT = GramSettings.exif_upright
+    # --- test-time tuning (meta.finetune.testtime, TPT's protocol): with ENABLED, every test image is scored after
+    # TPT from the trained θ (R_φ on the entropy gradient when GRAM regulates); --eval-only does it for a saved θ
+    node.TEST_TIME = CN()
+    node.TEST_TIME.ENABLED = False
+    node.TEST_TIME.VIEWS = TestTimeSpec.views  # the image and VIEWS - 1 random resized crops with flips
+    node.TEST_TIME.CONFIDENT_SHARE = TestTimeSpec.confident_share  # views of lowest entropy the loss keeps
+    node.TEST_TIME.STEPS = TestTimeSpec.steps  # AdamW steps per image
+    node.TEST_TIME.LR = TestTimeSpec.lr
+    node.TEST_TIME.WEIGHT_DECAY = TestTimeSpec.weight_decay
     return node
 
 
@@ -222,6 +241,7 @@ class GramSettings:
     consistency: ConsistencySpec = ConsistencySpec()  # zero-shot consistency weights (0 = off)
     learner: str = PromptSpec.learner  # prompt learner (meta.method.learners registry key)
     exif_upright: bool = False  # images turned upright by their EXIF orientation (False: as stored, as Dassl)
+    test_time: Optional[TestTimeSpec] = None  # TPT on each test image (None: TRAINER.GRAM.TEST_TIME.ENABLED False)
 
     def vision_depth(self, vision_layers: int) -> int:
         """D, prompted vision layers: 0 without visual prompts, 1 shallow, else VPT_DEPTH (0 = all)."""
@@ -293,6 +313,7 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
     start = table_fields(cfg, START_SPEC, node)  # init_path, init_prompts, reg_window
     consistency = ConsistencySpec(**table_fields(cfg, CONSISTENCY_SPEC, node))
     exif_upright = table_fields(cfg, GRAM_SETTINGS, node)["exif_upright"]
+    test_time = _test_time(cfg)
     n_vision = int(g.N_CTX_VISION) if vision else 0  # OWN: its default is the trainers' 4
     if not text:
         prompt.update(n_ctx_text=0, ctx_init="")
@@ -386,4 +407,16 @@ def gram_settings(cfg: CN, trainer: Optional[str] = None) -> GramSettings:
         consistency=consistency,
         learner=spec.learner,
         exif_upright=exif_upright,
+        test_time=test_time,
     )
+
+
+def _test_time(cfg: CN) -> Optional[TestTimeSpec]:
+    """``TRAINER.GRAM.TEST_TIME`` as a :class:`TestTimeSpec` (None when not ENABLED); errors name the key."""
+    node = "TRAINER.GRAM.TEST_TIME"
+    enabled = cfg.TRAINER.GRAM.TEST_TIME.ENABLED
+    if not isinstance(enabled, bool):
+        raise TypeError(f"{node}.ENABLED: expected True or False, got {enabled!r}")
+    if not enabled:
+        return None
+    return spec_from(table_fields(cfg, TEST_TIME_SPEC, node), lambda field: f"{node}.{field.upper()}")

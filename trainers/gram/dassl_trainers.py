@@ -46,6 +46,7 @@ from dassl.optim import build_optimizer
 from meta.data.image_decode import open_upright
 from meta.finetune.engine import RegulatedStepper, build_start, window_batches
 from meta.finetune.regulated import check_gate_regulariser, launch_, weighted_sum
+from meta.finetune.testtime import check_regulation, image_generator, tune_one
 from meta.method import methods
 from meta.method.learners import get_learner
 from meta.model.backbone import check_visual_prompts, load_clip
@@ -196,6 +197,8 @@ class _GramTrainer(TrainerX):
         self.register_model(MODEL_NAME, self.model.prompt_learner, self.optim, self.sched)
         self.regulation = start.regulation
         check_gate_regulariser(self.regulation, self.model.consistency is not None)
+        if settings.test_time is not None:
+            check_regulation(self.regulation)
         self.window_images = start.window
         self.launch_step = start.launch  # None for a prompt pre-training file
         self.stepper = RegulatedStepper(
@@ -348,11 +351,31 @@ class _GramTrainer(TrainerX):
     @torch.no_grad()
     def test(self, split: Optional[str] = None):
         self.model.reset_cache()
+        self.test_images_seen = 0  # image i of the split draws its test-time views from image_generator(SEED, i)
         return super().test(split)
 
     def model_inference(self, input):
+        if self.gram.test_time is not None:
+            return self._test_time_inference(input)
         with self._autocast():
             return self.model.predict(input).float()
+
+    def _test_time_inference(self, images: torch.Tensor) -> torch.Tensor:
+        """``[B, C]`` logits of each image after TPT from the current θ (``TRAINER.GRAM.TEST_TIME``; R_φ on the
+        entropy gradient when GRAM regulates), θ reset per image: the evaluator's ``--test-time`` step by step, its
+        views drawn from the generator of the image's place in the split under ``SEED`` (a negative SEED reads as 0)."""
+        seed, out = max(int(self.cfg.SEED), 0), []
+        with torch.enable_grad(), self._autocast():
+            for image in images.to(self.model.dtype):
+                generator = image_generator(seed, self.test_images_seen)
+                model = self.model
+                spec = self.gram.test_time
+                logits, _, _ = tune_one(
+                    model.pclip, model.prompt_learner, image, model.classnames, spec, generator, self.regulation
+                )
+                out.append(logits.detach().float())
+                self.test_images_seen += 1
+        return torch.stack(out)
 
     # ------------------------------------------------------------------------------ checkpoints
     def _checkpoint_meta(self) -> dict:
