@@ -1,0 +1,103 @@
+"""Test-time GRAM's outer objective: θ* and R_φ meta-trained for the unsupervised step they take on one test image.
+
+For a task's query images x_1 … x_m, each with V views (``[m, V, ...]``, view 0 the image itself, the rest
+:func:`meta.finetune.testtime.view_batch` crops) and a pseudo-label y_i among the task's K CHC topics::
+
+    H_i(θ)  = entropy of mean_{v ∈ C_i} softmax f_θ(x_i^v)     C_i: the ``kept`` lowest-entropy views (TPT's loss)
+    θ'_i    = θ − α · R_φ(∇_θ H_i(θ))                         (``inner_steps`` such steps; no label is read)
+    L_out   = (1/m) Σ_i CE(f_{θ'_i}(x_i), y_i)                 over the task's K pseudo-classes
+
+so the outer loss scores each image after the step test-time tuning takes on it.  The inner step is
+:meth:`meta.method.gram.GRAMMetaLearner.unroll`, the one differentiable inner loop (its α, steps, momentum, weight
+decay and R_φ); second order unless the spec says first order.  Choosing C_i is an argsort of detached entropies,
+so L_out is piecewise smooth and its gradient is that of the chosen views.  ``query["label"]`` reaches only the
+outer loss (and the reported inner accuracy, a metric).
+
+The query is a dict: ``classnames`` (K names), ``label`` ``[m]`` and either ``view_features`` ``[m, V, E]``
+(normalised image features of the views, for a learner whose image side has no prompts) or ``view_images``
+``[m, V, 3, H, W]``.  :func:`view_features` builds the former from images with the frozen image tower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meta.finetune.testtime import TestTimeSpec, confident_views, marginal_entropy, view_batch
+from meta.method.inner import LossFn
+from meta.method.metrics import accuracy_t
+from meta.method.regulator import is_gated
+
+VIEW_KEYS = ("view_features", "view_images")  # the query's views: cached features, or images for the tower
+
+
+def entropy_loss(pclip, kept: int) -> LossFn:
+    """``loss(θ, batch) -> (H, logits [V, K])`` on one image's views ``batch`` (``classnames`` and ``features``
+    ``[V, E]`` or ``images`` ``[V, 3, H, W]``): the marginal entropy of its ``kept`` most confident views."""
+
+    def loss(prompts: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = pclip.logits(
+            prompts, batch["classnames"], images=batch.get("images"), image_features=batch.get("features")
+        )
+        return marginal_entropy(logits[confident_views(logits, kept)]), logits
+
+    return loss
+
+
+def view_features(pclip, images: torch.Tensor, spec: TestTimeSpec, generator: torch.Generator) -> torch.Tensor:
+    """``[m, V, E]`` frozen-tower features of each image's ``spec.views`` views (``images`` ``[m, 3, H, W]``; view 0
+    is the image), drawn in order from ``generator``; no gradient."""
+    with torch.no_grad():
+        return torch.stack([pclip.image_features(None, view_batch(image, spec, generator)) for image in images])
+
+
+@dataclass(frozen=True)
+class TestTimeObjective:
+    """The objective of the module docstring; ``kept`` confident views per image (TPT: 6 of 64)."""
+
+    __test__ = False  # not a pytest test class
+
+    kept: int
+
+    def backward(
+        self,
+        meta: Any,
+        loss_fn: LossFn,
+        support: Any,
+        query: dict,
+        n_tasks: int,
+        backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+    ) -> tuple[Optional[nn.Module], dict[str, torch.Tensor]]:
+        """Leave ``∇_{θ,φ} L_out / n_tasks`` in ``.grad`` (one backward per image, so each graph is freed) and return
+        ``(None, metrics)``: ``entropy_before`` (H_i at θ), ``query_loss_after`` and ``query_acc_after`` (at θ'_i),
+        means over the images.  ``meta``: a :class:`meta.method.gram.GRAMMetaLearner`; ``loss_fn.pclip`` gives the
+        logits; ``support`` is not read (test time has no labelled support), the signature is
+        :meth:`meta.method.objective.OuterObjective.backward`'s."""
+        if is_gated(meta.gbml.compute_update.transforms_modules):
+            raise ValueError("test-time objective: META.REGULATOR.FORM gate needs a regulariser; the entropy has none")
+        key = next((k for k in VIEW_KEYS if k in query), None)
+        if key is None:
+            raise ValueError(f"test-time objective: the query holds no views (expected one of {', '.join(VIEW_KEYS)})")
+        pclip, names, labels, views = loss_fn.pclip, query["classnames"], query["label"], query[key]
+        if views.shape[0] != labels.shape[0] or views.shape[0] == 0:
+            raise ValueError(f"test-time objective: {key} holds {views.shape[0]} images, label {labels.shape[0]}")
+        field, inner = key.removeprefix("view_"), entropy_loss(pclip, self.kept)  # "features" | "images"
+        m, metrics = views.shape[0], {"entropy_before": [], "query_loss_after": [], "query_acc_after": []}
+        for i in range(m):
+            batch = {"classnames": names, "label": labels[i].expand(views.shape[1]), field: views[i]}
+            adapted, entropies, _ = meta.unroll(inner, batch)
+            image = {"image_features" if field == "features" else "images": views[i, :1]}  # view 0: the image
+            with meta.cast():
+                logits = pclip.logits(adapted.module, names, **image)
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp16/bf16 up, float64 kept
+            loss = F.cross_entropy(logits, labels[i : i + 1])
+            backward(loss / (m * n_tasks))
+            metrics["entropy_before"].append(entropies[0].detach().to(loss.dtype))
+            metrics["query_loss_after"].append(loss.detach())
+            metrics["query_acc_after"].append(accuracy_t(logits.detach(), labels[i : i + 1]))
+            del adapted
+        return None, {name: torch.stack(values).mean() for name, values in metrics.items()}
