@@ -41,6 +41,7 @@ from .settings import (
     settings_record,
     variants_needed,
 )
+from .testtime_report import build_testtime_table, markdown_of_testtime
 
 AVERAGE = "Average"
 QUICK_NOTE = (
@@ -163,7 +164,9 @@ def _subset(record: dict, targets: list) -> dict:
 
 def build_tables(records: list, settings: DemoSettings, world) -> dict:
     """``{table id: {"title", "kind", "rows", ...}}`` for the requested table groups (paper ids:
-    table1, table4, tableA3 base-to-new; table2, table3, tableA1, tableA2 transfer)."""
+    table1, table4, tableA3 base-to-new; table2, table3, tableA1, tableA2 transfer; testtime)."""
+    testtime = [r for r in records if r.get("test_time_row")]  # the test-time group's runs: its table only
+    records = [r for r in records if not r.get("test_time_row")]
     b2n = summarise([r for r in records if r["protocol"] == "base2new"], average=AVERAGE)
     n_data = len({r["dataset"] for r in b2n if r["dataset"] != AVERAGE})
     tables: dict = {}
@@ -224,6 +227,8 @@ def build_tables(records: list, settings: DemoSettings, world) -> dict:
             "kind": "tokens",
             "rows": rows,
         }
+    if "testtime" in settings.tables:
+        tables["testtime"] = build_testtime_table(testtime, settings)
     return tables
 
 
@@ -586,12 +591,16 @@ def stage_report(
 ) -> Path:
     """Write ``results.md``, ``results.json`` and the plots into ``out``; returns the ``results.md`` path."""
     tables = build_tables(records, settings, world)
+    testtime_seconds = sum(r["seconds"] for r in records if r.get("test_time_row"))
+    records = [r for r in records if not r.get("test_time_row")]
     files = plots(tables, records, settings, world, out)
     fig3b = files.pop("fig3b", None)
     prov = provenance(settings, world, weights)
     b2n_rows = summarise([r for r in records if r["protocol"] == "base2new"], average=AVERAGE)
     datasets = [d for d in dict.fromkeys(r["dataset"] for r in b2n_rows) if d != AVERAGE]
     run_seconds = {p: sum(r["seconds"] for r in records if r["protocol"] == p) for p in ("base2new", "transfer")}
+    if testtime_seconds:
+        run_seconds["testtime"] = testtime_seconds
     parts = [
         "# GRAM in the CPU world: the paper's tables",
         "",
@@ -657,6 +666,8 @@ def stage_report(
             tokens_markdown(tables["tableA3"]),
             "",
         ]
+    if "testtime" in tables:
+        parts += markdown_of_testtime(tables["testtime"])
     parts += [
         '## Tiny CLIP zero-shot accuracy ("a photo of a {}.")',
         "",

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from meta.finetune.regulated import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
+from meta.finetune.testtime import TestTimeSpec
 from meta.method import methods
 from meta.method.gram import DEFAULT_QUERY_BEFORE_WEIGHT
 from meta.method.learners import DEFAULT_LEARNER
@@ -302,6 +303,33 @@ TOKEN_KEYS = {n: ("unigram" if n == 4 else f"unigram_{n}tok") for n in TOKEN_COU
 # every demo row of the deep learners (DEEP_TRAINERS), in table order: each baseline, its GRAM row and components
 DEEP_KEYS = tuple(m.key for m in METHODS if methods.get(m.key).trainer in DEEP_TRAINERS)
 
+
+# The test-time rows (opt-in group "testtime"): TPT (Shu et al., NeurIPS 2022; azshue/TPT) on every test image of the
+# cross-domain target (the held-out style, fine-tuned on its source) and of base-to-new's base and new classes, from
+# each start; zero-shot CLIP is the reference without tuning.  (record key, demo row, label, fine-tuned on the
+# few-shot train split first).  "TPT from the hand prompt" is CoOp's context started from the zero-shot words.
+@dataclass(frozen=True)
+class TestTimeRow:
+    key: str
+    row: str  # the METHODS row whose start (and φ) it uses
+    label: str
+    fine_tuned: bool  # the few-shot schedule first (CoOp's prompts), else the start as it is (no labelled data)
+
+    __test__ = False  # not a pytest test class
+
+
+TESTTIME_ROWS = (
+    TestTimeRow("zsclip", "zsclip", "Zero-shot CLIP (no tuning)", False),
+    TestTimeRow("tpt_hand", "coop", "TPT from the hand prompt", False),
+    TestTimeRow("tpt_coop", "coop", "TPT from CoOp's prompts", True),
+    TestTimeRow("tpt_init", "gram_coop_init_only", "TPT from GRAM's θ*", False),
+    TestTimeRow("tpt_init_reg", "gram_coop", "TPT from GRAM's θ* with R_φ", False),
+)
+TESTTIME_BY_KEY = {r.key: r for r in TESTTIME_ROWS}
+HAND_PROMPT = "a photo of a"  # the world's zero-shot template "a photo of a {}." as CoOp's 4 context words
+TESTTIME_SPEC = TestTimeSpec()  # TPT's protocol as published: 64 views, 10 % kept, one AdamW step at 5e-3
+
+
 # The fixed-λ zero-shot-consistency comparators (meta/method/consistency.py): CoOp, VPT and joint tuning fine-tuned with
 # the consistency terms at the λ the base-to-new sweep chose on val splits for each (``fixed`` in the committed
 # docs/study/selection_b2n.json; its rule: docs/study/selection_b2n_rule.md).  Until that file is committed (or when
@@ -345,8 +373,10 @@ TABLE_GROUPS = {
     "deep": "deep prompts: IVLP and MaPLe, each without and with GRAM (base-to-new; opt-in, not in 'all')",
     "consistency": "CoOp, VPT and joint tuning with the zero-shot consistency terms at the base-to-new sweep's λ "
     "(published KgCoOp / PromptSRC weights before it is committed; opt-in, not in 'all')",
+    "testtime": "test-time prompt tuning (TPT) from the hand prompt, CoOp's prompts, θ* and θ* with R_φ, beside "
+    "zero-shot: accuracy, ECE, seconds per image (cross-domain target and base-to-new; opt-in, not in 'all')",
 }
-OPT_IN_TABLES = ("deep", "consistency")  # groups that `--tables all` leaves out
+OPT_IN_TABLES = ("deep", "consistency", "testtime")  # groups that `--tables all` leaves out
 DEFAULT_TABLES = ("base2new",)
 
 
@@ -372,9 +402,15 @@ def transfer_keys(tables: tuple) -> tuple:
     return TRANSFER_KEYS if "transfer" in tables else ()
 
 
+def testtime_rows(tables: tuple) -> tuple:
+    """The METHODS rows the test-time group starts from (empty without it)."""
+    return tuple(dict.fromkeys(r.row for r in TESTTIME_ROWS)) if "testtime" in tables else ()
+
+
 def variants_needed(tables: tuple) -> tuple:
     """Meta variants the table groups start from, in :data:`ALL_VARIANTS` order."""
-    names = {method_row(k).variant for k in b2n_keys(tables) + transfer_keys(tables)} - {""}
+    keys = b2n_keys(tables) + transfer_keys(tables) + testtime_rows(tables)
+    names = {method_row(k).variant for k in keys} - {""}
     return tuple(v for v in ALL_VARIANTS if v.name in names)
 
 

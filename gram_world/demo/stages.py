@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -39,8 +39,12 @@ from .profile import StageProfile
 from .settings import (
     ALL_VARIANTS,
     EPOCH_CURVE_KEYS,
+    HAND_PROMPT,
     METHODS,
     ONE_STEP,
+    TESTTIME_BY_KEY,
+    TESTTIME_ROWS,
+    TESTTIME_SPEC,
     VALUE_BEFORE_SETTING,
     VARIANT_BY_NAME,
     DemoSettings,
@@ -243,9 +247,12 @@ class EvalJob:
     shots: int
     init: str = ""  # GRAM init file of the row's meta variant
     targets: tuple = ()  # ((name, dataset dir), ...) for transfer
+    test_time: str = ""  # a TESTTIME_ROWS key: the run tunes every test image (TPT) from the row's start
 
     def path(self, out: Path) -> Path:
         folder = "base2new" if self.protocol == "base2new" else f"transfer_{self.shots}shot"
+        if self.test_time:
+            return out / "runs" / f"testtime_{folder}" / self.dataset / self.test_time / f"seed{self.seed}.json"
         return out / "runs" / folder / self.dataset / self.key / f"seed{self.seed}.json"
 
     @property
@@ -299,8 +306,17 @@ def run_eval_job(job: EvalJob) -> None:
         return
     row = method_row(job.key)
     method = method_spec(row, job.init, settings)
+    test_time, epochs = None, settings.epochs
+    if job.test_time:  # TPT from the row's start: no launch step, no schedule unless the row is fine-tuned first
+        tt = TESTTIME_BY_KEY[job.test_time]
+        epochs = settings.epochs if tt.fine_tuned else 0
+        if method.n_ctx_text or method.n_ctx_vision:
+            test_time = TESTTIME_SPEC
+            method = replace(method, name=tt.label, launch=False)
+            if tt.key == "tpt_hand":
+                method = replace(method, ctx_init=HAND_PROMPT)
     train = TrainSpec(
-        epochs=settings.epochs,
+        epochs=epochs,
         batch_size=settings.batch_size,
         rrcrop_scale=settings.rrcrop_scale,
         eval_every_epoch=settings.eval_every_epoch and job.protocol == "base2new" and job.key in EPOCH_CURVE_KEYS,
@@ -317,6 +333,7 @@ def run_eval_job(job: EvalJob) -> None:
         train=train,
         session=evaluation,
         log=lambda m: None,
+        test_time=test_time,
     )
     if job.protocol == "base2new":
         record = evaluate_base_to_new(source, **common, **split)
@@ -326,12 +343,14 @@ def run_eval_job(job: EvalJob) -> None:
         record = evaluate_transfer(source, targets, protocol="transfer", **common)
         numbers = f"source {record['source']:5.1f}  targets {record['target_mean']:5.1f}"
     record.update(key=row.key, label=row.label)
+    if job.test_time:
+        record.update(test_time_row=job.test_time, label=TESTTIME_BY_KEY[job.test_time].label)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, default=str))
     tmp.replace(path)
     log(
-        f"{job.protocol:<8} {job.dataset:<14} {row.label:<38} {job.shots:>2} shots seed {job.seed}: {numbers}  "
+        f"{job.protocol:<8} {job.dataset:<14} {record['label']:<38} {job.shots:>2} shots seed {job.seed}: {numbers}  "
         f"({time.time() - t:.0f} s)"
     )
 
@@ -376,6 +395,41 @@ def eval_jobs(world, inits: dict, settings: DemoSettings, keys: Optional[tuple] 
                 for seed in settings.seeds
                 for k in transfer_keys(settings.tables)
             ]
+    if keys is None and "testtime" in settings.tables:
+        jobs += testtime_jobs(world, inits, settings, names)
+    return jobs
+
+
+def testtime_jobs(world, inits: dict, settings: DemoSettings, names: tuple) -> list:
+    """The test-time group's runs: every :data:`TESTTIME_ROWS` row and seed, base-to-new on each dataset of
+    ``names`` and transfer from the cross-domain source to its held-out-style target(s) at ``settings.shots``."""
+    domain = world.with_role("cross_domain_source")
+    if len(domain) != 1:
+        raise ValueError(f"{world.manifest}: expected one dataset with role cross_domain_source, found {len(domain)}")
+    source, targets = domain[0], tuple((d.name, str(d.dataset_dir)) for d in world.with_role("cross_domain_target"))
+    jobs = []
+    for tt in TESTTIME_ROWS:
+        init = inits.get(method_row(tt.row).variant, "")
+        for seed in settings.seeds:
+            jobs += [
+                EvalJob(
+                    "base2new", n, str(world.dataset(n).dataset_dir), tt.row, seed, settings.shots, init, (), tt.key
+                )
+                for n in names
+            ]
+            jobs.append(
+                EvalJob(
+                    "transfer",
+                    source.name,
+                    str(source.dataset_dir),
+                    tt.row,
+                    seed,
+                    settings.shots,
+                    init,
+                    targets,
+                    tt.key,
+                )
+            )
     return jobs
 
 

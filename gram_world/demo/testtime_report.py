@@ -1,0 +1,116 @@
+"""The test-time table (``--tables testtime``): each :data:`.settings.TESTTIME_ROWS` row on the cross-domain target
+and on base-to-new's base and new classes, with accuracy and ECE after TPT beside the same start's plain
+prediction, and seconds per test image.
+
+A record of a test-time run (``test_time_row`` set, :func:`.stages.run_eval_job`) holds ``test_time.sets``:
+``{test set: {accuracy, ece, accuracy_before, ece_before, seconds_per_image, ...}}`` (percent, percent, seconds);
+zero-shot CLIP's record has plain accuracies only.  Every cell is the mean ± population std over seeds of the
+per-seed value, a per-seed value over several datasets or targets being their mean first, as in the other tables.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+from meta.finetune.testtime import TestTimeSpec
+
+from .settings import TESTTIME_ROWS, DemoSettings
+
+# (group id, heading, protocol, test sets of a record: "targets" = every cross-domain target)
+GROUPS = (
+    ("cross_domain", "cross-domain target (held-out style)", "transfer", "targets"),
+    ("base", "base-to-new: base classes", "base2new", "base"),
+    ("new", "base-to-new: new classes", "base2new", "new"),
+)
+FIELDS = ("accuracy", "accuracy_before", "ece", "ece_before", "seconds_per_image")
+
+
+def _sets(record: dict, which: str) -> list:
+    return list(record.get("targets", {})) if which == "targets" else [which]
+
+
+def _values(record: dict, which: str) -> dict:
+    """``{field: value}`` of one record averaged over its test sets ``which``; a plain record has accuracy only."""
+    names = _sets(record, which)
+    tuned = (record.get("test_time") or {}).get("sets")
+    if tuned is None:  # zero-shot CLIP: its plain accuracy is both "before" and "after"
+        acc = statistics.fmean(record["targets"][n] if which == "targets" else record[n] for n in names)
+        return {"accuracy": acc, "accuracy_before": acc}
+    return {f: statistics.fmean(tuned[n][f] for n in names) for f in FIELDS}
+
+
+def _mean_std(values: list) -> tuple:
+    return (statistics.fmean(values), statistics.pstdev(values)) if values else (None, None)
+
+
+def _spec(records: list) -> TestTimeSpec:
+    """The one TPT spec the records were tuned with (runs under different specs are never pooled)."""
+    specs = {json.dumps(r["test_time"]["spec"], sort_keys=True) for r in records if r.get("test_time")}
+    if len(specs) != 1:
+        raise ValueError(f"test-time table: expected the runs of one TPT spec, found {len(specs)}: {sorted(specs)}")
+    spec = json.loads(specs.pop())
+    return TestTimeSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec.items()})
+
+
+def build_testtime_table(records: list, settings: DemoSettings) -> dict:
+    """``{"title", "kind": "testtime", "spec", "groups": {group id: {"heading", "rows": [...]}}}``; a row holds the
+    row's key and label, ``seeds`` and ``<field>`` = ``(mean, std)`` over seeds (None where not measured).  The spec
+    is the records' own (:func:`_spec`)."""
+    spec = _spec(records)
+    groups = {}
+    for gid, heading, protocol, which in GROUPS:
+        rows = []
+        for tt in TESTTIME_ROWS:
+            mine = [r for r in records if r.get("test_time_row") == tt.key and r["protocol"] == protocol]
+            per_seed: dict = {}
+            for r in mine:  # a seed's value over several datasets: their mean first
+                per_seed.setdefault(r["seed"], []).append(_values(r, which))
+            if not per_seed:
+                continue
+            row = {"key": tt.key, "label": tt.label, "seeds": sorted(per_seed)}
+            for f in FIELDS:
+                seed_values = [
+                    statistics.fmean(v[f] for v in vs) for vs in per_seed.values() if all(f in v for v in vs)
+                ]
+                row[f] = _mean_std(seed_values)
+            rows.append(row)
+        groups[gid] = {"heading": heading, "rows": rows}
+    return {
+        "title": f"Test-time prompt tuning (TPT, {spec.views} views, {spec.kept} kept, {spec.steps} step(s) of AdamW "
+        f"at {spec.lr:g})",
+        "kind": "testtime",
+        "spec": {"views": spec.views, "kept": spec.kept, "steps": spec.steps, "lr": spec.lr},
+        "fine_tuning": f"{settings.shots} shots, {settings.epochs} epochs for the row fine-tuned first",
+        "groups": groups,
+    }
+
+
+def _cell(pair: tuple, digits: int = 2) -> str:
+    mean, std = pair
+    return "—" if mean is None else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def markdown_of_testtime(table: dict) -> list[str]:
+    """The markdown lines of :func:`build_testtime_table`: its title, what it measures, one table per group."""
+    parts = [
+        f"## {table['title']}",
+        "",
+        "Each test image is scored after TPT from the row's start, θ reset per image (Shu et al., NeurIPS 2022): "
+        "accuracy (%) and expected calibration error (ECE, %, 15 bins) after tuning, beside the same start's plain "
+        f"prediction (before). Only the row fine-tuned first sees labels ({table['fine_tuning']}); seconds are "
+        "per test image on this machine.",
+        "",
+    ]
+    for group in table["groups"].values():
+        parts += [
+            f"### {group['heading']}",
+            "",
+            "| method | accuracy | accuracy before | ECE | ECE before | s / image |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in group["rows"]:
+            cells = [r["label"]] + [_cell(r[f]) for f in FIELDS[:4]] + [_cell(r["seconds_per_image"], 3)]
+            parts.append("| " + " | ".join(cells) + " |")
+        parts.append("")
+    return parts

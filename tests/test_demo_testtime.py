@@ -1,0 +1,136 @@
+"""The demo's test-time group (``--tables testtime``, gram_world/demo/testtime_report.py and the test-time jobs of
+gram_world/demo/stages.py): which runs it plans, how its table averages seeds and datasets, that its records stay
+out of the other tables, and (slow) the group end to end on the quick world, where TPT from the hand prompt starts
+from exactly zero-shot CLIP's predictions."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from gram_world.demo import DemoSettings, run, variants_needed
+from gram_world.demo import stages as demo_stages
+from gram_world.demo.report import build_tables
+from gram_world.demo.settings import OPT_IN_TABLES, TABLE_GROUPS, TESTTIME_ROWS
+from gram_world.demo.testtime_report import GROUPS, build_testtime_table, markdown_of_testtime
+from meta.finetune.testtime import TestTimeSpec
+
+KEYS = [r.key for r in TESTTIME_ROWS]
+
+
+def _world():
+    datasets = {n: SimpleNamespace(name=n, dataset_dir=Path("/data") / n) for n in ("A", "B", "Src", "Sketch")}
+    roles = {"base2new": ["A", "B"], "cross_domain_source": ["Src"], "cross_domain_target": ["Sketch"]}
+    return SimpleNamespace(
+        manifest="world.json",
+        with_role=lambda role: [datasets[n] for n in roles.get(role, [])],
+        dataset=lambda n: datasets[n],
+    )
+
+
+def test_the_group_is_opt_in_and_plans_every_row_seed_and_set_in_its_own_folders(tmp_path):
+    assert "testtime" in TABLE_GROUPS and "testtime" in OPT_IN_TABLES
+    settings = replace(DemoSettings(), tables=("testtime",), seeds=(1, 2))
+    assert [v.name for v in variants_needed(settings.tables)] == ["gram_coop"]  # θ* and φ of CoOp + GRAM
+    jobs = demo_stages.eval_jobs(_world(), {"gram_coop": "init.safetensors"}, settings)
+    assert len(jobs) == len(TESTTIME_ROWS) * 2 * (2 + 1)  # rows x seeds x (two base-to-new datasets + transfer)
+    assert {j.test_time for j in jobs} == set(KEYS)
+    for j in jobs:
+        assert j.path(tmp_path).parts[-4].startswith("testtime_") and j.path(tmp_path).parts[-2] == j.test_time
+        assert j.init == ("init.safetensors" if j.key.startswith("gram_") else "")
+        if j.protocol == "transfer":  # the held-out style only, not the family datasets
+            assert (j.dataset, j.targets) == ("Src", (("Sketch", "/data/Sketch"),))
+    assert len({j.path(tmp_path) for j in jobs}) == len(jobs)
+    plain = demo_stages.eval_jobs(_world(), {}, replace(settings, tables=("base2new",), datasets=("A",)))
+    assert not any(j.test_time for j in plain)
+
+
+def _record(key: str, protocol: str, seed: int, dataset: str, value: float) -> dict:
+    sets = ["Sketch"] if protocol == "transfer" else ["base", "new"]
+    row = {"accuracy": value, "accuracy_before": value - 1, "ece": 5.0 + seed, "ece_before": 4.0}
+    row["seconds_per_image"] = 0.5
+    record = {"protocol": protocol, "seed": seed, "dataset": dataset, "key": "coop", "method": "CoOp"}
+    record["test_time_row"] = key
+    if protocol == "transfer":
+        record.update(source=1.0, targets={"Sketch": value}, target_mean=value)
+    else:
+        record.update(base=value, new=value, H=value)
+    if key != "zsclip":
+        record["test_time"] = {"spec": asdict(TestTimeSpec()), "sets": {n: dict(row) for n in sets}}
+    return record
+
+
+def test_the_table_averages_datasets_within_a_seed_first_and_reads_zero_shot_as_plain():
+    records = []
+    for seed in (1, 2):
+        for i, key in enumerate(KEYS):
+            records.append(_record(key, "transfer", seed, "Src", 10.0 * i + seed))
+            records += [_record(key, "base2new", seed, d, 10.0 * i + seed + off) for d, off in (("A", 0), ("B", 4))]
+    table = build_testtime_table(records, DemoSettings())
+    assert list(table["groups"]) == [g[0] for g in GROUPS]
+    cross, new = table["groups"]["cross_domain"]["rows"], table["groups"]["new"]["rows"]
+    assert [r["key"] for r in cross] == KEYS and all(r["seeds"] == [1, 2] for r in cross)
+    # seed 1: mean over A and B of (10 i + 1, 10 i + 5) = 10 i + 3; seed 2: 10 i + 4
+    i = KEYS.index("tpt_coop")
+    assert new[i]["accuracy"] == pytest.approx((10 * i + 3.5, statistics.pstdev([3.0, 4.0])))
+    assert cross[i]["ece"] == pytest.approx((6.5, 0.5)) and cross[i]["accuracy_before"][0] == pytest.approx(
+        10 * i + 0.5
+    )
+    zs = cross[0]
+    assert zs["accuracy"] == zs["accuracy_before"] == pytest.approx((1.5, 0.5)) and zs["ece"] == (None, None)
+    other = dict(records[3], test_time=dict(records[3]["test_time"], spec=asdict(TestTimeSpec(views=4))))
+    with pytest.raises(ValueError, match="^test-time table: expected the runs of one TPT spec, found 2"):
+        build_testtime_table(records[:3] + [other] + records[4:], DemoSettings())
+    text = "\n".join(markdown_of_testtime(table))
+    assert "| Zero-shot CLIP (no tuning) | 1.50 ± 0.50 | 1.50 ± 0.50 | — | — | — |" in text
+    assert text.count("| method | accuracy | accuracy before | ECE | ECE before | s / image |") == 3
+
+
+def test_test_time_records_stay_out_of_table_1():
+    plain = {"protocol": "base2new", "seed": 1, "dataset": "A", "key": "coop", "method": "CoOp", "base": 50.0}
+    plain.update(new=40.0)
+    plain.update(H=44.4, history=[])
+    tuned = dict(_record("tpt_coop", "base2new", 1, "A", 90.0), history=[])
+    settings = replace(DemoSettings(), tables=("base2new", "testtime"))
+    tables = build_tables([plain, tuned], settings, _world())
+    coop = [r for r in tables["table1"]["rows"] if r["key"] == "coop" and r["dataset"] == "A"]
+    assert [(r["base_mean"], r["new_mean"]) for r in coop] == [(50.0, 40.0)]
+    assert tables["testtime"]["groups"]["base"]["rows"][0]["accuracy"] == (90.0, 0.0)
+
+
+@pytest.mark.slow
+def test_the_group_end_to_end_on_the_quick_world(tmp_path, quick_world, quick_world_weights, monkeypatch):
+    monkeypatch.setattr(demo_stages, "TESTTIME_SPEC", TestTimeSpec(views=4))  # 4 views keep the test short
+    settings = replace(
+        DemoSettings.preset(quick=True),
+        shots=2,
+        meta_steps=2,
+        checkpoint_every=1,
+        log_detail_every=1,
+        epochs=1,
+        val_tasks=2,
+        jobs=1,
+        tables=("testtime",),
+    )
+    run(settings, tmp_path, world_root=quick_world.root.parent)
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert set(result["tables"]) == {"testtime"}
+    for gid, group in result["tables"]["testtime"]["groups"].items():
+        rows = {r["key"]: r for r in group["rows"]}
+        assert list(rows) == KEYS, gid
+        # the hand prompt as CoOp's context is zero-shot CLIP's prompt: the same predictions before tuning
+        assert rows["tpt_hand"]["accuracy_before"][0] == pytest.approx(rows["zsclip"]["accuracy"][0], abs=1e-9)
+        # θ* alone and θ* with R_φ predict the same before the step; R_φ acts only on the step
+        assert rows["tpt_init"]["accuracy_before"] == rows["tpt_init_reg"]["accuracy_before"]
+        for r in group["rows"][1:]:
+            assert 0.0 <= r["ece"][0] <= 100.0 and r["seconds_per_image"][0] > 0
+    records = [json.loads(p.read_text()) for p in (tmp_path / "runs").rglob("seed*.json")]
+    tuned = {r["test_time_row"]: r["test_time"] for r in records if r.get("test_time")}
+    assert tuned["tpt_init_reg"]["regulated"] is True and tuned["tpt_init"]["regulated"] is False
+    assert {t["spec"]["views"] for t in tuned.values()} == {4}
+    assert "## Test-time prompt tuning (TPT, 4 views" in (tmp_path / "results.md").read_text()
