@@ -1,9 +1,7 @@
 """CLIP image features of every pair, sharded across processes, cached and resumable.
 
-This is the dominant cost at scale (meta/chc/README.md: ViT-B/32 ran ~11 images per CPU-second,
-~40 h for 3.1 M images on one CPU), so it runs per *rank*: rank ``r`` of ``W`` encodes
-the items :func:`meta.chc.sources.rank_items` gives it (whole tar shards when there are
-at least ``W`` shards) into its own files, and :func:`merge_ranks` assembles them.
+The dominant cost at scale (meta/chc/README.md: ViT-B/32 ~11 images per CPU-second), so rank ``r`` of ``W`` encodes
+its :func:`meta.chc.sources.rank_items` into its own files and :func:`merge_ranks` assembles them.
 
 Per-rank files in ``<stage_dir>``:
   ``feats.rank{r}.npy``   float32 ``[n_r, D + 1]`` - L2-normalised features, last column 1 = image decoded
@@ -13,11 +11,9 @@ Merged files: ``image_features.npy`` float32 ``[N, D]`` (zeros for unreadable im
 ``image_ok.npy`` bool ``[N]``, ``images_u8.npy`` uint8 ``[N, H, W, 3]`` (optional),
 ``unreadable.json`` ``{reason: count}``.
 
-Any failure to read or decode one image makes that image unreadable (counted by
-reason), never stops the run.  The exception: when more than ``max_unreadable_fraction``
-of a rank's first chunk is unreadable, the inputs point at the wrong place (a wrong
-``CHC.INPUT.IMAGE_ROOT``, relative base or shard set), and the run stops with one line
-naming the path tried and the key that sets it.
+An image that fails to read or decode is unreadable (counted by reason), never a stop; except when more than
+``max_unreadable_fraction`` of a rank's first chunk is: then the inputs point at the wrong place, and the run stops with
+one line naming the path tried and the key that sets it.
 """
 
 from __future__ import annotations
