@@ -96,21 +96,10 @@ def encode_rank(
     decoder: str = "pil",
     read_threads: int = 1,
 ) -> dict:
-    """Encode this rank's items; resumes from the last finished chunk.
-
-    The next chunk is read and decoded in a background thread while this one is encoded (one decoded chunk ahead:
-    ``chunk_size`` x ``image_size``² x 3 bytes, on ``device`` for the torchvision decoder).
-
-    Args:
-        autocast: a mode resolved by :func:`meta.model.precision.resolve_autocast` (``none`` = the CLIP's dtype).
-        max_unreadable_fraction: stop with :class:`~meta.chc.errors.InputError` when more
-            than this fraction of the rank's first chunk is unreadable (1.0 = never).
-        image_root: ``CHC.INPUT.IMAGE_ROOT``, named in that error.
-        max_bytes / max_pixels / max_aspect: the ``CHC.INPUT.MAX_IMAGE_*`` caps (docs/input_rules.md).
-        decoder: ``CHC.IMAGES.DECODER``: ``pil`` (the reference, :func:`meta.chc.imaging.decode_batch`) or
-            ``torchvision`` (JPEGs decoded and resized on ``device``: :mod:`meta.chc.tensor_decode`).
-        read_threads: ``CHC.IMAGES.READ_THREADS``: threads reading a chunk's bytes side by side
-            (:meth:`~meta.chc.sources.PairIndex.read_image_bytes`; the same bytes in the same order).
+    """Encode this rank's items, resuming from the last finished chunk; the next chunk is read and decoded in a
+    background thread meanwhile (``chunk_size`` x ``image_size``² x 3 bytes ahead).  The keywords are the
+    ``CHC.IMAGES`` / ``CHC.INPUT`` settings of the same names (``autocast`` resolved; ``image_root`` named in the
+    :class:`~meta.chc.errors.InputError` of ``max_unreadable_fraction``).
 
     Returns ``{"items": n_r, "unreadable": count, "unreadable_by_reason": {reason: count}}`` for the rank.
     """

@@ -73,9 +73,8 @@ def summarise(records: Iterable[dict], average: str = "") -> list[dict]:
     seed's accuracies averaged over the targets first).  Every row has ``protocol``, ``dataset``, ``key`` (the records'
     ``key`` field, else their method label), ``method`` (label) and ``seeds``.  Records are grouped by ``key``.
 
-    ``average`` (e.g. ``"Average"``): also one row per base-to-new method under that dataset name, after the
-    per-dataset rows, by the module's "Average over datasets" rule (paper Table 1a; ``seeds`` and ``datasets`` say
-    what entered it; no row for a method whose datasets share no seed).
+    ``average`` (e.g. ``"Average"``): also one row per base-to-new method under that name, by the module's "Average
+    over datasets" rule (paper Table 1a).
     """
     records = list(records)
     rows = [_row(protocol, dataset, runs) for (protocol, dataset, _), runs in _groups(records).items()]

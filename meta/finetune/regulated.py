@@ -73,10 +73,8 @@ def window_batches(images: int, batch_size: int) -> int:
 
 
 class GradientRegulation(nn.Module):
-    """Frozen copies of the meta-learned ``regulators`` (R_φ per prompt tensor, keyed by name: ``"ctx"``, ...; copied,
-    never modified) that replace each prompt gradient ``p.grad`` by its regulated version before the optimiser step
-    (tensors without one keep theirs; φ is never fine-tuned).  :meth:`apply_` adds cos(ĝ, g) and ‖ĝ‖/‖g‖ per tensor
-    to :attr:`stats` (:meth:`summary`).  Example::
+    """Frozen copies of the meta-learned ``regulators`` (R_φ per prompt tensor name) that replace each prompt gradient
+    by its regulated version before the optimiser step; :attr:`stats` sums cos(ĝ, g) and ‖ĝ‖/‖g‖.  Example::
 
         regulation = GradientRegulation(load_gram_init(path).regulator_modules())
         loss.backward()

@@ -75,12 +75,9 @@ def pinned(env: Optional[Mapping[str, str]] = None) -> bool:
 def pin_process(environ: Optional[MutableMapping[str, str]] = None, reexec: bool = True) -> str:
     """Pin this process's numerics (unless ``GRAM_NUMERICS=fast``); returns the mode.
 
-    Call it first in an entry point.  Before torch, numpy or numba is imported it only sets the variables in
-    ``os.environ``; after (a module that imported them on the way to its ``__main__`` block) the pins can no
-    longer take effect in this process, so it starts the same command line again with them set
-    (``os.execve`` of ``sys.orig_argv``), once: the new process finds them set and returns at once.
-    ``environ``: a mapping to pin instead of ``os.environ`` (tests); ``reexec=False`` raises
-    :class:`NumericsError` where it would start the command again.
+    Call it first in an entry point: before torch, numpy or numba is imported it sets ``os.environ``; after, it starts
+    the same command line again with the pins set (``os.execve``, once; ``reexec=False`` raises :class:`NumericsError`
+    instead).  ``environ``: a mapping to pin instead of ``os.environ`` (tests).
     """
     target = os.environ if environ is None else environ
     current = mode(target)

@@ -49,13 +49,10 @@ class OuterObjective:
     ) -> tuple[nn.Module, dict[str, torch.Tensor]]:
         """Adapt, backpropagate every term / ``n_tasks`` into ``.grad`` and return ``(adapted clone, metrics)``.
 
-        ``meta`` is the :class:`meta.method.gram.GRAMMetaLearner`. ``start``: the clone to adapt (default a fresh clone
-        of θ); ``before``: builds the prompts ``L_q(θ)`` is taken at (default θ itself; a task stack passes θ expanded).
-        ``backward(loss)``: how a term reaches ``.grad`` (default ``loss.backward()``; the outer step's fp16 GradScaler
-        passes a scaled backward, :class:`meta.metatrain.outer.OuterStep`).
-        Metrics are 0-d tensors: ``support_loss_before`` / ``support_acc_before`` (the first inner step's),
-        ``query_loss_after`` / ``query_acc_after`` (at θ'); for a stack, losses are sums over its tasks and accuracies
-        means.
+        ``start``: the clone to adapt (default a fresh clone of θ); ``before``: the prompts ``L_q(θ)`` is taken at
+        (default θ); ``backward(loss)``: how a term reaches ``.grad`` (default ``loss.backward()``).  Metrics are 0-d
+        tensors ``support_loss_before`` / ``support_acc_before`` and ``query_loss_after`` / ``query_acc_after`` (a
+        stack: loss sums over its tasks, accuracy means).
         """
         adapted, s_losses, s_accs = meta.unroll(loss_fn, support, start=start)
         query_fn = task_loss_of(loss_fn)  # the query measures the task alone (no regulariser)
