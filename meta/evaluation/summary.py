@@ -1,11 +1,8 @@
 """Seed-averaged summaries of evaluator records: paper-style rows and accuracy-vs-epoch curves.
 
-Conventions (CoOp ``parse_test_res.py``: ``np.mean`` and ``np.std`` over seeds, i.e. the population standard deviation;
-H is the harmonic mean of the *averaged* base and new accuracies, as the paper's Table 1 reports it).  The "Average over
-datasets" row averages each seed's accuracies over the datasets first (only seeds every dataset has), then takes mean ±
-std over seeds and H of the two means; with the same seeds everywhere its means equal the mean of the per-dataset
-means.  All numbers in percent.  The demo, ``python -m meta.evaluation`` and ``scripts/parse_results.py`` all summarise
-with this module.
+Conventions (CoOp ``parse_test_res.py``): mean and population std over seeds; H of the *averaged* base and new
+accuracies (paper Table 1).  The "Average over datasets" row averages each seed's accuracies over the datasets first
+(only seeds every dataset has), then mean ± std over seeds and H of the two means.  All numbers in percent.
 """
 
 from __future__ import annotations

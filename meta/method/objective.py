@@ -5,12 +5,10 @@ For one task (the sequential loop of :meth:`meta.method.gram.GRAMMetaLearner.acc
 
     L_out = L_q(θ') + w · L_q(θ)
 
-with ``L_q(θ')`` the query loss at the adapted prompts θ' (paper Eq. 8) and ``w · L_q(θ)`` (``query_before_weight``
-w) asking θ to be good before any step too (it reaches θ only: φ does not act before a step).  The support loss is
-``loss_fn`` (with its regulariser); every query loss is its task part alone (:func:`meta.method.inner.task_loss_of`),
-which is what the downstream benchmark scores.  Each term is backpropagated on its own, scaled by ``1 / n_tasks`` of
-the whole meta-batch, so a task's graph is freed before the next term is built and ``.grad`` ends as
-``∇ (1/B) Σ_b L_out,b`` whichever loop ran.
+with ``L_q(θ')`` the query loss at the adapted θ' (paper Eq. 8) and ``w · L_q(θ)`` (``query_before_weight``) asking θ
+to be good before any step (it reaches θ only).  Every query loss is the task part alone
+(:func:`meta.method.inner.task_loss_of`); each term is backpropagated on its own, scaled by ``1 / n_tasks``, so
+``.grad`` ends as ``∇ (1/B) Σ_b L_out,b`` whichever loop ran.
 """
 
 from __future__ import annotations
