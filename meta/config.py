@@ -196,9 +196,7 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     # w: outer loss L_q(theta') + w L_q(theta), so theta* is also good where the downstream schedule starts (0 = the
     # paper's one-step objective, Eq. 8)
     m.QUERY_BEFORE_WEIGHT = DEFAULT_QUERY_BEFORE_WEIGHT
-    # auto | on | off: a meta-batch's tasks as one stacked pass (meta.method.batched; equal to one task after another
-    # to float rounding); auto: stacked on a GPU (halved on out-of-memory), sequential on the CPU (CPU results keep
-    # their last digit)
+    # auto | on | off: a meta-batch's tasks as one stacked pass (meta.method.batched); auto: on a GPU only
     m.TASK_BATCHING = MetaSpec.task_batching
     # True: the second-order support pass's attention (the MATH SDPA kernel) runs its products in the autocast/weights
     # dtype instead of upcasting to fp32 (torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp); no effect in fp32
@@ -267,11 +265,8 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.VAL_FT_STEPS = 0
     m.VAL_FT_LR = FINETUNE_LR
     m.VAL_FT_MOMENTUM = FINETUNE_MOMENTUM
-    # validation as the downstream protocol (meta.metatrain.downstream_val): fine-tune on each held-out task's
-    # support with batch 1, VAL_EPOCHS epochs of CoCoOp's schedule (warm-up epoch, cosine, lr VAL_FT_LR,
-    # momentum VAL_FT_MOMENTUM, weight decay VAL_FT_WEIGHT_DECAY), crops of VAL_RRCROP_SCALE and flips, the
-    # regulation window VAL_REG_WINDOW and the launch step VAL_LAUNCH; logs query_acc_downstream (with R_phi)
-    # and query_acc_downstream_raw.  one_step = only the one-step metrics
+    # downstream: fine-tune on each held-out task's support with CoCoOp's schedule (the VAL_* keys below), logging
+    # query_acc_downstream (with R_phi) and query_acc_downstream_raw; one_step = only the one-step metrics
     m.VAL_PROTOCOL = "downstream"  # downstream | one_step
     m.VAL_EPOCHS = FINETUNE_EPOCHS  # CoCoOp's 10 epochs
     m.VAL_FT_WEIGHT_DECAY = FINETUNE_WEIGHT_DECAY  # Dassl OPTIM.WEIGHT_DECAY default

@@ -715,13 +715,11 @@ def scan_manifest(
                     )
             checked = True
         caption, image = row.get(caption_column), row.get(image_column)
-        if caption is not None and not isinstance(caption, str):
-            _bump(counts, "skipped_non_text_caption")
-            _note(issues, path, f"caption is a {type(caption).__name__}, not text", lineno)
-            continue
-        if image is not None and not isinstance(image, str):
-            _bump(counts, "skipped_non_text_image")
-            _note(issues, path, f"image is a {type(image).__name__}, not text", lineno)
+        values = (("caption", caption), ("image", image))
+        not_text = next(((what, v) for what, v in values if v is not None and not isinstance(v, str)), None)
+        if not_text is not None:
+            _bump(counts, f"skipped_non_text_{not_text[0]}")
+            _note(issues, path, f"{not_text[0]} is a {type(not_text[1]).__name__}, not text", lineno)
             continue
         caption = " ".join((caption or "").split())
         image = (image or "").strip()
