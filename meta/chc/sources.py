@@ -17,7 +17,8 @@ encodings and compressed shards are in docs/input_rules.md.  The others:
 * a key repeated in one shard: its first group with an image and a non-empty caption is the pair
   (:func:`_member_group`), the other groups are ``skipped_duplicate_key``;
 * a manifest row that is not a JSON object (or nested deeper than ``meta.infra.fileio.MAX_NESTING``) is
-  ``skipped_invalid_row``; a caption or image value that is not text is ``skipped_non_text_caption`` / ``_image``;
+  ``skipped_invalid_row``; a caption or image value that is not text is ``skipped_non_text_caption`` /
+  ``skipped_non_text_image``;
 * a CSV field longer than ``CHC.INPUT.MAX_FIELD_CHARS`` is a one-line error naming the file and line.
 """
 
