@@ -8,9 +8,8 @@ The public API, what README's "core in five lines" uses::
     learner = meta.GRAMMetaLearner(theta, meta.MetaSpec(inner_lr=0.1))
     outer = meta.OuterStep(learner)   # outer.meta_step(tasks, loss_fn): one update of θ and φ
 
-Names are resolved on first use (PEP 562 module ``__getattr__``), so ``import meta`` stays as cheap as before and does
-not import torch, open_clip or learn2learn; each name lives in the module listed in :data:`_EXPORTS`.  Sub-packages
-(``meta.chc``, ``meta.metatrain``, ``meta.evaluation``) are imported by their own names.
+Names are resolved on first use (PEP 562 ``__getattr__``, :data:`_EXPORTS`), so ``import meta`` imports no torch;
+sub-packages are imported by their own names.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """yacs defaults for the meta side of GRAM (``python -m meta ...``).
 
-One function, :func:`get_meta_cfg_default`, returns the whole default tree, so every key a
-``configs/meta/*.yaml`` file may set exists here:
-
-* ``MODEL``  - the frozen CLIP shared by clustering, filtering and meta-training.
-* ``CHC``    - Cross-modal Hierarchical Clustering (paper section 3.2).
-* ``TASKS``  - K-way meta-training task sampling (paper section 3.3).
-* ``META``   - the meta-learner (:func:`add_metatrain_cfg`; what is built from it is in
-  :mod:`meta.metatrain.settings`).
+:func:`get_meta_cfg_default` returns the whole tree, every key a ``configs/meta/*.yaml`` file may set: ``MODEL``
+(the frozen CLIP), ``CHC`` (Cross-modal Hierarchical Clustering, paper section 3.2), ``TASKS`` (K-way task sampling,
+section 3.3) and ``META`` (the meta-learner, :func:`add_metatrain_cfg`; built into specs by
+:mod:`meta.metatrain.settings`).
 
 :data:`KEY_FIELDS` says which key (here, in the Dassl trainers' ``TRAINER.GRAM`` and among the evaluator's flags)
 is built into which library spec field; such a key takes the field's default, written once, in the spec.
@@ -200,9 +196,7 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     # w: outer loss L_q(theta') + w L_q(theta), so theta* is also good where the downstream schedule starts (0 = the
     # paper's one-step objective, Eq. 8)
     m.QUERY_BEFORE_WEIGHT = DEFAULT_QUERY_BEFORE_WEIGHT
-    # auto | on | off: a meta-batch's tasks as one stacked pass (meta.method.batched; equal to one task after another
-    # to float rounding); auto: stacked on a GPU (halved on out-of-memory), sequential on the CPU (CPU results keep
-    # their last digit)
+    # auto | on | off: a meta-batch's tasks as one stacked pass (meta.method.batched); auto: on a GPU only
     m.TASK_BATCHING = MetaSpec.task_batching
     # True: the second-order support pass's attention (the MATH SDPA kernel) runs its products in the autocast/weights
     # dtype instead of upcasting to fp32 (torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp); no effect in fp32
@@ -271,11 +265,8 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.VAL_FT_STEPS = 0
     m.VAL_FT_LR = FINETUNE_LR
     m.VAL_FT_MOMENTUM = FINETUNE_MOMENTUM
-    # validation as the downstream protocol (meta.metatrain.downstream_val): fine-tune on each held-out task's
-    # support with batch 1, VAL_EPOCHS epochs of CoCoOp's schedule (warm-up epoch, cosine, lr VAL_FT_LR,
-    # momentum VAL_FT_MOMENTUM, weight decay VAL_FT_WEIGHT_DECAY), crops of VAL_RRCROP_SCALE and flips, the
-    # regulation window VAL_REG_WINDOW and the launch step VAL_LAUNCH; logs query_acc_downstream (with R_phi)
-    # and query_acc_downstream_raw.  one_step = only the one-step metrics
+    # downstream: fine-tune on each held-out task's support with CoCoOp's schedule (the VAL_* keys below), logging
+    # query_acc_downstream (with R_phi) and query_acc_downstream_raw; one_step = only the one-step metrics
     m.VAL_PROTOCOL = "downstream"  # downstream | one_step
     m.VAL_EPOCHS = FINETUNE_EPOCHS  # CoCoOp's 10 epochs
     m.VAL_FT_WEIGHT_DECAY = FINETUNE_WEIGHT_DECAY  # Dassl OPTIM.WEIGHT_DECAY default
@@ -431,11 +422,9 @@ def config_value(cfg: CN, key: str) -> Any:
 
 
 def table_fields(cfg: CN, owner: str, node: str) -> dict[str, Any]:
-    """``{field: value}`` for the :data:`SAME` links of :data:`KEY_FIELDS` from ``owner``'s fields to the keys that
-    sit directly in ``node`` of ``cfg`` (``"META.PROMPT"``: ``META.PROMPT.N_CTX_TEXT`` -> ``n_ctx_text``): the one
-    reading of those keys that the spec builders (:mod:`meta.metatrain.settings`) share.  Each value is cast to the
-    type of the field's default (``int``, ``float``, ``bool``, ``str``, ``tuple``); a key a saved config lacks (a
-    checkpoint from before the key existed) reads as the field's default."""
+    """``{field: value}`` for the :data:`SAME` links of :data:`KEY_FIELDS` from ``owner``'s fields to the keys directly
+    in ``node`` of ``cfg`` (``"META.PROMPT"``: ``META.PROMPT.N_CTX_TEXT`` -> ``n_ctx_text``), each cast to the type of
+    the field's default; a key a saved config lacks reads as the field's default."""
     branch = config_value(cfg, node)
     out: dict[str, Any] = {}
     for link in KEY_FIELDS:
@@ -485,15 +474,9 @@ NODE_SPECS: dict[str, tuple[str, ...]] = {
 # at its off value reads as today's default, one that had it on is refused.
 @dataclass(frozen=True)
 class RemovedKey:
-    """One removed config key.
-
-    Attributes:
-        key: the full key, ``META.REGULATOR.MIX`` or ``TRAINER.GRAM.NORM_PRESERVE``.
-        off: the value that left it without effect (what a saved config or init file may still record).
-        field: the :class:`meta.method.regulator.RegulatorSpec` field an init file's ``regulator`` record kept it
-            as (``""``: none).
-        needs: a removed key without which this one had no effect (any value of it is then off).
-    """
+    """One removed config key: ``off``, the value that left it without effect (a saved config may record it);
+    ``field``, the ``RegulatorSpec`` field an init file's ``regulator`` record kept it as (``""``: none); ``needs``, a
+    removed key without which it had no effect."""
 
     key: str
     off: Any
@@ -582,16 +565,9 @@ def _refuse_aliases_in(stream, where: str) -> None:
 
 
 def refuse_yaml_aliases(config_file: str, text: Optional[str] = None) -> None:
-    """Scan ``config_file`` (or ``text``, named ``config_file`` in the error) as YAML events (no tree is
-    built) and refuse any alias (``*name``).
-
-    yacs copies every alias into a tree of its own, so nested aliases grow exponentially: a 1 KB
-    "billion laughs" file of 9 levels ran 113 s to 3 GB.  The scan takes time linear in the file
-    size; a config file never needs an alias (write the value out).
-
-    Raises:
-        UserError: naming ``config_file``, for an alias or a file that is not valid YAML.
-    """
+    """Refuse any alias (``*name``) in ``config_file`` (or ``text``, named ``config_file``), scanned as YAML events in
+    linear time: yacs copies every alias, so a 1 KB "billion laughs" file of 9 levels ran 113 s to 3 GB.  Raises
+    :class:`UserError` naming ``config_file`` for an alias or invalid YAML."""
     try:
         if text is not None:
             _refuse_aliases_in(text, config_file)
@@ -603,12 +579,8 @@ def refuse_yaml_aliases(config_file: str, text: Optional[str] = None) -> None:
 
 
 def load_meta_cfg(config_file: str = "", opts: Sequence[str] = ()) -> CN:
-    """Defaults, then ``config_file`` (yaml), then ``KEY VALUE`` overrides, CoOp style.
-
-    Only ``.yaml`` / ``.yml`` files are read (yacs would execute a ``.py`` file), and only without YAML
-    aliases (:func:`refuse_yaml_aliases`).  Every problem is a :class:`meta.infra.cli_errors.UserError`
-    naming the file or the key.
-    """
+    """Defaults, then ``config_file`` (``.yaml`` / ``.yml`` only: yacs would execute a ``.py``; no aliases), then
+    ``KEY VALUE`` overrides, CoOp style; every problem is a :class:`UserError` naming the file or the key."""
     cfg = get_meta_cfg_default()
     if config_file:
         if not config_file.lower().endswith((".yaml", ".yml")):

@@ -1,9 +1,7 @@
 """CLIP image features of every pair, sharded across processes, cached and resumable.
 
-This is the dominant cost at scale (meta/chc/README.md: ViT-B/32 ran ~11 images per CPU-second,
-~40 h for 3.1 M images on one CPU), so it runs per *rank*: rank ``r`` of ``W`` encodes
-the items :func:`meta.chc.sources.rank_items` gives it (whole tar shards when there are
-at least ``W`` shards) into its own files, and :func:`merge_ranks` assembles them.
+The dominant cost at scale (meta/chc/README.md: ViT-B/32 ~11 images per CPU-second), so rank ``r`` of ``W`` encodes
+its :func:`meta.chc.sources.rank_items` into its own files and :func:`merge_ranks` assembles them.
 
 Per-rank files in ``<stage_dir>``:
   ``feats.rank{r}.npy``   float32 ``[n_r, D + 1]`` - L2-normalised features, last column 1 = image decoded
@@ -13,11 +11,9 @@ Merged files: ``image_features.npy`` float32 ``[N, D]`` (zeros for unreadable im
 ``image_ok.npy`` bool ``[N]``, ``images_u8.npy`` uint8 ``[N, H, W, 3]`` (optional),
 ``unreadable.json`` ``{reason: count}``.
 
-Any failure to read or decode one image makes that image unreadable (counted by
-reason), never stops the run.  The exception: when more than ``max_unreadable_fraction``
-of a rank's first chunk is unreadable, the inputs point at the wrong place (a wrong
-``CHC.INPUT.IMAGE_ROOT``, relative base or shard set), and the run stops with one line
-naming the path tried and the key that sets it.
+An image that fails to read or decode is unreadable (counted by reason), never a stop; except when more than
+``max_unreadable_fraction`` of a rank's first chunk is: then the inputs point at the wrong place, and the run stops with
+one line naming the path tried and the key that sets it.
 """
 
 from __future__ import annotations
@@ -100,21 +96,10 @@ def encode_rank(
     decoder: str = "pil",
     read_threads: int = 1,
 ) -> dict:
-    """Encode this rank's items; resumes from the last finished chunk.
-
-    The next chunk is read and decoded in a background thread while this one is encoded (one decoded chunk ahead:
-    ``chunk_size`` x ``image_size``² x 3 bytes, on ``device`` for the torchvision decoder).
-
-    Args:
-        autocast: a mode resolved by :func:`meta.model.precision.resolve_autocast` (``none`` = the CLIP's dtype).
-        max_unreadable_fraction: stop with :class:`~meta.chc.errors.InputError` when more
-            than this fraction of the rank's first chunk is unreadable (1.0 = never).
-        image_root: ``CHC.INPUT.IMAGE_ROOT``, named in that error.
-        max_bytes / max_pixels / max_aspect: the ``CHC.INPUT.MAX_IMAGE_*`` caps (docs/input_rules.md).
-        decoder: ``CHC.IMAGES.DECODER``: ``pil`` (the reference, :func:`meta.chc.imaging.decode_batch`) or
-            ``torchvision`` (JPEGs decoded and resized on ``device``: :mod:`meta.chc.tensor_decode`).
-        read_threads: ``CHC.IMAGES.READ_THREADS``: threads reading a chunk's bytes side by side
-            (:meth:`~meta.chc.sources.PairIndex.read_image_bytes`; the same bytes in the same order).
+    """Encode this rank's items, resuming from the last finished chunk; the next chunk is read and decoded in a
+    background thread meanwhile (``chunk_size`` x ``image_size``² x 3 bytes ahead).  The keywords are the
+    ``CHC.IMAGES`` / ``CHC.INPUT`` settings of the same names (``autocast`` resolved; ``image_root`` named in the
+    :class:`~meta.chc.errors.InputError` of ``max_unreadable_fraction``).
 
     Returns ``{"items": n_r, "unreadable": count, "unreadable_by_reason": {reason: count}}`` for the rank.
     """

@@ -161,12 +161,9 @@ def build_image_folder_hierarchy(
     max_pixels: int = MAX_IMAGE_PIXELS,
     max_aspect: float = MAX_IMAGE_ASPECT,
 ) -> Hierarchy:
-    """Classes = sub-folder names (sorted); features and domains as in CHC.
-
-    ``num_domains``, ``min_per_domain``, ``batch_size`` and the image caps ``max_bytes``, ``max_pixels``,
-    ``max_aspect`` come from ``CHC.DOMAINS.NUM``, ``CHC.DOMAINS.MIN_PER_DOMAIN``, ``CHC.IMAGES.BATCH_SIZE``
-    and ``CHC.INPUT.MAX_IMAGE_BYTES`` / ``MAX_IMAGE_PIXELS`` / ``MAX_IMAGE_ASPECT``; a value those keys do
-    not accept is a :class:`meta.infra.cli_errors.UserError` naming the key, before any image is read.
+    """Classes = sub-folder names (sorted); features and domains as in CHC.  The sizes and caps come from the
+    ``CHC.DOMAINS`` / ``CHC.IMAGES`` / ``CHC.INPUT`` keys; a value they do not accept is a
+    :class:`meta.infra.cli_errors.UserError` naming the key, before any image is read.
     """
     for key, value in (
         ("DOMAINS.NUM", num_domains),

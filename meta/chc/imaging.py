@@ -1,17 +1,10 @@
 """Image decoding to CLIP's input geometry, as uint8, and CLIP normalisation.
 
-Every image that reaches a CLIP tower in GRAM goes through :func:`to_clip_uint8`
-(resize the shorter side to ``size`` with bicubic filtering, centre-crop to
-``size x size``; open_clip's default ``resize_mode='shortest'`` transform) and then
-:func:`normalize_uint8` with the model's mean/std.  Keeping the uint8 step explicit
-lets the hierarchy hand out images as ``[n, H, W, 3]`` uint8 and lets the
-meta-trainer apply the same normalisation (or its own augmentation) later.
-
-Decoding (:func:`decode_image_why`) checks the size a file declares against the pixel and aspect caps
-(docs/input_rules.md, "image size") before decoding a pixel, so a 257-byte 60000x1 PNG never asks for a
-13,440,000x224 resize (~9 GB).
-Photos are turned as their EXIF Orientation tag says before the resize and the decoded-image cache
-(:mod:`meta.data.image_decode`; downstream only when asked: docs/input_rules.md, "EXIF orientation").
+Every image that reaches a CLIP tower in GRAM goes through :func:`to_clip_uint8` (shorter side to ``size``, bicubic,
+centre crop: open_clip's ``resize_mode='shortest'``) and then :func:`normalize_uint8`, so the hierarchy hands out
+``[n, H, W, 3]`` uint8.  :func:`decode_image_why` checks the declared size against the caps before decoding a pixel
+(a 257-byte 60000x1 PNG never asks for a ~9 GB resize) and turns photos upright by their EXIF Orientation tag
+(docs/input_rules.md).
 """
 
 from __future__ import annotations
@@ -36,32 +29,20 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 # Reason recorded when an image has no bytes to decode (missing file, short read of a tar member).
 NO_BYTES = "no image bytes"
 
-# Caps on the size an image file declares, checked before it is decoded: the defaults of the keys
-# CHC.INPUT.MAX_IMAGE_PIXELS / MAX_IMAGE_ASPECT (meta.data.input_limits), which the callers (CHC's image-feature
-# stage, the image-folder hierarchy, the hierarchy's lazy loader) pass to decode_batch.
+# Caps on the size an image file declares: the defaults of CHC.INPUT.MAX_IMAGE_PIXELS / MAX_IMAGE_ASPECT.
 MAX_PIXELS = MAX_IMAGE_PIXELS  # pixels (width * height); a 24 MP photo is 24,000,000
 MAX_ASPECT = MAX_IMAGE_ASPECT  # longer side / shorter side (a panorama is ~4-8)
 
-# What decoding does to a file before the resize, as one string that cached stages include in their fingerprint:
-# a change of the rule (EXIF orientation applied, the default caps) recomputes image features cached under the old
-# one; caps set away from their defaults enter the fingerprint too (meta.data.input_limits.caps_away_from_defaults).
+# What decoding does before the resize, in the cached stages' fingerprints (a new rule recomputes image features).
 DECODE_RULE = f"rgb8,exif-upright,max_pixels={MAX_PIXELS},max_aspect={MAX_ASPECT:g}"
 
 
 def decode_image_why(
     data: Optional[bytes], max_pixels: int = MAX_PIXELS, max_aspect: Optional[float] = None
 ) -> tuple[Optional[Image.Image], str]:
-    """Decode bytes to an upright 8-bit RGB PIL image (:func:`meta.data.image_decode.to_rgb8`), or say why not.
-
-    The declared size is checked right after ``Image.open``, before any pixel is decoded (:func:`size_problem`;
-    ``max_aspect`` None here: the image keeps its size, :func:`decode_batch`, which resizes, applies
-    :data:`MAX_ASPECT`); the EXIF Orientation tag is applied.  Every ``Exception`` is that image's problem (a fuzz of
-    mutated images found Pillow raising NotImplementedError, RuntimeError, struct.error, IndexError, ...).
-
-    Returns:
-        ``(image, "")`` on success, ``(None, reason)`` otherwise; ``reason`` is the
-        exception's type name, :data:`NO_BYTES` for missing/empty data, or a :func:`size_problem`.
-    """
+    """``(upright 8-bit RGB PIL image, "")``, or ``(None, reason)``: the exception's type name, :data:`NO_BYTES` or a
+    :func:`size_problem` of the declared size, checked before any pixel is decoded.  Every ``Exception`` is that
+    image's problem (a fuzz found Pillow raising NotImplementedError, RuntimeError, struct.error, IndexError, ...)."""
     if not data:
         return None, NO_BYTES
     try:
@@ -117,17 +98,9 @@ def decode_batch(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Decode a list of image byte strings (upright, as :func:`decode_image_why`) to ``size x size`` pixels.
 
-    Args:
-        workers: threads decoding in parallel (Pillow releases the GIL while decoding and
-            resizing); 0 = in the calling thread.  The result does not depend on it.
-        reasons: if given, a list that receives one string per blob: ``""`` for a decoded
-            image, else why it is unreadable (exception type name, :data:`NO_BYTES` or a cap of
-            :func:`size_problem`).
-        max_pixels / max_aspect: the caps of :func:`size_problem` (pixels; longer / shorter side).
-
-    Returns:
-        ``(pixels, ok)``: uint8 ``[n, size, size, 3]`` (zeros where unreadable) and
-        bool ``[n]`` telling which images decoded.
+    ``workers``: decoding threads (0 = the calling thread; same result); ``reasons``, if given, receives ``""`` or
+    why per blob; ``max_pixels`` / ``max_aspect``: the caps of :func:`size_problem`.  Returns ``(pixels, ok)``: uint8
+    ``[n, size, size, 3]`` (zeros where unreadable) and bool ``[n]``.
     """
     pixels = np.zeros((len(blobs), size, size, 3), dtype=np.uint8)
     ok = np.zeros(len(blobs), dtype=bool)

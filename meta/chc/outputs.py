@@ -1,12 +1,8 @@
 """Reading back what a CHC run wrote, with one-line errors that name the file and what was expected.
 
-A CHC output folder is re-read by later stages of a resumed run, by :func:`meta.chc.load_hierarchy`
-and so by ``python -m meta train``.  A file garbled or cut after it was written (a copy that stopped,
-a disk that filled up outside the run, an edit by hand) would otherwise end in a bare decoder message
-(``Expecting value: line 1 column 1``, ``mmap length is greater than file size``).  The readers here
-raise :class:`OutputError` instead: ``<file>: <what is wrong>; expected <what the file holds>``, plus
-how to get a good copy back (rerun ``python -m meta cluster``; for a stage's cached output, after
-deleting that stage's ``<stage>.done.json``).
+A file garbled or cut after it was written would otherwise end a resumed run or ``python -m meta train`` in a bare
+decoder message; these readers raise :class:`OutputError`: ``<file>: <what is wrong>; expected <what the file
+holds>``, plus how to get a good copy back.
 """
 
 from __future__ import annotations

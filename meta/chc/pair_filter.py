@@ -1,8 +1,7 @@
 """Optional filter of mismatched image-text pairs by CLIP image-text cosine.
 
-The paper filters mismatched pairs of CC3M before clustering ("we adopt a filtering
-model to filter out mismatched noisy image-text pairs", section 4, Training Details)
-without naming the model; here the filtering model is the same frozen CLIP.  Modes:
+The paper filters CC3M's mismatched pairs ("we adopt a filtering model to filter out mismatched noisy image-text
+pairs", section 4) without naming the model; here it is the same frozen CLIP.  Modes:
 
 * ``threshold`` - drop pairs whose cosine is below ``CHC.FILTER.THRESHOLD``;
 * ``quantile``  - drop the ``CHC.FILTER.QUANTILE`` fraction with the lowest cosine.

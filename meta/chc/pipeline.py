@@ -10,9 +10,7 @@ Stages (each cached under ``CHC.OUTPUT_DIR`` and skipped when its fingerprint ma
 6. ``domains``         k-means per topic                             -> ``item_topic.npy`` ...
 7. report              ``chc_report.md``, ``chc_report.json``, ``umap_topics.png``, ``hierarchy.json``
 
-Under ``torchrun`` every rank runs stage 2 on its own shards and stage 4 on its own block of
-caption chunks; rank 0 builds the index first, merges each sharded stage and runs the filter and
-the fitting stages alone while the other ranks wait at a barrier.
+Under ``torchrun`` every rank runs stages 2 and 4 on its own share; rank 0 runs the rest alone and merges.
 """
 
 from __future__ import annotations
@@ -153,13 +151,8 @@ class ChcRun:
 
     # ------------------------------------------------------------------ stage 1
     def stage_index(self) -> tuple[PairIndex, str]:
-        """Returns ``(index, fp)``.
-
-        The stage is redone when a setting, a shard's or the manifest's size or mtime, or the
-        ``os.stat`` stamp (type, size, mtime in ns) of an image file the manifest names changed
-        since the index was built; those image-file stamps also enter ``fp``, so a file repaired
-        or replaced in place is read again by the image-feature stage.
-        """
+        """Returns ``(index, fp)``; redone when a setting, a shard's or the manifest's size or mtime, or the stamp of
+        an image file the manifest names changed (those stamps enter ``fp``: a file replaced in place is re-read)."""
         inp = self.s.input
         stamps = []
         for pattern in list(inp.shards) + ([inp.manifest] if inp.manifest else []):
@@ -281,13 +274,9 @@ class ChcRun:
     def stage_text(
         self, index: Optional[PairIndex], keep: Optional[np.ndarray], filter_fp: str
     ) -> tuple[list, np.ndarray, str]:
-        """Returns ``(unique_captions [U], item_unique [N] (-1 = not kept), fp)``; embeddings on disk.
-
-        Rank 0 deduplicates the kept captions (``index`` and ``keep`` are only needed there); under
-        torchrun rank ``r`` embeds its contiguous block of ``CHC.TEXT.CHUNK_SIZE`` chunks into
-        ``text/embeddings.rank{r}.npy`` and rank 0 merges them.  Chunks are the single-process ones,
-        so every caption is embedded in the same batch as without torchrun.
-        """
+        """Returns ``(unique_captions [U], item_unique [N] (-1 = not kept), fp)``; embeddings on disk.  Rank 0
+        deduplicates the kept captions; under torchrun rank ``r`` embeds its block of the single-process chunks into
+        ``text/embeddings.rank{r}.npy`` (each caption in the same batch as without torchrun), rank 0 merges."""
         text = self.s.text
         model_path = resolve_model_path(text.model)
         fp = fingerprint("text", filter_fp, text.node(), model_digest(model_path))
@@ -537,9 +526,7 @@ class ChcRun:
         )
 
 
-# The packages whose builds decide the hierarchy's numbers (UMAP's and HDBSCAN's output moves with them), their
-# versions written into ``hierarchy.json`` (not part of its fingerprint), so two hierarchies that differ can be
-# traced to the installed builds.
+# The packages whose builds decide the hierarchy's numbers, their versions written into ``hierarchy.json``.
 CLUSTERING_PACKAGES = tuple(
     "torch numpy scikit-learn umap-learn hdbscan numba sentence-transformers open_clip_torch".split()
 )
@@ -580,13 +567,8 @@ def image_files_changed(index: PairIndex) -> bool:
 def run_chc(
     cfg, rank: int = 0, world_size: int = 1, barrier: Optional[Callable[[], None]] = None, show_progress: bool = True
 ) -> Optional[Path]:
-    """Run or resume CHC for ``cfg``; returns ``CHC.OUTPUT_DIR`` on rank 0.
-
-    The edge: every ``CHC.*`` value is checked and read into the typed view first
-    (:func:`meta.chc.settings.read_chc_settings`: one error naming the key, before any file is touched); only that
-    view goes below.  Rank 0 holds ``CHC.OUTPUT_DIR``'s :class:`meta.infra.runlock.RunLock`
-    for the whole run (a second writer fails at once) and removes temporary files a killed run left there.
-    """
+    """Run or resume CHC for ``cfg`` (read once by :func:`meta.chc.settings.read_chc_settings`); returns
+    ``CHC.OUTPUT_DIR`` on rank 0, which holds its :class:`meta.infra.runlock.RunLock` for the whole run."""
     settings = read_chc_settings(cfg)
     out = Path(settings.output_dir)
     with RunLock(out, key="CHC.OUTPUT_DIR", enabled=int(rank) == 0) as lock:  # a refused run leaves no folder

@@ -1,38 +1,25 @@
 """Readers for image-text pairs: webdataset ``.tar`` shards and CSV/TSV/JSONL manifests.
 
-Reading builds a :class:`PairIndex`: one row per pair that has an image member and a
-non-empty caption, holding where the image bytes live (shard + byte offset + size,
-or a file path) and the caption.  Images are *not* decoded here; the image-feature
-stage decodes them and counts the unreadable ones.  Pairs without a caption or
-without an image are skipped and counted in :attr:`PairIndex.counts`.
+Reading builds a :class:`PairIndex`: one row per pair with an image and a non-empty caption, holding where the image
+bytes live (shard + byte offset + size, or a file path); images are decoded (and unreadable ones counted) by the
+image-feature stage.  Shards follow the webdataset convention: members ``<key>.<ext>``, ``key`` the member path up
+to the first dot of its file name; images ``jpg|jpeg|png|webp``, captions ``txt``, metadata ``json`` (kept
+verbatim, never used for clustering).
 
-Shard layout (webdataset convention): members ``<key>.<ext>`` where ``key`` is the
-member path up to the first dot of its file name; images are ``jpg|jpeg|png|webp``,
-captions ``txt``, optional metadata ``json`` (kept verbatim, never used for clustering).
+Bad input never stops the scan: every skip is counted by reason (``counts``), damaged files are listed in
+``issues``; the rules for sizes, long lines, special files, the data root, invisible captions, repeated rows,
+encodings and compressed shards are in docs/input_rules.md.  The others:
 
-Bad input never stops the scan; every skip is counted by reason (``counts``) and the damaged files are listed in
-``issues``.  The rules for oversized text and images, long manifest lines, special files, paths outside the data
-root, invisible captions, repeated manifest rows, encodings and compressed shards are in docs/input_rules.md; the
-others:
-
-* a shard that cannot be opened (0 bytes, cut in its first header, not a tar), that is
-  cut inside a member, or whose member iteration ends before its end-of-archive marker
-  (cut in a later header, overwritten bytes; Python's ``tarfile`` stops there without an
-  exception) is counted in ``corrupt_shards``; the pairs read before the damage are
-  kept, a pair left incomplete by the damage is counted as ``skipped_lost_in_corrupt_shard``
-  (not as an empty caption), and the bytes present but not read are reported with an
-  estimate of the pairs they held (bytes / mean bytes per pair read); a shard whose file
-  ends inside the archive (no end-of-archive marker) is also counted as
-  ``corrupt_shards_cut_short``: what followed the cut is unknown;
-* a key repeated inside one shard: the first member group with an image and a non-empty caption is the pair
-  (:func:`_member_group`), every other group of the key is ``skipped_duplicate_key`` (never an image with another
-  group's caption);
-* a manifest row that is not a JSON object (or not JSON, or nested deeper than
-  ``meta.infra.fileio.MAX_NESTING`` levels: :func:`meta.infra.fileio.parse_json`) is ``skipped_invalid_row``; a
-  caption or image value that is not text (a number, a list) is ``skipped_non_text_caption``
-  / ``skipped_non_text_image``;
-* a CSV field longer than ``CHC.INPUT.MAX_FIELD_CHARS`` stops with a one-line error
-  naming the file and line (usually an unbalanced quote swallowing the rest of the file).
+* a shard that cannot be opened, is cut inside a member, or whose member iteration ends before its end-of-archive
+  marker (``tarfile`` stops silently at a bad later header) is a ``corrupt_shards``: the pairs read before the
+  damage are kept, a pair it left incomplete is ``skipped_lost_in_corrupt_shard``, the bytes not read are reported
+  with an estimate of the pairs they held; a file ending inside the archive is also ``corrupt_shards_cut_short``;
+* a key repeated in one shard: its first group with an image and a non-empty caption is the pair
+  (:func:`_member_group`), the other groups are ``skipped_duplicate_key``;
+* a manifest row that is not a JSON object (or nested deeper than ``meta.infra.fileio.MAX_NESTING``) is
+  ``skipped_invalid_row``; a caption or image value that is not text is ``skipped_non_text_caption`` /
+  ``skipped_non_text_image``;
+* a CSV field longer than ``CHC.INPUT.MAX_FIELD_CHARS`` is a one-line error naming the file and line.
 """
 
 from __future__ import annotations
@@ -191,14 +178,10 @@ class PairIndex:
     ) -> list:
         """Raw image bytes of ``indices`` in order; ``None`` where the file cannot be read.
 
-        ``reasons``, if given, receives one string per index: ``""`` when bytes were read,
-        else why not (``FileNotFoundError``, ``PermissionError``, ``short read``, ...); an image
-        file or tar member larger than ``max_bytes`` bytes is not read (:func:`too_large_reason`).
-
-        ``threads`` > 1 (``CHC.IMAGES.READ_THREADS``) splits ``indices`` into that many contiguous runs read side by
-        side, each with its own file handles (a run stays sequential within its shards; ``read()`` releases the
-        GIL, so storage that serves parallel requests better than one - network file systems, cold disks - is
-        read faster).  The bytes and the reasons are the same, in the same order, as with one thread.
+        ``reasons``, if given, receives one string per index: ``""`` when read, else why not (``FileNotFoundError``,
+        ``short read``, :func:`too_large_reason` over ``max_bytes``, ...).  ``threads`` > 1
+        (``CHC.IMAGES.READ_THREADS``) reads that many contiguous runs side by side, each with its own handles (faster
+        on network file systems and cold disks); the result is the same as with one thread.
         """
         indices = [int(i) for i in indices]
         threads = max(1, min(int(threads), len(indices) // MIN_ITEMS_PER_READ_THREAD))
@@ -275,11 +258,8 @@ def file_type(path: str) -> str:
 
 
 def file_stamp(path: str) -> tuple[int, int, int]:
-    """``(kind, size in bytes, mtime in ns)`` of ``path``, by ``os.stat`` (never opened).
-
-    ``kind``: :data:`STAMP_REGULAR`, :data:`STAMP_SPECIAL` (FIFO, device, socket, folder) or
-    :data:`STAMP_MISSING` (any ``OSError``; size and mtime -1).
-    """
+    """``(kind, size in bytes, mtime in ns)`` of ``path``, by ``os.stat`` (never opened); ``kind``:
+    :data:`STAMP_REGULAR`, :data:`STAMP_SPECIAL` or :data:`STAMP_MISSING` (any ``OSError``; size and mtime -1)."""
     try:
         st = os.stat(path)
     except OSError:
@@ -303,16 +283,9 @@ def _check_regular(path: str, st: os.stat_result, max_bytes: Optional[int]) -> N
 
 def open_regular(path: str, max_bytes: Optional[int] = None) -> BinaryIO:
     """``path`` opened for reading bytes, refusing anything but a regular file (of at most ``max_bytes`` bytes),
-    without blocking.
-
-    ``os.stat`` first (a FIFO is never opened: ``open()`` on one blocks until a writer comes, and a device such as
-    ``/dev/zero`` reads until memory runs out), then the file is opened non-blocking and checked again with
-    ``fstat`` (it may have been replaced in between).
-
-    Raises:
-        OSError: the file is missing or unreadable; :class:`NotRegularFileError` for a special file;
-        :class:`FileTooLargeError` for a file over ``max_bytes``.
-    """
+    without blocking: checked by ``os.stat`` before opening (``open()`` on a FIFO blocks; ``/dev/zero`` reads until
+    memory runs out) and by ``fstat`` after.  Raises ``OSError``, :class:`NotRegularFileError` or
+    :class:`FileTooLargeError`."""
     _check_regular(path, os.stat(path), max_bytes)
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     fh = os.fdopen(fd, "rb")
@@ -401,11 +374,8 @@ def _decode_text(data: bytes, counts: dict) -> tuple[str, int]:
 
 
 def _member_group(groups: dict, order: list, key: str, kind: Optional[str]) -> dict:
-    """The member group of ``key`` a member of ``kind`` (image, txt, json or None = other) belongs to.
-
-    A member joins its key's latest group unless that group already holds a member of its kind;
-    then it opens a new group (a repeated key: ``dup.png dup.txt dup.png dup.txt`` is two groups).
-    """
+    """The member group of ``key`` a member of ``kind`` (image, txt, json or None = other) joins: the key's latest,
+    unless that holds its kind already (``dup.png dup.txt dup.png dup.txt`` is two groups)."""
     found = groups.setdefault(key, [])
     if not found or (kind is not None and kind in found[-1]):
         found.append({})
@@ -685,11 +655,8 @@ OUTSIDE_ROOT_PROBLEM = (
 
 
 class _DataRoot:
-    """Whether image paths lie under one folder once symlinks are resolved (``os.path.realpath``).
-
-    The resolved folder of each path is cached (a manifest names many files per folder), so a row
-    costs one ``lstat`` of its file name unless that name is itself a link.
-    """
+    """Whether image paths lie under one folder once symlinks are resolved; resolved folders are cached, so a row
+    costs one ``lstat`` of its file name unless that name is itself a link."""
 
     def __init__(self, root: str):
         self.real = os.path.realpath(root)
@@ -749,13 +716,11 @@ def scan_manifest(
                     )
             checked = True
         caption, image = row.get(caption_column), row.get(image_column)
-        if caption is not None and not isinstance(caption, str):
-            _bump(counts, "skipped_non_text_caption")
-            _note(issues, path, f"caption is a {type(caption).__name__}, not text", lineno)
-            continue
-        if image is not None and not isinstance(image, str):
-            _bump(counts, "skipped_non_text_image")
-            _note(issues, path, f"image is a {type(image).__name__}, not text", lineno)
+        values = (("caption", caption), ("image", image))
+        not_text = next(((what, v) for what, v in values if v is not None and not isinstance(v, str)), None)
+        if not_text is not None:
+            _bump(counts, f"skipped_non_text_{not_text[0]}")
+            _note(issues, path, f"{not_text[0]} is a {type(not_text[1]).__name__}, not text", lineno)
             continue
         caption = " ".join((caption or "").split())
         image = (image or "").strip()
@@ -860,12 +825,8 @@ def build_index(
 
 
 def rank_items(index: PairIndex, rank: int, world_size: int) -> np.ndarray:
-    """Item indices that process ``rank`` of ``world_size`` encodes (disjoint, covering).
-
-    With at least as many sources as processes each rank takes whole sources
-    (shard ``s`` goes to rank ``s % world_size``), so a rank reads only its own tar
-    files; otherwise the items are cut into ``world_size`` contiguous blocks.
-    """
+    """Item indices that process ``rank`` of ``world_size`` encodes (disjoint, covering): whole sources (shard ``s``
+    to rank ``s % world_size``) when there are enough, else ``world_size`` contiguous blocks."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside [0, {world_size})")
     n = len(index)

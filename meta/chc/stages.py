@@ -1,13 +1,8 @@
 """On-disk caching that makes every CHC stage resumable.
 
-Two mechanisms:
-
-* :class:`StageMarker` - a ``<stage>.done.json`` file holding the stage's fingerprint
-  (a hash of the settings it depends on and of its upstream fingerprints).  A stage
-  whose marker matches is skipped; a changed setting reruns it and everything after it.
-* :class:`ChunkedArray` - a ``.npy`` memmap filled chunk by chunk with a
-  ``.progress.json`` next to it.  A crash loses at most the chunk being computed;
-  the rows already written are flushed before the progress file is advanced.
+:class:`StageMarker`: a ``<stage>.done.json`` holding the stage's fingerprint (its settings and upstream fingerprints);
+a matching marker skips the stage.  :class:`ChunkedArray`: a ``.npy`` memmap filled chunk by chunk beside a
+``.progress.json``, rows flushed before progress advances, so a crash loses at most one chunk.
 """
 
 from __future__ import annotations
@@ -88,10 +83,8 @@ def _reserve(path: Path, needed: int) -> None:
 def create_memmap(path: Path, dtype, shape: Sequence[int]) -> np.memmap:
     """A new ``.npy`` memmap whose disk blocks are reserved before any write.
 
-    A memory-mapped write into a sparse file on a full disk kills the process with
-    SIGBUS (exit 135, no message).  So the free space of the folder is checked first,
-    then the file is preallocated (``posix_fallocate``); either failing raises
-    :class:`~meta.chc.errors.DiskSpaceError` with one line: ``<folder>: needs N bytes, M free``.
+    A mapped write into a sparse file on a full disk is a SIGBUS; so free space is checked, then the file preallocated
+    (``posix_fallocate``); either failing raises :class:`~meta.chc.errors.DiskSpaceError`.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -186,9 +179,8 @@ class ChunkedArray:
     ) -> np.memmap:
         """Compute rows ``[start, end)`` with ``compute(start, end)`` for every missing chunk.
 
-        Returns the read-only memmap of the finished array.  Chunk boundaries are
-        multiples of ``chunk_size`` from row 0, so a resumed run evaluates exactly
-        the same chunks (and batches) as an uninterrupted one.
+        Returns the read-only memmap; chunks start at multiples of ``chunk_size``, so a resumed run computes the same
+        chunks (and batches) as an uninterrupted one.
         """
         self.path.parent.mkdir(parents=True, exist_ok=True)
         done = self.rows_done()

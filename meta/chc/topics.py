@@ -1,10 +1,8 @@
 """Semantic topic clustering (paper section 3.2): UMAP -> HDBSCAN -> cluster TF-IDF words.
 
-Scale rule (measurements in meta/chc/README.md): UMAP + HDBSCAN are fitted on a sample of at most
-``CHC.TOPICS.FIT_SAMPLE`` unique captions; every other caption goes to the nearest
-cluster centroid in the sentence-embedding space (cosine, cost linear in N), or to
-noise when it is less similar than the ``ASSIGN_QUANTILE`` quantile of the fitted
-members' similarity to their own centroid.
+Scale rule (meta/chc/README.md): UMAP + HDBSCAN are fitted on at most ``CHC.TOPICS.FIT_SAMPLE`` unique captions;
+every other caption goes to the nearest centroid (cosine), or to noise below the ``ASSIGN_QUANTILE`` quantile of the
+fitted members' similarity to their own centroid.
 
 Topic words use the paper's cluster TF-IDF (eq. 1) over the tokens of :func:`topic_tokens`, stop words removed
 (:func:`cluster_tfidf_words`; formula and presence threshold: meta/chc/README.md, "Topic words").  Clusters whose
@@ -39,11 +37,8 @@ file clipart cartoon drawing render rendering artwork template mockup hd high qu
 def _umap_with_jit_cache():
     """``umap``, its numba functions compiled once per machine instead of once per process.
 
-    umap-learn declares its kernels without ``cache=True``, so every fresh process compiled them again: ~30 s of
-    a CHC run on a small corpus (UMAP fit of 300 captions on one CPU core: 30 s from a cold process, 0.8 s with
-    the cache filled).  Caching them stores numba's compiled code on disk (``__pycache__`` beside umap's sources,
-    or ``NUMBA_CACHE_DIR``), keyed by the source file and its modification time: the same machine code, so the
-    same numbers.  A function numba cannot cache there keeps compiling per process.
+    umap-learn declares its kernels without ``cache=True`` (a UMAP fit of 300 captions: 30 s from a cold process,
+    0.8 s cached); numba's cache keeps the same machine code, so the same numbers.
     """
     import umap
     import umap.distances
@@ -315,13 +310,8 @@ def cluster_tfidf_words(
 
 
 def merge_clusters_by_word(top_word: Sequence[str], cluster_sizes: Sequence[int]) -> tuple[list, np.ndarray]:
-    """Merge clusters that share a top word (rule: same name = same class).
-
-    Clusters without any word (all tokens were stop words) are dropped (map to -1).
-
-    Returns:
-        ``(topic_names, cluster_to_topic)``: names ordered by total size (descending,
-        ties by name) and an int64 ``[L]`` map from cluster id to topic id.
+    """Merge clusters that share a top word (same name = same class); clusters without a word map to -1.  Returns
+    ``(topic_names, cluster_to_topic)``: names by total size (descending, ties by name), int64 ``[L]`` cluster -> topic.
     """
     totals: dict = {}
     for word, size in zip(top_word, cluster_sizes):

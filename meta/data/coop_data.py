@@ -1,27 +1,11 @@
 """CoOp-layout benchmark data without Dassl: split reading, few-shot sampling, base/new, H.
 
-This module is the single place that knows how the CoOp benchmarks lie on disk and how
-CoOp/CoCoOp sample them, so the Dassl datasets in ``datasets/`` and a standalone
-evaluator read exactly the same images.  Facts follow KaiyangZhou/CoOp @ ff61507
-(``datasets/*.py``, ``DATASETS.md``) and Dassl.pytorch @ c61a1b5
-(``dassl/data/datasets/base_dataset.py``).
-
-Pipeline (``load_coop_splits``), in CoOp's order:
-
-1. read the full train/val/test records of one dataset (``split_zhou_*.json``, FGVC's
-   ``images_variant_*.txt``, ImageNet's ``preprocessed.pkl`` or folders, ImageNet variants' folders);
-2. if ``num_shots >= 1``: draw the few-shot train (K per label) and val (min(K, 4) per label)
-   samples with ``random.sample`` per label in first-appearance order - the exact draws of Dassl's
-   ``DatasetBase.generate_fewshot_dataset`` - or re-read them from the cache
-   ``<dataset_dir>/split_fewshot/shot_<K>-seed_<S>.gram.json``;
-3. keep the base or new half of the classes (``subsample_classes``) and relabel them 0..k-1;
-4. drop the images whose header declares a size over the pixel or aspect cap
-   (:func:`meta.data.image_caps.file_size_problem`), named in ``CoopSplits.oversized``.
-
-The few-shot cache differs from CoOp's ``shot_K-seed_S.pkl`` on purpose: it stores paths
-relative to the dataset folder (moving the data root keeps it valid) and a SHA-256 of the
-records it was drawn from; when the split changed, the sample is redrawn with a message instead of
-being silently reused (CoOp pitfall: reference §8 item 13).
+The one place that knows how the CoOp benchmarks lie on disk and how CoOp/CoCoOp sample them, so the Dassl datasets
+in ``datasets/`` and a standalone evaluator read the same images.  Facts follow KaiyangZhou/CoOp @ ff61507
+(``datasets/*.py``, ``DATASETS.md``) and Dassl.pytorch @ c61a1b5 (``dassl/data/datasets/base_dataset.py``).
+:func:`load_coop_splits` runs CoOp's order: full splits, few-shot draws, base/new half, size caps.  Unlike CoOp's
+``shot_K-seed_S.pkl`` the few-shot cache stores paths relative to the dataset folder and a SHA-256 of the records it
+was drawn from: a changed split is redrawn with a message, never silently reused (CoOp pitfall: reference §8 item 13).
 """
 
 from __future__ import annotations
@@ -80,17 +64,10 @@ class CoopSplits:
 
 @dataclass(frozen=True)
 class CoopLayout:
-    """Where one dataset lives under ``DATASET.ROOT`` and how it is read.
-
-    ``reader`` is one of ``"split"`` (a ``split_zhou_*.json``), ``"fgvc"`` (FGVC-Aircraft's txt
-    lists), ``"imagenet"`` (``preprocessed.pkl`` or ``images/{train,val}`` + ``classnames.txt``),
-    ``"imagenet_folders"`` (test-only; sorted class folders named by WordNet id) and
-    ``"imagenetv2"`` (test-only; folders ``0..999`` in ``classnames.txt`` order).
-    ``image_dir`` is relative to ``dataset_dir``; ``""`` means the dataset folder itself
-    (StanfordCars).  ``config_key`` names ``configs/datasets/<config_key>.yaml`` (and is the name
-    the benchmark scripts and the results parser use); ``label`` is the paper's column name
-    (``""``: ``name``).
-    """
+    """Where one dataset lives under ``DATASET.ROOT`` and how it is read (``reader``: one of :data:`_READERS`, see
+    :func:`read_full_splits`).  ``image_dir`` is relative to ``dataset_dir`` (``""``: the dataset folder itself,
+    StanfordCars); ``config_key`` names ``configs/datasets/<config_key>.yaml``; ``label`` is the paper's column name
+    (``""``: ``name``)."""
 
     name: str
     dataset_dir: str
@@ -119,11 +96,8 @@ COOP_LAYOUTS: "OrderedDict[str, CoopLayout]" = OrderedDict()
 
 
 def register_layout(layout: CoopLayout, replace: bool = True) -> CoopLayout:
-    """Add ``layout`` to ``COOP_LAYOUTS`` under its ``name`` (and look-ups by ``config_key``).
-
-    Re-registering an identical layout is a no-op; a different one replaces the old entry when
-    ``replace`` is true, otherwise raises ``ValueError``.
-    """
+    """Add ``layout`` to ``COOP_LAYOUTS`` under its ``name``; a different layout of that name replaces the old one
+    when ``replace``, else raises ``ValueError``."""
     if layout.reader not in _READERS:
         raise ValueError(f"layout {layout.name!r}: reader must be one of {_READERS}, got {layout.reader!r}")
     if layout.reader == "split" and not layout.split_file:
@@ -135,12 +109,8 @@ def register_layout(layout: CoopLayout, replace: bool = True) -> CoopLayout:
     return layout
 
 
-# The 15 benchmarks of CoOp / CoCoOp / the GRAM paper, in the paper's order: the 11 base-to-new and
-# cross-dataset datasets (ImageNet first: the transfer source), then the 4 ImageNet variants of the
-# cross-domain table.  This is the one dataset list: the Dassl datasets (``datasets/``), the benchmark
-# scripts, the results parser and ``configs/datasets/<config_key>.yaml`` (tests check them) follow it.
-# Rows: name, dataset_dir, image_dir, reader, config_key, label, ignored folders (a "split" layout reads
-# split_zhou_<name>.json).
+# The one list of the 15 benchmarks, in the paper's order: 11 base-to-new / cross-dataset (ImageNet first), then the
+# 4 ImageNet variants.  Rows: name, dataset_dir, image_dir, reader, config_key, label, ignored folders.
 _STANDARD_ROWS = (
     ("ImageNet", "imagenet", "images", "imagenet", "imagenet", "ImageNet"),
     ("Caltech101", "caltech-101", "101_ObjectCategories", "split", "caltech101", "Caltech101"),
@@ -206,11 +176,8 @@ def _listdir_nohidden(path: str, sort: bool = False) -> list[str]:
 
 
 def read_split_file(split_path: str, image_dir: str) -> dict[str, list[Record]]:
-    """Read a CoOp ``split_zhou_*.json`` into ``{"train"|"val"|"test": [Record]}``.
-
-    The json holds ``{"train"|"val"|"test": [[relative impath, label, classname], ...]}``
-    (CoOp ``OxfordPets.read_split``); paths are joined onto ``image_dir``.
-    """
+    """``{"train"|"val"|"test": [Record]}`` of a CoOp ``split_zhou_*.json`` (lists of ``[relative impath, label,
+    classname]``, CoOp ``OxfordPets.read_split``), paths joined onto ``image_dir``."""
     _require_file(split_path, "split file")
     _require_dir(image_dir, "image folder")
     try:
@@ -301,13 +268,8 @@ def _rebase_imagenet_path(impath: str, image_dir: str) -> str:
 
 
 def read_imagenet(dataset_dir: str, image_dir: str) -> dict[str, list[Record]]:
-    """ImageNet as CoOp reads it (``datasets/imagenet.py``): train = ``images/train``, test = ``images/val``.
-
-    If CoOp's ``preprocessed.pkl`` exists its record order is used (it fixes which images a seed
-    draws); its absolute paths are re-rooted onto ``image_dir`` so a moved data root still works.
-    Otherwise the class folders are sorted (label = index) and each folder is listed unsorted, like
-    Dassl's ``listdir_nohidden``; class names come from ``classnames.txt``.  ``val`` is ``test``.
-    """
+    """ImageNet as CoOp reads it (``datasets/imagenet.py``): train = ``images/train``, test = val = ``images/val``;
+    CoOp's ``preprocessed.pkl``, when present, fixes the record order (its paths re-rooted onto ``image_dir``)."""
     image_dir = os.path.abspath(image_dir)
     pkl = os.path.join(dataset_dir, "preprocessed.pkl")
     if os.path.isfile(pkl):
@@ -354,12 +316,8 @@ def _class_folder_records(image_dir: str, folders: Sequence[str], classnames: di
 
 
 def read_imagenet_folders(dataset_dir: str, image_dir: str, ignored: Sequence[str] = ()) -> dict[str, list[Record]]:
-    """ImageNet-Sketch/-A/-R (CoOp ``imagenet_sketch.py``, ``imagenet_a.py``, ``imagenet_r.py``).
-
-    Class folders (WordNet ids) are sorted, minus ``ignored``; label = index among them (so A and R
-    have labels 0..199); names come from the dataset's own ``classnames.txt``.  Test-only: the
-    same records are returned as train and test, as CoOp passes them to Dassl.
-    """
+    """ImageNet-Sketch/-A/-R (CoOp ``imagenet_sketch.py``, ``imagenet_a.py``, ``imagenet_r.py``): label = index among
+    the sorted class folders minus ``ignored`` (A and R: 0..199); test-only (train = test)."""
     classnames = read_classnames_file(os.path.join(dataset_dir, "classnames.txt"))
     _require_dir(image_dir, "image folder")
     image_dir = os.path.abspath(image_dir)
@@ -384,10 +342,8 @@ def read_imagenetv2(dataset_dir: str, image_dir: str) -> dict[str, list[Record]]
 
 
 def read_full_splits(root: str, layout: CoopLayout) -> dict[str, list[Record]]:
-    """All records of ``layout`` under data root ``root`` before few-shot sampling.
-
-    Keys: ``train``, ``test`` and, except for the test-only variants, ``val``.
-    """
+    """All records of ``layout`` under data root ``root`` before few-shot sampling: ``train``, ``test`` and, except
+    for the test-only variants, ``val``."""
     root = os.path.abspath(os.path.expanduser(root))
     dataset_dir = os.path.join(root, layout.dataset_dir)
     _require_dir(dataset_dir, f"{layout.name} dataset folder")
@@ -400,15 +356,12 @@ def read_full_splits(root: str, layout: CoopLayout) -> dict[str, list[Record]]:
                 "(CoOp's DATASETS.md links each split_zhou_*.json)"
             )
         return read_split_file(split_path, image_dir)
-    if layout.reader == "fgvc":
-        return read_fgvc_aircraft(dataset_dir, image_dir)
-    if layout.reader == "imagenet":
-        return read_imagenet(dataset_dir, image_dir)
     if layout.reader == "imagenet_folders":
         return read_imagenet_folders(dataset_dir, image_dir, layout.ignored_folders)
-    if layout.reader == "imagenetv2":
-        return read_imagenetv2(dataset_dir, image_dir)
-    raise ValueError(f"layout {layout.name!r}: unknown reader {layout.reader!r}")
+    readers = {"fgvc": read_fgvc_aircraft, "imagenet": read_imagenet, "imagenetv2": read_imagenetv2}
+    if layout.reader not in readers:
+        raise ValueError(f"layout {layout.name!r}: unknown reader {layout.reader!r}")
+    return readers[layout.reader](dataset_dir, image_dir)
 
 
 def missing_files(records: Iterable[Record]) -> list[str]:
@@ -422,13 +375,9 @@ class _Sampler(Protocol):
 
 
 def sample_few_shot(records: Sequence[Record], num_shots: int, rng: _Sampler) -> list[Record]:
-    """Keep ``num_shots`` records per label, as Dassl's ``generate_fewshot_dataset`` does.
-
-    Labels are visited in order of first appearance; each draws ``rng.sample(items, num_shots)``
-    (a label with fewer items keeps all of them and draws nothing).  With ``rng`` = the ``random``
-    module after ``random.seed(s)`` - or ``random.Random(s)`` - this returns the images Dassl picks
-    after ``set_random_seed(s)``.  ``num_shots < 1`` returns the records unchanged.
-    """
+    """Keep ``num_shots`` records per label, as Dassl's ``generate_fewshot_dataset`` does: labels in order of first
+    appearance, ``rng.sample(items, num_shots)`` each (a smaller label keeps all, drawing nothing); with ``rng``
+    seeded ``s``, the images Dassl picks after ``set_random_seed(s)``."""
     if num_shots < 1:
         return list(records)
     by_label: dict[int, list[Record]] = {}
@@ -458,14 +407,9 @@ def few_shot_splits(
     base_dir: str | None = None,
     log: Callable[[str], None] = print,
 ) -> tuple[list[Record], list[Record] | None]:
-    """Few-shot train (``num_shots`` per label) and val (``min(num_shots, 4)`` per label), cached.
-
-    Draw order is CoOp's: train first, then val, from the same ``rng``.  ``val=None`` (ImageNet)
-    samples only train.  With ``cache_path`` (json) the sample is stored as paths relative to
-    ``base_dir`` plus the SHA-256 of the full ``train``/``val`` rows it came from; a cache whose
-    hash, shot count or format differs is redrawn with a message, never reused.  An unwritable
-    cache folder only logs a warning.
-    """
+    """Few-shot train (``num_shots`` per label), then val (``min(num_shots, 4)``) from the same ``rng``, as CoOp
+    (``val=None``: ImageNet, train only).  ``cache_path`` (json) stores paths relative to ``base_dir`` and the
+    SHA-256 of the full rows drawn from; a cache whose hash, shot count or format differs is redrawn with a message."""
     if num_shots < 1:
         return list(train), (list(val) if val is not None else None)
     if cache_path is not None and base_dir is None:
@@ -532,12 +476,9 @@ def _read_fewshot_cache(
 
 # ---- base / new classes and the harmonic mean
 def subsample_classes(*splits: Sequence[Record] | None, subsample: str = "all") -> list[list[Record] | None]:
-    """Keep the base or new half of the classes in every split and relabel them ``0..k-1``.
-
-    As CoOp's ``OxfordPets.subsample_classes``: the sorted label set of the **first** split, n
-    labels, m = ceil(n/2); ``"base"`` keeps ``labels[:m]``, ``"new"`` keeps ``labels[m:]``,
-    ``"all"`` returns the splits unchanged.  ``None`` splits pass through.
-    """
+    """Keep the base or new half of the classes in every split, relabelled ``0..k-1`` (CoOp's
+    ``OxfordPets.subsample_classes``): of the **first** split's n sorted labels, m = ceil(n/2), ``"base"`` keeps
+    ``labels[:m]``, ``"new"`` ``labels[m:]``; ``None`` splits pass through."""
     if subsample not in SUBSAMPLE_CHOICES:
         raise ValueError(f"DATASET.SUBSAMPLE_CLASSES must be one of {SUBSAMPLE_CHOICES}, got {subsample!r}")
     if subsample == "all":
@@ -590,11 +531,10 @@ def load_coop_splits(
     Args:
         root, num_shots, subsample: ``DATASET.ROOT``, ``DATASET.NUM_SHOTS`` (``< 1`` keeps every image) and
             ``DATASET.SUBSAMPLE_CLASSES``; ``name``: Dassl ``DATASET.NAME``, a config key (``"dtd"``) or a layout.
-        seed: ``cfg.SEED``; names the cache file.  ``-1`` means unseeded (CoOp caches that too).
-        rng: the draw source.  Dassl code passes the ``random`` module (seeded by
-            ``set_random_seed``), so the global stream advances exactly as in CoOp; ``None`` uses
-            ``random.Random(seed)`` for ``seed >= 0`` (same draws) and the global module otherwise.
-        use_cache: read/write the few-shot cache (see ``few_shot_splits``).
+        seed: ``cfg.SEED``; names the cache file (``-1``: unseeded, cached too, as CoOp).
+        rng: the draw source; Dassl code passes the seeded ``random`` module (the global stream advances as in
+            CoOp); ``None``: ``random.Random(seed)`` for ``seed >= 0`` (same draws), else the global module.
+        use_cache: read/write the few-shot cache (:func:`few_shot_splits`).
     """
     layout = name if isinstance(name, CoopLayout) else get_layout(name)
     full = read_full_splits(root, layout)

@@ -1,12 +1,8 @@
 """The size caps an input passes before it is read or decoded: one source for their defaults.
 
-``CHC.INPUT.MAX_IMAGE_BYTES``, ``CHC.INPUT.MAX_IMAGE_PIXELS``, ``CHC.INPUT.MAX_IMAGE_ASPECT`` and
-``CHC.INPUT.MAX_FIELD_CHARS`` (:mod:`meta.config`) default to these values, and the functions that apply the caps
-(:func:`meta.chc.sources.read_regular_file`, :func:`meta.chc.imaging.decode_batch`, the manifest and shard readers of
-:mod:`meta.chc.sources`) take them as arguments with the same defaults.  Each default lies far above an ordinary
-photo or caption of a web corpus such as CC3M (a 24-megapixel camera image, a panorama 4-8 times wider than tall),
-so only a file built to eat memory or time meets a cap.  No imports: the config schema and the decoders read it
-without importing each other.
+The ``CHC.INPUT.MAX_*`` keys and the functions that apply the caps default to these values, each far above an
+ordinary photo or caption of a web corpus such as CC3M, so only a file built to eat memory or time meets a cap.  No
+imports: the config schema and the decoders read it without importing each other.
 """
 
 MAX_IMAGE_BYTES = 50 * 2**20  # bytes of an image file or tar member; a larger one is not read (checked with stat)

@@ -7,21 +7,13 @@ Transforms (Dassl.pytorch ``dassl/data/transforms/transforms.py``, as configured
 * train (``augment="coop"``): ``RandomResizedCrop(S, scale)`` + ``RandomHorizontalFlip`` (no
   resize first: Dassl adds a plain resize only when neither random crop is requested), to tensor, normalise.
 
-Augmentation is deterministic: view ``v`` of image ``p`` under run seed ``s`` is drawn with
-torch's generator seeded from ``(s, k, v)`` inside ``torch.random.fork_rng`` (global RNG state
-untouched), where ``k`` is ``p`` relative to the dataset root (CoOp's ``DATASET.ROOT``), so a view
-is the same wherever the data lives (a clone, a copy, a symlink) and whether it is computed
-online (visual prompts: epoch e uses view e) or pre-computed and cached (frozen image tower).
-
-:class:`FeatureCache` keeps L2-normalised image features ``[E]`` of the frozen tower in memory and optionally on disk
-under ``<cache_dir>/<CLIP weights fingerprint>/shard-*.safetensors``, each feature keyed by image path, file size and
-mtime, and the transform (with seed and view for augmented ones).
-
-Images are read as stored, as Dassl's ``read_image`` does; ``exif_upright=True`` turns each photo upright first
-(:func:`meta.data.image_decode.open_upright`, docs/input_rules.md), and its transform keys say so (:data:`EXIF_KEY`),
-so cached features of the two readings never mix.  A file whose
-declared size is over the pixel or aspect cap (:func:`meta.data.image_caps.size_problem`) is refused before
-decoding; the datasets' listing (:func:`meta.data.coop_data.load_coop_splits`) has left such images out already.
+Augmentation is deterministic: view ``v`` of image ``p`` under run seed ``s`` is drawn inside
+``torch.random.fork_rng`` from a generator seeded by ``(s, k, v)``, ``k`` the path relative to ``DATASET.ROOT``, so a
+view is the same wherever the data lives and whether computed online or cached.  :class:`FeatureCache` keeps
+L2-normalised features ``[E]`` in memory and optionally under ``<cache_dir>/<CLIP weights fingerprint>/``, keyed by
+image path, size, mtime and transform.  Images are read as stored (Dassl's ``read_image``); ``exif_upright=True``
+turns them upright first, under transform keys of their own (:data:`EXIF_KEY`); a file over the size caps is refused
+before decoding.
 """
 
 from __future__ import annotations

@@ -44,12 +44,9 @@ class MethodSpec:
         init_prompts: with ``init_path``, θ starts from θ* (True) or from the scratch / word start while R_φ still
             comes from the file (False: the "R_φ only" component rows).
         reg_window: regulation window W in images (:class:`meta.finetune.regulated.UpdateWindow`): R_φ once on the mean
-            gradient of W images and one step with W times that; 1 = every image's gradient (the paper's literal Eq. 7
-            under batch 1); 0 = the init file's meta-training support size (k_way × n_support).  With ``regulate`` only.
-        launch: before the schedule, the meta-trained inner step θ <- θ − α R_φ(mean train gradient) once
-            (:func:`meta.finetune.regulated.launch_`; α and step count from the init file; raw gradient without
-            ``regulate``).  True needs ``init_path`` or a start point; None = ``DEFAULT_LAUNCH`` where θ / φ come
-            from one, else off (:meth:`launch_on`).
+            gradient of W images; 1 = the paper's literal Eq. 7 under batch 1; 0 = the init file's support size.
+        launch: the meta-trained inner step once before the schedule (:func:`meta.finetune.regulated.launch_`); True
+            needs ``init_path`` or a start point; None = ``DEFAULT_LAUNCH`` where θ / φ come from one (``launch_on``).
         consistency_text, consistency_image: λ of the zero-shot consistency terms of the fine-tuning loss
             (:mod:`meta.method.consistency`; 0 = off); the launch step keeps the meta-trained loss.
 
@@ -177,13 +174,10 @@ class TrainSpec:
             ``meta.finetune.schedule.epoch_scheduler``: epoch lrs 1e-5, 0.002, η(1), ...).
         augment: ``coop`` = random resized crop (``rrcrop_scale``, bicubic) + horizontal flip, as
             CoOp's ``["random_resized_crop", "random_flip", "normalize"]``; ``none`` = test transform.
-        aug_views: with a frozen image tower, this many augmented views per train image are
-            encoded once (and cached); image i uses view ``(offset_i + epoch) % aug_views`` with a
-            random ``offset_i``, so no view repeats before ``aug_views`` epochs.  The default (10)
-            equals CoCoOp's epoch count: every epoch sees a fresh crop, as online augmentation would.
-            Ignored with visual prompts, where crops are drawn online.
-        eval_every_epoch: test after every epoch (and before the first) for accuracy-vs-epoch
-            curves (paper Fig. 3a); otherwise only after the last epoch.
+        aug_views: with a frozen image tower, augmented views per train image encoded once (cached); image i uses view
+            ``(offset_i + epoch) % aug_views`` (random ``offset_i``); 10 = CoCoOp's epochs, a fresh crop every epoch.
+            Ignored with visual prompts (crops drawn online).
+        eval_every_epoch: test after every epoch (and before the first), for paper Fig. 3a; else after the last.
         test_batch_size: images per forward at test time.
         order: batch order of every epoch: ``random`` (a permutation drawn from the run's seed) or
             ``sequential`` (the train set's own order, Dassl's ``DATALOADER.TRAIN_X.SAMPLER SequentialSampler``:

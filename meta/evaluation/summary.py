@@ -1,11 +1,8 @@
 """Seed-averaged summaries of evaluator records: paper-style rows and accuracy-vs-epoch curves.
 
-Conventions (CoOp ``parse_test_res.py``: ``np.mean`` and ``np.std`` over seeds, i.e. the population standard deviation;
-H is the harmonic mean of the *averaged* base and new accuracies, as the paper's Table 1 reports it).  The "Average over
-datasets" row averages each seed's accuracies over the datasets first (only seeds every dataset has), then takes mean ±
-std over seeds and H of the two means; with the same seeds everywhere its means equal the mean of the per-dataset
-means.  All numbers in percent.  The demo, ``python -m meta.evaluation`` and ``scripts/parse_results.py`` all summarise
-with this module.
+Conventions (CoOp ``parse_test_res.py``): mean and population std over seeds; H of the *averaged* base and new
+accuracies (paper Table 1).  The "Average over datasets" row averages each seed's accuracies over the datasets first
+(only seeds every dataset has), then mean ± std over seeds and H of the two means.  All numbers in percent.
 """
 
 from __future__ import annotations
@@ -73,9 +70,8 @@ def summarise(records: Iterable[dict], average: str = "") -> list[dict]:
     seed's accuracies averaged over the targets first).  Every row has ``protocol``, ``dataset``, ``key`` (the records'
     ``key`` field, else their method label), ``method`` (label) and ``seeds``.  Records are grouped by ``key``.
 
-    ``average`` (e.g. ``"Average"``): also one row per base-to-new method under that dataset name, after the
-    per-dataset rows, by the module's "Average over datasets" rule (paper Table 1a; ``seeds`` and ``datasets`` say
-    what entered it; no row for a method whose datasets share no seed).
+    ``average`` (e.g. ``"Average"``): also one row per base-to-new method under that name, by the module's "Average
+    over datasets" rule (paper Table 1a).
     """
     records = list(records)
     rows = [_row(protocol, dataset, runs) for (protocol, dataset, _), runs in _groups(records).items()]

@@ -121,12 +121,10 @@ class Naming:
 
 @dataclass(frozen=True)
 class StartSpec:
-    """Where fine-tuning starts: θ's structure and scratch / word start (``prompt``, depths 0 = all layers), a GRAM
-    init file (``init_path``: θ* and φ; ``""`` = none), whether θ starts from θ* (``init_prompts``; False = the scratch
-    start) and R_φ regulates every prompt gradient (``regulate``), the regulation window in images (``reg_window``,
-    0 = the meta-training support size), the meta-trained inner step where the file / start point has one
-    (``launch``; ``launch_required``: a missing one is an error, else launch is silently off) and how errors name the
-    fields (``naming``)."""
+    """Where fine-tuning starts: θ's structure and scratch start (``prompt``), a GRAM init file (``init_path``, ``""`` =
+    none), θ from θ* (``init_prompts``), R_φ on (``regulate``), the window in images (``reg_window``, 0 = the support
+    size), the meta-trained inner step (``launch``; ``launch_required``: a missing one is an error) and how errors
+    name the fields (``naming``)."""
 
     prompt: PromptSpec
     init_path: str = ""
@@ -174,10 +172,9 @@ def build_start(
 ) -> Start:
     """θ, R_φ, the window (images), the launch step and provenance at the start of fine-tuning.
 
-    Scratch θ (the baselines' start, and the "R_φ only" start) is drawn first, from ``generator`` (None =
-    torch's global RNG), so that a run taking only R_φ from a file starts where its baseline does.  A GRAM
-    file is validated against the structure of ``spec.prompt`` before anything is built; an in-memory
-    ``point`` is copied and shape-checked.  ``device``: where θ and R_φ live (default: the CLIP's).
+    Scratch θ is drawn first, from ``generator`` (None = torch's global RNG), so an "R_φ only" run starts where its
+    baseline does; a GRAM file is validated against ``spec.prompt`` before anything is built, a ``point`` copied and
+    shape-checked.  ``device``: where θ and R_φ live (default: the CLIP's).
     """
     n = spec.naming
     if spec.prompt.n_ctx_vision and not 0 <= spec.prompt.vision_depth <= dims.vision_layers:

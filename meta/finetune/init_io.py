@@ -12,21 +12,13 @@ File format (one ``.safetensors`` file, nothing is unpickled on load):
   ``prompt`` (token counts, depths, coupling; files written before deep text prompts existed lack ``text_depth`` and
   ``coupling`` and read as 1 / ``none``), ``regulator`` (spec or null), ``shapes`` and free-form ``provenance``.
 
-Loading validates everything the file says before anything is built: the metadata's fields and types (``format_version``
-is the integer 1; regulator fields are those of :class:`meta.method.regulator.RegulatorSpec`, older files may omit newer
-ones), each tensor's shape against the recorded ``shapes`` and against the widths and token counts in the metadata, and
-then the metadata against what the caller is about to build.  Every failure is one :class:`InitMismatchError` line
-naming the file and the field.
+Loading validates the metadata's fields and types, each tensor's shape against ``shapes`` and the metadata's widths
+and token counts, then the metadata against what the caller builds: each failure is one :class:`InitMismatchError` line
+naming the file and the field.  The writer stores float32; float16 / bfloat16 / float64 tensors load cast to float32
+(an overflow is refused as infinite), any other dtype is refused by name.
 
-Tensor dtypes: the writer stores float32.  A file whose tensors are float16, bfloat16 or float64
-(e.g. re-saved by another tool) loads with those tensors cast to float32, the dtype the prompts and the
-regulator train in (a value that overflows float32 is refused as infinite); any other dtype (float8,
-integers, bool, complex) is refused by name: file, tensor key, the dtype found, float32 expected.
-
-Also: :func:`export_coop_context` writes θ*_T in the form stock CoOp/CoCoOp
-trainers load through ``MODEL.INIT_WEIGHTS`` (Dassl's ``load_pretrained_weights``
-matches state-dict keys by name and shape: ``ctx`` ``[n_ctx, 512]`` for ViT-B/16),
-as a plain tensor dict that ``torch.load(weights_only=True)`` accepts.
+Also: :func:`export_coop_context` writes θ*_T as stock CoOp/CoCoOp load it through ``MODEL.INIT_WEIGHTS`` (``ctx``
+``[n_ctx, 512]`` for ViT-B/16), a plain tensor dict that ``torch.load(weights_only=True)`` accepts.
 """
 
 from __future__ import annotations
@@ -163,9 +155,8 @@ def _regulator_field_types() -> dict[str, tuple]:
 
 
 def drop_removed_fields(reg: dict, check: _Checker) -> None:
-    """Delete from an init file's ``regulator`` record, in place, the fields of removed options
-    (:data:`meta.config.REMOVED_KEYS`) that it records at their off value; one that was on is refused (one line
-    naming the file, the field and the key)."""
+    """Delete from an init file's ``regulator`` record, in place, the fields of removed options at their off value;
+    one that was on is refused."""
     from meta.config import REMOVED_KEYS  # lazy: meta.config imports the meta-learner
 
     removed = {r.field: r for r in REMOVED_KEYS if r.field}
@@ -406,13 +397,10 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], meta: dict, check: _Check
 def load_gram_init(
     path: Union[str, Path], expect: Optional[Mapping[str, Any]] = None, config_key: str = "init"
 ) -> GramInit:
-    """Read an initialisation file, validate it, and check it against ``expect``.
-
-    ``expect`` may hold any of ``text_width``, ``vision_width``, ``n_ctx_text``, ``n_ctx_vision``, ``vision_depth``,
-    ``text_depth``, ``coupling``, ``model_name``; each given value must match (``model_name`` only warns: the same
-    widths can come from differently named configs). Every problem raises :class:`InitMismatchError` (one line, naming
-    ``config_key``, the file and the field); a missing file raises ``FileNotFoundError``.  Tensors come back float32:
-    float16 / bfloat16 / float64 ones are cast, any other dtype is refused (module docstring).
+    """Read an initialisation file, validate it, and check it against ``expect`` (any of ``text_width``,
+    ``vision_width``, ``n_ctx_text``, ``n_ctx_vision``, ``vision_depth``, ``text_depth``, ``coupling`` must match;
+    ``model_name`` only warns).  Problems raise :class:`InitMismatchError` naming ``config_key``, the file and the
+    field; a missing file ``FileNotFoundError``.  Tensors come back float32 (module docstring).
     """
     path = Path(path)
     if not path.is_file():
@@ -462,12 +450,8 @@ def coop_context_name(n_ctx: int, stem: str = "coop_ctx") -> str:
 
 
 def coop_context_usage(path: Union[str, Path], n_ctx: int) -> str:
-    """The options that load a context file into stock CoOp and CoCoOp (two lines, one per trainer).
-
-    Their ``N_CTX`` defaults to 16 and Dassl's ``load_pretrained_weights`` only *warns* about a shape
-    mismatch, so without ``N_CTX n_ctx`` a random context would be trained.  The path is absolute: the options
-    are pasted into a fork that runs from its own folder.
-    """
+    """The options that load a context file into stock CoOp and CoCoOp, one line each, with ``N_CTX`` (default 16;
+    Dassl only *warns* on a shape mismatch) and an absolute path (a fork runs from its own folder)."""
     path = Path(path).resolve()
     return "\n".join(
         f'{name}: MODEL.INIT_WEIGHTS {path} TRAINER.{node}.N_CTX {int(n_ctx)} TRAINER.{node}.CTX_INIT ""'
@@ -477,12 +461,7 @@ def coop_context_usage(path: Union[str, Path], n_ctx: int) -> str:
 
 def export_coop_context(path: Union[str, Path], ctx: torch.Tensor, epoch: int = 0) -> Path:
     """Write ``{"state_dict": {"ctx": [M, d_t]}, "epoch": epoch, "n_ctx": M}`` for stock CoOp/CoCoOp
-    ``MODEL.INIT_WEIGHTS``.
-
-    Only plain tensors and ints: loadable with ``torch.load(..., weights_only=True)``.  Name it with
-    :func:`coop_context_name` so that the ``N_CTX`` it needs cannot be missed.  Written atomically
-    (:mod:`meta.infra.fileio`): a kill or a full disk leaves the old file or none, never a torn one.
-    """
+    ``MODEL.INIT_WEIGHTS``, atomically; plain tensors and ints (``torch.load(..., weights_only=True)``)."""
     state = {"ctx": ctx.detach().float().cpu().clone()}
     return write_bytes_atomic(path, _saved({"state_dict": state, "epoch": int(epoch), "n_ctx": int(ctx.shape[0])}))
 
@@ -504,9 +483,8 @@ def export_cocoop_checkpoint(directory: Union[str, Path], state: Mapping[str, to
     ``MODEL.INIT_WEIGHTS <that file>`` read (KaiyangZhou/CoOp ``trainers/cocoop.py``; Dassl's checkpoint layout).
 
     ``state`` holds CoCoOp's ``PromptLearner`` keys: ``ctx`` ``[M, d_t]`` and ``meta_net.linear1.weight``
-    ``[h, E]``, ``.bias`` ``[h]``, ``meta_net.linear2.weight`` ``[d_t, h]``, ``.bias`` ``[d_t]``
-    (:data:`meta.method.cocoop.STOCK_NAMES`); stored float32 (CoCoOp's ``load_state_dict`` casts to its fp16).
-    Only plain tensors and ints (``torch.load(..., weights_only=True)`` reads it), written atomically."""
+    ``[h, E]``, ``.bias`` ``[h]``, ``meta_net.linear2.weight`` ``[d_t, h]``, ``.bias`` ``[d_t]``, stored float32,
+    written atomically."""
     if "ctx" not in state or not any(k.startswith("meta_net.") for k in state):
         raise ValueError(f"a stock-CoCoOp checkpoint needs ctx and meta_net.* tensors, got {', '.join(sorted(state))}")
     data = _saved({"state_dict": {k: v.detach().float().cpu().clone() for k, v in state.items()}, "epoch": int(epoch)})

@@ -73,10 +73,8 @@ def window_batches(images: int, batch_size: int) -> int:
 
 
 class GradientRegulation(nn.Module):
-    """Frozen copies of the meta-learned ``regulators`` (R_φ per prompt tensor, keyed by name: ``"ctx"``, ...; copied,
-    never modified) that replace each prompt gradient ``p.grad`` by its regulated version before the optimiser step
-    (tensors without one keep theirs; φ is never fine-tuned).  :meth:`apply_` adds cos(ĝ, g) and ‖ĝ‖/‖g‖ per tensor
-    to :attr:`stats` (:meth:`summary`).  Example::
+    """Frozen copies of the meta-learned ``regulators`` (R_φ per prompt tensor name) that replace each prompt gradient
+    by its regulated version before the optimiser step; :attr:`stats` sums cos(ĝ, g) and ‖ĝ‖/‖g‖.  Example::
 
         regulation = GradientRegulation(load_gram_init(path).regulator_modules())
         loss.backward()
@@ -131,12 +129,9 @@ class GradientRegulation(nn.Module):
         count: int = 1,
         penalty_grads: Optional[Mapping[str, torch.Tensor]] = None,
     ) -> int:
-        """Replace ``p.grad`` by ``count · R_φ(p.grad / count)`` in place; returns how many tensors were regulated.
-
-        ``count``: the per-image (or per-batch) gradients summed in ``p.grad`` (a window, :class:`UpdateWindow`), so
-        R_φ acts on their mean.  The gate form: ``penalty_grads`` (``{name: gradient}``, summed over the same passes)
-        holds the regulariser's gradient, ``p.grad <- count · R_φ(g_task / count, g_reg / count)``, and a tensor
-        without a gate gets g_task + g_reg.
+        """Replace ``p.grad`` (the sum of ``count`` passes' gradients) by ``count · R_φ(p.grad / count)`` in place;
+        returns how many tensors were regulated.  The gate form: ``penalty_grads`` (``{name: gradient}``, summed
+        alike) gives ``count · R_φ(g_task / count, g_reg / count)``; a tensor without a gate gets g_task + g_reg.
         """
         if count < 1:
             raise ValueError(f"GradientRegulation.apply_: count must be >= 1, got {count}")
@@ -172,18 +167,15 @@ GATE_WITHOUT_REGULARISER = (
 
 
 def check_gate_regulariser(regulation: Optional[GradientRegulation], regularised: bool) -> None:
-    """Refuse, before any work, a gate (:attr:`GradientRegulation.gated`) with a fine-tuning loss that has no
-    regulariser (``regularised`` False): the gate would have nothing to act on and the run would be θ* alone."""
+    """Refuse, before any work, a gate with a fine-tuning loss that has no regulariser (nothing to act on)."""
     if regulation is not None and regulation.gated and not regularised:
         raise ValueError(GATE_WITHOUT_REGULARISER)
 
 
 class UpdateWindow:
-    """When to regulate and step with a regulation window of ``size`` backward passes: after each
-    ``loss.backward()``, ``n = window.push(last=...)`` is 0 (keep accumulating) or the passes to regulate and step
-    (``regulation.apply_(params, count=n)``, step, ``zero_grad``).  The epoch's last batch closes a window (the LR
-    changes per epoch); ``size = 1`` returns 1 after every pass (the per-image rule).
-    """
+    """When to regulate and step with a regulation window of ``size`` backward passes: ``window.push(last=...)``
+    after each backward is 0 (keep accumulating) or the passes to regulate and step; the epoch's last batch closes a
+    window (the LR changes per epoch)."""
 
     def __init__(self, size: int = 1):
         if int(size) < 1:
@@ -201,13 +193,10 @@ class UpdateWindow:
 
 
 class RegulatedStepper:
-    """One regulated update per window of backward passes (paper Eq. 7 at test time, windowed).
-
-    :meth:`backward` runs ``loss.backward()`` per batch; when the :class:`UpdateWindow` of ``window`` passes (or the
-    epoch's last batch) closes, the summed gradient becomes ``n · R_φ(mean)`` (:meth:`GradientRegulation.apply_`,
-    bound to ``module``'s ``named_parameters()``: θ), ``optimizer`` steps and the gradients are cleared.
-    ``regulation`` None: raw gradients, the window still honoured.  With ``scaler`` (a ``torch.amp.GradScaler``) the
-    loss is scaled for backward and the gradients unscaled before R_φ, which must see the true gradient.
+    """One regulated update per window of backward passes (paper Eq. 7 at test time, windowed): when the
+    :class:`UpdateWindow` closes, the summed gradient of ``module``'s parameters becomes ``n · R_φ(mean)``,
+    ``optimizer`` steps and the gradients are cleared (``regulation`` None: raw gradients).  With ``scaler`` (a
+    ``torch.amp.GradScaler``) the gradients are unscaled before R_φ, which must see the true gradient.
     """
 
     def __init__(
@@ -231,11 +220,8 @@ class RegulatedStepper:
         return self.regulation is not None and self.regulation.gated
 
     def backward(self, loss: torch.Tensor, last: bool = False, penalty: Optional[torch.Tensor] = None) -> int:
-        """Backward ``loss``; step when the window closes (``last``: the epoch's last batch closes it).
-        Returns the number of passes regulated and stepped now (0 = the window is still open).
-
-        With a gate (:attr:`wants_parts`) ``loss`` is the task loss and ``penalty`` the regulariser (0-d, from
-        the same forward); their gradients are summed apart over the window and R_φ joins them."""
+        """Backward ``loss`` (with a gate: the task loss, ``penalty`` the regulariser, summed apart); step when the
+        window closes (``last``: the epoch's last batch); returns the passes stepped now (0 = still open)."""
         if self.wants_parts:
             self._penalty_backward(penalty)
         elif penalty is not None:
@@ -347,9 +333,8 @@ class LaunchStep:
 
 
 def launch_step_of(metadata: Mapping, source: str = "init file", explicit: bool = False) -> Optional[LaunchStep]:
-    """The :class:`LaunchStep` of an init file, or None for a prompt pre-training file (``provenance.mode``
-    ``pretrain``: no inner step was meta-trained), which is an error when the launch was asked for
-    explicitly (``explicit``)."""
+    """The :class:`LaunchStep` of an init file, or None for a prompt pre-training file (no inner step), an error
+    when the launch was asked for ``explicit``-ly."""
     if (metadata.get("provenance") or {}).get("mode") == "pretrain":
         if explicit:
             raise ValueError(
@@ -394,12 +379,9 @@ class RuleStep(torch.optim.Optimizer):
 
 
 def launch_(prompts: nn.Module, regulation: Optional["GradientRegulation"], mean_loss, step: LaunchStep) -> float:
-    """θ <- θ − α · v_k for ``step.steps`` steps, in place, through :class:`RegulatedStepper` with :class:`RuleStep`:
-    the meta-training inner loop (:func:`meta.method.inner.inner_loop`) run once on the downstream data, no graph.
-
-    ``mean_loss(prompts)``: the mean loss over the few-shot train set (its gradient the mean per-image gradient), or
-    ``(task loss, regulariser)`` for the gate; ``regulation`` None = raw gradient.  Returns the loss before the first
-    step.
+    """θ <- θ − α · v_k for ``step.steps`` steps, in place: the meta-training inner loop run once on the downstream
+    data, no graph.  ``mean_loss(prompts)``: the few-shot train set's mean loss (or ``(task loss, regulariser)`` for
+    the gate); ``regulation`` None = raw gradient.  Returns the loss before the first step.
     """
     params = [p for p in prompts.parameters() if p.requires_grad]
     stepper = RegulatedStepper(prompts, RuleStep(params, step), regulation)  # window 1: one step per call

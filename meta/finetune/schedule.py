@@ -1,9 +1,7 @@
 """Per-epoch learning-rate schedules with Dassl's semantics, built only from torch's scheduler classes.
 
-The one implementation behind both the Dassl trainers (``trainers/gram/dassl_schedule.py`` maps the ``OPTIM`` node onto
-:func:`epoch_scheduler`) and the Dassl-free evaluator (``meta.evaluation.make_scheduler`` maps a ``TrainSpec``).  Error
-messages name the Dassl ``OPTIM`` keys; ``TrainSpec`` fields map to them as ``scheduler`` -> ``LR_SCHEDULER``,
-``epochs`` -> ``MAX_EPOCH``, ``warmup_epochs`` -> ``WARMUP_EPOCH``, ``warmup_lr`` -> ``WARMUP_CONS_LR``.
+The one implementation behind the Dassl trainers (``trainers/gram/dassl_schedule.py``) and the evaluator
+(``meta.evaluation.make_scheduler``); errors name the Dassl ``OPTIM`` keys.
 
 Semantics (Dassl.pytorch @ c61a1b5, ``dassl/optim/lr_scheduler.py``, default
 ``OPTIM.WARMUP_RECOUNT True``), for epoch ``e = 0, 1, ...``, stepped once per epoch:

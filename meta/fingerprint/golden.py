@@ -9,11 +9,9 @@ on the 3.4 M-parameter test CLIP (``GRAM-Test-Tiny``, random weights from a fixe
 test time), and hashes every bit that comes out: each outer loss, θ* and φ, the fine-tuning losses and the fine-tuned
 θ (float32/float64 bytes, SHA-256).  One digest per (learner, loop) and one over all of them.
 
-The committed ``meta/fingerprint/golden.json`` holds the digests of this run under the numerics pins
-(:mod:`meta.infra.numerics`).  ``python -m meta.fingerprint --check`` compares: kernels that differ in one last bit
-anywhere give another digest, and the mismatch names the (learner, loop) pairs.  A refactor that changes no number
-keeps it; ``--write`` replaces the file (only when numbers are meant to move, said in the commit); ``--perturb-ulp``
-moves one element of the start θ by one ulp (the test that the digest sees that).
+``meta/fingerprint/golden.json`` holds the digests under the numerics pins; ``python -m meta.fingerprint --check``
+compares (one last bit anywhere gives another digest), ``--write`` replaces the file (only when numbers are meant to
+move), ``--perturb-ulp`` moves one element of the start θ by one ulp.
 """
 
 from __future__ import annotations

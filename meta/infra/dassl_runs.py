@@ -1,9 +1,7 @@
 """Dassl-layout run folders as files: end-of-run log markers, accuracy lines, checkpoint names, run info.
 
-One reader for everything that looks into a ``train.py`` output folder without importing Dassl: the
-benchmark runner (``scripts/run_methods.py``: is a run finished? which epoch to evaluate?), the
-results parser (``scripts/parse_results.py``) and the GRAM trainers' checkpoints
-(``trainers/gram/dassl_checkpoint.py`` writes the names defined here).
+One reader for a ``train.py`` output folder without Dassl: the benchmark runner, the results parser and the GRAM
+trainers' checkpoints (``trainers/gram/dassl_checkpoint.py`` writes the names defined here).
 
 Facts (KaiyangZhou/Dassl.pytorch ``dassl/engine/trainer.py``, ``dassl/utils/torchtools.py``; CoOp
 ``parse_test_res.py``):

@@ -1,15 +1,10 @@
 """``torchrun`` support shared by meta-training and CHC: the process group and the few collectives they use.
 
-Without ``torchrun`` (``WORLD_SIZE`` unset or 1) every helper is the single-process identity, so the
-calling code has one path.  Under ``torchrun --nproc_per_node N`` the group uses NCCL when CUDA is
-present and gloo otherwise.
-
-Why gradients are averaged by hand and the meta-learner is not wrapped in ``DistributedDataParallel``:
-DDP's gradient all-reduce runs in backward hooks that autograd does not see, so it cannot take part
-in the double backward of a second-order meta-gradient (pytorch/pytorch issues 47562 and 63929; the
-FSDP documentation states the same limit).  Each rank therefore computes the exact meta-gradient of
-its own tasks, then :func:`average_gradients` all-reduces ``.grad`` before the single optimiser step,
-as learn2learn's distributed MAML example does.
+Without ``torchrun`` every helper is the single-process identity; under it the group uses NCCL with CUDA, else
+gloo.  Gradients are averaged by hand, not by ``DistributedDataParallel``, whose all-reduce hooks cannot take part in
+the double backward of a second-order meta-gradient (pytorch/pytorch issues 47562 and 63929): each rank computes its
+tasks' exact meta-gradient and :func:`average_gradients` all-reduces ``.grad`` before the one optimiser step, as
+learn2learn's distributed MAML example does.
 """
 
 from __future__ import annotations
@@ -30,11 +25,8 @@ def env_world_size() -> int:
 
 
 def init_from_env() -> bool:
-    """Join the process group ``torchrun`` describes; returns True when this call created it.
-
-    Does nothing (returns False) without ``torchrun`` or when a group already exists.  Backend: NCCL
-    when CUDA is available (each rank on ``cuda:LOCAL_RANK``), gloo otherwise.
-    """
+    """Join the process group ``torchrun`` describes (NCCL on ``cuda:LOCAL_RANK``, else gloo); True when this call
+    created it, False without ``torchrun`` or with a group already there."""
     import torch.distributed as dist
 
     if env_world_size() <= 1 or dist.is_initialized():

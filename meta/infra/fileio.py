@@ -1,15 +1,9 @@
 """Atomic file writes and the clean-up of what a killed writer leaves behind.
 
-Every output a run promises (checkpoints, exports, JSON reports) is written through
-:func:`atomic_path`: the bytes go to a temporary file in the target's folder named
-``.<name>.tmp-<pid>-<random hex>``, are fsync'ed, get the permissions a plain ``open()``
-would give (``0666 & ~umask``, usually ``0644``), and are renamed over the target with
-``os.replace``; the folder is fsync'ed too.  A crash or kill at any moment therefore leaves
-either the old file or the new one, never a truncated one, plus at most a temporary file,
-which :func:`clean_stale_temps` removes at the next start.
-
-Write errors (a full disk, a read-only folder) surface as ``OSError`` carrying the target's
-path, so a command line can report them in one line (:mod:`meta.infra.cli_errors`).
+Every output a run promises is written through :func:`atomic_path`: a temporary ``.<name>.tmp-<pid>-<random hex>``
+in the target's folder, fsync'ed, given ``0666 & ~umask`` and renamed over the target (folder fsync'ed too), so a kill
+leaves the old file or the new one, plus at most a temporary file :func:`clean_stale_temps` removes at the next start.
+Write errors surface as ``OSError`` carrying the target's path (one line: :mod:`meta.infra.cli_errors`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Reproducible CPU numerics in one place: which kernels run, and a record of what computed a result.
 
-The CPU libraries under torch pick their kernels by the machine's instruction set at run time, so two x86-64
-machines can give different last bits for the same op, and meta-training turns that into another θ*.  The pins
-(:data:`PINS`: ATen, oneMKL, oneDNN, OpenBLAS and numba each fixed to a code path every x86-64 machine with AVX2
-runs; the table with sources is in docs/numerics.md) are read when a library starts, so :func:`pin_process`, called
-first by every entry point, sets them in ``os.environ`` before ``import torch`` (or starts the command again with
-them); :func:`pinned_env` builds such an environment for child processes.  ``GRAM_NUMERICS=fast`` turns them off.
+The CPU libraries under torch pick kernels by instruction set, so two x86-64 machines can give other last bits and
+another θ*.  The pins (:data:`PINS`: a code path every AVX2 machine runs; table and sources in docs/numerics.md) are
+read when a library starts, so :func:`pin_process` sets them before ``import torch``; :func:`pinned_env` builds such
+an environment for child processes.  ``GRAM_NUMERICS=fast`` turns them off.
 
 :func:`numerics_record` is what every results file stores: CPU model and kernel-selecting flags, the pins in effect,
 thread counts, package builds, and on a GPU the card, driver, CUDA/cuDNN builds and the deterministic settings.
@@ -75,12 +73,9 @@ def pinned(env: Optional[Mapping[str, str]] = None) -> bool:
 def pin_process(environ: Optional[MutableMapping[str, str]] = None, reexec: bool = True) -> str:
     """Pin this process's numerics (unless ``GRAM_NUMERICS=fast``); returns the mode.
 
-    Call it first in an entry point.  Before torch, numpy or numba is imported it only sets the variables in
-    ``os.environ``; after (a module that imported them on the way to its ``__main__`` block) the pins can no
-    longer take effect in this process, so it starts the same command line again with them set
-    (``os.execve`` of ``sys.orig_argv``), once: the new process finds them set and returns at once.
-    ``environ``: a mapping to pin instead of ``os.environ`` (tests); ``reexec=False`` raises
-    :class:`NumericsError` where it would start the command again.
+    Call it first in an entry point: before torch, numpy or numba is imported it sets ``os.environ``; after, it starts
+    the same command line again with the pins set (``os.execve``, once; ``reexec=False`` raises :class:`NumericsError`
+    instead).  ``environ``: a mapping to pin instead of ``os.environ`` (tests).
     """
     target = os.environ if environ is None else environ
     current = mode(target)

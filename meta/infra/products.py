@@ -13,17 +13,10 @@ numpy ships, gives the same bits on every x86-64 CPU with AVX2 and FMA once thre
 - the threads: one (:data:`THREADS`), because more threads split the work differently and change the bits.
 
 :func:`install` registers Python kernels for those ATen ops at the ``CPU`` dispatch key, below autograd, so every
-product torch dispatches (``nn.Linear``, ``@``, attention's batched products, and all of their first- and
-second-order backward passes) takes this path.  Products that ATen computes inside another kernel without
-dispatching (convolutions, the fused CPU attention kernel) stay on oneMKL's pinned branch.  Operands are made
-BLAS-compatible (C- or Fortran-ordered matrices) first, so numpy never falls back to its own loop; fp16 / bf16 are
-computed in fp32 and rounded back.
-
-torch calls :func:`meta.infra.numerics.autoload_products` while it starts (its ``torch.backends`` entry-point group,
-declared in ``setup.py``),
-so every process that starts torch with the pins in its environment (entry points, the test suite, worker
-processes, a fork's ``train.py``) uses it from its first product; ``GRAM_NUMERICS=fast`` leaves torch's own
-kernels.  :func:`state` is what ``numerics_record()`` stores.
+dispatched product and its first- and second-order backward takes this path (convolutions and the fused CPU attention
+kernel stay on oneMKL's pinned branch); fp16 / bf16 are computed in fp32 and rounded back.  torch calls
+:func:`meta.infra.numerics.autoload_products` while it starts (a ``torch.backends`` entry point, ``setup.py``), so every
+process with the pins uses it from its first product; ``GRAM_NUMERICS=fast`` leaves torch's own kernels.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """One writer per output folder: an exclusive ``flock`` on ``<folder>/.lock``.
 
-``python -m meta train`` (``OUTPUT_DIR``) and ``python -m meta cluster`` (``CHC.OUTPUT_DIR``)
-hold the lock of their folder for the whole run.  A second run pointed at the same folder
-fails at once with ``<folder>: already in use by PID <n>`` instead of silently mixing its
-files with the first run's.  The lock is released by the kernel when the holder exits, even
-after ``SIGKILL``, so a killed run never blocks the next one.
-
-Under ``torchrun`` only rank 0 takes the lock (``RunLock(folder, enabled=is_rank0())``); the
-other ranks write only what rank 0 coordinates.
+``python -m meta train`` and ``python -m meta cluster`` hold their folder's lock for the whole run: a second run there
+fails at once with ``<folder>: already in use by PID <n>``.  The kernel releases it when the holder exits, even after
+``SIGKILL``.  Under ``torchrun`` only rank 0 takes it (``RunLock(folder, enabled=is_rank0())``).
 """
 
 from __future__ import annotations

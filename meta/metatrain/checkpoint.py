@@ -7,13 +7,10 @@ numbers, strings and tensors:
 * ``learner``: :meth:`meta.method.gram.GRAMMetaLearner.state` (θ and φ state dicts, optimiser state, counters);
 * ``rng``: python ``random``, numpy's global generator, torch CPU (and CUDA) generators
   (see :func:`capture_rng`); ``stream``: the task/batch stream's position and generator state;
-* under torchrun also ``rng_ranks`` (every rank's :func:`capture_rng`, ``rng`` = rank 0's) and
-  ``world_size``; rank 0 writes the file;
-* ``config``: the result-defining flattened config (``settings.result_defining_cfg``) and its hash;
-* ``hierarchy``: the fingerprint of the task source, checked again on resume.
+* under torchrun also ``rng_ranks`` (every rank's :func:`capture_rng`) and ``world_size``; rank 0 writes the file;
+* ``config``: the result-defining flattened config and its hash; ``hierarchy``: the task source's fingerprint.
 
-Writes go to a temporary file in the same directory, are fsync'ed, then renamed over the old
-file (:mod:`meta.infra.fileio`), so a kill at any moment leaves either the previous or the new checkpoint.
+Writes are atomic (:mod:`meta.infra.fileio`): a kill leaves the previous or the new checkpoint.
 """
 
 from __future__ import annotations

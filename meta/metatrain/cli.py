@@ -6,10 +6,8 @@
 ``KEY VALUE`` pairs override the config CoOp style (``META.STEPS 200 TASKS.K_WAY 10``).
 ``torchrun --nproc_per_node N -m meta train ...`` splits each meta-batch over N processes
 (:mod:`meta.infra.distributed`); rank 0 alone prints and writes files.
-Errors in the inputs (config, hierarchy, checkpoint, CLIP features, output folder) end in one ``error:`` line,
-exit 2 (:mod:`meta.infra.cli_errors`).  A run stopped by SIGTERM / Ctrl-C before its last step exits with
-:data:`EXIT_STOPPED` (143, as a process killed by SIGTERM) after checkpointing; a SIGTERM during ``export`` exits
-with it too, in one line (the files are written atomically: none is left half-written).
+Input errors end in one ``error:`` line, exit 2 (:mod:`meta.infra.cli_errors`); a run stopped by SIGTERM / Ctrl-C
+exits with :data:`EXIT_STOPPED` (143) after checkpointing, as does a SIGTERM during ``export``.
 """
 
 from __future__ import annotations

@@ -97,9 +97,7 @@ def hierarchy_summary(h) -> dict:
         "num_topics": int(h.num_topics),
         "num_items": int(len(h.item_topic)),
         "items_in_topics": int(sizes.sum()),
-        "backbone": h.meta.get("backbone"),
-        "pretrained": h.meta.get("pretrained"),
-        "weights_sha256": h.meta.get("weights_sha256"),
+        **{key: h.meta.get(key) for key in ("backbone", "pretrained", "weights_sha256")},
         "source": h.meta.get("source", "chc"),
         **folder,
     }
@@ -115,13 +113,9 @@ def norm_stats(h, clip) -> tuple[tuple, tuple]:
 def check_cached_features(
     h, clip, dims, model_name: str, pretrained: str, n_check: int = 8, min_cosine: float = 0.99, device: str = "cpu"
 ) -> dict:
-    """Refuse ``h.image_features`` unless they come from this CLIP; returns what was checked.
-
-    1. metadata: backbone name, weights sha256 (when either side has a weights file), width;
-    2. re-encode ``n_check`` images (evenly spread over the clustered items) and require a
-       cosine >= ``min_cosine`` to the cached rows (catches different random seeds, QuickGELU
-       on/off, precision or preprocessing changes that metadata does not show).
-    """
+    """Refuse ``h.image_features`` unless they come from this CLIP (backbone, weights sha256 and width, then a cosine
+    >= ``min_cosine`` of ``n_check`` re-encoded images: seeds, QuickGELU, precision or preprocessing); returns what
+    was checked."""
     meta = h.meta
     if meta.get("source") == "image_folder":  # built from TASKS.IMAGE_FOLDER by a run, not by `meta cluster`
         hint = (

@@ -61,14 +61,9 @@ def downstream_accuracy(
     seed: int,
     consistency: Optional[ConsistencySpec] = None,
 ) -> float:
-    """Query accuracy (%) after fine-tuning ``start`` (θ, R_φ or None, the window in images, the launch step or
-    None: :func:`meta.finetune.engine.build_start` of a start point, which copies θ) on ``support`` with ``spec``.
-
-    ``consistency``: the fine-tuning loss's zero-shot consistency weights (meta-training's ``META.CONSISTENCY``;
-    None = the plain cross-entropy).
-
-    ``support`` / ``query``: the meta-learner's batches (``classnames``, ``label`` ``[n]`` and ``features``
-    ``[n, E]`` or ``images`` ``[n, 3, S, S]``).  ``start.prompts`` is trained in place.
+    """Query accuracy (%) after fine-tuning ``start`` (:func:`meta.finetune.engine.build_start`'s; its θ trained in
+    place) on ``support`` with ``spec`` and the ``consistency`` weights (None = plain cross-entropy); ``support`` /
+    ``query``: the meta-learner's batches (``classnames``, ``label`` ``[n]``, ``features`` ``[n, E]`` or ``images``).
     """
     s_images, q_images = support.get("images"), query.get("images")
     generator = torch.Generator().manual_seed(seed)

@@ -1,18 +1,13 @@
 """Export a run's θ* (and φ) in the forms the trainers load.
 
-* ``gram_init.safetensors`` via :func:`meta.finetune.init_io.export_gram_init`, with provenance
-  (config hash, step, mode, prompt/loop settings, the hierarchy's fingerprint and sizes and
-  the CLIP its features came from);
-* ``coop_ctx_nctx<M>.pth`` via :func:`meta.finetune.init_io.export_coop_context` when θ has M text context
-  vectors (stock CoOp/CoCoOp ``MODEL.INIT_WEIGHTS``, with ``N_CTX M``: the name says it,
-  :func:`meta.finetune.init_io.coop_context_usage` prints the options);
-* for CoCoOp's learner (``cocoop``, :mod:`meta.method.cocoop`) also ``cocoop_nctx<M>/prompt_learner/model.pth.tar-0``
-  via :func:`meta.finetune.init_io.export_cocoop_checkpoint`: ctx and the meta-net under CoCoOp's own state-dict
-  names, in Dassl's layout, for stock CoCoOp's ``load_model`` (``--model-dir``) or ``MODEL.INIT_WEIGHTS``.
+* ``gram_init.safetensors`` (:func:`meta.finetune.init_io.export_gram_init`), with provenance;
+* ``coop_ctx_nctx<M>.pth`` (:func:`meta.finetune.init_io.export_coop_context`) when θ has M text context vectors, for
+  stock CoOp/CoCoOp ``MODEL.INIT_WEIGHTS`` with ``N_CTX M``;
+* for CoCoOp's learner also ``cocoop_nctx<M>/prompt_learner/model.pth.tar-0``
+  (:func:`meta.finetune.init_io.export_cocoop_checkpoint`), for stock CoCoOp's ``load_model`` or ``MODEL.INIT_WEIGHTS``.
 
-Everything is rebuilt from the checkpoint alone (no CLIP, no hierarchy needed).  Both files are
-written atomically (:mod:`meta.infra.fileio`); :func:`verify_exports` checks that a finished run's
-files exist, load, and hold the checkpoint's θ, so a resume can rewrite any that do not.
+Everything is rebuilt from the checkpoint alone and written atomically; :func:`verify_exports` checks that a finished
+run's files exist, load and hold the checkpoint's θ, so a resume can rewrite any that do not.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The outer update of meta-training: θ at lr λ1 and φ at lr λ2 from the gradients that
 :meth:`meta.method.gram.GRAMMetaLearner.accumulate` leaves in ``.grad``.
 
-The learner clones, adapts and backpropagates (learn2learn's ``GBML`` shape); this module owns what happens next,
-as open_clip's training application owns its step: the optimiser (Adam, or SGD with momentum 0.9, per
-``OuterSpec.optimizer``; φ may carry an L2 weight decay), the fp16 ``GradScaler`` (only with ``MetaSpec.autocast
-fp16`` on CUDA), the global-norm clip over θ and φ (``OuterSpec.grad_clip``; 0 = off) and the finiteness check
-that skips a step whose gradient or loss is not finite.  Its settings are :class:`OuterSpec` (yacs: the ``META``
-keys of the same names, upper-cased; ``META.REGULATOR.WEIGHT_DECAY`` for φ's decay).
+The learner clones, adapts and backpropagates; this module owns the step after: the optimiser (Adam, or SGD with
+momentum 0.9; φ may carry an L2 weight decay), the fp16 ``GradScaler`` (``MetaSpec.autocast fp16`` on CUDA), the
+global-norm clip over θ and φ (0 = off) and the check that skips a step whose gradient or loss is not finite.
 
 Usage::
 

@@ -48,10 +48,8 @@ if TYPE_CHECKING:
 
 MODES = ("gram", "pretrain")
 
-# Keys that steer how a run is executed/observed but not the numbers it produces; they may
-# change between a run and its ``--resume`` (e.g. extend META.STEPS, checkpoint more often).
-# Where the task source lives (META.HIERARCHY, TASKS.IMAGE_FOLDER, CHC.*) may change too: a resume
-# compares the hierarchy's content fingerprint instead (data.hierarchy_fingerprint).
+# Keys that steer how a run is executed or observed, not its numbers: they may change on ``--resume``; where the tasks
+# come from (META.HIERARCHY, TASKS.IMAGE_FOLDER, CHC.*) too, compared by content (data.hierarchy_fingerprint).
 RUN_CONTROL_KEYS = frozenset(
     """OUTPUT_DIR MODEL.DEVICE META.STEPS META.CHECKPOINT_EVERY META.LOG_DETAIL_EVERY META.VAL_EVERY META.VAL_TASKS
     META.VAL_FT_STEPS META.VAL_FT_LR META.VAL_FT_MOMENTUM META.VAL_PROTOCOL META.VAL_EPOCHS META.VAL_FT_WEIGHT_DECAY
@@ -60,19 +58,15 @@ RUN_CONTROL_KEYS = frozenset(
 )
 RUN_CONTROL_PREFIXES = ("CHC.",)
 
-# Keys added after runs were saved without them, with the behaviour those runs had (the value the key
-# would have held then), when that differs from today's default: a resume compares against it.
+# Keys added after runs were saved without them: the value they had then, where not today's default.
 BEHAVIOUR_BEFORE_KEY: dict[str, Any] = {"META.PROMPT.VPT_INIT": "normal"}
 # Keys that change nothing while the count named here is 0 in both runs (no visual tokens to initialise).
 UNUSED_WHILE_ZERO: dict[str, str] = {"META.PROMPT.VPT_INIT": "META.PROMPT.N_CTX_VISION"}
 
 
-# Bytes a step holds per image before any tensor exists: its int64 item index and int64 label
-# (meta.metatrain.tasks.Task).
-INDEX_BYTES = 16
-# CLIP's text sequence for a class with M context tokens: start, M context tokens, the class name (>= 1 token), the
-# full stop, the end token; a sequence reaching the last position reads as truncated (meta.model.text_encoder), so
-# M <= context length - 5.
+INDEX_BYTES = 16  # bytes a step holds per image before any tensor exists: int64 item index and label
+# CLIP's text: start, M context tokens, class name (>= 1), full stop, end; reaching the last position reads as
+# truncated (meta.model.text_encoder), so M <= context length - 5.
 TEXT_TOKENS_BESIDES_CONTEXT = 5
 
 
@@ -130,14 +124,9 @@ def _need(cond: bool, key: str, what: str, value: Any) -> None:
 
 
 def check_meta_cfg(cfg: CN) -> "TrainSettings":
-    """One-line errors (``KEY: expected ..., got ...``) for values yacs cannot type-check, before any work; returns
-    the typed settings of the checked config (:func:`read_train_settings`).
-
-    ``python -m meta train`` and ``python -m gram_tools.plan`` both call it.  Besides each key's range it
-    refuses a text context longer than the CLIP's token context (:func:`check_text_context`) and steps whose
-    item indices alone exceed this machine's memory (:func:`check_step_size`); what needs the hierarchy is
-    :func:`check_task_sizes`.
-    """
+    """One-line errors (``KEY: expected ..., got ...``) for values yacs cannot type-check, before any work (ranges,
+    :func:`check_text_context`, :func:`check_step_size`; the hierarchy's: :func:`check_task_sizes`); returns the
+    typed settings of the checked config."""
     m = cfg.META
     for key, ok, what in _RULES:
         value = config_value(cfg, key)
@@ -226,10 +215,8 @@ def context_tokens(words: str) -> int:
 
 
 def check_text_context(cfg: CN, context_length: Optional[int] = None) -> None:
-    """Refuse a text context (``META.PROMPT.CTX_INIT`` or ``N_CTX_TEXT``) that leaves no room for a class name.
-
-    ``context_length`` defaults to ``MODEL.BACKBONE``'s (77 for CLIP); unknown backbones are left to the build.
-    """
+    """Refuse a text context (``META.PROMPT.CTX_INIT`` or ``N_CTX_TEXT``) that leaves no room for a class name in
+    ``context_length`` tokens (default: ``MODEL.BACKBONE``'s, 77 for CLIP; unknown: left to the build)."""
     p = cfg.META.PROMPT
     length = context_length if context_length is not None else model_context_length(cfg.MODEL.BACKBONE)
     if length is None:
@@ -261,14 +248,10 @@ def memory_bytes(device: str = "cpu") -> Optional[int]:
 
 
 def check_step_size(run: "TrainSettings", item_bytes: int = INDEX_BYTES, device: str = "cpu", what: str = "") -> None:
-    """Refuse a step (or the fixed validation tasks) whose images cannot all be held in ``device``'s memory.
-
-    A GRAM step builds all ``META.META_BATCH`` tasks' batches (``K_WAY x (N_SUPPORT + N_QUERY)`` images each)
-    before the first one is adapted; a pre-training step holds ``META.PRETRAIN.BATCH_SIZE`` images; the
-    ``META.VAL_TASKS`` validation tasks are drawn up front.  ``item_bytes`` is what one image costs:
-    :data:`INDEX_BYTES` (its index and label, all that is known from the config alone), or its cached feature
-    row / pixels once the hierarchy is known (``what`` names that); ``device`` is where it is held.
-    """
+    """Refuse a step (a GRAM step's ``META.META_BATCH`` tasks of ``K_WAY x (N_SUPPORT + N_QUERY)`` images, a
+    pre-training step's ``META.PRETRAIN.BATCH_SIZE``) or the up-front ``META.VAL_TASKS`` whose images cannot all be
+    held in ``device``'s memory at ``item_bytes`` each (:data:`INDEX_BYTES` from the config alone, else the cached
+    feature row or pixels ``what`` names)."""
     total = memory_bytes(device)
     if total is None:
         return
@@ -347,15 +330,10 @@ class TaskSettings:
 
 
 def check_task_sizes(run: "TrainSettings", hierarchy, device: str = "cpu") -> None:
-    """Refuse task sizes the hierarchy cannot supply, before a CLIP is built or a task drawn.
-
-    * ``TASKS.K_WAY`` <= the training topics left after ``TASKS.VAL_FRACTION`` holds some out (gram mode);
-      pre-training needs >= 2 training topics;
-    * ``TASKS.N_SUPPORT`` / ``TASKS.N_QUERY``: at least ``K_WAY`` training topics with ``N_SUPPORT +
-      N_QUERY`` items (and, with ``TASKS.DOMAIN_SHIFT``, one domain of ``N_SUPPORT``) -- the rule of
-      :class:`meta.metatrain.tasks.TaskSampler`, which is asked; likewise for the held-out topics' validation tasks;
-    * one step's cached features or pixels fit ``device``'s memory (:func:`check_step_size`).
-    """
+    """Refuse task sizes the hierarchy cannot supply, before a CLIP is built or a task drawn: ``TASKS.K_WAY`` against
+    the training topics ``TASKS.VAL_FRACTION`` leaves, support and query sizes as
+    :class:`meta.metatrain.tasks.TaskSampler` (asked) rules for training and validation tasks, and one step's
+    features or pixels against ``device``'s memory (:func:`check_step_size`)."""
     from meta.metatrain.tasks import largest_k_way, new_query_classes, split_topics
 
     t = run.tasks
@@ -437,10 +415,8 @@ def consistency_spec(cfg: CN) -> ConsistencySpec:
 
 
 def meta_spec(cfg: CN, device=None) -> "MetaSpec":
-    """The bi-level loop's hyper-parameters; ``pretrain`` mode reuses it with regulation off.
-
-    With ``device``, ``META.AUTOCAST`` is what runs there (``none`` off CUDA, logged once).
-    """
+    """The bi-level loop's hyper-parameters (``pretrain`` mode: regulation off); with ``device``, ``META.AUTOCAST``
+    is what runs there (``none`` off CUDA, logged once)."""
     from meta.method.gram import MetaSpec  # lazy: it imports learn2learn, which config-only users do not need
 
     m = cfg.META
@@ -478,10 +454,8 @@ VAL_NAMING = Naming(
 
 
 def val_start_spec(cfg: CN) -> StartSpec:
-    """Where meta-validation's downstream fine-tuning starts (``META.VAL_PROTOCOL downstream``): the live θ and
-    R_φ of the meta-learner (a :class:`meta.finetune.engine.StartPoint`), the window ``META.VAL_REG_WINDOW``
-    (0 = the task's support size) and the meta-trained step when ``META.VAL_LAUNCH`` (``gram`` mode only).
-    The view with R_φ; the raw-gradient score uses the same view with ``regulate`` False."""
+    """Where meta-validation's downstream fine-tuning starts: the live θ and R_φ, the window ``META.VAL_REG_WINDOW``
+    (0 = the support size) and the meta-trained step when ``META.VAL_LAUNCH`` (``gram`` mode only)."""
     m = cfg.META
     return StartSpec(
         **table_fields(cfg, START_SPEC, "META"),  # VAL_REG_WINDOW
@@ -540,10 +514,8 @@ def hierarchy_source(cfg: CN) -> "HierarchySource":
 
 @dataclass(frozen=True)
 class TrainSettings:
-    """Everything a meta-training run reads from its config, typed: :func:`read_train_settings` turns the yacs node
-    into it once, at the edge (``python -m meta train``, :func:`meta.metatrain.train`), and nothing below reads the
-    node.  The specs are the library's own dataclasses; the rest are the loop's ``META`` keys (counts are steps or
-    tasks, rates are learning rates)."""
+    """Everything a meta-training run reads from its config, typed once at the edge by :func:`read_train_settings`;
+    nothing below reads the node (counts are steps or tasks, rates are learning rates)."""
 
     output_dir: Path  # OUTPUT_DIR
     seed: int  # SEED
@@ -656,13 +628,9 @@ def config_hash(cfg: CN) -> str:
 
 
 def cfg_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """``["META.INNER_LR: 0.1 -> 0.2", ...]`` between two :func:`result_defining_cfg` dicts.
-
-    A key the saved run did not have yet (added to the defaults later, e.g. ``META.AUTOCAST``) is no
-    difference while the current value is the behaviour the old run had: the key's
-    :data:`BEHAVIOUR_BEFORE_KEY` entry, else its default.  A removed key (:data:`meta.config.REMOVED_KEYS`) the
-    saved run had at its off value is no difference either.
-    """
+    """``["META.INNER_LR: 0.1 -> 0.2", ...]`` between two :func:`result_defining_cfg` dicts; a key the saved run
+    lacked is no difference at the behaviour it had (:data:`BEHAVIOUR_BEFORE_KEY`, else the default), nor a removed
+    key (:data:`meta.config.REMOVED_KEYS`) it had off."""
     absent = "<absent>"
     keys = sorted(set(saved) | set(current))
     defaults: dict[str, Any] = {}

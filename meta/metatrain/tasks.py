@@ -1,30 +1,15 @@
 """K-way meta-training tasks from a CHC hierarchy (paper section 3.3, "Automatic
 Meta-Training Task Generation").
 
-A task samples K topics with distinct names; for each, the support set holds
-``n_support`` images from ONE visual domain of the topic (domain-specific) and the
-query set ``n_query`` images spread over ALL its domains (representative): query
-items are dealt round-robin over the topic's domains in a random order, so the
-domains are covered as evenly as their sizes allow, and never repeat a support item.
-This simulates the train/test domain shift the gradient regulator learns from.
-``domain_shift=False`` is the paper's Table 4 row 1 ablation: support drawn uniformly
-from all domains of the topic.
+A task samples K topics with distinct names; each holds ``n_support`` support images from ONE visual domain of the
+topic and ``n_query`` query images dealt round-robin over ALL its domains (never a support item): the train/test
+domain shift the regulator learns from.  ``domain_shift=False`` is Table 4 row 1 (support from all domains).
+``query_new_share`` > 0 (not in the paper) makes ``round(share * K)`` query classes topics the support does not hold,
+as base-to-new scores new classes; ``0`` keeps the paper's tasks, drawn by the same generator calls.
 
-``query_new_share`` > 0 shifts the query's *classes* as well (not in the paper): of the query's K
-classes, ``round(share * K)`` are topics the support does not hold (drawn with the support's topics,
-distinct names, their query items dealt over all their domains), and the rest are support classes
-(drawn at random), so the outer loss scores classes never seen in the inner steps, as base-to-new
-scores new classes.  ``1.0`` makes the query's topics disjoint from the support's; ``0`` (the
-default) keeps the paper's tasks, drawn exactly as before (the same generator calls).
-
-One ``numpy.random.Generator`` seeded with ``seed`` drives everything; :meth:`TaskSampler.state_dict` /
-:meth:`TaskSampler.load_state_dict` let a resumed meta-training run continue the sequence.
-:class:`TaskStream` draws meta-batches of tasks with an exact, resumable position;
-:class:`ClassBatchStream` draws plain classification batches (the prompt pre-training baseline).
-
-Everything here works on item indices (numpy only); :mod:`meta.metatrain.data` turns them into
-tensors.  The hierarchy is :class:`meta.chc.hierarchy.Hierarchy` or anything with its accessors
-(``num_topics``, ``topic_names``, ``domain_members``, ``topic_members``, ``topic_sizes``).
+One ``numpy.random.Generator`` seeded with ``seed`` drives everything, resumable (:meth:`TaskSampler.state_dict`);
+:class:`TaskStream` draws meta-batches, :class:`ClassBatchStream` the pre-training baseline's batches.  Everything
+works on item indices (numpy only) of a :class:`meta.chc.hierarchy.Hierarchy` or anything with its accessors.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """The meta-training run: GRAM's bi-level loop (paper Algorithm 1) or the prompt pre-training baseline.
 
-One call of :func:`train` runs (or resumes) ``META.STEPS`` outer steps in ``OUTPUT_DIR``:
-
-* ``gram``: each step samples ``B = META.META_BATCH`` K-way tasks from the training topics
-  (support from one domain per topic; ``TASKS.DOMAIN_SHIFT False`` = from all domains, Table 4
-  row 1), adapts θ on each support set with the regulated gradient (``META.REGULATE False`` =
-  raw gradient, Table 4 row 2) and updates θ (λ1) and φ (λ2) from the query losses
-  (:meth:`meta.metatrain.outer.OuterStep.meta_step`).
-* ``pretrain`` (Table 4 row 3): plain cross-entropy over the training topics' names, one
-  optimiser step on θ per batch; no inner loop, no regulator.
-
-Every ``META.VAL_EVERY`` steps (and at step 0) θ is evaluated on fixed tasks over held-out
-topics: query loss/accuracy at θ, then after adapting on the support set as at test time
-(regulated when a regulator is learned).
+One call of :func:`train` runs (or resumes) ``META.STEPS`` outer steps in ``OUTPUT_DIR``: ``gram`` samples
+``B = META.META_BATCH`` K-way tasks a step, adapts θ on each support with the regulated gradient and updates θ (λ1)
+and φ (λ2) from the query losses; ``pretrain`` (Table 4 row 3) is plain cross-entropy over the training topics'
+names.  Every ``META.VAL_EVERY`` steps (and at step 0) θ is scored on fixed tasks over held-out topics.
 
 Run directory::
 
@@ -79,11 +70,8 @@ class RunExistsError(RuntimeError):
 
 
 class StopRequest:
-    """SIGTERM / first Ctrl-C ask the loop to checkpoint after the current step and return.
-
-    A second Ctrl-C interrupts at once (the last periodic checkpoint still holds).  Handlers are
-    only installed from the main thread and are restored on exit.
-    """
+    """SIGTERM / first Ctrl-C ask the loop to checkpoint after the current step and return; a second Ctrl-C
+    interrupts at once.  Handlers are installed from the main thread only, and restored on exit."""
 
     SIGNALS = ("SIGTERM", "SIGINT")
 
@@ -130,15 +118,13 @@ class RunSetup:
 
 
 def build_clip(run: settings.TrainSettings, device: str):
-    """The frozen CLIP of ``MODEL`` (:func:`meta.model.clip_config.clip_from_settings`, as ``python -m meta
-    cluster``)."""
+    """The frozen CLIP of ``MODEL``, as ``python -m meta cluster`` builds it."""
     return clip_from_settings(run.model, device)
 
 
 def setup_run(run: settings.TrainSettings, hierarchy=None) -> RunSetup:
-    """Open the task source and check the task sizes against it (:func:`settings.check_task_sizes`; before the
-    CLIP is built when the source is a CHC output), build the CLIP, check cached features, split topics,
-    create θ, φ and the streams."""
+    """Open the task source and check task sizes against it (before the CLIP is built for a CHC output), build the
+    CLIP, check cached features, split topics, create θ, φ and the streams."""
     device = resolve_device(run.device)
     check_model_name(run.model.backbone, "MODEL.BACKBONE")
     check_precision(run.model.precision, "MODEL.PRECISION")
@@ -204,12 +190,8 @@ def setup_run(run: settings.TrainSettings, hierarchy=None) -> RunSetup:
 
 # ----------------------------------------------------------------------------- steps
 def gram_step(run: RunSetup, step: int) -> dict:
-    """One outer update from ``META.META_BATCH`` tasks.
-
-    Under torchrun every rank draws the whole meta-batch from the same stream (index arithmetic only)
-    and takes its contiguous block of ``B / W`` tasks; the ranks' mean gradients are averaged before
-    the one clipped optimiser step, so the update is the single-process one up to float summation order.
-    """
+    """One outer update from ``META.META_BATCH`` tasks; under torchrun each rank takes its block of ``B / W`` tasks
+    and the mean gradients are averaged before the one clipped step (the single-process update up to rounding)."""
     tasks = run.stream.next(run.settings.meta_batch)
     every = run.settings.log_detail_every
     detailed = every > 0 and step % every == 0
@@ -247,10 +229,8 @@ def pretrain_step(run: RunSetup, step: int) -> dict:
 
 
 def validate(run: RunSetup) -> dict:
-    """Mean query loss/accuracy on the held-out tasks before and after adapting on their supports.
-
-    Under torchrun rank ``r`` evaluates tasks ``r, r + W, ...`` and the sums are reduced.
-    """
+    """Mean query loss/accuracy on the held-out tasks before and after adapting on their supports (under torchrun
+    rank ``r`` scores tasks ``r, r + W, ...``)."""
     learner, loss_fn, n = run.learner, run.loss_fn, len(run.val_tasks)
     query_fn = task_loss_of(loss_fn)  # the query measures the task alone (no regulariser)
     keys = "query_loss_before query_acc_before query_loss_after query_acc_after support_loss_before support_acc_before"
@@ -288,11 +268,8 @@ def validate(run: RunSetup) -> dict:
 
 
 def _downstream_scores(run: RunSetup, batch, seed: int) -> dict:
-    """Query accuracy (0-1) after the downstream protocol, with the learner's R_φ and with raw gradients.
-
-    Both start from the live θ (and φ) through the engine's :func:`meta.finetune.engine.build_start`, as the
-    evaluator and the Dassl trainers start: :func:`settings.val_start_spec` is the view, the meta-learner the
-    :class:`meta.finetune.engine.StartPoint`."""
+    """Query accuracy (0-1) after the downstream protocol, with the learner's R_φ and with raw gradients, each
+    started from the live θ (and φ) by :func:`meta.finetune.engine.build_start`, as the evaluator starts."""
     from meta.metatrain.downstream_val import downstream_accuracy
 
     learner, s, sets = run.learner, run.settings, (batch.support, batch.query)
@@ -375,11 +352,8 @@ def _loop(
     ckpt_path: Path,
     on_step: Optional[Callable[[int, dict], None]],
 ) -> Optional[int]:
-    """Steps ``start+1 .. META.STEPS`` with logging, validation and checkpoints.
-
-    Returns ``None`` when all steps ran (a checkpoint at the last step exists), or the step after
-    which a stop was requested (checkpointed too).
-    """
+    """Steps ``start+1 .. META.STEPS`` with logging, validation and checkpoints; ``None`` when all ran, else the
+    (checkpointed) step after which a stop was requested."""
     s = run.settings
     steps_total, val_every, ckpt_every = s.steps, s.val_every, s.checkpoint_every
     step_fn = gram_step if s.mode == "gram" else pretrain_step
@@ -419,12 +393,8 @@ def train(
     echo: Callable[[str], None] = print,
     recorder: Optional[Callable[[Optional[str]], dict]] = None,
 ) -> dict:
-    """Run or resume meta-training (or pre-training) as configured; export at the end.
-
-    The run holds ``OUTPUT_DIR``'s :class:`meta.infra.runlock.RunLock` throughout (a second writer gets
-    a one-line :class:`meta.infra.cli_errors.UserError`) and first removes temporary files a killed
-    writer left there.  A resumed finished run checks its exports and rewrites missing,
-    unreadable or stale ones.
+    """Run or resume meta-training (or pre-training) as configured; export at the end.  The run holds
+    ``OUTPUT_DIR``'s :class:`meta.infra.runlock.RunLock`; a resumed finished run rewrites missing or stale exports.
 
     Args:
         cfg: full meta config (``meta.config.get_meta_cfg_default`` + ``META``), frozen or not, read here once
@@ -608,10 +578,8 @@ def _write_run_files(
 def _record_computed_by(
     info: dict, device: str, start: int, recorder: Callable[[Optional[str]], dict] = results_record
 ) -> None:
-    """``info["computed_by"]`` = ``recorder(device)`` (:func:`meta.fingerprint.record.computed_by`, with the numerics
-    fingerprint, as ``python -m meta train`` passes it; :func:`meta.infra.provenance.results_record` without one);
-    a resume under another numerics fingerprint is listed in ``info["fingerprint_changes"]`` (the run then mixes
-    two numerics)."""
+    """``info["computed_by"]`` = ``recorder(device)``; a resume under another numerics fingerprint is listed in
+    ``info["fingerprint_changes"]``."""
     record = recorder(device)
     before = (info.get("computed_by") or {}).get("fingerprint")
     if before and before != record.get("fingerprint"):

@@ -146,11 +146,9 @@ class TaskBatching:
         """:meth:`meta.method.gram.GRAMMetaLearner.accumulate` over task-stacked chunks (the same ``.grad`` and
         task-averaged metrics), or ``None``: run it sequentially.
 
-        ``off`` -> ``None``; ``on`` -> all tasks in one chunk; ``auto`` -> the same on an accelerator, where an
-        out-of-memory error clears the gradients and halves the chunk (kept in :attr:`chunk`) until it fits or is one
-        task; on the CPU ``auto`` runs sequentially, so CPU results (demo, study, CI) keep the sequential path's last
-        digit (the stacked pass agrees to float rounding).  ``None`` also without a batched twin of ``loss_fn``, for
-        one task, for tasks of different shapes or where :func:`stacked_objective` is False.
+        ``on``: all tasks in one chunk; ``auto``: the same on an accelerator, halving the chunk (:attr:`chunk`) on
+        out-of-memory, and sequential on the CPU (CPU results keep their last digit).  ``None`` also for ``off``, one
+        task, tasks of different shapes, no batched twin of ``loss_fn`` or a False :func:`stacked_objective`.
         """
         fn = batched_loss_of(loss_fn)
         if self.mode == "off" or fn is None or len(tasks) < 2 or not stacked_objective(learner.spec):

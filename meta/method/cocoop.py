@@ -11,11 +11,9 @@ public code KaiyangZhou/CoOp ``trainers/cocoop.py``): key ``cocoop``.
   cannot hold dots, so the names spell CoCoOp's state-dict keys (``meta_net.linear1.weight``, ...) with ``_``;
   :data:`STOCK_NAMES` maps them back (the stock-CoCoOp export).
 
-The forward: image i's L2-normalised frozen feature f_i gives the bias π(f_i) ``[d_t]``, added to every one of the M
-context vectors, ``ctx_i = ctx + π(f_i)``; every class name then runs through the frozen text tower with ``ctx_i``, so
-the text features are per image (``[n, C, E]``, :attr:`CoCoOp.per_image_text`) and the logits
-``s · f_i · w_k(ctx_i)``.  The image tower carries no prompts (cached image features may stand in for the images).
-One task costs n·C text sequences; the task-stacked loop B·n·K in one text batch.
+The forward: image i's frozen feature f_i gives the bias π(f_i) ``[d_t]`` added to every context vector,
+``ctx_i = ctx + π(f_i)``, so the text features are per image (``[n, C, E]``) and the logits ``s · f_i · w_k(ctx_i)``;
+the image tower carries no prompts.  One task costs n·C text sequences.
 """
 
 from __future__ import annotations

@@ -8,13 +8,10 @@ its optional term (``query_before_weight`` w: ``+ w · L(θ, D_query_t)``, θ as
 downstream schedule with a tiny warm-up lr leaves it) are :class:`meta.method.objective.OuterObjective`, shared with
 the task-stacked loop (:mod:`meta.method.batched`).
 
-GBML wraps only θ (:class:`meta.method.prompts.PromptParams`); the regulators R_φ are its per-parameter transforms
-and the frozen CLIP lives outside, so ``GBML.clone()`` copies θ (and the small φ) per task.
-
-Memory: one backward per task (``loss_q / B``) frees a task's graph before the next is built, unless
-``task_batching`` stacks the tasks into one pass (the same gradients, all graphs alive at once, halved on
-out-of-memory under ``auto``).  Second order runs the support forward under the MATH kernel of
-``F.scaled_dot_product_attention`` (:mod:`meta.model.blocks`): the fused kernels have no double backward.
+GBML wraps only θ, the regulators R_φ are its per-parameter transforms and the frozen CLIP lives outside, so
+``GBML.clone()`` copies θ (and the small φ) per task.  One backward per task frees its graph before the next, unless
+``task_batching`` stacks the tasks into one pass; second order runs the support forward under SDPA's MATH kernel
+(the fused kernels have no double backward).
 """
 
 from __future__ import annotations

@@ -8,16 +8,13 @@ object it names (``PromptParams.learner``, a registry key) supplies everything t
 * :meth:`PromptLearner.init`: the start tensors (random draws from the caller's generator);
 * :meth:`PromptLearner.text_prompts` / :meth:`PromptLearner.visual_prompts`: what the towers receive, read from any
   object carrying the tensors as attributes (θ, its clones, a task stack ``[B, ...]``: leading dims ride along);
-* :meth:`PromptLearner.features` / :meth:`PromptLearner.stacked_features` / :meth:`PromptLearner.logits`: the
-  forward from θ, images and class names, one task or a task stack.  The default composes the two methods above with
-  the frozen towers of a :class:`meta.method.prompts.PromptedCLIP`; a learner whose text prompts depend on each image
-  (CoCoOp's meta-net, Zhou et al. CVPR 2022) overrides both ``features`` methods, sets
-  :attr:`PromptLearner.per_image_text` and returns text features per image (``[n, C, E]``).  PromptedCLIP, the
-  task-stacked loss and the Dassl model all call these; :func:`feature_logits` is the one product.
+* :meth:`PromptLearner.features` / :meth:`PromptLearner.stacked_features`: the forward, one task or a task stack,
+  composing the two above with a :class:`meta.method.prompts.PromptedCLIP`'s towers; a learner whose text prompts
+  depend on each image (CoCoOp's meta-net, Zhou et al. CVPR 2022) overrides both and sets
+  :attr:`PromptLearner.per_image_text` (text features ``[n, C, E]``); :func:`feature_logits` is the one product.
 
-Adding a learner is one subclass and one :func:`register_learner` call (plus one row of ``methods.yaml`` for the
-method table).  The built-in learner ``clip`` (:class:`meta.method.prompts.ClipPrompts`) covers CoOp, VPT, UNIGRAM,
-IVLP and MaPLe.
+Adding a learner is one subclass, one :func:`register_learner` call and one row of ``methods.yaml``; the built-in
+``clip`` (:class:`meta.method.prompts.ClipPrompts`) covers CoOp, VPT, UNIGRAM, IVLP and MaPLe.
 """
 
 from __future__ import annotations

@@ -5,12 +5,10 @@ For one task (the sequential loop of :meth:`meta.method.gram.GRAMMetaLearner.acc
 
     L_out = L_q(θ') + w · L_q(θ)
 
-with ``L_q(θ')`` the query loss at the adapted prompts θ' (paper Eq. 8) and ``w · L_q(θ)`` (``query_before_weight``
-w) asking θ to be good before any step too (it reaches θ only: φ does not act before a step).  The support loss is
-``loss_fn`` (with its regulariser); every query loss is its task part alone (:func:`meta.method.inner.task_loss_of`),
-which is what the downstream benchmark scores.  Each term is backpropagated on its own, scaled by ``1 / n_tasks`` of
-the whole meta-batch, so a task's graph is freed before the next term is built and ``.grad`` ends as
-``∇ (1/B) Σ_b L_out,b`` whichever loop ran.
+with ``L_q(θ')`` the query loss at the adapted θ' (paper Eq. 8) and ``w · L_q(θ)`` (``query_before_weight``) asking θ
+to be good before any step (it reaches θ only).  Every query loss is the task part alone
+(:func:`meta.method.inner.task_loss_of`); each term is backpropagated on its own, scaled by ``1 / n_tasks``, so
+``.grad`` ends as ``∇ (1/B) Σ_b L_out,b`` whichever loop ran.
 """
 
 from __future__ import annotations
@@ -49,13 +47,10 @@ class OuterObjective:
     ) -> tuple[nn.Module, dict[str, torch.Tensor]]:
         """Adapt, backpropagate every term / ``n_tasks`` into ``.grad`` and return ``(adapted clone, metrics)``.
 
-        ``meta`` is the :class:`meta.method.gram.GRAMMetaLearner`. ``start``: the clone to adapt (default a fresh clone
-        of θ); ``before``: builds the prompts ``L_q(θ)`` is taken at (default θ itself; a task stack passes θ expanded).
-        ``backward(loss)``: how a term reaches ``.grad`` (default ``loss.backward()``; the outer step's fp16 GradScaler
-        passes a scaled backward, :class:`meta.metatrain.outer.OuterStep`).
-        Metrics are 0-d tensors: ``support_loss_before`` / ``support_acc_before`` (the first inner step's),
-        ``query_loss_after`` / ``query_acc_after`` (at θ'); for a stack, losses are sums over its tasks and accuracies
-        means.
+        ``start``: the clone to adapt (default a fresh clone of θ); ``before``: the prompts ``L_q(θ)`` is taken at
+        (default θ); ``backward(loss)``: how a term reaches ``.grad`` (default ``loss.backward()``).  Metrics are 0-d
+        tensors ``support_loss_before`` / ``support_acc_before`` and ``query_loss_after`` / ``query_acc_after`` (a
+        stack: loss sums over its tasks, accuracy means).
         """
         adapted, s_losses, s_accs = meta.unroll(loss_fn, support, start=start)
         query_fn = task_loss_of(loss_fn)  # the query measures the task alone (no regulariser)

@@ -14,11 +14,8 @@ towers).  The built-in learner, :class:`ClipPrompts` (key ``clip``), holds these
   (MaPLe, Khattak et al. CVPR 2023, the V-L coupling function F_i; muzairkhattak/multimodal-prompt-learning
   ``trainers/maple.py``: ``proj`` for layer 0 and ``compound_prompt_projections`` for layers 1..J-1).
 
-Every tensor is one θ tensor for the meta-learner: one R_φ each (layers of one tensor share a shape,
-so they share R_φ, as deep VPT does).
-
-The frozen CLIP is *not* a submodule of it; :class:`PromptedCLIP` holds the CLIP and takes the prompt module at call
-time.  That is what lets learn2learn's ``GBML`` clone only θ per task (never the CLIP weights).
+Each tensor gets one R_φ (the layers of one tensor share it, as deep VPT does).  The frozen CLIP is *not* a submodule:
+:class:`PromptedCLIP` holds it and takes θ at call time, so learn2learn's ``GBML`` clones only θ per task.
 
 Methods: CoOp = text only; VPT = vision only, text side the fixed prompt ``"a photo of a {}."`` (paper's VPT baseline);
 UNIGRAM = both (paper: 2 + 2); IVLP = deep text and deep visual prompts, independent (``text_depth`` J, ``vision_depth``
@@ -69,10 +66,8 @@ def initial_visual_prompts(
 ) -> torch.Tensor:
     """``[depth, n, d_v]`` initial visual prompt tokens (float32, on the CPU).
 
-    The shallow tokens (layer 0) live where :func:`meta.model.visual_encoder.encode_image_with_prompts`
-    appends them: after the positional embedding, before ``ln_pre``, which rescales every token to
-    unit variance.  A random token therefore enters the tower at full scale whatever ``init_std``
-    is.  The other rules start from a token built from the frozen tower (no data):
+    Layer-0 tokens are appended before ``ln_pre``, which rescales every token to unit variance (a random token enters
+    at full scale whatever ``init_std``); the rules other than ``normal`` start from a token of the frozen tower:
 
     * ``normal``: N(0, init_std²) (CoOp's context init; MaPLe's VPT / IVLP prompts);
     * ``zeros``: all zero; ``ln_pre`` maps it to its bias (deterministic; the n tokens stay equal
@@ -375,12 +370,9 @@ register_learner(ClipPrompts())
 def initial_projections(
     depth: int, d_in: int, d_out: int, generator: Optional[torch.Generator] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MaPLe's coupling maps at their start: ``([J, d_out, d_in], [J, d_out])`` (float32).
-
-    Each is ``nn.Linear(d_in, d_out)``'s default start (:func:`meta.method.cocoop.linear_default_init`).  Layer 0
-    has its own draw; layers 1..J-1 start as copies of one draw, because MaPLe builds them as deep copies of a
-    single ``nn.Linear`` (multimodal-prompt-learning ``trainers/maple.py``, ``_get_clones``).
-    """
+    """MaPLe's coupling maps at their start: ``([J, d_out, d_in], [J, d_out])`` (float32), ``nn.Linear``'s default
+    start; layer 0 has its own draw, layers 1..J-1 copies of one (deep copies of a single ``nn.Linear`` in
+    multimodal-prompt-learning ``trainers/maple.py``, ``_get_clones``)."""
     w0, b0 = linear_default_init(d_out, d_in, generator)
     weight, bias = [w0], [b0]
     if depth > 1:
@@ -397,11 +389,8 @@ def visual_prompts(prompts: Optional[nn.Module]) -> Optional[torch.Tensor]:
 
 
 class PromptedCLIP:
-    """A frozen CLIP that classifies with prompts supplied at call time, caching what does not depend on θ (class-name
-    token embeddings; without text context, the fixed-template text features).  It holds the frozen towers
-    (:meth:`encode_text`, :meth:`encode_images`); how θ turns images and class names into features and logits is θ's
-    learner's (:meth:`meta.method.learners.PromptLearner.features`), which the other methods call.
-    """
+    """A frozen CLIP that classifies with prompts supplied at call time, caching what does not depend on θ; how θ turns
+    images and class names into features is θ's learner's (:meth:`meta.method.learners.PromptLearner.features`)."""
 
     def __init__(
         self, clip: nn.Module, dims: ClipDims, n_ctx_text: int, template: str = DEFAULT_TEMPLATE, truncate: bool = True
@@ -485,11 +474,9 @@ def classification_loss(pclip: PromptedCLIP, consistency: Optional[ConsistencySp
     terms of :mod:`meta.method.consistency` when ``consistency`` is active (fine-tuning only).
 
     Returns ``loss_fn(prompts, batch) -> (loss, logits [n, K])`` for a dict ``batch`` of ``classnames`` (K names),
-    ``label`` (``[n]`` in 0..K-1) and ``images`` ``[n, 3, H, W]`` or cached, normalised ``features`` ``[n, E]``.
-    ``loss_fn.pclip`` is ``pclip``, from which :func:`meta.method.batched.batched_loss_of` builds its task-stacked twin;
-    ``loss_fn.consistency`` is the active spec or None; ``loss_fn.task_loss`` is the cross-entropy alone (the
-    query loss of meta-training); ``loss_fn.parts(prompts, batch) -> (cross-entropy, consistency penalty, logits)``
-    keeps the two apart in one forward (the gate form of R_φ needs their gradients apart), None without the terms.
+    ``label`` (``[n]`` in 0..K-1) and ``images`` ``[n, 3, H, W]`` or cached, normalised ``features`` ``[n, E]``, with
+    attributes ``pclip``, ``consistency`` (the active spec or None), ``task_loss`` (the cross-entropy alone) and
+    ``parts(prompts, batch) -> (cross-entropy, consistency penalty, logits)`` (None without the terms).
     """
     spec = consistency if consistency is not None and consistency.active else None
 

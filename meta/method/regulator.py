@@ -166,12 +166,10 @@ class GradientGate(nn.Module):
         a      = 2 · sigmoid(W [u_task ; u_reg])                            W: [dim / G, 2 · dim], no bias
         ĝ      = g_task + repeat(a, G) ⊙ g_reg                              each a shared by G consecutive coords
 
-    The design follows a fact of ProMetaR (Park et al., CVPR 2024; mlvlab/ProMetaR ``trainers/prometar.py``): its
-    learned map of the concatenated gradients never changes the cross-entropy gradient, only the regulariser's.
-    Choices made here: one bias-free map (not two) of rms-normalised gradients (scale-free, as the γ/β core),
-    ``gate_group`` G coordinates sharing a gate value, and ``2 · sigmoid`` so that the zero start is a = 1:
-    ĝ = g_task + g_reg, the gradient of the fixed-λ regularised loss, which meta-training moves only where the query
-    loss asks.  Parameters: ``gate.weight`` ``[dim // G, 2 · dim]``.  Without ``g_reg`` ĝ is ``g_task``.
+    After ProMetaR (Park et al., CVPR 2024; mlvlab/ProMetaR ``trainers/prometar.py``), whose learned map never changes
+    the cross-entropy gradient, only the regulariser's; here one bias-free map of rms-normalised gradients, and
+    ``2 · sigmoid`` so that the zero start a = 1 is the fixed-λ regularised loss's gradient.  Parameters:
+    ``gate.weight`` ``[dim // G, 2 · dim]``.  Without ``g_reg`` ĝ is ``g_task``.
     """
 
     #: leading dimensions that index tasks (as :attr:`GradientRegulator.task_dims`)

@@ -1,16 +1,10 @@
 """How much of θ's travel over a fine-tuning schedule comes from R_φ's offset β.
 
-R_φ regulates ĝ = γ ⊙ g + β (:mod:`meta.method.regulator`).  Torch SGD (dampening 0, no Nesterov) is linear in
-the gradients it is given, so the travel θ_T − θ_0 = −Σ_t lr_t v_t splits exactly into the part that the β
-terms drive, through their own momentum buffer v^β_t = μ v^β_{t−1} + b_t, and the rest (γ ⊙ g, weight decay
-and unregulated tensors).  :class:`TravelSplit` measures that split for whatever fine-tuning runs inside it,
-without changes to the fine-tuning engine:
-
-* it wraps :meth:`meta.method.regulator.GradientRegulator.forward` to keep, per call, ĝ and its β part b
-  (:meth:`~meta.method.regulator.GradientRegulator.parts`);
-* a global optimiser step pre-hook pairs each parameter's ``p.grad`` with the regulated output it was made
-  from (``p.grad = n · ĝ`` for a window of n gradients: same shape, one scalar n) and advances both buffers
-  with the step's lr and momentum.
+R_φ regulates ĝ = γ ⊙ g + β (:mod:`meta.method.regulator`).  Torch SGD is linear in its gradients, so the travel
+θ_T − θ_0 = −Σ_t lr_t v_t splits exactly into the part the β terms drive, through their own momentum buffer
+v^β_t = μ v^β_{t−1} + b_t, and the rest.  :class:`TravelSplit` measures that split for whatever fine-tuning runs
+inside it: it wraps :meth:`meta.method.regulator.GradientRegulator.forward` to keep ĝ and its β part, and a global
+optimiser step pre-hook pairs each ``p.grad`` (``n · ĝ`` for a window of n) with them and advances both buffers.
 
 Steps outside a torch optimiser (the launch step, :func:`meta.finetune.regulated.launch_`) are not counted: the split
 covers the schedule.  Units: travel in θ's units; ``beta_share`` = ‖travel_β‖ / ‖travel‖, ``beta_projection``

@@ -181,18 +181,10 @@ def load_clip(
 ) -> tuple[nn.Module, ClipDims]:
     """Build a frozen open_clip CLIP without touching the network.
 
-    Args:
-        model_name: open_clip architecture name (built-in or from ``meta/model/model_configs``).
-        pretrained: ``None`` (random weights, warns), a local file (an open_clip checkpoint, a plain state dict, or
-            OpenAI's TorchScript ``ViT-B-16.pt``), or an open_clip tag whose weights are already cached.
-        device: where the model goes.
-        precision: ``fp32`` | ``fp16`` | ``bf16`` (CPU runs should use fp32).
-        quick_gelu: force QuickGELU on/off; ``None`` = automatic (on for OpenAI TorchScript files and ``*-quickgelu``
-            names, which is what OpenAI's weights were trained with).
-        config_key: the config key that supplied ``pretrained``, named in errors.
-
-    Returns:
-        ``(clip, dims)`` with every CLIP parameter frozen and the model in eval mode.
+    ``pretrained``: ``None`` (random weights, warns), a local file (open_clip checkpoint, plain state dict or OpenAI's
+    TorchScript ``ViT-B-16.pt``) or an already cached open_clip tag; ``quick_gelu`` ``None`` = on for OpenAI
+    TorchScript files and ``*-quickgelu`` names; ``config_key`` named in errors.  Returns ``(clip, dims)``, every
+    parameter frozen, in eval mode.
     """
     register_model_configs()
     check_precision(precision, "precision")

@@ -1,21 +1,11 @@
 """Our own forward through a frozen open_clip residual attention block.
 
-open_clip's ``ResidualAttentionBlock`` calls ``nn.MultiheadAttention``, which with ``batch_first=True`` transposes its
-input to ``[L, N, E]`` and runs the fused input projection on that non-contiguous view; on CPU this becomes a batched
-matmul over an expanded weight, and every backward (and, for second-order meta-learning, every double backward) pays for
-the transposes and copies. :func:`block_forward` computes exactly the same function from the block's own frozen weights
-with the tokens kept in ``[N, L, E]`` layout, so each projection is one plain matrix product, and attention goes through
-``F.scaled_dot_product_attention`` (which honours ``sdpa_kernel`` contexts, e.g. the MATH kernel the meta-learner
-selects for double-differentiable support passes).
-
-Measured with ``python -m gram_tools.bench`` (ViT-B/16 text tower, 8 classes, 1 thread): see docs/benchmark.md.
-
-``rows`` computes the block's output for selected positions only (the EOT token of each class prompt, or the CLS token
-of an image): every position still serves as key and value, so the selected outputs are exact, and the last block of a
-tower need not run its MLP on positions nobody reads.
-
-Blocks we do not recognise (other attention modules, ``ln_1_kv``, ``ln_attn`` ...)
-fall back to the block's own ``forward`` (``rows`` then selects after the block).
+open_clip's ``nn.MultiheadAttention`` with ``batch_first=True`` transposes its input to ``[L, N, E]``, and every
+backward and double backward pays for the transposes and copies.  :func:`block_forward` computes the same function from
+the block's frozen weights in ``[N, L, E]`` layout (each projection one matrix product) through
+``F.scaled_dot_product_attention`` (honouring ``sdpa_kernel`` contexts); measured in docs/benchmark.md.  ``rows``
+computes the output of selected positions only (EOT or CLS; every position still serves as key and value, so they are
+exact).  Blocks we do not recognise fall back to their own ``forward`` (``rows`` then selects after the block).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """LayerNorm with a closed-form double backward, for the second-order support pass (``META.CLOSED_FORM_LAYER_NORM``).
 
-A second-order meta-gradient differentiates the support pass's backward again, and with it every LayerNorm's
-backward.  Autograd does that with PyTorch's general ``layer_norm_double_backward`` (about 70 operators per
-LayerNorm, most of them reading or writing a whole ``[rows, width]`` tensor): on the ViT-B/16 VPT step at the
-default task size it is the largest single item of the step's memory traffic, 97 of 447 GB
-(``python -m gram_tools.step_traffic``), and a GPU step is bound by memory traffic.
+Autograd differentiates every LayerNorm's backward again with PyTorch's general ``layer_norm_double_backward``
+(~70 whole-tensor operators): on the ViT-B/16 VPT step the largest item of the memory traffic, 97 of 447 GB
+(``python -m gram_tools.step_traffic``).
 
 Here the LayerNorm's backward is itself a function with a hand-derived backward.  Per row of width N, with the
 saved mean and ``r = rstd``, ``x̂ = (x - mean) r``, ``h = w ⊙ g`` (``g`` the output gradient, ``w`` the frozen
@@ -15,13 +13,10 @@ weight) and ``P(u) = u - mean(u) - x̂ mean(u ⊙ x̂)``, the backward is ``gx =
 * ``∂S/∂x = -r² [ (mean(v ⊙ h) - mean(v) mean(h) - c_v c_h) x̂ + c_h P(v) + c_v P(h) ]``, with
   ``c_v = mean(v ⊙ x̂)``, ``c_h = mean(h ⊙ x̂)`` (from ``∂r/∂x = -r² x̂ / N`` and ``∂<u, x̂>/∂x = r P(u)``).
 
-That is five row reductions and about 50 whole-tensor reads and writes instead of ~90.  The forward and the first
-backward are PyTorch's own kernels (``native_layer_norm`` / ``native_layer_norm_backward``), so the values of the
-loss and of the first gradient are bit-identical; the meta-gradient equals autograd's to rounding
-(``tests/test_layer_norm_grads.py``: float64 ``gradgradcheck``, and the meta-gradient of a second-order step).
-Only frozen affine LayerNorms over the last dimension take this path (the CLIP is frozen); a weight that requires
-a gradient, or a norm of another kind, runs as before.  The double backward is not differentiable again (a
-meta-gradient needs two orders, not three).
+Five row reductions and ~50 whole-tensor reads and writes instead of ~90.  The forward and first backward are
+PyTorch's own kernels (loss and first gradient bit-identical); the meta-gradient equals autograd's to rounding
+(``tests/test_layer_norm_grads.py``).  Only frozen affine LayerNorms over the last dimension take this path; the
+double backward is not differentiable again.
 """
 
 from __future__ import annotations

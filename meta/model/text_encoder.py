@@ -4,14 +4,10 @@ A prompt for class ``c`` is ``[SOT] t_1 ... t_M <tokens of c> . [EOT] [PAD]...``
 context vectors (Zhou et al., CoOp, IJCV 2022, Eq. 2 of the GRAM paper).  The token embeddings of everything but the
 context are computed once per class name and cached (:class:`ClassTokenCache`).
 
-Exact truncation: CLIP's text transformer uses a causal mask and pools the feature at the EOT position, so no token
-after the EOT can change that feature.  A batch of classes therefore only needs the first ``max(eot) + 1`` positions
-instead of 77 (``tests/test_core_prompts.py`` checks the equality).
-
-Deep text prompts (IVLP / MaPLe, ``ctx_deep`` ``[J-1, M, d_t]``): before block ``i`` (``1 <= i < J``)
-the hidden states at positions ``1..M`` are replaced by ``ctx_deep[i-1]`` (no positional embedding
-is added to them, as in multimodal-prompt-learning ``clip/model.py``).  Those positions lie before
-every EOT, so truncation stays exact (``tests/test_deep_prompts.py`` checks it).
+Exact truncation: the causal mask and EOT pooling mean no token after the EOT changes the feature, so a batch needs
+only the first ``max(eot) + 1`` positions instead of 77.  Deep text prompts (IVLP / MaPLe, ``ctx_deep``
+``[J-1, M, d_t]``): before block ``i`` (``1 <= i < J``) positions ``1..M`` are replaced by ``ctx_deep[i-1]``, no
+positional embedding added (multimodal-prompt-learning ``clip/model.py``); they lie before every EOT.
 """
 
 from __future__ import annotations

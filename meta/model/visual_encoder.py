@@ -1,19 +1,14 @@
 """Visual prompt tokens (VPT, Jia et al. ECCV 2022) run through a frozen open_clip ViT.
 
-We do not patch open_clip: this module runs the frozen ViT's own submodules (``conv1``, ``class_embedding``,
-``positional_embedding``, ``ln_pre``, each residual block, ``ln_post``, ``proj``) in our own forward and inserts the
-prompt tokens between them.
-
-Layout (the independent-prompt design of MaPLe's IVLP/VPT code, read from
-multimodal-prompt-learning ``clip/model.py``; reference section 7):
+We do not patch open_clip: our own forward runs the frozen ViT's submodules and inserts the prompt tokens between
+them.  Layout (MaPLe's IVLP/VPT code, multimodal-prompt-learning ``clip/model.py``; reference section 7):
 
 * shallow (depth 1): ``n`` prompt tokens are appended after the CLS and patch tokens (after the positional embedding,
   before ``ln_pre``) and travel through every block;
 * deep (depth D > 1): before block ``i`` (``1 <= i < D``) the outputs at the
   prompt positions are replaced by that layer's fresh prompt tokens.
 
-The pooled output still comes from the CLS token, so with no prompts this
-forward equals ``clip.encode_image`` (checked in tests).
+The pooled output still comes from the CLS token: with no prompts this equals ``clip.encode_image``.
 """
 
 from __future__ import annotations
