@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meta.method.learners import DEFAULT_LEARNER, feature_logits, learner_of
+from meta.method.objective import OuterObjective
 from meta.method.prompts import PromptedCLIP
 from meta.method.regulator import GradientRegulator
 
@@ -150,10 +151,12 @@ class TaskBatching:
         out-of-memory error clears the gradients and halves the chunk (kept in :attr:`chunk`) until it fits or is one
         task; on the CPU ``auto`` runs sequentially, so CPU results (demo, study, CI) keep the sequential path's last
         digit (the stacked pass agrees to float rounding).  ``None`` also without a batched twin of ``loss_fn``, for
-        one task, for tasks of different shapes or where :func:`stacked_objective` is False.
+        one task, for tasks of different shapes, where :func:`stacked_objective` is False or the learner's objective is
+        not an :class:`~meta.method.objective.OuterObjective` (META.MODE testtime's steps one image at a time).
         """
         fn = batched_loss_of(loss_fn)
-        if self.mode == "off" or fn is None or len(tasks) < 2 or not stacked_objective(learner.spec):
+        stackable = isinstance(learner.objective, OuterObjective) and stacked_objective(learner.spec)
+        if self.mode == "off" or fn is None or len(tasks) < 2 or not stackable:
             return None
         if self.mode == "auto" and not on_accelerator(learner):
             return None
