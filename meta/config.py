@@ -35,6 +35,7 @@ from yacs.config import CfgNode as CN
 
 from meta.data.input_limits import MAX_FIELD_CHARS, MAX_IMAGE_ASPECT, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
 from meta.finetune.regulated import DEFAULT_LAUNCH, DEFAULT_REG_WINDOW
+from meta.finetune.testtime import TestTimeSpec
 from meta.infra.cli_errors import UserError
 from meta.method.consistency import ConsistencySpec
 from meta.method.gram import DEFAULT_QUERY_BEFORE_WEIGHT, MetaSpec
@@ -171,7 +172,9 @@ def _tasks_node() -> CN:
 def add_metatrain_cfg(cfg: CN) -> CN:
     """Add the ``META`` node to ``cfg`` (in place) and return ``cfg``."""
     m = CN()
-    m.MODE = "gram"  # gram = bi-level GRAM (Alg. 1) | pretrain = Table 4 row 3 baseline
+    # gram = bi-level GRAM (Alg. 1) | pretrain = Table 4 row 3 baseline | testtime = θ*, R_φ meta-trained for test-time
+    # tuning (meta.metatrain.testtime_objective: an entropy step on each query image's views, then its cross-entropy)
+    m.MODE = "gram"
     m.HIERARCHY = ""  # CHC output dir ("" = CHC.OUTPUT_DIR); unused for TASKS.SOURCE image_folder
     m.STEPS = 10000  # outer steps; [SUPMER] uses 100k at B=4 - we default to a 10x shorter run
     m.META_BATCH = 4  # B tasks per outer step: [SUPMER] OUTER_BATCH_SIZE=4, [MAML] miniImageNet 4
@@ -254,6 +257,11 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.PRETRAIN.WAYS = 0  # classes per step (0 = all training topics)
     m.PRETRAIN.BATCH_SIZE = 32  # images per step (uniform over the step's classes, all domains)
     m.PRETRAIN.LR = OUTER_LR_PROMPT  # Adam/SGD lr on theta, = OUTER_LR_PROMPT so both baselines share lambda_1
+
+    # ---- META.MODE testtime: each query image's views (TPT's defaults, meta.finetune.testtime.TestTimeSpec) -----
+    m.TEST_TIME = CN()
+    m.TEST_TIME.VIEWS = TestTimeSpec.views  # the image and VIEWS - 1 random resized crops with flips
+    m.TEST_TIME.CONFIDENT_SHARE = TestTimeSpec.confident_share  # views of lowest entropy the inner loss keeps
 
     # ---- bookkeeping ---------------------------------------------------------------------------
     m.CHECKPOINT_EVERY = 100  # [SUPMER] SAVE_STEP=100; a killed run loses at most this many steps
@@ -405,6 +413,7 @@ KEY_FIELDS: tuple[KeyField, ...] = (
     KeyField("--rrcrop-scale", _TRAIN, "rrcrop_scale", note="a list LO HI on the command line"),
     # ---- test-time tuning (TPT's protocol): TRAINER.GRAM.TEST_TIME.* and the evaluator's --test-time-* flags
     *_same(_TEST_TIME, "TRAINER.GRAM.TEST_TIME.", *_TEST_TIME_FIELDS),
+    *_same(_TEST_TIME, "META.TEST_TIME.", "views", "confident_share"),
     *(KeyField(f"--test-time-{name.replace('_', '-')}", _TEST_TIME, name) for name in _TEST_TIME_FIELDS),
 )
 
@@ -463,6 +472,7 @@ NODE_SPECS: dict[str, tuple[str, ...]] = {
     "META.PRETRAIN": (_OUTER,),
     "TRAINER.GRAM": (_PROMPT, _START, _CONSISTENCY, _GRAM_SETTINGS),
     "TRAINER.GRAM.TEST_TIME": (_TEST_TIME,),
+    "META.TEST_TIME": (_TEST_TIME,),
     "--": (_PROMPT, _START, _TRAIN),
 }
 

@@ -20,6 +20,7 @@ BUILDERS = {
     "OuterSpec": settings.outer_spec,
     "TrainSpec": settings.val_train_spec,
     "StartSpec": settings.val_start_spec,
+    "TestTimeSpec": settings.test_time_spec,  # META.TEST_TIME.* (META.MODE testtime's views)
 }
 # a value other than the default that the spec accepts, for the string fields
 OTHER_WORDS = {

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
 from meta.finetune.testtime import TestTimeSpec, view_batch
-from meta.metatrain.testtime_objective import TestTimeObjective, view_features
+from meta.metatrain.testtime_objective import TaskViews, TestTimeObjective, view_features
 from meta.method.gram import GRAMMetaLearner, MetaSpec, double_backward_attention
 from meta.method.prompts import PromptedCLIP, PromptParams, PromptSpec, classification_loss
 from meta.method.regulator import RegulatorSpec
@@ -41,10 +42,9 @@ def _query(pclip, dims, images_key: bool, m: int = 2, views: int = 4, seed: int 
     gen = torch.Generator().manual_seed(seed)
     images = torch.randn(m, 3, dims.image_size, dims.image_size, generator=gen, dtype=torch.float64)
     spec = TestTimeSpec(views=views, confident_share=KEPT / views)
-    if images_key:
-        value = torch.stack([view_batch(x, spec, gen) for x in images])
-    else:
-        value = view_features(pclip, images, spec, gen)
+    value = torch.stack([view_batch(x, spec, gen) for x in images])
+    if not images_key:
+        value = view_features(pclip, value)
     return {
         "classnames": NAMES,
         "label": torch.tensor([1, 2][:m]),
@@ -178,20 +178,25 @@ def test_the_inner_step_reads_no_label_and_first_order_differs(clip64):
     assert float((grads[True] - grads[False]).norm() / grads[False].norm()) > 1e-4
 
 
-def test_view_features_start_with_the_image_and_follow_the_generator(clip64):
+def test_task_views_start_with_the_image_depend_on_the_task_only_and_encode_without_gradient(clip64):
     clip, dims = clip64
     pclip = PromptedCLIP(clip, dims, 2)
-    images = torch.randn(
-        2, 3, dims.image_size, dims.image_size, generator=torch.Generator().manual_seed(5), dtype=torch.float64
-    )
+    gen = torch.Generator().manual_seed(5)
+    images = torch.randn(2, 3, dims.image_size, dims.image_size, generator=gen, dtype=torch.float64)
     spec = TestTimeSpec(views=3)
-    feats = view_features(pclip, images, spec, torch.Generator().manual_seed(6))
+    feats = TaskViews(pclip, spec, seed=1, use_images=False)(images, np.array([4, 9]))["view_features"]
     assert feats.shape == (2, 3, pclip.image_features(None, images[:1]).shape[-1]) and not feats.requires_grad
-    torch.testing.assert_close(feats[:, 0], pclip.image_features(None, images))
-    again = view_features(pclip, images, spec, torch.Generator().manual_seed(6))
-    torch.testing.assert_close(feats, again, rtol=0, atol=0)
-    other = view_features(pclip, images, spec, torch.Generator().manual_seed(7))
-    assert float((other[:, 1:] - feats[:, 1:]).abs().max()) > 1e-6
+    torch.testing.assert_close(feats[:, 0], pclip.image_features(None, images))  # view 0: the image itself
+    pixels = TaskViews(pclip, spec, seed=1, use_images=True)(images, np.array([4, 9]))["view_images"]
+    assert pixels.shape == (2, 3, 3, dims.image_size, dims.image_size)
+    torch.testing.assert_close(view_features(pclip, pixels), feats, rtol=0, atol=0)  # the same draws, encoded
+    again = TaskViews(pclip, spec, seed=1, use_images=True)(images, np.array([4, 9]))["view_images"]
+    torch.testing.assert_close(again, pixels, rtol=0, atol=0)
+    for other in (
+        TaskViews(pclip, spec, 2, True)(images, np.array([4, 9])),
+        TaskViews(pclip, spec, 1, True)(images, np.array([4, 8])),
+    ):
+        assert float((other["view_images"][:, 1:] - pixels[:, 1:]).abs().max()) > 1e-6  # another seed, another task
 
 
 def test_bad_queries_and_a_gate_regulator_end_in_one_line(clip64):

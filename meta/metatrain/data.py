@@ -16,7 +16,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -178,12 +178,14 @@ class TaskBatcher:
         std: Sequence[float],
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
+        views: Optional[Callable[[torch.Tensor, np.ndarray], dict]] = None,
     ):
         self.h = hierarchy
         self.use_images = use_images
         self.mean, self.std = tuple(mean), tuple(std)
         self.device = device
         self.dtype = dtype
+        self.views = views  # META.MODE testtime: (query images, their indices) -> the query's view entry
 
     def part(self, classnames: Sequence[str], index: np.ndarray, label: np.ndarray) -> dict:
         """``{"classnames": [K], "label": [n] int64, "features": [n, E] | "images": [n, 3, H, W]}``."""
@@ -193,16 +195,19 @@ class TaskBatcher:
             "label": torch.as_tensor(np.asarray(label), dtype=torch.long, device=self.device),
         }
         if self.use_images:
-            batch["images"] = normalize_uint8(
-                self.h.images(index), self.mean, self.std, dtype=self.dtype, device=self.device
-            )
+            batch["images"] = self.images(index)
         else:
             feats = np.asarray(self.h.image_features[index], dtype=np.float32)
             batch["features"] = torch.from_numpy(feats).to(device=self.device, dtype=self.dtype)
         return batch
 
+    def images(self, index: np.ndarray) -> torch.Tensor:
+        """``[n, 3, H, W]`` normalised images of items ``index``."""
+        return normalize_uint8(self.h.images(index), self.mean, self.std, dtype=self.dtype, device=self.device)
+
     def __call__(self, task) -> TaskBatch:
-        return TaskBatch(
-            support=self.part(task.classnames, task.support_index, task.support_label),
-            query=self.part(task.query_names, task.query_index, task.query_label),
-        )
+        query = self.part(task.query_names, task.query_index, task.query_label)
+        if self.views is not None:  # each query image's test-time views (view_features or view_images)
+            index = np.asarray(task.query_index, dtype=np.int64)
+            query.update(self.views(self.images(index), index))
+        return TaskBatch(support=self.part(task.classnames, task.support_index, task.support_label), query=query)

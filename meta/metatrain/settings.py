@@ -23,6 +23,7 @@ from meta.config import (
     REGULATOR_SPEC,
     REMOVED,
     START_SPEC,
+    TEST_TIME_SPEC,
     TRAIN_SPEC,
     add_metatrain_cfg,  # noqa: F401 (re-exported: the META schema beside its specs)
     config_value,
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
     from meta.metatrain.tasks import TaskSampler
     from meta.method.gram import MetaSpec
 
-MODES = ("gram", "pretrain")
+MODES = ("gram", "pretrain", "testtime")  # testtime: GRAM meta-trained for test-time tuning
 
 # Keys that steer how a run is executed or observed, not its numbers: they may change on ``--resume``; where the tasks
 # come from (META.HIERARCHY, TASKS.IMAGE_FOLDER, CHC.*) too, compared by content (data.hierarchy_fingerprint).
@@ -175,6 +176,12 @@ def check_meta_cfg(cfg: CN) -> "TrainSettings":
         "META.CONSISTENCY.TEXT_WEIGHT or IMAGE_WEIGHT > 0)",
         m.REGULATOR.FORM,
     )
+    _need(
+        m.REGULATOR.FORM != "gate" or not m.REGULATE or m.MODE != "testtime",
+        "META.REGULATOR.FORM",
+        "residual or paper under META.MODE testtime (its entropy step has no regulariser for a gate)",
+        m.REGULATOR.FORM,
+    )
     check_text_context(cfg)
     run = _train_settings(cfg)
     check_step_size(run)
@@ -276,7 +283,7 @@ def check_step_size(run: "TrainSettings", item_bytes: int = INDEX_BYTES, device:
             most[key][0],
         )
     key, value = run.split_key  # what one step holds: the meta-batch's tasks, or pre-training's images
-    if run.mode == "gram":
+    if run.mode != "pretrain":
         per, holds = per_task, f"tasks of K_WAY x (N_SUPPORT + N_QUERY) = {per_task} images"
     else:
         per, holds = 1, "images"
@@ -286,7 +293,7 @@ def check_step_size(run: "TrainSettings", item_bytes: int = INDEX_BYTES, device:
         f"at most {total // (per * item_bytes)} {holds} per step: one step holds them all at once, {unit}, in {where}",
         value,
     )
-    if item_bytes == INDEX_BYTES and run.mode == "gram":  # the validation tasks' indices are drawn up front
+    if item_bytes == INDEX_BYTES and run.mode != "pretrain":  # the validation tasks' indices are drawn up front
         _need(
             run.val_tasks * per_task * INDEX_BYTES <= total,
             "META.VAL_TASKS",
@@ -440,6 +447,14 @@ def outer_spec(cfg: CN) -> "OuterSpec":
     return OuterSpec(**fields, regulator_weight_decay=float(m.REGULATOR.WEIGHT_DECAY))
 
 
+def test_time_spec(cfg: CN):
+    """The views of ``META.MODE testtime`` (``META.TEST_TIME.*``) as a :class:`meta.finetune.testtime.TestTimeSpec`;
+    a bad value is a one-line error naming the key."""
+    from meta.finetune.testtime import spec_from  # lazy: torchvision, which config-only users do not need
+
+    return spec_from(table_fields(cfg, TEST_TIME_SPEC, "META.TEST_TIME"), lambda f: f"META.TEST_TIME.{f.upper()}")
+
+
 def prompt_spec(cfg: CN) -> PromptSpec:
     """θ's spec from ``META.PROMPT`` (every key a field of the same name: :func:`meta.config.table_fields`)."""
     return PromptSpec(**table_fields(cfg, PROMPT_SPEC, "META.PROMPT"))
@@ -461,7 +476,7 @@ def val_start_spec(cfg: CN) -> StartSpec:
         **table_fields(cfg, START_SPEC, "META"),  # VAL_REG_WINDOW
         prompt=prompt_spec(cfg),
         regulate=True,
-        launch=bool(m.VAL_LAUNCH) and m.MODE == "gram",
+        launch=bool(m.VAL_LAUNCH) and m.MODE != "pretrain",
         naming=VAL_NAMING,
     )
 
@@ -519,7 +534,8 @@ class TrainSettings:
 
     output_dir: Path  # OUTPUT_DIR
     seed: int  # SEED
-    mode: str  # META.MODE: gram | pretrain
+    mode: str  # META.MODE: gram | pretrain | testtime
+    test_time: Any  # META.TEST_TIME.* as a meta.finetune.testtime.TestTimeSpec (read by META.MODE testtime)
     device: str  # MODEL.DEVICE as given (auto | cpu | cuda[:i]); meta.model.backbone.resolve_device resolves it
     model: ClipSettings  # MODEL.*
     tasks: TaskSettings  # TASKS.*
@@ -556,7 +572,7 @@ class TrainSettings:
     def split_key(self) -> tuple[str, int]:
         """``(key, count)`` that torchrun splits over its processes: the meta-batch's tasks or pre-training's
         images."""
-        if self.mode == "gram":
+        if self.mode != "pretrain":
             return "META.META_BATCH", self.meta_batch
         return "META.PRETRAIN.BATCH_SIZE", self.pretrain_batch_size
 
@@ -575,6 +591,7 @@ def _train_settings(cfg: CN) -> TrainSettings:
         output_dir=Path(cfg.OUTPUT_DIR),
         seed=int(cfg.SEED),
         mode=str(m.MODE),
+        test_time=test_time_spec(cfg),
         device=str(cfg.MODEL.DEVICE),
         model=ClipSettings.from_cfg(cfg),
         tasks=task_settings(cfg),

@@ -15,14 +15,16 @@ outer loss (and the reported inner accuracy, a metric).
 
 The query is a dict: ``classnames`` (K names), ``label`` ``[m]`` and either ``view_features`` ``[m, V, E]``
 (normalised image features of the views, for a learner whose image side has no prompts) or ``view_images``
-``[m, V, 3, H, W]``.  :func:`view_features` builds the former from images with the frozen image tower.
+``[m, V, 3, H, W]``.  :class:`TaskViews` builds either from a task's query images.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,16 +50,39 @@ def entropy_loss(pclip, kept: int) -> LossFn:
     return loss
 
 
-def view_features(pclip, images: torch.Tensor, spec: TestTimeSpec, generator: torch.Generator) -> torch.Tensor:
-    """``[m, V, E]`` frozen-tower features of each image's ``spec.views`` views (``images`` ``[m, 3, H, W]``; view 0
-    is the image), drawn in order from ``generator``; no gradient."""
+def view_features(pclip, views: torch.Tensor) -> torch.Tensor:
+    """``[m, V, E]`` frozen-tower features of views ``[m, V, 3, H, W]`` (no gradient)."""
     with torch.no_grad():
-        return torch.stack([pclip.image_features(None, view_batch(image, spec, generator)) for image in images])
+        return pclip.image_features(None, views.flatten(0, 1)).view(*views.shape[:2], -1)
+
+
+@dataclass(frozen=True)
+class TaskViews:
+    """The query's views for ``META.MODE testtime`` (:class:`meta.metatrain.data.TaskBatcher`'s ``views``): image i
+    of a task gets ``spec.views`` views drawn from a generator of (``seed``, the task's query items, i), so a task
+    always gets the same views whichever tasks came before it (a resumed run draws what the uninterrupted one did)
+    and an image drawn in two tasks gets two sets.  Features for a learner without visual prompts, else images."""
+
+    pclip: Any
+    spec: TestTimeSpec
+    seed: int
+    use_images: bool
+
+    def __call__(self, images: torch.Tensor, index: np.ndarray) -> dict:
+        """``{"view_images": [m, V, 3, H, W]}`` or ``{"view_features": [m, V, E]}`` of ``images`` ``[m, 3, H, W]``."""
+        task = zlib.crc32(np.asarray(index, dtype=np.int64).tobytes())
+        views = []
+        for i, image in enumerate(images):
+            state = np.random.SeedSequence([int(self.seed), task, i]).generate_state(1)[0]
+            views.append(view_batch(image, self.spec, torch.Generator().manual_seed(int(state))))
+        stack = torch.stack(views)
+        return {"view_images": stack} if self.use_images else {"view_features": view_features(self.pclip, stack)}
 
 
 @dataclass(frozen=True)
 class TestTimeObjective:
-    """The objective of the module docstring; ``kept`` confident views per image (TPT: 6 of 64)."""
+    """The objective of the module docstring; ``kept`` confident views per image (TPT: 6 of 64).  It takes one
+    image at a time, so the task-stacked loop does not run it (:mod:`meta.method.batched`)."""
 
     __test__ = False  # not a pytest test class
 

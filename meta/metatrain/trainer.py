@@ -53,6 +53,7 @@ from meta.metatrain.export import export_paths, export_state, exported_files, ve
 from meta.metatrain.outer import OuterStep
 from meta.metatrain.runlog import RunLog, postfix, progress_bar
 from meta.metatrain.tasks import ClassBatchStream, TaskStream, split_topics
+from meta.metatrain.testtime_objective import TaskViews, TestTimeObjective
 from meta.method.gram import GRAMMetaLearner
 from meta.method.inner import task_loss_of
 from meta.method.metrics import accuracy
@@ -157,12 +158,17 @@ def setup_run(run: settings.TrainSettings, hierarchy=None) -> RunSetup:
 
     theta = PromptParams.from_spec(pspec, clip, dims, generator=torch.Generator().manual_seed(seed))
     spec = replace(run.meta, autocast=resolve_autocast(run.meta.autocast, device, "META.AUTOCAST"))
-    learner = GRAMMetaLearner(theta, spec)
     pclip = PromptedCLIP(clip, dims, theta.n_ctx_text, template=pspec.template)
+    objective, views = None, None
+    if run.mode == "testtime":  # θ*, R_φ meta-trained for test-time tuning: the query's views, no labelled support
+        objective = TestTimeObjective(run.test_time.kept)
+        views = TaskViews(pclip, run.test_time, seed, use_images)
+    learner = GRAMMetaLearner(theta, spec, objective=objective)
     mean, std = norm_stats(h, clip)
-    batcher = TaskBatcher(h, use_images, mean, std, device=device, dtype=next(clip.parameters()).dtype)
+    dtype = next(clip.parameters()).dtype
+    batcher = TaskBatcher(h, use_images, mean, std, device=device, dtype=dtype, views=views)
 
-    if run.mode == "gram":
+    if run.mode != "pretrain":
         try:
             stream = TaskStream(lambda: tasks.sampler(h, train_topics, seed=seed, k_way=k_way))
         except ValueError as err:
@@ -234,7 +240,8 @@ def validate(run: RunSetup) -> dict:
     learner, loss_fn, n = run.learner, run.loss_fn, len(run.val_tasks)
     query_fn = task_loss_of(loss_fn)  # the query measures the task alone (no regulariser)
     keys = "query_loss_before query_acc_before query_loss_after query_acc_after support_loss_before support_acc_before"
-    sums: dict[str, float] = dict.fromkeys(keys.split(), 0.0)
+    testtime = isinstance(learner.objective, TestTimeObjective)  # its own scores (TestTimeObjective.backward)
+    sums: dict[str, float] = {} if testtime else dict.fromkeys(keys.split(), 0.0)
 
     def add(scores: dict) -> None:  # one task's scores, each a 1/n share of its key's mean
         for key, value in scores.items():
@@ -242,6 +249,10 @@ def validate(run: RunSetup) -> dict:
 
     for index, task in list(enumerate(run.val_tasks))[dist_.rank() :: dist_.world_size()]:
         batch = run.batcher(task)
+        if testtime:  # each query image after its own entropy step
+            _, values = learner.objective.backward(learner, loss_fn, None, batch.query, 1, backward=lambda _: None)
+            add({key: float(value) for key, value in values.items()})
+            continue
         with torch.no_grad():
             q_loss0, q_logits0 = query_fn(learner.prompt_module, batch.query)
         adapted, s_losses, s_accs = learner.adapt(loss_fn, batch.support, first_order=True)
@@ -356,7 +367,7 @@ def _loop(
     (checkpointed) step after which a stop was requested."""
     s = run.settings
     steps_total, val_every, ckpt_every = s.steps, s.val_every, s.checkpoint_every
-    step_fn = gram_step if s.mode == "gram" else pretrain_step
+    step_fn = pretrain_step if s.mode == "pretrain" else gram_step
     if start == 0 and run.val_tasks and val_every > 0:
         log.write("val", 0, validate(run))
     for step in range(start + 1, steps_total + 1):

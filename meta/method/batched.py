@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meta.method.learners import DEFAULT_LEARNER, feature_logits, learner_of
+from meta.method.objective import OuterObjective
 from meta.method.prompts import PromptedCLIP
 from meta.method.regulator import GradientRegulator
 
@@ -148,10 +149,12 @@ class TaskBatching:
 
         ``on``: all tasks in one chunk; ``auto``: the same on an accelerator, halving the chunk (:attr:`chunk`) on
         out-of-memory, and sequential on the CPU (CPU results keep their last digit).  ``None`` also for ``off``, one
-        task, tasks of different shapes, no batched twin of ``loss_fn`` or a False :func:`stacked_objective`.
+        task, tasks of different shapes, no batched twin of ``loss_fn``, a False :func:`stacked_objective` or an
+        objective that is not an :class:`~meta.method.objective.OuterObjective` (``META.MODE testtime``).
         """
         fn = batched_loss_of(loss_fn)
-        if self.mode == "off" or fn is None or len(tasks) < 2 or not stacked_objective(learner.spec):
+        stackable = isinstance(learner.objective, OuterObjective) and stacked_objective(learner.spec)
+        if self.mode == "off" or fn is None or len(tasks) < 2 or not stackable:
             return None
         if self.mode == "auto" and not on_accelerator(learner):
             return None

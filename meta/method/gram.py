@@ -126,10 +126,12 @@ class GRAMMetaLearner(nn.Module):
         prompts: PromptParams,
         spec: Optional[MetaSpec] = None,
         labels_of: Callable[[Any], torch.Tensor] = lambda b: b["label"],
+        objective: Optional[Any] = None,
     ):
         super().__init__()
         self.spec = spec or MetaSpec()
         self.labels_of = labels_of
+        self._objective = objective  # None: the spec's (OuterObjective); e.g. meta.metatrain's TestTimeObjective
         factory = RegulatorFactory(self.spec.regulator, enabled=self.spec.regulate)
         self.gbml = l2l.algorithms.GBML(
             module=prompts,
@@ -167,8 +169,10 @@ class GRAMMetaLearner(nn.Module):
 
     @property
     def objective(self) -> OuterObjective:
-        """The outer loss of ``spec`` (:class:`meta.method.objective.OuterObjective`), shared by both task loops."""
-        return OuterObjective.of(self.spec)
+        """The outer loss: the one given at construction, else ``spec``'s
+        (:class:`~meta.method.objective.OuterObjective`, shared by both task loops).  Any object with its
+        ``backward`` serves; only ``OuterObjective`` stacks tasks."""
+        return OuterObjective.of(self.spec) if self._objective is None else self._objective
 
     # ----- inner loop --------------------------------------------------------------
     def adapt(
@@ -248,7 +252,7 @@ class GRAMMetaLearner(nn.Module):
             learner, values = self.objective.backward(
                 self, loss_fn, task.support, task.query, n_tasks, backward=backward
             )
-            if detailed:
+            if detailed and learner is not None:  # an objective without one adapted clone has no diagnostics
                 values.update(self._diagnostics(learner, loss_fn, task))
             for key, value in values.items():
                 per_task.setdefault(key, []).append(torch.as_tensor(value, dtype=torch.float32))
