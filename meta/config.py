@@ -325,7 +325,7 @@ _START = "meta.finetune.engine:StartSpec"
 _TRAIN = "meta.evaluation.spec:TrainSpec"
 _GRAM_SETTINGS = "trainers.gram.config:GramSettings"  # the Dassl trainers (repository root on sys.path)
 _TEST_TIME = "meta.finetune.testtime:TestTimeSpec"
-_TEST_TIME_FIELDS = ("views", "confident_share", "steps", "lr", "weight_decay")
+_TEST_TIME_FIELDS = ("views", "confident_share", "steps", "lr", "weight_decay", "optimizer")
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,13 @@ computation, reset between images, R_φ acting on the entropy gradient, and the 
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
-from meta.finetune.regulated import GradientRegulation
+from meta.finetune.regulated import GradientRegulation, LaunchStep
 from meta.finetune.testtime import (
     TestTimeSpec,
     confident_views,
@@ -133,6 +134,39 @@ def test_r_phi_replaces_the_entropy_gradient_before_the_step(tiny):
     assert flipped.summary()["reg_cos"] == pytest.approx(-1.0, abs=1e-6)
     assert regulated.loss_after > regulated.loss_before  # the step climbed the entropy
     assert plain.loss_after < plain.loss_before
+
+
+def test_the_meta_optimizer_takes_the_init_files_regulated_step_and_needs_one(tiny):
+    pclip, theta, images = tiny
+    spec = TestTimeSpec(views=8, confident_share=0.25, steps=1, optimizer="meta")
+    reg = GradientRegulator(theta.ctx.shape[-1], RegulatorSpec(form="residual"))
+    with torch.no_grad():
+        for p in reg.parameters():
+            p.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(3))
+    regulation = GradientRegulation({"ctx": reg})
+    rule = LaunchStep(alpha=0.7, weight_decay=0.01)
+    result = tune_and_predict(pclip, theta, images[:1], NAMES, spec, regulation=regulation, seed=7, rule=rule)
+    views = view_batch(images[0], spec, image_generator(7, 0))
+    probe = copy.deepcopy(theta)
+    with torch.no_grad():
+        feats = pclip.image_features(None, views)
+    logits = pclip.logits(probe, NAMES, image_features=feats)
+    p = logits.softmax(-1)
+    keep = torch.argsort(-(p * p.log()).sum(-1), stable=True)[:2]
+    mean = p[keep].mean(0)
+    (grad,) = torch.autograd.grad(-(mean * mean.log()).sum(), probe.ctx)
+    with torch.no_grad():  # θ − α (R_φ(g) + λ θ): the meta-trained inner rule, by hand
+        probe.ctx.copy_(theta.ctx - 0.7 * (reg(grad) + 0.01 * theta.ctx))
+        expected = pclip.logits(probe, NAMES, images=images[:1])[0]
+    torch.testing.assert_close(result.logits[0], expected, rtol=1e-4, atol=1e-4)
+    adamw = tune_and_predict(
+        pclip, theta, images[:1], NAMES, replace(spec, optimizer="adamw"), regulation=regulation, seed=7
+    )
+    assert not torch.allclose(adamw.logits[0], expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"^test-time optimizer meta: needs the meta-trained step of a GRAM init file"):
+        tune_and_predict(pclip, theta, images[:1], NAMES, spec, regulation=regulation)
+    with pytest.raises(ValueError, match=r"^test-time optimizer: expected adamw \| meta, got 'sgd'$"):
+        TestTimeSpec(optimizer="sgd")
 
 
 @pytest.mark.parametrize(

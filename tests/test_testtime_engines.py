@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -30,7 +31,7 @@ from meta.method.regulator import GradientRegulator, RegulatorSpec  # noqa: E402
 
 SHAPES = {"GRAM_CoOp": {"ctx": (4, 64)}, "UNIGRAM": {"ctx": (2, 64), "vpt": (1, 2, 64)}}
 WORDS = "a photo of a"
-SPEC = TestTimeSpec(views=4, confident_share=0.5, steps=2, lr=0.05)
+SPEC = SPEC_ADAMW = TestTimeSpec(views=4, confident_share=0.5, steps=2, lr=0.05)
 OPTS = [
     "TRAINER.GRAM.TEST_TIME.ENABLED",
     "True",
@@ -81,14 +82,18 @@ def _dassl_logits(trainer) -> tuple[float, torch.Tensor]:
     return accuracy, torch.cat(caught)
 
 
-@pytest.mark.parametrize("key", ["coop", "gram_coop", "unigram"])
-def test_the_dassl_option_and_the_evaluator_give_the_same_predictions(world, tiny_clip, tmp_path, key):
+@pytest.mark.parametrize(
+    "key, optimizer", [("coop", "adamw"), ("gram_coop", "adamw"), ("unigram", "adamw"), ("gram_coop", "meta")]
+)
+def test_the_dassl_option_and_the_evaluator_give_the_same_predictions(world, tiny_clip, tmp_path, key, optimizer):
     root, inits = world
     row = methods.get(key)
     init = str(inits[row.trainer]) if row.gram_file else ""
     opts = (["TRAINER.GRAM.INIT", init] if init else ["TRAINER.GRAM.CTX_INIT", WORDS]) + OPTS
+    opts += ["TRAINER.GRAM.TEST_TIME.OPTIMIZER", optimizer]  # meta: the init file's step (its launch step is on)
+    SPEC = replace(SPEC_ADAMW, optimizer=optimizer)
     trainer, cfg = dassl_run(root, key, opts, "base", tmp_path / "base")
-    assert trainer.gram.test_time == SPEC
+    assert trainer.gram.test_time == SPEC and (optimizer == "adamw" or trainer.launch_step is not None)
     trainer.train()  # one epoch; Dassl's final test already runs through the test-time path
     accuracy, logits = _dassl_logits(trainer)
     again, logits_again = _dassl_logits(trainer)
@@ -100,7 +105,8 @@ def test_the_dassl_option_and_the_evaluator_give_the_same_predictions(world, tin
     loader = ImageLoader(dims.image_size, (0.08, 1.0))
     images = torch.stack([loader.test_view(d.impath) for d in trainer.dm.dataset.test])
     regulation = trainer.regulation
-    tuned = tune_and_predict(pclip, theta, images, trainer.dm.dataset.classnames, SPEC, regulation, seed=SEED)
+    names, rule = trainer.dm.dataset.classnames, trainer.launch_step
+    tuned = tune_and_predict(pclip, theta, images, names, SPEC, regulation, seed=SEED, rule=rule)
     torch.testing.assert_close(logits, tuned.logits, rtol=1e-4, atol=1e-4)  # the same prediction on each image
     with torch.no_grad():
         plain = pclip.logits(theta, trainer.dm.dataset.classnames, images=images)

@@ -61,6 +61,7 @@ def test_extend_cfg_adds_every_key_with_paper_defaults():
     }
     t = g.TEST_TIME  # off; TPT's protocol (views, share, steps, lr, AdamW's weight decay) when ENABLED
     assert (t.ENABLED, t.VIEWS, t.CONFIDENT_SHARE, t.STEPS, t.LR, t.WEIGHT_DECAY) == (False, 64, 0.1, 1, 5e-3, 0.01)
+    assert t.OPTIMIZER == "adamw"  # TPT's; meta = the init file's meta-trained step
     assert g.LEARNER == "clip"  # the built-in prompt learner (meta.method.learners)
     assert g.EXIF_UPRIGHT is False  # images as stored, as Dassl's read_image reads them
     assert (g.N_CTX_TEXT, g.N_CTX_VISION, g.VPT_DEEP, g.ENABLED, g.REGULATE) == (4, 4, False, False, True)

@@ -45,6 +45,7 @@ from meta.evaluation import (
 from meta.evaluation.spec import OPTIMIZERS
 from meta.evaluation.summary import format_row, summarise
 from meta.finetune.testtime import NO_PROMPTS, TestTimeSpec, spec_from
+from meta.finetune.testtime import OPTIMIZERS as TEST_TIME_OPTIMIZERS
 from meta.infra.cli_errors import int_flag_problem, run_cli
 from meta.infra.provenance import results_record
 from meta.method.prompts import VPT_INITS, PromptSpec
@@ -126,6 +127,12 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--test-time-steps", type=int, default=TestTimeSpec.steps)
     common.add_argument("--test-time-lr", type=float, default=TestTimeSpec.lr)
     common.add_argument("--test-time-weight-decay", type=float, default=TestTimeSpec.weight_decay)
+    common.add_argument(
+        "--test-time-optimizer",
+        choices=TEST_TIME_OPTIMIZERS,
+        default=TestTimeSpec.optimizer,
+        help="adamw: TPT's; meta: the init file's meta-trained step (needs the method's launch step)",
+    )
     common.add_argument("--output", default="", help="append one JSON line per run to this file")
     common.add_argument("--no-progress", action="store_true")
     common.add_argument("--debug", action="store_true", help="show tracebacks (also GRAM_DEBUG=1)")

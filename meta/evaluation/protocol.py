@@ -32,7 +32,7 @@ from meta.evaluation.spec import MethodSpec, TrainSpec
 from meta.evaluation.training import LabelledSet, PromptTuner, StartPoint, build_prompts
 from meta.finetune.engine import prompt_digest
 from meta.finetune.regulated import LaunchStep
-from meta.finetune.testtime import TestTimeSpec
+from meta.finetune.testtime import TestTimeSpec, check_optimizer
 from meta.method.prompts import PromptedCLIP, PromptParams
 from meta.model.backbone import ClipDims
 
@@ -205,6 +205,8 @@ def _run(
     :meth:`PromptTuner.test_time` measured.
     """
     tuner, init_info = session.tuner(method, spec, seed, root, start)
+    if test_time is not None:  # before any fine-tuning: a refusal loses no work
+        check_optimizer(test_time, tuner.launch_step)
     test_sets = {
         name: session.labelled_set(recs, names, method, spec, seed, train=False, root=root)
         for name, (recs, names) in tests.items()

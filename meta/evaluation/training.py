@@ -227,7 +227,7 @@ class PromptTuner:
         images = _LazyImages(data.impaths, self.test_images, self.device)
         seed = self.seed
         tuned = tune_and_predict(
-            self.pclip, self.prompts, images, data.classnames, spec, self.regulation, seed, progress
+            self.pclip, self.prompts, images, data.classnames, spec, self.regulation, seed, progress, self.launch_step
         )
         labels = data.labels
         return {

@@ -5,7 +5,8 @@ For each unlabelled test image ``x`` (``[3, H, W]``, preprocessed as the evaluat
 pre-augmentation, ``torchvision``'s RandomResizedCrop rule drawn from a seeded generator), their logits under θ, the
 :attr:`TestTimeSpec.confident_share` of views with the lowest prediction entropy, and the entropy of their *averaged*
 prediction as the loss (TPT's ``select_confident_samples`` and ``avg_entropy``, azshue/TPT ``tpt_classification.py``).
-:attr:`TestTimeSpec.steps` AdamW steps on θ (lr 5e-3, torch's default weight decay, as TPT), with R_φ replacing the
+:attr:`TestTimeSpec.steps` AdamW steps on θ (lr 5e-3, torch's default weight decay, as TPT; or, with ``optimizer
+meta``, the init file's meta-trained step θ − α R_φ(g)), with R_φ replacing the
 gradient before each step when a :class:`meta.finetune.regulated.GradientRegulation` is given; then the prediction on
 ``x`` itself.  θ and the optimiser start afresh for every image (episodic: nothing of one image reaches the next).
 
@@ -26,12 +27,17 @@ import torch
 from torchvision.transforms.v2 import functional as TF
 from tqdm import tqdm
 
+from meta.finetune.regulated import LaunchStep, RuleStep
 from meta.method.learners import learner_of
 
 NO_PROMPTS = (
     "zero-shot CLIP has no prompts to tune; TPT from the hand prompt is the coop method started from those words "
     "and not fine-tuned (python -m meta.evaluation --methods coop --ctx-init 'a photo of a' --epochs 0)"
 )
+
+
+OPTIMIZERS = ("adamw", "meta")
+NO_RULE = "needs the meta-trained step of a GRAM init file (the method's init file with its launch step on)"
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,9 @@ class TestTimeSpec:
     steps: int = 1  # optimiser steps per image
     lr: float = 5e-3
     weight_decay: float = 0.01  # torch.optim.AdamW's default, which TPT keeps
+    # adamw: TPT's AdamW (lr, weight_decay); meta: the init file's meta-trained step θ <- θ − α·R_φ(g) (its α, momentum
+    # and weight decay: meta.finetune.regulated.RuleStep), the step META.MODE testtime meta-trains
+    optimizer: str = "adamw"
     crop_scale: tuple[float, float] = (0.08, 1.0)  # RandomResizedCrop's defaults (area share, aspect ratio)
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
 
@@ -57,6 +66,8 @@ class TestTimeSpec:
             raise ValueError(f"test-time steps: expected an integer >= 0, got {self.steps}")
         if not float(self.lr) > 0.0:
             raise ValueError(f"test-time lr: expected a learning rate > 0, got {self.lr}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"test-time optimizer: expected {' | '.join(OPTIMIZERS)}, got {self.optimizer!r}")
 
     @property
     def kept(self) -> int:
@@ -151,8 +162,18 @@ def check_regulation(regulation) -> None:
         raise ValueError("test-time tuning: R_φ is a gate on a regulariser's gradient; the entropy loss has none")
 
 
-def tune_one(pclip, start, image: torch.Tensor, classnames: Sequence[str], spec: TestTimeSpec, generator, regulation):
-    """``(logits [C] on image after tuning, loss before, loss after)`` for one image from a fresh copy of ``start``."""
+def check_optimizer(spec: TestTimeSpec, rule: Optional[LaunchStep]) -> None:
+    """Refuse ``optimizer meta`` without the meta-trained step ``rule`` (before any work is done)."""
+    if spec.optimizer == "meta" and rule is None:
+        raise ValueError(f"test-time optimizer meta: {NO_RULE}")
+
+
+def tune_one(
+    pclip, start, image: torch.Tensor, classnames: Sequence[str], spec: TestTimeSpec, generator, regulation, rule=None
+):
+    """``(logits [C] on image after tuning, loss before, loss after)`` for one image from a fresh copy of ``start``;
+    ``rule``: the :class:`meta.finetune.regulated.LaunchStep` that ``spec.optimizer`` ``meta`` steps with."""
+    check_optimizer(spec, rule)
     theta = copy.deepcopy(start)
     for p in theta.parameters():
         p.requires_grad_(True)
@@ -161,7 +182,11 @@ def tune_one(pclip, start, image: torch.Tensor, classnames: Sequence[str], spec:
     if not learner_of(theta).has_visual_prompts(theta):
         with torch.no_grad():
             cached = pclip.image_features(None, views)
-    optim = torch.optim.AdamW([p for p in theta.parameters()], lr=spec.lr, weight_decay=spec.weight_decay)
+    params = list(theta.parameters())
+    if spec.optimizer == "meta":
+        optim = RuleStep(params, rule)
+    else:
+        optim = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
     losses = []
     for _ in range(spec.steps):
         logits = _view_logits(pclip, theta, views, cached, classnames)
@@ -192,19 +217,21 @@ def tune_and_predict(
     regulation=None,
     seed: int = 0,
     progress: bool = False,
+    rule=None,
 ) -> TestTimeResult:
     """TPT on every image of ``images`` (``[n, 3, H, W]``, or a sequence of n ``[3, H, W]`` tensors read when their
     turn comes; module docstring), each from ``start`` (a :class:`meta.method.prompts.PromptParams`, left unchanged);
     image i's views come from a generator of its own (:func:`image_generator`), so its result does not depend on
-    which images came before it.  ``progress``: a tqdm bar over the images."""
+    which images came before it.  ``progress``: a tqdm bar over the images; ``rule``: as in :func:`tune_one`."""
     if len(images) == 0 or images[0].ndim != 3:
         shape = tuple(images.shape) if isinstance(images, torch.Tensor) else f"{len(images)} images"
         raise ValueError(f"test-time tuning: expected unlabelled images [n >= 1, 3, H, W], got {shape}")
     check_regulation(regulation)
+    check_optimizer(spec, rule)
     t = time.perf_counter()
     rows = []
     for i in tqdm(range(len(images)), desc="test-time tuning", unit="img", leave=False, disable=not progress):
-        rows.append(tune_one(pclip, start, images[i], classnames, spec, image_generator(seed, i), regulation))
+        rows.append(tune_one(pclip, start, images[i], classnames, spec, image_generator(seed, i), regulation, rule))
     return TestTimeResult(
         logits=torch.stack([r[0] for r in rows]),
         loss_before=sum(r[1] for r in rows) / len(rows),

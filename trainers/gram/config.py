@@ -153,6 +153,7 @@ def _gram_defaults() -> CN:
     node.TEST_TIME.STEPS = TestTimeSpec.steps  # AdamW steps per image
     node.TEST_TIME.LR = TestTimeSpec.lr
     node.TEST_TIME.WEIGHT_DECAY = TestTimeSpec.weight_decay
+    node.TEST_TIME.OPTIMIZER = TestTimeSpec.optimizer  # adamw (TPT) | meta: the init file's step (LAUNCH True)
     return node
 
 
