@@ -16,7 +16,7 @@ import pytest
 from gram_world.demo import DemoSettings, run, variants_needed
 from gram_world.demo import stages as demo_stages
 from gram_world.demo.report import build_tables
-from gram_world.demo.settings import OPT_IN_TABLES, TABLE_GROUPS, TESTTIME_ROWS
+from gram_world.demo.settings import OPT_IN_TABLES, TABLE_GROUPS, TESTTIME_ROWS, VARIANT_BY_NAME, method_row
 from gram_world.demo.testtime_report import GROUPS, build_testtime_table, markdown_of_testtime
 from meta.finetune.testtime import TestTimeSpec
 
@@ -36,13 +36,16 @@ def _world():
 def test_the_group_is_opt_in_and_plans_every_row_seed_and_set_in_its_own_folders(tmp_path):
     assert "testtime" in TABLE_GROUPS and "testtime" in OPT_IN_TABLES
     settings = replace(DemoSettings(), tables=("testtime",), seeds=(1, 2))
-    assert [v.name for v in variants_needed(settings.tables)] == ["gram_coop"]  # θ* and φ of CoOp + GRAM
-    jobs = demo_stages.eval_jobs(_world(), {"gram_coop": "init.safetensors"}, settings)
+    # θ* and φ of CoOp + GRAM, and of CoOp + GRAM meta-trained for test time (META.MODE testtime)
+    assert [v.name for v in variants_needed(settings.tables)] == ["gram_coop", "gram_coop_testtime"]
+    assert dict(zip(*[iter(VARIANT_BY_NAME["gram_coop_testtime"].overrides)] * 2))["META.MODE"] == "testtime"
+    inits = {"gram_coop": "init.safetensors", "gram_coop_testtime": "testtime.safetensors"}
+    jobs = demo_stages.eval_jobs(_world(), inits, settings)
     assert len(jobs) == len(TESTTIME_ROWS) * 2 * (2 + 1)  # rows x seeds x (two base-to-new datasets + transfer)
     assert {j.test_time for j in jobs} == set(KEYS)
     for j in jobs:
         assert j.path(tmp_path).parts[-4].startswith("testtime_") and j.path(tmp_path).parts[-2] == j.test_time
-        assert j.init == ("init.safetensors" if j.key.startswith("gram_") else "")
+        assert j.init == inits.get(method_row(j.key).variant, "")
         if j.protocol == "transfer":  # the held-out style only, not the family datasets
             assert (j.dataset, j.targets) == ("Src", (("Sketch", "/data/Sketch"),))
     assert len({j.path(tmp_path) for j in jobs}) == len(jobs)
@@ -132,5 +135,9 @@ def test_the_group_end_to_end_on_the_quick_world(tmp_path, quick_world, quick_wo
     records = [json.loads(p.read_text()) for p in (tmp_path / "runs").rglob("seed*.json")]
     tuned = {r["test_time_row"]: r["test_time"] for r in records if r.get("test_time")}
     assert tuned["tpt_init_reg"]["regulated"] is True and tuned["tpt_init"]["regulated"] is False
+    assert tuned["tt_gram"]["regulated"] is True and tuned["tt_gram"]["spec"]["optimizer"] == "meta"
+    assert {t["spec"]["optimizer"] for k, t in tuned.items() if k != "tt_gram"} == {"adamw"}
+    run_info = json.loads((tmp_path / "meta" / "gram_coop_testtime" / "run.json").read_text())
+    assert run_info["mode"] == "testtime"
     assert {t["spec"]["views"] for t in tuned.values()} == {4}
     assert "## Test-time prompt tuning (TPT, 4 views" in (tmp_path / "results.md").read_text()

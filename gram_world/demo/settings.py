@@ -101,7 +101,16 @@ ONE_STEP_VARIANTS = (
     MetaVariant("gram_vpt_one_step", ONE_STEP),
     MetaVariant("unigram_one_step", ONE_STEP),
 )
-ALL_VARIANTS = META_VARIANTS + ONE_STEP_VARIANTS + TOKEN_VARIANTS + DEEP_VARIANTS
+# Test-time GRAM (the "testtime" group): θ*, R_φ of CoOp meta-trained with META.MODE testtime.  Its views: 16 per
+# query image with 6 kept, the 6 confident views TPT's 64 / 10 % keep at test time, from fewer candidates (ours, for
+# the CPU: each query image takes its own second-order step)
+TESTTIME_VARIANTS = (
+    MetaVariant(
+        "gram_coop_testtime",
+        ("META.MODE", "testtime", "META.TEST_TIME.VIEWS", 16, "META.TEST_TIME.CONFIDENT_SHARE", 0.375),
+    ),
+)
+ALL_VARIANTS = META_VARIANTS + ONE_STEP_VARIANTS + TOKEN_VARIANTS + DEEP_VARIANTS + TESTTIME_VARIANTS
 VARIANT_BY_NAME = {v.name: v for v in ALL_VARIANTS}
 
 
@@ -314,6 +323,7 @@ class TestTimeRow:
     row: str  # the METHODS row whose start (and φ) it uses
     label: str
     fine_tuned: bool  # the few-shot schedule first (CoOp's prompts), else the start as it is (no labelled data)
+    optimizer: str = "adamw"  # TPT's AdamW, or meta: the init file's meta-trained step θ − α R_φ(g)
 
     __test__ = False  # not a pytest test class
 
@@ -324,6 +334,7 @@ TESTTIME_ROWS = (
     TestTimeRow("tpt_coop", "coop", "TPT from CoOp's prompts", True),
     TestTimeRow("tpt_init", "gram_coop_init_only", "TPT from GRAM's θ*", False),
     TestTimeRow("tpt_init_reg", "gram_coop", "TPT from GRAM's θ* with R_φ", False),
+    TestTimeRow("tt_gram", "gram_coop_testtime", "Test-time GRAM (meta-trained for it, its own step)", False, "meta"),
 )
 TESTTIME_BY_KEY = {r.key: r for r in TESTTIME_ROWS}
 HAND_PROMPT = "a photo of a"  # the world's zero-shot template "a photo of a {}." as CoOp's 4 context words

@@ -310,9 +310,9 @@ def run_eval_job(job: EvalJob) -> None:
     if job.test_time:  # TPT from the row's start: no launch step, no schedule unless the row is fine-tuned first
         tt = TESTTIME_BY_KEY[job.test_time]
         epochs = settings.epochs if tt.fine_tuned else 0
-        if method.n_ctx_text or method.n_ctx_vision:
-            test_time = TESTTIME_SPEC
-            method = replace(method, name=tt.label, launch=False)
+        if method.n_ctx_text or method.n_ctx_vision:  # the meta step needs the file's rule: launch on, never applied
+            test_time = replace(TESTTIME_SPEC, optimizer=tt.optimizer)  # at 0 epochs (no labelled data reaches it)
+            method = replace(method, name=tt.label, launch=tt.optimizer == "meta")
             if tt.key == "tpt_hand":
                 method = replace(method, ctx_init=HAND_PROMPT)
     train = TrainSpec(

@@ -45,8 +45,12 @@ def _mean_std(values: list) -> tuple:
 
 
 def _spec(records: list) -> TestTimeSpec:
-    """The one TPT spec the records were tuned with (runs under different specs are never pooled)."""
-    specs = {json.dumps(r["test_time"]["spec"], sort_keys=True) for r in records if r.get("test_time")}
+    """The one TPT spec the records were tuned with, the optimizer aside (runs under different specs are never
+    pooled)."""
+    shared = (
+        {k: v for k, v in r["test_time"]["spec"].items() if k != "optimizer"} for r in records if r.get("test_time")
+    )
+    specs = {json.dumps(spec, sort_keys=True) for spec in shared}  # the optimizer is a row's own (its label says)
     if len(specs) != 1:
         raise ValueError(f"test-time table: expected the runs of one TPT spec, found {len(specs)}: {sorted(specs)}")
     spec = json.loads(specs.pop())
@@ -77,8 +81,8 @@ def build_testtime_table(records: list, settings: DemoSettings) -> dict:
             rows.append(row)
         groups[gid] = {"heading": heading, "rows": rows}
     return {
-        "title": f"Test-time prompt tuning (TPT, {spec.views} views, {spec.kept} kept, {spec.steps} step(s) of AdamW "
-        f"at {spec.lr:g})",
+        "title": f"Test-time prompt tuning (TPT, {spec.views} views, {spec.kept} kept, {spec.steps} step(s); AdamW at "
+        f"{spec.lr:g} unless a row says its own step)",
         "kind": "testtime",
         "spec": {"views": spec.views, "kept": spec.kept, "steps": spec.steps, "lr": spec.lr},
         "fine_tuning": f"{settings.shots} shots, {settings.epochs} epochs for the row fine-tuned first",
@@ -99,7 +103,9 @@ def markdown_of_testtime(table: dict) -> list[str]:
         "Each test image is scored after TPT from the row's start, θ reset per image (Shu et al., NeurIPS 2022): "
         "accuracy (%) and expected calibration error (ECE, %, 15 bins) after tuning, beside the same start's plain "
         f"prediction (before). Only the row fine-tuned first sees labels ({table['fine_tuning']}); seconds are "
-        "per test image on this machine.",
+        "per test image on this machine. Test-time GRAM's θ* and R_φ are meta-trained for this use "
+        "(`META.MODE testtime`: an entropy step on each query image, then its cross-entropy) and each of its "
+        "steps is the meta-trained one, θ − α R_φ(∇H), not AdamW's.",
         "",
     ]
     for group in table["groups"].values():

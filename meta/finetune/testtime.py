@@ -1,18 +1,13 @@
 """Episodic test-time prompt tuning: TPT (Shu et al., NeurIPS 2022) from any start θ, its gradient optionally R_φ's.
 
-For each unlabelled test image ``x`` (``[3, H, W]``, preprocessed as the evaluator feeds CLIP): a batch of
-:attr:`TestTimeSpec.views` views (``x`` itself first, then random resized crops with horizontal flips, TPT's
-pre-augmentation, ``torchvision``'s RandomResizedCrop rule drawn from a seeded generator), their logits under θ, the
-:attr:`TestTimeSpec.confident_share` of views with the lowest prediction entropy, and the entropy of their *averaged*
-prediction as the loss (TPT's ``select_confident_samples`` and ``avg_entropy``, azshue/TPT ``tpt_classification.py``).
-:attr:`TestTimeSpec.steps` AdamW steps on θ (lr 5e-3, torch's default weight decay, as TPT; or, with ``optimizer
-meta``, the init file's meta-trained step θ − α R_φ(g)), with R_φ replacing the
-gradient before each step when a :class:`meta.finetune.regulated.GradientRegulation` is given; then the prediction on
-``x`` itself.  θ and the optimiser start afresh for every image (episodic: nothing of one image reaches the next).
-
-TPT crops the full-resolution image before resizing; here the views are cut from the evaluator's preprocessed tensor
-and resized back to its size (bilinear, antialiased), the one difference.  A learner whose image side carries no
-prompts (CoOp, CoCoOp) encodes the views once per image without gradients; the step then costs text passes only.
+For each unlabelled test image ``x`` (``[3, H, W]``, preprocessed as the evaluator feeds CLIP): ``views`` views (``x``
+first, then random resized crops with flips, drawn from a seeded generator), their logits under θ, the
+``confident_share`` of lowest entropy, and the entropy of their *averaged* prediction as the loss (TPT's
+``select_confident_samples`` and ``avg_entropy``, azshue/TPT ``tpt_classification.py``).  ``steps`` AdamW steps
+on θ (TPT's), or with ``optimizer meta`` the init file's meta-trained step θ − α R_φ(g), R_φ replacing the
+gradient when given; then the prediction on ``x``.  θ and the optimiser start afresh for every image.  TPT crops the
+full-size photo; here the views are cut from the preprocessed tensor and resized back (bilinear, antialiased).  A
+learner whose image side carries no prompts encodes the views once per image without gradients.
 """
 
 from __future__ import annotations
@@ -149,12 +144,6 @@ class TestTimeResult:
     seconds_per_image: float
 
 
-def _view_logits(pclip, theta, views: torch.Tensor, cached: Optional[torch.Tensor], classnames) -> torch.Tensor:
-    if cached is not None:
-        return pclip.logits(theta, classnames, image_features=cached)
-    return pclip.logits(theta, classnames, images=views)
-
-
 def check_regulation(regulation) -> None:
     """Refuse a gate-form R_φ (:attr:`meta.finetune.regulated.GradientRegulation.gated`) at test time: the entropy
     loss has no consistency regulariser for the gate to act on."""
@@ -174,22 +163,22 @@ def tune_one(
     """``(logits [C] on image after tuning, loss before, loss after)`` for one image from a fresh copy of ``start``;
     ``rule``: the :class:`meta.finetune.regulated.LaunchStep` that ``spec.optimizer`` ``meta`` steps with."""
     check_optimizer(spec, rule)
-    theta = copy.deepcopy(start)
-    for p in theta.parameters():
-        p.requires_grad_(True)
+    theta = copy.deepcopy(start).requires_grad_(True)
     views = view_batch(image, spec, generator)
     cached = None
     if not learner_of(theta).has_visual_prompts(theta):
         with torch.no_grad():
             cached = pclip.image_features(None, views)
     params = list(theta.parameters())
-    if spec.optimizer == "meta":
-        optim = RuleStep(params, rule)
-    else:
-        optim = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
+    adamw = torch.optim.AdamW
+    optim = (
+        RuleStep(params, rule)
+        if spec.optimizer == "meta"
+        else adamw(params, lr=spec.lr, weight_decay=spec.weight_decay)
+    )
     losses = []
     for _ in range(spec.steps):
-        logits = _view_logits(pclip, theta, views, cached, classnames)
+        logits = pclip.logits(theta, classnames, images=None if cached is not None else views, image_features=cached)
         loss = marginal_entropy(logits[confident_views(logits, spec.kept)])
         optim.zero_grad(set_to_none=True)
         loss.backward()
@@ -198,7 +187,7 @@ def tune_one(
         optim.step()
         losses.append(float(loss.detach()))
     with torch.no_grad():  # all views again only where it costs a text pass (cached view features), else the image
-        logits = _view_logits(pclip, theta, views[:1] if cached is None else views, cached, classnames)
+        logits = pclip.logits(theta, classnames, images=views[:1] if cached is None else None, image_features=cached)
         after = float(marginal_entropy(logits[confident_views(logits, spec.kept)])) if cached is not None else math.nan
     return logits[0], (losses[0] if losses else after), after
 

@@ -1,21 +1,16 @@
 """Test-time GRAM's outer objective: θ* and R_φ meta-trained for the unsupervised step they take on one test image.
 
-For a task's query images x_1 … x_m, each with V views (``[m, V, ...]``, view 0 the image itself, the rest
-:func:`meta.finetune.testtime.view_batch` crops) and a pseudo-label y_i among the task's K CHC topics::
+For a task's query images x_1 … x_m with V views each (view 0 the image, the rest
+:func:`meta.finetune.testtime.view_batch` crops) and pseudo-labels y_i among the task's K CHC topics::
 
     H_i(θ)  = entropy of mean_{v ∈ C_i} softmax f_θ(x_i^v)     C_i: the ``kept`` lowest-entropy views (TPT's loss)
     θ'_i    = θ − α · R_φ(∇_θ H_i(θ))                         (``inner_steps`` such steps; no label is read)
-    L_out   = (1/m) Σ_i CE(f_{θ'_i}(x_i), y_i)                 over the task's K pseudo-classes
+    L_out   = (1/m) Σ_i CE(f_{θ'_i}(x_i), y_i)
 
-so the outer loss scores each image after the step test-time tuning takes on it.  The inner step is
-:meth:`meta.method.gram.GRAMMetaLearner.unroll`, the one differentiable inner loop (its α, steps, momentum, weight
-decay and R_φ); second order unless the spec says first order.  Choosing C_i is an argsort of detached entropies,
-so L_out is piecewise smooth and its gradient is that of the chosen views.  ``query["label"]`` reaches only the
-outer loss (and the reported inner accuracy, a metric).
-
-The query is a dict: ``classnames`` (K names), ``label`` ``[m]`` and either ``view_features`` ``[m, V, E]``
-(normalised image features of the views, for a learner whose image side has no prompts) or ``view_images``
-``[m, V, 3, H, W]``.  :class:`TaskViews` builds either from a task's query images.
+The inner step is :meth:`meta.method.gram.GRAMMetaLearner.unroll`, the one differentiable inner loop.  C_i is an
+argsort of detached entropies, so L_out is piecewise smooth.  The query dict holds ``classnames``, ``label`` ``[m]``
+and ``view_features`` ``[m, V, E]`` (a learner without visual prompts) or ``view_images`` ``[m, V, 3, H, W]``,
+built by :class:`TaskViews`.
 """
 
 from __future__ import annotations
@@ -58,10 +53,9 @@ def view_features(pclip, views: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class TaskViews:
-    """The query's views for ``META.MODE testtime`` (:class:`meta.metatrain.data.TaskBatcher`'s ``views``): image i
-    of a task gets ``spec.views`` views drawn from a generator of (``seed``, the task's query items, i), so a task
-    always gets the same views whichever tasks came before it (a resumed run draws what the uninterrupted one did)
-    and an image drawn in two tasks gets two sets.  Features for a learner without visual prompts, else images."""
+    """The query's views for ``META.MODE testtime`` (``TaskBatcher(views=...)``): image i of a task gets ``spec.views``
+    views from a generator of (``seed``, the task's query items, i), so a task's views do not depend on the tasks
+    before it (a resumed run draws the same).  Features for a learner without visual prompts, else images."""
 
     pclip: Any
     spec: TestTimeSpec
@@ -97,11 +91,9 @@ class TestTimeObjective:
         n_tasks: int,
         backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
     ) -> tuple[Optional[nn.Module], dict[str, torch.Tensor]]:
-        """Leave ``∇_{θ,φ} L_out / n_tasks`` in ``.grad`` (one backward per image, so each graph is freed) and return
-        ``(None, metrics)``: ``entropy_before`` (H_i at θ), ``query_loss_after`` and ``query_acc_after`` (at θ'_i),
-        means over the images.  ``meta``: a :class:`meta.method.gram.GRAMMetaLearner`; ``loss_fn.pclip`` gives the
-        logits; ``support`` is not read (test time has no labelled support), the signature is
-        :meth:`meta.method.objective.OuterObjective.backward`'s."""
+        """Leave ``∇_{θ,φ} L_out / n_tasks`` in ``.grad`` (one backward per image) and return ``(None, metrics)``:
+        ``entropy_before`` (H_i at θ), ``query_loss_after``, ``query_acc_after`` (at θ'_i), means over the images.
+        ``loss_fn.pclip`` gives the logits; ``support`` is not read (the signature is ``OuterObjective.backward``'s)."""
         if is_gated(meta.gbml.compute_update.transforms_modules):
             raise ValueError("test-time objective: META.REGULATOR.FORM gate needs a regulariser; the entropy has none")
         key = next((k for k in VIEW_KEYS if k in query), None)
