@@ -177,6 +177,86 @@ def planner_table(gpu_memory_gib: float = 80.0, margin: float = 0.1) -> str:
     return "\n".join(rows)
 
 
+def testtime_points_table(figures: dict) -> str:
+    """The measured test-time points (one TPT image, :mod:`gram_tools.realsize` ``--modes testtime``)."""
+    rows = [
+        "| learner | views V | classes C | peak MiB (no-grad encoding of the views alone) | GFLOP | CPU s (load) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    points = [p for p in figures.get("points", []) if p["mode"] == "testtime"]
+    for p in sorted(points, key=lambda p: (p["learner"], p["views"], p["classes"])):
+        encode = "" if p.get("views_peak_mib") is None else f" ({_fmt(p['views_peak_mib'], 1)})"
+        load = "-".join(f"{x:.1f}" for x in (min(p["load_avg_1min"]), max(p["load_avg_1min"])))
+        rows.append(
+            f"| {p['learner']} | {p['views']} | {p['classes']} | {_fmt(p['peak_mib'], 1)}{encode} | "
+            f"{_fmt(p['flops'] / 1e9, 1)} | {p['seconds']:.1f} ({load}) |"
+        )
+    return "\n".join(rows)
+
+
+def _terms(line: dict, names: list[str], digits: int) -> str:
+    """``a + b1 n1 + ...``; a coefficient below the digits shown in two significant figures (``3.1e-06``)."""
+
+    def num(b: float) -> str:
+        return f"{b:.2g}" if 0 < b < 0.5 * 10**-digits else _fmt(b, digits)
+
+    return f"{_fmt(line['intercept'], digits)}" + "".join(
+        f" {'-' if b < 0 else '+'} {num(abs(b))} {n}" for b, n in zip(line["slopes"], names)
+    )
+
+
+def testtime_fit_table(figures: dict) -> str:
+    """Per learner: the fitted test-time planes (:func:`gram_tools.realsize.fit_testtime`)."""
+    rows = [
+        "| learner | peak MiB (max residual) | GFLOP (max residual) | CPU s per GFLOP (load) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for learner, modes in figures["fits"].items():
+        f = modes.get("testtime")
+        if f is None:
+            continue
+        peak = f"{_terms(f['peak_mib'], ['V', 'C'], 2)} ({_fmt(f['peak_mib']['max_abs_residual'], 1)})"
+        if "views_peak_mib" in f:
+            e = f["views_peak_mib"]
+            peak = (
+                f"max(encoding {_terms(e, ['V'], 2)} ({_fmt(e['max_abs_residual'], 1)}), step {peak}, fitted to "
+                f"the {f['peak_mib']['points']} points the step dominates)"
+            )
+        g = f["gflops"]
+        load = "-".join(f"{x:.1f}" for x in f["load_avg_1min_range"])
+        rows.append(
+            f"| {learner} | {peak} | {_terms(g, ['V', 'C', 'V C'], 3)} ({_fmt(g['max_abs_residual'], 3)}) | "
+            f"{f['seconds_per_gflop']:.4f} ({load}) |"
+        )
+    return "\n".join(rows)
+
+
+TESTTIME_CONFIGS = ("configs/meta/train_coop.yaml", "configs/meta/train_unigram.yaml")
+
+
+def testtime_plan_table(views: int = 64, classes: int = 1000) -> str:
+    """``python -m gram_tools.plan --config-file <config> --test-time views classes`` on :data:`TESTTIME_CONFIGS`
+    (the checkout's figures), one row per config."""
+    from gram_tools.plan import figures_for, test_time_plan
+    from meta.config import load_meta_cfg
+
+    rows = [
+        f"| config | learner | peak GiB, weights included ({views} views x {classes} classes) | GFLOP | CPU s (one "
+        "core) | GPU s | GPU s from |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for config in TESTTIME_CONFIGS:
+        cfg = load_meta_cfg(str(REPO_ROOT / config), [])
+        figures_path, figures, _, gpu = figures_for(cfg)
+        t = test_time_plan(cfg, figures, figures_path, gpu, views, classes, 30.0)
+        how = t["gpu_seconds"]["how"].removeprefix("estimated: ").split(";")[0]
+        rows.append(
+            f"| {Path(config).stem} | {t['learner']} | {t['peak_gib']['value']:.2f} | {_fmt(t['gflop']['value'])} | "
+            f"{_fmt(t['cpu_seconds']['value'])} | {t['gpu_seconds']['value']:.2f} | {how} |"
+        )
+    return "\n".join(rows)
+
+
 def _largest(n) -> str:
     return "unbounded" if isinstance(n, str) else str(n)
 
@@ -222,14 +302,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--figures", default=default_path(FIGURES), help=f"default: <checkout>/{FIGURES}")
     ap.add_argument("--chc-figures", default=default_path(CHC_FIGURES), help=f"default: <checkout>/{CHC_FIGURES}")
     ap.add_argument(
-        "--only", choices=("realsize", "planner", "chc"), help="print only the real-size, planner or CHC tables"
+        "--only",
+        choices=("realsize", "planner", "chc", "testtime"),
+        help="print only the real-size, planner, CHC or test-time tables",
     )
     args = ap.parse_args(argv)
     from meta.config import get_meta_cfg_default
 
     t = get_meta_cfg_default().TASKS
-    paths = {"realsize": args.figures, "planner": args.figures, "chc": args.chc_figures}
-    wanted = [args.only] if args.only else ["realsize", "planner", "chc"]
+    paths = {"realsize": args.figures, "planner": args.figures, "chc": args.chc_figures, "testtime": args.figures}
+    wanted = [args.only] if args.only else ["realsize", "planner", "chc", "testtime"]
     for path in (paths[k] for k in wanted):
         if not Path(path).is_file():
             print(f"error: {path}: no such file", file=sys.stderr)
@@ -243,7 +325,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if "planner" in wanted:
         print(planner_table() + "\n")
     if "chc" in wanted:
-        print(chc_table(json.loads(Path(args.chc_figures).read_text())))
+        print(chc_table(json.loads(Path(args.chc_figures).read_text())) + "\n")
+    if "testtime" in wanted:
+        figures = json.loads(Path(args.figures).read_text())
+        print(testtime_points_table(figures) + "\n")
+        print(testtime_fit_table(figures) + "\n")
+        print(testtime_plan_table())
     return 0
 
 

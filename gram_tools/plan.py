@@ -34,7 +34,14 @@ Prints, each figure labelled ``measured`` or ``estimated`` with its source:
   size, else
   FLOPs / (``--gpu-tflops`` x GPUs), an assumed sustained throughput;
 * CHC over ``--pairs`` pairs: CPU hours per stage from the growth laws, the image-feature stage from the
-  GPU figures or the image tower's FLOPs.
+  GPU figures or the image tower's FLOPs;
+* with ``--test-time [VIEWS CLASSES]`` (default TPT's 64 views and ImageNet's 1000 classes): one image of test-time
+  prompt tuning (:mod:`meta.finetune.testtime`, one step) for the config's learner and backbone, from the
+  ``fits.<learner>.testtime`` planes of the figures file (``python -m gram_tools.realsize --modes testtime``): peak
+  memory (plus the weights), GFLOPs, CPU seconds (GFLOPs x the measured seconds per GFLOP), and GPU seconds at a
+  rate the GPU figures measured where they have one for that kind of pass (:func:`test_time_gpu_seconds`), else
+  the FLOP estimate at ``--gpu-tflops``; beside TPT's published per-image figures (:data:`PUBLISHED_TPT`).  A
+  figures file without the learner's test-time plane is refused in one line naming the file and the key.
 
 The last stdout line is the JSON of everything printed.
 """
@@ -218,6 +225,20 @@ def task_batching_plan(cfg, task_mib: float, budget_mib: float, gpus: int) -> di
     return {"mode": mode, "tasks_per_gpu": per_rank, "chunk": chunk, "how": why}
 
 
+def config_learner(cfg) -> str:
+    """The :data:`gram_tools.realsize.LEARNERS` row measuring ``cfg``'s ``META.PROMPT``
+    (:func:`gram_tools.realsize.learner_of`)."""
+    p = cfg.META.PROMPT
+    return learner_of(
+        int(p.N_CTX_TEXT),
+        int(p.N_CTX_VISION),
+        int(p.VISION_DEPTH),
+        int(p.TEXT_DEPTH),
+        str(p.COUPLING),
+        str(p.get("LEARNER", DEFAULT_LEARNER)),
+    )
+
+
 def meta_plan(
     cfg,
     figures: dict,
@@ -229,15 +250,7 @@ def meta_plan(
     margin: float,
 ) -> dict:
     """Memory, fit and hours of ``cfg``'s meta-training (see module docstring); a JSON-ready dict."""
-    p = cfg.META.PROMPT
-    learner = learner_of(
-        int(p.N_CTX_TEXT),
-        int(p.N_CTX_VISION),
-        int(p.VISION_DEPTH),
-        int(p.TEXT_DEPTH),
-        str(p.COUPLING),
-        str(p.get("LEARNER", DEFAULT_LEARNER)),
-    )
+    learner = config_learner(cfg)
     pretrain = str(cfg.META.MODE) == "pretrain"
     mode = "finetune" if pretrain else ("first" if cfg.META.FIRST_ORDER else "second")
     fits = figures.get("fits", {})
@@ -472,6 +485,145 @@ def chc_plan(
     return rows
 
 
+# TPT's per-image cost as its authors and a later paper published it (public sources only).  Both runs are on a GPU
+# under fp16 autocast (azshue/TPT tpt_classification.py, test_time_tuning) with the text tower over all 77 token
+# positions (azshue/TPT clip/custom_clip.py, TextEncoder), and on CLIP ResNet-50 where the backbone is named.
+PUBLISHED_TPT = (
+    {
+        "figure": "ImageNet (1000 classes) needs a GPU with more than 16 GB of memory; tested on a 24 GB GPU "
+        "(backbone not named there; the repository's default is RN50)",
+        "source": "https://github.com/azshue/TPT README.md, Prerequisites / Hardware (Shu et al., NeurIPS 2022)",
+    },
+    {
+        "figure": "12 h 50 min for ImageNet's 50,000 validation images with CLIP ResNet-50 (about 0.92 s per image; "
+        "the GPU is not named there)",
+        "source": "https://github.com/kdiAAA/TDA README.md, Comparisons in terms of efficiency and effectiveness on "
+        "ImageNet (Karmanov et al., CVPR 2024)",
+    },
+)
+TPT_VIEWS = 64  # TPT's batch: the image and 63 augmented views (meta.finetune.testtime.TestTimeSpec)
+IMAGENET_CLASSES = 1000
+
+
+def test_time_gpu_seconds(
+    gpu: Optional[dict], learner: str, figures: dict, gflop: float, views: int, gpu_tflops: float
+) -> dict:
+    """GPU seconds of one test-time image (``gflop`` GFLOPs at ``views`` views), at the rate the GPU figures
+    measured for that kind of pass where they have one, else the FLOP estimate at ``gpu_tflops``:
+
+    * a learner with visual prompts runs the image tower forward and backward on every view, a first-order step's
+      work: its ``first_order_tflops_achieved`` in the GPU figures;
+    * a text-only learner encodes the views without gradients, CHC's image-feature pass (``chc_images_per_s``,
+      measured in batches of ``settings.chc_batch``), and its text passes at ``gpu_tflops``.
+
+    The GPU figures hold no test-time step, so every answer is ``estimated``; the ``how`` says from what."""
+    from meta.method.prompts import PromptSpec
+
+    spec = PromptSpec(**LEARNERS[learner]) if learner in LEARNERS else None
+    visual = spec is not None and (spec.has_visual_prompts or spec.coupling == "maple")
+    s = (gpu or {}).get("settings", {})
+    row = (gpu or {}).get("variants", {}).get(learner, {})
+    encode = figures.get("fits", {}).get("coop", {}).get("encode")
+    if visual and row.get("first_order_tflops_achieved"):
+        rate = float(row["first_order_tflops_achieved"])
+        return {
+            "value": round(gflop / (rate * 1e3), 3),
+            "how": f"estimated: GFLOPs / {rate:g} TFLOP/s, the rate of {learner}'s first-order meta-step (the image "
+            f"tower forward and backward, as TPT's step) measured on {card_label(s)} (gpu figures); no test-time "
+            "step was measured on a GPU",
+        }
+    if not visual and spec is not None and gpu and gpu.get("chc_images_per_s") and encode:
+        rate = float(gpu["chc_images_per_s"])
+        text_gflop = max(gflop - views * float(encode["gflops"]["slopes"][0]), 0.0)
+        seconds = views / rate + text_gflop / (gpu_tflops * 1e3)
+        return {
+            "value": round(seconds, 3),
+            "how": f"estimated: {views} views at the measured no-grad encoding rate {rate:g} images/s (CHC, batches of "
+            f"{s.get('chc_batch')}, {card_label(s)}) + the text passes' {text_gflop:.0f} GFLOP / {gpu_tflops:g} "
+            "TFLOP/s (assumed); no test-time step was measured on a GPU",
+        }
+    return {
+        "value": round(gflop / (gpu_tflops * 1e3), 3),
+        "how": f"estimated: FLOP estimate, GFLOPs / {gpu_tflops:g} TFLOP/s (assumed); the GPU figures have no rate "
+        "for this pass",
+    }
+
+
+def test_time_plan(
+    cfg, figures: dict, figures_path: str, gpu: Optional[dict], views: int, classes: int, gpu_tflops: float
+) -> dict:
+    """One image of test-time prompt tuning for ``cfg``'s learner and backbone at ``views`` views and ``classes``
+    classes (module docstring); a JSON-ready dict.  Raises :class:`PlanError` (one line naming the file and the key)
+    when the figures file has no test-time plane for the learner."""
+    from meta.finetune.testtime import TestTimeSpec
+
+    learner = config_learner(cfg)
+    fit = figures.get("fits", {}).get(learner, {}).get("testtime")
+    if fit is None:
+        raise PlanError(
+            f"{figures_path}: fits.{learner}.testtime: no test-time figures for learner {learner!r} "
+            f"(python -m gram_tools.realsize --learners {learner} --modes testtime --merge)"
+        )
+    measured = [p for p in figures.get("points", []) if p.get("learner") == learner and p.get("mode") == "testtime"]
+    grid_v = sorted({int(p["views"]) for p in measured})
+    grid_c = sorted({int(p["classes"]) for p in measured})
+    inside = bool(grid_v and grid_c) and grid_v[0] <= views <= grid_v[-1] and grid_c[0] <= classes <= grid_c[-1]
+    where = (
+        f"plane fitted to {fit['points']} points (views {grid_v}, classes {grid_c}) measured on CPU, "
+        f"{figures.get('settings', {}).get('model', '?')} random weights ({figures_path}); "
+        + ("inside the measured grid" if inside else "extrapolated beyond the measured grid")
+    )
+    peak_mib = line_value(fit["peak_mib"], [float(views), float(classes)])
+    phases = ""
+    if "views_peak_mib" in fit:  # a text-only learner: the larger of the views' no-grad encoding and the step
+        encode_mib = line_value(fit["views_peak_mib"], [float(views)])
+        phases = (
+            f"; the larger of two phases, the no-grad encoding of the views ({encode_mib / GIB_MIB:.3f} GiB) and "
+            f"the text step ({peak_mib / GIB_MIB:.3f} GiB, fitted to the {fit['peak_mib'].get('points')} points "
+            "it dominates)"
+        )
+        peak_mib = max(peak_mib, encode_mib)
+    gflop = line_value(fit["gflops"], [float(views), float(classes), float(views * classes)])
+    model_mib = float(figures.get("settings", {}).get("model_mib") or 0.0)
+    out: dict = {
+        "learner": learner,
+        "views": views,
+        "classes": classes,
+        "kept_views": TestTimeSpec(views=views).kept,
+        "image_peak_gib": {"value": round(peak_mib / GIB_MIB, 3), "how": "estimated: " + where + phases},
+        "peak_gib": {
+            "value": round((peak_mib + model_mib) / GIB_MIB, 3),
+            "how": f"estimated: image peak + weights ({model_mib:g} MiB, {figures_path}); fp32",
+        },
+        "gflop": {"value": round(gflop, 1), "how": "measured: FlopCounterMode on CPU, " + where},
+    }
+    if fit.get("seconds_per_gflop"):
+        out["cpu_seconds"] = {
+            "value": round(gflop * fit["seconds_per_gflop"], 2),
+            "how": f"estimated: GFLOPs x {fit['seconds_per_gflop']:g} CPU s per GFLOP, the median of the measured "
+            f"points (one thread, shared VM, load {fit.get('load_avg_1min_range')})",
+        }
+    out["gpu_seconds"] = test_time_gpu_seconds(gpu, learner, figures, gflop, views, gpu_tflops)
+    out["published_tpt"] = [dict(row) for row in PUBLISHED_TPT]
+    return out
+
+
+def test_time_sizes(values: Optional[list]) -> tuple[int, int]:
+    """``(views, classes)`` of ``--test-time`` (``[]``: TPT's 64 and ImageNet's 1000); :class:`PlanError` unless
+    nothing or two integers >= 1 are given."""
+    if not values:
+        return TPT_VIEWS, IMAGENET_CLASSES
+    try:
+        views, classes = (int(v) for v in values)
+        assert views >= 1 and classes >= 1
+    except (ValueError, AssertionError):
+        raise PlanError(
+            f"--test-time: expected nothing ({TPT_VIEWS} views, {IMAGENET_CLASSES} classes) or VIEWS CLASSES, two "
+            f"integers >= 1, got {' '.join(values)!r} (put KEY VALUE overrides before --test-time)"
+        ) from None
+    return views, classes
+
+
 def _image_gflop(figures: dict) -> Optional[float]:
     fit = figures.get("fits", {}).get("coop", {}).get("encode")
     return None if fit is None else float(fit["gflops"]["slopes"][0])
@@ -594,6 +746,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         default=default_path(DEFAULT_CHC_FIGURES),
         help=f"default: <checkout>/{DEFAULT_CHC_FIGURES} when it exists",
     )
+    ap.add_argument(
+        "--test-time",
+        nargs="*",
+        default=None,
+        metavar="N",
+        help=f"also one image of test-time prompt tuning at VIEWS CLASSES (default {TPT_VIEWS} {IMAGENET_CLASSES}: "
+        "TPT's views, ImageNet's classes), from the figures' fits.<learner>.testtime",
+    )
     ap.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE config overrides")
     args = ap.parse_args(argv)
     problem = _flag_problem(args)
@@ -606,6 +766,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if kind:
             raise PlanError(kind)
         check_meta_cfg(cfg)  # the same checks as `python -m meta train`: what it refuses is not planned
+        tt_sizes = None if args.test_time is None else test_time_sizes(args.test_time)
         args.figures, figures, args.gpu_figures, gpu = figures_for(cfg, args.figures, args.gpu_figures)
         result = {
             "config": args.config_file,
@@ -636,6 +797,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 args.gpu_tflops,
                 int(cfg.CHC.TOPICS.FIT_SAMPLE),
             )
+        if tt_sizes is not None:
+            result["test_time"] = _figures_step(
+                args.figures, test_time_plan, cfg, figures, args.figures, gpu, *tt_sizes, args.gpu_tflops
+            )
     except (PlanError, UserError, ValueError) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
@@ -665,6 +830,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         hours = row.get("cpu_hours", row.get("gpu_hours"))
         unit = "CPU h" if "cpu_hours" in row else "GPU h"
         print(f"  CHC {name:24s} {row['items']:>9} items {hours:>9} {unit}   ({row['how']})")
+    if "test_time" in result:
+        t = result["test_time"]
+        print(
+            f"  test-time prompt tuning, one image: learner {t['learner']}, {t['views']} views "
+            f"({t['kept_views']} kept), {t['classes']} classes, one step"
+        )
+        for key in ("image_peak_gib", "peak_gib", "gflop", "cpu_seconds", "gpu_seconds"):
+            if key in t:
+                print(f"    {key:16s} {t[key]['value']:>10}   ({t[key]['how']})")
+        for row in t["published_tpt"]:
+            print(f"    published TPT: {row['figure']} ({row['source']})")
     print(json.dumps(result, sort_keys=True))
     return 0
 

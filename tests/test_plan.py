@@ -522,3 +522,113 @@ def test_each_backbone_is_planned_from_its_own_measured_figures(tmp_path, capsys
     assert plan.main([*argv, "MODEL.BACKBONE", "ViT-B-32-quickgelu"]) == 2
     err = capsys.readouterr().err
     assert "realsize_cpu_ViT-B-32-quickgelu.json: no such file" in err and "--model ViT-B-32-quickgelu" in err
+
+
+# ----------------------------------------------------------------------------- --test-time (one TPT image)
+def _with_testtime(paths, tflops_achieved=None):
+    """The fake figures with a UNIGRAM test-time plane measured at views 8-32, classes 10-40."""
+    figures = json.loads(paths["figures"].read_text())
+    figures["fits"]["unigram"]["testtime"] = {
+        "variables": ["views", "classes", "views x classes"],
+        "points": 6,
+        "peak_mib": {**_line(100.0, 50.0, 2.0), "variables": ["views", "classes"]},
+        "gflops": _line(10.0, 60.0, 2.0, 0.001),
+        "seconds": {**_line(0.0, 1.0, 0.1), "variables": ["views", "classes"]},
+        "seconds_per_gflop": 0.5,
+        "load_avg_1min_range": [1, 2],
+    }
+    figures["points"] = [
+        {"learner": "unigram", "mode": "testtime", "views": v, "classes": c} for v in (8, 16, 32) for c in (10, 40)
+    ]
+    paths["figures"].write_text(json.dumps(figures))
+    if tflops_achieved is not None:
+        gpu = json.loads(paths["gpu"].read_text())
+        gpu["variants"]["unigram"]["first_order_tflops_achieved"] = tflops_achieved
+        paths["gpu"].write_text(json.dumps(gpu))
+    return paths
+
+
+def test_test_time_line_is_the_fitted_planes_at_tpts_size(tmp_path, capsys):
+    paths = _with_testtime(_figures(tmp_path), tflops_achieved=40.0)
+    out = _run(capsys, paths, "--gpu-tflops", "30", "--test-time")["test_time"]  # default: 64 views, 1000 classes
+    assert (out["learner"], out["views"], out["classes"], out["kept_views"]) == ("unigram", 64, 1000, 6)
+    # peak 100 + 50 x 64 + 2 x 1000 = 5300 MiB, + 512 MiB weights; GFLOP 10 + 60 x 64 + 2 x 1000 + 0.001 x 64000
+    assert out["image_peak_gib"]["value"] == round(5300 / 1024, 3)
+    assert out["peak_gib"]["value"] == round(5812 / 1024, 3)
+    assert out["gflop"]["value"] == 5914.0 and out["cpu_seconds"]["value"] == 2957.0
+    assert "extrapolated beyond the measured grid" in out["image_peak_gib"]["how"]
+    assert out["gpu_seconds"]["value"] == round(5914 / 30e3, 3) and "FLOP estimate" in out["gpu_seconds"]["how"]
+    # the GPU figures' measured first-order rate of the same learner (forward + backward through the image tower)
+    out = _run(capsys, paths, "--test-time", "16", "40", gpu=True)["test_time"]
+    assert out["gflop"]["value"] == round(10 + 60 * 16 + 2 * 40 + 0.001 * 640, 1)
+    assert "inside the measured grid" in out["gflop"]["how"]
+    assert out["gpu_seconds"]["value"] == round(out["gflop"]["value"] / 40e3, 3)
+    assert "40 TFLOP/s" in out["gpu_seconds"]["how"] and "first-order" in out["gpu_seconds"]["how"]
+    assert all(row["source"].startswith("https://github.com/") for row in out["published_tpt"])
+    assert plan.main(_plan_argv(paths, "--test-time", "16", "40")) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("  test-time prompt tuning, one image: learner unigram, 16 views") for line in printed)
+    assert sum(line.startswith("    published TPT: ") for line in printed) == len(plan.PUBLISHED_TPT)
+
+
+def _plan_argv(paths, *extra):
+    return [
+        "--config-file",
+        "configs/meta/train_unigram.yaml",
+        "--figures",
+        str(paths["figures"]),
+        "--gpu-figures",
+        str(paths["gpu"]) + ".absent",
+        "--chc-figures",
+        str(paths["chc"]),
+        *extra,
+    ]
+
+
+def test_test_time_refuses_figures_without_a_testtime_plane(tmp_path, capsys):
+    paths = _figures(tmp_path)
+    assert plan.main(_plan_argv(paths, "--test-time")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(paths["figures"]) in err and "fits.unigram.testtime" in err
+    assert "--modes testtime" in err
+    for bad in (["64"], ["64", "0"], ["64", "x"], ["1", "2", "3"]):
+        assert plan.main(_plan_argv(_with_testtime(paths), "--test-time", *bad)) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("error: --test-time: expected nothing")
+
+
+def test_test_time_on_the_committed_figures(tmp_path, capsys):
+    """The committed ViT-B/16 figures answer --test-time for CoOp and UNIGRAM: the planes at 64 x 1000 as the file
+    holds them, GPU seconds at the rates the committed GPU figures measured, TPT's published figures beside."""
+    from gram_tools.realsize import DEFAULT_OUT
+
+    figures = json.loads((REPO / DEFAULT_OUT).read_text())
+    for config, learner in (("train_coop", "coop"), ("train_unigram", "unigram")):
+        argv = ["--config-file", f"configs/meta/{config}.yaml", "--chc-figures", str(tmp_path / "absent.json")]
+        assert plan.main([*argv, "--test-time"]) == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["test_time"]
+        fit = figures["fits"][learner]["testtime"]
+        assert out["gflop"]["value"] == round(plan.line_value(fit["gflops"], [64, 1000, 64000]), 1)
+        step = plan.line_value(fit["peak_mib"], [64, 1000])
+        encode = plan.line_value(fit["views_peak_mib"], [64]) if "views_peak_mib" in fit else 0.0
+        assert out["image_peak_gib"]["value"] == round(max(step, encode) / 1024, 3)
+        assert out["gpu_seconds"]["how"].startswith("estimated: ") and out["gpu_seconds"]["value"] > 0
+        assert ("images/s" if learner == "coop" else "first-order meta-step") in out["gpu_seconds"]["how"]
+        sources = " ".join(row["source"] for row in out["published_tpt"])
+        assert "https://github.com/azshue/TPT" in sources and "https://github.com/kdiAAA/TDA" in sources
+
+
+def test_realsize_doc_shows_the_test_time_tables_of_the_committed_figures():
+    """docs/realsize.md's test-time tables (measured points, fitted planes, the planner at 64 x 1000) are what
+    gram_tools.cost_tables prints from the committed figures today."""
+    from gram_tools.cost_tables import testtime_fit_table, testtime_plan_table, testtime_points_table
+    from gram_tools.realsize import DEFAULT_OUT
+
+    doc = (REPO / "docs" / "realsize.md").read_text()
+    figures = json.loads((REPO / DEFAULT_OUT).read_text())
+    points = testtime_points_table(figures)
+    assert points.count("\n") >= 2 + 12 and points in doc  # header, rule, CoOp's 12 points and UNIGRAM's
+    fits = testtime_fit_table(figures)
+    assert "| coop |" in fits and "| unigram |" in fits and fits in doc
+    planned = testtime_plan_table()
+    assert planned.count("\n") == 3 and planned in doc
