@@ -363,3 +363,46 @@ def fake_run_cell(ran: list, effect):
         ]
 
     return fake
+
+
+def central_difference(objective, params: list, direction: list, eps: float) -> float:
+    """``(f(p + eps d) - f(p - eps d)) / (2 eps)`` of ``objective()`` along ``direction`` (one tensor per parameter),
+    the parameters moved in place and restored."""
+
+    def shifted(step: float) -> float:
+        with torch.no_grad():
+            for p, d in zip(params, direction):
+                p.add_(step * d)
+        value = objective()
+        with torch.no_grad():
+            for p, d in zip(params, direction):
+                p.sub_(step * d)
+        return value
+
+    return (shifted(eps) - shifted(-eps)) / (2 * eps)
+
+
+def assert_matches_central_differences(
+    objective, params: list, grads: list, groups: dict, gen: torch.Generator, eps: float = 1e-6, rtol: float = 1e-6
+) -> None:
+    """For random float64 directions along each ``groups`` entry (``{name: [bool per parameter]}``: which parameters
+    the direction moves), ``Σ grad · d`` (the analytic directional derivative, non-zero) equals the central
+    difference of ``objective()`` within ``rtol`` (relative, floored at 1)."""
+    for name, mask in groups.items():
+        direction = [
+            torch.randn(p.shape, generator=gen, dtype=torch.float64) * float(on) for p, on in zip(params, mask)
+        ]
+        want = float(sum((g * d).sum() for g, d in zip(grads, direction)))
+        numeric = central_difference(objective, params, direction, eps)
+        assert abs(want) > 1e-8, name
+        assert abs(numeric - want) <= rtol * max(1.0, abs(numeric)), (name, numeric, want)
+
+
+def quick_demo_settings(**overrides):
+    """The quick demo cut to a few steps (meta-training, fine-tuning, validation) for end-to-end tests."""
+    from dataclasses import replace
+
+    from gram_world.demo import DemoSettings
+
+    fields = dict(shots=2, meta_steps=2, checkpoint_every=1, log_detail_every=1, epochs=1, val_tasks=2, jobs=1)
+    return replace(DemoSettings.preset(quick=True), **{**fields, **overrides})

@@ -109,3 +109,48 @@ def restore_stdout(saved) -> None:
             tee.file.close()
             tee.file = None
         tee.console, tee = io.StringIO(), tee.console
+
+
+def evaluator_train_spec(cfg, epochs: int = 1):
+    """The evaluator's :class:`meta.evaluation.TrainSpec` that replays the Dassl run of ``cfg``: its optimiser and
+    test batch, no warm-up or augmentation, Dassl's sequential order, one final test."""
+    from meta.evaluation import TrainSpec
+
+    return TrainSpec(
+        epochs=epochs,
+        batch_size=BATCH,
+        lr=float(cfg.OPTIM.LR),
+        momentum=float(cfg.OPTIM.MOMENTUM),
+        weight_decay=float(cfg.OPTIM.WEIGHT_DECAY),
+        warmup_epochs=0,
+        augment="none",
+        order="sequential",
+        eval_every_epoch=False,
+        test_batch_size=int(cfg.DATALOADER.TEST.BATCH_SIZE),
+    )
+
+
+def agreement_world(root: Path, clip, dims, shapes: dict) -> dict:
+    """``root`` with DTD's layout under ``data``, the frozen CLIP's weights (``tiny_clip.pt``) and one GRAM init file
+    per trainer of ``shapes`` (``{trainer: {tensor: shape}}``: θ* ~ N(0, 0.02²), R_φ normal-initialised); returns
+    ``{trainer: init file}``."""
+    import torch
+
+    from meta.finetune.init_io import export_gram_init
+    from meta.method.prompts import PromptParams
+    from meta.method.regulator import GradientRegulator, RegulatorSpec
+
+    write_dtd(root / "data")
+    torch.save(clip.state_dict(), root / "tiny_clip.pt")
+    g = torch.Generator().manual_seed(5)
+    inits = {}
+    for trainer, tensor_shapes in shapes.items():
+        tensors = {k: torch.randn(*s, generator=g) * 0.02 for k, s in tensor_shapes.items()}
+        torch.manual_seed(9)
+        regs = {
+            k: GradientRegulator(dims.text_width, RegulatorSpec(init="normal", init_std=0.2)) for k in tensor_shapes
+        }
+        inits[trainer] = export_gram_init(
+            root / f"{trainer}.safetensors", PromptParams(**tensors), regs, dims, provenance=PROVENANCE
+        )
+    return inits

@@ -9,7 +9,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from helpers import file_lock, shared_dir
+from helpers import file_lock, quick_demo_settings, shared_dir
 
 from gram_world.demo import (
     METHOD_BY_KEY,
@@ -17,7 +17,6 @@ from gram_world.demo import (
     TABLE_GROUPS,
     TOKEN_KEYS,
     TRANSFER_KEYS,
-    DemoSettings,
     b2n_keys,
     run,
     variants_needed,
@@ -36,18 +35,8 @@ def _demo_run(tmp_path_factory, quick_world, quick_world_weights):
     """The demo, run once per test run into a folder every pytest-xdist worker shares: pytest-xdist may hand this
     module's tests to both workers, and the second one's run() then finds every stage finished (reusing them is
     what test_rerun_... checks).  Its stage 1 finds the quick world and CLIP of the fixtures cached."""
-    settings = replace(
-        DemoSettings.preset(quick=True),
-        shots=2,  # the quick preset's 4 halves the evaluation time; transfer tables at 2 and 1 shots
-        meta_steps=2,
-        checkpoint_every=1,
-        log_detail_every=1,
-        epochs=1,
-        val_tasks=2,
-        jobs=1,
-        seeds=(1, 2),
-        tables=tuple(g for g in TABLE_GROUPS if g not in OPT_IN_TABLES),
-    )
+    # 2 shots (the quick preset's 4 halve the evaluation time): transfer tables at 2 and 1 shots
+    settings = quick_demo_settings(seeds=(1, 2), tables=tuple(g for g in TABLE_GROUPS if g not in OPT_IN_TABLES))
     out = shared_dir(tmp_path_factory, "demo_end_to_end")
     lock = out.parent / ".demo_end_to_end.lock"
     with file_lock(lock):

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from helpers import quick_demo_settings
 
 from gram_world.demo import DemoSettings, run, variants_needed
 from gram_world.demo import stages as demo_stages
@@ -109,17 +110,7 @@ def test_test_time_records_stay_out_of_table_1():
 @pytest.mark.slow
 def test_the_group_end_to_end_on_the_quick_world(tmp_path, quick_world, quick_world_weights, monkeypatch):
     monkeypatch.setattr(demo_stages, "TESTTIME_SPEC", TestTimeSpec(views=4))  # 4 views keep the test short
-    settings = replace(
-        DemoSettings.preset(quick=True),
-        shots=2,
-        meta_steps=2,
-        checkpoint_every=1,
-        log_detail_every=1,
-        epochs=1,
-        val_tasks=2,
-        jobs=1,
-        tables=("testtime",),
-    )
+    settings = quick_demo_settings(tables=("testtime",))
     run(settings, tmp_path, world_root=quick_world.root.parent)
     result = json.loads((tmp_path / "results.json").read_text())
     assert set(result["tables"]) == {"testtime"}

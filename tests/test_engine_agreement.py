@@ -18,11 +18,11 @@ pytestmark = pytest.mark.dassl
 pytest.importorskip("dassl", reason="Dassl not installed: the agreement test runs the Dassl trainers")
 
 import torch  # noqa: E402
-from helpers_dassl import BATCH, PROVENANCE, SEED, SHOTS, dassl_run, write_dtd  # noqa: E402
+from helpers_dassl import PROVENANCE, SEED, SHOTS, agreement_world, dassl_run, evaluator_train_spec  # noqa: E402
 from helpers_learner import KEY as TOY  # noqa: E402
 from helpers_learner import RANK, low_rank_learner  # noqa: E402
 
-from meta.evaluation import DatasetRef, TrainSpec, evaluate_base_to_new, method_preset  # noqa: E402
+from meta.evaluation import DatasetRef, evaluate_base_to_new, method_preset  # noqa: E402
 from meta.finetune.init_io import export_gram_init  # noqa: E402
 from meta.method import methods  # noqa: E402
 from meta.method.prompts import PromptParams  # noqa: E402
@@ -43,18 +43,9 @@ def toy_learner():
 def world(tmp_path_factory, tiny_clip, toy_learner):
     """The dataset, the frozen CLIP's weights file and one GRAM init file per learner (the toy's under its key)."""
     root = tmp_path_factory.mktemp("agreement")
-    write_dtd(root / "data")
     clip, dims = tiny_clip
-    torch.save(clip.state_dict(), root / "tiny_clip.pt")
-    g = torch.Generator().manual_seed(5)
-    inits = {}
-    for trainer, shapes in SHAPES.items():
-        tensors = {k: torch.randn(*s, generator=g) * 0.02 for k, s in shapes.items()}
-        torch.manual_seed(9)
-        regs = {k: GradientRegulator(dims.text_width, RegulatorSpec(init="normal", init_std=0.2)) for k in shapes}
-        inits[trainer] = export_gram_init(
-            root / f"{trainer}.safetensors", PromptParams(**tensors), regs, dims, provenance=PROVENANCE
-        )
+    inits = agreement_world(root, clip, dims, SHAPES)
+    g = torch.Generator().manual_seed(6)  # the toy's and the gate's tensors
     tensors = {"ctx_factor": torch.randn(4, RANK, generator=g), "ctx_basis": torch.randn(RANK, 64, generator=g) * 0.02}
     regs = {k: GradientRegulator(t.shape[-1], RegulatorSpec(init="normal", init_std=0.2)) for k, t in tensors.items()}
     theta = PromptParams(toy_learner, **tensors)
@@ -105,18 +96,7 @@ def test_train_py_and_the_evaluator_give_the_same_theta_and_accuracies(
 
     clip, dims = tiny_clip
     method = method_preset(row.preset, init_path=init, ctx_init=WORDS if not init else "", **overrides)
-    spec = TrainSpec(
-        epochs=1,
-        batch_size=BATCH,
-        lr=float(cfg.OPTIM.LR),
-        momentum=float(cfg.OPTIM.MOMENTUM),
-        weight_decay=float(cfg.OPTIM.WEIGHT_DECAY),
-        warmup_epochs=0,
-        augment="none",
-        order="sequential",
-        eval_every_epoch=False,
-        test_batch_size=int(cfg.DATALOADER.TEST.BATCH_SIZE),
-    )
+    spec = evaluator_train_spec(cfg)
     dataset = DatasetRef.from_dir(root / "data" / "dtd")
     sample = dataset.load(SHOTS, SEED, "base", False, lambda msg: None).train  # the same images, in the same order
     assert [r.impath for r in sample] == [d.impath for d in trainer.dm.dataset.train_x]

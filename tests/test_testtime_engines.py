@@ -19,15 +19,13 @@ pytestmark = pytest.mark.dassl
 pytest.importorskip("dassl", reason="Dassl not installed: the test runs the Dassl trainers")
 
 import torch  # noqa: E402
-from helpers_dassl import BATCH, PROVENANCE, SEED, SHOTS, dassl_run, write_dtd  # noqa: E402
+from helpers_dassl import SEED, SHOTS, agreement_world, dassl_run, evaluator_train_spec  # noqa: E402
 
-from meta.evaluation import DatasetRef, TrainSpec, evaluate_base_to_new, method_preset  # noqa: E402
+from meta.evaluation import DatasetRef, evaluate_base_to_new, method_preset  # noqa: E402
 from meta.evaluation.images import ImageLoader  # noqa: E402
-from meta.finetune.init_io import export_gram_init  # noqa: E402
 from meta.finetune.testtime import TestTimeSpec, tune_and_predict  # noqa: E402
 from meta.method import methods  # noqa: E402
-from meta.method.prompts import PromptedCLIP, PromptParams  # noqa: E402
-from meta.method.regulator import GradientRegulator, RegulatorSpec  # noqa: E402
+from meta.method.prompts import PromptedCLIP  # noqa: E402
 
 SHAPES = {"GRAM_CoOp": {"ctx": (4, 64)}, "UNIGRAM": {"ctx": (2, 64), "vpt": (1, 2, 64)}}
 WORDS = "a photo of a"
@@ -49,19 +47,8 @@ OPTS = [
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tiny_clip):
     root = tmp_path_factory.mktemp("testtime_engines")
-    write_dtd(root / "data")
     clip, dims = tiny_clip
-    torch.save(clip.state_dict(), root / "tiny_clip.pt")
-    g = torch.Generator().manual_seed(5)
-    inits = {}
-    for trainer, shapes in SHAPES.items():
-        tensors = {k: torch.randn(*s, generator=g) * 0.02 for k, s in shapes.items()}
-        torch.manual_seed(9)
-        regs = {k: GradientRegulator(dims.text_width, RegulatorSpec(init="normal", init_std=0.2)) for k in shapes}
-        inits[trainer] = export_gram_init(
-            root / f"{trainer}.safetensors", PromptParams(**tensors), regs, dims, provenance=PROVENANCE
-        )
-    return root, inits
+    return root, agreement_world(root, clip, dims, SHAPES)
 
 
 def _dassl_logits(trainer) -> tuple[float, torch.Tensor]:
@@ -113,18 +100,7 @@ def test_the_dassl_option_and_the_evaluator_give_the_same_predictions(world, tin
     assert (plain - logits).abs().max() > 1e-3  # the tuning changed the predictions: not a comparison of no-ops
 
     method = method_preset(row.preset, init_path=init, ctx_init=WORDS if not init else "")
-    spec = TrainSpec(
-        epochs=1,
-        batch_size=BATCH,
-        lr=float(cfg.OPTIM.LR),
-        momentum=float(cfg.OPTIM.MOMENTUM),
-        weight_decay=float(cfg.OPTIM.WEIGHT_DECAY),
-        warmup_epochs=0,
-        augment="none",
-        order="sequential",
-        eval_every_epoch=False,
-        test_batch_size=int(cfg.DATALOADER.TEST.BATCH_SIZE),
-    )
+    spec = evaluator_train_spec(cfg)
     dataset = DatasetRef.from_dir(root / "data" / "dtd")
     record = evaluate_base_to_new(
         dataset, clip, dims, method, SEED, SHOTS, spec, use_split_cache=False, log=lambda m: None, test_time=SPEC

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_matches_central_differences
 from torch.func import functional_call
 
 from meta.finetune.testtime import TestTimeSpec, view_batch
@@ -133,26 +134,9 @@ def test_directional_derivatives_match_central_finite_differences_float64(clip64
             ]
         )
 
-    def shifted(eps: float, direction: list) -> float:
-        with torch.no_grad():
-            for p, d in zip(params, direction):
-                p.add_(eps * d)
-        value = objective()
-        with torch.no_grad():
-            for p, d in zip(params, direction):
-                p.sub_(eps * d)
-        return value
-
-    gen, eps = torch.Generator().manual_seed(4), 1e-6
-    for part in ("theta", "phi", "both"):
-        mask = [part == "both" or (part == "theta") == (j < n_theta) for j in range(len(params))]
-        direction = [
-            torch.randn(p.shape, generator=gen, dtype=torch.float64) * float(on) for p, on in zip(params, mask)
-        ]
-        want = float(sum((g * d).sum() for g, d in zip(analytic, direction)))
-        numeric = (shifted(eps, direction) - shifted(-eps, direction)) / (2 * eps)
-        assert abs(want) > 1e-8, part
-        assert abs(numeric - want) <= 1e-6 * max(1.0, abs(numeric)), (part, numeric, want)
+    theta_part = [j < n_theta for j in range(len(params))]
+    masks = {"theta": theta_part, "phi": [not t for t in theta_part], "both": [True] * len(params)}
+    assert_matches_central_differences(objective, params, analytic, masks, torch.Generator().manual_seed(4))
 
 
 def test_the_inner_step_reads_no_label_and_first_order_differs(clip64):
