@@ -120,12 +120,15 @@ def _parser() -> argparse.ArgumentParser:
         "--test-time",
         action="store_true",
         help="score each test image after TPT from the fine-tuned θ (R_φ on the entropy gradient for a regulating "
-        "method); records gain test_time with ECE and the plain numbers",
+        "method); records gain test_time with ECE and the plain numbers; --test-time-optimizer meta steps with the "
+        "init file's meta-trained rule (needs the method's launch step)",
     )
-    for link in (k for k in KEY_FIELDS if k.key.startswith("--test-time-")):  # TestTimeSpec's fields, its defaults
-        default = getattr(TestTimeSpec, link.field)
-        choices = TEST_TIME_OPTIMIZERS if link.field == "optimizer" else None  # meta: the init file's step
-        common.add_argument(link.key, type=type(default), default=default, choices=choices)
+    common.add_argument("--test-time-views", type=int, default=TestTimeSpec.views, help="views per image (it first)")
+    common.add_argument("--test-time-confident-share", type=float, default=TestTimeSpec.confident_share)
+    common.add_argument("--test-time-optimizer", choices=TEST_TIME_OPTIMIZERS, default=TestTimeSpec.optimizer)
+    common.add_argument("--test-time-steps", type=int, default=TestTimeSpec.steps, help="optimiser steps per image")
+    common.add_argument("--test-time-lr", type=float, default=TestTimeSpec.lr, help="AdamW's lr (adamw)")
+    common.add_argument("--test-time-weight-decay", type=float, default=TestTimeSpec.weight_decay)
     common.add_argument("--output", default="", help="append one JSON line per run to this file")
     common.add_argument("--no-progress", action="store_true")
     common.add_argument("--debug", action="store_true", help="show tracebacks (also GRAM_DEBUG=1)")
