@@ -46,10 +46,11 @@ def test_the_run_builds_the_objective_and_the_query_views(tmp_path, hier):
     assert run.learner.objective == TestTimeObjective(kept=2)  # int(4 x 0.5)
     task = run.stream.next(1)[0]
     batch = run.batcher(task)
-    views = batch.query["view_features"]
-    n_query = len(task.query_index)
-    assert views.shape == (n_query, 4, batch.query["features"].shape[-1]) and not views.requires_grad
-    torch.testing.assert_close(views[:, 0], batch.query["features"], rtol=1e-5, atol=1e-6)  # view 0: the image
+    views, features = batch.query["view_features"], torch.as_tensor(hier.image_features[task.query_index])
+    assert batch.support is None and set(batch.query) == {"classnames", "label", "view_features"}  # nothing unused
+    assert views.shape == (len(task.query_index), 4, features.shape[-1]) and not views.requires_grad
+    torch.testing.assert_close(views[:, 0], features, rtol=1e-5, atol=1e-6)  # view 0: the image
+    assert batch.query["label"].tolist() == list(task.query_label)
     again = run.batcher(task).query["view_features"]
     assert torch.equal(again, views)  # a task's views are a function of the task
 
