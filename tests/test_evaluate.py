@@ -38,6 +38,7 @@ from meta.evaluation.images import view_key
 from meta.finetune.init_io import InitMismatchError, export_gram_init
 from meta.finetune.regulated import LaunchStep
 from meta.finetune.testtime import TestTimeSpec
+from meta.infra.memory import reset_hwm
 from meta.method import methods
 from meta.method.gram import GRAMMetaLearner, MetaSpec
 from meta.method.prompts import PromptedCLIP, PromptParams
@@ -330,6 +331,8 @@ def test_test_time_reads_ece_before_from_the_pass_that_gave_the_plain_accuracy(d
     for name in ("base", "new"):
         row = tt["sets"][name]
         assert row["accuracy_before"] == tt["before"][name] and 0.0 < row["ece_before"] <= 100.0
+        peak = row["peak_mib_per_image"]  # resident MiB on Linux (meta/infra/memory.py), else null
+        assert peak is None if not reset_hwm() else isinstance(peak, float) and 0.0 <= peak < 4096.0
 
 
 def test_transfer_reports_source_and_each_target(ds_a, data_root, tiny_clip, session):

@@ -219,9 +219,10 @@ class PromptTuner:
         self, data: LabelledSet, spec: TestTimeSpec, progress: bool = False, plain: Optional[torch.Tensor] = None
     ) -> dict:
         """TPT (:mod:`meta.finetune.testtime`) on every image of ``data`` from the current θ, with R_φ on the entropy
-        gradient when the method regulates: ``{accuracy, ece, loss_before, loss_after, seconds_per_image}`` (percent,
-        nats, seconds) beside the plain predictions' ``accuracy_before`` and ``ece_before`` (from ``plain``, their
-        ``[n, C]`` scaled logits, when the caller kept them from :meth:`accuracy`; else one more pass)."""
+        gradient when the method regulates: ``{accuracy, ece, loss_before, loss_after, seconds_per_image,
+        peak_mib_per_image}`` (percent, nats, seconds, MiB: :class:`meta.finetune.testtime.TestTimeResult`) beside
+        the plain predictions' ``accuracy_before`` and ``ece_before`` (from ``plain``, their ``[n, C]`` scaled logits,
+        when the caller kept them from :meth:`accuracy`; else one more pass)."""
         if self.prompts is None:
             raise ValueError(f"test-time tuning: {NO_PROMPTS}")
         if plain is None:
@@ -242,6 +243,7 @@ class PromptTuner:
             "loss_before": tuned.loss_before,
             "loss_after": tuned.loss_after,
             "seconds_per_image": tuned.seconds_per_image,
+            "peak_mib_per_image": tuned.peak_mib_per_image,
         }
 
     # ---------------------------------------------------------------- training
