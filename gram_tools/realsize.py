@@ -76,6 +76,8 @@ from gram_tools.bench_gpu import VARIANTS
 from meta.config import get_meta_cfg_default
 from meta.infra.cli_errors import int_flag_problem
 from meta.infra.fileio import write_json_atomic
+from meta.infra.memory import peak_mib as resident_peak_mib
+from meta.infra.memory import reset_hwm
 from meta.method.learners import DEFAULT_LEARNER
 
 # Rows measured beside a learner's own shape: (row name, PromptSpec fields replaced), after the learner's row.
@@ -150,28 +152,12 @@ def learner_of(
 
 
 # ----------------------------------------------------------------------------- one point (subprocess)
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_hwm() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
 def peak_mib(fn: Callable[[], None]) -> float:
-    """Resident high-water mark during ``fn()`` above the resident size before it (MiB; Linux)."""
-    if not _reset_hwm():
+    """Resident high-water mark during ``fn()`` above the resident size before it (MiB; Linux):
+    :func:`meta.infra.memory.peak_mib`, refused before ``fn`` runs where ``VmHWM`` cannot be reset."""
+    if not reset_hwm():
         raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs): Linux >= 4.0 needed")
-    before = _status_kib("VmRSS")
-    fn()
-    return (_status_kib("VmHWM") - before) / 1024
+    return resident_peak_mib(fn)[1]
 
 
 def tensor_kind(shape: Sequence[int], length: int, width: int) -> str:

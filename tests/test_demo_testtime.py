@@ -12,7 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers import quick_demo_settings
+from helpers import make_dtd, quick_demo_settings
 
 from gram_world.demo import DemoSettings, run, variants_needed
 from gram_world.demo import stages as demo_stages
@@ -93,8 +93,25 @@ def test_the_table_averages_datasets_within_a_seed_first_and_reads_zero_shot_as_
     with pytest.raises(ValueError, match="^test-time table: expected the runs of one TPT spec, found 2"):
         build_testtime_table(records[:3] + [other] + records[4:], DemoSettings())
     text = "\n".join(markdown_of_testtime(table))
-    assert "| Zero-shot CLIP (no tuning) | 1.50 ± 0.50 | 1.50 ± 0.50 | — | — | — |" in text
-    assert text.count("| method | accuracy | accuracy before | ECE | ECE before | s / image |") == 3
+    assert "| Zero-shot CLIP (no tuning) | 1.50 ± 0.50 | 1.50 ± 0.50 | — | — | — | — |" in text
+    assert text.count("| method | accuracy | accuracy before | ECE | ECE before | s / image | peak MiB / image |") == 3
+
+
+def test_the_table_shows_the_peak_memory_per_image_of_a_real_record(tmp_path, tiny_clip):
+    from meta.evaluation import DatasetRef, TrainSpec, evaluate_base_to_new, method_preset
+
+    make_dtd(tmp_path, n_classes=4, counts={"train": 2, "val": 1, "test": 2})
+    spec, tpt = TrainSpec(epochs=0, test_batch_size=4), TestTimeSpec(views=2, steps=1)
+    args = (DatasetRef.from_dir(tmp_path / "dtd"), *tiny_clip, method_preset("coop"), 1, 2, spec)
+    record = dict(evaluate_base_to_new(*args, use_split_cache=False, log=lambda m: None, test_time=tpt))
+    record["test_time_row"] = "tpt_coop"
+    peaks = [record["test_time"]["sets"][n]["peak_mib_per_image"] for n in ("base", "new")]
+    table = build_testtime_table([record], DemoSettings())
+    row, text = table["groups"]["new"]["rows"][0], "\n".join(markdown_of_testtime(table))
+    if peaks[1] is None:  # no VmHWM reset here: null in the record, a dash in the table
+        assert row["peak_mib_per_image"] == (None, None) and text.count(" — |") >= 3
+    else:
+        assert row["peak_mib_per_image"] == (peaks[1], 0.0) and f"{peaks[1]:.1f} ± 0.0 |" in text
 
 
 def test_test_time_records_stay_out_of_table_1():

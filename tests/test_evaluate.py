@@ -37,6 +37,8 @@ from meta.evaluation import (
 from meta.evaluation.images import view_key
 from meta.finetune.init_io import InitMismatchError, export_gram_init
 from meta.finetune.regulated import LaunchStep
+from meta.finetune.testtime import TestTimeSpec
+from meta.infra.memory import reset_hwm
 from meta.method import methods
 from meta.method.gram import GRAMMetaLearner, MetaSpec
 from meta.method.prompts import PromptedCLIP, PromptParams
@@ -315,6 +317,22 @@ def test_vpt_trains_through_the_image_tower(ds_a, tiny_clip, session):
     assert [row["epoch"] for row in rec["history"]] == [0, 1, 2]
     for key in ("base", "new", "H"):
         assert 0.0 <= rec[key] <= 100.0
+
+
+def test_test_time_reads_ece_before_from_the_pass_that_gave_the_plain_accuracy(ds_a, tiny_clip, session, monkeypatch):
+    from meta.evaluation.training import PromptTuner
+
+    passes, plain_pass = [], PromptTuner._batch_logits
+    monkeypatch.setattr(PromptTuner, "_batch_logits", lambda *a: passes.append(a[2:]) or plain_pass(*a))
+    spec, tpt = TrainSpec(epochs=1, batch_size=4, lr=0.01), TestTimeSpec(views=3, steps=1)
+    tt = b2n(ds_a, tiny_clip, session, method_preset("coop"), spec=spec, test_time=tpt)["test_time"]
+    # epochs 0 and 1 on base and new: four passes, each scoring at scale 1 and keeping CLIP's scaled logits; no more
+    assert len(passes) == 4 and all(len(p) == 2 and p[0] == 1.0 and p[1] > 1.0 for p in passes), passes
+    for name in ("base", "new"):
+        row = tt["sets"][name]
+        assert row["accuracy_before"] == tt["before"][name] and 0.0 < row["ece_before"] <= 100.0
+        peak = row["peak_mib_per_image"]  # resident MiB on Linux (meta/infra/memory.py), else null
+        assert peak is None if not reset_hwm() else isinstance(peak, float) and 0.0 <= peak < 4096.0
 
 
 def test_transfer_reports_source_and_each_target(ds_a, data_root, tiny_clip, session):

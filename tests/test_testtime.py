@@ -1,6 +1,7 @@
 """Episodic test-time prompt tuning (meta/finetune/testtime.py, TPT's protocol) on the tiny CLIP: the entropy loss
 against a float64 hand computation and finite differences, confident-view selection, two AdamW steps against a hand
-computation, reset between images, R_φ acting on the entropy gradient, and the one-line errors."""
+computation, reset between images, R_φ acting on the entropy gradient, the peak memory per image, and the one-line
+errors."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from meta.finetune import testtime
 from meta.finetune.regulated import GradientRegulation, LaunchStep
 from meta.finetune.testtime import (
     TestTimeSpec,
@@ -120,6 +122,29 @@ def test_each_image_starts_from_theta_and_nothing_leaks_into_the_next(tiny):
     zero_step = tune_and_predict(pclip, theta, images[:1], NAMES, TestTimeSpec(views=4, steps=0))
     with torch.no_grad():
         torch.testing.assert_close(zero_step.logits, pclip.logits(theta, NAMES, images=images[:1]))
+
+
+def test_the_peak_memory_per_image_is_the_largest_resident_growth_and_null_without_a_reset(tiny, monkeypatch):
+    from meta.infra import memory
+
+    if not memory.reset_hwm():
+        pytest.skip("VmHWM cannot be reset here (/proc/self/clear_refs)")
+    pclip, theta, images = tiny
+    spec, tune, calls = TestTimeSpec(views=4, steps=1), testtime.tune_one, []
+
+    def heavier(*args):  # the second image's tuning also holds 64 MiB (most of it fresh pages)
+        calls.append(len(calls))
+        extra = torch.ones(16 * 2**20) if len(calls) == 2 else None
+        return tune(*args) if extra is None or extra.sum() > 0 else None
+
+    plain = tune_and_predict(pclip, theta, images, NAMES, spec)
+    monkeypatch.setattr(testtime, "tune_one", heavier)
+    heavy = tune_and_predict(pclip, theta, images, NAMES, spec)
+    assert calls == [0, 1, 2] and torch.equal(heavy.logits, plain.logits)
+    assert 0.0 <= plain.peak_mib_per_image < heavy.peak_mib_per_image and heavy.peak_mib_per_image > 48.0
+    monkeypatch.setattr(memory, "reset_hwm", lambda: False)  # off Linux: recorded null, the results unchanged
+    off = tune_and_predict(pclip, theta, images, NAMES, spec)
+    assert off.peak_mib_per_image is None and torch.equal(off.logits, plain.logits)
 
 
 def test_r_phi_replaces_the_entropy_gradient_before_the_step(tiny):

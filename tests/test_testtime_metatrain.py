@@ -18,7 +18,7 @@ from meta.metatrain.checkpoint import load_checkpoint
 from meta.metatrain.runlog import read_log
 from meta.metatrain.settings import read_train_settings
 from meta.metatrain.testtime_objective import TestTimeObjective
-from meta.metatrain.trainer import setup_run, train
+from meta.metatrain.trainer import setup_run, train, validate
 
 TESTTIME = ["META.MODE", "testtime", "META.TEST_TIME.VIEWS", "4", "META.TEST_TIME.CONFIDENT_SHARE", "0.5"]
 COOP = ["META.PROMPT.N_CTX_TEXT", "4"]
@@ -46,12 +46,31 @@ def test_the_run_builds_the_objective_and_the_query_views(tmp_path, hier):
     assert run.learner.objective == TestTimeObjective(kept=2)  # int(4 x 0.5)
     task = run.stream.next(1)[0]
     batch = run.batcher(task)
-    views = batch.query["view_features"]
-    n_query = len(task.query_index)
-    assert views.shape == (n_query, 4, batch.query["features"].shape[-1]) and not views.requires_grad
-    torch.testing.assert_close(views[:, 0], batch.query["features"], rtol=1e-5, atol=1e-6)  # view 0: the image
+    views, features = batch.query["view_features"], torch.as_tensor(hier.image_features[task.query_index])
+    assert batch.support is None and set(batch.query) == {"classnames", "label", "view_features"}  # nothing unused
+    assert views.shape == (len(task.query_index), 4, features.shape[-1]) and not views.requires_grad
+    torch.testing.assert_close(views[:, 0], features, rtol=1e-5, atol=1e-6)  # view 0: the image
+    assert batch.query["label"].tolist() == list(task.query_label)
     again = run.batcher(task).query["view_features"]
     assert torch.equal(again, views)  # a task's views are a function of the task
+
+
+def test_validation_steps_first_order_to_the_second_order_values(tmp_path, hier):
+    run = setup_run(read_train_settings(_cfg(tmp_path, *COOP)), hierarchy=hier)
+    unroll, asked, force = run.learner.unroll, [], {}
+
+    def spy(loss_fn, batch, first_order=None):  # what validate() asks of each image's inner step
+        asked.append(first_order)
+        return unroll(loss_fn, batch, first_order=force.get("order", first_order))
+
+    run.learner.unroll = spy
+    got = validate(run)
+    assert set(asked) == {True} and len(asked) == sum(len(t.query_index) for t in run.val_tasks)
+    force["order"] = False
+    second = validate(run)  # the values of a second-order step (other attention and LayerNorm kernels)
+    assert got.keys() == second.keys() == {"entropy_before", "query_loss_after", "query_acc_after", "tasks"}
+    for key in got:
+        assert got[key] == pytest.approx(second[key], rel=1e-4), key
 
 
 @pytest.mark.slow

@@ -200,3 +200,27 @@ def test_bad_queries_and_a_gate_regulator_end_in_one_line(clip64):
     gated = _learner(clip, dims, PromptSpec(n_ctx_text=2), MetaSpec(inner_lr=0.5, regulator=RegulatorSpec(form="gate")))
     with pytest.raises(ValueError, match=r"^test-time objective: META.REGULATOR.FORM gate needs a regulariser"):
         objective.backward(gated, loss_fn, None, query, 1)
+
+
+@pytest.mark.parametrize("images_key", [False, True])
+def test_first_order_gives_the_second_order_values_without_the_second_order_graph(clip64, images_key):
+    clip, dims = clip64
+    spec = PromptSpec(n_ctx_text=2, n_ctx_vision=2 if images_key else 0)
+    pclip = PromptedCLIP(clip, dims, 2)
+    query = _query(pclip, dims, images_key)
+    views = query["view_images" if images_key else "view_features"].requires_grad_(True)
+    values, reach = {}, {}
+    for first_order in (False, True):
+        ml, kept = _learner(clip, dims, spec, MetaSpec(inner_lr=0.5)), []
+        unroll = ml.unroll
+        ml.unroll = lambda *a, **k: kept.append(unroll(*a, **k)) or kept[-1]  # keep each image's θ'_i
+        loss_fn = classification_loss(pclip)
+        _, values[first_order] = TestTimeObjective(KEPT).backward(
+            ml, loss_fn, None, query, 1, backward=lambda _: None, first_order=first_order
+        )
+        # θ'_i = θ − α R_φ(∇_θ H_i): only a second-order step keeps the gradient's graph, which reaches the views
+        ctx = [adapted.module.ctx.sum() for adapted, _, _ in kept]
+        reach[first_order] = [torch.autograd.grad(c, views, allow_unused=True)[0] is not None for c in ctx]
+    assert reach == {False: [True, True], True: [False, False]}
+    for key, value in values[False].items():
+        torch.testing.assert_close(values[True][key], value, rtol=1e-12, atol=1e-12)

@@ -3,7 +3,8 @@ and on base-to-new's base and new classes, with accuracy and ECE after TPT besid
 prediction, and seconds per test image.
 
 A record of a test-time run (``test_time_row`` set, :func:`.stages.run_eval_job`) holds ``test_time.sets``:
-``{test set: {accuracy, ece, accuracy_before, ece_before, seconds_per_image, ...}}`` (percent, percent, seconds);
+``{test set: {accuracy, ece, accuracy_before, ece_before, seconds_per_image, peak_mib_per_image, ...}}`` (percent,
+percent, seconds, MiB: the resident peak of one image's tuning on the CPU, null elsewhere, "—" in the table);
 zero-shot CLIP's record has plain accuracies only.  Every cell is the mean ± population std over seeds of the
 per-seed value, a per-seed value over several datasets or targets being their mean first, as in the other tables.
 """
@@ -23,7 +24,7 @@ GROUPS = (
     ("base", "base-to-new: base classes", "base2new", "base"),
     ("new", "base-to-new: new classes", "base2new", "new"),
 )
-FIELDS = ("accuracy", "accuracy_before", "ece", "ece_before", "seconds_per_image")
+FIELDS = ("accuracy", "accuracy_before", "ece", "ece_before", "seconds_per_image", "peak_mib_per_image")
 
 
 def _sets(record: dict, which: str) -> list:
@@ -37,7 +38,9 @@ def _values(record: dict, which: str) -> dict:
     if tuned is None:  # zero-shot CLIP: its plain accuracy is both "before" and "after"
         acc = statistics.fmean(record["targets"][n] if which == "targets" else record[n] for n in names)
         return {"accuracy": acc, "accuracy_before": acc}
-    return {f: statistics.fmean(tuned[n][f] for n in names) for f in FIELDS}
+    return {
+        f: statistics.fmean(tuned[n][f] for n in names) for f in FIELDS if None not in (tuned[n].get(f) for n in names)
+    }
 
 
 def _mean_std(values: list) -> tuple:
@@ -105,8 +108,9 @@ def markdown_of_testtime(table: dict) -> list[str]:
         "",
         "Each test image is scored after TPT from the row's start, θ reset per image (Shu et al., NeurIPS 2022): "
         "accuracy (%) and expected calibration error (ECE, %, 15 bins) after tuning, beside the same start's plain "
-        f"prediction (before). Only the row fine-tuned first sees labels ({table['fine_tuning']}); seconds are "
-        "per test image on this machine. Test-time GRAM's θ* and R_φ are meta-trained for this use "
+        f"prediction (before). Only the row fine-tuned first sees labels ({table['fine_tuning']}); seconds and "
+        "peak MiB (resident high-water mark of one image's tuning, the largest over a set's images; CPU runs only) "
+        "are per test image on this machine. Test-time GRAM's θ* and R_φ are meta-trained for this use "
         "(`META.MODE testtime`: an entropy step on each query image, then its cross-entropy) and each of its "
         "steps is the meta-trained one, θ − α R_φ(∇H), not AdamW's.",
         "",
@@ -115,11 +119,12 @@ def markdown_of_testtime(table: dict) -> list[str]:
         parts += [
             f"### {group['heading']}",
             "",
-            "| method | accuracy | accuracy before | ECE | ECE before | s / image |",
-            "| --- | --- | --- | --- | --- | --- |",
+            "| method | accuracy | accuracy before | ECE | ECE before | s / image | peak MiB / image |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in group["rows"]:
             cells = [r["label"]] + [_cell(r[f]) for f in FIELDS[:4]] + [_cell(r["seconds_per_image"], 3)]
+            cells.append(_cell(r["peak_mib_per_image"], 1))
             parts.append("| " + " | ".join(cells) + " |")
         parts.append("")
     return parts

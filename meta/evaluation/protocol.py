@@ -213,8 +213,17 @@ def _run(
         for name, (recs, names) in tests.items()
     }
 
+    plain: dict = {}  # with test_time: per set, the last plain pass's scaled logits (its ECE before tuning)
+
+    def score(name: str, data) -> float:
+        kept = [] if test_time is not None else None
+        accuracy = tuner.accuracy(data, kept)
+        if kept is not None:
+            plain[name] = torch.cat(kept)
+        return accuracy
+
     def measure(epoch: int) -> dict:
-        accs = {name: tuner.accuracy(data) for name, data in test_sets.items()}
+        accs = {name: score(name, data) for name, data in test_sets.items()}
         return {**accs, **summarise(accs)}
 
     history: list[dict] = []
@@ -232,10 +241,12 @@ def _run(
     final_row = history[-1] if history and all(k in history[-1] for k in test_sets) else None
     final = {k: final_row[k] for k in test_sets} if final_row else {}
     if not final:
-        final = {name: tuner.accuracy(data) for name, data in test_sets.items()}
+        final = {name: score(name, data) for name, data in test_sets.items()}
     final.update(summarise(final))
-    if test_time is not None:
-        sets = {name: tuner.test_time(data, test_time, session.progress) for name, data in test_sets.items()}
+    if test_time is not None:  # the plain pass that gave ``final`` gave the logits of ``ece_before`` too
+        sets = {
+            name: tuner.test_time(data, test_time, session.progress, plain[name]) for name, data in test_sets.items()
+        }
         init_info["test_time"] = {"spec": asdict(test_time), "before": final, "regulated": tuner.regulation is not None}
         init_info["test_time"]["sets"] = sets
         final = {name: row["accuracy"] for name, row in sets.items()}

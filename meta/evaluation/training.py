@@ -183,8 +183,9 @@ class PromptTuner:
 
     # ---------------------------------------------------------------- evaluation
     @torch.no_grad()
-    def _batch_logits(self, data: LabelledSet, scale: float):
-        """``(start, logits [b, C])`` per test batch of ``data`` with the current prompts, cosines times ``scale``."""
+    def _batch_logits(self, data: LabelledSet, *scales: float):
+        """``(start, [logits [b, C]] per scale)`` per test batch of ``data`` with the current prompts: one encoding,
+        cosines times each of ``scales``."""
         learner = learner_of(self.prompts) if self.prompts is not None else None
         per_image = learner is not None and learner.per_image_text  # text features [b, C, E], one set per image
         text = None if per_image else self.pclip.text_features(self.prompts, data.classnames)  # [C, E], once
@@ -197,33 +198,37 @@ class PromptTuner:
                 x = torch.stack([self.test_images(p) for p in data.impaths[start : start + step]]).to(self.device)
             if per_image:
                 image, batch_text = learner.features(self.pclip, self.prompts, data.classnames, x, image)
-                yield start, feature_logits(scale, image, batch_text)
             else:
                 image = self.pclip.image_features(self.prompts, x) if image is None else image
-                yield start, feature_logits(scale, image, text)
+            yield start, [feature_logits(scale, image, batch_text if per_image else text) for scale in scales]
 
-    def accuracy(self, data: LabelledSet) -> float:
-        """Top-1 accuracy in percent on ``data`` with the current prompts."""
+    def accuracy(self, data: LabelledSet, scaled: Optional[list] = None) -> float:
+        """Top-1 accuracy in percent on ``data`` with the current prompts; ``scaled`` (a list) gains the same pass's
+        logits at CLIP's scale, per batch (the confidences ECE reads: :meth:`test_time`'s ``plain``)."""
         if len(data) == 0:
             raise ValueError("cannot measure accuracy on an empty split")
-        step = self.spec.test_batch_size
-        correct = sum(
-            count_correct(logits, data.labels[start : start + step]) for start, logits in self._batch_logits(data, 1.0)
-        )
+        step, correct = self.spec.test_batch_size, 0
+        scales = (1.0,) if scaled is None else (1.0, self.pclip.logit_scale)
+        for start, logits in self._batch_logits(data, *scales):
+            correct += count_correct(logits[0], data.labels[start : start + step])
+            if scaled is not None:
+                scaled.append(logits[1])
         return 100.0 * correct / len(data)
 
-    @torch.no_grad()
-    def test_logits(self, data: LabelledSet) -> torch.Tensor:
-        """``[n, C]`` CLIP's scaled logits on ``data`` with the current prompts (the confidences ECE reads)."""
-        return torch.cat([logits for _, logits in self._batch_logits(data, self.pclip.logit_scale)])
-
-    def test_time(self, data: LabelledSet, spec: TestTimeSpec, progress: bool = False) -> dict:
+    def test_time(
+        self, data: LabelledSet, spec: TestTimeSpec, progress: bool = False, plain: Optional[torch.Tensor] = None
+    ) -> dict:
         """TPT (:mod:`meta.finetune.testtime`) on every image of ``data`` from the current θ, with R_φ on the entropy
-        gradient when the method regulates: ``{accuracy, ece, loss_before, loss_after, seconds_per_image}`` (percent,
-        nats, seconds) beside the plain predictions' ``accuracy_before`` and ``ece_before``."""
+        gradient when the method regulates: ``{accuracy, ece, loss_before, loss_after, seconds_per_image,
+        peak_mib_per_image}`` (percent, nats, seconds, MiB: :class:`meta.finetune.testtime.TestTimeResult`) beside
+        the plain predictions' ``accuracy_before`` and ``ece_before`` (from ``plain``, their ``[n, C]`` scaled logits,
+        when the caller kept them from :meth:`accuracy`; else one more pass)."""
         if self.prompts is None:
             raise ValueError(f"test-time tuning: {NO_PROMPTS}")
-        plain = self.test_logits(data)
+        if plain is None:
+            kept: list = []
+            self.accuracy(data, kept)
+            plain = torch.cat(kept)
         images = _LazyImages(data.impaths, self.test_images, self.device)
         seed = self.seed
         tuned = tune_and_predict(
@@ -238,6 +243,7 @@ class PromptTuner:
             "loss_before": tuned.loss_before,
             "loss_after": tuned.loss_after,
             "seconds_per_image": tuned.seconds_per_image,
+            "peak_mib_per_image": tuned.peak_mib_per_image,
         }
 
     # ---------------------------------------------------------------- training

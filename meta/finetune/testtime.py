@@ -23,6 +23,7 @@ from torchvision.transforms.v2 import functional as TF
 from tqdm import tqdm
 
 from meta.finetune.regulated import LaunchStep, RuleStep
+from meta.infra.memory import peak_mib
 from meta.method.learners import learner_of
 from meta.method.prototypes import FORMS as PROTOTYPE_FORMS
 from meta.method.regulator import conditioned
@@ -143,12 +144,17 @@ def marginal_entropy(logits: torch.Tensor) -> torch.Tensor:
 class TestTimeResult:
     """What :func:`tune_and_predict` returns: ``logits`` ``[n, C]`` on each image after its own tuning, the mean
     entropy loss before the first step (``loss_before``) and after the last (``loss_after``: NaN for a learner that
-    prompts the image tower, whose views it would cost another pass of the tower to re-encode), seconds per image."""
+    prompts the image tower, whose views it would cost another pass of the tower to re-encode), seconds per image,
+    and ``peak_mib_per_image``: the largest over the images of the resident high-water mark during one image's
+    :func:`tune_one` above the resident size before it (:func:`meta.infra.memory.peak_mib`: pages the allocator
+    kept from earlier work absorb part of a step, so a small step in a long process reads near 0); ``None`` off the
+    CPU or where Linux offers no reset."""
 
     logits: torch.Tensor
     loss_before: float
     loss_after: float
     seconds_per_image: float
+    peak_mib_per_image: Optional[float] = None
 
 
 def check_regulation(regulation) -> None:
@@ -256,15 +262,18 @@ def tune_and_predict(
     check_regulation(regulation)
     check_optimizer(spec, rule)
     t = time.perf_counter()
-    rows = []
+    rows, peaks = [], []
     for i in tqdm(range(len(images)), desc="test-time tuning", unit="img", leave=False, disable=not progress):
-        generator = image_generator(seed, i)
-        rows.append(tune_one(pclip, start, images[i], classnames, spec, generator, regulation, rule))
+        image, views = images[i], image_generator(seed, i)  # read before the measured call
+        row, mib = peak_mib(lambda: tune_one(pclip, start, image, classnames, spec, views, regulation, rule))
+        rows.append(row)
+        peaks.append(mib if image.device.type == "cpu" else None)  # the host's memory measures a CPU run only
     return TestTimeResult(
         logits=torch.stack([r[0] for r in rows]),
         loss_before=sum(r[1] for r in rows) / len(rows),
         loss_after=sum(r[2] for r in rows) / len(rows),
         seconds_per_image=(time.perf_counter() - t) / len(rows),
+        peak_mib_per_image=None if None in peaks else max(peaks),
     )
 
 

@@ -206,8 +206,10 @@ class TaskBatcher:
         return normalize_uint8(self.h.images(index), self.mean, self.std, dtype=self.dtype, device=self.device)
 
     def __call__(self, task) -> TaskBatch:
+        if self.views is not None:  # META.MODE testtime: labels and each query image's views (view 0: the image)
+            index = np.asarray(task.query_index, dtype=np.int64)  # alone; the support is not read (support=None)
+            label = torch.as_tensor(np.asarray(task.query_label), dtype=torch.long, device=self.device)
+            query = {"classnames": list(task.query_names), "label": label, **self.views(self.images(index), index)}
+            return TaskBatch(support=None, query=query)
         query = self.part(task.query_names, task.query_index, task.query_label)
-        if self.views is not None:  # each query image's test-time views (view_features or view_images)
-            index = np.asarray(task.query_index, dtype=np.int64)
-            query.update(self.views(self.images(index), index))
         return TaskBatch(support=self.part(task.classnames, task.support_index, task.support_label), query=query)

@@ -93,10 +93,12 @@ class TestTimeObjective:
         query: dict,
         n_tasks: int,
         backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+        first_order: bool = False,
     ) -> tuple[Optional[nn.Module], dict[str, torch.Tensor]]:
         """Leave ``∇_{θ,φ} L_out / n_tasks`` in ``.grad`` (one backward per image) and return ``(None, metrics)``:
         ``entropy_before`` (H_i at θ), ``query_loss_after``, ``query_acc_after`` (at θ'_i), means over the images.
-        ``loss_fn.pclip`` gives the logits; ``support`` is not read (the signature is ``OuterObjective.backward``'s)."""
+        ``loss_fn.pclip`` gives the logits; ``support`` is not read (the signature is ``OuterObjective.backward``'s).
+        ``first_order`` (validation, values only): θ'_i without the second-order graph; else ``META.FIRST_ORDER``."""
         if is_gated(meta.gbml.compute_update.transforms_modules):
             raise ValueError("test-time objective: META.REGULATOR.FORM gate needs a regulariser; the entropy has none")
         key = next((k for k in VIEW_KEYS if k in query), None)
@@ -115,7 +117,7 @@ class TestTimeObjective:
         for i in range(m):
             batch = {"classnames": names, "label": labels[i].expand(views.shape[1]), field: views[i]}
             with conditioned(regulators, contexts[i]):
-                adapted, entropies, _ = meta.unroll(inner, batch)
+                adapted, entropies, _ = meta.unroll(inner, batch, first_order=first_order or None)
             image = {"image_features" if field == "features" else "images": views[i, :1]}  # view 0: the image
             with meta.cast():
                 logits = pclip.logits(adapted.module, names, **image)

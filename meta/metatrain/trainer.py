@@ -252,7 +252,8 @@ def validate(run: RunSetup) -> dict:
     for index, task in list(enumerate(run.val_tasks))[dist_.rank() :: dist_.world_size()]:
         batch = run.batcher(task)
         if testtime:  # each query image after its own entropy step
-            _, values = learner.objective.backward(learner, loss_fn, None, batch.query, 1, backward=lambda _: None)
+            no_step = {"backward": lambda _: None, "first_order": True}  # values only: no outer step, no 2nd order
+            _, values = learner.objective.backward(learner, loss_fn, None, batch.query, 1, **no_step)
             add({key: float(value) for key, value in values.items()})
             continue
         with torch.no_grad():
