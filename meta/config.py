@@ -262,6 +262,7 @@ def add_metatrain_cfg(cfg: CN) -> CN:
     m.TEST_TIME = CN()
     m.TEST_TIME.VIEWS = TestTimeSpec.views  # the image and VIEWS - 1 random resized crops with flips
     m.TEST_TIME.CONFIDENT_SHARE = TestTimeSpec.confident_share  # views of lowest entropy the inner loss keeps
+    m.TEST_TIME.PROTOTYPES = TestTimeSpec.prototypes  # none | nearest: R_φ conditioned on CHC prototypes (stored)
 
     # ---- bookkeeping ---------------------------------------------------------------------------
     m.CHECKPOINT_EVERY = 100  # [SUPMER] SAVE_STEP=100; a killed run loses at most this many steps
@@ -325,7 +326,7 @@ _START = "meta.finetune.engine:StartSpec"
 _TRAIN = "meta.evaluation.spec:TrainSpec"
 _GRAM_SETTINGS = "trainers.gram.config:GramSettings"  # the Dassl trainers (repository root on sys.path)
 _TEST_TIME = "meta.finetune.testtime:TestTimeSpec"
-_TEST_TIME_FIELDS = ("views", "confident_share", "steps", "lr", "weight_decay", "optimizer")
+_TEST_TIME_FIELDS = ("views", "confident_share", "steps", "lr", "weight_decay", "optimizer", "prototypes")
 
 
 @dataclass(frozen=True)
@@ -413,7 +414,7 @@ KEY_FIELDS: tuple[KeyField, ...] = (
     KeyField("--rrcrop-scale", _TRAIN, "rrcrop_scale", note="a list LO HI on the command line"),
     # ---- test-time tuning (TPT's protocol): TRAINER.GRAM.TEST_TIME.* and the evaluator's --test-time-* flags
     *_same(_TEST_TIME, "TRAINER.GRAM.TEST_TIME.", *_TEST_TIME_FIELDS),
-    *_same(_TEST_TIME, "META.TEST_TIME.", "views", "confident_share"),
+    *_same(_TEST_TIME, "META.TEST_TIME.", "views", "confident_share", "prototypes"),
     *(KeyField(f"--test-time-{name.replace('_', '-')}", _TEST_TIME, name) for name in _TEST_TIME_FIELDS),
 )
 

@@ -38,9 +38,11 @@ def test_the_group_is_opt_in_and_plans_every_row_seed_and_set_in_its_own_folders
     assert "testtime" in TABLE_GROUPS and "testtime" in OPT_IN_TABLES
     settings = replace(DemoSettings(), tables=("testtime",), seeds=(1, 2))
     # θ* and φ of CoOp + GRAM, and of CoOp + GRAM meta-trained for test time (META.MODE testtime)
-    assert [v.name for v in variants_needed(settings.tables)] == ["gram_coop", "gram_coop_testtime"]
-    assert dict(zip(*[iter(VARIANT_BY_NAME["gram_coop_testtime"].overrides)] * 2))["META.MODE"] == "testtime"
-    inits = {"gram_coop": "init.safetensors", "gram_coop_testtime": "testtime.safetensors"}
+    names = ["gram_coop", "gram_coop_testtime", "gram_coop_testtime_proto"]
+    assert [v.name for v in variants_needed(settings.tables)] == names
+    plain, proto = (dict(zip(*[iter(VARIANT_BY_NAME[n].overrides)] * 2)) for n in names[1:])
+    assert plain["META.MODE"] == "testtime" and proto == {**plain, "META.TEST_TIME.PROTOTYPES": "nearest"}
+    inits = {n: f"{n}.safetensors" for n in names}
     jobs = demo_stages.eval_jobs(_world(), inits, settings)
     assert len(jobs) == len(TESTTIME_ROWS) * 2 * (2 + 1)  # rows x seeds x (two base-to-new datasets + transfer)
     assert {j.test_time for j in jobs} == set(KEYS)
@@ -127,7 +129,9 @@ def test_the_group_end_to_end_on_the_quick_world(tmp_path, quick_world, quick_wo
     tuned = {r["test_time_row"]: r["test_time"] for r in records if r.get("test_time")}
     assert tuned["tpt_init_reg"]["regulated"] is True and tuned["tpt_init"]["regulated"] is False
     assert tuned["tt_gram"]["regulated"] is True and tuned["tt_gram"]["spec"]["optimizer"] == "meta"
-    assert {t["spec"]["optimizer"] for k, t in tuned.items() if k != "tt_gram"} == {"adamw"}
+    assert tuned["tt_gram_proto"]["spec"]["optimizer"] == "meta" and tuned["tt_gram"]["spec"]["prototypes"] == "none"
+    assert tuned["tt_gram_proto"]["spec"]["prototypes"] == "nearest" and tuned["tt_gram_proto"]["regulated"] is True
+    assert {t["spec"]["optimizer"] for k, t in tuned.items() if not k.startswith("tt_gram")} == {"adamw"}
     run_info = json.loads((tmp_path / "meta" / "gram_coop_testtime" / "run.json").read_text())
     assert run_info["mode"] == "testtime"
     assert {t["spec"]["views"] for t in tuned.values()} == {4}

@@ -1,8 +1,9 @@
 """The META yacs defaults build exactly the dataclass defaults (MetaSpec, OuterSpec, RegulatorSpec, PromptSpec).
 
 Fields are enumerated with ``dataclasses.fields``: a field added to a spec without its yacs key (or
-with a different default there) fails here.  ``BETA_SCALE`` is the one key with its own encoding:
-yacs ``0.0`` (or less) stands for the dataclass default ``"grad_rms"``, a positive number for itself.
+with a different default there) fails here.  Two fields have their own encoding: ``BETA_SCALE`` (yacs ``0.0`` or
+less stands for the dataclass default ``"grad_rms"``, a positive number for itself) and R_φ's ``context``, the width
+of the prototype context that ``META.TEST_TIME.PROTOTYPES`` other than none gives under ``META.MODE testtime``.
 """
 
 import dataclasses
@@ -17,7 +18,11 @@ from meta.method.prompts import VPT_INITS, PromptSpec
 from meta.method.regulator import RegulatorSpec
 
 # dataclass field -> META key, where it is not simply the upper-cased field name in the spec's node
-KEY_OF = {(MetaSpec, "regulator"): "REGULATOR", (OuterSpec, "regulator_weight_decay"): "REGULATOR.WEIGHT_DECAY"}
+KEY_OF = {
+    (MetaSpec, "regulator"): "REGULATOR",
+    (OuterSpec, "regulator_weight_decay"): "REGULATOR.WEIGHT_DECAY",
+    (RegulatorSpec, "context"): "TEST_TIME.PROTOTYPES",
+}
 NODE_OF = {MetaSpec: "", OuterSpec: "", RegulatorSpec: "REGULATOR.", PromptSpec: "PROMPT."}
 BUILD = {MetaSpec: meta_spec, OuterSpec: outer_spec, RegulatorSpec: regulator_spec, PromptSpec: prompt_spec}
 # a valid non-default value for each string field (a new string field must be added here)
@@ -86,8 +91,8 @@ def test_every_field_is_read_from_its_yacs_key(spec_cls):
     """Changing each key alone changes exactly its field (the key is wired, not just present)."""
     default = spec_cls()
     for field in dataclasses.fields(spec_cls):
-        if dataclasses.is_dataclass(getattr(default, field.name)) or field.name == "beta_scale":
-            continue  # the regulator node is checked field by field above; BETA_SCALE below
+        if dataclasses.is_dataclass(getattr(default, field.name)) or field.name in ("beta_scale", "context"):
+            continue  # the regulator node is checked field by field above; BETA_SCALE and the context below
         cfg = _cfg()
         node, leaf = _node_and_leaf(cfg, _key(spec_cls, field))
         node[leaf] = _other_value(field.name, node[leaf])
@@ -104,3 +109,14 @@ def test_beta_scale_encoding():
     assert regulator_spec(cfg).beta_scale == "grad_rms"
     cfg.META.REGULATOR.BETA_SCALE = 1.0
     assert regulator_spec(cfg).beta_scale == 1.0 and meta_spec(cfg).regulator.beta_scale == 1.0
+
+
+def test_the_regulator_context_comes_from_the_prototypes_under_testtime_only():
+    from meta.method.prototypes import CONTEXT_DIM
+
+    cfg = _cfg()
+    assert regulator_spec(cfg).context == 0
+    cfg.META.TEST_TIME.PROTOTYPES = "nearest"
+    assert regulator_spec(cfg).context == 0  # META.MODE gram: no prototypes (check_meta_cfg refuses the pair)
+    cfg.META.MODE = "testtime"
+    assert regulator_spec(cfg).context == CONTEXT_DIM == 2 and meta_spec(cfg).regulator.context == 2

@@ -48,7 +48,29 @@ OPTS = [
 def world(tmp_path_factory, tiny_clip):
     root = tmp_path_factory.mktemp("testtime_engines")
     clip, dims = tiny_clip
-    return root, agreement_world(root, clip, dims, SHAPES)
+    inits = agreement_world(root, clip, dims, SHAPES)
+    return root, {**inits, "GRAM_CoOp+prototypes": _with_prototypes(inits["GRAM_CoOp"], dims)}
+
+
+def _with_prototypes(path, dims):
+    """A copy of init file ``path`` whose R_φ reads a context (random context maps) and holds random prototypes."""
+    from meta.finetune.init_io import export_gram_init, load_gram_init
+    from meta.method.prototypes import Prototypes
+    from meta.method.regulator import GradientRegulator, RegulatorSpec
+
+    init, g = load_gram_init(path), torch.Generator().manual_seed(11)
+    regs = {}
+    for name, reg in init.regulator_modules().items():
+        regs[name] = GradientRegulator(reg.dim, RegulatorSpec(**{**reg.spec.as_dict(), "context": 2}))
+        extra = {
+            k: torch.randn(v.shape, generator=g) * 0.5 for k, v in regs[name].state_dict().items() if "context" in k
+        }
+        regs[name].load_state_dict({**reg.state_dict(), **extra})
+    unit = lambda n: torch.nn.functional.normalize(torch.randn(n, dims.embed_dim, generator=g), dim=1)  # noqa: E731
+    protos = Prototypes(unit(3), unit(4), torch.tensor([0.1, 0.2]), torch.tensor([0.3, 0.2]))
+    out = path.with_name("GRAM_CoOp_prototypes.safetensors")
+    prov = init.metadata["provenance"]
+    return export_gram_init(out, init.prompt_module(), regs, dims, provenance=prov, prototypes=protos.tensors())
 
 
 def _dassl_logits(trainer) -> tuple[float, torch.Tensor]:
@@ -70,15 +92,25 @@ def _dassl_logits(trainer) -> tuple[float, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "key, optimizer", [("coop", "adamw"), ("gram_coop", "adamw"), ("unigram", "adamw"), ("gram_coop", "meta")]
+    "key, optimizer, prototypes",
+    [
+        ("coop", "adamw", "none"),
+        ("gram_coop", "adamw", "none"),
+        ("unigram", "adamw", "none"),
+        ("gram_coop", "meta", "none"),
+        ("gram_coop", "meta", "nearest"),
+    ],
 )
-def test_the_dassl_option_and_the_evaluator_give_the_same_predictions(world, tiny_clip, tmp_path, key, optimizer):
+def test_the_dassl_option_and_the_evaluator_give_the_same_predictions(
+    world, tiny_clip, tmp_path, key, optimizer, prototypes
+):
     root, inits = world
     row = methods.get(key)
-    init = str(inits[row.trainer]) if row.gram_file else ""
+    init = str(inits[row.trainer + ("+prototypes" if prototypes != "none" else "")]) if row.gram_file else ""
     opts = (["TRAINER.GRAM.INIT", init] if init else ["TRAINER.GRAM.CTX_INIT", WORDS]) + OPTS
     opts += ["TRAINER.GRAM.TEST_TIME.OPTIMIZER", optimizer]  # meta: the init file's step (its launch step is on)
-    SPEC = replace(SPEC_ADAMW, optimizer=optimizer)
+    opts += ["TRAINER.GRAM.TEST_TIME.PROTOTYPES", prototypes]  # nearest: R_φ reads the file's prototypes
+    SPEC = replace(SPEC_ADAMW, optimizer=optimizer, prototypes=prototypes)
     trainer, cfg = dassl_run(root, key, opts, "base", tmp_path / "base")
     assert trainer.gram.test_time == SPEC and (optimizer == "adamw" or trainer.launch_step is not None)
     trainer.train()  # one epoch; Dassl's final test already runs through the test-time path
@@ -95,6 +127,10 @@ def test_the_dassl_option_and_the_evaluator_give_the_same_predictions(world, tin
     names, rule = trainer.dm.dataset.classnames, trainer.launch_step
     tuned = tune_and_predict(pclip, theta, images, names, SPEC, regulation, seed=SEED, rule=rule)
     torch.testing.assert_close(logits, tuned.logits, rtol=1e-4, atol=1e-4)  # the same prediction on each image
+    if prototypes != "none":  # the prototypes reach the prediction: without them it differs
+        plain_spec = replace(SPEC, prototypes="none")
+        without = tune_and_predict(pclip, theta, images, names, plain_spec, regulation, seed=SEED, rule=rule)
+        assert (without.logits - logits).abs().max() > 1e-5
     with torch.no_grad():
         plain = pclip.logits(theta, trainer.dm.dataset.classnames, images=images)
     assert (plain - logits).abs().max() > 1e-3  # the tuning changed the predictions: not a comparison of no-ops
@@ -130,6 +166,21 @@ def test_bad_dassl_test_time_settings_end_in_one_line_naming_the_key(world, tmp_
     with pytest.raises(ValueError, match=f"^TRAINER.GRAM.TEST_TIME.{key}: expected") as err:
         dassl_run(root, "coop", opts, "base", tmp_path / "bad")
     assert "\n" not in str(err.value)
+
+
+def test_prototypes_asked_of_an_init_file_without_them_end_in_one_line_in_both_engines(world, tmp_path):
+    root, inits = world
+    opts = ["TRAINER.GRAM.INIT", str(inits["GRAM_CoOp"]), "TRAINER.GRAM.TEST_TIME.ENABLED", "True"]
+    opts += ["TRAINER.GRAM.TEST_TIME.PROTOTYPES", "nearest"]
+    wanted = "nearest: the init file holds no CHC prototypes"
+    with pytest.raises(ValueError, match=f"^TRAINER.GRAM.TEST_TIME.PROTOTYPES {wanted}") as err:
+        dassl_run(root, "gram_coop", opts, "base", tmp_path / "bad")
+    assert "\n" not in str(err.value)
+    flags = ["--methods", "gram_coop", "--init", str(inits["GRAM_CoOp"]), "--test-time"]
+    done = _evaluator(root, *flags, "--test-time-prototypes", "nearest", "--output", str(tmp_path / "x.jsonl"))
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and lines[-1].startswith(f"error: --test-time-prototypes {wanted}"), done.stderr
+    assert (tmp_path / "x.jsonl").read_text() == ""  # refused before any record
 
 
 def _evaluator(root, *flags: str) -> subprocess.CompletedProcess:

@@ -103,12 +103,12 @@ ONE_STEP_VARIANTS = (
 )
 # Test-time GRAM (the "testtime" group): θ*, R_φ of CoOp meta-trained with META.MODE testtime.  Its views: 16 per
 # query image with 6 kept, the 6 confident views TPT's 64 / 10 % keep at test time, from fewer candidates (ours, for
-# the CPU: each query image takes its own second-order step)
+# the CPU: each query image takes its own second-order step).  Its "_proto" twin conditions R_φ on the image's
+# relation to CHC prototypes (META.TEST_TIME.PROTOTYPES nearest, meta.method.prototypes), all else equal.
+TESTTIME_META = ("META.MODE", "testtime", "META.TEST_TIME.VIEWS", 16, "META.TEST_TIME.CONFIDENT_SHARE", 0.375)
 TESTTIME_VARIANTS = (
-    MetaVariant(
-        "gram_coop_testtime",
-        ("META.MODE", "testtime", "META.TEST_TIME.VIEWS", 16, "META.TEST_TIME.CONFIDENT_SHARE", 0.375),
-    ),
+    MetaVariant("gram_coop_testtime", TESTTIME_META),
+    MetaVariant("gram_coop_testtime_proto", TESTTIME_META + ("META.TEST_TIME.PROTOTYPES", "nearest")),
 )
 ALL_VARIANTS = META_VARIANTS + ONE_STEP_VARIANTS + TOKEN_VARIANTS + DEEP_VARIANTS + TESTTIME_VARIANTS
 VARIANT_BY_NAME = {v.name: v for v in ALL_VARIANTS}
@@ -324,6 +324,7 @@ class TestTimeRow:
     label: str
     fine_tuned: bool  # the few-shot schedule first (CoOp's prompts), else the start as it is (no labelled data)
     optimizer: str = "adamw"  # TPT's AdamW, or meta: the init file's meta-trained step θ − α R_φ(g)
+    prototypes: str = "none"  # nearest: R_φ reads the image's relation to the init file's CHC prototypes
 
     __test__ = False  # not a pytest test class
 
@@ -335,6 +336,14 @@ TESTTIME_ROWS = (
     TestTimeRow("tpt_init", "gram_coop_init_only", "TPT from GRAM's θ*", False),
     TestTimeRow("tpt_init_reg", "gram_coop", "TPT from GRAM's θ* with R_φ", False),
     TestTimeRow("tt_gram", "gram_coop_testtime", "Test-time GRAM (meta-trained for it, its own step)", False, "meta"),
+    TestTimeRow(
+        "tt_gram_proto",
+        "gram_coop_testtime_proto",
+        "Test-time GRAM with CHC prototypes (R_φ reads the image's relation to them)",
+        False,
+        "meta",
+        "nearest",
+    ),
 )
 TESTTIME_BY_KEY = {r.key: r for r in TESTTIME_ROWS}
 HAND_PROMPT = "a photo of a"  # the world's zero-shot template "a photo of a {}." as CoOp's 4 context words

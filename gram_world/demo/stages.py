@@ -313,7 +313,9 @@ def run_eval_job(job: EvalJob) -> None:
         tt = TESTTIME_BY_KEY[job.test_time]
         epochs = settings.epochs if tt.fine_tuned else 0
         if method.n_ctx_text or method.n_ctx_vision:  # the meta step needs the file's rule: launch on, never applied
-            test_time = replace(TESTTIME_SPEC, optimizer=tt.optimizer)  # at 0 epochs (no labelled data reaches it)
+            test_time = replace(  # at 0 epochs (no labelled data reaches it)
+                TESTTIME_SPEC, optimizer=tt.optimizer, prototypes=tt.prototypes
+            )
             if tt.optimizer == "meta":
                 test_time = replace(test_time, steps=settings.testtime_steps)
             method = replace(method, name=tt.label, launch=tt.optimizer == "meta")

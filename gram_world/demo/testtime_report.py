@@ -44,13 +44,16 @@ def _mean_std(values: list) -> tuple:
     return (statistics.fmean(values), statistics.pstdev(values)) if values else (None, None)
 
 
+ROW_OWN = ("optimizer", "prototypes")  # spec fields a row sets for itself (settings.TestTimeRow)
+
+
 def _spec(records: list) -> TestTimeSpec:
-    """The one TPT spec the records were tuned with, the optimizer aside (runs under different specs are never
-    pooled)."""
+    """The one TPT spec the records were tuned with, the :data:`ROW_OWN` fields aside (runs under different specs are
+    never pooled)."""
     shared = (
-        {k: v for k, v in r["test_time"]["spec"].items() if k != "optimizer"} for r in records if r.get("test_time")
+        {k: v for k, v in r["test_time"]["spec"].items() if k not in ROW_OWN} for r in records if r.get("test_time")
     )
-    specs = {json.dumps(spec, sort_keys=True) for spec in shared}  # the optimizer is a row's own (its label says)
+    specs = {json.dumps(spec, sort_keys=True) for spec in shared}  # ROW_OWN fields are a row's own (its label says)
     if len(specs) != 1:
         raise ValueError(f"test-time table: expected the runs of one TPT spec, found {len(specs)}: {sorted(specs)}")
     spec = json.loads(specs.pop())

@@ -49,6 +49,7 @@ from meta.finetune.testtime import OPTIMIZERS as TEST_TIME_OPTIMIZERS
 from meta.infra.cli_errors import int_flag_problem, run_cli
 from meta.infra.provenance import results_record
 from meta.method.prompts import VPT_INITS, PromptSpec
+from meta.method.prototypes import FORMS as PROTOTYPE_FORMS
 from meta.model.backbone import check_model_name, check_visual_prompts, load_clip, quick_gelu_flag, resolve_device
 
 
@@ -129,6 +130,12 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--test-time-steps", type=int, default=TestTimeSpec.steps, help="optimiser steps per image")
     common.add_argument("--test-time-lr", type=float, default=TestTimeSpec.lr, help="AdamW's lr (adamw)")
     common.add_argument("--test-time-weight-decay", type=float, default=TestTimeSpec.weight_decay)
+    common.add_argument(
+        "--test-time-prototypes",
+        choices=PROTOTYPE_FORMS,
+        default=TestTimeSpec.prototypes,
+        help="nearest: R_φ reads the image's relation to the init file's CHC prototypes (META.TEST_TIME.PROTOTYPES)",
+    )
     common.add_argument("--output", default="", help="append one JSON line per run to this file")
     common.add_argument("--no-progress", action="store_true")
     common.add_argument("--debug", action="store_true", help="show tracebacks (also GRAM_DEBUG=1)")

@@ -32,7 +32,7 @@ from meta.evaluation.spec import MethodSpec, TrainSpec
 from meta.evaluation.training import LabelledSet, PromptTuner, StartPoint, build_prompts
 from meta.finetune.engine import prompt_digest
 from meta.finetune.regulated import LaunchStep
-from meta.finetune.testtime import TestTimeSpec, check_optimizer
+from meta.finetune.testtime import TestTimeSpec, check_optimizer, check_prototypes
 from meta.method.prompts import PromptedCLIP, PromptParams
 from meta.model.backbone import ClipDims
 
@@ -207,6 +207,7 @@ def _run(
     tuner, init_info = session.tuner(method, spec, seed, root, start)
     if test_time is not None:  # before any fine-tuning: a refusal loses no work
         check_optimizer(test_time, tuner.launch_step)
+        check_prototypes(test_time, tuner.regulation, "--test-time-prototypes")
     test_sets = {
         name: session.labelled_set(recs, names, method, spec, seed, train=False, root=root)
         for name, (recs, names) in tests.items()

@@ -100,6 +100,7 @@ class StartPoint:
     label: str = "in_memory"
     launch: Optional[LaunchStep] = None  # the meta-trained inner step (needed by a required launch)
     support_size: int = 0  # images per meta-training support set (for reg_window 0)
+    prototypes: Optional[Any] = None  # meta.method.prototypes.Prototypes of a conditioned R_φ
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,7 @@ def build_start(
     if not ((from_file or point is not None) and spec.init_prompts):
         scratch = PromptParams.from_spec(spec.prompt, clip, dims, generator=generator)
     regulators: Mapping[str, GradientRegulator] = {}
+    prototypes = None  # of a conditioned R_φ (meta.method.prototypes.Prototypes)
     launch: Optional[LaunchStep] = None
     metadata: dict = {}
     window = 1
@@ -206,7 +208,7 @@ def build_start(
         if spec.regulate:
             if not point.regulators:
                 raise ValueError(f"{n.where}: {n.key('regulate')}=True but the start point has no regulators")
-            regulators = dict(point.regulators)
+            regulators, prototypes = dict(point.regulators), point.prototypes
             if spec.reg_window == 0 and point.support_size < 1:
                 raise ValueError(
                     f"{n.where}: {n.key('reg_window')} 0 (the meta-training support size) needs StartPoint.support_size"
@@ -225,7 +227,7 @@ def build_start(
         metadata = init.metadata
         prompts = init.prompt_module() if spec.init_prompts else scratch
         if spec.regulate:
-            regulators = init.regulator_modules()
+            regulators, prototypes = init.regulator_modules(), init.prototypes()
             if not regulators:
                 raise ValueError(
                     f"{n.where}: {n.key('regulate')}=True but {spec.init_path} holds no regulator φ; "
@@ -249,7 +251,7 @@ def build_start(
         prompts = scratch
         info = {"source": "words" if spec.prompt.ctx_init else "scratch", **_scratch_info(spec.prompt)}
     prompts = prompts.to(device)
-    regulation = GradientRegulation(regulators).to(device) if regulators else None
+    regulation = GradientRegulation(regulators, prototypes).to(device) if regulators else None
     if launch is not None:
         info["launch"] = {"alpha": launch.alpha, "steps": launch.steps, "momentum": launch.momentum}
     if regulation is not None:

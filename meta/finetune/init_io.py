@@ -7,7 +7,8 @@ File format (one ``.safetensors`` file, nothing is unpickled on load):
   (:mod:`meta.method.prompts`); ``regulator.<tensor>.{gamma,beta}.{weight,bias}`` when φ was learned (the spec in the
   header carries every option the test-time regulator needs, and files written before an option existed load with its
   "off" default; a field of a removed option, :data:`meta.config.REMOVED_KEYS`, is dropped at its off value and refused
-  when it was on);
+  when it was on); ``prototypes.{topics,domains,mean,std}`` (``[K_t, E]``, ``[K_d, E]``, ``[2]``, ``[2]``) when R_φ
+  was meta-trained on the CHC prototypes (:mod:`meta.method.prototypes`), all four or none;
 * header metadata key ``"gram"``: JSON with ``format_version``, ``backbone`` (model name, weights file name, widths),
   ``prompt`` (token counts, depths, coupling; files written before deep text prompts existed lack ``text_depth`` and
   ``coupling`` and read as 1 / ``none``), ``regulator`` (spec or null), ``shapes`` and free-form ``provenance``.
@@ -39,6 +40,8 @@ from torch import nn
 from meta.infra.fileio import parse_json, write_bytes_atomic
 from meta.method.learners import DEFAULT_LEARNER, get_learner, learner_keys
 from meta.method.prompts import COUPLINGS, PromptParams
+from meta.method.prototypes import CONTEXT_DIM, Prototypes
+from meta.method.prototypes import TENSORS as PROTOTYPE_TENSORS
 from meta.method.regulator import GradientRegulator, RegulatorSpec, regulator_for
 from meta.model.backbone import ClipDims
 
@@ -57,6 +60,11 @@ class GramInit:
     regulators: dict[str, dict[str, torch.Tensor]]
     metadata: dict[str, Any]
     path: Optional[Path] = None
+    prototype_tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def prototypes(self) -> Optional[Prototypes]:
+        """The CHC prototypes the file stores (None when it stores none)."""
+        return Prototypes.from_tensors(self.prototype_tensors) if self.prototype_tensors else None
 
     def prompt_module(self) -> PromptParams:
         """θ* as a :class:`meta.method.prompts.PromptParams` of the learner the file records."""
@@ -84,10 +92,12 @@ def export_gram_init(
     dims: ClipDims,
     provenance: Optional[dict] = None,
     weights: str = "",
+    prototypes: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> Path:
-    """Write θ* (and φ) with metadata, atomically (:mod:`meta.infra.fileio`); returns the path written."""
+    """Write θ* (and φ, and ``prototypes``: :meth:`meta.method.prototypes.Prototypes.tensors`) with metadata,
+    atomically (:mod:`meta.infra.fileio`); returns the path written."""
     path = Path(path)
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {k: v.detach().float().cpu().contiguous() for k, v in (prototypes or {}).items()}
     for name, p in prompts.named_parameters():
         tensors[f"prompt.{name}"] = p.detach().float().cpu().contiguous()
     reg_spec = None
@@ -356,14 +366,18 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], meta: dict, check: _Check
     listed = "|".join(names)
     for name in tensors:
         head = name.split(".", 2)
-        ok = (head[0] == "prompt" and len(head) == 2 and head[1] in names) or (
-            head[0] == "regulator" and len(head) == 3 and head[1] in names
+        ok = (
+            (head[0] == "prompt" and len(head) == 2 and head[1] in names)
+            or (head[0] == "regulator" and len(head) == 3 and head[1] in names)
+            or (head[0] == "prototypes" and len(head) == 2 and head[1] in PROTOTYPE_TENSORS)
         )
         check.need(
             ok,
             f"tensor {name}",
-            f"unexpected tensor (this code reads prompt.<{listed}> and regulator.<{listed}>.<parameter>)",
+            f"unexpected tensor (this code reads prompt.<{listed}>, regulator.<{listed}>.<parameter> and "
+            f"prototypes.<{'|'.join(PROTOTYPE_TENSORS)}>)",
         )
+    _check_prototypes(tensors, check)
     reg_names = sorted({n.split(".")[1] for n in tensors if n.startswith("regulator.")})
     spec = meta.get("regulator")
     check.need(
@@ -392,6 +406,25 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], meta: dict, check: _Check
                 f"tensor {n}",
                 f"has shape {found[n]}, expected {expected[n]} for prompt.{rname}'s width {int(prompt_t.shape[-1])}",
             )
+
+
+def _check_prototypes(tensors: Mapping[str, torch.Tensor], check: _Checker) -> None:
+    """``prototypes.*``: all four or none; topics ``[K_t, E]`` and domains ``[K_d, E]`` of one width, mean and std
+    ``[2]``, std > 0."""
+    have = {n.split(".", 1)[1]: t for n, t in tensors.items() if n.startswith("prototypes.")}
+    if not have:
+        return
+    absent = [n for n in PROTOTYPE_TENSORS if n not in have]
+    check.need(not absent, "prototypes", f"lacks {', '.join(absent)} (expected all of {', '.join(PROTOTYPE_TENSORS)})")
+    topics, domains = have["topics"], have["domains"]
+    check.need(
+        topics.dim() == 2 and domains.dim() == 2 and topics.shape[1] == domains.shape[1] and len(topics) > 0,
+        "prototypes",
+        f"topics {list(topics.shape)} and domains {list(domains.shape)}: expected [K_t, E] and [K_d, E], one E",
+    )
+    for name in ("mean", "std"):
+        check.need(list(have[name].shape) == [CONTEXT_DIM], f"tensor prototypes.{name}", f"expected [{CONTEXT_DIM}]")
+    check.need(bool((have["std"] > 0).all()), "tensor prototypes.std", "expected every value > 0")
 
 
 def load_gram_init(
@@ -441,7 +474,8 @@ def load_gram_init(
             f"loading into {expect['model_name']} (widths match)",
             stacklevel=2,
         )
-    return GramInit(prompt=prompt, regulators=regs, metadata=meta, path=path)
+    protos = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("prototypes.")}
+    return GramInit(prompt=prompt, regulators=regs, metadata=meta, path=path, prototype_tensors=protos)
 
 
 def coop_context_name(n_ctx: int, stem: str = "coop_ctx") -> str:

@@ -82,8 +82,9 @@ class GradientRegulation(nn.Module):
         optimizer.step()
     """
 
-    def __init__(self, regulators: Mapping[str, GradientRegulator]):
+    def __init__(self, regulators: Mapping[str, GradientRegulator], prototypes=None):
         super().__init__()
+        self.prototypes = prototypes  # meta.method.prototypes.Prototypes R_φ's context is read from (test-time tuning)
         regulators = {k: copy.deepcopy(v) for k, v in regulators.items()}  # the caller's φ stays trainable
         self.regulators = nn.ModuleDict(regulators)
         for p in self.regulators.parameters():

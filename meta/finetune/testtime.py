@@ -24,6 +24,8 @@ from tqdm import tqdm
 
 from meta.finetune.regulated import LaunchStep, RuleStep
 from meta.method.learners import learner_of
+from meta.method.prototypes import FORMS as PROTOTYPE_FORMS
+from meta.method.regulator import conditioned
 
 NO_PROMPTS = (
     "zero-shot CLIP has no prompts to tune; TPT from the hand prompt is the coop method started from those words "
@@ -49,6 +51,9 @@ class TestTimeSpec:
     # adamw: TPT's AdamW (lr, weight_decay); meta: the init file's meta-trained step θ <- θ − α·R_φ(g) (its α, momentum
     # and weight decay: meta.finetune.regulated.RuleStep), the step META.MODE testtime meta-trains
     optimizer: str = "adamw"
+    # none | nearest: R_φ conditioned on the image's relation to the init file's CHC prototypes (meta.method.prototypes;
+    # under META.MODE testtime: meta-train such an R_φ and store the prototypes)
+    prototypes: str = "none"
     crop_scale: tuple[float, float] = (0.08, 1.0)  # RandomResizedCrop's defaults (area share, aspect ratio)
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
 
@@ -63,6 +68,8 @@ class TestTimeSpec:
             raise ValueError(f"test-time lr: expected a learning rate > 0, got {self.lr}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"test-time optimizer: expected {' | '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.prototypes not in PROTOTYPE_FORMS:
+            raise ValueError(f"test-time prototypes: expected {' | '.join(PROTOTYPE_FORMS)}, got {self.prototypes!r}")
 
     @property
     def kept(self) -> int:
@@ -157,11 +164,36 @@ def check_optimizer(spec: TestTimeSpec, rule: Optional[LaunchStep]) -> None:
         raise ValueError(f"test-time optimizer meta: {NO_RULE}")
 
 
+def check_prototypes(spec: TestTimeSpec, regulation, key: str) -> None:
+    """Refuse ``prototypes nearest`` (``key``: the user's name of it) unless R_φ comes with the init file's CHC
+    prototypes (:attr:`meta.finetune.regulated.GradientRegulation.prototypes`) and reads them, before any work."""
+    if spec.prototypes == "none":
+        return
+    where = f"{key} {spec.prototypes}"
+    if regulation is None:
+        raise ValueError(f"{where}: needs R_φ from a GRAM init file (a method that regulates)")
+    if regulation.prototypes is None:
+        raise ValueError(
+            f"{where}: the init file holds no CHC prototypes (meta-train it with META.MODE testtime and "
+            f"META.TEST_TIME.PROTOTYPES {spec.prototypes})"
+        )
+    if not any(getattr(r.spec, "context", 0) for r in regulation.regulators.values()):
+        raise ValueError(f"{where}: the init file's R_φ was not meta-trained on its prototypes (no context maps)")
+
+
 def tune_one(
-    pclip, start, image: torch.Tensor, classnames: Sequence[str], spec: TestTimeSpec, generator, regulation, rule=None
+    pclip,
+    start,
+    image: torch.Tensor,
+    classnames: Sequence[str],
+    spec: TestTimeSpec,
+    generator,
+    regulation,
+    rule=None,
 ):
     """``(logits [C] on image after tuning, loss before, loss after)`` for one image from a fresh copy of ``start``;
-    ``rule``: the :class:`meta.finetune.regulated.LaunchStep` that ``spec.optimizer`` ``meta`` steps with."""
+    ``rule``: the :class:`meta.finetune.regulated.LaunchStep` that ``spec.optimizer`` ``meta`` steps with.  With
+    ``spec.prototypes`` not none, R_φ's context is the frozen image feature's relation to ``regulation.prototypes``."""
     check_optimizer(spec, rule)
     theta = copy.deepcopy(start).requires_grad_(True)
     views = view_batch(image, spec, generator)
@@ -169,6 +201,11 @@ def tune_one(
     if not learner_of(theta).has_visual_prompts(theta):
         with torch.no_grad():
             cached = pclip.image_features(None, views)
+    context = None
+    if spec.prototypes != "none" and getattr(regulation, "prototypes", None) is not None:
+        with torch.no_grad():
+            feature = cached[:1] if cached is not None else pclip.image_features(None, image[None])
+        context = regulation.prototypes.context(feature)[0]
     params = list(theta.parameters())
     adamw = torch.optim.AdamW
     optim = (
@@ -183,7 +220,8 @@ def tune_one(
         optim.zero_grad(set_to_none=True)
         loss.backward()
         if regulation is not None:
-            regulation.apply_(theta.named_parameters())
+            with conditioned(regulation.regulators.values(), context):
+                regulation.apply_(theta.named_parameters())
         optim.step()
         losses.append(float(loss.detach()))
     with torch.no_grad():  # all views again only where it costs a text pass (cached view features), else the image
@@ -220,7 +258,8 @@ def tune_and_predict(
     t = time.perf_counter()
     rows = []
     for i in tqdm(range(len(images)), desc="test-time tuning", unit="img", leave=False, disable=not progress):
-        rows.append(tune_one(pclip, start, images[i], classnames, spec, image_generator(seed, i), regulation, rule))
+        generator = image_generator(seed, i)
+        rows.append(tune_one(pclip, start, images[i], classnames, spec, generator, regulation, rule))
     return TestTimeResult(
         logits=torch.stack([r[0] for r in rows]),
         loss_before=sum(r[1] for r in rows) / len(rows),

@@ -140,7 +140,15 @@ def export_state(state: dict, run_dir: Union[str, Path], out: Optional[Union[str
     record = _computed_by_of_run(Path(run_dir))
     if record:
         prov["computed_by"] = record
-    export_gram_init(init_path, theta, learner.regulators(), dims, provenance=prov, weights=cfg.MODEL.PRETRAINED)
+    export_gram_init(
+        init_path,
+        theta,
+        learner.regulators(),
+        dims,
+        provenance=prov,
+        weights=cfg.MODEL.PRETRAINED,
+        prototypes=state.get("prototypes"),
+    )
     paths = {"init": init_path, "coop_ctx": None}
     ctx = getattr(theta, "ctx", None)  # CoOp's context file: the built-in learner's text context
     if ctx is not None:

@@ -36,6 +36,7 @@ from meta.finetune.engine import Naming, StartSpec
 from meta.method.consistency import ConsistencySpec
 from meta.method.learners import DEFAULT_LEARNER, get_learner, import_learner_modules, learner_keys
 from meta.method.prompts import COUPLINGS, VPT_INITS, PromptSpec
+from meta.method.prototypes import CONTEXT_DIM
 from meta.method.regulator import RegulatorSpec
 from meta.model.clip_config import ClipSettings
 from meta.model.precision import resolve_autocast
@@ -181,6 +182,12 @@ def check_meta_cfg(cfg: CN) -> "TrainSettings":
         "META.REGULATOR.FORM",
         "residual or paper under META.MODE testtime (its entropy step has no regulariser for a gate)",
         m.REGULATOR.FORM,
+    )
+    _need(
+        m.TEST_TIME.PROTOTYPES == "none" or (m.MODE == "testtime" and m.REGULATE),
+        "META.TEST_TIME.PROTOTYPES",
+        "none unless META.MODE testtime with META.REGULATE True (the prototypes condition R_φ's test-time step)",
+        m.TEST_TIME.PROTOTYPES,
     )
     check_text_context(cfg)
     run = _train_settings(cfg)
@@ -408,7 +415,10 @@ def regulator_spec(cfg: CN) -> RegulatorSpec:
         raise ValueError(problem)
     try:  # BETA_SCALE spells beta_scale (meta.config.KEY_FIELDS): <= 0 is "grad_rms"
         beta_scale = "grad_rms" if float(r.BETA_SCALE) <= 0 else float(r.BETA_SCALE)
-        return RegulatorSpec(**table_fields(cfg, REGULATOR_SPEC, "META.REGULATOR"), beta_scale=beta_scale)
+        fields = table_fields(cfg, REGULATOR_SPEC, "META.REGULATOR")
+        if cfg.META.MODE == "testtime" and cfg.META.TEST_TIME.PROTOTYPES != "none":  # R_φ reads s(z) [2]
+            fields["context"] = CONTEXT_DIM
+        return RegulatorSpec(**fields, beta_scale=beta_scale)
     except ValueError as err:
         raise ValueError(f"META.REGULATOR: {err}") from None
 

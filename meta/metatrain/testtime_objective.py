@@ -10,7 +10,8 @@ For a task's query images x_1 … x_m with V views each (view 0 the image, the r
 The inner step is :meth:`meta.method.gram.GRAMMetaLearner.unroll`, the one differentiable inner loop.  C_i is an
 argsort of detached entropies, so L_out is piecewise smooth.  The query dict holds ``classnames``, ``label`` ``[m]``
 and ``view_features`` ``[m, V, E]`` (a learner without visual prompts) or ``view_images`` ``[m, V, 3, H, W]``,
-built by :class:`TaskViews`.
+built by :class:`TaskViews`.  With ``prototypes`` (``META.TEST_TIME.PROTOTYPES nearest``) R_φ reads image i's context
+s(z_i) (:mod:`meta.method.prototypes`, z_i its frozen feature) during its inner step, as at test time.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from torch import nn
 from meta.finetune.testtime import TestTimeSpec, confident_views, marginal_entropy, view_batch
 from meta.method.inner import LossFn
 from meta.method.metrics import accuracy_t
-from meta.method.regulator import is_gated
+from meta.method.prototypes import Prototypes
+from meta.method.regulator import conditioned, is_gated
 
 VIEW_KEYS = ("view_features", "view_images")  # the query's views: cached features, or images for the tower
 
@@ -81,6 +83,7 @@ class TestTimeObjective:
     __test__ = False  # not a pytest test class
 
     kept: int
+    prototypes: Optional[Prototypes] = None  # R_φ's context s(z) of each image (None: unconditioned)
 
     def backward(
         self,
@@ -104,9 +107,15 @@ class TestTimeObjective:
             raise ValueError(f"test-time objective: {key} holds {views.shape[0]} images, label {labels.shape[0]}")
         field, inner = key.removeprefix("view_"), entropy_loss(pclip, self.kept)  # "features" | "images"
         m, metrics = views.shape[0], {"entropy_before": [], "query_loss_after": [], "query_acc_after": []}
+        contexts = [None] * m
+        if self.prototypes is not None:  # s(z) of each image's frozen feature (view 0)
+            images = views[:, 0] if field == "features" else view_features(pclip, views[:, :1])[:, 0]
+            contexts = list(self.prototypes.context(images))
+        regulators = meta.gbml.compute_update.transforms_modules
         for i in range(m):
             batch = {"classnames": names, "label": labels[i].expand(views.shape[1]), field: views[i]}
-            adapted, entropies, _ = meta.unroll(inner, batch)
+            with conditioned(regulators, contexts[i]):
+                adapted, entropies, _ = meta.unroll(inner, batch)
             image = {"image_features" if field == "features" else "images": views[i, :1]}  # view 0: the image
             with meta.cast():
                 logits = pclip.logits(adapted.module, names, **image)

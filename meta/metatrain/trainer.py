@@ -58,6 +58,7 @@ from meta.method.gram import GRAMMetaLearner
 from meta.method.inner import task_loss_of
 from meta.method.metrics import accuracy
 from meta.method.prompts import PromptedCLIP, PromptParams, classification_loss
+from meta.method.prototypes import prototypes_of
 from meta.model.backbone import ClipDims, check_model_name, check_precision, resolve_device
 from meta.model.clip_config import clip_from_settings
 from meta.model.precision import resolve_autocast
@@ -161,7 +162,8 @@ def setup_run(run: settings.TrainSettings, hierarchy=None) -> RunSetup:
     pclip = PromptedCLIP(clip, dims, theta.n_ctx_text, template=pspec.template)
     objective, views = None, None
     if run.mode == "testtime":  # θ*, R_φ meta-trained for test-time tuning: the query's views, no labelled support
-        objective = TestTimeObjective(run.test_time.kept)
+        protos = prototypes_of(h, train_topics) if run.test_time.prototypes != "none" else None
+        objective = TestTimeObjective(run.test_time.kept, protos)
         views = TaskViews(pclip, run.test_time, seed, use_images)
     learner = GRAMMetaLearner(theta, spec, objective=objective)
     mean, std = norm_stats(h, clip)
@@ -320,6 +322,7 @@ def _checkpoint_payload(run: RunSetup, step: int) -> dict:
         **{key: getattr(s, key) for key in ("config", "config_hash", "config_yaml")},
         "dims": run.dims.as_dict(),
         "hierarchy": hierarchy_summary(run.hierarchy),
+        **({"prototypes": protos.tensors()} if (protos := getattr(run.learner.objective, "prototypes", None)) else {}),
     }
 
 

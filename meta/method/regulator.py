@@ -25,8 +25,9 @@ learn2learn's ``GBML`` calls the transform factory (:class:`RegulatorFactory`, a
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass
-from typing import Optional, Union
+from typing import Iterable, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -45,12 +46,17 @@ class RegulatorSpec:
     init: str = "zero"  # "zero" | "normal"
     init_std: float = 0.01
     gate_group: int = 8  # form "gate": consecutive coordinates of the last dimension that share one gate value
+    context: int = 0  # width of a context s that both maps also read (meta.method.prototypes: 2); 0 = none
 
     def __post_init__(self) -> None:
         if self.form not in FORMS:
             raise ValueError(f"regulator form must be one of {' | '.join(FORMS)}, got {self.form!r}")
         if isinstance(self.gate_group, bool) or not isinstance(self.gate_group, int) or self.gate_group < 1:
             raise ValueError(f"regulator gate_group must be an integer >= 1, got {self.gate_group!r}")
+        if isinstance(self.context, bool) or not isinstance(self.context, int) or self.context < 0:
+            raise ValueError(f"regulator context must be an integer >= 0, got {self.context!r}")
+        if self.context and self.form == "gate":
+            raise ValueError("regulator context: the gate form takes no context")
         if self.init not in ("zero", "normal"):
             raise ValueError(f"regulator init must be 'zero' or 'normal', got {self.init!r}")
         if isinstance(self.beta_scale, str):
@@ -61,18 +67,22 @@ class RegulatorSpec:
                     raise ValueError(f"beta_scale must be 'grad_rms' or a number, got {self.beta_scale!r}") from None
 
     def as_dict(self) -> dict:
-        """The fields; ``gate_group`` only for the gate form, so files and records of the other forms are written
-        exactly as before the gate existed."""
+        """The fields; ``gate_group`` only for the gate form and ``context`` only when set, so files and records
+        without them are written exactly as before those options existed."""
         d = asdict(self)
         if self.form != "gate":
             d.pop("gate_group")
+        if not self.context:
+            d.pop("context")
         return d
 
 
 class GradientRegulator(nn.Module):
     """R_φ for one prompt tensor of last dimension ``dim`` (d_t or d_v): maps a gradient ``g`` ``[..., dim]`` to
     ĝ = γ ⊙ g + β of the same shape, as ``spec`` says (module docstring). Parameters: ``gamma`` and ``beta``, each
-    ``nn.Linear(dim, dim)`` (W ``[dim, dim]``, b ``[dim]``).  Example::
+    ``nn.Linear(dim, dim)`` (W ``[dim, dim]``, b ``[dim]``).  With ``spec.context`` P > 0 also ``gamma_context``
+    and ``beta_context`` (``[dim, P]``, no bias, zero at the start): the maps read ``W u + b + U s`` for the context
+    s ``[P]`` held in :attr:`context` while :func:`conditioned` is active (none: s = 0).  Example::
 
         reg = GradientRegulator(512)              # residual form, zero init: the identity
         g = torch.randn(4, 512)
@@ -83,6 +93,8 @@ class GradientRegulator(nn.Module):
     #: leading dimensions of a gradient that index tasks (:mod:`meta.method.batched` sets 1 on its clones): rms(g)
     #: then acts per task, so R_φ of a stacked gradient equals R_φ of each task's.  0 = the tensor is one task.
     task_dims: int = 0
+    #: the context s ``[P]`` of the current step (:func:`conditioned`); None counts as s = 0
+    context: Optional[torch.Tensor] = None
 
     def __init__(self, dim: int, spec: Optional[RegulatorSpec] = None):
         super().__init__()
@@ -92,16 +104,29 @@ class GradientRegulator(nn.Module):
         self.beta = nn.Linear(dim, dim)
         for lin in (self.gamma, self.beta):
             _start(lin, self.spec)
+        if self.spec.context:
+            self.gamma_context = nn.Linear(self.spec.context, dim, bias=False)
+            self.beta_context = nn.Linear(self.spec.context, dim, bias=False)
+            for lin in (self.gamma_context, self.beta_context):
+                nn.init.zeros_(lin.weight)
+
+    def _pre(self, linear: nn.Linear, u: torch.Tensor, name: str) -> torch.Tensor:
+        """``W u + b`` of one map, plus ``U s`` of its context map when a context is set."""
+        out = linear(u)
+        if self.spec.context and self.context is not None:
+            s = self.context.to(device=u.device, dtype=u.dtype)
+            out = out + getattr(self, name)(s)
+        return out
 
     def modulation(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(γ, β)``, each shaped like ``grad``."""
         rms = _rms(grad, self.task_dims)
         u = grad / rms if self.spec.input_norm else grad
-        gamma = torch.tanh(self.gamma(u))
+        gamma = torch.tanh(self._pre(self.gamma, u, "gamma_context"))
         if self.spec.form == "residual":
             gamma = 1.0 + gamma
         scale = rms if self.spec.beta_scale == "grad_rms" else float(self.spec.beta_scale)
-        beta = scale * torch.tanh(self.beta(u))
+        beta = scale * torch.tanh(self._pre(self.beta, u, "beta_context"))
         return gamma, beta
 
     def forward(self, grad: torch.Tensor) -> torch.Tensor:
@@ -211,3 +236,17 @@ def regulate(reg: Optional[nn.Module], g_task: torch.Tensor, g_reg: Optional[tor
     if reg is None:
         return g_task if g_reg is None else g_task + g_reg
     return reg(g_task, g_reg) if isinstance(reg, GradientGate) else reg(g_task)
+
+
+@contextlib.contextmanager
+def conditioned(regulators: Iterable[Optional[nn.Module]], context: Optional[torch.Tensor]) -> Iterator[None]:
+    """Hold ``context`` (``[P]``, no gradient) on every regulator of ``regulators`` that takes one
+    (``spec.context`` > 0) for the ``with`` block, then clear it; learn2learn's clones share these modules."""
+    takers = [r for r in regulators if isinstance(r, GradientRegulator) and r.spec.context]
+    for r in takers:
+        r.context = None if context is None else context.detach()
+    try:
+        yield
+    finally:
+        for r in takers:
+            r.context = None

@@ -154,6 +154,7 @@ def _gram_defaults() -> CN:
     node.TEST_TIME.LR = TestTimeSpec.lr
     node.TEST_TIME.WEIGHT_DECAY = TestTimeSpec.weight_decay
     node.TEST_TIME.OPTIMIZER = TestTimeSpec.optimizer  # adamw (TPT) | meta: the init file's step (LAUNCH True)
+    node.TEST_TIME.PROTOTYPES = TestTimeSpec.prototypes  # none | nearest: R_φ reads the init file's CHC prototypes
     return node
 
 

@@ -46,7 +46,7 @@ from dassl.optim import build_optimizer
 from meta.data.image_decode import open_upright
 from meta.finetune.engine import RegulatedStepper, build_start, window_batches
 from meta.finetune.regulated import check_gate_regulariser, launch_, weighted_sum
-from meta.finetune.testtime import check_optimizer, check_regulation, image_generator, tune_one
+from meta.finetune.testtime import check_optimizer, check_prototypes, check_regulation, image_generator, tune_one
 from meta.method import methods
 from meta.method.learners import get_learner
 from meta.model.backbone import check_visual_prompts, load_clip
@@ -200,6 +200,7 @@ class _GramTrainer(TrainerX):
         if settings.test_time is not None:
             check_regulation(self.regulation)
             check_optimizer(settings.test_time, start.launch)
+            check_prototypes(settings.test_time, self.regulation, "TRAINER.GRAM.TEST_TIME.PROTOTYPES")
         self.window_images = start.window
         self.launch_step = start.launch  # None for a prompt pre-training file
         self.stepper = RegulatedStepper(
