@@ -118,12 +118,13 @@ def missing_cells(cells: dict, seeds: Sequence[int] = SELECT_SEEDS) -> list[str]
     return out
 
 
-def rank_choices(cells: dict, off_rule: Sequence[str] = ()) -> dict:
+def rank_choices(cells: dict, off_rule: Sequence[str] = (), seeds: Sequence[int] = SELECT_SEEDS) -> dict:
     """The rule of ``docs/study/testtime_selection_rule.md`` on ``cells`` (``{choice name: {(world, meta seed):
     testtime_table}}``): per choice, each test-time GRAM row's val accuracy averaged over the fine-tuning seeds of a
     world, then over the worlds, then over the two rows; the highest wins, every choice within :data:`TIE_POINTS` of
-    it (inclusive) ties and the fewest steps, then the fewest views, of the tied wins.  A partial sweep or one off the
-    rule's settings (``off_rule``) chooses nothing (``chosen`` None) and says what the rule would pick."""
+    it (inclusive) ties and the fewest steps, then the fewest views, of the tied wins.  A partial sweep (a cell without
+    one of ``seeds``) or one off the rule's settings (``off_rule``) chooses nothing (``chosen`` None) and says what the
+    rule would pick."""
     rows = []
     for choice in CHOICES:
         per_row = {row: _by_world(cells.get(choice.name, {}), row) for row in TT_GRAM_ROWS}
@@ -147,7 +148,7 @@ def rank_choices(cells: dict, off_rule: Sequence[str] = ()) -> dict:
         best = min((r for r in scored if r["_mean"] >= top - TIE_POINTS - _EPS), key=lambda r: (r["steps"], r["views"]))
     for r in rows:
         del r["_mean"]
-    missing = missing_cells(cells)
+    missing = missing_cells(cells, seeds)
     would = best["choice"] if best else None
     return {
         "rule": RULE,
@@ -198,7 +199,8 @@ def selection_markdown(result: dict) -> str:
 
 
 def off_rule(base: DemoSettings) -> list[str]:
-    out = [] if tuple(base.seeds) == SELECT_SEEDS else [f"fine-tuning seeds {base.seeds}, the rule's are 1 2 3"]
+    seeds = " ".join(map(str, base.seeds))
+    out = [] if tuple(base.seeds) == SELECT_SEEDS else [f"fine-tuning seeds {seeds}, the rule's are 1 2 3"]
     out += [] if base.meta_seed == 0 else [f"meta-training seed {base.meta_seed}, the rule's is 0"]
     return out + (["the demo's --quick settings"] if base.quick else [])
 
@@ -228,7 +230,7 @@ def select(
 
     def write() -> dict:
         result = {
-            **rank_choices(cells, off_rule(base)),
+            **rank_choices(cells, off_rule(base), base.seeds),
             **record,
             "worlds": list(worlds),
             "cells": {

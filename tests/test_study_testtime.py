@@ -136,6 +136,10 @@ def test_a_partial_or_off_rule_sweep_chooses_nothing_and_says_what_the_rule_woul
     full = _cells(dict(zip(names, (50.0, 51.0, 50.0, 50.0))))
     off = st.rank_choices(full, st.off_rule(DemoSettings.preset(True)))
     assert off["chosen"] is None and "the demo's --quick settings" in off["off_rule"]
+    one = st.rank_choices(
+        _cells(dict(zip(names, (50.0,) * 4)), seeds=(1,)), st.off_rule(DemoSettings(seeds=(1,))), (1,)
+    )
+    assert not one["partial"] and one["off_rule"] == ["fine-tuning seeds 1, the rule's are 1 2 3"] and not one["chosen"]
     assert "the rule would pick steps1_views16" in st.selection_markdown({**off, **st.selection_record(DemoSettings())})
 
 
