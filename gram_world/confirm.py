@@ -39,7 +39,7 @@ import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -255,6 +255,26 @@ def run_world(
     return table, inputs
 
 
+def regime_tail(cells: dict) -> str:
+    """The results markdown's last part: each world's regime (:func:`study.regime_markdown`)."""
+    return "\nRegime (base / new accuracy, %):\n\n" + study.regime_markdown(cells)
+
+
+@dataclass(frozen=True)
+class Measure:
+    """What a family's cells hold and how its files read: ``run_world`` (as :func:`run_world`: a world's table
+    ``{(row name, fine-tuning seed): (.., .., value)}``, the pairs compared on the value), ``label`` (a row name's
+    words), ``unit`` (the value's name in the tables and sentences) and ``tail`` (markdown after the summary)."""
+
+    run_world: Callable = run_world
+    label: Callable[[str], str] = row_label
+    unit: str = "H"
+    tail: Callable[[dict], str] = regime_tail
+
+
+H_MEASURE = Measure()
+
+
 def study_record(base: DemoSettings, pairs: Sequence[tuple[str, str]], selection: dict) -> dict:
     """What a results file was run with; kept worlds of a file with other values are not this study's."""
     return {
@@ -331,11 +351,12 @@ def run_family(
     world_root: Optional[Path] = None,
     mix_fingerprints: bool = False,
     previous: Sequence[Path] = (),
+    measure: Measure = H_MEASURE,
 ) -> dict:
     """The rows of ``pairs`` (and ``regime``'s) on the test splits of ``worlds`` x ``meta_seeds`` (every world's
     first seed first), the results file ``root/file`` (and its ``.md``, pointing at ``plan``) rewritten after every
     world; kept worlds of the same ``record`` (in ``root/file`` and the files ``previous``, :func:`merge_kept`) are
-    not run again."""
+    not run again.  ``measure``: what a world's table holds (default: H of base-to-new, :class:`Measure`)."""
     for w in worlds:
         world_fields(w)
     units = rows_by_unit(pairs, regime)
@@ -348,7 +369,7 @@ def run_family(
     book = study._Book(computed, mixed)
     inputs = dict(earlier.get("inputs", {}))
     seconds = dict(earlier.get("seconds_per_cell", {}))
-    result = write_results(root, file, cells, pairs, record, book, inputs, seconds, by_learner, plan)
+    result = write_results(root, file, cells, pairs, record, book, inputs, seconds, by_learner, plan, measure)
     for seed in meta_seeds:
         for world in worlds:
             if (world, seed) in cells:
@@ -357,10 +378,12 @@ def run_family(
             log(f"confirm: world {world}, meta seed {seed}")
             t = time.time()
             settings = replace(base, **world_fields(world), meta_seed=seed, eval_split="test")
-            cells[(world, seed)], inputs[f"{world}/{seed}"] = run_world(world, settings, root, units, world_root)
+            cells[(world, seed)], inputs[f"{world}/{seed}"] = measure.run_world(
+                world, settings, root, units, world_root
+            )
             seconds[f"{world}/{seed}"] = round(time.time() - t, 1)
             book.computed[f"{world}/{seed}"] = now
-            result = write_results(root, file, cells, pairs, record, book, inputs, seconds, by_learner, plan)
+            result = write_results(root, file, cells, pairs, record, book, inputs, seconds, by_learner, plan, measure)
     return result
 
 
@@ -388,12 +411,13 @@ def write_results(
     seconds: dict,
     by_learner: Optional[dict] = None,
     plan: str = PLAN,
+    measure: Measure = H_MEASURE,
 ) -> dict:
     """The results file and its ``.md``: the answer (:func:`answer`, one sentence per learner of ``by_learner``),
     the family's summary (Holm over it), the cells, variance components and what computed each world (``plan``:
     the committed plan it follows)."""
-    rows = study.summarise(cells, pairs, label=row_label) if cells else []
-    sentences = answer(rows, by_learner or {})
+    rows = study.summarise(cells, pairs, label=measure.label) if cells else []
+    sentences = answer(rows, by_learner or {}, measure.unit)
     names = {f"{w}/{s}" for w, s in cells}
     result = {
         "plan": plan,
@@ -416,16 +440,15 @@ def write_results(
         else ""
     )
     body = "".join(f"- {line}\n" for line in sentences) + ("\n" if sentences else "")
-    body += (study.markdown(rows, result["variance_components"]) if rows else "No finished world yet.\n") + mixed
-    if cells:
-        body += "\nRegime (base / new accuracy, %):\n\n" + study.regime_markdown(cells)
+    summary = study.markdown(rows, result["variance_components"], measure.unit) if rows else "No finished world yet.\n"
+    body += summary + mixed + (measure.tail(cells) if cells else "")
     write_text_atomic(root / file.replace(".json", ".md"), body)
     return result
 
 
-def _pair_words(row: dict) -> str:
+def _pair_words(row: dict, unit: str = "H") -> str:
     diff, (lo, hi) = row["mean_diff_H"], row["ci95"]
-    numbers = f"{diff:+.2f} H, 95 % interval [{lo:+.2f}, {hi:+.2f}]"
+    numbers = f"{diff:+.2f} {unit}, 95 % interval [{lo:+.2f}, {hi:+.2f}]"
     if row["p_holm"] is None:
         return f"{row['label']} vs {row['baseline_label']}: no test yet ({numbers}, one world)"
     numbers += f", Holm-adjusted p {row['p_holm']:.3g}"
@@ -436,14 +459,14 @@ def _pair_words(row: dict) -> str:
     return f"{row['label']} is not shown to differ from {row['baseline_label']} ({numbers})"
 
 
-def answer(rows: Sequence[dict], by_learner: dict) -> list[str]:
+def answer(rows: Sequence[dict], by_learner: dict, unit: str = "H") -> list[str]:
     """One plain sentence per learner of the family from the summary ``rows`` (:func:`study.summarise`, Holm over
     the family): each of its pairs as "beats" / "is below" (holds after correction) or "is not shown to differ
     from", with the mean ΔH, interval and adjusted p.  A learner none of whose pairs has a row is left out."""
     found = {(r["method"], r["baseline"]): r for r in rows}
     sentences = []
     for learner, pairs in by_learner.items():
-        parts = [_pair_words(found[p]) for p in pairs if p in found]
+        parts = [_pair_words(found[p], unit) for p in pairs if p in found]
         if not parts:
             continue
         worlds = max(len(found[p]["worlds"]) for p in pairs if p in found)

@@ -161,7 +161,9 @@ class Cell:
         s = self.settings
         return (
             f"{s.eval_split}_seed{s.meta_seed}_w{s.reg_window}_launch{int(s.launch)}"
-            f"_qbw{s.query_before_weight:g}" + (f"_{self.variant}" if self.variant else "")
+            f"_qbw{s.query_before_weight:g}"
+            + (f"_tts{s.testtime_steps}" if s.testtime_steps != 1 else "")
+            + (f"_{self.variant}" if self.variant else "")
         )
 
     @property
@@ -349,15 +351,16 @@ def regime_markdown(cells: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def markdown(rows: Sequence[dict], components: Optional[dict] = None) -> str:
+def markdown(rows: Sequence[dict], components: Optional[dict] = None, measure: str = "H") -> str:
     """The summary table; "claim" is after Holm over the table's rows (world t-test), the family size in the header.
 
     ``components`` (``{"method vs baseline": {"world": σ², "finetune": σ², ...}}``, a results file's
-    ``variance_components``) adds a column σ²_world / σ²_finetune (H²) per pair ("-" where a pair has none)."""
+    ``variance_components``) adds a column σ²_world / σ²_finetune (H²) per pair ("-" where a pair has none).
+    ``measure`` names what the rows' numbers are (the ``*_H`` fields of a study of another measure)."""
     family = max((r.get("family", 0) for r in rows), default=0)
-    extra = " σ²_world / σ²_finetune (H²) |" if components is not None else ""
+    extra = f" σ²_world / σ²_finetune ({measure}²) |" if components is not None else ""
     lines = [
-        "| method | baseline | H method / baseline | mean ΔH | 95 % interval | p (world t) | p Holm "
+        f"| method | baseline | {measure} method / baseline | mean Δ{measure} | 95 % interval | p (world t) | p Holm "
         f"({family} rows) | n runs (worlds) |{extra} claim (Holm, 5 %) |",
         "| --- " * (10 if components is not None else 9) + "|",
     ]

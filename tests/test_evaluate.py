@@ -358,6 +358,20 @@ def test_transfer_reports_source_and_each_target(ds_a, data_root, tiny_clip, ses
     json.dumps(rec)  # JSON-able
 
 
+def test_transfer_on_val_splits_scores_the_sources_few_shot_val_and_each_targets_val(ds_a, data_root, tiny_clip):
+    clip, dims = tiny_clip
+    session = EvaluationSession(clip, dims, log=quiet)
+    ds_b = DatasetRef.from_dir(data_root / "synth_b")
+    kw = dict(session=session, log=quiet, train=TrainSpec(epochs=0))
+    test = evaluate_transfer(ds_a, [ds_b], clip, dims, method_preset("zsclip"), 1, SHOTS, **kw)
+    val = evaluate_transfer(ds_a, [ds_b], clip, dims, method_preset("zsclip"), 1, SHOTS, eval_split="val", **kw)
+    assert "eval_split" not in test and test["n_test"] == {"source": 80, "SynthB": 40}
+    assert val["eval_split"] == "val" and val["n_test"] == {"source": 8 * 2, "SynthB": 4 * 1}  # every val image
+    assert val["targets"]["SynthB"] * 4 / 100 == pytest.approx(round(val["targets"]["SynthB"] * 4 / 100))
+    with pytest.raises(ValueError, match="eval_split"):
+        evaluate_transfer(ds_a, [ds_b], clip, dims, method_preset("zsclip"), 1, SHOTS, eval_split="train", **kw)
+
+
 # ------------------------------------------------------------------------------------ units
 def test_schedule_matches_dassl_constant_warmup_cosine():
     spec = TrainSpec()  # CoCoOp: lr 0.002, 10 epochs, 1 warm-up epoch at 1e-5

@@ -477,7 +477,10 @@ class DemoSettings:
     # extra META / TASKS (KEY, VALUE, ...) of every GRAM meta variant except the paper-literal one-step rows: how
     # R_φ is meta-trained (gram_world.study select --sweep regulator); () = the defaults
     meta_overrides: tuple = ()
-    eval_split: str = "test"  # split the base / new accuracies are measured on (val: choosing defaults)
+    eval_split: str = "test"  # split the base / new accuracies are measured on (val: choosing defaults); the
+    # test-time group's transfer runs too (records under runs/testtime_*_val)
+    testtime_steps: int = 1  # test-time steps of the rows that take their meta-trained step (TestTimeRow.optimizer)
+    testtime_protocols: tuple = ("base2new", "transfer")  # which of the test-time group's runs are computed
     meta_val_protocol: str = "one_step"  # META.VAL_PROTOCOL: the downstream one costs minutes per variant here; the
     # defaults are chosen by gram_world.study select on val splits instead
     jobs: int = 2  # worker processes for meta-training and evaluation (2 cores)
@@ -562,7 +565,9 @@ VALUE_BEFORE_SETTING = {
     "meta_val_protocol": "one_step",
 }
 
-_NOT_RESULTS = ("jobs", "tables")  # settings that change what is computed or how fast, never a number
+_NOT_RESULTS = ("jobs", "tables", "testtime_protocols")  # settings that change what is computed or how fast, never a
+# number; settings left out at their default, so folders and hashes written before they existed stay valid:
+_LEFT_OUT_AT = {"meta_overrides": [], "testtime_steps": 1}
 
 
 def settings_record(settings: DemoSettings) -> dict:
@@ -570,8 +575,9 @@ def settings_record(settings: DemoSettings) -> dict:
     current = json.loads(json.dumps(asdict(settings)))
     for key in _NOT_RESULTS:
         current.pop(key)
-    if not current["meta_overrides"]:  # folders and hashes written before the field existed stay valid
-        current.pop("meta_overrides")
+    for key, default in _LEFT_OUT_AT.items():
+        if current[key] == default:
+            current.pop(key)
     return current
 
 

@@ -144,9 +144,9 @@ def _variant_cfg(variant: MetaVariant, model: str, weights: str, out: Path, sett
     cfg.TASKS.N_SUPPORT = settings.n_support
     cfg.TASKS.N_QUERY = settings.n_query
     cfg.TASKS.IMAGE_FOLDER = labelled_dir
-    if variant.meta_learned and ONE_STEP[0] not in variant.overrides[::2]:  # one-step rows stay paper-literal
-        cfg.merge_from_list(list(settings.meta_overrides))
     cfg.merge_from_list(list(variant.prompt_overrides + variant.overrides))
+    if variant.meta_learned and ONE_STEP[0] not in variant.overrides[::2]:  # one-step rows stay paper-literal
+        cfg.merge_from_list(list(settings.meta_overrides))  # last: a sweep's value wins (META.TEST_TIME.VIEWS)
     cfg.freeze()
     return cfg
 
@@ -248,11 +248,13 @@ class EvalJob:
     init: str = ""  # GRAM init file of the row's meta variant
     targets: tuple = ()  # ((name, dataset dir), ...) for transfer
     test_time: str = ""  # a TESTTIME_ROWS key: the run tunes every test image (TPT) from the row's start
+    eval_split: str = "test"  # a test-time run's split (settings.eval_split); val records go to testtime_*_val
 
     def path(self, out: Path) -> Path:
         folder = "base2new" if self.protocol == "base2new" else f"transfer_{self.shots}shot"
         if self.test_time:
-            return out / "runs" / f"testtime_{folder}" / self.dataset / self.test_time / f"seed{self.seed}.json"
+            folder = f"testtime_{folder}" + ("_val" if self.eval_split == "val" else "")
+            return out / "runs" / folder / self.dataset / self.test_time / f"seed{self.seed}.json"
         return out / "runs" / folder / self.dataset / self.key / f"seed{self.seed}.json"
 
     @property
@@ -311,9 +313,11 @@ def run_eval_job(job: EvalJob) -> None:
         tt = TESTTIME_BY_KEY[job.test_time]
         epochs = settings.epochs if tt.fine_tuned else 0
         if method.n_ctx_text or method.n_ctx_vision:  # the meta step needs the file's rule: launch on, never applied
-            test_time = replace(
+            test_time = replace(  # at 0 epochs (no labelled data reaches it)
                 TESTTIME_SPEC, optimizer=tt.optimizer, prototypes=tt.prototypes
-            )  # at 0 epochs (no labelled data reaches it)
+            )
+            if tt.optimizer == "meta":
+                test_time = replace(test_time, steps=settings.testtime_steps)
             method = replace(method, name=tt.label, launch=tt.optimizer == "meta")
             if tt.key == "tpt_hand":
                 method = replace(method, ctx_init=HAND_PROMPT)
@@ -323,7 +327,7 @@ def run_eval_job(job: EvalJob) -> None:
         rrcrop_scale=settings.rrcrop_scale,
         eval_every_epoch=settings.eval_every_epoch and job.protocol == "base2new" and job.key in EPOCH_CURVE_KEYS,
     )
-    split = {"eval_split": settings.eval_split} if job.protocol == "base2new" else {}
+    split = {"eval_split": settings.eval_split if job.protocol == "base2new" else job.eval_split}
     source = DatasetRef.from_dir(job.dataset_dir, name=job.dataset)
     t = time.time()
     common = dict(
@@ -342,7 +346,7 @@ def run_eval_job(job: EvalJob) -> None:
         numbers = f"base {record['base']:5.1f}  new {record['new']:5.1f}  H {record['H']:5.1f}"
     else:
         targets = [DatasetRef.from_dir(d, name=n) for n, d in job.targets]
-        record = evaluate_transfer(source, targets, protocol="transfer", **common)
+        record = evaluate_transfer(source, targets, protocol="transfer", **common, **split)
         numbers = f"source {record['source']:5.1f}  targets {record['target_mean']:5.1f}"
     record.update(key=row.key, label=row.label)
     if job.test_time:
@@ -373,10 +377,14 @@ def transfer_plan(world) -> dict:
     return plan
 
 
-def eval_jobs(world, inits: dict, settings: DemoSettings, keys: Optional[tuple] = None) -> list:
+def eval_jobs(
+    world, inits: dict, settings: DemoSettings, keys: Optional[tuple] = None, testtime: Optional[tuple] = None
+) -> list:
     """Every evaluation run the requested tables need (or base-to-new runs of the rows ``keys`` only: table rows
-    or derived ones, :func:`method_row`)."""
+    or derived ones, :func:`method_row`; or the test-time runs of the :data:`TESTTIME_ROWS` keys ``testtime``)."""
     names = settings.datasets or tuple(d.name for d in world.with_role("base2new"))
+    if testtime is not None:
+        return testtime_jobs(world, inits, settings, names, testtime)
     rows = b2n_keys(settings.tables) if keys is None else keys
     init = {m.key: inits.get(m.variant, "") for m in METHODS}
     init.update({k: inits.get(method_row(k).variant, "") for k in rows if k not in init})  # derived rows (coop@ct8)
@@ -402,24 +410,35 @@ def eval_jobs(world, inits: dict, settings: DemoSettings, keys: Optional[tuple] 
     return jobs
 
 
-def testtime_jobs(world, inits: dict, settings: DemoSettings, names: tuple) -> list:
-    """The test-time group's runs: every :data:`TESTTIME_ROWS` row and seed, base-to-new on each dataset of
-    ``names`` and transfer from the cross-domain source to its held-out-style target(s) at ``settings.shots``."""
+def testtime_jobs(world, inits: dict, settings: DemoSettings, names: tuple, rows: Optional[tuple] = None) -> list:
+    """The test-time group's runs: every :data:`TESTTIME_ROWS` row (or those of the keys ``rows``) and seed,
+    base-to-new on each dataset of ``names`` and transfer from the cross-domain source to its held-out-style
+    target(s) at ``settings.shots``, each protocol only if in ``settings.testtime_protocols``."""
     domain = world.with_role("cross_domain_source")
     if len(domain) != 1:
         raise ValueError(f"{world.manifest}: expected one dataset with role cross_domain_source, found {len(domain)}")
     source, targets = domain[0], tuple((d.name, str(d.dataset_dir)) for d in world.with_role("cross_domain_target"))
-    jobs = []
-    for tt in TESTTIME_ROWS:
+    jobs, split, protocols = [], settings.eval_split, settings.testtime_protocols
+    for tt in TESTTIME_ROWS if rows is None else [TESTTIME_BY_KEY[k] for k in rows]:
         init = inits.get(method_row(tt.row).variant, "")
         for seed in settings.seeds:
             jobs += [
                 EvalJob(
-                    "base2new", n, str(world.dataset(n).dataset_dir), tt.row, seed, settings.shots, init, (), tt.key
+                    "base2new",
+                    n,
+                    str(world.dataset(n).dataset_dir),
+                    tt.row,
+                    seed,
+                    settings.shots,
+                    init,
+                    (),
+                    tt.key,
+                    split,
                 )
                 for n in names
+                if "base2new" in protocols
             ]
-            jobs.append(
+            jobs += [
                 EvalJob(
                     "transfer",
                     source.name,
@@ -430,17 +449,25 @@ def testtime_jobs(world, inits: dict, settings: DemoSettings, names: tuple) -> l
                     init,
                     targets,
                     tt.key,
+                    split,
                 )
-            )
+            ] * ("transfer" in protocols)
     return jobs
 
 
 def stage_eval(
-    world, weights: Path, model: str, inits: dict, out: Path, settings: DemoSettings, keys: Optional[tuple] = None
+    world,
+    weights: Path,
+    model: str,
+    inits: dict,
+    out: Path,
+    settings: DemoSettings,
+    keys: Optional[tuple] = None,
+    testtime: Optional[tuple] = None,
 ) -> list:
-    """Run (or find cached) every evaluation job (or the base-to-new runs of rows ``keys``); returns their
-    records (``key`` and ``label`` added)."""
-    jobs = eval_jobs(world, inits, settings, keys)
+    """Run (or find cached) every evaluation job (or the base-to-new runs of rows ``keys``, or the test-time runs of
+    the rows ``testtime``: :func:`eval_jobs`); returns their records (``key`` and ``label`` added)."""
+    jobs = eval_jobs(world, inits, settings, keys, testtime)
     todo = sorted((j for j in jobs if not j.path(out).is_file()), key=lambda j: -j.cost)
     n_jobs = max(1, min(settings.jobs, len(todo)))
     counts = {p: sum(j.protocol == p for j in jobs) for p in ("base2new", "transfer")}

@@ -358,30 +358,39 @@ def evaluate_transfer(
     start: Optional[StartPoint] = None,
     log: Callable[[str], None] = print,
     test_time: Optional[TestTimeSpec] = None,
+    eval_split: str = "test",
 ) -> dict:
     """Cross-dataset / cross-domain run: fine-tune on all classes of ``source``, test on ``targets``.
 
     The targets' full test splits are used (CoOp never few-shot samples test sets) with each target's own class names.
     ``protocol`` labels the record (``"cross_dataset"``, ``"cross_domain"``).  Returns a JSON-able record with
     ``source`` accuracy, ``targets`` ``{name: accuracy}``, ``target_mean`` (percent) and per-epoch ``history``.
-    ``start`` and ``test_time`` as in :func:`evaluate_base_to_new`.
+    ``start``, ``test_time`` and ``eval_split`` (``val``: the source's few-shot val split, each target's full one) as
+    in :func:`evaluate_base_to_new`.
     """
     t_start = time.perf_counter()
     spec = train or TrainSpec()
     session = session or EvaluationSession(clip, dims, cache_dir, log=log)
     stats_before = dict(session.cache.stats)
     src = source.load(shots, seed, "all", use_split_cache, log)
+    if eval_split not in ("test", "val"):
+        raise ValueError(f"eval_split must be 'test' or 'val', got {eval_split!r}")
+    pick = (lambda sp: sp.test) if eval_split == "test" else (lambda sp: sp.val or [])
     counts = warn_inputs(source.name, src, shots, "--shots", session.warned)
     oversized = set(src.oversized)
-    tests: dict[str, tuple[Sequence[Record], Sequence[str]]] = {"source": (src.test, src.classnames)}
+    tests: dict[str, tuple[Sequence[Record], Sequence[str]]] = {"source": (pick(src), src.classnames)}
     target_names = []
     for ref in targets:
         splits = ref.load(-1, seed, "all", use_split_cache, log)
         warn_inputs(ref.name, splits, 0, "--shots", session.warned)
         oversized |= set(splits.oversized)
         name = ref.name if ref.name not in tests else f"{ref.name}#{len(tests)}"
-        tests[name] = (splits.test, splits.classnames)
+        tests[name] = (pick(splits), splits.classnames)
         target_names.append(name)
+    if eval_split == "val" and not all(recs for recs, _ in tests.values()):
+        raise ValueError(
+            f"eval_split='val' but {', '.join(n for n, (r, _) in tests.items() if not r)} has no val split"
+        )
 
     def summarise(accs: dict) -> dict:
         vals = [accs[n] for n in target_names]
@@ -401,6 +410,7 @@ def evaluate_transfer(
             "shots_per_class": counts,
             "skipped_oversized": len(oversized),
             "n_test": {name: len(recs) for name, (recs, _) in tests.items()},
+            **({"eval_split": eval_split} if eval_split != "test" else {}),  # records of test splits stay as they were
             "source": final["source"],
             "targets": {n: final[n] for n in target_names},
             "target_mean": final.get("target_mean"),
