@@ -74,6 +74,15 @@ def _missing(flag: str, path: str, advice: str) -> ValueError:
     return ValueError(f"{flag}: {where} does not exist; {advice}")
 
 
+def print_plan(pilot_file: str, plan_text) -> int:
+    """A study's ``plan`` command: print ``plan_text(pilot)`` from the committed pilot results file; 0."""
+    path = committed_file(pilot_file)
+    if not path.is_file():
+        raise _missing("pilot", pilot_file, "it is the confirmatory study's committed results file")
+    print(plan_text(json.loads(path.read_text())), end="")
+    return 0
+
+
 CONFIRM_FILE = "confirm.json"
 FRESH_FILE = "fresh.json"
 

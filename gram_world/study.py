@@ -551,6 +551,18 @@ def study(
     return result
 
 
+def cells_record(cells: dict, book: "_Book") -> dict:
+    """The per-cell part of a sweep file: ``cells`` (``{unit: {(world, seed): table}}``) as JSON under
+    ``"unit/world/seed"``, what computed each and the cells that mix fingerprints."""
+    return {
+        "cells": {
+            f"{u}/{w}/{s}": table_to_json(t) for u, by in sorted(cells.items()) for (w, s), t in sorted(by.items())
+        },
+        "computed_by": dict(sorted(book.computed.items())),
+        "mixed_fingerprints": sorted(book.mixed),
+    }
+
+
 @dataclass
 class _Book:
     """What computed each cell (``"world/seed"`` -> :func:`meta.fingerprint.record.computed_by`) and the cells that mix

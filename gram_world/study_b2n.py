@@ -612,13 +612,7 @@ def _write_b2n_result(
         "off_rule": off,
         **b2n_record(base),
         "worlds": list(worlds),
-        "cells": {
-            f"{u}/{w}/{s}": study.table_to_json(t)
-            for u, by in sorted(cells.items())
-            for (w, s), t in sorted(by.items())
-        },
-        "computed_by": dict(sorted(book.computed.items())),
-        "mixed_fingerprints": sorted(book.mixed),
+        **study.cells_record(cells, book),
         "inputs": {k: v for k, v in sorted(inputs.items()) if v.get("hierarchy") or v.get("start_sha256")},
         "seconds_per_cell": dict(sorted(seconds.items())),
     }

@@ -23,7 +23,6 @@ machine ``--resume-from docs/study/cocoop.json`` keeps the worlds of the committ
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -127,11 +126,7 @@ def main(argv: Optional[list] = None) -> int:
 
 def _command(args: argparse.Namespace) -> int:
     if args.command == "plan":
-        path = confirm.committed_file(PILOT_FILE)
-        if not path.is_file():
-            raise confirm._missing("pilot", PILOT_FILE, "it is the confirmatory study's committed results file")
-        print(plan_text(json.loads(path.read_text())), end="")
-        return 0
+        return confirm.print_plan(PILOT_FILE, plan_text)
     base = study.base_settings(args.quick, args.jobs, ())
     base = replace(base, seeds=base.seeds[:FINETUNE_SEEDS])
     root, t = Path(args.out), time.time()

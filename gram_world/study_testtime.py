@@ -233,13 +233,7 @@ def select(
             **rank_choices(cells, off_rule(base), base.seeds),
             **record,
             "worlds": list(worlds),
-            "cells": {
-                f"{u}/{w}/{s}": study.table_to_json(t)
-                for u, by in sorted(cells.items())
-                for (w, s), t in sorted(by.items())
-            },
-            "computed_by": dict(sorted(book.computed.items())),
-            "mixed_fingerprints": sorted(book.mixed),
+            **study.cells_record(cells, book),
             "seconds_per_cell": dict(sorted(seconds.items())),
         }
         write_json_atomic(path, result)
@@ -414,11 +408,7 @@ def main(argv: Optional[list] = None) -> int:
 
 def _command(args: argparse.Namespace) -> int:
     if args.command == "plan":
-        path = confirm.committed_file(PILOT_FILE)
-        if not path.is_file():
-            raise confirm._missing("pilot", PILOT_FILE, "it is the confirmatory study's committed results file")
-        print(plan_text(json.loads(path.read_text())), end="")
-        return 0
+        return confirm.print_plan(PILOT_FILE, plan_text)
     t, previous = time.time(), [Path(p) for p in args.resume_from]
     if args.command == "select":
         base = study.base_settings(args.quick, args.jobs, args.worlds or SELECT_WORLDS)
