@@ -406,3 +406,19 @@ def quick_demo_settings(**overrides):
 
     fields = dict(shots=2, meta_steps=2, checkpoint_every=1, log_detail_every=1, epochs=1, val_tasks=2, jobs=1)
     return replace(DemoSettings.preset(quick=True), **{**fields, **overrides})
+
+
+def worlds_in(obj) -> set:
+    """World names a committed study file holds: its cells' ``world/meta seed`` names and any ``worlds`` list."""
+    out: set = set()
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if key == "cells" and isinstance(value, dict):
+                out |= {name.split("/")[-2] if name.count("/") >= 1 else name for name in value}
+            elif key == "worlds" and isinstance(value, list) and all(isinstance(w, str) for w in value):
+                out |= set(value)
+            out |= worlds_in(value)
+    elif isinstance(obj, list):
+        for value in obj:
+            out |= worlds_in(value)
+    return out

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import fake_run_cell
+from helpers import fake_run_cell, worlds_in
 
 from gram_world import confirm, study
 from gram_world import study_cocoop as sc
@@ -19,28 +19,12 @@ REPO = Path(__file__).resolve().parents[1]
 NOW = {"commit": "abc", "fingerprint": "e" * 64, "golden": True, "numerics": {"cpu_model": "test CPU"}}
 
 
-def _worlds_in(obj) -> set:
-    """World names a committed study file holds: its cells' ``world/meta seed`` names and any ``worlds`` list."""
-    out: set = set()
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            if key == "cells" and isinstance(value, dict):
-                out |= {name.split("/")[-2] if name.count("/") >= 1 else name for name in value}
-            elif key == "worlds" and isinstance(value, list) and all(isinstance(w, str) for w in value):
-                out |= set(value)
-            out |= _worlds_in(value)
-    elif isinstance(obj, list):
-        for value in obj:
-            out |= _worlds_in(value)
-    return out
-
-
 def test_the_draw_excludes_every_world_read_before_and_is_written_out_as_drawn():
     used = set()
     own = REPO / "docs/study" / sc.RESULTS_FILE
     for path in sorted((REPO / "docs/study").glob("*.json")):
         if path != own:  # the study's own results hold its drawn worlds, not worlds read before the draw
-            used |= _worlds_in(json.loads(path.read_text()))
+            used |= worlds_in(json.loads(path.read_text()))
     seeds_used = {int(w.split("-")[0]) for w in used if w.split("-")[0].isdigit()}
     assert seeds_used, "no world found in docs/study"
     listed = {int(w.split("-")[0].rstrip("v")) for w in sc.USED_WORLDS}

@@ -11,8 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers import one_error_line
-from test_study_cocoop import _worlds_in
+from helpers import one_error_line, worlds_in
 
 from gram_world import confirm, power, study
 from gram_world import study_testtime as st
@@ -55,7 +54,7 @@ def test_the_draw_excludes_every_world_read_before_and_is_written_out_as_drawn()
     used = set()
     for path in sorted((REPO / "docs/study").glob("*.json")):
         if not path.name.startswith("testtime"):  # the study's own files hold its drawn worlds
-            used |= _worlds_in(json.loads(path.read_text()))
+            used |= worlds_in(json.loads(path.read_text()))
     seeds_used = {int(w.split("-")[0].rstrip("v")) for w in used if w.split("-")[0].rstrip("v").isdigit()}
     listed = {int(w.split("-")[0].rstrip("v")) for w in st.USED_WORLDS}
     in_range = {s for s in seeds_used if confirm.SEED_RANGE[0] <= s < confirm.SEED_RANGE[1]}

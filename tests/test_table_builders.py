@@ -35,6 +35,7 @@ OTHER_WORDS = {
     "vpt_init": "normal",
     "coupling": "maple",
     "learner": "cocoop",
+    "prototypes": "nearest",
 }
 LINKS = [link for link in KEY_FIELDS if link.key.startswith("META.") and link.relation == SAME]
 
