@@ -41,13 +41,15 @@ class Prototypes:
     std: torch.Tensor
 
     def relation(self, features: torch.Tensor) -> torch.Tensor:
-        """``[n, 2]`` r(z) of L2-normalised ``features`` ``[n, E]``."""
-        z = features.detach().float().cpu()
-        return torch.stack([(z @ self.topics.T).amax(dim=1), (z @ self.domains.T).amax(dim=1)], dim=1)
+        """``[n, 2]`` r(z) of L2-normalised ``features`` ``[n, E]``, on their device (no host sync in a step)."""
+        z = features.detach().float()
+        topics, domains = self.topics.to(z.device), self.domains.to(z.device)
+        return torch.stack([(z @ topics.T).amax(dim=1), (z @ domains.T).amax(dim=1)], dim=1)
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """``[n, 2]`` s(z) = (r(z) − μ) / σ of ``features`` ``[n, E]``."""
-        return (self.relation(features) - self.mean) / self.std
+        r = self.relation(features)
+        return (r - self.mean.to(r.device)) / self.std.to(r.device)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """``{"prototypes.<name>": tensor}`` as the init file stores them."""
