@@ -262,6 +262,7 @@ PAIRS: tuple[tuple[str, str], ...] = (
     ("tt_gram", "zsclip"),
     ("tpt_hand", "zsclip"),  # TPT's gain, replicated
 )
+DESCRIPTIVE = ("tda_cache",)  # rows run beside the family and shown in its descriptive tail, never tested
 BY_LEARNER = {"Test-time tuning": PAIRS}
 DELTA, ALPHA, TARGET_POWER = 1.0, 0.05, 0.8
 META_SEEDS = (0,)
@@ -344,8 +345,10 @@ def plan_text(pilot: dict) -> str:
 
 
 def run_world(world: str, settings: DemoSettings, root: Path, units: dict, world_root: Optional[Path] = None):
-    """The family's test-time rows on ``world`` (its plain cell, test splits): ``(table, start digests)``."""
-    records = testtime_records(study.Cell(world, settings), root, units[""], world_root)
+    """The family's test-time rows and the :data:`DESCRIPTIVE` ones on ``world`` (its plain cell, test splits):
+    ``(table, start digests)``."""
+    keys = tuple(dict.fromkeys((*units[""], *DESCRIPTIVE)))
+    records = testtime_records(study.Cell(world, settings), root, keys, world_root)
     return testtime_table(records), study.cell_inputs(records)
 
 
@@ -353,7 +356,7 @@ def ece_tail(cells: dict) -> str:
     """Descriptive, no claim: each row's accuracy before / after tuning and ECE, means over worlds of seed means."""
     lines = ["", "Descriptive (no claim): mean over worlds of seed means.", ""]
     lines += ["| row | accuracy | accuracy before | ECE |", "| --- | --- | --- | --- |"]
-    for key in dict.fromkeys(k for pair in PAIRS for k in pair):
+    for key in dict.fromkeys([*(k for pair in PAIRS for k in pair), *DESCRIPTIVE]):
         cols = []
         for i in (2, 0, 1):
             worlds = [[v[i] for (k, _), v in t.items() if k == key and v[i] is not None] for t in cells.values()]

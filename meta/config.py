@@ -416,6 +416,7 @@ KEY_FIELDS: tuple[KeyField, ...] = (
     *_same(_TEST_TIME, "TRAINER.GRAM.TEST_TIME.", *_TEST_TIME_FIELDS),
     *_same(_TEST_TIME, "META.TEST_TIME.", "views", "confident_share", "prototypes"),
     *(KeyField(f"--test-time-{name.replace('_', '-')}", _TEST_TIME, name) for name in _TEST_TIME_FIELDS),
+    KeyField("--test-time-adapt", _TEST_TIME, "adapt", note="cache: the evaluator's only; Dassl's option is TPT"),
 )
 
 # the owners of the table's links, by name, for the builders that read it (meta.metatrain.settings)

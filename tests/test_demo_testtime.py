@@ -6,6 +6,7 @@ from exactly zero-shot CLIP's predictions."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -140,6 +141,8 @@ def test_the_group_end_to_end_on_the_quick_world(tmp_path, quick_world, quick_wo
         assert rows["tpt_hand"]["accuracy_before"][0] == pytest.approx(rows["zsclip"]["accuracy"][0], abs=1e-9)
         # θ* alone and θ* with R_φ predict the same before the step; R_φ acts only on the step
         assert rows["tpt_init"]["accuracy_before"] == rows["tpt_init_reg"]["accuracy_before"]
+        # the caches start from zero-shot CLIP's predictions, and move some of them
+        assert rows["tda_cache"]["accuracy_before"][0] == pytest.approx(rows["zsclip"]["accuracy"][0], abs=1e-9)
         for r in group["rows"][1:]:
             assert 0.0 <= r["ece"][0] <= 100.0 and r["seconds_per_image"][0] > 0
     records = [json.loads(p.read_text()) for p in (tmp_path / "runs").rglob("seed*.json")]
@@ -149,6 +152,10 @@ def test_the_group_end_to_end_on_the_quick_world(tmp_path, quick_world, quick_wo
     assert tuned["tt_gram_proto"]["spec"]["optimizer"] == "meta" and tuned["tt_gram"]["spec"]["prototypes"] == "none"
     assert tuned["tt_gram_proto"]["spec"]["prototypes"] == "nearest" and tuned["tt_gram_proto"]["regulated"] is True
     assert {t["spec"]["optimizer"] for k, t in tuned.items() if not k.startswith("tt_gram")} == {"adamw"}
+    assert {k for k, t in tuned.items() if t["spec"]["adapt"] == "cache"} == {"tda_cache"}
+    assert tuned["tda_cache"]["regulated"] is False and all(
+        math.isnan(v["loss_after"]) for v in tuned["tda_cache"]["sets"].values()
+    )
     run_info = json.loads((tmp_path / "meta" / "gram_coop_testtime" / "run.json").read_text())
     assert run_info["mode"] == "testtime"
     assert {t["spec"]["views"] for t in tuned.values()} == {4}

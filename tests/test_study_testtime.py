@@ -166,7 +166,7 @@ def test_the_sweep_runs_each_choice_on_val_in_its_own_cell_and_resumes(tmp_path,
 def test_the_family_runs_on_test_splits_with_the_choice_and_holm_covers_the_four_pairs(tmp_path, monkeypatch, capsys):
     ran: list = []
     shift = {"237604": 0.0, "600737": 1.0, "779045": -0.6}
-    gains = {"zsclip": 0.0, "tpt_hand": 0.6, "tpt_init": -8.0, "tt_gram": -7.0, "tt_gram_proto": -6.5}
+    gains = {"zsclip": 0.0, "tpt_hand": 0.6, "tpt_init": -8.0, "tt_gram": -7.0, "tt_gram_proto": -6.5, "tda_cache": 3.0}
 
     def effect(world, key, seed):
         moved = shift.get(world, 0.0) if key.startswith("tt_gram") else 0.0
@@ -178,7 +178,7 @@ def test_the_family_runs_on_test_splits_with_the_choice_and_holm_covers_the_four
     out = tmp_path / "study"
     argv = ["run", "--selection", str(selection), "--out", str(out), "--worlds", *shift]
     assert st.main(argv) == 0
-    keys = ("tt_gram_proto", "tt_gram", "tpt_init", "zsclip", "tpt_hand")
+    keys = ("tt_gram_proto", "tt_gram", "tpt_init", "zsclip", "tpt_hand", "tda_cache")  # the last: descriptive only
     assert [r[0] for r in ran] == list(shift) and {r[2:] for r in ran} == {
         (keys, 2, ("META.TEST_TIME.VIEWS", 8), "test")
     }
@@ -199,6 +199,8 @@ def test_the_family_runs_on_test_splits_with_the_choice_and_holm_covers_the_four
     assert "| acc method / baseline | mean Δacc |" in md and "Regime" not in md
     assert "Descriptive (no claim)" in md and "| TPT from the hand prompt | 50.80 | 48.80 | 7.00 |" in md
     assert "| Zero-shot CLIP (no tuning) | 50.00 | 50.00 | — |" in md
+    assert "| TDA's caches on zero-shot CLIP (training-free, online) | 53.20 | 51.20 | 7.00 |" in md
+    assert not any("tda_cache" in (r["method"], r["baseline"]) for r in rows)  # in no pair, so in no Holm family
     ran.clear()
     argv2 = ["run", "--selection", str(selection), "--out", str(tmp_path / "new"), "--worlds", *shift, "454425"]
     assert st.main([*argv2, "--resume-from", str(out / st.RESULTS_FILE)]) == 0

@@ -200,6 +200,13 @@ def test_the_evaluator_command_writes_test_time_records_and_refuses_bad_flags(wo
     tt = record["test_time"]
     assert tt["spec"]["views"] == 3 and sorted(tt["sets"]) == ["base", "new"]
     assert record["new"] == tt["sets"]["new"]["accuracy"] and not record["trained"]
+    cached = tmp_path / "cache.jsonl"  # zero-shot CLIP with TDA's caches: nothing tuned, a record all the same
+    done = _evaluator(root, "--methods", "zsclip", "--test-time", "--test-time-adapt", "cache", "--output", str(cached))
+    assert done.returncode == 0, done.stderr
+    (record,) = [json.loads(line) for line in cached.read_text().splitlines()]
+    tt = record["test_time"]
+    assert tt["spec"]["adapt"] == "cache" and record["new"] == tt["sets"]["new"]["accuracy"]
+    assert all(0.0 <= tt["sets"][s]["ece"] <= 100.0 and tt["sets"][s]["seconds_per_image"] > 0 for s in tt["sets"])
     for flags, wanted in [
         (["--methods", "coop", "--test-time", "--test-time-views", "0"], "--test-time-views: expected"),
         (["--methods", "coop", "--test-time", "--test-time-lr", "-1"], "--test-time-lr: expected"),

@@ -224,3 +224,44 @@ def test_first_order_gives_the_second_order_values_without_the_second_order_grap
     assert reach == {False: [True, True], True: [False, False]}
     for key, value in values[False].items():
         torch.testing.assert_close(values[True][key], value, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "spec, images_key, inner_steps, prototypes",
+    [
+        (PromptSpec(n_ctx_text=2), False, 1, False),
+        (PromptSpec(n_ctx_text=2), False, 2, True),
+        (PromptSpec(n_ctx_text=2, n_ctx_vision=2), True, 1, False),
+    ],
+    ids=["coop", "coop-2-steps-prototypes", "unigram-view-images"],
+)
+def test_the_images_stacked_in_one_pass_give_the_loops_gradients_and_metrics(
+    clip64, spec, images_key, inner_steps, prototypes
+):
+    from meta.method.prototypes import Prototypes
+
+    clip, dims = clip64
+    regulator = RegulatorSpec(context=2 if prototypes else 0)
+    ml = _learner(clip, dims, spec, MetaSpec(inner_lr=0.5, inner_steps=inner_steps, regulator=regulator))
+    pclip = PromptedCLIP(clip, dims, 2)
+    query = _query(pclip, dims, images_key, m=2, views=5, seed=3)
+    query = {**query, "label": torch.tensor([1, 2])}
+    protos = None
+    if prototypes:
+        g = torch.Generator().manual_seed(3)
+        unit = lambda n: F.normalize(torch.randn(n, dims.embed_dim, generator=g), dim=1)  # noqa: E731
+        protos = Prototypes(unit(3), unit(4), torch.tensor([0.1, 0.2]), torch.tensor([0.3, 0.25]))
+    objective = TestTimeObjective(KEPT, protos)
+    results = {}
+    for mode in ("off", "on"):
+        ml.task_batching.mode = mode
+        ml.zero_grad(set_to_none=True)
+        _, metrics = objective.backward(ml, classification_loss(pclip), None, query, n_tasks=2)
+        results[mode] = ([p.grad.detach().clone() for p in _params(ml)], metrics)
+    (loop, loop_metrics), (stacked, stacked_metrics) = results["off"], results["on"]
+    assert all(float(g.abs().sum()) > 0 for g in loop)  # every θ and φ tensor is reached
+    for a, b in zip(loop, stacked):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-13)
+    for name, value in loop_metrics.items():
+        assert float(stacked_metrics[name]) == pytest.approx(float(value), rel=1e-10, abs=1e-13), name
+    ml.task_batching.mode = "auto"

@@ -47,7 +47,7 @@ def _mean_std(values: list) -> tuple:
     return (statistics.fmean(values), statistics.pstdev(values)) if values else (None, None)
 
 
-ROW_OWN = ("optimizer", "prototypes")  # spec fields a row sets for itself (settings.TestTimeRow)
+ROW_OWN = ("optimizer", "prototypes", "adapt", "steps")  # spec fields a row sets for itself (settings.TestTimeRow)
 
 
 def _spec(records: list) -> TestTimeSpec:
@@ -112,7 +112,9 @@ def markdown_of_testtime(table: dict) -> list[str]:
         "peak MiB (resident high-water mark of one image's tuning, the largest over a set's images; CPU runs only) "
         "are per test image on this machine. Test-time GRAM's θ* and R_φ are meta-trained for this use "
         "(`META.MODE testtime`: an entropy step on each query image, then its cross-entropy) and each of its "
-        "steps is the meta-trained one, θ − α R_φ(∇H), not AdamW's.",
+        "steps is the meta-trained one, θ − α R_φ(∇H), not AdamW's. The cache row tunes nothing: TDA's positive "
+        "and negative feature caches (Karmanov et al., CVPR 2024) fill over the shuffled test stream, so unlike the "
+        "episodic rows an image's prediction depends on the images before it.",
         "",
     ]
     for group in table["groups"].values():

@@ -44,6 +44,7 @@ from meta.evaluation import (
 )
 from meta.evaluation.spec import OPTIMIZERS
 from meta.evaluation.summary import format_row, summarise
+from meta.finetune.testtime import ADAPTS as TEST_TIME_ADAPTS
 from meta.finetune.testtime import NO_PROMPTS, TestTimeSpec, spec_from
 from meta.finetune.testtime import OPTIMIZERS as TEST_TIME_OPTIMIZERS
 from meta.infra.cli_errors import int_flag_problem, run_cli
@@ -135,6 +136,13 @@ def _parser() -> argparse.ArgumentParser:
         choices=PROTOTYPE_FORMS,
         default=TestTimeSpec.prototypes,
         help="nearest: R_φ reads the image's relation to the init file's CHC prototypes (META.TEST_TIME.PROTOTYPES)",
+    )
+    common.add_argument(
+        "--test-time-adapt",
+        choices=TEST_TIME_ADAPTS,
+        default=TestTimeSpec.adapt,
+        help="tpt: tune θ on each image; cache: tune nothing, TDA's positive/negative feature caches over the "
+        "shuffled test stream (zero-shot methods too; reads --test-time-views and --test-time-confident-share)",
     )
     common.add_argument("--output", default="", help="append one JSON line per run to this file")
     common.add_argument("--no-progress", action="store_true")
@@ -254,7 +262,7 @@ def _main(argv: list[str]) -> int:
             check_visual_prompts(args.model, "--model", f"--methods {key}", text_only or ["coop", "cocoop"])
     spec = _train_spec(args)
     test_time = _test_time_spec(args)
-    if test_time is not None and any(m.zero_shot for m in methods):
+    if test_time is not None and test_time.adapt == "tpt" and any(m.zero_shot for m in methods):
         raise ValueError(f"--test-time: {NO_PROMPTS}")
     if args.command == "base2new":
         datasets = [DatasetRef.parse(d, args.root) for d in args.dataset]

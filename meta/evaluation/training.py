@@ -18,6 +18,7 @@ from torch import nn
 from torch.optim import lr_scheduler as sched
 
 from meta.evaluation.spec import MethodSpec, TrainSpec
+from meta.finetune.cache import cache_and_predict
 from meta.finetune.engine import RegulatedStepper, StartPoint, build_start, window_batches
 from meta.finetune.regulated import (
     GradientRegulation,
@@ -219,21 +220,39 @@ class PromptTuner:
         self, data: LabelledSet, spec: TestTimeSpec, progress: bool = False, plain: Optional[torch.Tensor] = None
     ) -> dict:
         """TPT (:mod:`meta.finetune.testtime`) on every image of ``data`` from the current θ, with R_φ on the entropy
-        gradient when the method regulates: ``{accuracy, ece, loss_before, loss_after, seconds_per_image,
-        peak_mib_per_image}`` (percent, nats, seconds, MiB: :class:`meta.finetune.testtime.TestTimeResult`) beside
-        the plain predictions' ``accuracy_before`` and ``ece_before`` (from ``plain``, their ``[n, C]`` scaled logits,
-        when the caller kept them from :meth:`accuracy`; else one more pass)."""
-        if self.prompts is None:
+        gradient when the method regulates, or with ``spec.adapt`` cache TDA's caches over the stream
+        (:mod:`meta.finetune.cache`; zero-shot CLIP too): ``{accuracy, ece, loss_before, loss_after,
+        seconds_per_image, peak_mib_per_image}`` (percent, nats, seconds, MiB:
+        :class:`meta.finetune.testtime.TestTimeResult`) beside the plain predictions' ``accuracy_before`` and
+        ``ece_before`` (from ``plain``, their ``[n, C]`` scaled logits, when the caller kept them from
+        :meth:`accuracy`; else one more pass)."""
+        cache = spec.adapt == "cache"
+        if self.prompts is None and not cache:
             raise ValueError(f"test-time tuning: {NO_PROMPTS}")
+        if cache and self.prompts is not None and learner_of(self.prompts).per_image_text:
+            raise ValueError(
+                "test-time adapt cache: needs one text embedding per class (this learner's differs per image)"
+            )
         if plain is None:
             kept: list = []
             self.accuracy(data, kept)
             plain = torch.cat(kept)
         images = _LazyImages(data.impaths, self.test_images, self.device)
         seed = self.seed
-        tuned = tune_and_predict(
-            self.pclip, self.prompts, images, data.classnames, spec, self.regulation, seed, progress, self.launch_step
-        )
+        if cache:
+            tuned = cache_and_predict(self.pclip, self.prompts, images, data.classnames, spec, seed, progress)
+        else:
+            tuned = tune_and_predict(
+                self.pclip,
+                self.prompts,
+                images,
+                data.classnames,
+                spec,
+                self.regulation,
+                seed,
+                progress,
+                self.launch_step,
+            )
         labels = data.labels
         return {
             "accuracy": 100.0 * count_correct(tuned.logits, labels) / len(data),

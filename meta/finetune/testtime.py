@@ -35,6 +35,7 @@ NO_PROMPTS = (
 
 
 OPTIMIZERS = ("adamw", "meta")
+ADAPTS = ("tpt", "cache")  # episodic prompt tuning (this module) | the training-free caches (meta.finetune.cache)
 NO_RULE = "needs the meta-trained step of a GRAM init file (the method's init file with its launch step on)"
 
 
@@ -55,6 +56,9 @@ class TestTimeSpec:
     # none | nearest: R_φ conditioned on the image's relation to the init file's CHC prototypes (meta.method.prototypes;
     # under META.MODE testtime: meta-train such an R_φ and store the prototypes)
     prototypes: str = "none"
+    # tpt: tune θ on each image (the rest of these fields) | cache: tune nothing, TDA's positive/negative feature
+    # caches over the shuffled test stream (meta.finetune.cache; reads views and confident_share only)
+    adapt: str = "tpt"
     crop_scale: tuple[float, float] = (0.08, 1.0)  # RandomResizedCrop's defaults (area share, aspect ratio)
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
 
@@ -69,6 +73,8 @@ class TestTimeSpec:
             raise ValueError(f"test-time lr: expected a learning rate > 0, got {self.lr}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"test-time optimizer: expected {' | '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.adapt not in ADAPTS:
+            raise ValueError(f"test-time adapt: expected {' | '.join(ADAPTS)}, got {self.adapt!r}")
         if self.prototypes not in PROTOTYPE_FORMS:
             raise ValueError(f"test-time prototypes: expected {' | '.join(PROTOTYPE_FORMS)}, got {self.prototypes!r}")
 
@@ -183,7 +189,7 @@ def check_prototypes(spec: TestTimeSpec, regulation, key: str) -> None:
             f"{where}: the init file holds no CHC prototypes (meta-train it with META.MODE testtime and "
             f"META.TEST_TIME.PROTOTYPES {spec.prototypes})"
         )
-    if not any(getattr(r.spec, "context", 0) for r in regulation.regulators.values()):
+    if not any(r.spec.context for r in regulation.regulators.values()):
         raise ValueError(f"{where}: the init file's R_φ was not meta-trained on its prototypes (no context maps)")
 
 

@@ -115,7 +115,10 @@ class GradientRegulator(nn.Module):
         out = linear(u)
         if self.spec.context and self.context is not None:
             s = self.context.to(device=u.device, dtype=u.dtype)
-            out = out + getattr(self, name)(s)
+            term = getattr(self, name)(s)  # [dim], or [B, dim] for a task-stacked clone (one context per task)
+            if term.dim() > 1:
+                term = term.view(term.shape[0], *([1] * (u.dim() - 2)), term.shape[-1])
+            out = out + term
         return out
 
     def modulation(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,8 +243,9 @@ def regulate(reg: Optional[nn.Module], g_task: torch.Tensor, g_reg: Optional[tor
 
 @contextlib.contextmanager
 def conditioned(regulators: Iterable[Optional[nn.Module]], context: Optional[torch.Tensor]) -> Iterator[None]:
-    """Hold ``context`` (``[P]``, no gradient) on every regulator of ``regulators`` that takes one
-    (``spec.context`` > 0) for the ``with`` block, then clear it; learn2learn's clones share these modules."""
+    """Hold ``context`` (``[P]``, or ``[B, P]`` for task-stacked clones; no gradient) on every regulator of
+    ``regulators`` that takes one (``spec.context`` > 0) for the ``with`` block, then clear it; a learn2learn clone
+    made inside the block copies it."""
     takers = [r for r in regulators if isinstance(r, GradientRegulator) and r.spec.context]
     for r in takers:
         r.context = None if context is None else context.detach()
