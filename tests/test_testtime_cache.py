@@ -59,7 +59,8 @@ def _hand_stream(feats: np.ndarray, text: np.ndarray, scale: float, spec: CacheS
         keep(pos, label, (f, h, np.eye(C)[label]), spec.pos_capacity)
         if spec.neg_entropy[0] < h / math.log2(C) < spec.neg_entropy[1]:
             keep(neg, label, (f, h, ((p > spec.neg_mask[0]) & (p < spec.neg_mask[1])).astype(float)), spec.neg_capacity)
-        out.append(logits + spec.pos_alpha * affinity(pos, f, spec.pos_beta) - spec.neg_alpha * affinity(neg, f, 1.0))
+        cache = spec.pos_alpha * affinity(pos, f, spec.pos_beta) - spec.neg_alpha * affinity(neg, f, 1.0)
+        out.append(logits + scale / 100.0 * cache)  # TDA's α are written against CLIP's logit scale 100
     return out, sum(map(len, pos.values())), sum(map(len, neg.values()))
 
 

@@ -10,9 +10,14 @@ TDA (Karmanov et al., CVPR 2024, "Efficient Test-Time Adaptation of Vision-Langu
 - the positive cache of its predicted class ``ŷ`` keeps up to ``pos_capacity`` (``f``, ``h``) entries, the ones of
   lowest entropy; the negative cache does the same (``neg_capacity``) for images whose normalised entropy lies
   strictly inside ``neg_entropy``, with the image's mean class probabilities ``p`` as its value;
-- its logits ``scale · f·T + α₊ A₊(f) − α₋ A₋(f)`` with ``A(f) = Σ_entries exp(−β (1 − f·k)) · value``: the positive
-  value is the one-hot ``ŷ``, the negative one the mask ``neg_mask[0] < p < neg_mask[1]``.  The caches are updated
-  with ``x`` before its own logits are computed, as TDA does.
+- its logits ``s · f·T + (s / 100) (α₊ A₊(f) − α₋ A₋(f))`` with ``A(f) = Σ_entries exp(−β (1 − f·k)) · value``: the
+  positive value is the one-hot ``ŷ``, the negative one the mask ``neg_mask[0] < p < neg_mask[1]``.  The caches are
+  updated with ``x`` before its own logits are computed, as TDA does.
+
+TDA writes the CLIP logits as ``100 · f·T`` (OpenAI CLIP's learned logit scale) and its α against that scale; here
+the CLIP logits and the entropies are at the model's own logit scale ``s`` and the α's are rescaled by ``s / 100``, so
+the cache weighs against CLIP as much as in TDA (the logits are TDA's times ``s / 100``: the same predictions for
+the same caches) while the entropies keep the model's own calibration, as they are OpenAI CLIP's in TDA.
 
 Defaults: TDA's ImageNet settings (``configs/imagenet.yaml``: positive 3 shots, α 2.0, β 5.0; negative 2 shots,
 α 0.117, β 1.0, entropy (0.2, 0.5), mask (0.03, 1.0)).  Unlike episodic TPT the caches carry what earlier images
@@ -39,6 +44,8 @@ from meta.finetune.testtime import (
     view_batch,
 )
 from meta.infra.memory import peak_mib
+
+TDA_LOGIT_SCALE = 100.0  # the scale TDA's CLIP logits and its α's are written against (tda_runner.py, utils.py)
 
 
 @dataclass(frozen=True)
@@ -108,8 +115,8 @@ class StreamCache:
         self.positive, self.negative = ClassCache(spec.pos_capacity), ClassCache(spec.neg_capacity)
 
     def step(self, features: torch.Tensor, text: torch.Tensor, scale: float, kept: int) -> tuple[torch.Tensor, float]:
-        """``(logits [C], entropy in nats)`` of the next image from its view features ``[V, E]``, after the caches
-        took it in."""
+        """``(logits [C], entropy in nats)`` of the next image from its view features ``[V, E]`` at logit ``scale``,
+        after the caches took it in."""
         s, n = self.spec, self.n_classes
         feature, logits, loss, probs, label = predict_one(features, text, scale, kept)
         one_hot = torch.zeros(n, dtype=logits.dtype, device=logits.device)
@@ -118,13 +125,13 @@ class StreamCache:
         if s.neg_entropy[0] < loss / math.log2(n) < s.neg_entropy[1]:  # TDA's normalisation: nats over log2 C
             mask = ((probs > s.neg_mask[0]) & (probs < s.neg_mask[1])).to(logits.dtype)
             self.negative.offer(label, feature, loss, mask)
-        out = logits.clone()
+        out, weight = logits.clone(), scale / TDA_LOGIT_SCALE  # TDA's α against the model's own logit scale
         positive = self.positive.affinity_logits(feature, s.pos_beta)
         if positive is not None:
-            out = out + s.pos_alpha * positive
+            out = out + weight * s.pos_alpha * positive
         negative = self.negative.affinity_logits(feature, s.neg_beta)
         if negative is not None:
-            out = out - s.neg_alpha * negative
+            out = out - weight * s.neg_alpha * negative
         return out, loss
 
 
