@@ -133,17 +133,18 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def confident_views(logits: torch.Tensor, kept: int) -> torch.Tensor:
-    """Indices of the ``kept`` rows of ``logits`` ``[V, C]`` with the lowest entropy (most confident first)."""
-    return torch.argsort(entropy(logits.detach()), stable=True)[:kept]
+    """Indices of the ``kept`` rows of ``logits`` ``[V, C]`` (or ``[..., V, C]``: per leading index) with the lowest
+    entropy, most confident first: ``[kept]`` (``[..., kept]``)."""
+    return torch.argsort(entropy(logits.detach()), dim=-1, stable=True)[..., :kept]
 
 
 def marginal_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the averaged prediction ``mean_v softmax(logits[v])`` of ``logits`` ``[k, C]`` (TPT's loss; the
-    mean is taken in log space, log-sum-exp minus log k)."""
+    mean is taken in log space, log-sum-exp minus log k): 0-d, or ``[...]`` for ``[..., k, C]``."""
     log_p = logits.log_softmax(dim=-1)
-    log_mean = torch.logsumexp(log_p, dim=0) - math.log(logits.shape[0])
+    log_mean = torch.logsumexp(log_p, dim=-2) - math.log(logits.shape[-2])
     log_mean = log_mean.clamp_min(torch.finfo(log_mean.dtype).min)
-    return -(log_mean.exp() * log_mean).sum()
+    return -(log_mean.exp() * log_mean).sum(dim=-1)
 
 
 @dataclass

@@ -16,7 +16,6 @@ s(z_i) (:mod:`meta.method.prototypes`, z_i its frozen feature) during its inner 
 
 from __future__ import annotations
 
-import math
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -26,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meta.finetune.testtime import TestTimeSpec, confident_views, entropy, marginal_entropy, view_batch
+from meta.finetune.testtime import TestTimeSpec, confident_views, marginal_entropy, view_batch
 from meta.method.batched import features as stacked_features
 from meta.method.batched import stacked_learner
 from meta.method.inner import LossFn
@@ -59,11 +58,9 @@ def stacked_entropy_loss(pclip, kept: int) -> LossFn:
 
     def loss(prompts: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         logits = feature_logits(pclip.logit_scale, *stacked_features(pclip, prompts, batch))  # [m, V, K]
-        chosen = torch.argsort(entropy(logits.detach()), dim=-1, stable=True)[:, :kept]  # [m, kept]
+        chosen = confident_views(logits, kept)  # [m, kept]
         picked = logits.gather(1, chosen[..., None].expand(-1, -1, logits.shape[-1]))  # [m, kept, K]
-        log_mean = torch.logsumexp(picked.log_softmax(dim=-1), dim=1) - math.log(kept)  # [m, K]
-        log_mean = log_mean.clamp_min(torch.finfo(log_mean.dtype).min)
-        return -(log_mean.exp() * log_mean).sum(), logits
+        return marginal_entropy(picked).sum(), logits
 
     return loss
 
