@@ -104,9 +104,9 @@ ONE_STEP_VARIANTS = (
 # Test-time GRAM (the "testtime" group): θ*, R_φ of CoOp meta-trained with META.MODE testtime.  Its views: 16 per
 # query image with 6 kept, the 6 confident views TPT's 64 / 10 % keep at test time, from fewer candidates (ours, for
 # the CPU: each query image takes its own second-order step).  A task's query images take their steps in one stacked
-# pass (META.TASK_BATCHING on; the loop's gradients up to the order of float sums; several times faster in a rough timing here).  Its
-# "_proto" twin conditions R_φ on the image's relation to CHC prototypes (META.TEST_TIME.PROTOTYPES nearest,
-# meta.method.prototypes), all else equal.
+# pass (META.TASK_BATCHING on; the loop's gradients up to the order of float sums; several times faster in a rough
+# timing here).  Its "_proto" twin conditions R_φ on the image's relation to CHC prototypes
+# (META.TEST_TIME.PROTOTYPES nearest, meta.method.prototypes), all else equal.
 TESTTIME_META = ("META.MODE", "testtime", "META.TEST_TIME.VIEWS", 16, "META.TEST_TIME.CONFIDENT_SHARE", 0.375)
 TESTTIME_META += ("META.TASK_BATCHING", "on")
 TESTTIME_VARIANTS = (
