@@ -9,6 +9,9 @@ group only (``DemoSettings.testtime_protocols``).
   are meta-trained with) on the **val** splits of worlds 0 and 1, meta-training seed 0, fine-tuning seeds 1-3; each
   choice is a resumable unit per world, ``testtime_selection.json`` / ``.md`` rewritten after every unit
   (:func:`rank_choices`: highest mean val accuracy, ties within :data:`TIE_POINTS` to fewer steps, then fewer views).
+* ``select-cache``: the cache row's views per test image (:data:`CACHE_CHOICES`, TDA's 1 or 64) on the same val
+  splits by the rule of ``docs/study/testtime_cache_rule.md`` (:func:`rank_cache_views`), ``testtime_cache_selection``
+  ``.json`` / ``.md``; the choice is ``DemoSettings.cache_views``.
 * ``plan``: the family, the pilot, the cost, the size and the draw.
 * ``run``: the family (:data:`PAIRS`, Holm over all four) on the **test** splits of :data:`WORLDS` with the choice of
   the committed ``docs/study/testtime_selection.json`` (``--selection``), world by world, resumable
@@ -23,7 +26,7 @@ import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -107,14 +110,17 @@ def _by_world(by: dict, row: str) -> dict:
     return out
 
 
-def missing_cells(cells: dict, seeds: Sequence[int] = SELECT_SEEDS) -> list[str]:
-    """``choice/world`` of every choice and rule world that lacks a test-time GRAM row at one of ``seeds``."""
+def missing_cells(
+    cells: dict, seeds: Sequence[int] = SELECT_SEEDS, units: Sequence = CHOICES, rows: Sequence[str] = TT_GRAM_ROWS
+) -> list[str]:
+    """``unit/world`` of every unit (default :data:`CHOICES`) and rule world that lacks one of ``rows`` at one of
+    ``seeds``."""
     out = []
-    for choice in CHOICES:
+    for unit in units:
         for world in SELECT_WORLDS:
-            table = next((t for (w, _), t in cells.get(choice.name, {}).items() if w == world), {})
-            if any((row, s) not in table for row in TT_GRAM_ROWS for s in seeds):
-                out.append(f"{choice.name}/{world}")
+            table = next((t for (w, _), t in cells.get(unit.name, {}).items() if w == world), {})
+            if any((row, s) not in table for row in rows for s in seeds):
+                out.append(f"{unit.name}/{world}")
     return out
 
 
@@ -205,17 +211,35 @@ def off_rule(base: DemoSettings) -> list[str]:
     return out + (["the demo's --quick settings"] if base.quick else [])
 
 
+@dataclass(frozen=True)
+class Sweep:
+    """One val sweep: its units (``name``, ``cell(world, settings)``), the test-time rows each unit runs, the file it
+    writes, its written rule (``rank(cells, off_rule, seeds)``) and its table (``markdown(result)``)."""
+
+    file: str
+    units: tuple
+    rows: tuple
+    rank: Callable[[dict, Sequence[str], Sequence[int]], dict]
+    markdown: Callable[[dict], str]
+
+
 def select(
-    root: Path, worlds: Sequence[str], base: DemoSettings, previous: Sequence[Path] = (), mix: bool = False
+    root: Path,
+    worlds: Sequence[str],
+    base: DemoSettings,
+    previous: Sequence[Path] = (),
+    mix: bool = False,
+    sweep: Optional[Sweep] = None,
 ) -> dict:
-    """The val sweep on ``worlds``, choice by choice (:data:`CHOICES`), ``root/testtime_selection.json`` / ``.md``
-    rewritten after every unit; units of ``root``'s file and of ``previous`` files (same settings) are kept, those of
-    another numerics fingerprint refused unless ``mix``."""
-    path, record = root / SELECTION_FILE, selection_record(base)
+    """The val sweep ``sweep`` (default :data:`STEPS_VIEWS`) on ``worlds``, unit by unit, ``root/<its file>`` (JSON and
+    ``.md``) rewritten after every unit; units of ``root``'s file and of ``previous`` files (same settings) are kept,
+    those of another numerics fingerprint refused unless ``mix``."""
+    sweep = sweep or STEPS_VIEWS
+    path, record = root / sweep.file, selection_record(base)
     cells: dict = {}
     earlier: dict = {"computed_by": {}, "seconds_per_cell": {}}
     for p in ([path] if path.is_file() else []) + list(previous):
-        data = study.read_sweep_file(p, SELECTION_FILE, record)
+        data = study.read_sweep_file(p, sweep.file, record)
         for name, table in data["cells"].items():
             unit, world, seed = name.rsplit("/", 2)
             if world in worlds:
@@ -230,29 +254,132 @@ def select(
 
     def write() -> dict:
         result = {
-            **rank_choices(cells, off_rule(base), base.seeds),
+            **sweep.rank(cells, off_rule(base), base.seeds),
             **record,
             "worlds": list(worlds),
             **study.cells_record(cells, book),
             "seconds_per_cell": dict(sorted(seconds.items())),
         }
         write_json_atomic(path, result)
-        write_text_atomic(path.with_suffix(".md"), selection_markdown(result))
+        write_text_atomic(path.with_suffix(".md"), sweep.markdown(result))
         return result
 
     result = write()
     for world in worlds:
         ws = replace(study.world_settings(world, base), eval_split="val")
-        for choice in CHOICES:
-            if (world, ws.meta_seed) in cells.get(choice.name, {}):
+        for unit in sweep.units:
+            if (world, ws.meta_seed) in cells.get(unit.name, {}):
                 continue
-            name, t = f"{choice.name}/{world}/{ws.meta_seed}", time.time()
-            log(f"select testtime: world {world} {choice.name}")
-            records = testtime_records(choice.cell(world, ws), root, TT_GRAM_ROWS)
-            cells.setdefault(choice.name, {})[(world, ws.meta_seed)] = testtime_table(records)
+            name, t = f"{unit.name}/{world}/{ws.meta_seed}", time.time()
+            log(f"select testtime: world {world} {unit.name}")
+            records = testtime_records(unit.cell(world, ws), root, sweep.rows)
+            cells.setdefault(unit.name, {})[(world, ws.meta_seed)] = testtime_table(records)
             seconds[name], book.computed[name] = round(time.time() - t, 1), now
             result = write()
     return result
+
+
+STEPS_VIEWS = Sweep(SELECTION_FILE, CHOICES, TT_GRAM_ROWS, rank_choices, selection_markdown)
+
+
+# ------------------------------------------------------------------------------ the cache row's views, on val
+@dataclass(frozen=True)
+class CacheChoice:
+    """Views per test image of the cache row (``DemoSettings.cache_views``)."""
+
+    views: int
+
+    @property
+    def name(self) -> str:
+        return f"cache_views{self.views}"
+
+    def cell(self, world: str, base: DemoSettings) -> study.Cell:
+        """Its cell on ``world``, transfer runs only; views other than TPT's 64 name the cell folder (``_cv``)."""
+        return study.Cell(world, replace(base, cache_views=self.views, testtime_protocols=("transfer",)))
+
+
+CACHE_ROW = "tda_cache"
+CACHE_VIEWS = (1, 64)  # TDA's two settings: its cross-domain datasets and ImageNet's variants (kdiAAA/TDA utils.py)
+CACHE_CHOICES = tuple(CacheChoice(v) for v in CACHE_VIEWS)
+CACHE_RULE = "docs/study/testtime_cache_rule.md"
+CACHE_FILE = "testtime_cache_selection.json"
+CACHE_SELECTION = "docs/study/testtime_cache_selection.json"  # committed; DemoSettings.cache_views is its choice
+
+
+def rank_cache_views(cells: dict, off_rule: Sequence[str] = (), seeds: Sequence[int] = SELECT_SEEDS) -> dict:
+    """The rule of ``docs/study/testtime_cache_rule.md`` on ``cells`` (``{choice name: {(world, meta seed):
+    testtime_table}}``): per choice, the cache row's val accuracy averaged over the fine-tuning seeds of a world, then
+    over the worlds; the highest wins, every choice within :data:`TIE_POINTS` of it (inclusive) ties and the fewest
+    views of the tied wins.  A partial or off-rule sweep chooses nothing and says what the rule would pick."""
+    rows = []
+    for choice in CACHE_CHOICES:
+        per_world = _by_world(cells.get(choice.name, {}), CACHE_ROW)
+        before = {
+            w: float(np.mean([v[0] for (k, _), v in t.items() if k == CACHE_ROW]))
+            for (w, _), t in cells.get(choice.name, {}).items()
+            if any(k == CACHE_ROW for k, _ in t)
+        }
+        mean = float(np.mean(list(per_world.values()))) if per_world else None
+        rows.append(
+            {
+                "choice": choice.name,
+                "views": choice.views,
+                "per_world": {w: round(v, 3) for w, v in sorted(per_world.items())},
+                "zero_shot_per_world": {w: round(v, 3) for w, v in sorted(before.items())},
+                "mean_accuracy": None if mean is None else round(mean, 3),
+                "_mean": mean,
+            }
+        )
+    scored = [r for r in rows if r["_mean"] is not None]
+    best = None
+    if scored:
+        top = max(r["_mean"] for r in scored)
+        best = min((r for r in scored if r["_mean"] >= top - TIE_POINTS - _EPS), key=lambda r: r["views"])
+    for r in rows:
+        del r["_mean"]
+    missing = missing_cells(cells, seeds, CACHE_CHOICES, (CACHE_ROW,))
+    would = best["choice"] if best else None
+    return {
+        "rule": CACHE_RULE,
+        "choices": rows,
+        "best_if_complete": would,
+        "chosen": None if missing or off_rule else would,
+        "partial": bool(missing),
+        "missing": missing,
+        "off_rule": list(off_rule),
+        "tie_points": TIE_POINTS,
+    }
+
+
+def cache_markdown(result: dict) -> str:
+    def num(x: Optional[float]) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    head = " | ".join(f"world {w}" for w in SELECT_WORLDS)
+    lines = [
+        f"Val splits (cross-domain target), fine-tuning seeds {', '.join(map(str, result['seeds']))}; the rule: "
+        f"`{CACHE_RULE}`.  Accuracy (%) of the cache row (TDA's caches on zero-shot CLIP), mean over seeds; in "
+        "brackets zero-shot CLIP's on the same images.",
+        "",
+        f"| views per image | {head} | mean |",
+        "| --- " * (2 + len(SELECT_WORLDS)) + "|",
+    ]
+    for r in result["choices"]:
+        cells = [f"{num(r['per_world'].get(w))} ({num(r['zero_shot_per_world'].get(w))})" for w in SELECT_WORLDS]
+        lines.append(f"| {r['views']} | " + " | ".join(cells) + f" | {num(r['mean_accuracy'])} |")
+    if result["chosen"]:
+        lines += ["", f"Chosen by the rule: **{result['chosen']}**."]
+    else:
+        why = [f"missing {', '.join(result['missing'])}"] if result["partial"] else []
+        would = result["best_if_complete"] or "nothing yet"
+        lines += ["", f"No choice ({'; '.join(why + result['off_rule'])}); the rule would pick {would}."]
+    if result.get("mixed_fingerprints"):
+        lines += ["", f"**Mixed numerics fingerprints**: {', '.join(result['mixed_fingerprints'])}."]
+    return "\n".join(lines) + "\n"
+
+
+CACHE_VIEWS_SWEEP = Sweep(CACHE_FILE, CACHE_CHOICES, (CACHE_ROW,), rank_cache_views, cache_markdown)
+SWEEPS = {"select": STEPS_VIEWS, "select-cache": CACHE_VIEWS_SWEEP}  # command -> its sweep
 
 
 # ------------------------------------------------------------------------------ the planned family
@@ -393,9 +520,13 @@ def study_record(base: DemoSettings, choice: Choice) -> dict:
 # ------------------------------------------------------------------------------ command line
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gram_world.study_testtime", description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=("select", "plan", "run"))
+    parser.add_argument("command", choices=(*SWEEPS, "plan", "run"))
     parser.add_argument("--worlds", nargs="+", help="world names (default: select 0 1; run the plan's WORLDS)")
-    parser.add_argument("--out", default="", help="folder (default output/select_testtime, output/study_testtime)")
+    parser.add_argument(
+        "--out",
+        default="",
+        help="folder (default output/select_testtime, output/select_cache_testtime, output/study_testtime)",
+    )
     parser.add_argument("--jobs", type=int, help="worker processes")
     parser.add_argument("--selection", default=SELECTION, help=f"run: the sweep's file (default {SELECTION})")
     parser.add_argument("--allow-partial-selection", action="store_true", help="run: a smoke test's partial sweep")
@@ -413,12 +544,15 @@ def _command(args: argparse.Namespace) -> int:
     if args.command == "plan":
         return confirm.print_plan(PILOT_FILE, plan_text)
     t, previous = time.time(), [Path(p) for p in args.resume_from]
-    if args.command == "select":
+    if args.command in SWEEPS:
+        sweep = SWEEPS[args.command]
         base = study.base_settings(args.quick, args.jobs, args.worlds or SELECT_WORLDS)
-        root = Path(args.out or "output/select_testtime")
-        result = select(root, tuple(args.worlds or SELECT_WORLDS), base, previous, args.mix_fingerprints)
-        print(selection_markdown(result), end="")
-        print(f"study_testtime select: chosen {result['chosen']} ({root / SELECTION_FILE}); {time.time() - t:.0f} s")
+        root = Path(args.out or f"output/{args.command.replace('-', '_')}_testtime")
+        result = select(root, tuple(args.worlds or SELECT_WORLDS), base, previous, args.mix_fingerprints, sweep)
+        print(sweep.markdown(result), end="")
+        print(
+            f"study_testtime {args.command}: chosen {result['chosen']} ({root / sweep.file}); {time.time() - t:.0f} s"
+        )
         return 0
     choice = read_selection(args.selection, args.allow_partial_selection)
     base = study.base_settings(args.quick, args.jobs, ())

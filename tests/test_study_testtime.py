@@ -142,6 +142,31 @@ def test_a_partial_or_off_rule_sweep_chooses_nothing_and_says_what_the_rule_woul
     assert "the rule would pick steps1_views16" in st.selection_markdown({**off, **st.selection_record(DemoSettings())})
 
 
+def test_the_cache_rule_picks_the_highest_mean_and_breaks_ties_by_fewer_views():
+    names = [c.name for c in st.CACHE_CHOICES]
+    assert names == ["cache_views1", "cache_views64"]
+    rows = (st.CACHE_ROW,)
+    # tda_cache 1 below the mean, seeds +-0.5: the mean over seeds is the choice's mean minus 1
+    got = st.rank_cache_views(_cells(dict(zip(names, (50.0, 50.35))), rows=rows))
+    assert got["chosen"] == "cache_views64" and not got["partial"] and got["rule"] == st.CACHE_RULE
+    by = {r["choice"]: r for r in got["choices"]}
+    assert by["cache_views64"]["mean_accuracy"] == pytest.approx(49.35)
+    assert by["cache_views64"]["zero_shot_per_world"] == {"0": pytest.approx(46.35), "1": pytest.approx(46.35)}
+    # exactly 0.1 below ties (inclusive) and goes to fewer views; 0.11 below does not
+    assert st.rank_cache_views(_cells(dict(zip(names, (50.25, 50.35))), rows=rows))["chosen"] == "cache_views1"
+    assert st.rank_cache_views(_cells(dict(zip(names, (50.24, 50.35))), rows=rows))["chosen"] == "cache_views64"
+    # averaged over worlds: world 1 pulls the 64-view choice below
+    cells = _cells(dict(zip(names, (50.0, 51.0))), rows=rows)
+    cells["cache_views64"][("1", 0)] = {k: (0, 0, v[2] - 4.0) for k, v in cells["cache_views64"][("1", 0)].items()}
+    assert st.rank_cache_views(cells)["chosen"] == "cache_views1"  # 49.0 against 50.0
+    # a missing seed chooses nothing and names the cell; the markdown says what the rule would pick
+    del cells["cache_views1"][("0", 0)][(st.CACHE_ROW, 2)]
+    partial = st.rank_cache_views(cells)
+    assert partial["chosen"] is None and partial["missing"] == ["cache_views1/0"]
+    md = st.cache_markdown({**partial, **st.selection_record(DemoSettings())})
+    assert "missing cache_views1/0" in md and "| 1 | " in md and "| 64 | " in md
+
+
 # ------------------------------------------------------------------------------ the sweep and the study, stand-ins
 def test_the_sweep_runs_each_choice_on_val_in_its_own_cell_and_resumes(tmp_path, monkeypatch):
     ran: list = []
@@ -161,6 +186,22 @@ def test_the_sweep_runs_each_choice_on_val_in_its_own_cell_and_resumes(tmp_path,
     assert st.select(tmp_path, st.SELECT_WORLDS, base)["cells"] == saved["cells"] and ran == []
     with pytest.raises(ValueError, match="other settings"):
         st.select(tmp_path, st.SELECT_WORLDS, replace(base, seeds=(1,)))
+
+
+def test_the_cache_sweep_runs_each_views_choice_on_val_in_its_own_cell_and_resumes(tmp_path, monkeypatch):
+    ran: list = []
+    monkeypatch.setattr(st, "testtime_records", fake_records(ran, lambda w, k, s: 0.0))
+    result = st.select(tmp_path, st.SELECT_WORLDS, DemoSettings(), sweep=st.CACHE_VIEWS_SWEEP)
+    assert len(ran) == 4 and {r[2] for r in ran} == {(st.CACHE_ROW,)} and {r[5] for r in ran} == {"val"}
+    names = {r[1] for r in ran}
+    assert names == {"val_seed0_w0_launch1_qbw0", "val_seed0_w0_launch1_qbw0_cv1"}  # 64 keeps the plain folder
+    assert result["chosen"] == "cache_views1"  # equal means: fewer views
+    saved = json.loads((tmp_path / st.CACHE_FILE).read_text())
+    assert sorted(saved["cells"]) == [f"cache_views{v}/{w}/0" for v in (1, 64) for w in "01"]
+    assert (tmp_path / st.CACHE_FILE).with_suffix(".md").read_text().startswith("Val splits")
+    ran.clear()
+    assert st.select(tmp_path, st.SELECT_WORLDS, DemoSettings(), sweep=st.CACHE_VIEWS_SWEEP)["cells"] == saved["cells"]
+    assert ran == []
 
 
 def test_the_family_runs_on_test_splits_with_the_choice_and_holm_covers_the_four_pairs(tmp_path, monkeypatch, capsys):
@@ -263,6 +304,11 @@ def test_a_test_time_job_takes_the_splits_and_the_steps_of_its_settings(tmp_path
     assert (seen[0]["test_time"].steps, seen[0]["test_time"].optimizer) == (2, "meta")
     assert (seen[1]["test_time"].steps, seen[1]["test_time"].optimizer) == (1, "adamw")  # TPT keeps its one step
     assert seen[2]["test_time"] is None
+    stages._WORKER["settings"] = replace(settings, cache_views=1)
+    stages.run_eval_job(
+        EvalJob("transfer", "Src", str(tmp_path), "zsclip", 1, 16, "", (("T", "/t"),), "tda_cache", "val")
+    )
+    assert (seen[3]["test_time"].adapt, seen[3]["test_time"].views) == ("cache", 1)
 
 
 def test_new_settings_leave_earlier_hashes_and_the_views_override_wins_over_the_variants():
@@ -271,6 +317,8 @@ def test_new_settings_leave_earlier_hashes_and_the_views_override_wins_over_the_
     assert settings_hash(DemoSettings(testtime_protocols=("transfer",))) == settings_hash(DemoSettings())
     assert settings_record(DemoSettings(testtime_steps=2))["testtime_steps"] == 2
     assert study.Cell("0", DemoSettings(testtime_steps=2)).name.endswith("_tts2")
+    assert "cache_views" not in record and settings_record(DemoSettings(cache_views=1))["cache_views"] == 1
+    assert study.Cell("0", DemoSettings(cache_views=1)).name.endswith("_cv1")
     eight = st.Choice(1, 8).settings(DemoSettings())
     cfg = _variant_cfg(VARIANT_BY_NAME["gram_coop_testtime"], "m", "/w.pt", Path("/tmp/out"), eight, "/l")
     assert (cfg.META.MODE, cfg.META.TEST_TIME.VIEWS) == ("testtime", 8)

@@ -487,6 +487,9 @@ class DemoSettings:
     # test-time group's transfer runs too (records under runs/testtime_*_val)
     testtime_steps: int = 1  # test-time steps of the rows that take their meta-trained step (TestTimeRow.optimizer)
     testtime_protocols: tuple = ("base2new", "transfer")  # which of the test-time group's runs are computed
+    # views per test image of the cache row (TestTimeRow.adapt "cache"), the confident ones' mean its feature: TDA
+    # (kdiAAA/TDA utils.py) takes 64 on ImageNet's variants, 1 on its cross-domain datasets
+    cache_views: int = TESTTIME_SPEC.views
     meta_val_protocol: str = "one_step"  # META.VAL_PROTOCOL: the downstream one costs minutes per variant here; the
     # defaults are chosen by gram_world.study select on val splits instead
     jobs: int = 2  # worker processes for meta-training and evaluation (2 cores)
@@ -573,7 +576,7 @@ VALUE_BEFORE_SETTING = {
 
 _NOT_RESULTS = ("jobs", "tables", "testtime_protocols")  # settings that change what is computed or how fast, never a
 # number; settings left out at their default, so folders and hashes written before they existed stay valid:
-_LEFT_OUT_AT = {"meta_overrides": [], "testtime_steps": 1}
+_LEFT_OUT_AT = {"meta_overrides": [], "testtime_steps": 1, "cache_views": TESTTIME_SPEC.views}
 
 
 def settings_record(settings: DemoSettings) -> dict:

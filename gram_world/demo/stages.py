@@ -322,7 +322,7 @@ def run_eval_job(job: EvalJob) -> None:
             if tt.key == "tpt_hand":
                 method = replace(method, ctx_init=HAND_PROMPT)
         if tt.adapt == "cache":  # tunes nothing: zero-shot CLIP's classes, the caches over the shuffled test stream
-            test_time = replace(TESTTIME_SPEC, adapt="cache")
+            test_time = replace(TESTTIME_SPEC, adapt="cache", views=settings.cache_views)
     train = TrainSpec(
         epochs=epochs,
         batch_size=settings.batch_size,
