@@ -56,7 +56,7 @@ from meta.infra.cli_errors import run_cli
 from meta.infra.fileio import parse_json, write_json_atomic, write_text_atomic
 
 from .demo.pool import log
-from .demo.settings import METHOD_BY_KEY, PAIRS, REG_ADDS_PAIRS, TESTTIME_SPEC, DemoSettings, method_row
+from .demo.settings import METHOD_BY_KEY, PAIRS, REG_ADDS_PAIRS, DemoSettings, method_row
 from .demo.stages import check_settings, check_world, stage_chc, stage_eval, stage_meta, stage_world
 
 # The study's worlds: world seeds 0, 1, 2, 7 and world 13 with the noisy held-out style and the other
@@ -163,7 +163,6 @@ class Cell:
             f"{s.eval_split}_seed{s.meta_seed}_w{s.reg_window}_launch{int(s.launch)}"
             f"_qbw{s.query_before_weight:g}"
             + (f"_tts{s.testtime_steps}" if s.testtime_steps != 1 else "")
-            + (f"_cv{s.cache_views}" if s.cache_views != TESTTIME_SPEC.views else "")
             + (f"_{self.variant}" if self.variant else "")
         )
 

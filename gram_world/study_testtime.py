@@ -53,7 +53,7 @@ SELECT_SEEDS = (1, 2, 3)
 STEPS = (1, 2)  # test-time steps of the test-time GRAM rows (their meta-trained step, DemoSettings.testtime_steps)
 VIEWS = (8, 16)  # META.TEST_TIME.VIEWS of their meta-training
 _TT = VARIANT_BY_NAME["gram_coop_testtime"].overrides
-DEFAULT_VIEWS = dict(zip(_TT[::2], _TT[1::2]))["META.TEST_TIME.VIEWS"]  # the demo's, 16
+DEFAULT_VIEWS = dict(zip(_TT[::2], _TT[1::2]))["META.TEST_TIME.VIEWS"]  # the demo's: 8, the sweep's choice
 TIE_POINTS = 0.1
 _EPS = 1e-9
 
@@ -294,7 +294,8 @@ class CacheChoice:
         return f"cache_views{self.views}"
 
     def cell(self, world: str, base: DemoSettings) -> study.Cell:
-        """Its cell on ``world``, transfer runs only; views other than TPT's 64 name the cell folder (``_cv``)."""
+        """Its cell on ``world``, transfer runs only (the choices share the cell folder: the cache row's records at
+        other views than TPT's 64 have their own files, ``stages.EvalJob.path``)."""
         return study.Cell(world, replace(base, cache_views=self.views, testtime_protocols=("transfer",)))
 
 

@@ -48,7 +48,9 @@ def test_the_group_is_opt_in_and_plans_every_row_seed_and_set_in_its_own_folders
     assert len(jobs) == len(TESTTIME_ROWS) * 2 * (2 + 1)  # rows x seeds x (two base-to-new datasets + transfer)
     assert {j.test_time for j in jobs} == set(KEYS)
     for j in jobs:
-        assert j.path(tmp_path).parts[-4].startswith("testtime_") and j.path(tmp_path).parts[-2] == j.test_time
+        assert j.path(tmp_path).parts[-4].startswith("testtime_") and j.path(tmp_path).parts[
+            -2
+        ] == j.test_time + "_views1" * (j.test_time == "tda_cache")
         assert j.init == inits.get(method_row(j.key).variant, "")
         if j.protocol == "transfer":  # the held-out style only, not the family datasets
             assert (j.dataset, j.targets) == ("Src", (("Sketch", "/data/Sketch"),))
@@ -68,7 +70,8 @@ def _record(key: str, protocol: str, seed: int, dataset: str, value: float) -> d
     else:
         record.update(base=value, new=value, H=value)
     if key != "zsclip":
-        record["test_time"] = {"spec": asdict(TestTimeSpec()), "sets": {n: dict(row) for n in sets}}
+        spec = TestTimeSpec(adapt="cache", views=1) if key == "tda_cache" else TestTimeSpec()
+        record["test_time"] = {"spec": asdict(spec), "sets": {n: dict(row) for n in sets}}
     return record
 
 
@@ -93,8 +96,20 @@ def test_the_table_averages_datasets_within_a_seed_first_and_reads_zero_shot_as_
     other = dict(records[3], test_time=dict(records[3]["test_time"], spec=asdict(TestTimeSpec(views=4))))
     with pytest.raises(ValueError, match="^test-time table: expected the runs of one TPT spec, found 2"):
         build_testtime_table(records[:3] + [other] + records[4:], DemoSettings())
+    c = 3 * KEYS.index("tda_cache")  # the cache row's views are its own, its other fields are not
+    shared = dict(records[c], test_time=dict(records[c]["test_time"], spec=asdict(TestTimeSpec(adapt="cache"))))
+    assert build_testtime_table(records[:c] + [shared] + records[c + 1 :], DemoSettings())["cache_views"] == [1, 64]
+    odd = asdict(TestTimeSpec(adapt="cache", views=1, confident_share=0.2))
+    with pytest.raises(ValueError, match="found 2"):
+        build_testtime_table(
+            records[:c] + [dict(records[c], test_time={**records[c]["test_time"], "spec": odd})] + records[c + 1 :],
+            DemoSettings(),
+        )
     text = "\n".join(markdown_of_testtime(table))
     assert "| Zero-shot CLIP (no tuning) | 1.50 ± 0.50 | 1.50 ± 0.50 | — | — | — | — |" in text
+    # the cache row's views are its own (DemoSettings.cache_views): the TPT rows' 64 head the table, the text says 1
+    assert table["spec"]["views"] == 64 and table["cache_views"] == [1]
+    assert "shuffled test stream (each image's own feature, no augmented views)" in text
     assert text.count("| method | accuracy | accuracy before | ECE | ECE before | s / image | peak MiB / image |") == 3
 
 
@@ -158,5 +173,6 @@ def test_the_group_end_to_end_on_the_quick_world(tmp_path, quick_world, quick_wo
     )
     run_info = json.loads((tmp_path / "meta" / "gram_coop_testtime" / "run.json").read_text())
     assert run_info["mode"] == "testtime"
-    assert {t["spec"]["views"] for t in tuned.values()} == {4}
+    assert {t["spec"]["views"] for k, t in tuned.items() if k != "tda_cache"} == {4}
+    assert tuned["tda_cache"]["spec"]["views"] == settings.cache_views == 1  # the val choice, its own
     assert "## Test-time prompt tuning (TPT, 4 views" in (tmp_path / "results.md").read_text()

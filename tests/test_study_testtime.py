@@ -175,9 +175,9 @@ def test_the_sweep_runs_each_choice_on_val_in_its_own_cell_and_resumes(tmp_path,
     result = st.select(tmp_path, st.SELECT_WORLDS, base)
     assert len(ran) == 8 and {r[2] for r in ran} == {st.TT_GRAM_ROWS} and {r[5] for r in ran} == {"val"}
     got = {(r[0], r[3], r[4]) for r in ran}
-    assert got == {(w, s, v) for w in "01" for s in (1, 2) for v in (("META.TEST_TIME.VIEWS", 8), ())}
-    assert len({r[1] for r in ran}) == 4  # four cell folders per world: steps name the cell, views 8 its own
-    assert "val_seed0_w0_launch1_qbw0" in {r[1] for r in ran} and st.DEFAULT_VIEWS == 16
+    assert got == {(w, s, v) for w in "01" for s in (1, 2) for v in (("META.TEST_TIME.VIEWS", 16), ())}
+    assert len({r[1] for r in ran}) == 4  # four cell folders per world: steps name the cell, views 16 its own
+    assert "val_seed0_w0_launch1_qbw0" in {r[1] for r in ran} and st.DEFAULT_VIEWS == 8
     assert result["chosen"] == "steps1_views8"  # every choice equal: fewest steps, fewest views
     saved = json.loads((tmp_path / st.SELECTION_FILE).read_text())
     assert sorted(saved["computed_by"]) == sorted(saved["cells"]) and len(saved["cells"]) == 8
@@ -193,8 +193,7 @@ def test_the_cache_sweep_runs_each_views_choice_on_val_in_its_own_cell_and_resum
     monkeypatch.setattr(st, "testtime_records", fake_records(ran, lambda w, k, s: 0.0))
     result = st.select(tmp_path, st.SELECT_WORLDS, DemoSettings(), sweep=st.CACHE_VIEWS_SWEEP)
     assert len(ran) == 4 and {r[2] for r in ran} == {(st.CACHE_ROW,)} and {r[5] for r in ran} == {"val"}
-    names = {r[1] for r in ran}
-    assert names == {"val_seed0_w0_launch1_qbw0", "val_seed0_w0_launch1_qbw0_cv1"}  # 64 keeps the plain folder
+    assert {r[1] for r in ran} == {"val_seed0_w0_launch1_qbw0"}  # one cell folder: the records have their own files
     assert result["chosen"] == "cache_views1"  # equal means: fewer views
     saved = json.loads((tmp_path / st.CACHE_FILE).read_text())
     assert sorted(saved["cells"]) == [f"cache_views{v}/{w}/0" for v in (1, 64) for w in "01"]
@@ -215,13 +214,13 @@ def test_the_family_runs_on_test_splits_with_the_choice_and_holm_covers_the_four
 
     monkeypatch.setattr(st, "testtime_records", fake_records(ran, effect))
     selection = tmp_path / "sel.json"
-    selection.write_text(json.dumps({"chosen": "steps2_views8", "partial": False}))
+    selection.write_text(json.dumps({"chosen": "steps2_views16", "partial": False}))
     out = tmp_path / "study"
     argv = ["run", "--selection", str(selection), "--out", str(out), "--worlds", *shift]
     assert st.main(argv) == 0
     keys = ("tt_gram_proto", "tt_gram", "tpt_init", "zsclip", "tpt_hand", "tda_cache")  # the last: descriptive only
     assert [r[0] for r in ran] == list(shift) and {r[2:] for r in ran} == {
-        (keys, 2, ("META.TEST_TIME.VIEWS", 8), "test")
+        (keys, 2, ("META.TEST_TIME.VIEWS", 16), "test")
     }
     result = json.loads((out / st.RESULTS_FILE).read_text())
     rows = result["pairs"]
@@ -233,7 +232,7 @@ def test_the_family_runs_on_test_splits_with_the_choice_and_holm_covers_the_four
     assert by[("tt_gram_proto", "tt_gram")]["mean_diff_H"] == pytest.approx(0.5)
     assert by[("tt_gram", "tpt_init")]["mean_diff_H"] == pytest.approx(1.0 + sum(shift.values()) / 3, abs=1e-3)
     assert by[("tpt_hand", "zsclip")]["mean_diff_H"] == pytest.approx(0.6 + 0.2)
-    assert result["settings"]["choice"] == "steps2_views8" and result["plan"] == st.PLAN
+    assert result["settings"]["choice"] == "steps2_views16" and result["plan"] == st.PLAN
     (line,) = result["answer"]
     assert line.startswith("Test-time tuning (3 worlds, Holm over 4 pairs): ") and " acc, 95 % interval" in line
     md = (out / "testtime.md").read_text()
@@ -281,6 +280,14 @@ def test_testtime_jobs_on_val_go_to_their_own_folder_and_can_be_transfer_only():
         "o/runs/testtime_transfer_16shot/Src/tt_gram/seed1.json"
     )
     assert stages.eval_jobs(_world(), {}, val, testtime=("tpt_hand",))[0].test_time == "tpt_hand"
+    # the cache row's records at other views than TPT's 64 lie in their own files; the other rows ignore the views
+    for views, folder in ((1, "tda_cache_views1"), (64, "tda_cache")):
+        cache, tt = stages.testtime_jobs(
+            _world(), {}, replace(val, cache_views=views), ("B1",), ("tda_cache", "tt_gram")
+        )
+        assert cache.path(Path("o")) == Path(f"o/runs/testtime_transfer_16shot_val/Src/{folder}/seed1.json")
+        assert (cache.cache_views, tt.cache_views) == (views, 64)
+    assert DemoSettings().cache_views == 1
 
 
 def test_a_test_time_job_takes_the_splits_and_the_steps_of_its_settings(tmp_path, monkeypatch):
@@ -304,11 +311,11 @@ def test_a_test_time_job_takes_the_splits_and_the_steps_of_its_settings(tmp_path
     assert (seen[0]["test_time"].steps, seen[0]["test_time"].optimizer) == (2, "meta")
     assert (seen[1]["test_time"].steps, seen[1]["test_time"].optimizer) == (1, "adamw")  # TPT keeps its one step
     assert seen[2]["test_time"] is None
-    stages._WORKER["settings"] = replace(settings, cache_views=1)
-    stages.run_eval_job(
-        EvalJob("transfer", "Src", str(tmp_path), "zsclip", 1, 16, "", (("T", "/t"),), "tda_cache", "val")
-    )
-    assert (seen[3]["test_time"].adapt, seen[3]["test_time"].views) == ("cache", 1)
+    for views in (1, 64):
+        job = EvalJob("transfer", "Src", str(tmp_path), "zsclip", 1, 16, "", (("T", "/t"),), "tda_cache", "val", views)
+        stages.run_eval_job(job)
+        assert (seen[-1]["test_time"].adapt, seen[-1]["test_time"].views) == ("cache", views)
+    assert len(seen) == 5
 
 
 def test_new_settings_leave_earlier_hashes_and_the_views_override_wins_over_the_variants():
@@ -317,13 +324,19 @@ def test_new_settings_leave_earlier_hashes_and_the_views_override_wins_over_the_
     assert settings_hash(DemoSettings(testtime_protocols=("transfer",))) == settings_hash(DemoSettings())
     assert settings_record(DemoSettings(testtime_steps=2))["testtime_steps"] == 2
     assert study.Cell("0", DemoSettings(testtime_steps=2)).name.endswith("_tts2")
-    assert "cache_views" not in record and settings_record(DemoSettings(cache_views=1))["cache_views"] == 1
-    assert study.Cell("0", DemoSettings(cache_views=1)).name.endswith("_cv1")
-    eight = st.Choice(1, 8).settings(DemoSettings())
-    cfg = _variant_cfg(VARIANT_BY_NAME["gram_coop_testtime"], "m", "/w.pt", Path("/tmp/out"), eight, "/l")
-    assert (cfg.META.MODE, cfg.META.TEST_TIME.VIEWS) == ("testtime", 8)
+    # the cache row's views choose its records' files, not the folder: hashes and cell names stay
+    assert "cache_views" not in record and settings_hash(DemoSettings(cache_views=64)) == settings_hash(DemoSettings())
+    assert study.Cell("0", DemoSettings(cache_views=64)).name == study.Cell("0", DemoSettings()).name
+    # the default is the committed val sweep's choice
+    chosen = json.loads((REPO / st.CACHE_SELECTION).read_text())["chosen"]
+    assert chosen == st.CacheChoice(DemoSettings().cache_views).name
+    sixteen = st.Choice(1, 16).settings(DemoSettings())
+    cfg = _variant_cfg(VARIANT_BY_NAME["gram_coop_testtime"], "m", "/w.pt", Path("/tmp/out"), sixteen, "/l")
+    assert (cfg.META.MODE, cfg.META.TEST_TIME.VIEWS) == ("testtime", 16)
     plain = _variant_cfg(VARIANT_BY_NAME["gram_coop_testtime"], "m", "/w.pt", Path("/tmp/out"), DemoSettings(), "/l")
-    assert plain.META.TEST_TIME.VIEWS == 16
+    assert plain.META.TEST_TIME.VIEWS == 8  # the val sweep's choice, the committed file's
+    chosen = json.loads((REPO / st.SELECTION).read_text())["chosen"]
+    assert st.BY_NAME[chosen] == st.Choice(1, plain.META.TEST_TIME.VIEWS)
 
 
 @pytest.mark.skipif("tt_gram_proto" not in TESTTIME_BY_KEY, reason="the prototype row lands with the main branch")

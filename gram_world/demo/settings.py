@@ -101,13 +101,14 @@ ONE_STEP_VARIANTS = (
     MetaVariant("gram_vpt_one_step", ONE_STEP),
     MetaVariant("unigram_one_step", ONE_STEP),
 )
-# Test-time GRAM (the "testtime" group): θ*, R_φ of CoOp meta-trained with META.MODE testtime.  Its views: 16 per
-# query image with 6 kept, the 6 confident views TPT's 64 / 10 % keep at test time, from fewer candidates (ours, for
-# the CPU: each query image takes its own second-order step).  A task's query images take their steps in one stacked
+# Test-time GRAM (the "testtime" group): θ*, R_φ of CoOp meta-trained with META.MODE testtime.  Its views: 8 per
+# query image with 3 kept (share 0.375), chosen on val over 16 / 6 kept (the confident views TPT's 64 / 10 % keep
+# at test time, from fewer candidates) by gram_world.study_testtime select (docs/study/testtime_selection.md; ours,
+# for the CPU: each query image takes its own second-order step).  A task's query images take their steps in one stacked
 # pass (META.TASK_BATCHING on; the loop's gradients up to the order of float sums; several times faster in a rough
 # timing here).  Its "_proto" twin conditions R_φ on the image's relation to CHC prototypes
 # (META.TEST_TIME.PROTOTYPES nearest, meta.method.prototypes), all else equal.
-TESTTIME_META = ("META.MODE", "testtime", "META.TEST_TIME.VIEWS", 16, "META.TEST_TIME.CONFIDENT_SHARE", 0.375)
+TESTTIME_META = ("META.MODE", "testtime", "META.TEST_TIME.VIEWS", 8, "META.TEST_TIME.CONFIDENT_SHARE", 0.375)
 TESTTIME_META += ("META.TASK_BATCHING", "on")
 TESTTIME_VARIANTS = (
     MetaVariant("gram_coop_testtime", TESTTIME_META),
@@ -488,8 +489,9 @@ class DemoSettings:
     testtime_steps: int = 1  # test-time steps of the rows that take their meta-trained step (TestTimeRow.optimizer)
     testtime_protocols: tuple = ("base2new", "transfer")  # which of the test-time group's runs are computed
     # views per test image of the cache row (TestTimeRow.adapt "cache"), the confident ones' mean its feature: TDA
-    # (kdiAAA/TDA utils.py) takes 64 on ImageNet's variants, 1 on its cross-domain datasets
-    cache_views: int = TESTTIME_SPEC.views
+    # (kdiAAA/TDA utils.py) takes 64 on ImageNet's variants, 1 on its cross-domain datasets; 1 chosen on val by
+    # gram_world.study_testtime select-cache (docs/study/testtime_cache_selection.md: 56.67 against 34.72 %)
+    cache_views: int = 1
     meta_val_protocol: str = "one_step"  # META.VAL_PROTOCOL: the downstream one costs minutes per variant here; the
     # defaults are chosen by gram_world.study select on val splits instead
     jobs: int = 2  # worker processes for meta-training and evaluation (2 cores)
@@ -574,9 +576,11 @@ VALUE_BEFORE_SETTING = {
     "meta_val_protocol": "one_step",
 }
 
-_NOT_RESULTS = ("jobs", "tables", "testtime_protocols")  # settings that change what is computed or how fast, never a
-# number; settings left out at their default, so folders and hashes written before they existed stay valid:
-_LEFT_OUT_AT = {"meta_overrides": [], "testtime_steps": 1, "cache_views": TESTTIME_SPEC.views}
+# settings that change what is computed or how fast, never a cached number: cache_views too, as the cache row's
+# records at other views than TPT's 64 have their own files (stages.EvalJob.path); settings left out at their
+# default, so folders and hashes written before they existed stay valid:
+_NOT_RESULTS = ("jobs", "tables", "testtime_protocols", "cache_views")
+_LEFT_OUT_AT = {"meta_overrides": [], "testtime_steps": 1}
 
 
 def settings_record(settings: DemoSettings) -> dict:

@@ -249,12 +249,14 @@ class EvalJob:
     targets: tuple = ()  # ((name, dataset dir), ...) for transfer
     test_time: str = ""  # a TESTTIME_ROWS key: the run tunes every test image (TPT) from the row's start
     eval_split: str = "test"  # a test-time run's split (settings.eval_split); val records go to testtime_*_val
+    cache_views: int = TESTTIME_SPEC.views  # the cache row's views per image (settings.cache_views)
 
     def path(self, out: Path) -> Path:
         folder = "base2new" if self.protocol == "base2new" else f"transfer_{self.shots}shot"
         if self.test_time:
             folder = f"testtime_{folder}" + ("_val" if self.eval_split == "val" else "")
-            return out / "runs" / folder / self.dataset / self.test_time / f"seed{self.seed}.json"
+            row = self.test_time + (f"_views{self.cache_views}" if self.cache_views != TESTTIME_SPEC.views else "")
+            return out / "runs" / folder / self.dataset / row / f"seed{self.seed}.json"
         return out / "runs" / folder / self.dataset / self.key / f"seed{self.seed}.json"
 
     @property
@@ -322,7 +324,7 @@ def run_eval_job(job: EvalJob) -> None:
             if tt.key == "tpt_hand":
                 method = replace(method, ctx_init=HAND_PROMPT)
         if tt.adapt == "cache":  # tunes nothing: zero-shot CLIP's classes, the caches over the shuffled test stream
-            test_time = replace(TESTTIME_SPEC, adapt="cache", views=settings.cache_views)
+            test_time = replace(TESTTIME_SPEC, adapt="cache", views=job.cache_views)
     train = TrainSpec(
         epochs=epochs,
         batch_size=settings.batch_size,
@@ -423,6 +425,7 @@ def testtime_jobs(world, inits: dict, settings: DemoSettings, names: tuple, rows
     jobs, split, protocols = [], settings.eval_split, settings.testtime_protocols
     for tt in TESTTIME_ROWS if rows is None else [TESTTIME_BY_KEY[k] for k in rows]:
         init = inits.get(method_row(tt.row).variant, "")
+        views = {"cache_views": settings.cache_views} if tt.adapt == "cache" else {}
         for seed in settings.seeds:
             jobs += [
                 EvalJob(
@@ -436,6 +439,7 @@ def testtime_jobs(world, inits: dict, settings: DemoSettings, names: tuple, rows
                     (),
                     tt.key,
                     split,
+                    **views,
                 )
                 for n in names
                 if "base2new" in protocols
@@ -452,6 +456,7 @@ def testtime_jobs(world, inits: dict, settings: DemoSettings, names: tuple, rows
                     targets,
                     tt.key,
                     split,
+                    **views,
                 )
             ] * ("transfer" in protocols)
     return jobs

@@ -51,15 +51,19 @@ ROW_OWN = ("optimizer", "prototypes", "adapt", "steps")  # spec fields a row set
 
 
 def _spec(records: list) -> TestTimeSpec:
-    """The one TPT spec the records were tuned with, the :data:`ROW_OWN` fields aside (runs under different specs are
-    never pooled)."""
-    shared = (
-        {k: v for k, v in r["test_time"]["spec"].items() if k not in ROW_OWN} for r in records if r.get("test_time")
-    )
-    specs = {json.dumps(spec, sort_keys=True) for spec in shared}  # ROW_OWN fields are a row's own (its label says)
-    if len(specs) != 1:
-        raise ValueError(f"test-time table: expected the runs of one TPT spec, found {len(specs)}: {sorted(specs)}")
-    spec = json.loads(specs.pop())
+    """The one TPT spec the records were tuned with, their rows' own fields aside (:data:`ROW_OWN`, and the cache
+    row's views, ``DemoSettings.cache_views``); runs under different specs are never pooled."""
+
+    def shared(spec: dict, own: tuple) -> str:
+        return json.dumps({k: v for k, v in spec.items() if k not in own}, sort_keys=True)
+
+    specs = [r["test_time"]["spec"] for r in records if r.get("test_time")]
+    tuned = {shared(spec, ROW_OWN) for spec in specs if spec.get("adapt") != "cache"}
+    every = {shared(spec, (*ROW_OWN, "views")) for spec in specs}
+    if len(tuned) > 1 or len(every) != 1:
+        found = max(len(tuned), len(every))
+        raise ValueError(f"test-time table: expected the runs of one TPT spec, found {found}: {sorted(tuned | every)}")
+    spec = json.loads((tuned or every).pop())
     return TestTimeSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec.items()})
 
 
@@ -68,6 +72,7 @@ def build_testtime_table(records: list, settings: DemoSettings) -> dict:
     row's key and label, ``seeds`` and ``<field>`` = ``(mean, std)`` over seeds (None where not measured).  The spec
     is the records' own (:func:`_spec`)."""
     spec = _spec(records)
+    cache_views = sorted({r["test_time"]["spec"]["views"] for r in records if _adapt(r) == "cache"})
     groups = {}
     for gid, heading, protocol, which in GROUPS:
         rows = []
@@ -91,9 +96,23 @@ def build_testtime_table(records: list, settings: DemoSettings) -> dict:
         f"{spec.lr:g} unless a row says its own step)",
         "kind": "testtime",
         "spec": {"views": spec.views, "kept": spec.kept, "steps": spec.steps, "lr": spec.lr},
+        "cache_views": cache_views,
         "fine_tuning": f"{settings.shots} shots, {settings.epochs} epochs for the row fine-tuned first",
         "groups": groups,
     }
+
+
+def _adapt(record: dict) -> str:
+    return (record.get("test_time") or {}).get("spec", {}).get("adapt", "")
+
+
+def _cache_views(views: list) -> str:
+    """How the cache row's feature of an image is made, from its records' view counts."""
+    if not views:
+        return ""
+    if views == [1]:
+        return " (each image's own feature, no augmented views)"
+    return f" (each image's feature the mean of its most confident of {' / '.join(map(str, views))} views)"
 
 
 def _cell(pair: tuple, digits: int = 2) -> str:
@@ -113,8 +132,9 @@ def markdown_of_testtime(table: dict) -> list[str]:
         "are per test image on this machine. Test-time GRAM's θ* and R_φ are meta-trained for this use "
         "(`META.MODE testtime`: an entropy step on each query image, then its cross-entropy) and each of its "
         "steps is the meta-trained one, θ − α R_φ(∇H), not AdamW's. The cache row tunes nothing: TDA's positive "
-        "and negative feature caches (Karmanov et al., CVPR 2024) fill over the shuffled test stream, so unlike the "
-        "episodic rows an image's prediction depends on the images before it.",
+        "and negative feature caches (Karmanov et al., CVPR 2024) fill over the shuffled test stream"
+        f"{_cache_views(table.get('cache_views', []))}, so unlike the episodic rows an image's prediction depends on "
+        "the images before it.",
         "",
     ]
     for group in table["groups"].values():
