@@ -147,17 +147,23 @@ def rank_choices(cells: dict, off_rule: Sequence[str] = (), seeds: Sequence[int]
                 "_mean": mean,
             }
         )
+    return _verdict(rows, lambda r: (r["steps"], r["views"]), missing_cells(cells, seeds), RULE, off_rule)
+
+
+def _verdict(rows: list, cheaper: Callable, missing: list, rule: str, off_rule: Sequence[str]) -> dict:
+    """A sweep file's verdict on its ``rows`` (each with ``choice`` and ``_mean``, dropped here): the highest mean
+    wins, every row within :data:`TIE_POINTS` of it (inclusive) ties and the tied row first by ``cheaper`` wins;
+    nothing is chosen when cells are ``missing`` or the sweep ran ``off_rule``."""
     scored = [r for r in rows if r["_mean"] is not None]
     best = None
     if scored:
         top = max(r["_mean"] for r in scored)
-        best = min((r for r in scored if r["_mean"] >= top - TIE_POINTS - _EPS), key=lambda r: (r["steps"], r["views"]))
+        best = min((r for r in scored if r["_mean"] >= top - TIE_POINTS - _EPS), key=cheaper)
     for r in rows:
         del r["_mean"]
-    missing = missing_cells(cells, seeds)
     would = best["choice"] if best else None
     return {
-        "rule": RULE,
+        "rule": rule,
         "choices": rows,
         "best_if_complete": would,
         "chosen": None if missing or off_rule else would,
@@ -190,18 +196,21 @@ def selection_markdown(result: dict) -> str:
         cells = [num(r["per_world"][row].get(w)) for row in TT_GRAM_ROWS for w in SELECT_WORLDS]
         cells += [num(r["per_row"].get(row)) for row in TT_GRAM_ROWS] + [num(r["mean_accuracy"])]
         lines.append(f"| {r['steps']} step(s), {r['views']} views | " + " | ".join(cells) + " |")
-    would = result["best_if_complete"]
+    return "\n".join(lines + _verdict_lines(result)) + "\n"
+
+
+def _verdict_lines(result: dict) -> list[str]:
+    """The closing lines of a sweep's table: its choice, or why none and what the rule would pick; mixed
+    fingerprints."""
     if result["chosen"]:
-        lines += ["", f"Chosen by the rule: **{result['chosen']}**."]
+        lines = ["", f"Chosen by the rule: **{result['chosen']}**."]
     else:
         why = [f"missing {', '.join(result['missing'])}"] if result["partial"] else []
-        lines += [
-            "",
-            f"No choice ({'; '.join(why + result['off_rule'])}); the rule would pick {would or 'nothing yet'}.",
-        ]
+        would = result["best_if_complete"] or "nothing yet"
+        lines = ["", f"No choice ({'; '.join(why + result['off_rule'])}); the rule would pick {would}."]
     if result.get("mixed_fingerprints"):
         lines += ["", f"**Mixed numerics fingerprints**: {', '.join(result['mixed_fingerprints'])}."]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def off_rule(base: DemoSettings) -> list[str]:
@@ -331,25 +340,8 @@ def rank_cache_views(cells: dict, off_rule: Sequence[str] = (), seeds: Sequence[
                 "_mean": mean,
             }
         )
-    scored = [r for r in rows if r["_mean"] is not None]
-    best = None
-    if scored:
-        top = max(r["_mean"] for r in scored)
-        best = min((r for r in scored if r["_mean"] >= top - TIE_POINTS - _EPS), key=lambda r: r["views"])
-    for r in rows:
-        del r["_mean"]
     missing = missing_cells(cells, seeds, CACHE_CHOICES, (CACHE_ROW,))
-    would = best["choice"] if best else None
-    return {
-        "rule": CACHE_RULE,
-        "choices": rows,
-        "best_if_complete": would,
-        "chosen": None if missing or off_rule else would,
-        "partial": bool(missing),
-        "missing": missing,
-        "off_rule": list(off_rule),
-        "tie_points": TIE_POINTS,
-    }
+    return _verdict(rows, lambda r: r["views"], missing, CACHE_RULE, off_rule)
 
 
 def cache_markdown(result: dict) -> str:
@@ -368,15 +360,7 @@ def cache_markdown(result: dict) -> str:
     for r in result["choices"]:
         cells = [f"{num(r['per_world'].get(w))} ({num(r['zero_shot_per_world'].get(w))})" for w in SELECT_WORLDS]
         lines.append(f"| {r['views']} | " + " | ".join(cells) + f" | {num(r['mean_accuracy'])} |")
-    if result["chosen"]:
-        lines += ["", f"Chosen by the rule: **{result['chosen']}**."]
-    else:
-        why = [f"missing {', '.join(result['missing'])}"] if result["partial"] else []
-        would = result["best_if_complete"] or "nothing yet"
-        lines += ["", f"No choice ({'; '.join(why + result['off_rule'])}); the rule would pick {would}."]
-    if result.get("mixed_fingerprints"):
-        lines += ["", f"**Mixed numerics fingerprints**: {', '.join(result['mixed_fingerprints'])}."]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _verdict_lines(result)) + "\n"
 
 
 CACHE_VIEWS_SWEEP = Sweep(CACHE_FILE, CACHE_CHOICES, (CACHE_ROW,), rank_cache_views, cache_markdown)
