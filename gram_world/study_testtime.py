@@ -100,11 +100,12 @@ def testtime_table(records: Sequence[dict]) -> dict:
     return out
 
 
-def _by_world(by: dict, row: str) -> dict:
-    """``{world: mean over fine-tuning seeds of row's accuracy}`` of one choice's cells ``by``."""
+def _by_world(by: dict, row: str, field: int = 2) -> dict:
+    """``{world: mean over fine-tuning seeds of row's accuracy}`` of one choice's cells ``by`` (``field`` 0: its
+    accuracy before tuning, of :func:`testtime_table`'s triples)."""
     out = {}
     for (world, _), table in by.items():
-        values = [v[2] for (k, _), v in table.items() if k == row]
+        values = [v[field] for (k, _), v in table.items() if k == row]
         if values:
             out[world] = float(np.mean(values))
     return out
@@ -324,11 +325,7 @@ def rank_cache_views(cells: dict, off_rule: Sequence[str] = (), seeds: Sequence[
     rows = []
     for choice in CACHE_CHOICES:
         per_world = _by_world(cells.get(choice.name, {}), CACHE_ROW)
-        before = {
-            w: float(np.mean([v[0] for (k, _), v in t.items() if k == CACHE_ROW]))
-            for (w, _), t in cells.get(choice.name, {}).items()
-            if any(k == CACHE_ROW for k, _ in t)
-        }
+        before = _by_world(cells.get(choice.name, {}), CACHE_ROW, field=0)  # zero-shot CLIP's, the same images
         mean = float(np.mean(list(per_world.values()))) if per_world else None
         rows.append(
             {
